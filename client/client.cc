@@ -1,0 +1,293 @@
+#include "client/client.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/arena_protocol.h"
+#include "engine/paths.h"
+#include "engine/posix_error.h"
+#include "engine/status_macros.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/offload.grpc.pb.h"
+
+namespace offload {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view call) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(call, ": ", s.error_message()));
+}
+
+v1::DType ToProto(DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return v1::DTYPE_FP32;
+    case DType::kBf16:
+      return v1::DTYPE_BF16;
+    case DType::kFp16:
+      return v1::DTYPE_FP16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType t) {
+  switch (t) {
+    case v1::DTYPE_FP32:
+      return DType::kFp32;
+    case v1::DTYPE_BF16:
+      return DType::kBf16;
+    case v1::DTYPE_FP16:
+      return DType::kFp16;
+    default:
+      return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", static_cast<int>(t)));
+  }
+}
+
+Tunable FromProto(const v1::Tunable& t) {
+  return Tunable{t.name(), t.type(), t.value(), t.default_value(), t.unit(), t.description(),
+                 t.dynamic()};
+}
+
+struct Rpc {
+  explicit Rpc(absl::Duration timeout) {
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  }
+  grpc::ClientContext context;
+};
+
+struct Mapping {
+  void* base = nullptr;
+  uint64_t size = 0;
+  ~Mapping() {
+    if (base != nullptr) munmap(base, size);
+  }
+};
+
+}  // namespace
+
+struct Client::Impl {
+  std::string address;
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::shared_ptr<v1::PartitionService::Stub> partitions;
+  std::unique_ptr<v1::ConfigService::Stub> config;
+  std::unique_ptr<v1::StatsService::Stub> stats;
+};
+
+struct Session::Impl {
+  std::shared_ptr<v1::PartitionService::Stub> stub;
+  absl::Duration timeout;
+  v1::SessionRef ref;
+  Mapping arena;
+  absl::Mutex mu;
+  bool closed ABSL_GUARDED_BY(mu) = false;
+
+  absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) const {
+    for (const v1::Region* r : {&loc.params(), &loc.grads()}) {
+      if (r->offset() > arena.size || r->bytes() > arena.size - r->offset()) {
+        return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
+                                                " outside the mapped arena"));
+      }
+    }
+    PartitionView v;
+    v.id = loc.partition_id();
+    v.name = loc.name();
+    v.numel = loc.numel();
+    ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype()));
+    ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype()));
+    v.step = loc.step();
+    v.params = static_cast<std::byte*>(arena.base) + loc.params().offset();
+    v.grads = static_cast<std::byte*>(arena.base) + loc.grads().offset();
+    return v;
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+const std::string& Client::address() const { return impl_->address; }
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->address = options.address.empty() ? DefaultClientAddress() : options.address;
+  grpc::ChannelArguments args;
+  impl->channel =
+      grpc::CreateCustomChannel(impl->address, grpc::InsecureChannelCredentials(), args);
+  auto deadline = std::chrono::system_clock::now() +
+                  std::chrono::milliseconds(absl::ToInt64Milliseconds(options.connect_timeout));
+  if (!impl->channel->WaitForConnected(deadline)) {
+    return absl::UnavailableError(absl::StrCat("no offloadd answers at ", impl->address,
+                                               " (is it running? start it with `offloadd`)"));
+  }
+  impl->partitions = v1::PartitionService::NewStub(impl->channel);
+  impl->config = v1::ConfigService::NewStub(impl->channel);
+  impl->stats = v1::StatsService::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name) {
+  v1::OpenSessionRequest req;
+  req.set_name(name);
+  v1::OpenSessionResponse resp;
+  Rpc rpc(impl_->options.call_timeout);
+  RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
+
+  auto session = std::make_unique<Session::Impl>();
+  session->stub = impl_->partitions;
+  session->timeout = impl_->options.call_timeout;
+  session->ref = resp.session();
+  // Wrap now, so that any failure below closes the session on the daemon.
+  std::unique_ptr<Session> out(new Session(std::move(session)));
+  Session::Impl& s = *out->impl_;
+  ASSIGN_OR_RETURN(UniqueFd fd, AttachArena(resp.arena_socket(),
+                                            AttachRequest{resp.session().session_id(),
+                                                          resp.session().token()}));
+  void* base = mmap(nullptr, resp.arena_capacity(), PROT_READ | PROT_WRITE,
+                    MAP_SHARED | MAP_NORESERVE, fd.get(), 0);
+  if (base == MAP_FAILED) {
+    return PosixError(absl::StrCat("mapping ", resp.arena_capacity(), " bytes of session arena"),
+                      errno);
+  }
+  s.arena.base = base;
+  s.arena.size = resp.arena_capacity();
+  return out;
+}
+
+absl::StatusOr<std::vector<Tunable>> Client::ListTunables() {
+  v1::ListTunablesResponse resp;
+  Rpc rpc(impl_->options.call_timeout);
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->config->ListTunables(&rpc.context, {}, &resp), "ListTunables"));
+  std::vector<Tunable> out;
+  for (const v1::Tunable& t : resp.tunables()) out.push_back(FromProto(t));
+  return out;
+}
+
+absl::StatusOr<Tunable> Client::GetTunable(const std::string& name) {
+  v1::GetTunableRequest req;
+  req.set_name(name);
+  v1::Tunable resp;
+  Rpc rpc(impl_->options.call_timeout);
+  RETURN_IF_ERROR(FromGrpc(impl_->config->GetTunable(&rpc.context, req, &resp), "GetTunable"));
+  return FromProto(resp);
+}
+
+absl::StatusOr<Tunable> Client::SetTunable(const std::string& name, const std::string& value) {
+  v1::SetTunableRequest req;
+  req.set_name(name);
+  req.set_value(value);
+  v1::Tunable resp;
+  Rpc rpc(impl_->options.call_timeout);
+  RETURN_IF_ERROR(FromGrpc(impl_->config->SetTunable(&rpc.context, req, &resp), "SetTunable"));
+  return FromProto(resp);
+}
+
+absl::StatusOr<DaemonStats> Client::GetStats() {
+  v1::GetStatsResponse resp;
+  Rpc rpc(impl_->options.call_timeout);
+  RETURN_IF_ERROR(FromGrpc(impl_->stats->GetStats(&rpc.context, {}, &resp), "GetStats"));
+  DaemonStats out;
+  out.version = resp.version();
+  out.pid = resp.pid();
+  out.uptime_ms = resp.uptime_ms();
+  out.listening.assign(resp.listening().begin(), resp.listening().end());
+  out.optimizer = resp.optimizer_kernel();
+  for (const auto& t : resp.tiers()) out.tiers.push_back({t.name(), t.used_bytes(), t.budget_bytes()});
+  for (const auto& c : resp.counters()) out.counters.push_back({c.name(), c.value(), c.unit()});
+  for (const auto& s : resp.sessions()) {
+    out.sessions.push_back({s.session_id(), s.name(), s.partitions(), s.arena_bytes(), s.steps()});
+  }
+  return out;
+}
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Session::~Session() { Close().IgnoreError(); }  // best effort: the daemon may be gone
+
+uint64_t Session::id() const { return impl_->ref.session_id(); }
+
+absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
+                                                DType param_dtype, DType grad_dtype) {
+  v1::RegisterPartitionRequest req;
+  *req.mutable_session() = impl_->ref;
+  req.set_name(name);
+  req.set_numel(numel);
+  req.set_param_dtype(ToProto(param_dtype));
+  req.set_grad_dtype(ToProto(grad_dtype));
+  v1::RegisterPartitionResponse resp;
+  Rpc rpc(impl_->timeout);
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->RegisterPartition(&rpc.context, req, &resp), "RegisterPartition"));
+  return impl_->View(resp.location());
+}
+
+absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids) {
+  v1::FetchParamsRequest req;
+  *req.mutable_session() = impl_->ref;
+  for (uint64_t id : ids) req.add_partition_ids(id);
+  v1::FetchParamsResponse resp;
+  Rpc rpc(impl_->timeout);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->FetchParams(&rpc.context, req, &resp), "FetchParams"));
+  std::vector<PartitionView> out;
+  for (const v1::PartitionLocation& loc : resp.locations()) {
+    ASSIGN_OR_RETURN(PartitionView v, impl_->View(loc));
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+absl::StatusOr<PartitionView> Session::Fetch(uint64_t partition_id) {
+  ASSIGN_OR_RETURN(std::vector<PartitionView> views, Fetch(absl::MakeConstSpan(&partition_id, 1)));
+  if (views.size() != 1) return absl::InternalError("FetchParams returned no location");
+  return std::move(views[0]);
+}
+
+absl::Status Session::ReturnGradients(const PartitionView& p) {
+  v1::ReturnGradientsRequest req;
+  *req.mutable_session() = impl_->ref;
+  req.set_partition_id(p.id);
+  req.set_numel(p.numel);
+  req.set_grad_dtype(ToProto(p.grad_dtype));
+  v1::ReturnGradientsResponse resp;
+  Rpc rpc(impl_->timeout);
+  return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");
+}
+
+absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
+  v1::StepRequest req;
+  *req.mutable_session() = impl_->ref;
+  v1::AdamHyperparams* p = req.mutable_hyperparams();
+  p->set_lr(h.lr);
+  p->set_beta1(h.beta1);
+  p->set_beta2(h.beta2);
+  p->set_eps(h.eps);
+  p->set_weight_decay(h.weight_decay);
+  p->set_decoupled_weight_decay(h.decoupled_weight_decay);
+  p->set_bias_correction(h.bias_correction);
+  v1::StepResponse resp;
+  Rpc rpc(impl_->timeout);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
+  return StepResult{resp.partitions_updated(), resp.params_updated()};
+}
+
+absl::Status Session::Close() {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (impl_->closed) return absl::OkStatus();
+    impl_->closed = true;
+  }
+  v1::CloseSessionRequest req;
+  *req.mutable_session() = impl_->ref;
+  v1::CloseSessionResponse resp;
+  Rpc rpc(absl::Seconds(10));
+  return FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
+}
+
+}  // namespace offload

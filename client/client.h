@@ -1,0 +1,157 @@
+// The C++ client library for trainers and tools.
+//
+//   auto client = offload::Client::Connect({});            // default socket
+//   auto session = (*client)->OpenSession("rank0");        // closes itself
+//   auto w = (*session)->Register("w", n, DType::kBf16, DType::kBf16);
+//   ... write initial params into w->params, train ...
+//   auto p = (*session)->Fetch(w->id);     // where the current params are
+//   ... write gradients into p->grads ...
+//   (*session)->ReturnGradients(*p);
+//   (*session)->Step(hyperparams);
+//
+// Tensor data never crosses gRPC: a session maps the daemon's shared arena
+// once, and PartitionView points straight into it. Those pointers stay valid
+// until the Session is destroyed.
+//
+// Thread-safety: Client and Session are safe to use from several threads;
+// calls on one session are applied by the daemon in arrival order.
+#ifndef OFFLOADD_CLIENT_CLIENT_H_
+#define OFFLOADD_CLIENT_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "cpu_adam/adam.h"
+#include "cpu_adam/dtype.h"
+
+namespace offload {
+
+struct ClientOptions {
+  // "unix:/path/offloadd.sock" or "127.0.0.1:PORT" (tools only: sessions
+  // need the Unix socket's arena channel on the same machine). Empty means
+  // $OFFLOADD_ADDRESS, else the daemon's default socket.
+  std::string address;
+  // How long Connect waits for the daemon to answer.
+  absl::Duration connect_timeout = absl::Seconds(5);
+  // Deadline of each call. Step on a large model takes longest.
+  absl::Duration call_timeout = absl::Minutes(10);
+};
+
+// A partition as the trainer sees it: pointers into the mapped arena.
+struct PartitionView {
+  uint64_t id = 0;
+  std::string name;
+  uint64_t numel = 0;
+  DType param_dtype = DType::kFp32;
+  DType grad_dtype = DType::kFp32;
+  uint64_t step = 0;  // optimizer steps applied so far
+  void* params = nullptr;
+  void* grads = nullptr;
+
+  // Typed access; the element type must match the dtype's size.
+  template <typename T>
+  absl::Span<T> params_as() const {
+    return absl::Span<T>(static_cast<T*>(params), numel);
+  }
+  template <typename T>
+  absl::Span<T> grads_as() const {
+    return absl::Span<T>(static_cast<T*>(grads), numel);
+  }
+};
+
+struct StepResult {
+  uint64_t partitions_updated = 0;
+  uint64_t params_updated = 0;
+};
+
+struct Tunable {
+  std::string name, type, value, default_value, unit, description;
+  bool dynamic = false;
+};
+
+struct DaemonStats {
+  struct Counter {
+    std::string name;
+    int64_t value;
+    std::string unit;
+  };
+  struct Tier {
+    std::string name;
+    uint64_t used_bytes, budget_bytes;
+  };
+  struct Session {
+    uint64_t id;
+    std::string name;
+    uint64_t partitions, arena_bytes, steps;
+  };
+  std::string version;
+  uint32_t pid = 0;
+  int64_t uptime_ms = 0;
+  std::vector<std::string> listening;
+  std::string optimizer;
+  std::vector<Tier> tiers;
+  std::vector<Counter> counters;
+  std::vector<Session> sessions;
+};
+
+class Client;
+
+class Session {
+ public:
+  ~Session();  // Close()s if still open, ignoring errors
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  uint64_t id() const;
+
+  absl::StatusOr<PartitionView> Register(const std::string& name, uint64_t numel,
+                                         DType param_dtype, DType grad_dtype);
+  absl::StatusOr<PartitionView> Fetch(uint64_t partition_id);
+  // An empty list fetches every partition of the session.
+  absl::StatusOr<std::vector<PartitionView>> Fetch(absl::Span<const uint64_t> partition_ids);
+  // Tells the daemon the gradients in `p.grads` are complete.
+  absl::Status ReturnGradients(const PartitionView& p);
+  absl::StatusOr<StepResult> Step(const AdamHyperparams& h);
+  absl::Status Close();
+
+ private:
+  friend class Client;
+  struct Impl;
+  explicit Session(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class Client {
+ public:
+  // UNAVAILABLE if no daemon answers at the address in time.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const std::string& address() const;
+
+  // Opens a session and maps its arena. The Session may outlive the Client.
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& name);
+
+  absl::StatusOr<std::vector<Tunable>> ListTunables();
+  absl::StatusOr<Tunable> GetTunable(const std::string& name);
+  absl::StatusOr<Tunable> SetTunable(const std::string& name, const std::string& value);
+  absl::StatusOr<DaemonStats> GetStats();
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_CLIENT_CLIENT_H_

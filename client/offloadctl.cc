@@ -1,0 +1,140 @@
+// offloadctl: inspect and tune a running offloadd.
+//
+//   offloadctl [--address=ADDR] status
+//   offloadctl [--address=ADDR] config list
+//   offloadctl [--address=ADDR] config get NAME
+//   offloadctl [--address=ADDR] config set NAME VALUE
+//   offloadctl [--address=ADDR] stats
+//
+// ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket.
+// Exit status: 0 success, 1 the daemon refused or could not be reached
+// (the reason is printed with its status code), 2 usage error.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+
+namespace offload {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: offloadctl [--address=ADDR] COMMAND\n"
+    "commands:\n"
+    "  status                  what the daemon serves and holds\n"
+    "  config list             every tunable with value, default, unit\n"
+    "  config get NAME         one tunable\n"
+    "  config set NAME VALUE   change a tunable (dynamic ones only while running)\n"
+    "  stats                   counters and sessions\n";
+
+std::string Bytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, units[u]);
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "offloadctl: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+void PrintTunable(const Tunable& t) {
+  std::printf("%s = %s\n  default %s%s%s; %s\n  %s\n", t.name.c_str(), t.value.c_str(),
+              t.default_value.empty() ? "\"\"" : t.default_value.c_str(),
+              t.unit.empty() ? "" : ", unit ", t.unit.c_str(),
+              t.dynamic ? "changeable while running" : "fixed while running (restart to change)",
+              t.description.c_str());
+}
+
+int Status(Client& client) {
+  absl::StatusOr<DaemonStats> s = client.GetStats();
+  if (!s.ok()) return Fail(s.status());
+  std::printf("offloadd %s, pid %u, up %.1f s\n", s->version.c_str(), s->pid,
+              static_cast<double>(s->uptime_ms) / 1000.0);
+  for (const std::string& l : s->listening) std::printf("listening  %s\n", l.c_str());
+  for (const auto& t : s->tiers) {
+    std::printf("tier %-5s %s used of %s budget\n", t.name.c_str(), Bytes(t.used_bytes).c_str(),
+                Bytes(t.budget_bytes).c_str());
+  }
+  std::printf("optimizer  %s\n", s->optimizer.c_str());
+  std::printf("sessions   %zu open\n", s->sessions.size());
+  return 0;
+}
+
+int Stats(Client& client) {
+  absl::StatusOr<DaemonStats> s = client.GetStats();
+  if (!s.ok()) return Fail(s.status());
+  for (const auto& c : s->counters) {
+    std::printf("%-24s %14lld %s\n", c.name.c_str(), static_cast<long long>(c.value),
+                c.unit.c_str());
+  }
+  std::printf("\n%-8s %-20s %10s %12s %8s\n", "SESSION", "NAME", "PARTITIONS", "ARENA", "STEPS");
+  for (const auto& x : s->sessions) {
+    std::printf("%-8llu %-20s %10llu %12s %8llu\n", static_cast<unsigned long long>(x.id),
+                x.name.c_str(), static_cast<unsigned long long>(x.partitions),
+                Bytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps));
+  }
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  ClientOptions options;
+  std::vector<std::string> args;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (absl::StartsWith(a, "--address=")) {
+      options.address = a.substr(10);
+    } else if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else {
+      args.push_back(a);
+    }
+  }
+  auto usage = [] {
+    std::fputs(kUsage, stderr);
+    return 2;
+  };
+  if (args.empty()) return usage();
+  const bool known = (args[0] == "status" && args.size() == 1) ||
+                     (args[0] == "stats" && args.size() == 1) ||
+                     (args[0] == "config" && args.size() == 2 && args[1] == "list") ||
+                     (args[0] == "config" && args.size() == 3 && args[1] == "get") ||
+                     (args[0] == "config" && args.size() == 4 && args[1] == "set");
+  if (!known) return usage();
+
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  if (!client.ok()) return Fail(client.status());
+  Client& c = **client;
+  if (args[0] == "status") return Status(c);
+  if (args[0] == "stats") return Stats(c);
+  if (args[1] == "list") {
+    absl::StatusOr<std::vector<Tunable>> list = c.ListTunables();
+    if (!list.ok()) return Fail(list.status());
+    std::printf("%-28s %-16s %-16s %-9s %s\n", "NAME", "VALUE", "DEFAULT", "UNIT", "DYNAMIC");
+    for (const Tunable& t : *list) {
+      std::printf("%-28s %-16s %-16s %-9s %s\n", t.name.c_str(),
+                  t.value.empty() ? "\"\"" : t.value.c_str(),
+                  t.default_value.empty() ? "\"\"" : t.default_value.c_str(), t.unit.c_str(),
+                  t.dynamic ? "yes" : "no");
+    }
+    return 0;
+  }
+  absl::StatusOr<Tunable> t = args[1] == "get" ? c.GetTunable(args[2]) : c.SetTunable(args[2], args[3]);
+  if (!t.ok()) return Fail(t.status());
+  PrintTunable(*t);
+  return 0;
+}
+
+}  // namespace
+}  // namespace offload
+
+int main(int argc, char** argv) { return offload::Main(argc, argv); }

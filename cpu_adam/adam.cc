@@ -1,0 +1,95 @@
+#include "cpu_adam/adam.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace offload {
+namespace {
+
+absl::Status Invalid(const char* field, float value, const char* want) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("Adam hyperparameter ", field, " = ", value, ": must be ", want));
+}
+
+float LoadGrad(const void* g, DType t, size_t i) {
+  switch (t) {
+    case DType::kFp32:
+      return static_cast<const float*>(g)[i];
+    case DType::kBf16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(g)[i]);
+    case DType::kFp16:
+      return Fp16ToFloat(static_cast<const uint16_t*>(g)[i]);
+  }
+  return NAN;
+}
+
+void StoreWorking(void* w, DType t, size_t i, float value) {
+  switch (t) {
+    case DType::kFp32:
+      static_cast<float*>(w)[i] = value;
+      return;
+    case DType::kBf16:
+      static_cast<uint16_t*>(w)[i] = FloatToBf16(value);
+      return;
+    case DType::kFp16:
+      static_cast<uint16_t*>(w)[i] = FloatToFp16(value);
+      return;
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateHyperparams(const AdamHyperparams& h) {
+  if (!(h.lr >= 0.0f) || !std::isfinite(h.lr)) return Invalid("lr", h.lr, "finite and >= 0");
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return Invalid("beta1", h.beta1, "in [0, 1)");
+  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return Invalid("beta2", h.beta2, "in [0, 1)");
+  if (!(h.eps > 0.0f) || !std::isfinite(h.eps)) return Invalid("eps", h.eps, "finite and > 0");
+  if (!(h.weight_decay >= 0.0f) || !std::isfinite(h.weight_decay)) {
+    return Invalid("weight_decay", h.weight_decay, "finite and >= 0");
+  }
+  return absl::OkStatus();
+}
+
+AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step) {
+  // Python computes these in double and torch rounds the scalars to float.
+  const double lr = h.lr, b1 = h.beta1, b2 = h.beta2;
+  const double t = static_cast<double>(step);
+  double bc1 = 1.0, bc2 = 1.0;
+  if (h.bias_correction) {
+    bc1 = 1.0 - std::pow(b1, t);
+    bc2 = 1.0 - std::pow(b2, t);
+  }
+  AdamStepConstants c;
+  c.beta1 = h.beta1;
+  c.beta2 = h.beta2;
+  c.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  c.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  c.step_size = static_cast<float>(lr / bc1);
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = h.eps;
+  c.decay_factor = h.decoupled_weight_decay
+                       ? static_cast<float>(1.0 - lr * static_cast<double>(h.weight_decay))
+                       : 1.0f;
+  c.l2 = h.decoupled_weight_decay ? 0.0f : h.weight_decay;
+  return c;
+}
+
+void AdamScalar(const AdamStepConstants& c, const AdamSpan& s) {
+  for (size_t i = 0; i < s.numel; ++i) {
+    float g = LoadGrad(s.grads, s.grad_dtype, i);
+    float p = s.master[i];
+    g = g + c.l2 * p;
+    p = p * c.decay_factor;
+    float m = c.beta1 * s.exp_avg[i] + c.one_minus_beta1 * g;
+    float v = c.beta2 * s.exp_avg_sq[i] + c.one_minus_beta2 * (g * g);
+    float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    p = p - c.step_size * (m / denom);
+    s.exp_avg[i] = m;
+    s.exp_avg_sq[i] = v;
+    s.master[i] = p;
+    if (s.working != nullptr) StoreWorking(s.working, s.working_dtype, i, p);
+  }
+}
+
+}  // namespace offload

@@ -1,0 +1,75 @@
+// Adam / AdamW on raw spans: the hyperparameters, the per-step constants, and
+// the scalar reference kernel that every vectorised kernel is tested against.
+//
+// Semantics follow torch.optim.Adam / AdamW (PyTorch 1.13): constants derived
+// from the step number are computed in double, as Python does, then rounded
+// to float once. The kernel reads gradients in fp32/bf16/fp16, updates fp32
+// master weights and moments in place and, in the same pass, may write the
+// working copy as fp32, bf16 or fp16.
+//
+// Kernels are pure functions of their arguments; callers split work into
+// disjoint ranges to run them in parallel.
+#ifndef OFFLOADD_CPU_ADAM_ADAM_H_
+#define OFFLOADD_CPU_ADAM_ADAM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "cpu_adam/dtype.h"
+
+namespace offload {
+
+struct AdamHyperparams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  // true: AdamW (weight decay applied to the parameter, decoupled from the
+  // gradient); false: Adam with the L2 penalty added to the gradient.
+  bool decoupled_weight_decay = true;
+  bool bias_correction = true;
+};
+
+// INVALID_ARGUMENT naming the offending field when a value is out of range
+// (negative lr, beta outside [0, 1), non-positive eps, NaN anywhere).
+absl::Status ValidateHyperparams(const AdamHyperparams& h);
+
+// Everything the element loop needs, for one partition at one step (step is
+// the 1-based count including this update).
+struct AdamStepConstants {
+  float beta1;
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float step_size;              // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float eps;
+  float decay_factor;           // AdamW: 1 - lr * wd; else 1
+  float l2;                     // Adam: wd; else 0
+};
+
+AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step);
+
+// One contiguous range of a partition. `grads` holds `numel` elements of
+// `grad_dtype`; `working` (if non-null) receives `numel` elements of
+// `working_dtype`.
+struct AdamSpan {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  const void* grads = nullptr;
+  DType grad_dtype = DType::kFp32;
+  void* working = nullptr;
+  DType working_dtype = DType::kFp32;
+  size_t numel = 0;
+};
+
+// The scalar reference kernel.
+void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_CPU_ADAM_ADAM_H_

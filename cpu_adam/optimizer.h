@@ -1,0 +1,68 @@
+// The daemon's CPU optimizer: runs Adam over many partitions at once on one
+// oneTBB arena that it owns (the only optimizer thread pool in the process).
+//
+// Thread-safety: Step() may be called from several threads at once (each
+// call joins the same arena); SetThreads() waits for running steps to finish
+// and then replaces the arena.
+#ifndef OFFLOADD_CPU_ADAM_OPTIMIZER_H_
+#define OFFLOADD_CPU_ADAM_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "cpu_adam/adam.h"
+#include "tbb/task_arena.h"
+
+namespace offload {
+
+struct OptimizerOptions {
+  // Threads in the optimizer's arena. 0 means one per online CPU. More
+  // threads help until memory bandwidth saturates (usually at a fraction of
+  // the cores); fewer leave cores to the trainers. Changeable while running.
+  int64_t threads = 0;
+
+  // Elements per parallel task. Smaller tiles balance load across threads;
+  // larger ones spend less on scheduling. Changeable while running.
+  int64_t tile_elems = 1 << 16;
+};
+
+// One partition's update: the spans plus its 1-based step number.
+struct AdamTask {
+  AdamSpan span;
+  uint64_t step = 1;
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(const OptimizerOptions& options);
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // Applies one Adam step to every task. INVALID_ARGUMENT for bad
+  // hyperparameters (nothing is changed then).
+  absl::Status Step(absl::Span<const AdamTask> tasks, const AdamHyperparams& h);
+
+  // INVALID_ARGUMENT unless 0 <= threads <= 1024.
+  absl::Status SetThreads(int64_t threads);
+  absl::Status SetTileElems(int64_t tile_elems);
+
+  // Threads actually in use (0 resolved to the CPU count).
+  int threads() const;
+  std::string kernel_name() const { return "scalar"; }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);
+  int threads_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t tile_elems_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_CPU_ADAM_OPTIMIZER_H_

@@ -1,0 +1,74 @@
+#include "cpu_adam/optimizer.h"
+
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+struct Buffers {
+  std::vector<float> p, m, v, g, w;
+  explicit Buffers(size_t n, uint32_t seed) : p(n), m(n, 0.f), v(n, 0.f), g(n), w(n) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> d(-1.f, 1.f);
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = d(rng);
+      g[i] = d(rng);
+    }
+  }
+  AdamTask Task(uint64_t step) {
+    return {{p.data(), m.data(), v.data(), g.data(), DType::kFp32, w.data(), DType::kFp32, p.size()}, step};
+  }
+};
+
+TEST(Optimizer, ParallelTilesEqualOneScalarPass) {
+  OptimizerOptions options;
+  options.threads = 2;
+  options.tile_elems = 1024;
+  Optimizer opt(options);
+  AdamHyperparams h;
+  // Sizes that are not a multiple of the tile size, and several partitions.
+  Buffers a(10'000, 1), b(3'333, 2), ra(10'000, 1), rb(3'333, 2);
+  std::vector<AdamTask> tasks = {a.Task(3), b.Task(1)};
+  ASSERT_TRUE(opt.Step(tasks, h).ok());
+  AdamScalar(ComputeStepConstants(h, 3), ra.Task(3).span);
+  AdamScalar(ComputeStepConstants(h, 1), rb.Task(1).span);
+  EXPECT_EQ(a.p, ra.p);
+  EXPECT_EQ(a.w, ra.w);
+  EXPECT_EQ(b.p, rb.p);
+  EXPECT_EQ(b.v, rb.v);
+}
+
+TEST(Optimizer, ResizesWhileOtherThreadsStep) {
+  Optimizer opt(OptimizerOptions{});
+  AdamHyperparams h;
+  std::thread stepper([&] {
+    Buffers a(50'000, 3);
+    for (int i = 1; i <= 20; ++i) {
+      std::vector<AdamTask> tasks = {a.Task(i)};
+      ASSERT_TRUE(opt.Step(tasks, h).ok());
+    }
+  });
+  for (int t : {1, 2, 3, 1}) ASSERT_TRUE(opt.SetThreads(t).ok());
+  stepper.join();
+  EXPECT_EQ(opt.threads(), 1);
+}
+
+TEST(Optimizer, RejectsBadSettingsAndHyperparams) {
+  Optimizer opt(OptimizerOptions{});
+  EXPECT_EQ(opt.SetThreads(-1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(opt.SetTileElems(5).code(), absl::StatusCode::kInvalidArgument);
+  Buffers a(100, 4);
+  std::vector<float> before = a.p;
+  AdamHyperparams h;
+  h.lr = -1.f;
+  std::vector<AdamTask> tasks = {a.Task(1)};
+  EXPECT_EQ(opt.Step(tasks, h).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.p, before);
+}
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,36 @@
+// The arena channel's wire format, shared by the daemon (arena_channel.h)
+// and the client library, and the client's half of the exchange.
+//
+//   request:  "ATTACH <session id> <token as lowercase hex>"
+//   response: "OK" with the arena's descriptor attached (SCM_RIGHTS), or
+//             "ERR <absl status code number> <message>" with none.
+#ifndef OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
+#define OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "engine/unique_fd.h"
+
+namespace offload {
+
+struct AttachRequest {
+  uint64_t session_id = 0;
+  std::string token;  // raw bytes
+};
+
+std::string FormatAttachRequest(const AttachRequest& request);
+// INVALID_ARGUMENT for anything malformed; `token_bytes` is the exact size.
+absl::StatusOr<AttachRequest> ParseAttachRequest(absl::string_view text, size_t token_bytes);
+std::string FormatAttachError(const absl::Status& status);
+
+// Connects to the channel at `path`, presents the request and returns the
+// arena descriptor, or the daemon's error with its original code.
+absl::StatusOr<UniqueFd> AttachArena(const std::string& path, const AttachRequest& request);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_ARENA_PROTOCOL_H_

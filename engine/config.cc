@@ -1,0 +1,265 @@
+#include "engine/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "engine/status_macros.h"
+#include "yaml-cpp/yaml.h"
+
+namespace offload {
+namespace {
+
+absl::Status OutOfRange(absl::string_view name, absl::string_view text, const TunableSpec& s) {
+  return absl::InvalidArgumentError(absl::StrCat("tunable ", name, " = '", text,
+                                                 "' is out of range [", s.min, ", ", s.max,
+                                                 "]"));
+}
+
+absl::Status BadValue(absl::string_view name, absl::string_view text, absl::string_view want) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("tunable ", name, " expects ", want, ", got '", text, "'"));
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
+  std::string t(absl::StripAsciiWhitespace(text));
+  size_t split = 0;
+  while (split < t.size() && (absl::ascii_isdigit(t[split]) || t[split] == '.')) ++split;
+  absl::string_view number(t.data(), split);
+  std::string suffix = absl::AsciiStrToLower(absl::StripAsciiWhitespace(t.substr(split)));
+  double multiplier = 1;
+  if (suffix.empty() || suffix == "b") {
+    multiplier = 1;
+  } else if (suffix == "k" || suffix == "kb" || suffix == "kib") {
+    multiplier = 1024.0;
+  } else if (suffix == "m" || suffix == "mb" || suffix == "mib") {
+    multiplier = 1024.0 * 1024;
+  } else if (suffix == "g" || suffix == "gb" || suffix == "gib") {
+    multiplier = 1024.0 * 1024 * 1024;
+  } else if (suffix == "t" || suffix == "tb" || suffix == "tib") {
+    multiplier = 1024.0 * 1024 * 1024 * 1024;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown size suffix in '", text, "'"));
+  }
+  double value;
+  if (number.empty() || !absl::SimpleAtod(number, &value)) {
+    return absl::InvalidArgumentError(absl::StrCat("not a byte size: '", text, "'"));
+  }
+  double bytes = value * multiplier;
+  if (bytes > 9.2e18 || bytes != std::floor(bytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte size '", text, "' is not a whole number of bytes in range"));
+  }
+  return static_cast<int64_t>(bytes);
+}
+
+std::string FormatByteSize(int64_t bytes) {
+  static const char* const kSuffixes[] = {"TiB", "GiB", "MiB", "KiB"};
+  static const int kShifts[] = {40, 30, 20, 10};
+  if (bytes > 0) {
+    for (int i = 0; i < 4; ++i) {
+      int64_t unit = int64_t{1} << kShifts[i];
+      if (bytes % unit == 0) return absl::StrCat(bytes / unit, kSuffixes[i]);
+    }
+  }
+  return absl::StrCat(bytes);
+}
+
+void ConfigRegistry::Bind(std::string name, int64_t* field, TunableSpec spec) {
+  const bool bytes = spec.unit == "bytes";
+  Tunable t;
+  t.info.type = "int";
+  t.format = [field, bytes] { return bytes ? FormatByteSize(*field) : absl::StrCat(*field); };
+  t.set = [this, field, name, bytes, spec](absl::string_view text, bool run_hook)
+              -> absl::Status {  // called by Set() with mu_ held
+    int64_t v;
+    if (bytes) {
+      auto parsed = ParseByteSize(text);
+      if (!parsed.ok()) return BadValue(name, text, "a byte size such as 4096, 512MiB or 8GiB");
+      v = *parsed;
+    } else if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &v)) {
+      return BadValue(name, text, "an integer");
+    }
+    if (static_cast<double>(v) < spec.min || static_cast<double>(v) > spec.max) {
+      return OutOfRange(name, text, spec);
+    }
+    if (run_hook) {
+      auto hook = int_hooks_.find(name);
+      if (hook != int_hooks_.end()) RETURN_IF_ERROR(hook->second(v));
+    }
+    *field = v;
+    return absl::OkStatus();
+  };
+  t.spec = std::move(spec);
+  absl::MutexLock lock(&mu_);
+  t.info.name = name;
+  t.info.default_value = t.format();
+  tunables_[name] = std::move(t);
+}
+
+void ConfigRegistry::Bind(std::string name, double* field, TunableSpec spec) {
+  Tunable t;
+  t.info.type = "double";
+  t.format = [field] { return absl::StrCat(*field); };
+  t.set = [field, name, spec](absl::string_view text, bool) -> absl::Status {
+    double v;
+    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), &v) || !std::isfinite(v)) {
+      return BadValue(name, text, "a finite number");
+    }
+    if (v < spec.min || v > spec.max) return OutOfRange(name, text, spec);
+    *field = v;
+    return absl::OkStatus();
+  };
+  t.spec = std::move(spec);
+  absl::MutexLock lock(&mu_);
+  t.info.name = name;
+  t.info.default_value = t.format();
+  tunables_[name] = std::move(t);
+}
+
+void ConfigRegistry::Bind(std::string name, bool* field, TunableSpec spec) {
+  Tunable t;
+  t.info.type = "bool";
+  t.format = [field] { return *field ? "true" : "false"; };
+  t.set = [field, name](absl::string_view text, bool) -> absl::Status {
+    bool v;
+    if (!absl::SimpleAtob(absl::StripAsciiWhitespace(text), &v)) {
+      return BadValue(name, text, "true or false");
+    }
+    *field = v;
+    return absl::OkStatus();
+  };
+  t.spec = std::move(spec);
+  absl::MutexLock lock(&mu_);
+  t.info.name = name;
+  t.info.default_value = t.format();
+  tunables_[name] = std::move(t);
+}
+
+void ConfigRegistry::Bind(std::string name, std::string* field, TunableSpec spec) {
+  Tunable t;
+  t.info.type = "string";
+  t.format = [field] { return *field; };
+  t.set = [field](absl::string_view text, bool) -> absl::Status {
+    *field = std::string(text);
+    return absl::OkStatus();
+  };
+  t.spec = std::move(spec);
+  absl::MutexLock lock(&mu_);
+  t.info.name = name;
+  t.info.default_value = t.format();
+  tunables_[name] = std::move(t);
+}
+
+void ConfigRegistry::SetIntHook(const std::string& name, IntHook hook) {
+  absl::MutexLock lock(&mu_);
+  int_hooks_[name] = std::move(hook);
+}
+
+void ConfigRegistry::Freeze() {
+  absl::MutexLock lock(&mu_);
+  frozen_ = true;
+}
+
+TunableInfo ConfigRegistry::Snapshot(const Tunable& t) const {
+  TunableInfo info = t.info;
+  info.value = t.format();
+  info.unit = t.spec.unit;
+  info.dynamic = t.spec.dynamic;
+  info.description = t.spec.description;
+  return info;
+}
+
+absl::StatusOr<TunableInfo> ConfigRegistry::Set(absl::string_view name, absl::string_view value) {
+  absl::MutexLock lock(&mu_);
+  auto it = tunables_.find(name);
+  if (it == tunables_.end()) {
+    return absl::NotFoundError(absl::StrCat("no tunable named '", name,
+                                            "' (offloadctl config list shows them all)"));
+  }
+  if (frozen_ && !it->second.spec.dynamic) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "tunable ", name, " cannot change while offloadd runs; set it in the config file or "
+        "on the command line and restart"));
+  }
+  RETURN_IF_ERROR(it->second.set(value, /*run_hook=*/frozen_));
+  return Snapshot(it->second);
+}
+
+absl::StatusOr<TunableInfo> ConfigRegistry::Get(absl::string_view name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tunables_.find(name);
+  if (it == tunables_.end()) {
+    return absl::NotFoundError(absl::StrCat("no tunable named '", name, "'"));
+  }
+  return Snapshot(it->second);
+}
+
+std::vector<TunableInfo> ConfigRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TunableInfo> out;
+  for (const auto& [name, t] : tunables_) out.push_back(Snapshot(t));
+  return out;
+}
+
+namespace {
+
+absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node,
+                       const std::string& prefix, absl::string_view source) {
+  if (node.IsMap()) {
+    for (const auto& kv : node) {
+      std::string key = kv.first.as<std::string>();
+      std::string name = prefix.empty() ? key : absl::StrCat(prefix, ".", key);
+      RETURN_IF_ERROR(ApplyNode(registry, kv.second, name, source));
+    }
+    return absl::OkStatus();
+  }
+  if (!node.IsScalar()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": '", prefix, "' must be a scalar value or a map of settings"));
+  }
+  auto set = registry.Set(prefix, node.Scalar());
+  if (!set.ok()) {
+    return absl::Status(set.status().code(), absl::StrCat(source, ": ", set.status().message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ConfigRegistry::ApplyYaml(absl::string_view yaml_text, absl::string_view source) {
+  YAML::Node root;
+  // yaml-cpp reports errors by exception; they stop here.
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid YAML: ", e.what()));
+  }
+  if (root.IsNull()) return absl::OkStatus();
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": the top level must be a map of settings"));
+  }
+  try {
+    return ApplyNode(*this, root, "", source);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
+  }
+}
+
+absl::Status ConfigRegistry::ApplyYamlFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return ApplyYaml(text.str(), path);
+}
+
+}  // namespace offload

@@ -1,0 +1,129 @@
+#include "engine/daemon.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "engine/fd_passing.h"
+#include "engine/log.h"
+#include "engine/paths.h"
+#include "engine/posix_error.h"
+#include "engine/status_macros.h"
+
+namespace offload {
+
+Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
+    : options_(options), registry_(registry),
+      host_("host", static_cast<uint64_t>(options->memory.host_budget_bytes)),
+      optimizer_(options->optimizer),
+      sessions_(&host_, &optimizer_, &stats_,
+                static_cast<uint64_t>(options->memory.session_arena_bytes)) {}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
+                                                      ConfigRegistry* registry) {
+  std::unique_ptr<Daemon> d(new Daemon(options, registry));
+  const ServerOptions& server = options->server;
+  RETURN_IF_ERROR(MakeDirs(server.data_dir));
+  d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
+  if (UnixSocketIsLive(d->socket_path_)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("another offloadd is already serving on ", d->socket_path_));
+  }
+  if (unlink(d->socket_path_.c_str()) != 0 && errno != ENOENT) {
+    return PosixError(absl::StrCat("removing stale socket ", d->socket_path_), errno);
+  }
+  ASSIGN_OR_RETURN(d->arena_channel_,
+                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->sessions_));
+
+  d->partition_service_ = std::make_unique<PartitionServiceImpl>(&d->sessions_, &d->stats_,
+                                                                 d->arena_channel_->path());
+  d->config_service_ = std::make_unique<ConfigServiceImpl>(registry);
+  ServerIdentity identity;
+  identity.started = absl::Now();
+  identity.listening.push_back(absl::StrCat("unix:", d->socket_path_));
+
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat("unix:", d->socket_path_),
+                           grpc::InsecureServerCredentials());
+  int selected_port = -1;
+  if (server.tcp_port >= 0) {
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", server.tcp_port),
+                             grpc::InsecureServerCredentials(), &selected_port);
+  }
+  builder.RegisterService(d->partition_service_.get());
+  builder.RegisterService(d->config_service_.get());
+  d->stats_service_ = std::make_unique<StatsServiceImpl>(&d->sessions_, &d->stats_, &d->host_,
+                                                         &d->optimizer_, identity);
+  builder.RegisterService(d->stats_service_.get());
+  // gRPC creates the socket file with the process umask: owner-only.
+  mode_t old_mask = umask(0177);
+  d->server_ = builder.BuildAndStart();
+  umask(old_mask);
+  if (d->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "gRPC server failed to start on unix:", d->socket_path_,
+        server.tcp_port >= 0 ? absl::StrCat(" and 127.0.0.1:", server.tcp_port) : ""));
+  }
+  if (chmod(d->socket_path_.c_str(), 0600) != 0) {
+    return PosixError(absl::StrCat("chmod 0600 ", d->socket_path_), errno);
+  }
+  d->tcp_port_ = server.tcp_port >= 0 ? selected_port : -1;
+  if (d->tcp_port_ >= 0) {
+    // The port is known only now that the server runs.
+    d->stats_service_->AddListening(absl::StrCat("127.0.0.1:", d->tcp_port_));
+  }
+
+  Daemon* raw = d.get();
+  registry->SetIntHook("optimizer.threads", [raw](int64_t v) { return raw->optimizer_.SetThreads(v); });
+  registry->SetIntHook("optimizer.tile_elems",
+                       [raw](int64_t v) { return raw->optimizer_.SetTileElems(v); });
+  registry->SetIntHook("memory.host_budget_bytes", [raw](int64_t v) {
+    raw->host_.SetLimit(static_cast<uint64_t>(v));
+    return absl::OkStatus();
+  });
+  registry->SetIntHook("memory.session_arena_bytes", [raw](int64_t v) {
+    raw->sessions_.SetArenaCapacity(static_cast<uint64_t>(v));
+    return absl::OkStatus();
+  });
+  registry->Freeze();
+  return d;
+}
+
+std::vector<std::string> Daemon::Describe() const {
+  std::vector<std::string> lines;
+  lines.push_back(absl::StrCat("serving gRPC on unix:", socket_path_, " (owner-only)"));
+  if (tcp_port_ >= 0) lines.push_back(absl::StrCat("serving gRPC on 127.0.0.1:", tcp_port_));
+  lines.push_back(absl::StrCat("arena channel on ", arena_channel_->path()));
+  lines.push_back(absl::StrCat("tier host: budget ", FormatByteSize(host_.limit()),
+                               "; per-session arena ",
+                               FormatByteSize(options_->memory.session_arena_bytes),
+                               " of address space"));
+  lines.push_back("tier gpu: none (no CUDA device support in this build)");
+  lines.push_back("tier nvme: not configured");
+  lines.push_back(absl::StrCat("optimizer: ", optimizer_.kernel_name(), " Adam on ",
+                               optimizer_.threads(), " threads"));
+  lines.push_back(absl::StrCat("data directory ", options_->server.data_dir));
+  return lines;
+}
+
+void Daemon::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  // In-flight calls get five seconds to finish, then are cancelled.
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server_->Wait();
+  arena_channel_.reset();
+  unlink(socket_path_.c_str());
+}
+
+Daemon::~Daemon() {
+  if (server_ != nullptr) Shutdown();
+}
+
+}  // namespace offload

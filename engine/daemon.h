@@ -1,0 +1,66 @@
+// The assembled daemon: owns the memory budget, the optimizer, the session
+// manager, the arena channel and the gRPC server, wired to the tunables.
+//
+// Start() returns once every socket accepts connections. Shutdown() stops
+// accepting, lets in-flight calls finish (bounded by a deadline), and removes
+// the socket files; it is idempotent and may be called from any thread.
+#ifndef OFFLOADD_ENGINE_DAEMON_H_
+#define OFFLOADD_ENGINE_DAEMON_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "cpu_adam/optimizer.h"
+#include "engine/arena_channel.h"
+#include "engine/config.h"
+#include "engine/memory_budget.h"
+#include "engine/options.h"
+#include "engine/service.h"
+#include "engine/session_manager.h"
+#include "engine/stats.h"
+#include "grpcpp/grpcpp.h"
+
+namespace offload {
+
+class Daemon {
+ public:
+  // `options` holds the final settings (file and flags applied) and is bound
+  // to `registry`; both must outlive the daemon. Freezes the registry.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(DaemonOptions* options,
+                                                       ConfigRegistry* registry);
+  ~Daemon();
+
+  void Shutdown();
+
+  const std::string& socket_path() const { return socket_path_; }
+  // -1 when TCP is off.
+  int tcp_port() const { return tcp_port_; }
+  // Human-readable lines describing what the daemon serves.
+  std::vector<std::string> Describe() const;
+
+ private:
+  Daemon(DaemonOptions* options, ConfigRegistry* registry);
+
+  DaemonOptions* const options_;
+  ConfigRegistry* const registry_;
+  MemoryBudget host_;
+  Stats stats_;
+  Optimizer optimizer_;
+  SessionManager sessions_;
+  std::string socket_path_;
+  int tcp_port_ = -1;
+  std::unique_ptr<ArenaChannel> arena_channel_;
+  std::unique_ptr<PartitionServiceImpl> partition_service_;
+  std::unique_ptr<ConfigServiceImpl> config_service_;
+  std::unique_ptr<StatsServiceImpl> stats_service_;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_DAEMON_H_

@@ -1,0 +1,138 @@
+#include "engine/fd_passing.h"
+
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "engine/posix_error.h"
+
+namespace offload {
+namespace {
+
+constexpr size_t kMaxPayload = 4096;
+
+absl::StatusOr<sockaddr_un> UnixAddress(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Unix socket path must be 1 to ", sizeof(addr.sun_path) - 1, " bytes, got ",
+        path.size(), ": '", path, "'"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  return addr;
+}
+
+}  // namespace
+
+absl::Status SendWithFd(int sock, absl::string_view payload, int fd) {
+  if (payload.empty() || payload.size() > kMaxPayload) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fd message payload must be 1 to ", kMaxPayload, " bytes"));
+  }
+  iovec iov{const_cast<char*>(payload.data()), payload.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  }
+  for (;;) {
+    ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (n >= 0) {
+      if (static_cast<size_t>(n) != payload.size()) {
+        return absl::UnavailableError("short send on Unix socket");
+      }
+      return absl::OkStatus();
+    }
+    if (errno != EINTR) return PosixError("sendmsg with descriptor", errno);
+  }
+}
+
+absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock) {
+  ReceivedMessage out;
+  out.payload.resize(kMaxPayload);
+  iovec iov{out.payload.data(), out.payload.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return PosixError("recvmsg", errno);
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+      out.fd.reset(fd);
+    }
+  }
+  if (msg.msg_flags & MSG_CTRUNC) {
+    return absl::InvalidArgumentError("received more descriptors than expected");
+  }
+  if (n == 0) return absl::UnavailableError("peer closed the Unix socket");
+  out.payload.resize(static_cast<size_t>(n));
+  return out;
+}
+
+absl::StatusOr<ucred> PeerCredentials(int sock) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return PosixError("getsockopt(SO_PEERCRED)", errno);
+  }
+  return cred;
+}
+
+bool UnixSocketIsLive(const std::string& path) { return ConnectUnix(path).ok(); }
+
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
+  auto addr = UnixAddress(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return PosixError("socket(AF_UNIX)", errno);
+  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    return PosixError(absl::StrCat("connect ", path), errno);
+  }
+  return fd;
+}
+
+absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path) {
+  auto addr = UnixAddress(path);
+  if (!addr.ok()) return addr.status();
+  if (UnixSocketIsLive(path)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("another server is already listening on ", path));
+  }
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return PosixError(absl::StrCat("removing stale socket ", path), errno);
+  }
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return PosixError("socket(AF_UNIX)", errno);
+  // The umask makes bind() create the file 0600: no window in which another
+  // user could connect.
+  mode_t old_mask = umask(0177);
+  int rc = bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
+  int bind_errno = errno;
+  umask(old_mask);
+  if (rc != 0) return PosixError(absl::StrCat("bind ", path), bind_errno);
+  if (listen(fd.get(), 64) != 0) return PosixError(absl::StrCat("listen ", path), errno);
+  return fd;
+}
+
+}  // namespace offload

@@ -1,0 +1,47 @@
+// Unix-socket helpers shared by the daemon and the client library: sending
+// and receiving one file descriptor with a small payload (SCM_RIGHTS), and
+// reading the peer's credentials (SO_PEERCRED).
+//
+// All functions are blocking and thread-compatible; `sock` is borrowed.
+#ifndef OFFLOADD_ENGINE_FD_PASSING_H_
+#define OFFLOADD_ENGINE_FD_PASSING_H_
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "engine/unique_fd.h"
+
+namespace offload {
+
+// Sends `payload` (at most 4 KiB) and, if `fd` >= 0, that descriptor.
+absl::Status SendWithFd(int sock, absl::string_view payload, int fd);
+
+struct ReceivedMessage {
+  std::string payload;
+  UniqueFd fd;  // invalid if none was attached
+};
+
+// Receives one message sent by SendWithFd.
+absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock);
+
+absl::StatusOr<ucred> PeerCredentials(int sock);
+
+// Creates a listening Unix stream socket at `path` readable and writable by
+// the owner only. Fails with ALREADY_EXISTS if a live server answers there;
+// a stale socket file is replaced.
+absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path);
+
+// Connects to the Unix stream socket at `path`.
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
+
+// True if something accepts connections at `path`.
+bool UnixSocketIsLive(const std::string& path);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_FD_PASSING_H_

@@ -1,0 +1,32 @@
+// Minimal leveled logging to stderr for the daemon: one line per call,
+// prefixed with a UTC timestamp and the level. Thread-safe (one write(2) per
+// line). absl's 2022 LTS has no logging library.
+#ifndef OFFLOADD_ENGINE_LOG_H_
+#define OFFLOADD_ENGINE_LOG_H_
+
+#include <string>
+
+#include "absl/strings/str_format.h"
+
+namespace offload {
+
+enum class LogLevel { kInfo, kWarning, kError };
+
+void LogLine(LogLevel level, const std::string& message);
+
+template <typename... Args>
+void LogInfo(const absl::FormatSpec<Args...>& format, const Args&... args) {
+  LogLine(LogLevel::kInfo, absl::StrFormat(format, args...));
+}
+template <typename... Args>
+void LogWarning(const absl::FormatSpec<Args...>& format, const Args&... args) {
+  LogLine(LogLevel::kWarning, absl::StrFormat(format, args...));
+}
+template <typename... Args>
+void LogError(const absl::FormatSpec<Args...>& format, const Args&... args) {
+  LogLine(LogLevel::kError, absl::StrFormat(format, args...));
+}
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_LOG_H_

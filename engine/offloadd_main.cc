@@ -1,0 +1,106 @@
+// offloadd: the per-node offload daemon.
+//
+//   offloadd [--config=FILE.yaml] [--<tunable>=<value> ...]
+//
+// Every tunable (offloadctl config list, or --help here) has a default, so
+// plain `offloadd` works. The config file is applied first, flags after it.
+// SIGTERM or SIGINT shuts down cleanly.
+#include <signal.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "engine/config.h"
+#include "engine/daemon.h"
+#include "engine/log.h"
+#include "engine/options.h"
+#include "engine/version.h"
+
+namespace offload {
+namespace {
+
+void PrintHelp(const ConfigRegistry& registry) {
+  std::printf(
+      "offloadd %s: holds ZeRO-3 partitions for the trainers on this node.\n\n"
+      "usage: offloadd [--config=FILE.yaml] [--NAME=VALUE ...]\n\n"
+      "The YAML file nests settings by their dotted names, e.g.\n"
+      "  optimizer:\n    threads: 2\n  memory:\n    host_budget_bytes: 8GiB\n\n"
+      "Settings (default; * = changeable while running via offloadctl):\n",
+      kOffloaddVersion);
+  for (const TunableInfo& t : registry.List()) {
+    std::printf("  --%s=%s%s\n      %s [%s]\n", t.name.c_str(),
+                t.default_value.empty() ? "\"\"" : t.default_value.c_str(), t.dynamic ? " *" : "",
+                t.description.c_str(), t.unit.c_str());
+  }
+}
+
+int Main(int argc, char** argv) {
+  DaemonOptions options;
+  ConfigRegistry registry;
+  BindTunables(&options, &registry);
+
+  std::string config_file;
+  std::vector<std::pair<std::string, std::string>> flags;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      PrintHelp(registry);
+      return 0;
+    }
+    if (!absl::StartsWith(arg, "--") || arg.find('=') == std::string::npos) {
+      std::fprintf(stderr, "offloadd: expected --NAME=VALUE, got '%s' (see --help)\n", arg.c_str());
+      return 2;
+    }
+    std::string name = arg.substr(2, arg.find('=') - 2);
+    std::string value = arg.substr(arg.find('=') + 1);
+    if (name == "config") {
+      config_file = value;
+    } else {
+      flags.emplace_back(name, value);
+    }
+  }
+  if (!config_file.empty()) {
+    if (absl::Status s = registry.ApplyYamlFile(config_file); !s.ok()) {
+      std::fprintf(stderr, "offloadd: %s\n", s.ToString().c_str());
+      return 2;
+    }
+  }
+  for (const auto& [name, value] : flags) {
+    if (auto s = registry.Set(name, value); !s.ok()) {
+      std::fprintf(stderr, "offloadd: --%s: %s\n", name.c_str(), s.status().ToString().c_str());
+      return 2;
+    }
+  }
+
+  // Block the shutdown signals in every thread; this one waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(&options, &registry);
+  if (!daemon.ok()) {
+    LogError("cannot start: %s", daemon.status().ToString());
+    return 1;
+  }
+  LogInfo("offloadd %s started (pid %d)", kOffloaddVersion, getpid());
+  for (const std::string& line : (*daemon)->Describe()) LogInfo("%s", line);
+  if (!config_file.empty()) LogInfo("configuration from %s", config_file);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  LogInfo("received %s, shutting down", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
+  (*daemon)->Shutdown();
+  daemon->reset();
+  LogInfo("stopped cleanly");
+  return 0;
+}
+
+}  // namespace
+}  // namespace offload
+
+int main(int argc, char** argv) { return offload::Main(argc, argv); }

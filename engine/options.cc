@@ -1,0 +1,37 @@
+#include "engine/options.h"
+
+#include <unistd.h>
+
+#include "engine/paths.h"
+
+namespace offload {
+
+DaemonOptions::DaemonOptions() {
+  server.data_dir = DefaultDataDir();
+  const int64_t pages = sysconf(_SC_PHYS_PAGES);
+  const int64_t page_size = sysconf(_SC_PAGESIZE);
+  memory.host_budget_bytes =
+      pages > 0 && page_size > 0 ? pages * page_size / 2 >> 20 << 20 : int64_t{8} << 30;
+}
+
+void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
+  r->Bind("server.data_dir", &o->server.data_dir,
+          {"path", "directory for the socket and state (created 0700)", false});
+  r->Bind("server.socket", &o->server.socket,
+          {"path", "gRPC Unix socket; empty means <data_dir>/offloadd.sock", false});
+  r->Bind("server.tcp_port", &o->server.tcp_port,
+          {"port", "also serve gRPC on 127.0.0.1:<port>; -1 off, 0 any free port", false, -1,
+           65535});
+  r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
+          {"bytes", "host memory for all sessions (arenas, master weights, moments)", true, 4096,
+           9.2e18});
+  r->Bind("memory.session_arena_bytes", &o->memory.session_arena_bytes,
+          {"bytes", "address space reserved per session arena (new sessions)", true, 1 << 20,
+           double(int64_t{1} << 44)});
+  r->Bind("optimizer.threads", &o->optimizer.threads,
+          {"threads", "threads in the optimizer arena; 0 = one per CPU", true, 0, 1024});
+  r->Bind("optimizer.tile_elems", &o->optimizer.tile_elems,
+          {"elements", "parameters per optimizer task", true, 1024, double(int64_t{1} << 30)});
+}
+
+}  // namespace offload

@@ -1,0 +1,53 @@
+#include "engine/paths.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "engine/posix_error.h"
+
+namespace offload {
+
+std::string DefaultDataDir() {
+  if (const char* state = std::getenv("XDG_STATE_HOME"); state != nullptr && *state == '/') {
+    return absl::StrCat(state, "/offloadd");
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home == '/') {
+    return absl::StrCat(home, "/.local/state/offloadd");
+  }
+  return absl::StrCat("/tmp/offloadd-", getuid());
+}
+
+std::string SocketPathIn(const std::string& data_dir) {
+  return absl::StrCat(data_dir, "/offloadd.sock");
+}
+
+std::string DefaultClientAddress() {
+  if (const char* address = std::getenv("OFFLOADD_ADDRESS"); address != nullptr && *address) {
+    return address;
+  }
+  return absl::StrCat("unix:", SocketPathIn(DefaultDataDir()));
+}
+
+absl::Status MakeDirs(const std::string& dir) {
+  if (dir.empty()) return absl::InvalidArgumentError("empty directory path");
+  for (size_t pos = 1; pos <= dir.size(); ++pos) {
+    if (pos != dir.size() && dir[pos] != '/') continue;
+    std::string prefix = dir.substr(0, pos);
+    const bool last = pos == dir.size();
+    if (mkdir(prefix.c_str(), last ? 0700 : 0755) != 0 && errno != EEXIST) {
+      return PosixError(absl::StrCat("creating directory ", prefix), errno);
+    }
+  }
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat ", dir), errno);
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(dir, " exists and is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace offload

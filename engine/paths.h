@@ -1,0 +1,30 @@
+// Where offloadd keeps its state and where clients find it by default.
+// Shared by the daemon, the client library and offloadctl so that all three
+// agree without configuration.
+#ifndef OFFLOADD_ENGINE_PATHS_H_
+#define OFFLOADD_ENGINE_PATHS_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace offload {
+
+// $XDG_STATE_HOME/offloadd, else $HOME/.local/state/offloadd, else
+// /tmp/offloadd-<uid>.
+std::string DefaultDataDir();
+
+// The gRPC socket inside a data directory.
+std::string SocketPathIn(const std::string& data_dir);
+
+// The default client address: $OFFLOADD_ADDRESS if set, else
+// unix:<DefaultDataDir()>/offloadd.sock.
+std::string DefaultClientAddress();
+
+// Creates `dir` and missing parents. The last component is created 0700;
+// an existing directory is accepted as is.
+absl::Status MakeDirs(const std::string& dir);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_PATHS_H_

@@ -1,0 +1,210 @@
+#include "engine/service.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "engine/version.h"
+
+namespace offload {
+namespace {
+
+SessionKey KeyOf(const v1::SessionRef& ref) { return SessionKey{ref.session_id(), ref.token()}; }
+
+absl::StatusOr<DType> FromProto(v1::DType t, absl::string_view field) {
+  switch (t) {
+    case v1::DTYPE_FP32:
+      return DType::kFp32;
+    case v1::DTYPE_BF16:
+      return DType::kBf16;
+    case v1::DTYPE_FP16:
+      return DType::kFp16;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, " must be DTYPE_FP32, DTYPE_BF16 or DTYPE_FP16, got ",
+                       static_cast<int>(t)));
+  }
+}
+
+v1::DType ToProto(DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return v1::DTYPE_FP32;
+    case DType::kBf16:
+      return v1::DTYPE_BF16;
+    case DType::kFp16:
+      return v1::DTYPE_FP16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+void ToProto(const PartitionInfo& p, v1::PartitionLocation* out) {
+  out->set_partition_id(p.id);
+  out->set_name(p.name);
+  out->set_numel(p.numel);
+  out->set_param_dtype(ToProto(p.param_dtype));
+  out->set_grad_dtype(ToProto(p.grad_dtype));
+  out->mutable_params()->set_offset(p.params.offset);
+  out->mutable_params()->set_bytes(p.params.bytes);
+  out->mutable_grads()->set_offset(p.grads.offset);
+  out->mutable_grads()->set_bytes(p.grads.bytes);
+  out->set_step(p.step);
+}
+
+void ToProto(const TunableInfo& t, v1::Tunable* out) {
+  out->set_name(t.name);
+  out->set_type(t.type);
+  out->set_value(t.value);
+  out->set_default_value(t.default_value);
+  out->set_unit(t.unit);
+  out->set_dynamic(t.dynamic);
+  out->set_description(t.description);
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+grpc::Status PartitionServiceImpl::Finish(const absl::Status& status) {
+  if (!status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+  return ToGrpcStatus(status);
+}
+
+grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
+                                               const v1::OpenSessionRequest* req,
+                                               v1::OpenSessionResponse* resp) {
+  absl::StatusOr<OpenedSession> opened = sessions_->Open(req->name());
+  if (!opened.ok()) return Finish(opened.status());
+  resp->mutable_session()->set_session_id(opened->key.id);
+  resp->mutable_session()->set_token(opened->key.token);
+  resp->set_arena_socket(arena_socket_);
+  resp->set_arena_capacity(opened->arena_capacity);
+  return grpc::Status::OK;
+}
+
+grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext*,
+                                                const v1::CloseSessionRequest* req,
+                                                v1::CloseSessionResponse*) {
+  return Finish(sessions_->Close(KeyOf(req->session())));
+}
+
+grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext*,
+                                                     const v1::RegisterPartitionRequest* req,
+                                                     v1::RegisterPartitionResponse* resp) {
+  PartitionSpec spec;
+  spec.name = req->name();
+  spec.numel = req->numel();
+  absl::StatusOr<DType> param = FromProto(req->param_dtype(), "param_dtype");
+  if (!param.ok()) return Finish(param.status());
+  absl::StatusOr<DType> grad = FromProto(req->grad_dtype(), "grad_dtype");
+  if (!grad.ok()) return Finish(grad.status());
+  spec.param_dtype = *param;
+  spec.grad_dtype = *grad;
+  absl::StatusOr<PartitionInfo> info = sessions_->Register(KeyOf(req->session()), spec);
+  if (!info.ok()) return Finish(info.status());
+  ToProto(*info, resp->mutable_location());
+  return grpc::Status::OK;
+}
+
+grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext*,
+                                               const v1::FetchParamsRequest* req,
+                                               v1::FetchParamsResponse* resp) {
+  std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
+  absl::StatusOr<std::vector<PartitionInfo>> infos = sessions_->Fetch(KeyOf(req->session()), ids);
+  if (!infos.ok()) return Finish(infos.status());
+  for (const PartitionInfo& p : *infos) ToProto(p, resp->add_locations());
+  return grpc::Status::OK;
+}
+
+grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext*,
+                                                   const v1::ReturnGradientsRequest* req,
+                                                   v1::ReturnGradientsResponse*) {
+  absl::StatusOr<DType> grad = FromProto(req->grad_dtype(), "grad_dtype");
+  if (!grad.ok()) return Finish(grad.status());
+  return Finish(sessions_->ReturnGradients(KeyOf(req->session()), req->partition_id(),
+                                           req->numel(), *grad));
+}
+
+grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequest* req,
+                                        v1::StepResponse* resp) {
+  if (!req->has_hyperparams()) {
+    return Finish(absl::InvalidArgumentError("Step needs hyperparams"));
+  }
+  const v1::AdamHyperparams& p = req->hyperparams();
+  AdamHyperparams h;
+  h.lr = p.lr();
+  h.beta1 = p.beta1();
+  h.beta2 = p.beta2();
+  h.eps = p.eps();
+  h.weight_decay = p.weight_decay();
+  h.decoupled_weight_decay = p.decoupled_weight_decay();
+  h.bias_correction = p.bias_correction();
+  absl::StatusOr<StepSummary> summary = sessions_->Step(KeyOf(req->session()), h);
+  if (!summary.ok()) return Finish(summary.status());
+  resp->set_partitions_updated(summary->partitions_updated);
+  resp->set_params_updated(summary->params_updated);
+  return grpc::Status::OK;
+}
+
+grpc::Status ConfigServiceImpl::ListTunables(grpc::ServerContext*, const v1::ListTunablesRequest*,
+                                             v1::ListTunablesResponse* resp) {
+  for (const TunableInfo& t : registry_->List()) ToProto(t, resp->add_tunables());
+  return grpc::Status::OK;
+}
+
+grpc::Status ConfigServiceImpl::GetTunable(grpc::ServerContext*, const v1::GetTunableRequest* req,
+                                           v1::Tunable* resp) {
+  absl::StatusOr<TunableInfo> t = registry_->Get(req->name());
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  ToProto(*t, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status ConfigServiceImpl::SetTunable(grpc::ServerContext*, const v1::SetTunableRequest* req,
+                                           v1::Tunable* resp) {
+  absl::StatusOr<TunableInfo> t = registry_->Set(req->name(), req->value());
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  ToProto(*t, resp);
+  return grpc::Status::OK;
+}
+
+void StatsServiceImpl::AddListening(std::string address) {
+  absl::MutexLock lock(&mu_);
+  identity_.listening.push_back(std::move(address));
+}
+
+grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                                        v1::GetStatsResponse* resp) {
+  resp->set_version(kOffloaddVersion);
+  resp->set_pid(static_cast<uint32_t>(getpid()));
+  {
+    absl::MutexLock lock(&mu_);
+    resp->set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - identity_.started));
+    for (const std::string& l : identity_.listening) resp->add_listening(l);
+  }
+  v1::TierSummary* host = resp->add_tiers();
+  host->set_name(host_->tier());
+  host->set_used_bytes(host_->used());
+  host->set_budget_bytes(host_->limit());
+  for (const CounterValue& c : stats_->Snapshot()) {
+    v1::Counter* out = resp->add_counters();
+    out->set_name(c.name);
+    out->set_value(c.value);
+    out->set_unit(c.unit);
+  }
+  for (const SessionSummary& s : sessions_->Sessions()) {
+    v1::SessionSummary* out = resp->add_sessions();
+    out->set_session_id(s.id);
+    out->set_name(s.name);
+    out->set_partitions(s.partitions);
+    out->set_arena_bytes(s.arena_bytes);
+    out->set_steps(s.steps);
+  }
+  resp->set_optimizer_kernel(
+      absl::StrCat(optimizer_->kernel_name(), ", ", optimizer_->threads(), " threads"));
+  return grpc::Status::OK;
+}
+
+}  // namespace offload

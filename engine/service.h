@@ -1,0 +1,96 @@
+// The gRPC layer: converts offload.v1 messages to engine types, calls the
+// engine, and converts absl::Status to grpc::Status (the codes map one to
+// one). Generated protobuf types stop here.
+//
+// Thread-safety: the services hold only pointers to thread-safe engine
+// objects and are called concurrently by gRPC's thread pool.
+#ifndef OFFLOADD_ENGINE_SERVICE_H_
+#define OFFLOADD_ENGINE_SERVICE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "cpu_adam/optimizer.h"
+#include "engine/config.h"
+#include "engine/memory_budget.h"
+#include "engine/session_manager.h"
+#include "engine/stats.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/offload.grpc.pb.h"
+
+namespace offload {
+
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class PartitionServiceImpl final : public v1::PartitionService::Service {
+ public:
+  PartitionServiceImpl(SessionManager* sessions, Stats* stats, std::string arena_socket)
+      : sessions_(sessions), stats_(stats), arena_socket_(std::move(arena_socket)) {}
+
+  grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
+                           v1::OpenSessionResponse*) override;
+  grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*,
+                            v1::CloseSessionResponse*) override;
+  grpc::Status RegisterPartition(grpc::ServerContext*, const v1::RegisterPartitionRequest*,
+                                 v1::RegisterPartitionResponse*) override;
+  grpc::Status FetchParams(grpc::ServerContext*, const v1::FetchParamsRequest*,
+                           v1::FetchParamsResponse*) override;
+  grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
+                               v1::ReturnGradientsResponse*) override;
+  grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
+
+ private:
+  grpc::Status Finish(const absl::Status& status);
+
+  SessionManager* const sessions_;
+  Stats* const stats_;
+  const std::string arena_socket_;
+};
+
+class ConfigServiceImpl final : public v1::ConfigService::Service {
+ public:
+  explicit ConfigServiceImpl(ConfigRegistry* registry) : registry_(registry) {}
+
+  grpc::Status ListTunables(grpc::ServerContext*, const v1::ListTunablesRequest*,
+                            v1::ListTunablesResponse*) override;
+  grpc::Status GetTunable(grpc::ServerContext*, const v1::GetTunableRequest*,
+                          v1::Tunable*) override;
+  grpc::Status SetTunable(grpc::ServerContext*, const v1::SetTunableRequest*,
+                          v1::Tunable*) override;
+
+ private:
+  ConfigRegistry* const registry_;
+};
+
+struct ServerIdentity {
+  std::vector<std::string> listening;
+  absl::Time started;
+};
+
+class StatsServiceImpl final : public v1::StatsService::Service {
+ public:
+  StatsServiceImpl(const SessionManager* sessions, const Stats* stats, const MemoryBudget* host,
+                   const Optimizer* optimizer, ServerIdentity identity)
+      : sessions_(sessions), stats_(stats), host_(host), optimizer_(optimizer),
+        identity_(std::move(identity)) {}
+
+  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                        v1::GetStatsResponse*) override;
+
+  void AddListening(std::string address) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const SessionManager* const sessions_;
+  const Stats* const stats_;
+  const MemoryBudget* const host_;
+  const Optimizer* const optimizer_;
+  absl::Mutex mu_;
+  ServerIdentity identity_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_SERVICE_H_

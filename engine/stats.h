@@ -1,0 +1,36 @@
+// Daemon-wide counters. Incremented lock-free from any thread; read as a
+// consistent-enough snapshot (each counter is atomic, the set is not).
+#ifndef OFFLOADD_ENGINE_STATS_H_
+#define OFFLOADD_ENGINE_STATS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace offload {
+
+struct CounterValue {
+  std::string name;
+  int64_t value;
+  std::string unit;
+};
+
+struct Stats {
+  std::atomic<int64_t> sessions_opened{0};
+  std::atomic<int64_t> sessions_closed{0};
+  std::atomic<int64_t> partitions_registered{0};
+  std::atomic<int64_t> arena_attaches{0};
+  std::atomic<int64_t> fetches{0};
+  std::atomic<int64_t> gradients_returned{0};
+  std::atomic<int64_t> steps{0};
+  std::atomic<int64_t> params_updated{0};
+  std::atomic<int64_t> step_nanos{0};
+  std::atomic<int64_t> requests_failed{0};
+
+  std::vector<CounterValue> Snapshot() const;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_STATS_H_

@@ -1,0 +1,39 @@
+// An owning file descriptor: closes on destruction, movable, not copyable.
+// A plain `int` is a borrowed descriptor and is never closed by its holder.
+#ifndef OFFLOADD_ENGINE_UNIQUE_FD_H_
+#define OFFLOADD_ENGINE_UNIQUE_FD_H_
+
+#include <unistd.h>
+
+#include <utility>
+
+namespace offload {
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept {
+    reset(other.release());
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_UNIQUE_FD_H_
