@@ -1,10 +1,12 @@
 #include "client/client.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "engine/arena_protocol.h"
@@ -117,6 +119,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->address = options.address.empty() ? DefaultClientAddress() : options.address;
+  if (absl::StartsWith(impl->address, "unix:")) {
+    const std::string path = impl->address.substr(5);
+    if (access(path.c_str(), F_OK) != 0) {
+      return absl::UnavailableError(absl::StrCat("no offloadd socket at ", path,
+                                                 " (is it running? start it with `offloadd`)"));
+    }
+  }
   grpc::ChannelArguments args;
   impl->channel =
       grpc::CreateCustomChannel(impl->address, grpc::InsecureChannelCredentials(), args);

@@ -38,8 +38,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   ASSIGN_OR_RETURN(d->arena_channel_,
                    ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->sessions_));
 
-  d->partition_service_ = std::make_unique<PartitionServiceImpl>(&d->sessions_, &d->stats_,
-                                                                 d->arena_channel_->path());
+  d->partition_service_ = std::make_unique<PartitionServiceImpl>(
+      &d->sessions_, &d->stats_, &d->calls_, d->arena_channel_->path());
   d->config_service_ = std::make_unique<ConfigServiceImpl>(registry);
   ServerIdentity identity;
   identity.started = absl::Now();
@@ -115,8 +115,12 @@ void Daemon::Shutdown() {
     if (shut_down_) return;
     shut_down_ = true;
   }
-  // In-flight calls get five seconds to finish, then are cancelled.
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  // Partition calls in flight (a Step may take a while) get 30 seconds to
+  // finish; new ones are refused with UNAVAILABLE meanwhile.
+  if (!calls_.CloseAndDrain(absl::Seconds(30))) {
+    LogWarning("calls still running after 30 s; cancelling them");
+  }
+  server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
   arena_channel_.reset();
   unlink(socket_path_.c_str());

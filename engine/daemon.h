@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cpu_adam/optimizer.h"
 #include "engine/arena_channel.h"
+#include "engine/call_gate.h"
 #include "engine/config.h"
 #include "engine/memory_budget.h"
 #include "engine/options.h"
@@ -50,6 +51,7 @@ class Daemon {
   Stats stats_;
   Optimizer optimizer_;
   SessionManager sessions_;
+  CallGate calls_;
   std::string socket_path_;
   int tcp_port_ = -1;
   std::unique_ptr<ArenaChannel> arena_channel_;

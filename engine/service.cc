@@ -60,6 +60,10 @@ void ToProto(const TunableInfo& t, v1::Tunable* out) {
   out->set_description(t.description);
 }
 
+absl::Status ShuttingDown() {
+  return absl::UnavailableError("offloadd is shutting down; retry against its successor");
+}
+
 }  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -75,6 +79,8 @@ grpc::Status PartitionServiceImpl::Finish(const absl::Status& status) {
 grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
                                                const v1::OpenSessionRequest* req,
                                                v1::OpenSessionResponse* resp) {
+  CallScope scope(gate_);
+  if (!scope.entered()) return Finish(ShuttingDown());
   absl::StatusOr<OpenedSession> opened = sessions_->Open(req->name());
   if (!opened.ok()) return Finish(opened.status());
   resp->mutable_session()->set_session_id(opened->key.id);
@@ -87,12 +93,16 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
 grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext*,
                                                 const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionResponse*) {
+  CallScope scope(gate_);
+  if (!scope.entered()) return Finish(ShuttingDown());
   return Finish(sessions_->Close(KeyOf(req->session())));
 }
 
 grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext*,
                                                      const v1::RegisterPartitionRequest* req,
                                                      v1::RegisterPartitionResponse* resp) {
+  CallScope scope(gate_);
+  if (!scope.entered()) return Finish(ShuttingDown());
   PartitionSpec spec;
   spec.name = req->name();
   spec.numel = req->numel();
@@ -111,6 +121,8 @@ grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext*,
 grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext*,
                                                const v1::FetchParamsRequest* req,
                                                v1::FetchParamsResponse* resp) {
+  CallScope scope(gate_);
+  if (!scope.entered()) return Finish(ShuttingDown());
   std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
   absl::StatusOr<std::vector<PartitionInfo>> infos = sessions_->Fetch(KeyOf(req->session()), ids);
   if (!infos.ok()) return Finish(infos.status());
@@ -121,6 +133,8 @@ grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext*,
 grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext*,
                                                    const v1::ReturnGradientsRequest* req,
                                                    v1::ReturnGradientsResponse*) {
+  CallScope scope(gate_);
+  if (!scope.entered()) return Finish(ShuttingDown());
   absl::StatusOr<DType> grad = FromProto(req->grad_dtype(), "grad_dtype");
   if (!grad.ok()) return Finish(grad.status());
   return Finish(sessions_->ReturnGradients(KeyOf(req->session()), req->partition_id(),
@@ -129,6 +143,8 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext*,
 
 grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequest* req,
                                         v1::StepResponse* resp) {
+  CallScope scope(gate_);
+  if (!scope.entered()) return Finish(ShuttingDown());
   if (!req->has_hyperparams()) {
     return Finish(absl::InvalidArgumentError("Step needs hyperparams"));
   }

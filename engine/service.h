@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/call_gate.h"
 #include "engine/config.h"
 #include "engine/memory_budget.h"
 #include "engine/session_manager.h"
@@ -27,8 +28,10 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class PartitionServiceImpl final : public v1::PartitionService::Service {
  public:
-  PartitionServiceImpl(SessionManager* sessions, Stats* stats, std::string arena_socket)
-      : sessions_(sessions), stats_(stats), arena_socket_(std::move(arena_socket)) {}
+  // Every call passes `gate`; once it closes, calls fail with UNAVAILABLE.
+  PartitionServiceImpl(SessionManager* sessions, Stats* stats, CallGate* gate,
+                       std::string arena_socket)
+      : sessions_(sessions), stats_(stats), gate_(gate), arena_socket_(std::move(arena_socket)) {}
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
                            v1::OpenSessionResponse*) override;
@@ -47,6 +50,7 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
 
   SessionManager* const sessions_;
   Stats* const stats_;
+  CallGate* const gate_;
   const std::string arena_socket_;
 };
 

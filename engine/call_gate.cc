@@ -1,0 +1,24 @@
+#include "engine/call_gate.h"
+
+namespace offload {
+
+bool CallGate::Enter() {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return false;
+  ++in_flight_;
+  return true;
+}
+
+void CallGate::Exit() {
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
+}
+
+bool CallGate::CloseAndDrain(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+  auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  return mu_.AwaitWithTimeout(absl::Condition(&drained), timeout);
+}
+
+}  // namespace offload

@@ -1,0 +1,61 @@
+#include "engine/shm_arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+TEST(ShmArena, AllocationsArePageAlignedZeroedAndShared) {
+  auto arena = ShmArena::Create("test", 1 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto a = (*arena)->Allocate(10);
+  auto b = (*arena)->Allocate(5000);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, 0u);
+  EXPECT_EQ(*b, ShmArena::kAlignment);
+  EXPECT_EQ((*arena)->size(), 3 * ShmArena::kAlignment);
+  std::byte* base = (*arena)->base();
+  for (int i = 0; i < 5000; ++i) ASSERT_EQ(base[*b + i], std::byte{0});
+  // A second mapping of the same descriptor (what a client does) sees writes.
+  void* other = mmap(nullptr, 1 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, (*arena)->fd(), 0);
+  ASSERT_NE(other, MAP_FAILED);
+  std::memcpy(static_cast<char*>(other) + *b, "hello", 5);
+  EXPECT_EQ(std::memcmp(base + *b, "hello", 5), 0);
+  munmap(other, 1 << 20);
+}
+
+TEST(ShmArena, ClientCannotShrinkIt) {
+  auto arena = ShmArena::Create("seal", 1 << 20);
+  ASSERT_TRUE(arena.ok());
+  ASSERT_TRUE((*arena)->Allocate(8192).ok());
+  EXPECT_NE(ftruncate((*arena)->fd(), 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  struct stat st;
+  ASSERT_EQ(fstat((*arena)->fd(), &st), 0);
+  EXPECT_EQ(st.st_size, 8192);
+}
+
+TEST(ShmArena, FullArenaIsResourceExhausted) {
+  auto arena = ShmArena::Create("full", 4 * ShmArena::kAlignment);
+  ASSERT_TRUE(arena.ok());
+  ASSERT_TRUE((*arena)->Allocate(3 * ShmArena::kAlignment).ok());
+  auto too_big = (*arena)->Allocate(2 * ShmArena::kAlignment);
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE((*arena)->Allocate(ShmArena::kAlignment).ok());
+  EXPECT_EQ((*arena)->Allocate(0).status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(ShmArena, RejectsBadCapacity) {
+  EXPECT_EQ(ShmArena::Create("bad", 1000).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShmArena::Create("bad", 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,295 @@
+// System tests: a real offloadd process, driven from this (separate) process
+// through the client library, raw gRPC stubs and the arena channel.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "client/client.h"
+#include "client/demo/mlp.h"
+#include "engine/arena_protocol.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/offload.grpc.pb.h"
+#include "tests/daemon_process.h"
+
+namespace offload {
+namespace {
+
+using ::offload::testing::DaemonProcess;
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartDaemon({}); }
+
+  void StartDaemon(const std::vector<std::string>& flags) {
+    auto d = DaemonProcess::Start(flags);
+    ASSERT_TRUE(d.ok()) << d.status();
+    daemon_ = std::move(*d);
+    auto c = Client::Connect({daemon_->address()});
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+  }
+
+  std::unique_ptr<Session> Open(const std::string& name) {
+    auto s = client_->OpenSession(name);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  int64_t Counter(const std::string& name) {
+    auto stats = client_->GetStats();
+    EXPECT_TRUE(stats.ok());
+    for (const auto& c : stats->counters) {
+      if (c.name == name) return c.value;
+    }
+    ADD_FAILURE() << "no counter " << name;
+    return -1;
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<Client> client_;
+};
+
+void ExpectDemoMatchesInProcess(Client* client, DType dtype) {
+  demo::MlpConfig config;
+  config.steps = 60;
+  config.param_dtype = dtype;
+  auto session = client->OpenSession("demo");
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto remote_store = demo::MakeDaemonStore(config, session->get());
+  auto remote = demo::Train(config, remote_store.get());
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  auto local_store = demo::MakeInProcessStore(config);
+  auto local = demo::Train(config, local_store.get());
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_EQ(remote->size(), 60u);
+  for (size_t i = 0; i < remote->size(); ++i) {
+    EXPECT_NEAR((*remote)[i], (*local)[i], 1e-5 * std::fabs((*local)[i])) << "step " << i;
+  }
+  // And it actually learns.
+  EXPECT_LT(remote->back(), 0.5 * remote->front());
+}
+
+TEST_F(DaemonTest, DemoTrainsThroughDaemonExactlyLikeInProcess) {
+  ExpectDemoMatchesInProcess(client_.get(), DType::kFp32);
+  ExpectDemoMatchesInProcess(client_.get(), DType::kBf16);
+  ExpectDemoMatchesInProcess(client_.get(), DType::kFp16);
+  EXPECT_EQ(Counter("steps"), 180);
+}
+
+TEST_F(DaemonTest, BadRequestsGetClearErrorsAndTheDaemonKeepsServing) {
+  auto a = Open("a");
+  auto b = Open("b");
+  ASSERT_TRUE(a && b);
+  auto pa = a->Register("w", 100, DType::kBf16, DType::kFp32);
+  ASSERT_TRUE(pa.ok()) << pa.status();
+
+  auto zero = a->Register("z", 0, DType::kFp32, DType::kFp32);
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(zero.status().message(), "numel"));
+
+  // Fetch before register.
+  auto unknown = a->Fetch(987654);
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(unknown.status().message(), "987654"));
+
+  // Wrong size and dtype mismatch on return.
+  PartitionView wrong_size = *pa;
+  wrong_size.numel = 99;
+  auto size_status = a->ReturnGradients(wrong_size);
+  EXPECT_EQ(size_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(size_status.message(), "registered with 100"));
+  PartitionView wrong_dtype = *pa;
+  wrong_dtype.grad_dtype = DType::kFp16;
+  auto dtype_status = a->ReturnGradients(wrong_dtype);
+  EXPECT_EQ(dtype_status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(dtype_status.message(), "fp16"));
+
+  // A second session touching the first one's partition.
+  EXPECT_EQ(b->Fetch(pa->id).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(b->ReturnGradients(*pa).code(), absl::StatusCode::kPermissionDenied);
+
+  // Step before any gradients.
+  EXPECT_EQ(a->Step(AdamHyperparams{}).status().code(), absl::StatusCode::kFailedPrecondition);
+  AdamHyperparams bad;
+  bad.lr = -1;
+  ASSERT_TRUE(a->ReturnGradients(*pa).ok());
+  EXPECT_EQ(a->Step(bad).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Double close.
+  ASSERT_TRUE(b->Close().ok());
+  EXPECT_TRUE(b->Close().ok());  // the library makes a second Close a no-op
+
+  // The daemon and the first session are fine.
+  auto step = a->Step(AdamHyperparams{});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->partitions_updated, 1u);
+  auto c = Open("c");
+  ASSERT_TRUE(c);
+  EXPECT_TRUE(c->Register("w", 10, DType::kFp32, DType::kFp32).ok());
+  EXPECT_EQ(Counter("requests_failed"), 8);
+}
+
+TEST_F(DaemonTest, RawRequestsAreCheckedToo) {
+  auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+  }
+  auto call_fetch = [&](uint64_t id, const std::string& token) {
+    v1::FetchParamsRequest req;
+    req.mutable_session()->set_session_id(id);
+    req.mutable_session()->set_token(token);
+    v1::FetchParamsResponse resp;
+    grpc::ClientContext ctx;
+    return stub->FetchParams(&ctx, req, &resp);
+  };
+  EXPECT_TRUE(call_fetch(opened.session().session_id(), opened.session().token()).ok());
+  EXPECT_EQ(call_fetch(424242, opened.session().token()).error_code(), grpc::StatusCode::NOT_FOUND);
+  grpc::Status forged = call_fetch(opened.session().session_id(), std::string(16, 'x'));
+  EXPECT_EQ(forged.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+  v1::RegisterPartitionRequest reg;
+  *reg.mutable_session() = opened.session();
+  reg.set_name("w");
+  reg.set_numel(10);
+  reg.set_param_dtype(v1::DTYPE_FP32);  // grad_dtype left unspecified
+  v1::RegisterPartitionResponse reg_resp;
+  grpc::ClientContext ctx;
+  grpc::Status s = stub->RegisterPartition(&ctx, reg, &reg_resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "grad_dtype"));
+
+  // Double close through the wire.
+  for (grpc::StatusCode want : {grpc::StatusCode::OK, grpc::StatusCode::FAILED_PRECONDITION}) {
+    v1::CloseSessionRequest close;
+    *close.mutable_session() = opened.session();
+    v1::CloseSessionResponse close_resp;
+    grpc::ClientContext close_ctx;
+    EXPECT_EQ(stub->CloseSession(&close_ctx, close, &close_resp).error_code(), want);
+  }
+}
+
+TEST_F(DaemonTest, ArenaGoesOnlyToTheTokenHolder) {
+  auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  v1::OpenSessionResponse opened;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+  const std::string arena = opened.arena_socket();
+  EXPECT_EQ(arena, daemon_->socket_path() + ".arena");
+
+  auto good = AttachArena(arena, {opened.session().session_id(), opened.session().token()});
+  ASSERT_TRUE(good.ok()) << good.status();
+  struct stat st;
+  ASSERT_EQ(fstat(good->get(), &st), 0);
+
+  std::string wrong = opened.session().token();
+  wrong[0] ^= 1;
+  auto bad = AttachArena(arena, {opened.session().session_id(), wrong});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(AttachArena(arena, {999, wrong}).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(DaemonTest, SocketsAndDataDirAreOwnerOnly) {
+  struct stat st;
+  ASSERT_EQ(stat(daemon_->socket_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat((daemon_->socket_path() + ".arena").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat(daemon_->data_dir().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+}
+
+TEST_F(DaemonTest, TunablesChangeLiveOrSayWhyNot) {
+  auto set = client_->SetTunable("optimizer.threads", "1");
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->value, "1");
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_TRUE(absl::StrContains(stats->optimizer, "1 threads")) << stats->optimizer;
+  auto frozen = client_->SetTunable("server.tcp_port", "9999");
+  EXPECT_EQ(frozen.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client_->SetTunable("optimizer.threads", "-3").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->GetTunable("nope").status().code(), absl::StatusCode::kNotFound);
+
+  // A lower host budget refuses the next registration with RESOURCE_EXHAUSTED.
+  ASSERT_TRUE(client_->SetTunable("memory.host_budget_bytes", "1MiB").ok());
+  auto s = Open("small");
+  ASSERT_TRUE(s);
+  auto big = s->Register("big", 1 << 20, DType::kFp32, DType::kFp32);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(s->Register("fits", 1000, DType::kFp32, DType::kFp32).ok());
+}
+
+TEST_F(DaemonTest, StopsCleanlyOnSigtermAndRemovesSockets) {
+  auto s = Open("x");
+  ASSERT_TRUE(s);
+  auto code = daemon_->Stop();
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0) << daemon_->ReadLog();
+  EXPECT_NE(access(daemon_->socket_path().c_str(), F_OK), 0);
+  EXPECT_NE(access((daemon_->socket_path() + ".arena").c_str(), F_OK), 0);
+  std::string log = daemon_->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, "serving gRPC on unix:")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "tier host: budget")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "stopped cleanly")) << log;
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
+  auto result = ::offload::testing::RunCommand(
+      {"engine/offloadd", "--server.data_dir=" + daemon_->data_dir()});
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(result->output, "already serving")) << result->output;
+  // And the first one is unharmed.
+  EXPECT_TRUE(client_->GetStats().ok());
+}
+
+TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
+  char dir[] = "/tmp/offloadd_cfg.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  std::string config = std::string(dir) + "/offloadd.yaml";
+  std::ofstream(config) << "optimizer:\n  threads: 1\n  tile_elems: 8192\nserver:\n  tcp_port: 0\n";
+  auto d = DaemonProcess::Start({"--config=" + config, "--optimizer.tile_elems=16384"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ((*c)->GetTunable("optimizer.threads")->value, "1");
+  EXPECT_EQ((*c)->GetTunable("optimizer.tile_elems")->value, "16384");  // flag beats file
+  auto stats = (*c)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  std::string tcp;
+  for (const std::string& l : stats->listening) {
+    if (absl::StartsWith(l, "127.0.0.1:")) tcp = l;
+  }
+  ASSERT_FALSE(tcp.empty());
+  auto over_tcp = Client::Connect({tcp});
+  ASSERT_TRUE(over_tcp.ok()) << over_tcp.status();
+  EXPECT_TRUE((*over_tcp)->GetStats().ok());
+}
+
+TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
+  char dir[] = "/tmp/offloadd_cfg.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  std::string config = std::string(dir) + "/bad.yaml";
+  std::ofstream(config) << "optimizer:\n  threads: lots\n";
+  auto r = ::offload::testing::RunCommand({"engine/offloadd", "--config=" + config});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(r->output, "bad.yaml")) << r->output;
+  EXPECT_TRUE(absl::StrContains(r->output, "optimizer.threads")) << r->output;
+  auto flag = ::offload::testing::RunCommand({"engine/offloadd", "--no.such=1"});
+  ASSERT_TRUE(flag.ok());
+  EXPECT_EQ(flag->exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(flag->output, "no.such")) << flag->output;
+}
+
+}  // namespace
+}  // namespace offload
