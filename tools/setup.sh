@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the Debian packages offloadd needs to build, test and benchmark,
+# and nothing that is already there. Safe to run any number of times.
+set -euo pipefail
+
+packages=(
+  bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc
+  libgrpc++-dev libprotobuf-dev libabsl-dev libtbb-dev liburing-dev
+  libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
+  pybind11-dev python3-dev python3-torch fio
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo=""
+  [[ $(id -u) == 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+echo "setup: all ${#packages[@]} packages present" >&2
