@@ -280,10 +280,12 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
   p->set_weight_decay(h.weight_decay);
   p->set_decoupled_weight_decay(h.decoupled_weight_decay);
   p->set_bias_correction(h.bias_correction);
+  p->set_grad_scale(h.grad_scale);
   v1::StepResponse resp;
   Rpc rpc(impl_->timeout);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
-  return StepResult{resp.partitions_updated(), resp.params_updated()};
+  return StepResult{resp.partitions_updated(), resp.params_updated(), resp.skipped(),
+                    resp.nonfinite_gradients()};
 }
 
 absl::Status Session::Close() {

@@ -69,6 +69,10 @@ struct PartitionView {
 struct StepResult {
   uint64_t partitions_updated = 0;
   uint64_t params_updated = 0;
+  // Non-finite gradients: nothing changed; return fresh gradients (for
+  // example after lowering the loss scale) and step again.
+  bool skipped = false;
+  uint64_t nonfinite_gradients = 0;
 };
 
 struct Tunable {

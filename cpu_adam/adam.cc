@@ -48,6 +48,9 @@ absl::Status ValidateHyperparams(const AdamHyperparams& h) {
   if (!(h.weight_decay >= 0.0f) || !std::isfinite(h.weight_decay)) {
     return Invalid("weight_decay", h.weight_decay, "finite and >= 0");
   }
+  if (!(h.grad_scale > 0.0f) || !std::isfinite(h.grad_scale)) {
+    return Invalid("grad_scale", h.grad_scale, "finite and > 0");
+  }
   return absl::OkStatus();
 }
 
@@ -61,12 +64,13 @@ AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step) 
     bc2 = 1.0 - std::pow(b2, t);
   }
   AdamStepConstants c;
+  c.grad_scale = h.grad_scale;
   c.beta1 = h.beta1;
   c.beta2 = h.beta2;
   c.one_minus_beta1 = static_cast<float>(1.0 - b1);
   c.one_minus_beta2 = static_cast<float>(1.0 - b2);
   c.step_size = static_cast<float>(lr / bc1);
-  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   c.eps = h.eps;
   c.decay_factor = h.decoupled_weight_decay
                        ? static_cast<float>(1.0 - lr * static_cast<double>(h.weight_decay))
@@ -76,20 +80,39 @@ AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step) 
 }
 
 void AdamScalar(const AdamStepConstants& c, const AdamSpan& s) {
+  const bool l2 = c.l2 != 0.0f;
   for (size_t i = 0; i < s.numel; ++i) {
-    float g = LoadGrad(s.grads, s.grad_dtype, i);
+    float g = LoadGrad(s.grads, s.grad_dtype, i) * c.grad_scale;
     float p = s.master[i];
-    g = g + c.l2 * p;
+    if (l2) g = g + c.l2 * p;
     p = p * c.decay_factor;
-    float m = c.beta1 * s.exp_avg[i] + c.one_minus_beta1 * g;
-    float v = c.beta2 * s.exp_avg_sq[i] + c.one_minus_beta2 * (g * g);
-    float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    const float m = c.beta1 * s.exp_avg[i] + c.one_minus_beta1 * g;
+    const float v = c.beta2 * s.exp_avg_sq[i] + c.one_minus_beta2 * (g * g);
+    const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
     p = p - c.step_size * (m / denom);
     s.exp_avg[i] = m;
     s.exp_avg_sq[i] = v;
     s.master[i] = p;
     if (s.working != nullptr) StoreWorking(s.working, s.working_dtype, i, p);
   }
+}
+
+uint64_t CountNonFiniteScalar(const void* grads, DType dtype, size_t n) {
+  uint64_t count = 0;
+  if (dtype == DType::kFp32) {
+    const float* g = static_cast<const float*>(grads);
+    for (size_t i = 0; i < n; ++i) count += (FloatBits(g[i]) & 0x7f800000u) == 0x7f800000u;
+    return count;
+  }
+  const uint16_t exp_mask = dtype == DType::kBf16 ? 0x7f80u : 0x7c00u;
+  const uint16_t* g = static_cast<const uint16_t*>(grads);
+  for (size_t i = 0; i < n; ++i) count += (g[i] & exp_mask) == exp_mask;
+  return count;
+}
+
+const AdamKernels& ScalarAdamKernels() {
+  static const AdamKernels kernels = {"scalar", &AdamScalar, &CountNonFiniteScalar};
+  return kernels;
 }
 
 }  // namespace offload

@@ -31,21 +31,26 @@ struct AdamHyperparams {
   // gradient); false: Adam with the L2 penalty added to the gradient.
   bool decoupled_weight_decay = true;
   bool bias_correction = true;
+  // Gradients are multiplied by this first, in the same pass: the gradient
+  // unscale and clip coefficient together (clip_coef / loss_scale).
+  float grad_scale = 1.0f;
 };
 
 // INVALID_ARGUMENT naming the offending field when a value is out of range
-// (negative lr, beta outside [0, 1), non-positive eps, NaN anywhere).
+// (negative lr, beta outside [0, 1), non-positive eps, grad_scale not finite
+// and positive, NaN anywhere).
 absl::Status ValidateHyperparams(const AdamHyperparams& h);
 
 // Everything the element loop needs, for one partition at one step (step is
 // the 1-based count including this update).
 struct AdamStepConstants {
+  float grad_scale;
   float beta1;
   float beta2;
   float one_minus_beta1;
   float one_minus_beta2;
-  float step_size;              // lr / (1 - beta1^step)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float step_size;                  // lr / (1 - beta1^step)
+  float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step)
   float eps;
   float decay_factor;           // AdamW: 1 - lr * wd; else 1
   float l2;                     // Adam: wd; else 0
@@ -67,8 +72,31 @@ struct AdamSpan {
   size_t numel = 0;
 };
 
-// The scalar reference kernel.
+// The scalar reference kernel. Per element, in this order and with no fused
+// multiply-add (every vector kernel performs the same IEEE operations, so
+// all kernels agree bit for bit):
+//   g  = grad * grad_scale
+//   g  = g + l2 * p                    (Adam with weight decay only)
+//   p  = p * decay_factor
+//   m  = beta1 * m + (1 - beta1) * g
+//   v  = beta2 * v + (1 - beta2) * (g * g)
+//   p  = p - step_size * (m / (sqrt(v) * inv_bias_correction2_sqrt + eps))
+//   working = round(p)                 (if requested)
 void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
+
+// Number of NaN or infinite values among `n` gradients of `dtype`.
+uint64_t CountNonFiniteScalar(const void* grads, DType dtype, size_t n);
+
+// One instruction set's kernels. The vectorised ones live in their own
+// targets (adam_avx2, adam_avx512) compiled with their own -m flags;
+// kernel_select.h picks one at run time.
+struct AdamKernels {
+  const char* name;
+  void (*adam)(const AdamStepConstants& c, const AdamSpan& span);
+  uint64_t (*count_nonfinite)(const void* grads, DType dtype, size_t n);
+};
+
+const AdamKernels& ScalarAdamKernels();
 
 }  // namespace offload
 

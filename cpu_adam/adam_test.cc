@@ -16,6 +16,7 @@ struct RefState {
 
 void RefStep(RefState& s, double g, const AdamHyperparams& h, uint64_t t) {
   double lr = h.lr, b1 = h.beta1, b2 = h.beta2, wd = h.weight_decay;
+  g *= h.grad_scale;
   if (h.decoupled_weight_decay) {
     s.p *= 1.0 - lr * wd;
   } else {
@@ -36,6 +37,7 @@ TEST_P(AdamScalarTest, MatchesDoubleReferenceOver50Steps) {
   h.weight_decay = 0.1f;
   h.decoupled_weight_decay = std::get<0>(GetParam());
   h.bias_correction = std::get<1>(GetParam());
+  h.grad_scale = 0.5f;
   const size_t n = 1003;
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -91,6 +93,9 @@ TEST(Hyperparams, RejectsOutOfRange) {
   EXPECT_EQ(ValidateHyperparams(h).code(), absl::StatusCode::kInvalidArgument);
   h = {};
   h.lr = NAN;
+  EXPECT_EQ(ValidateHyperparams(h).code(), absl::StatusCode::kInvalidArgument);
+  h = {};
+  h.grad_scale = 0.0f;
   EXPECT_EQ(ValidateHyperparams(h).code(), absl::StatusCode::kInvalidArgument);
 }
 

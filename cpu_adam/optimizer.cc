@@ -1,12 +1,13 @@
 #include "cpu_adam/optimizer.h"
 
+#include <atomic>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_adam/kernel_select.h"
 #include "tbb/blocked_range.h"
 #include "tbb/parallel_for.h"
-#include "tbb/task_arena.h"
 
 namespace offload {
 namespace {
@@ -18,8 +19,7 @@ int ResolveThreads(int64_t threads) {
 }
 
 struct Tile {
-  const AdamTask* task;
-  const AdamStepConstants* constants;
+  size_t task;
   size_t begin;
   size_t end;
 };
@@ -40,9 +40,12 @@ AdamSpan Slice(const AdamSpan& s, size_t begin, size_t end) {
 }  // namespace
 
 Optimizer::Optimizer(const OptimizerOptions& options)
-    : tile_elems_(options.tile_elems > 0 ? options.tile_elems : 1 << 16) {
+    : tile_elems_(options.tile_elems >= 1024 ? options.tile_elems : 1 << 16),
+      check_finite_(options.check_finite) {
   threads_ = ResolveThreads(options.threads);
   arena_ = std::make_unique<tbb::task_arena>(threads_);
+  absl::StatusOr<const AdamKernels*> k = SelectAdamKernels(options.kernel);
+  kernels_ = k.ok() ? *k : *SelectAdamKernels("auto");
 }
 
 Optimizer::~Optimizer() = default;
@@ -68,37 +71,75 @@ absl::Status Optimizer::SetTileElems(int64_t tile_elems) {
   return absl::OkStatus();
 }
 
+absl::Status Optimizer::SetKernel(const std::string& name) {
+  absl::StatusOr<const AdamKernels*> k = SelectAdamKernels(name);
+  if (!k.ok()) return k.status();
+  absl::MutexLock lock(&mu_);
+  kernels_ = *k;
+  return absl::OkStatus();
+}
+
+void Optimizer::SetCheckFinite(bool check) {
+  absl::MutexLock lock(&mu_);
+  check_finite_ = check;
+}
+
 int Optimizer::threads() const {
   absl::ReaderMutexLock lock(&mu_);
   return threads_;
 }
 
-absl::Status Optimizer::Step(absl::Span<const AdamTask> tasks, const AdamHyperparams& h) {
-  if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
-  std::vector<AdamStepConstants> constants;
-  constants.reserve(tasks.size());
-  for (const AdamTask& t : tasks) constants.push_back(ComputeStepConstants(h, t.step));
-
-  // A reader lock: concurrent steps share the arena; SetThreads waits.
+std::string Optimizer::kernel_name() const {
   absl::ReaderMutexLock lock(&mu_);
+  return kernels_->name;
+}
+
+template <typename Fn>
+void Optimizer::ParallelTiles(absl::Span<const AdamTask> tasks, Fn&& fn) {
   const size_t tile = static_cast<size_t>(tile_elems_);
   std::vector<Tile> tiles;
   for (size_t i = 0; i < tasks.size(); ++i) {
     for (size_t b = 0; b < tasks[i].span.numel; b += tile) {
-      size_t e = std::min(tasks[i].span.numel, b + tile);
-      tiles.push_back(Tile{&tasks[i], &constants[i], b, e});
+      tiles.push_back(Tile{i, b, std::min(tasks[i].span.numel, b + tile)});
     }
   }
   arena_->execute([&] {
     tbb::parallel_for(tbb::blocked_range<size_t>(0, tiles.size(), 1),
                       [&](const tbb::blocked_range<size_t>& r) {
-                        for (size_t i = r.begin(); i != r.end(); ++i) {
-                          const Tile& t = tiles[i];
-                          AdamScalar(*t.constants, Slice(t.task->span, t.begin, t.end));
-                        }
+                        for (size_t i = r.begin(); i != r.end(); ++i) fn(tiles[i]);
                       });
   });
-  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
+                                           const AdamHyperparams& h) {
+  if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
+  std::vector<AdamStepConstants> constants;
+  constants.reserve(tasks.size());
+  for (const AdamTask& t : tasks) constants.push_back(ComputeStepConstants(h, t.step));
+
+  // A reader lock: concurrent steps share the arena; the setters wait.
+  absl::ReaderMutexLock lock(&mu_);
+  const AdamKernels& k = *kernels_;
+  StepReport report;
+  if (check_finite_) {
+    std::atomic<uint64_t> nonfinite{0};
+    ParallelTiles(tasks, [&](const Tile& t) {
+      const AdamSpan s = Slice(tasks[t.task].span, t.begin, t.end);
+      if (uint64_t n = k.count_nonfinite(s.grads, s.grad_dtype, s.numel); n != 0) {
+        nonfinite.fetch_add(n, std::memory_order_relaxed);
+      }
+    });
+    report.nonfinite = nonfinite.load();
+    if (report.nonfinite != 0) {
+      report.skipped = true;
+      return report;
+    }
+  }
+  ParallelTiles(tasks, [&](const Tile& t) {
+    k.adam(constants[t.task], Slice(tasks[t.task].span, t.begin, t.end));
+  });
+  return report;
 }
 
 }  // namespace offload

@@ -1,5 +1,6 @@
 #include "cpu_adam/optimizer.h"
 
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
@@ -66,8 +67,54 @@ TEST(Optimizer, RejectsBadSettingsAndHyperparams) {
   AdamHyperparams h;
   h.lr = -1.f;
   std::vector<AdamTask> tasks = {a.Task(1)};
-  EXPECT_EQ(opt.Step(tasks, h).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(opt.Step(tasks, h).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(a.p, before);
+}
+
+TEST(Optimizer, NonFiniteGradientsSkipTheStepWithoutChangingState) {
+  OptimizerOptions options;
+  options.tile_elems = 1024;
+  Optimizer opt(options);
+  Buffers a(5000, 6), b(3000, 7);
+  b.g[2999] = std::numeric_limits<float>::infinity();
+  b.g[10] = std::numeric_limits<float>::quiet_NaN();
+  Buffers a0 = a, b0 = b;
+  std::vector<AdamTask> tasks = {a.Task(1), b.Task(1)};
+  auto report = opt.Step(tasks, AdamHyperparams{});
+  ASSERT_TRUE(report.ok());
+  EXPECT_TRUE(report->skipped);
+  EXPECT_EQ(report->nonfinite, 2u);
+  EXPECT_EQ(a.p, a0.p);
+  EXPECT_EQ(a.m, a0.m);
+  EXPECT_EQ(b.v, b0.v);
+  // With the check off, the step goes ahead (and NaN spreads, as asked).
+  opt.SetCheckFinite(false);
+  report = opt.Step(tasks, AdamHyperparams{});
+  ASSERT_TRUE(report.ok());
+  EXPECT_FALSE(report->skipped);
+  EXPECT_NE(a.p, a0.p);
+}
+
+TEST(Optimizer, EveryKernelGivesTheSameStep) {
+  Buffers ref(20'000, 8);
+  {
+    OptimizerOptions o;
+    o.kernel = "scalar";
+    Optimizer opt(o);
+    std::vector<AdamTask> tasks = {ref.Task(4)};
+    ASSERT_TRUE(opt.Step(tasks, AdamHyperparams{}).ok());
+  }
+  Optimizer opt(OptimizerOptions{});
+  for (const char* name : {"avx2", "avx512"}) {
+    if (!opt.SetKernel(name).ok()) continue;  // this CPU lacks it
+    EXPECT_EQ(opt.kernel_name(), name);
+    Buffers got(20'000, 8);
+    std::vector<AdamTask> tasks = {got.Task(4)};
+    ASSERT_TRUE(opt.Step(tasks, AdamHyperparams{}).ok());
+    EXPECT_EQ(got.p, ref.p) << name;
+    EXPECT_EQ(got.w, ref.w) << name;
+  }
+  EXPECT_EQ(opt.SetKernel("mmx").code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -70,95 +70,81 @@ std::string FormatByteSize(int64_t bytes) {
   return absl::StrCat(bytes);
 }
 
+template <typename T>
+void ConfigRegistry::BindTyped(std::string name, T* field, TunableSpec spec, const char* type,
+                               std::function<absl::Status(absl::string_view, T*)> parse,
+                               std::function<std::string(const T&)> format) {
+  auto hook = std::make_shared<Hook<T>>();
+  Tunable t;
+  t.info.name = name;
+  t.info.type = type;
+  t.format = [field, format] { return format(*field); };
+  // Called by Set() with mu_ held.
+  t.set = [field, name, parse, hook](absl::string_view text, bool run_hook) -> absl::Status {
+    T value;
+    absl::Status parsed = parse(text, &value);
+    if (!parsed.ok()) return parsed;
+    if (run_hook && *hook) RETURN_IF_ERROR((*hook)(value));
+    *field = std::move(value);
+    return absl::OkStatus();
+  };
+  t.hook = hook;
+  t.hook_type = &typeid(T);
+  t.spec = std::move(spec);
+  t.info.default_value = t.format();
+  absl::MutexLock lock(&mu_);
+  tunables_[name] = std::move(t);
+}
+
 void ConfigRegistry::Bind(std::string name, int64_t* field, TunableSpec spec) {
   const bool bytes = spec.unit == "bytes";
-  Tunable t;
-  t.info.type = "int";
-  t.format = [field, bytes] { return bytes ? FormatByteSize(*field) : absl::StrCat(*field); };
-  t.set = [this, field, name, bytes, spec](absl::string_view text, bool run_hook)
-              -> absl::Status {  // called by Set() with mu_ held
-    int64_t v;
+  auto parse = [name, bytes, spec](absl::string_view text, int64_t* v) -> absl::Status {
     if (bytes) {
       auto parsed = ParseByteSize(text);
       if (!parsed.ok()) return BadValue(name, text, "a byte size such as 4096, 512MiB or 8GiB");
-      v = *parsed;
-    } else if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), &v)) {
+      *v = *parsed;
+    } else if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), v)) {
       return BadValue(name, text, "an integer");
     }
-    if (static_cast<double>(v) < spec.min || static_cast<double>(v) > spec.max) {
+    if (static_cast<double>(*v) < spec.min || static_cast<double>(*v) > spec.max) {
       return OutOfRange(name, text, spec);
     }
-    if (run_hook) {
-      auto hook = int_hooks_.find(name);
-      if (hook != int_hooks_.end()) RETURN_IF_ERROR(hook->second(v));
-    }
-    *field = v;
     return absl::OkStatus();
   };
-  t.spec = std::move(spec);
-  absl::MutexLock lock(&mu_);
-  t.info.name = name;
-  t.info.default_value = t.format();
-  tunables_[name] = std::move(t);
+  auto format = [bytes](const int64_t& v) { return bytes ? FormatByteSize(v) : absl::StrCat(v); };
+  BindTyped<int64_t>(name, field, spec, "int", parse, format);
 }
 
 void ConfigRegistry::Bind(std::string name, double* field, TunableSpec spec) {
-  Tunable t;
-  t.info.type = "double";
-  t.format = [field] { return absl::StrCat(*field); };
-  t.set = [field, name, spec](absl::string_view text, bool) -> absl::Status {
-    double v;
-    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), &v) || !std::isfinite(v)) {
+  auto parse = [name, spec](absl::string_view text, double* v) -> absl::Status {
+    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), v) || !std::isfinite(*v)) {
       return BadValue(name, text, "a finite number");
     }
-    if (v < spec.min || v > spec.max) return OutOfRange(name, text, spec);
-    *field = v;
+    if (*v < spec.min || *v > spec.max) return OutOfRange(name, text, spec);
     return absl::OkStatus();
   };
-  t.spec = std::move(spec);
-  absl::MutexLock lock(&mu_);
-  t.info.name = name;
-  t.info.default_value = t.format();
-  tunables_[name] = std::move(t);
+  auto format = [](const double& v) { return absl::StrCat(v); };
+  BindTyped<double>(name, field, spec, "double", parse, format);
 }
 
 void ConfigRegistry::Bind(std::string name, bool* field, TunableSpec spec) {
-  Tunable t;
-  t.info.type = "bool";
-  t.format = [field] { return *field ? "true" : "false"; };
-  t.set = [field, name](absl::string_view text, bool) -> absl::Status {
-    bool v;
-    if (!absl::SimpleAtob(absl::StripAsciiWhitespace(text), &v)) {
+  auto parse = [name](absl::string_view text, bool* v) -> absl::Status {
+    if (!absl::SimpleAtob(absl::StripAsciiWhitespace(text), v)) {
       return BadValue(name, text, "true or false");
     }
-    *field = v;
     return absl::OkStatus();
   };
-  t.spec = std::move(spec);
-  absl::MutexLock lock(&mu_);
-  t.info.name = name;
-  t.info.default_value = t.format();
-  tunables_[name] = std::move(t);
+  auto format = [](const bool& v) { return std::string(v ? "true" : "false"); };
+  BindTyped<bool>(name, field, spec, "bool", parse, format);
 }
 
 void ConfigRegistry::Bind(std::string name, std::string* field, TunableSpec spec) {
-  Tunable t;
-  t.info.type = "string";
-  t.format = [field] { return *field; };
-  t.set = [field](absl::string_view text, bool) -> absl::Status {
-    *field = std::string(text);
+  auto parse = [](absl::string_view text, std::string* v) -> absl::Status {
+    *v = std::string(text);
     return absl::OkStatus();
   };
-  t.spec = std::move(spec);
-  absl::MutexLock lock(&mu_);
-  t.info.name = name;
-  t.info.default_value = t.format();
-  tunables_[name] = std::move(t);
-}
-
-void ConfigRegistry::SetIntHook(const std::string& name, IntHook hook) {
-  absl::MutexLock lock(&mu_);
-  int_hooks_[name] = std::move(hook);
+  auto format = [](const std::string& v) { return v; };
+  BindTyped<std::string>(name, field, spec, "string", parse, format);
 }
 
 void ConfigRegistry::Freeze() {

@@ -14,6 +14,10 @@
 #define OFFLOADD_ENGINE_CONFIG_H_
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <typeinfo>
 #include <functional>
 #include <map>
 #include <string>
@@ -59,10 +63,14 @@ class ConfigRegistry {
   void Bind(std::string name, bool* field, TunableSpec spec);
   void Bind(std::string name, std::string* field, TunableSpec spec);
 
-  // Runs before a new value of a dynamic tunable is stored; the value is
-  // parsed and range-checked already. A failing hook leaves the old value.
-  using IntHook = std::function<absl::Status(int64_t)>;
-  void SetIntHook(const std::string& name, IntHook hook);
+  // Runs before a new value of a dynamic tunable is stored, once the
+  // registry is frozen (before that, components read their options when they
+  // are built); the value is parsed and range-checked already. A failing
+  // hook leaves the old value. T must be the bound field's type.
+  template <typename T>
+  using Hook = std::function<absl::Status(const T&)>;
+  template <typename T>
+  void SetHook(const std::string& name, Hook<T> hook);
 
   // After Freeze(), setting a static tunable fails with FAILED_PRECONDITION.
   void Freeze();
@@ -87,15 +95,35 @@ class ConfigRegistry {
     std::function<std::string()> format;
     // Parses and range-checks `text`, runs the hook when `run_hook`, stores.
     std::function<absl::Status(absl::string_view text, bool run_hook)> set;
+    // A Hook<T> for the field's T, shared with `set`.
+    std::shared_ptr<void> hook;
+    const std::type_info* hook_type = nullptr;
   };
+
+  template <typename T>
+  void BindTyped(std::string name, T* field, TunableSpec spec, const char* type,
+                 std::function<absl::Status(absl::string_view, T*)> parse,
+                 std::function<std::string(const T&)> format);
 
   TunableInfo Snapshot(const Tunable& t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::map<std::string, Tunable, std::less<>> tunables_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, IntHook, std::less<>> int_hooks_ ABSL_GUARDED_BY(mu_);
   bool frozen_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+template <typename T>
+void ConfigRegistry::SetHook(const std::string& name, Hook<T> hook) {
+  absl::MutexLock lock(&mu_);
+  auto it = tunables_.find(name);
+  // Hooks are wired by code at start-up: a wrong name or type is a bug.
+  if (it == tunables_.end() || *it->second.hook_type != typeid(T)) {
+    std::fprintf(stderr, "ConfigRegistry::SetHook: no %s tunable '%s'\n", typeid(T).name(),
+                 name.c_str());
+    std::abort();
+  }
+  *std::static_pointer_cast<Hook<T>>(it->second.hook) = std::move(hook);
+}
 
 // Parses "4096", "64K", "512MiB", "8GiB", "1.5G" (binary multiples).
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);

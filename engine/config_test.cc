@@ -51,7 +51,7 @@ TEST_F(ConfigTest, RejectsBadValuesWithoutChangingAnything) {
 
 TEST_F(ConfigTest, StaticTunablesFreezeAndHooksCanRefuse) {
   int64_t seen = -1;
-  registry_.SetIntHook("optimizer.threads", [&](int64_t v) -> absl::Status {
+  registry_.SetHook<int64_t>("optimizer.threads", [&](const int64_t& v) -> absl::Status {
     if (v == 7) return absl::InvalidArgumentError("seven is unlucky");
     seen = v;
     return absl::OkStatus();

@@ -25,6 +25,8 @@ Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                                                       ConfigRegistry* registry) {
   std::unique_ptr<Daemon> d(new Daemon(options, registry));
+  // The constructor fell back to "auto" for a kernel this CPU lacks; say so.
+  RETURN_IF_ERROR(d->optimizer_.SetKernel(options->optimizer.kernel));
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
@@ -77,14 +79,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
 
   Daemon* raw = d.get();
-  registry->SetIntHook("optimizer.threads", [raw](int64_t v) { return raw->optimizer_.SetThreads(v); });
-  registry->SetIntHook("optimizer.tile_elems",
-                       [raw](int64_t v) { return raw->optimizer_.SetTileElems(v); });
-  registry->SetIntHook("memory.host_budget_bytes", [raw](int64_t v) {
+  registry->SetHook<int64_t>("optimizer.threads",
+                             [raw](const int64_t& v) { return raw->optimizer_.SetThreads(v); });
+  registry->SetHook<int64_t>("optimizer.tile_elems",
+                             [raw](const int64_t& v) { return raw->optimizer_.SetTileElems(v); });
+  registry->SetHook<std::string>(
+      "optimizer.kernel", [raw](const std::string& v) { return raw->optimizer_.SetKernel(v); });
+  registry->SetHook<bool>("optimizer.check_finite", [raw](const bool& v) {
+    raw->optimizer_.SetCheckFinite(v);
+    return absl::OkStatus();
+  });
+  registry->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
     raw->host_.SetLimit(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
-  registry->SetIntHook("memory.session_arena_bytes", [raw](int64_t v) {
+  registry->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {
     raw->sessions_.SetArenaCapacity(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
@@ -104,7 +113,8 @@ std::vector<std::string> Daemon::Describe() const {
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
   lines.push_back("tier nvme: not configured");
   lines.push_back(absl::StrCat("optimizer: ", optimizer_.kernel_name(), " Adam on ",
-                               optimizer_.threads(), " threads"));
+                               optimizer_.threads(), " threads, non-finite check ",
+                               options_->optimizer.check_finite ? "on" : "off"));
   lines.push_back(absl::StrCat("data directory ", options_->server.data_dir));
   return lines;
 }

@@ -32,6 +32,10 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"threads", "threads in the optimizer arena; 0 = one per CPU", true, 0, 1024});
   r->Bind("optimizer.tile_elems", &o->optimizer.tile_elems,
           {"elements", "parameters per optimizer task", true, 1024, double(int64_t{1} << 30)});
+  r->Bind("optimizer.kernel", &o->optimizer.kernel,
+          {"isa", "Adam kernel: auto, avx512, avx2 or scalar (all bit-identical)", true});
+  r->Bind("optimizer.check_finite", &o->optimizer.check_finite,
+          {"bool", "skip a step whose gradients hold NaN/Inf, changing nothing", true});
 }
 
 }  // namespace offload

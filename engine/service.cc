@@ -157,10 +157,13 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequ
   h.weight_decay = p.weight_decay();
   h.decoupled_weight_decay = p.decoupled_weight_decay();
   h.bias_correction = p.bias_correction();
+  if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
   absl::StatusOr<StepSummary> summary = sessions_->Step(KeyOf(req->session()), h);
   if (!summary.ok()) return Finish(summary.status());
   resp->set_partitions_updated(summary->partitions_updated);
   resp->set_params_updated(summary->params_updated);
+  resp->set_skipped(summary->skipped);
+  resp->set_nonfinite_gradients(summary->nonfinite);
   return grpc::Status::OK;
 }
 

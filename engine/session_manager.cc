@@ -320,11 +320,15 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
     tasks.push_back(task);
     summary.params_updated += p->info.numel;
   }
-  RETURN_IF_ERROR(optimizer_->Step(tasks, h));
+  ASSIGN_OR_RETURN(StepReport report, optimizer_->Step(tasks, h));
   for (Partition* p : ready) {
     p->master_initialized = true;
     p->grads_ready = false;
-    ++p->info.step;
+    if (!report.skipped) ++p->info.step;
+  }
+  if (report.skipped) {
+    stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);
+    return StepSummary{0, 0, true, report.nonfinite};
   }
   ++session->steps;
   summary.partitions_updated = ready.size();

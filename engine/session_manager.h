@@ -89,6 +89,10 @@ struct PartitionInfo {
 struct StepSummary {
   uint64_t partitions_updated = 0;
   uint64_t params_updated = 0;
+  // Non-finite gradients were found: nothing was updated, step counts did
+  // not advance, and the partitions need fresh gradients.
+  bool skipped = false;
+  uint64_t nonfinite = 0;
 };
 
 struct SessionSummary {
@@ -123,6 +127,8 @@ class SessionManager {
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
                                DType grad_dtype);
   // FAILED_PRECONDITION if no partition returned gradients since last step.
+  // Either way the returned gradients are consumed: a skipped step (see
+  // StepSummary) also needs new ones.
   absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h);
 
   // A duplicate of the session's arena descriptor, for the arena channel.

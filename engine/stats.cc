@@ -12,6 +12,7 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"fetches", v(fetches), "partitions"},
       {"gradients_returned", v(gradients_returned), "partitions"},
       {"steps", v(steps), "steps"},
+      {"steps_skipped_nonfinite", v(steps_skipped), "steps"},
       {"params_updated", v(params_updated), "params"},
       {"step_time", v(step_nanos) / 1000, "us"},
       {"requests_failed", v(requests_failed), "requests"},

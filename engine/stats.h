@@ -24,6 +24,7 @@ struct Stats {
   std::atomic<int64_t> fetches{0};
   std::atomic<int64_t> gradients_returned{0};
   std::atomic<int64_t> steps{0};
+  std::atomic<int64_t> steps_skipped{0};
   std::atomic<int64_t> params_updated{0};
   std::atomic<int64_t> step_nanos{0};
   std::atomic<int64_t> requests_failed{0};

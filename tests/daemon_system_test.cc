@@ -133,6 +133,75 @@ TEST_F(DaemonTest, BadRequestsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_EQ(Counter("requests_failed"), 8);
 }
 
+TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
+  auto s = Open("overflow");
+  ASSERT_TRUE(s);
+  auto w = s->Register("w", 1000, DType::kBf16, DType::kBf16);
+  ASSERT_TRUE(w.ok());
+  for (uint16_t& x : w->params_as<uint16_t>()) x = FloatToBf16(0.5f);
+  for (uint16_t& x : w->grads_as<uint16_t>()) x = FloatToBf16(0.1f);
+  w->grads_as<uint16_t>()[777] = FloatToBf16(INFINITY);
+  ASSERT_TRUE(s->ReturnGradients(*w).ok());
+  auto skipped = s->Step(AdamHyperparams{});
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_EQ(skipped->nonfinite_gradients, 1u);
+  EXPECT_EQ(skipped->partitions_updated, 0u);
+  auto after = s->Fetch(w->id);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->step, 0u);
+  for (uint16_t x : after->params_as<uint16_t>()) ASSERT_EQ(x, FloatToBf16(0.5f));
+  // The skipped step consumed the gradients: fresh ones are needed.
+  EXPECT_EQ(s->Step(AdamHyperparams{}).status().code(), absl::StatusCode::kFailedPrecondition);
+  w->grads_as<uint16_t>()[777] = FloatToBf16(0.1f);
+  ASSERT_TRUE(s->ReturnGradients(*w).ok());
+  auto ok = s->Step(AdamHyperparams{});
+  ASSERT_TRUE(ok.ok());
+  EXPECT_FALSE(ok->skipped);
+  EXPECT_EQ(s->Fetch(w->id)->step, 1u);
+  EXPECT_EQ(Counter("steps_skipped_nonfinite"), 1);
+}
+
+TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
+  // Partition a gets gradients g with grad_scale 0.25; partition b gets g/4
+  // with grad_scale 1 in another session. Both must end bit-identical, under
+  // each kernel the CPU has, switched while the daemon runs.
+  std::vector<float> first;
+  for (const char* kernel : {"scalar", "avx2", "avx512"}) {
+    auto set = client_->SetTunable("optimizer.kernel", kernel);
+    if (!set.ok()) {
+      EXPECT_EQ(set.status().code(), absl::StatusCode::kFailedPrecondition);
+      continue;
+    }
+    auto sa = Open("a");
+    auto sb = Open("b");
+    ASSERT_TRUE(sa && sb);
+    auto a = sa->Register("w", 4099, DType::kFp32, DType::kFp32);
+    auto b = sb->Register("w", 4099, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(a.ok() && b.ok());
+    for (size_t i = 0; i < 4099; ++i) {
+      const float g = std::sin(static_cast<float>(i));
+      a->params_as<float>()[i] = b->params_as<float>()[i] = std::cos(static_cast<float>(i));
+      a->grads_as<float>()[i] = g;
+      b->grads_as<float>()[i] = g * 0.25f;
+    }
+    AdamHyperparams h;
+    h.grad_scale = 0.25f;
+    ASSERT_TRUE(sa->ReturnGradients(*a).ok());
+    ASSERT_TRUE(sa->Step(h).ok());
+    h.grad_scale = 1.0f;
+    ASSERT_TRUE(sb->ReturnGradients(*b).ok());
+    ASSERT_TRUE(sb->Step(h).ok());
+    std::vector<float> pa(a->params_as<float>().begin(), a->params_as<float>().end());
+    std::vector<float> pb(b->params_as<float>().begin(), b->params_as<float>().end());
+    EXPECT_EQ(pa, pb) << kernel;
+    if (first.empty()) first = pa;
+    EXPECT_EQ(pa, first) << kernel << " differs from scalar";
+  }
+  EXPECT_EQ(client_->SetTunable("optimizer.kernel", "sse9").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(DaemonTest, RawRequestsAreCheckedToo) {
   auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::PartitionService::NewStub(channel);

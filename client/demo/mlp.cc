@@ -137,7 +137,10 @@ class InProcessStore final : public ParameterStore {
                         x.master.size()},
                        step_});
     }
-    return optimizer_.Step(tasks, config_.adam);
+    absl::StatusOr<StepReport> report = optimizer_.Step(tasks, config_.adam);
+    if (!report.ok()) return report.status();
+    if (report->skipped) return absl::DataLossError("non-finite gradients in the demo model");
+    return absl::OkStatus();
   }
 
  private:

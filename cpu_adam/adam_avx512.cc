@@ -1,0 +1,164 @@
+// AVX-512 Adam: 16 lanes, masked loads and stores for the tail (no scalar
+// remainder loop). Performs exactly the IEEE operations of AdamScalar in the
+// same order and without FMA (this target builds with -ffp-contract=off), so
+// its results are bit-identical to the reference.
+//
+// This file must not call inline functions shared with other targets (such
+// as those in dtype.h): the compiler could emit an AVX-512 copy that the
+// linker then uses everywhere.
+#include "cpu_adam/adam_avx512.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace offload {
+namespace {
+
+enum class Out { kNone, kFp32, kBf16, kFp16 };
+
+template <DType G>
+inline __m512 LoadGrad(const void* g, size_t i, __mmask16 mask) {
+  if constexpr (G == DType::kFp32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(g) + i);
+  } else {
+    __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(g) + i);
+    if constexpr (G == DType::kBf16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// fp32 -> bf16, round to nearest even; NaN stays NaN (quiet bit forced).
+inline __m256i ToBf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <Out W>
+inline void StoreWorking(void* w, size_t i, __m512 p, __mmask16 mask) {
+  if constexpr (W == Out::kFp32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(w) + i, mask, p);
+  } else if constexpr (W == Out::kBf16) {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(w) + i, mask, ToBf16(p));
+  } else if constexpr (W == Out::kFp16) {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(w) + i, mask,
+                             _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+template <DType G, Out W, bool kL2>
+void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
+  const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
+  const __m512 beta1 = _mm512_set1_ps(c.beta1);
+  const __m512 beta2 = _mm512_set1_ps(c.beta2);
+  const __m512 omb1 = _mm512_set1_ps(c.one_minus_beta1);
+  const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2);
+  const __m512 step_size = _mm512_set1_ps(c.step_size);
+  const __m512 ibc2 = _mm512_set1_ps(c.inv_bias_correction2_sqrt);
+  const __m512 eps = _mm512_set1_ps(c.eps);
+  const __m512 decay = _mm512_set1_ps(c.decay_factor);
+  const __m512 l2 = _mm512_set1_ps(c.l2);
+  float* const master = s.master;
+  float* const exp_avg = s.exp_avg;
+  float* const exp_avg_sq = s.exp_avg_sq;
+  const size_t n = s.numel;
+
+  auto body = [&](size_t i, __mmask16 mask) {
+    __m512 g = _mm512_mul_ps(LoadGrad<G>(s.grads, i, mask), grad_scale);
+    __m512 p = _mm512_maskz_loadu_ps(mask, master + i);
+    if constexpr (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(l2, p));
+    p = _mm512_mul_ps(p, decay);
+    const __m512 m = _mm512_add_ps(_mm512_mul_ps(beta1, _mm512_maskz_loadu_ps(mask, exp_avg + i)),
+                                   _mm512_mul_ps(omb1, g));
+    const __m512 v =
+        _mm512_add_ps(_mm512_mul_ps(beta2, _mm512_maskz_loadu_ps(mask, exp_avg_sq + i)),
+                      _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
+    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
+    p = _mm512_sub_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(m, denom)));
+    _mm512_mask_storeu_ps(exp_avg + i, mask, m);
+    _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);
+    _mm512_mask_storeu_ps(master + i, mask, p);
+    StoreWorking<W>(s.working, i, p, mask);
+  };
+
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff));
+  if (i < n) body(i, static_cast<__mmask16>((1u << (n - i)) - 1u));
+}
+
+template <DType G, Out W>
+void AdamDispatchL2(const AdamStepConstants& c, const AdamSpan& s) {
+  if (c.l2 != 0.0f) {
+    AdamLoop<G, W, true>(c, s);
+  } else {
+    AdamLoop<G, W, false>(c, s);
+  }
+}
+
+template <DType G>
+void AdamDispatchOut(const AdamStepConstants& c, const AdamSpan& s) {
+  if (s.working == nullptr) return AdamDispatchL2<G, Out::kNone>(c, s);
+  switch (s.working_dtype) {
+    case DType::kFp32:
+      return AdamDispatchL2<G, Out::kFp32>(c, s);
+    case DType::kBf16:
+      return AdamDispatchL2<G, Out::kBf16>(c, s);
+    case DType::kFp16:
+      return AdamDispatchL2<G, Out::kFp16>(c, s);
+  }
+}
+
+void AdamAvx512(const AdamStepConstants& c, const AdamSpan& s) {
+  switch (s.grad_dtype) {
+    case DType::kFp32:
+      return AdamDispatchOut<DType::kFp32>(c, s);
+    case DType::kBf16:
+      return AdamDispatchOut<DType::kBf16>(c, s);
+    case DType::kFp16:
+      return AdamDispatchOut<DType::kFp16>(c, s);
+  }
+}
+
+uint64_t CountNonFiniteAvx512(const void* grads, DType dtype, size_t n) {
+  uint64_t count = 0;
+  size_t i = 0;
+  if (dtype == DType::kFp32) {
+    const float* g = static_cast<const float*>(grads);
+    const __m512i exp = _mm512_set1_epi32(0x7f800000);
+    for (; i < n; i += 16) {
+      const __mmask16 mask =
+          n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, g + i));
+      count += static_cast<uint64_t>(
+          __builtin_popcount(_mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(u, exp), exp)));
+    }
+    return count;
+  }
+  const uint16_t* g = static_cast<const uint16_t*>(grads);
+  const __m512i exp = _mm512_set1_epi16(static_cast<short>(dtype == DType::kBf16 ? 0x7f80 : 0x7c00));
+  for (; i < n; i += 32) {
+    const __mmask32 mask = n - i >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                                       : static_cast<__mmask32>((uint64_t{1} << (n - i)) - 1u);
+    const __m512i u = _mm512_maskz_loadu_epi16(mask, g + i);
+    count += static_cast<uint64_t>(
+        __builtin_popcount(_mm512_mask_cmpeq_epi16_mask(mask, _mm512_and_si512(u, exp), exp)));
+  }
+  return count;
+}
+
+}  // namespace
+
+const AdamKernels& Avx512AdamKernels() {
+  static const AdamKernels kernels = {"avx512", &AdamAvx512, &CountNonFiniteAvx512};
+  return kernels;
+}
+
+}  // namespace offload

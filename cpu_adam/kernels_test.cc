@@ -1,0 +1,226 @@
+// Every vectorised kernel against the scalar reference: bit-identical
+// results over all dtype combinations, odd sizes, unaligned starts and
+// special values (denormals, huge and tiny magnitudes, signed zeros).
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "cpu_adam/kernel_select.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+struct Case {
+  DType grad;
+  int working;  // -1 none, else a DType
+  bool adamw;
+  bool bias_correction;
+  float grad_scale;
+};
+
+bool SameBits(const void* a, const void* b, size_t bytes, size_t elem) {
+  if (std::memcmp(a, b, bytes) == 0) return true;
+  // Allow differing NaN payloads only where both sides are NaN.
+  for (size_t i = 0; i < bytes; i += elem) {
+    if (std::memcmp(static_cast<const char*>(a) + i, static_cast<const char*>(b) + i, elem) == 0) {
+      continue;
+    }
+    if (elem != 4) return false;
+    float x, y;
+    std::memcpy(&x, static_cast<const char*>(a) + i, 4);
+    std::memcpy(&y, static_cast<const char*>(b) + i, 4);
+    if (!(std::isnan(x) && std::isnan(y))) return false;
+  }
+  return true;
+}
+
+// Fills values mixing ordinary numbers with special ones.
+float Draw(std::mt19937& rng, bool special) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  if (special) {
+    switch (rng() % 8) {
+      case 0:
+        return 1e-40f * (rng() % 2 ? 1.0f : -1.0f);  // denormal
+      case 1:
+        return 1e30f * normal(rng);
+      case 2:
+        return 1e-30f * normal(rng);
+      case 3:
+        return rng() % 2 ? 0.0f : -0.0f;
+      default:
+        break;
+    }
+  }
+  return normal(rng);
+}
+
+struct Buffers {
+  std::vector<float> p, m, v;
+  std::vector<unsigned char> g, w;
+};
+
+Buffers MakeBuffers(size_t n, size_t offset, DType grad, uint32_t seed, bool special) {
+  std::mt19937 rng(seed);
+  Buffers b;
+  b.p.resize(n + offset);
+  b.m.resize(n + offset);
+  b.v.resize(n + offset);
+  b.g.resize((n + offset) * DTypeSize(grad));
+  b.w.assign((n + offset) * 4, 0xAB);
+  for (size_t i = 0; i < n + offset; ++i) {
+    b.p[i] = Draw(rng, special);
+    b.m[i] = 0.1f * Draw(rng, special);
+    b.v[i] = std::fabs(0.01f * Draw(rng, special));
+  }
+  std::vector<float> g(n + offset);
+  for (float& x : g) x = Draw(rng, special);
+  NarrowFromFloat(g.data(), grad, b.g.data(), n + offset);
+  return b;
+}
+
+AdamSpan SpanOf(Buffers& b, size_t n, size_t offset, const Case& c) {
+  AdamSpan s;
+  s.master = b.p.data() + offset;
+  s.exp_avg = b.m.data() + offset;
+  s.exp_avg_sq = b.v.data() + offset;
+  s.grads = b.g.data() + offset * DTypeSize(c.grad);
+  s.grad_dtype = c.grad;
+  if (c.working >= 0) {
+    s.working_dtype = static_cast<DType>(c.working);
+    s.working = b.w.data() + offset * DTypeSize(s.working_dtype);
+  }
+  s.numel = n;
+  return s;
+}
+
+class KernelTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    auto k = SelectAdamKernels(GetParam());
+    if (!k.ok()) GTEST_SKIP() << "this CPU cannot run " << GetParam() << ": " << k.status();
+    kernels_ = *k;
+  }
+  const AdamKernels* kernels_ = nullptr;
+};
+
+TEST_P(KernelTest, BitIdenticalToScalarReference) {
+  const size_t sizes[] = {1, 7, 8, 15, 16, 17, 31, 33, 100, 1000, 4099};
+  const size_t offsets[] = {0, 1, 3};
+  int cases = 0;
+  for (DType grad : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+    for (int working : {-1, 1, 2, 3}) {
+      for (bool adamw : {true, false}) {
+        for (bool bias : {true, false}) {
+          for (float gs : {1.0f, 0.125f}) {
+            for (size_t n : sizes) {
+              for (size_t off : offsets) {
+                for (bool special : {false, true}) {
+                  Case c{grad, working, adamw, bias, gs};
+                  AdamHyperparams h;
+                  h.lr = 1e-2f;
+                  h.weight_decay = 0.05f;
+                  h.decoupled_weight_decay = adamw;
+                  h.bias_correction = bias;
+                  h.grad_scale = gs;
+                  const uint64_t step = 1 + (n % 7) * 13;
+                  const AdamStepConstants k = ComputeStepConstants(h, step);
+                  const uint32_t seed = static_cast<uint32_t>(n * 131 + off * 7 + special);
+                  Buffers ref = MakeBuffers(n, off, grad, seed, special);
+                  Buffers got = ref;
+                  AdamScalar(k, SpanOf(ref, n, off, c));
+                  kernels_->adam(k, SpanOf(got, n, off, c));
+                  const std::string what = "grad=" + std::string(DTypeName(grad)) +
+                                           " working=" + std::to_string(working) +
+                                           " adamw=" + std::to_string(adamw) +
+                                           " bias=" + std::to_string(bias) + " n=" +
+                                           std::to_string(n) + " off=" + std::to_string(off) +
+                                           " special=" + std::to_string(special);
+                  ASSERT_TRUE(SameBits(ref.p.data(), got.p.data(), ref.p.size() * 4, 4)) << what;
+                  ASSERT_TRUE(SameBits(ref.m.data(), got.m.data(), ref.m.size() * 4, 4)) << what;
+                  ASSERT_TRUE(SameBits(ref.v.data(), got.v.data(), ref.v.size() * 4, 4)) << what;
+                  const size_t welem = working == 1 ? 4 : 2;
+                  ASSERT_TRUE(SameBits(ref.w.data(), got.w.data(), ref.w.size(), welem)) << what;
+                  ++cases;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 3 * 4 * 2 * 2 * 2 * 11 * 3 * 2);
+}
+
+TEST_P(KernelTest, WorkingCopyKeepsNaNAndInfinity) {
+  const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, 3.4e38f, 65520.0f, 1e-8f};
+  for (int working : {2, 3}) {
+    const size_t n = 21;
+    std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), g(n, 0.0f);
+    for (size_t i = 0; i < n; ++i) p[i] = specials[i % 7];
+    std::vector<float> p2 = p, m2 = m, v2 = v;
+    std::vector<uint16_t> w(n), w2(n);
+    AdamHyperparams h;  // zero gradients: p stays as it is
+    const AdamStepConstants k = ComputeStepConstants(h, 1);
+    const DType wt = static_cast<DType>(working);
+    AdamScalar(k, {p.data(), m.data(), v.data(), g.data(), DType::kFp32, w.data(), wt, n});
+    kernels_->adam(k, {p2.data(), m2.data(), v2.data(), g.data(), DType::kFp32, w2.data(), wt, n});
+    for (size_t i = 0; i < n; ++i) {
+      const float ref = wt == DType::kBf16 ? Bf16ToFloat(w[i]) : Fp16ToFloat(w[i]);
+      const float got = wt == DType::kBf16 ? Bf16ToFloat(w2[i]) : Fp16ToFloat(w2[i]);
+      if (std::isnan(p[i])) {
+        EXPECT_TRUE(std::isnan(ref) && std::isnan(got)) << i;
+      } else {
+        EXPECT_EQ(w[i], w2[i]) << "working " << working << " value " << p[i];
+      }
+    }
+  }
+}
+
+TEST_P(KernelTest, CountsNonFiniteGradients) {
+  std::mt19937 rng(5);
+  for (DType dt : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+    for (size_t n : {0, 1, 15, 16, 17, 33, 1000}) {
+      std::vector<float> g(n);
+      size_t expected = 0;
+      for (size_t i = 0; i < n; ++i) {
+        switch (rng() % 10) {
+          case 0:
+            g[i] = NAN;
+            ++expected;
+            break;
+          case 1:
+            g[i] = -INFINITY;
+            ++expected;
+            break;
+          default:
+            g[i] = static_cast<float>(rng() % 1000) - 500.0f;
+        }
+      }
+      std::vector<unsigned char> raw(std::max<size_t>(n, 1) * DTypeSize(dt));
+      NarrowFromFloat(g.data(), dt, raw.data(), n);
+      EXPECT_EQ(kernels_->count_nonfinite(raw.data(), dt, n), expected)
+          << DTypeName(dt) << " n=" << n;
+      EXPECT_EQ(CountNonFiniteScalar(raw.data(), dt, n), expected);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllKernels, KernelTest, ::testing::Values("scalar", "avx2", "avx512"),
+                         [](const auto& info) { return info.param; });
+
+TEST(KernelSelect, AutoPicksTheWidestAndNamesAreChecked) {
+  auto k = SelectAdamKernels("auto");
+  ASSERT_TRUE(k.ok());
+  const std::string want = CpuHasAvx512() ? "avx512" : CpuHasAvx2() ? "avx2" : "scalar";
+  EXPECT_EQ((*k)->name, want);
+  EXPECT_EQ(SelectAdamKernels("sse9").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_GE(SupportedAdamKernels().size(), 1u);
+}
+
+}  // namespace
+}  // namespace offload
