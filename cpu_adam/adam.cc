@@ -7,7 +7,7 @@
 namespace offload {
 namespace {
 
-absl::Status Invalid(const char* field, float value, const char* want) {
+absl::Status Invalid(const char* field, double value, const char* want) {
   return absl::InvalidArgumentError(
       absl::StrCat("Adam hyperparameter ", field, " = ", value, ": must be ", want));
 }
@@ -41,14 +41,15 @@ void StoreWorking(void* w, DType t, size_t i, float value) {
 }  // namespace
 
 absl::Status ValidateHyperparams(const AdamHyperparams& h) {
-  if (!(h.lr >= 0.0f) || !std::isfinite(h.lr)) return Invalid("lr", h.lr, "finite and >= 0");
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f)) return Invalid("beta1", h.beta1, "in [0, 1)");
-  if (!(h.beta2 >= 0.0f && h.beta2 < 1.0f)) return Invalid("beta2", h.beta2, "in [0, 1)");
-  if (!(h.eps > 0.0f) || !std::isfinite(h.eps)) return Invalid("eps", h.eps, "finite and > 0");
-  if (!(h.weight_decay >= 0.0f) || !std::isfinite(h.weight_decay)) {
+  if (!(h.lr >= 0.0) || !std::isfinite(h.lr)) return Invalid("lr", h.lr, "finite and >= 0");
+  if (!(h.beta1 >= 0.0 && h.beta1 < 1.0)) return Invalid("beta1", h.beta1, "in [0, 1)");
+  if (!(h.beta2 >= 0.0 && h.beta2 < 1.0)) return Invalid("beta2", h.beta2, "in [0, 1)");
+  if (!(h.eps > 0.0) || !std::isfinite(h.eps)) return Invalid("eps", h.eps, "finite and > 0");
+  if (!(h.weight_decay >= 0.0) || !std::isfinite(h.weight_decay)) {
     return Invalid("weight_decay", h.weight_decay, "finite and >= 0");
   }
-  if (!(h.grad_scale > 0.0f) || !std::isfinite(h.grad_scale)) {
+  if (!(h.grad_scale > 0.0) || !std::isfinite(h.grad_scale) ||
+      !std::isfinite(static_cast<float>(h.grad_scale))) {
     return Invalid("grad_scale", h.grad_scale, "finite and > 0");
   }
   return absl::OkStatus();
@@ -64,18 +65,17 @@ AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step) 
     bc2 = 1.0 - std::pow(b2, t);
   }
   AdamStepConstants c;
-  c.grad_scale = h.grad_scale;
-  c.beta1 = h.beta1;
-  c.beta2 = h.beta2;
+  c.grad_scale = static_cast<float>(h.grad_scale);
+  c.beta1 = static_cast<float>(h.beta1);
+  c.beta2 = static_cast<float>(h.beta2);
   c.one_minus_beta1 = static_cast<float>(1.0 - b1);
   c.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  c.step_size = static_cast<float>(lr / bc1);
-  c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  c.eps = h.eps;
-  c.decay_factor = h.decoupled_weight_decay
-                       ? static_cast<float>(1.0 - lr * static_cast<double>(h.weight_decay))
-                       : 1.0f;
-  c.l2 = h.decoupled_weight_decay ? 0.0f : h.weight_decay;
+  c.neg_step_size = static_cast<float>(-(lr / bc1));
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(h.eps);
+  c.decay_factor =
+      h.decoupled_weight_decay ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
+  c.l2 = h.decoupled_weight_decay ? 0.0f : static_cast<float>(h.weight_decay);
   return c;
 }
 
@@ -84,12 +84,12 @@ void AdamScalar(const AdamStepConstants& c, const AdamSpan& s) {
   for (size_t i = 0; i < s.numel; ++i) {
     float g = LoadGrad(s.grads, s.grad_dtype, i) * c.grad_scale;
     float p = s.master[i];
-    if (l2) g = g + c.l2 * p;
+    if (l2) g = std::fma(p, c.l2, g);
     p = p * c.decay_factor;
-    const float m = c.beta1 * s.exp_avg[i] + c.one_minus_beta1 * g;
-    const float v = c.beta2 * s.exp_avg_sq[i] + c.one_minus_beta2 * (g * g);
-    const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
-    p = p - c.step_size * (m / denom);
+    const float m = std::fma(g, c.one_minus_beta1, s.exp_avg[i] * c.beta1);
+    const float v = std::fma(c.one_minus_beta2 * g, g, s.exp_avg_sq[i] * c.beta2);
+    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    p = p + (c.neg_step_size * m) / denom;
     s.exp_avg[i] = m;
     s.exp_avg_sq[i] = v;
     s.master[i] = p;

@@ -21,19 +21,21 @@
 
 namespace offload {
 
+// Doubles, as Python passes them to torch: 1 - beta2 must be computed from
+// 0.999, not from 0.999f (which differs by 1.3e-5 relative).
 struct AdamHyperparams {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   // true: AdamW (weight decay applied to the parameter, decoupled from the
   // gradient); false: Adam with the L2 penalty added to the gradient.
   bool decoupled_weight_decay = true;
   bool bias_correction = true;
   // Gradients are multiplied by this first, in the same pass: the gradient
   // unscale and clip coefficient together (clip_coef / loss_scale).
-  float grad_scale = 1.0f;
+  double grad_scale = 1.0;
 };
 
 // INVALID_ARGUMENT naming the offending field when a value is out of range
@@ -49,8 +51,8 @@ struct AdamStepConstants {
   float beta2;
   float one_minus_beta1;
   float one_minus_beta2;
-  float step_size;                  // lr / (1 - beta1^step)
-  float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^step)
+  float neg_step_size;          // -lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
   float decay_factor;           // AdamW: 1 - lr * wd; else 1
   float l2;                     // Adam: wd; else 0
@@ -72,16 +74,19 @@ struct AdamSpan {
   size_t numel = 0;
 };
 
-// The scalar reference kernel. Per element, in this order and with no fused
-// multiply-add (every vector kernel performs the same IEEE operations, so
-// all kernels agree bit for bit):
-//   g  = grad * grad_scale
-//   g  = g + l2 * p                    (Adam with weight decay only)
-//   p  = p * decay_factor
-//   m  = beta1 * m + (1 - beta1) * g
-//   v  = beta2 * v + (1 - beta2) * (g * g)
-//   p  = p - step_size * (m / (sqrt(v) * inv_bias_correction2_sqrt + eps))
-//   working = round(p)                 (if requested)
+// The scalar reference kernel. Per element, in this order, fusing exactly
+// the multiply-adds marked fma (each one rounding) and no others. This is the
+// operation sequence of torch 1.13's single-tensor Adam/AdamW on CPU, so the
+// results match torch bit for bit; every vector kernel performs the same
+// IEEE operations, so all kernels agree bit for bit too:
+//   g = grad * grad_scale
+//   g = fma(p, l2, g)                            (Adam with weight decay)
+//   p = p * decay_factor                         (AdamW)
+//   m = fma(g, 1 - beta1, m * beta1)
+//   v = fma((1 - beta2) * g, g, v * beta2)
+//   d = sqrt(v) / bias_correction2_sqrt + eps
+//   p = p + (neg_step_size * m) / d
+//   working = round(p)                           (if requested)
 void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 
 // Number of NaN or infinite values among `n` gradients of `dtype`.

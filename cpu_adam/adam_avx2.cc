@@ -1,7 +1,7 @@
 // AVX2 Adam: 8 lanes; the tail runs one vector iteration on padded local
 // copies. Performs exactly the IEEE operations of AdamScalar in the same
-// order and without FMA (this target builds with -ffp-contract=off), so its
-// results are bit-identical to the reference.
+// order, fusing only where it does (this target builds with
+// -ffp-contract=off), so its results are bit-identical to the reference.
 //
 // This file must not call inline functions shared with other targets (such
 // as those in dtype.h): the compiler could emit an AVX2 copy that the linker
@@ -67,8 +67,8 @@ void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m256 beta2 = _mm256_set1_ps(c.beta2);
   const __m256 omb1 = _mm256_set1_ps(c.one_minus_beta1);
   const __m256 omb2 = _mm256_set1_ps(c.one_minus_beta2);
-  const __m256 step_size = _mm256_set1_ps(c.step_size);
-  const __m256 ibc2 = _mm256_set1_ps(c.inv_bias_correction2_sqrt);
+  const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
+  const __m256 bc2 = _mm256_set1_ps(c.bias_correction2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps);
   const __m256 decay = _mm256_set1_ps(c.decay_factor);
   const __m256 l2 = _mm256_set1_ps(c.l2);
@@ -77,14 +77,13 @@ void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
                   void* working, size_t i) {
     __m256 g = _mm256_mul_ps(LoadGrad<G>(grads, i), grad_scale);
     __m256 p = _mm256_loadu_ps(master + i);
-    if constexpr (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(l2, p));
+    if constexpr (kL2) g = _mm256_fmadd_ps(p, l2, g);
     p = _mm256_mul_ps(p, decay);
-    const __m256 m = _mm256_add_ps(_mm256_mul_ps(beta1, _mm256_loadu_ps(exp_avg + i)),
-                                   _mm256_mul_ps(omb1, g));
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(beta2, _mm256_loadu_ps(exp_avg_sq + i)),
-                                   _mm256_mul_ps(omb2, _mm256_mul_ps(g, g)));
-    const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), ibc2), eps);
-    p = _mm256_sub_ps(p, _mm256_mul_ps(step_size, _mm256_div_ps(m, denom)));
+    const __m256 m = _mm256_fmadd_ps(g, omb1, _mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), beta1));
+    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
+                                     _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(exp_avg + i, m);
     _mm256_storeu_ps(exp_avg_sq + i, v);
     _mm256_storeu_ps(master + i, p);

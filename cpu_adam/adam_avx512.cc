@@ -1,7 +1,7 @@
 // AVX-512 Adam: 16 lanes, masked loads and stores for the tail (no scalar
 // remainder loop). Performs exactly the IEEE operations of AdamScalar in the
-// same order and without FMA (this target builds with -ffp-contract=off), so
-// its results are bit-identical to the reference.
+// same order, fusing only where it does (this target builds with
+// -ffp-contract=off), so its results are bit-identical to the reference.
 //
 // This file must not call inline functions shared with other targets (such
 // as those in dtype.h): the compiler could emit an AVX-512 copy that the
@@ -61,8 +61,8 @@ void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m512 beta2 = _mm512_set1_ps(c.beta2);
   const __m512 omb1 = _mm512_set1_ps(c.one_minus_beta1);
   const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2);
-  const __m512 step_size = _mm512_set1_ps(c.step_size);
-  const __m512 ibc2 = _mm512_set1_ps(c.inv_bias_correction2_sqrt);
+  const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
+  const __m512 bc2 = _mm512_set1_ps(c.bias_correction2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __m512 decay = _mm512_set1_ps(c.decay_factor);
   const __m512 l2 = _mm512_set1_ps(c.l2);
@@ -74,15 +74,14 @@ void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
   auto body = [&](size_t i, __mmask16 mask) {
     __m512 g = _mm512_mul_ps(LoadGrad<G>(s.grads, i, mask), grad_scale);
     __m512 p = _mm512_maskz_loadu_ps(mask, master + i);
-    if constexpr (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(l2, p));
+    if constexpr (kL2) g = _mm512_fmadd_ps(p, l2, g);
     p = _mm512_mul_ps(p, decay);
-    const __m512 m = _mm512_add_ps(_mm512_mul_ps(beta1, _mm512_maskz_loadu_ps(mask, exp_avg + i)),
-                                   _mm512_mul_ps(omb1, g));
-    const __m512 v =
-        _mm512_add_ps(_mm512_mul_ps(beta2, _mm512_maskz_loadu_ps(mask, exp_avg_sq + i)),
-                      _mm512_mul_ps(omb2, _mm512_mul_ps(g, g)));
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
-    p = _mm512_sub_ps(p, _mm512_mul_ps(step_size, _mm512_div_ps(m, denom)));
+    const __m512 m =
+        _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg + i), beta1));
+    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
+                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg_sq + i), beta2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_mask_storeu_ps(exp_avg + i, mask, m);
     _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);
     _mm512_mask_storeu_ps(master + i, mask, p);
