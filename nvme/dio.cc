@@ -1,0 +1,90 @@
+#include "nvme/dio.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "engine/log.h"
+#include "engine/posix_error.h"
+
+namespace offload {
+
+DirectIoAlignment QueryDirectIoAlignment(int fd) {
+  struct statx stx = {};
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN | STATX_TYPE, &stx) == 0 &&
+      (stx.stx_mask & STATX_DIOALIGN)) {
+    return {stx.stx_dio_mem_align, stx.stx_dio_offset_align};
+  }
+  // Older kernels: the device's logical block size.
+  struct stat st;
+  if (fstat(fd, &st) != 0) return {};
+  std::ifstream in(absl::StrCat("/sys/dev/block/", major(st.st_dev), ":", minor(st.st_dev),
+                                "/queue/logical_block_size"));
+  uint32_t block = 0;
+  if (in >> block && block != 0) return {block, block};
+  return {};
+}
+
+absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct) {
+  const int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0);
+  IoFile file;
+  file.path = path;
+  if (want_direct) {
+    file.fd.reset(open(path.c_str(), flags | O_DIRECT, 0600));
+    if (!file.fd.valid() && errno != EINVAL) {
+      return PosixError(absl::StrCat("opening ", path, " for direct I/O"), errno);
+    }
+  }
+  if (file.fd.valid()) {
+    DirectIoAlignment a = QueryDirectIoAlignment(file.fd.get());
+    if (a.supported()) {
+      file.direct = true;
+      file.alignment = std::max({a.memory, a.offset, 512u});
+      return file;
+    }
+    // Opened, but the filesystem reports no direct I/O support: reopen.
+    file.fd.reset();
+  }
+  file.fd.reset(open(path.c_str(), flags, 0600));
+  if (!file.fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
+  if (want_direct) {
+    LogWarning("%s: filesystem does not support O_DIRECT; using buffered I/O (page cache)", path);
+  }
+  file.alignment = 4096;
+  return file;
+}
+
+absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes) {
+  AlignedBuffer b;
+  if (bytes == 0) return b;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return PosixError(absl::StrCat("mmap ", bytes, " bytes"), errno);
+  b.data_ = static_cast<std::byte*>(p);
+  b.size_ = bytes;
+  return b;
+}
+
+AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) munmap(data_, size_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+AlignedBuffer::~AlignedBuffer() {
+  if (data_ != nullptr) munmap(data_, size_);
+}
+
+}  // namespace offload

@@ -1,0 +1,120 @@
+// nvme/: block I/O between host memory and files on NVMe (or any) storage.
+// Owns the I/O backends and the swap-file layout (swap_space.h); knows
+// nothing of sessions, partitions or the optimizer.
+//
+// IoBackend is the one interface to "read or write these byte ranges": the
+// io_uring backend (uring_backend.h), a thread-pool pread/pwrite fallback
+// (posix_backend.h), and a fault-injecting wrapper for tests
+// (fault_injection.h). A batch runs to completion before Run() returns, so
+// no buffer is in use by the kernel afterwards, even when a request failed.
+//
+// Every backend: splits requests larger than request_bytes, resubmits the
+// remainder of short reads and writes, retries EAGAIN and EINTR, and turns
+// any other error into a status naming the operation, path, offset, length
+// and errno (EIO -> DATA_LOSS, ENOSPC -> RESOURCE_EXHAUSTED).
+//
+// Thread-safety: Run() may be called from several threads at once.
+// AddFile/AddBuffer must happen before the I/O that uses them.
+#ifndef OFFLOADD_NVME_IO_BACKEND_H_
+#define OFFLOADD_NVME_IO_BACKEND_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace offload {
+
+struct IoOptions {
+  // "auto" (io_uring if the kernel allows it, else posix with a warning),
+  // "io_uring" or "posix". Static.
+  std::string backend = "auto";
+
+  // Requests in flight per ring (posix: per Run call). Deeper queues keep
+  // NVMe busy; beyond ~32 they only add latency. 1..256. Dynamic.
+  int64_t queue_depth = 32;
+
+  // Largest single read or write; bigger requests are split. Large requests
+  // amortise per-I/O cost, small ones spread better over queue slots and
+  // devices. Multiple of 4096. Dynamic.
+  int64_t request_bytes = int64_t{1} << 20;
+
+  // Independent io_uring instances; each serves one Run() at a time, so this
+  // bounds concurrent callers without contention. Static.
+  int64_t rings = 2;
+
+  // Queue this many requests before each io_uring_submit (1 = submit each
+  // at once). Larger batches save syscalls at high queue depth. Dynamic.
+  int64_t submit_batch = 8;
+
+  // A kernel thread polls the submission queue (no submit syscalls, one core
+  // spinning while busy). Static.
+  bool sqpoll = false;
+
+  // Worker threads of the posix fallback. Static.
+  int64_t posix_threads = 8;
+};
+
+enum class IoOp { kRead, kWrite };
+
+struct IoRequest {
+  IoOp op = IoOp::kRead;
+  int file = -1;  // index returned by AddFile
+  uint64_t offset = 0;
+  void* buffer = nullptr;
+  uint64_t length = 0;
+};
+
+// Test hook at the syscall/completion site: sees each attempt and its raw
+// result (bytes, or -errno) and may replace it, e.g. with a short count,
+// -EIO, -EAGAIN or -ENOSPC, or sleep to add delay.
+using IoResultHook = std::function<int64_t(const IoRequest& attempt, int64_t result)>;
+
+class IoBackend {
+ public:
+  virtual ~IoBackend() = default;
+
+  virtual std::string name() const = 0;
+
+  // Registers an open file (borrowed: it must stay open while registered).
+  // `path` is used in error messages.
+  virtual absl::StatusOr<int> AddFile(int fd, const std::string& path) = 0;
+
+  // Declares a long-lived buffer (the pinned arena); io_uring registers it
+  // for fixed-buffer I/O. Optional: any buffer may be used for I/O.
+  virtual absl::Status AddBuffer(void* base, uint64_t length) = 0;
+
+  // Performs every request; returns the first error, after all requests in
+  // flight have completed.
+  virtual absl::Status Run(absl::Span<const IoRequest> requests) = 0;
+
+  // Live-changeable settings (see IoOptions); INVALID_ARGUMENT if out of
+  // range.
+  virtual absl::Status SetQueueDepth(int64_t depth) = 0;
+  virtual absl::Status SetRequestBytes(int64_t bytes) = 0;
+  virtual absl::Status SetSubmitBatch(int64_t batch) = 0;
+
+  virtual void SetResultHookForTesting(IoResultHook hook) = 0;
+};
+
+// The backend options.backend asks for. "auto" falls back to posix, with a
+// logged warning, when io_uring cannot be set up (old kernel, seccomp).
+absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackend(const IoOptions& options);
+
+// As MakeIoBackend, with the io_uring probe replaced (tests simulate a
+// kernel without io_uring): `probe` returns 0 or -errno.
+absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackendWithProbe(
+    const IoOptions& options, const std::function<int()>& probe);
+
+// "read 1048576 bytes at offset 4096 of /x/swap0" style context.
+std::string DescribeIo(const IoRequest& r, const std::string& path);
+
+absl::Status ValidateIoOptions(const IoOptions& options);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_NVME_IO_BACKEND_H_

@@ -1,0 +1,99 @@
+#include "nvme/io_chunks.h"
+
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "engine/posix_error.h"
+
+namespace offload {
+
+std::string DescribeIo(const IoRequest& r, const std::string& path) {
+  return absl::StrCat(r.op == IoOp::kRead ? "read of " : "write of ", r.length,
+                      " bytes at offset ", r.offset, r.op == IoOp::kRead ? " from " : " to ", path);
+}
+
+absl::Status ValidateRequestBytes(int64_t bytes) {
+  if (bytes < 4096 || bytes > (int64_t{1} << 30) || bytes % 4096 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request_bytes must be a multiple of 4096 in [4KiB, 1GiB], got ", bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateIoOptions(const IoOptions& o) {
+  if (o.backend != "auto" && o.backend != "io_uring" && o.backend != "posix") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("I/O backend must be auto, io_uring or posix, got '", o.backend, "'"));
+  }
+  if (o.queue_depth < 1 || o.queue_depth > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queue_depth must be in [1, 256], got ", o.queue_depth));
+  }
+  if (o.rings < 1 || o.rings > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("rings must be in [1, 64], got ", o.rings));
+  }
+  if (o.submit_batch < 1 || o.submit_batch > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("submit_batch must be in [1, 256], got ", o.submit_batch));
+  }
+  if (o.posix_threads < 1 || o.posix_threads > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("posix_threads must be in [1, 256], got ", o.posix_threads));
+  }
+  return ValidateRequestBytes(o.request_bytes);
+}
+
+absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_bytes,
+                             size_t num_files, std::vector<IoChunk>* out) {
+  for (const IoRequest& r : requests) {
+    if (r.file < 0 || static_cast<size_t>(r.file) >= num_files) {
+      return absl::InvalidArgumentError(absl::StrCat("I/O request names file ", r.file,
+                                                     "; ", num_files, " are registered"));
+    }
+    if (r.buffer == nullptr && r.length != 0) {
+      return absl::InvalidArgumentError("I/O request without a buffer");
+    }
+    for (uint64_t done = 0; done < r.length; done += max_bytes) {
+      IoChunk c;
+      c.op = r.op;
+      c.file = r.file;
+      c.offset = r.offset + done;
+      c.buffer = static_cast<std::byte*>(r.buffer) + done;
+      c.remaining = std::min(max_bytes, r.length - done);
+      out->push_back(c);
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool HandleResult(IoChunk& c, int64_t result, const std::string& path, ChunkOutcome* outcome) {
+  if (result < 0) {
+    const int err = static_cast<int>(-result);
+    if ((err == EAGAIN || err == EINTR) && ++c.retries <= kMaxIoRetries) return true;
+    outcome->Fail(PosixError(DescribeIo(c.AsRequest(), path), err));
+    return false;
+  }
+  if (result == 0) {
+    if (c.op == IoOp::kRead) {
+      outcome->Fail(absl::OutOfRangeError(
+          absl::StrCat(DescribeIo(c.AsRequest(), path), ": end of file reached")));
+      return false;
+    }
+    if (++c.retries <= kMaxIoRetries) return true;
+    outcome->Fail(absl::DataLossError(
+        absl::StrCat(DescribeIo(c.AsRequest(), path), ": no progress after retries")));
+    return false;
+  }
+  const uint64_t done = static_cast<uint64_t>(result);
+  if (done > c.remaining) {
+    outcome->Fail(absl::InternalError(absl::StrCat(DescribeIo(c.AsRequest(), path),
+                                                   ": kernel reported ", done, " bytes")));
+    return false;
+  }
+  c.offset += done;
+  c.buffer += done;
+  c.remaining -= done;
+  return c.remaining > 0;  // the remainder of a short transfer goes again
+}
+
+}  // namespace offload

@@ -1,0 +1,62 @@
+// Shared by the I/O backends: splitting requests into chunks of at most
+// request_bytes, and applying one attempt's result to a chunk (the single
+// place where short transfers, retries and errors are decided).
+// Not thread-safe; each Run() owns its chunks.
+#ifndef OFFLOADD_NVME_IO_CHUNKS_H_
+#define OFFLOADD_NVME_IO_CHUNKS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "nvme/io_backend.h"
+
+namespace offload {
+
+// EAGAIN/EINTR retries (and write attempts that made no progress) allowed
+// per chunk before it fails.
+inline constexpr int kMaxIoRetries = 1000;
+
+struct IoChunk {
+  IoOp op = IoOp::kRead;
+  int file = -1;
+  uint64_t offset = 0;
+  std::byte* buffer = nullptr;
+  uint64_t remaining = 0;
+  int buf_index = -1;  // fixed-buffer slot, if any
+  int retries = 0;
+
+  IoRequest AsRequest() const { return {op, file, offset, buffer, remaining}; }
+};
+
+// Appends the chunks of `requests` to `out`. INVALID_ARGUMENT for a request
+// naming an unknown file or a null buffer. Zero-length requests vanish.
+absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_bytes,
+                             size_t num_files, std::vector<IoChunk>* out);
+
+// Keeps the first failure of a batch.
+class ChunkOutcome {
+ public:
+  void Fail(absl::Status s) {
+    if (status_.ok()) status_ = std::move(s);
+  }
+  bool ok() const { return status_.ok(); }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+// Applies `result` (bytes transferred, or -errno) of one attempt on `c`.
+// Returns true if the chunk must be submitted again: the remainder of a
+// short transfer, or a retry after EAGAIN/EINTR. Errors go to `outcome`.
+bool HandleResult(IoChunk& c, int64_t result, const std::string& path, ChunkOutcome* outcome);
+
+absl::Status ValidateRequestBytes(int64_t bytes);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_NVME_IO_CHUNKS_H_

@@ -1,0 +1,303 @@
+#include "nvme/uring_backend.h"
+
+#include <liburing.h>
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cerrno>
+#include <deque>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/log.h"
+#include "engine/posix_error.h"
+#include "engine/status_macros.h"
+#include "nvme/io_chunks.h"
+
+namespace offload {
+namespace {
+
+constexpr unsigned kRingEntries = 256;  // also the largest queue_depth
+constexpr unsigned kMaxFiles = 256;
+constexpr unsigned kMaxBuffers = 1024;
+constexpr uint64_t kMaxFixedBuffer = uint64_t{1} << 30;
+
+class UringBackend final : public IoBackend {
+ public:
+  explicit UringBackend(const IoOptions& o)
+      : queue_depth_(o.queue_depth), request_bytes_(o.request_bytes),
+        submit_batch_(o.submit_batch) {}
+
+  ~UringBackend() override {
+    for (auto& r : rings_) {
+      absl::MutexLock lock(&r->mu);
+      io_uring_queue_exit(&r->ring);
+    }
+  }
+
+  absl::Status Init(const IoOptions& o) {
+    for (int64_t i = 0; i < o.rings; ++i) {
+      auto r = std::make_unique<Ring>();
+      io_uring_params params = {};
+      if (o.sqpoll) {
+        params.flags |= IORING_SETUP_SQPOLL;
+        params.sq_thread_idle = 1000;  // ms before the poller sleeps
+      }
+      int rc = io_uring_queue_init_params(kRingEntries, &r->ring, &params);
+      if (rc < 0) return PosixError(absl::StrCat("io_uring_queue_init (ring ", i, ")"), -rc);
+      // Sparse tables, filled by AddFile/AddBuffer. Without them, plain
+      // descriptors and buffers still work.
+      r->fixed_files = io_uring_register_files_sparse(&r->ring, kMaxFiles) == 0;
+      r->fixed_buffers = io_uring_register_buffers_sparse(&r->ring, kMaxBuffers) == 0;
+      rings_.push_back(std::move(r));
+    }
+    return absl::OkStatus();
+  }
+
+  std::string name() const override { return "io_uring"; }
+
+  absl::StatusOr<int> AddFile(int fd, const std::string& path) override {
+    absl::MutexLock lock(&table_mu_);
+    if (files_.size() >= kMaxFiles) {
+      return absl::ResourceExhaustedError(absl::StrCat("at most ", kMaxFiles, " files"));
+    }
+    const int index = static_cast<int>(files_.size());
+    files_.push_back({fd, path});
+    for (auto& r : rings_) {
+      absl::MutexLock ring_lock(&r->mu);
+      if (r->fixed_files && io_uring_register_files_update(&r->ring, index, &fd, 1) != 1) {
+        LogWarning("io_uring: cannot register %s as a fixed file; using its descriptor", path);
+        r->fixed_files = false;
+      }
+    }
+    return index;
+  }
+
+  absl::Status AddBuffer(void* base, uint64_t length) override {
+    absl::MutexLock lock(&table_mu_);
+    auto* p = static_cast<std::byte*>(base);
+    for (uint64_t done = 0; done < length; done += kMaxFixedBuffer) {
+      if (buffers_.size() >= kMaxBuffers) break;
+      iovec iov{p + done, std::min(kMaxFixedBuffer, length - done)};
+      const unsigned index = static_cast<unsigned>(buffers_.size());
+      bool all = true;
+      for (auto& r : rings_) {
+        absl::MutexLock ring_lock(&r->mu);
+        __u64 tag = 0;
+        int rc = r->fixed_buffers
+                     ? io_uring_register_buffers_update_tag(&r->ring, index, &iov, &tag, 1)
+                     : -EOPNOTSUPP;
+        if (rc != 1) {
+          all = false;
+          LogWarning("io_uring: cannot register %d bytes as a fixed buffer (%s); using plain "
+                     "buffers (raise RLIMIT_MEMLOCK for fixed-buffer I/O)",
+                     static_cast<int64_t>(iov.iov_len), PosixError("register", -rc).message());
+        }
+      }
+      if (!all) return absl::OkStatus();  // plain I/O still works
+      buffers_.push_back({static_cast<std::byte*>(iov.iov_base), iov.iov_len});
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Run(absl::Span<const IoRequest> requests) override;
+
+  absl::Status SetQueueDepth(int64_t depth) override {
+    if (depth < 1 || depth > kRingEntries) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("queue_depth must be in [1, ", kRingEntries, "], got ", depth));
+    }
+    queue_depth_.store(depth);
+    return absl::OkStatus();
+  }
+  absl::Status SetRequestBytes(int64_t bytes) override {
+    RETURN_IF_ERROR(ValidateRequestBytes(bytes));
+    request_bytes_.store(bytes);
+    return absl::OkStatus();
+  }
+  absl::Status SetSubmitBatch(int64_t batch) override {
+    if (batch < 1 || batch > kRingEntries) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("submit_batch must be in [1, ", kRingEntries, "], got ", batch));
+    }
+    submit_batch_.store(batch);
+    return absl::OkStatus();
+  }
+  void SetResultHookForTesting(IoResultHook hook) override {
+    absl::MutexLock lock(&table_mu_);
+    hook_ = std::move(hook);
+  }
+
+ private:
+  struct Ring {
+    absl::Mutex mu;
+    io_uring ring;
+    bool fixed_files = false;
+    bool fixed_buffers = false;
+    bool broken = false;
+  };
+  struct FileEntry {
+    int fd;
+    std::string path;
+  };
+  struct BufferEntry {
+    std::byte* base;
+    uint64_t length;
+  };
+
+  int FixedBufferIndex(const std::byte* p, uint64_t len) const ABSL_SHARED_LOCKS_REQUIRED(table_mu_) {
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      if (p >= buffers_[i].base && p + len <= buffers_[i].base + buffers_[i].length) {
+        return static_cast<int>(i);
+      }
+    }
+    return -1;
+  }
+
+  // A ring held for one Run(): the first free one, else wait for one.
+  class RingLease {
+   public:
+    explicit RingLease(UringBackend& b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      const size_t start = b.next_ring_.fetch_add(1) % b.rings_.size();
+      for (size_t k = 0; k < b.rings_.size() && ring_ == nullptr; ++k) {
+        Ring* r = b.rings_[(start + k) % b.rings_.size()].get();
+        if (r->mu.TryLock()) ring_ = r;
+      }
+      if (ring_ == nullptr) {
+        ring_ = b.rings_[start].get();
+        ring_->mu.Lock();
+      }
+    }
+    ~RingLease() ABSL_NO_THREAD_SAFETY_ANALYSIS { ring_->mu.Unlock(); }
+    RingLease(const RingLease&) = delete;
+    RingLease& operator=(const RingLease&) = delete;
+    Ring& operator*() const { return *ring_; }
+
+   private:
+    Ring* ring_ = nullptr;
+  };
+
+  std::vector<std::unique_ptr<Ring>> rings_;
+  std::atomic<size_t> next_ring_{0};
+  std::atomic<int64_t> queue_depth_;
+  std::atomic<int64_t> request_bytes_;
+  std::atomic<int64_t> submit_batch_;
+  mutable absl::Mutex table_mu_;
+  std::vector<FileEntry> files_ ABSL_GUARDED_BY(table_mu_);
+  std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(table_mu_);
+  IoResultHook hook_ ABSL_GUARDED_BY(table_mu_);
+};
+
+absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
+  std::vector<IoChunk> chunks;
+  std::vector<FileEntry> files;
+  IoResultHook hook;
+  {
+    absl::ReaderMutexLock lock(&table_mu_);
+    files = files_;
+    hook = hook_;
+    absl::Status split = SplitIntoChunks(requests, static_cast<uint64_t>(request_bytes_.load()),
+                                         files_.size(), &chunks);
+    if (!split.ok()) return split;
+    for (IoChunk& c : chunks) c.buf_index = FixedBufferIndex(c.buffer, c.remaining);
+  }
+  if (chunks.empty()) return absl::OkStatus();
+
+  RingLease lease(*this);
+  Ring& r = *lease;
+  if (r.broken) {
+    return absl::InternalError("io_uring ring failed earlier and is out of service");
+  }
+  const size_t depth = static_cast<size_t>(queue_depth_.load());
+  const size_t batch = static_cast<size_t>(submit_batch_.load());
+  std::deque<size_t> todo;
+  for (size_t i = 0; i < chunks.size(); ++i) todo.push_back(i);
+  size_t in_flight = 0, queued = 0;
+  ChunkOutcome outcome;
+
+  auto submit = [&]() -> bool {
+    for (;;) {
+      int rc = io_uring_submit(&r.ring);
+      if (rc >= 0) {
+        queued = 0;
+        return true;
+      }
+      if (rc == -EINTR) continue;
+      if (rc == -EAGAIN || rc == -EBUSY) return false;  // reap completions, then retry
+      outcome.Fail(PosixError("io_uring_submit", -rc));
+      r.broken = true;  // prepared entries may linger in the ring
+      return false;
+    }
+  };
+
+  while (!todo.empty() || in_flight > 0) {
+    while (outcome.ok() && !r.broken && !todo.empty() && in_flight < depth) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&r.ring);
+      if (sqe == nullptr) break;
+      const size_t idx = todo.front();
+      todo.pop_front();
+      IoChunk& c = chunks[idx];
+      const FileEntry& f = files[static_cast<size_t>(c.file)];
+      const int fd = r.fixed_files ? c.file : f.fd;
+      const unsigned len = static_cast<unsigned>(c.remaining);
+      if (c.op == IoOp::kRead) {
+        if (c.buf_index >= 0 && r.fixed_buffers) {
+          io_uring_prep_read_fixed(sqe, fd, c.buffer, len, c.offset, c.buf_index);
+        } else {
+          io_uring_prep_read(sqe, fd, c.buffer, len, c.offset);
+        }
+      } else {
+        if (c.buf_index >= 0 && r.fixed_buffers) {
+          io_uring_prep_write_fixed(sqe, fd, c.buffer, len, c.offset, c.buf_index);
+        } else {
+          io_uring_prep_write(sqe, fd, c.buffer, len, c.offset);
+        }
+      }
+      if (r.fixed_files) sqe->flags |= IOSQE_FIXED_FILE;
+      io_uring_sqe_set_data64(sqe, idx);
+      ++in_flight;
+      if (++queued >= batch) submit();
+    }
+    if (!outcome.ok() || r.broken) todo.clear();  // stop issuing; drain what is in flight
+    if (queued > 0) submit();
+    if (in_flight == 0) {
+      if (r.broken || !outcome.ok()) break;
+      continue;
+    }
+    io_uring_cqe* cqe = nullptr;
+    int rc = io_uring_wait_cqe(&r.ring, &cqe);
+    if (rc == -EINTR || rc == -EAGAIN) continue;
+    if (rc < 0) {
+      outcome.Fail(PosixError("io_uring_wait_cqe", -rc));
+      r.broken = true;
+      break;
+    }
+    unsigned head, seen = 0;
+    io_uring_for_each_cqe(&r.ring, head, cqe) {
+      ++seen;
+      --in_flight;
+      const size_t idx = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+      IoChunk& c = chunks[idx];
+      int64_t res = cqe->res;
+      if (hook) res = hook(c.AsRequest(), res);
+      if (HandleResult(c, res, files[static_cast<size_t>(c.file)].path, &outcome)) {
+        todo.push_back(idx);
+      }
+    }
+    io_uring_cq_advance(&r.ring, seen);
+  }
+  return outcome.status();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(const IoOptions& options) {
+  RETURN_IF_ERROR(ValidateIoOptions(options));
+  auto backend = std::make_unique<UringBackend>(options);
+  RETURN_IF_ERROR(backend->Init(options));
+  return std::unique_ptr<IoBackend>(std::move(backend));
+}
+
+}  // namespace offload
