@@ -1,0 +1,240 @@
+#include "nvme/swap_space.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/match.h"
+#include "gtest/gtest.h"
+#include "nvme/fault_injection.h"
+
+namespace offload {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+std::string MakeDir(const std::string& name) {
+  std::string dir = std::string(getenv("TEST_TMPDIR")) + "/" + name;
+  mkdir(dir.c_str(), 0700);
+  return dir;
+}
+
+AlignedBuffer Random(size_t bytes, uint32_t seed) {
+  AlignedBuffer b = *AlignedBuffer::Allocate(RoundUp(bytes, 1 << 16));
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < b.size(); ++i) b.data()[i] = static_cast<std::byte>(rng());
+  return b;
+}
+
+class SwapSpaceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto inner = MakeIoBackend(IoOptions{});
+    ASSERT_TRUE(inner.ok());
+    backend_ = std::make_unique<FaultInjectingBackend>(std::move(*inner));
+  }
+
+  std::unique_ptr<SwapSpace> Make(std::vector<std::string> dirs, uint64_t bytes_per_dir,
+                                  uint64_t stripe = kMiB) {
+    SwapOptions o;
+    o.dirs = std::move(dirs);
+    o.bytes_per_dir = bytes_per_dir;
+    o.stripe_bytes = stripe;
+    auto s = SwapSpace::Create(o, backend_.get());
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  void ExpectReadBack(SwapSpace& s, uint64_t id, const AlignedBuffer& want, uint64_t bytes) {
+    AlignedBuffer got = *AlignedBuffer::Allocate(RoundUp(bytes, 1 << 16));
+    absl::Status r = s.Read(id, got.data());
+    ASSERT_TRUE(r.ok()) << r;
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), bytes), 0) << "extent " << id;
+  }
+
+  std::unique_ptr<FaultInjectingBackend> backend_;
+};
+
+TEST_F(SwapSpaceTest, StripesExtentsOverEveryDirectoryAndReadsThemBack) {
+  auto s = Make({MakeDir("a"), MakeDir("b"), MakeDir("c")}, 64 * kMiB);
+  ASSERT_TRUE(s);
+  SwapStats before = s->Stats();
+  ASSERT_EQ(before.dirs.size(), 3u);
+  EXPECT_EQ(before.capacity, 3 * 64 * kMiB);
+  for (const auto& d : before.dirs) EXPECT_TRUE(d.direct) << d.path;
+  std::vector<std::pair<uint64_t, uint64_t>> extents;  // id, bytes
+  std::vector<AlignedBuffer> data;
+  uint32_t seed = 1;
+  for (uint64_t bytes : {uint64_t{1}, uint64_t{4095}, kMiB, 5 * kMiB / 2, 10 * kMiB + 17}) {
+    data.push_back(Random(bytes, seed++));
+    auto id = s->Write(data.back().data(), bytes);
+    ASSERT_TRUE(id.ok()) << id.status();
+    extents.push_back({*id, bytes});
+  }
+  SwapStats after = s->Stats();
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_LT(after.dirs[i].free, before.dirs[i].free) << "no share in " << after.dirs[i].path;
+  }
+  for (size_t i = 0; i < extents.size(); ++i) {
+    ExpectReadBack(*s, extents[i].first, data[i], extents[i].second);
+  }
+  // Freeing everything gives every byte back (holes coalesce).
+  for (auto& [id, bytes] : extents) ASSERT_TRUE(s->Free(id).ok());
+  EXPECT_EQ(s->Stats().free, before.free);
+  auto big = Random(3 * 60 * kMiB, 9);
+  auto id = s->Write(big.data(), 3 * 60 * kMiB);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ExpectReadBack(*s, *id, big, 3 * 60 * kMiB);
+}
+
+TEST_F(SwapSpaceTest, FullTierIsResourceExhaustedAndKeepsEarlierData) {
+  auto s = Make({MakeDir("full")}, 8 * kMiB);
+  ASSERT_TRUE(s);
+  auto a = Random(5 * kMiB, 1);
+  auto id = s->Write(a.data(), 5 * kMiB);
+  ASSERT_TRUE(id.ok());
+  auto b = Random(5 * kMiB, 2);
+  auto full = s->Write(b.data(), 5 * kMiB);
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(full.status().message(), "NVMe tier full")) << full.status();
+  EXPECT_EQ(s->Stats().free, 3 * kMiB);
+  ExpectReadBack(*s, *id, a, 5 * kMiB);
+}
+
+TEST_F(SwapSpaceTest, ChecksumCatchesCorruptionAndCanBeSwitchedOff) {
+  const std::string dir = MakeDir("crc");
+  auto s = Make({dir}, 8 * kMiB);
+  ASSERT_TRUE(s);
+  auto a = Random(2 * kMiB, 3);
+  auto id = s->Write(a.data(), 2 * kMiB);
+  ASSERT_TRUE(id.ok());
+  // Flip one byte behind the daemon's back.
+  int fd = open((dir + "/offloadd.swap").c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  char c;
+  ASSERT_EQ(pread(fd, &c, 1, 12345), 1);
+  c ^= 0x40;
+  ASSERT_EQ(pwrite(fd, &c, 1, 12345), 1);
+  fsync(fd);
+  close(fd);
+  AlignedBuffer got = *AlignedBuffer::Allocate(2 * kMiB);
+  absl::Status r = s->Read(*id, got.data());
+  EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(absl::StrContains(r.message(), "checksum mismatch")) << r;
+  EXPECT_TRUE(absl::StrContains(r.message(), "extent " + std::to_string(*id))) << r;
+  // An extent written with checksums off is not verified.
+  s->SetChecksum(false);
+  auto unchecked = s->Write(a.data(), kMiB);
+  ASSERT_TRUE(unchecked.ok());
+  EXPECT_TRUE(s->Read(*unchecked, got.data()).ok());
+}
+
+TEST_F(SwapSpaceTest, FailedWritesLoseNothingAndLeakNothing) {
+  auto s = Make({MakeDir("eio")}, 16 * kMiB);
+  ASSERT_TRUE(s);
+  auto a = Random(2 * kMiB, 4);
+  auto id = s->Write(a.data(), 2 * kMiB);
+  ASSERT_TRUE(id.ok());
+  const uint64_t free_before = s->Stats().free;
+
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kWrite;
+  eio.skip = 1;
+  backend_->AddRule(eio);
+  auto b = Random(3 * kMiB, 5);
+  auto failed = s->Write(b.data(), 3 * kMiB);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "swapping out 3145728 bytes"))
+      << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "offloadd.swap")) << failed.status();
+  EXPECT_EQ(s->Stats().free, free_before);
+
+  // ENOSPC during a rewrite: the old contents stay readable.
+  backend_->ClearRules();
+  FaultRule enospc;
+  enospc.any_op = false;
+  enospc.op = IoOp::kWrite;
+  enospc.error = ENOSPC;
+  backend_->AddRule(enospc);
+  absl::Status rw = s->Rewrite(*id, b.data(), 2 * kMiB);
+  EXPECT_EQ(rw.code(), absl::StatusCode::kResourceExhausted) << rw;
+  EXPECT_EQ(s->Stats().free, free_before);
+  backend_->ClearRules();
+  ExpectReadBack(*s, *id, a, 2 * kMiB);
+  // A successful rewrite replaces the contents and keeps the space balance.
+  ASSERT_TRUE(s->Rewrite(*id, b.data(), 2 * kMiB).ok());
+  ExpectReadBack(*s, *id, b, 2 * kMiB);
+  EXPECT_EQ(s->Stats().free, free_before);
+}
+
+TEST_F(SwapSpaceTest, ShortAndRetriedIoStillRoundTrips) {
+  auto s = Make({MakeDir("short1"), MakeDir("short2")}, 16 * kMiB);
+  ASSERT_TRUE(s);
+  FaultRule shorter;
+  shorter.kind = FaultRule::Kind::kShort;
+  shorter.times = -1;
+  FaultRule again;
+  again.error = EAGAIN;
+  again.times = 4;
+  backend_->AddRule(shorter);
+  backend_->AddRule(again);
+  auto a = Random(7 * kMiB, 6);
+  auto id = s->Write(a.data(), 7 * kMiB);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ExpectReadBack(*s, *id, a, 7 * kMiB);
+}
+
+TEST_F(SwapSpaceTest, RefusesWhatItCannotDo) {
+  SwapOptions o;
+  o.dirs = {MakeDir("huge")};
+  o.bytes_per_dir = uint64_t{1} << 50;  // 1 PiB: more than the disk holds
+  auto huge = SwapSpace::Create(o, backend_.get());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_TRUE(absl::StrContains(huge.status().message(), "preallocating")) << huge.status();
+
+  auto s = Make({MakeDir("locked")}, 4 * kMiB);
+  ASSERT_TRUE(s);
+  o.dirs = {MakeDir("locked")};
+  o.bytes_per_dir = 4 * kMiB;
+  EXPECT_EQ(SwapSpace::Create(o, backend_.get()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  o.dirs = {MakeDir("stripe")};
+  o.stripe_bytes = 1000;
+  EXPECT_EQ(SwapSpace::Create(o, backend_.get()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.dirs = {"/nonexistent/offloadd"};
+  o.stripe_bytes = kMiB;
+  EXPECT_EQ(SwapSpace::Create(o, backend_.get()).status().code(), absl::StatusCode::kNotFound);
+
+  auto a = Random(kMiB, 7);
+  EXPECT_EQ(s->Write(a.data() + 1, 100).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->Read(999, a.data()).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s->Free(999).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s->Write(a.data(), 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SwapSpaceTest, WorksBufferedOnTmpfs) {
+  struct statfs fs;
+  if (statfs("/dev/shm", &fs) != 0 || fs.f_type != 0x01021994) GTEST_SKIP() << "no tmpfs";
+  std::string dir = "/dev/shm/offloadd_swap_test_" + std::to_string(getpid());
+  mkdir(dir.c_str(), 0700);
+  {
+    auto s = Make({dir}, 4 * kMiB);
+    ASSERT_TRUE(s);
+    EXPECT_FALSE(s->Stats().dirs[0].direct);
+    auto a = Random(kMiB + 3, 8);
+    auto id = s->Write(a.data(), kMiB + 3);
+    ASSERT_TRUE(id.ok());
+    ExpectReadBack(*s, *id, a, kMiB + 3);
+  }
+  rmdir(dir.c_str());
+}
+
+}  // namespace
+}  // namespace offload
