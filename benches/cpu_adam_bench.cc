@@ -223,4 +223,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace offload
 
-int main(int argc, char** argv) { return offload::Main(argc, argv); }
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows as it goes
+  return offload::Main(argc, argv);
+}

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
 # Runs a benchmark once at its tiny size: it must finish and exit 0.
 set -euo pipefail
-"$1" --tiny "${@:2}"
+# Arguments may name $TEST_TMPDIR literally; expand it here.
+args=()
+for a in "${@:2}"; do args+=("${a//\$\{TEST_TMPDIR\}/$TEST_TMPDIR}"); done
+"$1" --tiny "${args[@]}"

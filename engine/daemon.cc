@@ -5,7 +5,10 @@
 
 #include <cerrno>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "engine/fd_passing.h"
 #include "engine/log.h"
@@ -27,6 +30,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   std::unique_ptr<Daemon> d(new Daemon(options, registry));
   // The constructor fell back to "auto" for a kernel this CPU lacks; say so.
   RETURN_IF_ERROR(d->optimizer_.SetKernel(options->optimizer.kernel));
+  RETURN_IF_ERROR(d->StartNvmeTier());
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
@@ -58,7 +62,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   builder.RegisterService(d->partition_service_.get());
   builder.RegisterService(d->config_service_.get());
   d->stats_service_ = std::make_unique<StatsServiceImpl>(&d->sessions_, &d->stats_, &d->host_,
-                                                         &d->optimizer_, identity);
+                                                         &d->optimizer_, d->swap_.get(), identity);
   builder.RegisterService(d->stats_service_.get());
   // gRPC creates the socket file with the process umask: owner-only.
   mode_t old_mask = umask(0177);
@@ -89,6 +93,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     raw->optimizer_.SetCheckFinite(v);
     return absl::OkStatus();
   });
+  registry->SetHook<bool>("nvme.checksum", [raw](const bool& v) {
+    if (raw->swap_ != nullptr) raw->swap_->SetChecksum(v);
+    return absl::OkStatus();
+  });
+  registry->SetHook<int64_t>("nvme.queue_depth", [raw](const int64_t& v) {
+    return raw->io_ != nullptr ? raw->io_->SetQueueDepth(v) : absl::OkStatus();
+  });
+  registry->SetHook<int64_t>("nvme.request_bytes", [raw](const int64_t& v) {
+    return raw->io_ != nullptr ? raw->io_->SetRequestBytes(v) : ValidateRequestBytes(v);
+  });
+  registry->SetHook<int64_t>("nvme.submit_batch", [raw](const int64_t& v) {
+    return raw->io_ != nullptr ? raw->io_->SetSubmitBatch(v) : absl::OkStatus();
+  });
   registry->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
     raw->host_.SetLimit(static_cast<uint64_t>(v));
     return absl::OkStatus();
@@ -111,12 +128,46 @@ std::vector<std::string> Daemon::Describe() const {
                                FormatByteSize(options_->memory.session_arena_bytes),
                                " of address space"));
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
-  lines.push_back("tier nvme: not configured");
+  if (swap_ == nullptr) {
+    lines.push_back("tier nvme: off (set nvme.dirs to enable)");
+  } else {
+    SwapStats s = swap_->Stats();
+    std::vector<std::string> files;
+    for (const auto& d : s.dirs) {
+      files.push_back(absl::StrCat(d.path, d.direct ? " (O_DIRECT)" : " (buffered)"));
+    }
+    lines.push_back(absl::StrCat(
+        "tier nvme: ", FormatByteSize(static_cast<int64_t>(s.capacity)), " preallocated in ",
+        absl::StrJoin(files, ", "), "; ", io_->name(), " backend, queue depth ",
+        options_->nvme.io.queue_depth, ", checksums ", options_->nvme.checksum ? "on" : "off",
+        "; partitions are not swapped to it yet (swapper/)"));
+  }
   lines.push_back(absl::StrCat("optimizer: ", optimizer_.kernel_name(), " Adam on ",
                                optimizer_.threads(), " threads, non-finite check ",
                                options_->optimizer.check_finite ? "on" : "off"));
   lines.push_back(absl::StrCat("data directory ", options_->server.data_dir));
   return lines;
+}
+
+absl::Status Daemon::StartNvmeTier() {
+  const NvmeOptions& n = options_->nvme;
+  SwapOptions swap;
+  for (absl::string_view dir : absl::StrSplit(n.dirs, ',', absl::SkipWhitespace())) {
+    swap.dirs.emplace_back(absl::StripAsciiWhitespace(dir));
+  }
+  if (swap.dirs.empty()) return absl::OkStatus();
+  swap.bytes_per_dir = static_cast<uint64_t>(n.bytes_per_dir);
+  swap.stripe_bytes = static_cast<uint64_t>(n.stripe_bytes);
+  swap.checksum = n.checksum;
+  swap.direct_io = n.direct_io;
+  ASSIGN_OR_RETURN(io_, MakeIoBackend(n.io));
+  absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(swap, io_.get());
+  if (!space.ok()) {
+    return absl::Status(space.status().code(),
+                        absl::StrCat("NVMe tier (nvme.dirs): ", space.status().message()));
+  }
+  swap_ = std::move(*space);
+  return absl::OkStatus();
 }
 
 void Daemon::Shutdown() {

@@ -23,6 +23,8 @@
 #include "engine/session_manager.h"
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
+#include "nvme/io_backend.h"
+#include "nvme/swap_space.h"
 
 namespace offload {
 
@@ -44,6 +46,7 @@ class Daemon {
 
  private:
   Daemon(DaemonOptions* options, ConfigRegistry* registry);
+  absl::Status StartNvmeTier();
 
   DaemonOptions* const options_;
   ConfigRegistry* const registry_;
@@ -52,6 +55,9 @@ class Daemon {
   Optimizer optimizer_;
   SessionManager sessions_;
   CallGate calls_;
+  // The NVMe tier, when nvme.dirs names directories.
+  std::unique_ptr<IoBackend> io_;
+  std::unique_ptr<SwapSpace> swap_;
   std::string socket_path_;
   int tcp_port_ = -1;
   std::unique_ptr<ArenaChannel> arena_channel_;

@@ -36,6 +36,32 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"isa", "Adam kernel: auto, avx512, avx2 or scalar (all bit-identical)", true});
   r->Bind("optimizer.check_finite", &o->optimizer.check_finite,
           {"bool", "skip a step whose gradients hold NaN/Inf, changing nothing", true});
+  r->Bind("nvme.dirs", &o->nvme.dirs,
+          {"paths", "comma-separated swap directories, one per NVMe device; empty = no NVMe tier",
+           false});
+  r->Bind("nvme.bytes_per_dir", &o->nvme.bytes_per_dir,
+          {"bytes", "space preallocated in each swap directory", false, 1 << 20, 9.2e18});
+  r->Bind("nvme.stripe_bytes", &o->nvme.stripe_bytes,
+          {"bytes", "striping unit across swap directories", false, 4096, double(int64_t{1} << 30)});
+  r->Bind("nvme.checksum", &o->nvme.checksum,
+          {"bool", "XXH3 checksum per extent, verified on swap-in", true});
+  r->Bind("nvme.direct_io", &o->nvme.direct_io,
+          {"bool", "O_DIRECT where the filesystem supports it", false});
+  r->Bind("nvme.backend", &o->nvme.io.backend,
+          {"name", "auto (io_uring, else posix), io_uring or posix", false});
+  r->Bind("nvme.queue_depth", &o->nvme.io.queue_depth,
+          {"requests", "I/O requests in flight per ring", true, 1, 256});
+  r->Bind("nvme.request_bytes", &o->nvme.io.request_bytes,
+          {"bytes", "largest single read or write (multiple of 4KiB)", true, 4096,
+           double(int64_t{1} << 30)});
+  r->Bind("nvme.rings", &o->nvme.io.rings,
+          {"rings", "io_uring instances (concurrent transfers)", false, 1, 64});
+  r->Bind("nvme.submit_batch", &o->nvme.io.submit_batch,
+          {"requests", "requests queued per io_uring_submit", true, 1, 256});
+  r->Bind("nvme.sqpoll", &o->nvme.io.sqpoll,
+          {"bool", "kernel thread polls the submission queue (spins a core)", false});
+  r->Bind("nvme.posix_threads", &o->nvme.io.posix_threads,
+          {"threads", "workers of the pread/pwrite fallback", false, 1, 256});
 }
 
 }  // namespace offload

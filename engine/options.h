@@ -10,6 +10,7 @@
 
 #include "cpu_adam/optimizer.h"
 #include "engine/config.h"
+#include "nvme/io_backend.h"
 
 namespace offload {
 
@@ -45,12 +46,35 @@ struct MemoryOptions {
   int64_t session_arena_bytes = int64_t{256} << 30;
 };
 
+struct NvmeOptions {
+  // Comma-separated directories for swap files, one per NVMe device; empty
+  // (the default) means no NVMe tier. Static.
+  std::string dirs;
+
+  // Space preallocated per directory at start-up. Static.
+  int64_t bytes_per_dir = int64_t{8} << 30;
+
+  // Striping unit across the directories. Static.
+  int64_t stripe_bytes = int64_t{1} << 20;
+
+  // XXH3 checksum per extent, verified on swap-in. Costs hashing time
+  // (benches/RESULTS.md). Dynamic.
+  bool checksum = true;
+
+  // O_DIRECT where the filesystem supports it. Static.
+  bool direct_io = true;
+
+  // The I/O engine's settings (nvme/io_backend.h says which are dynamic).
+  IoOptions io;
+};
+
 struct DaemonOptions {
   DaemonOptions();  // fills the defaults that depend on the machine
 
   ServerOptions server;
   MemoryOptions memory;
   OptimizerOptions optimizer;
+  NvmeOptions nvme;
 };
 
 // Binds every field of `options` to its tunable name in `registry`.

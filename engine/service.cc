@@ -207,6 +207,13 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
   host->set_name(host_->tier());
   host->set_used_bytes(host_->used());
   host->set_budget_bytes(host_->limit());
+  if (swap_ != nullptr) {
+    SwapStats s = swap_->Stats();
+    v1::TierSummary* nvme = resp->add_tiers();
+    nvme->set_name("nvme");
+    nvme->set_used_bytes(s.capacity - s.free);
+    nvme->set_budget_bytes(s.capacity);
+  }
   for (const CounterValue& c : stats_->Snapshot()) {
     v1::Counter* out = resp->add_counters();
     out->set_name(c.name);

@@ -20,6 +20,7 @@
 #include "engine/session_manager.h"
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
+#include "nvme/swap_space.h"
 #include "proto/offload.grpc.pb.h"
 
 namespace offload {
@@ -76,9 +77,10 @@ struct ServerIdentity {
 
 class StatsServiceImpl final : public v1::StatsService::Service {
  public:
+  // `swap` may be null (no NVMe tier).
   StatsServiceImpl(const SessionManager* sessions, const Stats* stats, const MemoryBudget* host,
-                   const Optimizer* optimizer, ServerIdentity identity)
-      : sessions_(sessions), stats_(stats), host_(host), optimizer_(optimizer),
+                   const Optimizer* optimizer, const SwapSpace* swap, ServerIdentity identity)
+      : sessions_(sessions), stats_(stats), host_(host), optimizer_(optimizer), swap_(swap),
         identity_(std::move(identity)) {}
 
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
@@ -91,6 +93,7 @@ class StatsServiceImpl final : public v1::StatsService::Service {
   const Stats* const stats_;
   const MemoryBudget* const host_;
   const Optimizer* const optimizer_;
+  const SwapSpace* const swap_;
   absl::Mutex mu_;
   ServerIdentity identity_ ABSL_GUARDED_BY(mu_);
 };

@@ -114,6 +114,8 @@ absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackendWithProbe(
 std::string DescribeIo(const IoRequest& r, const std::string& path);
 
 absl::Status ValidateIoOptions(const IoOptions& options);
+// INVALID_ARGUMENT unless a multiple of 4096 in [4KiB, 1GiB].
+absl::Status ValidateRequestBytes(int64_t bytes);
 
 }  // namespace offload
 

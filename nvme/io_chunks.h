@@ -55,8 +55,6 @@ class ChunkOutcome {
 // short transfer, or a retry after EAGAIN/EINTR. Errors go to `outcome`.
 bool HandleResult(IoChunk& c, int64_t result, const std::string& path, ChunkOutcome* outcome);
 
-absl::Status ValidateRequestBytes(int64_t bytes);
-
 }  // namespace offload
 
 #endif  // OFFLOADD_NVME_IO_CHUNKS_H_

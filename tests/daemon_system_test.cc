@@ -344,6 +344,54 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   EXPECT_TRUE((*over_tcp)->GetStats().ok());
 }
 
+TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
+  char dir[] = "/tmp/offloadd_nvme.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string a = std::string(dir) + "/a", b = std::string(dir) + "/b";
+  ASSERT_EQ(mkdir(a.c_str(), 0700), 0);
+  ASSERT_EQ(mkdir(b.c_str(), 0700), 0);
+  auto d = DaemonProcess::Start({"--nvme.dirs=" + a + "," + b, "--nvme.bytes_per_dir=64MiB"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(access((a + "/offloadd.swap").c_str(), F_OK), 0);
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok());
+  auto stats = (*c)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  bool found = false;
+  for (const auto& t : stats->tiers) {
+    if (t.name == "nvme") {
+      found = true;
+      EXPECT_EQ(t.budget_bytes, uint64_t{128} << 20);
+      EXPECT_EQ(t.used_bytes, 0u);
+    }
+  }
+  EXPECT_TRUE(found);
+  EXPECT_TRUE((*c)->SetTunable("nvme.queue_depth", "8").ok());
+  EXPECT_TRUE((*c)->SetTunable("nvme.checksum", "false").ok());
+  EXPECT_EQ((*c)->SetTunable("nvme.queue_depth", "0").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*c)->SetTunable("nvme.request_bytes", "1000").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*c)->SetTunable("nvme.rings", "4").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  std::string log = (*d)->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, "tier nvme: 128MiB preallocated")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "io_uring backend")) << log;
+  auto code = (*d)->Stop();
+  ASSERT_TRUE(code.ok());
+  EXPECT_EQ(*code, 0);
+  EXPECT_NE(access((a + "/offloadd.swap").c_str(), F_OK), 0);  // scratch removed
+
+  // A directory that does not exist stops start-up with the reason.
+  auto bad = ::offload::testing::RunCommand(
+      {"engine/offloadd", std::string("--server.data_dir=") + dir + "/data",
+       "--nvme.dirs=/nonexistent/nvme0"});
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(bad->exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(bad->output, "/nonexistent/nvme0")) << bad->output;
+  EXPECT_TRUE(absl::StrContains(bad->output, "nvme.dirs")) << bad->output;
+}
+
 TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
   char dir[] = "/tmp/offloadd_cfg.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);

@@ -1,0 +1,253 @@
+// benches/nvme: the io_uring engine against fio on the same file.
+//
+//   bazel run -c opt //benches:nvme -- --dir=/path/on/nvme
+//       [--sizes=256K,1M,4M,16M] [--depths=1,4,8,16,32,64] [--file_bytes=1G]
+//       [--no-fio] [--tiny]
+//
+// For each direction, request size and queue depth it moves --file_bytes
+// sequentially through our backend (O_DIRECT, fixed buffers, registered
+// file), then has fio do the same with its io_uring engine (direct=1,
+// fixedbufs, registerfiles) on the same file, and prints both and the ratio.
+// The file is written once before any timing, so writes are overwrites for
+// both. Then it measures the checksum's cost: XXH3 throughput and swap-out /
+// swap-in through SwapSpace with checksums on and off.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "engine/config.h"
+#include "nvme/dio.h"
+#include "nvme/io_backend.h"
+#include "nvme/swap_space.h"
+#include "xxhash.h"
+
+namespace offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Flags {
+  std::string dir;
+  std::vector<uint64_t> sizes = {256 << 10, 1 << 20, 4 << 20, 16 << 20};
+  std::vector<int> depths = {1, 4, 8, 16, 32, 64};
+  uint64_t file_bytes = uint64_t{1} << 30;
+  bool fio = true;
+};
+
+double Seconds(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// fio's bandwidth for one run, in bytes/s, or -1.
+double RunFio(const std::string& file, bool write, uint64_t bs, int depth, uint64_t bytes) {
+  std::string cmd = absl::StrCat(
+      "fio --name=bench --filename=", file, " --ioengine=io_uring --direct=1 --rw=",
+      write ? "write" : "read", " --bs=", bs, " --iodepth=", depth, " --size=", bytes,
+      " --fixedbufs --registerfiles --thread --numjobs=1 --output-format=json 2>/dev/null");
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  if (pclose(pipe) != 0) return -1;
+  // jobs[0].read|write.bw_bytes
+  size_t section = out.find(write ? "\"write\" : {" : "\"read\" : {");
+  if (section == std::string::npos) return -1;
+  size_t key = out.find("\"bw_bytes\" : ", section);
+  if (key == std::string::npos) return -1;
+  key += 13;
+  double bw;
+  if (!absl::SimpleAtod(out.substr(key, out.find_first_of(",\n", key) - key), &bw)) return -1;
+  return bw;
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto sizes = [](const std::string& list) {
+      std::vector<uint64_t> out;
+      for (absl::string_view s : absl::StrSplit(list, ',')) out.push_back(*ParseByteSize(s));
+      return out;
+    };
+    if (a.rfind("--dir=", 0) == 0) {
+      f.dir = a.substr(6);
+    } else if (a.rfind("--sizes=", 0) == 0) {
+      f.sizes = sizes(a.substr(8));
+    } else if (a.rfind("--depths=", 0) == 0) {
+      f.depths.clear();
+      for (absl::string_view s : absl::StrSplit(a.substr(9), ',')) {
+        int d;
+        if (absl::SimpleAtoi(s, &d)) f.depths.push_back(d);
+      }
+    } else if (a.rfind("--file_bytes=", 0) == 0) {
+      f.file_bytes = sizes(a.substr(13))[0];
+    } else if (a == "--no-fio") {
+      f.fio = false;
+    } else if (a == "--tiny") {
+      f.sizes = {256 << 10, 1 << 20};
+      f.depths = {1, 8};
+      f.file_bytes = 16 << 20;
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see benches/nvme_bench.cc)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (f.dir.empty()) {
+    std::fprintf(stderr, "usage: nvme --dir=DIRECTORY [...]; DIRECTORY should be on the NVMe\n");
+    return 2;
+  }
+  const std::string path = f.dir + "/offloadd_bench.dat";
+  auto file = OpenIoFile(path, /*create=*/true, /*want_direct=*/true);
+  if (!file.ok()) {
+    std::fprintf(stderr, "%s\n", file.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("file %s, %llu MiB, %s\n", path.c_str(),
+              static_cast<unsigned long long>(f.file_bytes >> 20),
+              file->direct ? "O_DIRECT" : "buffered (no O_DIRECT here)");
+  uint64_t max_size = 0;
+  int max_depth = 0;
+  for (uint64_t s : f.sizes) max_size = std::max(max_size, s);
+  for (int d : f.depths) max_depth = std::max(max_depth, d);
+  auto pool = AlignedBuffer::Allocate(max_size * static_cast<uint64_t>(max_depth));
+  if (!pool.ok()) return 1;
+  std::memset(pool->data(), 0x5a, pool->size());
+
+  IoOptions o;
+  o.backend = "io_uring";
+  o.rings = 1;
+  o.request_bytes = static_cast<int64_t>(std::min<uint64_t>(max_size, 1 << 30));
+  auto backend = MakeIoBackend(o);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  IoBackend& b = **backend;
+  const int id = *b.AddFile(file->fd.get(), path);
+  if (!b.AddBuffer(pool->data(), pool->size()).ok()) return 1;
+
+  auto run = [&](IoOp op, uint64_t size, int depth) -> double {
+    std::vector<IoRequest> reqs;
+    for (uint64_t off = 0, k = 0; off < f.file_bytes; off += size, ++k) {
+      reqs.push_back({op, id, off, pool->data() + (k % static_cast<uint64_t>(depth)) * size,
+                      std::min(size, f.file_bytes - off)});
+    }
+    (void)b.SetRequestBytes(static_cast<int64_t>(size));
+    (void)b.SetQueueDepth(depth);
+    (void)b.SetSubmitBatch(std::min(depth, 8));
+    auto start = Clock::now();
+    absl::Status s = b.Run(reqs);
+    const double t = Seconds(start);
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return -1;
+    }
+    return static_cast<double>(f.file_bytes) / t;
+  };
+
+  // Prefill, so every timed write is an overwrite for both tools.
+  if (run(IoOp::kWrite, max_size, std::min(max_depth, 16)) < 0) return 1;
+  fsync(file->fd.get());
+
+  int failures = 0;
+  double worst_target_ratio = 1e9;
+  for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+    const bool write = op == IoOp::kWrite;
+    std::printf("\n== %s (GB/s)\n%-9s %6s %10s %10s %8s\n", write ? "write" : "read", "request",
+                "depth", "offloadd", "fio", "ratio");
+    for (uint64_t size : f.sizes) {
+      for (int depth : f.depths) {
+        const double ours = run(op, size, depth);
+        double fio = f.fio ? RunFio(path, write, size, depth, f.file_bytes) : -1;
+        if (ours < 0 || (f.fio && fio < 0)) ++failures;
+        char ratio[16] = "-";
+        if (fio > 0 && ours > 0) {
+          std::snprintf(ratio, sizeof(ratio), "%.1f%%", 100 * ours / fio);
+          if (size >= (1 << 20) && depth >= 8) worst_target_ratio = std::min(worst_target_ratio, ours / fio);
+        }
+        std::printf("%-9s %6d %10.3f %10.3f %8s\n", FormatByteSize(static_cast<int64_t>(size)).c_str(),
+                    depth, ours / 1e9, fio / 1e9, ratio);
+      }
+    }
+  }
+  if (f.fio && worst_target_ratio < 1e9) {
+    std::printf("\nworst ratio for requests >= 1MiB at depth >= 8: %.1f%% of fio (target 95%%)\n",
+                100 * worst_target_ratio);
+  }
+  if (f.fio) {
+    std::printf("fio command per cell: fio --name=bench --filename=%s --ioengine=io_uring --direct=1 "
+                "--rw=read|write --bs=SIZE --iodepth=DEPTH --size=%llu --fixedbufs --registerfiles "
+                "--thread --numjobs=1\n",
+                path.c_str(), static_cast<unsigned long long>(f.file_bytes));
+  }
+  unlink(path.c_str());
+
+  // Checksum cost.
+  {
+    auto buf = AlignedBuffer::Allocate(64 << 20);
+    std::memset(buf->data(), 1, buf->size());
+    uint64_t sink = 0;
+    auto start = Clock::now();
+    for (int r = 0; r < 8; ++r) sink += XXH3_64bits(buf->data(), buf->size());
+    const double hash_gbs = 8.0 * static_cast<double>(buf->size()) / Seconds(start) / 1e9;
+    std::printf("\n== checksum (XXH3-64): %.1f GB/s on one core (sink %llx)\n", hash_gbs,
+                static_cast<unsigned long long>(sink & 0xf));
+
+    IoOptions so;
+    so.queue_depth = 32;
+    auto sb = MakeIoBackend(so);
+    SwapOptions swap;
+    swap.dirs = {f.dir};
+    swap.bytes_per_dir = std::min<uint64_t>(f.file_bytes, 512 << 20);
+    swap.stripe_bytes = 16 << 20;
+    auto space = SwapSpace::Create(swap, sb->get());
+    if (!space.ok()) {
+      std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
+      return 1;
+    }
+    const uint64_t extent = std::min<uint64_t>(swap.bytes_per_dir / 2, 64 << 20);
+    auto data = AlignedBuffer::Allocate(extent);
+    std::memset(data->data(), 3, extent);
+    std::printf("%-14s %12s %12s\n", "swap 1 extent", "out GB/s", "in GB/s");
+    for (bool checksum : {false, true}) {
+      (*space)->SetChecksum(checksum);
+      double out_best = 0, in_best = 0;
+      for (int r = 0; r < 3; ++r) {
+        auto start = Clock::now();
+        auto eid = (*space)->Write(data->data(), extent);
+        const double out = static_cast<double>(extent) / Seconds(start);
+        start = Clock::now();
+        absl::Status s = eid.ok() ? (*space)->Read(*eid, data->data()) : eid.status();
+        const double in = static_cast<double>(extent) / Seconds(start);
+        if (!s.ok() || !(*space)->Free(*eid).ok()) {
+          std::fprintf(stderr, "%s\n", s.ToString().c_str());
+          ++failures;
+          break;
+        }
+        out_best = std::max(out_best, out);
+        in_best = std::max(in_best, in);
+      }
+      std::printf("%-14s %12.3f %12.3f\n", checksum ? "checksum on" : "checksum off",
+                  out_best / 1e9, in_best / 1e9);
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace offload
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows as it goes
+  return offload::Main(argc, argv);
+}
