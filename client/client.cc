@@ -14,6 +14,7 @@
 #include "engine/posix_error.h"
 #include "engine/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/convert.h"
 #include "proto/offload.grpc.pb.h"
 
 namespace offload {
@@ -23,31 +24,6 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view call) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
                       absl::StrCat(call, ": ", s.error_message()));
-}
-
-v1::DType ToProto(DType t) {
-  switch (t) {
-    case DType::kFp32:
-      return v1::DTYPE_FP32;
-    case DType::kBf16:
-      return v1::DTYPE_BF16;
-    case DType::kFp16:
-      return v1::DTYPE_FP16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-absl::StatusOr<DType> FromProto(v1::DType t) {
-  switch (t) {
-    case v1::DTYPE_FP32:
-      return DType::kFp32;
-    case v1::DTYPE_BF16:
-      return DType::kBf16;
-    case v1::DTYPE_FP16:
-      return DType::kFp16;
-    default:
-      return absl::InternalError(absl::StrCat("daemon sent unknown dtype ", static_cast<int>(t)));
-  }
 }
 
 Tunable FromProto(const v1::Tunable& t) {
@@ -101,8 +77,8 @@ struct Session::Impl {
     v.id = loc.partition_id();
     v.name = loc.name();
     v.numel = loc.numel();
-    ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype()));
-    ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype()));
+    ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype(), "param_dtype from the daemon"));
+    ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype(), "grad_dtype from the daemon"));
     v.step = loc.step();
     v.params = static_cast<std::byte*>(arena.base) + loc.params().offset();
     v.grads = static_cast<std::byte*>(arena.base) + loc.grads().offset();

@@ -10,13 +10,17 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
+
+#include "cpu_adam/adam_dispatch.h"
+
 #include <cstdint>
 #include <cstring>
 
 namespace offload {
 namespace {
 
-enum class Out { kNone, kFp32, kBf16, kFp16 };
+using adam_internal::Out;
 
 template <DType G>
 inline __m256 LoadGrad(const void* g, size_t i) {
@@ -60,8 +64,13 @@ inline void StoreWorking(void* w, size_t i, __m256 p) {
   }
 }
 
+struct Kernel {
+  template <DType G, Out W, bool kL2>
+  static void Loop(const AdamStepConstants& c, const AdamSpan& s);
+};
+
 template <DType G, Out W, bool kL2>
-void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
+void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m256 grad_scale = _mm256_set1_ps(c.grad_scale);
   const __m256 beta1 = _mm256_set1_ps(c.beta1);
   const __m256 beta2 = _mm256_set1_ps(c.beta2);
@@ -113,37 +122,8 @@ void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
   }
 }
 
-template <DType G, Out W>
-void AdamDispatchL2(const AdamStepConstants& c, const AdamSpan& s) {
-  if (c.l2 != 0.0f) {
-    AdamLoop<G, W, true>(c, s);
-  } else {
-    AdamLoop<G, W, false>(c, s);
-  }
-}
-
-template <DType G>
-void AdamDispatchOut(const AdamStepConstants& c, const AdamSpan& s) {
-  if (s.working == nullptr) return AdamDispatchL2<G, Out::kNone>(c, s);
-  switch (s.working_dtype) {
-    case DType::kFp32:
-      return AdamDispatchL2<G, Out::kFp32>(c, s);
-    case DType::kBf16:
-      return AdamDispatchL2<G, Out::kBf16>(c, s);
-    case DType::kFp16:
-      return AdamDispatchL2<G, Out::kFp16>(c, s);
-  }
-}
-
 void AdamAvx2(const AdamStepConstants& c, const AdamSpan& s) {
-  switch (s.grad_dtype) {
-    case DType::kFp32:
-      return AdamDispatchOut<DType::kFp32>(c, s);
-    case DType::kBf16:
-      return AdamDispatchOut<DType::kBf16>(c, s);
-    case DType::kFp16:
-      return AdamDispatchOut<DType::kFp16>(c, s);
-  }
+  adam_internal::Dispatch<Kernel>(c, s);
 }
 
 uint64_t CountNonFiniteAvx2(const void* grads, DType dtype, size_t n) {

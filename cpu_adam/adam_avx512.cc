@@ -10,12 +10,16 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
+
+#include "cpu_adam/adam_dispatch.h"
+
 #include <cstdint>
 
 namespace offload {
 namespace {
 
-enum class Out { kNone, kFp32, kBf16, kFp16 };
+using adam_internal::Out;
 
 template <DType G>
 inline __m512 LoadGrad(const void* g, size_t i, __mmask16 mask) {
@@ -54,8 +58,13 @@ inline void StoreWorking(void* w, size_t i, __m512 p, __mmask16 mask) {
   }
 }
 
+struct Kernel {
+  template <DType G, Out W, bool kL2>
+  static void Loop(const AdamStepConstants& c, const AdamSpan& s);
+};
+
 template <DType G, Out W, bool kL2>
-void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
+void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m512 grad_scale = _mm512_set1_ps(c.grad_scale);
   const __m512 beta1 = _mm512_set1_ps(c.beta1);
   const __m512 beta2 = _mm512_set1_ps(c.beta2);
@@ -93,37 +102,8 @@ void AdamLoop(const AdamStepConstants& c, const AdamSpan& s) {
   if (i < n) body(i, static_cast<__mmask16>((1u << (n - i)) - 1u));
 }
 
-template <DType G, Out W>
-void AdamDispatchL2(const AdamStepConstants& c, const AdamSpan& s) {
-  if (c.l2 != 0.0f) {
-    AdamLoop<G, W, true>(c, s);
-  } else {
-    AdamLoop<G, W, false>(c, s);
-  }
-}
-
-template <DType G>
-void AdamDispatchOut(const AdamStepConstants& c, const AdamSpan& s) {
-  if (s.working == nullptr) return AdamDispatchL2<G, Out::kNone>(c, s);
-  switch (s.working_dtype) {
-    case DType::kFp32:
-      return AdamDispatchL2<G, Out::kFp32>(c, s);
-    case DType::kBf16:
-      return AdamDispatchL2<G, Out::kBf16>(c, s);
-    case DType::kFp16:
-      return AdamDispatchL2<G, Out::kFp16>(c, s);
-  }
-}
-
 void AdamAvx512(const AdamStepConstants& c, const AdamSpan& s) {
-  switch (s.grad_dtype) {
-    case DType::kFp32:
-      return AdamDispatchOut<DType::kFp32>(c, s);
-    case DType::kBf16:
-      return AdamDispatchOut<DType::kBf16>(c, s);
-    case DType::kFp16:
-      return AdamDispatchOut<DType::kFp16>(c, s);
-  }
+  adam_internal::Dispatch<Kernel>(c, s);
 }
 
 uint64_t CountNonFiniteAvx512(const void* grads, DType dtype, size_t n) {

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/posix_error.h"
+#include "engine/status_macros.h"
 
 namespace offload {
 
@@ -20,27 +21,47 @@ absl::Status ValidateRequestBytes(int64_t bytes) {
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status InRange(const char* name, int64_t value, int64_t lo, int64_t hi) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, " must be in [", lo, ", ", hi, "], got ", value));
+}
+
+// io_uring rings have 256 entries; the other backends use the same bound.
+constexpr int64_t kMaxQueueDepth = 256;
+
+}  // namespace
+
 absl::Status ValidateIoOptions(const IoOptions& o) {
   if (o.backend != "auto" && o.backend != "io_uring" && o.backend != "posix") {
     return absl::InvalidArgumentError(
         absl::StrCat("I/O backend must be auto, io_uring or posix, got '", o.backend, "'"));
   }
-  if (o.queue_depth < 1 || o.queue_depth > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queue_depth must be in [1, 256], got ", o.queue_depth));
-  }
-  if (o.rings < 1 || o.rings > 64) {
-    return absl::InvalidArgumentError(absl::StrCat("rings must be in [1, 64], got ", o.rings));
-  }
-  if (o.submit_batch < 1 || o.submit_batch > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("submit_batch must be in [1, 256], got ", o.submit_batch));
-  }
-  if (o.posix_threads < 1 || o.posix_threads > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("posix_threads must be in [1, 256], got ", o.posix_threads));
-  }
+  RETURN_IF_ERROR(InRange("queue_depth", o.queue_depth, 1, kMaxQueueDepth));
+  RETURN_IF_ERROR(InRange("submit_batch", o.submit_batch, 1, kMaxQueueDepth));
+  RETURN_IF_ERROR(InRange("rings", o.rings, 1, 64));
+  RETURN_IF_ERROR(InRange("posix_threads", o.posix_threads, 1, 256));
   return ValidateRequestBytes(o.request_bytes);
+}
+
+absl::Status LiveIoSettings::SetQueueDepth(int64_t depth) {
+  RETURN_IF_ERROR(InRange("queue_depth", depth, 1, kMaxQueueDepth));
+  queue_depth_.store(depth);
+  return absl::OkStatus();
+}
+
+absl::Status LiveIoSettings::SetRequestBytes(int64_t bytes) {
+  RETURN_IF_ERROR(ValidateRequestBytes(bytes));
+  request_bytes_.store(bytes);
+  return absl::OkStatus();
+}
+
+absl::Status LiveIoSettings::SetSubmitBatch(int64_t batch) {
+  RETURN_IF_ERROR(InRange("submit_batch", batch, 1, kMaxQueueDepth));
+  submit_batch_.store(batch);
+  return absl::OkStatus();
 }
 
 absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_bytes,

@@ -5,6 +5,7 @@
 #ifndef OFFLOADD_NVME_IO_CHUNKS_H_
 #define OFFLOADD_NVME_IO_CHUNKS_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -36,6 +37,29 @@ struct IoChunk {
 // naming an unknown file or a null buffer. Zero-length requests vanish.
 absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_bytes,
                              size_t num_files, std::vector<IoChunk>* out);
+
+// The settings a backend may change while running (IoOptions says which),
+// validated here once for every backend. Lock-free; each Run() reads them
+// at its start.
+class LiveIoSettings {
+ public:
+  explicit LiveIoSettings(const IoOptions& o)
+      : queue_depth_(o.queue_depth), request_bytes_(o.request_bytes),
+        submit_batch_(o.submit_batch) {}
+
+  absl::Status SetQueueDepth(int64_t depth);
+  absl::Status SetRequestBytes(int64_t bytes);
+  absl::Status SetSubmitBatch(int64_t batch);
+
+  size_t queue_depth() const { return static_cast<size_t>(queue_depth_.load()); }
+  uint64_t request_bytes() const { return static_cast<uint64_t>(request_bytes_.load()); }
+  size_t submit_batch() const { return static_cast<size_t>(submit_batch_.load()); }
+
+ private:
+  std::atomic<int64_t> queue_depth_;
+  std::atomic<int64_t> request_bytes_;
+  std::atomic<int64_t> submit_batch_;
+};
 
 // Keeps the first failure of a batch.
 class ChunkOutcome {

@@ -20,8 +20,7 @@ namespace {
 
 class PosixBackend final : public IoBackend {
  public:
-  explicit PosixBackend(const IoOptions& o)
-      : request_bytes_(o.request_bytes), queue_depth_(o.queue_depth) {
+  explicit PosixBackend(const IoOptions& o) : settings_(o) {
     for (int64_t i = 0; i < o.posix_threads; ++i) workers_.emplace_back([this] { Work(); });
   }
 
@@ -45,24 +44,12 @@ class PosixBackend final : public IoBackend {
 
   absl::Status Run(absl::Span<const IoRequest> requests) override;
 
-  absl::Status SetQueueDepth(int64_t depth) override {
-    if (depth < 1 || depth > 256) {
-      return absl::InvalidArgumentError(absl::StrCat("queue_depth must be in [1, 256], got ", depth));
-    }
-    queue_depth_.store(depth);
-    return absl::OkStatus();
-  }
+  absl::Status SetQueueDepth(int64_t depth) override { return settings_.SetQueueDepth(depth); }
   absl::Status SetRequestBytes(int64_t bytes) override {
-    RETURN_IF_ERROR(ValidateRequestBytes(bytes));
-    request_bytes_.store(bytes);
-    return absl::OkStatus();
+    return settings_.SetRequestBytes(bytes);
   }
-  absl::Status SetSubmitBatch(int64_t batch) override {
-    if (batch < 1 || batch > 256) {
-      return absl::InvalidArgumentError(absl::StrCat("submit_batch must be in [1, 256], got ", batch));
-    }
-    return absl::OkStatus();  // nothing to batch without a submission queue
-  }
+  // Accepted and validated; without a submission queue there is nothing to batch.
+  absl::Status SetSubmitBatch(int64_t batch) override { return settings_.SetSubmitBatch(batch); }
   void SetResultHookForTesting(IoResultHook hook) override {
     absl::MutexLock lock(&mu_);
     hook_ = std::move(hook);
@@ -90,8 +77,7 @@ class PosixBackend final : public IoBackend {
   // Runs one chunk to completion (or failure); returns its outcome.
   absl::Status DoChunk(IoChunk c, const FileEntry& f, const IoResultHook& hook);
 
-  std::atomic<int64_t> request_bytes_;
-  std::atomic<int64_t> queue_depth_;
+  LiveIoSettings settings_;
   absl::Mutex mu_;
   std::vector<FileEntry> files_ ABSL_GUARDED_BY(mu_);
   IoResultHook hook_ ABSL_GUARDED_BY(mu_);
@@ -157,11 +143,11 @@ absl::Status PosixBackend::Run(absl::Span<const IoRequest> requests) {
     absl::MutexLock lock(&mu_);
     batch.files = files_;
     batch.hook = hook_;
-    RETURN_IF_ERROR(SplitIntoChunks(requests, static_cast<uint64_t>(request_bytes_.load()),
-                                    files_.size(), &batch.chunks));
+    RETURN_IF_ERROR(
+        SplitIntoChunks(requests, settings_.request_bytes(), files_.size(), &batch.chunks));
   }
   if (batch.chunks.empty()) return absl::OkStatus();
-  batch.depth = static_cast<size_t>(queue_depth_.load());
+  batch.depth = settings_.queue_depth();
   absl::MutexLock lock(&mu_);
   batch.unfinished = batch.chunks.size();
   batches_.push_back(&batch);

@@ -26,9 +26,7 @@ constexpr uint64_t kMaxFixedBuffer = uint64_t{1} << 30;
 
 class UringBackend final : public IoBackend {
  public:
-  explicit UringBackend(const IoOptions& o)
-      : queue_depth_(o.queue_depth), request_bytes_(o.request_bytes),
-        submit_batch_(o.submit_batch) {}
+  explicit UringBackend(const IoOptions& o) : settings_(o) {}
 
   ~UringBackend() override {
     for (auto& r : rings_) {
@@ -112,27 +110,11 @@ class UringBackend final : public IoBackend {
 
   absl::Status Run(absl::Span<const IoRequest> requests) override;
 
-  absl::Status SetQueueDepth(int64_t depth) override {
-    if (depth < 1 || depth > kRingEntries) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("queue_depth must be in [1, ", kRingEntries, "], got ", depth));
-    }
-    queue_depth_.store(depth);
-    return absl::OkStatus();
-  }
+  absl::Status SetQueueDepth(int64_t depth) override { return settings_.SetQueueDepth(depth); }
   absl::Status SetRequestBytes(int64_t bytes) override {
-    RETURN_IF_ERROR(ValidateRequestBytes(bytes));
-    request_bytes_.store(bytes);
-    return absl::OkStatus();
+    return settings_.SetRequestBytes(bytes);
   }
-  absl::Status SetSubmitBatch(int64_t batch) override {
-    if (batch < 1 || batch > kRingEntries) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("submit_batch must be in [1, ", kRingEntries, "], got ", batch));
-    }
-    submit_batch_.store(batch);
-    return absl::OkStatus();
-  }
+  absl::Status SetSubmitBatch(int64_t batch) override { return settings_.SetSubmitBatch(batch); }
   void SetResultHookForTesting(IoResultHook hook) override {
     absl::MutexLock lock(&table_mu_);
     hook_ = std::move(hook);
@@ -189,9 +171,7 @@ class UringBackend final : public IoBackend {
 
   std::vector<std::unique_ptr<Ring>> rings_;
   std::atomic<size_t> next_ring_{0};
-  std::atomic<int64_t> queue_depth_;
-  std::atomic<int64_t> request_bytes_;
-  std::atomic<int64_t> submit_batch_;
+  LiveIoSettings settings_;
   mutable absl::Mutex table_mu_;
   std::vector<FileEntry> files_ ABSL_GUARDED_BY(table_mu_);
   std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(table_mu_);
@@ -206,8 +186,8 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
     absl::ReaderMutexLock lock(&table_mu_);
     files = files_;
     hook = hook_;
-    absl::Status split = SplitIntoChunks(requests, static_cast<uint64_t>(request_bytes_.load()),
-                                         files_.size(), &chunks);
+    absl::Status split =
+        SplitIntoChunks(requests, settings_.request_bytes(), files_.size(), &chunks);
     if (!split.ok()) return split;
     for (IoChunk& c : chunks) c.buf_index = FixedBufferIndex(c.buffer, c.remaining);
   }
@@ -218,8 +198,8 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
   if (r.broken) {
     return absl::InternalError("io_uring ring failed earlier and is out of service");
   }
-  const size_t depth = static_cast<size_t>(queue_depth_.load());
-  const size_t batch = static_cast<size_t>(submit_batch_.load());
+  const size_t depth = settings_.queue_depth();
+  const size_t batch = settings_.submit_batch();
   std::deque<size_t> todo;
   for (size_t i = 0; i < chunks.size(); ++i) todo.push_back(i);
   size_t in_flight = 0, queued = 0;
