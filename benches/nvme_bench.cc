@@ -2,7 +2,8 @@
 //
 //   bazel run -c opt //benches:nvme -- --dir=/path/on/nvme
 //       [--sizes=256K,1M,4M,16M] [--depths=1,4,8,16,32,64] [--file_bytes=1G]
-//       [--ops=write,read] [--rounds=2] [--no-fixed] [--no-fio] [--tiny]
+//       [--ops=write,read] [--rounds=2] [--buffers=huge|small] [--no-fixed]
+//       [--no-fio] [--tiny]
 //
 // For each direction, request size and queue depth it moves --file_bytes
 // sequentially through our backend (O_DIRECT, fixed buffers, registered
@@ -45,6 +46,7 @@ struct Flags {
   bool fio = true;
   int rounds = 2;  // each runs both tools, in alternating order
   bool fixed = true;   // register the buffer pool (fixed-buffer I/O)
+  bool huge = true;    // transparent huge pages for the buffer pool
 };
 
 double Seconds(Clock::time_point start) {
@@ -98,6 +100,10 @@ int Main(int argc, char** argv) {
       f.file_bytes = sizes(a.substr(13))[0];
     } else if (a.rfind("--rounds=", 0) == 0) {
       f.rounds = std::max(1, std::atoi(a.c_str() + 9));
+    } else if (a == "--buffers=small") {
+      f.huge = false;
+    } else if (a == "--buffers=huge") {
+      f.huge = true;
     } else if (a == "--no-fixed") {
       f.fixed = false;
     } else if (a == "--no-fio") {
@@ -124,14 +130,15 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", file.status().ToString().c_str());
     return 1;
   }
-  std::printf("file %s, %llu MiB, %s\n", path.c_str(),
-              static_cast<unsigned long long>(f.file_bytes >> 20),
-              file->direct ? "O_DIRECT" : "buffered (no O_DIRECT here)");
+  std::printf("file %s, %llu MiB, %s; our buffers: %s pages (fio's: 4 KiB pages)\n",
+              path.c_str(), static_cast<unsigned long long>(f.file_bytes >> 20),
+              file->direct ? "O_DIRECT" : "buffered (no O_DIRECT here)",
+              f.huge ? "2 MiB transparent huge" : "4 KiB");
   uint64_t max_size = 0;
   int max_depth = 0;
   for (uint64_t s : f.sizes) max_size = std::max(max_size, s);
   for (int d : f.depths) max_depth = std::max(max_depth, d);
-  auto pool = AlignedBuffer::Allocate(max_size * static_cast<uint64_t>(max_depth));
+  auto pool = AlignedBuffer::Allocate(max_size * static_cast<uint64_t>(max_depth), f.huge);
   if (!pool.ok()) return 1;
   std::memset(pool->data(), 0x5a, pool->size());
 
