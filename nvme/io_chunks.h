@@ -61,6 +61,18 @@ class LiveIoSettings {
   std::atomic<int64_t> submit_batch_;
 };
 
+// Base of the concrete backends: the live setters, implemented once.
+class IoBackendBase : public IoBackend {
+ public:
+  absl::Status SetQueueDepth(int64_t depth) final { return settings_.SetQueueDepth(depth); }
+  absl::Status SetRequestBytes(int64_t bytes) final { return settings_.SetRequestBytes(bytes); }
+  absl::Status SetSubmitBatch(int64_t batch) final { return settings_.SetSubmitBatch(batch); }
+
+ protected:
+  explicit IoBackendBase(const IoOptions& options) : settings_(options) {}
+  LiveIoSettings settings_;
+};
+
 // Keeps the first failure of a batch.
 class ChunkOutcome {
  public:

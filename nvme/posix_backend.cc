@@ -18,9 +18,9 @@
 namespace offload {
 namespace {
 
-class PosixBackend final : public IoBackend {
+class PosixBackend final : public IoBackendBase {
  public:
-  explicit PosixBackend(const IoOptions& o) : settings_(o) {
+  explicit PosixBackend(const IoOptions& o) : IoBackendBase(o) {
     for (int64_t i = 0; i < o.posix_threads; ++i) workers_.emplace_back([this] { Work(); });
   }
 
@@ -44,12 +44,6 @@ class PosixBackend final : public IoBackend {
 
   absl::Status Run(absl::Span<const IoRequest> requests) override;
 
-  absl::Status SetQueueDepth(int64_t depth) override { return settings_.SetQueueDepth(depth); }
-  absl::Status SetRequestBytes(int64_t bytes) override {
-    return settings_.SetRequestBytes(bytes);
-  }
-  // Accepted and validated; without a submission queue there is nothing to batch.
-  absl::Status SetSubmitBatch(int64_t batch) override { return settings_.SetSubmitBatch(batch); }
   void SetResultHookForTesting(IoResultHook hook) override {
     absl::MutexLock lock(&mu_);
     hook_ = std::move(hook);
@@ -77,7 +71,6 @@ class PosixBackend final : public IoBackend {
   // Runs one chunk to completion (or failure); returns its outcome.
   absl::Status DoChunk(IoChunk c, const FileEntry& f, const IoResultHook& hook);
 
-  LiveIoSettings settings_;
   absl::Mutex mu_;
   std::vector<FileEntry> files_ ABSL_GUARDED_BY(mu_);
   IoResultHook hook_ ABSL_GUARDED_BY(mu_);

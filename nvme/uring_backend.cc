@@ -24,9 +24,9 @@ constexpr unsigned kMaxFiles = 256;
 constexpr unsigned kMaxBuffers = 1024;
 constexpr uint64_t kMaxFixedBuffer = uint64_t{1} << 30;
 
-class UringBackend final : public IoBackend {
+class UringBackend final : public IoBackendBase {
  public:
-  explicit UringBackend(const IoOptions& o) : settings_(o) {}
+  explicit UringBackend(const IoOptions& o) : IoBackendBase(o) {}
 
   ~UringBackend() override {
     for (auto& r : rings_) {
@@ -110,11 +110,6 @@ class UringBackend final : public IoBackend {
 
   absl::Status Run(absl::Span<const IoRequest> requests) override;
 
-  absl::Status SetQueueDepth(int64_t depth) override { return settings_.SetQueueDepth(depth); }
-  absl::Status SetRequestBytes(int64_t bytes) override {
-    return settings_.SetRequestBytes(bytes);
-  }
-  absl::Status SetSubmitBatch(int64_t batch) override { return settings_.SetSubmitBatch(batch); }
   void SetResultHookForTesting(IoResultHook hook) override {
     absl::MutexLock lock(&table_mu_);
     hook_ = std::move(hook);
@@ -171,7 +166,6 @@ class UringBackend final : public IoBackend {
 
   std::vector<std::unique_ptr<Ring>> rings_;
   std::atomic<size_t> next_ring_{0};
-  LiveIoSettings settings_;
   mutable absl::Mutex table_mu_;
   std::vector<FileEntry> files_ ABSL_GUARDED_BY(table_mu_);
   std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(table_mu_);
