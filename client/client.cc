@@ -63,6 +63,7 @@ struct Session::Impl {
   absl::Duration timeout;
   v1::SessionRef ref;
   Mapping arena;
+  UniqueFd connection;  // the arena channel; closing it abandons the session
   absl::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
 
@@ -131,11 +132,14 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   // Wrap now, so that any failure below closes the session on the daemon.
   std::unique_ptr<Session> out(new Session(std::move(session)));
   Session::Impl& s = *out->impl_;
-  ASSIGN_OR_RETURN(UniqueFd fd, AttachArena(resp.arena_socket(),
-                                            AttachRequest{resp.session().session_id(),
-                                                          resp.session().token()}));
+  ASSIGN_OR_RETURN(Attachment attached,
+                   AttachArena(resp.arena_socket(), AttachRequest{resp.session().session_id(),
+                                                                 resp.session().token()}));
+  // Held open for the session's life: if this process dies, the daemon
+  // sees the connection close and frees the session.
+  s.connection = std::move(attached.connection);
   void* base = mmap(nullptr, resp.arena_capacity(), PROT_READ | PROT_WRITE,
-                    MAP_SHARED | MAP_NORESERVE, fd.get(), 0);
+                    MAP_SHARED | MAP_NORESERVE, attached.arena.get(), 0);
   if (base == MAP_FAILED) {
     return PosixError(absl::StrCat("mapping ", resp.arena_capacity(), " bytes of session arena"),
                       errno);
@@ -274,7 +278,10 @@ absl::Status Session::Close() {
   *req.mutable_session() = impl_->ref;
   v1::CloseSessionResponse resp;
   Rpc rpc(absl::Seconds(10));
-  return FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
+  absl::Status closed =
+      FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
+  impl_->connection.reset();
+  return closed;
 }
 
 }  // namespace offload

@@ -53,15 +53,25 @@ ArenaChannel::~ArenaChannel() {
 }
 
 void ArenaChannel::Serve() {
+  std::vector<pollfd> fds;
   for (;;) {
-    pollfd fds[2] = {{listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
-    int n = poll(fds, 2, -1);
+    fds.assign({{listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
+    for (const Attached& a : attached_) fds.push_back({a.connection.get(), POLLIN | POLLRDHUP, 0});
+    int n = poll(fds.data(), fds.size(), -1);
     if (n < 0) {
       if (errno == EINTR) continue;
       LogError("arena channel poll failed: %s", PosixError("poll", errno).ToString());
       return;
     }
     if (fds[1].revents != 0) return;
+    // Attached trainers: anything but more bytes means the peer is gone.
+    for (size_t i = attached_.size(); i-- > 0;) {
+      if (fds[2 + i].revents == 0) continue;
+      char buf[256];
+      ssize_t got = recv(attached_[i].connection.get(), buf, sizeof(buf), MSG_DONTWAIT);
+      if (got > 0 || (got < 0 && (errno == EAGAIN || errno == EINTR))) continue;  // chatter
+      Drop(i);
+    }
     if (fds[0].revents == 0) continue;
     UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!conn.valid()) {
@@ -70,33 +80,51 @@ void ArenaChannel::Serve() {
       }
       continue;
     }
-    Answer(conn.get());
+    if (std::optional<Attached> a = Answer(std::move(conn))) attached_.push_back(std::move(*a));
   }
 }
 
-void ArenaChannel::Answer(int conn) {
-  SetReceiveTimeout(conn, kReceiveTimeoutMs);
-  auto reply_error = [conn](const absl::Status& status) {
+void ArenaChannel::Drop(size_t i) {
+  const uint64_t id = attached_[i].session_id;
+  const pid_t pid = attached_[i].pid;
+  attached_.erase(attached_.begin() + static_cast<std::ptrdiff_t>(i));
+  for (const Attached& a : attached_) {
+    if (a.session_id == id) return;  // another process still holds it
+  }
+  if (sessions_->Abandon(id)) {
+    LogInfo("session %d closed: its trainer (pid %d) went away without closing it",
+            static_cast<int64_t>(id), pid);
+  }
+}
+
+std::optional<ArenaChannel::Attached> ArenaChannel::Answer(UniqueFd conn) {
+  SetReceiveTimeout(conn.get(), kReceiveTimeoutMs);
+  auto reply_error = [&conn](const absl::Status& status) -> std::optional<Attached> {
     // The peer may be gone; there is nobody else to tell.
-    SendWithFd(conn, FormatAttachError(status), -1).IgnoreError();
+    SendWithFd(conn.get(), FormatAttachError(status), -1).IgnoreError();
+    return std::nullopt;
   };
-  absl::StatusOr<ucred> cred = PeerCredentials(conn);
+  absl::StatusOr<ucred> cred = PeerCredentials(conn.get());
   if (!cred.ok()) return reply_error(cred.status());
   if (cred->uid != geteuid() && cred->uid != 0) {
     return reply_error(absl::PermissionDeniedError(absl::StrCat(
         "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ",
         geteuid())));
   }
-  absl::StatusOr<ReceivedMessage> request = ReceiveWithFd(conn);
-  if (!request.ok()) return;  // timed out or hung up: nobody to answer
+  absl::StatusOr<ReceivedMessage> request = ReceiveWithFd(conn.get());
+  if (!request.ok()) return std::nullopt;  // timed out or hung up: nobody to answer
   absl::StatusOr<AttachRequest> attach =
       ParseAttachRequest(request->payload, SessionManager::kTokenBytes);
   if (!attach.ok()) return reply_error(attach.status());
   absl::StatusOr<UniqueFd> fd =
       sessions_->DupArenaFd(SessionKey{attach->session_id, attach->token});
   if (!fd.ok()) return reply_error(fd.status());
-  absl::Status sent = SendWithFd(conn, "OK", fd->get());
-  if (!sent.ok()) LogWarning("arena channel: answering pid %d: %s", cred->pid, sent.ToString());
+  absl::Status sent = SendWithFd(conn.get(), "OK", fd->get());
+  if (!sent.ok()) {
+    LogWarning("arena channel: answering pid %d: %s", cred->pid, sent.ToString());
+    return std::nullopt;
+  }
+  return Attached{std::move(conn), attach->session_id, cred->pid};
 }
 
 }  // namespace offload

@@ -9,15 +9,23 @@
 //
 // Wire format: arena_protocol.h.
 //
+// The trainer keeps its connection open while it uses the session. When the
+// last connection of a session closes (the trainer exited, crashed or was
+// killed: the kernel closes its descriptors), the session is closed and its
+// memory freed, so a dead trainer cannot hold the node's memory.
+//
 // Threading: one thread accepts and answers connections one at a time with
-// a short receive timeout, so a stalled peer delays others by at most that.
+// a short receive timeout, so a stalled peer delays others by at most that;
+// the same thread watches the attached connections.
 #ifndef OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 #define OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 
 #include <functional>
 #include <memory>
 #include <string>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "engine/session_manager.h"
@@ -37,13 +45,23 @@ class ArenaChannel {
  private:
   ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
                SessionManager* sessions);
+  struct Attached {
+    UniqueFd connection;
+    uint64_t session_id;
+    pid_t pid;
+  };
+
   void Serve();
-  void Answer(int conn);
+  // Answers an attach request; on success returns what to keep watching.
+  std::optional<Attached> Answer(UniqueFd conn);
+  // The trainer behind attached_[i] went away.
+  void Drop(size_t i);
 
   const std::string path_;
   const UniqueFd listener_;
   const UniqueFd stop_event_;
   SessionManager* const sessions_;
+  std::vector<Attached> attached_;  // only the serving thread touches it
   std::thread thread_;
 };
 

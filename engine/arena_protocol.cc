@@ -41,13 +41,15 @@ std::string FormatAttachError(const absl::Status& status) {
   return absl::StrCat("ERR ", static_cast<int>(status.code()), " ", status.message());
 }
 
-absl::StatusOr<UniqueFd> AttachArena(const std::string& path, const AttachRequest& request) {
+absl::StatusOr<Attachment> AttachArena(const std::string& path, const AttachRequest& request) {
   ASSIGN_OR_RETURN(UniqueFd sock, ConnectUnix(path));
   timeval tv{30, 0};  // the daemon answers at once; this only bounds a hang
   setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   RETURN_IF_ERROR(SendWithFd(sock.get(), FormatAttachRequest(request), -1));
   ASSIGN_OR_RETURN(ReceivedMessage reply, ReceiveWithFd(sock.get()));
-  if (reply.payload == "OK" && reply.fd.valid()) return std::move(reply.fd);
+  if (reply.payload == "OK" && reply.fd.valid()) {
+    return Attachment{std::move(reply.fd), std::move(sock)};
+  }
   std::vector<absl::string_view> parts = absl::StrSplit(reply.payload, absl::MaxSplits(' ', 2));
   int code;
   if (parts.size() == 3 && parts[0] == "ERR" && absl::SimpleAtoi(parts[1], &code) && code > 0 &&

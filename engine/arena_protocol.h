@@ -4,6 +4,10 @@
 //   request:  "ATTACH <session id> <token as lowercase hex>"
 //   response: "OK" with the arena's descriptor attached (SCM_RIGHTS), or
 //             "ERR <absl status code number> <message>" with none.
+// After "OK" the client keeps the connection open for as long as the
+// session lives and sends nothing more: when the connection closes (the
+// trainer exited or crashed), the daemon closes the session and frees its
+// memory.
 #ifndef OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
 #define OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
 
@@ -27,9 +31,15 @@ std::string FormatAttachRequest(const AttachRequest& request);
 absl::StatusOr<AttachRequest> ParseAttachRequest(absl::string_view text, size_t token_bytes);
 std::string FormatAttachError(const absl::Status& status);
 
+struct Attachment {
+  UniqueFd arena;       // the session's memfd
+  UniqueFd connection;  // keep open while the session is in use
+};
+
 // Connects to the channel at `path`, presents the request and returns the
-// arena descriptor, or the daemon's error with its original code.
-absl::StatusOr<UniqueFd> AttachArena(const std::string& path, const AttachRequest& request);
+// arena descriptor and the connection, or the daemon's error with its
+// original code.
+absl::StatusOr<Attachment> AttachArena(const std::string& path, const AttachRequest& request);
 
 }  // namespace offload
 

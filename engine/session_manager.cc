@@ -165,14 +165,31 @@ absl::Status SessionManager::CheckOwner(const Session& session, uint64_t partiti
 
 absl::Status SessionManager::Close(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  absl::MutexLock lock(&mu_);
   // Another Close may have won the race since Find().
-  if (sessions_.erase(key.id) == 0) {
+  if (!CloseById(key.id)) {
     return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
   }
-  closed_sessions_.insert(key.id);
+  return absl::OkStatus();
+}
+
+bool SessionManager::Abandon(uint64_t id) {
+  if (!CloseById(id)) return false;
+  stats_->sessions_abandoned.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+bool SessionManager::CloseById(uint64_t id) {
+  // Destroyed after mu_ is released: ~Session takes the session's own lock,
+  // which is ordered before mu_ (Register holds it while taking mu_).
+  std::shared_ptr<Session> doomed;
+  absl::MutexLock lock(&mu_);
+  auto found = sessions_.find(id);
+  if (found == sessions_.end()) return false;
+  doomed = std::move(found->second);
+  sessions_.erase(found);
+  closed_sessions_.insert(id);
   for (auto it = partition_owner_.begin(); it != partition_owner_.end();) {
-    if (it->second == key.id) {
+    if (it->second == id) {
       partition_owner_.erase(it++);
     } else {
       ++it;
@@ -180,7 +197,7 @@ absl::Status SessionManager::Close(const SessionKey& key) {
   }
   stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
   // Memory is released when the last in-flight call drops its reference.
-  return absl::OkStatus();
+  return true;
 }
 
 absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,

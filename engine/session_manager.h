@@ -134,6 +134,10 @@ class SessionManager {
   // A duplicate of the session's arena descriptor, for the arena channel.
   absl::StatusOr<UniqueFd> DupArenaFd(const SessionKey& key);
 
+  // Closes session `id` because its trainer went away (no token: the arena
+  // channel saw the trainer's connection close). False if it was not open.
+  bool Abandon(uint64_t id);
+
   // Applies to sessions opened afterwards.
   void SetArenaCapacity(uint64_t bytes);
 
@@ -145,6 +149,7 @@ class SessionManager {
 
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key) const;
   absl::Status CheckOwner(const Session& session, uint64_t partition_id) const;
+  bool CloseById(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
   MemoryBudget* const host_;
   Optimizer* const optimizer_;

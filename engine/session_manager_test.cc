@@ -105,6 +105,22 @@ TEST_F(SessionManagerTest, BadRequestsGetPreciseCodes) {
   EXPECT_EQ(sessions_.Fetch(b, {pa->id}).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(SessionManagerTest, AbandonFreesASessionNobodyElseHolds) {
+  SessionKey key = Open();
+  ASSERT_TRUE(sessions_.Register(key, {"w", 1000, DType::kFp32, DType::kFp32}).ok());
+  EXPECT_GT(host_.used(), 0u);
+  // No call in flight holds the session: it is destroyed inside Abandon,
+  // which must not happen under the manager's lock (lock-order cycle).
+  EXPECT_TRUE(sessions_.Abandon(key.id));
+  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_FALSE(sessions_.Abandon(key.id));
+  EXPECT_EQ(sessions_.Fetch(key, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(stats_.sessions_abandoned.load(), 1);
+  // Registering in another session afterwards is fine.
+  SessionKey other = Open();
+  EXPECT_TRUE(sessions_.Register(other, {"w", 10, DType::kFp32, DType::kFp32}).ok());
+}
+
 TEST_F(SessionManagerTest, BudgetIsEnforcedAndNothingLeaks) {
   SessionKey a = Open();
   host_.SetLimit(1 << 20);

@@ -98,6 +98,11 @@ absl::StatusOr<int> DaemonProcess::Stop() {
 
 std::string DaemonProcess::ReadLog() const { return ReadFile(log_path()); }
 
+absl::StatusOr<pid_t> SpawnProcess(const std::vector<std::string>& argv,
+                                   const std::string& output) {
+  return Spawn(argv, output);
+}
+
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv) {
   char path[] = "/tmp/offloadd_cmd.XXXXXX";
   int fd = mkstemp(path);

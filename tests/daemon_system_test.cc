@@ -1,6 +1,8 @@
 // System tests: a real offloadd process, driven from this (separate) process
 // through the client library, raw gRPC stubs and the arena channel.
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -37,6 +39,12 @@ class DaemonTest : public ::testing::Test {
     auto s = client_->OpenSession(name);
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  DaemonStats Stats() {
+    auto stats = client_->GetStats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    return stats.ok() ? *std::move(stats) : DaemonStats{};
   }
 
   int64_t Counter(const std::string& name) {
@@ -202,6 +210,46 @@ TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
+  auto survivor = Open("survivor");
+  ASSERT_TRUE(survivor);
+  ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
+  const uint64_t survivor_bytes = Stats().tiers[0].used_bytes;
+
+  auto pid = ::offload::testing::SpawnProcess(
+      {"client/demo/offload_demo", "--address=" + daemon_->address(), "--mode=daemon",
+       "--steps=1000000"},
+      daemon_->data_dir() + "/trainer.log");
+  ASSERT_TRUE(pid.ok()) << pid.status();
+  // Wait (bounded) until the trainer is stepping.
+  auto stepping = [&] {
+    for (const auto& s : Stats().sessions) {
+      if (s.name == "offload_demo" && s.steps > 0) return true;
+    }
+    return false;
+  };
+  for (int i = 0; i < 2000 && !stepping(); ++i) usleep(5000);
+  ASSERT_TRUE(stepping()) << "the trainer never stepped";
+  EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
+
+  ASSERT_EQ(kill(*pid, SIGKILL), 0);
+  ASSERT_EQ(waitpid(*pid, nullptr, 0), *pid);
+  // The daemon notices the dropped connection and frees the session.
+  auto gone = [&] { return Stats().sessions.size() == 1; };
+  for (int i = 0; i < 2000 && !gone(); ++i) usleep(5000);
+  ASSERT_TRUE(gone());
+  EXPECT_EQ(Stats().sessions[0].name, "survivor");
+  EXPECT_EQ(Stats().tiers[0].used_bytes, survivor_bytes);
+  EXPECT_EQ(Counter("sessions_abandoned"), 1);
+  EXPECT_TRUE(absl::StrContains(daemon_->ReadLog(), "went away without closing it"));
+  // An orderly close is not counted as abandoned, and the survivor still works.
+  ASSERT_TRUE(survivor->Close().ok());
+  EXPECT_EQ(Counter("sessions_abandoned"), 1);
+  auto again = Open("again");
+  ASSERT_TRUE(again);
+  EXPECT_TRUE(again->Register("w", 10, DType::kFp32, DType::kFp32).ok());
+}
+
 TEST_F(DaemonTest, RawRequestsAreCheckedToo) {
   auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::PartitionService::NewStub(channel);
@@ -256,7 +304,7 @@ TEST_F(DaemonTest, ArenaGoesOnlyToTheTokenHolder) {
   auto good = AttachArena(arena, {opened.session().session_id(), opened.session().token()});
   ASSERT_TRUE(good.ok()) << good.status();
   struct stat st;
-  ASSERT_EQ(fstat(good->get(), &st), 0);
+  ASSERT_EQ(fstat(good->arena.get(), &st), 0);
 
   std::string wrong = opened.session().token();
   wrong[0] ^= 1;
