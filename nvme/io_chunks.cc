@@ -87,6 +87,32 @@ absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_
   return absl::OkStatus();
 }
 
+void IoBackendBase::SetResultHookForTesting(IoResultHook hook) {
+  absl::MutexLock lock(&table_mu_);
+  hook_ = std::move(hook);
+}
+
+absl::StatusOr<int> IoBackendBase::AddFileEntry(int fd, const std::string& path,
+                                                size_t max_files) {
+  absl::MutexLock lock(&table_mu_);
+  if (files_.size() >= max_files) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("at most ", max_files, " files can be registered; cannot add ", path));
+  }
+  files_.push_back({fd, path});
+  return static_cast<int>(files_.size() - 1);
+}
+
+absl::StatusOr<PreparedBatch> IoBackendBase::Prepare(absl::Span<const IoRequest> requests) const {
+  PreparedBatch batch;
+  absl::MutexLock lock(&table_mu_);
+  RETURN_IF_ERROR(
+      SplitIntoChunks(requests, settings_.request_bytes(), files_.size(), &batch.chunks));
+  batch.files = files_;
+  batch.hook = hook_;
+  return batch;
+}
+
 bool HandleResult(IoChunk& c, int64_t result, const std::string& path, ChunkOutcome* outcome) {
   if (result < 0) {
     const int err = static_cast<int>(-result);

@@ -11,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "nvme/io_backend.h"
 
@@ -61,16 +64,46 @@ class LiveIoSettings {
   std::atomic<int64_t> submit_batch_;
 };
 
-// Base of the concrete backends: the live setters, implemented once.
+struct IoFileEntry {
+  int fd;  // borrowed
+  std::string path;
+};
+
+// What one Run() works from: its chunks, and copies of the file table and
+// the test hook as they were when it started.
+struct PreparedBatch {
+  std::vector<IoChunk> chunks;
+  std::vector<IoFileEntry> files;
+  IoResultHook hook;
+};
+
+// Base of the concrete backends, implementing once what they share: the live
+// setters, the file table, the test hook, and preparing a batch.
 class IoBackendBase : public IoBackend {
  public:
   absl::Status SetQueueDepth(int64_t depth) final { return settings_.SetQueueDepth(depth); }
   absl::Status SetRequestBytes(int64_t bytes) final { return settings_.SetRequestBytes(bytes); }
   absl::Status SetSubmitBatch(int64_t batch) final { return settings_.SetSubmitBatch(batch); }
+  void SetResultHookForTesting(IoResultHook hook) final ABSL_LOCKS_EXCLUDED(table_mu_);
 
  protected:
   explicit IoBackendBase(const IoOptions& options) : settings_(options) {}
+
+  // Appends to the file table and returns the new index; RESOURCE_EXHAUSTED
+  // once it holds `max_files`.
+  absl::StatusOr<int> AddFileEntry(int fd, const std::string& path, size_t max_files)
+      ABSL_LOCKS_EXCLUDED(table_mu_);
+  // Splits `requests` into chunks of at most request_bytes and snapshots the
+  // file table and hook. INVALID_ARGUMENT for an unknown file or null buffer.
+  absl::StatusOr<PreparedBatch> Prepare(absl::Span<const IoRequest> requests) const
+      ABSL_LOCKS_EXCLUDED(table_mu_);
+
   LiveIoSettings settings_;
+
+ private:
+  mutable absl::Mutex table_mu_;
+  std::vector<IoFileEntry> files_ ABSL_GUARDED_BY(table_mu_);
+  IoResultHook hook_ ABSL_GUARDED_BY(table_mu_);
 };
 
 // Keeps the first failure of a batch.

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cerrno>
 #include <deque>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -35,30 +36,16 @@ class PosixBackend final : public IoBackendBase {
   std::string name() const override { return "posix"; }
 
   absl::StatusOr<int> AddFile(int fd, const std::string& path) override {
-    absl::MutexLock lock(&mu_);
-    files_.push_back({fd, path});
-    return static_cast<int>(files_.size() - 1);
+    return AddFileEntry(fd, path, std::numeric_limits<size_t>::max());
   }
 
   absl::Status AddBuffer(void*, uint64_t) override { return absl::OkStatus(); }
 
   absl::Status Run(absl::Span<const IoRequest> requests) override;
 
-  void SetResultHookForTesting(IoResultHook hook) override {
-    absl::MutexLock lock(&mu_);
-    hook_ = std::move(hook);
-  }
-
  private:
-  struct FileEntry {
-    int fd;
-    std::string path;
-  };
-  // One Run(): its chunks, how many are unfinished, its first error.
-  struct Batch {
-    std::vector<IoChunk> chunks;
-    std::vector<FileEntry> files;
-    IoResultHook hook;
+  // One Run(): its prepared chunks, how many are unfinished, its first error.
+  struct Batch : PreparedBatch {
     // The rest is guarded by the backend's mu_.
     size_t next = 0;        // first chunk not yet handed out
     size_t in_flight = 0;   // chunks being worked on
@@ -69,17 +56,15 @@ class PosixBackend final : public IoBackendBase {
 
   void Work();
   // Runs one chunk to completion (or failure); returns its outcome.
-  absl::Status DoChunk(IoChunk c, const FileEntry& f, const IoResultHook& hook);
+  absl::Status DoChunk(IoChunk c, const IoFileEntry& f, const IoResultHook& hook);
 
   absl::Mutex mu_;
-  std::vector<FileEntry> files_ ABSL_GUARDED_BY(mu_);
-  IoResultHook hook_ ABSL_GUARDED_BY(mu_);
   std::deque<Batch*> batches_ ABSL_GUARDED_BY(mu_);  // batches with chunks left to hand out
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };
 
-absl::Status PosixBackend::DoChunk(IoChunk c, const FileEntry& f, const IoResultHook& hook) {
+absl::Status PosixBackend::DoChunk(IoChunk c, const IoFileEntry& f, const IoResultHook& hook) {
   ChunkOutcome outcome;
   for (;;) {
     const IoRequest attempt = c.AsRequest();
@@ -108,7 +93,7 @@ void PosixBackend::Work() {
     ++b->in_flight;
     if (b->next == b->chunks.size() || b->in_flight == b->depth) batches_.pop_front();
     const IoChunk chunk = b->chunks[idx];
-    const FileEntry file = b->files[static_cast<size_t>(chunk.file)];
+    const IoFileEntry file = b->files[static_cast<size_t>(chunk.file)];
     const IoResultHook hook = b->hook;
     mu_.Unlock();
     absl::Status s = DoChunk(chunk, file, hook);
@@ -131,15 +116,10 @@ void PosixBackend::Work() {
 }
 
 absl::Status PosixBackend::Run(absl::Span<const IoRequest> requests) {
+  ASSIGN_OR_RETURN(PreparedBatch prepared, Prepare(requests));
+  if (prepared.chunks.empty()) return absl::OkStatus();
   Batch batch;
-  {
-    absl::MutexLock lock(&mu_);
-    batch.files = files_;
-    batch.hook = hook_;
-    RETURN_IF_ERROR(
-        SplitIntoChunks(requests, settings_.request_bytes(), files_.size(), &batch.chunks));
-  }
-  if (batch.chunks.empty()) return absl::OkStatus();
+  static_cast<PreparedBatch&>(batch) = std::move(prepared);
   batch.depth = settings_.queue_depth();
   absl::MutexLock lock(&mu_);
   batch.unfinished = batch.chunks.size();

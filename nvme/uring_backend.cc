@@ -65,12 +65,7 @@ class UringBackend final : public IoBackendBase {
   std::string name() const override { return "io_uring"; }
 
   absl::StatusOr<int> AddFile(int fd, const std::string& path) override {
-    absl::MutexLock lock(&table_mu_);
-    if (files_.size() >= kMaxFiles) {
-      return absl::ResourceExhaustedError(absl::StrCat("at most ", kMaxFiles, " files"));
-    }
-    const int index = static_cast<int>(files_.size());
-    files_.push_back({fd, path});
+    ASSIGN_OR_RETURN(const int index, AddFileEntry(fd, path, kMaxFiles));
     for (auto& r : rings_) {
       absl::MutexLock ring_lock(&r->mu);
       if (r->fixed_files && io_uring_register_files_update(&r->ring, index, &fd, 1) != 1) {
@@ -82,7 +77,7 @@ class UringBackend final : public IoBackendBase {
   }
 
   absl::Status AddBuffer(void* base, uint64_t length) override {
-    absl::MutexLock lock(&table_mu_);
+    absl::MutexLock lock(&buffers_mu_);
     auto* p = static_cast<std::byte*>(base);
     for (uint64_t done = 0; done < length; done += kMaxFixedBuffer) {
       if (buffers_.size() >= kMaxBuffers) break;
@@ -110,11 +105,6 @@ class UringBackend final : public IoBackendBase {
 
   absl::Status Run(absl::Span<const IoRequest> requests) override;
 
-  void SetResultHookForTesting(IoResultHook hook) override {
-    absl::MutexLock lock(&table_mu_);
-    hook_ = std::move(hook);
-  }
-
  private:
   struct Ring {
     absl::Mutex mu;
@@ -123,16 +113,12 @@ class UringBackend final : public IoBackendBase {
     bool fixed_buffers = false;
     bool broken = false;
   };
-  struct FileEntry {
-    int fd;
-    std::string path;
-  };
   struct BufferEntry {
     std::byte* base;
     uint64_t length;
   };
 
-  int FixedBufferIndex(const std::byte* p, uint64_t len) const ABSL_SHARED_LOCKS_REQUIRED(table_mu_) {
+  int FixedBufferIndex(const std::byte* p, uint64_t len) const ABSL_SHARED_LOCKS_REQUIRED(buffers_mu_) {
     for (size_t i = 0; i < buffers_.size(); ++i) {
       if (p >= buffers_[i].base && p + len <= buffers_[i].base + buffers_[i].length) {
         return static_cast<int>(i);
@@ -166,23 +152,17 @@ class UringBackend final : public IoBackendBase {
 
   std::vector<std::unique_ptr<Ring>> rings_;
   std::atomic<size_t> next_ring_{0};
-  mutable absl::Mutex table_mu_;
-  std::vector<FileEntry> files_ ABSL_GUARDED_BY(table_mu_);
-  std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(table_mu_);
-  IoResultHook hook_ ABSL_GUARDED_BY(table_mu_);
+  mutable absl::Mutex buffers_mu_;
+  std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(buffers_mu_);
 };
 
 absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
-  std::vector<IoChunk> chunks;
-  std::vector<FileEntry> files;
-  IoResultHook hook;
+  ASSIGN_OR_RETURN(PreparedBatch prepared, Prepare(requests));
+  std::vector<IoChunk>& chunks = prepared.chunks;
+  const std::vector<IoFileEntry>& files = prepared.files;
+  const IoResultHook& hook = prepared.hook;
   {
-    absl::ReaderMutexLock lock(&table_mu_);
-    files = files_;
-    hook = hook_;
-    absl::Status split =
-        SplitIntoChunks(requests, settings_.request_bytes(), files_.size(), &chunks);
-    if (!split.ok()) return split;
+    absl::ReaderMutexLock lock(&buffers_mu_);
     for (IoChunk& c : chunks) c.buf_index = FixedBufferIndex(c.buffer, c.remaining);
   }
   if (chunks.empty()) return absl::OkStatus();
@@ -221,7 +201,7 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
       const size_t idx = todo.front();
       todo.pop_front();
       IoChunk& c = chunks[idx];
-      const FileEntry& f = files[static_cast<size_t>(c.file)];
+      const IoFileEntry& f = files[static_cast<size_t>(c.file)];
       const int fd = r.fixed_files ? c.file : f.fd;
       const unsigned len = static_cast<unsigned>(c.remaining);
       if (c.op == IoOp::kRead) {
