@@ -218,11 +218,10 @@ absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
   }
   const uint64_t param_bytes = spec.numel * DTypeSize(spec.param_dtype);
   const uint64_t grad_bytes = spec.numel * DTypeSize(spec.grad_dtype);
-  auto page = [](uint64_t b) {
-    return (b + ShmArena::kAlignment - 1) / ShmArena::kAlignment * ShmArena::kAlignment;
-  };
-  const uint64_t reserved =
-      page(param_bytes) + page(grad_bytes) + spec.numel * kPrivateBytesPerParam;
+  // Exactly what the arena will take, plus the private fp32 state.
+  const uint64_t reserved = ShmArena::RoundedSize(param_bytes) +
+                            ShmArena::RoundedSize(grad_bytes) +
+                            spec.numel * kPrivateBytesPerParam;
   const std::string what = absl::StrCat("partition '", spec.name, "' of session ", key.id);
   RETURN_IF_ERROR(host_->Reserve(reserved, what));
 

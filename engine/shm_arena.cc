@@ -43,7 +43,7 @@ uint64_t ShmArena::size() const {
 }
 
 absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes) {
-  const uint64_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  const uint64_t rounded = RoundedSize(bytes);
   absl::MutexLock lock(&mu_);
   if (rounded == 0 || rounded > capacity_ - size_) {
     return absl::ResourceExhaustedError(

@@ -40,6 +40,12 @@ class ShmArena {
   ShmArena(const ShmArena&) = delete;
   ShmArena& operator=(const ShmArena&) = delete;
 
+  // Bytes of arena an allocation of `bytes` occupies (rounded up to
+  // kAlignment).
+  static constexpr uint64_t RoundedSize(uint64_t bytes) {
+    return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  }
+
   // Returns the offset of `bytes` fresh zeroed bytes. RESOURCE_EXHAUSTED if
   // the arena's capacity would be exceeded.
   absl::StatusOr<uint64_t> Allocate(uint64_t bytes);
