@@ -34,13 +34,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
-  if (UnixSocketIsLive(d->socket_path_)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("another offloadd is already serving on ", d->socket_path_));
-  }
-  if (unlink(d->socket_path_.c_str()) != 0 && errno != ENOENT) {
-    return PosixError(absl::StrCat("removing stale socket ", d->socket_path_), errno);
-  }
+  RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   ASSIGN_OR_RETURN(d->arena_channel_,
                    ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->sessions_));
 

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/posix_error.h"
+#include "engine/status_macros.h"
 
 namespace offload {
 namespace {
@@ -112,16 +113,20 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
   return fd;
 }
 
-absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path) {
-  auto addr = UnixAddress(path);
-  if (!addr.ok()) return addr.status();
+absl::Status ClaimSocketPath(const std::string& path) {
   if (UnixSocketIsLive(path)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("another server is already listening on ", path));
+    return absl::AlreadyExistsError(absl::StrCat("another process is already serving on ", path));
   }
   if (unlink(path.c_str()) != 0 && errno != ENOENT) {
     return PosixError(absl::StrCat("removing stale socket ", path), errno);
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path) {
+  auto addr = UnixAddress(path);
+  if (!addr.ok()) return addr.status();
+  RETURN_IF_ERROR(ClaimSocketPath(path));
   UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return PosixError("socket(AF_UNIX)", errno);
   // The umask makes bind() create the file 0600: no window in which another

@@ -31,9 +31,12 @@ absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock);
 
 absl::StatusOr<ucred> PeerCredentials(int sock);
 
+// Makes `path` free for a new Unix socket: ALREADY_EXISTS if a live server
+// answers there, otherwise removes a stale socket file left by a crash.
+absl::Status ClaimSocketPath(const std::string& path);
+
 // Creates a listening Unix stream socket at `path` readable and writable by
-// the owner only. Fails with ALREADY_EXISTS if a live server answers there;
-// a stale socket file is replaced.
+// the owner only, after ClaimSocketPath.
 absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path);
 
 // Connects to the Unix stream socket at `path`.
