@@ -18,12 +18,6 @@ int ResolveThreads(int64_t threads) {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
-struct Tile {
-  size_t task;
-  size_t begin;
-  size_t end;
-};
-
 AdamSpan Slice(const AdamSpan& s, size_t begin, size_t end) {
   AdamSpan out = s;
   out.master += begin;
@@ -94,8 +88,7 @@ std::string Optimizer::kernel_name() const {
   return kernels_->name;
 }
 
-template <typename Fn>
-void Optimizer::ParallelTiles(absl::Span<const AdamTask> tasks, Fn&& fn) {
+std::vector<Optimizer::Tile> Optimizer::MakeTiles(absl::Span<const AdamTask> tasks) const {
   const size_t tile = static_cast<size_t>(tile_elems_);
   std::vector<Tile> tiles;
   for (size_t i = 0; i < tasks.size(); ++i) {
@@ -103,6 +96,11 @@ void Optimizer::ParallelTiles(absl::Span<const AdamTask> tasks, Fn&& fn) {
       tiles.push_back(Tile{i, b, std::min(tasks[i].span.numel, b + tile)});
     }
   }
+  return tiles;
+}
+
+template <typename Fn>
+void Optimizer::ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) {
   arena_->execute([&] {
     tbb::parallel_for(tbb::blocked_range<size_t>(0, tiles.size(), 1),
                       [&](const tbb::blocked_range<size_t>& r) {
@@ -121,10 +119,11 @@ absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
   // A reader lock: concurrent steps share the arena; the setters wait.
   absl::ReaderMutexLock lock(&mu_);
   const AdamKernels& k = *kernels_;
+  const std::vector<Tile> tiles = MakeTiles(tasks);
   StepReport report;
   if (check_finite_) {
     std::atomic<uint64_t> nonfinite{0};
-    ParallelTiles(tasks, [&](const Tile& t) {
+    ParallelTiles(tiles, [&](const Tile& t) {
       const AdamSpan s = Slice(tasks[t.task].span, t.begin, t.end);
       if (uint64_t n = k.count_nonfinite(s.grads, s.grad_dtype, s.numel); n != 0) {
         nonfinite.fetch_add(n, std::memory_order_relaxed);
@@ -136,7 +135,7 @@ absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
       return report;
     }
   }
-  ParallelTiles(tasks, [&](const Tile& t) {
+  ParallelTiles(tiles, [&](const Tile& t) {
     k.adam(constants[t.task], Slice(tasks[t.task].span, t.begin, t.end));
   });
   return report;

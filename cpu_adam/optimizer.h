@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -79,8 +80,15 @@ class Optimizer {
   std::string kernel_name() const;
 
  private:
+  struct Tile {
+    size_t task;
+    size_t begin;
+    size_t end;
+  };
+  std::vector<Tile> MakeTiles(absl::Span<const AdamTask> tasks) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   template <typename Fn>
-  void ParallelTiles(absl::Span<const AdamTask> tasks, Fn&& fn) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);
