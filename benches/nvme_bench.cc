@@ -29,6 +29,7 @@
 #include "engine/config.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
+#include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
 #include "xxhash.h"
 

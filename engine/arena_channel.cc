@@ -10,11 +10,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "engine/arena_protocol.h"
-#include "engine/fd_passing.h"
-#include "engine/log.h"
-#include "engine/posix_error.h"
-#include "engine/status_macros.h"
+#include "base/log.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
+#include "ipc/arena_protocol.h"
+#include "ipc/fd_passing.h"
 
 namespace offload {
 namespace {

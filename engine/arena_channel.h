@@ -28,8 +28,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "base/unique_fd.h"
 #include "engine/session_manager.h"
-#include "engine/unique_fd.h"
 
 namespace offload {
 

@@ -7,7 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "engine/status_macros.h"
+#include "base/status_macros.h"
 #include "yaml-cpp/yaml.h"
 
 namespace offload {

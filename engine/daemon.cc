@@ -10,11 +10,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "engine/fd_passing.h"
-#include "engine/log.h"
-#include "engine/paths.h"
-#include "engine/posix_error.h"
-#include "engine/status_macros.h"
+#include "base/log.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
+#include "ipc/fd_passing.h"
+#include "ipc/paths.h"
+#include "nvme/io_backend_factory.h"
 
 namespace offload {
 

@@ -13,9 +13,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "engine/config.h"
 #include "engine/daemon.h"
-#include "engine/log.h"
 #include "engine/options.h"
 #include "engine/version.h"
 

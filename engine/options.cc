@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include "engine/paths.h"
+#include "ipc/paths.h"
 
 namespace offload {
 

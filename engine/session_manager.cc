@@ -11,9 +11,9 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "engine/posix_error.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
 #include "engine/shm_arena.h"
-#include "engine/status_macros.h"
 
 namespace offload {
 namespace {

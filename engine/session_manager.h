@@ -43,12 +43,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "base/unique_fd.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
 #include "engine/memory_budget.h"
 #include "engine/stats.h"
-#include "engine/unique_fd.h"
 
 namespace offload {
 

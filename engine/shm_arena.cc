@@ -7,7 +7,7 @@
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
-#include "engine/posix_error.h"
+#include "base/posix_error.h"
 
 namespace offload {
 

@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace offload {
 

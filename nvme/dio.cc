@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "engine/log.h"
-#include "engine/posix_error.h"
+#include "base/log.h"
+#include "base/posix_error.h"
 
 namespace offload {
 

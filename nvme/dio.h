@@ -9,7 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "engine/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace offload {
 

@@ -101,19 +101,14 @@ class IoBackend {
   virtual void SetResultHookForTesting(IoResultHook hook) = 0;
 };
 
-// The backend options.backend asks for. "auto" falls back to posix, with a
-// logged warning, when io_uring cannot be set up (old kernel, seccomp).
-absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackend(const IoOptions& options);
-
-// As MakeIoBackend, with the io_uring probe replaced (tests simulate a
-// kernel without io_uring): `probe` returns 0 or -errno.
-absl::StatusOr<std::unique_ptr<IoBackend>> MakeIoBackendWithProbe(
-    const IoOptions& options, const std::function<int()>& probe);
-
 // "read 1048576 bytes at offset 4096 of /x/swap0" style context.
 std::string DescribeIo(const IoRequest& r, const std::string& path);
 
 absl::Status ValidateIoOptions(const IoOptions& options);
+// io_uring rings have 256 entries; the other backends use the same bound.
+inline constexpr int64_t kMaxQueueDepth = 256;
+// INVALID_ARGUMENT naming `name` unless lo <= value <= hi.
+absl::Status InRange(const char* name, int64_t value, int64_t lo, int64_t hi);
 // INVALID_ARGUMENT unless a multiple of 4096 in [4KiB, 1GiB].
 absl::Status ValidateRequestBytes(int64_t bytes);
 

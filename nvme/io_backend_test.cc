@@ -1,4 +1,5 @@
 #include "nvme/io_backend.h"
+#include "nvme/io_backend_factory.h"
 
 #include <sys/statfs.h>
 #include <unistd.h>
@@ -13,7 +14,7 @@
 #include "gtest/gtest.h"
 #include "nvme/dio.h"
 #include "nvme/fault_injection.h"
-#include "nvme/io_chunks.h"
+#include "nvme/io_backend_base.h"
 
 namespace offload {
 namespace {

@@ -13,8 +13,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/status_macros.h"
-#include "nvme/io_chunks.h"
+#include "base/status_macros.h"
+#include "nvme/io_backend_base.h"
 
 namespace offload {
 namespace {

@@ -9,9 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "engine/log.h"
-#include "engine/posix_error.h"
-#include "engine/status_macros.h"
+#include "base/log.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
 #include "xxhash.h"
 
 namespace offload {

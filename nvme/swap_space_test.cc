@@ -12,6 +12,7 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
+#include "nvme/io_backend_factory.h"
 
 namespace offload {
 namespace {

@@ -11,10 +11,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "engine/log.h"
-#include "engine/posix_error.h"
-#include "engine/status_macros.h"
-#include "nvme/io_chunks.h"
+#include "base/log.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
+#include "nvme/io_backend_base.h"
 
 namespace offload {
 namespace {
@@ -274,6 +274,13 @@ absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(const IoOptions& opt
   auto backend = std::make_unique<UringBackend>(options);
   RETURN_IF_ERROR(backend->Init(options));
   return std::unique_ptr<IoBackend>(std::move(backend));
+}
+
+int ProbeIoUring() {
+  io_uring ring;
+  int rc = io_uring_queue_init(4, &ring, 0);
+  if (rc == 0) io_uring_queue_exit(&ring);
+  return rc;
 }
 
 }  // namespace offload

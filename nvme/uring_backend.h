@@ -15,6 +15,10 @@ namespace offload {
 
 absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(const IoOptions& options);
 
+// Whether this kernel lets the process set up a ring: 0, or -errno (ENOSYS
+// on old kernels, EPERM under seccomp or io_uring_disabled).
+int ProbeIoUring();
+
 }  // namespace offload
 
 #endif  // OFFLOADD_NVME_URING_BACKEND_H_

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "engine/fd_passing.h"
-#include "engine/posix_error.h"
+#include "base/posix_error.h"
+#include "ipc/fd_passing.h"
 
 extern char** environ;
 

@@ -11,9 +11,9 @@
 #include "absl/strings/match.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
-#include "engine/arena_protocol.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "ipc/arena_protocol.h"
 #include "proto/offload.grpc.pb.h"
 #include "tests/daemon_process.h"
 

@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "cpu_adam/optimizer.h"
-#include "engine/status_macros.h"
 
 namespace offload::demo {
 namespace {

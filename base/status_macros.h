@@ -1,7 +1,7 @@
 // Early-return helpers for absl::Status / absl::StatusOr (absl's 2022 LTS has
 // none). Usable from any thread; they only touch their arguments.
-#ifndef OFFLOADD_ENGINE_STATUS_MACROS_H_
-#define OFFLOADD_ENGINE_STATUS_MACROS_H_
+#ifndef OFFLOADD_BASE_STATUS_MACROS_H_
+#define OFFLOADD_BASE_STATUS_MACROS_H_
 
 #include <utility>
 
@@ -29,4 +29,4 @@
   if (!statusor.ok()) return std::move(statusor).status();  \
   lhs = std::move(statusor).value()
 
-#endif  // OFFLOADD_ENGINE_STATUS_MACROS_H_
+#endif  // OFFLOADD_BASE_STATUS_MACROS_H_

@@ -1,4 +1,4 @@
-#include "engine/fd_passing.h"
+#include "ipc/fd_passing.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

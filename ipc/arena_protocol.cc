@@ -1,4 +1,4 @@
-#include "engine/arena_protocol.h"
+#include "ipc/arena_protocol.h"
 
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -10,8 +10,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "engine/fd_passing.h"
-#include "engine/status_macros.h"
+#include "base/status_macros.h"
+#include "ipc/fd_passing.h"
 
 namespace offload {
 

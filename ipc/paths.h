@@ -1,8 +1,8 @@
 // Where offloadd keeps its state and where clients find it by default.
 // Shared by the daemon, the client library and offloadctl so that all three
 // agree without configuration.
-#ifndef OFFLOADD_ENGINE_PATHS_H_
-#define OFFLOADD_ENGINE_PATHS_H_
+#ifndef OFFLOADD_IPC_PATHS_H_
+#define OFFLOADD_IPC_PATHS_H_
 
 #include <string>
 
@@ -27,4 +27,4 @@ absl::Status MakeDirs(const std::string& dir);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_PATHS_H_
+#endif  // OFFLOADD_IPC_PATHS_H_

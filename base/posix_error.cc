@@ -1,4 +1,4 @@
-#include "engine/posix_error.h"
+#include "base/posix_error.h"
 
 #include <cerrno>
 #include <cstring>

@@ -8,8 +8,8 @@
 // session lives and sends nothing more: when the connection closes (the
 // trainer exited or crashed), the daemon closes the session and frees its
 // memory.
-#ifndef OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
-#define OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
+#ifndef OFFLOADD_IPC_ARENA_PROTOCOL_H_
+#define OFFLOADD_IPC_ARENA_PROTOCOL_H_
 
 #include <cstdint>
 #include <string>
@@ -17,7 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "engine/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace offload {
 
@@ -43,4 +43,4 @@ absl::StatusOr<Attachment> AttachArena(const std::string& path, const AttachRequ
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_ARENA_PROTOCOL_H_
+#endif  // OFFLOADD_IPC_ARENA_PROTOCOL_H_

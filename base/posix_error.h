@@ -1,8 +1,8 @@
 // Turns errno values into absl::Status with the operation that failed, so a
 // caller sees "open /x/y.sock: Permission denied (EACCES)" rather than a bare
 // code. Thread-safe (uses strerror_r).
-#ifndef OFFLOADD_ENGINE_POSIX_ERROR_H_
-#define OFFLOADD_ENGINE_POSIX_ERROR_H_
+#ifndef OFFLOADD_BASE_POSIX_ERROR_H_
+#define OFFLOADD_BASE_POSIX_ERROR_H_
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -22,4 +22,4 @@ std::string ErrnoName(int err);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_POSIX_ERROR_H_
+#endif  // OFFLOADD_BASE_POSIX_ERROR_H_

@@ -2,8 +2,8 @@
 // request_bytes, and applying one attempt's result to a chunk (the single
 // place where short transfers, retries and errors are decided).
 // Not thread-safe; each Run() owns its chunks.
-#ifndef OFFLOADD_NVME_IO_CHUNKS_H_
-#define OFFLOADD_NVME_IO_CHUNKS_H_
+#ifndef OFFLOADD_NVME_IO_BACKEND_BASE_H_
+#define OFFLOADD_NVME_IO_BACKEND_BASE_H_
 
 #include <atomic>
 #include <cstddef>
@@ -126,4 +126,4 @@ bool HandleResult(IoChunk& c, int64_t result, const std::string& path, ChunkOutc
 
 }  // namespace offload
 
-#endif  // OFFLOADD_NVME_IO_CHUNKS_H_
+#endif  // OFFLOADD_NVME_IO_BACKEND_BASE_H_

@@ -1,4 +1,4 @@
-#include "engine/fd_passing.h"
+#include "ipc/fd_passing.h"
 
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -8,8 +8,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "engine/posix_error.h"
-#include "engine/status_macros.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
 
 namespace offload {
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/paths.h"
+#include "ipc/paths.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -7,7 +7,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "engine/posix_error.h"
+#include "base/posix_error.h"
 
 namespace offload {
 

@@ -1,8 +1,8 @@
 // Minimal leveled logging to stderr for the daemon: one line per call,
 // prefixed with a UTC timestamp and the level. Thread-safe (one write(2) per
 // line). absl's 2022 LTS has no logging library.
-#ifndef OFFLOADD_ENGINE_LOG_H_
-#define OFFLOADD_ENGINE_LOG_H_
+#ifndef OFFLOADD_BASE_LOG_H_
+#define OFFLOADD_BASE_LOG_H_
 
 #include <string>
 
@@ -29,4 +29,4 @@ void LogError(const absl::FormatSpec<Args...>& format, const Args&... args) {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_LOG_H_
+#endif  // OFFLOADD_BASE_LOG_H_

@@ -1,7 +1,7 @@
 // An owning file descriptor: closes on destruction, movable, not copyable.
 // A plain `int` is a borrowed descriptor and is never closed by its holder.
-#ifndef OFFLOADD_ENGINE_UNIQUE_FD_H_
-#define OFFLOADD_ENGINE_UNIQUE_FD_H_
+#ifndef OFFLOADD_BASE_UNIQUE_FD_H_
+#define OFFLOADD_BASE_UNIQUE_FD_H_
 
 #include <unistd.h>
 
@@ -36,4 +36,4 @@ class UniqueFd {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_UNIQUE_FD_H_
+#endif  // OFFLOADD_BASE_UNIQUE_FD_H_

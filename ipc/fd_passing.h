@@ -3,8 +3,8 @@
 // reading the peer's credentials (SO_PEERCRED).
 //
 // All functions are blocking and thread-compatible; `sock` is borrowed.
-#ifndef OFFLOADD_ENGINE_FD_PASSING_H_
-#define OFFLOADD_ENGINE_FD_PASSING_H_
+#ifndef OFFLOADD_IPC_FD_PASSING_H_
+#define OFFLOADD_IPC_FD_PASSING_H_
 
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "engine/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace offload {
 
@@ -47,4 +47,4 @@ bool UnixSocketIsLive(const std::string& path);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_FD_PASSING_H_
+#endif  // OFFLOADD_IPC_FD_PASSING_H_
