@@ -26,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/host_memory.h"
 #include "engine/config.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
@@ -139,7 +140,7 @@ int Main(int argc, char** argv) {
   int max_depth = 0;
   for (uint64_t s : f.sizes) max_size = std::max(max_size, s);
   for (int d : f.depths) max_depth = std::max(max_depth, d);
-  auto pool = AlignedBuffer::Allocate(max_size * static_cast<uint64_t>(max_depth), f.huge);
+  auto pool = HostMemory::Allocate(max_size * static_cast<uint64_t>(max_depth), f.huge);
   if (!pool.ok()) return 1;
   std::memset(pool->data(), 0x5a, pool->size());
 
@@ -233,7 +234,7 @@ int Main(int argc, char** argv) {
 
   // Checksum cost.
   {
-    auto buf = AlignedBuffer::Allocate(64 << 20);
+    auto buf = HostMemory::Allocate(64 << 20);
     std::memset(buf->data(), 1, buf->size());
     uint64_t sink = 0;
     auto start = Clock::now();
@@ -255,7 +256,7 @@ int Main(int argc, char** argv) {
       return 1;
     }
     const uint64_t extent = std::min<uint64_t>(swap.bytes_per_dir / 2, 64 << 20);
-    auto data = AlignedBuffer::Allocate(extent);
+    auto data = HostMemory::Allocate(extent);
     std::memset(data->data(), 3, extent);
     std::printf("%-14s %12s %12s\n", "swap 1 extent", "out GB/s", "in GB/s");
     for (bool checksum : {false, true}) {

@@ -1,6 +1,5 @@
 #include "client/client.h"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "base/posix_error.h"
+#include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "ipc/arena_protocol.h"
@@ -39,14 +38,6 @@ struct Rpc {
   grpc::ClientContext context;
 };
 
-struct Mapping {
-  void* base = nullptr;
-  uint64_t size = 0;
-  ~Mapping() {
-    if (base != nullptr) munmap(base, size);
-  }
-};
-
 }  // namespace
 
 struct Client::Impl {
@@ -62,14 +53,14 @@ struct Session::Impl {
   std::shared_ptr<v1::PartitionService::Stub> stub;
   absl::Duration timeout;
   v1::SessionRef ref;
-  Mapping arena;
+  HostMemory arena;  // the session arena, mapped shared
   UniqueFd connection;  // the arena channel; closing it abandons the session
   absl::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
 
   absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) const {
     for (const v1::Region* r : {&loc.params(), &loc.grads()}) {
-      if (r->offset() > arena.size || r->bytes() > arena.size - r->offset()) {
+      if (r->offset() > arena.size() || r->bytes() > arena.size() - r->offset()) {
         return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
                                                 " outside the mapped arena"));
       }
@@ -81,8 +72,8 @@ struct Session::Impl {
     ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype(), "param_dtype from the daemon"));
     ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype(), "grad_dtype from the daemon"));
     v.step = loc.step();
-    v.params = static_cast<std::byte*>(arena.base) + loc.params().offset();
-    v.grads = static_cast<std::byte*>(arena.base) + loc.grads().offset();
+    v.params = arena.data() + loc.params().offset();
+    v.grads = arena.data() + loc.grads().offset();
     return v;
   }
 };
@@ -138,14 +129,12 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   // Held open for the session's life: if this process dies, the daemon
   // sees the connection close and frees the session.
   s.connection = std::move(attached.connection);
-  void* base = mmap(nullptr, resp.arena_capacity(), PROT_READ | PROT_WRITE,
-                    MAP_SHARED | MAP_NORESERVE, attached.arena.get(), 0);
-  if (base == MAP_FAILED) {
-    return PosixError(absl::StrCat("mapping ", resp.arena_capacity(), " bytes of session arena"),
-                      errno);
+  absl::StatusOr<HostMemory> arena = HostMemory::MapShared(attached.arena.get(), resp.arena_capacity());
+  if (!arena.ok()) {
+    return absl::Status(arena.status().code(),
+                        absl::StrCat("mapping the session arena: ", arena.status().message()));
   }
-  s.arena.base = base;
-  s.arena.size = resp.arena_capacity();
+  s.arena = std::move(*arena);
   return out;
 }
 

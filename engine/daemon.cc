@@ -23,8 +23,9 @@ Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
     : options_(options), registry_(registry),
       host_("host", static_cast<uint64_t>(options->memory.host_budget_bytes)),
       optimizer_(options->optimizer),
-      sessions_(&host_, &optimizer_, &stats_,
-                static_cast<uint64_t>(options->memory.session_arena_bytes)) {}
+      store_(Env::Default(), &host_, static_cast<uint64_t>(options->memory.session_arena_bytes)),
+      steps_(&optimizer_, &stats_),
+      sessions_(Env::Default(), &store_, &steps_, &stats_) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                                                       ConfigRegistry* registry) {
@@ -106,7 +107,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     return absl::OkStatus();
   });
   registry->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {
-    raw->sessions_.SetArenaCapacity(static_cast<uint64_t>(v));
+    raw->store_.SetArenaCapacity(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
   registry->Freeze();

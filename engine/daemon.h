@@ -19,9 +19,11 @@
 #include "engine/config.h"
 #include "engine/memory_budget.h"
 #include "engine/options.h"
+#include "engine/partition_store.h"
 #include "engine/service.h"
 #include "engine/session_manager.h"
 #include "engine/stats.h"
+#include "engine/step_runner.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
@@ -53,6 +55,8 @@ class Daemon {
   MemoryBudget host_;
   Stats stats_;
   Optimizer optimizer_;
+  PartitionStore store_;
+  StepRunner steps_;
   SessionManager sessions_;
   CallGate calls_;
   // The NVMe tier, when nvme.dirs names directories.

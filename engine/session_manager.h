@@ -1,22 +1,18 @@
-// Sessions and their partitions: the daemon's core state, in engine types
-// (the gRPC layer converts to and from these; see service.h).
+// Sessions: ids, tokens, which session owns which partition, and their life
+// cycle. An orchestrator in the manner of LevelDB's DBImpl: it checks who is
+// asking and delegates the work to the component that owns it:
+//   partition buffers and their states -> PartitionStore / PartitionSet
+//   the optimizer step                 -> StepRunner
+// Engine types only; the gRPC layer converts (service.h).
 //
-// A session is one trainer process's connection. It owns a shared-memory
-// arena (shm_arena.h) holding every partition's working parameters and
-// gradient buffer, which the trainer maps. Each partition's fp32 master
-// weights and Adam moments live in daemon-private memory, out of the
-// trainer's reach.
+// A session is one trainer process's connection. It owns a PartitionSet (its
+// shared arena, which the trainer maps, and its partitions' private state).
+// Calls in flight hold a reference to the session: closing it removes it at
+// once, and its memory is freed when the last such call returns.
 //
-// Partition life cycle:
-//   Register  -> buffers allocated and zeroed; the trainer writes the initial
-//                working parameters into its params region.
-//   (trainer writes gradients, then) ReturnGradients -> marked ready.
-//   Step      -> for every ready partition: on its first step the master
-//                copy is initialised from the working copy; Adam updates the
-//                master weights and moments and rewrites the working copy.
-//                From then on the master copy is authoritative.
-//   Fetch     -> where the (updated) working parameters are; waits for a
-//                step in progress on the same session.
+// Session ids are handed out in increasing order, so an id below the next
+// one that is not open was open once (or its opening failed): "closed",
+// FAILED_PRECONDITION; an id never handed out is NOT_FOUND.
 //
 // Errors: NOT_FOUND for a session or partition that never existed,
 // FAILED_PRECONDITION for a closed session or a call out of order,
@@ -25,8 +21,10 @@
 // A failed call changes nothing.
 //
 // Thread-safety: all methods are safe from any thread. Calls on different
-// sessions proceed in parallel; calls on one session are serialised by that
-// session's lock (a Step holds it while the optimizer runs).
+// sessions proceed in parallel. Lock order: mu_ is a leaf: it is held only
+// to read or change the maps below, never while a set's lock, the optimizer's
+// or anything else is taken, and no method is called with it held
+// (ABSL_LOCKS_EXCLUDED). Sessions are destroyed after mu_ is released.
 #ifndef OFFLOADD_ENGINE_SESSION_MANAGER_H_
 #define OFFLOADD_ENGINE_SESSION_MANAGER_H_
 
@@ -37,18 +35,18 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "base/env.h"
 #include "base/unique_fd.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
-#include "cpu_adam/optimizer.h"
-#include "engine/memory_budget.h"
+#include "engine/partition_store.h"
 #include "engine/stats.h"
+#include "engine/step_runner.h"
 
 namespace offload {
 
@@ -63,38 +61,6 @@ struct OpenedSession {
   uint64_t arena_capacity = 0;
 };
 
-struct PartitionSpec {
-  std::string name;
-  uint64_t numel = 0;
-  DType param_dtype = DType::kFp32;
-  DType grad_dtype = DType::kFp32;
-};
-
-struct ArenaRegion {
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-};
-
-struct PartitionInfo {
-  uint64_t id = 0;
-  std::string name;
-  uint64_t numel = 0;
-  DType param_dtype = DType::kFp32;
-  DType grad_dtype = DType::kFp32;
-  ArenaRegion params;
-  ArenaRegion grads;
-  uint64_t step = 0;
-};
-
-struct StepSummary {
-  uint64_t partitions_updated = 0;
-  uint64_t params_updated = 0;
-  // Non-finite gradients were found: nothing was updated, step counts did
-  // not advance, and the partitions need fresh gradients.
-  bool skipped = false;
-  uint64_t nonfinite = 0;
-};
-
 struct SessionSummary {
   uint64_t id = 0;
   std::string name;
@@ -106,61 +72,63 @@ struct SessionSummary {
 class SessionManager {
  public:
   static constexpr size_t kTokenBytes = 16;
-  // Largest partition accepted (elements): keeps byte counts far from
-  // overflow and catches garbage sizes.
-  static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
 
-  // `host`, `optimizer` and `stats` must outlive the manager.
-  SessionManager(MemoryBudget* host, Optimizer* optimizer, Stats* stats,
-                 uint64_t arena_capacity);
+  // Everything passed in must outlive the manager. `env` makes the session
+  // tokens.
+  SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats);
   ~SessionManager();
 
-  absl::StatusOr<OpenedSession> Open(absl::string_view name);
-  absl::Status Close(const SessionKey& key);
+  absl::StatusOr<OpenedSession> Open(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
-  absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec);
+  absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // An empty `ids` fetches every partition of the session.
   absl::StatusOr<std::vector<PartitionInfo>> Fetch(const SessionKey& key,
-                                                   absl::Span<const uint64_t> ids);
+                                                   absl::Span<const uint64_t> ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // `numel` and `grad_dtype` describe what the trainer wrote; they must match
   // the registration.
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
-                               DType grad_dtype);
+                               DType grad_dtype) ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION if no partition returned gradients since last step.
   // Either way the returned gradients are consumed: a skipped step (see
   // StepSummary) also needs new ones.
-  absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h);
+  absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // A duplicate of the session's arena descriptor, for the arena channel.
-  absl::StatusOr<UniqueFd> DupArenaFd(const SessionKey& key);
+  absl::StatusOr<UniqueFd> DupArenaFd(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Closes session `id` because its trainer went away (no token: the arena
   // channel saw the trainer's connection close). False if it was not open.
-  bool Abandon(uint64_t id);
+  bool Abandon(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Applies to sessions opened afterwards.
-  void SetArenaCapacity(uint64_t bytes);
-
-  std::vector<SessionSummary> Sessions() const;
+  std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  class Session;
-  struct Partition;
+  struct Session;
 
-  absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key) const;
-  absl::Status CheckOwner(const Session& session, uint64_t partition_id) const;
+  absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CheckOwner(const Session& session, uint64_t partition_id) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Finds the session and checks it owns every partition in `ids`.
+  absl::StatusOr<std::shared_ptr<Session>> FindOwning(const SessionKey& key,
+                                                      absl::Span<const uint64_t> ids) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   bool CloseById(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  MemoryBudget* const host_;
-  Optimizer* const optimizer_;
+  // Constant after construction.
+  Env* const env_;
+  PartitionStore* const store_;
+  StepRunner* const steps_;
   Stats* const stats_;
 
   mutable absl::Mutex mu_;
-  uint64_t arena_capacity_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_partition_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<uint64_t> closed_sessions_ ABSL_GUARDED_BY(mu_);
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "base/fault_injecting_env.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -13,7 +14,8 @@ class SessionManagerTest : public ::testing::Test {
  protected:
   SessionManagerTest()
       : host_("host", 64 << 20), optimizer_(OptimizerOptions{1, 1 << 16}),
-        sessions_(&host_, &optimizer_, &stats_, 16 << 20) {}
+        store_(&env_, &host_, 16 << 20), steps_(&optimizer_, &stats_),
+        sessions_(&env_, &store_, &steps_, &stats_) {}
 
   SessionKey Open() {
     auto s = sessions_.Open("t");
@@ -21,9 +23,12 @@ class SessionManagerTest : public ::testing::Test {
     return s->key;
   }
 
+  FaultInjectingEnv env_{Env::Default()};
   MemoryBudget host_;
   Stats stats_;
   Optimizer optimizer_;
+  PartitionStore store_;
+  StepRunner steps_;
   SessionManager sessions_;
 };
 

@@ -23,6 +23,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "base/env.h"
+#include "base/host_memory.h"
 #include "base/unique_fd.h"
 
 namespace offload {
@@ -34,9 +36,12 @@ class ShmArena {
   static constexpr uint64_t kAlignment = 4096;
 
   // `name` only labels the memfd in /proc/<pid>/fd (it is not a path).
+  // `env` (borrowed, must outlive the arena) makes the memfd, the mapping
+  // and the file growth.
   static absl::StatusOr<std::unique_ptr<ShmArena>> Create(absl::string_view name,
-                                                          uint64_t capacity);
-  ~ShmArena();
+                                                          uint64_t capacity,
+                                                          Env* env = Env::Default());
+  ~ShmArena() = default;
   ShmArena(const ShmArena&) = delete;
   ShmArena& operator=(const ShmArena&) = delete;
 
@@ -50,18 +55,19 @@ class ShmArena {
   // the arena's capacity would be exceeded.
   absl::StatusOr<uint64_t> Allocate(uint64_t bytes);
 
-  std::byte* base() const { return base_; }
+  std::byte* base() const { return mapping_.data(); }
   int fd() const { return fd_.get(); }
-  uint64_t capacity() const { return capacity_; }
+  uint64_t capacity() const { return mapping_.size(); }
   uint64_t size() const;
 
  private:
-  ShmArena(UniqueFd fd, std::byte* base, uint64_t capacity)
-      : fd_(std::move(fd)), base_(base), capacity_(capacity) {}
+  ShmArena(UniqueFd fd, HostMemory mapping, Env* env)
+      : fd_(std::move(fd)), mapping_(std::move(mapping)), env_(env) {}
 
+  // Constant after construction.
   const UniqueFd fd_;
-  std::byte* const base_;
-  const uint64_t capacity_;
+  const HostMemory mapping_;
+  Env* const env_;
   mutable absl::Mutex mu_;
   uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -1,14 +1,12 @@
 #include "nvme/dio.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <fstream>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
@@ -59,37 +57,6 @@ absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool wan
   }
   file.alignment = 4096;
   return file;
-}
-
-absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t bytes, bool huge_pages) {
-  AlignedBuffer b;
-  if (bytes == 0) return b;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return PosixError(absl::StrCat("mmap ", bytes, " bytes"), errno);
-  if (huge_pages) {
-    // Best effort (THP may be off): 2 MiB pages let a device request carry
-    // far more data per scatter-gather segment.
-    madvise(p, bytes, MADV_HUGEPAGE);
-  }
-  b.data_ = static_cast<std::byte*>(p);
-  b.size_ = bytes;
-  return b;
-}
-
-AlignedBuffer::AlignedBuffer(AlignedBuffer&& o) noexcept
-    : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
-
-AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& o) noexcept {
-  if (this != &o) {
-    if (data_ != nullptr) munmap(data_, size_);
-    data_ = std::exchange(o.data_, nullptr);
-    size_ = std::exchange(o.size_, 0);
-  }
-  return *this;
-}
-
-AlignedBuffer::~AlignedBuffer() {
-  if (data_ != nullptr) munmap(data_, size_);
 }
 
 }  // namespace offload

@@ -1,6 +1,6 @@
 // Direct I/O helpers: the alignment a file needs (queried from the kernel,
 // never assumed), opening with O_DIRECT where the filesystem supports it,
-// and aligned host buffers.
+// (I/O buffers are base/host_memory.h's HostMemory, on huge pages).
 #ifndef OFFLOADD_NVME_DIO_H_
 #define OFFLOADD_NVME_DIO_H_
 
@@ -37,28 +37,6 @@ struct IoFile {
 // `want_direct` and the filesystem supports it; otherwise buffered, with a
 // logged warning naming the path.
 absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct);
-
-// Page-aligned, zeroed host memory from mmap, for I/O buffers. With
-// `huge_pages` it asks for transparent huge pages (MADV_HUGEPAGE): a direct
-// read or write then needs far fewer scatter-gather segments, and devices
-// cap segments per request (254 on this project's VMs, so about 1 MiB per
-// request with 4 KiB pages); benches/RESULTS.md shows large reads gaining up
-// to 1.5x.
-class AlignedBuffer {
- public:
-  static absl::StatusOr<AlignedBuffer> Allocate(size_t bytes, bool huge_pages = true);
-  AlignedBuffer() = default;
-  AlignedBuffer(AlignedBuffer&& o) noexcept;
-  AlignedBuffer& operator=(AlignedBuffer&& o) noexcept;
-  ~AlignedBuffer();
-
-  std::byte* data() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  std::byte* data_ = nullptr;
-  size_t size_ = 0;
-};
 
 inline uint64_t RoundUp(uint64_t x, uint64_t align) { return (x + align - 1) / align * align; }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "base/host_memory.h"
 #include "gtest/gtest.h"
 #include "nvme/dio.h"
 #include "nvme/fault_injection.h"
@@ -55,8 +56,8 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
     auto id = backend_->AddFile(file_.fd.get(), path_);
     ASSERT_TRUE(id.ok());
     id_ = *id;
-    src_ = *AlignedBuffer::Allocate(8 * kMiB);
-    dst_ = *AlignedBuffer::Allocate(8 * kMiB);
+    src_ = *HostMemory::Allocate(8 * kMiB);
+    dst_ = *HostMemory::Allocate(8 * kMiB);
     FillRandom(src_.data(), src_.size(), 42);
   }
 
@@ -75,7 +76,7 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
   std::string path_;
   IoFile file_;
   int id_ = -1;
-  AlignedBuffer src_, dst_;
+  HostMemory src_, dst_;
 };
 
 TEST_P(BackendTest, RoundTripsWithDirectIo) {
@@ -254,7 +255,7 @@ TEST(DirectIo, TmpfsFallsBackToBufferedIo) {
   ASSERT_TRUE(backend.ok());
   auto id = (*backend)->AddFile(f->fd.get(), path);
   ASSERT_TRUE(id.ok());
-  AlignedBuffer a = *AlignedBuffer::Allocate(kMiB), b = *AlignedBuffer::Allocate(kMiB);
+  HostMemory a = *HostMemory::Allocate(kMiB), b = *HostMemory::Allocate(kMiB);
   FillRandom(a.data(), a.size(), 7);
   IoRequest w{IoOp::kWrite, *id, 0, a.data(), kMiB}, r{IoOp::kRead, *id, 0, b.data(), kMiB};
   ASSERT_TRUE((*backend)->Run({&w, 1}).ok());

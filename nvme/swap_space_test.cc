@@ -10,6 +10,7 @@
 #include <random>
 
 #include "absl/strings/match.h"
+#include "base/host_memory.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
@@ -25,8 +26,8 @@ std::string MakeDir(const std::string& name) {
   return dir;
 }
 
-AlignedBuffer Random(size_t bytes, uint32_t seed) {
-  AlignedBuffer b = *AlignedBuffer::Allocate(RoundUp(bytes, 1 << 16));
+HostMemory Random(size_t bytes, uint32_t seed) {
+  HostMemory b = *HostMemory::Allocate(RoundUp(bytes, 1 << 16));
   std::mt19937 rng(seed);
   for (size_t i = 0; i < b.size(); ++i) b.data()[i] = static_cast<std::byte>(rng());
   return b;
@@ -51,8 +52,8 @@ class SwapSpaceTest : public ::testing::Test {
     return s.ok() ? std::move(*s) : nullptr;
   }
 
-  void ExpectReadBack(SwapSpace& s, uint64_t id, const AlignedBuffer& want, uint64_t bytes) {
-    AlignedBuffer got = *AlignedBuffer::Allocate(RoundUp(bytes, 1 << 16));
+  void ExpectReadBack(SwapSpace& s, uint64_t id, const HostMemory& want, uint64_t bytes) {
+    HostMemory got = *HostMemory::Allocate(RoundUp(bytes, 1 << 16));
     absl::Status r = s.Read(id, got.data());
     ASSERT_TRUE(r.ok()) << r;
     EXPECT_EQ(std::memcmp(got.data(), want.data(), bytes), 0) << "extent " << id;
@@ -69,7 +70,7 @@ TEST_F(SwapSpaceTest, StripesExtentsOverEveryDirectoryAndReadsThemBack) {
   EXPECT_EQ(before.capacity, 3 * 64 * kMiB);
   for (const auto& d : before.dirs) EXPECT_TRUE(d.direct) << d.path;
   std::vector<std::pair<uint64_t, uint64_t>> extents;  // id, bytes
-  std::vector<AlignedBuffer> data;
+  std::vector<HostMemory> data;
   uint32_t seed = 1;
   for (uint64_t bytes : {uint64_t{1}, uint64_t{4095}, kMiB, 5 * kMiB / 2, 10 * kMiB + 17}) {
     data.push_back(Random(bytes, seed++));
@@ -123,7 +124,7 @@ TEST_F(SwapSpaceTest, ChecksumCatchesCorruptionAndCanBeSwitchedOff) {
   ASSERT_EQ(pwrite(fd, &c, 1, 12345), 1);
   fsync(fd);
   close(fd);
-  AlignedBuffer got = *AlignedBuffer::Allocate(2 * kMiB);
+  HostMemory got = *HostMemory::Allocate(2 * kMiB);
   absl::Status r = s->Read(*id, got.data());
   EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
   EXPECT_TRUE(absl::StrContains(r.message(), "checksum mismatch")) << r;

@@ -1,0 +1,69 @@
+// HostMemory: the one owner of host memory in offloadd. A page-aligned
+// mapping, anonymous (private, zeroed) or of a file such as a session's memfd
+// (shared), optionally on transparent huge pages; unmapped once, by its
+// destructor. Move-only. Every buffer the daemon and the client hold (arenas,
+// their client-side mappings, master weights and moments, I/O staging) is one
+// of these, so there is one munmap in the code base.
+//
+// Huge pages: devices cap scatter-gather segments per request (254 on this
+// project's VMs), so a direct read or write from 4 KiB pages carries at most
+// about 1 MiB per request; 2 MiB pages lift that (benches/RESULTS.md). With
+// `huge_pages` the mapping asks for them (MADV_HUGEPAGE). It is best effort:
+// THP may be off, and shmem gets them only if
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows.
+//
+// Thread-safety: a HostMemory is a value; the bytes are the caller's to
+// synchronise.
+#ifndef OFFLOADD_BASE_HOST_MEMORY_H_
+#define OFFLOADD_BASE_HOST_MEMORY_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+
+namespace offload {
+
+class HostMemory {
+ public:
+  // `bytes` of zeroed private memory, rounded up to whole pages.
+  static absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages = true);
+
+  // Maps the first `bytes` of `fd` (borrowed) shared, read-write. Only
+  // address space is reserved (MAP_NORESERVE): pages exist as the file grows
+  // and is touched, so a mapping may be larger than the file today.
+  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t bytes, bool huge_pages = false);
+
+  HostMemory() = default;
+  HostMemory(HostMemory&& other) noexcept;
+  HostMemory& operator=(HostMemory&& other) noexcept;
+  HostMemory(const HostMemory&) = delete;
+  HostMemory& operator=(const HostMemory&) = delete;
+  ~HostMemory();
+
+  std::byte* data() const { return data_; }
+  // The size asked for (the mapping itself covers whole pages).
+  uint64_t size() const { return size_; }
+  bool empty() const { return data_ == nullptr; }
+  template <typename T>
+  T* as() const {
+    return reinterpret_cast<T*>(data_);
+  }
+
+ private:
+  HostMemory(std::byte* data, uint64_t size, uint64_t mapped)
+      : data_(data), size_(size), mapped_(mapped) {}
+  void Reset();
+
+  std::byte* data_ = nullptr;
+  uint64_t size_ = 0;
+  uint64_t mapped_ = 0;
+};
+
+// Page size of this machine (sysconf), and `bytes` rounded up to it.
+uint64_t PageSize();
+uint64_t RoundUpToPage(uint64_t bytes);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_BASE_HOST_MEMORY_H_

@@ -1,0 +1,183 @@
+// The partition store: the one owner of partition buffers.
+//
+// For each session it keeps a PartitionSet: the session's shared arena
+// (shm_arena.h), out of which each partition's working parameters and
+// gradient buffer are carved (the trainer maps it), and each partition's
+// daemon-private fp32 master weights and Adam moments, each its own
+// page-aligned HostMemory on huge pages (ready for O_DIRECT swapping). Every
+// byte is reserved against the node's host budget before it is allocated and
+// given back when its set is destroyed. The tiered store (swapper/) will hang
+// off this class: it decides where each kind of each partition lives.
+//
+// Partition life cycle (per partition, under its set's lock):
+//   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a
+//   step -> EndStep -> registered (step count advanced if the step applied).
+// A partition in a step belongs to the optimizer, which runs outside every
+// lock; Fetch and ReturnGradients of it wait until EndStep. One step per set
+// runs at a time; a second BeginStep waits for the first to end.
+//
+// Errors: NOT_FOUND for a partition this set does not hold,
+// INVALID_ARGUMENT for malformed specs and gradients that do not match the
+// registration, ALREADY_EXISTS for a duplicate name, FAILED_PRECONDITION for
+// a step with no gradients, RESOURCE_EXHAUSTED for the budget or the arena.
+// A failed call changes nothing and holds no budget.
+//
+// Thread-safety: all methods are safe from any thread. Lock order: a set's
+// lock is a leaf; no other engine lock is taken while it is held, and it is
+// never taken while another engine lock is held (ABSL_LOCKS_EXCLUDED below).
+#ifndef OFFLOADD_ENGINE_PARTITION_STORE_H_
+#define OFFLOADD_ENGINE_PARTITION_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "base/env.h"
+#include "base/host_memory.h"
+#include "cpu_adam/dtype.h"
+#include "cpu_adam/optimizer.h"
+#include "engine/memory_budget.h"
+#include "engine/shm_arena.h"
+
+namespace offload {
+
+struct PartitionSpec {
+  std::string name;
+  uint64_t numel = 0;
+  DType param_dtype = DType::kFp32;
+  DType grad_dtype = DType::kFp32;
+};
+
+struct ArenaRegion {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+struct PartitionInfo {
+  uint64_t id = 0;
+  std::string name;
+  uint64_t numel = 0;
+  DType param_dtype = DType::kFp32;
+  DType grad_dtype = DType::kFp32;
+  ArenaRegion params;
+  ArenaRegion grads;
+  uint64_t step = 0;
+};
+
+// One partition of a step, as BeginStep hands it to the step runner.
+struct StepItem {
+  uint64_t id = 0;
+  AdamTask task;
+  // The master copy has never been written: initialise it from the working
+  // copy before the update.
+  bool init_master = false;
+};
+
+enum class StepOutcome {
+  kApplied,  // the update happened: gradients consumed, step counts advance
+  kSkipped,  // non-finite gradients: gradients consumed, nothing else changes
+  kFailed,   // the optimizer refused: everything stays, gradients stay ready
+};
+
+class PartitionStore;
+
+// One session's partitions. Created by PartitionStore::CreateSet.
+class PartitionSet {
+ public:
+  ~PartitionSet();
+  PartitionSet(const PartitionSet&) = delete;
+  PartitionSet& operator=(const PartitionSet&) = delete;
+
+  // Registers partition `id` (chosen by the caller, unique daemon-wide).
+  absl::StatusOr<PartitionInfo> Register(uint64_t id, const PartitionSpec& spec)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // An empty `ids` means every partition, in registration order. Waits for
+  // the requested partitions to leave a running step.
+  absl::StatusOr<std::vector<PartitionInfo>> Fetch(absl::Span<const uint64_t> ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // `numel` and `grad_dtype` describe what the trainer wrote.
+  absl::Status ReturnGradients(uint64_t id, uint64_t numel, DType grad_dtype)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Pins every partition with gradients ready for one step (waiting for a
+  // step in progress to end first). FAILED_PRECONDITION if there is none.
+  // Must be followed by exactly one EndStep with the same items.
+  absl::StatusOr<std::vector<StepItem>> BeginStep() ABSL_LOCKS_EXCLUDED(mu_);
+  void EndStep(absl::Span<const StepItem> items, StepOutcome outcome) ABSL_LOCKS_EXCLUDED(mu_);
+
+  uint64_t session_id() const { return session_id_; }
+  int arena_fd() const { return arena_->fd(); }
+  uint64_t arena_capacity() const { return arena_->capacity(); }
+  uint64_t arena_bytes() const { return arena_->size(); }
+  size_t partitions() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Steps applied so far.
+  uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  friend class PartitionStore;
+  struct Partition;
+
+  PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Env* env,
+               MemoryBudget* host);
+  Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  const uint64_t session_id_;
+  const std::unique_ptr<ShmArena> arena_;
+  Env* const env_;
+  MemoryBudget* const host_;
+
+  mutable absl::Mutex mu_;
+  // Signalled when a step ends.
+  absl::CondVar step_ended_;
+  // Ordered by id, so that steps and fetch-all visit partitions in
+  // registration order.
+  std::map<uint64_t, std::unique_ptr<Partition>> partitions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> names_ ABSL_GUARDED_BY(mu_);
+  bool stepping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class PartitionStore {
+ public:
+  // Largest partition accepted (elements): keeps byte counts far from
+  // overflow and catches garbage sizes.
+  static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
+  // fp32 master weights, exp_avg, exp_avg_sq.
+  static constexpr uint64_t kPrivateBytesPerParam = 12;
+
+  // `env` and `host` must outlive the store and every set it made.
+  PartitionStore(Env* env, MemoryBudget* host, uint64_t arena_capacity);
+
+  // A new, empty set for session `session_id` with an arena of the current
+  // capacity.
+  absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(uint64_t session_id);
+
+  // Applies to sets created afterwards (rounded down to the arena's
+  // alignment).
+  void SetArenaCapacity(uint64_t bytes);
+  uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }
+
+  const MemoryBudget& host() const { return *host_; }
+
+ private:
+  // Constant after construction.
+  Env* const env_;
+  MemoryBudget* const host_;
+
+  std::atomic<uint64_t> arena_capacity_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_PARTITION_STORE_H_
