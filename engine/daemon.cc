@@ -23,7 +23,8 @@ Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
     : options_(options), registry_(registry),
       host_("host", static_cast<uint64_t>(options->memory.host_budget_bytes)),
       optimizer_(options->optimizer),
-      store_(Env::Default(), &host_, static_cast<uint64_t>(options->memory.session_arena_bytes)),
+      store_(Env::Default(), &host_, &stats_,
+             static_cast<uint64_t>(options->memory.session_arena_bytes)),
       steps_(&optimizer_, &stats_),
       sessions_(Env::Default(), &store_, &steps_, &stats_) {}
 

@@ -16,8 +16,9 @@ struct PartitionSet::Partition {
   bool in_step = false;
 };
 
-PartitionStore::PartitionStore(Env* env, MemoryBudget* host, uint64_t arena_capacity)
-    : env_(env), host_(host), arena_capacity_(0) {
+PartitionStore::PartitionStore(Env* env, MemoryBudget* host, Stats* stats,
+                               uint64_t arena_capacity)
+    : env_(env), host_(host), stats_(stats), arena_capacity_(0) {
   SetArenaCapacity(arena_capacity);
 }
 
@@ -30,12 +31,28 @@ absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(uint64_t
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
   return std::unique_ptr<PartitionSet>(
-      new PartitionSet(session_id, std::move(arena), env_, host_));
+      new PartitionSet(session_id, std::move(arena), env_, host_, stats_));
 }
 
 PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Env* env,
-                           MemoryBudget* host)
-    : session_id_(session_id), arena_(std::move(arena)), env_(env), host_(host) {}
+                           MemoryBudget* host, Stats* stats)
+    : session_id_(session_id), arena_(std::move(arena)), env_(env), host_(host), stats_(stats) {}
+
+void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions) {
+  auto in_step = [partitions]() {
+    for (const Partition* p : partitions) {
+      if (p->in_step) return true;
+    }
+    return false;
+  };
+  if (!in_step()) return;
+  stats_->waits_for_step.fetch_add(1, std::memory_order_relaxed);
+  // Partitions are only ever removed with the whole set, which the caller
+  // holds a reference to, so the pointers stay valid while waiting.
+  do {
+    step_ended_.Wait(&mu_);
+  } while (in_step());
+}
 
 PartitionSet::~PartitionSet() {
   absl::MutexLock lock(&mu_);
@@ -133,15 +150,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
     }
   }
   // Parameters being updated are not handed out half-written.
-  auto in_step = [&wanted]() {
-    for (const Partition* p : wanted) {
-      if (p->in_step) return true;
-    }
-    return false;
-  };
-  // Partitions are only ever removed with the whole set, so `wanted` stays
-  // valid while this call holds its reference to the set.
-  while (in_step()) step_ended_.Wait(&mu_);
+  AwaitOutOfStep(wanted);
   std::vector<PartitionInfo> out;
   out.reserve(wanted.size());
   for (const Partition* p : wanted) out.push_back(p->info);
@@ -163,7 +172,7 @@ absl::Status PartitionSet::ReturnGradients(uint64_t id, uint64_t numel, DType gr
         "; it was registered with ", DTypeName(p->info.grad_dtype)));
   }
   // The step in progress consumes the gradients it pinned; these are new.
-  while (p->in_step) step_ended_.Wait(&mu_);
+  AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
   p->grads_ready = true;
   return absl::OkStatus();
 }

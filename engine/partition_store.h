@@ -47,6 +47,7 @@
 #include "cpu_adam/optimizer.h"
 #include "engine/memory_budget.h"
 #include "engine/shm_arena.h"
+#include "engine/stats.h"
 
 namespace offload {
 
@@ -127,7 +128,9 @@ class PartitionSet {
   struct Partition;
 
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Env* env,
-               MemoryBudget* host);
+               MemoryBudget* host, Stats* stats);
+  // Waits until none of `partitions` is in a step.
+  void AwaitOutOfStep(absl::Span<Partition* const> partitions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -136,6 +139,7 @@ class PartitionSet {
   const std::unique_ptr<ShmArena> arena_;
   Env* const env_;
   MemoryBudget* const host_;
+  Stats* const stats_;
 
   mutable absl::Mutex mu_;
   // Signalled when a step ends.
@@ -156,8 +160,8 @@ class PartitionStore {
   // fp32 master weights, exp_avg, exp_avg_sq.
   static constexpr uint64_t kPrivateBytesPerParam = 12;
 
-  // `env` and `host` must outlive the store and every set it made.
-  PartitionStore(Env* env, MemoryBudget* host, uint64_t arena_capacity);
+  // `env`, `host` and `stats` must outlive the store and every set it made.
+  PartitionStore(Env* env, MemoryBudget* host, Stats* stats, uint64_t arena_capacity);
 
   // A new, empty set for session `session_id` with an arena of the current
   // capacity.
@@ -174,6 +178,7 @@ class PartitionStore {
   // Constant after construction.
   Env* const env_;
   MemoryBudget* const host_;
+  Stats* const stats_;
 
   std::atomic<uint64_t> arena_capacity_;
 };

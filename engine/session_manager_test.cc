@@ -2,19 +2,33 @@
 
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <thread>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "base/fault_injecting_env.h"
 #include "gtest/gtest.h"
 
 namespace offload {
 namespace {
 
+int OpenDescriptors() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)entry;
+    ++n;
+  }
+  return n;
+}
+
 class SessionManagerTest : public ::testing::Test {
  protected:
   SessionManagerTest()
       : host_("host", 64 << 20), optimizer_(OptimizerOptions{1, 1 << 16}),
-        store_(&env_, &host_, 16 << 20), steps_(&optimizer_, &stats_),
+        store_(&env_, &host_, &stats_, 16 << 20), steps_(&optimizer_, &stats_),
         sessions_(&env_, &store_, &steps_, &stats_) {}
 
   SessionKey Open() {
@@ -161,6 +175,187 @@ TEST_F(SessionManagerTest, FirstStepTakesMasterFromWorkingCopy) {
     EXPECT_EQ(w[i], FloatToBf16((1.0f + static_cast<float>(i)) * (1.0f - 0.05f))) << i;
   }
   munmap(base, 16 << 20);
+}
+
+
+// Each Env call the manager makes can fail; the caller gets the errno's code
+// with context, nothing leaks, and the next call works.
+TEST_F(SessionManagerTest, OpenFailuresLeaveNothingBehind) {
+  env_.FailNth(EnvOp::kRandomBytes, 1, EIO);
+  auto no_token = sessions_.Open("t");
+  EXPECT_EQ(no_token.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(no_token.status().message().find("getrandom"), std::string::npos);
+
+  env_.FailNth(EnvOp::kCreateMemfd, 1, EMFILE);
+  auto no_memfd = sessions_.Open("t");
+  EXPECT_EQ(no_memfd.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(no_memfd.status().message().find("memfd_create"), std::string::npos);
+
+  const int fds_before = OpenDescriptors();
+  env_.FailNth(EnvOp::kMapShared, 1, ENOMEM);
+  auto no_map = sessions_.Open("t");
+  EXPECT_EQ(no_map.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(OpenDescriptors(), fds_before);  // the memfd was closed again
+
+  EXPECT_TRUE(sessions_.Sessions().empty());
+  EXPECT_EQ(stats_.sessions_opened.load(), 0);
+  SessionKey key = Open();
+  EXPECT_TRUE(sessions_.Register(key, {"w", 10, DType::kFp32, DType::kFp32}).ok());
+}
+
+TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
+  SessionKey key = Open();
+  ASSERT_TRUE(sessions_.Register(key, {"first", 1000, DType::kFp32, DType::kFp32}).ok());
+  const uint64_t used = host_.used();
+  // Master, exp_avg and exp_avg_sq are three allocations; fail each in turn.
+  for (int n = 1; n <= 3; ++n) {
+    env_.FailNth(EnvOp::kAllocate, n, ENOMEM);
+    auto failed = sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16});
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << n;
+    EXPECT_NE(failed.status().message().find("optimizer state of partition 'w'"),
+              std::string::npos)
+        << failed.status();
+    EXPECT_EQ(host_.used(), used) << n;
+  }
+  env_.FailNth(EnvOp::kResizeFile, 1, ENOSPC);
+  auto no_arena = sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16});
+  EXPECT_EQ(no_arena.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(no_arena.status().message().find("growing session arena"), std::string::npos);
+  EXPECT_EQ(host_.used(), used);
+  // The name was never taken, and only the first partition exists.
+  auto all = sessions_.Fetch(key, {});
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->size(), 1u);
+  EXPECT_TRUE(sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16}).ok());
+}
+
+// Holds a step at a StepPoint until released, so that other calls can be
+// made at exactly that moment.
+class StepGate {
+ public:
+  explicit StepGate(StepPoint at) : at_(at) {}
+  void operator()(StepPoint point) {
+    if (point != at_) return;
+    reached_.Notify();
+    release_.WaitForNotification();
+  }
+  void AwaitReached() { reached_.WaitForNotification(); }
+  void Release() { release_.Notify(); }
+
+ private:
+  const StepPoint at_;
+  absl::Notification reached_, release_;
+};
+
+class SessionManagerRaceTest : public SessionManagerTest {
+ protected:
+  // Registers "w" with gradients returned and starts a step that stops at
+  // kPinned (after the partition is pinned, before the optimizer runs).
+  void StartHeldStep() {
+    key_ = Open();
+    auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok());
+    id_ = p->id;
+    ASSERT_TRUE(sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32).ok());
+    steps_.SetSyncPointForTesting([this](StepPoint point) { gate_(point); });
+    stepper_ = std::thread([this] { step_result_ = sessions_.Step(key_, AdamHyperparams{}); });
+    gate_.AwaitReached();
+  }
+  // Until `n` calls have found a partition in the step and begun waiting
+  // (the counter is incremented just before the wait). Yields, no sleeps.
+  void AwaitWaiters(int64_t n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (stats_.waits_for_step.load() < n) {
+      ASSERT_LT(absl::Now(), deadline) << "no call waited for the step";
+      std::this_thread::yield();
+    }
+  }
+  void FinishStep() {
+    gate_.Release();
+    stepper_.join();
+    steps_.SetSyncPointForTesting(nullptr);
+  }
+
+  SessionKey key_;
+  uint64_t id_ = 0;
+  StepGate gate_{StepPoint::kPinned};
+  std::thread stepper_;
+  absl::StatusOr<StepSummary> step_result_;
+};
+
+TEST_F(SessionManagerRaceTest, CloseDuringStepReturnsAtOnceAndFreesAfterIt) {
+  StartHeldStep();
+  // No lock is held across the step: Close does not wait for it.
+  ASSERT_TRUE(sessions_.Close(key_).ok());
+  EXPECT_EQ(sessions_.Fetch(key_, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_GT(host_.used(), 0u);  // the running step still holds the session
+  FinishStep();
+  EXPECT_TRUE(step_result_.ok()) << step_result_.status();
+  EXPECT_EQ(host_.used(), 0u);
+}
+
+TEST_F(SessionManagerRaceTest, AbandonDuringStepFreesAfterIt) {
+  StartHeldStep();
+  EXPECT_TRUE(sessions_.Abandon(key_.id));
+  EXPECT_GT(host_.used(), 0u);
+  FinishStep();
+  EXPECT_TRUE(step_result_.ok()) << step_result_.status();
+  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(stats_.sessions_abandoned.load(), 1);
+}
+
+TEST_F(SessionManagerRaceTest, FetchOfAPartitionInAStepSeesTheUpdatedVersion) {
+  StartHeldStep();
+  // Other work on the session proceeds during the step.
+  auto other = sessions_.Register(key_, {"other", 16, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto other_fetched = sessions_.Fetch(key_, {other->id});
+  ASSERT_TRUE(other_fetched.ok());
+  // A fetch of the pinned partition waits for the step: it must return the
+  // version after it (step 1), never the one before.
+  absl::StatusOr<std::vector<PartitionInfo>> fetched;
+  std::thread fetcher([&] { fetched = sessions_.Fetch(key_, {id_}); });
+  AwaitWaiters(1);
+  FinishStep();
+  fetcher.join();
+  ASSERT_TRUE(fetched.ok());
+  EXPECT_EQ((*fetched)[0].step, 1u);
+}
+
+TEST_F(SessionManagerRaceTest, GradientsReturnedDuringAStepAreForTheNextOne) {
+  StartHeldStep();
+  absl::Status returned;
+  std::thread returner(
+      [&] { returned = sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32); });
+  AwaitWaiters(1);
+  FinishStep();
+  returner.join();
+  ASSERT_TRUE(returned.ok());
+  ASSERT_TRUE(step_result_.ok());
+  // Not consumed by the step that was running: the next step has them.
+  auto next = sessions_.Step(key_, AdamHyperparams{});
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->partitions_updated, 1u);
+}
+
+TEST_F(SessionManagerRaceTest, ASecondStepWaitsForTheFirst) {
+  StartHeldStep();
+  absl::StatusOr<StepSummary> second;
+  std::thread other([&] { second = sessions_.Step(key_, AdamHyperparams{}); });
+  FinishStep();
+  other.join();
+  ASSERT_TRUE(step_result_.ok());
+  // It ran after the first had consumed the gradients.
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(SessionManagerTest, ClosedAndNeverOpenedAreToldApartWithoutRememberingIds) {
+  SessionKey a = Open();
+  ASSERT_TRUE(sessions_.Close(a).ok());
+  EXPECT_EQ(sessions_.Fetch(a, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(sessions_.Fetch({a.id + 1, a.token}, {}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(sessions_.Fetch({0, a.token}, {}).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"steps_skipped_nonfinite", v(steps_skipped), "steps"},
       {"params_updated", v(params_updated), "params"},
       {"step_time", v(step_nanos) / 1000, "us"},
+      {"waits_for_step", v(waits_for_step), "calls"},
       {"requests_failed", v(requests_failed), "requests"},
   };
 }

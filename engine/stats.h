@@ -28,6 +28,9 @@ struct Stats {
   std::atomic<int64_t> steps_skipped{0};
   std::atomic<int64_t> params_updated{0};
   std::atomic<int64_t> step_nanos{0};
+  // Fetches and gradient returns that found their partition in a running
+  // step and waited for it to end.
+  std::atomic<int64_t> waits_for_step{0};
   std::atomic<int64_t> requests_failed{0};
 
   std::vector<CounterValue> Snapshot() const;
