@@ -26,8 +26,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/config_registry.h"
 #include "base/host_memory.h"
-#include "engine/config.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_backend_factory.h"
@@ -246,16 +246,16 @@ int Main(int argc, char** argv) {
     IoOptions so;
     so.queue_depth = 32;
     auto sb = MakeIoBackend(so);
-    SwapOptions swap;
-    swap.dirs = {f.dir};
-    swap.bytes_per_dir = std::min<uint64_t>(f.file_bytes, 512 << 20);
+    NvmeOptions swap;
+    swap.dirs = f.dir;
+    swap.bytes_per_dir = static_cast<int64_t>(std::min<uint64_t>(f.file_bytes, 512 << 20));
     swap.stripe_bytes = 16 << 20;
     auto space = SwapSpace::Create(swap, sb->get());
     if (!space.ok()) {
       std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
       return 1;
     }
-    const uint64_t extent = std::min<uint64_t>(swap.bytes_per_dir / 2, 64 << 20);
+    const uint64_t extent = std::min<uint64_t>(static_cast<uint64_t>(swap.bytes_per_dir) / 2, 64 << 20);
     auto data = HostMemory::Allocate(extent);
     std::memset(data->data(), 3, extent);
     std::printf("%-14s %12s %12s\n", "swap 1 extent", "out GB/s", "in GB/s");

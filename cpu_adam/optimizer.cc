@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "cpu_adam/kernel_select.h"
 #include "tbb/blocked_range.h"
 #include "tbb/parallel_for.h"
@@ -34,7 +35,9 @@ AdamSpan Slice(const AdamSpan& s, size_t begin, size_t end) {
 }  // namespace
 
 Optimizer::Optimizer(const OptimizerOptions& options)
-    : tile_elems_(options.tile_elems >= 1024 ? options.tile_elems : 1 << 16),
+    : tile_elems_(kOptimizerTileElemsRange.Contains(options.tile_elems)
+                      ? options.tile_elems
+                      : OptimizerOptions().tile_elems),
       check_finite_(options.check_finite) {
   threads_ = ResolveThreads(options.threads);
   arena_ = std::make_unique<tbb::task_arena>(threads_);
@@ -45,10 +48,7 @@ Optimizer::Optimizer(const OptimizerOptions& options)
 Optimizer::~Optimizer() = default;
 
 absl::Status Optimizer::SetThreads(int64_t threads) {
-  if (threads < 0 || threads > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer threads must be in [0, 1024], got ", threads));
-  }
+  RETURN_IF_ERROR(kOptimizerThreadsRange.Check("optimizer threads", threads));
   absl::MutexLock lock(&mu_);
   threads_ = ResolveThreads(threads);
   arena_ = std::make_unique<tbb::task_arena>(threads_);
@@ -56,10 +56,7 @@ absl::Status Optimizer::SetThreads(int64_t threads) {
 }
 
 absl::Status Optimizer::SetTileElems(int64_t tile_elems) {
-  if (tile_elems < 1024 || tile_elems > (int64_t{1} << 30)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("optimizer tile_elems must be in [1024, 2^30], got ", tile_elems));
-  }
+  RETURN_IF_ERROR(kOptimizerTileElemsRange.Check("optimizer tile_elems", tile_elems));
   absl::MutexLock lock(&mu_);
   tile_elems_ = tile_elems;
   return absl::OkStatus();

@@ -18,30 +18,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "cpu_adam/adam.h"
+#include "cpu_adam/optimizer_options.h"
 #include "tbb/task_arena.h"
 
 namespace offload {
-
-struct OptimizerOptions {
-  // Threads in the optimizer's arena. 0 means one per online CPU. More
-  // threads help until memory bandwidth saturates (usually at a fraction of
-  // the cores); fewer leave cores to the trainers. Changeable while running.
-  int64_t threads = 0;
-
-  // Elements per parallel task. Smaller tiles balance load across threads;
-  // larger ones spend less on scheduling. Changeable while running.
-  int64_t tile_elems = 1 << 16;
-
-  // Instruction set: "auto" (widest the CPU has), "avx512", "avx2" or
-  // "scalar". All give bit-identical results. Changeable while running.
-  std::string kernel = "auto";
-
-  // Scan the gradients for NaN/Inf before updating anything; a step that
-  // finds some changes no state and reports itself skipped (loss-scale
-  // overflow). Costs one extra read of the gradients (2 or 4 bytes per
-  // parameter; see benches/RESULTS.md). Changeable while running.
-  bool check_finite = true;
-};
 
 // One partition's update: the spans plus its 1-based step number.
 struct AdamTask {
@@ -68,7 +48,7 @@ class Optimizer {
   // hyperparameters (nothing is changed then).
   absl::StatusOr<StepReport> Step(absl::Span<const AdamTask> tasks, const AdamHyperparams& h);
 
-  // INVALID_ARGUMENT unless 0 <= threads <= 1024.
+  // INVALID_ARGUMENT outside kOptimizerThreadsRange / kOptimizerTileElemsRange.
   absl::Status SetThreads(int64_t threads);
   absl::Status SetTileElems(int64_t tile_elems);
   // FAILED_PRECONDITION if the CPU lacks the instruction set.

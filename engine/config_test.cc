@@ -1,9 +1,11 @@
-#include "engine/config.h"
+#include "base/config_registry.h"
+#include "engine/config_file.h"
 
 #include <cstdio>
 #include <fstream>
 
-#include "engine/options.h"
+#include "absl/strings/str_cat.h"
+#include "engine/daemon_options.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -12,6 +14,19 @@ namespace {
 class ConfigTest : public ::testing::Test {
  protected:
   ConfigTest() { BindTunables(&options_, &registry_); }
+  // Gives every dynamic tunable but `except` a hook that accepts anything, as
+  // the daemon gives each a hook into its component.
+  void HookTheOtherDynamicTunables(const std::string& except) {
+    for (const TunableInfo& t : registry_.List()) {
+      if (!t.dynamic || t.name == except) continue;
+      if (t.type == "int") registry_.SetHook<int64_t>(t.name, [](const int64_t&) { return absl::OkStatus(); });
+      if (t.type == "bool") registry_.SetHook<bool>(t.name, [](const bool&) { return absl::OkStatus(); });
+      if (t.type == "string") {
+        registry_.SetHook<std::string>(t.name, [](const std::string&) { return absl::OkStatus(); });
+      }
+    }
+  }
+
   DaemonOptions options_;
   ConfigRegistry registry_;
 };
@@ -56,11 +71,12 @@ TEST_F(ConfigTest, StaticTunablesFreezeAndHooksCanRefuse) {
     seen = v;
     return absl::OkStatus();
   });
+  HookTheOtherDynamicTunables("optimizer.threads");
   // Before Freeze (start-up), hooks do not run: the component reads the
   // options when it is built.
   ASSERT_TRUE(registry_.Set("optimizer.threads", "2").ok());
   EXPECT_EQ(seen, -1);
-  registry_.Freeze();
+  ASSERT_TRUE(registry_.Freeze().ok());
   auto frozen = registry_.Set("server.socket", "/tmp/x.sock");
   EXPECT_EQ(frozen.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(frozen.status().message().find("restart"), std::string::npos);
@@ -71,9 +87,39 @@ TEST_F(ConfigTest, StaticTunablesFreezeAndHooksCanRefuse) {
   EXPECT_EQ(options_.optimizer.threads, 4);
 }
 
+TEST_F(ConfigTest, FreezeRefusesADynamicTunableNothingApplies) {
+  HookTheOtherDynamicTunables("nvme.queue_depth");
+  absl::Status frozen = registry_.Freeze();
+  EXPECT_EQ(frozen.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(frozen.message().find("nvme.queue_depth"), std::string::npos) << frozen;
+  // Still unfrozen: static tunables can be set.
+  EXPECT_TRUE(registry_.Set("server.socket", "/tmp/x.sock").ok());
+  registry_.SetHook<int64_t>("nvme.queue_depth", [](const int64_t&) { return absl::OkStatus(); });
+  EXPECT_TRUE(registry_.Freeze().ok());
+}
+
+TEST_F(ConfigTest, FreezeRefusesAHookOnAStaticTunable) {
+  HookTheOtherDynamicTunables("");
+  registry_.SetHook<int64_t>("nvme.rings", [](const int64_t&) { return absl::OkStatus(); });
+  absl::Status frozen = registry_.Freeze();
+  EXPECT_EQ(frozen.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(frozen.message().find("nvme.rings"), std::string::npos) << frozen;
+}
+
+TEST_F(ConfigTest, RangesAreTheComponentsOwn) {
+  // The registry refuses exactly what the component's range refuses.
+  const TunableInfo depth = *registry_.Get("nvme.queue_depth");
+  EXPECT_TRUE(registry_.Set("nvme.queue_depth", absl::StrCat(kQueueDepthRange.max)).ok());
+  EXPECT_FALSE(registry_.Set("nvme.queue_depth", absl::StrCat(kQueueDepthRange.max + 1)).ok());
+  EXPECT_FALSE(registry_.Set("optimizer.threads", absl::StrCat(kOptimizerThreadsRange.max + 1))
+                   .ok());
+  EXPECT_TRUE(registry_.Set("optimizer.tile_elems", absl::StrCat(kOptimizerTileElemsRange.min))
+                  .ok());
+  EXPECT_EQ(depth.default_value, "32");
+}
+
 TEST_F(ConfigTest, YamlNestsByDottedName) {
-  ASSERT_TRUE(registry_
-                  .ApplyYaml("server:\n  tcp_port: 0\noptimizer:\n  threads: 2\n"
+  ASSERT_TRUE(ApplyYaml(registry_, "server:\n  tcp_port: 0\noptimizer:\n  threads: 2\n"
                              "memory: {host_budget_bytes: 512MiB}\n",
                              "test.yaml")
                   .ok());
@@ -83,38 +129,25 @@ TEST_F(ConfigTest, YamlNestsByDottedName) {
 }
 
 TEST_F(ConfigTest, YamlErrorsNameTheFileAndKey) {
-  absl::Status unknown = registry_.ApplyYaml("optimizer:\n  threadz: 2\n", "a.yaml");
+  absl::Status unknown = ApplyYaml(registry_, "optimizer:\n  threadz: 2\n", "a.yaml");
   EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
   EXPECT_NE(unknown.message().find("a.yaml"), std::string::npos);
   EXPECT_NE(unknown.message().find("optimizer.threadz"), std::string::npos);
-  EXPECT_EQ(registry_.ApplyYaml("optimizer: [1, 2\n", "b.yaml").code(),
+  EXPECT_EQ(ApplyYaml(registry_, "optimizer: [1, 2\n", "b.yaml").code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry_.ApplyYaml("- 1\n- 2\n", "c.yaml").code(),
+  EXPECT_EQ(ApplyYaml(registry_, "- 1\n- 2\n", "c.yaml").code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry_.ApplyYaml("optimizer:\n  threads: [1]\n", "d.yaml").code(),
+  EXPECT_EQ(ApplyYaml(registry_, "optimizer:\n  threads: [1]\n", "d.yaml").code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry_.ApplyYamlFile("/nonexistent/offloadd.yaml").code(),
+  EXPECT_EQ(ApplyYamlFile(registry_, "/nonexistent/offloadd.yaml").code(),
             absl::StatusCode::kNotFound);
 }
 
 TEST_F(ConfigTest, YamlFileRoundTrip) {
   std::string path = std::string(getenv("TEST_TMPDIR")) + "/offloadd.yaml";
   std::ofstream(path) << "# comment\noptimizer:\n  tile_elems: 4096\n";
-  ASSERT_TRUE(registry_.ApplyYamlFile(path).ok());
+  ASSERT_TRUE(ApplyYamlFile(registry_, path).ok());
   EXPECT_EQ(options_.optimizer.tile_elems, 4096);
-}
-
-TEST(ByteSize, ParsesAndFormats) {
-  EXPECT_EQ(*ParseByteSize("4096"), 4096);
-  EXPECT_EQ(*ParseByteSize("64K"), 65536);
-  EXPECT_EQ(*ParseByteSize("1.5GiB"), int64_t{3} << 29);
-  EXPECT_EQ(*ParseByteSize(" 2 mib "), int64_t{2} << 20);
-  EXPECT_FALSE(ParseByteSize("").ok());
-  EXPECT_FALSE(ParseByteSize("1.3B").ok());
-  EXPECT_FALSE(ParseByteSize("-5").ok());
-  EXPECT_EQ(FormatByteSize(int64_t{8} << 30), "8GiB");
-  EXPECT_EQ(FormatByteSize(4097), "4097");
-  EXPECT_EQ(FormatByteSize(0), "0");
 }
 
 }  // namespace

@@ -111,7 +111,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     raw->store_.SetArenaCapacity(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
-  registry->Freeze();
+  RETURN_IF_ERROR(registry->Freeze());
   return d;
 }
 
@@ -148,17 +148,9 @@ std::vector<std::string> Daemon::Describe() const {
 
 absl::Status Daemon::StartNvmeTier() {
   const NvmeOptions& n = options_->nvme;
-  SwapOptions swap;
-  for (absl::string_view dir : absl::StrSplit(n.dirs, ',', absl::SkipWhitespace())) {
-    swap.dirs.emplace_back(absl::StripAsciiWhitespace(dir));
-  }
-  if (swap.dirs.empty()) return absl::OkStatus();
-  swap.bytes_per_dir = static_cast<uint64_t>(n.bytes_per_dir);
-  swap.stripe_bytes = static_cast<uint64_t>(n.stripe_bytes);
-  swap.checksum = n.checksum;
-  swap.direct_io = n.direct_io;
+  if (n.DirList().empty()) return absl::OkStatus();
   ASSIGN_OR_RETURN(io_, MakeIoBackend(n.io));
-  absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(swap, io_.get());
+  absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, io_.get());
   if (!space.ok()) {
     return absl::Status(space.status().code(),
                         absl::StrCat("NVMe tier (nvme.dirs): ", space.status().message()));

@@ -13,10 +13,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/config_registry.h"
 #include "base/log.h"
-#include "engine/config.h"
+#include "engine/config_file.h"
 #include "engine/daemon.h"
-#include "engine/options.h"
+#include "engine/daemon_options.h"
 #include "engine/version.h"
 
 namespace offload {
@@ -63,7 +64,7 @@ int Main(int argc, char** argv) {
     }
   }
   if (!config_file.empty()) {
-    if (absl::Status s = registry.ApplyYamlFile(config_file); !s.ok()) {
+    if (absl::Status s = ApplyYamlFile(registry, config_file); !s.ok()) {
       std::fprintf(stderr, "offloadd: %s\n", s.ToString().c_str());
       return 2;
     }

@@ -26,38 +26,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "nvme/nvme_options.h"
 
 namespace offload {
-
-struct IoOptions {
-  // "auto" (io_uring if the kernel allows it, else posix with a warning),
-  // "io_uring" or "posix". Static.
-  std::string backend = "auto";
-
-  // Requests in flight per ring (posix: per Run call). Deeper queues keep
-  // NVMe busy; beyond ~32 they only add latency. 1..256. Dynamic.
-  int64_t queue_depth = 32;
-
-  // Largest single read or write; bigger requests are split. Large requests
-  // amortise per-I/O cost, small ones spread better over queue slots and
-  // devices. Multiple of 4096. Dynamic.
-  int64_t request_bytes = int64_t{1} << 20;
-
-  // Independent io_uring instances; each serves one Run() at a time, so this
-  // bounds concurrent callers without contention. Static.
-  int64_t rings = 2;
-
-  // Queue this many requests before each io_uring_submit (1 = submit each
-  // at once). Larger batches save syscalls at high queue depth. Dynamic.
-  int64_t submit_batch = 8;
-
-  // A kernel thread polls the submission queue (no submit syscalls, one core
-  // spinning while busy). Static.
-  bool sqpoll = false;
-
-  // Worker threads of the posix fallback. Static.
-  int64_t posix_threads = 8;
-};
 
 enum class IoOp { kRead, kWrite };
 
@@ -92,8 +63,8 @@ class IoBackend {
   // flight have completed.
   virtual absl::Status Run(absl::Span<const IoRequest> requests) = 0;
 
-  // Live-changeable settings (see IoOptions); INVALID_ARGUMENT if out of
-  // range.
+  // The settings that change while running (nvme_options.h has their
+  // ranges); INVALID_ARGUMENT if out of range.
   virtual absl::Status SetQueueDepth(int64_t depth) = 0;
   virtual absl::Status SetRequestBytes(int64_t bytes) = 0;
   virtual absl::Status SetSubmitBatch(int64_t batch) = 0;
@@ -103,14 +74,6 @@ class IoBackend {
 
 // "read 1048576 bytes at offset 4096 of /x/swap0" style context.
 std::string DescribeIo(const IoRequest& r, const std::string& path);
-
-absl::Status ValidateIoOptions(const IoOptions& options);
-// io_uring rings have 256 entries; the other backends use the same bound.
-inline constexpr int64_t kMaxQueueDepth = 256;
-// INVALID_ARGUMENT naming `name` unless lo <= value <= hi.
-absl::Status InRange(const char* name, int64_t value, int64_t lo, int64_t hi);
-// INVALID_ARGUMENT unless a multiple of 4096 in [4KiB, 1GiB].
-absl::Status ValidateRequestBytes(int64_t bytes);
 
 }  // namespace offload
 

@@ -9,7 +9,7 @@
 namespace offload {
 
 absl::Status LiveIoSettings::SetQueueDepth(int64_t depth) {
-  RETURN_IF_ERROR(InRange("queue_depth", depth, 1, kMaxQueueDepth));
+  RETURN_IF_ERROR(kQueueDepthRange.Check("queue_depth", depth));
   queue_depth_.store(depth);
   return absl::OkStatus();
 }
@@ -21,7 +21,7 @@ absl::Status LiveIoSettings::SetRequestBytes(int64_t bytes) {
 }
 
 absl::Status LiveIoSettings::SetSubmitBatch(int64_t batch) {
-  RETURN_IF_ERROR(InRange("submit_batch", batch, 1, kMaxQueueDepth));
+  RETURN_IF_ERROR(kSubmitBatchRange.Check("submit_batch", batch));
   submit_batch_.store(batch);
   return absl::OkStatus();
 }

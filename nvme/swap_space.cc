@@ -16,13 +16,14 @@
 
 namespace offload {
 
-absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const SwapOptions& options,
+absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& options,
                                                               IoBackend* backend) {
-  if (options.dirs.empty()) {
+  const std::vector<std::string> dirs = options.DirList();
+  if (dirs.empty()) {
     return absl::InvalidArgumentError("the NVMe tier needs at least one directory");
   }
   std::unique_ptr<SwapSpace> space(new SwapSpace(options, backend));
-  for (const std::string& dir : options.dirs) {
+  for (const std::string& dir : dirs) {
     auto file = std::make_unique<File>();
     const std::string path = absl::StrCat(dir, "/", kFileName);
     ASSIGN_OR_RETURN(file->io, OpenIoFile(path, /*create=*/true, options.direct_io));
@@ -36,11 +37,12 @@ absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const SwapOptions& 
     space->files_.push_back(std::move(file));
   }
   const uint64_t align = space->alignment_;
-  if (options.stripe_bytes == 0 || options.stripe_bytes % align != 0) {
+  if (options.stripe_bytes <= 0 || static_cast<uint64_t>(options.stripe_bytes) % align != 0) {
     return absl::InvalidArgumentError(absl::StrCat("stripe_bytes ", options.stripe_bytes,
                                                    " must be a positive multiple of ", align));
   }
-  const uint64_t size = options.bytes_per_dir / align * align;
+  const uint64_t size =
+      options.bytes_per_dir > 0 ? static_cast<uint64_t>(options.bytes_per_dir) / align * align : 0;
   if (size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bytes_per_dir ", options.bytes_per_dir, " is below one block of ", align));
@@ -78,7 +80,7 @@ void SwapSpace::SetChecksum(bool on) {
 
 absl::StatusOr<SwapSpace::Extent> SwapSpace::Allocate(uint64_t bytes) {
   const uint64_t total = RoundUp(bytes, alignment_);
-  const uint64_t stripe = options_.stripe_bytes;
+  const uint64_t stripe = static_cast<uint64_t>(options_.stripe_bytes);
   const size_t n = files_.size();
   absl::MutexLock lock(&mu_);
   Extent e;
@@ -138,7 +140,7 @@ void SwapSpace::Release(const Extent& e) {
 
 std::vector<IoRequest> SwapSpace::Plan(const Extent& e, IoOp op, std::byte* buffer) const {
   const uint64_t total = RoundUp(e.bytes, alignment_);
-  const uint64_t stripe = options_.stripe_bytes;
+  const uint64_t stripe = static_cast<uint64_t>(options_.stripe_bytes);
   const size_t n = files_.size();
   // Each file's segment, and how far into it the next stripe goes.
   std::vector<const Segment*> seg(n, nullptr);

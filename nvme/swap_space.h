@@ -34,31 +34,9 @@
 #include "absl/synchronization/mutex.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
+#include "nvme/nvme_options.h"
 
 namespace offload {
-
-struct SwapOptions {
-  // Directories for swap files, one per device. Extents are striped over
-  // all of them. Static.
-  std::vector<std::string> dirs;
-
-  // Space preallocated in each directory (fallocate), rounded down to the
-  // alignment. More space holds more offloaded state; it is claimed at start.
-  // Static.
-  uint64_t bytes_per_dir = uint64_t{1} << 30;
-
-  // Striping unit across directories. Larger stripes mean fewer, bigger
-  // requests; smaller ones spread a small extent over more devices. Multiple
-  // of the alignment. Static.
-  uint64_t stripe_bytes = uint64_t{1} << 20;
-
-  // Record and verify an XXH3-64 checksum per extent. Dynamic.
-  bool checksum = true;
-
-  // Use O_DIRECT where the filesystem supports it (else buffered, with a
-  // warning). Static.
-  bool direct_io = true;
-};
 
 struct SwapDirStats {
   std::string path;  // the swap file
@@ -83,7 +61,7 @@ class SwapSpace {
   // against other daemons, preallocates it and registers it with `backend`,
   // which must outlive this object. RESOURCE_EXHAUSTED if a filesystem
   // lacks the space; FAILED_PRECONDITION if another process holds a file.
-  static absl::StatusOr<std::unique_ptr<SwapSpace>> Create(const SwapOptions& options,
+  static absl::StatusOr<std::unique_ptr<SwapSpace>> Create(const NvmeOptions& options,
                                                            IoBackend* backend);
   // Closes and removes the swap files (their contents are scratch).
   ~SwapSpace();
@@ -126,7 +104,7 @@ class SwapSpace {
     std::map<uint64_t, uint64_t> holes;  // offset -> length, coalesced
   };
 
-  SwapSpace(const SwapOptions& options, IoBackend* backend)
+  SwapSpace(const NvmeOptions& options, IoBackend* backend)
       : options_(options), backend_(backend), checksum_(options.checksum) {}
 
   absl::StatusOr<Extent> Allocate(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
@@ -137,7 +115,7 @@ class SwapSpace {
   absl::StatusOr<Extent> WriteNew(const void* src, uint64_t bytes);
   absl::Status Annotate(const absl::Status& s, const std::string& what) const;
 
-  const SwapOptions options_;
+  const NvmeOptions options_;
   IoBackend* const backend_;
   uint32_t alignment_ = 4096;
   std::vector<std::unique_ptr<File>> files_;  // fixed after Create

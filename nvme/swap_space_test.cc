@@ -10,6 +10,7 @@
 #include <random>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "base/host_memory.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
@@ -43,10 +44,10 @@ class SwapSpaceTest : public ::testing::Test {
 
   std::unique_ptr<SwapSpace> Make(std::vector<std::string> dirs, uint64_t bytes_per_dir,
                                   uint64_t stripe = kMiB) {
-    SwapOptions o;
-    o.dirs = std::move(dirs);
-    o.bytes_per_dir = bytes_per_dir;
-    o.stripe_bytes = stripe;
+    NvmeOptions o;
+    o.dirs = absl::StrJoin(dirs, ",");
+    o.bytes_per_dir = static_cast<int64_t>(bytes_per_dir);
+    o.stripe_bytes = static_cast<int64_t>(stripe);
     auto s = SwapSpace::Create(o, backend_.get());
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? std::move(*s) : nullptr;
@@ -193,24 +194,24 @@ TEST_F(SwapSpaceTest, ShortAndRetriedIoStillRoundTrips) {
 }
 
 TEST_F(SwapSpaceTest, RefusesWhatItCannotDo) {
-  SwapOptions o;
-  o.dirs = {MakeDir("huge")};
-  o.bytes_per_dir = uint64_t{1} << 50;  // 1 PiB: more than the disk holds
+  NvmeOptions o;
+  o.dirs = MakeDir("huge");
+  o.bytes_per_dir = int64_t{1} << 50;  // 1 PiB: more than the disk holds
   auto huge = SwapSpace::Create(o, backend_.get());
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
   EXPECT_TRUE(absl::StrContains(huge.status().message(), "preallocating")) << huge.status();
 
   auto s = Make({MakeDir("locked")}, 4 * kMiB);
   ASSERT_TRUE(s);
-  o.dirs = {MakeDir("locked")};
+  o.dirs = MakeDir("locked");
   o.bytes_per_dir = 4 * kMiB;
   EXPECT_EQ(SwapSpace::Create(o, backend_.get()).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  o.dirs = {MakeDir("stripe")};
+  o.dirs = MakeDir("stripe");
   o.stripe_bytes = 1000;
   EXPECT_EQ(SwapSpace::Create(o, backend_.get()).status().code(),
             absl::StatusCode::kInvalidArgument);
-  o.dirs = {"/nonexistent/offloadd"};
+  o.dirs = "/nonexistent/offloadd";
   o.stripe_bytes = kMiB;
   EXPECT_EQ(SwapSpace::Create(o, backend_.get()).status().code(), absl::StatusCode::kNotFound);
 

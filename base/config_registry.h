@@ -2,18 +2,27 @@
 // the components' Options structs, so a config file, command-line flags and
 // the live config service all read and write those same fields.
 //
-// A tunable's default is its field's value at Bind() time (the in-class
-// initializer). Dynamic tunables may change while the daemon runs: Set()
-// runs the tunable's apply hook first (which pushes the value into the live
-// component and may refuse it) and stores the value only if the hook
-// succeeded. Static tunables can be set only before Freeze().
+// One definition per setting: each component's options header holds its
+// fields (in-class defaults, units, trade-offs) and its ranges (IntRange
+// constants its own validation uses too); its Bind*Tunables function binds
+// them here with their name, unit, range and whether they are dynamic. Nothing
+// is copied field by field into another struct.
+//
+// A tunable's default is its field's value at Bind() time. Dynamic tunables
+// may change while the daemon runs: Set() runs the tunable's apply hook first
+// (which pushes the value into the live component and may refuse it) and
+// stores the value only if the hook succeeded. Static tunables can be set only
+// before Freeze(), which refuses to freeze a registry where a dynamic tunable
+// has no hook (nothing would apply it) or a static one has one.
 //
 // Thread-safety: all methods are safe from any thread. Hooks run under the
-// registry's lock and must not call back into the registry.
-#ifndef OFFLOADD_ENGINE_CONFIG_H_
-#define OFFLOADD_ENGINE_CONFIG_H_
+// registry's lock and must not call back into the registry (lock order: the
+// registry's lock before any component lock a hook takes).
+#ifndef OFFLOADD_BASE_CONFIG_REGISTRY_H_
+#define OFFLOADD_BASE_CONFIG_REGISTRY_H_
 
 #include <cstdint>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -31,9 +40,20 @@
 
 namespace offload {
 
+// An inclusive range of integers: the one definition of a setting's bounds,
+// checked by the registry and by the component's own validation alike.
+struct IntRange {
+  int64_t min = INT64_MIN;
+  int64_t max = INT64_MAX;
+
+  bool Contains(int64_t v) const { return v >= min && v <= max; }
+  // INVALID_ARGUMENT "<name> must be in [min, max], got <v>" unless inside.
+  absl::Status Check(absl::string_view name, int64_t v) const;
+};
+
 struct TunableInfo {
   std::string name;
-  std::string type;  // "int", "double", "bool", "string"
+  std::string type;  // "int", "bool", "string"
   std::string value;
   std::string default_value;
   std::string unit;  // "bytes", "threads", ... or empty
@@ -44,10 +64,10 @@ struct TunableInfo {
 struct TunableSpec {
   std::string unit;
   std::string description;
+  // May change while offloadd runs (then it needs a hook: see Freeze).
   bool dynamic = false;
-  // Inclusive bounds for "int" and "double" tunables.
-  double min = -1e300;
-  double max = 1e300;
+  // Bounds of an "int" tunable.
+  IntRange range{};
 };
 
 class ConfigRegistry {
@@ -59,7 +79,6 @@ class ConfigRegistry {
   // `field` must outlive the registry. Integers with unit "bytes" also
   // accept suffixes: 512MiB, 8GiB, 1G, 64K.
   void Bind(std::string name, int64_t* field, TunableSpec spec);
-  void Bind(std::string name, double* field, TunableSpec spec);
   void Bind(std::string name, bool* field, TunableSpec spec);
   void Bind(std::string name, std::string* field, TunableSpec spec);
 
@@ -72,8 +91,12 @@ class ConfigRegistry {
   template <typename T>
   void SetHook(const std::string& name, Hook<T> hook);
 
-  // After Freeze(), setting a static tunable fails with FAILED_PRECONDITION.
-  void Freeze();
+  // Ends start-up: from now on hooks run, and setting a static tunable fails
+  // with FAILED_PRECONDITION. INTERNAL, naming the tunables, if a dynamic
+  // tunable has no hook or a static one has a hook (a wiring bug: refuse to
+  // run rather than accept changes that apply to nothing); the registry stays
+  // unfrozen then.
+  absl::Status Freeze();
 
   // NOT_FOUND for an unknown name; INVALID_ARGUMENT for a value that does not
   // parse or is out of range; FAILED_PRECONDITION for a static tunable once
@@ -81,12 +104,6 @@ class ConfigRegistry {
   absl::StatusOr<TunableInfo> Set(absl::string_view name, absl::string_view value);
   absl::StatusOr<TunableInfo> Get(absl::string_view name) const;
   std::vector<TunableInfo> List() const;
-
-  // Applies a YAML document: nested maps name tunables by their dotted path
-  // (`optimizer: {threads: 2}` sets optimizer.threads). Stops at the first
-  // error, naming the key and `source`.
-  absl::Status ApplyYaml(absl::string_view yaml_text, absl::string_view source);
-  absl::Status ApplyYamlFile(const std::string& path);
 
  private:
   struct Tunable {
@@ -98,6 +115,8 @@ class ConfigRegistry {
     // A Hook<T> for the field's T, shared with `set`.
     std::shared_ptr<void> hook;
     const std::type_info* hook_type = nullptr;
+    // Whether a non-empty hook was set.
+    std::function<bool()> has_hook;
   };
 
   template <typename T>
@@ -132,4 +151,4 @@ std::string FormatByteSize(int64_t bytes);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_CONFIG_H_
+#endif  // OFFLOADD_BASE_CONFIG_REGISTRY_H_

@@ -1,23 +1,15 @@
-#include "engine/config.h"
+#include "base/config_registry.h"
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
-#include "yaml-cpp/yaml.h"
 
 namespace offload {
 namespace {
-
-absl::Status OutOfRange(absl::string_view name, absl::string_view text, const TunableSpec& s) {
-  return absl::InvalidArgumentError(absl::StrCat("tunable ", name, " = '", text,
-                                                 "' is out of range [", s.min, ", ", s.max,
-                                                 "]"));
-}
 
 absl::Status BadValue(absl::string_view name, absl::string_view text, absl::string_view want) {
   return absl::InvalidArgumentError(
@@ -25,6 +17,12 @@ absl::Status BadValue(absl::string_view name, absl::string_view text, absl::stri
 }
 
 }  // namespace
+
+absl::Status IntRange::Check(absl::string_view name, int64_t v) const {
+  if (Contains(v)) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, " must be in [", min, ", ", max, "], got ", v));
+}
 
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
   std::string t(absl::StripAsciiWhitespace(text));
@@ -90,6 +88,7 @@ void ConfigRegistry::BindTyped(std::string name, T* field, TunableSpec spec, con
   };
   t.hook = hook;
   t.hook_type = &typeid(T);
+  t.has_hook = [hook] { return static_cast<bool>(*hook); };
   t.spec = std::move(spec);
   t.info.default_value = t.format();
   absl::MutexLock lock(&mu_);
@@ -106,25 +105,10 @@ void ConfigRegistry::Bind(std::string name, int64_t* field, TunableSpec spec) {
     } else if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), v)) {
       return BadValue(name, text, "an integer");
     }
-    if (static_cast<double>(*v) < spec.min || static_cast<double>(*v) > spec.max) {
-      return OutOfRange(name, text, spec);
-    }
-    return absl::OkStatus();
+    return spec.range.Check(absl::StrCat("tunable ", name), *v);
   };
   auto format = [bytes](const int64_t& v) { return bytes ? FormatByteSize(v) : absl::StrCat(v); };
   BindTyped<int64_t>(name, field, spec, "int", parse, format);
-}
-
-void ConfigRegistry::Bind(std::string name, double* field, TunableSpec spec) {
-  auto parse = [name, spec](absl::string_view text, double* v) -> absl::Status {
-    if (!absl::SimpleAtod(absl::StripAsciiWhitespace(text), v) || !std::isfinite(*v)) {
-      return BadValue(name, text, "a finite number");
-    }
-    if (*v < spec.min || *v > spec.max) return OutOfRange(name, text, spec);
-    return absl::OkStatus();
-  };
-  auto format = [](const double& v) { return absl::StrCat(v); };
-  BindTyped<double>(name, field, spec, "double", parse, format);
 }
 
 void ConfigRegistry::Bind(std::string name, bool* field, TunableSpec spec) {
@@ -147,9 +131,29 @@ void ConfigRegistry::Bind(std::string name, std::string* field, TunableSpec spec
   BindTyped<std::string>(name, field, spec, "string", parse, format);
 }
 
-void ConfigRegistry::Freeze() {
+absl::Status ConfigRegistry::Freeze() {
   absl::MutexLock lock(&mu_);
+  std::vector<std::string> unapplied, static_hooked;
+  for (const auto& [name, t] : tunables_) {
+    const bool hooked = t.has_hook();
+    if (t.spec.dynamic && !hooked) unapplied.push_back(name);
+    if (!t.spec.dynamic && hooked) static_hooked.push_back(name);
+  }
+  if (!unapplied.empty() || !static_hooked.empty()) {
+    std::string why;
+    if (!unapplied.empty()) {
+      absl::StrAppend(&why, "dynamic tunables with nothing to apply them while running: ",
+                      absl::StrJoin(unapplied, ", "));
+    }
+    if (!static_hooked.empty()) {
+      absl::StrAppend(&why, why.empty() ? "" : "; ",
+                      "static tunables with a hook that would never run: ",
+                      absl::StrJoin(static_hooked, ", "));
+    }
+    return absl::InternalError(absl::StrCat("tunable registry wiring: ", why));
+  }
   frozen_ = true;
+  return absl::OkStatus();
 }
 
 TunableInfo ConfigRegistry::Snapshot(const Tunable& t) const {
@@ -191,61 +195,6 @@ std::vector<TunableInfo> ConfigRegistry::List() const {
   std::vector<TunableInfo> out;
   for (const auto& [name, t] : tunables_) out.push_back(Snapshot(t));
   return out;
-}
-
-namespace {
-
-absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node,
-                       const std::string& prefix, absl::string_view source) {
-  if (node.IsMap()) {
-    for (const auto& kv : node) {
-      std::string key = kv.first.as<std::string>();
-      std::string name = prefix.empty() ? key : absl::StrCat(prefix, ".", key);
-      RETURN_IF_ERROR(ApplyNode(registry, kv.second, name, source));
-    }
-    return absl::OkStatus();
-  }
-  if (!node.IsScalar()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ": '", prefix, "' must be a scalar value or a map of settings"));
-  }
-  auto set = registry.Set(prefix, node.Scalar());
-  if (!set.ok()) {
-    return absl::Status(set.status().code(), absl::StrCat(source, ": ", set.status().message()));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status ConfigRegistry::ApplyYaml(absl::string_view yaml_text, absl::string_view source) {
-  YAML::Node root;
-  // yaml-cpp reports errors by exception; they stop here.
-  try {
-    root = YAML::Load(std::string(yaml_text));
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid YAML: ", e.what()));
-  }
-  if (root.IsNull()) return absl::OkStatus();
-  if (!root.IsMap()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source, ": the top level must be a map of settings"));
-  }
-  try {
-    return ApplyNode(*this, root, "", source);
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
-  }
-}
-
-absl::Status ConfigRegistry::ApplyYamlFile(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  return ApplyYaml(text.str(), path);
 }
 
 }  // namespace offload

@@ -1,0 +1,65 @@
+#include "base/config_registry.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+TEST(IntRange, ChecksInclusiveBoundsAndNamesTheSetting) {
+  constexpr IntRange r{1, 256};
+  EXPECT_TRUE(r.Check("depth", 1).ok());
+  EXPECT_TRUE(r.Check("depth", 256).ok());
+  absl::Status s = r.Check("depth", 257);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "depth must be in [1, 256], got 257");
+  EXPECT_FALSE(r.Contains(0));
+}
+
+TEST(ConfigRegistry, DynamicNeedsAHookAndHooksRunOnlyOnceFrozen) {
+  int64_t depth = 8;
+  bool flag = false;
+  std::string name = "x";
+  ConfigRegistry r;
+  r.Bind("a.depth", &depth, {"requests", "depth", true, IntRange{1, 64}});
+  r.Bind("a.flag", &flag, {"bool", "flag", false});
+  r.Bind("a.name", &name, {"name", "name", true});
+  EXPECT_EQ(r.Set("a.depth", "65").status().code(), absl::StatusCode::kInvalidArgument);
+  absl::Status frozen = r.Freeze();
+  EXPECT_EQ(frozen.code(), absl::StatusCode::kInternal);
+  EXPECT_NE(frozen.message().find("a.depth, a.name"), std::string::npos) << frozen;
+  int64_t applied = 0;
+  r.SetHook<int64_t>("a.depth", [&](const int64_t& v) {
+    applied = v;
+    return absl::OkStatus();
+  });
+  r.SetHook<std::string>("a.name", [](const std::string& v) {
+    return v.empty() ? absl::InvalidArgumentError("empty") : absl::OkStatus();
+  });
+  ASSERT_TRUE(r.Set("a.depth", "4").ok());
+  EXPECT_EQ(applied, 0);  // not frozen yet: the component reads its options
+  ASSERT_TRUE(r.Freeze().ok());
+  ASSERT_TRUE(r.Set("a.depth", "5").ok());
+  EXPECT_EQ(applied, 5);
+  EXPECT_EQ(depth, 5);
+  EXPECT_EQ(r.Set("a.name", "").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(name, "x");
+  EXPECT_EQ(r.Set("a.flag", "true").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ByteSize, ParsesAndFormats) {
+  EXPECT_EQ(*ParseByteSize("4096"), 4096);
+  EXPECT_EQ(*ParseByteSize("64K"), 65536);
+  EXPECT_EQ(*ParseByteSize("1.5GiB"), int64_t{3} << 29);
+  EXPECT_EQ(*ParseByteSize(" 2 mib "), int64_t{2} << 20);
+  EXPECT_FALSE(ParseByteSize("").ok());
+  EXPECT_FALSE(ParseByteSize("1.3B").ok());
+  EXPECT_FALSE(ParseByteSize("-5").ok());
+  EXPECT_EQ(FormatByteSize(int64_t{8} << 30), "8GiB");
+  EXPECT_EQ(FormatByteSize(4097), "4097");
+  EXPECT_EQ(FormatByteSize(0), "0");
+}
+
+}  // namespace
+}  // namespace offload

@@ -1,0 +1,35 @@
+#include "engine/daemon_options.h"
+
+#include <unistd.h>
+
+#include "ipc/paths.h"
+
+namespace offload {
+
+DaemonOptions::DaemonOptions() {
+  server.data_dir = DefaultDataDir();
+  const int64_t pages = sysconf(_SC_PHYS_PAGES);
+  const int64_t page_size = sysconf(_SC_PAGESIZE);
+  memory.host_budget_bytes =
+      pages > 0 && page_size > 0 ? pages * page_size / 2 >> 20 << 20 : int64_t{8} << 30;
+}
+
+void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
+  r->Bind("server.data_dir", &o->server.data_dir,
+          {"path", "directory for the socket and state (created 0700)", false});
+  r->Bind("server.socket", &o->server.socket,
+          {"path", "gRPC Unix socket; empty means <data_dir>/offloadd.sock", false});
+  r->Bind("server.tcp_port", &o->server.tcp_port,
+          {"port", "also serve gRPC on 127.0.0.1:<port>; -1 off, 0 any free port", false,
+           kTcpPortRange});
+  r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
+          {"bytes", "host memory for all sessions (arenas, master weights, moments)", true,
+           kHostBudgetRange});
+  r->Bind("memory.session_arena_bytes", &o->memory.session_arena_bytes,
+          {"bytes", "address space reserved per session arena (new sessions)", true,
+           kSessionArenaRange});
+  BindOptimizerTunables(&o->optimizer, r);
+  BindNvmeTunables(&o->nvme, r);
+}
+
+}  // namespace offload
