@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "engine/version.h"
 #include "proto/convert.h"
 
@@ -45,7 +46,10 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
-grpc::Status PartitionServiceImpl::Finish(const absl::Status& status) {
+template <typename Body>
+grpc::Status PartitionServiceImpl::Serve(Body&& body) {
+  CallScope scope(gate_);
+  absl::Status status = scope.entered() ? body() : ShuttingDown();
   if (!status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
   return ToGrpcStatus(status);
 }
@@ -53,92 +57,80 @@ grpc::Status PartitionServiceImpl::Finish(const absl::Status& status) {
 grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
                                                const v1::OpenSessionRequest* req,
                                                v1::OpenSessionResponse* resp) {
-  CallScope scope(gate_);
-  if (!scope.entered()) return Finish(ShuttingDown());
-  absl::StatusOr<OpenedSession> opened = sessions_->Open(req->name());
-  if (!opened.ok()) return Finish(opened.status());
-  resp->mutable_session()->set_session_id(opened->key.id);
-  resp->mutable_session()->set_token(opened->key.token);
-  resp->set_arena_socket(arena_socket_);
-  resp->set_arena_capacity(opened->arena_capacity);
-  return grpc::Status::OK;
+  return Serve([&]() -> absl::Status {
+    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name()));
+    resp->mutable_session()->set_session_id(opened.key.id);
+    resp->mutable_session()->set_token(opened.key.token);
+    resp->set_arena_socket(arena_socket_);
+    resp->set_arena_capacity(opened.arena_capacity);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext*,
                                                 const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionResponse*) {
-  CallScope scope(gate_);
-  if (!scope.entered()) return Finish(ShuttingDown());
-  return Finish(sessions_->Close(KeyOf(req->session())));
+  return Serve([&] { return sessions_->Close(KeyOf(req->session())); });
 }
 
 grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext*,
                                                      const v1::RegisterPartitionRequest* req,
                                                      v1::RegisterPartitionResponse* resp) {
-  CallScope scope(gate_);
-  if (!scope.entered()) return Finish(ShuttingDown());
-  PartitionSpec spec;
-  spec.name = req->name();
-  spec.numel = req->numel();
-  absl::StatusOr<DType> param = FromProto(req->param_dtype(), "param_dtype");
-  if (!param.ok()) return Finish(param.status());
-  absl::StatusOr<DType> grad = FromProto(req->grad_dtype(), "grad_dtype");
-  if (!grad.ok()) return Finish(grad.status());
-  spec.param_dtype = *param;
-  spec.grad_dtype = *grad;
-  absl::StatusOr<PartitionInfo> info = sessions_->Register(KeyOf(req->session()), spec);
-  if (!info.ok()) return Finish(info.status());
-  ToProto(*info, resp->mutable_location());
-  return grpc::Status::OK;
+  return Serve([&]() -> absl::Status {
+    PartitionSpec spec;
+    spec.name = req->name();
+    spec.numel = req->numel();
+    ASSIGN_OR_RETURN(spec.param_dtype, FromProto(req->param_dtype(), "param_dtype"));
+    ASSIGN_OR_RETURN(spec.grad_dtype, FromProto(req->grad_dtype(), "grad_dtype"));
+    ASSIGN_OR_RETURN(PartitionInfo info, sessions_->Register(KeyOf(req->session()), spec));
+    ToProto(info, resp->mutable_location());
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext*,
                                                const v1::FetchParamsRequest* req,
                                                v1::FetchParamsResponse* resp) {
-  CallScope scope(gate_);
-  if (!scope.entered()) return Finish(ShuttingDown());
-  std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
-  absl::StatusOr<std::vector<PartitionInfo>> infos = sessions_->Fetch(KeyOf(req->session()), ids);
-  if (!infos.ok()) return Finish(infos.status());
-  for (const PartitionInfo& p : *infos) ToProto(p, resp->add_locations());
-  return grpc::Status::OK;
+  return Serve([&]() -> absl::Status {
+    std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
+    ASSIGN_OR_RETURN(std::vector<PartitionInfo> infos,
+                     sessions_->Fetch(KeyOf(req->session()), ids));
+    for (const PartitionInfo& p : infos) ToProto(p, resp->add_locations());
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext*,
                                                    const v1::ReturnGradientsRequest* req,
                                                    v1::ReturnGradientsResponse*) {
-  CallScope scope(gate_);
-  if (!scope.entered()) return Finish(ShuttingDown());
-  absl::StatusOr<DType> grad = FromProto(req->grad_dtype(), "grad_dtype");
-  if (!grad.ok()) return Finish(grad.status());
-  return Finish(sessions_->ReturnGradients(KeyOf(req->session()), req->partition_id(),
-                                           req->numel(), *grad));
+  return Serve([&]() -> absl::Status {
+    ASSIGN_OR_RETURN(DType grad, FromProto(req->grad_dtype(), "grad_dtype"));
+    return sessions_->ReturnGradients(KeyOf(req->session()), req->partition_id(), req->numel(),
+                                      grad);
+  });
 }
 
 grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequest* req,
                                         v1::StepResponse* resp) {
-  CallScope scope(gate_);
-  if (!scope.entered()) return Finish(ShuttingDown());
-  if (!req->has_hyperparams()) {
-    return Finish(absl::InvalidArgumentError("Step needs hyperparams"));
-  }
-  const v1::AdamHyperparams& p = req->hyperparams();
-  AdamHyperparams h;
-  h.lr = p.lr();
-  h.beta1 = p.beta1();
-  h.beta2 = p.beta2();
-  h.eps = p.eps();
-  h.weight_decay = p.weight_decay();
-  h.decoupled_weight_decay = p.decoupled_weight_decay();
-  h.bias_correction = p.bias_correction();
-  if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
-  absl::StatusOr<StepSummary> summary = sessions_->Step(KeyOf(req->session()), h);
-  if (!summary.ok()) return Finish(summary.status());
-  resp->set_partitions_updated(summary->partitions_updated);
-  resp->set_params_updated(summary->params_updated);
-  resp->set_skipped(summary->skipped);
-  resp->set_nonfinite_gradients(summary->nonfinite);
-  return grpc::Status::OK;
+  return Serve([&]() -> absl::Status {
+    if (!req->has_hyperparams()) return absl::InvalidArgumentError("Step needs hyperparams");
+    const v1::AdamHyperparams& p = req->hyperparams();
+    AdamHyperparams h;
+    h.lr = p.lr();
+    h.beta1 = p.beta1();
+    h.beta2 = p.beta2();
+    h.eps = p.eps();
+    h.weight_decay = p.weight_decay();
+    h.decoupled_weight_decay = p.decoupled_weight_decay();
+    h.bias_correction = p.bias_correction();
+    if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
+    ASSIGN_OR_RETURN(StepSummary summary, sessions_->Step(KeyOf(req->session()), h));
+    resp->set_partitions_updated(summary.partitions_updated);
+    resp->set_params_updated(summary.params_updated);
+    resp->set_skipped(summary.skipped);
+    resp->set_nonfinite_gradients(summary.nonfinite);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status ConfigServiceImpl::ListTunables(grpc::ServerContext*, const v1::ListTunablesRequest*,

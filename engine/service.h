@@ -47,7 +47,10 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
 
  private:
-  grpc::Status Finish(const absl::Status& status);
+  // Every method's prologue and epilogue: enters the call gate (UNAVAILABLE
+  // once shutting down), runs `body`, counts a failure, converts the status.
+  template <typename Body>
+  grpc::Status Serve(Body&& body);
 
   SessionManager* const sessions_;
   Stats* const stats_;
