@@ -9,6 +9,8 @@
 #include <fstream>
 
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
 #include "grpcpp/grpcpp.h"
@@ -438,6 +440,23 @@ TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
   EXPECT_EQ(bad->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(bad->output, "/nonexistent/nvme0")) << bad->output;
   EXPECT_TRUE(absl::StrContains(bad->output, "nvme.dirs")) << bad->output;
+}
+
+TEST(DaemonStartup, AFailedStartIsReportedAtOnceWithTheLog) {
+  // Start() watches the daemon's pidfd: a daemon that exits is reported when
+  // it exits, not when the wait would time out.
+  const absl::Time begin = absl::Now();
+  auto d = DaemonProcess::Start({"--nvme.dirs=/nonexistent/nvme0"});
+  EXPECT_LT(absl::Now() - begin, ::offload::testing::kWaitLimit / 2);
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "exited with 1")) << d.status();
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "/nonexistent/nvme0")) << d.status();
+}
+
+TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
+  absl::Status s = daemon_->WaitForLog("a line offloadd never writes", absl::Milliseconds(50));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(daemon_->WaitForLog("serving gRPC on unix:", absl::Milliseconds(50)).ok());
 }
 
 TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
