@@ -173,6 +173,28 @@ absl::Status WaitUntilServing(int pidfd, const std::string& log_path,
   return absl::OkStatus();
 }
 
+absl::Status PollWithBackoff(const std::function<bool()>& condition, int pidfd,
+                             absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Duration backoff = absl::Milliseconds(1);
+  for (;;) {
+    if (condition()) return absl::OkStatus();
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the condition did not hold within ", absl::FormatDuration(timeout)));
+    }
+    pollfd fd = {pidfd, POLLIN, 0};
+    const int n = poll(&fd, 1, MillisecondsUntil(std::min(deadline, now + backoff)));
+    if (n < 0 && errno != EINTR) return PosixError("poll", errno);
+    if (n > 0) {
+      if (condition()) return absl::OkStatus();
+      return absl::AbortedError("the process exited before the condition held");
+    }
+    backoff = std::min(2 * backoff, absl::Milliseconds(64));
+  }
+}
+
 absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
     const std::vector<std::string>& flags, const std::string& binary) {
   char dir[] = "/tmp/offloadd_test.XXXXXX";

@@ -1,14 +1,15 @@
 // Test helper: runs a real offloadd binary as a child process in a fresh
 // temporary directory, waits until it serves, and stops it with SIGTERM.
 //
-// Nothing here sleeps to wait: waits block on inotify (for files the daemon
-// writes) and on pidfds (for processes exiting), under an overall deadline
-// so that a test never hangs.
+// Waits block on inotify (for files the daemon writes) and on pidfds (for
+// processes exiting), under an overall deadline so that a test never hangs.
+// PollWithBackoff is the one exception, for what only polling can observe.
 #ifndef OFFLOADD_TESTS_DAEMON_PROCESS_H_
 #define OFFLOADD_TESTS_DAEMON_PROCESS_H_
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +72,15 @@ absl::Status WaitForLogText(int pidfd, const std::string& log_path, absl::string
 // has finished starting and accepts connections on `socket_path`.
 absl::Status WaitUntilServing(int pidfd, const std::string& log_path,
                               const std::string& socket_path, absl::Duration timeout = kWaitLimit);
+
+// For a condition that no event announces (only polling can observe it):
+// evaluates `condition` with exponential backoff (1 ms doubling to 64 ms)
+// until it holds. The backoff waits in poll() on `pidfd`, so that if the
+// process behind it exits first this returns ABORTED at once (pidfd -1
+// watches nothing); DEADLINE_EXCEEDED after `timeout`. Callers must say in a
+// comment why no event exists.
+absl::Status PollWithBackoff(const std::function<bool()>& condition, int pidfd,
+                             absl::Duration timeout = kWaitLimit);
 
 // Runs `argv` to completion, returning its exit status and its stdout and
 // stderr together.

@@ -7,8 +7,10 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
@@ -223,22 +225,38 @@ TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
        "--steps=1000000"},
       daemon_->data_dir() + "/trainer.log");
   ASSERT_TRUE(pid.ok()) << pid.status();
-  // Wait (bounded) until the trainer is stepping.
+  auto trainer = ::offload::testing::OpenPidFd(*pid);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  // Wait until the trainer is stepping. Only polling can tell: offloadd logs
+  // no steps and GetStats is a unary call, and the demo prints its losses
+  // only when it finishes. The backoff waits on the trainer's pidfd, so a
+  // trainer that fails is reported when it exits, with its output.
   auto stepping = [&] {
     for (const auto& s : Stats().sessions) {
       if (s.name == "offload_demo" && s.steps > 0) return true;
     }
     return false;
   };
-  for (int i = 0; i < 2000 && !stepping(); ++i) usleep(5000);
+  absl::Status stepped = ::offload::testing::PollWithBackoff(stepping, trainer->get());
+  if (!stepped.ok()) {
+    kill(*pid, SIGKILL);
+    waitpid(*pid, nullptr, 0);
+    std::ifstream log(daemon_->data_dir() + "/trainer.log");
+    std::stringstream output;
+    output << log.rdbuf();
+    FAIL() << "the trainer never stepped: " << stepped << "; its output:\n" << output.str();
+  }
   ASSERT_TRUE(stepping()) << "the trainer never stepped";
   EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
 
   ASSERT_EQ(kill(*pid, SIGKILL), 0);
   ASSERT_EQ(waitpid(*pid, nullptr, 0), *pid);
-  // The daemon notices the dropped connection and frees the session.
+  // The daemon notices the dropped connection and frees the session: its
+  // arena channel sees the hangup, closes the session, then logs this line.
+  absl::Status noticed =
+      daemon_->WaitForLog(absl::StrCat("(pid ", *pid, ") went away without closing it"));
+  ASSERT_TRUE(noticed.ok()) << noticed;
   auto gone = [&] { return Stats().sessions.size() == 1; };
-  for (int i = 0; i < 2000 && !gone(); ++i) usleep(5000);
   ASSERT_TRUE(gone());
   EXPECT_EQ(Stats().sessions[0].name, "survivor");
   EXPECT_EQ(Stats().tiers[0].used_bytes, survivor_bytes);
