@@ -442,6 +442,9 @@ TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*c)->SetTunable("nvme.rings", "4").status().code(),
             absl::StatusCode::kFailedPrecondition);
+  // offloadd describes its tiers in the log after it starts serving.
+  absl::Status described = (*d)->WaitForLog("tier nvme: ");
+  EXPECT_TRUE(described.ok()) << described;
   std::string log = (*d)->ReadLog();
   EXPECT_TRUE(absl::StrContains(log, "tier nvme: 128MiB preallocated")) << log;
   EXPECT_TRUE(absl::StrContains(log, "io_uring backend")) << log;
