@@ -69,7 +69,10 @@ absl::Status WaitForLogText(int pidfd, const std::string& log_path, absl::string
                             absl::Duration timeout = kWaitLimit);
 
 // Waits until the offloadd process behind `pidfd`, logging to `log_path`,
-// has finished starting and accepts connections on `socket_path`.
+// has returned from Daemon::Start (it then logs "serving gRPC on
+// unix:SOCKET") and accepts connections on `socket_path`. The rest of its
+// start-up description (tiers, optimizer) may still be on its way to the
+// log: a test that checks those lines waits for them with WaitForLogText.
 absl::Status WaitUntilServing(int pidfd, const std::string& log_path,
                               const std::string& socket_path, absl::Duration timeout = kWaitLimit);
 
