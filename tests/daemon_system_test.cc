@@ -7,8 +7,12 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
 #include "grpcpp/grpcpp.h"
@@ -221,22 +225,38 @@ TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
        "--steps=1000000"},
       daemon_->data_dir() + "/trainer.log");
   ASSERT_TRUE(pid.ok()) << pid.status();
-  // Wait (bounded) until the trainer is stepping.
+  auto trainer = ::offload::testing::OpenPidFd(*pid);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  // Wait until the trainer is stepping. Only polling can tell: offloadd logs
+  // no steps and GetStats is a unary call, and the demo prints its losses
+  // only when it finishes. The backoff waits on the trainer's pidfd, so a
+  // trainer that fails is reported when it exits, with its output.
   auto stepping = [&] {
     for (const auto& s : Stats().sessions) {
       if (s.name == "offload_demo" && s.steps > 0) return true;
     }
     return false;
   };
-  for (int i = 0; i < 2000 && !stepping(); ++i) usleep(5000);
+  absl::Status stepped = ::offload::testing::PollWithBackoff(stepping, trainer->get());
+  if (!stepped.ok()) {
+    kill(*pid, SIGKILL);
+    waitpid(*pid, nullptr, 0);
+    std::ifstream log(daemon_->data_dir() + "/trainer.log");
+    std::stringstream output;
+    output << log.rdbuf();
+    FAIL() << "the trainer never stepped: " << stepped << "; its output:\n" << output.str();
+  }
   ASSERT_TRUE(stepping()) << "the trainer never stepped";
   EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
 
   ASSERT_EQ(kill(*pid, SIGKILL), 0);
   ASSERT_EQ(waitpid(*pid, nullptr, 0), *pid);
-  // The daemon notices the dropped connection and frees the session.
+  // The daemon notices the dropped connection and frees the session: its
+  // arena channel sees the hangup, closes the session, then logs this line.
+  absl::Status noticed =
+      daemon_->WaitForLog(absl::StrCat("(pid ", *pid, ") went away without closing it"));
+  ASSERT_TRUE(noticed.ok()) << noticed;
   auto gone = [&] { return Stats().sessions.size() == 1; };
-  for (int i = 0; i < 2000 && !gone(); ++i) usleep(5000);
   ASSERT_TRUE(gone());
   EXPECT_EQ(Stats().sessions[0].name, "survivor");
   EXPECT_EQ(Stats().tiers[0].used_bytes, survivor_bytes);
@@ -422,6 +442,9 @@ TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*c)->SetTunable("nvme.rings", "4").status().code(),
             absl::StatusCode::kFailedPrecondition);
+  // offloadd describes its tiers in the log after it starts serving.
+  absl::Status described = (*d)->WaitForLog("tier nvme: ");
+  EXPECT_TRUE(described.ok()) << described;
   std::string log = (*d)->ReadLog();
   EXPECT_TRUE(absl::StrContains(log, "tier nvme: 128MiB preallocated")) << log;
   EXPECT_TRUE(absl::StrContains(log, "io_uring backend")) << log;
@@ -438,6 +461,23 @@ TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
   EXPECT_EQ(bad->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(bad->output, "/nonexistent/nvme0")) << bad->output;
   EXPECT_TRUE(absl::StrContains(bad->output, "nvme.dirs")) << bad->output;
+}
+
+TEST(DaemonStartup, AFailedStartIsReportedAtOnceWithTheLog) {
+  // Start() watches the daemon's pidfd: a daemon that exits is reported when
+  // it exits, not when the wait would time out.
+  const absl::Time begin = absl::Now();
+  auto d = DaemonProcess::Start({"--nvme.dirs=/nonexistent/nvme0"});
+  EXPECT_LT(absl::Now() - begin, ::offload::testing::kWaitLimit / 2);
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "exited with 1")) << d.status();
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "/nonexistent/nvme0")) << d.status();
+}
+
+TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
+  absl::Status s = daemon_->WaitForLog("a line offloadd never writes", absl::Milliseconds(50));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(daemon_->WaitForLog("serving gRPC on unix:", absl::Milliseconds(50)).ok());
 }
 
 TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {

@@ -9,7 +9,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 engine/offloadd --server.data_dir="$dir" >"$dir/log" 2>&1 &
 daemon_pid=$!
-for _ in $(seq 1 2000); do [[ -S $dir/offloadd.sock ]] && break; sleep 0.01; done
+tests/wait_for_daemon "$daemon_pid" "$dir/log" "$dir/offloadd.sock" || fail "offloadd did not start"
 export OFFLOADD_ADDRESS="unix:$dir/offloadd.sock"
 ctl=client/offloadctl
 
