@@ -14,7 +14,7 @@
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "ipc/arena_protocol.h"
-#include "ipc/fd_passing.h"
+#include "ipc/unix_socket.h"
 
 namespace offload {
 namespace {

@@ -13,8 +13,8 @@
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
-#include "ipc/fd_passing.h"
 #include "ipc/paths.h"
+#include "ipc/unix_socket.h"
 #include "nvme/io_backend_factory.h"
 
 namespace offload {

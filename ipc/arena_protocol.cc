@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
-#include "ipc/fd_passing.h"
+#include "ipc/unix_socket.h"
 
 namespace offload {
 

@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
-#include "ipc/fd_passing.h"
+#include "ipc/unix_socket.h"
 
 extern char** environ;
 

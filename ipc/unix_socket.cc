@@ -1,4 +1,4 @@
-#include "ipc/fd_passing.h"
+#include "ipc/unix_socket.h"
 
 #include <sys/stat.h>
 #include <sys/un.h>
