@@ -1,10 +1,11 @@
 // Unix-socket helpers shared by the daemon and the client library: sending
 // and receiving one file descriptor with a small payload (SCM_RIGHTS), and
-// reading the peer's credentials (SO_PEERCRED).
+// reading the peer's credentials (SO_PEERCRED), claiming a socket path,
+// listening and connecting.
 //
 // All functions are blocking and thread-compatible; `sock` is borrowed.
-#ifndef OFFLOADD_IPC_FD_PASSING_H_
-#define OFFLOADD_IPC_FD_PASSING_H_
+#ifndef OFFLOADD_IPC_UNIX_SOCKET_H_
+#define OFFLOADD_IPC_UNIX_SOCKET_H_
 
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -47,4 +48,4 @@ bool UnixSocketIsLive(const std::string& path);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_IPC_FD_PASSING_H_
+#endif  // OFFLOADD_IPC_UNIX_SOCKET_H_
