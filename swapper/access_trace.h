@@ -1,0 +1,68 @@
+// The order in which blocks are used in one iteration, learned from what
+// happens, and what it predicts: which blocks come next (prefetch) and how
+// far away each block's next use is (eviction: Belady's choice, the block
+// needed farthest in the future, is optimal when the future is known).
+//
+// ZeRO-3 fetches the same partitions in the same order every iteration
+// (forward in layer order, backward in reverse). An iteration is what
+// happens between two EndIteration() calls (the optimizer step marks it).
+//
+//   1. Every use is recorded into the current iteration's recording.
+//   2. With a learned trace, each use is matched against it: the expected
+//      one advances the position; anything else means the order changed, and
+//      predictions stop for the rest of the iteration (callers fall back to
+//      LRU).
+//   3. At EndIteration, a recording that differs from the trace replaces it
+//      (the first iteration learns, a changed order is re-learned); the
+//      position goes back to the start.
+//
+// Thread-compatible: the owner (the swapper) serialises calls.
+#ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
+#define OFFLOADD_SWAPPER_ACCESS_TRACE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+
+namespace offload {
+
+class AccessTrace {
+ public:
+  static constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+  void RecordUse(uint64_t id);
+  void EndIteration();
+
+  // Whether predictions are available: a trace is learned and this
+  // iteration has followed it so far.
+  bool on_trace() const { return !trace_.empty() && matched_; }
+
+  // Uses from now until `id` is used next by the trace (0: it is the next
+  // use), wrapping into the next iteration; kNever if the trace never uses
+  // it or there are no predictions.
+  uint64_t NextUse(uint64_t id) const;
+
+  // The uses predicted next, in order, wrapping into the next iteration,
+  // at most `max_uses` of them (ids may repeat). Empty without predictions.
+  std::vector<uint64_t> Upcoming(size_t max_uses) const;
+
+  // How many times a learned order was replaced by a different one.
+  uint64_t relearned() const { return relearned_; }
+  size_t trace_length() const { return trace_.size(); }
+
+ private:
+  std::vector<uint64_t> trace_;
+  // id -> its positions in trace_, ascending.
+  absl::flat_hash_map<uint64_t, std::vector<size_t>> positions_;
+  std::vector<uint64_t> recording_;
+  size_t pos_ = 0;
+  bool matched_ = true;
+  uint64_t relearned_ = 0;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_SWAPPER_ACCESS_TRACE_H_

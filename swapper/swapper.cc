@@ -1,0 +1,562 @@
+#include "swapper/swapper.h"
+
+#include <chrono>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "base/status_macros.h"
+
+namespace offload {
+namespace {
+
+uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - start)
+                                   .count());
+}
+
+}  // namespace
+
+const char* TierName(Tier tier) { return tier == Tier::kHost ? "host" : "nvme"; }
+
+const char* BlockStateName(BlockState state) {
+  switch (state) {
+    case BlockState::kResident:
+      return "resident";
+    case BlockState::kWritingOut:
+      return "writing out";
+    case BlockState::kOnNvme:
+      return "on nvme";
+    case BlockState::kReadingIn:
+      return "reading in";
+  }
+  return "?";
+}
+
+struct Swapper::Block {
+  BlockId id = 0;
+  uint64_t bytes = 0;
+  uint64_t trace = 0;
+  Tier home = Tier::kHost;
+  BlockState state = BlockState::kOnNvme;
+  int pins = 0;
+  int waiters = 0;  // Acquires inside the swapper for this block
+  PoolMemory host;  // in every state but kOnNvme
+  uint64_t extent = 0;  // the NVMe copy; 0: none (the block is zeros)
+  bool nvme_current = false;  // the NVMe copy equals the host bytes
+  uint64_t version = 0;       // bumped by every write pin
+  uint64_t last_use = 0;
+  bool prefetched = false;    // brought in by prefetch, not acquired since
+  bool move_queued = false;
+  bool removed = false;
+  uint64_t failed_reads = 0;
+  absl::Status read_error;
+};
+
+Swapper::Pin& Swapper::Pin::operator=(Pin&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    swapper_ = std::exchange(other.swapper_, nullptr);
+    id_ = other.id_;
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+void Swapper::Pin::Reset() {
+  if (swapper_ != nullptr) swapper_->ReleasePin(id_);
+  swapper_ = nullptr;
+  data_ = nullptr;
+  size_ = 0;
+}
+
+absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& options,
+                                                         HostPool* pool, SwapSpace* space) {
+  RETURN_IF_ERROR(kPrefetchDepthRange.Check("swapper.prefetch_depth", options.prefetch_depth));
+  RETURN_IF_ERROR(kPrefetchBytesRange.Check("swapper.prefetch_bytes", options.prefetch_bytes));
+  RETURN_IF_ERROR(kSwapperIoThreadsRange.Check("swapper.io_threads", options.io_threads));
+  std::unique_ptr<Swapper> s(new Swapper(options, pool, space));
+  for (int64_t i = 0; i < options.io_threads; ++i) {
+    s->io_threads_.emplace_back([raw = s.get()] { raw->IoThread(); });
+  }
+  s->mover_ = std::thread([raw = s.get()] { raw->MoverThread(); });
+  return s;
+}
+
+Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space)
+    : pool_(pool), space_(space), prefetch_depth_(options.prefetch_depth),
+      prefetch_bytes_(options.prefetch_bytes) {}
+
+Swapper::~Swapper() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    changed_.SignalAll();
+  }
+  mover_.join();
+  for (std::thread& t : io_threads_) t.join();
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, b] : blocks_) {
+    if (b->extent != 0) space_->Free(b->extent).IgnoreError();
+  }
+  blocks_.clear();
+}
+
+Swapper::Block* Swapper::FindLocked(BlockId id) const {
+  auto it = blocks_.find(id);
+  return it == blocks_.end() || it->second->removed ? nullptr : it->second.get();
+}
+
+bool Swapper::BusyLocked(const Block& b) const {
+  return b.pins > 0 || b.waiters > 0 || b.state == BlockState::kReadingIn ||
+         b.state == BlockState::kWritingOut;
+}
+
+void Swapper::EraseIfDoneLocked(Block* b) {
+  if (!b->removed || BusyLocked(*b)) return;
+  if (b->extent != 0) space_->Free(b->extent).IgnoreError();
+  blocks_.erase(b->id);
+  changed_.SignalAll();
+}
+
+absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace) {
+  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
+  if (home == Tier::kNvme && space_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", id, " cannot rest on NVMe: no NVMe tier (set nvme.dirs)"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (blocks_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
+  }
+  auto b = std::make_unique<Block>();
+  b->id = id;
+  b->bytes = bytes;
+  b->trace = trace;
+  b->home = home;
+  if (home == Tier::kHost) {
+    RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
+    ASSIGN_OR_RETURN(b->host, pool_->Allocate(bytes, absl::StrCat("block ", id)));
+    b->state = BlockState::kResident;
+  }
+  traces_.try_emplace(trace);
+  blocks_[id] = std::move(b);
+  return absl::OkStatus();
+}
+
+void Swapper::Remove(BlockId id) {
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return;
+  b->removed = true;
+  EraseIfDoneLocked(b);
+}
+
+absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  ++stats_.acquires;
+  traces_[b->trace].RecordUse(id);
+  b->last_use = ++clock_;
+  ++b->waiters;
+  bool counted = false;
+  absl::Status status;
+  for (;;) {
+    if (b->removed) {
+      status = absl::NotFoundError(absl::StrCat("block ", id, " was removed"));
+      break;
+    }
+    if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) {
+      if (!counted) ++stats_.hits;
+      break;
+    }
+    if (b->state == BlockState::kReadingIn) {
+      if (!counted) ++stats_.waited_reads;
+      counted = true;
+      const uint64_t failures = b->failed_reads;
+      while (b->state == BlockState::kReadingIn) changed_.Wait(&mu_);
+      if (b->failed_reads != failures) {
+        status = b->read_error;
+        break;
+      }
+      continue;
+    }
+    // kOnNvme.
+    if (!counted) ++stats_.misses;
+    counted = true;
+    if (!pool_->Fits(b->bytes)) {
+      status = MakeRoomLocked(b->bytes, /*restricted=*/false, 0);
+      if (!status.ok()) break;
+      continue;  // the lock may have been released: look again
+    }
+    status = StartReadLocked(b);
+    if (!status.ok()) break;
+  }
+  --b->waiters;
+  if (!status.ok()) {
+    EraseIfDoneLocked(b);
+    return status;
+  }
+  ++b->pins;
+  if (b->prefetched) {
+    b->prefetched = false;
+    ++stats_.prefetch_used;
+  }
+  if (for_write) {
+    ++b->version;
+    b->nvme_current = false;
+  }
+  SchedulePrefetchLocked(b->trace);
+  return Pin(this, id, b->host.data(), b->bytes);
+}
+
+void Swapper::ReleasePin(BlockId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = blocks_.find(id);
+  if (it == blocks_.end()) return;
+  Block* b = it->second.get();
+  --b->pins;
+  EraseIfDoneLocked(b);
+  changed_.SignalAll();
+}
+
+void Swapper::EndIteration(uint64_t trace) {
+  absl::MutexLock lock(&mu_);
+  AccessTrace& t = traces_[trace];
+  const uint64_t before = t.relearned();
+  t.EndIteration();
+  stats_.relearned += t.relearned() - before;
+  SchedulePrefetchLocked(trace);
+}
+
+absl::Status Swapper::SetHome(BlockId id, Tier home) {
+  if (home == Tier::kNvme && space_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", id, " cannot rest on NVMe: no NVMe tier (set nvme.dirs)"));
+  }
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  b->home = home;
+  if (home == Tier::kHost && b->state == BlockState::kOnNvme && !b->move_queued) {
+    b->move_queued = true;
+    moves_.push_back({id, MoveKind::kToHost});
+    changed_.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+void Swapper::SetPrefetch(int64_t depth, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  prefetch_depth_ = depth;
+  prefetch_bytes_ = bytes;
+}
+
+absl::StatusOr<BlockState> Swapper::State(BlockId id) const {
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  return b->state;
+}
+
+absl::StatusOr<Tier> Swapper::Home(BlockId id) const {
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  return b->home;
+}
+
+SwapperStats Swapper::Stats() const {
+  absl::MutexLock lock(&mu_);
+  SwapperStats s = stats_;
+  s.blocks = 0;
+  for (const auto& [id, b] : blocks_) {
+    if (b->removed) continue;
+    ++s.blocks;
+    if (b->state != BlockState::kOnNvme) s.resident_bytes += b->bytes;
+    if (b->pins > 0) s.pinned_bytes += b->bytes;
+    if (b->prefetched) ++s.prefetch_pending;
+    (b->home == Tier::kHost ? s.host_home_bytes : s.nvme_home_bytes) += b->bytes;
+  }
+  s.io_queue = io_queue_.size() + io_running_;
+  return s;
+}
+
+void Swapper::WaitIdle() {
+  absl::MutexLock lock(&mu_);
+  while (!moves_.empty() || mover_busy_ || !io_queue_.empty() || io_running_ > 0) {
+    changed_.Wait(&mu_);
+  }
+}
+
+void Swapper::SetIoHookForTesting(std::function<void(BlockId, bool)> hook) {
+  absl::MutexLock lock(&mu_);
+  io_hook_ = std::move(hook);
+}
+
+uint64_t Swapper::NextUseLocked(const Block& b) const {
+  auto it = traces_.find(b.trace);
+  return it == traces_.end() ? AccessTrace::kNever : it->second.NextUse(b.id);
+}
+
+Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_than,
+                                            const absl::flat_hash_set<BlockId>& tried) const {
+  Block* best = nullptr;
+  std::tuple<uint64_t, uint64_t> best_key{0, 0};
+  for (const auto& [id, b] : blocks_) {
+    if (b->removed || b->pins > 0 || b->waiters > 0 || b->state != BlockState::kResident ||
+        b->home != Tier::kNvme || tried.contains(id)) {
+      continue;
+    }
+    const uint64_t next = NextUseLocked(*b);
+    if (restricted && next <= farther_than) continue;
+    // Farthest next use first; among equals (never used again, or no trace
+    // followed), least recently used first.
+    std::tuple<uint64_t, uint64_t> key{next, ~b->last_use};
+    if (best == nullptr || key > best_key) {
+      best = b.get();
+      best_key = key;
+    }
+  }
+  return best;
+}
+
+absl::Status Swapper::RoomError(uint64_t bytes) const {
+  uint64_t pinned = 0, host_homed = 0;
+  for (const auto& [id, b] : blocks_) {
+    if (b->state == BlockState::kOnNvme || b->removed) continue;
+    if (b->pins > 0 || b->waiters > 0) pinned += b->bytes;
+    if (b->home == Tier::kHost) host_homed += b->bytes;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "host pool cannot hold ", bytes, " more bytes: ", pool_->used(), " of ", pool_->limit(),
+      " in use, ", pinned, " held by callers, ", host_homed,
+      " placed on the host; nothing left to evict (raise memory.host_budget_bytes, hold fewer "
+      "partitions at once, or place more state on NVMe)"));
+}
+
+absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than) {
+  const uint64_t charge = HostPool::Charge(bytes);
+  const uint64_t failed_writes = failed_writes_;
+  absl::flat_hash_set<BlockId> tried;
+  while (!pool_->Fits(bytes)) {
+    if (charge > pool_->limit()) return RoomError(bytes);
+    // Enough is already being written out: wait for it.
+    const uint64_t after = pool_->used() - freeing_bytes_;
+    if (after <= pool_->limit() - charge) {
+      changed_.Wait(&mu_);
+      continue;
+    }
+    if (Block* victim = ChooseVictimLocked(restricted, farther_than, tried)) {
+      tried.insert(victim->id);
+      EvictLocked(victim);
+      continue;
+    }
+    if (writes_in_flight_ > 0 || reads_in_flight_ > 0) {
+      changed_.Wait(&mu_);
+      continue;
+    }
+    if (restricted) return absl::UnavailableError("no block is needed later than this one");
+    if (failed_writes_ != failed_writes) {
+      return absl::Status(last_write_error_.code(),
+                          absl::StrCat("making room for ", bytes, " bytes in the host pool: ",
+                                       last_write_error_.message()));
+    }
+    return RoomError(bytes);
+  }
+  return absl::OkStatus();
+}
+
+void Swapper::EvictLocked(Block* b) {
+  if (b->prefetched) {
+    b->prefetched = false;
+    ++stats_.prefetch_wasted;
+  }
+  if (b->nvme_current && b->extent != 0) {
+    b->host.Reset();  // the NVMe copy is current: no write needed
+    b->state = BlockState::kOnNvme;
+    ++stats_.clean_drops;
+    changed_.SignalAll();
+    return;
+  }
+  b->state = BlockState::kWritingOut;
+  freeing_bytes_ += b->host.charged();
+  ++writes_in_flight_;
+  QueueIoLocked([this, id = b->id] { RunIo(id, /*is_write=*/true); });
+}
+
+absl::Status Swapper::StartReadLocked(Block* b) {
+  ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, absl::StrCat("block ", b->id)));
+  if (b->extent == 0) {
+    // Never written out: zeros, which a fresh lease already is.
+    b->state = BlockState::kResident;
+    ++stats_.zero_fills;
+    changed_.SignalAll();
+    return absl::OkStatus();
+  }
+  b->state = BlockState::kReadingIn;
+  ++reads_in_flight_;
+  QueueIoLocked([this, id = b->id] { RunIo(id, /*is_write=*/false); });
+  return absl::OkStatus();
+}
+
+void Swapper::SchedulePrefetchLocked(uint64_t trace) {
+  if (prefetch_depth_ <= 0 || space_ == nullptr) return;
+  const AccessTrace& t = traces_[trace];
+  if (!t.on_trace()) return;
+  uint64_t bytes = 0;
+  for (BlockId id : t.Upcoming(static_cast<size_t>(prefetch_depth_))) {
+    Block* b = FindLocked(id);
+    if (b == nullptr) continue;
+    bytes += b->bytes;
+    if (bytes > static_cast<uint64_t>(prefetch_bytes_)) break;
+    if (b->state != BlockState::kOnNvme || b->move_queued) continue;
+    b->move_queued = true;
+    moves_.push_back({id, MoveKind::kPrefetch});
+  }
+  changed_.SignalAll();
+}
+
+void Swapper::QueueIoLocked(std::function<void()> task) {
+  io_queue_.push_back(std::move(task));
+  changed_.SignalAll();
+}
+
+void Swapper::RunIo(BlockId id, bool is_write) {
+  std::byte* data;
+  uint64_t bytes, extent, version;
+  std::function<void(BlockId, bool)> hook;
+  {
+    absl::MutexLock lock(&mu_);
+    Block* b = blocks_.at(id).get();  // in flight: never erased meanwhile
+    data = b->host.data();
+    bytes = b->bytes;
+    extent = b->extent;
+    version = b->version;
+    hook = io_hook_;
+  }
+  if (hook) hook(id, is_write);
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status;
+  uint64_t new_extent = extent;
+  if (is_write) {
+    // Copy-on-write: a failed rewrite leaves the older copy intact.
+    if (extent != 0) {
+      status = space_->Rewrite(extent, data, bytes);
+    } else {
+      absl::StatusOr<uint64_t> written = space_->Write(data, bytes);
+      status = written.status();
+      if (written.ok()) new_extent = *written;
+    }
+  } else {
+    status = space_->Read(extent, data);
+  }
+  const uint64_t nanos = NanosSince(start);
+
+  absl::MutexLock lock(&mu_);
+  Block* b = blocks_.at(id).get();
+  if (is_write) {
+    --writes_in_flight_;
+    freeing_bytes_ -= b->host.charged();
+    stats_.write_nanos += nanos;
+    if (status.ok()) {
+      ++stats_.swap_outs;
+      stats_.bytes_out += bytes;
+      b->extent = new_extent;
+      b->nvme_current = b->version == version;
+      const bool still_evictable = b->pins == 0 && b->waiters == 0 && b->nvme_current &&
+                                   b->home == Tier::kNvme;
+      if (still_evictable || b->removed) {
+        b->host.Reset();
+        b->state = BlockState::kOnNvme;
+      } else {
+        b->state = BlockState::kResident;  // pinned meanwhile: stays
+      }
+    } else {
+      ++stats_.io_errors;
+      ++failed_writes_;
+      last_write_error_ = absl::Status(
+          status.code(), absl::StrCat("writing block ", id, " out: ", status.message()));
+      b->state = BlockState::kResident;
+      LogWarning("swapper: writing block %d out failed, it stays in host memory: %s",
+                 static_cast<int64_t>(id), status.ToString());
+    }
+  } else {
+    --reads_in_flight_;
+    stats_.read_nanos += nanos;
+    if (status.ok()) {
+      ++stats_.swap_ins;
+      stats_.bytes_in += bytes;
+      b->state = BlockState::kResident;
+      b->nvme_current = true;
+    } else {
+      ++stats_.io_errors;
+      b->host.Reset();
+      b->state = BlockState::kOnNvme;
+      b->prefetched = false;
+      b->read_error = absl::Status(
+          status.code(), absl::StrCat("swapping in block ", id, ": ", status.message()));
+      ++b->failed_reads;
+    }
+  }
+  --io_running_;
+  changed_.SignalAll();
+  EraseIfDoneLocked(b);
+}
+
+void Swapper::IoThread() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    while (io_queue_.empty() && !stopping_) changed_.Wait(&mu_);
+    if (io_queue_.empty()) return;  // stopping, and nothing left to do
+    std::function<void()> task = std::move(io_queue_.front());
+    io_queue_.pop_front();
+    ++io_running_;
+    mu_.Unlock();
+    task();  // decrements io_running_ under the lock
+    mu_.Lock();
+  }
+}
+
+void Swapper::MoverThread() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    while (moves_.empty() && !stopping_) changed_.Wait(&mu_);
+    if (stopping_) return;
+    const Move move = moves_.front();
+    moves_.pop_front();
+    Block* b = FindLocked(move.id);
+    if (b == nullptr) continue;
+    b->move_queued = false;
+    if (b->state != BlockState::kOnNvme) continue;
+    mover_busy_ = true;
+    ++b->waiters;  // keeps it from being erased while room is made
+    absl::Status status;
+    if (move.kind == MoveKind::kPrefetch) {
+      status = MakeRoomLocked(b->bytes, /*restricted=*/true, NextUseLocked(*b));
+    } else {
+      status = MakeRoomLocked(b->bytes, /*restricted=*/false, 0);
+    }
+    --b->waiters;
+    if (status.ok() && b->state == BlockState::kOnNvme && !b->removed &&
+        pool_->Fits(b->bytes)) {
+      status = StartReadLocked(b);
+      if (status.ok() && move.kind == MoveKind::kPrefetch) {
+        b->prefetched = true;
+        ++stats_.prefetches;
+      }
+    }
+    if (!status.ok() && move.kind == MoveKind::kToHost) {
+      LogWarning("swapper: moving block %d to host memory: %s", static_cast<int64_t>(b->id),
+                 status.ToString());
+    }
+    mover_busy_ = false;
+    EraseIfDoneLocked(b);
+    changed_.SignalAll();
+  }
+}
+
+}  // namespace offload

@@ -1,0 +1,243 @@
+// The swapper: moves blocks of bytes between the node's host pool and the
+// NVMe tier, prefetches along the learned access order, and evicts by
+// Belady's choice. It knows nothing of sessions or partitions: the partition
+// store names blocks by id, says where each rests (its home tier) and which
+// access trace its uses belong to (an opaque id; the store passes the
+// session). It owns its I/O threads; the host memory comes from the pool
+// (host_pool.h), which bounds it.
+//
+// Placement: a block homed on the host is always resident and never
+// evicted. A block homed on NVMe rests there and is cached in the pool while
+// in use: brought in when acquired (or prefetched), written out when room is
+// needed, dropped without I/O when its NVMe copy is still current.
+//
+// Each block is in one of four states; any number of callers may pin it:
+//   1. kResident:   its bytes are in host memory (a pool lease).
+//   2. kWritingOut: an eviction writes it to NVMe. The host copy stays valid:
+//                   an Acquire pins it, and the block then stays resident
+//                   (the write only refreshes the NVMe copy).
+//   3. kOnNvme:     only the NVMe copy exists (or none yet: a block never
+//                   written is zeros); it holds no host memory.
+//   4. kReadingIn:  a swap-in reads it into a fresh lease. Every Acquire of
+//                   the block waits for this one read; nobody sees
+//                   half-read bytes. A failed read frees the lease, goes back
+//                   to kOnNvme with the NVMe copy intact, and fails the
+//                   waiting Acquires (DATA_LOSS for checksum or EIO).
+// Eviction: only unpinned, resident, NVMe-homed blocks, the one whose next
+// use (by its trace) is farthest first; blocks whose trace is not being
+// followed count as never used again, least recently used first. A failed
+// write-out (ENOSPC, EIO) leaves the block resident, and its older NVMe
+// copy intact (copy-on-write rewrites); the next victim is tried.
+// Prefetch: after each Acquire, the next prefetch_depth uses of the trace
+// (at most prefetch_bytes) are read in by the mover thread, evicting only
+// blocks needed later than the one prefetched.
+// Memory: the pool's limit is never exceeded. Asking to pin more than the
+// pool holds at once is RESOURCE_EXHAUSTED with the numbers.
+//
+// Thread-safety: all methods are safe from any thread. One lock (mu_)
+// guards the block table; I/O runs on the I/O threads without it. A Pin must
+// not outlive the swapper.
+#ifndef OFFLOADD_SWAPPER_SWAPPER_H_
+#define OFFLOADD_SWAPPER_SWAPPER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "nvme/swap_space.h"
+#include "swapper/access_trace.h"
+#include "swapper/host_pool.h"
+#include "swapper/swapper_options.h"
+
+namespace offload {
+
+enum class Tier { kHost, kNvme };
+const char* TierName(Tier tier);
+
+enum class BlockState { kResident, kWritingOut, kOnNvme, kReadingIn };
+const char* BlockStateName(BlockState state);
+
+struct SwapperStats {
+  uint64_t blocks = 0;
+  uint64_t resident_bytes = 0;   // blocks with host memory (any state but kOnNvme)
+  uint64_t pinned_bytes = 0;
+  uint64_t host_home_bytes = 0;  // blocks homed on the host
+  uint64_t nvme_home_bytes = 0;  // blocks homed on NVMe
+  uint64_t acquires = 0;
+  uint64_t hits = 0;             // resident when acquired
+  uint64_t waited_reads = 0;     // found a swap-in (usually a prefetch) in flight
+  uint64_t misses = 0;           // had to start a swap-in
+  uint64_t prefetches = 0;       // swap-ins started by prefetch
+  uint64_t prefetch_used = 0;    // ... and acquired before being evicted
+  uint64_t prefetch_wasted = 0;  // ... evicted unused
+  uint64_t prefetch_pending = 0; // ... resident, not acquired yet
+  uint64_t swap_ins = 0, swap_outs = 0, clean_drops = 0, zero_fills = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;
+  uint64_t read_nanos = 0, write_nanos = 0;  // summed over I/O threads
+  uint64_t io_errors = 0;
+  uint64_t io_queue = 0;         // I/O tasks queued or running
+  uint64_t relearned = 0;        // trace orders re-learned
+};
+
+class Swapper {
+ public:
+  using BlockId = uint64_t;
+
+  // A pinned, resident block. Movable; unpins on destruction.
+  class Pin {
+   public:
+    Pin() = default;
+    Pin(Pin&& other) noexcept
+        : swapper_(std::exchange(other.swapper_, nullptr)), id_(other.id_),
+          data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+    Pin& operator=(Pin&& other) noexcept;
+    Pin(const Pin&) = delete;
+    Pin& operator=(const Pin&) = delete;
+    ~Pin() { Reset(); }
+
+    std::byte* data() const { return data_; }
+    uint64_t size() const { return size_; }
+    BlockId id() const { return id_; }
+    void Reset();
+
+   private:
+    friend class Swapper;
+    Pin(Swapper* s, BlockId id, std::byte* data, uint64_t size)
+        : swapper_(s), id_(id), data_(data), size_(size) {}
+    Swapper* swapper_ = nullptr;
+    BlockId id_ = 0;
+    std::byte* data_ = nullptr;
+    uint64_t size_ = 0;
+  };
+
+  // `pool` must outlive the swapper; `space` too, or be null (no NVMe tier:
+  // every block must then be homed on the host).
+  static absl::StatusOr<std::unique_ptr<Swapper>> Create(const SwapperOptions& options,
+                                                         HostPool* pool, SwapSpace* space);
+  // Finishes queued I/O, stops the threads, frees every block.
+  ~Swapper();
+  Swapper(const Swapper&) = delete;
+  Swapper& operator=(const Swapper&) = delete;
+
+  // A new block of `bytes` zeros homed at `home`, its uses traced in
+  // `trace`. ALREADY_EXISTS, INVALID_ARGUMENT (0 bytes), FAILED_PRECONDITION
+  // (NVMe home without an NVMe tier), RESOURCE_EXHAUSTED (host home that the
+  // pool cannot hold).
+  absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Frees the block wherever it lives; a pinned block or one in flight as
+  // soon as that ends. Unknown ids are ignored.
+  void Remove(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Makes the block resident and pins it until the Pin goes. With
+  // `for_write` the caller will change its bytes (the NVMe copy stops being
+  // current). Records the use in the block's trace and prefetches ahead.
+  absl::StatusOr<Pin> Acquire(BlockId id, bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The end of one iteration of `trace` (the optimizer step).
+  void EndIteration(uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Changes where the block rests; returns at once, the swapper moves it in
+  // the background (to the host: read in and kept; to NVMe: written out when
+  // room is needed).
+  absl::Status SetHome(BlockId id, Tier home) ABSL_LOCKS_EXCLUDED(mu_);
+
+  void SetPrefetch(int64_t depth, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::StatusOr<BlockState> State(BlockId id) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Tier> Home(BlockId id) const ABSL_LOCKS_EXCLUDED(mu_);
+  SwapperStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Waits until no move, prefetch or I/O is queued or running. Tests and
+  // benchmarks only.
+  void WaitIdle() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Runs before each I/O the I/O threads perform, outside the lock (tests:
+  // injected delays make races deterministic). `is_write` tells the kind.
+  void SetIoHookForTesting(std::function<void(BlockId, bool is_write)> hook)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Block;
+  enum class MoveKind { kPrefetch, kToHost };
+  struct Move {
+    BlockId id;
+    MoveKind kind;
+  };
+
+  Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space);
+
+  Block* FindLocked(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Until `bytes` more fit in the pool: evicts victims (only ones next used
+  // later than `farther_than` uses from now when `restricted`), waiting for
+  // I/O in flight (write-outs free memory, swap-ins make new victims).
+  // Nothing more to evict: the failed write-out's error if one failed in
+  // this call, else RESOURCE_EXHAUSTED with the numbers; UNAVAILABLE when
+  // `restricted` finds no victim.
+  absl::Status MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Excludes `tried` (victims this MakeRoom already wrote out: one whose
+  // write failed is not tried again).
+  Block* ChooseVictimLocked(bool restricted, uint64_t farther_than,
+                            const absl::flat_hash_set<BlockId>& tried) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t NextUseLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EvictLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Precondition: kOnNvme and the pool fits it. Leases memory, then fills it
+  // with zeros (no NVMe copy yet) or queues the read.
+  absl::Status StartReadLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SchedulePrefetchLocked(uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RoomError(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  void QueueIoLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunIo(BlockId id, bool is_write) ABSL_LOCKS_EXCLUDED(mu_);
+  void IoThread() ABSL_LOCKS_EXCLUDED(mu_);
+  void MoverThread() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Constant after construction.
+  HostPool* const pool_;
+  SwapSpace* const space_;
+
+  mutable absl::Mutex mu_;
+  // Signalled on every change of a block's state, of the queues, of room.
+  absl::CondVar changed_;
+  absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, AccessTrace> traces_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU time, one tick per Acquire
+  uint64_t freeing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // charged to write-outs in flight
+  uint64_t writes_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reads_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t failed_writes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status last_write_error_ ABSL_GUARDED_BY(mu_);
+  int64_t prefetch_depth_ ABSL_GUARDED_BY(mu_);
+  int64_t prefetch_bytes_ ABSL_GUARDED_BY(mu_);
+  std::deque<Move> moves_ ABSL_GUARDED_BY(mu_);
+  bool mover_busy_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::function<void()>> io_queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t io_running_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);
+  SwapperStats stats_ ABSL_GUARDED_BY(mu_);
+
+  std::vector<std::thread> io_threads_;
+  std::thread mover_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_SWAPPER_SWAPPER_H_

@@ -1,0 +1,34 @@
+// The swapper's settings: one light header, bound under "swapper.*".
+#ifndef OFFLOADD_SWAPPER_SWAPPER_OPTIONS_H_
+#define OFFLOADD_SWAPPER_SWAPPER_OPTIONS_H_
+
+#include <cstdint>
+
+#include "base/config_registry.h"
+
+namespace offload {
+
+struct SwapperOptions {
+  // How far ahead of the current use the learned trace is prefetched, in
+  // uses and in bytes (both bound it). Deeper prefetch hides more I/O
+  // latency and holds more of the pool for blocks not yet in use.
+  int64_t prefetch_depth = 8;
+  int64_t prefetch_bytes = int64_t{256} << 20;
+
+  // Threads that perform swap-ins and write-outs (each blocks in one I/O
+  // batch; the NVMe engine's rings bound how many run at once). More threads
+  // overlap checksum hashing with other blocks' transfers.
+  int64_t io_threads = 4;
+};
+
+inline constexpr IntRange kPrefetchDepthRange{0, 4096};
+inline constexpr IntRange kPrefetchBytesRange{0, INT64_MAX};
+inline constexpr IntRange kSwapperIoThreadsRange{1, 64};
+
+// Binds every field under "swapper.*". The prefetch settings are dynamic
+// (the daemon hooks them to Swapper::SetPrefetch); io_threads is static.
+void BindSwapperTunables(SwapperOptions* options, ConfigRegistry* registry);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_SWAPPER_SWAPPER_OPTIONS_H_

@@ -1,0 +1,399 @@
+#include "swapper/swapper.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "base/env.h"
+#include "base/host_memory.h"
+#include "gtest/gtest.h"
+#include "nvme/fault_injection.h"
+#include "nvme/io_backend_factory.h"
+#include "nvme/swap_space.h"
+
+namespace offload {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+// Fills or checks a block with bytes derived from `seed`.
+void Fill(const Swapper::Pin& p, uint32_t seed) {
+  auto* w = reinterpret_cast<uint32_t*>(p.data());
+  for (uint64_t i = 0; i < p.size() / 4; ++i) w[i] = seed * 2654435761u + static_cast<uint32_t>(i);
+}
+bool Holds(const Swapper::Pin& p, uint32_t seed) {
+  const auto* w = reinterpret_cast<const uint32_t*>(p.data());
+  for (uint64_t i = 0; i < p.size() / 4; ++i) {
+    if (w[i] != seed * 2654435761u + static_cast<uint32_t>(i)) return false;
+  }
+  return true;
+}
+
+// Waits, yielding, until `done()`; fails the test after 20 s.
+template <typename Fn>
+void AwaitTrue(Fn done, const char* what) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!done()) {
+    ASSERT_LT(absl::Now(), deadline) << "timed out waiting for " << what;
+    std::this_thread::yield();
+  }
+}
+
+class SwapperTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::string(getenv("TEST_TMPDIR")) + "/swap";
+    mkdir(dir_.c_str(), 0700);
+    auto inner = MakeIoBackend(IoOptions{});
+    ASSERT_TRUE(inner.ok()) << inner.status();
+    auto faulty = std::make_unique<FaultInjectingBackend>(std::move(*inner));
+    faults_ = faulty.get();
+    backend_ = std::move(faulty);
+    NvmeOptions o;
+    o.dirs = dir_;
+    o.bytes_per_dir = int64_t{256} << 20;
+    auto space = SwapSpace::Create(o, backend_.get());
+    ASSERT_TRUE(space.ok()) << space.status();
+    space_ = std::move(*space);
+  }
+
+  // A swapper over a pool of `pool_bytes`.
+  void Make(uint64_t pool_bytes, int64_t prefetch_depth = 0) {
+    pool_ = std::make_unique<HostPool>(Env::Default(), pool_bytes, false);
+    SwapperOptions o;
+    o.prefetch_depth = prefetch_depth;
+    auto s = Swapper::Create(o, pool_.get(), space_.get());
+    ASSERT_TRUE(s.ok()) << s.status();
+    swapper_ = std::move(*s);
+  }
+
+  // Acquires `id` for writing, fills it with `seed`, releases it.
+  void Write(uint64_t id, uint32_t seed) {
+    auto p = swapper_->Acquire(id, /*for_write=*/true);
+    ASSERT_TRUE(p.ok()) << p.status();
+    Fill(*p, seed);
+  }
+  void ExpectHolds(uint64_t id, uint32_t seed) {
+    auto p = swapper_->Acquire(id, /*for_write=*/false);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(Holds(*p, seed)) << "block " << id;
+  }
+  BlockState StateOf(uint64_t id) { return *swapper_->State(id); }
+
+  void TearDown() override {
+    swapper_.reset();  // before the pool and the space it uses
+    if (pool_ != nullptr) {
+      EXPECT_EQ(pool_->used(), 0u);
+    }
+  }
+
+  std::string dir_;
+  FaultInjectingBackend* faults_ = nullptr;
+  std::unique_ptr<IoBackend> backend_;
+  std::unique_ptr<SwapSpace> space_;
+  std::unique_ptr<HostPool> pool_;
+  std::unique_ptr<Swapper> swapper_;
+};
+
+TEST_F(SwapperTest, ManyTimesThePoolRoundTripsThroughNvme) {
+  Make(4 * kMiB);
+  for (uint64_t id = 1; id <= 16; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 16; ++id) {
+    Write(id, static_cast<uint32_t>(id));
+    EXPECT_LE(pool_->used(), pool_->limit());
+  }
+  for (uint64_t id = 1; id <= 16; ++id) {
+    ExpectHolds(id, static_cast<uint32_t>(id));
+    EXPECT_LE(pool_->used(), pool_->limit());
+  }
+  SwapperStats s = swapper_->Stats();
+  EXPECT_GE(s.swap_outs, 12u);
+  EXPECT_GE(s.swap_ins, 12u);
+  EXPECT_EQ(s.io_errors, 0u);
+  EXPECT_EQ(s.nvme_home_bytes, 16 * kMiB);
+}
+
+TEST_F(SwapperTest, HostPlacedBlocksAreNeverEvicted) {
+  Make(3 * kMiB);
+  ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 7).ok());
+  Write(100, 100);
+  for (uint64_t id = 1; id <= 6; ++id) {
+    ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+    Write(id, static_cast<uint32_t>(id));
+    EXPECT_EQ(StateOf(100), BlockState::kResident);
+  }
+  ExpectHolds(100, 100);
+  for (uint64_t id = 1; id <= 6; ++id) ExpectHolds(id, static_cast<uint32_t>(id));
+  // The pool cannot hold more host-placed blocks than it has room for.
+  ASSERT_TRUE(swapper_->Add(101, kMiB, Tier::kHost, 7).ok());
+  ASSERT_TRUE(swapper_->Add(102, kMiB, Tier::kHost, 7).ok());
+  EXPECT_EQ(swapper_->Add(103, kMiB, Tier::kHost, 7).code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(SwapperTest, PinnedBlocksStayAndPinningMoreThanThePoolIsResourceExhausted) {
+  Make(2 * kMiB);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  auto a = swapper_->Acquire(1, true);
+  auto b = swapper_->Acquire(2, true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Fill(*a, 1);
+  auto c = swapper_->Acquire(3, true);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("held by callers"), std::string::npos) << c.status();
+  EXPECT_EQ(StateOf(1), BlockState::kResident);
+  a->Reset();
+  auto again = swapper_->Acquire(3, true);
+  ASSERT_TRUE(again.ok()) << again.status();
+  again->Reset();
+  b->Reset();
+  ExpectHolds(1, 1);
+}
+
+TEST_F(SwapperTest, ConcurrentAcquiresShareOneSwapIn) {
+  Make(2 * kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(3, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  Write(3, 33);  // evicts 1
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  const SwapperStats before = swapper_->Stats();
+  absl::Notification release;
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (id == 1 && !is_write) release.WaitForNotification();
+  });
+  std::vector<std::thread> readers;
+  std::vector<bool> ok(4, false);
+  for (int i = 0; i < 4; ++i) {
+    readers.emplace_back([&, i] {
+      auto p = swapper_->Acquire(1, false);
+      ok[i] = p.ok() && Holds(*p, 11);
+    });
+  }
+  // All four are inside Acquire while the one read is held.
+  AwaitTrue([&] { return swapper_->Stats().acquires >= before.acquires + 4; }, "four readers");
+  AwaitTrue([&] { return StateOf(1) == BlockState::kReadingIn; }, "the read");
+  release.Notify();
+  for (auto& t : readers) t.join();
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(ok[i]) << i;
+  EXPECT_EQ(swapper_->Stats().swap_ins, before.swap_ins + 1);
+}
+
+TEST_F(SwapperTest, AFailedSwapInIsDataLossAndTheCopyStaysIntact) {
+  Make(kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);  // evicts 1
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.error = EIO;
+  faults_->AddRule(eio);
+  auto failed = swapper_->Acquire(1, false);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("swapping in block 1"), std::string::npos);
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  EXPECT_EQ(swapper_->Stats().io_errors, 1u);
+  ExpectHolds(1, 11);
+  ExpectHolds(2, 22);
+}
+
+TEST_F(SwapperTest, AFailedWriteOutKeepsTheBlockAndTheNextOneWorks) {
+  Make(kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  FaultRule enospc;
+  enospc.any_op = false;
+  enospc.op = IoOp::kWrite;
+  enospc.error = ENOSPC;
+  faults_->AddRule(enospc);
+  // Room for 2 needs 1 written out, which fails: the write's error, 1
+  // untouched.
+  auto two = swapper_->Acquire(2, true);
+  EXPECT_EQ(two.status().code(), absl::StatusCode::kResourceExhausted) << two.status();
+  EXPECT_NE(two.status().message().find("writing block 1 out"), std::string::npos)
+      << two.status();
+  EXPECT_EQ(StateOf(1), BlockState::kResident);
+  EXPECT_EQ(swapper_->Stats().io_errors, 1u);
+  // Short writes are completed by the engine; data survives them.
+  FaultRule half;
+  half.kind = FaultRule::Kind::kShort;
+  half.any_op = false;
+  half.op = IoOp::kWrite;
+  faults_->AddRule(half);
+  Write(2, 22);
+  ExpectHolds(1, 11);
+  ExpectHolds(2, 22);
+}
+
+// Capacity two blocks, prefetch off, iterations using 1 2 3 1 4 2. The first
+// iteration learns the order (LRU meanwhile); in the second, each miss evicts
+// the resident block used farthest in the future:
+//   use 1: resident {4,2}; next uses 2 in 0, 4 in 3  -> evict 4
+//   use 2: hit
+//   use 3: resident {2,1}; 1 in 0, 2 in 2            -> evict 2
+//   use 1: hit
+//   use 4: resident {1,3}; 1 in 1, 3 in 3 (wrapped)  -> evict 3
+//   use 2: resident {1,4}; 1 in 0, 4 in 4 (wrapped)  -> evict 4
+// (LRU would have evicted 4, 1, 2, 3, 1 with one hit instead of two.)
+TEST_F(SwapperTest, EvictsTheBlockNeededFarthestAway) {
+  Make(2 * kMiB);
+  for (uint64_t id = 1; id <= 4; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  const std::vector<uint64_t> order = {1, 2, 3, 1, 4, 2};
+  for (uint64_t id : order) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  ASSERT_EQ(StateOf(4), BlockState::kResident);
+  ASSERT_EQ(StateOf(2), BlockState::kResident);
+  const std::vector<std::vector<uint64_t>> resident_after = {
+      {1, 2}, {1, 2}, {1, 3}, {1, 3}, {1, 4}, {1, 2}};
+  const uint64_t hits_before = swapper_->Stats().hits;
+  for (size_t i = 0; i < order.size(); ++i) {
+    ExpectHolds(order[i], static_cast<uint32_t>(order[i]));
+    for (uint64_t id = 1; id <= 4; ++id) {
+      const bool want = id == resident_after[i][0] || id == resident_after[i][1];
+      EXPECT_EQ(StateOf(id) == BlockState::kResident, want)
+          << "after use " << i << " of block " << order[i] << ": block " << id;
+    }
+  }
+  EXPECT_EQ(swapper_->Stats().hits - hits_before, 2u);
+}
+
+TEST_F(SwapperTest, ChangedOrderIsLearnedAgain) {
+  Make(2 * kMiB);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id : {1, 2, 3}) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  for (uint64_t id : {3, 1, 2}) ExpectHolds(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  EXPECT_EQ(swapper_->Stats().relearned, 1u);
+  for (uint64_t id : {3, 1, 2}) ExpectHolds(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  EXPECT_EQ(swapper_->Stats().relearned, 1u);
+}
+
+TEST_F(SwapperTest, PrefetchAlongTheTraceMakesEveryUseAHit) {
+  Make(4 * kMiB, /*prefetch_depth=*/2);
+  for (uint64_t id = 1; id <= 8; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 8; ++id) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  swapper_->WaitIdle();
+  const SwapperStats before = swapper_->Stats();
+  for (uint64_t id = 1; id <= 8; ++id) {
+    ExpectHolds(id, static_cast<uint32_t>(id));
+    swapper_->WaitIdle();  // a compute phase long enough for the prefetch
+  }
+  const SwapperStats after = swapper_->Stats();
+  EXPECT_EQ(after.hits - before.hits, 8u);
+  EXPECT_EQ(after.misses, before.misses);
+  // Every prefetch was used, or waits for the next iteration; none was
+  // evicted unused. (Which blocks make way depends on whether the one just
+  // used is still pinned when the mover runs; the identity does not.)
+  EXPECT_GE(after.prefetches - before.prefetches, 4u);
+  EXPECT_EQ(after.prefetch_used + after.prefetch_pending, after.prefetches);
+  EXPECT_GE(after.prefetch_pending, 1u);
+  EXPECT_EQ(after.prefetch_wasted, 0u);
+}
+
+TEST_F(SwapperTest, RemoveDuringReadInFreesItWhenTheReadEnds) {
+  Make(kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  ASSERT_EQ(space_->Stats().extents, 1u);  // block 1's copy
+  absl::Notification reading, release;
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (id == 1 && !is_write) {
+      reading.Notify();
+      release.WaitForNotification();
+    }
+  });
+  absl::StatusOr<Swapper::Pin> got;
+  std::thread reader([&] { got = swapper_->Acquire(1, false); });
+  reading.WaitForNotification();
+  swapper_->Remove(1);
+  release.Notify();
+  reader.join();
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(swapper_->State(1).status().code(), absl::StatusCode::kNotFound);
+  swapper_->WaitIdle();
+  // Block 2 was written out to make room; block 1's copy is gone.
+  EXPECT_EQ(space_->Stats().extents, 1u);
+}
+
+TEST_F(SwapperTest, AcquireDuringWriteOutKeepsTheBlockResident) {
+  Make(2 * kMiB);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);  // least recently used: the first victim
+  Write(2, 22);
+  absl::Notification writing, release;
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (id == 1 && is_write) {
+      writing.Notify();
+      release.WaitForNotification();
+    }
+  });
+  absl::Status third;
+  std::thread evicter([&] { third = swapper_->Acquire(3, true).status(); });
+  writing.WaitForNotification();
+  ASSERT_EQ(StateOf(1), BlockState::kWritingOut);
+  {
+    auto p = swapper_->Acquire(1, false);  // no wait for the write
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(Holds(*p, 11));
+    release.Notify();
+    AwaitTrue([&] { return StateOf(1) != BlockState::kWritingOut; }, "the write-out to end");
+    EXPECT_EQ(StateOf(1), BlockState::kResident);  // pinned: it stayed
+  }
+  evicter.join();
+  EXPECT_TRUE(third.ok()) << third;
+  EXPECT_EQ(StateOf(2), BlockState::kOnNvme);  // the next victim went instead
+  ExpectHolds(1, 11);
+  ExpectHolds(2, 22);
+}
+
+uint64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * PageSize();
+}
+
+TEST_F(SwapperTest, ResidentMemoryStaysWithinThePool) {
+  constexpr uint64_t kPool = 32 * kMiB;
+  Make(kPool, /*prefetch_depth=*/4);
+  // 4x the pool, in 16 blocks of 8 MiB.
+  for (uint64_t id = 1; id <= 16; ++id) {
+    ASSERT_TRUE(swapper_->Add(id, 8 * kMiB, Tier::kNvme, 7).ok());
+  }
+  const uint64_t baseline = ResidentBytes();
+  uint64_t peak = 0;
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    for (uint64_t id = 1; id <= 16; ++id) {
+      Write(id, static_cast<uint32_t>(id + iteration));
+      peak = std::max(peak, ResidentBytes());
+    }
+    swapper_->EndIteration(7);
+  }
+  for (uint64_t id = 1; id <= 16; ++id) ExpectHolds(id, static_cast<uint32_t>(id + 2));
+  peak = std::max(peak, ResidentBytes());
+  // The pool plus a little for stacks and allocator slack.
+  EXPECT_LE(peak, baseline + kPool + 4 * kMiB)
+      << "peak " << peak << " baseline " << baseline;
+}
+
+}  // namespace
+}  // namespace offload
