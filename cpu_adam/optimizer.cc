@@ -106,36 +106,57 @@ void Optimizer::ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) {
   });
 }
 
-absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
-                                           const AdamHyperparams& h) {
-  if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
+uint64_t Optimizer::CountNonFiniteLocked(absl::Span<const AdamTask> tasks,
+                                         const std::vector<Tile>& tiles) {
+  if (!check_finite_) return 0;
+  const AdamKernels& k = *kernels_;
+  std::atomic<uint64_t> nonfinite{0};
+  ParallelTiles(tiles, [&](const Tile& t) {
+    const AdamSpan s = Slice(tasks[t.task].span, t.begin, t.end);
+    if (uint64_t n = k.count_nonfinite(s.grads, s.grad_dtype, s.numel); n != 0) {
+      nonfinite.fetch_add(n, std::memory_order_relaxed);
+    }
+  });
+  return nonfinite.load();
+}
+
+void Optimizer::UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperparams& h,
+                             const std::vector<Tile>& tiles) {
   std::vector<AdamStepConstants> constants;
   constants.reserve(tasks.size());
   for (const AdamTask& t : tasks) constants.push_back(ComputeStepConstants(h, t.step));
-
-  // A reader lock: concurrent steps share the arena; the setters wait.
-  absl::ReaderMutexLock lock(&mu_);
   const AdamKernels& k = *kernels_;
-  const std::vector<Tile> tiles = MakeTiles(tasks);
-  StepReport report;
-  if (check_finite_) {
-    std::atomic<uint64_t> nonfinite{0};
-    ParallelTiles(tiles, [&](const Tile& t) {
-      const AdamSpan s = Slice(tasks[t.task].span, t.begin, t.end);
-      if (uint64_t n = k.count_nonfinite(s.grads, s.grad_dtype, s.numel); n != 0) {
-        nonfinite.fetch_add(n, std::memory_order_relaxed);
-      }
-    });
-    report.nonfinite = nonfinite.load();
-    if (report.nonfinite != 0) {
-      report.skipped = true;
-      return report;
-    }
-  }
   ParallelTiles(tiles, [&](const Tile& t) {
     k.adam(constants[t.task], Slice(tasks[t.task].span, t.begin, t.end));
   });
+}
+
+absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
+                                           const AdamHyperparams& h) {
+  if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
+  // A reader lock: concurrent steps share the arena; the setters wait.
+  absl::ReaderMutexLock lock(&mu_);
+  const std::vector<Tile> tiles = MakeTiles(tasks);
+  StepReport report;
+  report.nonfinite = CountNonFiniteLocked(tasks, tiles);
+  if (report.nonfinite != 0) {
+    report.skipped = true;
+    return report;
+  }
+  UpdateLocked(tasks, h, tiles);
   return report;
+}
+
+uint64_t Optimizer::CountNonFinite(absl::Span<const AdamTask> tasks) {
+  absl::ReaderMutexLock lock(&mu_);
+  return CountNonFiniteLocked(tasks, MakeTiles(tasks));
+}
+
+absl::Status Optimizer::Update(absl::Span<const AdamTask> tasks, const AdamHyperparams& h) {
+  if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
+  absl::ReaderMutexLock lock(&mu_);
+  UpdateLocked(tasks, h, MakeTiles(tasks));
+  return absl::OkStatus();
 }
 
 }  // namespace offload

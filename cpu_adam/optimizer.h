@@ -48,6 +48,14 @@ class Optimizer {
   // hyperparameters (nothing is changed then).
   absl::StatusOr<StepReport> Step(absl::Span<const AdamTask> tasks, const AdamHyperparams& h);
 
+  // A step in several calls, for state that is not all in memory at once:
+  // CountNonFinite scans the gradients of every task first (only the grads
+  // and numel of each span are read; 0 when check_finite is off), then
+  // Update applies the update to one group of tasks at a time, without a
+  // scan.
+  uint64_t CountNonFinite(absl::Span<const AdamTask> tasks);
+  absl::Status Update(absl::Span<const AdamTask> tasks, const AdamHyperparams& h);
+
   // INVALID_ARGUMENT outside kOptimizerThreadsRange / kOptimizerTileElemsRange.
   absl::Status SetThreads(int64_t threads);
   absl::Status SetTileElems(int64_t tile_elems);
@@ -69,6 +77,10 @@ class Optimizer {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   template <typename Fn>
   void ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  uint64_t CountNonFiniteLocked(absl::Span<const AdamTask> tasks, const std::vector<Tile>& tiles)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperparams& h,
+                    const std::vector<Tile>& tiles) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);

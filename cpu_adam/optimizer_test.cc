@@ -43,6 +43,30 @@ TEST(Optimizer, ParallelTilesEqualOneScalarPass) {
   EXPECT_EQ(b.v, rb.v);
 }
 
+TEST(Optimizer, ScanThenUpdateInGroupsEqualsOneStep) {
+  Optimizer opt(OptimizerOptions{});
+  AdamHyperparams h;
+  Buffers a(10'000, 1), b(3'333, 2), ra(10'000, 1), rb(3'333, 2);
+  std::vector<AdamTask> whole = {ra.Task(2), rb.Task(5)};
+  ASSERT_TRUE(opt.Step(whole, h).ok());
+  std::vector<AdamTask> both = {a.Task(2), b.Task(5)};
+  EXPECT_EQ(opt.CountNonFinite(both), 0u);
+  ASSERT_TRUE(opt.Update({a.Task(2)}, h).ok());
+  ASSERT_TRUE(opt.Update({b.Task(5)}, h).ok());
+  EXPECT_EQ(a.p, ra.p);
+  EXPECT_EQ(a.m, ra.m);
+  EXPECT_EQ(b.v, rb.v);
+  EXPECT_EQ(b.w, rb.w);
+  b.g[7] = std::numeric_limits<float>::infinity();
+  b.g[8] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(opt.CountNonFinite(both), 2u);
+  opt.SetCheckFinite(false);
+  EXPECT_EQ(opt.CountNonFinite(both), 0u);
+  AdamHyperparams bad;
+  bad.beta1 = 2;
+  EXPECT_EQ(opt.Update({a.Task(3)}, bad).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Optimizer, ResizesWhileOtherThreadsStep) {
   Optimizer opt(OptimizerOptions{});
   AdamHyperparams h;

@@ -30,6 +30,21 @@ void PoolMemory::Reset() {
   locked_ = false;
 }
 
+PoolCharge& PoolCharge::operator=(PoolCharge&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    pool_ = std::exchange(other.pool_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void PoolCharge::Reset() {
+  if (pool_ != nullptr) pool_->Release(bytes_, false);
+  pool_ = nullptr;
+  bytes_ = 0;
+}
+
 bool HostPool::Fits(uint64_t bytes) const {
   const uint64_t need = Charge(bytes);
   const uint64_t lim = limit();
@@ -37,8 +52,7 @@ bool HostPool::Fits(uint64_t bytes) const {
   return need <= lim && u <= lim - need;
 }
 
-absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what) {
-  const uint64_t charge = Charge(bytes);
+absl::Status HostPool::Take(uint64_t charge, absl::string_view what) {
   uint64_t u = used_.load(std::memory_order_relaxed);
   for (;;) {
     const uint64_t lim = limit();
@@ -47,8 +61,21 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
                                                        charge, " bytes, ", u, " of ", lim,
                                                        " in use (memory.host_budget_bytes)"));
     }
-    if (used_.compare_exchange_weak(u, u + charge, std::memory_order_relaxed)) break;
+    if (used_.compare_exchange_weak(u, u + charge, std::memory_order_relaxed)) {
+      return absl::OkStatus();
+    }
   }
+}
+
+absl::StatusOr<PoolCharge> HostPool::Reserve(uint64_t bytes, absl::string_view what) {
+  const uint64_t charge = Charge(bytes);
+  if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
+  return PoolCharge(this, charge);
+}
+
+absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what) {
+  const uint64_t charge = Charge(bytes);
+  if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
   absl::StatusOr<HostMemory> memory = env_->Allocate(bytes, /*huge_pages=*/true);
   if (!memory.ok()) {
     used_.fetch_sub(charge, std::memory_order_relaxed);

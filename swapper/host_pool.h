@@ -54,6 +54,28 @@ class PoolMemory {
   bool locked_ = false;
 };
 
+// A charge for host memory the pool does not map itself (a session arena's
+// pages): counted against the limit until destroyed. Movable.
+class PoolCharge {
+ public:
+  PoolCharge() = default;
+  PoolCharge(PoolCharge&& other) noexcept
+      : pool_(std::exchange(other.pool_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  PoolCharge& operator=(PoolCharge&& other) noexcept;
+  PoolCharge(const PoolCharge&) = delete;
+  PoolCharge& operator=(const PoolCharge&) = delete;
+  ~PoolCharge() { Reset(); }
+
+  uint64_t bytes() const { return bytes_; }
+  void Reset();
+
+ private:
+  friend class HostPool;
+  PoolCharge(HostPool* pool, uint64_t bytes) : pool_(pool), bytes_(bytes) {}
+  HostPool* pool_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
 class HostPool {
  public:
   // `env` must outlive the pool, and the pool every PoolMemory it leased.
@@ -71,6 +93,10 @@ class HostPool {
   // the mapping fails (nothing charged then).
   absl::StatusOr<PoolMemory> Allocate(uint64_t bytes, absl::string_view what);
 
+  // Charges Charge(bytes) without mapping anything. RESOURCE_EXHAUSTED as
+  // Allocate.
+  absl::StatusOr<PoolCharge> Reserve(uint64_t bytes, absl::string_view what);
+
   void SetLimit(uint64_t limit) { limit_.store(limit, std::memory_order_relaxed); }
   uint64_t limit() const { return limit_.load(std::memory_order_relaxed); }
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
@@ -79,6 +105,9 @@ class HostPool {
 
  private:
   friend class PoolMemory;
+  friend class PoolCharge;
+  // Adds `charge` to used_ unless that would exceed the limit.
+  absl::Status Take(uint64_t charge, absl::string_view what);
   void Release(uint64_t charged, bool was_locked);
 
   Env* const env_;

@@ -46,6 +46,18 @@ TEST(HostPool, RefusesWhatDoesNotFitWithTheNumbersAndChangesNothing) {
   EXPECT_TRUE(pool.Allocate(2 * PageSize(), "b").ok());
 }
 
+TEST(HostPool, ReservationsForMemoryMappedElsewhereCountToo) {
+  HostPool pool(Env::Default(), 4 * PageSize(), false);
+  auto arena = pool.Reserve(2 * PageSize() + 1, "arena");
+  ASSERT_TRUE(arena.ok());
+  EXPECT_EQ(pool.used(), 3 * PageSize());
+  EXPECT_EQ(pool.Reserve(2 * PageSize(), "more").status().code(),
+            absl::StatusCode::kResourceExhausted);
+  PoolCharge moved = std::move(*arena);
+  moved.Reset();
+  EXPECT_EQ(pool.used(), 0u);
+}
+
 TEST(HostPool, AFailedMappingChargesNothing) {
   FaultInjectingEnv env(Env::Default());
   HostPool pool(&env, 4 * PageSize(), false);

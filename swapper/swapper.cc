@@ -139,11 +139,21 @@ absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
   if (home == Tier::kHost) {
     RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
     ASSIGN_OR_RETURN(b->host, pool_->Allocate(bytes, absl::StrCat("block ", id)));
+    changed_.SignalAll();
     b->state = BlockState::kResident;
   }
   traces_.try_emplace(trace);
   blocks_[id] = std::move(b);
   return absl::OkStatus();
+}
+
+absl::StatusOr<PoolCharge> Swapper::ReserveHost(uint64_t bytes, absl::string_view what) {
+  absl::MutexLock lock(&mu_);
+  absl::Status room = MakeRoomLocked(bytes, /*restricted=*/false, 0);
+  if (!room.ok()) {
+    return absl::Status(room.code(), absl::StrCat(what, ": ", room.message()));
+  }
+  return pool_->Reserve(bytes, what);
 }
 
 void Swapper::Remove(BlockId id) {

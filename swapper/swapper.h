@@ -136,6 +136,12 @@ class Swapper {
   // pool cannot hold).
   absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Charges `bytes` of host memory the caller maps itself (a session arena)
+  // to the pool, evicting cached blocks first if needed. RESOURCE_EXHAUSTED
+  // as Acquire when nothing more can be evicted.
+  absl::StatusOr<PoolCharge> ReserveHost(uint64_t bytes, absl::string_view what)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Frees the block wherever it lives; a pinned block or one in flight as
   // soon as that ends. Unknown ids are ignored.
   void Remove(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
@@ -152,6 +158,9 @@ class Swapper {
   // the background (to the host: read in and kept; to NVMe: written out when
   // room is needed).
   absl::Status SetHome(BlockId id, Tier home) ABSL_LOCKS_EXCLUDED(mu_);
+
+  bool has_nvme() const { return space_ != nullptr; }
+  const HostPool& pool() const { return *pool_; }
 
   void SetPrefetch(int64_t depth, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
