@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev libprotobuf-dev libabsl-dev libtbb-dev liburing-dev
   libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-torch fio
+  libtorch-dev ninja-build  # benches/cpu_adam's peer, ../shared/peers/deepspeed_cpu_adam
 )
 
 missing=()
