@@ -21,12 +21,9 @@ namespace offload {
 
 Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
     : options_(options), registry_(registry),
-      host_("host", static_cast<uint64_t>(options->memory.host_budget_bytes)),
-      optimizer_(options->optimizer),
-      store_(Env::Default(), &host_, &stats_,
-             static_cast<uint64_t>(options->memory.session_arena_bytes)),
-      steps_(&optimizer_, &stats_),
-      sessions_(Env::Default(), &store_, &steps_, &stats_) {}
+      pool_(Env::Default(), static_cast<uint64_t>(options->memory.host_budget_bytes),
+            options->memory.lock_pool),
+      optimizer_(options->optimizer) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                                                       ConfigRegistry* registry) {
@@ -34,15 +31,29 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   // The constructor fell back to "auto" for a kernel this CPU lacks; say so.
   RETURN_IF_ERROR(d->optimizer_.SetKernel(options->optimizer.kernel));
   RETURN_IF_ERROR(d->StartNvmeTier());
+  ASSIGN_OR_RETURN(d->swapper_, Swapper::Create(options->swapper, &d->pool_, d->swap_.get()));
+  const int state_host_percent =
+      static_cast<int>(options->placement.optimizer_state_host_percent);
+  if (state_host_percent < 100 && d->swap_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "placement.optimizer_state_host_percent=", state_host_percent,
+        " places optimizer state on NVMe, but there is no NVMe tier (set nvme.dirs)"));
+  }
+  d->store_ = std::make_unique<PartitionStore>(
+      Env::Default(), d->swapper_.get(), &d->stats_,
+      static_cast<uint64_t>(options->memory.session_arena_bytes), state_host_percent);
+  d->steps_ = std::make_unique<StepRunner>(&d->optimizer_, &d->pool_, &d->stats_);
+  d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
+                                                  d->steps_.get(), &d->stats_);
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   ASSIGN_OR_RETURN(d->arena_channel_,
-                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->sessions_));
+                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get()));
 
   d->partition_service_ = std::make_unique<PartitionServiceImpl>(
-      &d->sessions_, &d->stats_, &d->calls_, d->arena_channel_->path());
+      d->sessions_.get(), &d->stats_, &d->calls_, d->arena_channel_->path());
   d->config_service_ = std::make_unique<ConfigServiceImpl>(registry);
   ServerIdentity identity;
   identity.started = absl::Now();
@@ -58,8 +69,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
   builder.RegisterService(d->partition_service_.get());
   builder.RegisterService(d->config_service_.get());
-  d->stats_service_ = std::make_unique<StatsServiceImpl>(&d->sessions_, &d->stats_, &d->host_,
-                                                         &d->optimizer_, d->swap_.get(), identity);
+  d->stats_service_ = std::make_unique<StatsServiceImpl>(
+      d->sessions_.get(), &d->stats_, d->swapper_.get(), &d->optimizer_, d->swap_.get(), identity);
   builder.RegisterService(d->stats_service_.get());
   // gRPC creates the socket file with the process umask: owner-only.
   mode_t old_mask = umask(0177);
@@ -79,40 +90,60 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     d->stats_service_->AddListening(absl::StrCat("127.0.0.1:", d->tcp_port_));
   }
 
-  Daemon* raw = d.get();
-  registry->SetHook<int64_t>("optimizer.threads",
+  d->SetHooks();
+  RETURN_IF_ERROR(registry->Freeze());
+  return d;
+}
+
+void Daemon::SetHooks() {
+  Daemon* raw = this;
+  registry_->SetHook<int64_t>("optimizer.threads",
                              [raw](const int64_t& v) { return raw->optimizer_.SetThreads(v); });
-  registry->SetHook<int64_t>("optimizer.tile_elems",
+  registry_->SetHook<int64_t>("optimizer.tile_elems",
                              [raw](const int64_t& v) { return raw->optimizer_.SetTileElems(v); });
-  registry->SetHook<std::string>(
+  registry_->SetHook<std::string>(
       "optimizer.kernel", [raw](const std::string& v) { return raw->optimizer_.SetKernel(v); });
-  registry->SetHook<bool>("optimizer.check_finite", [raw](const bool& v) {
+  registry_->SetHook<bool>("optimizer.check_finite", [raw](const bool& v) {
     raw->optimizer_.SetCheckFinite(v);
     return absl::OkStatus();
   });
-  registry->SetHook<bool>("nvme.checksum", [raw](const bool& v) {
+  registry_->SetHook<bool>("nvme.checksum", [raw](const bool& v) {
     if (raw->swap_ != nullptr) raw->swap_->SetChecksum(v);
     return absl::OkStatus();
   });
-  registry->SetHook<int64_t>("nvme.queue_depth", [raw](const int64_t& v) {
+  registry_->SetHook<int64_t>("nvme.queue_depth", [raw](const int64_t& v) {
     return raw->io_ != nullptr ? raw->io_->SetQueueDepth(v) : absl::OkStatus();
   });
-  registry->SetHook<int64_t>("nvme.request_bytes", [raw](const int64_t& v) {
+  registry_->SetHook<int64_t>("nvme.request_bytes", [raw](const int64_t& v) {
     return raw->io_ != nullptr ? raw->io_->SetRequestBytes(v) : ValidateRequestBytes(v);
   });
-  registry->SetHook<int64_t>("nvme.submit_batch", [raw](const int64_t& v) {
+  registry_->SetHook<int64_t>("nvme.submit_batch", [raw](const int64_t& v) {
     return raw->io_ != nullptr ? raw->io_->SetSubmitBatch(v) : absl::OkStatus();
   });
-  registry->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
-    raw->host_.SetLimit(static_cast<uint64_t>(v));
+  registry_->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
+    raw->pool_.SetLimit(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
-  registry->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {
-    raw->store_.SetArenaCapacity(static_cast<uint64_t>(v));
+  registry_->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {
+    raw->store_->SetArenaCapacity(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
-  RETURN_IF_ERROR(registry->Freeze());
-  return d;
+  registry_->SetHook<int64_t>("placement.optimizer_state_host_percent", [raw](const int64_t& v) {
+    if (v < 100 && raw->swap_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "optimizer state cannot be placed on NVMe: there is no NVMe tier (set nvme.dirs)");
+    }
+    raw->store_->SetStateHostPercent(static_cast<int>(v));
+    return absl::OkStatus();
+  });
+  registry_->SetHook<int64_t>("swapper.prefetch_depth", [raw](const int64_t& v) {
+    raw->swapper_->SetPrefetch(v, raw->options_->swapper.prefetch_bytes);
+    return absl::OkStatus();
+  });
+  registry_->SetHook<int64_t>("swapper.prefetch_bytes", [raw](const int64_t& v) {
+    raw->swapper_->SetPrefetch(raw->options_->swapper.prefetch_depth, v);
+    return absl::OkStatus();
+  });
 }
 
 std::vector<std::string> Daemon::Describe() const {
@@ -120,10 +151,11 @@ std::vector<std::string> Daemon::Describe() const {
   lines.push_back(absl::StrCat("serving gRPC on unix:", socket_path_, " (owner-only)"));
   if (tcp_port_ >= 0) lines.push_back(absl::StrCat("serving gRPC on 127.0.0.1:", tcp_port_));
   lines.push_back(absl::StrCat("arena channel on ", arena_channel_->path()));
-  lines.push_back(absl::StrCat("tier host: budget ", FormatByteSize(host_.limit()),
-                               "; per-session arena ",
-                               FormatByteSize(options_->memory.session_arena_bytes),
-                               " of address space"));
+  lines.push_back(absl::StrCat(
+      "tier host: budget ", FormatByteSize(static_cast<int64_t>(pool_.limit())),
+      " (one pool for every session's arena and optimizer state",
+      options_->memory.lock_pool ? ", locked where permitted" : "", "); per-session arena ",
+      FormatByteSize(options_->memory.session_arena_bytes), " of address space"));
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
   if (swap_ == nullptr) {
     lines.push_back("tier nvme: off (set nvme.dirs to enable)");
@@ -136,9 +168,12 @@ std::vector<std::string> Daemon::Describe() const {
     lines.push_back(absl::StrCat(
         "tier nvme: ", FormatByteSize(static_cast<int64_t>(s.capacity)), " preallocated in ",
         absl::StrJoin(files, ", "), "; ", io_->name(), " backend, queue depth ",
-        options_->nvme.io.queue_depth, ", checksums ", options_->nvme.checksum ? "on" : "off",
-        "; partitions are not swapped to it yet (swapper/)"));
+        options_->nvme.io.queue_depth, ", checksums ", options_->nvme.checksum ? "on" : "off"));
   }
+  lines.push_back(absl::StrCat(
+      "optimizer state: ", options_->placement.optimizer_state_host_percent,
+      "% on the host by default; prefetch ", options_->swapper.prefetch_depth, " uses / ",
+      FormatByteSize(options_->swapper.prefetch_bytes), " ahead"));
   lines.push_back(absl::StrCat("optimizer: ", optimizer_.kernel_name(), " Adam on ",
                                optimizer_.threads(), " threads, non-finite check ",
                                options_->optimizer.check_finite ? "on" : "off"));

@@ -18,7 +18,6 @@
 #include "engine/arena_channel.h"
 #include "engine/call_gate.h"
 #include "engine/daemon_options.h"
-#include "engine/memory_budget.h"
 #include "engine/partition_store.h"
 #include "engine/service.h"
 #include "engine/session_manager.h"
@@ -27,6 +26,8 @@
 #include "grpcpp/grpcpp.h"
 #include "nvme/io_backend.h"
 #include "nvme/swap_space.h"
+#include "swapper/host_pool.h"
+#include "swapper/swapper.h"
 
 namespace offload {
 
@@ -50,18 +51,23 @@ class Daemon {
   Daemon(DaemonOptions* options, ConfigRegistry* registry);
   absl::Status StartNvmeTier();
 
+  void SetHooks();
+
+  // Built in this order by Start (and destroyed in reverse: sessions before
+  // the swapper, the swapper before the pool and the swap space).
   DaemonOptions* const options_;
   ConfigRegistry* const registry_;
-  MemoryBudget host_;
+  HostPool pool_;
   Stats stats_;
   Optimizer optimizer_;
-  PartitionStore store_;
-  StepRunner steps_;
-  SessionManager sessions_;
-  CallGate calls_;
   // The NVMe tier, when nvme.dirs names directories.
   std::unique_ptr<IoBackend> io_;
   std::unique_ptr<SwapSpace> swap_;
+  std::unique_ptr<Swapper> swapper_;
+  std::unique_ptr<PartitionStore> store_;
+  std::unique_ptr<StepRunner> steps_;
+  std::unique_ptr<SessionManager> sessions_;
+  CallGate calls_;
   std::string socket_path_;
   int tcp_port_ = -1;
   std::unique_ptr<ArenaChannel> arena_channel_;

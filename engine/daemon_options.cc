@@ -23,13 +23,20 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"port", "also serve gRPC on 127.0.0.1:<port>; -1 off, 0 any free port", false,
            kTcpPortRange});
   r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
-          {"bytes", "host memory for all sessions (arenas, master weights, moments)", true,
+          {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
            kHostBudgetRange});
   r->Bind("memory.session_arena_bytes", &o->memory.session_arena_bytes,
           {"bytes", "address space reserved per session arena (new sessions)", true,
            kSessionArenaRange});
+  r->Bind("memory.lock_pool", &o->memory.lock_pool,
+          {"bool", "mlock the host pool where permitted", false});
+  r->Bind("placement.optimizer_state_host_percent", &o->placement.optimizer_state_host_percent,
+          {"percent",
+           "share of a new session's optimizer state kept on the host; the rest on NVMe", true,
+           kHostPercentRange});
   BindOptimizerTunables(&o->optimizer, r);
   BindNvmeTunables(&o->nvme, r);
+  BindSwapperTunables(&o->swapper, r);
 }
 
 }  // namespace offload

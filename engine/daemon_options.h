@@ -13,6 +13,7 @@
 #include "base/config_registry.h"
 #include "cpu_adam/optimizer_options.h"
 #include "nvme/nvme_options.h"
+#include "swapper/swapper_options.h"
 
 namespace offload {
 
@@ -44,11 +45,26 @@ struct MemoryOptions {
   // working+gradient bytes one session can register. A change applies to
   // sessions opened afterwards.
   int64_t session_arena_bytes = int64_t{256} << 30;
+
+  // Lock the pool's memory (mlock) where RLIMIT_MEMLOCK permits, so the
+  // kernel never swaps it. Warned about once when refused.
+  bool lock_pool = false;
+};
+
+struct PlacementOptions {
+  // Percentage of each new session's optimizer-state bytes (fp32 master
+  // weights and Adam moments, 12 bytes per parameter) kept on the host; the
+  // rest rests on the NVMe tier and is streamed through the host pool during
+  // the step. 100 keeps all of it in memory (fastest); lower values train
+  // models whose state exceeds the pool. A session may ask for its own when
+  // it opens. A change applies to sessions opened afterwards.
+  int64_t optimizer_state_host_percent = 100;
 };
 
 inline constexpr IntRange kTcpPortRange{-1, 65535};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
+inline constexpr IntRange kHostPercentRange{0, 100};
 
 struct DaemonOptions {
   DaemonOptions();  // fills the defaults that depend on the machine
@@ -57,6 +73,8 @@ struct DaemonOptions {
   MemoryOptions memory;
   OptimizerOptions optimizer;
   NvmeOptions nvme;
+  SwapperOptions swapper;
+  PlacementOptions placement;
 };
 
 // Binds every field of `options` to its tunable name in `registry`.

@@ -6,19 +6,25 @@
 #include "base/status_macros.h"
 
 namespace offload {
+namespace {
+
+constexpr int kStateKinds = 3;  // master, exp_avg, exp_avg_sq
+
+}  // namespace
 
 struct PartitionSet::Partition {
   PartitionInfo info;
-  HostMemory master, exp_avg, exp_avg_sq;
-  uint64_t reserved_bytes = 0;
+  PoolCharge arena_charge;  // its params and grads pages in the arena
+  Tier state_home = Tier::kHost;
   bool master_initialized = false;
   bool grads_ready = false;
   bool in_step = false;
 };
 
-PartitionStore::PartitionStore(Env* env, MemoryBudget* host, Stats* stats,
-                               uint64_t arena_capacity)
-    : env_(env), host_(host), stats_(stats), arena_capacity_(0) {
+PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
+                               int state_host_percent)
+    : env_(env), swapper_(swapper), stats_(stats), arena_capacity_(0),
+      state_host_percent_(state_host_percent) {
   SetArenaCapacity(arena_capacity);
 }
 
@@ -27,16 +33,50 @@ void PartitionStore::SetArenaCapacity(uint64_t bytes) {
                         std::memory_order_relaxed);
 }
 
-absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(uint64_t session_id) {
+absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
+    uint64_t session_id, std::optional<int> state_host_percent) {
+  const int percent = state_host_percent.value_or(state_host_percent_.load());
+  if (percent < 0 || percent > 100) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer state placement must keep 0 to 100 percent on the host, got ", percent));
+  }
+  if (percent < 100 && !swapper_->has_nvme()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "optimizer state cannot be placed on NVMe (", 100 - percent,
+        "% asked for): this offloadd has no NVMe tier (set nvme.dirs)"));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
   return std::unique_ptr<PartitionSet>(
-      new PartitionSet(session_id, std::move(arena), env_, host_, stats_));
+      new PartitionSet(session_id, std::move(arena), swapper_, stats_, percent));
 }
 
-PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Env* env,
-                           MemoryBudget* host, Stats* stats)
-    : session_id_(session_id), arena_(std::move(arena)), env_(env), host_(host), stats_(stats) {}
+PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
+                           Swapper* swapper, Stats* stats, int state_host_percent)
+    : session_id_(session_id), arena_(std::move(arena)), swapper_(swapper), stats_(stats),
+      state_host_percent_(state_host_percent) {}
+
+PartitionSet::~PartitionSet() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, p] : partitions_) {
+    for (int k = 0; k < kStateKinds; ++k) swapper_->Remove(PartitionStore::StateBlock(id, k));
+  }
+}
+
+size_t PartitionSet::partitions() const {
+  absl::MutexLock lock(&mu_);
+  return partitions_.size();
+}
+
+uint64_t PartitionSet::steps() const {
+  absl::MutexLock lock(&mu_);
+  return steps_;
+}
+
+uint64_t PartitionSet::state_bytes(Tier home) const {
+  absl::MutexLock lock(&mu_);
+  return state_bytes_[static_cast<int>(home)];
+}
 
 void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions) {
   auto in_step = [partitions]() {
@@ -52,21 +92,6 @@ void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions) {
   do {
     step_ended_.Wait(&mu_);
   } while (in_step());
-}
-
-PartitionSet::~PartitionSet() {
-  absl::MutexLock lock(&mu_);
-  for (const auto& [id, p] : partitions_) host_->Release(p->reserved_bytes);
-}
-
-size_t PartitionSet::partitions() const {
-  absl::MutexLock lock(&mu_);
-  return partitions_.size();
-}
-
-uint64_t PartitionSet::steps() const {
-  absl::MutexLock lock(&mu_);
-  return steps_;
 }
 
 PartitionSet::Partition* PartitionSet::Find(uint64_t id) const {
@@ -87,36 +112,43 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   if (spec.name.empty() || spec.name.size() > 256) {
     return absl::InvalidArgumentError("partition name must be 1 to 256 bytes");
   }
-  absl::MutexLock lock(&mu_);
-  if (names_.contains(spec.name)) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "session ", session_id_, " already has a partition named '", spec.name, "'"));
-  }
   const uint64_t param_bytes = spec.numel * DTypeSize(spec.param_dtype);
   const uint64_t grad_bytes = spec.numel * DTypeSize(spec.grad_dtype);
-  // Exactly what the arena will take, plus the private fp32 state.
-  const uint64_t reserved = ShmArena::RoundedSize(param_bytes) +
-                            ShmArena::RoundedSize(grad_bytes) +
-                            spec.numel * PartitionStore::kPrivateBytesPerParam;
+  const uint64_t state_bytes = spec.numel * sizeof(float);  // per kind
   const std::string what = absl::StrCat("partition '", spec.name, "' of session ", session_id_);
-  RETURN_IF_ERROR(host_->Reserve(reserved, what));
-
+  Tier home;
+  {
+    absl::MutexLock lock(&mu_);
+    if (names_.contains(spec.name)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "session ", session_id_, " already has a partition named '", spec.name, "'"));
+    }
+    // Claimed now; given back below if the registration fails.
+    names_.insert(spec.name);
+    const uint64_t host = state_bytes_[0], total = state_bytes_[0] + state_bytes_[1];
+    const uint64_t add = kStateKinds * state_bytes;
+    home = (host + add) * 100 <= static_cast<uint64_t>(state_host_percent_) * (total + add)
+               ? Tier::kHost
+               : Tier::kNvme;
+  }
+  // Outside the set's lock: making room may wait for write-outs.
   auto partition = std::make_unique<Partition>();
-  partition->reserved_bytes = reserved;
-  // From here on a failure must give the reservation back. (Arena space
-  // already handed out stays unused: the arena only grows.)
+  partition->state_home = home;
+  int added = 0;
   absl::Status status = [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(partition->arena_charge,
+                     swapper_->ReserveHost(ShmArena::RoundedSize(param_bytes) +
+                                               ShmArena::RoundedSize(grad_bytes),
+                                           what));
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(param_bytes));
     ASSIGN_OR_RETURN(uint64_t grads_off, arena_->Allocate(grad_bytes));
-    const uint64_t state_bytes = spec.numel * sizeof(float);
-    for (HostMemory* m : {&partition->master, &partition->exp_avg, &partition->exp_avg_sq}) {
-      absl::StatusOr<HostMemory> got = env_->Allocate(state_bytes, /*huge_pages=*/true);
-      if (!got.ok()) {
-        return absl::Status(got.status().code(),
-                            absl::StrCat("allocating optimizer state of ", what, ": ",
-                                         got.status().message()));
+    for (; added < kStateKinds; ++added) {
+      absl::Status s = swapper_->Add(PartitionStore::StateBlock(id, added), state_bytes, home,
+                                     session_id_);
+      if (!s.ok()) {
+        return absl::Status(
+            s.code(), absl::StrCat("allocating optimizer state of ", what, ": ", s.message()));
       }
-      *m = std::move(*got);
     }
     PartitionInfo& info = partition->info;
     info.id = id;
@@ -128,12 +160,16 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     info.grads = {grads_off, grad_bytes};
     return absl::OkStatus();
   }();
+  absl::MutexLock lock(&mu_);
   if (!status.ok()) {
-    host_->Release(reserved);
+    // The arena charge goes with `partition`; arena space already handed out
+    // stays unused (the arena only grows).
+    for (int k = 0; k < added; ++k) swapper_->Remove(PartitionStore::StateBlock(id, k));
+    names_.erase(spec.name);
     return status;
   }
+  state_bytes_[static_cast<int>(home)] += kStateKinds * state_bytes;
   PartitionInfo info = partition->info;
-  names_.insert(spec.name);
   partitions_[id] = std::move(partition);
   return info;
 }
@@ -188,10 +224,11 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
     StepItem item;
     item.id = id;
     item.init_master = !p->master_initialized;
-    item.task.span = AdamSpan{p->master.as<float>(), p->exp_avg.as<float>(),
-                              p->exp_avg_sq.as<float>(), base + p->info.grads.offset,
-                              p->info.grad_dtype, base + p->info.params.offset,
-                              p->info.param_dtype, p->info.numel};
+    item.task.span.grads = base + p->info.grads.offset;
+    item.task.span.grad_dtype = p->info.grad_dtype;
+    item.task.span.working = base + p->info.params.offset;
+    item.task.span.working_dtype = p->info.param_dtype;
+    item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;
     items.push_back(item);
   }
@@ -203,21 +240,40 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
   return items;
 }
 
-void PartitionSet::EndStep(absl::Span<const StepItem> items, StepOutcome outcome) {
-  absl::MutexLock lock(&mu_);
-  for (const StepItem& item : items) {
-    Partition* p = Find(item.id);
-    p->in_step = false;
-    if (outcome == StepOutcome::kFailed) continue;
-    // The master copy was initialised before the optimizer ran, whatever it
-    // decided.
-    p->master_initialized = true;
-    p->grads_ready = false;
-    if (outcome == StepOutcome::kApplied) ++p->info.step;
+absl::StatusOr<StatePins> PartitionSet::PinState(uint64_t id) {
+  StatePins pins;
+  Swapper::Pin* out[kStateKinds] = {&pins.master, &pins.exp_avg, &pins.exp_avg_sq};
+  for (int k = 0; k < kStateKinds; ++k) {
+    ASSIGN_OR_RETURN(*out[k],
+                     swapper_->Acquire(PartitionStore::StateBlock(id, k), /*for_write=*/true));
   }
-  if (outcome == StepOutcome::kApplied) ++steps_;
-  stepping_ = false;
-  step_ended_.SignalAll();
+  return pins;
+}
+
+void PartitionSet::EndStep(absl::Span<const StepItem> items,
+                           absl::Span<const StepOutcome> outcomes) {
+  bool applied_any = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < items.size(); ++i) {
+      Partition* p = Find(items[i].id);
+      p->in_step = false;
+      if (outcomes[i] == StepOutcome::kFailed) continue;
+      p->grads_ready = false;
+      if (outcomes[i] == StepOutcome::kApplied) {
+        // Its master copy was initialised (if it had to be) and updated.
+        p->master_initialized = true;
+        ++p->info.step;
+        applied_any = true;
+      }
+    }
+    if (applied_any) ++steps_;
+    stepping_ = false;
+    step_ended_.SignalAll();
+  }
+  // One iteration of this session's state accesses ends here: the swapper
+  // learns their order and prefetches the next step's first partitions.
+  swapper_->EndIteration(session_id_);
 }
 
 }  // namespace offload

@@ -3,11 +3,17 @@
 // For each session it keeps a PartitionSet: the session's shared arena
 // (shm_arena.h), out of which each partition's working parameters and
 // gradient buffer are carved (the trainer maps it), and each partition's
-// daemon-private fp32 master weights and Adam moments, each its own
-// page-aligned HostMemory on huge pages (ready for O_DIRECT swapping). Every
-// byte is reserved against the node's host budget before it is allocated and
-// given back when its set is destroyed. The tiered store (swapper/) will hang
-// off this class: it decides where each kind of each partition lives.
+// daemon-private fp32 master weights and Adam moments: three blocks in the
+// swapper (swapper/swapper.h), which keeps them in the node's host pool or
+// on NVMe. Every byte of host memory is charged to the one host pool (the
+// arena's pages through Swapper::ReserveHost, which evicts cached state to
+// make room) and given back when the set is destroyed.
+//
+// Placement of optimizer state: a session keeps `state_host_percent` of its
+// optimizer-state bytes homed on the host (always resident), the rest on
+// NVMe (brought in for the step, written back after it). Each partition's
+// three blocks go to the host while that keeps the host share at or under
+// the percentage, in registration order.
 //
 // Partition life cycle (per partition, under its set's lock):
 //   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a
@@ -23,8 +29,9 @@
 // A failed call changes nothing and holds no budget.
 //
 // Thread-safety: all methods are safe from any thread. Lock order: a set's
-// lock is a leaf; no other engine lock is taken while it is held, and it is
-// never taken while another engine lock is held (ABSL_LOCKS_EXCLUDED below).
+// lock is a leaf; no other engine lock, nor the swapper's, is taken while it
+// is held (calls into the swapper happen outside it), and it is never taken
+// while another engine lock is held (ABSL_LOCKS_EXCLUDED below).
 #ifndef OFFLOADD_ENGINE_PARTITION_STORE_H_
 #define OFFLOADD_ENGINE_PARTITION_STORE_H_
 
@@ -32,6 +39,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,9 +53,9 @@
 #include "base/host_memory.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
-#include "engine/memory_budget.h"
 #include "engine/shm_arena.h"
 #include "engine/stats.h"
+#include "swapper/swapper.h"
 
 namespace offload {
 
@@ -74,13 +82,20 @@ struct PartitionInfo {
   uint64_t step = 0;
 };
 
-// One partition of a step, as BeginStep hands it to the step runner.
+// One partition of a step, as BeginStep hands it to the step runner. The
+// task's gradient and working-copy pointers are set; the optimizer-state
+// pointers come from PinState.
 struct StepItem {
   uint64_t id = 0;
   AdamTask task;
   // The master copy has never been written: initialise it from the working
   // copy before the update.
   bool init_master = false;
+};
+
+// A partition's optimizer state, pinned in host memory for one update.
+struct StatePins {
+  Swapper::Pin master, exp_avg, exp_avg_sq;
 };
 
 enum class StepOutcome {
@@ -113,13 +128,22 @@ class PartitionSet {
   // step in progress to end first). FAILED_PRECONDITION if there is none.
   // Must be followed by exactly one EndStep with the same items.
   absl::StatusOr<std::vector<StepItem>> BeginStep() ABSL_LOCKS_EXCLUDED(mu_);
-  void EndStep(absl::Span<const StepItem> items, StepOutcome outcome) ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins the optimizer state of partition `id` (one of a running step's),
+  // reading it in from NVMe if it is there. The swapper's errors (DATA_LOSS
+  // for a failed read, RESOURCE_EXHAUSTED when the pool cannot hold it).
+  absl::StatusOr<StatePins> PinState(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // `outcomes[i]` is what happened to `items[i]`.
+  void EndStep(absl::Span<const StepItem> items, absl::Span<const StepOutcome> outcomes)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t session_id() const { return session_id_; }
+  int state_host_percent() const { return state_host_percent_; }
   int arena_fd() const { return arena_->fd(); }
   uint64_t arena_capacity() const { return arena_->capacity(); }
   uint64_t arena_bytes() const { return arena_->size(); }
   size_t partitions() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Optimizer-state bytes homed on the host and on NVMe.
+  uint64_t state_bytes(Tier home) const ABSL_LOCKS_EXCLUDED(mu_);
   // Steps applied so far.
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -127,8 +151,8 @@ class PartitionSet {
   friend class PartitionStore;
   struct Partition;
 
-  PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Env* env,
-               MemoryBudget* host, Stats* stats);
+  PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
+               Stats* stats, int state_host_percent);
   // Waits until none of `partitions` is in a step.
   void AwaitOutOfStep(absl::Span<Partition* const> partitions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -137,9 +161,9 @@ class PartitionSet {
   // Constant after construction.
   const uint64_t session_id_;
   const std::unique_ptr<ShmArena> arena_;
-  Env* const env_;
-  MemoryBudget* const host_;
+  Swapper* const swapper_;
   Stats* const stats_;
+  const int state_host_percent_;
 
   mutable absl::Mutex mu_;
   // Signalled when a step ends.
@@ -150,6 +174,7 @@ class PartitionSet {
   absl::flat_hash_set<std::string> names_ ABSL_GUARDED_BY(mu_);
   bool stepping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t state_bytes_[2] ABSL_GUARDED_BY(mu_) = {0, 0};  // by Tier
 };
 
 class PartitionStore {
@@ -157,30 +182,38 @@ class PartitionStore {
   // Largest partition accepted (elements): keeps byte counts far from
   // overflow and catches garbage sizes.
   static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-  // fp32 master weights, exp_avg, exp_avg_sq.
-  static constexpr uint64_t kPrivateBytesPerParam = 12;
+  // The swapper's block ids of a partition's optimizer state.
+  static uint64_t StateBlock(uint64_t partition_id, int kind) { return partition_id * 3 + kind; }
 
-  // `env`, `host` and `stats` must outlive the store and every set it made.
-  PartitionStore(Env* env, MemoryBudget* host, Stats* stats, uint64_t arena_capacity);
+  // `env`, `swapper` and `stats` must outlive the store and every set it
+  // made. `state_host_percent` is the node default for new sessions.
+  PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
+                 int state_host_percent);
 
   // A new, empty set for session `session_id` with an arena of the current
-  // capacity.
-  absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(uint64_t session_id);
+  // capacity, keeping `state_host_percent` (else the node default) of its
+  // optimizer state on the host. INVALID_ARGUMENT outside [0, 100];
+  // FAILED_PRECONDITION below 100 without an NVMe tier.
+  absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(
+      uint64_t session_id, std::optional<int> state_host_percent = std::nullopt);
 
   // Applies to sets created afterwards (rounded down to the arena's
   // alignment).
   void SetArenaCapacity(uint64_t bytes);
   uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }
-
-  const MemoryBudget& host() const { return *host_; }
+  // Applies to sessions opened afterwards.
+  void SetStateHostPercent(int percent) {
+    state_host_percent_.store(percent, std::memory_order_relaxed);
+  }
 
  private:
   // Constant after construction.
   Env* const env_;
-  MemoryBudget* const host_;
+  Swapper* const swapper_;
   Stats* const stats_;
 
   std::atomic<uint64_t> arena_capacity_;
+  std::atomic<int> state_host_percent_;
 };
 
 }  // namespace offload

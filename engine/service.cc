@@ -58,7 +58,16 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
                                                const v1::OpenSessionRequest* req,
                                                v1::OpenSessionResponse* resp) {
   return Serve([&]() -> absl::Status {
-    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name()));
+    std::optional<int> state_host_percent;
+    if (req->has_optimizer_state_host_percent()) {
+      if (req->optimizer_state_host_percent() > 100) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer_state_host_percent must be 0 to 100, got ",
+            req->optimizer_state_host_percent()));
+      }
+      state_host_percent = static_cast<int>(req->optimizer_state_host_percent());
+    }
+    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), state_host_percent));
     resp->mutable_session()->set_session_id(opened.key.id);
     resp->mutable_session()->set_token(opened.key.token);
     resp->set_arena_socket(arena_socket_);
@@ -170,9 +179,9 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
     for (const std::string& l : identity_.listening) resp->add_listening(l);
   }
   v1::TierSummary* host = resp->add_tiers();
-  host->set_name(host_->tier());
-  host->set_used_bytes(host_->used());
-  host->set_budget_bytes(host_->limit());
+  host->set_name("host");
+  host->set_used_bytes(swapper_->pool().used());
+  host->set_budget_bytes(swapper_->pool().limit());
   if (swap_ != nullptr) {
     SwapStats s = swap_->Stats();
     v1::TierSummary* nvme = resp->add_tiers();
@@ -180,7 +189,9 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
     nvme->set_used_bytes(s.capacity - s.free);
     nvme->set_budget_bytes(s.capacity);
   }
-  for (const CounterValue& c : stats_->Snapshot()) {
+  std::vector<CounterValue> counters = stats_->Snapshot();
+  AppendSwapperCounters(swapper_->Stats(), &counters);
+  for (const CounterValue& c : counters) {
     v1::Counter* out = resp->add_counters();
     out->set_name(c.name);
     out->set_value(c.value);
@@ -193,6 +204,8 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
     out->set_partitions(s.partitions);
     out->set_arena_bytes(s.arena_bytes);
     out->set_steps(s.steps);
+    out->set_state_host_bytes(s.state_host_bytes);
+    out->set_state_nvme_bytes(s.state_nvme_bytes);
   }
   resp->set_optimizer_kernel(
       absl::StrCat(optimizer_->kernel_name(), ", ", optimizer_->threads(), " threads"));

@@ -16,11 +16,11 @@
 #include "base/config_registry.h"
 #include "cpu_adam/optimizer.h"
 #include "engine/call_gate.h"
-#include "engine/memory_budget.h"
 #include "engine/session_manager.h"
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/swap_space.h"
+#include "swapper/swapper.h"
 #include "proto/offload.grpc.pb.h"
 
 namespace offload {
@@ -81,9 +81,9 @@ struct ServerIdentity {
 class StatsServiceImpl final : public v1::StatsService::Service {
  public:
   // `swap` may be null (no NVMe tier).
-  StatsServiceImpl(const SessionManager* sessions, const Stats* stats, const MemoryBudget* host,
+  StatsServiceImpl(const SessionManager* sessions, const Stats* stats, const Swapper* swapper,
                    const Optimizer* optimizer, const SwapSpace* swap, ServerIdentity identity)
-      : sessions_(sessions), stats_(stats), host_(host), optimizer_(optimizer), swap_(swap),
+      : sessions_(sessions), stats_(stats), swapper_(swapper), optimizer_(optimizer), swap_(swap),
         identity_(std::move(identity)) {}
 
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
@@ -94,7 +94,7 @@ class StatsServiceImpl final : public v1::StatsService::Service {
  private:
   const SessionManager* const sessions_;
   const Stats* const stats_;
-  const MemoryBudget* const host_;
+  const Swapper* const swapper_;
   const Optimizer* const optimizer_;
   const SwapSpace* const swap_;
   absl::Mutex mu_;

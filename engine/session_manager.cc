@@ -36,7 +36,8 @@ SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* step
 
 SessionManager::~SessionManager() = default;
 
-absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name) {
+absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name,
+                                                   std::optional<int> state_host_percent) {
   if (name.size() > 256) {
     return absl::InvalidArgumentError(
         absl::StrCat("session name is ", name.size(), " bytes; at most 256 allowed"));
@@ -48,7 +49,7 @@ absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name) {
     absl::MutexLock lock(&mu_);
     id = next_session_id_++;
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id));
+  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, state_host_percent));
   const uint64_t capacity = set->arena_capacity();
   auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set));
   {
@@ -188,7 +189,8 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<SessionSummary> out;
   for (const auto& s : sessions) {
     const PartitionSet& p = *s->partitions;
-    out.push_back({s->id, s->name, p.partitions(), p.arena_bytes(), p.steps()});
+    out.push_back({s->id, s->name, p.partitions(), p.arena_bytes(), p.steps(),
+                   p.state_bytes(Tier::kHost), p.state_bytes(Tier::kNvme)});
   }
   std::sort(out.begin(), out.end(),
             [](const SessionSummary& a, const SessionSummary& b) { return a.id < b.id; });

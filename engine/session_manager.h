@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,8 @@ struct SessionSummary {
   uint64_t partitions = 0;
   uint64_t arena_bytes = 0;
   uint64_t steps = 0;
+  uint64_t state_host_bytes = 0;
+  uint64_t state_nvme_bytes = 0;
 };
 
 class SessionManager {
@@ -78,7 +81,11 @@ class SessionManager {
   SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats);
   ~SessionManager();
 
-  absl::StatusOr<OpenedSession> Open(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
+  // `state_host_percent`: placement of the session's optimizer state (see
+  // PartitionStore::CreateSet); unset, the node default.
+  absl::StatusOr<OpenedSession> Open(absl::string_view name,
+                                     std::optional<int> state_host_percent = std::nullopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)

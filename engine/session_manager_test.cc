@@ -27,9 +27,10 @@ int OpenDescriptors() {
 class SessionManagerTest : public ::testing::Test {
  protected:
   SessionManagerTest()
-      : host_("host", 64 << 20), optimizer_(OptimizerOptions{1, 1 << 16}),
-        store_(&env_, &host_, &stats_, 16 << 20), steps_(&optimizer_, &stats_),
-        sessions_(&env_, &store_, &steps_, &stats_) {}
+      : pool_(&env_, 64 << 20, false), optimizer_(OptimizerOptions{1, 1 << 16}),
+        swapper_(*Swapper::Create(SwapperOptions{}, &pool_, nullptr)),
+        store_(&env_, swapper_.get(), &stats_, 16 << 20, 100),
+        steps_(&optimizer_, &pool_, &stats_), sessions_(&env_, &store_, &steps_, &stats_) {}
 
   SessionKey Open() {
     auto s = sessions_.Open("t");
@@ -38,9 +39,10 @@ class SessionManagerTest : public ::testing::Test {
   }
 
   FaultInjectingEnv env_{Env::Default()};
-  MemoryBudget host_;
   Stats stats_;
+  HostPool pool_;
   Optimizer optimizer_;
+  std::unique_ptr<Swapper> swapper_;
   PartitionStore store_;
   StepRunner steps_;
   SessionManager sessions_;
@@ -54,7 +56,9 @@ TEST_F(SessionManagerTest, RegisterFetchReturnStep) {
   EXPECT_EQ(p->params.bytes, 4000u);
   EXPECT_EQ(p->grads.bytes, 2000u);
   EXPECT_EQ(p->params.offset % 4096, 0u);
-  EXPECT_EQ(host_.used(), 4096u + 4096u + 12u * 1000);
+  // Exact accounting of what is mapped: two arena pages, and master, m and
+  // v (4000 bytes each) a page each.
+  EXPECT_EQ(pool_.used(), 4096u + 4096u + 3 * 4096u);
 
   auto fd = sessions_.DupArenaFd(key);
   ASSERT_TRUE(fd.ok());
@@ -76,7 +80,7 @@ TEST_F(SessionManagerTest, RegisterFetchReturnStep) {
             absl::StatusCode::kFailedPrecondition);
 
   ASSERT_TRUE(sessions_.Close(key).ok());
-  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(pool_.used(), 0u);
 }
 
 TEST_F(SessionManagerTest, BadRequestsGetPreciseCodes) {
@@ -127,11 +131,11 @@ TEST_F(SessionManagerTest, BadRequestsGetPreciseCodes) {
 TEST_F(SessionManagerTest, AbandonFreesASessionNobodyElseHolds) {
   SessionKey key = Open();
   ASSERT_TRUE(sessions_.Register(key, {"w", 1000, DType::kFp32, DType::kFp32}).ok());
-  EXPECT_GT(host_.used(), 0u);
+  EXPECT_GT(pool_.used(), 0u);
   // No call in flight holds the session: it is destroyed inside Abandon,
   // which must not happen under the manager's lock (lock-order cycle).
   EXPECT_TRUE(sessions_.Abandon(key.id));
-  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(pool_.used(), 0u);
   EXPECT_FALSE(sessions_.Abandon(key.id));
   EXPECT_EQ(sessions_.Fetch(key, {}).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(stats_.sessions_abandoned.load(), 1);
@@ -142,16 +146,16 @@ TEST_F(SessionManagerTest, AbandonFreesASessionNobodyElseHolds) {
 
 TEST_F(SessionManagerTest, BudgetIsEnforcedAndNothingLeaks) {
   SessionKey a = Open();
-  host_.SetLimit(1 << 20);
+  pool_.SetLimit(1 << 20);
   auto big = sessions_.Register(a, {"big", 1 << 20, DType::kFp32, DType::kFp32});
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(big.status().message().find("big"), std::string::npos);
-  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(pool_.used(), 0u);
   // The arena capacity (16 MiB here) bounds one session as well.
-  host_.SetLimit(uint64_t{1} << 40);
+  pool_.SetLimit(uint64_t{1} << 40);
   auto huge = sessions_.Register(a, {"huge", 8 << 20, DType::kFp32, DType::kFp32});
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(pool_.used(), 0u);
   EXPECT_TRUE(sessions_.Register(a, {"ok", 1000, DType::kFp32, DType::kFp32}).ok());
 }
 
@@ -206,7 +210,7 @@ TEST_F(SessionManagerTest, OpenFailuresLeaveNothingBehind) {
 TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
   SessionKey key = Open();
   ASSERT_TRUE(sessions_.Register(key, {"first", 1000, DType::kFp32, DType::kFp32}).ok());
-  const uint64_t used = host_.used();
+  const uint64_t used = pool_.used();
   // Master, exp_avg and exp_avg_sq are three allocations; fail each in turn.
   for (int n = 1; n <= 3; ++n) {
     env_.FailNth(EnvOp::kAllocate, n, ENOMEM);
@@ -215,13 +219,13 @@ TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
     EXPECT_NE(failed.status().message().find("optimizer state of partition 'w'"),
               std::string::npos)
         << failed.status();
-    EXPECT_EQ(host_.used(), used) << n;
+    EXPECT_EQ(pool_.used(), used) << n;
   }
   env_.FailNth(EnvOp::kResizeFile, 1, ENOSPC);
   auto no_arena = sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16});
   EXPECT_EQ(no_arena.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(no_arena.status().message().find("growing session arena"), std::string::npos);
-  EXPECT_EQ(host_.used(), used);
+  EXPECT_EQ(pool_.used(), used);
   // The name was never taken, and only the first partition exists.
   auto all = sessions_.Fetch(key, {});
   ASSERT_TRUE(all.ok());
@@ -288,19 +292,19 @@ TEST_F(SessionManagerRaceTest, CloseDuringStepReturnsAtOnceAndFreesAfterIt) {
   // No lock is held across the step: Close does not wait for it.
   ASSERT_TRUE(sessions_.Close(key_).ok());
   EXPECT_EQ(sessions_.Fetch(key_, {}).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_GT(host_.used(), 0u);  // the running step still holds the session
+  EXPECT_GT(pool_.used(), 0u);  // the running step still holds the session
   FinishStep();
   EXPECT_TRUE(step_result_.ok()) << step_result_.status();
-  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(pool_.used(), 0u);
 }
 
 TEST_F(SessionManagerRaceTest, AbandonDuringStepFreesAfterIt) {
   StartHeldStep();
   EXPECT_TRUE(sessions_.Abandon(key_.id));
-  EXPECT_GT(host_.used(), 0u);
+  EXPECT_GT(pool_.used(), 0u);
   FinishStep();
   EXPECT_TRUE(step_result_.ok()) << step_result_.status();
-  EXPECT_EQ(host_.used(), 0u);
+  EXPECT_EQ(pool_.used(), 0u);
   EXPECT_EQ(stats_.sessions_abandoned.load(), 1);
 }
 

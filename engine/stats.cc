@@ -16,9 +16,39 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"steps_skipped_nonfinite", v(steps_skipped), "steps"},
       {"params_updated", v(params_updated), "params"},
       {"step_time", v(step_nanos) / 1000, "us"},
+      {"step_state_wait_time", v(step_state_wait_nanos) / 1000, "us"},
+      {"step_compute_time", v(step_compute_nanos) / 1000, "us"},
       {"waits_for_step", v(waits_for_step), "calls"},
       {"requests_failed", v(requests_failed), "requests"},
   };
+}
+
+void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out) {
+  auto add = [out](const char* name, uint64_t v, const char* unit) {
+    out->push_back({name, static_cast<int64_t>(v), unit});
+  };
+  add("swap_blocks", s.blocks, "blocks");
+  add("swap_resident_bytes", s.resident_bytes, "bytes");
+  add("swap_pinned_bytes", s.pinned_bytes, "bytes");
+  add("swap_host_placed_bytes", s.host_home_bytes, "bytes");
+  add("swap_nvme_placed_bytes", s.nvme_home_bytes, "bytes");
+  add("swap_acquires", s.acquires, "acquires");
+  add("swap_hits", s.hits, "acquires");
+  add("swap_waited_reads", s.waited_reads, "acquires");
+  add("swap_misses", s.misses, "acquires");
+  add("prefetch_issued", s.prefetches, "blocks");
+  add("prefetch_used", s.prefetch_used, "blocks");
+  add("prefetch_wasted", s.prefetch_wasted, "blocks");
+  add("swap_ins", s.swap_ins, "blocks");
+  add("swap_outs", s.swap_outs, "blocks");
+  add("swap_clean_drops", s.clean_drops, "blocks");
+  add("swap_in_bytes", s.bytes_in, "bytes");
+  add("swap_out_bytes", s.bytes_out, "bytes");
+  add("swap_in_time", s.read_nanos / 1000, "us");
+  add("swap_out_time", s.write_nanos / 1000, "us");
+  add("swap_io_errors", s.io_errors, "errors");
+  add("swap_io_queue", s.io_queue, "tasks");
+  add("swap_order_relearned", s.relearned, "times");
 }
 
 }  // namespace offload

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "swapper/swapper.h"
+
 namespace offload {
 
 struct CounterValue {
@@ -28,6 +30,10 @@ struct Stats {
   std::atomic<int64_t> steps_skipped{0};
   std::atomic<int64_t> params_updated{0};
   std::atomic<int64_t> step_nanos{0};
+  // Of that: waiting for optimizer state to be pinned (swap-ins), and in the
+  // optimizer's update.
+  std::atomic<int64_t> step_state_wait_nanos{0};
+  std::atomic<int64_t> step_compute_nanos{0};
   // Fetches and gradient returns that found their partition in a running
   // step and waited for it to end.
   std::atomic<int64_t> waits_for_step{0};
@@ -35,6 +41,9 @@ struct Stats {
 
   std::vector<CounterValue> Snapshot() const;
 };
+
+// The swapper's counters and gauges, named "swap_*" / "prefetch_*".
+void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out);
 
 }  // namespace offload
 

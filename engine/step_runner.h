@@ -3,13 +3,21 @@
 //   1. Validate the hyperparameters (INVALID_ARGUMENT changes nothing).
 //   2. PartitionSet::BeginStep pins every partition whose gradients were
 //      returned (waiting for the session's previous step to end).
-//   3. Outside every engine lock: on a partition's first step, initialise its
-//      fp32 master copy from the working copy; run the optimizer pool over
-//      all pinned partitions (cpu_adam/optimizer.h, which takes only its own
-//      lock).
-//   4. PartitionSet::EndStep unpins them: applied (steps advance), skipped
-//      (non-finite gradients: consumed, nothing else changes) or failed
-//      (nothing changes).
+//   3. Outside every engine lock, scan all their gradients for NaN/Inf (they
+//      are in the arena, in host memory): any found skips the whole step.
+//   4. Stream the update, in registration order, through groups of
+//      partitions whose optimizer state is pinned at once (at most a quarter
+//      of the host pool): pin a group's state (the swapper reads it in from
+//      NVMe if it is there; its prefetch, which has learned this order from
+//      earlier steps, is already reading the next groups), initialise master
+//      copies on first steps, update, unpin (the swapper writes state back
+//      when it needs the room, while later groups compute). So with state on
+//      NVMe, reading group i+1, updating i and writing i-1 overlap, in
+//      bounded memory.
+//   5. PartitionSet::EndStep unpins the partitions: applied (steps advance),
+//      skipped (non-finite gradients: consumed, nothing else changes) or
+//      failed. A swap-in that fails midway fails the step with its error;
+//      the groups before it stay applied, the rest keep their gradients.
 //
 // The step protocol of the coming issues (accumulation, global clipping,
 // an update overlapped with the next forward pass, the delayed parameter
@@ -30,6 +38,7 @@
 #include "cpu_adam/optimizer.h"
 #include "engine/partition_store.h"
 #include "engine/stats.h"
+#include "swapper/host_pool.h"
 
 namespace offload {
 
@@ -51,8 +60,9 @@ enum class StepPoint {
 
 class StepRunner {
  public:
-  // `optimizer` and `stats` must outlive the runner.
-  StepRunner(Optimizer* optimizer, Stats* stats) : optimizer_(optimizer), stats_(stats) {}
+  // `optimizer`, `pool` and `stats` must outlive the runner.
+  StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats)
+      : optimizer_(optimizer), pool_(pool), stats_(stats) {}
 
   absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h);
 
@@ -64,6 +74,7 @@ class StepRunner {
   void Sync(StepPoint point) ABSL_LOCKS_EXCLUDED(mu_);
 
   Optimizer* const optimizer_;
+  const HostPool* const pool_;
   Stats* const stats_;
   absl::Mutex mu_;
   std::function<void(StepPoint)> sync_point_ ABSL_GUARDED_BY(mu_);
