@@ -41,7 +41,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
   d->store_ = std::make_unique<PartitionStore>(
       Env::Default(), d->swapper_.get(), &d->stats_,
-      static_cast<uint64_t>(options->memory.session_arena_bytes), state_host_percent);
+      static_cast<uint64_t>(options->memory.session_arena_bytes), state_host_percent,
+      static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float));
   d->steps_ = std::make_unique<StepRunner>(&d->optimizer_, &d->pool_, &d->stats_);
   d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
                                                   d->steps_.get(), &d->stats_);

@@ -34,6 +34,9 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"percent",
            "share of a new session's optimizer state kept on the host; the rest on NVMe", true,
            kHostPercentRange});
+  r->Bind("placement.state_chunk_bytes", &o->placement.state_chunk_bytes,
+          {"bytes", "optimizer state moves and updates in chunks of this size per kind", false,
+           kStateChunkRange});
   BindOptimizerTunables(&o->optimizer, r);
   BindNvmeTunables(&o->nvme, r);
   BindSwapperTunables(&o->swapper, r);

@@ -59,12 +59,19 @@ struct PlacementOptions {
   // models whose state exceeds the pool. A session may ask for its own when
   // it opens. A change applies to sessions opened afterwards.
   int64_t optimizer_state_host_percent = 100;
+
+  // Optimizer state is moved and updated in chunks of at most this many
+  // bytes per kind (master, exp_avg, exp_avg_sq each). Smaller chunks stream
+  // in less pool memory and start sooner; larger ones mean fewer, bigger
+  // NVMe requests.
+  int64_t state_chunk_bytes = int64_t{16} << 20;
 };
 
 inline constexpr IntRange kTcpPortRange{-1, 65535};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
 inline constexpr IntRange kHostPercentRange{0, 100};
+inline constexpr IntRange kStateChunkRange{4096, int64_t{1} << 30};
 
 struct DaemonOptions {
   DaemonOptions();  // fills the defaults that depend on the machine

@@ -1,6 +1,8 @@
 #include "engine/partition_store.h"
 
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -19,11 +21,13 @@ struct PartitionSet::Partition {
   bool master_initialized = false;
   bool grads_ready = false;
   bool in_step = false;
+  uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
 };
 
 PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                               int state_host_percent)
-    : env_(env), swapper_(swapper), stats_(stats), arena_capacity_(0),
+                               int state_host_percent, uint64_t state_chunk_elems)
+    : env_(env), swapper_(swapper), stats_(stats),
+      state_chunk_elems_(std::max<uint64_t>(state_chunk_elems, 1024)), arena_capacity_(0),
       state_host_percent_(state_host_percent) {
   SetArenaCapacity(arena_capacity);
 }
@@ -48,19 +52,30 @@ absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
   return std::unique_ptr<PartitionSet>(
-      new PartitionSet(session_id, std::move(arena), swapper_, stats_, percent));
+      new PartitionSet(session_id, std::move(arena), swapper_, stats_, percent,
+                       state_chunk_elems_));
 }
 
 PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
-                           Swapper* swapper, Stats* stats, int state_host_percent)
+                           Swapper* swapper, Stats* stats, int state_host_percent,
+                           uint64_t state_chunk_elems)
     : session_id_(session_id), arena_(std::move(arena)), swapper_(swapper), stats_(stats),
-      state_host_percent_(state_host_percent) {}
+      state_host_percent_(state_host_percent), state_chunk_elems_(state_chunk_elems) {}
 
 PartitionSet::~PartitionSet() {
   absl::MutexLock lock(&mu_);
   for (const auto& [id, p] : partitions_) {
-    for (int k = 0; k < kStateKinds; ++k) swapper_->Remove(PartitionStore::StateBlock(id, k));
+    const uint64_t chunks = (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_;
+    for (uint64_t c = 0; c < chunks; ++c) {
+      for (int k = 0; k < kStateKinds; ++k) swapper_->Remove(PartitionStore::StateBlock(id, c, k));
+    }
   }
+}
+
+uint64_t PartitionSet::StateChunks(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  Partition* p = Find(id);
+  return p == nullptr ? 0 : (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_;
 }
 
 size_t PartitionSet::partitions() const {
@@ -134,7 +149,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   // Outside the set's lock: making room may wait for write-outs.
   auto partition = std::make_unique<Partition>();
   partition->state_home = home;
-  int added = 0;
+  std::vector<uint64_t> added;  // state blocks, to remove if a later step fails
   absl::Status status = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(partition->arena_charge,
                      swapper_->ReserveHost(ShmArena::RoundedSize(param_bytes) +
@@ -142,12 +157,16 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
                                            what));
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(param_bytes));
     ASSIGN_OR_RETURN(uint64_t grads_off, arena_->Allocate(grad_bytes));
-    for (; added < kStateKinds; ++added) {
-      absl::Status s = swapper_->Add(PartitionStore::StateBlock(id, added), state_bytes, home,
-                                     session_id_);
-      if (!s.ok()) {
-        return absl::Status(
-            s.code(), absl::StrCat("allocating optimizer state of ", what, ": ", s.message()));
+    for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
+      const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
+      for (int k = 0; k < kStateKinds; ++k) {
+        const uint64_t block = PartitionStore::StateBlock(id, c, k);
+        absl::Status s = swapper_->Add(block, elems * sizeof(float), home, session_id_);
+        if (!s.ok()) {
+          return absl::Status(
+              s.code(), absl::StrCat("allocating optimizer state of ", what, ": ", s.message()));
+        }
+        added.push_back(block);
       }
     }
     PartitionInfo& info = partition->info;
@@ -164,7 +183,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   if (!status.ok()) {
     // The arena charge goes with `partition`; arena space already handed out
     // stays unused (the arena only grows).
-    for (int k = 0; k < added; ++k) swapper_->Remove(PartitionStore::StateBlock(id, k));
+    for (uint64_t block : added) swapper_->Remove(block);
     names_.erase(spec.name);
     return status;
   }
@@ -230,6 +249,7 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
     item.task.span.working_dtype = p->info.param_dtype;
     item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;
+    item.first_chunk = p->resume_chunk;
     items.push_back(item);
   }
   if (items.empty()) {
@@ -240,27 +260,42 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
   return items;
 }
 
-absl::StatusOr<StatePins> PartitionSet::PinState(uint64_t id) {
+absl::StatusOr<StatePins> PartitionSet::PinState(uint64_t id, uint64_t chunk) {
+  uint64_t numel;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    numel = p->info.numel;
+  }
   StatePins pins;
+  pins.begin = chunk * state_chunk_elems_;
+  if (pins.begin >= numel) {
+    return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no state chunk ", chunk));
+  }
+  pins.end = std::min(numel, pins.begin + state_chunk_elems_);
   Swapper::Pin* out[kStateKinds] = {&pins.master, &pins.exp_avg, &pins.exp_avg_sq};
   for (int k = 0; k < kStateKinds; ++k) {
-    ASSIGN_OR_RETURN(*out[k],
-                     swapper_->Acquire(PartitionStore::StateBlock(id, k), /*for_write=*/true));
+    ASSIGN_OR_RETURN(*out[k], swapper_->Acquire(PartitionStore::StateBlock(id, chunk, k),
+                                                /*for_write=*/true));
   }
   return pins;
 }
 
 void PartitionSet::EndStep(absl::Span<const StepItem> items,
-                           absl::Span<const StepOutcome> outcomes) {
+                           absl::Span<const ItemOutcome> outcomes) {
   bool applied_any = false;
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
       Partition* p = Find(items[i].id);
       p->in_step = false;
-      if (outcomes[i] == StepOutcome::kFailed) continue;
+      if (outcomes[i].outcome == StepOutcome::kFailed) {
+        p->resume_chunk = outcomes[i].next_chunk;
+        continue;
+      }
+      p->resume_chunk = 0;
       p->grads_ready = false;
-      if (outcomes[i] == StepOutcome::kApplied) {
+      if (outcomes[i].outcome == StepOutcome::kApplied) {
         // Its master copy was initialised (if it had to be) and updated.
         p->master_initialized = true;
         ++p->info.step;

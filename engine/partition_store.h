@@ -11,9 +11,12 @@
 //
 // Placement of optimizer state: a session keeps `state_host_percent` of its
 // optimizer-state bytes homed on the host (always resident), the rest on
-// NVMe (brought in for the step, written back after it). Each partition's
-// three blocks go to the host while that keeps the host share at or under
-// the percentage, in registration order.
+// NVMe (brought in for the step, written back after it). A partition's state
+// goes to the host while that keeps the host share at or under the
+// percentage, in registration order. Each kind of state is cut into chunks
+// of at most `state_chunk_elems` elements, one swapper block each, so that a
+// step streams pieces much smaller than the pool, whatever the partitions'
+// sizes (Adam is elementwise: updating chunk by chunk is bit-identical).
 //
 // Partition life cycle (per partition, under its set's lock):
 //   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a
@@ -91,17 +94,28 @@ struct StepItem {
   // The master copy has never been written: initialise it from the working
   // copy before the update.
   bool init_master = false;
+  // The first state chunk to update: not 0 when this step resumes one that
+  // failed midway through this partition.
+  uint64_t first_chunk = 0;
 };
 
-// A partition's optimizer state, pinned in host memory for one update.
+// One chunk of a partition's optimizer state, pinned in host memory for one
+// update: elements [begin, end) of the partition.
 struct StatePins {
+  uint64_t begin = 0, end = 0;
   Swapper::Pin master, exp_avg, exp_avg_sq;
 };
 
 enum class StepOutcome {
   kApplied,  // the update happened: gradients consumed, step counts advance
   kSkipped,  // non-finite gradients: gradients consumed, nothing else changes
-  kFailed,   // the optimizer refused: everything stays, gradients stay ready
+  kFailed,   // stopped before its end: gradients stay ready, and the next
+             // step resumes at `next_chunk`
+};
+
+struct ItemOutcome {
+  StepOutcome outcome = StepOutcome::kFailed;
+  uint64_t next_chunk = 0;  // kFailed: chunks before it were updated
 };
 
 class PartitionStore;
@@ -128,12 +142,15 @@ class PartitionSet {
   // step in progress to end first). FAILED_PRECONDITION if there is none.
   // Must be followed by exactly one EndStep with the same items.
   absl::StatusOr<std::vector<StepItem>> BeginStep() ABSL_LOCKS_EXCLUDED(mu_);
-  // Pins the optimizer state of partition `id` (one of a running step's),
-  // reading it in from NVMe if it is there. The swapper's errors (DATA_LOSS
-  // for a failed read, RESOURCE_EXHAUSTED when the pool cannot hold it).
-  absl::StatusOr<StatePins> PinState(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Chunks of partition `id`'s optimizer state.
+  uint64_t StateChunks(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins chunk `chunk` of the optimizer state of partition `id` (one of a
+  // running step's), reading it in from NVMe if it is there. The swapper's
+  // errors (DATA_LOSS for a failed read, RESOURCE_EXHAUSTED when the pool
+  // cannot hold it).
+  absl::StatusOr<StatePins> PinState(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // `outcomes[i]` is what happened to `items[i]`.
-  void EndStep(absl::Span<const StepItem> items, absl::Span<const StepOutcome> outcomes)
+  void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t session_id() const { return session_id_; }
@@ -152,7 +169,7 @@ class PartitionSet {
   struct Partition;
 
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
-               Stats* stats, int state_host_percent);
+               Stats* stats, int state_host_percent, uint64_t state_chunk_elems);
   // Waits until none of `partitions` is in a step.
   void AwaitOutOfStep(absl::Span<Partition* const> partitions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -164,6 +181,7 @@ class PartitionSet {
   Swapper* const swapper_;
   Stats* const stats_;
   const int state_host_percent_;
+  const uint64_t state_chunk_elems_;
 
   mutable absl::Mutex mu_;
   // Signalled when a step ends.
@@ -182,13 +200,17 @@ class PartitionStore {
   // Largest partition accepted (elements): keeps byte counts far from
   // overflow and catches garbage sizes.
   static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-  // The swapper's block ids of a partition's optimizer state.
-  static uint64_t StateBlock(uint64_t partition_id, int kind) { return partition_id * 3 + kind; }
+  // The swapper's block id of one kind (0 master, 1 exp_avg, 2 exp_avg_sq)
+  // of one chunk of a partition's optimizer state.
+  static uint64_t StateBlock(uint64_t partition_id, uint64_t chunk, int kind) {
+    return partition_id << 32 | chunk << 2 | static_cast<uint64_t>(kind);
+  }
 
   // `env`, `swapper` and `stats` must outlive the store and every set it
-  // made. `state_host_percent` is the node default for new sessions.
+  // made. `state_host_percent` is the node default for new sessions;
+  // `state_chunk_elems` the size of a state chunk (at least 1024).
   PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                 int state_host_percent);
+                 int state_host_percent, uint64_t state_chunk_elems);
 
   // A new, empty set for session `session_id` with an arena of the current
   // capacity, keeping `state_host_percent` (else the node default) of its
@@ -212,6 +234,7 @@ class PartitionStore {
   Swapper* const swapper_;
   Stats* const stats_;
 
+  const uint64_t state_chunk_elems_;
   std::atomic<uint64_t> arena_capacity_;
   std::atomic<int> state_host_percent_;
 };

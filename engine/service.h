@@ -20,8 +20,8 @@
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/swap_space.h"
-#include "swapper/swapper.h"
 #include "proto/offload.grpc.pb.h"
+#include "swapper/swapper.h"
 
 namespace offload {
 

@@ -29,7 +29,7 @@ class SessionManagerTest : public ::testing::Test {
   SessionManagerTest()
       : pool_(&env_, 64 << 20, false), optimizer_(OptimizerOptions{1, 1 << 16}),
         swapper_(*Swapper::Create(SwapperOptions{}, &pool_, nullptr)),
-        store_(&env_, swapper_.get(), &stats_, 16 << 20, 100),
+        store_(&env_, swapper_.get(), &stats_, 16 << 20, 100, 1 << 20),
         steps_(&optimizer_, &pool_, &stats_), sessions_(&env_, &store_, &steps_, &stats_) {}
 
   SessionKey Open() {

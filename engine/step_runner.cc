@@ -39,7 +39,8 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   const auto start = std::chrono::steady_clock::now();
   ASSIGN_OR_RETURN(std::vector<StepItem> items, set.BeginStep());
   Sync(StepPoint::kPinned);
-  std::vector<StepOutcome> outcomes(items.size(), StepOutcome::kFailed);
+  std::vector<ItemOutcome> outcomes(items.size());
+  for (size_t i = 0; i < items.size(); ++i) outcomes[i].next_chunk = items[i].first_chunk;
 
   std::vector<AdamTask> all;
   all.reserve(items.size());
@@ -47,10 +48,21 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   const uint64_t nonfinite = optimizer_->CountNonFinite(all);
   if (nonfinite != 0) {
     Sync(StepPoint::kOptimized);
-    outcomes.assign(items.size(), StepOutcome::kSkipped);
+    for (ItemOutcome& o : outcomes) o.outcome = StepOutcome::kSkipped;
     set.EndStep(items, outcomes);
     stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);
     return StepSummary{0, 0, true, nonfinite};
+  }
+
+  // Units of work: (item, chunk), in order.
+  struct Unit {
+    size_t item;
+    uint64_t chunk;
+  };
+  std::vector<Unit> units;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const uint64_t chunks = set.StateChunks(items[i].id);
+    for (uint64_t c = items[i].first_chunk; c < chunks; ++c) units.push_back({i, c});
   }
 
   const uint64_t group_limit = pool_->limit() / 4;
@@ -58,37 +70,40 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   StepSummary summary;
   int64_t wait_nanos = 0, compute_nanos = 0;
   size_t next = 0;
-  while (next < items.size() && status.ok()) {
+  while (next < units.size() && status.ok()) {
     const size_t first = next;
     std::vector<StatePins> pins;
     std::vector<AdamTask> tasks;
     uint64_t group_bytes = 0;
     const auto pinning = std::chrono::steady_clock::now();
-    while (next < items.size()) {
-      const uint64_t bytes = items[next].task.span.numel * kStateBytesPerParam;
-      if (!tasks.empty() && group_bytes + bytes > group_limit) break;
-      absl::StatusOr<StatePins> got = set.PinState(items[next].id);
+    while (next < units.size()) {
+      const StepItem& item = items[units[next].item];
+      absl::StatusOr<StatePins> got = set.PinState(item.id, units[next].chunk);
       if (!got.ok()) {
         // The pool is full of this group: update it, then try again.
         if (!tasks.empty() && absl::IsResourceExhausted(got.status())) break;
         status = absl::Status(
             got.status().code(),
-            absl::StrCat("step of session ", set.session_id(), " stopped at partition ",
-                         items[next].id, " (", next, " of ", items.size(),
-                         " partitions updated): ", got.status().message()));
+            absl::StrCat("step of session ", set.session_id(), " stopped at state chunk ",
+                         units[next].chunk, " of partition ", item.id,
+                         " (the next Step resumes there): ", got.status().message()));
         break;
       }
-      AdamTask task = items[next].task;
-      task.span.master = reinterpret_cast<float*>(got->master.data());
-      task.span.exp_avg = reinterpret_cast<float*>(got->exp_avg.data());
-      task.span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
-      if (items[next].init_master) {
-        WidenToFloat(task.span.working, task.span.working_dtype, task.span.master, task.span.numel);
-      }
+      const uint64_t begin = got->begin, n = got->end - got->begin;
+      AdamTask task = item.task;
+      AdamSpan& span = task.span;
+      span.grads = static_cast<const std::byte*>(span.grads) + begin * DTypeSize(span.grad_dtype);
+      span.working = static_cast<std::byte*>(span.working) + begin * DTypeSize(span.working_dtype);
+      span.numel = n;
+      span.master = reinterpret_cast<float*>(got->master.data());
+      span.exp_avg = reinterpret_cast<float*>(got->exp_avg.data());
+      span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
+      if (item.init_master) WidenToFloat(span.working, span.working_dtype, span.master, n);
       tasks.push_back(task);
       pins.push_back(*std::move(got));
-      group_bytes += bytes;
+      group_bytes += n * kStateBytesPerParam;
       ++next;
+      if (group_bytes >= group_limit) break;
     }
     wait_nanos += NanosSince(pinning);
     if (tasks.empty()) break;
@@ -100,9 +115,14 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
       next = first;
       break;
     }
-    for (size_t i = first; i < first + tasks.size(); ++i) {
-      outcomes[i] = StepOutcome::kApplied;
-      summary.params_updated += items[i].task.span.numel;
+    for (size_t u = first; u < first + tasks.size(); ++u) {
+      outcomes[units[u].item].next_chunk = units[u].chunk + 1;
+      summary.params_updated += tasks[u - first].span.numel;
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (outcomes[i].next_chunk == set.StateChunks(items[i].id)) {
+      outcomes[i].outcome = StepOutcome::kApplied;
       ++summary.partitions_updated;
     }
   }
