@@ -109,9 +109,18 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name) {
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& name,
+                                                             const SessionOptions& options) {
   v1::OpenSessionRequest req;
   req.set_name(name);
+  if (options.optimizer_state_host_percent.has_value()) {
+    const int percent = *options.optimizer_state_host_percent;
+    if (percent < 0 || percent > 100) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer_state_host_percent must be 0 to 100, got ", percent));
+    }
+    req.set_optimizer_state_host_percent(static_cast<uint32_t>(percent));
+  }
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout);
   RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
@@ -180,7 +189,8 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
   for (const auto& t : resp.tiers()) out.tiers.push_back({t.name(), t.used_bytes(), t.budget_bytes()});
   for (const auto& c : resp.counters()) out.counters.push_back({c.name(), c.value(), c.unit()});
   for (const auto& s : resp.sessions()) {
-    out.sessions.push_back({s.session_id(), s.name(), s.partitions(), s.arena_bytes(), s.steps()});
+    out.sessions.push_back({s.session_id(), s.name(), s.partitions(), s.arena_bytes(), s.steps(),
+                            s.state_host_bytes(), s.state_nvme_bytes()});
   }
   return out;
 }

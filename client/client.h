@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,16 @@ struct ClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // Deadline of each call. Step on a large model takes longest.
   absl::Duration call_timeout = absl::Minutes(10);
+};
+
+// How a session wants its state kept.
+struct SessionOptions {
+  // Percentage of this session's optimizer state (fp32 master weights and
+  // Adam moments) kept in the daemon's host memory; the rest rests on its
+  // NVMe tier and is streamed through memory during each step (training is
+  // bit-for-bit the same, only slower). Unset: the daemon's default
+  // (placement.optimizer_state_host_percent). Below 100 needs an NVMe tier.
+  std::optional<int> optimizer_state_host_percent;
 };
 
 // A partition as the trainer sees it: pointers into the mapped arena.
@@ -94,6 +105,7 @@ struct DaemonStats {
     uint64_t id;
     std::string name;
     uint64_t partitions, arena_bytes, steps;
+    uint64_t state_host_bytes, state_nvme_bytes;  // optimizer state by tier
   };
   std::string version;
   uint32_t pid = 0;
@@ -143,7 +155,8 @@ class Client {
   const std::string& address() const;
 
   // Opens a session and maps its arena. The Session may outlive the Client.
-  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& name);
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& name,
+                                                       const SessionOptions& options = {});
 
   absl::StatusOr<std::vector<Tunable>> ListTunables();
   absl::StatusOr<Tunable> GetTunable(const std::string& name);

@@ -76,11 +76,14 @@ int Stats(Client& client) {
     std::printf("%-24s %14lld %s\n", c.name.c_str(), static_cast<long long>(c.value),
                 c.unit.c_str());
   }
-  std::printf("\n%-8s %-20s %10s %12s %8s\n", "SESSION", "NAME", "PARTITIONS", "ARENA", "STEPS");
+  std::printf("\n%-8s %-20s %10s %12s %8s %12s %12s\n", "SESSION", "NAME", "PARTITIONS",
+              "ARENA", "STEPS", "STATE HOST", "STATE NVME");
   for (const auto& x : s->sessions) {
-    std::printf("%-8llu %-20s %10llu %12s %8llu\n", static_cast<unsigned long long>(x.id),
-                x.name.c_str(), static_cast<unsigned long long>(x.partitions),
-                Bytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps));
+    std::printf("%-8llu %-20s %10llu %12s %8llu %12s %12s\n",
+                static_cast<unsigned long long>(x.id), x.name.c_str(),
+                static_cast<unsigned long long>(x.partitions), Bytes(x.arena_bytes).c_str(),
+                static_cast<unsigned long long>(x.steps), Bytes(x.state_host_bytes).c_str(),
+                Bytes(x.state_nvme_bytes).c_str());
   }
   return 0;
 }

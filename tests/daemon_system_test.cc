@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/match.h"
@@ -410,6 +411,65 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   auto over_tcp = Client::Connect({tcp});
   ASSERT_TRUE(over_tcp.ok()) << over_tcp.status();
   EXPECT_TRUE((*over_tcp)->GetStats().ok());
+}
+
+// The tiered store end to end: the demo MLP with its optimizer state on the
+// NVMe tier, in a host pool too small to hold that state, trains to exactly
+// the losses of the same model with its state in memory.
+TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
+  char dir[] = "/tmp/offloadd_ooc.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=64MiB",
+                                 "--placement.state_chunk_bytes=4096"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok());
+  demo::MlpConfig config;
+  config.steps = 30;
+  auto train = [&](std::optional<int> host_percent) -> std::vector<double> {
+    SessionOptions options;
+    options.optimizer_state_host_percent = host_percent;
+    auto session = (*c)->OpenSession("demo", options);
+    EXPECT_TRUE(session.ok()) << session.status();
+    if (!session.ok()) return {};
+    auto store = demo::MakeDaemonStore(config, session->get());
+    auto losses = demo::Train(config, store.get());
+    EXPECT_TRUE(losses.ok()) << losses.status();
+    if (host_percent == 0) {
+      auto stats = (*c)->GetStats();
+      EXPECT_TRUE(stats.ok());
+      EXPECT_EQ(stats->sessions.size(), 1u);
+      EXPECT_GT(stats->sessions[0].state_nvme_bytes, 0u);
+      EXPECT_EQ(stats->sessions[0].state_host_bytes, 0u);
+    }
+    return losses.ok() ? *losses : std::vector<double>{};
+  };
+  const std::vector<double> in_memory = train(std::nullopt);
+  ASSERT_EQ(in_memory.size(), 30u);
+  // The demo's arenas take 56 KiB of pool, its optimizer state 84 KiB: leave
+  // the state a quarter of that.
+  ASSERT_TRUE((*c)->SetTunable("memory.host_budget_bytes", "80KiB").ok());
+  const std::vector<double> out_of_core = train(0);
+  EXPECT_EQ(in_memory, out_of_core);  // bit for bit
+  auto stats = (*c)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  int64_t swap_outs = -1, io_errors = -1;
+  for (const auto& counter : stats->counters) {
+    if (counter.name == "swap_outs") swap_outs = counter.value;
+    if (counter.name == "swap_io_errors") io_errors = counter.value;
+  }
+  EXPECT_GT(swap_outs, 0);
+  EXPECT_EQ(io_errors, 0);
+  // Without an NVMe tier, asking for NVMe placement says why not.
+  auto plain = DaemonProcess::Start({});
+  ASSERT_TRUE(plain.ok());
+  auto pc = Client::Connect({(*plain)->address()});
+  ASSERT_TRUE(pc.ok());
+  SessionOptions nvme;
+  nvme.optimizer_state_host_percent = 0;
+  auto refused = (*pc)->OpenSession("x", nvme);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "nvme.dirs")) << refused.status();
 }
 
 TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
