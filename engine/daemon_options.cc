@@ -1,17 +1,17 @@
 #include "engine/daemon_options.h"
 
-#include <unistd.h>
-
+#include "base/memory_limit.h"
 #include "ipc/paths.h"
 
 namespace offload {
 
 DaemonOptions::DaemonOptions() {
   server.data_dir = DefaultDataDir();
-  const int64_t pages = sysconf(_SC_PHYS_PAGES);
-  const int64_t page_size = sysconf(_SC_PAGESIZE);
+  // Half of what this process may use: physical memory, or its cgroup's
+  // limit inside a container.
+  const uint64_t limit = ReadMemoryLimit().effective();
   memory.host_budget_bytes =
-      pages > 0 && page_size > 0 ? pages * page_size / 2 >> 20 << 20 : int64_t{8} << 30;
+      limit > 0 ? static_cast<int64_t>(limit / 2 >> 20 << 20) : int64_t{8} << 30;
 }
 
 void BindTunables(DaemonOptions* o, ConfigRegistry* r) {

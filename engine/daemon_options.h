@@ -36,7 +36,8 @@ struct MemoryOptions {
   // Host memory offloadd may hold for all sessions together: shared arenas
   // plus fp32 master weights and Adam moments (16 bytes per fp32-gradient
   // parameter plus its working and gradient buffers). Registrations beyond
-  // it fail with RESOURCE_EXHAUSTED. Default: half of physical memory.
+  // it fail with RESOURCE_EXHAUSTED. Default: half of the memory this
+  // process may use (physical memory, or its cgroup's limit in a container).
   // Lowering it below current use only blocks new registrations.
   int64_t host_budget_bytes = 0;
 

@@ -1,0 +1,74 @@
+#include "base/memory_limit.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+
+namespace offload {
+namespace {
+
+// The limit in `path`, or 0 for none or unreadable.
+uint64_t ReadLimitFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text)) return 0;
+  text = std::string(absl::StripAsciiWhitespace(text));
+  uint64_t v = 0;
+  if (text == "max" || !absl::SimpleAtoi(text, &v)) return 0;
+  // cgroup v1 reports "no limit" as the largest page-aligned int64.
+  if (v >= (uint64_t{1} << 62)) return 0;
+  return v;
+}
+
+}  // namespace
+
+MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup,
+                                const std::string& cgroup_root, uint64_t physical) {
+  MemoryLimit limit;
+  limit.physical = physical;
+  std::vector<std::string> candidates;
+  for (absl::string_view line : absl::StrSplit(proc_self_cgroup, '\n', absl::SkipEmpty())) {
+    // "hierarchy-id:controllers:path"
+    std::vector<std::string> f = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (f.size() != 3) continue;
+    const std::string& path = f[2] == "/" ? "" : f[2];
+    if (f[0] == "0" && f[1].empty()) {
+      candidates.push_back(cgroup_root + path + "/memory.max");
+      candidates.push_back(cgroup_root + "/memory.max");
+    } else {
+      for (absl::string_view c : absl::StrSplit(f[1], ',')) {
+        if (c != "memory") continue;
+        candidates.push_back(cgroup_root + "/memory" + path + "/memory.limit_in_bytes");
+        candidates.push_back(cgroup_root + "/memory/memory.limit_in_bytes");
+      }
+    }
+  }
+  for (const std::string& file : candidates) {
+    if (uint64_t v = ReadLimitFile(file); v != 0) {
+      limit.cgroup = v;
+      limit.cgroup_file = file;
+      break;
+    }
+  }
+  return limit;
+}
+
+MemoryLimit ReadMemoryLimit() {
+  const int64_t pages = sysconf(_SC_PHYS_PAGES);
+  const int64_t page_size = sysconf(_SC_PAGESIZE);
+  const uint64_t physical =
+      pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
+                                 : 0;
+  std::ifstream in("/proc/self/cgroup");
+  std::stringstream text;
+  text << in.rdbuf();
+  return ReadMemoryLimitFrom(text.str(), "/sys/fs/cgroup", physical);
+}
+
+}  // namespace offload
