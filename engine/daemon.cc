@@ -70,8 +70,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
   builder.RegisterService(d->partition_service_.get());
   builder.RegisterService(d->config_service_.get());
-  d->stats_service_ = std::make_unique<StatsServiceImpl>(
-      d->sessions_.get(), &d->stats_, d->swapper_.get(), &d->optimizer_, d->swap_.get(), identity);
+  Daemon* raw = d.get();
+  d->stats_service_ = std::make_unique<StatsServiceImpl>([raw] { return raw->Snapshot(); },
+                                                         &d->optimizer_, identity);
   builder.RegisterService(d->stats_service_.get());
   // gRPC creates the socket file with the process umask: owner-only.
   mode_t old_mask = umask(0177);
@@ -91,6 +92,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     d->stats_service_->AddListening(absl::StrCat("127.0.0.1:", d->tcp_port_));
   }
 
+  if (options->metrics.port >= 0) {
+    ASSIGN_OR_RETURN(d->metrics_,
+                     MetricsServer::Start(static_cast<int>(options->metrics.port),
+                                          [raw] { return raw->Snapshot(); }));
+  }
   d->SetHooks();
   RETURN_IF_ERROR(registry->Freeze());
   return d;
@@ -147,11 +153,28 @@ void Daemon::SetHooks() {
   });
 }
 
+DaemonSnapshot Daemon::Snapshot() const {
+  DaemonSnapshot s;
+  s.counters = stats_.Snapshot();
+  AppendSwapperCounters(swapper_->Stats(), &s.counters);
+  s.tiers.push_back({"host", pool_.used(), pool_.limit()});
+  if (swap_ != nullptr) {
+    const SwapStats nvme = swap_->Stats();
+    s.tiers.push_back({"nvme", nvme.capacity - nvme.free, nvme.capacity});
+  }
+  s.sessions = sessions_->Sessions();
+  return s;
+}
+
 std::vector<std::string> Daemon::Describe() const {
   std::vector<std::string> lines;
   lines.push_back(absl::StrCat("serving gRPC on unix:", socket_path_, " (owner-only)"));
   if (tcp_port_ >= 0) lines.push_back(absl::StrCat("serving gRPC on 127.0.0.1:", tcp_port_));
   lines.push_back(absl::StrCat("arena channel on ", arena_channel_->path()));
+  if (metrics_ != nullptr) {
+    lines.push_back(
+        absl::StrCat("metrics (Prometheus) on http://127.0.0.1:", metrics_->port(), "/metrics"));
+  }
   lines.push_back(absl::StrCat(
       "tier host: budget ", FormatByteSize(static_cast<int64_t>(pool_.limit())),
       " (one pool for every session's arena and optimizer state",
@@ -206,6 +229,7 @@ void Daemon::Shutdown() {
   if (!calls_.CloseAndDrain(absl::Seconds(30))) {
     LogWarning("calls still running after 30 s; cancelling them");
   }
+  metrics_.reset();
   server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
   arena_channel_.reset();

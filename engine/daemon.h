@@ -18,9 +18,11 @@
 #include "engine/arena_channel.h"
 #include "engine/call_gate.h"
 #include "engine/daemon_options.h"
+#include "engine/metrics.h"
 #include "engine/partition_store.h"
 #include "engine/service.h"
 #include "engine/session_manager.h"
+#include "engine/snapshot.h"
 #include "engine/stats.h"
 #include "engine/step_runner.h"
 #include "grpcpp/grpcpp.h"
@@ -46,6 +48,8 @@ class Daemon {
   int tcp_port() const { return tcp_port_; }
   // Human-readable lines describing what the daemon serves.
   std::vector<std::string> Describe() const;
+  // Counters, tiers and sessions now.
+  DaemonSnapshot Snapshot() const;
 
  private:
   Daemon(DaemonOptions* options, ConfigRegistry* registry);
@@ -75,6 +79,7 @@ class Daemon {
   std::unique_ptr<ConfigServiceImpl> config_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsServer> metrics_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

@@ -37,6 +37,9 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("placement.state_chunk_bytes", &o->placement.state_chunk_bytes,
           {"bytes", "optimizer state moves and updates in chunks of this size per kind", false,
            kStateChunkRange});
+  r->Bind("metrics.port", &o->metrics.port,
+          {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port",
+           false, kTcpPortRange});
   BindOptimizerTunables(&o->optimizer, r);
   BindNvmeTunables(&o->nvme, r);
   BindSwapperTunables(&o->swapper, r);

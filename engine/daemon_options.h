@@ -74,6 +74,12 @@ inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44}
 inline constexpr IntRange kHostPercentRange{0, 100};
 inline constexpr IntRange kStateChunkRange{4096, int64_t{1} << 30};
 
+struct MetricsOptions {
+  // Serve Prometheus text metrics at http://127.0.0.1:<port>/metrics (never
+  // on other interfaces). -1 (default) off, 0 any free port (logged).
+  int64_t port = -1;
+};
+
 struct DaemonOptions {
   DaemonOptions();  // fills the defaults that depend on the machine
 
@@ -83,6 +89,7 @@ struct DaemonOptions {
   NvmeOptions nvme;
   SwapperOptions swapper;
   PlacementOptions placement;
+  MetricsOptions metrics;
 };
 
 // Binds every field of `options` to its tunable name in `registry`.

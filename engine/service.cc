@@ -178,26 +178,20 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
     resp->set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - identity_.started));
     for (const std::string& l : identity_.listening) resp->add_listening(l);
   }
-  v1::TierSummary* host = resp->add_tiers();
-  host->set_name("host");
-  host->set_used_bytes(swapper_->pool().used());
-  host->set_budget_bytes(swapper_->pool().limit());
-  if (swap_ != nullptr) {
-    SwapStats s = swap_->Stats();
-    v1::TierSummary* nvme = resp->add_tiers();
-    nvme->set_name("nvme");
-    nvme->set_used_bytes(s.capacity - s.free);
-    nvme->set_budget_bytes(s.capacity);
+  const DaemonSnapshot snapshot = snapshot_();
+  for (const TierValue& t : snapshot.tiers) {
+    v1::TierSummary* tier = resp->add_tiers();
+    tier->set_name(t.name);
+    tier->set_used_bytes(t.used_bytes);
+    tier->set_budget_bytes(t.budget_bytes);
   }
-  std::vector<CounterValue> counters = stats_->Snapshot();
-  AppendSwapperCounters(swapper_->Stats(), &counters);
-  for (const CounterValue& c : counters) {
+  for (const CounterValue& c : snapshot.counters) {
     v1::Counter* out = resp->add_counters();
     out->set_name(c.name);
     out->set_value(c.value);
     out->set_unit(c.unit);
   }
-  for (const SessionSummary& s : sessions_->Sessions()) {
+  for (const SessionSummary& s : snapshot.sessions) {
     v1::SessionSummary* out = resp->add_sessions();
     out->set_session_id(s.id);
     out->set_name(s.name);

@@ -17,6 +17,7 @@
 #include "cpu_adam/optimizer.h"
 #include "engine/call_gate.h"
 #include "engine/session_manager.h"
+#include "engine/snapshot.h"
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/swap_space.h"
@@ -81,10 +82,9 @@ struct ServerIdentity {
 class StatsServiceImpl final : public v1::StatsService::Service {
  public:
   // `swap` may be null (no NVMe tier).
-  StatsServiceImpl(const SessionManager* sessions, const Stats* stats, const Swapper* swapper,
-                   const Optimizer* optimizer, const SwapSpace* swap, ServerIdentity identity)
-      : sessions_(sessions), stats_(stats), swapper_(swapper), optimizer_(optimizer), swap_(swap),
-        identity_(std::move(identity)) {}
+  // `snapshot` gives the counters, tiers and sessions (Daemon::Snapshot).
+  StatsServiceImpl(SnapshotFn snapshot, const Optimizer* optimizer, ServerIdentity identity)
+      : snapshot_(std::move(snapshot)), optimizer_(optimizer), identity_(std::move(identity)) {}
 
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                         v1::GetStatsResponse*) override;
@@ -92,11 +92,8 @@ class StatsServiceImpl final : public v1::StatsService::Service {
   void AddListening(std::string address) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  const SessionManager* const sessions_;
-  const Stats* const stats_;
-  const Swapper* const swapper_;
+  const SnapshotFn snapshot_;
   const Optimizer* const optimizer_;
-  const SwapSpace* const swap_;
   absl::Mutex mu_;
   ServerIdentity identity_ ABSL_GUARDED_BY(mu_);
 };

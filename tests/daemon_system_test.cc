@@ -18,6 +18,7 @@
 #include "client/demo/mlp.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "ipc/arena_protocol.h"
 #include "proto/offload.grpc.pb.h"
 #include "tests/daemon_process.h"
@@ -470,6 +471,33 @@ TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
   auto refused = (*pc)->OpenSession("x", nvme);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "nvme.dirs")) << refused.status();
+}
+
+TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
+  auto d = DaemonProcess::Start({"--metrics.port=0"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string marker = "metrics (Prometheus) on http://127.0.0.1:";
+  ASSERT_TRUE((*d)->WaitForLog(marker).ok());
+  const std::string log = (*d)->ReadLog();
+  const int port = std::atoi(log.c_str() + log.find(marker) + marker.size());
+  ASSERT_GT(port, 0) << log;
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok());
+  auto session = (*c)->OpenSession("rank0");
+  ASSERT_TRUE(session.ok());
+  httplib::Client http("127.0.0.1", port);
+  auto res = http.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_TRUE(absl::StrContains(res->body, "offloadd_sessions_opened_total 1")) << res->body;
+  EXPECT_TRUE(absl::StrContains(res->body, "offloadd_tier_budget_bytes{tier=\"host\"}"));
+  EXPECT_TRUE(absl::StrContains(res->body, "name=\"rank0\""));
+  EXPECT_TRUE(absl::StrContains(res->body, "# TYPE offloadd_swap_hits_total counter"));
+  // Off by default (the banner's last line is the data directory).
+  auto plain = DaemonProcess::Start({});
+  ASSERT_TRUE(plain.ok());
+  ASSERT_TRUE((*plain)->WaitForLog("data directory").ok());
+  EXPECT_FALSE(absl::StrContains((*plain)->ReadLog(), "metrics"));
 }
 
 TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {

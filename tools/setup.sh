@@ -7,7 +7,7 @@ packages=(
   bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc
   libgrpc++-dev libprotobuf-dev libabsl-dev libtbb-dev liburing-dev
   libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
-  pybind11-dev python3-dev python3-torch fio
+  pybind11-dev python3-dev python3-torch fio libcpp-httplib-dev
   libtorch-dev ninja-build  # benches/cpu_adam's peer, ../shared/peers/deepspeed_cpu_adam
 )
 

@@ -1,0 +1,110 @@
+#include "engine/metrics.h"
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "httplib.h"
+
+namespace offload {
+namespace {
+
+// Counters that go up and down rather than only up.
+bool IsGauge(const std::string& name) {
+  static const auto* const kGauges = new absl::flat_hash_set<std::string>{
+      "swap_blocks",           "swap_resident_bytes", "swap_pinned_bytes",
+      "swap_host_placed_bytes", "swap_nvme_placed_bytes", "swap_io_queue"};
+  return kGauges->contains(name);
+}
+
+// A Prometheus label value: backslash, double quote and newline escaped.
+std::string Escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string FormatPrometheus(const DaemonSnapshot& m) {
+  std::string out;
+  for (const CounterValue& c : m.counters) {
+    const bool gauge = IsGauge(c.name);
+    const std::string name = absl::StrCat("offloadd_", c.name, gauge ? "" : "_total");
+    absl::StrAppend(&out, "# HELP ", name, " ", c.name, " (", c.unit, ")\n", "# TYPE ", name,
+                    gauge ? " gauge\n" : " counter\n", name, " ", c.value, "\n");
+  }
+  absl::StrAppend(&out, "# HELP offloadd_tier_used_bytes bytes in use per tier\n",
+                  "# TYPE offloadd_tier_used_bytes gauge\n");
+  for (const TierValue& t : m.tiers) {
+    absl::StrAppend(&out, "offloadd_tier_used_bytes{tier=\"", Escape(t.name), "\"} ",
+                    t.used_bytes, "\n");
+  }
+  absl::StrAppend(&out, "# HELP offloadd_tier_budget_bytes capacity per tier\n",
+                  "# TYPE offloadd_tier_budget_bytes gauge\n");
+  for (const TierValue& t : m.tiers) {
+    absl::StrAppend(&out, "offloadd_tier_budget_bytes{tier=\"", Escape(t.name), "\"} ",
+                    t.budget_bytes, "\n");
+  }
+  struct SessionMetric {
+    const char* name;
+    const char* help;
+    uint64_t SessionSummary::*field;
+  };
+  static const SessionMetric kSession[] = {
+      {"offloadd_session_partitions", "partitions registered", &SessionSummary::partitions},
+      {"offloadd_session_arena_bytes", "shared arena bytes", &SessionSummary::arena_bytes},
+      {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps},
+      {"offloadd_session_state_host_bytes", "optimizer state placed on the host",
+       &SessionSummary::state_host_bytes},
+      {"offloadd_session_state_nvme_bytes", "optimizer state placed on NVMe",
+       &SessionSummary::state_nvme_bytes},
+  };
+  for (const SessionMetric& metric : kSession) {
+    absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
+                    " gauge\n");
+    for (const SessionSummary& s : m.sessions) {
+      absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name),
+                      "\"} ", s.*metric.field, "\n");
+    }
+  }
+  return out;
+}
+
+struct MetricsServer::Impl {
+  httplib::Server server;
+};
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    int port, SnapshotFn snapshot) {
+  std::unique_ptr<MetricsServer> m(new MetricsServer());
+  m->impl_ = std::make_unique<Impl>();
+  m->impl_->server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {
+    res.set_content(FormatPrometheus(snapshot()), "text/plain; version=0.0.4");
+  });
+  const int bound = port == 0 ? m->impl_->server.bind_to_any_port("127.0.0.1")
+                              : (m->impl_->server.bind_to_port("127.0.0.1", port) ? port : -1);
+  if (bound < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("metrics.port: cannot listen on 127.0.0.1:", port));
+  }
+  m->port_ = bound;
+  Impl* impl = m->impl_.get();
+  m->thread_ = std::thread([impl] { impl->server.listen_after_bind(); });
+  return m;
+}
+
+MetricsServer::~MetricsServer() {
+  if (impl_ != nullptr) impl_->server.stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace offload

@@ -1,0 +1,65 @@
+#include "engine/metrics.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+#include "httplib.h"
+
+namespace offload {
+namespace {
+
+DaemonSnapshot Sample() {
+  DaemonSnapshot m;
+  m.counters = {{"steps", 7, "steps"}, {"swap_resident_bytes", 4096, "bytes"}};
+  m.tiers = {{"host", 100, 1000}, {"nvme", 0, 5000}};
+  SessionSummary s;
+  s.id = 3;
+  s.name = "rank\"0\"\nx";  // hostile: quotes and a newline
+  s.steps = 7;
+  s.state_nvme_bytes = 12;
+  m.sessions = {s};
+  return m;
+}
+
+TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
+  const std::string text = FormatPrometheus(Sample());
+  EXPECT_NE(text.find("# TYPE offloadd_steps_total counter\noffloadd_steps_total 7\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("# TYPE offloadd_swap_resident_bytes gauge\noffloadd_swap_resident_bytes 4096"),
+            std::string::npos);
+  EXPECT_NE(text.find("offloadd_tier_budget_bytes{tier=\"nvme\"} 5000\n"), std::string::npos);
+  EXPECT_NE(text.find("offloadd_session_state_nvme_bytes{session=\"3\",name=\"rank\\\"0\\\"\\nx\"} 12\n"),
+            std::string::npos)
+      << text;
+  // Every sample line is one line: the newline in the name did not break it.
+  for (size_t at = 0; (at = text.find('\n', at)) != std::string::npos; ++at) {
+    const size_t next = text.find('\n', at + 1);
+    if (next == std::string::npos) break;
+    const std::string line = text.substr(at + 1, next - at - 1);
+    EXPECT_TRUE(line.rfind("# ", 0) == 0 || line.rfind("offloadd_", 0) == 0) << line;
+  }
+}
+
+TEST(Metrics, ServesOnLoopbackAndStops) {
+  int scrapes = 0;
+  auto server = MetricsServer::Start(0, [&] {
+    ++scrapes;
+    return Sample();
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  ASSERT_GT(port, 0);
+  httplib::Client client("127.0.0.1", port);
+  auto res = client.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_NE(res->body.find("offloadd_steps_total 7"), std::string::npos);
+  EXPECT_EQ(client.Get("/other")->status, 404);
+  EXPECT_EQ(scrapes, 1);
+  server->reset();
+  EXPECT_FALSE(httplib::Client("127.0.0.1", port).Get("/metrics"));
+}
+
+}  // namespace
+}  // namespace offload
