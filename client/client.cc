@@ -267,6 +267,19 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
                     resp.nonfinite_gradients()};
 }
 
+absl::Status Session::SetPlacement(int optimizer_state_host_percent) {
+  if (optimizer_state_host_percent < 0 || optimizer_state_host_percent > 100) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer_state_host_percent must be 0 to 100, got ", optimizer_state_host_percent));
+  }
+  v1::SetPlacementRequest req;
+  *req.mutable_session() = impl_->ref;
+  req.set_optimizer_state_host_percent(static_cast<uint32_t>(optimizer_state_host_percent));
+  v1::SetPlacementResponse resp;
+  Rpc rpc(impl_->timeout);
+  return FromGrpc(impl_->stub->SetPlacement(&rpc.context, req, &resp), "SetPlacement");
+}
+
 absl::Status Session::Close() {
   {
     absl::MutexLock lock(&impl_->mu);

@@ -135,6 +135,10 @@ class Session {
   // Tells the daemon the gradients in `p.grads` are complete.
   absl::Status ReturnGradients(const PartitionView& p);
   absl::StatusOr<StepResult> Step(const AdamHyperparams& h);
+  // Changes where this session's optimizer state rests (see
+  // SessionOptions) while it trains; returns at once, the daemon moves the
+  // state in the background.
+  absl::Status SetPlacement(int optimizer_state_host_percent);
   absl::Status Close();
 
  private:

@@ -129,6 +129,7 @@ void Daemon::SetHooks() {
   });
   registry_->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
     raw->pool_.SetLimit(static_cast<uint64_t>(v));
+    raw->swapper_->Trim();  // gives cached state back if the pool is now over
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {

@@ -223,6 +223,49 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
   }
 }
 
+// Moving a session's state between the tiers while it trains, both ways,
+// returns at once and loses nothing: training stays bit-for-bit that of
+// state kept in memory throughout.
+TEST(OutOfCore, LivePlacementChangesMoveStateAndKeepTrainingExact) {
+  Engine in_memory(TmpDir("f"), 64 << 20);
+  Trainer reference(&in_memory, 100);
+  Engine engine(TmpDir("g"), 64 << 20);
+  Trainer moved(&engine, 100);
+  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
+                              RoundUpToPage(kSizes[2] * 4));
+  auto step_both = [&](int step) {
+    reference.ReturnGradients(step);
+    moved.ReturnGradients(step);
+    ASSERT_TRUE(reference.Step().ok());
+    auto b = moved.Step();
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_EQ(reference.Params(), moved.Params()) << "step " << step;
+  };
+  step_both(1);
+  step_both(2);
+  // To NVMe, then shrink the pool so that the state must leave memory.
+  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), 0).ok());
+  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, StateBytes());
+  engine.pool->SetLimit(arena + RoundUpToPage(StateBytes() / 4));
+  engine.swapper->Trim();
+  engine.swapper->WaitIdle();
+  EXPECT_LE(engine.pool->used(), engine.pool->limit());
+  EXPECT_GT(engine.swapper->Stats().swap_outs, 0u);
+  step_both(3);
+  step_both(4);
+  EXPECT_GT(engine.swapper->Stats().swap_outs, 0u);
+  // Back to the host: the swapper reads it all in, in the background.
+  engine.pool->SetLimit(64 << 20);
+  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), 100).ok());
+  engine.swapper->WaitIdle();
+  const SwapperStats s = engine.swapper->Stats();
+  EXPECT_EQ(s.host_home_bytes, StateBytes());
+  EXPECT_EQ(s.resident_bytes, StateBytes());  // every chunk is in memory again
+  step_both(5);
+  EXPECT_EQ(engine.sessions->SetPlacement(moved.key(), 101).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);

@@ -37,18 +37,23 @@ void PartitionStore::SetArenaCapacity(uint64_t bytes) {
                         std::memory_order_relaxed);
 }
 
-absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
-    uint64_t session_id, std::optional<int> state_host_percent) {
-  const int percent = state_host_percent.value_or(state_host_percent_.load());
+absl::Status PartitionStore::CheckPlacement(int percent, bool has_nvme) {
   if (percent < 0 || percent > 100) {
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer state placement must keep 0 to 100 percent on the host, got ", percent));
   }
-  if (percent < 100 && !swapper_->has_nvme()) {
+  if (percent < 100 && !has_nvme) {
     return absl::FailedPreconditionError(absl::StrCat(
         "optimizer state cannot be placed on NVMe (", 100 - percent,
         "% asked for): this offloadd has no NVMe tier (set nvme.dirs)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
+    uint64_t session_id, std::optional<int> state_host_percent) {
+  const int percent = state_host_percent.value_or(state_host_percent_.load());
+  RETURN_IF_ERROR(CheckPlacement(percent, swapper_->has_nvme()));
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
   return std::unique_ptr<PartitionSet>(
@@ -60,7 +65,45 @@ PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
                            Swapper* swapper, Stats* stats, int state_host_percent,
                            uint64_t state_chunk_elems)
     : session_id_(session_id), arena_(std::move(arena)), swapper_(swapper), stats_(stats),
-      state_host_percent_(state_host_percent), state_chunk_elems_(state_chunk_elems) {}
+      state_chunk_elems_(state_chunk_elems), state_host_percent_(state_host_percent) {}
+
+absl::Status PartitionSet::SetStateHostPercent(int percent) {
+  RETURN_IF_ERROR(PartitionStore::CheckPlacement(percent, swapper_->has_nvme()));
+  struct Move {
+    uint64_t id;
+    uint64_t chunks;
+    Tier home;
+  };
+  std::vector<Move> moves;
+  {
+    absl::MutexLock lock(&mu_);
+    state_host_percent_ = percent;
+    uint64_t host = 0, total = 0;
+    for (auto& [id, p] : partitions_) {
+      const uint64_t add = kStateKinds * p->info.numel * sizeof(float);
+      const Tier home = (host + add) * 100 <= static_cast<uint64_t>(percent) * (total + add)
+                            ? Tier::kHost
+                            : Tier::kNvme;
+      total += add;
+      if (home == Tier::kHost) host += add;
+      if (home != p->state_home) {
+        p->state_home = home;
+        moves.push_back({id, (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_, home});
+      }
+    }
+    state_bytes_[static_cast<int>(Tier::kHost)] = host;
+    state_bytes_[static_cast<int>(Tier::kNvme)] = total - host;
+  }
+  // Outside the set's lock; each call returns at once.
+  for (const Move& m : moves) {
+    for (uint64_t c = 0; c < m.chunks; ++c) {
+      for (int k = 0; k < kStateKinds; ++k) {
+        RETURN_IF_ERROR(swapper_->SetHome(PartitionStore::StateBlock(m.id, c, k), m.home));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 PartitionSet::~PartitionSet() {
   absl::MutexLock lock(&mu_);

@@ -153,8 +153,15 @@ class PartitionSet {
   void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Changes the share of this set's optimizer state homed on the host and
+  // re-homes its partitions as at registration (greedily, in registration
+  // order). Returns at once: the swapper moves the blocks in the background
+  // (to the host: read in and kept resident; to NVMe: written out when the
+  // pool needs the room). INVALID_ARGUMENT outside [0, 100];
+  // FAILED_PRECONDITION below 100 without an NVMe tier.
+  absl::Status SetStateHostPercent(int percent) ABSL_LOCKS_EXCLUDED(mu_);
+
   uint64_t session_id() const { return session_id_; }
-  int state_host_percent() const { return state_host_percent_; }
   int arena_fd() const { return arena_->fd(); }
   uint64_t arena_capacity() const { return arena_->capacity(); }
   uint64_t arena_bytes() const { return arena_->size(); }
@@ -180,7 +187,6 @@ class PartitionSet {
   const std::unique_ptr<ShmArena> arena_;
   Swapper* const swapper_;
   Stats* const stats_;
-  const int state_host_percent_;
   const uint64_t state_chunk_elems_;
 
   mutable absl::Mutex mu_;
@@ -193,6 +199,7 @@ class PartitionSet {
   bool stepping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t state_bytes_[2] ABSL_GUARDED_BY(mu_) = {0, 0};  // by Tier
+  int state_host_percent_ ABSL_GUARDED_BY(mu_);
 };
 
 class PartitionStore {
@@ -218,6 +225,10 @@ class PartitionStore {
   // FAILED_PRECONDITION below 100 without an NVMe tier.
   absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(
       uint64_t session_id, std::optional<int> state_host_percent = std::nullopt);
+
+  // INVALID_ARGUMENT outside [0, 100], FAILED_PRECONDITION below 100
+  // without an NVMe tier.
+  static absl::Status CheckPlacement(int percent, bool has_nvme);
 
   // Applies to sets created afterwards (rounded down to the arena's
   // alignment).

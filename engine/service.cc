@@ -142,6 +142,20 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequ
   });
 }
 
+grpc::Status PartitionServiceImpl::SetPlacement(grpc::ServerContext*,
+                                                const v1::SetPlacementRequest* req,
+                                                v1::SetPlacementResponse*) {
+  return Serve([&]() -> absl::Status {
+    if (req->optimizer_state_host_percent() > 100) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer_state_host_percent must be 0 to 100, got ",
+          req->optimizer_state_host_percent()));
+    }
+    return sessions_->SetPlacement(KeyOf(req->session()),
+                                   static_cast<int>(req->optimizer_state_host_percent()));
+  });
+}
+
 grpc::Status ConfigServiceImpl::ListTunables(grpc::ServerContext*, const v1::ListTunablesRequest*,
                                              v1::ListTunablesResponse* resp) {
   for (const TunableInfo& t : registry_->List()) ToProto(t, resp->add_tunables());

@@ -46,6 +46,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
+  grpc::Status SetPlacement(grpc::ServerContext*, const v1::SetPlacementRequest*,
+                            v1::SetPlacementResponse*) override;
 
  private:
   // Every method's prologue and epilogue: enters the call gate (UNAVAILABLE

@@ -172,6 +172,11 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   return steps_->Run(*session->partitions, h);
 }
 
+absl::Status SessionManager::SetPlacement(const SessionKey& key, int state_host_percent) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  return session->partitions->SetStateHostPercent(state_host_percent);
+}
+
 absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   UniqueFd fd(fcntl(session->partitions->arena_fd(), F_DUPFD_CLOEXEC, 0));

@@ -104,6 +104,11 @@ class SessionManager {
   absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Changes where the session's optimizer state rests (see
+  // PartitionSet::SetStateHostPercent); returns at once.
+  absl::Status SetPlacement(const SessionKey& key, int state_host_percent)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // A duplicate of the session's arena descriptor, for the arena channel.
   absl::StatusOr<UniqueFd> DupArenaFd(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 

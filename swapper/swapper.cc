@@ -259,6 +259,12 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   return absl::OkStatus();
 }
 
+void Swapper::Trim() {
+  absl::MutexLock lock(&mu_);
+  moves_.push_back({0, MoveKind::kTrim});
+  changed_.SignalAll();
+}
+
 void Swapper::SetPrefetch(int64_t depth, int64_t bytes) {
   absl::MutexLock lock(&mu_);
   prefetch_depth_ = depth;
@@ -538,6 +544,20 @@ void Swapper::MoverThread() {
     if (stopping_) return;
     const Move move = moves_.front();
     moves_.pop_front();
+    if (move.kind == MoveKind::kTrim) {
+      mover_busy_ = true;
+      absl::flat_hash_set<BlockId> tried;
+      while (pool_->used() - freeing_bytes_ > pool_->limit()) {
+        Block* victim = ChooseVictimLocked(/*restricted=*/false, 0, tried);
+        if (victim == nullptr) break;
+        tried.insert(victim->id);
+        EvictLocked(victim);
+      }
+      while (writes_in_flight_ > 0) changed_.Wait(&mu_);
+      mover_busy_ = false;
+      changed_.SignalAll();
+      continue;
+    }
     Block* b = FindLocked(move.id);
     if (b == nullptr) continue;
     b->move_queued = false;

@@ -164,6 +164,11 @@ class Swapper {
 
   void SetPrefetch(int64_t depth, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // After the pool's limit was lowered below its use: evicts unpinned
+  // NVMe-homed blocks in the background until use is within the limit again
+  // (or nothing more can go). Returns at once.
+  void Trim() ABSL_LOCKS_EXCLUDED(mu_);
+
   absl::StatusOr<BlockState> State(BlockId id) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Tier> Home(BlockId id) const ABSL_LOCKS_EXCLUDED(mu_);
   SwapperStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -179,7 +184,7 @@ class Swapper {
 
  private:
   struct Block;
-  enum class MoveKind { kPrefetch, kToHost };
+  enum class MoveKind { kPrefetch, kToHost, kTrim };
   struct Move {
     BlockId id;
     MoveKind kind;

@@ -158,6 +158,27 @@ TEST_F(SwapperTest, PinnedBlocksStayAndPinningMoreThanThePoolIsResourceExhausted
   ExpectHolds(1, 1);
 }
 
+TEST_F(SwapperTest, TrimGivesMemoryBackWhenTheLimitIsLowered) {
+  Make(8 * kMiB);
+  ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 7).ok());
+  for (uint64_t id = 1; id <= 6; ++id) {
+    ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+    Write(id, static_cast<uint32_t>(id));
+  }
+  auto pinned = swapper_->Acquire(6, false);
+  ASSERT_TRUE(pinned.ok());
+  EXPECT_EQ(pool_->used(), 7 * kMiB);
+  pool_->SetLimit(3 * kMiB);
+  swapper_->Trim();
+  swapper_->WaitIdle();
+  // The host-placed block and the pinned one stay; one more fits.
+  EXPECT_EQ(pool_->used(), 3 * kMiB);
+  EXPECT_EQ(StateOf(100), BlockState::kResident);
+  EXPECT_EQ(StateOf(6), BlockState::kResident);
+  pinned->Reset();
+  for (uint64_t id = 1; id <= 6; ++id) ExpectHolds(id, static_cast<uint32_t>(id));
+}
+
 TEST_F(SwapperTest, ConcurrentAcquiresShareOneSwapIn) {
   Make(2 * kMiB);
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());

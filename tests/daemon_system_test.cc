@@ -461,6 +461,17 @@ TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
   }
   EXPECT_GT(swap_outs, 0);
   EXPECT_EQ(io_errors, 0);
+  // Placement changes live over the wire.
+  ASSERT_TRUE((*c)->SetTunable("memory.host_budget_bytes", "64MiB").ok());
+  auto live = (*c)->OpenSession("live");
+  ASSERT_TRUE(live.ok());
+  ASSERT_TRUE((*live)->Register("w", 5000, DType::kFp32, DType::kFp32).ok());
+  EXPECT_TRUE((*live)->SetPlacement(0).ok());
+  auto moved = (*c)->GetStats();
+  ASSERT_TRUE(moved.ok());
+  ASSERT_EQ(moved->sessions.size(), 1u);
+  EXPECT_EQ(moved->sessions[0].state_nvme_bytes, 5000u * 12);
+  EXPECT_EQ((*live)->SetPlacement(150).code(), absl::StatusCode::kInvalidArgument);
   // Without an NVMe tier, asking for NVMe placement says why not.
   auto plain = DaemonProcess::Start({});
   ASSERT_TRUE(plain.ok());
