@@ -484,6 +484,71 @@ TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "nvme.dirs")) << refused.status();
 }
 
+// The daemon's peak resident memory, its sessions' arena pages included,
+// stays within the host pool plus a fixed overhead while a session whose
+// optimizer state is larger than the pool trains through it.
+TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
+  char dir[] = "/var/tmp/offloadd_rss.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  constexpr uint64_t kMiB = 1 << 20;
+  constexpr uint64_t kPool = 64 * kMiB;
+  // The daemon's own memory besides the pool: code, gRPC's and the thread
+  // pools' stacks and arenas, the allocator.
+  constexpr uint64_t kOverhead = 48 * kMiB;
+  auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=512MiB",
+                                 "--memory.host_budget_bytes=64MiB",
+                                 "--placement.optimizer_state_host_percent=0",
+                                 "--placement.state_chunk_bytes=2MiB"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok());
+  auto session = (*c)->OpenSession("big");
+  ASSERT_TRUE(session.ok()) << session.status();
+  // 8 partitions of 1M parameters: bf16 working copy and gradients (32 MiB of
+  // arena), 96 MiB of optimizer state: 1.5x the whole pool, 3x what the
+  // arena leaves of it.
+  std::vector<PartitionView> parts;
+  for (int i = 0; i < 8; ++i) {
+    auto p = (*session)->Register("p" + std::to_string(i), 1 << 20, DType::kBf16, DType::kBf16);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
+    parts.push_back(*p);
+  }
+  for (int step = 0; step < 3; ++step) {
+    for (const PartitionView& p : parts) {
+      for (auto& g : p.grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step + 1));
+      ASSERT_TRUE((*session)->ReturnGradients(p).ok());
+    }
+    auto r = (*session)->Step(AdamHyperparams{});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->partitions_updated, 8u);
+  }
+  std::ifstream status("/proc/" + std::to_string((*d)->pid()) + "/status");
+  uint64_t peak_kib = 0;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) peak_kib = std::stoull(line.substr(6));
+  }
+  ASSERT_GT(peak_kib, 0u);
+  const uint64_t peak = peak_kib * 1024;
+  RecordProperty("peak_rss_bytes", std::to_string(peak));
+  std::printf("daemon peak RSS %.1f MiB; pool %.0f MiB + stated overhead %.0f MiB\n",
+              static_cast<double>(peak) / kMiB, static_cast<double>(kPool) / kMiB,
+              static_cast<double>(kOverhead) / kMiB);
+  EXPECT_LE(peak, kPool + kOverhead);
+  auto stats = (*c)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sessions[0].state_nvme_bytes, uint64_t{96} << 20);
+  // Holding more than the pool at once is refused with the numbers, and the
+  // daemon goes on serving.
+  auto huge = (*session)->Register("huge", 32 << 20, DType::kFp32, DType::kFp32);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(huge.status().message(), "host pool")) << huge.status();
+  EXPECT_TRUE((*session)->Fetch(parts[0].id).ok());
+  session->reset();
+  ASSERT_TRUE((*d)->Stop().ok());
+  rmdir(dir);
+}
+
 TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
   auto d = DaemonProcess::Start({"--metrics.port=0"});
   ASSERT_TRUE(d.ok()) << d.status();
