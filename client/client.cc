@@ -264,7 +264,8 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
   Rpc rpc(impl_->timeout);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return StepResult{resp.partitions_updated(), resp.params_updated(), resp.skipped(),
-                    resp.nonfinite_gradients()};
+                    resp.nonfinite_gradients(), resp.wall_us(), resp.state_wait_us(),
+                    resp.compute_us()};
 }
 
 absl::Status Session::SetPlacement(int optimizer_state_host_percent) {

@@ -84,6 +84,11 @@ struct StepResult {
   // example after lowering the loss scale) and step again.
   bool skipped = false;
   uint64_t nonfinite_gradients = 0;
+  // Where the step's time went in the daemon (microseconds): in all, waiting
+  // for optimizer state placed on NVMe, updating.
+  uint64_t wall_us = 0;
+  uint64_t state_wait_us = 0;
+  uint64_t compute_us = 0;
 };
 
 struct Tunable {

@@ -138,6 +138,9 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequ
     resp->set_params_updated(summary.params_updated);
     resp->set_skipped(summary.skipped);
     resp->set_nonfinite_gradients(summary.nonfinite);
+    resp->set_wall_us(static_cast<uint64_t>(summary.wall_nanos / 1000));
+    resp->set_state_wait_us(static_cast<uint64_t>(summary.state_wait_nanos / 1000));
+    resp->set_compute_us(static_cast<uint64_t>(summary.compute_nanos / 1000));
     return absl::OkStatus();
   });
 }

@@ -51,7 +51,11 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
     for (ItemOutcome& o : outcomes) o.outcome = StepOutcome::kSkipped;
     set.EndStep(items, outcomes);
     stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);
-    return StepSummary{0, 0, true, nonfinite};
+    StepSummary skipped;
+    skipped.skipped = true;
+    skipped.nonfinite = nonfinite;
+    skipped.wall_nanos = NanosSince(start);
+    return skipped;
   }
 
   // Units of work: (item, chunk), in order.
@@ -131,10 +135,13 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   stats_->step_state_wait_nanos.fetch_add(wait_nanos, std::memory_order_relaxed);
   stats_->step_compute_nanos.fetch_add(compute_nanos, std::memory_order_relaxed);
   if (!status.ok()) return status;
+  summary.wall_nanos = NanosSince(start);
+  summary.state_wait_nanos = wait_nanos;
+  summary.compute_nanos = compute_nanos;
   stats_->steps.fetch_add(1, std::memory_order_relaxed);
   stats_->params_updated.fetch_add(static_cast<int64_t>(summary.params_updated),
                                    std::memory_order_relaxed);
-  stats_->step_nanos.fetch_add(NanosSince(start), std::memory_order_relaxed);
+  stats_->step_nanos.fetch_add(summary.wall_nanos, std::memory_order_relaxed);
   return summary;
 }
 

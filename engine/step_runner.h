@@ -49,6 +49,11 @@ struct StepSummary {
   // not advance, and the partitions need fresh gradients.
   bool skipped = false;
   uint64_t nonfinite = 0;
+  // Where the step's time went (nanoseconds): in all, waiting for optimizer
+  // state to be pinned (swap-ins), and in the optimizer's update.
+  int64_t wall_nanos = 0;
+  int64_t state_wait_nanos = 0;
+  int64_t compute_nanos = 0;
 };
 
 // Named points inside Run(), for tests that need a deterministic

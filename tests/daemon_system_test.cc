@@ -522,6 +522,9 @@ TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
     auto r = (*session)->Step(AdamHyperparams{});
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->partitions_updated, 8u);
+    EXPECT_GT(r->wall_us, 0u);
+    EXPECT_GT(r->compute_us, 0u);
+    EXPECT_LE(r->state_wait_us + r->compute_us, r->wall_us);
   }
   std::ifstream status("/proc/" + std::to_string((*d)->pid()) + "/status");
   uint64_t peak_kib = 0;
