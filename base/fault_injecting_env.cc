@@ -30,11 +30,12 @@ absl::StatusOr<HostMemory> FaultInjectingEnv::Allocate(uint64_t bytes, bool huge
   return target_->Allocate(bytes, huge_pages);
 }
 
-absl::StatusOr<HostMemory> FaultInjectingEnv::MapShared(int fd, uint64_t bytes) {
+absl::StatusOr<HostMemory> FaultInjectingEnv::MapShared(int fd, uint64_t offset,
+                                                        uint64_t bytes) {
   if (int err = Next(EnvOp::kMapShared)) {
     return PosixError(absl::StrCat("mmap ", bytes, " bytes shared (injected)"), err);
   }
-  return target_->MapShared(fd, bytes);
+  return target_->MapShared(fd, offset, bytes);
 }
 
 absl::StatusOr<UniqueFd> FaultInjectingEnv::CreateMemfd(const std::string& label) {

@@ -29,10 +29,11 @@ class HostMemory {
   // `bytes` of zeroed private memory, rounded up to whole pages.
   static absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages = true);
 
-  // Maps the first `bytes` of `fd` (borrowed) shared, read-write. Only
-  // address space is reserved (MAP_NORESERVE): pages exist as the file grows
-  // and is touched, so a mapping may be larger than the file today.
-  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t bytes, bool huge_pages = false);
+  // Maps `bytes` of `fd` (borrowed) from `offset` (a multiple of the page
+  // size) shared, read-write. MAP_NORESERVE: pages exist as the file holds
+  // them and they are touched, so a mapping may reach past the file's end.
+  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
+                                              bool huge_pages = false);
 
   HostMemory() = default;
   HostMemory(HostMemory&& other) noexcept;

@@ -34,11 +34,14 @@ TEST(HostMemory, MapSharedSeesTheFileAndIsUnmappedOnce) {
   ASSERT_EQ(ftruncate(fd, 8192), 0);
   std::byte* seen = nullptr;
   {
-    auto a = HostMemory::MapShared(fd, 1 << 20);  // larger than the file: reserve only
-    auto b = HostMemory::MapShared(fd, 8192);
+    auto a = HostMemory::MapShared(fd, 0, 1 << 20);  // larger than the file: reserve only
+    auto b = HostMemory::MapShared(fd, 0, 8192);
+    auto c = HostMemory::MapShared(fd, 4096, 4096);  // a range
     ASSERT_TRUE(a.ok() && b.ok());
     std::memcpy(a->data() + 4096, "shared", 6);
     EXPECT_EQ(std::memcmp(b->data() + 4096, "shared", 6), 0);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(std::memcmp(c->data(), "shared", 6), 0);
     seen = a->data();
   }
   // Both mappings are gone: the address is no longer mapped.
@@ -48,9 +51,10 @@ TEST(HostMemory, MapSharedSeesTheFileAndIsUnmappedOnce) {
 }
 
 TEST(HostMemory, ErrorsNameTheOperation) {
-  auto bad = HostMemory::MapShared(-1, 4096);
+  auto bad = HostMemory::MapShared(-1, 8192, 4096);
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("mmap 4096 bytes"), std::string::npos) << bad.status();
+  EXPECT_NE(bad.status().message().find("mmap 4096 bytes at offset 8192"), std::string::npos)
+      << bad.status();
   EXPECT_EQ(RoundUpToPage(1), PageSize());
   EXPECT_EQ(RoundUpToPage(PageSize()), PageSize());
 }

@@ -3,8 +3,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -53,17 +55,42 @@ struct Session::Impl {
   std::shared_ptr<v1::PartitionService::Stub> stub;
   absl::Duration timeout;
   v1::SessionRef ref;
-  HostMemory arena;  // the session arena, mapped shared
+  UniqueFd arena;  // the session arena's memfd
+  uint64_t arena_capacity = 0;
   UniqueFd connection;  // the arena channel; closing it abandons the session
   absl::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
+  // Each partition's params and grads, mapped the first time the daemon
+  // names them: address space only for what the session holds. A
+  // partition's regions never move, so its mapping stays valid as long as
+  // the Session.
+  absl::flat_hash_map<uint64_t, HostMemory> regions ABSL_GUARDED_BY(mu);
 
-  absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) const {
+  absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
     for (const v1::Region* r : {&loc.params(), &loc.grads()}) {
-      if (r->offset() > arena.size() || r->bytes() > arena.size() - r->offset()) {
+      if (r->offset() > arena_capacity || r->bytes() > arena_capacity - r->offset()) {
         return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
-                                                " outside the mapped arena"));
+                                                " outside its arena"));
       }
+    }
+    const uint64_t page = PageSize();
+    const uint64_t begin = std::min(loc.params().offset(), loc.grads().offset()) / page * page;
+    const uint64_t end = std::max(loc.params().offset() + loc.params().bytes(),
+                                  loc.grads().offset() + loc.grads().bytes());
+    std::byte* base;
+    {
+      absl::MutexLock lock(&mu);
+      auto it = regions.find(loc.partition_id());
+      if (it == regions.end()) {
+        absl::StatusOr<HostMemory> region = HostMemory::MapShared(arena.get(), begin, end - begin);
+        if (!region.ok()) {
+          return absl::Status(region.status().code(),
+                              absl::StrCat("mapping partition ", loc.partition_id(), ": ",
+                                           region.status().message()));
+        }
+        it = regions.emplace(loc.partition_id(), *std::move(region)).first;
+      }
+      base = it->second.data() - begin;
     }
     PartitionView v;
     v.id = loc.partition_id();
@@ -72,8 +99,8 @@ struct Session::Impl {
     ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype(), "param_dtype from the daemon"));
     ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype(), "grad_dtype from the daemon"));
     v.step = loc.step();
-    v.params = arena.data() + loc.params().offset();
-    v.grads = arena.data() + loc.grads().offset();
+    v.params = base + loc.params().offset();
+    v.grads = base + loc.grads().offset();
     return v;
   }
 };
@@ -138,12 +165,8 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   // Held open for the session's life: if this process dies, the daemon
   // sees the connection close and frees the session.
   s.connection = std::move(attached.connection);
-  absl::StatusOr<HostMemory> arena = HostMemory::MapShared(attached.arena.get(), resp.arena_capacity());
-  if (!arena.ok()) {
-    return absl::Status(arena.status().code(),
-                        absl::StrCat("mapping the session arena: ", arena.status().message()));
-  }
-  s.arena = std::move(*arena);
+  s.arena = std::move(attached.arena);
+  s.arena_capacity = resp.arena_capacity();
   return out;
 }
 

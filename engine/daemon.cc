@@ -179,8 +179,8 @@ std::vector<std::string> Daemon::Describe() const {
   lines.push_back(absl::StrCat(
       "tier host: budget ", FormatByteSize(static_cast<int64_t>(pool_.limit())),
       " (one pool for every session's arena and optimizer state",
-      options_->memory.lock_pool ? ", locked where permitted" : "", "); per-session arena ",
-      FormatByteSize(options_->memory.session_arena_bytes), " of address space"));
+      options_->memory.lock_pool ? ", locked where permitted" : "", "); per-session arena up to ",
+      FormatByteSize(options_->memory.session_arena_bytes)));
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
   if (swap_ == nullptr) {
     lines.push_back("tier nvme: off (set nvme.dirs to enable)");

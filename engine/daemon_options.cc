@@ -26,7 +26,7 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
            kHostBudgetRange});
   r->Bind("memory.session_arena_bytes", &o->memory.session_arena_bytes,
-          {"bytes", "address space reserved per session arena (new sessions)", true,
+          {"bytes", "most bytes one session's arena may hold (new sessions)", true,
            kSessionArenaRange});
   r->Bind("memory.lock_pool", &o->memory.lock_pool,
           {"bool", "mlock the host pool where permitted", false});

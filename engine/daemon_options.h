@@ -41,9 +41,9 @@ struct MemoryOptions {
   // Lowering it below current use only blocks new registrations.
   int64_t host_budget_bytes = 0;
 
-  // Address space reserved per session for its shared arena (both in the
-  // daemon and the trainer). Costs no memory until used; bounds the total
-  // working+gradient bytes one session can register. A change applies to
+  // Most bytes one session's shared arena may hold: its partitions' working
+  // copies and gradients together. Reserves nothing: the daemon and the
+  // trainer map each partition's regions, not the whole. A change applies to
   // sessions opened afterwards.
   int64_t session_arena_bytes = int64_t{256} << 30;
 

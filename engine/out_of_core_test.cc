@@ -89,7 +89,7 @@ class Trainer {
       parts_.push_back(*p);
     }
     auto fd = engine->sessions->DupArenaFd(key_);
-    arena_ = *HostMemory::MapShared(fd->get(), 64 << 20);
+    arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> d(-1.f, 1.f);
     for (const PartitionInfo& p : parts_) {

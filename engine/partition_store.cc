@@ -17,6 +17,9 @@ constexpr int kStateKinds = 3;  // master, exp_avg, exp_avg_sq
 struct PartitionSet::Partition {
   PartitionInfo info;
   PoolCharge arena_charge;  // its params and grads pages in the arena
+  HostMemory region;        // those pages mapped: params, then grads
+  std::byte* params = nullptr;
+  std::byte* grads = nullptr;
   Tier state_home = Tier::kHost;
   bool master_initialized = false;
   bool grads_ready = false;
@@ -198,8 +201,14 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
                      swapper_->ReserveHost(ShmArena::RoundedSize(param_bytes) +
                                                ShmArena::RoundedSize(grad_bytes),
                                            what));
-    ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(param_bytes));
-    ASSIGN_OR_RETURN(uint64_t grads_off, arena_->Allocate(grad_bytes));
+    // One allocation, so that params and grads are adjacent and one mapping
+    // (of just this partition: no address space for the rest) covers both.
+    const uint64_t grads_at = ShmArena::RoundedSize(param_bytes);
+    ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(grads_at + grad_bytes));
+    const uint64_t grads_off = params_off + grads_at;
+    ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, grads_at + grad_bytes));
+    partition->params = partition->region.data();
+    partition->grads = partition->region.data() + grads_at;
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
       const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
       for (int k = 0; k < kStateKinds; ++k) {
@@ -279,16 +288,15 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
   absl::MutexLock lock(&mu_);
   while (stepping_) step_ended_.Wait(&mu_);
   std::vector<StepItem> items;
-  std::byte* base = arena_->base();
   for (auto& [id, p] : partitions_) {
     if (!p->grads_ready) continue;
     p->in_step = true;
     StepItem item;
     item.id = id;
     item.init_master = !p->master_initialized;
-    item.task.span.grads = base + p->info.grads.offset;
+    item.task.span.grads = p->grads;
     item.task.span.grad_dtype = p->info.grad_dtype;
-    item.task.span.working = base + p->info.params.offset;
+    item.task.span.working = p->params;
     item.task.span.working_dtype = p->info.param_dtype;
     item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;

@@ -21,10 +21,11 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view nam
   if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
     return PosixError(absl::StrCat("sealing ", label), errno);
   }
-  // Address space for the whole capacity; pages exist only as the file grows
-  // and is touched.
-  ASSIGN_OR_RETURN(HostMemory mapping, env->MapShared(fd.get(), capacity));
-  return std::unique_ptr<ShmArena>(new ShmArena(std::move(fd), std::move(mapping), env));
+  return std::unique_ptr<ShmArena>(new ShmArena(std::move(fd), capacity, env));
+}
+
+absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes) const {
+  return env_->MapShared(fd_.get(), offset, bytes);
 }
 
 uint64_t ShmArena::size() const {
@@ -34,7 +35,7 @@ uint64_t ShmArena::size() const {
 
 absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes) {
   const uint64_t rounded = RoundedSize(bytes);
-  const uint64_t capacity = mapping_.size();
+  const uint64_t capacity = capacity_;
   absl::MutexLock lock(&mu_);
   if (rounded == 0 || rounded > capacity - size_) {
     return absl::ResourceExhaustedError(

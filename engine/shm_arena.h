@@ -6,11 +6,13 @@
 // can open it; a process gets it only by being sent the descriptor. The file
 // is sealed against shrinking (F_SEAL_SHRINK), so a client cannot truncate it
 // under the daemon and make daemon accesses fault. Its size grows with the
-// allocations; the daemon maps `capacity` bytes of address space once, so
-// pointers into it stay valid for the arena's lifetime.
+// allocations, up to `capacity`. Nothing is mapped up front: whoever uses a
+// region maps just that region (Map; the client does the same), so a
+// session costs address space only for what it holds, and hundreds of
+// sessions cost no more than their partitions.
 //
-// Thread-safety: Allocate() is internally synchronised; base()/fd() are
-// immutable after Create().
+// Thread-safety: Allocate() and Map() may be called from any thread; fd()
+// and capacity() are immutable after Create().
 #ifndef OFFLOADD_ENGINE_SHM_ARENA_H_
 #define OFFLOADD_ENGINE_SHM_ARENA_H_
 
@@ -36,7 +38,7 @@ class ShmArena {
   static constexpr uint64_t kAlignment = 4096;
 
   // `name` only labels the memfd in /proc/<pid>/fd (it is not a path).
-  // `env` (borrowed, must outlive the arena) makes the memfd, the mapping
+  // `env` (borrowed, must outlive the arena) makes the memfd, the mappings
   // and the file growth.
   static absl::StatusOr<std::unique_ptr<ShmArena>> Create(absl::string_view name,
                                                           uint64_t capacity,
@@ -55,18 +57,22 @@ class ShmArena {
   // the arena's capacity would be exceeded.
   absl::StatusOr<uint64_t> Allocate(uint64_t bytes);
 
-  std::byte* base() const { return mapping_.data(); }
+  // Maps `bytes` from `offset` (an offset Allocate returned) for this
+  // process; the mapping is the caller's and may outlive nothing but the
+  // arena's descriptor, which the kernel keeps alive for it.
+  absl::StatusOr<HostMemory> Map(uint64_t offset, uint64_t bytes) const;
+
   int fd() const { return fd_.get(); }
-  uint64_t capacity() const { return mapping_.size(); }
+  uint64_t capacity() const { return capacity_; }
   uint64_t size() const;
 
  private:
-  ShmArena(UniqueFd fd, HostMemory mapping, Env* env)
-      : fd_(std::move(fd)), mapping_(std::move(mapping)), env_(env) {}
+  ShmArena(UniqueFd fd, uint64_t capacity, Env* env)
+      : fd_(std::move(fd)), capacity_(capacity), env_(env) {}
 
   // Constant after construction.
   const UniqueFd fd_;
-  const HostMemory mapping_;
+  const uint64_t capacity_;
   Env* const env_;
   mutable absl::Mutex mu_;
   uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;
