@@ -11,7 +11,7 @@ namespace {
 bool IsGauge(const std::string& name) {
   static const auto* const kGauges = new absl::flat_hash_set<std::string>{
       "swap_blocks",           "swap_resident_bytes", "swap_pinned_bytes",
-      "swap_host_placed_bytes", "swap_nvme_placed_bytes", "swap_io_queue"};
+      "swap_host_placed_bytes", "swap_nvme_placed_bytes", "swap_io_queue", "prefetch_pending"};
   return kGauges->contains(name);
 }
 

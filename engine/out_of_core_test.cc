@@ -109,6 +109,12 @@ class Trainer {
     }
   }
 
+  // Returns the first partition's gradients again; the status code.
+  absl::StatusCode ReturnGradientsStatus() {
+    const PartitionInfo& p = parts_[0];
+    return engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).code();
+  }
+
   absl::StatusOr<StepSummary> Step() {
     AdamHyperparams h;
     h.lr = 1e-2;
@@ -216,6 +222,8 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
       EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
       EXPECT_NE(failed.status().message().find("resumes there"), std::string::npos);
       small.faults->ClearRules();
+      // New gradients cannot be mixed into the half-applied step.
+      EXPECT_EQ(out_of_core.ReturnGradientsStatus(), absl::StatusCode::kFailedPrecondition);
     }
     auto b = out_of_core.Step();
     ASSERT_TRUE(b.ok()) << b.status();

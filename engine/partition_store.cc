@@ -72,6 +72,9 @@ PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
 
 absl::Status PartitionSet::SetStateHostPercent(int percent) {
   RETURN_IF_ERROR(PartitionStore::CheckPlacement(percent, swapper_->has_nvme()));
+  // Until every block has its new home: a second change, or a registration,
+  // sees this one whole.
+  absl::MutexLock placing(&placement_mu_);
   struct Move {
     uint64_t id;
     uint64_t chunks;
@@ -109,10 +112,17 @@ absl::Status PartitionSet::SetStateHostPercent(int percent) {
 }
 
 PartitionSet::~PartitionSet() {
-  absl::MutexLock lock(&mu_);
-  for (const auto& [id, p] : partitions_) {
-    const uint64_t chunks = (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_;
-    for (uint64_t c = 0; c < chunks; ++c) {
+  // No call can be in flight: the last reference is going. The swapper is
+  // called without the set's lock, as everywhere.
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;  // partition, chunks
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, p] : partitions_) {
+      chunks.emplace_back(id, (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_);
+    }
+  }
+  for (const auto& [id, n] : chunks) {
+    for (uint64_t c = 0; c < n; ++c) {
       for (int k = 0; k < kStateKinds; ++k) swapper_->Remove(PartitionStore::StateBlock(id, c, k));
     }
   }
@@ -177,6 +187,9 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   const uint64_t grad_bytes = spec.numel * DTypeSize(spec.grad_dtype);
   const uint64_t state_bytes = spec.numel * sizeof(float);  // per kind
   const std::string what = absl::StrCat("partition '", spec.name, "' of session ", session_id_);
+  // Registrations and placement changes of this set, one at a time (see
+  // SetStateHostPercent); held while the swapper makes room.
+  absl::MutexLock placing(&placement_mu_);
   Tier home;
   {
     absl::MutexLock lock(&mu_);
@@ -231,14 +244,15 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     info.grads = {grads_off, grad_bytes};
     return absl::OkStatus();
   }();
-  absl::MutexLock lock(&mu_);
   if (!status.ok()) {
-    // The arena charge goes with `partition`; arena space already handed out
-    // stays unused (the arena only grows).
+    // The arena charge and mapping go with `partition`; arena space already
+    // handed out stays unused (the arena only grows).
     for (uint64_t block : added) swapper_->Remove(block);
+    absl::MutexLock lock(&mu_);
     names_.erase(spec.name);
     return status;
   }
+  absl::MutexLock lock(&mu_);
   state_bytes_[static_cast<int>(home)] += kStateKinds * state_bytes;
   PartitionInfo info = partition->info;
   partitions_[id] = std::move(partition);
@@ -280,6 +294,13 @@ absl::Status PartitionSet::ReturnGradients(uint64_t id, uint64_t numel, DType gr
   }
   // The step in progress consumes the gradients it pinned; these are new.
   AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
+  if (p->resume_chunk != 0) {
+    // Part of this partition was updated with the gradients it holds; new
+    // ones would mix two steps in one.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", id, " ('", p->info.name, "') is in a step that stopped midway; call Step "
+        "again (with the gradients as they were) before returning new ones"));
+  }
   p->grads_ready = true;
   return absl::OkStatus();
 }

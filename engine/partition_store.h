@@ -32,9 +32,11 @@
 // A failed call changes nothing and holds no budget.
 //
 // Thread-safety: all methods are safe from any thread. Lock order: a set's
-// lock is a leaf; no other engine lock, nor the swapper's, is taken while it
-// is held (calls into the swapper happen outside it), and it is never taken
-// while another engine lock is held (ABSL_LOCKS_EXCLUDED below).
+// lock (mu_) is a leaf; no other engine lock, nor the swapper's, is taken
+// while it is held (calls into the swapper happen outside it), and it is
+// never taken while another engine lock is held (ABSL_LOCKS_EXCLUDED
+// below). Register and SetStateHostPercent hold the set's placement_mu_
+// (before mu_) across their swapper calls, so they see each other whole.
 #ifndef OFFLOADD_ENGINE_PARTITION_STORE_H_
 #define OFFLOADD_ENGINE_PARTITION_STORE_H_
 
@@ -189,6 +191,10 @@ class PartitionSet {
   Stats* const stats_;
   const uint64_t state_chunk_elems_;
 
+  // Serialises Register and SetStateHostPercent of this set, across their
+  // calls into the swapper. Lock order: placement_mu_, then mu_ (briefly,
+  // never across a swapper call), then the swapper's own.
+  absl::Mutex placement_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   // Signalled when a step ends.
   absl::CondVar step_ended_;

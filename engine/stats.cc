@@ -39,6 +39,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("prefetch_issued", s.prefetches, "blocks");
   add("prefetch_used", s.prefetch_used, "blocks");
   add("prefetch_wasted", s.prefetch_wasted, "blocks");
+  add("prefetch_pending", s.prefetch_pending, "blocks");
   add("swap_ins", s.swap_ins, "blocks");
   add("swap_outs", s.swap_outs, "blocks");
   add("swap_clean_drops", s.clean_drops, "blocks");

@@ -1,5 +1,6 @@
 #include "engine/step_runner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
@@ -46,6 +47,18 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   all.reserve(items.size());
   for (const StepItem& item : items) all.push_back(item.task);
   const uint64_t nonfinite = optimizer_->CountNonFinite(all);
+  const bool resuming = std::any_of(items.begin(), items.end(),
+                                    [](const StepItem& item) { return item.first_chunk != 0; });
+  if (nonfinite != 0 && resuming) {
+    // Part of the step was applied with these gradients, when they were
+    // finite: the trainer changed them since. Nothing changes; the step can
+    // still be resumed with the gradients it started with.
+    Sync(StepPoint::kOptimized);
+    set.EndStep(items, outcomes);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", set.session_id(), ": the gradients of a step that stopped midway now hold ",
+        nonfinite, " NaN/Inf values; they must stay as returned until that step completes"));
+  }
   if (nonfinite != 0) {
     Sync(StepPoint::kOptimized);
     for (ItemOutcome& o : outcomes) o.outcome = StepOutcome::kSkipped;
@@ -78,6 +91,7 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
     const size_t first = next;
     std::vector<StatePins> pins;
     std::vector<AdamTask> tasks;
+    std::vector<bool> init_master;
     uint64_t group_bytes = 0;
     const auto pinning = std::chrono::steady_clock::now();
     while (next < units.size()) {
@@ -102,8 +116,8 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
       span.master = reinterpret_cast<float*>(got->master.data());
       span.exp_avg = reinterpret_cast<float*>(got->exp_avg.data());
       span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
-      if (item.init_master) WidenToFloat(span.working, span.working_dtype, span.master, n);
       tasks.push_back(task);
+      init_master.push_back(item.init_master);
       pins.push_back(*std::move(got));
       group_bytes += n * kStateBytesPerParam;
       ++next;
@@ -112,6 +126,10 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
     wait_nanos += NanosSince(pinning);
     if (tasks.empty()) break;
     const auto computing = std::chrono::steady_clock::now();
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const AdamSpan& span = tasks[t].span;
+      if (init_master[t]) WidenToFloat(span.working, span.working_dtype, span.master, span.numel);
+    }
     absl::Status updated = optimizer_->Update(tasks, h);
     compute_nanos += NanosSince(computing);
     if (!updated.ok()) {
@@ -134,13 +152,13 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   set.EndStep(items, outcomes);
   stats_->step_state_wait_nanos.fetch_add(wait_nanos, std::memory_order_relaxed);
   stats_->step_compute_nanos.fetch_add(compute_nanos, std::memory_order_relaxed);
+  stats_->params_updated.fetch_add(static_cast<int64_t>(summary.params_updated),
+                                   std::memory_order_relaxed);
   if (!status.ok()) return status;
   summary.wall_nanos = NanosSince(start);
   summary.state_wait_nanos = wait_nanos;
   summary.compute_nanos = compute_nanos;
   stats_->steps.fetch_add(1, std::memory_order_relaxed);
-  stats_->params_updated.fetch_add(static_cast<int64_t>(summary.params_updated),
-                                   std::memory_order_relaxed);
   stats_->step_nanos.fetch_add(summary.wall_nanos, std::memory_order_relaxed);
   return summary;
 }

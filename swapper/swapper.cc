@@ -46,6 +46,7 @@ struct Swapper::Block {
   uint64_t extent = 0;  // the NVMe copy; 0: none (the block is zeros)
   bool nvme_current = false;  // the NVMe copy equals the host bytes
   uint64_t version = 0;       // bumped by every write pin
+  uint64_t write_version = 0; // `version` when the write-out in flight was queued
   uint64_t last_use = 0;
   bool prefetched = false;    // brought in by prefetch, not acquired since
   bool move_queued = false;
@@ -138,6 +139,9 @@ absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
   b->home = home;
   if (home == Tier::kHost) {
     RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
+    if (blocks_.contains(id)) {  // added meanwhile, while room was made
+      return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
+    }
     ASSIGN_OR_RETURN(b->host, pool_->Allocate(bytes, absl::StrCat("block ", id)));
     changed_.SignalAll();
     b->state = BlockState::kResident;
@@ -169,7 +173,6 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   ++stats_.acquires;
-  traces_[b->trace].RecordUse(id);
   b->last_use = ++clock_;
   ++b->waiters;
   bool counted = false;
@@ -210,6 +213,9 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
     EraseIfDoneLocked(b);
     return status;
   }
+  // Only uses that happen enter the learned order (a caller that retries
+  // after RESOURCE_EXHAUSTED must not make the trace look different).
+  traces_[b->trace].RecordUse(id);
   ++b->pins;
   if (b->prefetched) {
     b->prefetched = false;
@@ -251,9 +257,17 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   b->home = home;
-  if (home == Tier::kHost && b->state == BlockState::kOnNvme && !b->move_queued) {
-    b->move_queued = true;
-    moves_.push_back({id, MoveKind::kToHost});
+  if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
+    if (b->move_queued) {
+      // A prefetch may give up (it evicts only what is needed later); a
+      // move to the host must not.
+      for (Move& m : moves_) {
+        if (m.id == id) m.kind = MoveKind::kToHost;
+      }
+    } else {
+      b->move_queued = true;
+      moves_.push_back({id, MoveKind::kToHost});
+    }
     changed_.SignalAll();
   }
   return absl::OkStatus();
@@ -359,6 +373,8 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
   const uint64_t failed_writes = failed_writes_;
   absl::flat_hash_set<BlockId> tried;
   while (!pool_->Fits(bytes)) {
+    // The I/O threads may already be gone: queue nothing more.
+    if (stopping_) return absl::CancelledError("the swapper is shutting down");
     if (charge > pool_->limit()) return RoomError(bytes);
     // Enough is already being written out: wait for it.
     const uint64_t after = pool_->used() - freeing_bytes_;
@@ -399,6 +415,9 @@ void Swapper::EvictLocked(Block* b) {
     return;
   }
   b->state = BlockState::kWritingOut;
+  // The bytes as of now are what the write-out stands for: a write pin from
+  // here on (even before the write starts) makes its copy stale.
+  b->write_version = b->version;
   freeing_bytes_ += b->host.charged();
   ++writes_in_flight_;
   QueueIoLocked([this, id = b->id] { RunIo(id, /*is_write=*/true); });
@@ -451,7 +470,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
     data = b->host.data();
     bytes = b->bytes;
     extent = b->extent;
-    version = b->version;
+    version = b->write_version;
     hook = io_hook_;
   }
   if (hook) hook(id, is_write);
@@ -571,15 +590,16 @@ void Swapper::MoverThread() {
       status = MakeRoomLocked(b->bytes, /*restricted=*/false, 0);
     }
     --b->waiters;
-    if (status.ok() && b->state == BlockState::kOnNvme && !b->removed &&
-        pool_->Fits(b->bytes)) {
-      status = StartReadLocked(b);
+    if (status.ok() && b->state == BlockState::kOnNvme && !b->removed) {
+      status = pool_->Fits(b->bytes)
+                   ? StartReadLocked(b)
+                   : absl::ResourceExhaustedError("the room made was taken meanwhile");
       if (status.ok() && move.kind == MoveKind::kPrefetch) {
         b->prefetched = true;
         ++stats_.prefetches;
       }
     }
-    if (!status.ok() && move.kind == MoveKind::kToHost) {
+    if (!status.ok() && move.kind == MoveKind::kToHost && !b->removed) {
       LogWarning("swapper: moving block %d to host memory: %s", static_cast<int64_t>(b->id),
                  status.ToString());
     }

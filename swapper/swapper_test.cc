@@ -66,10 +66,11 @@ class SwapperTest : public ::testing::Test {
   }
 
   // A swapper over a pool of `pool_bytes`.
-  void Make(uint64_t pool_bytes, int64_t prefetch_depth = 0) {
+  void Make(uint64_t pool_bytes, int64_t prefetch_depth = 0, int64_t io_threads = 4) {
     pool_ = std::make_unique<HostPool>(Env::Default(), pool_bytes, false);
     SwapperOptions o;
     o.prefetch_depth = prefetch_depth;
+    o.io_threads = io_threads;
     auto s = Swapper::Create(o, pool_.get(), space_.get());
     ASSERT_TRUE(s.ok()) << s.status();
     swapper_ = std::move(*s);
@@ -384,6 +385,44 @@ TEST_F(SwapperTest, AcquireDuringWriteOutKeepsTheBlockResident) {
   EXPECT_EQ(StateOf(2), BlockState::kOnNvme);  // the next victim went instead
   ExpectHolds(1, 11);
   ExpectHolds(2, 22);
+}
+
+// A write pin taken while the block's write-out is queued (not started)
+// makes that write's copy stale, even if the bytes change only after the
+// write: the block must be written again, never dropped as clean.
+TEST_F(SwapperTest, AWritePinWhileTheWriteIsQueuedKeepsTheChange) {
+  Make(2 * kMiB, /*prefetch_depth=*/0, /*io_threads=*/1);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  absl::Notification writing, release;
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (id == 1 && is_write) {
+      writing.Notify();
+      release.WaitForNotification();
+    }
+  });
+  // Both are written out; the one I/O thread is held in 1's write, so 2's
+  // waits in the queue.
+  pool_->SetLimit(0);
+  swapper_->Trim();
+  writing.WaitForNotification();
+  AwaitTrue([&] { return StateOf(2) == BlockState::kWritingOut; }, "2's write-out queued");
+  auto two = swapper_->Acquire(2, /*for_write=*/true);
+  ASSERT_TRUE(two.ok()) << two.status();
+  release.Notify();
+  swapper_->WaitIdle();
+  ASSERT_EQ(StateOf(2), BlockState::kResident);  // pinned: it stayed
+  Fill(*two, 99);  // the update lands after that write
+  two->Reset();
+  swapper_->SetIoHookForTesting(nullptr);
+  pool_->SetLimit(2 * kMiB);
+  // Make 2 leave memory again: its new bytes must be written, not dropped.
+  Write(3, 33);
+  Write(1, 11);
+  ASSERT_EQ(StateOf(2), BlockState::kOnNvme);
+  ExpectHolds(2, 99);
+  ExpectHolds(3, 33);
 }
 
 uint64_t ResidentBytes() {
