@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/env.h"
@@ -272,6 +273,33 @@ TEST(OutOfCore, LivePlacementChangesMoveStateAndKeepTrainingExact) {
   step_both(5);
   EXPECT_EQ(engine.sessions->SetPlacement(moved.key(), 101).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Two sessions whose state is on NVMe share one small pool, stepping at the
+// same time from two threads: each trains bit-for-bit like its own copy with
+// state in memory (their traces are separate; eviction weighs both).
+TEST(OutOfCore, TwoSessionsShareASmallPool) {
+  Engine in_memory(TmpDir("h"), 64 << 20);
+  Trainer ref_a(&in_memory, 100), ref_b(&in_memory, 100);
+  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
+                              RoundUpToPage(kSizes[2] * 4));
+  Engine shared(TmpDir("i"), 2 * arena + RoundUpToPage(StateBytes() / 2));
+  Trainer a(&shared, 0), b(&shared, 0);
+  for (int step = 1; step <= 5; ++step) {
+    for (Trainer* t : {&ref_a, &ref_b, &a, &b}) t->ReturnGradients(step);
+    ASSERT_TRUE(ref_a.Step().ok());
+    ASSERT_TRUE(ref_b.Step().ok());
+    absl::StatusOr<StepSummary> sa, sb;
+    std::thread other([&] { sb = b.Step(); });
+    sa = a.Step();
+    other.join();
+    ASSERT_TRUE(sa.ok()) << sa.status();
+    ASSERT_TRUE(sb.ok()) << sb.status();
+    ASSERT_EQ(ref_a.Params(), a.Params()) << "step " << step;
+    ASSERT_EQ(ref_b.Params(), b.Params()) << "step " << step;
+    EXPECT_LE(shared.pool->used(), shared.pool->limit());
+  }
+  EXPECT_GT(shared.swapper->Stats().swap_outs, 0u);
 }
 
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
