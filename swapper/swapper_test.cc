@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -423,6 +424,49 @@ TEST_F(SwapperTest, AWritePinWhileTheWriteIsQueuedKeepsTheChange) {
   ASSERT_EQ(StateOf(2), BlockState::kOnNvme);
   ExpectHolds(2, 99);
   ExpectHolds(3, 33);
+}
+
+// A move to the host is not lost behind a prefetch of the same block that
+// was queued first (a prefetch may give up; the move must not).
+TEST_F(SwapperTest, AMoveToTheHostOverridesAQueuedPrefetch) {
+  Make(4 * kMiB, /*prefetch_depth=*/2, /*io_threads=*/1);
+  for (uint64_t id = 1; id <= 6; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 6; ++id) Write(id, static_cast<uint32_t>(id));
+  // Hold the mover's first prefetch in its read, so the next one queues.
+  absl::Notification reading, release;
+  swapper_->SetIoHookForTesting([&](uint64_t, bool is_write) {
+    if (!is_write && !reading.HasBeenNotified()) {
+      reading.Notify();
+      release.WaitForNotification();
+    }
+  });
+  swapper_->EndIteration(7);  // prefetches 1 and 2
+  reading.WaitForNotification();
+  ASSERT_TRUE(swapper_->SetHome(2, Tier::kHost).ok());
+  release.Notify();
+  swapper_->WaitIdle();
+  swapper_->SetIoHookForTesting(nullptr);
+  EXPECT_EQ(*swapper_->Home(2), Tier::kHost);
+  EXPECT_EQ(StateOf(2), BlockState::kResident);
+  // Host-placed now: it stays while everything else cycles through.
+  for (uint64_t id : {3, 4, 5, 6, 1}) ExpectHolds(id, static_cast<uint32_t>(id));
+  EXPECT_EQ(StateOf(2), BlockState::kResident);
+  ExpectHolds(2, 2);
+}
+
+// Destroying the swapper while prefetches and write-outs are queued
+// finishes or drops them cleanly: no hang, nothing left charged.
+TEST_F(SwapperTest, DestroyedWithWorkInFlight) {
+  Make(2 * kMiB, /*prefetch_depth=*/4, /*io_threads=*/1);
+  for (uint64_t id = 1; id <= 8; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 8; ++id) Write(id, static_cast<uint32_t>(id));
+  swapper_->SetIoHookForTesting([](uint64_t, bool) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // slow disk
+  });
+  swapper_->EndIteration(7);
+  pool_->SetLimit(kMiB);
+  swapper_->Trim();
+  swapper_.reset();  // returns; TearDown checks the pool is empty
 }
 
 uint64_t ResidentBytes() {
