@@ -535,12 +535,18 @@ int Main(int argc, char** argv) {
                 static_cast<unsigned long long>(sum.prefetch_wasted), in / 1e9, stall, computed,
                 released, target.c_str());
   }
-  std::printf("iter s: mean of %d measured iterations; compute = %d x 2 x delay; I/O bnd = bytes "
-              "moved per iteration at fio's best speeds (read %.3f, write %.3f GB/s); ratio = iter "
-              "/ max(compute, I/O bnd); hits%% = hits / acquires; per iteration: stall = time inside "
-              "Acquire, slept = time in the compute delay, unpin = time releasing pins; all %d uses read from NVMe would take %.3f s at fio's read speed\n",
-              f.iterations - 1, f.layers, fio_read / 1e9, fio_write / 1e9, 2 * f.layers,
-              2.0 * static_cast<double>(total) / fio_read);
+  std::printf("iter s: mean of %d measured iterations; compute = %d x 2 x delay; ratio = iter / "
+              "max(compute, I/O bnd); hits%% = hits / acquires; per iteration: stall = time inside "
+              "Acquire, slept = time in the compute delay, unpin = time releasing pins\n",
+              f.iterations - 1, f.layers);
+  if (fio_read > 0 && fio_write > 0) {
+    std::printf("I/O bnd = bytes moved per iteration at fio's best speeds (read %.3f, write %.3f "
+                "GB/s); all %d uses read from NVMe would take %.3f s at fio's read speed\n",
+                fio_read / 1e9, fio_write / 1e9, 2 * f.layers,
+                2.0 * static_cast<double>(total) / fio_read);
+  } else {
+    std::printf("no fio measurement: no I/O bound (ratio against compute only)\n");
+  }
   std::printf("prefetch targets: %d met, %d not met\n", met, missed);
   std::printf("memory: VmHWM over the iterations %.3f GiB, pool limit %.3f GiB, pool used max %.3f "
               "GiB\n",
