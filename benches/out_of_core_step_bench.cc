@@ -9,7 +9,7 @@
 //       [--params=400M] [--partition_params=25M] [--cache=1GiB] [--chunk=16MiB]
 //       [--steps=5] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
-//       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--fio_rounds=4]
+//       [--queue_depth=32] [--rings=2] [--stripe=1MiB] 
 //       [--compute_reps=3] [--no-fio] [--no-compute] [--tiny]
 //
 // What runs (one process, in this order):
@@ -17,13 +17,10 @@
 //      options: all cores, NaN/Inf pre-scan on) over the same partitions with
 //      everything in memory: bf16 working copy, bf16 gradients, fp32 master,
 //      exp_avg, exp_avg_sq. Best of --compute_reps after a warm-up. Its
-//      memory is freed before the engine starts.
-//   2. fio, the first half of --fio_rounds: on a file of the state's size in --dir (written once
-//      first, so every timed write is an overwrite), with io_uring, O_DIRECT,
-//      bs = the engine's request size, iodepth = its queue depth (per job):
-//      sequential write, sequential read, one rw=rw job (50/50) moving the
-//      state's size each way, and a read job and a write job at once, each
-//      moving the state's size.
+//      memory is freed before the engine starts; it runs again at the end
+//      (the machine is shared) and the better of the two counts.
+//   2. A file of the state's size for fio in --dir, written once (so every
+//      timed write is an overwrite).
 //   3. The engine, assembled in-process as engine/out_of_core_test.cc does:
 //      HostPool (limit = the session arena's charge + --cache), Swapper over
 //      SwapSpace over MakeIoBackend, PartitionStore, StepRunner,
@@ -31,26 +28,37 @@
 //      state homed on NVMe), the partitions registered with bf16 params and
 //      bf16 gradients (written into the arena once through the memfd, so the
 //      arena is mapped once in this process, as in the daemon). Then --steps
-//      steps back to back, each after ReturnGradients of every partition. The
-//      first step learns the access order (and finds its state never written:
+//      steps, each after ReturnGradients of every partition. The first step
+//      learns the access order (and finds its state never written:
 //      zero-filled, no reads); later steps are the steady state.
+//      After every step, once the swapper is idle, one fio round on the same
+//      directory (this virtual disk's speed drifts by tens of percent within
+//      minutes, so each steady step is compared with the rounds just before
+//      and just after it). A round: sequential write, sequential read (bs =
+//      the engine's request size, iodepth = its queue depth per job,
+//      io_uring, O_DIRECT), one rw=rw job (50/50) moving the state's size
+//      each way, and a read job and a write job at once, each moving the
+//      state's size. I/O that the swapper does between steps (the prefetch
+//      of the next step's first chunks, issued when a step ends, and the
+//      write-outs that make room for it) finishes before the round starts
+//      and is not counted in either step's bytes or time.
 //      Peak RSS: /proc/self/clear_refs is reset (5) after setup, VmHWM read
 //      after the steps; a sampler thread records the largest VmRSS, RssAnon
 //      and RssShmem seen, and the pool's largest use, every 10 ms.
-//   4. fio, the other half, after the engine has gone (its swap file
-//      removed); then the compute bound again.
 //
-// Bounds, for the bytes a steady step actually moved (the swapper's
-// counters; Belady keeps a little state resident across steps):
-//   read then write: bytes read / fio's read speed + bytes written / fio's
-//       write speed (sequential runs, best of the rounds);
-//   concurrent: the read job + write job run's time, scaled to those bytes;
-//   mixed: the rw=rw job's time, scaled to those bytes.
-//   I/O bound = the fastest of the three in the fastest round (the device's
-//       limit as fio finds it); the median round's is printed too.
-//   Also printed: all state read then written (every byte once each way).
-//   Compute bound = the in-memory step's best time (before or after).
-//   Target: steady step (mean) <= 1.1 x max(I/O bound, compute bound).
+// Bounds, for each steady step, for the bytes it actually moved (the
+// swapper's counters; Belady keeps a little state resident across steps):
+//   read+write: bytes read / fio's read speed + bytes written / its write
+//       speed (the sequential runs);
+//   concurrent: the read job + write job run's time, scaled to those bytes
+//       (by the larger of bytes read and written over the state's size);
+//   rw=rw: the mixed job's time, scaled the same way.
+//   A round's I/O bound is the fastest of the three; the step's is the
+//   faster of the rounds before and after it. Also printed: the bound against
+//   the mean of the two rounds, and all state read then written.
+//   Compute bound = the in-memory step's best time.
+//   Target: mean over steady steps of step / max(I/O bound, compute bound)
+//   <= 1.1.
 // Files go under --dir and are deleted at the end.
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -120,7 +128,6 @@ struct Flags {
   int64_t queue_depth = IoOptions{}.queue_depth;
   int64_t rings = IoOptions{}.rings;
   int64_t stripe = NvmeOptions{}.stripe_bytes;
-  int fio_rounds = 4;  // half before the engine, half after
   int compute_reps = 3;
   bool fio = true;
   bool compute = true;
@@ -475,8 +482,6 @@ int Main(int argc, char** argv) {
       f.rings = std::atoll(v);
     } else if ((v = value("stripe"))) {
       f.stripe = bytes(v);
-    } else if ((v = value("fio_rounds"))) {
-      f.fio_rounds = std::max(1, std::atoi(v));
     } else if ((v = value("compute_reps"))) {
       f.compute_reps = std::max(1, std::atoi(v));
     } else if (a == "--no-fio") {
@@ -497,7 +502,6 @@ int Main(int argc, char** argv) {
     f.chunk_bytes = 256 << 10;
     f.steps = 3;
     f.compute_reps = 1;
-    f.fio_rounds = 1;
   }
 
   // Sizes.
@@ -565,22 +569,18 @@ int Main(int argc, char** argv) {
   };
   if (f.compute && !measure_compute("before")) return 1;
 
-  // 2. fio, the first half of the rounds.
+  // 2. The fio file.
   const std::string fio_file = f.dir + "/fio_bench.dat";
-  std::vector<FioRound> fio_rounds;
-  const int before = f.fio ? (f.fio_rounds + 1) / 2 : 0;
-  const int after = f.fio ? f.fio_rounds - before : 0;
+  std::vector<FioRound> fio_rounds;  // [k]: after step k + 1
   if (f.fio) {
-    std::printf("\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld, one job, on %s (%.2f GB)\n",
+    std::printf("\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld per job, on %s (%.2f GB), one "
+                "round after each step\n",
                 FormatByteSize(std::min(f.request_bytes, f.stripe)).c_str(),
                 static_cast<long long>(f.queue_depth), fio_file.c_str(), state / 1e9);
-    // Lay the file out, so timed writes are overwrites.
-    RunFio(fio_file, {"write"}, 16 << 20, 16, state, 0);
-    for (int r = 0; r < before; ++r) {
-      fio_rounds.push_back(FioRoundOn(fio_file, state, f));
-      PrintFioRound(absl::StrCat("round ", r + 1, " (before):").c_str(), fio_rounds.back(), state);
+    if (RunFio(fio_file, {"write"}, 16 << 20, 16, state, 0).empty()) {
+      std::printf("fio failed (is it installed?): no I/O bound\n");
+      f.fio = false;
     }
-    unlink(fio_file.c_str());  // its space back while the engine runs
   }
 
   // 3. The engine.
@@ -724,6 +724,11 @@ int Main(int argc, char** argv) {
       rows.push_back(row);
       std::printf("step %d: %.3f s (%llu params updated%s)\n", step, row.seconds,
                   static_cast<unsigned long long>(row.params), row.skipped ? ", SKIPPED" : "");
+      if (f.fio) {
+        e.swapper->WaitIdle();  // the prefetch for the next step, and its write-outs
+        fio_rounds.push_back(FioRoundOn(fio_file, state, f));
+        PrintFioRound(absl::StrCat("after step ", step, ":").c_str(), fio_rounds.back(), state);
+      }
     }
     stop.store(true);
     sampler.join();
@@ -734,15 +739,6 @@ int Main(int argc, char** argv) {
     // file is removed).
   }
 
-  // 4. fio, the other half.
-  if (after > 0) {
-    RunFio(fio_file, {"write"}, 16 << 20, 16, state, 0);
-    for (int r = 0; r < after; ++r) {
-      fio_rounds.push_back(FioRoundOn(fio_file, state, f));
-      PrintFioRound(absl::StrCat("round ", before + r + 1, " (after):").c_str(), fio_rounds.back(),
-                    state);
-    }
-  }
   unlink(fio_file.c_str());
   rmdir(f.dir.c_str());  // only if empty (we may not have created it)
   if (f.compute && !measure_compute("after")) return 1;
@@ -788,56 +784,74 @@ int Main(int argc, char** argv) {
                 static_cast<unsigned long long>(nvme_home), static_cast<unsigned long long>(state));
   }
 
-  // Bounds, per fio round (the disk's speed drifts between rounds).
+  // Bounds: each steady step against the fio rounds just before and after it.
   std::printf("\n== bounds\n");
-  double io_best = -1, io_median = -1;
-  if (!fio_rounds.empty() && std::all_of(fio_rounds.begin(), fio_rounds.end(), [](const FioRound& r) {
-        return r.read_bw > 0 && r.write_bw > 0 && r.mixed_seconds > 0 && r.concurrent_seconds > 0;
-      })) {
-    // Scaled from the state's size to the bytes a steady step moved.
-    const double scale = (in + out) / (2.0 * static_cast<double>(state));
-    std::printf("I/O bounds for a steady step's bytes (%.3f GB read + %.3f GB written), per fio "
-                "round:\n%-6s %12s %12s %12s %12s %12s\n",
-                in / 1e9, out / 1e9, "round", "read+write", "concurrent", "rw=rw", "fastest",
-                "all state");
-    std::vector<double> ios;
+  auto round_ok = [](const FioRound& r) {
+    return r.read_bw > 0 && r.write_bw > 0 && r.mixed_seconds > 0 && r.concurrent_seconds > 0;
+  };
+  // The fastest way round `r` moves `in` read and `out` written bytes.
+  auto round_io = [&](const FioRound& r, double in_bytes, double out_bytes) {
+    // The joint runs moved the state's size each way; a step reads and
+    // writes about as much (steady state), so scale by the larger side.
+    const double scale = std::max(in_bytes, out_bytes) / static_cast<double>(state);
+    return std::min({in_bytes / r.read_bw + out_bytes / r.write_bw, r.concurrent_seconds * scale,
+                     r.mixed_seconds * scale});
+  };
+  double mean_ratio = -1, mean_ratio_avg = -1, worst_ratio = 0, learn_ratio = -1;
+  if (f.fio && fio_rounds.size() == rows.size() &&
+      std::all_of(fio_rounds.begin(), fio_rounds.end(), round_ok)) {
+    std::printf("fio rounds (seconds for the state's size, %.3f GB, each way):\n%-12s %10s %10s "
+                "%12s %12s %12s\n",
+                state / 1e9, "after step", "read GB/s", "write GB/s", "read+write", "concurrent",
+                "rw=rw");
     for (size_t k = 0; k < fio_rounds.size(); ++k) {
       const FioRound& r = fio_rounds[k];
-      const double seq = in / r.read_bw + out / r.write_bw;
-      const double conc = r.concurrent_seconds * scale, mixed = r.mixed_seconds * scale;
-      const double fastest = std::min({seq, conc, mixed});
-      ios.push_back(fastest);
-      std::printf("%-6zu %11.3fs %11.3fs %11.3fs %11.3fs %11.3fs\n", k + 1, seq, conc, mixed,
-                  fastest, state / r.read_bw + state / r.write_bw);
+      std::printf("%-12zu %10.3f %10.3f %11.3fs %11.3fs %11.3fs\n", k + 1, r.read_bw / 1e9,
+                  r.write_bw / 1e9, state / r.read_bw + state / r.write_bw, r.concurrent_seconds,
+                  r.mixed_seconds);
     }
-    std::sort(ios.begin(), ios.end());
-    io_best = ios.front();
-    io_median = ios[(ios.size() - 1) / 2];
-    std::printf("read+write: bytes read / fio's sequential read speed + bytes written / its write "
-                "speed; concurrent: a read job and a write job at once; rw=rw: one mixed job (both "
-                "scaled from %.3f GB each way); all state: %.3f GB each way, read then write\n",
-                state / 1e9, state / 1e9);
-    std::printf("I/O bound = the fastest way in the fastest round: %.3f s (median round %.3f s); "
-                "steady mean / I/O bound %.3fx (%.3fx against the median round)\n",
-                io_best, io_median, steady / io_best, steady / io_median);
+    std::printf("\n%-6s %8s %8s %8s %10s %10s %9s %9s %8s %9s\n", "step", "wall s", "read GB",
+                "write GB", "I/O before", "I/O after", "compute", "bound", "ratio",
+                "vs mean");
+    mean_ratio = mean_ratio_avg = 0;
+    for (size_t i = 1; i < rows.size(); ++i) {
+      const double in_b = static_cast<double>(rows[i].d.bytes_in);
+      const double out_b = static_cast<double>(rows[i].d.bytes_out);
+      const double io_before = round_io(fio_rounds[i - 1], in_b, out_b);
+      const double io_after = round_io(fio_rounds[i], in_b, out_b);
+      const double bound = std::max({std::min(io_before, io_after), compute.best, 0.0});
+      const double bound_avg = std::max({(io_before + io_after) / 2, compute.best, 0.0});
+      const double ratio = rows[i].seconds / bound;
+      mean_ratio += ratio / static_cast<double>(ns);
+      mean_ratio_avg += rows[i].seconds / bound_avg / static_cast<double>(ns);
+      worst_ratio = std::max(worst_ratio, ratio);
+      std::printf("%-6zu %8.3f %8.3f %8.3f %9.3fs %9.3fs %8.3fs %8.3fs %7.3fx %8.3fx\n", i + 1,
+                  rows[i].seconds, in_b / 1e9, out_b / 1e9, io_before, io_after, compute.best,
+                  bound, ratio, rows[i].seconds / bound_avg);
+    }
+    // The learning step only writes: against the sequential speeds of the
+    // round after it.
+    learn_ratio = rows[0].seconds /
+                  std::max(static_cast<double>(rows[0].d.bytes_in) / fio_rounds[0].read_bw +
+                               static_cast<double>(rows[0].d.bytes_out) / fio_rounds[0].write_bw,
+                           compute.best);
+    std::printf("I/O before/after: the fastest of read+write, concurrent and rw=rw (scaled to the "
+                "step's bytes) in the round before / after the step; bound = max(the faster of "
+                "the two, compute); ratio = wall / bound; vs mean: against the mean of the two "
+                "rounds\n");
   } else if (f.fio) {
-    std::printf("fio failed: no I/O bound\n");
+    std::printf("fio failed in some round: no I/O bound\n");
   }
   if (compute.best > 0) {
     std::printf("compute bound (in-memory Optimizer::Step, best before/after): %.3f s; steady mean "
                 "/ compute: %.2fx\n",
                 compute.best, steady / compute.best);
   }
-  const double bound = std::max(io_best, compute.best);
-  if (io_best > 0 && compute.best > 0) {
-    const double ratio = steady / bound;
-    std::printf("bound = max(I/O %.3f s, compute %.3f s) = %.3f s\n", io_best, compute.best,
-                bound);
-    std::printf("steady step / bound: mean %.3fx, best %.3fx, worst %.3fx (median fio round: mean "
-                "%.3fx); first step (learning) %.3fx; target <= 1.10x: %s\n",
-                ratio, best / bound, worst / bound,
-                steady / std::max(io_median, compute.best), rows[0].seconds / bound,
-                ratio <= 1.10 ? "MET" : "NOT MET");
+  if (mean_ratio > 0) {
+    std::printf("steady step / bound: mean %.3fx (%.3fx against the mean of the adjacent rounds), "
+                "worst %.3fx; first step (learning, writes only) %.3fx; target <= 1.10x: %s\n",
+                mean_ratio, mean_ratio_avg, worst_ratio, learn_ratio,
+                mean_ratio <= 1.10 ? "MET" : "NOT MET");
   }
 
   // Memory. The fixed overhead is VmRSS after setup: the binary, libraries,
