@@ -8,7 +8,7 @@
 //       [--iterations=4] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
 //       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--busy]
-//       [--fio_rounds=2] [--no-fio] [--tiny]
+//       [--no-fio] [--tiny]
 //
 // The model: --layers layers, each one parameter partition of
 // --params / --layers bytes, one swapper block homed on NVMe (all of them
@@ -29,9 +29,11 @@
 // a hit finds the block resident; an Acquire that finds a prefetch still
 // reading, "waited", is not a hit). Compute bound = layers x 2 x delay. I/O
 // bound = the bytes the swapper actually moved per iteration (read in,
-// written out) at fio's best sequential speeds (io_uring, O_DIRECT, bs = the
-// engine's request size, iodepth = its queue depth), measured on a file of
-// --params bytes in the same directory before and after. Targets with
+// written out) at fio's sequential speeds (io_uring, O_DIRECT, bs = the
+// engine's request size, iodepth = its queue depth) on a file of --params
+// bytes in the same directory, measured in a round after setup and after
+// each configuration (once the swapper is idle): the faster of the rounds
+// just before and just after the configuration counts. Targets with
 // prefetch: hits >= 90% and iteration <= 1.1 x max(compute, I/O bound).
 // Files go under --dir and are deleted at the end.
 #include <sys/stat.h>
@@ -93,7 +95,6 @@ struct Flags {
   int64_t rings = IoOptions{}.rings;
   int64_t stripe = NvmeOptions{}.stripe_bytes;
   bool busy = false;
-  int fio_rounds = 2;
   bool fio = true;
 };
 
@@ -308,8 +309,6 @@ int Main(int argc, char** argv) {
       f.rings = std::atoll(v);
     } else if ((v = value("stripe"))) {
       f.stripe = bytes(v);
-    } else if ((v = value("fio_rounds"))) {
-      f.fio_rounds = std::max(1, std::atoi(v));
     } else if (a == "--busy") {
       f.busy = true;
     } else if (a == "--no-fio") {
@@ -327,7 +326,6 @@ int Main(int argc, char** argv) {
     f.params = 18 << 20;
     f.delays = {0.001};
     f.iterations = 3;
-    f.fio_rounds = 1;
   }
   if (f.params == 0) f.params = 3 * f.pool;
   const uint64_t layer_bytes = f.params / static_cast<uint64_t>(f.layers) / 4096 * 4096;
@@ -355,25 +353,30 @@ int Main(int argc, char** argv) {
               FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
               static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
 
-  // fio, before.
+  // fio: one round after setup and one after each configuration, so each
+  // configuration is compared with the disk's speed just before and after it
+  // (this virtual disk drifts by tens of percent within minutes).
   const std::string fio_file = f.dir + "/fio_bench.dat";
   const uint64_t bs = static_cast<uint64_t>(std::min(f.request_bytes, f.stripe));
-  double fio_read = -1, fio_write = -1;
-  auto fio_round = [&](const char* when) {
-    FioBandwidth(fio_file, true, 16 << 20, 16, total);  // lay out: timed writes overwrite
-    const double w = FioBandwidth(fio_file, true, bs, f.queue_depth, total);
-    const double r = FioBandwidth(fio_file, false, bs, f.queue_depth, total);
-    unlink(fio_file.c_str());
-    std::printf("fio %-8s write %.3f GB/s, read %.3f GB/s (io_uring, O_DIRECT, bs %s, iodepth "
-                "%lld, %.2f GB file in %s)\n",
-                when, w / 1e9, r / 1e9, FormatByteSize(static_cast<int64_t>(bs)).c_str(),
-                static_cast<long long>(f.queue_depth), total / 1e9, f.dir.c_str());
-    fio_read = std::max(fio_read, r);
-    fio_write = std::max(fio_write, w);
+  struct FioRound {
+    double read = -1, write = -1;
   };
-  const int fio_before = f.fio ? (f.fio_rounds + 1) / 2 : 0;
-  const int fio_after = f.fio ? f.fio_rounds - fio_before : 0;
-  for (int r = 0; r < fio_before; ++r) fio_round("before:");
+  std::vector<FioRound> rounds;
+  auto fio_round = [&](const std::string& when) {
+    if (!f.fio) return;
+    if (rounds.empty()) FioBandwidth(fio_file, true, 16 << 20, 16, total);  // timed writes overwrite
+    FioRound r;
+    r.write = FioBandwidth(fio_file, true, bs, f.queue_depth, total);
+    r.read = FioBandwidth(fio_file, false, bs, f.queue_depth, total);
+    std::printf("fio %-28s write %.3f GB/s, read %.3f GB/s\n", when.c_str(), r.write / 1e9,
+                r.read / 1e9);
+    rounds.push_back(r);
+  };
+  if (f.fio) {
+    std::printf("fio: io_uring, O_DIRECT, bs %s, iodepth %lld, sequential, %.2f GB file %s\n",
+                FormatByteSize(static_cast<int64_t>(bs)).c_str(),
+                static_cast<long long>(f.queue_depth), total / 1e9, fio_file.c_str());
+  }
 
   struct Result {
     double delay = 0;
@@ -436,6 +439,7 @@ int Main(int argc, char** argv) {
     s.EndIteration(kTrace);
     s.WaitIdle();
     std::printf("\nsetup: %d layers written in %.2f s\n", f.layers, Seconds(setup));
+    fio_round("after setup:");
 
     std::ofstream("/proc/self/clear_refs") << "5";
     std::atomic<bool> stop{false};
@@ -472,6 +476,9 @@ int Main(int argc, char** argv) {
                       absl::StrAppend(out, absl::StrFormat("%.3f s", it.seconds));
                     }).c_str());
         results.push_back(std::move(res));
+        s.WaitIdle();  // the prefetch EndIteration started
+        fio_round(absl::StrFormat("after %.1f ms, prefetch %s:", delay * 1e3,
+                                  prefetch ? "on" : "off"));
       }
     }
     stop.store(true);
@@ -481,7 +488,7 @@ int Main(int argc, char** argv) {
     if (!ok) return 1;
     created->reset();  // before the pool and the swap space
   }
-  for (int r = 0; r < fio_after; ++r) fio_round("after:");
+  unlink(fio_file.c_str());
   rmdir(f.dir.c_str());  // only if empty
 
   // Report.
@@ -489,12 +496,17 @@ int Main(int argc, char** argv) {
               "read %.3f GB, written %.3f GB, relearned %llu\n",
               f.delays[0] * 1e3, learning.seconds, learning.d.bytes_in / 1e9,
               learning.d.bytes_out / 1e9, static_cast<unsigned long long>(learning.d.relearned));
-  std::printf("\n%-8s %-8s %8s %8s %8s %8s %7s %6s %6s %6s %6s %6s %6s %8s %8s %8s %8s %s\n",
-              "delay", "prefetch", "iter s", "compute", "I/O bnd", "ratio", "hits%", "acq",
-              "hits", "waited", "misses", "pref", "wasted", "read GB", "stall s", "slept s",
-              "unpin s", "target");
+  std::printf("\n%-8s %-8s %8s %8s %8s %8s %8s %7s %6s %6s %6s %6s %6s %6s %8s %8s %8s %8s %s\n",
+              "delay", "prefetch", "iter s", "compute", "I/O bnd", "ratio", "vs mean", "hits%",
+              "acq", "hits", "waited", "misses", "pref", "wasted", "read GB", "stall s",
+              "slept s", "unpin s", "target");
   int met = 0, missed = 0;
-  for (const Result& r : results) {
+  const bool have_io = f.fio && rounds.size() == results.size() + 1 &&
+                       std::all_of(rounds.begin(), rounds.end(), [](const FioRound& r) {
+                         return r.read > 0 && r.write > 0;
+                       });
+  for (size_t k = 0; k < results.size(); ++k) {
+    const Result& r = results[k];
     const double n = static_cast<double>(r.its.size());
     double secs = 0, stall = 0, computed = 0, released = 0, in = 0, out = 0;
     SwapperStats sum;
@@ -513,8 +525,15 @@ int Main(int argc, char** argv) {
       sum.prefetch_wasted += it.d.prefetch_wasted;
     }
     const double compute = 2.0 * f.layers * r.delay;
-    double io = -1;
-    if (fio_read > 0 && fio_write > 0) io = in / fio_read + out / fio_write;
+    // The bytes moved at the sequential speeds of the rounds before and
+    // after: the faster one (and, for "vs mean", their mean).
+    double io = -1, io_mean = -1;
+    if (have_io) {
+      const double before = in / rounds[k].read + out / rounds[k].write;
+      const double after = in / rounds[k + 1].read + out / rounds[k + 1].write;
+      io = std::min(before, after);
+      io_mean = (before + after) / 2;
+    }
     const double bound = std::max(compute, io);
     const double hit = 100.0 * static_cast<double>(sum.hits) / static_cast<double>(sum.acquires);
     std::string target = "-";
@@ -524,10 +543,10 @@ int Main(int argc, char** argv) {
                             " 90%, time ", ok_time ? "<=" : ">", " 1.1x)");
       (ok_hits && ok_time ? met : missed)++;
     }
-    std::printf("%-8s %-8s %8.3f %8.3f %8.3f %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu %6llu "
-                "%8.3f %8.3f %8.3f %8.3f %s\n",
+    std::printf("%-8s %-8s %8.3f %8.3f %8.3f %7.3fx %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu "
+                "%6llu %8.3f %8.3f %8.3f %8.3f %s\n",
                 absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off", secs,
-                compute, io, secs / bound, hit, static_cast<unsigned long long>(sum.acquires),
+                compute, io, secs / bound, secs / std::max(compute, io_mean), hit, static_cast<unsigned long long>(sum.acquires),
                 static_cast<unsigned long long>(sum.hits),
                 static_cast<unsigned long long>(sum.waited_reads),
                 static_cast<unsigned long long>(sum.misses),
@@ -539,11 +558,16 @@ int Main(int argc, char** argv) {
               "max(compute, I/O bnd); hits%% = hits / acquires; per iteration: stall = time inside "
               "Acquire, slept = time in the compute delay, unpin = time releasing pins\n",
               f.iterations - 1, f.layers);
-  if (fio_read > 0 && fio_write > 0) {
-    std::printf("I/O bnd = bytes moved per iteration at fio's best speeds (read %.3f, write %.3f "
-                "GB/s); all %d uses read from NVMe would take %.3f s at fio's read speed\n",
-                fio_read / 1e9, fio_write / 1e9, 2 * f.layers,
-                2.0 * static_cast<double>(total) / fio_read);
+  if (have_io) {
+    std::vector<double> reads;
+    for (const FioRound& r : rounds) reads.push_back(r.read);
+    std::sort(reads.begin(), reads.end());
+    std::printf("I/O bnd = bytes moved per iteration (read in + written out) at the sequential "
+                "speeds of the fio round just before or just after the configuration, whichever "
+                "is faster; vs mean = iter / max(compute, the two rounds' mean); all %d uses read "
+                "from NVMe would take %.3f s at the median round's read speed (%.3f GB/s)\n",
+                2 * f.layers, 2.0 * static_cast<double>(total) / reads[(reads.size() - 1) / 2],
+                reads[(reads.size() - 1) / 2] / 1e9);
   } else {
     std::printf("no fio measurement: no I/O bound (ratio against compute only)\n");
   }
