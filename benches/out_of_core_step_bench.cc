@@ -9,7 +9,7 @@
 //       [--params=400M] [--partition_params=25M] [--cache=1GiB] [--chunk=16MiB]
 //       [--steps=5] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
-//       [--queue_depth=32] [--rings=2] [--stripe=1MiB] 
+//       [--queue_depth=32] [--rings=2] [--stripe=1MiB]
 //       [--compute_reps=3] [--no-fio] [--no-compute] [--tiny]
 //
 // What runs (one process, in this order):
