@@ -1,0 +1,587 @@
+// benches/trace_replay: a replayed ZeRO-3 parameter access pattern through
+// the swapper, with and without prefetch, against the compute bound and the
+// I/O bound (fio on the same directory, measured in the same run).
+//
+//   bazel build -c opt //benches:trace_replay
+//   bazel-bin/benches/trace_replay [--dir=/var/tmp/offloadd-bench]
+//       [--layers=48] [--pool=1GiB] [--params=3GiB] [--delays=10ms,25ms,50ms]
+//       [--iterations=4] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
+//       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
+//       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--busy]
+//       [--no-fio] [--tiny]
+//
+// The model: --layers layers, each one parameter partition of
+// --params / --layers bytes, one swapper block homed on NVMe (all of them
+// together --params, default 3x the host pool). Setup writes every block once
+// (so each has an NVMe copy) and ends that iteration. One iteration is ZeRO-3's
+// order: forward, Acquire(layer, read-only) for layers 0..L-1 in order,
+// then backward, L-1..0 in reverse; each use holds its pin for the compute
+// delay (a sleep, like a GPU kernel that leaves the CPU free; --busy spins
+// instead), then releases it; EndIteration ends it. The first iteration after
+// setup re-learns the order (setup's differed) and is reported apart.
+//
+// For each delay, two configurations on the same swapper, prefetch on
+// (--prefetch_depth / --prefetch_bytes) then off (depth 0): one iteration
+// that is not measured (the first overall is the learning one), then
+// --iterations - 1 measured ones.
+//
+// Hit rate = hits / acquires over the measured iterations (Swapper::Stats:
+// a hit finds the block resident; an Acquire that finds a prefetch still
+// reading, "waited", is not a hit). Compute bound = layers x 2 x delay. I/O
+// bound = the bytes the swapper actually moved per iteration (read in,
+// written out) at fio's sequential speeds (io_uring, O_DIRECT, bs = the
+// engine's request size, iodepth = its queue depth) on a file of --params
+// bytes in the same directory, measured in a round after setup and after
+// each configuration (once the swapper is idle): the faster of the rounds
+// just before and just after the configuration counts. Targets with
+// prefetch: hits >= 90% and iteration <= 1.1 x max(compute, I/O bound).
+// Files go under --dir and are deleted at the end.
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/config_registry.h"
+#include "base/env.h"
+#include "nvme/io_backend.h"
+#include "nvme/io_backend_factory.h"
+#include "nvme/swap_space.h"
+#include "swapper/host_pool.h"
+#include "swapper/swapper.h"
+
+namespace offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+constexpr double kMiB = 1024.0 * 1024;
+constexpr uint64_t kTrace = 1;
+
+struct Flags {
+  std::string dir = "/var/tmp/offloadd-bench";
+  int layers = 48;
+  uint64_t pool = uint64_t{1} << 30;
+  uint64_t params = 0;  // 0: 3 x pool
+  std::vector<double> delays = {0.010, 0.025, 0.050};
+  int iterations = 4;
+  int64_t prefetch_depth = SwapperOptions{}.prefetch_depth;
+  int64_t prefetch_bytes = SwapperOptions{}.prefetch_bytes;
+  int64_t io_threads = SwapperOptions{}.io_threads;
+  bool checksum = NvmeOptions{}.checksum;
+  int64_t request_bytes = IoOptions{}.request_bytes;
+  int64_t queue_depth = IoOptions{}.queue_depth;
+  int64_t rings = IoOptions{}.rings;
+  int64_t stripe = NvmeOptions{}.stripe_bytes;
+  bool busy = false;
+  bool fio = true;
+};
+
+double Seconds(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::map<std::string, uint64_t> ProcStatus() {
+  std::map<std::string, uint64_t> out;
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos || line.find(" kB") == std::string::npos) continue;
+    uint64_t kb;
+    std::string value(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+    value = value.substr(0, value.find(' '));
+    if (absl::SimpleAtoi(value, &kb)) out[line.substr(0, colon)] = kb * 1024;
+  }
+  return out;
+}
+
+std::string FirstLineWith(const char* path, const char* key) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) return line;
+  }
+  return "?";
+}
+
+void PrintMachine(const std::string& dir) {
+  std::string cpu = FirstLineWith("/proc/cpuinfo", "model name");
+  if (cpu.find(':') != std::string::npos) cpu = cpu.substr(cpu.find(':') + 2);
+  std::ifstream load("/proc/loadavg");
+  std::string l1, l5, l15;
+  load >> l1 >> l5 >> l15;
+  std::string avail = FirstLineWith("/proc/meminfo", "MemAvailable");
+  struct statvfs vfs {};
+  statvfs(dir.c_str(), &vfs);
+  std::printf("machine: %s, %ld CPUs online, load average %s %s %s, %s, %.1f GB free in %s\n",
+              cpu.c_str(), sysconf(_SC_NPROCESSORS_ONLN), l1.c_str(), l5.c_str(), l15.c_str(),
+              avail.c_str(), static_cast<double>(vfs.f_bavail) * vfs.f_frsize / 1e9, dir.c_str());
+}
+
+// fio's bandwidth (bytes/s) for one sequential run in one direction, or -1.
+double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth,
+                    uint64_t size) {
+  const std::string cmd = absl::StrCat(
+      "fio --name=bench --filename=", file, " --ioengine=io_uring --direct=1 --rw=",
+      write ? "write" : "read", " --bs=", bs, " --iodepth=", depth, " --size=", size,
+      " --fixedbufs --registerfiles --thread --numjobs=1 --output-format=json 2>/dev/null");
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  if (pclose(pipe) != 0) return -1;
+  const size_t section = out.find(write ? "\"write\" : {" : "\"read\" : {");
+  if (section == std::string::npos) return -1;
+  size_t key = out.find("\"bw_bytes\" : ", section);
+  if (key == std::string::npos) return -1;
+  key += 13;
+  double bw;
+  if (!absl::SimpleAtod(out.substr(key, out.find_first_of(",\n", key) - key), &bw)) return -1;
+  return bw;
+}
+
+// "10ms", "0.5s", "250us".
+bool ParseDuration(absl::string_view text, double* seconds) {
+  double scale = 1;
+  std::string t(text);
+  if (absl::EndsWith(t, "ms")) {
+    scale = 1e-3;
+    t.resize(t.size() - 2);
+  } else if (absl::EndsWith(t, "us")) {
+    scale = 1e-6;
+    t.resize(t.size() - 2);
+  } else if (absl::EndsWith(t, "s")) {
+    t.resize(t.size() - 1);
+  }
+  double v;
+  if (!absl::SimpleAtod(t, &v) || v < 0) return false;
+  *seconds = v * scale;
+  return true;
+}
+
+SwapperStats Delta(const SwapperStats& a, const SwapperStats& b) {
+  SwapperStats d = b;
+  d.acquires -= a.acquires;
+  d.hits -= a.hits;
+  d.waited_reads -= a.waited_reads;
+  d.misses -= a.misses;
+  d.prefetches -= a.prefetches;
+  d.prefetch_used -= a.prefetch_used;
+  d.prefetch_wasted -= a.prefetch_wasted;
+  d.swap_ins -= a.swap_ins;
+  d.swap_outs -= a.swap_outs;
+  d.clean_drops -= a.clean_drops;
+  d.zero_fills -= a.zero_fills;
+  d.bytes_in -= a.bytes_in;
+  d.bytes_out -= a.bytes_out;
+  d.read_nanos -= a.read_nanos;
+  d.write_nanos -= a.write_nanos;
+  d.io_errors -= a.io_errors;
+  d.relearned -= a.relearned;
+  return d;
+}
+
+struct Iteration {
+  double seconds = 0;
+  double stalled = 0;  // inside Acquire
+  double computed = 0; // inside the delay
+  double released = 0; // inside the pin's release
+  SwapperStats d;
+};
+
+// One forward + backward pass. Returns false (after printing) on an error or
+// wrong bytes.
+bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
+  const SwapperStats before = s.Stats();
+  const auto start = Clock::now();
+  bool ok = true;
+  auto use = [&](int layer) {
+    const auto a = Clock::now();
+    absl::StatusOr<Swapper::Pin> pin = s.Acquire(static_cast<uint64_t>(layer), false);
+    it->stalled += Seconds(a);
+    if (!pin.ok()) {
+      std::fprintf(stderr, "acquire layer %d: %s\n", layer, pin.status().ToString().c_str());
+      ok = false;
+      return;
+    }
+    const auto want = static_cast<std::byte>(layer + 1);
+    if (pin->data()[0] != want || pin->data()[pin->size() - 1] != want) {
+      std::fprintf(stderr, "layer %d: wrong bytes after swap-in\n", layer);
+      ok = false;
+    }
+    const auto c = Clock::now();
+    const auto until = c + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(delay));
+    if (f.busy) {
+      while (Clock::now() < until) {
+      }
+    } else {
+      std::this_thread::sleep_until(until);
+    }
+    it->computed += Seconds(c);
+    const auto r = Clock::now();
+    pin->Reset();
+    it->released += Seconds(r);
+  };
+  for (int l = 0; l < f.layers && ok; ++l) use(l);
+  for (int l = f.layers - 1; l >= 0 && ok; --l) use(l);
+  s.EndIteration(kTrace);
+  it->seconds = Seconds(start);
+  it->d = Delta(before, s.Stats());
+  return ok;
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  bool tiny = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* name) -> const char* {
+      const std::string prefix = absl::StrCat("--", name, "=");
+      return a.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
+    };
+    auto bytes = [](const char* v) -> int64_t {
+      absl::StatusOr<int64_t> b = ParseByteSize(v);
+      if (!b.ok() || *b <= 0) {
+        std::fprintf(stderr, "bad byte size '%s'\n", v);
+        std::exit(2);
+      }
+      return *b;
+    };
+    const char* v;
+    if ((v = value("dir"))) {
+      f.dir = v;
+    } else if ((v = value("layers"))) {
+      f.layers = std::max(1, std::atoi(v));
+    } else if ((v = value("pool"))) {
+      f.pool = static_cast<uint64_t>(bytes(v));
+    } else if ((v = value("params"))) {
+      f.params = static_cast<uint64_t>(bytes(v));
+    } else if ((v = value("delays"))) {
+      f.delays.clear();
+      for (absl::string_view d : absl::StrSplit(v, ',')) {
+        double s;
+        if (!ParseDuration(d, &s)) {
+          std::fprintf(stderr, "bad duration '%s'\n", std::string(d).c_str());
+          return 2;
+        }
+        f.delays.push_back(s);
+      }
+    } else if ((v = value("iterations"))) {
+      f.iterations = std::max(2, std::atoi(v));
+    } else if ((v = value("prefetch_depth"))) {
+      f.prefetch_depth = std::atoll(v);
+    } else if ((v = value("prefetch_bytes"))) {
+      f.prefetch_bytes = bytes(v);
+    } else if ((v = value("io_threads"))) {
+      f.io_threads = std::atoll(v);
+    } else if ((v = value("checksum"))) {
+      f.checksum = std::string(v) == "on";
+    } else if ((v = value("request_bytes"))) {
+      f.request_bytes = bytes(v);
+    } else if ((v = value("queue_depth"))) {
+      f.queue_depth = std::atoll(v);
+    } else if ((v = value("rings"))) {
+      f.rings = std::atoll(v);
+    } else if ((v = value("stripe"))) {
+      f.stripe = bytes(v);
+    } else if (a == "--busy") {
+      f.busy = true;
+    } else if (a == "--no-fio") {
+      f.fio = false;
+    } else if (a == "--tiny") {
+      tiny = true;
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see benches/trace_replay_bench.cc)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (tiny) {  // the smoke test: seconds, under 100 MB of disk
+    f.layers = 12;
+    f.pool = 6 << 20;
+    f.params = 18 << 20;
+    f.delays = {0.001};
+    f.iterations = 3;
+  }
+  if (f.params == 0) f.params = 3 * f.pool;
+  const uint64_t layer_bytes = f.params / static_cast<uint64_t>(f.layers) / 4096 * 4096;
+  if (layer_bytes == 0) {
+    std::fprintf(stderr, "--params / --layers is under 4 KiB\n");
+    return 2;
+  }
+  const uint64_t total = layer_bytes * static_cast<uint64_t>(f.layers);
+
+  if (mkdir(f.dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    std::fprintf(stderr, "mkdir %s: %s\n", f.dir.c_str(), std::strerror(errno));
+    return 1;
+  }
+  PrintMachine(f.dir);
+  std::printf("== trace_replay: %d layers of %.1f MiB (%.3f GiB of parameters, one block each, "
+              "homed on NVMe); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers fit)\n",
+              f.layers, layer_bytes / kMiB, total / kGiB, f.pool / kGiB,
+              static_cast<double>(total) / f.pool, static_cast<double>(f.pool) / layer_bytes);
+  std::printf("iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; "
+              "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
+              "queue depth %lld, %lld rings; stripe %s\n",
+              f.layers - 1, f.layers - 1, f.busy ? "busy-wait" : "sleep",
+              static_cast<long long>(f.prefetch_depth), FormatByteSize(f.prefetch_bytes).c_str(),
+              static_cast<long long>(f.io_threads), f.checksum ? "on" : "off",
+              FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
+              static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
+
+  // fio: one round after setup and one after each configuration, so each
+  // configuration is compared with the disk's speed just before and after it
+  // (this virtual disk drifts by tens of percent within minutes).
+  const std::string fio_file = f.dir + "/fio_bench.dat";
+  const uint64_t bs = static_cast<uint64_t>(std::min(f.request_bytes, f.stripe));
+  struct FioRound {
+    double read = -1, write = -1;
+  };
+  std::vector<FioRound> rounds;
+  auto fio_round = [&](const std::string& when) {
+    if (!f.fio) return;
+    if (rounds.empty()) FioBandwidth(fio_file, true, 16 << 20, 16, total);  // timed writes overwrite
+    FioRound r;
+    r.write = FioBandwidth(fio_file, true, bs, f.queue_depth, total);
+    r.read = FioBandwidth(fio_file, false, bs, f.queue_depth, total);
+    std::printf("fio %-28s write %.3f GB/s, read %.3f GB/s\n", when.c_str(), r.write / 1e9,
+                r.read / 1e9);
+    rounds.push_back(r);
+  };
+  if (f.fio) {
+    std::printf("fio: io_uring, O_DIRECT, bs %s, iodepth %lld, sequential, %.2f GB file %s\n",
+                FormatByteSize(static_cast<int64_t>(bs)).c_str(),
+                static_cast<long long>(f.queue_depth), total / 1e9, fio_file.c_str());
+  }
+
+  struct Result {
+    double delay = 0;
+    bool prefetch = false;
+    std::vector<Iteration> its;
+  };
+  std::vector<Result> results;
+  Iteration learning;
+  uint64_t hwm = 0, pool_max = 0;
+  {
+    IoOptions io;
+    io.request_bytes = f.request_bytes;
+    io.queue_depth = f.queue_depth;
+    io.rings = f.rings;
+    absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeIoBackend(io);
+    if (!backend.ok()) {
+      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+      return 1;
+    }
+    NvmeOptions n;
+    n.dirs = f.dir;
+    n.bytes_per_dir = static_cast<int64_t>(
+        total + std::max<uint64_t>(total / 16, 4 * static_cast<uint64_t>(f.io_threads) * layer_bytes));
+    n.stripe_bytes = f.stripe;
+    n.checksum = f.checksum;
+    n.io = io;
+    absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, backend->get());
+    if (!space.ok()) {
+      std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
+      return 1;
+    }
+    HostPool pool(Env::Default(), f.pool, /*lock_memory=*/false);
+    SwapperOptions so;
+    so.prefetch_depth = f.prefetch_depth;
+    so.prefetch_bytes = f.prefetch_bytes;
+    so.io_threads = f.io_threads;
+    absl::StatusOr<std::unique_ptr<Swapper>> created = Swapper::Create(so, &pool, space->get());
+    if (!created.ok()) {
+      std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    Swapper& s = **created;
+    for (int l = 0; l < f.layers; ++l) {
+      absl::Status added = s.Add(static_cast<uint64_t>(l), layer_bytes, Tier::kNvme, kTrace);
+      if (!added.ok()) {
+        std::fprintf(stderr, "%s\n", added.ToString().c_str());
+        return 1;
+      }
+    }
+    // Setup: every layer written once (evictions write them to NVMe).
+    const auto setup = Clock::now();
+    for (int l = 0; l < f.layers; ++l) {
+      absl::StatusOr<Swapper::Pin> pin = s.Acquire(static_cast<uint64_t>(l), true);
+      if (!pin.ok()) {
+        std::fprintf(stderr, "setup, layer %d: %s\n", l, pin.status().ToString().c_str());
+        return 1;
+      }
+      std::memset(pin->data(), l + 1, pin->size());
+    }
+    s.EndIteration(kTrace);
+    s.WaitIdle();
+    std::printf("\nsetup: %d layers written in %.2f s\n", f.layers, Seconds(setup));
+    fio_round("after setup:");
+
+    std::ofstream("/proc/self/clear_refs") << "5";
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> pool_peak{0};
+    std::thread sampler([&] {
+      while (!stop.load()) {
+        const uint64_t u = pool.used();
+        if (u > pool_peak.load()) pool_peak.store(u);
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    });
+    bool ok = true;
+    bool first = true;
+    for (double delay : f.delays) {
+      for (bool prefetch : {true, false}) {
+        if (!ok) break;
+        s.SetPrefetch(prefetch ? f.prefetch_depth : 0, prefetch ? f.prefetch_bytes : 0);
+        Result res;
+        res.delay = delay;
+        res.prefetch = prefetch;
+        Iteration warm;
+        ok = RunIteration(s, f, delay, &warm);
+        if (first) {
+          learning = warm;
+          first = false;
+        }
+        for (int i = 1; i < f.iterations && ok; ++i) {
+          Iteration it;
+          ok = RunIteration(s, f, delay, &it);
+          res.its.push_back(it);
+        }
+        std::printf("delay %.1f ms, prefetch %s: %s\n", delay * 1e3, prefetch ? "on " : "off",
+                    absl::StrJoin(res.its, ", ", [](std::string* out, const Iteration& it) {
+                      absl::StrAppend(out, absl::StrFormat("%.3f s", it.seconds));
+                    }).c_str());
+        results.push_back(std::move(res));
+        s.WaitIdle();  // the prefetch EndIteration started
+        fio_round(absl::StrFormat("after %.1f ms, prefetch %s:", delay * 1e3,
+                                  prefetch ? "on" : "off"));
+      }
+    }
+    stop.store(true);
+    sampler.join();
+    hwm = ProcStatus()["VmHWM"];
+    pool_max = pool_peak.load();
+    if (!ok) return 1;
+    created->reset();  // before the pool and the swap space
+  }
+  unlink(fio_file.c_str());
+  rmdir(f.dir.c_str());  // only if empty
+
+  // Report.
+  std::printf("\nlearning iteration (first after setup, prefetch on, delay %.1f ms): %.3f s, "
+              "read %.3f GB, written %.3f GB, relearned %llu\n",
+              f.delays[0] * 1e3, learning.seconds, learning.d.bytes_in / 1e9,
+              learning.d.bytes_out / 1e9, static_cast<unsigned long long>(learning.d.relearned));
+  std::printf("\n%-8s %-8s %8s %8s %8s %8s %8s %7s %6s %6s %6s %6s %6s %6s %8s %8s %8s %8s %s\n",
+              "delay", "prefetch", "iter s", "compute", "I/O bnd", "ratio", "vs mean", "hits%",
+              "acq", "hits", "waited", "misses", "pref", "wasted", "read GB", "stall s",
+              "slept s", "unpin s", "target");
+  int met = 0, missed = 0;
+  const bool have_io = f.fio && rounds.size() == results.size() + 1 &&
+                       std::all_of(rounds.begin(), rounds.end(), [](const FioRound& r) {
+                         return r.read > 0 && r.write > 0;
+                       });
+  for (size_t k = 0; k < results.size(); ++k) {
+    const Result& r = results[k];
+    const double n = static_cast<double>(r.its.size());
+    double secs = 0, stall = 0, computed = 0, released = 0, in = 0, out = 0;
+    SwapperStats sum;
+    for (const Iteration& it : r.its) {
+      secs += it.seconds / n;
+      stall += it.stalled / n;
+      computed += it.computed / n;
+      released += it.released / n;
+      in += static_cast<double>(it.d.bytes_in) / n;
+      out += static_cast<double>(it.d.bytes_out) / n;
+      sum.acquires += it.d.acquires;
+      sum.hits += it.d.hits;
+      sum.waited_reads += it.d.waited_reads;
+      sum.misses += it.d.misses;
+      sum.prefetches += it.d.prefetches;
+      sum.prefetch_wasted += it.d.prefetch_wasted;
+    }
+    const double compute = 2.0 * f.layers * r.delay;
+    // The bytes moved at the sequential speeds of the rounds before and
+    // after: the faster one (and, for "vs mean", their mean).
+    double io = -1, io_mean = -1;
+    if (have_io) {
+      const double before = in / rounds[k].read + out / rounds[k].write;
+      const double after = in / rounds[k + 1].read + out / rounds[k + 1].write;
+      io = std::min(before, after);
+      io_mean = (before + after) / 2;
+    }
+    const double bound = std::max(compute, io);
+    const double hit = 100.0 * static_cast<double>(sum.hits) / static_cast<double>(sum.acquires);
+    std::string target = "-";
+    if (r.prefetch && io > 0) {
+      const bool ok_hits = hit >= 90.0, ok_time = secs <= 1.1 * bound;
+      target = absl::StrCat(ok_hits && ok_time ? "MET" : "NOT MET", " (hits ", ok_hits ? ">=" : "<",
+                            " 90%, time ", ok_time ? "<=" : ">", " 1.1x)");
+      (ok_hits && ok_time ? met : missed)++;
+    }
+    std::printf("%-8s %-8s %8.3f %8.3f %8.3f %7.3fx %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu "
+                "%6llu %8.3f %8.3f %8.3f %8.3f %s\n",
+                absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off", secs,
+                compute, io, secs / bound, secs / std::max(compute, io_mean), hit, static_cast<unsigned long long>(sum.acquires),
+                static_cast<unsigned long long>(sum.hits),
+                static_cast<unsigned long long>(sum.waited_reads),
+                static_cast<unsigned long long>(sum.misses),
+                static_cast<unsigned long long>(sum.prefetches),
+                static_cast<unsigned long long>(sum.prefetch_wasted), in / 1e9, stall, computed,
+                released, target.c_str());
+  }
+  std::printf("iter s: mean of %d measured iterations; compute = %d x 2 x delay; ratio = iter / "
+              "max(compute, I/O bnd); hits%% = hits / acquires; per iteration: stall = time inside "
+              "Acquire, slept = time in the compute delay, unpin = time releasing pins\n",
+              f.iterations - 1, f.layers);
+  if (have_io) {
+    std::vector<double> reads;
+    for (const FioRound& r : rounds) reads.push_back(r.read);
+    std::sort(reads.begin(), reads.end());
+    std::printf("I/O bnd = bytes moved per iteration (read in + written out) at the sequential "
+                "speeds of the fio round just before or just after the configuration, whichever "
+                "is faster; vs mean = iter / max(compute, the two rounds' mean); all %d uses read "
+                "from NVMe would take %.3f s at the median round's read speed (%.3f GB/s)\n",
+                2 * f.layers, 2.0 * static_cast<double>(total) / reads[(reads.size() - 1) / 2],
+                reads[(reads.size() - 1) / 2] / 1e9);
+  } else {
+    std::printf("no fio measurement: no I/O bound (ratio against compute only)\n");
+  }
+  std::printf("prefetch targets: %d met, %d not met\n", met, missed);
+  std::printf("memory: VmHWM over the iterations %.3f GiB, pool limit %.3f GiB, pool used max %.3f "
+              "GiB\n",
+              hwm / kGiB, f.pool / kGiB, pool_max / kGiB);
+  return 0;
+}
+
+}  // namespace
+}  // namespace offload
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows as it goes
+  return offload::Main(argc, argv);
+}
