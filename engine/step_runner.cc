@@ -82,7 +82,10 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
     for (uint64_t c = items[i].first_chunk; c < chunks; ++c) units.push_back({i, c});
   }
 
-  const uint64_t group_limit = pool_->limit() / 4;
+  // Small enough to leave the pool's cache to prefetch and write-back (the
+  // arena's pages count against the same pool), large enough to keep the
+  // optimizer's threads busy.
+  const uint64_t group_limit = std::min<uint64_t>(pool_->limit() / 8, uint64_t{256} << 20);
   absl::Status status;
   StepSummary summary;
   int64_t wait_nanos = 0, compute_nanos = 0;

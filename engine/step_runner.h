@@ -6,8 +6,8 @@
 //   3. Outside every engine lock, scan all their gradients for NaN/Inf (they
 //      are in the arena, in host memory): any found skips the whole step.
 //   4. Stream the update, in registration order, through groups of
-//      partitions whose optimizer state is pinned at once (at most a quarter
-//      of the host pool): pin a group's state (the swapper reads it in from
+//      state chunks pinned at once (at most an eighth of the host pool, and
+//      256 MiB): pin a group's state (the swapper reads it in from
 //      NVMe if it is there; its prefetch, which has learned this order from
 //      earlier steps, is already reading the next groups), initialise master
 //      copies on first steps, update, unpin (the swapper writes state back

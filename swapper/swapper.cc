@@ -442,10 +442,14 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   if (prefetch_depth_ <= 0 || space_ == nullptr) return;
   const AccessTrace& t = traces_[trace];
   if (!t.on_trace()) return;
+  // The byte budget counts what prefetch has to bring in (queued or being
+  // read), not blocks that are resident already: a run of hits must not
+  // shrink the window (the disk would idle through it).
   uint64_t bytes = 0;
   for (BlockId id : t.Upcoming(static_cast<size_t>(prefetch_depth_))) {
     Block* b = FindLocked(id);
     if (b == nullptr) continue;
+    if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) continue;
     bytes += b->bytes;
     if (bytes > static_cast<uint64_t>(prefetch_bytes_)) break;
     if (b->state != BlockState::kOnNvme || b->move_queued) continue;

@@ -9,9 +9,10 @@
 namespace offload {
 
 struct SwapperOptions {
-  // How far ahead of the current use the learned trace is prefetched, in
-  // uses and in bytes (both bound it). Deeper prefetch hides more I/O
-  // latency and holds more of the pool for blocks not yet in use.
+  // How far ahead of the current use the learned trace is prefetched: in
+  // uses, and in bytes still to be read (blocks already resident do not
+  // count). Deeper prefetch hides more I/O latency and holds more of the
+  // pool for blocks not yet in use.
   int64_t prefetch_depth = 8;
   int64_t prefetch_bytes = int64_t{256} << 20;
 
