@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -228,6 +229,12 @@ DaemonProcess::~DaemonProcess() {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
   }
+  RemoveOnExit remove(data_dir_);
+}
+
+RemoveOnExit::~RemoveOnExit() {
+  std::error_code ignored;  // best effort: a test's scratch
+  std::filesystem::remove_all(path_, ignored);
 }
 
 absl::StatusOr<int> DaemonProcess::Stop() {

@@ -85,6 +85,20 @@ absl::Status WaitUntilServing(int pidfd, const std::string& log_path,
 absl::Status PollWithBackoff(const std::function<bool()>& condition, int pidfd,
                              absl::Duration timeout = kWaitLimit);
 
+// Removes a directory tree (a test's scratch under /tmp, which bazel's
+// TEST_TMPDIR cannot hold: Unix socket paths are limited to 108 bytes) when
+// it goes out of scope.
+class RemoveOnExit {
+ public:
+  explicit RemoveOnExit(std::string path) : path_(std::move(path)) {}
+  ~RemoveOnExit();
+  RemoveOnExit(const RemoveOnExit&) = delete;
+  RemoveOnExit& operator=(const RemoveOnExit&) = delete;
+
+ private:
+  std::string path_;
+};
+
 // Runs `argv` to completion, returning its exit status and its stdout and
 // stderr together.
 struct CommandResult {

@@ -27,6 +27,7 @@ namespace offload {
 namespace {
 
 using ::offload::testing::DaemonProcess;
+using ::offload::testing::RemoveOnExit;
 
 class DaemonTest : public ::testing::Test {
  protected:
@@ -394,6 +395,7 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
 TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   char dir[] = "/tmp/offloadd_cfg.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_1(dir);
   std::string config = std::string(dir) + "/offloadd.yaml";
   std::ofstream(config) << "optimizer:\n  threads: 1\n  tile_elems: 8192\nserver:\n  tcp_port: 0\n";
   auto d = DaemonProcess::Start({"--config=" + config, "--optimizer.tile_elems=16384"});
@@ -420,6 +422,7 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
 TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
   char dir[] = "/tmp/offloadd_ooc.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_2(dir);
   auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=64MiB",
                                  "--placement.state_chunk_bytes=4096"});
   ASSERT_TRUE(d.ok()) << d.status();
@@ -490,6 +493,7 @@ TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
 TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
   char dir[] = "/var/tmp/offloadd_rss.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_3(dir);
   constexpr uint64_t kMiB = 1 << 20;
   constexpr uint64_t kPool = 64 * kMiB;
   // The daemon's own memory besides the pool: code, gRPC's and the thread
@@ -549,7 +553,6 @@ TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
   EXPECT_TRUE((*session)->Fetch(parts[0].id).ok());
   session->reset();
   ASSERT_TRUE((*d)->Stop().ok());
-  rmdir(dir);
 }
 
 TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
@@ -582,6 +585,7 @@ TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
 TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
   char dir[] = "/tmp/offloadd_nvme.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_4(dir);
   const std::string a = std::string(dir) + "/a", b = std::string(dir) + "/b";
   ASSERT_EQ(mkdir(a.c_str(), 0700), 0);
   ASSERT_EQ(mkdir(b.c_str(), 0700), 0);
@@ -650,6 +654,7 @@ TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
 TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
   char dir[] = "/tmp/offloadd_cfg.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_5(dir);
   std::string config = std::string(dir) + "/bad.yaml";
   std::ofstream(config) << "optimizer:\n  threads: lots\n";
   auto r = ::offload::testing::RunCommand({"engine/offloadd", "--config=" + config});
