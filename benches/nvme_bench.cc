@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "base/config_registry.h"
 #include "base/host_memory.h"
+#include "benches/bench_util.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_backend_factory.h"
@@ -37,7 +38,9 @@
 namespace offload {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using ::offload::bench::Clock;
+using ::offload::bench::FioBandwidth;
+using ::offload::bench::SecondsSince;
 
 struct Flags {
   std::string dir;
@@ -50,34 +53,6 @@ struct Flags {
   bool fixed = true;   // register the buffer pool (fixed-buffer I/O)
   bool huge = true;    // transparent huge pages for the buffer pool
 };
-
-double Seconds(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// fio's bandwidth for one run, in bytes/s, or -1.
-double RunFio(const std::string& file, bool write, uint64_t bs, int depth, uint64_t bytes) {
-  std::string cmd = absl::StrCat(
-      "fio --name=bench --filename=", file, " --ioengine=io_uring --direct=1 --rw=",
-      write ? "write" : "read", " --bs=", bs, " --iodepth=", depth, " --size=", bytes,
-      " --fixedbufs --registerfiles --thread --numjobs=1 --output-format=json 2>/dev/null");
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return -1;
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
-  if (pclose(pipe) != 0) return -1;
-  // jobs[0].read|write.bw_bytes
-  size_t section = out.find(write ? "\"write\" : {" : "\"read\" : {");
-  if (section == std::string::npos) return -1;
-  size_t key = out.find("\"bw_bytes\" : ", section);
-  if (key == std::string::npos) return -1;
-  key += 13;
-  double bw;
-  if (!absl::SimpleAtod(out.substr(key, out.find_first_of(",\n", key) - key), &bw)) return -1;
-  return bw;
-}
 
 int Main(int argc, char** argv) {
   Flags f;
@@ -168,7 +143,7 @@ int Main(int argc, char** argv) {
     (void)b.SetSubmitBatch(std::min(depth, 8));
     auto start = Clock::now();
     absl::Status s = b.Run(reqs);
-    const double t = Seconds(start);
+    const double t = SecondsSince(start);
     if (!s.ok()) {
       std::fprintf(stderr, "%s\n", s.ToString().c_str());
       return -1;
@@ -199,7 +174,7 @@ int Main(int argc, char** argv) {
             if ((k == 0) == (round % 2 == 0)) {
               ours = std::max(ours, run(op, size, depth));
             } else if (f.fio) {
-              fio = std::max(fio, RunFio(path, write, size, depth, f.file_bytes));
+              fio = std::max(fio, FioBandwidth(path, write, size, depth, f.file_bytes));
             }
           }
         }
@@ -239,7 +214,7 @@ int Main(int argc, char** argv) {
     uint64_t sink = 0;
     auto start = Clock::now();
     for (int r = 0; r < 8; ++r) sink += XXH3_64bits(buf->data(), buf->size());
-    const double hash_gbs = 8.0 * static_cast<double>(buf->size()) / Seconds(start) / 1e9;
+    const double hash_gbs = 8.0 * static_cast<double>(buf->size()) / SecondsSince(start) / 1e9;
     std::printf("\n== checksum (XXH3-64): %.1f GB/s on one core (sink %llx)\n", hash_gbs,
                 static_cast<unsigned long long>(sink & 0xf));
 
@@ -265,10 +240,10 @@ int Main(int argc, char** argv) {
       for (int r = 0; r < 3; ++r) {
         auto start = Clock::now();
         auto eid = (*space)->Write(data->data(), extent);
-        const double out = static_cast<double>(extent) / Seconds(start);
+        const double out = static_cast<double>(extent) / SecondsSince(start);
         start = Clock::now();
         absl::Status s = eid.ok() ? (*space)->Read(*eid, data->data()) : eid.status();
-        const double in = static_cast<double>(extent) / Seconds(start);
+        const double in = static_cast<double>(extent) / SecondsSince(start);
         if (!s.ok() || !(*space)->Free(*eid).ok()) {
           std::fprintf(stderr, "%s\n", s.ToString().c_str());
           ++failures;

@@ -92,6 +92,7 @@
 #include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "base/unique_fd.h"
+#include "benches/bench_util.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
@@ -109,7 +110,11 @@
 namespace offload {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using ::offload::bench::Clock;
+using ::offload::bench::PrintMachine;
+using ::offload::bench::ProcStatus;
+using ::offload::bench::ResetPeakRss;
+using ::offload::bench::SecondsSince;
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 constexpr double kMiB = 1024.0 * 1024;
 
@@ -133,10 +138,6 @@ struct Flags {
   bool compute = true;
 };
 
-double Seconds(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 // "400M", "25000000", "1.5G": decimal multiples (a count of parameters).
 absl::StatusOr<uint64_t> ParseCount(absl::string_view text) {
   double mult = 1;
@@ -154,52 +155,6 @@ absl::StatusOr<uint64_t> ParseCount(absl::string_view text) {
     return absl::InvalidArgumentError(absl::StrCat("not a count: '", text, "'"));
   }
   return static_cast<uint64_t>(std::llround(v * mult));
-}
-
-// /proc/self/status fields in bytes (the "kB" ones).
-std::map<std::string, uint64_t> ProcStatus() {
-  std::map<std::string, uint64_t> out;
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos || line.find(" kB") == std::string::npos) continue;
-    uint64_t kb;
-    std::string value(absl::StripAsciiWhitespace(line.substr(colon + 1)));
-    value = value.substr(0, value.find(' '));
-    if (absl::SimpleAtoi(value, &kb)) out[line.substr(0, colon)] = kb * 1024;
-  }
-  return out;
-}
-
-bool ResetPeakRss() {
-  std::ofstream out("/proc/self/clear_refs");
-  out << "5";
-  out.flush();
-  return static_cast<bool>(out);
-}
-
-std::string FirstLineWith(const char* path, const char* key) {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) return line;
-  }
-  return "?";
-}
-
-void PrintMachine(const std::string& dir) {
-  std::string cpu = FirstLineWith("/proc/cpuinfo", "model name");
-  if (cpu.find(':') != std::string::npos) cpu = cpu.substr(cpu.find(':') + 2);
-  std::ifstream load("/proc/loadavg");
-  std::string l1, l5, l15;
-  load >> l1 >> l5 >> l15;
-  std::string avail = FirstLineWith("/proc/meminfo", "MemAvailable");
-  struct statvfs vfs {};
-  statvfs(dir.c_str(), &vfs);
-  std::printf("machine: %s, %ld CPUs online, load average %s %s %s, %s, %.1f GB free in %s\n",
-              cpu.c_str(), sysconf(_SC_NPROCESSORS_ONLN), l1.c_str(), l5.c_str(), l15.c_str(),
-              avail.c_str(), static_cast<double>(vfs.f_bavail) * vfs.f_frsize / 1e9, dir.c_str());
 }
 
 // fio's result for one run: bytes moved and bandwidth in each direction.
@@ -361,7 +316,7 @@ absl::StatusOr<ComputeResult> ComputeBound(const std::vector<uint64_t>& sizes, i
     for (AdamTask& t : tasks) t.step = static_cast<uint64_t>(r) + 1;
     const auto start = Clock::now();
     absl::StatusOr<StepReport> report = opt.Step(tasks, Hyper());
-    const double t = Seconds(start);
+    const double t = SecondsSince(start);
     if (!report.ok()) return report.status();
     if (report->skipped) return absl::InternalError("in-memory step skipped: non-finite gradients");
     if (r > 0) times.push_back(t);
@@ -394,28 +349,6 @@ struct StepRow {
   bool skipped = false;
   uint64_t params = 0;
 };
-
-SwapperStats Delta(const SwapperStats& a, const SwapperStats& b) {
-  SwapperStats d = b;
-  d.acquires -= a.acquires;
-  d.hits -= a.hits;
-  d.waited_reads -= a.waited_reads;
-  d.misses -= a.misses;
-  d.prefetches -= a.prefetches;
-  d.prefetch_used -= a.prefetch_used;
-  d.prefetch_wasted -= a.prefetch_wasted;
-  d.swap_ins -= a.swap_ins;
-  d.swap_outs -= a.swap_outs;
-  d.clean_drops -= a.clean_drops;
-  d.zero_fills -= a.zero_fills;
-  d.bytes_in -= a.bytes_in;
-  d.bytes_out -= a.bytes_out;
-  d.read_nanos -= a.read_nanos;
-  d.write_nanos -= a.write_nanos;
-  d.io_errors -= a.io_errors;
-  d.relearned -= a.relearned;
-  return d;
-}
 
 // Largest values seen by the sampler thread.
 struct Peaks {
@@ -710,13 +643,13 @@ int Main(int argc, char** argv) {
       const auto start = Clock::now();
       absl::StatusOr<StepSummary> summary = e.sessions->Step(key, Hyper());
       StepRow row;
-      row.seconds = Seconds(start);
+      row.seconds = SecondsSince(start);
       if (!summary.ok()) {
         std::fprintf(stderr, "step %d: %s\n", step, summary.status().ToString().c_str());
         failed = 1;
         break;
       }
-      row.d = Delta(s0, e.swapper->Stats());
+      row.d = e.swapper->Stats().Since(s0);
       row.wait = static_cast<double>(e.stats.step_state_wait_nanos.load() - w0) / 1e9;
       row.compute = static_cast<double>(e.stats.step_compute_nanos.load() - c0) / 1e9;
       row.skipped = summary->skipped;

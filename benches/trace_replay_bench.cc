@@ -65,6 +65,7 @@
 #include "absl/strings/str_split.h"
 #include "base/config_registry.h"
 #include "base/env.h"
+#include "benches/bench_util.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
@@ -74,7 +75,11 @@
 namespace offload {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using ::offload::bench::Clock;
+using ::offload::bench::FioBandwidth;
+using ::offload::bench::PrintMachine;
+using ::offload::bench::ProcStatus;
+using ::offload::bench::SecondsSince;
 constexpr double kGiB = 1024.0 * 1024 * 1024;
 constexpr double kMiB = 1024.0 * 1024;
 constexpr uint64_t kTrace = 1;
@@ -98,72 +103,6 @@ struct Flags {
   bool fio = true;
 };
 
-double Seconds(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::map<std::string, uint64_t> ProcStatus() {
-  std::map<std::string, uint64_t> out;
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    const size_t colon = line.find(':');
-    if (colon == std::string::npos || line.find(" kB") == std::string::npos) continue;
-    uint64_t kb;
-    std::string value(absl::StripAsciiWhitespace(line.substr(colon + 1)));
-    value = value.substr(0, value.find(' '));
-    if (absl::SimpleAtoi(value, &kb)) out[line.substr(0, colon)] = kb * 1024;
-  }
-  return out;
-}
-
-std::string FirstLineWith(const char* path, const char* key) {
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(key, 0) == 0) return line;
-  }
-  return "?";
-}
-
-void PrintMachine(const std::string& dir) {
-  std::string cpu = FirstLineWith("/proc/cpuinfo", "model name");
-  if (cpu.find(':') != std::string::npos) cpu = cpu.substr(cpu.find(':') + 2);
-  std::ifstream load("/proc/loadavg");
-  std::string l1, l5, l15;
-  load >> l1 >> l5 >> l15;
-  std::string avail = FirstLineWith("/proc/meminfo", "MemAvailable");
-  struct statvfs vfs {};
-  statvfs(dir.c_str(), &vfs);
-  std::printf("machine: %s, %ld CPUs online, load average %s %s %s, %s, %.1f GB free in %s\n",
-              cpu.c_str(), sysconf(_SC_NPROCESSORS_ONLN), l1.c_str(), l5.c_str(), l15.c_str(),
-              avail.c_str(), static_cast<double>(vfs.f_bavail) * vfs.f_frsize / 1e9, dir.c_str());
-}
-
-// fio's bandwidth (bytes/s) for one sequential run in one direction, or -1.
-double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth,
-                    uint64_t size) {
-  const std::string cmd = absl::StrCat(
-      "fio --name=bench --filename=", file, " --ioengine=io_uring --direct=1 --rw=",
-      write ? "write" : "read", " --bs=", bs, " --iodepth=", depth, " --size=", size,
-      " --fixedbufs --registerfiles --thread --numjobs=1 --output-format=json 2>/dev/null");
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return -1;
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
-  if (pclose(pipe) != 0) return -1;
-  const size_t section = out.find(write ? "\"write\" : {" : "\"read\" : {");
-  if (section == std::string::npos) return -1;
-  size_t key = out.find("\"bw_bytes\" : ", section);
-  if (key == std::string::npos) return -1;
-  key += 13;
-  double bw;
-  if (!absl::SimpleAtod(out.substr(key, out.find_first_of(",\n", key) - key), &bw)) return -1;
-  return bw;
-}
-
 // "10ms", "0.5s", "250us".
 bool ParseDuration(absl::string_view text, double* seconds) {
   double scale = 1;
@@ -183,28 +122,6 @@ bool ParseDuration(absl::string_view text, double* seconds) {
   return true;
 }
 
-SwapperStats Delta(const SwapperStats& a, const SwapperStats& b) {
-  SwapperStats d = b;
-  d.acquires -= a.acquires;
-  d.hits -= a.hits;
-  d.waited_reads -= a.waited_reads;
-  d.misses -= a.misses;
-  d.prefetches -= a.prefetches;
-  d.prefetch_used -= a.prefetch_used;
-  d.prefetch_wasted -= a.prefetch_wasted;
-  d.swap_ins -= a.swap_ins;
-  d.swap_outs -= a.swap_outs;
-  d.clean_drops -= a.clean_drops;
-  d.zero_fills -= a.zero_fills;
-  d.bytes_in -= a.bytes_in;
-  d.bytes_out -= a.bytes_out;
-  d.read_nanos -= a.read_nanos;
-  d.write_nanos -= a.write_nanos;
-  d.io_errors -= a.io_errors;
-  d.relearned -= a.relearned;
-  return d;
-}
-
 struct Iteration {
   double seconds = 0;
   double stalled = 0;  // inside Acquire
@@ -222,7 +139,7 @@ bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
   auto use = [&](int layer) {
     const auto a = Clock::now();
     absl::StatusOr<Swapper::Pin> pin = s.Acquire(static_cast<uint64_t>(layer), false);
-    it->stalled += Seconds(a);
+    it->stalled += SecondsSince(a);
     if (!pin.ok()) {
       std::fprintf(stderr, "acquire layer %d: %s\n", layer, pin.status().ToString().c_str());
       ok = false;
@@ -242,16 +159,16 @@ bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
     } else {
       std::this_thread::sleep_until(until);
     }
-    it->computed += Seconds(c);
+    it->computed += SecondsSince(c);
     const auto r = Clock::now();
     pin->Reset();
-    it->released += Seconds(r);
+    it->released += SecondsSince(r);
   };
   for (int l = 0; l < f.layers && ok; ++l) use(l);
   for (int l = f.layers - 1; l >= 0 && ok; --l) use(l);
   s.EndIteration(kTrace);
-  it->seconds = Seconds(start);
-  it->d = Delta(before, s.Stats());
+  it->seconds = SecondsSince(start);
+  it->d = s.Stats().Since(before);
   return ok;
 }
 
@@ -438,7 +355,7 @@ int Main(int argc, char** argv) {
     }
     s.EndIteration(kTrace);
     s.WaitIdle();
-    std::printf("\nsetup: %d layers written in %.2f s\n", f.layers, Seconds(setup));
+    std::printf("\nsetup: %d layers written in %.2f s\n", f.layers, SecondsSince(setup));
     fio_round("after setup:");
 
     std::ofstream("/proc/self/clear_refs") << "5";

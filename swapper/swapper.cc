@@ -18,6 +18,28 @@ uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+SwapperStats SwapperStats::Since(const SwapperStats& e) const {
+  SwapperStats d = *this;
+  d.acquires -= e.acquires;
+  d.hits -= e.hits;
+  d.waited_reads -= e.waited_reads;
+  d.misses -= e.misses;
+  d.prefetches -= e.prefetches;
+  d.prefetch_used -= e.prefetch_used;
+  d.prefetch_wasted -= e.prefetch_wasted;
+  d.swap_ins -= e.swap_ins;
+  d.swap_outs -= e.swap_outs;
+  d.clean_drops -= e.clean_drops;
+  d.zero_fills -= e.zero_fills;
+  d.bytes_in -= e.bytes_in;
+  d.bytes_out -= e.bytes_out;
+  d.read_nanos -= e.read_nanos;
+  d.write_nanos -= e.write_nanos;
+  d.io_errors -= e.io_errors;
+  d.relearned -= e.relearned;
+  return d;
+}
+
 const char* TierName(Tier tier) { return tier == Tier::kHost ? "host" : "nvme"; }
 
 const char* BlockStateName(BlockState state) {

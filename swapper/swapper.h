@@ -88,6 +88,11 @@ struct SwapperStats {
   uint64_t io_errors = 0;
   uint64_t io_queue = 0;         // I/O tasks queued or running
   uint64_t relearned = 0;        // trace orders re-learned
+
+  // What happened since `earlier` (a snapshot from the same swapper): the
+  // counters' differences; the gauges (blocks, bytes resident, pinned and
+  // placed, pending prefetches, the I/O queue) as they are now.
+  SwapperStats Since(const SwapperStats& earlier) const;
 };
 
 class Swapper {

@@ -1,0 +1,39 @@
+// What the benchmarks share: timing, this process's memory figures, the
+// machine's description, and fio's bandwidth for one run (the same-run
+// bound the NVMe benchmarks measure themselves against).
+#ifndef OFFLOADD_BENCHES_BENCH_UTIL_H_
+#define OFFLOADD_BENCHES_BENCH_UTIL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace offload::bench {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start);
+
+// /proc/self/status's "kB" fields in bytes (VmRSS, VmHWM, RssAnon, ...).
+std::map<std::string, uint64_t> ProcStatus();
+
+// Resets VmHWM to the current RSS (/proc/self/clear_refs, "5").
+bool ResetPeakRss();
+
+// The first line of `path` that starts with `key`, or "?".
+std::string FirstLineWith(const char* path, const char* key);
+
+// One line: CPU model, CPUs online, load average, MemAvailable and the free
+// space under `dir` (the conditions a result was measured in).
+void PrintMachine(const std::string& dir);
+
+// fio's bandwidth (bytes/s) for one sequential run in one direction over
+// `size` bytes of `file` (io_uring, O_DIRECT, fixed buffers, registered
+// file, request `bs`, depth `depth`), or -1 if fio failed.
+double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth,
+                    uint64_t size);
+
+}  // namespace offload::bench
+
+#endif  // OFFLOADD_BENCHES_BENCH_UTIL_H_
