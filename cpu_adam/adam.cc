@@ -52,6 +52,25 @@ absl::Status ValidateHyperparams(const AdamHyperparams& h) {
       !std::isfinite(static_cast<float>(h.grad_scale))) {
     return Invalid("grad_scale", h.grad_scale, "finite and > 0");
   }
+  // The update runs in fp32: values that are finite doubles but overflow a
+  // float, or an eps that rounds to 0, would turn the weights into Inf/NaN.
+  constexpr const char* kFloat = "representable as a float (the update runs in fp32)";
+  if (!std::isfinite(static_cast<float>(h.lr))) return Invalid("lr", h.lr, kFloat);
+  if (!std::isfinite(static_cast<float>(h.weight_decay))) {
+    return Invalid("weight_decay", h.weight_decay, kFloat);
+  }
+  if (!std::isfinite(static_cast<float>(h.eps)) || !(static_cast<float>(h.eps) > 0.0f)) {
+    return Invalid("eps", h.eps, "a float > 0 that does not round to 0 (the update runs in fp32)");
+  }
+  // The derived constants are largest at step 1 (bias correction 1 - beta1).
+  const AdamStepConstants c = ComputeStepConstants(h, 1);
+  if (!std::isfinite(c.neg_step_size)) {
+    return Invalid("lr", h.lr, "small enough that lr / (1 - beta1) is a finite float");
+  }
+  if (!std::isfinite(c.decay_factor)) {
+    return Invalid("weight_decay", h.weight_decay,
+                   "small enough that 1 - lr * weight_decay is a finite float");
+  }
   return absl::OkStatus();
 }
 

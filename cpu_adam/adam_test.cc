@@ -178,5 +178,37 @@ TEST(Hyperparams, RejectsOutOfRange) {
   EXPECT_EQ(ValidateHyperparams(h).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Finite doubles that do not survive the fp32 update are refused, naming
+// the field, instead of silently turning master weights into Inf/NaN.
+TEST(Hyperparams, RejectsWhatOverflowsOrVanishesInFloat) {
+  auto expect_refused = [](AdamHyperparams h, const char* field) {
+    absl::Status s = ValidateHyperparams(h);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(s.message().find(field), std::string::npos) << s;
+  };
+  AdamHyperparams h;
+  h.lr = 1e39;
+  expect_refused(h, "lr");
+  h = {};
+  h.lr = 3e38;  // a float, but lr / (1 - beta1) at step 1 is not
+  expect_refused(h, "lr");
+  h = {};
+  h.eps = 1e-50;
+  expect_refused(h, "eps");
+  h = {};
+  h.weight_decay = 1e39;
+  expect_refused(h, "weight_decay");
+  h = {};
+  h.lr = 1e20;
+  h.weight_decay = 1e20;  // 1 - lr * wd overflows
+  h.beta1 = 0.0;
+  expect_refused(h, "weight_decay");
+  // Extreme but representable values still pass.
+  h = {};
+  h.eps = 1e-40;  // a subnormal float
+  h.lr = 1e30;
+  EXPECT_TRUE(ValidateHyperparams(h).ok());
+}
+
 }  // namespace
 }  // namespace offload
