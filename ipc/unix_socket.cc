@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/posix_error.h"
@@ -68,7 +69,11 @@ absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock) {
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  // Room for more descriptors than the one a message may carry, so that a
+  // peer sending several gets them all received here and closed, none left
+  // behind in this process (CMSG_SPACE of one int already holds two).
+  constexpr int kMaxFds = 8;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)] = {};
   msg.msg_control = control;
   msg.msg_controllen = sizeof(control);
   ssize_t n;
@@ -76,16 +81,23 @@ absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock) {
     n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
   if (n < 0) return PosixError("recvmsg", errno);
+  // Every descriptor received is owned here, so none can leak.
+  std::vector<UniqueFd> fds;
   for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+    if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
       int fd;
-      std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-      out.fd.reset(fd);
+      std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
+      fds.emplace_back(fd);
     }
   }
-  if (msg.msg_flags & MSG_CTRUNC) {
-    return absl::InvalidArgumentError("received more descriptors than expected");
+  if (fds.size() > 1 || (msg.msg_flags & MSG_CTRUNC)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a message may carry at most one descriptor; this one carried ",
+        (msg.msg_flags & MSG_CTRUNC) ? "more than " : "", fds.size()));
   }
+  if (!fds.empty()) out.fd = std::move(fds[0]);
   if (n == 0) return absl::UnavailableError("peer closed the Unix socket");
   out.payload.resize(static_cast<size_t>(n));
   return out;

@@ -3,7 +3,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/socket.h>
+
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
 #include <string>
 #include <thread>
 
@@ -35,6 +40,54 @@ TEST(FdPassing, SendsDescriptorAndPayload) {
   char c = 0;
   ASSERT_EQ(read(rd.get(), &c, 1), 1);
   EXPECT_EQ(c, 'x');
+}
+
+int OpenDescriptors() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)entry;
+    ++n;
+  }
+  return n;
+}
+
+// Sends `count` descriptors (duplicates of stdin) in one message.
+void SendDescriptors(int sock, int count) {
+  std::vector<int> fds(static_cast<size_t>(count), STDIN_FILENO);
+  char payload = 'p';
+  iovec iov{&payload, 1};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(cm), fds.data(), sizeof(int) * fds.size());
+  ASSERT_EQ(sendmsg(sock, &msg, 0), 1);
+}
+
+// A peer sending several descriptors gets a clear error and leaves none
+// behind in the receiver, however many it sends (each was a leaked fd).
+TEST(FdPassing, ExtraDescriptorsAreRefusedAndClosed) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  UniqueFd a(sv[0]), b(sv[1]);
+  const int before = OpenDescriptors();
+  for (int count : {2, 3, 8, 20}) {
+    SendDescriptors(a.get(), count);
+    auto msg = ReceiveWithFd(b.get());
+    EXPECT_EQ(msg.status().code(), absl::StatusCode::kInvalidArgument) << count;
+    EXPECT_NE(msg.status().message().find("at most one descriptor"), std::string::npos);
+    EXPECT_EQ(OpenDescriptors(), before) << count << " descriptors sent";
+  }
+  SendDescriptors(a.get(), 1);
+  auto one = ReceiveWithFd(b.get());
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_TRUE(one->fd.valid());
 }
 
 TEST(FdPassing, PeerCredentialsAreOurs) {
