@@ -48,6 +48,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                                                   d->steps_.get(), &d->stats_);
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
+  RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   ASSIGN_OR_RETURN(d->arena_channel_,

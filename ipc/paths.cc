@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/posix_error.h"
 
 namespace offload {
@@ -46,6 +47,23 @@ absl::Status MakeDirs(const std::string& dir) {
   if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat ", dir), errno);
   if (!S_ISDIR(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(dir, " exists and is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPrivateDir(const std::string& dir) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat ", dir), errno);
+  if (st.st_uid != geteuid() && st.st_uid != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, " belongs to uid ", st.st_uid, ", not to this user (uid ", geteuid(),
+        "); use a directory of your own"));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s is writable by other users (mode %04o): they could replace its sockets; "
+        "chmod go-w it or choose another directory",
+        dir, st.st_mode & 07777));
   }
   return absl::OkStatus();
 }

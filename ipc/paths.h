@@ -25,6 +25,11 @@ std::string DefaultClientAddress();
 // an existing directory is accepted as is.
 absl::Status MakeDirs(const std::string& dir);
 
+// FAILED_PRECONDITION unless `dir` is owned by this process's user (or root)
+// and writable by nobody else: another user who can write it could delete
+// or replace the sockets in it.
+absl::Status CheckPrivateDir(const std::string& dir);
+
 }  // namespace offload
 
 #endif  // OFFLOADD_IPC_PATHS_H_

@@ -126,6 +126,13 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
 }
 
 absl::Status ClaimSocketPath(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
+    // A file, directory or link someone named by mistake is not ours to
+    // delete.
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " exists and is not a Unix socket; refusing to replace it (choose another path)"));
+  }
   if (UnixSocketIsLive(path)) {
     return absl::AlreadyExistsError(absl::StrCat("another process is already serving on ", path));
   }

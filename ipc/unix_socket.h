@@ -33,7 +33,9 @@ absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock);
 absl::StatusOr<ucred> PeerCredentials(int sock);
 
 // Makes `path` free for a new Unix socket: ALREADY_EXISTS if a live server
-// answers there, otherwise removes a stale socket file left by a crash.
+// answers there, FAILED_PRECONDITION if something other than a socket is
+// there (never deleted), otherwise removes a stale socket file left by a
+// crash.
 absl::Status ClaimSocketPath(const std::string& path);
 
 // Creates a listening Unix stream socket at `path` readable and writable by

@@ -392,6 +392,33 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
   EXPECT_TRUE(client_->GetStats().ok());
 }
 
+// Issue 11's known breaks: a socket path naming a regular file deleted it;
+// a data directory others can write was accepted.
+TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
+  char dir[] = "/tmp/offloadd_cfg.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove(dir);
+  const std::string file = std::string(dir) + "/precious.txt";
+  std::ofstream(file) << "keep me";
+  auto r = ::offload::testing::RunCommand(
+      {"engine/offloadd", std::string("--server.data_dir=") + dir, "--server.socket=" + file});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r->output, "is not a Unix socket")) << r->output;
+  std::ifstream in(file);
+  std::string kept;
+  std::getline(in, kept);
+  EXPECT_EQ(kept, "keep me");
+
+  const std::string open_dir = std::string(dir) + "/open";
+  ASSERT_EQ(mkdir(open_dir.c_str(), 0700), 0);
+  ASSERT_EQ(chmod(open_dir.c_str(), 0777), 0);
+  auto o = ::offload::testing::RunCommand({"engine/offloadd", "--server.data_dir=" + open_dir});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(o->output, "writable by other users (mode 0777)")) << o->output;
+}
+
 TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   char dir[] = "/tmp/offloadd_cfg.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
