@@ -6,6 +6,7 @@
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 
@@ -31,8 +32,23 @@ struct SessionManager::Session {
   const std::unique_ptr<PartitionSet> partitions;
 };
 
+namespace {
+
+// A random 31-bit number, never 0 (ids stay below 2^63 and never 0).
+uint64_t NewIncarnation(Env* env) {
+  uint32_t r = 0;
+  if (!env->RandomBytes(&r, sizeof(r)).ok()) {
+    r = static_cast<uint32_t>(absl::ToUnixNanos(absl::Now()) >> 7);
+  }
+  r &= 0x7fffffff;
+  return r == 0 ? 1 : r;
+}
+
+}  // namespace
+
 SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats)
-    : env_(env), store_(store), steps_(steps), stats_(stats) {}
+    : env_(env), store_(store), steps_(steps), stats_(stats), incarnation_(NewIncarnation(env)),
+      next_session_id_(incarnation_ << 32 | 1) {}
 
 SessionManager::~SessionManager() = default;
 
@@ -65,7 +81,12 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key.id);
   if (it == sessions_.end()) {
-    if (key.id != 0 && key.id < next_session_id_) {
+    if (key.id >> 32 != incarnation_) {
+      return absl::NotFoundError(absl::StrCat(
+          "no session ", key.id, " in this offloadd: it is not one of its ids (offloadd was "
+          "restarted since the session was opened, or the id is wrong); open a new session"));
+    }
+    if (key.id < next_session_id_) {
       return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
     }
     return absl::NotFoundError(absl::StrCat("no session ", key.id, " was ever opened"));

@@ -10,9 +10,12 @@
 // Calls in flight hold a reference to the session: closing it removes it at
 // once, and its memory is freed when the last such call returns.
 //
-// Session ids are handed out in increasing order, so an id below the next
-// one that is not open was open once (or its opening failed): "closed",
-// FAILED_PRECONDITION; an id never handed out is NOT_FOUND.
+// Session ids carry this daemon's incarnation (a random 31-bit number) in
+// their high 32 bits and a counter in the low ones. An id of another
+// incarnation is NOT_FOUND saying that offloadd restarted (a trainer whose
+// daemon came back must open a new session); within this incarnation, an id
+// below the next one that is not open was open once (or its opening
+// failed): "closed", FAILED_PRECONDITION; one never handed out is NOT_FOUND.
 //
 // Errors: NOT_FOUND for a session or partition that never existed,
 // FAILED_PRECONDITION for a closed session or a call out of order,
@@ -136,9 +139,10 @@ class SessionManager {
   PartitionStore* const store_;
   StepRunner* const steps_;
   Stats* const stats_;
+  const uint64_t incarnation_;  // the high 32 bits of this daemon's session ids
 
   mutable absl::Mutex mu_;
-  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_);
   uint64_t next_partition_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // partition id -> owning session id, for telling "not yours" from "no such".
