@@ -27,6 +27,21 @@ struct PartitionSet::Partition {
   uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
 };
 
+absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty) {
+  if ((name.empty() && !may_be_empty) || name.size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " must be ", may_be_empty ? 0 : 1,
+                                                   " to 256 bytes, got ", name.size()));
+  }
+  for (char c : name) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " holds a control character (byte ", static_cast<int>(u), "); use printable text"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
                                int state_host_percent, uint64_t state_chunk_elems)
     : env_(env), swapper_(swapper), stats_(stats),
@@ -176,12 +191,11 @@ absl::StatusOr<PartitionSet::Partition*> PartitionSet::FindOrNotFound(uint64_t i
 }
 
 absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const PartitionSpec& spec) {
+  // The name first: the messages below quote it.
+  RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
   if (spec.numel == 0 || spec.numel > PartitionStore::kMaxNumel) {
     return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "' numel ",
                                                    spec.numel, " must be in [1, 2^40]"));
-  }
-  if (spec.name.empty() || spec.name.size() > 256) {
-    return absl::InvalidArgumentError("partition name must be 1 to 256 bytes");
   }
   const uint64_t param_bytes = spec.numel * DTypeSize(spec.param_dtype);
   const uint64_t grad_bytes = spec.numel * DTypeSize(spec.grad_dtype);

@@ -120,6 +120,11 @@ struct ItemOutcome {
   uint64_t next_chunk = 0;  // kFailed: chunks before it were updated
 };
 
+// INVALID_ARGUMENT unless `name` is 1 (0 with `may_be_empty`) to 256 bytes
+// without control characters (a newline would forge rows in offloadctl's
+// tables). The message names `what` but never echoes the name itself.
+absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty);
+
 class PartitionStore;
 
 // One session's partitions. Created by PartitionStore::CreateSet.

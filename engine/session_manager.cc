@@ -54,10 +54,7 @@ SessionManager::~SessionManager() = default;
 
 absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name,
                                                    std::optional<int> state_host_percent) {
-  if (name.size() > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session name is ", name.size(), " bytes; at most 256 allowed"));
-  }
+  RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   std::string token(kTokenBytes, '\0');
   RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
   uint64_t id;
@@ -173,6 +170,10 @@ absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
 
 absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKey& key,
                                                                  absl::Span<const uint64_t> ids) {
+  if (ids.size() > kMaxFetchIds) {
+    return absl::InvalidArgumentError(absl::StrCat("a fetch may name at most ", kMaxFetchIds,
+                                                   " partitions, got ", ids.size()));
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
   ASSIGN_OR_RETURN(std::vector<PartitionInfo> out, session->partitions->Fetch(ids));
   stats_->fetches.fetch_add(static_cast<int64_t>(out.size()), std::memory_order_relaxed);

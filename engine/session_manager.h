@@ -78,6 +78,9 @@ struct SessionSummary {
 class SessionManager {
  public:
   static constexpr size_t kTokenBytes = 16;
+  // Most partition ids one Fetch may name (a reply stays far below gRPC's
+  // 4 MiB message limit; a trainer fetches a layer's few at a time).
+  static constexpr size_t kMaxFetchIds = 4096;
 
   // Everything passed in must outlive the manager. `env` makes the session
   // tokens.

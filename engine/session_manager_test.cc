@@ -372,6 +372,28 @@ TEST_F(SessionManagerRaceTest, ASecondStepWaitsForTheFirst) {
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Names that would forge offloadctl's rows, or flood an error message, are
+// refused without being echoed; fetches are bounded.
+TEST_F(SessionManagerTest, HostileNamesAndHugeFetchesAreRefused) {
+  EXPECT_EQ(sessions_.Open("rank0\nsession 99 forged").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto huge = sessions_.Open(std::string(100000, 'x'));
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(huge.status().message().size(), 200u);
+  SessionKey key = Open();
+  auto bad = sessions_.Register(key, {std::string(100000, 'y'), 0, DType::kFp32, DType::kFp32});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(bad.status().message().size(), 200u);  // the name is not echoed
+  EXPECT_EQ(sessions_.Register(key, {"w\x1b[2J", 10, DType::kFp32, DType::kFp32}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto p = sessions_.Register(key, {"w", 10, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok());
+  std::vector<uint64_t> many(SessionManager::kMaxFetchIds + 1, p->id);
+  EXPECT_EQ(sessions_.Fetch(key, many).status().code(), absl::StatusCode::kInvalidArgument);
+  many.pop_back();
+  EXPECT_TRUE(sessions_.Fetch(key, many).ok());
+}
+
 // A trainer that presents the key of a session opened before offloadd
 // restarted is told that, not that its session belongs to another client.
 TEST_F(SessionManagerTest, ASessionFromBeforeARestartIsToldSo) {
