@@ -6,7 +6,9 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -19,7 +21,12 @@
 namespace offload {
 namespace {
 
-constexpr int kReceiveTimeoutMs = 2000;
+// How long an accepted connection may take to send its request.
+constexpr auto kRequestDeadline = std::chrono::seconds(2);
+// Connections waiting for their request at once; more are refused.
+constexpr size_t kMaxPending = 256;
+// Reading a request that poll said is there never waits long.
+constexpr int kReceiveTimeoutMs = 100;
 
 void SetReceiveTimeout(int fd, int ms) {
   timeval tv{ms / 1000, (ms % 1000) * 1000};
@@ -57,31 +64,74 @@ void ArenaChannel::Serve() {
   for (;;) {
     fds.assign({{listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
     for (const Attached& a : attached_) fds.push_back({a.connection.get(), POLLIN | POLLRDHUP, 0});
-    int n = poll(fds.data(), fds.size(), -1);
+    for (const Pending& p : pending_) fds.push_back({p.connection.get(), POLLIN | POLLRDHUP, 0});
+    int timeout_ms = -1;
+    const auto now = std::chrono::steady_clock::now();
+    for (const Pending& p : pending_) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
+      const int ms = static_cast<int>(std::max<int64_t>(0, left) + 1);
+      if (timeout_ms < 0 || ms < timeout_ms) timeout_ms = ms;
+    }
+    int n = poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
       LogError("arena channel poll failed: %s", PosixError("poll", errno).ToString());
       return;
     }
     if (fds[1].revents != 0) return;
+    const size_t first_pending = 2 + attached_.size();
+    // Pending connections: answer the ones whose request (or hang-up)
+    // arrived, close the ones past their deadline. Back to front, so that
+    // erasing keeps the indices of those not yet seen.
+    const auto after = std::chrono::steady_clock::now();
+    for (size_t i = pending_.size(); i-- > 0;) {
+      const bool ready = fds[first_pending + i].revents != 0;
+      if (!ready && pending_[i].deadline > after) continue;
+      Pending p = std::move(pending_[i]);
+      pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
+      if (!ready) continue;  // silent past its deadline: closed
+      if (std::optional<Attached> a = Answer(std::move(p))) attached_.push_back(std::move(*a));
+    }
     // Attached trainers: anything but more bytes means the peer is gone.
-    for (size_t i = attached_.size(); i-- > 0;) {
+    // (New attachments were appended past the ones polled.)
+    for (size_t i = first_pending - 2; i-- > 0;) {
       if (fds[2 + i].revents == 0) continue;
       char buf[256];
       ssize_t got = recv(attached_[i].connection.get(), buf, sizeof(buf), MSG_DONTWAIT);
       if (got > 0 || (got < 0 && (errno == EAGAIN || errno == EINTR))) continue;  // chatter
       Drop(i);
     }
-    if (fds[0].revents == 0) continue;
-    UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!conn.valid()) {
-      if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) {
-        LogWarning("arena channel: %s", PosixError("accept", errno).ToString());
-      }
-      continue;
-    }
-    if (std::optional<Attached> a = Answer(std::move(conn))) attached_.push_back(std::move(*a));
+    if (fds[0].revents != 0) Accept();
   }
+}
+
+void ArenaChannel::Accept() {
+  UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  if (!conn.valid()) {
+    if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) {
+      LogWarning("arena channel: %s", PosixError("accept", errno).ToString());
+    }
+    return;
+  }
+  auto refuse = [&conn](const absl::Status& status) {
+    // The peer may be gone; there is nobody else to tell.
+    SendWithFd(conn.get(), FormatAttachError(status), -1).IgnoreError();
+  };
+  absl::StatusOr<ucred> cred = PeerCredentials(conn.get());
+  if (!cred.ok()) return refuse(cred.status());
+  if (cred->uid != geteuid() && cred->uid != 0) {
+    return refuse(absl::PermissionDeniedError(absl::StrCat(
+        "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ",
+        geteuid())));
+  }
+  if (pending_.size() >= kMaxPending) {
+    return refuse(absl::UnavailableError(absl::StrCat(
+        kMaxPending, " connections are already waiting to attach; retry")));
+  }
+  SetReceiveTimeout(conn.get(), kReceiveTimeoutMs);
+  pending_.push_back(
+      Pending{std::move(conn), *cred, std::chrono::steady_clock::now() + kRequestDeadline});
 }
 
 void ArenaChannel::Drop(size_t i) {
@@ -97,34 +147,31 @@ void ArenaChannel::Drop(size_t i) {
   }
 }
 
-std::optional<ArenaChannel::Attached> ArenaChannel::Answer(UniqueFd conn) {
-  SetReceiveTimeout(conn.get(), kReceiveTimeoutMs);
-  auto reply_error = [&conn](const absl::Status& status) -> std::optional<Attached> {
+std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
+  const int conn = p.connection.get();
+  auto reply_error = [conn](const absl::Status& status) -> std::optional<Attached> {
     // The peer may be gone; there is nobody else to tell.
-    SendWithFd(conn.get(), FormatAttachError(status), -1).IgnoreError();
+    SendWithFd(conn, FormatAttachError(status), -1).IgnoreError();
     return std::nullopt;
   };
-  absl::StatusOr<ucred> cred = PeerCredentials(conn.get());
-  if (!cred.ok()) return reply_error(cred.status());
-  if (cred->uid != geteuid() && cred->uid != 0) {
-    return reply_error(absl::PermissionDeniedError(absl::StrCat(
-        "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ",
-        geteuid())));
+  absl::StatusOr<ReceivedMessage> request = ReceiveWithFd(conn);
+  if (!request.ok()) {
+    // Hung up: nobody to answer. Descriptors sent along: refused, closed.
+    if (absl::IsInvalidArgument(request.status())) return reply_error(request.status());
+    return std::nullopt;
   }
-  absl::StatusOr<ReceivedMessage> request = ReceiveWithFd(conn.get());
-  if (!request.ok()) return std::nullopt;  // timed out or hung up: nobody to answer
   absl::StatusOr<AttachRequest> attach =
       ParseAttachRequest(request->payload, SessionManager::kTokenBytes);
   if (!attach.ok()) return reply_error(attach.status());
   absl::StatusOr<UniqueFd> fd =
       sessions_->DupArenaFd(SessionKey{attach->session_id, attach->token});
   if (!fd.ok()) return reply_error(fd.status());
-  absl::Status sent = SendWithFd(conn.get(), "OK", fd->get());
+  absl::Status sent = SendWithFd(conn, "OK", fd->get());
   if (!sent.ok()) {
-    LogWarning("arena channel: answering pid %d: %s", cred->pid, sent.ToString());
+    LogWarning("arena channel: answering pid %d: %s", p.cred.pid, sent.ToString());
     return std::nullopt;
   }
-  return Attached{std::move(conn), attach->session_id, cred->pid};
+  return Attached{std::move(p.connection), attach->session_id, p.cred.pid};
 }
 
 }  // namespace offload

@@ -14,12 +14,17 @@
 // killed: the kernel closes its descriptors), the session is closed and its
 // memory freed, so a dead trainer cannot hold the node's memory.
 //
-// Threading: one thread accepts and answers connections one at a time with
-// a short receive timeout, so a stalled peer delays others by at most that;
-// the same thread watches the attached connections.
+// Threading: one thread accepts connections, waits for their requests and
+// watches the attached trainers, all in one poll loop: a peer that connects
+// and sends nothing delays nobody (it waits among the pending connections
+// until its 2 s deadline, then is closed), and at most kMaxPending wait at
+// once (more are refused at once).
 #ifndef OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 #define OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 
+#include <sys/socket.h>
+
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -50,10 +55,18 @@ class ArenaChannel {
     uint64_t session_id;
     pid_t pid;
   };
+  // Accepted, credentials checked, its request not read yet.
+  struct Pending {
+    UniqueFd connection;
+    ucred cred;
+    std::chrono::steady_clock::time_point deadline;
+  };
 
   void Serve();
-  // Answers an attach request; on success returns what to keep watching.
-  std::optional<Attached> Answer(UniqueFd conn);
+  void Accept();
+  // Answers the attach request `p` sent; on success returns what to keep
+  // watching.
+  std::optional<Attached> Answer(Pending p);
   // The trainer behind attached_[i] went away.
   void Drop(size_t i);
 
@@ -61,7 +74,8 @@ class ArenaChannel {
   const UniqueFd listener_;
   const UniqueFd stop_event_;
   SessionManager* const sessions_;
-  std::vector<Attached> attached_;  // only the serving thread touches it
+  std::vector<Attached> attached_;  // only the serving thread touches these
+  std::vector<Pending> pending_;
   std::thread thread_;
 };
 

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "ipc/arena_protocol.h"
+#include "ipc/unix_socket.h"
 #include "proto/offload.grpc.pb.h"
 #include "tests/daemon_process.h"
 
@@ -380,6 +381,23 @@ TEST_F(DaemonTest, StopsCleanlyOnSigtermAndRemovesSockets) {
   EXPECT_TRUE(absl::StrContains(log, "serving gRPC on unix:")) << log;
   EXPECT_TRUE(absl::StrContains(log, "tier host: budget")) << log;
   EXPECT_TRUE(absl::StrContains(log, "stopped cleanly")) << log;
+}
+
+// Peers that connect to the arena channel and send nothing delay nobody:
+// each waits alone for its deadline (before, attaches were answered one at a
+// time with a 2 s wait each, so 30 such peers held a trainer for a minute).
+TEST_F(DaemonTest, SilentPeersOnTheArenaChannelDelayNobody) {
+  std::vector<UniqueFd> silent;
+  for (int i = 0; i < 30; ++i) {
+    auto c = ConnectUnix(daemon_->socket_path() + ".arena");
+    ASSERT_TRUE(c.ok()) << c.status();
+    silent.push_back(std::move(*c));
+  }
+  const absl::Time start = absl::Now();
+  auto s = client_->OpenSession("behind the silent ones");
+  ASSERT_TRUE(s.ok()) << s.status();
+  RecordProperty("open_ms", std::to_string(absl::ToInt64Milliseconds(absl::Now() - start)));
+  ASSERT_TRUE((*s)->Register("w", 10, DType::kFp32, DType::kFp32).ok());
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
