@@ -6,6 +6,7 @@
 // plain `offloadd` works. The config file is applied first, flags after it.
 // SIGTERM or SIGINT shuts down cleanly.
 #include <signal.h>
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <string>
@@ -35,6 +36,20 @@ void PrintHelp(const ConfigRegistry& registry) {
     std::printf("  --%s=%s%s\n      %s [%s]\n", t.name.c_str(),
                 t.default_value.empty() ? "\"\"" : t.default_value.c_str(), t.dynamic ? " *" : "",
                 t.description.c_str(), t.unit.c_str());
+  }
+}
+
+// Raises the soft limit on open descriptors to the hard one: every trainer
+// holds connections and shares memory through descriptors, and running out
+// (EMFILE) leaves gRPC 1.51's listener deaf until restart.
+void RaiseDescriptorLimit() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= lim.rlim_max) return;
+  const rlim_t before = lim.rlim_cur;
+  lim.rlim_cur = lim.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &lim) == 0) {
+    LogInfo("open descriptors: limit raised from %d to %d", static_cast<int64_t>(before),
+            static_cast<int64_t>(lim.rlim_cur));
   }
 }
 
@@ -83,6 +98,7 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  RaiseDescriptorLimit();
   absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Start(&options, &registry);
   if (!daemon.ok()) {
     LogError("cannot start: %s", daemon.status().ToString());

@@ -1,6 +1,7 @@
 // System tests: a real offloadd process, driven from this (separate) process
 // through the client library, raw gRPC stubs and the arena channel.
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -398,6 +399,32 @@ TEST_F(DaemonTest, SilentPeersOnTheArenaChannelDelayNobody) {
   ASSERT_TRUE(s.ok()) << s.status();
   RecordProperty("open_ms", std::to_string(absl::ToInt64Milliseconds(absl::Now() - start)));
   ASSERT_TRUE((*s)->Register("w", 10, DType::kFp32, DType::kFp32).ok());
+}
+
+// offloadd raises its open-descriptor limit to the hard limit at start
+// (it inherits a lowered one here).
+TEST(DaemonStartup, RaisesItsDescriptorLimit) {
+  rlimit ours{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &ours), 0);
+  rlimit low = ours;
+  low.rlim_cur = std::min<rlim_t>(ours.rlim_max, 256);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto d = DaemonProcess::Start({});
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &ours), 0);
+  ASSERT_TRUE(d.ok()) << d.status();
+  std::ifstream limits("/proc/" + std::to_string((*d)->pid()) + "/limits");
+  std::string line;
+  bool found = false;
+  while (std::getline(limits, line)) {
+    if (line.rfind("Max open files", 0) != 0) continue;
+    found = true;
+    std::istringstream fields(line.substr(std::string("Max open files").size()));
+    std::string soft, hard;
+    fields >> soft >> hard;
+    EXPECT_EQ(soft, hard) << line;
+    EXPECT_EQ(soft, std::to_string(ours.rlim_max)) << line;
+  }
+  EXPECT_TRUE(found);
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
