@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
@@ -33,9 +34,10 @@ Tunable FromProto(const v1::Tunable& t) {
 }
 
 struct Rpc {
-  explicit Rpc(absl::Duration timeout) {
+  Rpc(absl::Duration timeout, const std::string& token) {
     context.set_deadline(std::chrono::system_clock::now() +
                          std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    if (!token.empty()) context.AddMetadata(kTokenMetadataKey, token);
   }
   grpc::ClientContext context;
 };
@@ -54,6 +56,7 @@ struct Client::Impl {
 struct Session::Impl {
   std::shared_ptr<v1::PartitionService::Stub> stub;
   absl::Duration timeout;
+  std::string token;
   v1::SessionRef ref;
   UniqueFd arena;  // the session arena's memfd
   uint64_t arena_capacity = 0;
@@ -114,6 +117,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->address = options.address.empty() ? DefaultClientAddress() : options.address;
+  if (impl->options.token.empty()) {
+    if (const char* token = std::getenv("OFFLOADD_TOKEN")) impl->options.token = token;
+  }
   if (absl::StartsWith(impl->address, "unix:")) {
     const std::string path = impl->address.substr(5);
     if (access(path.c_str(), F_OK) != 0) {
@@ -149,12 +155,13 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
     req.set_optimizer_state_host_percent(static_cast<uint32_t>(percent));
   }
   v1::OpenSessionResponse resp;
-  Rpc rpc(impl_->options.call_timeout);
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
 
   auto session = std::make_unique<Session::Impl>();
   session->stub = impl_->partitions;
   session->timeout = impl_->options.call_timeout;
+  session->token = impl_->options.token;
   session->ref = resp.session();
   // Wrap now, so that any failure below closes the session on the daemon.
   std::unique_ptr<Session> out(new Session(std::move(session)));
@@ -172,7 +179,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
 
 absl::StatusOr<std::vector<Tunable>> Client::ListTunables() {
   v1::ListTunablesResponse resp;
-  Rpc rpc(impl_->options.call_timeout);
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->config->ListTunables(&rpc.context, {}, &resp), "ListTunables"));
   std::vector<Tunable> out;
@@ -184,7 +191,7 @@ absl::StatusOr<Tunable> Client::GetTunable(const std::string& name) {
   v1::GetTunableRequest req;
   req.set_name(name);
   v1::Tunable resp;
-  Rpc rpc(impl_->options.call_timeout);
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->config->GetTunable(&rpc.context, req, &resp), "GetTunable"));
   return FromProto(resp);
 }
@@ -194,14 +201,14 @@ absl::StatusOr<Tunable> Client::SetTunable(const std::string& name, const std::s
   req.set_name(name);
   req.set_value(value);
   v1::Tunable resp;
-  Rpc rpc(impl_->options.call_timeout);
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->config->SetTunable(&rpc.context, req, &resp), "SetTunable"));
   return FromProto(resp);
 }
 
 absl::StatusOr<DaemonStats> Client::GetStats() {
   v1::GetStatsResponse resp;
-  Rpc rpc(impl_->options.call_timeout);
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->stats->GetStats(&rpc.context, {}, &resp), "GetStats"));
   DaemonStats out;
   out.version = resp.version();
@@ -233,7 +240,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
   req.set_param_dtype(ToProto(param_dtype));
   req.set_grad_dtype(ToProto(grad_dtype));
   v1::RegisterPartitionResponse resp;
-  Rpc rpc(impl_->timeout);
+  Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->stub->RegisterPartition(&rpc.context, req, &resp), "RegisterPartition"));
   return impl_->View(resp.location());
@@ -244,7 +251,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
   *req.mutable_session() = impl_->ref;
   for (uint64_t id : ids) req.add_partition_ids(id);
   v1::FetchParamsResponse resp;
-  Rpc rpc(impl_->timeout);
+  Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->FetchParams(&rpc.context, req, &resp), "FetchParams"));
   std::vector<PartitionView> out;
   for (const v1::PartitionLocation& loc : resp.locations()) {
@@ -267,7 +274,7 @@ absl::Status Session::ReturnGradients(const PartitionView& p) {
   req.set_numel(p.numel);
   req.set_grad_dtype(ToProto(p.grad_dtype));
   v1::ReturnGradientsResponse resp;
-  Rpc rpc(impl_->timeout);
+  Rpc rpc(impl_->timeout, impl_->token);
   return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");
 }
 
@@ -284,7 +291,7 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
   p->set_bias_correction(h.bias_correction);
   p->set_grad_scale(h.grad_scale);
   v1::StepResponse resp;
-  Rpc rpc(impl_->timeout);
+  Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return StepResult{resp.partitions_updated(), resp.params_updated(), resp.skipped(),
                     resp.nonfinite_gradients(), resp.wall_us(), resp.state_wait_us(),
@@ -300,7 +307,7 @@ absl::Status Session::SetPlacement(int optimizer_state_host_percent) {
   *req.mutable_session() = impl_->ref;
   req.set_optimizer_state_host_percent(static_cast<uint32_t>(optimizer_state_host_percent));
   v1::SetPlacementResponse resp;
-  Rpc rpc(impl_->timeout);
+  Rpc rpc(impl_->timeout, impl_->token);
   return FromGrpc(impl_->stub->SetPlacement(&rpc.context, req, &resp), "SetPlacement");
 }
 
@@ -313,7 +320,7 @@ absl::Status Session::Close() {
   v1::CloseSessionRequest req;
   *req.mutable_session() = impl_->ref;
   v1::CloseSessionResponse resp;
-  Rpc rpc(absl::Seconds(10));
+  Rpc rpc(absl::Seconds(10), impl_->token);
   absl::Status closed =
       FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
   impl_->connection.reset();

@@ -43,6 +43,10 @@ struct ClientOptions {
   absl::Duration connect_timeout = absl::Seconds(5);
   // Deadline of each call. Step on a large model takes longest.
   absl::Duration call_timeout = absl::Minutes(10);
+  // Over TCP, offloadd serves read-only status unless calls carry the token
+  // it wrote to <data_dir>/tcp_token. Empty means $OFFLOADD_TOKEN, if set.
+  // Not needed on the Unix socket.
+  std::string token{};
 };
 
 // How a session wants its state kept.

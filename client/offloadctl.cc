@@ -6,7 +6,8 @@
 //   offloadctl [--address=ADDR] config set NAME VALUE
 //   offloadctl [--address=ADDR] stats
 //
-// ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket.
+// ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
+// TCP, anything but reading status needs $OFFLOADD_TOKEN (<data_dir>/tcp_token).
 // Exit status: 0 success, 1 the daemon refused or could not be reached
 // (the reason is printed with its status code), 2 usage error.
 #include <cstdio>
@@ -28,7 +29,9 @@ constexpr char kUsage[] =
     "  config list             every tunable with value, default, unit\n"
     "  config get NAME         one tunable\n"
     "  config set NAME VALUE   change a tunable (dynamic ones only while running)\n"
-    "  stats                   counters and sessions\n";
+    "  stats                   counters and sessions\n"
+    "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
+    "Over TCP, only status is served unless $OFFLOADD_TOKEN holds <data_dir>/tcp_token.\n";
 
 std::string Bytes(uint64_t b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

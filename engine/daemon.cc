@@ -1,5 +1,6 @@
 #include "engine/daemon.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -54,9 +55,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   ASSIGN_OR_RETURN(d->arena_channel_,
                    ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get()));
 
+  if (server.tcp_port >= 0) {
+    ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());
+    d->guard_ = std::make_unique<AccessGuard>(std::move(token), d->tcp_token_path_);
+  } else {
+    d->guard_ = std::make_unique<AccessGuard>("", "");
+  }
   d->partition_service_ = std::make_unique<PartitionServiceImpl>(
-      d->sessions_.get(), &d->stats_, &d->calls_, d->arena_channel_->path());
-  d->config_service_ = std::make_unique<ConfigServiceImpl>(registry);
+      d->sessions_.get(), &d->stats_, &d->calls_, d->guard_.get(), d->arena_channel_->path());
+  d->config_service_ = std::make_unique<ConfigServiceImpl>(registry, d->guard_.get());
   ServerIdentity identity;
   identity.started = absl::Now();
   identity.listening.push_back(absl::StrCat("unix:", d->socket_path_));
@@ -155,6 +162,21 @@ void Daemon::SetHooks() {
   });
 }
 
+absl::StatusOr<std::string> Daemon::WriteTcpToken() {
+  unsigned char raw[16];
+  RETURN_IF_ERROR(Env::Default()->RandomBytes(raw, sizeof(raw)));
+  std::string token;
+  for (unsigned char c : raw) absl::StrAppend(&token, absl::Hex(c, absl::kZeroPad2));
+  tcp_token_path_ = TcpTokenPathIn(options_->server.data_dir);
+  unlink(tcp_token_path_.c_str());  // ours from a previous run, or a stale one
+  UniqueFd fd(open(tcp_token_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd.valid()) return PosixError(absl::StrCat("creating ", tcp_token_path_), errno);
+  if (write(fd.get(), token.data(), token.size()) != static_cast<ssize_t>(token.size())) {
+    return PosixError(absl::StrCat("writing ", tcp_token_path_), errno);
+  }
+  return token;
+}
+
 DaemonSnapshot Daemon::Snapshot() const {
   DaemonSnapshot s;
   s.counters = stats_.Snapshot();
@@ -171,7 +193,11 @@ DaemonSnapshot Daemon::Snapshot() const {
 std::vector<std::string> Daemon::Describe() const {
   std::vector<std::string> lines;
   lines.push_back(absl::StrCat("serving gRPC on unix:", socket_path_, " (owner-only)"));
-  if (tcp_port_ >= 0) lines.push_back(absl::StrCat("serving gRPC on 127.0.0.1:", tcp_port_));
+  if (tcp_port_ >= 0) {
+    lines.push_back(absl::StrCat("serving gRPC on 127.0.0.1:", tcp_port_,
+                                 " (read-only status; more with the token in ", tcp_token_path_,
+                                 ")"));
+  }
   lines.push_back(absl::StrCat("arena channel on ", arena_channel_->path()));
   if (metrics_ != nullptr) {
     lines.push_back(
@@ -236,6 +262,7 @@ void Daemon::Shutdown() {
   server_->Wait();
   arena_channel_.reset();
   unlink(socket_path_.c_str());
+  if (!tcp_token_path_.empty()) unlink(tcp_token_path_.c_str());
 }
 
 Daemon::~Daemon() {

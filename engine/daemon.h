@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/config_registry.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/access_guard.h"
 #include "engine/arena_channel.h"
 #include "engine/call_gate.h"
 #include "engine/daemon_options.h"
@@ -56,6 +57,8 @@ class Daemon {
   absl::Status StartNvmeTier();
 
   void SetHooks();
+  // A fresh token for TCP callers, written owner-only to the data directory.
+  absl::StatusOr<std::string> WriteTcpToken();
 
   // Built in this order by Start (and destroyed in reverse: sessions before
   // the swapper, the swapper before the pool and the swap space).
@@ -75,6 +78,8 @@ class Daemon {
   std::string socket_path_;
   int tcp_port_ = -1;
   std::unique_ptr<ArenaChannel> arena_channel_;
+  std::unique_ptr<AccessGuard> guard_;
+  std::string tcp_token_path_;  // empty without TCP
   std::unique_ptr<PartitionServiceImpl> partition_service_;
   std::unique_ptr<ConfigServiceImpl> config_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;

@@ -47,17 +47,19 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 template <typename Body>
-grpc::Status PartitionServiceImpl::Serve(Body&& body) {
+grpc::Status PartitionServiceImpl::Serve(const grpc::ServerContext& context, Body&& body) {
   CallScope scope(gate_);
-  absl::Status status = scope.entered() ? body() : ShuttingDown();
+  absl::Status status = !scope.entered() ? ShuttingDown()
+                                         : guard_->CheckMayChange(context, "using sessions");
+  if (status.ok()) status = body();
   if (!status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
   return ToGrpcStatus(status);
 }
 
-grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
+grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
                                                const v1::OpenSessionRequest* req,
                                                v1::OpenSessionResponse* resp) {
-  return Serve([&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     std::optional<int> state_host_percent;
     if (req->has_optimizer_state_host_percent()) {
       if (req->optimizer_state_host_percent() > 100) {
@@ -76,16 +78,16 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext*,
   });
 }
 
-grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext*,
+grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext* context,
                                                 const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionResponse*) {
-  return Serve([&] { return sessions_->Close(KeyOf(req->session())); });
+  return Serve(*context, [&] { return sessions_->Close(KeyOf(req->session())); });
 }
 
-grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext*,
+grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext* context,
                                                      const v1::RegisterPartitionRequest* req,
                                                      v1::RegisterPartitionResponse* resp) {
-  return Serve([&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     PartitionSpec spec;
     spec.name = req->name();
     spec.numel = req->numel();
@@ -97,10 +99,10 @@ grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext*,
   });
 }
 
-grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext*,
+grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext* context,
                                                const v1::FetchParamsRequest* req,
                                                v1::FetchParamsResponse* resp) {
-  return Serve([&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
     ASSIGN_OR_RETURN(std::vector<PartitionInfo> infos,
                      sessions_->Fetch(KeyOf(req->session()), ids));
@@ -109,19 +111,19 @@ grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext*,
   });
 }
 
-grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext*,
+grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
                                                    const v1::ReturnGradientsRequest* req,
                                                    v1::ReturnGradientsResponse*) {
-  return Serve([&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(DType grad, FromProto(req->grad_dtype(), "grad_dtype"));
     return sessions_->ReturnGradients(KeyOf(req->session()), req->partition_id(), req->numel(),
                                       grad);
   });
 }
 
-grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequest* req,
+grpc::Status PartitionServiceImpl::Step(grpc::ServerContext* context, const v1::StepRequest* req,
                                         v1::StepResponse* resp) {
-  return Serve([&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     if (!req->has_hyperparams()) return absl::InvalidArgumentError("Step needs hyperparams");
     const v1::AdamHyperparams& p = req->hyperparams();
     AdamHyperparams h;
@@ -145,10 +147,10 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext*, const v1::StepRequ
   });
 }
 
-grpc::Status PartitionServiceImpl::SetPlacement(grpc::ServerContext*,
+grpc::Status PartitionServiceImpl::SetPlacement(grpc::ServerContext* context,
                                                 const v1::SetPlacementRequest* req,
                                                 v1::SetPlacementResponse*) {
-  return Serve([&]() -> absl::Status {
+  return Serve(*context, [&]() -> absl::Status {
     if (req->optimizer_state_host_percent() > 100) {
       return absl::InvalidArgumentError(absl::StrCat(
           "optimizer_state_host_percent must be 0 to 100, got ",
@@ -173,8 +175,11 @@ grpc::Status ConfigServiceImpl::GetTunable(grpc::ServerContext*, const v1::GetTu
   return grpc::Status::OK;
 }
 
-grpc::Status ConfigServiceImpl::SetTunable(grpc::ServerContext*, const v1::SetTunableRequest* req,
-                                           v1::Tunable* resp) {
+grpc::Status ConfigServiceImpl::SetTunable(grpc::ServerContext* context,
+                                           const v1::SetTunableRequest* req, v1::Tunable* resp) {
+  if (absl::Status may = guard_->CheckMayChange(*context, "changing tunables"); !may.ok()) {
+    return ToGrpcStatus(may);
+  }
   absl::StatusOr<TunableInfo> t = registry_->Set(req->name(), req->value());
   if (!t.ok()) return ToGrpcStatus(t.status());
   ToProto(*t, resp);

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "base/config_registry.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/access_guard.h"
 #include "engine/call_gate.h"
 #include "engine/session_manager.h"
 #include "engine/snapshot.h"
@@ -31,9 +32,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 class PartitionServiceImpl final : public v1::PartitionService::Service {
  public:
   // Every call passes `gate`; once it closes, calls fail with UNAVAILABLE.
+  // `guard` decides what TCP callers may do.
   PartitionServiceImpl(SessionManager* sessions, Stats* stats, CallGate* gate,
-                       std::string arena_socket)
-      : sessions_(sessions), stats_(stats), gate_(gate), arena_socket_(std::move(arena_socket)) {}
+                       const AccessGuard* guard, std::string arena_socket)
+      : sessions_(sessions), stats_(stats), gate_(gate), guard_(guard),
+        arena_socket_(std::move(arena_socket)) {}
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
                            v1::OpenSessionResponse*) override;
@@ -51,19 +54,22 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
 
  private:
   // Every method's prologue and epilogue: enters the call gate (UNAVAILABLE
-  // once shutting down), runs `body`, counts a failure, converts the status.
+  // once shutting down), checks the caller may use sessions (AccessGuard),
+  // runs `body`, counts a failure, converts the status.
   template <typename Body>
-  grpc::Status Serve(Body&& body);
+  grpc::Status Serve(const grpc::ServerContext& context, Body&& body);
 
   SessionManager* const sessions_;
   Stats* const stats_;
   CallGate* const gate_;
+  const AccessGuard* const guard_;
   const std::string arena_socket_;
 };
 
 class ConfigServiceImpl final : public v1::ConfigService::Service {
  public:
-  explicit ConfigServiceImpl(ConfigRegistry* registry) : registry_(registry) {}
+  ConfigServiceImpl(ConfigRegistry* registry, const AccessGuard* guard)
+      : registry_(registry), guard_(guard) {}
 
   grpc::Status ListTunables(grpc::ServerContext*, const v1::ListTunablesRequest*,
                             v1::ListTunablesResponse*) override;
@@ -74,6 +80,7 @@ class ConfigServiceImpl final : public v1::ConfigService::Service {
 
  private:
   ConfigRegistry* const registry_;
+  const AccessGuard* const guard_;
 };
 
 struct ServerIdentity {

@@ -33,6 +33,8 @@ std::string DefaultClientAddress() {
   return absl::StrCat("unix:", SocketPathIn(DefaultDataDir()));
 }
 
+std::string TcpTokenPathIn(const std::string& data_dir) { return data_dir + "/tcp_token"; }
+
 absl::Status MakeDirs(const std::string& dir) {
   if (dir.empty()) return absl::InvalidArgumentError("empty directory path");
   for (size_t pos = 1; pos <= dir.size(); ++pos) {

@@ -17,6 +17,11 @@ std::string DefaultDataDir();
 // The gRPC socket inside a data directory.
 std::string SocketPathIn(const std::string& data_dir);
 
+// With TCP on, the file (mode 0600) holding the token a TCP caller presents
+// to do more than read status, and the gRPC metadata key it goes in.
+std::string TcpTokenPathIn(const std::string& data_dir);
+inline constexpr char kTokenMetadataKey[] = "x-offloadd-token";
+
 // The default client address: $OFFLOADD_ADDRESS if set, else
 // unix:<DefaultDataDir()>/offloadd.sock.
 std::string DefaultClientAddress();

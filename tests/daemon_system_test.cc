@@ -486,6 +486,37 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   auto over_tcp = Client::Connect({tcp});
   ASSERT_TRUE(over_tcp.ok()) << over_tcp.status();
   EXPECT_TRUE((*over_tcp)->GetStats().ok());
+  // Over TCP, any local user could connect: read-only status without the
+  // token (issue 11's known break: tunables, sessions and budget were open).
+  EXPECT_TRUE((*over_tcp)->GetTunable("optimizer.threads").ok());
+  auto set = (*over_tcp)->SetTunable("optimizer.threads", "2");
+  EXPECT_EQ(set.status().code(), absl::StatusCode::kPermissionDenied) << set.status();
+  EXPECT_TRUE(absl::StrContains(set.status().message(), "tcp_token")) << set.status();
+  EXPECT_EQ((*over_tcp)->OpenSession("x").status().code(), absl::StatusCode::kPermissionDenied);
+  // The token: a file only offloadd's user can read; with it, TCP may change.
+  const std::string token_file = (*d)->data_dir() + "/tcp_token";
+  struct stat st;
+  ASSERT_EQ(stat(token_file.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::string token;
+  std::getline(std::ifstream(token_file), token);
+  EXPECT_EQ(token.size(), 32u);
+  ClientOptions with_token;
+  with_token.address = tcp;
+  with_token.token = "0" + token.substr(1);  // a wrong one first
+  if (with_token.token == token) with_token.token = "1" + token.substr(1);
+  auto wrong = Client::Connect(with_token);
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_EQ((*wrong)->SetTunable("optimizer.threads", "2").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  with_token.token = token;
+  auto right = Client::Connect(with_token);
+  ASSERT_TRUE(right.ok());
+  EXPECT_TRUE((*right)->SetTunable("optimizer.threads", "2").ok());
+  // The Unix socket needs none.
+  EXPECT_TRUE((*c)->SetTunable("optimizer.threads", "1").ok());
+  ASSERT_TRUE((*d)->Stop().ok());
+  EXPECT_NE(access(token_file.c_str(), F_OK), 0);  // removed at exit
 }
 
 // The tiered store end to end: the demo MLP with its optimizer state on the
