@@ -2,20 +2,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/secret.h"
 #include "ipc/paths.h"
 
 namespace offload {
-namespace {
-
-bool SameSecret(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;  // constant time: no early exit on mismatch
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
-}  // namespace
-
 absl::Status AccessGuard::CheckMayChange(const grpc::ServerContext& context,
                                          absl::string_view what) const {
   if (absl::StartsWith(context.peer(), "unix:")) return absl::OkStatus();
@@ -23,7 +13,7 @@ absl::Status AccessGuard::CheckMayChange(const grpc::ServerContext& context,
     const auto& metadata = context.client_metadata();
     auto it = metadata.find(kTokenMetadataKey);
     if (it != metadata.end() &&
-        SameSecret(absl::string_view(it->second.data(), it->second.size()), token_)) {
+        SecretsEqual(absl::string_view(it->second.data(), it->second.size()), token_)) {
       return absl::OkStatus();
     }
   }

@@ -8,20 +8,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/posix_error.h"
+#include "base/secret.h"
 #include "base/status_macros.h"
 
 namespace offload {
-namespace {
-
-bool TokensEqual(absl::string_view a, absl::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;  // constant time: no early exit on mismatch
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
-}  // namespace
-
 struct SessionManager::Session {
   Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionSet> set)
       : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)) {}
@@ -88,7 +78,7 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     }
     return absl::NotFoundError(absl::StrCat("no session ", key.id, " was ever opened"));
   }
-  if (!TokensEqual(it->second->token, key.token)) {
+  if (!SecretsEqual(it->second->token, key.token)) {
     return absl::PermissionDeniedError(
         absl::StrCat("wrong token for session ", key.id, ": it belongs to another client"));
   }
