@@ -12,6 +12,14 @@ namespace {
 
 constexpr int kStateKinds = 3;  // master, exp_avg, exp_avg_sq
 
+// Where a partition whose state is `add` bytes goes, given `host` of `total`
+// state bytes before it on the host: there while the host share stays at or
+// under `percent` (registration and placement changes alike).
+Tier HomeFor(uint64_t host, uint64_t total, uint64_t add, int percent) {
+  return (host + add) * 100 <= static_cast<uint64_t>(percent) * (total + add) ? Tier::kHost
+                                                                              : Tier::kNvme;
+}
+
 }  // namespace
 
 struct PartitionSet::Partition {
@@ -102,14 +110,12 @@ absl::Status PartitionSet::SetStateHostPercent(int percent) {
     uint64_t host = 0, total = 0;
     for (auto& [id, p] : partitions_) {
       const uint64_t add = kStateKinds * p->info.numel * sizeof(float);
-      const Tier home = (host + add) * 100 <= static_cast<uint64_t>(percent) * (total + add)
-                            ? Tier::kHost
-                            : Tier::kNvme;
+      const Tier home = HomeFor(host, total, add, percent);
       total += add;
       if (home == Tier::kHost) host += add;
       if (home != p->state_home) {
         p->state_home = home;
-        moves.push_back({id, (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_, home});
+        moves.push_back({id, ChunksOf(p->info.numel), home});
       }
     }
     state_bytes_[static_cast<int>(Tier::kHost)] = host;
@@ -133,7 +139,7 @@ PartitionSet::~PartitionSet() {
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, p] : partitions_) {
-      chunks.emplace_back(id, (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_);
+      chunks.emplace_back(id, ChunksOf(p->info.numel));
     }
   }
   for (const auto& [id, n] : chunks) {
@@ -143,10 +149,14 @@ PartitionSet::~PartitionSet() {
   }
 }
 
+uint64_t PartitionSet::ChunksOf(uint64_t numel) const {
+  return (numel + state_chunk_elems_ - 1) / state_chunk_elems_;
+}
+
 uint64_t PartitionSet::StateChunks(uint64_t id) const {
   absl::MutexLock lock(&mu_);
   Partition* p = Find(id);
-  return p == nullptr ? 0 : (p->info.numel + state_chunk_elems_ - 1) / state_chunk_elems_;
+  return p == nullptr ? 0 : ChunksOf(p->info.numel);
 }
 
 size_t PartitionSet::partitions() const {
@@ -215,9 +225,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     names_.insert(spec.name);
     const uint64_t host = state_bytes_[0], total = state_bytes_[0] + state_bytes_[1];
     const uint64_t add = kStateKinds * state_bytes;
-    home = (host + add) * 100 <= static_cast<uint64_t>(state_host_percent_) * (total + add)
-               ? Tier::kHost
-               : Tier::kNvme;
+    home = HomeFor(host, total, add, state_host_percent_);
   }
   // Outside the set's lock: making room may wait for write-outs.
   auto partition = std::make_unique<Partition>();

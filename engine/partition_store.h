@@ -187,6 +187,8 @@ class PartitionSet {
   // Waits until none of `partitions` is in a step.
   void AwaitOutOfStep(absl::Span<Partition* const> partitions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // State chunks of a partition of `numel` elements.
+  uint64_t ChunksOf(uint64_t numel) const;
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
