@@ -30,8 +30,7 @@ absl::StatusOr<HostMemory> HostMemory::Allocate(uint64_t bytes, bool huge_pages)
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
 }
 
-absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                                 bool huge_pages) {
+absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64_t bytes) {
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd,
@@ -41,7 +40,6 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
                                    fd, " shared"),
                       errno);
   }
-  if (huge_pages) madvise(p, mapped, MADV_HUGEPAGE);
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
 }
 

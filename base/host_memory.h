@@ -8,9 +8,9 @@
 // Huge pages: devices cap scatter-gather segments per request (254 on this
 // project's VMs), so a direct read or write from 4 KiB pages carries at most
 // about 1 MiB per request; 2 MiB pages lift that (benches/RESULTS.md). With
-// `huge_pages` the mapping asks for them (MADV_HUGEPAGE). It is best effort:
-// THP may be off, and shmem gets them only if
-// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows.
+// `huge_pages` a private mapping asks for them (MADV_HUGEPAGE); best effort,
+// THP may be off. Shared mappings of a memfd (shmem) get them only if
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows, and do not ask.
 //
 // Thread-safety: a HostMemory is a value; the bytes are the caller's to
 // synchronise.
@@ -32,8 +32,7 @@ class HostMemory {
   // Maps `bytes` of `fd` (borrowed) from `offset` (a multiple of the page
   // size) shared, read-write. MAP_NORESERVE: pages exist as the file holds
   // them and they are touched, so a mapping may reach past the file's end.
-  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                              bool huge_pages = false);
+  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes);
 
   HostMemory() = default;
   HostMemory(HostMemory&& other) noexcept;
