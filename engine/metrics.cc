@@ -1,19 +1,10 @@
 #include "engine/metrics.h"
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
 
 namespace offload {
 namespace {
-
-// Counters that go up and down rather than only up.
-bool IsGauge(const std::string& name) {
-  static const auto* const kGauges = new absl::flat_hash_set<std::string>{
-      "swap_blocks",           "swap_resident_bytes", "swap_pinned_bytes",
-      "swap_host_placed_bytes", "swap_nvme_placed_bytes", "swap_io_queue", "prefetch_pending"};
-  return kGauges->contains(name);
-}
 
 // A Prometheus label value: backslash, double quote and newline escaped.
 std::string Escape(const std::string& s) {
@@ -37,7 +28,7 @@ std::string Escape(const std::string& s) {
 std::string FormatPrometheus(const DaemonSnapshot& m) {
   std::string out;
   for (const CounterValue& c : m.counters) {
-    const bool gauge = IsGauge(c.name);
+    const bool gauge = c.gauge;
     const std::string name = absl::StrCat("offloadd_", c.name, gauge ? "" : "_total");
     absl::StrAppend(&out, "# HELP ", name, " ", c.name, " (", c.unit, ")\n", "# TYPE ", name,
                     gauge ? " gauge\n" : " counter\n", name, " ", c.value, "\n");

@@ -10,7 +10,7 @@ namespace {
 
 DaemonSnapshot Sample() {
   DaemonSnapshot m;
-  m.counters = {{"steps", 7, "steps"}, {"swap_resident_bytes", 4096, "bytes"}};
+  m.counters = {{"steps", 7, "steps"}, {"swap_resident_bytes", 4096, "bytes", /*gauge=*/true}};
   m.tiers = {{"host", 100, 1000}, {"nvme", 0, 5000}};
   SessionSummary s;
   s.id = 3;

@@ -27,11 +27,14 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   auto add = [out](const char* name, uint64_t v, const char* unit) {
     out->push_back({name, static_cast<int64_t>(v), unit});
   };
-  add("swap_blocks", s.blocks, "blocks");
-  add("swap_resident_bytes", s.resident_bytes, "bytes");
-  add("swap_pinned_bytes", s.pinned_bytes, "bytes");
-  add("swap_host_placed_bytes", s.host_home_bytes, "bytes");
-  add("swap_nvme_placed_bytes", s.nvme_home_bytes, "bytes");
+  auto level = [out](const char* name, uint64_t v, const char* unit) {
+    out->push_back({name, static_cast<int64_t>(v), unit, /*gauge=*/true});
+  };
+  level("swap_blocks", s.blocks, "blocks");
+  level("swap_resident_bytes", s.resident_bytes, "bytes");
+  level("swap_pinned_bytes", s.pinned_bytes, "bytes");
+  level("swap_host_placed_bytes", s.host_home_bytes, "bytes");
+  level("swap_nvme_placed_bytes", s.nvme_home_bytes, "bytes");
   add("swap_acquires", s.acquires, "acquires");
   add("swap_hits", s.hits, "acquires");
   add("swap_waited_reads", s.waited_reads, "acquires");
@@ -39,7 +42,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("prefetch_issued", s.prefetches, "blocks");
   add("prefetch_used", s.prefetch_used, "blocks");
   add("prefetch_wasted", s.prefetch_wasted, "blocks");
-  add("prefetch_pending", s.prefetch_pending, "blocks");
+  level("prefetch_pending", s.prefetch_pending, "blocks");
   add("swap_ins", s.swap_ins, "blocks");
   add("swap_outs", s.swap_outs, "blocks");
   add("swap_clean_drops", s.clean_drops, "blocks");
@@ -48,7 +51,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_in_time", s.read_nanos / 1000, "us");
   add("swap_out_time", s.write_nanos / 1000, "us");
   add("swap_io_errors", s.io_errors, "errors");
-  add("swap_io_queue", s.io_queue, "tasks");
+  level("swap_io_queue", s.io_queue, "tasks");
   add("swap_order_relearned", s.relearned, "times");
 }
 

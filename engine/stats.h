@@ -16,6 +16,8 @@ struct CounterValue {
   std::string name;
   int64_t value;
   std::string unit;
+  // Goes up and down (a level now), rather than only up.
+  bool gauge = false;
 };
 
 struct Stats {
