@@ -20,6 +20,13 @@ uint64_t RoundUpToPage(uint64_t bytes) {
   return (bytes + page - 1) / page * page;
 }
 
+absl::Status DiscardSharedPages(std::byte* data, uint64_t bytes) {
+  if (madvise(data, RoundUpToPage(bytes), MADV_REMOVE) != 0) {
+    return PosixError(absl::StrCat("freeing ", bytes, " bytes of shared memory"), errno);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HostMemory> HostMemory::Allocate(uint64_t bytes, bool huge_pages) {
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);

@@ -64,6 +64,13 @@ class HostMemory {
 uint64_t PageSize();
 uint64_t RoundUpToPage(uint64_t bytes);
 
+// Frees the pages behind `bytes` (rounded up to pages) of a shared mapping
+// from `data` (page-aligned): the file's pages themselves go (MADV_REMOVE,
+// a hole punched in the memfd), in every process that maps them; the range
+// then reads as zeros, and touching it allocates fresh pages. The errno's
+// code if the kernel refuses (INVALID_ARGUMENT for a private mapping).
+absl::Status DiscardSharedPages(std::byte* data, uint64_t bytes);
+
 }  // namespace offload
 
 #endif  // OFFLOADD_BASE_HOST_MEMORY_H_

@@ -566,12 +566,16 @@ int Main(int argc, char** argv) {
     }
     e.swapper = std::move(*swapper);
     e.store = std::make_unique<PartitionStore>(Env::Default(), e.swapper.get(), &e.stats,
-                                               arena_charge + (1 << 20), 0, chunk_elems);
+                                               arena_charge + (1 << 20), Placement{}, chunk_elems);
     e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
     e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
                                                   &e.stats);
 
-    absl::StatusOr<OpenedSession> opened = e.sessions->Open("bench", 0);
+    // Optimizer state on NVMe; parameters and gradients in the arena, on the
+    // host.
+    PlacementChange placement;
+    placement[DataKind::kOptimizerState] = 0;
+    absl::StatusOr<OpenedSession> opened = e.sessions->Open("bench", placement);
     if (!opened.ok()) {
       std::fprintf(stderr, "%s\n", opened.status().ToString().c_str());
       return 1;
@@ -587,32 +591,36 @@ int Main(int argc, char** argv) {
       }
       parts.push_back(*p);
     }
-    // The trainer's side: working copy and gradients written once through
-    // the memfd (not a second mapping, which would count the pages twice in
-    // this process's RSS). The gradients stay the same every step.
+    // The trainer's side: working copy and gradients written through the
+    // memfd (not a second mapping, which would count the pages twice in
+    // this process's RSS), while held, as the residency contract asks. The
+    // working copy once (then released); the same gradients before every
+    // step (a step leaves the buffers zeros).
     absl::StatusOr<UniqueFd> fd = e.sessions->DupArenaFd(key);
     if (!fd.ok()) {
       std::fprintf(stderr, "%s\n", fd.status().ToString().c_str());
       return 1;
     }
-    {
-      const std::vector<uint16_t> pw = Bf16Pattern(1 << 20, false), pg = Bf16Pattern(1 << 20, true);
-      for (const PartitionInfo& p : parts) {
-        for (int kind = 0; kind < 2; ++kind) {
-          const std::vector<uint16_t>& src = kind == 0 ? pw : pg;
-          const ArenaRegion& region = kind == 0 ? p.params : p.grads;
-          for (uint64_t done = 0; done < region.bytes;) {
-            const uint64_t len = std::min<uint64_t>(src.size() * 2, region.bytes - done);
-            const ssize_t w = pwrite(fd->get(), src.data(), len,
-                                     static_cast<off_t>(region.offset + done));
-            if (w <= 0) {
-              std::fprintf(stderr, "writing the arena: %s\n", std::strerror(errno));
-              return 1;
-            }
-            done += static_cast<uint64_t>(w);
-          }
+    const std::vector<uint16_t> pw = Bf16Pattern(1 << 20, false), pg = Bf16Pattern(1 << 20, true);
+    auto write_region = [&](const ArenaRegion& region, const std::vector<uint16_t>& src) {
+      for (uint64_t done = 0; done < region.bytes;) {
+        const uint64_t len = std::min<uint64_t>(src.size() * 2, region.bytes - done);
+        const ssize_t w =
+            pwrite(fd->get(), src.data(), len, static_cast<off_t>(region.offset + done));
+        if (w <= 0) {
+          std::fprintf(stderr, "writing the arena: %s\n", std::strerror(errno));
+          return false;
         }
+        done += static_cast<uint64_t>(w);
       }
+      return true;
+    };
+    for (const PartitionInfo& p : parts) {
+      if (!write_region(p.params, pw)) return 1;
+    }
+    if (absl::Status s = e.sessions->Release(key, {}); !s.ok()) {
+      std::fprintf(stderr, "release: %s\n", s.ToString().c_str());
+      return 1;
     }
     std::atomic<bool> stop{false};
     std::thread sampler([&] {
@@ -631,8 +639,13 @@ int Main(int argc, char** argv) {
     if (!ResetPeakRss()) std::printf("(could not reset VmHWM: /proc/self/clear_refs)\n");
     int failed = 0;
     for (int step = 1; step <= f.steps && failed == 0; ++step) {
+      FetchMode backward;
+      backward.grads = true;
       for (const PartitionInfo& p : parts) {
-        absl::Status s = e.sessions->ReturnGradients(key, p.id, p.numel, DType::kBf16);
+        absl::Status s = e.sessions->Fetch(key, {p.id}, backward).status();
+        if (s.ok() && !write_region(p.grads, pg)) s = absl::DataLossError("arena write");
+        if (s.ok()) s = e.sessions->ReturnGradients(key, p.id, p.numel, DType::kBf16);
+        if (s.ok()) s = e.sessions->Release(key, {p.id});
         if (!s.ok()) {
           std::fprintf(stderr, "return gradients: %s\n", s.ToString().c_str());
           failed = 1;

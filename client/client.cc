@@ -42,6 +42,29 @@ struct Rpc {
   grpc::ClientContext context;
 };
 
+// INVALID_ARGUMENT, naming the field, outside [0, 100].
+absl::Status ToProto(const Placement& p, v1::Placement* out) {
+  const struct {
+    const char* name;
+    const std::optional<int>& value;
+    void (v1::Placement::*set)(uint32_t);
+  } fields[] = {
+      {"params_host_percent", p.params_host_percent, &v1::Placement::set_params_host_percent},
+      {"grads_host_percent", p.grads_host_percent, &v1::Placement::set_grads_host_percent},
+      {"optimizer_state_host_percent", p.optimizer_state_host_percent,
+       &v1::Placement::set_optimizer_state_host_percent},
+  };
+  for (const auto& f : fields) {
+    if (!f.value.has_value()) continue;
+    if (*f.value < 0 || *f.value > 100) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement ", f.name, " must be 0 to 100, got ", *f.value));
+    }
+    (out->*f.set)(static_cast<uint32_t>(*f.value));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct Client::Impl {
@@ -146,14 +169,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
                                                              const SessionOptions& options) {
   v1::OpenSessionRequest req;
   req.set_name(name);
-  if (options.optimizer_state_host_percent.has_value()) {
-    const int percent = *options.optimizer_state_host_percent;
-    if (percent < 0 || percent > 100) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "optimizer_state_host_percent must be 0 to 100, got ", percent));
-    }
-    req.set_optimizer_state_host_percent(static_cast<uint32_t>(percent));
-  }
+  RETURN_IF_ERROR(ToProto(options.placement, req.mutable_placement()));
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
@@ -220,7 +236,9 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
   for (const auto& c : resp.counters()) out.counters.push_back({c.name(), c.value(), c.unit()});
   for (const auto& s : resp.sessions()) {
     out.sessions.push_back({s.session_id(), s.name(), s.partitions(), s.arena_bytes(), s.steps(),
-                            s.state_host_bytes(), s.state_nvme_bytes()});
+                            s.held(), s.params_host_bytes(), s.params_nvme_bytes(),
+                            s.grads_host_bytes(), s.grads_nvme_bytes(), s.state_host_bytes(),
+                            s.state_nvme_bytes()});
   }
   return out;
 }
@@ -246,10 +264,13 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
   return impl_->View(resp.location());
 }
 
-absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids) {
+absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
+                                                         const FetchOptions& options) {
   v1::FetchParamsRequest req;
   *req.mutable_session() = impl_->ref;
   for (uint64_t id : ids) req.add_partition_ids(id);
+  req.set_grads(options.grads);
+  req.set_writable(options.writable);
   v1::FetchParamsResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->FetchParams(&rpc.context, req, &resp), "FetchParams"));
@@ -261,10 +282,26 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
   return out;
 }
 
-absl::StatusOr<PartitionView> Session::Fetch(uint64_t partition_id) {
-  ASSIGN_OR_RETURN(std::vector<PartitionView> views, Fetch(absl::MakeConstSpan(&partition_id, 1)));
+absl::StatusOr<PartitionView> Session::Fetch(uint64_t partition_id,
+                                             const FetchOptions& options) {
+  ASSIGN_OR_RETURN(std::vector<PartitionView> views,
+                   Fetch(absl::MakeConstSpan(&partition_id, 1), options));
   if (views.size() != 1) return absl::InternalError("FetchParams returned no location");
   return std::move(views[0]);
+}
+
+absl::Status Session::Release(const PartitionView& p) {
+  return Release(absl::MakeConstSpan(&p.id, 1));
+}
+
+absl::Status Session::Release(absl::Span<const uint64_t> ids) {
+  v1::ReleasePartitionsRequest req;
+  *req.mutable_session() = impl_->ref;
+  for (uint64_t id : ids) req.add_partition_ids(id);
+  v1::ReleasePartitionsResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  return FromGrpc(impl_->stub->ReleasePartitions(&rpc.context, req, &resp),
+                  "ReleasePartitions");
 }
 
 absl::Status Session::ReturnGradients(const PartitionView& p) {
@@ -298,14 +335,10 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
                     resp.compute_us()};
 }
 
-absl::Status Session::SetPlacement(int optimizer_state_host_percent) {
-  if (optimizer_state_host_percent < 0 || optimizer_state_host_percent > 100) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "optimizer_state_host_percent must be 0 to 100, got ", optimizer_state_host_percent));
-  }
+absl::Status Session::SetPlacement(const Placement& placement) {
   v1::SetPlacementRequest req;
   *req.mutable_session() = impl_->ref;
-  req.set_optimizer_state_host_percent(static_cast<uint32_t>(optimizer_state_host_percent));
+  RETURN_IF_ERROR(ToProto(placement, req.mutable_placement()));
   v1::SetPlacementResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   return FromGrpc(impl_->stub->SetPlacement(&rpc.context, req, &resp), "SetPlacement");

@@ -3,15 +3,34 @@
 //   auto client = offload::Client::Connect({});            // default socket
 //   auto session = (*client)->OpenSession("rank0");        // closes itself
 //   auto w = (*session)->Register("w", n, DType::kBf16, DType::kBf16);
-//   ... write initial params into w->params, train ...
-//   auto p = (*session)->Fetch(w->id);     // where the current params are
-//   ... write gradients into p->grads ...
-//   (*session)->ReturnGradients(*p);
+//   ... write initial params into w->params ...
+//   (*session)->Release(*w);
+//   ... each iteration, for each layer, forward:
+//   auto p = (*session)->Fetch(w->id);     // held: read p->params
+//   (*session)->Release(*p);
+//   ... backward:
+//   auto g = (*session)->Fetch(w->id, {.grads = true});
+//   ... write gradients into g->grads ...
+//   (*session)->ReturnGradients(*g);       // hands the gradient buffer back
+//   (*session)->Release(*g);
+//   ... then:
 //   (*session)->Step(hyperparams);
 //
 // Tensor data never crosses gRPC: a session maps the daemon's shared arena
-// once, and PartitionView points straight into it. Those pointers stay valid
-// until the Session is destroyed.
+// once, and PartitionView points straight into it.
+//
+// Residency contract: the daemon keeps a partition's bytes in the arena only
+// while this session holds it; released data may move to NVMe (when placed
+// there and the host pool needs the room), and its pages leave the arena.
+// Register and Fetch hold a partition's parameters (Fetch with grads also
+// its gradient buffer); Release lets them go; ReturnGradients hands the
+// gradient buffer back. Read a partition's parameters, and write its
+// gradients, only while holding them: outside a hold, reads may see zeros
+// and writes may be lost. Parameters change only during Step (hold them
+// `writable` to change them yourself). After a Step, gradient buffers read
+// as zeros. Everything held is released when the session ends (Close, or
+// this process's death). Holding more at once than the daemon's host pool
+// can hold is RESOURCE_EXHAUSTED, with the numbers.
 //
 // Thread-safety: Client and Session are safe to use from several threads;
 // calls on one session are applied by the daemon in arrival order.
@@ -49,17 +68,32 @@ struct ClientOptions {
   std::string token{};
 };
 
-// How a session wants its state kept.
-struct SessionOptions {
-  // Percentage of this session's optimizer state (fp32 master weights and
-  // Adam moments) kept in the daemon's host memory; the rest rests on its
-  // NVMe tier and is streamed through memory during each step (training is
-  // bit-for-bit the same, only slower). Unset: the daemon's default
-  // (placement.optimizer_state_host_percent). Below 100 needs an NVMe tier.
-  std::optional<int> optimizer_state_host_percent;
+// Where a session's data rests: per kind, the percentage of its bytes kept
+// in the daemon's host memory; the rest rests on its NVMe tier and is
+// brought into memory while in use (training is bit-for-bit the same, only
+// slower). Unset: the daemon's default (placement.<kind>_host_percent) when
+// opening, unchanged in SetPlacement. Below 100 needs an NVMe tier.
+struct Placement {
+  std::optional<int> params_host_percent;   // working parameters
+  std::optional<int> grads_host_percent;    // gradient buffers
+  std::optional<int> optimizer_state_host_percent;  // fp32 master, Adam moments
 };
 
-// A partition as the trainer sees it: pointers into the mapped arena.
+// How a session wants its data kept.
+struct SessionOptions {
+  Placement placement;
+};
+
+// How Fetch holds partitions.
+struct FetchOptions {
+  // Also hold the gradient buffers, to write gradients into (backward).
+  bool grads = false;
+  // The trainer will change the parameters itself (loading a checkpoint).
+  bool writable = false;
+};
+
+// A partition as the trainer sees it: pointers into the mapped arena, whose
+// bytes are there while the session holds the partition.
 struct PartitionView {
   uint64_t id = 0;
   std::string name;
@@ -114,7 +148,11 @@ struct DaemonStats {
     uint64_t id;
     std::string name;
     uint64_t partitions, arena_bytes, steps;
-    uint64_t state_host_bytes, state_nvme_bytes;  // optimizer state by tier
+    uint64_t held;  // partitions held now
+    // Bytes placed by kind and tier.
+    uint64_t params_host_bytes, params_nvme_bytes;
+    uint64_t grads_host_bytes, grads_nvme_bytes;
+    uint64_t state_host_bytes, state_nvme_bytes;
   };
   std::string version;
   uint32_t pid = 0;
@@ -136,18 +174,26 @@ class Session {
 
   uint64_t id() const;
 
+  // Registers a partition, zeros, and holds it (writable) for the initial
+  // values to be written.
   absl::StatusOr<PartitionView> Register(const std::string& name, uint64_t numel,
                                          DType param_dtype, DType grad_dtype);
-  absl::StatusOr<PartitionView> Fetch(uint64_t partition_id);
-  // An empty list fetches every partition of the session.
-  absl::StatusOr<std::vector<PartitionView>> Fetch(absl::Span<const uint64_t> partition_ids);
-  // Tells the daemon the gradients in `p.grads` are complete.
+  // Holds partitions (see the residency contract above). An empty list
+  // fetches every partition of the session.
+  absl::StatusOr<PartitionView> Fetch(uint64_t partition_id, const FetchOptions& options = {});
+  absl::StatusOr<std::vector<PartitionView>> Fetch(absl::Span<const uint64_t> partition_ids,
+                                                   const FetchOptions& options = {});
+  // Lets holds go. An empty list releases everything this session holds.
+  absl::Status Release(const PartitionView& p);
+  absl::Status Release(absl::Span<const uint64_t> partition_ids);
+  // Tells the daemon the gradients in `p.grads` (held: Fetch with grads)
+  // are complete, and hands the buffer back.
   absl::Status ReturnGradients(const PartitionView& p);
   absl::StatusOr<StepResult> Step(const AdamHyperparams& h);
-  // Changes where this session's optimizer state rests (see
-  // SessionOptions) while it trains; returns at once, the daemon moves the
-  // state in the background.
-  absl::Status SetPlacement(int optimizer_state_host_percent);
+  // Changes where this session's data rests while it trains (unset kinds
+  // keep theirs); returns at once, the daemon moves the data in the
+  // background.
+  absl::Status SetPlacement(const Placement& placement);
   absl::Status Close();
 
  private:

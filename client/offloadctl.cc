@@ -79,14 +79,20 @@ int Stats(Client& client) {
     std::printf("%-24s %14lld %s\n", c.name.c_str(), static_cast<long long>(c.value),
                 c.unit.c_str());
   }
-  std::printf("\n%-8s %-20s %10s %12s %8s %12s %12s\n", "SESSION", "NAME", "PARTITIONS",
-              "ARENA", "STEPS", "STATE HOST", "STATE NVME");
+  // Bytes placed per kind, host/NVMe.
+  auto placed = [](uint64_t host, uint64_t nvme) { return Bytes(host) + "/" + Bytes(nvme); };
+  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s\n", "SESSION", "NAME", "PARTS",
+              "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
+              "STATE HOST/NVME");
   for (const auto& x : s->sessions) {
-    std::printf("%-8llu %-20s %10llu %12s %8llu %12s %12s\n",
+    std::printf("%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s\n",
                 static_cast<unsigned long long>(x.id), x.name.c_str(),
-                static_cast<unsigned long long>(x.partitions), Bytes(x.arena_bytes).c_str(),
-                static_cast<unsigned long long>(x.steps), Bytes(x.state_host_bytes).c_str(),
-                Bytes(x.state_nvme_bytes).c_str());
+                static_cast<unsigned long long>(x.partitions),
+                static_cast<unsigned long long>(x.held), Bytes(x.arena_bytes).c_str(),
+                static_cast<unsigned long long>(x.steps),
+                placed(x.params_host_bytes, x.params_nvme_bytes).c_str(),
+                placed(x.grads_host_bytes, x.grads_nvme_bytes).c_str(),
+                placed(x.state_host_bytes, x.state_nvme_bytes).c_str());
   }
   return 0;
 }

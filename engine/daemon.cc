@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 
 #include "absl/strings/ascii.h"
@@ -19,6 +20,22 @@
 #include "nvme/io_backend_factory.h"
 
 namespace offload {
+namespace {
+
+// The placement tunables, one per kind of data.
+struct PlacementTunable {
+  DataKind kind;
+  const char* name;
+  const int64_t* value;
+};
+std::array<PlacementTunable, kDataKinds> PlacementTunables(const PlacementOptions& o) {
+  return {{{DataKind::kParams, "placement.params_host_percent", &o.params_host_percent},
+           {DataKind::kGrads, "placement.grads_host_percent", &o.grads_host_percent},
+           {DataKind::kOptimizerState, "placement.optimizer_state_host_percent",
+            &o.optimizer_state_host_percent}}};
+}
+
+}  // namespace
 
 Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
     : options_(options), registry_(registry),
@@ -33,16 +50,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   RETURN_IF_ERROR(d->optimizer_.SetKernel(options->optimizer.kernel));
   RETURN_IF_ERROR(d->StartNvmeTier());
   ASSIGN_OR_RETURN(d->swapper_, Swapper::Create(options->swapper, &d->pool_, d->swap_.get()));
-  const int state_host_percent =
-      static_cast<int>(options->placement.optimizer_state_host_percent);
-  if (state_host_percent < 100 && d->swap_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "placement.optimizer_state_host_percent=", state_host_percent,
-        " places optimizer state on NVMe, but there is no NVMe tier (set nvme.dirs)"));
+  Placement placement;
+  for (const auto& [kind, name, value] : PlacementTunables(options->placement)) {
+    placement[kind] = static_cast<int>(*value);
+    absl::Status ok = PartitionStore::CheckPlacement(kind, placement[kind], d->swap_ != nullptr);
+    if (!ok.ok()) return absl::Status(ok.code(), absl::StrCat(name, ": ", ok.message()));
   }
   d->store_ = std::make_unique<PartitionStore>(
       Env::Default(), d->swapper_.get(), &d->stats_,
-      static_cast<uint64_t>(options->memory.session_arena_bytes), state_host_percent,
+      static_cast<uint64_t>(options->memory.session_arena_bytes), placement,
       static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float));
   d->steps_ = std::make_unique<StepRunner>(&d->optimizer_, &d->pool_, &d->stats_);
   d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
@@ -144,14 +160,14 @@ void Daemon::SetHooks() {
     raw->store_->SetArenaCapacity(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
-  registry_->SetHook<int64_t>("placement.optimizer_state_host_percent", [raw](const int64_t& v) {
-    if (v < 100 && raw->swap_ == nullptr) {
-      return absl::FailedPreconditionError(
-          "optimizer state cannot be placed on NVMe: there is no NVMe tier (set nvme.dirs)");
-    }
-    raw->store_->SetStateHostPercent(static_cast<int>(v));
-    return absl::OkStatus();
-  });
+  for (const auto& [kind, name, value] : PlacementTunables(options_->placement)) {
+    registry_->SetHook<int64_t>(name, [raw, kind = kind](const int64_t& v) {
+      RETURN_IF_ERROR(
+          PartitionStore::CheckPlacement(kind, static_cast<int>(v), raw->swap_ != nullptr));
+      raw->store_->SetDefaultPlacement(kind, static_cast<int>(v));
+      return absl::OkStatus();
+    });
+  }
   registry_->SetHook<int64_t>("swapper.prefetch_depth", [raw](const int64_t& v) {
     raw->swapper_->SetPrefetch(v, raw->options_->swapper.prefetch_bytes);
     return absl::OkStatus();
@@ -223,8 +239,9 @@ std::vector<std::string> Daemon::Describe() const {
         options_->nvme.io.queue_depth, ", checksums ", options_->nvme.checksum ? "on" : "off"));
   }
   lines.push_back(absl::StrCat(
-      "optimizer state: ", options_->placement.optimizer_state_host_percent,
-      "% on the host by default; prefetch ", options_->swapper.prefetch_depth, " uses / ",
+      "placement on the host by default: params ", options_->placement.params_host_percent,
+      "%, grads ", options_->placement.grads_host_percent, "%, optimizer state ",
+      options_->placement.optimizer_state_host_percent, "%; prefetch ", options_->swapper.prefetch_depth, " uses / ",
       FormatByteSize(options_->swapper.prefetch_bytes), " ahead"));
   lines.push_back(absl::StrCat("optimizer: ", optimizer_.kernel_name(), " Adam on ",
                                optimizer_.threads(), " threads, non-finite check ",

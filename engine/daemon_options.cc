@@ -30,13 +30,19 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            kSessionArenaRange});
   r->Bind("memory.lock_pool", &o->memory.lock_pool,
           {"bool", "mlock the host pool where permitted", false});
+  r->Bind("placement.params_host_percent", &o->placement.params_host_percent,
+          {"percent", "share of a new session's working parameters kept on the host; the rest on NVMe",
+           true, kHostPercentRange});
+  r->Bind("placement.grads_host_percent", &o->placement.grads_host_percent,
+          {"percent", "share of a new session's gradient buffers kept on the host; the rest on NVMe",
+           true, kHostPercentRange});
   r->Bind("placement.optimizer_state_host_percent", &o->placement.optimizer_state_host_percent,
           {"percent",
            "share of a new session's optimizer state kept on the host; the rest on NVMe", true,
            kHostPercentRange});
   r->Bind("placement.state_chunk_bytes", &o->placement.state_chunk_bytes,
-          {"bytes", "optimizer state moves and updates in chunks of this size per kind", false,
-           kStateChunkRange});
+          {"bytes", "data moves and updates in chunks of this many parameters times 4 bytes",
+           false, kStateChunkRange});
   r->Bind("metrics.port", &o->metrics.port,
           {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port",
            false, kTcpPortRange});

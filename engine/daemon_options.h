@@ -53,18 +53,24 @@ struct MemoryOptions {
 };
 
 struct PlacementOptions {
-  // Percentage of each new session's optimizer-state bytes (fp32 master
-  // weights and Adam moments, 12 bytes per parameter) kept on the host; the
-  // rest rests on the NVMe tier and is streamed through the host pool during
-  // the step. 100 keeps all of it in memory (fastest); lower values train
-  // models whose state exceeds the pool. A session may ask for its own when
-  // it opens. A change applies to sessions opened afterwards.
+  // Percentage of each new session's bytes of a kind kept on the host: its
+  // working parameters, its gradient buffers, its optimizer state (fp32
+  // master weights and Adam moments, 12 bytes per parameter). The rest rests
+  // on the NVMe tier and is brought into the host pool while in use
+  // (parameters while the trainer holds them, everything during the step).
+  // 100 keeps all of it in memory (fastest); lower values train models
+  // larger than the pool. A session may ask for its own when it opens, and
+  // change it while it trains. A change here applies to sessions opened
+  // afterwards.
+  int64_t params_host_percent = 100;
+  int64_t grads_host_percent = 100;
   int64_t optimizer_state_host_percent = 100;
 
-  // Optimizer state is moved and updated in chunks of at most this many
-  // bytes per kind (master, exp_avg, exp_avg_sq each). Smaller chunks stream
-  // in less pool memory and start sooner; larger ones mean fewer, bigger
-  // NVMe requests.
+  // Data moves and is updated in chunks of this many parameters times 4
+  // bytes (each kind of optimizer state is that big; parameters and
+  // gradients of the same elements are smaller in 16-bit types). Smaller
+  // chunks stream in less pool memory and start sooner; larger ones mean
+  // fewer, bigger NVMe requests.
   int64_t state_chunk_bytes = int64_t{16} << 20;
 };
 
@@ -72,7 +78,7 @@ inline constexpr IntRange kTcpPortRange{-1, 65535};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
 inline constexpr IntRange kHostPercentRange{0, 100};
-inline constexpr IntRange kStateChunkRange{4096, int64_t{1} << 30};
+inline constexpr IntRange kStateChunkRange{8192, int64_t{1} << 30};
 
 struct MetricsOptions {
   // Serve Prometheus text metrics at http://127.0.0.1:<port>/metrics (never

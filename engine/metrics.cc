@@ -52,12 +52,9 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
   };
   static const SessionMetric kSession[] = {
       {"offloadd_session_partitions", "partitions registered", &SessionSummary::partitions},
+      {"offloadd_session_held", "partitions the trainer holds", &SessionSummary::held},
       {"offloadd_session_arena_bytes", "shared arena bytes", &SessionSummary::arena_bytes},
       {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps},
-      {"offloadd_session_state_host_bytes", "optimizer state placed on the host",
-       &SessionSummary::state_host_bytes},
-      {"offloadd_session_state_nvme_bytes", "optimizer state placed on NVMe",
-       &SessionSummary::state_nvme_bytes},
   };
   for (const SessionMetric& metric : kSession) {
     absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
@@ -65,6 +62,19 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
     for (const SessionSummary& s : m.sessions) {
       absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name),
                       "\"} ", s.*metric.field, "\n");
+    }
+  }
+  absl::StrAppend(&out,
+                  "# HELP offloadd_session_placed_bytes bytes placed per kind and tier\n"
+                  "# TYPE offloadd_session_placed_bytes gauge\n");
+  for (const SessionSummary& s : m.sessions) {
+    for (int k = 0; k < kDataKinds; ++k) {
+      for (const char* tier : {"host", "nvme"}) {
+        const uint64_t bytes = tier[0] == 'h' ? s.host_bytes[k] : s.nvme_bytes[k];
+        absl::StrAppend(&out, "offloadd_session_placed_bytes{session=\"", s.id, "\",name=\"",
+                        Escape(s.name), "\",kind=\"", DataKindName(static_cast<DataKind>(k)),
+                        "\",tier=\"", tier, "\"} ", bytes, "\n");
+      }
     }
   }
   return out;

@@ -16,7 +16,7 @@ DaemonSnapshot Sample() {
   s.id = 3;
   s.name = "rank\"0\"\nx";  // hostile: quotes and a newline
   s.steps = 7;
-  s.state_nvme_bytes = 12;
+  s.nvme_bytes[static_cast<int>(DataKind::kOptimizerState)] = 12;
   m.sessions = {s};
   return m;
 }
@@ -29,7 +29,8 @@ TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
   EXPECT_NE(text.find("# TYPE offloadd_swap_resident_bytes gauge\noffloadd_swap_resident_bytes 4096"),
             std::string::npos);
   EXPECT_NE(text.find("offloadd_tier_budget_bytes{tier=\"nvme\"} 5000\n"), std::string::npos);
-  EXPECT_NE(text.find("offloadd_session_state_nvme_bytes{session=\"3\",name=\"rank\\\"0\\\"\\nx\"} 12\n"),
+  EXPECT_NE(text.find("offloadd_session_placed_bytes{session=\"3\",name=\"rank\\\"0\\\"\\nx\","
+                      "kind=\"optimizer_state\",tier=\"nvme\"} 12\n"),
             std::string::npos)
       << text;
   // Every sample line is one line: the newline in the name did not break it.

@@ -1,5 +1,7 @@
-// Optimizer state on the NVMe tier: a session whose state does not fit the
-// host pool trains to the same bits as one whose state is all in memory.
+// Data on the NVMe tier: a session whose parameters, gradients and optimizer
+// state do not fit the host pool trains to the same bits as one whose data
+// is all in memory, following the residency contract (hold, write or read,
+// release).
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -48,8 +50,8 @@ class Engine {
     SwapperOptions so;
     so.prefetch_depth = prefetch_depth;
     swapper = *Swapper::Create(so, pool.get(), space_.get());
-    store_ = std::make_unique<PartitionStore>(Env::Default(), swapper.get(), &stats, 64 << 20, 100,
-                                              kChunkElems);
+    store_ = std::make_unique<PartitionStore>(Env::Default(), swapper.get(), &stats, 64 << 20,
+                                              Placement{}, kChunkElems);
     steps_ = std::make_unique<StepRunner>(&optimizer_, pool.get(), &stats);
     sessions = std::make_unique<SessionManager>(Env::Default(), store_.get(), steps_.get(), &stats);
   }
@@ -75,45 +77,70 @@ class Engine {
   std::unique_ptr<SessionManager> sessions;
 };
 
+// Every kind of data at `percent` on the host.
+PlacementChange All(int percent) {
+  PlacementChange change;
+  for (auto& p : change.host_percent) p = percent;
+  return change;
+}
+
+FetchMode WithGrads() {
+  FetchMode mode;
+  mode.grads = true;
+  return mode;
+}
+
 // One trainer: a session with the partitions of kSizes (bf16 working copy,
-// fp32 gradients), its arena mapped.
+// fp32 gradients), its arena mapped. It holds one partition at a time, as
+// ZeRO-3 holds a layer's.
 class Trainer {
  public:
-  Trainer(Engine* engine, int state_host_percent) : engine_(engine) {
-    auto opened = engine->sessions->Open("t", state_host_percent);
+  Trainer(Engine* engine, const PlacementChange& placement) : engine_(engine) {
+    auto opened = engine->sessions->Open("t", placement);
     EXPECT_TRUE(opened.ok()) << opened.status();
     key_ = opened->key;
+    auto fd = engine->sessions->DupArenaFd(key_);
+    arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> d(-1.f, 1.f);
     for (size_t i = 0; i < kSizes.size(); ++i) {
       auto p = engine->sessions->Register(
           key_, {"p" + std::to_string(i), kSizes[i], DType::kBf16, DType::kFp32});
       EXPECT_TRUE(p.ok()) << p.status();
       parts_.push_back(*p);
-    }
-    auto fd = engine->sessions->DupArenaFd(key_);
-    arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
-    std::mt19937 rng(1);
-    std::uniform_real_distribution<float> d(-1.f, 1.f);
-    for (const PartitionInfo& p : parts_) {
-      auto* w = reinterpret_cast<uint16_t*>(arena_.data() + p.params.offset);
-      for (uint64_t j = 0; j < p.numel; ++j) w[j] = FloatToBf16(d(rng));
+      // Registered partitions are held: write the initial values, release.
+      auto* w = reinterpret_cast<uint16_t*>(arena_.data() + p->params.offset);
+      for (uint64_t j = 0; j < p->numel; ++j) w[j] = FloatToBf16(d(rng));
+      EXPECT_TRUE(engine->sessions->Release(key_, {p->id}).ok());
     }
   }
 
-  // Writes step `step`'s gradients and returns them.
-  void ReturnGradients(int step) {
+  // Writes step `step`'s gradients and returns them, partition by
+  // partition: hold (with the gradient buffer), write, return, release
+  // (except `keep`, which stays held).
+  void ReturnGradients(int step, uint64_t keep = 0) {
     std::mt19937 rng(100 + step);
     std::normal_distribution<float> d(0.f, 0.1f);
     for (const PartitionInfo& p : parts_) {
+      auto held = engine_->sessions->Fetch(key_, {p.id}, WithGrads());
+      ASSERT_TRUE(held.ok()) << held.status();
       auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = d(rng);
       ASSERT_TRUE(engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).ok());
+      if (p.id != keep) {
+        ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
+      }
     }
   }
 
   // Returns the first partition's gradients again; the status code.
   absl::StatusCode ReturnGradientsStatus() {
     const PartitionInfo& p = parts_[0];
-    return engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).code();
+    EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}, WithGrads()).ok());
+    const absl::StatusCode code =
+        engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).code();
+    EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
+    return code;
   }
 
   absl::StatusOr<StepSummary> Step() {
@@ -123,16 +150,22 @@ class Trainer {
     return engine_->sessions->Step(key_, h);
   }
 
-  // The working copies, as bytes.
-  std::string Params() const {
+  // The working copies, as bytes (each held while read; `keep` stays held).
+  std::string Params(uint64_t keep = 0) const {
     std::string out;
     for (const PartitionInfo& p : parts_) {
+      EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}).ok());
       out.append(reinterpret_cast<const char*>(arena_.data() + p.params.offset), p.params.bytes);
+      if (p.id != keep) {
+        EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
+      }
     }
     return out;
   }
 
   const SessionKey& key() const { return key_; }
+  const std::vector<PartitionInfo>& parts() const { return parts_; }
+  const HostMemory& arena() const { return arena_; }
 
  private:
   Engine* engine_;
@@ -147,17 +180,28 @@ uint64_t StateBytes() {
   return total;
 }
 
+// Parameters (bf16), gradients (fp32) and optimizer state.
+uint64_t TotalBytes() {
+  uint64_t total = StateBytes();
+  for (uint64_t n : kSizes) total += n * (2 + 4);
+  return total;
+}
+
+PlacementChange StateAt(int percent) {
+  PlacementChange change;
+  change[DataKind::kOptimizerState] = percent;
+  return change;
+}
+
 std::string TmpDir(const std::string& name) { return std::string(getenv("TEST_TMPDIR")) + "/" + name; }
 
-TEST(OutOfCore, StateOnNvmeTrainsBitForBitLikeStateInMemory) {
+// The case: parameters, gradients and optimizer state all on NVMe,
+// four times the pool.
+TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
   Engine in_memory(TmpDir("a"), 64 << 20);
-  Trainer reference(&in_memory, 100);
-  // The pool holds the arena pages (params and grads) plus a quarter of the
-  // optimizer state.
-  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
-                              RoundUpToPage(kSizes[2] * 4));
-  Engine small(TmpDir("b"), arena + RoundUpToPage(StateBytes() / 4));
-  Trainer out_of_core(&small, 0);
+  Trainer reference(&in_memory, All(100));
+  Engine small(TmpDir("b"), RoundUpToPage(TotalBytes() / 4));
+  Trainer out_of_core(&small, All(0));
   ASSERT_EQ(reference.Params(), out_of_core.Params());
   for (int step = 1; step <= 6; ++step) {
     reference.ReturnGradients(step);
@@ -171,25 +215,121 @@ TEST(OutOfCore, StateOnNvmeTrainsBitForBitLikeStateInMemory) {
     EXPECT_LE(small.pool->used(), small.pool->limit());
   }
   const SwapperStats s = small.swapper->Stats();
-  EXPECT_EQ(s.nvme_home_bytes, StateBytes());
+  EXPECT_EQ(s.nvme_home_bytes, TotalBytes());
   EXPECT_GT(s.swap_outs, 0u);
   EXPECT_GT(s.swap_ins, 0u);
   EXPECT_EQ(s.io_errors, 0u);
-  // Steps after the first follow the learned order: the prefetch is used.
+  // Consumed gradients were dropped, not written back.
+  EXPECT_GT(s.discards, 0u);
+  // Iterations after the first follow the learned order: prefetch is used.
   EXPECT_GT(s.prefetch_used, 0u);
   auto sessions = small.sessions->Sessions();
   ASSERT_EQ(sessions.size(), 1u);
-  EXPECT_EQ(sessions[0].state_nvme_bytes, StateBytes());
-  EXPECT_EQ(sessions[0].state_host_bytes, 0u);
+  EXPECT_EQ(sessions[0].held, 0u);
+  const int state = static_cast<int>(DataKind::kOptimizerState);
+  EXPECT_EQ(sessions[0].nvme_bytes[state], StateBytes());
+  EXPECT_EQ(sessions[0].host_bytes[state], 0u);
+  EXPECT_EQ(sessions[0].nvme_bytes[static_cast<int>(DataKind::kParams)], TotalBytes() / 18 * 2);
+}
+
+// What the trainer holds stays in memory however hard the pool is pressed;
+// what it releases leaves the arena; holding more than the pool can ever
+// hold is RESOURCE_EXHAUSTED with the numbers, and holds nothing.
+TEST(OutOfCore, HeldPartitionsStayAndReleasedOnesLeave) {
+  Engine in_memory(TmpDir("j"), 64 << 20);
+  Trainer reference(&in_memory, All(100));
+  Engine small(TmpDir("k"), RoundUpToPage(TotalBytes() / 4));
+  Trainer t(&small, All(0));
+  const std::string before = reference.Params();
+  ASSERT_EQ(t.Params(), before);
+  const PartitionInfo& held = t.parts()[2];
+  ASSERT_TRUE(small.sessions->Fetch(t.key(), {held.id}).ok());
+  const std::string held_bytes(
+      reinterpret_cast<const char*>(t.arena().data() + held.params.offset), held.params.bytes);
+  // Press the pool: a full step's worth of every other block.
+  for (int step = 1; step <= 2; ++step) {
+    reference.ReturnGradients(step);
+    t.ReturnGradients(step, /*keep=*/held.id);
+    ASSERT_TRUE(reference.Step().ok());
+    ASSERT_TRUE(t.Step().ok());
+    // The held parameters changed only in the step, in place, like the
+    // reference's; they never left (read through the trainer's mapping).
+    EXPECT_EQ(small.swapper->State(PartitionStore::BlockOf(held.id, 0, PartitionStore::kParamsBlock))
+                  .value(),
+              BlockState::kResident);
+  }
+  EXPECT_NE(std::string(reinterpret_cast<const char*>(t.arena().data() + held.params.offset),
+                        held.params.bytes),
+            held_bytes);
+  ASSERT_EQ(t.Params(/*keep=*/held.id), reference.Params());
+  ASSERT_TRUE(small.sessions->Release(t.key(), {held.id}).ok());
+  // Everything released: at most the pool's worth of the arena has pages.
+  small.swapper->WaitIdle();
+  struct stat st;
+  auto fd = small.sessions->DupArenaFd(t.key());
+  ASSERT_EQ(fstat(fd->get(), &st), 0);
+  EXPECT_LE(static_cast<uint64_t>(st.st_blocks) * 512, small.pool->limit());
+  // All three partitions at once need more than the pool.
+  auto all = small.sessions->Fetch(t.key(), {}, WithGrads());
+  EXPECT_EQ(all.status().code(), absl::StatusCode::kResourceExhausted) << all.status();
+  EXPECT_NE(all.status().message().find("held by callers"), std::string::npos) << all.status();
+  EXPECT_EQ(small.sessions->Sessions()[0].held, 0u);
+  EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
+}
+
+// A trainer that dies (its session abandoned) releases what it held: the
+// pool it filled serves the next trainer.
+TEST(OutOfCore, ATrainerThatDiesReleasesWhatItHeld) {
+  Engine small(TmpDir("l"), RoundUpToPage(TotalBytes() / 4));
+  Trainer greedy(&small, All(0));
+  Trainer next(&small, All(0));
+  // `greedy` holds its biggest partition's parameters and gradients.
+  ASSERT_TRUE(small.sessions->Fetch(greedy.key(), {greedy.parts()[0].id}, WithGrads()).ok());
+  const uint64_t pinned = small.swapper->Stats().pinned_bytes;
+  EXPECT_GE(pinned, kSizes[0] * (2 + 4));
+  EXPECT_TRUE(small.sessions->Abandon(greedy.key().id));
+  EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
+  EXPECT_TRUE(small.sessions->Fetch(next.key(), {next.parts()[0].id}, WithGrads()).ok());
+}
+
+// A swap-in that fails (EIO) fails the hold with DATA_LOSS and holds
+// nothing; the NVMe copy is intact, and the next hold reads it.
+TEST(OutOfCore, AFailedSwapInFailsTheFetchAndKeepsTheCopy) {
+  Engine small(TmpDir("m"), RoundUpToPage(TotalBytes() / 4), /*prefetch_depth=*/0);
+  Trainer t(&small, All(0));
+  const std::string before = t.Params();
+  const PartitionInfo& p = t.parts()[0];
+  // Out of the pool's cache: to NVMe.
+  const uint64_t limit = small.pool->limit();
+  small.pool->SetLimit(4096);
+  small.swapper->Trim();
+  small.swapper->WaitIdle();
+  small.pool->SetLimit(limit);
+  ASSERT_EQ(small.swapper->State(PartitionStore::BlockOf(p.id, 0, PartitionStore::kParamsBlock))
+                .value(),
+            BlockState::kOnNvme);
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.error = EIO;
+  small.faults->AddRule(eio);
+  auto failed = small.sessions->Fetch(t.key(), {p.id});
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("'p0'"), std::string::npos) << failed.status();
+  small.faults->ClearRules();
+  EXPECT_EQ(small.sessions->Sessions()[0].held, 0u);
+  EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
+  EXPECT_EQ(t.Params(), before);
 }
 
 TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {
   Engine engine(TmpDir("c"), 64 << 20);
-  Trainer quarter(&engine, 25);
+  Trainer quarter(&engine, StateAt(25));
   auto sessions = engine.sessions->Sessions();
   ASSERT_EQ(sessions.size(), 1u);
-  const double host = static_cast<double>(sessions[0].state_host_bytes);
-  const double total = host + static_cast<double>(sessions[0].state_nvme_bytes);
+  const int state = static_cast<int>(DataKind::kOptimizerState);
+  const double host = static_cast<double>(sessions[0].host_bytes[state]);
+  const double total = host + static_cast<double>(sessions[0].nvme_bytes[state]);
   EXPECT_EQ(total, static_cast<double>(StateBytes()));
   // Whole partitions go one way or the other, never above the share.
   EXPECT_LE(host / total, 0.25);
@@ -198,13 +338,14 @@ TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {
 
 TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
   Engine in_memory(TmpDir("d"), 64 << 20);
-  Trainer reference(&in_memory, 100);
+  Trainer reference(&in_memory, All(100));
   const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
                               RoundUpToPage(kSizes[2] * 4));
   // No prefetch: every read is the step's own, so the failing one is too (a
   // failed prefetch is simply read again by the step).
   Engine small(TmpDir("e"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
-  Trainer out_of_core(&small, 0);
+  // Only the state on NVMe: every read of the step is a state chunk's.
+  Trainer out_of_core(&small, StateAt(0));
   for (int step = 1; step <= 3; ++step) {
     reference.ReturnGradients(step);
     out_of_core.ReturnGradients(step);
@@ -232,16 +373,15 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
   }
 }
 
-// Moving a session's state between the tiers while it trains, both ways,
-// returns at once and loses nothing: training stays bit-for-bit that of
-// state kept in memory throughout.
-TEST(OutOfCore, LivePlacementChangesMoveStateAndKeepTrainingExact) {
+// Moving a session's data between the tiers while it trains, both ways,
+// returns at once and loses nothing: every partition's bytes are the same
+// before and after, and training stays bit-for-bit that of data kept in
+// memory throughout.
+TEST(OutOfCore, LivePlacementChangesMoveDataAndKeepTrainingExact) {
   Engine in_memory(TmpDir("f"), 64 << 20);
-  Trainer reference(&in_memory, 100);
+  Trainer reference(&in_memory, All(100));
   Engine engine(TmpDir("g"), 64 << 20);
-  Trainer moved(&engine, 100);
-  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
-                              RoundUpToPage(kSizes[2] * 4));
+  Trainer moved(&engine, All(100));
   auto step_both = [&](int step) {
     reference.ReturnGradients(step);
     moved.ReturnGradients(step);
@@ -252,26 +392,37 @@ TEST(OutOfCore, LivePlacementChangesMoveStateAndKeepTrainingExact) {
   };
   step_both(1);
   step_both(2);
-  // To NVMe, then shrink the pool so that the state must leave memory.
-  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), 0).ok());
-  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, StateBytes());
-  engine.pool->SetLimit(arena + RoundUpToPage(StateBytes() / 4));
+  // To NVMe, then shrink the pool so that the data must leave memory.
+  const std::string before = moved.Params();
+  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), All(0)).ok());
+  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, TotalBytes());
+  engine.pool->SetLimit(RoundUpToPage(TotalBytes() / 4));
   engine.swapper->Trim();
   engine.swapper->WaitIdle();
   EXPECT_LE(engine.pool->used(), engine.pool->limit());
   EXPECT_GT(engine.swapper->Stats().swap_outs, 0u);
+  EXPECT_EQ(moved.Params(), before);
   step_both(3);
   step_both(4);
   EXPECT_GT(engine.swapper->Stats().swap_outs, 0u);
   // Back to the host: the swapper reads it all in, in the background.
   engine.pool->SetLimit(64 << 20);
-  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), 100).ok());
+  const std::string on_nvme = moved.Params();
+  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), All(100)).ok());
   engine.swapper->WaitIdle();
   const SwapperStats s = engine.swapper->Stats();
-  EXPECT_EQ(s.host_home_bytes, StateBytes());
-  EXPECT_EQ(s.resident_bytes, StateBytes());  // every chunk is in memory again
+  EXPECT_EQ(s.host_home_bytes, TotalBytes());
+  EXPECT_EQ(s.resident_bytes, TotalBytes());  // every chunk is in memory again
+  EXPECT_EQ(moved.Params(), on_nvme);
   step_both(5);
-  EXPECT_EQ(engine.sessions->SetPlacement(moved.key(), 101).code(),
+  // One kind at a time, and a bad value changes nothing.
+  PlacementChange grads_only;
+  grads_only[DataKind::kGrads] = 0;
+  ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), grads_only).ok());
+  EXPECT_EQ(engine.sessions->Sessions()[0].nvme_bytes[static_cast<int>(DataKind::kGrads)],
+            TotalBytes() / 18 * 4);
+  step_both(6);
+  EXPECT_EQ(engine.sessions->SetPlacement(moved.key(), StateAt(101)).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -280,11 +431,9 @@ TEST(OutOfCore, LivePlacementChangesMoveStateAndKeepTrainingExact) {
 // state in memory (their traces are separate; eviction weighs both).
 TEST(OutOfCore, TwoSessionsShareASmallPool) {
   Engine in_memory(TmpDir("h"), 64 << 20);
-  Trainer ref_a(&in_memory, 100), ref_b(&in_memory, 100);
-  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
-                              RoundUpToPage(kSizes[2] * 4));
-  Engine shared(TmpDir("i"), 2 * arena + RoundUpToPage(StateBytes() / 2));
-  Trainer a(&shared, 0), b(&shared, 0);
+  Trainer ref_a(&in_memory, All(100)), ref_b(&in_memory, All(100));
+  Engine shared(TmpDir("i"), RoundUpToPage(2 * TotalBytes() / 4));
+  Trainer a(&shared, All(0)), b(&shared, All(0));
   for (int step = 1; step <= 5; ++step) {
     for (Trainer* t : {&ref_a, &ref_b, &a, &b}) t->ReturnGradients(step);
     ASSERT_TRUE(ref_a.Step().ok());
@@ -306,10 +455,13 @@ TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
   Stats stats;
-  PartitionStore store(Env::Default(), swapper.get(), &stats, 1 << 20, 100, kChunkElems);
-  EXPECT_EQ(store.CreateSet(1, 50).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(store.CreateSet(1, 101).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(store.CreateSet(1, 100).ok());
+  PartitionStore store(Env::Default(), swapper.get(), &stats, 1 << 20, Placement{}, kChunkElems);
+  EXPECT_EQ(store.CreateSet(1, StateAt(50)).status().code(), absl::StatusCode::kFailedPrecondition);
+  PlacementChange params;
+  params[DataKind::kParams] = 0;
+  EXPECT_EQ(store.CreateSet(1, params).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store.CreateSet(1, StateAt(101)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store.CreateSet(1, StateAt(100)).ok());
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "engine/partition_store.h"
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -10,29 +11,70 @@
 namespace offload {
 namespace {
 
-constexpr int kStateKinds = 3;  // master, exp_avg, exp_avg_sq
-
-// Where a partition whose state is `add` bytes goes, given `host` of `total`
-// state bytes before it on the host: there while the host share stays at or
-// under `percent` (registration and placement changes alike).
+// Where a partition whose data of a kind is `add` bytes goes, given `host`
+// of `total` bytes of that kind before it on the host: there while the host
+// share stays at or under `percent` (registration and placement changes
+// alike).
 Tier HomeFor(uint64_t host, uint64_t total, uint64_t add, int percent) {
   return (host + add) * 100 <= static_cast<uint64_t>(percent) * (total + add) ? Tier::kHost
                                                                               : Tier::kNvme;
 }
 
+constexpr DataKind kKinds[kDataKinds] = {DataKind::kParams, DataKind::kGrads,
+                                         DataKind::kOptimizerState};
+
+// The data kind a block kind belongs to.
+DataKind KindOfBlock(int block_kind) {
+  switch (block_kind) {
+    case PartitionStore::kParamsBlock:
+      return DataKind::kParams;
+    case PartitionStore::kGradsBlock:
+      return DataKind::kGrads;
+    default:
+      return DataKind::kOptimizerState;
+  }
+}
+
 }  // namespace
+
+const char* DataKindName(DataKind kind) {
+  switch (kind) {
+    case DataKind::kParams:
+      return "params";
+    case DataKind::kGrads:
+      return "grads";
+    case DataKind::kOptimizerState:
+      return "optimizer_state";
+  }
+  return "?";
+}
 
 struct PartitionSet::Partition {
   PartitionInfo info;
-  PoolCharge arena_charge;  // its params and grads pages in the arena
-  HostMemory region;        // those pages mapped: params, then grads
+  HostMemory region;  // its params and grads in the arena, mapped
   std::byte* params = nullptr;
   std::byte* grads = nullptr;
-  Tier state_home = Tier::kHost;
+  Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   bool master_initialized = false;
   bool grads_ready = false;
   bool in_step = false;
   uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
+  // The trainer's holds: every chunk pinned, or none.
+  std::vector<Swapper::Pin> param_pins, grad_pins;
+
+  // Bytes of `kind` the partition has (placement counts these).
+  uint64_t Bytes(DataKind kind) const {
+    switch (kind) {
+      case DataKind::kParams:
+        return info.numel * DTypeSize(info.param_dtype);
+      case DataKind::kGrads:
+        return info.numel * DTypeSize(info.grad_dtype);
+      case DataKind::kOptimizerState:
+        return 3 * info.numel * sizeof(float);
+    }
+    return 0;
+  }
+  bool held() const { return !param_pins.empty() || !grad_pins.empty(); }
 };
 
 absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty) {
@@ -51,10 +93,12 @@ absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_
 }
 
 PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                               int state_host_percent, uint64_t state_chunk_elems)
+                               const Placement& placement, uint64_t state_chunk_elems)
     : env_(env), swapper_(swapper), stats_(stats),
-      state_chunk_elems_(std::max<uint64_t>(state_chunk_elems, 1024)), arena_capacity_(0),
-      state_host_percent_(state_host_percent) {
+      state_chunk_elems_(std::max(state_chunk_elems / kChunkQuantum * kChunkQuantum,
+                                  kChunkQuantum)),
+      arena_capacity_(0) {
+  for (DataKind k : kKinds) SetDefaultPlacement(k, placement[k]);
   SetArenaCapacity(arena_capacity);
 }
 
@@ -63,69 +107,83 @@ void PartitionStore::SetArenaCapacity(uint64_t bytes) {
                         std::memory_order_relaxed);
 }
 
-absl::Status PartitionStore::CheckPlacement(int percent, bool has_nvme) {
+absl::Status PartitionStore::CheckPlacement(DataKind kind, int percent, bool has_nvme) {
   if (percent < 0 || percent > 100) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "optimizer state placement must keep 0 to 100 percent on the host, got ", percent));
+    return absl::InvalidArgumentError(absl::StrCat(DataKindName(kind),
+                                                   " placement must keep 0 to 100 percent on "
+                                                   "the host, got ",
+                                                   percent));
   }
   if (percent < 100 && !has_nvme) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "optimizer state cannot be placed on NVMe (", 100 - percent,
+        DataKindName(kind), " cannot be placed on NVMe (", 100 - percent,
         "% asked for): this offloadd has no NVMe tier (set nvme.dirs)"));
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
-    uint64_t session_id, std::optional<int> state_host_percent) {
-  const int percent = state_host_percent.value_or(state_host_percent_.load());
-  RETURN_IF_ERROR(CheckPlacement(percent, swapper_->has_nvme()));
+    uint64_t session_id, const PlacementChange& change) {
+  Placement placement;
+  for (DataKind k : kKinds) {
+    placement[k] = change[k].value_or(default_percent_[static_cast<int>(k)].load());
+    RETURN_IF_ERROR(CheckPlacement(k, placement[k], swapper_->has_nvme()));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
-  return std::unique_ptr<PartitionSet>(
-      new PartitionSet(session_id, std::move(arena), swapper_, stats_, percent,
-                       state_chunk_elems_));
+  return std::unique_ptr<PartitionSet>(new PartitionSet(session_id, std::move(arena), swapper_,
+                                                        stats_, placement, state_chunk_elems_));
 }
 
 PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
-                           Swapper* swapper, Stats* stats, int state_host_percent,
+                           Swapper* swapper, Stats* stats, const Placement& placement,
                            uint64_t state_chunk_elems)
     : session_id_(session_id), arena_(std::move(arena)), swapper_(swapper), stats_(stats),
-      state_chunk_elems_(state_chunk_elems), state_host_percent_(state_host_percent) {}
+      state_chunk_elems_(state_chunk_elems), placement_(placement) {}
 
-absl::Status PartitionSet::SetStateHostPercent(int percent) {
-  RETURN_IF_ERROR(PartitionStore::CheckPlacement(percent, swapper_->has_nvme()));
+absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
+  for (DataKind k : kKinds) {
+    if (change[k].has_value()) {
+      RETURN_IF_ERROR(PartitionStore::CheckPlacement(k, *change[k], swapper_->has_nvme()));
+    }
+  }
   // Until every block has its new home: a second change, or a registration,
   // sees this one whole.
   absl::MutexLock placing(&placement_mu_);
   struct Move {
     uint64_t id;
     uint64_t chunks;
+    DataKind kind;
     Tier home;
   };
   std::vector<Move> moves;
   {
     absl::MutexLock lock(&mu_);
-    state_host_percent_ = percent;
-    uint64_t host = 0, total = 0;
-    for (auto& [id, p] : partitions_) {
-      const uint64_t add = kStateKinds * p->info.numel * sizeof(float);
-      const Tier home = HomeFor(host, total, add, percent);
-      total += add;
-      if (home == Tier::kHost) host += add;
-      if (home != p->state_home) {
-        p->state_home = home;
-        moves.push_back({id, ChunksOf(p->info.numel), home});
+    for (DataKind k : kKinds) {
+      if (!change[k].has_value()) continue;
+      const int kind = static_cast<int>(k);
+      placement_[k] = *change[k];
+      uint64_t host = 0, total = 0;
+      for (auto& [id, p] : partitions_) {
+        const uint64_t add = p->Bytes(k);
+        const Tier home = HomeFor(host, total, add, placement_[k]);
+        total += add;
+        if (home == Tier::kHost) host += add;
+        if (home != p->home[kind]) {
+          p->home[kind] = home;
+          moves.push_back({id, ChunksOf(p->info.numel), k, home});
+        }
       }
+      bytes_[kind][static_cast<int>(Tier::kHost)] = host;
+      bytes_[kind][static_cast<int>(Tier::kNvme)] = total - host;
     }
-    state_bytes_[static_cast<int>(Tier::kHost)] = host;
-    state_bytes_[static_cast<int>(Tier::kNvme)] = total - host;
   }
   // Outside the set's lock; each call returns at once.
   for (const Move& m : moves) {
     for (uint64_t c = 0; c < m.chunks; ++c) {
-      for (int k = 0; k < kStateKinds; ++k) {
-        RETURN_IF_ERROR(swapper_->SetHome(PartitionStore::StateBlock(m.id, c, k), m.home));
+      for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+        if (KindOfBlock(b) != m.kind) continue;
+        RETURN_IF_ERROR(swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home));
       }
     }
   }
@@ -133,18 +191,28 @@ absl::Status PartitionSet::SetStateHostPercent(int percent) {
 }
 
 PartitionSet::~PartitionSet() {
-  // No call can be in flight: the last reference is going. The swapper is
-  // called without the set's lock, as everywhere.
+  // No call can be in flight: the last reference is going. The trainer's
+  // holds go first (an external block is removed only unpinned), then every
+  // block, before the partitions' mappings go with partitions_. The
+  // swapper is called without the set's lock, as everywhere.
+  std::vector<Swapper::Pin> holds;
   std::vector<std::pair<uint64_t, uint64_t>> chunks;  // partition, chunks
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, p] : partitions_) {
       chunks.emplace_back(id, ChunksOf(p->info.numel));
+      for (auto* pins : {&p->param_pins, &p->grad_pins}) {
+        std::move(pins->begin(), pins->end(), std::back_inserter(holds));
+        pins->clear();
+      }
     }
   }
+  holds.clear();
   for (const auto& [id, n] : chunks) {
     for (uint64_t c = 0; c < n; ++c) {
-      for (int k = 0; k < kStateKinds; ++k) swapper_->Remove(PartitionStore::StateBlock(id, c, k));
+      for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+        swapper_->Remove(PartitionStore::BlockOf(id, c, b));
+      }
     }
   }
 }
@@ -153,15 +221,16 @@ uint64_t PartitionSet::ChunksOf(uint64_t numel) const {
   return (numel + state_chunk_elems_ - 1) / state_chunk_elems_;
 }
 
-uint64_t PartitionSet::StateChunks(uint64_t id) const {
-  absl::MutexLock lock(&mu_);
-  Partition* p = Find(id);
-  return p == nullptr ? 0 : ChunksOf(p->info.numel);
-}
-
 size_t PartitionSet::partitions() const {
   absl::MutexLock lock(&mu_);
   return partitions_.size();
+}
+
+size_t PartitionSet::held() const {
+  absl::MutexLock lock(&mu_);
+  size_t n = 0;
+  for (const auto& [id, p] : partitions_) n += p->held() ? 1 : 0;
+  return n;
 }
 
 uint64_t PartitionSet::steps() const {
@@ -169,9 +238,9 @@ uint64_t PartitionSet::steps() const {
   return steps_;
 }
 
-uint64_t PartitionSet::state_bytes(Tier home) const {
+uint64_t PartitionSet::bytes(DataKind kind, Tier home) const {
   absl::MutexLock lock(&mu_);
-  return state_bytes_[static_cast<int>(home)];
+  return bytes_[static_cast<int>(kind)][static_cast<int>(home)];
 }
 
 void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions) {
@@ -200,6 +269,32 @@ absl::StatusOr<PartitionSet::Partition*> PartitionSet::FindOrNotFound(uint64_t i
   return absl::NotFoundError(absl::StrCat("partition ", id, " is not registered"));
 }
 
+absl::StatusOr<Swapper::Pin> PartitionSet::PinBlock(uint64_t id, uint64_t chunk, int block_kind,
+                                                    bool for_write) {
+  return swapper_->Acquire(PartitionStore::BlockOf(id, chunk, block_kind), for_write);
+}
+
+absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p, bool grads,
+                                                             bool for_write) {
+  // info.id and info.numel never change after registration.
+  const uint64_t chunks = ChunksOf(p.info.numel);
+  std::vector<Swapper::Pin> pins;
+  pins.reserve(chunks);
+  for (uint64_t c = 0; c < chunks; ++c) {
+    absl::StatusOr<Swapper::Pin> pin =
+        PinBlock(p.info.id, c, grads ? PartitionStore::kGradsBlock : PartitionStore::kParamsBlock,
+                 for_write);
+    if (!pin.ok()) {
+      return absl::Status(pin.status().code(),
+                          absl::StrCat("holding the ", grads ? "gradient buffer" : "parameters",
+                                       " of partition ", p.info.id, " ('", p.info.name,
+                                       "'): ", pin.status().message()));
+    }
+    pins.push_back(*std::move(pin));
+  }
+  return pins;
+}
+
 absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const PartitionSpec& spec) {
   // The name first: the messages below quote it.
   RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
@@ -207,14 +302,17 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "' numel ",
                                                    spec.numel, " must be in [1, 2^40]"));
   }
-  const uint64_t param_bytes = spec.numel * DTypeSize(spec.param_dtype);
-  const uint64_t grad_bytes = spec.numel * DTypeSize(spec.grad_dtype);
-  const uint64_t state_bytes = spec.numel * sizeof(float);  // per kind
   const std::string what = absl::StrCat("partition '", spec.name, "' of session ", session_id_);
+  auto partition = std::make_unique<Partition>();
+  PartitionInfo& info = partition->info;
+  info.id = id;
+  info.name = spec.name;
+  info.numel = spec.numel;
+  info.param_dtype = spec.param_dtype;
+  info.grad_dtype = spec.grad_dtype;
   // Registrations and placement changes of this set, one at a time (see
-  // SetStateHostPercent); held while the swapper makes room.
+  // SetPlacement); held while the swapper makes room.
   absl::MutexLock placing(&placement_mu_);
-  Tier home;
   {
     absl::MutexLock lock(&mu_);
     if (names_.contains(spec.name)) {
@@ -223,84 +321,155 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     }
     // Claimed now; given back below if the registration fails.
     names_.insert(spec.name);
-    const uint64_t host = state_bytes_[0], total = state_bytes_[0] + state_bytes_[1];
-    const uint64_t add = kStateKinds * state_bytes;
-    home = HomeFor(host, total, add, state_host_percent_);
+    for (DataKind k : kKinds) {
+      const int kind = static_cast<int>(k);
+      partition->home[kind] = HomeFor(bytes_[kind][0], bytes_[kind][0] + bytes_[kind][1],
+                                      partition->Bytes(k), placement_[k]);
+    }
   }
   // Outside the set's lock: making room may wait for write-outs.
-  auto partition = std::make_unique<Partition>();
-  partition->state_home = home;
-  std::vector<uint64_t> added;  // state blocks, to remove if a later step fails
+  std::vector<uint64_t> added;  // blocks, to remove if a later step fails
   absl::Status status = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(partition->arena_charge,
-                     swapper_->ReserveHost(ShmArena::RoundedSize(param_bytes) +
-                                               ShmArena::RoundedSize(grad_bytes),
-                                           what));
+    const uint64_t param_bytes = partition->Bytes(DataKind::kParams);
+    const uint64_t grad_bytes = partition->Bytes(DataKind::kGrads);
     // One allocation, so that params and grads are adjacent and one mapping
     // (of just this partition: no address space for the rest) covers both.
     const uint64_t grads_at = ShmArena::RoundedSize(param_bytes);
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(grads_at + grad_bytes));
-    const uint64_t grads_off = params_off + grads_at;
+    info.params = {params_off, param_bytes};
+    info.grads = {params_off + grads_at, grad_bytes};
     ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, grads_at + grad_bytes));
     partition->params = partition->region.data();
     partition->grads = partition->region.data() + grads_at;
+    const Tier* home = partition->home;
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
       const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
-      for (int k = 0; k < kStateKinds; ++k) {
-        const uint64_t block = PartitionStore::StateBlock(id, c, k);
-        absl::Status s = swapper_->Add(block, elems * sizeof(float), home, session_id_);
+      for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+        const uint64_t block = PartitionStore::BlockOf(id, c, b);
+        const Tier where = home[static_cast<int>(KindOfBlock(b))];
+        absl::Status s;
+        if (b == PartitionStore::kParamsBlock) {
+          const uint64_t size = DTypeSize(spec.param_dtype);
+          s = swapper_->AddExternal(block, partition->params + begin * size, elems * size, where,
+                                    session_id_);
+        } else if (b == PartitionStore::kGradsBlock) {
+          const uint64_t size = DTypeSize(spec.grad_dtype);
+          s = swapper_->AddExternal(block, partition->grads + begin * size, elems * size, where,
+                                    session_id_);
+        } else {
+          s = swapper_->Add(block, elems * sizeof(float), where, session_id_);
+        }
         if (!s.ok()) {
-          return absl::Status(
-              s.code(), absl::StrCat("allocating optimizer state of ", what, ": ", s.message()));
+          return absl::Status(s.code(), absl::StrCat("allocating ", what, ": ", s.message()));
         }
         added.push_back(block);
       }
     }
-    PartitionInfo& info = partition->info;
-    info.id = id;
-    info.name = spec.name;
-    info.numel = spec.numel;
-    info.param_dtype = spec.param_dtype;
-    info.grad_dtype = spec.grad_dtype;
-    info.params = {params_off, param_bytes};
-    info.grads = {grads_off, grad_bytes};
+    // Held for the trainer to write the initial values.
+    ASSIGN_OR_RETURN(partition->param_pins,
+                     Hold(*partition, /*grads=*/false, /*for_write=*/true));
     return absl::OkStatus();
   }();
   if (!status.ok()) {
-    // The arena charge and mapping go with `partition`; arena space already
-    // handed out stays unused (the arena only grows).
+    // Unpinned before the blocks go; arena space already handed out stays
+    // unused (the arena only grows), its pages freed with the blocks.
+    partition->param_pins.clear();
     for (uint64_t block : added) swapper_->Remove(block);
     absl::MutexLock lock(&mu_);
     names_.erase(spec.name);
     return status;
   }
   absl::MutexLock lock(&mu_);
-  state_bytes_[static_cast<int>(home)] += kStateKinds * state_bytes;
-  PartitionInfo info = partition->info;
-  partitions_[id] = std::move(partition);
-  return info;
-}
-
-absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const uint64_t> ids) {
-  absl::MutexLock lock(&mu_);
-  std::vector<Partition*> wanted;
-  if (ids.empty()) {
-    for (const auto& [id, p] : partitions_) wanted.push_back(p.get());
-  } else {
-    for (uint64_t id : ids) {
-      ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
-      wanted.push_back(p);
-    }
+  for (DataKind k : kKinds) {
+    const int kind = static_cast<int>(k);
+    bytes_[kind][static_cast<int>(partition->home[kind])] += partition->Bytes(k);
   }
-  // Parameters being updated are not handed out half-written.
-  AwaitOutOfStep(wanted);
-  std::vector<PartitionInfo> out;
-  out.reserve(wanted.size());
-  for (const Partition* p : wanted) out.push_back(p->info);
+  PartitionInfo out = partition->info;
+  partitions_[id] = std::move(partition);
   return out;
 }
 
+absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const uint64_t> ids,
+                                                               FetchMode mode) {
+  std::vector<Partition*> wanted;
+  {
+    absl::MutexLock lock(&mu_);
+    if (ids.empty()) {
+      for (const auto& [id, p] : partitions_) wanted.push_back(p.get());
+    } else {
+      for (uint64_t id : ids) {
+        ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+        wanted.push_back(p);
+      }
+    }
+  }
+  // Outside the lock: swap-ins take time. Pins taken here that turn out not
+  // to be needed (held meanwhile) are dropped when `spare` goes, also
+  // outside the lock.
+  struct Taken {
+    std::vector<Swapper::Pin> params, grads;
+  };
+  std::vector<Taken> taken(wanted.size());
+  std::vector<Swapper::Pin> spare;
+  for (size_t i = 0; i < wanted.size(); ++i) {
+    ASSIGN_OR_RETURN(taken[i].params, Hold(*wanted[i], /*grads=*/false, mode.writable));
+    if (mode.grads) {
+      ASSIGN_OR_RETURN(taken[i].grads, Hold(*wanted[i], /*grads=*/true, /*for_write=*/true));
+    }
+  }
+  std::vector<PartitionInfo> out;
+  out.reserve(wanted.size());
+  {
+    absl::MutexLock lock(&mu_);
+    // Parameters being updated are not handed out half-written.
+    AwaitOutOfStep(wanted);
+    for (size_t i = 0; i < wanted.size(); ++i) {
+      Partition* p = wanted[i];
+      for (auto [have, got] : {std::pair{&p->param_pins, &taken[i].params},
+                               std::pair{&p->grad_pins, &taken[i].grads}}) {
+        if (got->empty()) continue;
+        if (have->empty()) {
+          *have = std::move(*got);
+        } else {
+          std::move(got->begin(), got->end(), std::back_inserter(spare));
+        }
+      }
+      out.push_back(p->info);
+    }
+  }
+  return out;
+}
+
+absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
+  std::vector<Swapper::Pin> released;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<Partition*> which;
+    if (ids.empty()) {
+      for (const auto& [id, p] : partitions_) {
+        if (p->held()) which.push_back(p.get());
+      }
+    }
+    for (uint64_t id : ids) {
+      ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+      if (!p->held()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "partition ", id, " ('", p->info.name, "') is not held; nothing was released"));
+      }
+      which.push_back(p);
+    }
+    for (Partition* p : which) {
+      for (auto* pins : {&p->param_pins, &p->grad_pins}) {
+        std::move(pins->begin(), pins->end(), std::back_inserter(released));
+        pins->clear();
+      }
+    }
+  }
+  return absl::OkStatus();  // `released` unpins here, outside the lock
+}
+
 absl::Status PartitionSet::ReturnGradients(uint64_t id, uint64_t numel, DType grad_dtype) {
+  std::vector<Swapper::Pin> handed_back;
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
   if (numel != p->info.numel) {
@@ -323,7 +492,16 @@ absl::Status PartitionSet::ReturnGradients(uint64_t id, uint64_t numel, DType gr
         "partition ", id, " ('", p->info.name, "') is in a step that stopped midway; call Step "
         "again (with the gradients as they were) before returning new ones"));
   }
+  if (p->grad_pins.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", id, " ('", p->info.name, "'): its gradient buffer is not held; fetch it "
+        "with grads before writing gradients into it"));
+  }
   p->grads_ready = true;
+  // Unpinned outside the lock: `handed_back` is declared before `lock`, so
+  // it is destroyed after the lock is released.
+  handed_back = std::move(p->grad_pins);
+  p->grad_pins.clear();
   return absl::OkStatus();
 }
 
@@ -337,12 +515,11 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
     StepItem item;
     item.id = id;
     item.init_master = !p->master_initialized;
-    item.task.span.grads = p->grads;
     item.task.span.grad_dtype = p->info.grad_dtype;
-    item.task.span.working = p->params;
     item.task.span.working_dtype = p->info.param_dtype;
     item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;
+    item.chunks = ChunksOf(p->info.numel);
     item.first_chunk = p->resume_chunk;
     items.push_back(item);
   }
@@ -354,25 +531,35 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
   return items;
 }
 
-absl::StatusOr<StatePins> PartitionSet::PinState(uint64_t id, uint64_t chunk) {
+absl::StatusOr<ChunkPins> PartitionSet::PinChunk(uint64_t id, uint64_t chunk) {
   uint64_t numel;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
     numel = p->info.numel;
   }
-  StatePins pins;
+  ChunkPins pins;
   pins.begin = chunk * state_chunk_elems_;
   if (pins.begin >= numel) {
-    return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no state chunk ", chunk));
+    return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no chunk ", chunk));
   }
   pins.end = std::min(numel, pins.begin + state_chunk_elems_);
-  Swapper::Pin* out[kStateKinds] = {&pins.master, &pins.exp_avg, &pins.exp_avg_sq};
-  for (int k = 0; k < kStateKinds; ++k) {
-    ASSIGN_OR_RETURN(*out[k], swapper_->Acquire(PartitionStore::StateBlock(id, chunk, k),
-                                                /*for_write=*/true));
+  Swapper::Pin* out[] = {&pins.master, &pins.exp_avg, &pins.exp_avg_sq, &pins.params,
+                         &pins.grads};
+  for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+    ASSIGN_OR_RETURN(*out[b], PinBlock(id, chunk, b, /*for_write=*/b != PartitionStore::kGradsBlock));
   }
   return pins;
+}
+
+absl::StatusOr<Swapper::Pin> PartitionSet::PinGrads(uint64_t id, uint64_t chunk) {
+  return PinBlock(id, chunk, PartitionStore::kGradsBlock, /*for_write=*/false);
+}
+
+void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
+  // Pinned (the trainer holds the buffer): its bytes stay, as they must.
+  swapper_->Discard(PartitionStore::BlockOf(id, chunk, PartitionStore::kGradsBlock))
+      .IgnoreError();
 }
 
 void PartitionSet::EndStep(absl::Span<const StepItem> items,
@@ -400,8 +587,14 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
     stepping_ = false;
     step_ended_.SignalAll();
   }
-  // One iteration of this session's state accesses ends here: the swapper
-  // learns their order and prefetches the next step's first partitions.
+  // Gradients a skipped step consumed are dead too (an applied step
+  // dropped its own chunk by chunk).
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (outcomes[i].outcome != StepOutcome::kSkipped) continue;
+    for (uint64_t c = 0; c < items[i].chunks; ++c) ConsumeGrads(items[i].id, c);
+  }
+  // One iteration of this session's accesses ends here: the swapper learns
+  // their order and prefetches the next iteration's first blocks.
   swapper_->EndIteration(session_id_);
 }
 

@@ -2,21 +2,34 @@
 //
 // For each session it keeps a PartitionSet: the session's shared arena
 // (shm_arena.h), out of which each partition's working parameters and
-// gradient buffer are carved (the trainer maps it), and each partition's
-// daemon-private fp32 master weights and Adam moments: three blocks in the
-// swapper (swapper/swapper.h), which keeps them in the node's host pool or
-// on NVMe. Every byte of host memory is charged to the one host pool (the
-// arena's pages through Swapper::ReserveHost, which evicts cached state to
-// make room) and given back when the set is destroyed.
+// gradient buffer are carved (the trainer maps them), and each partition's
+// daemon-private fp32 master weights and Adam moments. Every kind of data of
+// every partition is cut into chunks of at most `state_chunk_elems`
+// elements, and every chunk is one block of the swapper (swapper/swapper.h):
+// parameters and gradients as external blocks over the arena's pages, the
+// optimizer state as blocks the swapper allocates. The swapper keeps each
+// in the node's one host pool or on NVMe, so that whatever the sessions'
+// sizes, offloadd's memory stays within the pool; a step streams pieces
+// much smaller than the pool (Adam is elementwise: updating chunk by chunk
+// is bit-identical).
 //
-// Placement of optimizer state: a session keeps `state_host_percent` of its
-// optimizer-state bytes homed on the host (always resident), the rest on
-// NVMe (brought in for the step, written back after it). A partition's state
-// goes to the host while that keeps the host share at or under the
-// percentage, in registration order. Each kind of state is cut into chunks
-// of at most `state_chunk_elems` elements, one swapper block each, so that a
-// step streams pieces much smaller than the pool, whatever the partitions'
-// sizes (Adam is elementwise: updating chunk by chunk is bit-identical).
+// Placement: per kind (parameters, gradients, optimizer state) a session
+// keeps a percentage of its bytes homed on the host (always resident), the
+// rest on NVMe (cached in the pool while in use). A partition's data of a
+// kind goes to the host while that keeps the kind's host share at or under
+// the percentage, in registration order; a change re-homes partitions the
+// same way and the swapper moves them in the background.
+//
+// Residency contract with the trainer: a partition's parameters are in the
+// arena, readable at the offsets PartitionInfo names, only while the
+// trainer holds them. Register and Fetch hold them (Fetch with `grads` also
+// holds the gradient buffer, for writing); Release lets them go;
+// ReturnGradients hands the gradient buffer back. Held data is never
+// evicted; released data may be, and its pages then leave the arena (they
+// read as zeros in the trainer's mapping) until the next hold brings them
+// back. Parameters change only in a step (or through a `writable` hold).
+// After a step consumed them, gradient buffers read as zeros (their bytes
+// are dropped, not written anywhere). A session that ends releases all.
 //
 // Partition life cycle (per partition, under its set's lock):
 //   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a
@@ -28,15 +41,19 @@
 // Errors: NOT_FOUND for a partition this set does not hold,
 // INVALID_ARGUMENT for malformed specs and gradients that do not match the
 // registration, ALREADY_EXISTS for a duplicate name, FAILED_PRECONDITION for
-// a step with no gradients, RESOURCE_EXHAUSTED for the budget or the arena.
-// A failed call changes nothing and holds no budget.
+// a step with no gradients or gradients returned without holding the
+// buffer, RESOURCE_EXHAUSTED when the pool cannot hold what is asked to be
+// held at once (with the numbers), DATA_LOSS when a swap-in fails its
+// checksum or reads an I/O error. A failed call changes nothing and holds
+// nothing.
 //
 // Thread-safety: all methods are safe from any thread. Lock order: a set's
 // lock (mu_) is a leaf; no other engine lock, nor the swapper's, is taken
-// while it is held (calls into the swapper happen outside it), and it is
-// never taken while another engine lock is held (ABSL_LOCKS_EXCLUDED
-// below). Register and SetStateHostPercent hold the set's placement_mu_
-// (before mu_) across their swapper calls, so they see each other whole.
+// while it is held (calls into the swapper happen outside it, and pins are
+// dropped outside it), and it is never taken while another engine lock is
+// held (ABSL_LOCKS_EXCLUDED below). Register and SetPlacement hold the
+// set's placement_mu_ (before mu_) across their swapper calls, so they see
+// each other whole.
 #ifndef OFFLOADD_ENGINE_PARTITION_STORE_H_
 #define OFFLOADD_ENGINE_PARTITION_STORE_H_
 
@@ -64,6 +81,36 @@
 
 namespace offload {
 
+// The kinds of a partition's data that are placed independently.
+enum class DataKind { kParams = 0, kGrads = 1, kOptimizerState = 2 };
+inline constexpr int kDataKinds = 3;
+const char* DataKindName(DataKind kind);
+
+// Percentages of a session's bytes of each kind homed on the host.
+struct Placement {
+  int host_percent[kDataKinds] = {100, 100, 100};
+  int& operator[](DataKind k) { return host_percent[static_cast<int>(k)]; }
+  int operator[](DataKind k) const { return host_percent[static_cast<int>(k)]; }
+};
+
+// A change of some kinds' placement; unset kinds keep theirs.
+struct PlacementChange {
+  std::optional<int> host_percent[kDataKinds];
+  std::optional<int>& operator[](DataKind k) { return host_percent[static_cast<int>(k)]; }
+  const std::optional<int>& operator[](DataKind k) const {
+    return host_percent[static_cast<int>(k)];
+  }
+};
+
+// How Fetch holds partitions.
+struct FetchMode {
+  // Also hold the gradient buffers, to write gradients into.
+  bool grads = false;
+  // The trainer will change the parameters (loading a checkpoint): they are
+  // written back when evicted. Otherwise they are read-only until a step.
+  bool writable = false;
+};
+
 struct PartitionSpec {
   std::string name;
   uint64_t numel = 0;
@@ -88,11 +135,11 @@ struct PartitionInfo {
 };
 
 // One partition of a step, as BeginStep hands it to the step runner. The
-// task's gradient and working-copy pointers are set; the optimizer-state
-// pointers come from PinState.
+// task's dtypes and step are set; the pointers come from PinChunk.
 struct StepItem {
   uint64_t id = 0;
   AdamTask task;
+  uint64_t chunks = 0;
   // The master copy has never been written: initialise it from the working
   // copy before the update.
   bool init_master = false;
@@ -101,11 +148,11 @@ struct StepItem {
   uint64_t first_chunk = 0;
 };
 
-// One chunk of a partition's optimizer state, pinned in host memory for one
-// update: elements [begin, end) of the partition.
-struct StatePins {
+// One chunk of a partition, everything its update touches pinned in host
+// memory: elements [begin, end) of the partition.
+struct ChunkPins {
   uint64_t begin = 0, end = 0;
-  Swapper::Pin master, exp_avg, exp_avg_sq;
+  Swapper::Pin master, exp_avg, exp_avg_sq, params, grads;
 };
 
 enum class StepOutcome {
@@ -134,14 +181,23 @@ class PartitionSet {
   PartitionSet(const PartitionSet&) = delete;
   PartitionSet& operator=(const PartitionSet&) = delete;
 
-  // Registers partition `id` (chosen by the caller, unique daemon-wide).
+  // Registers partition `id` (chosen by the caller, unique daemon-wide),
+  // its parameters zeros and held (writable) for the trainer to fill.
   absl::StatusOr<PartitionInfo> Register(uint64_t id, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // An empty `ids` means every partition, in registration order. Waits for
-  // the requested partitions to leave a running step.
-  absl::StatusOr<std::vector<PartitionInfo>> Fetch(absl::Span<const uint64_t> ids)
+  // Makes the partitions' parameters resident and holds them (see the
+  // residency contract above); holding one already held is no change. An
+  // empty `ids` means every partition, in registration order. Waits for the
+  // requested partitions to leave a running step.
+  absl::StatusOr<std::vector<PartitionInfo>> Fetch(absl::Span<const uint64_t> ids,
+                                                   FetchMode mode = {})
       ABSL_LOCKS_EXCLUDED(mu_);
-  // `numel` and `grad_dtype` describe what the trainer wrote.
+  // Lets the partitions' holds go (parameters and gradient buffers). An
+  // empty `ids` means every held partition. FAILED_PRECONDITION (and
+  // nothing released) if one is not held.
+  absl::Status Release(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // `numel` and `grad_dtype` describe what the trainer wrote into the held
+  // gradient buffer, which this hands back.
   absl::Status ReturnGradients(uint64_t id, uint64_t numel, DType grad_dtype)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -149,32 +205,38 @@ class PartitionSet {
   // step in progress to end first). FAILED_PRECONDITION if there is none.
   // Must be followed by exactly one EndStep with the same items.
   absl::StatusOr<std::vector<StepItem>> BeginStep() ABSL_LOCKS_EXCLUDED(mu_);
-  // Chunks of partition `id`'s optimizer state.
-  uint64_t StateChunks(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Pins chunk `chunk` of the optimizer state of partition `id` (one of a
-  // running step's), reading it in from NVMe if it is there. The swapper's
-  // errors (DATA_LOSS for a failed read, RESOURCE_EXHAUSTED when the pool
-  // cannot hold it).
-  absl::StatusOr<StatePins> PinState(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins chunk `chunk` of partition `id` (one of a running step's): its
+  // optimizer state, parameters and gradients, reading in what is on NVMe.
+  // The swapper's errors (DATA_LOSS for a failed read, RESOURCE_EXHAUSTED
+  // when the pool cannot hold it).
+  absl::StatusOr<ChunkPins> PinChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  // Pins just the gradients of chunk `chunk` (the step's scan for NaN/Inf).
+  absl::StatusOr<Swapper::Pin> PinGrads(uint64_t id, uint64_t chunk)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The step is done with the gradients of chunk `chunk`: their bytes are
+  // dropped (unless the trainer holds them).
+  void ConsumeGrads(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // `outcomes[i]` is what happened to `items[i]`.
   void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Changes the share of this set's optimizer state homed on the host and
-  // re-homes its partitions as at registration (greedily, in registration
-  // order). Returns at once: the swapper moves the blocks in the background
-  // (to the host: read in and kept resident; to NVMe: written out when the
-  // pool needs the room). INVALID_ARGUMENT outside [0, 100];
-  // FAILED_PRECONDITION below 100 without an NVMe tier.
-  absl::Status SetStateHostPercent(int percent) ABSL_LOCKS_EXCLUDED(mu_);
+  // Changes the share of this set's bytes of some kinds homed on the host
+  // and re-homes its partitions as at registration (greedily, in
+  // registration order). Returns at once: the swapper moves the blocks in
+  // the background (to the host: read in and kept resident; to NVMe:
+  // written out when the pool needs the room). INVALID_ARGUMENT outside
+  // [0, 100]; FAILED_PRECONDITION below 100 without an NVMe tier.
+  absl::Status SetPlacement(const PlacementChange& change) ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t session_id() const { return session_id_; }
   int arena_fd() const { return arena_->fd(); }
   uint64_t arena_capacity() const { return arena_->capacity(); }
   uint64_t arena_bytes() const { return arena_->size(); }
   size_t partitions() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Optimizer-state bytes homed on the host and on NVMe.
-  uint64_t state_bytes(Tier home) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes of `kind` homed on `home`.
+  uint64_t bytes(DataKind kind, Tier home) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Partitions the trainer holds now.
+  size_t held() const ABSL_LOCKS_EXCLUDED(mu_);
   // Steps applied so far.
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -183,12 +245,19 @@ class PartitionSet {
   struct Partition;
 
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
-               Stats* stats, int state_host_percent, uint64_t state_chunk_elems);
+               Stats* stats, const Placement& placement, uint64_t state_chunk_elems);
   // Waits until none of `partitions` is in a step.
   void AwaitOutOfStep(absl::Span<Partition* const> partitions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // State chunks of a partition of `numel` elements.
+  // Chunks of a partition of `numel` elements.
   uint64_t ChunksOf(uint64_t numel) const;
+  // Pins every chunk of `p`'s parameters (or gradients): the caller's
+  // hold. Without the set's lock (`p` stays valid: partitions go only with
+  // the set).
+  absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, bool grads,
+                                                 bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind,
+                                        bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
@@ -211,8 +280,8 @@ class PartitionSet {
   absl::flat_hash_set<std::string> names_ ABSL_GUARDED_BY(mu_);
   bool stepping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t state_bytes_[2] ABSL_GUARDED_BY(mu_) = {0, 0};  // by Tier
-  int state_host_percent_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
+  Placement placement_ ABSL_GUARDED_BY(mu_);
 };
 
 class PartitionStore {
@@ -220,36 +289,41 @@ class PartitionStore {
   // Largest partition accepted (elements): keeps byte counts far from
   // overflow and catches garbage sizes.
   static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-  // The swapper's block id of one kind (0 master, 1 exp_avg, 2 exp_avg_sq)
-  // of one chunk of a partition's optimizer state.
-  static uint64_t StateBlock(uint64_t partition_id, uint64_t chunk, int kind) {
-    return partition_id << 32 | chunk << 2 | static_cast<uint64_t>(kind);
+  // Kinds of swapper blocks of one chunk of a partition.
+  enum BlockKind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kParamsBlock = 3, kGradsBlock = 4 };
+  // The swapper's block id of one kind of one chunk of a partition.
+  static uint64_t BlockOf(uint64_t partition_id, uint64_t chunk, int kind) {
+    return partition_id << 32 | chunk << 3 | static_cast<uint64_t>(kind);
   }
+  // Chunks are a multiple of this many elements, so that every chunk of a
+  // 16-bit kind starts on a page (the swapper frees and reads whole pages).
+  static constexpr uint64_t kChunkQuantum = 2048;
 
   // `env`, `swapper` and `stats` must outlive the store and every set it
-  // made. `state_host_percent` is the node default for new sessions;
-  // `state_chunk_elems` the size of a state chunk (at least 1024).
+  // made. `placement` is the node default for new sessions;
+  // `state_chunk_elems` the size of a chunk (rounded down to kChunkQuantum,
+  // at least that).
   PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                 int state_host_percent, uint64_t state_chunk_elems);
+                 const Placement& placement, uint64_t state_chunk_elems);
 
   // A new, empty set for session `session_id` with an arena of the current
-  // capacity, keeping `state_host_percent` (else the node default) of its
-  // optimizer state on the host. INVALID_ARGUMENT outside [0, 100];
-  // FAILED_PRECONDITION below 100 without an NVMe tier.
-  absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(
-      uint64_t session_id, std::optional<int> state_host_percent = std::nullopt);
+  // capacity, placed as the node default changed by `placement`.
+  // INVALID_ARGUMENT outside [0, 100]; FAILED_PRECONDITION below 100
+  // without an NVMe tier.
+  absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(uint64_t session_id,
+                                                          const PlacementChange& placement = {});
 
   // INVALID_ARGUMENT outside [0, 100], FAILED_PRECONDITION below 100
   // without an NVMe tier.
-  static absl::Status CheckPlacement(int percent, bool has_nvme);
+  static absl::Status CheckPlacement(DataKind kind, int percent, bool has_nvme);
 
   // Applies to sets created afterwards (rounded down to the arena's
   // alignment).
   void SetArenaCapacity(uint64_t bytes);
   uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }
   // Applies to sessions opened afterwards.
-  void SetStateHostPercent(int percent) {
-    state_host_percent_.store(percent, std::memory_order_relaxed);
+  void SetDefaultPlacement(DataKind kind, int percent) {
+    default_percent_[static_cast<int>(kind)].store(percent, std::memory_order_relaxed);
   }
 
  private:
@@ -260,7 +334,7 @@ class PartitionStore {
 
   const uint64_t state_chunk_elems_;
   std::atomic<uint64_t> arena_capacity_;
-  std::atomic<int> state_host_percent_;
+  std::atomic<int> default_percent_[kDataKinds];
 };
 
 }  // namespace offload

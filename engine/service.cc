@@ -35,6 +35,32 @@ void ToProto(const TunableInfo& t, v1::Tunable* out) {
   out->set_description(t.description);
 }
 
+// Percentages above 100 are refused here, before they become ints.
+absl::StatusOr<PlacementChange> FromProto(const v1::Placement& p) {
+  PlacementChange change;
+  const struct {
+    DataKind kind;
+    const char* name;
+    bool set;
+    uint32_t value;
+  } fields[] = {
+      {DataKind::kParams, "params_host_percent", p.has_params_host_percent(),
+       p.params_host_percent()},
+      {DataKind::kGrads, "grads_host_percent", p.has_grads_host_percent(), p.grads_host_percent()},
+      {DataKind::kOptimizerState, "optimizer_state_host_percent",
+       p.has_optimizer_state_host_percent(), p.optimizer_state_host_percent()},
+  };
+  for (const auto& f : fields) {
+    if (!f.set) continue;
+    if (f.value > 100) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement.", f.name, " must be 0 to 100, got ", f.value));
+    }
+    change[f.kind] = static_cast<int>(f.value);
+  }
+  return change;
+}
+
 absl::Status ShuttingDown() {
   return absl::UnavailableError("offloadd is shutting down; retry against its successor");
 }
@@ -60,16 +86,8 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
                                                const v1::OpenSessionRequest* req,
                                                v1::OpenSessionResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
-    std::optional<int> state_host_percent;
-    if (req->has_optimizer_state_host_percent()) {
-      if (req->optimizer_state_host_percent() > 100) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "optimizer_state_host_percent must be 0 to 100, got ",
-            req->optimizer_state_host_percent()));
-      }
-      state_host_percent = static_cast<int>(req->optimizer_state_host_percent());
-    }
-    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), state_host_percent));
+    ASSIGN_OR_RETURN(PlacementChange placement, FromProto(req->placement()));
+    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement));
     resp->mutable_session()->set_session_id(opened.key.id);
     resp->mutable_session()->set_token(opened.key.token);
     resp->set_arena_socket(arena_socket_);
@@ -104,10 +122,22 @@ grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext* context,
                                                v1::FetchParamsResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
     std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
+    FetchMode mode;
+    mode.grads = req->grads();
+    mode.writable = req->writable();
     ASSIGN_OR_RETURN(std::vector<PartitionInfo> infos,
-                     sessions_->Fetch(KeyOf(req->session()), ids));
+                     sessions_->Fetch(KeyOf(req->session()), ids, mode));
     for (const PartitionInfo& p : infos) ToProto(p, resp->add_locations());
     return absl::OkStatus();
+  });
+}
+
+grpc::Status PartitionServiceImpl::ReleasePartitions(grpc::ServerContext* context,
+                                                     const v1::ReleasePartitionsRequest* req,
+                                                     v1::ReleasePartitionsResponse*) {
+  return Serve(*context, [&]() -> absl::Status {
+    std::vector<uint64_t> ids(req->partition_ids().begin(), req->partition_ids().end());
+    return sessions_->Release(KeyOf(req->session()), ids);
   });
 }
 
@@ -151,13 +181,8 @@ grpc::Status PartitionServiceImpl::SetPlacement(grpc::ServerContext* context,
                                                 const v1::SetPlacementRequest* req,
                                                 v1::SetPlacementResponse*) {
   return Serve(*context, [&]() -> absl::Status {
-    if (req->optimizer_state_host_percent() > 100) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "optimizer_state_host_percent must be 0 to 100, got ",
-          req->optimizer_state_host_percent()));
-    }
-    return sessions_->SetPlacement(KeyOf(req->session()),
-                                   static_cast<int>(req->optimizer_state_host_percent()));
+    ASSIGN_OR_RETURN(PlacementChange change, FromProto(req->placement()));
+    return sessions_->SetPlacement(KeyOf(req->session()), change);
   });
 }
 
@@ -220,8 +245,16 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
     out->set_partitions(s.partitions);
     out->set_arena_bytes(s.arena_bytes);
     out->set_steps(s.steps);
-    out->set_state_host_bytes(s.state_host_bytes);
-    out->set_state_nvme_bytes(s.state_nvme_bytes);
+    constexpr int kState = static_cast<int>(DataKind::kOptimizerState);
+    constexpr int kParams = static_cast<int>(DataKind::kParams);
+    constexpr int kGrads = static_cast<int>(DataKind::kGrads);
+    out->set_state_host_bytes(s.host_bytes[kState]);
+    out->set_state_nvme_bytes(s.nvme_bytes[kState]);
+    out->set_params_host_bytes(s.host_bytes[kParams]);
+    out->set_params_nvme_bytes(s.nvme_bytes[kParams]);
+    out->set_grads_host_bytes(s.host_bytes[kGrads]);
+    out->set_grads_nvme_bytes(s.nvme_bytes[kGrads]);
+    out->set_held(s.held);
   }
   resp->set_optimizer_kernel(
       absl::StrCat(optimizer_->kernel_name(), ", ", optimizer_->threads(), " threads"));

@@ -43,7 +43,7 @@ SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* step
 SessionManager::~SessionManager() = default;
 
 absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name,
-                                                   std::optional<int> state_host_percent) {
+                                                   const PlacementChange& placement) {
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   std::string token(kTokenBytes, '\0');
   RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
@@ -52,7 +52,7 @@ absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name,
     absl::MutexLock lock(&mu_);
     id = next_session_id_++;
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, state_host_percent));
+  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, placement));
   const uint64_t capacity = set->arena_capacity();
   auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set));
   {
@@ -159,15 +159,25 @@ absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
 }
 
 absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKey& key,
-                                                                 absl::Span<const uint64_t> ids) {
+                                                                 absl::Span<const uint64_t> ids,
+                                                                 FetchMode mode) {
   if (ids.size() > kMaxFetchIds) {
     return absl::InvalidArgumentError(absl::StrCat("a fetch may name at most ", kMaxFetchIds,
                                                    " partitions, got ", ids.size()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
-  ASSIGN_OR_RETURN(std::vector<PartitionInfo> out, session->partitions->Fetch(ids));
+  ASSIGN_OR_RETURN(std::vector<PartitionInfo> out, session->partitions->Fetch(ids, mode));
   stats_->fetches.fetch_add(static_cast<int64_t>(out.size()), std::memory_order_relaxed);
   return out;
+}
+
+absl::Status SessionManager::Release(const SessionKey& key, absl::Span<const uint64_t> ids) {
+  if (ids.size() > kMaxFetchIds) {
+    return absl::InvalidArgumentError(absl::StrCat("a release may name at most ", kMaxFetchIds,
+                                                   " partitions, got ", ids.size()));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
+  return session->partitions->Release(ids);
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t partition_id,
@@ -184,9 +194,9 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   return steps_->Run(*session->partitions, h);
 }
 
-absl::Status SessionManager::SetPlacement(const SessionKey& key, int state_host_percent) {
+absl::Status SessionManager::SetPlacement(const SessionKey& key, const PlacementChange& change) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  return session->partitions->SetStateHostPercent(state_host_percent);
+  return session->partitions->SetPlacement(change);
 }
 
 absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {
@@ -206,8 +216,18 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<SessionSummary> out;
   for (const auto& s : sessions) {
     const PartitionSet& p = *s->partitions;
-    out.push_back({s->id, s->name, p.partitions(), p.arena_bytes(), p.steps(),
-                   p.state_bytes(Tier::kHost), p.state_bytes(Tier::kNvme)});
+    SessionSummary summary;
+    summary.id = s->id;
+    summary.name = s->name;
+    summary.partitions = p.partitions();
+    summary.arena_bytes = p.arena_bytes();
+    summary.steps = p.steps();
+    summary.held = p.held();
+    for (int k = 0; k < kDataKinds; ++k) {
+      summary.host_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kHost);
+      summary.nvme_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kNvme);
+    }
+    out.push_back(std::move(summary));
   }
   std::sort(out.begin(), out.end(),
             [](const SessionSummary& a, const SessionSummary& b) { return a.id < b.id; });

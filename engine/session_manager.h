@@ -71,8 +71,10 @@ struct SessionSummary {
   uint64_t partitions = 0;
   uint64_t arena_bytes = 0;
   uint64_t steps = 0;
-  uint64_t state_host_bytes = 0;
-  uint64_t state_nvme_bytes = 0;
+  uint64_t held = 0;  // partitions the trainer holds
+  // Bytes of each kind (DataKind) placed on the host and on NVMe.
+  uint64_t host_bytes[kDataKinds] = {};
+  uint64_t nvme_bytes[kDataKinds] = {};
 };
 
 class SessionManager {
@@ -87,18 +89,23 @@ class SessionManager {
   SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats);
   ~SessionManager();
 
-  // `state_host_percent`: placement of the session's optimizer state (see
-  // PartitionStore::CreateSet); unset, the node default.
+  // `placement`: changes to the node default for this session (see
+  // PartitionStore::CreateSet).
   absl::StatusOr<OpenedSession> Open(absl::string_view name,
-                                     std::optional<int> state_host_percent = std::nullopt)
+                                     const PlacementChange& placement = {})
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // An empty `ids` fetches every partition of the session.
+  // Holds the partitions (PartitionSet::Fetch). An empty `ids` fetches
+  // every partition of the session.
   absl::StatusOr<std::vector<PartitionInfo>> Fetch(const SessionKey& key,
-                                                   absl::Span<const uint64_t> ids)
+                                                   absl::Span<const uint64_t> ids,
+                                                   FetchMode mode = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Lets holds go (PartitionSet::Release); an empty `ids`, every one.
+  absl::Status Release(const SessionKey& key, absl::Span<const uint64_t> ids)
       ABSL_LOCKS_EXCLUDED(mu_);
   // `numel` and `grad_dtype` describe what the trainer wrote; they must match
   // the registration.
@@ -110,9 +117,9 @@ class SessionManager {
   absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Changes where the session's optimizer state rests (see
-  // PartitionSet::SetStateHostPercent); returns at once.
-  absl::Status SetPlacement(const SessionKey& key, int state_host_percent)
+  // Changes where the session's data rests (see PartitionSet::SetPlacement);
+  // returns at once.
+  absl::Status SetPlacement(const SessionKey& key, const PlacementChange& change)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // A duplicate of the session's arena descriptor, for the arena channel.

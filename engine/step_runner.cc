@@ -17,8 +17,6 @@ int64_t NanosSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-constexpr uint64_t kStateBytesPerParam = 3 * sizeof(float);
-
 }  // namespace
 
 void StepRunner::SetSyncPointForTesting(std::function<void(StepPoint)> hook) {
@@ -43,10 +41,35 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   std::vector<ItemOutcome> outcomes(items.size());
   for (size_t i = 0; i < items.size(); ++i) outcomes[i].next_chunk = items[i].first_chunk;
 
-  std::vector<AdamTask> all;
-  all.reserve(items.size());
-  for (const StepItem& item : items) all.push_back(item.task);
-  const uint64_t nonfinite = optimizer_->CountNonFinite(all);
+  // The scan for NaN/Inf streams the gradients chunk by chunk (they may
+  // rest on NVMe), from where each partition's update starts.
+  uint64_t nonfinite = 0;
+  const auto scanning = std::chrono::steady_clock::now();
+  int64_t wait_nanos = 0, compute_nanos = 0;
+  absl::Status scanned;
+  for (const StepItem& item : items) {
+    for (uint64_t c = item.first_chunk; c < item.chunks && scanned.ok(); ++c) {
+      absl::StatusOr<Swapper::Pin> grads = set.PinGrads(item.id, c);
+      if (!grads.ok()) {
+        scanned = absl::Status(grads.status().code(),
+                               absl::StrCat("step of session ", set.session_id(),
+                                            ": scanning the gradients of partition ", item.id,
+                                            ": ", grads.status().message()));
+        break;
+      }
+      AdamTask task = item.task;
+      task.span.grads = grads->data();
+      task.span.numel = grads->size() / DTypeSize(task.span.grad_dtype);
+      nonfinite += optimizer_->CountNonFinite(absl::MakeConstSpan(&task, 1));
+    }
+  }
+  wait_nanos += NanosSince(scanning);
+  if (!scanned.ok()) {
+    // Nothing was updated: every partition keeps its gradients for a retry.
+    Sync(StepPoint::kOptimized);
+    set.EndStep(items, outcomes);
+    return scanned;
+  }
   const bool resuming = std::any_of(items.begin(), items.end(),
                                     [](const StepItem& item) { return item.first_chunk != 0; });
   if (nonfinite != 0 && resuming) {
@@ -78,8 +101,7 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   };
   std::vector<Unit> units;
   for (size_t i = 0; i < items.size(); ++i) {
-    const uint64_t chunks = set.StateChunks(items[i].id);
-    for (uint64_t c = items[i].first_chunk; c < chunks; ++c) units.push_back({i, c});
+    for (uint64_t c = items[i].first_chunk; c < items[i].chunks; ++c) units.push_back({i, c});
   }
 
   // Small enough to leave the pool's cache to prefetch and write-back (the
@@ -88,41 +110,40 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
   const uint64_t group_limit = std::min<uint64_t>(pool_->limit() / 8, uint64_t{256} << 20);
   absl::Status status;
   StepSummary summary;
-  int64_t wait_nanos = 0, compute_nanos = 0;
   size_t next = 0;
   while (next < units.size() && status.ok()) {
     const size_t first = next;
-    std::vector<StatePins> pins;
+    std::vector<ChunkPins> pins;
     std::vector<AdamTask> tasks;
     std::vector<bool> init_master;
     uint64_t group_bytes = 0;
     const auto pinning = std::chrono::steady_clock::now();
     while (next < units.size()) {
       const StepItem& item = items[units[next].item];
-      absl::StatusOr<StatePins> got = set.PinState(item.id, units[next].chunk);
+      absl::StatusOr<ChunkPins> got = set.PinChunk(item.id, units[next].chunk);
       if (!got.ok()) {
         // The pool is full of this group: update it, then try again.
         if (!tasks.empty() && absl::IsResourceExhausted(got.status())) break;
         status = absl::Status(
             got.status().code(),
-            absl::StrCat("step of session ", set.session_id(), " stopped at state chunk ",
+            absl::StrCat("step of session ", set.session_id(), " stopped at chunk ",
                          units[next].chunk, " of partition ", item.id,
                          " (the next Step resumes there): ", got.status().message()));
         break;
       }
-      const uint64_t begin = got->begin, n = got->end - got->begin;
+      const uint64_t n = got->end - got->begin;
       AdamTask task = item.task;
       AdamSpan& span = task.span;
-      span.grads = static_cast<const std::byte*>(span.grads) + begin * DTypeSize(span.grad_dtype);
-      span.working = static_cast<std::byte*>(span.working) + begin * DTypeSize(span.working_dtype);
+      span.grads = got->grads.data();
+      span.working = got->params.data();
       span.numel = n;
       span.master = reinterpret_cast<float*>(got->master.data());
       span.exp_avg = reinterpret_cast<float*>(got->exp_avg.data());
       span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
       tasks.push_back(task);
       init_master.push_back(item.init_master);
+      group_bytes += 3 * got->master.size() + got->params.size() + got->grads.size();
       pins.push_back(*std::move(got));
-      group_bytes += n * kStateBytesPerParam;
       ++next;
       if (group_bytes >= group_limit) break;
     }
@@ -140,13 +161,15 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
       next = first;
       break;
     }
+    pins.clear();  // unpinned before the gradients are dropped
     for (size_t u = first; u < first + tasks.size(); ++u) {
       outcomes[units[u].item].next_chunk = units[u].chunk + 1;
       summary.params_updated += tasks[u - first].span.numel;
+      set.ConsumeGrads(items[units[u].item].id, units[u].chunk);
     }
   }
   for (size_t i = 0; i < items.size(); ++i) {
-    if (outcomes[i].next_chunk == set.StateChunks(items[i].id)) {
+    if (outcomes[i].next_chunk == items[i].chunks) {
       outcomes[i].outcome = StepOutcome::kApplied;
       ++summary.partitions_updated;
     }

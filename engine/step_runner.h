@@ -3,17 +3,18 @@
 //   1. Validate the hyperparameters (INVALID_ARGUMENT changes nothing).
 //   2. PartitionSet::BeginStep pins every partition whose gradients were
 //      returned (waiting for the session's previous step to end).
-//   3. Outside every engine lock, scan all their gradients for NaN/Inf (they
-//      are in the arena, in host memory): any found skips the whole step.
-//   4. Stream the update, in registration order, through groups of
-//      state chunks pinned at once (at most an eighth of the host pool, and
-//      256 MiB): pin a group's state (the swapper reads it in from
-//      NVMe if it is there; its prefetch, which has learned this order from
-//      earlier steps, is already reading the next groups), initialise master
-//      copies on first steps, update, unpin (the swapper writes state back
-//      when it needs the room, while later groups compute). So with state on
-//      NVMe, reading group i+1, updating i and writing i-1 overlap, in
-//      bounded memory.
+//   3. Outside every engine lock, scan their gradients for NaN/Inf, chunk by
+//      chunk (pinned one at a time: they may rest on NVMe): any found skips
+//      the whole step.
+//   4. Stream the update, in registration order, through groups of chunks
+//      pinned at once (at most an eighth of the host pool, and 256 MiB): pin
+//      a group's optimizer state, parameters and gradients (the swapper
+//      reads in what is on NVMe; its prefetch, which has learned this order
+//      from earlier steps, is already reading the next groups), initialise
+//      master copies on first steps, update, unpin, drop the consumed
+//      gradients (the swapper writes the rest back when it needs the room,
+//      while later groups compute). So with data on NVMe, reading group
+//      i+1, updating i and writing i-1 overlap, in bounded memory.
 //   5. PartitionSet::EndStep unpins the partitions: applied (steps advance),
 //      skipped (non-finite gradients: consumed, nothing else changes) or
 //      failed. A swap-in that fails midway fails the step with its error;

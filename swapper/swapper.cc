@@ -1,9 +1,12 @@
 #include "swapper/swapper.h"
 
 #include <chrono>
+#include <cstdint>
+#include <string>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 
@@ -37,6 +40,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.write_nanos -= e.write_nanos;
   d.io_errors -= e.io_errors;
   d.relearned -= e.relearned;
+  d.discards -= e.discards;
   return d;
 }
 
@@ -64,7 +68,12 @@ struct Swapper::Block {
   BlockState state = BlockState::kOnNvme;
   int pins = 0;
   int waiters = 0;  // Acquires inside the swapper for this block
-  PoolMemory host;  // in every state but kOnNvme
+  // The bytes, in every state but kOnNvme: a pool lease, or (external
+  // blocks) the caller's shared memory at `external` with the pool charge
+  // for its pages.
+  PoolMemory host;
+  std::byte* external = nullptr;
+  PoolCharge charge;
   uint64_t extent = 0;  // the NVMe copy; 0: none (the block is zeros)
   bool nvme_current = false;  // the NVMe copy equals the host bytes
   uint64_t version = 0;       // bumped by every write pin
@@ -76,6 +85,40 @@ struct Swapper::Block {
   uint64_t failed_reads = 0;
   absl::Status read_error;
 };
+
+std::byte* Swapper::DataOf(const Block& b) {
+  return b.external != nullptr ? b.external : b.host.data();
+}
+
+uint64_t Swapper::ChargedOf(const Block& b) {
+  return b.external != nullptr ? b.charge.bytes() : b.host.charged();
+}
+
+absl::Status Swapper::TakeHostLocked(Block* b) {
+  const std::string what = absl::StrCat("block ", b->id);
+  if (b->external != nullptr) {
+    ASSIGN_OR_RETURN(b->charge, pool_->Reserve(b->bytes, what));
+  } else {
+    ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, what));
+  }
+  return absl::OkStatus();
+}
+
+void Swapper::DropHostLocked(Block* b) {
+  if (b->external != nullptr) {
+    // Its pages leave the memfd (and every mapping of them); a later
+    // swap-in faults in fresh ones. Failing here is a kernel that cannot
+    // punch holes in shmem: the pages stay, uncharged, and the bound slips
+    // by them, which the log says.
+    absl::Status freed = DiscardSharedPages(b->external, b->bytes);
+    if (!freed.ok()) {
+      LogWarning("swapper: block %d: %s", static_cast<int64_t>(b->id), freed.ToString());
+    }
+    b->charge.Reset();
+  } else {
+    b->host.Reset();
+  }
+}
 
 Swapper::Pin& Swapper::Pin::operator=(Pin&& other) noexcept {
   if (this != &other) {
@@ -123,6 +166,7 @@ Swapper::~Swapper() {
   absl::MutexLock lock(&mu_);
   for (auto& [id, b] : blocks_) {
     if (b->extent != 0) space_->Free(b->extent).IgnoreError();
+    if (b->state != BlockState::kOnNvme) DropHostLocked(b.get());
   }
   blocks_.clear();
 }
@@ -140,15 +184,35 @@ bool Swapper::BusyLocked(const Block& b) const {
 void Swapper::EraseIfDoneLocked(Block* b) {
   if (!b->removed || BusyLocked(*b)) return;
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
+  // External memory stays the caller's mapping, but its pages go now.
+  if (b->state != BlockState::kOnNvme) DropHostLocked(b);
   blocks_.erase(b->id);
   changed_.SignalAll();
 }
 
 absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace) {
+  return AddBlock(id, bytes, nullptr, home, trace);
+}
+
+absl::Status Swapper::AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
+                                  uint64_t trace) {
+  if (data == nullptr || reinterpret_cast<uintptr_t>(data) % PageSize() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", id, ": external memory must be page-aligned"));
+  }
+  return AddBlock(id, bytes, data, home, trace);
+}
+
+absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, Tier home,
+                               uint64_t trace) {
   if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
   if (home == Tier::kNvme && space_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("block ", id, " cannot rest on NVMe: no NVMe tier (set nvme.dirs)"));
+  }
+  if (external != nullptr) {
+    // Zeros, holding no pages, whatever the memory held before.
+    RETURN_IF_ERROR(DiscardSharedPages(external, bytes));
   }
   absl::MutexLock lock(&mu_);
   if (blocks_.contains(id)) {
@@ -159,12 +223,13 @@ absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
   b->bytes = bytes;
   b->trace = trace;
   b->home = home;
+  b->external = external;
   if (home == Tier::kHost) {
     RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
     if (blocks_.contains(id)) {  // added meanwhile, while room was made
       return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
     }
-    ASSIGN_OR_RETURN(b->host, pool_->Allocate(bytes, absl::StrCat("block ", id)));
+    RETURN_IF_ERROR(TakeHostLocked(b.get()));
     changed_.SignalAll();
     b->state = BlockState::kResident;
   }
@@ -173,21 +238,50 @@ absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
   return absl::OkStatus();
 }
 
-absl::StatusOr<PoolCharge> Swapper::ReserveHost(uint64_t bytes, absl::string_view what) {
-  absl::MutexLock lock(&mu_);
-  absl::Status room = MakeRoomLocked(bytes, /*restricted=*/false, 0);
-  if (!room.ok()) {
-    return absl::Status(room.code(), absl::StrCat(what, ": ", room.message()));
-  }
-  return pool_->Reserve(bytes, what);
-}
-
 void Swapper::Remove(BlockId id) {
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
   if (b == nullptr) return;
+  const bool external = b->external != nullptr;
   b->removed = true;
-  EraseIfDoneLocked(b);
+  EraseIfDoneLocked(b);  // may free *b: only compared against below
+  if (!external) return;
+  // The caller unmaps external memory next: no I/O may touch it after this.
+  auto gone = [this, id, b]() {
+    auto it = blocks_.find(id);
+    return it == blocks_.end() || it->second.get() != b;
+  };
+  while (!gone()) changed_.Wait(&mu_);
+}
+
+absl::Status Swapper::Discard(BlockId id) {
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  if (BusyLocked(*b)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", id, " is pinned or in flight; its bytes stay"));
+  }
+  if (b->prefetched) {
+    b->prefetched = false;
+    ++stats_.prefetch_wasted;
+  }
+  if (b->extent != 0) space_->Free(b->extent).IgnoreError();
+  b->extent = 0;
+  b->nvme_current = false;
+  if (b->state == BlockState::kResident) {
+    if (b->home == Tier::kNvme) {
+      DropHostLocked(b);
+      b->state = BlockState::kOnNvme;
+    } else if (b->external != nullptr) {
+      // Homed on the host: the charge stays, the pages refault as zeros.
+      DiscardSharedPages(b->external, b->bytes).IgnoreError();
+    }
+    // A host-homed pool block keeps its bytes: nothing promised them gone.
+  }
+  ++stats_.discards;
+  changed_.SignalAll();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
@@ -224,8 +318,11 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
     counted = true;
     if (!pool_->Fits(b->bytes)) {
       status = MakeRoomLocked(b->bytes, /*restricted=*/false, 0);
-      if (!status.ok()) break;
-      continue;  // the lock may have been released: look again
+      // The lock may have been released: look again. A prefetch may have
+      // brought this very block in meanwhile (then the room is not needed).
+      if (!status.ok() && b->state == BlockState::kOnNvme) break;
+      status = absl::OkStatus();
+      continue;
     }
     status = StartReadLocked(b);
     if (!status.ok()) break;
@@ -248,7 +345,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
     b->nvme_current = false;
   }
   SchedulePrefetchLocked(b->trace);
-  return Pin(this, id, b->host.data(), b->bytes);
+  return Pin(this, id, DataOf(*b), b->bytes);
 }
 
 void Swapper::ReleasePin(BlockId id) {
@@ -430,7 +527,7 @@ void Swapper::EvictLocked(Block* b) {
     ++stats_.prefetch_wasted;
   }
   if (b->nvme_current && b->extent != 0) {
-    b->host.Reset();  // the NVMe copy is current: no write needed
+    DropHostLocked(b);  // the NVMe copy is current: no write needed
     b->state = BlockState::kOnNvme;
     ++stats_.clean_drops;
     changed_.SignalAll();
@@ -440,15 +537,16 @@ void Swapper::EvictLocked(Block* b) {
   // The bytes as of now are what the write-out stands for: a write pin from
   // here on (even before the write starts) makes its copy stale.
   b->write_version = b->version;
-  freeing_bytes_ += b->host.charged();
+  freeing_bytes_ += ChargedOf(*b);
   ++writes_in_flight_;
   QueueIoLocked([this, id = b->id] { RunIo(id, /*is_write=*/true); });
 }
 
 absl::Status Swapper::StartReadLocked(Block* b) {
-  ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, absl::StrCat("block ", b->id)));
+  RETURN_IF_ERROR(TakeHostLocked(b));
   if (b->extent == 0) {
-    // Never written out: zeros, which a fresh lease already is.
+    // Never written out (or discarded): zeros, which a fresh lease and the
+    // holes of external memory already are.
     b->state = BlockState::kResident;
     ++stats_.zero_fills;
     changed_.SignalAll();
@@ -493,7 +591,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
   {
     absl::MutexLock lock(&mu_);
     Block* b = blocks_.at(id).get();  // in flight: never erased meanwhile
-    data = b->host.data();
+    data = DataOf(*b);
     bytes = b->bytes;
     extent = b->extent;
     version = b->write_version;
@@ -521,7 +619,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
   Block* b = blocks_.at(id).get();
   if (is_write) {
     --writes_in_flight_;
-    freeing_bytes_ -= b->host.charged();
+    freeing_bytes_ -= ChargedOf(*b);
     stats_.write_nanos += nanos;
     if (status.ok()) {
       ++stats_.swap_outs;
@@ -531,7 +629,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
       const bool still_evictable = b->pins == 0 && b->waiters == 0 && b->nvme_current &&
                                    b->home == Tier::kNvme;
       if (still_evictable || b->removed) {
-        b->host.Reset();
+        DropHostLocked(b);
         b->state = BlockState::kOnNvme;
       } else {
         b->state = BlockState::kResident;  // pinned meanwhile: stays
@@ -555,7 +653,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
       b->nvme_current = true;
     } else {
       ++stats_.io_errors;
-      b->host.Reset();
+      DropHostLocked(b);  // external memory: the half-read pages go too
       b->state = BlockState::kOnNvme;
       b->prefetched = false;
       b->read_error = absl::Status(
@@ -608,14 +706,24 @@ void Swapper::MoverThread() {
     b->move_queued = false;
     if (b->state != BlockState::kOnNvme) continue;
     mover_busy_ = true;
-    ++b->waiters;  // keeps it from being erased while room is made
+    // Making room may wait (the lock is released): the block may be read in
+    // by an Acquire, or removed, meanwhile. It is looked up again after, by
+    // id, rather than held with a waiter: a waiter would keep it from being
+    // evicted once an Acquire made it resident, and could make a caller's
+    // MakeRoom fail for want of a victim.
+    const uint64_t bytes = b->bytes;
     absl::Status status;
     if (move.kind == MoveKind::kPrefetch) {
-      status = MakeRoomLocked(b->bytes, /*restricted=*/true, NextUseLocked(*b));
+      status = MakeRoomLocked(bytes, /*restricted=*/true, NextUseLocked(*b));
     } else {
-      status = MakeRoomLocked(b->bytes, /*restricted=*/false, 0);
+      status = MakeRoomLocked(bytes, /*restricted=*/false, 0);
     }
-    --b->waiters;
+    b = FindLocked(move.id);
+    if (b == nullptr) {
+      mover_busy_ = false;
+      changed_.SignalAll();
+      continue;
+    }
     if (status.ok() && b->state == BlockState::kOnNvme && !b->removed) {
       status = pool_->Fits(b->bytes)
                    ? StartReadLocked(b)

@@ -6,6 +6,12 @@
 // session). It owns its I/O threads; the host memory comes from the pool
 // (host_pool.h), which bounds it.
 //
+// Memory: a block's bytes are a lease from the pool (Add), or memory the
+// caller maps from a shared file, such as a session arena that a trainer
+// maps too (AddExternal): the swapper then charges the pool for its pages
+// while resident, writes them out from where they are, frees them
+// (MADV_REMOVE) and reads them back into the same addresses.
+//
 // Placement: a block homed on the host is always resident and never
 // evicted. A block homed on NVMe rests there and is cached in the pool while
 // in use: brought in when acquired (or prefetched), written out when room is
@@ -88,6 +94,7 @@ struct SwapperStats {
   uint64_t io_errors = 0;
   uint64_t io_queue = 0;         // I/O tasks queued or running
   uint64_t relearned = 0;        // trace orders re-learned
+  uint64_t discards = 0;         // blocks whose bytes were dropped as dead
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -141,15 +148,26 @@ class Swapper {
   // pool cannot hold).
   absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Charges `bytes` of host memory the caller maps itself (a session arena)
-  // to the pool, evicting cached blocks first if needed. RESOURCE_EXHAUSTED
-  // as Acquire when nothing more can be evicted.
-  absl::StatusOr<PoolCharge> ReserveHost(uint64_t bytes, absl::string_view what)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // As Add, but the bytes are the caller's: `data` (page-aligned, spanning
+  // `bytes` rounded up to pages) is a shared mapping of a file (a memfd)
+  // that stays mapped until Remove(id) returns. Its pages are freed now:
+  // the block starts as zeros, like one from Add. INVALID_ARGUMENT for
+  // unaligned or private memory.
+  absl::Status AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
+                           uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees the block wherever it lives; a pinned block or one in flight as
-  // soon as that ends. Unknown ids are ignored.
+  // soon as that ends. An external block's pages are freed, and Remove
+  // returns only once no I/O can touch its memory any more (it must not be
+  // pinned). Unknown ids are ignored.
   void Remove(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The block's bytes are dead (consumed gradients): it becomes zeros,
+  // giving back its host memory if homed on NVMe and its NVMe copy, with no
+  // I/O. A block homed on the host keeps its memory; a pooled one its bytes
+  // too. FAILED_PRECONDITION (and nothing changes) while it is pinned or
+  // in flight; NOT_FOUND for an unknown id.
+  absl::Status Discard(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Makes the block resident and pins it until the Pin goes. With
   // `for_write` the caller will change its bytes (the NVMe copy stops being
@@ -197,7 +215,16 @@ class Swapper {
 
   Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space);
 
+  absl::Status AddBlock(BlockId id, uint64_t bytes, std::byte* external, Tier home,
+                        uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
   Block* FindLocked(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static std::byte* DataOf(const Block& b);
+  static uint64_t ChargedOf(const Block& b);
+  // Gives the block host memory (a lease, or the charge for its external
+  // pages) from the pool, which must fit it. Its bytes are zeros.
+  absl::Status TakeHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives the block's host memory back (external pages are freed).
+  void DropHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "base/host_memory.h"
+#include "base/unique_fd.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
@@ -497,6 +499,150 @@ TEST_F(SwapperTest, ResidentMemoryStaysWithinThePool) {
   // The pool plus a little for stacks and allocator slack.
   EXPECT_LE(peak, baseline + kPool + 4 * kMiB)
       << "peak " << peak << " baseline " << baseline;
+}
+
+
+// Memory the caller maps from a memfd, as a session arena is mapped by the
+// daemon and by its trainer: the swapper writes it out, frees its pages and
+// reads it back where it was, and the other mapping sees the same bytes.
+class ExternalMemory {
+ public:
+  explicit ExternalMemory(uint64_t bytes) {
+    auto fd = Env::Default()->CreateMemfd("swapper-test");
+    EXPECT_TRUE(fd.ok()) << fd.status();
+    fd_ = std::move(*fd);
+    EXPECT_TRUE(Env::Default()->ResizeFile(fd_.get(), bytes).ok());
+    auto mine = HostMemory::MapShared(fd_.get(), 0, bytes);
+    auto theirs = HostMemory::MapShared(fd_.get(), 0, bytes);
+    EXPECT_TRUE(mine.ok() && theirs.ok());
+    mine_ = std::move(*mine);
+    theirs_ = std::move(*theirs);
+  }
+  std::byte* mine(uint64_t offset = 0) const { return mine_.data() + offset; }
+  std::byte* theirs(uint64_t offset = 0) const { return theirs_.data() + offset; }
+  // Bytes of the file backed by pages.
+  uint64_t populated() const {
+    struct stat st;
+    EXPECT_EQ(fstat(fd_.get(), &st), 0);
+    return static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+
+ private:
+  UniqueFd fd_;
+  HostMemory mine_, theirs_;
+};
+
+TEST_F(SwapperTest, ExternalMemoryIsWrittenOutFreedAndReadBackInPlace) {
+  Make(2 * kMiB);
+  ExternalMemory arena(4 * kMiB);
+  for (uint64_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(swapper_->AddExternal(i + 1, arena.mine(i * kMiB), kMiB, Tier::kNvme, 7).ok());
+  }
+  EXPECT_EQ(arena.populated(), 0u);
+  for (uint64_t id = 1; id <= 4; ++id) {
+    auto p = swapper_->Acquire(id, /*for_write=*/true);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->data(), arena.mine((id - 1) * kMiB));
+    Fill(*p, static_cast<uint32_t>(id));
+    EXPECT_LE(pool_->used(), pool_->limit());
+  }
+  swapper_->WaitIdle();
+  // At most the pool's worth of pages exists; the rest is on NVMe.
+  EXPECT_LE(arena.populated(), 2 * kMiB);
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  for (uint64_t id = 1; id <= 4; ++id) {
+    auto p = swapper_->Acquire(id, /*for_write=*/false);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(Holds(*p, static_cast<uint32_t>(id)));
+    // The trainer's mapping sees what was read back.
+    EXPECT_EQ(std::memcmp(arena.theirs((id - 1) * kMiB), p->data(), kMiB), 0);
+  }
+  EXPECT_GE(swapper_->Stats().swap_ins, 2u);
+  for (uint64_t id = 1; id <= 4; ++id) swapper_->Remove(id);
+  EXPECT_EQ(arena.populated(), 0u);
+  EXPECT_EQ(pool_->used(), 0u);
+}
+
+TEST_F(SwapperTest, ExternalMemoryMustBePageAligned) {
+  Make(2 * kMiB);
+  ExternalMemory arena(kMiB);
+  EXPECT_EQ(swapper_->AddExternal(1, arena.mine(8), 4096, Tier::kNvme, 7).code(),
+            absl::StatusCode::kInvalidArgument);
+  HostMemory private_memory = *HostMemory::Allocate(kMiB);
+  EXPECT_EQ(swapper_->AddExternal(2, private_memory.data(), kMiB, Tier::kNvme, 7).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SwapperTest, RemovingExternalMemoryWaitsForItsRead) {
+  Make(kMiB);
+  ExternalMemory arena(2 * kMiB);
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.mine(), kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->AddExternal(2, arena.mine(kMiB), kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  absl::Notification reading, release;
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (id == 1 && !is_write) {
+      reading.Notify();
+      release.WaitForNotification();
+    }
+  });
+  absl::StatusOr<Swapper::Pin> got;
+  std::thread reader([&] { got = swapper_->Acquire(1, false); });
+  reading.WaitForNotification();
+  std::atomic<bool> removed{false};
+  std::thread remover([&] {
+    swapper_->Remove(1);
+    removed = true;
+  });
+  // Remove has marked the block (it is unknown from then on) and waits for
+  // the read that writes into the memory the caller is about to unmap.
+  AwaitTrue([&] { return !swapper_->State(1).ok(); }, "remove to start");
+  EXPECT_FALSE(removed.load());
+  release.Notify();
+  remover.join();
+  reader.join();
+  EXPECT_TRUE(removed.load());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
+  // Block 1's pages went with it; block 2's were written out.
+  swapper_->WaitIdle();
+  EXPECT_LE(arena.populated(), kMiB);
+}
+
+TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
+  Make(2 * kMiB);
+  ExternalMemory arena(2 * kMiB);
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.mine(), kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(3, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 1);
+  Write(2, 2);
+  Write(3, 3);  // evicts block 1: written out
+  swapper_->WaitIdle();
+  const uint64_t outs = swapper_->Stats().swap_outs;
+  ASSERT_GE(outs, 1u);
+  {
+    auto pinned = swapper_->Acquire(2, false);
+    ASSERT_TRUE(pinned.ok());
+    EXPECT_EQ(swapper_->Discard(2).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(Holds(*pinned, 2));
+  }
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Discard(id).ok());
+  EXPECT_EQ(pool_->used(), 0u);
+  EXPECT_EQ(arena.populated(), 0u);
+  EXPECT_EQ(space_->Stats().extents, 0u);
+  const SwapperStats before = swapper_->Stats();
+  for (uint64_t id = 1; id <= 3; ++id) {
+    auto p = swapper_->Acquire(id, false);
+    ASSERT_TRUE(p.ok());
+    const std::vector<std::byte> zeros(kMiB);
+    EXPECT_EQ(std::memcmp(p->data(), zeros.data(), kMiB), 0) << "block " << id;
+  }
+  const SwapperStats d = swapper_->Stats().Since(before);
+  EXPECT_EQ(d.swap_ins, 0u);
+  EXPECT_EQ(d.zero_fills, 3u);
+  EXPECT_EQ(swapper_->Discard(99).code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -70,6 +70,14 @@ class DaemonTest : public ::testing::Test {
   std::unique_ptr<Client> client_;
 };
 
+// Holds `p`'s gradient buffer, to write gradients into (the residency
+// contract: written only while held).
+void HoldGrads(Session* s, const PartitionView& p) {
+  FetchOptions grads;
+  grads.grads = true;
+  ASSERT_TRUE(s->Fetch(p.id, grads).ok());
+}
+
 void ExpectDemoMatchesInProcess(Client* client, DType dtype) {
   demo::MlpConfig config;
   config.steps = 60;
@@ -133,6 +141,7 @@ TEST_F(DaemonTest, BadRequestsGetClearErrorsAndTheDaemonKeepsServing) {
   EXPECT_EQ(a->Step(AdamHyperparams{}).status().code(), absl::StatusCode::kFailedPrecondition);
   AdamHyperparams bad;
   bad.lr = -1;
+  HoldGrads(a.get(), *pa);
   ASSERT_TRUE(a->ReturnGradients(*pa).ok());
   EXPECT_EQ(a->Step(bad).status().code(), absl::StatusCode::kInvalidArgument);
 
@@ -156,6 +165,7 @@ TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
   auto w = s->Register("w", 1000, DType::kBf16, DType::kBf16);
   ASSERT_TRUE(w.ok());
   for (uint16_t& x : w->params_as<uint16_t>()) x = FloatToBf16(0.5f);
+  HoldGrads(s.get(), *w);
   for (uint16_t& x : w->grads_as<uint16_t>()) x = FloatToBf16(0.1f);
   w->grads_as<uint16_t>()[777] = FloatToBf16(INFINITY);
   ASSERT_TRUE(s->ReturnGradients(*w).ok());
@@ -168,8 +178,11 @@ TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->step, 0u);
   for (uint16_t x : after->params_as<uint16_t>()) ASSERT_EQ(x, FloatToBf16(0.5f));
-  // The skipped step consumed the gradients: fresh ones are needed.
+  // The skipped step consumed the gradients (the buffer reads zeros):
+  // fresh ones are needed.
   EXPECT_EQ(s->Step(AdamHyperparams{}).status().code(), absl::StatusCode::kFailedPrecondition);
+  HoldGrads(s.get(), *w);
+  EXPECT_EQ(w->grads_as<uint16_t>()[0], 0u);
   w->grads_as<uint16_t>()[777] = FloatToBf16(0.1f);
   ASSERT_TRUE(s->ReturnGradients(*w).ok());
   auto ok = s->Step(AdamHyperparams{});
@@ -196,6 +209,8 @@ TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
     auto a = sa->Register("w", 4099, DType::kFp32, DType::kFp32);
     auto b = sb->Register("w", 4099, DType::kFp32, DType::kFp32);
     ASSERT_TRUE(a.ok() && b.ok());
+    HoldGrads(sa.get(), *a);
+    HoldGrads(sb.get(), *b);
     for (size_t i = 0; i < 4099; ++i) {
       const float g = std::sin(static_cast<float>(i));
       a->params_as<float>()[i] = b->params_as<float>()[i] = std::cos(static_cast<float>(i));
@@ -519,44 +534,68 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   EXPECT_NE(access(token_file.c_str(), F_OK), 0);  // removed at exit
 }
 
-// The tiered store end to end: the demo MLP with its optimizer state on the
-// NVMe tier, in a host pool too small to hold that state, trains to exactly
-// the losses of the same model with its state in memory.
-TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
+// Every kind of data at `percent` on the host.
+Placement AllAt(int percent) {
+  Placement p;
+  p.params_host_percent = percent;
+  p.grads_host_percent = percent;
+  p.optimizer_state_host_percent = percent;
+  return p;
+}
+
+// The tiered store end to end: the demo MLP with its parameters, gradients
+// and optimizer state all on the NVMe tier, its optimizer state alone four
+// times the host pool, trains to exactly the losses of the same model with
+// everything in memory, following the residency contract (the demo holds
+// one partition at a time).
+TEST(DaemonStartup, EverythingOnNvmeTrainsTheDemoToTheSameLosses) {
   char dir[] = "/tmp/offloadd_ooc.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
   RemoveOnExit remove_2(dir);
   auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=64MiB",
-                                 "--placement.state_chunk_bytes=4096"});
+                                 "--placement.state_chunk_bytes=8KiB"});
   ASSERT_TRUE(d.ok()) << d.status();
   auto c = Client::Connect({(*d)->address()});
   ASSERT_TRUE(c.ok());
+  // A wide, shallow MLP in bf16: w1 (2 x 8192) is half of its 32769
+  // parameters, so that holding the largest partition (64 KiB of parameters
+  // and gradients) takes a small part of the optimizer state's 384 KiB.
   demo::MlpConfig config;
-  config.steps = 30;
-  auto train = [&](std::optional<int> host_percent) -> std::vector<double> {
+  config.inputs = 2;
+  config.hidden = 8192;
+  config.steps = 20;
+  config.param_dtype = DType::kBf16;
+  constexpr uint64_t kParams = 2 * 8192 + 8192 + 8192 + 1;
+  constexpr uint64_t kStateBytes = kParams * 12;
+  constexpr uint64_t kPool = 96 << 10;
+  static_assert(kStateBytes >= 4 * kPool, "the issue asks for state 4x the pool");
+  auto train = [&](const Placement& placement) -> std::vector<double> {
     SessionOptions options;
-    options.optimizer_state_host_percent = host_percent;
+    options.placement = placement;
     auto session = (*c)->OpenSession("demo", options);
     EXPECT_TRUE(session.ok()) << session.status();
     if (!session.ok()) return {};
     auto store = demo::MakeDaemonStore(config, session->get());
     auto losses = demo::Train(config, store.get());
     EXPECT_TRUE(losses.ok()) << losses.status();
-    if (host_percent == 0) {
+    if (placement.params_host_percent == 0) {
       auto stats = (*c)->GetStats();
       EXPECT_TRUE(stats.ok());
       EXPECT_EQ(stats->sessions.size(), 1u);
-      EXPECT_GT(stats->sessions[0].state_nvme_bytes, 0u);
-      EXPECT_EQ(stats->sessions[0].state_host_bytes, 0u);
+      EXPECT_EQ(stats->sessions[0].state_nvme_bytes, kStateBytes);
+      EXPECT_EQ(stats->sessions[0].params_nvme_bytes, kParams * 2);
+      EXPECT_EQ(stats->sessions[0].grads_nvme_bytes, kParams * 2);
+      EXPECT_EQ(stats->sessions[0].state_host_bytes + stats->sessions[0].params_host_bytes +
+                    stats->sessions[0].grads_host_bytes,
+                0u);
+      EXPECT_EQ(stats->sessions[0].held, 0u);
     }
     return losses.ok() ? *losses : std::vector<double>{};
   };
-  const std::vector<double> in_memory = train(std::nullopt);
-  ASSERT_EQ(in_memory.size(), 30u);
-  // The demo's arenas take 56 KiB of pool, its optimizer state 84 KiB: leave
-  // the state a quarter of that.
-  ASSERT_TRUE((*c)->SetTunable("memory.host_budget_bytes", "80KiB").ok());
-  const std::vector<double> out_of_core = train(0);
+  const std::vector<double> in_memory = train(AllAt(100));
+  ASSERT_EQ(in_memory.size(), 20u);
+  ASSERT_TRUE((*c)->SetTunable("memory.host_budget_bytes", std::to_string(kPool)).ok());
+  const std::vector<double> out_of_core = train(AllAt(0));
   EXPECT_EQ(in_memory, out_of_core);  // bit for bit
   auto stats = (*c)->GetStats();
   ASSERT_TRUE(stats.ok());
@@ -567,24 +606,30 @@ TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
   }
   EXPECT_GT(swap_outs, 0);
   EXPECT_EQ(io_errors, 0);
-  // Placement changes live over the wire.
+  // Placement changes live over the wire, one kind at a time.
   ASSERT_TRUE((*c)->SetTunable("memory.host_budget_bytes", "64MiB").ok());
   auto live = (*c)->OpenSession("live");
   ASSERT_TRUE(live.ok());
   ASSERT_TRUE((*live)->Register("w", 5000, DType::kFp32, DType::kFp32).ok());
-  EXPECT_TRUE((*live)->SetPlacement(0).ok());
+  Placement state_only;
+  state_only.optimizer_state_host_percent = 0;
+  EXPECT_TRUE((*live)->SetPlacement(state_only).ok());
   auto moved = (*c)->GetStats();
   ASSERT_TRUE(moved.ok());
   ASSERT_EQ(moved->sessions.size(), 1u);
   EXPECT_EQ(moved->sessions[0].state_nvme_bytes, 5000u * 12);
-  EXPECT_EQ((*live)->SetPlacement(150).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(moved->sessions[0].params_nvme_bytes, 0u);
+  EXPECT_EQ(moved->sessions[0].held, 1u);  // registered and not released
+  Placement bad;
+  bad.grads_host_percent = 150;
+  EXPECT_EQ((*live)->SetPlacement(bad).code(), absl::StatusCode::kInvalidArgument);
   // Without an NVMe tier, asking for NVMe placement says why not.
   auto plain = DaemonProcess::Start({});
   ASSERT_TRUE(plain.ok());
   auto pc = Client::Connect({(*plain)->address()});
   ASSERT_TRUE(pc.ok());
   SessionOptions nvme;
-  nvme.optimizer_state_host_percent = 0;
+  nvme.placement.params_host_percent = 0;
   auto refused = (*pc)->OpenSession("x", nvme);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "nvme.dirs")) << refused.status();
@@ -592,7 +637,7 @@ TEST(DaemonStartup, StateOnNvmeTrainsTheDemoToTheSameLosses) {
 
 // The daemon's peak resident memory, its sessions' arena pages included,
 // stays within the host pool plus a fixed overhead while a session whose
-// optimizer state is larger than the pool trains through it.
+// data is four times the pool trains through it.
 TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
   char dir[] = "/var/tmp/offloadd_rss.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
@@ -602,8 +647,10 @@ TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
   // The daemon's own memory besides the pool: code, gRPC's and the thread
   // pools' stacks and arenas, the allocator.
   constexpr uint64_t kOverhead = 48 * kMiB;
-  auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=512MiB",
+  auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=640MiB",
                                  "--memory.host_budget_bytes=64MiB",
+                                 "--placement.params_host_percent=0",
+                                 "--placement.grads_host_percent=0",
                                  "--placement.optimizer_state_host_percent=0",
                                  "--placement.state_chunk_bytes=2MiB"});
   ASSERT_TRUE(d.ok()) << d.status();
@@ -611,24 +658,36 @@ TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
   ASSERT_TRUE(c.ok());
   auto session = (*c)->OpenSession("big");
   ASSERT_TRUE(session.ok()) << session.status();
-  // 8 partitions of 1M parameters: bf16 working copy and gradients (32 MiB of
-  // arena), 96 MiB of optimizer state: 1.5x the whole pool, 3x what the
-  // arena leaves of it.
-  std::vector<PartitionView> parts;
-  for (int i = 0; i < 8; ++i) {
+  // 16 partitions of 1M parameters: bf16 working copy and gradients (4 MiB
+  // each), 12 MiB of optimizer state each: 256 MiB, 4x the pool. Held one at
+  // a time, as ZeRO-3 holds a layer's.
+  constexpr int kParts = 16;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < kParts; ++i) {
     auto p = (*session)->Register("p" + std::to_string(i), 1 << 20, DType::kBf16, DType::kBf16);
     ASSERT_TRUE(p.ok()) << p.status();
     for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
-    parts.push_back(*p);
+    ASSERT_TRUE((*session)->Release(*p).ok());
+    ids.push_back(p->id);
   }
-  for (int step = 0; step < 3; ++step) {
-    for (const PartitionView& p : parts) {
-      for (auto& g : p.grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step + 1));
-      ASSERT_TRUE((*session)->ReturnGradients(p).ok());
+  FetchOptions backward;
+  backward.grads = true;
+  for (int step = 0; step < 2; ++step) {
+    for (uint64_t id : ids) {
+      auto p = (*session)->Fetch(id);
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE((*session)->Release(*p).ok());
+    }
+    for (auto it = ids.rbegin(); it != ids.rend(); ++it) {
+      auto p = (*session)->Fetch(*it, backward);
+      ASSERT_TRUE(p.ok()) << p.status();
+      for (auto& g : p->grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step + 1));
+      ASSERT_TRUE((*session)->ReturnGradients(*p).ok());
+      ASSERT_TRUE((*session)->Release(*p).ok());
     }
     auto r = (*session)->Step(AdamHyperparams{});
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->partitions_updated, 8u);
+    EXPECT_EQ(r->partitions_updated, static_cast<uint64_t>(kParts));
     EXPECT_GT(r->wall_us, 0u);
     EXPECT_GT(r->compute_us, 0u);
     EXPECT_LE(r->state_wait_us + r->compute_us, r->wall_us);
@@ -647,13 +706,23 @@ TEST(DaemonStartup, ResidentMemoryStaysWithinThePool) {
   EXPECT_LE(peak, kPool + kOverhead);
   auto stats = (*c)->GetStats();
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(stats->sessions[0].state_nvme_bytes, uint64_t{96} << 20);
+  EXPECT_EQ(stats->sessions[0].state_nvme_bytes, uint64_t{192} << 20);
+  EXPECT_EQ(stats->sessions[0].params_nvme_bytes, uint64_t{32} << 20);
   // Holding more than the pool at once is refused with the numbers, and the
   // daemon goes on serving.
   auto huge = (*session)->Register("huge", 32 << 20, DType::kFp32, DType::kFp32);
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(huge.status().message(), "host pool")) << huge.status();
-  EXPECT_TRUE((*session)->Fetch(parts[0].id).ok());
+  // Every partition's parameters and gradient buffer at once are exactly the
+  // pool (the accounting is exact): they can all be held, and then nothing
+  // more.
+  auto all = (*session)->Fetch(absl::Span<const uint64_t>{}, backward);
+  EXPECT_TRUE(all.ok()) << all.status();
+  auto more = (*session)->Register("more", 1024, DType::kBf16, DType::kBf16);
+  EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(more.status().message(), "held by callers")) << more.status();
+  ASSERT_TRUE((*session)->Release(absl::Span<const uint64_t>{}).ok());
+  EXPECT_TRUE((*session)->Register("more", 1024, DType::kBf16, DType::kBf16).ok());
   session->reset();
   ASSERT_TRUE((*d)->Stop().ok());
 }

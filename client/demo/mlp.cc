@@ -161,34 +161,45 @@ class DaemonStore final : public ParameterStore {
   absl::Status Init(const std::vector<TensorShape>& tensors,
                     const std::vector<std::vector<float>>& initial) override {
     for (size_t t = 0; t < tensors.size(); ++t) {
+      // Registered partitions are held: write the initial values, release.
       ASSIGN_OR_RETURN(PartitionView view,
                        session_->Register(tensors[t].name, tensors[t].numel, config_.param_dtype,
                                           config_.param_dtype));
       NarrowFromFloat(initial[t].data(), config_.param_dtype, view.params, view.numel);
+      RETURN_IF_ERROR(session_->Release(view));
       ids_.push_back(view.id);
     }
     return absl::OkStatus();
   }
 
+  // As ZeRO-3's forward gathers each layer: hold, read, release, one
+  // partition at a time, so that the daemon's pool needs to hold only one.
   absl::Status Read(std::vector<std::vector<float>>* params) override {
-    ASSIGN_OR_RETURN(views_, session_->Fetch(ids_));
-    params->resize(views_.size());
-    for (size_t t = 0; t < views_.size(); ++t) {
-      (*params)[t].resize(views_[t].numel);
-      WidenToFloat(views_[t].params, views_[t].param_dtype, (*params)[t].data(), views_[t].numel);
+    params->resize(ids_.size());
+    for (size_t t = 0; t < ids_.size(); ++t) {
+      ASSIGN_OR_RETURN(PartitionView view, session_->Fetch(ids_[t]));
+      (*params)[t].resize(view.numel);
+      WidenToFloat(view.params, view.param_dtype, (*params)[t].data(), view.numel);
+      RETURN_IF_ERROR(session_->Release(view));
     }
     return absl::OkStatus();
   }
 
+  // As backward hands each layer's gradients over: hold the gradient
+  // buffer, write, return it, release.
   absl::Status Update(const std::vector<std::vector<float>>& grads) override {
-    for (size_t t = 0; t < views_.size(); ++t) {
-      NarrowFromFloat(grads[t].data(), views_[t].grad_dtype, views_[t].grads, views_[t].numel);
-      RETURN_IF_ERROR(session_->ReturnGradients(views_[t]));
+    FetchOptions backward;
+    backward.grads = true;
+    for (size_t t = ids_.size(); t-- > 0;) {
+      ASSIGN_OR_RETURN(PartitionView view, session_->Fetch(ids_[t], backward));
+      NarrowFromFloat(grads[t].data(), view.grad_dtype, view.grads, view.numel);
+      RETURN_IF_ERROR(session_->ReturnGradients(view));
+      RETURN_IF_ERROR(session_->Release(view));
     }
     ASSIGN_OR_RETURN(StepResult r, session_->Step(config_.adam));
-    if (r.partitions_updated != views_.size()) {
+    if (r.partitions_updated != ids_.size()) {
       return absl::InternalError(absl::StrCat("step updated ", r.partitions_updated, " of ",
-                                              views_.size(), " partitions"));
+                                              ids_.size(), " partitions"));
     }
     return absl::OkStatus();
   }
@@ -197,7 +208,6 @@ class DaemonStore final : public ParameterStore {
   const MlpConfig config_;
   Session* const session_;
   std::vector<uint64_t> ids_;
-  std::vector<PartitionView> views_;
 };
 
 }  // namespace
