@@ -451,6 +451,64 @@ TEST(OutOfCore, TwoSessionsShareASmallPool) {
   EXPECT_GT(shared.swapper->Stats().swap_outs, 0u);
 }
 
+// Registrations and placement changes racing from two threads: each sees
+// the other whole, so that at the end every partition's blocks rest where
+// the final placement puts them, and the per-kind byte counts add up.
+TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
+  Engine engine(TmpDir("n"), 64 << 20);
+  auto opened = engine.sessions->Open("race", All(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr int kParts = 40;
+  std::vector<PartitionInfo> parts(kParts);
+  std::thread registrar([&] {
+    for (int i = 0; i < kParts; ++i) {
+      auto p = engine.sessions->Register(key, {"p" + std::to_string(i), 3000 + 1000 * uint64_t(i % 5),
+                                               DType::kBf16, DType::kFp32});
+      ASSERT_TRUE(p.ok()) << p.status();
+      parts[i] = *p;
+      ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    }
+  });
+  for (int round = 0; round < 60; ++round) {
+    ASSERT_TRUE(engine.sessions->SetPlacement(key, All(round % 2 == 0 ? 0 : 100)).ok());
+  }
+  registrar.join();
+  PlacementChange final_placement;
+  final_placement[DataKind::kParams] = 30;
+  final_placement[DataKind::kGrads] = 0;
+  final_placement[DataKind::kOptimizerState] = 60;
+  ASSERT_TRUE(engine.sessions->SetPlacement(key, final_placement).ok());
+  engine.swapper->WaitIdle();
+  // Recompute each kind's homes greedily in registration order, as the
+  // store does, and compare with what the swapper says.
+  const uint64_t elem_bytes[kDataKinds] = {2, 4, 12};
+  const int blocks_of[kDataKinds][3] = {{PartitionStore::kParamsBlock, -1, -1},
+                                        {PartitionStore::kGradsBlock, -1, -1},
+                                        {PartitionStore::kMaster, PartitionStore::kExpAvg,
+                                         PartitionStore::kExpAvgSq}};
+  const auto sessions = engine.sessions->Sessions();
+  ASSERT_EQ(sessions.size(), 1u);
+  for (int k = 0; k < kDataKinds; ++k) {
+    const int percent = *final_placement.host_percent[k];
+    uint64_t host = 0, total = 0;
+    for (const PartitionInfo& p : parts) {
+      const uint64_t add = p.numel * elem_bytes[k];
+      const bool on_host = (host + add) * 100 <= static_cast<uint64_t>(percent) * (total + add);
+      total += add;
+      if (on_host) host += add;
+      for (int b : blocks_of[k]) {
+        if (b < 0) continue;
+        auto home = engine.swapper->Home(PartitionStore::BlockOf(p.id, 0, b));
+        ASSERT_TRUE(home.ok());
+        EXPECT_EQ(*home, on_host ? Tier::kHost : Tier::kNvme) << "kind " << k << " " << p.name;
+      }
+    }
+    EXPECT_EQ(sessions[0].host_bytes[k], host) << "kind " << k;
+    EXPECT_EQ(sessions[0].nvme_bytes[k], total - host) << "kind " << k;
+  }
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
