@@ -27,8 +27,8 @@
 // gradient buffer back. Read a partition's parameters, and write its
 // gradients, only while holding them: outside a hold, reads may see zeros
 // and writes may be lost. Parameters change only during Step (hold them
-// `writable` to change them yourself). After a Step, gradient buffers read
-// as zeros. Everything held is released when the session ends (Close, or
+// `writable` to change them yourself). After a Step, gradient buffers hold
+// no defined values: write every element before returning. Everything held is released when the session ends (Close, or
 // this process's death). Holding more at once than the daemon's host pool
 // can hold is RESOURCE_EXHAUSTED, with the numbers.
 //

@@ -28,8 +28,10 @@
 // evicted; released data may be, and its pages then leave the arena (they
 // read as zeros in the trainer's mapping) until the next hold brings them
 // back. Parameters change only in a step (or through a `writable` hold).
-// After a step consumed them, gradient buffers read as zeros (their bytes
-// are dropped, not written anywhere). A session that ends releases all.
+// After a step consumed them, gradient buffers hold no defined values
+// (dropped without being written anywhere where they rest on NVMe; left as
+// they were on the host): the trainer writes every element before
+// returning gradients. A session that ends releases all.
 //
 // Partition life cycle (per partition, under its set's lock):
 //   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a

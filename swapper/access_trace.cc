@@ -6,12 +6,23 @@ namespace offload {
 
 void AccessTrace::RecordUse(uint64_t id) {
   recording_.push_back(id);
-  if (!matched_) return;
+  if (!matched_ || trace_.empty()) return;
   if (pos_ < trace_.size() && trace_[pos_] == id) {
     ++pos_;
-  } else if (!trace_.empty()) {
-    matched_ = false;  // the order changed (or the iteration is longer)
+    return;
   }
+  // Uses the trace expects may not happen (the first iteration also held
+  // partitions for their registration): skip ahead to this use's next
+  // position in this iteration.
+  auto it = positions_.find(id);
+  if (it != positions_.end()) {
+    auto next = std::lower_bound(it->second.begin(), it->second.end(), pos_);
+    if (next != it->second.end()) {
+      pos_ = *next + 1;
+      return;
+    }
+  }
+  matched_ = false;  // the order changed (or the iteration is longer)
 }
 
 void AccessTrace::EndIteration() {

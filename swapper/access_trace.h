@@ -9,7 +9,9 @@
 //
 //   1. Every use is recorded into the current iteration's recording.
 //   2. With a learned trace, each use is matched against it: the expected
-//      one advances the position; anything else means the order changed, and
+//      one advances the position; one expected later in this iteration skips
+//      ahead to it (uses the trace holds may not recur: the first iteration
+//      also saw registrations); anything else means the order changed, and
 //      predictions stop for the rest of the iteration (callers fall back to
 //      LRU).
 //   3. At EndIteration, a recording that differs from the trace replaces it

@@ -42,13 +42,25 @@ TEST(AccessTrace, PredictsTheNextUsesAndTheirDistancesWrappingAround) {
   EXPECT_EQ(t.relearned(), 0u);  // the same order again
 }
 
+TEST(AccessTrace, UsesThatDoNotRecurAreSkipped) {
+  AccessTrace t;
+  // The first iteration registered 1 and 2 (held them) before training.
+  Iterate(t, {1, 2, 1, 2, 9});
+  t.RecordUse(1);  // expected 1: on trace
+  t.RecordUse(1);  // expected 2: 1 comes later, skip ahead to it
+  EXPECT_TRUE(t.on_trace());
+  EXPECT_EQ(t.Upcoming(2), (std::vector<uint64_t>{2, 9}));
+  EXPECT_EQ(t.NextUse(9), 1u);
+}
+
 TEST(AccessTrace, AChangedOrderStopsPredictionsAndIsLearnedAgain) {
   AccessTrace t;
   Iterate(t, {1, 2, 3});
-  t.RecordUse(3);  // expected 1
+  t.RecordUse(3);  // expected 1; 3 is later: skipped ahead
+  EXPECT_TRUE(t.on_trace());
+  t.RecordUse(2);  // not again in this iteration: the order changed
   EXPECT_FALSE(t.on_trace());
   EXPECT_EQ(t.NextUse(1), AccessTrace::kNever);
-  t.RecordUse(2);
   t.RecordUse(1);
   t.EndIteration();
   EXPECT_EQ(t.relearned(), 1u);

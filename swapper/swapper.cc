@@ -269,16 +269,12 @@ absl::Status Swapper::Discard(BlockId id) {
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
   b->extent = 0;
   b->nvme_current = false;
-  if (b->state == BlockState::kResident) {
-    if (b->home == Tier::kNvme) {
-      DropHostLocked(b);
-      b->state = BlockState::kOnNvme;
-    } else if (b->external != nullptr) {
-      // Homed on the host: the charge stays, the pages refault as zeros.
-      DiscardSharedPages(b->external, b->bytes).IgnoreError();
-    }
-    // A host-homed pool block keeps its bytes: nothing promised them gone.
+  if (b->state == BlockState::kResident && b->home == Tier::kNvme) {
+    DropHostLocked(b);
+    b->state = BlockState::kOnNvme;
   }
+  // A block homed on the host keeps its memory and its bytes: freeing and
+  // refaulting its pages every step would cost more than it saves.
   ++stats_.discards;
   changed_.SignalAll();
   return absl::OkStatus();
@@ -562,16 +558,20 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   if (prefetch_depth_ <= 0 || space_ == nullptr) return;
   const AccessTrace& t = traces_[trace];
   if (!t.on_trace()) return;
-  // The byte budget counts what prefetch has to bring in (queued or being
-  // read), not blocks that are resident already: a run of hits must not
-  // shrink the window (the disk would idle through it).
+  // The window, in blocks and in bytes, counts what prefetch has to bring
+  // in (queued or being read), not blocks that are resident already (among
+  // them every block homed on the host): a run of hits must not shrink it
+  // (the disk would idle through it). How far it looks for them is bounded,
+  // so that a trace of resident blocks costs little per Acquire.
+  constexpr int64_t kLookPerBlock = 16;
   uint64_t bytes = 0;
-  for (BlockId id : t.Upcoming(static_cast<size_t>(prefetch_depth_))) {
+  int64_t blocks = 0;
+  for (BlockId id : t.Upcoming(static_cast<size_t>(prefetch_depth_ * kLookPerBlock))) {
     Block* b = FindLocked(id);
     if (b == nullptr) continue;
     if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) continue;
     bytes += b->bytes;
-    if (bytes > static_cast<uint64_t>(prefetch_bytes_)) break;
+    if (++blocks > prefetch_depth_ || bytes > static_cast<uint64_t>(prefetch_bytes_)) break;
     if (b->state != BlockState::kOnNvme || b->move_queued) continue;
     b->move_queued = true;
     moves_.push_back({id, MoveKind::kPrefetch});

@@ -34,9 +34,9 @@
 // followed count as never used again, least recently used first. A failed
 // write-out (ENOSPC, EIO) leaves the block resident, and its older NVMe
 // copy intact (copy-on-write rewrites); the next victim is tried.
-// Prefetch: after each Acquire, the next prefetch_depth uses of the trace
-// (at most prefetch_bytes) are read in by the mover thread, evicting only
-// blocks needed later than the one prefetched.
+// Prefetch: after each Acquire, the next prefetch_depth blocks along the
+// trace that are not resident (at most prefetch_bytes) are read in by the
+// mover thread, evicting only blocks needed later than the one prefetched.
 // Memory: the pool's limit is never exceeded. Asking to pin more than the
 // pool holds at once is RESOURCE_EXHAUSTED with the numbers.
 //
@@ -162,11 +162,11 @@ class Swapper {
   // pinned). Unknown ids are ignored.
   void Remove(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The block's bytes are dead (consumed gradients): it becomes zeros,
-  // giving back its host memory if homed on NVMe and its NVMe copy, with no
-  // I/O. A block homed on the host keeps its memory; a pooled one its bytes
-  // too. FAILED_PRECONDITION (and nothing changes) while it is pinned or
-  // in flight; NOT_FOUND for an unknown id.
+  // The block's bytes are dead (consumed gradients): its NVMe copy is
+  // freed and, if homed on NVMe, its host memory given back, with no I/O;
+  // it next reads as zeros. A block homed on the host keeps its memory and
+  // whatever bytes it holds. FAILED_PRECONDITION (and nothing changes)
+  // while it is pinned or in flight; NOT_FOUND for an unknown id.
   absl::Status Discard(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Makes the block resident and pins it until the Pin goes. With

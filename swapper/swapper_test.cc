@@ -643,6 +643,13 @@ TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
   EXPECT_EQ(d.swap_ins, 0u);
   EXPECT_EQ(d.zero_fills, 3u);
   EXPECT_EQ(swapper_->Discard(99).code(), absl::StatusCode::kNotFound);
+  // Homed on the host: memory and bytes stay (nothing to give back).
+  ASSERT_TRUE(swapper_->AddExternal(4, arena.mine(kMiB), kMiB, Tier::kHost, 7).ok());
+  Write(4, 4);
+  const uint64_t used = pool_->used();
+  ASSERT_TRUE(swapper_->Discard(4).ok());
+  EXPECT_EQ(pool_->used(), used);
+  ExpectHolds(4, 4);
 }
 
 }  // namespace

@@ -178,12 +178,10 @@ TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->step, 0u);
   for (uint16_t x : after->params_as<uint16_t>()) ASSERT_EQ(x, FloatToBf16(0.5f));
-  // The skipped step consumed the gradients (the buffer reads zeros):
-  // fresh ones are needed.
+  // The skipped step consumed the gradients: fresh ones are needed.
   EXPECT_EQ(s->Step(AdamHyperparams{}).status().code(), absl::StatusCode::kFailedPrecondition);
   HoldGrads(s.get(), *w);
-  EXPECT_EQ(w->grads_as<uint16_t>()[0], 0u);
-  w->grads_as<uint16_t>()[777] = FloatToBf16(0.1f);
+  for (uint16_t& x : w->grads_as<uint16_t>()) x = FloatToBf16(0.1f);
   ASSERT_TRUE(s->ReturnGradients(*w).ok());
   auto ok = s->Step(AdamHyperparams{});
   ASSERT_TRUE(ok.ok());
