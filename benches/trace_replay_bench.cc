@@ -8,11 +8,15 @@
 //       [--iterations=4] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
 //       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--busy]
-//       [--no-fio] [--tiny]
+//       [--memory=arena|pool] [--no-fio] [--tiny]
 //
 // The model: --layers layers, each one parameter partition of
 // --params / --layers bytes, one swapper block homed on NVMe (all of them
-// together --params, default 3x the host pool). Setup writes every block once
+// together --params, default 3x the host pool). With --memory=arena (the
+// default) each block is external memory over a shared memfd, as the daemon
+// keeps working parameters (4 KiB shmem pages, freed when evicted); with
+// --memory=pool the swapper allocates it (transparent huge pages), as it
+// does optimizer state. Setup writes every block once
 // (so each has an NVMe copy) and ends that iteration. One iteration is ZeRO-3's
 // order: forward, Acquire(layer, read-only) for layers 0..L-1 in order,
 // then backward, L-1..0 in reverse; each use holds its pin for the compute
@@ -65,6 +69,8 @@
 #include "absl/strings/str_split.h"
 #include "base/config_registry.h"
 #include "base/env.h"
+#include "base/host_memory.h"
+#include "base/unique_fd.h"
 #include "benches/bench_util.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_backend_factory.h"
@@ -101,6 +107,7 @@ struct Flags {
   int64_t stripe = NvmeOptions{}.stripe_bytes;
   bool busy = false;
   bool fio = true;
+  bool arena = true;  // --memory=arena: external blocks over a memfd
 };
 
 // "10ms", "0.5s", "250us".
@@ -228,6 +235,8 @@ int Main(int argc, char** argv) {
       f.stripe = bytes(v);
     } else if (a == "--busy") {
       f.busy = true;
+    } else if (a == "--memory=arena" || a == "--memory=pool") {
+      f.arena = a == "--memory=arena";
     } else if (a == "--no-fio") {
       f.fio = false;
     } else if (a == "--tiny") {
@@ -258,8 +267,11 @@ int Main(int argc, char** argv) {
   }
   PrintMachine(f.dir);
   std::printf("== trace_replay: %d layers of %.1f MiB (%.3f GiB of parameters, one block each, "
-              "homed on NVMe); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers fit)\n",
-              f.layers, layer_bytes / kMiB, total / kGiB, f.pool / kGiB,
+              "homed on NVMe, in %s); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers "
+              "fit)\n",
+              f.layers, layer_bytes / kMiB, total / kGiB,
+              f.arena ? "a shared memfd arena, 4 KiB pages" : "pool memory, huge pages",
+              f.pool / kGiB,
               static_cast<double>(total) / f.pool, static_cast<double>(f.pool) / layer_bytes);
   std::printf("iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; "
               "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
@@ -325,6 +337,25 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
       return 1;
     }
+    // The arena: one memfd, mapped once, a page-aligned region per layer
+    // (before the swapper: it must outlive the swapper's I/O).
+    const uint64_t region = RoundUpToPage(layer_bytes);
+    UniqueFd arena_fd;
+    HostMemory arena;
+    if (f.arena) {
+      absl::StatusOr<UniqueFd> fd = Env::Default()->CreateMemfd("trace-replay");
+      absl::Status sized = fd.ok() ? Env::Default()->ResizeFile(fd->get(), region * f.layers)
+                                   : fd.status();
+      absl::StatusOr<HostMemory> mapped =
+          sized.ok() ? HostMemory::MapShared(fd->get(), 0, region * f.layers)
+                     : absl::StatusOr<HostMemory>(sized);
+      if (!mapped.ok()) {
+        std::fprintf(stderr, "arena: %s\n", mapped.status().ToString().c_str());
+        return 1;
+      }
+      arena_fd = std::move(*fd);
+      arena = std::move(*mapped);
+    }
     HostPool pool(Env::Default(), f.pool, /*lock_memory=*/false);
     SwapperOptions so;
     so.prefetch_depth = f.prefetch_depth;
@@ -337,7 +368,10 @@ int Main(int argc, char** argv) {
     }
     Swapper& s = **created;
     for (int l = 0; l < f.layers; ++l) {
-      absl::Status added = s.Add(static_cast<uint64_t>(l), layer_bytes, Tier::kNvme, kTrace);
+      const uint64_t id = static_cast<uint64_t>(l);
+      absl::Status added =
+          f.arena ? s.AddExternal(id, arena.data() + id * region, layer_bytes, Tier::kNvme, kTrace)
+                  : s.Add(id, layer_bytes, Tier::kNvme, kTrace);
       if (!added.ok()) {
         std::fprintf(stderr, "%s\n", added.ToString().c_str());
         return 1;

@@ -82,6 +82,7 @@ struct Swapper::Block {
   bool prefetched = false;    // brought in by prefetch, not acquired since
   bool move_queued = false;
   bool removed = false;
+  bool dropping = false;  // kOnNvme, its external pages still being freed
   uint64_t failed_reads = 0;
   absl::Status read_error;
 };
@@ -104,7 +105,7 @@ absl::Status Swapper::TakeHostLocked(Block* b) {
   return absl::OkStatus();
 }
 
-void Swapper::DropHostLocked(Block* b) {
+void Swapper::DropHostNowLocked(Block* b) {
   if (b->external != nullptr) {
     // Its pages leave the memfd (and every mapping of them); a later
     // swap-in faults in fresh ones. Failing here is a kernel that cannot
@@ -118,6 +119,44 @@ void Swapper::DropHostLocked(Block* b) {
   } else {
     b->host.Reset();
   }
+}
+
+void Swapper::DropHostLocked(Block* b) {
+  if (b->external == nullptr || stopping_) {
+    DropHostNowLocked(b);
+    return;
+  }
+  // Freeing tens of MiB of shmem pages takes milliseconds: an I/O thread
+  // does it without the lock, first in its queue. Until then the block
+  // stays charged (counted as being freed, so MakeRoom waits for it rather
+  // than evicting more) and cannot be read in again.
+  b->dropping = true;
+  freeing_bytes_ += b->charge.bytes();
+  io_queue_.push_front([this, id = b->id] { FinishDrop(id); });
+  changed_.SignalAll();
+}
+
+void Swapper::FinishDrop(BlockId id) {
+  std::byte* data;
+  uint64_t bytes;
+  {
+    absl::MutexLock lock(&mu_);
+    const Block* b = blocks_.at(id).get();  // dropping: never erased meanwhile
+    data = b->external;
+    bytes = b->bytes;
+  }
+  absl::Status freed = DiscardSharedPages(data, bytes);
+  absl::MutexLock lock(&mu_);
+  Block* b = blocks_.at(id).get();
+  if (!freed.ok()) {
+    LogWarning("swapper: block %d: %s", static_cast<int64_t>(id), freed.ToString());
+  }
+  freeing_bytes_ -= b->charge.bytes();
+  b->charge.Reset();
+  b->dropping = false;
+  --io_running_;
+  changed_.SignalAll();
+  EraseIfDoneLocked(b);
 }
 
 Swapper::Pin& Swapper::Pin::operator=(Pin&& other) noexcept {
@@ -166,7 +205,7 @@ Swapper::~Swapper() {
   absl::MutexLock lock(&mu_);
   for (auto& [id, b] : blocks_) {
     if (b->extent != 0) space_->Free(b->extent).IgnoreError();
-    if (b->state != BlockState::kOnNvme) DropHostLocked(b.get());
+    if (b->state != BlockState::kOnNvme) DropHostNowLocked(b.get());
   }
   blocks_.clear();
 }
@@ -177,7 +216,7 @@ Swapper::Block* Swapper::FindLocked(BlockId id) const {
 }
 
 bool Swapper::BusyLocked(const Block& b) const {
-  return b.pins > 0 || b.waiters > 0 || b.state == BlockState::kReadingIn ||
+  return b.pins > 0 || b.waiters > 0 || b.dropping || b.state == BlockState::kReadingIn ||
          b.state == BlockState::kWritingOut;
 }
 
@@ -185,7 +224,7 @@ void Swapper::EraseIfDoneLocked(Block* b) {
   if (!b->removed || BusyLocked(*b)) return;
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
   // External memory stays the caller's mapping, but its pages go now.
-  if (b->state != BlockState::kOnNvme) DropHostLocked(b);
+  if (b->state != BlockState::kOnNvme) DropHostNowLocked(b);
   blocks_.erase(b->id);
   changed_.SignalAll();
 }
@@ -310,6 +349,11 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
       continue;
     }
     // kOnNvme.
+    if (b->dropping) {
+      // Its pages are still being freed: read it in once they are.
+      while (b->dropping) changed_.Wait(&mu_);
+      continue;
+    }
     if (!counted) ++stats_.misses;
     counted = true;
     if (!pool_->Fits(b->bytes)) {
@@ -706,6 +750,16 @@ void Swapper::MoverThread() {
     b->move_queued = false;
     if (b->state != BlockState::kOnNvme) continue;
     mover_busy_ = true;
+    // Its pages still being freed (evicted a moment ago): once they are.
+    while (b != nullptr && b->dropping) {
+      changed_.Wait(&mu_);
+      b = FindLocked(move.id);
+    }
+    if (b == nullptr || b->state != BlockState::kOnNvme) {
+      mover_busy_ = false;
+      changed_.SignalAll();
+      continue;
+    }
     // Making room may wait (the lock is released): the block may be read in
     // by an Acquire, or removed, meanwhile. It is looked up again after, by
     // id, rather than held with a waiter: a waiter would keep it from being
@@ -724,7 +778,7 @@ void Swapper::MoverThread() {
       changed_.SignalAll();
       continue;
     }
-    if (status.ok() && b->state == BlockState::kOnNvme && !b->removed) {
+    if (status.ok() && b->state == BlockState::kOnNvme && !b->removed && !b->dropping) {
       status = pool_->Fits(b->bytes)
                    ? StartReadLocked(b)
                    : absl::ResourceExhaustedError("the room made was taken meanwhile");

@@ -223,8 +223,12 @@ class Swapper {
   // Gives the block host memory (a lease, or the charge for its external
   // pages) from the pool, which must fit it. Its bytes are zeros.
   absl::Status TakeHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives the block's host memory back (external pages are freed).
+  // Gives the block's host memory back. External pages are freed by an I/O
+  // thread, outside the lock (the block is `dropping` until then);
+  // DropHostNowLocked frees them at once.
   void DropHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropHostNowLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishDrop(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
   bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
