@@ -24,11 +24,13 @@
 //   3. The engine, assembled in-process as engine/out_of_core_test.cc does:
 //      HostPool (limit = the session arena's charge + --cache), Swapper over
 //      SwapSpace over MakeIoBackend, PartitionStore, StepRunner,
-//      SessionManager. One session with state_host_percent 0 (all optimizer
-//      state homed on NVMe), the partitions registered with bf16 params and
-//      bf16 gradients (written into the arena once through the memfd, so the
-//      arena is mapped once in this process, as in the daemon). Then --steps
-//      steps, each after ReturnGradients of every partition. The first step
+//      SessionManager. One session with all optimizer state homed on NVMe
+//      and params and gradients on the host, the partitions registered with
+//      bf16 params and bf16 gradients (written into the arena through the
+//      memfd while held, so the arena is mapped once in this process, as in
+//      the daemon). Then --steps steps, each after every partition was held
+//      with its gradient buffer, its gradients written, returned and
+//      released (outside the timing). The first step
 //      learns the access order (and finds its state never written:
 //      zero-filled, no reads); later steps are the steady state.
 //      After every step, once the swapper is idle, one fio round on the same
