@@ -449,9 +449,10 @@ int Main(int argc, char** argv) {
   uint64_t arena_charge = 0, blocks = 0;
   for (uint64_t n : sizes) {
     arena_charge += 2 * ShmArena::RoundedSize(n * 2);  // bf16 params + bf16 grads
-    blocks += 3 * ((n + chunk_elems - 1) / chunk_elems);
+    blocks += 4 * ((n + chunk_elems - 1) / chunk_elems);
   }
-  const uint64_t state = f.params * 12;
+  // Master, exp_avg, exp_avg_sq and the fp32 gradient accumulator.
+  const uint64_t state = f.params * 16;
   const uint64_t pool_limit = arena_charge + f.cache;
 
   if (mkdir(f.dir.c_str(), 0700) != 0 && errno != EEXIST) {
@@ -461,11 +462,11 @@ int Main(int argc, char** argv) {
   PrintMachine(f.dir);
   std::printf(
       "== out_of_core_step: %llu params in %zu partitions of <= %llu; bf16 working copy + bf16 "
-      "gradients in the session arena, fp32 master + exp_avg + exp_avg_sq homed on NVMe "
-      "(state_host_percent 0)\n",
+      "gradients in the session arena, fp32 master + exp_avg + exp_avg_sq + gradient accumulator "
+      "homed on NVMe (optimizer_state_host_percent 0)\n",
       static_cast<unsigned long long>(f.params), sizes.size(),
       static_cast<unsigned long long>(f.partition_params));
-  std::printf("state %.3f GB (%.3f GiB, 12 B/param); arena %.3f GB (%.3f GiB, 4 B/param) charged "
+  std::printf("state %.3f GB (%.3f GiB, 16 B/param); arena %.3f GB (%.3f GiB, 4 B/param) charged "
               "to the pool; state cache %.3f GiB\n",
               state / 1e9, state / kGiB, arena_charge / 1e9, arena_charge / kGiB, f.cache / kGiB);
   std::printf("pool limit = arena + cache = %.3f GiB; state / cache = %.2fx; state / whole pool = "

@@ -75,6 +75,11 @@ void Optimizer::SetCheckFinite(bool check) {
   check_finite_ = check;
 }
 
+bool Optimizer::check_finite() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return check_finite_;
+}
+
 int Optimizer::threads() const {
   absl::ReaderMutexLock lock(&mu_);
   return threads_;
@@ -86,11 +91,18 @@ std::string Optimizer::kernel_name() const {
 }
 
 std::vector<Optimizer::Tile> Optimizer::MakeTiles(absl::Span<const AdamTask> tasks) const {
+  std::vector<uint64_t> numels;
+  numels.reserve(tasks.size());
+  for (const AdamTask& t : tasks) numels.push_back(t.span.numel);
+  return MakeTilesOf(numels);
+}
+
+std::vector<Optimizer::Tile> Optimizer::MakeTilesOf(absl::Span<const uint64_t> numels) const {
   const size_t tile = static_cast<size_t>(tile_elems_);
   std::vector<Tile> tiles;
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    for (size_t b = 0; b < tasks[i].span.numel; b += tile) {
-      tiles.push_back(Tile{i, b, std::min(tasks[i].span.numel, b + tile)});
+  for (size_t i = 0; i < numels.size(); ++i) {
+    for (size_t b = 0; b < numels[i]; b += tile) {
+      tiles.push_back(Tile{i, b, std::min<size_t>(numels[i], b + tile)});
     }
   }
   return tiles;
@@ -150,6 +162,31 @@ absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
 uint64_t Optimizer::CountNonFinite(absl::Span<const AdamTask> tasks) {
   absl::ReaderMutexLock lock(&mu_);
   return CountNonFiniteLocked(tasks, MakeTiles(tasks));
+}
+
+GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<uint64_t> numels;
+  numels.reserve(tasks.size());
+  for (const AccumulateTask& t : tasks) numels.push_back(t.numel);
+  const std::vector<Tile> tiles = MakeTilesOf(numels);
+  std::vector<GradStats> per_tile(tiles.size());
+  arena_->execute([&] {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, tiles.size(), 1),
+                      [&](const tbb::blocked_range<size_t>& r) {
+                        for (size_t i = r.begin(); i != r.end(); ++i) {
+                          const Tile& t = tiles[i];
+                          const AccumulateTask& task = tasks[t.task];
+                          const size_t elem = DTypeSize(task.grad_dtype);
+                          per_tile[i] = AccumulateGrads(
+                              static_cast<const std::byte*>(task.grads) + t.begin * elem,
+                              task.grad_dtype, task.acc + t.begin, t.end - t.begin, task.first);
+                        }
+                      });
+  });
+  GradStats total;
+  for (const GradStats& s : per_tile) total += s;
+  return total;
 }
 
 absl::Status Optimizer::Update(absl::Span<const AdamTask> tasks, const AdamHyperparams& h) {

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "cpu_adam/accumulate.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/optimizer_options.h"
 #include "tbb/task_arena.h"
@@ -27,6 +28,15 @@ namespace offload {
 struct AdamTask {
   AdamSpan span;
   uint64_t step = 1;
+};
+
+// One micro-batch's gradients added into an accumulator (accumulate.h).
+struct AccumulateTask {
+  const void* grads = nullptr;
+  DType grad_dtype = DType::kFp32;
+  float* acc = nullptr;
+  uint64_t numel = 0;
+  bool first = false;  // the accumulator holds nothing yet: copy
 };
 
 struct StepReport {
@@ -56,12 +66,18 @@ class Optimizer {
   uint64_t CountNonFinite(absl::Span<const AdamTask> tasks);
   absl::Status Update(absl::Span<const AdamTask> tasks, const AdamHyperparams& h);
 
+  // Accumulates every task on the pool; the statistics of the accumulated
+  // values, summed over tiles in a fixed order (the same bits every run
+  // for the same tile size).
+  GradStats Accumulate(absl::Span<const AccumulateTask> tasks);
+
   // INVALID_ARGUMENT outside kOptimizerThreadsRange / kOptimizerTileElemsRange.
   absl::Status SetThreads(int64_t threads);
   absl::Status SetTileElems(int64_t tile_elems);
   // FAILED_PRECONDITION if the CPU lacks the instruction set.
   absl::Status SetKernel(const std::string& name);
   void SetCheckFinite(bool check);
+  bool check_finite() const;
 
   // Threads actually in use (0 resolved to the CPU count).
   int threads() const;
@@ -74,6 +90,9 @@ class Optimizer {
     size_t end;
   };
   std::vector<Tile> MakeTiles(absl::Span<const AdamTask> tasks) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Tiles over tasks of the given sizes.
+  std::vector<Tile> MakeTilesOf(absl::Span<const uint64_t> numels) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   template <typename Fn>
   void ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) ABSL_SHARED_LOCKS_REQUIRED(mu_);

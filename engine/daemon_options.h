@@ -55,7 +55,8 @@ struct MemoryOptions {
 struct PlacementOptions {
   // Percentage of each new session's bytes of a kind kept on the host: its
   // working parameters, its gradient buffers, its optimizer state (fp32
-  // master weights and Adam moments, 12 bytes per parameter). The rest rests
+  // master weights, Adam moments and the gradient accumulator, 16 bytes per
+  // parameter). The rest rests
   // on the NVMe tier and is brought into the host pool while in use
   // (parameters while the trainer holds them, everything during the step).
   // 100 keeps all of it in memory (fastest); lower values train models

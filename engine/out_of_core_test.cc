@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -126,12 +127,32 @@ class Trainer {
       ASSERT_TRUE(held.ok()) << held.status();
       auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = d(rng);
-      ASSERT_TRUE(engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).ok());
+      const absl::Status returned =
+          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32);
+      ASSERT_TRUE(returned.ok()) << returned;
       if (p.id != keep) {
         ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
       }
     }
   }
+
+  // Returns gradients `grad(partition index, element)`, partition by
+  // partition (one micro-batch).
+  template <typename Fn>
+  void ReturnGradientsOf(Fn grad) {
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const PartitionInfo& p = parts_[i];
+      ASSERT_TRUE(engine_->sessions->Fetch(key_, {p.id}, WithGrads()).ok());
+      auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
+      for (uint64_t j = 0; j < p.numel; ++j) g[j] = grad(i, j);
+      const absl::Status returned =
+          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32);
+      ASSERT_TRUE(returned.ok()) << returned;
+      ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
+    }
+  }
+
+  absl::StatusOr<PendingGradients> Pending() { return engine_->sessions->Pending(key_); }
 
   // Returns the first partition's gradients again; the status code.
   absl::StatusCode ReturnGradientsStatus() {
@@ -174,9 +195,10 @@ class Trainer {
   HostMemory arena_;
 };
 
+// Master weights, exp_avg, exp_avg_sq and the gradient accumulator.
 uint64_t StateBytes() {
   uint64_t total = 0;
-  for (uint64_t n : kSizes) total += 3 * n * sizeof(float);
+  for (uint64_t n : kSizes) total += 4 * n * sizeof(float);
   return total;
 }
 
@@ -229,7 +251,7 @@ TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
   const int state = static_cast<int>(DataKind::kOptimizerState);
   EXPECT_EQ(sessions[0].nvme_bytes[state], StateBytes());
   EXPECT_EQ(sessions[0].host_bytes[state], 0u);
-  EXPECT_EQ(sessions[0].nvme_bytes[static_cast<int>(DataKind::kParams)], TotalBytes() / 18 * 2);
+  EXPECT_EQ(sessions[0].nvme_bytes[static_cast<int>(DataKind::kParams)], TotalBytes() / 22 * 2);
 }
 
 // What the trainer holds stays in memory however hard the pool is pressed;
@@ -420,7 +442,7 @@ TEST(OutOfCore, LivePlacementChangesMoveDataAndKeepTrainingExact) {
   grads_only[DataKind::kGrads] = 0;
   ASSERT_TRUE(engine.sessions->SetPlacement(moved.key(), grads_only).ok());
   EXPECT_EQ(engine.sessions->Sessions()[0].nvme_bytes[static_cast<int>(DataKind::kGrads)],
-            TotalBytes() / 18 * 4);
+            TotalBytes() / 22 * 4);
   step_both(6);
   EXPECT_EQ(engine.sessions->SetPlacement(moved.key(), StateAt(101)).code(),
             absl::StatusCode::kInvalidArgument);
@@ -482,7 +504,7 @@ TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
   engine.swapper->WaitIdle();
   // Recompute each kind's homes greedily in registration order, as the
   // store does, and compare with what the swapper says.
-  const uint64_t elem_bytes[kDataKinds] = {2, 4, 12};
+  const uint64_t elem_bytes[kDataKinds] = {2, 4, 16};
   const int blocks_of[kDataKinds][3] = {{PartitionStore::kParamsBlock, -1, -1},
                                         {PartitionStore::kGradsBlock, -1, -1},
                                         {PartitionStore::kMaster, PartitionStore::kExpAvg,
@@ -507,6 +529,80 @@ TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
     EXPECT_EQ(sessions[0].host_bytes[k], host) << "kind " << k;
     EXPECT_EQ(sessions[0].nvme_bytes[k], total - host) << "kind " << k;
   }
+}
+
+// Gradient accumulation: four micro-batches returned one after another
+// train to the same bits as their sum returned once (added in fp32 in the
+// same order, as torch accumulates .grad), with the data in memory and on
+// NVMe; the pending norm is the same bits too, and is the sum's.
+TEST(OutOfCore, FourMicroBatchesEqualOneBigBatch) {
+  int dir = 0;
+  for (const PlacementChange& placement : {All(100), All(0)}) {
+    const bool on_nvme = !placement[DataKind::kParams].has_value() ||
+                         *placement[DataKind::kParams] == 0;
+    Engine engine(TmpDir("acc" + std::to_string(dir++)),
+                  on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+    Trainer micro(&engine, placement), big(&engine, placement);
+    auto g = [](int step, int mb, size_t part, uint64_t j) {
+      return 0.01f * std::sin(0.1f * static_cast<float>(j) + 1.3f * static_cast<float>(mb) +
+                              0.7f * static_cast<float>(part) + static_cast<float>(step));
+    };
+    for (int step = 1; step <= 3; ++step) {
+      for (int mb = 0; mb < 4; ++mb) {
+        micro.ReturnGradientsOf([&](size_t part, uint64_t j) { return g(step, mb, part, j); });
+      }
+      big.ReturnGradientsOf([&](size_t part, uint64_t j) {
+        float sum = g(step, 0, part, j);
+        for (int mb = 1; mb < 4; ++mb) sum += g(step, mb, part, j);
+        return sum;
+      });
+      auto pm = micro.Pending(), pb = big.Pending();
+      ASSERT_TRUE(pm.ok() && pb.ok());
+      EXPECT_EQ(pm->micro_batches, 4u);
+      EXPECT_EQ(pb->micro_batches, 1u);
+      EXPECT_EQ(pm->partitions, kSizes.size());
+      EXPECT_EQ(pm->stats.sq_norm, pb->stats.sq_norm) << "step " << step;
+      EXPECT_GT(pm->stats.sq_norm, 0.0);
+      EXPECT_EQ(pm->stats.nonfinite, 0u);
+      ASSERT_TRUE(micro.Step().ok());
+      ASSERT_TRUE(big.Step().ok());
+      ASSERT_EQ(micro.Params(), big.Params()) << "step " << step << (on_nvme ? " on NVMe" : "");
+      auto after = micro.Pending();
+      EXPECT_EQ(after->partitions, 0u);  // consumed
+    }
+  }
+}
+
+// A NaN in one micro-batch makes the accumulated gradient non-finite: the
+// step is skipped and changes nothing; an explicit skip consumes the
+// gradients too and changes nothing.
+TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
+  Engine engine(TmpDir("skip"), 64 << 20);
+  Trainer t(&engine, All(100));
+  const std::string before = t.Params();
+  t.ReturnGradientsOf([](size_t, uint64_t j) { return 0.01f * static_cast<float>(j % 7); });
+  t.ReturnGradientsOf([](size_t part, uint64_t j) {
+    return part == 1 && j == 5 ? std::nanf("") : 0.001f;
+  });
+  auto pending = t.Pending();
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->stats.nonfinite, 1u);
+  auto skipped = t.Step();
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_EQ(skipped->nonfinite, 1u);
+  EXPECT_EQ(t.Params(), before);
+  EXPECT_EQ(t.Pending()->partitions, 0u);
+  t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
+  auto explicit_skip = engine.sessions->Step(t.key(), AdamHyperparams{}, /*skip=*/true);
+  ASSERT_TRUE(explicit_skip.ok());
+  EXPECT_TRUE(explicit_skip->skipped);
+  EXPECT_EQ(t.Params(), before);
+  EXPECT_EQ(engine.sessions->Step(t.key(), AdamHyperparams{}).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // nothing left to step
+  t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
+  ASSERT_TRUE(t.Step().ok());
+  EXPECT_NE(t.Params(), before);
 }
 
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {

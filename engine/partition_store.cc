@@ -56,8 +56,12 @@ struct PartitionSet::Partition {
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   bool master_initialized = false;
-  bool grads_ready = false;
+  bool grads_ready = false;  // the accumulator holds gradients for the next step
   bool in_step = false;
+  bool accumulating = false;
+  bool accum_lost = false;     // an accumulation failed midway: skip the step
+  uint64_t micro_batches = 0;  // accumulated since the last step
+  GradStats grad_stats;        // of the accumulated values
   uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
   // The trainer's holds: every chunk pinned, or none.
   std::vector<Swapper::Pin> param_pins, grad_pins;
@@ -69,8 +73,8 @@ struct PartitionSet::Partition {
         return info.numel * DTypeSize(info.param_dtype);
       case DataKind::kGrads:
         return info.numel * DTypeSize(info.grad_dtype);
-      case DataKind::kOptimizerState:
-        return 3 * info.numel * sizeof(float);
+      case DataKind::kOptimizerState:  // master, m, v and the gradient accumulator
+        return 4 * info.numel * sizeof(float);
     }
     return 0;
   }
@@ -181,7 +185,7 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
   // Outside the set's lock; each call returns at once.
   for (const Move& m : moves) {
     for (uint64_t c = 0; c < m.chunks; ++c) {
-      for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+      for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
         if (KindOfBlock(b) != m.kind) continue;
         RETURN_IF_ERROR(swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home));
       }
@@ -210,7 +214,7 @@ PartitionSet::~PartitionSet() {
   holds.clear();
   for (const auto& [id, n] : chunks) {
     for (uint64_t c = 0; c < n; ++c) {
-      for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+      for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
         swapper_->Remove(PartitionStore::BlockOf(id, c, b));
       }
     }
@@ -344,7 +348,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     const Tier* home = partition->home;
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
       const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
-      for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
+      for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
         const uint64_t block = PartitionStore::BlockOf(id, c, b);
         const Tier where = home[static_cast<int>(KindOfBlock(b))];
         absl::Status s;
@@ -468,8 +472,8 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
   return absl::OkStatus();  // `released` unpins here, outside the lock
 }
 
-absl::Status PartitionSet::ReturnGradients(uint64_t id, uint64_t numel, DType grad_dtype) {
-  std::vector<Swapper::Pin> handed_back;
+absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64_t numel,
+                                                              DType grad_dtype) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
   if (numel != p->info.numel) {
@@ -483,39 +487,126 @@ absl::Status PartitionSet::ReturnGradients(uint64_t id, uint64_t numel, DType gr
         "gradients for partition ", id, " ('", p->info.name, "') are ", DTypeName(grad_dtype),
         "; it was registered with ", DTypeName(p->info.grad_dtype)));
   }
-  // The step in progress consumes the gradients it pinned; these are new.
+  // The step in progress consumes the gradients accumulated before it;
+  // these are for the next one. One accumulation of a partition at a time.
   AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
+  while (p->accumulating) step_ended_.Wait(&mu_);
   if (p->resume_chunk != 0) {
     // Part of this partition was updated with the gradients it holds; new
     // ones would mix two steps in one.
     return absl::FailedPreconditionError(absl::StrCat(
         "partition ", id, " ('", p->info.name, "') is in a step that stopped midway; call Step "
-        "again (with the gradients as they were) before returning new ones"));
+        "again before returning new gradients"));
   }
   if (p->grad_pins.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "partition ", id, " ('", p->info.name, "'): its gradient buffer is not held; fetch it "
         "with grads before writing gradients into it"));
   }
-  p->grads_ready = true;
-  // Unpinned outside the lock: `handed_back` is declared before `lock`, so
-  // it is destroyed after the lock is released.
-  handed_back = std::move(p->grad_pins);
-  p->grad_pins.clear();
-  return absl::OkStatus();
+  if (p->accum_lost) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", id, " ('", p->info.name, "'): its accumulated gradients were lost in a "
+        "failed accumulation; skip this step first"));
+  }
+  p->accumulating = true;
+  AccumulateItem item;
+  item.id = id;
+  item.chunks = ChunksOf(p->info.numel);
+  item.grad_dtype = grad_dtype;
+  item.first = p->micro_batches == 0;
+  return item;
 }
 
-absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep() {
+absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem& item,
+                                                           uint64_t chunk) {
+  uint64_t numel;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(item.id));
+    numel = p->info.numel;
+  }
+  AccumulatePins pins;
+  pins.begin = chunk * state_chunk_elems_;
+  pins.end = std::min(numel, pins.begin + state_chunk_elems_);
+  // The gradients are held by the trainer (resident); the accumulator is
+  // read in unless this is the first micro-batch (then it is overwritten).
+  ASSIGN_OR_RETURN(pins.grads,
+                   PinBlock(item.id, chunk, PartitionStore::kGradsBlock, /*for_write=*/false));
+  ASSIGN_OR_RETURN(pins.accum,
+                   PinBlock(item.id, chunk, PartitionStore::kAccumBlock, /*for_write=*/true));
+  return pins;
+}
+
+void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
+                                 const GradStats& stats, uint64_t chunks_done) {
+  std::vector<Swapper::Pin> handed_back;
+  {
+    absl::MutexLock lock(&mu_);
+    Partition* p = Find(item.id);
+    p->accumulating = false;
+    step_ended_.SignalAll();
+    if (!outcome.ok()) {
+      // A first micro-batch that failed left the accumulator to be
+      // overwritten again; an addition that failed midway left some chunks
+      // added and some not.
+      if (!item.first && chunks_done > 0) p->accum_lost = true;
+      return;
+    }
+    p->grads_ready = true;
+    ++p->micro_batches;
+    p->grad_stats = stats;
+    handed_back = std::move(p->grad_pins);
+    p->grad_pins.clear();
+  }
+  handed_back.clear();  // unpinned outside the lock
+  // The trainer's gradients are in the accumulator now: the buffer's bytes
+  // are dead (no write-back if it rests on NVMe).
+  for (uint64_t c = 0; c < item.chunks; ++c) {
+    swapper_->Discard(PartitionStore::BlockOf(item.id, c, PartitionStore::kGradsBlock))
+        .IgnoreError();
+  }
+}
+
+PendingGradients PartitionSet::Pending() const {
   absl::MutexLock lock(&mu_);
-  while (stepping_) step_ended_.Wait(&mu_);
+  PendingGradients out;
+  for (const auto& [id, p] : partitions_) {
+    if (!p->grads_ready) continue;
+    out.stats += p->grad_stats;
+    ++out.partitions;
+    out.micro_batches = std::max(out.micro_batches, p->micro_batches);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
+  absl::MutexLock lock(&mu_);
+  auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stepping_) return true;
+    for (const auto& [id, p] : partitions_) {
+      if (p->accumulating) return true;
+    }
+    return false;
+  };
+  while (busy()) step_ended_.Wait(&mu_);
+  if (!skipping) {
+    for (const auto& [id, p] : partitions_) {
+      if (p->accum_lost) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "partition ", id, " ('", p->info.name, "') lost its accumulated gradients in a "
+            "failed accumulation: skip this step (Step with skip)"));
+      }
+    }
+  }
   std::vector<StepItem> items;
   for (auto& [id, p] : partitions_) {
-    if (!p->grads_ready) continue;
+    if (!p->grads_ready && !p->accum_lost) continue;
     p->in_step = true;
     StepItem item;
     item.id = id;
+    item.stats = p->grad_stats;
     item.init_master = !p->master_initialized;
-    item.task.span.grad_dtype = p->info.grad_dtype;
+    item.task.span.grad_dtype = DType::kFp32;  // the accumulator
     item.task.span.working_dtype = p->info.param_dtype;
     item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;
@@ -544,21 +635,25 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(uint64_t id, uint64_t chunk) {
     return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no chunk ", chunk));
   }
   pins.end = std::min(numel, pins.begin + state_chunk_elems_);
-  Swapper::Pin* out[] = {&pins.master, &pins.exp_avg, &pins.exp_avg_sq, &pins.params,
-                         &pins.grads};
-  for (int b = 0; b <= PartitionStore::kGradsBlock; ++b) {
-    ASSIGN_OR_RETURN(*out[b], PinBlock(id, chunk, b, /*for_write=*/b != PartitionStore::kGradsBlock));
+  const struct {
+    Swapper::Pin* pin;
+    int kind;
+    bool for_write;
+  } wanted[] = {
+      {&pins.master, PartitionStore::kMaster, true},
+      {&pins.exp_avg, PartitionStore::kExpAvg, true},
+      {&pins.exp_avg_sq, PartitionStore::kExpAvgSq, true},
+      {&pins.params, PartitionStore::kParamsBlock, true},
+      {&pins.accum, PartitionStore::kAccumBlock, false},
+  };
+  for (const auto& w : wanted) {
+    ASSIGN_OR_RETURN(*w.pin, PinBlock(id, chunk, w.kind, w.for_write));
   }
   return pins;
 }
 
-absl::StatusOr<Swapper::Pin> PartitionSet::PinGrads(uint64_t id, uint64_t chunk) {
-  return PinBlock(id, chunk, PartitionStore::kGradsBlock, /*for_write=*/false);
-}
-
 void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
-  // Pinned (the trainer holds the buffer): its bytes stay, as they must.
-  swapper_->Discard(PartitionStore::BlockOf(id, chunk, PartitionStore::kGradsBlock))
+  swapper_->Discard(PartitionStore::BlockOf(id, chunk, PartitionStore::kAccumBlock))
       .IgnoreError();
 }
 
@@ -576,6 +671,9 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
       }
       p->resume_chunk = 0;
       p->grads_ready = false;
+      p->accum_lost = false;
+      p->micro_batches = 0;
+      p->grad_stats = GradStats{};
       if (outcomes[i].outcome == StepOutcome::kApplied) {
         // Its master copy was initialised (if it had to be) and updated.
         p->master_initialized = true;

@@ -75,6 +75,7 @@
 #include "absl/types/span.h"
 #include "base/env.h"
 #include "base/host_memory.h"
+#include "cpu_adam/accumulate.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
 #include "engine/shm_arena.h"
@@ -137,11 +138,14 @@ struct PartitionInfo {
 };
 
 // One partition of a step, as BeginStep hands it to the step runner. The
-// task's dtypes and step are set; the pointers come from PinChunk.
+// task's dtypes and step are set (gradients: the fp32 accumulator); the
+// pointers come from PinChunk.
 struct StepItem {
   uint64_t id = 0;
   AdamTask task;
   uint64_t chunks = 0;
+  // What accumulating its gradients measured (non-finite values, norm).
+  GradStats stats;
   // The master copy has never been written: initialise it from the working
   // copy before the update.
   bool init_master = false;
@@ -151,10 +155,33 @@ struct StepItem {
 };
 
 // One chunk of a partition, everything its update touches pinned in host
-// memory: elements [begin, end) of the partition.
+// memory: elements [begin, end) of the partition. `accum` holds the
+// accumulated fp32 gradients.
 struct ChunkPins {
   uint64_t begin = 0, end = 0;
-  Swapper::Pin master, exp_avg, exp_avg_sq, params, grads;
+  Swapper::Pin master, exp_avg, exp_avg_sq, params, accum;
+};
+
+// A micro-batch's gradients being added into a partition's accumulator, as
+// BeginAccumulate hands it to the step runner.
+struct AccumulateItem {
+  uint64_t id = 0;
+  uint64_t chunks = 0;
+  DType grad_dtype = DType::kFp32;
+  bool first = false;  // the accumulator holds nothing yet: copy
+};
+
+// One chunk of it: the trainer's gradients (read) and the accumulator.
+struct AccumulatePins {
+  uint64_t begin = 0, end = 0;
+  Swapper::Pin grads, accum;
+};
+
+// The gradients waiting for the next step, over a session's partitions.
+struct PendingGradients {
+  GradStats stats;           // of the accumulated values
+  uint64_t partitions = 0;   // with gradients
+  uint64_t micro_batches = 0;  // the most accumulated into one partition
 };
 
 enum class StepOutcome {
@@ -198,25 +225,38 @@ class PartitionSet {
   // empty `ids` means every held partition. FAILED_PRECONDITION (and
   // nothing released) if one is not held.
   absl::Status Release(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
-  // `numel` and `grad_dtype` describe what the trainer wrote into the held
-  // gradient buffer, which this hands back.
-  absl::Status ReturnGradients(uint64_t id, uint64_t numel, DType grad_dtype)
+  // Returning gradients, in three calls (the step runner computes between
+  // them): BeginAccumulate checks the call (`numel` and `grad_dtype`
+  // describe what the trainer wrote into the held gradient buffer) and
+  // marks the partition accumulating (a second return of it, or a step,
+  // waits); PinAccumulate pins one chunk's gradients and accumulator;
+  // EndAccumulate records the outcome: on success the partition has
+  // gradients for the next step, the gradient buffer is handed back (its
+  // bytes dropped) and `stats` are the accumulated values'. A failure
+  // while adding to earlier micro-batches loses the accumulation (the
+  // next step must be skipped); a failure on the first changes nothing.
+  absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<AccumulatePins> PinAccumulate(const AccumulateItem& item, uint64_t chunk)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
+                     const GradStats& stats, uint64_t chunks_done) ABSL_LOCKS_EXCLUDED(mu_);
+  // What the gradients returned since the last step add up to.
+  PendingGradients Pending() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Pins every partition with gradients ready for one step (waiting for a
-  // step in progress to end first). FAILED_PRECONDITION if there is none.
+  // step in progress, and accumulations, to end first). FAILED_PRECONDITION
+  // if there is none, or (unless `skipping`) if an accumulation was lost.
   // Must be followed by exactly one EndStep with the same items.
-  absl::StatusOr<std::vector<StepItem>> BeginStep() ABSL_LOCKS_EXCLUDED(mu_);
-  // Pins chunk `chunk` of partition `id` (one of a running step's): its
-  // optimizer state, parameters and gradients, reading in what is on NVMe.
-  // The swapper's errors (DATA_LOSS for a failed read, RESOURCE_EXHAUSTED
-  // when the pool cannot hold it).
-  absl::StatusOr<ChunkPins> PinChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
-  // Pins just the gradients of chunk `chunk` (the step's scan for NaN/Inf).
-  absl::StatusOr<Swapper::Pin> PinGrads(uint64_t id, uint64_t chunk)
+  absl::StatusOr<std::vector<StepItem>> BeginStep(bool skipping = false)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The step is done with the gradients of chunk `chunk`: their bytes are
-  // dropped (unless the trainer holds them).
+  // Pins chunk `chunk` of partition `id` (one of a running step's): its
+  // optimizer state, parameters and accumulated gradients, reading in what
+  // is on NVMe. The swapper's errors (DATA_LOSS for a failed read,
+  // RESOURCE_EXHAUSTED when the pool cannot hold it).
+  absl::StatusOr<ChunkPins> PinChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  // The step is done with the accumulated gradients of chunk `chunk`:
+  // their bytes are dropped.
   void ConsumeGrads(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // `outcomes[i]` is what happened to `items[i]`.
   void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
@@ -292,7 +332,16 @@ class PartitionStore {
   // overflow and catches garbage sizes.
   static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
   // Kinds of swapper blocks of one chunk of a partition.
-  enum BlockKind { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2, kParamsBlock = 3, kGradsBlock = 4 };
+  // The accumulator is placed with the optimizer state.
+  enum BlockKind {
+    kMaster = 0,
+    kExpAvg = 1,
+    kExpAvgSq = 2,
+    kParamsBlock = 3,
+    kGradsBlock = 4,
+    kAccumBlock = 5,
+  };
+  static constexpr int kBlockKinds = 6;
   // The swapper's block id of one kind of one chunk of a partition.
   static uint64_t BlockOf(uint64_t partition_id, uint64_t chunk, int kind) {
     return partition_id << 32 | chunk << 3 | static_cast<uint64_t>(kind);

@@ -184,14 +184,18 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t par
                                              uint64_t numel, DType grad_dtype) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    FindOwning(key, absl::MakeConstSpan(&partition_id, 1)));
-  RETURN_IF_ERROR(session->partitions->ReturnGradients(partition_id, numel, grad_dtype));
-  stats_->gradients_returned.fetch_add(1, std::memory_order_relaxed);
-  return absl::OkStatus();
+  return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype);
 }
 
-absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h) {
+absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  return steps_->Run(*session->partitions, h);
+  return session->partitions->Pending();
+}
+
+absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h,
+                                                 bool skip) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  return steps_->Run(*session->partitions, h, skip);
 }
 
 absl::Status SessionManager::SetPlacement(const SessionKey& key, const PlacementChange& change) {

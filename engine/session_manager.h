@@ -111,11 +111,15 @@ class SessionManager {
   // the registration.
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
                                DType grad_dtype) ABSL_LOCKS_EXCLUDED(mu_);
+  // What the gradients returned since the last step add up to: the squared
+  // norm and non-finite count of the accumulated values, for the trainer's
+  // global clipping and overflow decision across ranks.
+  absl::StatusOr<PendingGradients> Pending(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION if no partition returned gradients since last step.
   // Either way the returned gradients are consumed: a skipped step (see
-  // StepSummary) also needs new ones.
-  absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // StepSummary; `skip` asks for one) also needs new ones.
+  absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h,
+                                   bool skip = false) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Changes where the session's data rests (see PartitionSet::SetPlacement);
   // returns at once.

@@ -62,9 +62,9 @@ TEST_F(SessionManagerTest, RegisterFetchReturnStep) {
   EXPECT_EQ(p->params.bytes, 4000u);
   EXPECT_EQ(p->grads.bytes, 2000u);
   EXPECT_EQ(p->params.offset % 4096, 0u);
-  // Exact accounting of what is mapped: two arena pages, and master, m and
-  // v (4000 bytes each) a page each.
-  EXPECT_EQ(pool_.used(), 4096u + 4096u + 3 * 4096u);
+  // Exact accounting of what is mapped: two arena pages, and master, m, v
+  // and the gradient accumulator (4000 bytes each) a page each.
+  EXPECT_EQ(pool_.used(), 4096u + 4096u + 4 * 4096u);
 
   auto fd = sessions_.DupArenaFd(key);
   ASSERT_TRUE(fd.ok());

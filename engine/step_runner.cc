@@ -33,56 +33,55 @@ void StepRunner::Sync(StepPoint point) {
   if (hook) hook(point);
 }
 
-absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h) {
-  RETURN_IF_ERROR(ValidateHyperparams(h));
+absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t numel,
+                                    DType grad_dtype) {
+  ASSIGN_OR_RETURN(AccumulateItem item, set.BeginAccumulate(id, numel, grad_dtype));
+  GradStats stats;
+  absl::Status status;
+  uint64_t done = 0;
+  // Chunk by chunk: the accumulator may rest on NVMe, and a partition may be
+  // larger than the pool can hold twice.
+  for (; done < item.chunks; ++done) {
+    absl::StatusOr<AccumulatePins> pins = set.PinAccumulate(item, done);
+    if (!pins.ok()) {
+      status = absl::Status(
+          pins.status().code(),
+          absl::StrCat("accumulating the gradients of partition ", id, " (chunk ", done, " of ",
+                       item.chunks, "): ", pins.status().message(),
+                       item.first || done == 0
+                           ? "; nothing was accumulated, return them again"
+                           : "; the accumulation is lost: skip this step"));
+      break;
+    }
+    AccumulateTask task;
+    task.grads = pins->grads.data();
+    task.grad_dtype = item.grad_dtype;
+    task.acc = reinterpret_cast<float*>(pins->accum.data());
+    task.numel = pins->end - pins->begin;
+    task.first = item.first;
+    stats += optimizer_->Accumulate(absl::MakeConstSpan(&task, 1));
+  }
+  set.EndAccumulate(item, status, stats, done);
+  if (status.ok()) stats_->gradients_returned.fetch_add(1, std::memory_order_relaxed);
+  return status;
+}
+
+absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h,
+                                            bool skip) {
+  if (!skip) RETURN_IF_ERROR(ValidateHyperparams(h));
   const auto start = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(std::vector<StepItem> items, set.BeginStep());
+  ASSIGN_OR_RETURN(std::vector<StepItem> items, set.BeginStep(/*skipping=*/skip));
   Sync(StepPoint::kPinned);
   std::vector<ItemOutcome> outcomes(items.size());
   for (size_t i = 0; i < items.size(); ++i) outcomes[i].next_chunk = items[i].first_chunk;
 
-  // The scan for NaN/Inf streams the gradients chunk by chunk (they may
-  // rest on NVMe), from where each partition's update starts.
+  // Non-finite values were counted when the gradients were accumulated
+  // (the accumulator is the daemon's: nothing changes them since).
   uint64_t nonfinite = 0;
-  const auto scanning = std::chrono::steady_clock::now();
-  int64_t wait_nanos = 0, compute_nanos = 0;
-  absl::Status scanned;
-  for (const StepItem& item : items) {
-    for (uint64_t c = item.first_chunk; c < item.chunks && scanned.ok(); ++c) {
-      absl::StatusOr<Swapper::Pin> grads = set.PinGrads(item.id, c);
-      if (!grads.ok()) {
-        scanned = absl::Status(grads.status().code(),
-                               absl::StrCat("step of session ", set.session_id(),
-                                            ": scanning the gradients of partition ", item.id,
-                                            ": ", grads.status().message()));
-        break;
-      }
-      AdamTask task = item.task;
-      task.span.grads = grads->data();
-      task.span.numel = grads->size() / DTypeSize(task.span.grad_dtype);
-      nonfinite += optimizer_->CountNonFinite(absl::MakeConstSpan(&task, 1));
-    }
+  if (optimizer_->check_finite()) {
+    for (const StepItem& item : items) nonfinite += item.stats.nonfinite;
   }
-  wait_nanos += NanosSince(scanning);
-  if (!scanned.ok()) {
-    // Nothing was updated: every partition keeps its gradients for a retry.
-    Sync(StepPoint::kOptimized);
-    set.EndStep(items, outcomes);
-    return scanned;
-  }
-  const bool resuming = std::any_of(items.begin(), items.end(),
-                                    [](const StepItem& item) { return item.first_chunk != 0; });
-  if (nonfinite != 0 && resuming) {
-    // Part of the step was applied with these gradients, when they were
-    // finite: the trainer changed them since. Nothing changes; the step can
-    // still be resumed with the gradients it started with.
-    Sync(StepPoint::kOptimized);
-    set.EndStep(items, outcomes);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session ", set.session_id(), ": the gradients of a step that stopped midway now hold ",
-        nonfinite, " NaN/Inf values; they must stay as returned until that step completes"));
-  }
-  if (nonfinite != 0) {
+  if (skip || nonfinite != 0) {
     Sync(StepPoint::kOptimized);
     for (ItemOutcome& o : outcomes) o.outcome = StepOutcome::kSkipped;
     set.EndStep(items, outcomes);
@@ -93,6 +92,7 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
     skipped.wall_nanos = NanosSince(start);
     return skipped;
   }
+  int64_t wait_nanos = 0, compute_nanos = 0;
 
   // Units of work: (item, chunk), in order.
   struct Unit {
@@ -134,7 +134,7 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
       const uint64_t n = got->end - got->begin;
       AdamTask task = item.task;
       AdamSpan& span = task.span;
-      span.grads = got->grads.data();
+      span.grads = got->accum.data();
       span.working = got->params.data();
       span.numel = n;
       span.master = reinterpret_cast<float*>(got->master.data());
@@ -142,7 +142,7 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
       span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
       tasks.push_back(task);
       init_master.push_back(item.init_master);
-      group_bytes += 3 * got->master.size() + got->params.size() + got->grads.size();
+      group_bytes += 3 * got->master.size() + got->params.size() + got->accum.size();
       pins.push_back(*std::move(got));
       ++next;
       if (group_bytes >= group_limit) break;

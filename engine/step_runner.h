@@ -1,11 +1,19 @@
-// The step runner: carries out one session's optimizer step.
+// The step runner: carries out one session's optimizer step, and the
+// accumulation of returned gradients that precedes it.
+//
+// Returning gradients (Accumulate): the trainer's micro-batch gradients
+// (fp32, bf16 or fp16, in its held gradient buffer) are added into the
+// partition's fp32 accumulator (a swapper block placed like optimizer
+// state) chunk by chunk, in one pass that also sums the squares and counts
+// the non-finite values of the accumulated gradient; the buffer is handed
+// back at once. The step then reads the accumulator.
 //
 //   1. Validate the hyperparameters (INVALID_ARGUMENT changes nothing).
 //   2. PartitionSet::BeginStep pins every partition whose gradients were
 //      returned (waiting for the session's previous step to end).
-//   3. Outside every engine lock, scan their gradients for NaN/Inf, chunk by
-//      chunk (pinned one at a time: they may rest on NVMe): any found skips
-//      the whole step.
+//   3. Non-finite gradients, counted when they were accumulated (see
+//      Accumulate), skip the whole step (with optimizer.check_finite), as
+//      does an explicit skip.
 //   4. Stream the update, in registration order, through groups of chunks
 //      pinned at once (at most an eighth of the host pool, and 256 MiB): pin
 //      a group's optimizer state, parameters and gradients (the swapper
@@ -70,7 +78,17 @@ class StepRunner {
   StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats)
       : optimizer_(optimizer), pool_(pool), stats_(stats) {}
 
-  absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h);
+  // Adds a micro-batch's gradients (held by the trainer in partition
+  // `id`'s gradient buffer) into the partition's fp32 accumulator, chunk
+  // by chunk on the optimizer pool, measuring the accumulated values' norm
+  // and non-finite count in the same pass (PartitionSet::BeginAccumulate
+  // for the errors).
+  absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype);
+
+  // One step over every partition with accumulated gradients; with `skip`,
+  // the gradients are consumed and nothing else changes.
+  absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h,
+                                  bool skip = false);
 
   // `hook` runs on the stepping thread at each StepPoint, with no engine
   // lock held; it may block. Tests only.

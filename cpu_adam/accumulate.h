@@ -1,0 +1,43 @@
+// Gradient accumulation: a micro-batch's gradients (fp32, bf16 or fp16)
+// added into an fp32 accumulator in one pass that also measures what the
+// step's global decisions need: the squared L2 norm of the accumulated
+// gradient and how many of its values are not finite.
+//
+// The accumulator adds in fp32, as torch accumulates `.grad` over
+// micro-batches (the first micro-batch is copied, not added to zeros, so a
+// -0.0 stays -0.0 as torch's first backward leaves it). The squared norm is
+// summed in double, in a fixed order for a fixed tiling, so that it is the
+// same bits on every run.
+//
+// Thread-compatible: plain functions over the caller's buffers.
+#ifndef OFFLOADD_CPU_ADAM_ACCUMULATE_H_
+#define OFFLOADD_CPU_ADAM_ACCUMULATE_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu_adam/dtype.h"
+
+namespace offload {
+
+struct GradStats {
+  double sq_norm = 0;     // sum of squares of the accumulated values (inf/NaN if any is)
+  uint64_t nonfinite = 0;  // accumulated values that are NaN or +-Inf
+
+  GradStats& operator+=(const GradStats& o) {
+    sq_norm += o.sq_norm;
+    nonfinite += o.nonfinite;
+    return *this;
+  }
+};
+
+// acc[i] = (first ? 0 : acc[i]) + grads[i] for i < n, then the statistics of
+// acc[0..n).
+GradStats AccumulateGrads(const void* grads, DType grad_dtype, float* acc, size_t n, bool first);
+
+// The statistics of `n` fp32 values, as AccumulateGrads computes them.
+GradStats MeasureGrads(const float* values, size_t n);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_CPU_ADAM_ACCUMULATE_H_

@@ -1,0 +1,84 @@
+#include "cpu_adam/accumulate.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_adam/optimizer.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+std::vector<float> Pattern(size_t n, float scale) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = scale * std::sin(0.37f * static_cast<float>(i) + scale);
+  return v;
+}
+
+TEST(Accumulate, AddsInFp32LikeTorchAndMeasuresTheSum) {
+  const size_t n = 1001;
+  const std::vector<float> a = Pattern(n, 1.0f), b = Pattern(n, 0.5f);
+  std::vector<float> acc(n, 123.0f);  // garbage: the first micro-batch copies
+  AccumulateGrads(a.data(), DType::kFp32, acc.data(), n, /*first=*/true);
+  const GradStats s = AccumulateGrads(b.data(), DType::kFp32, acc.data(), n, /*first=*/false);
+  double want = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float sum = a[i] + b[i];
+    ASSERT_EQ(acc[i], sum) << i;
+    want += static_cast<double>(sum) * sum;
+  }
+  EXPECT_NEAR(s.sq_norm, want, 1e-12 * want);
+  EXPECT_EQ(s.nonfinite, 0u);
+}
+
+TEST(Accumulate, WidensBf16AndFp16AndKeepsNegativeZero) {
+  std::vector<uint16_t> bf = {FloatToBf16(1.5f), FloatToBf16(-0.0f), FloatToBf16(2.0f)};
+  std::vector<uint16_t> hf = {FloatToFp16(0.25f), FloatToFp16(1.0f), FloatToFp16(-3.0f)};
+  std::vector<float> acc(3);
+  AccumulateGrads(bf.data(), DType::kBf16, acc.data(), 3, true);
+  EXPECT_EQ(acc[0], 1.5f);
+  EXPECT_TRUE(std::signbit(acc[1]));
+  const GradStats s = AccumulateGrads(hf.data(), DType::kFp16, acc.data(), 3, false);
+  EXPECT_EQ(acc[0], 1.75f);
+  EXPECT_EQ(acc[1], 1.0f);
+  EXPECT_EQ(acc[2], -1.0f);
+  EXPECT_EQ(s.sq_norm, 1.75 * 1.75 + 1.0 + 1.0);
+}
+
+TEST(Accumulate, CountsNonFiniteAccumulatedValues) {
+  std::vector<float> g = {1.0f, std::numeric_limits<float>::infinity(), std::nanf(""), 2.0f};
+  std::vector<float> acc(4);
+  const GradStats s = AccumulateGrads(g.data(), DType::kFp32, acc.data(), 4, true);
+  EXPECT_EQ(s.nonfinite, 2u);
+  EXPECT_FALSE(std::isfinite(s.sq_norm));
+  // Overflow by accumulation: two finite fp16-range values whose fp32 sum
+  // is still finite, but max-float twice is not.
+  std::vector<float> big = {std::numeric_limits<float>::max()};
+  std::vector<float> one(1);
+  AccumulateGrads(big.data(), DType::kFp32, one.data(), 1, true);
+  EXPECT_EQ(AccumulateGrads(big.data(), DType::kFp32, one.data(), 1, false).nonfinite, 1u);
+}
+
+TEST(Accumulate, TheOptimizerPoolGivesTheSameBitsEveryRun) {
+  OptimizerOptions o;
+  o.threads = 2;
+  o.tile_elems = 4096;
+  Optimizer opt(o);
+  const size_t n = 100000;
+  const std::vector<float> g = Pattern(n, 0.01f);
+  std::vector<float> acc1(n), acc2(n);
+  GradStats first;
+  for (int run = 0; run < 5; ++run) {
+    AccumulateTask t{g.data(), DType::kFp32, acc1.data(), n, true};
+    const GradStats s = opt.Accumulate(absl::MakeConstSpan(&t, 1));
+    if (run == 0) first = s;
+    EXPECT_EQ(s.sq_norm, first.sq_norm);  // bit for bit
+  }
+  // One pass over the whole equals the tiles' sum up to rounding.
+  const GradStats whole = MeasureGrads(acc1.data(), n);
+  EXPECT_NEAR(whole.sq_norm, first.sq_norm, 1e-12 * whole.sq_norm);
+}
+
+}  // namespace
+}  // namespace offload
