@@ -170,6 +170,16 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   v1::OpenSessionRequest req;
   req.set_name(name);
   RETURN_IF_ERROR(ToProto(options.placement, req.mutable_placement()));
+  if (options.loss_scaling.has_value()) {
+    const LossScaling& l = *options.loss_scaling;
+    v1::LossScaling* out = req.mutable_loss_scaling();
+    if (l.initial_scale) out->set_initial_scale(*l.initial_scale);
+    if (l.growth_interval) out->set_growth_interval(*l.growth_interval);
+    if (l.growth_factor) out->set_growth_factor(*l.growth_factor);
+    if (l.backoff_factor) out->set_backoff_factor(*l.backoff_factor);
+    if (l.hysteresis) out->set_hysteresis(*l.hysteresis);
+    if (l.min_scale) out->set_min_scale(*l.min_scale);
+  }
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
@@ -315,9 +325,22 @@ absl::Status Session::ReturnGradients(const PartitionView& p) {
   return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");
 }
 
-absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
+absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
+  v1::GetPendingGradientsRequest req;
+  *req.mutable_session() = impl_->ref;
+  v1::GetPendingGradientsResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp),
+                           "GetPendingGradients"));
+  return PendingGradients{resp.sq_norm(), resp.nonfinite(), resp.partitions(),
+                          resp.micro_batches(), resp.loss_scale()};
+}
+
+absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOptions& options) {
   v1::StepRequest req;
   *req.mutable_session() = impl_->ref;
+  req.set_skip(options.skip);
+  req.set_overflow(options.overflow);
   v1::AdamHyperparams* p = req.mutable_hyperparams();
   p->set_lr(h.lr);
   p->set_beta1(h.beta1);
@@ -332,7 +355,7 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h) {
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return StepResult{resp.partitions_updated(), resp.params_updated(), resp.skipped(),
                     resp.nonfinite_gradients(), resp.wall_us(), resp.state_wait_us(),
-                    resp.compute_us()};
+                    resp.compute_us(), resp.loss_scale()};
 }
 
 absl::Status Session::SetPlacement(const Placement& placement) {

@@ -79,9 +79,40 @@ struct Placement {
   std::optional<int> optimizer_state_host_percent;  // fp32 master, Adam moments
 };
 
-// How a session wants its data kept.
+// Dynamic loss scaling for fp16 training, kept by the daemon (see
+// offload.proto's LossScaling for the rule). Unset fields: the defaults.
+struct LossScaling {
+  std::optional<double> initial_scale;    // 65536
+  std::optional<int64_t> growth_interval; // 1000
+  std::optional<double> growth_factor;    // 2
+  std::optional<double> backoff_factor;   // 0.5
+  std::optional<int64_t> hysteresis;      // 2
+  std::optional<double> min_scale;        // 1
+};
+
+// How a session wants its data kept, and its loss scaled.
 struct SessionOptions {
   Placement placement;
+  // Set for fp16 training: multiply the loss by PendingGradients' (and
+  // Step's) loss_scale; the daemon unscales, skips overflowing steps and
+  // adjusts the scale.
+  std::optional<LossScaling> loss_scaling;
+};
+
+// What the gradients returned since the last step add up to (see
+// Session::PendingGradients).
+struct PendingGradients {
+  double sq_norm = 0;  // unscaled, summed in double
+  uint64_t nonfinite = 0;
+  uint64_t partitions = 0;
+  uint64_t micro_batches = 0;
+  double loss_scale = 1;
+};
+
+// How Step commits after the trainer's global decisions.
+struct StepOptions {
+  bool skip = false;      // consume the gradients, change nothing
+  bool overflow = false;  // some rank overflowed: skip and lower the loss scale
 };
 
 // How Fetch holds partitions.
@@ -127,6 +158,8 @@ struct StepResult {
   uint64_t wall_us = 0;
   uint64_t state_wait_us = 0;
   uint64_t compute_us = 0;
+  // The loss scale for the next iteration (1 without loss scaling).
+  double loss_scale = 1;
 };
 
 struct Tunable {
@@ -187,9 +220,18 @@ class Session {
   absl::Status Release(const PartitionView& p);
   absl::Status Release(absl::Span<const uint64_t> partition_ids);
   // Tells the daemon the gradients in `p.grads` (held: Fetch with grads)
-  // are complete, and hands the buffer back.
+  // are complete: it adds them into the partition's fp32 accumulator (call
+  // once per micro-batch) and takes the buffer back at once.
   absl::Status ReturnGradients(const PartitionView& p);
-  absl::StatusOr<StepResult> Step(const AdamHyperparams& h);
+  // The squared norm and overflow of what was returned since the last
+  // step. Across ranks: all-reduce sq_norm (sum) and nonfinite (max), take
+  // clip_coef = min(1, max_norm / (sqrt(total) + 1e-6)) as
+  // torch.nn.utils.clip_grad_norm_ does, then Step with
+  // grad_scale = clip_coef and overflow = any rank's nonfinite > 0.
+  absl::StatusOr<PendingGradients> GetPendingGradients();
+  // Updates every partition with accumulated gradients (or, with
+  // options.skip/overflow, consumes them and changes nothing).
+  absl::StatusOr<StepResult> Step(const AdamHyperparams& h, const StepOptions& options = {});
   // Changes where this session's data rests while it trains (unset kinds
   // keep theirs); returns at once, the daemon moves the data in the
   // background.

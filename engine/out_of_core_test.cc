@@ -594,7 +594,7 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
   EXPECT_EQ(t.Params(), before);
   EXPECT_EQ(t.Pending()->partitions, 0u);
   t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
-  auto explicit_skip = engine.sessions->Step(t.key(), AdamHyperparams{}, /*skip=*/true);
+  auto explicit_skip = engine.sessions->Step(t.key(), AdamHyperparams{}, StepControl{/*skip=*/true});
   ASSERT_TRUE(explicit_skip.ok());
   EXPECT_TRUE(explicit_skip->skipped);
   EXPECT_EQ(t.Params(), before);
@@ -603,6 +603,141 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
   t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
   ASSERT_TRUE(t.Step().ok());
   EXPECT_NE(t.Params(), before);
+}
+
+// Global clipping across ranks: two sessions report their pending squared
+// norms, the "trainer" combines them as its collective would and commits
+// both with clip_grad_norm_'s coefficient; each trains to the same bits as
+// a reference that clipped its gradients before returning them (what
+// torch.nn.utils.clip_grad_norm_ does in place), with the norm of the
+// concatenated gradients.
+TEST(OutOfCore, ClippingOverTwoRanksIsClipGradNormOfTheConcatenation) {
+  Engine engine(TmpDir("clip"), 64 << 20), reference(TmpDir("clipref"), 64 << 20);
+  Trainer a(&engine, All(0)), b(&engine, All(0));
+  Trainer ra(&reference, All(100)), rb(&reference, All(100));
+  auto grad = [](int rank, int step, size_t part, uint64_t j) {
+    return 0.3f * std::cos(0.05f * static_cast<float>(j) + static_cast<float>(part + 3 * rank) +
+                           0.5f * static_cast<float>(step));
+  };
+  const double max_norm = 1.0;
+  for (int step = 1; step <= 3; ++step) {
+    a.ReturnGradientsOf([&](size_t p, uint64_t j) { return grad(0, step, p, j); });
+    b.ReturnGradientsOf([&](size_t p, uint64_t j) { return grad(1, step, p, j); });
+    const double total = std::sqrt(a.Pending()->stats.sq_norm + b.Pending()->stats.sq_norm);
+    // The same norm computed here over every gradient of both ranks.
+    double sq = 0;
+    for (int rank = 0; rank < 2; ++rank) {
+      for (size_t p = 0; p < kSizes.size(); ++p) {
+        for (uint64_t j = 0; j < kSizes[p]; ++j) {
+          const double x = grad(rank, step, p, j);
+          sq += x * x;
+        }
+      }
+    }
+    EXPECT_NEAR(total, std::sqrt(sq), 1e-12 * std::sqrt(sq));
+    ASSERT_GT(total, max_norm);  // so that clipping does something
+    // clip_grad_norm_: coefficient max_norm / (total + 1e-6), at most 1,
+    // multiplied into the gradients in fp32.
+    const float coef = static_cast<float>(std::min(1.0, max_norm / (total + 1e-6)));
+    AdamHyperparams h;
+    h.lr = 1e-2;
+    h.weight_decay = 0.01;
+    h.grad_scale = coef;
+    ASSERT_TRUE(engine.sessions->Step(a.key(), h).ok());
+    ASSERT_TRUE(engine.sessions->Step(b.key(), h).ok());
+    ra.ReturnGradientsOf([&](size_t p, uint64_t j) { return grad(0, step, p, j) * coef; });
+    rb.ReturnGradientsOf([&](size_t p, uint64_t j) { return grad(1, step, p, j) * coef; });
+    h.grad_scale = 1.0;
+    ASSERT_TRUE(reference.sessions->Step(ra.key(), h).ok());
+    ASSERT_TRUE(reference.sessions->Step(rb.key(), h).ok());
+    ASSERT_EQ(a.Params(), ra.Params()) << "step " << step;
+    ASSERT_EQ(b.Params(), rb.Params()) << "step " << step;
+  }
+}
+
+// fp16 loss scaling in the daemon: an overflow on any rank (the trainer's
+// global flag) skips the step, changes nothing and lowers the scale; the
+// pending norm is the unscaled gradient's; clean steps unscale in the
+// update's pass (the same bits as returning unscaled gradients).
+TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
+  Engine engine(TmpDir("scale"), 64 << 20);
+  LossScalingOptions o;
+  o.initial_scale = 1024;
+  o.hysteresis = 1;
+  o.growth_interval = 2;
+  auto opened = engine.sessions->Open("fp16", All(100), o);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  auto p = engine.sessions->Register(key, {"w", 3000, DType::kFp16, DType::kFp16});
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  // The reference: the same partition in a session without loss scaling,
+  // given the unscaled gradients.
+  auto ref_opened = engine.sessions->Open("ref", All(100));
+  ASSERT_TRUE(ref_opened.ok());
+  const SessionKey ref = ref_opened->key;
+  auto rp = engine.sessions->Register(ref, {"w", 3000, DType::kFp16, DType::kFp16});
+  ASSERT_TRUE(rp.ok());
+  ASSERT_TRUE(engine.sessions->Release(ref, {rp->id}).ok());
+  auto map = [&](const SessionKey& k) {
+    auto fd = engine.sessions->DupArenaFd(k);
+    return *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  };
+  HostMemory arena = map(key), ref_arena = map(ref);
+  auto put_to = [&](const SessionKey& k, const PartitionInfo& part, HostMemory& mem, float g) {
+    ASSERT_TRUE(engine.sessions->Fetch(k, {part.id}, WithGrads()).ok());
+    auto* grads = reinterpret_cast<uint16_t*>(mem.data() + part.grads.offset);
+    for (uint64_t j = 0; j < part.numel; ++j) grads[j] = FloatToFp16(g);
+    ASSERT_TRUE(engine.sessions->ReturnGradients(k, part.id, part.numel, DType::kFp16).ok());
+    ASSERT_TRUE(engine.sessions->Release(k, {part.id}).ok());
+  };
+  auto put = [&](float g) { put_to(key, *p, arena, g); };
+  auto params_of = [&](const SessionKey& k, const PartitionInfo& part, HostMemory& mem) {
+    EXPECT_TRUE(engine.sessions->Fetch(k, {part.id}).ok());
+    std::string out(reinterpret_cast<const char*>(mem.data() + part.params.offset),
+                    part.params.bytes);
+    EXPECT_TRUE(engine.sessions->Release(k, {part.id}).ok());
+    return out;
+  };
+  auto params = [&] { return params_of(key, *p, arena); };
+  const std::string before = params();
+  put(0.5f * 1024);  // a scaled gradient of 0.5
+  auto pending = engine.sessions->Pending(key);
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->loss_scale, 1024);
+  EXPECT_DOUBLE_EQ(pending->stats.sq_norm, 0.25 * 3000);  // unscaled
+  // Another rank overflowed: skipped, nothing changes, the scale halves.
+  auto skipped = engine.sessions->Step(key, AdamHyperparams{}, StepControl{false, true});
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_EQ(skipped->loss_scale, 512);
+  EXPECT_EQ(params(), before);
+  // An overflow here (fp16 inf) does the same without the trainer saying so.
+  put(INFINITY);
+  auto local = engine.sessions->Step(key, AdamHyperparams{});
+  ASSERT_TRUE(local.ok());
+  EXPECT_TRUE(local->skipped);
+  EXPECT_EQ(local->loss_scale, 256);
+  EXPECT_EQ(params(), before);
+  // Two clean steps: updated with the gradient unscaled; then the scale grows.
+  put(0.5f * 256);
+  auto clean = engine.sessions->Step(key, AdamHyperparams{});
+  ASSERT_TRUE(clean.ok());
+  EXPECT_FALSE(clean->skipped);
+  EXPECT_EQ(clean->loss_scale, 256);
+  EXPECT_NE(params(), before);
+  put_to(ref, *rp, ref_arena, 0.5f);
+  ASSERT_TRUE(engine.sessions->Step(ref, AdamHyperparams{}).ok());
+  EXPECT_EQ(params(), params_of(ref, *rp, ref_arena));
+  put(0.5f * 256);
+  EXPECT_EQ(engine.sessions->Step(key, AdamHyperparams{})->loss_scale, 512);
+  put_to(ref, *rp, ref_arena, 0.5f);
+  ASSERT_TRUE(engine.sessions->Step(ref, AdamHyperparams{}).ok());
+  EXPECT_EQ(params(), params_of(ref, *rp, ref_arena));
+  // Bad options are refused when the session opens.
+  o.backoff_factor = 2;
+  EXPECT_EQ(engine.sessions->Open("bad", All(100), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {

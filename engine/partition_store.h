@@ -182,6 +182,7 @@ struct PendingGradients {
   GradStats stats;           // of the accumulated values
   uint64_t partitions = 0;   // with gradients
   uint64_t micro_batches = 0;  // the most accumulated into one partition
+  double loss_scale = 1;       // the session's (SessionManager fills it in)
 };
 
 enum class StepOutcome {

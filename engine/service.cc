@@ -87,7 +87,19 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
                                                v1::OpenSessionResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(PlacementChange placement, FromProto(req->placement()));
-    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement));
+    std::optional<LossScalingOptions> scaling;
+    if (req->has_loss_scaling()) {
+      const v1::LossScaling& l = req->loss_scaling();
+      LossScalingOptions o;
+      if (l.has_initial_scale()) o.initial_scale = l.initial_scale();
+      if (l.has_growth_interval()) o.growth_interval = l.growth_interval();
+      if (l.has_growth_factor()) o.growth_factor = l.growth_factor();
+      if (l.has_backoff_factor()) o.backoff_factor = l.backoff_factor();
+      if (l.has_hysteresis()) o.hysteresis = l.hysteresis();
+      if (l.has_min_scale()) o.min_scale = l.min_scale();
+      scaling = o;
+    }
+    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling));
     resp->mutable_session()->set_session_id(opened.key.id);
     resp->mutable_session()->set_token(opened.key.token);
     resp->set_arena_socket(arena_socket_);
@@ -165,7 +177,11 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext* context, const v1::
     h.decoupled_weight_decay = p.decoupled_weight_decay();
     h.bias_correction = p.bias_correction();
     if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
-    ASSIGN_OR_RETURN(StepSummary summary, sessions_->Step(KeyOf(req->session()), h));
+    StepControl control;
+    control.skip = req->skip();
+    control.overflow = req->overflow();
+    ASSIGN_OR_RETURN(StepSummary summary, sessions_->Step(KeyOf(req->session()), h, control));
+    resp->set_loss_scale(summary.loss_scale);
     resp->set_partitions_updated(summary.partitions_updated);
     resp->set_params_updated(summary.params_updated);
     resp->set_skipped(summary.skipped);
@@ -173,6 +189,20 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext* context, const v1::
     resp->set_wall_us(static_cast<uint64_t>(summary.wall_nanos / 1000));
     resp->set_state_wait_us(static_cast<uint64_t>(summary.state_wait_nanos / 1000));
     resp->set_compute_us(static_cast<uint64_t>(summary.compute_nanos / 1000));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PartitionServiceImpl::GetPendingGradients(
+    grpc::ServerContext* context, const v1::GetPendingGradientsRequest* req,
+    v1::GetPendingGradientsResponse* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(PendingGradients p, sessions_->Pending(KeyOf(req->session())));
+    resp->set_sq_norm(p.stats.sq_norm);
+    resp->set_nonfinite(p.stats.nonfinite);
+    resp->set_partitions(p.partitions);
+    resp->set_micro_batches(p.micro_batches);
+    resp->set_loss_scale(p.loss_scale);
     return absl::OkStatus();
   });
 }

@@ -48,6 +48,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
                            v1::FetchParamsResponse*) override;
   grpc::Status ReleasePartitions(grpc::ServerContext*, const v1::ReleasePartitionsRequest*,
                                  v1::ReleasePartitionsResponse*) override;
+  grpc::Status GetPendingGradients(grpc::ServerContext*, const v1::GetPendingGradientsRequest*,
+                                   v1::GetPendingGradientsResponse*) override;
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;

@@ -13,13 +13,16 @@
 
 namespace offload {
 struct SessionManager::Session {
-  Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionSet> set)
-      : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)) {}
+  Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionSet> set,
+          std::unique_ptr<LossScaler> scaler)
+      : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)),
+        scaler(std::move(scaler)) {}
 
   const uint64_t id;
   const std::string token;
   const std::string name;
   const std::unique_ptr<PartitionSet> partitions;
+  const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
 };
 
 namespace {
@@ -42,9 +45,15 @@ SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* step
 
 SessionManager::~SessionManager() = default;
 
-absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name,
-                                                   const PlacementChange& placement) {
+absl::StatusOr<OpenedSession> SessionManager::Open(
+    absl::string_view name, const PlacementChange& placement,
+    const std::optional<LossScalingOptions>& loss_scaling) {
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
+  std::unique_ptr<LossScaler> scaler;
+  if (loss_scaling.has_value()) {
+    RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
+    scaler = std::make_unique<LossScaler>(*loss_scaling);
+  }
   std::string token(kTokenBytes, '\0');
   RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
   uint64_t id;
@@ -54,7 +63,8 @@ absl::StatusOr<OpenedSession> SessionManager::Open(absl::string_view name,
   }
   ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, placement));
   const uint64_t capacity = set->arena_capacity();
-  auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set));
+  auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set),
+                                           std::move(scaler));
   {
     absl::MutexLock lock(&mu_);
     sessions_[id] = std::move(session);
@@ -189,13 +199,32 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t par
 
 absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  return session->partitions->Pending();
+  PendingGradients out = session->partitions->Pending();
+  if (session->scaler != nullptr) {
+    // The trainer's global clipping works on the unscaled gradient.
+    out.loss_scale = session->scaler->scale();
+    out.stats.sq_norm /= out.loss_scale * out.loss_scale;
+  }
+  return out;
 }
 
 absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h,
-                                                 bool skip) {
+                                                 const StepControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  return steps_->Run(*session->partitions, h, skip);
+  LossScaler* scaler = session->scaler.get();
+  if (scaler == nullptr) return steps_->Run(*session->partitions, h, control.skip);
+  // With loss scaling: an overflow anywhere (the trainer's global flag, or
+  // non-finite values here) skips the step and lowers the scale; otherwise
+  // the gradients are unscaled in the update's pass.
+  AdamHyperparams unscaled = h;
+  unscaled.grad_scale = h.grad_scale / scaler->scale();
+  ASSIGN_OR_RETURN(StepSummary summary,
+                   steps_->Run(*session->partitions, unscaled, control.skip || control.overflow));
+  if (!control.skip || control.overflow) {
+    scaler->Update(/*overflow=*/control.overflow || summary.nonfinite != 0);
+  }
+  summary.loss_scale = scaler->scale();
+  return summary;
 }
 
 absl::Status SessionManager::SetPlacement(const SessionKey& key, const PlacementChange& change) {

@@ -48,6 +48,7 @@
 #include "base/unique_fd.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
+#include "engine/loss_scaler.h"
 #include "engine/partition_store.h"
 #include "engine/stats.h"
 #include "engine/step_runner.h"
@@ -77,6 +78,15 @@ struct SessionSummary {
   uint64_t nvme_bytes[kDataKinds] = {};
 };
 
+// How the trainer commits a step after its global decisions.
+struct StepControl {
+  // Consume the gradients and change nothing (the loss scale neither).
+  bool skip = false;
+  // Some rank's gradients overflowed: with loss scaling, skip and lower the
+  // scale; without, the same as skip.
+  bool overflow = false;
+};
+
 class SessionManager {
  public:
   static constexpr size_t kTokenBytes = 16;
@@ -90,9 +100,12 @@ class SessionManager {
   ~SessionManager();
 
   // `placement`: changes to the node default for this session (see
-  // PartitionStore::CreateSet).
-  absl::StatusOr<OpenedSession> Open(absl::string_view name,
-                                     const PlacementChange& placement = {})
+  // PartitionStore::CreateSet); `loss_scaling`: dynamic loss scaling for
+  // fp16 training (loss_scaler.h), INVALID_ARGUMENT for options it cannot
+  // use.
+  absl::StatusOr<OpenedSession> Open(
+      absl::string_view name, const PlacementChange& placement = {},
+      const std::optional<LossScalingOptions>& loss_scaling = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -113,13 +126,14 @@ class SessionManager {
                                DType grad_dtype) ABSL_LOCKS_EXCLUDED(mu_);
   // What the gradients returned since the last step add up to: the squared
   // norm and non-finite count of the accumulated values, for the trainer's
-  // global clipping and overflow decision across ranks.
+  // global clipping and overflow decision across ranks. With loss scaling,
+  // the norm is the unscaled gradient's, and the current scale is given.
   absl::StatusOr<PendingGradients> Pending(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION if no partition returned gradients since last step.
   // Either way the returned gradients are consumed: a skipped step (see
   // StepSummary; `skip` asks for one) also needs new ones.
   absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h,
-                                   bool skip = false) ABSL_LOCKS_EXCLUDED(mu_);
+                                   const StepControl& control = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Changes where the session's data rests (see PartitionSet::SetPlacement);
   // returns at once.

@@ -63,6 +63,8 @@ struct StepSummary {
   int64_t wall_nanos = 0;
   int64_t state_wait_nanos = 0;
   int64_t compute_nanos = 0;
+  // The session's loss scale after this step (1 without loss scaling).
+  double loss_scale = 1;
 };
 
 // Named points inside Run(), for tests that need a deterministic

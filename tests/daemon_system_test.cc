@@ -190,6 +190,84 @@ TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
   EXPECT_EQ(Counter("steps_skipped_nonfinite"), 1);
 }
 
+// The step protocol over the wire: micro-batches accumulate; two ranks
+// combine their pending norms and commit with clip_grad_norm_'s
+// coefficient; an fp16 session's overflow skips and lowers its loss scale.
+TEST_F(DaemonTest, AccumulationGlobalClippingAndLossScalingOverTheWire) {
+  auto r0 = Open("rank0");
+  auto r1 = Open("rank1");
+  ASSERT_TRUE(r0 && r1);
+  std::vector<PartitionView> parts;
+  for (Session* s : {r0.get(), r1.get()}) {
+    auto p = s->Register("w", 1000, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok());
+    for (float& x : p->params_as<float>()) x = 1.0f;
+    ASSERT_TRUE(s->Release(*p).ok());
+    parts.push_back(*p);
+  }
+  // Two micro-batches of 0.5 each on rank 0, one of 1.0 on rank 1.
+  auto put = [&](Session* s, const PartitionView& p, float g) {
+    HoldGrads(s, p);
+    for (float& x : p.grads_as<float>()) x = g;
+    ASSERT_TRUE(s->ReturnGradients(p).ok());
+    ASSERT_TRUE(s->Release(p).ok());
+  };
+  put(r0.get(), parts[0], 0.5f);
+  put(r0.get(), parts[0], 0.5f);
+  put(r1.get(), parts[1], 1.0f);
+  auto p0 = r0->GetPendingGradients();
+  auto p1 = r1->GetPendingGradients();
+  ASSERT_TRUE(p0.ok() && p1.ok());
+  EXPECT_EQ(p0->micro_batches, 2u);
+  EXPECT_EQ(p0->sq_norm, 1000.0);  // 1000 values of 1.0
+  EXPECT_EQ(p1->sq_norm, 1000.0);
+  EXPECT_EQ(p0->loss_scale, 1.0);
+  const double total = std::sqrt(p0->sq_norm + p1->sq_norm);
+  const double coef = std::min(1.0, 1.0 / (total + 1e-6));
+  AdamHyperparams h;
+  h.grad_scale = coef;
+  auto s0 = r0->Step(h);
+  auto s1 = r1->Step(h);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  EXPECT_EQ(s0->partitions_updated, 1u);
+  auto w0 = r0->Fetch(parts[0].id);
+  auto w1 = r1->Fetch(parts[1].id);
+  ASSERT_TRUE(w0.ok() && w1.ok());
+  EXPECT_EQ(w0->params_as<float>()[7], w1->params_as<float>()[7]);  // the same update
+  EXPECT_LT(w0->params_as<float>()[7], 1.0f);
+
+  // fp16 with loss scaling: an overflow on another rank skips the step.
+  SessionOptions fp16;
+  fp16.loss_scaling = LossScaling{};
+  fp16.loss_scaling->initial_scale = 4096;
+  fp16.loss_scaling->hysteresis = 1;
+  auto opened = client_->OpenSession("fp16", fp16);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Session* s = opened->get();
+  auto w = s->Register("w", 100, DType::kFp16, DType::kFp16);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE(s->Release(*w).ok());
+  HoldGrads(s, *w);
+  for (uint16_t& x : w->grads_as<uint16_t>()) x = FloatToFp16(0.25f * 4096);
+  ASSERT_TRUE(s->ReturnGradients(*w).ok());
+  auto pending = s->GetPendingGradients();
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->loss_scale, 4096.0);
+  EXPECT_DOUBLE_EQ(pending->sq_norm, 100 * 0.0625);  // unscaled
+  StepOptions overflow;
+  overflow.overflow = true;
+  auto skipped = s->Step(AdamHyperparams{}, overflow);
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_EQ(skipped->loss_scale, 2048.0);
+  SessionOptions bad;
+  bad.loss_scaling = LossScaling{};
+  bad.loss_scaling->backoff_factor = 3;
+  auto refused = client_->OpenSession("bad", bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "backoff_factor"));
+}
+
 TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
   // Partition a gets gradients g with grad_scale 0.25; partition b gets g/4
   // with grad_scale 1 in another session. Both must end bit-identical, under

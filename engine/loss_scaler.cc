@@ -1,0 +1,59 @@
+#include "engine/loss_scaler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace offload {
+
+absl::Status ValidateLossScaling(const LossScalingOptions& o) {
+  auto bad = [](const char* field, double v, const char* want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss_scaling.", field, " must be ", want, ", got ", v));
+  };
+  if (!std::isfinite(o.initial_scale) || o.initial_scale <= 0) {
+    return bad("initial_scale", o.initial_scale, "a positive finite number");
+  }
+  if (!std::isfinite(o.min_scale) || o.min_scale <= 0 || o.min_scale > o.initial_scale) {
+    return bad("min_scale", o.min_scale, "positive and at most initial_scale");
+  }
+  if (o.growth_interval < 1) return bad("growth_interval", o.growth_interval, "at least 1");
+  if (!std::isfinite(o.growth_factor) || o.growth_factor < 1) {
+    return bad("growth_factor", o.growth_factor, "at least 1");
+  }
+  if (!(o.backoff_factor > 0 && o.backoff_factor <= 1)) {
+    return bad("backoff_factor", o.backoff_factor, "in (0, 1]");
+  }
+  if (o.hysteresis < 1) return bad("hysteresis", o.hysteresis, "at least 1");
+  return absl::OkStatus();
+}
+
+LossScaler::LossScaler(const LossScalingOptions& options)
+    : options_(options), scale_(options.initial_scale), hysteresis_left_(options.hysteresis) {}
+
+double LossScaler::scale() const {
+  absl::MutexLock lock(&mu_);
+  return scale_;
+}
+
+void LossScaler::Update(bool overflow) {
+  absl::MutexLock lock(&mu_);
+  if (overflow) {
+    clean_steps_ = 0;
+    if (hysteresis_left_ <= 1) {
+      // From here every overflow lowers it, until it grows again.
+      scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
+    } else {
+      --hysteresis_left_;
+    }
+    return;
+  }
+  if (++clean_steps_ >= options_.growth_interval) {
+    clean_steps_ = 0;
+    scale_ *= options_.growth_factor;
+    hysteresis_left_ = options_.hysteresis;
+  }
+}
+
+}  // namespace offload
