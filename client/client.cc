@@ -93,7 +93,7 @@ struct Session::Impl {
   absl::flat_hash_map<uint64_t, HostMemory> regions ABSL_GUARDED_BY(mu);
 
   absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
-    for (const v1::Region* r : {&loc.params(), &loc.grads()}) {
+    for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
       if (r->offset() > arena_capacity || r->bytes() > arena_capacity - r->offset()) {
         return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
                                                 " outside its arena"));
@@ -101,8 +101,9 @@ struct Session::Impl {
     }
     const uint64_t page = PageSize();
     const uint64_t begin = std::min(loc.params().offset(), loc.grads().offset()) / page * page;
-    const uint64_t end = std::max(loc.params().offset() + loc.params().bytes(),
-                                  loc.grads().offset() + loc.grads().bytes());
+    const uint64_t end = std::max({loc.params().offset() + loc.params().bytes(),
+                                   loc.grads().offset() + loc.grads().bytes(),
+                                   loc.master_init().offset() + loc.master_init().bytes()});
     std::byte* base;
     {
       absl::MutexLock lock(&mu);
@@ -127,6 +128,9 @@ struct Session::Impl {
     v.step = loc.step();
     v.params = base + loc.params().offset();
     v.grads = base + loc.grads().offset();
+    if (loc.master_init().bytes() != 0) {
+      v.master_init = reinterpret_cast<float*>(base + loc.master_init().offset());
+    }
     return v;
   }
 };
@@ -260,13 +264,15 @@ Session::~Session() { Close().IgnoreError(); }  // best effort: the daemon may b
 uint64_t Session::id() const { return impl_->ref.session_id(); }
 
 absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
-                                                DType param_dtype, DType grad_dtype) {
+                                                DType param_dtype, DType grad_dtype,
+                                                bool fp32_master) {
   v1::RegisterPartitionRequest req;
   *req.mutable_session() = impl_->ref;
   req.set_name(name);
   req.set_numel(numel);
   req.set_param_dtype(ToProto(param_dtype));
   req.set_grad_dtype(ToProto(grad_dtype));
+  req.set_fp32_master(fp32_master);
   v1::RegisterPartitionResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(

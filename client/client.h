@@ -134,6 +134,9 @@ struct PartitionView {
   uint64_t step = 0;  // optimizer steps applied so far
   void* params = nullptr;
   void* grads = nullptr;
+  // Registered with fp32_master, until released: the fp32 initial values
+  // to write (numel floats). Null otherwise.
+  float* master_init = nullptr;
 
   // Typed access; the element type must match the dtype's size.
   template <typename T>
@@ -209,8 +212,12 @@ class Session {
 
   // Registers a partition, zeros, and holds it (writable) for the initial
   // values to be written.
+  // With `fp32_master`, write the initial values in fp32 into
+  // master_init instead of params: the release makes them the master
+  // weights exactly and the working copy rounded.
   absl::StatusOr<PartitionView> Register(const std::string& name, uint64_t numel,
-                                         DType param_dtype, DType grad_dtype);
+                                         DType param_dtype, DType grad_dtype,
+                                         bool fp32_master = false);
   // Holds partitions (see the residency contract above). An empty list
   // fetches every partition of the session.
   absl::StatusOr<PartitionView> Fetch(uint64_t partition_id, const FetchOptions& options = {});

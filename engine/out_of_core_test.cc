@@ -740,6 +740,79 @@ TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// fp32 master weights from the start: a bf16 partition registered with its
+// exact fp32 initial values steps from them, not from their bf16 rounding
+// (checked against the optimizer run directly on the fp32 values), with the
+// master on NVMe; the release derives the working copy.
+TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
+  Engine engine(TmpDir("fp32"), 64 << 20);
+  auto opened = engine.sessions->Open("fp32", StateAt(0));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = 3 * kChunkElems + 17;  // several chunks, the last partial
+  PartitionSpec spec{"w", kN, DType::kBf16, DType::kBf16};
+  spec.fp32_master = true;
+  auto p = engine.sessions->Register(key, spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->master_init.bytes, kN * 4);
+  auto fd = engine.sessions->DupArenaFd(key);
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  std::vector<float> init(kN), grads(kN);
+  for (uint64_t j = 0; j < kN; ++j) {
+    init[j] = 1.0f + 1e-4f * static_cast<float>(j % 97);  // not representable in bf16
+    grads[j] = 0.01f * std::sin(static_cast<float>(j));
+  }
+  std::memcpy(arena.data() + p->master_init.offset, init.data(), kN * 4);
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+  std::vector<uint16_t> want(kN);
+  NarrowFromFloat(init.data(), DType::kBf16, want.data(), kN);
+  ASSERT_EQ(std::memcmp(arena.data() + p->params.offset, want.data(), kN * 2), 0);
+  auto again = engine.sessions->Fetch(key, {p->id}, WithGrads());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)[0].master_init.bytes, 0u);  // committed
+  std::vector<uint16_t> g16(kN);
+  NarrowFromFloat(grads.data(), DType::kBf16, g16.data(), kN);
+  std::memcpy(arena.data() + p->grads.offset, g16.data(), kN * 2);
+  ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kN, DType::kBf16).ok());
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  AdamHyperparams h;
+  h.lr = 1e-3;
+  ASSERT_TRUE(engine.sessions->Step(key, h).ok());
+  // The reference: the optimizer over master = the fp32 values.
+  std::vector<float> master = init, m(kN, 0.f), v(kN, 0.f), acc(kN);
+  WidenToFloat(g16.data(), DType::kBf16, acc.data(), kN);
+  std::vector<uint16_t> working(kN);
+  Optimizer optimizer{OptimizerOptions{}};
+  AdamTask task;
+  task.span = {master.data(), m.data(), v.data(), acc.data(), DType::kFp32, working.data(),
+               DType::kBf16, kN};
+  task.step = 1;
+  ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), h).ok());
+  ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+  EXPECT_EQ(std::memcmp(arena.data() + p->params.offset, working.data(), kN * 2), 0);
+  // Starting from the rounded values instead gives other bits.
+  std::vector<float> rounded(kN), m2(kN, 0.f), v2(kN, 0.f);
+  WidenToFloat(want.data(), DType::kBf16, rounded.data(), kN);
+  std::vector<uint16_t> working2(kN);
+  task.span = {rounded.data(), m2.data(), v2.data(), acc.data(), DType::kFp32, working2.data(),
+               DType::kBf16, kN};
+  ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), h).ok());
+  EXPECT_NE(working, working2);
+  // Stepping a partition whose fp32 values are not committed is refused.
+  PartitionSpec u{"u", 100, DType::kBf16, DType::kBf16};
+  u.fp32_master = true;
+  auto pu = engine.sessions->Register(key, u);
+  ASSERT_TRUE(pu.ok());
+  ASSERT_TRUE(engine.sessions->Fetch(key, {pu->id}, WithGrads()).ok());
+  ASSERT_TRUE(engine.sessions->ReturnGradients(key, pu->id, 100, DType::kBf16).ok());
+  auto refused = engine.sessions->Step(key, h);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("'u'"), std::string::npos) << refused.status();
+  ASSERT_TRUE(engine.sessions->Release(key, {pu->id}).ok());
+  EXPECT_TRUE(engine.sessions->Step(key, h).ok());
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);

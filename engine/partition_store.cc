@@ -1,6 +1,7 @@
 #include "engine/partition_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <utility>
 #include <vector>
@@ -30,7 +31,7 @@ DataKind KindOfBlock(int block_kind) {
       return DataKind::kParams;
     case PartitionStore::kGradsBlock:
       return DataKind::kGrads;
-    default:
+    default:  // master, m, v, the accumulator (and the fp32 initial values)
       return DataKind::kOptimizerState;
   }
 }
@@ -60,6 +61,7 @@ struct PartitionSet::Partition {
   bool in_step = false;
   bool accumulating = false;
   bool accum_lost = false;     // an accumulation failed midway: skip the step
+  bool master_init_pending = false;  // fp32 initial values not committed yet
   uint64_t micro_batches = 0;  // accumulated since the last step
   GradStats grad_stats;        // of the accumulated values
   uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
@@ -186,7 +188,8 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
   for (const Move& m : moves) {
     for (uint64_t c = 0; c < m.chunks; ++c) {
       for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
-        if (KindOfBlock(b) != m.kind) continue;
+        // The fp32 initial values stay on the host until committed.
+        if (KindOfBlock(b) != m.kind || b == PartitionStore::kInitBlock) continue;
         RETURN_IF_ERROR(swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home));
       }
     }
@@ -336,15 +339,21 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   absl::Status status = [&]() -> absl::Status {
     const uint64_t param_bytes = partition->Bytes(DataKind::kParams);
     const uint64_t grad_bytes = partition->Bytes(DataKind::kGrads);
-    // One allocation, so that params and grads are adjacent and one mapping
-    // (of just this partition: no address space for the rest) covers both.
+    // One allocation, so that params, grads (and the fp32 initial values)
+    // are adjacent and one mapping (of just this partition: no address
+    // space for the rest) covers them.
     const uint64_t grads_at = ShmArena::RoundedSize(param_bytes);
-    ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(grads_at + grad_bytes));
+    const uint64_t init_at = grads_at + ShmArena::RoundedSize(grad_bytes);
+    const uint64_t init_bytes = spec.fp32_master ? spec.numel * sizeof(float) : 0;
+    const uint64_t span = spec.fp32_master ? init_at + init_bytes : grads_at + grad_bytes;
+    ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span));
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};
-    ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, grads_at + grad_bytes));
+    if (spec.fp32_master) info.master_init = {params_off + init_at, init_bytes};
+    ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, span));
     partition->params = partition->region.data();
     partition->grads = partition->region.data() + grads_at;
+    partition->master_init_pending = spec.fp32_master;
     const Tier* home = partition->home;
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
       const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
@@ -352,7 +361,11 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
         const uint64_t block = PartitionStore::BlockOf(id, c, b);
         const Tier where = home[static_cast<int>(KindOfBlock(b))];
         absl::Status s;
-        if (b == PartitionStore::kParamsBlock) {
+        if (b == PartitionStore::kInitBlock) {
+          if (!spec.fp32_master) continue;
+          s = swapper_->AddExternal(block, partition->region.data() + init_at + begin * 4,
+                                    elems * sizeof(float), Tier::kHost, session_id_);
+        } else if (b == PartitionStore::kParamsBlock) {
           const uint64_t size = DTypeSize(spec.param_dtype);
           s = swapper_->AddExternal(block, partition->params + begin * size, elems * size, where,
                                     session_id_);
@@ -445,10 +458,9 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
 }
 
 absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
-  std::vector<Swapper::Pin> released;
+  std::vector<Partition*> which, commits;
   {
     absl::MutexLock lock(&mu_);
-    std::vector<Partition*> which;
     if (ids.empty()) {
       for (const auto& [id, p] : partitions_) {
         if (p->held()) which.push_back(p.get());
@@ -463,13 +475,48 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
       which.push_back(p);
     }
     for (Partition* p : which) {
+      if (p->master_init_pending) commits.push_back(p);
+    }
+  }
+  // Outside the lock (swap-ins); the partitions stay held meanwhile.
+  for (Partition* p : commits) RETURN_IF_ERROR(CommitMasterInit(*p));
+  std::vector<Swapper::Pin> released;
+  {
+    absl::MutexLock lock(&mu_);
+    for (Partition* p : commits) {
+      p->master_init_pending = false;
+      p->master_initialized = true;
+      p->info.master_init = {};
+    }
+    for (Partition* p : which) {
       for (auto* pins : {&p->param_pins, &p->grad_pins}) {
         std::move(pins->begin(), pins->end(), std::back_inserter(released));
         pins->clear();
       }
     }
   }
+  // The fp32 initial values are in the master weights now: their pages go.
+  for (Partition* p : commits) {
+    for (uint64_t c = 0; c < ChunksOf(p->info.numel); ++c) {
+      swapper_->Remove(PartitionStore::BlockOf(p->info.id, c, PartitionStore::kInitBlock));
+    }
+  }
   return absl::OkStatus();  // `released` unpins here, outside the lock
+}
+
+absl::Status PartitionSet::CommitMasterInit(const Partition& p) {
+  // info.id, numel and dtypes never change after registration.
+  const uint64_t id = p.info.id;
+  for (uint64_t c = 0; c < ChunksOf(p.info.numel); ++c) {
+    ASSIGN_OR_RETURN(Swapper::Pin init, PinBlock(id, c, PartitionStore::kInitBlock, false));
+    ASSIGN_OR_RETURN(Swapper::Pin master, PinBlock(id, c, PartitionStore::kMaster, true));
+    ASSIGN_OR_RETURN(Swapper::Pin params, PinBlock(id, c, PartitionStore::kParamsBlock, true));
+    const size_t n = master.size() / sizeof(float);
+    std::memcpy(master.data(), init.data(), n * sizeof(float));
+    NarrowFromFloat(reinterpret_cast<const float*>(master.data()), p.info.param_dtype,
+                    params.data(), n);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64_t numel,
@@ -596,6 +643,13 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
             "partition ", id, " ('", p->info.name, "') lost its accumulated gradients in a "
             "failed accumulation: skip this step (Step with skip)"));
       }
+    }
+  }
+  for (const auto& [id, p] : partitions_) {
+    if ((p->grads_ready || p->accum_lost) && p->master_init_pending) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", id, " ('", p->info.name, "') was registered with fp32 initial values "
+          "that are not committed yet: release it first"));
     }
   }
   std::vector<StepItem> items;

@@ -119,6 +119,10 @@ struct PartitionSpec {
   uint64_t numel = 0;
   DType param_dtype = DType::kFp32;
   DType grad_dtype = DType::kFp32;
+  // The trainer gives the initial values in fp32 (PartitionInfo::
+  // master_init), so that master weights do not start from rounded values;
+  // the first Release commits them (and derives the working copy).
+  bool fp32_master = false;
 };
 
 struct ArenaRegion {
@@ -134,6 +138,9 @@ struct PartitionInfo {
   DType grad_dtype = DType::kFp32;
   ArenaRegion params;
   ArenaRegion grads;
+  // Registered with fp32_master and not released yet: where the trainer
+  // writes the fp32 initial values (numel floats). Otherwise empty.
+  ArenaRegion master_init;
   uint64_t step = 0;
 };
 
@@ -224,7 +231,10 @@ class PartitionSet {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Lets the partitions' holds go (parameters and gradient buffers). An
   // empty `ids` means every held partition. FAILED_PRECONDITION (and
-  // nothing released) if one is not held.
+  // nothing released) if one is not held. A partition registered with
+  // fp32_master first takes its master weights from the fp32 initial values
+  // and its working copy from them, rounded (the swapper's errors if that
+  // fails: nothing is released then).
   absl::Status Release(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   // Returning gradients, in three calls (the step runner computes between
   // them): BeginAccumulate checks the call (`numel` and `grad_dtype`
@@ -301,6 +311,9 @@ class PartitionSet {
                                                  bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind,
                                         bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
+  // Master weights from the fp32 initial values, and the working copy from
+  // them (rounded), chunk by chunk. `p` is held by the trainer.
+  absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
@@ -341,8 +354,9 @@ class PartitionStore {
     kParamsBlock = 3,
     kGradsBlock = 4,
     kAccumBlock = 5,
+    kInitBlock = 6,  // fp32 initial values, from registration to the first release
   };
-  static constexpr int kBlockKinds = 6;
+  static constexpr int kBlockKinds = 7;
   // The swapper's block id of one kind of one chunk of a partition.
   static uint64_t BlockOf(uint64_t partition_id, uint64_t chunk, int kind) {
     return partition_id << 32 | chunk << 3 | static_cast<uint64_t>(kind);

@@ -22,6 +22,10 @@ void ToProto(const PartitionInfo& p, v1::PartitionLocation* out) {
   out->mutable_params()->set_bytes(p.params.bytes);
   out->mutable_grads()->set_offset(p.grads.offset);
   out->mutable_grads()->set_bytes(p.grads.bytes);
+  if (p.master_init.bytes != 0) {
+    out->mutable_master_init()->set_offset(p.master_init.offset);
+    out->mutable_master_init()->set_bytes(p.master_init.bytes);
+  }
   out->set_step(p.step);
 }
 
@@ -123,6 +127,7 @@ grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext* contex
     spec.numel = req->numel();
     ASSIGN_OR_RETURN(spec.param_dtype, FromProto(req->param_dtype(), "param_dtype"));
     ASSIGN_OR_RETURN(spec.grad_dtype, FromProto(req->grad_dtype(), "grad_dtype"));
+    spec.fp32_master = req->fp32_master();
     ASSIGN_OR_RETURN(PartitionInfo info, sessions_->Register(KeyOf(req->session()), spec));
     ToProto(info, resp->mutable_location());
     return absl::OkStatus();
