@@ -65,6 +65,20 @@ absl::Status ToProto(const Placement& p, v1::Placement* out) {
   return absl::OkStatus();
 }
 
+StepResult FromProto(const v1::StepResponse& r) {
+  StepResult out;
+  out.partitions_updated = r.partitions_updated();
+  out.params_updated = r.params_updated();
+  out.skipped = r.skipped();
+  out.nonfinite_gradients = r.nonfinite_gradients();
+  out.wall_us = r.wall_us();
+  out.state_wait_us = r.state_wait_us();
+  out.compute_us = r.compute_us();
+  out.loss_scale = r.loss_scale();
+  out.running = r.running();
+  return out;
+}
+
 }  // namespace
 
 struct Client::Impl {
@@ -347,6 +361,7 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
   *req.mutable_session() = impl_->ref;
   req.set_skip(options.skip);
   req.set_overflow(options.overflow);
+  req.set_overlap(options.overlap);
   v1::AdamHyperparams* p = req.mutable_hyperparams();
   p->set_lr(h.lr);
   p->set_beta1(h.beta1);
@@ -359,9 +374,16 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
   v1::StepResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
-  return StepResult{resp.partitions_updated(), resp.params_updated(), resp.skipped(),
-                    resp.nonfinite_gradients(), resp.wall_us(), resp.state_wait_us(),
-                    resp.compute_us(), resp.loss_scale()};
+  return FromProto(resp);
+}
+
+absl::StatusOr<StepResult> Session::WaitStep() {
+  v1::WaitStepRequest req;
+  *req.mutable_session() = impl_->ref;
+  v1::StepResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->WaitStep(&rpc.context, req, &resp), "WaitStep"));
+  return FromProto(resp);
 }
 
 absl::Status Session::SetPlacement(const Placement& placement) {

@@ -113,6 +113,9 @@ struct PendingGradients {
 struct StepOptions {
   bool skip = false;      // consume the gradients, change nothing
   bool overflow = false;  // some rank overflowed: skip and lower the loss scale
+  // Return once decided; the update overlaps the next forward pass (a fetch
+  // waits only for its own partition's update). WaitStep gives the outcome.
+  bool overlap = false;
 };
 
 // How Fetch holds partitions.
@@ -163,6 +166,8 @@ struct StepResult {
   uint64_t compute_us = 0;
   // The loss scale for the next iteration (1 without loss scaling).
   double loss_scale = 1;
+  // An overlapped step still running (the figures are the decision's).
+  bool running = false;
 };
 
 struct Tunable {
@@ -239,6 +244,8 @@ class Session {
   // Updates every partition with accumulated gradients (or, with
   // options.skip/overflow, consumes them and changes nothing).
   absl::StatusOr<StepResult> Step(const AdamHyperparams& h, const StepOptions& options = {});
+  // The outcome of the last overlapped step, once it has ended.
+  absl::StatusOr<StepResult> WaitStep();
   // Changes where this session's data rests while it trains (unset kinds
   // keep theirs); returns at once, the daemon moves the data in the
   // background.

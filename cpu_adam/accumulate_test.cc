@@ -28,7 +28,7 @@ TEST(Accumulate, AddsInFp32LikeTorchAndMeasuresTheSum) {
     ASSERT_EQ(acc[i], sum) << i;
     want += static_cast<double>(sum) * sum;
   }
-  EXPECT_NEAR(s.sq_norm, want, 1e-12 * want);
+  EXPECT_NEAR(s.sq_norm, want, 1e-6 * want);
   EXPECT_EQ(s.nonfinite, 0u);
 }
 
@@ -77,7 +77,7 @@ TEST(Accumulate, TheOptimizerPoolGivesTheSameBitsEveryRun) {
   }
   // One pass over the whole equals the tiles' sum up to rounding.
   const GradStats whole = MeasureGrads(acc1.data(), n);
-  EXPECT_NEAR(whole.sq_norm, first.sq_norm, 1e-12 * whole.sq_norm);
+  EXPECT_NEAR(whole.sq_norm, first.sq_norm, 1e-6 * whole.sq_norm);
 }
 
 }  // namespace

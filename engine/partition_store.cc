@@ -1,11 +1,13 @@
 #include "engine/partition_store.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -442,6 +444,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
     AwaitOutOfStep(wanted);
     for (size_t i = 0; i < wanted.size(); ++i) {
       Partition* p = wanted[i];
+      if (fetched_.insert(p->info.id).second) fetch_order_.push_back(p->info.id);
       for (auto [have, got] : {std::pair{&p->param_pins, &taken[i].params},
                                std::pair{&p->grad_pins, &taken[i].grads}}) {
         if (got->empty()) continue;
@@ -672,6 +675,17 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", session_id_, " has no partition with gradients returned since the last step"));
   }
+  // This iteration's fetch order; the next iteration's fetches start now.
+  absl::flat_hash_map<uint64_t, size_t> rank;
+  for (size_t i = 0; i < fetch_order_.size(); ++i) rank.emplace(fetch_order_[i], i);
+  fetch_order_.clear();
+  fetched_.clear();
+  std::stable_sort(items.begin(), items.end(), [&rank](const StepItem& a, const StepItem& b) {
+    auto ra = rank.find(a.id), rb = rank.find(b.id);
+    const size_t x = ra == rank.end() ? SIZE_MAX : ra->second;
+    const size_t y = rb == rank.end() ? SIZE_MAX : rb->second;
+    return x < y;
+  });
   stepping_ = true;
   return items;
 }
@@ -711,12 +725,30 @@ void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
       .IgnoreError();
 }
 
+void PartitionSet::EndPartition(const StepItem& item) {
+  absl::MutexLock lock(&mu_);
+  Partition* p = Find(item.id);
+  p->in_step = false;
+  p->resume_chunk = 0;
+  p->grads_ready = false;
+  p->accum_lost = false;
+  p->micro_batches = 0;
+  p->grad_stats = GradStats{};
+  p->master_initialized = true;
+  ++p->info.step;
+  step_ended_.SignalAll();
+}
+
 void PartitionSet::EndStep(absl::Span<const StepItem> items,
                            absl::Span<const ItemOutcome> outcomes) {
   bool applied_any = false;
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
+      if (outcomes[i].ended) {
+        applied_any = true;
+        continue;
+      }
       Partition* p = Find(items[i].id);
       p->in_step = false;
       if (outcomes[i].outcome == StepOutcome::kFailed) {

@@ -202,6 +202,7 @@ enum class StepOutcome {
 struct ItemOutcome {
   StepOutcome outcome = StepOutcome::kFailed;
   uint64_t next_chunk = 0;  // kFailed: chunks before it were updated
+  bool ended = false;       // already handed back by EndPartition
 };
 
 // INVALID_ARGUMENT unless `name` is 1 (0 with `may_be_empty`) to 256 bytes
@@ -256,7 +257,9 @@ class PartitionSet {
   PendingGradients Pending() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Pins every partition with gradients ready for one step (waiting for a
-  // step in progress, and accumulations, to end first). FAILED_PRECONDITION
+  // step in progress, and accumulations, to end first), in the order the
+  // trainer first fetched them in this iteration (the next one will fetch
+  // them so), the others after in registration order. FAILED_PRECONDITION
   // if there is none, or (unless `skipping`) if an accumulation was lost.
   // Must be followed by exactly one EndStep with the same items.
   absl::StatusOr<std::vector<StepItem>> BeginStep(bool skipping = false)
@@ -269,7 +272,11 @@ class PartitionSet {
   // The step is done with the accumulated gradients of chunk `chunk`:
   // their bytes are dropped.
   void ConsumeGrads(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
-  // `outcomes[i]` is what happened to `items[i]`.
+  // One item of a running step is done (applied): the partition leaves the
+  // step at once, so that a fetch of it waits no longer than its own update.
+  void EndPartition(const StepItem& item) ABSL_LOCKS_EXCLUDED(mu_);
+  // `outcomes[i]` is what happened to `items[i]` (those `ended` were handed
+  // back by EndPartition already).
   void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -335,6 +342,11 @@ class PartitionSet {
   std::map<uint64_t, std::unique_ptr<Partition>> partitions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> names_ ABSL_GUARDED_BY(mu_);
   bool stepping_ ABSL_GUARDED_BY(mu_) = false;
+  // The order in which the trainer first held each partition since the
+  // last step began, and that of the iteration before: a step updates its
+  // partitions in the order the next iteration will fetch them.
+  std::vector<uint64_t> fetch_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<uint64_t> fetched_ ABSL_GUARDED_BY(mu_);
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
   Placement placement_ ABSL_GUARDED_BY(mu_);

@@ -65,6 +65,18 @@ absl::StatusOr<PlacementChange> FromProto(const v1::Placement& p) {
   return change;
 }
 
+void ToProto(const StepSummary& s, v1::StepResponse* out) {
+  out->set_loss_scale(s.loss_scale);
+  out->set_partitions_updated(s.partitions_updated);
+  out->set_params_updated(s.params_updated);
+  out->set_skipped(s.skipped);
+  out->set_nonfinite_gradients(s.nonfinite);
+  out->set_wall_us(static_cast<uint64_t>(s.wall_nanos / 1000));
+  out->set_state_wait_us(static_cast<uint64_t>(s.state_wait_nanos / 1000));
+  out->set_compute_us(static_cast<uint64_t>(s.compute_nanos / 1000));
+  out->set_running(s.running);
+}
+
 absl::Status ShuttingDown() {
   return absl::UnavailableError("offloadd is shutting down; retry against its successor");
 }
@@ -185,15 +197,19 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext* context, const v1::
     StepControl control;
     control.skip = req->skip();
     control.overflow = req->overflow();
+    control.overlap = req->overlap();
     ASSIGN_OR_RETURN(StepSummary summary, sessions_->Step(KeyOf(req->session()), h, control));
-    resp->set_loss_scale(summary.loss_scale);
-    resp->set_partitions_updated(summary.partitions_updated);
-    resp->set_params_updated(summary.params_updated);
-    resp->set_skipped(summary.skipped);
-    resp->set_nonfinite_gradients(summary.nonfinite);
-    resp->set_wall_us(static_cast<uint64_t>(summary.wall_nanos / 1000));
-    resp->set_state_wait_us(static_cast<uint64_t>(summary.state_wait_nanos / 1000));
-    resp->set_compute_us(static_cast<uint64_t>(summary.compute_nanos / 1000));
+    ToProto(summary, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PartitionServiceImpl::WaitStep(grpc::ServerContext* context,
+                                            const v1::WaitStepRequest* req,
+                                            v1::StepResponse* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(StepSummary summary, sessions_->WaitStep(KeyOf(req->session())));
+    ToProto(summary, resp);
     return absl::OkStatus();
   });
 }

@@ -50,6 +50,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
                                  v1::ReleasePartitionsResponse*) override;
   grpc::Status GetPendingGradients(grpc::ServerContext*, const v1::GetPendingGradientsRequest*,
                                    v1::GetPendingGradientsResponse*) override;
+  grpc::Status WaitStep(grpc::ServerContext*, const v1::WaitStepRequest*,
+                        v1::StepResponse*) override;
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;

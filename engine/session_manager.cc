@@ -23,6 +23,12 @@ struct SessionManager::Session {
   const std::string name;
   const std::unique_ptr<PartitionSet> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
+
+  // The last overlapped step: running, or its outcome.
+  absl::Mutex step_mu;
+  bool step_started ABSL_GUARDED_BY(step_mu) = false;
+  bool step_running ABSL_GUARDED_BY(step_mu) = false;
+  absl::StatusOr<StepSummary> step_result ABSL_GUARDED_BY(step_mu);
 };
 
 namespace {
@@ -212,14 +218,41 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
                                                  const StepControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   LossScaler* scaler = session->scaler.get();
-  if (scaler == nullptr) return steps_->Run(*session->partitions, h, control.skip);
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
   // non-finite values here) skips the step and lowers the scale; otherwise
   // the gradients are unscaled in the update's pass.
-  AdamHyperparams unscaled = h;
-  unscaled.grad_scale = h.grad_scale / scaler->scale();
-  ASSIGN_OR_RETURN(StepSummary summary,
-                   steps_->Run(*session->partitions, unscaled, control.skip || control.overflow));
+  AdamHyperparams applied = h;
+  if (scaler != nullptr) applied.grad_scale = h.grad_scale / scaler->scale();
+  const bool skip = control.skip || (scaler != nullptr && control.overflow);
+  StepSummary summary;
+  if (control.overlap) {
+    Session* s = session.get();
+    {
+      absl::MutexLock lock(&s->step_mu);
+      // One at a time: the previous overlapped step's outcome is kept until
+      // this one starts (BeginStep waits for it to end anyway).
+      s->step_mu.Await(absl::Condition(
+          +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
+      s->step_running = true;
+      s->step_started = true;
+    }
+    absl::StatusOr<StepSummary> started = steps_->Start(
+        *session->partitions, session, applied, skip, [s](absl::StatusOr<StepSummary> result) {
+          absl::MutexLock lock(&s->step_mu);
+          s->step_result = std::move(result);
+          s->step_running = false;
+        });
+    if (!started.ok()) {
+      absl::MutexLock lock(&s->step_mu);
+      s->step_running = false;
+      s->step_result = started.status();
+      return started.status();
+    }
+    summary = *started;
+  } else {
+    ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip));
+  }
+  if (scaler == nullptr) return summary;
   if (!control.skip || control.overflow) {
     scaler->Update(/*overflow=*/control.overflow || summary.nonfinite != 0);
   }
@@ -230,6 +263,19 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
 absl::Status SessionManager::SetPlacement(const SessionKey& key, const PlacementChange& change) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   return session->partitions->SetPlacement(change);
+}
+
+absl::StatusOr<StepSummary> SessionManager::WaitStep(const SessionKey& key) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  Session* s = session.get();
+  absl::MutexLock lock(&s->step_mu);
+  if (!s->step_started) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", key.id, " has started no overlapped step"));
+  }
+  s->step_mu.Await(absl::Condition(
+      +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
+  return s->step_result;
 }
 
 absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {

@@ -85,6 +85,9 @@ struct StepControl {
   // Some rank's gradients overflowed: with loss scaling, skip and lower the
   // scale; without, the same as skip.
   bool overflow = false;
+  // Return once decided; the update overlaps what the trainer does next
+  // (StepRunner::Start). WaitStep gives its outcome.
+  bool overlap = false;
 };
 
 class SessionManager {
@@ -134,6 +137,10 @@ class SessionManager {
   // StepSummary; `skip` asks for one) also needs new ones.
   absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h,
                                    const StepControl& control = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The outcome of the session's last overlapped step, once it has ended
+  // (waiting for it). FAILED_PRECONDITION if none was started.
+  absl::StatusOr<StepSummary> WaitStep(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Changes where the session's data rests (see PartitionSet::SetPlacement);
   // returns at once.

@@ -66,32 +66,90 @@ absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t num
   return status;
 }
 
+StepRunner::StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats)
+    : optimizer_(optimizer), pool_(pool), stats_(stats) {
+  worker_ = std::thread([this] { Worker(); });
+}
+
+StepRunner::~StepRunner() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  worker_.join();  // runs the steps already started to their end
+}
+
+void StepRunner::Worker() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    mu_.Await(absl::Condition(
+        +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !r->jobs_.empty() || r->stopping_; },
+        this));
+    if (jobs_.empty()) return;
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    mu_.Unlock();
+    absl::StatusOr<StepSummary> result = Execute(*job.set, job.h, std::move(job.prepared));
+    job.done(std::move(result));
+    job = Job{};  // the session may go now, outside the lock
+    mu_.Lock();
+  }
+}
+
 absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h,
                                             bool skip) {
-  if (!skip) RETURN_IF_ERROR(ValidateHyperparams(h));
-  const auto start = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(std::vector<StepItem> items, set.BeginStep(/*skipping=*/skip));
-  Sync(StepPoint::kPinned);
-  std::vector<ItemOutcome> outcomes(items.size());
-  for (size_t i = 0; i < items.size(); ++i) outcomes[i].next_chunk = items[i].first_chunk;
+  ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip));
+  if (prepared.done) return prepared.summary;
+  return Execute(set, h, std::move(prepared));
+}
 
+absl::StatusOr<StepSummary> StepRunner::Start(PartitionSet& set, std::shared_ptr<void> keep_alive,
+                                              const AdamHyperparams& h, bool skip, Done done) {
+  ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip));
+  StepSummary now = prepared.summary;
+  if (prepared.done) {
+    done(now);
+    return now;
+  }
+  now.running = true;
+  absl::MutexLock lock(&mu_);
+  jobs_.push_back(Job{std::move(keep_alive), &set, h, std::move(prepared), std::move(done)});
+  return now;
+}
+
+absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionSet& set,
+                                                         const AdamHyperparams& h, bool skip) {
+  if (!skip) RETURN_IF_ERROR(ValidateHyperparams(h));
+  Prepared p;
+  p.start = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(p.items, set.BeginStep(/*skipping=*/skip));
+  Sync(StepPoint::kPinned);
+  p.outcomes.resize(p.items.size());
+  for (size_t i = 0; i < p.items.size(); ++i) p.outcomes[i].next_chunk = p.items[i].first_chunk;
   // Non-finite values were counted when the gradients were accumulated
   // (the accumulator is the daemon's: nothing changes them since).
   uint64_t nonfinite = 0;
   if (optimizer_->check_finite()) {
-    for (const StepItem& item : items) nonfinite += item.stats.nonfinite;
+    for (const StepItem& item : p.items) nonfinite += item.stats.nonfinite;
   }
   if (skip || nonfinite != 0) {
     Sync(StepPoint::kOptimized);
-    for (ItemOutcome& o : outcomes) o.outcome = StepOutcome::kSkipped;
-    set.EndStep(items, outcomes);
+    for (ItemOutcome& o : p.outcomes) o.outcome = StepOutcome::kSkipped;
+    set.EndStep(p.items, p.outcomes);
     stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);
-    StepSummary skipped;
-    skipped.skipped = true;
-    skipped.nonfinite = nonfinite;
-    skipped.wall_nanos = NanosSince(start);
-    return skipped;
+    p.done = true;
+    p.summary.skipped = true;
+    p.summary.nonfinite = nonfinite;
+    p.summary.wall_nanos = NanosSince(p.start);
   }
+  return p;
+}
+
+absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyperparams& h,
+                                                Prepared prepared) {
+  const std::vector<StepItem>& items = prepared.items;
+  std::vector<ItemOutcome>& outcomes = prepared.outcomes;
+  const auto start = prepared.start;
   int64_t wait_nanos = 0, compute_nanos = 0;
 
   // Units of work: (item, chunk), in order.
@@ -163,16 +221,19 @@ absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperpa
     }
     pins.clear();  // unpinned before the gradients are dropped
     for (size_t u = first; u < first + tasks.size(); ++u) {
-      outcomes[units[u].item].next_chunk = units[u].chunk + 1;
+      const size_t i = units[u].item;
+      outcomes[i].next_chunk = units[u].chunk + 1;
       summary.params_updated += tasks[u - first].span.numel;
-      set.ConsumeGrads(items[units[u].item].id, units[u].chunk);
+      set.ConsumeGrads(items[i].id, units[u].chunk);
+      if (outcomes[i].next_chunk == items[i].chunks) {
+        // Done: a fetch of it need not wait for the rest of the step.
+        outcomes[i].outcome = StepOutcome::kApplied;
+        outcomes[i].ended = true;
+        ++summary.partitions_updated;
+        set.EndPartition(items[i]);
+      }
     }
-  }
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (outcomes[i].next_chunk == items[i].chunks) {
-      outcomes[i].outcome = StepOutcome::kApplied;
-      ++summary.partitions_updated;
-    }
+    Sync(StepPoint::kGroupDone);
   }
   Sync(StepPoint::kOptimized);
   set.EndStep(items, outcomes);

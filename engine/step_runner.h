@@ -37,8 +37,13 @@
 #ifndef OFFLOADD_ENGINE_STEP_RUNNER_H_
 #define OFFLOADD_ENGINE_STEP_RUNNER_H_
 
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -65,20 +70,29 @@ struct StepSummary {
   int64_t compute_nanos = 0;
   // The session's loss scale after this step (1 without loss scaling).
   double loss_scale = 1;
+  // Started overlapped (StepRunner::Start): the update runs on; the
+  // figures above are the decision's, and the outcome comes later.
+  bool running = false;
 };
 
 // Named points inside Run(), for tests that need a deterministic
 // interleaving with other calls (RocksDB's sync points, in small).
 enum class StepPoint {
   kPinned,     // after BeginStep, before the optimizer runs
+  kGroupDone,  // after a group of chunks was updated and its finished
+               // partitions left the step
   kOptimized,  // after the optimizer, before EndStep
 };
 
 class StepRunner {
  public:
-  // `optimizer`, `pool` and `stats` must outlive the runner.
-  StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats)
-      : optimizer_(optimizer), pool_(pool), stats_(stats) {}
+  using Done = std::function<void(absl::StatusOr<StepSummary>)>;
+
+  // `optimizer`, `pool` and `stats` must outlive the runner. Starts the
+  // worker thread that runs overlapped steps.
+  StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats);
+  // Runs the overlapped steps already started to their end.
+  ~StepRunner();
 
   // Adds a micro-batch's gradients (held by the trainer in partition
   // `id`'s gradient buffer) into the partition's fp32 accumulator, chunk
@@ -92,6 +106,15 @@ class StepRunner {
   absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h,
                                   bool skip = false);
 
+  // The overlapped step: decides as Run does (its errors, a skip) and
+  // returns at once; the update runs on the runner's worker thread, in the
+  // order the trainer fetched the partitions, each partition leaving the
+  // step as soon as it is updated (so the next iteration's fetch of it
+  // waits only for its own update). `done` gets the outcome (also when
+  // the step ended at once); `keep_alive` holds what owns `set` until then.
+  absl::StatusOr<StepSummary> Start(PartitionSet& set, std::shared_ptr<void> keep_alive,
+                                    const AdamHyperparams& h, bool skip, Done done);
+
   // `hook` runs on the stepping thread at each StepPoint, with no engine
   // lock held; it may block. Tests only.
   void SetSyncPointForTesting(std::function<void(StepPoint)> hook) ABSL_LOCKS_EXCLUDED(mu_);
@@ -99,11 +122,35 @@ class StepRunner {
  private:
   void Sync(StepPoint point) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A step decided and its partitions pinned (or, `done`, already ended).
+  struct Prepared {
+    std::chrono::steady_clock::time_point start;
+    std::vector<StepItem> items;
+    std::vector<ItemOutcome> outcomes;
+    bool done = false;
+    StepSummary summary;
+  };
+  absl::StatusOr<Prepared> Prepare(PartitionSet& set, const AdamHyperparams& h, bool skip)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<StepSummary> Execute(PartitionSet& set, const AdamHyperparams& h,
+                                      Prepared prepared) ABSL_LOCKS_EXCLUDED(mu_);
+  struct Job {
+    std::shared_ptr<void> keep_alive;
+    PartitionSet* set = nullptr;
+    AdamHyperparams h;
+    Prepared prepared;
+    Done done;
+  };
+  void Worker() ABSL_LOCKS_EXCLUDED(mu_);
+
   Optimizer* const optimizer_;
   const HostPool* const pool_;
   Stats* const stats_;
   absl::Mutex mu_;
   std::function<void(StepPoint)> sync_point_ ABSL_GUARDED_BY(mu_);
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread worker_;
 };
 
 }  // namespace offload

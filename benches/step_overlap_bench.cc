@@ -1,0 +1,293 @@
+// benches/step_overlap: a training loop whose forward and backward take a
+// fixed time T on the trainer's side (a sleep, as a GPU kernel leaves the
+// CPU free), with the real optimizer over enough parameters to take about
+// T, run with the synchronous step (iteration about T + T_opt) and with the
+// overlapped step (Step returns once decided; the update runs while the
+// next forward pass fetches, each fetch waiting only for its own layer).
+//
+//   bazel build -c opt //benches:step_overlap
+//   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
+//       [--iterations=6] [--t=auto|250ms] [--nvme] [--pool=1GiB]
+//       [--dir=/var/tmp/offloadd-bench] [--tiny]
+//
+// The engine is assembled in-process as engine/out_of_core_test.cc does
+// (pool, swapper, store, step runner, session manager). One session,
+// --layers partitions of bf16 parameters and gradients; with --nvme the
+// optimizer state (master, moments, gradient accumulator) rests on NVMe in
+// a --pool host pool. An iteration: forward, each layer held, T/3 / layers
+// asleep, released; backward in reverse, each layer held with its gradient
+// buffer, 2T/3 / layers asleep, gradients returned, released; then Step.
+// (The gradient values are whatever the buffers hold: Adam's cost does not
+// depend on them; the daemon's accumulation pass runs on every return.)
+//
+// T_opt is measured first: the mean wall time of synchronous Steps alone
+// (after a warm-up). With --t=auto, T = T_opt. Bound = max(T, T_opt) (what
+// the delayed parameter update, DPU, could reach; DPU is not built: no row
+// for it); the overlapped step's own limit is max(T/3, T_opt) + 2T/3,
+// since each layer's forward needs its updated parameters. The first
+// iteration of each mode is not counted.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "base/config_registry.h"
+#include "base/env.h"
+#include "base/status_macros.h"
+#include "benches/bench_util.h"
+#include "cpu_adam/optimizer.h"
+#include "engine/partition_store.h"
+#include "engine/session_manager.h"
+#include "engine/stats.h"
+#include "engine/step_runner.h"
+#include "nvme/io_backend.h"
+#include "nvme/io_backend_factory.h"
+#include "nvme/swap_space.h"
+#include "swapper/host_pool.h"
+#include "swapper/swapper.h"
+
+namespace offload::bench {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024 * 1024;
+
+struct Flags {
+  uint64_t params = 100'000'000;
+  int layers = 16;
+  int iterations = 6;
+  double t = -1;  // seconds; < 0: T_opt
+  bool nvme = false;
+  uint64_t pool = uint64_t{1} << 30;
+  std::string dir = "/var/tmp/offloadd-bench";
+};
+
+// The engine, built in the order it is destroyed in reverse.
+struct Engine {
+  std::unique_ptr<IoBackend> backend;
+  std::unique_ptr<SwapSpace> space;
+  Stats stats;
+  std::unique_ptr<HostPool> pool;
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<Swapper> swapper;
+  std::unique_ptr<PartitionStore> store;
+  std::unique_ptr<StepRunner> steps;
+  std::unique_ptr<SessionManager> sessions;
+};
+
+void Sleep(double seconds) {
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
+int Fail(const absl::Status& s, const char* what) {
+  std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+  return 1;
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  bool tiny = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* name) -> const char* {
+      const std::string prefix = absl::StrCat("--", name, "=");
+      return a.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
+    };
+    const char* v;
+    int64_t bytes;
+    if ((v = value("params"))) {
+      // A count, with an optional decimal suffix: 100M, 1G.
+      std::string text = v;
+      uint64_t scale = 1;
+      if (!text.empty() && (text.back() == 'M' || text.back() == 'G')) {
+        scale = text.back() == 'M' ? 1'000'000 : 1'000'000'000;
+        text.pop_back();
+      }
+      uint64_t count = 0;
+      f.params = absl::SimpleAtoi(text, &count) ? count * scale : 0;
+    } else if ((v = value("layers"))) {
+      f.layers = std::atoi(v);
+    } else if ((v = value("iterations"))) {
+      f.iterations = std::atoi(v);
+    } else if ((v = value("t"))) {
+      double ms;
+      f.t = std::string(v) == "auto"          ? -1
+            : absl::SimpleAtod(absl::StripSuffix(v, "ms"), &ms) ? ms / 1000
+                                                                 : -2;
+    } else if ((v = value("pool")) && (bytes = ParseByteSize(v).value_or(-1)) > 0) {
+      f.pool = static_cast<uint64_t>(bytes);
+    } else if ((v = value("dir"))) {
+      f.dir = v;
+    } else if (a == "--nvme") {
+      f.nvme = true;
+    } else if (a == "--tiny") {
+      tiny = true;
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see benches/step_overlap_bench.cc)\n", a.c_str());
+      return 2;
+    }
+  }
+  if (tiny) {
+    f.params = 1 << 20;
+    f.layers = 4;
+    f.iterations = 3;
+    f.pool = 8 << 20;
+  }
+  if (f.params == 0 || f.layers < 1 || f.iterations < 2 || f.t < -1) {
+    std::fprintf(stderr, "bad flags\n");
+    return 2;
+  }
+  mkdir(f.dir.c_str(), 0700);
+  PrintMachine(f.dir);
+  const uint64_t per_layer = f.params / static_cast<uint64_t>(f.layers);
+
+  Engine e;
+  if (f.nvme) {
+    auto backend = MakeIoBackend(IoOptions{});
+    if (!backend.ok()) return Fail(backend.status(), "io backend");
+    e.backend = std::move(*backend);
+    NvmeOptions n;
+    n.dirs = f.dir;
+    n.bytes_per_dir = static_cast<int64_t>(f.params * 16 * 5 / 4 + (64 << 20));
+    auto space = SwapSpace::Create(n, e.backend.get());
+    if (!space.ok()) return Fail(space.status(), "swap space");
+    e.space = std::move(*space);
+  }
+  e.pool = std::make_unique<HostPool>(Env::Default(), f.nvme ? f.pool : uint64_t{1} << 40, false);
+  e.optimizer = std::make_unique<Optimizer>(OptimizerOptions{});
+  auto swapper = Swapper::Create(SwapperOptions{}, e.pool.get(), e.space.get());
+  if (!swapper.ok()) return Fail(swapper.status(), "swapper");
+  e.swapper = std::move(*swapper);
+  e.store = std::make_unique<PartitionStore>(Env::Default(), e.swapper.get(), &e.stats,
+                                             uint64_t{1} << 40, Placement{},
+                                             (16 << 20) / sizeof(float));
+  e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
+  e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
+                                                &e.stats);
+  PlacementChange placement;
+  if (f.nvme) placement[DataKind::kOptimizerState] = 0;
+  auto opened = e.sessions->Open("bench", placement);
+  if (!opened.ok()) return Fail(opened.status(), "open");
+  const SessionKey key = opened->key;
+  std::vector<uint64_t> ids;
+  for (int l = 0; l < f.layers; ++l) {
+    auto p = e.sessions->Register(key, {absl::StrCat("layer", l), per_layer, DType::kBf16,
+                                        DType::kBf16});
+    if (!p.ok()) return Fail(p.status(), "register");
+    ids.push_back(p->id);
+  }
+  if (auto s = e.sessions->Release(key, {}); !s.ok()) return Fail(s, "release");
+  std::printf("== step_overlap: %llu params in %d layers (bf16 params and gradients), optimizer "
+              "state %s; optimizer %s on %d threads\n",
+              static_cast<unsigned long long>(per_layer * f.layers), f.layers,
+              f.nvme ? absl::StrCat("on NVMe (", f.dir, "), pool ",
+                                    absl::StrFormat("%.2f GiB", f.pool / kGiB))
+                           .c_str()
+                     : "in memory",
+              e.optimizer->kernel_name().c_str(), e.optimizer->threads());
+
+  FetchMode backward;
+  backward.grads = true;
+  AdamHyperparams h;
+  h.lr = 1e-4;
+  // One iteration; returns its wall time. `step` commits the gradients.
+  double returning = 0;  // time inside ReturnGradients (the accumulation pass)
+  auto iteration = [&](double t, bool overlap, double* step_call) -> absl::StatusOr<double> {
+    const auto start = Clock::now();
+    for (int l = 0; l < f.layers; ++l) {
+      RETURN_IF_ERROR(e.sessions->Fetch(key, {ids[l]}).status());
+      Sleep(t / 3 / f.layers);
+      RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
+    }
+    for (int l = f.layers - 1; l >= 0; --l) {
+      RETURN_IF_ERROR(e.sessions->Fetch(key, {ids[l]}, backward).status());
+      Sleep(2 * t / 3 / f.layers);
+      const auto r = Clock::now();
+      RETURN_IF_ERROR(e.sessions->ReturnGradients(key, ids[l], per_layer, DType::kBf16));
+      returning += SecondsSince(r);
+      RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
+    }
+    const auto stepping = Clock::now();
+    StepControl control;
+    control.overlap = overlap;
+    auto summary = e.sessions->Step(key, h, control);
+    if (!summary.ok()) return summary.status();
+    *step_call = SecondsSince(stepping);
+    return SecondsSince(start);
+  };
+
+  // T_opt: synchronous steps alone (gradients returned without sleeping).
+  double step_call = 0, t_opt = 0;
+  const int opt_runs = 3;
+  for (int r = 0; r <= opt_runs; ++r) {
+    auto it = iteration(0, false, &step_call);
+    if (!it.ok()) return Fail(it.status(), "calibration");
+    if (r > 0) t_opt += step_call / opt_runs;  // the first is the warm-up
+  }
+  const double t = f.t < 0 ? t_opt : f.t;
+  std::printf("T_opt (synchronous Step alone, mean of %d after a warm-up): %.3f s; T (forward + "
+              "backward asleep): %.3f s; bound max(T, T_opt) = %.3f s\n",
+              opt_runs, t_opt, t, std::max(t, t_opt));
+  returning = 0;
+
+  struct Row {
+    const char* mode;
+    double mean = 0, best = 1e9, worst = 0, step_call = 0;
+  };
+  std::vector<Row> rows;
+  for (bool overlap : {false, true}) {
+    Row row{overlap ? "overlapped" : "synchronous"};
+    for (int i = 0; i < f.iterations; ++i) {
+      auto it = iteration(t, overlap, &step_call);
+      if (!it.ok()) return Fail(it.status(), row.mode);
+      if (i == 0) continue;  // the switch from the previous mode
+      row.mean += *it / (f.iterations - 1);
+      row.step_call += step_call / (f.iterations - 1);
+      row.best = std::min(row.best, *it);
+      row.worst = std::max(row.worst, *it);
+    }
+    if (overlap) {
+      auto done = e.sessions->WaitStep(key);
+      if (!done.ok()) return Fail(done.status(), "wait");
+    }
+    rows.push_back(row);
+  }
+  const double bound = std::max(t, t_opt);
+  std::printf("\n%-12s %10s %10s %10s %12s %10s %10s\n", "mode", "iter s", "best s", "worst s",
+              "Step call s", "bound s", "ratio");
+  for (const Row& r : rows) {
+    std::printf("%-12s %10.3f %10.3f %10.3f %12.3f %10.3f %9.3fx\n", r.mode, r.mean, r.best,
+                r.worst, r.step_call, bound, r.mean / bound);
+  }
+  const double t_acc = returning / (2 * f.iterations);
+  std::printf("T_acc (ReturnGradients: the daemon's accumulation pass, in the backward pass): "
+              "%.3f s per iteration\n",
+              t_acc);
+  std::printf("synchronous: about T + T_acc + T_opt = %.3f s; measured %.3fx that\n",
+              t + t_acc + t_opt, rows[0].mean / (t + t_acc + t_opt));
+  // Without DPU a layer's forward needs its updated parameters, so the
+  // update can hide behind the forward pass only: its limit is
+  // max(T_forward, T_opt) + T_backward.
+  const double overlap_limit = std::max(t / 3, t_opt) + 2 * t / 3 + t_acc;
+  std::printf("overlapped: limit max(T/3, T_opt) + 2T/3 + T_acc = %.3f s; measured %.3fx that, "
+              "%.3fx the synchronous iteration\n",
+              overlap_limit, rows[1].mean / overlap_limit, rows[1].mean / rows[0].mean);
+  std::printf("delayed parameter update (target <= 1.10x max(T, T_opt)): not built, not "
+              "measured\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace offload::bench
+
+int main(int argc, char** argv) { return offload::bench::Main(argc, argv); }
