@@ -116,6 +116,13 @@ struct StepOptions {
   // Return once decided; the update overlaps the next forward pass (a fetch
   // waits only for its own partition's update). WaitStep gives the outcome.
   bool overlap = false;
+  // Partitions whose hyperparameters differ from the step's (torch's param
+  // groups); grad_scale is always the step's.
+  struct Group {
+    std::vector<uint64_t> partition_ids;
+    AdamHyperparams hyperparams;
+  };
+  std::vector<Group> groups;
 };
 
 // How Fetch holds partitions.

@@ -136,7 +136,9 @@ void Optimizer::UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperpa
                              const std::vector<Tile>& tiles) {
   std::vector<AdamStepConstants> constants;
   constants.reserve(tasks.size());
-  for (const AdamTask& t : tasks) constants.push_back(ComputeStepConstants(h, t.step));
+  for (const AdamTask& t : tasks) {
+    constants.push_back(ComputeStepConstants(t.hyperparams != nullptr ? *t.hyperparams : h, t.step));
+  }
   const AdamKernels& k = *kernels_;
   ParallelTiles(tiles, [&](const Tile& t) {
     k.adam(constants[t.task], Slice(tasks[t.task].span, t.begin, t.end));
@@ -146,6 +148,10 @@ void Optimizer::UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperpa
 absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
                                            const AdamHyperparams& h) {
   if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
+  for (const AdamTask& t : tasks) {
+    if (t.hyperparams == nullptr) continue;
+    if (absl::Status s = ValidateHyperparams(*t.hyperparams); !s.ok()) return s;
+  }
   // A reader lock: concurrent steps share the arena; the setters wait.
   absl::ReaderMutexLock lock(&mu_);
   const std::vector<Tile> tiles = MakeTiles(tasks);
@@ -191,6 +197,10 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
 
 absl::Status Optimizer::Update(absl::Span<const AdamTask> tasks, const AdamHyperparams& h) {
   if (absl::Status s = ValidateHyperparams(h); !s.ok()) return s;
+  for (const AdamTask& t : tasks) {
+    if (t.hyperparams == nullptr) continue;
+    if (absl::Status s = ValidateHyperparams(*t.hyperparams); !s.ok()) return s;
+  }
   absl::ReaderMutexLock lock(&mu_);
   UpdateLocked(tasks, h, MakeTiles(tasks));
   return absl::OkStatus();

@@ -24,10 +24,13 @@
 
 namespace offload {
 
-// One partition's update: the spans plus its 1-based step number.
+// One partition's update: the spans plus its 1-based step number, and the
+// hyperparameters of its group when they differ from the call's (torch's
+// param groups: another lr, no weight decay, ...).
 struct AdamTask {
   AdamSpan span;
   uint64_t step = 1;
+  const AdamHyperparams* hyperparams = nullptr;  // null: the call's
 };
 
 // One micro-batch's gradients added into an accumulator (accumulate.h).

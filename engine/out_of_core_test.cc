@@ -88,6 +88,18 @@ PlacementChange All(int percent) {
   return change;
 }
 
+StepControl SkipControl() {
+  StepControl c;
+  c.skip = true;
+  return c;
+}
+
+StepControl OverflowControl() {
+  StepControl c;
+  c.overflow = true;
+  return c;
+}
+
 FetchMode WithGrads() {
   FetchMode mode;
   mode.grads = true;
@@ -184,6 +196,16 @@ class Trainer {
         EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
       }
     }
+    return out;
+  }
+
+  // One partition's working copy, as bytes (held while read).
+  std::string PartitionBytes(size_t i) const {
+    const PartitionInfo& p = parts_[i];
+    EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}).ok());
+    std::string out(reinterpret_cast<const char*>(arena_.data() + p.params.offset),
+                    p.params.bytes);
+    EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
     return out;
   }
 
@@ -597,7 +619,7 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
   EXPECT_EQ(t.Params(), before);
   EXPECT_EQ(t.Pending()->partitions, 0u);
   t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
-  auto explicit_skip = engine.sessions->Step(t.key(), AdamHyperparams{}, StepControl{/*skip=*/true});
+  auto explicit_skip = engine.sessions->Step(t.key(), AdamHyperparams{}, SkipControl());
   ASSERT_TRUE(explicit_skip.ok());
   EXPECT_TRUE(explicit_skip->skipped);
   EXPECT_EQ(t.Params(), before);
@@ -711,7 +733,7 @@ TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
   EXPECT_EQ(pending->loss_scale, 1024);
   EXPECT_DOUBLE_EQ(pending->stats.sq_norm, 0.25 * 3000);  // unscaled
   // Another rank overflowed: skipped, nothing changes, the scale halves.
-  auto skipped = engine.sessions->Step(key, AdamHyperparams{}, StepControl{false, true});
+  auto skipped = engine.sessions->Step(key, AdamHyperparams{}, OverflowControl());
   ASSERT_TRUE(skipped.ok());
   EXPECT_TRUE(skipped->skipped);
   EXPECT_EQ(skipped->loss_scale, 512);
@@ -903,6 +925,50 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
   auto outcome = engine.sessions->WaitStep(t.key());
   ASSERT_TRUE(outcome.ok());
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
+}
+
+// Param groups: one step gives partition 1 its own lr and no weight decay,
+// the others the step's; each trains to the bits of a session stepped with
+// only its own hyperparameters.
+TEST(OutOfCore, ParamGroupsGiveEachPartitionItsHyperparameters) {
+  Engine engine(TmpDir("groups"), 64 << 20);
+  Trainer grouped(&engine, StateAt(0)), base(&engine, All(100)), other(&engine, All(100));
+  AdamHyperparams h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.1;
+  AdamHyperparams no_decay = h;
+  no_decay.lr = 3e-2;
+  no_decay.weight_decay = 0;
+  StepControl control;
+  control.groups.push_back({{grouped.parts()[1].id}, no_decay});
+  for (int step = 1; step <= 3; ++step) {
+    for (Trainer* t : {&grouped, &base, &other}) t->ReturnGradients(step);
+    ASSERT_TRUE(engine.sessions->Step(grouped.key(), h, control).ok());
+    ASSERT_TRUE(engine.sessions->Step(base.key(), h).ok());
+    ASSERT_TRUE(engine.sessions->Step(other.key(), no_decay).ok());
+    EXPECT_EQ(grouped.PartitionBytes(0), base.PartitionBytes(0)) << step;
+    EXPECT_EQ(grouped.PartitionBytes(1), other.PartitionBytes(1)) << step;
+    EXPECT_NE(grouped.PartitionBytes(1), base.PartitionBytes(1)) << step;
+    EXPECT_EQ(grouped.PartitionBytes(2), base.PartitionBytes(2)) << step;
+  }
+  // A partition in two groups, an unknown one, bad hyperparameters: refused,
+  // nothing pinned or consumed.
+  grouped.ReturnGradients(9);
+  StepControl twice;
+  twice.groups = {{{grouped.parts()[0].id}, h}, {{grouped.parts()[0].id}, h}};
+  EXPECT_EQ(engine.sessions->Step(grouped.key(), h, twice).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  StepControl unknown;
+  unknown.groups = {{{base.parts()[0].id}, h}};
+  EXPECT_EQ(engine.sessions->Step(grouped.key(), h, unknown).status().code(),
+            absl::StatusCode::kNotFound);
+  StepControl bad;
+  AdamHyperparams negative = h;
+  negative.lr = -1;
+  bad.groups = {{{grouped.parts()[0].id}, negative}};
+  EXPECT_EQ(engine.sessions->Step(grouped.key(), h, bad).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(engine.sessions->Step(grouped.key(), h).ok());
 }
 
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {

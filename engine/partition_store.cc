@@ -235,6 +235,11 @@ size_t PartitionSet::partitions() const {
   return partitions_.size();
 }
 
+bool PartitionSet::Contains(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  return Find(id) != nullptr;
+}
+
 size_t PartitionSet::held() const {
   absl::MutexLock lock(&mu_);
   size_t n = 0;

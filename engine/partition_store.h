@@ -293,6 +293,7 @@ class PartitionSet {
   uint64_t arena_capacity() const { return arena_->capacity(); }
   uint64_t arena_bytes() const { return arena_->size(); }
   size_t partitions() const ABSL_LOCKS_EXCLUDED(mu_);
+  bool Contains(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes of `kind` homed on `home`.
   uint64_t bytes(DataKind kind, Tier home) const ABSL_LOCKS_EXCLUDED(mu_);
   // Partitions the trainer holds now.

@@ -39,6 +39,19 @@ void ToProto(const TunableInfo& t, v1::Tunable* out) {
   out->set_description(t.description);
 }
 
+AdamHyperparams FromProto(const v1::AdamHyperparams& p) {
+  AdamHyperparams h;
+  h.lr = p.lr();
+  h.beta1 = p.beta1();
+  h.beta2 = p.beta2();
+  h.eps = p.eps();
+  h.weight_decay = p.weight_decay();
+  h.decoupled_weight_decay = p.decoupled_weight_decay();
+  h.bias_correction = p.bias_correction();
+  if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
+  return h;
+}
+
 // Percentages above 100 are refused here, before they become ints.
 absl::StatusOr<PlacementChange> FromProto(const v1::Placement& p) {
   PlacementChange change;
@@ -184,20 +197,21 @@ grpc::Status PartitionServiceImpl::Step(grpc::ServerContext* context, const v1::
                                         v1::StepResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
     if (!req->has_hyperparams()) return absl::InvalidArgumentError("Step needs hyperparams");
-    const v1::AdamHyperparams& p = req->hyperparams();
-    AdamHyperparams h;
-    h.lr = p.lr();
-    h.beta1 = p.beta1();
-    h.beta2 = p.beta2();
-    h.eps = p.eps();
-    h.weight_decay = p.weight_decay();
-    h.decoupled_weight_decay = p.decoupled_weight_decay();
-    h.bias_correction = p.bias_correction();
-    if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
+    const AdamHyperparams h = FromProto(req->hyperparams());
     StepControl control;
     control.skip = req->skip();
     control.overflow = req->overflow();
     control.overlap = req->overlap();
+    for (const v1::ParamGroup& g : req->groups()) {
+      if (g.hyperparams().has_grad_scale()) {
+        return absl::InvalidArgumentError(
+            "a param group sets grad_scale; it is the step's (the global clip coefficient)");
+      }
+      ParamGroup group;
+      group.partition_ids.assign(g.partition_ids().begin(), g.partition_ids().end());
+      group.hyperparams = FromProto(g.hyperparams());
+      control.groups.push_back(std::move(group));
+    }
     ASSIGN_OR_RETURN(StepSummary summary, sessions_->Step(KeyOf(req->session()), h, control));
     ToProto(summary, resp);
     return absl::OkStatus();

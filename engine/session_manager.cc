@@ -237,7 +237,8 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
       s->step_started = true;
     }
     absl::StatusOr<StepSummary> started = steps_->Start(
-        *session->partitions, session, applied, skip, [s](absl::StatusOr<StepSummary> result) {
+        *session->partitions, session, applied, skip, control.groups,
+        [s](absl::StatusOr<StepSummary> result) {
           absl::MutexLock lock(&s->step_mu);
           s->step_result = std::move(result);
           s->step_running = false;
@@ -250,7 +251,7 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
     }
     summary = *started;
   } else {
-    ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip));
+    ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, control.groups));
   }
   if (scaler == nullptr) return summary;
   if (!control.skip || control.overflow) {

@@ -88,6 +88,8 @@ struct StepControl {
   // Return once decided; the update overlaps what the trainer does next
   // (StepRunner::Start). WaitStep gives its outcome.
   bool overlap = false;
+  // Partitions whose hyperparameters differ from the step's.
+  std::vector<ParamGroup> groups;
 };
 
 class SessionManager {

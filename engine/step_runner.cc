@@ -4,6 +4,7 @@
 #include <chrono>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "cpu_adam/dtype.h"
@@ -97,15 +98,16 @@ void StepRunner::Worker() {
 }
 
 absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h,
-                                            bool skip) {
-  ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip));
+                                            bool skip, absl::Span<const ParamGroup> groups) {
+  ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip, groups));
   if (prepared.done) return prepared.summary;
   return Execute(set, h, std::move(prepared));
 }
 
 absl::StatusOr<StepSummary> StepRunner::Start(PartitionSet& set, std::shared_ptr<void> keep_alive,
-                                              const AdamHyperparams& h, bool skip, Done done) {
-  ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip));
+                                              const AdamHyperparams& h, bool skip,
+                                              absl::Span<const ParamGroup> groups, Done done) {
+  ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip, groups));
   StepSummary now = prepared.summary;
   if (prepared.done) {
     done(now);
@@ -118,11 +120,41 @@ absl::StatusOr<StepSummary> StepRunner::Start(PartitionSet& set, std::shared_ptr
 }
 
 absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionSet& set,
-                                                         const AdamHyperparams& h, bool skip) {
+                                                         const AdamHyperparams& h, bool skip,
+                                                         absl::Span<const ParamGroup> groups) {
   if (!skip) RETURN_IF_ERROR(ValidateHyperparams(h));
   Prepared p;
   p.start = std::chrono::steady_clock::now();
+  // Checked before anything is pinned: a bad group changes nothing.
+  absl::flat_hash_map<uint64_t, size_t> group_of;
+  p.group_hyperparams.reserve(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    AdamHyperparams gh = groups[g].hyperparams;
+    gh.grad_scale = h.grad_scale;  // global: the clip coefficient and loss scale
+    if (!skip) {
+      absl::Status valid = ValidateHyperparams(gh);
+      if (!valid.ok()) {
+        return absl::Status(valid.code(),
+                            absl::StrCat("param group ", g, ": ", valid.message()));
+      }
+    }
+    p.group_hyperparams.push_back(gh);
+    for (uint64_t id : groups[g].partition_ids) {
+      if (!set.Contains(id)) {
+        return absl::NotFoundError(
+            absl::StrCat("param group ", g, " names partition ", id, ", not in this session"));
+      }
+      if (!group_of.emplace(id, g).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("partition ", id, " is in more than one param group"));
+      }
+    }
+  }
   ASSIGN_OR_RETURN(p.items, set.BeginStep(/*skipping=*/skip));
+  for (StepItem& item : p.items) {
+    auto it = group_of.find(item.id);
+    if (it != group_of.end()) item.task.hyperparams = &p.group_hyperparams[it->second];
+  }
   Sync(StepPoint::kPinned);
   p.outcomes.resize(p.items.size());
   for (size_t i = 0; i < p.items.size(); ++i) p.outcomes[i].next_chunk = p.items[i].first_chunk;

@@ -75,6 +75,14 @@ struct StepSummary {
   bool running = false;
 };
 
+// Hyperparameters of some partitions that differ from the step's (torch's
+// param groups: another lr, no weight decay). The step's grad_scale (the
+// global clip coefficient and loss scale) applies to every group.
+struct ParamGroup {
+  std::vector<uint64_t> partition_ids;
+  AdamHyperparams hyperparams;
+};
+
 // Named points inside Run(), for tests that need a deterministic
 // interleaving with other calls (RocksDB's sync points, in small).
 enum class StepPoint {
@@ -103,8 +111,10 @@ class StepRunner {
 
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.
+  // `groups`: INVALID_ARGUMENT for a partition named twice or bad
+  // hyperparameters, NOT_FOUND for one the set does not hold.
   absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h,
-                                  bool skip = false);
+                                  bool skip = false, absl::Span<const ParamGroup> groups = {});
 
   // The overlapped step: decides as Run does (its errors, a skip) and
   // returns at once; the update runs on the runner's worker thread, in the
@@ -113,7 +123,8 @@ class StepRunner {
   // waits only for its own update). `done` gets the outcome (also when
   // the step ended at once); `keep_alive` holds what owns `set` until then.
   absl::StatusOr<StepSummary> Start(PartitionSet& set, std::shared_ptr<void> keep_alive,
-                                    const AdamHyperparams& h, bool skip, Done done);
+                                    const AdamHyperparams& h, bool skip,
+                                    absl::Span<const ParamGroup> groups, Done done);
 
   // `hook` runs on the stepping thread at each StepPoint, with no engine
   // lock held; it may block. Tests only.
@@ -127,11 +138,14 @@ class StepRunner {
     std::chrono::steady_clock::time_point start;
     std::vector<StepItem> items;
     std::vector<ItemOutcome> outcomes;
+    // The groups' hyperparameters; items' tasks point into it (a move keeps
+    // the elements where they are).
+    std::vector<AdamHyperparams> group_hyperparams;
     bool done = false;
     StepSummary summary;
   };
-  absl::StatusOr<Prepared> Prepare(PartitionSet& set, const AdamHyperparams& h, bool skip)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Prepared> Prepare(PartitionSet& set, const AdamHyperparams& h, bool skip,
+                                   absl::Span<const ParamGroup> groups) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<StepSummary> Execute(PartitionSet& set, const AdamHyperparams& h,
                                       Prepared prepared) ABSL_LOCKS_EXCLUDED(mu_);
   struct Job {

@@ -235,6 +235,19 @@ TEST_F(DaemonTest, AccumulationGlobalClippingAndLossScalingOverTheWire) {
   ASSERT_TRUE(w0.ok() && w1.ok());
   EXPECT_EQ(w0->params_as<float>()[7], w1->params_as<float>()[7]);  // the same update
   EXPECT_LT(w0->params_as<float>()[7], 1.0f);
+  // A param group over the wire: rank 1's partition with lr 0 does not move.
+  ASSERT_TRUE(r0->Release(*w0).ok());
+  ASSERT_TRUE(r1->Release(*w1).ok());
+  put(r1.get(), parts[1], 1.0f);
+  const float before = w1->params_as<float>()[7];
+  StepOptions frozen;
+  AdamHyperparams zero_lr;
+  zero_lr.lr = 0;
+  frozen.groups.push_back({{parts[1].id}, zero_lr});
+  ASSERT_TRUE(r1->Step(h, frozen).ok());
+  auto w1b = r1->Fetch(parts[1].id);
+  ASSERT_TRUE(w1b.ok());
+  EXPECT_EQ(w1b->params_as<float>()[7], before);
 
   // fp16 with loss scaling: an overflow on another rank skips the step.
   SessionOptions fp16;
