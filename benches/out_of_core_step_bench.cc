@@ -569,7 +569,7 @@ int Main(int argc, char** argv) {
     }
     e.swapper = std::move(*swapper);
     e.store = std::make_unique<PartitionStore>(Env::Default(), e.swapper.get(), &e.stats,
-                                               arena_charge + (1 << 20), Placement{}, chunk_elems);
+                                               2 * arena_charge + (1 << 20), Placement{}, chunk_elems);
     e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
     e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
                                                   &e.stats);

@@ -111,14 +111,19 @@ struct Session::Impl {
   UniqueFd connection;  // the arena channel; closing it abandons the session
   absl::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
-  // Each partition's params and grads, mapped the first time the daemon
-  // names them: address space only for what the session holds. A
-  // partition's regions never move, so its mapping stays valid as long as
-  // the Session.
-  absl::flat_hash_map<uint64_t, HostMemory> regions ABSL_GUARDED_BY(mu);
+  // Each partition's span (params, grads, the second working-copy buffer),
+  // mapped the first time the daemon names it: address space only for what
+  // the session holds. A partition's span never moves (its params may move
+  // inside it), so its mapping stays valid as long as the Session. Kept
+  // with the arena offset it starts at.
+  struct Mapped {
+    uint64_t begin = 0;
+    HostMemory memory;
+  };
+  absl::flat_hash_map<uint64_t, Mapped> regions ABSL_GUARDED_BY(mu);
 
   absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
-    for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
+    for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init(), &loc.span()}) {
       if (r->offset() > arena_capacity || r->bytes() > arena_capacity - r->offset()) {
         return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
                                                 " outside its arena"));
@@ -128,7 +133,8 @@ struct Session::Impl {
     const uint64_t begin = std::min(loc.params().offset(), loc.grads().offset()) / page * page;
     const uint64_t end = std::max({loc.params().offset() + loc.params().bytes(),
                                    loc.grads().offset() + loc.grads().bytes(),
-                                   loc.master_init().offset() + loc.master_init().bytes()});
+                                   loc.master_init().offset() + loc.master_init().bytes(),
+                                   loc.span().offset() + loc.span().bytes()});
     std::byte* base;
     {
       absl::MutexLock lock(&mu);
@@ -140,9 +146,17 @@ struct Session::Impl {
                               absl::StrCat("mapping partition ", loc.partition_id(), ": ",
                                            region.status().message()));
         }
-        it = regions.emplace(loc.partition_id(), *std::move(region)).first;
+        it = regions.emplace(loc.partition_id(), Mapped{begin, *std::move(region)}).first;
       }
-      base = it->second.data() - begin;
+      const Mapped& m = it->second;
+      for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
+        if (r->bytes() != 0 &&
+            (r->offset() < m.begin || r->offset() + r->bytes() > m.begin + m.memory.size())) {
+          return absl::InternalError(absl::StrCat(
+              "daemon placed partition ", loc.partition_id(), " outside its mapped span"));
+        }
+      }
+      base = m.memory.data() - m.begin;
     }
     PartitionView v;
     v.id = loc.partition_id();
@@ -208,6 +222,9 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
     if (l.backoff_factor) out->set_backoff_factor(*l.backoff_factor);
     if (l.hysteresis) out->set_hysteresis(*l.hysteresis);
     if (l.min_scale) out->set_min_scale(*l.min_scale);
+  }
+  if (options.delayed_update_after_steps.has_value()) {
+    req.set_delayed_update_after_steps(*options.delayed_update_after_steps);
   }
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
@@ -384,6 +401,15 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return FromProto(resp);
+}
+
+absl::Status Session::SetDelayedUpdate(bool enabled) {
+  v1::SetDelayedUpdateRequest req;
+  *req.mutable_session() = impl_->ref;
+  req.set_enabled(enabled);
+  v1::SetDelayedUpdateResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  return FromGrpc(impl_->stub->SetDelayedUpdate(&rpc.context, req, &resp), "SetDelayedUpdate");
 }
 
 absl::StatusOr<StepResult> Session::WaitStep() {

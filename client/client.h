@@ -97,6 +97,9 @@ struct SessionOptions {
   // Step's) loss_scale; the daemon unscales, skips overflowing steps and
   // adjusts the scale.
   std::optional<LossScaling> loss_scaling;
+  // Set: the delayed parameter update switches itself on after this many
+  // steps (0: from the first; ZeRO-Offload used 40). See SetDelayedUpdate.
+  std::optional<uint64_t> delayed_update_after_steps;
 };
 
 // What the gradients returned since the last step add up to (see
@@ -253,6 +256,11 @@ class Session {
   absl::StatusOr<StepResult> Step(const AdamHyperparams& h, const StepOptions& options = {});
   // The outcome of the last overlapped step, once it has ended.
   absl::StatusOr<StepResult> WaitStep();
+  // The delayed parameter update on or off now (offload.proto's
+  // SetDelayedUpdateRequest): fetches during a step are served at once with
+  // the parameters one step older; release every partition before Step.
+  // Off drains: the newest parameters become current.
+  absl::Status SetDelayedUpdate(bool enabled);
   // Changes where this session's data rests while it trains (unset kinds
   // keep theirs); returns at once, the daemon moves the data in the
   // background.

@@ -190,8 +190,11 @@ class Trainer {
   std::string Params(uint64_t keep = 0) const {
     std::string out;
     for (const PartitionInfo& p : parts_) {
-      EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}).ok());
-      out.append(reinterpret_cast<const char*>(arena_.data() + p.params.offset), p.params.bytes);
+      // Where the fetch says: with the delayed update the buffer changes.
+      auto held = engine_->sessions->Fetch(key_, {p.id});
+      EXPECT_TRUE(held.ok());
+      const ArenaRegion params = (*held)[0].params;
+      out.append(reinterpret_cast<const char*>(arena_.data() + params.offset), params.bytes);
       if (p.id != keep) {
         EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
       }
@@ -202,8 +205,9 @@ class Trainer {
   // One partition's working copy, as bytes (held while read).
   std::string PartitionBytes(size_t i) const {
     const PartitionInfo& p = parts_[i];
-    EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}).ok());
-    std::string out(reinterpret_cast<const char*>(arena_.data() + p.params.offset),
+    auto held = engine_->sessions->Fetch(key_, {p.id});
+    EXPECT_TRUE(held.ok());
+    std::string out(reinterpret_cast<const char*>(arena_.data() + (*held)[0].params.offset),
                     p.params.bytes);
     EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
     return out;
@@ -969,6 +973,101 @@ TEST(OutOfCore, ParamGroupsGiveEachPartitionItsHyperparameters) {
   EXPECT_EQ(engine.sessions->Step(grouped.key(), h, bad).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(engine.sessions->Step(grouped.key(), h).ok());
+}
+
+// The delayed parameter update: with DPU on from the first step, the
+// trainer's iteration i+1 reads the parameters of step i-1 (never a mix),
+// and the sequence of parameters is bit for bit that of a reference that
+// applies one-step-stale gradients (computed from the parameters read an
+// iteration earlier); switching DPU off drains to the reference's newest
+// parameters. In memory, and with everything on NVMe.
+TEST(OutOfCore, DelayedUpdateIsExactlyOneStepStale) {
+  int dir = 0;
+  for (const PlacementChange& placement : {All(100), All(0)}) {
+    const bool on_nvme = *placement[DataKind::kParams] == 0;
+    Engine engine(TmpDir("dpu" + std::to_string(dir++)),
+                  on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+    Trainer dpu(&engine, placement), ref(&engine, placement);
+    ASSERT_TRUE(engine.sessions->SetDelayedUpdate(dpu.key(), true).ok());
+    // Gradients as a function of the parameters a trainer read.
+    auto grads_from = [](const std::string& params) {
+      return [params](size_t part, uint64_t j) {
+        size_t at = 0;
+        for (size_t q = 0; q < part; ++q) at += kSizes[q] * 2;
+        uint16_t w;
+        std::memcpy(&w, params.data() + at + j * 2, 2);
+        return 0.05f * Bf16ToFloat(w) + 0.001f * static_cast<float>(j % 5);
+      };
+    };
+    std::vector<std::string> dpu_reads, ref_reads;
+    std::string ref_previous;
+    for (int step = 1; step <= 5; ++step) {
+      dpu_reads.push_back(dpu.Params());
+      ref_reads.push_back(ref.Params());
+      dpu.ReturnGradientsOf(grads_from(dpu_reads.back()));
+      // The reference uses the parameters of the iteration before (the
+      // first iteration: its own).
+      ref.ReturnGradientsOf(grads_from(step == 1 ? ref_reads.back() : ref_previous));
+      ref_previous = ref_reads.back();
+      ASSERT_TRUE(dpu.Step().ok());
+      ASSERT_TRUE(ref.Step().ok());
+    }
+    // Iteration k+1 of the DPU trainer saw what iteration k of the
+    // reference saw: one step stale, exactly.
+    // (EXPECT_TRUE on equality: a mismatch would print megabytes.)
+    EXPECT_TRUE(dpu_reads[0] == ref_reads[0]);
+    for (size_t k = 1; k + 1 < dpu_reads.size(); ++k) {
+      EXPECT_TRUE(dpu_reads[k + 1] == ref_reads[k]) << "iteration " << k + 2
+                                                    << (on_nvme ? " on NVMe" : "");
+    }
+    for (size_t a = 0; a < dpu_reads.size(); ++a) {
+      std::string row;
+      for (size_t b = 0; b < ref_reads.size(); ++b) row += dpu_reads[a] == ref_reads[b] ? '1' : '.';
+      std::printf("dpu read %zu vs ref reads: %s\n", a, row.c_str());
+    }
+    EXPECT_TRUE(dpu_reads[2] != dpu_reads[3]);  // it does move
+    // Off: drains to the newest parameters, the reference's current ones.
+    ASSERT_TRUE(engine.sessions->SetDelayedUpdate(dpu.key(), false).ok());
+    EXPECT_TRUE(dpu.Params() == ref.Params());
+  }
+}
+
+// With DPU and the overlapped step, fetches during the update are served
+// at once with one whole version (the previous one), never a mix; the
+// update's version appears whole at the next commit.
+TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
+  Engine engine(TmpDir("dpuw"), 64 << 20);
+  Trainer t(&engine, All(100));
+  ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t.key(), true).ok());
+  t.ReturnGradients(1);
+  ASSERT_TRUE(t.Step().ok());  // step 1: its version is pending
+  const std::string v0 = t.Params();
+  t.ReturnGradients(2);
+  absl::Notification reached, release;
+  std::atomic<int> groups{0};
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kGroupDone || groups++ != 0) return;
+    reached.Notify();
+    release.WaitForNotification();
+  });
+  StepControl overlap;
+  overlap.overlap = true;
+  ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
+  reached.WaitForNotification();  // step 2 is midway
+  const int64_t waits = engine.stats.waits_for_step.load();
+  const std::string during = t.Params();  // every partition, no waiting
+  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
+  EXPECT_TRUE(during != v0);  // step 1's version became current at this commit
+  release.Notify();
+  ASSERT_TRUE(engine.sessions->WaitStep(t.key()).ok());
+  engine.steps->SetSyncPointForTesting(nullptr);
+  EXPECT_TRUE(t.Params() == during);  // step 2's version waits for the next commit
+  // Holding a partition whose newer version must become current is refused.
+  t.ReturnGradients(3);
+  ASSERT_TRUE(engine.sessions->Fetch(t.key(), {t.parts()[0].id}).ok());
+  EXPECT_EQ(t.Step().status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[0].id}).ok());
+  EXPECT_TRUE(t.Step().ok());
 }
 
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {

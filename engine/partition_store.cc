@@ -30,6 +30,7 @@ constexpr DataKind kKinds[kDataKinds] = {DataKind::kParams, DataKind::kGrads,
 DataKind KindOfBlock(int block_kind) {
   switch (block_kind) {
     case PartitionStore::kParamsBlock:
+    case PartitionStore::kShadowBlock:
       return DataKind::kParams;
     case PartitionStore::kGradsBlock:
       return DataKind::kGrads;
@@ -64,6 +65,14 @@ struct PartitionSet::Partition {
   bool accumulating = false;
   bool accum_lost = false;     // an accumulation failed midway: skip the step
   bool master_init_pending = false;  // fp32 initial values not committed yet
+  // The working copy's two buffers (the second used by the delayed update):
+  // `version` is the one the trainer reads; `swap_pending` means the other
+  // holds a newer version, made current at the next step's commit.
+  uint64_t params_offset[2] = {0, 0};
+  std::byte* buffer[2] = {nullptr, nullptr};
+  int version = 0;
+  bool swap_pending = false;
+  bool in_step_delayed = false;
   uint64_t micro_batches = 0;  // accumulated since the last step
   GradStats grad_stats;        // of the accumulated values
   uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
@@ -192,7 +201,10 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
       for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
         // The fp32 initial values stay on the host until committed.
         if (KindOfBlock(b) != m.kind || b == PartitionStore::kInitBlock) continue;
-        RETURN_IF_ERROR(swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home));
+        absl::Status moved = swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home);
+        // The second working-copy buffer exists only with the delayed update.
+        if (b == PartitionStore::kShadowBlock && absl::IsNotFound(moved)) continue;
+        RETURN_IF_ERROR(moved);
       }
     }
   }
@@ -257,10 +269,14 @@ uint64_t PartitionSet::bytes(DataKind kind, Tier home) const {
   return bytes_[static_cast<int>(kind)][static_cast<int>(home)];
 }
 
-void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions) {
-  auto in_step = [partitions]() {
+int PartitionSet::ParamsKind(const Partition& p, bool next) {
+  return (p.version == 1) != next ? PartitionStore::kShadowBlock : PartitionStore::kParamsBlock;
+}
+
+void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions, bool delayed_ok) {
+  auto in_step = [partitions, delayed_ok]() {
     for (const Partition* p : partitions) {
-      if (p->in_step) return true;
+      if (p->in_step && !(delayed_ok && p->in_step_delayed)) return true;
     }
     return false;
   };
@@ -288,16 +304,15 @@ absl::StatusOr<Swapper::Pin> PartitionSet::PinBlock(uint64_t id, uint64_t chunk,
   return swapper_->Acquire(PartitionStore::BlockOf(id, chunk, block_kind), for_write);
 }
 
-absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p, bool grads,
+absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p, int kind,
                                                              bool for_write) {
+  const bool grads = kind == PartitionStore::kGradsBlock;
   // info.id and info.numel never change after registration.
   const uint64_t chunks = ChunksOf(p.info.numel);
   std::vector<Swapper::Pin> pins;
   pins.reserve(chunks);
   for (uint64_t c = 0; c < chunks; ++c) {
-    absl::StatusOr<Swapper::Pin> pin =
-        PinBlock(p.info.id, c, grads ? PartitionStore::kGradsBlock : PartitionStore::kParamsBlock,
-                 for_write);
+    absl::StatusOr<Swapper::Pin> pin = PinBlock(p.info.id, c, kind, for_write);
     if (!pin.ok()) {
       return absl::Status(pin.status().code(),
                           absl::StrCat("holding the ", grads ? "gradient buffer" : "parameters",
@@ -327,6 +342,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   // Registrations and placement changes of this set, one at a time (see
   // SetPlacement); held while the swapper makes room.
   absl::MutexLock placing(&placement_mu_);
+  bool with_shadow = false;
   {
     absl::MutexLock lock(&mu_);
     if (names_.contains(spec.name)) {
@@ -335,6 +351,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     }
     // Claimed now; given back below if the registration fails.
     names_.insert(spec.name);
+    with_shadow = delayed_;  // stable: SetDelayedUpdate holds placement_mu_ too
     for (DataKind k : kKinds) {
       const int kind = static_cast<int>(k);
       partition->home[kind] = HomeFor(bytes_[kind][0], bytes_[kind][0] + bytes_[kind][1],
@@ -352,14 +369,24 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     const uint64_t grads_at = ShmArena::RoundedSize(param_bytes);
     const uint64_t init_at = grads_at + ShmArena::RoundedSize(grad_bytes);
     const uint64_t init_bytes = spec.fp32_master ? spec.numel * sizeof(float) : 0;
-    const uint64_t span = spec.fp32_master ? init_at + init_bytes : grads_at + grad_bytes;
+    // The working copy's second buffer (the delayed update) last: address
+    // space only, until the delayed update is switched on.
+    const uint64_t shadow_at =
+        (spec.fp32_master ? init_at + ShmArena::RoundedSize(init_bytes)
+                          : grads_at + ShmArena::RoundedSize(grad_bytes));
+    const uint64_t span = shadow_at + param_bytes;
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span));
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};
+    info.span = {params_off, span};
     if (spec.fp32_master) info.master_init = {params_off + init_at, init_bytes};
     ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, span));
     partition->params = partition->region.data();
     partition->grads = partition->region.data() + grads_at;
+    partition->params_offset[0] = params_off;
+    partition->params_offset[1] = params_off + shadow_at;
+    partition->buffer[0] = partition->region.data();
+    partition->buffer[1] = partition->region.data() + shadow_at;
     partition->master_init_pending = spec.fp32_master;
     const Tier* home = partition->home;
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
@@ -368,7 +395,12 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
         const uint64_t block = PartitionStore::BlockOf(id, c, b);
         const Tier where = home[static_cast<int>(KindOfBlock(b))];
         absl::Status s;
-        if (b == PartitionStore::kInitBlock) {
+        if (b == PartitionStore::kShadowBlock) {
+          if (!with_shadow) continue;
+          const uint64_t size = DTypeSize(spec.param_dtype);
+          s = swapper_->AddExternal(block, partition->buffer[1] + begin * size, elems * size,
+                                    where, session_id_);
+        } else if (b == PartitionStore::kInitBlock) {
           if (!spec.fp32_master) continue;
           s = swapper_->AddExternal(block, partition->region.data() + init_at + begin * 4,
                                     elems * sizeof(float), Tier::kHost, session_id_);
@@ -391,7 +423,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     }
     // Held for the trainer to write the initial values.
     ASSIGN_OR_RETURN(partition->param_pins,
-                     Hold(*partition, /*grads=*/false, /*for_write=*/true));
+                     Hold(*partition, PartitionStore::kParamsBlock, /*for_write=*/true));
     return absl::OkStatus();
   }();
   if (!status.ok()) {
@@ -433,20 +465,37 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
   struct Taken {
     std::vector<Swapper::Pin> params, grads;
   };
-  std::vector<Taken> taken(wanted.size());
   std::vector<Swapper::Pin> spare;
-  for (size_t i = 0; i < wanted.size(); ++i) {
-    ASSIGN_OR_RETURN(taken[i].params, Hold(*wanted[i], /*grads=*/false, mode.writable));
-    if (mode.grads) {
-      ASSIGN_OR_RETURN(taken[i].grads, Hold(*wanted[i], /*grads=*/true, /*for_write=*/true));
-    }
-  }
   std::vector<PartitionInfo> out;
-  out.reserve(wanted.size());
-  {
+  for (;;) {  // again only if a delayed update's commit swapped a buffer meanwhile
+    std::vector<int> kinds(wanted.size());
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 0; i < wanted.size(); ++i) kinds[i] = ParamsKind(*wanted[i], false);
+    }
+    std::vector<Taken> taken(wanted.size());
+    for (size_t i = 0; i < wanted.size(); ++i) {
+      ASSIGN_OR_RETURN(taken[i].params, Hold(*wanted[i], kinds[i], mode.writable));
+      if (mode.grads) {
+        ASSIGN_OR_RETURN(taken[i].grads,
+                         Hold(*wanted[i], PartitionStore::kGradsBlock, /*for_write=*/true));
+      }
+    }
     absl::MutexLock lock(&mu_);
-    // Parameters being updated are not handed out half-written.
-    AwaitOutOfStep(wanted);
+    // Parameters being updated are not handed out half-written (a delayed
+    // update writes the other buffer: no wait).
+    AwaitOutOfStep(wanted, /*delayed_ok=*/true);
+    bool same = true;
+    for (size_t i = 0; i < wanted.size(); ++i) same &= kinds[i] == ParamsKind(*wanted[i], false);
+    if (!same) {
+      for (Taken& t : taken) {
+        for (auto* v : {&t.params, &t.grads}) {
+          std::move(v->begin(), v->end(), std::back_inserter(spare));
+        }
+      }
+      continue;
+    }
+    out.reserve(wanted.size());
     for (size_t i = 0; i < wanted.size(); ++i) {
       Partition* p = wanted[i];
       if (fetched_.insert(p->info.id).second) fetch_order_.push_back(p->info.id);
@@ -461,8 +510,9 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       }
       out.push_back(p->info);
     }
+    break;
   }
-  return out;
+  return out;  // `spare` unpins after the lock went
 }
 
 absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
@@ -653,6 +703,21 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
       }
     }
   }
+  // The delayed update's newer buffers become current now, for the next
+  // iteration (the trainer must not hold what changes under it).
+  for (const auto& [id, p] : partitions_) {
+    if (p->swap_pending && p->held()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", id, " ('", p->info.name, "') is held: with the delayed update, release "
+          "every partition before Step (its newer parameters become current now)"));
+    }
+  }
+  for (const auto& [id, p] : partitions_) {
+    if (!p->swap_pending) continue;
+    p->version ^= 1;
+    p->info.params.offset = p->params_offset[p->version];
+    p->swap_pending = false;
+  }
   for (const auto& [id, p] : partitions_) {
     if ((p->grads_ready || p->accum_lost) && p->master_init_pending) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -664,8 +729,10 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   for (auto& [id, p] : partitions_) {
     if (!p->grads_ready && !p->accum_lost) continue;
     p->in_step = true;
+    p->in_step_delayed = delayed_;
     StepItem item;
     item.id = id;
+    item.delayed = delayed_;
     item.stats = p->grad_stats;
     item.init_master = !p->master_initialized;
     item.task.span.grad_dtype = DType::kFp32;  // the accumulator
@@ -695,12 +762,16 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   return items;
 }
 
-absl::StatusOr<ChunkPins> PartitionSet::PinChunk(uint64_t id, uint64_t chunk) {
+absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t chunk) {
+  const uint64_t id = item.id;
   uint64_t numel;
+  int write_kind, current_kind;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
     numel = p->info.numel;
+    current_kind = ParamsKind(*p, /*next=*/false);
+    write_kind = ParamsKind(*p, /*next=*/item.delayed);
   }
   ChunkPins pins;
   pins.begin = chunk * state_chunk_elems_;
@@ -716,13 +787,89 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(uint64_t id, uint64_t chunk) {
       {&pins.master, PartitionStore::kMaster, true},
       {&pins.exp_avg, PartitionStore::kExpAvg, true},
       {&pins.exp_avg_sq, PartitionStore::kExpAvgSq, true},
-      {&pins.params, PartitionStore::kParamsBlock, true},
+      {&pins.params, write_kind, true},
       {&pins.accum, PartitionStore::kAccumBlock, false},
   };
   for (const auto& w : wanted) {
     ASSIGN_OR_RETURN(*w.pin, PinBlock(id, chunk, w.kind, w.for_write));
   }
+  if (item.delayed && item.init_master) {
+    ASSIGN_OR_RETURN(pins.current, PinBlock(id, chunk, current_kind, /*for_write=*/false));
+  }
   return pins;
+}
+
+absl::Status PartitionSet::SetDelayedUpdate(bool on) {
+  absl::MutexLock placing(&placement_mu_);  // no registration meanwhile
+  struct Buffer {
+    uint64_t id;
+    uint64_t begin_chunk_elems;
+    uint64_t numel;
+    DType dtype;
+    int kind;  // the second buffer's
+    std::byte* data;
+    Tier home;
+  };
+  std::vector<Buffer> buffers;
+  {
+    absl::MutexLock lock(&mu_);
+    while (stepping_) step_ended_.Wait(&mu_);
+    if (on == delayed_) return absl::OkStatus();
+    if (!on) {
+      // Drain: the newest working copies become current now.
+      for (const auto& [id, p] : partitions_) {
+        if (p->swap_pending && p->held()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "partition ", id, " ('", p->info.name, "') is held: release it before switching "
+              "the delayed update off (its newer parameters become current)"));
+        }
+      }
+      for (const auto& [id, p] : partitions_) {
+        if (!p->swap_pending) continue;
+        p->version ^= 1;
+        p->info.params.offset = p->params_offset[p->version];
+        p->swap_pending = false;
+      }
+      delayed_ = false;
+    }
+    for (const auto& [id, p] : partitions_) {
+      const int next = ParamsKind(*p, /*next=*/true);
+      buffers.push_back({id, 0, p->info.numel, p->info.param_dtype, next,
+                         p->buffer[next == PartitionStore::kShadowBlock ? 1 : 0],
+                         p->home[static_cast<int>(DataKind::kParams)]});
+    }
+  }
+  // Outside the set's lock: the swapper may wait for I/O.
+  std::vector<uint64_t> added;
+  for (const Buffer& b : buffers) {
+    const uint64_t size = DTypeSize(b.dtype);
+    for (uint64_t begin = 0, c = 0; begin < b.numel; begin += state_chunk_elems_, ++c) {
+      const uint64_t block = PartitionStore::BlockOf(b.id, c, b.kind);
+      if (!on) {
+        swapper_->Remove(block);
+        continue;
+      }
+      const uint64_t elems = std::min(state_chunk_elems_, b.numel - begin);
+      absl::Status s = swapper_->AddExternal(block, b.data + begin * size, elems * size, b.home,
+                                             session_id_);
+      if (!s.ok()) {
+        for (uint64_t undo : added) swapper_->Remove(undo);
+        return absl::Status(s.code(), absl::StrCat("switching the delayed update on for session ",
+                                                   session_id_, ": ", s.message()));
+      }
+      added.push_back(block);
+    }
+  }
+  if (on) {
+    absl::MutexLock lock(&mu_);
+    delayed_ = true;
+  }
+  return absl::OkStatus();
+}
+
+bool PartitionSet::delayed_update() const {
+  absl::MutexLock lock(&mu_);
+  return delayed_;
 }
 
 void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
@@ -734,6 +881,8 @@ void PartitionSet::EndPartition(const StepItem& item) {
   absl::MutexLock lock(&mu_);
   Partition* p = Find(item.id);
   p->in_step = false;
+  p->in_step_delayed = false;
+  if (item.delayed) p->swap_pending = true;
   p->resume_chunk = 0;
   p->grads_ready = false;
   p->accum_lost = false;
@@ -756,6 +905,7 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
       }
       Partition* p = Find(items[i].id);
       p->in_step = false;
+      p->in_step_delayed = false;
       if (outcomes[i].outcome == StepOutcome::kFailed) {
         p->resume_chunk = outcomes[i].next_chunk;
         continue;

@@ -141,6 +141,9 @@ struct PartitionInfo {
   // Registered with fp32_master and not released yet: where the trainer
   // writes the fp32 initial values (numel floats). Otherwise empty.
   ArenaRegion master_init;
+  // Everything the partition may place in the arena (its working copy's
+  // second buffer included): what a client maps once.
+  ArenaRegion span;
   uint64_t step = 0;
 };
 
@@ -153,6 +156,9 @@ struct StepItem {
   uint64_t chunks = 0;
   // What accumulating its gradients measured (non-finite values, norm).
   GradStats stats;
+  // The delayed parameter update: the new working copy goes into the
+  // partition's other buffer, while the trainer reads the current one.
+  bool delayed = false;
   // The master copy has never been written: initialise it from the working
   // copy before the update.
   bool init_master = false;
@@ -166,7 +172,9 @@ struct StepItem {
 // accumulated fp32 gradients.
 struct ChunkPins {
   uint64_t begin = 0, end = 0;
-  Swapper::Pin master, exp_avg, exp_avg_sq, params, accum;
+  // `params` is the buffer the update writes; `current` (delayed update of
+  // a partition whose master is not initialised yet) the one it starts from.
+  Swapper::Pin master, exp_avg, exp_avg_sq, params, accum, current;
 };
 
 // A micro-batch's gradients being added into a partition's accumulator, as
@@ -268,7 +276,22 @@ class PartitionSet {
   // optimizer state, parameters and accumulated gradients, reading in what
   // is on NVMe. The swapper's errors (DATA_LOSS for a failed read,
   // RESOURCE_EXHAUSTED when the pool cannot hold it).
-  absl::StatusOr<ChunkPins> PinChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ChunkPins> PinChunk(const StepItem& item, uint64_t chunk)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The delayed parameter update (DPU, from ZeRO-Offload), on or off for
+  // this set's next steps. On: every partition gets a second working-copy
+  // buffer (swapper blocks placed like the parameters: twice the working
+  // copy's memory); a step writes the new working copy there while fetches
+  // go on reading the current one at once (never a mix: each fetch sees one
+  // buffer, whole), and the next step's commit makes it current. So the
+  // trainer's iteration i+1 reads the parameters of step i-1: exactly one
+  // step stale. Off: drains: the newest buffers become current now, and the
+  // second buffers go. Waits for a running step. FAILED_PRECONDITION if a
+  // partition whose newer buffer must become current is held by the
+  // trainer (release it first).
+  absl::Status SetDelayedUpdate(bool on) ABSL_LOCKS_EXCLUDED(mu_);
+  bool delayed_update() const ABSL_LOCKS_EXCLUDED(mu_);
   // The step is done with the accumulated gradients of chunk `chunk`:
   // their bytes are dropped.
   void ConsumeGrads(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
@@ -307,16 +330,24 @@ class PartitionSet {
 
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
                Stats* stats, const Placement& placement, uint64_t state_chunk_elems);
-  // Waits until none of `partitions` is in a step.
-  void AwaitOutOfStep(absl::Span<Partition* const> partitions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits until none of `partitions` is in a step (with `delayed_ok`, a
+  // delayed-update step, which leaves the current working copy alone, does
+  // not count).
+  void AwaitOutOfStep(absl::Span<Partition* const> partitions, bool delayed_ok = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The block kind of the working-copy buffer the trainer reads now (or,
+  // with `next`, the other one).
+  static int ParamsKind(const Partition& p, bool next);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Chunks of a partition of `numel` elements.
   uint64_t ChunksOf(uint64_t numel) const;
   // Pins every chunk of `p`'s parameters (or gradients): the caller's
   // hold. Without the set's lock (`p` stays valid: partitions go only with
   // the set).
-  absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, bool grads,
-                                                 bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
+  // `kind`: kGradsBlock, or the parameters' (ParamsKind, read under the
+  // lock by the caller).
+  absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, int kind, bool for_write)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind,
                                         bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
   // Master weights from the fp32 initial values, and the working copy from
@@ -348,6 +379,7 @@ class PartitionSet {
   // partitions in the order the next iteration will fetch them.
   std::vector<uint64_t> fetch_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> fetched_ ABSL_GUARDED_BY(mu_);
+  bool delayed_ ABSL_GUARDED_BY(mu_) = false;  // SetDelayedUpdate
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
   Placement placement_ ABSL_GUARDED_BY(mu_);
@@ -368,8 +400,9 @@ class PartitionStore {
     kGradsBlock = 4,
     kAccumBlock = 5,
     kInitBlock = 6,  // fp32 initial values, from registration to the first release
+    kShadowBlock = 7,  // the working copy's second buffer (the delayed update)
   };
-  static constexpr int kBlockKinds = 7;
+  static constexpr int kBlockKinds = 8;
   // The swapper's block id of one kind of one chunk of a partition.
   static uint64_t BlockOf(uint64_t partition_id, uint64_t chunk, int kind) {
     return partition_id << 32 | chunk << 3 | static_cast<uint64_t>(kind);

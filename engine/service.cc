@@ -22,6 +22,8 @@ void ToProto(const PartitionInfo& p, v1::PartitionLocation* out) {
   out->mutable_params()->set_bytes(p.params.bytes);
   out->mutable_grads()->set_offset(p.grads.offset);
   out->mutable_grads()->set_bytes(p.grads.bytes);
+  out->mutable_span()->set_offset(p.span.offset);
+  out->mutable_span()->set_bytes(p.span.bytes);
   if (p.master_init.bytes != 0) {
     out->mutable_master_init()->set_offset(p.master_init.offset);
     out->mutable_master_init()->set_bytes(p.master_init.bytes);
@@ -128,7 +130,10 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
       if (l.has_min_scale()) o.min_scale = l.min_scale();
       scaling = o;
     }
-    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling));
+    std::optional<uint64_t> dpu_after;
+    if (req->has_delayed_update_after_steps()) dpu_after = req->delayed_update_after_steps();
+    ASSIGN_OR_RETURN(OpenedSession opened,
+                     sessions_->Open(req->name(), placement, scaling, dpu_after));
     resp->mutable_session()->set_session_id(opened.key.id);
     resp->mutable_session()->set_token(opened.key.token);
     resp->set_arena_socket(arena_socket_);
@@ -225,6 +230,14 @@ grpc::Status PartitionServiceImpl::WaitStep(grpc::ServerContext* context,
     ASSIGN_OR_RETURN(StepSummary summary, sessions_->WaitStep(KeyOf(req->session())));
     ToProto(summary, resp);
     return absl::OkStatus();
+  });
+}
+
+grpc::Status PartitionServiceImpl::SetDelayedUpdate(grpc::ServerContext* context,
+                                                    const v1::SetDelayedUpdateRequest* req,
+                                                    v1::SetDelayedUpdateResponse*) {
+  return Serve(*context, [&] {
+    return sessions_->SetDelayedUpdate(KeyOf(req->session()), req->enabled());
   });
 }
 

@@ -52,6 +52,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
                                    v1::GetPendingGradientsResponse*) override;
   grpc::Status WaitStep(grpc::ServerContext*, const v1::WaitStepRequest*,
                         v1::StepResponse*) override;
+  grpc::Status SetDelayedUpdate(grpc::ServerContext*, const v1::SetDelayedUpdateRequest*,
+                                v1::SetDelayedUpdateResponse*) override;
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;

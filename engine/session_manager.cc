@@ -3,6 +3,7 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,8 @@ struct SessionManager::Session {
   const std::string name;
   const std::unique_ptr<PartitionSet> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
+  // Steps after which the delayed update switches itself on (-1: never).
+  std::atomic<int64_t> delayed_update_after{-1};
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -53,7 +56,12 @@ SessionManager::~SessionManager() = default;
 
 absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::string_view name, const PlacementChange& placement,
-    const std::optional<LossScalingOptions>& loss_scaling) {
+    const std::optional<LossScalingOptions>& loss_scaling,
+    std::optional<uint64_t> delayed_update_after) {
+  if (delayed_update_after.has_value() && *delayed_update_after > (uint64_t{1} << 40)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
+  }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   std::unique_ptr<LossScaler> scaler;
   if (loss_scaling.has_value()) {
@@ -71,6 +79,9 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
   const uint64_t capacity = set->arena_capacity();
   auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set),
                                            std::move(scaler));
+  if (delayed_update_after.has_value()) {
+    session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
+  }
   {
     absl::MutexLock lock(&mu_);
     sessions_[id] = std::move(session);
@@ -217,6 +228,11 @@ absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) 
 absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h,
                                                  const StepControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  const int64_t after = session->delayed_update_after.load();
+  if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after)) {
+    session->delayed_update_after = -1;  // once: SetDelayedUpdate may switch it off
+    RETURN_IF_ERROR(session->partitions->SetDelayedUpdate(true));
+  }
   LossScaler* scaler = session->scaler.get();
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
   // non-finite values here) skips the step and lowers the scale; otherwise
@@ -264,6 +280,12 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
 absl::Status SessionManager::SetPlacement(const SessionKey& key, const PlacementChange& change) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   return session->partitions->SetPlacement(change);
+}
+
+absl::Status SessionManager::SetDelayedUpdate(const SessionKey& key, bool on) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  session->delayed_update_after = -1;
+  return session->partitions->SetDelayedUpdate(on);
 }
 
 absl::StatusOr<StepSummary> SessionManager::WaitStep(const SessionKey& key) {

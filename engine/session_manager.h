@@ -108,10 +108,17 @@ class SessionManager {
   // PartitionStore::CreateSet); `loss_scaling`: dynamic loss scaling for
   // fp16 training (loss_scaler.h), INVALID_ARGUMENT for options it cannot
   // use.
+  // `delayed_update_after`: switch the delayed parameter update on once
+  // this many steps were applied (0: from the first); unset: off until
+  // SetDelayedUpdate.
   absl::StatusOr<OpenedSession> Open(
       absl::string_view name, const PlacementChange& placement = {},
-      const std::optional<LossScalingOptions>& loss_scaling = std::nullopt)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      const std::optional<LossScalingOptions>& loss_scaling = std::nullopt,
+      std::optional<uint64_t> delayed_update_after = std::nullopt) ABSL_LOCKS_EXCLUDED(mu_);
+  // Switches the session's delayed parameter update (PartitionSet::
+  // SetDelayedUpdate) on or off now; it also cancels a pending automatic
+  // switch-on.
+  absl::Status SetDelayedUpdate(const SessionKey& key, bool on) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)

@@ -205,12 +205,15 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
     const size_t first = next;
     std::vector<ChunkPins> pins;
     std::vector<AdamTask> tasks;
-    std::vector<bool> init_master;
+    // Where a first step's master copy comes from (null: none needed): the
+    // working copy the trainer wrote, which the delayed update does not
+    // overwrite.
+    std::vector<const std::byte*> init_from;
     uint64_t group_bytes = 0;
     const auto pinning = std::chrono::steady_clock::now();
     while (next < units.size()) {
       const StepItem& item = items[units[next].item];
-      absl::StatusOr<ChunkPins> got = set.PinChunk(item.id, units[next].chunk);
+      absl::StatusOr<ChunkPins> got = set.PinChunk(item, units[next].chunk);
       if (!got.ok()) {
         // The pool is full of this group: update it, then try again.
         if (!tasks.empty() && absl::IsResourceExhausted(got.status())) break;
@@ -231,7 +234,9 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
       span.exp_avg = reinterpret_cast<float*>(got->exp_avg.data());
       span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
       tasks.push_back(task);
-      init_master.push_back(item.init_master);
+      init_from.push_back(!item.init_master ? nullptr
+                          : got->current.data() != nullptr ? got->current.data()
+                                                           : got->params.data());
       group_bytes += 3 * got->master.size() + got->params.size() + got->accum.size();
       pins.push_back(*std::move(got));
       ++next;
@@ -242,7 +247,9 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
     const auto computing = std::chrono::steady_clock::now();
     for (size_t t = 0; t < tasks.size(); ++t) {
       const AdamSpan& span = tasks[t].span;
-      if (init_master[t]) WidenToFloat(span.working, span.working_dtype, span.master, span.numel);
+      if (init_from[t] != nullptr) {
+        WidenToFloat(init_from[t], span.working_dtype, span.master, span.numel);
+      }
     }
     absl::Status updated = optimizer_->Update(tasks, h);
     compute_nanos += NanosSince(computing);

@@ -281,6 +281,31 @@ TEST_F(DaemonTest, AccumulationGlobalClippingAndLossScalingOverTheWire) {
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "backoff_factor"));
 }
 
+// The delayed parameter update over the wire, switched on by itself after
+// 5 steps: the demo's first losses are those of the plain run, later ones
+// differ (one step stale), and it still learns.
+TEST_F(DaemonTest, DelayedUpdateSwitchesOnAfterItsWarmUpAndStillTrains) {
+  demo::MlpConfig config;
+  config.steps = 40;
+  auto plain = client_->OpenSession("plain");
+  ASSERT_TRUE(plain.ok());
+  auto plain_store = demo::MakeDaemonStore(config, plain->get());
+  auto want = demo::Train(config, plain_store.get());
+  ASSERT_TRUE(want.ok()) << want.status();
+  SessionOptions options;
+  options.delayed_update_after_steps = 5;
+  auto dpu = client_->OpenSession("dpu", options);
+  ASSERT_TRUE(dpu.ok());
+  auto dpu_store = demo::MakeDaemonStore(config, dpu->get());
+  auto got = demo::Train(config, dpu_store.get());
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (int i = 0; i <= 5; ++i) EXPECT_EQ((*got)[i], (*want)[i]) << "step " << i;
+  EXPECT_NE((*got)[10], (*want)[10]);
+  EXPECT_LT(got->back(), 0.5 * got->front());
+  // Off drains: afterwards steps are plain again.
+  EXPECT_TRUE((*dpu)->SetDelayedUpdate(false).ok());
+}
+
 TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
   // Partition a gets gradients g with grad_scale 0.25; partition b gets g/4
   // with grad_scale 1 in another session. Both must end bit-identical, under
