@@ -1070,6 +1070,36 @@ TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
   EXPECT_TRUE(t.Step().ok());
 }
 
+// Stress: with DPU and overlapped steps, a reader fetching every partition
+// over and over while each update runs always sees the one version made
+// current at that step's commit, whole (data on NVMe, a small pool).
+TEST(OutOfCore, DelayedUpdateFetchesRacingUpdatesNeverSeeAMix) {
+  Engine engine(TmpDir("dpus"), RoundUpToPage(TotalBytes() / 2));
+  Trainer t(&engine, All(0));
+  ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t.key(), true).ok());
+  StepControl overlap;
+  overlap.overlap = true;
+  std::atomic<int> reads{0};
+  for (int step = 1; step <= 8; ++step) {
+    t.ReturnGradients(step);
+    ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
+    // The version current from this commit on, while the update runs.
+    const std::string current = t.Params();
+    std::atomic<bool> done{false};
+    std::thread reader([&] {
+      while (!done.load()) {
+        ASSERT_TRUE(t.Params() == current) << "a mixed or newer version during step " << step;
+        ++reads;
+      }
+    });
+    ASSERT_TRUE(engine.sessions->WaitStep(t.key()).ok());
+    done = true;
+    reader.join();
+    EXPECT_TRUE(t.Params() == current);  // the update's version waits for the next commit
+  }
+  EXPECT_GT(reads, 0);
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
