@@ -689,13 +689,14 @@ TEST(OutOfCore, ClippingOverTwoRanksIsClipGradNormOfTheConcatenation) {
 // global flag) skips the step, changes nothing and lowers the scale; the
 // pending norm is the unscaled gradient's; clean steps unscale in the
 // update's pass (the same bits as returning unscaled gradients).
-TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
-  Engine engine(TmpDir("scale"), 64 << 20);
+void LossScalingSkipsOverflowsAndUnscales(const PlacementChange& placement,
+                                          const std::string& dir) {
+  Engine engine(TmpDir(dir), 64 << 20);
   LossScalingOptions o;
   o.initial_scale = 1024;
   o.hysteresis = 1;
   o.growth_interval = 2;
-  auto opened = engine.sessions->Open("fp16", All(100), o);
+  auto opened = engine.sessions->Open("fp16", placement, o);
   ASSERT_TRUE(opened.ok()) << opened.status();
   const SessionKey key = opened->key;
   auto p = engine.sessions->Register(key, {"w", 3000, DType::kFp16, DType::kFp16});
@@ -703,7 +704,7 @@ TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
   ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
   // The reference: the same partition in a session without loss scaling,
   // given the unscaled gradients.
-  auto ref_opened = engine.sessions->Open("ref", All(100));
+  auto ref_opened = engine.sessions->Open("ref", placement);
   ASSERT_TRUE(ref_opened.ok());
   const SessionKey ref = ref_opened->key;
   auto rp = engine.sessions->Register(ref, {"w", 3000, DType::kFp16, DType::kFp16});
@@ -768,6 +769,14 @@ TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
   o.backoff_factor = 2;
   EXPECT_EQ(engine.sessions->Open("bad", All(100), o).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST(OutOfCore, LossScalingSkipsOverflowsAndUnscales) {
+  LossScalingSkipsOverflowsAndUnscales(All(100), "scale");
+}
+
+TEST(OutOfCore, LossScalingWithStateOnNvme) {
+  LossScalingSkipsOverflowsAndUnscales(StateAt(0), "scale_nvme");
 }
 
 // fp32 master weights from the start: a bf16 partition registered with its
