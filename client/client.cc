@@ -129,12 +129,14 @@ struct Session::Impl {
                                                 " outside its arena"));
       }
     }
+    // The partition's whole span (its params may move inside it).
     const uint64_t page = PageSize();
-    const uint64_t begin = std::min(loc.params().offset(), loc.grads().offset()) / page * page;
-    const uint64_t end = std::max({loc.params().offset() + loc.params().bytes(),
-                                   loc.grads().offset() + loc.grads().bytes(),
-                                   loc.master_init().offset() + loc.master_init().bytes(),
-                                   loc.span().offset() + loc.span().bytes()});
+    const uint64_t begin = loc.span().offset() / page * page;
+    const uint64_t end = loc.span().offset() + loc.span().bytes();
+    if (loc.span().bytes() == 0) {
+      return absl::InternalError(
+          absl::StrCat("daemon named no span for partition ", loc.partition_id()));
+    }
     std::byte* base;
     {
       absl::MutexLock lock(&mu);

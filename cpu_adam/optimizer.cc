@@ -177,18 +177,12 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
   for (const AccumulateTask& t : tasks) numels.push_back(t.numel);
   const std::vector<Tile> tiles = MakeTilesOf(numels);
   std::vector<GradStats> per_tile(tiles.size());
-  arena_->execute([&] {
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, tiles.size(), 1),
-                      [&](const tbb::blocked_range<size_t>& r) {
-                        for (size_t i = r.begin(); i != r.end(); ++i) {
-                          const Tile& t = tiles[i];
-                          const AccumulateTask& task = tasks[t.task];
-                          const size_t elem = DTypeSize(task.grad_dtype);
-                          per_tile[i] = AccumulateGrads(
-                              static_cast<const std::byte*>(task.grads) + t.begin * elem,
-                              task.grad_dtype, task.acc + t.begin, t.end - t.begin, task.first);
-                        }
-                      });
+  ParallelTiles(tiles, [&](const Tile& t) {
+    const AccumulateTask& task = tasks[t.task];
+    const size_t elem = DTypeSize(task.grad_dtype);
+    per_tile[static_cast<size_t>(&t - tiles.data())] =
+        AccumulateGrads(static_cast<const std::byte*>(task.grads) + t.begin * elem,
+                        task.grad_dtype, task.acc + t.begin, t.end - t.begin, task.first);
   });
   GradStats total;
   for (const GradStats& s : per_tile) total += s;

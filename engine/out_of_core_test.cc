@@ -415,8 +415,15 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
       EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
       EXPECT_NE(failed.status().message().find("resumes there"), std::string::npos);
       small.faults->ClearRules();
-      // New gradients cannot be mixed into the half-applied step.
+      // New gradients cannot be mixed into the half-applied step, nor can
+      // it be skipped, nor the delayed update switched under it.
       EXPECT_EQ(out_of_core.ReturnGradientsStatus(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(small.sessions->Step(out_of_core.key(), AdamHyperparams{}, SkipControl())
+                    .status()
+                    .code(),
+                absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(small.sessions->SetDelayedUpdate(out_of_core.key(), true).code(),
+                absl::StatusCode::kFailedPrecondition);
     }
     auto b = out_of_core.Step();
     ASSERT_TRUE(b.ok()) << b.status();
@@ -629,6 +636,12 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
   EXPECT_EQ(t.Params(), before);
   EXPECT_EQ(engine.sessions->Step(t.key(), AdamHyperparams{}).status().code(),
             absl::StatusCode::kFailedPrecondition);  // nothing left to step
+  // Another rank overflowed: skipped here too, without loss scaling.
+  t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
+  auto overflowed = engine.sessions->Step(t.key(), AdamHyperparams{}, OverflowControl());
+  ASSERT_TRUE(overflowed.ok());
+  EXPECT_TRUE(overflowed->skipped);
+  EXPECT_TRUE(t.Params() == before);
   t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
   ASSERT_TRUE(t.Step().ok());
   EXPECT_NE(t.Params(), before);

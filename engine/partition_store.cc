@@ -202,8 +202,11 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
         // The fp32 initial values stay on the host until committed.
         if (KindOfBlock(b) != m.kind || b == PartitionStore::kInitBlock) continue;
         absl::Status moved = swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home);
-        // The second working-copy buffer exists only with the delayed update.
-        if (b == PartitionStore::kShadowBlock && absl::IsNotFound(moved)) continue;
+        // The working-copy buffer not in use exists only with the delayed
+        // update (either kind, by the version).
+        const bool params_buffer =
+            b == PartitionStore::kShadowBlock || b == PartitionStore::kParamsBlock;
+        if (params_buffer && absl::IsNotFound(moved)) continue;
         RETURN_IF_ERROR(moved);
       }
     }
@@ -474,8 +477,18 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       for (size_t i = 0; i < wanted.size(); ++i) kinds[i] = ParamsKind(*wanted[i], false);
     }
     std::vector<Taken> taken(wanted.size());
-    for (size_t i = 0; i < wanted.size(); ++i) {
-      ASSIGN_OR_RETURN(taken[i].params, Hold(*wanted[i], kinds[i], mode.writable));
+    bool moved = false;  // a buffer went while holding: the version changed
+    for (size_t i = 0; i < wanted.size() && !moved; ++i) {
+      absl::StatusOr<std::vector<Swapper::Pin>> held = Hold(*wanted[i], kinds[i], mode.writable);
+      if (!held.ok()) {
+        absl::MutexLock lock(&mu_);
+        if (!absl::IsNotFound(held.status()) || kinds[i] == ParamsKind(*wanted[i], false)) {
+          return held.status();
+        }
+        moved = true;
+        break;
+      }
+      taken[i].params = *std::move(held);
       if (mode.grads) {
         ASSIGN_OR_RETURN(taken[i].grads,
                          Hold(*wanted[i], PartitionStore::kGradsBlock, /*for_write=*/true));
@@ -485,7 +498,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
     // Parameters being updated are not handed out half-written (a delayed
     // update writes the other buffer: no wait).
     AwaitOutOfStep(wanted, /*delayed_ok=*/true);
-    bool same = true;
+    bool same = !moved;
     for (size_t i = 0; i < wanted.size(); ++i) same &= kinds[i] == ParamsKind(*wanted[i], false);
     if (!same) {
       for (Taken& t : taken) {
@@ -595,7 +608,8 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   // The step in progress consumes the gradients accumulated before it;
   // these are for the next one. One accumulation of a partition at a time.
   AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
-  while (p->accumulating) step_ended_.Wait(&mu_);
+  // (Both at once: a step may begin while an earlier accumulation ends.)
+  while (p->accumulating || p->in_step) step_ended_.Wait(&mu_);
   if (p->resume_chunk != 0) {
     // Part of this partition was updated with the gradients it holds; new
     // ones would mix two steps in one.
@@ -703,33 +717,25 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
       }
     }
   }
-  // The delayed update's newer buffers become current now, for the next
-  // iteration (the trainer must not hold what changes under it).
+  // Every check before anything changes: a refused step changes nothing.
   for (const auto& [id, p] : partitions_) {
-    if (p->swap_pending && p->held()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", id, " ('", p->info.name, "') is held: with the delayed update, release "
-          "every partition before Step (its newer parameters become current now)"));
-    }
-  }
-  for (const auto& [id, p] : partitions_) {
-    if (!p->swap_pending) continue;
-    p->version ^= 1;
-    p->info.params.offset = p->params_offset[p->version];
-    p->swap_pending = false;
-  }
-  for (const auto& [id, p] : partitions_) {
-    if ((p->grads_ready || p->accum_lost) && p->master_init_pending) {
+    const bool ready = p->grads_ready || p->accum_lost;
+    if (ready && p->master_init_pending) {
       return absl::FailedPreconditionError(absl::StrCat(
           "partition ", id, " ('", p->info.name, "') was registered with fp32 initial values "
           "that are not committed yet: release it first"));
     }
+    if (ready && skipping && p->resume_chunk != 0) {
+      // Its first chunks are updated already: skipping would leave them so.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", id, " ('", p->info.name, "') is in a step that stopped midway: Step "
+          "again to finish it before skipping"));
+    }
   }
+  RETURN_IF_ERROR(CheckSwapsLocked());
   std::vector<StepItem> items;
   for (auto& [id, p] : partitions_) {
     if (!p->grads_ready && !p->accum_lost) continue;
-    p->in_step = true;
-    p->in_step_delayed = delayed_;
     StepItem item;
     item.id = id;
     item.delayed = delayed_;
@@ -747,6 +753,14 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", session_id_, " has no partition with gradients returned since the last step"));
   }
+  // The delayed update's newer buffers become current now, for the next
+  // iteration; the partitions enter the step.
+  CommitSwapsLocked();
+  for (const StepItem& item : items) {
+    Partition* p = Find(item.id);
+    p->in_step = true;
+    p->in_step_delayed = item.delayed;
+  }
   // This iteration's fetch order; the next iteration's fetches start now.
   absl::flat_hash_map<uint64_t, size_t> rank;
   for (size_t i = 0; i < fetch_order_.size(); ++i) rank.emplace(fetch_order_[i], i);
@@ -760,6 +774,26 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   });
   stepping_ = true;
   return items;
+}
+
+absl::Status PartitionSet::CheckSwapsLocked() const {
+  for (const auto& [id, p] : partitions_) {
+    if (p->swap_pending && p->held()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", id, " ('", p->info.name, "') is held: with the delayed update, release "
+          "every partition first (its newer parameters become current now)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void PartitionSet::CommitSwapsLocked() {
+  for (const auto& [id, p] : partitions_) {
+    if (!p->swap_pending) continue;
+    p->version ^= 1;
+    p->info.params.offset = p->params_offset[p->version];
+    p->swap_pending = false;
+  }
 }
 
 absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t chunk) {
@@ -803,7 +837,6 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
   absl::MutexLock placing(&placement_mu_);  // no registration meanwhile
   struct Buffer {
     uint64_t id;
-    uint64_t begin_chunk_elems;
     uint64_t numel;
     DType dtype;
     int kind;  // the second buffer's
@@ -815,26 +848,23 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
     absl::MutexLock lock(&mu_);
     while (stepping_) step_ended_.Wait(&mu_);
     if (on == delayed_) return absl::OkStatus();
+    for (const auto& [id, p] : partitions_) {
+      if (p->resume_chunk != 0) {
+        // The resumed update must write the buffer the interrupted one did.
+        return absl::FailedPreconditionError(absl::StrCat(
+            "partition ", id, " ('", p->info.name, "') is in a step that stopped midway: Step "
+            "again to finish it before switching the delayed update"));
+      }
+    }
     if (!on) {
       // Drain: the newest working copies become current now.
-      for (const auto& [id, p] : partitions_) {
-        if (p->swap_pending && p->held()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "partition ", id, " ('", p->info.name, "') is held: release it before switching "
-              "the delayed update off (its newer parameters become current)"));
-        }
-      }
-      for (const auto& [id, p] : partitions_) {
-        if (!p->swap_pending) continue;
-        p->version ^= 1;
-        p->info.params.offset = p->params_offset[p->version];
-        p->swap_pending = false;
-      }
+      RETURN_IF_ERROR(CheckSwapsLocked());
+      CommitSwapsLocked();
       delayed_ = false;
     }
     for (const auto& [id, p] : partitions_) {
       const int next = ParamsKind(*p, /*next=*/true);
-      buffers.push_back({id, 0, p->info.numel, p->info.param_dtype, next,
+      buffers.push_back({id, p->info.numel, p->info.param_dtype, next,
                          p->buffer[next == PartitionStore::kShadowBlock ? 1 : 0],
                          p->home[static_cast<int>(DataKind::kParams)]});
     }

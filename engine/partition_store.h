@@ -338,6 +338,10 @@ class PartitionSet {
   // The block kind of the working-copy buffer the trainer reads now (or,
   // with `next`, the other one).
   static int ParamsKind(const Partition& p, bool next);
+  // FAILED_PRECONDITION if a partition whose newer working-copy buffer must
+  // become current is held by the trainer; CommitSwapsLocked makes them so.
+  absl::Status CheckSwapsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CommitSwapsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Chunks of a partition of `numel` elements.
   uint64_t ChunksOf(uint64_t numel) const;

@@ -228,10 +228,16 @@ absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) 
 absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h,
                                                  const StepControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  const int64_t after = session->delayed_update_after.load();
-  if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after)) {
-    session->delayed_update_after = -1;  // once: SetDelayedUpdate may switch it off
-    RETURN_IF_ERROR(session->partitions->SetDelayedUpdate(true));
+  int64_t after = session->delayed_update_after.load();
+  if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after) &&
+      // Once, and not over a SetDelayedUpdate that cancelled it meanwhile.
+      session->delayed_update_after.compare_exchange_strong(after, -1)) {
+    absl::Status on = session->partitions->SetDelayedUpdate(true);
+    if (!on.ok()) {
+      int64_t cancelled = -1;  // try again at the next step, unless cancelled since
+      session->delayed_update_after.compare_exchange_strong(cancelled, after);
+      return on;
+    }
   }
   LossScaler* scaler = session->scaler.get();
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
@@ -239,7 +245,8 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   // the gradients are unscaled in the update's pass.
   AdamHyperparams applied = h;
   if (scaler != nullptr) applied.grad_scale = h.grad_scale / scaler->scale();
-  const bool skip = control.skip || (scaler != nullptr && control.overflow);
+  // An overflow on any rank skips everywhere (the ranks must stay alike).
+  const bool skip = control.skip || control.overflow;
   StepSummary summary;
   if (control.overlap) {
     Session* s = session.get();

@@ -222,9 +222,14 @@ bool Swapper::BusyLocked(const Block& b) const {
 
 void Swapper::EraseIfDoneLocked(Block* b) {
   if (!b->removed || BusyLocked(*b)) return;
+  if (b->state != BlockState::kOnNvme) {
+    // External memory stays the caller's mapping, but its pages go: freed
+    // by an I/O thread (not under the lock), which erases the block after.
+    DropHostLocked(b);
+    b->state = BlockState::kOnNvme;
+    if (b->dropping) return;
+  }
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
-  // External memory stays the caller's mapping, but its pages go now.
-  if (b->state != BlockState::kOnNvme) DropHostNowLocked(b);
   blocks_.erase(b->id);
   changed_.SignalAll();
 }
@@ -248,6 +253,12 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, 
   if (home == Tier::kNvme && space_ == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("block ", id, " cannot rest on NVMe: no NVMe tier (set nvme.dirs)"));
+  }
+  {
+    absl::MutexLock lock(&mu_);  // before touching the memory of a live block
+    if (blocks_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
+    }
   }
   if (external != nullptr) {
     // Zeros, holding no pages, whatever the memory held before.
