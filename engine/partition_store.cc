@@ -907,19 +907,24 @@ void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
       .IgnoreError();
 }
 
-void PartitionSet::EndPartition(const StepItem& item) {
-  absl::MutexLock lock(&mu_);
-  Partition* p = Find(item.id);
+void PartitionSet::LeaveStepLocked(Partition* p, const StepItem& item, bool applied) {
   p->in_step = false;
   p->in_step_delayed = false;
-  if (item.delayed) p->swap_pending = true;
   p->resume_chunk = 0;
   p->grads_ready = false;
   p->accum_lost = false;
   p->micro_batches = 0;
   p->grad_stats = GradStats{};
+  if (!applied) return;
+  // Its master copy was initialised (if it had to be) and updated.
   p->master_initialized = true;
   ++p->info.step;
+  if (item.delayed) p->swap_pending = true;
+}
+
+void PartitionSet::EndPartition(const StepItem& item) {
+  absl::MutexLock lock(&mu_);
+  LeaveStepLocked(Find(item.id), item, /*applied=*/true);
   step_ended_.SignalAll();
 }
 
@@ -934,23 +939,15 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
         continue;
       }
       Partition* p = Find(items[i].id);
-      p->in_step = false;
-      p->in_step_delayed = false;
       if (outcomes[i].outcome == StepOutcome::kFailed) {
+        p->in_step = false;
+        p->in_step_delayed = false;
         p->resume_chunk = outcomes[i].next_chunk;
         continue;
       }
-      p->resume_chunk = 0;
-      p->grads_ready = false;
-      p->accum_lost = false;
-      p->micro_batches = 0;
-      p->grad_stats = GradStats{};
-      if (outcomes[i].outcome == StepOutcome::kApplied) {
-        // Its master copy was initialised (if it had to be) and updated.
-        p->master_initialized = true;
-        ++p->info.step;
-        applied_any = true;
-      }
+      const bool applied = outcomes[i].outcome == StepOutcome::kApplied;
+      LeaveStepLocked(p, items[i], applied);
+      applied_any |= applied;
     }
     if (applied_any) ++steps_;
     stepping_ = false;

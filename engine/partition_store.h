@@ -338,6 +338,10 @@ class PartitionSet {
   // The block kind of the working-copy buffer the trainer reads now (or,
   // with `next`, the other one).
   static int ParamsKind(const Partition& p, bool next);
+  // A partition's step is over: its gradients are consumed, and, if the
+  // update was applied, its step count advances.
+  void LeaveStepLocked(Partition* p, const StepItem& item, bool applied)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION if a partition whose newer working-copy buffer must
   // become current is held by the trainer; CommitSwapsLocked makes them so.
   absl::Status CheckSwapsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
