@@ -472,13 +472,27 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
   std::vector<PartitionInfo> out;
   for (;;) {  // again only if a delayed update's commit swapped a buffer meanwhile
     std::vector<int> kinds(wanted.size());
+    // What is held already is not acquired again (nor recorded in the
+    // learned order again); a writable fetch pins for writing.
+    std::vector<bool> need_params(wanted.size()), need_grads(wanted.size());
     {
       absl::MutexLock lock(&mu_);
-      for (size_t i = 0; i < wanted.size(); ++i) kinds[i] = ParamsKind(*wanted[i], false);
+      for (size_t i = 0; i < wanted.size(); ++i) {
+        kinds[i] = ParamsKind(*wanted[i], false);
+        need_params[i] = wanted[i]->param_pins.empty() || mode.writable;
+        need_grads[i] = mode.grads && wanted[i]->grad_pins.empty();
+      }
     }
     std::vector<Taken> taken(wanted.size());
     bool moved = false;  // a buffer went while holding: the version changed
     for (size_t i = 0; i < wanted.size() && !moved; ++i) {
+      if (!need_params[i]) {
+        if (need_grads[i]) {
+          ASSIGN_OR_RETURN(taken[i].grads,
+                           Hold(*wanted[i], PartitionStore::kGradsBlock, /*for_write=*/true));
+        }
+        continue;
+      }
       absl::StatusOr<std::vector<Swapper::Pin>> held = Hold(*wanted[i], kinds[i], mode.writable);
       if (!held.ok()) {
         absl::MutexLock lock(&mu_);
@@ -489,7 +503,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
         break;
       }
       taken[i].params = *std::move(held);
-      if (mode.grads) {
+      if (need_grads[i]) {
         ASSIGN_OR_RETURN(taken[i].grads,
                          Hold(*wanted[i], PartitionStore::kGradsBlock, /*for_write=*/true));
       }
