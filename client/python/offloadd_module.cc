@@ -1,0 +1,279 @@
+// The Python binding: a pybind11 module over the C++ client (client/client.h;
+// there is no second client). Partition memory reaches Python without a
+// copy: `params` and `grads` are writable memoryviews over the shared arena
+// (torch.frombuffer(view, dtype=...) makes a tensor of them), valid while the
+// session holds the partition, as the residency contract says. Blocking
+// calls release the GIL. Errors are offloadd.Error (with .code, the gRPC
+// code's name) or a subclass for the codes callers act on.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "client/client.h"
+
+namespace py = pybind11;
+using namespace pybind11::literals;  // NOLINT: "x"_a
+
+namespace offload::python {
+namespace {
+
+// The exception classes, created at import.
+struct Errors {
+  py::object base, unavailable, resource_exhausted, invalid_argument, failed_precondition,
+      not_found, permission_denied, data_loss;
+};
+Errors* errors = nullptr;
+
+[[noreturn]] void Raise(const absl::Status& s) {
+  py::object type = errors->base;
+  switch (s.code()) {
+    case absl::StatusCode::kUnavailable:
+      type = errors->unavailable;
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      type = errors->resource_exhausted;
+      break;
+    case absl::StatusCode::kInvalidArgument:
+      type = errors->invalid_argument;
+      break;
+    case absl::StatusCode::kFailedPrecondition:
+      type = errors->failed_precondition;
+      break;
+    case absl::StatusCode::kNotFound:
+      type = errors->not_found;
+      break;
+    case absl::StatusCode::kPermissionDenied:
+      type = errors->permission_denied;
+      break;
+    case absl::StatusCode::kDataLoss:
+      type = errors->data_loss;
+      break;
+    default:
+      break;
+  }
+  py::object e = type(std::string(s.message()));
+  e.attr("code") = absl::StatusCodeToString(s.code());
+  PyErr_SetObject(type.ptr(), e.ptr());
+  throw py::error_already_set();
+}
+
+// Both with the GIL held.
+void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+
+template <typename T>
+T Value(absl::StatusOr<T> v) {
+  Check(v.status());
+  return *std::move(v);
+}
+
+DType ParseDTypeOrRaise(const std::string& name) {
+  std::optional<DType> d = ParseDType(name);
+  if (!d.has_value()) {
+    Raise(absl::InvalidArgumentError("dtype must be fp32, bf16 or fp16, got '" + name + "'"));
+  }
+  return *d;
+}
+
+// A writable memoryview of `bytes` bytes at `data`.
+// Runs `f` (a blocking client call) without the GIL; its status is checked
+// after, with the GIL held again.
+template <typename F>
+auto Unlocked(F&& f) {
+  py::gil_scoped_release release;
+  return f();
+}
+
+py::memoryview View(void* data, uint64_t bytes) {
+  return py::memoryview::from_memory(data, static_cast<ssize_t>(bytes), /*readonly=*/false);
+}
+
+py::dict StepDict(const StepResult& r) {
+  py::dict d;
+  d["partitions_updated"] = r.partitions_updated;
+  d["params_updated"] = r.params_updated;
+  d["skipped"] = r.skipped;
+  d["nonfinite_gradients"] = r.nonfinite_gradients;
+  d["wall_us"] = r.wall_us;
+  d["state_wait_us"] = r.state_wait_us;
+  d["compute_us"] = r.compute_us;
+  d["loss_scale"] = r.loss_scale;
+  d["running"] = r.running;
+  return d;
+}
+
+AdamHyperparams Hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
+                      bool adamw, bool bias_correction, double grad_scale) {
+  AdamHyperparams h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.decoupled_weight_decay = adamw;
+  h.bias_correction = bias_correction;
+  h.grad_scale = grad_scale;
+  return h;
+}
+
+PYBIND11_MODULE(_offloadd, m) {
+  m.doc() = "offloadd's client: sessions, partitions in shared memory, steps.";
+  static Errors e;
+  errors = &e;
+  e.base = py::module_::import("builtins").attr("type")(
+      "Error", py::make_tuple(py::reinterpret_borrow<py::object>(PyExc_RuntimeError)),
+      py::dict("__module__"_a = "offloadd"));
+  auto sub = [&](const char* name) {
+    return py::module_::import("builtins")
+        .attr("type")(name, py::make_tuple(e.base), py::dict("__module__"_a = "offloadd"));
+  };
+  e.unavailable = sub("UnavailableError");
+  e.resource_exhausted = sub("ResourceExhaustedError");
+  e.invalid_argument = sub("InvalidArgumentError");
+  e.failed_precondition = sub("FailedPreconditionError");
+  e.not_found = sub("NotFoundError");
+  e.permission_denied = sub("PermissionDeniedError");
+  e.data_loss = sub("DataLossError");
+  m.attr("Error") = e.base;
+  m.attr("UnavailableError") = e.unavailable;
+  m.attr("ResourceExhaustedError") = e.resource_exhausted;
+  m.attr("InvalidArgumentError") = e.invalid_argument;
+  m.attr("FailedPreconditionError") = e.failed_precondition;
+  m.attr("NotFoundError") = e.not_found;
+  m.attr("PermissionDeniedError") = e.permission_denied;
+  m.attr("DataLossError") = e.data_loss;
+
+  py::class_<PartitionView>(m, "Partition")
+      .def_readonly("id", &PartitionView::id)
+      .def_readonly("name", &PartitionView::name)
+      .def_readonly("numel", &PartitionView::numel)
+      .def_readonly("step", &PartitionView::step)
+      .def_property_readonly("param_dtype",
+                             [](const PartitionView& p) { return DTypeName(p.param_dtype); })
+      .def_property_readonly("grad_dtype",
+                             [](const PartitionView& p) { return DTypeName(p.grad_dtype); })
+      .def_property_readonly(
+          "params",
+          [](const PartitionView& p) {
+            return View(p.params, p.numel * DTypeSize(p.param_dtype));
+          },
+          "the working parameters (bytes), while held")
+      .def_property_readonly(
+          "grads",
+          [](const PartitionView& p) { return View(p.grads, p.numel * DTypeSize(p.grad_dtype)); },
+          "the gradient buffer (bytes), while held with grads")
+      .def_property_readonly(
+          "master_init",
+          [](const PartitionView& p) -> py::object {
+            if (p.master_init == nullptr) return py::none();
+            return View(p.master_init, p.numel * sizeof(float));
+          },
+          "fp32 initial values (registered with fp32_master, until released)");
+
+  py::class_<Session, std::unique_ptr<Session>>(m, "Session")
+      .def_property_readonly("id", &Session::id)
+      .def(
+          "register",
+          [](Session& s, const std::string& name, uint64_t numel, const std::string& param_dtype,
+             const std::string& grad_dtype, bool fp32_master) {
+            const DType p = ParseDTypeOrRaise(param_dtype), g = ParseDTypeOrRaise(grad_dtype);
+            return Value(Unlocked([&] { return s.Register(name, numel, p, g, fp32_master); }));
+          },
+          py::arg("name"), py::arg("numel"), py::arg("param_dtype") = "fp32",
+          py::arg("grad_dtype") = "fp32", py::arg("fp32_master") = false)
+      .def(
+          "fetch",
+          [](Session& s, const std::vector<uint64_t>& ids, bool grads, bool writable) {
+            FetchOptions o;
+            o.grads = grads;
+            o.writable = writable;
+            return Value(Unlocked([&] { return s.Fetch(ids, o); }));
+          },
+          py::arg("ids"), py::arg("grads") = false, py::arg("writable") = false)
+      .def(
+          "release",
+          [](Session& s, const std::vector<uint64_t>& ids) {
+            Check(Unlocked([&] { return s.Release(ids); }));
+          },
+          py::arg("ids"))
+      .def(
+          "return_gradients",
+          [](Session& s, const PartitionView& p) {
+            Check(Unlocked([&] { return s.ReturnGradients(p); }));
+          },
+          py::arg("partition"))
+      .def("pending_gradients",
+           [](Session& s) {
+             const PendingGradients p = Value(Unlocked([&] { return s.GetPendingGradients(); }));
+             py::dict d;
+             d["sq_norm"] = p.sq_norm;
+             d["nonfinite"] = p.nonfinite;
+             d["partitions"] = p.partitions;
+             d["micro_batches"] = p.micro_batches;
+             d["loss_scale"] = p.loss_scale;
+             return d;
+           })
+      .def(
+          "step",
+          [](Session& s, double lr, double beta1, double beta2, double eps, double weight_decay,
+             bool adamw, bool bias_correction, double grad_scale, bool skip, bool overflow,
+             bool overlap) {
+            StepOptions o;
+            o.skip = skip;
+            o.overflow = overflow;
+            o.overlap = overlap;
+            const AdamHyperparams h =
+                Hyper(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
+            return StepDict(Value(Unlocked([&] { return s.Step(h, o); })));
+          },
+          py::arg("lr") = 1e-3, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
+          py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("adamw") = true,
+          py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0,
+          py::arg("skip") = false, py::arg("overflow") = false, py::arg("overlap") = false)
+      .def("wait_step",
+           [](Session& s) {
+             return StepDict(Value(Unlocked([&] { return s.WaitStep(); })));
+           })
+      .def(
+          "set_delayed_update",
+          [](Session& s, bool on) {
+            Check(Unlocked([&] { return s.SetDelayedUpdate(on); }));
+          },
+          py::arg("enabled"))
+      .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
+
+  py::class_<Client, std::unique_ptr<Client>>(m, "Client")
+      .def(py::init([](const std::string& address) {
+             ClientOptions o;
+             o.address = address;
+             return Value(Unlocked([&] { return Client::Connect(o); }));
+           }),
+           py::arg("address") = "")
+      .def_property_readonly("address", &Client::address)
+      .def(
+          "open_session",
+          [](Client& c, const std::string& name, std::optional<int> params_host_percent,
+             std::optional<int> grads_host_percent,
+             std::optional<int> optimizer_state_host_percent,
+             std::optional<uint64_t> delayed_update_after_steps) {
+            SessionOptions o;
+            o.placement.params_host_percent = params_host_percent;
+            o.placement.grads_host_percent = grads_host_percent;
+            o.placement.optimizer_state_host_percent = optimizer_state_host_percent;
+            o.delayed_update_after_steps = delayed_update_after_steps;
+            return Value(Unlocked([&] { return c.OpenSession(name, o); }));
+          },
+          py::arg("name") = "", py::arg("params_host_percent") = py::none(),
+          py::arg("grads_host_percent") = py::none(),
+          py::arg("optimizer_state_host_percent") = py::none(),
+          py::arg("delayed_update_after_steps") = py::none());
+}
+
+}  // namespace
+}  // namespace offload::python

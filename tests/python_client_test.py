@@ -1,0 +1,128 @@
+"""The Python binding against a real offloadd, checked with torch 1.13.
+
+Run by tests/python_client_test.sh (which starts the daemon)."""
+import sys
+import threading
+import time
+import unittest
+
+import offloadd
+import torch
+
+
+class PythonClientTest(unittest.TestCase):
+    def setUp(self):
+        self.client = offloadd.Client()
+        self.session = self.client.open_session("python-test")
+
+    def tearDown(self):
+        self.session.close()
+
+    def register(self, name, values, **kw):
+        p = self.session.register(name, values.numel(), **kw)
+        torch.frombuffer(p.params, dtype=torch.float32).copy_(values)
+        self.session.release([p.id])
+        return p
+
+    def return_grads(self, p, grad):
+        g, = self.session.fetch([p.id], grads=True)
+        torch.frombuffer(g.grads, dtype=torch.float32).copy_(grad)
+        self.session.return_gradients(g)
+        self.session.release([g.id])
+
+    def params(self, p):
+        q, = self.session.fetch([p.id])
+        out = torch.frombuffer(q.params, dtype=torch.float32).clone()
+        self.session.release([q.id])
+        return out
+
+    def test_adamw_with_accumulation_and_clipping_matches_torch(self):
+        gen = torch.Generator().manual_seed(7)
+        w0 = torch.randn(5000, generator=gen)
+        p = self.register("w", w0)
+        ref = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+        for step in range(5):
+            g1 = torch.randn(5000, generator=gen)
+            g2 = torch.randn(5000, generator=gen)
+            # Two micro-batches; torch accumulates .grad the same way.
+            self.return_grads(p, g1)
+            self.return_grads(p, g2)
+            ref.grad = g1.clone()
+            ref.grad += g2
+            pending = self.session.pending_gradients()
+            self.assertEqual(pending["micro_batches"], 2)
+            # Global clipping as clip_grad_norm_ does it (one rank here).
+            total = pending["sq_norm"] ** 0.5
+            torch_total = torch.nn.utils.clip_grad_norm_([ref], max_norm=50.0)
+            self.assertAlmostEqual(total, torch_total.item(), delta=1e-5 * total)
+            coef = min(1.0, 50.0 / (total + 1e-6))
+            r = self.session.step(lr=1e-2, weight_decay=0.1, grad_scale=coef)
+            self.assertEqual(r["partitions_updated"], 1)
+            opt.step()
+            mine = self.params(p)
+            # The coefficient may differ from torch's in its last bit (its
+            # norm is fp32, ours is summed in double): within 1e-6.
+            torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-7)
+
+    def test_unclipped_steps_are_bit_identical_to_torch(self):
+        gen = torch.Generator().manual_seed(3)
+        w0 = torch.randn(4099, generator=gen)
+        p = self.register("u", w0)
+        ref = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.AdamW([ref], lr=3e-3, weight_decay=0.01)
+        for _ in range(4):
+            g = torch.randn(4099, generator=gen)
+            self.return_grads(p, g)
+            ref.grad = g.clone()
+            self.session.step(lr=3e-3, weight_decay=0.01)
+            opt.step()
+            self.assertTrue(torch.equal(self.params(p), ref.detach()))
+
+    def test_errors_carry_their_code(self):
+        with self.assertRaises(offloadd.NotFoundError) as e:
+            self.session.fetch([987654321])
+        self.assertEqual(e.exception.code, "NOT_FOUND")
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.session.register("bad", 10, param_dtype="int8")
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.session.register("", 10)
+        p = self.register("x", torch.zeros(10))
+        q, = self.session.fetch([p.id])
+        with self.assertRaises(offloadd.FailedPreconditionError):
+            self.session.return_gradients(q)  # the gradient buffer is not held
+        self.assertTrue(issubclass(offloadd.ResourceExhaustedError, offloadd.Error))
+        with self.assertRaises(offloadd.UnavailableError):
+            offloadd.Client("unix:/nonexistent/offloadd.sock")
+
+    def test_blocking_calls_release_the_gil(self):
+        # A step over 8M parameters takes milliseconds. With a switch
+        # interval of a second, another Python thread runs during it only
+        # if the binding released the GIL.
+        p = self.register("g", torch.ones(8 << 20))
+        self.return_grads(p, torch.full((8 << 20,), 0.1))
+        ticks = [0]
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            t = threading.Thread(target=spin)
+            t.start()
+            time.sleep(0.05)  # the spinner holds the GIL at times; let it start
+            before = ticks[0]
+            self.session.step()
+            during = ticks[0] - before
+            stop.set()
+            t.join()
+        finally:
+            sys.setswitchinterval(old)
+        self.assertGreater(during, 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
