@@ -50,6 +50,15 @@ class AccessTrace {
   // The uses predicted next, in order, wrapping into the next iteration,
   // at most `max_uses` of them (ids may repeat). Empty without predictions.
   std::vector<uint64_t> Upcoming(size_t max_uses) const;
+  // The same uses, in order, to `visit` until it returns false (no copy).
+  template <typename Visit>
+  void ForEachUpcoming(size_t max_uses, Visit visit) const {
+    if (!on_trace()) return;
+    const size_t n = max_uses < trace_.size() ? max_uses : trace_.size();
+    for (size_t i = 0; i < n; ++i) {
+      if (!visit(trace_[(pos_ + i) % trace_.size()])) return;
+    }
+  }
 
   // How many times a learned order was replaced by a different one.
   uint64_t relearned() const { return relearned_; }

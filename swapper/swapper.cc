@@ -621,16 +621,19 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   constexpr int64_t kLookPerBlock = 16;
   uint64_t bytes = 0;
   int64_t blocks = 0;
-  for (BlockId id : t.Upcoming(static_cast<size_t>(prefetch_depth_ * kLookPerBlock))) {
+  t.ForEachUpcoming(static_cast<size_t>(prefetch_depth_ * kLookPerBlock), [&](BlockId id) {
     Block* b = FindLocked(id);
-    if (b == nullptr) continue;
-    if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) continue;
+    if (b == nullptr) return true;
+    if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) return true;
     bytes += b->bytes;
-    if (++blocks > prefetch_depth_ || bytes > static_cast<uint64_t>(prefetch_bytes_)) break;
-    if (b->state != BlockState::kOnNvme || b->move_queued) continue;
+    if (++blocks > prefetch_depth_ || bytes > static_cast<uint64_t>(prefetch_bytes_)) {
+      return false;
+    }
+    if (b->state != BlockState::kOnNvme || b->move_queued) return true;
     b->move_queued = true;
     moves_.push_back({id, MoveKind::kPrefetch});
-  }
+    return true;
+  });
   changed_.SignalAll();
 }
 
@@ -789,7 +792,8 @@ void Swapper::MoverThread() {
       changed_.SignalAll();
       continue;
     }
-    if (status.ok() && b->state == BlockState::kOnNvme && !b->removed && !b->dropping) {
+    // (FindLocked found it: not removed.)
+    if (status.ok() && b->state == BlockState::kOnNvme && !b->dropping) {
       status = pool_->Fits(b->bytes)
                    ? StartReadLocked(b)
                    : absl::ResourceExhaustedError("the room made was taken meanwhile");
@@ -798,12 +802,11 @@ void Swapper::MoverThread() {
         ++stats_.prefetches;
       }
     }
-    if (!status.ok() && move.kind == MoveKind::kToHost && !b->removed) {
+    if (!status.ok() && move.kind == MoveKind::kToHost) {
       LogWarning("swapper: moving block %d to host memory: %s", static_cast<int64_t>(b->id),
                  status.ToString());
     }
     mover_busy_ = false;
-    EraseIfDoneLocked(b);
     changed_.SignalAll();
   }
 }
