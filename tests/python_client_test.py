@@ -79,6 +79,39 @@ class PythonClientTest(unittest.TestCase):
             opt.step()
             self.assertTrue(torch.equal(self.params(p), ref.detach()))
 
+    def test_param_groups_and_loss_scaling(self):
+        gen = torch.Generator().manual_seed(5)
+        w0, b0 = torch.randn(300, generator=gen), torch.randn(20, generator=gen)
+        pw, pb = self.register("w", w0), self.register("b", b0)
+        rw, rb = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
+        opt = torch.optim.AdamW([{"params": [rw], "weight_decay": 0.1},
+                                 {"params": [rb], "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
+        for _ in range(3):
+            gw, gb = torch.randn(300, generator=gen), torch.randn(20, generator=gen)
+            self.return_grads(pw, gw)
+            self.return_grads(pb, gb)
+            rw.grad, rb.grad = gw.clone(), gb.clone()
+            self.session.step(lr=1e-2, weight_decay=0.1,
+                              groups=[{"ids": [pb.id], "weight_decay": 0.0, "lr": 5e-3}])
+            opt.step()
+            self.assertTrue(torch.equal(self.params(pw), rw.detach()))
+            self.assertTrue(torch.equal(self.params(pb), rb.detach()))
+        fp16 = self.client.open_session("fp16", loss_scaling={"initial_scale": 1024.0,
+                                                              "hysteresis": 1})
+        p = fp16.register("h", 8, param_dtype="fp16", grad_dtype="fp16")
+        fp16.release([p.id])
+        g, = fp16.fetch([p.id], grads=True)
+        torch.frombuffer(g.grads, dtype=torch.float16).fill_(float("inf"))
+        fp16.return_gradients(g)
+        fp16.release([g.id])
+        self.assertEqual(fp16.pending_gradients()["loss_scale"], 1024.0)
+        r = fp16.step()
+        self.assertTrue(r["skipped"])
+        self.assertEqual(r["loss_scale"], 512.0)
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.client.open_session("bad", loss_scaling={"backoff_factor": 2.0})
+        fp16.close()
+
     def test_errors_carry_their_code(self):
         with self.assertRaises(offloadd.NotFoundError) as e:
             self.session.fetch([987654321])

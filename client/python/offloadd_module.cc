@@ -223,11 +223,28 @@ PYBIND11_MODULE(_offloadd, m) {
           "step",
           [](Session& s, double lr, double beta1, double beta2, double eps, double weight_decay,
              bool adamw, bool bias_correction, double grad_scale, bool skip, bool overflow,
-             bool overlap) {
+             bool overlap, const std::vector<py::dict>& groups) {
             StepOptions o;
             o.skip = skip;
             o.overflow = overflow;
             o.overlap = overlap;
+            // torch-style param groups: {"ids": [...], "lr": ..., ...}; unset
+            // fields take the step's.
+            for (const py::dict& g : groups) {
+              StepOptions::Group group;
+              group.partition_ids = g["ids"].cast<std::vector<uint64_t>>();
+              auto get = [&g](const char* key, double fallback) {
+                return g.contains(key) ? g[key].cast<double>() : fallback;
+              };
+              group.hyperparams =
+                  Hyper(get("lr", lr), get("beta1", beta1), get("beta2", beta2), get("eps", eps),
+                        get("weight_decay", weight_decay),
+                        g.contains("adamw") ? g["adamw"].cast<bool>() : adamw,
+                        g.contains("bias_correction") ? g["bias_correction"].cast<bool>()
+                                                      : bias_correction,
+                        grad_scale);
+              o.groups.push_back(std::move(group));
+            }
             const AdamHyperparams h =
                 Hyper(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, grad_scale);
             return StepDict(Value(Unlocked([&] { return s.Step(h, o); })));
@@ -235,7 +252,8 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("lr") = 1e-3, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("adamw") = true,
           py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0,
-          py::arg("skip") = false, py::arg("overflow") = false, py::arg("overlap") = false)
+          py::arg("skip") = false, py::arg("overflow") = false, py::arg("overlap") = false,
+          py::arg("groups") = std::vector<py::dict>{})
       .def("wait_step",
            [](Session& s) {
              return StepDict(Value(Unlocked([&] { return s.WaitStep(); })));
@@ -261,8 +279,25 @@ PYBIND11_MODULE(_offloadd, m) {
           [](Client& c, const std::string& name, std::optional<int> params_host_percent,
              std::optional<int> grads_host_percent,
              std::optional<int> optimizer_state_host_percent,
-             std::optional<uint64_t> delayed_update_after_steps) {
+             std::optional<uint64_t> delayed_update_after_steps,
+             std::optional<py::dict> loss_scaling) {
             SessionOptions o;
+            if (loss_scaling.has_value()) {
+              // fp16: {"initial_scale": ..., "growth_interval": ..., ...}
+              LossScaling l;
+              const py::dict& d = *loss_scaling;
+              if (d.contains("initial_scale")) l.initial_scale = d["initial_scale"].cast<double>();
+              if (d.contains("growth_interval")) {
+                l.growth_interval = d["growth_interval"].cast<int64_t>();
+              }
+              if (d.contains("growth_factor")) l.growth_factor = d["growth_factor"].cast<double>();
+              if (d.contains("backoff_factor")) {
+                l.backoff_factor = d["backoff_factor"].cast<double>();
+              }
+              if (d.contains("hysteresis")) l.hysteresis = d["hysteresis"].cast<int64_t>();
+              if (d.contains("min_scale")) l.min_scale = d["min_scale"].cast<double>();
+              o.loss_scaling = l;
+            }
             o.placement.params_host_percent = params_host_percent;
             o.placement.grads_host_percent = grads_host_percent;
             o.placement.optimizer_state_host_percent = optimizer_state_host_percent;
@@ -272,7 +307,8 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("name") = "", py::arg("params_host_percent") = py::none(),
           py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none(),
-          py::arg("delayed_update_after_steps") = py::none());
+          py::arg("delayed_update_after_steps") = py::none(),
+          py::arg("loss_scaling") = py::none());
 }
 
 }  // namespace
