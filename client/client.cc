@@ -79,17 +79,6 @@ StepResult FromProto(const v1::StepResponse& r) {
   return out;
 }
 
-// Everything but grad_scale, which only the step itself carries.
-void ToProto(const AdamHyperparams& h, v1::AdamHyperparams* p) {
-  p->set_lr(h.lr);
-  p->set_beta1(h.beta1);
-  p->set_beta2(h.beta2);
-  p->set_eps(h.eps);
-  p->set_weight_decay(h.weight_decay);
-  p->set_decoupled_weight_decay(h.decoupled_weight_decay);
-  p->set_bias_correction(h.bias_correction);
-}
-
 }  // namespace
 
 struct Client::Impl {
@@ -393,11 +382,10 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
   req.set_overflow(options.overflow);
   req.set_overlap(options.overlap);
   ToProto(h, req.mutable_hyperparams());
-  req.mutable_hyperparams()->set_grad_scale(h.grad_scale);
   for (const StepOptions::Group& g : options.groups) {
     v1::ParamGroup* out = req.add_groups();
     for (uint64_t id : g.partition_ids) out->add_partition_ids(id);
-    ToProto(g.hyperparams, out->mutable_hyperparams());  // grad_scale: the step's
+    ToProto(g.hyperparams, out->mutable_hyperparams(), /*with_grad_scale=*/false);  // the step's
   }
   v1::StepResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);

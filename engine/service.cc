@@ -41,19 +41,6 @@ void ToProto(const TunableInfo& t, v1::Tunable* out) {
   out->set_description(t.description);
 }
 
-AdamHyperparams FromProto(const v1::AdamHyperparams& p) {
-  AdamHyperparams h;
-  h.lr = p.lr();
-  h.beta1 = p.beta1();
-  h.beta2 = p.beta2();
-  h.eps = p.eps();
-  h.weight_decay = p.weight_decay();
-  h.decoupled_weight_decay = p.decoupled_weight_decay();
-  h.bias_correction = p.bias_correction();
-  if (p.has_grad_scale()) h.grad_scale = p.grad_scale();
-  return h;
-}
-
 // Percentages above 100 are refused here, before they become ints.
 absl::StatusOr<PlacementChange> FromProto(const v1::Placement& p) {
   PlacementChange change;
