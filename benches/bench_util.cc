@@ -3,12 +3,17 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <string_view>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/config_registry.h"
 
 namespace offload::bench {
 
@@ -80,4 +85,37 @@ bool ResetPeakRss() {
   out.flush();
   return static_cast<bool>(out);
 }
+const char* FlagValue(const char* arg, const char* name) {
+  const std::string prefix = absl::StrCat("--", name, "=");
+  return std::string_view(arg).rfind(prefix, 0) == 0 ? arg + prefix.size() : nullptr;
+}
+
+int64_t ByteSizeOrExit(const char* text) {
+  absl::StatusOr<int64_t> b = ParseByteSize(text);
+  if (!b.ok() || *b <= 0) {
+    std::fprintf(stderr, "bad byte size '%s'\n", text);
+    std::exit(2);
+  }
+  return *b;
+}
+
+uint64_t CountOrExit(const char* text) {
+  double mult = 1;
+  std::string t(text);
+  if (!t.empty()) {
+    switch (t.back()) {
+      case 'K': case 'k': mult = 1e3; t.pop_back(); break;
+      case 'M': case 'm': mult = 1e6; t.pop_back(); break;
+      case 'G': case 'g': mult = 1e9; t.pop_back(); break;
+      default: break;
+    }
+  }
+  double v;
+  if (!absl::SimpleAtod(t, &v) || v <= 0) {
+    std::fprintf(stderr, "not a count: '%s'\n", text);
+    std::exit(2);
+  }
+  return static_cast<uint64_t>(std::llround(v * mult));
+}
+
 }  // namespace offload::bench

@@ -34,6 +34,15 @@ void PrintMachine(const std::string& dir);
 double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth,
                     uint64_t size);
 
+// Command-line flags of the benchmarks: the value of `arg` if it is
+// --`name`=VALUE, else null.
+const char* FlagValue(const char* arg, const char* name);
+// A positive byte size ("1GiB", "256MiB", "4096"), or exit 2 saying why.
+int64_t ByteSizeOrExit(const char* text);
+// A positive count with an optional decimal suffix ("400M", "1.5G", "10k"),
+// or exit 2 saying why.
+uint64_t CountOrExit(const char* text);
+
 }  // namespace offload::bench
 
 #endif  // OFFLOADD_BENCHES_BENCH_UTIL_H_

@@ -141,24 +141,6 @@ struct Flags {
 };
 
 // "400M", "25000000", "1.5G": decimal multiples (a count of parameters).
-absl::StatusOr<uint64_t> ParseCount(absl::string_view text) {
-  double mult = 1;
-  std::string t(text);
-  if (!t.empty()) {
-    switch (t.back()) {
-      case 'K': case 'k': mult = 1e3; t.pop_back(); break;
-      case 'M': case 'm': mult = 1e6; t.pop_back(); break;
-      case 'G': case 'g': mult = 1e9; t.pop_back(); break;
-      default: break;
-    }
-  }
-  double v;
-  if (!absl::SimpleAtod(t, &v) || v <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("not a count: '", text, "'"));
-  }
-  return static_cast<uint64_t>(std::llround(v * mult));
-}
-
 // fio's result for one run: bytes moved and bandwidth in each direction.
 struct FioRun {
   bool ok = false;
@@ -368,26 +350,9 @@ int Main(int argc, char** argv) {
   bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](const char* name) -> const char* {
-      const std::string prefix = absl::StrCat("--", name, "=");
-      return a.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
-    };
-    auto bytes = [](const char* v) -> int64_t {
-      absl::StatusOr<int64_t> b = ParseByteSize(v);
-      if (!b.ok() || *b <= 0) {
-        std::fprintf(stderr, "bad byte size '%s'\n", v);
-        std::exit(2);
-      }
-      return *b;
-    };
-    auto count = [](const char* v) -> uint64_t {
-      absl::StatusOr<uint64_t> c = ParseCount(v);
-      if (!c.ok()) {
-        std::fprintf(stderr, "%s\n", c.status().ToString().c_str());
-        std::exit(2);
-      }
-      return *c;
-    };
+    auto value = [&](const char* name) { return bench::FlagValue(argv[i], name); };
+    auto bytes = bench::ByteSizeOrExit;
+    auto count = bench::CountOrExit;
     const char* v;
     if ((v = value("dir"))) {
       f.dir = v;

@@ -99,22 +99,10 @@ int Main(int argc, char** argv) {
   bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](const char* name) -> const char* {
-      const std::string prefix = absl::StrCat("--", name, "=");
-      return a.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
-    };
+    auto value = [&](const char* name) { return FlagValue(argv[i], name); };
     const char* v;
-    int64_t bytes;
     if ((v = value("params"))) {
-      // A count, with an optional decimal suffix: 100M, 1G.
-      std::string text = v;
-      uint64_t scale = 1;
-      if (!text.empty() && (text.back() == 'M' || text.back() == 'G')) {
-        scale = text.back() == 'M' ? 1'000'000 : 1'000'000'000;
-        text.pop_back();
-      }
-      uint64_t count = 0;
-      f.params = absl::SimpleAtoi(text, &count) ? count * scale : 0;
+      f.params = CountOrExit(v);  // 100M, 1G
     } else if ((v = value("layers"))) {
       f.layers = std::atoi(v);
     } else if ((v = value("iterations"))) {
@@ -124,8 +112,8 @@ int Main(int argc, char** argv) {
       f.t = std::string(v) == "auto"          ? -1
             : absl::SimpleAtod(absl::StripSuffix(v, "ms"), &ms) ? ms / 1000
                                                                  : -2;
-    } else if ((v = value("pool")) && (bytes = ParseByteSize(v).value_or(-1)) > 0) {
-      f.pool = static_cast<uint64_t>(bytes);
+    } else if ((v = value("pool"))) {
+      f.pool = static_cast<uint64_t>(ByteSizeOrExit(v));
     } else if ((v = value("dir"))) {
       f.dir = v;
     } else if (a == "--nvme") {

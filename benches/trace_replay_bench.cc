@@ -184,18 +184,8 @@ int Main(int argc, char** argv) {
   bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](const char* name) -> const char* {
-      const std::string prefix = absl::StrCat("--", name, "=");
-      return a.rfind(prefix, 0) == 0 ? argv[i] + prefix.size() : nullptr;
-    };
-    auto bytes = [](const char* v) -> int64_t {
-      absl::StatusOr<int64_t> b = ParseByteSize(v);
-      if (!b.ok() || *b <= 0) {
-        std::fprintf(stderr, "bad byte size '%s'\n", v);
-        std::exit(2);
-      }
-      return *b;
-    };
+    auto value = [&](const char* name) { return bench::FlagValue(argv[i], name); };
+    auto bytes = bench::ByteSizeOrExit;
     const char* v;
     if ((v = value("dir"))) {
       f.dir = v;
