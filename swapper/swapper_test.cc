@@ -91,6 +91,17 @@ class SwapperTest : public ::testing::Test {
     EXPECT_TRUE(Holds(*p, seed)) << "block " << id;
   }
   BlockState StateOf(uint64_t id) { return *swapper_->State(id); }
+  // The I/O thread about to write (or read) block `id` stops there:
+  // `reached` is notified, and it goes on once `release` is.
+  void HoldIo(uint64_t id, bool write, absl::Notification* reached,
+              absl::Notification* release) {
+    swapper_->SetIoHookForTesting([=](uint64_t block, bool is_write) {
+      if (block == id && is_write == write) {
+        reached->Notify();
+        release->WaitForNotification();
+      }
+    });
+  }
 
   void TearDown() override {
     swapper_.reset();  // before the pool and the space it uses
@@ -340,12 +351,7 @@ TEST_F(SwapperTest, RemoveDuringReadInFreesItWhenTheReadEnds) {
   ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
   ASSERT_EQ(space_->Stats().extents, 1u);  // block 1's copy
   absl::Notification reading, release;
-  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
-    if (id == 1 && !is_write) {
-      reading.Notify();
-      release.WaitForNotification();
-    }
-  });
+  HoldIo(1, /*write=*/false, &reading, &release);
   absl::StatusOr<Swapper::Pin> got;
   std::thread reader([&] { got = swapper_->Acquire(1, false); });
   reading.WaitForNotification();
@@ -365,12 +371,7 @@ TEST_F(SwapperTest, AcquireDuringWriteOutKeepsTheBlockResident) {
   Write(1, 11);  // least recently used: the first victim
   Write(2, 22);
   absl::Notification writing, release;
-  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
-    if (id == 1 && is_write) {
-      writing.Notify();
-      release.WaitForNotification();
-    }
-  });
+  HoldIo(1, /*write=*/true, &writing, &release);
   absl::Status third;
   std::thread evicter([&] { third = swapper_->Acquire(3, true).status(); });
   writing.WaitForNotification();
@@ -399,12 +400,7 @@ TEST_F(SwapperTest, AWritePinWhileTheWriteIsQueuedKeepsTheChange) {
   Write(1, 11);
   Write(2, 22);
   absl::Notification writing, release;
-  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
-    if (id == 1 && is_write) {
-      writing.Notify();
-      release.WaitForNotification();
-    }
-  });
+  HoldIo(1, /*write=*/true, &writing, &release);
   // Both are written out; the one I/O thread is held in 1's write, so 2's
   // waits in the queue.
   pool_->SetLimit(0);
@@ -582,12 +578,7 @@ TEST_F(SwapperTest, RemovingExternalMemoryWaitsForItsRead) {
   Write(2, 22);
   ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
   absl::Notification reading, release;
-  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
-    if (id == 1 && !is_write) {
-      reading.Notify();
-      release.WaitForNotification();
-    }
-  });
+  HoldIo(1, /*write=*/false, &reading, &release);
   absl::StatusOr<Swapper::Pin> got;
   std::thread reader([&] { got = swapper_->Acquire(1, false); });
   reading.WaitForNotification();
