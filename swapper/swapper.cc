@@ -19,6 +19,17 @@ uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
                                    .count());
 }
 
+// Frees external memory's pages: they leave the memfd (and every mapping of
+// them); a later swap-in faults in fresh ones. Failing here is a kernel that
+// cannot punch holes in shmem: the pages stay, uncharged, and the bound
+// slips by them, which the log says.
+void FreeExternalPages(Swapper::BlockId id, std::byte* data, uint64_t bytes) {
+  absl::Status freed = DiscardSharedPages(data, bytes);
+  if (!freed.ok()) {
+    LogWarning("swapper: block %d: %s", static_cast<int64_t>(id), freed.ToString());
+  }
+}
+
 }  // namespace
 
 SwapperStats SwapperStats::Since(const SwapperStats& e) const {
@@ -107,14 +118,7 @@ absl::Status Swapper::TakeHostLocked(Block* b) {
 
 void Swapper::DropHostNowLocked(Block* b) {
   if (b->external != nullptr) {
-    // Its pages leave the memfd (and every mapping of them); a later
-    // swap-in faults in fresh ones. Failing here is a kernel that cannot
-    // punch holes in shmem: the pages stay, uncharged, and the bound slips
-    // by them, which the log says.
-    absl::Status freed = DiscardSharedPages(b->external, b->bytes);
-    if (!freed.ok()) {
-      LogWarning("swapper: block %d: %s", static_cast<int64_t>(b->id), freed.ToString());
-    }
+    FreeExternalPages(b->id, b->external, b->bytes);
     b->charge.Reset();
   } else {
     b->host.Reset();
@@ -145,12 +149,9 @@ void Swapper::FinishDrop(BlockId id) {
     data = b->external;
     bytes = b->bytes;
   }
-  absl::Status freed = DiscardSharedPages(data, bytes);
+  FreeExternalPages(id, data, bytes);
   absl::MutexLock lock(&mu_);
   Block* b = blocks_.at(id).get();
-  if (!freed.ok()) {
-    LogWarning("swapper: block %d: %s", static_cast<int64_t>(id), freed.ToString());
-  }
   freeing_bytes_ -= b->charge.bytes();
   b->charge.Reset();
   b->dropping = false;
