@@ -55,8 +55,7 @@ const char* DataKindName(DataKind kind) {
 
 struct PartitionSet::Partition {
   PartitionInfo info;
-  HostMemory region;  // its params and grads in the arena, mapped
-  std::byte* params = nullptr;
+  HostMemory region;  // its span in the arena, mapped
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   bool master_initialized = false;
@@ -384,7 +383,6 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     info.span = {params_off, span};
     if (spec.fp32_master) info.master_init = {params_off + init_at, init_bytes};
     ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, span));
-    partition->params = partition->region.data();
     partition->grads = partition->region.data() + grads_at;
     partition->params_offset[0] = params_off;
     partition->params_offset[1] = params_off + shadow_at;
@@ -409,8 +407,8 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
                                     elems * sizeof(float), Tier::kHost, session_id_);
         } else if (b == PartitionStore::kParamsBlock) {
           const uint64_t size = DTypeSize(spec.param_dtype);
-          s = swapper_->AddExternal(block, partition->params + begin * size, elems * size, where,
-                                    session_id_);
+          s = swapper_->AddExternal(block, partition->buffer[0] + begin * size, elems * size,
+                                    where, session_id_);
         } else if (b == PartitionStore::kGradsBlock) {
           const uint64_t size = DTypeSize(spec.grad_dtype);
           s = swapper_->AddExternal(block, partition->grads + begin * size, elems * size, where,
