@@ -645,20 +645,15 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   item.chunks = ChunksOf(p->info.numel);
   item.grad_dtype = grad_dtype;
   item.first = p->micro_batches == 0;
+  item.numel = p->info.numel;
   return item;
 }
 
 absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem& item,
                                                            uint64_t chunk) {
-  uint64_t numel;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(item.id));
-    numel = p->info.numel;
-  }
   AccumulatePins pins;
   pins.begin = chunk * state_chunk_elems_;
-  pins.end = std::min(numel, pins.begin + state_chunk_elems_);
+  pins.end = std::min(item.numel, pins.begin + state_chunk_elems_);
   // The gradients are held by the trainer (resident); the accumulator is
   // read in unless this is the first micro-batch (then it is overwritten).
   ASSIGN_OR_RETURN(pins.grads,
@@ -768,10 +763,12 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   // The delayed update's newer buffers become current now, for the next
   // iteration; the partitions enter the step.
   CommitSwapsLocked();
-  for (const StepItem& item : items) {
+  for (StepItem& item : items) {
     Partition* p = Find(item.id);
     p->in_step = true;
     p->in_step_delayed = item.delayed;
+    item.current_kind = ParamsKind(*p, /*next=*/false);
+    item.write_kind = ParamsKind(*p, /*next=*/item.delayed);
   }
   // This iteration's fetch order; the next iteration's fetches start now.
   absl::flat_hash_map<uint64_t, size_t> rank;
@@ -810,15 +807,7 @@ void PartitionSet::CommitSwapsLocked() {
 
 absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t chunk) {
   const uint64_t id = item.id;
-  uint64_t numel;
-  int write_kind, current_kind;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
-    numel = p->info.numel;
-    current_kind = ParamsKind(*p, /*next=*/false);
-    write_kind = ParamsKind(*p, /*next=*/item.delayed);
-  }
+  const uint64_t numel = item.task.span.numel;
   ChunkPins pins;
   pins.begin = chunk * state_chunk_elems_;
   if (pins.begin >= numel) {
@@ -833,14 +822,15 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
       {&pins.master, PartitionStore::kMaster, true},
       {&pins.exp_avg, PartitionStore::kExpAvg, true},
       {&pins.exp_avg_sq, PartitionStore::kExpAvgSq, true},
-      {&pins.params, write_kind, true},
+      {&pins.params, item.write_kind, true},
       {&pins.accum, PartitionStore::kAccumBlock, false},
   };
   for (const auto& w : wanted) {
     ASSIGN_OR_RETURN(*w.pin, PinBlock(id, chunk, w.kind, w.for_write));
   }
   if (item.delayed && item.init_master) {
-    ASSIGN_OR_RETURN(pins.current, PinBlock(id, chunk, current_kind, /*for_write=*/false));
+    ASSIGN_OR_RETURN(pins.current,
+                     PinBlock(id, chunk, item.current_kind, /*for_write=*/false));
   }
   return pins;
 }

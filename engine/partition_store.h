@@ -159,6 +159,10 @@ struct StepItem {
   // The delayed parameter update: the new working copy goes into the
   // partition's other buffer, while the trainer reads the current one.
   bool delayed = false;
+  // The working-copy buffers' block kinds: the one the update writes, the
+  // one the trainer reads (equal without the delayed update). Fixed for
+  // the step: buffers swap only between steps.
+  int write_kind = 0, current_kind = 0;
   // The master copy has never been written: initialise it from the working
   // copy before the update.
   bool init_master = false;
@@ -181,6 +185,7 @@ struct ChunkPins {
 // BeginAccumulate hands it to the step runner.
 struct AccumulateItem {
   uint64_t id = 0;
+  uint64_t numel = 0;
   uint64_t chunks = 0;
   DType grad_dtype = DType::kFp32;
   bool first = false;  // the accumulator holds nothing yet: copy
