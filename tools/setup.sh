@@ -7,7 +7,8 @@ packages=(
   bazel-bootstrap g++ protobuf-compiler protobuf-compiler-grpc
   libgrpc++-dev libprotobuf-dev libabsl-dev libtbb-dev liburing-dev
   libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
-  pybind11-dev python3-dev python3-torch fio libcpp-httplib-dev
+  pybind11-dev python3-dev python3-torch python3-tqdm python3-matplotlib fio libcpp-httplib-dev
+  libopenblas0-pthread  # torch's BLAS: Debian's python3-torch falls back to reference BLAS (~1 GFLOP/s)
   libtorch-dev ninja-build  # benches/cpu_adam's peer, ../shared/peers/deepspeed_cpu_adam
 )
 

@@ -108,6 +108,32 @@ py::dict StepDict(const StepResult& r) {
   return d;
 }
 
+py::dict TunableDict(const Tunable& t) {
+  return py::dict("name"_a = t.name, "type"_a = t.type, "value"_a = t.value,
+                  "default"_a = t.default_value, "unit"_a = t.unit,
+                  "description"_a = t.description, "dynamic"_a = t.dynamic);
+}
+
+py::dict StatsDict(const DaemonStats& s) {
+  py::dict counters, tiers;
+  for (const DaemonStats::Counter& c : s.counters) counters[py::str(c.name)] = c.value;
+  for (const DaemonStats::Tier& t : s.tiers) {
+    tiers[py::str(t.name)] = py::dict("used_bytes"_a = t.used_bytes, "budget_bytes"_a = t.budget_bytes);
+  }
+  py::list sessions;
+  for (const DaemonStats::Session& x : s.sessions) {
+    sessions.append(py::dict(
+        "id"_a = x.id, "name"_a = x.name, "partitions"_a = x.partitions,
+        "arena_bytes"_a = x.arena_bytes, "steps"_a = x.steps, "held"_a = x.held,
+        "params_host_bytes"_a = x.params_host_bytes, "params_nvme_bytes"_a = x.params_nvme_bytes,
+        "grads_host_bytes"_a = x.grads_host_bytes, "grads_nvme_bytes"_a = x.grads_nvme_bytes,
+        "state_host_bytes"_a = x.state_host_bytes, "state_nvme_bytes"_a = x.state_nvme_bytes));
+  }
+  return py::dict("version"_a = s.version, "pid"_a = s.pid, "uptime_ms"_a = s.uptime_ms,
+                  "optimizer"_a = s.optimizer, "counters"_a = counters, "tiers"_a = tiers,
+                  "sessions"_a = sessions);
+}
+
 AdamHyperparams Hyper(double lr, double beta1, double beta2, double eps, double weight_decay,
                       bool adamw, bool bias_correction, double grad_scale) {
   AdamHyperparams h;
@@ -128,18 +154,22 @@ PYBIND11_MODULE(_offloadd, m) {
   errors = &e;
   e.base = py::module_::import("builtins").attr("type")(
       "Error", py::make_tuple(py::reinterpret_borrow<py::object>(PyExc_RuntimeError)),
-      py::dict("__module__"_a = "offloadd"));
-  auto sub = [&](const char* name) {
+      py::dict("__module__"_a = "offloadd", "code"_a = "UNKNOWN"));
+  // `code` is also a class attribute, so that errors raised in Python (by
+  // offloadd.torch, offloadd.deepspeed) carry it too.
+  auto sub = [&](const char* name, absl::StatusCode code) {
     return py::module_::import("builtins")
-        .attr("type")(name, py::make_tuple(e.base), py::dict("__module__"_a = "offloadd"));
+        .attr("type")(name, py::make_tuple(e.base),
+                      py::dict("__module__"_a = "offloadd",
+                               "code"_a = absl::StatusCodeToString(code)));
   };
-  e.unavailable = sub("UnavailableError");
-  e.resource_exhausted = sub("ResourceExhaustedError");
-  e.invalid_argument = sub("InvalidArgumentError");
-  e.failed_precondition = sub("FailedPreconditionError");
-  e.not_found = sub("NotFoundError");
-  e.permission_denied = sub("PermissionDeniedError");
-  e.data_loss = sub("DataLossError");
+  e.unavailable = sub("UnavailableError", absl::StatusCode::kUnavailable);
+  e.resource_exhausted = sub("ResourceExhaustedError", absl::StatusCode::kResourceExhausted);
+  e.invalid_argument = sub("InvalidArgumentError", absl::StatusCode::kInvalidArgument);
+  e.failed_precondition = sub("FailedPreconditionError", absl::StatusCode::kFailedPrecondition);
+  e.not_found = sub("NotFoundError", absl::StatusCode::kNotFound);
+  e.permission_denied = sub("PermissionDeniedError", absl::StatusCode::kPermissionDenied);
+  e.data_loss = sub("DataLossError", absl::StatusCode::kDataLoss);
   m.attr("Error") = e.base;
   m.attr("UnavailableError") = e.unavailable;
   m.attr("ResourceExhaustedError") = e.resource_exhausted;
@@ -264,6 +294,18 @@ PYBIND11_MODULE(_offloadd, m) {
             Check(Unlocked([&] { return s.SetDelayedUpdate(on); }));
           },
           py::arg("enabled"))
+      .def(
+          "set_placement",
+          [](Session& s, std::optional<int> params, std::optional<int> grads,
+             std::optional<int> optimizer_state) {
+            Placement p;
+            p.params_host_percent = params;
+            p.grads_host_percent = grads;
+            p.optimizer_state_host_percent = optimizer_state;
+            Check(Unlocked([&] { return s.SetPlacement(p); }));
+          },
+          py::arg("params_host_percent") = py::none(), py::arg("grads_host_percent") = py::none(),
+          py::arg("optimizer_state_host_percent") = py::none())
       .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
 
   py::class_<Client, std::unique_ptr<Client>>(m, "Client")
@@ -308,7 +350,25 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none(),
           py::arg("delayed_update_after_steps") = py::none(),
-          py::arg("loss_scaling") = py::none());
+          py::arg("loss_scaling") = py::none())
+      .def("stats",
+           [](Client& c) {
+             const DaemonStats s = Value(Unlocked([&] { return c.GetStats(); }));
+             return StatsDict(s);
+           },
+           "the daemon's status: counters by name, tiers, sessions (as offloadctl stats)")
+      .def(
+          "get_tunable",
+          [](Client& c, const std::string& name) {
+            return TunableDict(Value(Unlocked([&] { return c.GetTunable(name); })));
+          },
+          py::arg("name"))
+      .def(
+          "set_tunable",
+          [](Client& c, const std::string& name, const std::string& value) {
+            return TunableDict(Value(Unlocked([&] { return c.SetTunable(name, value); })));
+          },
+          py::arg("name"), py::arg("value"), "changes a node-wide setting (offloadctl set)");
 }
 
 }  // namespace

@@ -1,0 +1,145 @@
+"""Tokens/s of the Python demo's transformer trained through offloadd.torch,
+with the optimizer state on the host and on NVMe, against the same model
+trained in-process with torch.optim.AdamW in the same run; and where each
+offloadd step's time goes (fetch + all-gather, compute, gradient return,
+optimizer step).
+
+usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--dim=D]
+       [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR] [--tiny]
+Starts its own daemons: one with the default pool (state on host), one
+whose pool is smaller than the model's optimizer state, with an NVMe tier
+in --swap_dir (ext4 for O_DIRECT; default /var/tmp)."""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "client", "python", "demo"))
+import gpt  # noqa: E402
+
+import offloadd  # noqa: E402
+import offloadd.torch  # noqa: E402
+
+
+def start_daemon(binary, root, extra):
+    os.makedirs(root)
+    log = open(os.path.join(root, "log"), "w")
+    proc = subprocess.Popen([binary, f"--server.data_dir={root}"] + extra, stdout=log,
+                            stderr=subprocess.STDOUT)
+    address = "unix:" + os.path.join(root, "offloadd.sock")
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            offloadd.Client(address)
+            return proc, address
+        except offloadd.UnavailableError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"offloadd did not start; see {root}/log")
+            time.sleep(0.05)
+
+
+def run(args, text, address, placement):
+    torch.manual_seed(0)
+    model = gpt.GPT(text.vocab, args.context, dim=args.dim, layers=args.layers, heads=4)
+    engine = None
+    if address is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    else:
+        model, opt = offloadd.torch.wrap(model, {"lr": 1e-3, "weight_decay": 0.1},
+                                         {"address": address, "session_name": "bench",
+                                          "placement": {"optimizer_state": placement}})
+        engine = model.offloadd
+    gen = torch.Generator().manual_seed(1)
+    before = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            before = dict(engine.timings) if engine else None
+            start = time.perf_counter()
+        x, y = text.batch(args.batch, args.context, gen)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    wall = time.perf_counter() - start
+    out = {"wall": wall / args.steps, "tokens_per_s": args.batch * args.context * args.steps / wall}
+    if engine:
+        for k in ("fetch", "return", "step"):
+            out[k] = (engine.timings[k] - before[k]) / args.steps
+        out["compute"] = out["wall"] - out["fetch"] - out["return"] - out["step"]
+        opt.close()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--offloadd", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = one per CPU")
+    p.add_argument("--swap_dir", default="/var/tmp")
+    p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model")
+    args = p.parse_args()
+    if args.tiny:
+        args.steps, args.warmup, args.dim, args.layers, args.batch, args.context = 2, 1, 16, 1, 2, 8
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    text = gpt.Text("/usr/share/common-licenses/GPL-3")
+    n = sum(q.numel() for q in gpt.GPT(text.vocab, args.context, dim=args.dim,
+                                       layers=args.layers).parameters())
+    state_bytes = 12 * n  # fp32 master + two moments
+    # Sockets under a short path (a Unix socket's path has at most 107
+    # bytes); swap space where asked.
+    root = tempfile.mkdtemp(prefix="torch_tokens.", dir="/tmp")
+    swap = tempfile.mkdtemp(prefix="torch_tokens.", dir=args.swap_dir)
+    daemons = []
+    try:
+        host = start_daemon(args.offloadd, os.path.join(root, "host"), [])
+        # The pool holds the working parameters and gradients (8 bytes per
+        # parameter) and a third of the optimizer state: the rest must swap.
+        pool = max(4 << 20, 8 * n + state_bytes // 3)
+        nvme = start_daemon(args.offloadd, os.path.join(root, "nvme"),
+                            [f"--nvme.dirs={swap}",
+                             f"--memory.host_budget_bytes={pool}"])
+        daemons = [host[0], nvme[0]]
+        print(f"model: {n / 1e6:.2f}M parameters ({args.layers} layers, dim {args.dim}), "
+              f"{args.batch}x{args.context} tokens per step, {args.steps} steps after "
+              f"{args.warmup} warm-up, torch threads {torch.get_num_threads()}; the NVMe daemon's pool "
+              f"is {pool / (1 << 20):.1f} MiB: the working parameters and gradients "
+              f"({8 * n / (1 << 20):.1f} MiB) and a third of the {state_bytes / (1 << 20):.1f} MiB "
+              "of optimizer state")
+        results = {"torch AdamW (in-process)": run(args, text, None, None)}
+        results["offloadd, state on host"] = run(args, text, host[1], "host")
+        c0 = offloadd.Client(nvme[1]).stats()["counters"]
+        results["offloadd, state on NVMe"] = run(args, text, nvme[1], "nvme")
+        c1 = offloadd.Client(nvme[1]).stats()["counters"]
+    finally:
+        for d in daemons:
+            d.kill()
+            d.wait()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(swap, ignore_errors=True)
+    ref = results["torch AdamW (in-process)"]["tokens_per_s"]
+    print(f"{'':28} {'tokens/s':>9} {'vs torch':>8} {'ms/step':>8} {'fetch':>7} {'compute':>8} "
+          f"{'return':>7} {'step':>6}")
+    for name, r in results.items():
+        line = f"{name:28} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / ref:8.3f} " \
+               f"{1e3 * r['wall']:8.1f}"
+        if "fetch" in r:
+            line += "".join(f" {1e3 * r[k]:{w}.1f}" for k, w in
+                            (("fetch", 7), ("compute", 8), ("return", 7), ("step", 6)))
+        print(line)
+    swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
+    print(f"NVMe run: {swapped:.0f} MiB swapped in over {args.warmup + args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()

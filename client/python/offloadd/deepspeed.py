@@ -1,0 +1,256 @@
+"""DeepSpeed configs for offloadd.torch.wrap.
+
+    model, optimizer = offloadd.torch.wrap(model, deepspeed_config="ds_config.json")
+
+translate() maps each field of a DeepSpeed config (ZeRO stage 3, offload,
+optimizer, fp16/bf16, clipping, accumulation) to wrap()'s adamw_config and
+zero_config. A field offloadd does not support is an InvalidArgumentError
+naming it. A field that has no meaning under offloadd's design (buffer
+counts and sizes: one pool per node is sized by the daemon) is accepted
+with a note saying why; from_config() logs the notes on the "offloadd"
+logger at WARNING.
+"""
+import json
+import logging
+import os
+
+import offloadd
+
+log = logging.getLogger("offloadd.deepspeed")
+
+_BUFFERS = ("offloadd keeps one host pool per node, sized by the daemon's "
+            "memory.host_budget_bytes, and moves data in chunks of its own; there are no "
+            "per-rank buffers to size")
+_PINNED = ("the daemon's pool is shared memory mapped by the trainers; it is locked "
+           "(mlock) if the daemon runs with memory.lock_pool=true")
+_NVME_PATH = ("the NVMe tier is the daemon's (its --nvme.dirs, shared by every rank on the "
+              "node); a trainer does not choose it")
+_PREFETCH = ("offloadd learns the fetch order in the first iteration and prefetches along it "
+             "(the daemon's swapper.prefetch_depth and swapper.prefetch_bytes)")
+_COMM = ("offloadd.torch gathers and reduces one parameter at a time with "
+         "torch.distributed; there are no buckets to size")
+_IGNORED_TOP = {
+    "train_batch_size": "the trainer's loop chooses its batches",
+    "train_micro_batch_size_per_gpu": "the trainer's loop chooses its batches",
+    "steps_per_print": "progress is the trainer's to print (offloadctl stats shows the daemon's)",
+    "wall_clock_breakdown": "Optimizer.engine.timings holds fetch, return and step times",
+    "tensorboard": "monitoring is the trainer's; the daemon exports Prometheus metrics",
+    "wandb": "monitoring is the trainer's; the daemon exports Prometheus metrics",
+    "csv_monitor": "monitoring is the trainer's; the daemon exports Prometheus metrics",
+    "flops_profiler": "not part of offloadd",
+    "comms_logger": "not part of offloadd",
+    "zero_allow_untested_optimizer": "offloadd runs its own Adam/AdamW",
+    "zero_force_ds_cpu_optimizer": "offloadd runs its own Adam/AdamW (AVX-512/AVX2) in the daemon",
+    "aio": ("offloadd's NVMe I/O is io_uring in the daemon (nvme.queue_depth, nvme.rings, "
+            "nvme.request_bytes); libaio settings do not apply"),
+    "dump_state": "not part of offloadd",
+}
+_IGNORED_ZERO = {
+    "overlap_comm": _COMM,
+    "contiguous_gradients": "the daemon's gradient buffers are contiguous per partition",
+    "reduce_bucket_size": _COMM,
+    "allgather_bucket_size": _COMM,
+    "allgather_partitions": _COMM,
+    "reduce_scatter": _COMM,
+    "round_robin_gradients": _COMM,
+    "sub_group_size": ("the daemon steps partitions in chunks (placement.state_chunk_bytes) "
+                       "on its own optimizer threads"),
+    "stage3_max_live_parameters": ("a module's parameters are gathered just before it runs "
+                                   "and freed after"),
+    "stage3_max_reuse_distance": ("eviction is Belady's along the learned order; no reuse "
+                                  "distance to guess"),
+    "stage3_param_persistence_threshold": "every parameter is partitioned",
+    "stage3_gather_16bit_weights_on_model_save": "model.state_dict() gathers full weights",
+    "stage3_gather_fp16_weights_on_model_save": "model.state_dict() gathers full weights",
+    "memory_efficient_linear": "parameters' saved values are re-gathered in backward",
+    "ignore_unused_parameters": "unused parameters simply return no gradient",
+    "elastic_checkpoint": "checkpoints are not built yet",
+    "load_from_fp32_weights": "checkpoints are not built yet",
+}
+_OFFLOAD_FIELDS = {
+    "buffer_count": _BUFFERS,
+    "buffer_size": _BUFFERS,
+    "max_in_cpu": _BUFFERS,
+    "pin_memory": _PINNED,
+    "nvme_path": _NVME_PATH,
+    "fast_init": "the daemon initialises state in place",
+    "pipeline": "offloadd always overlaps swapping with the step",
+    "pipeline_read": "offloadd always overlaps swapping with the step",
+    "pipeline_write": "offloadd always overlaps swapping with the step",
+}
+
+
+class Translation:
+    def __init__(self):
+        self.adamw = {}
+        self.zero = {"placement": {}}
+        self.notes = []  # "field: why it is ignored"
+
+    def note(self, field, why):
+        self.notes.append(f"{field}: accepted and ignored: {why}")
+
+
+def _fail(field, why):
+    raise offloadd.InvalidArgumentError(f"DeepSpeed config field '{field}': {why}")
+
+
+def _device(t, section, kind, d):
+    device = d.get("device", "none")
+    if device in ("cpu", "none"):
+        t.zero["placement"][kind] = "host"
+        if device == "none":
+            t.note(f"{section}.device", "'none' (no offload): offloadd holds this data in its "
+                   "host tier")
+    elif device == "nvme":
+        t.zero["placement"][kind] = "nvme"
+    else:
+        _fail(f"{section}.device", f"'{device}' is not cpu, nvme or none")
+    for k, v in d.items():
+        field = f"{section}.{k}"
+        if k == "device":
+            continue
+        if k == "ratio":
+            if v != 1 and v != 1.0:
+                _fail(field, f"{v}: a share of the optimizer on the GPU needs a GPU tier, which "
+                      "offloadd does not have yet")
+            continue
+        if k in _OFFLOAD_FIELDS:
+            t.note(field, _OFFLOAD_FIELDS[k])
+        else:
+            _fail(field, "not a field offloadd knows")
+
+
+def _optimizer(t, d):
+    kind = str(d.get("type", "")).lower()
+    if kind not in ("adam", "adamw"):
+        _fail("optimizer.type", f"'{d.get('type')}': offloadd runs Adam and AdamW")
+    for k in d:
+        if k not in ("type", "params"):
+            _fail(f"optimizer.{k}", "not a field offloadd knows")
+    params = dict(d.get("params") or {})
+    adamw = kind == "adamw" or params.pop("adam_w_mode", True)
+    params.pop("adam_w_mode", None)
+    t.adamw["adamw"] = bool(adamw)
+    for k, v in params.items():
+        field = f"optimizer.params.{k}"
+        if k in ("lr", "eps", "weight_decay"):
+            t.adamw[k] = float(v)
+        elif k == "betas":
+            t.adamw["betas"] = tuple(float(b) for b in v)
+        elif k == "torch_adam":
+            t.note(field, "offloadd's Adam is bit-identical to torch's")
+        elif k == "amsgrad":
+            if v:
+                _fail(field, "AMSGrad is not supported")
+        elif k == "bias_correction":
+            if not v:
+                _fail(field, "Adam without bias correction is not supported by offloadd.torch")
+        else:
+            _fail(field, "not a field offloadd knows")
+
+
+def _fp16(t, d):
+    for k in d:
+        if k not in ("enabled", "auto_cast", "loss_scale", "initial_scale_power",
+                     "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                     "min_loss_scale", "fp16_master_weights_and_grads"):
+            _fail(f"fp16.{k}", "not a field offloadd knows")
+    if not d.get("enabled", False):
+        return
+    t.zero["working_dtype"] = "fp16"
+    if d.get("consecutive_hysteresis"):
+        _fail("fp16.consecutive_hysteresis", "not supported (hysteresis counts all overflows)")
+    if d.get("fp16_master_weights_and_grads"):
+        _fail("fp16.fp16_master_weights_and_grads", "offloadd's master weights are fp32")
+    if d.get("auto_cast"):
+        t.note("fp16.auto_cast", "the model runs in its parameters' dtype; use torch.autocast")
+    static = float(d.get("loss_scale", 0))
+    if static > 0:
+        t.zero["static_loss_scale"] = static
+        return
+    t.zero["loss_scaling"] = {
+        "initial_scale": 2.0 ** float(d.get("initial_scale_power", 16)),
+        "growth_interval": int(d.get("loss_scale_window", 1000)),
+        "hysteresis": int(d.get("hysteresis", 2)),
+        "min_scale": float(d.get("min_loss_scale", 1)),
+    }
+
+
+def _zero(t, d):
+    stage = d.get("stage", 0)
+    if stage != 3:
+        _fail("zero_optimization.stage", f"{stage}: offloadd partitions parameters (stage 3)")
+    for k, v in d.items():
+        field = f"zero_optimization.{k}"
+        if k == "stage":
+            continue
+        if k == "offload_param":
+            _device(t, field, "params", v or {})
+        elif k == "offload_optimizer":
+            _device(t, field, "optimizer_state", v or {})
+        elif k == "stage3_prefetch_bucket_size":
+            t.zero.setdefault("node_tunables", {})["swapper.prefetch_bytes"] = str(int(v))
+            t.note(field, "sets the node-wide swapper.prefetch_bytes (shared by every session "
+                   "on the node); " + _PREFETCH)
+        elif k == "cpu_offload":
+            if v:
+                t.zero["placement"]["optimizer_state"] = "host"
+        elif k in _IGNORED_ZERO:
+            t.note(field, _IGNORED_ZERO[k])
+        else:
+            _fail(field, "not a field offloadd knows")
+
+
+def translate(config, world_size=1):
+    """A DeepSpeed config (dict, or path of a JSON file) as a Translation."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise offloadd.InvalidArgumentError("a DeepSpeed config is a dict or a JSON file path")
+    t = Translation()
+    if "zero_optimization" not in config:
+        _fail("zero_optimization", "missing: offloadd.torch is ZeRO stage 3")
+    for k, v in config.items():
+        if k == "zero_optimization":
+            _zero(t, v)
+        elif k == "optimizer":
+            _optimizer(t, v)
+        elif k == "fp16":
+            _fp16(t, v)
+        elif k == "bf16":
+            for f in v:
+                if f != "enabled":
+                    _fail(f"bf16.{f}", "not a field offloadd knows")
+            if v.get("enabled", False):
+                if config.get("fp16", {}).get("enabled", False):
+                    _fail("bf16.enabled", "fp16 and bf16 are both enabled")
+                t.zero["working_dtype"] = "bf16"
+        elif k == "gradient_clipping":
+            t.zero["gradient_clipping"] = float(v)
+        elif k == "gradient_accumulation_steps":
+            t.zero["gradient_accumulation_steps"] = int(v)
+        elif k == "scheduler":
+            _fail("scheduler", "use a torch.optim.lr_scheduler on the optimizer wrap() returns "
+                  "(it works as with torch's optimizers)")
+        elif k in _IGNORED_TOP:
+            t.note(k, _IGNORED_TOP[k])
+        else:
+            _fail(k, "not a field offloadd knows")
+    if "gradient_accumulation_steps" not in config and "train_batch_size" in config \
+            and "train_micro_batch_size_per_gpu" in config:
+        # DeepSpeed derives it: batch = micro batch x accumulation x ranks.
+        per_step = int(config["train_micro_batch_size_per_gpu"]) * world_size
+        if config["train_batch_size"] % per_step:
+            _fail("train_batch_size", f"{config['train_batch_size']} is not a multiple of "
+                  f"train_micro_batch_size_per_gpu x ranks = {per_step}")
+        t.zero["gradient_accumulation_steps"] = config["train_batch_size"] // per_step
+    return t
+
+
+def from_config(config, world_size=1):
+    """(adamw_config, zero_config) for wrap(); logs the notes."""
+    t = translate(config, world_size)
+    for n in t.notes:
+        log.warning("DeepSpeed config %s", n)
+    return t.adamw, t.zero

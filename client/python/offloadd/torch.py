@@ -1,0 +1,580 @@
+"""ZeRO-3 training of a torch model through the node's offloadd.
+
+    import offloadd.torch
+    model, optimizer = offloadd.torch.wrap(
+        model,
+        {"lr": 3e-4, "weight_decay": 0.1},                     # AdamW, as torch.optim.AdamW
+        {"placement": {"optimizer_state": "nvme"}, "gradient_clipping": 1.0})
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        optimizer.backward(loss)    # loss.backward() does too, without fp16 or accumulation
+        optimizer.step()
+        optimizer.zero_grad()
+
+What happens:
+- Every parameter is split into `world_size` equal slices (the last padded);
+  each rank registers its slice with its node's daemon (one session per rank)
+  and keeps none of it. The daemon holds the fp32 master weights, Adam
+  moments and gradient accumulator, placed on the host or NVMe.
+- Just before a module runs, a hook fetches its parameters' slices from the
+  daemon and all-gathers them into full tensors; after the module ran they
+  are freed. In backward a parameter is gathered again when autograd needs
+  its saved value (a saved-tensor hook), and freed once its gradient exists.
+- A parameter's gradient is averaged across ranks (reduce-scatter, or
+  all-reduce where the backend has no reduce-scatter), and this rank's slice
+  is returned to the daemon, which accumulates it in fp32 across
+  micro-batches.
+- `optimizer.step()` asks every rank's daemon for its gradients' squared norm
+  and overflow, combines them across ranks, and commits the step with the
+  global clip coefficient (or skips it on overflow, every rank alike). Torch
+  param groups and lr schedulers work as with torch's optimizers.
+
+The torch.distributed process group (gloo on CPU, NCCL on GPU) is the
+trainer's: initialise it before wrap(); without one, wrap() trains in one
+process. Give init_process_group a timeout so that a rank whose peer died
+gets an error (PeerLostError) instead of waiting for it forever.
+"""
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import saved_tensors_hooks
+
+import offloadd
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TIERS = {"host": 100, "cpu": 100, "nvme": 0}
+
+
+class PeerLostError(offloadd.UnavailableError):
+    """A collective with the other ranks failed: a peer died or hung."""
+
+
+def _percent(kind, value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in _TIERS:
+            raise offloadd.InvalidArgumentError(
+                f"placement.{kind}: '{value}' is not a tier; use 'host', 'nvme' or a percent "
+                "kept on the host")
+        return _TIERS[value]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+        raise offloadd.InvalidArgumentError(
+            f"placement.{kind}: {value!r} is not a percent in [0, 100]")
+    return int(round(value))
+
+
+class _Shard:
+    """One parameter: its full shape here, its slice in the daemon."""
+
+    __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
+                 "gathered", "accumulate_node")
+
+    def __init__(self, name, param, world):
+        self.name = name
+        self.param = param
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.slice_numel = max(1, -(-self.numel // world))  # ceil; the last rank's is padded
+        self.dtype = param.dtype
+        self.device = param.device
+        self.pid = None
+        self.gathered = False
+        self.accumulate_node = None
+
+
+class _Engine:
+    """The hooks and the daemon session behind one wrapped model."""
+
+    def __init__(self, model, config, process_group):
+        self.config = config
+        self.group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if self.distributed else 1
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.backend = dist.get_backend(process_group) if self.distributed else None
+        self.working_dtype = config["working_dtype"]
+        self.torch_working = _DTYPES[self.working_dtype]
+        self.timings = {"fetch": 0.0, "return": 0.0, "step": 0.0}
+        self.counts = {"fetches": 0, "returns": 0, "steps": 0, "skipped": 0}
+        self._storage_to_shard = {}  # gathered storage's base address -> shard
+        self._sweep_queued = False
+
+        self.client = offloadd.Client(config["address"])
+        for name, value in config["node_tunables"].items():
+            self.client.set_tunable(name, value)
+        placement = config["placement"]
+        self.session = self.client.open_session(
+            f"{config['session_name']}/rank{self.rank}",
+            params_host_percent=_percent("params", placement.get("params")),
+            grads_host_percent=_percent("grads", placement.get("grads")),
+            optimizer_state_host_percent=_percent("optimizer_state",
+                                                  placement.get("optimizer_state")),
+            delayed_update_after_steps=config["delayed_update_after_steps"],
+            loss_scaling=config["loss_scaling"])
+        self.shards = []
+        self.by_param = {}
+        try:
+            self._register(model)
+        except BaseException:
+            self.session.close()
+            raise
+        self._install_hooks(model)
+
+    # --- registration -----------------------------------------------------
+
+    def _register(self, model):
+        names = {}
+        for name, p in model.named_parameters():
+            names.setdefault(id(p), name)
+        for name, p in model.named_parameters():
+            if id(p) in self.by_param:
+                continue
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise offloadd.InvalidArgumentError(
+                    f"parameter '{name}' is {p.dtype}; offloadd holds floating-point parameters")
+            s = _Shard(name, p, self.world)
+            full = p.detach().reshape(-1).to(torch.float32)
+            if self.distributed:
+                # Every rank starts from rank 0's values, as DDP does.
+                full = full.to(self._comm_device(s)).contiguous()
+                self._collective(f"broadcast of '{name}'", lambda: dist.broadcast(full, 0, group=self.group))
+                full = full.cpu()
+            mine = torch.zeros(s.slice_numel, dtype=torch.float32)
+            lo = min(self.rank * s.slice_numel, s.numel)
+            hi = min(lo + s.slice_numel, s.numel)
+            mine[: hi - lo] = full[lo:hi]
+            master = self.working_dtype != "fp32"
+            part = self.session.register(name, s.slice_numel, param_dtype=self.working_dtype,
+                                         grad_dtype="fp32", fp32_master=master)
+            try:
+                torch.frombuffer(part.params, dtype=self.torch_working).copy_(mine)
+                if master:
+                    torch.frombuffer(part.master_init, dtype=torch.float32).copy_(mine)
+            finally:
+                self.session.release([part.id])
+            s.pid = part.id
+            # The node that accumulates p's gradient: its hook frees the
+            # gathered values once the gradient is in.
+            if p.requires_grad:
+                s.accumulate_node = p.expand_as(p).grad_fn.next_functions[0][0]
+                s.accumulate_node.register_hook(self._make_after_grad(s))
+                p.register_hook(self._make_grad_hook(s))
+            self._free(s)
+            self.shards.append(s)
+            self.by_param[id(p)] = s
+
+    # --- gathering and freeing --------------------------------------------
+
+    def _comm_device(self, s):
+        return s.device if self.backend == "nccl" else torch.device("cpu")
+
+    # How gloo and NCCL say that a peer is gone or silent.
+    _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "timed out",
+                  "timeout", "communicator was aborted", "socket closed", "unable to connect")
+
+    def _collective(self, what, fn):
+        try:
+            return fn()
+        except RuntimeError as e:
+            if not any(k in str(e).lower() for k in self._PEER_LOST):
+                raise
+            raise PeerLostError(
+                f"rank {self.rank} of {self.world}: the {what} with the other ranks failed; "
+                f"a peer trainer died or stopped answering: {e}") from e
+
+    @staticmethod
+    def _base(t):
+        return t.data_ptr() - t.storage_offset() * t.element_size()
+
+    def gather(self, shards):
+        need = [s for s in shards if not s.gathered]
+        if not need:
+            return
+        start = time.perf_counter()
+        views = self.session.fetch([s.pid for s in need])
+        try:
+            for s, v in zip(need, views):
+                local = torch.frombuffer(v.params, dtype=self.torch_working)
+                if self.world == 1:
+                    full = local.to(device=s.device, dtype=s.dtype, copy=True)
+                else:
+                    comm = self._comm_device(s)
+                    # gloo has no bf16: its bits travel as fp16 (a gather
+                    # copies them unchanged).
+                    wire = self.torch_working
+                    if self.backend != "nccl" and wire == torch.bfloat16:
+                        wire = torch.float16
+                    flat = torch.empty(s.slice_numel * self.world, dtype=wire, device=comm)
+                    src = local.view(wire).to(comm)
+                    self._collective(f"all-gather of '{s.name}'", lambda: dist.all_gather(
+                        list(flat.chunk(self.world)), src, group=self.group))
+                    full = flat.view(self.torch_working).to(device=s.device, dtype=s.dtype)
+                s.param.data = full[: s.numel].view(s.shape)
+                s.gathered = True
+                self._storage_to_shard[self._base(s.param.data)] = s
+        finally:
+            self.session.release([s.pid for s in need])
+        self.counts["fetches"] += len(need)
+        self.timings["fetch"] += time.perf_counter() - start
+
+    def _free(self, s):
+        if s.gathered:
+            self._storage_to_shard.pop(self._base(s.param.data), None)
+        s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
+        s.gathered = False
+
+    def free_all(self):
+        for s in self.shards:
+            if s.gathered:
+                self._free(s)
+
+    # --- gradients ---------------------------------------------------------
+
+    def _make_grad_hook(self, s):
+        def hook(grad):
+            self._return_gradient(s, grad)
+            return grad
+        return hook
+
+    def _make_after_grad(self, s):
+        def hook(*_):
+            s.param.grad = None  # returned already; the daemon holds the sum
+            self._free(s)
+        return hook
+
+    def _return_gradient(self, s, grad):
+        start = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        if self.world > 1:
+            comm = self._comm_device(s)
+            padded = torch.zeros(s.slice_numel * self.world, dtype=torch.float32, device=comm)
+            padded[: s.numel] = flat
+            if self.backend == "nccl":
+                mine = torch.empty(s.slice_numel, dtype=torch.float32, device=comm)
+                self._collective(f"reduce-scatter of '{s.name}'", lambda: dist.reduce_scatter(
+                    mine, list(padded.chunk(self.world)), group=self.group))
+            else:  # gloo has no reduce-scatter
+                self._collective(f"all-reduce of '{s.name}'", lambda: dist.all_reduce(padded, group=self.group))
+                mine = padded[self.rank * s.slice_numel:(self.rank + 1) * s.slice_numel]
+            mine = mine.div_(self.world).cpu()
+        else:
+            mine = flat.to(torch.float32)
+        g, = self.session.fetch([s.pid], grads=True)
+        try:
+            dst = torch.frombuffer(g.grads, dtype=torch.float32)
+            dst[: mine.numel()].copy_(mine[: s.slice_numel])
+            if mine.numel() < s.slice_numel:
+                dst[mine.numel():].zero_()
+            self.session.return_gradients(g)
+        finally:
+            self.session.release([s.pid])
+        self.counts["returns"] += 1
+        self.timings["return"] += time.perf_counter() - start
+        self._queue_sweep()
+
+    def _queue_sweep(self):
+        # Frees what backward gathered but did not free (frozen parameters,
+        # saved values never used) when this backward pass ends.
+        if self._sweep_queued:
+            return
+        self._sweep_queued = True
+
+        def sweep():
+            self._sweep_queued = False
+            self.free_all()
+        torch.autograd.Variable._execution_engine.queue_callback(sweep)
+
+    # --- hooks ---------------------------------------------------------------
+
+    def _install_hooks(self, model):
+        for module in model.modules():
+            own = [self.by_param[id(p)] for p in module.parameters(recurse=False)
+                   if id(p) in self.by_param]
+            if not own:
+                continue
+            module.register_forward_pre_hook(lambda m, inputs, own=own: self.gather(own))
+            module.register_forward_hook(lambda m, inputs, out, own=own: self._after_forward(own))
+
+        engine = self
+
+        def pack(t):
+            s = engine._storage_to_shard.get(engine._base(t)) if t.numel() else None
+            if s is None or not s.gathered or t.dtype != s.dtype:
+                return t
+            # A gathered parameter (or a view of one): keep only how to make
+            # it again, so that freeing the parameter frees its memory.
+            return (_SavedParam, s, t.size(), t.stride(), t.storage_offset())
+
+        def unpack(packed):
+            if not (isinstance(packed, tuple) and packed and packed[0] is _SavedParam):
+                return packed
+            _, s, size, stride, offset = packed
+            if not s.gathered:
+                engine.gather([s])
+                engine._queue_sweep()
+            return s.param.data.as_strided(size, stride, offset)
+
+        forward = model.forward
+
+        def forward_with_saved_params(*args, **kwargs):
+            with saved_tensors_hooks(pack, unpack):
+                return forward(*args, **kwargs)
+
+        model.forward = forward_with_saved_params
+
+        def full_state(module, state, prefix, local_metadata):
+            # Gathers every parameter in a fixed order (a collective: every
+            # rank calls state_dict()).
+            keys = {}
+            for mname, m in module.named_modules(remove_duplicate=False):
+                for pname, p in m._parameters.items():
+                    if p is not None and id(p) in self.by_param:
+                        keys[prefix + (mname + "." if mname else "") + pname] = self.by_param[id(p)]
+            for key in sorted(keys):
+                if key not in state:
+                    continue
+                s = keys[key]
+                was = s.gathered
+                self.gather([s])
+                state[key] = s.param.data.detach().clone()
+                if not was:
+                    self._free(s)
+            return state
+
+        model._register_state_dict_hook(full_state)
+
+    def _after_forward(self, own):
+        for s in own:
+            self._free(s)
+
+    def close(self):
+        self.free_all()
+        self.session.close()
+
+
+class _SavedParam:
+    """Marks a saved tensor that is a gathered parameter (see pack)."""
+
+
+class Optimizer(torch.optim.Optimizer):
+    """AdamW (or Adam) whose state and step live in offloadd.
+
+    Param groups and lr schedulers work as with torch.optim.AdamW: step()
+    sends every group's current hyperparameters. Gradients accumulate in the
+    daemon until step(), as .grad does in torch: with
+    gradient_accumulation_steps N, backward() divides the loss by N and the
+    trainer calls step() once every N micro-batches."""
+
+    def __init__(self, engine, param_groups, defaults, config):
+        super().__init__(param_groups, defaults)
+        self._engine = engine
+        self._config = config
+        self._static_scale = config["static_loss_scale"]
+        self.last_step = None
+        if config["loss_scaling"] is not None:
+            self._loss_scale = engine.session.pending_gradients()["loss_scale"]
+        else:
+            self._loss_scale = self._static_scale or 1.0
+
+    @property
+    def engine(self):
+        return self._engine
+
+    @property
+    def loss_scale(self):
+        """The factor backward() multiplies the loss by (fp16; 1 otherwise)."""
+        return self._loss_scale
+
+    def backward(self, loss):
+        scale = self._loss_scale / self._config["gradient_accumulation_steps"]
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def zero_grad(self, set_to_none=True):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        e = self._engine
+        start = time.perf_counter()
+        e.free_all()
+        pending = e.session.pending_gradients()
+        sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
+        if e.world > 1:
+            t = torch.tensor([sq_norm, nonfinite], dtype=torch.float64)
+            e._collective("all-reduce of the gradient norm", lambda: dist.all_reduce(t, group=e.group))
+            sq_norm, nonfinite = t.tolist()
+        if self._static_scale:
+            sq_norm /= self._static_scale * self._static_scale
+        overflow = nonfinite > 0 or not math.isfinite(sq_norm)
+        coef = 1.0
+        clip = self._config["gradient_clipping"]
+        if clip and not overflow:
+            coef = min(1.0, clip / (math.sqrt(sq_norm) + 1e-6))
+        if self._static_scale:
+            coef /= self._static_scale
+        hyper = [self._hyper(g) for g in self.param_groups]
+        first = hyper[0]
+        groups = []
+        for g, h in zip(self.param_groups[1:], hyper[1:]):
+            ids = [e.by_param[id(p)].pid for p in g["params"]]
+            if ids:
+                groups.append(dict(h, ids=ids))
+        r = e.session.step(grad_scale=coef, overflow=overflow,
+                           overlap=self._config["overlap_step"], groups=groups, **first)
+        if self._config["loss_scaling"] is not None:
+            self._loss_scale = r["loss_scale"]
+        self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
+                              clip_coef=coef)
+        e.counts["steps"] += 1
+        e.counts["skipped"] += bool(r["skipped"])
+        e.timings["step"] += time.perf_counter() - start
+        return loss
+
+    @staticmethod
+    def _hyper(g):
+        beta1, beta2 = g["betas"]
+        return {"lr": float(g["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+                "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
+                "adamw": bool(g["adamw"])}
+
+    def state_dict(self):
+        raise NotImplementedError(
+            "the optimizer state (fp32 master weights, moments) lives in offloadd; "
+            "model.state_dict() gathers the weights; checkpoints of the daemon's state are not "
+            "built yet")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("the optimizer state lives in offloadd (see state_dict)")
+
+    def close(self):
+        """Closes this rank's daemon session (the process's exit does too)."""
+        self._engine.close()
+
+
+_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
+_ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
+              "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
+              "delayed_update", "overlap_step", "working_dtype", "node_tunables"}
+
+
+def _check_keys(section, d, allowed):
+    for k in d:
+        if k not in allowed:
+            raise offloadd.InvalidArgumentError(
+                f"{section}: unknown field '{k}' (known: {', '.join(sorted(allowed))})")
+
+
+def _zero_defaults(zero_config):
+    z = dict(zero_config or {})
+    _check_keys("zero_config", z, _ZERO_KEYS)
+    placement = dict(z.get("placement") or {})
+    _check_keys("zero_config.placement", placement, {"params", "grads", "optimizer_state"})
+    ga = z.get("gradient_accumulation_steps", 1)
+    if isinstance(ga, bool) or not isinstance(ga, int) or ga < 1:
+        raise offloadd.InvalidArgumentError(
+            f"gradient_accumulation_steps must be a positive integer, got {ga!r}")
+    clip = float(z.get("gradient_clipping") or 0.0)
+    if clip < 0 or not math.isfinite(clip):
+        raise offloadd.InvalidArgumentError(f"gradient_clipping must be >= 0, got {clip}")
+    dpu = z.get("delayed_update", False)
+    after = None
+    if dpu is True:
+        after = 0
+    elif dpu is not False and dpu is not None:
+        if isinstance(dpu, bool) or not isinstance(dpu, int) or dpu < 0:
+            raise offloadd.InvalidArgumentError(
+                "delayed_update: false, true, or the number of steps before it starts, "
+                f"got {dpu!r}")
+        after = dpu
+    working = z.get("working_dtype", "fp32")
+    if working not in _DTYPES:
+        raise offloadd.InvalidArgumentError(
+            f"working_dtype must be fp32, bf16 or fp16, got {working!r}")
+    static = z.get("static_loss_scale")
+    if static is not None and (not isinstance(static, (int, float)) or static <= 0):
+        raise offloadd.InvalidArgumentError(f"static_loss_scale must be > 0, got {static!r}")
+    if static is not None and z.get("loss_scaling") is not None:
+        raise offloadd.InvalidArgumentError(
+            "loss_scaling (dynamic) and static_loss_scale exclude each other")
+    return {
+        "address": z.get("address", ""),
+        "session_name": z.get("session_name", "torch"),
+        "placement": placement,
+        "gradient_clipping": clip,
+        "gradient_accumulation_steps": ga,
+        "loss_scaling": z.get("loss_scaling"),
+        "static_loss_scale": float(static) if static else None,
+        "delayed_update_after_steps": after,
+        "overlap_step": bool(z.get("overlap_step", False)),
+        "working_dtype": working,
+        "node_tunables": dict(z.get("node_tunables") or {}),
+    }
+
+
+def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
+         process_group=None):
+    """Partitions `model`'s parameters into the node's offloadd and returns
+    (model, optimizer).
+
+    adamw_config: torch.optim.AdamW's arguments (lr, betas, eps,
+      weight_decay) and adamw (False: torch.optim.Adam's L2 decay); "params"
+      may hold torch-style param groups (dicts with "params" and overrides).
+    zero_config:
+      address                     the daemon (default $OFFLOADD_ADDRESS or its socket)
+      placement                   {"params"|"grads"|"optimizer_state": "host", "nvme" or a host percent}
+      gradient_clipping           global max norm (0: off)
+      gradient_accumulation_steps micro-batches per step: backward() divides the loss by it
+      loss_scaling                fp16 dynamic loss scaling: {} for the defaults, or
+                                  initial_scale, growth_interval, growth_factor,
+                                  backoff_factor, hysteresis, min_scale
+      static_loss_scale           a fixed loss scale instead
+      delayed_update              True, or the number of steps after which the
+                                  step of iteration i overlaps iteration i+1 (one step stale)
+      overlap_step                step() returns at once; a fetch waits for its own partition
+      working_dtype               fp32 (default), bf16 or fp16: the dtype offloadd keeps the
+                                  working copy in (and gathers); the master stays fp32
+      node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
+    deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
+      two dicts; see offloadd.deepspeed.
+    """
+    if deepspeed_config is not None:
+        if adamw_config is not None or zero_config is not None:
+            raise offloadd.InvalidArgumentError(
+                "pass either deepspeed_config or adamw_config/zero_config, not both")
+        from offloadd import deepspeed
+        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        adamw_config, zero_config = deepspeed.from_config(deepspeed_config, world)
+    config = _zero_defaults(zero_config)
+    a = dict(adamw_config or {})
+    _check_keys("adamw_config", a, _ADAM_KEYS)
+    defaults = {"lr": a.get("lr", 1e-3), "betas": tuple(a.get("betas", (0.9, 0.999))),
+                "eps": a.get("eps", 1e-8), "weight_decay": a.get("weight_decay", 0.01),
+                "adamw": a.get("adamw", True)}
+    groups = a.get("params")
+    if groups is None:
+        groups = [{"params": [p for p in model.parameters()]}]
+    else:
+        groups = [dict(g) for g in groups]
+    engine = _Engine(model, config, process_group)
+    try:
+        for g in groups:
+            g["params"] = list(g["params"])
+            for p in g["params"]:
+                if id(p) not in engine.by_param:
+                    raise offloadd.InvalidArgumentError(
+                        "a param group names a tensor that is not a parameter of the model")
+        optimizer = Optimizer(engine, groups, defaults, config)
+    except BaseException:
+        engine.close()
+        raise
+    model.offloadd = engine
+    return model, optimizer

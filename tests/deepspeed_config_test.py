@@ -1,0 +1,150 @@
+"""offloadd.deepspeed: every supported DeepSpeed field maps to offloadd's
+settings; an unsupported one is an InvalidArgumentError naming it; one
+without meaning here is accepted with a note saying why."""
+import json
+import logging
+import os
+import tempfile
+import unittest
+
+import offloadd
+from offloadd import deepspeed
+
+ZERO3 = {"zero_optimization": {"stage": 3}}
+
+
+def t(extra, **kw):
+    cfg = json.loads(json.dumps(ZERO3))
+    for k, v in extra.items():
+        if k == "zero_optimization":
+            cfg[k].update(v)
+        else:
+            cfg[k] = v
+    return deepspeed.translate(cfg, **kw)
+
+
+class DeepSpeedConfigTest(unittest.TestCase):
+    def assert_rejected(self, extra, field):
+        with self.assertRaises(offloadd.InvalidArgumentError) as e:
+            t(extra)
+        self.assertIn(f"'{field}'", str(e.exception))
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+
+    def test_offload_devices_map_to_placement(self):
+        r = t({"zero_optimization": {"offload_optimizer": {"device": "nvme"},
+                                     "offload_param": {"device": "cpu"}}})
+        self.assertEqual(r.zero["placement"], {"optimizer_state": "nvme", "params": "host"})
+        r = t({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.0},
+                                     "offload_param": {"device": "nvme"}}})
+        self.assertEqual(r.zero["placement"], {"optimizer_state": "host", "params": "nvme"})
+        r = t({"zero_optimization": {"offload_param": {"device": "none"}}})
+        self.assertEqual(r.zero["placement"], {"params": "host"})
+        self.assertTrue(any("offload_param.device" in n for n in r.notes))
+        r = t({"zero_optimization": {"cpu_offload": True}})
+        self.assertEqual(r.zero["placement"], {"optimizer_state": "host"})
+
+    def test_buffer_and_path_fields_are_accepted_with_a_reason(self):
+        fields = {"nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+                  "buffer_size": 1e8, "max_in_cpu": 1e9}
+        r = t({"zero_optimization": {
+            "offload_param": dict(fields, device="nvme"),
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 4,
+                                  "pin_memory": True, "fast_init": False, "pipeline_read": True,
+                                  "pipeline_write": True},
+            "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+            "reduce_bucket_size": 5e8, "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_param_persistence_threshold": 1e5,
+            "stage3_gather_16bit_weights_on_model_save": True}})
+        for f in fields:
+            self.assertTrue(any(n.startswith(f"zero_optimization.offload_param.{f}: accepted")
+                                for n in r.notes), f)
+        self.assertTrue(any("buffer_count" in n and "one host pool per node" in n
+                            for n in r.notes))
+        self.assertTrue(any("stage3_max_reuse_distance" in n and "Belady" in n
+                            for n in r.notes))
+
+    def test_prefetch_bucket_sets_the_node_tunable(self):
+        r = t({"zero_optimization": {"stage3_prefetch_bucket_size": 50000000}})
+        self.assertEqual(r.zero["node_tunables"], {"swapper.prefetch_bytes": "50000000"})
+        self.assertTrue(any("node-wide" in n for n in r.notes))
+
+    def test_optimizer_section(self):
+        r = t({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.8, 0.99],
+                                                         "eps": 1e-6, "weight_decay": 0.05}}})
+        self.assertEqual(r.adamw, {"adamw": True, "lr": 1e-4, "betas": (0.8, 0.99),
+                                   "eps": 1e-6, "weight_decay": 0.05})
+        # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
+        self.assertTrue(t({"optimizer": {"type": "Adam", "params": {}}}).adamw["adamw"])
+        self.assertFalse(t({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
+                         .adamw["adamw"])
+        self.assert_rejected({"optimizer": {"type": "Lamb"}}, "optimizer.type")
+        self.assert_rejected({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}},
+                             "optimizer.params.amsgrad")
+        self.assert_rejected({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+                             "optimizer.params.bias_correction")
+
+    def test_fp16_bf16_clipping_and_accumulation(self):
+        r = t({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500,
+                        "hysteresis": 3, "min_loss_scale": 2}})
+        self.assertEqual(r.zero["working_dtype"], "fp16")
+        self.assertEqual(r.zero["loss_scaling"], {"initial_scale": 4096.0, "growth_interval": 500,
+                                                  "hysteresis": 3, "min_scale": 2.0})
+        r = t({"fp16": {"enabled": True, "loss_scale": 128}})
+        self.assertEqual(r.zero["static_loss_scale"], 128.0)
+        self.assertNotIn("loss_scaling", r.zero)
+        self.assertNotIn("working_dtype", t({"fp16": {"enabled": False}}).zero)
+        self.assertEqual(t({"bf16": {"enabled": True}}).zero["working_dtype"], "bf16")
+        self.assert_rejected({"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+                             "bf16.enabled")
+        self.assert_rejected({"fp16": {"enabled": True, "consecutive_hysteresis": True}},
+                             "fp16.consecutive_hysteresis")
+        r = t({"gradient_clipping": 1.0, "gradient_accumulation_steps": 4})
+        self.assertEqual((r.zero["gradient_clipping"], r.zero["gradient_accumulation_steps"]),
+                         (1.0, 4))
+        # Derived as DeepSpeed does: batch = micro batch x accumulation x ranks.
+        r = t({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+        self.assertEqual(r.zero["gradient_accumulation_steps"], 8)
+        self.assert_rejected({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+                             "train_batch_size")
+
+    def test_unsupported_fields_are_named(self):
+        with self.assertRaises(offloadd.InvalidArgumentError) as e:
+            deepspeed.translate({"zero_optimization": {"stage": 2}})
+        self.assertIn("'zero_optimization.stage'", str(e.exception))
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            deepspeed.translate({"optimizer": {"type": "AdamW"}})  # no zero_optimization
+        self.assert_rejected({"scheduler": {"type": "WarmupLR"}}, "scheduler")
+        self.assert_rejected({"amp": {"enabled": True}}, "amp")
+        self.assert_rejected({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+                             "zero_optimization.offload_optimizer.device")
+        self.assert_rejected({"zero_optimization": {"offload_optimizer": {"device": "cpu",
+                                                                          "ratio": 0.3}}},
+                             "zero_optimization.offload_optimizer.ratio")
+        self.assert_rejected({"zero_optimization": {"offload_param": {"device": "cpu",
+                                                                      "bogus": 1}}},
+                             "zero_optimization.offload_param.bogus")
+        self.assert_rejected({"zero_optimization": {"stage3_bogus": 1}},
+                             "zero_optimization.stage3_bogus")
+
+    def test_json_file_and_logged_notes(self):
+        cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                         "buffer_count": 4}},
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+               "steps_per_print": 10}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(cfg, f)
+        try:
+            with self.assertLogs("offloadd.deepspeed", level="WARNING") as logs:
+                adamw, zero = deepspeed.from_config(f.name)
+        finally:
+            os.unlink(f.name)
+        self.assertEqual(adamw["lr"], 0.01)
+        self.assertEqual(zero["placement"], {"optimizer_state": "nvme"})
+        text = "\n".join(logs.output)
+        self.assertIn("buffer_count", text)
+        self.assertIn("steps_per_print", text)
+
+
+if __name__ == "__main__":
+    logging.basicConfig()
+    unittest.main(verbosity=2)

@@ -1,0 +1,102 @@
+"""One trainer rank for tests/torch_wrap_test.py: trains the demo GPT through
+offloadd.torch.wrap (or in-process torch.optim.AdamW as the reference) and
+writes the loss of every step as JSON.
+
+usage: torch_wrap_worker.py SCENARIO_JSON RANK WORLD INIT_FILE OUT_JSON
+The daemon's address comes from $OFFLOADD_ADDRESS."""
+import datetime
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "client", "python", "demo"))
+import gpt  # noqa: E402
+
+
+def train(sc, rank, world, use_offloadd):
+    torch.manual_seed(sc.get("seed", 0))
+    text = gpt.Text(sc.get("text", "/usr/share/common-licenses/GPL-3"))
+    model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"], heads=2)
+    adamw = {"lr": sc["lr"], "weight_decay": sc["weight_decay"]}
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    groups = [{"params": decay}, {"params": other, "weight_decay": 0.0}]
+    if sc.get("one_group"):
+        groups = [{"params": list(model.parameters())}]
+    ga = sc.get("accumulation", 1)
+    clip = sc.get("clip", 0.0)
+    if use_offloadd:
+        import offloadd.torch
+        zero = dict(sc.get("zero", {}))
+        zero.setdefault("gradient_clipping", clip)
+        zero.setdefault("gradient_accumulation_steps", ga)
+        if "deepspeed" in sc:
+            model, opt = offloadd.torch.wrap(model, deepspeed_config=sc["deepspeed"])
+        else:
+            model, opt = offloadd.torch.wrap(model, dict(adamw, params=groups), zero)
+    else:
+        opt = torch.optim.AdamW(groups, **adamw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    gen = torch.Generator().manual_seed(1)
+    losses, norms = [], []
+    batch = sc["batch"]
+    lo, hi = rank * batch // world, (rank + 1) * batch // world
+    for step in range(sc["steps"]):
+        total = 0.0
+        for micro in range(ga):
+            x, y = text.batch(batch, sc["context"], gen)
+            loss = model(x[lo:hi], y[lo:hi])
+            if sc.get("kill_at_step") == step and rank == sc.get("kill_rank", 1):
+                os.kill(os.getpid(), signal.SIGKILL)  # dies mid-step, before backward
+            if use_offloadd:
+                opt.backward(loss)
+            else:
+                (loss / ga).backward()
+            total += loss.item() / ga
+        if use_offloadd:
+            opt.step()
+            norms.append(opt.last_step["grad_norm"])
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(
+                model.parameters(), clip if clip else float("inf"))))
+            opt.step()
+        opt.zero_grad()
+        sched.step()
+        if world > 1:
+            t = torch.tensor([total])
+            dist.all_reduce(t)
+            total = t.item() / world
+        losses.append(total)
+    # A fixed evaluation batch, on the final weights.
+    with torch.no_grad():
+        x, y = text.batch(64, sc["context"], torch.Generator().manual_seed(99))
+        final = model(x, y).item()
+    state = {k: v.double().sum().item() for k, v in model.state_dict().items()}
+    if use_offloadd:
+        opt.close()
+    return {"losses": losses, "norms": norms, "final": final, "state_sums": state}
+
+
+def main():
+    sc = json.loads(sys.argv[1])
+    rank, world, init, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method="file://" + init, rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=30))
+    result = train(sc, rank, world, use_offloadd=not sc.get("reference", False))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
