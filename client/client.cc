@@ -364,6 +364,21 @@ absl::Status Session::ReturnGradients(const PartitionView& p) {
   return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");
 }
 
+absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release) {
+  v1::ReturnGradientsRequest req;
+  *req.mutable_session() = impl_->ref;
+  for (const PartitionView& p : parts) {
+    v1::GradientBuffer* item = req.add_partitions();
+    item->set_partition_id(p.id);
+    item->set_numel(p.numel);
+    item->set_grad_dtype(ToProto(p.grad_dtype));
+  }
+  req.set_release(release);
+  v1::ReturnGradientsResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");
+}
+
 absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
   v1::GetPendingGradientsRequest req;
   *req.mutable_session() = impl_->ref;

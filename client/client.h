@@ -245,6 +245,11 @@ class Session {
   // are complete: it adds them into the partition's fp32 accumulator (call
   // once per micro-batch) and takes the buffer back at once.
   absl::Status ReturnGradients(const PartitionView& p);
+  // Several in one call, in order; an error stops at the partition it
+  // names (those before were returned, the message says how many). With
+  // `release`, the holds of all of them then go (as Release). At most
+  // 4096 partitions.
+  absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release = false);
   // The squared norm and overflow of what was returned since the last
   // step. Across ranks: all-reduce sq_norm (sum) and nonfinite (max), take
   // clip_coef = min(1, max_norm / (sqrt(total) + 1e-6)) as

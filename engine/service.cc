@@ -179,9 +179,45 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
                                                    const v1::ReturnGradientsRequest* req,
                                                    v1::ReturnGradientsResponse*) {
   return Serve(*context, [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(DType grad, FromProto(req->grad_dtype(), "grad_dtype"));
-    return sessions_->ReturnGradients(KeyOf(req->session()), req->partition_id(), req->numel(),
-                                      grad);
+    const SessionKey key = KeyOf(req->session());
+    std::vector<v1::GradientBuffer> items;
+    if (req->partitions_size() == 0) {
+      v1::GradientBuffer& one = items.emplace_back();
+      one.set_partition_id(req->partition_id());
+      one.set_numel(req->numel());
+      one.set_grad_dtype(req->grad_dtype());
+    } else {
+      if (req->partition_id() != 0 || req->numel() != 0) {
+        return absl::InvalidArgumentError(
+            "ReturnGradients names partitions either in partition_id or in partitions, not both");
+      }
+      if (static_cast<size_t>(req->partitions_size()) > SessionManager::kMaxFetchIds) {
+        return absl::InvalidArgumentError(absl::StrCat("a gradient return may name at most ",
+                                                       SessionManager::kMaxFetchIds,
+                                                       " partitions, got ",
+                                                       req->partitions_size()));
+      }
+      items.assign(req->partitions().begin(), req->partitions().end());
+    }
+    std::vector<uint64_t> ids;
+    ids.reserve(items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      const v1::GradientBuffer& item = items[i];
+      absl::StatusOr<DType> grad = FromProto(item.grad_dtype(), "grad_dtype");
+      absl::Status s = grad.status();
+      if (s.ok()) {
+        s = sessions_->ReturnGradients(key, item.partition_id(), item.numel(), *grad);
+      }
+      if (!s.ok()) {
+        if (items.size() == 1) return s;
+        return absl::Status(s.code(), absl::StrCat("returned ", i, " of ", items.size(),
+                                                   " partitions' gradients, then: ",
+                                                   s.message()));
+      }
+      ids.push_back(item.partition_id());
+    }
+    if (req->release()) return sessions_->Release(key, ids);
+    return absl::OkStatus();
   });
 }
 

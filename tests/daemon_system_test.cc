@@ -190,6 +190,57 @@ TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
   EXPECT_EQ(Counter("steps_skipped_nonfinite"), 1);
 }
 
+// Several partitions' gradients in one ReturnGradients, with the holds let
+// go after; an error stops at the partition it names and says how many
+// went before, and the daemon keeps what those returned.
+TEST_F(DaemonTest, GradientsOfSeveralPartitionsReturnInOneCall) {
+  auto s = Open("batched");
+  ASSERT_TRUE(s);
+  std::vector<PartitionView> parts;
+  for (int i = 0; i < 3; ++i) {
+    auto p = s->Register(absl::StrCat("p", i), 64, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(s->Release(*p).ok());
+    parts.push_back(*p);
+  }
+  const std::vector<uint64_t> ids = {parts[0].id, parts[1].id, parts[2].id};
+  FetchOptions grads;
+  grads.grads = true;
+  auto held = s->Fetch(ids, grads);
+  ASSERT_TRUE(held.ok()) << held.status();
+  for (int i = 0; i < 3; ++i) {
+    for (float& g : (*held)[i].grads_as<float>()) g = 0.5f * (i + 1);
+  }
+  ASSERT_TRUE(s->ReturnGradients(*held, /*release=*/true).ok());
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  for (const DaemonStats::Session& x : stats->sessions) {
+    if (x.name == "batched") {
+      EXPECT_EQ(x.held, 0u);
+    }
+  }
+  auto pending = s->GetPendingGradients();
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->partitions, 3u);
+  EXPECT_DOUBLE_EQ(pending->sq_norm, 64 * (0.25 + 1.0 + 2.25));
+
+  // The second partition's buffer is not held: the first is returned, the
+  // error names the second and the count, nothing is released.
+  ASSERT_TRUE(s->Fetch(parts[0].id, grads).ok());
+  ASSERT_TRUE(s->Fetch(parts[1].id).ok());
+  auto partial = s->ReturnGradients(std::vector<PartitionView>{(*held)[0], (*held)[1]}, true);
+  EXPECT_EQ(partial.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(partial.message(), "returned 1 of 2")) << partial.message();
+  // Still held: nothing was released.
+  EXPECT_TRUE(s->Release(absl::MakeConstSpan(&ids[1], 1)).ok());
+  EXPECT_TRUE(s->Release(absl::MakeConstSpan(&ids[0], 1)).ok());
+  // The first partition's second micro-batch was added; the second's not.
+  EXPECT_DOUBLE_EQ(s->GetPendingGradients()->sq_norm, 64 * (1.0 + 1.0 + 2.25));
+  auto step = s->Step(AdamHyperparams{});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->partitions_updated, 3u);
+}
+
 // The step protocol over the wire: micro-batches accumulate; two ranks
 // combine their pending norms and commit with clip_grad_norm_'s
 // coefficient; an fp16 session's overflow skips and lowers its loss scale.

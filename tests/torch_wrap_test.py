@@ -117,16 +117,20 @@ class TorchWrapTest(unittest.TestCase):
                     self.assertAlmostEqual(mine["state_sums"][k], v, delta=1e-3 * (1 + abs(v)))
 
     def test_accumulation_and_clipping_match_torch(self):
+        # With the overlapped step: each fetch waits for its own partition's
+        # update (and a pass no longer holds every partition at once).
         sc = dict(BASE, steps=25, accumulation=3, clip=0.5)
         ref = self.reference(sc)
-        mine, _, _ = self.run_ranks(sc, 2)
+        mine, _, _ = self.run_ranks(dict(sc, zero={"overlap_step": True}), 2)
         self.assert_close_losses(mine, ref, 1e-4)
 
     def test_state_on_nvme_and_fp16_loss_scaling_match_torch(self):
-        # Optimizer state on the NVMe tier and dynamic loss scaling: a loss
-        # scale is a power of two, so scaled fp32 gradients lose nothing.
+        # Everything on the NVMe tier (the working parameters too: fetched
+        # per module, not per pass) and dynamic loss scaling: a loss scale
+        # is a power of two, so scaled fp32 gradients lose nothing.
         sc = dict(BASE, steps=30, clip=0.5,
-                  zero={"placement": {"optimizer_state": "nvme", "grads": "nvme"},
+                  zero={"placement": {"optimizer_state": "nvme", "grads": "nvme",
+                                      "params": "nvme"},
                         "loss_scaling": {"initial_scale": 1024.0}})
         ref = self.reference(dict(BASE, steps=30, clip=0.5))
         mine, _, _ = self.run_ranks(sc, 2)
@@ -134,11 +138,12 @@ class TorchWrapTest(unittest.TestCase):
 
     def test_bf16_working_copy_trains_within_its_bound(self):
         # The daemon keeps an fp32 master and hands out bf16 (8 bits of
-        # mantissa): the losses stay within 2% of fp32 training's.
+        # mantissa): the losses stay within 0.2% of fp32 training's (2e-4
+        # measured).
         sc = dict(BASE, zero={"working_dtype": "bf16"})
         ref = self.reference(BASE)
         mine, _, _ = self.run_ranks(sc, 2)
-        self.assert_close_losses(mine, ref, 2e-2)
+        self.assert_close_losses(mine, ref, 2e-3)
 
     def test_delayed_update_converges(self):
         sc = dict(BASE, steps=80, zero={"delayed_update": 5})

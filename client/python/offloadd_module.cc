@@ -238,6 +238,14 @@ PYBIND11_MODULE(_offloadd, m) {
             Check(Unlocked([&] { return s.ReturnGradients(p); }));
           },
           py::arg("partition"))
+      .def(
+          "return_gradients",
+          [](Session& s, const std::vector<PartitionView>& parts, bool release) {
+            Check(Unlocked([&] { return s.ReturnGradients(parts, release); }));
+          },
+          py::arg("partitions"), py::arg("release") = false,
+          "returns several partitions' gradients in one call (in order), then with release "
+          "lets their holds go")
       .def("pending_gradients",
            [](Session& s) {
              const PendingGradients p = Value(Unlocked([&] { return s.GetPendingGradients(); }));

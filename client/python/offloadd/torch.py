@@ -70,7 +70,7 @@ class _Shard:
     """One parameter: its full shape here, its slice in the daemon."""
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
-                 "gathered", "accumulate_node")
+                 "gathered", "accumulate_node", "module_shards")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -83,6 +83,7 @@ class _Shard:
         self.pid = None
         self.gathered = False
         self.accumulate_node = None
+        self.module_shards = [self]  # gathered together in backward
 
 
 class _Engine:
@@ -101,10 +102,23 @@ class _Engine:
         self.counts = {"fetches": 0, "returns": 0, "steps": 0, "skipped": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
+        self._returns = []  # (shard, this rank's averaged gradient slice) not yet returned
+        self._return_bytes = 0
+        # Whether a forward or backward pass holds every partition from its
+        # start to its end (one fetch and one release per pass instead of
+        # one each per module): when the working parameters rest on the
+        # host, where holding them costs no memory, and the step does not
+        # overlap the next forward (a fetch of everything would wait for
+        # the whole step).
+        self._held_views = None  # partition id -> view, while a pass holds them all
 
         self.client = offloadd.Client(config["address"])
         for name, value in config["node_tunables"].items():
             self.client.set_tunable(name, value)
+        params_host = _percent("params", config["placement"].get("params"))
+        if params_host is None:  # the node's default
+            params_host = float(self.client.get_tunable("placement.params_host_percent")["value"])
+        self.hold_per_pass = params_host == 100 and not config["overlap_step"]
         placement = config["placement"]
         self.session = self.client.open_session(
             f"{config['session_name']}/rank{self.rank}",
@@ -194,7 +208,8 @@ class _Engine:
         if not need:
             return
         start = time.perf_counter()
-        views = self.session.fetch([s.pid for s in need])
+        held = self._held_views
+        views = [held[s.pid] for s in need] if held else self.session.fetch([s.pid for s in need])
         try:
             for s, v in zip(need, views):
                 local = torch.frombuffer(v.params, dtype=self.torch_working)
@@ -216,8 +231,28 @@ class _Engine:
                 s.gathered = True
                 self._storage_to_shard[self._base(s.param.data)] = s
         finally:
-            self.session.release([s.pid for s in need])
+            if not held:
+                self.session.release([s.pid for s in need])
         self.counts["fetches"] += len(need)
+        self.timings["fetch"] += time.perf_counter() - start
+
+    def begin_pass(self):
+        """Holds every partition for a forward or backward pass (see
+        hold_per_pass); False if there is nothing to do."""
+        if not self.hold_per_pass or self._held_views is not None or not self.shards:
+            return False
+        start = time.perf_counter()
+        views = self.session.fetch([s.pid for s in self.shards])
+        self._held_views = {v.id: v for v in views}
+        self.timings["fetch"] += time.perf_counter() - start
+        return True
+
+    def end_pass(self):
+        if self._held_views is None:
+            return
+        self._held_views = None
+        start = time.perf_counter()
+        self.session.release([s.pid for s in self.shards])
         self.timings["fetch"] += time.perf_counter() - start
 
     def _free(self, s):
@@ -259,21 +294,45 @@ class _Engine:
             else:  # gloo has no reduce-scatter
                 self._collective(f"all-reduce of '{s.name}'", lambda: dist.all_reduce(padded, group=self.group))
                 mine = padded[self.rank * s.slice_numel:(self.rank + 1) * s.slice_numel]
-            mine = mine.div_(self.world).cpu()
+            mine = mine.div_(self.world).to("cpu", copy=True)
         else:
             mine = flat.to(torch.float32)
-        g, = self.session.fetch([s.pid], grads=True)
-        try:
-            dst = torch.frombuffer(g.grads, dtype=torch.float32)
-            dst[: mine.numel()].copy_(mine[: s.slice_numel])
-            if mine.numel() < s.slice_numel:
-                dst[mine.numel():].zero_()
-            self.session.return_gradients(g)
-        finally:
-            self.session.release([s.pid])
-        self.counts["returns"] += 1
+        # Returned in batches: one fetch, one return-and-release per batch.
+        if any(r[0] is s for r in self._returns):
+            self.flush_gradients()
+        self._returns.append((s, mine))
+        self._return_bytes += mine.numel() * 4
+        if len(self._returns) >= self.RETURN_BATCH or self._return_bytes >= self.RETURN_BYTES:
+            self.flush_gradients()
         self.timings["return"] += time.perf_counter() - start
         self._queue_sweep()
+
+    # Gradients held back for one batched return: at most this many
+    # partitions or bytes (and all of them when backward ends).
+    RETURN_BATCH = 64
+    RETURN_BYTES = 32 << 20
+
+    def flush_gradients(self):
+        if not self._returns:
+            return
+        start = time.perf_counter()
+        batch, self._returns, self._return_bytes = self._returns, [], 0
+        ids = [s.pid for s, _ in batch]
+        views = self.session.fetch(ids, grads=True)
+        try:
+            for (s, mine), v in zip(batch, views):
+                dst = torch.frombuffer(v.grads, dtype=torch.float32)
+                n = min(mine.numel(), s.slice_numel)
+                dst[:n].copy_(mine[:n])
+                dst[n:].zero_()
+            # A pass holding everything lets go at its end.
+            self.session.return_gradients(views, release=self._held_views is None)
+        except BaseException:
+            if self._held_views is None:
+                self.session.release(ids)
+            raise
+        self.counts["returns"] += len(batch)
+        self.timings["return"] += time.perf_counter() - start
 
     def _queue_sweep(self):
         # Frees what backward gathered but did not free (frozen parameters,
@@ -285,6 +344,8 @@ class _Engine:
         def sweep():
             self._sweep_queued = False
             self.free_all()
+            self.flush_gradients()
+            self.end_pass()
         torch.autograd.Variable._execution_engine.queue_callback(sweep)
 
     # --- hooks ---------------------------------------------------------------
@@ -295,6 +356,8 @@ class _Engine:
                    if id(p) in self.by_param]
             if not own:
                 continue
+            for s in own:
+                s.module_shards = own
             module.register_forward_pre_hook(lambda m, inputs, own=own: self.gather(own))
             module.register_forward_hook(lambda m, inputs, out, own=own: self._after_forward(own))
 
@@ -313,15 +376,21 @@ class _Engine:
                 return packed
             _, s, size, stride, offset = packed
             if not s.gathered:
-                engine.gather([s])
+                engine.begin_pass()
                 engine._queue_sweep()
+                engine.gather(s.module_shards)  # one fetch for the module's parameters
             return s.param.data.as_strided(size, stride, offset)
 
         forward = model.forward
 
         def forward_with_saved_params(*args, **kwargs):
-            with saved_tensors_hooks(pack, unpack):
-                return forward(*args, **kwargs)
+            began = engine.begin_pass()
+            try:
+                with saved_tensors_hooks(pack, unpack):
+                    return forward(*args, **kwargs)
+            finally:
+                if began:
+                    engine.end_pass()
 
         model.forward = forward_with_saved_params
 
@@ -352,6 +421,8 @@ class _Engine:
 
     def close(self):
         self.free_all()
+        self._returns = []
+        self._held_views = None
         self.session.close()
 
 
@@ -406,6 +477,7 @@ class Optimizer(torch.optim.Optimizer):
         e = self._engine
         start = time.perf_counter()
         e.free_all()
+        e.flush_gradients()
         pending = e.session.pending_gradients()
         sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
         if e.world > 1:
