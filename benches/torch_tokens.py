@@ -4,14 +4,17 @@ trained in-process with torch.optim.AdamW in the same run; and where each
 offloadd step's time goes (fetch + all-gather, compute, gradient return,
 optimizer step).
 
-usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--dim=D]
-       [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR] [--tiny]
+usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
+       [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR] [--tiny]
+The three runs alternate for R rounds (the machine's noise hits all alike);
+each figure is the median over the rounds."""
 Starts its own daemons: one with the default pool (state on host), one
 whose pool is smaller than the model's optimizer state, with an NVMe tier
 in --swap_dir (ext4 for O_DIRECT; default /var/tmp)."""
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,6 +84,7 @@ def main():
     p.add_argument("--offloadd", required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
@@ -91,6 +95,7 @@ def main():
     args = p.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.dim, args.layers, args.batch, args.context = 2, 1, 16, 1, 2, 8
+        args.rounds = 1
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     text = gpt.Text("/usr/share/common-licenses/GPL-3")
     n = sum(q.numel() for q in gpt.GPT(text.vocab, args.context, dim=args.dim,
@@ -116,11 +121,17 @@ def main():
               f"is {pool / (1 << 20):.1f} MiB: the working parameters and gradients "
               f"({8 * n / (1 << 20):.1f} MiB) and a third of the {state_bytes / (1 << 20):.1f} MiB "
               "of optimizer state")
-        results = {"torch AdamW (in-process)": run(args, text, None, None)}
-        results["offloadd, state on host"] = run(args, text, host[1], "host")
+        runs = {"torch AdamW (in-process)": (None, None),
+                "offloadd, state on host": (host[1], "host"),
+                "offloadd, state on NVMe": (nvme[1], "nvme")}
+        rounds = {name: [] for name in runs}
         c0 = offloadd.Client(nvme[1]).stats()["counters"]
-        results["offloadd, state on NVMe"] = run(args, text, nvme[1], "nvme")
+        for _ in range(args.rounds):
+            for name, (address, placement) in runs.items():
+                rounds[name].append(run(args, text, address, placement))
         c1 = offloadd.Client(nvme[1]).stats()["counters"]
+        results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                   for name, rs in rounds.items()}
     finally:
         for d in daemons:
             d.kill()
@@ -138,7 +149,8 @@ def main():
                             (("fetch", 7), ("compute", 8), ("return", 7), ("step", 6)))
         print(line)
     swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
-    print(f"NVMe run: {swapped:.0f} MiB swapped in over {args.warmup + args.steps} steps")
+    print(f"NVMe runs: {swapped / args.rounds:.0f} MiB swapped in per run of "
+          f"{args.warmup + args.steps} steps")
 
 
 if __name__ == "__main__":

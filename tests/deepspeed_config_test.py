@@ -75,6 +75,9 @@ class DeepSpeedConfigTest(unittest.TestCase):
                                    "eps": 1e-6, "weight_decay": 0.05})
         # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
         self.assertTrue(t({"optimizer": {"type": "Adam", "params": {}}}).adamw["adamw"])
+        # DeepSpeed's default weight decay is 0 (torch's AdamW's is 0.01).
+        self.assertEqual(t({"optimizer": {"type": "AdamW", "params": {"lr": 1}}})
+                         .adamw["weight_decay"], 0.0)
         self.assertFalse(t({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
                          .adamw["adamw"])
         self.assert_rejected({"optimizer": {"type": "Lamb"}}, "optimizer.type")
@@ -106,6 +109,12 @@ class DeepSpeedConfigTest(unittest.TestCase):
         self.assertEqual(r.zero["gradient_accumulation_steps"], 8)
         self.assert_rejected({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
                              "train_batch_size")
+        # All three given: they must agree, as DeepSpeed checks.
+        self.assert_rejected({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                              "gradient_accumulation_steps": 4}, "train_batch_size")
+        self.assertEqual(t({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                            "gradient_accumulation_steps": 4}, world_size=2)
+                         .zero["gradient_accumulation_steps"], 4)
 
     def test_unsupported_fields_are_named(self):
         with self.assertRaises(offloadd.InvalidArgumentError) as e:
@@ -125,6 +134,10 @@ class DeepSpeedConfigTest(unittest.TestCase):
                              "zero_optimization.offload_param.bogus")
         self.assert_rejected({"zero_optimization": {"stage3_bogus": 1}},
                              "zero_optimization.stage3_bogus")
+        # Hugging Face's "auto" placeholders are named, not misread.
+        self.assert_rejected({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+                             "optimizer.params.lr")
+        self.assert_rejected({"fp16": {"enabled": "auto"}}, "fp16.enabled")
 
     def test_json_file_and_logged_notes(self):
         cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",

@@ -76,10 +76,10 @@ def train(sc, rank, world, use_offloadd):
     with torch.no_grad():
         x, y = text.batch(64, sc["context"], torch.Generator().manual_seed(99))
         final = model(x, y).item()
-    state = {k: v.double().sum().item() for k, v in model.state_dict().items()}
+    state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
     if use_offloadd:
         opt.close()
-    return {"losses": losses, "norms": norms, "final": final, "state_sums": state}
+    return {"losses": losses, "norms": norms, "final": final, "state": state}
 
 
 def main():

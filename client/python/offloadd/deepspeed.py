@@ -131,6 +131,7 @@ def _optimizer(t, d):
     adamw = kind == "adamw" or params.pop("adam_w_mode", True)
     params.pop("adam_w_mode", None)
     t.adamw["adamw"] = bool(adamw)
+    t.adamw["weight_decay"] = 0.0  # DeepSpeed's default (torch's AdamW has 0.01)
     for k, v in params.items():
         field = f"optimizer.params.{k}"
         if k in ("lr", "eps", "weight_decay"):
@@ -201,6 +202,15 @@ def _zero(t, d):
             _fail(field, "not a field offloadd knows")
 
 
+def _refuse_auto(d, prefix):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _refuse_auto(v, f"{prefix}{k}.")
+        elif v == "auto":
+            _fail(prefix + k, "'auto' is filled in by Hugging Face's DeepSpeed integration; "
+                  "give the value")
+
+
 def translate(config, world_size=1):
     """A DeepSpeed config (dict, or path of a JSON file) as a Translation."""
     if isinstance(config, (str, os.PathLike)):
@@ -209,6 +219,7 @@ def translate(config, world_size=1):
     if not isinstance(config, dict):
         raise offloadd.InvalidArgumentError("a DeepSpeed config is a dict or a JSON file path")
     t = Translation()
+    _refuse_auto(config, "")
     if "zero_optimization" not in config:
         _fail("zero_optimization", "missing: offloadd.torch is ZeRO stage 3")
     for k, v in config.items():
@@ -237,6 +248,11 @@ def translate(config, world_size=1):
             t.note(k, _IGNORED_TOP[k])
         else:
             _fail(k, "not a field offloadd knows")
+    batch = [config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                      "gradient_accumulation_steps")]
+    if all(v is not None for v in batch) and batch[0] != batch[1] * batch[2] * world_size:
+        _fail("train_batch_size", f"{batch[0]} is not train_micro_batch_size_per_gpu x "
+              f"gradient_accumulation_steps x ranks = {batch[1]} x {batch[2]} x {world_size}")
     if "gradient_accumulation_steps" not in config and "train_batch_size" in config \
             and "train_micro_batch_size_per_gpu" in config:
         # DeepSpeed derives it: batch = micro batch x accumulation x ranks.

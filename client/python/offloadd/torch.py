@@ -33,6 +33,19 @@ The torch.distributed process group (gloo on CPU, NCCL on GPU) is the
 trainer's: initialise it before wrap(); without one, wrap() trains in one
 process. Give init_process_group a timeout so that a rank whose peer died
 gets an error (PeerLostError) instead of waiting for it forever.
+
+Limits, said plainly:
+- A parameter must be used inside the forward of a module that owns it
+  (directly or through a submodule); using another module's parameter
+  outside that module's forward sees an empty tensor.
+- model.state_dict() is a collective (every rank calls it), on the wrapped
+  model itself (not a submodule); it returns the working copy, so with a
+  bf16/fp16 working_dtype the values are rounded from the fp32 master.
+  load_state_dict() and optimizer.state_dict() are not supported yet (the
+  state is the daemon's; checkpoints are planned).
+- Non-finite gradients skip the step on every rank (torch would write NaN);
+  optimizer.last_step says so.
+- With loss scaling, call optimizer.backward(loss), not loss.backward().
 """
 import math
 import time
@@ -70,7 +83,7 @@ class _Shard:
     """One parameter: its full shape here, its slice in the daemon."""
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
-                 "gathered", "accumulate_node", "module_shards")
+                 "gathered", "accumulate_node", "module_shards", "refs", "in_optimizer")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -84,6 +97,8 @@ class _Shard:
         self.gathered = False
         self.accumulate_node = None
         self.module_shards = [self]  # gathered together in backward
+        self.refs = 0  # forward calls running that use it (a module inside another's)
+        self.in_optimizer = False  # in a param group: its gradients go to the daemon
 
 
 class _Engine:
@@ -111,6 +126,7 @@ class _Engine:
         # overlap the next forward (a fetch of everything would wait for
         # the whole step).
         self._held_views = None  # partition id -> view, while a pass holds them all
+        self.returned_since_step = False  # gradients went to the daemon since the last step
 
         self.client = offloadd.Client(config["address"])
         for name, value in config["node_tunables"].items():
@@ -130,19 +146,39 @@ class _Engine:
             loss_scaling=config["loss_scaling"])
         self.shards = []
         self.by_param = {}
+        self._handles = []  # hooks, removed if wrap() fails
+        self._originals = {}  # id(param) -> its data, until wrap() succeeds
+        self._model = model
+        self._forward_depth = 0
         try:
             self._register(model)
+            self._install_hooks(model)
         except BaseException:
-            self.session.close()
+            self.abort()
             raise
-        self._install_hooks(model)
+
+    def commit(self):
+        """wrap() succeeded: the parameters' own data goes."""
+        self._originals = {}
+
+    def abort(self):
+        """wrap() failed: the model is as it was, the session closed."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for s in self.shards:
+            if id(s.param) in self._originals:
+                s.param.data = self._originals[id(s.param)]
+        self._originals = {}
+        self._model.__dict__.pop("forward", None)
+        try:
+            self.session.close()
+        except offloadd.Error:
+            pass
 
     # --- registration -----------------------------------------------------
 
     def _register(self, model):
-        names = {}
-        for name, p in model.named_parameters():
-            names.setdefault(id(p), name)
         for name, p in model.named_parameters():
             if id(p) in self.by_param:
                 continue
@@ -170,15 +206,25 @@ class _Engine:
             finally:
                 self.session.release([part.id])
             s.pid = part.id
-            # The node that accumulates p's gradient: its hook frees the
-            # gathered values once the gradient is in.
-            if p.requires_grad:
-                s.accumulate_node = p.expand_as(p).grad_fn.next_functions[0][0]
-                s.accumulate_node.register_hook(self._make_after_grad(s))
-                p.register_hook(self._make_grad_hook(s))
-            self._free(s)
             self.shards.append(s)
             self.by_param[id(p)] = s
+            # The gradient hook returns p's gradient; the hook of the node
+            # that accumulates it frees the gathered values once it is in.
+            # Also on frozen parameters, which may be unfrozen later.
+            with torch.enable_grad():
+                frozen = not p.requires_grad
+                p.requires_grad_(True)
+                try:
+                    s.accumulate_node = p.expand_as(p).grad_fn.next_functions[0][0]
+                    self._handles.append(
+                        s.accumulate_node.register_hook(self._make_after_grad(s)))
+                    self._handles.append(p.register_hook(self._make_grad_hook(s)))
+                finally:
+                    if frozen:
+                        p.requires_grad_(False)
+        for s in self.shards:
+            self._originals[id(s.param)] = s.param.data
+            self._free(s)
 
     # --- gathering and freeing --------------------------------------------
 
@@ -270,7 +316,14 @@ class _Engine:
 
     def _make_grad_hook(self, s):
         def hook(grad):
-            self._return_gradient(s, grad)
+            if s.in_optimizer:
+                self._return_gradient(s, grad)
+            if not s.gathered:
+                # Backward did not need p's values (a Linear whose input
+                # needs no gradient saves no weight), so p is empty; the
+                # accumulation lays .grad out like p: give p its shape, with
+                # no memory, until the hook after it empties p again.
+                s.param.data = torch.empty(1, dtype=s.dtype, device=s.device).expand(s.shape)
             return grad
         return hook
 
@@ -331,6 +384,7 @@ class _Engine:
             if self._held_views is None:
                 self.session.release(ids)
             raise
+        self.returned_since_step = True
         self.counts["returns"] += len(batch)
         self.timings["return"] += time.perf_counter() - start
 
@@ -358,14 +412,18 @@ class _Engine:
                 continue
             for s in own:
                 s.module_shards = own
-            module.register_forward_pre_hook(lambda m, inputs, own=own: self.gather(own))
-            module.register_forward_hook(lambda m, inputs, out, own=own: self._after_forward(own))
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, inputs, own=own: self._before_forward(own)))
+            self._handles.append(module.register_forward_hook(
+                lambda m, inputs, out, own=own: self._after_forward(own)))
 
         engine = self
 
         def pack(t):
-            s = engine._storage_to_shard.get(engine._base(t)) if t.numel() else None
-            if s is None or not s.gathered or t.dtype != s.dtype:
+            if t.layout != torch.strided or not t.numel():
+                return t
+            s = engine._storage_to_shard.get(engine._base(t))
+            if s is None or not s.gathered or t.dtype != s.dtype or t.device != s.device:
                 return t
             # A gathered parameter (or a view of one): keep only how to make
             # it again, so that freeing the parameter frees its memory.
@@ -384,11 +442,18 @@ class _Engine:
         forward = model.forward
 
         def forward_with_saved_params(*args, **kwargs):
+            if engine._forward_depth == 0:
+                # What a pass that raised left behind.
+                engine._sweep_queued = False
+                for s in engine.shards:
+                    s.refs = 0
+            engine._forward_depth += 1
             began = engine.begin_pass()
             try:
                 with saved_tensors_hooks(pack, unpack):
                     return forward(*args, **kwargs)
             finally:
+                engine._forward_depth -= 1
                 if began:
                     engine.end_pass()
 
@@ -413,11 +478,18 @@ class _Engine:
                     self._free(s)
             return state
 
-        model._register_state_dict_hook(full_state)
+        self._handles.append(model._register_state_dict_hook(full_state))
+
+    def _before_forward(self, own):
+        for s in own:
+            s.refs += 1
+        self.gather(own)
 
     def _after_forward(self, own):
         for s in own:
-            self._free(s)
+            s.refs = max(0, s.refs - 1)
+            if s.refs == 0:
+                self._free(s)
 
     def close(self):
         self.free_all()
@@ -440,10 +512,14 @@ class Optimizer(torch.optim.Optimizer):
     trainer calls step() once every N micro-batches."""
 
     def __init__(self, engine, param_groups, defaults, config):
-        super().__init__(param_groups, defaults)
-        self._engine = engine
+        self._engine = engine  # add_param_group, which torch's __init__ calls, needs it
         self._config = config
+        try:
+            super().__init__(param_groups, defaults)
+        except ValueError as e:  # torch's checks: empty, duplicate, not a leaf
+            raise offloadd.InvalidArgumentError(f"param groups: {e}") from e
         self._static_scale = config["static_loss_scale"]
+        self._overlapped = False  # an overlapped step may still run
         self.last_step = None
         if config["loss_scaling"] is not None:
             self._loss_scale = engine.session.pending_gradients()["loss_scale"]
@@ -463,10 +539,30 @@ class Optimizer(torch.optim.Optimizer):
         scale = self._loss_scale / self._config["gradient_accumulation_steps"]
         (loss * scale if scale != 1.0 else loss).backward()
 
+    def add_param_group(self, param_group):
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if id(p) not in self._engine.by_param:
+                raise offloadd.InvalidArgumentError(
+                    "a param group names a tensor that is not a parameter of the wrapped model")
+        super().add_param_group(dict(param_group, params=params))
+        for p in params:
+            self._engine.by_param[id(p)].in_optimizer = True
+
     def zero_grad(self, set_to_none=True):
+        """Drops the gradients of this step so far, as torch's does: those
+        the daemon accumulated are consumed by a skipped step (which changes
+        nothing else)."""
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
+        e = self._engine
+        e._returns, e._return_bytes = [], 0
+        if e.returned_since_step:
+            if e.session.pending_gradients()["partitions"]:
+                e.session.step(skip=True)
+            e.returned_since_step = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -476,14 +572,22 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         e = self._engine
         start = time.perf_counter()
+        if self._overlapped:
+            # The previous step's failure (a swap-in error) surfaces here.
+            self._overlapped = False
+            e.session.wait_step()
         e.free_all()
         e.flush_gradients()
         pending = e.session.pending_gradients()
         sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
+        partitions = float(pending["partitions"])
         if e.world > 1:
-            t = torch.tensor([sq_norm, nonfinite], dtype=torch.float64)
+            t = torch.tensor([sq_norm, nonfinite, partitions], dtype=torch.float64)
             e._collective("all-reduce of the gradient norm", lambda: dist.all_reduce(t, group=e.group))
-            sq_norm, nonfinite = t.tolist()
+            sq_norm, nonfinite, partitions = t.tolist()
+        if not partitions:  # no gradients anywhere: nothing to do, as in torch
+            e.timings["step"] += time.perf_counter() - start
+            return loss
         if self._static_scale:
             sq_norm /= self._static_scale * self._static_scale
         overflow = nonfinite > 0 or not math.isfinite(sq_norm)
@@ -502,6 +606,8 @@ class Optimizer(torch.optim.Optimizer):
                 groups.append(dict(h, ids=ids))
         r = e.session.step(grad_scale=coef, overflow=overflow,
                            overlap=self._config["overlap_step"], groups=groups, **first)
+        e.returned_since_step = False
+        self._overlapped = bool(r["running"])
         if self._config["loss_scaling"] is not None:
             self._loss_scale = r["loss_scale"]
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
@@ -528,8 +634,14 @@ class Optimizer(torch.optim.Optimizer):
         raise NotImplementedError("the optimizer state lives in offloadd (see state_dict)")
 
     def close(self):
-        """Closes this rank's daemon session (the process's exit does too)."""
-        self._engine.close()
+        """Waits for an overlapped step, then closes this rank's daemon
+        session (the process's exit does too)."""
+        try:
+            if self._overlapped:
+                self._overlapped = False
+                self._engine.session.wait_step()
+        finally:
+            self._engine.close()
 
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
@@ -628,25 +740,22 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
     config = _zero_defaults(zero_config)
     a = dict(adamw_config or {})
     _check_keys("adamw_config", a, _ADAM_KEYS)
+    adamw = a.get("adamw", True)
+    # torch.optim.AdamW's defaults, or torch.optim.Adam's (no weight decay).
     defaults = {"lr": a.get("lr", 1e-3), "betas": tuple(a.get("betas", (0.9, 0.999))),
-                "eps": a.get("eps", 1e-8), "weight_decay": a.get("weight_decay", 0.01),
-                "adamw": a.get("adamw", True)}
-    groups = a.get("params")
-    if groups is None:
-        groups = [{"params": [p for p in model.parameters()]}]
-    else:
-        groups = [dict(g) for g in groups]
+                "eps": a.get("eps", 1e-8), "weight_decay": a.get("weight_decay",
+                                                                0.01 if adamw else 0.0),
+                "adamw": adamw}
+    if hasattr(model, "offloadd"):
+        raise offloadd.InvalidArgumentError("the model is wrapped already")
+    # As torch.optim takes them: tensors, or dicts of param groups.
+    groups = list(a["params"]) if "params" in a else list(model.parameters())
     engine = _Engine(model, config, process_group)
     try:
-        for g in groups:
-            g["params"] = list(g["params"])
-            for p in g["params"]:
-                if id(p) not in engine.by_param:
-                    raise offloadd.InvalidArgumentError(
-                        "a param group names a tensor that is not a parameter of the model")
         optimizer = Optimizer(engine, groups, defaults, config)
     except BaseException:
-        engine.close()
+        engine.abort()  # the model is as it was
         raise
+    engine.commit()
     model.offloadd = engine
     return model, optimizer
