@@ -7,7 +7,7 @@ optimizer step).
 usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
        [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR] [--tiny]
 The three runs alternate for R rounds (the machine's noise hits all alike);
-each figure is the median over the rounds."""
+each figure is the median over the rounds.
 Starts its own daemons: one with the default pool (state on host), one
 whose pool is smaller than the model's optimizer state, with an NVMe tier
 in --swap_dir (ext4 for O_DIRECT; default /var/tmp)."""
@@ -47,7 +47,7 @@ def start_daemon(binary, root, extra):
             time.sleep(0.05)
 
 
-def run(args, text, address, placement):
+def run(args, text, address, placement, overlap=False):
     torch.manual_seed(0)
     model = gpt.GPT(text.vocab, args.context, dim=args.dim, layers=args.layers, heads=4)
     engine = None
@@ -56,7 +56,8 @@ def run(args, text, address, placement):
     else:
         model, opt = offloadd.torch.wrap(model, {"lr": 1e-3, "weight_decay": 0.1},
                                          {"address": address, "session_name": "bench",
-                                          "placement": {"optimizer_state": placement}})
+                                          "placement": {"optimizer_state": placement},
+                                          "overlap_step": overlap})
         engine = model.offloadd
     gen = torch.Generator().manual_seed(1)
     before = None
@@ -121,14 +122,15 @@ def main():
               f"is {pool / (1 << 20):.1f} MiB: the working parameters and gradients "
               f"({8 * n / (1 << 20):.1f} MiB) and a third of the {state_bytes / (1 << 20):.1f} MiB "
               "of optimizer state")
-        runs = {"torch AdamW (in-process)": (None, None),
-                "offloadd, state on host": (host[1], "host"),
-                "offloadd, state on NVMe": (nvme[1], "nvme")}
+        runs = {"torch AdamW (in-process)": (None, None, False),
+                "offloadd, state on host": (host[1], "host", False),
+                "offloadd, state on NVMe": (nvme[1], "nvme", False),
+                "  the same, overlapped step": (nvme[1], "nvme", True)}
         rounds = {name: [] for name in runs}
         c0 = offloadd.Client(nvme[1]).stats()["counters"]
         for _ in range(args.rounds):
-            for name, (address, placement) in runs.items():
-                rounds[name].append(run(args, text, address, placement))
+            for name, (address, placement, overlap) in runs.items():
+                rounds[name].append(run(args, text, address, placement, overlap))
         c1 = offloadd.Client(nvme[1]).stats()["counters"]
         results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                    for name, rs in rounds.items()}
@@ -149,7 +151,7 @@ def main():
                             (("fetch", 7), ("compute", 8), ("return", 7), ("step", 6)))
         print(line)
     swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
-    print(f"NVMe runs: {swapped / args.rounds:.0f} MiB swapped in per run of "
+    print(f"NVMe runs: {swapped / args.rounds / 2:.0f} MiB swapped in per run of "
           f"{args.warmup + args.steps} steps")
 
 
