@@ -36,20 +36,28 @@ void SetReceiveTimeout(int fd, int ms) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(const std::string& path,
-                                                                  SessionManager* sessions) {
+                                                                  SessionManager* sessions,
+                                                                  absl::Duration attach_lease) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(path));
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
   if (!stop.valid()) return PosixError("eventfd", errno);
   auto channel = std::unique_ptr<ArenaChannel>(
-      new ArenaChannel(path, std::move(listener), std::move(stop), sessions));
+      new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease));
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
   return channel;
 }
 
 ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
-                           SessionManager* sessions)
+                           SessionManager* sessions, absl::Duration attach_lease)
     : path_(std::move(path)), listener_(std::move(listener)), stop_event_(std::move(stop_event)),
-      sessions_(sessions) {}
+      sessions_(sessions), attach_lease_(attach_lease) {}
+
+void ArenaChannel::ExpireUnattached() {
+  for (const auto& [id, name] : sessions_->CloseUnattached(absl::Now(), attach_lease_)) {
+    LogInfo("session %d closed: no trainer attached to it within %s of opening",
+            static_cast<int64_t>(id), absl::FormatDuration(attach_lease_));
+  }
+}
 
 ArenaChannel::~ArenaChannel() {
   uint64_t one = 1;
@@ -61,17 +69,24 @@ ArenaChannel::~ArenaChannel() {
 
 void ArenaChannel::Serve() {
   std::vector<pollfd> fds;
+  constexpr auto kSweepEvery = std::chrono::seconds(1);
+  auto next_sweep = std::chrono::steady_clock::now() + kSweepEvery;
   for (;;) {
     fds.assign({{listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
     for (const Attached& a : attached_) fds.push_back({a.connection.get(), POLLIN | POLLRDHUP, 0});
     for (const Pending& p : pending_) fds.push_back({p.connection.get(), POLLIN | POLLRDHUP, 0});
-    int timeout_ms = -1;
     const auto now = std::chrono::steady_clock::now();
+    if (now >= next_sweep) {
+      ExpireUnattached();
+      next_sweep = now + kSweepEvery;
+    }
+    int timeout_ms = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(next_sweep - now).count() + 1);
     for (const Pending& p : pending_) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
       const int ms = static_cast<int>(std::max<int64_t>(0, left) + 1);
-      if (timeout_ms < 0 || ms < timeout_ms) timeout_ms = ms;
+      if (ms < timeout_ms) timeout_ms = ms;
     }
     int n = poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0) {

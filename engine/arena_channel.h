@@ -18,7 +18,9 @@
 // watches the attached trainers, all in one poll loop: a peer that connects
 // and sends nothing delays nobody (it waits among the pending connections
 // until its 2 s deadline, then is closed), and at most kMaxPending wait at
-// once (more are refused at once).
+// once (more are refused at once). The same loop closes, about once a
+// second, the sessions nobody attached to within `attach_lease` of opening
+// (SessionManager::CloseUnattached).
 #ifndef OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 #define OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 
@@ -33,6 +35,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "base/unique_fd.h"
 #include "engine/session_manager.h"
 
@@ -40,8 +43,9 @@ namespace offload {
 
 class ArenaChannel {
  public:
-  static absl::StatusOr<std::unique_ptr<ArenaChannel>> Start(const std::string& path,
-                                                             SessionManager* sessions);
+  static absl::StatusOr<std::unique_ptr<ArenaChannel>> Start(
+      const std::string& path, SessionManager* sessions,
+      absl::Duration attach_lease = absl::Seconds(60));
   // Stops the thread and removes the socket file.
   ~ArenaChannel();
 
@@ -49,7 +53,7 @@ class ArenaChannel {
 
  private:
   ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
-               SessionManager* sessions);
+               SessionManager* sessions, absl::Duration attach_lease);
   struct Attached {
     UniqueFd connection;
     uint64_t session_id;
@@ -63,6 +67,7 @@ class ArenaChannel {
   };
 
   void Serve();
+  void ExpireUnattached();
   void Accept();
   // Answers the attach request `p` sent; on success returns what to keep
   // watching.
@@ -74,6 +79,7 @@ class ArenaChannel {
   const UniqueFd listener_;
   const UniqueFd stop_event_;
   SessionManager* const sessions_;
+  const absl::Duration attach_lease_;
   std::vector<Attached> attached_;  // only the serving thread touches these
   std::vector<Pending> pending_;
   std::thread thread_;

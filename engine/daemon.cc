@@ -69,7 +69,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   ASSIGN_OR_RETURN(d->arena_channel_,
-                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get()));
+                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get(),
+                                       absl::Seconds(server.attach_lease_seconds)));
 
   if (server.tcp_port >= 0) {
     ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());

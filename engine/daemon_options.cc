@@ -22,6 +22,9 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("server.tcp_port", &o->server.tcp_port,
           {"port", "also serve gRPC on 127.0.0.1:<port>; -1 off, 0 any free port", false,
            kTcpPortRange});
+  r->Bind("server.attach_lease_seconds", &o->server.attach_lease_seconds,
+          {"seconds", "a session no trainer attached to within this long of opening is closed",
+           false, kAttachLeaseRange});
   r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
           {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
            kHostBudgetRange});

@@ -30,6 +30,11 @@ struct ServerOptions {
   // -1 disables TCP, 0 picks a free port. Trainers still need the Unix
   // socket for shared memory; TCP is for tools.
   int64_t tcp_port = -1;
+
+  // A session no trainer attached to (through the arena channel) within
+  // this many seconds of opening is closed: one opened over raw gRPC and
+  // abandoned cannot hold its memory forever.
+  int64_t attach_lease_seconds = 60;
 };
 
 struct MemoryOptions {
@@ -76,6 +81,7 @@ struct PlacementOptions {
 };
 
 inline constexpr IntRange kTcpPortRange{-1, 65535};
+inline constexpr IntRange kAttachLeaseRange{1, 86400};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
 inline constexpr IntRange kHostPercentRange{0, 100};

@@ -26,6 +26,8 @@ struct SessionManager::Session {
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
   // Steps after which the delayed update switches itself on (-1: never).
   std::atomic<int64_t> delayed_update_after{-1};
+  const absl::Time opened = absl::Now();
+  bool attached = false;  // a trainer received the arena; guarded by the manager's mu_
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -148,13 +150,14 @@ bool SessionManager::Abandon(uint64_t id) {
   return true;
 }
 
-bool SessionManager::CloseById(uint64_t id) {
+bool SessionManager::CloseById(uint64_t id, bool only_unattached) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
   // set's lock).
   std::shared_ptr<Session> doomed;
   absl::MutexLock lock(&mu_);
   auto found = sessions_.find(id);
   if (found == sessions_.end()) return false;
+  if (only_unattached && found->second->attached) return false;
   doomed = std::move(found->second);
   sessions_.erase(found);
   absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
@@ -312,8 +315,37 @@ absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   UniqueFd fd(fcntl(session->partitions->arena_fd(), F_DUPFD_CLOEXEC, 0));
   if (!fd.valid()) return PosixError("duplicating arena descriptor", errno);
+  {
+    // Under mu_, so that CloseUnattached either closed it before or sees it
+    // attached.
+    absl::MutexLock lock(&mu_);
+    if (!sessions_.contains(key.id)) {
+      return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
+    }
+    session->attached = true;
+  }
   stats_->arena_attaches.fetch_add(1, std::memory_order_relaxed);
   return fd;
+}
+
+std::vector<std::pair<uint64_t, std::string>> SessionManager::CloseUnattached(
+    absl::Time now, absl::Duration lease) {
+  std::vector<std::pair<uint64_t, std::string>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (!s->attached && now - s->opened > lease) expired.emplace_back(id, s->name);
+    }
+  }
+  std::vector<std::pair<uint64_t, std::string>> closed;
+  for (auto& [id, name] : expired) {
+    // Unless a trainer attached since (checked under mu_ again).
+    if (CloseById(id, /*only_unattached=*/true)) {
+      stats_->sessions_expired.fetch_add(1, std::memory_order_relaxed);
+      closed.emplace_back(id, std::move(name));
+    }
+  }
+  return closed;
 }
 
 std::vector<SessionSummary> SessionManager::Sessions() const {

@@ -24,6 +24,7 @@ struct Stats {
   std::atomic<int64_t> sessions_opened{0};
   std::atomic<int64_t> sessions_closed{0};
   std::atomic<int64_t> sessions_abandoned{0};
+  std::atomic<int64_t> sessions_expired{0};  // never attached within the lease
   std::atomic<int64_t> partitions_registered{0};
   std::atomic<int64_t> arena_attaches{0};
   std::atomic<int64_t> fetches{0};

@@ -455,6 +455,50 @@ TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
   EXPECT_TRUE(again->Register("w", 10, DType::kFp32, DType::kFp32).ok());
 }
 
+// A session opened over raw gRPC that no trainer attaches to is closed
+// after the lease; one a trainer attached to stays.
+TEST_F(DaemonTest, ASessionNobodyAttachesToExpires) {
+  daemon_.reset();
+  StartDaemon({"--server.attach_lease_seconds=1"});
+  auto kept = Open("attached");
+  ASSERT_TRUE(kept);
+  auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  v1::OpenSessionRequest open;
+  open.set_name("raw");
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
+  }
+  v1::RegisterPartitionRequest reg;
+  *reg.mutable_session() = opened.session();
+  reg.set_name("w");
+  reg.set_numel(1 << 20);
+  reg.set_param_dtype(v1::DTYPE_FP32);
+  reg.set_grad_dtype(v1::DTYPE_FP32);
+  v1::RegisterPartitionResponse reg_resp;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->RegisterPartition(&ctx, reg, &reg_resp).ok());
+  }
+  absl::Status expired = daemon_->WaitForLog(
+      absl::StrCat("session ", opened.session().session_id(), " closed: no trainer attached"));
+  ASSERT_TRUE(expired.ok()) << expired;
+  const DaemonStats stats = Stats();
+  ASSERT_EQ(stats.sessions.size(), 1u);
+  EXPECT_EQ(stats.sessions[0].name, "attached");
+  EXPECT_EQ(Counter("sessions_expired"), 1);
+  v1::FetchParamsRequest fetch;
+  *fetch.mutable_session() = opened.session();
+  v1::FetchParamsResponse fetched;
+  grpc::ClientContext ctx;
+  grpc::Status gone = stub->FetchParams(&ctx, fetch, &fetched);
+  EXPECT_EQ(gone.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_TRUE(absl::StrContains(gone.error_message(), "is closed")) << gone.error_message();
+  EXPECT_TRUE(kept->Register("w", 16, DType::kFp32, DType::kFp32).ok());
+}
+
 TEST_F(DaemonTest, RawRequestsAreCheckedToo) {
   auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::PartitionService::NewStub(channel);

@@ -20,8 +20,12 @@ import gpt  # noqa: E402
 
 def train(sc, rank, world, use_offloadd):
     torch.manual_seed(sc.get("seed", 0))
+    device = torch.device(sc.get("device", "cpu"))
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
     text = gpt.Text(sc.get("text", "/usr/share/common-licenses/GPL-3"))
-    model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"], heads=2)
+    model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"],
+                    heads=2).to(device)
     adamw = {"lr": sc["lr"], "weight_decay": sc["weight_decay"]}
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
     other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
@@ -50,7 +54,7 @@ def train(sc, rank, world, use_offloadd):
         total = 0.0
         for micro in range(ga):
             x, y = text.batch(batch, sc["context"], gen)
-            loss = model(x[lo:hi], y[lo:hi])
+            loss = model(x[lo:hi].to(device), y[lo:hi].to(device))
             if sc.get("kill_at_step") == step and rank == sc.get("kill_rank", 1):
                 os.kill(os.getpid(), signal.SIGKILL)  # dies mid-step, before backward
             if use_offloadd:
@@ -75,7 +79,7 @@ def train(sc, rank, world, use_offloadd):
     # A fixed evaluation batch, on the final weights.
     with torch.no_grad():
         x, y = text.batch(64, sc["context"], torch.Generator().manual_seed(99))
-        final = model(x, y).item()
+        final = model(x.to(device), y.to(device)).item()
     state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
     if use_offloadd:
         opt.close()
@@ -87,7 +91,8 @@ def main():
     rank, world, init, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method="file://" + init, rank=rank,
+        backend = "nccl" if sc.get("device") == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method="file://" + init, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=30))
     result = train(sc, rank, world, use_offloadd=not sc.get("reference", False))
     if rank == 0:
