@@ -1,0 +1,273 @@
+// load: N trainer processes against one offloadd for a bounded time, each
+// fetching, releasing and returning gradients of its partitions one call at
+// a time (as ZeRO-3 hooks do, layer by layer) and stepping every few
+// iterations. Reports the latency of each call (p50/p99/max), calls/s,
+// errors, and the daemon's resident memory after warm-up and at the end;
+// and, measured in the same run, the floor any request/reply over a Unix
+// socket pays: a one-byte ping-pong between two processes. Target (issue
+// 11): a fetch of a resident partition p99 <= 20 us.
+//
+// usage: load [--trainers=8] [--seconds=10] [--partitions=16] [--numel=65536]
+//             [--step_every=4] [--tiny]
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "benches/bench_util.h"
+#include "client/client.h"
+#include "tests/daemon_process.h"
+
+namespace offload::bench {
+namespace {
+
+enum Op { kFetch, kRelease, kFetchGrads, kReturn, kStep, kOps };
+const char* const kOpNames[kOps] = {"fetch", "release", "fetch grads", "return", "step"};
+
+struct Config {
+  int trainers = 8;
+  double seconds = 10;
+  uint64_t partitions = 16;
+  uint64_t numel = 65536;
+  uint64_t step_every = 4;
+};
+
+// One trainer: writes its latencies (ns, per op) and error count to `out`.
+int Trainer(const Config& c, const std::string& address, int index, const std::string& out) {
+  ClientOptions o;
+  o.address = address;
+  auto client = Client::Connect(o);
+  if (!client.ok()) {
+    std::fprintf(stderr, "trainer %d: %s\n", index, client.status().ToString().c_str());
+    return 1;
+  }
+  auto session = (*client)->OpenSession(absl::StrCat("load-", index));
+  if (!session.ok()) {
+    std::fprintf(stderr, "trainer %d: %s\n", index, session.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<uint64_t> ids;
+  for (uint64_t p = 0; p < c.partitions; ++p) {
+    auto v = (*session)->Register(absl::StrCat("p", p), c.numel, DType::kFp32, DType::kFp32);
+    if (!v.ok()) {
+      std::fprintf(stderr, "trainer %d: %s\n", index, v.status().ToString().c_str());
+      return 1;
+    }
+    std::fill(v->params_as<float>().begin(), v->params_as<float>().end(), 0.5f);
+    if (!(*session)->Release(*v).ok()) return 1;
+    ids.push_back(v->id);
+  }
+  std::vector<std::vector<uint32_t>> lat(kOps);
+  uint64_t errors = 0;
+  auto timed = [&](Op op, auto&& call) {
+    const auto start = std::chrono::steady_clock::now();
+    const bool ok = call();
+    lat[op].push_back(static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                std::chrono::steady_clock::now() - start)
+                                                .count()));
+    if (!ok) ++errors;
+    return ok;
+  };
+  FetchOptions grads;
+  grads.grads = true;
+  AdamHyperparams h;
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(c.seconds * 1e6));
+  for (uint64_t iteration = 1; std::chrono::steady_clock::now() < end; ++iteration) {
+    for (uint64_t id : ids) {
+      PartitionView view;
+      if (timed(kFetch, [&] {
+            auto v = (*session)->Fetch(id);
+            if (v.ok()) view = *v;
+            return v.ok();
+          })) {
+        timed(kRelease, [&] { return (*session)->Release(absl::MakeConstSpan(&id, 1)).ok(); });
+      }
+      if (timed(kFetchGrads, [&] {
+            auto v = (*session)->Fetch(id, grads);
+            if (v.ok()) view = *v;
+            return v.ok();
+          })) {
+        std::fill(view.grads_as<float>().begin(), view.grads_as<float>().end(), 1e-3f);
+        timed(kReturn, [&] { return (*session)->ReturnGradients(view).ok(); });
+        (*session)->Release(absl::MakeConstSpan(&id, 1)).IgnoreError();
+      }
+    }
+    if (iteration % c.step_every == 0) {
+      timed(kStep, [&] { return (*session)->Step(h).ok(); });
+    }
+  }
+  (*session)->Close().IgnoreError();
+  std::ofstream f(out, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(&errors), sizeof(errors));
+  for (const auto& v : lat) {
+    const uint64_t n = v.size();
+    f.write(reinterpret_cast<const char*>(&n), sizeof(n));
+    f.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(n * 4));
+  }
+  return f.good() ? 0 : 1;
+}
+
+double Percentile(std::vector<uint32_t>& v, double q) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k] / 1e3;
+}
+
+// Round trips of one byte between two processes over a Unix socketpair:
+// what any request/reply over a Unix socket costs at least (two context
+// switches and two syscalls each way). Returns the latencies in ns.
+std::vector<uint32_t> PingPong(int rounds) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return {};
+  const pid_t child = fork();
+  if (child == 0) {
+    close(sv[0]);
+    char b;
+    while (read(sv[1], &b, 1) == 1) {
+      if (write(sv[1], &b, 1) != 1) break;
+    }
+    _exit(0);
+  }
+  close(sv[1]);
+  std::vector<uint32_t> lat;
+  char b = 'x';
+  for (int i = 0; i < rounds; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    if (write(sv[0], &b, 1) != 1 || read(sv[0], &b, 1) != 1) break;
+    lat.push_back(static_cast<uint32_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                            std::chrono::steady_clock::now() - start)
+                                            .count()));
+  }
+  close(sv[0]);
+  waitpid(child, nullptr, 0);
+  return lat;
+}
+
+uint64_t RssKiB(pid_t pid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10);
+  }
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    if (const char* v = FlagValue(a, "trainers")) {
+      c.trainers = static_cast<int>(CountOrExit(v));
+    } else if (const char* v = FlagValue(a, "seconds")) {
+      c.seconds = std::atof(v);
+    } else if (const char* v = FlagValue(a, "partitions")) {
+      c.partitions = CountOrExit(v);
+    } else if (const char* v = FlagValue(a, "numel")) {
+      c.numel = CountOrExit(v);
+    } else if (const char* v = FlagValue(a, "step_every")) {
+      c.step_every = CountOrExit(v);
+    } else if (std::strcmp(a, "--tiny") == 0) {
+      c = Config{2, 0.5, 2, 1024, 2};
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", a);
+      return 2;
+    }
+  }
+  if (c.trainers < 1 || c.seconds <= 0 || c.partitions < 1 || c.numel < 1 ||
+      c.step_every < 1) {
+    std::fprintf(stderr, "every count must be positive\n");
+    return 2;
+  }
+  std::vector<uint32_t> floor = PingPong(20000);
+  auto daemon = testing::DaemonProcess::Start();
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "offloadd: %s\n", daemon.status().ToString().c_str());
+    return 1;
+  }
+  const std::string address = (*daemon)->address();
+  const std::string dir = (*daemon)->data_dir();
+  std::printf("%d trainers x %llu partitions of %llu fp32 for %.1f s against one offloadd "
+              "(pid %d); a step every %llu iterations\n",
+              c.trainers, static_cast<unsigned long long>(c.partitions),
+              static_cast<unsigned long long>(c.numel), c.seconds, (*daemon)->pid(),
+              static_cast<unsigned long long>(c.step_every));
+  std::vector<pid_t> children;
+  for (int i = 0; i < c.trainers; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(Trainer(c, address, i, absl::StrCat(dir, "/load.", i)));
+    children.push_back(pid);
+  }
+  // Resident memory: after a quarter of the time (warmed up), then every
+  // tenth of a second to the end.
+  std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(c.seconds * 0.25e6)));
+  const uint64_t warm = RssKiB((*daemon)->pid());
+  uint64_t low = warm, high = warm;
+  const auto end = std::chrono::steady_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(c.seconds * 0.7e6));
+  while (std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const uint64_t r = RssKiB((*daemon)->pid());
+    low = std::min(low, r);
+    high = std::max(high, r);
+  }
+  int failed = 0;
+  for (pid_t pid : children) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  std::vector<std::vector<uint32_t>> all(kOps);
+  uint64_t errors = 0;
+  for (int i = 0; i < c.trainers; ++i) {
+    std::ifstream f(absl::StrCat(dir, "/load.", i), std::ios::binary);
+    uint64_t e = 0;
+    f.read(reinterpret_cast<char*>(&e), sizeof(e));
+    errors += e;
+    for (auto& v : all) {
+      uint64_t n = 0;
+      f.read(reinterpret_cast<char*>(&n), sizeof(n));
+      const size_t old = v.size();
+      v.resize(old + n);
+      f.read(reinterpret_cast<char*>(v.data() + old), static_cast<std::streamsize>(n * 4));
+    }
+    if (!f) ++failed;
+  }
+  uint64_t calls = 0;
+  std::printf("%-12s %10s %9s %9s %9s\n", "call", "calls", "p50 us", "p99 us", "max us");
+  for (int op = 0; op < kOps; ++op) {
+    calls += all[op].size();
+    const uint64_t n = all[op].size();
+    const double p50 = Percentile(all[op], 0.5), p99 = Percentile(all[op], 0.99);
+    const double max = all[op].empty() ? 0 : *std::max_element(all[op].begin(), all[op].end()) / 1e3;
+    std::printf("%-12s %10llu %9.1f %9.1f %9.1f\n", kOpNames[op],
+                static_cast<unsigned long long>(n), p50, p99, max);
+  }
+  const double floor50 = Percentile(floor, 0.5), floor99 = Percentile(floor, 0.99);
+  const double fetch99 = Percentile(all[kFetch], 0.99), fetch50 = Percentile(all[kFetch], 0.5);
+  std::printf("calls/s: %.0f; errors: %llu; trainers failed: %d\n", calls / c.seconds,
+              static_cast<unsigned long long>(errors), failed);
+  std::printf("Unix socket ping-pong (the floor of any request/reply): p50 %.1f us, p99 %.1f us\n",
+              floor50, floor99);
+  std::printf("fetch p50 = %.1fx the floor; fetch p99 %.1f us = %.2fx the 20 us target (%s)\n",
+              fetch50 / std::max(floor50, 1e-3), fetch99, fetch99 / 20.0,
+              fetch99 <= 20.0 ? "met" : "NOT MET");
+  std::printf("daemon RSS: %.1f MiB after warm-up, %.1f-%.1f MiB after (%+.1f%%)\n", warm / 1024.0,
+              low / 1024.0, high / 1024.0, warm ? 100.0 * (double(high) - warm) / warm : 0.0);
+  return failed == 0 && errors == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace offload::bench
+
+int main(int argc, char** argv) { return offload::bench::Main(argc, argv); }
