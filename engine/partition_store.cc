@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 
 namespace offload {
 namespace {
@@ -104,6 +105,10 @@ absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_
       return absl::InvalidArgumentError(absl::StrCat(
           what, " holds a control character (byte ", static_cast<int>(u), "); use printable text"));
     }
+  }
+  if (const std::optional<size_t> bad = FirstInvalidUtf8(name); bad.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not UTF-8 (byte ", *bad, " of ", name.size(), ")"));
   }
   return absl::OkStatus();
 }

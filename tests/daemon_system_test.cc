@@ -499,6 +499,51 @@ TEST_F(DaemonTest, ASessionNobodyAttachesToExpires) {
   EXPECT_TRUE(kept->Register("w", 16, DType::kFp32, DType::kFp32).ok());
 }
 
+// Names are bytes on the wire: invalid UTF-8 is INVALID_ARGUMENT naming the
+// byte (it used to fail to parse: INTERNAL with an empty message).
+TEST_F(DaemonTest, NamesThatAreNotUtf8AreRefusedByName) {
+  auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  v1::OpenSessionRequest open;
+  open.set_name("rank\xff");
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->OpenSession(&ctx, open, &opened);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "session name is not UTF-8 (byte 4"))
+        << s.error_message();
+  }
+  open.set_name("r\xc3\xa9seau");  // valid: é
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
+  }
+  v1::RegisterPartitionRequest reg;
+  *reg.mutable_session() = opened.session();
+  reg.set_name("w\xc0\xaf");  // an overlong '/'
+  reg.set_numel(10);
+  reg.set_param_dtype(v1::DTYPE_FP32);
+  reg.set_grad_dtype(v1::DTYPE_FP32);
+  v1::RegisterPartitionResponse reg_resp;
+  {
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->RegisterPartition(&ctx, reg, &reg_resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "partition name is not UTF-8"))
+        << s.error_message();
+  }
+  auto config = v1::ConfigService::NewStub(channel);
+  v1::GetTunableRequest get;
+  get.set_name("optimizer.\xff");
+  v1::Tunable got;
+  grpc::ClientContext ctx;
+  EXPECT_EQ(config->GetTunable(&ctx, get, &got).error_code(), grpc::StatusCode::NOT_FOUND);
+  // Still serving, and the session with the valid name works.
+  EXPECT_EQ(Stats().sessions.size(), 1u);
+  EXPECT_EQ(Stats().sessions[0].name, "r\xc3\xa9seau");
+}
+
 TEST_F(DaemonTest, RawRequestsAreCheckedToo) {
   auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
   auto stub = v1::PartitionService::NewStub(channel);
