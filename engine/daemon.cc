@@ -86,6 +86,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   identity.listening.push_back(absl::StrCat("unix:", d->socket_path_));
 
   grpc::ServerBuilder builder;
+  grpc::ResourceQuota quota("offloadd");
+  quota.SetMaxThreads(static_cast<int>(server.max_threads));
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(server.max_streams_per_connection));
   builder.AddListeningPort(absl::StrCat("unix:", d->socket_path_),
                            grpc::InsecureServerCredentials());
   int selected_port = -1;

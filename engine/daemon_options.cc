@@ -25,6 +25,11 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("server.attach_lease_seconds", &o->server.attach_lease_seconds,
           {"seconds", "a session no trainer attached to within this long of opening is closed",
            false, kAttachLeaseRange});
+  r->Bind("server.max_threads", &o->server.max_threads,
+          {"threads", "most gRPC calls served at once; more are RESOURCE_EXHAUSTED", false,
+           kServerThreadsRange});
+  r->Bind("server.max_streams_per_connection", &o->server.max_streams_per_connection,
+          {"calls", "most calls one connection may have open at once", false, kStreamsRange});
   r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
           {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
            kHostBudgetRange});

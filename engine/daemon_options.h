@@ -35,6 +35,14 @@ struct ServerOptions {
   // this many seconds of opening is closed: one opened over raw gRPC and
   // abandoned cannot hold its memory forever.
   int64_t attach_lease_seconds = 60;
+
+  // gRPC's synchronous server runs each call on a thread of its own; these
+  // bound them (a burst of calls, or of reset streams, cannot make
+  // thousands of threads): at most `max_threads` serve calls at once (more
+  // are answered RESOURCE_EXHAUSTED), and one connection may have at most
+  // `max_streams_per_connection` calls open.
+  int64_t max_threads = 128;
+  int64_t max_streams_per_connection = 64;
 };
 
 struct MemoryOptions {
@@ -82,6 +90,8 @@ struct PlacementOptions {
 
 inline constexpr IntRange kTcpPortRange{-1, 65535};
 inline constexpr IntRange kAttachLeaseRange{1, 86400};
+inline constexpr IntRange kServerThreadsRange{8, 4096};
+inline constexpr IntRange kStreamsRange{1, 4096};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
 inline constexpr IntRange kHostPercentRange{0, 100};

@@ -6,10 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -542,6 +544,53 @@ TEST_F(DaemonTest, NamesThatAreNotUtf8AreRefusedByName) {
   // Still serving, and the session with the valid name works.
   EXPECT_EQ(Stats().sessions.size(), 1u);
   EXPECT_EQ(Stats().sessions[0].name, "r\xc3\xa9seau");
+}
+
+int ThreadsOf(pid_t pid) {
+  std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return -1;
+}
+
+// A burst of concurrent calls from many connections: the daemon's threads
+// stay within server.max_threads of where they were, every call is answered
+// (OK, or RESOURCE_EXHAUSTED when all threads are busy), and it serves on.
+TEST_F(DaemonTest, ABurstOfCallsMakesBoundedThreads) {
+  daemon_.reset();
+  StartDaemon({"--server.max_threads=16"});
+  const int before = ThreadsOf(daemon_->pid());
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, exhausted{0}, other{0};
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 96; ++i) {
+    callers.emplace_back([&] {
+      auto stub = v1::StatsService::NewStub(
+          grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+      while (!stop) {
+        v1::GetStatsResponse resp;
+        grpc::ClientContext ctx;
+        grpc::Status s = stub->GetStats(&ctx, {}, &resp);
+        (s.ok() ? ok : s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ? exhausted : other)++;
+      }
+    });
+  }
+  int peak = before;
+  const absl::Time end = absl::Now() + absl::Seconds(2);
+  while (absl::Now() < end) {
+    peak = std::max(peak, ThreadsOf(daemon_->pid()));
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  stop = true;
+  for (std::thread& t : callers) t.join();
+  std::fprintf(stderr, "threads: %d before, %d at most; calls ok %d, exhausted %d, other %d\n",
+               before, peak, ok.load(), exhausted.load(), other.load());
+  EXPECT_LE(peak, before + 16);
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_TRUE(client_->GetStats().ok());  // still serving
 }
 
 TEST_F(DaemonTest, RawRequestsAreCheckedToo) {
