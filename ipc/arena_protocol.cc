@@ -45,8 +45,16 @@ absl::StatusOr<Attachment> AttachArena(const std::string& path, const AttachRequ
   ASSIGN_OR_RETURN(UniqueFd sock, ConnectUnix(path));
   timeval tv{30, 0};  // the daemon answers at once; this only bounds a hang
   setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  RETURN_IF_ERROR(SendWithFd(sock.get(), FormatAttachRequest(request), -1));
-  ASSIGN_OR_RETURN(ReceivedMessage reply, ReceiveWithFd(sock.get()));
+  const absl::Status sent = SendWithFd(sock.get(), FormatAttachRequest(request), -1);
+  absl::StatusOr<ReceivedMessage> received = ReceiveWithFd(sock.get());
+  if (!sent.ok()) {
+    // The daemon may refuse before reading the request (the uid check at
+    // accept) and close: then its answer is still there to read, and says
+    // more than the broken pipe.
+    if (!received.ok() || received->payload.empty()) return sent;
+  }
+  if (!received.ok()) return received.status();
+  ReceivedMessage reply = *std::move(received);
   if (reply.payload == "OK" && reply.fd.valid()) {
     return Attachment{std::move(reply.fd), std::move(sock)};
   }

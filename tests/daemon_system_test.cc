@@ -1,5 +1,6 @@
 // System tests: a real offloadd process, driven from this (separate) process
 // through the client library, raw gRPC stubs and the arena channel.
+#include <grp.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -654,6 +655,56 @@ TEST_F(DaemonTest, ArenaGoesOnlyToTheTokenHolder) {
   auto bad = AttachArena(arena, {opened.session().session_id(), wrong});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(AttachArena(arena, {999, wrong}).status().code(), absl::StatusCode::kNotFound);
+}
+
+// Another real Unix user (nobody) can reach neither socket: the data
+// directory and sockets are owner-only. And with those permissions opened
+// up, the arena channel still refuses it by its peer credentials
+// (SO_PEERCRED), even with a valid session id and token.
+TEST_F(DaemonTest, AnotherUnixUserIsKeptOut) {
+  if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
+  auto channel = grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+  }
+  const std::string grpc_socket = daemon_->socket_path();
+  const std::string arena = opened.arena_socket();
+  const AttachRequest request{opened.session().session_id(), opened.session().token()};
+  // As nobody: 1 = reached the gRPC socket, 2 = reached the arena socket,
+  // 4 = got an arena; 8 = could not become nobody.
+  auto as_nobody = [&](bool only_arena_attach) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(8);
+      int result = 0;
+      if (!only_arena_attach) {
+        if (ConnectUnix(grpc_socket).ok()) result |= 1;
+        if (ConnectUnix(arena).ok()) result |= 2;
+      }
+      auto attached = AttachArena(arena, request);
+      if (attached.ok()) result |= 4;
+      if (only_arena_attach &&
+          !absl::StrContains(attached.status().message(), "uid 65534 may not attach")) {
+        result |= 16;
+      }
+      _exit(result);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  EXPECT_EQ(as_nobody(false), 0);
+  // Open the doors; only the credential check is left.
+  ASSERT_EQ(chmod(daemon_->data_dir().c_str(), 0777), 0);
+  ASSERT_EQ(chmod(arena.c_str(), 0777), 0);
+  EXPECT_EQ(as_nobody(true), 0);
+  ASSERT_EQ(chmod(arena.c_str(), 0600), 0);
+  ASSERT_EQ(chmod(daemon_->data_dir().c_str(), 0700), 0);
+  // The owner still attaches.
+  EXPECT_TRUE(AttachArena(arena, request).ok());
 }
 
 TEST_F(DaemonTest, SocketsAndDataDirAreOwnerOnly) {
