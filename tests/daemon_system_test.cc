@@ -588,7 +588,10 @@ TEST_F(DaemonTest, ABurstOfCallsMakesBoundedThreads) {
   for (std::thread& t : callers) t.join();
   std::fprintf(stderr, "threads: %d before, %d at most; calls ok %d, exhausted %d, other %d\n",
                before, peak, ok.load(), exhausted.load(), other.load());
-  EXPECT_LE(peak, before + 16);
+  // The bound, plus a few threads gRPC starts lazily for itself (timers,
+  // its executor) whatever the load; without the bound this burst reached
+  // 75 threads.
+  EXPECT_LE(peak, before + 16 + 4);
   EXPECT_GT(ok.load(), 0);
   EXPECT_EQ(other.load(), 0);
   EXPECT_TRUE(client_->GetStats().ok());  // still serving
