@@ -354,14 +354,7 @@ absl::Status Session::Release(absl::Span<const uint64_t> ids) {
 }
 
 absl::Status Session::ReturnGradients(const PartitionView& p) {
-  v1::ReturnGradientsRequest req;
-  *req.mutable_session() = impl_->ref;
-  req.set_partition_id(p.id);
-  req.set_numel(p.numel);
-  req.set_grad_dtype(ToProto(p.grad_dtype));
-  v1::ReturnGradientsResponse resp;
-  Rpc rpc(impl_->timeout, impl_->token);
-  return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");
+  return ReturnGradients(absl::MakeConstSpan(&p, 1));
 }
 
 absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release) {
