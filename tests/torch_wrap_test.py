@@ -356,6 +356,17 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertFalse(torch.equal(model.state_dict()["0.weight"], frozen))
         opt.close()
 
+    def test_more_parameters_than_one_call_may_name(self):
+        # A pass holds every partition: 4200 of them take two fetches (the
+        # daemon takes at most 4096 ids per call).
+        import torch
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 2),
+                                       *[torch.nn.Linear(2, 2) for _ in range(2099)])
+        self.assert_trains_like_torch(make, {"lr": 1e-3}, steps=1)
+
     def test_a_parameter_shared_by_a_module_and_its_child(self):
         import torch
 

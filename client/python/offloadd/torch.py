@@ -288,8 +288,15 @@ class _Engine:
         if not self.hold_per_pass or self._held_views is not None or not self.shards:
             return False
         start = time.perf_counter()
-        views = self.session.fetch([s.pid for s in self.shards])
-        self._held_views = {v.id: v for v in views}
+        held = {}
+        try:
+            for ids in self._id_chunks():
+                held.update((v.id, v) for v in self.session.fetch(ids))
+        except BaseException:
+            if held:
+                self.session.release(list(held))
+            raise
+        self._held_views = held
         self.timings["fetch"] += time.perf_counter() - start
         return True
 
@@ -298,8 +305,17 @@ class _Engine:
             return
         self._held_views = None
         start = time.perf_counter()
-        self.session.release([s.pid for s in self.shards])
+        for ids in self._id_chunks():
+            self.session.release(ids)
         self.timings["fetch"] += time.perf_counter() - start
+
+    # The most partitions one FetchParams or ReleasePartitions may name.
+    MAX_IDS_PER_CALL = 4096
+
+    def _id_chunks(self):
+        ids = [s.pid for s in self.shards]
+        n = self.MAX_IDS_PER_CALL
+        return [ids[i:i + n] for i in range(0, len(ids), n)]
 
     def _free(self, s):
         if s.gathered:
