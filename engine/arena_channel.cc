@@ -37,25 +37,34 @@ void SetReceiveTimeout(int fd, int ms) {
 
 absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(const std::string& path,
                                                                   SessionManager* sessions,
-                                                                  absl::Duration attach_lease) {
+                                                                  absl::Duration attach_lease,
+                                                                  absl::Duration idle_lease) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(path));
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
   if (!stop.valid()) return PosixError("eventfd", errno);
   auto channel = std::unique_ptr<ArenaChannel>(
-      new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease));
+      new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease,
+                       idle_lease));
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
   return channel;
 }
 
 ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
-                           SessionManager* sessions, absl::Duration attach_lease)
+                           SessionManager* sessions, absl::Duration attach_lease,
+                           absl::Duration idle_lease)
     : path_(std::move(path)), listener_(std::move(listener)), stop_event_(std::move(stop_event)),
-      sessions_(sessions), attach_lease_(attach_lease) {}
+      sessions_(sessions), attach_lease_(attach_lease), idle_lease_(idle_lease) {}
 
-void ArenaChannel::ExpireUnattached() {
-  for (const auto& [id, name] : sessions_->CloseUnattached(absl::Now(), attach_lease_)) {
-    LogInfo("session %d closed: no trainer attached to it within %s of opening",
-            static_cast<int64_t>(id), absl::FormatDuration(attach_lease_));
+void ArenaChannel::ExpireSessions() {
+  for (const SessionManager::Expired& e :
+       sessions_->CloseExpired(absl::Now(), attach_lease_, idle_lease_)) {
+    if (e.never_attached) {
+      LogInfo("session %d closed: no trainer attached to it within %s of opening",
+              static_cast<int64_t>(e.id), absl::FormatDuration(attach_lease_));
+    } else {
+      LogInfo("session %d closed: no call for %s (its trainer hung?)", static_cast<int64_t>(e.id),
+              absl::FormatDuration(idle_lease_));
+    }
   }
 }
 
@@ -77,7 +86,7 @@ void ArenaChannel::Serve() {
     for (const Pending& p : pending_) fds.push_back({p.connection.get(), POLLIN | POLLRDHUP, 0});
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_sweep) {
-      ExpireUnattached();
+      ExpireSessions();
       next_sweep = now + kSweepEvery;
     }
     int timeout_ms = static_cast<int>(

@@ -19,8 +19,9 @@
 // and sends nothing delays nobody (it waits among the pending connections
 // until its 2 s deadline, then is closed), and at most kMaxPending wait at
 // once (more are refused at once). The same loop closes, about once a
-// second, the sessions nobody attached to within `attach_lease` of opening
-// (SessionManager::CloseUnattached).
+// second, the sessions nobody attached to within `attach_lease` of opening,
+// and (a positive `idle_lease`) those no call reached for longer than it
+// (SessionManager::CloseExpired).
 #ifndef OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 #define OFFLOADD_ENGINE_ARENA_CHANNEL_H_
 
@@ -45,7 +46,8 @@ class ArenaChannel {
  public:
   static absl::StatusOr<std::unique_ptr<ArenaChannel>> Start(
       const std::string& path, SessionManager* sessions,
-      absl::Duration attach_lease = absl::Seconds(60));
+      absl::Duration attach_lease = absl::Seconds(60),
+      absl::Duration idle_lease = absl::ZeroDuration());
   // Stops the thread and removes the socket file.
   ~ArenaChannel();
 
@@ -53,7 +55,8 @@ class ArenaChannel {
 
  private:
   ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
-               SessionManager* sessions, absl::Duration attach_lease);
+               SessionManager* sessions, absl::Duration attach_lease,
+               absl::Duration idle_lease);
   struct Attached {
     UniqueFd connection;
     uint64_t session_id;
@@ -67,7 +70,7 @@ class ArenaChannel {
   };
 
   void Serve();
-  void ExpireUnattached();
+  void ExpireSessions();
   void Accept();
   // Answers the attach request `p` sent; on success returns what to keep
   // watching.
@@ -80,6 +83,7 @@ class ArenaChannel {
   const UniqueFd stop_event_;
   SessionManager* const sessions_;
   const absl::Duration attach_lease_;
+  const absl::Duration idle_lease_;  // zero: off
   std::vector<Attached> attached_;  // only the serving thread touches these
   std::vector<Pending> pending_;
   std::thread thread_;

@@ -36,6 +36,10 @@ struct ServerOptions {
   // abandoned cannot hold its memory forever.
   int64_t attach_lease_seconds = 60;
 
+  // A session no call reached for this many seconds (and with none in
+  // flight) is closed: its trainer hangs while still connected. 0: never.
+  int64_t idle_lease_seconds = 1800;
+
   // gRPC's synchronous server runs each call on a thread of its own; these
   // bound them (a burst of calls, or of reset streams, cannot make
   // thousands of threads): at most `max_threads` serve calls at once (more
@@ -90,6 +94,7 @@ struct PlacementOptions {
 
 inline constexpr IntRange kTcpPortRange{-1, 65535};
 inline constexpr IntRange kAttachLeaseRange{1, 86400};
+inline constexpr IntRange kIdleLeaseRange{0, 604800};
 inline constexpr IntRange kServerThreadsRange{8, 4096};
 inline constexpr IntRange kStreamsRange{1, 4096};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};

@@ -27,7 +27,9 @@ struct SessionManager::Session {
   // Steps after which the delayed update switches itself on (-1: never).
   std::atomic<int64_t> delayed_update_after{-1};
   const absl::Time opened = absl::Now();
-  bool attached = false;  // a trainer received the arena; guarded by the manager's mu_
+  // Guarded by the manager's mu_:
+  bool attached = false;            // a trainer received the arena
+  absl::Time last_call = opened;    // the last call that found it
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -111,6 +113,7 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     return absl::PermissionDeniedError(
         absl::StrCat("wrong token for session ", key.id, ": it belongs to another client"));
   }
+  it->second->last_call = absl::Now();
   return it->second;
 }
 
@@ -150,7 +153,8 @@ bool SessionManager::Abandon(uint64_t id) {
   return true;
 }
 
-bool SessionManager::CloseById(uint64_t id, bool only_unattached) {
+bool SessionManager::CloseById(uint64_t id, bool only_unattached,
+                               std::optional<absl::Time> only_idle_since) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
   // set's lock).
   std::shared_ptr<Session> doomed;
@@ -158,6 +162,10 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached) {
   auto found = sessions_.find(id);
   if (found == sessions_.end()) return false;
   if (only_unattached && found->second->attached) return false;
+  if (only_idle_since.has_value() &&
+      (found->second->last_call > *only_idle_since || found->second.use_count() > 1)) {
+    return false;
+  }
   doomed = std::move(found->second);
   sessions_.erase(found);
   absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
@@ -328,21 +336,32 @@ absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {
   return fd;
 }
 
-std::vector<std::pair<uint64_t, std::string>> SessionManager::CloseUnattached(
-    absl::Time now, absl::Duration lease) {
-  std::vector<std::pair<uint64_t, std::string>> expired;
+std::vector<SessionManager::Expired> SessionManager::CloseExpired(absl::Time now,
+                                                                  absl::Duration attach_lease,
+                                                                  absl::Duration idle_lease) {
+  std::vector<Expired> expired;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) {
-      if (!s->attached && now - s->opened > lease) expired.emplace_back(id, s->name);
+      if (!s->attached && now - s->opened > attach_lease) {
+        expired.push_back({id, s->name, /*never_attached=*/true});
+      } else if (idle_lease > absl::ZeroDuration() && now - s->last_call > idle_lease &&
+                 s.use_count() == 1) {  // no call in flight either
+        expired.push_back({id, s->name, /*never_attached=*/false});
+      }
     }
   }
-  std::vector<std::pair<uint64_t, std::string>> closed;
-  for (auto& [id, name] : expired) {
-    // Unless a trainer attached since (checked under mu_ again).
-    if (CloseById(id, /*only_unattached=*/true)) {
+  std::vector<Expired> closed;
+  for (Expired& e : expired) {
+    // Unless, checked under mu_ again, a trainer attached since (an
+    // unattached one) or a call came since (an idle one).
+    const bool closed_it =
+        e.never_attached
+            ? CloseById(e.id, /*only_unattached=*/true)
+            : CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle_lease);
+    if (closed_it) {
       stats_->sessions_expired.fetch_add(1, std::memory_order_relaxed);
-      closed.emplace_back(id, std::move(name));
+      closed.push_back(std::move(e));
     }
   }
   return closed;

@@ -162,11 +162,17 @@ class SessionManager {
   // Closes session `id` because its trainer went away (no token: the arena
   // channel saw the trainer's connection close). False if it was not open.
   bool Abandon(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Closes the sessions opened more than `lease` before `now` that no
-  // trainer ever attached to (DupArenaFd); returns their ids and names.
-  std::vector<std::pair<uint64_t, std::string>> CloseUnattached(absl::Time now,
-                                                                absl::Duration lease)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes the sessions opened more than `attach_lease` before `now` that
+  // no trainer ever attached to (DupArenaFd), and, with a positive
+  // `idle_lease`, those no call found for longer than it and with no call
+  // in flight (a trainer that hangs while attached). Returns them.
+  struct Expired {
+    uint64_t id;
+    std::string name;
+    bool never_attached;  // else idle
+  };
+  std::vector<Expired> CloseExpired(absl::Time now, absl::Duration attach_lease,
+                                    absl::Duration idle_lease) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -181,8 +187,12 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> FindOwning(const SessionKey& key,
                                                       absl::Span<const uint64_t> ids) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // With `only_unattached`, not if a trainer attached to it.
-  bool CloseById(uint64_t id, bool only_unattached = false) ABSL_LOCKS_EXCLUDED(mu_);
+  // With `only_unattached`, not if a trainer attached to it; with
+  // `only_idle_since`, not if a call found it after that time or one is in
+  // flight.
+  bool CloseById(uint64_t id, bool only_unattached = false,
+                 std::optional<absl::Time> only_idle_since = std::nullopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   Env* const env_;

@@ -502,6 +502,33 @@ TEST_F(DaemonTest, ASessionNobodyAttachesToExpires) {
   EXPECT_TRUE(kept->Register("w", 16, DType::kFp32, DType::kFp32).ok());
 }
 
+// An attached trainer that stops calling (hung) loses its session after the
+// idle lease; one that keeps calling keeps its own.
+TEST_F(DaemonTest, ASessionNoCallReachesExpires) {
+  daemon_.reset();
+  StartDaemon({"--server.idle_lease_seconds=1"});
+  auto hung = Open("hung");
+  auto busy = Open("busy");
+  ASSERT_TRUE(hung && busy);
+  ASSERT_TRUE(hung->Register("w", 1024, DType::kFp32, DType::kFp32).ok());
+  const std::string closed = absl::StrCat("session ", hung->id(), " closed: no call for");
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (!absl::StrContains(daemon_->ReadLog(), closed)) {
+    ASSERT_LT(absl::Now(), deadline) << "the hung session was never closed";
+    ASSERT_TRUE(busy->GetPendingGradients().ok());  // busy keeps calling
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  // Past another lease, busy still calling.
+  for (int i = 0; i < 15; ++i) {
+    ASSERT_TRUE(busy->GetPendingGradients().ok());
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(hung->GetPendingGradients().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Counter("sessions_expired"), 1);
+  ASSERT_EQ(Stats().sessions.size(), 1u);
+  EXPECT_EQ(Stats().sessions[0].name, "busy");
+}
+
 // Names are bytes on the wire: invalid UTF-8 is INVALID_ARGUMENT naming the
 // byte (it used to fail to parse: INTERNAL with an empty message).
 TEST_F(DaemonTest, NamesThatAreNotUtf8AreRefusedByName) {
