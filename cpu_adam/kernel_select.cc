@@ -1,5 +1,7 @@
 #include "cpu_adam/kernel_select.h"
 
+#include <cpuid.h>
+
 #include "absl/strings/str_cat.h"
 #include "cpu_adam/adam_avx2.h"
 #include "cpu_adam/adam_avx512.h"
@@ -12,10 +14,15 @@ bool CpuHasAvx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+// F16C from CPUID itself: clang's __builtin_cpu_supports does not know it.
+bool CpuHasF16c() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
 bool CpuHasAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
 }
 
 absl::StatusOr<const AdamKernels*> SelectAdamKernels(absl::string_view name) {

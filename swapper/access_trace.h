@@ -27,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 
 namespace offload {
@@ -51,8 +52,10 @@ class AccessTrace {
   // at most `max_uses` of them (ids may repeat). Empty without predictions.
   std::vector<uint64_t> Upcoming(size_t max_uses) const;
   // The same uses, in order, to `visit` until it returns false (no copy).
+  // `visit` may need locks its caller holds; clang's analysis cannot see
+  // them from here.
   template <typename Visit>
-  void ForEachUpcoming(size_t max_uses, Visit visit) const {
+  void ForEachUpcoming(size_t max_uses, Visit visit) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (!on_trace()) return;
     const size_t n = max_uses < trace_.size() ? max_uses : trace_.size();
     for (size_t i = 0; i < n; ++i) {

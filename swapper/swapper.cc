@@ -298,7 +298,7 @@ void Swapper::Remove(BlockId id) {
   EraseIfDoneLocked(b);  // may free *b: only compared against below
   if (!external) return;
   // The caller unmaps external memory next: no I/O may touch it after this.
-  auto gone = [this, id, b]() {
+  auto gone = [this, id, b]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = blocks_.find(id);
     return it == blocks_.end() || it->second.get() != b;
   };
@@ -622,7 +622,9 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   constexpr int64_t kLookPerBlock = 16;
   uint64_t bytes = 0;
   int64_t blocks = 0;
-  t.ForEachUpcoming(static_cast<size_t>(prefetch_depth_ * kLookPerBlock), [&](BlockId id) {
+  // Called by ForEachUpcoming here, under mu_ (clang's analysis does not
+  // follow the call into it).
+  auto visit = [&](BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Block* b = FindLocked(id);
     if (b == nullptr) return true;
     if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) return true;
@@ -634,7 +636,8 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
     b->move_queued = true;
     moves_.push_back({id, MoveKind::kPrefetch});
     return true;
-  });
+  };
+  t.ForEachUpcoming(static_cast<size_t>(prefetch_depth_ * kLookPerBlock), visit);
   changed_.SignalAll();
 }
 

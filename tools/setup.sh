@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev libprotobuf-dev libabsl-dev libtbb-dev liburing-dev
   libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-torch python3-tqdm python3-matplotlib fio libcpp-httplib-dev
+  clang-14 libfuzzer-14-dev  # tools/fuzz.sh: the libFuzzer targets in fuzz/
   libopenblas0-pthread  # torch's BLAS: Debian's python3-torch falls back to reference BLAS (~1 GFLOP/s)
   libtorch-dev ninja-build  # benches/cpu_adam's peer, ../shared/peers/deepspeed_cpu_adam
 )

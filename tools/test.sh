@@ -18,5 +18,19 @@ if [[ $rc != 0 && $failed == 0 ]]; then
   echo "bazel exited $rc before reporting a failed test (build error?)" >&2
   failed=1
 fi
+
+# One more test: the libFuzzer targets, built with clang, fuzzed for a
+# bounded time (tools/fuzz.sh).
+fuzz_log=$(mktemp)
+if bash tools/fuzz.sh 30 >"$fuzz_log" 2>&1; then
+  passed=$((passed + 1))
+  grep -E '^(Done|fuzz:)' "$fuzz_log"
+else
+  failed=$((failed + 1))
+  rc=1
+  tail -40 "$fuzz_log"
+  echo "tools/fuzz.sh FAILED" >&2
+fi
+rm -f "$fuzz_log"
 echo "$passed passed, $failed failed"
 [[ $rc == 0 && $failed == 0 ]]
