@@ -1,7 +1,9 @@
 // System tests: a real offloadd process, driven from this (separate) process
 // through the client library, raw gRPC stubs and the arena channel.
+#include <dirent.h>
 #include <grp.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -9,6 +11,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -1199,6 +1202,39 @@ TEST(DaemonStartup, AFailedStartIsReportedAtOnceWithTheLog) {
   ASSERT_FALSE(d.ok());
   EXPECT_TRUE(absl::StrContains(d.status().message(), "exited with 1")) << d.status();
   EXPECT_TRUE(absl::StrContains(d.status().message(), "/nonexistent/nvme0")) << d.status();
+}
+
+// A real filesystem too small for the swap space (a 4 MiB tmpfs): offloadd
+// refuses to start naming the tier, the file and ENOSPC, and leaves no
+// partial swap file behind.
+TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
+  if (geteuid() != 0) GTEST_SKIP() << "mounting a small filesystem needs root";
+  char dir[] = "/tmp/offloadd_small.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  if (mount("tmpfs", dir, "tmpfs", 0, "size=4m") != 0) {
+    rmdir(dir);
+    GTEST_SKIP() << "mount is not permitted here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    const char* path;
+    ~Unmount() {
+      umount2(path, MNT_DETACH);
+      rmdir(path);
+    }
+  } unmount{dir};
+  auto d = DaemonProcess::Start(
+      {absl::StrCat("--nvme.dirs=", dir), "--nvme.bytes_per_dir=64MiB"});
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "exited with 1")) << d.status();
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "RESOURCE_EXHAUSTED: NVMe tier (nvme.dirs)"))
+      << d.status();
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "ENOSPC")) << d.status();
+  DIR* listing = opendir(dir);
+  ASSERT_NE(listing, nullptr);
+  int entries = 0;
+  while (dirent* e = readdir(listing)) entries += e->d_name[0] != '.';
+  closedir(listing);
+  EXPECT_EQ(entries, 0) << "a partial swap file was left behind";
 }
 
 TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
