@@ -57,7 +57,7 @@ ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_ev
 
 void ArenaChannel::ExpireSessions() {
   for (const SessionManager::Expired& e :
-       sessions_->CloseExpired(absl::Now(), attach_lease_, idle_lease_)) {
+       sessions_->CloseExpired(std::chrono::steady_clock::now(), attach_lease_, idle_lease_)) {
     if (e.never_attached) {
       LogInfo("session %d closed: no trainer attached to it within %s of opening",
               static_cast<int64_t>(e.id), absl::FormatDuration(attach_lease_));
@@ -195,6 +195,9 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
     LogWarning("arena channel: answering pid %d: %s", p.cred.pid, sent.ToString());
     return std::nullopt;
   }
+  // Only now, on this thread (which also runs the expiry sweep): a trainer
+  // that died before the reply never attached.
+  if (!sessions_->MarkAttached(attach->session_id)) return std::nullopt;
   return Attached{std::move(p.connection), attach->session_id, p.cred.pid};
 }
 

@@ -26,7 +26,7 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"seconds", "a session no trainer attached to within this long of opening is closed",
            false, kAttachLeaseRange});
   r->Bind("server.idle_lease_seconds", &o->server.idle_lease_seconds,
-          {"seconds", "a session no call reached for this long is closed (a hung trainer); 0 never",
+          {"seconds", "a session no call reached for this long is closed (a hung trainer); 0 never (no client keepalive yet)",
            false, kIdleLeaseRange});
   r->Bind("server.max_threads", &o->server.max_threads,
           {"threads", "most gRPC calls served at once; more are RESOURCE_EXHAUSTED", false,

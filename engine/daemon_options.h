@@ -37,8 +37,11 @@ struct ServerOptions {
   int64_t attach_lease_seconds = 60;
 
   // A session no call reached for this many seconds (and with none in
-  // flight) is closed: its trainer hangs while still connected. 0: never.
-  int64_t idle_lease_seconds = 1800;
+  // flight) is closed: its trainer hangs while still connected. 0: never,
+  // the default: clients send no keepalive yet, so a healthy trainer that
+  // stops calling for a while (a long checkpoint of its own, a barrier)
+  // would lose its session.
+  int64_t idle_lease_seconds = 0;
 
   // gRPC's synchronous server runs each call on a thread of its own; these
   // bound them (a burst of calls, or of reset streams, cannot make

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "engine/version.h"
 #include "proto/convert.h"
 
@@ -293,8 +294,27 @@ grpc::Status ConfigServiceImpl::ListTunables(grpc::ServerContext*, const v1::Lis
   return grpc::Status::OK;
 }
 
+namespace {
+
+// Tunable names and values arrive as bytes: text, and short, before the
+// registry sees (and echoes) them.
+absl::Status CheckTunableText(absl::string_view text, absl::string_view what) {
+  if (text.size() > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tunable ", what, " is over 4096 bytes (", text.size(), ")"));
+  }
+  if (const std::optional<size_t> bad = FirstInvalidUtf8(text); bad.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tunable ", what, " is not UTF-8 (byte ", *bad, " of ", text.size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::Status ConfigServiceImpl::GetTunable(grpc::ServerContext*, const v1::GetTunableRequest* req,
                                            v1::Tunable* resp) {
+  if (absl::Status s = CheckTunableText(req->name(), "name"); !s.ok()) return ToGrpcStatus(s);
   absl::StatusOr<TunableInfo> t = registry_->Get(req->name());
   if (!t.ok()) return ToGrpcStatus(t.status());
   ToProto(*t, resp);
@@ -305,6 +325,9 @@ grpc::Status ConfigServiceImpl::SetTunable(grpc::ServerContext* context,
                                            const v1::SetTunableRequest* req, v1::Tunable* resp) {
   if (absl::Status may = guard_->CheckMayChange(*context, "changing tunables"); !may.ok()) {
     return ToGrpcStatus(may);
+  }
+  for (const auto& [text, what] : {std::pair{&req->name(), "name"}, {&req->value(), "value"}}) {
+    if (absl::Status s = CheckTunableText(*text, what); !s.ok()) return ToGrpcStatus(s);
   }
   absl::StatusOr<TunableInfo> t = registry_->Set(req->name(), req->value());
   if (!t.ok()) return ToGrpcStatus(t.status());

@@ -26,10 +26,11 @@ struct SessionManager::Session {
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
   // Steps after which the delayed update switches itself on (-1: never).
   std::atomic<int64_t> delayed_update_after{-1};
-  const absl::Time opened = absl::Now();
+  // Monotonic: a wall-clock step (NTP, a resumed VM) must not expire leases.
+  const SteadyTime opened = std::chrono::steady_clock::now();
   // Guarded by the manager's mu_:
-  bool attached = false;            // a trainer received the arena
-  absl::Time last_call = opened;    // the last call that found it
+  bool attached = false;          // a trainer received the arena
+  SteadyTime last_call = opened;  // the last call that found it, or ended
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -113,8 +114,23 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     return absl::PermissionDeniedError(
         absl::StrCat("wrong token for session ", key.id, ": it belongs to another client"));
   }
-  it->second->last_call = absl::Now();
-  return it->second;
+  Session* session = it->second.get();
+  session->last_call = std::chrono::steady_clock::now();
+  // The call's reference stamps the session again when the call ends, so
+  // that a call longer than the idle lease does not leave it expired.
+  // (Built in place: a temporary's destructor would run here, under mu_.)
+  struct CallRef {
+    CallRef(std::shared_ptr<Session> s, const SessionManager* m)
+        : session(std::move(s)), manager(m) {}
+    ~CallRef() {
+      absl::MutexLock lock(&manager->mu_);
+      session->last_call = std::chrono::steady_clock::now();
+    }
+    const std::shared_ptr<Session> session;
+    const SessionManager* const manager;
+  };
+  auto ref = std::make_shared<CallRef>(it->second, this);
+  return std::shared_ptr<Session>(ref, session);
 }
 
 absl::Status SessionManager::CheckOwner(const Session& session, uint64_t partition_id) const {
@@ -154,7 +170,7 @@ bool SessionManager::Abandon(uint64_t id) {
 }
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
-                               std::optional<absl::Time> only_idle_since) {
+                               std::optional<SteadyTime> only_idle_since) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
   // set's lock).
   std::shared_ptr<Session> doomed;
@@ -323,29 +339,30 @@ absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   UniqueFd fd(fcntl(session->partitions->arena_fd(), F_DUPFD_CLOEXEC, 0));
   if (!fd.valid()) return PosixError("duplicating arena descriptor", errno);
-  {
-    // Under mu_, so that CloseUnattached either closed it before or sees it
-    // attached.
-    absl::MutexLock lock(&mu_);
-    if (!sessions_.contains(key.id)) {
-      return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
-    }
-    session->attached = true;
-  }
   stats_->arena_attaches.fetch_add(1, std::memory_order_relaxed);
   return fd;
 }
 
-std::vector<SessionManager::Expired> SessionManager::CloseExpired(absl::Time now,
+bool SessionManager::MarkAttached(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto found = sessions_.find(id);
+  if (found == sessions_.end()) return false;
+  found->second->attached = true;
+  return true;
+}
+
+std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now,
                                                                   absl::Duration attach_lease,
                                                                   absl::Duration idle_lease) {
+  const auto attach = absl::ToChronoNanoseconds(attach_lease);
+  const auto idle = absl::ToChronoNanoseconds(idle_lease);
   std::vector<Expired> expired;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) {
-      if (!s->attached && now - s->opened > attach_lease) {
+      if (!s->attached && now - s->opened > attach) {
         expired.push_back({id, s->name, /*never_attached=*/true});
-      } else if (idle_lease > absl::ZeroDuration() && now - s->last_call > idle_lease &&
+      } else if (idle_lease > absl::ZeroDuration() && now - s->last_call > idle &&
                  s.use_count() == 1) {  // no call in flight either
         expired.push_back({id, s->name, /*never_attached=*/false});
       }
@@ -358,7 +375,7 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(absl::Time now
     const bool closed_it =
         e.never_attached
             ? CloseById(e.id, /*only_unattached=*/true)
-            : CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle_lease);
+            : CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle);
     if (closed_it) {
       stats_->sessions_expired.fetch_add(1, std::memory_order_relaxed);
       closed.push_back(std::move(e));

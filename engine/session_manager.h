@@ -31,6 +31,7 @@
 #ifndef OFFLOADD_ENGINE_SESSION_MANAGER_H_
 #define OFFLOADD_ENGINE_SESSION_MANAGER_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -171,8 +172,12 @@ class SessionManager {
     std::string name;
     bool never_attached;  // else idle
   };
-  std::vector<Expired> CloseExpired(absl::Time now, absl::Duration attach_lease,
+  using SteadyTime = std::chrono::steady_clock::time_point;
+  std::vector<Expired> CloseExpired(SteadyTime now, absl::Duration attach_lease,
                                     absl::Duration idle_lease) ABSL_LOCKS_EXCLUDED(mu_);
+  // The arena channel handed session `id`'s arena to a trainer (after the
+  // reply went out); false if the session is closed.
+  bool MarkAttached(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -191,7 +196,7 @@ class SessionManager {
   // `only_idle_since`, not if a call found it after that time or one is in
   // flight.
   bool CloseById(uint64_t id, bool only_unattached = false,
-                 std::optional<absl::Time> only_idle_since = std::nullopt)
+                 std::optional<SteadyTime> only_idle_since = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.

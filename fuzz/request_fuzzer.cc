@@ -75,7 +75,9 @@ std::string WithSession(const std::string& body, const v1::SessionRef& session) 
 
 class Harness {
  public:
-  Harness() {
+  Harness() { Build(); }
+
+  void Build() {
     pool_ = std::make_unique<HostPool>(Env::Default(), int64_t{64} << 20, false);
     swapper_ = *Swapper::Create(SwapperOptions{}, pool_.get(), nullptr);
     store_ = std::make_unique<PartitionStore>(Env::Default(), swapper_.get(), &stats_,
@@ -90,8 +92,17 @@ class Harness {
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
     stub_ = std::make_unique<grpc::GenericStub>(server_->InProcessChannel({}));
-    // The live session, with one partition registered and released.
+    RenewLiveSession();
+  }
+
+  // (Re)opens the live session, with one partition registered and released.
+  void RenewLiveSession() {
     std::string reply;
+    if (live_.session_id() != 0) {
+      v1::CloseSessionRequest close;
+      *close.mutable_session() = live_;
+      Call(kCloseSession, close.SerializeAsString(), nullptr);
+    }
     if (!Call(kOpenSession, v1::OpenSessionRequest().SerializeAsString(), &reply).ok()) Die("open");
     v1::OpenSessionResponse opened;
     opened.ParseFromString(reply);
@@ -139,7 +150,7 @@ class Harness {
 
   void One(const uint8_t* data, size_t size) {
     if (size == 0) return;
-    const Method m = static_cast<Method>(data[0] % kMethods);
+    const Method m = static_cast<Method>((data[0] & 0x7f) % kMethods);
     std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
     if (data[0] & 0x80) body = PointAtLive(m, body);
     std::string reply;
@@ -152,7 +163,12 @@ class Harness {
       *close.mutable_session() = opened.session();
       Call(kCloseSession, close.SerializeAsString(), nullptr);
     }
-    if (++calls_ % 64 == 0) CheckStillServing();
+    // Every input while there are few (a seed run checks each), then every
+    // 64th; every 4096th starts a fresh live session, so that what earlier
+    // inputs registered or held does not fill its arena for good.
+    ++calls_;
+    if (calls_ <= 64 || calls_ % 64 == 0) CheckStillServing();
+    if (calls_ % 4096 == 0) RenewLiveSession();
   }
 
   // Writes one valid request per method, pointed at the live session, as

@@ -571,7 +571,10 @@ TEST_F(DaemonTest, NamesThatAreNotUtf8AreRefusedByName) {
   get.set_name("optimizer.\xff");
   v1::Tunable got;
   grpc::ClientContext ctx;
-  EXPECT_EQ(config->GetTunable(&ctx, get, &got).error_code(), grpc::StatusCode::NOT_FOUND);
+  grpc::Status bad_tunable = config->GetTunable(&ctx, get, &got);
+  EXPECT_EQ(bad_tunable.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(bad_tunable.error_message(), "tunable name is not UTF-8 (byte 10"))
+      << bad_tunable.error_message();
   // Still serving, and the session with the valid name works.
   EXPECT_EQ(Stats().sessions.size(), 1u);
   EXPECT_EQ(Stats().sessions[0].name, "r\xc3\xa9seau");

@@ -15,15 +15,19 @@ done
 out_base="${XDG_CACHE_HOME:-$HOME/.cache}/offloadd-fuzz/$(pwd | md5sum | cut -c1-12)"
 # --symlink_prefix=/: no bazel-* links in the workspace (they are the
 # default build's).
-CC=clang-14 CXX=clang++-14 bazel --output_base="$out_base" build --symlink_prefix=/ \
+CC=clang-14 CXX=clang++-14 bazel --output_base="$out_base" --max_idle_secs=60 build --symlink_prefix=/ \
   --repo_env=CC=clang-14 --repo_env=CXX=clang++-14 \
   --copt=-fsanitize=fuzzer-no-link,address --linkopt=-fsanitize=address \
   --copt=-Wno-unused-command-line-argument --copt=-Wno-unknown-warning-option \
   //fuzz:request_fuzzer_libfuzzer
-bin="$(CC=clang-14 bazel --output_base="$out_base" info --repo_env=CC=clang-14 bazel-bin 2>/dev/null)"
+bin="$(CC=clang-14 bazel --output_base="$out_base" --max_idle_secs=60 info --repo_env=CC=clang-14 bazel-bin 2>/dev/null)"
 scratch=$(mktemp -d /tmp/offloadd-fuzz.XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
 cp fuzz/corpus/request/* "$scratch/"
+# A crash or hang leaves its input here (not in the repository).
+artifacts=/tmp/offloadd-fuzz-artifacts
+mkdir -p "$artifacts"
 "$bin/fuzz/request_fuzzer_libfuzzer" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=4096 \
+  -artifact_prefix="$artifacts/" \
   -print_final_stats=1 "$scratch" 2>&1 | grep -vE '^#[0-9]+\s+(NEW|REDUCE|pulse)' || exit 1
 echo "fuzz: request_fuzzer ran ${seconds}s without a crash"
