@@ -1,0 +1,251 @@
+#include "checkpoint/format.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <optional>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
+#include "xxhash.h"
+
+namespace offload::checkpoint {
+namespace {
+
+constexpr char kMagic[8] = {'O', 'F', 'L', 'D', 'C', 'K', 'P', '1'};
+constexpr size_t kHeaderBytes = 24;  // magic, length, hash
+constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 31;
+
+absl::Status WriteAll(int fd, const void* data, size_t bytes, uint64_t offset,
+                      const std::string& path) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return PosixError(absl::StrCat("writing ", bytes, " bytes to ", path, " at offset ", offset),
+                        errno);
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadAll(int fd, void* data, size_t bytes, uint64_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = pread(fd, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return PosixError(absl::StrCat("reading ", bytes, " bytes of ", path, " at offset ", offset),
+                        errno);
+    }
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat(path, " ends at offset ", offset, ", ", bytes,
+                                              " bytes short: the file is truncated"));
+    }
+    p += n;
+    bytes -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  UniqueFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError(absl::StrCat("opening directory ", dir), errno);
+  if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of directory ", dir), errno);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ListDirectory(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) names.emplace_back(e->d_name);
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// The generation of `name` if it is a data file of `stem`.
+std::optional<uint64_t> DataGeneration(absl::string_view name, absl::string_view stem) {
+  if (!absl::ConsumePrefix(&name, stem) || !absl::ConsumePrefix(&name, ".") ||
+      !absl::ConsumeSuffix(&name, ".data")) {
+    return std::nullopt;
+  }
+  uint64_t gen;
+  if (!absl::SimpleAtoi(name, &gen)) return std::nullopt;
+  return gen;
+}
+
+}  // namespace
+
+uint64_t Hash(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+
+std::string StemFor(absl::string_view session_name) {
+  std::string stem;
+  for (char c : session_name.substr(0, 64)) {
+    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '-' || c == '_' || c == '.';
+    stem.push_back(keep ? c : '_');
+  }
+  if (stem.empty() || stem[0] == '.') stem.insert(0, "session");
+  return stem;
+}
+
+absl::Status PrepareDirectory(const std::string& dir) {
+  if (dir.empty() || dir[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint directory must be an absolute path, got '", dir, "'"));
+  }
+  // Each missing parent, then the directory itself.
+  for (size_t slash = 1; slash <= dir.size(); ++slash) {
+    if (slash != dir.size() && dir[slash] != '/') continue;
+    const std::string prefix = dir.substr(0, slash);
+    if (mkdir(prefix.c_str(), 0700) != 0 && errno != EEXIST) {
+      return PosixError(absl::StrCat("creating checkpoint directory ", prefix), errno);
+    }
+  }
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat of ", dir), errno);
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, " is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
+                                                      const std::string& stem) {
+  uint64_t gen = 0;
+  for (const std::string& name : ListDirectory(dir)) {
+    if (auto g = DataGeneration(name, stem)) gen = std::max(gen, *g + 1);
+  }
+  for (;; ++gen) {  // another writer of the same stem may race us: O_EXCL decides
+    std::string name = absl::StrCat(stem, ".", gen, ".data");
+    std::string path = absl::StrCat(dir, "/", name);
+    UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (fd.get() >= 0) return DataFileWriter(std::move(fd), std::move(name), std::move(path));
+    if (errno != EEXIST) return PosixError(absl::StrCat("creating ", path), errno);
+  }
+}
+
+absl::Status DataFileWriter::Write(uint64_t offset, absl::Span<const std::byte> bytes) const {
+  return WriteAll(fd_.get(), bytes.data(), bytes.size(), offset, path_);
+}
+
+absl::Status DataFileWriter::Sync() const {
+  if (fsync(fd_.get()) != 0) return PosixError(absl::StrCat("fsync of ", path_), errno);
+  return absl::OkStatus();
+}
+
+absl::Status CommitManifest(const std::string& dir, const std::string& stem,
+                            const Manifest& manifest) {
+  std::string payload;
+  if (!manifest.SerializeToString(&payload)) {
+    return absl::InternalError("serialising a checkpoint manifest failed");
+  }
+  char header[kHeaderBytes];
+  std::memcpy(header, kMagic, 8);
+  const uint64_t length = payload.size(), hash = Hash(payload.data(), payload.size());
+  std::memcpy(header + 8, &length, 8);  // x86-64 and aarch64 Linux: little-endian
+  std::memcpy(header + 16, &hash, 8);
+  const std::string final_path = absl::StrCat(dir, "/", stem, ".manifest");
+  const std::string tmp_path = absl::StrCat(final_path, ".tmp");
+  {
+    UniqueFd fd(open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    if (fd.get() < 0) return PosixError(absl::StrCat("creating ", tmp_path), errno);
+    RETURN_IF_ERROR(WriteAll(fd.get(), header, kHeaderBytes, 0, tmp_path));
+    RETURN_IF_ERROR(WriteAll(fd.get(), payload.data(), payload.size(), kHeaderBytes, tmp_path));
+    if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of ", tmp_path), errno);
+  }
+  if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), errno);
+  }
+  RETURN_IF_ERROR(SyncDirectory(dir));
+  // Committed. The stem's other data files are garbage now.
+  for (const std::string& name : ListDirectory(dir)) {
+    if (name != manifest.data_file() && DataGeneration(name, stem).has_value()) {
+      unlink(absl::StrCat(dir, "/", name).c_str());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError(absl::StrCat("opening ", path), errno);
+  char header[kHeaderBytes];
+  RETURN_IF_ERROR(ReadAll(fd.get(), header, kHeaderBytes, 0, path));
+  if (std::memcmp(header, kMagic, 8) != 0) {
+    return absl::DataLossError(absl::StrCat(path, " is not an offloadd checkpoint manifest"));
+  }
+  uint64_t length, hash;
+  std::memcpy(&length, header + 8, 8);
+  std::memcpy(&hash, header + 16, 8);
+  if (length > kMaxManifestBytes) {
+    return absl::DataLossError(absl::StrCat(path, " claims a ", length, "-byte manifest"));
+  }
+  std::string payload(length, '\0');
+  RETURN_IF_ERROR(ReadAll(fd.get(), payload.data(), length, kHeaderBytes, path));
+  if (Hash(payload.data(), payload.size()) != hash) {
+    return absl::DataLossError(absl::StrCat(path, ": the manifest's checksum does not match"));
+  }
+  Manifest manifest;
+  if (!manifest.ParseFromString(payload)) {
+    return absl::DataLossError(absl::StrCat(path, ": the manifest does not parse"));
+  }
+  if (manifest.format_version() != kFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " has format version ",
+                                                      manifest.format_version(), "; this offloadd "
+                                                      "reads version ", kFormatVersion));
+  }
+  return manifest;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
+    const std::string& dir) {
+  std::vector<std::pair<std::string, Manifest>> out;
+  for (const std::string& name : ListDirectory(dir)) {
+    if (!absl::EndsWith(name, ".manifest")) continue;
+    std::string path = absl::StrCat(dir, "/", name);
+    ASSIGN_OR_RETURN(Manifest m, ReadManifest(path));
+    out.emplace_back(std::move(path), std::move(m));
+  }
+  if (out.empty()) {
+    struct stat st;
+    if (stat(dir.c_str(), &st) != 0) {
+      return PosixError(absl::StrCat("checkpoint directory ", dir), errno);
+    }
+    return absl::NotFoundError(absl::StrCat("no checkpoint (*.manifest) in ", dir));
+  }
+  return out;
+}
+
+absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path) {
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError(absl::StrCat("opening checkpoint data ", path), errno);
+  return DataFileReader(std::move(fd), path);
+}
+
+absl::Status DataFileReader::Read(const Record& record, void* dst) const {
+  RETURN_IF_ERROR(ReadAll(fd_.get(), dst, record.bytes(), record.offset(), path_));
+  if (Hash(dst, record.bytes()) != record.xxh3()) {
+    return absl::DataLossError(absl::StrCat(path_, ": the ", record.bytes(), " bytes at offset ",
+                                            record.offset(), " do not match their checksum"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace offload::checkpoint

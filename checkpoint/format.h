@@ -1,0 +1,116 @@
+// The files of a session checkpoint, and how they are written so that a
+// crash at any point leaves the previous checkpoint valid.
+//
+// A checkpoint directory holds, per session written into it (its "stem",
+// a file-name-safe form of the session's name):
+//   <stem>.manifest        what the checkpoint holds (proto/checkpoint.proto),
+//                          framed: "OFLDCKP1", payload length (u64 LE),
+//                          payload XXH3-64 (u64 LE), payload
+//   <stem>.<gen>.data      the records' bytes, each with its own XXH3-64 in
+//                          the manifest
+// Writing one checkpoint, in order:
+//   1. a new data file <stem>.<gen>.data (gen above every existing one,
+//      created exclusively), its records written, then fsync;
+//   2. the manifest written to <stem>.manifest.tmp, fsync;
+//   3. rename over <stem>.manifest, fsync of the directory: the commit point;
+//   4. the data files of <stem> the manifest no longer names are removed.
+// A crash before 3 leaves the old manifest, naming the old data file, which
+// nothing has touched; leftovers of the crashed attempt go at the next
+// checkpoint of the stem (4).
+//
+// Reading verifies the frame, the payload's hash and each record's hash:
+// DATA_LOSS names the file, the offset and what did not match.
+//
+// Thread-safety: DataFileWriter::Write may be called from several threads
+// at once (disjoint ranges); everything else is a plain function or
+// single-threaded object.
+#ifndef OFFLOADD_CHECKPOINT_FORMAT_H_
+#define OFFLOADD_CHECKPOINT_FORMAT_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "base/unique_fd.h"
+#include "proto/checkpoint.pb.h"
+
+namespace offload::checkpoint {
+
+using Manifest = ::offload::checkpoint::v1::Manifest;
+using PartitionRecord = ::offload::checkpoint::v1::Partition;
+using Record = ::offload::checkpoint::v1::Record;
+using RecordKind = ::offload::checkpoint::v1::RecordKind;
+
+inline constexpr uint32_t kFormatVersion = 1;
+
+// A stem for session `name`: its letters, digits, '-', '_' and '.' kept,
+// every other byte (a '/' of "job/rank0" included) made '_', at most 64
+// bytes; "session" for an empty name.
+std::string StemFor(absl::string_view session_name);
+
+// The directory, created (mode 0700, parents too) if missing.
+// INVALID_ARGUMENT for a relative path or one that is not a directory.
+absl::Status PrepareDirectory(const std::string& dir);
+
+class DataFileWriter {
+ public:
+  // Creates <dir>/<stem>.<gen>.data, gen above every data file of the stem.
+  static absl::StatusOr<DataFileWriter> Create(const std::string& dir, const std::string& stem);
+
+  DataFileWriter(DataFileWriter&&) = default;
+  DataFileWriter& operator=(DataFileWriter&&) = default;
+
+  // Writes `bytes` at `offset` (short writes resumed).
+  absl::Status Write(uint64_t offset, absl::Span<const std::byte> bytes) const;
+  // fsync.
+  absl::Status Sync() const;
+  // The file's name in the directory.
+  const std::string& name() const { return name_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  DataFileWriter(UniqueFd fd, std::string name, std::string path)
+      : fd_(std::move(fd)), name_(std::move(name)), path_(std::move(path)) {}
+  UniqueFd fd_;
+  std::string name_, path_;
+};
+
+// Steps 2-4 above: commits `manifest` (which names its data file) as the
+// checkpoint of `stem` in `dir`.
+absl::Status CommitManifest(const std::string& dir, const std::string& stem,
+                            const Manifest& manifest);
+
+// One manifest, verified (DATA_LOSS for a torn or corrupted one,
+// NOT_FOUND if it does not exist).
+absl::StatusOr<Manifest> ReadManifest(const std::string& path);
+// Every <stem>.manifest in `dir`, with its path, by name. NOT_FOUND if
+// there is none.
+absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
+    const std::string& dir);
+
+class DataFileReader {
+ public:
+  static absl::StatusOr<DataFileReader> Open(const std::string& path);
+  DataFileReader(DataFileReader&&) = default;
+  DataFileReader& operator=(DataFileReader&&) = default;
+
+  // The record's bytes into `dst` (record.bytes() of them), verified.
+  absl::Status Read(const Record& record, void* dst) const;
+  const std::string& path() const { return path_; }
+
+ private:
+  DataFileReader(UniqueFd fd, std::string path) : fd_(std::move(fd)), path_(std::move(path)) {}
+  UniqueFd fd_;
+  std::string path_;
+};
+
+uint64_t Hash(const void* data, size_t bytes);
+
+}  // namespace offload::checkpoint
+
+#endif  // OFFLOADD_CHECKPOINT_FORMAT_H_

@@ -1,0 +1,198 @@
+#include "checkpoint/format.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "checkpoint/export.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/tensor_index.h"
+#include "cpu_adam/dtype.h"
+#include "gtest/gtest.h"
+
+namespace offload::checkpoint {
+namespace {
+
+using ::offload::checkpoint::v1::MASTER;
+using ::offload::checkpoint::v1::PARAMS;
+
+std::string TempDir() {
+  std::string t = absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp",
+                               "/ckpt_XXXXXX");
+  return mkdtemp(t.data());
+}
+
+// Writes one session's checkpoint: slice [offset, offset + values.size())
+// of tensor "w" (shape 3x5), master = values, in records of `chunk`
+// elements.
+absl::Status WriteSession(const std::string& dir, const std::string& name, uint64_t offset,
+                          const std::vector<float>& values, uint64_t chunk) {
+  auto writer = DataFileWriter::Create(dir, StemFor(name));
+  if (!writer.ok()) return writer.status();
+  Manifest m;
+  m.set_format_version(kFormatVersion);
+  m.set_session_name(name);
+  m.set_steps(7);
+  m.set_data_file(writer->name());
+  PartitionRecord* p = m.add_partitions();
+  p->set_name("w");
+  p->set_tensor("w");
+  p->add_shape(3);
+  p->add_shape(5);
+  p->set_offset(offset);
+  p->set_numel(values.size());
+  p->set_param_dtype(static_cast<uint32_t>(DType::kFp32));
+  p->set_master_initialized(true);
+  uint64_t at = 0;
+  for (uint64_t b = 0; b < values.size(); b += chunk) {
+    const uint64_t n = std::min<uint64_t>(chunk, values.size() - b);
+    Record* r = p->add_records();
+    r->set_kind(MASTER);
+    r->set_begin(b);
+    r->set_elems(n);
+    r->set_offset(at);
+    r->set_bytes(n * 4);
+    r->set_xxh3(Hash(values.data() + b, n * 4));
+    if (absl::Status s = writer->Write(
+            at, absl::MakeConstSpan(reinterpret_cast<const std::byte*>(values.data() + b), n * 4));
+        !s.ok()) {
+      return s;
+    }
+    at += n * 4;
+  }
+  m.set_data_bytes(at);
+  if (absl::Status s = writer->Sync(); !s.ok()) return s;
+  return CommitManifest(dir, StemFor(name), m);
+}
+
+TEST(StemTest, KeepsSafeBytesOnly) {
+  EXPECT_EQ(StemFor("job/rank0"), "job_rank0");
+  EXPECT_EQ(StemFor(""), "session");
+  EXPECT_EQ(StemFor("../x"), "session.._x");
+}
+
+TEST(CheckpointFormatTest, TwoRanksConsolidateAndExport) {
+  const std::string dir = TempDir();
+  std::vector<float> all(16);
+  for (int i = 0; i < 16; ++i) all[i] = 0.5f * i - 3;
+  // Two ranks of 8 (the last padded past the 15 elements), records of 3.
+  ASSERT_TRUE(WriteSession(dir, "job/rank0", 0, {all.begin(), all.begin() + 8}, 3).ok());
+  ASSERT_TRUE(WriteSession(dir, "job/rank1", 8, {all.begin() + 8, all.end()}, 3).ok());
+  auto index = TensorIndex::Load(dir);
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_EQ((*index)->tensors().size(), 1u);
+  EXPECT_EQ((*index)->tensors().at("w").numel, 15u);
+  std::vector<float> got(11);
+  ASSERT_TRUE(ReadWeights(**index, "w", 2, 11, got.data()).ok());
+  for (int i = 0; i < 11; ++i) EXPECT_EQ(got[i], all[2 + i]) << i;
+
+  const std::string out = dir + "/w.safetensors";
+  auto summary = ExportSafetensors(**index, out);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->tensors, 1u);
+  // Read back by the format's definition.
+  std::ifstream f(out, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(n, '\0');
+  f.read(header.data(), n);
+  EXPECT_EQ(n % 8, 0u);
+  EXPECT_NE(header.find("\"w\":{\"dtype\":\"F32\",\"shape\":[3,5],\"data_offsets\":[0,60]}"),
+            std::string::npos)
+      << header;
+  std::vector<float> data(15);
+  f.read(reinterpret_cast<char*>(data.data()), 60);
+  ASSERT_TRUE(f.good());
+  for (int i = 0; i < 15; ++i) EXPECT_EQ(data[i], all[i]);
+  EXPECT_EQ(f.peek(), EOF);
+}
+
+TEST(CheckpointFormatTest, MissingSliceAndOverlapAreRefused) {
+  const std::string dir = TempDir();
+  ASSERT_TRUE(WriteSession(dir, "rank0", 0, std::vector<float>(8, 1.0f), 8).ok());
+  auto index = TensorIndex::Load(dir);
+  ASSERT_TRUE(index.ok());
+  EXPECT_EQ(ExportSafetensors(**index, dir + "/x.safetensors").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(access((dir + "/x.safetensors").c_str(), F_OK), 0);  // nothing written
+  ASSERT_TRUE(WriteSession(dir, "other", 4, std::vector<float>(8, 2.0f), 8).ok());
+  EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(CheckpointFormatTest, CorruptionIsDataLoss) {
+  const std::string dir = TempDir();
+  ASSERT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 1.5f), 4).ok());
+  auto manifest = ReadManifest(dir + "/r.manifest");
+  ASSERT_TRUE(manifest.ok());
+  // A flipped byte in the data.
+  {
+    const std::string data = dir + "/" + manifest->data_file();
+    int fd = open(data.c_str(), O_RDWR);
+    char c = 0x7f;
+    ASSERT_EQ(pwrite(fd, &c, 1, 21), 1);
+    close(fd);
+  }
+  auto index = TensorIndex::Load(dir);
+  ASSERT_TRUE(index.ok());
+  std::vector<float> got(15);
+  absl::Status read = ReadWeights(**index, "w", 0, 15, got.data());
+  EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
+  // A flipped byte in the manifest, and a truncated one.
+  {
+    int fd = open((dir + "/r.manifest").c_str(), O_RDWR);
+    char c = 0;
+    ASSERT_EQ(pread(fd, &c, 1, 30), 1);
+    c ^= 1;
+    ASSERT_EQ(pwrite(fd, &c, 1, 30), 1);
+    close(fd);
+  }
+  EXPECT_EQ(ReadManifest(dir + "/r.manifest").status().code(), absl::StatusCode::kDataLoss);
+  ASSERT_EQ(truncate((dir + "/r.manifest").c_str(), 20), 0);
+  EXPECT_EQ(ReadManifest(dir + "/r.manifest").status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(CheckpointFormatTest, AnInterruptedCheckpointLeavesThePreviousOne) {
+  const std::string dir = TempDir();
+  ASSERT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 1.0f), 15).ok());
+  // The next one crashed after writing its data, before its manifest.
+  auto writer = DataFileWriter::Create(dir, "r");
+  ASSERT_TRUE(writer.ok());
+  std::vector<float> junk(15, 9.0f);
+  ASSERT_TRUE(writer->Write(0, absl::MakeConstSpan(reinterpret_cast<std::byte*>(junk.data()), 60))
+                  .ok());
+  std::ofstream(dir + "/r.manifest.tmp") << "torn";
+  auto index = TensorIndex::Load(dir);
+  ASSERT_TRUE(index.ok()) << index.status();
+  std::vector<float> got(15);
+  ASSERT_TRUE(ReadWeights(**index, "w", 0, 15, got.data()).ok());
+  for (float v : got) EXPECT_EQ(v, 1.0f);
+  // The next checkpoint that commits removes the leftovers.
+  ASSERT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 2.0f), 15).ok());
+  EXPECT_NE(access(writer->path().c_str(), F_OK), 0);
+  int data_files = 0;
+  for (int g = 0; g < 4; ++g) {
+    data_files += access(absl::StrCat(dir, "/r.", g, ".data").c_str(), F_OK) == 0;
+  }
+  EXPECT_EQ(data_files, 1);
+}
+
+TEST(SafetensorsTest, EscapesNamesAndRefusesDuplicates) {
+  EXPECT_EQ(JsonString("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+  const std::string dir = TempDir();
+  auto fill = [](float* d) {
+    d[0] = 1;
+    return absl::OkStatus();
+  };
+  EXPECT_EQ(WriteSafetensors(dir + "/d.safetensors", {{"x", {1}, fill}, {"x", {1}, fill}}, {})
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace offload::checkpoint

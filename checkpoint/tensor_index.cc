@@ -1,0 +1,120 @@
+#include "checkpoint/tensor_index.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace offload::checkpoint {
+
+const char* RecordKindName(RecordKind kind) {
+  return ::offload::checkpoint::v1::RecordKind_Name(kind).c_str();
+}
+
+absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string& dir) {
+  auto index = std::make_unique<TensorIndex>();
+  index->dir_ = dir;
+  ASSIGN_OR_RETURN(auto manifests, ReadManifests(dir));
+  for (auto& [path, m] : manifests) {
+    auto manifest = std::make_unique<Manifest>(std::move(m));
+    ASSIGN_OR_RETURN(DataFileReader reader,
+                     DataFileReader::Open(absl::StrCat(dir, "/", manifest->data_file())));
+    index->readers_.push_back(std::make_unique<DataFileReader>(std::move(reader)));
+    for (const PartitionRecord& p : manifest->partitions()) {
+      Tensor& t = index->tensors_[p.tensor()];
+      const std::vector<uint64_t> shape(p.shape().begin(), p.shape().end());
+      if (!t.slices.empty() && t.shape != shape) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint ", dir, ": tensor '", p.tensor(), "' has two shapes (partition '",
+            p.name(), "' in ", path, ")"));
+      }
+      t.shape = shape;
+      t.slices.push_back(Slice{manifest.get(), &p, index->readers_.back().get()});
+    }
+    index->manifests_.emplace_back(path, std::move(manifest));
+  }
+  for (auto& [name, t] : index->tensors_) {
+    std::sort(t.slices.begin(), t.slices.end(),
+              [](const Slice& a, const Slice& b) { return a.begin() < b.begin(); });
+    for (size_t i = 1; i < t.slices.size(); ++i) {
+      if (t.slices[i].begin() < t.slices[i - 1].end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint ", dir, " holds elements of tensor '", name, "' twice (partition '",
+            t.slices[i - 1].partition->name(), "' of session '",
+            t.slices[i - 1].manifest->session_name(), "' and partition '",
+            t.slices[i].partition->name(), "' of session '", t.slices[i].manifest->session_name(),
+            "'): keep one checkpoint per directory"));
+      }
+    }
+    if (!t.shape.empty()) {
+      t.numel = 1;
+      for (uint64_t d : t.shape) t.numel *= d;
+    } else {
+      t.numel = t.slices.back().end();
+    }
+  }
+  return index;
+}
+
+absl::StatusOr<const TensorIndex::Tensor*> TensorIndex::Find(const std::string& tensor) const {
+  auto it = tensors_.find(tensor);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("the checkpoint in ", dir_, " has no tensor '", tensor, "'"));
+  }
+  return &it->second;
+}
+
+absl::StatusOr<std::vector<const TensorIndex::Slice*>> TensorIndex::Covering(
+    const std::string& name, const Tensor& t, uint64_t begin, uint64_t end) const {
+  end = std::min(end, t.numel);
+  std::vector<const Slice*> out;
+  uint64_t next = begin;
+  for (const Slice& s : t.slices) {
+    if (s.end() <= next || next >= end) continue;
+    if (s.begin() > next) break;
+    out.push_back(&s);
+    next = s.end();
+  }
+  if (next < end) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the checkpoint in ", dir_, " lacks elements [", next, ", ", end, ") of tensor '", name,
+        "' (", t.numel, " elements): a session that held them was not checkpointed into it"));
+  }
+  return out;
+}
+
+absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t begin,
+                               uint64_t elems, size_t elem_size, void* dst) const {
+  const PartitionRecord& p = *slice.partition;
+  // Indices within the partition.
+  const uint64_t lo = begin - p.offset(), hi = lo + elems;
+  auto* out = static_cast<std::byte*>(dst);
+  std::vector<std::byte> buffer;
+  uint64_t covered = 0;
+  for (const Record& r : p.records()) {
+    if (r.kind() != kind || r.begin() + r.elems() <= lo || r.begin() >= hi) continue;
+    if (r.elems() == 0 || r.bytes() != r.elems() * elem_size) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition '", p.name(), "' of the checkpoint in ", dir_, " holds ", RecordKindName(kind),
+          " with ", r.bytes(), " bytes for ", r.elems(), " elements, not ", elem_size,
+          " bytes each (a different dtype)"));
+    }
+    buffer.resize(r.bytes());
+    RETURN_IF_ERROR(slice.reader->Read(r, buffer.data()));
+    const uint64_t from = std::max(lo, r.begin()), to = std::min(hi, r.begin() + r.elems());
+    std::memcpy(out + (from - lo) * elem_size, buffer.data() + (from - r.begin()) * elem_size,
+                (to - from) * elem_size);
+    covered += to - from;
+  }
+  if (covered != elems) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition '", p.name(), "' of the checkpoint in ", dir_, " has ", covered, " of ", elems,
+        " elements of ", RecordKindName(kind), " asked for"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace offload::checkpoint
