@@ -156,6 +156,7 @@ struct Session::Impl {
     ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype(), "param_dtype from the daemon"));
     ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype(), "grad_dtype from the daemon"));
     v.step = loc.step();
+    v.restored = loc.restored();
     v.params = base + loc.params().offset();
     v.grads = base + loc.grads().offset();
     if (loc.master_init().bytes() != 0) {
@@ -214,6 +215,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
     if (l.hysteresis) out->set_hysteresis(*l.hysteresis);
     if (l.min_scale) out->set_min_scale(*l.min_scale);
   }
+  req.set_restore_from(options.restore_from);
   if (options.delayed_update_after_steps.has_value()) {
     req.set_delayed_update_after_steps(*options.delayed_update_after_steps);
   }
@@ -298,7 +300,8 @@ uint64_t Session::id() const { return impl_->ref.session_id(); }
 
 absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
                                                 DType param_dtype, DType grad_dtype,
-                                                bool fp32_master) {
+                                                bool fp32_master,
+                                                const std::optional<TensorSlice>& slice) {
   v1::RegisterPartitionRequest req;
   *req.mutable_session() = impl_->ref;
   req.set_name(name);
@@ -306,6 +309,11 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
   req.set_param_dtype(ToProto(param_dtype));
   req.set_grad_dtype(ToProto(grad_dtype));
   req.set_fp32_master(fp32_master);
+  if (slice.has_value()) {
+    req.mutable_slice()->set_tensor(slice->tensor);
+    for (uint64_t d : slice->shape) req.mutable_slice()->add_shape(d);
+    req.mutable_slice()->set_offset(slice->offset);
+  }
   v1::RegisterPartitionResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(
@@ -428,6 +436,44 @@ absl::Status Session::SetPlacement(const Placement& placement) {
   return FromGrpc(impl_->stub->SetPlacement(&rpc.context, req, &resp), "SetPlacement");
 }
 
+namespace {
+
+CheckpointResult FromProto(const v1::CheckpointResponse& r) {
+  CheckpointResult out;
+  out.manifest = r.manifest();
+  out.partitions = r.partitions();
+  out.bytes = r.bytes();
+  out.steps = r.steps();
+  out.pause_us = r.pause_us();
+  out.wall_us = r.wall_us();
+  out.running = r.running();
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointResult> Session::Checkpoint(const std::string& directory,
+                                                     bool background) {
+  v1::CheckpointRequest req;
+  *req.mutable_session() = impl_->ref;
+  req.set_directory(directory);
+  req.set_background(background);
+  v1::CheckpointResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->Checkpoint(&rpc.context, req, &resp), "Checkpoint"));
+  return FromProto(resp);
+}
+
+absl::StatusOr<CheckpointResult> Session::WaitCheckpoint() {
+  v1::WaitCheckpointRequest req;
+  *req.mutable_session() = impl_->ref;
+  v1::CheckpointResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->WaitCheckpoint(&rpc.context, req, &resp), "WaitCheckpoint"));
+  return FromProto(resp);
+}
+
 absl::Status Session::Close() {
   {
     absl::MutexLock lock(&impl_->mu);
@@ -442,6 +488,17 @@ absl::Status Session::Close() {
       FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
   impl_->connection.reset();
   return closed;
+}
+
+absl::StatusOr<CheckpointResult> Client::CheckpointSession(uint64_t session_id,
+                                                          const std::string& directory) {
+  v1::CheckpointRequest req;
+  req.mutable_session()->set_session_id(session_id);  // no token: as the operator
+  req.set_directory(directory);
+  v1::CheckpointResponse resp;
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
+  RETURN_IF_ERROR(FromGrpc(impl_->partitions->Checkpoint(&rpc.context, req, &resp), "Checkpoint"));
+  return FromProto(resp);
 }
 
 }  // namespace offload

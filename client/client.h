@@ -100,6 +100,33 @@ struct SessionOptions {
   // Set: the delayed parameter update switches itself on after this many
   // steps (0: from the first; ZeRO-Offload used 40). See SetDelayedUpdate.
   std::optional<uint64_t> delayed_update_after_steps;
+  // An absolute directory a checkpoint was written into (Session::
+  // Checkpoint): the session restores it. Its steps, loss scale, delayed
+  // update and (unless set above) placement come from it, and each
+  // partition registered takes its saved state (PartitionView::restored)
+  // from whichever checkpointed sessions held its tensor's elements.
+  std::string restore_from;
+};
+
+// Which slice of which tensor a partition is: elements [offset, offset +
+// numel) of the tensor's flattened values (the last slice may run past its
+// end: padding). Checkpoints restore by tensor elements, so a job may come
+// back with another number of ranks, and export whole tensors.
+struct TensorSlice {
+  std::string tensor;
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;
+};
+
+// A checkpoint written (or, `running`, being written in the background).
+struct CheckpointResult {
+  std::string manifest;  // its path, once written
+  uint64_t partitions = 0;
+  uint64_t bytes = 0;     // of the data file
+  uint64_t steps = 0;     // the session's, at the checkpoint
+  uint64_t pause_us = 0;  // what training waited: reaching the step boundary
+  uint64_t wall_us = 0;
+  bool running = false;
 };
 
 // What the gradients returned since the last step add up to (see
@@ -150,6 +177,9 @@ struct PartitionView {
   // Registered with fp32_master, until released: the fp32 initial values
   // to write (numel floats). Null otherwise.
   float* master_init = nullptr;
+  // Registered by a session restoring a checkpoint: its parameters and
+  // optimizer state are the saved ones; release it without writing.
+  bool restored = false;
 
   // Typed access; the element type must match the dtype's size.
   template <typename T>
@@ -230,9 +260,11 @@ class Session {
   // With `fp32_master`, write the initial values in fp32 into
   // master_init instead of params: the release makes them the master
   // weights exactly and the working copy rounded.
+  // `slice`: which tensor's elements it holds (unset: a tensor of its own).
   absl::StatusOr<PartitionView> Register(const std::string& name, uint64_t numel,
                                          DType param_dtype, DType grad_dtype,
-                                         bool fp32_master = false);
+                                         bool fp32_master = false,
+                                         const std::optional<TensorSlice>& slice = std::nullopt);
   // Holds partitions (see the residency contract above). An empty list
   // fetches every partition of the session.
   absl::StatusOr<PartitionView> Fetch(uint64_t partition_id, const FetchOptions& options = {});
@@ -270,6 +302,14 @@ class Session {
   // keep theirs); returns at once, the daemon moves the data in the
   // background.
   absl::Status SetPlacement(const Placement& placement);
+  // Writes this session's checkpoint into `directory` (absolute; created
+  // if missing) at the next step boundary, atomically; training waits only
+  // for the step boundary (pause_us). With `background`, returns then and
+  // WaitCheckpoint gives the outcome. Checkpoint every rank into the same
+  // directory at the same step; restore with SessionOptions::restore_from.
+  absl::StatusOr<CheckpointResult> Checkpoint(const std::string& directory,
+                                              bool background = false);
+  absl::StatusOr<CheckpointResult> WaitCheckpoint();
   absl::Status Close();
 
  private:
@@ -297,6 +337,10 @@ class Client {
   absl::StatusOr<Tunable> GetTunable(const std::string& name);
   absl::StatusOr<Tunable> SetTunable(const std::string& name, const std::string& value);
   absl::StatusOr<DaemonStats> GetStats();
+  // As Session::Checkpoint, for any session of the daemon, by id (an
+  // operator's call: offloadctl checkpoint).
+  absl::StatusOr<CheckpointResult> CheckpointSession(uint64_t session_id,
+                                                     const std::string& directory);
 
  private:
   struct Impl;

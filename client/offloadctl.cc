@@ -5,11 +5,18 @@
 //   offloadctl [--address=ADDR] config get NAME
 //   offloadctl [--address=ADDR] config set NAME VALUE
 //   offloadctl [--address=ADDR] stats
+//   offloadctl [--address=ADDR] checkpoint SESSION_ID DIR
+//   offloadctl export [--format=safetensors] CHECKPOINT_DIR OUTPUT
 //
+// export reads a checkpoint directory offline (no daemon needed) and
+// writes every tensor's consolidated fp32 weights, across all the ranks
+// that checkpointed into it, into one file.
 // ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
 // TCP, anything but reading status needs $OFFLOADD_TOKEN (<data_dir>/tcp_token).
 // Exit status: 0 success, 1 the daemon refused or could not be reached
 // (the reason is printed with its status code), 2 usage error.
+#include <unistd.h>
+
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -17,6 +24,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/numbers.h"
+#include "checkpoint/export.h"
+#include "checkpoint/tensor_index.h"
 #include "client/client.h"
 
 namespace offload {
@@ -30,6 +40,9 @@ constexpr char kUsage[] =
     "  config get NAME         one tunable\n"
     "  config set NAME VALUE   change a tunable (dynamic ones only while running)\n"
     "  stats                   counters and sessions\n"
+    "  checkpoint ID DIR       write session ID's checkpoint into DIR (atomically)\n"
+    "  export [--format=safetensors] CHECKPOINT_DIR OUTPUT\n"
+    "                          consolidated fp32 weights of a checkpoint (offline)\n"
     "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
     "Over TCP, only status is served unless $OFFLOADD_TOKEN holds <data_dir>/tcp_token.\n";
 
@@ -97,13 +110,54 @@ int Stats(Client& client) {
   return 0;
 }
 
+// An absolute form of `path`.
+std::string Absolute(const std::string& path) {
+  if (!path.empty() && path[0] == '/') return path;
+  char cwd[4096];
+  if (getcwd(cwd, sizeof(cwd)) == nullptr) return path;
+  return absl::StrCat(cwd, "/", path);
+}
+
+int Checkpoint(Client& client, const std::string& id_text, const std::string& dir) {
+  uint64_t id;
+  if (!absl::SimpleAtoi(id_text, &id)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("session id '", id_text, "' is not a number (see offloadctl stats)")));
+  }
+  absl::StatusOr<CheckpointResult> r = client.CheckpointSession(id, Absolute(dir));
+  if (!r.ok()) return Fail(r.status());
+  std::printf("checkpoint of session %llu at step %llu: %s\n  %llu partitions, %s, %.1f ms "
+              "(training paused %.1f ms)\n",
+              static_cast<unsigned long long>(id), static_cast<unsigned long long>(r->steps),
+              r->manifest.c_str(), static_cast<unsigned long long>(r->partitions),
+              Bytes(r->bytes).c_str(), static_cast<double>(r->wall_us) / 1000.0,
+              static_cast<double>(r->pause_us) / 1000.0);
+  return 0;
+}
+
+int Export(const std::string& dir, const std::string& output) {
+  absl::StatusOr<std::unique_ptr<checkpoint::TensorIndex>> index =
+      checkpoint::TensorIndex::Load(Absolute(dir));
+  if (!index.ok()) return Fail(index.status());
+  absl::StatusOr<checkpoint::ExportSummary> s = checkpoint::ExportSafetensors(**index, output);
+  if (!s.ok()) return Fail(s.status());
+  std::printf("%s: %llu tensors, %llu fp32 values, %s (from %zu session manifests)\n",
+              output.c_str(), static_cast<unsigned long long>(s->tensors),
+              static_cast<unsigned long long>(s->elements), Bytes(s->bytes).c_str(),
+              (*index)->manifests().size());
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   ClientOptions options;
+  std::string format = "safetensors";
   std::vector<std::string> args;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (absl::StartsWith(a, "--address=")) {
       options.address = a.substr(10);
+    } else if (absl::StartsWith(a, "--format=")) {
+      format = a.substr(9);
     } else if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       return 0;
@@ -120,14 +174,25 @@ int Main(int argc, char** argv) {
                      (args[0] == "stats" && args.size() == 1) ||
                      (args[0] == "config" && args.size() == 2 && args[1] == "list") ||
                      (args[0] == "config" && args.size() == 3 && args[1] == "get") ||
-                     (args[0] == "config" && args.size() == 4 && args[1] == "set");
+                     (args[0] == "config" && args.size() == 4 && args[1] == "set") ||
+                     (args[0] == "checkpoint" && args.size() == 3) ||
+                     (args[0] == "export" && args.size() == 3);
   if (!known) return usage();
+  if (args[0] == "export") {
+    if (format != "safetensors") {
+      std::fprintf(stderr, "offloadctl: export writes --format=safetensors only, not '%s'\n",
+                   format.c_str());
+      return 2;
+    }
+    return Export(args[1], args[2]);
+  }
 
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
   if (args[0] == "status") return Status(c);
   if (args[0] == "stats") return Stats(c);
+  if (args[0] == "checkpoint") return Checkpoint(c, args[1], args[2]);
   if (args[1] == "list") {
     absl::StatusOr<std::vector<Tunable>> list = c.ListTunables();
     if (!list.ok()) return Fail(list.status());

@@ -40,6 +40,17 @@ class LossScaler {
   explicit LossScaler(const LossScalingOptions& options);
 
   double scale() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Everything that changes, for checkpoints.
+  struct State {
+    double scale = 0;
+    int64_t hysteresis_left = 0;
+    int64_t clean_steps = 0;
+  };
+  State state() const ABSL_LOCKS_EXCLUDED(mu_);
+  // INVALID_ARGUMENT for a state these options could not reach (a scale
+  // that is not finite and positive, counters out of range).
+  absl::Status Restore(const State& state) ABSL_LOCKS_EXCLUDED(mu_);
+  const LossScalingOptions& options() const { return options_; }
   // The outcome of one step: whether any rank overflowed.
   void Update(bool overflow) ABSL_LOCKS_EXCLUDED(mu_);
 

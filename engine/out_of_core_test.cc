@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "engine/partition_store.h"
+#include "engine/test_engine.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
 #include "gtest/gtest.h"
@@ -34,59 +35,6 @@ namespace {
 constexpr uint64_t kChunkElems = 4096;  // 16 KiB per kind and chunk
 // Three partitions of different sizes: 5 + 2 + 1 chunks (the last partial).
 const std::vector<uint64_t> kSizes = {5 * kChunkElems, 2 * kChunkElems - 100, 700};
-
-// A daemon's engine: pool, swapper (over an NVMe tier that may fail on
-// demand), store, step runner and session manager.
-class Engine {
- public:
-  Engine(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth = 8) {
-    mkdir(dir.c_str(), 0700);
-    auto inner = MakeIoBackend(IoOptions{});
-    EXPECT_TRUE(inner.ok()) << inner.status();
-    auto faulty = std::make_unique<FaultInjectingBackend>(std::move(*inner));
-    faults = faulty.get();
-    backend_ = std::move(faulty);
-    NvmeOptions n;
-    n.dirs = dir;
-    n.bytes_per_dir = int64_t{64} << 20;
-    space_ = *SwapSpace::Create(n, backend_.get());
-    pool = std::make_unique<HostPool>(Env::Default(), pool_bytes, false);
-    SwapperOptions so;
-    so.prefetch_depth = prefetch_depth;
-    swapper = *Swapper::Create(so, pool.get(), space_.get());
-    store_ = std::make_unique<PartitionStore>(Env::Default(), swapper.get(), &stats, 64 << 20,
-                                              Placement{}, kChunkElems);
-    steps = std::make_unique<StepRunner>(&optimizer_, pool.get(), &stats);
-    sessions = std::make_unique<SessionManager>(Env::Default(), store_.get(), steps.get(), &stats);
-  }
-
-  // In the order they are built, so that they are destroyed in reverse: the
-  // swapper (and the sessions' blocks) before the swap space it writes to.
- private:
-  std::unique_ptr<IoBackend> backend_;
-  std::unique_ptr<SwapSpace> space_;
-  Optimizer optimizer_{OptimizerOptions{}};
-
- public:
-  FaultInjectingBackend* faults = nullptr;
-  Stats stats;
-  std::unique_ptr<HostPool> pool;
-  std::unique_ptr<Swapper> swapper;
-
- private:
-  std::unique_ptr<PartitionStore> store_;
-
- public:
-  std::unique_ptr<StepRunner> steps;
-  std::unique_ptr<SessionManager> sessions;
-};
-
-// Every kind of data at `percent` on the host.
-PlacementChange All(int percent) {
-  PlacementChange change;
-  for (auto& p : change.host_percent) p = percent;
-  return change;
-}
 
 StepControl SkipControl() {
   StepControl c;

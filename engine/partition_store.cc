@@ -56,6 +56,9 @@ const char* DataKindName(DataKind kind) {
 
 struct PartitionSet::Partition {
   PartitionInfo info;
+  std::string tensor;  // of which it is a slice (never empty)
+  std::vector<uint64_t> shape;
+  uint64_t tensor_offset = 0;
   HostMemory region;  // its span in the arena, mapped
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
@@ -331,15 +334,42 @@ absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p,
   return pins;
 }
 
-absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const PartitionSpec& spec) {
+absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const PartitionSpec& spec,
+                                                     const RestoredState* restored) {
   // The name first: the messages below quote it.
   RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
   if (spec.numel == 0 || spec.numel > PartitionStore::kMaxNumel) {
     return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "' numel ",
                                                    spec.numel, " must be in [1, 2^40]"));
   }
+  if (!spec.tensor.empty()) {
+    RETURN_IF_ERROR(CheckName(spec.tensor, "tensor name", /*may_be_empty=*/false));
+  }
+  if (spec.shape.size() > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "': a shape of ",
+                                                   spec.shape.size(), " dimensions (at most 16)"));
+  }
+  uint64_t tensor_numel = 1;
+  for (uint64_t d : spec.shape) {
+    if (d == 0 || d > PartitionStore::kMaxNumel || tensor_numel * d > PartitionStore::kMaxNumel) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "partition '", spec.name, "': its tensor's shape has a dimension of ", d,
+          " or more than 2^40 elements"));
+    }
+    tensor_numel *= d;
+  }
+  if (spec.tensor_offset > PartitionStore::kMaxNumel ||
+      (!spec.shape.empty() && spec.tensor_offset >= tensor_numel)) {
+    return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "': offset ",
+                                                   spec.tensor_offset, " is outside its tensor"));
+  }
+  // With restored state the fp32 initial values are not asked for.
+  const bool fp32_init = spec.fp32_master && restored == nullptr;
   const std::string what = absl::StrCat("partition '", spec.name, "' of session ", session_id_);
   auto partition = std::make_unique<Partition>();
+  partition->tensor = spec.tensor.empty() ? spec.name : spec.tensor;
+  partition->shape = spec.shape;
+  partition->tensor_offset = spec.tensor_offset;
   PartitionInfo& info = partition->info;
   info.id = id;
   info.name = spec.name;
@@ -359,6 +389,12 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     // Claimed now; given back below if the registration fails.
     names_.insert(spec.name);
     with_shadow = delayed_;  // stable: SetDelayedUpdate holds placement_mu_ too
+    if (restored != nullptr && restored->next_params_pending && !with_shadow) {
+      names_.erase(spec.name);
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": the checkpoint holds a newer working copy of the delayed update, but the "
+          "session's delayed update is off"));
+    }
     for (DataKind k : kKinds) {
       const int kind = static_cast<int>(k);
       partition->home[kind] = HomeFor(bytes_[kind][0], bytes_[kind][0] + bytes_[kind][1],
@@ -375,25 +411,25 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     // space for the rest) covers them.
     const uint64_t grads_at = ShmArena::RoundedSize(param_bytes);
     const uint64_t init_at = grads_at + ShmArena::RoundedSize(grad_bytes);
-    const uint64_t init_bytes = spec.fp32_master ? spec.numel * sizeof(float) : 0;
+    const uint64_t init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;
     // The working copy's second buffer (the delayed update) last: address
     // space only, until the delayed update is switched on.
     const uint64_t shadow_at =
-        (spec.fp32_master ? init_at + ShmArena::RoundedSize(init_bytes)
+        (fp32_init ? init_at + ShmArena::RoundedSize(init_bytes)
                           : grads_at + ShmArena::RoundedSize(grad_bytes));
     const uint64_t span = shadow_at + param_bytes;
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span));
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};
     info.span = {params_off, span};
-    if (spec.fp32_master) info.master_init = {params_off + init_at, init_bytes};
+    if (fp32_init) info.master_init = {params_off + init_at, init_bytes};
     ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, span));
     partition->grads = partition->region.data() + grads_at;
     partition->params_offset[0] = params_off;
     partition->params_offset[1] = params_off + shadow_at;
     partition->buffer[0] = partition->region.data();
     partition->buffer[1] = partition->region.data() + shadow_at;
-    partition->master_init_pending = spec.fp32_master;
+    partition->master_init_pending = fp32_init;
     const Tier* home = partition->home;
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
       const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
@@ -407,7 +443,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
           s = swapper_->AddExternal(block, partition->buffer[1] + begin * size, elems * size,
                                     where, session_id_);
         } else if (b == PartitionStore::kInitBlock) {
-          if (!spec.fp32_master) continue;
+          if (!fp32_init) continue;
           s = swapper_->AddExternal(block, partition->region.data() + init_at + begin * 4,
                                     elems * sizeof(float), Tier::kHost, session_id_);
         } else if (b == PartitionStore::kParamsBlock) {
@@ -430,6 +466,13 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     // Held for the trainer to write the initial values.
     ASSIGN_OR_RETURN(partition->param_pins,
                      Hold(*partition, PartitionStore::kParamsBlock, /*for_write=*/true));
+    if (restored != nullptr) {
+      absl::Status filled = FillRestored(*partition, *restored, with_shadow);
+      if (!filled.ok()) {
+        return absl::Status(filled.code(),
+                            absl::StrCat("restoring ", what, ": ", filled.message()));
+      }
+    }
     return absl::OkStatus();
   }();
   if (!status.ok()) {
@@ -440,6 +483,15 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     absl::MutexLock lock(&mu_);
     names_.erase(spec.name);
     return status;
+  }
+  if (restored != nullptr) {
+    partition->info.step = restored->step;
+    partition->info.restored = true;
+    partition->master_initialized = restored->master_initialized;
+    partition->grads_ready = restored->grads_ready;
+    partition->micro_batches = restored->micro_batches;
+    partition->grad_stats = restored->grad_stats;
+    partition->swap_pending = restored->next_params_pending;
   }
   absl::MutexLock lock(&mu_);
   for (DataKind k : kKinds) {
@@ -465,6 +517,8 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       }
     }
   }
+  // A checkpoint being written keeps what the trainer is about to change.
+  if (mode.writable) CaptureAll(wanted);
   // Outside the lock: swap-ins take time. Pins taken here that turn out not
   // to be needed (held meanwhile) are dropped when `spare` goes, also
   // outside the lock.
@@ -656,6 +710,7 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
 
 absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem& item,
                                                            uint64_t chunk) {
+  CaptureChunk(item.id, chunk);  // before the accumulator changes
   AccumulatePins pins;
   pins.begin = chunk * state_chunk_elems_;
   pins.end = std::min(item.numel, pins.begin + state_chunk_elems_);
@@ -819,6 +874,7 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
     return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no chunk ", chunk));
   }
   pins.end = std::min(numel, pins.begin + state_chunk_elems_);
+  CaptureChunk(id, chunk);  // before the update changes it
   const struct {
     Swapper::Pin* pin;
     int kind;
@@ -853,7 +909,15 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
   std::vector<Buffer> buffers;
   {
     absl::MutexLock lock(&mu_);
-    while (stepping_) step_ended_.Wait(&mu_);
+    // Switching moves and drops working-copy buffers a checkpoint may
+    // still have to capture.
+    while (stepping_ || capture_ != nullptr) {
+      if (capture_ != nullptr) {
+        captured_.Wait(&mu_);
+      } else {
+        step_ended_.Wait(&mu_);
+      }
+    }
     if (on == delayed_) return absl::OkStatus();
     for (const auto& [id, p] : partitions_) {
       if (p->resume_chunk != 0) {
@@ -910,6 +974,7 @@ bool PartitionSet::delayed_update() const {
 }
 
 void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
+  CaptureChunk(id, chunk);  // a skipped step's gradients, before they go
   swapper_->Discard(PartitionStore::BlockOf(id, chunk, PartitionStore::kAccumBlock))
       .IgnoreError();
 }
@@ -969,6 +1034,172 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
   // One iteration of this session's accesses ends here: the swapper learns
   // their order and prefetches the next iteration's first blocks.
   swapper_->EndIteration(session_id_);
+}
+
+absl::Status PartitionSet::RestoreSetState(uint64_t steps, bool delayed) {
+  absl::MutexLock placing(&placement_mu_);
+  absl::MutexLock lock(&mu_);
+  if (!partitions_.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", session_id_, " has partitions already: restore before any"));
+  }
+  steps_ = steps;
+  delayed_ = delayed;  // no partition: no second buffer to make
+  return absl::OkStatus();
+}
+
+absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState& restored,
+                                        bool with_shadow) {
+  std::vector<int> kinds;
+  if (restored.master_initialized) {
+    kinds.insert(kinds.end(), {PartitionStore::kMaster, PartitionStore::kExpAvg,
+                               PartitionStore::kExpAvgSq});
+  }
+  if (restored.grads_ready) kinds.push_back(PartitionStore::kAccumBlock);
+  kinds.push_back(PartitionStore::kParamsBlock);  // version 0: the current one
+  if (restored.next_params_pending && with_shadow) kinds.push_back(PartitionStore::kShadowBlock);
+  const uint64_t numel = p.info.numel;
+  for (uint64_t begin = 0, c = 0; begin < numel; begin += state_chunk_elems_, ++c) {
+    const uint64_t elems = std::min(state_chunk_elems_, numel - begin);
+    for (int kind : kinds) {
+      ASSIGN_OR_RETURN(Swapper::Pin pin, PinBlock(p.info.id, c, kind, /*for_write=*/true));
+      const bool params =
+          kind == PartitionStore::kParamsBlock || kind == PartitionStore::kShadowBlock;
+      const uint64_t want = elems * (params ? DTypeSize(p.info.param_dtype) : sizeof(float));
+      if (pin.size() != want) {
+        return absl::InternalError(absl::StrCat("block of ", pin.size(), " bytes for ", want));
+      }
+      RETURN_IF_ERROR(restored.read(kind, begin, elems, pin.data()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
+  absl::MutexLock lock(&mu_);
+  if (capture_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a checkpoint of session ", session_id_, " is being written already"));
+  }
+  // A step boundary: no step running, no gradients being added.
+  auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stepping_) return true;
+    for (const auto& [id, p] : partitions_) {
+      if (p->accumulating) return true;
+    }
+    return false;
+  };
+  while (busy()) step_ended_.Wait(&mu_);
+  SetImage image;
+  image.steps = steps_;
+  image.delayed = delayed_;
+  image.placement = placement_;
+  image.chunk_elems = state_chunk_elems_;
+  auto capture = std::make_unique<Capture>();
+  capture->sink = sink;
+  for (const auto& [id, p] : partitions_) {
+    const std::string why =
+        p->master_init_pending
+            ? "was registered with fp32 initial values not committed yet: release it first"
+        : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
+        : p->accum_lost        ? "lost its accumulated gradients: skip this step first"
+                               : "";
+    if (!why.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot checkpoint session ", session_id_, ": partition ", id, " ('",
+                       p->info.name, "') ", why));
+    }
+    CheckpointedPartition c;
+    c.info = p->info;
+    c.tensor = p->tensor;
+    c.shape = p->shape;
+    c.tensor_offset = p->tensor_offset;
+    c.master_initialized = p->master_initialized;
+    c.grads_ready = p->grads_ready;
+    c.micro_batches = p->micro_batches;
+    c.grad_stats = p->grad_stats;
+    c.chunks = ChunksOf(p->info.numel);
+    if (c.master_initialized) {
+      c.block_kinds = {PartitionStore::kMaster, PartitionStore::kExpAvg,
+                       PartitionStore::kExpAvgSq};
+    }
+    if (c.grads_ready) c.block_kinds.push_back(PartitionStore::kAccumBlock);
+    c.current_kind = ParamsKind(*p, /*next=*/false);
+    c.block_kinds.push_back(c.current_kind);
+    if (p->swap_pending) {
+      c.next_kind = ParamsKind(*p, /*next=*/true);
+      c.block_kinds.push_back(c.next_kind);
+    }
+    capture->chunks[id] = {c.block_kinds, std::vector<uint8_t>(c.chunks, 0)};
+    image.partitions.push_back(std::move(c));
+  }
+  capture_ = std::move(capture);
+  return image;
+}
+
+void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
+  std::vector<int> kinds;
+  ChunkSink* sink;
+  {
+    absl::MutexLock lock(&mu_);
+    for (;;) {
+      if (capture_ == nullptr) return;
+      auto it = capture_->chunks.find(id);
+      if (it == capture_->chunks.end() || chunk >= it->second.second.size()) return;
+      uint8_t& state = it->second.second[chunk];
+      if (state == 2) return;
+      if (state == 0) {
+        state = 1;
+        kinds = it->second.first;
+        sink = capture_->sink;
+        ++capture_->running;
+        break;
+      }
+      captured_.Wait(&mu_);  // another thread is capturing it
+    }
+  }
+  // Outside the lock: swap-ins and file writes take time. Read pins: what
+  // is pinned for writing by another call is not being changed yet (every
+  // change captures first).
+  absl::Status status;
+  for (int kind : kinds) {
+    absl::StatusOr<Swapper::Pin> pin = PinBlock(id, chunk, kind, /*for_write=*/false);
+    if (!pin.ok()) {
+      status = absl::Status(pin.status().code(),
+                            absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
+                                         pin.status().message()));
+      break;
+    }
+    status = sink->Write(id, chunk, kind, absl::MakeConstSpan(pin->data(), pin->size()));
+    if (!status.ok()) break;
+  }
+  absl::MutexLock lock(&mu_);
+  capture_->chunks[id].second[chunk] = 2;  // failed or not: nobody waits for it again
+  if (!status.ok() && capture_->status.ok()) capture_->status = status;
+  --capture_->running;
+  captured_.SignalAll();
+}
+
+void PartitionSet::CaptureAll(absl::Span<Partition* const> partitions) {
+  std::vector<std::pair<uint64_t, uint64_t>> todo;  // id, chunks
+  {
+    absl::MutexLock lock(&mu_);
+    if (capture_ == nullptr) return;
+    for (const Partition* p : partitions) todo.emplace_back(p->info.id, ChunksOf(p->info.numel));
+  }
+  for (const auto& [id, chunks] : todo) {
+    for (uint64_t c = 0; c < chunks; ++c) CaptureChunk(id, c);
+  }
+}
+
+absl::Status PartitionSet::EndCheckpoint() {
+  absl::MutexLock lock(&mu_);
+  if (capture_ == nullptr) return absl::OkStatus();
+  while (capture_->running > 0) captured_.Wait(&mu_);
+  absl::Status status = capture_->status;
+  capture_.reset();
+  captured_.SignalAll();
+  return status;
 }
 
 }  // namespace offload

@@ -61,6 +61,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -123,7 +124,43 @@ struct PartitionSpec {
   // master_init), so that master weights do not start from rounded values;
   // the first Release commits them (and derives the working copy).
   bool fp32_master = false;
+  // The tensor this partition is a slice of (for checkpoints: restoring
+  // into another slicing, and exporting whole tensors): elements
+  // [tensor_offset, tensor_offset + numel) of its flattened values, the
+  // last slice possibly padded past its end. Empty `tensor`: the partition
+  // is a tensor of its own, named as it is, of shape {numel}.
+  std::string tensor{};
+  std::vector<uint64_t> shape{};
+  uint64_t tensor_offset = 0;
 };
+
+// A registering partition's state, from a checkpoint its session restores
+// (engine/checkpoint.h).
+struct RestoredState {
+  uint64_t step = 0;
+  bool master_initialized = false;  // master weights and moments saved
+  bool grads_ready = false;         // accumulated gradients saved
+  uint64_t micro_batches = 0;
+  GradStats grad_stats;
+  bool next_params_pending = false;  // a newer working copy saved (the delayed update)
+  // Elements [begin, begin + elems) of one block kind (PartitionStore::
+  // BlockKind: kMaster, kExpAvg, kExpAvgSq, kAccumBlock, kParamsBlock for the
+  // current working copy, kShadowBlock for the newer one) into `dst`.
+  std::function<absl::Status(int block_kind, uint64_t begin, uint64_t elems, std::byte* dst)>
+      read;
+};
+
+// Receives a checkpoint's bytes (PartitionSet::BeginCheckpoint): one block
+// kind of one chunk of a partition, as it was when the checkpoint began.
+// Called from several threads (the writer's, and those of calls about to
+// change a chunk not written yet).
+class ChunkSink {
+ public:
+  virtual ~ChunkSink() = default;
+  virtual absl::Status Write(uint64_t id, uint64_t chunk, int block_kind,
+                             absl::Span<const std::byte> bytes) = 0;
+};
+
 
 struct ArenaRegion {
   uint64_t offset = 0;
@@ -145,6 +182,37 @@ struct PartitionInfo {
   // second buffer included): what a client maps once.
   ArenaRegion span;
   uint64_t step = 0;
+  // Its state came from the checkpoint its session restores: the
+  // parameters are in place (nothing to write before releasing).
+  bool restored = false;
+};
+
+// A partition as a checkpoint began.
+struct CheckpointedPartition {
+  PartitionInfo info;
+  std::string tensor;  // never empty here
+  std::vector<uint64_t> shape{};
+  uint64_t tensor_offset = 0;
+  bool master_initialized = false;
+  bool grads_ready = false;
+  uint64_t micro_batches = 0;
+  GradStats grad_stats;
+  // The block kinds saved, per chunk: the master weights and moments if
+  // initialised, the accumulator if gradients are ready, the working copy
+  // read now (`current_kind`), and the newer one if pending (`next_kind`,
+  // else -1).
+  std::vector<int> block_kinds;
+  int current_kind = 0, next_kind = -1;
+  uint64_t chunks = 0;
+};
+
+// A set as a checkpoint began.
+struct SetImage {
+  uint64_t steps = 0;
+  bool delayed = false;
+  Placement placement;
+  uint64_t chunk_elems = 0;
+  std::vector<CheckpointedPartition> partitions;  // by id
 };
 
 // One partition of a step, as BeginStep hands it to the step runner. The
@@ -233,9 +301,34 @@ class PartitionSet {
   PartitionSet& operator=(const PartitionSet&) = delete;
 
   // Registers partition `id` (chosen by the caller, unique daemon-wide),
-  // its parameters zeros and held (writable) for the trainer to fill.
-  absl::StatusOr<PartitionInfo> Register(uint64_t id, const PartitionSpec& spec)
+  // its parameters zeros and held (writable) for the trainer to fill; with
+  // `restored`, its state and parameters from a checkpoint instead (the
+  // fp32 initial values are then not asked for).
+  absl::StatusOr<PartitionInfo> Register(uint64_t id, const PartitionSpec& spec,
+                                         const RestoredState* restored = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A session restoring a checkpoint, before its first registration: the
+  // steps it applied and its delayed update.
+  absl::Status RestoreSetState(uint64_t steps, bool delayed) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Checkpoints, copy-on-write. BeginCheckpoint waits for a running step
+  // and accumulations to end (a step boundary) and returns the set's image
+  // then; from that moment every chunk of every partition in it is given
+  // to `sink` exactly once, as it was then: by CaptureChunk (the writer
+  // walks every chunk), or by a call about to change a chunk not captured
+  // yet (a step's update, an accumulation, a writable fetch, a skipped
+  // step's discard), which captures it first. Training goes on meanwhile;
+  // a change to a chunk waits at most for that chunk's capture.
+  // SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
+  // another checkpoint runs, for a partition whose fp32 initial values are
+  // not committed, or a step that stopped midway or lost its gradients.
+  absl::StatusOr<SetImage> BeginCheckpoint(ChunkSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
+  // Captures chunk `chunk` of partition `id` unless done (waiting if
+  // another thread is at it). The first failure of any capture is what
+  // EndCheckpoint returns.
+  void CaptureChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends copy-on-write, once no capture is running.
+  absl::Status EndCheckpoint() ABSL_LOCKS_EXCLUDED(mu_);
   // Makes the partitions' parameters resident and holds them (see the
   // residency contract above); holding one already held is no change. An
   // empty `ids` means every partition, in registration order. Waits for the
@@ -367,6 +460,22 @@ class PartitionSet {
   // them (rounded), chunk by chunk. `p` is held by the trainer.
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes a restored partition's saved state into its blocks (held by the
+  // caller, not yet in partitions_).
+  absl::Status FillRestored(const Partition& p, const RestoredState& restored, bool with_shadow)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Every chunk of the partitions, before they change (a writable fetch).
+  void CaptureAll(absl::Span<Partition* const> partitions) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A checkpoint being written: which chunks are captured.
+  struct Capture {
+    ChunkSink* sink;
+    // Per partition id: its block kinds, and per chunk 0 (not yet),
+    // 1 (being captured) or 2 (done).
+    absl::flat_hash_map<uint64_t, std::pair<std::vector<int>, std::vector<uint8_t>>> chunks;
+    int running = 0;  // captures in progress
+    absl::Status status;
+  };
 
   // Constant after construction.
   const uint64_t session_id_;
@@ -393,6 +502,8 @@ class PartitionSet {
   std::vector<uint64_t> fetch_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> fetched_ ABSL_GUARDED_BY(mu_);
   bool delayed_ ABSL_GUARDED_BY(mu_) = false;  // SetDelayedUpdate
+  std::unique_ptr<Capture> capture_ ABSL_GUARDED_BY(mu_);  // a checkpoint being written
+  absl::CondVar captured_;  // a capture ended
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
   Placement placement_ ABSL_GUARDED_BY(mu_);

@@ -30,6 +30,31 @@ void ToProto(const PartitionInfo& p, v1::PartitionLocation* out) {
     out->mutable_master_init()->set_bytes(p.master_init.bytes);
   }
   out->set_step(p.step);
+  out->set_restored(p.restored);
+}
+
+// A path from the wire: absolute-or-empty is the callee's to check; here,
+// text of sane length.
+absl::Status CheckPath(absl::string_view path, absl::string_view what) {
+  if (path.size() > 4096 || path.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be a path of at most 4096 bytes without NUL"));
+  }
+  if (const std::optional<size_t> bad = FirstInvalidUtf8(path); bad.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is not UTF-8 (byte ", *bad, " of ", path.size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+void ToProto(const SessionManager::CheckpointOutcome& o, v1::CheckpointResponse* out) {
+  out->set_manifest(o.summary.manifest);
+  out->set_partitions(o.summary.partitions);
+  out->set_bytes(o.summary.bytes);
+  out->set_steps(o.summary.steps);
+  out->set_pause_us(o.summary.pause_us);
+  out->set_wall_us(o.summary.wall_us);
+  out->set_running(o.running);
 }
 
 void ToProto(const TunableInfo& t, v1::Tunable* out) {
@@ -120,8 +145,9 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     }
     std::optional<uint64_t> dpu_after;
     if (req->has_delayed_update_after_steps()) dpu_after = req->delayed_update_after_steps();
-    ASSIGN_OR_RETURN(OpenedSession opened,
-                     sessions_->Open(req->name(), placement, scaling, dpu_after));
+    RETURN_IF_ERROR(CheckPath(req->restore_from(), "restore_from"));
+    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling,
+                                                           dpu_after, req->restore_from()));
     resp->mutable_session()->set_session_id(opened.key.id);
     resp->mutable_session()->set_token(opened.key.token);
     resp->set_arena_socket(arena_socket_);
@@ -146,6 +172,17 @@ grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext* contex
     ASSIGN_OR_RETURN(spec.param_dtype, FromProto(req->param_dtype(), "param_dtype"));
     ASSIGN_OR_RETURN(spec.grad_dtype, FromProto(req->grad_dtype(), "grad_dtype"));
     spec.fp32_master = req->fp32_master();
+    if (req->has_slice()) {
+      const v1::TensorSlice& slice = req->slice();
+      RETURN_IF_ERROR(CheckName(slice.tensor(), "slice.tensor", /*may_be_empty=*/false));
+      if (slice.shape_size() > 16) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "slice.shape has ", slice.shape_size(), " dimensions; at most 16"));
+      }
+      spec.tensor = slice.tensor();
+      spec.shape.assign(slice.shape().begin(), slice.shape().end());
+      spec.tensor_offset = slice.offset();
+    }
     ASSIGN_OR_RETURN(PartitionInfo info, sessions_->Register(KeyOf(req->session()), spec));
     ToProto(info, resp->mutable_location());
     return absl::OkStatus();
@@ -285,6 +322,30 @@ grpc::Status PartitionServiceImpl::SetPlacement(grpc::ServerContext* context,
   return Serve(*context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(PlacementChange change, FromProto(req->placement()));
     return sessions_->SetPlacement(KeyOf(req->session()), change);
+  });
+}
+
+grpc::Status PartitionServiceImpl::Checkpoint(grpc::ServerContext* context,
+                                              const v1::CheckpointRequest* req,
+                                              v1::CheckpointResponse* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    RETURN_IF_ERROR(CheckPath(req->directory(), "directory"));
+    ASSIGN_OR_RETURN(SessionManager::CheckpointOutcome outcome,
+                     sessions_->Checkpoint(KeyOf(req->session()), req->directory(),
+                                           req->background()));
+    ToProto(outcome, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PartitionServiceImpl::WaitCheckpoint(grpc::ServerContext* context,
+                                                  const v1::WaitCheckpointRequest* req,
+                                                  v1::CheckpointResponse* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(SessionManager::CheckpointOutcome outcome,
+                     sessions_->WaitCheckpoint(KeyOf(req->session())));
+    ToProto(outcome, resp);
+    return absl::OkStatus();
   });
 }
 

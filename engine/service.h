@@ -57,6 +57,10 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
+                          v1::CheckpointResponse*) override;
+  grpc::Status WaitCheckpoint(grpc::ServerContext*, const v1::WaitCheckpointRequest*,
+                              v1::CheckpointResponse*) override;
   grpc::Status SetPlacement(grpc::ServerContext*, const v1::SetPlacementRequest*,
                             v1::SetPlacementResponse*) override;
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -15,15 +16,22 @@
 namespace offload {
 struct SessionManager::Session {
   Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionSet> set,
-          std::unique_ptr<LossScaler> scaler)
+          std::unique_ptr<LossScaler> scaler, std::unique_ptr<CheckpointRestore> restore)
       : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)),
-        scaler(std::move(scaler)) {}
+        scaler(std::move(scaler)), restore(std::move(restore)) {}
+  ~Session() {
+    // A background checkpoint stops at its next chunk (the previous
+    // checkpoint stays); the set goes only after.
+    checkpoint_cancel = true;
+    if (checkpoint_thread.joinable()) checkpoint_thread.join();
+  }
 
   const uint64_t id;
   const std::string token;
   const std::string name;
   const std::unique_ptr<PartitionSet> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
+  const std::unique_ptr<CheckpointRestore> restore;  // the checkpoint it restores, if any
   // Steps after which the delayed update switches itself on (-1: never).
   std::atomic<int64_t> delayed_update_after{-1};
   // Monotonic: a wall-clock step (NTP, a resumed VM) must not expire leases.
@@ -37,6 +45,14 @@ struct SessionManager::Session {
   bool step_started ABSL_GUARDED_BY(step_mu) = false;
   bool step_running ABSL_GUARDED_BY(step_mu) = false;
   absl::StatusOr<StepSummary> step_result ABSL_GUARDED_BY(step_mu);
+
+  // The last background checkpoint: running, or its outcome.
+  absl::Mutex checkpoint_mu;
+  bool checkpoint_started ABSL_GUARDED_BY(checkpoint_mu) = false;
+  bool checkpoint_running ABSL_GUARDED_BY(checkpoint_mu) = false;
+  absl::StatusOr<CheckpointSummary> checkpoint_result ABSL_GUARDED_BY(checkpoint_mu);
+  std::thread checkpoint_thread ABSL_GUARDED_BY(checkpoint_mu);
+  std::atomic<bool> checkpoint_cancel{false};
 };
 
 namespace {
@@ -62,16 +78,38 @@ SessionManager::~SessionManager() = default;
 absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::string_view name, const PlacementChange& placement,
     const std::optional<LossScalingOptions>& loss_scaling,
-    std::optional<uint64_t> delayed_update_after) {
+    std::optional<uint64_t> delayed_update_after, const std::string& restore_from) {
   if (delayed_update_after.has_value() && *delayed_update_after > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
+  std::unique_ptr<CheckpointRestore> restore;
+  PlacementChange placed = placement;
+  std::optional<LossScalingOptions> scaling = loss_scaling;
+  if (!restore_from.empty()) {
+    ASSIGN_OR_RETURN(restore, CheckpointRestore::Open(restore_from, std::string(name)));
+    const checkpoint::Manifest& m = restore->session_manifest();
+    for (int k = 0; k < kDataKinds; ++k) {
+      const auto kind = static_cast<DataKind>(k);
+      if (!placed[kind].has_value()) placed[kind] = static_cast<int>(m.host_percent(k));
+    }
+    if (!delayed_update_after.has_value() && m.delayed_update_after() >= 0) {
+      delayed_update_after = static_cast<uint64_t>(m.delayed_update_after());
+    }
+    if (auto saved = restore->loss_scaler(); saved.has_value() && !scaling.has_value()) {
+      scaling = saved->first;
+    }
+  }
   std::unique_ptr<LossScaler> scaler;
-  if (loss_scaling.has_value()) {
-    RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
-    scaler = std::make_unique<LossScaler>(*loss_scaling);
+  if (scaling.has_value()) {
+    RETURN_IF_ERROR(ValidateLossScaling(*scaling));
+    scaler = std::make_unique<LossScaler>(*scaling);
+    if (restore != nullptr) {
+      if (auto saved = restore->loss_scaler(); saved.has_value()) {
+        RETURN_IF_ERROR(scaler->Restore(saved->second));
+      }
+    }
   }
   std::string token(kTokenBytes, '\0');
   RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
@@ -80,10 +118,14 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::MutexLock lock(&mu_);
     id = next_session_id_++;
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, placement));
+  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, placed));
+  if (restore != nullptr) {
+    const checkpoint::Manifest& m = restore->session_manifest();
+    RETURN_IF_ERROR(set->RestoreSetState(m.steps(), m.delayed_update()));
+  }
   const uint64_t capacity = set->arena_capacity();
   auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set),
-                                           std::move(scaler));
+                                           std::move(scaler), std::move(restore));
   if (delayed_update_after.has_value()) {
     session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
   }
@@ -96,7 +138,7 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
 }
 
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
-    const SessionKey& key) const {
+    const SessionKey& key, bool operator_call) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key.id);
   if (it == sessions_.end()) {
@@ -110,7 +152,7 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     }
     return absl::NotFoundError(absl::StrCat("no session ", key.id, " was ever opened"));
   }
-  if (!SecretsEqual(it->second->token, key.token)) {
+  if (!(operator_call && key.token.empty()) && !SecretsEqual(it->second->token, key.token)) {
     return absl::PermissionDeniedError(
         absl::StrCat("wrong token for session ", key.id, ": it belongs to another client"));
   }
@@ -198,7 +240,13 @@ absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
     absl::MutexLock lock(&mu_);
     id = next_partition_id_++;  // an id lost to a failed registration stays unused
   }
-  ASSIGN_OR_RETURN(PartitionInfo info, session->partitions->Register(id, spec));
+  std::optional<RestoredState> restored;
+  if (session->restore != nullptr) {
+    RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
+    ASSIGN_OR_RETURN(restored, session->restore->StateFor(spec));
+  }
+  ASSIGN_OR_RETURN(PartitionInfo info,
+                   session->partitions->Register(id, spec, restored ? &*restored : nullptr));
   {
     absl::MutexLock lock(&mu_);
     // Closed meanwhile: the partition goes with the session's set; recording
@@ -333,6 +381,65 @@ absl::StatusOr<StepSummary> SessionManager::WaitStep(const SessionKey& key) {
   s->step_mu.Await(absl::Condition(
       +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
   return s->step_result;
+}
+
+absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(
+    const SessionKey& key, const std::string& dir, bool background) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
+  Session* s = session.get();
+  SessionCheckpointState state;
+  state.name = s->name;
+  state.scaler = s->scaler.get();
+  state.delayed_update_after = s->delayed_update_after.load();
+  if (!background) {
+    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                     CheckpointWriter::Begin(s->partitions.get(), state, dir));
+    ASSIGN_OR_RETURN(CheckpointSummary summary, writer->Finish(&s->checkpoint_cancel));
+    stats_->checkpoints.fetch_add(1, std::memory_order_relaxed);
+    return CheckpointOutcome{summary, false};
+  }
+  absl::MutexLock lock(&s->checkpoint_mu);
+  if (s->checkpoint_running) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a checkpoint of session ", key.id, " is being written already"));
+  }
+  // The previous one's thread has set its outcome: it is about to end.
+  if (s->checkpoint_thread.joinable()) s->checkpoint_thread.join();
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                   CheckpointWriter::Begin(s->partitions.get(), state, dir));
+  CheckpointOutcome out;
+  out.running = true;
+  out.summary = writer->begun();  // sizes and pause; the path once written
+  s->checkpoint_started = true;
+  s->checkpoint_running = true;
+  s->checkpoint_result = absl::UnavailableError("running");
+  // The thread holds no reference to the session: ~Session cancels and
+  // joins it before the set goes.
+  Stats* stats = stats_;
+  s->checkpoint_thread = std::thread([s, stats, w = std::move(writer)]() mutable {
+    absl::StatusOr<CheckpointSummary> result = w->Finish(&s->checkpoint_cancel);
+    w.reset();
+    if (result.ok()) stats->checkpoints.fetch_add(1, std::memory_order_relaxed);
+    absl::MutexLock lock(&s->checkpoint_mu);
+    s->checkpoint_result = std::move(result);
+    s->checkpoint_running = false;
+  });
+  return out;
+}
+
+absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::WaitCheckpoint(
+    const SessionKey& key) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
+  Session* s = session.get();
+  absl::MutexLock lock(&s->checkpoint_mu);
+  if (!s->checkpoint_started) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", key.id, " has started no background checkpoint"));
+  }
+  s->checkpoint_mu.Await(absl::Condition(
+      +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, s));
+  ASSIGN_OR_RETURN(CheckpointSummary summary, s->checkpoint_result);
+  return CheckpointOutcome{summary, false};
 }
 
 absl::StatusOr<UniqueFd> SessionManager::DupArenaFd(const SessionKey& key) {

@@ -49,6 +49,7 @@
 #include "base/unique_fd.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
+#include "engine/checkpoint.h"
 #include "engine/loss_scaler.h"
 #include "engine/partition_store.h"
 #include "engine/stats.h"
@@ -115,7 +116,27 @@ class SessionManager {
   absl::StatusOr<OpenedSession> Open(
       absl::string_view name, const PlacementChange& placement = {},
       const std::optional<LossScalingOptions>& loss_scaling = std::nullopt,
-      std::optional<uint64_t> delayed_update_after = std::nullopt) ABSL_LOCKS_EXCLUDED(mu_);
+      std::optional<uint64_t> delayed_update_after = std::nullopt,
+      const std::string& restore_from = "") ABSL_LOCKS_EXCLUDED(mu_);
+  // `restore_from` (an absolute directory, else empty): the session
+  // restores the checkpoint there (engine/checkpoint.h): its steps, loss
+  // scaler (options from `loss_scaling` if given), delayed update and
+  // placement (kinds `placement` leaves unset), and, at each Register, the
+  // partition's state.
+
+  // Writes the session's checkpoint into `dir` (CheckpointWriter); with
+  // `background`, returns once the image is taken (running set) and the
+  // writing goes on in a thread of its own (WaitCheckpoint). An empty
+  // token acts as the operator (the caller passed the AccessGuard).
+  // FAILED_PRECONDITION while one is being written.
+  struct CheckpointOutcome {
+    CheckpointSummary summary;
+    bool running = false;
+  };
+  absl::StatusOr<CheckpointOutcome> Checkpoint(const SessionKey& key, const std::string& dir,
+                                               bool background) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<CheckpointOutcome> WaitCheckpoint(const SessionKey& key)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Switches the session's delayed parameter update (PartitionSet::
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
@@ -184,7 +205,9 @@ class SessionManager {
  private:
   struct Session;
 
-  absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key) const
+  // With `operator_call`, an empty token is accepted (see Checkpoint).
+  absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,
+                                                bool operator_call = false) const
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status CheckOwner(const Session& session, uint64_t partition_id) const
       ABSL_LOCKS_EXCLUDED(mu_);

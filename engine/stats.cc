@@ -9,6 +9,7 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"sessions_closed", v(sessions_closed), "sessions"},
       {"sessions_abandoned", v(sessions_abandoned), "sessions"},
       {"sessions_expired", v(sessions_expired), "sessions"},
+      {"checkpoints", v(checkpoints), "checkpoints"},
       {"partitions_registered", v(partitions_registered), "partitions"},
       {"arena_attaches", v(arena_attaches), "attaches"},
       {"fetches", v(fetches), "partitions"},

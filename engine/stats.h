@@ -41,6 +41,7 @@ struct Stats {
   // step and waited for it to end.
   std::atomic<int64_t> waits_for_step{0};
   std::atomic<int64_t> requests_failed{0};
+  std::atomic<int64_t> checkpoints{0};  // written and committed
 
   std::vector<CounterValue> Snapshot() const;
 };

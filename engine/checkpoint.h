@@ -1,0 +1,123 @@
+// Writing a session's checkpoint, and restoring one into a new session.
+//
+// Writing (CheckpointWriter), in the format of checkpoint/format.h:
+//   1. Begin: PartitionSet::BeginCheckpoint at a step boundary (waits for a
+//      running step and accumulations) takes the set's image and starts
+//      copy-on-write; the data file is created and laid out (one record per
+//      block kind per chunk). This is the only pause training sees.
+//   2. Finish: every chunk is captured into the data file (chunks a step or
+//      an accumulation reached first were captured by it, before changing
+//      them); then fsync, the manifest committed by rename, EndCheckpoint.
+//      Training goes on meanwhile; the checkpoint holds the state as of 1.
+// A failure (I/O, a swap-in, cancellation) removes the new data file and
+// leaves the previous checkpoint as it was.
+//
+// Restoring (CheckpointRestore): the directory's manifests, every session
+// that wrote into it, are indexed by tensor (checkpoint/tensor_index.h).
+// The new session takes the session-level state (steps, loss scaler, the
+// delayed update, placement) of the manifest with its name, else of the
+// first; each partition it registers takes its elements from whichever
+// checkpointed slices of its tensor hold them, so the number of sessions
+// (ranks) may differ from the checkpoint's, and training continues bit for
+// bit as it would have.
+//
+// Thread-safety: a CheckpointWriter is driven by one thread (its Write is
+// called from others); a CheckpointRestore is immutable after Open.
+#ifndef OFFLOADD_ENGINE_CHECKPOINT_H_
+#define OFFLOADD_ENGINE_CHECKPOINT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "checkpoint/format.h"
+#include "checkpoint/tensor_index.h"
+#include "engine/loss_scaler.h"
+#include "engine/partition_store.h"
+
+namespace offload {
+
+// What a session holds beyond its partition set.
+struct SessionCheckpointState {
+  std::string name;
+  const LossScaler* scaler = nullptr;  // null without loss scaling
+  int64_t delayed_update_after = -1;   // the automatic switch-on still to come
+};
+
+struct CheckpointSummary {
+  std::string manifest;  // its path
+  uint64_t partitions = 0;
+  uint64_t bytes = 0;  // of the data file
+  uint64_t steps = 0;  // the session's, at the checkpoint
+  uint64_t pause_us = 0;  // step 1: waiting for the step boundary and the image
+  uint64_t wall_us = 0;
+};
+
+class CheckpointWriter : public ChunkSink {
+ public:
+  // Step 1. `set` must outlive the writer.
+  static absl::StatusOr<std::unique_ptr<CheckpointWriter>> Begin(
+      PartitionSet* set, const SessionCheckpointState& state, const std::string& dir);
+  ~CheckpointWriter() override;
+
+  // Step 2. Checks `cancelled` between chunks (CANCELLED).
+  absl::StatusOr<CheckpointSummary> Finish(const std::atomic<bool>* cancelled = nullptr);
+  // What is known after Begin: sizes, steps, the pause.
+  const CheckpointSummary& begun() const { return summary_; }
+
+  absl::Status Write(uint64_t id, uint64_t chunk, int block_kind,
+                     absl::Span<const std::byte> bytes) override;
+
+ private:
+  CheckpointWriter(PartitionSet* set, std::string dir, std::string stem,
+                   checkpoint::DataFileWriter file)
+      : set_(set), dir_(std::move(dir)), stem_(std::move(stem)), file_(std::move(file)) {}
+
+  // Constant after Begin.
+  PartitionSet* const set_;
+  const std::string dir_, stem_;
+  const checkpoint::DataFileWriter file_;
+  SetImage image_;
+  // Partition id -> its index in image_ and manifest_.partitions().
+  absl::flat_hash_map<uint64_t, size_t> index_;
+  CheckpointSummary summary_;
+  int64_t began_ns_ = 0;
+  bool ended_ = false;  // EndCheckpoint called
+
+  absl::Mutex mu_;
+  checkpoint::Manifest manifest_ ABSL_GUARDED_BY(mu_);  // records' hashes filled by Write
+};
+
+class CheckpointRestore {
+ public:
+  // INVALID_ARGUMENT for a relative path; the index's errors (NOT_FOUND
+  // without manifests, DATA_LOSS for a corrupted one, FAILED_PRECONDITION
+  // for overlapping ones).
+  static absl::StatusOr<std::unique_ptr<CheckpointRestore>> Open(const std::string& dir,
+                                                                 const std::string& session_name);
+
+  // The session-level state to take.
+  const checkpoint::Manifest& session_manifest() const { return *session_; }
+  // The loss scaler's options and state, if the checkpoint had one.
+  std::optional<std::pair<LossScalingOptions, LossScaler::State>> loss_scaler() const;
+  // The state of a partition registered with `spec`: NOT_FOUND if the
+  // checkpoint has no such tensor, FAILED_PRECONDITION if its slices do
+  // not cover it, disagree with it (dtype), or hold pending gradients
+  // sliced otherwise. The result reads from this object: keep it alive.
+  absl::StatusOr<RestoredState> StateFor(const PartitionSpec& spec) const;
+
+ private:
+  std::unique_ptr<checkpoint::TensorIndex> index_;
+  const checkpoint::Manifest* session_ = nullptr;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_ENGINE_CHECKPOINT_H_

@@ -1,0 +1,439 @@
+// Checkpoints: a session restored from one (into a fresh engine, also with
+// another number of ranks) trains on bit for bit as the checkpointed one
+// did; a step running while a checkpoint is written changes nothing in it.
+#include "engine/checkpoint.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/host_memory.h"
+#include "checkpoint/format.h"
+#include "cpu_adam/dtype.h"
+#include "engine/test_engine.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+constexpr uint64_t kChunk = 4096;
+
+struct TensorDef {
+  const char* name;
+  uint64_t numel;
+};
+// Several chunks, an odd size (padded when sliced), a tiny one.
+const TensorDef kTensors[] = {{"a", 3 * kChunk + 5}, {"b", 7001}, {"c", 3}};
+
+// Exact, platform-independent values: small integers times a power of two.
+float Value(uint64_t seed, uint64_t i) {
+  uint64_t h = (seed * 0x9E3779B97F4A7C15ull) ^ (i * 0xC2B2AE3D27D4EB4Full);
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  return static_cast<float>(static_cast<int64_t>(h % 2001) - 1000) * (1.0f / 1024);
+}
+
+std::string TmpDir(const std::string& name) {
+  return std::string(getenv("TEST_TMPDIR")) + "/" + name;
+}
+
+struct Options {
+  DType dtype = DType::kFp32;
+  int state_host_percent = 100;
+  bool delayed_update = false;
+  std::optional<LossScalingOptions> loss_scaling;
+  std::string restore_from;
+};
+
+// One rank of a job: a session holding slice `rank` of `world` of every
+// tensor of kTensors.
+class Rank {
+ public:
+  Rank(Engine* engine, int rank, int world, const Options& o) : engine_(engine), o_(o) {
+    PlacementChange placement;
+    if (o.restore_from.empty()) placement[DataKind::kOptimizerState] = o.state_host_percent;
+    auto opened = engine->sessions->Open(
+        "job/rank" + std::to_string(rank), placement, o.loss_scaling,
+        o.delayed_update ? std::optional<uint64_t>(1) : std::nullopt, o.restore_from);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    if (!opened.ok()) return;
+    key_ = opened->key;
+    auto fd = engine->sessions->DupArenaFd(key_);
+    arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+    RegisterAll(rank, world);
+  }
+
+  void RegisterAll(int rank, int world) {
+    const Options& o = o_;
+    Engine* engine = engine_;
+    for (size_t t = 0; t < std::size(kTensors); ++t) {
+      const uint64_t slice = (kTensors[t].numel + world - 1) / world;
+      PartitionSpec spec;
+      spec.name = kTensors[t].name;
+      spec.numel = slice;
+      spec.param_dtype = o.dtype;
+      spec.grad_dtype = DType::kFp32;
+      spec.fp32_master = o.dtype != DType::kFp32;
+      spec.tensor = kTensors[t].name;
+      spec.shape = {kTensors[t].numel};
+      spec.tensor_offset = rank * slice;
+      auto p = engine->sessions->Register(key_, spec);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(p->restored, !o.restore_from.empty());
+      parts_.push_back({*p, t, spec.tensor_offset});
+      if (!p->restored) {
+        std::vector<float> init(slice, 0.0f);
+        for (uint64_t j = 0; j < slice; ++j) {
+          if (spec.tensor_offset + j < kTensors[t].numel) init[j] = Value(t, spec.tensor_offset + j);
+        }
+        if (spec.fp32_master) {
+          std::memcpy(arena_.data() + p->master_init.offset, init.data(), slice * 4);
+        } else {
+          std::memcpy(arena_.data() + p->params.offset, init.data(), slice * 4);
+        }
+      }
+      ASSERT_TRUE(engine->sessions->Release(key_, {p->id}).ok());
+    }
+  }
+
+  // Micro-batch `micro` of step `step`: the same gradient for an element of
+  // a tensor however it is sliced; zeros in the padding.
+  void ReturnGradients(int step, int micro = 0, bool overflow = false) {
+    for (const Part& part : parts_) {
+      const PartitionInfo& p = part.info;
+      ASSERT_TRUE(engine_->sessions->Fetch(key_, {p.id}, FetchMode{true, false}).ok());
+      auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
+      for (uint64_t j = 0; j < p.numel; ++j) {
+        const uint64_t e = part.offset + j;
+        g[j] = e < kTensors[part.tensor].numel ? Value(1000 + 10 * step + micro, e) : 0.0f;
+        if (overflow && e == 0) g[j] = INFINITY;
+      }
+      ASSERT_TRUE(engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).ok());
+      ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
+    }
+  }
+
+  StepSummary Step() {
+    AdamHyperparams h;
+    h.lr = 1e-2;
+    h.weight_decay = 0.01;
+    auto s = engine_->sessions->Step(key_, h);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : StepSummary{};
+  }
+
+  // This rank's elements of every tensor (widened), into `full`.
+  void Gather(std::map<std::string, std::vector<float>>* full) const {
+    for (const Part& part : parts_) {
+      const TensorDef& t = kTensors[part.tensor];
+      std::vector<float>& out = (*full)[t.name];
+      out.resize(t.numel);
+      auto held = engine_->sessions->Fetch(key_, {part.info.id});
+      ASSERT_TRUE(held.ok()) << held.status();
+      std::vector<float> wide(part.info.numel);
+      WidenToFloat(arena_.data() + (*held)[0].params.offset, o_.dtype, wide.data(), wide.size());
+      for (uint64_t j = 0; j < part.info.numel && part.offset + j < t.numel; ++j) {
+        out[part.offset + j] = wide[j];
+      }
+      EXPECT_EQ((*held)[0].step, part_step_ = (*held)[0].step);
+      ASSERT_TRUE(engine_->sessions->Release(key_, {part.info.id}).ok());
+    }
+  }
+
+  double LossScale() { return engine_->sessions->Pending(key_)->loss_scale; }
+  const SessionKey& key() const { return key_; }
+  uint64_t step() const { return part_step_; }
+
+ private:
+  struct Part {
+    PartitionInfo info;
+    size_t tensor;
+    uint64_t offset;
+  };
+  Engine* engine_;
+  Options o_;
+  SessionKey key_;
+  HostMemory arena_;
+  std::vector<Part> parts_;
+  mutable uint64_t part_step_ = 0;
+};
+
+using Snapshot = std::map<std::string, std::vector<float>>;
+
+bool BitEqual(const Snapshot& a, const Snapshot& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, v] : a) {
+    const auto& w = b.at(name);
+    if (v.size() != w.size() || std::memcmp(v.data(), w.data(), v.size() * 4) != 0) return false;
+  }
+  return true;
+}
+
+struct Case {
+  const char* name;
+  Options options;
+  bool pending_gradients;  // a micro-batch accumulated when checkpointing
+  int world_before, world_after;
+};
+
+class RestoreTest : public ::testing::TestWithParam<Case> {};
+
+// A job trains 3 steps, checkpoints, trains 3 more; the same job restored
+// from the checkpoint into a fresh engine (its own pool and NVMe tier)
+// trains the same 3 steps to the same bits.
+TEST_P(RestoreTest, ContinuesBitForBit) {
+  const Case& c = GetParam();
+  const std::string dir = TmpDir(std::string("ckpt-") + c.name);
+  Engine first(TmpDir(std::string("nvme-a-") + c.name), 64 << 20, 8, kChunk);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < c.world_before; ++r) {
+    ranks.push_back(std::make_unique<Rank>(&first, r, c.world_before, c.options));
+  }
+  for (int step = 1; step <= 3; ++step) {
+    // With loss scaling, step 2 overflows: skipped, the scale drops.
+    const bool overflow = c.options.loss_scaling.has_value() && step == 2;
+    for (auto& r : ranks) r->ReturnGradients(step, 0, overflow);
+    for (auto& r : ranks) r->Step();
+  }
+  if (c.pending_gradients) {
+    for (auto& r : ranks) r->ReturnGradients(4, 0);
+  }
+  for (auto& r : ranks) {
+    auto written = first.sessions->Checkpoint(r->key(), dir, /*background=*/false);
+    ASSERT_TRUE(written.ok()) << written.status();
+    EXPECT_FALSE(written->running);
+    EXPECT_EQ(written->summary.partitions, std::size(kTensors));
+  }
+  const double scale = ranks[0]->LossScale();
+  std::vector<Snapshot> expected;
+  for (int step = 4; step <= 6; ++step) {
+    for (auto& r : ranks) r->ReturnGradients(step, c.pending_gradients && step == 4 ? 1 : 0);
+    for (auto& r : ranks) r->Step();
+    Snapshot s;
+    for (auto& r : ranks) r->Gather(&s);
+    expected.push_back(s);
+  }
+
+  Engine second(TmpDir(std::string("nvme-b-") + c.name), 64 << 20, 8, kChunk);
+  Options o = c.options;
+  o.restore_from = dir;
+  std::vector<std::unique_ptr<Rank>> restored;
+  for (int r = 0; r < c.world_after; ++r) {
+    restored.push_back(std::make_unique<Rank>(&second, r, c.world_after, o));
+  }
+  EXPECT_EQ(restored[0]->LossScale(), scale);
+  for (int step = 4; step <= 6; ++step) {
+    for (auto& r : restored) r->ReturnGradients(step, c.pending_gradients && step == 4 ? 1 : 0);
+    for (auto& r : restored) r->Step();
+    Snapshot s;
+    for (auto& r : restored) r->Gather(&s);
+    EXPECT_TRUE(BitEqual(s, expected[step - 4])) << "step " << step;
+  }
+  EXPECT_EQ(restored[0]->step(), ranks[0]->step());
+}
+
+Options Bf16StateOnNvme() {
+  Options o;
+  o.dtype = DType::kBf16;
+  o.state_host_percent = 0;
+  return o;
+}
+
+Options Fp16LossScaled() {
+  Options o;
+  o.dtype = DType::kFp16;
+  LossScalingOptions l;
+  l.initial_scale = 1024;
+  l.hysteresis = 1;
+  o.loss_scaling = l;
+  return o;
+}
+
+Options Delayed() {
+  Options o = Bf16StateOnNvme();
+  o.delayed_update = true;
+  return o;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Checkpoint, RestoreTest,
+    ::testing::Values(Case{"fp32", Options{}, false, 1, 1},
+                      Case{"bf16_state_on_nvme", Bf16StateOnNvme(), false, 1, 1},
+                      Case{"pending_gradients", Bf16StateOnNvme(), true, 2, 2},
+                      Case{"fp16_loss_scaled", Fp16LossScaled(), false, 1, 1},
+                      Case{"delayed_update", Delayed(), false, 1, 1},
+                      Case{"two_ranks_to_one", Bf16StateOnNvme(), false, 2, 1},
+                      Case{"two_ranks_to_three", Options{}, false, 2, 3}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(RestoreErrors, SayWhatIsWrong) {
+  Engine engine(TmpDir("nvme-errors"), 64 << 20, 8, kChunk);
+  EXPECT_EQ(engine.sessions->Open("x", {}, std::nullopt, std::nullopt, TmpDir("none")).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine.sessions->Open("x", {}, std::nullopt, std::nullopt, "relative").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  const std::string dir = TmpDir("ckpt-errors");
+  {
+    Rank r(&engine, 0, 1, Options{});
+    r.ReturnGradients(1);
+    r.Step();
+    EXPECT_EQ(engine.sessions->Checkpoint(r.key(), "rel/dir", false).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(engine.sessions->Checkpoint(r.key(), dir, false).ok());
+    EXPECT_EQ(engine.sessions->WaitCheckpoint(r.key()).status().code(),
+              absl::StatusCode::kFailedPrecondition);  // none in the background
+  }
+  auto opened = engine.sessions->Open("y", {}, std::nullopt, std::nullopt, dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  PartitionSpec unknown{"zzz", 10, DType::kFp32, DType::kFp32};
+  EXPECT_EQ(engine.sessions->Register(opened->key, unknown).status().code(),
+            absl::StatusCode::kNotFound);
+  PartitionSpec other_dtype{"a", kTensors[0].numel, DType::kBf16, DType::kFp32};
+  EXPECT_EQ(engine.sessions->Register(opened->key, other_dtype).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // A slice reaching past what the checkpoint holds.
+  PartitionSpec beyond{"b", 10, DType::kFp32, DType::kFp32};
+  beyond.tensor_offset = 7000;
+  beyond.shape = {8000};
+  EXPECT_EQ(engine.sessions->Register(opened->key, beyond).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // What was refused holds nothing: the right registration still works.
+  PartitionSpec right{"c", 3, DType::kFp32, DType::kFp32};
+  auto ok = engine.sessions->Register(opened->key, right);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE(ok->restored);
+  EXPECT_EQ(ok->step, 1u);
+}
+
+// Records every chunk a checkpoint captures.
+class RecordingSink : public ChunkSink {
+ public:
+  absl::Status Write(uint64_t id, uint64_t chunk, int kind,
+                     absl::Span<const std::byte> bytes) override {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = chunks_.emplace(std::make_tuple(id, chunk, kind),
+                                          std::string(reinterpret_cast<const char*>(bytes.data()),
+                                                      bytes.size()));
+    EXPECT_TRUE(inserted) << "chunk " << chunk << " kind " << kind << " captured twice";
+    return absl::OkStatus();
+  }
+  std::map<std::tuple<uint64_t, uint64_t, int>, std::string> chunks() {
+    absl::MutexLock lock(&mu_);
+    return chunks_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::tuple<uint64_t, uint64_t, int>, std::string> chunks_ ABSL_GUARDED_BY(mu_);
+};
+
+// Two sets with the same history. One is captured whole at once; in the
+// other a step and an accumulation run while its checkpoint is open, and
+// capture first what they change: both checkpoints hold the same bytes.
+TEST(CopyOnWrite, AStepDuringACheckpointChangesNothingInIt) {
+  Engine engine(TmpDir("nvme-cow"), 64 << 20, 8, kChunk);
+  const uint64_t numel = 3 * kChunk + 10;
+  auto make = [&](uint64_t session) {
+    auto set = engine.store->CreateSet(session, All(0));  // everything on NVMe
+    EXPECT_TRUE(set.ok());
+    auto p = (*set)->Register(7 + session, PartitionSpec{"w", numel, DType::kFp32, DType::kFp32});
+    EXPECT_TRUE(p.ok()) << p.status();
+    auto region = HostMemory::MapShared((*set)->arena_fd(), 0, p->span.offset + p->span.bytes);
+    for (uint64_t j = 0; j < numel; ++j) {
+      reinterpret_cast<float*>(region->data() + p->params.offset)[j] = Value(1, j);
+    }
+    EXPECT_TRUE((*set)->Release({p->id}).ok());
+    for (int step = 1; step <= 2; ++step) {
+      EXPECT_TRUE((*set)->Fetch({p->id}, FetchMode{true, false}).ok());
+      for (uint64_t j = 0; j < numel; ++j) {
+        reinterpret_cast<float*>(region->data() + p->grads.offset)[j] = Value(step + 5, j);
+      }
+      EXPECT_TRUE(engine.steps->Accumulate(**set, p->id, numel, DType::kFp32).ok());
+      EXPECT_TRUE((*set)->Release({p->id}).ok());
+      if (step == 1) {
+        AdamHyperparams h;
+        h.lr = 0.1;
+        EXPECT_TRUE(engine.steps->Run(**set, h, false, {}).ok());
+      }
+    }
+    // Gradients of step 2 are pending: the checkpoint holds them too.
+    return std::make_pair(*std::move(set), *p);
+  };
+  auto [quiet, qp] = make(1);
+  auto [busy, bp] = make(2);
+
+  RecordingSink whole, cow;
+  auto quiet_image = quiet->BeginCheckpoint(&whole);
+  ASSERT_TRUE(quiet_image.ok()) << quiet_image.status();
+  for (uint64_t c = 0; c < 4; ++c) quiet->CaptureChunk(qp.id, c);
+  ASSERT_TRUE(quiet->EndCheckpoint().ok());
+
+  auto busy_image = busy->BeginCheckpoint(&cow);
+  ASSERT_TRUE(busy_image.ok());
+  ASSERT_EQ(busy_image->partitions.size(), 1u);
+  EXPECT_TRUE(busy_image->partitions[0].grads_ready);
+  // The step consumes the pending gradients and updates every chunk.
+  AdamHyperparams h;
+  h.lr = 0.1;
+  auto stepped = engine.steps->Run(*busy, h, false, {});
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(cow.chunks().size(), 4u * 5);  // every chunk's 5 kinds, before the update
+  for (uint64_t c = 0; c < 4; ++c) busy->CaptureChunk(bp.id, c);  // nothing left to do
+  ASSERT_TRUE(busy->EndCheckpoint().ok());
+
+  auto a = whole.chunks(), b = cow.chunks();
+  ASSERT_EQ(a.size(), b.size());
+  for (auto ia = a.begin(), ib = b.begin(); ia != a.end(); ++ia, ++ib) {
+    EXPECT_EQ(std::get<1>(ia->first), std::get<1>(ib->first));
+    EXPECT_EQ(std::get<2>(ia->first), std::get<2>(ib->first));
+    EXPECT_TRUE(ia->second == ib->second)
+        << "chunk " << std::get<1>(ia->first) << " kind " << std::get<2>(ia->first);
+  }
+  EXPECT_EQ(busy->steps(), 2u);  // the step did happen
+}
+
+TEST(CopyOnWrite, BackgroundCheckpointWhileTrainingRestoresTheStateAtItsStart) {
+  const std::string dir = TmpDir("ckpt-background");
+  Engine first(TmpDir("nvme-bg-a"), 64 << 20, 8, kChunk);
+  Rank r(&first, 0, 1, Bf16StateOnNvme());
+  for (int step = 1; step <= 2; ++step) {
+    r.ReturnGradients(step);
+    r.Step();
+  }
+  auto started = first.sessions->Checkpoint(r.key(), dir, /*background=*/true);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_TRUE(started->running);
+  EXPECT_EQ(started->summary.steps, 2u);
+  std::vector<Snapshot> expected;
+  for (int step = 3; step <= 5; ++step) {  // while it is written
+    r.ReturnGradients(step);
+    r.Step();
+    Snapshot s;
+    r.Gather(&s);
+    expected.push_back(s);
+  }
+  auto done = first.sessions->WaitCheckpoint(r.key());
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->summary.steps, 2u);
+  EXPECT_FALSE(done->summary.manifest.empty());
+
+  Engine second(TmpDir("nvme-bg-b"), 64 << 20, 8, kChunk);
+  Options o = Bf16StateOnNvme();
+  o.restore_from = dir;
+  Rank q(&second, 0, 1, o);
+  for (int step = 3; step <= 5; ++step) {
+    q.ReturnGradients(step);
+    q.Step();
+    Snapshot s;
+    q.Gather(&s);
+    EXPECT_TRUE(BitEqual(s, expected[step - 3])) << "step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace offload
