@@ -351,17 +351,18 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   }
   uint64_t tensor_numel = 1;
   for (uint64_t d : spec.shape) {
-    if (d == 0 || d > PartitionStore::kMaxNumel || tensor_numel * d > PartitionStore::kMaxNumel) {
+    if (d == 0 || d > PartitionStore::kMaxNumel / tensor_numel) {
       return absl::InvalidArgumentError(absl::StrCat(
           "partition '", spec.name, "': its tensor's shape has a dimension of ", d,
           " or more than 2^40 elements"));
     }
     tensor_numel *= d;
   }
-  if (spec.tensor_offset > PartitionStore::kMaxNumel ||
-      (!spec.shape.empty() && spec.tensor_offset >= tensor_numel)) {
+  // A slice may lie wholly past its tensor's end (more ranks than
+  // elements: all padding), not past 2^40.
+  if (spec.tensor_offset > PartitionStore::kMaxNumel) {
     return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "': offset ",
-                                                   spec.tensor_offset, " is outside its tensor"));
+                                                   spec.tensor_offset, " is over 2^40"));
   }
   // With restored state the fp32 initial values are not asked for.
   const bool fp32_init = spec.fp32_master && restored == nullptr;

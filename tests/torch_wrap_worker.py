@@ -50,7 +50,15 @@ def train(sc, rank, world, use_offloadd):
     losses, norms = [], []
     batch = sc["batch"]
     lo, hi = rank * batch // world, (rank + 1) * batch // world
-    for step in range(sc["steps"]):
+    # Resuming from a checkpoint at step `start`: the same batches and
+    # learning rates as an uninterrupted run from there.
+    start = sc.get("start_step", 0)
+    for _ in range(start):
+        for _ in range(ga):
+            text.batch(batch, sc["context"], gen)
+        sched.step()
+    checkpoint_state = None
+    for step in range(start, sc["steps"]):
         total = 0.0
         for micro in range(ga):
             x, y = text.batch(batch, sc["context"], gen)
@@ -70,6 +78,9 @@ def train(sc, rank, world, use_offloadd):
                 model.parameters(), clip if clip else float("inf"))))
             opt.step()
         opt.zero_grad()
+        if sc.get("checkpoint_at") == step:
+            opt.checkpoint(sc["checkpoint_dir"])
+            checkpoint_state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
         sched.step()
         if world > 1:
             t = torch.tensor([total])
@@ -83,7 +94,8 @@ def train(sc, rank, world, use_offloadd):
     state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
     if use_offloadd:
         opt.close()
-    return {"losses": losses, "norms": norms, "final": final, "state": state}
+    return {"losses": losses, "norms": norms, "final": final, "state": state,
+            "checkpoint_state": checkpoint_state}
 
 
 def main():

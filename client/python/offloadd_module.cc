@@ -94,6 +94,18 @@ py::memoryview View(void* data, uint64_t bytes) {
   return py::memoryview::from_memory(data, static_cast<ssize_t>(bytes), /*readonly=*/false);
 }
 
+py::dict CheckpointDict(const CheckpointResult& r) {
+  py::dict d;
+  d["manifest"] = r.manifest;
+  d["partitions"] = r.partitions;
+  d["bytes"] = r.bytes;
+  d["steps"] = r.steps;
+  d["pause_us"] = r.pause_us;
+  d["wall_us"] = r.wall_us;
+  d["running"] = r.running;
+  return d;
+}
+
 py::dict StepDict(const StepResult& r) {
   py::dict d;
   d["partitions_updated"] = r.partitions_updated;
@@ -184,6 +196,8 @@ PYBIND11_MODULE(_offloadd, m) {
       .def_readonly("name", &PartitionView::name)
       .def_readonly("numel", &PartitionView::numel)
       .def_readonly("step", &PartitionView::step)
+      .def_readonly("restored", &PartitionView::restored,
+                    "its state and parameters came from the checkpoint the session restores")
       .def_property_readonly("param_dtype",
                              [](const PartitionView& p) { return DTypeName(p.param_dtype); })
       .def_property_readonly("grad_dtype",
@@ -211,12 +225,20 @@ PYBIND11_MODULE(_offloadd, m) {
       .def(
           "register",
           [](Session& s, const std::string& name, uint64_t numel, const std::string& param_dtype,
-             const std::string& grad_dtype, bool fp32_master) {
+             const std::string& grad_dtype, bool fp32_master, std::optional<std::string> tensor,
+             std::vector<uint64_t> shape, uint64_t offset) {
             const DType p = ParseDTypeOrRaise(param_dtype), g = ParseDTypeOrRaise(grad_dtype);
-            return Value(Unlocked([&] { return s.Register(name, numel, p, g, fp32_master); }));
+            std::optional<TensorSlice> slice;
+            if (tensor.has_value()) slice = TensorSlice{*tensor, std::move(shape), offset};
+            return Value(
+                Unlocked([&] { return s.Register(name, numel, p, g, fp32_master, slice); }));
           },
           py::arg("name"), py::arg("numel"), py::arg("param_dtype") = "fp32",
-          py::arg("grad_dtype") = "fp32", py::arg("fp32_master") = false)
+          py::arg("grad_dtype") = "fp32", py::arg("fp32_master") = false,
+          py::arg("tensor") = py::none(), py::arg("shape") = std::vector<uint64_t>{},
+          py::arg("offset") = 0,
+          "registers a partition; tensor/shape/offset: which slice of which tensor it is "
+          "(for checkpoints across rank counts and export)")
       .def(
           "fetch",
           [](Session& s, const std::vector<uint64_t>& ids, bool grads, bool writable) {
@@ -314,6 +336,18 @@ PYBIND11_MODULE(_offloadd, m) {
           },
           py::arg("params_host_percent") = py::none(), py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none())
+      .def(
+          "checkpoint",
+          [](Session& s, const std::string& directory, bool background) {
+            return CheckpointDict(
+                Value(Unlocked([&] { return s.Checkpoint(directory, background); })));
+          },
+          py::arg("directory"), py::arg("background") = false,
+          "writes the session's checkpoint into directory (absolute) at the next step boundary")
+      .def("wait_checkpoint",
+           [](Session& s) {
+             return CheckpointDict(Value(Unlocked([&] { return s.WaitCheckpoint(); })));
+           })
       .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
 
   py::class_<Client, std::unique_ptr<Client>>(m, "Client")
@@ -330,8 +364,9 @@ PYBIND11_MODULE(_offloadd, m) {
              std::optional<int> grads_host_percent,
              std::optional<int> optimizer_state_host_percent,
              std::optional<uint64_t> delayed_update_after_steps,
-             std::optional<py::dict> loss_scaling) {
+             std::optional<py::dict> loss_scaling, const std::string& restore_from) {
             SessionOptions o;
+            o.restore_from = restore_from;
             if (loss_scaling.has_value()) {
               // fp16: {"initial_scale": ..., "growth_interval": ..., ...}
               LossScaling l;
@@ -358,7 +393,7 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none(),
           py::arg("delayed_update_after_steps") = py::none(),
-          py::arg("loss_scaling") = py::none())
+          py::arg("loss_scaling") = py::none(), py::arg("restore_from") = "")
       .def("stats",
            [](Client& c) {
              const DaemonStats s = Value(Unlocked([&] { return c.GetStats(); }));

@@ -48,6 +48,7 @@ Limits, said plainly:
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
 """
 import math
+import os
 import time
 
 import torch
@@ -143,7 +144,9 @@ class _Engine:
             optimizer_state_host_percent=_percent("optimizer_state",
                                                   placement.get("optimizer_state")),
             delayed_update_after_steps=config["delayed_update_after_steps"],
-            loss_scaling=config["loss_scaling"])
+            loss_scaling=config["loss_scaling"],
+            restore_from=config["restore_from"])
+        self.restoring = bool(config["restore_from"])
         self.shards = []
         self.by_param = {}
         self._handles = []  # hooks, removed if wrap() fails
@@ -178,6 +181,22 @@ class _Engine:
 
     # --- registration -----------------------------------------------------
 
+    def _write_initial(self, s, p, name, part, lo, master):
+        """The initial values of a registered (held) slice: rank 0's, as
+        DDP starts."""
+        full = p.detach().reshape(-1).to(torch.float32)
+        if self.distributed:
+            full = full.to(self._comm_device(s)).contiguous()
+            self._collective(f"broadcast of '{name}'",
+                             lambda: dist.broadcast(full, 0, group=self.group))
+            full = full.cpu()
+        mine = torch.zeros(s.slice_numel, dtype=torch.float32)
+        hi = min(lo + s.slice_numel, s.numel)
+        mine[: hi - lo] = full[lo:hi]
+        torch.frombuffer(part.params, dtype=self.torch_working).copy_(mine)
+        if master:
+            torch.frombuffer(part.master_init, dtype=torch.float32).copy_(mine)
+
     def _register(self, model):
         for name, p in model.named_parameters():
             if id(p) in self.by_param:
@@ -186,23 +205,17 @@ class _Engine:
                 raise offloadd.InvalidArgumentError(
                     f"parameter '{name}' is {p.dtype}; offloadd holds floating-point parameters")
             s = _Shard(name, p, self.world)
-            full = p.detach().reshape(-1).to(torch.float32)
-            if self.distributed:
-                # Every rank starts from rank 0's values, as DDP does.
-                full = full.to(self._comm_device(s)).contiguous()
-                self._collective(f"broadcast of '{name}'", lambda: dist.broadcast(full, 0, group=self.group))
-                full = full.cpu()
-            mine = torch.zeros(s.slice_numel, dtype=torch.float32)
             lo = min(self.rank * s.slice_numel, s.numel)
-            hi = min(lo + s.slice_numel, s.numel)
-            mine[: hi - lo] = full[lo:hi]
             master = self.working_dtype != "fp32"
+            # Each rank's slice of the tensor named by the parameter, so that
+            # a checkpoint comes back with another number of ranks.
             part = self.session.register(name, s.slice_numel, param_dtype=self.working_dtype,
-                                         grad_dtype="fp32", fp32_master=master)
+                                         grad_dtype="fp32", fp32_master=master, tensor=name,
+                                         shape=list(p.shape) or [1],
+                                         offset=self.rank * s.slice_numel)
             try:
-                torch.frombuffer(part.params, dtype=self.torch_working).copy_(mine)
-                if master:
-                    torch.frombuffer(part.master_init, dtype=torch.float32).copy_(mine)
+                if not part.restored:
+                    self._write_initial(s, p, name, part, lo, master)
             finally:
                 self.session.release([part.id])
             s.pid = part.id
@@ -640,11 +653,33 @@ class Optimizer(torch.optim.Optimizer):
                 "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
                 "adamw": bool(g["adamw"])}
 
+    def checkpoint(self, directory, background=False):
+        """Writes this job's optimizer state (fp32 master weights, moments,
+        step counts, loss scale) and working weights into `directory`, every
+        rank at the same step: call it on every rank after step(). Atomic: a
+        crash while writing leaves the previous checkpoint there valid.
+        Training waits only for the step boundary; with `background`, it
+        returns then (wait_checkpoint() gives the outcome). Resume with
+        wrap(..., zero_config={"restore_from": directory}), with any number
+        of ranks. `offloadctl export` turns it into one safetensors file."""
+        e = self._engine
+        e.free_all()
+        e.flush_gradients()
+        result = e.session.checkpoint(os.path.abspath(directory), background)
+        if e.world > 1 and not background:
+            # The job's checkpoint is whole once every rank's is.
+            e._collective("barrier after the checkpoint", lambda: dist.barrier(group=e.group))
+        return result
+
+    def wait_checkpoint(self):
+        """The outcome of this rank's background checkpoint, once written."""
+        return self._engine.session.wait_checkpoint()
+
     def state_dict(self):
         raise NotImplementedError(
-            "the optimizer state (fp32 master weights, moments) lives in offloadd; "
-            "model.state_dict() gathers the weights; checkpoints of the daemon's state are not "
-            "built yet")
+            "the optimizer state (fp32 master weights, moments) lives in offloadd: save it with "
+            "optimizer.checkpoint(directory), resume with zero_config restore_from; "
+            "model.state_dict() gathers the weights")
 
     def load_state_dict(self, state_dict):
         raise NotImplementedError("the optimizer state lives in offloadd (see state_dict)")
@@ -663,7 +698,8 @@ class Optimizer(torch.optim.Optimizer):
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
-              "delayed_update", "overlap_step", "working_dtype", "node_tunables"}
+              "delayed_update", "overlap_step", "working_dtype", "node_tunables",
+              "restore_from"}
 
 
 def _check_keys(section, d, allowed):
@@ -717,6 +753,7 @@ def _zero_defaults(zero_config):
         "overlap_step": bool(z.get("overlap_step", False)),
         "working_dtype": working,
         "node_tunables": dict(z.get("node_tunables") or {}),
+        "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
     }
 
 
@@ -743,6 +780,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       working_dtype               fp32 (default), bf16 or fp16: the dtype offloadd keeps the
                                   working copy in (and gathers); the master stays fp32
       node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
+      restore_from                a directory optimizer.checkpoint() wrote: the parameters,
+                                  optimizer state, steps and loss scale come from it (the
+                                  model's own values are not used); any number of ranks
     deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
       two dicts; see offloadd.deepspeed.
     """
