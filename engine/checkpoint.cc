@@ -195,6 +195,7 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
   }
   if (!status.ok()) {
     unlink(file_.path().c_str());  // the previous checkpoint stays
+    absl::MutexLock lock(&mu_);
     return absl::Status(status.code(), absl::StrCat("checkpoint of session '",
                                                     manifest_.session_name(), "' into ", dir_,
                                                     " failed: ", status.message()));

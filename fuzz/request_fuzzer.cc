@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -56,12 +57,15 @@ enum Method {
   kWaitStep,
   kSetDelayedUpdate,
   kSetPlacement,
+  kCheckpoint,
+  kWaitCheckpoint,
   kMethods
 };
 const char* const kNames[kMethods] = {
     "OpenSession",    "CloseSession",        "RegisterPartition", "FetchParams",
     "ReleasePartitions", "ReturnGradients",  "GetPendingGradients", "Step",
-    "WaitStep",       "SetDelayedUpdate",    "SetPlacement"};
+    "WaitStep",       "SetDelayedUpdate",    "SetPlacement",      "Checkpoint",
+    "WaitCheckpoint"};
 
 // Decodes `body` as M, points it at `session`, encodes it again; unchanged
 // if it does not decode.
@@ -153,6 +157,15 @@ class Harness {
     const Method m = static_cast<Method>((data[0] & 0x7f) % kMethods);
     std::string body(reinterpret_cast<const char*>(data + 1), size - 1);
     if (data[0] & 0x80) body = PointAtLive(m, body);
+    if (m == kCheckpoint) {
+      // Checkpoints write files: only ever into the harness's directory
+      // (an input that does not decode fails in the server the same way).
+      v1::CheckpointRequest c;
+      if (c.ParseFromString(body)) {
+        c.set_directory(checkpoint_dir_);
+        body = c.SerializeAsString();
+      }
+    }
     std::string reply;
     const grpc::Status s = Call(m, body, &reply);
     if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) Die("a call hung");
@@ -169,6 +182,11 @@ class Harness {
     ++calls_;
     if (calls_ <= 64 || calls_ % 64 == 0) CheckStillServing();
     if (calls_ % 4096 == 0) RenewLiveSession();
+  }
+
+  void RemoveCheckpoints() {
+    std::error_code ignored;
+    std::filesystem::remove_all(checkpoint_dir_, ignored);
   }
 
   // Writes one valid request per method, pointed at the live session, as
@@ -216,6 +234,11 @@ class Harness {
     placement.mutable_placement()->set_optimizer_state_host_percent(50);
     write(kSetPlacement, placement);
     write(kCloseSession, v1::CloseSessionRequest());
+    v1::CheckpointRequest checkpoint;
+    checkpoint.set_directory(checkpoint_dir_);
+    checkpoint.set_background(true);
+    write(kCheckpoint, checkpoint);
+    write(kWaitCheckpoint, v1::WaitCheckpointRequest());
   }
 
  private:
@@ -248,6 +271,10 @@ class Harness {
         return WithSession<v1::SetDelayedUpdateRequest>(body, live_);
       case kSetPlacement:
         return WithSession<v1::SetPlacementRequest>(body, live_);
+      case kCheckpoint:
+        return WithSession<v1::CheckpointRequest>(body, live_);
+      case kWaitCheckpoint:
+        return WithSession<v1::WaitCheckpointRequest>(body, live_);
       case kMethods:
         break;
     }
@@ -279,6 +306,11 @@ class Harness {
   v1::SessionRef live_;
   uint64_t partition_ = 0;
   uint64_t calls_ = 0;
+  // Where every Checkpoint writes, whatever directory the input named.
+  std::string checkpoint_dir_ = [] {
+    char t[] = "/tmp/offloadd-fuzz-checkpoints.XXXXXX";
+    return std::string(mkdtemp(t) ? t : "/tmp");
+  }();
 };
 
 Harness* harness = nullptr;
@@ -288,6 +320,7 @@ Harness* harness = nullptr;
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   offload::harness = new offload::Harness();
+  std::atexit([] { offload::harness->RemoveCheckpoints(); });
   if (const char* dir = std::getenv("FUZZ_WRITE_SEEDS")) {
     offload::harness->WriteSeeds(dir);
     std::exit(0);
