@@ -263,6 +263,70 @@ TEST(Crash, KillNineAnywhereThenRestoreContinuesBitForBit) {
   }
 }
 
+// bf16 round-to-nearest-even of an fp32 value, as the daemon narrows.
+uint16_t ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+TEST(Offloadctl, ChecksPointsASessionByIdAndExportsSafetensors) {
+  const std::string root = MakeTmp("ctl");
+  RemoveOnExit cleanup(root);
+  auto d = DaemonProcess::Start(DaemonFlags(MakeTmp("nvme")));
+  ASSERT_TRUE(d.ok()) << d.status();
+  Job job;
+  ASSERT_TRUE(job.Open((*d)->address()).ok());
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(job.Train(step).ok());
+  const std::string ctl = "client/offloadctl", address = "--address=" + (*d)->address();
+  auto r = ::offload::testing::RunCommand(
+      {ctl, address, "checkpoint", std::to_string(job.session().id()), root + "/ckpt"});
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->exit_code, 0) << r->output;
+  EXPECT_NE(r->output.find("at step 2"), std::string::npos) << r->output;
+  // Offline: no daemon address needed.
+  r = ::offload::testing::RunCommand(
+      {ctl, "export", "--format=safetensors", root + "/ckpt", root + "/w.safetensors"});
+  ASSERT_EQ(r->exit_code, 0) << r->output;
+  EXPECT_NE(r->output.find("3 tensors"), std::string::npos) << r->output;
+  // The file, read by the format's definition: the fp32 master weights,
+  // whose bf16 rounding is the working copy the trainer reads.
+  FILE* f = fopen((root + "/w.safetensors").c_str(), "rb");
+  ASSERT_NE(f, nullptr);
+  uint64_t n = 0;
+  ASSERT_EQ(fread(&n, 8, 1, f), 1u);
+  std::string header(n, '\0');
+  ASSERT_EQ(fread(header.data(), 1, n, f), n);
+  const std::string w0 = "\"w0\":{\"dtype\":\"F32\",\"shape\":[300000],\"data_offsets\":[0,1200000]}";
+  ASSERT_NE(header.find(w0), std::string::npos) << header;
+  std::vector<float> master(kNumel[0]);
+  ASSERT_EQ(fread(master.data(), 4, master.size(), f), master.size());
+  fclose(f);
+  auto params = job.Read();
+  ASSERT_TRUE(params.ok());
+  int differ = 0, finer = 0;
+  for (uint64_t j = 0; j < kNumel[0]; ++j) {
+    uint32_t bits = static_cast<uint32_t>(ToBf16(master[j])) << 16;
+    float rounded;
+    std::memcpy(&rounded, &bits, 4);
+    differ += rounded != (*params)[0][j];
+    finer += rounded != master[j];  // more precise than bf16: the fp32 master
+  }
+  EXPECT_EQ(differ, 0);
+  EXPECT_GT(finer, static_cast<int>(kNumel[0] / 2));
+
+  // Errors: an unknown session, an unknown format, a directory without a
+  // checkpoint.
+  r = ::offload::testing::RunCommand({ctl, address, "checkpoint", "12345", root + "/x"});
+  EXPECT_EQ(r->exit_code, 1);
+  EXPECT_NE(r->output.find("NOT_FOUND"), std::string::npos) << r->output;
+  r = ::offload::testing::RunCommand({ctl, "export", "--format=npz", root + "/ckpt", "o"});
+  EXPECT_EQ(r->exit_code, 2);
+  r = ::offload::testing::RunCommand({ctl, "export", root, root + "/o.safetensors"});
+  EXPECT_EQ(r->exit_code, 1);
+  EXPECT_NE(r->output.find("NOT_FOUND"), std::string::npos) << r->output;
+}
+
 uint64_t ManifestSteps(const std::string& dir) {
   absl::StatusOr<checkpoint::Manifest> m = checkpoint::ReadManifest(dir + "/job.manifest");
   EXPECT_TRUE(m.ok()) << m.status();
