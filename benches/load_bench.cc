@@ -5,7 +5,9 @@
 // errors, and the daemon's resident memory after warm-up and at the end;
 // and, measured in the same run, the floor any request/reply over a Unix
 // socket pays: a one-byte ping-pong between two processes. Target (issue
-// 11): a fetch of a resident partition p99 <= 20 us.
+// 11): a fetch of a resident partition p99 <= 20 us. Runs twice: with
+// fetch, release and return through the sessions' shared-memory request
+// rings (the client's default), then all over gRPC.
 //
 // usage: load [--trainers=8] [--seconds=10] [--partitions=16] [--numel=65536]
 //             [--step_every=4] [--tiny]
@@ -42,9 +44,11 @@ struct Config {
 };
 
 // One trainer: writes its latencies (ns, per op) and error count to `out`.
-int Trainer(const Config& c, const std::string& address, int index, const std::string& out) {
+int Trainer(const Config& c, bool ring, const std::string& address, int index,
+            const std::string& out) {
   ClientOptions o;
   o.address = address;
+  o.request_ring = ring;
   auto client = Client::Connect(o);
   if (!client.ok()) {
     std::fprintf(stderr, "trainer %d: %s\n", index, client.status().ToString().c_str());
@@ -163,6 +167,8 @@ uint64_t RssKiB(pid_t pid) {
   return 0;
 }
 
+int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor);
+
 int Main(int argc, char** argv) {
   Config c;
   for (int i = 1; i < argc; ++i) {
@@ -190,6 +196,14 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::vector<uint32_t> floor = PingPong(20000);
+  int failed = 0;
+  for (bool ring : {true, false}) failed += RunOnce(c, ring, floor);
+  return failed == 0 ? 0 : 1;
+}
+
+int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor) {
+  std::printf("\n== fetch, release and return through %s ==\n",
+              ring ? "the shared-memory request ring" : "gRPC");
   auto daemon = testing::DaemonProcess::Start();
   if (!daemon.ok()) {
     std::fprintf(stderr, "offloadd: %s\n", daemon.status().ToString().c_str());
@@ -205,7 +219,7 @@ int Main(int argc, char** argv) {
   std::vector<pid_t> children;
   for (int i = 0; i < c.trainers; ++i) {
     const pid_t pid = fork();
-    if (pid == 0) _exit(Trainer(c, address, i, absl::StrCat(dir, "/load.", i)));
+    if (pid == 0) _exit(Trainer(c, ring, address, i, absl::StrCat(dir, "/load.", i)));
     children.push_back(pid);
   }
   // Resident memory: after a quarter of the time (warmed up), then every

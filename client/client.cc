@@ -16,6 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "ipc/arena_protocol.h"
 #include "ipc/paths.h"
+#include "ipc/request_ring.h"
 #include "proto/convert.h"
 #include "proto/offload.grpc.pb.h"
 
@@ -65,6 +66,12 @@ absl::Status ToProto(const Placement& p, v1::Placement* out) {
   return absl::OkStatus();
 }
 
+std::vector<ring::Item> RingItems(absl::Span<const uint64_t> ids) {
+  std::vector<ring::Item> items(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) items[i] = ring::Item{ids[i], 0, 0, 0};
+  return items;
+}
+
 StepResult FromProto(const v1::StepResponse& r) {
   StepResult out;
   out.partitions_updated = r.partitions_updated();
@@ -98,7 +105,13 @@ struct Session::Impl {
   UniqueFd arena;  // the session arena's memfd
   uint64_t arena_capacity = 0;
   UniqueFd connection;  // the arena channel; closing it abandons the session
+  // The request ring (fetch, release, return without gRPC), if the daemon
+  // offers one and the client wants it.
+  HostMemory ring_memory;
+  std::unique_ptr<ring::Client> ring;
   absl::Mutex mu;
+  // Partition names (the ring's answers carry none).
+  absl::flat_hash_map<uint64_t, std::string> names ABSL_GUARDED_BY(mu);
   bool closed ABSL_GUARDED_BY(mu) = false;
   // Each partition's span (params, grads, the second working-copy buffer),
   // mapped the first time the daemon names it: address space only for what
@@ -148,6 +161,9 @@ struct Session::Impl {
         }
       }
       base = m.memory.data() - m.begin;
+      if (!loc.name().empty()) {
+        names.try_emplace(loc.partition_id(), loc.name());
+      }
     }
     PartitionView v;
     v.id = loc.partition_id();
@@ -239,6 +255,19 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   s.connection = std::move(attached.connection);
   s.arena = std::move(attached.arena);
   s.arena_capacity = resp.arena_capacity();
+  const v1::Region& r = resp.request_ring();
+  if (impl_->options.request_ring && r.bytes() == ring::RingBytes() &&
+      r.offset() <= s.arena_capacity - r.bytes()) {
+    absl::StatusOr<HostMemory> mapped = HostMemory::MapShared(s.arena.get(), r.offset(), r.bytes());
+    if (mapped.ok()) {
+      auto* layout = reinterpret_cast<ring::Layout*>(mapped->data());
+      if (layout->magic == ring::kMagic && layout->version == ring::kVersion) {
+        s.ring_memory = *std::move(mapped);
+        s.ring = std::make_unique<ring::Client>(layout, s.connection.get(),
+                                                impl_->options.request_ring_spin);
+      }
+    }
+  }
   return out;
 }
 
@@ -323,6 +352,44 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
 
 absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
                                                          const FetchOptions& options) {
+  if (impl_->ring != nullptr && !ids.empty() && ids.size() <= ring::kMaxItems) {
+    const uint32_t flags =
+        (options.grads ? ring::kGrads : 0u) | (options.writable ? ring::kWritable : 0u);
+    ring::Client::Answer answer =
+        impl_->ring->Call(ring::kFetch, flags, RingItems(ids), impl_->timeout);
+    RETURN_IF_ERROR(answer.status);
+    std::vector<PartitionView> out;
+    out.reserve(answer.locations.size());
+    v1::PartitionLocation loc;
+    for (const ring::Location& l : answer.locations) {
+      loc.Clear();
+      loc.set_partition_id(l.id);
+      {
+        absl::MutexLock lock(&impl_->mu);
+        auto it = impl_->names.find(l.id);
+        if (it != impl_->names.end()) loc.set_name(it->second);
+      }
+      loc.set_numel(l.numel);
+      loc.set_param_dtype(static_cast<v1::DType>(l.param_dtype));
+      loc.set_grad_dtype(static_cast<v1::DType>(l.grad_dtype));
+      loc.set_step(l.step);
+      loc.set_restored(l.restored != 0);
+      for (auto [region, offset, bytes] :
+           {std::tuple{loc.mutable_params(), l.params_offset, l.params_bytes},
+            std::tuple{loc.mutable_grads(), l.grads_offset, l.grads_bytes},
+            std::tuple{loc.mutable_span(), l.span_offset, l.span_bytes}}) {
+        region->set_offset(offset);
+        region->set_bytes(bytes);
+      }
+      if (l.master_init_bytes != 0) {
+        loc.mutable_master_init()->set_offset(l.master_init_offset);
+        loc.mutable_master_init()->set_bytes(l.master_init_bytes);
+      }
+      ASSIGN_OR_RETURN(PartitionView v, impl_->View(loc));
+      out.push_back(std::move(v));
+    }
+    return out;
+  }
   v1::FetchParamsRequest req;
   *req.mutable_session() = impl_->ref;
   for (uint64_t id : ids) req.add_partition_ids(id);
@@ -352,6 +419,9 @@ absl::Status Session::Release(const PartitionView& p) {
 }
 
 absl::Status Session::Release(absl::Span<const uint64_t> ids) {
+  if (impl_->ring != nullptr && ids.size() <= ring::kMaxItems) {
+    return impl_->ring->Call(ring::kRelease, 0, RingItems(ids), impl_->timeout).status;
+  }
   v1::ReleasePartitionsRequest req;
   *req.mutable_session() = impl_->ref;
   for (uint64_t id : ids) req.add_partition_ids(id);
@@ -366,6 +436,16 @@ absl::Status Session::ReturnGradients(const PartitionView& p) {
 }
 
 absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release) {
+  if (impl_->ring != nullptr && parts.size() <= ring::kMaxItems) {
+    std::vector<ring::Item> items(parts.size());
+    for (size_t i = 0; i < parts.size(); ++i) {
+      items[i] = ring::Item{parts[i].id, parts[i].numel,
+                            static_cast<uint32_t>(parts[i].grad_dtype), 0};
+    }
+    return impl_->ring
+        ->Call(ring::kReturnGradients, release ? ring::kThenRelease : 0u, items, impl_->timeout)
+        .status;
+  }
   v1::ReturnGradientsRequest req;
   *req.mutable_session() = impl_->ref;
   for (const PartitionView& p : parts) {

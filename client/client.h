@@ -66,6 +66,13 @@ struct ClientOptions {
   // it wrote to <data_dir>/tcp_token. Empty means $OFFLOADD_TOKEN, if set.
   // Not needed on the Unix socket.
   std::string token{};
+  // Fetch, release and return gradients of up to 512 partitions through
+  // the session's shared-memory request ring (futex wake-ups) instead of
+  // gRPC, when the daemon offers one. Off: everything over gRPC.
+  bool request_ring = true;
+  // How long a call through the ring spins for its answer before sleeping:
+  // lower it where trainers outnumber cores.
+  absl::Duration request_ring_spin = absl::Microseconds(100);
 };
 
 // Where a session's data rests: per kind, the percentage of its bytes kept

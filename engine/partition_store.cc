@@ -1037,6 +1037,13 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
   swapper_->EndIteration(session_id_);
 }
 
+absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionSet::MapExtra(uint64_t bytes) {
+  absl::MutexLock placing(&placement_mu_);  // registrations allocate under it too
+  ASSIGN_OR_RETURN(uint64_t offset, arena_->Allocate(bytes));
+  ASSIGN_OR_RETURN(HostMemory memory, arena_->Map(offset, bytes));
+  return std::make_pair(offset, std::move(memory));
+}
+
 absl::Status PartitionSet::RestoreSetState(uint64_t steps, bool delayed) {
   absl::MutexLock placing(&placement_mu_);
   absl::MutexLock lock(&mu_);

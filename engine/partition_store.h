@@ -409,6 +409,11 @@ class PartitionSet {
   // [0, 100]; FAILED_PRECONDITION below 100 without an NVMe tier.
   absl::Status SetPlacement(const PlacementChange& change) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A region of the arena outside every partition (the request ring),
+  // allocated and mapped: its offset and the mapping.
+  absl::StatusOr<std::pair<uint64_t, HostMemory>> MapExtra(uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   uint64_t session_id() const { return session_id_; }
   int arena_fd() const { return arena_->fd(); }
   uint64_t arena_capacity() const { return arena_->capacity(); }

@@ -152,6 +152,8 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     resp->mutable_session()->set_token(opened.key.token);
     resp->set_arena_socket(arena_socket_);
     resp->set_arena_capacity(opened.arena_capacity);
+    resp->mutable_request_ring()->set_offset(opened.ring.offset);
+    resp->mutable_request_ring()->set_bytes(opened.ring.bytes);
     return absl::OkStatus();
   });
 }
@@ -237,25 +239,13 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
       }
       items.assign(req->partitions().begin(), req->partitions().end());
     }
-    std::vector<uint64_t> ids;
-    ids.reserve(items.size());
-    for (size_t i = 0; i < items.size(); ++i) {
-      const v1::GradientBuffer& item = items[i];
-      absl::StatusOr<DType> grad = FromProto(item.grad_dtype(), "grad_dtype");
-      absl::Status s = grad.status();
-      if (s.ok()) {
-        s = sessions_->ReturnGradients(key, item.partition_id(), item.numel(), *grad);
-      }
-      if (!s.ok()) {
-        if (items.size() == 1) return s;
-        return absl::Status(s.code(), absl::StrCat("returned ", i, " of ", items.size(),
-                                                   " partitions' gradients, then: ",
-                                                   s.message()));
-      }
-      ids.push_back(item.partition_id());
+    std::vector<GradientReturn> returns;
+    returns.reserve(items.size());
+    for (const v1::GradientBuffer& item : items) {
+      returns.push_back(GradientReturn{item.partition_id(), item.numel(),
+                                       FromProto(item.grad_dtype(), "grad_dtype")});
     }
-    if (req->release()) return sessions_->Release(key, ids);
-    return absl::OkStatus();
+    return sessions_->ReturnGradients(key, returns, req->release());
   });
 }
 

@@ -20,6 +20,9 @@ struct SessionManager::Session {
       : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)),
         scaler(std::move(scaler)), restore(std::move(restore)) {}
   ~Session() {
+    // The request ring's thread ends (after its call, if it runs the call
+    // that dropped the session's last reference).
+    if (ring != nullptr) ring->Stop();
     // A background checkpoint stops at its next chunk (the previous
     // checkpoint stays); the set goes only after.
     checkpoint_cancel = true;
@@ -32,6 +35,8 @@ struct SessionManager::Session {
   const std::unique_ptr<PartitionSet> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
   const std::unique_ptr<CheckpointRestore> restore;  // the checkpoint it restores, if any
+  std::shared_ptr<RingServer> ring;  // set once, before the session is shared
+  ArenaRegion ring_region;
   // Steps after which the delayed update switches itself on (-1: never).
   std::atomic<int64_t> delayed_update_after{-1};
   // Monotonic: a wall-clock step (NTP, a resumed VM) must not expire leases.
@@ -129,12 +134,21 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
   if (delayed_update_after.has_value()) {
     session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
   }
+  // The request ring: the first region of the arena, served by a thread of
+  // its own.
+  ASSIGN_OR_RETURN(auto ring, session->partitions->MapExtra(ring::RingBytes()));
+  session->ring_region = {ring.first, ring::RingBytes()};
+  const ArenaRegion ring_region = session->ring_region;
+  const SessionKey key{id, token};
+  session->ring = RingServer::Start(std::move(ring.second), [this, key](const RingRequest& r) {
+    return ServeRing(key, r);
+  });
   {
     absl::MutexLock lock(&mu_);
     sessions_[id] = std::move(session);
   }
   stats_->sessions_opened.fetch_add(1, std::memory_order_relaxed);
-  return OpenedSession{SessionKey{id, std::move(token)}, capacity};
+  return OpenedSession{SessionKey{id, std::move(token)}, capacity, ring_region};
 }
 
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
@@ -287,6 +301,102 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t par
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    FindOwning(key, absl::MakeConstSpan(&partition_id, 1)));
   return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype);
+}
+
+absl::Status SessionManager::ReturnGradients(const SessionKey& key,
+                                             absl::Span<const GradientReturn> items,
+                                             bool release) {
+  if (items.size() > kMaxFetchIds) {
+    return absl::InvalidArgumentError(absl::StrCat("a gradient return may name at most ",
+                                                   kMaxFetchIds, " partitions, got ",
+                                                   items.size()));
+  }
+  std::vector<uint64_t> ids;
+  ids.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const GradientReturn& item = items[i];
+    absl::Status s = item.grad_dtype.status();
+    if (s.ok()) s = ReturnGradients(key, item.partition_id, item.numel, *item.grad_dtype);
+    if (!s.ok()) {
+      if (items.size() == 1) return s;
+      return absl::Status(s.code(), absl::StrCat("returned ", i, " of ", items.size(),
+                                                 " partitions' gradients, then: ", s.message()));
+    }
+    ids.push_back(item.partition_id);
+  }
+  if (release) return Release(key, ids);
+  return absl::OkStatus();
+}
+
+namespace {
+
+ring::Location ToRing(const PartitionInfo& p) {
+  ring::Location l{};
+  l.id = p.id;
+  l.numel = p.numel;
+  l.step = p.step;
+  l.params_offset = p.params.offset;
+  l.params_bytes = p.params.bytes;
+  l.grads_offset = p.grads.offset;
+  l.grads_bytes = p.grads.bytes;
+  l.span_offset = p.span.offset;
+  l.span_bytes = p.span.bytes;
+  l.master_init_offset = p.master_init.offset;
+  l.master_init_bytes = p.master_init.bytes;
+  l.param_dtype = static_cast<uint32_t>(p.param_dtype);
+  l.grad_dtype = static_cast<uint32_t>(p.grad_dtype);
+  l.restored = p.restored ? 1 : 0;
+  return l;
+}
+
+}  // namespace
+
+RingAnswer SessionManager::ServeRing(const SessionKey& key, const RingRequest& r) {
+  RingAnswer answer;
+  std::vector<uint64_t> ids;
+  ids.reserve(r.items.size());
+  for (const ring::Item& item : r.items) ids.push_back(item.id);
+  switch (r.op) {
+    case ring::kFetch: {
+      if (ids.empty()) {
+        answer.status = absl::InvalidArgumentError(
+            "a fetch through the request ring names its partitions (fetch-all is gRPC's)");
+        break;
+      }
+      FetchMode mode;
+      mode.grads = (r.flags & ring::kGrads) != 0;
+      mode.writable = (r.flags & ring::kWritable) != 0;
+      absl::StatusOr<std::vector<PartitionInfo>> held = Fetch(key, ids, mode);
+      answer.status = held.status();
+      if (held.ok()) {
+        for (const PartitionInfo& p : *held) answer.locations.push_back(ToRing(p));
+      }
+      break;
+    }
+    case ring::kRelease:
+      answer.status = Release(key, ids);
+      break;
+    case ring::kReturnGradients: {
+      std::vector<GradientReturn> items;
+      items.reserve(r.items.size());
+      for (const ring::Item& item : r.items) {
+        GradientReturn g;
+        g.partition_id = item.id;
+        g.numel = item.numel;
+        if (item.dtype >= 1 && item.dtype <= 3) {
+          g.grad_dtype = static_cast<DType>(item.dtype);
+        } else {
+          g.grad_dtype = absl::InvalidArgumentError(
+              absl::StrCat("grad_dtype ", item.dtype, " is not fp32 (1), bf16 (2) or fp16 (3)"));
+        }
+        items.push_back(std::move(g));
+      }
+      answer.status = ReturnGradients(key, items, (r.flags & ring::kThenRelease) != 0);
+      break;
+    }
+  }
+  if (!answer.status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+  return answer;
 }
 
 absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) {

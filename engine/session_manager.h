@@ -52,6 +52,7 @@
 #include "engine/checkpoint.h"
 #include "engine/loss_scaler.h"
 #include "engine/partition_store.h"
+#include "engine/request_ring_server.h"
 #include "engine/stats.h"
 #include "engine/step_runner.h"
 
@@ -66,6 +67,15 @@ struct SessionKey {
 struct OpenedSession {
   SessionKey key;
   uint64_t arena_capacity = 0;
+  // The session's request ring (ipc/request_ring.h) in its arena.
+  ArenaRegion ring;
+};
+
+// One partition of a gradient return naming several.
+struct GradientReturn {
+  uint64_t partition_id = 0;
+  uint64_t numel = 0;
+  absl::StatusOr<DType> grad_dtype;  // an error: the wire named no dtype
 };
 
 struct SessionSummary {
@@ -158,6 +168,11 @@ class SessionManager {
   // the registration.
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
                                DType grad_dtype) ABSL_LOCKS_EXCLUDED(mu_);
+  // Several, in order (at most kMaxFetchIds); an error stops at the
+  // partition it names (the message says how many went before, which were
+  // returned) and releases nothing. With `release`, then lets them all go.
+  absl::Status ReturnGradients(const SessionKey& key, absl::Span<const GradientReturn> items,
+                               bool release) ABSL_LOCKS_EXCLUDED(mu_);
   // What the gradients returned since the last step add up to: the squared
   // norm and non-finite count of the accumulated values, for the trainer's
   // global clipping and overflow decision across ranks. With loss scaling,
@@ -218,6 +233,9 @@ class SessionManager {
   // With `only_unattached`, not if a trainer attached to it; with
   // `only_idle_since`, not if a call found it after that time or one is in
   // flight.
+  // One call that came through a session's request ring.
+  RingAnswer ServeRing(const SessionKey& key, const RingRequest& request)
+      ABSL_LOCKS_EXCLUDED(mu_);
   bool CloseById(uint64_t id, bool only_unattached = false,
                  std::optional<SteadyTime> only_idle_since = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);

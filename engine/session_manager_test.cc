@@ -214,12 +214,17 @@ TEST_F(SessionManagerTest, OpenFailuresLeaveNothingBehind) {
   EXPECT_EQ(no_memfd.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(no_memfd.status().message().find("memfd_create"), std::string::npos);
 
-  // Opening maps nothing (partitions are mapped one by one), so address
-  // space is no limit on sessions.
+  // A failed mapping of the request ring: nothing left behind either.
+  env_.FailNth(EnvOp::kMapShared, 1, ENOMEM);
+  auto no_ring = sessions_.Open("t");
+  EXPECT_EQ(no_ring.status().code(), absl::StatusCode::kResourceExhausted);
+
+  // Opening maps only the request ring (partitions are mapped one by one),
+  // so address space is no limit on sessions.
   const int64_t maps = env_.calls(EnvOp::kMapShared);
   const int fds_before = OpenDescriptors();
   SessionKey opened = Open();
-  EXPECT_EQ(env_.calls(EnvOp::kMapShared), maps);
+  EXPECT_EQ(env_.calls(EnvOp::kMapShared), maps + 1);
   ASSERT_TRUE(sessions_.Close(opened).ok());
   EXPECT_EQ(OpenDescriptors(), fds_before);  // its memfd was closed again
 

@@ -1,0 +1,84 @@
+#include "engine/request_ring_server.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace offload {
+
+std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handler) {
+  std::shared_ptr<RingServer> server(new RingServer(std::move(mapping), std::move(handler)));
+  ring::Layout* l = server->layout();
+  l->magic = ring::kMagic;
+  l->version = ring::kVersion;
+  l->client_sleeping.store(0);
+  l->state.store(ring::kIdle, std::memory_order_release);
+  // The thread keeps the server (its mapping, its handler) alive until it ends.
+  server->thread_ = std::thread([self = server->shared_from_this()] { self->Serve(); });
+  return server;
+}
+
+RingServer::~RingServer() {
+  if (thread_.joinable()) thread_.detach();  // only when the thread itself drops the last reference
+}
+
+void RingServer::Stop() {
+  if (stopping_.exchange(true)) return;
+  layout()->state.store(ring::kClosed, std::memory_order_seq_cst);
+  ring::FutexWake(&layout()->state);
+  if (thread_.get_id() == std::this_thread::get_id()) {
+    thread_.detach();  // inside a call this thread runs: it ends after it
+  } else if (thread_.joinable()) {
+    thread_.join();
+  }
+}
+
+void RingServer::Serve() {
+  ring::Layout* l = layout();
+  while (!stopping_.load()) {
+    const uint32_t state = l->state.load(std::memory_order_acquire);
+    if (state != ring::kPosted) {
+      // Also woken by every change of the word; a client can only make
+      // this thread look again.
+      ring::FutexWait(&l->state, state, absl::Seconds(1));
+      continue;
+    }
+    // Copied out before any check: the trainer may rewrite the mailbox.
+    RingRequest request;
+    const uint32_t op = l->op;
+    request.flags = l->flags;
+    const uint32_t count = l->count;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (count > ring::kMaxItems || op < ring::kFetch || op > ring::kReturnGradients) {
+      Answer({absl::InvalidArgumentError(absl::StrCat("request ring: op ", op, " with ", count,
+                                                      " items (at most ", ring::kMaxItems, ")")),
+              {}});
+      continue;
+    }
+    request.op = static_cast<ring::Op>(op);
+    request.items.assign(l->items, l->items + count);
+    const RingAnswer answer = handler_(request);
+    if (stopping_.load()) break;  // the session went during the call
+    Answer(answer);
+  }
+}
+
+void RingServer::Answer(const RingAnswer& answer) {
+  ring::Layout* l = layout();
+  l->code = static_cast<int32_t>(answer.status.code());
+  const absl::string_view message = answer.status.message();
+  l->message_bytes = static_cast<uint32_t>(std::min(message.size(), ring::kMessageBytes));
+  std::memcpy(l->message, message.data(), l->message_bytes);
+  l->out_count = static_cast<uint32_t>(std::min<size_t>(answer.locations.size(), ring::kMaxItems));
+  std::memcpy(l->locations, answer.locations.data(), l->out_count * sizeof(ring::Location));
+  // Only a posted request is answered: a client that gave up meanwhile
+  // finds its own state untouched.
+  uint32_t posted = ring::kPosted;
+  if (!l->state.compare_exchange_strong(posted, ring::kAnswered, std::memory_order_seq_cst)) {
+    return;
+  }
+  if (l->client_sleeping.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&l->state);
+}
+
+}  // namespace offload

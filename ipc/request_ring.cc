@@ -1,0 +1,113 @@
+#include "ipc/request_ring.h"
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace offload::ring {
+namespace {
+
+// The connection to the daemon is gone (it died: its end closed).
+bool Hungup(int connection) {
+  pollfd p{connection, POLLRDHUP, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
+
+size_t RingBytes() {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (sizeof(Layout) + page - 1) / page * page;
+}
+
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
+  const timespec ts = absl::ToTimespec(timeout);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+          0);
+}
+
+Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
+                            absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  auto gone = [&](uint32_t state) -> absl::Status {
+    if (state == kClosed) {
+      return absl::FailedPreconditionError("the daemon closed this session's request ring");
+    }
+    if (Hungup(connection_)) {
+      return absl::UnavailableError("offloadd went away (its arena channel connection closed)");
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("no answer through the request ring within ", absl::FormatDuration(timeout)));
+    }
+    return absl::OkStatus();
+  };
+  // 1. Claim the mailbox.
+  for (;;) {
+    uint32_t expected = kIdle;
+    if (ring_->state.compare_exchange_strong(expected, kClaimed, std::memory_order_acquire)) break;
+    if (absl::Status s = gone(expected); !s.ok()) return {s, {}};
+    FutexWait(&ring_->state, expected, absl::Milliseconds(50));
+  }
+  ring_->op = op;
+  ring_->flags = flags;
+  ring_->count = static_cast<uint32_t>(items.size());
+  std::memcpy(ring_->items, items.data(), items.size() * sizeof(Item));
+  // 2. Post.
+  ring_->state.store(kPosted, std::memory_order_seq_cst);
+  FutexWake(&ring_->state);
+  // 4. Wait: spin first (the daemon usually answers within microseconds),
+  // then sleep.
+  uint32_t state = kPosted;
+  const absl::Time spin_until = absl::Now() + spin_;
+  for (int i = 0;; ++i) {
+    state = ring_->state.load(std::memory_order_acquire);
+    if (state != kPosted) break;
+    CpuRelax();
+    if (i % 32 == 31 && absl::Now() > spin_until) break;
+  }
+  while (state == kPosted) {
+    ring_->client_sleeping.store(1, std::memory_order_seq_cst);
+    state = ring_->state.load(std::memory_order_seq_cst);
+    if (state == kPosted) FutexWait(&ring_->state, kPosted, absl::Milliseconds(50));
+    ring_->client_sleeping.store(0, std::memory_order_relaxed);
+    state = ring_->state.load(std::memory_order_acquire);
+    if (state == kPosted) {
+      if (absl::Status s = gone(state); !s.ok()) return {s, {}};
+    }
+  }
+  if (state != kAnswered) return {gone(state), {}};
+  Answer answer;
+  const auto code = static_cast<absl::StatusCode>(ring_->code);
+  if (code != absl::StatusCode::kOk) {
+    const size_t n = std::min<size_t>(ring_->message_bytes, kMessageBytes);
+    answer.status = absl::Status(code, std::string(ring_->message, n));
+  } else {
+    const uint32_t n = std::min(ring_->out_count, kMaxItems);
+    answer.locations.assign(ring_->locations, ring_->locations + n);
+  }
+  // Back to idle, unless the daemon closed the mailbox meanwhile.
+  uint32_t answered = kAnswered;
+  ring_->state.compare_exchange_strong(answered, kIdle, std::memory_order_release);
+  FutexWake(&ring_->state);  // a claimant waiting
+  return answer;
+}
+
+}  // namespace offload::ring

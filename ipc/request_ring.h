@@ -1,0 +1,129 @@
+// The shared-memory fast path for a session's most frequent calls (fetch,
+// release, return gradients): a one-request mailbox in the session's arena
+// with futex wake-ups, so that these calls cost two context switches
+// instead of a gRPC round trip. gRPC stays for everything else (and for
+// calls too large for the mailbox).
+//
+// Protocol (state is the futex word; one request at a time):
+//   1. client: CAS state kIdle -> kClaimed (another thread or process of the
+//      session waits for kIdle), writes op, flags, count and items;
+//   2. client: state = kPosted, FUTEX_WAKE;
+//   3. daemon (one thread per session, asleep in FUTEX_WAIT while the state
+//      is not kPosted): copies the request out of shared memory, checks it
+//      (nothing in the mailbox is trusted: the trainer can write it at any
+//      time), performs the calls, writes code, message and locations,
+//      state = kAnswered, FUTEX_WAKE if the client sleeps;
+//   4. client: spins briefly, then sleeps, until kAnswered; copies the
+//      answer out; state = kIdle, FUTEX_WAKE (a waiting claimant).
+// The daemon stops serving with state kClosed. A client whose daemon dies
+// sees the arena channel's connection close while it waits: UNAVAILABLE.
+#ifndef OFFLOADD_IPC_REQUEST_RING_H_
+#define OFFLOADD_IPC_REQUEST_RING_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace offload::ring {
+
+inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
+inline constexpr uint32_t kVersion = 1;
+// How long a caller spins for the answer by default before it sleeps on
+// the futex: longer than the daemon takes to answer a resident fetch even
+// when woken from sleep (p99 15-22 us measured), so an idle node answers
+// without a second sleep; an oversubscribed one (more trainers than cores)
+// loses at most this much CPU per call to spinning.
+inline constexpr absl::Duration kDefaultSpin = absl::Microseconds(100);
+// Most partitions one call through the mailbox may name; larger calls go
+// through gRPC.
+inline constexpr uint32_t kMaxItems = 512;
+inline constexpr size_t kMessageBytes = 1024;
+
+enum Op : uint32_t { kFetch = 1, kRelease = 2, kReturnGradients = 3 };
+enum State : uint32_t { kIdle = 0, kClaimed = 1, kPosted = 2, kAnswered = 3, kClosed = 4 };
+// Request flags.
+inline constexpr uint32_t kGrads = 1;        // fetch: hold the gradient buffers too
+inline constexpr uint32_t kWritable = 2;     // fetch: the trainer changes the parameters
+inline constexpr uint32_t kThenRelease = 4;  // return: then release the partitions
+
+// A partition named by a request: its id, and for a gradient return what
+// the trainer wrote (numel, dtype as cpu_adam's DType).
+struct Item {
+  uint64_t id;
+  uint64_t numel;
+  uint32_t dtype;
+  uint32_t pad;
+};
+
+// A held partition, as PartitionLocation says it (the name aside).
+struct Location {
+  uint64_t id, numel, step;
+  uint64_t params_offset, params_bytes;
+  uint64_t grads_offset, grads_bytes;
+  uint64_t span_offset, span_bytes;
+  uint64_t master_init_offset, master_init_bytes;
+  uint32_t param_dtype, grad_dtype;
+  uint32_t restored;
+  uint32_t pad;
+};
+
+struct Layout {
+  std::atomic<uint32_t> state;
+  std::atomic<uint32_t> client_sleeping;
+  uint32_t magic;
+  uint32_t version;
+  // The request.
+  uint32_t op;
+  uint32_t flags;
+  uint32_t count;
+  uint32_t pad0;
+  Item items[kMaxItems];
+  // The answer.
+  int32_t code;  // absl::StatusCode
+  uint32_t message_bytes;
+  uint32_t out_count;
+  uint32_t pad1;
+  char message[kMessageBytes];
+  Location locations[kMaxItems];
+};
+
+// The mailbox's size in the arena: whole pages.
+size_t RingBytes();
+
+// FUTEX_WAIT while *word == expected, at most `timeout` (shared, not
+// private: the word is in memory two processes map).
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout);
+void FutexWake(std::atomic<uint32_t>* word);
+
+// The client's half. One call at a time per mailbox (Call claims it).
+class Client {
+ public:
+  // `ring` is the mapped mailbox; `connection` the arena channel's
+  // connection (watched while waiting: its close means the daemon died).
+  Client(Layout* ring, int connection, absl::Duration spin = kDefaultSpin)
+      : ring_(ring), connection_(connection), spin_(spin) {}
+
+  struct Answer {
+    absl::Status status;
+    std::vector<Location> locations;
+  };
+  // FAILED_PRECONDITION if the daemon closed the mailbox (the session is
+  // gone); UNAVAILABLE if the daemon died; DEADLINE_EXCEEDED after
+  // `timeout`.
+  Answer Call(Op op, uint32_t flags, absl::Span<const Item> items, absl::Duration timeout);
+
+ private:
+  Layout* const ring_;
+  const int connection_;
+  const absl::Duration spin_;
+};
+
+}  // namespace offload::ring
+
+#endif  // OFFLOADD_IPC_REQUEST_RING_H_
