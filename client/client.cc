@@ -238,7 +238,22 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
+  return Attach(resp);
+}
 
+absl::StatusOr<std::unique_ptr<Session>> Client::ResumeSession(uint64_t session_id,
+                                                               const std::string& token) {
+  v1::ResumeSessionRequest req;
+  req.mutable_session()->set_session_id(session_id);
+  req.mutable_session()->set_token(token);
+  v1::OpenSessionResponse resp;
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->partitions->ResumeSession(&rpc.context, req, &resp), "ResumeSession"));
+  return Attach(resp);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionResponse& resp) {
   auto session = std::make_unique<Session::Impl>();
   session->stub = impl_->partitions;
   session->timeout = impl_->options.call_timeout;
@@ -326,6 +341,8 @@ Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Session::~Session() { Close().IgnoreError(); }  // best effort: the daemon may be gone
 
 uint64_t Session::id() const { return impl_->ref.session_id(); }
+
+const std::string& Session::token() const { return impl_->ref.token(); }
 
 absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
                                                 DType param_dtype, DType grad_dtype,

@@ -52,6 +52,9 @@
 #include "cpu_adam/dtype.h"
 
 namespace offload {
+namespace v1 {
+class OpenSessionResponse;
+}  // namespace v1
 
 struct ClientOptions {
   // "unix:/path/offloadd.sock" or "127.0.0.1:PORT" (tools only: sessions
@@ -261,6 +264,9 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   uint64_t id() const;
+  // The session's secret (raw bytes): with id(), what ResumeSession needs.
+  // Keep it where only this user can read it.
+  const std::string& token() const;
 
   // Registers a partition, zeros, and holds it (writable) for the initial
   // values to be written.
@@ -339,6 +345,15 @@ class Client {
   // Opens a session and maps its arena. The Session may outlive the Client.
   absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& name,
                                                        const SessionOptions& options = {});
+  // Takes back the session `session_id` (with its `token`, Session::token)
+  // that a trainer which went away without closing it held: offloadd keeps
+  // such a session, its holds released, for server.reconnect_lease_seconds
+  // (0 by default: it is closed at once). Its partitions, optimizer state
+  // and steps are as they were; their ids are the ones the old trainer had
+  // (Fetch of none lists them). FAILED_PRECONDITION if it was closed (its
+  // lease ran out), NOT_FOUND if offloadd restarted since.
+  absl::StatusOr<std::unique_ptr<Session>> ResumeSession(uint64_t session_id,
+                                                         const std::string& token);
 
   absl::StatusOr<std::vector<Tunable>> ListTunables();
   absl::StatusOr<Tunable> GetTunable(const std::string& name);
@@ -352,6 +367,8 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  // Attaches to the arena of the session OpenSession or ResumeSession named.
+  absl::StatusOr<std::unique_ptr<Session>> Attach(const v1::OpenSessionResponse& resp);
   std::unique_ptr<Impl> impl_;
 };
 

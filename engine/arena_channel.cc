@@ -38,29 +38,35 @@ void SetReceiveTimeout(int fd, int ms) {
 absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(const std::string& path,
                                                                   SessionManager* sessions,
                                                                   absl::Duration attach_lease,
-                                                                  absl::Duration idle_lease) {
+                                                                  absl::Duration idle_lease,
+                                                                  absl::Duration reconnect_lease) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(path));
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
   if (!stop.valid()) return PosixError("eventfd", errno);
   auto channel = std::unique_ptr<ArenaChannel>(
       new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease,
-                       idle_lease));
+                       idle_lease, reconnect_lease));
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
   return channel;
 }
 
 ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
                            SessionManager* sessions, absl::Duration attach_lease,
-                           absl::Duration idle_lease)
+                           absl::Duration idle_lease, absl::Duration reconnect_lease)
     : path_(std::move(path)), listener_(std::move(listener)), stop_event_(std::move(stop_event)),
-      sessions_(sessions), attach_lease_(attach_lease), idle_lease_(idle_lease) {}
+      sessions_(sessions), attach_lease_(attach_lease), idle_lease_(idle_lease),
+      reconnect_lease_(reconnect_lease) {}
 
 void ArenaChannel::ExpireSessions() {
   for (const SessionManager::Expired& e :
-       sessions_->CloseExpired(std::chrono::steady_clock::now(), attach_lease_, idle_lease_)) {
-    if (e.never_attached) {
+       sessions_->CloseExpired(std::chrono::steady_clock::now(), attach_lease_, idle_lease_,
+                               reconnect_lease_)) {
+    if (e.why == SessionManager::Expired::kNeverAttached) {
       LogInfo("session %d closed: no trainer attached to it within %s of opening",
               static_cast<int64_t>(e.id), absl::FormatDuration(attach_lease_));
+    } else if (e.why == SessionManager::Expired::kNotResumed) {
+      LogInfo("session %d closed: its trainer went away and none resumed it within %s",
+              static_cast<int64_t>(e.id), absl::FormatDuration(reconnect_lease_));
     } else {
       LogInfo("session %d closed: no call for %s (its trainer hung?)", static_cast<int64_t>(e.id),
               absl::FormatDuration(idle_lease_));
@@ -164,6 +170,14 @@ void ArenaChannel::Drop(size_t i) {
   attached_.erase(attached_.begin() + static_cast<std::ptrdiff_t>(i));
   for (const Attached& a : attached_) {
     if (a.session_id == id) return;  // another process still holds it
+  }
+  if (reconnect_lease_ > absl::ZeroDuration()) {
+    if (sessions_->Detach(id)) {
+      LogInfo("session %d: its trainer (pid %d) went away without closing it; its holds are "
+              "released and it is kept %s for a restarted trainer to resume",
+              static_cast<int64_t>(id), pid, absl::FormatDuration(reconnect_lease_));
+    }
+    return;
   }
   if (sessions_->Abandon(id)) {
     LogInfo("session %d closed: its trainer (pid %d) went away without closing it",

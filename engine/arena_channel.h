@@ -12,7 +12,10 @@
 // The trainer keeps its connection open while it uses the session. When the
 // last connection of a session closes (the trainer exited, crashed or was
 // killed: the kernel closes its descriptors), the session is closed and its
-// memory freed, so a dead trainer cannot hold the node's memory.
+// memory freed, so a dead trainer cannot hold the node's memory; or, with a
+// positive `reconnect_lease`, its holds are released and the session is
+// kept that long for a restarted trainer to resume (attaching again with
+// the same id and token), then closed.
 //
 // Threading: one thread accepts connections, waits for their requests and
 // watches the attached trainers, all in one poll loop: a peer that connects
@@ -47,7 +50,8 @@ class ArenaChannel {
   static absl::StatusOr<std::unique_ptr<ArenaChannel>> Start(
       const std::string& path, SessionManager* sessions,
       absl::Duration attach_lease = absl::Seconds(60),
-      absl::Duration idle_lease = absl::ZeroDuration());
+      absl::Duration idle_lease = absl::ZeroDuration(),
+      absl::Duration reconnect_lease = absl::ZeroDuration());
   // Stops the thread and removes the socket file.
   ~ArenaChannel();
 
@@ -56,7 +60,7 @@ class ArenaChannel {
  private:
   ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
                SessionManager* sessions, absl::Duration attach_lease,
-               absl::Duration idle_lease);
+               absl::Duration idle_lease, absl::Duration reconnect_lease);
   struct Attached {
     UniqueFd connection;
     uint64_t session_id;
@@ -84,6 +88,7 @@ class ArenaChannel {
   SessionManager* const sessions_;
   const absl::Duration attach_lease_;
   const absl::Duration idle_lease_;  // zero: off
+  const absl::Duration reconnect_lease_;  // zero: a trainer gone is a session closed
   std::vector<Attached> attached_;  // only the serving thread touches these
   std::vector<Pending> pending_;
   std::thread thread_;

@@ -71,7 +71,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   ASSIGN_OR_RETURN(d->arena_channel_,
                    ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get(),
                                        absl::Seconds(server.attach_lease_seconds),
-                                       absl::Seconds(server.idle_lease_seconds)));
+                                       absl::Seconds(server.idle_lease_seconds),
+                                       absl::Seconds(server.reconnect_lease_seconds)));
 
   if (server.tcp_port >= 0) {
     ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());

@@ -28,6 +28,9 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("server.idle_lease_seconds", &o->server.idle_lease_seconds,
           {"seconds", "a session no call reached for this long is closed (a hung trainer); 0 never (no client keepalive yet)",
            false, kIdleLeaseRange});
+  r->Bind("server.reconnect_lease_seconds", &o->server.reconnect_lease_seconds,
+          {"seconds", "a session whose trainer went away is kept this long for a restarted trainer to resume (ResumeSession); 0 closes it at once",
+           false, kReconnectLeaseRange});
   r->Bind("server.max_threads", &o->server.max_threads,
           {"threads", "most gRPC calls served at once; more are RESOURCE_EXHAUSTED", false,
            kServerThreadsRange});

@@ -43,6 +43,13 @@ struct ServerOptions {
   // would lose its session.
   int64_t idle_lease_seconds = 0;
 
+  // When a trainer's arena-channel connection closes (it exited or crashed
+  // without closing its session), its holds are released at once and the
+  // session is kept this many seconds for a restarted trainer to resume
+  // with its id and token (ResumeSession: optimizer state, steps and all),
+  // then closed. 0, the default: closed at once, its memory freed.
+  int64_t reconnect_lease_seconds = 0;
+
   // gRPC's synchronous server runs each call on a thread of its own; these
   // bound them (a burst of calls, or of reset streams, cannot make
   // thousands of threads): at most `max_threads` serve calls at once (more
@@ -98,6 +105,7 @@ struct PlacementOptions {
 inline constexpr IntRange kTcpPortRange{-1, 65535};
 inline constexpr IntRange kAttachLeaseRange{1, 86400};
 inline constexpr IntRange kIdleLeaseRange{0, 604800};
+inline constexpr IntRange kReconnectLeaseRange{0, 86400};
 inline constexpr IntRange kServerThreadsRange{8, 4096};
 inline constexpr IntRange kStreamsRange{1, 4096};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};

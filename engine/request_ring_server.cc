@@ -34,6 +34,16 @@ void RingServer::Stop() {
   }
 }
 
+void RingServer::Reset() {
+  ring::Layout* l = layout();
+  uint32_t s = l->state.load();
+  while (s != ring::kClosed && s != ring::kIdle &&
+         !l->state.compare_exchange_weak(s, ring::kIdle)) {
+  }
+  l->client_sleeping.store(0);
+  ring::FutexWake(&l->state);
+}
+
 void RingServer::Serve() {
   ring::Layout* l = layout();
   while (!stopping_.load()) {

@@ -48,6 +48,9 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
 
   // Closes the mailbox (clients see kClosed) and ends the thread.
   void Stop();
+  // Frees the mailbox of a call its client died in (back to idle, unless
+  // closed): a trainer resuming the session finds it usable.
+  void Reset();
 
  private:
   RingServer(HostMemory mapping, Handler handler)

@@ -148,12 +148,27 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     RETURN_IF_ERROR(CheckPath(req->restore_from(), "restore_from"));
     ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling,
                                                            dpu_after, req->restore_from()));
-    resp->mutable_session()->set_session_id(opened.key.id);
-    resp->mutable_session()->set_token(opened.key.token);
-    resp->set_arena_socket(arena_socket_);
-    resp->set_arena_capacity(opened.arena_capacity);
-    resp->mutable_request_ring()->set_offset(opened.ring.offset);
-    resp->mutable_request_ring()->set_bytes(opened.ring.bytes);
+    Answer(opened, resp);
+    return absl::OkStatus();
+  });
+}
+
+void PartitionServiceImpl::Answer(const OpenedSession& opened,
+                                  v1::OpenSessionResponse* resp) const {
+  resp->mutable_session()->set_session_id(opened.key.id);
+  resp->mutable_session()->set_token(opened.key.token);
+  resp->set_arena_socket(arena_socket_);
+  resp->set_arena_capacity(opened.arena_capacity);
+  resp->mutable_request_ring()->set_offset(opened.ring.offset);
+  resp->mutable_request_ring()->set_bytes(opened.ring.bytes);
+}
+
+grpc::Status PartitionServiceImpl::ResumeSession(grpc::ServerContext* context,
+                                                 const v1::ResumeSessionRequest* req,
+                                                 v1::OpenSessionResponse* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Resume(KeyOf(req->session())));
+    Answer(opened, resp);
     return absl::OkStatus();
   });
 }

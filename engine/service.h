@@ -57,6 +57,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
+  grpc::Status ResumeSession(grpc::ServerContext*, const v1::ResumeSessionRequest*,
+                             v1::OpenSessionResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*,
                           v1::CheckpointResponse*) override;
   grpc::Status WaitCheckpoint(grpc::ServerContext*, const v1::WaitCheckpointRequest*,
@@ -70,6 +72,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   // runs `body`, counts a failure, converts the status.
   template <typename Body>
   grpc::Status Serve(const grpc::ServerContext& context, Body&& body);
+  // What OpenSession and ResumeSession answer.
+  void Answer(const OpenedSession& opened, v1::OpenSessionResponse* resp) const;
 
   SessionManager* const sessions_;
   Stats* const stats_;

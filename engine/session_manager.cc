@@ -43,6 +43,7 @@ struct SessionManager::Session {
   const SteadyTime opened = std::chrono::steady_clock::now();
   // Guarded by the manager's mu_:
   bool attached = false;          // a trainer received the arena
+  std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
   SteadyTime last_call = opened;  // the last call that found it, or ended
 
   // The last overlapped step: running, or its outcome.
@@ -565,36 +566,65 @@ bool SessionManager::MarkAttached(uint64_t id) {
   auto found = sessions_.find(id);
   if (found == sessions_.end()) return false;
   found->second->attached = true;
+  found->second->detached_since.reset();
   return true;
 }
 
-std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now,
-                                                                  absl::Duration attach_lease,
-                                                                  absl::Duration idle_lease) {
+bool SessionManager::Detach(uint64_t id) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = sessions_.find(id);
+    if (found == sessions_.end()) return false;
+    session = found->second;
+    session->attached = false;
+    session->detached_since = std::chrono::steady_clock::now();
+  }
+  // Outside mu_: what the dead trainer held goes, and its request ring is
+  // freed of whatever call it died in.
+  session->partitions->Release({}).IgnoreError();
+  if (session->ring != nullptr) session->ring->Reset();
+  return true;
+}
+
+absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region};
+}
+
+std::vector<SessionManager::Expired> SessionManager::CloseExpired(
+    SteadyTime now, absl::Duration attach_lease, absl::Duration idle_lease,
+    absl::Duration reconnect_lease) {
   const auto attach = absl::ToChronoNanoseconds(attach_lease);
   const auto idle = absl::ToChronoNanoseconds(idle_lease);
+  const auto reconnect = absl::ToChronoNanoseconds(reconnect_lease);
   std::vector<Expired> expired;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) {
-      if (!s->attached && now - s->opened > attach) {
-        expired.push_back({id, s->name, /*never_attached=*/true});
+      if (s->detached_since.has_value()) {
+        if (now - *s->detached_since > reconnect) {
+          expired.push_back({id, s->name, Expired::kNotResumed});
+        }
+      } else if (!s->attached && now - s->opened > attach) {
+        expired.push_back({id, s->name, Expired::kNeverAttached});
       } else if (idle_lease > absl::ZeroDuration() && now - s->last_call > idle &&
                  s.use_count() == 1) {  // no call in flight either
-        expired.push_back({id, s->name, /*never_attached=*/false});
+        expired.push_back({id, s->name, Expired::kIdle});
       }
     }
   }
   std::vector<Expired> closed;
   for (Expired& e : expired) {
     // Unless, checked under mu_ again, a trainer attached since (an
-    // unattached one) or a call came since (an idle one).
+    // unattached or detached one) or a call came since (an idle one).
     const bool closed_it =
-        e.never_attached
-            ? CloseById(e.id, /*only_unattached=*/true)
-            : CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle);
+        e.why == Expired::kIdle
+            ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle)
+            : CloseById(e.id, /*only_unattached=*/true);
     if (closed_it) {
-      stats_->sessions_expired.fetch_add(1, std::memory_order_relaxed);
+      (e.why == Expired::kNotResumed ? stats_->sessions_abandoned : stats_->sessions_expired)
+          .fetch_add(1, std::memory_order_relaxed);
       closed.push_back(std::move(e));
     }
   }

@@ -199,18 +199,31 @@ class SessionManager {
   // Closes session `id` because its trainer went away (no token: the arena
   // channel saw the trainer's connection close). False if it was not open.
   bool Abandon(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Its trainer went away but may come back (a positive reconnect lease):
+  // the session's holds are released (as a dead trainer's are) and it stays
+  // open, detached, until a trainer attaches again (ResumeSession, then the
+  // arena channel) or CloseExpired closes it. False if it was not open.
+  bool Detach(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // What a trainer resuming session `key` needs (its token proves it may):
+  // as OpenSession answers. NOT_FOUND / FAILED_PRECONDITION as for any
+  // call (a daemon restarted since; the session closed, its lease over).
+  absl::StatusOr<OpenedSession> Resume(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Closes the sessions opened more than `attach_lease` before `now` that
-  // no trainer ever attached to (DupArenaFd), and, with a positive
-  // `idle_lease`, those no call found for longer than it and with no call
-  // in flight (a trainer that hangs while attached). Returns them.
+  // no trainer ever attached to (DupArenaFd); with a positive `idle_lease`,
+  // those no call found for longer than it and with no call in flight (a
+  // trainer that hangs while attached); and those detached for longer than
+  // `reconnect_lease` (counted as abandoned). Returns them.
   struct Expired {
+    enum Why { kNeverAttached, kIdle, kNotResumed };
     uint64_t id;
     std::string name;
-    bool never_attached;  // else idle
+    Why why;
   };
   using SteadyTime = std::chrono::steady_clock::time_point;
   std::vector<Expired> CloseExpired(SteadyTime now, absl::Duration attach_lease,
-                                    absl::Duration idle_lease) ABSL_LOCKS_EXCLUDED(mu_);
+                                    absl::Duration idle_lease,
+                                    absl::Duration reconnect_lease = absl::ZeroDuration())
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The arena channel handed session `id`'s arena to a trainer (after the
   // reply went out); false if the session is closed.
   bool MarkAttached(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
@@ -230,12 +243,12 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> FindOwning(const SessionKey& key,
                                                       absl::Span<const uint64_t> ids) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // With `only_unattached`, not if a trainer attached to it; with
-  // `only_idle_since`, not if a call found it after that time or one is in
-  // flight.
   // One call that came through a session's request ring.
   RingAnswer ServeRing(const SessionKey& key, const RingRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // With `only_unattached`, not if a trainer attached to it; with
+  // `only_idle_since`, not if a call found it after that time or one is in
+  // flight.
   bool CloseById(uint64_t id, bool only_unattached = false,
                  std::optional<SteadyTime> only_idle_since = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -59,13 +59,14 @@ enum Method {
   kSetPlacement,
   kCheckpoint,
   kWaitCheckpoint,
+  kResumeSession,
   kMethods
 };
 const char* const kNames[kMethods] = {
     "OpenSession",    "CloseSession",        "RegisterPartition", "FetchParams",
     "ReleasePartitions", "ReturnGradients",  "GetPendingGradients", "Step",
     "WaitStep",       "SetDelayedUpdate",    "SetPlacement",      "Checkpoint",
-    "WaitCheckpoint"};
+    "WaitCheckpoint", "ResumeSession"};
 
 // Decodes `body` as M, points it at `session`, encodes it again; unchanged
 // if it does not decode.
@@ -239,6 +240,7 @@ class Harness {
     checkpoint.set_background(true);
     write(kCheckpoint, checkpoint);
     write(kWaitCheckpoint, v1::WaitCheckpointRequest());
+    write(kResumeSession, v1::ResumeSessionRequest());
   }
 
  private:
@@ -275,6 +277,8 @@ class Harness {
         return WithSession<v1::CheckpointRequest>(body, live_);
       case kWaitCheckpoint:
         return WithSession<v1::WaitCheckpointRequest>(body, live_);
+      case kResumeSession:
+        return WithSession<v1::ResumeSessionRequest>(body, live_);
       case kMethods:
         break;
     }

@@ -25,10 +25,10 @@ BASE = {"context": 16, "dim": 32, "layers": 2, "batch": 8, "steps": 50, "lr": 3e
 
 
 class Daemon:
-    def __init__(self, root, name, nvme=False):
+    def __init__(self, root, name, nvme=False, flags=()):
         self.dir = os.path.join(root, name)
         os.makedirs(self.dir)
-        args = [OFFLOADD, f"--server.data_dir={self.dir}"]
+        args = [OFFLOADD, f"--server.data_dir={self.dir}", *flags]
         if nvme:
             swap = os.path.join(self.dir, "swap")
             os.makedirs(swap)
@@ -282,6 +282,112 @@ class TorchWrapTest(unittest.TestCase):
         self.assert_close_losses(mine, ref, 1e-4)
         # Fields without meaning here are accepted with a note saying why.
         self.assertIn("buffer_count", outputs[0])
+
+
+# A trainer that trains 3 steps, prints its session's id, token and
+# partition id, and dies without closing anything (SIGKILL).
+_DYING_TRAINER = r'''
+import os, signal, sys
+import offloadd
+client = offloadd.Client(sys.argv[1])
+s = client.open_session("resumable")
+p = s.register("w", 1000)
+import struct
+struct.pack_into("1000f", p.params, 0, *[i / 1000 for i in range(1000)])
+s.release([p.id])
+for step in range(3):
+    g, = s.fetch([p.id], grads=True)
+    struct.pack_into("1000f", g.grads, 0, *[((i * 7 + step) % 13 - 6) / 10 for i in range(1000)])
+    s.return_gradients([g], release=True)
+    s.step(lr=0.01)
+q, = s.fetch([p.id])  # held at death: the daemon releases it
+print(s.id, s.token.hex(), p.id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+class ResumeTest(unittest.TestCase):
+    """A trainer that dies without closing its session, and a restarted one
+    that takes it back within server.reconnect_lease_seconds."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="resume_test.")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.root, ignore_errors=True)
+
+    def dying_trainer(self, address):
+        out = subprocess.run([sys.executable, "-c", _DYING_TRAINER, address],
+                             capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, -9, out.stderr)
+        sid, token, pid = out.stdout.split()
+        return int(sid), bytes.fromhex(token), int(pid)
+
+    def train_one(self, session, pid, step):
+        import struct
+        g, = session.fetch([pid], grads=True)
+        struct.pack_into("1000f", g.grads, 0, *[((i * 7 + step) % 13 - 6) / 10
+                                               for i in range(1000)])
+        session.return_gradients([g], release=True)
+        session.step(lr=0.01)
+        q, = session.fetch([pid])
+        values = bytes(q.params)
+        session.release([pid])
+        return q.step, values
+
+    def test_a_restarted_trainer_takes_its_session_back_within_the_lease(self):
+        d = Daemon(self.root, "lease30", flags=["--server.reconnect_lease_seconds=30"])
+        try:
+            sid, token, pid = self.dying_trainer(d.address)
+            client = offloadd.Client(d.address)
+            # The dead trainer's session is kept, its hold released.
+            sessions = client.stats()["sessions"]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not (
+                    sessions and sessions[0]["held"] == 0):
+                time.sleep(0.05)
+                sessions = client.stats()["sessions"]
+            self.assertEqual([(s["name"], s["steps"], s["held"]) for s in sessions],
+                             [("resumable", 3, 0)])
+            with self.assertRaises(offloadd.PermissionDeniedError):
+                client.resume_session(sid, b"0" * len(token))
+            resumed = client.resume_session(sid, token)
+            step, values = self.train_one(resumed, pid, 3)
+            self.assertEqual(step, 4)
+            resumed.close()
+            # The same four steps in one session, never interrupted.
+            reference = client.open_session("reference")
+            import struct
+            p = reference.register("w", 1000)
+            struct.pack_into("1000f", p.params, 0, *[i / 1000 for i in range(1000)])
+            reference.release([p.id])
+            for s in range(4):
+                ref_step, ref_values = self.train_one(reference, p.id, s)
+            self.assertEqual(ref_step, 4)
+            self.assertEqual(values, ref_values)
+            reference.close()
+            self.assertEqual(client.stats()["counters"]["sessions_abandoned"], 0)
+        finally:
+            d.stop()
+
+    def test_a_session_not_taken_back_within_the_lease_is_closed(self):
+        d = Daemon(self.root, "lease1", flags=["--server.reconnect_lease_seconds=1"])
+        try:
+            sid, token, _ = self.dying_trainer(d.address)
+            client = offloadd.Client(d.address)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and client.stats()["sessions"]:
+                time.sleep(0.1)
+            self.assertEqual(client.stats()["sessions"], [])
+            self.assertEqual(client.stats()["counters"]["sessions_abandoned"], 1)
+            with self.assertRaises(offloadd.FailedPreconditionError):
+                client.resume_session(sid, token)
+            with open(os.path.join(d.dir, "log")) as f:
+                self.assertIn("none resumed it within 1s", f.read())
+        finally:
+            d.stop()
 
 
 class WrapInProcessTest(unittest.TestCase):

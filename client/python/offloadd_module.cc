@@ -222,6 +222,9 @@ PYBIND11_MODULE(_offloadd, m) {
 
   py::class_<Session, std::unique_ptr<Session>>(m, "Session")
       .def_property_readonly("id", &Session::id)
+      .def_property_readonly(
+          "token", [](const Session& s) { return py::bytes(s.token()); },
+          "the session's secret: with id, what Client.resume_session needs (keep it private)")
       .def(
           "register",
           [](Session& s, const std::string& name, uint64_t numel, const std::string& param_dtype,
@@ -394,6 +397,15 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("optimizer_state_host_percent") = py::none(),
           py::arg("delayed_update_after_steps") = py::none(),
           py::arg("loss_scaling") = py::none(), py::arg("restore_from") = "")
+      .def(
+          "resume_session",
+          [](Client& c, uint64_t id, const py::bytes& token) {
+            const std::string t = token;
+            return Value(Unlocked([&] { return c.ResumeSession(id, t); }));
+          },
+          py::arg("id"), py::arg("token"),
+          "takes back a session whose trainer went away (within offloadd's "
+          "server.reconnect_lease_seconds)")
       .def("stats",
            [](Client& c) {
              const DaemonStats s = Value(Unlocked([&] { return c.GetStats(); }));
