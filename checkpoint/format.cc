@@ -23,7 +23,11 @@ namespace {
 
 constexpr char kMagic[8] = {'O', 'F', 'L', 'D', 'C', 'K', 'P', '1'};
 constexpr size_t kHeaderBytes = 24;  // magic, length, hash
-constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 31;
+constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 28;
+// The largest record (one block kind of one chunk) a manifest may name:
+// far above the daemon's chunks (placement.state_chunk_bytes), far below
+// what would exhaust memory when read.
+constexpr uint64_t kMaxRecordBytes = uint64_t{1} << 30;
 
 absl::Status WriteAll(int fd, const void* data, size_t bytes, uint64_t offset,
                       const std::string& path) {
@@ -105,6 +109,25 @@ std::string StemFor(absl::string_view session_name) {
   return stem;
 }
 
+absl::Status CheckOwnDirectory(const std::string& dir) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat of ", dir), errno);
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, " is not a directory"));
+  }
+  if (st.st_uid != geteuid() && st.st_uid != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "checkpoint directory ", dir, " belongs to uid ", st.st_uid, ", not to this user (uid ",
+        geteuid(), "): another user could plant or replace checkpoint files there"));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "checkpoint directory ", dir, " is writable by other users: they could plant or replace "
+        "checkpoint files there; chmod go-w it or choose another"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PrepareDirectory(const std::string& dir) {
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(
@@ -118,12 +141,7 @@ absl::Status PrepareDirectory(const std::string& dir) {
       return PosixError(absl::StrCat("creating checkpoint directory ", prefix), errno);
     }
   }
-  struct stat st;
-  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat of ", dir), errno);
-  if (!S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(dir, " is not a directory"));
-  }
-  return absl::OkStatus();
+  return CheckOwnDirectory(dir);
 }
 
 absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
@@ -135,7 +153,7 @@ absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
   for (;; ++gen) {  // another writer of the same stem may race us: O_EXCL decides
     std::string name = absl::StrCat(stem, ".", gen, ".data");
     std::string path = absl::StrCat(dir, "/", name);
-    UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (fd.get() >= 0) return DataFileWriter(std::move(fd), std::move(name), std::move(path));
     if (errno != EEXIST) return PosixError(absl::StrCat("creating ", path), errno);
   }
@@ -164,7 +182,8 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   const std::string final_path = absl::StrCat(dir, "/", stem, ".manifest");
   const std::string tmp_path = absl::StrCat(final_path, ".tmp");
   {
-    UniqueFd fd(open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    UniqueFd fd(
+        open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (fd.get() < 0) return PosixError(absl::StrCat("creating ", tmp_path), errno);
     RETURN_IF_ERROR(WriteAll(fd.get(), header, kHeaderBytes, 0, tmp_path));
     RETURN_IF_ERROR(WriteAll(fd.get(), payload.data(), payload.size(), kHeaderBytes, tmp_path));
@@ -216,6 +235,7 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
 
 absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     const std::string& dir) {
+  RETURN_IF_ERROR(CheckOwnDirectory(dir));
   std::vector<std::pair<std::string, Manifest>> out;
   for (const std::string& name : ListDirectory(dir)) {
     if (!absl::EndsWith(name, ".manifest")) continue;
@@ -239,7 +259,17 @@ absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path) {
   return DataFileReader(std::move(fd), path);
 }
 
+absl::Status CheckRecord(const Record& record, const std::string& path) {
+  if (record.bytes() > kMaxRecordBytes || record.offset() > (uint64_t{1} << 50)) {
+    return absl::DataLossError(absl::StrCat(path, ": a record of ", record.bytes(),
+                                            " bytes at offset ", record.offset(),
+                                            " (records hold at most ", kMaxRecordBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DataFileReader::Read(const Record& record, void* dst) const {
+  RETURN_IF_ERROR(CheckRecord(record, path_));
   RETURN_IF_ERROR(ReadAll(fd_.get(), dst, record.bytes(), record.offset(), path_));
   if (Hash(dst, record.bytes()) != record.xxh3()) {
     return absl::DataLossError(absl::StrCat(path_, ": the ", record.bytes(), " bytes at offset ",

@@ -54,8 +54,15 @@ inline constexpr uint32_t kFormatVersion = 1;
 std::string StemFor(absl::string_view session_name);
 
 // The directory, created (mode 0700, parents too) if missing.
-// INVALID_ARGUMENT for a relative path or one that is not a directory.
+// INVALID_ARGUMENT for a relative path or one that is not a directory;
+// see CheckOwnDirectory.
 absl::Status PrepareDirectory(const std::string& dir);
+// PERMISSION_DENIED unless `dir` belongs to this user (or root) and no one
+// else may write it: another user could plant or swap checkpoint files.
+absl::Status CheckOwnDirectory(const std::string& dir);
+// DATA_LOSS for a record no checkpoint writes (larger than 1 GiB, or past
+// 2^50 bytes): checked before anything is allocated for it.
+absl::Status CheckRecord(const Record& record, const std::string& path);
 
 class DataFileWriter {
  public:

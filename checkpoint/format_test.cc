@@ -1,6 +1,7 @@
 #include "checkpoint/format.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -180,6 +181,29 @@ TEST(CheckpointFormatTest, AnInterruptedCheckpointLeavesThePreviousOne) {
     data_files += access(absl::StrCat(dir, "/r.", g, ".data").c_str(), F_OK) == 0;
   }
   EXPECT_EQ(data_files, 1);
+}
+
+TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
+  const std::string dir = TempDir();
+  ASSERT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 1.0f), 15).ok());
+  // A manifest claiming a 1 TB record (validly framed and hashed).
+  auto m = ReadManifest(dir + "/r.manifest");
+  ASSERT_TRUE(m.ok());
+  m->mutable_partitions(0)->mutable_records(0)->set_bytes(uint64_t{1} << 40);
+  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
+  m->mutable_partitions(0)->mutable_records(0)->set_bytes(60);
+  m->mutable_partitions(0)->set_numel(uint64_t{1} << 50);
+  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
+  m->mutable_partitions(0)->set_numel(15);
+  m->mutable_partitions(0)->add_shape(uint64_t{1} << 38);  // 3 x 5 x 2^38 > 2^40
+  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
+  // A directory others may write is refused, for reading and writing.
+  ASSERT_EQ(chmod(dir.c_str(), 0777), 0);
+  EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(PrepareDirectory(dir).code(), absl::StatusCode::kPermissionDenied);
 }
 
 TEST(SafetensorsTest, EscapesNamesAndRefusesDuplicates) {

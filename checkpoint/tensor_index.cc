@@ -13,6 +13,39 @@ const char* RecordKindName(RecordKind kind) {
   return ::offload::checkpoint::v1::RecordKind_Name(kind).c_str();
 }
 
+namespace {
+
+constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
+
+// What the daemon would never write: sizes past 2^40 elements, records
+// outside their partition. Checked before anything is sized by them.
+absl::Status Validate(const PartitionRecord& p, const std::string& path) {
+  auto bad = [&](absl::string_view what) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": partition '", p.name(), "' ", what, ": not a checkpoint offloadd wrote"));
+  };
+  if (p.tensor().empty()) return bad("names no tensor");
+  if (p.numel() == 0 || p.numel() > kMaxNumel || p.offset() > kMaxNumel) {
+    return bad(absl::StrCat("has numel ", p.numel(), " at offset ", p.offset()));
+  }
+  if (p.shape_size() > 16) return bad("has a shape of over 16 dimensions");
+  uint64_t n = 1;
+  for (uint64_t d : p.shape()) {
+    if (d == 0 || d > kMaxNumel / n) return bad("has a shape of 0 or over 2^40 elements");
+    n *= d;
+  }
+  for (const Record& r : p.records()) {
+    RETURN_IF_ERROR(CheckRecord(r, path));
+    if (r.elems() > p.numel() || r.begin() > p.numel() - r.elems()) {
+      return bad(absl::StrCat("has a record of elements [", r.begin(), ", +", r.elems(),
+                              ") outside its ", p.numel()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string& dir) {
   auto index = std::make_unique<TensorIndex>();
   index->dir_ = dir;
@@ -23,6 +56,7 @@ absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string
                      DataFileReader::Open(absl::StrCat(dir, "/", manifest->data_file())));
     index->readers_.push_back(std::make_unique<DataFileReader>(std::move(reader)));
     for (const PartitionRecord& p : manifest->partitions()) {
+      RETURN_IF_ERROR(Validate(p, path));
       Tensor& t = index->tensors_[p.tensor()];
       const std::vector<uint64_t> shape(p.shape().begin(), p.shape().end());
       if (!t.slices.empty() && t.shape != shape) {
