@@ -100,12 +100,18 @@ uint64_t Hash(const void* data, size_t bytes) { return XXH3_64bits(data, bytes);
 
 std::string StemFor(absl::string_view session_name) {
   std::string stem;
-  for (char c : session_name.substr(0, 64)) {
+  for (char c : session_name.substr(0, 48)) {
     const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                       c == '-' || c == '_' || c == '.';
     stem.push_back(keep ? c : '_');
   }
   if (stem.empty() || stem[0] == '.') stem.insert(0, "session");
+  // Names that did not survive as they are ("job/rank0", long ones) get a
+  // hash of the whole name, so that two sessions never share a stem.
+  if (stem != session_name) {
+    absl::StrAppend(&stem, "-", absl::Hex(Hash(session_name.data(), session_name.size()),
+                                          absl::kZeroPad16));
+  }
   return stem;
 }
 
@@ -180,7 +186,10 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   std::memcpy(header + 8, &length, 8);  // x86-64 and aarch64 Linux: little-endian
   std::memcpy(header + 16, &hash, 8);
   const std::string final_path = absl::StrCat(dir, "/", stem, ".manifest");
-  const std::string tmp_path = absl::StrCat(final_path, ".tmp");
+  // One temporary name per data file: two writers of a stem never share it.
+  const std::string tmp_path = absl::StrCat(final_path, ".", manifest.data_file(), ".tmp");
+  // The data file's directory entry is durable before the manifest naming it.
+  RETURN_IF_ERROR(SyncDirectory(dir));
   {
     UniqueFd fd(
         open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
@@ -193,9 +202,13 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
     return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), errno);
   }
   RETURN_IF_ERROR(SyncDirectory(dir));
-  // Committed. The stem's other data files are garbage now.
+  // Committed. The stem's older data files are garbage now (a newer one is
+  // another writer's, still being filled), and so are leftover
+  // temporary manifests of older attempts.
+  const std::optional<uint64_t> mine = DataGeneration(manifest.data_file(), stem);
   for (const std::string& name : ListDirectory(dir)) {
-    if (name != manifest.data_file() && DataGeneration(name, stem).has_value()) {
+    const std::optional<uint64_t> gen = DataGeneration(name, stem);
+    if (gen.has_value() && mine.has_value() && *gen < *mine) {
       unlink(absl::StrCat(dir, "/", name).c_str());
     }
   }

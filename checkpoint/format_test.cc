@@ -73,9 +73,17 @@ absl::Status WriteSession(const std::string& dir, const std::string& name, uint6
 }
 
 TEST(StemTest, KeepsSafeBytesOnly) {
-  EXPECT_EQ(StemFor("job/rank0"), "job_rank0");
-  EXPECT_EQ(StemFor(""), "session");
-  EXPECT_EQ(StemFor("../x"), "session.._x");
+  EXPECT_EQ(StemFor("job_rank0"), "job_rank0");  // safe names stay as they are
+  // Others get a hash of the whole name: never two sessions on one stem.
+  const std::string a = StemFor("job/rank0"), b = StemFor("job_rank0"), c = StemFor("job:rank0");
+  EXPECT_EQ(a.substr(0, 10), "job_rank0-");
+  EXPECT_EQ(a.size(), 26u);
+  EXPECT_NE(a, b);
+  EXPECT_NE(a, c);
+  const std::string longer(60, 'x');
+  EXPECT_NE(StemFor(longer + "/rank0"), StemFor(longer + "/rank1"));
+  EXPECT_LE(StemFor(longer + "/rank0").size(), 48u + 17u);
+  EXPECT_EQ(StemFor("../x").substr(0, 12), "session.._x-");
 }
 
 TEST(CheckpointFormatTest, TwoRanksConsolidateAndExport) {

@@ -238,7 +238,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
-  return Attach(resp);
+  return Attach(resp, /*close_on_failure=*/true);
 }
 
 absl::StatusOr<std::unique_ptr<Session>> Client::ResumeSession(uint64_t session_id,
@@ -250,21 +250,30 @@ absl::StatusOr<std::unique_ptr<Session>> Client::ResumeSession(uint64_t session_
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->partitions->ResumeSession(&rpc.context, req, &resp), "ResumeSession"));
-  return Attach(resp);
+  return Attach(resp, /*close_on_failure=*/false);
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionResponse& resp) {
+absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionResponse& resp,
+                                                        bool close_on_failure) {
   auto session = std::make_unique<Session::Impl>();
   session->stub = impl_->partitions;
   session->timeout = impl_->options.call_timeout;
   session->token = impl_->options.token;
   session->ref = resp.session();
-  // Wrap now, so that any failure below closes the session on the daemon.
+  // Wrap now, so that a failure below closes a new session on the daemon
+  // (a resumed one stays for the caller to try again).
   std::unique_ptr<Session> out(new Session(std::move(session)));
   Session::Impl& s = *out->impl_;
-  ASSIGN_OR_RETURN(Attachment attached,
-                   AttachArena(resp.arena_socket(), AttachRequest{resp.session().session_id(),
-                                                                 resp.session().token()}));
+  absl::StatusOr<Attachment> attachment = AttachArena(
+      resp.arena_socket(), AttachRequest{resp.session().session_id(), resp.session().token()});
+  if (!attachment.ok()) {
+    if (!close_on_failure) {
+      absl::MutexLock lock(&s.mu);
+      s.closed = true;  // nothing to close from here
+    }
+    return attachment.status();
+  }
+  Attachment attached = *std::move(attachment);
   // Held open for the session's life: if this process dies, the daemon
   // sees the connection close and frees the session.
   s.connection = std::move(attached.connection);

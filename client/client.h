@@ -368,7 +368,8 @@ class Client {
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   // Attaches to the arena of the session OpenSession or ResumeSession named.
-  absl::StatusOr<std::unique_ptr<Session>> Attach(const v1::OpenSessionResponse& resp);
+  absl::StatusOr<std::unique_ptr<Session>> Attach(const v1::OpenSessionResponse& resp,
+                                                  bool close_on_failure);
   std::unique_ptr<Impl> impl_;
 };
 

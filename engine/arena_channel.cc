@@ -111,6 +111,18 @@ void ArenaChannel::Serve() {
     }
     if (fds[1].revents != 0) return;
     const size_t first_pending = 2 + attached_.size();
+    // Attached trainers first: anything but more bytes means the peer is
+    // gone. (Before the attaches below: a restarted trainer attaching in
+    // the same round as its predecessor's hang-up finds the session
+    // detached and its request ring reset, not the other way round.)
+    // Back to front, so that dropping keeps the indices of those not seen.
+    for (size_t i = first_pending - 2; i-- > 0;) {
+      if (fds[2 + i].revents == 0) continue;
+      char buf[256];
+      ssize_t got = recv(attached_[i].connection.get(), buf, sizeof(buf), MSG_DONTWAIT);
+      if (got > 0 || (got < 0 && (errno == EAGAIN || errno == EINTR))) continue;  // chatter
+      Drop(i);
+    }
     // Pending connections: answer the ones whose request (or hang-up)
     // arrived, close the ones past their deadline. Back to front, so that
     // erasing keeps the indices of those not yet seen.
@@ -122,15 +134,6 @@ void ArenaChannel::Serve() {
       pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
       if (!ready) continue;  // silent past its deadline: closed
       if (std::optional<Attached> a = Answer(std::move(p))) attached_.push_back(std::move(*a));
-    }
-    // Attached trainers: anything but more bytes means the peer is gone.
-    // (New attachments were appended past the ones polled.)
-    for (size_t i = first_pending - 2; i-- > 0;) {
-      if (fds[2 + i].revents == 0) continue;
-      char buf[256];
-      ssize_t got = recv(attached_[i].connection.get(), buf, sizeof(buf), MSG_DONTWAIT);
-      if (got > 0 || (got < 0 && (errno == EAGAIN || errno == EINTR))) continue;  // chatter
-      Drop(i);
     }
     if (fds[0].revents != 0) Accept();
   }

@@ -64,6 +64,8 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   absl::StatusOr<SetImage> image = set->BeginCheckpoint(w.get());
   if (!image.ok()) {
     w->ended_ = true;  // never began
+    w->laid_out_.Notify();
+    unlink(w->file_.path().c_str());
     return image.status();
   }
   w->image_ = *std::move(image);
@@ -135,6 +137,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   w->summary_.partitions = w->image_.partitions.size();
   w->summary_.bytes = offset;
   w->summary_.steps = w->image_.steps;
+  w->laid_out_.Notify();
   return w;
 }
 
@@ -144,6 +147,8 @@ CheckpointWriter::~CheckpointWriter() {
 
 absl::Status CheckpointWriter::Write(uint64_t id, uint64_t chunk, int block_kind,
                                      absl::Span<const std::byte> bytes) {
+  // Copy-on-write starts inside Begin, before the layout exists.
+  laid_out_.WaitForNotification();
   auto it = index_.find(id);
   if (it == index_.end()) return absl::InternalError(absl::StrCat("no partition ", id));
   const CheckpointedPartition& p = image_.partitions[it->second];
@@ -194,7 +199,11 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
     status = checkpoint::CommitManifest(dir_, stem_, manifest_);
   }
   if (!status.ok()) {
-    unlink(file_.path().c_str());  // the previous checkpoint stays
+    // The previous checkpoint stays, unless the rename committed this one
+    // (and only the directory's fsync failed): then its data stays too.
+    absl::StatusOr<checkpoint::Manifest> on_disk =
+        checkpoint::ReadManifest(absl::StrCat(dir_, "/", stem_, ".manifest"));
+    if (!on_disk.ok() || on_disk->data_file() != file_.name()) unlink(file_.path().c_str());
     absl::MutexLock lock(&mu_);
     return absl::Status(status.code(), absl::StrCat("checkpoint of session '",
                                                     manifest_.session_name(), "' into ", dir_,

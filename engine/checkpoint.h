@@ -37,6 +37,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "checkpoint/format.h"
 #include "checkpoint/tensor_index.h"
 #include "engine/loss_scaler.h"
@@ -90,6 +91,9 @@ class CheckpointWriter : public ChunkSink {
   CheckpointSummary summary_;
   int64_t began_ns_ = 0;
   bool ended_ = false;  // EndCheckpoint called
+  // Set once the layout above is complete: a call capturing a chunk the
+  // moment copy-on-write starts waits for it.
+  absl::Notification laid_out_;
 
   absl::Mutex mu_;
   checkpoint::Manifest manifest_ ABSL_GUARDED_BY(mu_);  // records' hashes filled by Write

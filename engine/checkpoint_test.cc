@@ -397,6 +397,46 @@ TEST(CopyOnWrite, AStepDuringACheckpointChangesNothingInIt) {
   EXPECT_EQ(busy->steps(), 2u);  // the step did happen
 }
 
+// A partition held for writing is being changed by its trainer: a
+// checkpoint waits for the release (refuses); a writable hold taken while a
+// checkpoint runs gets its chunks captured before the fetch returns.
+TEST(CopyOnWrite, WritableHoldsAreNeverCapturedMidWrite) {
+  Engine engine(TmpDir("nvme-writable"), 64 << 20, 8, kChunk);
+  auto set = engine.store->CreateSet(1);
+  ASSERT_TRUE(set.ok());
+  const uint64_t numel = 2 * kChunk;
+  auto p = (*set)->Register(5, PartitionSpec{"w", numel, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok());
+  RecordingSink sink;
+  // Registered: held for its initial values.
+  auto refused = (*set)->BeginCheckpoint(&sink);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("held for writing"), std::string::npos)
+      << refused.status();
+  auto region = HostMemory::MapShared((*set)->arena_fd(), 0, p->span.offset + p->span.bytes);
+  auto* w = reinterpret_cast<float*>(region->data() + p->params.offset);
+  for (uint64_t j = 0; j < numel; ++j) w[j] = Value(3, j);
+  ASSERT_TRUE((*set)->Release({p->id}).ok());
+  // A read-only hold is fine; a second checkpoint while one runs is not.
+  ASSERT_TRUE((*set)->Fetch({p->id}).ok());
+  ASSERT_TRUE((*set)->BeginCheckpoint(&sink).ok());
+  EXPECT_EQ((*set)->BeginCheckpoint(&sink).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*set)->Release({p->id}).ok());
+  // Writable now: its chunks are in the checkpoint before the trainer
+  // has the pointers, so what it writes next is not.
+  ASSERT_TRUE((*set)->Fetch({p->id}, FetchMode{false, true}).ok());
+  EXPECT_EQ(sink.chunks().size(), 2u);
+  for (uint64_t j = 0; j < numel; ++j) w[j] = -1.0f;
+  for (uint64_t c = 0; c < 2; ++c) (*set)->CaptureChunk(p->id, c);
+  ASSERT_TRUE((*set)->EndCheckpoint().ok());
+  for (const auto& [key, bytes] : sink.chunks()) {
+    const auto* v = reinterpret_cast<const float*>(bytes.data());
+    const uint64_t begin = std::get<1>(key) * kChunk;
+    for (uint64_t j = 0; j < bytes.size() / 4; ++j) ASSERT_EQ(v[j], Value(3, begin + j));
+  }
+}
+
 TEST(CopyOnWrite, BackgroundCheckpointWhileTrainingRestoresTheStateAtItsStart) {
   const std::string dir = TmpDir("ckpt-background");
   Engine first(TmpDir("nvme-bg-a"), 64 << 20, 8, kChunk);

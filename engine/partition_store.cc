@@ -81,6 +81,9 @@ struct PartitionSet::Partition {
   uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
   // The trainer's holds: every chunk pinned, or none.
   std::vector<Swapper::Pin> param_pins, grad_pins;
+  // Held for writing (a writable fetch, or since registration): the trainer
+  // may be changing the parameters; a checkpoint waits for the release.
+  bool writable_hold = false;
 
   // Bytes of `kind` the partition has (placement counts these).
   uint64_t Bytes(DataKind kind) const {
@@ -500,6 +503,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     bytes_[kind][static_cast<int>(partition->home[kind])] += partition->Bytes(k);
   }
   PartitionInfo out = partition->info;
+  partition->writable_hold = true;  // for the initial values
   partitions_[id] = std::move(partition);
   return out;
 }
@@ -518,8 +522,6 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       }
     }
   }
-  // A checkpoint being written keeps what the trainer is about to change.
-  if (mode.writable) CaptureAll(wanted);
   // Outside the lock: swap-ins take time. Pins taken here that turn out not
   // to be needed (held meanwhile) are dropped when `spare` goes, also
   // outside the lock.
@@ -528,6 +530,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
   };
   std::vector<Swapper::Pin> spare;
   std::vector<PartitionInfo> out;
+  bool recapture = false;  // a checkpoint began before this writable hold
   for (;;) {  // again only if a delayed update's commit swapped a buffer meanwhile
     std::vector<int> kinds(wanted.size());
     // What is held already is not acquired again (nor recorded in the
@@ -581,8 +584,12 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       continue;
     }
     out.reserve(wanted.size());
+    // Marked under the lock a checkpoint begins under: either it sees the
+    // hold (and refuses), or this sees it (and captures before returning).
+    recapture = mode.writable && capture_ != nullptr;
     for (size_t i = 0; i < wanted.size(); ++i) {
       Partition* p = wanted[i];
+      if (mode.writable) p->writable_hold = true;
       if (fetched_.insert(p->info.id).second) fetch_order_.push_back(p->info.id);
       for (auto [have, got] : {std::pair{&p->param_pins, &taken[i].params},
                                std::pair{&p->grad_pins, &taken[i].grads}}) {
@@ -597,6 +604,9 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
     }
     break;
   }
+  // A checkpoint being written keeps what the trainer is about to change:
+  // before the trainer has the pointers.
+  if (recapture) CaptureAll(wanted);
   return out;  // `spare` unpins after the lock went
 }
 
@@ -632,11 +642,13 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
       p->info.master_init = {};
     }
     for (Partition* p : which) {
+      p->writable_hold = false;
       for (auto* pins : {&p->param_pins, &p->grad_pins}) {
         std::move(pins->begin(), pins->end(), std::back_inserter(released));
         pins->clear();
       }
     }
+    step_ended_.SignalAll();  // a checkpoint may wait for writable holds to go
   }
   // The fp32 initial values are in the master weights now: their pages go.
   for (Partition* p : commits) {
@@ -1044,6 +1056,21 @@ absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionSet::MapExtra(uint64_t 
   return std::make_pair(offset, std::move(memory));
 }
 
+void PartitionSet::DropHolds() {
+  std::vector<Swapper::Pin> released;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, p] : partitions_) {
+      p->writable_hold = false;
+      for (auto* pins : {&p->param_pins, &p->grad_pins}) {
+        std::move(pins->begin(), pins->end(), std::back_inserter(released));
+        pins->clear();
+      }
+    }
+    step_ended_.SignalAll();
+  }
+}  // `released` unpins here, outside the lock
+
 absl::Status PartitionSet::RestoreSetState(uint64_t steps, bool delayed) {
   absl::MutexLock placing(&placement_mu_);
   absl::MutexLock lock(&mu_);
@@ -1085,10 +1112,6 @@ absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState&
 
 absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
   absl::MutexLock lock(&mu_);
-  if (capture_ != nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("a checkpoint of session ", session_id_, " is being written already"));
-  }
   // A step boundary: no step running, no gradients being added.
   auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (stepping_) return true;
@@ -1098,6 +1121,11 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
     return false;
   };
   while (busy()) step_ended_.Wait(&mu_);
+  // Checked after the wait (it let the lock go): one checkpoint at a time.
+  if (capture_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a checkpoint of session ", session_id_, " is being written already"));
+  }
   SetImage image;
   image.steps = steps_;
   image.delayed = delayed_;
@@ -1109,6 +1137,8 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
     const std::string why =
         p->master_init_pending
             ? "was registered with fp32 initial values not committed yet: release it first"
+        : p->writable_hold ? "is held for writing (its parameters may be changing): release it "
+                             "first"
         : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
         : p->accum_lost        ? "lost its accumulated gradients: skip this step first"
                                : "";

@@ -307,6 +307,9 @@ class PartitionSet {
   absl::StatusOr<PartitionInfo> Register(uint64_t id, const PartitionSpec& spec,
                                          const RestoredState* restored = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Lets every hold go without committing anything (fp32 initial values
+  // stay pending): the trainer that held them died mid-write.
+  void DropHolds() ABSL_LOCKS_EXCLUDED(mu_);
   // A session restoring a checkpoint, before its first registration: the
   // steps it applied and its delayed update.
   absl::Status RestoreSetState(uint64_t steps, bool delayed) ABSL_LOCKS_EXCLUDED(mu_);
@@ -321,7 +324,8 @@ class PartitionSet {
   // a change to a chunk waits at most for that chunk's capture.
   // SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
   // another checkpoint runs, for a partition whose fp32 initial values are
-  // not committed, or a step that stopped midway or lost its gradients.
+  // not committed, a partition held for writing (release it first), or a
+  // step that stopped midway or lost its gradients.
   absl::StatusOr<SetImage> BeginCheckpoint(ChunkSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
   // Captures chunk `chunk` of partition `id` unless done (waiting if
   // another thread is at it). The first failure of any capture is what

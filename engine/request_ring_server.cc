@@ -34,19 +34,37 @@ void RingServer::Stop() {
   }
 }
 
-void RingServer::Reset() {
+void RingServer::Reset(std::function<void()> then) {
+  {
+    absl::MutexLock lock(&reset_mu_);
+    reset_then_ = std::move(then);
+  }
+  reset_pending_.store(true);
+  ring::FutexWake(&layout()->state);  // the serving thread, if asleep
+}
+
+void RingServer::DoReset() {
+  std::function<void()> then;
+  {
+    absl::MutexLock lock(&reset_mu_);
+    then = std::move(reset_then_);
+    reset_then_ = nullptr;
+  }
   ring::Layout* l = layout();
   uint32_t s = l->state.load();
   while (s != ring::kClosed && s != ring::kIdle &&
          !l->state.compare_exchange_weak(s, ring::kIdle)) {
   }
+  l->abandoned.store(0);
   l->client_sleeping.store(0);
   ring::FutexWake(&l->state);
+  if (then) then();
 }
 
 void RingServer::Serve() {
   ring::Layout* l = layout();
   while (!stopping_.load()) {
+    if (reset_pending_.exchange(false)) DoReset();
     const uint32_t state = l->state.load(std::memory_order_acquire);
     if (state != ring::kPosted) {
       // Also woken by every change of the word; a client can only make
@@ -70,6 +88,7 @@ void RingServer::Serve() {
     request.items.assign(l->items, l->items + count);
     const RingAnswer answer = handler_(request);
     if (stopping_.load()) break;  // the session went during the call
+    if (reset_pending_.load()) continue;  // its client died: no answer, reset
     Answer(answer);
   }
 }
@@ -82,10 +101,16 @@ void RingServer::Answer(const RingAnswer& answer) {
   std::memcpy(l->message, message.data(), l->message_bytes);
   l->out_count = static_cast<uint32_t>(std::min<size_t>(answer.locations.size(), ring::kMaxItems));
   std::memcpy(l->locations, answer.locations.data(), l->out_count * sizeof(ring::Location));
-  // Only a posted request is answered: a client that gave up meanwhile
-  // finds its own state untouched.
   uint32_t posted = ring::kPosted;
   if (!l->state.compare_exchange_strong(posted, ring::kAnswered, std::memory_order_seq_cst)) {
+    return;
+  }
+  // A client that gave up (its deadline) reads no answer: free the mailbox
+  // for the next call (or the client frees it, if it gave up after this).
+  if (l->abandoned.load(std::memory_order_seq_cst) != 0) {
+    uint32_t answered = ring::kAnswered;
+    l->state.compare_exchange_strong(answered, ring::kIdle, std::memory_order_seq_cst);
+    ring::FutexWake(&l->state);
     return;
   }
   if (l->client_sleeping.load(std::memory_order_seq_cst) != 0) ring::FutexWake(&l->state);

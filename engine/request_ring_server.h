@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "base/host_memory.h"
 #include "ipc/request_ring.h"
 
@@ -48,9 +49,11 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
 
   // Closes the mailbox (clients see kClosed) and ends the thread.
   void Stop();
-  // Frees the mailbox of a call its client died in (back to idle, unless
-  // closed): a trainer resuming the session finds it usable.
-  void Reset();
+  // Frees the mailbox of a call its client died in: the serving thread,
+  // once the call it may be running ends (unanswered), sets the mailbox
+  // back to idle (unless closed) and runs `then` (what that call held
+  // goes). Returns at once.
+  void Reset(std::function<void()> then = nullptr);
 
  private:
   RingServer(HostMemory mapping, Handler handler)
@@ -58,10 +61,14 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   ring::Layout* layout() const { return reinterpret_cast<ring::Layout*>(mapping_.data()); }
   void Serve();
   void Answer(const RingAnswer& answer);
+  void DoReset();
 
   const HostMemory mapping_;
   const Handler handler_;
   std::atomic<bool> stopping_{false};
+  absl::Mutex reset_mu_;
+  std::function<void()> reset_then_ ABSL_GUARDED_BY(reset_mu_);
+  std::atomic<bool> reset_pending_{false};
   std::thread thread_;
 };
 

@@ -6,6 +6,8 @@
 
 #include <cstring>
 #include <thread>
+
+#include "absl/synchronization/notification.h"
 #include <vector>
 
 #include "base/env.h"
@@ -164,6 +166,73 @@ TEST(RequestRing, ADeadDaemonIsUnavailable) {
   dies.join();
   EXPECT_EQ(f.status.code(), absl::StatusCode::kUnavailable) << f.status;
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+}  // namespace
+}  // namespace offload
+
+namespace offload {
+namespace {
+
+// A ring served by `handler`, and a client of it.
+struct LoneRing {
+  explicit LoneRing(RingServer::Handler handler) {
+    int pair[2];
+    EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+    ours = UniqueFd(pair[0]);
+    theirs = UniqueFd(pair[1]);
+    HostMemory memory = *HostMemory::Allocate(ring::RingBytes(), false);
+    layout = reinterpret_cast<ring::Layout*>(memory.data());
+    server = RingServer::Start(std::move(memory), std::move(handler));
+    client = std::make_unique<ring::Client>(layout, ours.get());
+  }
+  ~LoneRing() { server->Stop(); }
+  UniqueFd ours, theirs;
+  ring::Layout* layout;
+  std::shared_ptr<RingServer> server;
+  std::unique_ptr<ring::Client> client;
+};
+
+TEST(RequestRing, ACallerThatGivesUpLeavesTheRingUsable) {
+  std::atomic<int> calls{0};
+  LoneRing r([&](const RingRequest&) {
+    if (calls++ == 0) absl::SleepFor(absl::Milliseconds(300));  // the first call is slow
+    return RingAnswer{absl::OkStatus(), {}};
+  });
+  auto slow = r.client->Call(ring::kRelease, 0, {}, absl::Milliseconds(100));
+  EXPECT_EQ(slow.status.code(), absl::StatusCode::kDeadlineExceeded) << slow.status;
+  // The next call waits for the mailbox the daemon frees when it answers
+  // the abandoned one, then goes through.
+  auto next = r.client->Call(ring::kRelease, 0, {}, absl::Seconds(10));
+  EXPECT_TRUE(next.status.ok()) << next.status;
+  EXPECT_EQ(calls.load(), 2);
+}
+
+TEST(RequestRing, AResetCallIsAbortedUnansweredAndTheRingServesOn) {
+  absl::Notification entered, release;
+  std::atomic<int> calls{0};
+  LoneRing r([&](const RingRequest&) {
+    if (calls++ == 0) {
+      entered.Notify();
+      release.WaitForNotification();
+      return RingAnswer{absl::OkStatus(), {ring::Location{}}};  // must not be delivered
+    }
+    return RingAnswer{absl::NotFoundError("second"), {}};
+  });
+  ring::Client::Answer first;
+  std::thread caller([&] { first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10)); });
+  entered.WaitForNotification();
+  std::atomic<bool> then_ran{false};
+  r.server->Reset([&] { then_ran = true; });  // its trainer went away
+  release.Notify();
+  caller.join();
+  EXPECT_EQ(first.status.code(), absl::StatusCode::kAborted) << first.status;
+  EXPECT_TRUE(first.locations.empty());
+  // The reset ran after the call ended, then the next call got its own answer.
+  auto second = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10));
+  EXPECT_TRUE(then_ran.load());
+  EXPECT_EQ(second.status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(second.status.message(), "second");
 }
 
 }  // namespace

@@ -46,6 +46,12 @@ struct SessionManager::Session {
   std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
   SteadyTime last_call = opened;  // the last call that found it, or ended
 
+  // A step's decision with its loss-scale update, and a checkpoint's image
+  // with its read of the loss scaler, each happen whole under it: a
+  // checkpoint never sees the steps of one moment and the scale of another.
+  // Taken before the set's lock and before step_mu.
+  absl::Mutex decide_mu;
+
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
   bool step_started ABSL_GUARDED_BY(step_mu) = false;
@@ -79,7 +85,18 @@ SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* step
     : env_(env), store_(store), steps_(steps), stats_(stats), incarnation_(NewIncarnation(env)),
       next_session_id_(incarnation_ << 32 | 1) {}
 
-SessionManager::~SessionManager() = default;
+SessionManager::~SessionManager() {
+  // The request rings' threads call into this manager: they end first,
+  // while every session and everything they use still stands.
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) sessions.push_back(s);
+  }
+  for (const auto& s : sessions) {
+    if (s->ring != nullptr) s->ring->Stop();
+  }
+}
 
 absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::string_view name, const PlacementChange& placement,
@@ -425,6 +442,7 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
       return on;
     }
   }
+  absl::MutexLock decided(&session->decide_mu);
   LossScaler* scaler = session->scaler.get();
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
   // non-finite values here) skips the step and lowers the scale; otherwise
@@ -501,10 +519,14 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(
   SessionCheckpointState state;
   state.name = s->name;
   state.scaler = s->scaler.get();
-  state.delayed_update_after = s->delayed_update_after.load();
+  // The image and the scaler at the same step boundary.
+  auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
+    absl::MutexLock decided(&s->decide_mu);
+    state.delayed_update_after = s->delayed_update_after.load();
+    return CheckpointWriter::Begin(s->partitions.get(), state, dir);
+  };
   if (!background) {
-    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
-                     CheckpointWriter::Begin(s->partitions.get(), state, dir));
+    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, begin());
     ASSIGN_OR_RETURN(CheckpointSummary summary, writer->Finish(&s->checkpoint_cancel));
     stats_->checkpoints.fetch_add(1, std::memory_order_relaxed);
     return CheckpointOutcome{summary, false};
@@ -516,8 +538,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(
   }
   // The previous one's thread has set its outcome: it is about to end.
   if (s->checkpoint_thread.joinable()) s->checkpoint_thread.join();
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
-                   CheckpointWriter::Begin(s->partitions.get(), state, dir));
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, begin());
   CheckpointOutcome out;
   out.running = true;
   out.summary = writer->begun();  // sizes and pause; the path once written
@@ -580,15 +601,27 @@ bool SessionManager::Detach(uint64_t id) {
     session->attached = false;
     session->detached_since = std::chrono::steady_clock::now();
   }
-  // Outside mu_: what the dead trainer held goes, and its request ring is
-  // freed of whatever call it died in.
-  session->partitions->Release({}).IgnoreError();
-  if (session->ring != nullptr) session->ring->Reset();
+  // Outside mu_: what the dead trainer held goes (fp32 initial values it
+  // may have been writing stay uncommitted), and its request ring is freed
+  // of whatever call it died in, once that call ended (the ring's own
+  // thread resets it, and drops what that call held).
+  session->partitions->DropHolds();
+  if (session->ring != nullptr) {
+    PartitionSet* set = session->partitions.get();
+    session->ring->Reset([set] { set->DropHolds(); });
+  }
   return true;
 }
 
 absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  {
+    absl::MutexLock lock(&mu_);
+    // The lease starts again: the trainer attaches next.
+    if (session->detached_since.has_value()) {
+      session->detached_since = std::chrono::steady_clock::now();
+    }
+  }
   return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region};
 }
 

@@ -66,6 +66,7 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
     if (absl::Status s = gone(expected); !s.ok()) return {s, {}};
     FutexWait(&ring_->state, expected, absl::Milliseconds(50));
   }
+  ring_->abandoned.store(0, std::memory_order_relaxed);
   ring_->op = op;
   ring_->flags = flags;
   ring_->count = static_cast<uint32_t>(items.size());
@@ -90,10 +91,24 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
     ring_->client_sleeping.store(0, std::memory_order_relaxed);
     state = ring_->state.load(std::memory_order_acquire);
     if (state == kPosted) {
-      if (absl::Status s = gone(state); !s.ok()) return {s, {}};
+      if (absl::Status s = gone(state); !s.ok()) {
+        // Give the call up; whoever comes second frees the mailbox.
+        ring_->abandoned.store(1, std::memory_order_seq_cst);
+        uint32_t answered = kAnswered;
+        if (ring_->state.compare_exchange_strong(answered, kIdle, std::memory_order_seq_cst)) {
+          FutexWake(&ring_->state);
+        }
+        return {s, {}};
+      }
     }
   }
-  if (state != kAnswered) return {gone(state), {}};
+  if (state != kAnswered) {
+    if (state == kClosed) return {gone(state), {}};
+    return {absl::AbortedError(
+                "the daemon reset this session's request ring (its trainer was taken for gone); "
+                "the call may or may not have happened"),
+            {}};
+  }
   Answer answer;
   const auto code = static_cast<absl::StatusCode>(ring_->code);
   if (code != absl::StatusCode::kOk) {

@@ -14,7 +14,11 @@
 //      time), performs the calls, writes code, message and locations,
 //      state = kAnswered, FUTEX_WAKE if the client sleeps;
 //   4. client: spins briefly, then sleeps, until kAnswered; copies the
-//      answer out; state = kIdle, FUTEX_WAKE (a waiting claimant).
+//      answer out; state = kIdle, FUTEX_WAKE (a waiting claimant). A client
+//      that gives up (its deadline) sets `abandoned`; the daemon's answer
+//      then frees the mailbox instead.
+// The daemon resets the mailbox to kIdle when the session's trainer went
+// away (a restarted one may resume it); a call caught by that is ABORTED.
 // The daemon stops serving with state kClosed. A client whose daemon dies
 // sees the arena channel's connection close while it waits: UNAVAILABLE.
 #ifndef OFFLOADD_IPC_REQUEST_RING_H_
@@ -76,8 +80,13 @@ struct Location {
 struct Layout {
   std::atomic<uint32_t> state;
   std::atomic<uint32_t> client_sleeping;
+  // The posted call's client gave up waiting (its deadline): whichever of
+  // the daemon (answering) and the client (giving up) comes second sets
+  // the mailbox back to idle.
+  std::atomic<uint32_t> abandoned;
   uint32_t magic;
   uint32_t version;
+  uint32_t pad_header;
   // The request.
   uint32_t op;
   uint32_t flags;
