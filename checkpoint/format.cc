@@ -98,6 +98,23 @@ std::optional<uint64_t> DataGeneration(absl::string_view name, absl::string_view
 
 uint64_t Hash(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
 
+namespace {
+
+// The stem before names that change got a hash (at most 64 bytes, kept
+// characters only).
+std::string LegacyStem(absl::string_view session_name) {
+  std::string stem;
+  for (char c : session_name.substr(0, 64)) {
+    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '-' || c == '_' || c == '.';
+    stem.push_back(keep ? c : '_');
+  }
+  if (stem.empty() || stem[0] == '.') stem.insert(0, "session");
+  return stem;
+}
+
+}  // namespace
+
 std::string StemFor(absl::string_view session_name) {
   std::string stem;
   for (char c : session_name.substr(0, 48)) {
@@ -190,26 +207,57 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   const std::string tmp_path = absl::StrCat(final_path, ".", manifest.data_file(), ".tmp");
   // The data file's directory entry is durable before the manifest naming it.
   RETURN_IF_ERROR(SyncDirectory(dir));
-  {
+  const std::optional<uint64_t> mine = DataGeneration(manifest.data_file(), stem);
+  absl::Status written = [&]() -> absl::Status {
     UniqueFd fd(
         open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (fd.get() < 0) return PosixError(absl::StrCat("creating ", tmp_path), errno);
     RETURN_IF_ERROR(WriteAll(fd.get(), header, kHeaderBytes, 0, tmp_path));
     RETURN_IF_ERROR(WriteAll(fd.get(), payload.data(), payload.size(), kHeaderBytes, tmp_path));
     if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of ", tmp_path), errno);
-  }
-  if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-    return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), errno);
+    // Another writer of this stem (a session of the same name) committed a
+    // newer checkpoint meanwhile: this older one must not replace it.
+    if (absl::StatusOr<Manifest> current = ReadManifest(final_path); current.ok()) {
+      const std::optional<uint64_t> theirs = DataGeneration(current->data_file(), stem);
+      if (theirs.has_value() && mine.has_value() && *theirs > *mine) {
+        return absl::AbortedError(absl::StrCat(
+            final_path, " names a newer checkpoint (", current->data_file(),
+            ") of a session of the same name, committed meanwhile"));
+      }
+    }
+    if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+      return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), errno);
+    }
+    return absl::OkStatus();
+  }();
+  if (!written.ok()) {
+    unlink(tmp_path.c_str());
+    return written;
   }
   RETURN_IF_ERROR(SyncDirectory(dir));
   // Committed. The stem's older data files are garbage now (a newer one is
-  // another writer's, still being filled), and so are leftover
-  // temporary manifests of older attempts.
-  const std::optional<uint64_t> mine = DataGeneration(manifest.data_file(), stem);
+  // another writer's, still being filled), and so are temporary manifests
+  // of older attempts that crashed.
+  const std::string tmp_prefix = absl::StrCat(stem, ".manifest.");
   for (const std::string& name : ListDirectory(dir)) {
-    const std::optional<uint64_t> gen = DataGeneration(name, stem);
+    absl::string_view n = name;
+    std::optional<uint64_t> gen = DataGeneration(n, stem);
+    if (!gen.has_value() && absl::ConsumePrefix(&n, tmp_prefix) && absl::ConsumeSuffix(&n, ".tmp")) {
+      gen = DataGeneration(n, stem);
+    }
     if (gen.has_value() && mine.has_value() && *gen < *mine) {
       unlink(absl::StrCat(dir, "/", name).c_str());
+    }
+  }
+  // A checkpoint of this session written before stems carried a hash
+  // (<name>.manifest with the name as it was) would hold its tensors twice.
+  const std::string legacy = LegacyStem(manifest.session_name());
+  if (legacy != stem) {
+    const std::string legacy_manifest = absl::StrCat(dir, "/", legacy, ".manifest");
+    if (absl::StatusOr<Manifest> old = ReadManifest(legacy_manifest);
+        old.ok() && old->session_name() == manifest.session_name()) {
+      unlink(legacy_manifest.c_str());
+      unlink(absl::StrCat(dir, "/", old->data_file()).c_str());
     }
   }
   return absl::OkStatus();

@@ -191,6 +191,40 @@ TEST(CheckpointFormatTest, AnInterruptedCheckpointLeavesThePreviousOne) {
   EXPECT_EQ(data_files, 1);
 }
 
+TEST(CheckpointFormatTest, WritersOfOneStemNeverLoseTheNewerCheckpoint) {
+  const std::string dir = TempDir();
+  // A checkpoint of "job/rank0" from before stems were hashed, then one
+  // from now: the older one goes (else the tensor would be there twice).
+  {
+    ASSERT_TRUE(WriteSession(dir, "job/rank0", 0, std::vector<float>(15, 1.0f), 15).ok());
+    const std::string hashed = StemFor("job/rank0");
+    auto m = ReadManifest(dir + "/" + hashed + ".manifest");
+    ASSERT_TRUE(m.ok());
+    // Move it to the old name, as the previous version wrote it.
+    ASSERT_EQ(rename((dir + "/" + hashed + ".manifest").c_str(),
+                     (dir + "/job_rank0.manifest").c_str()), 0);
+    ASSERT_TRUE(WriteSession(dir, "job/rank0", 0, std::vector<float>(15, 2.0f), 15).ok());
+    EXPECT_NE(access((dir + "/job_rank0.manifest").c_str(), F_OK), 0);
+    auto index = TensorIndex::Load(dir);
+    ASSERT_TRUE(index.ok()) << index.status();
+  }
+  // Two writers of one stem: the older generation may not replace the
+  // newer commit; a crashed attempt's temporary manifest is collected.
+  auto older = DataFileWriter::Create(dir, "s");
+  auto newer = DataFileWriter::Create(dir, "s");
+  ASSERT_TRUE(older.ok() && newer.ok());
+  std::ofstream(dir + "/s.manifest." + older->name() + ".tmp") << "torn";
+  Manifest m;
+  m.set_format_version(kFormatVersion);
+  m.set_session_name("s");
+  m.set_data_file(newer->name());
+  ASSERT_TRUE(CommitManifest(dir, "s", m).ok());
+  EXPECT_NE(access((dir + "/s.manifest." + older->name() + ".tmp").c_str(), F_OK), 0);
+  m.set_data_file(older->name());
+  EXPECT_EQ(CommitManifest(dir, "s", m).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(ReadManifest(dir + "/s.manifest")->data_file(), newer->name());
+}
+
 TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
   const std::string dir = TempDir();
   ASSERT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 1.0f), 15).ok());

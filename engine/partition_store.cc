@@ -648,7 +648,6 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
         pins->clear();
       }
     }
-    step_ended_.SignalAll();  // a checkpoint may wait for writable holds to go
   }
   // The fp32 initial values are in the master weights now: their pages go.
   for (Partition* p : commits) {

@@ -38,17 +38,28 @@ void RingServer::Reset(std::function<void()> then) {
   {
     absl::MutexLock lock(&reset_mu_);
     reset_then_ = std::move(then);
+    ++resets_asked_;
   }
   reset_pending_.store(true);
   ring::FutexWake(&layout()->state);  // the serving thread, if asleep
 }
 
+bool RingServer::WaitForReset(absl::Duration timeout) {
+  absl::MutexLock lock(&reset_mu_);
+  auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(reset_mu_) {
+    return resets_done_ >= resets_asked_ || stopping_.load();
+  };
+  return reset_mu_.AwaitWithTimeout(absl::Condition(&done), timeout);
+}
+
 void RingServer::DoReset() {
   std::function<void()> then;
+  uint64_t asked;
   {
     absl::MutexLock lock(&reset_mu_);
     then = std::move(reset_then_);
     reset_then_ = nullptr;
+    asked = resets_asked_;
   }
   ring::Layout* l = layout();
   uint32_t s = l->state.load();
@@ -59,6 +70,8 @@ void RingServer::DoReset() {
   l->client_sleeping.store(0);
   ring::FutexWake(&l->state);
   if (then) then();
+  absl::MutexLock lock(&reset_mu_);
+  resets_done_ = std::max(resets_done_, asked);
 }
 
 void RingServer::Serve() {

@@ -54,6 +54,9 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   // back to idle (unless closed) and runs `then` (what that call held
   // goes). Returns at once.
   void Reset(std::function<void()> then = nullptr);
+  // Waits until every Reset asked for so far is done (the call it waited
+  // for ended); false after `timeout`.
+  bool WaitForReset(absl::Duration timeout);
 
  private:
   RingServer(HostMemory mapping, Handler handler)
@@ -69,6 +72,8 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   absl::Mutex reset_mu_;
   std::function<void()> reset_then_ ABSL_GUARDED_BY(reset_mu_);
   std::atomic<bool> reset_pending_{false};
+  uint64_t resets_asked_ ABSL_GUARDED_BY(reset_mu_) = 0;
+  uint64_t resets_done_ ABSL_GUARDED_BY(reset_mu_) = 0;
   std::thread thread_;
 };
 

@@ -224,8 +224,11 @@ TEST(RequestRing, AResetCallIsAbortedUnansweredAndTheRingServesOn) {
   entered.WaitForNotification();
   std::atomic<bool> then_ran{false};
   r.server->Reset([&] { then_ran = true; });  // its trainer went away
+  // A resuming trainer waits for the reset, which waits for the call.
+  EXPECT_FALSE(r.server->WaitForReset(absl::Milliseconds(50)));
   release.Notify();
   caller.join();
+  EXPECT_TRUE(r.server->WaitForReset(absl::Seconds(5)));
   EXPECT_EQ(first.status.code(), absl::StatusCode::kAborted) << first.status;
   EXPECT_TRUE(first.locations.empty());
   // The reset ran after the call ended, then the next call got its own answer.

@@ -615,6 +615,15 @@ bool SessionManager::Detach(uint64_t id) {
 
 absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  // The previous trainer's last call through the ring must have ended (and
+  // its holds gone) before this trainer takes any.
+  if (session->ring != nullptr && !session->ring->WaitForReset(absl::Seconds(5))) {
+    return absl::UnavailableError(absl::StrCat(
+        "session ", key.id, ": the previous trainer's last call is still running; retry"));
+  }
+  // What a call of the previous trainer that ended after it went away
+  // (over gRPC) held goes too.
+  session->partitions->DropHolds();
   {
     absl::MutexLock lock(&mu_);
     // The lease starts again: the trainer attaches next.

@@ -37,7 +37,7 @@
 namespace offload::ring {
 
 inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
