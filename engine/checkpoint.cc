@@ -16,23 +16,8 @@ namespace {
 using checkpoint::RecordKind;
 namespace ckv1 = ::offload::checkpoint::v1;
 
-RecordKind RecordKindOf(const CheckpointedPartition& p, int block_kind) {
-  if (block_kind == p.current_kind) return ckv1::PARAMS;
-  if (block_kind == p.next_kind) return ckv1::PARAMS_NEXT;
-  switch (block_kind) {
-    case PartitionStore::kMaster:
-      return ckv1::MASTER;
-    case PartitionStore::kExpAvg:
-      return ckv1::EXP_AVG;
-    case PartitionStore::kExpAvgSq:
-      return ckv1::EXP_AVG_SQ;
-    case PartitionStore::kAccumBlock:
-      return ckv1::ACCUM;
-  }
-  return ckv1::RECORD_KIND_UNSPECIFIED;
-}
-
-// The record kind a restored block kind reads.
+// The record kind of a block kind as a restored partition lays them out
+// (version 0: kParamsBlock is the working copy read now).
 RecordKind RecordKindToRestore(int block_kind) {
   switch (block_kind) {
     case PartitionStore::kParamsBlock:
@@ -49,6 +34,14 @@ RecordKind RecordKindToRestore(int block_kind) {
       return ckv1::ACCUM;
   }
   return ckv1::RECORD_KIND_UNSPECIFIED;
+}
+
+// The record kind of one of a checkpointed partition's block kinds: its
+// working-copy buffers by which one is current, not by name.
+RecordKind RecordKindOf(const CheckpointedPartition& p, int block_kind) {
+  if (block_kind == p.current_kind) return ckv1::PARAMS;
+  if (block_kind == p.next_kind) return ckv1::PARAMS_NEXT;
+  return RecordKindToRestore(block_kind);
 }
 
 }  // namespace
