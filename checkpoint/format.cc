@@ -100,11 +100,11 @@ uint64_t Hash(const void* data, size_t bytes) { return XXH3_64bits(data, bytes);
 
 namespace {
 
-// The stem before names that change got a hash (at most 64 bytes, kept
-// characters only).
-std::string LegacyStem(absl::string_view session_name) {
+// The first `bytes` of `name` with every byte but letters, digits, '-',
+// '_' and '.' made '_'; "session" in front of an empty or hidden one.
+std::string Sanitized(absl::string_view name, size_t bytes) {
   std::string stem;
-  for (char c : session_name.substr(0, 64)) {
+  for (char c : name.substr(0, bytes)) {
     const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                       c == '-' || c == '_' || c == '.';
     stem.push_back(keep ? c : '_');
@@ -113,16 +113,13 @@ std::string LegacyStem(absl::string_view session_name) {
   return stem;
 }
 
+// The stem before names that change got a hash.
+std::string LegacyStem(absl::string_view session_name) { return Sanitized(session_name, 64); }
+
 }  // namespace
 
 std::string StemFor(absl::string_view session_name) {
-  std::string stem;
-  for (char c : session_name.substr(0, 48)) {
-    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                      c == '-' || c == '_' || c == '.';
-    stem.push_back(keep ? c : '_');
-  }
-  if (stem.empty() || stem[0] == '.') stem.insert(0, "session");
+  std::string stem = Sanitized(session_name, 48);
   // Names that did not survive as they are ("job/rank0", long ones) get a
   // hash of the whole name, so that two sessions never share a stem.
   if (stem != session_name) {

@@ -98,6 +98,15 @@ struct PartitionSet::Partition {
     return 0;
   }
   bool held() const { return !param_pins.empty() || !grad_pins.empty(); }
+  // Ends the trainer's holds: their pins move to `out` (to be dropped
+  // outside the set's lock).
+  void TakeHolds(std::vector<Swapper::Pin>* out) {
+    for (auto* pins : {&param_pins, &grad_pins}) {
+      std::move(pins->begin(), pins->end(), std::back_inserter(*out));
+      pins->clear();
+    }
+    writable_hold = false;
+  }
 };
 
 absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty) {
@@ -235,10 +244,7 @@ PartitionSet::~PartitionSet() {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, p] : partitions_) {
       chunks.emplace_back(id, ChunksOf(p->info.numel));
-      for (auto* pins : {&p->param_pins, &p->grad_pins}) {
-        std::move(pins->begin(), pins->end(), std::back_inserter(holds));
-        pins->clear();
-      }
+      p->TakeHolds(&holds);
     }
   }
   holds.clear();
@@ -641,13 +647,7 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
       p->master_initialized = true;
       p->info.master_init = {};
     }
-    for (Partition* p : which) {
-      p->writable_hold = false;
-      for (auto* pins : {&p->param_pins, &p->grad_pins}) {
-        std::move(pins->begin(), pins->end(), std::back_inserter(released));
-        pins->clear();
-      }
-    }
+    for (Partition* p : which) p->TakeHolds(&released);
   }
   // The fp32 initial values are in the master weights now: their pages go.
   for (Partition* p : commits) {
@@ -777,8 +777,7 @@ PendingGradients PartitionSet::Pending() const {
   return out;
 }
 
-absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
-  absl::MutexLock lock(&mu_);
+void PartitionSet::AwaitStepBoundaryLocked() {
   auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (stepping_) return true;
     for (const auto& [id, p] : partitions_) {
@@ -787,6 +786,11 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
     return false;
   };
   while (busy()) step_ended_.Wait(&mu_);
+}
+
+absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
+  absl::MutexLock lock(&mu_);
+  AwaitStepBoundaryLocked();
   if (!skipping) {
     for (const auto& [id, p] : partitions_) {
       if (p->accum_lost) {
@@ -1059,14 +1063,7 @@ void PartitionSet::DropHolds() {
   std::vector<Swapper::Pin> released;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, p] : partitions_) {
-      p->writable_hold = false;
-      for (auto* pins : {&p->param_pins, &p->grad_pins}) {
-        std::move(pins->begin(), pins->end(), std::back_inserter(released));
-        pins->clear();
-      }
-    }
-    step_ended_.SignalAll();
+    for (const auto& [id, p] : partitions_) p->TakeHolds(&released);
   }
 }  // `released` unpins here, outside the lock
 
@@ -1111,15 +1108,7 @@ absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState&
 
 absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
   absl::MutexLock lock(&mu_);
-  // A step boundary: no step running, no gradients being added.
-  auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (stepping_) return true;
-    for (const auto& [id, p] : partitions_) {
-      if (p->accumulating) return true;
-    }
-    return false;
-  };
-  while (busy()) step_ended_.Wait(&mu_);
+  AwaitStepBoundaryLocked();
   // Checked after the wait (it let the lock go): one checkpoint at a time.
   if (capture_ != nullptr) {
     return absl::FailedPreconditionError(

@@ -442,6 +442,8 @@ class PartitionSet {
   // not count).
   void AwaitOutOfStep(absl::Span<Partition* const> partitions, bool delayed_ok = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits for a step boundary: no step running, no gradients being added.
+  void AwaitStepBoundaryLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The block kind of the working-copy buffer the trainer reads now (or,
   // with `next`, the other one).
   static int ParamsKind(const Partition& p, bool next);
