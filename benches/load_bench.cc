@@ -10,7 +10,9 @@
 // rings (the client's default), then all over gRPC.
 //
 // usage: load [--trainers=8] [--seconds=10] [--partitions=16] [--numel=65536]
-//             [--step_every=4] [--tiny]
+//             [--step_every=4] [--ring_spin_us=N] [--tiny]
+// --ring_spin_us sets the daemon's server.ring_spin_us (default: the
+// daemon's own default).
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "benches/bench_util.h"
 #include "client/client.h"
@@ -41,6 +44,7 @@ struct Config {
   uint64_t partitions = 16;
   uint64_t numel = 65536;
   uint64_t step_every = 4;
+  int64_t ring_spin_us = -1;  // the daemon's default
 };
 
 // One trainer: writes its latencies (ns, per op) and error count to `out`.
@@ -183,6 +187,11 @@ int Main(int argc, char** argv) {
       c.numel = CountOrExit(v);
     } else if (const char* v = FlagValue(a, "step_every")) {
       c.step_every = CountOrExit(v);
+    } else if (const char* v = FlagValue(a, "ring_spin_us")) {
+      if (!absl::SimpleAtoi(v, &c.ring_spin_us) || c.ring_spin_us < 0) {
+        std::fprintf(stderr, "--ring_spin_us: not a count of microseconds: '%s'\n", v);
+        return 2;
+      }
     } else if (std::strcmp(a, "--tiny") == 0) {
       c = Config{2, 0.5, 2, 1024, 2};
     } else {
@@ -204,7 +213,9 @@ int Main(int argc, char** argv) {
 int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor) {
   std::printf("\n== fetch, release and return through %s ==\n",
               ring ? "the shared-memory request ring" : "gRPC");
-  auto daemon = testing::DaemonProcess::Start();
+  std::vector<std::string> flags;
+  if (c.ring_spin_us >= 0) flags.push_back(absl::StrCat("--server.ring_spin_us=", c.ring_spin_us));
+  auto daemon = testing::DaemonProcess::Start(flags);
   if (!daemon.ok()) {
     std::fprintf(stderr, "offloadd: %s\n", daemon.status().ToString().c_str());
     return 1;

@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->steps_ = std::make_unique<StepRunner>(&d->optimizer_, &d->pool_, &d->stats_);
   d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
                                                   d->steps_.get(), &d->stats_);
+  d->sessions_->SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
@@ -158,6 +159,10 @@ void Daemon::SetHooks() {
   });
   registry_->SetHook<int64_t>("nvme.submit_batch", [raw](const int64_t& v) {
     return raw->io_ != nullptr ? raw->io_->SetSubmitBatch(v) : absl::OkStatus();
+  });
+  registry_->SetHook<int64_t>("server.ring_spin_us", [raw](const int64_t& v) {
+    raw->sessions_->SetRingSpin(absl::Microseconds(v));
+    return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
     raw->pool_.SetLimit(static_cast<uint64_t>(v));

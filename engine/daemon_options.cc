@@ -36,6 +36,9 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            kServerThreadsRange});
   r->Bind("server.max_streams_per_connection", &o->server.max_streams_per_connection,
           {"calls", "most calls one connection may have open at once", false, kStreamsRange});
+  r->Bind("server.ring_spin_us", &o->server.ring_spin_us,
+          {"microseconds", "a session's request-ring thread polls this long after each call before it sleeps (the next call then finds it awake); 0 always sleeps",
+           true, kRingSpinRange});
   r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
           {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
            kHostBudgetRange});

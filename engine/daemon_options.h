@@ -57,6 +57,13 @@ struct ServerOptions {
   // `max_streams_per_connection` calls open.
   int64_t max_threads = 128;
   int64_t max_streams_per_connection = 64;
+
+  // After each call of a session ends, its request-ring thread polls the
+  // mailbox this many microseconds before it sleeps, so that the trainer's
+  // next call finds it awake (waking a sleeping thread costs ~100 us on a
+  // virtual machine). It yields to any other runnable thread meanwhile; an
+  // idle node spends at most this much of a core per call. 0: always sleep.
+  int64_t ring_spin_us = 1000;
 };
 
 struct MemoryOptions {
@@ -108,6 +115,7 @@ inline constexpr IntRange kIdleLeaseRange{0, 604800};
 inline constexpr IntRange kReconnectLeaseRange{0, 86400};
 inline constexpr IntRange kServerThreadsRange{8, 4096};
 inline constexpr IntRange kStreamsRange{1, 4096};
+inline constexpr IntRange kRingSpinRange{0, 100000};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
 inline constexpr IntRange kHostPercentRange{0, 100};

@@ -1,14 +1,37 @@
 #include "engine/request_ring_server.h"
 
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 
 namespace offload {
+namespace {
 
-std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handler) {
-  std::shared_ptr<RingServer> server(new RingServer(std::move(mapping), std::move(handler)));
+int64_t SteadyNowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+int PollBudget::DefaultMax() {
+  cpu_set_t set;
+  int cpus = 0;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
+  if (cpus <= 0) cpus = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cpus / 2);
+}
+
+std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handler,
+                                              absl::Duration spin,
+                                              std::shared_ptr<PollBudget> budget) {
+  std::shared_ptr<RingServer> server(
+      new RingServer(std::move(mapping), std::move(handler), spin, std::move(budget)));
   ring::Layout* l = server->layout();
   l->magic = ring::kMagic;
   l->version = ring::kVersion;
@@ -42,6 +65,13 @@ void RingServer::Reset(std::function<void()> then) {
   }
   reset_pending_.store(true);
   ring::FutexWake(&layout()->state);  // the serving thread, if asleep
+}
+
+void RingServer::ExpectCall() {
+  const int64_t spin = spin_ns_.load(std::memory_order_relaxed);
+  if (spin <= 0) return;
+  poll_until_ns_.store(SteadyNowNs() + spin, std::memory_order_seq_cst);
+  if (asleep_.load(std::memory_order_seq_cst)) ring::FutexWake(&layout()->state);
 }
 
 bool RingServer::WaitForReset(absl::Duration timeout) {
@@ -80,9 +110,25 @@ void RingServer::Serve() {
     if (reset_pending_.exchange(false)) DoReset();
     const uint32_t state = l->state.load(std::memory_order_acquire);
     if (state != ring::kPosted) {
-      // Also woken by every change of the word; a client can only make
-      // this thread look again.
-      ring::FutexWait(&l->state, state, absl::Seconds(1));
+      const int64_t until = poll_until_ns_.load(std::memory_order_seq_cst);
+      const int64_t now = SteadyNowNs();
+      SetExpecting(now < until);
+      if (expecting_ && budget_->MayPoll()) {
+        PollBriefly();
+        continue;
+      }
+      asleep_.store(true, std::memory_order_seq_cst);
+      // A kick between the load above and the store is seen here.
+      if (poll_until_ns_.load(std::memory_order_seq_cst) == until) {
+        // Also woken by every change of the word (a client can only make
+        // this thread look again) and by a kick; while expecting a call,
+        // only until the window ends (then it stops counting as expecting).
+        sleeps_.fetch_add(1, std::memory_order_relaxed);
+        ring::FutexWait(&l->state, state,
+                        expecting_ ? std::min(absl::Nanoseconds(until - now), absl::Seconds(1))
+                                   : absl::Seconds(1));
+      }
+      asleep_.store(false, std::memory_order_relaxed);
       continue;
     }
     // Copied out before any check: the trainer may rewrite the mailbox.
@@ -104,6 +150,21 @@ void RingServer::Serve() {
     if (reset_pending_.load()) continue;  // its client died: no answer, reset
     Answer(answer);
   }
+  SetExpecting(false);
+}
+
+void RingServer::SetExpecting(bool expecting) {
+  if (budget_ == nullptr || expecting == expecting_) return;
+  expecting ? budget_->Enter() : budget_->Leave();
+  expecting_ = expecting;
+}
+
+void RingServer::PollBriefly() {
+  const ring::Layout* l = layout();
+  for (int i = 0; i < 64 && l->state.load(std::memory_order_acquire) != ring::kPosted; ++i) {
+    ring::CpuRelax();
+  }
+  sched_yield();  // to anything else runnable here
 }
 
 void RingServer::Answer(const RingAnswer& answer) {

@@ -176,14 +176,15 @@ namespace {
 
 // A ring served by `handler`, and a client of it.
 struct LoneRing {
-  explicit LoneRing(RingServer::Handler handler) {
+  explicit LoneRing(RingServer::Handler handler, absl::Duration spin = absl::ZeroDuration(),
+                    std::shared_ptr<PollBudget> budget = std::make_shared<PollBudget>(1)) {
     int pair[2];
     EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
     ours = UniqueFd(pair[0]);
     theirs = UniqueFd(pair[1]);
     HostMemory memory = *HostMemory::Allocate(ring::RingBytes(), false);
     layout = reinterpret_cast<ring::Layout*>(memory.data());
-    server = RingServer::Start(std::move(memory), std::move(handler));
+    server = RingServer::Start(std::move(memory), std::move(handler), spin, std::move(budget));
     client = std::make_unique<ring::Client>(layout, ours.get());
   }
   ~LoneRing() { server->Stop(); }
@@ -192,6 +193,73 @@ struct LoneRing {
   std::shared_ptr<RingServer> server;
   std::unique_ptr<ring::Client> client;
 };
+
+// After a call ends (ExpectCall, as the session manager does at the end of
+// every call of the session) the thread polls instead of sleeping, and a
+// polling thread still resets and stops at once.
+TEST(RequestRing, AfterACallTheThreadPollsAndStillResetsAndStops) {
+  std::shared_ptr<RingServer> server;
+  std::atomic<int> calls{0};
+  auto handler = [&](const RingRequest&) {
+    ++calls;
+    server->ExpectCall();
+    return RingAnswer{absl::OkStatus(), {}};
+  };
+  // Sleeping after each call: at least one sleep per call.
+  {
+    LoneRing sleeper(handler);
+    server = sleeper.server;
+    for (int i = 0; i < 20; ++i) {
+      ASSERT_TRUE(sleeper.client->Call(ring::kRelease, 0, {}, absl::Seconds(10)).status.ok());
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+    EXPECT_GE(server->sleeps(), 20u);
+  }
+  LoneRing poller(handler, absl::Seconds(60));
+  server = poller.server;
+  ASSERT_TRUE(poller.client->Call(ring::kRelease, 0, {}, absl::Seconds(10)).status.ok());
+  const uint64_t before = server->sleeps();
+  for (int i = 0; i < 20; ++i) {
+    absl::SleepFor(absl::Milliseconds(1));  // longer than a wake-up: it would sleep
+    ASSERT_TRUE(poller.client->Call(ring::kRelease, 0, {}, absl::Seconds(10)).status.ok());
+  }
+  EXPECT_EQ(server->sleeps(), before);  // it never slept: it polled
+  std::atomic<bool> reset{false};
+  server->Reset([&] { reset = true; });
+  EXPECT_TRUE(server->WaitForReset(absl::Seconds(5)));
+  EXPECT_TRUE(reset.load());
+  EXPECT_TRUE(poller.client->Call(ring::kRelease, 0, {}, absl::Seconds(10)).status.ok());
+  const absl::Time start = absl::Now();
+  server->Stop();  // inside its 60 s window
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(calls.load(), 42);
+}
+
+// Polling only where cores are idle: while more rings expect a call than
+// the budget allows, a ring sleeps after each call, however long its window.
+TEST(RequestRing, WithMoreRingsExpectingCallsThanTheBudgetTheThreadSleeps) {
+  auto budget = std::make_shared<PollBudget>(1);
+  budget->Enter();  // another ring expects a call
+  std::shared_ptr<RingServer> server;
+  LoneRing r(
+      [&](const RingRequest&) {
+        server->ExpectCall();
+        return RingAnswer{absl::OkStatus(), {}};
+      },
+      absl::Seconds(60), budget);
+  server = r.server;
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(r.client->Call(ring::kRelease, 0, {}, absl::Seconds(10)).status.ok());
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  const uint64_t sleeps = server->sleeps();
+  EXPECT_GE(sleeps, 20u);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_LE(server->sleeps(), sleeps + 1);  // asleep, not looping
+  EXPECT_EQ(budget->expecting(), 2);
+  server->Stop();
+  EXPECT_EQ(budget->expecting(), 1);  // it left
+}
 
 TEST(RequestRing, ACallerThatGivesUpLeavesTheRingUsable) {
   std::atomic<int> calls{0};

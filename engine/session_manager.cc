@@ -158,11 +158,12 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
   session->ring_region = {ring.first, ring::RingBytes()};
   const ArenaRegion ring_region = session->ring_region;
   const SessionKey key{id, token};
-  session->ring = RingServer::Start(std::move(ring.second), [this, key](const RingRequest& r) {
-    return ServeRing(key, r);
-  });
+  session->ring = RingServer::Start(
+      std::move(ring.second), [this, key](const RingRequest& r) { return ServeRing(key, r); },
+      absl::ZeroDuration(), ring_pollers_);
   {
     absl::MutexLock lock(&mu_);
+    session->ring->SetSpin(ring_spin_);
     sessions_[id] = std::move(session);
   }
   stats_->sessions_opened.fetch_add(1, std::memory_order_relaxed);
@@ -197,8 +198,13 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     CallRef(std::shared_ptr<Session> s, const SessionManager* m)
         : session(std::move(s)), manager(m) {}
     ~CallRef() {
-      absl::MutexLock lock(&manager->mu_);
-      session->last_call = std::chrono::steady_clock::now();
+      {
+        absl::MutexLock lock(&manager->mu_);
+        session->last_call = std::chrono::steady_clock::now();
+      }
+      // The trainer's next call usually follows at once (the first fetch
+      // after a step, the next of a layer's).
+      if (session->ring != nullptr) session->ring->ExpectCall();
     }
     const std::shared_ptr<Session> session;
     const SessionManager* const manager;
@@ -235,6 +241,14 @@ absl::Status SessionManager::Close(const SessionKey& key) {
     return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
   }
   return absl::OkStatus();
+}
+
+void SessionManager::SetRingSpin(absl::Duration spin) {
+  absl::MutexLock lock(&mu_);
+  ring_spin_ = spin;
+  for (const auto& [id, session] : sessions_) {
+    if (session->ring != nullptr) session->ring->SetSpin(spin);
+  }
 }
 
 bool SessionManager::Abandon(uint64_t id) {

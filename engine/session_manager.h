@@ -116,6 +116,11 @@ class SessionManager {
   SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats);
   ~SessionManager();
 
+  // How long a session's request-ring thread polls for the next call after
+  // one ends before it sleeps (server.ring_spin_us; RingServer). Applies to
+  // every session, open or opened later. Zero (always sleep) until set.
+  void SetRingSpin(absl::Duration spin) ABSL_LOCKS_EXCLUDED(mu_);
+
   // `placement`: changes to the node default for this session (see
   // PartitionStore::CreateSet); `loss_scaling`: dynamic loss scaling for
   // fp16 training (loss_scaler.h), INVALID_ARGUMENT for options it cannot
@@ -266,6 +271,9 @@ class SessionManager {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
+  absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  const std::shared_ptr<PollBudget> ring_pollers_ =
+      std::make_shared<PollBudget>(PollBudget::DefaultMax());
 };
 
 }  // namespace offload

@@ -20,12 +20,6 @@ bool Hungup(int connection) {
   return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-inline void CpuRelax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
-
 }  // namespace
 
 size_t RingBytes() {

@@ -108,6 +108,12 @@ size_t RingBytes();
 // FUTEX_WAIT while *word == expected, at most `timeout` (shared, not
 // private: the word is in memory two processes map).
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout);
+// One iteration of a spin-wait loop (the PAUSE instruction on x86).
+inline void CpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
 void FutexWake(std::atomic<uint32_t>* word);
 
 // The client's half. One call at a time per mailbox (Call claims it).
