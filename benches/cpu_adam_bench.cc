@@ -14,7 +14,11 @@
 //   bf16 gradients:                    26
 //   + separate bf16 working copy:      +2 written, +2 write-allocate = +4
 //   + non-finite pre-scan:             +4 (fp32) or +2 (bf16) read
-// Every time is the best of --reps after one warm-up.
+// Every time is the best of --reps after one warm-up. Then gradient
+// accumulation (bf16 gradients into the fp32 accumulator, as a returned
+// micro-batch is added): this kernel's against the scalar reference's, with
+// the same bound (10 bytes per parameter: 2 read, 4 written and 4 read
+// for ownership of the written line, or read as the sum's other term).
 //
 // The peer is DeepSpeed's CPU Adam (DeepSpeedCPUAdam's C++ op, built from
 // its unmodified sources with its CPU op builder's flags), timed by the
@@ -53,6 +57,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "cpu_adam/optimizer.h"
@@ -422,6 +427,36 @@ int Main(int argc, char** argv) {
       if (torch_rate > 0) {
         std::printf("%-12zu %-34s %9.3f %8.1f %9s %8s %10s %8s\n", n, "torch AdamW (fp32)",
                     torch_rate / 1e9, torch_rate * 28 / 1e9, "", "", "1.0x", "");
+      }
+      // Gradient accumulation (returned bf16 gradients into the fp32
+      // accumulator), this kernel against the scalar reference ("vs torch"
+      // column: vs scalar), 10 bytes per parameter either way.
+      // Page-aligned, as the daemon's pool leases are.
+      std::unique_ptr<float, decltype(&std::free)> acc_memory(
+          static_cast<float*>(std::aligned_alloc(4096, (n * sizeof(float) + 4095) / 4096 * 4096)),
+          &std::free);
+      float* const acc = acc_memory.get();
+      std::fill(acc, acc + n, 0.0f);
+      for (bool first : {true, false}) {
+        double t[2] = {1e30, 1e30};  // this kernel, scalar
+        for (int round = 0; round < f.rounds; ++round) {
+          for (int which = 0; which < 2; ++which) {
+            OptimizerOptions o;
+            o.threads = threads;
+            Optimizer opt(o);
+            if (absl::Status s = opt.SetKernel(which == 0 ? f.kernel : "scalar"); !s.ok()) {
+              std::fprintf(stderr, "%s\n", s.ToString().c_str());
+              return 2;
+            }
+            AccumulateTask task{g16.data(), DType::kBf16, acc, n, first};
+            t[which] = std::min(t[which], BestSeconds(f.reps, [&] {
+                                  opt.Accumulate(absl::MakeConstSpan(&task, 1));
+                                }));
+          }
+        }
+        const double rate = static_cast<double>(n) / t[0];
+        row(first ? "accumulate bf16, first micro-batch" : "accumulate bf16, later micro-batch",
+            rate, 10, absl::StrFormat("%.1fx", t[1] / t[0]), "-");
       }
     }
   }

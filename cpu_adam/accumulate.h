@@ -10,6 +10,9 @@
 // a fixed order for a fixed tiling, so that it is the same bits on every
 // run (and within about 1e-6 of the exact sum).
 //
+// Each instruction set has its kernel (AdamKernels::accumulate, the
+// optimizer's choice); this file holds the scalar reference they match.
+//
 // Thread-compatible: plain functions over the caller's buffers.
 #ifndef OFFLOADD_CPU_ADAM_ACCUMULATE_H_
 #define OFFLOADD_CPU_ADAM_ACCUMULATE_H_
@@ -17,23 +20,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
 
 namespace offload {
 
-struct GradStats {
-  double sq_norm = 0;     // sum of squares of the accumulated values (inf/NaN if any is)
-  uint64_t nonfinite = 0;  // accumulated values that are NaN or +-Inf
-
-  GradStats& operator+=(const GradStats& o) {
-    sq_norm += o.sq_norm;
-    nonfinite += o.nonfinite;
-    return *this;
-  }
-};
-
 // acc[i] = (first ? 0 : acc[i]) + grads[i] for i < n, then the statistics of
-// acc[0..n).
+// acc[0..n) (GradStats, adam.h). The scalar reference: the vector kernels
+// (AdamKernels::accumulate) give the same bits.
 GradStats AccumulateGrads(const void* grads, DType grad_dtype, float* acc, size_t n, bool first);
 
 // The statistics of `n` fp32 values, as AccumulateGrads computes them

@@ -4,6 +4,9 @@
 #include <limits>
 #include <vector>
 
+#include <cstring>
+
+#include "cpu_adam/kernel_select.h"
 #include "cpu_adam/optimizer.h"
 #include "gtest/gtest.h"
 
@@ -58,6 +61,55 @@ TEST(Accumulate, CountsNonFiniteAccumulatedValues) {
   std::vector<float> one(1);
   AccumulateGrads(big.data(), DType::kFp32, one.data(), 1, true);
   EXPECT_EQ(AccumulateGrads(big.data(), DType::kFp32, one.data(), 1, false).nonfinite, 1u);
+}
+
+// Every instruction set's kernel gives the reference's bits: accumulator
+// values, squared norm and non-finite count; for each gradient dtype, a
+// first and a later micro-batch, lengths around the 1024-value blocks and
+// the vector widths, aligned accumulators (non-temporal stores) and not,
+// and gradients with Inf and NaN among them.
+TEST(Accumulate, EveryKernelMatchesTheReferenceBitForBit) {
+  const std::vector<size_t> lengths = {0, 1, 7, 15, 16, 17, 1023, 1024, 1025, 3000, 4096 + 13};
+  for (const AdamKernels* k : SupportedAdamKernels()) {
+    for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+      for (size_t n : lengths) {
+        for (size_t offset : {size_t{0}, size_t{1}}) {  // acc 64-byte aligned, or not
+          for (bool poisoned : {false, true}) {
+            SCOPED_TRACE(testing::Message() << k->name << " dtype " << static_cast<int>(dtype)
+                                            << " n " << n << " offset " << offset
+                                            << " poisoned " << poisoned);
+            std::vector<float> values = Pattern(n, 3.0f);
+            if (poisoned && n > 5) {
+              values[n / 2] = std::numeric_limits<float>::infinity();
+              values[n - 1] = std::nanf("");
+            }
+            std::vector<uint16_t> narrow(n);
+            const void* grads = values.data();
+            if (dtype != DType::kFp32) {
+              NarrowFromFloat(values.data(), dtype, narrow.data(), n);
+              grads = narrow.data();
+            }
+            // Two accumulators with the same history: the reference's and
+            // the kernel's, at the same alignment.
+            alignas(64) static float want_buf[4096 + 64], got_buf[4096 + 64];
+            float* want = want_buf + offset;
+            float* got = got_buf + offset;
+            const std::vector<float> start = Pattern(n, 0.7f);
+            for (bool first : {true, false}) {
+              std::memcpy(want, start.data(), n * sizeof(float));
+              std::memcpy(got, start.data(), n * sizeof(float));
+              const GradStats a = AccumulateGrads(grads, dtype, want, n, first);
+              const GradStats b = k->accumulate(grads, dtype, got, n, first);
+              EXPECT_EQ(std::memcmp(want, got, n * sizeof(float)), 0) << "first " << first;
+              EXPECT_EQ(std::memcmp(&a.sq_norm, &b.sq_norm, sizeof(double)), 0)
+                  << "first " << first << ": " << a.sq_norm << " vs " << b.sq_norm;
+              EXPECT_EQ(a.nonfinite, b.nonfinite) << "first " << first;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(Accumulate, TheOptimizerPoolGivesTheSameBitsEveryRun) {

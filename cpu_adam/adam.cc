@@ -1,5 +1,7 @@
 #include "cpu_adam/adam.h"
 
+#include "cpu_adam/accumulate.h"
+
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -130,7 +132,8 @@ uint64_t CountNonFiniteScalar(const void* grads, DType dtype, size_t n) {
 }
 
 const AdamKernels& ScalarAdamKernels() {
-  static const AdamKernels kernels = {"scalar", &AdamScalar, &CountNonFiniteScalar};
+  static const AdamKernels kernels = {"scalar", &AdamScalar, &CountNonFiniteScalar,
+                                      &AccumulateGrads};
   return kernels;
 }
 

@@ -92,6 +92,18 @@ void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 // Number of NaN or infinite values among `n` gradients of `dtype`.
 uint64_t CountNonFiniteScalar(const void* grads, DType dtype, size_t n);
 
+// What a gradient accumulation pass measures (accumulate.h).
+struct GradStats {
+  double sq_norm = 0;     // sum of squares of the accumulated values (inf/NaN if any is)
+  uint64_t nonfinite = 0;  // accumulated values that are NaN or +-Inf
+
+  GradStats& operator+=(const GradStats& o) {
+    sq_norm += o.sq_norm;
+    nonfinite += o.nonfinite;
+    return *this;
+  }
+};
+
 // One instruction set's kernels. The vectorised ones live in their own
 // targets (adam_avx2, adam_avx512) compiled with their own -m flags;
 // kernel_select.h picks one at run time.
@@ -99,6 +111,8 @@ struct AdamKernels {
   const char* name;
   void (*adam)(const AdamStepConstants& c, const AdamSpan& span);
   uint64_t (*count_nonfinite)(const void* grads, DType dtype, size_t n);
+  // AccumulateGrads (accumulate.h), bit for bit.
+  GradStats (*accumulate)(const void* grads, DType dtype, float* acc, size_t n, bool first);
 };
 
 const AdamKernels& ScalarAdamKernels();

@@ -153,10 +153,74 @@ uint64_t CountNonFiniteAvx2(const void* grads, DType dtype, size_t n) {
   return count;
 }
 
+// AccumulateGrads (accumulate.h), bit for bit: the reference's 16 lanes of
+// fp32 squares are two vectors here (lanes 0-7, 8-15), summed per block of
+// 1024 in double in lane order; the tail element by element.
+struct Accumulator {
+  static float Widen(const void* g, DType dtype, size_t i) {
+    if (dtype == DType::kFp32) return static_cast<const float*>(g)[i];
+    const uint16_t h = static_cast<const uint16_t*>(g)[i];
+    if (dtype == DType::kFp16) return _cvtsh_ss(h);
+    const uint32_t bits = uint32_t{h} << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+
+  template <DType G, bool kFirst>
+  static GradStats Run(const void* g, float* acc, size_t n) {
+    constexpr size_t kBlock = adam_internal::kAccumulateBlock;
+    const __m256 max = _mm256_set1_ps(adam_internal::kMaxFloat);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    auto bad = [&](__m256 x) {
+      return static_cast<uint64_t>(__builtin_popcount(static_cast<unsigned>(
+          _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(x, magnitude), max, _CMP_NLE_UQ)))));
+    };
+    GradStats out;
+    size_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (size_t j = i; j < i + kBlock; j += 16) {
+        __m256 x0 = LoadGrad<G>(g, j), x1 = LoadGrad<G>(g, j + 8);
+        if constexpr (!kFirst) {
+          x0 = _mm256_add_ps(_mm256_loadu_ps(acc + j), x0);
+          x1 = _mm256_add_ps(_mm256_loadu_ps(acc + j + 8), x1);
+        }
+        _mm256_storeu_ps(acc + j, x0);
+        _mm256_storeu_ps(acc + j + 8, x1);
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, x0));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, x1));
+        out.nonfinite += bad(x0) + bad(x1);
+      }
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, lo);
+      _mm256_store_ps(lanes + 8, hi);
+      double block = 0;
+      for (float lane : lanes) block += lane;
+      out.sq_norm += block;
+    }
+    for (; i < n; ++i) {
+      const float v = Widen(g, G, i);
+      const float x = kFirst ? v : acc[i] + v;
+      acc[i] = x;
+      out.sq_norm += static_cast<double>(x) * x;
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      out.nonfinite += (bits & 0x7f800000u) == 0x7f800000u ? 1 : 0;
+    }
+    return out;
+  }
+};
+
+GradStats AccumulateAvx2(const void* grads, DType dtype, float* acc, size_t n, bool first) {
+  return adam_internal::DispatchAccumulate<Accumulator>(grads, dtype, acc, n, first);
+}
+
 }  // namespace
 
 const AdamKernels& Avx2AdamKernels() {
-  static const AdamKernels kernels = {"avx2", &AdamAvx2, &CountNonFiniteAvx2};
+  static const AdamKernels kernels = {"avx2", &AdamAvx2, &CountNonFiniteAvx2,
+                                      &AccumulateAvx2};
   return kernels;
 }
 

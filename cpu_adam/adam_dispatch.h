@@ -6,6 +6,7 @@
 #ifndef OFFLOADD_CPU_ADAM_ADAM_DISPATCH_H_
 #define OFFLOADD_CPU_ADAM_ADAM_DISPATCH_H_
 
+#include <cstddef>
 #include <type_traits>
 
 #include "cpu_adam/adam.h"
@@ -48,6 +49,32 @@ void Dispatch(const AdamStepConstants& c, const AdamSpan& s) {
       return with_out(std::integral_constant<DType, DType::kFp16>{});
   }
 }
+
+// Calls Accumulator::template Run<G, kFirst>(grads, acc, n) with G the
+// gradient dtype and kFirst whether the accumulator is copied into.
+template <typename Accumulator>
+GradStats DispatchAccumulate(const void* grads, DType dtype, float* acc, size_t n, bool first) {
+  auto with_first = [&](auto grad) {
+    constexpr DType G = decltype(grad)::value;
+    return first ? Accumulator::template Run<G, true>(grads, acc, n)
+                 : Accumulator::template Run<G, false>(grads, acc, n);
+  };
+  switch (dtype) {
+    case DType::kFp32:
+      return with_first(std::integral_constant<DType, DType::kFp32>{});
+    case DType::kBf16:
+      return with_first(std::integral_constant<DType, DType::kBf16>{});
+    case DType::kFp16:
+      return with_first(std::integral_constant<DType, DType::kFp16>{});
+  }
+  return GradStats{};
+}
+
+// The accumulation's statistics as the scalar reference sums them: squares
+// in fp32 over 16 lanes for each block of this many values, each block's
+// lanes then added in double in lane order.
+inline constexpr size_t kAccumulateBlock = 1024;
+inline constexpr float kMaxFloat = 3.40282346638528859811704183484516925e+38F;
 
 }  // namespace offload::adam_internal
 

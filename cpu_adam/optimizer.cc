@@ -177,12 +177,13 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
   for (const AccumulateTask& t : tasks) numels.push_back(t.numel);
   const std::vector<Tile> tiles = MakeTilesOf(numels);
   std::vector<GradStats> per_tile(tiles.size());
+  const AdamKernels& kernels = *kernels_;
   ParallelTiles(tiles, [&](const Tile& t) {
     const AccumulateTask& task = tasks[t.task];
     const size_t elem = DTypeSize(task.grad_dtype);
     per_tile[static_cast<size_t>(&t - tiles.data())] =
-        AccumulateGrads(static_cast<const std::byte*>(task.grads) + t.begin * elem,
-                        task.grad_dtype, task.acc + t.begin, t.end - t.begin, task.first);
+        kernels.accumulate(static_cast<const std::byte*>(task.grads) + t.begin * elem,
+                           task.grad_dtype, task.acc + t.begin, t.end - t.begin, task.first);
   });
   GradStats total;
   for (const GradStats& s : per_tile) total += s;
