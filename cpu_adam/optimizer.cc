@@ -40,7 +40,8 @@ Optimizer::Optimizer(const OptimizerOptions& options)
                       : OptimizerOptions().tile_elems),
       check_finite_(options.check_finite) {
   threads_ = ResolveThreads(options.threads);
-  arena_ = std::make_unique<tbb::task_arena>(threads_);
+  absl::MutexLock lock(&mu_);  // for the analysis: nothing else sees it yet
+  MakeArenasLocked();
   absl::StatusOr<const AdamKernels*> k = SelectAdamKernels(options.kernel);
   kernels_ = k.ok() ? *k : *SelectAdamKernels("auto");
 }
@@ -51,7 +52,7 @@ absl::Status Optimizer::SetThreads(int64_t threads) {
   RETURN_IF_ERROR(kOptimizerThreadsRange.Check("optimizer threads", threads));
   absl::MutexLock lock(&mu_);
   threads_ = ResolveThreads(threads);
-  arena_ = std::make_unique<tbb::task_arena>(threads_);
+  MakeArenasLocked();
   return absl::OkStatus();
 }
 
@@ -108,9 +109,14 @@ std::vector<Optimizer::Tile> Optimizer::MakeTilesOf(absl::Span<const uint64_t> n
   return tiles;
 }
 
+void Optimizer::MakeArenasLocked() {
+  arena_ = std::make_unique<tbb::task_arena>(threads_);
+  urgent_arena_ = std::make_unique<tbb::task_arena>(threads_, 1, tbb::task_arena::priority::high);
+}
+
 template <typename Fn>
-void Optimizer::ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) {
-  arena_->execute([&] {
+void Optimizer::ParallelTiles(tbb::task_arena& arena, const std::vector<Tile>& tiles, Fn&& fn) {
+  arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<size_t>(0, tiles.size(), 1),
                       [&](const tbb::blocked_range<size_t>& r) {
                         for (size_t i = r.begin(); i != r.end(); ++i) fn(tiles[i]);
@@ -123,7 +129,7 @@ uint64_t Optimizer::CountNonFiniteLocked(absl::Span<const AdamTask> tasks,
   if (!check_finite_) return 0;
   const AdamKernels& k = *kernels_;
   std::atomic<uint64_t> nonfinite{0};
-  ParallelTiles(tiles, [&](const Tile& t) {
+  ParallelTiles(*arena_, tiles, [&](const Tile& t) {
     const AdamSpan s = Slice(tasks[t.task].span, t.begin, t.end);
     if (uint64_t n = k.count_nonfinite(s.grads, s.grad_dtype, s.numel); n != 0) {
       nonfinite.fetch_add(n, std::memory_order_relaxed);
@@ -140,7 +146,7 @@ void Optimizer::UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperpa
     constants.push_back(ComputeStepConstants(t.hyperparams != nullptr ? *t.hyperparams : h, t.step));
   }
   const AdamKernels& k = *kernels_;
-  ParallelTiles(tiles, [&](const Tile& t) {
+  ParallelTiles(*arena_, tiles, [&](const Tile& t) {
     k.adam(constants[t.task], Slice(tasks[t.task].span, t.begin, t.end));
   });
 }
@@ -178,7 +184,7 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
   const std::vector<Tile> tiles = MakeTilesOf(numels);
   std::vector<GradStats> per_tile(tiles.size());
   const AdamKernels& kernels = *kernels_;
-  ParallelTiles(tiles, [&](const Tile& t) {
+  ParallelTiles(*urgent_arena_, tiles, [&](const Tile& t) {
     const AccumulateTask& task = tasks[t.task];
     const size_t elem = DTypeSize(task.grad_dtype);
     per_tile[static_cast<size_t>(&t - tiles.data())] =

@@ -2,6 +2,12 @@
 // oneTBB arena that it owns (the only optimizer thread pool in the process),
 // with the kernels kernel_select.h picks for this CPU.
 //
+// Gradient accumulation runs in a second arena of the same size at high
+// priority: a trainer waits for it (inside ReturnGradients) while an
+// overlapped or delayed update runs in the background, so the pool's
+// threads move to it at their next tile instead of finishing the whole
+// update first (which put the update on the trainer's timeline).
+//
 // Thread-safety: Step() may be called from several threads at once (each
 // call joins the same arena); the setters wait for running steps to finish.
 #ifndef OFFLOADD_CPU_ADAM_OPTIMIZER_H_
@@ -97,8 +103,11 @@ class Optimizer {
   // Tiles over tasks of the given sizes.
   std::vector<Tile> MakeTilesOf(absl::Span<const uint64_t> numels) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Runs `fn` over the tiles in `arena` (arena_ or urgent_arena_).
   template <typename Fn>
-  void ParallelTiles(const std::vector<Tile>& tiles, Fn&& fn) ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void ParallelTiles(tbb::task_arena& arena, const std::vector<Tile>& tiles, Fn&& fn)
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void MakeArenasLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t CountNonFiniteLocked(absl::Span<const AdamTask> tasks, const std::vector<Tile>& tiles)
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperparams& h,
@@ -106,6 +115,7 @@ class Optimizer {
 
   mutable absl::Mutex mu_;
   std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<tbb::task_arena> urgent_arena_ ABSL_GUARDED_BY(mu_);  // accumulation
   int threads_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t tile_elems_ ABSL_GUARDED_BY(mu_);
   const AdamKernels* kernels_ ABSL_GUARDED_BY(mu_);
