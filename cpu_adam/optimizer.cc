@@ -116,6 +116,13 @@ void Optimizer::MakeArenasLocked() {
 
 template <typename Fn>
 void Optimizer::ParallelTiles(tbb::task_arena& arena, const std::vector<Tile>& tiles, Fn&& fn) {
+  if (tiles.size() == 1) {
+    // One tile (a small partition's accumulation, a fetch-sized call): on
+    // this thread. Entering the arena would wake a pool thread that finds
+    // nothing to do and spins, taking a core from the trainer's next call.
+    fn(tiles[0]);
+    return;
+  }
   arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<size_t>(0, tiles.size(), 1),
                       [&](const tbb::blocked_range<size_t>& r) {

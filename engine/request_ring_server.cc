@@ -160,11 +160,14 @@ void RingServer::SetExpecting(bool expecting) {
 }
 
 void RingServer::PollBriefly() {
+  // About a microsecond of PAUSEs per burst; a yield to anything else
+  // runnable here every 32 bursts (a yield per burst cost 3 us at the
+  // median: a request posted during the system call waits for it).
   const ring::Layout* l = layout();
-  for (int i = 0; i < 64 && l->state.load(std::memory_order_acquire) != ring::kPosted; ++i) {
+  for (int i = 0; i < 16 && l->state.load(std::memory_order_acquire) != ring::kPosted; ++i) {
     ring::CpuRelax();
   }
-  sched_yield();  // to anything else runnable here
+  if (++polls_ % 32 == 0) sched_yield();
 }
 
 void RingServer::Answer(const RingAnswer& answer) {

@@ -133,6 +133,7 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   std::atomic<bool> asleep_{false};
   std::atomic<uint64_t> sleeps_{0};
   bool expecting_ = false;  // serving thread only
+  uint64_t polls_ = 0;      // serving thread only
   absl::Mutex reset_mu_;
   std::function<void()> reset_then_ ABSL_GUARDED_BY(reset_mu_);
   std::atomic<bool> reset_pending_{false};
