@@ -8,7 +8,7 @@
 //   bazel build -c opt //benches:step_overlap
 //   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
 //       [--iterations=6] [--t=auto|250ms] [--nvme] [--pool=1GiB]
-//       [--dir=/var/tmp/offloadd-bench] [--tiny]
+//       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--tiny]
 //
 // The engine is assembled in-process as engine/out_of_core_test.cc does
 // (pool, swapper, store, step runner, session manager). One session,
@@ -25,7 +25,11 @@
 // the delayed parameter update, DPU, can reach; the third mode: overlapped
 // steps with DPU on); the overlapped step's own limit is max(T/3, T_opt) +
 // 2T/3, since each layer's forward needs its updated parameters. The first
-// iteration of each mode is not counted.
+// iteration of each mode is not counted. Per mode the table also gives the
+// time inside Fetch (waiting for an update) and inside ReturnGradients
+// (the accumulation pass, which the trainer waits for; slower while an
+// update shares the cores and the memory bus). --threads: the optimizer's
+// (default one per CPU); fewer leave the trainer a core.
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -70,6 +74,7 @@ struct Flags {
   bool nvme = false;
   uint64_t pool = uint64_t{1} << 30;
   std::string dir = "/var/tmp/offloadd-bench";
+  int threads = 0;  // the optimizer's; 0: one per CPU (the daemon's default)
 };
 
 // The engine, built in the order it is destroyed in reverse.
@@ -116,6 +121,8 @@ int Main(int argc, char** argv) {
       f.pool = static_cast<uint64_t>(ByteSizeOrExit(v));
     } else if ((v = value("dir"))) {
       f.dir = v;
+    } else if ((v = value("threads"))) {
+      f.threads = std::atoi(v);
     } else if (a == "--nvme") {
       f.nvme = true;
     } else if (a == "--tiny") {
@@ -131,7 +138,7 @@ int Main(int argc, char** argv) {
     f.iterations = 3;
     f.pool = 12 << 20;  // the delayed update adds a second working copy
   }
-  if (f.params == 0 || f.layers < 1 || f.iterations < 2 || f.t < -1) {
+  if (f.params == 0 || f.layers < 1 || f.iterations < 2 || f.t < -1 || f.threads < 0) {
     std::fprintf(stderr, "bad flags\n");
     return 2;
   }
@@ -152,7 +159,9 @@ int Main(int argc, char** argv) {
     e.space = std::move(*space);
   }
   e.pool = std::make_unique<HostPool>(Env::Default(), f.nvme ? f.pool : uint64_t{1} << 40, false);
-  e.optimizer = std::make_unique<Optimizer>(OptimizerOptions{});
+  OptimizerOptions optimizer;
+  optimizer.threads = f.threads;
+  e.optimizer = std::make_unique<Optimizer>(optimizer);
   auto swapper = Swapper::Create(SwapperOptions{}, e.pool.get(), e.space.get());
   if (!swapper.ok()) return Fail(swapper.status(), "swapper");
   e.swapper = std::move(*swapper);
@@ -190,15 +199,20 @@ int Main(int argc, char** argv) {
   h.lr = 1e-4;
   // One iteration; returns its wall time. `step` commits the gradients.
   double returning = 0;  // time inside ReturnGradients (the accumulation pass)
+  double fetching = 0;   // time inside Fetch (waiting for updates, swap-ins)
   auto iteration = [&](double t, bool overlap, double* step_call) -> absl::StatusOr<double> {
     const auto start = Clock::now();
     for (int l = 0; l < f.layers; ++l) {
+      const auto q = Clock::now();
       RETURN_IF_ERROR(e.sessions->Fetch(key, {ids[l]}).status());
+      fetching += SecondsSince(q);
       Sleep(t / 3 / f.layers);
       RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
     }
     for (int l = f.layers - 1; l >= 0; --l) {
+      const auto q = Clock::now();
       RETURN_IF_ERROR(e.sessions->Fetch(key, {ids[l]}, backward).status());
+      fetching += SecondsSince(q);
       Sleep(2 * t / 3 / f.layers);
       const auto r = Clock::now();
       RETURN_IF_ERROR(e.sessions->ReturnGradients(key, ids[l], per_layer, DType::kBf16));
@@ -230,7 +244,7 @@ int Main(int argc, char** argv) {
 
   struct Row {
     const char* mode;
-    double mean = 0, best = 1e9, worst = 0, step_call = 0;
+    double mean = 0, best = 1e9, worst = 0, step_call = 0, fetch = 0, ret = 0;
   };
   std::vector<Row> rows;
   for (int mode = 0; mode < 3; ++mode) {
@@ -241,9 +255,12 @@ int Main(int argc, char** argv) {
       if (auto s = e.sessions->SetDelayedUpdate(key, true); !s.ok()) return Fail(s, "dpu");
     }
     for (int i = 0; i < f.iterations; ++i) {
+      const double fetched = fetching, returned = returning;
       auto it = iteration(t, overlap, &step_call);
       if (!it.ok()) return Fail(it.status(), row.mode);
       if (i == 0) continue;  // the switch from the previous mode
+      row.fetch += (fetching - fetched) / (f.iterations - 1);
+      row.ret += (returning - returned) / (f.iterations - 1);
       row.mean += *it / (f.iterations - 1);
       row.step_call += step_call / (f.iterations - 1);
       row.best = std::min(row.best, *it);
@@ -252,15 +269,19 @@ int Main(int argc, char** argv) {
     rows.push_back(row);
   }
   const double bound = std::max(t, t_opt);
-  std::printf("\n%-12s %10s %10s %10s %12s %10s %10s\n", "mode", "iter s", "best s", "worst s",
-              "Step call s", "bound s", "ratio");
+  // Per iteration: in Fetch (waiting for an update or a swap-in), in
+  // ReturnGradients (the accumulation pass, slower while an update shares
+  // the cores and the memory bus).
+  std::printf("\n%-12s %10s %10s %10s %12s %8s %9s %10s %10s\n", "mode", "iter s", "best s",
+              "worst s", "Step call s", "fetch s", "return s", "bound s", "ratio");
   for (const Row& r : rows) {
-    std::printf("%-12s %10.3f %10.3f %10.3f %12.3f %10.3f %9.3fx\n", r.mode, r.mean, r.best,
-                r.worst, r.step_call, bound, r.mean / bound);
+    std::printf("%-12s %10.3f %10.3f %10.3f %12.3f %8.3f %9.3f %10.3f %9.3fx\n", r.mode, r.mean,
+                r.best, r.worst, r.step_call, r.fetch, r.ret, bound, r.mean / bound);
   }
-  const double t_acc = returning / (3 * f.iterations);
-  std::printf("T_acc (ReturnGradients: the daemon's accumulation pass, in the backward pass): "
-              "%.3f s per iteration\n",
+  // T_acc: the accumulation pass with no update beside it.
+  const double t_acc = rows[0].ret;
+  std::printf("T_acc (ReturnGradients in synchronous mode: the daemon's accumulation pass, in "
+              "the backward pass, alone): %.3f s per iteration\n",
               t_acc);
   std::printf("synchronous: about T + T_acc + T_opt = %.3f s; measured %.3fx that\n",
               t + t_acc + t_opt, rows[0].mean / (t + t_acc + t_opt));

@@ -1040,6 +1040,66 @@ TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
   EXPECT_TRUE(t.Step().ok());
 }
 
+// With DPU the next iteration's fetches do not wait for the update, but
+// returning a partition's gradients waits until the update has consumed its
+// accumulator; so the update runs in the order gradients came back (ZeRO-3's
+// backward pass returns the last layer first), not in fetch order, which
+// would make the first return of the backward pass wait for all of it.
+TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
+  // A small pool: groups of two chunks, so that p2 (one chunk) is done after
+  // the first group if it comes first, and p0 (five) is not.
+  Engine engine(TmpDir("dpuo"), 1 << 20);
+  Trainer t(&engine, All(100));
+  ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t.key(), true).ok());
+  auto give = [&](size_t i, bool fetch) {
+    const PartitionInfo& p = t.parts()[i];
+    if (fetch) {
+      ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p.id}, WithGrads()).ok());
+    }
+    auto* g = reinterpret_cast<float*>(t.arena().data() + p.grads.offset);
+    for (uint64_t j = 0; j < p.numel; ++j) g[j] = 0.001f * static_cast<float>(j % 13);
+    ASSERT_TRUE(engine.sessions->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32).ok());
+  };
+  // Forward: fetched 0, 1, 2. Backward: gradients back 2, 0, 1.
+  for (size_t i : {0, 1, 2}) {
+    ASSERT_TRUE(engine.sessions->Fetch(t.key(), {t.parts()[i].id}, WithGrads()).ok());
+  }
+  for (size_t i : {2, 0, 1}) give(i, /*fetch=*/false);
+  for (size_t i : {0, 1, 2}) ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[i].id}).ok());
+  absl::Notification reached, release;
+  std::atomic<int> groups{0};
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kGroupDone || groups++ != 0) return;
+    reached.Notify();
+    release.WaitForNotification();
+  });
+  StepControl overlap;
+  overlap.overlap = true;
+  ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
+  reached.WaitForNotification();
+  // The partition returned first is updated first: the next iteration
+  // returns its gradients without waiting.
+  const int64_t waits = engine.stats.waits_for_step.load();
+  give(2, /*fetch=*/true);
+  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[2].id}).ok());
+  // The one returned last is still in the update: fetching it does not wait
+  // (DPU), returning its gradients does.
+  std::thread returner([&] { give(1, /*fetch=*/true); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.stats.waits_for_step.load() == waits) {
+    ASSERT_LT(absl::Now(), deadline);
+    std::this_thread::yield();
+  }
+  release.Notify();
+  returner.join();
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[1].id}).ok());
+  auto outcome = engine.sessions->WaitStep(t.key());
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_EQ(outcome->partitions_updated, kSizes.size());
+}
+
 // Stress: with DPU and overlapped steps, a reader fetching every partition
 // over and over while each update runs always sees the one version made
 // current at that step's commit, whole (data on NVMe, a small pool).

@@ -716,6 +716,9 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   item.chunks = ChunksOf(p->info.numel);
   item.grad_dtype = grad_dtype;
   item.first = p->micro_batches == 0;
+  // (A retry after a failed first micro-batch appears twice; its first
+  // place counts.)
+  if (item.first) return_order_.push_back(id);
   item.numel = p->info.numel;
   return item;
 }
@@ -846,11 +849,14 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
     item.current_kind = ParamsKind(*p, /*next=*/false);
     item.write_kind = ParamsKind(*p, /*next=*/item.delayed);
   }
-  // This iteration's fetch order; the next iteration's fetches start now.
+  // The order the next iteration will wait in (see the header); its
+  // fetches and returns start now.
+  const std::vector<uint64_t>& order = delayed_ ? return_order_ : fetch_order_;
   absl::flat_hash_map<uint64_t, size_t> rank;
-  for (size_t i = 0; i < fetch_order_.size(); ++i) rank.emplace(fetch_order_[i], i);
+  for (size_t i = 0; i < order.size(); ++i) rank.emplace(order[i], i);
   fetch_order_.clear();
   fetched_.clear();
+  return_order_.clear();
   std::stable_sort(items.begin(), items.end(), [&rank](const StepItem& a, const StepItem& b) {
     auto ra = rank.find(a.id), rb = rank.find(b.id);
     const size_t x = ra == rank.end() ? SIZE_MAX : ra->second;

@@ -368,8 +368,14 @@ class PartitionSet {
 
   // Pins every partition with gradients ready for one step (waiting for a
   // step in progress, and accumulations, to end first), in the order the
-  // trainer first fetched them in this iteration (the next one will fetch
-  // them so), the others after in registration order. FAILED_PRECONDITION
+  // next iteration will wait for them, which repeats this one's: the order
+  // the trainer first fetched them (its fetches wait for their partition's
+  // update); with the delayed update, whose fetches do not wait, the order
+  // it first returned their gradients (the next iteration's accumulation
+  // of a partition waits until the update has consumed its accumulator; in
+  // fetch order, ZeRO-3's backward pass, which returns the last layer
+  // first, would wait for the whole update). Partitions not in that order
+  // come after, in registration order. FAILED_PRECONDITION
   // if there is none, or (unless `skipping`) if an accumulation was lost.
   // Must be followed by exactly one EndStep with the same items.
   absl::StatusOr<std::vector<StepItem>> BeginStep(bool skipping = false)
@@ -508,10 +514,11 @@ class PartitionSet {
   absl::flat_hash_set<std::string> names_ ABSL_GUARDED_BY(mu_);
   bool stepping_ ABSL_GUARDED_BY(mu_) = false;
   // The order in which the trainer first held each partition since the
-  // last step began, and that of the iteration before: a step updates its
-  // partitions in the order the next iteration will fetch them.
+  // last step began, and first returned its gradients: BeginStep orders a
+  // step by one of them (see there).
   std::vector<uint64_t> fetch_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> fetched_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> return_order_ ABSL_GUARDED_BY(mu_);
   bool delayed_ ABSL_GUARDED_BY(mu_) = false;  // SetDelayedUpdate
   std::unique_ptr<Capture> capture_ ABSL_GUARDED_BY(mu_);  // a checkpoint being written
   absl::CondVar captured_;  // a capture ended

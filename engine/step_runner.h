@@ -14,7 +14,8 @@
 //   3. Non-finite gradients, counted when they were accumulated (see
 //      Accumulate), skip the whole step (with optimizer.check_finite), as
 //      does an explicit skip.
-//   4. Stream the update, in registration order, through groups of chunks
+//   4. Stream the update, in the order the next iteration will wait for its
+//      partitions (PartitionSet::BeginStep), through groups of chunks
 //      pinned at once (at most an eighth of the host pool, and 256 MiB): pin
 //      a group's optimizer state, parameters and gradients (the swapper
 //      reads in what is on NVMe; its prefetch, which has learned this order
