@@ -5,7 +5,11 @@ offloadd step's time goes (fetch + all-gather, compute, gradient return,
 optimizer step).
 
 usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
-       [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR] [--tiny]
+       [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR]
+       [--device=cpu|cuda] [--tiny]
+With --device=cuda the model computes on the GPU in every run: the reference
+keeps its AdamW state on the GPU too, offloadd keeps it in the daemon (the
+trade ZeRO-Offload makes: GPU memory for host time).
 The three runs alternate for R rounds (the machine's noise hits all alike);
 each figure is the median over the rounds.
 Starts its own daemons: one with the default pool (state on host), one
@@ -47,9 +51,16 @@ def start_daemon(binary, root, extra):
             time.sleep(0.05)
 
 
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run(args, text, address, placement, overlap=False):
     torch.manual_seed(0)
-    model = gpt.GPT(text.vocab, args.context, dim=args.dim, layers=args.layers, heads=4)
+    device = torch.device(args.device)
+    model = gpt.GPT(text.vocab, args.context, dim=args.dim, layers=args.layers,
+                    heads=4).to(device)
     engine = None
     if address is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -63,13 +74,15 @@ def run(args, text, address, placement, overlap=False):
     before = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
+            sync(device)
             before = dict(engine.timings) if engine else None
             start = time.perf_counter()
-        x, y = text.batch(args.batch, args.context, gen)
+        x, y = (t.to(device) for t in text.batch(args.batch, args.context, gen))
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
+    sync(device)
     wall = time.perf_counter() - start
     out = {"wall": wall / args.steps, "tokens_per_s": args.batch * args.context * args.steps / wall}
     if engine:
@@ -92,6 +105,7 @@ def main():
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = one per CPU")
     p.add_argument("--swap_dir", default="/var/tmp")
+    p.add_argument("--device", default="cpu", help="where the model computes: cpu or cuda")
     p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model")
     args = p.parse_args()
     if args.tiny:
@@ -118,7 +132,8 @@ def main():
         daemons = [host[0], nvme[0]]
         print(f"model: {n / 1e6:.2f}M parameters ({args.layers} layers, dim {args.dim}), "
               f"{args.batch}x{args.context} tokens per step, {args.steps} steps after "
-              f"{args.warmup} warm-up, torch threads {torch.get_num_threads()}; the NVMe daemon's pool "
+              f"{args.warmup} warm-up on {args.device}, torch threads {torch.get_num_threads()}; "
+              f"the NVMe daemon's pool "
               f"is {pool / (1 << 20):.1f} MiB: the working parameters and gradients "
               f"({8 * n / (1 << 20):.1f} MiB) and a third of the {state_bytes / (1 << 20):.1f} MiB "
               "of optimizer state")

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
+# test, the system tests with that machine's PyTorch, and the benchmarks.
+# usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
+# Stages: env gputest alltests tokens tokens_big step_overlap step_overlap_3t
+#         step_overlap_15 step_overlap_12 step_overlap_nvme
+#         load1 load1_nosteps load8 cpu_adam
+# Each stage prints "=== STAGE rc=N" at its end; a failing stage does not
+# stop the others.
+set -uo pipefail
+bundle=$(cd "${1:?usage: tools/gpu_run.sh BUNDLE STAGE...}" && pwd)
+shift
+export LD_LIBRARY_PATH=$bundle/lib PYTHONUNBUFFERED=1 PYTHONPATH=client/python/site
+# The demo's training text, where the tests and benchmarks look for it.
+[[ -f /usr/share/common-licenses/GPL-3 ]] ||
+  { mkdir -p /usr/share/common-licenses && cp "$bundle/GPL-3" /usr/share/common-licenses/; }
+cd "$bundle/run"
+failed=0
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    env)
+      nproc; free -g | head -2; nvidia-smi -L; python3 -V
+      python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
+      df -hT /tmp /var/tmp | cat; lscpu | grep -E 'Model name|^CPU\(s\)|L3'
+      ! ldd engine/offloadd client/python/site/offloadd/_offloadd.so | grep 'not found' ;;
+    gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
+    alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
+    tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda ;;
+    tokens_big)
+      timeout 400 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda \
+        --dim=512 --layers=8 --batch=32 --context=128 --steps=20 ;;
+    step_overlap) timeout 300 benches/step_overlap ;;
+    step_overlap_3t) timeout 300 benches/step_overlap --t=70ms ;;
+    step_overlap_15) timeout 300 benches/step_overlap --threads=15 ;;
+    step_overlap_12) timeout 300 benches/step_overlap --threads=12 ;;
+    step_overlap_nvme) timeout 400 benches/step_overlap --nvme ;;
+    load1) timeout 60 benches/load --trainers=1 --seconds=5 ;;
+    load1_nosteps) timeout 60 benches/load --trainers=1 --seconds=5 --step_every=1000000000 ;;
+    load8) timeout 60 benches/load --trainers=8 --seconds=5 ;;
+    cpu_adam) timeout 300 benches/cpu_adam --peer=none --threads=1,8,16 ;;
+    *) echo "unknown stage $stage"; false ;;
+  esac
+  rc=$?
+  echo "=== $stage rc=$rc $(date +%T)"
+  [[ $rc == 0 ]] || failed=1
+done
+exit $failed
