@@ -93,6 +93,9 @@ void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 uint64_t CountNonFiniteScalar(const void* grads, DType dtype, size_t n);
 
 // What a gradient accumulation pass measures (accumulate.h).
+// Its squared norm is summed in fp32 within blocks of this many values
+// and in double across blocks, in block order.
+inline constexpr size_t kGradStatsBlock = 1024;
 struct GradStats {
   double sq_norm = 0;     // sum of squares of the accumulated values (inf/NaN if any is)
   uint64_t nonfinite = 0;  // accumulated values that are NaN or +-Inf

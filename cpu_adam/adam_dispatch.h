@@ -73,7 +73,7 @@ GradStats DispatchAccumulate(const void* grads, DType dtype, float* acc, size_t 
 // The accumulation's statistics as the scalar reference sums them: squares
 // in fp32 over 16 lanes for each block of this many values, each block's
 // lanes then added in double in lane order.
-inline constexpr size_t kAccumulateBlock = 1024;
+inline constexpr size_t kAccumulateBlock = kGradStatsBlock;
 inline constexpr float kMaxFloat = 3.40282346638528859811704183484516925e+38F;
 
 }  // namespace offload::adam_internal

@@ -43,6 +43,9 @@ struct AdamTask {
 struct AccumulateTask {
   const void* grads = nullptr;
   DType grad_dtype = DType::kFp32;
+  // Null: measure only. The statistics are those accumulating into an
+  // empty accumulator would give (first), and nothing is written: gradients
+  // that the step will read where they are (the engine's hand-over).
   float* acc = nullptr;
   uint64_t numel = 0;
   bool first = false;  // the accumulator holds nothing yet: copy

@@ -1,9 +1,14 @@
 #include "cpu_adam/optimizer.h"
 
+#include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_adam/dtype.h"
 
 #include "gtest/gtest.h"
 
@@ -139,6 +144,46 @@ TEST(Optimizer, EveryKernelGivesTheSameStep) {
     EXPECT_EQ(got.w, ref.w) << name;
   }
   EXPECT_EQ(opt.SetKernel("mmx").code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Measuring only (no accumulator) gives the statistics of a first
+// accumulation bit for bit, with every kernel, over lengths around the
+// statistics' blocks and the tiles, with and without non-finite values;
+// it writes nothing.
+TEST(Optimizer, MeasuringGivesTheStatisticsOfAFirstAccumulation) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  OptimizerOptions o;
+  o.tile_elems = 4096;
+  Optimizer opt(o);
+  for (const char* kernel : {"scalar", "avx2", "avx512"}) {
+    if (!opt.SetKernel(kernel).ok()) continue;
+    for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
+      // (Tiles of 4096: 4096 + 3000 ends a tile on 2 blocks and a 952-value
+      // tail, which a first accumulation adds into its running total.)
+      for (size_t n : {1, 1000, 1024, 1025, 4096, 4096 + 3000, 4097 + 1024 * 3, 50'000}) {
+        for (bool poison : {false, true}) {
+          std::vector<float> values(n);
+          for (float& v : values) v = normal(rng);
+          if (poison) values[n / 2] = std::numeric_limits<float>::infinity();
+          std::vector<std::byte> grads(n * DTypeSize(dtype));
+          NarrowFromFloat(values.data(), dtype, grads.data(), n);
+          std::vector<float> acc(n, 5.0f);
+          AccumulateTask accumulate{grads.data(), dtype, acc.data(), n, /*first=*/true};
+          const GradStats want = opt.Accumulate(absl::MakeConstSpan(&accumulate, 1));
+          const std::vector<std::byte> before = grads;
+          AccumulateTask measure{grads.data(), dtype, nullptr, n, /*first=*/false};
+          const GradStats got = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+          const std::string where = absl::StrCat(kernel, " ", DTypeName(dtype), " n=", n);
+          EXPECT_EQ(std::memcmp(&got.sq_norm, &want.sq_norm, sizeof(double)), 0)
+              << where << ": " << got.sq_norm << " vs " << want.sq_norm;
+          EXPECT_EQ(got.nonfinite, want.nonfinite) << where;
+          EXPECT_EQ(got.nonfinite, poison ? 1u : 0u) << where;
+          EXPECT_TRUE(grads == before) << where;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
