@@ -461,7 +461,8 @@ absl::Status Session::ReturnGradients(const PartitionView& p) {
   return ReturnGradients(absl::MakeConstSpan(&p, 1));
 }
 
-absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release) {
+absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release,
+                                      bool hand_over) {
   if (impl_->ring != nullptr && parts.size() <= ring::kMaxItems) {
     std::vector<ring::Item> items(parts.size());
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -469,7 +470,9 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
                             static_cast<uint32_t>(parts[i].grad_dtype), 0};
     }
     return impl_->ring
-        ->Call(ring::kReturnGradients, release ? ring::kThenRelease : 0u, items, impl_->timeout)
+        ->Call(ring::kReturnGradients,
+               (release ? ring::kThenRelease : 0u) | (hand_over ? ring::kHandOver : 0u), items,
+               impl_->timeout)
         .status;
   }
   v1::ReturnGradientsRequest req;
@@ -481,6 +484,7 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
     item->set_grad_dtype(ToProto(p.grad_dtype));
   }
   req.set_release(release);
+  req.set_hand_over(hand_over);
   v1::ReturnGradientsResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   return FromGrpc(impl_->stub->ReturnGradients(&rpc.context, req, &resp), "ReturnGradients");

@@ -293,8 +293,14 @@ class Session {
   // Several in one call, in order; an error stops at the partition it
   // names (those before were returned, the message says how many). With
   // `release`, the holds of all of them then go (as Release). At most
-  // 4096 partitions.
-  absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release = false);
+  // 4096 partitions. With `hand_over` (for a step's last micro-batch), the
+  // buffers are handed over instead of back: on a step's only micro-batch
+  // the daemon measures the gradients and its step reads them in place,
+  // and until that partition's update has read them a Fetch with grads
+  // of it waits (during the update) or is FAILED_PRECONDITION (before the
+  // step); do not write the buffer meanwhile.
+  absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release = false,
+                               bool hand_over = false);
   // The squared norm and overflow of what was returned since the last
   // step. Across ranks: all-reduce sq_norm (sum) and nonfinite (max), take
   // clip_coef = min(1, max_norm / (sqrt(total) + 1e-6)) as

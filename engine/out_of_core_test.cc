@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/env.h"
@@ -91,7 +92,7 @@ class Trainer {
       auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = d(rng);
       const absl::Status returned =
-          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32);
+          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32, hand_over_);
       ASSERT_TRUE(returned.ok()) << returned;
       if (p.id != keep) {
         ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
@@ -109,13 +110,16 @@ class Trainer {
       auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = grad(i, j);
       const absl::Status returned =
-          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32);
+          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32, hand_over_);
       ASSERT_TRUE(returned.ok()) << returned;
       ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
     }
   }
 
   absl::StatusOr<PendingGradients> Pending() { return engine_->sessions->Pending(key_); }
+
+  // Return gradients with hand_over from now on.
+  void HandOver(bool on) { hand_over_ = on; }
 
   // Returns the first partition's gradients again; the status code.
   absl::StatusCode ReturnGradientsStatus() {
@@ -170,6 +174,7 @@ class Trainer {
   SessionKey key_;
   std::vector<PartitionInfo> parts_;
   HostMemory arena_;
+  bool hand_over_ = false;
 };
 
 // Master weights, exp_avg, exp_avg_sq and the gradient accumulator.
@@ -1098,6 +1103,117 @@ TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   auto outcome = engine.sessions->WaitStep(t.key());
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
+}
+
+// Gradients handed over (the step reads them in the trainer's buffer, and
+// the return only measures them) train bit for bit like accumulated ones:
+// in memory and with everything on NVMe (the buffer swapped out and in
+// between return and step), with synchronous steps and with the delayed
+// update; the pending statistics are the same bits.
+TEST(OutOfCore, HandedOverGradientsTrainBitForBitLikeAccumulatedOnes) {
+  int dir = 0;
+  for (const PlacementChange& placement : {All(100), All(0)}) {
+    const bool on_nvme = *placement[DataKind::kParams] == 0;
+    for (bool dpu : {false, true}) {
+      Engine engine(TmpDir("handover" + std::to_string(dir++)),
+                    on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+      Trainer handed(&engine, placement), kept(&engine, placement);
+      handed.HandOver(true);
+      if (dpu) {
+        for (Trainer* t : {&handed, &kept}) {
+          ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t->key(), true).ok());
+        }
+      }
+      const std::string where = absl::StrCat(on_nvme ? "on NVMe" : "in memory",
+                                             dpu ? ", delayed update" : "");
+      for (int step = 1; step <= 4; ++step) {
+        handed.ReturnGradients(step);
+        kept.ReturnGradients(step);
+        auto a = handed.Pending(), b = kept.Pending();
+        ASSERT_TRUE(a.ok() && b.ok());
+        EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0)
+            << where << " step " << step << ": " << a->stats.sq_norm << " vs "
+            << b->stats.sq_norm << " over " << a->partitions << "/" << b->partitions;
+        EXPECT_EQ(a->stats.nonfinite, b->stats.nonfinite);
+        ASSERT_TRUE(handed.Step().ok()) << where;
+        ASSERT_TRUE(kept.Step().ok()) << where;
+        EXPECT_TRUE(handed.Params() == kept.Params()) << where << " step " << step;
+      }
+    }
+  }
+}
+
+// A gradient buffer handed over is the step's until the partition's update
+// has read it: fetching it with grads before the step is refused (holding
+// nothing, changing nothing), as is a checkpoint; during an overlapped step
+// the fetch waits for that partition's update only. A later micro-batch
+// handed over is accumulated as usual.
+TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
+  // Groups of two chunks (see AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition).
+  Engine engine(TmpDir("handwait"), 1 << 20), ref_engine(TmpDir("handwait_ref"), 64 << 20);
+  Trainer t(&engine, All(100)), ref(&ref_engine, All(100));
+  t.HandOver(true);
+  t.ReturnGradients(1);
+  ref.ReturnGradients(1);
+  const PartitionInfo& p0 = t.parts()[0];
+  auto refused = engine.sessions->Fetch(t.key(), {p0.id}, WithGrads());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_EQ(engine.sessions->Release(t.key(), {p0.id}).code(),
+            absl::StatusCode::kFailedPrecondition);  // it holds nothing
+  EXPECT_TRUE(engine.sessions->Fetch(t.key(), {p0.id}).ok());  // the parameters: as ever
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
+  auto checkpoint = engine.sessions->Checkpoint(t.key(), TmpDir("handwait_ckpt"), false);
+  EXPECT_EQ(checkpoint.status().code(), absl::StatusCode::kFailedPrecondition)
+      << checkpoint.status();
+
+  // An overlapped step, stopped after its first group (partition 0's first
+  // two chunks; partition 0 has five).
+  absl::Notification reached, release;
+  std::atomic<int> groups{0};
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kGroupDone || groups++ != 0) return;
+    reached.Notify();
+    release.WaitForNotification();
+  });
+  StepControl overlap;
+  overlap.overlap = true;
+  AdamHyperparams h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.01;
+  ASSERT_TRUE(engine.sessions->Step(t.key(), h, overlap).ok());
+  reached.WaitForNotification();
+  const int64_t waits = engine.stats.waits_for_step.load();
+  absl::StatusOr<std::vector<PartitionInfo>> waited;
+  std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {p0.id}, WithGrads()); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.stats.waits_for_step.load() == waits) {
+    ASSERT_LT(absl::Now(), deadline);
+    std::this_thread::yield();
+  }
+  release.Notify();
+  fetcher.join();
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ((*waited)[0].step, 1u);
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
+  ASSERT_TRUE(engine.sessions->WaitStep(t.key()).ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() == ref.Params());
+
+  // Two micro-batches, the second handed over: accumulated as usual, and
+  // the buffer is free again at once.
+  t.HandOver(false);
+  t.ReturnGradients(2);
+  ref.ReturnGradients(2);
+  t.HandOver(true);
+  t.ReturnGradients(3);
+  ref.ReturnGradients(3);
+  auto again = engine.sessions->Fetch(t.key(), {p0.id}, WithGrads());
+  EXPECT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
+  ASSERT_TRUE(t.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() == ref.Params());
 }
 
 // Stress: with DPU and overlapped steps, a reader fetching every partition

@@ -64,6 +64,10 @@ struct PartitionSet::Partition {
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   bool master_initialized = false;
   bool grads_ready = false;  // the accumulator holds gradients for the next step
+  // ... or the gradient buffer does: the only micro-batch's gradients,
+  // handed over (ReturnGradients with hand_over) for the step to read where
+  // they are. The buffer is the daemon's until the step consumes them.
+  bool handed_over = false;
   bool in_step = false;
   bool accumulating = false;
   bool accum_lost = false;     // an accumulation failed midway: skip the step
@@ -527,6 +531,22 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
         wanted.push_back(p);
       }
     }
+    if (mode.grads) {
+      // A gradient buffer handed over is the step's until it has read it:
+      // the trainer gets it back once its partition's update is done.
+      std::vector<Partition*> stepping;
+      for (Partition* p : wanted) {
+        if (p->handed_over && p->in_step) stepping.push_back(p);
+      }
+      AwaitOutOfStep(stepping);
+      for (Partition* p : wanted) {
+        if (!p->handed_over) continue;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "partition ", p->info.id, " ('", p->info.name, "'): its gradient buffer holds "
+            "gradients handed over for the next step (ReturnGradients with hand_over), which "
+            "no step has read yet: step first, or hand over only a step's last micro-batch"));
+      }
+    }
   }
   // Outside the lock: swap-ins take time. Pins taken here that turn out not
   // to be needed (held meanwhile) are dropped when `spare` goes, also
@@ -674,7 +694,7 @@ absl::Status PartitionSet::CommitMasterInit(const Partition& p) {
 }
 
 absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64_t numel,
-                                                              DType grad_dtype) {
+                                                              DType grad_dtype, bool hand_over) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
   if (numel != p->info.numel) {
@@ -716,6 +736,9 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   item.chunks = ChunksOf(p->info.numel);
   item.grad_dtype = grad_dtype;
   item.first = p->micro_batches == 0;
+  // Only a step's sole micro-batch can stay where it is; a later one is
+  // added to the accumulator as usual.
+  item.hand_over = hand_over && item.first;
   // (A retry after a failed first micro-batch appears twice; its first
   // place counts.)
   if (item.first) return_order_.push_back(id);
@@ -733,6 +756,7 @@ absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem&
   // read in unless this is the first micro-batch (then it is overwritten).
   ASSIGN_OR_RETURN(pins.grads,
                    PinBlock(item.id, chunk, PartitionStore::kGradsBlock, /*for_write=*/false));
+  if (item.hand_over) return pins;  // measured only: no accumulator
   ASSIGN_OR_RETURN(pins.accum,
                    PinBlock(item.id, chunk, PartitionStore::kAccumBlock, /*for_write=*/true));
   return pins;
@@ -754,12 +778,14 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
       return;
     }
     p->grads_ready = true;
+    p->handed_over = item.hand_over;
     ++p->micro_batches;
     p->grad_stats = stats;
     handed_back = std::move(p->grad_pins);
     p->grad_pins.clear();
   }
   handed_back.clear();  // unpinned outside the lock
+  if (item.hand_over) return;  // the step reads them there
   // The trainer's gradients are in the accumulator now: the buffer's bytes
   // are dead (no write-back if it rests on NVMe).
   for (uint64_t c = 0; c < item.chunks; ++c) {
@@ -827,7 +853,9 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
     item.delayed = delayed_;
     item.stats = p->grad_stats;
     item.init_master = !p->master_initialized;
-    item.task.span.grad_dtype = DType::kFp32;  // the accumulator
+    item.hand_over = p->handed_over;
+    // The accumulator, or the gradient buffer handed over.
+    item.task.span.grad_dtype = p->handed_over ? p->info.grad_dtype : DType::kFp32;
     item.task.span.working_dtype = p->info.param_dtype;
     item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;
@@ -906,7 +934,7 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
       {&pins.exp_avg, PartitionStore::kExpAvg, true},
       {&pins.exp_avg_sq, PartitionStore::kExpAvgSq, true},
       {&pins.params, item.write_kind, true},
-      {&pins.accum, PartitionStore::kAccumBlock, false},
+      {&pins.accum, GradsKind(item), false},
   };
   for (const auto& w : wanted) {
     ASSIGN_OR_RETURN(*w.pin, PinBlock(id, chunk, w.kind, w.for_write));
@@ -995,10 +1023,13 @@ bool PartitionSet::delayed_update() const {
   return delayed_;
 }
 
-void PartitionSet::ConsumeGrads(uint64_t id, uint64_t chunk) {
-  CaptureChunk(id, chunk);  // a skipped step's gradients, before they go
-  swapper_->Discard(PartitionStore::BlockOf(id, chunk, PartitionStore::kAccumBlock))
-      .IgnoreError();
+int PartitionSet::GradsKind(const StepItem& item) {
+  return item.hand_over ? PartitionStore::kGradsBlock : PartitionStore::kAccumBlock;
+}
+
+void PartitionSet::ConsumeGrads(const StepItem& item, uint64_t chunk) {
+  CaptureChunk(item.id, chunk);  // a skipped step's gradients, before they go
+  swapper_->Discard(PartitionStore::BlockOf(item.id, chunk, GradsKind(item))).IgnoreError();
 }
 
 void PartitionSet::LeaveStepLocked(Partition* p, const StepItem& item, bool applied) {
@@ -1006,6 +1037,7 @@ void PartitionSet::LeaveStepLocked(Partition* p, const StepItem& item, bool appl
   p->in_step_delayed = false;
   p->resume_chunk = 0;
   p->grads_ready = false;
+  p->handed_over = false;
   p->accum_lost = false;
   p->micro_batches = 0;
   p->grad_stats = GradStats{};
@@ -1051,7 +1083,7 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
   // dropped its own chunk by chunk).
   for (size_t i = 0; i < items.size(); ++i) {
     if (outcomes[i].outcome != StepOutcome::kSkipped) continue;
-    for (uint64_t c = 0; c < items[i].chunks; ++c) ConsumeGrads(items[i].id, c);
+    for (uint64_t c = 0; c < items[i].chunks; ++c) ConsumeGrads(items[i], c);
   }
   // One iteration of this session's accesses ends here: the swapper learns
   // their order and prefetches the next iteration's first blocks.
@@ -1135,7 +1167,9 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
                              "first"
         : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
         : p->accum_lost        ? "lost its accumulated gradients: skip this step first"
-                               : "";
+        : p->handed_over ? "holds gradients handed over for the next step (ReturnGradients "
+                           "with hand_over): step first"
+                         : "";
     if (!why.empty()) {
       return absl::FailedPreconditionError(
           absl::StrCat("cannot checkpoint session ", session_id_, ": partition ", id, " ('",

@@ -237,11 +237,15 @@ struct StepItem {
   // The first state chunk to update: not 0 when this step resumes one that
   // failed midway through this partition.
   uint64_t first_chunk = 0;
+  // The gradients are in the partition's gradient buffer (in its gradient
+  // dtype), handed over, not in the accumulator.
+  bool hand_over = false;
 };
 
 // One chunk of a partition, everything its update touches pinned in host
 // memory: elements [begin, end) of the partition. `accum` holds the
-// accumulated fp32 gradients.
+// accumulated fp32 gradients (or, handed over, the gradient buffer's).
+
 struct ChunkPins {
   uint64_t begin = 0, end = 0;
   // `params` is the buffer the update writes; `current` (delayed update of
@@ -257,6 +261,8 @@ struct AccumulateItem {
   uint64_t chunks = 0;
   DType grad_dtype = DType::kFp32;
   bool first = false;  // the accumulator holds nothing yet: copy
+  // The gradients stay in the buffer for the step to read (measured only).
+  bool hand_over = false;
 };
 
 // One chunk of it: the trainer's gradients (read) and the accumulator.
@@ -357,7 +363,16 @@ class PartitionSet {
   // bytes dropped) and `stats` are the accumulated values'. A failure
   // while adding to earlier micro-batches loses the accumulation (the
   // next step must be skipped); a failure on the first changes nothing.
-  absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype)
+  //
+  // `hand_over` (on a step's first micro-batch; ignored on later ones):
+  // the gradients stay in the buffer, only measured, and the step reads
+  // them there, which saves writing and reading an fp32 copy. The buffer
+  // is the daemon's until the partition's update has read it: a fetch
+  // with grads waits for a running update of it, and is refused with
+  // FAILED_PRECONDITION (changing nothing) before a step has begun; so is
+  // a checkpoint. Use it for the last (or only) micro-batch.
+  absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype,
+                                                 bool hand_over = false)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<AccumulatePins> PinAccumulate(const AccumulateItem& item, uint64_t chunk)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -402,7 +417,7 @@ class PartitionSet {
   bool delayed_update() const ABSL_LOCKS_EXCLUDED(mu_);
   // The step is done with the accumulated gradients of chunk `chunk`:
   // their bytes are dropped.
-  void ConsumeGrads(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  void ConsumeGrads(const StepItem& item, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // One item of a running step is done (applied): the partition leaves the
   // step at once, so that a fetch of it waits no longer than its own update.
   void EndPartition(const StepItem& item) ABSL_LOCKS_EXCLUDED(mu_);
@@ -453,6 +468,8 @@ class PartitionSet {
   // The block kind of the working-copy buffer the trainer reads now (or,
   // with `next`, the other one).
   static int ParamsKind(const Partition& p, bool next);
+  // The block kind a step item's gradients are read from.
+  static int GradsKind(const StepItem& item);
   // A partition's step is over: its gradients are consumed, and, if the
   // update was applied, its step count advances.
   void LeaveStepLocked(Partition* p, const StepItem& item, bool applied)

@@ -260,7 +260,7 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
       returns.push_back(GradientReturn{item.partition_id(), item.numel(),
                                        FromProto(item.grad_dtype(), "grad_dtype")});
     }
-    return sessions_->ReturnGradients(key, returns, req->release());
+    return sessions_->ReturnGradients(key, returns, req->release(), req->hand_over());
   });
 }
 

@@ -329,15 +329,15 @@ absl::Status SessionManager::Release(const SessionKey& key, absl::Span<const uin
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t partition_id,
-                                             uint64_t numel, DType grad_dtype) {
+                                             uint64_t numel, DType grad_dtype, bool hand_over) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    FindOwning(key, absl::MakeConstSpan(&partition_id, 1)));
-  return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype);
+  return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype, hand_over);
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key,
                                              absl::Span<const GradientReturn> items,
-                                             bool release) {
+                                             bool release, bool hand_over) {
   if (items.size() > kMaxFetchIds) {
     return absl::InvalidArgumentError(absl::StrCat("a gradient return may name at most ",
                                                    kMaxFetchIds, " partitions, got ",
@@ -348,7 +348,9 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key,
   for (size_t i = 0; i < items.size(); ++i) {
     const GradientReturn& item = items[i];
     absl::Status s = item.grad_dtype.status();
-    if (s.ok()) s = ReturnGradients(key, item.partition_id, item.numel, *item.grad_dtype);
+    if (s.ok()) {
+      s = ReturnGradients(key, item.partition_id, item.numel, *item.grad_dtype, hand_over);
+    }
     if (!s.ok()) {
       if (items.size() == 1) return s;
       return absl::Status(s.code(), absl::StrCat("returned ", i, " of ", items.size(),
@@ -423,7 +425,8 @@ RingAnswer SessionManager::ServeRing(const SessionKey& key, const RingRequest& r
         }
         items.push_back(std::move(g));
       }
-      answer.status = ReturnGradients(key, items, (r.flags & ring::kThenRelease) != 0);
+      answer.status = ReturnGradients(key, items, (r.flags & ring::kThenRelease) != 0,
+                                      (r.flags & ring::kHandOver) != 0);
       break;
     }
   }

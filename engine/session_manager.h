@@ -170,14 +170,16 @@ class SessionManager {
   absl::Status Release(const SessionKey& key, absl::Span<const uint64_t> ids)
       ABSL_LOCKS_EXCLUDED(mu_);
   // `numel` and `grad_dtype` describe what the trainer wrote; they must match
-  // the registration.
+  // the registration. `hand_over`: the step reads the gradients where they
+  // are (PartitionSet::BeginAccumulate).
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
-                               DType grad_dtype) ABSL_LOCKS_EXCLUDED(mu_);
+                               DType grad_dtype, bool hand_over = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Several, in order (at most kMaxFetchIds); an error stops at the
   // partition it names (the message says how many went before, which were
   // returned) and releases nothing. With `release`, then lets them all go.
   absl::Status ReturnGradients(const SessionKey& key, absl::Span<const GradientReturn> items,
-                               bool release) ABSL_LOCKS_EXCLUDED(mu_);
+                               bool release, bool hand_over = false) ABSL_LOCKS_EXCLUDED(mu_);
   // What the gradients returned since the last step add up to: the squared
   // norm and non-finite count of the accumulated values, for the trainer's
   // global clipping and overflow decision across ranks. With loss scaling,

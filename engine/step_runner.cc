@@ -35,8 +35,8 @@ void StepRunner::Sync(StepPoint point) {
 }
 
 absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t numel,
-                                    DType grad_dtype) {
-  ASSIGN_OR_RETURN(AccumulateItem item, set.BeginAccumulate(id, numel, grad_dtype));
+                                    DType grad_dtype, bool hand_over) {
+  ASSIGN_OR_RETURN(AccumulateItem item, set.BeginAccumulate(id, numel, grad_dtype, hand_over));
   GradStats stats;
   absl::Status status;
   uint64_t done = 0;
@@ -57,7 +57,8 @@ absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t num
     AccumulateTask task;
     task.grads = pins->grads.data();
     task.grad_dtype = item.grad_dtype;
-    task.acc = reinterpret_cast<float*>(pins->accum.data());
+    // Handed over: measured only (Optimizer::Accumulate with no accumulator).
+    task.acc = item.hand_over ? nullptr : reinterpret_cast<float*>(pins->accum.data());
     task.numel = pins->end - pins->begin;
     task.first = item.first;
     stats += optimizer_->Accumulate(absl::MakeConstSpan(&task, 1));
@@ -263,7 +264,7 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
       const size_t i = units[u].item;
       outcomes[i].next_chunk = units[u].chunk + 1;
       summary.params_updated += tasks[u - first].span.numel;
-      set.ConsumeGrads(items[i].id, units[u].chunk);
+      set.ConsumeGrads(items[i], units[u].chunk);
       if (outcomes[i].next_chunk == items[i].chunks) {
         // Done: a fetch of it need not wait for the rest of the step.
         outcomes[i].outcome = StepOutcome::kApplied;

@@ -108,7 +108,9 @@ class StepRunner {
   // by chunk on the optimizer pool, measuring the accumulated values' norm
   // and non-finite count in the same pass (PartitionSet::BeginAccumulate
   // for the errors).
-  absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype);
+  // `hand_over`: see PartitionSet::BeginAccumulate.
+  absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype,
+                          bool hand_over = false);
 
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -245,6 +246,61 @@ TEST_F(DaemonTest, GradientsOfSeveralPartitionsReturnInOneCall) {
   auto step = s->Step(AdamHyperparams{});
   ASSERT_TRUE(step.ok()) << step.status();
   EXPECT_EQ(step->partitions_updated, 3u);
+}
+
+// Gradients handed over (ReturnGradients with hand_over), through the
+// request ring and through gRPC: the step reads them in the buffer and
+// trains bit for bit like gradients returned the usual way; until the step
+// has read them the buffer is the daemon's.
+TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
+  ClientOptions no_ring{daemon_->address()};
+  no_ring.request_ring = false;
+  auto grpc_client = Client::Connect(no_ring);
+  ASSERT_TRUE(grpc_client.ok()) << grpc_client.status();
+  int round = 0;
+  for (Client* c : {client_.get(), grpc_client->get()}) {
+    const std::string via = round++ == 0 ? "ring" : "grpc";
+    auto handed = c->OpenSession("handed-" + via), kept = c->OpenSession("kept-" + via);
+    ASSERT_TRUE(handed.ok() && kept.ok());
+    std::vector<PartitionView> w;
+    for (Session* s : {handed->get(), kept->get()}) {
+      auto p = s->Register("w", 3000, DType::kBf16, DType::kBf16);
+      ASSERT_TRUE(p.ok()) << p.status();
+      for (uint16_t& x : p->params_as<uint16_t>()) x = FloatToBf16(0.5f);
+      ASSERT_TRUE(s->Release(*p).ok());
+      w.push_back(*p);
+    }
+    for (int step = 1; step <= 3; ++step) {
+      for (int i = 0; i < 2; ++i) {
+        Session* s = i == 0 ? handed->get() : kept->get();
+        HoldGrads(s, w[i]);
+        auto g = w[i].grads_as<uint16_t>();
+        for (size_t j = 0; j < g.size(); ++j) g[j] = FloatToBf16(0.01f * step * (j % 7));
+        ASSERT_TRUE(s->ReturnGradients(std::vector<PartitionView>{w[i]}, /*release=*/true,
+                                       /*hand_over=*/i == 0)
+                        .ok())
+            << via;
+      }
+      EXPECT_EQ((*handed)->GetPendingGradients()->sq_norm,
+                (*kept)->GetPendingGradients()->sq_norm);
+      FetchOptions grads;
+      grads.grads = true;
+      EXPECT_EQ((*handed)->Fetch(w[0].id, grads).status().code(),
+                absl::StatusCode::kFailedPrecondition)
+          << via;
+      ASSERT_TRUE((*handed)->Step(AdamHyperparams{}).ok());
+      ASSERT_TRUE((*kept)->Step(AdamHyperparams{}).ok());
+      auto a = (*handed)->Fetch(w[0].id);
+      auto b = (*kept)->Fetch(w[1].id);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->step, static_cast<uint64_t>(step));
+      const auto pa = a->params_as<uint16_t>(), pb = b->params_as<uint16_t>();
+      EXPECT_TRUE(std::equal(pa.begin(), pa.end(), pb.begin(), pb.end())) << via << " " << step;
+      EXPECT_NE(pa[1], FloatToBf16(0.5f));
+      ASSERT_TRUE((*handed)->Release(*a).ok());
+      ASSERT_TRUE((*kept)->Release(*b).ok());
+    }
+  }
 }
 
 // The step protocol over the wire: micro-batches accumulate; two ranks

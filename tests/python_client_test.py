@@ -36,6 +36,26 @@ class PythonClientTest(unittest.TestCase):
         self.session.release([q.id])
         return out
 
+    def test_handed_over_gradients_match_torch_and_keep_the_buffer(self):
+        # hand_over: the step reads the gradients in the buffer; until then
+        # fetching it with grads is refused, and the update is torch's.
+        gen = torch.Generator().manual_seed(3)
+        w0 = torch.randn(3000, generator=gen)
+        p = self.register("handed", w0)
+        ref = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            grad = torch.randn(3000, generator=gen)
+            g, = self.session.fetch([p.id], grads=True)
+            torch.frombuffer(g.grads, dtype=torch.float32).copy_(grad)
+            self.session.return_gradients([g], release=True, hand_over=True)
+            with self.assertRaises(offloadd.FailedPreconditionError):
+                self.session.fetch([p.id], grads=True)
+            self.session.step(lr=1e-2, weight_decay=0.1)
+            ref.grad = grad.clone()
+            opt.step()
+            torch.testing.assert_close(self.params(p), ref.detach(), rtol=1e-6, atol=1e-7)
+
     def test_adamw_with_accumulation_and_clipping_matches_torch(self):
         gen = torch.Generator().manual_seed(7)
         w0 = torch.randn(5000, generator=gen)

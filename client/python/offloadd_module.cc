@@ -265,12 +265,13 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("partition"))
       .def(
           "return_gradients",
-          [](Session& s, const std::vector<PartitionView>& parts, bool release) {
-            Check(Unlocked([&] { return s.ReturnGradients(parts, release); }));
+          [](Session& s, const std::vector<PartitionView>& parts, bool release, bool hand_over) {
+            Check(Unlocked([&] { return s.ReturnGradients(parts, release, hand_over); }));
           },
-          py::arg("partitions"), py::arg("release") = false,
+          py::arg("partitions"), py::arg("release") = false, py::arg("hand_over") = false,
           "returns several partitions' gradients in one call (in order), then with release "
-          "lets their holds go")
+          "lets their holds go; with hand_over the step reads a step's only micro-batch where "
+          "it is, and the buffers are the daemon's until then (see ReturnGradientsRequest)")
       .def("pending_gradients",
            [](Session& s) {
              const PendingGradients p = Value(Unlocked([&] { return s.GetPendingGradients(); }));
