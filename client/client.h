@@ -295,10 +295,11 @@ class Session {
   // `release`, the holds of all of them then go (as Release). At most
   // 4096 partitions. With `hand_over` (for a step's last micro-batch), the
   // buffers are handed over instead of back: on a step's only micro-batch
-  // the daemon measures the gradients and its step reads them in place,
-  // and until that partition's update has read them a Fetch with grads
-  // of it waits (during the update) or is FAILED_PRECONDITION (before the
-  // step); do not write the buffer meanwhile.
+  // the daemon measures the gradients (in the background: the call does
+  // not wait for it) and its step reads them in place, and until that
+  // partition's update has read them a Fetch with grads of it waits (while
+  // measured or updated) or is FAILED_PRECONDITION (before the step); do
+  // not write the buffer meanwhile.
   absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release = false,
                                bool hand_over = false);
   // The squared norm and overflow of what was returned since the last

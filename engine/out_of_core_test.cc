@@ -1216,6 +1216,54 @@ TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
   EXPECT_TRUE(t.Params() == ref.Params());
 }
 
+// Handed-over gradients are measured in the background: the return does
+// not wait for it; Pending (and so the trainer's clipping decision) and a
+// fetch of the buffer do.
+TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
+  Engine engine(TmpDir("handbg"), 64 << 20);
+  Trainer t(&engine, All(100)), ref(&engine, All(100));
+  absl::Notification measuring, go;
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kMeasuring || measuring.HasBeenNotified()) return;
+    measuring.Notify();
+    go.WaitForNotification();  // the first measurement waits here
+  });
+  t.HandOver(true);
+  t.ReturnGradients(1);  // returns although no measurement has finished
+  ref.ReturnGradients(1);
+  measuring.WaitForNotification();
+  std::atomic<bool> pending_done{false};
+  absl::StatusOr<PendingGradients> pending;
+  std::thread asker([&] {
+    pending = t.Pending();
+    pending_done = true;
+  });
+  const int64_t waits = engine.stats.waits_for_step.load();
+  absl::StatusOr<std::vector<PartitionInfo>> fetched;
+  std::thread fetcher(
+      [&] { fetched = engine.sessions->Fetch(t.key(), {t.parts()[0].id}, WithGrads()); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.stats.waits_for_step.load() == waits) {
+    ASSERT_LT(absl::Now(), deadline);
+    std::this_thread::yield();
+  }
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(pending_done.load());
+  go.Notify();
+  asker.join();
+  fetcher.join();
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(pending.ok());
+  auto want = ref.Pending();
+  ASSERT_TRUE(want.ok());
+  EXPECT_EQ(pending->partitions, kSizes.size());
+  EXPECT_EQ(std::memcmp(&pending->stats.sq_norm, &want->stats.sq_norm, sizeof(double)), 0);
+  EXPECT_EQ(fetched.status().code(), absl::StatusCode::kFailedPrecondition) << fetched.status();
+  ASSERT_TRUE(t.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() == ref.Params());
+}
+
 // Stress: with DPU and overlapped steps, a reader fetching every partition
 // over and over while each update runs always sees the one version made
 // current at that step's commit, whole (data on NVMe, a small pool).

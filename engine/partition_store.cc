@@ -532,13 +532,21 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       }
     }
     if (mode.grads) {
-      // A gradient buffer handed over is the step's until it has read it:
-      // the trainer gets it back once its partition's update is done.
-      std::vector<Partition*> stepping;
-      for (Partition* p : wanted) {
-        if (p->handed_over && p->in_step) stepping.push_back(p);
+      // A gradient buffer handed over is the daemon's until the step has
+      // read it: the trainer gets it back once it is measured and its
+      // partition's update is done.
+      auto busy = [&wanted]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        for (const Partition* p : wanted) {
+          if (p->handed_over && (p->accumulating || p->in_step)) return true;
+        }
+        return false;
+      };
+      if (busy()) {
+        stats_->waits_for_step.fetch_add(1, std::memory_order_relaxed);
+        do {
+          step_ended_.Wait(&mu_);
+        } while (busy());
       }
-      AwaitOutOfStep(stepping);
       for (Partition* p : wanted) {
         if (!p->handed_over) continue;
         return absl::FailedPreconditionError(absl::StrCat(
@@ -739,6 +747,8 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   // Only a step's sole micro-batch can stay where it is; a later one is
   // added to the accumulator as usual.
   item.hand_over = hand_over && item.first;
+  // From now on the buffer is the daemon's (a fetch with grads waits).
+  p->handed_over = item.hand_over;
   // (A retry after a failed first micro-batch appears twice; its first
   // place counts.)
   if (item.first) return_order_.push_back(id);
@@ -773,12 +783,13 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
     if (!outcome.ok()) {
       // A first micro-batch that failed left the accumulator to be
       // overwritten again; an addition that failed midway left some chunks
-      // added and some not.
-      if (!item.first && chunks_done > 0) p->accum_lost = true;
+      // added and some not. A measurement in the background was answered
+      // as done: its gradients are lost. The buffer is the trainer's again.
+      if ((!item.first && chunks_done > 0) || item.background) p->accum_lost = true;
+      p->handed_over = false;
       return;
     }
     p->grads_ready = true;
-    p->handed_over = item.hand_over;
     ++p->micro_batches;
     p->grad_stats = stats;
     handed_back = std::move(p->grad_pins);
@@ -796,6 +807,13 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
 
 PendingGradients PartitionSet::Pending() const {
   absl::MutexLock lock(&mu_);
+  auto accumulating = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [id, p] : partitions_) {
+      if (p->accumulating) return true;
+    }
+    return false;
+  };
+  while (accumulating()) step_ended_.Wait(&mu_);
   PendingGradients out;
   for (const auto& [id, p] : partitions_) {
     if (!p->grads_ready) continue;

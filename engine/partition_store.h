@@ -263,6 +263,9 @@ struct AccumulateItem {
   bool first = false;  // the accumulator holds nothing yet: copy
   // The gradients stay in the buffer for the step to read (measured only).
   bool hand_over = false;
+  // Measured after the call returned (StepRunner): a failure cannot be
+  // reported to the caller, so it loses the accumulation (skip the step).
+  bool background = false;
 };
 
 // One chunk of it: the trainer's gradients (read) and the accumulator.
@@ -368,9 +371,9 @@ class PartitionSet {
   // the gradients stay in the buffer, only measured, and the step reads
   // them there, which saves writing and reading an fp32 copy. The buffer
   // is the daemon's until the partition's update has read it: a fetch
-  // with grads waits for a running update of it, and is refused with
-  // FAILED_PRECONDITION (changing nothing) before a step has begun; so is
-  // a checkpoint. Use it for the last (or only) micro-batch.
+  // with grads waits while it is measured or in a running update, and is
+  // refused with FAILED_PRECONDITION (changing nothing) before a step has
+  // begun; so is a checkpoint. Use it for the last (or only) micro-batch.
   absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype,
                                                  bool hand_over = false)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -378,7 +381,8 @@ class PartitionSet {
       ABSL_LOCKS_EXCLUDED(mu_);
   void EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
                      const GradStats& stats, uint64_t chunks_done) ABSL_LOCKS_EXCLUDED(mu_);
-  // What the gradients returned since the last step add up to.
+  // What the gradients returned since the last step add up to (once the
+  // accumulations and measurements under way have ended).
   PendingGradients Pending() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Pins every partition with gradients ready for one step (waiting for a
@@ -524,7 +528,7 @@ class PartitionSet {
   absl::Mutex placement_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
   // Signalled when a step ends.
-  absl::CondVar step_ended_;
+  mutable absl::CondVar step_ended_;  // also: an accumulation ended
   // Ordered by id, so that steps and fetch-all visit partitions in
   // registration order.
   std::map<uint64_t, std::unique_ptr<Partition>> partitions_ ABSL_GUARDED_BY(mu_);

@@ -332,7 +332,8 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t par
                                              uint64_t numel, DType grad_dtype, bool hand_over) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    FindOwning(key, absl::MakeConstSpan(&partition_id, 1)));
-  return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype, hand_over);
+  return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype, hand_over,
+                            session);
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key,

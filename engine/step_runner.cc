@@ -35,8 +35,39 @@ void StepRunner::Sync(StepPoint point) {
 }
 
 absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t numel,
-                                    DType grad_dtype, bool hand_over) {
+                                    DType grad_dtype, bool hand_over,
+                                    std::shared_ptr<void> keep_alive) {
   ASSIGN_OR_RETURN(AccumulateItem item, set.BeginAccumulate(id, numel, grad_dtype, hand_over));
+  if (item.hand_over && keep_alive != nullptr) {
+    item.background = true;
+    absl::MutexLock lock(&mu_);
+    measures_.push_back(Measure{std::move(keep_alive), &set, item});
+    return absl::OkStatus();
+  }
+  return AccumulateChunks(set, item);
+}
+
+void StepRunner::Measurer() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    mu_.Await(absl::Condition(
+        +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return !r->measures_.empty() || r->stopping_;
+        },
+        this));
+    if (measures_.empty()) return;
+    Measure m = std::move(measures_.front());
+    measures_.pop_front();
+    mu_.Unlock();
+    Sync(StepPoint::kMeasuring);
+    AccumulateChunks(*m.set, m.item).IgnoreError();  // recorded in the set (accum_lost)
+    m = Measure{};  // the session may go now, outside the lock
+    mu_.Lock();
+  }
+}
+
+absl::Status StepRunner::AccumulateChunks(PartitionSet& set, const AccumulateItem& item) {
+  const uint64_t id = item.id;
   GradStats stats;
   absl::Status status;
   uint64_t done = 0;
@@ -71,6 +102,7 @@ absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t num
 StepRunner::StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats)
     : optimizer_(optimizer), pool_(pool), stats_(stats) {
   worker_ = std::thread([this] { Worker(); });
+  measurer_ = std::thread([this] { Measurer(); });
 }
 
 StepRunner::~StepRunner() {
@@ -79,6 +111,7 @@ StepRunner::~StepRunner() {
     stopping_ = true;
   }
   worker_.join();  // runs the steps already started to their end
+  measurer_.join();  // and the measurements
 }
 
 void StepRunner::Worker() {

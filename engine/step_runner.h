@@ -91,6 +91,7 @@ enum class StepPoint {
   kGroupDone,  // after a group of chunks was updated and its finished
                // partitions left the step
   kOptimized,  // after the optimizer, before EndStep
+  kMeasuring,  // on the measuring thread, before it measures handed-over gradients
 };
 
 class StepRunner {
@@ -108,9 +109,17 @@ class StepRunner {
   // by chunk on the optimizer pool, measuring the accumulated values' norm
   // and non-finite count in the same pass (PartitionSet::BeginAccumulate
   // for the errors).
-  // `hand_over`: see PartitionSet::BeginAccumulate.
+  //
+  // `hand_over` (PartitionSet::BeginAccumulate): the gradients are only
+  // measured, and stay for the step. Given `keep_alive` (what owns `set`),
+  // the measuring runs on the runner's measuring thread and the call
+  // returns once the request is checked: the trainer does not wait for it
+  // (the buffer is the daemon's anyway); Pending, Step and a fetch of the
+  // buffer wait for it, and if it fails the gradients are lost (the step
+  // must be skipped), as for a failed addition.
   absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype,
-                          bool hand_over = false);
+                          bool hand_over = false, std::shared_ptr<void> keep_alive = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.
@@ -159,6 +168,15 @@ class StepRunner {
     Done done;
   };
   void Worker() ABSL_LOCKS_EXCLUDED(mu_);
+  // Accumulates (or measures) `item` chunk by chunk and ends it.
+  absl::Status AccumulateChunks(PartitionSet& set, const AccumulateItem& item)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  struct Measure {
+    std::shared_ptr<void> keep_alive;
+    PartitionSet* set = nullptr;
+    AccumulateItem item;
+  };
+  void Measurer() ABSL_LOCKS_EXCLUDED(mu_);
 
   Optimizer* const optimizer_;
   const HostPool* const pool_;
@@ -166,8 +184,10 @@ class StepRunner {
   absl::Mutex mu_;
   std::function<void(StepPoint)> sync_point_ ABSL_GUARDED_BY(mu_);
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  std::deque<Measure> measures_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;
+  std::thread measurer_;  // handed-over gradients, measured in order
 };
 
 }  // namespace offload
