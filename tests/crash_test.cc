@@ -138,6 +138,13 @@ std::string MakeTmp(const char* name) {
   return mkdtemp(t.data());
 }
 
+// Inside `root` (which the test removes): a killed daemon leaves its swap
+// file behind, 128 MiB each.
+std::string MakeTmpIn(const std::string& root, const char* name) {
+  std::string t = absl::StrCat(root, "/", name, ".XXXXXX");
+  return mkdtemp(t.data());
+}
+
 void CopyDir(const std::string& from, const std::string& to) {
   std::filesystem::remove_all(to);
   std::filesystem::copy(from, to, std::filesystem::copy_options::recursive);
@@ -152,7 +159,7 @@ TEST(Crash, KillNineAnywhereThenRestoreContinuesBitForBit) {
   // The uninterrupted run: checkpoint after step 3, then steps 4..12.
   std::map<int, Params> reference;
   {
-    auto d = DaemonProcess::Start(DaemonFlags(MakeTmp("nvme")));
+    auto d = DaemonProcess::Start(DaemonFlags(MakeTmpIn(root, "nvme")));
     ASSERT_TRUE(d.ok()) << d.status();
     Job job;
     absl::Status opened = job.Open((*d)->address());
@@ -172,7 +179,7 @@ TEST(Crash, KillNineAnywhereThenRestoreContinuesBitForBit) {
   // checkpoint at step 5), so that kills land anywhere in it.
   absl::Duration span;
   {
-    auto d = DaemonProcess::Start(DaemonFlags(MakeTmp("nvme")));
+    auto d = DaemonProcess::Start(DaemonFlags(MakeTmpIn(root, "nvme")));
     ASSERT_TRUE(d.ok()) << d.status();
     Job job;
     ASSERT_TRUE(job.Open((*d)->address(), ckpt).ok());
@@ -198,7 +205,7 @@ TEST(Crash, KillNineAnywhereThenRestoreContinuesBitForBit) {
     CopyDir(ckpt, dir);
     std::atomic<const char*> phase{"opening"};
     {
-      auto d = DaemonProcess::Start(DaemonFlags(MakeTmp("nvme")));
+      auto d = DaemonProcess::Start(DaemonFlags(MakeTmpIn(root, "nvme")));
       ASSERT_TRUE(d.ok()) << d.status();
       Job job;
       absl::Status reopened = job.Open((*d)->address(), dir);
@@ -245,7 +252,7 @@ TEST(Crash, KillNineAnywhereThenRestoreContinuesBitForBit) {
     // copied in (step 3) or the one the dead daemon committed (step 5).
     const uint64_t steps = ManifestSteps(dir);
     ASSERT_TRUE(steps == 3 || steps == 5) << steps;
-    auto d = DaemonProcess::Start(DaemonFlags(MakeTmp("nvme")));
+    auto d = DaemonProcess::Start(DaemonFlags(MakeTmpIn(root, "nvme")));
     ASSERT_TRUE(d.ok()) << d.status();
     Job job;
     absl::Status opened = job.Open((*d)->address(), dir);
@@ -273,7 +280,7 @@ uint16_t ToBf16(float f) {
 TEST(Offloadctl, ChecksPointsASessionByIdAndExportsSafetensors) {
   const std::string root = MakeTmp("ctl");
   RemoveOnExit cleanup(root);
-  auto d = DaemonProcess::Start(DaemonFlags(MakeTmp("nvme")));
+  auto d = DaemonProcess::Start(DaemonFlags(MakeTmpIn(root, "nvme")));
   ASSERT_TRUE(d.ok()) << d.status();
   Job job;
   ASSERT_TRUE(job.Open((*d)->address()).ok());
