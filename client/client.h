@@ -297,9 +297,10 @@ class Session {
   // buffers are handed over instead of back: on a step's only micro-batch
   // the daemon measures the gradients (in the background: the call does
   // not wait for it) and its step reads them in place, and until that
-  // partition's update has read them a Fetch with grads of it waits (while
-  // measured or updated) or is FAILED_PRECONDITION (before the step); do
-  // not write the buffer meanwhile.
+  // partition's update has read them the buffer is the daemon's: do not
+  // write it; a Fetch with grads of it waits while it is measured or
+  // updated, and before the step takes it back (the daemon copies the
+  // gradients into the accumulator first, so another micro-batch adds).
   absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release = false,
                                bool hand_over = false);
   // The squared norm and overflow of what was returned since the last

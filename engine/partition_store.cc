@@ -549,10 +549,12 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       }
       for (Partition* p : wanted) {
         if (!p->handed_over) continue;
+        // (StepRunner::Reclaim takes buffers back before a fetch; this is a
+        // return with hand_over that raced with it.)
         return absl::FailedPreconditionError(absl::StrCat(
-            "partition ", p->info.id, " ('", p->info.name, "'): its gradient buffer holds "
-            "gradients handed over for the next step (ReturnGradients with hand_over), which "
-            "no step has read yet: step first, or hand over only a step's last micro-batch"));
+            "partition ", p->info.id, " ('", p->info.name, "'): its gradient buffer was "
+            "handed over (ReturnGradients with hand_over) while this fetch took it back; "
+            "fetch again"));
       }
     }
   }
@@ -772,9 +774,61 @@ absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem&
   return pins;
 }
 
+std::vector<uint64_t> PartitionSet::HandedOver(absl::Span<const uint64_t> ids) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint64_t> out;
+  auto check = [&out](const Partition* p) {
+    if (p != nullptr && p->handed_over && !p->in_step) out.push_back(p->info.id);
+  };
+  if (ids.empty()) {
+    for (const auto& [id, p] : partitions_) check(p.get());
+  } else {
+    for (uint64_t id : ids) check(Find(id));
+  }
+  return out;
+}
+
+absl::StatusOr<std::optional<AccumulateItem>> PartitionSet::BeginReclaim(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+  if (p->accumulating) {  // a measurement under way
+    stats_->waits_for_step.fetch_add(1, std::memory_order_relaxed);
+    do {
+      step_ended_.Wait(&mu_);
+    } while (p->accumulating);
+  }
+  if (!p->handed_over || p->in_step) return std::nullopt;
+  p->accumulating = true;
+  AccumulateItem item;
+  item.id = id;
+  item.numel = p->info.numel;
+  item.chunks = ChunksOf(p->info.numel);
+  item.grad_dtype = p->info.grad_dtype;
+  item.first = true;
+  item.reclaim = true;
+  return item;
+}
+
 void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
                                  const GradStats& stats, uint64_t chunks_done) {
   std::vector<Swapper::Pin> handed_back;
+  if (item.reclaim) {
+    {
+      absl::MutexLock lock(&mu_);
+      Partition* p = Find(item.id);
+      p->accumulating = false;
+      // On success the accumulator holds what the buffer held (the same
+      // statistics); on failure the buffer still does.
+      if (outcome.ok()) p->handed_over = false;
+      step_ended_.SignalAll();
+    }
+    if (!outcome.ok()) return;
+    for (uint64_t c = 0; c < item.chunks; ++c) {
+      swapper_->Discard(PartitionStore::BlockOf(item.id, c, PartitionStore::kGradsBlock))
+          .IgnoreError();
+    }
+    return;
+  }
   {
     absl::MutexLock lock(&mu_);
     Partition* p = Find(item.id);
@@ -1185,8 +1239,8 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
                              "first"
         : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
         : p->accum_lost        ? "lost its accumulated gradients: skip this step first"
-        : p->handed_over ? "holds gradients handed over for the next step (ReturnGradients "
-                           "with hand_over): step first"
+        : p->handed_over ? "had gradients handed over (ReturnGradients with hand_over) while "
+                           "the checkpoint began: checkpoint again"
                          : "";
     if (!why.empty()) {
       return absl::FailedPreconditionError(

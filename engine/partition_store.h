@@ -266,6 +266,9 @@ struct AccumulateItem {
   // Measured after the call returned (StepRunner): a failure cannot be
   // reported to the caller, so it loses the accumulation (skip the step).
   bool background = false;
+  // Not a return: handed-over gradients copied into the accumulator so
+  // that the trainer can have its buffer back before the step (BeginReclaim).
+  bool reclaim = false;
 };
 
 // One chunk of it: the trainer's gradients (read) and the accumulator.
@@ -371,13 +374,25 @@ class PartitionSet {
   // the gradients stay in the buffer, only measured, and the step reads
   // them there, which saves writing and reading an fp32 copy. The buffer
   // is the daemon's until the partition's update has read it: a fetch
-  // with grads waits while it is measured or in a running update, and is
-  // refused with FAILED_PRECONDITION (changing nothing) before a step has
-  // begun; so is a checkpoint. Use it for the last (or only) micro-batch.
+  // with grads waits while it is measured or in a running update; before
+  // the step, StepRunner::Reclaim takes it back (so a fetch here that
+  // finds it still handed over is FAILED_PRECONDITION, changing nothing,
+  // as is a checkpoint). Use it for the last (or only) micro-batch.
   absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype,
                                                  bool hand_over = false)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<AccumulatePins> PinAccumulate(const AccumulateItem& item, uint64_t chunk)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Taking a handed-over buffer back before the step: of `ids` (empty: all),
+  // those whose buffer is handed over and not in a step; for each,
+  // BeginReclaim (after a measurement under way ends) gives an item that
+  // copies the gradients into the accumulator as a first accumulation would
+  // (PinAccumulate, EndAccumulate: the statistics stay, the buffer is the
+  // trainer's again, its bytes dropped), or nothing if there is no longer
+  // anything to take back. A failure leaves the gradients in the buffer.
+  std::vector<uint64_t> HandedOver(absl::Span<const uint64_t> ids) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::optional<AccumulateItem>> BeginReclaim(uint64_t id)
       ABSL_LOCKS_EXCLUDED(mu_);
   void EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
                      const GradStats& stats, uint64_t chunks_done) ABSL_LOCKS_EXCLUDED(mu_);

@@ -314,6 +314,9 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
                                                    " partitions, got ", ids.size()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
+  // A gradient buffer handed over and not read by a step yet comes back
+  // (its gradients copied into the accumulator) before it is held again.
+  if (mode.grads) RETURN_IF_ERROR(steps_->Reclaim(*session->partitions, ids));
   ASSIGN_OR_RETURN(std::vector<PartitionInfo> out, session->partitions->Fetch(ids, mode));
   stats_->fetches.fetch_add(static_cast<int64_t>(out.size()), std::memory_order_relaxed);
   return out;
@@ -534,6 +537,8 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(
     const SessionKey& key, const std::string& dir, bool background) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
   Session* s = session.get();
+  // Gradients handed over are checkpointed from the accumulator.
+  RETURN_IF_ERROR(steps_->Reclaim(*s->partitions, {}));
   SessionCheckpointState state;
   state.name = s->name;
   state.scaler = s->scaler.get();

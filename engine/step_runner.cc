@@ -47,6 +47,14 @@ absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t num
   return AccumulateChunks(set, item);
 }
 
+absl::Status StepRunner::Reclaim(PartitionSet& set, absl::Span<const uint64_t> ids) {
+  for (uint64_t id : set.HandedOver(ids)) {
+    ASSIGN_OR_RETURN(std::optional<AccumulateItem> item, set.BeginReclaim(id));
+    if (item.has_value()) RETURN_IF_ERROR(AccumulateChunks(set, *item));
+  }
+  return absl::OkStatus();
+}
+
 void StepRunner::Measurer() {
   absl::MutexLock lock(&mu_);
   for (;;) {
@@ -95,7 +103,9 @@ absl::Status StepRunner::AccumulateChunks(PartitionSet& set, const AccumulateIte
     stats += optimizer_->Accumulate(absl::MakeConstSpan(&task, 1));
   }
   set.EndAccumulate(item, status, stats, done);
-  if (status.ok()) stats_->gradients_returned.fetch_add(1, std::memory_order_relaxed);
+  if (status.ok() && !item.reclaim) {
+    stats_->gradients_returned.fetch_add(1, std::memory_order_relaxed);
+  }
   return status;
 }
 

@@ -120,6 +120,13 @@ class StepRunner {
   absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype,
                           bool hand_over = false, std::shared_ptr<void> keep_alive = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives the trainer back the handed-over gradient buffers of `ids` (empty:
+  // all) that no step has read yet, copying their gradients into the
+  // accumulators first (PartitionSet::BeginReclaim); a fetch with grads and
+  // a checkpoint call it. The swapper's errors if a copy fails (the
+  // gradients stay in the buffer then).
+  absl::Status Reclaim(PartitionSet& set, absl::Span<const uint64_t> ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.

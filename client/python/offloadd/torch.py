@@ -120,6 +120,12 @@ class _Engine:
         self._sweep_queued = False
         self._returns = []  # (shard, this rank's averaged gradient slice) not yet returned
         self._return_bytes = 0
+        # With one micro-batch per step, gradient buffers are handed over:
+        # the daemon measures them and its step reads them in place (no fp32
+        # accumulator written and read). A second return of a partition
+        # before the step (tied weights, another backward pass) still works:
+        # the fetch takes the buffer back into the accumulator.
+        self._hand_over = config.get("gradient_accumulation_steps", 1) == 1
         # Whether a forward or backward pass holds every partition from its
         # start to its end (one fetch and one release per pass instead of
         # one each per module): when the working parameters rest on the
@@ -408,7 +414,8 @@ class _Engine:
                 dst[:n].copy_(mine[:n])
                 dst[n:].zero_()
             # A pass holding everything lets go at its end.
-            self.session.return_gradients(views, release=self._held_views is None)
+            self.session.return_gradients(views, release=self._held_views is None,
+                                          hand_over=self._hand_over)
         except BaseException:
             if self._held_views is None:
                 self.session.release(ids)
