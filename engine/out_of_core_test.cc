@@ -55,6 +55,44 @@ FetchMode WithGrads() {
   return mode;
 }
 
+// Holds the next overlapped step after its first group of chunks: the
+// step's thread waits at StepPoint::kGroupDone until Open() (or the
+// gate's end). Destroy it after the step has ended (WaitStep).
+class FirstGroupGate {
+ public:
+  explicit FirstGroupGate(Engine& engine) : engine_(engine) {
+    engine.steps->SetSyncPointForTesting([this](StepPoint point) {
+      if (point != StepPoint::kGroupDone || groups_++ != 0) return;
+      reached_.Notify();
+      open_.WaitForNotification();
+    });
+  }
+  ~FirstGroupGate() {
+    Open();
+    engine_.steps->SetSyncPointForTesting(nullptr);
+  }
+  void AwaitReached() { reached_.WaitForNotification(); }
+  void Open() {
+    if (!open_.HasBeenNotified()) open_.Notify();
+  }
+
+ private:
+  Engine& engine_;
+  std::atomic<int> groups_{0};
+  absl::Notification reached_, open_;
+};
+
+// Whether a call began waiting for a step (the count moved past `before`)
+// within 20 s.
+bool AwaitAWaitForStep(Engine& engine, int64_t before) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.stats.waits_for_step.load() == before) {
+    if (absl::Now() > deadline) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
 // One trainer: a session with the partitions of kSizes (bf16 working copy,
 // fp32 gradients), its arena mapped. It holds one partition at a time, as
 // ZeRO-3 holds a layer's.
@@ -869,18 +907,12 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
     ASSERT_TRUE(engine.sessions->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32).ok());
     ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
   }
-  absl::Notification reached, release;
-  std::atomic<int> groups{0};
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point != StepPoint::kGroupDone || groups++ != 0) return;
-    reached.Notify();
-    release.WaitForNotification();
-  });
+  FirstGroupGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   auto started = engine.sessions->Step(t.key(), AdamHyperparams{}, overlap);
   ASSERT_TRUE(started.ok()) << started.status();
-  reached.WaitForNotification();
+  gate.AwaitReached();
   // The first group updated the partition fetched first: it is out of the
   // step, and fetching it does not wait.
   const int64_t waits = engine.stats.waits_for_step.load();
@@ -891,16 +923,11 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
   // The last one is still in the step: its fetch waits for it.
   absl::StatusOr<std::vector<PartitionInfo>> waited;
   std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {last}); });
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (engine.stats.waits_for_step.load() == waits) {
-    ASSERT_LT(absl::Now(), deadline);
-    std::this_thread::yield();
-  }
-  release.Notify();
+  ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
+  gate.Open();
   fetcher.join();
   ASSERT_TRUE(waited.ok());
   EXPECT_EQ((*waited)[0].step, 1u);
-  engine.steps->SetSyncPointForTesting(nullptr);
   auto outcome = engine.sessions->WaitStep(t.key());
   ASSERT_TRUE(outcome.ok());
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
@@ -1018,24 +1045,17 @@ TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
   ASSERT_TRUE(t.Step().ok());  // step 1: its version is pending
   const std::string v0 = t.Params();
   t.ReturnGradients(2);
-  absl::Notification reached, release;
-  std::atomic<int> groups{0};
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point != StepPoint::kGroupDone || groups++ != 0) return;
-    reached.Notify();
-    release.WaitForNotification();
-  });
+  FirstGroupGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
-  reached.WaitForNotification();  // step 2 is midway
+  gate.AwaitReached();  // step 2 is midway
   const int64_t waits = engine.stats.waits_for_step.load();
   const std::string during = t.Params();  // every partition, no waiting
   EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
   EXPECT_TRUE(during != v0);  // step 1's version became current at this commit
-  release.Notify();
+  gate.Open();
   ASSERT_TRUE(engine.sessions->WaitStep(t.key()).ok());
-  engine.steps->SetSyncPointForTesting(nullptr);
   EXPECT_TRUE(t.Params() == during);  // step 2's version waits for the next commit
   // Holding a partition whose newer version must become current is refused.
   t.ReturnGradients(3);
@@ -1071,17 +1091,11 @@ TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   }
   for (size_t i : {2, 0, 1}) give(i, /*fetch=*/false);
   for (size_t i : {0, 1, 2}) ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[i].id}).ok());
-  absl::Notification reached, release;
-  std::atomic<int> groups{0};
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point != StepPoint::kGroupDone || groups++ != 0) return;
-    reached.Notify();
-    release.WaitForNotification();
-  });
+  FirstGroupGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
-  reached.WaitForNotification();
+  gate.AwaitReached();
   // The partition returned first is updated first: the next iteration
   // returns its gradients without waiting.
   const int64_t waits = engine.stats.waits_for_step.load();
@@ -1091,14 +1105,9 @@ TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   // The one returned last is still in the update: fetching it does not wait
   // (DPU), returning its gradients does.
   std::thread returner([&] { give(1, /*fetch=*/true); });
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (engine.stats.waits_for_step.load() == waits) {
-    ASSERT_LT(absl::Now(), deadline);
-    std::this_thread::yield();
-  }
-  release.Notify();
+  ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
+  gate.Open();
   returner.join();
-  engine.steps->SetSyncPointForTesting(nullptr);
   ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[1].id}).ok());
   auto outcome = engine.sessions->WaitStep(t.key());
   ASSERT_TRUE(outcome.ok()) << outcome.status();
@@ -1181,32 +1190,21 @@ TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
   // two chunks; partition 0 has five).
   t.ReturnGradients(2);
   ref.ReturnGradients(2);
-  absl::Notification reached, release;
-  std::atomic<int> groups{0};
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point != StepPoint::kGroupDone || groups++ != 0) return;
-    reached.Notify();
-    release.WaitForNotification();
-  });
+  FirstGroupGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   AdamHyperparams h;
   h.lr = 1e-2;
   h.weight_decay = 0.01;
   ASSERT_TRUE(engine.sessions->Step(t.key(), h, overlap).ok());
-  reached.WaitForNotification();
+  gate.AwaitReached();
   const PartitionInfo& p0 = t.parts()[0];
   const int64_t waits = engine.stats.waits_for_step.load();
   absl::StatusOr<std::vector<PartitionInfo>> waited;
   std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {p0.id}, WithGrads()); });
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (engine.stats.waits_for_step.load() == waits) {
-    ASSERT_LT(absl::Now(), deadline);
-    std::this_thread::yield();
-  }
-  release.Notify();
+  ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
+  gate.Open();
   fetcher.join();
-  engine.steps->SetSyncPointForTesting(nullptr);
   ASSERT_TRUE(waited.ok()) << waited.status();
   EXPECT_EQ((*waited)[0].step, 2u);
   ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
@@ -1241,11 +1239,7 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
   absl::StatusOr<std::vector<PartitionInfo>> fetched;
   std::thread fetcher(
       [&] { fetched = engine.sessions->Fetch(t.key(), {t.parts()[0].id}, WithGrads()); });
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (engine.stats.waits_for_step.load() == waits) {
-    ASSERT_LT(absl::Now(), deadline);
-    std::this_thread::yield();
-  }
+  ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
   absl::SleepFor(absl::Milliseconds(50));
   EXPECT_FALSE(pending_done.load());
   go.Notify();
