@@ -1258,6 +1258,81 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
   EXPECT_TRUE(t.Params() == ref.Params());
 }
 
+// A skipped step consumes handed-over gradients as it does accumulated
+// ones: the parameters stay, and the next step sees only the next
+// gradients.
+TEST(OutOfCore, ASkippedStepConsumesHandedOverGradients) {
+  Engine engine(TmpDir("handskip"), 64 << 20);
+  Trainer t(&engine, All(100)), ref(&engine, All(100));
+  t.HandOver(true);
+  const std::string before = t.Params();
+  t.ReturnGradients(1);
+  ref.ReturnGradients(1);
+  ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, SkipControl()).ok());
+  ASSERT_TRUE(engine.sessions->Step(ref.key(), AdamHyperparams{}, SkipControl()).ok());
+  EXPECT_TRUE(t.Params() == before);
+  auto none = t.Pending();
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->micro_batches, 0u);
+  EXPECT_EQ(none->partitions, 0u);
+  t.ReturnGradients(2);
+  ref.ReturnGradients(2);
+  auto a = t.Pending(), b = ref.Pending();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0)
+      << a->stats.sq_norm << " vs " << b->stats.sq_norm;
+  ASSERT_TRUE(t.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() != before);
+  EXPECT_TRUE(t.Params() == ref.Params());
+}
+
+// With the delayed update, the next iteration's fetches of parameters do
+// not wait for the update; but a handed-over gradient buffer is the
+// update's until it has read it, so fetching it with grads waits for that
+// partition's update.
+TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
+  // Groups of two chunks: partition 0 (five chunks, returned first) is
+  // midway after the first group.
+  Engine engine(TmpDir("handdpu"), 1 << 20), ref_engine(TmpDir("handdpu_ref"), 64 << 20);
+  Trainer t(&engine, All(100)), ref(&ref_engine, All(100));
+  for (Trainer* tr : {&t, &ref}) {
+    Engine& e = tr == &t ? engine : ref_engine;
+    ASSERT_TRUE(e.sessions->SetDelayedUpdate(tr->key(), true).ok());
+  }
+  t.HandOver(true);
+  t.ReturnGradients(1);
+  ref.ReturnGradients(1);
+  FirstGroupGate gate(engine);
+  StepControl overlap;
+  overlap.overlap = true;
+  AdamHyperparams h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.01;
+  ASSERT_TRUE(engine.sessions->Step(t.key(), h, overlap).ok());
+  gate.AwaitReached();
+  const PartitionInfo& p0 = t.parts()[0];
+  const int64_t waits = engine.stats.waits_for_step.load();
+  ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p0.id}).ok());  // parameters: at once
+  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
+  absl::StatusOr<std::vector<PartitionInfo>> waited;
+  std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {p0.id}, WithGrads()); });
+  ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
+  gate.Open();
+  fetcher.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
+  ASSERT_TRUE(engine.sessions->WaitStep(t.key()).ok());
+  ASSERT_TRUE(ref.Step().ok());
+  // One more step makes step 1's version current on both.
+  t.ReturnGradients(2);
+  ref.ReturnGradients(2);
+  ASSERT_TRUE(t.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() == ref.Params());
+}
+
 // Stress: with DPU and overlapped steps, a reader fetching every partition
 // over and over while each update runs always sees the one version made
 // current at that step's commit, whole (data on NVMe, a small pool).

@@ -547,15 +547,9 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
           step_ended_.Wait(&mu_);
         } while (busy());
       }
-      for (Partition* p : wanted) {
-        if (!p->handed_over) continue;
-        // (StepRunner::Reclaim takes buffers back before a fetch; this is a
-        // return with hand_over that raced with it.)
-        return absl::FailedPreconditionError(absl::StrCat(
-            "partition ", p->info.id, " ('", p->info.name, "'): its gradient buffer was "
-            "handed over (ReturnGradients with hand_over) while this fetch took it back; "
-            "fetch again"));
-      }
+      // (StepRunner::Reclaim takes buffers back before a fetch; this is a
+      // return with hand_over that raced with it.)
+      RETURN_IF_ERROR(RefuseHandedOverLocked(wanted));
     }
   }
   // Outside the lock: swap-ins take time. Pins taken here that turn out not
@@ -619,6 +613,9 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       }
       continue;
     }
+    // Checked again: a return with hand_over may have finished while the
+    // pins were taken (`taken` lets them go, after the lock).
+    if (mode.grads) RETURN_IF_ERROR(RefuseHandedOverLocked(wanted));
     out.reserve(wanted.size());
     // Marked under the lock a checkpoint begins under: either it sees the
     // hold (and refuses), or this sees it (and captures before returning).
@@ -729,6 +726,11 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
     return absl::FailedPreconditionError(absl::StrCat(
         "partition ", id, " ('", p->info.name, "') is in a step that stopped midway; call Step "
         "again before returning new gradients"));
+  }
+  if (p->handed_over) {  // only a return racing with a fetch gets here
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", id, " ('", p->info.name, "'): its gradients were just handed over "
+        "(hand_over) by another call; fetch the buffer with grads again first"));
   }
   if (p->grad_pins.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1095,6 +1097,16 @@ bool PartitionSet::delayed_update() const {
   return delayed_;
 }
 
+absl::Status PartitionSet::RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const {
+  for (const Partition* p : wanted) {
+    if (!p->handed_over) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", p->info.id, " ('", p->info.name, "'): its gradient buffer was handed "
+        "over (ReturnGradients with hand_over) while this fetch took it back; fetch again"));
+  }
+  return absl::OkStatus();
+}
+
 int PartitionSet::GradsKind(const StepItem& item) {
   return item.hand_over ? PartitionStore::kGradsBlock : PartitionStore::kAccumBlock;
 }
@@ -1128,6 +1140,14 @@ void PartitionSet::EndPartition(const StepItem& item) {
 
 void PartitionSet::EndStep(absl::Span<const StepItem> items,
                            absl::Span<const ItemOutcome> outcomes) {
+  // Gradients a skipped step consumed are dead too (an applied step
+  // dropped its own chunk by chunk): dropped while the partitions are still
+  // in the step, so that no fetch and return of the next gradients can
+  // come between and lose theirs.
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (outcomes[i].outcome != StepOutcome::kSkipped) continue;
+    for (uint64_t c = 0; c < items[i].chunks; ++c) ConsumeGrads(items[i], c);
+  }
   bool applied_any = false;
   {
     absl::MutexLock lock(&mu_);
@@ -1150,12 +1170,6 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
     if (applied_any) ++steps_;
     stepping_ = false;
     step_ended_.SignalAll();
-  }
-  // Gradients a skipped step consumed are dead too (an applied step
-  // dropped its own chunk by chunk).
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (outcomes[i].outcome != StepOutcome::kSkipped) continue;
-    for (uint64_t c = 0; c < items[i].chunks; ++c) ConsumeGrads(items[i], c);
   }
   // One iteration of this session's accesses ends here: the swapper learns
   // their order and prefetches the next iteration's first blocks.

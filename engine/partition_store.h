@@ -489,6 +489,10 @@ class PartitionSet {
   static int ParamsKind(const Partition& p, bool next);
   // The block kind a step item's gradients are read from.
   static int GradsKind(const StepItem& item);
+  // FAILED_PRECONDITION if one of `wanted` has its gradient buffer handed
+  // over (a fetch with grads that raced with a return).
+  absl::Status RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A partition's step is over: its gradients are consumed, and, if the
   // update was applied, its step count advances.
   void LeaveStepLocked(Partition* p, const StepItem& item, bool applied)

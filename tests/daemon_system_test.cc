@@ -281,16 +281,18 @@ TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
                         .ok())
             << via;
       }
-      EXPECT_EQ((*handed)->GetPendingGradients()->sq_norm,
-                (*kept)->GetPendingGradients()->sq_norm);
+      auto ph = (*handed)->GetPendingGradients(), pk = (*kept)->GetPendingGradients();
+      ASSERT_TRUE(ph.ok() && pk.ok());
+      EXPECT_EQ(ph->sq_norm, pk->sq_norm);
       if (step == 2) {
         FetchOptions grads;
         grads.grads = true;
         auto back = (*handed)->Fetch(w[0].id, grads);
         ASSERT_TRUE(back.ok()) << via << ": " << back.status();
         ASSERT_TRUE((*handed)->Release(*back).ok());
-        EXPECT_EQ((*handed)->GetPendingGradients()->sq_norm,
-                  (*kept)->GetPendingGradients()->sq_norm);
+        auto again = (*handed)->GetPendingGradients();
+        ASSERT_TRUE(again.ok());
+        EXPECT_EQ(again->sq_norm, pk->sq_norm);
       }
       ASSERT_TRUE((*handed)->Step(AdamHyperparams{}).ok());
       ASSERT_TRUE((*kept)->Step(AdamHyperparams{}).ok());
