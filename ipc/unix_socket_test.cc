@@ -17,12 +17,24 @@
 namespace offload {
 namespace {
 
-std::string TempSocketPath(const char* name) {
-  // TEST_TMPDIR can exceed the 107-byte sun_path limit; /tmp cannot.
-  char dir[] = "/tmp/offload_fd_test.XXXXXX";
-  EXPECT_NE(mkdtemp(dir), nullptr);
-  return std::string(dir) + "/" + name;
-}
+// A directory under /tmp (TEST_TMPDIR can exceed the 107-byte sun_path
+// limit; /tmp cannot), removed with what it holds when this goes.
+class TempSocketDir {
+ public:
+  TempSocketDir() {
+    char dir[] = "/tmp/offload_fd_test.XXXXXX";
+    EXPECT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+  }
+  ~TempSocketDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+  std::string Path(const char* name) const { return dir_ + "/" + name; }
+
+ private:
+  std::string dir_;
+};
 
 TEST(FdPassing, SendsDescriptorAndPayload) {
   int sv[2];
@@ -101,7 +113,8 @@ TEST(FdPassing, PeerCredentialsAreOurs) {
 }
 
 TEST(FdPassing, ListenerIsOwnerOnlyAndExclusive) {
-  std::string path = TempSocketPath("s.sock");
+  TempSocketDir dir;
+  const std::string path = dir.Path("s.sock");
   auto listener = ListenUnixOwnerOnly(path);
   ASSERT_TRUE(listener.ok()) << listener.status();
   struct stat st;
