@@ -1333,6 +1333,56 @@ TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
   EXPECT_TRUE(t.Params() == ref.Params());
 }
 
+// Taking a handed-over buffer back (a fetch with grads before the step)
+// that fails midway, on a swap-in of its gradients: the fetch fails with
+// the read's error and holds nothing, the buffer stays handed over (the
+// chunks already copied are overwritten by the next try), and the retry
+// takes it back whole: the step equals one over the same gradients kept.
+TEST(OutOfCore, AFailedReclaimKeepsTheBufferHandedOverAndTheRetryTakesItBack) {
+  Engine in_memory(TmpDir("reclaim_ref"), 64 << 20);
+  Engine small(TmpDir("reclaim"), RoundUpToPage(TotalBytes() / 4), /*prefetch_depth=*/0);
+  Trainer ref(&in_memory, All(100)), t(&small, All(0));
+  t.HandOver(true);
+  t.ReturnGradients(1);
+  ref.ReturnGradients(1);
+  ASSERT_TRUE(t.Pending().ok());  // measured
+  // Everything out of the pool's cache: to NVMe.
+  const uint64_t limit = small.pool->limit();
+  small.pool->SetLimit(4096);
+  small.swapper->Trim();
+  small.swapper->WaitIdle();
+  small.pool->SetLimit(limit);
+  const PartitionInfo& p0 = t.parts()[0];
+  for (uint64_t c : {0, 1}) {
+    ASSERT_EQ(small.swapper->State(PartitionStore::BlockOf(p0.id, c, PartitionStore::kGradsBlock))
+                  .value(),
+              BlockState::kOnNvme);
+  }
+  // The second chunk's gradients fail to come in (the first is copied).
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.skip = 1;
+  eio.error = EIO;
+  small.faults->AddRule(eio);
+  auto failed = small.sessions->Fetch(t.key(), {p0.id}, WithGrads());
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("still handed over"), std::string::npos)
+      << failed.status();
+  small.faults->ClearRules();
+  EXPECT_EQ(small.sessions->Sessions()[0].held, 0u);
+  EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
+  auto a = t.Pending(), b = ref.Pending();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0);
+  auto again = small.sessions->Fetch(t.key(), {p0.id}, WithGrads());
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(small.sessions->Release(t.key(), {p0.id}).ok());
+  ASSERT_TRUE(t.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() == ref.Params());
+}
+
 // Stress: with DPU and overlapped steps, a reader fetching every partition
 // over and over while each update runs always sees the one version made
 // current at that step's commit, whole (data on NVMe, a small pool).

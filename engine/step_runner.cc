@@ -88,7 +88,8 @@ absl::Status StepRunner::AccumulateChunks(PartitionSet& set, const AccumulateIte
           pins.status().code(),
           absl::StrCat("accumulating the gradients of partition ", id, " (chunk ", done, " of ",
                        item.chunks, "): ", pins.status().message(),
-                       item.first || done == 0
+                       item.reclaim ? "; the buffer is still handed over: fetch it again"
+                       : item.first || done == 0
                            ? "; nothing was accumulated, return them again"
                            : "; the accumulation is lost: skip this step"));
       break;
