@@ -10,7 +10,7 @@
 //       [--steps=5] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
 //       [--queue_depth=32] [--rings=2] [--stripe=1MiB]
-//       [--compute_reps=3] [--no-fio] [--no-compute] [--tiny]
+//       [--compute_reps=3] [--no-fio] [--no-compute] [--hand_over] [--tiny]
 //
 // What runs (one process, in this order):
 //   1. Compute bound: Optimizer::Step (the daemon's optimizer, default
@@ -30,7 +30,11 @@
 //      memfd while held, so the arena is mapped once in this process, as in
 //      the daemon). Then --steps steps, each after every partition was held
 //      with its gradient buffer, its gradients written, returned and
-//      released (outside the timing). The first step
+//      released (outside the timing). With --hand_over the gradients are
+//      returned as offloadd.torch returns them when a step has one
+//      micro-batch (ReturnGradients with hand_over): measured, not
+//      accumulated, and the step reads them from the arena, so the fp32
+//      accumulator on NVMe is never read or written. The first step
 //      learns the access order (and finds its state never written:
 //      zero-filled, no reads); later steps are the steady state.
 //      After every step, once the swapper is idle, one fio round on the same
@@ -138,6 +142,7 @@ struct Flags {
   int compute_reps = 3;
   bool fio = true;
   bool compute = true;
+  bool hand_over = false;
 };
 
 // "400M", "25000000", "1.5G": decimal multiples (a count of parameters).
@@ -388,6 +393,8 @@ int Main(int argc, char** argv) {
       f.fio = false;
     } else if (a == "--no-compute") {
       f.compute = false;
+    } else if (a == "--hand_over") {
+      f.hand_over = true;
     } else if (a == "--tiny") {
       tiny = true;
     } else {
@@ -438,6 +445,10 @@ int Main(int argc, char** argv) {
               "%.2fx\n",
               pool_limit / kGiB, static_cast<double>(state) / f.cache,
               static_cast<double>(state) / pool_limit);
+  if (f.hand_over) {
+    std::printf("gradients handed over (ReturnGradients with hand_over): the accumulator's 4 "
+                "B/param are never read or written\n");
+  }
   std::printf("chunks of %llu elems (%s per kind): %llu blocks; group limit (pool/4) %.0f MiB; "
               "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
               "queue depth %lld, %lld rings; stripe %s\n",
@@ -612,7 +623,9 @@ int Main(int argc, char** argv) {
       for (const PartitionInfo& p : parts) {
         absl::Status s = e.sessions->Fetch(key, {p.id}, backward).status();
         if (s.ok() && !write_region(p.grads, pg)) s = absl::DataLossError("arena write");
-        if (s.ok()) s = e.sessions->ReturnGradients(key, p.id, p.numel, DType::kBf16);
+        if (s.ok()) {
+          s = e.sessions->ReturnGradients(key, p.id, p.numel, DType::kBf16, f.hand_over);
+        }
         if (s.ok()) s = e.sessions->Release(key, {p.id});
         if (!s.ok()) {
           std::fprintf(stderr, "return gradients: %s\n", s.ToString().c_str());

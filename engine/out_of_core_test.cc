@@ -1383,6 +1383,43 @@ TEST(OutOfCore, AFailedReclaimKeepsTheBufferHandedOverAndTheRetryTakesItBack) {
   EXPECT_TRUE(t.Params() == ref.Params());
 }
 
+// Handed-over gradients are measured in the background, beside the
+// trainer's next fetches, at a different point every iteration: the
+// learned order must not take that for a change (it would stop prefetch
+// for every iteration: state on NVMe would be read on demand).
+TEST(OutOfCore, MeasuringInTheBackgroundKeepsTheLearnedOrder) {
+  Engine engine(TmpDir("handtrace"), RoundUpToPage(TotalBytes() / 2));
+  Trainer t(&engine, All(0));
+  SwapperStats before;
+  for (int step = 1; step <= 6; ++step) {
+    if (step == 3) before = engine.swapper->Stats();  // learned by now
+    // This iteration's measurements start after partition step % 3 is
+    // returned.
+    absl::Notification go;
+    engine.steps->SetSyncPointForTesting([&go](StepPoint point) {
+      if (point == StepPoint::kMeasuring) go.WaitForNotification();
+    });
+    for (size_t i = 0; i < t.parts().size(); ++i) {
+      const PartitionInfo& p = t.parts()[i];
+      ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p.id}, WithGrads()).ok());
+      auto* g = reinterpret_cast<float*>(t.arena().data() + p.grads.offset);
+      for (uint64_t j = 0; j < p.numel; ++j) g[j] = 0.001f * static_cast<float>((j + step) % 7);
+      ASSERT_TRUE(engine.sessions
+                      ->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32, /*hand_over=*/true)
+                      .ok());
+      ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
+      if (i == static_cast<size_t>(step % 3)) go.Notify();
+    }
+    ASSERT_TRUE(t.Pending().ok());  // every measurement done
+    engine.steps->SetSyncPointForTesting(nullptr);
+    ASSERT_TRUE(t.Step().ok());
+    engine.swapper->WaitIdle();
+  }
+  const SwapperStats after = engine.swapper->Stats();
+  EXPECT_EQ(after.relearned, before.relearned);
+  EXPECT_GT(after.prefetches, before.prefetches);
+}
+
 // Stress: with DPU and overlapped steps, a reader fetching every partition
 // over and over while each update runs always sees the one version made
 // current at that step's commit, whole (data on NVMe, a small pool).

@@ -323,8 +323,8 @@ absl::StatusOr<PartitionSet::Partition*> PartitionSet::FindOrNotFound(uint64_t i
 }
 
 absl::StatusOr<Swapper::Pin> PartitionSet::PinBlock(uint64_t id, uint64_t chunk, int block_kind,
-                                                    bool for_write) {
-  return swapper_->Acquire(PartitionStore::BlockOf(id, chunk, block_kind), for_write);
+                                                    bool for_write, bool traced) {
+  return swapper_->Acquire(PartitionStore::BlockOf(id, chunk, block_kind), for_write, traced);
 }
 
 absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p, int kind,
@@ -768,8 +768,10 @@ absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem&
   pins.end = std::min(item.numel, pins.begin + state_chunk_elems_);
   // The gradients are held by the trainer (resident); the accumulator is
   // read in unless this is the first micro-batch (then it is overwritten).
-  ASSIGN_OR_RETURN(pins.grads,
-                   PinBlock(item.id, chunk, PartitionStore::kGradsBlock, /*for_write=*/false));
+  // Measuring in the background runs beside the trainer's next fetches, in
+  // an order that differs every iteration: not traced.
+  ASSIGN_OR_RETURN(pins.grads, PinBlock(item.id, chunk, PartitionStore::kGradsBlock,
+                                        /*for_write=*/false, /*traced=*/!item.background));
   if (item.hand_over) return pins;  // measured only: no accumulator
   ASSIGN_OR_RETURN(pins.accum,
                    PinBlock(item.id, chunk, PartitionStore::kAccumBlock, /*for_write=*/true));
@@ -1315,7 +1317,9 @@ void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
   // change captures first).
   absl::Status status;
   for (int kind : kinds) {
-    absl::StatusOr<Swapper::Pin> pin = PinBlock(id, chunk, kind, /*for_write=*/false);
+    // Not traced: a checkpoint's reads are no part of the order that repeats.
+    absl::StatusOr<Swapper::Pin> pin =
+        PinBlock(id, chunk, kind, /*for_write=*/false, /*traced=*/false);
     if (!pin.ok()) {
       status = absl::Status(pin.status().code(),
                             absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",

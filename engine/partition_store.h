@@ -511,8 +511,10 @@ class PartitionSet {
   // lock by the caller).
   absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, int kind, bool for_write)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // `traced`: see Swapper::Acquire (false for work in the background).
   absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind,
-                                        bool for_write) ABSL_LOCKS_EXCLUDED(mu_);
+                                        bool for_write, bool traced = true)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Master weights from the fp32 initial values, and the working copy from
   // them (rounded), chunk by chunk. `p` is held by the trainer.
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);

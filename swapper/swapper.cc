@@ -331,7 +331,7 @@ absl::Status Swapper::Discard(BlockId id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
+absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool traced) {
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
@@ -386,7 +386,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
   }
   // Only uses that happen enter the learned order (a caller that retries
   // after RESOURCE_EXHAUSTED must not make the trace look different).
-  traces_[b->trace].RecordUse(id);
+  if (traced) traces_[b->trace].RecordUse(id);
   ++b->pins;
   if (b->prefetched) {
     b->prefetched = false;
@@ -396,7 +396,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write) {
     ++b->version;
     b->nvme_current = false;
   }
-  SchedulePrefetchLocked(b->trace);
+  if (traced) SchedulePrefetchLocked(b->trace);
   return Pin(this, id, DataOf(*b), b->bytes);
 }
 

@@ -342,6 +342,41 @@ TEST_F(SwapperTest, PrefetchAlongTheTraceMakesEveryUseAHit) {
   EXPECT_EQ(after.prefetch_wasted, 0u);
 }
 
+// Uses in the background (measuring gradients, writing a checkpoint)
+// interleave with the caller's order differently every iteration: untraced,
+// they neither look like a changed order nor stop the prefetch; the same
+// uses traced do both.
+TEST_F(SwapperTest, UntracedUsesLeaveTheLearnedOrderAlone) {
+  Make(4 * kMiB, /*prefetch_depth=*/2);
+  for (uint64_t id = 1; id <= 8; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 8; ++id) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  swapper_->WaitIdle();
+  // One iteration in the learned order, with an out-of-order use after
+  // each use (9 - id: 8, 7, ...).
+  auto iteration = [&](bool traced) {
+    for (uint64_t id = 1; id <= 8; ++id) {
+      ExpectHolds(id, static_cast<uint32_t>(id));
+      auto other = swapper_->Acquire(9 - id, /*for_write=*/false, traced);
+      ASSERT_TRUE(other.ok()) << other.status();
+      EXPECT_TRUE(Holds(*other, static_cast<uint32_t>(9 - id)));
+      other->Reset();
+      swapper_->WaitIdle();
+    }
+    swapper_->EndIteration(7);
+    swapper_->WaitIdle();
+  };
+  SwapperStats before = swapper_->Stats();
+  iteration(/*traced=*/false);
+  SwapperStats after = swapper_->Stats();
+  EXPECT_EQ(after.relearned, before.relearned);
+  EXPECT_GE(after.prefetches - before.prefetches, 4u);
+  before = after;
+  iteration(/*traced=*/true);
+  after = swapper_->Stats();
+  EXPECT_EQ(after.relearned, before.relearned + 1);
+}
+
 TEST_F(SwapperTest, RemoveDuringReadInFreesItWhenTheReadEnds) {
   Make(kMiB);
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
