@@ -18,8 +18,9 @@ class PosixEnv final : public Env {
     return HostMemory::Allocate(bytes, huge_pages);
   }
 
-  absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes) override {
-    return HostMemory::MapShared(fd, offset, bytes);
+  absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
+                                       SharedPages pages) override {
+    return HostMemory::MapShared(fd, offset, bytes, pages);
   }
 
   absl::StatusOr<UniqueFd> CreateMemfd(const std::string& label) override {

@@ -32,8 +32,10 @@ class Env {
   // Private zeroed memory (HostMemory::Allocate).
   virtual absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages) = 0;
 
-  // A shared mapping of `bytes` of `fd` from `offset` (HostMemory::MapShared).
-  virtual absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes) = 0;
+  // A shared mapping of `bytes` of `fd` from `offset`, asking the kernel for
+  // `pages` (HostMemory::MapShared).
+  virtual absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
+                                               SharedPages pages) = 0;
 
   // An anonymous memory file that can be sealed (memfd_create with
   // MFD_CLOEXEC | MFD_ALLOW_SEALING). `label` only names it in /proc.

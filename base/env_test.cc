@@ -13,7 +13,7 @@ TEST(Env, DefaultDoesWhatItSays) {
   auto fd = env->CreateMemfd("env_test");
   ASSERT_TRUE(fd.ok()) << fd.status();
   ASSERT_TRUE(env->ResizeFile(fd->get(), 4096).ok());
-  auto shared = env->MapShared(fd->get(), 0, 4096);
+  auto shared = env->MapShared(fd->get(), 0, 4096, SharedPages::kSystemDefault);
   ASSERT_TRUE(shared.ok());
   auto mem = env->Allocate(100, /*huge_pages=*/true);
   ASSERT_TRUE(mem.ok());
@@ -41,7 +41,7 @@ TEST(FaultInjectingEnv, FailsExactlyTheNthCallWithTheRealCode) {
   char buf[4];
   EXPECT_EQ(env.RandomBytes(buf, 4).code(), absl::StatusCode::kDataLoss);
   env.FailNth(EnvOp::kMapShared, 1, ENOMEM);
-  EXPECT_EQ(env.MapShared(-1, 0, 4096).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(env.MapShared(-1, 0, 4096, SharedPages::kSystemDefault).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

@@ -31,11 +31,11 @@ absl::StatusOr<HostMemory> FaultInjectingEnv::Allocate(uint64_t bytes, bool huge
 }
 
 absl::StatusOr<HostMemory> FaultInjectingEnv::MapShared(int fd, uint64_t offset,
-                                                        uint64_t bytes) {
+                                                        uint64_t bytes, SharedPages pages) {
   if (int err = Next(EnvOp::kMapShared)) {
     return PosixError(absl::StrCat("mmap ", bytes, " bytes shared (injected)"), err);
   }
-  return target_->MapShared(fd, offset, bytes);
+  return target_->MapShared(fd, offset, bytes, pages);
 }
 
 absl::StatusOr<UniqueFd> FaultInjectingEnv::CreateMemfd(const std::string& label) {

@@ -4,8 +4,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <fstream>
+#include <string>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/posix_error.h"
 
@@ -37,9 +40,13 @@ absl::StatusOr<HostMemory> HostMemory::Allocate(uint64_t bytes, bool huge_pages)
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
 }
 
-absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64_t bytes) {
+absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64_t bytes,
+                                                 SharedPages pages) {
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);
+  // The kernel places a shared mapping of shmem at an address congruent to
+  // `offset` modulo the huge page size, so huge pages of the file can be
+  // mapped whole.
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd,
                  static_cast<off_t>(offset));
   if (p == MAP_FAILED) {
@@ -47,7 +54,33 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
                                    fd, " shared"),
                       errno);
   }
+  // Best effort, as for private memory: EINVAL without THP in the kernel.
+  if (pages == SharedPages::kHuge) madvise(p, mapped, MADV_HUGEPAGE);
+  if (pages == SharedPages::kSmall) madvise(p, mapped, MADV_NOHUGEPAGE);
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
+}
+
+uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes) {
+  const size_t open = shmem_enabled.find('[');
+  const size_t close = shmem_enabled.find(']', open);
+  if (open == std::string::npos || close == std::string::npos) return 0;
+  const std::string mode = shmem_enabled.substr(open + 1, close - open - 1);
+  const bool huge = mode == "advise" || mode == "within_size" || mode == "always" ||
+                    mode == "force";
+  if (!huge || pmd_bytes <= PageSize() || (pmd_bytes & (pmd_bytes - 1)) != 0) return 0;
+  return pmd_bytes;
+}
+
+uint64_t SharedHugePageBytes() {
+  static const uint64_t bytes = [] {
+    std::string mode, pmd;
+    std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/shmem_enabled"), mode);
+    std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"), pmd);
+    uint64_t pmd_bytes = 0;
+    if (!absl::SimpleAtoi(pmd, &pmd_bytes)) return uint64_t{0};
+    return SharedHugePageBytesFrom(mode, pmd_bytes);
+  }();
+  return bytes;
 }
 
 HostMemory::HostMemory(HostMemory&& other) noexcept

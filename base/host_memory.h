@@ -9,8 +9,12 @@
 // project's VMs), so a direct read or write from 4 KiB pages carries at most
 // about 1 MiB per request; 2 MiB pages lift that (benches/RESULTS.md). With
 // `huge_pages` a private mapping asks for them (MADV_HUGEPAGE); best effort,
-// THP may be off. Shared mappings of a memfd (shmem) get them only if
-// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows, and do not ask.
+// THP may be off. Shared mappings of a memfd (shmem) get them only where
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (advise,
+// within_size, always; SharedHugePageBytes says), and a mapping asks or
+// declines with SharedPages. On this project's VMs direct reads into fresh
+// 4 KiB shmem pages made a ZeRO-3 pass over parameters on NVMe 1.4-6.3x
+// slower than into 2 MiB ones (benches/RESULTS.md, trace_replay).
 //
 // Thread-safety: a HostMemory is a value; the bytes are the caller's to
 // synchronise.
@@ -19,10 +23,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
 
 namespace offload {
+
+// What a shared mapping asks of the kernel for the file's pages it faults
+// in: whatever the system's default is, huge pages (MADV_HUGEPAGE), or
+// small pages only (MADV_NOHUGEPAGE: where the caller accounts for memory
+// in 4 KiB pages, a huge page would hold more than it counted). Best effort:
+// a kernel without transparent huge pages ignores it.
+enum class SharedPages { kSystemDefault, kHuge, kSmall };
 
 class HostMemory {
  public:
@@ -32,7 +44,8 @@ class HostMemory {
   // Maps `bytes` of `fd` (borrowed) from `offset` (a multiple of the page
   // size) shared, read-write. MAP_NORESERVE: pages exist as the file holds
   // them and they are touched, so a mapping may reach past the file's end.
-  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes);
+  static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
+                                              SharedPages pages = SharedPages::kSystemDefault);
 
   HostMemory() = default;
   HostMemory(HostMemory&& other) noexcept;
@@ -63,6 +76,18 @@ class HostMemory {
 // Page size of this machine (sysconf), and `bytes` rounded up to it.
 uint64_t PageSize();
 uint64_t RoundUpToPage(uint64_t bytes);
+
+// The huge page size a shared mapping of a memfd gets when it asks for
+// huge pages (SharedPages::kHuge): the PMD size where
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled is advise, within_size,
+// always or force; 0 where it is never or deny, or the files are missing.
+// Read once: the setting is the node administrator's, and a change takes
+// effect for offloadd at its next start.
+uint64_t SharedHugePageBytes();
+
+// Parses shmem_enabled's text (the selected value in brackets) and the PMD
+// size for SharedHugePageBytes; exposed for tests.
+uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes);
 
 // Frees the pages behind `bytes` (rounded up to pages) of a shared mapping
 // from `data` (page-aligned): the file's pages themselves go (MADV_REMOVE,

@@ -5,12 +5,44 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <utility>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 
 namespace offload {
 namespace {
+
+// The lines /proc/self/smaps gives for the mapping that starts at `start`.
+std::string SmapsOf(const void* start) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::ostringstream want;
+  want << std::hex << reinterpret_cast<uintptr_t>(start) << "-";
+  std::string line, out;
+  bool in = false;
+  while (std::getline(smaps, line)) {
+    const bool header = !line.empty() && line.find(':') > line.find(' ');
+    if (header) in = line.rfind(want.str(), 0) == 0;
+    if (in) out += line + "\n";
+  }
+  return out;
+}
+
+// A field of SmapsOf's text, in kB (-1 if absent).
+int64_t SmapsKb(const std::string& smaps, const std::string& field) {
+  for (absl::string_view line : absl::StrSplit(smaps, '\n')) {
+    if (!absl::ConsumePrefix(&line, field + ":")) continue;
+    line = absl::StripAsciiWhitespace(line);
+    absl::ConsumeSuffix(&line, " kB");
+    int64_t kb = -1;
+    if (absl::SimpleAtoi(line, &kb)) return kb;
+  }
+  return -1;
+}
 
 TEST(HostMemory, AllocateIsZeroedPageAlignedAndMovable) {
   auto m = HostMemory::Allocate(10000);
@@ -47,6 +79,80 @@ TEST(HostMemory, MapSharedSeesTheFileAndIsUnmappedOnce) {
   // Both mappings are gone: the address is no longer mapped.
   EXPECT_EQ(msync(seen, 4096, MS_ASYNC), -1);
   EXPECT_EQ(errno, ENOMEM);
+  close(fd);
+}
+
+TEST(HostMemory, SharedHugePageBytesReadsTheSelectedMode) {
+  const uint64_t pmd = 2 << 20;
+  EXPECT_EQ(SharedHugePageBytesFrom("always within_size [advise] never deny force\n", pmd), pmd);
+  EXPECT_EQ(SharedHugePageBytesFrom("[always] within_size advise never deny force", pmd), pmd);
+  EXPECT_EQ(SharedHugePageBytesFrom("always within_size advise never deny [force]", pmd), pmd);
+  EXPECT_EQ(SharedHugePageBytesFrom("always [within_size] advise never deny force", pmd), pmd);
+  EXPECT_EQ(SharedHugePageBytesFrom("always within_size advise [never] deny force", pmd), 0u);
+  EXPECT_EQ(SharedHugePageBytesFrom("always within_size advise never [deny] force", pmd), 0u);
+  EXPECT_EQ(SharedHugePageBytesFrom("", pmd), 0u);                    // no THP in the kernel
+  EXPECT_EQ(SharedHugePageBytesFrom("[advise]", 3 << 20), 0u);        // not a power of two
+  EXPECT_EQ(SharedHugePageBytesFrom("[advise]", PageSize()), 0u);     // no larger than a page
+}
+
+TEST(HostMemory, SharedMappingsAskForTheirPages) {
+  int fd = memfd_create("host_memory_test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const uint64_t bytes = 4 << 20;
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  auto huge = HostMemory::MapShared(fd, 0, bytes, SharedPages::kHuge);
+  auto small = HostMemory::MapShared(fd, 0, bytes, SharedPages::kSmall);
+  auto plain = HostMemory::MapShared(fd, 0, bytes);
+  ASSERT_TRUE(huge.ok() && small.ok() && plain.ok());
+  const std::string h = SmapsOf(huge->data()), s = SmapsOf(small->data()),
+                    p = SmapsOf(plain->data());
+  ASSERT_FALSE(h.empty() || s.empty() || p.empty()) << "no /proc/self/smaps";
+  if (h.find("THPeligible") == std::string::npos) {
+    close(fd);
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  // madvise's flags, as smaps names them: hg (MADV_HUGEPAGE), nh (MADV_NOHUGEPAGE).
+  auto flags = [](const std::string& smaps) {
+    const size_t at = smaps.find("VmFlags:");
+    return at == std::string::npos ? std::string() : smaps.substr(at, smaps.find('\n', at) - at);
+  };
+  EXPECT_NE(flags(h).find(" hg"), std::string::npos) << flags(h);
+  EXPECT_NE(flags(s).find(" nh"), std::string::npos) << flags(s);
+  EXPECT_EQ(flags(p).find(" hg"), std::string::npos) << flags(p);
+  EXPECT_EQ(flags(p).find(" nh"), std::string::npos) << flags(p);
+  close(fd);
+}
+
+TEST(HostMemory, AHugeSharedMappingGetsHugePagesAndGivesThemBack) {
+  const uint64_t huge_bytes = SharedHugePageBytes();
+  if (huge_bytes == 0) {
+    GTEST_SKIP() << "shared memory gets no huge pages here "
+                    "(/sys/kernel/mm/transparent_hugepage/shmem_enabled is never or deny)";
+  }
+  int fd = memfd_create("host_memory_test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const uint64_t bytes = 2 * huge_bytes;
+  ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  auto m = HostMemory::MapShared(fd, 0, bytes, SharedPages::kHuge);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(m->data()) % huge_bytes, 0u);
+  std::memset(m->data(), 1, bytes);
+  std::string smaps = SmapsOf(m->data());
+  // The kernel may fall back to small pages when it finds no free huge one
+  // (fragmented memory): then it says so, and this test has nothing to check.
+  const int64_t pmd_kb = SmapsKb(smaps, "ShmemPmdMapped");
+  if (pmd_kb == 0) {
+    close(fd);
+    GTEST_SKIP() << "the kernel found no free huge page: " << smaps;
+  }
+  EXPECT_EQ(pmd_kb, static_cast<int64_t>(bytes / 1024)) << smaps;
+  EXPECT_EQ(SmapsKb(smaps, "Rss"), static_cast<int64_t>(bytes / 1024)) << smaps;
+  // Freeing one whole huge page gives all of it back.
+  ASSERT_TRUE(DiscardSharedPages(m->data(), huge_bytes).ok());
+  smaps = SmapsOf(m->data());
+  EXPECT_EQ(SmapsKb(smaps, "Rss"), static_cast<int64_t>(huge_bytes / 1024)) << smaps;
+  EXPECT_EQ(m->data()[0], std::byte{0});
+  EXPECT_EQ(m->data()[huge_bytes], std::byte{1});
   close(fd);
 }
 

@@ -144,7 +144,9 @@ struct Session::Impl {
       absl::MutexLock lock(&mu);
       auto it = regions.find(loc.partition_id());
       if (it == regions.end()) {
-        absl::StatusOr<HostMemory> region = HostMemory::MapShared(arena.get(), begin, end - begin);
+        absl::StatusOr<HostMemory> region = HostMemory::MapShared(
+            arena.get(), begin, end - begin,
+            loc.huge_pages() ? SharedPages::kHuge : SharedPages::kSmall);
         if (!region.ok()) {
           return absl::Status(region.status().code(),
                               absl::StrCat("mapping partition ", loc.partition_id(), ": ",
@@ -400,6 +402,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
       loc.set_grad_dtype(static_cast<v1::DType>(l.grad_dtype));
       loc.set_step(l.step);
       loc.set_restored(l.restored != 0);
+      loc.set_huge_pages(l.huge_pages != 0);
       for (auto [region, offset, bytes] :
            {std::tuple{loc.mutable_params(), l.params_offset, l.params_bytes},
             std::tuple{loc.mutable_grads(), l.grads_offset, l.grads_bytes},

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -59,7 +60,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->store_ = std::make_unique<PartitionStore>(
       Env::Default(), d->swapper_.get(), &d->stats_,
       static_cast<uint64_t>(options->memory.session_arena_bytes), placement,
-      static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float));
+      static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float),
+      options->memory.arena_huge_pages ? SharedHugePageBytes() : 0);
+  if (options->memory.arena_huge_pages && SharedHugePageBytes() == 0 && d->swap_ != nullptr) {
+    LogWarning(
+        "shared memory gets no huge pages on this node "
+        "(/sys/kernel/mm/transparent_hugepage/shmem_enabled is never or deny): parameters and "
+        "gradients placed on NVMe swap through 4 KiB pages, several times slower; as root, "
+        "'echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled' before starting "
+        "offloadd lifts that");
+  }
   d->steps_ = std::make_unique<StepRunner>(&d->optimizer_, &d->pool_, &d->stats_);
   d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
                                                   d->steps_.get(), &d->stats_);
@@ -237,6 +247,15 @@ std::vector<std::string> Daemon::Describe() const {
       " (one pool for every session's arena and optimizer state",
       options_->memory.lock_pool ? ", locked where permitted" : "", "); per-session arena up to ",
       FormatByteSize(options_->memory.session_arena_bytes)));
+  const uint64_t huge = SharedHugePageBytes();
+  lines.push_back(absl::StrCat(
+      "session arenas: ",
+      !options_->memory.arena_huge_pages
+          ? "4 KiB pages (memory.arena_huge_pages is false)"
+          : huge == 0 ? "4 KiB pages (the kernel gives shared memory no huge pages: "
+                        "/sys/kernel/mm/transparent_hugepage/shmem_enabled)"
+                      : absl::StrCat("large partitions on ",
+                                     FormatByteSize(static_cast<int64_t>(huge)), " pages")));
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
   if (swap_ == nullptr) {
     lines.push_back("tier nvme: off (set nvme.dirs to enable)");

@@ -47,6 +47,11 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            kSessionArenaRange});
   r->Bind("memory.lock_pool", &o->memory.lock_pool,
           {"bool", "mlock the host pool where permitted", false});
+  r->Bind("memory.arena_huge_pages", &o->memory.arena_huge_pages,
+          {"bool",
+           "lay large partitions out for huge pages in the session arenas where the kernel gives "
+           "them to shared memory (shmem_enabled advise, within_size, always)",
+           false});
   r->Bind("placement.params_host_percent", &o->placement.params_host_percent,
           {"percent", "share of a new session's working parameters kept on the host; the rest on NVMe",
            true, kHostPercentRange});

@@ -84,6 +84,17 @@ struct MemoryOptions {
   // Lock the pool's memory (mlock) where RLIMIT_MEMLOCK permits, so the
   // kernel never swaps it. Warned about once when refused.
   bool lock_pool = false;
+
+  // Lay large partitions out in the session arenas for huge pages (2 MiB)
+  // and ask the kernel for them, where it gives them to shared memory
+  // (/sys/kernel/mm/transparent_hugepage/shmem_enabled: advise, within_size
+  // or always; never is the usual default, and then this does nothing).
+  // Parameters and gradients placed on NVMe are read and written directly
+  // in the arena, and through fresh 4 KiB pages a ZeRO-3 pass over them ran
+  // 1.4-6.3x slower (benches/RESULTS.md, trace_replay).
+  // Costs: a partition so laid out rounds each of its regions up to whole
+  // huge pages (only partitions where that wastes at most an eighth are).
+  bool arena_huge_pages = true;
 };
 
 struct PlacementOptions {

@@ -21,6 +21,7 @@
 #include "base/env.h"
 #include "engine/partition_store.h"
 #include "engine/test_engine.h"
+#include "ipc/request_ring.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
 #include "gtest/gtest.h"
@@ -93,12 +94,14 @@ bool AwaitAWaitForStep(Engine& engine, int64_t before) {
   return true;
 }
 
-// One trainer: a session with the partitions of kSizes (bf16 working copy,
+// One trainer: a session with the partitions of `sizes` (bf16 working copy,
 // fp32 gradients), its arena mapped. It holds one partition at a time, as
 // ZeRO-3 holds a layer's.
 class Trainer {
  public:
-  Trainer(Engine* engine, const PlacementChange& placement) : engine_(engine) {
+  Trainer(Engine* engine, const PlacementChange& placement,
+          const std::vector<uint64_t>& sizes = kSizes)
+      : engine_(engine) {
     auto opened = engine->sessions->Open("t", placement);
     EXPECT_TRUE(opened.ok()) << opened.status();
     key_ = opened->key;
@@ -106,9 +109,9 @@ class Trainer {
     arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> d(-1.f, 1.f);
-    for (size_t i = 0; i < kSizes.size(); ++i) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
       auto p = engine->sessions->Register(
-          key_, {"p" + std::to_string(i), kSizes[i], DType::kBf16, DType::kFp32});
+          key_, {"p" + std::to_string(i), sizes[i], DType::kBf16, DType::kFp32});
       EXPECT_TRUE(p.ok()) << p.status();
       parts_.push_back(*p);
       // Registered partitions are held: write the initial values, release.
@@ -272,6 +275,64 @@ TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
   EXPECT_EQ(sessions[0].nvme_bytes[state], StateBytes());
   EXPECT_EQ(sessions[0].host_bytes[state], 0u);
   EXPECT_EQ(sessions[0].nvme_bytes[static_cast<int>(DataKind::kParams)], TotalBytes() / 22 * 2);
+}
+
+// Large partitions laid out for huge pages (each region on whole 2 MiB
+// pages, asked of the kernel where it gives shared memory huge pages) train
+// to the same bits as with small pages, with their parameters and gradients
+// swapped through NVMe, and the arena's pages never exceed what the pool
+// counts for them.
+TEST(OutOfCore, PartitionsLaidOutForHugePagesTrainBitForBitWithinThePool) {
+  constexpr uint64_t kHuge = 2 << 20, kChunk = 1 << 20;  // 2 MiB of bf16 per chunk
+  const std::vector<uint64_t> sizes = {2 * kChunk, kChunk, 700};
+  // State on the host (16 bytes per parameter), params and grads on NVMe,
+  // with room for about one large partition's.
+  const uint64_t state = 16 * (3 * kChunk) + 4 * HostPool::Charge(700 * 4);
+  const uint64_t pool = state + 14 * (1 << 20);
+  PlacementChange on_nvme = All(0);
+  on_nvme[DataKind::kOptimizerState] = 100;
+  Engine small_pages(TmpDir("small"), pool, 8, kChunk, 0);
+  Engine huge_pages(TmpDir("huge"), pool, 8, kChunk, kHuge);
+  Trainer reference(&small_pages, on_nvme, sizes);
+  Trainer trainer(&huge_pages, on_nvme, sizes);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const PartitionInfo& p = trainer.parts()[i];
+    const bool large = p.numel >= kChunk;
+    EXPECT_EQ(p.huge_pages, large) << i;
+    EXPECT_FALSE(reference.parts()[i].huge_pages) << i;
+    if (!large) continue;
+    EXPECT_EQ(p.span.offset % kHuge, 0u);
+    EXPECT_EQ(p.grads.offset % kHuge, 0u);
+    EXPECT_EQ(p.span.bytes % kHuge, 0u);
+  }
+  // The arena's pages, as the kernel counts them, against what the pool
+  // counts for the arena (its use less the state's leases), plus the
+  // session's request-ring mailbox (a fixed overhead, not pool memory).
+  struct stat st;
+  auto arena_fd = huge_pages.sessions->DupArenaFd(trainer.key());
+  ASSERT_TRUE(arena_fd.ok());
+  auto check_bound = [&](int step) {
+    huge_pages.swapper->WaitIdle();
+    ASSERT_EQ(fstat(arena_fd->get(), &st), 0);
+    const uint64_t populated = static_cast<uint64_t>(st.st_blocks) * 512;
+    const uint64_t counted = huge_pages.pool->used() - state + RoundUpToPage(ring::RingBytes());
+    EXPECT_LE(populated, counted) << "step " << step;
+  };
+  ASSERT_EQ(reference.Params(), trainer.Params());
+  for (int step = 1; step <= 4; ++step) {
+    reference.ReturnGradients(step);
+    trainer.ReturnGradients(step);
+    check_bound(step);
+    auto a = reference.Step();
+    auto b = trainer.Step();
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_EQ(reference.Params(), trainer.Params()) << "step " << step;
+    check_bound(step);
+  }
+  const SwapperStats s = huge_pages.swapper->Stats();
+  EXPECT_GT(s.swap_ins, 0u);
+  EXPECT_EQ(s.io_errors, 0u);
 }
 
 // What the trainer holds stays in memory however hard the pool is pressed;

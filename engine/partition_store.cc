@@ -60,6 +60,7 @@ struct PartitionSet::Partition {
   std::vector<uint64_t> shape;
   uint64_t tensor_offset = 0;
   HostMemory region;  // its span in the arena, mapped
+  uint64_t page_bytes = 0;  // the page size its span is laid out for
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   bool master_initialized = false;
@@ -133,11 +134,12 @@ absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_
 }
 
 PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                               const Placement& placement, uint64_t state_chunk_elems)
+                               const Placement& placement, uint64_t state_chunk_elems,
+                               uint64_t huge_page_bytes)
     : env_(env), swapper_(swapper), stats_(stats),
       state_chunk_elems_(std::max(state_chunk_elems / kChunkQuantum * kChunkQuantum,
                                   kChunkQuantum)),
-      arena_capacity_(0) {
+      huge_page_bytes_(huge_page_bytes), arena_capacity_(0) {
   for (DataKind k : kKinds) SetDefaultPlacement(k, placement[k]);
   SetArenaCapacity(arena_capacity);
 }
@@ -172,14 +174,35 @@ absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
   return std::unique_ptr<PartitionSet>(new PartitionSet(session_id, std::move(arena), swapper_,
-                                                        stats_, placement, state_chunk_elems_));
+                                                        stats_, placement, state_chunk_elems_,
+                                                        huge_page_bytes_));
 }
 
 PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
                            Swapper* swapper, Stats* stats, const Placement& placement,
-                           uint64_t state_chunk_elems)
+                           uint64_t state_chunk_elems, uint64_t huge_page_bytes)
     : session_id_(session_id), arena_(std::move(arena)), swapper_(swapper), stats_(stats),
-      state_chunk_elems_(state_chunk_elems), placement_(placement) {}
+      state_chunk_elems_(state_chunk_elems), huge_page_bytes_(huge_page_bytes),
+      placement_(placement) {}
+
+uint64_t PartitionSet::LayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype,
+                                       bool fp32_init) const {
+  const uint64_t small = ShmArena::kAlignment, huge = huge_page_bytes_;
+  if (huge <= small) return small;
+  // The regions: params, grads, the fp32 initial values, the second
+  // working-copy buffer.
+  const uint64_t element_sizes[] = {DTypeSize(param_dtype), DTypeSize(grad_dtype),
+                                    fp32_init ? sizeof(float) : 0, DTypeSize(param_dtype)};
+  uint64_t laid_out = 0, wasted = 0;
+  for (uint64_t size : element_sizes) {
+    if (size == 0) continue;
+    if (state_chunk_elems_ * size % huge != 0) return small;
+    const uint64_t bytes = numel * size;
+    laid_out += ShmArena::RoundedSize(bytes);
+    wasted += (bytes + huge - 1) / huge * huge - ShmArena::RoundedSize(bytes);
+  }
+  return wasted * 8 <= laid_out ? huge : small;
+}
 
 absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
   for (DataKind k : kKinds) {
@@ -422,22 +445,29 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     const uint64_t grad_bytes = partition->Bytes(DataKind::kGrads);
     // One allocation, so that params, grads (and the fp32 initial values)
     // are adjacent and one mapping (of just this partition: no address
-    // space for the rest) covers them.
-    const uint64_t grads_at = ShmArena::RoundedSize(param_bytes);
-    const uint64_t init_at = grads_at + ShmArena::RoundedSize(grad_bytes);
+    // space for the rest) covers them. Each region starts on a page of the
+    // layout's size: a block (a chunk of one region) never shares a page
+    // with another.
+    const uint64_t page =
+        LayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype, fp32_init);
+    partition->page_bytes = page;
+    info.huge_pages = page > ShmArena::kAlignment;
+    auto rounded = [page](uint64_t bytes) { return (bytes + page - 1) / page * page; };
+    const uint64_t grads_at = rounded(param_bytes);
+    const uint64_t init_at = grads_at + rounded(grad_bytes);
     const uint64_t init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;
     // The working copy's second buffer (the delayed update) last: address
     // space only, until the delayed update is switched on.
-    const uint64_t shadow_at =
-        (fp32_init ? init_at + ShmArena::RoundedSize(init_bytes)
-                          : grads_at + ShmArena::RoundedSize(grad_bytes));
-    const uint64_t span = shadow_at + param_bytes;
-    ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span));
+    const uint64_t shadow_at = fp32_init ? init_at + rounded(init_bytes) : init_at;
+    const uint64_t span = shadow_at + rounded(param_bytes);
+    ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span, page));
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};
     info.span = {params_off, span};
     if (fp32_init) info.master_init = {params_off + init_at, init_bytes};
-    ASSIGN_OR_RETURN(partition->region, arena_->Map(params_off, span));
+    ASSIGN_OR_RETURN(partition->region,
+                     arena_->Map(params_off, span,
+                                 info.huge_pages ? SharedPages::kHuge : SharedPages::kSmall));
     partition->grads = partition->region.data() + grads_at;
     partition->params_offset[0] = params_off;
     partition->params_offset[1] = params_off + shadow_at;
@@ -455,19 +485,19 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
           if (!with_shadow) continue;
           const uint64_t size = DTypeSize(spec.param_dtype);
           s = swapper_->AddExternal(block, partition->buffer[1] + begin * size, elems * size,
-                                    where, session_id_);
+                                    where, session_id_, page);
         } else if (b == PartitionStore::kInitBlock) {
           if (!fp32_init) continue;
           s = swapper_->AddExternal(block, partition->region.data() + init_at + begin * 4,
-                                    elems * sizeof(float), Tier::kHost, session_id_);
+                                    elems * sizeof(float), Tier::kHost, session_id_, page);
         } else if (b == PartitionStore::kParamsBlock) {
           const uint64_t size = DTypeSize(spec.param_dtype);
           s = swapper_->AddExternal(block, partition->buffer[0] + begin * size, elems * size,
-                                    where, session_id_);
+                                    where, session_id_, page);
         } else if (b == PartitionStore::kGradsBlock) {
           const uint64_t size = DTypeSize(spec.grad_dtype);
           s = swapper_->AddExternal(block, partition->grads + begin * size, elems * size, where,
-                                    session_id_);
+                                    session_id_, page);
         } else {
           s = swapper_->Add(block, elems * sizeof(float), where, session_id_);
         }
@@ -1031,6 +1061,7 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
     int kind;  // the second buffer's
     std::byte* data;
     Tier home;
+    uint64_t page_bytes;
   };
   std::vector<Buffer> buffers;
   {
@@ -1063,7 +1094,7 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
       const int next = ParamsKind(*p, /*next=*/true);
       buffers.push_back({id, p->info.numel, p->info.param_dtype, next,
                          p->buffer[next == PartitionStore::kShadowBlock ? 1 : 0],
-                         p->home[static_cast<int>(DataKind::kParams)]});
+                         p->home[static_cast<int>(DataKind::kParams)], p->page_bytes});
     }
   }
   // Outside the set's lock: the swapper may wait for I/O.
@@ -1078,7 +1109,7 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
       }
       const uint64_t elems = std::min(state_chunk_elems_, b.numel - begin);
       absl::Status s = swapper_->AddExternal(block, b.data + begin * size, elems * size, b.home,
-                                             session_id_);
+                                             session_id_, b.page_bytes);
       if (!s.ok()) {
         for (uint64_t undo : added) swapper_->Remove(undo);
         return absl::Status(s.code(), absl::StrCat("switching the delayed update on for session ",

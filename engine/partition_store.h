@@ -181,6 +181,11 @@ struct PartitionInfo {
   // Everything the partition may place in the arena (its working copy's
   // second buffer included): what a client maps once.
   ArenaRegion span;
+  // The span is laid out for huge pages (each region starts on one and
+  // fills whole ones): a client maps it asking for huge pages; otherwise it
+  // asks for small pages only (a huge page there would hold more than the
+  // pool counts).
+  bool huge_pages = false;
   uint64_t step = 0;
   // Its state came from the checkpoint its session restores: the
   // parameters are in place (nothing to write before releasing).
@@ -476,7 +481,15 @@ class PartitionSet {
   struct Partition;
 
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
-               Stats* stats, const Placement& placement, uint64_t state_chunk_elems);
+               Stats* stats, const Placement& placement, uint64_t state_chunk_elems,
+               uint64_t huge_page_bytes);
+  // The page size a partition of `numel` elements is laid out for in the
+  // arena: huge pages where the arena has them, every kind's chunk fills
+  // whole ones (a huge page is charged and freed whole, so no two blocks
+  // may share one) and rounding the regions up to them wastes at most an
+  // eighth; else the system's page.
+  uint64_t LayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype,
+                           bool fp32_init) const;
   // Waits until none of `partitions` is in a step (with `delayed_ok`, a
   // delayed-update step, which leaves the current working copy alone, does
   // not count).
@@ -542,6 +555,7 @@ class PartitionSet {
   Swapper* const swapper_;
   Stats* const stats_;
   const uint64_t state_chunk_elems_;
+  const uint64_t huge_page_bytes_;  // 0: the arena has none
 
   // Serialises Register and SetStateHostPercent of this set, across their
   // calls into the swapper. Lock order: placement_mu_, then mu_ (briefly,
@@ -598,9 +612,12 @@ class PartitionStore {
   // `env`, `swapper` and `stats` must outlive the store and every set it
   // made. `placement` is the node default for new sessions;
   // `state_chunk_elems` the size of a chunk (rounded down to kChunkQuantum,
-  // at least that).
+  // at least that). `huge_page_bytes`: the huge page size the kernel gives
+  // shared memory that asks (SharedHugePageBytes()), for the arenas to lay
+  // large partitions out for; 0 lays everything out for small pages.
   PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                 const Placement& placement, uint64_t state_chunk_elems);
+                 const Placement& placement, uint64_t state_chunk_elems,
+                 uint64_t huge_page_bytes = 0);
 
   // A new, empty set for session `session_id` with an arena of the current
   // capacity, placed as the node default changed by `placement`.
@@ -629,6 +646,7 @@ class PartitionStore {
   Stats* const stats_;
 
   const uint64_t state_chunk_elems_;
+  const uint64_t huge_page_bytes_;
   std::atomic<uint64_t> arena_capacity_;
   std::atomic<int> default_percent_[kDataKinds];
 };

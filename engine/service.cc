@@ -31,6 +31,7 @@ void ToProto(const PartitionInfo& p, v1::PartitionLocation* out) {
   }
   out->set_step(p.step);
   out->set_restored(p.restored);
+  out->set_huge_pages(p.huge_pages);
 }
 
 // A path from the wire: absolute-or-empty is the callee's to check; here,

@@ -384,6 +384,7 @@ ring::Location ToRing(const PartitionInfo& p) {
   l.param_dtype = static_cast<uint32_t>(p.param_dtype);
   l.grad_dtype = static_cast<uint32_t>(p.grad_dtype);
   l.restored = p.restored ? 1 : 0;
+  l.huge_pages = p.huge_pages ? 1 : 0;
   return l;
 }
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
@@ -24,8 +25,9 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view nam
   return std::unique_ptr<ShmArena>(new ShmArena(std::move(fd), capacity, env));
 }
 
-absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes) const {
-  return env_->MapShared(fd_.get(), offset, bytes);
+absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes,
+                                         SharedPages pages) const {
+  return env_->MapShared(fd_.get(), offset, bytes, pages);
 }
 
 uint64_t ShmArena::size() const {
@@ -33,16 +35,22 @@ uint64_t ShmArena::size() const {
   return size_;
 }
 
-absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes) {
-  const uint64_t rounded = RoundedSize(bytes);
+absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes, uint64_t alignment) {
+  if (alignment < kAlignment || (alignment & (alignment - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "arena alignment must be a power of two of at least ", kAlignment, ", got ", alignment));
+  }
   const uint64_t capacity = capacity_;
   absl::MutexLock lock(&mu_);
-  if (rounded == 0 || rounded > capacity - size_) {
+  // Both rounded up without overflow: capacity is far below 2^64.
+  const uint64_t offset = std::min(capacity, (size_ + alignment - 1) / alignment * alignment);
+  const uint64_t rounded =
+      bytes > capacity ? capacity + 1 : (bytes + alignment - 1) / alignment * alignment;
+  if (rounded == 0 || rounded > capacity - offset) {
     return absl::ResourceExhaustedError(
         absl::StrCat("session arena full: ", bytes, " bytes requested, ", capacity - size_,
                      " of ", capacity, " left (raise memory.session_arena_bytes)"));
   }
-  const uint64_t offset = size_;
   absl::Status grown = env_->ResizeFile(fd_.get(), offset + rounded);
   if (!grown.ok()) {
     return absl::Status(grown.code(), absl::StrCat("growing session arena: ", grown.message()));

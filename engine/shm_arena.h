@@ -53,14 +53,19 @@ class ShmArena {
     return (bytes + kAlignment - 1) / kAlignment * kAlignment;
   }
 
-  // Returns the offset of `bytes` fresh zeroed bytes. RESOURCE_EXHAUSTED if
-  // the arena's capacity would be exceeded.
-  absl::StatusOr<uint64_t> Allocate(uint64_t bytes);
+  // Returns the offset, a multiple of `alignment` (a power of two, at least
+  // kAlignment), of `bytes` fresh zeroed bytes; the arena's end moves to the
+  // next multiple of `alignment` after them, so that nothing allocated
+  // later shares a page of that size with them. RESOURCE_EXHAUSTED if the
+  // arena's capacity would be exceeded.
+  absl::StatusOr<uint64_t> Allocate(uint64_t bytes, uint64_t alignment = kAlignment);
 
   // Maps `bytes` from `offset` (an offset Allocate returned) for this
-  // process; the mapping is the caller's and may outlive nothing but the
-  // arena's descriptor, which the kernel keeps alive for it.
-  absl::StatusOr<HostMemory> Map(uint64_t offset, uint64_t bytes) const;
+  // process, asking the kernel for `pages`; the mapping is the caller's and
+  // may outlive nothing but the arena's descriptor, which the kernel keeps
+  // alive for it.
+  absl::StatusOr<HostMemory> Map(uint64_t offset, uint64_t bytes,
+                                 SharedPages pages = SharedPages::kSystemDefault) const;
 
   int fd() const { return fd_.get(); }
   uint64_t capacity() const { return capacity_; }

@@ -54,6 +54,29 @@ TEST(ShmArena, FullArenaIsResourceExhausted) {
   EXPECT_EQ((*arena)->Allocate(0).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+TEST(ShmArena, AlignedAllocationsShareNoPageOfTheirSize) {
+  constexpr uint64_t kHuge = 2 << 20;
+  auto arena = ShmArena::Create("aligned", 16 * kHuge);
+  ASSERT_TRUE(arena.ok());
+  auto small = (*arena)->Allocate(100);
+  auto huge = (*arena)->Allocate(kHuge + 1, kHuge);
+  auto next = (*arena)->Allocate(100);
+  ASSERT_TRUE(small.ok() && huge.ok() && next.ok());
+  EXPECT_EQ(*small, 0u);
+  EXPECT_EQ(*huge, kHuge);           // past the small one, on a huge page
+  EXPECT_EQ(*next, 3 * kHuge);       // not inside the huge one's last page
+  EXPECT_EQ((*arena)->size(), 3 * kHuge + ShmArena::kAlignment);
+  EXPECT_EQ((*arena)->Allocate(kHuge, 3 << 20).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*arena)->Allocate(kHuge, 1024).status().code(), absl::StatusCode::kInvalidArgument);
+  // What no longer fits once aligned is refused, not placed past capacity.
+  EXPECT_EQ((*arena)->Allocate(13 * kHuge, kHuge).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*arena)->Allocate(~uint64_t{0}, kHuge).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE((*arena)->Allocate(12 * kHuge, kHuge).ok());
+}
+
 TEST(ShmArena, RejectsBadCapacity) {
   EXPECT_EQ(ShmArena::Create("bad", 1000).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ShmArena::Create("bad", 0).status().code(), absl::StatusCode::kInvalidArgument);

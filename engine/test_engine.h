@@ -29,8 +29,11 @@ namespace offload {
 // demand), store, step runner and session manager.
 class Engine {
  public:
+  // `huge_page_bytes`: the arenas lay large partitions out for huge pages of
+  // this size (0: small pages only), as offloadd does with
+  // SharedHugePageBytes().
   Engine(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth = 8,
-         uint64_t chunk_elems = 4096) {
+         uint64_t chunk_elems = 4096, uint64_t huge_page_bytes = 0) {
     mkdir(dir.c_str(), 0700);
     auto inner = MakeIoBackend(IoOptions{});
     EXPECT_TRUE(inner.ok()) << inner.status();
@@ -46,7 +49,7 @@ class Engine {
     so.prefetch_depth = prefetch_depth;
     swapper = *Swapper::Create(so, pool.get(), space_.get());
     store = std::make_unique<PartitionStore>(Env::Default(), swapper.get(), &stats, 64 << 20,
-                                              Placement{}, chunk_elems);
+                                              Placement{}, chunk_elems, huge_page_bytes);
     steps = std::make_unique<StepRunner>(&optimizer_, pool.get(), &stats);
     sessions = std::make_unique<SessionManager>(Env::Default(), store.get(), steps.get(), &stats);
   }

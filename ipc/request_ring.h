@@ -75,7 +75,7 @@ struct Location {
   uint64_t master_init_offset, master_init_bytes;
   uint32_t param_dtype, grad_dtype;
   uint32_t restored;
-  uint32_t pad;
+  uint32_t huge_pages;  // PartitionLocation.huge_pages (0 from daemons before it)
 };
 
 struct Layout {

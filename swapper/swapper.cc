@@ -84,6 +84,7 @@ struct Swapper::Block {
   // for its pages.
   PoolMemory host;
   std::byte* external = nullptr;
+  uint64_t span = 0;  // external: the bytes charged and freed (whole pages)
   PoolCharge charge;
   uint64_t extent = 0;  // the NVMe copy; 0: none (the block is zeros)
   bool nvme_current = false;  // the NVMe copy equals the host bytes
@@ -102,6 +103,8 @@ std::byte* Swapper::DataOf(const Block& b) {
   return b.external != nullptr ? b.external : b.host.data();
 }
 
+uint64_t Swapper::NeedOf(const Block& b) { return b.external != nullptr ? b.span : b.bytes; }
+
 uint64_t Swapper::ChargedOf(const Block& b) {
   return b.external != nullptr ? b.charge.bytes() : b.host.charged();
 }
@@ -109,7 +112,7 @@ uint64_t Swapper::ChargedOf(const Block& b) {
 absl::Status Swapper::TakeHostLocked(Block* b) {
   const std::string what = absl::StrCat("block ", b->id);
   if (b->external != nullptr) {
-    ASSIGN_OR_RETURN(b->charge, pool_->Reserve(b->bytes, what));
+    ASSIGN_OR_RETURN(b->charge, pool_->Reserve(b->span, what));
   } else {
     ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, what));
   }
@@ -118,7 +121,7 @@ absl::Status Swapper::TakeHostLocked(Block* b) {
 
 void Swapper::DropHostNowLocked(Block* b) {
   if (b->external != nullptr) {
-    FreeExternalPages(b->id, b->external, b->bytes);
+    FreeExternalPages(b->id, b->external, b->span);
     b->charge.Reset();
   } else {
     b->host.Reset();
@@ -147,7 +150,7 @@ void Swapper::FinishDrop(BlockId id) {
     absl::MutexLock lock(&mu_);
     const Block* b = blocks_.at(id).get();  // dropping: never erased meanwhile
     data = b->external;
-    bytes = b->bytes;
+    bytes = b->span;
   }
   FreeExternalPages(id, data, bytes);
   absl::MutexLock lock(&mu_);
@@ -236,20 +239,27 @@ void Swapper::EraseIfDoneLocked(Block* b) {
 }
 
 absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace) {
-  return AddBlock(id, bytes, nullptr, home, trace);
+  return AddBlock(id, bytes, nullptr, 0, home, trace);
 }
 
 absl::Status Swapper::AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
-                                  uint64_t trace) {
-  if (data == nullptr || reinterpret_cast<uintptr_t>(data) % PageSize() != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block ", id, ": external memory must be page-aligned"));
+                                  uint64_t trace, uint64_t page_bytes) {
+  if (page_bytes == 0) page_bytes = PageSize();
+  if (page_bytes % PageSize() != 0 || (page_bytes & (page_bytes - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", id, ": page size ", page_bytes, " is not a power-of-two multiple of ",
+        PageSize()));
   }
-  return AddBlock(id, bytes, data, home, trace);
+  if (data == nullptr || reinterpret_cast<uintptr_t>(data) % page_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", id, ": external memory must be aligned to its pages (", page_bytes, " bytes)"));
+  }
+  return AddBlock(id, bytes, data, (bytes + page_bytes - 1) / page_bytes * page_bytes, home,
+                  trace);
 }
 
-absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, Tier home,
-                               uint64_t trace) {
+absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, uint64_t span,
+                               Tier home, uint64_t trace) {
   if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
   if (home == Tier::kNvme && space_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -263,7 +273,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, 
   }
   if (external != nullptr) {
     // Zeros, holding no pages, whatever the memory held before.
-    RETURN_IF_ERROR(DiscardSharedPages(external, bytes));
+    RETURN_IF_ERROR(DiscardSharedPages(external, span));
   }
   absl::MutexLock lock(&mu_);
   if (blocks_.contains(id)) {
@@ -275,8 +285,9 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, 
   b->trace = trace;
   b->home = home;
   b->external = external;
+  b->span = span;
   if (home == Tier::kHost) {
-    RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
+    RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0));
     if (blocks_.contains(id)) {  // added meanwhile, while room was made
       return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
     }
@@ -368,8 +379,8 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
     }
     if (!counted) ++stats_.misses;
     counted = true;
-    if (!pool_->Fits(b->bytes)) {
-      status = MakeRoomLocked(b->bytes, /*restricted=*/false, 0);
+    if (!pool_->Fits(NeedOf(*b))) {
+      status = MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0);
       // The lock may have been released: look again. A prefetch may have
       // brought this very block in meanwhile (then the room is not needed).
       if (!status.ok() && b->state == BlockState::kOnNvme) break;
@@ -529,8 +540,8 @@ absl::Status Swapper::RoomError(uint64_t bytes) const {
   uint64_t pinned = 0, host_homed = 0;
   for (const auto& [id, b] : blocks_) {
     if (b->state == BlockState::kOnNvme || b->removed) continue;
-    if (b->pins > 0 || b->waiters > 0) pinned += b->bytes;
-    if (b->home == Tier::kHost) host_homed += b->bytes;
+    if (b->pins > 0 || b->waiters > 0) pinned += NeedOf(*b);
+    if (b->home == Tier::kHost) host_homed += NeedOf(*b);
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "host pool cannot hold ", bytes, " more bytes: ", pool_->used(), " of ", pool_->limit(),
@@ -783,7 +794,7 @@ void Swapper::MoverThread() {
     // id, rather than held with a waiter: a waiter would keep it from being
     // evicted once an Acquire made it resident, and could make a caller's
     // MakeRoom fail for want of a victim.
-    const uint64_t bytes = b->bytes;
+    const uint64_t bytes = NeedOf(*b);
     absl::Status status;
     if (move.kind == MoveKind::kPrefetch) {
       status = MakeRoomLocked(bytes, /*restricted=*/true, NextUseLocked(*b));
@@ -798,7 +809,7 @@ void Swapper::MoverThread() {
     }
     // (FindLocked found it: not removed.)
     if (status.ok() && b->state == BlockState::kOnNvme && !b->dropping) {
-      status = pool_->Fits(b->bytes)
+      status = pool_->Fits(NeedOf(*b))
                    ? StartReadLocked(b)
                    : absl::ResourceExhaustedError("the room made was taken meanwhile");
       if (status.ok() && move.kind == MoveKind::kPrefetch) {

@@ -148,13 +148,19 @@ class Swapper {
   // pool cannot hold).
   absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // As Add, but the bytes are the caller's: `data` (page-aligned, spanning
-  // `bytes` rounded up to pages) is a shared mapping of a file (a memfd)
-  // that stays mapped until Remove(id) returns. Its pages are freed now:
-  // the block starts as zeros, like one from Add. INVALID_ARGUMENT for
-  // unaligned or private memory.
+  // As Add, but the bytes are the caller's: `data` is a shared mapping of a
+  // file (a memfd) that stays mapped until Remove(id) returns. Its pages are
+  // freed now: the block starts as zeros, like one from Add. `page_bytes` is
+  // the size of the pages the caller laid the memory out for (0: the
+  // system's page; or the huge page size, where the mapping asks for huge
+  // pages): `data` is aligned to it, the block spans `bytes` rounded up to
+  // it, and that span is what the pool is charged while the block is
+  // resident and what is freed when it leaves (a huge page is held and
+  // freed whole, so the caller puts nothing else in a page a block ends in).
+  // INVALID_ARGUMENT for unaligned or private memory, or a page size that
+  // is not a power-of-two multiple of the system's.
   absl::Status AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
-                           uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+                           uint64_t trace, uint64_t page_bytes = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees the block wherever it lives; a pinned block or one in flight as
   // soon as that ends. An external block's pages are freed, and Remove
@@ -220,10 +226,13 @@ class Swapper {
 
   Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space);
 
-  absl::Status AddBlock(BlockId id, uint64_t bytes, std::byte* external, Tier home,
-                        uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AddBlock(BlockId id, uint64_t bytes, std::byte* external, uint64_t span,
+                        Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
   Block* FindLocked(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::byte* DataOf(const Block& b);
+  // The pool memory the block needs while resident (an external block's
+  // whole pages).
+  static uint64_t NeedOf(const Block& b);
   static uint64_t ChargedOf(const Block& b);
   // Gives the block host memory (a lease, or the charge for its external
   // pages) from the pool, which must fit it. Its bytes are zeros.

@@ -538,13 +538,13 @@ TEST_F(SwapperTest, ResidentMemoryStaysWithinThePool) {
 // reads it back where it was, and the other mapping sees the same bytes.
 class ExternalMemory {
  public:
-  explicit ExternalMemory(uint64_t bytes) {
+  explicit ExternalMemory(uint64_t bytes, SharedPages pages = SharedPages::kSystemDefault) {
     auto fd = Env::Default()->CreateMemfd("swapper-test");
     EXPECT_TRUE(fd.ok()) << fd.status();
     fd_ = std::move(*fd);
     EXPECT_TRUE(Env::Default()->ResizeFile(fd_.get(), bytes).ok());
-    auto mine = HostMemory::MapShared(fd_.get(), 0, bytes);
-    auto theirs = HostMemory::MapShared(fd_.get(), 0, bytes);
+    auto mine = HostMemory::MapShared(fd_.get(), 0, bytes, pages);
+    auto theirs = HostMemory::MapShared(fd_.get(), 0, bytes, pages);
     EXPECT_TRUE(mine.ok() && theirs.ok());
     mine_ = std::move(*mine);
     theirs_ = std::move(*theirs);
@@ -602,6 +602,53 @@ TEST_F(SwapperTest, ExternalMemoryMustBePageAligned) {
   HostMemory private_memory = *HostMemory::Allocate(kMiB);
   EXPECT_EQ(swapper_->AddExternal(2, private_memory.data(), kMiB, Tier::kNvme, 7).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// External memory laid out for huge pages (as a session arena is where the
+// kernel gives shared memory huge pages): a block is charged, and freed, in
+// whole huge pages, so the pages that exist never exceed what the pool
+// counts, also where the kernel does hand out huge pages (each touch then
+// brings a whole one).
+TEST_F(SwapperTest, ExternalBlocksOnHugePagesAreChargedAndFreedWhole) {
+  constexpr uint64_t kHuge = 2 * kMiB;
+  Make(2 * kHuge);
+  ExternalMemory arena(4 * kHuge, SharedPages::kHuge);
+  // Misaligned for its pages, or pages that are no power of two.
+  EXPECT_EQ(swapper_->AddExternal(9, arena.mine(kMiB), kMiB, Tier::kNvme, 7, kHuge).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(swapper_->AddExternal(9, arena.mine(), kMiB, Tier::kNvme, 7, 3 * kMiB).code(),
+            absl::StatusCode::kInvalidArgument);
+  // Two blocks of 3 MiB, each in its own 4 MiB (two huge pages).
+  const uint64_t block = 3 * kMiB;
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.mine(), block, Tier::kNvme, 7, kHuge).ok());
+  ASSERT_TRUE(swapper_->AddExternal(2, arena.mine(2 * kHuge), block, Tier::kNvme, 7, kHuge).ok());
+  {
+    auto p = swapper_->Acquire(1, /*for_write=*/true);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(p->size(), block);
+    Fill(*p, 1);
+    EXPECT_EQ(pool_->used(), 2 * kHuge);  // the whole span, not 3 MiB
+    EXPECT_LE(arena.populated(), pool_->used());
+  }
+  {
+    // Block 1 leaves for block 2: all of its span goes, the tail its last
+    // huge page covers too.
+    auto p = swapper_->Acquire(2, /*for_write=*/true);
+    ASSERT_TRUE(p.ok()) << p.status();
+    Fill(*p, 2);
+    EXPECT_EQ(pool_->used(), 2 * kHuge);
+    EXPECT_LE(arena.populated(), pool_->used());
+  }
+  swapper_->WaitIdle();
+  EXPECT_LE(arena.populated(), pool_->used());
+  ExpectHolds(1, 1);
+  ExpectHolds(2, 2);
+  swapper_->WaitIdle();
+  EXPECT_LE(arena.populated(), pool_->used());
+  swapper_->Remove(1);
+  swapper_->Remove(2);
+  EXPECT_EQ(arena.populated(), 0u);
+  EXPECT_EQ(pool_->used(), 0u);
 }
 
 TEST_F(SwapperTest, RemovingExternalMemoryWaitsForItsRead) {
