@@ -8,13 +8,15 @@
 //       [--iterations=4] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
 //       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--busy]
-//       [--memory=arena|pool] [--no-fio] [--tiny]
+//       [--memory=arena|pool] [--arena_pages=huge|small] [--no-fio] [--tiny]
 //
 // The model: --layers layers, each one parameter partition of
 // --params / --layers bytes, one swapper block homed on NVMe (all of them
 // together --params, default 3x the host pool). With --memory=arena (the
 // default) each block is external memory over a shared memfd, as the daemon
-// keeps working parameters (4 KiB shmem pages, freed when evicted); with
+// keeps working parameters (shmem pages, freed when evicted): laid out for
+// and asking for huge pages where the kernel gives shared memory huge pages
+// (offloadd's memory.arena_huge_pages; --arena_pages=small: 4 KiB pages); with
 // --memory=pool the swapper allocates it (transparent huge pages), as it
 // does optimizer state. Setup writes every block once
 // (so each has an NVMe copy) and ends that iteration. One iteration is ZeRO-3's
@@ -108,6 +110,10 @@ struct Flags {
   bool busy = false;
   bool fio = true;
   bool arena = true;  // --memory=arena: external blocks over a memfd
+  // --arena_pages=huge|small: the arena laid out for, and asking for, huge
+  // pages (offloadd's default where the kernel gives shared memory huge
+  // pages) or 4 KiB ones.
+  bool arena_huge = SharedHugePageBytes() != 0;
 };
 
 // "10ms", "0.5s", "250us".
@@ -227,6 +233,8 @@ int Main(int argc, char** argv) {
       f.busy = true;
     } else if (a == "--memory=arena" || a == "--memory=pool") {
       f.arena = a == "--memory=arena";
+    } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
+      f.arena_huge = a == "--arena_pages=huge";
     } else if (a == "--no-fio") {
       f.fio = false;
     } else if (a == "--tiny") {
@@ -256,11 +264,18 @@ int Main(int argc, char** argv) {
     return 1;
   }
   PrintMachine(f.dir);
+  std::string shmem_enabled;
+  std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/shmem_enabled"), shmem_enabled);
+  const std::string memory =
+      !f.arena ? "pool memory, huge pages"
+               : absl::StrCat("a shared memfd arena, ",
+                              f.arena_huge ? "laid out for and asking for huge pages"
+                                           : "4 KiB pages",
+                              " (shmem_enabled: ", shmem_enabled, ")");
   std::printf("== trace_replay: %d layers of %.1f MiB (%.3f GiB of parameters, one block each, "
               "homed on NVMe, in %s); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers "
               "fit)\n",
-              f.layers, layer_bytes / kMiB, total / kGiB,
-              f.arena ? "a shared memfd arena, 4 KiB pages" : "pool memory, huge pages",
+              f.layers, layer_bytes / kMiB, total / kGiB, memory.c_str(),
               f.pool / kGiB,
               static_cast<double>(total) / f.pool, static_cast<double>(f.pool) / layer_bytes);
   std::printf("iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; "
@@ -327,9 +342,12 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
       return 1;
     }
-    // The arena: one memfd, mapped once, a page-aligned region per layer
-    // (before the swapper: it must outlive the swapper's I/O).
-    const uint64_t region = RoundUpToPage(layer_bytes);
+    // The arena: one memfd, mapped once, a region per layer on whole pages
+    // of the layout's size, as offloadd lays large partitions out (before
+    // the swapper: it must outlive the swapper's I/O).
+    const uint64_t page = f.arena_huge ? std::max<uint64_t>(SharedHugePageBytes(), 2 << 20)
+                                       : PageSize();
+    const uint64_t region = (layer_bytes + page - 1) / page * page;
     UniqueFd arena_fd;
     HostMemory arena;
     if (f.arena) {
@@ -337,7 +355,8 @@ int Main(int argc, char** argv) {
       absl::Status sized = fd.ok() ? Env::Default()->ResizeFile(fd->get(), region * f.layers)
                                    : fd.status();
       absl::StatusOr<HostMemory> mapped =
-          sized.ok() ? HostMemory::MapShared(fd->get(), 0, region * f.layers)
+          sized.ok() ? HostMemory::MapShared(fd->get(), 0, region * f.layers,
+                                             f.arena_huge ? SharedPages::kHuge : SharedPages::kSmall)
                      : absl::StatusOr<HostMemory>(sized);
       if (!mapped.ok()) {
         std::fprintf(stderr, "arena: %s\n", mapped.status().ToString().c_str());
@@ -360,7 +379,8 @@ int Main(int argc, char** argv) {
     for (int l = 0; l < f.layers; ++l) {
       const uint64_t id = static_cast<uint64_t>(l);
       absl::Status added =
-          f.arena ? s.AddExternal(id, arena.data() + id * region, layer_bytes, Tier::kNvme, kTrace)
+          f.arena ? s.AddExternal(id, arena.data() + id * region, layer_bytes, Tier::kNvme, kTrace,
+                                  page)
                   : s.Add(id, layer_bytes, Tier::kNvme, kTrace);
       if (!added.ok()) {
         std::fprintf(stderr, "%s\n", added.ToString().c_str());
