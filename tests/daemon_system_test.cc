@@ -1377,6 +1377,96 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
   EXPECT_EQ(entries, 0) << "a partial swap file was left behind";
 }
 
+// A checkpoint into a real filesystem that fills up while it is written (a
+// 4 MiB tmpfs holding one checkpoint but not a second beside it): the
+// checkpoint fails with RESOURCE_EXHAUSTED naming the directory, leaves
+// nothing of itself behind, the previous checkpoint restores bit for bit,
+// and the daemon trains on.
+TEST_F(DaemonTest, ACheckpointIntoAFullFilesystemFailsCleanlyAndKeepsThePreviousOne) {
+  if (geteuid() != 0) GTEST_SKIP() << "mounting a small filesystem needs root";
+  char dir[] = "/tmp/offloadd_full.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  if (mount("tmpfs", dir, "tmpfs", 0, "size=4m,mode=0700") != 0) {
+    rmdir(dir);
+    GTEST_SKIP() << "mount is not permitted here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    const char* path;
+    ~Unmount() {
+      umount2(path, MNT_DETACH);
+      rmdir(path);
+    }
+  } unmount{dir};
+  auto listing = [&] {
+    std::vector<std::string> names;
+    DIR* d = opendir(dir);
+    while (dirent* e = d != nullptr ? readdir(d) : nullptr) {
+      if (e->d_name[0] != '.') names.push_back(e->d_name);
+    }
+    if (d != nullptr) closedir(d);
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  // 160K parameters: a checkpoint's data is 14 bytes each (fp32 master and
+  // moments, the bf16 working copy), 2.2 MB: one fits in 4 MiB, two do not.
+  constexpr uint64_t kNumel = 160 << 10;
+  auto session = Open("full");
+  ASSERT_NE(session, nullptr);
+  auto p = session->Register("w", kNumel, DType::kBf16, DType::kBf16);
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
+  ASSERT_TRUE(session->Release(*p).ok());
+  auto step = [&](float grad) {
+    HoldGrads(session.get(), *p);
+    for (auto& g : p->grads_as<uint16_t>()) g = FloatToBf16(grad);
+    ASSERT_TRUE(session->ReturnGradients(*p).ok());
+    ASSERT_TRUE(session->Release(*p).ok());
+    auto r = session->Step(AdamHyperparams{});
+    ASSERT_TRUE(r.ok()) << r.status();
+  };
+  auto params = [&] {
+    auto held = session->Fetch(p->id);
+    EXPECT_TRUE(held.ok()) << held.status();
+    std::vector<uint16_t> out(held->params_as<uint16_t>().begin(),
+                              held->params_as<uint16_t>().end());
+    EXPECT_TRUE(session->Release(*held).ok());
+    return out;
+  };
+  step(0.01f);
+  auto first = session->Checkpoint(dir);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<uint16_t> after_first = params();
+  const std::vector<std::string> committed = listing();
+  ASSERT_EQ(committed.size(), 2u);  // the manifest and its data file
+  step(0.02f);
+  auto second = session->Checkpoint(dir);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), dir)) << second.status();
+  EXPECT_TRUE(absl::StrContains(second.status().message(), "ENOSPC")) << second.status();
+  // Nothing of the failed attempt stays to fill the filesystem further.
+  EXPECT_EQ(listing(), committed);
+  // The daemon trains on, and checkpoints again where there is room.
+  step(0.03f);
+  char roomy[] = "/tmp/offloadd_roomy.XXXXXX";
+  ASSERT_NE(mkdtemp(roomy), nullptr);
+  RemoveOnExit remove_roomy(roomy);
+  auto third = session->Checkpoint(roomy);
+  EXPECT_TRUE(third.ok()) << third.status();
+  ASSERT_TRUE(session->Close().ok());
+  // The full filesystem still holds the first checkpoint, whole.
+  SessionOptions restore;
+  restore.restore_from = dir;
+  auto restored = client_->OpenSession("full", restore);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  auto q = (*restored)->Register("w", kNumel, DType::kBf16, DType::kBf16);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->restored);
+  EXPECT_EQ(q->step, 1u);
+  const auto got = q->params_as<uint16_t>();
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), after_first.begin(), after_first.end()));
+}
+
 TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
   absl::Status s = daemon_->WaitForLog("a line offloadd never writes", absl::Milliseconds(50));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
