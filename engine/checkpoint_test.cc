@@ -9,8 +9,12 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "base/host_memory.h"
 #include "checkpoint/format.h"
 #include "cpu_adam/dtype.h"
@@ -395,6 +399,123 @@ TEST(CopyOnWrite, AStepDuringACheckpointChangesNothingInIt) {
         << "chunk " << std::get<1>(ia->first) << " kind " << std::get<2>(ia->first);
   }
   EXPECT_EQ(busy->steps(), 2u);  // the step did happen
+}
+
+// A set whose step fills a small pool: partition "a" (2 chunks) with
+// gradients pending, and "b" (43 chunks, no gradients), everything on NVMe,
+// with the same history in every engine. A pool of 48 blocks of one chunk's
+// kind makes the step's groups 2 chunks (a group stops once it pins an
+// eighth of the pool): while the trainer holds b's 43 parameter blocks,
+// a's first chunk (master, moments, accumulator, working copy: 5 blocks)
+// fills the pool.
+struct FullPoolSet {
+  static constexpr uint64_t kHeld = 43;
+  static uint64_t Block() { return HostPool::Charge(kChunk * sizeof(float)); }
+
+  FullPoolSet(Engine& engine, uint64_t session) {
+    auto made = engine.store->CreateSet(session, All(0));
+    EXPECT_TRUE(made.ok()) << made.status();
+    set = *std::move(made);
+    auto pa = set->Register(1, PartitionSpec{"a", 2 * kChunk, DType::kFp32, DType::kFp32});
+    auto pb = set->Register(2, PartitionSpec{"b", kHeld * kChunk, DType::kFp32, DType::kFp32});
+    EXPECT_TRUE(pa.ok() && pb.ok()) << pa.status() << pb.status();
+    a = *pa;
+    b = *pb;
+    region = *HostMemory::MapShared(set->arena_fd(), 0, b.span.offset + b.span.bytes);
+    for (const PartitionInfo* p : {&a, &b}) {
+      auto* w = reinterpret_cast<float*>(region.data() + p->params.offset);
+      for (uint64_t j = 0; j < p->numel; ++j) w[j] = Value(p->id, j);
+    }
+    EXPECT_TRUE(set->Release({a.id, b.id}).ok());
+    EXPECT_TRUE(set->Fetch({a.id}, FetchMode{true, false}).ok());
+    auto* g = reinterpret_cast<float*>(region.data() + a.grads.offset);
+    for (uint64_t j = 0; j < a.numel; ++j) g[j] = Value(9, j);
+    EXPECT_TRUE(engine.steps->Accumulate(*set, a.id, a.numel, DType::kFp32).ok());
+    EXPECT_TRUE(set->Release({a.id}).ok());
+  }
+
+  std::unique_ptr<PartitionSet> set;
+  PartitionInfo a, b;
+  HostMemory region;
+};
+
+// The checkpoint of a FullPoolSet with nothing running, chunk by chunk.
+std::map<std::tuple<uint64_t, uint64_t, int>, std::string> QuietCheckpoint() {
+  Engine engine(TmpDir("nvme-quiet"), 64 << 20, 8, kChunk);
+  FullPoolSet quiet(engine, 1);
+  RecordingSink sink;
+  EXPECT_TRUE(quiet.set->BeginCheckpoint(&sink).ok());
+  for (const PartitionInfo* p : {&quiet.a, &quiet.b}) {
+    for (uint64_t c = 0; c < p->numel / kChunk; ++c) quiet.set->CaptureChunk(p->id, c);
+  }
+  EXPECT_TRUE(quiet.set->EndCheckpoint().ok());
+  return sink.chunks();
+}
+
+// A step whose group fills the pool while the trainer holds most of it:
+// the capture the step needs before changing its next chunk waits for the
+// group's update instead of failing the checkpoint.
+TEST(CopyOnWrite, AStepsCaptureWaitsForRoomItsOwnPinsTake) {
+  Engine engine(TmpDir("nvme-full-step"), 48 * FullPoolSet::Block(), 8, kChunk);
+  FullPoolSet busy(engine, 2);
+  ASSERT_TRUE(busy.set->Fetch({busy.b.id}).ok());  // the forward pass holds b
+  RecordingSink sink;
+  ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
+  AdamHyperparams h;
+  h.lr = 0.1;
+  auto stepped = engine.steps->Run(*busy.set, h, false, {});
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(stepped->partitions_updated, 1u);
+  ASSERT_TRUE(busy.set->Release({busy.b.id}).ok());
+  for (const PartitionInfo* p : {&busy.a, &busy.b}) {
+    for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
+  }
+  absl::Status ended = busy.set->EndCheckpoint();
+  ASSERT_TRUE(ended.ok()) << ended;
+  EXPECT_EQ(sink.chunks(), QuietCheckpoint());
+}
+
+// The checkpoint's writer finds the pool full of a running step's pins and
+// the trainer's holds: it waits for the step to end and captures then.
+TEST(CopyOnWrite, TheWritersCaptureWaitsOutARunningStep) {
+  Engine engine(TmpDir("nvme-full-writer"), 48 * FullPoolSet::Block(), 8, kChunk);
+  FullPoolSet busy(engine, 2);
+  ASSERT_TRUE(busy.set->Fetch({busy.b.id}).ok());
+  RecordingSink sink;
+  ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
+  // The step stops with its first group pinned: the pool is full.
+  absl::Notification pinned, go_on;
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kGroupPinned || pinned.HasBeenNotified()) return;
+    pinned.Notify();
+    go_on.WaitForNotification();
+  });
+  AdamHyperparams h;
+  h.lr = 0.1;
+  absl::StatusOr<StepSummary> stepped;
+  std::thread step([&] { stepped = engine.steps->Run(*busy.set, h, false, {}); });
+  pinned.WaitForNotification();
+  ASSERT_EQ(engine.pool->used(), engine.pool->limit());
+  const uint64_t acquires = engine.swapper->Stats().acquires;
+  std::thread writer([&] { busy.set->CaptureChunkWhenRoom(busy.b.id, 0); });
+  // It tried (and found no room: nothing can leave the pool meanwhile).
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.swapper->Stats().acquires == acquires && absl::Now() < deadline) {
+    std::this_thread::yield();
+  }
+  EXPECT_GT(engine.swapper->Stats().acquires, acquires);
+  go_on.Notify();
+  step.join();
+  writer.join();
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  ASSERT_TRUE(busy.set->Release({busy.b.id}).ok());
+  for (const PartitionInfo* p : {&busy.a, &busy.b}) {
+    for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
+  }
+  absl::Status ended = busy.set->EndCheckpoint();
+  ASSERT_TRUE(ended.ok()) << ended;
+  EXPECT_EQ(sink.chunks(), QuietCheckpoint());
 }
 
 // A partition held for writing is being changed by its trainer: a

@@ -1030,7 +1030,9 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
     return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no chunk ", chunk));
   }
   pins.end = std::min(numel, pins.begin + state_chunk_elems_);
-  CaptureChunk(id, chunk);  // before the update changes it
+  // Before the update changes it; a pool full of this step's pins: after
+  // the group's update (the runner tries again then).
+  RETURN_IF_ERROR(CaptureOnce(id, chunk, /*give_way_when_full=*/true));
   const struct {
     Swapper::Pin* pin;
     int kind;
@@ -1315,7 +1317,8 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
       c.next_kind = ParamsKind(*p, /*next=*/true);
       c.block_kinds.push_back(c.next_kind);
     }
-    capture->chunks[id] = {c.block_kinds, std::vector<uint8_t>(c.chunks, 0)};
+    capture->chunks[id] = {c.block_kinds, std::vector<uint8_t>(c.chunks, 0),
+                           std::vector<uint8_t>(c.chunks, 0)};
     image.partitions.push_back(std::move(c));
   }
   capture_ = std::move(capture);
@@ -1323,19 +1326,36 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
 }
 
 void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
+  CaptureOnce(id, chunk, /*give_way_when_full=*/false).IgnoreError();  // OK: failures recorded
+}
+
+void PartitionSet::CaptureChunkWhenRoom(uint64_t id, uint64_t chunk) {
+  while (!CaptureOnce(id, chunk, /*give_way_when_full=*/true).ok()) {
+    absl::MutexLock lock(&mu_);
+    if (!stepping_) break;  // nothing that ends by itself holds the pool
+    while (stepping_) step_ended_.Wait(&mu_);
+  }
+  CaptureChunk(id, chunk);  // done already, or a last try whose failure is the checkpoint's
+}
+
+absl::Status PartitionSet::CaptureOnce(uint64_t id, uint64_t chunk, bool give_way_when_full) {
   std::vector<int> kinds;
+  size_t done = 0;
   ChunkSink* sink;
   {
     absl::MutexLock lock(&mu_);
     for (;;) {
-      if (capture_ == nullptr) return;
+      if (capture_ == nullptr) return absl::OkStatus();
       auto it = capture_->chunks.find(id);
-      if (it == capture_->chunks.end() || chunk >= it->second.second.size()) return;
-      uint8_t& state = it->second.second[chunk];
-      if (state == 2) return;
+      if (it == capture_->chunks.end() || chunk >= it->second.state.size()) {
+        return absl::OkStatus();
+      }
+      uint8_t& state = it->second.state[chunk];
+      if (state == 2) return absl::OkStatus();
       if (state == 0) {
         state = 1;
-        kinds = it->second.first;
+        kinds = it->second.kinds;
+        done = it->second.written[chunk];
         sink = capture_->sink;
         ++capture_->running;
         break;
@@ -1347,24 +1367,29 @@ void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
   // is pinned for writing by another call is not being changed yet (every
   // change captures first).
   absl::Status status;
-  for (int kind : kinds) {
+  for (; done < kinds.size(); ++done) {
     // Not traced: a checkpoint's reads are no part of the order that repeats.
     absl::StatusOr<Swapper::Pin> pin =
-        PinBlock(id, chunk, kind, /*for_write=*/false, /*traced=*/false);
+        PinBlock(id, chunk, kinds[done], /*for_write=*/false, /*traced=*/false);
     if (!pin.ok()) {
       status = absl::Status(pin.status().code(),
                             absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
                                          pin.status().message()));
       break;
     }
-    status = sink->Write(id, chunk, kind, absl::MakeConstSpan(pin->data(), pin->size()));
+    status = sink->Write(id, chunk, kinds[done], absl::MakeConstSpan(pin->data(), pin->size()));
     if (!status.ok()) break;
   }
+  const bool give_way = give_way_when_full && absl::IsResourceExhausted(status);
   absl::MutexLock lock(&mu_);
-  capture_->chunks[id].second[chunk] = 2;  // failed or not: nobody waits for it again
-  if (!status.ok() && capture_->status.ok()) capture_->status = status;
+  CapturedPartition& c = capture_->chunks[id];
+  // Failed or not, nobody waits for it again, unless it gave way.
+  c.state[chunk] = give_way ? 0 : 2;
+  c.written[chunk] = static_cast<uint8_t>(done);
+  if (!status.ok() && !give_way && capture_->status.ok()) capture_->status = status;
   --capture_->running;
   captured_.SignalAll();
+  return give_way ? status : absl::OkStatus();
 }
 
 void PartitionSet::CaptureAll(absl::Span<Partition* const> partitions) {

@@ -338,7 +338,10 @@ class PartitionSet {
   // walks every chunk), or by a call about to change a chunk not captured
   // yet (a step's update, an accumulation, a writable fetch, a skipped
   // step's discard), which captures it first. Training goes on meanwhile;
-  // a change to a chunk waits at most for that chunk's capture.
+  // a change to a chunk waits at most for that chunk's capture. A capture
+  // that finds the host pool full of pins does not fail the checkpoint
+  // while a step runs: the step captures its next chunk after its group's
+  // update, the writer waits for the step's end (CaptureChunkWhenRoom).
   // SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
   // another checkpoint runs, for a partition whose fp32 initial values are
   // not committed, a partition held for writing (release it first), or a
@@ -348,6 +351,10 @@ class PartitionSet {
   // another thread is at it). The first failure of any capture is what
   // EndCheckpoint returns.
   void CaptureChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  // As CaptureChunk, for the checkpoint's writer: a capture that finds the
+  // host pool full of pins while a step runs waits for the step to end (it
+  // unpins as it goes) and tries again, instead of failing the checkpoint.
+  void CaptureChunkWhenRoom(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends copy-on-write, once no capture is running.
   absl::Status EndCheckpoint() ABSL_LOCKS_EXCLUDED(mu_);
   // Makes the partitions' parameters resident and holds them (see the
@@ -538,13 +545,26 @@ class PartitionSet {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Every chunk of the partitions, before they change (a writable fetch).
   void CaptureAll(absl::Span<Partition* const> partitions) ABSL_LOCKS_EXCLUDED(mu_);
+  // One try at capturing a chunk. With `give_way_when_full`, a capture that
+  // finds the host pool full (RESOURCE_EXHAUSTED) leaves the chunk
+  // uncaptured (what it wrote of it stays written) and returns that status:
+  // the caller changes nothing of the chunk and tries again later. Every
+  // other failure is the checkpoint's (EndCheckpoint returns it), and the
+  // result is OK.
+  absl::Status CaptureOnce(uint64_t id, uint64_t chunk, bool give_way_when_full)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // A checkpoint being written: which chunks are captured.
+  struct CapturedPartition {
+    std::vector<int> kinds;      // its block kinds, in the order they are written
+    std::vector<uint8_t> state;  // per chunk: 0 (not yet), 1 (being captured) or 2 (done)
+    // Per chunk: how many of `kinds` are written (a capture that gave way
+    // leaves the rest to the next).
+    std::vector<uint8_t> written;
+  };
   struct Capture {
     ChunkSink* sink;
-    // Per partition id: its block kinds, and per chunk 0 (not yet),
-    // 1 (being captured) or 2 (done).
-    absl::flat_hash_map<uint64_t, std::pair<std::vector<int>, std::vector<uint8_t>>> chunks;
+    absl::flat_hash_map<uint64_t, CapturedPartition> chunks;  // by partition id
     int running = 0;  // captures in progress
     absl::Status status;
   };

@@ -289,6 +289,7 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
     }
     wait_nanos += NanosSince(pinning);
     if (tasks.empty()) break;
+    Sync(StepPoint::kGroupPinned);
     const auto computing = std::chrono::steady_clock::now();
     for (size_t t = 0; t < tasks.size(); ++t) {
       const AdamSpan& span = tasks[t].span;

@@ -88,6 +88,7 @@ struct ParamGroup {
 // interleaving with other calls (RocksDB's sync points, in small).
 enum class StepPoint {
   kPinned,     // after BeginStep, before the optimizer runs
+  kGroupPinned,  // a group of chunks is pinned, before its update
   kGroupDone,  // after a group of chunks was updated and its finished
                // partitions left the step
   kOptimized,  // after the optimizer, before EndStep
