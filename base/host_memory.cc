@@ -44,15 +44,35 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
                                                  SharedPages pages) {
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);
-  // The kernel places a shared mapping of shmem at an address congruent to
-  // `offset` modulo the huge page size, so huge pages of the file can be
-  // mapped whole.
-  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd,
-                 static_cast<off_t>(offset));
-  if (p == MAP_FAILED) {
+  auto failed = [&](int err) {
     return PosixError(absl::StrCat("mmap ", bytes, " bytes at offset ", offset, " of descriptor ",
                                    fd, " shared"),
-                      errno);
+                      err);
+  };
+  void* at = nullptr;
+  int flags = MAP_SHARED | MAP_NORESERVE;
+  if (pages == SharedPages::kHuge) {
+    // At an address congruent to `offset` modulo the huge page size, so that
+    // the file's huge pages map whole (and the caller can rely on that
+    // alignment whatever the kernel would have chosen): reserve a huge
+    // page more than needed, map the file over the right part of it, give
+    // the rest back.
+    const uint64_t huge = HugePageAlignment();
+    void* reserved = mmap(nullptr, mapped + huge, PROT_NONE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (reserved == MAP_FAILED) return failed(errno);
+    const auto base = reinterpret_cast<uintptr_t>(reserved);
+    const uintptr_t addr = base + ((offset % huge) + huge - base % huge) % huge;
+    if (addr > base) munmap(reserved, addr - base);
+    munmap(reinterpret_cast<void*>(addr + mapped), base + huge - addr);  // addr < base + huge
+    at = reinterpret_cast<void*>(addr);
+    flags |= MAP_FIXED;
+  }
+  void* p = mmap(at, mapped, PROT_READ | PROT_WRITE, flags, fd, static_cast<off_t>(offset));
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    if (at != nullptr) munmap(at, mapped);  // what is left of the reservation
+    return failed(err);
   }
   // Best effort, as for private memory: EINVAL without THP in the kernel.
   if (pages == SharedPages::kHuge) madvise(p, mapped, MADV_HUGEPAGE);
@@ -71,14 +91,23 @@ uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_
   return pmd_bytes;
 }
 
-uint64_t SharedHugePageBytes() {
+uint64_t HugePageAlignment() {
   static const uint64_t bytes = [] {
-    std::string mode, pmd;
-    std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/shmem_enabled"), mode);
+    std::string pmd;
     std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"), pmd);
     uint64_t pmd_bytes = 0;
-    if (!absl::SimpleAtoi(pmd, &pmd_bytes)) return uint64_t{0};
-    return SharedHugePageBytesFrom(mode, pmd_bytes);
+    const bool known = absl::SimpleAtoi(pmd, &pmd_bytes) && pmd_bytes > PageSize() &&
+                       (pmd_bytes & (pmd_bytes - 1)) == 0;
+    return known ? pmd_bytes : uint64_t{2} << 20;
+  }();
+  return bytes;
+}
+
+uint64_t SharedHugePageBytes() {
+  static const uint64_t bytes = [] {
+    std::string mode;  // empty where the kernel has no transparent huge pages
+    std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/shmem_enabled"), mode);
+    return SharedHugePageBytesFrom(mode, HugePageAlignment());
   }();
   return bytes;
 }

@@ -44,6 +44,8 @@ class HostMemory {
   // Maps `bytes` of `fd` (borrowed) from `offset` (a multiple of the page
   // size) shared, read-write. MAP_NORESERVE: pages exist as the file holds
   // them and they are touched, so a mapping may reach past the file's end.
+  // With SharedPages::kHuge the mapping's address is congruent to `offset`
+  // modulo HugePageAlignment().
   static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
                                               SharedPages pages = SharedPages::kSystemDefault);
 
@@ -84,6 +86,12 @@ uint64_t RoundUpToPage(uint64_t bytes);
 // Read once: the setting is the node administrator's, and a change takes
 // effect for offloadd at its next start.
 uint64_t SharedHugePageBytes();
+
+// The huge page size (/sys/kernel/mm/transparent_hugepage/hpage_pmd_size;
+// 2 MiB where it cannot be read): a mapping asking for huge pages starts at
+// an address congruent to its file offset modulo this, whether or not the
+// kernel then gives it huge pages.
+uint64_t HugePageAlignment();
 
 // Parses shmem_enabled's text (the selected value in brackets) and the PMD
 // size for SharedHugePageBytes; exposed for tests.

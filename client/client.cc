@@ -284,7 +284,8 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
   const v1::Region& r = resp.request_ring();
   if (impl_->options.request_ring && r.bytes() == ring::RingBytes() &&
       r.offset() <= s.arena_capacity - r.bytes()) {
-    absl::StatusOr<HostMemory> mapped = HostMemory::MapShared(s.arena.get(), r.offset(), r.bytes());
+    absl::StatusOr<HostMemory> mapped =
+        HostMemory::MapShared(s.arena.get(), r.offset(), r.bytes(), SharedPages::kSmall);
     if (mapped.ok()) {
       auto* layout = reinterpret_cast<ring::Layout*>(mapped->data());
       if (layout->magic == ring::kMagic && layout->version == ring::kVersion) {

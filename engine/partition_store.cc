@@ -1214,7 +1214,10 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
 absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionSet::MapExtra(uint64_t bytes) {
   absl::MutexLock placing(&placement_mu_);  // registrations allocate under it too
   ASSIGN_OR_RETURN(uint64_t offset, arena_->Allocate(bytes));
-  ASSIGN_OR_RETURN(HostMemory memory, arena_->Map(offset, bytes));
+  // Small pages: the pool counts none of it (it is the session's fixed
+  // overhead), and a kernel set to give shared memory huge pages unasked
+  // must not make it more.
+  ASSIGN_OR_RETURN(HostMemory memory, arena_->Map(offset, bytes, SharedPages::kSmall));
   return std::make_pair(offset, std::move(memory));
 }
 

@@ -47,9 +47,9 @@ absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes, uint64_t alignment) 
   const uint64_t rounded =
       bytes > capacity ? capacity + 1 : (bytes + alignment - 1) / alignment * alignment;
   if (rounded == 0 || rounded > capacity - offset) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("session arena full: ", bytes, " bytes requested, ", capacity - size_,
-                     " of ", capacity, " left (raise memory.session_arena_bytes)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session arena full: ", bytes, " bytes requested (aligned to ", alignment, "), ",
+        capacity - offset, " of ", capacity, " left (raise memory.session_arena_bytes)"));
   }
   absl::Status grown = env_->ResizeFile(fd_.get(), offset + rounded);
   if (!grown.ok()) {

@@ -29,18 +29,10 @@ if ((${#missing[@]})); then
 fi
 echo "setup: all ${#packages[@]} packages present" >&2
 
-# Huge pages for shared memory where the kernel's setting is `never`:
-# `advise` gives them only to mappings that ask (madvise MADV_HUGEPAGE), as
-# offloadd's session arenas do for large partitions, whose parameters and
-# gradients on NVMe then swap several times faster (README, "Node setup").
-# Until the next reboot; OFFLOADD_SETUP_NO_SYSFS=1 leaves it alone.
+# The node's setting for huge pages in shared memory is the administrator's:
+# say what it means for offloadd, change nothing (README, "Node setup").
 shmem=/sys/kernel/mm/transparent_hugepage/shmem_enabled
-if [[ -z ${OFFLOADD_SETUP_NO_SYSFS:-} && -r $shmem ]] && grep -q '\[never\]' "$shmem"; then
-  sudo=""
-  [[ $(id -u) == 0 ]] || sudo="sudo -n"
-  if echo advise | $sudo tee "$shmem" >/dev/null 2>&1; then
-    echo "setup: $shmem was never, now advise (huge pages for offloadd's arenas)" >&2
-  else
-    echo "setup: $shmem is never and could not be changed: offloadd's arenas use 4 KiB pages" >&2
-  fi
+if [[ -r $shmem ]] && grep -q '\[never\]' "$shmem"; then
+  echo "setup: note: $shmem is never: offloadd's session arenas use 4 KiB pages, and" \
+    "parameters or gradients on NVMe swap slower (README, \"Node setup\")" >&2
 fi

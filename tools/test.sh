@@ -7,6 +7,20 @@ cd "$(dirname "$0")/.."
 
 bash tools/setup.sh || { echo "0 passed, 1 failed"; exit 1; }
 
+# Huge pages in shared memory, so that the tests of offloadd's arenas on
+# them run: where the kernel's setting is never and this is root, advise
+# (huge pages only for mappings that ask) for this run, put back at its
+# end. OFFLOADD_TEST_NO_SYSFS=1 leaves the setting alone (those tests then
+# check the small-page layout, or skip saying why).
+shmem=/sys/kernel/mm/transparent_hugepage/shmem_enabled
+shmem_was=""
+if [[ -z ${OFFLOADD_TEST_NO_SYSFS:-} && $(id -u) == 0 && -w $shmem ]] && grep -q '\[never\]' "$shmem" &&
+  echo advise >"$shmem" 2>/dev/null; then
+  shmem_was=never
+  echo "test: $shmem is advise for this run (never again at its end)" >&2
+fi
+trap '[[ -z $shmem_was ]] || echo "$shmem_was" >"$shmem"' EXIT
+
 log=$(mktemp)
 bazel test //... --test_summary=short 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
