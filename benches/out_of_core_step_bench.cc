@@ -10,7 +10,8 @@
 //       [--steps=5] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
 //       [--queue_depth=32] [--rings=2] [--stripe=1MiB]
-//       [--compute_reps=3] [--no-fio] [--no-compute] [--hand_over] [--tiny]
+//       [--compute_reps=3] [--no-fio] [--no-compute] [--hand_over]
+//       [--arena_pages=huge|small] [--tiny]
 //
 // What runs (one process, in this order):
 //   1. Compute bound: Optimizer::Step (the daemon's optimizer, default
@@ -130,6 +131,9 @@ struct Flags {
   uint64_t partition_params = 25'000'000;
   uint64_t cache = uint64_t{1} << 30;
   uint64_t chunk_bytes = 16 << 20;  // per kind
+  // --arena_pages=huge|small: the arena's large partitions on huge pages
+  // (the daemon's default where the kernel gives shared memory huge pages).
+  bool arena_huge = SharedHugePageBytes() != 0;
   int steps = 5;
   int64_t prefetch_depth = SwapperOptions{}.prefetch_depth;
   int64_t prefetch_bytes = SwapperOptions{}.prefetch_bytes;
@@ -395,6 +399,8 @@ int Main(int argc, char** argv) {
       f.compute = false;
     } else if (a == "--hand_over") {
       f.hand_over = true;
+    } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
+      f.arena_huge = a == "--arena_pages=huge";
     } else if (a == "--tiny") {
       tiny = true;
     } else {
@@ -418,9 +424,13 @@ int Main(int argc, char** argv) {
     sizes.push_back(std::min(left, f.partition_params));
     left -= sizes.back();
   }
+  const uint64_t huge = f.arena_huge ? HugePageAlignment() : 0;
   uint64_t arena_charge = 0, blocks = 0;
   for (uint64_t n : sizes) {
-    arena_charge += 2 * ShmArena::RoundedSize(n * 2);  // bf16 params + bf16 grads
+    // bf16 params + bf16 grads, each region in whole pages of its layout.
+    const uint64_t page =
+        ArenaLayoutPageBytes(n, DType::kBf16, DType::kBf16, false, chunk_elems, huge);
+    arena_charge += 2 * ((n * 2 + page - 1) / page * page);
     blocks += 4 * ((n + chunk_elems - 1) / chunk_elems);
   }
   // Master, exp_avg, exp_avg_sq and the fp32 gradient accumulator.
@@ -438,9 +448,13 @@ int Main(int argc, char** argv) {
       "homed on NVMe (optimizer_state_host_percent 0)\n",
       static_cast<unsigned long long>(f.params), sizes.size(),
       static_cast<unsigned long long>(f.partition_params));
-  std::printf("state %.3f GB (%.3f GiB, 16 B/param); arena %.3f GB (%.3f GiB, 4 B/param) charged "
-              "to the pool; state cache %.3f GiB\n",
-              state / 1e9, state / kGiB, arena_charge / 1e9, arena_charge / kGiB, f.cache / kGiB);
+  std::printf("state %.3f GB (%.3f GiB, 16 B/param); arena %.3f GB (%.3f GiB, 4 B/param, %s) "
+              "charged to the pool; state cache %.3f GiB\n",
+              state / 1e9, state / kGiB, arena_charge / 1e9, arena_charge / kGiB,
+              !f.arena_huge ? "small pages"
+              : SharedHugePageBytes() != 0 ? "large partitions on huge pages"
+                                           : "laid out for huge pages, the kernel gives small ones",
+              f.cache / kGiB);
   std::printf("pool limit = arena + cache = %.3f GiB; state / cache = %.2fx; state / whole pool = "
               "%.2fx\n",
               pool_limit / kGiB, static_cast<double>(state) / f.cache,
@@ -545,7 +559,8 @@ int Main(int argc, char** argv) {
     }
     e.swapper = std::move(*swapper);
     e.store = std::make_unique<PartitionStore>(Env::Default(), e.swapper.get(), &e.stats,
-                                               2 * arena_charge + (1 << 20), Placement{}, chunk_elems);
+                                               2 * arena_charge + (4 << 20), Placement{}, chunk_elems,
+                                               huge);
     e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
     e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
                                                   &e.stats);

@@ -8,7 +8,8 @@
 //   bazel build -c opt //benches:step_overlap
 //   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
 //       [--iterations=6] [--t=auto|250ms] [--nvme] [--pool=1GiB]
-//       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--tiny]
+//       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--arena_pages=huge|small]
+//       [--tiny]
 //
 // The engine is assembled in-process as engine/out_of_core_test.cc does
 // (pool, swapper, store, step runner, session manager). One session,
@@ -52,6 +53,7 @@
 #include "absl/strings/strip.h"
 #include "base/config_registry.h"
 #include "base/env.h"
+#include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "benches/bench_util.h"
 #include "cpu_adam/optimizer.h"
@@ -79,6 +81,10 @@ struct Flags {
   uint64_t pool = uint64_t{1} << 30;
   std::string dir = "/var/tmp/offloadd-bench";
   int threads = 0;  // the optimizer's; 0: one per CPU (the daemon's default)
+  // --arena_pages=huge|small: large partitions laid out for huge pages in the
+  // arena (the daemon's default where the kernel gives shared memory huge
+  // pages) or small pages only.
+  bool arena_huge = SharedHugePageBytes() != 0;
 };
 
 // The engine, built in the order it is destroyed in reverse.
@@ -129,6 +135,8 @@ int Main(int argc, char** argv) {
       f.threads = std::atoi(v);
     } else if (a == "--nvme") {
       f.nvme = true;
+    } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
+      f.arena_huge = a == "--arena_pages=huge";
     } else if (a == "--tiny") {
       tiny = true;
     } else {
@@ -169,9 +177,9 @@ int Main(int argc, char** argv) {
   auto swapper = Swapper::Create(SwapperOptions{}, e.pool.get(), e.space.get());
   if (!swapper.ok()) return Fail(swapper.status(), "swapper");
   e.swapper = std::move(*swapper);
-  e.store = std::make_unique<PartitionStore>(Env::Default(), e.swapper.get(), &e.stats,
-                                             uint64_t{1} << 40, Placement{},
-                                             (16 << 20) / sizeof(float));
+  e.store = std::make_unique<PartitionStore>(
+      Env::Default(), e.swapper.get(), &e.stats, uint64_t{1} << 40, Placement{},
+      (16 << 20) / sizeof(float), f.arena_huge ? HugePageAlignment() : 0);
   e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
   e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
                                                 &e.stats);
@@ -188,9 +196,11 @@ int Main(int argc, char** argv) {
     ids.push_back(p->id);
   }
   if (auto s = e.sessions->Release(key, {}); !s.ok()) return Fail(s, "release");
-  std::printf("== step_overlap: %llu params in %d layers (bf16 params and gradients), optimizer "
-              "state %s; optimizer %s on %d threads\n",
+  std::printf("== step_overlap: %llu params in %d layers (bf16 params and gradients, arena on "
+              "%s pages), optimizer state %s; optimizer %s on %d threads\n",
               static_cast<unsigned long long>(per_layer * f.layers), f.layers,
+              f.arena_huge ? (SharedHugePageBytes() != 0 ? "huge" : "small (laid out for huge)")
+                           : "small",
               f.nvme ? absl::StrCat("on NVMe (", f.dir, "), pool ",
                                     absl::StrFormat("%.2f GiB", f.pool / kGiB))
                            .c_str()

@@ -280,6 +280,21 @@ TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
   EXPECT_EQ(sessions[0].nvme_bytes[static_cast<int>(DataKind::kParams)], TotalBytes() / 22 * 2);
 }
 
+TEST(ArenaLayout, HugePagesOnlyWhereBlocksFillThemAndLittleIsWasted) {
+  constexpr uint64_t kHuge = 2 << 20, kChunk = 1 << 20, kSmall = 4096;
+  const DType bf16 = DType::kBf16, fp32 = DType::kFp32;
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk, 0), kSmall);
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk, kHuge), kHuge);
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, fp32, true, kChunk, kHuge), kHuge);
+  // 1 MiB blocks of bf16 would share huge pages.
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk / 2, kHuge), kSmall);
+  // 3 MiB regions rounded to 4 MiB waste a third; 17 MiB ones to 18, a 17th.
+  EXPECT_EQ(ArenaLayoutPageBytes(3 * kChunk / 2, bf16, bf16, false, kChunk, kHuge), kSmall);
+  EXPECT_EQ(ArenaLayoutPageBytes(8 * kChunk + kChunk / 2, bf16, bf16, false, kChunk, kHuge),
+            kHuge);
+  EXPECT_EQ(ArenaLayoutPageBytes(700, bf16, bf16, false, kChunk, kHuge), kSmall);
+}
+
 // Large partitions laid out for huge pages (each region on whole 2 MiB
 // pages, asked of the kernel where it gives shared memory huge pages) train
 // to the same bits as with small pages, with their parameters and gradients

@@ -185,9 +185,9 @@ PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
       state_chunk_elems_(state_chunk_elems), huge_page_bytes_(huge_page_bytes),
       placement_(placement) {}
 
-uint64_t PartitionSet::LayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype,
-                                       bool fp32_init) const {
-  const uint64_t small = ShmArena::kAlignment, huge = huge_page_bytes_;
+uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype, bool fp32_init,
+                              uint64_t chunk_elems, uint64_t huge_page_bytes) {
+  const uint64_t small = ShmArena::kAlignment, huge = huge_page_bytes;
   if (huge <= small) return small;
   // The regions: params, grads, the fp32 initial values, the second
   // working-copy buffer.
@@ -196,7 +196,7 @@ uint64_t PartitionSet::LayoutPageBytes(uint64_t numel, DType param_dtype, DType 
   uint64_t laid_out = 0, wasted = 0;
   for (uint64_t size : element_sizes) {
     if (size == 0) continue;
-    if (state_chunk_elems_ * size % huge != 0) return small;
+    if (chunk_elems * size % huge != 0) return small;
     const uint64_t bytes = numel * size;
     laid_out += ShmArena::RoundedSize(bytes);
     wasted += (bytes + huge - 1) / huge * huge - ShmArena::RoundedSize(bytes);
@@ -448,8 +448,8 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     // space for the rest) covers them. Each region starts on a page of the
     // layout's size: a block (a chunk of one region) never shares a page
     // with another.
-    const uint64_t page =
-        LayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype, fp32_init);
+    const uint64_t page = ArenaLayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype,
+                                               fp32_init, state_chunk_elems_, huge_page_bytes_);
     partition->page_bytes = page;
     info.huge_pages = page > ShmArena::kAlignment;
     auto rounded = [page](uint64_t bytes) { return (bytes + page - 1) / page * page; };

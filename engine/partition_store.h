@@ -134,6 +134,17 @@ struct PartitionSpec {
   uint64_t tensor_offset = 0;
 };
 
+// The page size a partition of `numel` elements is laid out for in a
+// session arena whose chunks are `chunk_elems` and whose huge pages are
+// `huge_page_bytes` (0: none): huge pages where every kind's chunk fills
+// whole ones (a huge page is charged and freed whole, so no two swapper
+// blocks may share one) and rounding its regions (params, grads, with
+// `fp32_init` the fp32 initial values, the delayed update's second buffer)
+// up to them wastes at most an eighth; else 4 KiB. Each region then starts
+// on such a page and fills whole ones.
+uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype, bool fp32_init,
+                              uint64_t chunk_elems, uint64_t huge_page_bytes);
+
 // A registering partition's state, from a checkpoint its session restores
 // (engine/checkpoint.h).
 struct RestoredState {
@@ -490,13 +501,7 @@ class PartitionSet {
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
                Stats* stats, const Placement& placement, uint64_t state_chunk_elems,
                uint64_t huge_page_bytes);
-  // The page size a partition of `numel` elements is laid out for in the
-  // arena: huge pages where the arena has them, every kind's chunk fills
-  // whole ones (a huge page is charged and freed whole, so no two blocks
-  // may share one) and rounding the regions up to them wastes at most an
-  // eighth; else the system's page.
-  uint64_t LayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype,
-                           bool fp32_init) const;
+
   // Waits until none of `partitions` is in a step (with `delayed_ok`, a
   // delayed-update step, which leaves the current working copy alone, does
   // not count).
