@@ -56,7 +56,10 @@ class FaultInjectingBackend final : public IoBackend {
   absl::Status AddBuffer(void* base, uint64_t length) override {
     return inner_->AddBuffer(base, length);
   }
-  absl::Status Run(absl::Span<const IoRequest> requests) override { return inner_->Run(requests); }
+  using IoBackend::Run;
+  absl::Status Run(absl::Span<const IoRequest> requests, const RequestDone& done) override {
+    return inner_->Run(requests, done);
+  }
   absl::Status SetQueueDepth(int64_t d) override { return inner_->SetQueueDepth(d); }
   absl::Status SetRequestBytes(int64_t b) override { return inner_->SetRequestBytes(b); }
   absl::Status SetSubmitBatch(int64_t b) override { return inner_->SetSubmitBatch(b); }

@@ -45,6 +45,14 @@ struct IoRequest {
 // -EIO, -EAGAIN or -ENOSPC, or sleep to add delay.
 using IoResultHook = std::function<int64_t(const IoRequest& attempt, int64_t result)>;
 
+// Told by Run() that all of request `request`'s bytes (an index into the
+// requests given) are transferred, while later ones may still be in flight,
+// so that work on them (a checksum) overlaps the rest of the I/O. Called on
+// whichever thread completed the request (the caller's, or one of the
+// backend's own), for different requests possibly at the same time; not
+// for a request that failed.
+using RequestDone = std::function<void(size_t request)>;
+
 class IoBackend {
  public:
   virtual ~IoBackend() = default;
@@ -60,8 +68,9 @@ class IoBackend {
   virtual absl::Status AddBuffer(void* base, uint64_t length) = 0;
 
   // Performs every request; returns the first error, after all requests in
-  // flight have completed.
-  virtual absl::Status Run(absl::Span<const IoRequest> requests) = 0;
+  // flight have completed. `done`, if set, hears of each request finished.
+  virtual absl::Status Run(absl::Span<const IoRequest> requests, const RequestDone& done) = 0;
+  absl::Status Run(absl::Span<const IoRequest> requests) { return Run(requests, nullptr); }
 
   // The settings that change while running (nvme_options.h has their
   // ranges); INVALID_ARGUMENT if out of range.

@@ -28,7 +28,8 @@ absl::Status LiveIoSettings::SetSubmitBatch(int64_t batch) {
 
 absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_bytes,
                              size_t num_files, std::vector<IoChunk>* out) {
-  for (const IoRequest& r : requests) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const IoRequest& r = requests[i];
     if (r.file < 0 || static_cast<size_t>(r.file) >= num_files) {
       return absl::InvalidArgumentError(absl::StrCat("I/O request names file ", r.file,
                                                      "; ", num_files, " are registered"));
@@ -43,10 +44,23 @@ absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_
       c.offset = r.offset + done;
       c.buffer = static_cast<std::byte*>(r.buffer) + done;
       c.remaining = std::min(max_bytes, r.length - done);
+      c.request = i;
       out->push_back(c);
     }
   }
   return absl::OkStatus();
+}
+
+RequestProgress::RequestProgress(absl::Span<const IoChunk> chunks, size_t requests,
+                                 const RequestDone& done)
+    : done_(done) {
+  if (!done_) return;
+  left_ = std::make_unique<std::atomic<uint32_t>[]>(requests);
+  for (size_t r = 0; r < requests; ++r) left_[r].store(0, std::memory_order_relaxed);
+  for (const IoChunk& c : chunks) left_[c.request].fetch_add(1, std::memory_order_relaxed);
+  for (size_t r = 0; r < requests; ++r) {
+    if (left_[r].load(std::memory_order_relaxed) == 0) done_(r);
+  }
 }
 
 void IoBackendBase::SetResultHookForTesting(IoResultHook hook) {

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct IoChunk {
   uint64_t remaining = 0;
   int buf_index = -1;  // fixed-buffer slot, if any
   int retries = 0;
+  size_t request = 0;  // index of the request it is part of
 
   IoRequest AsRequest() const { return {op, file, offset, buffer, remaining}; }
 };
@@ -88,6 +90,7 @@ class IoBackendBase : public IoBackend {
 
  protected:
   explicit IoBackendBase(const IoOptions& options) : settings_(options) {}
+  using IoBackend::Run;
 
   // Appends to the file table and returns the new index; RESOURCE_EXHAUSTED
   // once it holds `max_files`.
@@ -104,6 +107,22 @@ class IoBackendBase : public IoBackend {
   mutable absl::Mutex table_mu_;
   std::vector<IoFileEntry> files_ ABSL_GUARDED_BY(table_mu_);
   IoResultHook hook_ ABSL_GUARDED_BY(table_mu_);
+};
+
+// Counts down each request's chunks and tells RequestDone of a request when
+// its last chunk finished (a request with no chunks, of zero bytes, at
+// once). Thread-safe.
+class RequestProgress {
+ public:
+  RequestProgress(absl::Span<const IoChunk> chunks, size_t requests, const RequestDone& done);
+  // `c` transferred all its bytes.
+  void ChunkDone(const IoChunk& c) {
+    if (done_ && left_[c.request].fetch_sub(1, std::memory_order_acq_rel) == 1) done_(c.request);
+  }
+
+ private:
+  const RequestDone& done_;
+  std::unique_ptr<std::atomic<uint32_t>[]> left_;
 };
 
 // Keeps the first failure of a batch.

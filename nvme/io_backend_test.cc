@@ -4,6 +4,7 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -143,6 +144,43 @@ TEST_P(BackendTest, EioIsDataLossWithTheOperationPathOffsetAndLength) {
   backend_->ClearRules();
   ASSERT_TRUE(Read().ok());
   EXPECT_TRUE(Same());
+}
+
+// Run tells of each request once all its bytes are in (each 1 MiB request
+// here is 4 chunks, with short transfers on top), and never of one that
+// failed.
+TEST_P(BackendTest, EachRequestIsToldOfOnceItsBytesAreIn) {
+  ASSERT_TRUE(Write().ok());
+  std::memset(dst_.data(), 0, dst_.size());
+  const auto requests = Requests(IoOp::kRead, id_, dst_.data(), dst_.size(), kMiB);
+  std::vector<std::atomic<int>> told(requests.size());
+  std::vector<std::atomic<bool>> complete(requests.size());
+  RequestDone done = [&](size_t r) {
+    told[r].fetch_add(1);
+    complete[r].store(std::memcmp(requests[r].buffer, src_.data() + requests[r].offset,
+                                  requests[r].length) == 0);
+  };
+  FaultRule halves;
+  halves.kind = FaultRule::Kind::kShort;
+  halves.times = 16;
+  backend_->AddRule(halves);
+  ASSERT_TRUE(backend_->Run(requests, done).ok());
+  for (size_t r = 0; r < requests.size(); ++r) {
+    EXPECT_EQ(told[r].load(), 1) << r;
+    EXPECT_TRUE(complete[r].load()) << r;
+  }
+  // A failed request is not told of.
+  backend_->ClearRules();
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.offset_begin = 2 * kMiB + 512 * 1024;
+  eio.offset_end = eio.offset_begin + 1;
+  backend_->AddRule(eio);
+  for (auto& t : told) t.store(0);
+  EXPECT_EQ(backend_->Run(requests, done).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(told[2].load(), 0);
+  for (size_t r = 0; r < requests.size(); ++r) EXPECT_LE(told[r].load(), 1) << r;
 }
 
 TEST_P(BackendTest, EnospcIsResourceExhausted) {

@@ -41,7 +41,8 @@ class PosixBackend final : public IoBackendBase {
 
   absl::Status AddBuffer(void*, uint64_t) override { return absl::OkStatus(); }
 
-  absl::Status Run(absl::Span<const IoRequest> requests) override;
+  using IoBackend::Run;
+  absl::Status Run(absl::Span<const IoRequest> requests, const RequestDone& done) override;
 
  private:
   // One Run(): its prepared chunks, how many are unfinished, its first error.
@@ -52,6 +53,7 @@ class PosixBackend final : public IoBackendBase {
     size_t unfinished = 0;  // chunks not yet done or cancelled
     size_t depth = 1;       // at most this many in flight
     ChunkOutcome outcome;
+    RequestProgress* progress = nullptr;  // told of chunks done, without mu_
   };
 
   void Work();
@@ -95,8 +97,10 @@ void PosixBackend::Work() {
     const IoChunk chunk = b->chunks[idx];
     const IoFileEntry file = b->files[static_cast<size_t>(chunk.file)];
     const IoResultHook hook = b->hook;
+    RequestProgress* progress = b->progress;
     mu_.Unlock();
     absl::Status s = DoChunk(chunk, file, hook);
+    if (s.ok()) progress->ChunkDone(chunk);  // before the batch can end: Run waits for this
     mu_.Lock();
     b->outcome.Fail(s);
     const bool was_full = b->in_flight == b->depth;
@@ -115,11 +119,13 @@ void PosixBackend::Work() {
   }
 }
 
-absl::Status PosixBackend::Run(absl::Span<const IoRequest> requests) {
+absl::Status PosixBackend::Run(absl::Span<const IoRequest> requests, const RequestDone& done) {
   ASSIGN_OR_RETURN(PreparedBatch prepared, Prepare(requests));
+  RequestProgress progress(prepared.chunks, requests.size(), done);
   if (prepared.chunks.empty()) return absl::OkStatus();
   Batch batch;
   static_cast<PreparedBatch&>(batch) = std::move(prepared);
+  batch.progress = &progress;
   batch.depth = settings_.queue_depth();
   absl::MutexLock lock(&mu_);
   batch.unfinished = batch.chunks.size();

@@ -156,6 +156,14 @@ std::vector<IoRequest> SwapSpace::Plan(const Extent& e, IoOp op, std::byte* buff
   return out;
 }
 
+uint64_t SwapSpace::StripeHash(const Extent& e, const std::vector<IoRequest>& plan, size_t r,
+                               const std::byte* buffer) {
+  const auto* begin = static_cast<const std::byte*>(plan[r].buffer);
+  const uint64_t at = static_cast<uint64_t>(begin - buffer);
+  const uint64_t bytes = at >= e.bytes ? 0 : std::min(plan[r].length, e.bytes - at);
+  return XXH3_64bits(begin, bytes);
+}
+
 absl::Status SwapSpace::Annotate(const absl::Status& s, const std::string& what) const {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
@@ -173,12 +181,17 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(const void* src, uint64_t 
     absl::MutexLock lock(&mu_);
     checksum = checksum_;
   }
+  auto* data = static_cast<std::byte*>(const_cast<void*>(src));
+  const std::vector<IoRequest> requests = Plan(e, IoOp::kWrite, data);
+  RequestDone hash;
   if (checksum) {
     e.has_checksum = true;
-    e.checksum = XXH3_64bits(src, bytes);
+    e.checksums.assign(requests.size(), 0);
+    // Each stripe once written (a buffer that changes meanwhile makes the
+    // block's owner discard this copy: the swapper's version check).
+    hash = [&](size_t r) { e.checksums[r] = StripeHash(e, requests, r, data); };
   }
-  auto requests = Plan(e, IoOp::kWrite, static_cast<std::byte*>(const_cast<void*>(src)));
-  absl::Status s = backend_->Run(requests);
+  absl::Status s = backend_->Run(requests, hash);
   if (!s.ok()) {
     Release(e);  // nothing else refers to this space
     return Annotate(s, absl::StrCat("swapping out ", bytes, " bytes"));
@@ -226,18 +239,24 @@ absl::Status SwapSpace::Read(uint64_t id, void* dst) {
     return absl::InvalidArgumentError(
         absl::StrCat("swap-in buffer must be aligned to ", alignment_, " bytes"));
   }
-  auto requests = Plan(e, IoOp::kRead, static_cast<std::byte*>(dst));
-  RETURN_IF_ERROR(Annotate(backend_->Run(requests),
-                           absl::StrCat("swapping in extent ", id, " (", e.bytes, " bytes)")));
+  auto* data = static_cast<std::byte*>(dst);
+  const std::vector<IoRequest> requests = Plan(e, IoOp::kRead, data);
+  std::vector<uint64_t> got;
+  RequestDone hash;
   if (e.has_checksum) {
-    const uint64_t got = XXH3_64bits(dst, e.bytes);
-    if (got != e.checksum) {
-      const Segment& s = e.segments.front();
-      return absl::DataLossError(absl::StrCat(
-          "checksum mismatch swapping in extent ", id, " (", e.bytes, " bytes, first segment at ",
-          files_[static_cast<size_t>(s.file)]->io.path, " offset ", s.offset, "): expected ",
-          absl::Hex(e.checksum), ", read ", absl::Hex(got)));
-    }
+    got.assign(requests.size(), 0);
+    hash = [&](size_t r) { got[r] = StripeHash(e, requests, r, data); };
+  }
+  RETURN_IF_ERROR(Annotate(backend_->Run(requests, hash),
+                           absl::StrCat("swapping in extent ", id, " (", e.bytes, " bytes)")));
+  for (size_t r = 0; r < got.size(); ++r) {
+    if (got[r] == e.checksums[r]) continue;
+    const IoRequest& q = requests[r];
+    return absl::DataLossError(absl::StrCat(
+        "checksum mismatch swapping in extent ", id, " (", e.bytes, " bytes): stripe ", r,
+        " (", q.length, " bytes at ", files_[(e.first + r) % files_.size()]->io.path,
+        " offset ", q.offset, ") expected ", absl::Hex(e.checksums[r]), ", read ",
+        absl::Hex(got[r])));
   }
   return absl::OkStatus();
 }

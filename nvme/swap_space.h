@@ -9,8 +9,12 @@
 // space only after the new write succeeded, so a failed write (ENOSPC, EIO)
 // never damages data already swapped out.
 //
-// Integrity: with `checksum` on, a 64-bit XXH3 of the data is recorded at
-// swap-out and checked at swap-in; a mismatch is DATA_LOSS naming the extent.
+// Integrity: with `checksum` on, a 64-bit XXH3 of each stripe of the data
+// is recorded at swap-out and checked at swap-in; a mismatch is DATA_LOSS
+// naming the extent, the file and the offset. Each stripe is hashed as soon
+// as its own transfer completes, while the extent's other stripes are still
+// in flight (RequestDone), so hashing overlaps the I/O instead of following
+// (reads) or preceding (writes) the whole of it.
 //
 // Buffers handed to Write/Read must be aligned to alignment() and span
 // RoundUp(bytes, alignment()) bytes (the arena's page-aligned regions do).
@@ -94,7 +98,7 @@ class SwapSpace {
     std::vector<Segment> segments;  // one per file, in stripe order from `first`
     size_t first = 0;               // file of stripe 0
     bool has_checksum = false;
-    uint64_t checksum = 0;
+    std::vector<uint64_t> checksums;  // XXH3-64 of each stripe (Plan's requests)
   };
   struct File {
     IoFile io;
@@ -112,6 +116,10 @@ class SwapSpace {
   // Puts a segment back into its file's holes, coalescing neighbours.
   void ReturnSegment(const Segment& seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<IoRequest> Plan(const Extent& e, IoOp op, std::byte* buffer) const;
+  // XXH3-64 of stripe `r` of the extent's data at `buffer` (its bytes, not
+  // the alignment's padding after them).
+  static uint64_t StripeHash(const Extent& e, const std::vector<IoRequest>& plan, size_t r,
+                             const std::byte* buffer);
   absl::StatusOr<Extent> WriteNew(const void* src, uint64_t bytes);
   absl::Status Annotate(const absl::Status& s, const std::string& what) const;
 

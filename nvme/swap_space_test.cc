@@ -130,11 +130,49 @@ TEST_F(SwapSpaceTest, ChecksumCatchesCorruptionAndCanBeSwitchedOff) {
   EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
   EXPECT_TRUE(absl::StrContains(r.message(), "checksum mismatch")) << r;
   EXPECT_TRUE(absl::StrContains(r.message(), "extent " + std::to_string(*id))) << r;
+  EXPECT_TRUE(absl::StrContains(r.message(), "stripe 0 (1048576 bytes at " + dir +
+                                                 "/offloadd.swap offset 0)"))
+      << r;
   // An extent written with checksums off is not verified.
   s->SetChecksum(false);
   auto unchecked = s->Write(a.data(), kMiB);
   ASSERT_TRUE(unchecked.ok());
   EXPECT_TRUE(s->Read(*unchecked, got.data()).ok());
+}
+
+// Each stripe has its checksum: a corrupted byte is found in its stripe,
+// named with its file and offset, and the other stripes' reads are whole.
+TEST_F(SwapSpaceTest, EachStripeIsCheckedAndAMismatchNamesItsFileAndOffset) {
+  const std::string d0 = MakeDir("crc0"), d1 = MakeDir("crc1");
+  auto s = Make({d0, d1}, 8 * kMiB);
+  ASSERT_TRUE(s);
+  // 3 MiB and a bit: stripes 0, 2 (and the 4th, partial) in d0, 1 and 3 in d1.
+  const uint64_t bytes = 3 * kMiB + 5000;
+  auto a = Random(RoundUp(bytes, 4096), 8);
+  auto id = s->Write(a.data(), bytes);
+  ASSERT_TRUE(id.ok());
+  ExpectReadBack(*s, *id, a, bytes);
+  auto flip = [](const std::string& path, off_t at) {
+    int fd = open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    char c;
+    ASSERT_EQ(pread(fd, &c, 1, at), 1);
+    c ^= 0x01;
+    ASSERT_EQ(pwrite(fd, &c, 1, at), 1);
+    fsync(fd);
+    close(fd);
+  };
+  // The padding after the extent's bytes (in d1's second stripe, the
+  // extent's last) is in no checksum.
+  flip(d1 + "/offloadd.swap", kMiB + 6000);
+  ExpectReadBack(*s, *id, a, bytes);
+  flip(d0 + "/offloadd.swap", kMiB + 7);  // d0's second stripe: the extent's stripe 2
+  HostMemory got = *HostMemory::Allocate(RoundUp(bytes, 4096));
+  absl::Status r = s->Read(*id, got.data());
+  EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(absl::StrContains(r.message(), "stripe 2 (1048576 bytes at " + d0 +
+                                                 "/offloadd.swap offset 1048576)"))
+      << r;
 }
 
 TEST_F(SwapSpaceTest, FailedWritesLoseNothingAndLeakNothing) {

@@ -103,7 +103,8 @@ class UringBackend final : public IoBackendBase {
     return absl::OkStatus();
   }
 
-  absl::Status Run(absl::Span<const IoRequest> requests) override;
+  using IoBackend::Run;
+  absl::Status Run(absl::Span<const IoRequest> requests, const RequestDone& done) override;
 
  private:
   struct Ring {
@@ -156,9 +157,10 @@ class UringBackend final : public IoBackendBase {
   std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(buffers_mu_);
 };
 
-absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
+absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const RequestDone& done) {
   ASSIGN_OR_RETURN(PreparedBatch prepared, Prepare(requests));
   std::vector<IoChunk>& chunks = prepared.chunks;
+  RequestProgress progress(chunks, requests.size(), done);
   const std::vector<IoFileEntry>& files = prepared.files;
   const IoResultHook& hook = prepared.hook;
   {
@@ -260,6 +262,8 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests) {
       if (hook) res = hook(c.AsRequest(), res);
       if (HandleResult(c, res, files[static_cast<size_t>(c.file)].path, &outcome)) {
         todo.push_back(idx);
+      } else if (c.remaining == 0) {
+        progress.ChunkDone(c);
       }
     }
     io_uring_cq_advance(&r.ring, seen);
