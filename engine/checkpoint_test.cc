@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <atomic>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -497,19 +498,118 @@ TEST(CopyOnWrite, TheWritersCaptureWaitsOutARunningStep) {
   pinned.WaitForNotification();
   ASSERT_EQ(engine.pool->used(), engine.pool->limit());
   const uint64_t acquires = engine.swapper->Stats().acquires;
-  std::thread writer([&] { busy.set->CaptureChunkWhenRoom(busy.b.id, 0); });
-  // It tried (and found no room: nothing can leave the pool meanwhile).
+  // a's second chunk, on NVMe: the step gave way on it, and so will this.
+  std::atomic<bool> finished{false};
+  std::thread writer([&] {
+    busy.set->CaptureChunkWhenRoom(busy.a.id, 1);
+    finished = true;
+  });
+  // It tried (and found no room: nothing can leave the pool meanwhile),
+  // and waits for the step.
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (engine.swapper->Stats().acquires == acquires && absl::Now() < deadline) {
     std::this_thread::yield();
   }
   EXPECT_GT(engine.swapper->Stats().acquires, acquires);
+  EXPECT_FALSE(finished.load());
   go_on.Notify();
   step.join();
   writer.join();
   engine.steps->SetSyncPointForTesting(nullptr);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   ASSERT_TRUE(busy.set->Release({busy.b.id}).ok());
+  for (const PartitionInfo* p : {&busy.a, &busy.b}) {
+    for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
+  }
+  absl::Status ended = busy.set->EndCheckpoint();
+  ASSERT_TRUE(ended.ok()) << ended;
+  EXPECT_EQ(sink.chunks(), QuietCheckpoint());
+}
+
+// A checkpoint whose disk fills up (its sink says RESOURCE_EXHAUSTED) fails;
+// the step that captures chunks meanwhile does not: only a full host pool
+// makes a capture give way.
+TEST(CopyOnWrite, AFullCheckpointDiskFailsTheCheckpointNotTheStep) {
+  class FullDisk : public ChunkSink {
+   public:
+    absl::Status Write(uint64_t, uint64_t, int, absl::Span<const std::byte>) override {
+      ++writes;
+      return absl::ResourceExhaustedError("writing the checkpoint: No space left (ENOSPC)");
+    }
+    std::atomic<int> writes{0};
+  } sink;
+  Engine engine(TmpDir("nvme-full-disk"), 64 << 20, 8, kChunk);
+  FullPoolSet busy(engine, 2);
+  ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
+  AdamHyperparams h;
+  h.lr = 0.1;
+  auto stepped = engine.steps->Run(*busy.set, h, false, {});
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(stepped->partitions_updated, 1u);
+  for (uint64_t c = 0; c < 2; ++c) busy.set->CaptureChunk(busy.a.id, c);
+  absl::Status ended = busy.set->EndCheckpoint();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kResourceExhausted) << ended;
+  EXPECT_EQ(sink.writes.load(), 1);  // once failed, no more I/O for it
+  EXPECT_EQ(busy.set->steps(), 1u);
+}
+
+// A capture that gives way after writing some of a chunk's kinds goes on
+// from the kind it stopped at when it is tried again: each kind reaches
+// the sink once (RecordingSink fails the test on a second write), with the
+// bytes as they were when the checkpoint began.
+TEST(CopyOnWrite, ACaptureThatGaveWayGoesOnFromTheKindItStoppedAt) {
+  Engine engine(TmpDir("nvme-resume"), 64 << 20, 8, kChunk);
+  FullPoolSet busy(engine, 2);
+  // Everything to NVMe, so that the captures read it back.
+  const uint64_t limit = engine.pool->limit();
+  engine.pool->SetLimit(0);
+  engine.swapper->Trim();
+  engine.swapper->WaitIdle();
+  engine.pool->SetLimit(limit);
+  ASSERT_EQ(engine.pool->used(), 0u);
+  RecordingSink sink;
+  ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
+  // A step of the session runs, held before its first group: a writer that
+  // finds no room waits for it.
+  absl::Notification stepping, go_on;
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kPinned) return;
+    stepping.Notify();
+    go_on.WaitForNotification();
+  });
+  AdamHyperparams h;
+  h.lr = 0.1;
+  absl::StatusOr<StepSummary> stepped;
+  std::thread step([&] { stepped = engine.steps->Run(*busy.set, h, false, {}); });
+  stepping.WaitForNotification();
+  // The capture's first read (a's first kind of chunk 0) takes the pool's
+  // room away, so its second kind finds none.
+  absl::Notification limited;
+  engine.swapper->SetIoHookForTesting([&](uint64_t, bool is_write) {
+    if (is_write || limited.HasBeenNotified()) return;
+    engine.pool->SetLimit(0);
+    limited.Notify();
+  });
+  const uint64_t acquires = engine.swapper->Stats().acquires;
+  std::atomic<bool> finished{false};
+  std::thread writer([&] {
+    busy.set->CaptureChunkWhenRoom(busy.a.id, 0);
+    finished = true;
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.swapper->Stats().acquires < acquires + 2 && absl::Now() < deadline) {
+    std::this_thread::yield();
+  }
+  EXPECT_TRUE(limited.HasBeenNotified());
+  EXPECT_GE(engine.swapper->Stats().acquires, acquires + 2);  // the refused second kind
+  EXPECT_FALSE(finished.load());                               // waiting for the step
+  engine.swapper->SetIoHookForTesting(nullptr);
+  engine.pool->SetLimit(limit);
+  go_on.Notify();
+  step.join();
+  writer.join();
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
   for (const PartitionInfo* p : {&busy.a, &busy.b}) {
     for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
   }

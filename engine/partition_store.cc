@@ -1355,6 +1355,10 @@ absl::Status PartitionSet::CaptureOnce(uint64_t id, uint64_t chunk, bool give_wa
       }
       uint8_t& state = it->second.state[chunk];
       if (state == 2) return absl::OkStatus();
+      if (state == 0 && !capture_->status.ok()) {
+        state = 2;  // the checkpoint failed already: no I/O for it
+        return absl::OkStatus();
+      }
       if (state == 0) {
         state = 1;
         kinds = it->second.kinds;
@@ -1370,11 +1374,13 @@ absl::Status PartitionSet::CaptureOnce(uint64_t id, uint64_t chunk, bool give_wa
   // is pinned for writing by another call is not being changed yet (every
   // change captures first).
   absl::Status status;
+  bool pool_full = false;  // (a full disk under the sink is the checkpoint's failure)
   for (; done < kinds.size(); ++done) {
     // Not traced: a checkpoint's reads are no part of the order that repeats.
     absl::StatusOr<Swapper::Pin> pin =
         PinBlock(id, chunk, kinds[done], /*for_write=*/false, /*traced=*/false);
     if (!pin.ok()) {
+      pool_full = absl::IsResourceExhausted(pin.status());
       status = absl::Status(pin.status().code(),
                             absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
                                          pin.status().message()));
@@ -1383,7 +1389,7 @@ absl::Status PartitionSet::CaptureOnce(uint64_t id, uint64_t chunk, bool give_wa
     status = sink->Write(id, chunk, kinds[done], absl::MakeConstSpan(pin->data(), pin->size()));
     if (!status.ok()) break;
   }
-  const bool give_way = give_way_when_full && absl::IsResourceExhausted(status);
+  const bool give_way = give_way_when_full && pool_full;
   absl::MutexLock lock(&mu_);
   CapturedPartition& c = capture_->chunks[id];
   // Failed or not, nobody waits for it again, unless it gave way.

@@ -352,7 +352,8 @@ class PartitionSet {
   // a change to a chunk waits at most for that chunk's capture. A capture
   // that finds the host pool full of pins does not fail the checkpoint
   // while a step runs: the step captures its next chunk after its group's
-  // update, the writer waits for the step's end (CaptureChunkWhenRoom).
+  // update, the writer waits for the step's end (CaptureChunkWhenRoom);
+  // a pool full of other sessions' pins still fails the checkpoint.
   // SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
   // another checkpoint runs, for a partition whose fp32 initial values are
   // not committed, a partition held for writing (release it first), or a
@@ -363,8 +364,9 @@ class PartitionSet {
   // EndCheckpoint returns.
   void CaptureChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // As CaptureChunk, for the checkpoint's writer: a capture that finds the
-  // host pool full of pins while a step runs waits for the step to end (it
-  // unpins as it goes) and tries again, instead of failing the checkpoint.
+  // host pool full of pins while a step of this session runs waits for the
+  // step to end (it unpins as it goes) and tries again, instead of failing
+  // the checkpoint. (A pool full of other sessions' pins fails it.)
   void CaptureChunkWhenRoom(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends copy-on-write, once no capture is running.
   absl::Status EndCheckpoint() ABSL_LOCKS_EXCLUDED(mu_);
@@ -551,11 +553,12 @@ class PartitionSet {
   // Every chunk of the partitions, before they change (a writable fetch).
   void CaptureAll(absl::Span<Partition* const> partitions) ABSL_LOCKS_EXCLUDED(mu_);
   // One try at capturing a chunk. With `give_way_when_full`, a capture that
-  // finds the host pool full (RESOURCE_EXHAUSTED) leaves the chunk
+  // finds the host pool full (a pin's RESOURCE_EXHAUSTED) leaves the chunk
   // uncaptured (what it wrote of it stays written) and returns that status:
   // the caller changes nothing of the chunk and tries again later. Every
-  // other failure is the checkpoint's (EndCheckpoint returns it), and the
-  // result is OK.
+  // other failure (a full disk under the sink too) is the checkpoint's
+  // (EndCheckpoint returns it), and the result is OK. Once the checkpoint
+  // has failed, chunks are marked done without I/O.
   absl::Status CaptureOnce(uint64_t id, uint64_t chunk, bool give_way_when_full)
       ABSL_LOCKS_EXCLUDED(mu_);
 

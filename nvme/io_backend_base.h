@@ -83,6 +83,7 @@ struct PreparedBatch {
 // setters, the file table, the test hook, and preparing a batch.
 class IoBackendBase : public IoBackend {
  public:
+  using IoBackend::Run;
   absl::Status SetQueueDepth(int64_t depth) final { return settings_.SetQueueDepth(depth); }
   absl::Status SetRequestBytes(int64_t bytes) final { return settings_.SetRequestBytes(bytes); }
   absl::Status SetSubmitBatch(int64_t batch) final { return settings_.SetSubmitBatch(batch); }
@@ -90,7 +91,6 @@ class IoBackendBase : public IoBackend {
 
  protected:
   explicit IoBackendBase(const IoOptions& options) : settings_(options) {}
-  using IoBackend::Run;
 
   // Appends to the file table and returns the new index; RESOURCE_EXHAUSTED
   // once it holds `max_files`.
