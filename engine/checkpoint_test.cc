@@ -435,10 +435,64 @@ struct FullPoolSet {
     EXPECT_TRUE(set->Release({a.id}).ok());
   }
 
+  // Captures every chunk not captured yet and ends the checkpoint.
+  absl::Status FinishCheckpoint() {
+    for (const PartitionInfo* p : {&a, &b}) {
+      for (uint64_t c = 0; c < p->numel / kChunk; ++c) set->CaptureChunk(p->id, c);
+    }
+    return set->EndCheckpoint();
+  }
+
   std::unique_ptr<PartitionSet> set;
   PartitionInfo a, b;
   HostMemory region;
 };
+
+// A step of `set` on its own thread, held at the first `point` it reaches
+// until Go(); the destructor lets it go and joins it.
+class HeldStep {
+ public:
+  HeldStep(Engine& engine, PartitionSet& set, StepPoint point) : engine_(engine) {
+    engine.steps->SetSyncPointForTesting([this, point](StepPoint at) {
+      if (at != point || reached_.HasBeenNotified()) return;
+      reached_.Notify();
+      go_.WaitForNotification();
+    });
+    thread_ = std::thread([this, &set] {
+      AdamHyperparams h;
+      h.lr = 0.1;
+      result_ = engine_.steps->Run(set, h, false, {});
+    });
+    reached_.WaitForNotification();
+  }
+  ~HeldStep() { Join(); }
+  void Go() {
+    if (!go_.HasBeenNotified()) go_.Notify();
+  }
+  // Lets it go and waits for its end.
+  const absl::StatusOr<StepSummary>& Join() {
+    Go();
+    if (thread_.joinable()) thread_.join();
+    engine_.steps->SetSyncPointForTesting(nullptr);
+    return result_;
+  }
+
+ private:
+  Engine& engine_;
+  absl::Notification reached_, go_;
+  absl::StatusOr<StepSummary> result_;
+  std::thread thread_;
+};
+
+// Waits, yielding, until the swapper counted at least `n` Acquires (20 s
+// at most); whether it did.
+bool AwaitAcquires(Engine& engine, uint64_t n) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.swapper->Stats().acquires < n && absl::Now() < deadline) {
+    std::this_thread::yield();
+  }
+  return engine.swapper->Stats().acquires >= n;
+}
 
 // The checkpoint of a FullPoolSet with nothing running, chunk by chunk.
 std::map<std::tuple<uint64_t, uint64_t, int>, std::string> QuietCheckpoint() {
@@ -446,10 +500,7 @@ std::map<std::tuple<uint64_t, uint64_t, int>, std::string> QuietCheckpoint() {
   FullPoolSet quiet(engine, 1);
   RecordingSink sink;
   EXPECT_TRUE(quiet.set->BeginCheckpoint(&sink).ok());
-  for (const PartitionInfo* p : {&quiet.a, &quiet.b}) {
-    for (uint64_t c = 0; c < p->numel / kChunk; ++c) quiet.set->CaptureChunk(p->id, c);
-  }
-  EXPECT_TRUE(quiet.set->EndCheckpoint().ok());
+  EXPECT_TRUE(quiet.FinishCheckpoint().ok());
   return sink.chunks();
 }
 
@@ -468,10 +519,7 @@ TEST(CopyOnWrite, AStepsCaptureWaitsForRoomItsOwnPinsTake) {
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   EXPECT_EQ(stepped->partitions_updated, 1u);
   ASSERT_TRUE(busy.set->Release({busy.b.id}).ok());
-  for (const PartitionInfo* p : {&busy.a, &busy.b}) {
-    for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
-  }
-  absl::Status ended = busy.set->EndCheckpoint();
+  absl::Status ended = busy.FinishCheckpoint();
   ASSERT_TRUE(ended.ok()) << ended;
   EXPECT_EQ(sink.chunks(), QuietCheckpoint());
 }
@@ -485,17 +533,7 @@ TEST(CopyOnWrite, TheWritersCaptureWaitsOutARunningStep) {
   RecordingSink sink;
   ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
   // The step stops with its first group pinned: the pool is full.
-  absl::Notification pinned, go_on;
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point != StepPoint::kGroupPinned || pinned.HasBeenNotified()) return;
-    pinned.Notify();
-    go_on.WaitForNotification();
-  });
-  AdamHyperparams h;
-  h.lr = 0.1;
-  absl::StatusOr<StepSummary> stepped;
-  std::thread step([&] { stepped = engine.steps->Run(*busy.set, h, false, {}); });
-  pinned.WaitForNotification();
+  HeldStep step(engine, *busy.set, StepPoint::kGroupPinned);
   ASSERT_EQ(engine.pool->used(), engine.pool->limit());
   const uint64_t acquires = engine.swapper->Stats().acquires;
   // a's second chunk, on NVMe: the step gave way on it, and so will this.
@@ -506,22 +544,13 @@ TEST(CopyOnWrite, TheWritersCaptureWaitsOutARunningStep) {
   });
   // It tried (and found no room: nothing can leave the pool meanwhile),
   // and waits for the step.
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (engine.swapper->Stats().acquires == acquires && absl::Now() < deadline) {
-    std::this_thread::yield();
-  }
-  EXPECT_GT(engine.swapper->Stats().acquires, acquires);
+  EXPECT_TRUE(AwaitAcquires(engine, acquires + 1));
   EXPECT_FALSE(finished.load());
-  go_on.Notify();
-  step.join();
+  const absl::StatusOr<StepSummary>& stepped = step.Join();
   writer.join();
-  engine.steps->SetSyncPointForTesting(nullptr);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   ASSERT_TRUE(busy.set->Release({busy.b.id}).ok());
-  for (const PartitionInfo* p : {&busy.a, &busy.b}) {
-    for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
-  }
-  absl::Status ended = busy.set->EndCheckpoint();
+  absl::Status ended = busy.FinishCheckpoint();
   ASSERT_TRUE(ended.ok()) << ended;
   EXPECT_EQ(sink.chunks(), QuietCheckpoint());
 }
@@ -546,8 +575,7 @@ TEST(CopyOnWrite, AFullCheckpointDiskFailsTheCheckpointNotTheStep) {
   auto stepped = engine.steps->Run(*busy.set, h, false, {});
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   EXPECT_EQ(stepped->partitions_updated, 1u);
-  for (uint64_t c = 0; c < 2; ++c) busy.set->CaptureChunk(busy.a.id, c);
-  absl::Status ended = busy.set->EndCheckpoint();
+  absl::Status ended = busy.FinishCheckpoint();
   EXPECT_EQ(ended.code(), absl::StatusCode::kResourceExhausted) << ended;
   EXPECT_EQ(sink.writes.load(), 1);  // once failed, no more I/O for it
   EXPECT_EQ(busy.set->steps(), 1u);
@@ -571,17 +599,7 @@ TEST(CopyOnWrite, ACaptureThatGaveWayGoesOnFromTheKindItStoppedAt) {
   ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
   // A step of the session runs, held before its first group: a writer that
   // finds no room waits for it.
-  absl::Notification stepping, go_on;
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point != StepPoint::kPinned) return;
-    stepping.Notify();
-    go_on.WaitForNotification();
-  });
-  AdamHyperparams h;
-  h.lr = 0.1;
-  absl::StatusOr<StepSummary> stepped;
-  std::thread step([&] { stepped = engine.steps->Run(*busy.set, h, false, {}); });
-  stepping.WaitForNotification();
+  HeldStep step(engine, *busy.set, StepPoint::kPinned);
   // The capture's first read (a's first kind of chunk 0) takes the pool's
   // room away, so its second kind finds none.
   absl::Notification limited;
@@ -596,24 +614,15 @@ TEST(CopyOnWrite, ACaptureThatGaveWayGoesOnFromTheKindItStoppedAt) {
     busy.set->CaptureChunkWhenRoom(busy.a.id, 0);
     finished = true;
   });
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (engine.swapper->Stats().acquires < acquires + 2 && absl::Now() < deadline) {
-    std::this_thread::yield();
-  }
+  EXPECT_TRUE(AwaitAcquires(engine, acquires + 2));  // the second kind, refused
   EXPECT_TRUE(limited.HasBeenNotified());
-  EXPECT_GE(engine.swapper->Stats().acquires, acquires + 2);  // the refused second kind
-  EXPECT_FALSE(finished.load());                               // waiting for the step
+  EXPECT_FALSE(finished.load());                     // waiting for the step
   engine.swapper->SetIoHookForTesting(nullptr);
   engine.pool->SetLimit(limit);
-  go_on.Notify();
-  step.join();
+  const absl::StatusOr<StepSummary>& stepped = step.Join();
   writer.join();
-  engine.steps->SetSyncPointForTesting(nullptr);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
-  for (const PartitionInfo* p : {&busy.a, &busy.b}) {
-    for (uint64_t c = 0; c < p->numel / kChunk; ++c) busy.set->CaptureChunk(p->id, c);
-  }
-  absl::Status ended = busy.set->EndCheckpoint();
+  absl::Status ended = busy.FinishCheckpoint();
   ASSERT_TRUE(ended.ok()) << ended;
   EXPECT_EQ(sink.chunks(), QuietCheckpoint());
 }

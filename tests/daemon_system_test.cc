@@ -1348,24 +1348,49 @@ TEST(DaemonStartup, AFailedStartIsReportedAtOnceWithTheLog) {
   EXPECT_TRUE(absl::StrContains(d.status().message(), "/nonexistent/nvme0")) << d.status();
 }
 
+// A tmpfs mounted with `options` ("size=4m") on a fresh directory under
+// /tmp for as long as this lives, or (not root, mount refused) not, saying
+// why.
+class SmallFilesystem {
+ public:
+  explicit SmallFilesystem(const std::string& options) {
+    if (geteuid() != 0) {
+      why_not_ = "mounting a small filesystem needs root";
+      return;
+    }
+    if (mkdtemp(dir_) == nullptr) {
+      why_not_ = absl::StrCat("mkdtemp: ", std::strerror(errno));
+      return;
+    }
+    if (mount("tmpfs", dir_, "tmpfs", 0, options.c_str()) != 0) {
+      why_not_ = absl::StrCat("mount is not permitted here: ", std::strerror(errno));
+      rmdir(dir_);
+      return;
+    }
+    mounted_ = true;
+  }
+  ~SmallFilesystem() {
+    if (!mounted_) return;
+    umount2(dir_, MNT_DETACH);
+    rmdir(dir_);
+  }
+  bool mounted() const { return mounted_; }
+  const std::string& why_not() const { return why_not_; }
+  const char* path() const { return dir_; }
+
+ private:
+  char dir_[32] = "/tmp/offloadd_small.XXXXXX";
+  bool mounted_ = false;
+  std::string why_not_;
+};
+
 // A real filesystem too small for the swap space (a 4 MiB tmpfs): offloadd
 // refuses to start naming the tier, the file and ENOSPC, and leaves no
 // partial swap file behind.
 TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
-  if (geteuid() != 0) GTEST_SKIP() << "mounting a small filesystem needs root";
-  char dir[] = "/tmp/offloadd_small.XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  if (mount("tmpfs", dir, "tmpfs", 0, "size=4m") != 0) {
-    rmdir(dir);
-    GTEST_SKIP() << "mount is not permitted here: " << std::strerror(errno);
-  }
-  struct Unmount {
-    const char* path;
-    ~Unmount() {
-      umount2(path, MNT_DETACH);
-      rmdir(path);
-    }
-  } unmount{dir};
+  SmallFilesystem small("size=4m");
+  if (!small.mounted()) GTEST_SKIP() << small.why_not();
+  const char* dir = small.path();
   auto d = DaemonProcess::Start(
       {absl::StrCat("--nvme.dirs=", dir), "--nvme.bytes_per_dir=64MiB"});
   ASSERT_FALSE(d.ok());
@@ -1387,23 +1412,12 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
 // nothing of itself behind, the previous checkpoint restores bit for bit,
 // and the daemon trains on.
 TEST_F(DaemonTest, ACheckpointIntoAFullFilesystemFailsCleanlyAndKeepsThePreviousOne) {
-  if (geteuid() != 0) GTEST_SKIP() << "mounting a small filesystem needs root";
-  char dir[] = "/tmp/offloadd_full.XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  if (mount("tmpfs", dir, "tmpfs", 0, "size=4m,mode=0700") != 0) {
-    rmdir(dir);
-    GTEST_SKIP() << "mount is not permitted here: " << std::strerror(errno);
-  }
-  struct Unmount {
-    const char* path;
-    ~Unmount() {
-      umount2(path, MNT_DETACH);
-      rmdir(path);
-    }
-  } unmount{dir};
+  SmallFilesystem small("size=4m,mode=0700");
+  if (!small.mounted()) GTEST_SKIP() << small.why_not();
+  const std::string dir = small.path();
   auto listing = [&] {
     std::vector<std::string> names;
-    DIR* d = opendir(dir);
+    DIR* d = opendir(dir.c_str());
     while (dirent* e = d != nullptr ? readdir(d) : nullptr) {
       if (e->d_name[0] != '.') names.push_back(e->d_name);
     }
