@@ -337,7 +337,12 @@ TEST(OutOfCore, PartitionsLaidOutForHugePagesTrainBitForBitWithinThePool) {
     EXPECT_LE(populated, counted) << "step " << step;
   };
   ASSERT_EQ(reference.Params(), trainer.Params());
-  for (int step = 1; step <= 4; ++step) {
+  for (int step = 1; step <= 6; ++step) {
+    if (step == 4) {
+      // The delayed update's second working-copy buffer, laid out alike.
+      ASSERT_TRUE(small_pages.sessions->SetDelayedUpdate(reference.key(), true).ok());
+      ASSERT_TRUE(huge_pages.sessions->SetDelayedUpdate(trainer.key(), true).ok());
+    }
     reference.ReturnGradients(step);
     trainer.ReturnGradients(step);
     check_bound(step);
