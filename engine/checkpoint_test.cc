@@ -448,6 +448,13 @@ struct FullPoolSet {
   HostMemory region;
 };
 
+// A synchronous step of `set` (lr 0.1).
+absl::StatusOr<StepSummary> RunStep(Engine& engine, PartitionSet& set) {
+  AdamHyperparams h;
+  h.lr = 0.1;
+  return engine.steps->Run(set, h, false, {});
+}
+
 // A step of `set` on its own thread, held at the first `point` it reaches
 // until Go(); the destructor lets it go and joins it.
 class HeldStep {
@@ -458,11 +465,7 @@ class HeldStep {
       reached_.Notify();
       go_.WaitForNotification();
     });
-    thread_ = std::thread([this, &set] {
-      AdamHyperparams h;
-      h.lr = 0.1;
-      result_ = engine_.steps->Run(set, h, false, {});
-    });
+    thread_ = std::thread([this, &set] { result_ = RunStep(engine_, set); });
     reached_.WaitForNotification();
   }
   ~HeldStep() { Join(); }
@@ -513,9 +516,7 @@ TEST(CopyOnWrite, AStepsCaptureWaitsForRoomItsOwnPinsTake) {
   ASSERT_TRUE(busy.set->Fetch({busy.b.id}).ok());  // the forward pass holds b
   RecordingSink sink;
   ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
-  AdamHyperparams h;
-  h.lr = 0.1;
-  auto stepped = engine.steps->Run(*busy.set, h, false, {});
+  auto stepped = RunStep(engine, *busy.set);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   EXPECT_EQ(stepped->partitions_updated, 1u);
   ASSERT_TRUE(busy.set->Release({busy.b.id}).ok());
@@ -570,9 +571,7 @@ TEST(CopyOnWrite, AFullCheckpointDiskFailsTheCheckpointNotTheStep) {
   Engine engine(TmpDir("nvme-full-disk"), 64 << 20, 8, kChunk);
   FullPoolSet busy(engine, 2);
   ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
-  AdamHyperparams h;
-  h.lr = 0.1;
-  auto stepped = engine.steps->Run(*busy.set, h, false, {});
+  auto stepped = RunStep(engine, *busy.set);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   EXPECT_EQ(stepped->partitions_updated, 1u);
   absl::Status ended = busy.FinishCheckpoint();
