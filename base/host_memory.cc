@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/numeric/bits.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/posix_error.h"
@@ -20,7 +21,7 @@ uint64_t PageSize() {
 
 uint64_t RoundUpToPage(uint64_t bytes) {
   const uint64_t page = PageSize();
-  return (bytes + page - 1) / page * page;
+  return RoundUp(bytes, page);
 }
 
 absl::Status DiscardSharedPages(std::byte* data, uint64_t bytes) {
@@ -87,7 +88,7 @@ uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_
   const std::string mode = shmem_enabled.substr(open + 1, close - open - 1);
   const bool huge = mode == "advise" || mode == "within_size" || mode == "always" ||
                     mode == "force";
-  if (!huge || pmd_bytes <= PageSize() || (pmd_bytes & (pmd_bytes - 1)) != 0) return 0;
+  if (!huge || pmd_bytes <= PageSize() || !absl::has_single_bit(pmd_bytes)) return 0;
   return pmd_bytes;
 }
 
@@ -97,7 +98,7 @@ uint64_t HugePageAlignment() {
     std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"), pmd);
     uint64_t pmd_bytes = 0;
     const bool known = absl::SimpleAtoi(pmd, &pmd_bytes) && pmd_bytes > PageSize() &&
-                       (pmd_bytes & (pmd_bytes - 1)) == 0;
+                       absl::has_single_bit(pmd_bytes);
     return known ? pmd_bytes : uint64_t{2} << 20;
   }();
   return bytes;

@@ -79,6 +79,9 @@ class HostMemory {
 uint64_t PageSize();
 uint64_t RoundUpToPage(uint64_t bytes);
 
+// `x` rounded up to a multiple of `align` (> 0).
+inline uint64_t RoundUp(uint64_t x, uint64_t align) { return (x + align - 1) / align * align; }
+
 // The huge page size a shared mapping of a memfd gets when it asks for
 // huge pages (SharedPages::kHuge): the PMD size where
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled is advise, within_size,

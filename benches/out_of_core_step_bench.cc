@@ -430,7 +430,7 @@ int Main(int argc, char** argv) {
     // bf16 params + bf16 grads, each region in whole pages of its layout.
     const uint64_t page =
         ArenaLayoutPageBytes(n, DType::kBf16, DType::kBf16, false, chunk_elems, huge);
-    arena_charge += 2 * ((n * 2 + page - 1) / page * page);
+    arena_charge += 2 * RoundUp(n * 2, page);
     blocks += 4 * ((n + chunk_elems - 1) / chunk_elems);
   }
   // Master, exp_avg, exp_avg_sq and the fp32 gradient accumulator.

@@ -347,7 +347,7 @@ int Main(int argc, char** argv) {
     // the swapper: it must outlive the swapper's I/O).
     const uint64_t page = f.arena_huge ? std::max<uint64_t>(SharedHugePageBytes(), 2 << 20)
                                        : PageSize();
-    const uint64_t region = (layer_bytes + page - 1) / page * page;
+    const uint64_t region = RoundUp(layer_bytes, page);
     UniqueFd arena_fd;
     HostMemory arena;
     if (f.arena) {

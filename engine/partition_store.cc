@@ -199,7 +199,7 @@ uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtyp
     if (chunk_elems * size % huge != 0) return small;
     const uint64_t bytes = numel * size;
     laid_out += ShmArena::RoundedSize(bytes);
-    wasted += (bytes + huge - 1) / huge * huge - ShmArena::RoundedSize(bytes);
+    wasted += RoundUp(bytes, huge) - ShmArena::RoundedSize(bytes);
   }
   return wasted * 8 <= laid_out ? huge : small;
 }
@@ -452,7 +452,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
                                                fp32_init, state_chunk_elems_, huge_page_bytes_);
     partition->page_bytes = page;
     info.huge_pages = page > ShmArena::kAlignment;
-    auto rounded = [page](uint64_t bytes) { return (bytes + page - 1) / page * page; };
+    auto rounded = [page](uint64_t bytes) { return RoundUp(bytes, page); };
     const uint64_t grads_at = rounded(param_bytes);
     const uint64_t init_at = grads_at + rounded(grad_bytes);
     const uint64_t init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;

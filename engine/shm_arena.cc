@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "absl/numeric/bits.h"
 #include "absl/strings/str_cat.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -36,16 +37,15 @@ uint64_t ShmArena::size() const {
 }
 
 absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes, uint64_t alignment) {
-  if (alignment < kAlignment || (alignment & (alignment - 1)) != 0) {
+  if (alignment < kAlignment || !absl::has_single_bit(alignment)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "arena alignment must be a power of two of at least ", kAlignment, ", got ", alignment));
   }
   const uint64_t capacity = capacity_;
   absl::MutexLock lock(&mu_);
   // Both rounded up without overflow: capacity is far below 2^64.
-  const uint64_t offset = std::min(capacity, (size_ + alignment - 1) / alignment * alignment);
-  const uint64_t rounded =
-      bytes > capacity ? capacity + 1 : (bytes + alignment - 1) / alignment * alignment;
+  const uint64_t offset = std::min(capacity, RoundUp(size_, alignment));
+  const uint64_t rounded = bytes > capacity ? capacity + 1 : RoundUp(bytes, alignment);
   if (rounded == 0 || rounded > capacity - offset) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "session arena full: ", bytes, " bytes requested (aligned to ", alignment, "), ",

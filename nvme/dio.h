@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "base/host_memory.h"  // RoundUp
 #include "base/unique_fd.h"
 
 namespace offload {
@@ -38,7 +39,6 @@ struct IoFile {
 // logged warning naming the path.
 absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct);
 
-inline uint64_t RoundUp(uint64_t x, uint64_t align) { return (x + align - 1) / align * align; }
 
 }  // namespace offload
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <tuple>
 
+#include "absl/numeric/bits.h"
 #include "absl/strings/str_cat.h"
 #include "base/host_memory.h"
 #include "base/log.h"
@@ -245,7 +246,7 @@ absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
 absl::Status Swapper::AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
                                   uint64_t trace, uint64_t page_bytes) {
   if (page_bytes == 0) page_bytes = PageSize();
-  if (page_bytes % PageSize() != 0 || (page_bytes & (page_bytes - 1)) != 0) {
+  if (page_bytes % PageSize() != 0 || !absl::has_single_bit(page_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block ", id, ": page size ", page_bytes, " is not a power-of-two multiple of ",
         PageSize()));
@@ -254,8 +255,7 @@ absl::Status Swapper::AddExternal(BlockId id, std::byte* data, uint64_t bytes, T
     return absl::InvalidArgumentError(absl::StrCat(
         "block ", id, ": external memory must be aligned to its pages (", page_bytes, " bytes)"));
   }
-  return AddBlock(id, bytes, data, (bytes + page_bytes - 1) / page_bytes * page_bytes, home,
-                  trace);
+  return AddBlock(id, bytes, data, RoundUp(bytes, page_bytes), home, trace);
 }
 
 absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, uint64_t span,
