@@ -180,7 +180,7 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
         status = absl::CancelledError("the session closed while its checkpoint was written");
         break;
       }
-      set_->CaptureChunkWhenRoom(p.info.id, c);
+      set_->CaptureChunk(p.info.id, c);
     }
   }
   absl::Status captured = set_->EndCheckpoint();

@@ -1030,9 +1030,6 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
     return absl::OutOfRangeError(absl::StrCat("partition ", id, " has no chunk ", chunk));
   }
   pins.end = std::min(numel, pins.begin + state_chunk_elems_);
-  // Before the update changes it; a pool full of this step's pins: after
-  // the group's update (the runner tries again then).
-  RETURN_IF_ERROR(CaptureOnce(id, chunk, /*give_way_when_full=*/true));
   const struct {
     Swapper::Pin* pin;
     int kind;
@@ -1051,6 +1048,10 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
     ASSIGN_OR_RETURN(pins.current,
                      PinBlock(id, chunk, item.current_kind, /*for_write=*/false));
   }
+  // Before the update changes the chunk, and after its blocks are pinned:
+  // the capture reads them where they are, needing no room for them (a
+  // write pin changes no byte by itself).
+  CaptureChunk(id, chunk);
   return pins;
 }
 
@@ -1320,8 +1321,7 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
       c.next_kind = ParamsKind(*p, /*next=*/true);
       c.block_kinds.push_back(c.next_kind);
     }
-    capture->chunks[id] = {c.block_kinds, std::vector<uint8_t>(c.chunks, 0),
-                           std::vector<uint8_t>(c.chunks, 0)};
+    capture->chunks[id] = {c.block_kinds, std::vector<uint8_t>(c.chunks, 0)};
     image.partitions.push_back(std::move(c));
   }
   capture_ = std::move(capture);
@@ -1329,76 +1329,75 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
 }
 
 void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
-  CaptureOnce(id, chunk, /*give_way_when_full=*/false).IgnoreError();  // OK: failures recorded
-}
-
-void PartitionSet::CaptureChunkWhenRoom(uint64_t id, uint64_t chunk) {
-  while (!CaptureOnce(id, chunk, /*give_way_when_full=*/true).ok()) {
-    absl::MutexLock lock(&mu_);
-    if (!stepping_) break;  // nothing that ends by itself holds the pool
-    while (stepping_) step_ended_.Wait(&mu_);
-  }
-  CaptureChunk(id, chunk);  // done already, or a last try whose failure is the checkpoint's
-}
-
-absl::Status PartitionSet::CaptureOnce(uint64_t id, uint64_t chunk, bool give_way_when_full) {
+  Capture* capture;
   std::vector<int> kinds;
-  size_t done = 0;
-  ChunkSink* sink;
   {
     absl::MutexLock lock(&mu_);
     for (;;) {
-      if (capture_ == nullptr) return absl::OkStatus();
+      if (capture_ == nullptr) return;
       auto it = capture_->chunks.find(id);
-      if (it == capture_->chunks.end() || chunk >= it->second.state.size()) {
-        return absl::OkStatus();
-      }
+      if (it == capture_->chunks.end() || chunk >= it->second.state.size()) return;
       uint8_t& state = it->second.state[chunk];
-      if (state == 2) return absl::OkStatus();
-      if (state == 0 && !capture_->status.ok()) {
-        state = 2;  // the checkpoint failed already: no I/O for it
-        return absl::OkStatus();
-      }
+      if (state == 2) return;
       if (state == 0) {
-        state = 1;
+        // Once the checkpoint failed, no more I/O for it.
+        state = capture_->status.ok() ? 1 : 2;
+        if (state == 2) return;
         kinds = it->second.kinds;
-        done = it->second.written[chunk];
-        sink = capture_->sink;
-        ++capture_->running;
+        capture = capture_.get();
+        ++capture_->running;  // keeps *capture alive until it ends
         break;
       }
       captured_.Wait(&mu_);  // another thread is capturing it
     }
   }
-  // Outside the lock: swap-ins and file writes take time. Read pins: what
-  // is pinned for writing by another call is not being changed yet (every
-  // change captures first).
+  // Outside the lock: swap-ins and file writes take time.
   absl::Status status;
-  bool pool_full = false;  // (a full disk under the sink is the checkpoint's failure)
-  for (; done < kinds.size(); ++done) {
-    // Not traced: a checkpoint's reads are no part of the order that repeats.
-    absl::StatusOr<Swapper::Pin> pin =
-        PinBlock(id, chunk, kinds[done], /*for_write=*/false, /*traced=*/false);
-    if (!pin.ok()) {
-      pool_full = absl::IsResourceExhausted(pin.status());
-      status = absl::Status(pin.status().code(),
-                            absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
-                                         pin.status().message()));
-      break;
-    }
-    status = sink->Write(id, chunk, kinds[done], absl::MakeConstSpan(pin->data(), pin->size()));
+  for (int kind : kinds) {
+    status = CaptureBlock(capture, id, chunk, kind);
     if (!status.ok()) break;
   }
-  const bool give_way = give_way_when_full && pool_full;
   absl::MutexLock lock(&mu_);
-  CapturedPartition& c = capture_->chunks[id];
-  // Failed or not, nobody waits for it again, unless it gave way.
-  c.state[chunk] = give_way ? 0 : 2;
-  c.written[chunk] = static_cast<uint8_t>(done);
-  if (!status.ok() && !give_way && capture_->status.ok()) capture_->status = status;
+  capture_->chunks[id].state[chunk] = 2;  // failed or not, nobody waits for it again
+  if (!status.ok() && capture_->status.ok()) capture_->status = status;
   --capture_->running;
   captured_.SignalAll();
-  return give_way ? status : absl::OkStatus();
+}
+
+absl::Status PartitionSet::CaptureBlock(Capture* capture, uint64_t id, uint64_t chunk,
+                                        int block_kind) {
+  // A read pin: what is pinned for writing by another call is not being
+  // changed yet (every change captures first). Not traced: a checkpoint's
+  // reads are no part of the order that repeats.
+  absl::StatusOr<Swapper::Pin> pin =
+      PinBlock(id, chunk, block_kind, /*for_write=*/false, /*traced=*/false);
+  if (pin.ok()) {
+    return capture->sink->Write(id, chunk, block_kind,
+                                absl::MakeConstSpan(pin->data(), pin->size()));
+  }
+  if (!absl::IsResourceExhausted(pin.status())) {
+    return absl::Status(pin.status().code(),
+                        absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
+                                     pin.status().message()));
+  }
+  // No room to bring it in (the pool is full of held and pinned blocks,
+  // which nothing the checkpoint can wait for would free): copied out of
+  // where it rests instead, without the pool.
+  const Swapper::BlockId block = PartitionStore::BlockOf(id, chunk, block_kind);
+  absl::MutexLock lock(&capture->staging_mu);
+  if (capture->staging.empty()) {
+    ASSIGN_OR_RETURN(capture->staging,
+                     HostMemory::Allocate(swapper_->CopyOutBytes(state_chunk_elems_ * sizeof(float))));
+  }
+  absl::StatusOr<uint64_t> bytes = swapper_->CopyOut(
+      block, absl::MakeSpan(capture->staging.data(), capture->staging.size()));
+  if (!bytes.ok()) {
+    return absl::Status(bytes.status().code(),
+                        absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
+                                     bytes.status().message()));
+  }
+  return capture->sink->Write(id, chunk, block_kind,
+                              absl::MakeConstSpan(capture->staging.data(), *bytes));
 }
 
 void PartitionSet::CaptureAll(absl::Span<Partition* const> partitions) {

@@ -350,11 +350,11 @@ class PartitionSet {
   // yet (a step's update, an accumulation, a writable fetch, a skipped
   // step's discard), which captures it first. Training goes on meanwhile;
   // a change to a chunk waits at most for that chunk's capture. A capture
-  // that finds the host pool full of pins does not fail the checkpoint
-  // while a step runs: the step captures its next chunk after its group's
-  // update, the writer waits for the step's end (CaptureChunkWhenRoom);
-  // a pool full of other sessions' pins still fails the checkpoint.
-  // SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
+  // needs no room in the host pool: a block the pool cannot take in (it is
+  // full of held or pinned blocks, this session's or others') is copied
+  // straight from its NVMe copy through the checkpoint's staging buffer,
+  // one block of at most a state chunk's fp32 bytes, outside the pool
+  // (Swapper::CopyOut), allocated when first needed. SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
   // another checkpoint runs, for a partition whose fp32 initial values are
   // not committed, a partition held for writing (release it first), or a
   // step that stopped midway or lost its gradients.
@@ -363,11 +363,6 @@ class PartitionSet {
   // another thread is at it). The first failure of any capture is what
   // EndCheckpoint returns.
   void CaptureChunk(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
-  // As CaptureChunk, for the checkpoint's writer: a capture that finds the
-  // host pool full of pins while a step of this session runs waits for the
-  // step to end (it unpins as it goes) and tries again, instead of failing
-  // the checkpoint. (A pool full of other sessions' pins fails it.)
-  void CaptureChunkWhenRoom(uint64_t id, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends copy-on-write, once no capture is running.
   absl::Status EndCheckpoint() ABSL_LOCKS_EXCLUDED(mu_);
   // Makes the partitions' parameters resident and holds them (see the
@@ -552,29 +547,25 @@ class PartitionSet {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Every chunk of the partitions, before they change (a writable fetch).
   void CaptureAll(absl::Span<Partition* const> partitions) ABSL_LOCKS_EXCLUDED(mu_);
-  // One try at capturing a chunk. With `give_way_when_full`, a capture that
-  // finds the host pool full (a pin's RESOURCE_EXHAUSTED) leaves the chunk
-  // uncaptured (what it wrote of it stays written) and returns that status:
-  // the caller changes nothing of the chunk and tries again later. Every
-  // other failure (a full disk under the sink too) is the checkpoint's
-  // (EndCheckpoint returns it), and the result is OK. Once the checkpoint
-  // has failed, chunks are marked done without I/O.
-  absl::Status CaptureOnce(uint64_t id, uint64_t chunk, bool give_way_when_full)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  struct Capture;
+  // Gives one block of a chunk to the capture's sink: under a read pin, or,
+  // when the pool has no room to bring it in, through the staging buffer.
+  absl::Status CaptureBlock(Capture* capture, uint64_t id, uint64_t chunk, int block_kind);
 
   // A checkpoint being written: which chunks are captured.
   struct CapturedPartition {
     std::vector<int> kinds;      // its block kinds, in the order they are written
     std::vector<uint8_t> state;  // per chunk: 0 (not yet), 1 (being captured) or 2 (done)
-    // Per chunk: how many of `kinds` are written (a capture that gave way
-    // leaves the rest to the next).
-    std::vector<uint8_t> written;
   };
   struct Capture {
     ChunkSink* sink;
     absl::flat_hash_map<uint64_t, CapturedPartition> chunks;  // by partition id
     int running = 0;  // captures in progress
     absl::Status status;
+    // Blocks the pool cannot take in are copied here (CopyOut), one at a
+    // time. Used by the captures running, so it lives while they do.
+    absl::Mutex staging_mu;
+    HostMemory staging ABSL_GUARDED_BY(staging_mu);
   };
 
   // Constant after construction.

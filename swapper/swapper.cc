@@ -1,6 +1,7 @@
 #include "swapper/swapper.h"
 
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -53,6 +54,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.io_errors -= e.io_errors;
   d.relearned -= e.relearned;
   d.discards -= e.discards;
+  d.copy_outs -= e.copy_outs;
   return d;
 }
 
@@ -79,7 +81,7 @@ struct Swapper::Block {
   Tier home = Tier::kHost;
   BlockState state = BlockState::kOnNvme;
   int pins = 0;
-  int waiters = 0;  // Acquires inside the swapper for this block
+  int waiters = 0;  // Acquires and CopyOuts inside the swapper for this block
   // The bytes, in every state but kOnNvme: a pool lease, or (external
   // blocks) the caller's shared memory at `external` with the pool charge
   // for its pages.
@@ -409,6 +411,75 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   }
   if (traced) SchedulePrefetchLocked(b->trace);
   return Pin(this, id, DataOf(*b), b->bytes);
+}
+
+uint64_t Swapper::CopyOutBytes(uint64_t bytes) const {
+  return space_ == nullptr ? bytes : RoundUp(bytes, space_->alignment());
+}
+
+absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst) {
+  absl::MutexLock lock(&mu_);
+  Block* b = FindLocked(id);
+  if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  const uint64_t need = CopyOutBytes(b->bytes);
+  const uint64_t alignment = space_ == nullptr ? 1 : space_->alignment();
+  if (dst.size() < need || reinterpret_cast<uintptr_t>(dst.data()) % alignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copying block ", id, " out: the buffer must span ", need,
+                     " bytes aligned to ", alignment, " (", dst.size(), " given)"));
+  }
+  // A waiter: not evicted (so its NVMe copy is neither rewritten nor
+  // freed), discarded or erased until it is done.
+  ++b->waiters;
+  absl::Status status;
+  for (;;) {
+    if (b->removed) {
+      status = absl::NotFoundError(absl::StrCat("block ", id, " was removed"));
+      break;
+    }
+    if (b->state == BlockState::kReadingIn || b->dropping) {
+      changed_.Wait(&mu_);
+      continue;
+    }
+    if (b->state != BlockState::kOnNvme) {
+      // In host memory: copied under a pin, without the lock.
+      ++b->pins;
+      Pin pin(this, id, DataOf(*b), b->bytes);
+      mu_.Unlock();
+      std::memcpy(dst.data(), pin.data(), pin.size());
+      pin.Reset();
+      mu_.Lock();
+      break;
+    }
+    if (b->extent == 0) {
+      std::memset(dst.data(), 0, b->bytes);
+      break;
+    }
+    const uint64_t extent = b->extent;
+    std::function<void(BlockId, bool)> hook = io_hook_;
+    mu_.Unlock();
+    if (hook) hook(id, /*is_write=*/false);
+    const auto start = std::chrono::steady_clock::now();
+    status = space_->Read(extent, dst.data());
+    const uint64_t nanos = NanosSince(start);
+    mu_.Lock();
+    stats_.read_nanos += nanos;
+    if (status.ok()) {
+      ++stats_.copy_outs;
+      stats_.bytes_in += b->bytes;
+    } else {
+      ++stats_.io_errors;
+      status = absl::Status(status.code(),
+                            absl::StrCat("copying block ", id, " out: ", status.message()));
+    }
+    break;
+  }
+  const uint64_t bytes = b->bytes;
+  --b->waiters;
+  changed_.SignalAll();
+  EraseIfDoneLocked(b);
+  if (!status.ok()) return status;
+  return bytes;
 }
 
 void Swapper::ReleasePin(BlockId id) {

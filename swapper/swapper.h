@@ -24,9 +24,9 @@
 //                   (the write only refreshes the NVMe copy).
 //   3. kOnNvme:     only the NVMe copy exists (or none yet: a block never
 //                   written is zeros); it holds no host memory.
-//   4. kReadingIn:  a swap-in reads it into a fresh lease. Every Acquire of
-//                   the block waits for this one read; nobody sees
-//                   half-read bytes. A failed read frees the lease, goes back
+//   4. kReadingIn:  a swap-in reads it into a fresh lease. Every Acquire
+//                   (and CopyOut) of the block waits for this one read;
+//                   nobody sees half-read bytes. A failed read frees the lease, goes back
 //                   to kOnNvme with the NVMe copy intact, and fails the
 //                   waiting Acquires (DATA_LOSS for checksum or EIO).
 // Eviction: only unpinned, resident, NVMe-homed blocks, the one whose next
@@ -61,6 +61,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "nvme/swap_space.h"
 #include "swapper/access_trace.h"
 #include "swapper/host_pool.h"
@@ -95,6 +96,7 @@ struct SwapperStats {
   uint64_t io_queue = 0;         // I/O tasks queued or running
   uint64_t relearned = 0;        // trace orders re-learned
   uint64_t discards = 0;         // blocks whose bytes were dropped as dead
+  uint64_t copy_outs = 0;        // CopyOut calls served from the NVMe copy
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -184,6 +186,23 @@ class Swapper {
   // the learned order look changed and stop prefetch for the iteration.
   absl::StatusOr<Pin> Acquire(BlockId id, bool for_write, bool traced = true)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Copies the block's bytes as they are when it begins into `dst` and
+  // returns how many there are, taking no pool
+  // memory and leaving the block where it is: from host memory if it is
+  // resident (or being written out), else straight from its NVMe copy
+  // (checksum verified; zeros if it has none), waiting for a swap-in in
+  // flight. For a reader that must not depend on room in the pool (a
+  // checkpoint of a session whose pool is full of held blocks). While it
+  // runs the block is not evicted, discarded or freed. Not traced. `dst`
+  // must be aligned to the NVMe tier's alignment and span the block's bytes
+  // rounded up to it (CopyOutBytes), else INVALID_ARGUMENT; NOT_FOUND for an
+  // unknown or removed block; a failed read's code (DATA_LOSS for EIO or a
+  // checksum mismatch) naming the block.
+  absl::StatusOr<uint64_t> CopyOut(BlockId id, absl::Span<std::byte> dst)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The bytes a CopyOut buffer for a block of `bytes` must span.
+  uint64_t CopyOutBytes(uint64_t bytes) const;
 
   // The end of one iteration of `trace` (the optimizer step).
   void EndIteration(uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -32,13 +33,14 @@ void Fill(const Swapper::Pin& p, uint32_t seed) {
   auto* w = reinterpret_cast<uint32_t*>(p.data());
   for (uint64_t i = 0; i < p.size() / 4; ++i) w[i] = seed * 2654435761u + static_cast<uint32_t>(i);
 }
-bool Holds(const Swapper::Pin& p, uint32_t seed) {
-  const auto* w = reinterpret_cast<const uint32_t*>(p.data());
-  for (uint64_t i = 0; i < p.size() / 4; ++i) {
+bool Holds(const std::byte* data, uint64_t bytes, uint32_t seed) {
+  const auto* w = reinterpret_cast<const uint32_t*>(data);
+  for (uint64_t i = 0; i < bytes / 4; ++i) {
     if (w[i] != seed * 2654435761u + static_cast<uint32_t>(i)) return false;
   }
   return true;
 }
+bool Holds(const Swapper::Pin& p, uint32_t seed) { return Holds(p.data(), p.size(), seed); }
 
 // Waits, yielding, until `done()`; fails the test after 20 s.
 template <typename Fn>
@@ -91,6 +93,18 @@ class SwapperTest : public ::testing::Test {
     EXPECT_TRUE(Holds(*p, seed)) << "block " << id;
   }
   BlockState StateOf(uint64_t id) { return *swapper_->State(id); }
+  // Blocks 1 (holding 11, on NVMe) and 2 (holding 22, resident) in a pool
+  // of one block, and a buffer that CopyOut can fill with either.
+  HostMemory OneOnNvmeOneResident() {
+    Make(kMiB);
+    EXPECT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+    EXPECT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+    Write(1, 11);
+    Write(2, 22);  // evicts 1
+    auto buffer = HostMemory::Allocate(swapper_->CopyOutBytes(kMiB));
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    return buffer.ok() ? *std::move(buffer) : HostMemory();
+  }
   // The I/O thread about to write (or read) block `id` stops there:
   // `reached` is notified, and it goes on once `release` is.
   void HoldIo(uint64_t id, bool write, absl::Notification* reached,
@@ -723,6 +737,92 @@ TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
   ASSERT_TRUE(swapper_->Discard(4).ok());
   EXPECT_EQ(pool_->used(), used);
   ExpectHolds(4, 4);
+}
+
+// CopyOut gives a block's bytes wherever it rests (in the pool, on NVMe,
+// never written) without taking pool memory or changing where it is.
+TEST_F(SwapperTest, CopyOutReadsABlockWhereverItIsWithoutThePool) {
+  HostMemory buffer = OneOnNvmeOneResident();
+  ASSERT_TRUE(swapper_->Add(3, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  const absl::Span<std::byte> dst(buffer.data(), buffer.size());
+  {
+    auto held = swapper_->Acquire(2, false);  // the pool is full and held
+    ASSERT_TRUE(held.ok());
+    auto copied = swapper_->CopyOut(1, dst);
+    ASSERT_TRUE(copied.ok()) << copied.status();
+    EXPECT_EQ(*copied, kMiB);
+    EXPECT_TRUE(Holds(buffer.data(), kMiB, 11));
+    EXPECT_EQ(StateOf(1), BlockState::kOnNvme);  // still there
+    EXPECT_EQ(pool_->used(), kMiB);
+    EXPECT_EQ(swapper_->Stats().copy_outs, 1u);
+    ASSERT_TRUE(swapper_->CopyOut(2, dst).ok());  // resident: from memory
+    EXPECT_TRUE(Holds(buffer.data(), kMiB, 22));
+    EXPECT_EQ(swapper_->Stats().copy_outs, 1u);
+  }
+  std::memset(buffer.data(), 0xff, kMiB);
+  ASSERT_TRUE(swapper_->CopyOut(3, dst).ok());  // never written: zeros
+  EXPECT_TRUE(std::all_of(buffer.data(), buffer.data() + kMiB,
+                          [](std::byte b) { return b == std::byte{0}; }));
+  EXPECT_EQ(swapper_->Stats().acquires, 3u);  // CopyOut acquired nothing
+  EXPECT_EQ(swapper_->CopyOut(9, dst).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(swapper_->CopyOut(1, dst.subspan(0, kMiB / 2)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(swapper_->CopyOut(1, dst.subspan(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpectHolds(1, 11);
+  ExpectHolds(2, 22);
+}
+
+// While a CopyOut reads a block's NVMe copy, the block may be swapped in
+// and changed, but not evicted: its NVMe copy is neither rewritten nor
+// freed under the read, which returns the bytes as they were when it began.
+TEST_F(SwapperTest, ACopyOutInFlightKeepsTheBlocksNvmeCopy) {
+  HostMemory buffer = OneOnNvmeOneResident();
+  absl::Notification reading, release;
+  // The CopyOut's read runs on its caller's thread and stops before its I/O.
+  swapper_->SetIoHookForTesting([&](uint64_t block, bool is_write) {
+    if (block == 1 && !is_write && !reading.HasBeenNotified()) {
+      reading.Notify();
+      release.WaitForNotification();
+    }
+  });
+  absl::StatusOr<uint64_t> copied;
+  std::thread reader(
+      [&] { copied = swapper_->CopyOut(1, absl::MakeSpan(buffer.data(), buffer.size())); });
+  reading.WaitForNotification();
+  swapper_->SetIoHookForTesting(nullptr);
+  Write(1, 33);  // swapped in (evicting 2) and changed
+  // Room for 2 again would evict 1, which the read in flight keeps.
+  absl::Status refused = swapper_->Acquire(2, false).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_EQ(StateOf(1), BlockState::kResident);
+  EXPECT_EQ(swapper_->Discard(1).code(), absl::StatusCode::kFailedPrecondition);
+  release.Notify();
+  reader.join();
+  ASSERT_TRUE(copied.ok()) << copied.status();
+  EXPECT_TRUE(Holds(buffer.data(), kMiB, 11));
+  ExpectHolds(2, 22);  // now 1 may go
+  ExpectHolds(1, 33);
+}
+
+// A failed read of the NVMe copy is the read's error naming the block;
+// nothing changes and the next try reads it.
+TEST_F(SwapperTest, AFailedCopyOutIsDataLossAndChangesNothing) {
+  HostMemory buffer = OneOnNvmeOneResident();
+  const absl::Span<std::byte> dst(buffer.data(), buffer.size());
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.error = EIO;
+  faults_->AddRule(eio);
+  auto failed = swapper_->CopyOut(1, dst);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("copying block 1 out"), std::string::npos);
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  EXPECT_EQ(swapper_->Stats().io_errors, 1u);
+  ASSERT_TRUE(swapper_->CopyOut(1, dst).ok());
+  EXPECT_TRUE(Holds(buffer.data(), kMiB, 11));
 }
 
 }  // namespace
