@@ -49,6 +49,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_outs", s.swap_outs, "blocks");
   add("swap_clean_drops", s.clean_drops, "blocks");
   add("swap_copy_outs", s.copy_outs, "blocks");
+  add("swap_copy_out_bytes", s.copy_out_bytes, "bytes");
   add("swap_in_bytes", s.bytes_in, "bytes");
   add("swap_out_bytes", s.bytes_out, "bytes");
   add("swap_in_time", s.read_nanos / 1000, "us");

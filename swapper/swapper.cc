@@ -55,6 +55,8 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.relearned -= e.relearned;
   d.discards -= e.discards;
   d.copy_outs -= e.copy_outs;
+  d.copy_out_bytes -= e.copy_out_bytes;
+  d.copy_out_nanos -= e.copy_out_nanos;
   return d;
 }
 
@@ -457,16 +459,18 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
     }
     const uint64_t extent = b->extent;
     std::function<void(BlockId, bool)> hook = io_hook_;
+    ++copy_outs_in_flight_;  // MakeRoom waits for it: it may make a victim
     mu_.Unlock();
     if (hook) hook(id, /*is_write=*/false);
     const auto start = std::chrono::steady_clock::now();
     status = space_->Read(extent, dst.data());
     const uint64_t nanos = NanosSince(start);
     mu_.Lock();
-    stats_.read_nanos += nanos;
+    --copy_outs_in_flight_;
     if (status.ok()) {
       ++stats_.copy_outs;
-      stats_.bytes_in += b->bytes;
+      stats_.copy_out_bytes += b->bytes;
+      stats_.copy_out_nanos += nanos;
     } else {
       ++stats_.io_errors;
       status = absl::Status(status.code(),
@@ -640,7 +644,7 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
       EvictLocked(victim);
       continue;
     }
-    if (writes_in_flight_ > 0 || reads_in_flight_ > 0) {
+    if (writes_in_flight_ > 0 || reads_in_flight_ > 0 || copy_outs_in_flight_ > 0) {
       changed_.Wait(&mu_);
       continue;
     }

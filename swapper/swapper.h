@@ -97,6 +97,7 @@ struct SwapperStats {
   uint64_t relearned = 0;        // trace orders re-learned
   uint64_t discards = 0;         // blocks whose bytes were dropped as dead
   uint64_t copy_outs = 0;        // CopyOut calls served from the NVMe copy
+  uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -268,7 +269,8 @@ class Swapper {
 
   // Until `bytes` more fit in the pool: evicts victims (only ones next used
   // later than `farther_than` uses from now when `restricted`), waiting for
-  // I/O in flight (write-outs free memory, swap-ins make new victims).
+  // I/O in flight (write-outs free memory; swap-ins, and CopyOuts ending,
+  // make new victims).
   // Nothing more to evict: the failed write-out's error if one failed in
   // this call, else RESOURCE_EXHAUSTED with the numbers; UNAVAILABLE when
   // `restricted` finds no victim.
@@ -305,6 +307,8 @@ class Swapper {
   uint64_t freeing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // charged to write-outs in flight
   uint64_t writes_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reads_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // CopyOut reads: their blocks cannot be evicted until they end.
+  uint64_t copy_outs_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t failed_writes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status last_write_error_ ABSL_GUARDED_BY(mu_);
   int64_t prefetch_depth_ ABSL_GUARDED_BY(mu_);

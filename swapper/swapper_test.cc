@@ -777,6 +777,7 @@ TEST_F(SwapperTest, CopyOutReadsABlockWhereverItIsWithoutThePool) {
 // While a CopyOut reads a block's NVMe copy, the block may be swapped in
 // and changed, but not evicted: its NVMe copy is neither rewritten nor
 // freed under the read, which returns the bytes as they were when it began.
+// An Acquire that needs the block's room waits for the read to end.
 TEST_F(SwapperTest, ACopyOutInFlightKeepsTheBlocksNvmeCopy) {
   HostMemory buffer = OneOnNvmeOneResident();
   absl::Notification reading, release;
@@ -793,16 +794,23 @@ TEST_F(SwapperTest, ACopyOutInFlightKeepsTheBlocksNvmeCopy) {
   reading.WaitForNotification();
   swapper_->SetIoHookForTesting(nullptr);
   Write(1, 33);  // swapped in (evicting 2) and changed
-  // Room for 2 again would evict 1, which the read in flight keeps.
-  absl::Status refused = swapper_->Acquire(2, false).status();
-  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  // Room for 2 again means evicting 1, which the read in flight keeps.
+  const uint64_t acquires = swapper_->Stats().acquires;
+  absl::Status second;
+  std::thread acquirer([&] { second = swapper_->Acquire(2, false).status(); });
+  AwaitTrue([&] { return swapper_->Stats().acquires > acquires; }, "the Acquire of 2");
+  absl::SleepFor(absl::Milliseconds(50));
   EXPECT_EQ(StateOf(1), BlockState::kResident);
+  EXPECT_EQ(StateOf(2), BlockState::kOnNvme);
   EXPECT_EQ(swapper_->Discard(1).code(), absl::StatusCode::kFailedPrecondition);
   release.Notify();
   reader.join();
+  acquirer.join();
   ASSERT_TRUE(copied.ok()) << copied.status();
   EXPECT_TRUE(Holds(buffer.data(), kMiB, 11));
-  ExpectHolds(2, 22);  // now 1 may go
+  EXPECT_TRUE(second.ok()) << second;  // it waited, and 1 went then
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  ExpectHolds(2, 22);
   ExpectHolds(1, 33);
 }
 
