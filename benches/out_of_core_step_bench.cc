@@ -99,6 +99,7 @@
 #include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "base/unique_fd.h"
+#include "benches/bench_engine.h"
 #include "benches/bench_util.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
@@ -109,7 +110,6 @@
 #include "engine/stats.h"
 #include "engine/step_runner.h"
 #include "nvme/io_backend.h"
-#include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
 #include "swapper/host_pool.h"
 #include "swapper/swapper.h"
@@ -117,6 +117,9 @@
 namespace offload {
 namespace {
 
+using ::offload::bench::BenchEngine;
+using ::offload::bench::BenchEngineOptions;
+using ::offload::bench::MakeBenchEngine;
 using ::offload::bench::Clock;
 using ::offload::bench::PrintMachine;
 using ::offload::bench::ProcStatus;
@@ -320,21 +323,6 @@ absl::StatusOr<ComputeResult> ComputeBound(const std::vector<uint64_t>& sizes, i
   return out;
 }
 
-// The daemon's engine, built in the order engine/out_of_core_test.cc builds
-// it and destroyed in reverse (sessions and their blocks before the swapper,
-// the swapper before the pool and the swap space it writes to).
-struct Engine {
-  std::unique_ptr<IoBackend> backend;
-  std::unique_ptr<SwapSpace> space;
-  std::unique_ptr<HostPool> pool;
-  std::unique_ptr<Optimizer> optimizer;
-  Stats stats;
-  std::unique_ptr<Swapper> swapper;
-  std::unique_ptr<PartitionStore> store;
-  std::unique_ptr<StepRunner> steps;
-  std::unique_ptr<SessionManager> sessions;
-};
-
 struct StepRow {
   double seconds = 0;
   SwapperStats d;  // counters over the step
@@ -516,54 +504,33 @@ int Main(int argc, char** argv) {
   Peaks peaks;
   uint64_t nvme_home = 0;
   {
-    Engine e;
-    IoOptions io;
-    io.request_bytes = f.request_bytes;
-    io.queue_depth = f.queue_depth;
-    io.rings = f.rings;
-    absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeIoBackend(io);
-    if (!backend.ok()) {
-      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-      return 1;
-    }
-    e.backend = std::move(*backend);
-    NvmeOptions n;
-    n.dirs = f.dir;
+    BenchEngineOptions eo;
+    eo.nvme.io.request_bytes = f.request_bytes;
+    eo.nvme.io.queue_depth = f.queue_depth;
+    eo.nvme.io.rings = f.rings;
+    eo.nvme.dirs = f.dir;
     // Room for copy-on-write rewrites in flight.
     const uint64_t slack =
         std::max<uint64_t>(state / 16, 4 * static_cast<uint64_t>(f.io_threads) * chunk_elems * 4);
-    n.bytes_per_dir = static_cast<int64_t>((state + slack + 4095) / 4096 * 4096);
-    n.stripe_bytes = f.stripe;
-    n.checksum = f.checksum;
-    n.io = io;
-    absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, e.backend.get());
-    if (!space.ok()) {
-      std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
+    eo.nvme.bytes_per_dir = static_cast<int64_t>((state + slack + 4095) / 4096 * 4096);
+    eo.nvme.stripe_bytes = f.stripe;
+    eo.nvme.checksum = f.checksum;
+    eo.pool_bytes = pool_limit;
+    eo.swapper.prefetch_depth = f.prefetch_depth;
+    eo.swapper.prefetch_bytes = f.prefetch_bytes;
+    eo.swapper.io_threads = f.io_threads;
+    eo.arena_bytes = 2 * arena_charge + (4 << 20);
+    eo.chunk_elems = chunk_elems;
+    eo.huge_page_bytes = huge;
+    absl::StatusOr<std::unique_ptr<BenchEngine>> made = MakeBenchEngine(eo);
+    if (!made.ok()) {
+      std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
       return 1;
     }
-    e.space = std::move(*space);
+    BenchEngine& e = **made;
     const SwapStats ss = e.space->Stats();
     std::printf("\nengine: swap file %s (%s, %.2f GB)\n", ss.dirs[0].path.c_str(),
                 ss.dirs[0].direct ? "O_DIRECT" : "buffered: no O_DIRECT here", ss.capacity / 1e9);
-    e.pool = std::make_unique<HostPool>(Env::Default(), pool_limit, /*lock_memory=*/false);
-    e.optimizer = std::make_unique<Optimizer>(OptimizerOptions{});
-    SwapperOptions so;
-    so.prefetch_depth = f.prefetch_depth;
-    so.prefetch_bytes = f.prefetch_bytes;
-    so.io_threads = f.io_threads;
-    absl::StatusOr<std::unique_ptr<Swapper>> swapper =
-        Swapper::Create(so, e.pool.get(), e.space.get());
-    if (!swapper.ok()) {
-      std::fprintf(stderr, "%s\n", swapper.status().ToString().c_str());
-      return 1;
-    }
-    e.swapper = std::move(*swapper);
-    e.store = std::make_unique<PartitionStore>(Env::Default(), e.swapper.get(), &e.stats,
-                                               2 * arena_charge + (4 << 20), Placement{}, chunk_elems,
-                                               huge);
-    e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
-    e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
-                                                  &e.stats);
 
     // Optimizer state on NVMe; parameters and gradients in the arena, on the
     // host.

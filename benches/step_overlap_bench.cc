@@ -55,17 +55,8 @@
 #include "base/env.h"
 #include "base/host_memory.h"
 #include "base/status_macros.h"
+#include "benches/bench_engine.h"
 #include "benches/bench_util.h"
-#include "cpu_adam/optimizer.h"
-#include "engine/partition_store.h"
-#include "engine/session_manager.h"
-#include "engine/stats.h"
-#include "engine/step_runner.h"
-#include "nvme/io_backend.h"
-#include "nvme/io_backend_factory.h"
-#include "nvme/swap_space.h"
-#include "swapper/host_pool.h"
-#include "swapper/swapper.h"
 
 namespace offload::bench {
 namespace {
@@ -85,19 +76,6 @@ struct Flags {
   // arena (the daemon's default where the kernel gives shared memory huge
   // pages) or small pages only.
   bool arena_huge = SharedHugePageBytes() != 0;
-};
-
-// The engine, built in the order it is destroyed in reverse.
-struct Engine {
-  std::unique_ptr<IoBackend> backend;
-  std::unique_ptr<SwapSpace> space;
-  Stats stats;
-  std::unique_ptr<HostPool> pool;
-  std::unique_ptr<Optimizer> optimizer;
-  std::unique_ptr<Swapper> swapper;
-  std::unique_ptr<PartitionStore> store;
-  std::unique_ptr<StepRunner> steps;
-  std::unique_ptr<SessionManager> sessions;
 };
 
 void Sleep(double seconds) {
@@ -158,31 +136,17 @@ int Main(int argc, char** argv) {
   PrintMachine(f.dir);
   const uint64_t per_layer = f.params / static_cast<uint64_t>(f.layers);
 
-  Engine e;
+  BenchEngineOptions eo;
   if (f.nvme) {
-    auto backend = MakeIoBackend(IoOptions{});
-    if (!backend.ok()) return Fail(backend.status(), "io backend");
-    e.backend = std::move(*backend);
-    NvmeOptions n;
-    n.dirs = f.dir;
-    n.bytes_per_dir = static_cast<int64_t>(f.params * 16 * 5 / 4 + (64 << 20));
-    auto space = SwapSpace::Create(n, e.backend.get());
-    if (!space.ok()) return Fail(space.status(), "swap space");
-    e.space = std::move(*space);
+    eo.nvme.dirs = f.dir;
+    eo.nvme.bytes_per_dir = static_cast<int64_t>(f.params * 16 * 5 / 4 + (64 << 20));
+    eo.pool_bytes = f.pool;
   }
-  e.pool = std::make_unique<HostPool>(Env::Default(), f.nvme ? f.pool : uint64_t{1} << 40, false);
-  OptimizerOptions optimizer;
-  optimizer.threads = f.threads;
-  e.optimizer = std::make_unique<Optimizer>(optimizer);
-  auto swapper = Swapper::Create(SwapperOptions{}, e.pool.get(), e.space.get());
-  if (!swapper.ok()) return Fail(swapper.status(), "swapper");
-  e.swapper = std::move(*swapper);
-  e.store = std::make_unique<PartitionStore>(
-      Env::Default(), e.swapper.get(), &e.stats, uint64_t{1} << 40, Placement{},
-      (16 << 20) / sizeof(float), f.arena_huge ? HugePageAlignment() : 0);
-  e.steps = std::make_unique<StepRunner>(e.optimizer.get(), e.pool.get(), &e.stats);
-  e.sessions = std::make_unique<SessionManager>(Env::Default(), e.store.get(), e.steps.get(),
-                                                &e.stats);
+  eo.optimizer.threads = f.threads;
+  eo.huge_page_bytes = f.arena_huge ? HugePageAlignment() : 0;
+  auto made = MakeBenchEngine(eo);
+  if (!made.ok()) return Fail(made.status(), "engine");
+  BenchEngine& e = **made;
   PlacementChange placement;
   if (f.nvme) placement[DataKind::kOptimizerState] = 0;
   auto opened = e.sessions->Open("bench", placement);
