@@ -29,41 +29,81 @@ constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 28;
 // what would exhaust memory when read.
 constexpr uint64_t kMaxRecordBytes = uint64_t{1} << 30;
 
-absl::Status WriteAll(int fd, const void* data, size_t bytes, uint64_t offset,
-                      const std::string& path) {
+// pwrite until done: 0, or the errno of the failure.
+int PwriteAll(int fd, const void* data, size_t bytes, uint64_t offset) {
   const auto* p = static_cast<const char*>(data);
   while (bytes > 0) {
     const ssize_t n = pwrite(fd, p, bytes, static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return PosixError(absl::StrCat("writing ", bytes, " bytes to ", path, " at offset ", offset),
-                        errno);
+      return errno;
     }
     p += n;
     bytes -= static_cast<size_t>(n);
     offset += static_cast<uint64_t>(n);
   }
-  return absl::OkStatus();
+  return 0;
 }
 
-absl::Status ReadAll(int fd, void* data, size_t bytes, uint64_t offset, const std::string& path) {
+// pread until done: 0, the errno of the failure, or -1 at the end of the
+// file (`*missing` bytes short).
+int PreadAll(int fd, void* data, size_t bytes, uint64_t offset, size_t* missing) {
   auto* p = static_cast<char*>(data);
   while (bytes > 0) {
     const ssize_t n = pread(fd, p, bytes, static_cast<off_t>(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return PosixError(absl::StrCat("reading ", bytes, " bytes of ", path, " at offset ", offset),
-                        errno);
+      return errno;
     }
     if (n == 0) {
-      return absl::DataLossError(absl::StrCat(path, " ends at offset ", offset, ", ", bytes,
-                                              " bytes short: the file is truncated"));
+      *missing = bytes;
+      return -1;
     }
     p += n;
     bytes -= static_cast<size_t>(n);
     offset += static_cast<uint64_t>(n);
   }
+  return 0;
+}
+
+absl::Status WriteAll(int fd, const void* data, size_t bytes, uint64_t offset,
+                      const std::string& path) {
+  if (const int e = PwriteAll(fd, data, bytes, offset); e != 0) {
+    return PosixError(absl::StrCat("writing ", bytes, " bytes to ", path, " at offset ", offset),
+                      e);
+  }
   return absl::OkStatus();
+}
+
+absl::Status ReadAll(int fd, void* data, size_t bytes, uint64_t offset, const std::string& path) {
+  size_t missing = 0;
+  const int e = PreadAll(fd, data, bytes, offset, &missing);
+  if (e == -1) {
+    return absl::DataLossError(absl::StrCat(path, " ends at offset ", offset + bytes - missing,
+                                            ", ", missing, " bytes short: the file is truncated"));
+  }
+  if (e != 0) {
+    return PosixError(absl::StrCat("reading ", bytes, " bytes of ", path, " at offset ", offset),
+                      e);
+  }
+  return absl::OkStatus();
+}
+
+// `path` opened again with O_DIRECT (and `flags`), or -1 where the file
+// system has none (tmpfs).
+UniqueFd OpenDirect(const std::string& path, int flags) {
+  return UniqueFd(open(path.c_str(), flags | O_DIRECT | O_CLOEXEC | O_NOFOLLOW));
+}
+
+// How many leading bytes of a transfer of `bytes` at `data` and `offset`
+// O_DIRECT can take: its whole blocks when memory and offset are aligned,
+// else none.
+uint64_t DirectPrefix(const void* data, uint64_t bytes, uint64_t offset) {
+  if (reinterpret_cast<uintptr_t>(data) % kDirectAlignment != 0 ||
+      offset % kDirectAlignment != 0) {
+    return 0;
+  }
+  return bytes / kDirectAlignment * kDirectAlignment;
 }
 
 absl::Status SyncDirectory(const std::string& dir) {
@@ -174,13 +214,23 @@ absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
     std::string name = absl::StrCat(stem, ".", gen, ".data");
     std::string path = absl::StrCat(dir, "/", name);
     UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
-    if (fd.get() >= 0) return DataFileWriter(std::move(fd), std::move(name), std::move(path));
+    if (fd.get() >= 0) {
+      UniqueFd direct = OpenDirect(path, O_WRONLY);
+      return DataFileWriter(std::move(fd), std::move(direct), std::move(name), std::move(path));
+    }
     if (errno != EEXIST) return PosixError(absl::StrCat("creating ", path), errno);
   }
 }
 
 absl::Status DataFileWriter::Write(uint64_t offset, absl::Span<const std::byte> bytes) const {
-  return WriteAll(fd_.get(), bytes.data(), bytes.size(), offset, path_);
+  uint64_t direct = direct_fd_.get() >= 0 ? DirectPrefix(bytes.data(), bytes.size(), offset) : 0;
+  // A failure (EINVAL: the device's blocks are larger than
+  // kDirectAlignment; ENOSPC, EIO) sends every byte through the page cache,
+  // where a lasting one shows again, with its context.
+  if (direct > 0 && PwriteAll(direct_fd_.get(), bytes.data(), direct, offset) != 0) {
+    direct = 0;
+  }
+  return WriteAll(fd_.get(), bytes.data() + direct, bytes.size() - direct, offset + direct, path_);
 }
 
 absl::Status DataFileWriter::Sync() const {
@@ -314,7 +364,8 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
 absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path) {
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return PosixError(absl::StrCat("opening checkpoint data ", path), errno);
-  return DataFileReader(std::move(fd), path);
+  UniqueFd direct = OpenDirect(path, O_RDONLY);
+  return DataFileReader(std::move(fd), std::move(direct), path);
 }
 
 absl::Status CheckRecord(const Record& record, const std::string& path) {
@@ -328,7 +379,16 @@ absl::Status CheckRecord(const Record& record, const std::string& path) {
 
 absl::Status DataFileReader::Read(const Record& record, void* dst) const {
   RETURN_IF_ERROR(CheckRecord(record, path_));
-  RETURN_IF_ERROR(ReadAll(fd_.get(), dst, record.bytes(), record.offset(), path_));
+  auto* out = static_cast<std::byte*>(dst);
+  uint64_t direct = direct_fd_.get() >= 0 ? DirectPrefix(dst, record.bytes(), record.offset()) : 0;
+  size_t missing = 0;
+  // A failure (EINVAL: larger device blocks; a truncated file) shows again,
+  // with its context, below.
+  if (direct > 0 && PreadAll(direct_fd_.get(), out, direct, record.offset(), &missing) != 0) {
+    direct = 0;
+  }
+  RETURN_IF_ERROR(ReadAll(fd_.get(), out + direct, record.bytes() - direct,
+                          record.offset() + direct, path_));
   if (Hash(dst, record.bytes()) != record.xxh3()) {
     return absl::DataLossError(absl::StrCat(path_, ": the ", record.bytes(), " bytes at offset ",
                                             record.offset(), " do not match their checksum"));

@@ -1,7 +1,9 @@
 #include "checkpoint/tensor_index.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -126,7 +128,12 @@ absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t beg
   // Indices within the partition.
   const uint64_t lo = begin - p.offset(), hi = lo + elems;
   auto* out = static_cast<std::byte*>(dst);
-  std::vector<std::byte> buffer;
+  // Aligned, so that the records are read around the page cache.
+  struct Free {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::unique_ptr<std::byte[], Free> buffer;
+  uint64_t capacity = 0;
   uint64_t covered = 0;
   for (const Record& r : p.records()) {
     if (r.kind() != kind || r.begin() + r.elems() <= lo || r.begin() >= hi) continue;
@@ -136,12 +143,24 @@ absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t beg
           " with ", r.bytes(), " bytes for ", r.elems(), " elements, not ", elem_size,
           " bytes each (a different dtype)"));
     }
-    buffer.resize(r.bytes());
-    RETURN_IF_ERROR(slice.reader->Read(r, buffer.data()));
     const uint64_t from = std::max(lo, r.begin()), to = std::min(hi, r.begin() + r.elems());
-    std::memcpy(out + (from - lo) * elem_size, buffer.data() + (from - r.begin()) * elem_size,
-                (to - from) * elem_size);
     covered += to - from;
+    if (from == r.begin() && to == r.begin() + r.elems()) {
+      // The whole record is wanted: read straight into place.
+      RETURN_IF_ERROR(slice.reader->Read(r, out + (from - lo) * elem_size));
+      continue;
+    }
+    if (r.bytes() > capacity) {
+      capacity = (r.bytes() + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
+      buffer.reset(static_cast<std::byte*>(std::aligned_alloc(kDirectAlignment, capacity)));
+      if (buffer == nullptr) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("no memory for a ", capacity, "-byte checkpoint record"));
+      }
+    }
+    RETURN_IF_ERROR(slice.reader->Read(r, buffer.get()));
+    std::memcpy(out + (from - lo) * elem_size, buffer.get() + (from - r.begin()) * elem_size,
+                (to - from) * elem_size);
   }
   if (covered != elems) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -59,8 +59,9 @@ class TensorIndex {
 
   // Elements [begin, begin + elems) of the tensor (indices in the tensor)
   // of `kind`, `elem_size` bytes each, from `slice`'s records into `dst`
-  // (which holds elems * elem_size bytes), verified. FAILED_PRECONDITION if
-  // the slice has no such records or they hold another element size.
+  // (which holds elems * elem_size bytes), verified (after a DATA_LOSS,
+  // `dst` may hold the bytes that failed). FAILED_PRECONDITION if the slice
+  // has no such records or they hold another element size.
   absl::Status Read(const Slice& slice, RecordKind kind, uint64_t begin, uint64_t elems,
                     size_t elem_size, void* dst) const;
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "engine/version.h"
 
@@ -89,7 +90,9 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
     ls->set_clean_steps(s.clean_steps);
   }
   m.set_data_file(w->file_.name());
-  // The layout: per partition, per chunk, each saved block kind.
+  // The layout: per partition, per chunk, each saved block kind, each
+  // record on an aligned offset, so that it is written around the page
+  // cache (checkpoint/format.h; its blocks' memory is page-aligned).
   uint64_t offset = 0;
   const uint64_t chunk_elems = w->image_.chunk_elems;
   for (size_t i = 0; i < w->image_.partitions.size(); ++i) {
@@ -116,6 +119,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
       for (int kind : p.block_kinds) {
         const bool params = kind == p.current_kind || kind == p.next_kind;
         const uint64_t bytes = elems * (params ? DTypeSize(p.info.param_dtype) : sizeof(float));
+        offset = RoundUp(offset, checkpoint::kDirectAlignment);
         ckv1::Record* r = out->add_records();
         r->set_kind(RecordKindOf(p, kind));
         r->set_begin(begin);
