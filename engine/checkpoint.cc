@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -177,16 +180,30 @@ absl::Status CheckpointWriter::Write(uint64_t id, uint64_t chunk, int block_kind
 }
 
 absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<bool>* cancelled) {
-  absl::Status status;
+  // Every chunk, in the data file's order, taken by kCaptureThreads threads
+  // (this one and helpers) from a shared cursor.
+  std::vector<std::pair<uint64_t, uint64_t>> chunks;  // partition id, chunk
   for (const CheckpointedPartition& p : image_.partitions) {
-    for (uint64_t c = 0; c < p.chunks && status.ok(); ++c) {
-      if (cancelled != nullptr && cancelled->load()) {
-        status = absl::CancelledError("the session closed while its checkpoint was written");
-        break;
-      }
-      set_->CaptureChunk(p.info.id, c);
-    }
+    for (uint64_t c = 0; c < p.chunks; ++c) chunks.emplace_back(p.info.id, c);
   }
+  std::atomic<size_t> next{0};
+  std::atomic<bool> stopped{false};
+  auto capture = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < chunks.size();) {
+      if (cancelled != nullptr && cancelled->load()) {
+        stopped = true;
+        return;
+      }
+      set_->CaptureChunk(chunks[i].first, chunks[i].second);
+    }
+  };
+  std::vector<std::thread> helpers;
+  const size_t threads = std::min<size_t>(kCaptureThreads, chunks.size());
+  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(capture);
+  capture();
+  for (std::thread& t : helpers) t.join();
+  absl::Status status;
+  if (stopped) status = absl::CancelledError("the session closed while its checkpoint was written");
   absl::Status captured = set_->EndCheckpoint();
   ended_ = true;
   if (status.ok()) status = captured;
