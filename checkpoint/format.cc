@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "xxhash.h"
@@ -89,10 +90,18 @@ absl::Status ReadAll(int fd, void* data, size_t bytes, uint64_t offset, const st
   return absl::OkStatus();
 }
 
-// `path` opened again with O_DIRECT (and `flags`), or -1 where the file
-// system has none (tmpfs).
-UniqueFd OpenDirect(const std::string& path, int flags) {
-  return UniqueFd(open(path.c_str(), flags | O_DIRECT | O_CLOEXEC | O_NOFOLLOW));
+// The file open as `fd` opened again with O_DIRECT (and `flags`): the same
+// file, whatever its name means by now; -1 where the file system has no
+// O_DIRECT.
+UniqueFd OpenDirect(int fd, int flags) {
+  return UniqueFd(open(absl::StrCat("/proc/self/fd/", fd).c_str(), flags | O_DIRECT | O_CLOEXEC));
+}
+
+// Logs the first fallback of a file from O_DIRECT to the page cache.
+void NoteFallback(DirectStats* stats, const std::string& path, const char* op, int error) {
+  if (stats->fell_back.exchange(true)) return;
+  LogWarning("checkpoint: a direct %s of %s failed (%s); through the page cache instead", op,
+             path, error > 0 ? std::strerror(error) : "end of file");
 }
 
 // How many leading bytes of a transfer of `bytes` at `data` and `offset`
@@ -215,7 +224,7 @@ absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
     std::string path = absl::StrCat(dir, "/", name);
     UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (fd.get() >= 0) {
-      UniqueFd direct = OpenDirect(path, O_WRONLY);
+      UniqueFd direct = OpenDirect(fd.get(), O_WRONLY);
       return DataFileWriter(std::move(fd), std::move(direct), std::move(name), std::move(path));
     }
     if (errno != EEXIST) return PosixError(absl::StrCat("creating ", path), errno);
@@ -227,10 +236,22 @@ absl::Status DataFileWriter::Write(uint64_t offset, absl::Span<const std::byte> 
   // A failure (EINVAL: the device's blocks are larger than
   // kDirectAlignment; ENOSPC, EIO) sends every byte through the page cache,
   // where a lasting one shows again, with its context.
-  if (direct > 0 && PwriteAll(direct_fd_.get(), bytes.data(), direct, offset) != 0) {
-    direct = 0;
+  if (direct > 0) {
+    if (const int e = PwriteAll(direct_fd_.get(), bytes.data(), direct, offset); e != 0) {
+      NoteFallback(direct_stats_.get(), path_, "write", e);
+      direct = 0;
+    }
+    direct_stats_->bytes += direct;
   }
   return WriteAll(fd_.get(), bytes.data() + direct, bytes.size() - direct, offset + direct, path_);
+}
+
+absl::Status DataFileWriter::Reserve(uint64_t bytes) const {
+  if (bytes == 0 || fallocate(fd_.get(), 0, 0, static_cast<off_t>(bytes)) == 0) {
+    return absl::OkStatus();
+  }
+  if (errno == EOPNOTSUPP || errno == ENOSYS) return absl::OkStatus();
+  return PosixError(absl::StrCat("reserving ", bytes, " bytes for ", path_), errno);
 }
 
 absl::Status DataFileWriter::Sync() const {
@@ -364,7 +385,7 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
 absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path) {
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return PosixError(absl::StrCat("opening checkpoint data ", path), errno);
-  UniqueFd direct = OpenDirect(path, O_RDONLY);
+  UniqueFd direct = OpenDirect(fd.get(), O_RDONLY);
   return DataFileReader(std::move(fd), std::move(direct), path);
 }
 
@@ -384,8 +405,13 @@ absl::Status DataFileReader::Read(const Record& record, void* dst) const {
   size_t missing = 0;
   // A failure (EINVAL: larger device blocks; a truncated file) shows again,
   // with its context, below.
-  if (direct > 0 && PreadAll(direct_fd_.get(), out, direct, record.offset(), &missing) != 0) {
-    direct = 0;
+  if (direct > 0) {
+    if (const int e = PreadAll(direct_fd_.get(), out, direct, record.offset(), &missing);
+        e != 0) {
+      NoteFallback(direct_stats_.get(), path_, "read", e);
+      direct = 0;
+    }
+    direct_stats_->bytes += direct;
   }
   RETURN_IF_ERROR(ReadAll(fd_.get(), out + direct, record.bytes() - direct,
                           record.offset() + direct, path_));

@@ -27,8 +27,11 @@
 // last partial block through the page cache (a record's blocks never
 // overlap another's unless records share a block, and then those bytes go
 // through the page cache on both sides). A writer that starts records on
-// aligned offsets (the daemon's) gets nearly all of a checkpoint direct:
-// buffered writeback of tens of GB is several times slower than the disk.
+// aligned offsets (the daemon's, on 4 KiB or the page size if larger) gets
+// nearly all of a checkpoint direct: buffered writeback ran at a third of
+// the disk's speed (benches/checkpoint). A direct transfer that fails is
+// done again through the page cache, where a lasting error shows with its
+// context; the first such fallback of a file is logged with its errno.
 //
 // Thread-safety: DataFileWriter::Write may be called from several threads
 // at once (disjoint ranges); everything else is a plain function or
@@ -36,7 +39,9 @@
 #ifndef OFFLOADD_CHECKPOINT_FORMAT_H_
 #define OFFLOADD_CHECKPOINT_FORMAT_H_
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -76,6 +81,12 @@ absl::Status CheckOwnDirectory(const std::string& dir);
 // 2^50 bytes): checked before anything is allocated for it.
 absl::Status CheckRecord(const Record& record, const std::string& path);
 
+// What a data file's direct transfers did (shared by moves of its owner).
+struct DirectStats {
+  std::atomic<uint64_t> bytes{0};
+  std::atomic<bool> fell_back{false};  // the first fallback is logged
+};
+
 class DataFileWriter {
  public:
   // Creates <dir>/<stem>.<gen>.data, gen above every data file of the stem.
@@ -87,8 +98,15 @@ class DataFileWriter {
   // Writes `bytes` at `offset` (short writes resumed), directly where
   // aligned (see above).
   absl::Status Write(uint64_t offset, absl::Span<const std::byte> bytes) const;
-  // Whether the file system took O_DIRECT for this file.
+  // Allocates the file's first `bytes` (fallocate), so that a file system
+  // without the room says so before anything is written
+  // (RESOURCE_EXHAUSTED, ENOSPC). OK without doing anything where fallocate
+  // is not supported.
+  absl::Status Reserve(uint64_t bytes) const;
+  // Whether the file system took O_DIRECT for this file, and how many
+  // bytes went that way.
   bool direct() const { return direct_fd_.get() >= 0; }
+  uint64_t direct_bytes() const { return direct_stats_->bytes.load(); }
   // fsync.
   absl::Status Sync() const;
   // The file's name in the directory.
@@ -102,6 +120,7 @@ class DataFileWriter {
   UniqueFd fd_;
   UniqueFd direct_fd_;  // the same file opened O_DIRECT; -1 where unsupported
   std::string name_, path_;
+  std::shared_ptr<DirectStats> direct_stats_ = std::make_shared<DirectStats>();
 };
 
 // Steps 2-4 above: commits `manifest` (which names its data file) as the
@@ -134,6 +153,7 @@ class DataFileReader {
   UniqueFd fd_;
   UniqueFd direct_fd_;  // -1 where the file system has no O_DIRECT
   std::string path_;
+  std::shared_ptr<DirectStats> direct_stats_ = std::make_shared<DirectStats>();
 };
 
 uint64_t Hash(const void* data, size_t bytes);

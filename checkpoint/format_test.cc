@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/unique_fd.h"
 #include "checkpoint/export.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/tensor_index.h"
@@ -251,9 +252,10 @@ TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
 
 // Records written and read around the page cache (aligned memory and
 // offsets, a partial last block) and through it (unaligned memory, records
-// sharing a block) round-trip alike, side by side in one file. Where the
-// directory is on tmpfs there is no O_DIRECT and everything goes through
-// the page cache, and round-trips the same.
+// sharing a block) round-trip alike, side by side in one file, read back
+// from the disk. Also in a tmpfs directory, which takes O_DIRECT from Linux
+// 6.6 on and refuses it before (then everything goes through the page
+// cache, and round-trips the same).
 TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
   for (const std::string& dir : {TempDir(), std::string()}) {
     std::string where = dir;
@@ -265,10 +267,6 @@ TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
     SCOPED_TRACE(where);
     auto writer = DataFileWriter::Create(where, "s");
     ASSERT_TRUE(writer.ok()) << writer.status();
-    const bool on_tmpfs = dir.empty();
-    if (!on_tmpfs) {
-      EXPECT_TRUE(writer->direct());  // TEST_TMPDIR: ext4 on this project's machines
-    }
     struct Free {
       void operator()(std::byte* p) const { std::free(p); }
     };
@@ -288,11 +286,22 @@ TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
       records[r].set_bytes(kBytes);
       records[r].set_xxh3(Hash(sources[r], kBytes));
     }
-    // Written out of order, as captures are.
-    for (int r : {2, 0, 1}) {
+    // Out of order, as captures are: record 1 before record 0, so that a
+    // direct write of 0 that ran past its whole blocks would show.
+    for (int r : {1, 2, 0}) {
       ASSERT_TRUE(writer->Write(offsets[r], absl::MakeConstSpan(sources[r], kBytes)).ok());
     }
     ASSERT_TRUE(writer->Sync().ok());
+    // Records 0 and 2 went direct, all but their last partial block.
+    EXPECT_EQ(writer->direct_bytes(), writer->direct() ? 6 * kDirectAlignment : 0);
+    if (!dir.empty()) {
+      EXPECT_TRUE(writer->direct());  // TEST_TMPDIR: ext4 on this project's machines
+    }
+    {  // read back from the disk, not the page cache
+      UniqueFd fd(open(writer->path().c_str(), O_RDONLY | O_CLOEXEC));
+      ASSERT_GE(fd.get(), 0);
+      posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
+    }
     auto reader = DataFileReader::Open(writer->path());
     ASSERT_TRUE(reader.ok()) << reader.status();
     std::unique_ptr<std::byte[], Free> into(
@@ -306,11 +315,28 @@ TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
         EXPECT_EQ(std::memcmp(dst, sources[r], kBytes), 0) << "record " << r;
       }
     }
-    if (on_tmpfs) {
+    if (dir.empty()) {
       unlink(writer->path().c_str());
       rmdir(where.c_str());
     }
   }
+}
+
+// Reserve allocates the file's room up front; what the file system cannot
+// hold fails then, naming the file. (A real full file system's
+// RESOURCE_EXHAUSTED is tested on a small tmpfs in
+// tests/daemon_system_test.cc.)
+TEST(CheckpointFormatTest, ReserveAllocatesTheFileOrSaysWhyNot) {
+  const std::string dir = TempDir();
+  auto writer = DataFileWriter::Create(dir, "s");
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  ASSERT_TRUE(writer->Reserve(1 << 20).ok());
+  struct stat st;
+  ASSERT_EQ(stat(writer->path().c_str(), &st), 0);
+  EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, uint64_t{1} << 20);
+  absl::Status huge = writer->Reserve(uint64_t{1} << 60);  // an exabyte
+  EXPECT_FALSE(huge.ok());
+  EXPECT_NE(huge.message().find(writer->path()), std::string::npos) << huge;
 }
 
 TEST(SafetensorsTest, EscapesNamesAndRefusesDuplicates) {

@@ -4,9 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
-#include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -95,7 +92,10 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   m.set_data_file(w->file_.name());
   // The layout: per partition, per chunk, each saved block kind, each
   // record on an aligned offset, so that it is written around the page
-  // cache (checkpoint/format.h; its blocks' memory is page-aligned).
+  // cache (checkpoint/format.h; its blocks' memory is page-aligned), and
+  // shares no page of the page cache with the next (larger pages than
+  // 4 KiB: arm64, ppc64le).
+  const uint64_t record_alignment = std::max<uint64_t>(checkpoint::kDirectAlignment, PageSize());
   uint64_t offset = 0;
   const uint64_t chunk_elems = w->image_.chunk_elems;
   for (size_t i = 0; i < w->image_.partitions.size(); ++i) {
@@ -122,7 +122,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
       for (int kind : p.block_kinds) {
         const bool params = kind == p.current_kind || kind == p.next_kind;
         const uint64_t bytes = elems * (params ? DTypeSize(p.info.param_dtype) : sizeof(float));
-        offset = RoundUp(offset, checkpoint::kDirectAlignment);
+        offset = RoundUp(offset, record_alignment);
         ckv1::Record* r = out->add_records();
         r->set_kind(RecordKindOf(p, kind));
         r->set_begin(begin);
@@ -180,30 +180,18 @@ absl::Status CheckpointWriter::Write(uint64_t id, uint64_t chunk, int block_kind
 }
 
 absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<bool>* cancelled) {
-  // Every chunk, in the data file's order, taken by kCaptureThreads threads
-  // (this one and helpers) from a shared cursor.
-  std::vector<std::pair<uint64_t, uint64_t>> chunks;  // partition id, chunk
+  // The whole file first: a disk without the room fails the checkpoint
+  // before any capture writes to it.
+  absl::Status status = file_.Reserve(summary_.bytes);
   for (const CheckpointedPartition& p : image_.partitions) {
-    for (uint64_t c = 0; c < p.chunks; ++c) chunks.emplace_back(p.info.id, c);
-  }
-  std::atomic<size_t> next{0};
-  std::atomic<bool> stopped{false};
-  auto capture = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < chunks.size();) {
+    for (uint64_t c = 0; c < p.chunks && status.ok(); ++c) {
       if (cancelled != nullptr && cancelled->load()) {
-        stopped = true;
-        return;
+        status = absl::CancelledError("the session closed while its checkpoint was written");
+        break;
       }
-      set_->CaptureChunk(chunks[i].first, chunks[i].second);
+      set_->CaptureChunk(p.info.id, c);
     }
-  };
-  std::vector<std::thread> helpers;
-  const size_t threads = std::min<size_t>(kCaptureThreads, chunks.size());
-  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(capture);
-  capture();
-  for (std::thread& t : helpers) t.join();
-  absl::Status status;
-  if (stopped) status = absl::CancelledError("the session closed while its checkpoint was written");
+  }
   absl::Status captured = set_->EndCheckpoint();
   ended_ = true;
   if (status.ok()) status = captured;

@@ -7,8 +7,8 @@
 //      block kind per chunk). This is the only pause training sees.
 //   2. Finish: every chunk is captured into the data file (chunks a step or
 //      an accumulation reached first were captured by it, before changing
-//      them), by kCaptureThreads threads at once; then fsync, the manifest
-//      committed by rename, EndCheckpoint.
+//      them); then fsync, the manifest committed by rename, EndCheckpoint.
+//      The data file is allocated whole first (DataFileWriter::Reserve).
 //      Training goes on meanwhile; the checkpoint holds the state as of 1.
 // A failure (I/O, a swap-in, cancellation) removes the new data file and
 // leaves the previous checkpoint as it was.
@@ -61,12 +61,6 @@ struct CheckpointSummary {
   uint64_t pause_us = 0;  // step 1: waiting for the step boundary and the image
   uint64_t wall_us = 0;
 };
-
-// Threads capturing chunks while Finish runs (its caller and helpers it
-// starts): the data file sees as many writes in flight, and with state on
-// NVMe as many swap-ins. One at a time kept a disk at about 0.6x of what
-// fio reaches with 16 requests in flight (benches/checkpoint).
-inline constexpr int kCaptureThreads = 4;
 
 class CheckpointWriter : public ChunkSink {
  public:
