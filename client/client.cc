@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <poll.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -204,6 +205,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     }
   }
   grpc::ChannelArguments args;
+  // A connection of its own: channels to one address otherwise share the
+  // process's, and a Client made after offloadd restarted would inherit the
+  // dead daemon's (its first call failing UNAVAILABLE, "Broken pipe").
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   impl->channel =
       grpc::CreateCustomChannel(impl->address, grpc::InsecureChannelCredentials(), args);
   auto deadline = std::chrono::system_clock::now() +
@@ -350,7 +355,17 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
 
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-Session::~Session() { Close().IgnoreError(); }  // best effort: the daemon may be gone
+Session::~Session() {
+  // Closed, best effort, unless the offloadd it attached to is gone (its
+  // arena connection hung up): whatever listens at the address now may be a
+  // restarted offloadd keeping this session for a trainer to resume, maybe
+  // through another Session object.
+  if (impl_->connection.valid()) {
+    pollfd p{impl_->connection.get(), POLLRDHUP, 0};
+    if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) return;
+  }
+  Close().IgnoreError();
+}
 
 uint64_t Session::id() const { return impl_->ref.session_id(); }
 

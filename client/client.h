@@ -259,7 +259,9 @@ class Client;
 
 class Session {
  public:
-  ~Session();  // Close()s if still open, ignoring errors
+  // Close()s if still open, ignoring errors; not if the offloadd it attached
+  // to is gone (a restarted one may keep the session for ResumeSession).
+  ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 

@@ -79,6 +79,20 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
+  // Sessions the previous offloadd kept when it stopped (Shutdown), before
+  // any call or lease can reach them.
+  const std::string kept = d->PreservedDir();
+  if (access(kept.c_str(), F_OK) == 0) {
+    if (server.reconnect_lease_seconds > 0) {
+      const int n = d->sessions_->RestorePreserved(kept);
+      LogInfo("reopened %d session(s) kept across the restart; their trainers have %d s to "
+              "resume them", n, static_cast<int>(server.reconnect_lease_seconds));
+    } else {
+      LogWarning("sessions kept by the previous offloadd are in %s; with "
+                 "server.reconnect_lease_seconds 0 they are not reopened",
+                 kept);
+    }
+  }
   ASSIGN_OR_RETURN(d->arena_channel_,
                    ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get(),
                                        absl::Seconds(server.attach_lease_seconds),
@@ -295,6 +309,10 @@ absl::Status Daemon::StartNvmeTier() {
   return absl::OkStatus();
 }
 
+std::string Daemon::PreservedDir() const {
+  return absl::StrCat(options_->server.data_dir, "/preserved");
+}
+
 void Daemon::Shutdown() {
   {
     absl::MutexLock lock(&shutdown_mu_);
@@ -305,6 +323,12 @@ void Daemon::Shutdown() {
   // finish; new ones are refused with UNAVAILABLE meanwhile.
   if (!calls_.CloseAndDrain(absl::Seconds(30))) {
     LogWarning("calls still running after 30 s; cancelling them");
+  }
+  // Trainers may come back (a positive reconnect lease): each session is
+  // kept, at a step boundary, for the next offloadd to reopen.
+  if (options_->server.reconnect_lease_seconds > 0) {
+    const int n = sessions_->Preserve(PreservedDir());
+    if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
   }
   metrics_.reset();
   server_->Shutdown(std::chrono::system_clock::now());

@@ -4,6 +4,9 @@
 // Start() returns once every socket accepts connections. Shutdown() stops
 // accepting, lets in-flight calls finish (bounded by a deadline), and removes
 // the socket files; it is idempotent and may be called from any thread.
+// With a positive server.reconnect_lease_seconds, Shutdown keeps every
+// session (SessionManager::Preserve) in <data_dir>/preserved, and the next
+// Start in that data directory reopens them for their trainers to resume.
 #ifndef OFFLOADD_ENGINE_DAEMON_H_
 #define OFFLOADD_ENGINE_DAEMON_H_
 
@@ -57,6 +60,8 @@ class Daemon {
   absl::Status StartNvmeTier();
 
   void SetHooks();
+  // Where Shutdown keeps sessions for the next offloadd.
+  std::string PreservedDir() const;
   // A fresh token for TCP callers, written owner-only to the data directory.
   absl::StatusOr<std::string> WriteTcpToken();
 

@@ -1,6 +1,9 @@
 #include "engine/session_manager.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -9,9 +12,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/log.h"
 #include "base/posix_error.h"
 #include "base/secret.h"
 #include "base/status_macros.h"
+#include "checkpoint/format.h"
 
 namespace offload {
 struct SessionManager::Session {
@@ -34,7 +39,9 @@ struct SessionManager::Session {
   const std::string name;
   const std::unique_ptr<PartitionSet> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
-  const std::unique_ptr<CheckpointRestore> restore;  // the checkpoint it restores, if any
+  // The checkpoint it restores, if any. Set at Open; a kept session's
+  // (RestoreOne) goes once it is reopened, before any call can reach it.
+  std::unique_ptr<CheckpointRestore> restore;
   std::shared_ptr<RingServer> ring;  // set once, before the session is shared
   ArenaRegion ring_region;
   // Steps after which the delayed update switches itself on (-1: never).
@@ -102,6 +109,14 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::string_view name, const PlacementChange& placement,
     const std::optional<LossScalingOptions>& loss_scaling,
     std::optional<uint64_t> delayed_update_after, const std::string& restore_from) {
+  return OpenAs(name, placement, loss_scaling, delayed_update_after, restore_from, nullptr);
+}
+
+absl::StatusOr<OpenedSession> SessionManager::OpenAs(
+    absl::string_view name, const PlacementChange& placement,
+    const std::optional<LossScalingOptions>& loss_scaling,
+    std::optional<uint64_t> delayed_update_after, const std::string& restore_from,
+    const SessionKey* reuse) {
   if (delayed_update_after.has_value() && *delayed_update_after > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
@@ -135,9 +150,16 @@ absl::StatusOr<OpenedSession> SessionManager::Open(
     }
   }
   std::string token(kTokenBytes, '\0');
-  RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
   uint64_t id;
-  {
+  if (reuse != nullptr) {
+    id = reuse->id;
+    token = reuse->token;
+    absl::MutexLock lock(&mu_);
+    if (sessions_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("session ", id, " is open already"));
+    }
+  } else {
+    RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
     absl::MutexLock lock(&mu_);
     id = next_session_id_++;
   }
@@ -280,11 +302,25 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
 
 absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
                                                        const PartitionSpec& spec) {
+  return RegisterAs(key, spec, std::nullopt);
+}
+
+absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
+                                                         const PartitionSpec& spec,
+                                                         std::optional<uint64_t> reuse_id) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   uint64_t id;
   {
     absl::MutexLock lock(&mu_);
-    id = next_partition_id_++;  // an id lost to a failed registration stays unused
+    if (reuse_id.has_value()) {
+      id = *reuse_id;
+      if (id == 0 || partition_owner_.contains(id)) {
+        return absl::AlreadyExistsError(absl::StrCat("partition id ", id, " is taken"));
+      }
+      next_partition_id_ = std::max(next_partition_id_, id + 1);
+    } else {
+      id = next_partition_id_++;  // an id lost to a failed registration stays unused
+    }
   }
   std::optional<RestoredState> restored;
   if (session->restore != nullptr) {
@@ -722,6 +758,179 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
   std::sort(out.begin(), out.end(),
             [](const SessionSummary& a, const SessionSummary& b) { return a.id < b.id; });
   return out;
+}
+
+namespace {
+
+constexpr char kPreservedFile[] = "session.binpb";
+
+// The names in `dir` but "." and "..".
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (const dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") out.push_back(name);
+  }
+  closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Removes `dir` and the files in it.
+void RemoveDirectory(const std::string& dir) {
+  for (const std::string& name : Entries(dir)) unlink(absl::StrCat(dir, "/", name).c_str());
+  rmdir(dir.c_str());
+}
+
+// Writes `bytes` to `path` whole: a temporary file, fsync, rename.
+absl::Status WriteFileAtomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd.valid()) return PosixError(absl::StrCat("creating ", tmp), errno);
+  if (write(fd.get(), bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size()) ||
+      fsync(fd.get()) != 0) {
+    return PosixError(absl::StrCat("writing ", tmp), errno);
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return PosixError(absl::StrCat("renaming ", tmp), errno);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int SessionManager::Preserve(const std::string& dir) {
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) sessions.push_back(s);
+  }
+  if (sessions.empty()) return 0;
+  // No call through a ring from here on: one that is served ends first, and
+  // the trainer's next is refused (the ring is closed), so what it saw
+  // answered is in the checkpoint and what it did not is not.
+  for (const auto& s : sessions) {
+    if (s->ring != nullptr) s->ring->Stop();
+  }
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    LogWarning("cannot keep the sessions: %s", PosixError(absl::StrCat("creating ", dir), errno)
+                                                    .ToString());
+    return 0;
+  }
+  int kept = 0;
+  for (const auto& s : sessions) {
+    const std::string sub = absl::StrCat(dir, "/", s->id);
+    absl::Status status = [&]() -> absl::Status {
+      {
+        // A background checkpoint being written ends first.
+        absl::MutexLock lock(&s->checkpoint_mu);
+        s->checkpoint_mu.Await(absl::Condition(
+            +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; },
+            s.get()));
+      }
+      // What the trainer held goes, as when it goes away (it fetches again
+      // once it resumed); a partition held for writing would stop the
+      // checkpoint.
+      s->partitions->DropHolds();
+      RETURN_IF_ERROR(Checkpoint(SessionKey{s->id, ""}, sub, /*background=*/false).status());
+      checkpoint::v1::PreservedSession kept_session;
+      kept_session.set_session_id(s->id);
+      kept_session.set_token(s->token);
+      kept_session.set_name(s->name);
+      std::vector<uint64_t> ids;
+      {
+        absl::MutexLock lock(&mu_);
+        for (const auto& [partition, owner] : partition_owner_) {
+          if (owner == s->id) ids.push_back(partition);
+        }
+      }
+      std::sort(ids.begin(), ids.end());  // the manifest's order: by id
+      for (uint64_t id : ids) kept_session.add_partition_ids(id);
+      return WriteFileAtomically(absl::StrCat(sub, "/", kPreservedFile),
+                                 kept_session.SerializeAsString());
+    }();
+    if (status.ok()) {
+      ++kept;
+    } else {
+      LogWarning("session %d ('%s') is not kept across the restart: %s",
+                 static_cast<int64_t>(s->id), s->name, status.ToString());
+      RemoveDirectory(sub);
+    }
+  }
+  return kept;
+}
+
+int SessionManager::RestorePreserved(const std::string& dir) {
+  int restored = 0;
+  for (const std::string& name : Entries(dir)) {
+    const std::string sub = absl::StrCat(dir, "/", name);
+    absl::Status status = RestoreOne(sub);
+    if (status.ok()) {
+      ++restored;
+      RemoveDirectory(sub);
+    } else {
+      LogWarning("a session kept across the restart in %s was not reopened (left there: "
+                 "OpenSession's restore_from takes it): %s",
+                 sub, status.ToString());
+    }
+  }
+  return restored;
+}
+
+absl::Status SessionManager::RestoreOne(const std::string& dir) {
+  const std::string path = absl::StrCat(dir, "/", kPreservedFile);
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
+  checkpoint::v1::PreservedSession kept;
+  if (!kept.ParseFromFileDescriptor(fd.get())) {
+    return absl::DataLossError(absl::StrCat(path, " does not parse"));
+  }
+  const SessionKey key{kept.session_id(), kept.token()};
+  if (key.id == 0 || key.token.size() != kTokenBytes) {
+    return absl::DataLossError(absl::StrCat(path, " names no session"));
+  }
+  ASSIGN_OR_RETURN(OpenedSession opened,
+                   OpenAs(kept.name(), {}, std::nullopt, std::nullopt, dir, &key));
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    session = sessions_.at(key.id);
+  }
+  absl::Status status = [&]() -> absl::Status {
+    const checkpoint::Manifest& m = session->restore->session_manifest();
+    if (m.partitions_size() != kept.partition_ids_size()) {
+      return absl::DataLossError(absl::StrCat(path, " names ", kept.partition_ids_size(),
+                                              " partitions, the checkpoint holds ",
+                                              m.partitions_size()));
+    }
+    for (int i = 0; i < m.partitions_size(); ++i) {
+      const checkpoint::PartitionRecord& p = m.partitions(i);
+      PartitionSpec spec;
+      spec.name = p.name();
+      spec.numel = p.numel();
+      spec.param_dtype = static_cast<DType>(p.param_dtype());
+      spec.grad_dtype = static_cast<DType>(p.grad_dtype());
+      spec.tensor = p.tensor();
+      spec.shape.assign(p.shape().begin(), p.shape().end());
+      spec.tensor_offset = p.offset();
+      RETURN_IF_ERROR(RegisterAs(key, spec, kept.partition_ids(i)).status());
+    }
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) {
+    CloseById(key.id);
+    return status;
+  }
+  // As it was: later registrations are new partitions, not the checkpoint's.
+  session->restore.reset();
+  // As a trainer that went away: nothing held, waiting for ResumeSession.
+  session->partitions->DropHolds();
+  absl::MutexLock lock(&mu_);
+  session->attached = false;
+  session->detached_since = std::chrono::steady_clock::now();
+  return absl::OkStatus();
 }
 
 }  // namespace offload

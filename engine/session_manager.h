@@ -237,8 +237,39 @@ class SessionManager {
 
   std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Keeping sessions across a restart of offloadd (the daemon does it when
+  // server.reconnect_lease_seconds > 0). Preserve, once the daemon takes no
+  // more calls: stops every session's request ring (a call it is serving
+  // ends first) and writes each session into <dir>/<id>/: its checkpoint
+  // at a step boundary (a running step ends first) and what reopening it
+  // needs (PreservedSession: id, token, name, its partitions' ids).
+  // Returns how many it kept; a session it cannot keep (its checkpoint
+  // fails) is logged and goes, as it did before.
+  int Preserve(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
+  // At start, before any call: reopens every session kept in `dir`, with its
+  // id, token, partitions (their ids too) and state, detached as a trainer
+  // that went away (it waits the reconnect lease for ResumeSession; the
+  // trainer fetches its partitions again), and removes what it reopened
+  // from `dir`. One it cannot reopen is logged and left there (a
+  // checkpoint: OpenSession's restore_from takes it). Returns how many.
+  int RestorePreserved(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Session;
+
+  // Open with the id and token of a session kept across a restart
+  // (`reuse`), else new ones.
+  absl::StatusOr<OpenedSession> OpenAs(absl::string_view name, const PlacementChange& placement,
+                                       const std::optional<LossScalingOptions>& loss_scaling,
+                                       std::optional<uint64_t> delayed_update_after,
+                                       const std::string& restore_from, const SessionKey* reuse)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Register with partition id `reuse_id` (a kept session's), else a new one.
+  absl::StatusOr<PartitionInfo> RegisterAs(const SessionKey& key, const PartitionSpec& spec,
+                                           std::optional<uint64_t> reuse_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // One kept session of RestorePreserved.
+  absl::Status RestoreOne(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
 
   // With `operator_call`, an empty token is accepted (see Checkpoint).
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,

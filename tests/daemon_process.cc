@@ -200,6 +200,11 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(
     const std::vector<std::string>& flags, const std::string& binary) {
   char dir[] = "/tmp/offloadd_test.XXXXXX";
   if (mkdtemp(dir) == nullptr) return PosixError("mkdtemp", errno);
+  return StartIn(dir, flags, binary);
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::StartIn(
+    const std::string& dir, const std::vector<std::string>& flags, const std::string& binary) {
   std::vector<std::string> argv = {binary, absl::StrCat("--server.data_dir=", dir)};
   argv.insert(argv.end(), flags.begin(), flags.end());
   absl::StatusOr<pid_t> pid = Spawn(argv, absl::StrCat(dir, "/offloadd.log"));

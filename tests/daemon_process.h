@@ -32,6 +32,11 @@ class DaemonProcess {
   // returns once it serves (see WaitUntilServing).
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
       const std::vector<std::string>& flags = {}, const std::string& binary = "engine/offloadd");
+  // As Start, in the existing `data_dir` (another offloadd's, stopped: a
+  // restart). Its log starts afresh.
+  static absl::StatusOr<std::unique_ptr<DaemonProcess>> StartIn(
+      const std::string& data_dir, const std::vector<std::string>& flags = {},
+      const std::string& binary = "engine/offloadd");
   ~DaemonProcess();  // SIGKILLs the daemon if still running
 
   // SIGTERM, then waits; returns the exit status (or 128 + signal).

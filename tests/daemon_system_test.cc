@@ -18,6 +18,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -1411,6 +1412,140 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
 // checkpoint fails with RESOURCE_EXHAUSTED naming the directory, leaves
 // nothing of itself behind, the previous checkpoint restores bit for bit,
 // and the daemon trains on.
+// With a reconnect lease, a stopped offloadd (SIGTERM) keeps its sessions:
+// the next one in the same data directory reopens them, and a trainer
+// resumes its session by id and token, with its partitions (their ids too)
+// and its optimizer state: its next step equals that of a session that never
+// stopped, bit for bit. A kept session no trainer resumes goes after the
+// lease; an offloadd without the lease reopens nothing.
+TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
+  constexpr uint64_t kNumel = 10000;
+  const std::vector<std::string> lease = {"--server.reconnect_lease_seconds=3"};
+  // Steps `from` to `to` of `s`, whose partition is `p`: gradients 0.01 * step.
+  auto train = [](Session* s, const PartitionView& p, int from, int to) {
+    for (int step = from; step <= to; ++step) {
+      FetchOptions grads;
+      grads.grads = true;
+      auto held = s->Fetch(p.id, grads);
+      ASSERT_TRUE(held.ok()) << held.status();
+      for (auto& g : held->grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step));
+      ASSERT_TRUE(s->ReturnGradients(*held).ok());
+      ASSERT_TRUE(s->Release(*held).ok());
+      auto stepped = s->Step(AdamHyperparams{});
+      ASSERT_TRUE(stepped.ok()) << stepped.status();
+    }
+  };
+  auto params = [](Session* s, uint64_t id) {
+    auto held = s->Fetch(id);
+    EXPECT_TRUE(held.ok()) << held.status();
+    std::vector<uint16_t> out;
+    if (!held.ok()) return out;
+    out.assign(held->params_as<uint16_t>().begin(), held->params_as<uint16_t>().end());
+    EXPECT_TRUE(s->Release(*held).ok());
+    return out;
+  };
+  // A session of one partition, initialised to 0.5.
+  auto open = [](Client* c, const std::string& name) {
+    auto s = c->OpenSession(name);
+    EXPECT_TRUE(s.ok()) << s.status();
+    auto p = (*s)->Register("w", kNumel, DType::kBf16, DType::kBf16);
+    EXPECT_TRUE(p.ok()) << p.status();
+    for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
+    EXPECT_TRUE((*s)->Release(*p).ok());
+    return std::make_pair(*std::move(s), *std::move(p));
+  };
+
+  auto first = DaemonProcess::Start(lease);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  uint64_t id = 0, partition_id = 0, forgotten_id = 0;
+  std::string token;
+  std::vector<uint16_t> before;
+  // The first trainer's Session object outlives its offloadd.
+  std::unique_ptr<Client> first_client;
+  std::unique_ptr<Session> stale;
+  {
+    auto client = Client::Connect({(*first)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    auto [kept, p] = open(client->get(), "kept");
+    train(kept.get(), p, 1, 2);
+    before = params(kept.get(), p.id);
+    id = kept->id();
+    token = kept->token();
+    partition_id = p.id;
+    auto [forgotten, q] = open(client->get(), "forgotten");
+    forgotten_id = forgotten->id();
+    auto stopped = (*first)->Stop();
+    ASSERT_TRUE(stopped.ok()) << stopped.status();
+    EXPECT_EQ(*stopped, 0) << (*first)->ReadLog();
+    EXPECT_TRUE(absl::StrContains((*first)->ReadLog(), "kept 2 session(s)")) << (*first)->ReadLog();
+    stale = std::move(kept);
+    first_client = *std::move(client);
+  }
+
+  auto second = DaemonProcess::StartIn(data_dir, lease);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(absl::StrContains((*second)->ReadLog(), "reopened 2 session(s)"))
+      << (*second)->ReadLog();
+  auto client = Client::Connect({(*second)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->ResumeSession(id, std::string(token.size(), 'x')).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  auto resumed = (*client)->ResumeSession(id, token);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  auto listed = (*resumed)->Fetch(std::vector<uint64_t>{});
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  const PartitionView p = (*listed)[0];
+  EXPECT_EQ(p.id, partition_id);
+  ASSERT_TRUE((*resumed)->Release(p).ok());
+  // The stale Session object goes with a restarted offloadd at its address:
+  // it must not close the session its trainer just resumed.
+  stale.reset();
+  first_client.reset();
+  EXPECT_EQ(params(resumed->get(), p.id), before);
+  train(resumed->get(), p, 3, 3);
+  // The same three steps in a session that never stopped.
+  auto [reference, r] = open(client->get(), "reference");
+  train(reference.get(), r, 1, 3);
+  EXPECT_EQ(params(resumed->get(), p.id), params(reference.get(), r.id));
+
+  // "forgotten": nobody resumed it; it goes once the lease is over.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  auto open_ids = [&] {
+    std::vector<uint64_t> ids;
+    auto stats = (*client)->GetStats();
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    if (stats.ok()) {
+      for (const auto& s : stats->sessions) ids.push_back(s.id);
+    }
+    return ids;
+  };
+  while (absl::c_linear_search(open_ids(), forgotten_id) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_FALSE(absl::c_linear_search(open_ids(), forgotten_id));
+  EXPECT_TRUE(absl::c_linear_search(open_ids(), id));
+  EXPECT_EQ(
+      (*client)->ResumeSession(forgotten_id, token).status().code(),
+      absl::StatusCode::kNotFound);
+
+  // Stopped again (keeping "kept" and "reference"), and restarted without
+  // the lease: nothing is reopened, and offloadd says where they are.
+  auto stopped = (*second)->Stop();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  resumed->reset();
+  reference.reset();
+  auto third = DaemonProcess::StartIn(data_dir, {});
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_TRUE(absl::StrContains((*third)->ReadLog(), "are not reopened")) << (*third)->ReadLog();
+  auto client3 = Client::Connect({(*third)->address()});
+  ASSERT_TRUE(client3.ok());
+  auto gone = (*client3)->ResumeSession(id, token);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound)
+      << gone.status() << (*third)->ReadLog();
+}
+
 TEST_F(DaemonTest, ACheckpointIntoAFullFilesystemFailsCleanlyAndKeepsThePreviousOne) {
   SmallFilesystem small("size=4m,mode=0700");
   if (!small.mounted()) GTEST_SKIP() << small.why_not();
