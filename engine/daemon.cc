@@ -320,13 +320,16 @@ void Daemon::Shutdown() {
     shut_down_ = true;
   }
   // Partition calls in flight (a Step may take a while) get 30 seconds to
-  // finish; new ones are refused with UNAVAILABLE meanwhile.
-  if (!calls_.CloseAndDrain(absl::Seconds(30))) {
-    LogWarning("calls still running after 30 s; cancelling them");
+  // finish; new ones are refused with UNAVAILABLE meanwhile. When sessions
+  // are kept, every one finishes (a checkpoint a call writes would stop the
+  // session's from being taken).
+  const bool keep = options_->server.reconnect_lease_seconds > 0;
+  if (!calls_.CloseAndDrain(keep ? absl::InfiniteDuration() : absl::Seconds(30))) {
+    LogWarning("calls still running after 30 s; going on without them");
   }
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.
-  if (options_->server.reconnect_lease_seconds > 0) {
+  if (keep) {
     const int n = sessions_->Preserve(PreservedDir());
     if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
   }

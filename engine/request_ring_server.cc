@@ -57,6 +57,16 @@ void RingServer::Stop() {
   }
 }
 
+void RingServer::Drain(absl::Duration patience) {
+  if (!stopping_.load() && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
+    drain_deadline_ns_.store(SteadyNowNs() + absl::ToInt64Nanoseconds(patience));
+    draining_.store(true, std::memory_order_seq_cst);
+    ring::FutexWake(&layout()->state);
+    thread_.join();
+  }
+  Stop();
+}
+
 void RingServer::Reset(std::function<void()> then) {
   {
     absl::MutexLock lock(&reset_mu_);
@@ -109,6 +119,19 @@ void RingServer::Serve() {
   while (!stopping_.load()) {
     if (reset_pending_.exchange(false)) DoReset();
     const uint32_t state = l->state.load(std::memory_order_acquire);
+    if (draining_.load(std::memory_order_seq_cst) && state != ring::kPosted) {
+      // Closed only between calls: from idle, or, past the patience, from
+      // a call whose client never finished writing or reading it.
+      uint32_t idle = ring::kIdle;
+      if (l->state.compare_exchange_strong(idle, ring::kClosed, std::memory_order_seq_cst) ||
+          SteadyNowNs() >= drain_deadline_ns_.load()) {
+        l->state.store(ring::kClosed, std::memory_order_seq_cst);
+        ring::FutexWake(&l->state);
+        break;
+      }
+      ring::FutexWait(&l->state, idle, absl::Milliseconds(1));
+      continue;
+    }
     if (state != ring::kPosted) {
       const int64_t until = poll_until_ns_.load(std::memory_order_seq_cst);
       const int64_t now = SteadyNowNs();

@@ -86,6 +86,12 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
 
   // Closes the mailbox (clients see kClosed) and ends the thread.
   void Stop();
+  // Closes the mailbox between calls and ends the thread: a call posted (or
+  // being written) is served and answered first, and the mailbox closes
+  // once its client has read the answer (or after `patience`, for a client
+  // that never does), so that every call either happened and was answered
+  // or was refused. Then as Stop.
+  void Drain(absl::Duration patience);
   // Frees the mailbox of a call its client died in: the serving thread,
   // once the call it may be running ends (unanswered), sets the mailbox
   // back to idle (unless closed) and runs `then` (what that call held
@@ -126,6 +132,8 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   const Handler handler_;
   const std::shared_ptr<PollBudget> budget_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> draining_{false};  // Drain: close between calls
+  std::atomic<int64_t> drain_deadline_ns_{0};
   std::atomic<int64_t> spin_ns_;
   // Steady-clock nanoseconds until which the thread polls; whether it
   // sleeps on the futex (then ExpectCall wakes it).

@@ -306,5 +306,31 @@ TEST(RequestRing, AResetCallIsAbortedUnansweredAndTheRingServesOn) {
   EXPECT_EQ(second.status.message(), "second");
 }
 
+// Drain (offloadd keeping its sessions as it stops): a call being served
+// when it begins is answered, not cut off; the next call finds the ring
+// closed; Stop afterwards changes nothing.
+TEST(RequestRing, DrainAnswersTheCallInFlightAndRefusesTheNext) {
+  absl::Notification entered, release;
+  LoneRing r([&](const RingRequest&) {
+    entered.Notify();
+    release.WaitForNotification();
+    return RingAnswer{absl::NotFoundError("served"), {}};
+  });
+  ring::Client::Answer first;
+  std::thread caller(
+      [&] { first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10)); });
+  entered.WaitForNotification();
+  std::thread drainer([&] { r.server->Drain(absl::Seconds(5)); });
+  absl::SleepFor(absl::Milliseconds(50));  // Drain has begun, the call still runs
+  release.Notify();
+  caller.join();
+  drainer.join();
+  EXPECT_EQ(first.status.code(), absl::StatusCode::kNotFound) << first.status;
+  EXPECT_EQ(first.status.message(), "served");
+  auto next = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(1));
+  EXPECT_EQ(next.status.code(), absl::StatusCode::kFailedPrecondition) << next.status;
+  EXPECT_EQ(r.layout->state.load(), ring::kClosed);
+}
+
 }  // namespace
 }  // namespace offload

@@ -39,9 +39,15 @@ struct SessionManager::Session {
   const std::string name;
   const std::unique_ptr<PartitionSet> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
-  // The checkpoint it restores, if any. Set at Open; a kept session's
-  // (RestoreOne) goes once it is reopened, before any call can reach it.
+  // The checkpoint it restores, if any (from `restore_from`). A kept
+  // session's (RestoreOne) is its original one again once it is reopened,
+  // before any call can reach it.
   std::unique_ptr<CheckpointRestore> restore;
+  std::string restore_from;
+  // A kept session's directory (RestoreOne), removed once its trainer
+  // resumed it or it closed: until then a crash of this offloadd leaves it
+  // for the next. Guarded by the manager's mu_.
+  std::string kept_dir;
   std::shared_ptr<RingServer> ring;  // set once, before the session is shared
   ArenaRegion ring_region;
   // Steps after which the delayed update switches itself on (-1: never).
@@ -161,6 +167,8 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   } else {
     RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
     absl::MutexLock lock(&mu_);
+    // A kept session of an earlier offloadd drew the same incarnation.
+    while (sessions_.contains(next_session_id_)) ++next_session_id_;
     id = next_session_id_++;
   }
   ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, placed));
@@ -174,6 +182,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   if (delayed_update_after.has_value()) {
     session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
   }
+  if (session->restore != nullptr) session->restore_from = restore_from;
   // The request ring: the first region of the arena, served by a thread of
   // its own.
   ASSIGN_OR_RETURN(auto ring, session->partitions->MapExtra(ring::RingBytes()));
@@ -281,6 +290,16 @@ bool SessionManager::Abandon(uint64_t id) {
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
                                std::optional<SteadyTime> only_idle_since) {
+  std::string kept_dir;
+  const bool closed = CloseByIdLocked(id, only_unattached, only_idle_since, &kept_dir);
+  // Its state is not wanted any more: a later offloadd must not reopen it.
+  if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
+  return closed;
+}
+
+bool SessionManager::CloseByIdLocked(uint64_t id, bool only_unattached,
+                                     std::optional<SteadyTime> only_idle_since,
+                                     std::string* kept_dir) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
   // set's lock).
   std::shared_ptr<Session> doomed;
@@ -293,6 +312,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     return false;
   }
   doomed = std::move(found->second);
+  *kept_dir = std::exchange(doomed->kept_dir, "");
   sessions_.erase(found);
   absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
   stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
@@ -314,7 +334,7 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
     absl::MutexLock lock(&mu_);
     if (reuse_id.has_value()) {
       id = *reuse_id;
-      if (id == 0 || partition_owner_.contains(id)) {
+      if (id == 0 || id > (uint64_t{1} << 62) || partition_owner_.contains(id)) {
         return absl::AlreadyExistsError(absl::StrCat("partition id ", id, " is taken"));
       }
       next_partition_id_ = std::max(next_partition_id_, id + 1);
@@ -684,13 +704,17 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   // What a call of the previous trainer that ended after it went away
   // (over gRPC) held goes too.
   session->partitions->DropHolds();
+  std::string kept_dir;
   {
     absl::MutexLock lock(&mu_);
     // The lease starts again: the trainer attaches next.
     if (session->detached_since.has_value()) {
       session->detached_since = std::chrono::steady_clock::now();
     }
+    kept_dir = std::exchange(session->kept_dir, "");
   }
+  // Resumed, it changes from here on: what was kept is stale.
+  if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
   return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region};
 }
 
@@ -778,15 +802,16 @@ std::vector<std::string> Entries(const std::string& dir) {
   return out;
 }
 
-// Removes `dir` and the files in it.
-void RemoveDirectory(const std::string& dir) {
-  for (const std::string& name : Entries(dir)) unlink(absl::StrCat(dir, "/", name).c_str());
-  rmdir(dir.c_str());
+bool IsDirectory(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-// Writes `bytes` to `path` whole: a temporary file, fsync, rename.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
+// Writes `bytes` to `dir`/`name` whole: a temporary file, fsync, rename,
+// fsync of the directory.
+absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
+                                 const std::string& bytes) {
+  const std::string path = absl::StrCat(dir, "/", name), tmp = path + ".tmp";
   UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
   if (!fd.valid()) return PosixError(absl::StrCat("creating ", tmp), errno);
   if (write(fd.get(), bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size()) ||
@@ -796,10 +821,23 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& byt
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     return PosixError(absl::StrCat("renaming ", tmp), errno);
   }
+  UniqueFd d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!d.valid() || fsync(d.get()) != 0) return PosixError(absl::StrCat("fsync of ", dir), errno);
   return absl::OkStatus();
 }
 
 }  // namespace
+
+void SessionManager::RemoveKeptDirectory(const std::string& dir) {
+  // Only a real directory, and only its plain files: nothing a link points to.
+  if (!IsDirectory(dir)) return;
+  for (const std::string& name : Entries(dir)) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    struct stat st;
+    if (lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) unlink(path.c_str());
+  }
+  rmdir(dir.c_str());
+}
 
 int SessionManager::Preserve(const std::string& dir) {
   std::vector<std::shared_ptr<Session>> sessions;
@@ -808,15 +846,15 @@ int SessionManager::Preserve(const std::string& dir) {
     for (const auto& [id, s] : sessions_) sessions.push_back(s);
   }
   if (sessions.empty()) return 0;
-  // No call through a ring from here on: one that is served ends first, and
-  // the trainer's next is refused (the ring is closed), so what it saw
-  // answered is in the checkpoint and what it did not is not.
+  // No call through a ring from here on: one posted is served and answered
+  // first, and the trainer's next is refused (the ring is closed), so what
+  // it saw answered is in the checkpoint and what it saw refused is not.
   for (const auto& s : sessions) {
-    if (s->ring != nullptr) s->ring->Stop();
+    if (s->ring != nullptr) s->ring->Drain(absl::Seconds(2));
   }
   if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    LogWarning("cannot keep the sessions: %s", PosixError(absl::StrCat("creating ", dir), errno)
-                                                    .ToString());
+    LogWarning("cannot keep the sessions: %s",
+               PosixError(absl::StrCat("creating ", dir), errno).ToString());
     return 0;
   }
   int kept = 0;
@@ -830,56 +868,86 @@ int SessionManager::Preserve(const std::string& dir) {
             +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; },
             s.get()));
       }
+      // Its partitions' ids, in the manifest's order (by id), taken before
+      // the checkpoint: a lease running out meanwhile closes the session,
+      // and the count check below notices.
+      checkpoint::v1::PreservedSession kept_session;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!sessions_.contains(s->id)) {
+          return absl::FailedPreconditionError("it was closed meanwhile");
+        }
+        std::vector<uint64_t> ids;
+        for (const auto& [partition, owner] : partition_owner_) {
+          if (owner == s->id) ids.push_back(partition);
+        }
+        std::sort(ids.begin(), ids.end());
+        for (uint64_t id : ids) kept_session.add_partition_ids(id);
+      }
       // What the trainer held goes, as when it goes away (it fetches again
       // once it resumed); a partition held for writing would stop the
       // checkpoint.
       s->partitions->DropHolds();
-      RETURN_IF_ERROR(Checkpoint(SessionKey{s->id, ""}, sub, /*background=*/false).status());
-      checkpoint::v1::PreservedSession kept_session;
+      ASSIGN_OR_RETURN(CheckpointOutcome written,
+                       Checkpoint(SessionKey{s->id, ""}, sub, /*background=*/false));
+      if (written.summary.partitions !=
+          static_cast<uint64_t>(kept_session.partition_ids_size())) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("it has ", written.summary.partitions, " partitions in its checkpoint, ",
+                         kept_session.partition_ids_size(), " registered"));
+      }
       kept_session.set_session_id(s->id);
       kept_session.set_token(s->token);
       kept_session.set_name(s->name);
-      std::vector<uint64_t> ids;
-      {
-        absl::MutexLock lock(&mu_);
-        for (const auto& [partition, owner] : partition_owner_) {
-          if (owner == s->id) ids.push_back(partition);
-        }
-      }
-      std::sort(ids.begin(), ids.end());  // the manifest's order: by id
-      for (uint64_t id : ids) kept_session.add_partition_ids(id);
-      return WriteFileAtomically(absl::StrCat(sub, "/", kPreservedFile),
-                                 kept_session.SerializeAsString());
+      kept_session.set_restore_from(s->restore_from);
+      return WriteFileAtomically(sub, kPreservedFile, kept_session.SerializeAsString());
     }();
     if (status.ok()) {
       ++kept;
-    } else {
-      LogWarning("session %d ('%s') is not kept across the restart: %s",
-                 static_cast<int64_t>(s->id), s->name, status.ToString());
-      RemoveDirectory(sub);
+      continue;
     }
+    LogWarning("session %d ('%s') is not kept across the restart: %s",
+               static_cast<int64_t>(s->id), s->name, status.ToString());
+    bool kept_there;  // reopened from there, not resumed: that copy stays
+    {
+      absl::MutexLock lock(&mu_);
+      kept_there = s->kept_dir == sub;
+    }
+    if (!kept_there) RemoveKeptDirectory(sub);
   }
   return kept;
 }
 
 int SessionManager::RestorePreserved(const std::string& dir) {
-  int restored = 0;
+  if (absl::Status own = checkpoint::CheckOwnDirectory(dir); !own.ok()) {
+    LogWarning("sessions kept in %s are not reopened: %s", dir, own.ToString());
+    return 0;
+  }
+  std::vector<uint64_t> restored;
   for (const std::string& name : Entries(dir)) {
     const std::string sub = absl::StrCat(dir, "/", name);
-    absl::Status status = RestoreOne(sub);
-    if (status.ok()) {
-      ++restored;
-      RemoveDirectory(sub);
+    absl::StatusOr<uint64_t> id =
+        IsDirectory(sub) ? RestoreOne(sub)
+                         : absl::StatusOr<uint64_t>(absl::FailedPreconditionError("not a directory"));
+    if (id.ok()) {
+      restored.push_back(*id);
     } else {
       LogWarning("a session kept across the restart in %s was not reopened (left there: "
                  "OpenSession's restore_from takes it): %s",
-                 sub, status.ToString());
+                 sub, id.status().ToString());
     }
   }
-  return restored;
+  // Their leases start together, once every one is back.
+  const SteadyTime now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  for (uint64_t id : restored) {
+    auto found = sessions_.find(id);
+    if (found != sessions_.end()) found->second->detached_since = now;
+  }
+  return static_cast<int>(restored.size());
 }
 
-absl::Status SessionManager::RestoreOne(const std::string& dir) {
+absl::StatusOr<uint64_t> SessionManager::RestoreOne(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kPreservedFile);
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
@@ -917,20 +985,27 @@ absl::Status SessionManager::RestoreOne(const std::string& dir) {
       spec.tensor_offset = p.offset();
       RETURN_IF_ERROR(RegisterAs(key, spec, kept.partition_ids(i)).status());
     }
+    // As it was: partitions registered later come from the checkpoint the
+    // session was opened to restore, if any, else start anew.
+    session->restore.reset();
+    session->restore_from = kept.restore_from();
+    if (!session->restore_from.empty()) {
+      ASSIGN_OR_RETURN(session->restore,
+                       CheckpointRestore::Open(session->restore_from, kept.name()));
+    }
     return absl::OkStatus();
   }();
   if (!status.ok()) {
     CloseById(key.id);
     return status;
   }
-  // As it was: later registrations are new partitions, not the checkpoint's.
-  session->restore.reset();
-  // As a trainer that went away: nothing held, waiting for ResumeSession.
+  // As a trainer that went away: nothing held, waiting for ResumeSession
+  // (RestorePreserved starts the lease).
   session->partitions->DropHolds();
   absl::MutexLock lock(&mu_);
   session->attached = false;
-  session->detached_since = std::chrono::steady_clock::now();
-  return absl::OkStatus();
+  session->kept_dir = dir;
+  return key.id;
 }
 
 }  // namespace offload

@@ -239,19 +239,22 @@ class SessionManager {
 
   // Keeping sessions across a restart of offloadd (the daemon does it when
   // server.reconnect_lease_seconds > 0). Preserve, once the daemon takes no
-  // more calls: stops every session's request ring (a call it is serving
-  // ends first) and writes each session into <dir>/<id>/: its checkpoint
+  // more calls: closes every session's request ring between calls (one
+  // posted is served and answered first; RingServer::Drain) and writes each
+  // session into <dir>/<id>/: its checkpoint
   // at a step boundary (a running step ends first) and what reopening it
   // needs (PreservedSession: id, token, name, its partitions' ids).
   // Returns how many it kept; a session it cannot keep (its checkpoint
   // fails) is logged and goes, as it did before.
   int Preserve(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
-  // At start, before any call: reopens every session kept in `dir`, with its
-  // id, token, partitions (their ids too) and state, detached as a trainer
-  // that went away (it waits the reconnect lease for ResumeSession; the
-  // trainer fetches its partitions again), and removes what it reopened
-  // from `dir`. One it cannot reopen is logged and left there (a
-  // checkpoint: OpenSession's restore_from takes it). Returns how many.
+  // At start, before any call: reopens every session kept in `dir` (which
+  // must be this user's alone), with its id, token, partitions (their ids
+  // too) and state, detached as a trainer that went away: it waits the
+  // reconnect lease, counted from when all are back, for ResumeSession (the
+  // trainer fetches its partitions again). A session's directory goes once
+  // its trainer resumed it or it closed; until then a crash of this offloadd
+  // leaves it for the next. One it cannot reopen is logged and left there
+  // (a checkpoint: OpenSession's restore_from takes it). Returns how many.
   int RestorePreserved(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -268,8 +271,16 @@ class SessionManager {
   absl::StatusOr<PartitionInfo> RegisterAs(const SessionKey& key, const PartitionSpec& spec,
                                            std::optional<uint64_t> reuse_id)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // One kept session of RestorePreserved.
-  absl::Status RestoreOne(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
+  // One kept session of RestorePreserved: its id.
+  absl::StatusOr<uint64_t> RestoreOne(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
+  // A kept session's directory and the plain files in it (no link is
+  // followed).
+  static void RemoveKeptDirectory(const std::string& dir);
+  // CloseById, giving the closed session's kept directory (to remove once
+  // mu_ is released).
+  bool CloseByIdLocked(uint64_t id, bool only_unattached,
+                       std::optional<SteadyTime> only_idle_since, std::string* kept_dir)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // With `operator_call`, an empty token is accepted (see Checkpoint).
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,

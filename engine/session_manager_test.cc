@@ -474,11 +474,14 @@ TEST_F(SessionManagerTest, PreservedSessionsAreReopenedAsTheyWere) {
 
   SessionManager next(&env_, &store_, &steps_, &stats_);
   EXPECT_EQ(next.RestorePreserved(dir), 1);
-  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/", kept.id)));
   EXPECT_TRUE(std::filesystem::exists(dir + "/7/session.binpb"));
   EXPECT_EQ(next.Resume(SessionKey{kept.id, "wrong token....."}).status().code(),
             absl::StatusCode::kPermissionDenied);
+  // Kept on disk until its trainer takes it back (a crash of this offloadd
+  // meanwhile leaves it for the next); stale from then on.
+  EXPECT_TRUE(std::filesystem::exists(absl::StrCat(dir, "/", kept.id, "/session.binpb")));
   ASSERT_TRUE(next.Resume(kept).ok());
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/", kept.id)));
   auto all = next.Fetch(kept, {});
   ASSERT_TRUE(all.ok()) << all.status();
   ASSERT_EQ(all->size(), 1u);

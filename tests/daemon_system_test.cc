@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -1417,10 +1418,11 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
 // resumes its session by id and token, with its partitions (their ids too)
 // and its optimizer state: its next step equals that of a session that never
 // stopped, bit for bit. A kept session no trainer resumes goes after the
-// lease; an offloadd without the lease reopens nothing.
+// lease; an offloadd without the lease reopens nothing. (The lease, 8 s,
+// bounds how long this test may take from the restart to the resume.)
 TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   constexpr uint64_t kNumel = 10000;
-  const std::vector<std::string> lease = {"--server.reconnect_lease_seconds=3"};
+  const std::vector<std::string> lease = {"--server.reconnect_lease_seconds=8"};
   // Steps `from` to `to` of `s`, whose partition is `p`: gradients 0.01 * step.
   auto train = [](Session* s, const PartitionView& p, int from, int to) {
     for (int step = from; step <= to; ++step) {
@@ -1526,6 +1528,9 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   }
   EXPECT_FALSE(absl::c_linear_search(open_ids(), forgotten_id));
   EXPECT_TRUE(absl::c_linear_search(open_ids(), id));
+  // Neither is on disk any more: one resumed (its copy stale), one closed.
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(data_dir, "/preserved/", id)));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(data_dir, "/preserved/", forgotten_id)));
   EXPECT_EQ(
       (*client)->ResumeSession(forgotten_id, token).status().code(),
       absl::StatusCode::kNotFound);
