@@ -25,9 +25,10 @@ BASE = {"context": 16, "dim": 32, "layers": 2, "batch": 8, "steps": 50, "lr": 3e
 
 
 class Daemon:
-    def __init__(self, root, name, nvme=False, flags=()):
+    def __init__(self, root, name, nvme=False, flags=(), restart=False):
+        """`restart`: in the data directory of a stopped one."""
         self.dir = os.path.join(root, name)
-        os.makedirs(self.dir)
+        os.makedirs(self.dir, exist_ok=restart)
         args = [OFFLOADD, f"--server.data_dir={self.dir}", *flags]
         if nvme:
             swap = os.path.join(self.dir, "swap")
@@ -44,6 +45,13 @@ class Daemon:
         self.proc.kill()
         self.proc.wait()
         self.log.close()
+
+    def terminate(self):
+        """SIGTERM, as a supervisor stops it; its exit status."""
+        self.proc.terminate()
+        code = self.proc.wait(timeout=60)
+        self.log.close()
+        return code
 
 
 class TorchWrapTest(unittest.TestCase):
@@ -369,6 +377,48 @@ class ResumeTest(unittest.TestCase):
             self.assertEqual(values, ref_values)
             reference.close()
             self.assertEqual(client.stats()["counters"]["sessions_abandoned"], 0)
+        finally:
+            d.stop()
+
+    def test_a_trainer_that_stays_up_resumes_after_offloadd_restarts(self):
+        """offloadd stopped (SIGTERM) and started again with the lease: the
+        trainer process, still running, takes its session back through a new
+        Client and trains on as if nothing happened."""
+        import struct
+        d = Daemon(self.root, "restart", flags=["--server.reconnect_lease_seconds=30"])
+        try:
+            client = offloadd.Client(d.address)
+            session = client.open_session("stays-up")
+            p = session.register("w", 1000)
+            struct.pack_into("1000f", p.params, 0, *[i / 1000 for i in range(1000)])
+            session.release([p.id])
+            for s in range(3):
+                self.train_one(session, p.id, s)
+            sid, token = session.id, session.token
+        finally:
+            self.assertEqual(d.terminate(), 0)
+        with open(os.path.join(d.dir, "log")) as f:
+            self.assertIn("kept 1 session(s)", f.read())
+        with self.assertRaises(offloadd.Error):
+            session.fetch([p.id])  # its offloadd is gone
+        d = Daemon(self.root, "restart", flags=["--server.reconnect_lease_seconds=30"],
+                   restart=True)
+        try:
+            client = offloadd.Client(d.address)
+            resumed = client.resume_session(sid, token)
+            step, values = self.train_one(resumed, p.id, 3)
+            self.assertEqual(step, 4)
+            reference = client.open_session("reference")
+            r = reference.register("w", 1000)
+            struct.pack_into("1000f", r.params, 0, *[i / 1000 for i in range(1000)])
+            reference.release([r.id])
+            for s in range(4):
+                ref_step, ref_values = self.train_one(reference, r.id, s)
+            self.assertEqual((step, values), (ref_step, ref_values))
+            del session  # the first offloadd's: closes nothing now
+            import gc
+            gc.collect()
+            self.assertEqual(len(client.stats()["sessions"]), 2)
         finally:
             d.stop()
 
