@@ -29,7 +29,6 @@
 //     bandwidth against fio's read.
 // The checkpoint writes through the page cache and fsyncs at the end, so
 // its figure includes the writeback; fio's does not use the page cache.
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -47,6 +46,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "base/config_registry.h"
+#include "base/directory.h"
 #include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "base/unique_fd.h"
@@ -73,13 +73,10 @@ int Fail(const absl::Status& s, const char* what) {
 // Drops the clean pages of every file in `dir` from the page cache (the
 // checkpoint fsynced them, so they are clean).
 void DropCachedPages(const std::string& dir) {
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return;
-  while (const dirent* e = readdir(d)) {
-    UniqueFd fd(open(absl::StrCat(dir, "/", e->d_name).c_str(), O_RDONLY | O_CLOEXEC));
+  for (const std::string& name : ListDirectory(dir)) {
+    UniqueFd fd(open(absl::StrCat(dir, "/", name).c_str(), O_RDONLY | O_CLOEXEC));
     if (fd.get() >= 0) posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
   }
-  closedir(d);
 }
 
 double Ratio(double value, double bound) { return bound > 0 ? value / bound : 0; }

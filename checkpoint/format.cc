@@ -1,6 +1,5 @@
 #include "checkpoint/format.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/directory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -97,39 +97,33 @@ UniqueFd OpenDirect(int fd, int flags) {
   return UniqueFd(open(absl::StrCat("/proc/self/fd/", fd).c_str(), flags | O_DIRECT | O_CLOEXEC));
 }
 
-// Logs the first fallback of a file from O_DIRECT to the page cache.
-void NoteFallback(DirectStats* stats, const std::string& path, const char* op, int error) {
-  if (stats->fell_back.exchange(true)) return;
-  LogWarning("checkpoint: a direct %s of %s failed (%s); through the page cache instead", op,
-             path, error > 0 ? std::strerror(error) : "end of file");
-}
-
-// How many leading bytes of a transfer of `bytes` at `data` and `offset`
-// O_DIRECT can take: its whole blocks when memory and offset are aligned,
-// else none.
-uint64_t DirectPrefix(const void* data, uint64_t bytes, uint64_t offset) {
-  if (reinterpret_cast<uintptr_t>(data) % kDirectAlignment != 0 ||
+// Moves the leading bytes of a transfer of `bytes` at `data` and `offset`
+// that O_DIRECT can take (its whole blocks, where memory and offset are
+// aligned) through `direct_fd` with `transfer(direct_fd, n)` (0 or an
+// errno); returns how many it moved. 0 where none could go direct, or the
+// transfer failed (a file's first failure is logged with its errno): the
+// caller then moves every byte through the page cache, where a lasting
+// error (EINVAL: the device's blocks are larger than kDirectAlignment;
+// ENOSPC, EIO, a truncated file) shows again with its context.
+template <typename Transfer>
+uint64_t TransferDirect(int direct_fd, DirectStats* stats, const std::string& path,
+                        const char* op, const void* data, uint64_t bytes, uint64_t offset,
+                        Transfer transfer) {
+  if (direct_fd < 0 || reinterpret_cast<uintptr_t>(data) % kDirectAlignment != 0 ||
       offset % kDirectAlignment != 0) {
     return 0;
   }
-  return bytes / kDirectAlignment * kDirectAlignment;
-}
-
-absl::Status SyncDirectory(const std::string& dir) {
-  UniqueFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) return PosixError(absl::StrCat("opening directory ", dir), errno);
-  if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of directory ", dir), errno);
-  return absl::OkStatus();
-}
-
-std::vector<std::string> ListDirectory(const std::string& dir) {
-  std::vector<std::string> names;
-  if (DIR* d = opendir(dir.c_str())) {
-    while (dirent* e = readdir(d)) names.emplace_back(e->d_name);
-    closedir(d);
+  const uint64_t direct = bytes / kDirectAlignment * kDirectAlignment;
+  if (direct == 0) return 0;
+  if (const int error = transfer(direct_fd, direct); error != 0) {
+    if (!stats->fell_back.exchange(true)) {
+      LogWarning("checkpoint: a direct %s of %s failed (%s); through the page cache instead", op,
+                 path, error > 0 ? std::strerror(error) : "end of file");
+    }
+    return 0;
   }
-  std::sort(names.begin(), names.end());
-  return names;
+  stats->bytes += direct;
+  return direct;
 }
 
 // The generation of `name` if it is a data file of `stem`.
@@ -232,17 +226,9 @@ absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
 }
 
 absl::Status DataFileWriter::Write(uint64_t offset, absl::Span<const std::byte> bytes) const {
-  uint64_t direct = direct_fd_.get() >= 0 ? DirectPrefix(bytes.data(), bytes.size(), offset) : 0;
-  // A failure (EINVAL: the device's blocks are larger than
-  // kDirectAlignment; ENOSPC, EIO) sends every byte through the page cache,
-  // where a lasting one shows again, with its context.
-  if (direct > 0) {
-    if (const int e = PwriteAll(direct_fd_.get(), bytes.data(), direct, offset); e != 0) {
-      NoteFallback(direct_stats_.get(), path_, "write", e);
-      direct = 0;
-    }
-    direct_stats_->bytes += direct;
-  }
+  const uint64_t direct = TransferDirect(
+      direct_fd_.get(), direct_stats_.get(), path_, "write", bytes.data(), bytes.size(), offset,
+      [&](int fd, uint64_t n) { return PwriteAll(fd, bytes.data(), n, offset); });
   return WriteAll(fd_.get(), bytes.data() + direct, bytes.size() - direct, offset + direct, path_);
 }
 
@@ -401,18 +387,12 @@ absl::Status CheckRecord(const Record& record, const std::string& path) {
 absl::Status DataFileReader::Read(const Record& record, void* dst) const {
   RETURN_IF_ERROR(CheckRecord(record, path_));
   auto* out = static_cast<std::byte*>(dst);
-  uint64_t direct = direct_fd_.get() >= 0 ? DirectPrefix(dst, record.bytes(), record.offset()) : 0;
-  size_t missing = 0;
-  // A failure (EINVAL: larger device blocks; a truncated file) shows again,
-  // with its context, below.
-  if (direct > 0) {
-    if (const int e = PreadAll(direct_fd_.get(), out, direct, record.offset(), &missing);
-        e != 0) {
-      NoteFallback(direct_stats_.get(), path_, "read", e);
-      direct = 0;
-    }
-    direct_stats_->bytes += direct;
-  }
+  const uint64_t direct = TransferDirect(
+      direct_fd_.get(), direct_stats_.get(), path_, "read", dst, record.bytes(), record.offset(),
+      [&](int fd, uint64_t n) {
+        size_t missing = 0;
+        return PreadAll(fd, out, n, record.offset(), &missing);
+      });
   RETURN_IF_ERROR(ReadAll(fd_.get(), out + direct, record.bytes() - direct,
                           record.offset() + direct, path_));
   if (Hash(dst, record.bytes()) != record.xxh3()) {

@@ -1,6 +1,5 @@
 #include "engine/session_manager.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/directory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/secret.h"
@@ -290,33 +290,28 @@ bool SessionManager::Abandon(uint64_t id) {
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
                                std::optional<SteadyTime> only_idle_since) {
+  // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
+  // set's lock). Memory is released when the last in-flight call drops its
+  // reference.
+  std::shared_ptr<Session> doomed;
   std::string kept_dir;
-  const bool closed = CloseByIdLocked(id, only_unattached, only_idle_since, &kept_dir);
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = sessions_.find(id);
+    if (found == sessions_.end()) return false;
+    if (only_unattached && found->second->attached) return false;
+    if (only_idle_since.has_value() &&
+        (found->second->last_call > *only_idle_since || found->second.use_count() > 1)) {
+      return false;
+    }
+    doomed = std::move(found->second);
+    kept_dir = std::exchange(doomed->kept_dir, "");
+    sessions_.erase(found);
+    absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
+    stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
+  }
   // Its state is not wanted any more: a later offloadd must not reopen it.
   if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
-  return closed;
-}
-
-bool SessionManager::CloseByIdLocked(uint64_t id, bool only_unattached,
-                                     std::optional<SteadyTime> only_idle_since,
-                                     std::string* kept_dir) {
-  // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
-  // set's lock).
-  std::shared_ptr<Session> doomed;
-  absl::MutexLock lock(&mu_);
-  auto found = sessions_.find(id);
-  if (found == sessions_.end()) return false;
-  if (only_unattached && found->second->attached) return false;
-  if (only_idle_since.has_value() &&
-      (found->second->last_call > *only_idle_since || found->second.use_count() > 1)) {
-    return false;
-  }
-  doomed = std::move(found->second);
-  *kept_dir = std::exchange(doomed->kept_dir, "");
-  sessions_.erase(found);
-  absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
-  stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
-  // Memory is released when the last in-flight call drops its reference.
   return true;
 }
 
@@ -788,42 +783,9 @@ namespace {
 
 constexpr char kPreservedFile[] = "session.binpb";
 
-// The names in `dir` but "." and "..".
-std::vector<std::string> Entries(const std::string& dir) {
-  std::vector<std::string> out;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return out;
-  while (const dirent* e = readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") out.push_back(name);
-  }
-  closedir(d);
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 bool IsDirectory(const std::string& path) {
   struct stat st;
   return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-// Writes `bytes` to `dir`/`name` whole: a temporary file, fsync, rename,
-// fsync of the directory.
-absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
-                                 const std::string& bytes) {
-  const std::string path = absl::StrCat(dir, "/", name), tmp = path + ".tmp";
-  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
-  if (!fd.valid()) return PosixError(absl::StrCat("creating ", tmp), errno);
-  if (write(fd.get(), bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size()) ||
-      fsync(fd.get()) != 0) {
-    return PosixError(absl::StrCat("writing ", tmp), errno);
-  }
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
-    return PosixError(absl::StrCat("renaming ", tmp), errno);
-  }
-  UniqueFd d(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (!d.valid() || fsync(d.get()) != 0) return PosixError(absl::StrCat("fsync of ", dir), errno);
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -831,7 +793,7 @@ absl::Status WriteFileAtomically(const std::string& dir, const std::string& name
 void SessionManager::RemoveKeptDirectory(const std::string& dir) {
   // Only a real directory, and only its plain files: nothing a link points to.
   if (!IsDirectory(dir)) return;
-  for (const std::string& name : Entries(dir)) {
+  for (const std::string& name : ListDirectory(dir)) {
     const std::string path = absl::StrCat(dir, "/", name);
     struct stat st;
     if (lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) unlink(path.c_str());
@@ -924,7 +886,7 @@ int SessionManager::RestorePreserved(const std::string& dir) {
     return 0;
   }
   std::vector<uint64_t> restored;
-  for (const std::string& name : Entries(dir)) {
+  for (const std::string& name : ListDirectory(dir)) {
     const std::string sub = absl::StrCat(dir, "/", name);
     absl::StatusOr<uint64_t> id =
         IsDirectory(sub) ? RestoreOne(sub)
@@ -959,8 +921,7 @@ absl::StatusOr<uint64_t> SessionManager::RestoreOne(const std::string& dir) {
   if (key.id == 0 || key.token.size() != kTokenBytes) {
     return absl::DataLossError(absl::StrCat(path, " names no session"));
   }
-  ASSIGN_OR_RETURN(OpenedSession opened,
-                   OpenAs(kept.name(), {}, std::nullopt, std::nullopt, dir, &key));
+  RETURN_IF_ERROR(OpenAs(kept.name(), {}, std::nullopt, std::nullopt, dir, &key).status());
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);

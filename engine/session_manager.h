@@ -276,11 +276,6 @@ class SessionManager {
   // A kept session's directory and the plain files in it (no link is
   // followed).
   static void RemoveKeptDirectory(const std::string& dir);
-  // CloseById, giving the closed session's kept directory (to remove once
-  // mu_ is released).
-  bool CloseByIdLocked(uint64_t id, bool only_unattached,
-                       std::optional<SteadyTime> only_idle_since, std::string* kept_dir)
-      ABSL_LOCKS_EXCLUDED(mu_);
 
   // With `operator_call`, an empty token is accepted (see Checkpoint).
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,

@@ -1,0 +1,54 @@
+#include "base/directory.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+#include "base/posix_error.h"
+#include "base/unique_fd.h"
+
+namespace offload {
+
+std::vector<std::string> ListDirectory(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (const dirent* e = readdir(d)) {
+      const absl::string_view name = e->d_name;
+      if (name != "." && name != "..") names.emplace_back(name);
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
+  UniqueFd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return PosixError(absl::StrCat("opening directory ", dir), errno);
+  if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of directory ", dir), errno);
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
+                                 absl::string_view bytes) {
+  const std::string path = absl::StrCat(dir, "/", name), tmp = path + ".tmp";
+  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (fd.get() < 0) return PosixError(absl::StrCat("creating ", tmp), errno);
+  for (absl::string_view left = bytes; !left.empty();) {
+    const ssize_t n = write(fd.get(), left.data(), left.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return PosixError(absl::StrCat("writing ", tmp), errno);
+    left.remove_prefix(static_cast<size_t>(n));
+  }
+  if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of ", tmp), errno);
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return PosixError(absl::StrCat("renaming ", tmp), errno);
+  }
+  return SyncDirectory(dir);
+}
+
+}  // namespace offload
