@@ -41,7 +41,8 @@ TEST(FaultInjectingEnv, FailsExactlyTheNthCallWithTheRealCode) {
   char buf[4];
   EXPECT_EQ(env.RandomBytes(buf, 4).code(), absl::StatusCode::kDataLoss);
   env.FailNth(EnvOp::kMapShared, 1, ENOMEM);
-  EXPECT_EQ(env.MapShared(-1, 0, 4096, SharedPages::kSystemDefault).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(env.MapShared(-1, 0, 4096, SharedPages::kSystemDefault).status().code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/host_memory.h"  // RoundUp
 #include "base/status_macros.h"
 
 namespace offload::checkpoint {
@@ -151,7 +152,7 @@ absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t beg
       continue;
     }
     if (r.bytes() > capacity) {
-      capacity = (r.bytes() + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment;
+      capacity = RoundUp(r.bytes(), kDirectAlignment);
       buffer.reset(static_cast<std::byte*>(std::aligned_alloc(kDirectAlignment, capacity)));
       if (buffer == nullptr) {
         return absl::ResourceExhaustedError(

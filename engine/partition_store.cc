@@ -1339,10 +1339,12 @@ void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
       if (it == capture_->chunks.end() || chunk >= it->second.state.size()) return;
       uint8_t& state = it->second.state[chunk];
       if (state == 2) return;
+      if (state == 0 && !capture_->status.ok()) {
+        state = 2;  // the checkpoint failed already: no more I/O for it
+        return;
+      }
       if (state == 0) {
-        // Once the checkpoint failed, no more I/O for it.
-        state = capture_->status.ok() ? 1 : 2;
-        if (state == 2) return;
+        state = 1;
         kinds = it->second.kinds;
         capture = capture_.get();
         ++capture_->running;  // keeps *capture alive until it ends
@@ -1358,9 +1360,9 @@ void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
     if (!status.ok()) break;
   }
   absl::MutexLock lock(&mu_);
-  capture_->chunks[id].state[chunk] = 2;  // failed or not, nobody waits for it again
-  if (!status.ok() && capture_->status.ok()) capture_->status = status;
-  --capture_->running;
+  capture->chunks[id].state[chunk] = 2;  // failed or not, nobody waits for it again
+  if (!status.ok() && capture->status.ok()) capture->status = status;
+  --capture->running;
   captured_.SignalAll();
 }
 
@@ -1369,33 +1371,30 @@ absl::Status PartitionSet::CaptureBlock(Capture* capture, uint64_t id, uint64_t 
   // A read pin: what is pinned for writing by another call is not being
   // changed yet (every change captures first). Not traced: a checkpoint's
   // reads are no part of the order that repeats.
+  auto reading = [&](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("reading chunk ", chunk, " of partition ", id,
+                                               ": ", s.message()));
+  };
   absl::StatusOr<Swapper::Pin> pin =
       PinBlock(id, chunk, block_kind, /*for_write=*/false, /*traced=*/false);
   if (pin.ok()) {
     return capture->sink->Write(id, chunk, block_kind,
                                 absl::MakeConstSpan(pin->data(), pin->size()));
   }
-  if (!absl::IsResourceExhausted(pin.status())) {
-    return absl::Status(pin.status().code(),
-                        absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
-                                     pin.status().message()));
-  }
+  if (!absl::IsResourceExhausted(pin.status())) return reading(pin.status());
   // No room to bring it in (the pool is full of held and pinned blocks,
   // which nothing the checkpoint can wait for would free): copied out of
   // where it rests instead, without the pool.
   const Swapper::BlockId block = PartitionStore::BlockOf(id, chunk, block_kind);
   absl::MutexLock lock(&capture->staging_mu);
   if (capture->staging.empty()) {
+    const uint64_t largest_block = state_chunk_elems_ * sizeof(float);
     ASSIGN_OR_RETURN(capture->staging,
-                     HostMemory::Allocate(swapper_->CopyOutBytes(state_chunk_elems_ * sizeof(float))));
+                     HostMemory::Allocate(swapper_->CopyOutBytes(largest_block)));
   }
   absl::StatusOr<uint64_t> bytes = swapper_->CopyOut(
       block, absl::MakeSpan(capture->staging.data(), capture->staging.size()));
-  if (!bytes.ok()) {
-    return absl::Status(bytes.status().code(),
-                        absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ",
-                                     bytes.status().message()));
-  }
+  if (!bytes.ok()) return reading(bytes.status());
   return capture->sink->Write(id, chunk, block_kind,
                               absl::MakeConstSpan(capture->staging.data(), *bytes));
 }

@@ -39,7 +39,6 @@ struct IoFile {
 // logged warning naming the path.
 absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct);
 
-
 }  // namespace offload
 
 #endif  // OFFLOADD_NVME_DIO_H_

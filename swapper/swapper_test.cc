@@ -93,6 +93,14 @@ class SwapperTest : public ::testing::Test {
     EXPECT_TRUE(Holds(*p, seed)) << "block " << id;
   }
   BlockState StateOf(uint64_t id) { return *swapper_->State(id); }
+  // The NVMe tier's next `op` fails with `error`.
+  void FailNext(IoOp op, int error) {
+    FaultRule rule;
+    rule.any_op = false;
+    rule.op = op;
+    rule.error = error;
+    faults_->AddRule(rule);
+  }
   // Blocks 1 (holding 11, on NVMe) and 2 (holding 22, resident) in a pool
   // of one block, and a buffer that CopyOut can fill with either.
   HostMemory OneOnNvmeOneResident() {
@@ -245,11 +253,7 @@ TEST_F(SwapperTest, AFailedSwapInIsDataLossAndTheCopyStaysIntact) {
   ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
   Write(1, 11);
   Write(2, 22);  // evicts 1
-  FaultRule eio;
-  eio.any_op = false;
-  eio.op = IoOp::kRead;
-  eio.error = EIO;
-  faults_->AddRule(eio);
+  FailNext(IoOp::kRead, EIO);
   auto failed = swapper_->Acquire(1, false);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
   EXPECT_NE(failed.status().message().find("swapping in block 1"), std::string::npos);
@@ -264,11 +268,7 @@ TEST_F(SwapperTest, AFailedWriteOutKeepsTheBlockAndTheNextOneWorks) {
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
   ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
   Write(1, 11);
-  FaultRule enospc;
-  enospc.any_op = false;
-  enospc.op = IoOp::kWrite;
-  enospc.error = ENOSPC;
-  faults_->AddRule(enospc);
+  FailNext(IoOp::kWrite, ENOSPC);
   // Room for 2 needs 1 written out, which fails: the write's error, 1
   // untouched.
   auto two = swapper_->Acquire(2, true);
@@ -819,11 +819,7 @@ TEST_F(SwapperTest, ACopyOutInFlightKeepsTheBlocksNvmeCopy) {
 TEST_F(SwapperTest, AFailedCopyOutIsDataLossAndChangesNothing) {
   HostMemory buffer = OneOnNvmeOneResident();
   const absl::Span<std::byte> dst(buffer.data(), buffer.size());
-  FaultRule eio;
-  eio.any_op = false;
-  eio.op = IoOp::kRead;
-  eio.error = EIO;
-  faults_->AddRule(eio);
+  FailNext(IoOp::kRead, EIO);
   auto failed = swapper_->CopyOut(1, dst);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
   EXPECT_NE(failed.status().message().find("copying block 1 out"), std::string::npos);

@@ -345,6 +345,20 @@ class ResumeTest(unittest.TestCase):
         session.release([pid])
         return q.step, values
 
+    def trained(self, client, name, steps):
+        """A new session of `name` with partition "w" as the dying trainer
+        makes it, trained `steps` steps: the session, the partition's id, and
+        train_one's result for the last step (None without steps)."""
+        import struct
+        session = client.open_session(name)
+        p = session.register("w", 1000)
+        struct.pack_into("1000f", p.params, 0, *[i / 1000 for i in range(1000)])
+        session.release([p.id])
+        last = None
+        for s in range(steps):
+            last = self.train_one(session, p.id, s)
+        return session, p.id, last
+
     def test_a_restarted_trainer_takes_its_session_back_within_the_lease(self):
         d = Daemon(self.root, "lease30", flags=["--server.reconnect_lease_seconds=30"])
         try:
@@ -366,13 +380,7 @@ class ResumeTest(unittest.TestCase):
             self.assertEqual(step, 4)
             resumed.close()
             # The same four steps in one session, never interrupted.
-            reference = client.open_session("reference")
-            import struct
-            p = reference.register("w", 1000)
-            struct.pack_into("1000f", p.params, 0, *[i / 1000 for i in range(1000)])
-            reference.release([p.id])
-            for s in range(4):
-                ref_step, ref_values = self.train_one(reference, p.id, s)
+            reference, _, (ref_step, ref_values) = self.trained(client, "reference", 4)
             self.assertEqual(ref_step, 4)
             self.assertEqual(values, ref_values)
             reference.close()
@@ -384,36 +392,25 @@ class ResumeTest(unittest.TestCase):
         """offloadd stopped (SIGTERM) and started again with the lease: the
         trainer process, still running, takes its session back through a new
         Client and trains on as if nothing happened."""
-        import struct
         d = Daemon(self.root, "restart", flags=["--server.reconnect_lease_seconds=30"])
         try:
             client = offloadd.Client(d.address)
-            session = client.open_session("stays-up")
-            p = session.register("w", 1000)
-            struct.pack_into("1000f", p.params, 0, *[i / 1000 for i in range(1000)])
-            session.release([p.id])
-            for s in range(3):
-                self.train_one(session, p.id, s)
+            session, pid, _ = self.trained(client, "stays-up", 3)
             sid, token = session.id, session.token
         finally:
             self.assertEqual(d.terminate(), 0)
         with open(os.path.join(d.dir, "log")) as f:
             self.assertIn("kept 1 session(s)", f.read())
         with self.assertRaises(offloadd.Error):
-            session.fetch([p.id])  # its offloadd is gone
+            session.fetch([pid])  # its offloadd is gone
         d = Daemon(self.root, "restart", flags=["--server.reconnect_lease_seconds=30"],
                    restart=True)
         try:
             client = offloadd.Client(d.address)
             resumed = client.resume_session(sid, token)
-            step, values = self.train_one(resumed, p.id, 3)
+            step, values = self.train_one(resumed, pid, 3)
             self.assertEqual(step, 4)
-            reference = client.open_session("reference")
-            r = reference.register("w", 1000)
-            struct.pack_into("1000f", r.params, 0, *[i / 1000 for i in range(1000)])
-            reference.release([r.id])
-            for s in range(4):
-                ref_step, ref_values = self.train_one(reference, r.id, s)
+            reference, _, (ref_step, ref_values) = self.trained(client, "reference", 4)
             self.assertEqual((step, values), (ref_step, ref_values))
             del session  # the first offloadd's: closes nothing now
             import gc
