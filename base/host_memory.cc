@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -81,15 +82,57 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
 }
 
+namespace {
+
+// The selected value of a transparent_hugepage control ("a [b] c" -> "b").
+std::string SelectedMode(const std::string& text) {
+  const size_t open = text.find('[');
+  const size_t close = text.find(']', open);
+  if (open == std::string::npos || close == std::string::npos) return "";
+  return text.substr(open + 1, close - open - 1);
+}
+
+}  // namespace
+
 uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes) {
-  const size_t open = shmem_enabled.find('[');
-  const size_t close = shmem_enabled.find(']', open);
-  if (open == std::string::npos || close == std::string::npos) return 0;
-  const std::string mode = shmem_enabled.substr(open + 1, close - open - 1);
+  const std::string mode = SelectedMode(shmem_enabled);
   const bool huge = mode == "advise" || mode == "within_size" || mode == "always" ||
                     mode == "force";
   if (!huge || pmd_bytes <= PageSize() || !absl::has_single_bit(pmd_bytes)) return 0;
   return pmd_bytes;
+}
+
+bool SharedFileWritesMayGetLargePagesFrom(const std::string& global,
+                                          const std::vector<std::string>& per_size) {
+  auto unasked = [](const std::string& mode) {
+    return mode == "always" || mode == "within_size" || mode == "force";
+  };
+  const std::string global_mode = SelectedMode(global);
+  if (per_size.empty()) return unasked(global_mode);
+  for (const std::string& text : per_size) {
+    const std::string mode = SelectedMode(text);
+    if (unasked(mode == "inherit" ? global_mode : mode)) return true;
+  }
+  return false;
+}
+
+bool SharedFileWritesMayGetLargePages() {
+  static const bool may = [] {
+    const std::string root = "/sys/kernel/mm/transparent_hugepage";
+    std::string global;
+    std::getline(std::ifstream(root + "/shmem_enabled"), global);
+    std::vector<std::string> per_size;
+    std::error_code error;
+    for (const auto& entry : std::filesystem::directory_iterator(root, error)) {
+      if (entry.path().filename().string().rfind("hugepages-", 0) != 0) continue;
+      std::string text;
+      if (std::getline(std::ifstream(entry.path() / "shmem_enabled"), text)) {
+        per_size.push_back(text);
+      }
+    }
+    return SharedFileWritesMayGetLargePagesFrom(global, per_size);
+  }();
+  return may;
 }
 
 uint64_t HugePageAlignment() {

@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -99,6 +100,20 @@ uint64_t HugePageAlignment();
 // Parses shmem_enabled's text (the selected value in brackets) and the PMD
 // size for SharedHugePageBytes; exposed for tests.
 uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes);
+
+// Whether pages a shared file (a memfd) gets when written through the file
+// (pwrite, no mapping to ask or decline) may be larger than the system's:
+// where shmem_enabled, or a per-size control under
+// /sys/kernel/mm/transparent_hugepage/hugepages-*, is always, within_size or
+// force (per size: `inherit` takes the global value). advise, never and
+// deny give such writes small pages. Read once, as SharedHugePageBytes.
+bool SharedFileWritesMayGetLargePages();
+
+// The rule of SharedFileWritesMayGetLargePages over the controls' texts:
+// the global one, and each size's (none on kernels without them, where the
+// global one is the huge page size's); exposed for tests.
+bool SharedFileWritesMayGetLargePagesFrom(const std::string& global,
+                                          const std::vector<std::string>& per_size);
 
 // Frees the pages behind `bytes` (rounded up to pages) of a shared mapping
 // from `data` (page-aligned): the file's pages themselves go (MADV_REMOVE,

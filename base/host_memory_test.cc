@@ -96,6 +96,31 @@ TEST(HostMemory, SharedHugePageBytesReadsTheSelectedMode) {
   EXPECT_EQ(SharedHugePageBytesFrom("[advise]", PageSize()), 0u);     // no larger than a page
 }
 
+TEST(HostMemory, SharedFileWritesGetLargePagesOnlyWhereNothingNeedsToAsk) {
+  const std::string never = "always within_size advise [never] deny force";
+  const std::string advise = "always within_size [advise] never deny force";
+  const std::string always = "[always] within_size advise never deny force";
+  const std::string within = "always [within_size] advise never deny force";
+  // Kernels without per-size controls: the global one decides.
+  EXPECT_FALSE(SharedFileWritesMayGetLargePagesFrom(never, {}));
+  EXPECT_FALSE(SharedFileWritesMayGetLargePagesFrom(advise, {}));
+  EXPECT_FALSE(SharedFileWritesMayGetLargePagesFrom("", {}));
+  EXPECT_TRUE(SharedFileWritesMayGetLargePagesFrom(always, {}));
+  EXPECT_TRUE(SharedFileWritesMayGetLargePagesFrom(within, {}));
+  EXPECT_TRUE(SharedFileWritesMayGetLargePagesFrom("deny [force]", {}));
+  // Per size: `inherit` takes the global value; any size that gives pages
+  // unasked counts.
+  const std::string size_never = "always inherit within_size advise [never]";
+  const std::string size_inherit = "always [inherit] within_size advise never";
+  const std::string size_always = "[always] inherit within_size advise never";
+  EXPECT_FALSE(SharedFileWritesMayGetLargePagesFrom(never, {size_never, size_inherit}));
+  EXPECT_TRUE(SharedFileWritesMayGetLargePagesFrom(always, {size_never, size_inherit}));
+  EXPECT_FALSE(SharedFileWritesMayGetLargePagesFrom(always, {size_never, size_never}));
+  EXPECT_TRUE(SharedFileWritesMayGetLargePagesFrom(never, {size_never, size_always}));
+  EXPECT_FALSE(SharedFileWritesMayGetLargePagesFrom(
+      advise, {"always inherit within_size [advise] never", size_inherit}));
+}
+
 TEST(HostMemory, SharedMappingsAskForTheirPages) {
   int fd = memfd_create("host_memory_test", MFD_CLOEXEC);
   ASSERT_GE(fd, 0);

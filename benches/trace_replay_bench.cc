@@ -8,7 +8,8 @@
 //       [--iterations=4] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
 //       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
 //       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--busy]
-//       [--memory=arena|pool] [--arena_pages=huge|small] [--no-fio] [--tiny]
+//       [--memory=arena|pool] [--arena_pages=huge|small] [--arena_io=file|mapping]
+//       [--no-fio] [--tiny]
 //
 // The model: --layers layers, each one parameter partition of
 // --params / --layers bytes, one swapper block homed on NVMe (all of them
@@ -18,8 +19,11 @@
 // and asking for huge pages where the kernel gives shared memory huge pages
 // (offloadd's memory.arena_huge_pages; --arena_pages=small: 4 KiB pages); with
 // --memory=pool the swapper allocates it (transparent huge pages), as it
-// does optimizer state. Setup writes every block once
-// (so each has an NVMe copy) and ends that iteration. One iteration is ZeRO-3's
+// does optimizer state. On 4 KiB pages the swapper moves the arena's bytes
+// through the memfd and a staging buffer on huge pages, as offloadd does
+// (--arena_io=mapping: direct I/O into the mapped pages instead, as before).
+// Setup writes every block once (so each has an NVMe copy) and ends that
+// iteration. One iteration is ZeRO-3's
 // order: forward, Acquire(layer, read-only) for layers 0..L-1 in order,
 // then backward, L-1..0 in reverse; each use holds its pin for the compute
 // delay (a sleep, like a GPU kernel that leaves the CPU free; --busy spins
@@ -114,6 +118,9 @@ struct Flags {
   // pages (offloadd's default where the kernel gives shared memory huge
   // pages) or 4 KiB ones.
   bool arena_huge = SharedHugePageBytes() != 0;
+  // --arena_io=file|mapping: the swapper told the arena's file (it stages
+  // transfers of 4 KiB pages through it) or only the mapping.
+  bool arena_file = true;
 };
 
 // "10ms", "0.5s", "250us".
@@ -235,6 +242,8 @@ int Main(int argc, char** argv) {
       f.arena = a == "--memory=arena";
     } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
       f.arena_huge = a == "--arena_pages=huge";
+    } else if (a == "--arena_io=file" || a == "--arena_io=mapping") {
+      f.arena_file = a == "--arena_io=file";
     } else if (a == "--no-fio") {
       f.fio = false;
     } else if (a == "--tiny") {
@@ -270,7 +279,8 @@ int Main(int argc, char** argv) {
       !f.arena ? "pool memory, huge pages"
                : absl::StrCat("a shared memfd arena, ",
                               f.arena_huge ? "laid out for and asking for huge pages"
-                                           : "4 KiB pages",
+                              : f.arena_file ? "4 KiB pages, moved through the memfd"
+                                             : "4 KiB pages, direct I/O into the mapping",
                               " (shmem_enabled: ", shmem_enabled, ")");
   std::printf("== trace_replay: %d layers of %.1f MiB (%.3f GiB of parameters, one block each, "
               "homed on NVMe, in %s); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers "
@@ -319,7 +329,7 @@ int Main(int argc, char** argv) {
   };
   std::vector<Result> results;
   Iteration learning;
-  uint64_t hwm = 0, pool_max = 0;
+  uint64_t hwm = 0, pool_max = 0, resident_max = 0;
   {
     IoOptions io;
     io.request_bytes = f.request_bytes;
@@ -379,8 +389,10 @@ int Main(int argc, char** argv) {
     for (int l = 0; l < f.layers; ++l) {
       const uint64_t id = static_cast<uint64_t>(l);
       absl::Status added =
-          f.arena ? s.AddExternal(id, arena.data() + id * region, layer_bytes, Tier::kNvme, kTrace,
-                                  page)
+          f.arena ? s.AddExternal(id,
+                                  ExternalMemory{arena.data() + id * region, page,
+                                                 f.arena_file ? arena_fd.get() : -1, id * region},
+                                  layer_bytes, Tier::kNvme, kTrace)
                   : s.Add(id, layer_bytes, Tier::kNvme, kTrace);
       if (!added.ok()) {
         std::fprintf(stderr, "%s\n", added.ToString().c_str());
@@ -404,11 +416,19 @@ int Main(int argc, char** argv) {
 
     std::ofstream("/proc/self/clear_refs") << "5";
     std::atomic<bool> stop{false};
-    std::atomic<uint64_t> pool_peak{0};
+    std::atomic<uint64_t> pool_peak{0}, resident_peak{0};
     std::thread sampler([&] {
       while (!stop.load()) {
         const uint64_t u = pool.used();
         if (u > pool_peak.load()) pool_peak.store(u);
+        // Pages put into the arena through its file are in no mapping of
+        // this process until touched, so VmHWM misses them: count them.
+        uint64_t resident = ProcStatus()["RssAnon"];
+        struct stat st;
+        if (arena_fd.get() >= 0 && fstat(arena_fd.get(), &st) == 0) {
+          resident += static_cast<uint64_t>(st.st_blocks) * 512;
+        }
+        if (resident > resident_peak.load()) resident_peak.store(resident);
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
     });
@@ -446,6 +466,7 @@ int Main(int argc, char** argv) {
     sampler.join();
     hwm = ProcStatus()["VmHWM"];
     pool_max = pool_peak.load();
+    resident_max = resident_peak.load();
     if (!ok) return 1;
     created->reset();  // before the pool and the swap space
   }
@@ -533,9 +554,9 @@ int Main(int argc, char** argv) {
     std::printf("no fio measurement: no I/O bound (ratio against compute only)\n");
   }
   std::printf("prefetch targets: %d met, %d not met\n", met, missed);
-  std::printf("memory: VmHWM over the iterations %.3f GiB, pool limit %.3f GiB, pool used max %.3f "
-              "GiB\n",
-              hwm / kGiB, f.pool / kGiB, pool_max / kGiB);
+  std::printf("memory: VmHWM over the iterations %.3f GiB, anonymous and arena pages (sampled "
+              "every 5 ms) at most %.3f GiB, pool limit %.3f GiB, pool used max %.3f GiB\n",
+              hwm / kGiB, resident_max / kGiB, f.pool / kGiB, pool_max / kGiB);
   return 0;
 }
 

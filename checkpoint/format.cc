@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/directory.h"
+#include "base/file_io.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -29,43 +30,6 @@ constexpr uint64_t kMaxManifestBytes = uint64_t{1} << 28;
 // far above the daemon's chunks (placement.state_chunk_bytes), far below
 // what would exhaust memory when read.
 constexpr uint64_t kMaxRecordBytes = uint64_t{1} << 30;
-
-// pwrite until done: 0, or the errno of the failure.
-int PwriteAll(int fd, const void* data, size_t bytes, uint64_t offset) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = pwrite(fd, p, bytes, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return 0;
-}
-
-// pread until done: 0, the errno of the failure, or -1 at the end of the
-// file (`*missing` bytes short).
-int PreadAll(int fd, void* data, size_t bytes, uint64_t offset, size_t* missing) {
-  auto* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (n == 0) {
-      *missing = bytes;
-      return -1;
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-    offset += static_cast<uint64_t>(n);
-  }
-  return 0;
-}
 
 absl::Status WriteAll(int fd, const void* data, size_t bytes, uint64_t offset,
                       const std::string& path) {

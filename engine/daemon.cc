@@ -66,7 +66,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     LogWarning(
         "shared memory gets no huge pages on this node "
         "(/sys/kernel/mm/transparent_hugepage/shmem_enabled is never or deny): parameters and "
-        "gradients placed on NVMe swap through 4 KiB pages, several times slower; as root, "
+        "gradients placed on NVMe are swapped on 4 KiB pages, slower than on 2 MiB ones, and "
+        "trainers take a page fault on each 4 KiB page they touch; as root, "
         "'echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled' before starting "
         "offloadd lifts that");
   }

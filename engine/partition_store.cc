@@ -481,23 +481,28 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
         const uint64_t block = PartitionStore::BlockOf(id, c, b);
         const Tier where = home[static_cast<int>(KindOfBlock(b))];
         absl::Status s;
+        // `at`: where the block starts in the partition's span.
+        auto in_span = [&](uint64_t at) {
+          return ExternalMemory{partition->region.data() + at, page, arena_->fd(),
+                                params_off + at};
+        };
         if (b == PartitionStore::kShadowBlock) {
           if (!with_shadow) continue;
           const uint64_t size = DTypeSize(spec.param_dtype);
-          s = swapper_->AddExternal(block, partition->buffer[1] + begin * size, elems * size,
-                                    where, session_id_, page);
+          s = swapper_->AddExternal(block, in_span(shadow_at + begin * size), elems * size,
+                                    where, session_id_);
         } else if (b == PartitionStore::kInitBlock) {
           if (!fp32_init) continue;
-          s = swapper_->AddExternal(block, partition->region.data() + init_at + begin * 4,
-                                    elems * sizeof(float), Tier::kHost, session_id_, page);
+          s = swapper_->AddExternal(block, in_span(init_at + begin * 4), elems * sizeof(float),
+                                    Tier::kHost, session_id_);
         } else if (b == PartitionStore::kParamsBlock) {
           const uint64_t size = DTypeSize(spec.param_dtype);
-          s = swapper_->AddExternal(block, partition->buffer[0] + begin * size, elems * size,
-                                    where, session_id_, page);
+          s = swapper_->AddExternal(block, in_span(begin * size), elems * size, where,
+                                    session_id_);
         } else if (b == PartitionStore::kGradsBlock) {
           const uint64_t size = DTypeSize(spec.grad_dtype);
-          s = swapper_->AddExternal(block, partition->grads + begin * size, elems * size, where,
-                                    session_id_, page);
+          s = swapper_->AddExternal(block, in_span(grads_at + begin * size), elems * size, where,
+                                    session_id_);
         } else {
           s = swapper_->Add(block, elems * sizeof(float), where, session_id_);
         }
@@ -1063,6 +1068,7 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
     DType dtype;
     int kind;  // the second buffer's
     std::byte* data;
+    uint64_t offset;  // of `data` in the arena
     Tier home;
     uint64_t page_bytes;
   };
@@ -1095,9 +1101,10 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
     }
     for (const auto& [id, p] : partitions_) {
       const int next = ParamsKind(*p, /*next=*/true);
-      buffers.push_back({id, p->info.numel, p->info.param_dtype, next,
-                         p->buffer[next == PartitionStore::kShadowBlock ? 1 : 0],
-                         p->home[static_cast<int>(DataKind::kParams)], p->page_bytes});
+      const int buffer = next == PartitionStore::kShadowBlock ? 1 : 0;
+      buffers.push_back({id, p->info.numel, p->info.param_dtype, next, p->buffer[buffer],
+                         p->params_offset[buffer], p->home[static_cast<int>(DataKind::kParams)],
+                         p->page_bytes});
     }
   }
   // Outside the set's lock: the swapper may wait for I/O.
@@ -1111,8 +1118,9 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
         continue;
       }
       const uint64_t elems = std::min(state_chunk_elems_, b.numel - begin);
-      absl::Status s = swapper_->AddExternal(block, b.data + begin * size, elems * size, b.home,
-                                             session_id_, b.page_bytes);
+      const ExternalMemory memory{b.data + begin * size, b.page_bytes, arena_->fd(),
+                                  b.offset + begin * size};
+      absl::Status s = swapper_->AddExternal(block, memory, elems * size, b.home, session_id_);
       if (!s.ok()) {
         for (uint64_t undo : added) swapper_->Remove(undo);
         return absl::Status(s.code(), absl::StrCat("switching the delayed update on for session ",

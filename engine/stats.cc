@@ -52,6 +52,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_copy_out_bytes", s.copy_out_bytes, "bytes");
   add("swap_in_bytes", s.bytes_in, "bytes");
   add("swap_out_bytes", s.bytes_out, "bytes");
+  add("swap_staged_bytes", s.staged_bytes, "bytes");
   add("swap_in_time", s.read_nanos / 1000, "us");
   add("swap_out_time", s.write_nanos / 1000, "us");
   add("swap_io_errors", s.io_errors, "errors");

@@ -150,18 +150,20 @@ std::vector<IoRequest> SwapSpace::Plan(const Extent& e, IoOp op, std::byte* buff
   for (uint64_t off = 0, s = 0; off < total; off += stripe, ++s) {
     const size_t j = (e.first + s) % n;
     const uint64_t len = std::min(stripe, total - off);
-    out.push_back({op, files_[j]->backend_id, seg[j]->offset + used[j], buffer + off, len});
+    out.push_back({op, files_[j]->backend_id, seg[j]->offset + used[j],
+                   buffer == nullptr ? nullptr : buffer + off, len});
     used[j] += len;
   }
   return out;
 }
 
-uint64_t SwapSpace::StripeHash(const Extent& e, const std::vector<IoRequest>& plan, size_t r,
-                               const std::byte* buffer) {
-  const auto* begin = static_cast<const std::byte*>(plan[r].buffer);
-  const uint64_t at = static_cast<uint64_t>(begin - buffer);
-  const uint64_t bytes = at >= e.bytes ? 0 : std::min(plan[r].length, e.bytes - at);
-  return XXH3_64bits(begin, bytes);
+size_t SwapSpace::StripeCount(const Extent& e) const {
+  return static_cast<size_t>((RoundUp(e.bytes, alignment_) + stripe_bytes() - 1) / stripe_bytes());
+}
+
+uint64_t SwapSpace::StripeDataBytes(const Extent& e, size_t r) const {
+  const uint64_t at = r * stripe_bytes();
+  return at >= e.bytes ? 0 : std::min(stripe_bytes(), e.bytes - at);
 }
 
 absl::Status SwapSpace::Annotate(const absl::Status& s, const std::string& what) const {
@@ -169,29 +171,93 @@ absl::Status SwapSpace::Annotate(const absl::Status& s, const std::string& what)
   return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
 }
 
-absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(const void* src, uint64_t bytes) {
-  if (bytes == 0) return absl::InvalidArgumentError("cannot swap out an empty extent");
-  if (reinterpret_cast<uintptr_t>(src) % alignment_ != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("swap-out buffer must be aligned to ", alignment_, " bytes"));
+absl::Status SwapSpace::CheckBuffers(const Buffers& b, bool write) const {
+  const char* what = write ? "swap-out" : "swap-in";
+  if (b.whole != nullptr) {
+    if (reinterpret_cast<uintptr_t>(b.whole) % alignment_ != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " buffer must be aligned to ", alignment_, " bytes"));
+    }
+    return absl::OkStatus();
   }
+  if (reinterpret_cast<uintptr_t>(b.staging.data()) % alignment_ != 0 ||
+      b.staging.size() < stripe_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " staging buffer of ", b.staging.size(),
+                                                   " bytes must be aligned to ", alignment_,
+                                                   " bytes and hold a stripe of ",
+                                                   stripe_bytes()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SwapSpace::Transfer(
+    const Extent& e, IoOp op, const Buffers& b,
+    const std::function<void(size_t r, const std::byte* data)>& done,
+    const std::function<absl::Status(size_t first, size_t end)>& verify) const {
+  if (b.whole != nullptr) {
+    const std::vector<IoRequest> requests = Plan(e, op, b.whole);
+    RequestDone heard;
+    if (done) {
+      heard = [&](size_t r) { done(r, static_cast<const std::byte*>(requests[r].buffer)); };
+    }
+    RETURN_IF_ERROR(backend_->Run(requests, heard));
+    return verify ? verify(0, requests.size()) : absl::OkStatus();
+  }
+  const uint64_t stripe = stripe_bytes();
+  const size_t per_window = b.staging.size() / stripe;
+  std::vector<IoRequest> requests = Plan(e, op, nullptr);  // buffers set per window
+  for (size_t first = 0; first < requests.size(); first += per_window) {
+    const size_t end = std::min(requests.size(), first + per_window);
+    const uint64_t from = first * stripe;
+    // The window's stripes land at the start of the staging buffer.
+    absl::Span<IoRequest> window(&requests[first], end - first);
+    uint64_t data = 0, padded = 0;
+    for (size_t r = first; r < end; ++r) {
+      requests[r].buffer = b.staging.data() + (r * stripe - from);
+      data += StripeDataBytes(e, r);
+      padded += requests[r].length;
+    }
+    if (op == IoOp::kWrite) {
+      RETURN_IF_ERROR((*b.chunk)(from, b.staging.first(data)));
+      // The alignment's padding after the last bytes: zeros, not whatever
+      // the staging buffer held before.
+      std::memset(b.staging.data() + data, 0, padded - data);
+    }
+    RequestDone heard;
+    if (done) {
+      heard = [&](size_t k) {
+        done(first + k, static_cast<const std::byte*>(window[k].buffer));
+      };
+    }
+    RETURN_IF_ERROR(backend_->Run(window, heard));
+    if (op == IoOp::kRead) {
+      if (verify) RETURN_IF_ERROR(verify(first, end));
+      RETURN_IF_ERROR((*b.chunk)(from, b.staging.first(data)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buffers& b) {
+  if (bytes == 0) return absl::InvalidArgumentError("cannot swap out an empty extent");
+  RETURN_IF_ERROR(CheckBuffers(b, /*write=*/true));
   ASSIGN_OR_RETURN(Extent e, Allocate(bytes));
   bool checksum;
   {
     absl::MutexLock lock(&mu_);
     checksum = checksum_;
   }
-  auto* data = static_cast<std::byte*>(const_cast<void*>(src));
-  const std::vector<IoRequest> requests = Plan(e, IoOp::kWrite, data);
-  RequestDone hash;
+  std::function<void(size_t, const std::byte*)> hash;
   if (checksum) {
     e.has_checksum = true;
-    e.checksums.assign(requests.size(), 0);
+    e.checksums.assign(StripeCount(e), 0);
     // Each stripe once written (a buffer that changes meanwhile makes the
     // block's owner discard this copy: the swapper's version check).
-    hash = [&](size_t r) { e.checksums[r] = StripeHash(e, requests, r, data); };
+    hash = [&](size_t r, const std::byte* data) {
+      e.checksums[r] = XXH3_64bits(data, StripeDataBytes(e, r));
+    };
   }
-  absl::Status s = backend_->Run(requests, hash);
+  absl::Status s = Transfer(e, IoOp::kWrite, b, hash, nullptr);
   if (!s.ok()) {
     Release(e);  // nothing else refers to this space
     return Annotate(s, absl::StrCat("swapping out ", bytes, " bytes"));
@@ -199,20 +265,39 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(const void* src, uint64_t 
   return e;
 }
 
-absl::StatusOr<uint64_t> SwapSpace::Write(const void* src, uint64_t bytes) {
-  ASSIGN_OR_RETURN(Extent e, WriteNew(src, bytes));
+absl::StatusOr<uint64_t> SwapSpace::Register(Extent e) {
   absl::MutexLock lock(&mu_);
   const uint64_t id = next_id_++;
   extents_[id] = std::move(e);
   return id;
 }
 
+absl::StatusOr<uint64_t> SwapSpace::Write(const void* src, uint64_t bytes) {
+  ASSIGN_OR_RETURN(Extent e, WriteNew(bytes, Buffers::Whole(src)));
+  return Register(std::move(e));
+}
+
+absl::StatusOr<uint64_t> SwapSpace::WriteStaged(uint64_t bytes, absl::Span<std::byte> staging,
+                                                StagedChunk source) {
+  ASSIGN_OR_RETURN(Extent e, WriteNew(bytes, Buffers::Staged(staging, source)));
+  return Register(std::move(e));
+}
+
 absl::Status SwapSpace::Rewrite(uint64_t id, const void* src, uint64_t bytes) {
+  return RewriteFrom(id, bytes, Buffers::Whole(src));
+}
+
+absl::Status SwapSpace::RewriteStaged(uint64_t id, uint64_t bytes, absl::Span<std::byte> staging,
+                                      StagedChunk source) {
+  return RewriteFrom(id, bytes, Buffers::Staged(staging, source));
+}
+
+absl::Status SwapSpace::RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& b) {
   {
     absl::MutexLock lock(&mu_);
     if (!extents_.contains(id)) return absl::NotFoundError(absl::StrCat("no extent ", id));
   }
-  ASSIGN_OR_RETURN(Extent fresh, WriteNew(src, bytes));
+  ASSIGN_OR_RETURN(Extent fresh, WriteNew(bytes, b));
   Extent old;
   {
     absl::MutexLock lock(&mu_);
@@ -228,6 +313,15 @@ absl::Status SwapSpace::Rewrite(uint64_t id, const void* src, uint64_t bytes) {
 }
 
 absl::Status SwapSpace::Read(uint64_t id, void* dst) {
+  return ReadInto(id, Buffers::Whole(dst));
+}
+
+absl::Status SwapSpace::ReadStaged(uint64_t id, absl::Span<std::byte> staging,
+                                   StagedChunk sink) {
+  return ReadInto(id, Buffers::Staged(staging, sink));
+}
+
+absl::Status SwapSpace::ReadInto(uint64_t id, const Buffers& b) {
   Extent e;
   {
     absl::MutexLock lock(&mu_);
@@ -235,30 +329,32 @@ absl::Status SwapSpace::Read(uint64_t id, void* dst) {
     if (it == extents_.end()) return absl::NotFoundError(absl::StrCat("no extent ", id));
     e = it->second;
   }
-  if (reinterpret_cast<uintptr_t>(dst) % alignment_ != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("swap-in buffer must be aligned to ", alignment_, " bytes"));
-  }
-  auto* data = static_cast<std::byte*>(dst);
-  const std::vector<IoRequest> requests = Plan(e, IoOp::kRead, data);
+  RETURN_IF_ERROR(CheckBuffers(b, /*write=*/false));
   std::vector<uint64_t> got;
-  RequestDone hash;
+  std::function<void(size_t, const std::byte*)> hash;
+  std::function<absl::Status(size_t, size_t)> verify;
   if (e.has_checksum) {
-    got.assign(requests.size(), 0);
-    hash = [&](size_t r) { got[r] = StripeHash(e, requests, r, data); };
+    got.assign(e.checksums.size(), 0);
+    hash = [&](size_t r, const std::byte* data) {
+      got[r] = XXH3_64bits(data, StripeDataBytes(e, r));
+    };
+    verify = [&](size_t first, size_t end) -> absl::Status {
+      for (size_t r = first; r < end; ++r) {
+        if (got[r] != e.checksums[r]) return Mismatch(e, r, got[r]);
+      }
+      return absl::OkStatus();
+    };
   }
-  RETURN_IF_ERROR(Annotate(backend_->Run(requests, hash),
-                           absl::StrCat("swapping in extent ", id, " (", e.bytes, " bytes)")));
-  for (size_t r = 0; r < got.size(); ++r) {
-    if (got[r] == e.checksums[r]) continue;
-    const IoRequest& q = requests[r];
-    return absl::DataLossError(absl::StrCat(
-        "checksum mismatch swapping in extent ", id, " (", e.bytes, " bytes): stripe ", r,
-        " (", q.length, " bytes at ", files_[(e.first + r) % files_.size()]->io.path,
-        " offset ", q.offset, ") expected ", absl::Hex(e.checksums[r]), ", read ",
-        absl::Hex(got[r])));
-  }
-  return absl::OkStatus();
+  return Annotate(Transfer(e, IoOp::kRead, b, hash, verify),
+                  absl::StrCat("swapping in extent ", id, " (", e.bytes, " bytes)"));
+}
+
+absl::Status SwapSpace::Mismatch(const Extent& e, size_t r, uint64_t got) const {
+  const IoRequest q = Plan(e, IoOp::kRead, nullptr)[r];
+  return absl::DataLossError(absl::StrCat(
+      "checksum mismatch: stripe ", r, " (", q.length, " bytes at ",
+      files_[(e.first + r) % files_.size()]->io.path, " offset ", q.offset, ") expected ",
+      absl::Hex(e.checksums[r]), ", read ", absl::Hex(got)));
 }
 
 absl::Status SwapSpace::Free(uint64_t id) {

@@ -19,6 +19,14 @@
 // Buffers handed to Write/Read must be aligned to alignment() and span
 // RoundUp(bytes, alignment()) bytes (the arena's page-aligned regions do).
 //
+// Staged transfers (ReadStaged, WriteStaged, RewriteStaged) move an extent
+// through a small staging buffer of the caller's, a window of whole stripes
+// at a time, instead of through one buffer holding all of it: for data the
+// caller keeps where direct I/O into it is slow (shared memory on 4 KiB
+// pages, each of which costs a page fault to map) and moves with a copy
+// (pread/pwrite of the shared file) instead. Checksums are the same per
+// stripe, computed and verified in the staging buffer.
+//
 // Thread-safety: all methods are safe from any thread; I/O runs without the
 // allocator lock. Operations on one extent must not overlap (its owner
 // serialises them); Free while a Read of the same extent runs is a bug the
@@ -27,6 +35,7 @@
 #define OFFLOADD_NVME_SWAP_SPACE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,7 +43,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
@@ -71,6 +82,12 @@ class SwapSpace {
   ~SwapSpace();
 
   uint32_t alignment() const { return alignment_; }
+  uint64_t stripe_bytes() const { return static_cast<uint64_t>(options_.stripe_bytes); }
+
+  // One window of a staged transfer: `chunk` holds (read) or must be filled
+  // with (write) the extent's bytes [offset, offset + chunk.size()). An
+  // error stops the transfer and is returned with its code (and context).
+  using StagedChunk = absl::FunctionRef<absl::Status(uint64_t offset, absl::Span<std::byte> chunk)>;
 
   // Swaps `bytes` from `src` out to fresh space; returns the new extent.
   absl::StatusOr<uint64_t> Write(const void* src, uint64_t bytes);
@@ -79,6 +96,17 @@ class SwapSpace {
   absl::Status Rewrite(uint64_t id, const void* src, uint64_t bytes);
   // Swaps extent `id` in to `dst`, verifying its checksum.
   absl::Status Read(uint64_t id, void* dst);
+  // As Write, Rewrite and Read, through `staging` (aligned to alignment(),
+  // at least stripe_bytes() long; a window is as many whole stripes as it
+  // holds): Write calls `source` to fill each window before writing it;
+  // ReadStaged verifies each window's stripes before handing it to `sink`,
+  // so `sink` never sees bytes that failed their checksum. A failed read
+  // may have handed earlier windows to `sink`.
+  absl::StatusOr<uint64_t> WriteStaged(uint64_t bytes, absl::Span<std::byte> staging,
+                                       StagedChunk source);
+  absl::Status RewriteStaged(uint64_t id, uint64_t bytes, absl::Span<std::byte> staging,
+                             StagedChunk source);
+  absl::Status ReadStaged(uint64_t id, absl::Span<std::byte> staging, StagedChunk sink);
   absl::Status Free(uint64_t id);
 
   // Bytes extent `id` holds (NOT_FOUND if unknown).
@@ -115,12 +143,43 @@ class SwapSpace {
   void Release(const Extent& e) ABSL_LOCKS_EXCLUDED(mu_);
   // Puts a segment back into its file's holes, coalescing neighbours.
   void ReturnSegment(const Segment& seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One request per stripe, in order: stripe r holds the extent's bytes
+  // from r * stripe_bytes(), at buffer + r * stripe_bytes().
   std::vector<IoRequest> Plan(const Extent& e, IoOp op, std::byte* buffer) const;
-  // XXH3-64 of stripe `r` of the extent's data at `buffer` (its bytes, not
-  // the alignment's padding after them).
-  static uint64_t StripeHash(const Extent& e, const std::vector<IoRequest>& plan, size_t r,
-                             const std::byte* buffer);
-  absl::StatusOr<Extent> WriteNew(const void* src, uint64_t bytes);
+  size_t StripeCount(const Extent& e) const;
+  // The extent's data bytes in stripe r (not the alignment's padding).
+  uint64_t StripeDataBytes(const Extent& e, size_t r) const;
+  absl::Status Mismatch(const Extent& e, size_t r, uint64_t got) const;
+  // Gives a written extent its id.
+  absl::StatusOr<uint64_t> Register(Extent e) ABSL_LOCKS_EXCLUDED(mu_);
+  // Where a transfer's stripes are: one buffer holding the whole extent
+  // (`whole`), or a staging buffer that `chunk` fills or drains a window of
+  // stripes at a time.
+  struct Buffers {
+    std::byte* whole = nullptr;
+    absl::Span<std::byte> staging;
+    const StagedChunk* chunk = nullptr;
+
+    static Buffers Whole(const void* buffer) {
+      return {static_cast<std::byte*>(const_cast<void*>(buffer)), {}, nullptr};
+    }
+    static Buffers Staged(absl::Span<std::byte> staging, const StagedChunk& chunk) {
+      return {nullptr, staging, &chunk};
+    }
+  };
+  absl::Status CheckBuffers(const Buffers& b, bool write) const;
+  // Runs the extent's stripes through `b`: from one whole buffer in one
+  // batch; staged, a window at a time: a write's `chunk` fills the window
+  // before it runs; a read's window is checked by `verify(first, end)` (its
+  // stripes' indices) and then drained by `chunk`. `done(r, data)` hears of
+  // stripe r once transferred, `data` being where its bytes are.
+  absl::Status Transfer(const Extent& e, IoOp op, const Buffers& b,
+                        const std::function<void(size_t r, const std::byte* data)>& done,
+                        const std::function<absl::Status(size_t first, size_t end)>& verify)
+      const;
+  absl::StatusOr<Extent> WriteNew(uint64_t bytes, const Buffers& b);
+  absl::Status ReadInto(uint64_t id, const Buffers& b);
+  absl::Status RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& b);
   absl::Status Annotate(const absl::Status& s, const std::string& what) const;
 
   const NvmeOptions options_;

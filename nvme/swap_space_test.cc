@@ -175,6 +175,122 @@ TEST_F(SwapSpaceTest, EachStripeIsCheckedAndAMismatchNamesItsFileAndOffset) {
       << r;
 }
 
+// Staged transfers: the extent goes through a staging buffer of a few
+// stripes, a window at a time, and reads back the same through either path.
+TEST_F(SwapSpaceTest, StagedTransfersMoveWindowsOfStripesAndMatchTheDirectOnes) {
+  const std::string d0 = MakeDir("staged0"), d1 = MakeDir("staged1");
+  auto s = Make({d0, d1}, 32 * kMiB);
+  ASSERT_TRUE(s);
+  // Two stripes per window; 5 stripes and a bit: three windows, the last
+  // partial and padded.
+  HostMemory staging = *HostMemory::Allocate(2 * kMiB + 4096);
+  const absl::Span<std::byte> window(staging.data(), 2 * kMiB + 4096);
+  const uint64_t bytes = 5 * kMiB + 5000;
+  const HostMemory a = Random(bytes, 21);
+  std::vector<std::pair<uint64_t, uint64_t>> filled;  // offset, bytes
+  auto written = s->WriteStaged(bytes, window, [&](uint64_t at, absl::Span<std::byte> chunk) {
+    filled.push_back({at, chunk.size()});
+    std::memcpy(chunk.data(), a.data() + at, chunk.size());
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(filled, (std::vector<std::pair<uint64_t, uint64_t>>{
+                        {0, 2 * kMiB}, {2 * kMiB, 2 * kMiB}, {4 * kMiB, kMiB + 5000}}));
+  ExpectReadBack(*s, *written, a, bytes);  // the direct read verifies the staged checksums
+  {
+    // The alignment's padding after the last byte was written as zeros,
+    // not as what the staging buffer held before (the first window's).
+    HostMemory got = *HostMemory::Allocate(RoundUp(bytes, 4096));
+    std::memset(got.data(), 0xff, got.size());
+    ASSERT_TRUE(s->Read(*written, got.data()).ok());
+    const std::vector<std::byte> zeros(RoundUp(bytes, 4096) - bytes);
+    EXPECT_EQ(std::memcmp(got.data() + bytes, zeros.data(), zeros.size()), 0);
+  }
+
+  auto direct = s->Write(a.data(), bytes);
+  ASSERT_TRUE(direct.ok());
+  for (uint64_t id : {*written, *direct}) {
+    HostMemory got = *HostMemory::Allocate(RoundUp(bytes, 4096));
+    std::vector<uint64_t> at;
+    absl::Status r = s->ReadStaged(id, window, [&](uint64_t offset, absl::Span<std::byte> chunk) {
+      at.push_back(offset);
+      std::memcpy(got.data() + offset, chunk.data(), chunk.size());
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(r.ok()) << r;
+    EXPECT_EQ(at, (std::vector<uint64_t>{0, 2 * kMiB, 4 * kMiB}));
+    EXPECT_EQ(std::memcmp(got.data(), a.data(), bytes), 0) << "extent " << id;
+  }
+
+  // A rewrite through staging replaces the contents; the sink's or the
+  // source's error stops the transfer and is returned.
+  const HostMemory b = Random(kMiB, 22);
+  ASSERT_TRUE(s->RewriteStaged(*direct, kMiB, window,
+                               [&](uint64_t at, absl::Span<std::byte> chunk) {
+                                 std::memcpy(chunk.data(), b.data() + at, chunk.size());
+                                 return absl::OkStatus();
+                               })
+                  .ok());
+  ExpectReadBack(*s, *direct, b, kMiB);
+  const uint64_t free_before = s->Stats().free;
+  auto refused = s->WriteStaged(bytes, window, [](uint64_t at, absl::Span<std::byte>) {
+    return at == 0 ? absl::OkStatus() : absl::UnavailableError("source gone");
+  });
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_EQ(s->Stats().free, free_before);  // its space given back
+  int windows = 0;
+  absl::Status stopped =
+      s->ReadStaged(*written, window, [&](uint64_t, absl::Span<std::byte>) {
+        ++windows;
+        return absl::CancelledError("enough");
+      });
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(windows, 1);
+
+  // Staging smaller than a stripe, or unaligned, is refused.
+  EXPECT_EQ(s->ReadStaged(*written, window.first(kMiB / 2),
+                          [](uint64_t, absl::Span<std::byte>) { return absl::OkStatus(); })
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->WriteStaged(kMiB, window.subspan(8, kMiB),
+                           [](uint64_t, absl::Span<std::byte>) { return absl::OkStatus(); })
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// A staged read hands on no window whose stripes fail their checksums: the
+// windows before the corrupted one are handed on, it and later ones not.
+TEST_F(SwapSpaceTest, AStagedReadHandsOnNoWindowThatFailsItsChecksum) {
+  const std::string dir = MakeDir("staged_crc");
+  auto s = Make({dir}, 16 * kMiB);
+  ASSERT_TRUE(s);
+  const HostMemory a = Random(4 * kMiB, 23);
+  auto id = s->Write(a.data(), 4 * kMiB);
+  ASSERT_TRUE(id.ok());
+  int fd = open((dir + "/offloadd.swap").c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  char c;
+  ASSERT_EQ(pread(fd, &c, 1, 2 * kMiB + 99), 1);  // stripe 2: the second window
+  c ^= 0x10;
+  ASSERT_EQ(pwrite(fd, &c, 1, 2 * kMiB + 99), 1);
+  fsync(fd);
+  close(fd);
+  HostMemory staging = *HostMemory::Allocate(2 * kMiB);
+  std::vector<uint64_t> at;
+  absl::Status r = s->ReadStaged(*id, absl::Span<std::byte>(staging.data(), 2 * kMiB),
+                                 [&](uint64_t offset, absl::Span<std::byte>) {
+                                   at.push_back(offset);
+                                   return absl::OkStatus();
+                                 });
+  EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss) << r;
+  EXPECT_TRUE(absl::StrContains(r.message(), "checksum mismatch")) << r;
+  EXPECT_TRUE(absl::StrContains(r.message(), "stripe 2 (1048576 bytes at " + dir +
+                                                 "/offloadd.swap offset 2097152)"))
+      << r;
+  EXPECT_EQ(at, std::vector<uint64_t>{0});
+}
+
 TEST_F(SwapSpaceTest, FailedWritesLoseNothingAndLeakNothing) {
   auto s = Make({MakeDir("eio")}, 16 * kMiB);
   ASSERT_TRUE(s);

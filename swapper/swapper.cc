@@ -8,12 +8,19 @@
 
 #include "absl/numeric/bits.h"
 #include "absl/strings/str_cat.h"
+#include "base/file_io.h"
 #include "base/host_memory.h"
 #include "base/log.h"
+#include "base/posix_error.h"
 #include "base/status_macros.h"
 
 namespace offload {
 namespace {
+
+// Each I/O thread's staging buffer for blocks moved through their file, in
+// whole stripes (at least one): large enough that a window's I/O keeps the
+// devices busy, small enough to be a fixed overhead.
+constexpr uint64_t kStagingBytes = uint64_t{4} << 20;
 
 uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -57,6 +64,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.copy_outs -= e.copy_outs;
   d.copy_out_bytes -= e.copy_out_bytes;
   d.copy_out_nanos -= e.copy_out_nanos;
+  d.staged_bytes -= e.staged_bytes;
   return d;
 }
 
@@ -90,6 +98,10 @@ struct Swapper::Block {
   PoolMemory host;
   std::byte* external = nullptr;
   uint64_t span = 0;  // external: the bytes charged and freed (whole pages)
+  // External memory on small pages with its file: moved through the file
+  // and a staging buffer; `file_offset` is where `external` lies in it.
+  int file = -1;
+  uint64_t file_offset = 0;
   PoolCharge charge;
   uint64_t extent = 0;  // the NVMe copy; 0: none (the block is zeros)
   bool nvme_current = false;  // the NVMe copy equals the host bytes
@@ -144,7 +156,7 @@ void Swapper::DropHostLocked(Block* b) {
   // than evicting more) and cannot be read in again.
   b->dropping = true;
   freeing_bytes_ += b->charge.bytes();
-  io_queue_.push_front([this, id = b->id] { FinishDrop(id); });
+  io_queue_.push_front([this, id = b->id](HostMemory&) { FinishDrop(id); });
   changed_.SignalAll();
 }
 
@@ -200,7 +212,12 @@ absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& o
 }
 
 Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space)
-    : pool_(pool), space_(space), prefetch_depth_(options.prefetch_depth),
+    : pool_(pool), space_(space),
+      staging_bytes_(space == nullptr
+                         ? 0
+                         : std::max<uint64_t>(1, kStagingBytes / space->stripe_bytes()) *
+                               space->stripe_bytes()),
+      prefetch_depth_(options.prefetch_depth),
       prefetch_bytes_(options.prefetch_bytes) {}
 
 Swapper::~Swapper() {
@@ -244,12 +261,13 @@ void Swapper::EraseIfDoneLocked(Block* b) {
 }
 
 absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace) {
-  return AddBlock(id, bytes, nullptr, 0, home, trace);
+  return AddBlock(id, bytes, ExternalMemory{}, 0, home, trace);
 }
 
-absl::Status Swapper::AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
-                                  uint64_t trace, uint64_t page_bytes) {
-  if (page_bytes == 0) page_bytes = PageSize();
+absl::Status Swapper::AddExternal(BlockId id, const ExternalMemory& memory, uint64_t bytes,
+                                  Tier home, uint64_t trace) {
+  std::byte* const data = memory.data;
+  const uint64_t page_bytes = memory.page_bytes == 0 ? PageSize() : memory.page_bytes;
   if (page_bytes % PageSize() != 0 || !absl::has_single_bit(page_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block ", id, ": page size ", page_bytes, " is not a power-of-two multiple of ",
@@ -259,11 +277,12 @@ absl::Status Swapper::AddExternal(BlockId id, std::byte* data, uint64_t bytes, T
     return absl::InvalidArgumentError(absl::StrCat(
         "block ", id, ": external memory must be aligned to its pages (", page_bytes, " bytes)"));
   }
-  return AddBlock(id, bytes, data, RoundUp(bytes, page_bytes), home, trace);
+  return AddBlock(id, bytes, memory, RoundUp(bytes, page_bytes), home, trace);
 }
 
-absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, uint64_t span,
-                               Tier home, uint64_t trace) {
+absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory& memory,
+                               uint64_t span, Tier home, uint64_t trace) {
+  std::byte* const external = memory.data;
   if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
   if (home == Tier::kNvme && space_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -290,6 +309,14 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, std::byte* external, 
   b->home = home;
   b->external = external;
   b->span = span;
+  // Through the file only where writes through it get small pages too: a
+  // mapping declines huge pages (MADV_NOHUGEPAGE) where the pool counts
+  // small ones, and a write through the file has no mapping to decline.
+  if (external != nullptr && memory.fd >= 0 && memory.page_bytes <= PageSize() &&
+      !SharedFileWritesMayGetLargePages()) {
+    b->file = memory.fd;
+    b->file_offset = memory.file_offset;
+  }
   if (home == Tier::kHost) {
     RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0));
     if (blocks_.contains(id)) {  // added meanwhile, while room was made
@@ -677,7 +704,9 @@ void Swapper::EvictLocked(Block* b) {
   b->write_version = b->version;
   freeing_bytes_ += ChargedOf(*b);
   ++writes_in_flight_;
-  QueueIoLocked([this, id = b->id] { RunIo(id, /*is_write=*/true); });
+  QueueIoLocked([this, id = b->id](HostMemory& staging) {
+    RunIo(id, /*is_write=*/true, staging);
+  });
 }
 
 absl::Status Swapper::StartReadLocked(Block* b) {
@@ -692,7 +721,9 @@ absl::Status Swapper::StartReadLocked(Block* b) {
   }
   b->state = BlockState::kReadingIn;
   ++reads_in_flight_;
-  QueueIoLocked([this, id = b->id] { RunIo(id, /*is_write=*/false); });
+  QueueIoLocked([this, id = b->id](HostMemory& staging) {
+    RunIo(id, /*is_write=*/false, staging);
+  });
   return absl::OkStatus();
 }
 
@@ -727,14 +758,46 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   changed_.SignalAll();
 }
 
-void Swapper::QueueIoLocked(std::function<void()> task) {
+void Swapper::QueueIoLocked(IoTask task) {
   io_queue_.push_back(std::move(task));
   changed_.SignalAll();
 }
 
-void Swapper::RunIo(BlockId id, bool is_write) {
+absl::Status Swapper::StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes,
+                               uint64_t* extent, bool is_write, HostMemory& staging) {
+  if (staging.size() == 0) {
+    ASSIGN_OR_RETURN(staging, HostMemory::Allocate(staging_bytes_, /*huge_pages=*/true));
+  }
+  const absl::Span<std::byte> buffer(staging.data(), staging.size());
+  auto failed = [&](const char* what, uint64_t at, int err) {
+    return PosixError(absl::StrCat(what, " block ", id, "'s shared file at offset ", at), err);
+  };
+  if (!is_write) {
+    return space_->ReadStaged(*extent, buffer, [&](uint64_t at, absl::Span<std::byte> chunk) {
+      const uint64_t where = file_offset + at;
+      const int e = PwriteAll(fd, chunk.data(), chunk.size(), where);
+      return e == 0 ? absl::OkStatus() : failed("writing into", where, e);
+    });
+  }
+  auto source = [&](uint64_t at, absl::Span<std::byte> chunk) {
+    const uint64_t where = file_offset + at;
+    size_t missing = 0;
+    const int e = PreadAll(fd, chunk.data(), chunk.size(), where, &missing);
+    if (e == -1) {  // the file ends inside the block: what is missing reads as zeros
+      std::memset(chunk.data() + chunk.size() - missing, 0, missing);
+      return absl::OkStatus();
+    }
+    return e == 0 ? absl::OkStatus() : failed("reading", where, e);
+  };
+  if (*extent != 0) return space_->RewriteStaged(*extent, bytes, buffer, source);
+  ASSIGN_OR_RETURN(*extent, space_->WriteStaged(bytes, buffer, source));
+  return absl::OkStatus();
+}
+
+void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
   std::byte* data;
-  uint64_t bytes, extent, version;
+  uint64_t bytes, extent, version, file_offset;
+  int file;
   std::function<void(BlockId, bool)> hook;
   {
     absl::MutexLock lock(&mu_);
@@ -743,13 +806,17 @@ void Swapper::RunIo(BlockId id, bool is_write) {
     bytes = b->bytes;
     extent = b->extent;
     version = b->write_version;
+    file = b->file;
+    file_offset = b->file_offset;
     hook = io_hook_;
   }
   if (hook) hook(id, is_write);
   const auto start = std::chrono::steady_clock::now();
   absl::Status status;
   uint64_t new_extent = extent;
-  if (is_write) {
+  if (file >= 0) {
+    status = StagedIo(id, file, file_offset, bytes, &new_extent, is_write, staging);
+  } else if (is_write) {
     // Copy-on-write: a failed rewrite leaves the older copy intact.
     if (extent != 0) {
       status = space_->Rewrite(extent, data, bytes);
@@ -761,6 +828,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
   } else {
     status = space_->Read(extent, data);
   }
+  const uint64_t staged = file >= 0 && status.ok() ? bytes : 0;
   const uint64_t nanos = NanosSince(start);
 
   absl::MutexLock lock(&mu_);
@@ -772,6 +840,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
     if (status.ok()) {
       ++stats_.swap_outs;
       stats_.bytes_out += bytes;
+      stats_.staged_bytes += staged;
       b->extent = new_extent;
       b->nvme_current = b->version == version;
       const bool still_evictable = b->pins == 0 && b->waiters == 0 && b->nvme_current &&
@@ -797,6 +866,7 @@ void Swapper::RunIo(BlockId id, bool is_write) {
     if (status.ok()) {
       ++stats_.swap_ins;
       stats_.bytes_in += bytes;
+      stats_.staged_bytes += staged;
       b->state = BlockState::kResident;
       b->nvme_current = true;
     } else {
@@ -815,15 +885,16 @@ void Swapper::RunIo(BlockId id, bool is_write) {
 }
 
 void Swapper::IoThread() {
+  HostMemory staging;  // this thread's, for blocks moved through their file
   absl::MutexLock lock(&mu_);
   for (;;) {
     while (io_queue_.empty() && !stopping_) changed_.Wait(&mu_);
     if (io_queue_.empty()) return;  // stopping, and nothing left to do
-    std::function<void()> task = std::move(io_queue_.front());
+    IoTask task = std::move(io_queue_.front());
     io_queue_.pop_front();
     ++io_running_;
     mu_.Unlock();
-    task();  // decrements io_running_ under the lock
+    task(staging);  // decrements io_running_ under the lock
     mu_.Lock();
   }
 }

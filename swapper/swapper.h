@@ -10,7 +10,13 @@
 // caller maps from a shared file, such as a session arena that a trainer
 // maps too (AddExternal): the swapper then charges the pool for its pages
 // while resident, writes them out from where they are, frees them
-// (MADV_REMOVE) and reads them back into the same addresses.
+// (MADV_REMOVE) and reads them back into the same addresses. Shared memory
+// on the system's small pages is moved through its file instead (pread and
+// pwrite), via a staging buffer on huge pages per I/O thread (4 MiB, or one
+// stripe where stripes are larger), where the kernel gives such writes
+// small pages too (SharedFileWritesMayGetLargePages): direct I/O into fresh
+// 4 KiB shared pages maps each one, which costs far more than the copy
+// (benches/RESULTS.md, trace_replay).
 //
 // Placement: a block homed on the host is always resident and never
 // evicted. A block homed on NVMe rests there and is cached in the pool while
@@ -62,6 +68,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "base/host_memory.h"
 #include "nvme/swap_space.h"
 #include "swapper/access_trace.h"
 #include "swapper/host_pool.h"
@@ -74,6 +81,19 @@ const char* TierName(Tier tier);
 
 enum class BlockState { kResident, kWritingOut, kOnNvme, kReadingIn };
 const char* BlockStateName(BlockState state);
+
+// Memory the caller maps from a shared file (a memfd), for AddExternal.
+struct ExternalMemory {
+  std::byte* data = nullptr;  // the shared mapping
+  // The size of the pages the caller laid the memory out for: 0 for the
+  // system's page, or the huge page size where the mapping asks for huge
+  // pages.
+  uint64_t page_bytes = 0;
+  // The file `data` maps (open until Remove returns) and where `data`
+  // lies in it, or -1: then every transfer goes through the mapping.
+  int fd = -1;
+  uint64_t file_offset = 0;
+};
 
 struct SwapperStats {
   uint64_t blocks = 0;
@@ -98,6 +118,7 @@ struct SwapperStats {
   uint64_t discards = 0;         // blocks whose bytes were dropped as dead
   uint64_t copy_outs = 0;        // CopyOut calls served from the NVMe copy
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
+  uint64_t staged_bytes = 0;     // of bytes_in and bytes_out, moved through staging
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -151,19 +172,19 @@ class Swapper {
   // pool cannot hold).
   absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // As Add, but the bytes are the caller's: `data` is a shared mapping of a
-  // file (a memfd) that stays mapped until Remove(id) returns. Its pages are
-  // freed now: the block starts as zeros, like one from Add. `page_bytes` is
-  // the size of the pages the caller laid the memory out for (0: the
-  // system's page; or the huge page size, where the mapping asks for huge
-  // pages): `data` is aligned to it, the block spans `bytes` rounded up to
-  // it, and that span is what the pool is charged while the block is
-  // resident and what is freed when it leaves (a huge page is held and
-  // freed whole, so the caller puts nothing else in a page a block ends in).
-  // INVALID_ARGUMENT for unaligned or private memory, or a page size that
-  // is not a power-of-two multiple of the system's.
-  absl::Status AddExternal(BlockId id, std::byte* data, uint64_t bytes, Tier home,
-                           uint64_t trace, uint64_t page_bytes = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // As Add, but the bytes are the caller's: `memory.data` is a shared
+  // mapping of a file (a memfd) that stays mapped until Remove(id) returns.
+  // Its pages are freed now: the block starts as zeros, like one from Add.
+  // `data` is aligned to `memory.page_bytes`, the block spans `bytes`
+  // rounded up to it, and that span is what the pool is charged while the
+  // block is resident and what is freed when it leaves (a huge page is held
+  // and freed whole, so the caller puts nothing else in a page a block ends
+  // in). With `memory.fd` and small pages, transfers go through the file
+  // (this file's opening comment, Memory). INVALID_ARGUMENT for unaligned
+  // or private memory,
+  // or a page size that is not a power-of-two multiple of the system's.
+  absl::Status AddExternal(BlockId id, const ExternalMemory& memory, uint64_t bytes, Tier home,
+                           uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees the block wherever it lives; a pinned block or one in flight as
   // soon as that ends. An external block's pages are freed, and Remove
@@ -246,8 +267,8 @@ class Swapper {
 
   Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space);
 
-  absl::Status AddBlock(BlockId id, uint64_t bytes, std::byte* external, uint64_t span,
-                        Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AddBlock(BlockId id, uint64_t bytes, const ExternalMemory& external,
+                        uint64_t span, Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
   Block* FindLocked(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::byte* DataOf(const Block& b);
   // The pool memory the block needs while resident (an external block's
@@ -289,14 +310,22 @@ class Swapper {
   void SchedulePrefetchLocked(uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RoomError(uint64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  void QueueIoLocked(std::function<void()> task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RunIo(BlockId id, bool is_write) ABSL_LOCKS_EXCLUDED(mu_);
+  // An I/O thread's work; `staging` is the thread's staging buffer (empty
+  // until first needed).
+  using IoTask = std::function<void(HostMemory& staging)>;
+  void QueueIoLocked(IoTask task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunIo(BlockId id, bool is_write, HostMemory& staging) ABSL_LOCKS_EXCLUDED(mu_);
+  // The block's bytes to or from NVMe through `staging` and its file.
+  absl::Status StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes,
+                        uint64_t* extent, bool is_write, HostMemory& staging);
   void IoThread() ABSL_LOCKS_EXCLUDED(mu_);
   void MoverThread() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   HostPool* const pool_;
   SwapSpace* const space_;
+  // Each I/O thread's staging buffer (whole stripes; allocated on first use).
+  const uint64_t staging_bytes_;
 
   mutable absl::Mutex mu_;
   // Signalled on every change of a block's state, of the queues, of room.
@@ -315,7 +344,7 @@ class Swapper {
   int64_t prefetch_bytes_ ABSL_GUARDED_BY(mu_);
   std::deque<Move> moves_ ABSL_GUARDED_BY(mu_);
   bool mover_busy_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<std::function<void()>> io_queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<IoTask> io_queue_ ABSL_GUARDED_BY(mu_);
   uint64_t io_running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);

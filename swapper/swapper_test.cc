@@ -550,9 +550,14 @@ TEST_F(SwapperTest, ResidentMemoryStaysWithinThePool) {
 // Memory the caller maps from a memfd, as a session arena is mapped by the
 // daemon and by its trainer: the swapper writes it out, frees its pages and
 // reads it back where it was, and the other mapping sees the same bytes.
-class ExternalMemory {
+// Blocks in it are handed to the swapper with its file (`through_file`, as
+// offloadd does: on small pages their bytes move through the file) or as
+// the mapping alone.
+class SharedArena {
  public:
-  explicit ExternalMemory(uint64_t bytes, SharedPages pages = SharedPages::kSystemDefault) {
+  explicit SharedArena(uint64_t bytes, SharedPages pages = SharedPages::kSystemDefault,
+                       bool through_file = true)
+      : through_file_(through_file) {
     auto fd = Env::Default()->CreateMemfd("swapper-test");
     EXPECT_TRUE(fd.ok()) << fd.status();
     fd_ = std::move(*fd);
@@ -564,6 +569,10 @@ class ExternalMemory {
     theirs_ = std::move(*theirs);
   }
   std::byte* mine(uint64_t offset = 0) const { return mine_.data() + offset; }
+  // The block of the arena at `offset`, for AddExternal.
+  offload::ExternalMemory at(uint64_t offset = 0, uint64_t page_bytes = 0) const {
+    return {mine(offset), page_bytes, through_file_ ? fd_.get() : -1, offset};
+  }
   std::byte* theirs(uint64_t offset = 0) const { return theirs_.data() + offset; }
   // Bytes of the file backed by pages.
   uint64_t populated() const {
@@ -573,48 +582,99 @@ class ExternalMemory {
   }
 
  private:
+  const bool through_file_;
   UniqueFd fd_;
   HostMemory mine_, theirs_;
 };
 
+// Both ways external memory on small pages moves: through its file and a
+// staging buffer (offloadd's), and by direct I/O into the mapping.
 TEST_F(SwapperTest, ExternalMemoryIsWrittenOutFreedAndReadBackInPlace) {
-  Make(2 * kMiB);
-  ExternalMemory arena(4 * kMiB);
-  for (uint64_t i = 0; i < 4; ++i) {
-    ASSERT_TRUE(swapper_->AddExternal(i + 1, arena.mine(i * kMiB), kMiB, Tier::kNvme, 7).ok());
+  for (const bool through_file : {true, false}) {
+    SCOPED_TRACE(through_file ? "through the file" : "through the mapping");
+    Make(2 * kMiB);
+    SharedArena arena(4 * kMiB, SharedPages::kSmall, through_file);
+    // Blocks of a bit less than a MiB (one partial staging window), at
+    // their own offsets of the file.
+    const uint64_t bytes = kMiB - 4096 - 100;
+    for (uint64_t i = 0; i < 4; ++i) {
+      ASSERT_TRUE(swapper_->AddExternal(i + 1, arena.at(i * kMiB), bytes, Tier::kNvme, 7).ok());
+    }
+    EXPECT_EQ(arena.populated(), 0u);
+    for (uint64_t id = 1; id <= 4; ++id) {
+      auto p = swapper_->Acquire(id, /*for_write=*/true);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(p->data(), arena.mine((id - 1) * kMiB));
+      Fill(*p, static_cast<uint32_t>(id));
+      EXPECT_LE(pool_->used(), pool_->limit());
+    }
+    swapper_->WaitIdle();
+    // At most the pool's worth of pages exists; the rest is on NVMe.
+    EXPECT_LE(arena.populated(), 2 * kMiB);
+    EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+    for (uint64_t id = 1; id <= 4; ++id) {
+      auto p = swapper_->Acquire(id, /*for_write=*/false);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_TRUE(Holds(*p, static_cast<uint32_t>(id)));
+      // The trainer's mapping sees what was read back.
+      EXPECT_EQ(std::memcmp(arena.theirs((id - 1) * kMiB), p->data(), bytes), 0);
+    }
+    const SwapperStats stats = swapper_->Stats();
+    EXPECT_GE(stats.swap_ins, 2u);
+    const bool staged = through_file && !SharedFileWritesMayGetLargePages();
+    EXPECT_EQ(stats.staged_bytes, staged ? (stats.swap_ins + stats.swap_outs) * bytes : 0u);
+    for (uint64_t id = 1; id <= 4; ++id) swapper_->Remove(id);
+    EXPECT_EQ(arena.populated(), 0u);
+    EXPECT_EQ(pool_->used(), 0u);
+    swapper_.reset();
   }
-  EXPECT_EQ(arena.populated(), 0u);
-  for (uint64_t id = 1; id <= 4; ++id) {
-    auto p = swapper_->Acquire(id, /*for_write=*/true);
-    ASSERT_TRUE(p.ok()) << p.status();
-    EXPECT_EQ(p->data(), arena.mine((id - 1) * kMiB));
-    Fill(*p, static_cast<uint32_t>(id));
-    EXPECT_LE(pool_->used(), pool_->limit());
+}
+
+// Through the file, a read that fails after some of the block's bytes were
+// put in place leaves none of them: its pages are freed, the NVMe copy
+// stays, and the next read gets the block whole.
+TEST_F(SwapperTest, AFailedStagedSwapInLeavesNoPagesAndTheCopyIntact) {
+  if (SharedFileWritesMayGetLargePages()) {
+    GTEST_SKIP() << "shmem_enabled gives writes through a memfd huge pages here: the swapper "
+                    "does not stage";
   }
+  Make(6 * kMiB);
+  SharedArena arena(12 * kMiB, SharedPages::kSmall);
+  const uint64_t bytes = 6 * kMiB;  // two staging windows of 4 MiB
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.at(), bytes, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->AddExternal(2, arena.at(bytes), bytes, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);  // evicts 1
   swapper_->WaitIdle();
-  // At most the pool's worth of pages exists; the rest is on NVMe.
-  EXPECT_LE(arena.populated(), 2 * kMiB);
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  swapper_->Remove(2);  // room for 1
+  // The fifth stripe's read fails: the first window (4 MiB) is in place by
+  // then (each 1 MiB stripe is one read: the engine's requests are 1 MiB).
+  FaultRule rule;
+  rule.any_op = false;
+  rule.op = IoOp::kRead;
+  rule.skip = 4;
+  rule.error = EIO;
+  faults_->AddRule(rule);
+  const uint64_t before = arena.populated();
+  auto failed = swapper_->Acquire(1, false);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_NE(failed.status().message().find("swapping in block 1"), std::string::npos);
+  swapper_->WaitIdle();
   EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
-  for (uint64_t id = 1; id <= 4; ++id) {
-    auto p = swapper_->Acquire(id, /*for_write=*/false);
-    ASSERT_TRUE(p.ok()) << p.status();
-    EXPECT_TRUE(Holds(*p, static_cast<uint32_t>(id)));
-    // The trainer's mapping sees what was read back.
-    EXPECT_EQ(std::memcmp(arena.theirs((id - 1) * kMiB), p->data(), kMiB), 0);
-  }
-  EXPECT_GE(swapper_->Stats().swap_ins, 2u);
-  for (uint64_t id = 1; id <= 4; ++id) swapper_->Remove(id);
-  EXPECT_EQ(arena.populated(), 0u);
-  EXPECT_EQ(pool_->used(), 0u);
+  EXPECT_EQ(arena.populated(), before);  // the first window's pages went too
+  faults_->ClearRules();
+  ExpectHolds(1, 11);
+  EXPECT_EQ(swapper_->Stats().staged_bytes, 2 * bytes);  // one out, one whole in
 }
 
 TEST_F(SwapperTest, ExternalMemoryMustBePageAligned) {
   Make(2 * kMiB);
-  ExternalMemory arena(kMiB);
-  EXPECT_EQ(swapper_->AddExternal(1, arena.mine(8), 4096, Tier::kNvme, 7).code(),
+  SharedArena arena(kMiB);
+  EXPECT_EQ(swapper_->AddExternal(1, arena.at(8), 4096, Tier::kNvme, 7).code(),
             absl::StatusCode::kInvalidArgument);
   HostMemory private_memory = *HostMemory::Allocate(kMiB);
-  EXPECT_EQ(swapper_->AddExternal(2, private_memory.data(), kMiB, Tier::kNvme, 7).code(),
+  EXPECT_EQ(swapper_->AddExternal(2, {private_memory.data()}, kMiB, Tier::kNvme, 7).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -626,16 +686,16 @@ TEST_F(SwapperTest, ExternalMemoryMustBePageAligned) {
 TEST_F(SwapperTest, ExternalBlocksOnHugePagesAreChargedAndFreedWhole) {
   constexpr uint64_t kHuge = 2 * kMiB;
   Make(2 * kHuge);
-  ExternalMemory arena(4 * kHuge, SharedPages::kHuge);
+  SharedArena arena(4 * kHuge, SharedPages::kHuge);
   // Misaligned for its pages, or pages that are no power of two.
-  EXPECT_EQ(swapper_->AddExternal(9, arena.mine(kMiB), kMiB, Tier::kNvme, 7, kHuge).code(),
+  EXPECT_EQ(swapper_->AddExternal(9, arena.at(kMiB, kHuge), kMiB, Tier::kNvme, 7).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(swapper_->AddExternal(9, arena.mine(), kMiB, Tier::kNvme, 7, 3 * kMiB).code(),
+  EXPECT_EQ(swapper_->AddExternal(9, arena.at(0, 3 * kMiB), kMiB, Tier::kNvme, 7).code(),
             absl::StatusCode::kInvalidArgument);
   // Two blocks of 3 MiB, each in its own 4 MiB (two huge pages).
   const uint64_t block = 3 * kMiB;
-  ASSERT_TRUE(swapper_->AddExternal(1, arena.mine(), block, Tier::kNvme, 7, kHuge).ok());
-  ASSERT_TRUE(swapper_->AddExternal(2, arena.mine(2 * kHuge), block, Tier::kNvme, 7, kHuge).ok());
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.at(0, kHuge), block, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->AddExternal(2, arena.at(2 * kHuge, kHuge), block, Tier::kNvme, 7).ok());
   {
     auto p = swapper_->Acquire(1, /*for_write=*/true);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -667,9 +727,9 @@ TEST_F(SwapperTest, ExternalBlocksOnHugePagesAreChargedAndFreedWhole) {
 
 TEST_F(SwapperTest, RemovingExternalMemoryWaitsForItsRead) {
   Make(kMiB);
-  ExternalMemory arena(2 * kMiB);
-  ASSERT_TRUE(swapper_->AddExternal(1, arena.mine(), kMiB, Tier::kNvme, 7).ok());
-  ASSERT_TRUE(swapper_->AddExternal(2, arena.mine(kMiB), kMiB, Tier::kNvme, 7).ok());
+  SharedArena arena(2 * kMiB);
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.at(), kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->AddExternal(2, arena.at(kMiB), kMiB, Tier::kNvme, 7).ok());
   Write(1, 11);
   Write(2, 22);
   ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
@@ -699,8 +759,8 @@ TEST_F(SwapperTest, RemovingExternalMemoryWaitsForItsRead) {
 
 TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
   Make(2 * kMiB);
-  ExternalMemory arena(2 * kMiB);
-  ASSERT_TRUE(swapper_->AddExternal(1, arena.mine(), kMiB, Tier::kNvme, 7).ok());
+  SharedArena arena(2 * kMiB);
+  ASSERT_TRUE(swapper_->AddExternal(1, arena.at(), kMiB, Tier::kNvme, 7).ok());
   ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
   ASSERT_TRUE(swapper_->Add(3, kMiB, Tier::kNvme, 7).ok());
   Write(1, 1);
@@ -731,7 +791,7 @@ TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
   EXPECT_EQ(d.zero_fills, 3u);
   EXPECT_EQ(swapper_->Discard(99).code(), absl::StatusCode::kNotFound);
   // Homed on the host: memory and bytes stay (nothing to give back).
-  ASSERT_TRUE(swapper_->AddExternal(4, arena.mine(kMiB), kMiB, Tier::kHost, 7).ok());
+  ASSERT_TRUE(swapper_->AddExternal(4, arena.at(kMiB), kMiB, Tier::kHost, 7).ok());
   Write(4, 4);
   const uint64_t used = pool_->used();
   ASSERT_TRUE(swapper_->Discard(4).ok());
