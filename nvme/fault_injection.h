@@ -56,6 +56,7 @@ class FaultInjectingBackend final : public IoBackend {
   absl::Status AddBuffer(void* base, uint64_t length) override {
     return inner_->AddBuffer(base, length);
   }
+  void RemoveBuffer(void* base, uint64_t length) override { inner_->RemoveBuffer(base, length); }
   using IoBackend::Run;
   absl::Status Run(absl::Span<const IoRequest> requests, const RequestDone& done) override {
     return inner_->Run(requests, done);

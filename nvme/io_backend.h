@@ -63,9 +63,12 @@ class IoBackend {
   // `path` is used in error messages.
   virtual absl::StatusOr<int> AddFile(int fd, const std::string& path) = 0;
 
-  // Declares a long-lived buffer (the pinned arena); io_uring registers it
+  // Declares a long-lived buffer (a staging buffer); io_uring registers it
   // for fixed-buffer I/O. Optional: any buffer may be used for I/O.
   virtual absl::Status AddBuffer(void* base, uint64_t length) = 0;
+  // Forgets a buffer AddBuffer declared (same base and length) before it is
+  // unmapped; no I/O on it may be in flight. Unknown buffers are ignored.
+  virtual void RemoveBuffer(void* base, uint64_t length) = 0;
 
   // Performs every request; returns the first error, after all requests in
   // flight have completed. `done`, if set, hears of each request finished.

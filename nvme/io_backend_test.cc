@@ -99,6 +99,28 @@ TEST_P(BackendTest, FixedBuffersWork) {
   EXPECT_TRUE(Same());
 }
 
+// A buffer forgotten before it is unmapped leaves nothing behind: memory
+// mapped later at the same address gets what is read into it (a stale
+// registration would send it to the old, still pinned, pages).
+TEST_P(BackendTest, ARemovedBufferIsForgotten) {
+  ASSERT_TRUE(backend_->AddBuffer(dst_.data(), dst_.size()).ok());
+  ASSERT_TRUE(Write().ok());
+  ASSERT_TRUE(Read().ok());
+  EXPECT_TRUE(Same());
+  const void* old = dst_.data();
+  backend_->RemoveBuffer(dst_.data(), dst_.size());
+  dst_ = HostMemory();
+  dst_ = *HostMemory::Allocate(8 * kMiB);
+  ASSERT_TRUE(Read().ok());
+  EXPECT_TRUE(Same()) << (dst_.data() == old ? "mapped again at the same address"
+                                             : "mapped at another address");
+  // The next buffer declared (into the freed slot) works as the first did.
+  ASSERT_TRUE(backend_->AddBuffer(dst_.data(), dst_.size()).ok());
+  ASSERT_TRUE(Read().ok());
+  EXPECT_TRUE(Same());
+  backend_->RemoveBuffer(dst_.data(), dst_.size());
+}
+
 TEST_P(BackendTest, ShortTransfersAreResubmitted) {
   FaultRule r;
   r.kind = FaultRule::Kind::kShort;

@@ -40,6 +40,7 @@ class PosixBackend final : public IoBackendBase {
   }
 
   absl::Status AddBuffer(void*, uint64_t) override { return absl::OkStatus(); }
+  void RemoveBuffer(void*, uint64_t) override {}
 
   using IoBackend::Run;
   absl::Status Run(absl::Span<const IoRequest> requests, const RequestDone& done) override;

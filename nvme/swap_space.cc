@@ -377,6 +377,14 @@ absl::StatusOr<uint64_t> SwapSpace::ExtentBytes(uint64_t id) const {
   return it->second.bytes;
 }
 
+void SwapSpace::AddBuffer(void* base, uint64_t length) {
+  // Registration failing (RLIMIT_MEMLOCK) only costs plain I/O, which the
+  // backend logs.
+  backend_->AddBuffer(base, length).IgnoreError();
+}
+
+void SwapSpace::RemoveBuffer(void* base, uint64_t length) { backend_->RemoveBuffer(base, length); }
+
 SwapStats SwapSpace::Stats() const {
   absl::MutexLock lock(&mu_);
   SwapStats s;

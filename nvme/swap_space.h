@@ -115,6 +115,12 @@ class SwapSpace {
   void SetChecksum(bool on);
   SwapStats Stats() const;
 
+  // Declares a long-lived I/O buffer (a staging buffer) to the I/O backend,
+  // which registers it for fixed-buffer I/O where it can; RemoveBuffer
+  // before unmapping it, with no I/O on it in flight.
+  void AddBuffer(void* base, uint64_t length);
+  void RemoveBuffer(void* base, uint64_t length);
+
  private:
   struct Segment {
     int file;  // index into files_

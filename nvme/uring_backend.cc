@@ -80,27 +80,63 @@ class UringBackend final : public IoBackendBase {
     absl::MutexLock lock(&buffers_mu_);
     auto* p = static_cast<std::byte*>(base);
     for (uint64_t done = 0; done < length; done += kMaxFixedBuffer) {
-      if (buffers_.size() >= kMaxBuffers) break;
+      // A slot RemoveBuffer emptied, else a new one.
+      size_t slot = 0;
+      while (slot < buffers_.size() && buffers_[slot].base != nullptr) ++slot;
+      if (slot >= kMaxBuffers) break;
       iovec iov{p + done, std::min(kMaxFixedBuffer, length - done)};
-      const unsigned index = static_cast<unsigned>(buffers_.size());
-      bool all = true;
+      const unsigned index = static_cast<unsigned>(slot);
+      int failed = 0;  // the first ring's error
       for (auto& r : rings_) {
         absl::MutexLock ring_lock(&r->mu);
         __u64 tag = 0;
-        int rc = r->fixed_buffers
-                     ? io_uring_register_buffers_update_tag(&r->ring, index, &iov, &tag, 1)
-                     : -EOPNOTSUPP;
-        if (rc != 1) {
-          all = false;
-          LogWarning("io_uring: cannot register %d bytes as a fixed buffer (%s); using plain "
-                     "buffers (raise RLIMIT_MEMLOCK for fixed-buffer I/O)",
-                     static_cast<int64_t>(iov.iov_len), PosixError("register", -rc).message());
-        }
+        const int rc = r->fixed_buffers
+                           ? io_uring_register_buffers_update_tag(&r->ring, index, &iov, &tag, 1)
+                           : -EOPNOTSUPP;
+        if (rc != 1 && failed == 0) failed = rc < 0 ? rc : -EINVAL;
       }
-      if (!all) return absl::OkStatus();  // plain I/O still works
-      buffers_.push_back({static_cast<std::byte*>(iov.iov_base), iov.iov_len});
+      if (failed != 0) {
+        // Plain I/O still works. No ring keeps the slot (nor pins the
+        // memory) when another could not take it.
+        ClearSlotLocked(index);
+        if (!warned_register_) {
+          warned_register_ = true;
+          LogWarning("io_uring: cannot register %d bytes as a fixed buffer (%s); using plain "
+                     "buffers (raise RLIMIT_MEMLOCK for fixed-buffer I/O; said once)",
+                     static_cast<int64_t>(iov.iov_len), PosixError("register", -failed).message());
+        }
+        return absl::OkStatus();
+      }
+      const BufferEntry entry{static_cast<std::byte*>(iov.iov_base), iov.iov_len};
+      if (slot == buffers_.size()) {
+        buffers_.push_back(entry);
+      } else {
+        buffers_[slot] = entry;
+      }
     }
     return absl::OkStatus();
+  }
+
+  // Empties fixed-buffer slot `index` in every ring (the kernel unpins what
+  // it held).
+  void ClearSlotLocked(unsigned index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(buffers_mu_) {
+    iovec empty{nullptr, 0};
+    for (auto& r : rings_) {
+      absl::MutexLock ring_lock(&r->mu);
+      __u64 tag = 0;
+      if (r->fixed_buffers) io_uring_register_buffers_update_tag(&r->ring, index, &empty, &tag, 1);
+    }
+  }
+
+  void RemoveBuffer(void* base, uint64_t length) override {
+    absl::MutexLock lock(&buffers_mu_);
+    auto* p = static_cast<std::byte*>(base);
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      BufferEntry& e = buffers_[i];
+      if (e.base == nullptr || e.base < p || e.base + e.length > p + length) continue;
+      ClearSlotLocked(static_cast<unsigned>(i));
+      e = BufferEntry{nullptr, 0};
+    }
   }
 
   using IoBackend::Run;
@@ -121,7 +157,8 @@ class UringBackend final : public IoBackendBase {
 
   int FixedBufferIndex(const std::byte* p, uint64_t len) const ABSL_SHARED_LOCKS_REQUIRED(buffers_mu_) {
     for (size_t i = 0; i < buffers_.size(); ++i) {
-      if (p >= buffers_[i].base && p + len <= buffers_[i].base + buffers_[i].length) {
+      if (buffers_[i].base != nullptr && p >= buffers_[i].base &&
+          p + len <= buffers_[i].base + buffers_[i].length) {
         return static_cast<int>(i);
       }
     }
@@ -155,6 +192,7 @@ class UringBackend final : public IoBackendBase {
   std::atomic<size_t> next_ring_{0};
   mutable absl::Mutex buffers_mu_;
   std::vector<BufferEntry> buffers_ ABSL_GUARDED_BY(buffers_mu_);
+  bool warned_register_ ABSL_GUARDED_BY(buffers_mu_) = false;
 };
 
 absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const RequestDone& done) {

@@ -767,6 +767,7 @@ absl::Status Swapper::StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_
                                uint64_t* extent, bool is_write, HostMemory& staging) {
   if (staging.size() == 0) {
     ASSIGN_OR_RETURN(staging, HostMemory::Allocate(staging_bytes_, /*huge_pages=*/true));
+    space_->AddBuffer(staging.data(), staging.size());  // reused for every staged block
   }
   const absl::Span<std::byte> buffer(staging.data(), staging.size());
   auto failed = [&](const char* what, uint64_t at, int err) {
@@ -889,7 +890,10 @@ void Swapper::IoThread() {
   absl::MutexLock lock(&mu_);
   for (;;) {
     while (io_queue_.empty() && !stopping_) changed_.Wait(&mu_);
-    if (io_queue_.empty()) return;  // stopping, and nothing left to do
+    if (io_queue_.empty()) {  // stopping, and nothing left to do
+      if (staging.size() != 0) space_->RemoveBuffer(staging.data(), staging.size());
+      return;
+    }
     IoTask task = std::move(io_queue_.front());
     io_queue_.pop_front();
     ++io_running_;

@@ -13,7 +13,8 @@
 // (MADV_REMOVE) and reads them back into the same addresses. Shared memory
 // on the system's small pages is moved through its file instead (pread and
 // pwrite), via a staging buffer on huge pages per I/O thread (4 MiB, or one
-// stripe where stripes are larger), where the kernel gives such writes
+// stripe where stripes are larger; registered with io_uring as a fixed
+// buffer where RLIMIT_MEMLOCK allows), where the kernel gives such writes
 // small pages too (SharedFileWritesMayGetLargePages): direct I/O into fresh
 // 4 KiB shared pages maps each one, which costs far more than the copy
 // (benches/RESULTS.md, trace_replay).
