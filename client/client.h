@@ -360,8 +360,10 @@ class Client {
   // such a session, its holds released, for server.reconnect_lease_seconds
   // (0 by default: it is closed at once). Its partitions, optimizer state
   // and steps are as they were; their ids are the ones the old trainer had
-  // (Fetch of none lists them). FAILED_PRECONDITION if it was closed (its
-  // lease ran out), NOT_FOUND if offloadd restarted since.
+  // (Fetch of none lists them). offloadd stopped with SIGTERM keeps its
+  // sessions across its restart for that lease too. FAILED_PRECONDITION if
+  // the session was closed (its lease ran out), NOT_FOUND if offloadd
+  // restarted since without keeping it.
   absl::StatusOr<std::unique_ptr<Session>> ResumeSession(uint64_t session_id,
                                                          const std::string& token);
 

@@ -164,6 +164,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     if (sessions_.contains(id)) {
       return absl::AlreadyExistsError(absl::StrCat("session ", id, " is open already"));
     }
+    kept_ids_.insert(id);
   } else {
     RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
     absl::MutexLock lock(&mu_);
@@ -206,6 +207,11 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key.id);
   if (it == sessions_.end()) {
+    if (kept_ids_.contains(key.id)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", key.id, " is closed (offloadd kept it across its restart, and it was "
+          "closed since: its reconnect lease ran out, or it was closed)"));
+    }
     if (key.id >> 32 != incarnation_) {
       return absl::NotFoundError(absl::StrCat(
           "no session ", key.id, " in this offloadd: it is not one of its ids (offloadd was "

@@ -40,6 +40,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -308,6 +309,10 @@ class SessionManager {
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_);
   uint64_t next_partition_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Ids of sessions an earlier offloadd kept and this one reopened (their
+  // incarnation is not this daemon's): once closed, they are said to be
+  // closed, not unknown.
+  absl::flat_hash_set<uint64_t> kept_ids_ ABSL_GUARDED_BY(mu_);
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();

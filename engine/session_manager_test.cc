@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -497,6 +498,13 @@ TEST_F(SessionManagerTest, PreservedSessionsAreReopenedAsTheyWere) {
   auto q = next.Register(kept, {"v", 10, DType::kFp32, DType::kFp32});
   ASSERT_TRUE(q.ok()) << q.status();
   EXPECT_GT(q->id, p->id);
+  // Closed, its id (an earlier offloadd's) is said to be closed, not one
+  // this offloadd never knew; the lost one's still is.
+  ASSERT_TRUE(next.Close(kept).ok());
+  const absl::Status closed = next.Resume(kept).status();
+  EXPECT_EQ(closed.code(), absl::StatusCode::kFailedPrecondition) << closed;
+  EXPECT_TRUE(absl::StrContains(closed.message(), "is closed")) << closed;
+  EXPECT_EQ(next.Resume(lost).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(SessionManagerTest, ClosedAndNeverOpenedAreToldApartWithoutRememberingIds) {
