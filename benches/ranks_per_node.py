@@ -1,0 +1,232 @@
+"""N trainer ranks of one node stepping their optimizers at the same moment, as ZeRO-Offload's
+ranks do after every backward pass: offloadd's one pool of optimizer threads serving every
+rank's session, against DeepSpeed's CPU Adam running in every rank with a thread pool of its
+own (the peer: ../shared/peers/deepspeed_cpu_adam, unmodified, its op built by its own
+harness), and against the machine's memory bandwidth measured in the same run.
+
+usage: ranks_per_node.py --offloadd=PATH [--ranks=4] [--params=25000000] [--steps=8]
+       [--rounds=3] [--dtype=bf16|fp32] [--peer=DIR|none] [--tiny]
+
+Each configuration runs --ranks processes started together; every step begins at a barrier,
+and a step's time is from the first rank's start to the last rank's end (the ranks' next
+collective waits for the slowest). Per configuration: the median over the steps after the
+first of each round, the configurations alternating for --rounds rounds.
+  offloadd              one daemon; each rank a session holding one partition of --params
+                        parameters, a --dtype working copy and gradients (bf16 by default, as
+                        ZeRO-Offload trains: fp32 master weights and moments in the daemon),
+                        its gradients handed over (ReturnGradients with hand_over), their
+                        norm taken (GetPendingGradients, before the barrier: the ranks'
+                        all-reduce for clipping comes between it and Step), then Step;
+                        the daemon's optimizer threads (one per core) serve every rank's step
+  DeepSpeed, T threads  each rank runs DeepSpeed's adam_update over its own --params fp32
+                        parameters with OpenMP threads of its own: T = the cores (what every
+                        rank gets by default: torch and OpenMP size their pools to the
+                        machine), and T = cores / ranks (shared out by hand, at least one)
+Bound: ranks x params x bytes per parameter / triad bandwidth, counted as benches/cpu_adam
+counts them (a write to memory not read first costs its allocate read too): offloadd with bf16
+30 B (reads fp32 master weights and moments, 12, and bf16 gradients, 2; writes master weights
+and moments, 12, and the bf16 working copy the trainers fetch, 2 + 2), with fp32 36 B (16 read,
+12 + 4 + 4 written); DeepSpeed 28 B (reads params, gradients and moments, writes params and
+moments in place: fp32 throughout, no separate working copy, which is the peer's only case
+with fp32 master weights, so the two sides do not do the same work). The triad (a = b + s * c
+on floats, torch, one thread per core) counts 16 bytes per element, as benches/cpu_adam does.
+Rate = ranks x params / step time, in Gparam/s.
+"""
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import offloadd
+
+LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
+
+
+def triad_gbs(n, reps=5):
+    torch.set_num_threads(os.cpu_count())
+    a, b, c = torch.zeros(n), torch.ones(n), torch.full((n,), 2.0)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - t0)
+    if a[n // 2].item() != 7.0:
+        sys.exit("triad result wrong")
+    return 16.0 * n / best / 1e9
+
+
+def start_daemon(binary, root, ranks, params):
+    os.makedirs(root)
+    log = open(os.path.join(root, "log"), "w")
+    # Room for every rank's state in the pool: master, moments, accumulator (16 B),
+    # working copy and gradients (at most 8 B), with slack.
+    pool = ranks * params * 28 + (256 << 20)
+    proc = subprocess.Popen([binary, f"--server.data_dir={root}",
+                             f"--memory.host_budget_bytes={pool}"], stdout=log,
+                            stderr=subprocess.STDOUT)
+    address = "unix:" + os.path.join(root, "offloadd.sock")
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            offloadd.Client(address)
+            return proc, address
+        except offloadd.UnavailableError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"offloadd did not start; see {root}/log")
+            time.sleep(0.05)
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def offloadd_rank(rank, address, n, dtype, steps, barrier, out):
+    client = offloadd.Client(address)
+    session = client.open_session(f"rank{rank}")
+    part = session.register("w", n, param_dtype=dtype, grad_dtype=dtype)
+    torch.frombuffer(part.params, dtype=DTYPES[dtype]).fill_(0.5)
+    session.release([part.id])
+    times = []
+    for _ in range(steps):
+        view, = session.fetch([part.id], grads=True)
+        torch.frombuffer(view.grads, dtype=DTYPES[dtype]).fill_(0.01)
+        session.return_gradients([view], release=True, hand_over=True)
+        # The step protocol: the gradients' norm and overflow first (what the
+        # ranks all-reduce to decide clipping or skipping), then Step.
+        session.pending_gradients()
+        barrier.wait()
+        t0 = time.monotonic()
+        session.step(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
+        times.append((t0, time.monotonic()))
+    session.close()
+    out.put((rank, times))
+
+
+def deepspeed_rank(rank, peer, n, threads, steps, barrier, out):
+    sys.path.insert(0, peer)
+    import bench as peer_bench  # the peer's own harness: its build() loads the cached op
+    ds = peer_bench.build()
+    torch.set_num_threads(threads)  # the op's `omp parallel for` uses this thread's pool size
+    p, g = torch.full((n,), 0.5), torch.full((n,), 0.01)
+    m, v = torch.zeros(n), torch.zeros(n)
+    ds.create_adam(0, LR, BETA1, BETA2, EPS, 0.0, True, False)
+    times = []
+    for s in range(1, steps + 1):
+        barrier.wait()
+        t0 = time.monotonic()
+        ds.adam_update(0, s, LR, BETA1, BETA2, EPS, 0.0, True, p, g, m, v)
+        times.append((t0, time.monotonic()))
+    ds.destroy_adam(0)
+    out.put((rank, times))
+
+
+def run_ranks(target, args_of, ranks, steps):
+    """Runs `ranks` processes of `target`; returns each step's time, first start to last end."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r,) + args_of(r) + (steps, barrier, out))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(ranks):
+        rank, times = out.get(timeout=600)
+        results[rank] = times
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            sys.exit(f"a rank of {target.__name__} exited with {p.exitcode}")
+    return [max(results[r][s][1] for r in results) - min(results[r][s][0] for r in results)
+            for s in range(steps)]
+
+
+def peer_ready(peer):
+    if peer == "none":
+        return None, "skipped: --peer=none"
+    if not os.path.isfile(os.path.join(peer, "bench.py")):
+        return None, f"skipped: no {peer}/bench.py (pass --peer=DIR, or --peer=none)"
+    missing = [pkg for pkg in ("libtorch-dev", "ninja-build")
+               if subprocess.run(["dpkg", "-s", pkg], capture_output=True).returncode != 0]
+    if missing:
+        return None, f"skipped: missing Debian packages {', '.join(missing)}"
+    print(f"peer DeepSpeed cpu_adam: {peer} (building its extension unless cached: a minute)",
+          flush=True)
+    built = subprocess.run(["/usr/bin/python3", os.path.join(peer, "bench.py"), "--build-only"])
+    if built.returncode != 0:
+        sys.exit("the peer's extension did not build")
+    return peer, None
+
+
+def main():
+    here = os.path.dirname(os.path.realpath(__file__))  # the source tree, not runfiles
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--offloadd", required=True)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--params", type=int, default=25_000_000)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--peer", default=os.path.join(here, "..", "..", "shared", "peers",
+                                                   "deepspeed_cpu_adam"))
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args()
+    if a.tiny:
+        a.ranks, a.params, a.steps, a.rounds = 2, 100_000, 3, 1
+    if a.ranks < 1 or a.params < 1 or a.steps < 2 or a.rounds < 1:
+        sys.exit("--ranks, --params and --rounds must be positive, --steps at least 2")
+    cores = os.cpu_count()
+    peer, why = peer_ready(os.path.abspath(a.peer) if a.peer != "none" else "none")
+    if why:
+        print(f"peer DeepSpeed cpu_adam: {why}")
+    triad = triad_gbs(max(a.params, 4_000_000) if not a.tiny else 1_000_000)
+    print(f"== ranks_per_node: {a.ranks} ranks x {a.params} parameters (offloadd: {a.dtype} "
+          f"working copy and gradients), {cores} cores, "
+          f"triad {triad:.1f} GB/s; {a.steps} steps per round (the first not counted), "
+          f"{a.rounds} rounds", flush=True)
+
+    configs = [("offloadd, one pool", 30 if a.dtype == "bf16" else 36, None)]
+    if peer:
+        configs.append((f"DeepSpeed, {cores} threads/rank", 28, cores))
+        share = max(1, cores // a.ranks)
+        configs.append((f"DeepSpeed, {share} thread{'s' if share > 1 else ''}/rank", 28, share))
+    steps = {name: [] for name, _, _ in configs}
+    root = tempfile.mkdtemp(prefix="ranks_per_node.", dir="/tmp")  # short socket paths
+    daemon, address = start_daemon(a.offloadd, os.path.join(root, "d"), a.ranks, a.params)
+    try:
+        for r in range(a.rounds):
+            for name, _, threads in configs:
+                if threads is None:
+                    got = run_ranks(offloadd_rank, lambda k: (address, a.params, a.dtype),
+                                    a.ranks, a.steps)
+                else:
+                    got = run_ranks(deepspeed_rank, lambda k, t=threads: (peer, a.params, t),
+                                    a.ranks, a.steps)
+                steps[name] += got[1:]
+                print(f"round {r + 1}, {name}: " + ", ".join(f"{t * 1e3:.1f}" for t in got)
+                      + " ms", flush=True)
+    finally:
+        daemon.terminate()
+        daemon.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\n{'configuration':<28}{'step ms':>9}{'worst ms':>10}{'Gparam/s':>10}{'B/param':>9}"
+          f"{'bound ms':>10}{'of bound':>10}{'vs offloadd':>13}")
+    ours = statistics.median(steps[configs[0][0]])
+    for name, bytes_per, _ in configs:
+        med, worst = statistics.median(steps[name]), max(steps[name])
+        bound = a.ranks * a.params * bytes_per / (triad * 1e9)
+        print(f"{name:<28}{med * 1e3:>9.1f}{worst * 1e3:>10.1f}"
+              f"{a.ranks * a.params / med / 1e9:>10.3f}{bytes_per:>9}{bound * 1e3:>10.1f}"
+              f"{bound / med:>9.0%} {med / ours:>12.2f}x")
+    print("step = median over counted steps, first rank's start to last rank's end; "
+          "vs offloadd = its step time over offloadd's (above 1: offloadd faster)")
+
+
+if __name__ == "__main__":
+    main()
