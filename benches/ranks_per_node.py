@@ -45,6 +45,7 @@ import time
 import torch
 
 import offloadd
+from bench_daemon import start_daemon
 
 LR, BETA1, BETA2, EPS = 1e-3, 0.9, 0.999, 1e-8
 
@@ -60,27 +61,6 @@ def triad_gbs(n, reps=5):
     if a[n // 2].item() != 7.0:
         sys.exit("triad result wrong")
     return 16.0 * n / best / 1e9
-
-
-def start_daemon(binary, root, ranks, params):
-    os.makedirs(root)
-    log = open(os.path.join(root, "log"), "w")
-    # Room for every rank's state in the pool: master, moments, accumulator (16 B),
-    # working copy and gradients (at most 8 B), with slack.
-    pool = ranks * params * 28 + (256 << 20)
-    proc = subprocess.Popen([binary, f"--server.data_dir={root}",
-                             f"--memory.host_budget_bytes={pool}"], stdout=log,
-                            stderr=subprocess.STDOUT)
-    address = "unix:" + os.path.join(root, "offloadd.sock")
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            offloadd.Client(address)
-            return proc, address
-        except offloadd.UnavailableError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"offloadd did not start; see {root}/log")
-            time.sleep(0.05)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -197,7 +177,11 @@ def main():
         configs.append((f"DeepSpeed, {share} thread{'s' if share > 1 else ''}/rank", 28, share))
     steps = {name: [] for name, _, _ in configs}
     root = tempfile.mkdtemp(prefix="ranks_per_node.", dir="/tmp")  # short socket paths
-    daemon, address = start_daemon(a.offloadd, os.path.join(root, "d"), a.ranks, a.params)
+    # Room for every rank's state in the pool: master, moments, accumulator (16 B),
+    # working copy and gradients (at most 8 B), with slack.
+    pool = a.ranks * a.params * 28 + (256 << 20)
+    daemon, address = start_daemon(a.offloadd, os.path.join(root, "d"),
+                                   [f"--memory.host_budget_bytes={pool}"])
     try:
         for r in range(a.rounds):
             for name, _, threads in configs:

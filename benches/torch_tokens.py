@@ -19,7 +19,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,23 +31,7 @@ import gpt  # noqa: E402
 
 import offloadd  # noqa: E402
 import offloadd.torch  # noqa: E402
-
-
-def start_daemon(binary, root, extra):
-    os.makedirs(root)
-    log = open(os.path.join(root, "log"), "w")
-    proc = subprocess.Popen([binary, f"--server.data_dir={root}"] + extra, stdout=log,
-                            stderr=subprocess.STDOUT)
-    address = "unix:" + os.path.join(root, "offloadd.sock")
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            offloadd.Client(address)
-            return proc, address
-        except offloadd.UnavailableError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"offloadd did not start; see {root}/log")
-            time.sleep(0.05)
+from bench_daemon import start_daemon  # noqa: E402
 
 
 def sync(device):
