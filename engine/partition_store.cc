@@ -475,17 +475,17 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     partition->buffer[1] = partition->region.data() + shadow_at;
     partition->master_init_pending = fp32_init;
     const Tier* home = partition->home;
+    // A block of the partition's span, `at` bytes into it, in the daemon's
+    // mapping and in the arena's file.
+    auto in_span = [&](uint64_t at) {
+      return ExternalMemory{partition->region.data() + at, page, arena_->fd(), params_off + at};
+    };
     for (uint64_t begin = 0, c = 0; begin < spec.numel; begin += state_chunk_elems_, ++c) {
       const uint64_t elems = std::min(state_chunk_elems_, spec.numel - begin);
       for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
         const uint64_t block = PartitionStore::BlockOf(id, c, b);
         const Tier where = home[static_cast<int>(KindOfBlock(b))];
         absl::Status s;
-        // `at`: where the block starts in the partition's span.
-        auto in_span = [&](uint64_t at) {
-          return ExternalMemory{partition->region.data() + at, page, arena_->fd(),
-                                params_off + at};
-        };
         if (b == PartitionStore::kShadowBlock) {
           if (!with_shadow) continue;
           const uint64_t size = DTypeSize(spec.param_dtype);

@@ -265,7 +265,7 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buff
   return e;
 }
 
-absl::StatusOr<uint64_t> SwapSpace::Register(Extent e) {
+uint64_t SwapSpace::Register(Extent e) {
   absl::MutexLock lock(&mu_);
   const uint64_t id = next_id_++;
   extents_[id] = std::move(e);

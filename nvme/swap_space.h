@@ -157,7 +157,7 @@ class SwapSpace {
   uint64_t StripeDataBytes(const Extent& e, size_t r) const;
   absl::Status Mismatch(const Extent& e, size_t r, uint64_t got) const;
   // Gives a written extent its id.
-  absl::StatusOr<uint64_t> Register(Extent e) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t Register(Extent e) ABSL_LOCKS_EXCLUDED(mu_);
   // Where a transfer's stripes are: one buffer holding the whole extent
   // (`whole`), or a staging buffer that `chunk` fills or drains a window of
   // stripes at a time.
