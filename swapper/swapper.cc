@@ -65,6 +65,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.copy_out_bytes -= e.copy_out_bytes;
   d.copy_out_nanos -= e.copy_out_nanos;
   d.staged_bytes -= e.staged_bytes;
+  d.idle_wakeups -= e.idle_wakeups;
   return d;
 }
 
@@ -157,6 +158,7 @@ void Swapper::DropHostLocked(Block* b) {
   b->dropping = true;
   freeing_bytes_ += b->charge.bytes();
   io_queue_.push_front([this, id = b->id](HostMemory&) { FinishDrop(id); });
+  io_work_.Signal();
   changed_.SignalAll();
 }
 
@@ -225,6 +227,8 @@ Swapper::~Swapper() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     changed_.SignalAll();
+    io_work_.SignalAll();
+    move_work_.SignalAll();
   }
   mover_.join();
   for (std::thread& t : io_threads_) t.join();
@@ -551,6 +555,7 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
     } else {
       b->move_queued = true;
       moves_.push_back({id, MoveKind::kToHost});
+      move_work_.Signal();
     }
     changed_.SignalAll();
   }
@@ -560,6 +565,7 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
 void Swapper::Trim() {
   absl::MutexLock lock(&mu_);
   moves_.push_back({0, MoveKind::kTrim});
+  move_work_.Signal();
   changed_.SignalAll();
 }
 
@@ -752,6 +758,7 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
     if (b->state != BlockState::kOnNvme || b->move_queued) return true;
     b->move_queued = true;
     moves_.push_back({id, MoveKind::kPrefetch});
+    move_work_.Signal();
     return true;
   };
   t.ForEachUpcoming(static_cast<size_t>(prefetch_depth_ * kLookPerBlock), visit);
@@ -760,6 +767,7 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
 
 void Swapper::QueueIoLocked(IoTask task) {
   io_queue_.push_back(std::move(task));
+  io_work_.Signal();
   changed_.SignalAll();
 }
 
@@ -889,7 +897,10 @@ void Swapper::IoThread() {
   HostMemory staging;  // this thread's, for blocks moved through their file
   absl::MutexLock lock(&mu_);
   for (;;) {
-    while (io_queue_.empty() && !stopping_) changed_.Wait(&mu_);
+    while (io_queue_.empty() && !stopping_) {
+      io_work_.Wait(&mu_);
+      if (io_queue_.empty() && !stopping_) ++stats_.idle_wakeups;
+    }
     if (io_queue_.empty()) {  // stopping, and nothing left to do
       if (staging.size() != 0) space_->RemoveBuffer(staging.data(), staging.size());
       return;
@@ -906,7 +917,10 @@ void Swapper::IoThread() {
 void Swapper::MoverThread() {
   absl::MutexLock lock(&mu_);
   for (;;) {
-    while (moves_.empty() && !stopping_) changed_.Wait(&mu_);
+    while (moves_.empty() && !stopping_) {
+      move_work_.Wait(&mu_);
+      if (moves_.empty() && !stopping_) ++stats_.idle_wakeups;
+    }
     if (stopping_) return;
     const Move move = moves_.front();
     moves_.pop_front();

@@ -120,6 +120,7 @@ struct SwapperStats {
   uint64_t copy_outs = 0;        // CopyOut calls served from the NVMe copy
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
   uint64_t staged_bytes = 0;     // of bytes_in and bytes_out, moved through staging
+  uint64_t idle_wakeups = 0;     // an idle I/O thread or the mover woken with nothing to do
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -329,8 +330,17 @@ class Swapper {
   const uint64_t staging_bytes_;
 
   mutable absl::Mutex mu_;
-  // Signalled on every change of a block's state, of the queues, of room.
+  // Signalled on every change of a block's state, of the queues, of room:
+  // what callers (and the mover, mid-move) wait for.
   absl::CondVar changed_;
+  // What the idle I/O threads and the idle mover wait for: work in their
+  // queue, or the end. Apart from changed_ because a change of a block's
+  // state happens on every pin and unpin, tens of thousands of times a
+  // second under ZeRO-3 fetches, and waking every idle worker for each
+  // (they find nothing to do) took both cores of a small node, a wake-up
+  // at a time, from the very calls being served.
+  absl::CondVar io_work_;
+  absl::CondVar move_work_;
   absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, AccessTrace> traces_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU time, one tick per Acquire

@@ -158,6 +158,32 @@ TEST_F(SwapperTest, ManyTimesThePoolRoundTripsThroughNvme) {
   EXPECT_EQ(s.nvme_home_bytes, 16 * kMiB);
 }
 
+// Pinning and unpinning a resident block is the hot path of every fetch
+// (tens of thousands a second): it must not wake the idle I/O threads and
+// the mover, which find nothing to do and cost a context switch each on the
+// cores the callers need.
+TEST_F(SwapperTest, PinningResidentBlocksWakesNoIdleWorker) {
+  Make(4 * kMiB, /*prefetch_depth=*/0, /*io_threads=*/4);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  absl::SleepFor(absl::Milliseconds(50));  // every worker idle
+  const SwapperStats before = swapper_->Stats();
+  for (int i = 0; i < 500; ++i) {  // paced as calls arrive
+    {
+      auto p = swapper_->Acquire(1 + i % 2, /*for_write=*/i % 3 == 0);
+      ASSERT_TRUE(p.ok()) << p.status();
+    }
+    absl::SleepFor(absl::Microseconds(50));
+  }
+  absl::SleepFor(absl::Milliseconds(50));
+  const SwapperStats d = swapper_->Stats().Since(before);
+  EXPECT_EQ(d.hits, 500u);
+  // Five workers woken by each of 500 unpins would be hundreds or more.
+  EXPECT_LT(d.idle_wakeups, 20u);
+}
+
 TEST_F(SwapperTest, HostPlacedBlocksAreNeverEvicted) {
   Make(3 * kMiB);
   ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 7).ok());
