@@ -924,6 +924,10 @@ void Swapper::MoverThread() {
     if (stopping_) return;
     const Move move = moves_.front();
     moves_.pop_front();
+    // WaitIdle may be satisfied now: a move found with nothing left to do
+    // (its block removed, or read in by an Acquire meanwhile) ends below
+    // without another signal.
+    if (moves_.empty()) changed_.SignalAll();
     if (move.kind == MoveKind::kTrim) {
       mover_busy_ = true;
       absl::flat_hash_set<BlockId> tried;
