@@ -11,9 +11,11 @@
 // rings (the client's default), then all over gRPC.
 //
 // usage: load [--trainers=8] [--seconds=10] [--partitions=16] [--numel=65536]
-//             [--step_every=4] [--ring_spin_us=N] [--tiny]
+//             [--step_every=4] [--ring_spin_us=N] [--rounds=1] [--tiny]
 // --ring_spin_us sets the daemon's server.ring_spin_us (default: the
-// daemon's own default).
+// daemon's own default). --rounds=N runs each transport N times (each
+// against a fresh daemon) and ends with every run's fetch p99 and their
+// median.
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +31,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "benches/bench_util.h"
 #include "client/client.h"
 #include "tests/daemon_process.h"
@@ -46,6 +49,7 @@ struct Config {
   uint64_t numel = 65536;
   uint64_t step_every = 4;
   int64_t ring_spin_us = -1;  // the daemon's default
+  int rounds = 1;              // runs of each transport, each against a fresh daemon
 };
 
 // One trainer: writes its latencies (ns, per op) and error count to `out`.
@@ -209,8 +213,10 @@ uint64_t RssKiB(pid_t pid) {
   return 0;
 }
 
+// One run of `c.trainers` trainers against a fresh daemon; returns the
+// number of failures (trainers, errors) and sets `*fetch99` (us).
 int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
-            std::vector<uint32_t> crowded_floor);
+            std::vector<uint32_t> crowded_floor, double* fetch99);
 
 int Main(int argc, char** argv) {
   Config c;
@@ -231,6 +237,8 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "--ring_spin_us: not a count of microseconds: '%s'\n", v);
         return 2;
       }
+    } else if (const char* v = FlagValue(a, "rounds")) {
+      c.rounds = static_cast<int>(CountOrExit(v));
     } else if (std::strcmp(a, "--tiny") == 0) {
       c = Config{2, 0.5, 2, 1024, 2};
     } else {
@@ -239,7 +247,7 @@ int Main(int argc, char** argv) {
     }
   }
   if (c.trainers < 1 || c.seconds <= 0 || c.partitions < 1 || c.numel < 1 ||
-      c.step_every < 1) {
+      c.step_every < 1 || c.rounds < 1) {
     std::fprintf(stderr, "every count must be positive\n");
     return 2;
   }
@@ -247,12 +255,40 @@ int Main(int argc, char** argv) {
   std::vector<uint32_t> crowded_floor;
   if (c.trainers > 1) crowded_floor = PingPongs(c.trainers, std::min(20000 / c.trainers, 8192));
   int failed = 0;
-  for (bool ring : {true, false}) failed += RunOnce(c, ring, floor, crowded_floor);
+  std::vector<double> p99s[2];
+  for (int r = 0; r < c.rounds; ++r) {
+    for (bool ring : {true, false}) {
+      double fetch99 = 0;
+      failed += RunOnce(c, ring, floor, crowded_floor, &fetch99);
+      p99s[ring].push_back(fetch99);
+    }
+  }
+  if (c.rounds > 1) {
+    // The target is a percentile of one run, and one run's p99 moves with
+    // the node's noise: the median run says more than any one.
+    std::printf("\n");
+    for (bool ring : {true, false}) {
+      std::vector<double>& v = p99s[ring];
+      std::string list;
+      int met = 0;
+      for (double p : v) {
+        absl::StrAppend(&list, list.empty() ? "" : ", ", absl::StrFormat("%.1f", p));
+        met += p <= 20.0;
+      }
+      std::sort(v.begin(), v.end());
+      const size_t n = v.size();
+      const double median = n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+      std::printf("fetch p99 over %zu runs through %s: %s us; median %.1f us (%s); at or under "
+                  "20 us in %d of %zu\n",
+                  n, ring ? "the ring" : "gRPC", list.c_str(), median,
+                  median <= 20.0 ? "met" : "NOT MET", met, n);
+    }
+  }
   return failed == 0 ? 0 : 1;
 }
 
 int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
-            std::vector<uint32_t> crowded_floor) {
+            std::vector<uint32_t> crowded_floor, double* fetch99_out) {
   std::printf("\n== fetch, release and return through %s ==\n",
               ring ? "the shared-memory request ring" : "gRPC");
   std::vector<std::string> flags;
@@ -322,6 +358,7 @@ int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
   }
   const double floor50 = Percentile(floor, 0.5), floor99 = Percentile(floor, 0.99);
   const double fetch99 = Percentile(all[kFetch], 0.99), fetch50 = Percentile(all[kFetch], 0.5);
+  *fetch99_out = fetch99;
   std::printf("calls/s: %.0f; errors: %llu; trainers failed: %d\n", calls / c.seconds,
               static_cast<unsigned long long>(errors), failed);
   std::printf("Unix socket ping-pong (the floor of any request/reply): p50 %.1f us, p99 %.1f us\n",
