@@ -182,9 +182,9 @@ class Swapper {
   // block is resident and what is freed when it leaves (a huge page is held
   // and freed whole, so the caller puts nothing else in a page a block ends
   // in). With `memory.fd` and small pages, transfers go through the file
-  // (this file's opening comment, Memory). INVALID_ARGUMENT for unaligned
-  // or private memory,
-  // or a page size that is not a power-of-two multiple of the system's.
+  // (see this file's opening comment). INVALID_ARGUMENT for unaligned or
+  // private memory, or a page size that is not a power-of-two multiple of
+  // the system's.
   absl::Status AddExternal(BlockId id, const ExternalMemory& memory, uint64_t bytes, Tier home,
                            uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
 
