@@ -18,7 +18,9 @@
 // accumulation (bf16 gradients into the fp32 accumulator, as a returned
 // micro-batch is added): this kernel's against the scalar reference's, with
 // the same bound (10 bytes per parameter: 2 read, 4 written and 4 read
-// for ownership of the written line, or read as the sum's other term).
+// for ownership of the written line, or read as the sum's other term); and
+// the measuring of handed-over gradients (their squared norm and
+// non-finite count, nothing written: 2 bytes per parameter).
 //
 // The peer is DeepSpeed's CPU Adam (DeepSpeedCPUAdam's C++ op, built from
 // its unmodified sources with its CPU op builder's flags), timed by the
@@ -430,14 +432,17 @@ int Main(int argc, char** argv) {
       }
       // Gradient accumulation (returned bf16 gradients into the fp32
       // accumulator), this kernel against the scalar reference ("vs torch"
-      // column: vs scalar), 10 bytes per parameter either way.
+      // column: vs scalar), 10 bytes per parameter either way; and the
+      // measuring of handed-over gradients (no accumulator: the squared
+      // norm and non-finite count alone), 2 bytes per parameter.
       // Page-aligned, as the daemon's pool leases are.
       std::unique_ptr<float, decltype(&std::free)> acc_memory(
           static_cast<float*>(std::aligned_alloc(4096, (n * sizeof(float) + 4095) / 4096 * 4096)),
           &std::free);
       float* const acc = acc_memory.get();
       std::fill(acc, acc + n, 0.0f);
-      for (bool first : {true, false}) {
+      for (int mode = 0; mode < 3; ++mode) {
+        const bool first = mode != 1, measure = mode == 2;
         double t[2] = {1e30, 1e30};  // this kernel, scalar
         for (int round = 0; round < f.rounds; ++round) {
           for (int which = 0; which < 2; ++which) {
@@ -448,15 +453,17 @@ int Main(int argc, char** argv) {
               std::fprintf(stderr, "%s\n", s.ToString().c_str());
               return 2;
             }
-            AccumulateTask task{g16.data(), DType::kBf16, acc, n, first};
+            AccumulateTask task{g16.data(), DType::kBf16, measure ? nullptr : acc, n, first};
             t[which] = std::min(t[which], BestSeconds(f.reps, [&] {
                                   opt.Accumulate(absl::MakeConstSpan(&task, 1));
                                 }));
           }
         }
         const double rate = static_cast<double>(n) / t[0];
-        row(first ? "accumulate bf16, first micro-batch" : "accumulate bf16, later micro-batch",
-            rate, 10, absl::StrFormat("%.1fx", t[1] / t[0]), "-");
+        row(measure ? "measure handed-over bf16"
+            : first ? "accumulate bf16, first micro-batch"
+                    : "accumulate bf16, later micro-batch",
+            rate, measure ? 2 : 10, absl::StrFormat("%.1fx", t[1] / t[0]), "-");
       }
     }
   }

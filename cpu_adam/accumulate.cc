@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <limits>
-#include <vector>
 
 namespace offload {
 namespace {
@@ -11,7 +10,7 @@ namespace {
 // in fp32 over 16 lanes for blocks of 1024 elements (independent lanes the
 // compiler vectorises), each block's sum then added in double; the lanes
 // and blocks combine in a fixed order, so the same bits every run.
-template <bool kFirst, typename Load>
+template <bool kFirst, bool kStore, typename Load>
 GradStats AddAndMeasure(Load load, float* acc, size_t n) {
   constexpr size_t kLanes = 16, kBlock = 1024;
   double total = 0;
@@ -24,7 +23,7 @@ GradStats AddAndMeasure(Load load, float* acc, size_t n) {
       for (size_t k = 0; k < kLanes; ++k) {
         const float g = load(i + j + k);
         const float x = kFirst ? g : acc[i + j + k] + g;
-        acc[i + j + k] = x;
+        if constexpr (kStore) acc[i + j + k] = x;
         part[k] += x * x;
         bad[k] += std::fabs(x) <= std::numeric_limits<float>::max() ? 0 : 1;  // NaN too
       }
@@ -39,7 +38,7 @@ GradStats AddAndMeasure(Load load, float* acc, size_t n) {
   for (; i < n; ++i) {
     const float g = load(i);
     const float x = kFirst ? g : acc[i] + g;
-    acc[i] = x;
+    if constexpr (kStore) acc[i] = x;
     total += static_cast<double>(x) * x;
     nonfinite += std::isfinite(x) ? 0 : 1;
   }
@@ -51,15 +50,14 @@ GradStats AddAndMeasure(Load load, float* acc, size_t n) {
 
 template <typename Load>
 GradStats AddAndMeasure(Load load, float* acc, size_t n, bool first) {
-  return first ? AddAndMeasure<true>(load, acc, n) : AddAndMeasure<false>(load, acc, n);
+  if (acc == nullptr) return AddAndMeasure<true, false>(load, acc, n);
+  return first ? AddAndMeasure<true, true>(load, acc, n) : AddAndMeasure<false, true>(load, acc, n);
 }
 
 }  // namespace
 
 GradStats MeasureGrads(const float* v, size_t n) {
-  // The same arithmetic, through a scratch copy (tests and tools only).
-  std::vector<float> scratch(n);
-  return AddAndMeasure([v](size_t i) { return v[i]; }, scratch.data(), n, /*first=*/true);
+  return AddAndMeasure([v](size_t i) { return v[i]; }, nullptr, n, /*first=*/true);
 }
 
 GradStats AccumulateGrads(const void* grads, DType grad_dtype, float* acc, size_t n, bool first) {

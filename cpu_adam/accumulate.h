@@ -26,12 +26,14 @@
 namespace offload {
 
 // acc[i] = (first ? 0 : acc[i]) + grads[i] for i < n, then the statistics of
-// acc[0..n) (GradStats, adam.h). The scalar reference: the vector kernels
-// (AdamKernels::accumulate) give the same bits.
+// acc[0..n) (GradStats, adam.h). With `acc` null (`first` is then ignored):
+// the statistics of the gradients alone, as a first micro-batch's, nothing
+// stored (a handed-over buffer measured). The scalar reference: the vector
+// kernels (AdamKernels::accumulate) give the same bits.
 GradStats AccumulateGrads(const void* grads, DType grad_dtype, float* acc, size_t n, bool first);
 
 // The statistics of `n` fp32 values, as AccumulateGrads computes them
-// (tests and tools: it copies them).
+// (tests and tools).
 GradStats MeasureGrads(const float* values, size_t n);
 
 }  // namespace offload

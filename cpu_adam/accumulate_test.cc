@@ -66,10 +66,15 @@ TEST(Accumulate, CountsNonFiniteAccumulatedValues) {
 // Every instruction set's kernel gives the reference's bits: accumulator
 // values, squared norm and non-finite count; for each gradient dtype, a
 // first and a later micro-batch, lengths around the 1024-value blocks and
-// the vector widths, aligned accumulators (non-temporal stores) and not,
-// and gradients with Inf and NaN among them.
+// the vector widths and the groups of blocks a kernel interleaves (4 x
+// 1024), aligned accumulators (non-temporal stores) and not, and gradients
+// with Inf and NaN among them; and measuring only (no accumulator), which
+// gives a first micro-batch's statistics.
 TEST(Accumulate, EveryKernelMatchesTheReferenceBitForBit) {
-  const std::vector<size_t> lengths = {0, 1, 7, 15, 16, 17, 1023, 1024, 1025, 3000, 4096 + 13};
+  const std::vector<size_t> lengths = {0,    1,    7,    15,          16,          17,
+                                       1023, 1024, 1025, 3000,        4096,        4096 + 13,
+                                       5 * 1024 + 17,    9 * 1024,    12 * 1024 + 1000};
+  constexpr size_t kMax = 12 * 1024 + 1000;
   for (const AdamKernels* k : SupportedAdamKernels()) {
     for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
       for (size_t n : lengths) {
@@ -91,7 +96,7 @@ TEST(Accumulate, EveryKernelMatchesTheReferenceBitForBit) {
             }
             // Two accumulators with the same history: the reference's and
             // the kernel's, at the same alignment.
-            alignas(64) static float want_buf[4096 + 64], got_buf[4096 + 64];
+            alignas(64) static float want_buf[kMax + 64], got_buf[kMax + 64];
             float* want = want_buf + offset;
             float* got = got_buf + offset;
             const std::vector<float> start = Pattern(n, 0.7f);
@@ -104,6 +109,14 @@ TEST(Accumulate, EveryKernelMatchesTheReferenceBitForBit) {
               EXPECT_EQ(std::memcmp(&a.sq_norm, &b.sq_norm, sizeof(double)), 0)
                   << "first " << first << ": " << a.sq_norm << " vs " << b.sq_norm;
               EXPECT_EQ(a.nonfinite, b.nonfinite) << "first " << first;
+              if (!first) continue;
+              const GradStats measured = AccumulateGrads(grads, dtype, nullptr, n, false);
+              const GradStats kernel_measured = k->accumulate(grads, dtype, nullptr, n, false);
+              for (const GradStats& m : {measured, kernel_measured}) {
+                EXPECT_EQ(std::memcmp(&a.sq_norm, &m.sq_norm, sizeof(double)), 0)
+                    << "measured: " << a.sq_norm << " vs " << m.sq_norm;
+                EXPECT_EQ(a.nonfinite, m.nonfinite) << "measured";
+              }
             }
           }
         }

@@ -114,7 +114,7 @@ struct AdamKernels {
   const char* name;
   void (*adam)(const AdamStepConstants& c, const AdamSpan& span);
   uint64_t (*count_nonfinite)(const void* grads, DType dtype, size_t n);
-  // AccumulateGrads (accumulate.h), bit for bit.
+  // AccumulateGrads (accumulate.h), bit for bit (`acc` null: measure only).
   GradStats (*accumulate)(const void* grads, DType dtype, float* acc, size_t n, bool first);
 };
 

@@ -155,7 +155,8 @@ uint64_t CountNonFiniteAvx2(const void* grads, DType dtype, size_t n) {
 
 // AccumulateGrads (accumulate.h), bit for bit: the reference's 16 lanes of
 // fp32 squares are two vectors here (lanes 0-7, 8-15), summed per block of
-// 1024 in double in lane order; the tail element by element.
+// 1024 in double in lane order; the tail element by element. Without
+// kStore (no accumulator: measure only), the values are not stored.
 struct Accumulator {
   static float Widen(const void* g, DType dtype, size_t i) {
     if (dtype == DType::kFp32) return static_cast<const float*>(g)[i];
@@ -167,7 +168,7 @@ struct Accumulator {
     return f;
   }
 
-  template <DType G, bool kFirst>
+  template <DType G, bool kFirst, bool kStore>
   static GradStats Run(const void* g, float* acc, size_t n) {
     constexpr size_t kBlock = adam_internal::kAccumulateBlock;
     const __m256 max = _mm256_set1_ps(adam_internal::kMaxFloat);
@@ -186,8 +187,10 @@ struct Accumulator {
           x0 = _mm256_add_ps(_mm256_loadu_ps(acc + j), x0);
           x1 = _mm256_add_ps(_mm256_loadu_ps(acc + j + 8), x1);
         }
-        _mm256_storeu_ps(acc + j, x0);
-        _mm256_storeu_ps(acc + j + 8, x1);
+        if constexpr (kStore) {
+          _mm256_storeu_ps(acc + j, x0);
+          _mm256_storeu_ps(acc + j + 8, x1);
+        }
         lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, x0));
         hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, x1));
         out.nonfinite += bad(x0) + bad(x1);
@@ -202,7 +205,7 @@ struct Accumulator {
     for (; i < n; ++i) {
       const float v = Widen(g, G, i);
       const float x = kFirst ? v : acc[i] + v;
-      acc[i] = x;
+      if constexpr (kStore) acc[i] = x;
       out.sq_norm += static_cast<double>(x) * x;
       uint32_t bits;
       std::memcpy(&bits, &x, sizeof(bits));

@@ -50,14 +50,17 @@ void Dispatch(const AdamStepConstants& c, const AdamSpan& s) {
   }
 }
 
-// Calls Accumulator::template Run<G, kFirst>(grads, acc, n) with G the
-// gradient dtype and kFirst whether the accumulator is copied into.
+// Calls Accumulator::template Run<G, kFirst, kStore>(grads, acc, n) with G
+// the gradient dtype, kFirst whether the accumulator is copied into, and
+// kStore whether there is one (without: the gradients are only measured,
+// as a first micro-batch's would be).
 template <typename Accumulator>
 GradStats DispatchAccumulate(const void* grads, DType dtype, float* acc, size_t n, bool first) {
   auto with_first = [&](auto grad) {
     constexpr DType G = decltype(grad)::value;
-    return first ? Accumulator::template Run<G, true>(grads, acc, n)
-                 : Accumulator::template Run<G, false>(grads, acc, n);
+    if (acc == nullptr) return Accumulator::template Run<G, true, false>(grads, acc, n);
+    return first ? Accumulator::template Run<G, true, true>(grads, acc, n)
+                 : Accumulator::template Run<G, false, true>(grads, acc, n);
   };
   switch (dtype) {
     case DType::kFp32:

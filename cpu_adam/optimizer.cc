@@ -198,30 +198,13 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
     const AccumulateTask& task = tasks[t.task];
     const size_t elem = DTypeSize(task.grad_dtype);
     const auto* grads = static_cast<const std::byte*>(task.grads);
-    GradStats& stats = per_tile[static_cast<size_t>(&t - tiles.data())];
-    if (task.acc != nullptr) {
-      stats = kernels.accumulate(grads + t.begin * elem, task.grad_dtype, task.acc + t.begin,
-                                 t.end - t.begin, task.first);
-      return;
-    }
-    // Measure only: the kernel copies each whole block into a scratch block
-    // that stays in L1 and gives its sum, which a first accumulation adds
-    // to its running total the same way; the tail, which the accumulation
-    // adds value by value into that total (accumulate.h), is added so here.
-    // So the bits are those of a first accumulation, and the memory traffic
-    // is the gradients' read alone.
-    alignas(64) float scratch[kGradStatsBlock];
-    size_t i = t.begin;
-    for (; i + kGradStatsBlock <= t.end; i += kGradStatsBlock) {
-      stats += kernels.accumulate(grads + i * elem, task.grad_dtype, scratch, kGradStatsBlock,
-                                  /*first=*/true);
-    }
-    const size_t tail = t.end - i;
-    WidenToFloat(grads + i * elem, task.grad_dtype, scratch, tail);
-    for (size_t j = 0; j < tail; ++j) {
-      stats.sq_norm += static_cast<double>(scratch[j]) * scratch[j];
-      stats.nonfinite += std::isfinite(scratch[j]) ? 0 : 1;
-    }
+    // No accumulator (handed over): measured only, by the same kernel,
+    // as a first accumulation would (the memory traffic is the gradients'
+    // read alone).
+    per_tile[static_cast<size_t>(&t - tiles.data())] =
+        kernels.accumulate(grads + t.begin * elem, task.grad_dtype,
+                           task.acc != nullptr ? task.acc + t.begin : nullptr, t.end - t.begin,
+                           task.first);
   });
   GradStats total;
   for (const GradStats& s : per_tile) total += s;
