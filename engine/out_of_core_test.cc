@@ -1024,6 +1024,49 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
 }
 
+// Within one group of pinned chunks, each partition leaves the step as
+// soon as its own update is done (one optimizer call per partition of at
+// least a million values), not when the whole group is: a fetch of the
+// first waits for nothing while the last is still to be updated.
+TEST(OutOfCore, APartitionLeavesTheStepBeforeTheRestOfItsGroup) {
+  Engine engine(TmpDir("run"), uint64_t{1} << 30);
+  const uint64_t n = uint64_t{1} << 20;
+  Trainer t(&engine, All(100), {n, n, n});
+  t.ReturnGradients(1);  // fetched in order: the step updates p0, p1, p2
+  const uint64_t first = t.parts()[0].id, last = t.parts()[2].id;
+  absl::Notification reached, open;
+  std::atomic<int> runs{0}, groups{0};
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point == StepPoint::kGroupPinned) ++groups;
+    if (point != StepPoint::kRunDone || runs++ != 0) return;
+    reached.Notify();
+    open.WaitForNotification();
+  });
+  StepControl overlap;
+  overlap.overlap = true;
+  auto started = engine.sessions->Step(t.key(), AdamHyperparams{}, overlap);
+  ASSERT_TRUE(started.ok()) << started.status();
+  reached.WaitForNotification();
+  const int64_t waits = engine.stats.waits_for_step.load();
+  auto got = engine.sessions->Fetch(t.key(), {first});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ((*got)[0].step, 1u);
+  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
+  absl::StatusOr<std::vector<PartitionInfo>> waited;
+  std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {last}); });
+  EXPECT_TRUE(AwaitAWaitForStep(engine, waits));
+  open.Notify();
+  fetcher.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ((*waited)[0].step, 1u);
+  auto outcome = engine.sessions->WaitStep(t.key());
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
+  EXPECT_EQ(outcome->partitions_updated, 3u);
+  EXPECT_EQ(groups.load(), 1);  // all three were pinned as one group
+  EXPECT_EQ(runs.load(), 3);
+}
+
 // Param groups: one step gives partition 1 its own lr and no weight decay,
 // the others the step's; each trains to the bits of a session stepped with
 // only its own hyperparameters.

@@ -12,6 +12,11 @@
 namespace offload {
 namespace {
 
+// The fewest elements one call of the optimizer updates while partitions
+// end inside a group (StepRunner::Execute): 16 tiles of the default size,
+// work for every thread of a node's pool.
+constexpr uint64_t kMinRunElems = uint64_t{1} << 20;
+
 int64_t NanosSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                               start)
@@ -290,33 +295,54 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
     wait_nanos += NanosSince(pinning);
     if (tasks.empty()) break;
     Sync(StepPoint::kGroupPinned);
-    const auto computing = std::chrono::steady_clock::now();
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      const AdamSpan& span = tasks[t].span;
-      if (init_from[t] != nullptr) {
-        WidenToFloat(init_from[t], span.working_dtype, span.master, span.numel);
+    // The group is updated in runs that end where a partition's last chunk
+    // does (small partitions batched to at least kMinRunElems, so that the
+    // optimizer's threads still get enough tiles): each partition leaves
+    // the step as soon as its own update is done, so an overlapped step's
+    // next fetch of it (and, with the delayed update, the next backward's
+    // fetch of its gradient buffer) waits for it alone, not for the group.
+    size_t run_begin = 0;
+    while (run_begin < tasks.size()) {
+      size_t run_end = run_begin;
+      uint64_t run_elems = 0;
+      while (run_end < tasks.size()) {
+        const Unit& u = units[first + run_end];
+        run_elems += tasks[run_end].span.numel;
+        ++run_end;
+        if (u.chunk + 1 == items[u.item].chunks && run_elems >= kMinRunElems) break;
       }
-    }
-    absl::Status updated = optimizer_->Update(tasks, h);
-    compute_nanos += NanosSince(computing);
-    if (!updated.ok()) {
-      status = updated;
-      next = first;
-      break;
-    }
-    pins.clear();  // unpinned before the gradients are dropped
-    for (size_t u = first; u < first + tasks.size(); ++u) {
-      const size_t i = units[u].item;
-      outcomes[i].next_chunk = units[u].chunk + 1;
-      summary.params_updated += tasks[u - first].span.numel;
-      set.ConsumeGrads(items[i], units[u].chunk);
-      if (outcomes[i].next_chunk == items[i].chunks) {
-        // Done: a fetch of it need not wait for the rest of the step.
-        outcomes[i].outcome = StepOutcome::kApplied;
-        outcomes[i].ended = true;
-        ++summary.partitions_updated;
-        set.EndPartition(items[i]);
+      const auto computing = std::chrono::steady_clock::now();
+      for (size_t t = run_begin; t < run_end; ++t) {
+        const AdamSpan& span = tasks[t].span;
+        if (init_from[t] != nullptr) {
+          WidenToFloat(init_from[t], span.working_dtype, span.master, span.numel);
+        }
       }
+      absl::Status updated = optimizer_->Update(
+          absl::MakeConstSpan(tasks).subspan(run_begin, run_end - run_begin), h);
+      compute_nanos += NanosSince(computing);
+      if (!updated.ok()) {
+        status = updated;
+        next = first + run_begin;
+        break;
+      }
+      // Unpinned before the gradients are dropped.
+      for (size_t t = run_begin; t < run_end; ++t) pins[t] = ChunkPins{};
+      for (size_t t = run_begin; t < run_end; ++t) {
+        const size_t i = units[first + t].item;
+        outcomes[i].next_chunk = units[first + t].chunk + 1;
+        summary.params_updated += tasks[t].span.numel;
+        set.ConsumeGrads(items[i], units[first + t].chunk);
+        if (outcomes[i].next_chunk == items[i].chunks) {
+          // Done: a fetch of it need not wait for the rest of the step.
+          outcomes[i].outcome = StepOutcome::kApplied;
+          outcomes[i].ended = true;
+          ++summary.partitions_updated;
+          set.EndPartition(items[i]);
+        }
+      }
+      run_begin = run_end;
+      Sync(StepPoint::kRunDone);
     }
     Sync(StepPoint::kGroupDone);
   }
