@@ -21,8 +21,8 @@
 // (The gradient values are whatever the buffers hold: Adam's cost does not
 // depend on them; the daemon's accumulation pass runs on every return.)
 //
-// T_opt is measured first: the mean wall time of synchronous Steps alone
-// (after a warm-up). With --t=auto, T = T_opt. T_alone: the trainer's
+// T_opt is measured first: the median wall time of synchronous Steps alone
+// (after two warm-ups). With --t=auto, T = T_opt. T_alone: the trainer's
 // sleeps alone, timed (see Sleep). Bound = max(T_alone, T_opt) (what
 // the delayed parameter update, DPU, can reach; the third mode: overlapped
 // steps with DPU on); the overlapped step's own limit is max(T/3, T_opt) +
@@ -239,14 +239,25 @@ int Main(int argc, char** argv) {
     return SecondsSince(start);
   };
 
-  // T_opt: synchronous steps alone (gradients returned without sleeping).
-  double step_call = 0, t_opt = 0;
-  const int opt_runs = 3;
-  for (int r = 0; r <= opt_runs; ++r) {
-    auto it = iteration(0, false, &step_call);
-    if (!it.ok()) return Fail(it.status(), "calibration");
-    if (r > 0) t_opt += step_call / opt_runs;  // the first is the warm-up
-  }
+  // T_opt: synchronous steps alone (gradients returned without sleeping),
+  // the median of `opt_runs` after two warm-ups (the first steps touch the
+  // optimizer state's fresh pages and initialise the master copies; a mean
+  // would also take in a step the host slowed, and overstate T_opt).
+  // Measured again after the modes, to show how far the host drifted.
+  double step_call = 0;
+  const int opt_warmups = 2, opt_runs = 7;
+  auto measure_t_opt = [&]() -> absl::StatusOr<double> {
+    std::vector<double> steps;
+    for (int r = 0; r < opt_warmups + opt_runs; ++r) {
+      RETURN_IF_ERROR(iteration(0, false, &step_call).status());
+      if (r >= opt_warmups) steps.push_back(step_call);
+    }
+    std::sort(steps.begin(), steps.end());
+    return steps[steps.size() / 2];
+  };
+  const absl::StatusOr<double> measured_t_opt = measure_t_opt();
+  if (!measured_t_opt.ok()) return Fail(measured_t_opt.status(), "calibration");
+  const double t_opt = *measured_t_opt;
   const double t = f.t < 0 ? t_opt : f.t;
   prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
   g_overshoot = MeasureOvershoot(t / 3 / f.layers, 4 * f.layers);
@@ -255,10 +266,10 @@ int Main(int argc, char** argv) {
   // The trainer's time is what its sleeps take, as measured, whether longer
   // or shorter than asked.
   const double bound = std::max(t_alone, t_opt);
-  std::printf("T_opt (synchronous Step alone, mean of %d after a warm-up): %.3f s; T (forward + "
+  std::printf("T_opt (synchronous Step alone, median of %d after %d warm-ups): %.3f s; T (forward + "
               "backward asleep): %.3f s asked, T_alone %.3f s measured (each of its %d sleeps "
               "shortened by %.0f us, their overshoot); bound max(T_alone, T_opt) = %.3f s\n",
-              opt_runs, t_opt, t, t_alone, 2 * f.layers, g_overshoot * 1e6, bound);
+              opt_runs, opt_warmups, t_opt, t, t_alone, 2 * f.layers, g_overshoot * 1e6, bound);
   returning = 0;
 
   struct Row {
@@ -309,6 +320,12 @@ int Main(int argc, char** argv) {
     std::printf("%-12s %10.3f %10.3f %10.3f %12.3f %8.3f %9.3f %10.3f %9.3fx\n", r.mode, r.mean,
                 r.best, r.worst, r.step_call, r.fetch, r.ret, bound, r.mean / bound);
   }
+  hand_over = false;
+  const absl::StatusOr<double> t_opt_after = measure_t_opt();
+  if (!t_opt_after.ok()) return Fail(t_opt_after.status(), "calibration after");
+  std::printf("T_opt measured again after the modes (delayed update on: the same work): %.3f s, "
+              "%+.0f%% (the host's drift during the run)\n",
+              *t_opt_after, 100 * (*t_opt_after / t_opt - 1));
   // T_acc: the accumulation pass with no update beside it.
   const double t_acc = rows[0].ret;
   std::printf("T_acc (ReturnGradients in synchronous mode: the daemon's accumulation pass, in "
