@@ -27,7 +27,9 @@
 // the delayed parameter update, DPU, can reach; the third mode: overlapped
 // steps with DPU on); the overlapped step's own limit is max(T/3, T_opt) +
 // 2T/3, since each layer's forward needs its updated parameters. The first
-// iteration of each mode is not counted. Per mode the table also gives the
+// iteration of each mode is not counted. Each mode's ratio is given for its
+// mean iteration and for its median one (T_opt is a median too; single
+// steps on a noisy host take 1.5-3x at random). Per mode the table also gives the
 // time inside Fetch (waiting for an update) and inside ReturnGradients
 // (the accumulation pass, which the trainer waits for; slower while an
 // update shares the cores and the memory bus). The fourth mode, "DPU,
@@ -275,15 +277,26 @@ int Main(int argc, char** argv) {
   struct Row {
     const char* mode;
     double mean = 0, best = 1e9, worst = 0, step_call = 0, fetch = 0, ret = 0;
+    std::vector<double> iterations;
+    // The median iteration: this VM's host slows single steps 1.5-3x at
+    // random (in every mode, and in T_opt's own measurement, hence its
+    // median), which the mean takes in.
+    double median() const {
+      std::vector<double> v = iterations;
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2]
+                                            : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+    }
   };
   std::vector<Row> rows;
   for (int mode = 0; mode < 4; ++mode) {
     const bool overlap = mode > 0;
     hand_over = mode == 3;
-    Row row{mode == 0   ? "synchronous"
-            : mode == 1 ? "overlapped"
-            : mode == 2 ? "DPU"
-                        : "DPU, handed"};
+    Row row;
+    row.mode = mode == 0   ? "synchronous"
+               : mode == 1 ? "overlapped"
+               : mode == 2 ? "DPU"
+                           : "DPU, handed";
     if (mode == 2) {
       if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
       if (auto s = e.sessions->SetDelayedUpdate(key, true); !s.ok()) return Fail(s, "dpu");
@@ -305,6 +318,7 @@ int Main(int argc, char** argv) {
       row.fetch += (fetching - fetched) / counted;
       row.ret += (returning - returned) / counted;
       row.mean += *it / counted;
+      row.iterations.push_back(*it);
       row.step_call += step_call / counted;
       row.best = std::min(row.best, *it);
       row.worst = std::max(row.worst, *it);
@@ -314,11 +328,15 @@ int Main(int argc, char** argv) {
   // Per iteration: in Fetch (waiting for an update or a swap-in), in
   // ReturnGradients (the accumulation pass, slower while an update shares
   // the cores and the memory bus).
-  std::printf("\n%-12s %10s %10s %10s %12s %8s %9s %10s %10s\n", "mode", "iter s", "best s",
-              "worst s", "Step call s", "fetch s", "return s", "bound s", "ratio");
+  // The ratio is the mean iteration's to the bound; "median x" the median
+  // iteration's.
+  std::printf("\n%-12s %10s %10s %10s %10s %12s %8s %9s %10s %10s %9s\n", "mode", "iter s",
+              "median s", "best s", "worst s", "Step call s", "fetch s", "return s", "bound s",
+              "ratio", "median x");
   for (const Row& r : rows) {
-    std::printf("%-12s %10.3f %10.3f %10.3f %12.3f %8.3f %9.3f %10.3f %9.3fx\n", r.mode, r.mean,
-                r.best, r.worst, r.step_call, r.fetch, r.ret, bound, r.mean / bound);
+    std::printf("%-12s %10.3f %10.3f %10.3f %10.3f %12.3f %8.3f %9.3f %10.3f %9.3fx %8.3fx\n",
+                r.mode, r.mean, r.median(), r.best, r.worst, r.step_call, r.fetch, r.ret, bound,
+                r.mean / bound, r.median() / bound);
   }
   hand_over = false;
   const absl::StatusOr<double> t_opt_after = measure_t_opt();
@@ -346,12 +364,11 @@ int Main(int argc, char** argv) {
   // time includes the daemon's accumulation pass.
   const double dpu_bound = std::max(t + t_acc, t_opt);
   for (int r : {2, 3}) {
-    const double dpu_ratio = rows[r].mean / bound;
-    std::printf("%s: %.3fx max(T_alone, T_opt) (target <= 1.10x: %s); %.3fx max(T + T_acc, "
-                "T_opt) = "
-                "%.3f s\n",
-                rows[r].mode, dpu_ratio, dpu_ratio <= 1.10 ? "MET" : "NOT MET",
-                rows[r].mean / dpu_bound, dpu_bound);
+    const double dpu_ratio = rows[r].mean / bound, median_ratio = rows[r].median() / bound;
+    std::printf("%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
+                "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
+                rows[r].mode, dpu_ratio, dpu_ratio <= 1.10 ? "MET" : "NOT MET", median_ratio,
+                median_ratio <= 1.10 ? "MET" : "NOT MET", rows[r].mean / dpu_bound, dpu_bound);
   }
   return 0;
 }
