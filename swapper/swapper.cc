@@ -431,7 +431,13 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
     return status;
   }
   // Only uses that happen enter the learned order (a caller that retries
-  // after RESOURCE_EXHAUSTED must not make the trace look different).
+  // after RESOURCE_EXHAUSTED must not make the trace look different), and
+  // only uses of blocks homed on NVMe: a block homed on the host is never
+  // read in nor evicted, so its uses predict nothing, and they can change
+  // every iteration where the NVMe ones do not (the delayed update's two
+  // working-copy buffers take turns), which made the order look new at
+  // every step and stopped prefetch.
+  traced = traced && b->home == Tier::kNvme;
   if (traced) traces_[b->trace].RecordUse(id);
   ++b->pins;
   if (b->prefetched) {

@@ -44,6 +44,8 @@
 // Prefetch: after each Acquire, the next prefetch_depth blocks along the
 // trace that are not resident (at most prefetch_bytes) are read in by the
 // mover thread, evicting only blocks needed later than the one prefetched.
+// Only uses of NVMe-homed blocks enter a trace: the others are never read
+// in nor evicted, and may vary between iterations where these do not.
 // Memory: the pool's limit is never exceeded. Asking to pin more than the
 // pool holds at once is RESOURCE_EXHAUSTED with the numbers.
 //
@@ -203,8 +205,8 @@ class Swapper {
 
   // Makes the block resident and pins it until the Pin goes. With
   // `for_write` the caller will change its bytes (the NVMe copy stops being
-  // current). Records the use in the block's trace and prefetches ahead,
-  // unless `traced` is false: a use whose timing is not the access order
+  // current). Records the use in the block's trace and prefetches ahead
+  // (a block homed on NVMe only), unless `traced` is false: a use whose timing is not the access order
   // (work in the background, such as measuring gradients or writing a
   // checkpoint, which interleaves differently every iteration) would make
   // the learned order look changed and stop prefetch for the iteration.

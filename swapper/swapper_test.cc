@@ -417,6 +417,38 @@ TEST_F(SwapperTest, UntracedUsesLeaveTheLearnedOrderAlone) {
   EXPECT_EQ(after.relearned, before.relearned + 1);
 }
 
+// Blocks homed on the host take turns between iterations (the delayed
+// update's two working-copy buffers: the trainer reads one, then the
+// other), while the blocks homed on NVMe keep their order: the order is
+// learned once and prefetch keeps going, since only NVMe blocks' uses enter
+// it (they made the order look new at every step, and a step with its
+// optimizer state on NVMe ran 2.2x slower with the delayed update on).
+TEST_F(SwapperTest, UsesOfBlocksHomedOnTheHostLeaveTheLearnedOrderAlone) {
+  Make(4 * kMiB, /*prefetch_depth=*/2);
+  for (uint64_t id = 1; id <= 8; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id : {101, 102}) ASSERT_TRUE(swapper_->Add(id, 4096, Tier::kHost, 7).ok());
+  for (uint64_t id = 1; id <= 8; ++id) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  swapper_->WaitIdle();
+  const SwapperStats before = swapper_->Stats();
+  for (int iteration = 0; iteration < 4; ++iteration) {
+    const uint64_t host = iteration % 2 == 0 ? 101 : 102;  // the buffers take turns
+    for (uint64_t id = 1; id <= 8; ++id) {
+      auto held = swapper_->Acquire(host, /*for_write=*/false);
+      ASSERT_TRUE(held.ok()) << held.status();
+      held->Reset();
+      ExpectHolds(id, static_cast<uint32_t>(id));
+      swapper_->WaitIdle();
+    }
+    swapper_->EndIteration(7);
+    swapper_->WaitIdle();
+  }
+  const SwapperStats after = swapper_->Stats();
+  EXPECT_EQ(after.relearned, before.relearned);
+  EXPECT_EQ(after.misses, before.misses);  // every NVMe use prefetched
+  EXPECT_GE(after.prefetches - before.prefetches, 4u * 4);
+}
+
 TEST_F(SwapperTest, RemoveDuringReadInFreesItWhenTheReadEnds) {
   Make(kMiB);
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
