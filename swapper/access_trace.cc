@@ -26,9 +26,16 @@ void AccessTrace::RecordUse(uint64_t id) {
 }
 
 void AccessTrace::EndIteration() {
-  if (recording_ != trace_) {
-    if (!trace_.empty()) ++relearned_;
-    trace_ = std::move(recording_);
+  if (recording_ != trace_ && !trace_.empty()) ++relearned_;
+  third_last_ = std::move(before_last_);
+  before_last_ = std::move(last_);
+  last_ = std::move(recording_);
+  // Two orders taking turns (A B A: B next), else the newest.
+  const bool alternating =
+      !third_last_.empty() && last_ == third_last_ && before_last_ != last_;
+  const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
+  if (next != trace_) {
+    trace_ = next;
     positions_.clear();
     for (size_t i = 0; i < trace_.size(); ++i) positions_[trace_[i]].push_back(i);
   }

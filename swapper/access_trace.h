@@ -14,9 +14,15 @@
 //      also saw registrations); anything else means the order changed, and
 //      predictions stop for the rest of the iteration (callers fall back to
 //      LRU).
-//   3. At EndIteration, a recording that differs from the trace replaces it
-//      (the first iteration learns, a changed order is re-learned); the
-//      position goes back to the start.
+//   3. At EndIteration, the next iteration's order is predicted from the
+//      last three: the newest (the first iteration learns, a changed order
+//      is re-learned), or, where the newest equals the one two back and
+//      differs from the one between, the one between: two orders taking
+//      turns (with the delayed update the trainer reads a partition's two
+//      working-copy buffers in turn, one step each). The position goes back
+//      to the start. Predictions that wrap past the iteration's end assume
+//      it repeats (in the alternating case, slightly off near the end;
+//      EndIteration's prediction corrects it).
 //
 // Thread-compatible: the owner (the swapper) serialises calls.
 #ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
@@ -63,7 +69,8 @@ class AccessTrace {
     }
   }
 
-  // How many times a learned order was replaced by a different one.
+  // How many iterations did not follow the order predicted for them (a
+  // changed order, learned again).
   uint64_t relearned() const { return relearned_; }
   size_t trace_length() const { return trace_.size(); }
 
@@ -72,6 +79,8 @@ class AccessTrace {
   // id -> its positions in trace_, ascending.
   absl::flat_hash_map<uint64_t, std::vector<size_t>> positions_;
   std::vector<uint64_t> recording_;
+  // The orders of the last three iterations, newest first.
+  std::vector<uint64_t> last_, before_last_, third_last_;
   size_t pos_ = 0;
   bool matched_ = true;
   uint64_t relearned_ = 0;

@@ -73,5 +73,38 @@ TEST(AccessTrace, AChangedOrderStopsPredictionsAndIsLearnedAgain) {
   EXPECT_FALSE(t.on_trace());
 }
 
+// Two orders taking turns (the delayed update: the trainer reads a
+// partition's two working-copy buffers in turn, 11 12 13 then 21 22 23,
+// with the same optimizer state 5 6 between): once an order came back after
+// another, the other is predicted next, and every iteration follows its
+// prediction. A steady order and a changed one behave as before.
+TEST(AccessTrace, TwoOrdersTakingTurnsArePredictedInTurn) {
+  const std::vector<uint64_t> a = {11, 12, 13, 5, 6}, b = {21, 22, 23, 5, 6};
+  AccessTrace t;
+  Iterate(t, a);
+  Iterate(t, b);  // A, then B: a changed order, learned as such
+  EXPECT_EQ(t.relearned(), 1u);
+  EXPECT_EQ(t.Upcoming(1), (std::vector<uint64_t>{21}));
+  Iterate(t, a);  // A again: taking turns; B predicted next
+  EXPECT_EQ(t.relearned(), 2u);
+  EXPECT_EQ(t.Upcoming(5), b);
+  for (int i = 0; i < 6; ++i) {
+    const std::vector<uint64_t>& next = i % 2 == 0 ? b : a;
+    EXPECT_EQ(t.Upcoming(5), next) << i;
+    for (uint64_t id : next) {
+      t.RecordUse(id);
+      EXPECT_TRUE(t.on_trace()) << i << " at " << id;
+    }
+    t.EndIteration();
+  }
+  EXPECT_EQ(t.relearned(), 2u);
+  // Back to one order: A A (after ... B A) predicts A; nothing alternates.
+  Iterate(t, a);
+  EXPECT_EQ(t.Upcoming(1), (std::vector<uint64_t>{11}));
+  const uint64_t before = t.relearned();
+  for (int i = 0; i < 3; ++i) Iterate(t, a);
+  EXPECT_EQ(t.relearned(), before);
+}
+
 }  // namespace
 }  // namespace offload
