@@ -7,7 +7,7 @@
 //
 //   bazel build -c opt //benches:step_overlap
 //   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
-//       [--iterations=6] [--t=auto|250ms] [--nvme] [--pool=1GiB]
+//       [--iterations=6] [--t=auto|250ms] [--nvme] [--params_nvme] [--pool=1GiB]
 //       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--arena_pages=huge|small]
 //       [--tiny]
 //
@@ -15,7 +15,8 @@
 // (pool, swapper, store, step runner, session manager). One session,
 // --layers partitions of bf16 parameters and gradients; with --nvme the
 // optimizer state (master, moments, gradient accumulator) rests on NVMe in
-// a --pool host pool. An iteration: forward, each layer held, T/3 / layers
+// a --pool host pool; with --params_nvme the working copy (and the delayed
+// update's second buffer) too. An iteration: forward, each layer held, T/3 / layers
 // asleep, released; backward in reverse, each layer held with its gradient
 // buffer, 2T/3 / layers asleep, gradients returned, released; then Step.
 // (The gradient values are whatever the buffers hold: Adam's cost does not
@@ -74,6 +75,7 @@ struct Flags {
   int iterations = 6;
   double t = -1;  // seconds; < 0: T_opt
   bool nvme = false;
+  bool params_nvme = false;  // --params_nvme: the working copy on NVMe too
   uint64_t pool = uint64_t{1} << 30;
   std::string dir = "/var/tmp/offloadd-bench";
   int threads = 0;  // the optimizer's; 0: one per CPU (the daemon's default)
@@ -138,6 +140,8 @@ int Main(int argc, char** argv) {
       f.threads = std::atoi(v);
     } else if (a == "--nvme") {
       f.nvme = true;
+    } else if (a == "--params_nvme") {
+      f.nvme = f.params_nvme = true;
     } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
       f.arena_huge = a == "--arena_pages=huge";
     } else if (a == "--tiny") {
@@ -164,7 +168,10 @@ int Main(int argc, char** argv) {
   BenchEngineOptions eo;
   if (f.nvme) {
     eo.nvme.dirs = f.dir;
-    eo.nvme.bytes_per_dir = static_cast<int64_t>(f.params * 16 * 5 / 4 + (64 << 20));
+    // The state's 16 bytes a parameter (and the two working-copy buffers'),
+    // with a quarter to spare.
+    eo.nvme.bytes_per_dir =
+        static_cast<int64_t>(f.params * (f.params_nvme ? 20 : 16) * 5 / 4 + (64 << 20));
     eo.pool_bytes = f.pool;
   }
   eo.optimizer.threads = f.threads;
@@ -174,6 +181,7 @@ int Main(int argc, char** argv) {
   BenchEngine& e = **made;
   PlacementChange placement;
   if (f.nvme) placement[DataKind::kOptimizerState] = 0;
+  if (f.nvme && f.params_nvme) placement[DataKind::kParams] = 0;
   auto opened = e.sessions->Open("bench", placement);
   if (!opened.ok()) return Fail(opened.status(), "open");
   const SessionKey key = opened->key;
@@ -190,7 +198,8 @@ int Main(int argc, char** argv) {
               static_cast<unsigned long long>(per_layer * f.layers), f.layers,
               f.arena_huge ? (SharedHugePageBytes() != 0 ? "huge" : "small (laid out for huge)")
                            : "small",
-              f.nvme ? absl::StrCat("on NVMe (", f.dir, "), pool ",
+              f.nvme ? absl::StrCat("on NVMe (", f.dir, ")",
+                                    f.params_nvme ? ", the working copy too" : "", ", pool ",
                                     absl::StrFormat("%.2f GiB", f.pool / kGiB))
                            .c_str()
                      : "in memory",
