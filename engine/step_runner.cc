@@ -296,11 +296,12 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
     if (tasks.empty()) break;
     Sync(StepPoint::kGroupPinned);
     // The group is updated in runs that end where a partition's last chunk
-    // does (small partitions batched to at least kMinRunElems, so that the
-    // optimizer's threads still get enough tiles): each partition leaves
-    // the step as soon as its own update is done, so an overlapped step's
-    // next fetch of it (and, with the delayed update, the next backward's
-    // fetch of its gradient buffer) waits for it alone, not for the group.
+    // does, or at the group's end (small partitions batched to at least
+    // kMinRunElems where the group allows, so that the optimizer's threads
+    // still get enough tiles): each partition leaves the step as soon as
+    // its own update is done, so an overlapped step's next fetch of it
+    // (and, with the delayed update, the next backward's fetch of its
+    // gradient buffer) waits for it alone, not for the group.
     size_t run_begin = 0;
     while (run_begin < tasks.size()) {
       size_t run_end = run_begin;
@@ -322,8 +323,7 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
           absl::MakeConstSpan(tasks).subspan(run_begin, run_end - run_begin), h);
       compute_nanos += NanosSince(computing);
       if (!updated.ok()) {
-        status = updated;
-        next = first + run_begin;
+        status = updated;  // the runs before stay applied
         break;
       }
       // Unpinned before the gradients are dropped.
@@ -344,6 +344,7 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
       run_begin = run_end;
       Sync(StepPoint::kRunDone);
     }
+    if (!status.ok()) break;
     Sync(StepPoint::kGroupDone);
   }
   Sync(StepPoint::kOptimized);

@@ -24,9 +24,9 @@
 //      gradients (the swapper writes the rest back when it needs the room,
 //      while later groups compute). So with data on NVMe, reading group
 //      i+1, updating i and writing i-1 overlap, in bounded memory. A group
-//      is updated in runs that end with a partition (of at least
-//      kMinRunElems, step_runner.cc), and each partition leaves the step
-//      as soon as its run is done.
+//      is updated in runs that end with a partition or with the group
+//      (batching small partitions to kMinRunElems, step_runner.cc), and
+//      each partition leaves the step as soon as its run is done.
 //   5. PartitionSet::EndStep unpins the partitions: applied (steps advance),
 //      skipped (non-finite gradients: consumed, nothing else changes) or
 //      failed. A swap-in that fails midway fails the step with its error;
@@ -93,8 +93,8 @@ enum class StepPoint {
   kPinned,     // after BeginStep, before the optimizer runs
   kGroupPinned,  // a group of chunks is pinned, before its update
   kRunDone,    // after one optimizer call over some of a group's chunks
-               // (ending where a partition does), its finished partitions
-               // out of the step
+               // (ending where a partition does, or with the group), its
+               // finished partitions out of the step
   kGroupDone,  // after a group of chunks was updated and its finished
                // partitions left the step
   kOptimized,  // after the optimizer, before EndStep

@@ -27,12 +27,15 @@ void AccessTrace::RecordUse(uint64_t id) {
 
 void AccessTrace::EndIteration() {
   if (recording_ != trace_ && !trace_.empty()) ++relearned_;
+  fourth_last_ = std::move(third_last_);
   third_last_ = std::move(before_last_);
   before_last_ = std::move(last_);
   last_ = std::move(recording_);
-  // Two orders taking turns (A B A: B next), else the newest.
-  const bool alternating =
-      !third_last_.empty() && last_ == third_last_ && before_last_ != last_;
+  // Two orders taking turns twice (A B A B: A next), else the newest. Once
+  // is not enough: A X A, with X one odd iteration (a skipped step pins no
+  // state), would predict X again.
+  const bool alternating = !before_last_.empty() && last_ != before_last_ &&
+                           last_ == third_last_ && before_last_ == fourth_last_;
   const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
   if (next != trace_) {
     trace_ = next;

@@ -15,14 +15,15 @@
 //      predictions stop for the rest of the iteration (callers fall back to
 //      LRU).
 //   3. At EndIteration, the next iteration's order is predicted from the
-//      last three: the newest (the first iteration learns, a changed order
-//      is re-learned), or, where the newest equals the one two back and
-//      differs from the one between, the one between: two orders taking
-//      turns (with the delayed update the trainer reads a partition's two
-//      working-copy buffers in turn, one step each). The position goes back
-//      to the start. Predictions that wrap past the iteration's end assume
-//      it repeats (in the alternating case, slightly off near the end;
-//      EndIteration's prediction corrects it).
+//      last four: the newest (the first iteration learns, a changed order
+//      is re-learned), or, where two orders took turns twice (A B A B),
+//      the other one (A): with the delayed update and the working copy on
+//      NVMe, the trainer reads a partition's two working-copy buffers in
+//      turn, one step each. The position goes back to the start.
+//      Predictions that wrap past the iteration's end (the last prefetches
+//      of an iteration, and Belady's distances near its end) assume it
+//      repeats: where two orders take turns they are off there, until
+//      EndIteration predicts the next one.
 //
 // Thread-compatible: the owner (the swapper) serialises calls.
 #ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
@@ -70,7 +71,8 @@ class AccessTrace {
   }
 
   // How many iterations did not follow the order predicted for them (a
-  // changed order, learned again).
+  // changed order, learned again); iterations with no prediction (the
+  // first, or after an empty one) are not counted.
   uint64_t relearned() const { return relearned_; }
   size_t trace_length() const { return trace_.size(); }
 
@@ -79,8 +81,8 @@ class AccessTrace {
   // id -> its positions in trace_, ascending.
   absl::flat_hash_map<uint64_t, std::vector<size_t>> positions_;
   std::vector<uint64_t> recording_;
-  // The orders of the last three iterations, newest first.
-  std::vector<uint64_t> last_, before_last_, third_last_;
+  // The orders of the last four iterations, newest first.
+  std::vector<uint64_t> last_, before_last_, third_last_, fourth_last_;
   size_t pos_ = 0;
   bool matched_ = true;
   uint64_t relearned_ = 0;

@@ -436,9 +436,9 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // read in nor evicted, so its uses predict nothing, and they can change
   // every iteration where the NVMe ones do not (the delayed update's two
   // working-copy buffers take turns), which made the order look new at
-  // every step and stopped prefetch.
-  traced = traced && b->home == Tier::kNvme;
-  if (traced) traces_[b->trace].RecordUse(id);
+  // every step and stopped prefetch. (They still refill the prefetch
+  // window below, as reads complete, while the trainer works.)
+  if (traced && b->home == Tier::kNvme) traces_[b->trace].RecordUse(id);
   ++b->pins;
   if (b->prefetched) {
     b->prefetched = false;

@@ -41,11 +41,12 @@
 // followed count as never used again, least recently used first. A failed
 // write-out (ENOSPC, EIO) leaves the block resident, and its older NVMe
 // copy intact (copy-on-write rewrites); the next victim is tried.
-// Prefetch: after each Acquire, the next prefetch_depth blocks along the
-// trace that are not resident (at most prefetch_bytes) are read in by the
-// mover thread, evicting only blocks needed later than the one prefetched.
-// Only uses of NVMe-homed blocks enter a trace: the others are never read
-// in nor evicted, and may vary between iterations where these do not.
+// Prefetch: after each traced Acquire, the next prefetch_depth blocks
+// along the trace that are not resident (at most prefetch_bytes) are read in
+// by the mover thread, evicting only blocks needed later than the one
+// prefetched. Only uses of NVMe-homed blocks enter a trace: the others are
+// never read in nor evicted, and may vary between iterations where these do
+// not (their Acquires still refill the prefetch window).
 // Memory: the pool's limit is never exceeded. Asking to pin more than the
 // pool holds at once is RESOURCE_EXHAUSTED with the numbers.
 //
@@ -205,8 +206,8 @@ class Swapper {
 
   // Makes the block resident and pins it until the Pin goes. With
   // `for_write` the caller will change its bytes (the NVMe copy stops being
-  // current). Records the use in the block's trace and prefetches ahead
-  // (a block homed on NVMe only), unless `traced` is false: a use whose timing is not the access order
+  // current). Records the use in the block's trace (a block homed on NVMe
+  // only) and prefetches ahead, unless `traced` is false: a use whose timing is not the access order
   // (work in the background, such as measuring gradients or writing a
   // checkpoint, which interleaves differently every iteration) would make
   // the learned order look changed and stop prefetch for the iteration.
