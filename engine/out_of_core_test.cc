@@ -56,19 +56,21 @@ FetchMode WithGrads() {
   return mode;
 }
 
-// Holds the next overlapped step after its first group of chunks: the
-// step's thread waits at StepPoint::kGroupDone until Open() (or the
-// gate's end). Destroy it after the step has ended (WaitStep).
-class FirstGroupGate {
+// Holds the next overlapped step the first time it reaches `point` (by
+// default after its first group of chunks): the step's thread waits there
+// until Open() (or the gate's end). Counts every point the step passes.
+// Destroy it after the step has ended (WaitStep).
+class StepGate {
  public:
-  explicit FirstGroupGate(Engine& engine) : engine_(engine) {
-    engine.steps->SetSyncPointForTesting([this](StepPoint point) {
-      if (point != StepPoint::kGroupDone || groups_++ != 0) return;
+  explicit StepGate(Engine& engine, StepPoint point = StepPoint::kGroupDone)
+      : engine_(engine), point_(point) {
+    engine.steps->SetSyncPointForTesting([this](StepPoint p) {
+      if (counts_[static_cast<int>(p)]++ != 0 || p != point_) return;
       reached_.Notify();
       open_.WaitForNotification();
     });
   }
-  ~FirstGroupGate() {
+  ~StepGate() {
     Open();
     engine_.steps->SetSyncPointForTesting(nullptr);
   }
@@ -76,10 +78,13 @@ class FirstGroupGate {
   void Open() {
     if (!open_.HasBeenNotified()) open_.Notify();
   }
+  int count(StepPoint p) const { return counts_[static_cast<int>(p)].load(); }
 
  private:
   Engine& engine_;
-  std::atomic<int> groups_{0};
+  const StepPoint point_;
+  static_assert(static_cast<int>(StepPoint::kMeasuring) < 8, "a count for every StepPoint");
+  std::atomic<int> counts_[8] = {};
   absl::Notification reached_, open_;
 };
 
@@ -92,6 +97,25 @@ bool AwaitAWaitForStep(Engine& engine, int64_t before) {
     std::this_thread::yield();
   }
   return true;
+}
+
+// With an overlapped step held at `gate`: `updated`, out of the step, is
+// fetched without waiting; the fetch of `pending`, still in it, waits until
+// the gate opens. Both come back with the step applied.
+void ExpectOnlyThePendingFetchWaits(Engine& engine, const SessionKey& key, uint64_t updated,
+                                    uint64_t pending, StepGate& gate) {
+  const int64_t waits = engine.stats.waits_for_step.load();
+  auto got = engine.sessions->Fetch(key, {updated});
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ((*got)[0].step, 1u);
+  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
+  absl::StatusOr<std::vector<PartitionInfo>> waited;
+  std::thread fetcher([&] { waited = engine.sessions->Fetch(key, {pending}); });
+  EXPECT_TRUE(AwaitAWaitForStep(engine, waits));
+  gate.Open();
+  fetcher.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ((*waited)[0].step, 1u);
 }
 
 // One trainer: a session with the partitions of `sizes` (bf16 working copy,
@@ -998,27 +1022,15 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
     ASSERT_TRUE(engine.sessions->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32).ok());
     ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
   }
-  FirstGroupGate gate(engine);
+  StepGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   auto started = engine.sessions->Step(t.key(), AdamHyperparams{}, overlap);
   ASSERT_TRUE(started.ok()) << started.status();
   gate.AwaitReached();
   // The first group updated the partition fetched first: it is out of the
-  // step, and fetching it does not wait.
-  const int64_t waits = engine.stats.waits_for_step.load();
-  auto got = engine.sessions->Fetch(t.key(), {first});
-  ASSERT_TRUE(got.ok());
-  EXPECT_EQ((*got)[0].step, 1u);
-  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
-  // The last one is still in the step: its fetch waits for it.
-  absl::StatusOr<std::vector<PartitionInfo>> waited;
-  std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {last}); });
-  ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
-  gate.Open();
-  fetcher.join();
-  ASSERT_TRUE(waited.ok());
-  EXPECT_EQ((*waited)[0].step, 1u);
+  // step, and fetching it does not wait; the last one is still in the step.
+  ExpectOnlyThePendingFetchWaits(engine, t.key(), first, last, gate);
   auto outcome = engine.sessions->WaitStep(t.key());
   ASSERT_TRUE(outcome.ok());
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
@@ -1034,37 +1046,18 @@ TEST(OutOfCore, APartitionLeavesTheStepBeforeTheRestOfItsGroup) {
   Trainer t(&engine, All(100), {n, n, n});
   t.ReturnGradients(1);  // fetched in order: the step updates p0, p1, p2
   const uint64_t first = t.parts()[0].id, last = t.parts()[2].id;
-  absl::Notification reached, open;
-  std::atomic<int> runs{0}, groups{0};
-  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
-    if (point == StepPoint::kGroupPinned) ++groups;
-    if (point != StepPoint::kRunDone || runs++ != 0) return;
-    reached.Notify();
-    open.WaitForNotification();
-  });
+  StepGate gate(engine, StepPoint::kRunDone);
   StepControl overlap;
   overlap.overlap = true;
   auto started = engine.sessions->Step(t.key(), AdamHyperparams{}, overlap);
   ASSERT_TRUE(started.ok()) << started.status();
-  reached.WaitForNotification();
-  const int64_t waits = engine.stats.waits_for_step.load();
-  auto got = engine.sessions->Fetch(t.key(), {first});
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ((*got)[0].step, 1u);
-  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
-  absl::StatusOr<std::vector<PartitionInfo>> waited;
-  std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {last}); });
-  EXPECT_TRUE(AwaitAWaitForStep(engine, waits));
-  open.Notify();
-  fetcher.join();
-  ASSERT_TRUE(waited.ok()) << waited.status();
-  EXPECT_EQ((*waited)[0].step, 1u);
+  gate.AwaitReached();
+  ExpectOnlyThePendingFetchWaits(engine, t.key(), first, last, gate);
   auto outcome = engine.sessions->WaitStep(t.key());
-  engine.steps->SetSyncPointForTesting(nullptr);
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_EQ(outcome->partitions_updated, 3u);
-  EXPECT_EQ(groups.load(), 1);  // all three were pinned as one group
-  EXPECT_EQ(runs.load(), 3);
+  EXPECT_EQ(gate.count(StepPoint::kGroupPinned), 1);  // all three were pinned as one group
+  EXPECT_EQ(gate.count(StepPoint::kRunDone), 3);
 }
 
 // Param groups: one step gives partition 1 its own lr and no weight decay,
@@ -1179,7 +1172,7 @@ TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
   ASSERT_TRUE(t.Step().ok());  // step 1: its version is pending
   const std::string v0 = t.Params();
   t.ReturnGradients(2);
-  FirstGroupGate gate(engine);
+  StepGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
@@ -1225,7 +1218,7 @@ TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   }
   for (size_t i : {2, 0, 1}) give(i, /*fetch=*/false);
   for (size_t i : {0, 1, 2}) ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[i].id}).ok());
-  FirstGroupGate gate(engine);
+  StepGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
@@ -1324,7 +1317,7 @@ TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
   // two chunks; partition 0 has five).
   t.ReturnGradients(2);
   ref.ReturnGradients(2);
-  FirstGroupGate gate(engine);
+  StepGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   AdamHyperparams h;
@@ -1437,7 +1430,7 @@ TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
   t.HandOver(true);
   t.ReturnGradients(1);
   ref.ReturnGradients(1);
-  FirstGroupGate gate(engine);
+  StepGate gate(engine);
   StepControl overlap;
   overlap.overlap = true;
   AdamHyperparams h;
