@@ -285,16 +285,18 @@ int Main(int argc, char** argv) {
 
   struct Row {
     const char* mode;
-    double mean = 0, best = 1e9, worst = 0, step_call = 0, fetch = 0, ret = 0;
-    std::vector<double> iterations;
+    // Per counted iteration: in the Step call, in Fetch, in ReturnGradients.
+    double step_call = 0, fetch = 0, ret = 0;
+    std::vector<double> iterations;  // counted, sorted once all are in
+    double mean = 0;
+    double best() const { return iterations.front(); }
+    double worst() const { return iterations.back(); }
     // The median iteration: this VM's host slows single steps 1.5-3x at
     // random (in every mode, and in T_opt's own measurement, hence its
     // median), which the mean takes in.
     double median() const {
-      std::vector<double> v = iterations;
-      std::sort(v.begin(), v.end());
-      return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2]
-                                            : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+      const std::vector<double>& v = iterations;
+      return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
     }
   };
   std::vector<Row> rows;
@@ -329,9 +331,8 @@ int Main(int argc, char** argv) {
       row.mean += *it / counted;
       row.iterations.push_back(*it);
       row.step_call += step_call / counted;
-      row.best = std::min(row.best, *it);
-      row.worst = std::max(row.worst, *it);
     }
+    std::sort(row.iterations.begin(), row.iterations.end());
     rows.push_back(row);
   }
   // Per iteration: in Fetch (waiting for an update or a swap-in), in
@@ -344,7 +345,7 @@ int Main(int argc, char** argv) {
               "ratio", "median x");
   for (const Row& r : rows) {
     std::printf("%-12s %10.3f %10.3f %10.3f %10.3f %12.3f %8.3f %9.3f %10.3f %9.3fx %8.3fx\n",
-                r.mode, r.mean, r.median(), r.best, r.worst, r.step_call, r.fetch, r.ret, bound,
+                r.mode, r.mean, r.median(), r.best(), r.worst(), r.step_call, r.fetch, r.ret, bound,
                 r.mean / bound, r.median() / bound);
   }
   hand_over = false;

@@ -198,9 +198,8 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
     const AccumulateTask& task = tasks[t.task];
     const size_t elem = DTypeSize(task.grad_dtype);
     const auto* grads = static_cast<const std::byte*>(task.grads);
-    // No accumulator (handed over): measured only, by the same kernel,
-    // as a first accumulation would (the memory traffic is the gradients'
-    // read alone).
+    // Without an accumulator (handed over) the kernel only measures, as a
+    // first accumulation would: the memory traffic is the gradients' read.
     per_tile[static_cast<size_t>(&t - tiles.data())] =
         kernels.accumulate(grads + t.begin * elem, task.grad_dtype,
                            task.acc != nullptr ? task.acc + t.begin : nullptr, t.end - t.begin,

@@ -326,12 +326,11 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
         status = updated;  // the runs before stay applied
         break;
       }
-      // Unpinned before the gradients are dropped.
-      for (size_t t = run_begin; t < run_end; ++t) pins[t] = ChunkPins{};
       for (size_t t = run_begin; t < run_end; ++t) {
         const size_t i = units[first + t].item;
         outcomes[i].next_chunk = units[first + t].chunk + 1;
         summary.params_updated += tasks[t].span.numel;
+        pins[t] = ChunkPins{};  // unpinned before its gradients are dropped
         set.ConsumeGrads(items[i], units[first + t].chunk);
         if (outcomes[i].next_chunk == items[i].chunks) {
           // Done: a fetch of it need not wait for the rest of the step.
