@@ -194,7 +194,13 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
   const std::vector<Tile> tiles = MakeTilesOf(numels);
   std::vector<GradStats> per_tile(tiles.size());
   const AdamKernels& kernels = *kernels_;
-  ParallelTiles(*urgent_arena_, tiles, [&](const Tile& t) {
+  // Measuring only (gradients handed over): nobody waits for it but the
+  // step that will read them, so it takes its turn in the update's arena
+  // (enqueued if the update fills it) instead of adding the measuring
+  // thread to the update's threads on the same cores.
+  bool measure_only = true;
+  for (const AccumulateTask& t : tasks) measure_only = measure_only && t.acc == nullptr;
+  ParallelTiles(measure_only ? *arena_ : *urgent_arena_, tiles, [&](const Tile& t) {
     const AccumulateTask& task = tasks[t.task];
     const size_t elem = DTypeSize(task.grad_dtype);
     const auto* grads = static_cast<const std::byte*>(task.grads);

@@ -6,7 +6,12 @@
 // priority: a trainer waits for it (inside ReturnGradients) while an
 // overlapped or delayed update runs in the background, so the pool's
 // threads move to it at their next tile instead of finishing the whole
-// update first (which put the update on the trainer's timeline).
+// update first (which put the update on the trainer's timeline). Measuring
+// only (no accumulator: gradients handed over) waits for nobody but the
+// step; it runs in the update's arena, where a call that finds the arena
+// full is queued for the arena's threads rather than run beside them (the
+// measuring thread as a third thread on two cores slowed the delayed
+// update's iterations: benches/step_overlap, RESULTS.md).
 //
 // Thread-safety: Step() may be called from several threads at once (each
 // call joins the same arena); the setters wait for running steps to finish.

@@ -1,5 +1,8 @@
 #include "cpu_adam/optimizer.h"
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -184,6 +187,56 @@ TEST(Optimizer, MeasuringGivesTheStatisticsOfAFirstAccumulation) {
       }
     }
   }
+}
+
+// Measuring (no accumulator) runs in the update's arena: a call that finds
+// it full of an update is queued there. It must still finish, with the
+// right statistics, when the update's caller leaves the arena before any
+// of its threads took the queued call (one thread: no worker but the
+// caller), at any point of the update. A lost call hangs this test.
+TEST(Optimizer, MeasuringBesideAnUpdateFinishes) {
+  constexpr size_t kUpdate = 1 << 20, kMeasure = 100'000;
+  std::vector<float> values(kMeasure);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& v : values) v = normal(rng);
+  values[17] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<std::byte> grads(kMeasure * DTypeSize(DType::kBf16));
+  NarrowFromFloat(values.data(), DType::kBf16, grads.data(), kMeasure);
+  AccumulateTask measure{grads.data(), DType::kBf16, nullptr, kMeasure, /*first=*/false};
+  int beside = 0;  // rounds whose measuring started before the update ended
+  for (int threads : {1, 2}) {
+    OptimizerOptions o;
+    o.threads = threads;
+    o.tile_elems = 4096;
+    o.kernel = "scalar";  // the slowest: an update of a few milliseconds
+    Optimizer opt(o);
+    const GradStats want = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+    ASSERT_EQ(want.nonfinite, 1u);
+    Buffers b(kUpdate, 5);
+    const AdamTask task = b.Task(1);
+    AdamHyperparams h;
+    // The measuring call starts at a different point of the update each
+    // round, from its start to past its end.
+    for (int round = 0; round < 40; ++round) {
+      std::atomic<bool> started{false}, ended{false};
+      std::thread updater([&] {
+        started.store(true);
+        EXPECT_TRUE(opt.Update(absl::MakeConstSpan(&task, 1), h).ok());
+        ended.store(true);
+      });
+      while (!started.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds(250 * round));
+      beside += ended.load() ? 0 : 1;
+      const GradStats got = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+      updater.join();
+      EXPECT_EQ(std::memcmp(&got.sq_norm, &want.sq_norm, sizeof(double)), 0)
+          << threads << " threads, round " << round;
+      EXPECT_EQ(got.nonfinite, 1u) << threads << " threads, round " << round;
+    }
+  }
+  std::printf("%d of 80 rounds measured beside the update\n", beside);
+  if (beside == 0) GTEST_SKIP() << "no measuring call started beside the update (a loaded host)";
 }
 
 }  // namespace
