@@ -7,7 +7,7 @@
 //
 //   bazel build -c opt //benches:step_overlap
 //   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
-//       [--iterations=6] [--t=auto|250ms] [--nvme] [--params_nvme] [--pool=1GiB]
+//       [--iterations=24|6] [--t=auto|250ms] [--nvme] [--params_nvme] [--pool=1GiB]
 //       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--arena_pages=huge|small]
 //       [--tiny]
 //
@@ -31,9 +31,12 @@
 // iteration of each mode is not counted. Each mode's ratio is given for its
 // mean iteration and for its median one (T_opt is a median too; single
 // steps on a noisy host take 1.5-3x at random). Per mode the table also gives the
-// time inside Fetch (waiting for an update) and inside ReturnGradients
-// (the accumulation pass, which the trainer waits for; slower while an
-// update shares the cores and the memory bus). The fourth mode, "DPU,
+// time inside the trainer's sleeps (more than T_alone when its wake-ups
+// wait for a core), inside Fetch (waiting for an update) and inside
+// ReturnGradients (the accumulation pass, which the trainer waits for;
+// slower while an update shares the cores and the memory bus), and per step
+// the daemon's update, start to end, and of that the optimizer's compute
+// (Stats: more than T_opt when the update shares the cores). The fourth mode, "DPU,
 // handed": DPU with the gradients handed over (ReturnGradients with
 // hand_over: the return only measures them, the update reads the bf16
 // buffer; 2 + 28 bytes per parameter through memory instead of 10 + 30).
@@ -72,7 +75,7 @@ constexpr double kGiB = 1024.0 * 1024 * 1024;
 struct Flags {
   uint64_t params = 100'000'000;
   int layers = 16;
-  int iterations = 6;
+  int iterations = 0;  // 0: 24 in memory, 6 with --nvme (an iteration takes 10-20x longer)
   double t = -1;  // seconds; < 0: T_opt
   bool nvme = false;
   bool params_nvme = false;  // --params_nvme: the working copy on NVMe too
@@ -93,9 +96,12 @@ struct Flags {
 // for no slack, each sleep is shortened by the overshoot measured first
 // (`MeasureOvershoot`), and the schedule alone is timed too (T_alone).
 double g_overshoot = 0;
+double g_slept = 0;  // seconds inside Sleep, in all
 
 void Sleep(double seconds) {
+  const auto start = Clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double>(std::max(0.0, seconds - g_overshoot)));
+  g_slept += SecondsSince(start);
 }
 
 // The mean overshoot of `n` sleeps of `seconds` on this thread.
@@ -157,6 +163,7 @@ int Main(int argc, char** argv) {
     f.iterations = 3;
     f.pool = 12 << 20;  // the delayed update adds a second working copy
   }
+  if (f.iterations == 0) f.iterations = f.nvme ? 6 : 24;
   if (f.params == 0 || f.layers < 1 || f.iterations < 2 || f.t < -1 || f.threads < 0) {
     std::fprintf(stderr, "bad flags\n");
     return 2;
@@ -285,8 +292,13 @@ int Main(int argc, char** argv) {
 
   struct Row {
     const char* mode;
-    // Per counted iteration: in the Step call, in Fetch, in ReturnGradients.
-    double step_call = 0, fetch = 0, ret = 0;
+    // Per counted iteration: in the Step call, in Fetch, in ReturnGradients,
+    // and in the trainer's sleeps (T_alone if nothing delayed their
+    // wake-ups).
+    double step_call = 0, fetch = 0, ret = 0, sleep = 0;
+    // Per step ended in the mode (Stats): the daemon's step, start to end,
+    // and of that the optimizer's compute.
+    double update = 0, compute = 0;
     std::vector<double> iterations;  // counted, sorted once all are in
     double mean = 0;
     double best() const { return iterations.front(); }
@@ -318,35 +330,49 @@ int Main(int argc, char** argv) {
     // touch: 0.4-0.5 s for 100M bf16 parameters on a VM's 4 KiB pages).
     const int skip = mode == 2 ? 2 : 1;
     const int counted = std::max(1, f.iterations - skip);
+    int64_t steps0 = e.stats.steps.load(), step_nanos0 = e.stats.step_nanos.load(),
+            compute_nanos0 = e.stats.step_compute_nanos.load();
     for (int i = 0; i < f.iterations; ++i) {
       const double fetched = fetching, returned = returning;
+      const double slept0 = g_slept;
       auto it = iteration(t, overlap, &step_call);
       if (!it.ok()) return Fail(it.status(), row.mode);
       if (i < skip && i + 1 < f.iterations) {
         if (mode == 2) std::printf("DPU switched on: iteration %d took %.3f s\n", i, *it);
+        steps0 = e.stats.steps.load();
+        step_nanos0 = e.stats.step_nanos.load();
+        compute_nanos0 = e.stats.step_compute_nanos.load();
         continue;
       }
       row.fetch += (fetching - fetched) / counted;
+      row.sleep += (g_slept - slept0) / counted;
       row.ret += (returning - returned) / counted;
       row.mean += *it / counted;
       row.iterations.push_back(*it);
       row.step_call += step_call / counted;
     }
     std::sort(row.iterations.begin(), row.iterations.end());
+    if (const int64_t n = e.stats.steps.load() - steps0; n > 0) {
+      row.update = (e.stats.step_nanos.load() - step_nanos0) / 1e9 / n;
+      row.compute = (e.stats.step_compute_nanos.load() - compute_nanos0) / 1e9 / n;
+    }
     rows.push_back(row);
   }
-  // Per iteration: in Fetch (waiting for an update or a swap-in), in
-  // ReturnGradients (the accumulation pass, slower while an update shares
-  // the cores and the memory bus).
+  // Per iteration: in the trainer's sleeps (longer than T_alone when its
+  // wake-ups wait for a core), in Fetch (waiting for an update or a
+  // swap-in), in ReturnGradients (the accumulation pass, slower while an
+  // update shares the cores and the memory bus). Per step: the daemon's
+  // update, start to end, and of that in the optimizer (Stats).
   // The ratio is the mean iteration's to the bound; "median x" the median
   // iteration's.
-  std::printf("\n%-12s %10s %10s %10s %10s %12s %8s %9s %10s %10s %9s\n", "mode", "iter s",
-              "median s", "best s", "worst s", "Step call s", "fetch s", "return s", "bound s",
-              "ratio", "median x");
+  std::printf("\n%-12s %8s %8s %8s %8s %11s %8s %8s %8s %8s %9s %8s %8s %8s\n", "mode",
+              "iter s", "median s", "best s", "worst s", "Step call s", "sleep s", "fetch s",
+              "return s", "update s", "compute s", "bound s", "ratio", "median x");
   for (const Row& r : rows) {
-    std::printf("%-12s %10.3f %10.3f %10.3f %10.3f %12.3f %8.3f %9.3f %10.3f %9.3fx %8.3fx\n",
-                r.mode, r.mean, r.median(), r.best(), r.worst(), r.step_call, r.fetch, r.ret, bound,
-                r.mean / bound, r.median() / bound);
+    std::printf(
+        "%-12s %8.3f %8.3f %8.3f %8.3f %11.3f %8.3f %8.3f %8.3f %8.3f %9.3f %8.3f %7.3fx %7.3fx\n",
+        r.mode, r.mean, r.median(), r.best(), r.worst(), r.step_call, r.sleep, r.fetch, r.ret,
+        r.update, r.compute, bound, r.mean / bound, r.median() / bound);
   }
   hand_over = false;
   const absl::StatusOr<double> t_opt_after = measure_t_opt();
