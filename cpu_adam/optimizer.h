@@ -8,10 +8,14 @@
 // threads move to it at their next tile instead of finishing the whole
 // update first (which put the update on the trainer's timeline). Measuring
 // only (no accumulator: gradients handed over) waits for nobody but the
-// step; it runs in the update's arena, where a call that finds the arena
-// full is queued for the arena's threads rather than run beside them (the
-// measuring thread as a third thread on two cores slowed the delayed
-// update's iterations: benches/step_overlap, RESULTS.md).
+// step; it runs in the update's arena, whose slots (oneTBB gives an arena
+// max(2, threads)) cap the threads computing in it: when the update's
+// caller and the pool's threads fill them, the call is queued for those
+// threads (the update's caller may run it inside its own Update) instead
+// of adding a thread beside them, as the high-priority arena did (a
+// modest gain for the delayed update on two cores: benches/step_overlap,
+// RESULTS.md). With one thread the arena's second slot lets the measuring
+// run beside the update, as before.
 //
 // Thread-safety: Step() may be called from several threads at once (each
 // call joins the same arena); the setters wait for running steps to finish.
