@@ -37,6 +37,23 @@ AdamSpan Slice(const AdamSpan& s, size_t begin, size_t end) {
 
 }  // namespace
 
+// Tiles handed out by an atomic counter to the accumulating thread and to
+// any update thread that looks in at a tile boundary. A helper counts
+// itself in and out under urgent_mu_; the accumulating thread, once the
+// counter is past the end, withdraws the job and waits for its helpers, so
+// that every tile is done (and visible: the mutex orders it) when it reads
+// the results.
+struct Optimizer::UrgentJob {
+  size_t tiles = 0;
+  std::function<void(size_t)> run;  // one tile
+  std::atomic<size_t> next{0};
+  int helpers = 0;  // guarded by urgent_mu_
+
+  void Drain() {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) run(i);
+  }
+};
+
 Optimizer::Optimizer(const OptimizerOptions& options)
     : tile_elems_(kOptimizerTileElemsRange.Contains(options.tile_elems)
                       ? options.tile_elems
@@ -156,9 +173,31 @@ void Optimizer::UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperpa
     constants.push_back(ComputeStepConstants(t.hyperparams != nullptr ? *t.hyperparams : h, t.step));
   }
   const AdamKernels& k = *kernels_;
+  updates_running_.fetch_add(1, std::memory_order_relaxed);
   ParallelTiles(*arena_, tiles, [&](const Tile& t) {
+    if (urgent_offered_.load(std::memory_order_relaxed) != 0) HelpUrgent();
     k.adam(constants[t.task], Slice(tasks[t.task].span, t.begin, t.end));
   });
+  updates_running_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+void Optimizer::HelpUrgent() {
+  absl::MutexLock lock(&urgent_mu_);
+  for (;;) {
+    UrgentJob* job = nullptr;
+    for (UrgentJob* j : urgent_jobs_) {
+      if (j->next.load(std::memory_order_relaxed) < j->tiles) {
+        job = j;
+        break;
+      }
+    }
+    if (job == nullptr) return;
+    ++job->helpers;  // the job stays until its helpers are out
+    urgent_mu_.Unlock();
+    job->Drain();
+    urgent_mu_.Lock();
+    --job->helpers;
+  }
 }
 
 absl::StatusOr<StepReport> Optimizer::Step(absl::Span<const AdamTask> tasks,
@@ -200,7 +239,7 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
   // thread to the update's threads on the same cores.
   bool measure_only = true;
   for (const AccumulateTask& t : tasks) measure_only = measure_only && t.acc == nullptr;
-  ParallelTiles(measure_only ? *arena_ : *urgent_arena_, tiles, [&](const Tile& t) {
+  auto run = [&](const Tile& t) {
     const AccumulateTask& task = tasks[t.task];
     const size_t elem = DTypeSize(task.grad_dtype);
     const auto* grads = static_cast<const std::byte*>(task.grads);
@@ -210,7 +249,29 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
         kernels.accumulate(grads + t.begin * elem, task.grad_dtype,
                            task.acc != nullptr ? task.acc + t.begin : nullptr, t.end - t.begin,
                            task.first);
-  });
+  };
+  if (!measure_only && tiles.size() > 1 &&
+      updates_running_.load(std::memory_order_relaxed) != 0) {
+    // An update fills the pool: its threads take tiles beside this one
+    // (the pool's thread would move over only once the update's run ends).
+    UrgentJob job;
+    job.tiles = tiles.size();
+    job.run = [&](size_t i) { run(tiles[i]); };
+    {
+      absl::MutexLock offer(&urgent_mu_);
+      urgent_jobs_.push_back(&job);
+      urgent_offered_.store(static_cast<int>(urgent_jobs_.size()), std::memory_order_relaxed);
+    }
+    job.Drain();
+    absl::MutexLock withdraw(&urgent_mu_);
+    urgent_jobs_.erase(std::find(urgent_jobs_.begin(), urgent_jobs_.end(), &job));
+    urgent_offered_.store(static_cast<int>(urgent_jobs_.size()), std::memory_order_relaxed);
+    // Helpers still inside finish their tiles; then every tile is done.
+    urgent_mu_.Await(absl::Condition(
+        +[](UrgentJob* j) { return j->helpers == 0; }, &job));
+  } else {
+    ParallelTiles(measure_only ? *arena_ : *urgent_arena_, tiles, run);
+  }
   GradStats total;
   for (const GradStats& s : per_tile) total += s;
   return total;

@@ -6,7 +6,10 @@
 // priority: a trainer waits for it (inside ReturnGradients) while an
 // overlapped or delayed update runs in the background, so the pool's
 // threads move to it at their next tile instead of finishing the whole
-// update first (which put the update on the trainer's timeline). Measuring
+// update first (which put the update on the trainer's timeline). While an
+// update runs, the update's threads also take such an accumulation's tiles
+// at their next tile boundary (the update's calling thread is a master that
+// oneTBB never moves to another arena). Measuring
 // only (no accumulator: gradients handed over) waits for nobody but the
 // step; it runs in the update's arena, whose slots (oneTBB gives an arena
 // max(2, threads)) cap the threads computing in it: when the update's
@@ -22,7 +25,9 @@
 #ifndef OFFLOADD_CPU_ADAM_OPTIMIZER_H_
 #define OFFLOADD_CPU_ADAM_OPTIMIZER_H_
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -125,7 +130,16 @@ class Optimizer {
   void UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperparams& h,
                     const std::vector<Tile>& tiles) ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
+  // An accumulation a trainer waits for, offered to running updates' threads.
+  struct UrgentJob;
+  // At an update's tile: takes tiles of offered accumulations until none is left.
+  void HelpUrgent() ABSL_LOCKS_EXCLUDED(urgent_mu_);
+
   mutable absl::Mutex mu_;
+  absl::Mutex urgent_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<UrgentJob*> urgent_jobs_ ABSL_GUARDED_BY(urgent_mu_);
+  std::atomic<int> urgent_offered_{0};    // urgent_jobs_.size(), read at every tile
+  std::atomic<int> updates_running_{0};  // UpdateLocked calls inside ParallelTiles
   std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<tbb::task_arena> urgent_arena_ ABSL_GUARDED_BY(mu_);  // accumulation
   int threads_ ABSL_GUARDED_BY(mu_) = 1;

@@ -189,38 +189,44 @@ TEST(Optimizer, MeasuringGivesTheStatisticsOfAFirstAccumulation) {
   }
 }
 
-// Measuring (no accumulator) runs in the update's arena. Started at any
-// point of an update, it must finish with the right statistics: beside the
-// update when the arena has a free slot (one thread: the arena's second
-// slot), queued for the arena's threads when the update fills it (two
-// threads, while the pool's thread holds the second slot: when, depends on
-// timing), including when the update's caller leaves the arena before any
-// thread took the queued call. A lost call hangs this test (the test's
-// timeout fails it).
-TEST(Optimizer, MeasuringBesideAnUpdateFinishes) {
-  constexpr size_t kUpdate = 1 << 20, kMeasure = 100'000;
-  std::vector<float> values(kMeasure);
+// Started at any point of an update, an accumulation and a measuring call
+// give the bits they give alone. Measuring (no accumulator) runs in the
+// update's arena: beside the update when the arena has a free slot (one
+// thread: the arena's second slot), queued for the arena's threads when
+// the update fills it (two threads, while the pool's thread holds the
+// second slot), including when the update's caller leaves the arena before
+// any thread took the queued call. An accumulation started while the
+// update runs offers its tiles to the update's threads, which take some at
+// their next tile boundary. When each case happens depends on timing: the
+// rounds spread the calls from the update's start to past its end. A tile
+// lost or run twice changes the bits; a lost call or a missed wake-up hangs
+// this test (the test's timeout fails it).
+TEST(Optimizer, AccumulatingAndMeasuringBesideAnUpdateGiveTheSameBits) {
+  constexpr size_t kUpdate = 1 << 20, kGrads = 100'000;
+  std::vector<float> values(kGrads);
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (float& v : values) v = normal(rng);
   values[17] = std::numeric_limits<float>::quiet_NaN();
-  std::vector<std::byte> grads(kMeasure * DTypeSize(DType::kBf16));
-  NarrowFromFloat(values.data(), DType::kBf16, grads.data(), kMeasure);
-  AccumulateTask measure{grads.data(), DType::kBf16, nullptr, kMeasure, /*first=*/false};
-  int beside[3] = {};  // per thread count: rounds measured before the update ended
+  std::vector<std::byte> grads(kGrads * DTypeSize(DType::kBf16));
+  NarrowFromFloat(values.data(), DType::kBf16, grads.data(), kGrads);
+  const std::vector<float> acc0(kGrads, 0.25f);
+  AccumulateTask measure{grads.data(), DType::kBf16, nullptr, kGrads, /*first=*/false};
+  int beside[3] = {};  // per thread count: rounds whose calls began before the update ended
   for (int threads : {1, 2}) {
     OptimizerOptions o;
     o.threads = threads;
-    o.tile_elems = 4096;
+    o.tile_elems = 4096;   // 25 tiles for each call
     o.kernel = "scalar";  // the slowest: an update of a few milliseconds
     Optimizer opt(o);
-    const GradStats want = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
-    ASSERT_EQ(want.nonfinite, 1u);
+    const GradStats want_measure = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+    ASSERT_EQ(want_measure.nonfinite, 1u);
+    std::vector<float> want_acc = acc0;
+    AccumulateTask reference{grads.data(), DType::kBf16, want_acc.data(), kGrads, false};
+    const GradStats want_sum = opt.Accumulate(absl::MakeConstSpan(&reference, 1));
     Buffers b(kUpdate, 5);
     const AdamTask task = b.Task(1);
     AdamHyperparams h;
-    // The measuring call starts at a different point of the update each
-    // round, from its start to past its end.
     for (int round = 0; round < 40; ++round) {
       std::atomic<bool> started{false}, ended{false};
       std::thread updater([&] {
@@ -231,19 +237,32 @@ TEST(Optimizer, MeasuringBesideAnUpdateFinishes) {
       while (!started.load()) std::this_thread::yield();
       std::this_thread::sleep_for(std::chrono::microseconds(250 * round));
       beside[threads] += ended.load() ? 0 : 1;
-      const GradStats got = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+      std::vector<float> acc = acc0;
+      AccumulateTask accumulate{grads.data(), DType::kBf16, acc.data(), kGrads, false};
+      GradStats measured, summed;
+      // Either call first: each gets the update's middle in some rounds.
+      if (round % 2 == 0) {
+        summed = opt.Accumulate(absl::MakeConstSpan(&accumulate, 1));
+        measured = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+      } else {
+        measured = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
+        summed = opt.Accumulate(absl::MakeConstSpan(&accumulate, 1));
+      }
       updater.join();
-      EXPECT_EQ(std::memcmp(&got.sq_norm, &want.sq_norm, sizeof(double)), 0)
-          << threads << " threads, round " << round;
-      EXPECT_EQ(got.nonfinite, 1u) << threads << " threads, round " << round;
+      const std::string where = absl::StrCat(threads, " threads, round ", round);
+      EXPECT_EQ(std::memcmp(&measured.sq_norm, &want_measure.sq_norm, sizeof(double)), 0) << where;
+      EXPECT_EQ(measured.nonfinite, 1u) << where;
+      EXPECT_EQ(std::memcmp(&summed.sq_norm, &want_sum.sq_norm, sizeof(double)), 0) << where;
+      EXPECT_EQ(summed.nonfinite, want_sum.nonfinite) << where;
+      EXPECT_EQ(std::memcmp(acc.data(), want_acc.data(), kGrads * sizeof(float)), 0) << where;
     }
   }
-  std::printf("rounds that started measuring before the update ended: %d of 40 on one thread, "
-              "%d of 40 on two\n",
+  std::printf("rounds whose calls began before the update ended: %d of 40 on one thread, %d of "
+              "40 on two\n",
               beside[1], beside[2]);
-  if (beside[2] == 0) {
-    GTEST_SKIP() << "on two threads no measuring call started before the update ended (a loaded "
-                    "host): the queued case was not reached";
+  if (beside[1] == 0 && beside[2] == 0) {
+    GTEST_SKIP() << "no call began before the update ended (a loaded host): the cases beside an "
+                    "update were not reached";
   }
 }
 
