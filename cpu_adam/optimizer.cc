@@ -49,8 +49,11 @@ struct Optimizer::UrgentJob {
   std::atomic<size_t> next{0};
   int helpers = 0;  // guarded by urgent_mu_
 
-  void Drain() {
-    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) run(i);
+  // Runs tiles until none is left; returns how many it ran.
+  size_t Drain() {
+    size_t ran = 0;
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tiles; ++ran) run(i);
+    return ran;
   }
 };
 
@@ -99,6 +102,10 @@ void Optimizer::SetCheckFinite(bool check) {
 bool Optimizer::check_finite() const {
   absl::ReaderMutexLock lock(&mu_);
   return check_finite_;
+}
+
+uint64_t Optimizer::tiles_helped() const {
+  return tiles_helped_.load(std::memory_order_relaxed);
 }
 
 int Optimizer::threads() const {
@@ -194,9 +201,10 @@ void Optimizer::HelpUrgent() {
     if (job == nullptr) return;
     ++job->helpers;  // the job stays until its helpers are out
     urgent_mu_.Unlock();
-    job->Drain();
+    const size_t ran = job->Drain();
     urgent_mu_.Lock();
     --job->helpers;
+    tiles_helped_.fetch_add(ran, std::memory_order_relaxed);
   }
 }
 
@@ -262,7 +270,12 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
       urgent_jobs_.push_back(&job);
       urgent_offered_.store(static_cast<int>(urgent_jobs_.size()), std::memory_order_relaxed);
     }
-    job.Drain();
+    // Drained in the high-priority arena too: the pool's threads join it
+    // once the update ends (or its run does), as they would without helping.
+    const int drainers = static_cast<int>(std::min<size_t>(tiles.size(), threads_));
+    urgent_arena_->execute([&] {
+      tbb::parallel_for(0, drainers, [&](int) { job.Drain(); });
+    });
     absl::MutexLock withdraw(&urgent_mu_);
     urgent_jobs_.erase(std::find(urgent_jobs_.begin(), urgent_jobs_.end(), &job));
     urgent_offered_.store(static_cast<int>(urgent_jobs_.size()), std::memory_order_relaxed);

@@ -107,6 +107,9 @@ class Optimizer {
 
   // Threads actually in use (0 resolved to the CPU count).
   int threads() const;
+  // Tiles of accumulations that a running update's threads took (see the
+  // top of this file), since construction.
+  uint64_t tiles_helped() const;
   std::string kernel_name() const;
 
  private:
@@ -140,6 +143,7 @@ class Optimizer {
   std::vector<UrgentJob*> urgent_jobs_ ABSL_GUARDED_BY(urgent_mu_);
   std::atomic<int> urgent_offered_{0};    // urgent_jobs_.size(), read at every tile
   std::atomic<int> updates_running_{0};  // UpdateLocked calls inside ParallelTiles
+  std::atomic<uint64_t> tiles_helped_{0};
   std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<tbb::task_arena> urgent_arena_ ABSL_GUARDED_BY(mu_);  // accumulation
   int threads_ ABSL_GUARDED_BY(mu_) = 1;
