@@ -2,23 +2,25 @@
 // oneTBB arena that it owns (the only optimizer thread pool in the process),
 // with the kernels kernel_select.h picks for this CPU.
 //
-// Gradient accumulation runs in a second arena of the same size at high
-// priority: a trainer waits for it (inside ReturnGradients) while an
-// overlapped or delayed update runs in the background, so the pool's
-// threads move to it at their next tile instead of finishing the whole
-// update first (which put the update on the trainer's timeline). While an
-// update runs, the update's threads also take such an accumulation's tiles
-// at their next tile boundary (the update's calling thread is a master that
-// oneTBB never moves to another arena). Measuring
-// only (no accumulator: gradients handed over) waits for nobody but the
-// step; it runs in the update's arena, whose slots (oneTBB gives an arena
-// max(2, threads)) cap the threads computing in it: when the update's
-// caller and the pool's threads fill them, the call is queued for those
-// threads (the update's caller may run it inside its own Update) instead
-// of adding a thread beside them, as the high-priority arena did (a
-// modest gain for the delayed update on two cores: benches/step_overlap,
-// RESULTS.md). With one thread the arena's second slot lets the measuring
-// run beside the update, as before.
+// Three kinds of work share the pool's cores:
+// - Updates (Step, Update) run in the first arena.
+// - Accumulations a trainer waits for (inside ReturnGradients) run in a
+//   second arena of the same size at high priority, so the pool's threads
+//   move to it at their next tile instead of finishing a background update
+//   first (which put the update on the trainer's timeline). While an update
+//   runs, its threads also take such an accumulation's tiles at their next
+//   tile boundary: the update's calling thread is a master that oneTBB never
+//   moves to another arena, and the pool's thread moves only once the
+//   update's run ends.
+// - Measuring only (no accumulator: gradients handed over) waits for nobody
+//   but the step. It runs in the update's arena, whose slots (oneTBB gives
+//   an arena max(2, threads)) cap the threads computing in it: when the
+//   update's threads fill them, the call is queued for those threads (the
+//   update's caller may run it inside its own Update) instead of adding a
+//   thread beside them, as the high-priority arena did. With one thread the
+//   arena's second slot lets it run beside the update.
+// What each of these gains the delayed update: benches/RESULTS.md,
+// step_overlap.
 //
 // Thread-safety: Step() may be called from several threads at once (each
 // call joins the same arena); the setters wait for running steps to finish.
