@@ -99,9 +99,8 @@ bool AwaitAWaitForStep(Engine& engine, int64_t before) {
   return true;
 }
 
-// With an overlapped step held at `gate`: `updated`, out of the step, is
-// fetched without waiting; the fetch of `pending`, still in it, waits until
-// the gate opens. Both come back with the step applied.
+// The check of OverlappedStepWhereOnlyThePendingFetchWaits (void, for its
+// ASSERTs).
 void ExpectOnlyThePendingFetchWaits(Engine& engine, const SessionKey& key, uint64_t updated,
                                     uint64_t pending, StepGate& gate) {
   const int64_t waits = engine.stats.waits_for_step.load();
@@ -116,6 +115,22 @@ void ExpectOnlyThePendingFetchWaits(Engine& engine, const SessionKey& key, uint6
   fetcher.join();
   ASSERT_TRUE(waited.ok()) << waited.status();
   EXPECT_EQ((*waited)[0].step, 1u);
+}
+
+// Starts an overlapped step and, with it held at `gate`: `updated`, out of
+// the step, is fetched without waiting; the fetch of `pending`, still in
+// it, waits until the gate opens. Both come back with the step applied.
+// Returns the step's outcome.
+absl::StatusOr<StepSummary> OverlappedStepWhereOnlyThePendingFetchWaits(
+    Engine& engine, const SessionKey& key, uint64_t updated, uint64_t pending, StepGate& gate) {
+  StepControl overlap;
+  overlap.overlap = true;
+  auto started = engine.sessions->Step(key, AdamHyperparams{}, overlap);
+  if (!started.ok()) return started.status();
+  gate.AwaitReached();
+  ExpectOnlyThePendingFetchWaits(engine, key, updated, pending, gate);
+  gate.Open();  // already open unless the check failed early
+  return engine.sessions->WaitStep(key);
 }
 
 // One trainer: a session with the partitions of `sizes` (bf16 working copy,
@@ -1023,16 +1038,10 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
     ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
   }
   StepGate gate(engine);
-  StepControl overlap;
-  overlap.overlap = true;
-  auto started = engine.sessions->Step(t.key(), AdamHyperparams{}, overlap);
-  ASSERT_TRUE(started.ok()) << started.status();
-  gate.AwaitReached();
   // The first group updated the partition fetched first: it is out of the
   // step, and fetching it does not wait; the last one is still in the step.
-  ExpectOnlyThePendingFetchWaits(engine, t.key(), first, last, gate);
-  auto outcome = engine.sessions->WaitStep(t.key());
-  ASSERT_TRUE(outcome.ok());
+  auto outcome = OverlappedStepWhereOnlyThePendingFetchWaits(engine, t.key(), first, last, gate);
+  ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
 }
 
@@ -1047,13 +1056,7 @@ TEST(OutOfCore, APartitionLeavesTheStepBeforeTheRestOfItsGroup) {
   t.ReturnGradients(1);  // fetched in order: the step updates p0, p1, p2
   const uint64_t first = t.parts()[0].id, last = t.parts()[2].id;
   StepGate gate(engine, StepPoint::kRunDone);
-  StepControl overlap;
-  overlap.overlap = true;
-  auto started = engine.sessions->Step(t.key(), AdamHyperparams{}, overlap);
-  ASSERT_TRUE(started.ok()) << started.status();
-  gate.AwaitReached();
-  ExpectOnlyThePendingFetchWaits(engine, t.key(), first, last, gate);
-  auto outcome = engine.sessions->WaitStep(t.key());
+  auto outcome = OverlappedStepWhereOnlyThePendingFetchWaits(engine, t.key(), first, last, gate);
   ASSERT_TRUE(outcome.ok()) << outcome.status();
   EXPECT_EQ(outcome->partitions_updated, 3u);
   EXPECT_EQ(gate.count(StepPoint::kGroupPinned), 1);  // all three were pinned as one group
