@@ -207,10 +207,11 @@ class Swapper {
   // Makes the block resident and pins it until the Pin goes. With
   // `for_write` the caller will change its bytes (the NVMe copy stops being
   // current). Records the use in the block's trace (a block homed on NVMe
-  // only) and prefetches ahead, unless `traced` is false: a use whose timing is not the access order
-  // (work in the background, such as measuring gradients or writing a
-  // checkpoint, which interleaves differently every iteration) would make
-  // the learned order look changed and stop prefetch for the iteration.
+  // only) and prefetches ahead, unless `traced` is false: a use whose
+  // timing is not the access order (work in the background, such as
+  // measuring gradients or writing a checkpoint, which interleaves
+  // differently every iteration) would make the learned order look changed
+  // and stop prefetch for the iteration.
   absl::StatusOr<Pin> Acquire(BlockId id, bool for_write, bool traced = true)
       ABSL_LOCKS_EXCLUDED(mu_);
 
