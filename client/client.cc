@@ -482,11 +482,31 @@ absl::Status Session::ReturnGradients(const PartitionView& p) {
 
 absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release,
                                       bool hand_over) {
+  return ReturnGradients(parts, release, hand_over, {});
+}
+
+absl::Status Session::HandOverGradients(absl::Span<const PartitionView> parts,
+                                        absl::Span<const GradientStats> stats, bool release) {
+  if (stats.size() != parts.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("HandOverGradients: ", stats.size(),
+                                                   " statistics for ", parts.size(),
+                                                   " partitions"));
+  }
+  return ReturnGradients(parts, release, /*hand_over=*/true, stats);
+}
+
+absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release,
+                                      bool hand_over, absl::Span<const GradientStats> stats) {
   if (impl_->ring != nullptr && parts.size() <= ring::kMaxItems) {
     std::vector<ring::Item> items(parts.size());
     for (size_t i = 0; i < parts.size(); ++i) {
       items[i] = ring::Item{parts[i].id, parts[i].numel,
                             static_cast<uint32_t>(parts[i].grad_dtype), 0};
+      if (!stats.empty()) {
+        items[i].flags = ring::kItemStats;
+        items[i].sq_norm = stats[i].sq_norm;
+        items[i].nonfinite = stats[i].nonfinite;
+      }
     }
     return impl_->ring
         ->Call(ring::kReturnGradients,
@@ -496,11 +516,15 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
   }
   v1::ReturnGradientsRequest req;
   *req.mutable_session() = impl_->ref;
-  for (const PartitionView& p : parts) {
+  for (size_t i = 0; i < parts.size(); ++i) {
     v1::GradientBuffer* item = req.add_partitions();
-    item->set_partition_id(p.id);
-    item->set_numel(p.numel);
-    item->set_grad_dtype(ToProto(p.grad_dtype));
+    item->set_partition_id(parts[i].id);
+    item->set_numel(parts[i].numel);
+    item->set_grad_dtype(ToProto(parts[i].grad_dtype));
+    if (!stats.empty()) {
+      item->mutable_stats()->set_sq_norm(stats[i].sq_norm);
+      item->mutable_stats()->set_nonfinite(stats[i].nonfinite);
+    }
   }
   req.set_release(release);
   req.set_hand_over(hand_over);

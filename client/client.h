@@ -141,6 +141,15 @@ struct CheckpointResult {
 
 // What the gradients returned since the last step add up to (see
 // Session::PendingGradients).
+// A gradient buffer's squared norm and non-finite count as the trainer
+// computed them (offload.proto's GradientStats): of the values as written
+// (with loss scaling, scaled); sq_norm in any order and precision, not
+// negative, NaN only with nonfinite > 0.
+struct GradientStats {
+  double sq_norm = 0;
+  uint64_t nonfinite = 0;
+};
+
 struct PendingGradients {
   double sq_norm = 0;  // unscaled, summed in double
   uint64_t nonfinite = 0;
@@ -305,6 +314,19 @@ class Session {
   // gradients into the accumulator first, so another micro-batch adds).
   absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release = false,
                                bool hand_over = false);
+  // ReturnGradients with hand_over, each buffer with the trainer's own
+  // statistics of it (`stats[i]` of `parts[i]`), computed where the
+  // gradients were made: on a GPU, before the copy to the host, they cost
+  // next to nothing, and the daemon's measuring pass (a read of every
+  // buffer, beside the running update) is saved. On a step's only
+  // micro-batch the daemon takes them as measured and reads no buffer
+  // before the step; on a later micro-batch it ignores them and measures
+  // the sum as usual. Statistics that do not describe the buffer are the
+  // trainer's error and are not detected (the step's non-finite check and
+  // the clipping use them). INVALID_ARGUMENT if the sizes differ or a
+  // statistic is out of range.
+  absl::Status HandOverGradients(absl::Span<const PartitionView> parts,
+                                 absl::Span<const GradientStats> stats, bool release = false);
   // The squared norm and overflow of what was returned since the last
   // step. Across ranks: all-reduce sq_norm (sum) and nonfinite (max), take
   // clip_coef = min(1, max_norm / (sqrt(total) + 1e-6)) as
@@ -339,6 +361,9 @@ class Session {
   friend class Client;
   struct Impl;
   explicit Session(std::unique_ptr<Impl> impl);
+  // `stats`: empty, or one per partition.
+  absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release,
+                               bool hand_over, absl::Span<const GradientStats> stats);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -169,13 +171,14 @@ class Trainer {
   void ReturnGradients(int step, uint64_t keep = 0) {
     std::mt19937 rng(100 + step);
     std::normal_distribution<float> d(0.f, 0.1f);
-    for (const PartitionInfo& p : parts_) {
+    for (size_t i = 0; i < parts_.size(); ++i) {
+      const PartitionInfo& p = parts_[i];
       auto held = engine_->sessions->Fetch(key_, {p.id}, WithGrads());
       ASSERT_TRUE(held.ok()) << held.status();
       auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = d(rng);
-      const absl::Status returned =
-          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32, hand_over_);
+      const absl::Status returned = engine_->sessions->ReturnGradients(
+          key_, p.id, p.numel, DType::kFp32, hand_over_, Given(i, g, p.numel));
       ASSERT_TRUE(returned.ok()) << returned;
       if (p.id != keep) {
         ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
@@ -192,8 +195,8 @@ class Trainer {
       ASSERT_TRUE(engine_->sessions->Fetch(key_, {p.id}, WithGrads()).ok());
       auto* g = reinterpret_cast<float*>(arena_.data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = grad(i, j);
-      const absl::Status returned =
-          engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32, hand_over_);
+      const absl::Status returned = engine_->sessions->ReturnGradients(
+          key_, p.id, p.numel, DType::kFp32, hand_over_, Given(i, g, p.numel));
       ASSERT_TRUE(returned.ok()) << returned;
       ASSERT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
     }
@@ -203,6 +206,11 @@ class Trainer {
 
   // Return gradients with hand_over from now on.
   void HandOver(bool on) { hand_over_ = on; }
+
+  // From now on (null: no more), each return gives the daemon the
+  // statistics `stats(partition index, gradients written)` of the buffer.
+  using StatsFn = std::function<GradStats(size_t, absl::Span<const float>)>;
+  void GiveStats(StatsFn stats) { give_ = std::move(stats); }
 
   // Returns the first partition's gradients again; the status code.
   absl::StatusCode ReturnGradientsStatus() {
@@ -258,7 +266,24 @@ class Trainer {
   std::vector<PartitionInfo> parts_;
   HostMemory arena_;
   bool hand_over_ = false;
+  StatsFn give_;
+
+  std::optional<GradStats> Given(size_t i, const float* g, uint64_t n) const {
+    if (!give_) return std::nullopt;
+    return give_(i, absl::MakeConstSpan(g, n));
+  }
 };
+
+// The squared norm and non-finite count of `g`, summed in double in order
+// (not the daemon's order: its kernels sum in vector lanes).
+GradStats SerialStats(absl::Span<const float> g) {
+  GradStats s;
+  for (float v : g) {
+    if (!std::isfinite(v)) ++s.nonfinite;
+    s.sq_norm += static_cast<double>(v) * v;
+  }
+  return s;
+}
 
 // Master weights, exp_avg, exp_avg_sq and the gradient accumulator.
 uint64_t StateBytes() {
@@ -1386,6 +1411,134 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
   ASSERT_TRUE(t.Step().ok());
   ASSERT_TRUE(ref.Step().ok());
   EXPECT_TRUE(t.Params() == ref.Params());
+}
+
+// The trainer's own statistics of handed-over buffers (computed where it
+// made the gradients: on a GPU, before the copy to the host) are taken as
+// measured: nothing measures the buffers, Pending adds up the given values,
+// and the update reads the buffers as it reads measured ones, training bit
+// for bit alike. In memory and on NVMe, with and without the delayed update.
+TEST(OutOfCore, GradientStatsFromTheTrainerAreTakenAsMeasured) {
+  int dir = 0;
+  for (const PlacementChange& placement : {All(100), All(0)}) {
+    const bool on_nvme = *placement[DataKind::kParams] == 0;
+    for (bool dpu : {false, true}) {
+      Engine engine(TmpDir("given" + std::to_string(dir++)),
+                    on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+      Trainer given(&engine, placement), measured(&engine, placement);
+      std::vector<GradStats> gave(kSizes.size());
+      given.GiveStats([&gave](size_t i, absl::Span<const float> g) {
+        return gave[i] = SerialStats(g);
+      });
+      for (Trainer* t : {&given, &measured}) {
+        t->HandOver(true);
+        if (dpu) {
+          ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t->key(), true).ok());
+        }
+      }
+      std::atomic<int> measurings{0};
+      engine.steps->SetSyncPointForTesting([&measurings](StepPoint point) {
+        if (point == StepPoint::kMeasuring) ++measurings;
+      });
+      const std::string where = absl::StrCat(on_nvme ? "on NVMe" : "in memory",
+                                             dpu ? ", delayed update" : "");
+      for (int step = 1; step <= 3; ++step) {
+        measured.ReturnGradients(step);
+        auto b = measured.Pending();  // after its measuring
+        ASSERT_TRUE(b.ok());
+        const int measurings_before = measurings.load();
+        const int64_t given_before = engine.stats.gradient_stats_given.load();
+        given.ReturnGradients(step);
+        auto a = given.Pending();
+        ASSERT_TRUE(a.ok());
+        EXPECT_EQ(measurings.load(), measurings_before) << where;
+        EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
+                  static_cast<int64_t>(kSizes.size()))
+            << where;
+        EXPECT_EQ(a->partitions, kSizes.size());
+        EXPECT_DOUBLE_EQ(a->stats.sq_norm, gave[0].sq_norm + gave[1].sq_norm + gave[2].sq_norm)
+            << where;
+        // The same gradients, summed in another order.
+        EXPECT_NEAR(a->stats.sq_norm, b->stats.sq_norm, 1e-6 * b->stats.sq_norm) << where;
+        EXPECT_EQ(a->stats.nonfinite, 0u);
+        ASSERT_TRUE(given.Step().ok()) << where;
+        ASSERT_TRUE(measured.Step().ok()) << where;
+        EXPECT_TRUE(given.Params() == measured.Params()) << where << " step " << step;
+      }
+      engine.steps->SetSyncPointForTesting(nullptr);
+    }
+  }
+}
+
+// What the trainer's statistics decide, and where they are not taken: a
+// non-finite count skips the step (the buffers, all finite, are not read);
+// statistics out of range, or without hand_over, are refused with
+// INVALID_ARGUMENT and lose nothing; on a later micro-batch they are
+// ignored and the daemon measures the sum it accumulates.
+TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
+  Engine engine(TmpDir("given_checks"), 64 << 20);
+  Trainer t(&engine, All(100));
+  t.HandOver(true);
+  const std::string before = t.Params();
+  t.GiveStats([](size_t i, absl::Span<const float> g) {
+    GradStats s = SerialStats(g);
+    if (i == 1) s.nonfinite = 1;  // the trainer saw an overflow
+    return s;
+  });
+  t.ReturnGradients(1);
+  auto pending = t.Pending();
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->stats.nonfinite, 1u);
+  auto skipped = t.Step();
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_TRUE(t.Params() == before);
+
+  const PartitionInfo& p = t.parts()[0];
+  ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p.id}, WithGrads()).ok());
+  struct Bad {
+    bool hand_over;
+    GradStats stats;
+  };
+  for (const Bad& bad : {Bad{false, {1.0, 0}}, Bad{true, {-1.0, 0}}, Bad{true, {std::nan(""), 0}},
+                         Bad{true, {1.0, p.numel + 1}}}) {
+    const absl::Status s = engine.sessions->ReturnGradients(t.key(), p.id, p.numel,
+                                                            DType::kFp32, bad.hand_over, bad.stats);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("partition " + std::to_string(p.id)), std::string::npos) << s;
+  }
+  EXPECT_EQ(t.Pending()->partitions, 0u);
+  // Still held: returned again, with statistics in range (a NaN norm with
+  // the non-finite values counted, as a sum over them gives), it is taken.
+  ASSERT_TRUE(engine.sessions
+                  ->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32, true,
+                                    GradStats{std::nan(""), 2})
+                  .ok());
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
+  EXPECT_EQ(t.Pending()->stats.nonfinite, 2u);
+  ASSERT_TRUE(t.Step().ok());  // skipped
+  EXPECT_TRUE(t.Params() == before);
+
+  // Two micro-batches, both handed over with made-up statistics: the first
+  // one's are taken, then the second's are ignored and the sum is measured,
+  // bit for bit as for a trainer that returned both into the accumulator.
+  Trainer two(&engine, All(100), {700}), ref(&engine, All(100), {700});
+  two.HandOver(true);
+  two.GiveStats([](size_t, absl::Span<const float>) { return GradStats{123.0, 0}; });
+  auto micro = [](size_t, uint64_t j) { return 0.01f * static_cast<float>(j % 13) - 0.05f; };
+  two.ReturnGradientsOf(micro);
+  EXPECT_EQ(two.Pending()->stats.sq_norm, 123.0);
+  two.ReturnGradientsOf(micro);
+  ref.ReturnGradientsOf(micro);
+  ref.ReturnGradientsOf(micro);
+  auto a = two.Pending(), b = ref.Pending();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->micro_batches, 2u);
+  EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0)
+      << a->stats.sq_norm << " vs " << b->stats.sq_norm;
+  ASSERT_TRUE(two.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(two.Params() == ref.Params());
 }
 
 // A skipped step consumes handed-over gradients as it does accumulated

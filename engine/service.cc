@@ -242,7 +242,12 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
       one.set_partition_id(req->partition_id());
       one.set_numel(req->numel());
       one.set_grad_dtype(req->grad_dtype());
+      if (req->has_stats()) *one.mutable_stats() = req->stats();
     } else {
+      if (req->has_stats()) {
+        return absl::InvalidArgumentError(
+            "ReturnGradients with partitions gives each one's statistics in it, not in stats");
+      }
       if (req->partition_id() != 0 || req->numel() != 0) {
         return absl::InvalidArgumentError(
             "ReturnGradients names partitions either in partition_id or in partitions, not both");
@@ -258,8 +263,11 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
     std::vector<GradientReturn> returns;
     returns.reserve(items.size());
     for (const v1::GradientBuffer& item : items) {
-      returns.push_back(GradientReturn{item.partition_id(), item.numel(),
-                                       FromProto(item.grad_dtype(), "grad_dtype")});
+      GradientReturn& r = returns.emplace_back();
+      r.partition_id = item.partition_id();
+      r.numel = item.numel();
+      r.grad_dtype = FromProto(item.grad_dtype(), "grad_dtype");
+      if (item.has_stats()) r.stats = GradStats{item.stats().sq_norm(), item.stats().nonfinite()};
     }
     return sessions_->ReturnGradients(key, returns, req->release(), req->hand_over());
   });

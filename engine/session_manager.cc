@@ -389,11 +389,12 @@ absl::Status SessionManager::Release(const SessionKey& key, absl::Span<const uin
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t partition_id,
-                                             uint64_t numel, DType grad_dtype, bool hand_over) {
+                                             uint64_t numel, DType grad_dtype, bool hand_over,
+                                             const std::optional<GradStats>& stats) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    FindOwning(key, absl::MakeConstSpan(&partition_id, 1)));
   return steps_->Accumulate(*session->partitions, partition_id, numel, grad_dtype, hand_over,
-                            session);
+                            session, stats);
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key,
@@ -410,7 +411,8 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key,
     const GradientReturn& item = items[i];
     absl::Status s = item.grad_dtype.status();
     if (s.ok()) {
-      s = ReturnGradients(key, item.partition_id, item.numel, *item.grad_dtype, hand_over);
+      s = ReturnGradients(key, item.partition_id, item.numel, *item.grad_dtype, hand_over,
+                          item.stats);
     }
     if (!s.ok()) {
       if (items.size() == 1) return s;
@@ -485,6 +487,7 @@ RingAnswer SessionManager::ServeRing(const SessionKey& key, const RingRequest& r
           g.grad_dtype = absl::InvalidArgumentError(
               absl::StrCat("grad_dtype ", item.dtype, " is not fp32 (1), bf16 (2) or fp16 (3)"));
         }
+        if (item.flags & ring::kItemStats) g.stats = GradStats{item.sq_norm, item.nonfinite};
         items.push_back(std::move(g));
       }
       answer.status = ReturnGradients(key, items, (r.flags & ring::kThenRelease) != 0,

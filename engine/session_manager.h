@@ -77,6 +77,9 @@ struct GradientReturn {
   uint64_t partition_id = 0;
   uint64_t numel = 0;
   absl::StatusOr<DType> grad_dtype;  // an error: the wire named no dtype
+  // The trainer's statistics of the buffer (StepRunner::Accumulate's
+  // `given`).
+  std::optional<GradStats> stats;
 };
 
 struct SessionSummary {
@@ -172,9 +175,11 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // `numel` and `grad_dtype` describe what the trainer wrote; they must match
   // the registration. `hand_over`: the step reads the gradients where they
-  // are (PartitionSet::BeginAccumulate).
+  // are (PartitionSet::BeginAccumulate); `stats`, the trainer's statistics
+  // of them (StepRunner::Accumulate's `given`).
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
-                               DType grad_dtype, bool hand_over = false)
+                               DType grad_dtype, bool hand_over = false,
+                               const std::optional<GradStats>& stats = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Several, in order (at most kMaxFetchIds); an error stops at the
   // partition it names (the message says how many went before, which were

@@ -14,6 +14,7 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"arena_attaches", v(arena_attaches), "attaches"},
       {"fetches", v(fetches), "partitions"},
       {"gradients_returned", v(gradients_returned), "partitions"},
+      {"gradient_stats_given", v(gradient_stats_given), "partitions"},
       {"steps", v(steps), "steps"},
       {"steps_skipped_nonfinite", v(steps_skipped), "steps"},
       {"params_updated", v(params_updated), "params"},

@@ -29,6 +29,8 @@ struct Stats {
   std::atomic<int64_t> arena_attaches{0};
   std::atomic<int64_t> fetches{0};
   std::atomic<int64_t> gradients_returned{0};
+  // Of those, handed over with the trainer's own statistics (not measured).
+  std::atomic<int64_t> gradient_stats_given{0};
   std::atomic<int64_t> steps{0};
   std::atomic<int64_t> steps_skipped{0};
   std::atomic<int64_t> params_updated{0};

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -23,6 +24,26 @@ int64_t NanosSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+absl::Status CheckGivenStats(uint64_t id, uint64_t numel, bool hand_over,
+                             const GradStats& given) {
+  if (!hand_over) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partition ", id, ": gradient statistics come with hand_over only (gradients added "
+        "into the accumulator are measured as they are added)"));
+  }
+  if (given.nonfinite > numel) {
+    return absl::InvalidArgumentError(absl::StrCat("partition ", id, ": the statistics count ",
+                                                   given.nonfinite, " non-finite values in ",
+                                                   numel));
+  }
+  if (given.sq_norm < 0 || (std::isnan(given.sq_norm) && given.nonfinite == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partition ", id, ": the statistics' squared norm is ", given.sq_norm,
+        given.sq_norm < 0 ? " (negative)" : " with no non-finite value counted"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void StepRunner::SetSyncPointForTesting(std::function<void(StepPoint)> hook) {
@@ -41,8 +62,17 @@ void StepRunner::Sync(StepPoint point) {
 
 absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t numel,
                                     DType grad_dtype, bool hand_over,
-                                    std::shared_ptr<void> keep_alive) {
+                                    std::shared_ptr<void> keep_alive,
+                                    const std::optional<GradStats>& given) {
+  if (given.has_value()) RETURN_IF_ERROR(CheckGivenStats(id, numel, hand_over, *given));
   ASSIGN_OR_RETURN(AccumulateItem item, set.BeginAccumulate(id, numel, grad_dtype, hand_over));
+  if (item.hand_over && given.has_value()) {
+    // The trainer measured them: the buffer waits for the step unread.
+    set.EndAccumulate(item, absl::OkStatus(), *given, item.chunks);
+    stats_->gradients_returned.fetch_add(1, std::memory_order_relaxed);
+    stats_->gradient_stats_given.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
   if (item.hand_over && keep_alive != nullptr) {
     item.background = true;
     absl::MutexLock lock(&mu_);

@@ -124,8 +124,16 @@ class StepRunner {
   // (the buffer is the daemon's anyway); Pending, Step and a fetch of the
   // buffer wait for it, and if it fails the gradients are lost (the step
   // must be skipped), as for a failed addition.
+  //
+  // `given` (with `hand_over` only, else INVALID_ARGUMENT; also for a
+  // negative norm, a NaN one with no non-finite value counted, or more
+  // non-finite values than `numel`): the trainer's statistics of the
+  // buffer. On a step's first micro-batch they are taken as measured and
+  // nothing reads the buffer before the step; on a later one they are
+  // ignored (the sum is measured as it is added).
   absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype,
-                          bool hand_over = false, std::shared_ptr<void> keep_alive = nullptr)
+                          bool hand_over = false, std::shared_ptr<void> keep_alive = nullptr,
+                          const std::optional<GradStats>& given = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Gives the trainer back the handed-over gradient buffers of `ids` (empty:
   // all) that no step has read yet, copying their gradients into the

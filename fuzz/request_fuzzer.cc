@@ -218,6 +218,8 @@ class Harness {
     ret.set_partition_id(partition_);
     ret.set_numel(4096);
     ret.set_grad_dtype(v1::DTYPE_FP32);
+    ret.set_hand_over(true);
+    ret.mutable_stats()->set_sq_norm(1.0);
     write(kReturnGradients, ret);
     write(kGetPendingGradients, v1::GetPendingGradientsRequest());
     v1::StepRequest step;

@@ -37,7 +37,7 @@
 namespace offload::ring {
 
 inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
-inline constexpr uint32_t kVersion = 2;
+inline constexpr uint32_t kVersion = 3;
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
@@ -57,13 +57,19 @@ inline constexpr uint32_t kWritable = 2;     // fetch: the trainer changes the p
 inline constexpr uint32_t kThenRelease = 4;  // return: then release the partitions
 inline constexpr uint32_t kHandOver = 8;     // return: the step reads the buffers (proto's hand_over)
 
+// Item flags.
+inline constexpr uint32_t kItemStats = 1;  // return: sq_norm and nonfinite are set (proto's stats)
+
 // A partition named by a request: its id, and for a gradient return what
-// the trainer wrote (numel, dtype as cpu_adam's DType).
+// the trainer wrote (numel, dtype as cpu_adam's DType) and, with
+// kItemStats, its statistics of it (GradientBuffer.stats).
 struct Item {
   uint64_t id;
   uint64_t numel;
   uint32_t dtype;
-  uint32_t pad;
+  uint32_t flags;
+  double sq_norm = 0;
+  uint64_t nonfinite = 0;
 };
 
 // A held partition, as PartitionLocation says it (the name aside).

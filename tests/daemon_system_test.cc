@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <filesystem>
 #include <cmath>
+#include <filesystem>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -254,7 +254,9 @@ TEST_F(DaemonTest, GradientsOfSeveralPartitionsReturnInOneCall) {
 // Gradients handed over (ReturnGradients with hand_over), through the
 // request ring and through gRPC: the step reads them in the buffer and
 // trains bit for bit like gradients returned the usual way; a fetch of the
-// buffer before the step takes it back, changing nothing.
+// buffer before the step takes it back, changing nothing. Handed over with
+// the trainer's statistics (HandOverGradients; made up here, to show that
+// they are what GetPendingGradients adds up), the same.
 TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
   ClientOptions no_ring{daemon_->address()};
   no_ring.request_ring = false;
@@ -263,10 +265,11 @@ TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
   int round = 0;
   for (Client* c : {client_.get(), grpc_client->get()}) {
     const std::string via = round++ == 0 ? "ring" : "grpc";
-    auto handed = c->OpenSession("handed-" + via), kept = c->OpenSession("kept-" + via);
-    ASSERT_TRUE(handed.ok() && kept.ok());
+    auto handed = c->OpenSession("handed-" + via), kept = c->OpenSession("kept-" + via),
+         given = c->OpenSession("given-" + via);
+    ASSERT_TRUE(handed.ok() && kept.ok() && given.ok());
     std::vector<PartitionView> w;
-    for (Session* s : {handed->get(), kept->get()}) {
+    for (Session* s : {handed->get(), kept->get(), given->get()}) {
       auto p = s->Register("w", 3000, DType::kBf16, DType::kBf16);
       ASSERT_TRUE(p.ok()) << p.status();
       for (uint16_t& x : p->params_as<uint16_t>()) x = FloatToBf16(0.5f);
@@ -274,19 +277,28 @@ TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
       w.push_back(*p);
     }
     for (int step = 1; step <= 3; ++step) {
-      for (int i = 0; i < 2; ++i) {
-        Session* s = i == 0 ? handed->get() : kept->get();
+      const GradientStats made_up{42.0 * step, 0};
+      for (int i = 0; i < 3; ++i) {
+        Session* s = i == 0 ? handed->get() : i == 1 ? kept->get() : given->get();
         HoldGrads(s, w[i]);
         auto g = w[i].grads_as<uint16_t>();
         for (size_t j = 0; j < g.size(); ++j) g[j] = FloatToBf16(0.01f * step * (j % 7));
-        ASSERT_TRUE(s->ReturnGradients(std::vector<PartitionView>{w[i]}, /*release=*/true,
-                                       /*hand_over=*/i == 0)
-                        .ok())
-            << via;
+        const std::vector<PartitionView> one{w[i]};
+        if (i == 2) {
+          EXPECT_EQ(s->HandOverGradients(one, {}).code(), absl::StatusCode::kInvalidArgument);
+          const absl::Status nan = s->HandOverGradients(one, {{std::nan(""), 0}});
+          EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument) << via << ": " << nan;
+          ASSERT_TRUE(s->HandOverGradients(one, {made_up}, /*release=*/true).ok()) << via;
+        } else {
+          ASSERT_TRUE(s->ReturnGradients(one, /*release=*/true, /*hand_over=*/i == 0).ok()) << via;
+        }
       }
-      auto ph = (*handed)->GetPendingGradients(), pk = (*kept)->GetPendingGradients();
-      ASSERT_TRUE(ph.ok() && pk.ok());
+      auto ph = (*handed)->GetPendingGradients(), pk = (*kept)->GetPendingGradients(),
+           pg = (*given)->GetPendingGradients();
+      ASSERT_TRUE(ph.ok() && pk.ok() && pg.ok());
       EXPECT_EQ(ph->sq_norm, pk->sq_norm);
+      EXPECT_EQ(pg->sq_norm, made_up.sq_norm) << via;
+      EXPECT_EQ(pg->partitions, 1u);
       if (step == 2) {
         FetchOptions grads;
         grads.grads = true;
@@ -299,15 +311,20 @@ TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
       }
       ASSERT_TRUE((*handed)->Step(AdamHyperparams{}).ok());
       ASSERT_TRUE((*kept)->Step(AdamHyperparams{}).ok());
+      ASSERT_TRUE((*given)->Step(AdamHyperparams{}).ok());
       auto a = (*handed)->Fetch(w[0].id);
       auto b = (*kept)->Fetch(w[1].id);
-      ASSERT_TRUE(a.ok() && b.ok());
+      auto d = (*given)->Fetch(w[2].id);
+      ASSERT_TRUE(a.ok() && b.ok() && d.ok());
       EXPECT_EQ(a->step, static_cast<uint64_t>(step));
-      const auto pa = a->params_as<uint16_t>(), pb = b->params_as<uint16_t>();
+      const auto pa = a->params_as<uint16_t>(), pb = b->params_as<uint16_t>(),
+                 pd = d->params_as<uint16_t>();
       EXPECT_TRUE(std::equal(pa.begin(), pa.end(), pb.begin(), pb.end())) << via << " " << step;
+      EXPECT_TRUE(std::equal(pd.begin(), pd.end(), pb.begin(), pb.end())) << via << " " << step;
       EXPECT_NE(pa[1], FloatToBf16(0.5f));
       ASSERT_TRUE((*handed)->Release(*a).ok());
       ASSERT_TRUE((*kept)->Release(*b).ok());
+      ASSERT_TRUE((*given)->Release(*d).ok());
     }
   }
 }
