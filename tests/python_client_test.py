@@ -58,6 +58,41 @@ class PythonClientTest(unittest.TestCase):
             opt.step()
             torch.testing.assert_close(self.params(p), ref.detach(), rtol=1e-6, atol=1e-7)
 
+    def test_gradient_stats_given_by_the_trainer_are_taken(self):
+        # Handed over with the trainer's own statistics: the daemon adds them
+        # up instead of reading the buffer (these are made up to show it),
+        # and the step reads the buffer as usual.
+        gen = torch.Generator().manual_seed(5)
+        w0 = torch.randn(2000, generator=gen)
+        p, q = self.register("given-a", w0), self.register("given-b", w0)
+        ref = torch.nn.Parameter(w0.clone())
+        opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+        grad = torch.randn(2000, generator=gen)
+        views = self.session.fetch([p.id, q.id], grads=True)
+        for v in views:
+            torch.frombuffer(v.grads, dtype=torch.float32).copy_(grad)
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.session.return_gradients(views, stats=[(1.0, 0), (2.0, 0)])  # no hand_over
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.session.return_gradients(views, hand_over=True, stats=[(1.0, 0)])
+        with self.assertRaises(offloadd.InvalidArgumentError) as bad:
+            self.session.return_gradients(views, hand_over=True, stats=[(1.0, 0), (-2.0, 0)])
+        self.assertIn("negative", str(bad.exception))
+        self.assertIn("returned 1 of 2", str(bad.exception))
+        # The first partition was handed over before the second one's
+        # refusal; the second, still held, goes on its own.
+        self.session.return_gradients([views[1]], release=True, hand_over=True,
+                                      stats=[(2.5, 0)])
+        self.session.release([p.id])
+        pending = self.session.pending_gradients()
+        self.assertEqual(pending["sq_norm"], 3.5)
+        self.assertEqual(pending["nonfinite"], 0)
+        self.session.step(lr=1e-2, weight_decay=0.1)
+        ref.grad = grad.clone()
+        opt.step()
+        for part in (p, q):
+            torch.testing.assert_close(self.params(part), ref.detach(), rtol=1e-6, atol=1e-7)
+
     def test_adamw_with_accumulation_and_clipping_matches_torch(self):
         gen = torch.Generator().manual_seed(7)
         w0 = torch.randn(5000, generator=gen)

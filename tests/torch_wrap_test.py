@@ -113,9 +113,17 @@ class TorchWrapTest(unittest.TestCase):
         ref = self.reference(sc)
         # Clipping was active: the reference's norms exceed the limit.
         self.assertGreater(max(ref["norms"]), 0.5)
-        for world in (1, 2):
-            with self.subTest(world=world):
-                mine, _, _ = self.run_ranks(sc, world)
+        # Gradient statistics measured by the daemon ("auto" on a CPU), or
+        # computed by torch in the trainer and handed over with the buffers.
+        for world, stats in ((1, "auto"), (2, "auto"), (2, "trainer")):
+            with self.subTest(world=world, gradient_stats=stats):
+                mine, _, _ = self.run_ranks(dict(sc, zero={"gradient_stats": stats}), world)
+                given = mine["counts"]["stats_given"]
+                if stats == "trainer":
+                    self.assertEqual(given, mine["counts"]["returns"])
+                    self.assertGreater(given, 0)
+                else:
+                    self.assertEqual(given, 0)
                 self.assert_close_losses(mine, ref, 1e-4)
                 # The global norm (before clipping) is torch's.
                 for a, b in zip(mine["norms"], ref["norms"]):

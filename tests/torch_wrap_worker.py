@@ -92,10 +92,11 @@ def train(sc, rank, world, use_offloadd):
         x, y = text.batch(64, sc["context"], torch.Generator().manual_seed(99))
         final = model(x.to(device), y.to(device)).item()
     state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
+    counts = dict(model.offloadd.counts) if use_offloadd else {}
     if use_offloadd:
         opt.close()
     return {"losses": losses, "norms": norms, "final": final, "state": state,
-            "checkpoint_state": checkpoint_state}
+            "checkpoint_state": checkpoint_state, "counts": counts}
 
 
 def main():

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -265,13 +266,27 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("partition"))
       .def(
           "return_gradients",
-          [](Session& s, const std::vector<PartitionView>& parts, bool release, bool hand_over) {
-            Check(Unlocked([&] { return s.ReturnGradients(parts, release, hand_over); }));
+          [](Session& s, const std::vector<PartitionView>& parts, bool release, bool hand_over,
+             const std::optional<std::vector<std::pair<double, uint64_t>>>& stats) {
+            if (!stats.has_value()) {
+              Check(Unlocked([&] { return s.ReturnGradients(parts, release, hand_over); }));
+              return;
+            }
+            if (!hand_over) {
+              Raise(absl::InvalidArgumentError("return_gradients: stats come with hand_over=True"));
+            }
+            std::vector<GradientStats> given;
+            for (const auto& [sq_norm, nonfinite] : *stats) given.push_back({sq_norm, nonfinite});
+            Check(Unlocked([&] { return s.HandOverGradients(parts, given, release); }));
           },
           py::arg("partitions"), py::arg("release") = false, py::arg("hand_over") = false,
+          py::arg("stats") = py::none(),
           "returns several partitions' gradients in one call (in order), then with release "
           "lets their holds go; with hand_over the step reads a step's only micro-batch where "
-          "it is, and the buffers are the daemon's until then (see ReturnGradientsRequest)")
+          "it is, and the buffers are the daemon's until then (see ReturnGradientsRequest); "
+          "stats, with hand_over: one (sq_norm, nonfinite) per partition, the trainer's own "
+          "statistics of the buffer as written, computed where the gradients were made (a GPU), "
+          "taken instead of the daemon measuring the buffer (Session::HandOverGradients)")
       .def("pending_gradients",
            [](Session& s) {
              const PendingGradients p = Value(Unlocked([&] { return s.GetPendingGradients(); }));

@@ -115,10 +115,13 @@ class _Engine:
         self.working_dtype = config["working_dtype"]
         self.torch_working = _DTYPES[self.working_dtype]
         self.timings = {"fetch": 0.0, "return": 0.0, "step": 0.0}
-        self.counts = {"fetches": 0, "returns": 0, "steps": 0, "skipped": 0}
+        # "stats_given": returns that carried the trainer's statistics.
+        self.counts = {"fetches": 0, "returns": 0, "stats_given": 0, "steps": 0, "skipped": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
-        self._returns = []  # (shard, this rank's averaged gradient slice) not yet returned
+        # (shard, this rank's averaged gradient slice, its statistics or None)
+        # not yet returned
+        self._returns = []
         self._return_bytes = 0
         # With one micro-batch per step, gradient buffers are handed over:
         # the daemon measures them and its step reads them in place (no fp32
@@ -126,6 +129,13 @@ class _Engine:
         # before the step (tied weights, another backward pass) still works:
         # the fetch takes the buffer back into the accumulator.
         self._hand_over = config.get("gradient_accumulation_steps", 1) == 1
+        # Who measures handed-over gradients (squared norm and non-finite
+        # count, for clipping and the overflow check): "trainer", torch
+        # where the gradient slice is, before its copy to the host (on a GPU
+        # next to nothing, and the daemon then reads no buffer before its
+        # update, which runs beside the next iteration); "daemon", the
+        # daemon reads each buffer; "auto", the trainer on a CUDA device.
+        self._gradient_stats = config["gradient_stats"]
         # Whether a forward or backward pass holds every partition from its
         # start to its end (one fetch and one release per pass instead of
         # one each per module): when the working parameters rest on the
@@ -382,13 +392,20 @@ class _Engine:
             else:  # gloo has no reduce-scatter
                 self._collective(f"all-reduce of '{s.name}'", lambda: dist.all_reduce(padded, group=self.group))
                 mine = padded[self.rank * s.slice_numel:(self.rank + 1) * s.slice_numel]
-            mine = mine.div_(self.world).to("cpu", copy=True)
+            mine = mine.div_(self.world)
         else:
-            mine = flat.to(torch.float32)
+            mine = flat
+        stats = None
+        if self._hand_over and (self._gradient_stats == "trainer" or (
+                self._gradient_stats == "auto" and grad.device.type == "cuda")):
+            # Of what the buffer will hold (its tail past the slice is zeros).
+            v = mine[:s.slice_numel]
+            stats = torch.stack([v.double().square().sum(), (~torch.isfinite(v)).sum().double()])
+        mine = mine.to("cpu", copy=True) if self.world > 1 else mine.to(torch.float32)
         # Returned in batches: one fetch, one return-and-release per batch.
         if any(r[0] is s for r in self._returns):
             self.flush_gradients()
-        self._returns.append((s, mine))
+        self._returns.append((s, mine, stats))
         self._return_bytes += mine.numel() * 4
         if len(self._returns) >= self.RETURN_BATCH or self._return_bytes >= self.RETURN_BYTES:
             self.flush_gradients()
@@ -405,23 +422,29 @@ class _Engine:
             return
         start = time.perf_counter()
         batch, self._returns, self._return_bytes = self._returns, [], 0
-        ids = [s.pid for s, _ in batch]
+        ids = [s.pid for s, _, _ in batch]
+        stats = None
+        if all(r[2] is not None for r in batch):
+            # One copy from the device for the whole batch.
+            stats = [(sq, int(bad)) for sq, bad in torch.stack([r[2] for r in batch]).tolist()]
         views = self.session.fetch(ids, grads=True)
         try:
-            for (s, mine), v in zip(batch, views):
+            for (s, mine, _), v in zip(batch, views):
                 dst = torch.frombuffer(v.grads, dtype=torch.float32)
                 n = min(mine.numel(), s.slice_numel)
                 dst[:n].copy_(mine[:n])
                 dst[n:].zero_()
             # A pass holding everything lets go at its end.
             self.session.return_gradients(views, release=self._held_views is None,
-                                          hand_over=self._hand_over)
+                                          hand_over=self._hand_over, stats=stats)
         except BaseException:
             if self._held_views is None:
                 self.session.release(ids)
             raise
         self.returned_since_step = True
         self.counts["returns"] += len(batch)
+        if stats is not None:
+            self.counts["stats_given"] += len(batch)
         self.timings["return"] += time.perf_counter() - start
 
     def _queue_sweep(self):
@@ -706,7 +729,7 @@ _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
-              "restore_from"}
+              "restore_from", "gradient_stats"}
 
 
 def _check_keys(section, d, allowed):
@@ -742,6 +765,10 @@ def _zero_defaults(zero_config):
     if working not in _DTYPES:
         raise offloadd.InvalidArgumentError(
             f"working_dtype must be fp32, bf16 or fp16, got {working!r}")
+    stats = z.get("gradient_stats", "auto")
+    if stats not in ("auto", "trainer", "daemon"):
+        raise offloadd.InvalidArgumentError(
+            f"gradient_stats must be auto, trainer or daemon, got {stats!r}")
     static = z.get("static_loss_scale")
     if static is not None and (not isinstance(static, (int, float)) or static <= 0):
         raise offloadd.InvalidArgumentError(f"static_loss_scale must be > 0, got {static!r}")
@@ -759,6 +786,7 @@ def _zero_defaults(zero_config):
         "delayed_update_after_steps": after,
         "overlap_step": bool(z.get("overlap_step", False)),
         "working_dtype": working,
+        "gradient_stats": stats,
         "node_tunables": dict(z.get("node_tunables") or {}),
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
     }
@@ -786,6 +814,10 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       overlap_step                step() returns at once; a fetch waits for its own partition
       working_dtype               fp32 (default), bf16 or fp16: the dtype offloadd keeps the
                                   working copy in (and gathers); the master stays fp32
+      gradient_stats              with one micro-batch per step, who measures each returned
+                                  gradient (squared norm, non-finite count): "trainer" (torch,
+                                  where the gradient is, before its copy to the host), "daemon"
+                                  (reads the buffer), "auto" (default: trainer on CUDA)
       node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the
