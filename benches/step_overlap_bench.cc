@@ -40,6 +40,12 @@
 // handed": DPU with the gradients handed over (ReturnGradients with
 // hand_over: the return only measures them, the update reads the bf16
 // buffer; 2 + 28 bytes per parameter through memory instead of 10 + 30).
+// The fifth, "DPU, stats given": handed over with the trainer's own
+// statistics of each buffer (ReturnGradients with stats), as a GPU trainer
+// computes them on the device before the copy, inside its T: the daemon
+// reads no buffer before the update (28 bytes per parameter). The bench's
+// trainer never writes its gradient buffers, so their statistics are taken
+// once before the mode, outside the timing, and checked unchanged after it.
 // --threads: the optimizer's (default one per CPU); fewer leave the
 // trainer a core.
 #include <sys/stat.h>
@@ -48,10 +54,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,6 +74,7 @@
 #include "base/status_macros.h"
 #include "benches/bench_engine.h"
 #include "benches/bench_util.h"
+#include "cpu_adam/dtype.h"
 
 namespace offload::bench {
 namespace {
@@ -219,7 +228,9 @@ int Main(int argc, char** argv) {
   // One iteration; returns its wall time. `step` commits the gradients.
   double returning = 0;  // time inside ReturnGradients (the accumulation pass)
   double fetching = 0;   // time inside Fetch (waiting for updates, swap-ins)
-  bool hand_over = false;  // return gradients with hand_over (the fourth mode)
+  bool hand_over = false;  // return gradients with hand_over (the fourth and fifth modes)
+  // The fifth mode: each layer's gradient statistics, given with the return.
+  std::vector<GradStats> given;
   auto iteration = [&](double t, bool overlap, double* step_call) -> absl::StatusOr<double> {
     const auto start = Clock::now();
     for (int l = 0; l < f.layers; ++l) {
@@ -235,8 +246,9 @@ int Main(int argc, char** argv) {
       fetching += SecondsSince(q);
       Sleep(2 * t / 3 / f.layers);
       const auto r = Clock::now();
-      RETURN_IF_ERROR(
-          e.sessions->ReturnGradients(key, ids[l], per_layer, DType::kBf16, hand_over));
+      RETURN_IF_ERROR(e.sessions->ReturnGradients(
+          key, ids[l], per_layer, DType::kBf16, hand_over,
+          given.empty() ? std::nullopt : std::optional<GradStats>(given[l])));
       returning += SecondsSince(r);
       RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
     }
@@ -311,15 +323,46 @@ int Main(int argc, char** argv) {
       return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
     }
   };
+  // The statistics of every layer's gradient buffer as it is now: held with
+  // the buffer, read where the arena maps it.
+  auto buffer_stats = [&]() -> absl::StatusOr<std::vector<GradStats>> {
+    ASSIGN_OR_RETURN(UniqueFd fd, e.sessions->DupArenaFd(key));
+    std::vector<GradStats> out;
+    for (uint64_t id : ids) {
+      ASSIGN_OR_RETURN(std::vector<PartitionInfo> held, e.sessions->Fetch(key, {id}, backward));
+      const ArenaRegion g = held[0].grads;
+      const uint64_t page = 4096, begin = g.offset / page * page;
+      ASSIGN_OR_RETURN(HostMemory map,
+                       HostMemory::MapShared(fd.get(), begin, g.offset + g.bytes - begin));
+      const auto* v = reinterpret_cast<const uint16_t*>(map.data() + (g.offset - begin));
+      GradStats s;
+      for (uint64_t j = 0; j < held[0].numel; ++j) {
+        const float x = Bf16ToFloat(v[j]);
+        if (!std::isfinite(x)) ++s.nonfinite;
+        s.sq_norm += static_cast<double>(x) * x;
+      }
+      out.push_back(s);
+      RETURN_IF_ERROR(e.sessions->Release(key, {id}));
+    }
+    return out;
+  };
   std::vector<Row> rows;
-  for (int mode = 0; mode < 4; ++mode) {
+  for (int mode = 0; mode < 5; ++mode) {
     const bool overlap = mode > 0;
-    hand_over = mode == 3;
+    hand_over = mode >= 3;
     Row row;
     row.mode = mode == 0   ? "synchronous"
                : mode == 1 ? "overlapped"
                : mode == 2 ? "DPU"
-                           : "DPU, handed";
+               : mode == 3 ? "DPU, handed"
+                           : "DPU, stats given";
+    if (mode == 4) {
+      // The buffers are the daemon's until the last update has read them.
+      if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
+      auto measured = buffer_stats();
+      if (!measured.ok()) return Fail(measured.status(), "gradient statistics");
+      given = *std::move(measured);
+    }
     if (mode == 2) {
       if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
       if (auto s = e.sessions->SetDelayedUpdate(key, true); !s.ok()) return Fail(s, "dpu");
@@ -363,6 +406,19 @@ int Main(int argc, char** argv) {
       row.compute = (e.stats.step_compute_nanos.load() - compute_nanos0) / 1e9 / n;
     }
     rows.push_back(row);
+    if (mode == 4) {
+      // The statistics given were the buffers' own all along.
+      auto after = buffer_stats();
+      if (!after.ok()) return Fail(after.status(), "gradient statistics after");
+      for (size_t l = 0; l < given.size(); ++l) {
+        if ((*after)[l].sq_norm != given[l].sq_norm ||
+            (*after)[l].nonfinite != given[l].nonfinite) {
+          std::fprintf(stderr, "layer %zu's gradient buffer changed during the mode\n", l);
+          return 1;
+        }
+      }
+      given.clear();
+    }
   }
   // Per iteration: in the trainer's sleeps (longer than T_alone when its
   // wake-ups wait for a core), in Fetch (waiting for an update or a
@@ -371,12 +427,12 @@ int Main(int argc, char** argv) {
   // update, start to end, and of that in the optimizer (Stats).
   // The ratio is the mean iteration's to the bound; "median x" the median
   // iteration's.
-  std::printf("\n%-12s %8s %8s %8s %8s %11s %8s %8s %8s %8s %9s %8s %8s %8s\n", "mode",
+  std::printf("\n%-16s %8s %8s %8s %8s %11s %8s %8s %8s %8s %9s %8s %8s %8s\n", "mode",
               "iter s", "median s", "best s", "worst s", "Step call s", "sleep s", "fetch s",
               "return s", "update s", "compute s", "bound s", "ratio", "median x");
   for (const Row& r : rows) {
     std::printf(
-        "%-12s %8.3f %8.3f %8.3f %8.3f %11.3f %8.3f %8.3f %8.3f %8.3f %9.3f %8.3f %7.3fx %7.3fx\n",
+        "%-16s %8.3f %8.3f %8.3f %8.3f %11.3f %8.3f %8.3f %8.3f %8.3f %9.3f %8.3f %7.3fx %7.3fx\n",
         r.mode, r.mean, r.median(), r.best(), r.worst(), r.step_call, r.sleep, r.fetch, r.ret,
         r.update, r.compute, bound, r.mean / bound, r.median() / bound);
   }
@@ -405,7 +461,7 @@ int Main(int argc, char** argv) {
   // the trainer's time and the optimizer's overlap whole. The trainer's
   // time includes the daemon's accumulation pass.
   const double dpu_bound = std::max(t + t_acc, t_opt);
-  for (int r : {2, 3}) {
+  for (int r : {2, 3, 4}) {
     const double dpu_ratio = rows[r].mean / bound, median_ratio = rows[r].median() / bound;
     std::printf("%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
                 "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
