@@ -139,8 +139,6 @@ struct CheckpointResult {
   bool running = false;
 };
 
-// What the gradients returned since the last step add up to (see
-// Session::PendingGradients).
 // A gradient buffer's squared norm and non-finite count as the trainer
 // computed them (offload.proto's GradientStats): of the values as written
 // (with loss scaling, scaled); sq_norm in any order and precision, not
@@ -150,8 +148,12 @@ struct GradientStats {
   uint64_t nonfinite = 0;
 };
 
+// What the gradients returned since the last step add up to (see
+// Session::PendingGradients).
 struct PendingGradients {
-  double sq_norm = 0;  // unscaled, summed in double
+  // Unscaled; the partitions' (as measured, or as the trainer gave them)
+  // summed in double.
+  double sq_norm = 0;
   uint64_t nonfinite = 0;
   uint64_t partitions = 0;
   uint64_t micro_batches = 0;

@@ -1485,7 +1485,10 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
     if (i == 1) s.nonfinite = 1;  // the trainer saw an overflow
     return s;
   });
+  const int64_t given_before = engine.stats.gradient_stats_given.load();
   t.ReturnGradients(1);
+  EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
+            static_cast<int64_t>(kSizes.size()));
   auto pending = t.Pending();
   ASSERT_TRUE(pending.ok());
   EXPECT_EQ(pending->stats.nonfinite, 1u);
@@ -1527,6 +1530,11 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
   two.GiveStats([](size_t, absl::Span<const float>) { return GradStats{123.0, 0}; });
   auto micro = [](size_t, uint64_t j) { return 0.01f * static_cast<float>(j % 13) - 0.05f; };
   two.ReturnGradientsOf(micro);
+  EXPECT_EQ(two.Pending()->stats.sq_norm, 123.0);
+  // Taken back into the accumulator (a fetch with grads), they stay.
+  const uint64_t only = two.parts()[0].id;
+  ASSERT_TRUE(engine.sessions->Fetch(two.key(), {only}, WithGrads()).ok());
+  ASSERT_TRUE(engine.sessions->Release(two.key(), {only}).ok());
   EXPECT_EQ(two.Pending()->stats.sq_norm, 123.0);
   two.ReturnGradientsOf(micro);
   ref.ReturnGradientsOf(micro);

@@ -391,8 +391,9 @@ class PartitionSet {
   // next step must be skipped); a failure on the first changes nothing.
   //
   // `hand_over` (on a step's first micro-batch; ignored on later ones):
-  // the gradients stay in the buffer, only measured, and the step reads
-  // them there, which saves writing and reading an fp32 copy. The buffer
+  // the gradients stay in the buffer, only measured (or, given the
+  // trainer's statistics, not even that: StepRunner::Accumulate), and the
+  // step reads them there, which saves writing and reading an fp32 copy. The buffer
   // is the daemon's until the partition's update has read it: a fetch
   // with grads waits while it is measured or in a running update; before
   // the step, StepRunner::Reclaim takes it back (so a fetch here that

@@ -100,6 +100,16 @@ TEST_F(RequestRingTest, AnswersAsTheSessionManagerDoes) {
   auto bad_dtype = client_->Call(ring::kReturnGradients, 0, {{ids_[0], 1000, 7, 0}},
                                  absl::Seconds(10));
   EXPECT_EQ(bad_dtype.status.code(), absl::StatusCode::kInvalidArgument);
+  auto bad_flags = client_->Call(ring::kReturnGradients, ring::kHandOver,
+                                 {{ids_[0], 1000, 1, ring::kItemStats | 2}}, absl::Seconds(10));
+  EXPECT_EQ(bad_flags.status.code(), absl::StatusCode::kInvalidArgument) << bad_flags.status;
+  EXPECT_NE(bad_flags.status.message().find("flags"), std::string::npos) << bad_flags.status;
+  // Statistics without hand_over reach the daemon's check (the client
+  // never sends them so).
+  auto unhanded = client_->Call(ring::kReturnGradients, 0,
+                                {{ids_[0], 1000, 1, ring::kItemStats, 1.0, 0}}, absl::Seconds(10));
+  EXPECT_EQ(unhanded.status.code(), absl::StatusCode::kInvalidArgument) << unhanded.status;
+  EXPECT_NE(unhanded.status.message().find("hand_over"), std::string::npos) << unhanded.status;
   auto fetch_all = client_->Call(ring::kFetch, 0, {}, absl::Seconds(10));
   EXPECT_EQ(fetch_all.status.code(), absl::StatusCode::kInvalidArgument);
 }

@@ -487,6 +487,10 @@ RingAnswer SessionManager::ServeRing(const SessionKey& key, const RingRequest& r
           g.grad_dtype = absl::InvalidArgumentError(
               absl::StrCat("grad_dtype ", item.dtype, " is not fp32 (1), bf16 (2) or fp16 (3)"));
         }
+        if ((item.flags & ~ring::kItemStats) != 0) {
+          g.grad_dtype = absl::InvalidArgumentError(
+              absl::StrCat("unknown item flags ", item.flags, " for partition ", item.id));
+        }
         if (item.flags & ring::kItemStats) g.stats = GradStats{item.sq_norm, item.nonfinite};
         items.push_back(std::move(g));
       }

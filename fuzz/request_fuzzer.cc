@@ -218,9 +218,16 @@ class Harness {
     ret.set_partition_id(partition_);
     ret.set_numel(4096);
     ret.set_grad_dtype(v1::DTYPE_FP32);
-    ret.set_hand_over(true);
-    ret.mutable_stats()->set_sq_norm(1.0);
     write(kReturnGradients, ret);
+    {
+      // Handed over with the trainer's statistics: a second seed.
+      v1::ReturnGradientsRequest handed = ret;
+      handed.set_hand_over(true);
+      handed.mutable_stats()->set_sq_norm(1.0);
+      std::ofstream out(dir + "/ReturnGradientsHandedOver", std::ios::binary);
+      out.put(static_cast<char>(kReturnGradients | 0x80));
+      out << handed.SerializeAsString();
+    }
     write(kGetPendingGradients, v1::GetPendingGradientsRequest());
     v1::StepRequest step;
     step.mutable_hyperparams()->set_lr(1e-3);

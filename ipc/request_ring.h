@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -64,13 +65,15 @@ inline constexpr uint32_t kItemStats = 1;  // return: sq_norm and nonfinite are 
 // the trainer wrote (numel, dtype as cpu_adam's DType) and, with
 // kItemStats, its statistics of it (GradientBuffer.stats).
 struct Item {
-  uint64_t id;
-  uint64_t numel;
-  uint32_t dtype;
-  uint32_t flags;
+  uint64_t id = 0;
+  uint64_t numel = 0;
+  uint32_t dtype = 0;
+  uint32_t flags = 0;  // kItemStats; other bits are refused
   double sq_norm = 0;
   uint64_t nonfinite = 0;
 };
+static_assert(sizeof(Item) == 40 && std::is_trivially_copyable_v<Item>,
+              "the mailbox's layout is shared with the other side");
 
 // A held partition, as PartitionLocation says it (the name aside).
 struct Location {

@@ -285,6 +285,7 @@ TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
         for (size_t j = 0; j < g.size(); ++j) g[j] = FloatToBf16(0.01f * step * (j % 7));
         const std::vector<PartitionView> one{w[i]};
         if (i == 2) {
+          // (Refused by the client: one statistic per partition.)
           EXPECT_EQ(s->HandOverGradients(one, {}).code(), absl::StatusCode::kInvalidArgument);
           const absl::Status nan = s->HandOverGradients(one, {{std::nan(""), 0}});
           EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument) << via << ": " << nan;

@@ -71,8 +71,10 @@ class PythonClientTest(unittest.TestCase):
         views = self.session.fetch([p.id, q.id], grads=True)
         for v in views:
             torch.frombuffer(v.grads, dtype=torch.float32).copy_(grad)
+        # Refused by the binding (no hand_over) and by the client (one
+        # statistic per partition), then by the daemon (a negative norm).
         with self.assertRaises(offloadd.InvalidArgumentError):
-            self.session.return_gradients(views, stats=[(1.0, 0), (2.0, 0)])  # no hand_over
+            self.session.return_gradients(views, stats=[(1.0, 0), (2.0, 0)])
         with self.assertRaises(offloadd.InvalidArgumentError):
             self.session.return_gradients(views, hand_over=True, stats=[(1.0, 0)])
         with self.assertRaises(offloadd.InvalidArgumentError) as bad:

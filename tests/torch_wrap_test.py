@@ -115,10 +115,10 @@ class TorchWrapTest(unittest.TestCase):
         self.assertGreater(max(ref["norms"]), 0.5)
         # Gradient statistics measured by the daemon ("auto" on a CPU), or
         # computed by torch in the trainer and handed over with the buffers.
-        for world, stats in ((1, "auto"), (2, "auto"), (2, "trainer")):
+        for world, stats in ((1, "auto"), (1, "trainer"), (2, "auto"), (2, "trainer")):
             with self.subTest(world=world, gradient_stats=stats):
                 mine, _, _ = self.run_ranks(dict(sc, zero={"gradient_stats": stats}), world)
-                given = mine["counts"]["stats_given"]
+                given = mine["counts"]["stats_sent"]
                 if stats == "trainer":
                     self.assertEqual(given, mine["counts"]["returns"])
                     self.assertGreater(given, 0)

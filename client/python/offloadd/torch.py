@@ -115,8 +115,9 @@ class _Engine:
         self.working_dtype = config["working_dtype"]
         self.torch_working = _DTYPES[self.working_dtype]
         self.timings = {"fetch": 0.0, "return": 0.0, "step": 0.0}
-        # "stats_given": returns that carried the trainer's statistics.
-        self.counts = {"fetches": 0, "returns": 0, "stats_given": 0, "steps": 0, "skipped": 0}
+        # "stats_sent": returns that carried the trainer's statistics (the
+        # daemon takes them on a step's first return of a partition).
+        self.counts = {"fetches": 0, "returns": 0, "stats_sent": 0, "steps": 0, "skipped": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
         # (shard, this rank's averaged gradient slice, its statistics or None)
@@ -397,10 +398,13 @@ class _Engine:
             mine = flat
         stats = None
         if self._hand_over and (self._gradient_stats == "trainer" or (
-                self._gradient_stats == "auto" and grad.device.type == "cuda")):
-            # Of what the buffer will hold (its tail past the slice is zeros).
+                self._gradient_stats == "auto" and mine.device.type == "cuda")):
+            # Of what the buffer will hold (its tail past the slice is
+            # zeros), where the slice is, with no copy of it: the norm in
+            # fp32 (scaled, so it does not overflow), squared in double.
             v = mine[:s.slice_numel]
-            stats = torch.stack([v.double().square().sum(), (~torch.isfinite(v)).sum().double()])
+            stats = (torch.linalg.vector_norm(v, dtype=torch.float32),
+                     torch.isfinite(v).logical_not_().sum())
         mine = mine.to("cpu", copy=True) if self.world > 1 else mine.to(torch.float32)
         # Returned in batches: one fetch, one return-and-release per batch.
         if any(r[0] is s for r in self._returns):
@@ -425,8 +429,7 @@ class _Engine:
         ids = [s.pid for s, _, _ in batch]
         stats = None
         if all(r[2] is not None for r in batch):
-            # One copy from the device for the whole batch.
-            stats = [(sq, int(bad)) for sq, bad in torch.stack([r[2] for r in batch]).tolist()]
+            stats = [(float(norm) ** 2, int(bad)) for _, _, (norm, bad) in batch]
         views = self.session.fetch(ids, grads=True)
         try:
             for (s, mine, _), v in zip(batch, views):
@@ -444,7 +447,7 @@ class _Engine:
         self.returned_since_step = True
         self.counts["returns"] += len(batch)
         if stats is not None:
-            self.counts["stats_given"] += len(batch)
+            self.counts["stats_sent"] += len(batch)
         self.timings["return"] += time.perf_counter() - start
 
     def _queue_sweep(self):
