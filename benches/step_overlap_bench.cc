@@ -231,6 +231,7 @@ int Main(int argc, char** argv) {
   bool hand_over = false;  // return gradients with hand_over (the fourth and fifth modes)
   // The fifth mode: each layer's gradient statistics, given with the return.
   std::vector<GradStats> given;
+  bool give_stats = false;
   auto iteration = [&](double t, bool overlap, double* step_call) -> absl::StatusOr<double> {
     const auto start = Clock::now();
     for (int l = 0; l < f.layers; ++l) {
@@ -248,7 +249,7 @@ int Main(int argc, char** argv) {
       const auto r = Clock::now();
       RETURN_IF_ERROR(e.sessions->ReturnGradients(
           key, ids[l], per_layer, DType::kBf16, hand_over,
-          given.empty() ? std::nullopt : std::optional<GradStats>(given[l])));
+          give_stats ? std::optional<GradStats>(given[l]) : std::nullopt));
       returning += SecondsSince(r);
       RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
     }
@@ -304,15 +305,22 @@ int Main(int argc, char** argv) {
 
   struct Row {
     const char* mode;
-    // Per counted iteration: in the Step call, in Fetch, in ReturnGradients,
-    // and in the trainer's sleeps (T_alone if nothing delayed their
-    // wake-ups).
+    // Sums over the counted iterations: in the Step call, in Fetch, in
+    // ReturnGradients, and in the trainer's sleeps (T_alone if nothing
+    // delayed their wake-ups).
     double step_call = 0, fetch = 0, ret = 0, sleep = 0;
-    // Per step ended in the mode (Stats): the daemon's step, start to end,
+    // Sums over the mode's steps (Stats): the daemon's step, start to end,
     // and of that the optimizer's compute.
-    double update = 0, compute = 0;
+    int64_t steps = 0, update_nanos = 0, compute_nanos = 0;
     std::vector<double> iterations;  // counted, sorted once all are in
-    double mean = 0;
+    double per_iteration(double sum) const { return sum / iterations.size(); }
+    double mean() const {
+      double total = 0;
+      for (double i : iterations) total += i;
+      return per_iteration(total);
+    }
+    double update() const { return steps > 0 ? update_nanos / 1e9 / steps : 0; }
+    double compute() const { return steps > 0 ? compute_nanos / 1e9 / steps : 0; }
     double best() const { return iterations.front(); }
     double worst() const { return iterations.back(); }
     // The median iteration: this VM's host slows single steps 1.5-3x at
@@ -346,67 +354,79 @@ int Main(int argc, char** argv) {
     }
     return out;
   };
-  std::vector<Row> rows;
-  for (int mode = 0; mode < 5; ++mode) {
-    const bool overlap = mode > 0;
-    hand_over = mode >= 3;
-    Row row;
-    row.mode = mode == 0   ? "synchronous"
-               : mode == 1 ? "overlapped"
-               : mode == 2 ? "DPU"
-               : mode == 3 ? "DPU, handed"
-                           : "DPU, stats given";
-    if (mode == 4) {
+  std::vector<Row> rows(5);
+  rows[0].mode = "synchronous";
+  rows[1].mode = "overlapped";
+  rows[2].mode = "DPU";
+  rows[3].mode = "DPU, handed";
+  rows[4].mode = "DPU, stats given";
+  // Each phase runs --iterations iterations per mode. The two modes that
+  // hand the gradients over take turns of kTurn iterations in one phase, so
+  // that the host's drift (this VM slows steps 1.5-3x at random for seconds
+  // at a time) falls on both alike.
+  constexpr int kTurn = 4;
+  const std::vector<std::vector<int>> phases = {{0}, {1}, {2}, {3, 4}};
+  for (const std::vector<int>& modes : phases) {
+    const int first = modes[0];
+    const bool overlap = first > 0;
+    if (first == 2) {
+      if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
+      if (auto s = e.sessions->SetDelayedUpdate(key, true); !s.ok()) return Fail(s, "dpu");
+    }
+    if (first == 3) {
       // The buffers are the daemon's until the last update has read them.
       if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
       auto measured = buffer_stats();
       if (!measured.ok()) return Fail(measured.status(), "gradient statistics");
       given = *std::move(measured);
     }
-    if (mode == 2) {
-      if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
-      if (auto s = e.sessions->SetDelayedUpdate(key, true); !s.ok()) return Fail(s, "dpu");
-    }
     // Not counted: the first iteration (the switch from the previous mode)
     // and, when the delayed update is switched on, the second, whose update
     // writes the second working copy for the first time (its pages' first
     // touch: 0.4-0.5 s for 100M bf16 parameters on a VM's 4 KiB pages).
-    const int skip = mode == 2 ? 2 : 1;
-    const int counted = std::max(1, f.iterations - skip);
-    int64_t steps0 = e.stats.steps.load(), step_nanos0 = e.stats.step_nanos.load(),
-            compute_nanos0 = e.stats.step_compute_nanos.load();
-    for (int i = 0; i < f.iterations; ++i) {
-      const double fetched = fetching, returned = returning;
-      const double slept0 = g_slept;
+    const int skip = first == 2 ? 2 : 1;
+    const int total = f.iterations * static_cast<int>(modes.size());
+    // The mode whose step runs now: the synchronous step ends inside its
+    // iteration; an overlapped one (the gradients of iteration i) ends
+    // during iteration i + 1, or in the WaitStep after the last.
+    int stepping = -1;
+    auto count_steps = [&](int64_t steps0, int64_t nanos0, int64_t compute0) {
+      if (stepping < 0) return;
+      rows[stepping].steps += e.stats.steps.load() - steps0;
+      rows[stepping].update_nanos += e.stats.step_nanos.load() - nanos0;
+      rows[stepping].compute_nanos += e.stats.step_compute_nanos.load() - compute0;
+    };
+    for (int i = 0; i < total; ++i) {
+      const int mode = modes[(i / kTurn) % modes.size()];
+      hand_over = mode >= 3;
+      give_stats = mode == 4;
+      if (!overlap) stepping = mode;
+      const double fetched = fetching, returned = returning, slept0 = g_slept;
+      const int64_t steps0 = e.stats.steps.load(), nanos0 = e.stats.step_nanos.load(),
+                    compute0 = e.stats.step_compute_nanos.load();
       auto it = iteration(t, overlap, &step_call);
-      if (!it.ok()) return Fail(it.status(), row.mode);
-      if (i < skip && i + 1 < f.iterations) {
-        if (mode == 2) std::printf("DPU switched on: iteration %d took %.3f s\n", i, *it);
-        steps0 = e.stats.steps.load();
-        step_nanos0 = e.stats.step_nanos.load();
-        compute_nanos0 = e.stats.step_compute_nanos.load();
+      if (!it.ok()) return Fail(it.status(), rows[mode].mode);
+      if (i < skip && i + 1 < total) {
+        if (first == 2) std::printf("DPU switched on: iteration %d took %.3f s\n", i, *it);
+        stepping = -1;
         continue;
       }
-      row.fetch += (fetching - fetched) / counted;
-      row.sleep += (g_slept - slept0) / counted;
-      row.ret += (returning - returned) / counted;
-      row.mean += *it / counted;
+      count_steps(steps0, nanos0, compute0);
+      if (overlap) stepping = mode;
+      Row& row = rows[mode];
+      row.fetch += fetching - fetched;
+      row.sleep += g_slept - slept0;
+      row.ret += returning - returned;
       row.iterations.push_back(*it);
-      row.step_call += step_call / counted;
+      row.step_call += step_call;
     }
-    std::sort(row.iterations.begin(), row.iterations.end());
-    // The steps that ended since the last skipped iteration, the last one
-    // (overlapped) included: waited for after the counted iterations, so
-    // that it is counted whole.
     if (overlap) {
+      const int64_t steps0 = e.stats.steps.load(), nanos0 = e.stats.step_nanos.load(),
+                    compute0 = e.stats.step_compute_nanos.load();
       if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
+      count_steps(steps0, nanos0, compute0);
     }
-    if (const int64_t n = e.stats.steps.load() - steps0; n > 0) {
-      row.update = (e.stats.step_nanos.load() - step_nanos0) / 1e9 / n;
-      row.compute = (e.stats.step_compute_nanos.load() - compute_nanos0) / 1e9 / n;
-    }
-    rows.push_back(row);
-    if (mode == 4) {
+    if (first == 3) {
       // The statistics given were the buffers' own all along.
       auto after = buffer_stats();
       if (!after.ok()) return Fail(after.status(), "gradient statistics after");
@@ -417,9 +437,9 @@ int Main(int argc, char** argv) {
           return 1;
         }
       }
-      given.clear();
     }
   }
+  for (Row& r : rows) std::sort(r.iterations.begin(), r.iterations.end());
   // Per iteration: in the trainer's sleeps (longer than T_alone when its
   // wake-ups wait for a core), in Fetch (waiting for an update or a
   // swap-in), in ReturnGradients (the accumulation pass, slower while an
@@ -433,40 +453,41 @@ int Main(int argc, char** argv) {
   for (const Row& r : rows) {
     std::printf(
         "%-16s %8.3f %8.3f %8.3f %8.3f %11.3f %8.3f %8.3f %8.3f %8.3f %9.3f %8.3f %7.3fx %7.3fx\n",
-        r.mode, r.mean, r.median(), r.best(), r.worst(), r.step_call, r.sleep, r.fetch, r.ret,
-        r.update, r.compute, bound, r.mean / bound, r.median() / bound);
+        r.mode, r.mean(), r.median(), r.best(), r.worst(), r.per_iteration(r.step_call),
+        r.per_iteration(r.sleep), r.per_iteration(r.fetch), r.per_iteration(r.ret), r.update(),
+        r.compute(), bound, r.mean() / bound, r.median() / bound);
   }
-  hand_over = false;
+  hand_over = give_stats = false;
   const absl::StatusOr<double> t_opt_after = measure_t_opt();
   if (!t_opt_after.ok()) return Fail(t_opt_after.status(), "calibration after");
   std::printf("T_opt measured again after the modes (delayed update on: the same work): %.3f s, "
               "%+.0f%% (the host's drift during the run)\n",
               *t_opt_after, 100 * (*t_opt_after / t_opt - 1));
   // T_acc: the accumulation pass with no update beside it.
-  const double t_acc = rows[0].ret;
+  const double t_acc = rows[0].per_iteration(rows[0].ret);
   std::printf("T_acc (ReturnGradients in synchronous mode: the daemon's accumulation pass, in "
               "the backward pass, alone): %.3f s per iteration\n",
               t_acc);
   std::printf("synchronous: about T + T_acc + T_opt = %.3f s; measured %.3fx that\n",
-              t + t_acc + t_opt, rows[0].mean / (t + t_acc + t_opt));
+              t + t_acc + t_opt, rows[0].mean() / (t + t_acc + t_opt));
   // Without DPU a layer's forward needs its updated parameters, so the
   // update can hide behind the forward pass only: its limit is
   // max(T_forward, T_opt) + T_backward.
   const double overlap_limit = std::max(t / 3, t_opt) + 2 * t / 3 + t_acc;
   std::printf("overlapped: limit max(T/3, T_opt) + 2T/3 + T_acc = %.3f s; measured %.3fx that, "
               "%.3fx the synchronous iteration\n",
-              overlap_limit, rows[1].mean / overlap_limit, rows[1].mean / rows[0].mean);
+              overlap_limit, rows[1].mean() / overlap_limit, rows[1].mean() / rows[0].mean());
   if (auto done = e.sessions->WaitStep(key); !done.ok()) return Fail(done.status(), "wait");
   // With the delayed update the fetches do not wait for the update at all:
   // the trainer's time and the optimizer's overlap whole. The trainer's
   // time includes the daemon's accumulation pass.
   const double dpu_bound = std::max(t + t_acc, t_opt);
   for (int r : {2, 3, 4}) {
-    const double dpu_ratio = rows[r].mean / bound, median_ratio = rows[r].median() / bound;
+    const double dpu_ratio = rows[r].mean() / bound, median_ratio = rows[r].median() / bound;
     std::printf("%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
                 "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
                 rows[r].mode, dpu_ratio, dpu_ratio <= 1.10 ? "MET" : "NOT MET", median_ratio,
-                median_ratio <= 1.10 ? "MET" : "NOT MET", rows[r].mean / dpu_bound, dpu_bound);
+                median_ratio <= 1.10 ? "MET" : "NOT MET", rows[r].mean() / dpu_bound, dpu_bound);
   }
   return 0;
 }
