@@ -9,7 +9,7 @@
 //   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
 //       [--iterations=24|6] [--t=auto|250ms] [--nvme] [--params_nvme] [--pool=1GiB]
 //       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--arena_pages=huge|small]
-//       [--tiny]
+//       [--per_iteration] [--tiny]
 //
 // The engine is assembled in-process as engine/out_of_core_test.cc does
 // (pool, swapper, store, step runner, session manager). One session,
@@ -95,6 +95,7 @@ struct Flags {
   // arena (the daemon's default where the kernel gives shared memory huge
   // pages) or small pages only.
   bool arena_huge = SharedHugePageBytes() != 0;
+  bool per_iteration = false;  // --per_iteration: print every iteration's time
 };
 
 // The trainer's simulated compute is a sleep, and a sleep overshoots by the
@@ -159,6 +160,8 @@ int Main(int argc, char** argv) {
       f.nvme = f.params_nvme = true;
     } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
       f.arena_huge = a == "--arena_pages=huge";
+    } else if (a == "--per_iteration") {
+      f.per_iteration = true;
     } else if (a == "--tiny") {
       tiny = true;
     } else {
@@ -406,6 +409,11 @@ int Main(int argc, char** argv) {
                     compute0 = e.stats.step_compute_nanos.load();
       auto it = iteration(t, overlap, &step_call);
       if (!it.ok()) return Fail(it.status(), rows[mode].mode);
+      if (f.per_iteration) {  // with the daemon's update time of the steps ended in it
+        std::printf("  %-16s iteration %2d: %.3f s, fetch %.3f s, update %.3f s\n",
+                    rows[mode].mode, i, *it, fetching - fetched,
+                    (e.stats.step_nanos.load() - nanos0) / 1e9);
+      }
       if (i < skip && i + 1 < total) {
         if (first == 2) std::printf("DPU switched on: iteration %d took %.3f s\n", i, *it);
         stepping = -1;
