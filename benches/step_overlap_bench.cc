@@ -19,8 +19,9 @@
 // update's second buffer) too. An iteration: forward, each layer held, T/3 / layers
 // asleep, released; backward in reverse, each layer held with its gradient
 // buffer, 2T/3 / layers asleep, gradients returned, released; then Step.
-// (The gradient values are whatever the buffers hold: Adam's cost does not
-// depend on them; the daemon's accumulation pass runs on every return.)
+// (The gradient values are whatever the buffers hold, zeros until the last
+// phase writes them: Adam's cost does not depend on them; the daemon's
+// accumulation pass runs on every return.)
 //
 // T_opt is measured first: the median wall time of synchronous Steps alone
 // (after two warm-ups). With --t=auto, T = T_opt. T_alone: the trainer's
@@ -28,7 +29,8 @@
 // the delayed parameter update, DPU, can reach; the third mode: overlapped
 // steps with DPU on); the overlapped step's own limit is max(T/3, T_opt) +
 // 2T/3, since each layer's forward needs its updated parameters. The first
-// iteration of each mode is not counted. Each mode's ratio is given for its
+// iteration of each phase (each mode but the last two, which share one) is
+// not counted. Each mode's ratio is given for its
 // mean iteration and for its median one (T_opt is a median too; single
 // steps on a noisy host take 1.5-3x at random). Per mode the table also gives the
 // time inside the trainer's sleeps (more than T_alone when its wake-ups
@@ -43,14 +45,16 @@
 // The fifth, "DPU, stats given": handed over with the trainer's own
 // statistics of each buffer (ReturnGradients with stats), as a GPU trainer
 // computes them on the device before the copy, inside its T: the daemon
-// reads no buffer before the update (28 bytes per parameter). The bench's
-// trainer never writes its gradient buffers, so their statistics are taken
-// once before the mode, outside the timing, and checked unchanged after it.
+// reads no buffer before the update (28 bytes per parameter). The two run
+// in one phase, taking turns. Before it the trainer writes its gradient
+// buffers once (fixed nonzero values) and takes their statistics, outside
+// the timing; after it they are checked unchanged.
 // --threads: the optimizer's (default one per CPU); fewer leave the
 // trainer a core.
 #include <sys/stat.h>
 
 #include <sys/prctl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -336,18 +340,24 @@ int Main(int argc, char** argv) {
   };
   // The statistics of every layer's gradient buffer as it is now: held with
   // the buffer, read where the arena maps it.
-  auto buffer_stats = [&]() -> absl::StatusOr<std::vector<GradStats>> {
+  // The statistics of every layer's gradient buffer as it is now, read
+  // where the arena maps it, the buffer held; with `fill`, first written
+  // with fixed nonzero gradients (the trainer's backward, once), so that a
+  // change to them during the phase shows.
+  auto buffer_stats = [&](bool fill) -> absl::StatusOr<std::vector<GradStats>> {
     ASSIGN_OR_RETURN(UniqueFd fd, e.sessions->DupArenaFd(key));
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
     std::vector<GradStats> out;
     for (uint64_t id : ids) {
       ASSIGN_OR_RETURN(std::vector<PartitionInfo> held, e.sessions->Fetch(key, {id}, backward));
       const ArenaRegion g = held[0].grads;
-      const uint64_t page = 4096, begin = g.offset / page * page;
+      const uint64_t begin = g.offset / page * page;
       ASSIGN_OR_RETURN(HostMemory map,
                        HostMemory::MapShared(fd.get(), begin, g.offset + g.bytes - begin));
-      const auto* v = reinterpret_cast<const uint16_t*>(map.data() + (g.offset - begin));
+      auto* v = reinterpret_cast<uint16_t*>(map.data() + (g.offset - begin));
       GradStats s;
       for (uint64_t j = 0; j < held[0].numel; ++j) {
+        if (fill) v[j] = FloatToBf16(1e-4f * static_cast<float>(static_cast<int>(j % 201) - 100));
         const float x = Bf16ToFloat(v[j]);
         if (!std::isfinite(x)) ++s.nonfinite;
         s.sq_norm += static_cast<double>(x) * x;
@@ -363,11 +373,21 @@ int Main(int argc, char** argv) {
   rows[2].mode = "DPU";
   rows[3].mode = "DPU, handed";
   rows[4].mode = "DPU, stats given";
+  // The engine's step counters, read once between iterations: the steps
+  // that ended in between go to the mode whose gradients they updated.
+  struct Counters {
+    int64_t steps, nanos, compute;
+  };
+  auto counters = [&] {
+    return Counters{e.stats.steps.load(), e.stats.step_nanos.load(),
+                    e.stats.step_compute_nanos.load()};
+  };
   // Each phase runs --iterations iterations per mode. The two modes that
-  // hand the gradients over take turns of kTurn iterations in one phase, so
-  // that the host's drift (this VM slows steps 1.5-3x at random for seconds
-  // at a time) falls on both alike.
-  constexpr int kTurn = 4;
+  // hand the gradients over take turns in one phase, so that the host's
+  // drift (this VM slows steps 1.5-3x at random for seconds at a time)
+  // falls on both alike: turns of 4 iterations, or of 1 where --iterations
+  // is not a multiple of 4 (so that each mode gets as many).
+  const int turn = f.iterations % 4 == 0 ? 4 : 1;
   const std::vector<std::vector<int>> phases = {{0}, {1}, {2}, {3, 4}};
   for (const std::vector<int>& modes : phases) {
     const int first = modes[0];
@@ -379,47 +399,53 @@ int Main(int argc, char** argv) {
     if (first == 3) {
       // The buffers are the daemon's until the last update has read them.
       if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
-      auto measured = buffer_stats();
+      auto measured = buffer_stats(/*fill=*/true);
       if (!measured.ok()) return Fail(measured.status(), "gradient statistics");
       given = *std::move(measured);
     }
-    // Not counted: the first iteration (the switch from the previous mode)
-    // and, when the delayed update is switched on, the second, whose update
-    // writes the second working copy for the first time (its pages' first
-    // touch: 0.4-0.5 s for 100M bf16 parameters on a VM's 4 KiB pages).
+    // Not counted: the phase's first iteration (the switch from the previous
+    // one) and, when the delayed update is switched on, the second, whose
+    // update writes the second working copy for the first time (its pages'
+    // first touch: 0.4-0.5 s for 100M bf16 parameters on a VM's 4 KiB
+    // pages).
     const int skip = first == 2 ? 2 : 1;
     const int total = f.iterations * static_cast<int>(modes.size());
     // The mode whose step runs now: the synchronous step ends inside its
     // iteration; an overlapped one (the gradients of iteration i) ends
-    // during iteration i + 1, or in the WaitStep after the last.
+    // during iteration i + 1 (the next Step waits for it), or in the
+    // WaitStep after the last. -1: a skipped iteration's, not counted.
     int stepping = -1;
-    auto count_steps = [&](int64_t steps0, int64_t nanos0, int64_t compute0) {
-      if (stepping < 0) return;
-      rows[stepping].steps += e.stats.steps.load() - steps0;
-      rows[stepping].update_nanos += e.stats.step_nanos.load() - nanos0;
-      rows[stepping].compute_nanos += e.stats.step_compute_nanos.load() - compute0;
+    Counters before = counters();
+    auto count_steps = [&] {
+      const Counters now = counters();
+      if (stepping >= 0) {
+        rows[stepping].steps += now.steps - before.steps;
+        rows[stepping].update_nanos += now.nanos - before.nanos;
+        rows[stepping].compute_nanos += now.compute - before.compute;
+      }
+      before = now;
     };
     for (int i = 0; i < total; ++i) {
-      const int mode = modes[(i / kTurn) % modes.size()];
+      const int mode = modes[(i / turn) % modes.size()];
       hand_over = mode >= 3;
       give_stats = mode == 4;
       if (!overlap) stepping = mode;
       const double fetched = fetching, returned = returning, slept0 = g_slept;
-      const int64_t steps0 = e.stats.steps.load(), nanos0 = e.stats.step_nanos.load(),
-                    compute0 = e.stats.step_compute_nanos.load();
+      const int64_t nanos0 = before.nanos;
       auto it = iteration(t, overlap, &step_call);
       if (!it.ok()) return Fail(it.status(), rows[mode].mode);
+      const bool skipped = i < skip && i + 1 < total;
+      if (skipped) stepping = -1;
+      count_steps();
       if (f.per_iteration) {  // with the daemon's update time of the steps ended in it
-        std::printf("  %-16s iteration %2d: %.3f s, fetch %.3f s, update %.3f s\n",
-                    rows[mode].mode, i, *it, fetching - fetched,
-                    (e.stats.step_nanos.load() - nanos0) / 1e9);
+        std::printf("  %-16s iteration %2d: %.3f s, fetch %.3f s, update %.3f s%s\n",
+                    rows[mode].mode, i, *it, fetching - fetched, (before.nanos - nanos0) / 1e9,
+                    skipped ? " (not counted)" : "");
       }
-      if (i < skip && i + 1 < total) {
+      if (skipped) {
         if (first == 2) std::printf("DPU switched on: iteration %d took %.3f s\n", i, *it);
-        stepping = -1;
         continue;
       }
-      count_steps(steps0, nanos0, compute0);
       if (overlap) stepping = mode;
       Row& row = rows[mode];
       row.fetch += fetching - fetched;
@@ -429,14 +455,12 @@ int Main(int argc, char** argv) {
       row.step_call += step_call;
     }
     if (overlap) {
-      const int64_t steps0 = e.stats.steps.load(), nanos0 = e.stats.step_nanos.load(),
-                    compute0 = e.stats.step_compute_nanos.load();
       if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
-      count_steps(steps0, nanos0, compute0);
+      count_steps();
     }
     if (first == 3) {
       // The statistics given were the buffers' own all along.
-      auto after = buffer_stats();
+      auto after = buffer_stats(/*fill=*/false);
       if (!after.ok()) return Fail(after.status(), "gradient statistics after");
       for (size_t l = 0; l < given.size(); ++l) {
         if ((*after)[l].sq_norm != given[l].sq_norm ||
@@ -459,6 +483,10 @@ int Main(int argc, char** argv) {
               "iter s", "median s", "best s", "worst s", "Step call s", "sleep s", "fetch s",
               "return s", "update s", "compute s", "bound s", "ratio", "median x");
   for (const Row& r : rows) {
+    if (r.iterations.empty()) {  // too few --iterations
+      std::printf("%-16s no iteration counted\n", r.mode);
+      continue;
+    }
     std::printf(
         "%-16s %8.3f %8.3f %8.3f %8.3f %11.3f %8.3f %8.3f %8.3f %8.3f %9.3f %8.3f %7.3fx %7.3fx\n",
         r.mode, r.mean(), r.median(), r.best(), r.worst(), r.per_iteration(r.step_call),
@@ -491,6 +519,7 @@ int Main(int argc, char** argv) {
   // time includes the daemon's accumulation pass.
   const double dpu_bound = std::max(t + t_acc, t_opt);
   for (int r : {2, 3, 4}) {
+    if (rows[r].iterations.empty()) continue;
     const double dpu_ratio = rows[r].mean() / bound, median_ratio = rows[r].median() / bound;
     std::printf("%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
                 "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
