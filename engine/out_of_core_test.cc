@@ -755,6 +755,19 @@ TEST(OutOfCore, FourMicroBatchesEqualOneBigBatch) {
   }
 }
 
+// `t`'s pending gradients count `nonfinite` non-finite values; its step
+// skips, and its parameters stay `before`.
+void ExpectPendingNonFiniteSkipTheStep(Trainer& t, uint64_t nonfinite, const std::string& before) {
+  auto pending = t.Pending();
+  ASSERT_TRUE(pending.ok());
+  EXPECT_EQ(pending->stats.nonfinite, nonfinite);
+  auto skipped = t.Step();
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_TRUE(skipped->skipped);
+  EXPECT_EQ(skipped->nonfinite, nonfinite);
+  EXPECT_TRUE(t.Params() == before);
+}
+
 // A NaN in one micro-batch makes the accumulated gradient non-finite: the
 // step is skipped and changes nothing; an explicit skip consumes the
 // gradients too and changes nothing.
@@ -766,14 +779,7 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
   t.ReturnGradientsOf([](size_t part, uint64_t j) {
     return part == 1 && j == 5 ? std::nanf("") : 0.001f;
   });
-  auto pending = t.Pending();
-  ASSERT_TRUE(pending.ok());
-  EXPECT_EQ(pending->stats.nonfinite, 1u);
-  auto skipped = t.Step();
-  ASSERT_TRUE(skipped.ok());
-  EXPECT_TRUE(skipped->skipped);
-  EXPECT_EQ(skipped->nonfinite, 1u);
-  EXPECT_EQ(t.Params(), before);
+  ExpectPendingNonFiniteSkipTheStep(t, 1, before);
   EXPECT_EQ(t.Pending()->partitions, 0u);
   t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
   auto explicit_skip = engine.sessions->Step(t.key(), AdamHyperparams{}, SkipControl());
@@ -1269,42 +1275,52 @@ TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   EXPECT_EQ(outcome->partitions_updated, kSizes.size());
 }
 
+// Runs `body(engine, handing, other, where)` in memory and with everything
+// on NVMe (four times the pool), each without and with the delayed update
+// on both trainers; `handing` returns its gradients with hand_over.
+template <typename Body>
+void InEveryPlacementWithAndWithoutDelayedUpdate(const std::string& name, Body body) {
+  int dir = 0;
+  for (const PlacementChange& placement : {All(100), All(0)}) {
+    const bool on_nvme = *placement[DataKind::kParams] == 0;
+    for (bool dpu : {false, true}) {
+      Engine engine(TmpDir(name + std::to_string(dir++)),
+                    on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+      Trainer handing(&engine, placement), other(&engine, placement);
+      handing.HandOver(true);
+      if (dpu) {
+        for (Trainer* t : {&handing, &other}) {
+          ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t->key(), true).ok());
+        }
+      }
+      body(engine, handing, other,
+           absl::StrCat(on_nvme ? "on NVMe" : "in memory", dpu ? ", delayed update" : ""));
+    }
+  }
+}
+
 // Gradients handed over (the step reads them in the trainer's buffer, and
 // the return only measures them) train bit for bit like accumulated ones:
 // in memory and with everything on NVMe (the buffer swapped out and in
 // between return and step), with synchronous steps and with the delayed
 // update; the pending statistics are the same bits.
 TEST(OutOfCore, HandedOverGradientsTrainBitForBitLikeAccumulatedOnes) {
-  int dir = 0;
-  for (const PlacementChange& placement : {All(100), All(0)}) {
-    const bool on_nvme = *placement[DataKind::kParams] == 0;
-    for (bool dpu : {false, true}) {
-      Engine engine(TmpDir("handover" + std::to_string(dir++)),
-                    on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
-      Trainer handed(&engine, placement), kept(&engine, placement);
-      handed.HandOver(true);
-      if (dpu) {
-        for (Trainer* t : {&handed, &kept}) {
-          ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t->key(), true).ok());
+  InEveryPlacementWithAndWithoutDelayedUpdate(
+      "handover", [](Engine&, Trainer& handed, Trainer& kept, const std::string& where) {
+        for (int step = 1; step <= 4; ++step) {
+          handed.ReturnGradients(step);
+          kept.ReturnGradients(step);
+          auto a = handed.Pending(), b = kept.Pending();
+          ASSERT_TRUE(a.ok() && b.ok());
+          EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0)
+              << where << " step " << step << ": " << a->stats.sq_norm << " vs "
+              << b->stats.sq_norm << " over " << a->partitions << "/" << b->partitions;
+          EXPECT_EQ(a->stats.nonfinite, b->stats.nonfinite);
+          ASSERT_TRUE(handed.Step().ok()) << where;
+          ASSERT_TRUE(kept.Step().ok()) << where;
+          EXPECT_TRUE(handed.Params() == kept.Params()) << where << " step " << step;
         }
-      }
-      const std::string where = absl::StrCat(on_nvme ? "on NVMe" : "in memory",
-                                             dpu ? ", delayed update" : "");
-      for (int step = 1; step <= 4; ++step) {
-        handed.ReturnGradients(step);
-        kept.ReturnGradients(step);
-        auto a = handed.Pending(), b = kept.Pending();
-        ASSERT_TRUE(a.ok() && b.ok());
-        EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0)
-            << where << " step " << step << ": " << a->stats.sq_norm << " vs "
-            << b->stats.sq_norm << " over " << a->partitions << "/" << b->partitions;
-        EXPECT_EQ(a->stats.nonfinite, b->stats.nonfinite);
-        ASSERT_TRUE(handed.Step().ok()) << where;
-        ASSERT_TRUE(kept.Step().ok()) << where;
-        EXPECT_TRUE(handed.Params() == kept.Params()) << where << " step " << step;
-      }
-    }
-  }
+      });
 }
 
 // A gradient buffer handed over is the step's until the partition's update
@@ -1419,55 +1435,43 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
 // and the update reads the buffers as it reads measured ones, training bit
 // for bit alike. In memory and on NVMe, with and without the delayed update.
 TEST(OutOfCore, GradientStatsFromTheTrainerAreTakenAsMeasured) {
-  int dir = 0;
-  for (const PlacementChange& placement : {All(100), All(0)}) {
-    const bool on_nvme = *placement[DataKind::kParams] == 0;
-    for (bool dpu : {false, true}) {
-      Engine engine(TmpDir("given" + std::to_string(dir++)),
-                    on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
-      Trainer given(&engine, placement), measured(&engine, placement);
-      std::vector<GradStats> gave(kSizes.size());
-      given.GiveStats([&gave](size_t i, absl::Span<const float> g) {
-        return gave[i] = SerialStats(g);
-      });
-      for (Trainer* t : {&given, &measured}) {
-        t->HandOver(true);
-        if (dpu) {
-          ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t->key(), true).ok());
-        }
-      }
-      std::atomic<int> measurings{0};
-      engine.steps->SetSyncPointForTesting([&measurings](StepPoint point) {
-        if (point == StepPoint::kMeasuring) ++measurings;
-      });
-      const std::string where = absl::StrCat(on_nvme ? "on NVMe" : "in memory",
-                                             dpu ? ", delayed update" : "");
-      for (int step = 1; step <= 3; ++step) {
-        measured.ReturnGradients(step);
-        auto b = measured.Pending();  // after its measuring
-        ASSERT_TRUE(b.ok());
-        const int measurings_before = measurings.load();
-        const int64_t given_before = engine.stats.gradient_stats_given.load();
-        given.ReturnGradients(step);
-        auto a = given.Pending();
-        ASSERT_TRUE(a.ok());
-        EXPECT_EQ(measurings.load(), measurings_before) << where;
-        EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
-                  static_cast<int64_t>(kSizes.size()))
-            << where;
-        EXPECT_EQ(a->partitions, kSizes.size());
-        EXPECT_DOUBLE_EQ(a->stats.sq_norm, gave[0].sq_norm + gave[1].sq_norm + gave[2].sq_norm)
-            << where;
-        // The same gradients, summed in another order.
-        EXPECT_NEAR(a->stats.sq_norm, b->stats.sq_norm, 1e-6 * b->stats.sq_norm) << where;
-        EXPECT_EQ(a->stats.nonfinite, 0u);
-        ASSERT_TRUE(given.Step().ok()) << where;
-        ASSERT_TRUE(measured.Step().ok()) << where;
-        EXPECT_TRUE(given.Params() == measured.Params()) << where << " step " << step;
-      }
-      engine.steps->SetSyncPointForTesting(nullptr);
+  InEveryPlacementWithAndWithoutDelayedUpdate("given", [](Engine& engine, Trainer& given,
+                                                          Trainer& measured,
+                                                          const std::string& where) {
+    std::vector<GradStats> gave(kSizes.size());
+    given.GiveStats([&gave](size_t i, absl::Span<const float> g) {
+      return gave[i] = SerialStats(g);
+    });
+    measured.HandOver(true);
+    std::atomic<int> measurings{0};
+    engine.steps->SetSyncPointForTesting([&measurings](StepPoint point) {
+      if (point == StepPoint::kMeasuring) ++measurings;
+    });
+    for (int step = 1; step <= 3; ++step) {
+      measured.ReturnGradients(step);
+      auto b = measured.Pending();  // after its measuring
+      ASSERT_TRUE(b.ok());
+      const int measurings_before = measurings.load();
+      const int64_t given_before = engine.stats.gradient_stats_given.load();
+      given.ReturnGradients(step);
+      auto a = given.Pending();
+      ASSERT_TRUE(a.ok());
+      EXPECT_EQ(measurings.load(), measurings_before) << where;
+      EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
+                static_cast<int64_t>(kSizes.size()))
+          << where;
+      EXPECT_EQ(a->partitions, kSizes.size());
+      EXPECT_DOUBLE_EQ(a->stats.sq_norm, gave[0].sq_norm + gave[1].sq_norm + gave[2].sq_norm)
+          << where;
+      // The same gradients, summed in another order.
+      EXPECT_NEAR(a->stats.sq_norm, b->stats.sq_norm, 1e-6 * b->stats.sq_norm) << where;
+      EXPECT_EQ(a->stats.nonfinite, 0u);
+      ASSERT_TRUE(given.Step().ok()) << where;
+      ASSERT_TRUE(measured.Step().ok()) << where;
+      EXPECT_TRUE(given.Params() == measured.Params()) << where << " step " << step;
     }
-  }
+    engine.steps->SetSyncPointForTesting(nullptr);
+  });
 }
 
 // What the trainer's statistics decide, and where they are not taken: a
@@ -1489,13 +1493,7 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
   t.ReturnGradients(1);
   EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
             static_cast<int64_t>(kSizes.size()));
-  auto pending = t.Pending();
-  ASSERT_TRUE(pending.ok());
-  EXPECT_EQ(pending->stats.nonfinite, 1u);
-  auto skipped = t.Step();
-  ASSERT_TRUE(skipped.ok());
-  EXPECT_TRUE(skipped->skipped);
-  EXPECT_TRUE(t.Params() == before);
+  ExpectPendingNonFiniteSkipTheStep(t, 1, before);
 
   const PartitionInfo& p = t.parts()[0];
   ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p.id}, WithGrads()).ok());
@@ -1518,9 +1516,7 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
                                     GradStats{std::nan(""), 2})
                   .ok());
   ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
-  EXPECT_EQ(t.Pending()->stats.nonfinite, 2u);
-  ASSERT_TRUE(t.Step().ok());  // skipped
-  EXPECT_TRUE(t.Params() == before);
+  ExpectPendingNonFiniteSkipTheStep(t, 2, before);
 
   // Two micro-batches, both handed over with made-up statistics: the first
   // one's are taken, then the second's are ignored and the sum is measured,
