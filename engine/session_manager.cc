@@ -405,6 +405,17 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key,
                                                    kMaxFetchIds, " partitions, got ",
                                                    items.size()));
   }
+  // The trainer's statistics are checked for all before any is returned:
+  // a refusal returns nothing.
+  for (const GradientReturn& item : items) {
+    if (!item.stats.has_value()) continue;
+    if (absl::Status s = CheckGivenGradStats(item.partition_id, item.numel, hand_over, *item.stats);
+        !s.ok()) {
+      if (items.size() == 1) return s;
+      return absl::Status(s.code(), absl::StrCat(s.message(), "; none of the ", items.size(),
+                                                 " partitions' gradients were returned"));
+    }
+  }
   std::vector<uint64_t> ids;
   ids.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {

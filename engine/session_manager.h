@@ -183,7 +183,8 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Several, in order (at most kMaxFetchIds); an error stops at the
   // partition it names (the message says how many went before, which were
-  // returned) and releases nothing. With `release`, then lets them all go.
+  // returned) and releases nothing. The trainer's statistics are checked
+  // for all first: a refusal of one returns none. With `release`, then lets them all go.
   absl::Status ReturnGradients(const SessionKey& key, absl::Span<const GradientReturn> items,
                                bool release, bool hand_over = false) ABSL_LOCKS_EXCLUDED(mu_);
   // What the gradients returned since the last step add up to: the squared

@@ -24,8 +24,10 @@ int64_t NanosSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-absl::Status CheckGivenStats(uint64_t id, uint64_t numel, bool hand_over,
-                             const GradStats& given) {
+}  // namespace
+
+absl::Status CheckGivenGradStats(uint64_t id, uint64_t numel, bool hand_over,
+                                 const GradStats& given) {
   if (!hand_over) {
     return absl::InvalidArgumentError(absl::StrCat(
         "partition ", id, ": gradient statistics come with hand_over only (gradients added "
@@ -43,8 +45,6 @@ absl::Status CheckGivenStats(uint64_t id, uint64_t numel, bool hand_over,
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 void StepRunner::SetSyncPointForTesting(std::function<void(StepPoint)> hook) {
   absl::MutexLock lock(&mu_);
@@ -64,7 +64,7 @@ absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t num
                                     DType grad_dtype, bool hand_over,
                                     std::shared_ptr<void> keep_alive,
                                     const std::optional<GradStats>& given) {
-  if (given.has_value()) RETURN_IF_ERROR(CheckGivenStats(id, numel, hand_over, *given));
+  if (given.has_value()) RETURN_IF_ERROR(CheckGivenGradStats(id, numel, hand_over, *given));
   ASSIGN_OR_RETURN(AccumulateItem item, set.BeginAccumulate(id, numel, grad_dtype, hand_over));
   if (item.hand_over && given.has_value()) {
     // The trainer measured them: the buffer waits for the step unread.

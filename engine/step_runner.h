@@ -101,6 +101,13 @@ enum class StepPoint {
   kMeasuring,  // on the measuring thread, before it measures handed-over gradients
 };
 
+// The checks StepRunner::Accumulate makes of the trainer's statistics of
+// partition `id`'s `numel` gradients (`given`): INVALID_ARGUMENT without
+// `hand_over`, for a negative norm, a NaN one with no non-finite value
+// counted, or more non-finite values than `numel`.
+absl::Status CheckGivenGradStats(uint64_t id, uint64_t numel, bool hand_over,
+                                 const GradStats& given);
+
 class StepRunner {
  public:
   using Done = std::function<void(absl::StatusOr<StepSummary>)>;
@@ -125,9 +132,7 @@ class StepRunner {
   // buffer wait for it, and if it fails the gradients are lost (the step
   // must be skipped), as for a failed addition.
   //
-  // `given` (with `hand_over` only, else INVALID_ARGUMENT; also for a
-  // negative norm, a NaN one with no non-finite value counted, or more
-  // non-finite values than `numel`): the trainer's statistics of the
+  // `given` (CheckGivenGradStats first): the trainer's statistics of the
   // buffer. On a step's first micro-batch they are taken as measured and
   // nothing reads the buffer before the step; on a later one they are
   // ignored (the sum is measured as it is added).

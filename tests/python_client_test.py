@@ -80,14 +80,14 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(offloadd.InvalidArgumentError) as bad:
             self.session.return_gradients(views, hand_over=True, stats=[(1.0, 0), (-2.0, 0)])
         self.assertIn("negative", str(bad.exception))
-        self.assertIn("returned 1 of 2", str(bad.exception))
-        # The first partition was handed over before the second one's
-        # refusal; the second, still held, goes on its own.
-        self.session.return_gradients([views[1]], release=True, hand_over=True,
-                                      stats=[(2.5, 0)])
-        self.session.release([p.id])
+        # The statistics are checked for all before any is returned: both
+        # buffers are still held, and go again.
+        self.assertIn("none of the 2", str(bad.exception))
+        self.assertEqual(self.session.pending_gradients()["partitions"], 0)
+        self.session.return_gradients(views, release=True, hand_over=True,
+                                      stats=[(1.5, 0), (2.5, 0)])
         pending = self.session.pending_gradients()
-        self.assertEqual(pending["sq_norm"], 3.5)
+        self.assertEqual(pending["sq_norm"], 4.0)
         self.assertEqual(pending["nonfinite"], 0)
         self.session.step(lr=1e-2, weight_decay=0.1)
         ref.grad = grad.clone()
