@@ -16,41 +16,40 @@
 // --layers partitions of bf16 parameters and gradients; with --nvme the
 // optimizer state (master, moments, gradient accumulator) rests on NVMe in
 // a --pool host pool; with --params_nvme the working copy (and the delayed
-// update's second buffer) too. An iteration: forward, each layer held, T/3 / layers
-// asleep, released; backward in reverse, each layer held with its gradient
-// buffer, 2T/3 / layers asleep, gradients returned, released; then Step.
-// (The gradient values are whatever the buffers hold, zeros until the last
-// phase writes them: Adam's cost does not depend on them; the daemon's
+// update's second buffer) too. An iteration: forward, each layer held, T/3
+// / layers asleep, released; backward in reverse, each layer held with its
+// gradient buffer, 2T/3 / layers asleep, gradients returned, released; then
+// Step. (The gradient values are whatever the buffers hold, zeros until the
+// last phase writes them: Adam's cost does not depend on them; the daemon's
 // accumulation pass runs on every return.)
 //
 // T_opt is measured first: the median wall time of synchronous Steps alone
 // (after two warm-ups). With --t=auto, T = T_opt. T_alone: the trainer's
-// sleeps alone, timed (see Sleep). Bound = max(T_alone, T_opt) (what
-// the delayed parameter update, DPU, can reach; the third mode: overlapped
+// sleeps alone, timed (see Sleep). Bound = max(T_alone, T_opt) (what the
+// delayed parameter update, DPU, can reach; the third mode: overlapped
 // steps with DPU on); the overlapped step's own limit is max(T/3, T_opt) +
 // 2T/3, since each layer's forward needs its updated parameters. The first
 // iteration of each phase (each mode but the last two, which share one) is
-// not counted. Each mode's ratio is given for its
-// mean iteration and for its median one (T_opt is a median too; single
-// steps on a noisy host take 1.5-3x at random). Per mode the table also gives the
-// time inside the trainer's sleeps (more than T_alone when its wake-ups
-// wait for a core), inside Fetch (waiting for an update) and inside
-// ReturnGradients (the accumulation pass, which the trainer waits for;
-// slower while an update shares the cores and the memory bus), and per step
-// the daemon's update, start to end, and of that the optimizer's compute
-// (Stats: more than T_opt when the update shares the cores). The fourth mode, "DPU,
-// handed": DPU with the gradients handed over (ReturnGradients with
-// hand_over: the return only measures them, the update reads the bf16
-// buffer; 2 + 28 bytes per parameter through memory instead of 10 + 30).
-// The fifth, "DPU, stats given": handed over with the trainer's own
-// statistics of each buffer (ReturnGradients with stats), as a GPU trainer
-// computes them on the device before the copy, inside its T: the daemon
-// reads no buffer before the update (28 bytes per parameter). The two run
-// in one phase, taking turns. Before it the trainer writes its gradient
-// buffers once (fixed nonzero values) and takes their statistics, outside
-// the timing; after it they are checked unchanged.
-// --threads: the optimizer's (default one per CPU); fewer leave the
-// trainer a core.
+// not counted. Each mode's ratio is given for its mean iteration and for
+// its median one (T_opt is a median too; single steps on a noisy host take
+// 1.5-3x at random). Per mode the table also gives the time inside the
+// trainer's sleeps (more than T_alone when its wake-ups wait for a core),
+// inside Fetch (waiting for an update) and inside ReturnGradients (the
+// accumulation pass, which the trainer waits for; slower while an update
+// shares the cores and the memory bus), and per step the daemon's update,
+// start to end, and of that the optimizer's compute (Stats: more than T_opt
+// when the update shares the cores). The fourth mode, "DPU, handed": DPU
+// with the gradients handed over (ReturnGradients with hand_over: the
+// return only measures them, the update reads the bf16 buffer; 2 + 28 bytes
+// per parameter through memory instead of 10 + 30). The fifth, "DPU, stats
+// given": handed over with the trainer's own statistics of each buffer
+// (ReturnGradients with stats), as a GPU trainer computes them on the
+// device before the copy, inside its T: the daemon reads no buffer before
+// the update (28 bytes per parameter). The two run in one phase, taking
+// turns. Before it the trainer writes its gradient buffers once (fixed
+// nonzero values) and takes their statistics, outside the timing; after it
+// they are checked unchanged. --threads: the optimizer's (default one per
+// CPU); fewer leave the trainer a core.
 #include <sys/stat.h>
 
 #include <sys/prctl.h>
@@ -58,7 +57,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -79,6 +77,7 @@
 #include "benches/bench_engine.h"
 #include "benches/bench_util.h"
 #include "cpu_adam/dtype.h"
+#include "cpu_adam/optimizer.h"
 
 namespace offload::bench {
 namespace {
@@ -338,8 +337,6 @@ int Main(int argc, char** argv) {
       return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
     }
   };
-  // The statistics of every layer's gradient buffer as it is now: held with
-  // the buffer, read where the arena maps it.
   // The statistics of every layer's gradient buffer as it is now, read
   // where the arena maps it, the buffer held; with `fill`, first written
   // with fixed nonzero gradients (the trainer's backward, once), so that a
@@ -355,14 +352,17 @@ int Main(int argc, char** argv) {
       ASSIGN_OR_RETURN(HostMemory map,
                        HostMemory::MapShared(fd.get(), begin, g.offset + g.bytes - begin));
       auto* v = reinterpret_cast<uint16_t*>(map.data() + (g.offset - begin));
-      GradStats s;
-      for (uint64_t j = 0; j < held[0].numel; ++j) {
-        if (fill) v[j] = FloatToBf16(1e-4f * static_cast<float>(static_cast<int>(j % 201) - 100));
-        const float x = Bf16ToFloat(v[j]);
-        if (!std::isfinite(x)) ++s.nonfinite;
-        s.sq_norm += static_cast<double>(x) * x;
+      for (uint64_t j = 0; fill && j < held[0].numel; ++j) {
+        v[j] = FloatToBf16(1e-4f * static_cast<float>(static_cast<int>(j % 201) - 100));
       }
-      out.push_back(s);
+      // Measured as the daemon measures handed-over gradients (no
+      // accumulator).
+      AccumulateTask measure;
+      measure.grads = v;
+      measure.grad_dtype = DType::kBf16;
+      measure.numel = held[0].numel;
+      measure.first = true;
+      out.push_back(e.optimizer->Accumulate(absl::MakeConstSpan(&measure, 1)));
       RETURN_IF_ERROR(e.sessions->Release(key, {id}));
     }
     return out;

@@ -393,12 +393,13 @@ class PartitionSet {
   // `hand_over` (on a step's first micro-batch; ignored on later ones):
   // the gradients stay in the buffer, only measured (or, given the
   // trainer's statistics, not even that: StepRunner::Accumulate), and the
-  // step reads them there, which saves writing and reading an fp32 copy. The buffer
-  // is the daemon's until the partition's update has read it: a fetch
-  // with grads waits while it is measured or in a running update; before
-  // the step, StepRunner::Reclaim takes it back (so a fetch here that
-  // finds it still handed over is FAILED_PRECONDITION, changing nothing,
-  // as is a checkpoint). Use it for the last (or only) micro-batch.
+  // step reads them there, which saves writing and reading an fp32 copy.
+  // The buffer is the daemon's until the partition's update has read it:
+  // a fetch with grads waits while it is measured or in a running update;
+  // before the step, StepRunner::Reclaim takes it back (so a fetch here
+  // that finds it still handed over is FAILED_PRECONDITION, changing
+  // nothing, as is a checkpoint). Use it for the last (or only)
+  // micro-batch.
   absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype,
                                                  bool hand_over = false)
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -76,7 +76,9 @@ struct OpenedSession {
 struct GradientReturn {
   uint64_t partition_id = 0;
   uint64_t numel = 0;
-  absl::StatusOr<DType> grad_dtype;  // an error: the wire named no dtype
+  // An error: the wire item is malformed (no dtype it names, unknown
+  // flags), refused when its turn comes.
+  absl::StatusOr<DType> grad_dtype;
   // The trainer's statistics of the buffer (StepRunner::Accumulate's
   // `given`).
   std::optional<GradStats> stats;
@@ -184,7 +186,8 @@ class SessionManager {
   // Several, in order (at most kMaxFetchIds); an error stops at the
   // partition it names (the message says how many went before, which were
   // returned) and releases nothing. The trainer's statistics are checked
-  // for all first: a refusal of one returns none. With `release`, then lets them all go.
+  // for all first: a refusal of one returns none. With `release`, then
+  // lets them all go.
   absl::Status ReturnGradients(const SessionKey& key, absl::Span<const GradientReturn> items,
                                bool release, bool hand_over = false) ABSL_LOCKS_EXCLUDED(mu_);
   // What the gradients returned since the last step add up to: the squared

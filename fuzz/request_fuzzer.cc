@@ -190,11 +190,12 @@ class Harness {
     std::filesystem::remove_all(checkpoint_dir_, ignored);
   }
 
-  // Writes one valid request per method, pointed at the live session, as
-  // seed inputs.
+  // Writes one valid request per method (two for ReturnGradients), pointed
+  // at the live session, as seed inputs, each in a file named after its
+  // method (or `name`).
   void WriteSeeds(const std::string& dir) {
-    auto write = [&](Method m, const google::protobuf::Message& req) {
-      std::ofstream f(dir + "/" + kNames[m], std::ios::binary);
+    auto write = [&](Method m, const google::protobuf::Message& req, const char* name = nullptr) {
+      std::ofstream f(dir + "/" + (name != nullptr ? name : kNames[m]), std::ios::binary);
       f.put(static_cast<char>(m | 0x80));
       f << req.SerializeAsString();
     };
@@ -219,15 +220,10 @@ class Harness {
     ret.set_numel(4096);
     ret.set_grad_dtype(v1::DTYPE_FP32);
     write(kReturnGradients, ret);
-    {
-      // Handed over with the trainer's statistics: a second seed.
-      v1::ReturnGradientsRequest handed = ret;
-      handed.set_hand_over(true);
-      handed.mutable_stats()->set_sq_norm(1.0);
-      std::ofstream out(dir + "/ReturnGradientsHandedOver", std::ios::binary);
-      out.put(static_cast<char>(kReturnGradients | 0x80));
-      out << handed.SerializeAsString();
-    }
+    v1::ReturnGradientsRequest handed = ret;  // with the trainer's statistics
+    handed.set_hand_over(true);
+    handed.mutable_stats()->set_sq_norm(1.0);
+    write(kReturnGradients, handed, "ReturnGradientsHandedOver");
     write(kGetPendingGradients, v1::GetPendingGradientsRequest());
     v1::StepRequest step;
     step.mutable_hyperparams()->set_lr(1e-3);
