@@ -14,12 +14,12 @@ namespace {
 
 class PosixEnv final : public Env {
  public:
-  absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages) override {
-    return HostMemory::Allocate(bytes, huge_pages);
+  absl::StatusOr<HostMemory> Allocate(uint64_t bytes, Pages pages) override {
+    return HostMemory::Allocate(bytes, pages);
   }
 
   absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                       SharedPages pages) override {
+                                       Pages pages) override {
     return HostMemory::MapShared(fd, offset, bytes, pages);
   }
 

@@ -30,12 +30,12 @@ class Env {
   static Env* Default();
 
   // Private zeroed memory (HostMemory::Allocate).
-  virtual absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages) = 0;
+  virtual absl::StatusOr<HostMemory> Allocate(uint64_t bytes, Pages pages) = 0;
 
   // A shared mapping of `bytes` of `fd` from `offset`, asking the kernel for
   // `pages` (HostMemory::MapShared).
   virtual absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                               SharedPages pages) = 0;
+                                               Pages pages) = 0;
 
   // An anonymous memory file that can be sealed (memfd_create with
   // MFD_CLOEXEC | MFD_ALLOW_SEALING). `label` only names it in /proc.

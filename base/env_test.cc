@@ -13,9 +13,9 @@ TEST(Env, DefaultDoesWhatItSays) {
   auto fd = env->CreateMemfd("env_test");
   ASSERT_TRUE(fd.ok()) << fd.status();
   ASSERT_TRUE(env->ResizeFile(fd->get(), 4096).ok());
-  auto shared = env->MapShared(fd->get(), 0, 4096, SharedPages::kSystemDefault);
+  auto shared = env->MapShared(fd->get(), 0, 4096, Pages::kSystemDefault);
   ASSERT_TRUE(shared.ok());
-  auto mem = env->Allocate(100, /*huge_pages=*/true);
+  auto mem = env->Allocate(100, Pages::kHuge);
   ASSERT_TRUE(mem.ok());
   char a[16] = {}, b[16] = {};
   ASSERT_TRUE(env->RandomBytes(a, sizeof(a)).ok());
@@ -26,11 +26,11 @@ TEST(Env, DefaultDoesWhatItSays) {
 TEST(FaultInjectingEnv, FailsExactlyTheNthCallWithTheRealCode) {
   FaultInjectingEnv env(Env::Default());
   env.FailNth(EnvOp::kAllocate, 2, ENOMEM);
-  EXPECT_TRUE(env.Allocate(10, false).ok());
-  auto failed = env.Allocate(10, false);
+  EXPECT_TRUE(env.Allocate(10, Pages::kSystemDefault).ok());
+  auto failed = env.Allocate(10, Pages::kSystemDefault);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(failed.status().message().find("ENOMEM"), std::string::npos) << failed.status();
-  EXPECT_TRUE(env.Allocate(10, false).ok());
+  EXPECT_TRUE(env.Allocate(10, Pages::kSystemDefault).ok());
   EXPECT_EQ(env.calls(EnvOp::kAllocate), 3);
 
   env.FailNth(EnvOp::kCreateMemfd, 1, EMFILE);
@@ -41,7 +41,7 @@ TEST(FaultInjectingEnv, FailsExactlyTheNthCallWithTheRealCode) {
   char buf[4];
   EXPECT_EQ(env.RandomBytes(buf, 4).code(), absl::StatusCode::kDataLoss);
   env.FailNth(EnvOp::kMapShared, 1, ENOMEM);
-  EXPECT_EQ(env.MapShared(-1, 0, 4096, SharedPages::kSystemDefault).status().code(),
+  EXPECT_EQ(env.MapShared(-1, 0, 4096, Pages::kSystemDefault).status().code(),
             absl::StatusCode::kResourceExhausted);
 }
 

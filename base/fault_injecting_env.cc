@@ -23,15 +23,15 @@ int FaultInjectingEnv::Next(EnvOp op) {
   return ++p.calls == p.fail_at ? p.err : 0;
 }
 
-absl::StatusOr<HostMemory> FaultInjectingEnv::Allocate(uint64_t bytes, bool huge_pages) {
+absl::StatusOr<HostMemory> FaultInjectingEnv::Allocate(uint64_t bytes, Pages pages) {
   if (int err = Next(EnvOp::kAllocate)) {
     return PosixError(absl::StrCat("mmap ", bytes, " bytes (injected)"), err);
   }
-  return target_->Allocate(bytes, huge_pages);
+  return target_->Allocate(bytes, pages);
 }
 
 absl::StatusOr<HostMemory> FaultInjectingEnv::MapShared(int fd, uint64_t offset,
-                                                        uint64_t bytes, SharedPages pages) {
+                                                        uint64_t bytes, Pages pages) {
   if (int err = Next(EnvOp::kMapShared)) {
     return PosixError(absl::StrCat("mmap ", bytes, " bytes shared (injected)"), err);
   }

@@ -30,9 +30,9 @@ class FaultInjectingEnv final : public Env {
   // Calls of `op` made so far.
   int64_t calls(EnvOp op) const ABSL_LOCKS_EXCLUDED(mu_);
 
-  absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages) override;
+  absl::StatusOr<HostMemory> Allocate(uint64_t bytes, Pages pages) override;
   absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                       SharedPages pages) override;
+                                       Pages pages) override;
   absl::StatusOr<UniqueFd> CreateMemfd(const std::string& label) override;
   absl::Status ResizeFile(int fd, uint64_t bytes) override;
   absl::Status RandomBytes(void* out, size_t bytes) override;

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
@@ -32,18 +33,19 @@ absl::Status DiscardSharedPages(std::byte* data, uint64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<HostMemory> HostMemory::Allocate(uint64_t bytes, bool huge_pages) {
+absl::StatusOr<HostMemory> HostMemory::Allocate(uint64_t bytes, Pages pages) {
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return PosixError(absl::StrCat("mmap ", bytes, " bytes"), errno);
   // Best effort (THP may be off); see the header.
-  if (huge_pages) madvise(p, mapped, MADV_HUGEPAGE);
+  if (pages == Pages::kHuge) madvise(p, mapped, MADV_HUGEPAGE);
+  if (pages == Pages::kSmall) madvise(p, mapped, MADV_NOHUGEPAGE);
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
 }
 
 absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                                 SharedPages pages) {
+                                                 Pages pages) {
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);
   auto failed = [&](int err) {
@@ -53,7 +55,7 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
   };
   void* at = nullptr;
   int flags = MAP_SHARED | MAP_NORESERVE;
-  if (pages == SharedPages::kHuge) {
+  if (pages == Pages::kHuge) {
     // At an address congruent to `offset` modulo the huge page size, so that
     // the file's huge pages map whole (and the caller can rely on that
     // alignment whatever the kernel would have chosen): reserve a huge
@@ -77,8 +79,8 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
     return failed(err);
   }
   // Best effort, as for private memory: EINVAL without THP in the kernel.
-  if (pages == SharedPages::kHuge) madvise(p, mapped, MADV_HUGEPAGE);
-  if (pages == SharedPages::kSmall) madvise(p, mapped, MADV_NOHUGEPAGE);
+  if (pages == Pages::kHuge) madvise(p, mapped, MADV_HUGEPAGE);
+  if (pages == Pages::kSmall) madvise(p, mapped, MADV_NOHUGEPAGE);
   return HostMemory(static_cast<std::byte*>(p), bytes, mapped);
 }
 
@@ -154,6 +156,28 @@ uint64_t SharedHugePageBytes() {
     return SharedHugePageBytesFrom(mode, HugePageAlignment());
   }();
   return bytes;
+}
+
+std::vector<std::string> DamonMonitorsIn(const std::string& kdamonds_dir) {
+  std::vector<std::string> running;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(kdamonds_dir, error)) {
+    std::string state;
+    if (!std::getline(std::ifstream(entry.path() / "state"), state) || state != "on") continue;
+    std::string operations;
+    if (!std::getline(std::ifstream(entry.path() / "contexts" / "0" / "operations"), operations) ||
+        operations.empty()) {
+      operations = "?";
+    }
+    running.push_back(
+        absl::StrCat("kdamond ", entry.path().filename().string(), " (", operations, ")"));
+  }
+  std::sort(running.begin(), running.end());
+  return running;
+}
+
+std::vector<std::string> DamonMonitors() {
+  return DamonMonitorsIn("/sys/kernel/mm/damon/admin/kdamonds");
 }
 
 HostMemory::HostMemory(HostMemory&& other) noexcept

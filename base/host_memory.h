@@ -7,12 +7,11 @@
 //
 // Huge pages: devices cap scatter-gather segments per request (254 on this
 // project's VMs), so a direct read or write from 4 KiB pages carries at most
-// about 1 MiB per request; 2 MiB pages lift that (benches/RESULTS.md). With
-// `huge_pages` a private mapping asks for them (MADV_HUGEPAGE); best effort,
-// THP may be off. Shared mappings of a memfd (shmem) get them only where
+// about 1 MiB per request; 2 MiB pages lift that (benches/RESULTS.md). A
+// mapping asks for them or declines them with Pages; best effort, THP may be
+// off. Shared mappings of a memfd (shmem) get them only where
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (advise,
-// within_size, always; SharedHugePageBytes says), and a mapping asks or
-// declines with SharedPages. On this project's VMs direct reads into fresh
+// within_size, always; SharedHugePageBytes says). On this project's VMs direct reads into fresh
 // 4 KiB shmem pages made a ZeRO-3 pass over parameters on NVMe 1.4-6.3x
 // slower than into 2 MiB ones (benches/RESULTS.md, trace_replay).
 //
@@ -30,25 +29,26 @@
 
 namespace offload {
 
-// What a shared mapping asks of the kernel for the file's pages it faults
-// in: whatever the system's default is, huge pages (MADV_HUGEPAGE), or
-// small pages only (MADV_NOHUGEPAGE: where the caller accounts for memory
-// in 4 KiB pages, a huge page would hold more than it counted). Best effort:
-// a kernel without transparent huge pages ignores it.
-enum class SharedPages { kSystemDefault, kHuge, kSmall };
+// What a mapping asks of the kernel for the pages it faults in: whatever the
+// system's default is, huge pages (MADV_HUGEPAGE), or small pages only
+// (MADV_NOHUGEPAGE: where the caller accounts for shared memory in 4 KiB
+// pages, a huge page would hold more than it counted; where the node's
+// memory monitoring makes huge pages costly, see DamonMonitors). Best
+// effort: a kernel without transparent huge pages ignores it.
+enum class Pages { kSystemDefault, kHuge, kSmall };
 
 class HostMemory {
  public:
   // `bytes` of zeroed private memory, rounded up to whole pages.
-  static absl::StatusOr<HostMemory> Allocate(uint64_t bytes, bool huge_pages = true);
+  static absl::StatusOr<HostMemory> Allocate(uint64_t bytes, Pages pages = Pages::kHuge);
 
   // Maps `bytes` of `fd` (borrowed) from `offset` (a multiple of the page
   // size) shared, read-write. MAP_NORESERVE: pages exist as the file holds
   // them and they are touched, so a mapping may reach past the file's end.
-  // With SharedPages::kHuge the mapping's address is congruent to `offset`
+  // With Pages::kHuge the mapping's address is congruent to `offset`
   // modulo HugePageAlignment().
   static absl::StatusOr<HostMemory> MapShared(int fd, uint64_t offset, uint64_t bytes,
-                                              SharedPages pages = SharedPages::kSystemDefault);
+                                              Pages pages = Pages::kSystemDefault);
 
   HostMemory() = default;
   HostMemory(HostMemory&& other) noexcept;
@@ -84,7 +84,7 @@ uint64_t RoundUpToPage(uint64_t bytes);
 inline uint64_t RoundUp(uint64_t x, uint64_t align) { return (x + align - 1) / align * align; }
 
 // The huge page size a shared mapping of a memfd gets when it asks for
-// huge pages (SharedPages::kHuge): the PMD size where
+// huge pages (Pages::kHuge): the PMD size where
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled is advise, within_size,
 // always or force; 0 where it is never or deny, or the files are missing.
 // Read once: the setting is the node administrator's, and a change takes
@@ -114,6 +114,27 @@ bool SharedFileWritesMayGetLargePages();
 // global one is the huge page size's); exposed for tests.
 bool SharedFileWritesMayGetLargePagesFrom(const std::string& global,
                                           const std::vector<std::string>& per_size);
+
+// The DAMON monitors running on this node, one "kdamond <n> (<operations>)"
+// for each directory under /sys/kernel/mm/damon/admin/kdamonds whose
+// `state` reads "on" (<operations>: its first context's, such as paddr or
+// vaddr; "?" where unreadable). Empty where DAMON is absent, stopped or its
+// sysfs unreadable. Read at each call.
+//
+// Why offloadd asks: every sampling interval a monitor clears the accessed
+// bit of a page in each of its regions and later looks whether it was set
+// again. On this project's VMs (a paravirtualised guest, kdamond sampling
+// physical memory every 500 ms) the optimizer's passes over state on 2 MiB
+// pages stalled 2-7x around each round once the monitor had split its
+// regions, and not on 4 KiB pages (benches/RESULTS.md, step_overlap). The
+// likely cause, not verified from inside the guest: where the hypervisor
+// shadows the guest's page tables, the bit cleared on a 2 MiB page costs
+// the next pass a hypervisor fault per 4 KiB of it.
+std::vector<std::string> DamonMonitors();
+
+// DamonMonitors over `kdamonds_dir` (the sysfs directory above); exposed
+// for tests.
+std::vector<std::string> DamonMonitorsIn(const std::string& kdamonds_dir);
 
 // Frees the pages behind `bytes` (rounded up to pages) of a shared mapping
 // from `data` (page-aligned): the file's pages themselves go (MADV_REMOVE,

@@ -4,45 +4,32 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "base/smaps_testing.h"
 #include "gtest/gtest.h"
 
 namespace offload {
 namespace {
 
-// The lines /proc/self/smaps gives for the mapping that starts at `start`.
-std::string SmapsOf(const void* start) {
-  std::ifstream smaps("/proc/self/smaps");
-  std::ostringstream want;
-  want << std::hex << reinterpret_cast<uintptr_t>(start) << "-";
-  std::string line, out;
-  bool in = false;
-  while (std::getline(smaps, line)) {
-    const bool header = !line.empty() && line.find(':') > line.find(' ');
-    if (header) in = line.rfind(want.str(), 0) == 0;
-    if (in) out += line + "\n";
+// Each mapping's madvise flags say what it asked of the kernel: hg
+// (MADV_HUGEPAGE), nh (MADV_NOHUGEPAGE), or neither. Skips where the kernel
+// has no transparent huge pages.
+void ExpectPagesAsked(const void* huge, const void* small, const void* plain) {
+  const std::string h = VmFlagsAt(huge), s = VmFlagsAt(small), p = VmFlagsAt(plain);
+  ASSERT_FALSE(h.empty() || s.empty() || p.empty()) << "no /proc/self/smaps";
+  if (SmapsAt(huge).find("THPeligible") == std::string::npos) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
   }
-  return out;
-}
-
-// A field of SmapsOf's text, in kB (-1 if absent).
-int64_t SmapsKb(const std::string& smaps, const std::string& field) {
-  for (absl::string_view line : absl::StrSplit(smaps, '\n')) {
-    if (!absl::ConsumePrefix(&line, field + ":")) continue;
-    line = absl::StripAsciiWhitespace(line);
-    absl::ConsumeSuffix(&line, " kB");
-    int64_t kb = -1;
-    if (absl::SimpleAtoi(line, &kb)) return kb;
-  }
-  return -1;
+  EXPECT_NE(h.find(" hg "), std::string::npos) << h;
+  EXPECT_NE(s.find(" nh "), std::string::npos) << s;
+  EXPECT_EQ(p.find(" hg "), std::string::npos) << p;
+  EXPECT_EQ(p.find(" nh "), std::string::npos) << p;
 }
 
 TEST(HostMemory, AllocateIsZeroedPageAlignedAndMovable) {
@@ -126,27 +113,21 @@ TEST(HostMemory, SharedMappingsAskForTheirPages) {
   ASSERT_GE(fd, 0);
   const uint64_t bytes = 4 << 20;
   ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-  auto huge = HostMemory::MapShared(fd, 0, bytes, SharedPages::kHuge);
-  auto small = HostMemory::MapShared(fd, 0, bytes, SharedPages::kSmall);
+  auto huge = HostMemory::MapShared(fd, 0, bytes, Pages::kHuge);
+  auto small = HostMemory::MapShared(fd, 0, bytes, Pages::kSmall);
   auto plain = HostMemory::MapShared(fd, 0, bytes);
   ASSERT_TRUE(huge.ok() && small.ok() && plain.ok());
-  const std::string h = SmapsOf(huge->data()), s = SmapsOf(small->data()),
-                    p = SmapsOf(plain->data());
-  ASSERT_FALSE(h.empty() || s.empty() || p.empty()) << "no /proc/self/smaps";
-  if (h.find("THPeligible") == std::string::npos) {
-    close(fd);
-    GTEST_SKIP() << "this kernel has no transparent huge pages";
-  }
-  // madvise's flags, as smaps names them: hg (MADV_HUGEPAGE), nh (MADV_NOHUGEPAGE).
-  auto flags = [](const std::string& smaps) {
-    const size_t at = smaps.find("VmFlags:");
-    return at == std::string::npos ? std::string() : smaps.substr(at, smaps.find('\n', at) - at);
-  };
-  EXPECT_NE(flags(h).find(" hg"), std::string::npos) << flags(h);
-  EXPECT_NE(flags(s).find(" nh"), std::string::npos) << flags(s);
-  EXPECT_EQ(flags(p).find(" hg"), std::string::npos) << flags(p);
-  EXPECT_EQ(flags(p).find(" nh"), std::string::npos) << flags(p);
+  ExpectPagesAsked(huge->data(), small->data(), plain->data());
   close(fd);
+}
+
+TEST(HostMemory, PrivateMappingsAskForTheirPages) {
+  const uint64_t bytes = 4 << 20;
+  auto huge = HostMemory::Allocate(bytes, Pages::kHuge);
+  auto small = HostMemory::Allocate(bytes, Pages::kSmall);
+  auto plain = HostMemory::Allocate(bytes, Pages::kSystemDefault);
+  ASSERT_TRUE(huge.ok() && small.ok() && plain.ok());
+  ExpectPagesAsked(huge->data(), small->data(), plain->data());
 }
 
 TEST(HostMemory, AHugeMappingStartsOnAHugePageOfItsFile) {
@@ -159,7 +140,7 @@ TEST(HostMemory, AHugeMappingStartsOnAHugePageOfItsFile) {
   for (uint64_t offset : {uint64_t{0}, huge, 3 * PageSize(), huge + 5 * PageSize()}) {
     std::vector<HostMemory> maps;
     for (int i = 0; i < 4; ++i) {  // several, so that one aligned by chance proves nothing
-      auto m = HostMemory::MapShared(fd, offset, 2 * huge + PageSize(), SharedPages::kHuge);
+      auto m = HostMemory::MapShared(fd, offset, 2 * huge + PageSize(), Pages::kHuge);
       ASSERT_TRUE(m.ok()) << m.status();
       EXPECT_EQ(reinterpret_cast<uintptr_t>(m->data()) % huge, offset % huge) << offset;
       m->data()[0] = std::byte{9};
@@ -180,11 +161,11 @@ TEST(HostMemory, AHugeSharedMappingGetsHugePagesAndGivesThemBack) {
   ASSERT_GE(fd, 0);
   const uint64_t bytes = 2 * huge_bytes;
   ASSERT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-  auto m = HostMemory::MapShared(fd, 0, bytes, SharedPages::kHuge);
+  auto m = HostMemory::MapShared(fd, 0, bytes, Pages::kHuge);
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(reinterpret_cast<uintptr_t>(m->data()) % huge_bytes, 0u);
   std::memset(m->data(), 1, bytes);
-  std::string smaps = SmapsOf(m->data());
+  std::string smaps = SmapsAt(m->data());
   // The kernel may fall back to small pages when it finds no free huge one
   // (fragmented memory): then this test has nothing to check.
   if (SmapsKb(smaps, "ShmemPmdMapped") != static_cast<int64_t>(bytes / 1024)) {
@@ -194,11 +175,35 @@ TEST(HostMemory, AHugeSharedMappingGetsHugePagesAndGivesThemBack) {
   EXPECT_EQ(SmapsKb(smaps, "Rss"), static_cast<int64_t>(bytes / 1024)) << smaps;
   // Freeing one whole huge page gives all of it back.
   ASSERT_TRUE(DiscardSharedPages(m->data(), huge_bytes).ok());
-  smaps = SmapsOf(m->data());
+  smaps = SmapsAt(m->data());
   EXPECT_EQ(SmapsKb(smaps, "Rss"), static_cast<int64_t>(huge_bytes / 1024)) << smaps;
   EXPECT_EQ(m->data()[0], std::byte{0});
   EXPECT_EQ(m->data()[huge_bytes], std::byte{1});
   close(fd);
+}
+
+// A kdamond directory as DAMON's sysfs lays it out: `state`, and its first
+// context's `operations` (none when `operations` is empty).
+void WriteKdamond(const std::string& root, const std::string& name, const std::string& state,
+                  const std::string& operations) {
+  const std::string dir = root + "/" + name;
+  ASSERT_EQ(system(("mkdir -p " + dir + "/contexts/0").c_str()), 0);
+  std::ofstream(dir + "/state") << state << "\n";
+  if (!operations.empty()) std::ofstream(dir + "/contexts/0/operations") << operations << "\n";
+}
+
+TEST(HostMemory, DamonMonitorsAreTheKdamondsThatAreOn) {
+  const std::string root = std::string(getenv("TEST_TMPDIR")) + "/kdamonds";
+  EXPECT_TRUE(DamonMonitorsIn(root).empty()) << "no DAMON sysfs: no monitor";
+  WriteKdamond(root, "0", "off", "paddr");
+  EXPECT_TRUE(DamonMonitorsIn(root).empty());
+  WriteKdamond(root, "1", "on", "paddr");
+  WriteKdamond(root, "2", "on", "");
+  WriteKdamond(root, "3", "on", "vaddr");
+  EXPECT_EQ(DamonMonitorsIn(root),
+            (std::vector<std::string>{"kdamond 1 (paddr)", "kdamond 2 (?)", "kdamond 3 (vaddr)"}));
+  // This node's own answer is some list (empty without DAMON); it only must not fail.
+  for (const std::string& m : DamonMonitors()) EXPECT_EQ(m.rfind("kdamond ", 0), 0u) << m;
 }
 
 TEST(HostMemory, ErrorsNameTheOperation) {

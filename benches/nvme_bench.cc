@@ -115,7 +115,8 @@ int Main(int argc, char** argv) {
   int max_depth = 0;
   for (uint64_t s : f.sizes) max_size = std::max(max_size, s);
   for (int d : f.depths) max_depth = std::max(max_depth, d);
-  auto pool = HostMemory::Allocate(max_size * static_cast<uint64_t>(max_depth), f.huge);
+  auto pool = HostMemory::Allocate(max_size * static_cast<uint64_t>(max_depth),
+                                    f.huge ? Pages::kHuge : Pages::kSmall);
   if (!pool.ok()) return 1;
   std::memset(pool->data(), 0x5a, pool->size());
 

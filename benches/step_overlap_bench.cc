@@ -9,7 +9,7 @@
 //   bazel-bin/benches/step_overlap [--params=100M] [--layers=16]
 //       [--iterations=24|6] [--t=auto|250ms] [--nvme] [--params_nvme] [--pool=1GiB]
 //       [--dir=/var/tmp/offloadd-bench] [--threads=N] [--arena_pages=huge|small]
-//       [--per_iteration] [--tiny]
+//       [--host_home_pages=auto|huge|small] [--per_iteration] [--tiny]
 //
 // The engine is assembled in-process as engine/out_of_core_test.cc does
 // (pool, swapper, store, step runner, session manager). One session,
@@ -78,6 +78,7 @@
 #include "benches/bench_util.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/daemon_options.h"
 
 namespace offload::bench {
 namespace {
@@ -98,6 +99,9 @@ struct Flags {
   // arena (the daemon's default where the kernel gives shared memory huge
   // pages) or small pages only.
   bool arena_huge = SharedHugePageBytes() != 0;
+  // --host_home_pages: the pages of state homed on the host, as the daemon's
+  // memory.host_home_pages (auto: small where DAMON monitors this node).
+  std::string host_home_pages = "auto";
   bool per_iteration = false;  // --per_iteration: print every iteration's time
 };
 
@@ -163,6 +167,8 @@ int Main(int argc, char** argv) {
       f.nvme = f.params_nvme = true;
     } else if (a == "--arena_pages=huge" || a == "--arena_pages=small") {
       f.arena_huge = a == "--arena_pages=huge";
+    } else if ((v = value("host_home_pages"))) {
+      f.host_home_pages = v;
     } else if (a == "--per_iteration") {
       f.per_iteration = true;
     } else if (a == "--tiny") {
@@ -183,6 +189,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "bad flags\n");
     return 2;
   }
+  auto host_home = ResolveHostHomePages(f.host_home_pages, DamonMonitors());
+  if (!host_home.ok()) return Fail(host_home.status(), "flags");
   mkdir(f.dir.c_str(), 0700);
   PrintMachine(f.dir);
   const uint64_t per_layer = f.params / static_cast<uint64_t>(f.layers);
@@ -197,6 +205,7 @@ int Main(int argc, char** argv) {
     eo.pool_bytes = f.pool;
   }
   eo.optimizer.threads = f.threads;
+  eo.swapper.host_home_pages = host_home->pages;
   eo.huge_page_bytes = f.arena_huge ? HugePageAlignment() : 0;
   auto made = MakeBenchEngine(eo);
   if (!made.ok()) return Fail(made.status(), "engine");
@@ -226,6 +235,8 @@ int Main(int argc, char** argv) {
                            .c_str()
                      : "in memory",
               e.optimizer->kernel_name().c_str(), e.optimizer->threads());
+  std::printf("state homed on the host on %s pages (%s)\n",
+              host_home->pages == Pages::kSmall ? "4 KiB" : "2 MiB", host_home->why.c_str());
 
   FetchMode backward;
   backward.grads = true;

@@ -366,7 +366,7 @@ int Main(int argc, char** argv) {
                                    : fd.status();
       absl::StatusOr<HostMemory> mapped =
           sized.ok() ? HostMemory::MapShared(fd->get(), 0, region * f.layers,
-                                             f.arena_huge ? SharedPages::kHuge : SharedPages::kSmall)
+                                             f.arena_huge ? Pages::kHuge : Pages::kSmall)
                      : absl::StatusOr<HostMemory>(sized);
       if (!mapped.ok()) {
         std::fprintf(stderr, "arena: %s\n", mapped.status().ToString().c_str());

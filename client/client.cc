@@ -147,7 +147,7 @@ struct Session::Impl {
       if (it == regions.end()) {
         absl::StatusOr<HostMemory> region = HostMemory::MapShared(
             arena.get(), begin, end - begin,
-            loc.huge_pages() ? SharedPages::kHuge : SharedPages::kSmall);
+            loc.huge_pages() ? Pages::kHuge : Pages::kSmall);
         if (!region.ok()) {
           return absl::Status(region.status().code(),
                               absl::StrCat("mapping partition ", loc.partition_id(), ": ",
@@ -290,7 +290,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
   if (impl_->options.request_ring && r.bytes() == ring::RingBytes() &&
       r.offset() <= s.arena_capacity - r.bytes()) {
     absl::StatusOr<HostMemory> mapped =
-        HostMemory::MapShared(s.arena.get(), r.offset(), r.bytes(), SharedPages::kSmall);
+        HostMemory::MapShared(s.arena.get(), r.offset(), r.bytes(), Pages::kSmall);
     if (mapped.ok()) {
       auto* layout = reinterpret_cast<ring::Layout*>(mapped->data());
       if (layout->magic == ring::kMagic && layout->version == ring::kVersion) {

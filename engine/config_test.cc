@@ -118,6 +118,27 @@ TEST_F(ConfigTest, RangesAreTheComponentsOwn) {
   EXPECT_EQ(depth.default_value, "32");
 }
 
+// memory.host_home_pages: auto takes small pages exactly where DAMON runs;
+// anything but auto, huge and small is refused, naming the setting.
+TEST_F(ConfigTest, HostHomePagesResolveByDamonAndRefuseOtherValues) {
+  EXPECT_EQ(options_.memory.host_home_pages, "auto");
+  const std::vector<std::string> none, damon = {"kdamond 0 (paddr)"};
+  auto quiet = ResolveHostHomePages("auto", none);
+  auto monitored = ResolveHostHomePages("auto", damon);
+  ASSERT_TRUE(quiet.ok() && monitored.ok());
+  EXPECT_EQ(quiet->pages, Pages::kHuge) << quiet->why;
+  EXPECT_EQ(monitored->pages, Pages::kSmall) << monitored->why;
+  EXPECT_NE(monitored->why.find("kdamond 0 (paddr)"), std::string::npos) << monitored->why;
+  for (const auto& monitors : {none, damon}) {
+    EXPECT_EQ(ResolveHostHomePages("huge", monitors)->pages, Pages::kHuge);
+    EXPECT_EQ(ResolveHostHomePages("small", monitors)->pages, Pages::kSmall);
+    auto bad = ResolveHostHomePages("Huge", monitors);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find("memory.host_home_pages"), std::string::npos)
+        << bad.status();
+  }
+}
+
 TEST_F(ConfigTest, YamlNestsByDottedName) {
   ASSERT_TRUE(ApplyYaml(registry_, "server:\n  tcp_port: 0\noptimizer:\n  threads: 2\n"
                              "memory: {host_budget_bytes: 512MiB}\n",

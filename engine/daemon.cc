@@ -49,8 +49,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   std::unique_ptr<Daemon> d(new Daemon(options, registry));
   // The constructor fell back to "auto" for a kernel this CPU lacks; say so.
   RETURN_IF_ERROR(d->optimizer_.SetKernel(options->optimizer.kernel));
+  ASSIGN_OR_RETURN(d->host_home_pages_,
+                   ResolveHostHomePages(options->memory.host_home_pages, DamonMonitors()));
   RETURN_IF_ERROR(d->StartNvmeTier());
-  ASSIGN_OR_RETURN(d->swapper_, Swapper::Create(options->swapper, &d->pool_, d->swap_.get()));
+  SwapperOptions swapper = options->swapper;
+  swapper.host_home_pages = d->host_home_pages_.pages;
+  ASSIGN_OR_RETURN(d->swapper_, Swapper::Create(swapper, &d->pool_, d->swap_.get()));
   Placement placement;
   for (const auto& [kind, name, value] : PlacementTunables(options->placement)) {
     placement[kind] = static_cast<int>(*value);
@@ -262,6 +266,10 @@ std::vector<std::string> Daemon::Describe() const {
       " (one pool for every session's arena and optimizer state",
       options_->memory.lock_pool ? ", locked where permitted" : "", "); per-session arena up to ",
       FormatByteSize(options_->memory.session_arena_bytes)));
+  lines.push_back(absl::StrCat(
+      "host pool: state homed on the host on ",
+      host_home_pages_.pages == Pages::kSmall ? "4 KiB" : "2 MiB (transparent huge)", " pages (",
+      host_home_pages_.why, "); blocks homed on NVMe brought in on 2 MiB pages"));
   const uint64_t huge = SharedHugePageBytes();
   lines.push_back(absl::StrCat(
       "session arenas: ",

@@ -70,6 +70,7 @@ class Daemon {
   DaemonOptions* const options_;
   ConfigRegistry* const registry_;
   HostPool pool_;
+  HostHomePages host_home_pages_;  // memory.host_home_pages, resolved at start
   Stats stats_;
   Optimizer optimizer_;
   // The NVMe tier, when nvme.dirs names directories.

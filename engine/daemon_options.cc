@@ -1,5 +1,7 @@
 #include "engine/daemon_options.h"
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/memory_limit.h"
 #include "ipc/paths.h"
 
@@ -12,6 +14,25 @@ DaemonOptions::DaemonOptions() {
   const uint64_t limit = ReadMemoryLimit().effective();
   memory.host_budget_bytes =
       limit > 0 ? static_cast<int64_t>(limit / 2 >> 20 << 20) : int64_t{8} << 30;
+}
+
+absl::StatusOr<HostHomePages> ResolveHostHomePages(const std::string& setting,
+                                                   const std::vector<std::string>& damon_monitors) {
+  if (setting == "huge") return HostHomePages{Pages::kHuge, "memory.host_home_pages is huge"};
+  if (setting == "small") return HostHomePages{Pages::kSmall, "memory.host_home_pages is small"};
+  if (setting != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory.host_home_pages: '", setting, "' is none of auto, huge, small"));
+  }
+  if (damon_monitors.empty()) {
+    return HostHomePages{Pages::kHuge, "memory.host_home_pages auto: no DAMON monitor runs here"};
+  }
+  return HostHomePages{
+      Pages::kSmall,
+      absl::StrCat("memory.host_home_pages auto: DAMON monitors this node (",
+                   absl::StrJoin(damon_monitors, ", "),
+                   "), whose sampling stalled passes over huge pages on virtual machines; "
+                   "'huge' overrides")};
 }
 
 void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
@@ -51,6 +72,11 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"bool",
            "lay large partitions out for huge pages in the session arenas where the kernel gives "
            "them to shared memory (shmem_enabled advise, within_size, always)",
+           false});
+  r->Bind("memory.host_home_pages", &o->memory.host_home_pages,
+          {"pages",
+           "pages of the host pool's memory for blocks homed on the host (optimizer state, "
+           "accumulators): auto (small where DAMON monitors this node, else huge), huge, small",
            false});
   r->Bind("placement.params_host_percent", &o->placement.params_host_percent,
           {"percent", "share of a new session's working parameters kept on the host; the rest on NVMe",

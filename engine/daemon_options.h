@@ -9,8 +9,11 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include "absl/status/statusor.h"
 #include "base/config_registry.h"
+#include "base/host_memory.h"
 #include "cpu_adam/optimizer_options.h"
 #include "nvme/nvme_options.h"
 #include "swapper/swapper_options.h"
@@ -95,7 +98,32 @@ struct MemoryOptions {
   // Costs: a partition so laid out rounds each of its regions up to whole
   // huge pages (only partitions where that wastes at most an eighth are).
   bool arena_huge_pages = true;
+
+  // The pages of the host pool's memory for blocks homed on the host (the
+  // optimizer state, the gradient accumulators and their versions placed
+  // on the host): "huge" (2 MiB, transparent), "small" (4 KiB), or "auto":
+  // small where DAMON monitors this node (a kdamond is on), huge elsewhere.
+  // On this project's VMs, with DAMON sampling physical memory, updates over
+  // huge pages stalled 2-7x around its rounds and the delayed update ran
+  // 1.22-1.57x the bound against 1.05-1.11x on small pages; with DAMON off
+  // the two measured alike (benches/RESULTS.md, step_overlap). Blocks homed
+  // on NVMe are brought in on huge pages whatever this says
+  // (SwapperOptions::host_home_pages).
+  std::string host_home_pages = "auto";
 };
+
+// memory.host_home_pages resolved: the pages, and why (for the start-up
+// lines).
+struct HostHomePages {
+  Pages pages = Pages::kHuge;
+  std::string why;
+};
+
+// Resolves `setting` ("auto", "huge" or "small") with `damon_monitors` (what
+// DamonMonitors() returned). INVALID_ARGUMENT naming the setting for any
+// other value.
+absl::StatusOr<HostHomePages> ResolveHostHomePages(const std::string& setting,
+                                                   const std::vector<std::string>& damon_monitors);
 
 struct PlacementOptions {
   // Percentage of each new session's bytes of a kind kept on the host: its

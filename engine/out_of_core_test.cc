@@ -150,7 +150,7 @@ class Trainer {
     // Small pages, as a client maps what the daemon counts in small pages
     // (a kernel giving shared memory huge pages unasked would otherwise
     // put them under small-page partitions here).
-    arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20, SharedPages::kSmall);
+    arena_ = *HostMemory::MapShared(fd->get(), 0, 64 << 20, Pages::kSmall);
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> d(-1.f, 1.f);
     for (size_t i = 0; i < sizes.size(); ++i) {

@@ -467,7 +467,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     if (fp32_init) info.master_init = {params_off + init_at, init_bytes};
     ASSIGN_OR_RETURN(partition->region,
                      arena_->Map(params_off, span,
-                                 info.huge_pages ? SharedPages::kHuge : SharedPages::kSmall));
+                                 info.huge_pages ? Pages::kHuge : Pages::kSmall));
     partition->grads = partition->region.data() + grads_at;
     partition->params_offset[0] = params_off;
     partition->params_offset[1] = params_off + shadow_at;
@@ -1226,7 +1226,7 @@ absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionSet::MapExtra(uint64_t 
   // Small pages: the pool counts none of it (it is the session's fixed
   // overhead), and a kernel set to give shared memory huge pages unasked
   // must not make it more.
-  ASSIGN_OR_RETURN(HostMemory memory, arena_->Map(offset, bytes, SharedPages::kSmall));
+  ASSIGN_OR_RETURN(HostMemory memory, arena_->Map(offset, bytes, Pages::kSmall));
   return std::make_pair(offset, std::move(memory));
 }
 

@@ -160,7 +160,7 @@ TEST_F(RequestRingTest, AClosedSessionClosesItsRing) {
 // No daemon thread answers and the daemon's end of the connection closes:
 // the waiting caller learns it at once, not at its deadline.
 TEST(RequestRing, ADeadDaemonIsUnavailable) {
-  HostMemory memory = *HostMemory::Allocate(ring::RingBytes(), false);
+  HostMemory memory = *HostMemory::Allocate(ring::RingBytes(), Pages::kSystemDefault);
   auto* l = reinterpret_cast<ring::Layout*>(memory.data());
   l->state.store(ring::kIdle);
   int pair[2];
@@ -192,7 +192,7 @@ struct LoneRing {
     EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
     ours = UniqueFd(pair[0]);
     theirs = UniqueFd(pair[1]);
-    HostMemory memory = *HostMemory::Allocate(ring::RingBytes(), false);
+    HostMemory memory = *HostMemory::Allocate(ring::RingBytes(), Pages::kSystemDefault);
     layout = reinterpret_cast<ring::Layout*>(memory.data());
     server = RingServer::Start(std::move(memory), std::move(handler), spin, std::move(budget));
     client = std::make_unique<ring::Client>(layout, ours.get());

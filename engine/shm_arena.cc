@@ -27,7 +27,7 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view nam
 }
 
 absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes,
-                                         SharedPages pages) const {
+                                         Pages pages) const {
   return env_->MapShared(fd_.get(), offset, bytes, pages);
 }
 

@@ -65,7 +65,7 @@ class ShmArena {
   // may outlive nothing but the arena's descriptor, which the kernel keeps
   // alive for it.
   absl::StatusOr<HostMemory> Map(uint64_t offset, uint64_t bytes,
-                                 SharedPages pages = SharedPages::kSystemDefault) const;
+                                 Pages pages = Pages::kSystemDefault) const;
 
   int fd() const { return fd_.get(); }
   uint64_t capacity() const { return capacity_; }

@@ -73,10 +73,11 @@ absl::StatusOr<PoolCharge> HostPool::Reserve(uint64_t bytes, absl::string_view w
   return PoolCharge(this, charge);
 }
 
-absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what) {
+absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what,
+                                               Pages pages) {
   const uint64_t charge = Charge(bytes);
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
-  absl::StatusOr<HostMemory> memory = env_->Allocate(bytes, /*huge_pages=*/true);
+  absl::StatusOr<HostMemory> memory = env_->Allocate(bytes, pages);
   if (!memory.ok()) {
     used_.fetch_sub(charge, std::memory_order_relaxed);
     return absl::Status(memory.status().code(),

@@ -1,9 +1,10 @@
 // The node's host pool: the memory offloadd may hold for all sessions'
 // swappable state, with exact accounting (whole pages, as the kernel charges
 // them; no power-of-two rounding) against a limit that may change while
-// running. Memory comes from HostMemory on transparent huge pages (the same
-// buffers are the I/O staging memory: O_DIRECT transfers go straight from
-// and to them), optionally locked (mlock) where RLIMIT_MEMLOCK permits.
+// running. Memory comes from HostMemory, on the pages the caller asks for
+// (transparent huge pages by default: the same buffers are the I/O staging
+// memory, and O_DIRECT transfers go straight from and to them), optionally
+// locked (mlock) where RLIMIT_MEMLOCK permits.
 //
 // A PoolMemory is a lease: the mapping plus its charge; destroying it
 // unmaps and gives the bytes back.
@@ -88,10 +89,11 @@ class HostPool {
   // Whether Charge(bytes) more fit under the limit now.
   bool Fits(uint64_t bytes) const;
 
-  // Zeroed memory for `bytes`, charged to the pool. RESOURCE_EXHAUSTED
-  // naming `what` and the numbers if it does not fit; the errno's code if
-  // the mapping fails (nothing charged then).
-  absl::StatusOr<PoolMemory> Allocate(uint64_t bytes, absl::string_view what);
+  // Zeroed memory for `bytes` on `pages`, charged to the pool.
+  // RESOURCE_EXHAUSTED naming `what` and the numbers if it does not fit; the
+  // errno's code if the mapping fails (nothing charged then).
+  absl::StatusOr<PoolMemory> Allocate(uint64_t bytes, absl::string_view what,
+                                      Pages pages = Pages::kHuge);
 
   // Charges Charge(bytes) without mapping anything. RESOURCE_EXHAUSTED as
   // Allocate.

@@ -132,7 +132,9 @@ absl::Status Swapper::TakeHostLocked(Block* b) {
   if (b->external != nullptr) {
     ASSIGN_OR_RETURN(b->charge, pool_->Reserve(b->span, what));
   } else {
-    ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, what));
+    ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, what,
+                                              b->home == Tier::kHost ? host_home_pages_
+                                                                     : Pages::kHuge));
   }
   return absl::OkStatus();
 }
@@ -219,6 +221,7 @@ Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space
                          ? 0
                          : std::max<uint64_t>(1, kStagingBytes / space->stripe_bytes()) *
                                space->stripe_bytes()),
+      host_home_pages_(options.host_home_pages),
       prefetch_depth_(options.prefetch_depth),
       prefetch_bytes_(options.prefetch_bytes) {}
 
@@ -780,7 +783,7 @@ void Swapper::QueueIoLocked(IoTask task) {
 absl::Status Swapper::StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes,
                                uint64_t* extent, bool is_write, HostMemory& staging) {
   if (staging.size() == 0) {
-    ASSIGN_OR_RETURN(staging, HostMemory::Allocate(staging_bytes_, /*huge_pages=*/true));
+    ASSIGN_OR_RETURN(staging, HostMemory::Allocate(staging_bytes_, Pages::kHuge));
     space_->AddBuffer(staging.data(), staging.size());  // reused for every staged block
   }
   const absl::Span<std::byte> buffer(staging.data(), staging.size());

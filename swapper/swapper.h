@@ -332,6 +332,7 @@ class Swapper {
   SwapSpace* const space_;
   // Each I/O thread's staging buffer (whole stripes; allocated on first use).
   const uint64_t staging_bytes_;
+  const Pages host_home_pages_;  // SwapperOptions::host_home_pages
 
   mutable absl::Mutex mu_;
   // Signalled on every change of a block's state, of the queues, of room:

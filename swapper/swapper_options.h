@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "base/config_registry.h"
+#include "base/host_memory.h"
 
 namespace offload {
 
@@ -20,6 +21,15 @@ struct SwapperOptions {
   // batch; the NVMe engine's rings bound how many run at once). More threads
   // overlap checksum hashing with other blocks' transfers.
   int64_t io_threads = 4;
+
+  // The pages of the pool memory a block homed on the host lives in: it
+  // stays there, and the optimizer streams over it every step. Blocks homed
+  // on NVMe are brought in on huge pages whatever this says: each read goes
+  // into fresh memory, where 4 KiB pages cost 512 page faults per 2 MiB and
+  // split direct reads into more requests (with the optimizer state on NVMe
+  // a step took 4.4x as long on them: benches/RESULTS.md, step_overlap). Not
+  // a tunable: the daemon sets it from memory.host_home_pages.
+  Pages host_home_pages = Pages::kHuge;
 };
 
 inline constexpr IntRange kPrefetchDepthRange{0, 4096};

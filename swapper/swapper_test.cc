@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "base/host_memory.h"
+#include "base/smaps_testing.h"
 #include "base/unique_fd.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
@@ -71,11 +72,14 @@ class SwapperTest : public ::testing::Test {
   }
 
   // A swapper over a pool of `pool_bytes`.
-  void Make(uint64_t pool_bytes, int64_t prefetch_depth = 0, int64_t io_threads = 4) {
+  void Make(uint64_t pool_bytes, int64_t prefetch_depth = 0, int64_t io_threads = 4,
+            Pages host_home_pages = Pages::kHuge) {
+    swapper_.reset();  // a second Make in a test: before the pool it uses
     pool_ = std::make_unique<HostPool>(Env::Default(), pool_bytes, false);
     SwapperOptions o;
     o.prefetch_depth = prefetch_depth;
     o.io_threads = io_threads;
+    o.host_home_pages = host_home_pages;
     auto s = Swapper::Create(o, pool_.get(), space_.get());
     ASSERT_TRUE(s.ok()) << s.status();
     swapper_ = std::move(*s);
@@ -200,6 +204,27 @@ TEST_F(SwapperTest, HostPlacedBlocksAreNeverEvicted) {
   ASSERT_TRUE(swapper_->Add(102, kMiB, Tier::kHost, 7).ok());
   EXPECT_EQ(swapper_->Add(103, kMiB, Tier::kHost, 7).code(),
             absl::StatusCode::kResourceExhausted);
+}
+
+// A block homed on the host lives on the pages SwapperOptions::host_home_pages
+// names; a block homed on NVMe is brought in on huge pages whatever it says.
+TEST_F(SwapperTest, BlocksHomedOnTheHostLiveOnTheirPagesAndOnesFromNvmeOnHugePages) {
+  for (Pages pages : {Pages::kSmall, Pages::kHuge}) {
+    const bool small = pages == Pages::kSmall;
+    Make(4 * kMiB, 0, 4, pages);
+    ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 7).ok());
+    ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+    Write(2, 22);
+    auto host = swapper_->Acquire(1, false);
+    auto from_nvme = swapper_->Acquire(2, false);
+    ASSERT_TRUE(host.ok() && from_nvme.ok());
+    if (SmapsAt(host->data()).find("THPeligible") == std::string::npos) {
+      GTEST_SKIP() << "this kernel has no transparent huge pages";
+    }
+    const std::string h = VmFlagsAt(host->data()), n = VmFlagsAt(from_nvme->data());
+    EXPECT_NE(h.find(small ? " nh " : " hg "), std::string::npos) << small << h;
+    EXPECT_NE(n.find(" hg "), std::string::npos) << small << n;
+  }
 }
 
 TEST_F(SwapperTest, PinnedBlocksStayAndPinningMoreThanThePoolIsResourceExhausted) {
@@ -613,7 +638,7 @@ TEST_F(SwapperTest, ResidentMemoryStaysWithinThePool) {
 // the mapping alone.
 class SharedArena {
  public:
-  explicit SharedArena(uint64_t bytes, SharedPages pages = SharedPages::kSystemDefault,
+  explicit SharedArena(uint64_t bytes, Pages pages = Pages::kSystemDefault,
                        bool through_file = true)
       : through_file_(through_file) {
     auto fd = Env::Default()->CreateMemfd("swapper-test");
@@ -651,7 +676,7 @@ TEST_F(SwapperTest, ExternalMemoryIsWrittenOutFreedAndReadBackInPlace) {
   for (const bool through_file : {true, false}) {
     SCOPED_TRACE(through_file ? "through the file" : "through the mapping");
     Make(2 * kMiB);
-    SharedArena arena(4 * kMiB, SharedPages::kSmall, through_file);
+    SharedArena arena(4 * kMiB, Pages::kSmall, through_file);
     // Blocks of a bit less than a MiB (one partial staging window), at
     // their own offsets of the file.
     const uint64_t bytes = kMiB - 4096 - 100;
@@ -697,7 +722,7 @@ TEST_F(SwapperTest, AFailedStagedSwapInLeavesNoPagesAndTheCopyIntact) {
                     "does not stage";
   }
   Make(6 * kMiB);
-  SharedArena arena(12 * kMiB, SharedPages::kSmall);
+  SharedArena arena(12 * kMiB, Pages::kSmall);
   const uint64_t bytes = 6 * kMiB;  // two staging windows of 4 MiB
   ASSERT_TRUE(swapper_->AddExternal(1, arena.at(), bytes, Tier::kNvme, 7).ok());
   ASSERT_TRUE(swapper_->AddExternal(2, arena.at(bytes), bytes, Tier::kNvme, 7).ok());
@@ -744,7 +769,7 @@ TEST_F(SwapperTest, ExternalMemoryMustBePageAligned) {
 TEST_F(SwapperTest, ExternalBlocksOnHugePagesAreChargedAndFreedWhole) {
   constexpr uint64_t kHuge = 2 * kMiB;
   Make(2 * kHuge);
-  SharedArena arena(4 * kHuge, SharedPages::kHuge);
+  SharedArena arena(4 * kHuge, Pages::kHuge);
   // Misaligned for its pages, or pages that are no power of two.
   EXPECT_EQ(swapper_->AddExternal(9, arena.at(kMiB, kHuge), kMiB, Tier::kNvme, 7).code(),
             absl::StatusCode::kInvalidArgument);

@@ -25,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/host_memory.h"
+#include "base/smaps_testing.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
 #include "grpcpp/grpcpp.h"
@@ -1266,25 +1267,6 @@ TEST(DaemonStartup, ResidentMemoryStaysWithinThePoolOnHugePages) {
   ExpectResidentMemoryWithinThePool("4MiB", SharedHugePageBytes() != 0);
 }
 
-// madvise's flags on the mapping holding `p`, as /proc/self/smaps says them
-// ("rd wr sh mr mw me ms hg ...").
-std::string VmFlagsAt(const void* p) {
-  const auto at = reinterpret_cast<uintptr_t>(p);
-  std::ifstream smaps("/proc/self/smaps");
-  bool in = false;
-  for (std::string line; std::getline(smaps, line);) {
-    uintptr_t begin = 0, end = 0;
-    char dash = 0;
-    std::istringstream header(line);
-    if (header >> std::hex >> begin >> dash >> end && dash == '-') {
-      in = begin <= at && at < end;
-    } else if (in && line.rfind("VmFlags:", 0) == 0) {
-      return line.substr(8) + " ";
-    }
-  }
-  return "";
-}
-
 // The client maps a large partition asking for huge pages where the daemon
 // laid it out for them (the kernel gives shared memory huge pages), and
 // every other partition asking for small pages only.
@@ -1686,6 +1668,23 @@ TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
   absl::Status s = daemon_->WaitForLog("a line offloadd never writes", absl::Milliseconds(50));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_TRUE(daemon_->WaitForLog("serving gRPC on unix:", absl::Milliseconds(50)).ok());
+}
+
+// memory.host_home_pages: the start-up lines say which pages the state homed
+// on the host lives on and why; a value that is none of auto, huge, small
+// stops the start, naming the setting.
+TEST(DaemonStartup, HostHomePagesAreSaidAtStartAndABadValueIsRefused) {
+  auto d = DaemonProcess::Start({"--memory.host_home_pages=small"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE((*d)->WaitForLog("host pool: state homed on the host on 4 KiB pages "
+                               "(memory.host_home_pages is small)")
+                  .ok())
+      << (*d)->ReadLog();
+  ASSERT_TRUE((*d)->Stop().ok());
+  auto bad = DaemonProcess::Start({"--memory.host_home_pages=medium"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "exited with 1")) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "memory.host_home_pages")) << bad.status();
 }
 
 TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
