@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/numeric/bits.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -158,26 +159,38 @@ uint64_t SharedHugePageBytes() {
   return bytes;
 }
 
-std::vector<std::string> DamonMonitorsIn(const std::string& kdamonds_dir) {
-  std::vector<std::string> running;
+std::vector<std::string> DamonMonitorsIn(const std::string& proc_dir,
+                                         const std::string& kdamonds_dir) {
+  // The admin interface's operations by thread id, where readable.
+  absl::flat_hash_map<std::string, std::string> operations;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(kdamonds_dir, error)) {
-    std::string state;
-    if (!std::getline(std::ifstream(entry.path() / "state"), state) || state != "on") continue;
-    std::string operations;
-    if (!std::getline(std::ifstream(entry.path() / "contexts" / "0" / "operations"), operations) ||
-        operations.empty()) {
-      operations = "?";
+    std::string pid, ops;
+    if (std::getline(std::ifstream(entry.path() / "pid"), pid) &&
+        std::getline(std::ifstream(entry.path() / "contexts" / "0" / "operations"), ops) &&
+        !ops.empty()) {
+      operations[pid] = ops;
     }
-    running.push_back(
-        absl::StrCat("kdamond ", entry.path().filename().string(), " (", operations, ")"));
+  }
+  std::vector<std::string> running;
+  for (const auto& entry : std::filesystem::directory_iterator(proc_dir, error)) {
+    const std::string pid = entry.path().filename().string();
+    uint64_t number;
+    if (!absl::SimpleAtoi(pid, &number)) continue;
+    std::string comm;
+    if (!std::getline(std::ifstream(entry.path() / "comm"), comm)) continue;  // gone meanwhile
+    if (comm.rfind("kdamond", 0) != 0) continue;
+    const auto ops = operations.find(pid);
+    running.push_back(absl::StrCat(comm, " (pid ", pid,
+                                   ops == operations.end() ? "" : absl::StrCat(", ", ops->second),
+                                   ")"));
   }
   std::sort(running.begin(), running.end());
   return running;
 }
 
 std::vector<std::string> DamonMonitors() {
-  return DamonMonitorsIn("/sys/kernel/mm/damon/admin/kdamonds");
+  return DamonMonitorsIn("/proc", "/sys/kernel/mm/damon/admin/kdamonds");
 }
 
 HostMemory::HostMemory(HostMemory&& other) noexcept

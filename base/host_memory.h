@@ -8,8 +8,8 @@
 // Huge pages: devices cap scatter-gather segments per request (254 on this
 // project's VMs), so a direct read or write from 4 KiB pages carries at most
 // about 1 MiB per request; 2 MiB pages lift that (benches/RESULTS.md). A
-// mapping asks for them or declines them with Pages; best effort, THP may be
-// off. Shared mappings of a memfd (shmem) get them only where
+// mapping asks for them or declines them with Pages; best effort, THP may
+// be off. Shared mappings of a memfd (shmem) get them only where
 // /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (advise,
 // within_size, always; SharedHugePageBytes says). On this project's VMs direct reads into fresh
 // 4 KiB shmem pages made a ZeRO-3 pass over parameters on NVMe 1.4-6.3x
@@ -115,26 +115,29 @@ bool SharedFileWritesMayGetLargePages();
 bool SharedFileWritesMayGetLargePagesFrom(const std::string& global,
                                           const std::vector<std::string>& per_size);
 
-// The DAMON monitors running on this node, one "kdamond <n> (<operations>)"
-// for each directory under /sys/kernel/mm/damon/admin/kdamonds whose
-// `state` reads "on" (<operations>: its first context's, such as paddr or
-// vaddr; "?" where unreadable). Empty where DAMON is absent, stopped or its
-// sysfs unreadable. Read at each call.
+// The DAMON monitors running on this node, one "kdamond.<n> (pid <pid>[,
+// <operations>])" for each kernel thread named kdamond.* in /proc (whoever
+// started it: the sysfs admin interface, DAMON_RECLAIM, DAMON_LRU_SORT),
+// sorted. <operations> (paddr, vaddr, ...) where the sysfs admin interface
+// lists that thread and lets this process read it (root only on most
+// kernels; the thread names are readable by all). Empty where none runs.
+// Read at each call; offloadd asks once, at start.
 //
 // Why offloadd asks: every sampling interval a monitor clears the accessed
 // bit of a page in each of its regions and later looks whether it was set
 // again. On this project's VMs (a paravirtualised guest, kdamond sampling
 // physical memory every 500 ms) the optimizer's passes over state on 2 MiB
 // pages stalled 2-7x around each round once the monitor had split its
-// regions, and not on 4 KiB pages (benches/RESULTS.md, step_overlap). The
+// regions; on 4 KiB pages far less (benches/RESULTS.md, step_overlap). The
 // likely cause, not verified from inside the guest: where the hypervisor
 // shadows the guest's page tables, the bit cleared on a 2 MiB page costs
 // the next pass a hypervisor fault per 4 KiB of it.
 std::vector<std::string> DamonMonitors();
 
-// DamonMonitors over `kdamonds_dir` (the sysfs directory above); exposed
-// for tests.
-std::vector<std::string> DamonMonitorsIn(const std::string& kdamonds_dir);
+// DamonMonitors over `proc_dir` (/proc) and `kdamonds_dir`
+// (/sys/kernel/mm/damon/admin/kdamonds); exposed for tests.
+std::vector<std::string> DamonMonitorsIn(const std::string& proc_dir,
+                                         const std::string& kdamonds_dir);
 
 // Frees the pages behind `bytes` (rounded up to pages) of a shared mapping
 // from `data` (page-aligned): the file's pages themselves go (MADV_REMOVE,

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -182,28 +183,33 @@ TEST(HostMemory, AHugeSharedMappingGetsHugePagesAndGivesThemBack) {
   close(fd);
 }
 
-// A kdamond directory as DAMON's sysfs lays it out: `state`, and its first
-// context's `operations` (none when `operations` is empty).
-void WriteKdamond(const std::string& root, const std::string& name, const std::string& state,
-                  const std::string& operations) {
-  const std::string dir = root + "/" + name;
-  ASSERT_EQ(system(("mkdir -p " + dir + "/contexts/0").c_str()), 0);
-  std::ofstream(dir + "/state") << state << "\n";
-  if (!operations.empty()) std::ofstream(dir + "/contexts/0/operations") << operations << "\n";
+// Writes `text` to `path`, making its directories.
+void WriteFile(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(path) << text << "\n";
 }
 
-TEST(HostMemory, DamonMonitorsAreTheKdamondsThatAreOn) {
-  const std::string root = std::string(getenv("TEST_TMPDIR")) + "/kdamonds";
-  EXPECT_TRUE(DamonMonitorsIn(root).empty()) << "no DAMON sysfs: no monitor";
-  WriteKdamond(root, "0", "off", "paddr");
-  EXPECT_TRUE(DamonMonitorsIn(root).empty());
-  WriteKdamond(root, "1", "on", "paddr");
-  WriteKdamond(root, "2", "on", "");
-  WriteKdamond(root, "3", "on", "vaddr");
-  EXPECT_EQ(DamonMonitorsIn(root),
-            (std::vector<std::string>{"kdamond 1 (paddr)", "kdamond 2 (?)", "kdamond 3 (vaddr)"}));
-  // This node's own answer is some list (empty without DAMON); it only must not fail.
-  for (const std::string& m : DamonMonitors()) EXPECT_EQ(m.rfind("kdamond ", 0), 0u) << m;
+TEST(HostMemory, DamonMonitorsAreTheKdamondThreads) {
+  const std::string root = std::string(getenv("TEST_TMPDIR")) + "/damon";
+  const std::string proc = root + "/proc", admin = root + "/kdamonds";
+  EXPECT_TRUE(DamonMonitorsIn(proc, admin).empty()) << "nothing to read: no monitor";
+  WriteFile(proc + "/1/comm", "systemd");
+  WriteFile(proc + "/self/comm", "kdamond.9");  // not a process id
+  EXPECT_TRUE(DamonMonitorsIn(proc, admin).empty());
+  // One started through the admin interface (its operations readable), one
+  // by a module (DAMON_RECLAIM: no admin entry), one whose admin entry this
+  // process cannot read (here: no pid file), and a stopped admin entry.
+  WriteFile(proc + "/507/comm", "kdamond.0");
+  WriteFile(admin + "/0/pid", "507");
+  WriteFile(admin + "/0/contexts/0/operations", "paddr");
+  WriteFile(proc + "/612/comm", "kdamond.1");
+  WriteFile(proc + "/88/comm", "kdamond.2");
+  WriteFile(admin + "/1/contexts/0/operations", "vaddr");
+  WriteFile(admin + "/2/pid", "-1");
+  WriteFile(admin + "/2/contexts/0/operations", "fvaddr");
+  EXPECT_EQ(DamonMonitorsIn(proc, admin),
+            (std::vector<std::string>{"kdamond.0 (pid 507, paddr)", "kdamond.1 (pid 612)",
+                                      "kdamond.2 (pid 88)"}));
 }
 
 TEST(HostMemory, ErrorsNameTheOperation) {

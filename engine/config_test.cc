@@ -130,8 +130,11 @@ TEST_F(ConfigTest, HostHomePagesResolveByDamonAndRefuseOtherValues) {
   EXPECT_EQ(monitored->pages, Pages::kSmall) << monitored->why;
   EXPECT_NE(monitored->why.find("kdamond 0 (paddr)"), std::string::npos) << monitored->why;
   for (const auto& monitors : {none, damon}) {
-    EXPECT_EQ(ResolveHostHomePages("huge", monitors)->pages, Pages::kHuge);
-    EXPECT_EQ(ResolveHostHomePages("small", monitors)->pages, Pages::kSmall);
+    auto huge = ResolveHostHomePages("huge", monitors);
+    auto small = ResolveHostHomePages("small", monitors);
+    ASSERT_TRUE(huge.ok() && small.ok());
+    EXPECT_EQ(huge->pages, Pages::kHuge);
+    EXPECT_EQ(small->pages, Pages::kSmall);
     auto bad = ResolveHostHomePages("Huge", monitors);
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(bad.status().message().find("memory.host_home_pages"), std::string::npos)

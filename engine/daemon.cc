@@ -268,8 +268,8 @@ std::vector<std::string> Daemon::Describe() const {
       FormatByteSize(options_->memory.session_arena_bytes)));
   lines.push_back(absl::StrCat(
       "host pool: state homed on the host on ",
-      host_home_pages_.pages == Pages::kSmall ? "4 KiB" : "2 MiB (transparent huge)", " pages (",
-      host_home_pages_.why, "); blocks homed on NVMe brought in on 2 MiB pages"));
+      host_home_pages_.pages == Pages::kSmall ? "4 KiB pages" : "pages asking for 2 MiB", " (",
+      host_home_pages_.why, "); blocks homed on NVMe brought in on pages asking for 2 MiB"));
   const uint64_t huge = SharedHugePageBytes();
   lines.push_back(absl::StrCat(
       "session arenas: ",

@@ -31,8 +31,8 @@ absl::StatusOr<HostHomePages> ResolveHostHomePages(const std::string& setting,
       Pages::kSmall,
       absl::StrCat("memory.host_home_pages auto: DAMON monitors this node (",
                    absl::StrJoin(damon_monitors, ", "),
-                   "), whose sampling stalled passes over huge pages on virtual machines; "
-                   "'huge' overrides")};
+                   "), whose sampling stalled passes over huge pages on a paravirtualised "
+                   "guest; 'huge' overrides")};
 }
 
 void BindTunables(DaemonOptions* o, ConfigRegistry* r) {

@@ -102,10 +102,12 @@ struct MemoryOptions {
   // The pages of the host pool's memory for blocks homed on the host (the
   // optimizer state, the gradient accumulators and their versions placed
   // on the host): "huge" (2 MiB, transparent), "small" (4 KiB), or "auto":
-  // small where DAMON monitors this node (a kdamond is on), huge elsewhere.
+  // small where DAMON monitors this node when offloadd starts (a kdamond
+  // thread runs), huge elsewhere.
   // On this project's VMs, with DAMON sampling physical memory, updates over
   // huge pages stalled 2-7x around its rounds and the delayed update ran
-  // 1.22-1.57x the bound against 1.05-1.11x on small pages; with DAMON off
+  // 1.22-1.57x the bound against 1.05-1.11x on small pages (gradients
+  // handed over with their statistics); with DAMON off
   // the two measured alike (benches/RESULTS.md, step_overlap). Blocks homed
   // on NVMe are brought in on huge pages whatever this says
   // (SwapperOptions::host_home_pages).

@@ -59,6 +59,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_io_errors", s.io_errors, "errors");
   level("swap_io_queue", s.io_queue, "tasks");
   add("swap_order_relearned", s.relearned, "times");
+  add("swap_repages", s.repages, "blocks");
 }
 
 }  // namespace offload

@@ -17,6 +17,7 @@ PoolMemory& PoolMemory::operator=(PoolMemory&& other) noexcept {
     pool_ = std::exchange(other.pool_, nullptr);
     charged_ = std::exchange(other.charged_, 0);
     locked_ = std::exchange(other.locked_, false);
+    pages_ = other.pages_;
   }
   return *this;
 }
@@ -93,7 +94,7 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
                  PosixError("mlock", errno).message());
     }
   }
-  return PoolMemory(std::move(*memory), this, charge, locked);
+  return PoolMemory(std::move(*memory), this, charge, locked, pages);
 }
 
 void HostPool::Release(uint64_t charged, bool was_locked) {

@@ -32,7 +32,8 @@ class PoolMemory {
   PoolMemory() = default;
   PoolMemory(PoolMemory&& other) noexcept
       : memory_(std::move(other.memory_)), pool_(std::exchange(other.pool_, nullptr)),
-        charged_(std::exchange(other.charged_, 0)), locked_(std::exchange(other.locked_, false)) {}
+        charged_(std::exchange(other.charged_, 0)), locked_(std::exchange(other.locked_, false)),
+        pages_(other.pages_) {}
   PoolMemory& operator=(PoolMemory&& other) noexcept;
   PoolMemory(const PoolMemory&) = delete;
   PoolMemory& operator=(const PoolMemory&) = delete;
@@ -41,18 +42,22 @@ class PoolMemory {
   std::byte* data() const { return memory_.data(); }
   uint64_t size() const { return memory_.size(); }
   uint64_t charged() const { return charged_; }
+  // The pages the lease asked for (HostPool::Allocate's `pages`).
+  Pages pages() const { return pages_; }
   bool empty() const { return memory_.empty(); }
   void Reset();
 
  private:
   friend class HostPool;
-  PoolMemory(HostMemory memory, HostPool* pool, uint64_t charged, bool locked)
-      : memory_(std::move(memory)), pool_(pool), charged_(charged), locked_(locked) {}
+  PoolMemory(HostMemory memory, HostPool* pool, uint64_t charged, bool locked, Pages pages)
+      : memory_(std::move(memory)), pool_(pool), charged_(charged), locked_(locked),
+        pages_(pages) {}
 
   HostMemory memory_;
   HostPool* pool_ = nullptr;
   uint64_t charged_ = 0;
   bool locked_ = false;
+  Pages pages_ = Pages::kSystemDefault;
 };
 
 // A charge for host memory the pool does not map itself (a session arena's

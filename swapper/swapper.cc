@@ -66,6 +66,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.copy_out_nanos -= e.copy_out_nanos;
   d.staged_bytes -= e.staged_bytes;
   d.idle_wakeups -= e.idle_wakeups;
+  d.repages -= e.repages;
   return d;
 }
 
@@ -113,6 +114,9 @@ struct Swapper::Block {
   bool move_queued = false;
   bool removed = false;
   bool dropping = false;  // kOnNvme, its external pages still being freed
+  // Moved home to the host while its lease asked for other pages (those of
+  // blocks homed on NVMe): copied to a lease of host_home_pages_ once idle.
+  bool repage = false;
   uint64_t failed_reads = 0;
   absl::Status read_error;
 };
@@ -532,8 +536,26 @@ void Swapper::ReleasePin(BlockId id) {
   if (it == blocks_.end()) return;
   Block* b = it->second.get();
   --b->pins;
+  RepageIfIdleLocked(b);
   EraseIfDoneLocked(b);
   changed_.SignalAll();
+}
+
+void Swapper::RepageIfIdleLocked(Block* b) {
+  if (!b->repage || b->removed || BusyLocked(*b) || b->state != BlockState::kResident) return;
+  if (b->home != Tier::kHost || b->host.empty() || b->host.pages() == host_home_pages_) {
+    b->repage = false;  // evicted and read in again, or moved back, meanwhile
+    return;
+  }
+  // A second copy for a moment; where the pool has no room for it, the
+  // block keeps its pages until a later release finds room.
+  absl::StatusOr<PoolMemory> moved =
+      pool_->Allocate(b->bytes, absl::StrCat("block ", b->id), host_home_pages_);
+  if (!moved.ok()) return;
+  std::memcpy(moved->data(), b->host.data(), b->bytes);
+  b->host = *std::move(moved);
+  b->repage = false;
+  ++stats_.repages;
 }
 
 void Swapper::EndIteration(uint64_t trace) {
@@ -554,6 +576,9 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   b->home = home;
+  b->repage = home == Tier::kHost && b->external == nullptr && !b->host.empty() &&
+              b->host.pages() != host_home_pages_;
+  RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
     if (b->move_queued) {
       // A prefetch may give up (it evicts only what is needed later); a

@@ -124,6 +124,7 @@ struct SwapperStats {
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
   uint64_t staged_bytes = 0;     // of bytes_in and bytes_out, moved through staging
   uint64_t idle_wakeups = 0;     // an idle I/O thread or the mover woken with nothing to do
+  uint64_t repages = 0;          // blocks moved home to the host, copied to a lease of its pages
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -237,7 +238,10 @@ class Swapper {
 
   // Changes where the block rests; returns at once, the swapper moves it in
   // the background (to the host: read in and kept; to NVMe: written out when
-  // room is needed).
+  // room is needed). A block moved to the host while in memory, on a lease
+  // asking for other pages than SwapperOptions::host_home_pages, is copied
+  // to a lease of those once nothing uses it (at the last Pin's release;
+  // stats `repages`).
   absl::Status SetHome(BlockId id, Tier home) ABSL_LOCKS_EXCLUDED(mu_);
 
   bool has_nvme() const { return space_ != nullptr; }
@@ -293,6 +297,9 @@ class Swapper {
   bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // A block with `repage` set, resident and used by no one: copied to a
+  // lease of host_home_pages_ (where the pool has room for the copy).
+  void RepageIfIdleLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Until `bytes` more fit in the pool: evicts victims (only ones next used
   // later than `farther_than` uses from now when `restricted`), waiting for

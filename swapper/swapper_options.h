@@ -27,7 +27,7 @@ struct SwapperOptions {
   // on NVMe are brought in on huge pages whatever this says: each read goes
   // into fresh memory, where 4 KiB pages cost 512 page faults per 2 MiB and
   // split direct reads into more requests (with the optimizer state on NVMe
-  // a step took 4.4x as long on them: benches/RESULTS.md, step_overlap). Not
+  // a step took 3.8-4.4x as long on them: benches/RESULTS.md, step_overlap). Not
   // a tunable: the daemon sets it from memory.host_home_pages.
   Pages host_home_pages = Pages::kHuge;
 };

@@ -227,6 +227,43 @@ TEST_F(SwapperTest, BlocksHomedOnTheHostLiveOnTheirPagesAndOnesFromNvmeOnHugePag
   }
 }
 
+// A block moved home to the host while in memory, on a huge-page lease, is
+// copied to a lease of the host's pages once nothing uses it: at once if
+// idle, at its last pin's release if pinned. Its bytes stay.
+TEST_F(SwapperTest, ABlockMovedToTheHostInMemoryTakesTheHostsPagesOnceIdle) {
+  Make(8 * kMiB, 0, 4, Pages::kSmall);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  auto flags = [&](uint64_t id) {
+    auto p = swapper_->Acquire(id, false);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? VmFlagsAt(p->data()) : std::string();
+  };
+  if (SmapsAt(swapper_->Acquire(1, false)->data()).find("THPeligible") == std::string::npos) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  EXPECT_NE(flags(1).find(" hg "), std::string::npos);
+  const uint64_t before = swapper_->Stats().repages;
+  // Idle: copied at once.
+  ASSERT_TRUE(swapper_->SetHome(1, Tier::kHost).ok());
+  EXPECT_NE(flags(1).find(" nh "), std::string::npos) << flags(1);
+  ExpectHolds(1, 11);
+  // Pinned: copied when the pin goes.
+  {
+    auto held = swapper_->Acquire(2, false);
+    ASSERT_TRUE(held.ok());
+    ASSERT_TRUE(swapper_->SetHome(2, Tier::kHost).ok());
+    EXPECT_NE(VmFlagsAt(held->data()).find(" hg "), std::string::npos);
+    EXPECT_TRUE(Holds(*held, 22));
+  }
+  EXPECT_NE(flags(2).find(" nh "), std::string::npos) << flags(2);
+  ExpectHolds(2, 22);
+  EXPECT_EQ(swapper_->Stats().repages - before, 2u);
+  EXPECT_EQ(pool_->used(), 2 * kMiB) << "the huge-page leases were given back";
+}
+
 TEST_F(SwapperTest, PinnedBlocksStayAndPinningMoreThanThePoolIsResourceExhausted) {
   Make(2 * kMiB);
   for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
