@@ -114,9 +114,6 @@ struct Swapper::Block {
   bool move_queued = false;
   bool removed = false;
   bool dropping = false;  // kOnNvme, its external pages still being freed
-  // Moved home to the host while its lease asked for other pages (those of
-  // blocks homed on NVMe): copied to a lease of host_home_pages_ once idle.
-  bool repage = false;
   uint64_t failed_reads = 0;
   absl::Status read_error;
 };
@@ -542,9 +539,10 @@ void Swapper::ReleasePin(BlockId id) {
 }
 
 void Swapper::RepageIfIdleLocked(Block* b) {
-  if (!b->repage || b->removed || BusyLocked(*b) || b->state != BlockState::kResident) return;
-  if (b->home != Tier::kHost || b->host.empty() || b->host.pages() == host_home_pages_) {
-    b->repage = false;  // evicted and read in again, or moved back, meanwhile
+  // Only a block moved home to the host while in memory (SetHome) holds a
+  // lease of other pages: every other host-homed lease is taken with them.
+  if (b->home != Tier::kHost || b->host.empty() || b->host.pages() == host_home_pages_ ||
+      b->removed || BusyLocked(*b) || b->state != BlockState::kResident) {
     return;
   }
   // A second copy for a moment; where the pool has no room for it, the
@@ -554,7 +552,6 @@ void Swapper::RepageIfIdleLocked(Block* b) {
   if (!moved.ok()) return;
   std::memcpy(moved->data(), b->host.data(), b->bytes);
   b->host = *std::move(moved);
-  b->repage = false;
   ++stats_.repages;
 }
 
@@ -576,8 +573,6 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   b->home = home;
-  b->repage = home == Tier::kHost && b->external == nullptr && !b->host.empty() &&
-              b->host.pages() != host_home_pages_;
   RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
     if (b->move_queued) {

@@ -297,8 +297,9 @@ class Swapper {
   bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
-  // A block with `repage` set, resident and used by no one: copied to a
-  // lease of host_home_pages_ (where the pool has room for the copy).
+  // A block homed on the host whose lease asked for other pages than
+  // host_home_pages_ (moved home while in memory), resident and used by no
+  // one: copied to a lease of those (where the pool has room for the copy).
   void RepageIfIdleLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Until `bytes` more fit in the pool: evicts victims (only ones next used
