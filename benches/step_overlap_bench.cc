@@ -140,6 +140,14 @@ double MeasureOvershoot(double seconds, int n) {
   return std::max(0.0, over / n);
 }
 
+// The median of `v`, sorted (the mean of the middle two of an even count).
+double MedianOfSorted(const std::vector<double>& v) {
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// The verdict on a ratio to the delayed update's bound (target: 1.10x).
+const char* Verdict(double ratio) { return ratio <= 1.10 ? "MET" : "NOT MET"; }
+
 int Fail(const absl::Status& s, const char* what) {
   std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
   return 1;
@@ -314,7 +322,7 @@ int Main(int argc, char** argv) {
       if (r >= opt_warmups) steps.push_back(step_call);
     }
     std::sort(steps.begin(), steps.end());
-    return steps[steps.size() / 2];
+    return MedianOfSorted(steps);
   };
   const absl::StatusOr<double> measured_t_opt = measure_t_opt();
   if (!measured_t_opt.ok()) return Fail(measured_t_opt.status(), "calibration");
@@ -356,10 +364,7 @@ int Main(int argc, char** argv) {
     // The median iteration: this VM's host slows single steps 1.5-3x at
     // random (in every mode, and in T_opt's own measurement, hence its
     // median), which the mean takes in.
-    double median() const {
-      const std::vector<double>& v = iterations;
-      return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-    }
+    double median() const { return MedianOfSorted(iterations); }
   };
   // The statistics of every layer's gradient buffer as it is now, read
   // where the arena maps it, the buffer held; with `fill`, first written
@@ -575,16 +580,14 @@ int Main(int argc, char** argv) {
     const double dpu_ratio = rows[r].mean() / bound, median_ratio = rows[r].median() / bound;
     std::printf("%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
                 "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
-                rows[r].mode, dpu_ratio, dpu_ratio <= 1.10 ? "MET" : "NOT MET", median_ratio,
-                median_ratio <= 1.10 ? "MET" : "NOT MET", rows[r].mean() / dpu_bound, dpu_bound);
+                rows[r].mode, dpu_ratio, Verdict(dpu_ratio), median_ratio, Verdict(median_ratio),
+                rows[r].mean() / dpu_bound, dpu_bound);
   }
   // The hand-over modes against T_opt of their own phase: the median of
   // the steps alone measured between their turns.
   if (!t_opt_between.empty()) {
     std::sort(t_opt_between.begin(), t_opt_between.end());
-    const std::vector<double>& v = t_opt_between;
-    const double t_opt_phase =
-        v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+    const double t_opt_phase = MedianOfSorted(t_opt_between);
     const double phase_bound = std::max(t_alone, t_opt_phase);
     std::printf("T_opt between the hand-over turns (synchronous steps alone, handed over with "
                 "statistics): median %.3f s of %zu (%.3f-%.3f s), %+.0f%% against T_opt before "
@@ -598,8 +601,8 @@ int Main(int argc, char** argv) {
                    median_ratio = rows[r].median() / phase_bound;
       std::printf("%s, against its phase's bound: mean iteration %.3fx (target <= 1.10x: %s), "
                   "median iteration %.3fx (%s)\n",
-                  rows[r].mode, mean_ratio, mean_ratio <= 1.10 ? "MET" : "NOT MET", median_ratio,
-                  median_ratio <= 1.10 ? "MET" : "NOT MET");
+                  rows[r].mode, mean_ratio, Verdict(mean_ratio), median_ratio,
+                  Verdict(median_ratio));
     }
   }
   return 0;
