@@ -24,7 +24,7 @@ namespace {
 void ExpectPagesAsked(const void* huge, const void* small, const void* plain) {
   const std::string h = VmFlagsAt(huge), s = VmFlagsAt(small), p = VmFlagsAt(plain);
   ASSERT_FALSE(h.empty() || s.empty() || p.empty()) << "no /proc/self/smaps";
-  if (SmapsAt(huge).find("THPeligible") == std::string::npos) {
+  if (!TransparentHugePagesAt(huge)) {
     GTEST_SKIP() << "this kernel has no transparent huge pages";
   }
   EXPECT_NE(h.find(" hg "), std::string::npos) << h;

@@ -37,6 +37,10 @@ std::string VmFlagsAt(const void* p) {
   return "";
 }
 
+bool TransparentHugePagesAt(const void* p) {
+  return SmapsAt(p).find("THPeligible") != std::string::npos;
+}
+
 int64_t SmapsKb(const std::string& smaps, const std::string& field) {
   for (absl::string_view line : absl::StrSplit(smaps, '\n')) {
     if (!absl::ConsumePrefix(&line, field + ":")) continue;

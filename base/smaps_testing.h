@@ -17,7 +17,13 @@ std::string SmapsAt(const void* p);
 // none holds `p`.
 std::string VmFlagsAt(const void* p);
 
-// A field of SmapsAt's text, in kB (-1 if absent).
+// Whether the kernel has transparent huge pages, as smaps says for the
+// mapping holding `p` (a THPeligible line; absent without them, where
+// madvise's huge-page requests are refused and leave no flag).
+bool TransparentHugePagesAt(const void* p);
+
+// A field of smaps text (SmapsAt's, or a /proc/<pid>/smaps_rollup), in kB
+// (-1 if absent).
 int64_t SmapsKb(const std::string& smaps, const std::string& field);
 
 }  // namespace offload

@@ -218,7 +218,7 @@ TEST_F(SwapperTest, BlocksHomedOnTheHostLiveOnTheirPagesAndOnesFromNvmeOnHugePag
     auto host = swapper_->Acquire(1, false);
     auto from_nvme = swapper_->Acquire(2, false);
     ASSERT_TRUE(host.ok() && from_nvme.ok());
-    if (SmapsAt(host->data()).find("THPeligible") == std::string::npos) {
+    if (!TransparentHugePagesAt(host->data())) {
       GTEST_SKIP() << "this kernel has no transparent huge pages";
     }
     const std::string h = VmFlagsAt(host->data()), n = VmFlagsAt(from_nvme->data());
@@ -241,7 +241,7 @@ TEST_F(SwapperTest, ABlockMovedToTheHostInMemoryTakesTheHostsPagesOnceIdle) {
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? VmFlagsAt(p->data()) : std::string();
   };
-  if (SmapsAt(swapper_->Acquire(1, false)->data()).find("THPeligible") == std::string::npos) {
+  if (!TransparentHugePagesAt(swapper_->Acquire(1, false)->data())) {
     GTEST_SKIP() << "this kernel has no transparent huge pages";
   }
   EXPECT_NE(flags(1).find(" hg "), std::string::npos);

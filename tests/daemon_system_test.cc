@@ -1118,11 +1118,9 @@ TEST(DaemonStartup, EverythingOnNvmeTrainsTheDemoToTheSameLosses) {
 // out for huge pages where the kernel gives shared memory huge pages.
 // A field of /proc/<pid>/smaps_rollup, in kB (-1 if absent).
 int64_t SmapsRollupKb(pid_t pid, const std::string& field) {
-  std::ifstream rollup("/proc/" + std::to_string(pid) + "/smaps_rollup");
-  for (std::string line; std::getline(rollup, line);) {
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
-  }
-  return -1;
+  std::ostringstream rollup;
+  rollup << std::ifstream("/proc/" + std::to_string(pid) + "/smaps_rollup").rdbuf();
+  return SmapsKb(rollup.str(), field);
 }
 
 // The daemon's memory where its own pages do not show all of it: its
