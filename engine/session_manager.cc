@@ -289,13 +289,12 @@ void SessionManager::SetRingSpin(absl::Duration spin) {
 }
 
 bool SessionManager::Abandon(uint64_t id) {
-  if (!CloseById(id)) return false;
-  stats_->sessions_abandoned.fetch_add(1, std::memory_order_relaxed);
-  return true;
+  return CloseById(id, /*only_unattached=*/false, std::nullopt, &stats_->sessions_abandoned);
 }
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
-                               std::optional<SteadyTime> only_idle_since) {
+                               std::optional<SteadyTime> only_idle_since,
+                               std::atomic<int64_t>* why) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
   // set's lock). Memory is released when the last in-flight call drops its
   // reference.
@@ -315,6 +314,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     sessions_.erase(found);
     absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
     stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
+    if (why != nullptr) why->fetch_add(1, std::memory_order_relaxed);
   }
   // Its state is not wanted any more: a later offloadd must not reopen it.
   if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
@@ -763,15 +763,13 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(
   for (Expired& e : expired) {
     // Unless, checked under mu_ again, a trainer attached since (an
     // unattached or detached one) or a call came since (an idle one).
+    std::atomic<int64_t>* counter = e.why == Expired::kNotResumed ? &stats_->sessions_abandoned
+                                                                   : &stats_->sessions_expired;
     const bool closed_it =
         e.why == Expired::kIdle
-            ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle)
-            : CloseById(e.id, /*only_unattached=*/true);
-    if (closed_it) {
-      (e.why == Expired::kNotResumed ? stats_->sessions_abandoned : stats_->sessions_expired)
-          .fetch_add(1, std::memory_order_relaxed);
-      closed.push_back(std::move(e));
-    }
+            ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle, counter)
+            : CloseById(e.id, /*only_unattached=*/true, std::nullopt, counter);
+    if (closed_it) closed.push_back(std::move(e));
   }
   return closed;
 }

@@ -31,6 +31,7 @@
 #ifndef OFFLOADD_ENGINE_SESSION_MANAGER_H_
 #define OFFLOADD_ENGINE_SESSION_MANAGER_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -302,10 +303,12 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // With `only_unattached`, not if a trainer attached to it; with
   // `only_idle_since`, not if a call found it after that time or one is in
-  // flight.
+  // flight. `why` (a Stats counter: abandoned, expired), if given, counts
+  // the close as sessions_closed does, in the same step that takes the
+  // session out of Sessions(): a caller that sees it gone sees it counted.
   bool CloseById(uint64_t id, bool only_unattached = false,
-                 std::optional<SteadyTime> only_idle_since = std::nullopt)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                 std::optional<SteadyTime> only_idle_since = std::nullopt,
+                 std::atomic<int64_t>* why = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   Env* const env_;
