@@ -1,0 +1,554 @@
+#include "gpu/param_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <tuple>
+
+#include "absl/strings/str_format.h"
+#include "base/status_macros.h"
+
+namespace offload::gpu {
+namespace {
+
+constexpr uint64_t kAlignment = 256;
+
+uint64_t Rounded(uint64_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ParamCache>> ParamCache::Create(Device* device, HostSource* source,
+                                                               ParamCacheOptions options,
+                                                               DeviceMemory slab) {
+  if (device == nullptr || source == nullptr) {
+    return absl::InvalidArgumentError("ParamCache needs a device and a host source");
+  }
+  if (!slab) {
+    if (options.budget_bytes == 0) {
+      return absl::InvalidArgumentError("ParamCache: budget_bytes must be > 0");
+    }
+    absl::StatusOr<DeviceMemory> m = device->Allocate(options.budget_bytes);
+    if (!m.ok()) {
+      return absl::Status(m.status().code(),
+                          absl::StrFormat("the GPU tier's parameter budget (%d bytes) on %s: %s",
+                                          options.budget_bytes, device->name(),
+                                          m.status().message()));
+    }
+    slab = *std::move(m);
+  }
+  ASSIGN_OR_RETURN(Stream copy_stream, device->CreateStream());
+  ASSIGN_OR_RETURN(Event fence, device->CreateEvent());
+  ASSIGN_OR_RETURN(PinnedMemory staging,
+                   device->AllocatePinned(std::max<uint64_t>(options.staging_bytes, 1 << 20)));
+  return std::unique_ptr<ParamCache>(new ParamCache(device, source, options, std::move(slab),
+                                                    std::move(copy_stream), std::move(fence),
+                                                    std::move(staging)));
+}
+
+ParamCache::ParamCache(Device* device, HostSource* source, ParamCacheOptions options,
+                       DeviceMemory slab, Stream copy_stream, Event fence, PinnedMemory staging)
+    : device_(device), source_(source), budget_(slab.bytes() / kAlignment * kAlignment),
+      slab_(std::move(slab)), copy_stream_(std::move(copy_stream)), fence_(std::move(fence)),
+      staging_(std::move(staging)), options_(options) {
+  if (options_.max_live_bytes == 0 || options_.max_live_bytes > budget_) {
+    options_.max_live_bytes = budget_;
+  }
+  if (budget_ > 0) free_[0] = budget_;
+  stats_.budget_bytes = budget_;
+}
+
+ParamCache::~ParamCache() {
+  absl::MutexLock lock(&mu_);
+  (void)Reap(/*wait=*/true);
+}
+
+absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors) {
+  absl::MutexLock lock(&mu_);
+  if (tensors.empty()) return absl::InvalidArgumentError("a unit needs at least one tensor");
+  Unit unit;
+  const int index = static_cast<int>(units_.size());
+  for (const auto& [key, bytes] : tensors) {
+    if (bytes == 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("tensor %d has no bytes", key));
+    }
+    auto it = by_key_.find(key);
+    if (it != by_key_.end()) {
+      const Entry& e = entries_[it->second];
+      if (e.bytes != bytes) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "tensor %d declared with %d bytes and now %d", key, e.bytes, bytes));
+      }
+      if (std::find(unit.entries.begin(), unit.entries.end(), it->second) != unit.entries.end()) {
+        return absl::InvalidArgumentError(absl::StrFormat("tensor %d named twice in a unit", key));
+      }
+      unit.entries.push_back(it->second);
+    } else {
+      unit.entries.push_back(static_cast<int>(entries_.size()));
+      Entry e;
+      e.key = key;
+      e.bytes = bytes;
+      e.persistent = options_.persistence_threshold_bytes != 0 &&
+                     bytes <= options_.persistence_threshold_bytes &&
+                     persistent_bytes_ + Rounded(bytes) <= budget_ / 2;
+      if (e.persistent) persistent_bytes_ += Rounded(bytes);
+      by_key_[key] = unit.entries.back();
+      entries_.push_back(std::move(e));
+    }
+    unit.bytes += Rounded(bytes);
+  }
+  if (unit.bytes > budget_) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "a unit of %d tensors needs %d bytes on the device; the GPU tier's budget is %d bytes",
+        tensors.size(), unit.bytes, budget_));
+  }
+  for (int e : unit.entries) entries_[e].units.push_back(index);
+  units_.push_back(std::move(unit));
+  positions_.resize(units_.size());
+  return index;
+}
+
+void ParamCache::BeginIteration() {
+  absl::MutexLock lock(&mu_);
+  if (!recording_.empty()) {
+    trace_ = std::move(recording_);
+    recording_.clear();
+    positions_.assign(units_.size(), {});
+    trace_bytes_.assign(trace_.size() + 1, 0);
+    for (size_t i = 0; i < trace_.size(); ++i) {
+      positions_[trace_[i]].push_back(i);
+      trace_bytes_[i + 1] = trace_bytes_[i] + units_[trace_[i]].bytes;
+    }
+  }
+  cursor_ = -1;
+  on_trace_ = !trace_.empty();
+  Prefetch();
+}
+
+void ParamCache::AdvanceCursor(int unit) {
+  recording_.push_back(unit);
+  if (trace_.empty()) return;
+  const uint64_t next = static_cast<uint64_t>(cursor_ + 1);
+  if (next < trace_.size() && trace_[next] == unit) {
+    cursor_ = static_cast<int64_t>(next);
+    on_trace_ = true;
+    return;
+  }
+  ++stats_.off_trace_uses;
+  const std::vector<uint64_t>& p = positions_[unit];
+  if (p.empty()) {
+    on_trace_ = false;
+    return;
+  }
+  auto it = std::lower_bound(p.begin(), p.end(), next);
+  cursor_ = static_cast<int64_t>(it != p.end() ? *it : p.front());
+  on_trace_ = true;
+}
+
+uint64_t ParamCache::NextUseOfUnit(int unit) const {
+  const std::vector<uint64_t>& p = positions_[unit];
+  auto it = std::lower_bound(p.begin(), p.end(), static_cast<uint64_t>(cursor_ + 1));
+  return it == p.end() ? kNever : *it;
+}
+
+uint64_t ParamCache::NextUse(const Entry& e) const {
+  uint64_t next = kNever;
+  for (int u : e.units) next = std::min(next, NextUseOfUnit(u));
+  return next;
+}
+
+std::optional<uint64_t> ParamCache::TakeRange(uint64_t bytes) {
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < bytes) continue;
+    const uint64_t offset = it->first;
+    const uint64_t rest = it->second - bytes;
+    free_.erase(it);
+    if (rest) free_[offset + bytes] = rest;
+    stats_.resident_bytes += bytes;
+    stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes);
+    return offset;
+  }
+  return std::nullopt;
+}
+
+void ParamCache::FreeRange(uint64_t offset, uint64_t bytes) {
+  stats_.resident_bytes -= bytes;
+  auto next = free_.lower_bound(offset);
+  if (next != free_.end() && offset + bytes == next->first) {
+    bytes += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == offset) {
+      prev->second += bytes;
+      return;
+    }
+  }
+  free_[offset] = bytes;
+}
+
+void ParamCache::Evict(int index) {
+  Entry& e = entries_[index];
+  // The next copy into this memory waits for the compute that read it.
+  if (e.released_recorded) {
+    for (int u : e.units) {
+      if (units_[u].released_recorded) (void)device_->WaitOn(copy_stream_, units_[u].released);
+    }
+  }
+  FreeRange(e.offset, Rounded(e.bytes));
+  if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
+  e.state = State::kAbsent;
+  e.prefetched = false;
+  ++stats_.evictions;
+}
+
+absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint64_t limit,
+                                           const std::vector<int>& keep) {
+  const uint64_t rounded = Rounded(bytes);
+  for (;;) {
+    const bool over_live = !persistent && live_bytes_ + rounded > options_.max_live_bytes;
+    if (!over_live) {
+      if (std::optional<uint64_t> offset = TakeRange(rounded)) {
+        if (!persistent) live_bytes_ += rounded;
+        return *offset;
+      }
+    }
+    // The victim: not in use nor in flight nor wanted now; non-persistent
+    // before persistent, beyond the reuse distance before within it, then
+    // the farthest next use.
+    int victim = -1;
+    std::tuple<bool, bool, uint64_t> best{};
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      const Entry& e = entries_[i];
+      if (e.state != State::kReady || e.pins > 0) continue;
+      if (over_live && e.persistent) continue;
+      if (std::find(keep.begin(), keep.end(), static_cast<int>(i)) != keep.end()) continue;
+      const uint64_t next = NextUse(e);
+      if (limit != kNever && next <= limit) continue;
+      bool far = true;
+      if (options_.max_reuse_distance_bytes != 0 && next != kNever && cursor_ >= 0) {
+        far = trace_bytes_[next] - trace_bytes_[cursor_ + 1] > options_.max_reuse_distance_bytes;
+      }
+      std::tuple<bool, bool, uint64_t> rank{!e.persistent, far, next};
+      if (victim < 0 || rank > best) {
+        victim = static_cast<int>(i);
+        best = rank;
+      }
+    }
+    if (victim < 0 && limit == kNever && !in_flight_.empty()) {
+      // A use waits for copies in flight (prefetches) to free their room.
+      std::shared_ptr<Batch> b = in_flight_.front();
+      in_flight_.pop_front();
+      FinishBatch(*b, device_->Synchronize(b->done));
+      continue;
+    }
+    if (victim < 0) {
+      uint64_t pinned = 0;
+      for (const Entry& e : entries_) {
+        if (e.state != State::kAbsent && e.state != State::kFailed && (e.pins > 0 || e.batch)) {
+          pinned += Rounded(e.bytes);
+        }
+      }
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "the GPU tier has no room for %d bytes: budget %d bytes (%d non-persistent at most), "
+          "%d resident, %d of them in use or being copied",
+          bytes, budget_, options_.max_live_bytes, stats_.resident_bytes, pinned));
+    }
+    Evict(victim);
+  }
+}
+
+absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
+  char* dst = static_cast<char*>(slab_.get()) + e.offset;
+  if (span.dma) {
+    RETURN_IF_ERROR(
+        device_->CopyAsync(dst, span.data, e.bytes, Direction::kHostToDevice, copy_stream_));
+  } else {
+    // Through the staging buffer: each chunk is copied there by this
+    // thread, then to the device on the copy stream. A chunk that would
+    // wrap waits for every copy out of the buffer first.
+    const uint64_t capacity = staging_.bytes();
+    for (uint64_t done = 0; done < e.bytes;) {
+      const uint64_t chunk = std::min(capacity, e.bytes - done);
+      if (staging_head_ + chunk > capacity) {
+        RETURN_IF_ERROR(device_->Record(fence_, copy_stream_));
+        absl::Status s = device_->Synchronize(fence_);
+        if (!s.ok()) {
+          // A copy before the fence failed: which one is not known, so
+          // every batch in flight counts as failed.
+          for (auto& b : in_flight_) FinishBatch(*b, s);
+          in_flight_.clear();
+        }
+        staging_head_ = 0;
+      }
+      char* stage = static_cast<char*>(staging_.get()) + staging_head_;
+      std::memcpy(stage, static_cast<const char*>(span.data) + done, chunk);
+      RETURN_IF_ERROR(
+          device_->CopyAsync(dst + done, stage, chunk, Direction::kHostToDevice, copy_stream_));
+      staging_head_ += (chunk + kAlignment - 1) / kAlignment * kAlignment;
+      done += chunk;
+    }
+    stats_.staged_bytes += e.bytes;
+  }
+  stats_.h2d_bytes += e.bytes;
+  ++stats_.copies;
+  return absl::OkStatus();
+}
+
+absl::Status ParamCache::Bring(int unit, uint64_t limit) {
+  std::vector<int> missing;
+  for (int i : units_[unit].entries) {
+    if (entries_[i].state == State::kAbsent) missing.push_back(i);
+  }
+  if (missing.empty()) return absl::OkStatus();
+  const std::vector<int>& keep = units_[unit].entries;
+  std::vector<int> placed;
+  auto undo = [&] {
+    for (int i : placed) {
+      Entry& e = entries_[i];
+      FreeRange(e.offset, Rounded(e.bytes));
+      if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
+      e.state = State::kAbsent;
+    }
+  };
+  for (int i : missing) {
+    absl::StatusOr<uint64_t> offset = Place(entries_[i].bytes, entries_[i].persistent, limit, keep);
+    if (!offset.ok()) {
+      undo();
+      return offset.status();
+    }
+    entries_[i].offset = *offset;
+    entries_[i].state = State::kCopying;
+    placed.push_back(i);
+  }
+  auto batch = std::make_shared<Batch>();
+  for (int i : missing) batch->keys.push_back(entries_[i].key);
+  absl::StatusOr<std::vector<HostSource::Span>> spans = source_->Hold(batch->keys);
+  if (!spans.ok() || spans->size() != missing.size()) {
+    undo();
+    return spans.ok() ? absl::InternalError("host source answered the wrong number of tensors")
+                      : spans.status();
+  }
+  absl::StatusOr<Event> done = device_->CreateEvent();
+  if (!done.ok()) {
+    undo();
+    (void)source_->Release(batch->keys);
+    return done.status();
+  }
+  batch->done = *std::move(done);
+  for (size_t k = 0; k < missing.size(); ++k) {
+    Entry& e = entries_[missing[k]];
+    absl::Status s = CopyIn(e, (*spans)[k]);
+    if (!s.ok()) {
+      // Copies already issued may still read: wait for them, then undo.
+      (void)device_->Record(fence_, copy_stream_);
+      (void)device_->Synchronize(fence_);
+      undo();
+      (void)source_->Release(batch->keys);
+      return s;
+    }
+    e.batch = batch;
+    e.used_in_flight = false;
+    batch->entries.push_back(missing[k]);
+  }
+  RETURN_IF_ERROR(device_->Record(batch->done, copy_stream_));
+  in_flight_.push_back(std::move(batch));
+  return absl::OkStatus();
+}
+
+void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
+  for (int i : b.entries) {
+    Entry& e = entries_[i];
+    if (e.state != State::kCopying || e.batch.get() != &b) continue;
+    e.batch.reset();
+    if (status.ok()) {
+      e.state = State::kReady;
+      e.used_in_flight = false;
+      continue;
+    }
+    ++stats_.copy_failures;
+    const std::string what = absl::StrFormat(
+        "copy of tensor %d (%d bytes) to %s failed: %s; the host copy is intact", e.key, e.bytes,
+        device_->name(), status.message());
+    FreeRange(e.offset, Rounded(e.bytes));
+    if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
+    e.prefetched = false;
+    if (e.used_in_flight || e.pins > 0) {
+      // Reported by Synchronize, once; the next use copies again.
+      if (failed_after_use_.ok()) {
+        failed_after_use_ = absl::AbortedError(absl::StrCat(
+            what, "; a use of it was already issued, so this iteration's results are not valid: "
+                  "run it again"));
+      }
+      e.state = State::kAbsent;
+    } else {
+      e.state = State::kFailed;
+      e.error = absl::Status(status.code(), what);
+    }
+    e.used_in_flight = false;
+  }
+  b.entries.clear();
+  absl::Status released = source_->Release(b.keys);
+  if (!released.ok() && failed_after_use_.ok()) failed_after_use_ = released;
+  b.keys.clear();
+}
+
+absl::Status ParamCache::Reap(bool wait) {
+  while (!in_flight_.empty()) {
+    std::shared_ptr<Batch> b = in_flight_.front();
+    absl::Status status;
+    if (wait) {
+      status = device_->Synchronize(b->done);
+    } else {
+      absl::StatusOr<bool> done = device_->Query(b->done);
+      if (done.ok() && !*done) break;
+      status = done.status();
+    }
+    in_flight_.pop_front();
+    FinishBatch(*b, status);
+  }
+  return absl::OkStatus();
+}
+
+void ParamCache::Prefetch() {
+  if (options_.prefetch_depth <= 0 || !on_trace_) return;
+  uint64_t ahead = 0;
+  int looked = 0;
+  for (uint64_t pos = static_cast<uint64_t>(cursor_ + 1);
+       pos < trace_.size() && looked < options_.prefetch_depth; ++pos, ++looked) {
+    const int u = trace_[pos];
+    uint64_t missing = 0;
+    bool failed = false;
+    for (int i : units_[u].entries) {
+      missing += entries_[i].state == State::kAbsent ? Rounded(entries_[i].bytes) : 0;
+      failed |= entries_[i].state == State::kFailed;
+    }
+    if (failed) break;  // its Use reports the failure
+    if (missing == 0) continue;
+    if (ahead + missing > options_.prefetch_bytes) break;
+    std::vector<bool> was_absent;
+    for (int i : units_[u].entries) was_absent.push_back(entries_[i].state == State::kAbsent);
+    if (!Bring(u, pos).ok()) break;  // no room ahead of later uses; Use will bring it
+    for (size_t k = 0; k < units_[u].entries.size(); ++k) {
+      if (was_absent[k]) entries_[units_[u].entries[k]].prefetched = true;
+    }
+    ++stats_.prefetched_units;
+    ahead += missing;
+  }
+}
+
+absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& compute) {
+  absl::MutexLock lock(&mu_);
+  if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("no unit %d (%d declared)", unit,
+                                                      units_.size()));
+  }
+  RETURN_IF_ERROR(Reap(/*wait=*/false));
+  // A failed copy is reported once, at the unit's next use; the one after
+  // copies again.
+  for (int i : units_[unit].entries) {
+    Entry& e = entries_[i];
+    if (e.state == State::kFailed) {
+      absl::Status error = std::exchange(e.error, absl::OkStatus());
+      for (int j : units_[unit].entries) {
+        if (entries_[j].state == State::kFailed) {
+          entries_[j].state = State::kAbsent;
+          entries_[j].error = absl::OkStatus();
+        }
+      }
+      return error;
+    }
+  }
+  AdvanceCursor(unit);
+  ++stats_.uses;
+  std::vector<State> before;
+  for (int i : units_[unit].entries) before.push_back(entries_[i].state);
+  RETURN_IF_ERROR(Bring(unit, kNever));
+  std::vector<uint64_t> offsets;
+  const std::vector<int>& list = units_[unit].entries;
+  for (size_t k = 0; k < list.size(); ++k) {
+    Entry& e = entries_[list[k]];
+    ++stats_.tensor_uses;
+    if (before[k] == State::kReady) ++stats_.resident_hits;
+    if (before[k] != State::kAbsent && e.prefetched) ++stats_.prefetch_hits;
+    e.prefetched = false;
+    if (e.state == State::kCopying) {
+      if (before[k] == State::kCopying) ++stats_.in_flight_at_use;
+      RETURN_IF_ERROR(device_->WaitOn(compute, e.batch->done));
+      e.used_in_flight = true;
+    }
+    ++e.pins;
+    offsets.push_back(e.offset);
+  }
+  Prefetch();
+  return offsets;
+}
+
+absl::Status ParamCache::Done(int unit, const Stream& compute) {
+  absl::MutexLock lock(&mu_);
+  if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
+    return absl::InvalidArgumentError(absl::StrFormat("no unit %d", unit));
+  }
+  Unit& u = units_[unit];
+  for (int i : u.entries) {
+    if (entries_[i].pins == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("Done(%d) without a Use of it", unit));
+    }
+  }
+  if (!u.released) {
+    ASSIGN_OR_RETURN(u.released, device_->CreateEvent());
+  }
+  RETURN_IF_ERROR(device_->Record(u.released, compute));
+  u.released_recorded = true;
+  for (int i : u.entries) {
+    --entries_[i].pins;
+    entries_[i].released_recorded = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParamCache::Invalidate(const Stream& compute) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(Reap(/*wait=*/true));
+  for (const Entry& e : entries_) {
+    if (e.pins > 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the parameters changed while tensor %d is in use on the device", e.key));
+    }
+  }
+  RETURN_IF_ERROR(device_->Record(fence_, compute));
+  RETURN_IF_ERROR(device_->WaitOn(copy_stream_, fence_));
+  for (Entry& e : entries_) {
+    if (e.state == State::kReady) {
+      FreeRange(e.offset, Rounded(e.bytes));
+      if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
+    }
+    e.state = State::kAbsent;
+    e.error = absl::OkStatus();
+    e.prefetched = false;
+    e.released_recorded = false;
+  }
+  for (Unit& u : units_) u.released_recorded = false;
+  ++stats_.invalidations;
+  return absl::OkStatus();
+}
+
+absl::Status ParamCache::Synchronize() {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(Reap(/*wait=*/true));
+  return std::exchange(failed_after_use_, absl::OkStatus());
+}
+
+void ParamCache::SetPrefetch(int depth, uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  options_.prefetch_depth = depth;
+  options_.prefetch_bytes = bytes;
+}
+
+ParamCacheStats ParamCache::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace offload::gpu

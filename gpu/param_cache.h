@@ -1,0 +1,257 @@
+// The GPU tier's parameter side: a trainer's working parameters on the
+// device before they are needed, under a device memory budget.
+//
+// A trainer declares units (AddUnit: the tensors gathered together, as FSDP
+// wraps a module with its submodules) and, every iteration, uses them in
+// the order its model runs: BeginIteration, then Use(unit) before a unit's
+// compute and Done(unit) after it, on the trainer's compute stream. The
+// cache:
+//   1. keeps one slab of device memory (the budget) and places each tensor
+//      in it while resident;
+//   2. copies a unit's tensors from the host (HostSource: the partitions'
+//      bytes in the daemon's arena, held only while a copy reads them) on
+//      its own copy stream, straight from DMA-registered memory, or through
+//      a pinned staging buffer where the host memory is not registered;
+//   3. makes the compute stream wait for those copies with an event, so a
+//      use never sees a copy in flight, and makes each copy into memory a
+//      previous unit used wait for that unit's Done, so a copy never
+//      overwrites what compute still reads;
+//   4. prefetches the next units along the order recorded in the previous
+//      iteration (prefetch_depth units, at most prefetch_bytes ahead),
+//      evicting only tensors needed later than the one it brings;
+//   5. evicts by next use (Belady): the resident tensor whose next use in
+//      the recorded order is farthest, those not reused within
+//      max_reuse_distance_bytes first, persistent ones (small tensors, at
+//      most persistence_threshold_bytes each) last;
+//   6. after an optimizer step (Invalidate), treats every copy as stale.
+// A copy that fails marks its tensors failed: the next Use of a unit
+// holding one returns the error (naming the tensor) and forgets it, so the
+// Use after that copies again; a failure found after a use was already
+// issued is returned by Synchronize (ABORTED: the iteration's results are
+// not valid; the host copy is intact). Nothing is lost in either case.
+//
+// Budget: the slab is all the device memory the cache uses; max_live_bytes
+// bounds the non-persistent bytes resident in it. A unit larger than what
+// can be made free (everything not in use) is RESOURCE_EXHAUSTED.
+//
+// Thread-safety: all methods are safe from any thread (one lock); a unit's
+// Use and Done come from the thread that runs its compute.
+#ifndef OFFLOADD_GPU_PARAM_CACHE_H_
+#define OFFLOADD_GPU_PARAM_CACHE_H_
+
+#include <cstdint>
+#include <deque>
+#include <limits>
+#include <map>
+#include <optional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "gpu/device.h"
+
+namespace offload::gpu {
+
+// Where a tensor's bytes are on the host. Implemented over a client
+// Session (client/gpu_source.h) and by tests.
+class HostSource {
+ public:
+  struct Span {
+    const void* data = nullptr;
+    // Registered for DMA (or pinned): copied from directly. Otherwise the
+    // cache copies through its pinned staging buffer.
+    bool dma = false;
+  };
+  virtual ~HostSource() = default;
+  // Holds the keys' bytes in place until Release; where they are, in order.
+  virtual absl::StatusOr<std::vector<Span>> Hold(absl::Span<const uint64_t> keys) = 0;
+  virtual absl::Status Release(absl::Span<const uint64_t> keys) = 0;
+};
+
+struct ParamCacheOptions {
+  // Device memory for parameters, allocated once as one slab (unless the
+  // caller gives the slab). Larger values keep more of the model resident
+  // between its forward and backward uses. Default: 1 GiB.
+  uint64_t budget_bytes = 1ull << 30;
+  // Units copied ahead of the one in use, along the recorded order, and the
+  // most bytes ahead. 0: no prefetch (copies start at Use). Dynamically
+  // changeable (SetPrefetch).
+  int prefetch_depth = 2;
+  uint64_t prefetch_bytes = 256ull << 20;
+  // Tensors of at most this many bytes stay resident once copied (until
+  // Invalidate), at most half the budget of them (DeepSpeed's
+  // stage3_param_persistence_threshold, in bytes). 0: none.
+  uint64_t persistence_threshold_bytes = 0;
+  // At most this many non-persistent bytes resident (DeepSpeed's
+  // stage3_max_live_parameters, in bytes). 0: the budget.
+  uint64_t max_live_bytes = 0;
+  // A released tensor whose next use is within this many bytes of other
+  // units' tensors is evicted after those that are not (DeepSpeed's
+  // stage3_max_reuse_distance, in bytes). 0: next use alone decides.
+  uint64_t max_reuse_distance_bytes = 0;
+  // Pinned host memory for copies from host memory that is not registered.
+  uint64_t staging_bytes = 16ull << 20;
+};
+
+struct ParamCacheStats {
+  uint64_t uses = 0;
+  uint64_t tensor_uses = 0;
+  // Tensor uses that found the tensor resident, or its copy issued ahead
+  // by a prefetch (prefetch_hits), or in flight (waited on by the compute
+  // stream, not the host).
+  uint64_t resident_hits = 0;
+  uint64_t prefetch_hits = 0;
+  uint64_t in_flight_at_use = 0;
+  uint64_t prefetched_units = 0;
+  uint64_t copies = 0;
+  uint64_t h2d_bytes = 0;
+  uint64_t staged_bytes = 0;  // of h2d_bytes, through the staging buffer
+  uint64_t evictions = 0;
+  uint64_t invalidations = 0;
+  uint64_t copy_failures = 0;
+  uint64_t off_trace_uses = 0;  // uses the recorded order did not predict
+  uint64_t resident_bytes = 0;
+  uint64_t peak_resident_bytes = 0;
+  uint64_t budget_bytes = 0;
+};
+
+class ParamCache {
+ public:
+  // `device` and `source` must outlive the cache. Without `slab` the cache
+  // allocates budget_bytes of device memory; with one, the budget is its
+  // size (a framework's allocation, say, so the framework accounts it).
+  static absl::StatusOr<std::unique_ptr<ParamCache>> Create(Device* device, HostSource* source,
+                                                            ParamCacheOptions options,
+                                                            DeviceMemory slab = {});
+  // Waits for the copies in flight and releases their holds.
+  ~ParamCache();
+
+  // Declares a unit of tensors (key, device bytes); returns its index. A
+  // key may be in several units (a tied weight); its bytes must agree.
+  absl::StatusOr<int> AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors);
+
+  // An iteration starts: the order recorded since the last call drives
+  // prefetch and eviction from now on.
+  void BeginIteration();
+  // Makes the unit's tensors resident (or on their way) and has `compute`
+  // wait for them; the tensors stay until Done. Returns each tensor's byte
+  // offset in the slab, in the unit's order.
+  absl::StatusOr<std::vector<uint64_t>> Use(int unit, const Stream& compute);
+  // The unit's compute is issued on `compute`: its tensors may be evicted
+  // once the work issued so far there completes.
+  absl::Status Done(int unit, const Stream& compute);
+  // The host values changed: every resident copy is stale. Copies made
+  // after this wait for the work issued so far on `compute`.
+  absl::Status Invalidate(const Stream& compute);
+  // Waits for every copy in flight; ABORTED if one failed after its use
+  // was issued (reported once).
+  absl::Status Synchronize();
+
+  void SetPrefetch(int depth, uint64_t bytes);
+  ParamCacheStats stats() const;
+  // The slab the offsets are in.
+  void* slab() const { return slab_.get(); }
+  uint64_t slab_bytes() const { return budget_; }
+
+ private:
+  enum class State {
+    kAbsent,   // no device copy (or a stale one, already forgotten)
+    kCopying,  // a copy is in flight (batch)
+    kReady,    // the device copy is current
+    kFailed,   // its copy failed; the next Use reports it, then kAbsent
+  };
+  struct Batch;
+  struct Entry {
+    uint64_t key = 0;
+    uint64_t bytes = 0;
+    uint64_t offset = 0;
+    State state = State::kAbsent;
+    int pins = 0;  // units in use holding it
+    bool persistent = false;
+    bool prefetched = false;  // copied ahead of its use, not yet used
+    bool used_in_flight = false;  // a use was issued while its copy ran
+    std::shared_ptr<Batch> batch;  // while kCopying
+    // A Done of one of its units was recorded since it was copied.
+    bool released_recorded = false;
+    absl::Status error;  // while kFailed
+    std::vector<int> units;
+  };
+  struct Unit {
+    std::vector<int> entries;
+    uint64_t bytes = 0;
+    Event released;  // recorded on the compute stream by Done
+    bool released_recorded = false;
+  };
+  // One issue of copies: one hold, one event.
+  struct Batch {
+    Event done;
+    std::vector<int> entries;
+    std::vector<uint64_t> keys;  // held until done
+  };
+
+  ParamCache(Device* device, HostSource* source, ParamCacheOptions options, DeviceMemory slab,
+             Stream copy_stream, Event fence, PinnedMemory staging);
+
+  static constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+  // Position in the recorded order of the entry's next use after the
+  // cursor (kNever if none).
+  uint64_t NextUse(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t NextUseOfUnit(int unit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places the unit's missing tensors in the slab, evicting as the policy
+  // allows (only tensors used after `limit` when prefetching), and issues
+  // their copies. FAILED_PRECONDITION-free: RESOURCE_EXHAUSTED if no room.
+  absl::Status Bring(int unit, uint64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<uint64_t> Place(uint64_t bytes, bool persistent, uint64_t limit,
+                                 const std::vector<int>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Evict(int entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeRange(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::optional<uint64_t> TakeRange(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CopyIn(Entry& e, const HostSource::Span& span) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes the batches whose copies are done (all of them with `wait`).
+  absl::Status Reap(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishBatch(Batch& b, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Prefetch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AdvanceCursor(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  Device* const device_;
+  HostSource* const source_;
+  const uint64_t budget_;
+  DeviceMemory slab_;
+  Stream copy_stream_;
+  Event fence_;  // staging reuse and Invalidate's wait
+  PinnedMemory staging_;
+
+  mutable absl::Mutex mu_;
+  ParamCacheOptions options_ ABSL_GUARDED_BY(mu_);
+  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, int> by_key_ ABSL_GUARDED_BY(mu_);
+  std::vector<Unit> units_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, uint64_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> bytes
+  std::deque<std::shared_ptr<Batch>> in_flight_ ABSL_GUARDED_BY(mu_);
+  uint64_t staging_head_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t persistent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // resident, non-persistent
+  // The order of the previous iteration's uses, each unit's positions in
+  // it, the running sum of bytes along it, and where this iteration is.
+  std::vector<int> trace_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<uint64_t>> positions_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> trace_bytes_ ABSL_GUARDED_BY(mu_);
+  int64_t cursor_ ABSL_GUARDED_BY(mu_) = -1;
+  bool on_trace_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<int> recording_ ABSL_GUARDED_BY(mu_);
+  absl::Status failed_after_use_ ABSL_GUARDED_BY(mu_);
+  ParamCacheStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace offload::gpu
+
+#endif  // OFFLOADD_GPU_PARAM_CACHE_H_

@@ -1,0 +1,332 @@
+#include "gpu/param_cache.h"
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gpu/emulated_device.h"
+#include "gtest/gtest.h"
+
+namespace offload::gpu {
+namespace {
+
+// Host tensors by key, with a record of every Hold.
+class FakeSource : public HostSource {
+ public:
+  void Add(uint64_t key, uint64_t bytes, uint8_t seed) {
+    auto& v = data_[key];
+    v.resize(bytes);
+    Fill(key, seed);
+  }
+  void Fill(uint64_t key, uint8_t seed) {
+    auto& v = data_[key];
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(seed + i * 31 + key);
+  }
+  const std::vector<uint8_t>& data(uint64_t key) { return data_[key]; }
+
+  absl::StatusOr<std::vector<Span>> Hold(absl::Span<const uint64_t> keys) override {
+    absl::MutexLock l(&mu_);
+    std::vector<Span> out;
+    for (uint64_t k : keys) {
+      holds_.push_back(k);
+      ++held_[k];
+      out.push_back({data_[k].data(), dma_});
+    }
+    return out;
+  }
+  absl::Status Release(absl::Span<const uint64_t> keys) override {
+    absl::MutexLock l(&mu_);
+    for (uint64_t k : keys) {
+      if (held_[k]-- <= 0) return absl::FailedPreconditionError("released twice");
+    }
+    return absl::OkStatus();
+  }
+  std::vector<uint64_t> TakeHolds() {
+    absl::MutexLock l(&mu_);
+    return std::exchange(holds_, {});
+  }
+  int outstanding() {
+    absl::MutexLock l(&mu_);
+    int n = 0;
+    for (auto& [k, c] : held_) n += c;
+    return n;
+  }
+  bool dma_ = true;
+
+ private:
+  std::map<uint64_t, std::vector<uint8_t>> data_;
+  absl::Mutex mu_;
+  std::vector<uint64_t> holds_;
+  std::map<uint64_t, int> held_;
+};
+
+class ParamCacheTest : public ::testing::Test {
+ protected:
+  // `units` units of `per` tensors of `bytes` each; tensor keys 100*u + t.
+  void Declare(ParamCache& cache, int units, int per, uint64_t bytes) {
+    for (int u = 0; u < units; ++u) {
+      std::vector<std::pair<uint64_t, uint64_t>> t;
+      for (int k = 0; k < per; ++k) {
+        const uint64_t key = 100 * u + k;
+        source_.Add(key, bytes, static_cast<uint8_t>(u));
+        t.push_back({key, bytes});
+      }
+      auto index = cache.AddUnit(t);
+      ASSERT_TRUE(index.ok()) << index.status();
+      ASSERT_EQ(*index, u);
+    }
+  }
+  // Uses the unit on the host stream and checks what the device holds.
+  void UseAndCheck(ParamCache& cache, int unit, int per) {
+    auto offsets = cache.Use(unit, host_);
+    ASSERT_TRUE(offsets.ok()) << offsets.status();
+    for (int k = 0; k < per; ++k) {
+      const auto& want = source_.data(100 * unit + k);
+      ASSERT_EQ(std::memcmp(static_cast<char*>(cache.slab()) + (*offsets)[k], want.data(),
+                            want.size()),
+                0)
+          << "unit " << unit << " tensor " << k << " seen before its copy completed";
+    }
+    ASSERT_TRUE(cache.Done(unit, host_).ok());
+  }
+
+  EmulatedDevice device_{{.memory_bytes = 64 << 20, .max_copy_delay = absl::Microseconds(300),
+                          .copy_chunk_bytes = 4096}};
+  Stream host_ = device_.BorrowStream(nullptr);
+  FakeSource source_;
+};
+
+TEST_F(ParamCacheTest, UseNeverSeesACopyInFlightAndBudgetHolds) {
+  const uint64_t budget = 3 * 2 * (64 << 10);  // three units of the eight
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = budget, .prefetch_depth = 2});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Declare(**cache, 8, 2, 64 << 10);
+  for (int it = 0; it < 4; ++it) {
+    (*cache)->BeginIteration();
+    for (int u = 0; u < 8; ++u) UseAndCheck(**cache, u, 2);
+    for (int u = 7; u >= 0; --u) UseAndCheck(**cache, u, 2);  // backward
+    ASSERT_TRUE((*cache)->Synchronize().ok());
+  }
+  ParamCacheStats s = (*cache)->stats();
+  EXPECT_LE(s.peak_resident_bytes, budget);
+  // The device never held more than the slab and the staging buffer's
+  // pinned memory is host memory: device use is the budget, measured.
+  EXPECT_EQ(device_.peak_bytes(), budget);
+  EXPECT_GT(s.prefetch_hits, 0u);
+  EXPECT_EQ(source_.outstanding(), 0);
+  cache->reset();
+  EXPECT_EQ(device_.used_bytes(), 0u);
+}
+
+TEST_F(ParamCacheTest, PrefetchFollowsTheRecordedOrderToItsDepth) {
+  auto cache = ParamCache::Create(&device_, &source_,
+                                  {.budget_bytes = 16 << 20, .prefetch_depth = 2});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 6, 1, 4096);
+  const std::vector<int> order = {3, 1, 4, 0, 5, 2};
+  (*cache)->BeginIteration();
+  for (int u : order) UseAndCheck(**cache, u, 1);
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  source_.TakeHolds();
+  // Second iteration: Begin prefetches the first two along the order; each
+  // Use then brings the one two ahead, and nothing further.
+  (*cache)->BeginIteration();
+  EXPECT_EQ(source_.TakeHolds(), (std::vector<uint64_t>{300, 100}));
+  for (size_t i = 0; i < order.size(); ++i) {
+    UseAndCheck(**cache, order[i], 1);
+    std::vector<uint64_t> want;
+    if (i + 2 < order.size()) want.push_back(100 * order[i + 2]);
+    EXPECT_EQ(source_.TakeHolds(), want) << "after use " << i;
+  }
+  EXPECT_EQ((*cache)->stats().prefetch_hits, 6u);
+  // Depth 0: copies start at use.
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  (*cache)->SetPrefetch(0, 0);
+  (*cache)->BeginIteration();
+  EXPECT_TRUE(source_.TakeHolds().empty());
+  UseAndCheck(**cache, 3, 1);
+  EXPECT_EQ(source_.TakeHolds(), (std::vector<uint64_t>{300}));
+}
+
+TEST_F(ParamCacheTest, EvictsByNextUse) {
+  // Room for three of four units; the order 0 1 2 3 0: at 3, unit 0 is
+  // used again and 1, 2 are not, so 1 or 2 goes (LRU would drop 0).
+  auto cache = ParamCache::Create(&device_, &source_,
+                                  {.budget_bytes = 3 * 8192, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 4, 1, 8192);
+  const std::vector<int> order = {0, 1, 2, 3, 0};
+  (*cache)->BeginIteration();
+  for (int u : order) UseAndCheck(**cache, u, 1);
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  (*cache)->BeginIteration();
+  source_.TakeHolds();
+  for (int u : order) UseAndCheck(**cache, u, 1);
+  EXPECT_EQ(source_.TakeHolds(), (std::vector<uint64_t>{0, 100, 200, 300}))
+      << "unit 0 was evicted though its next use was nearest";
+}
+
+TEST_F(ParamCacheTest, AFailedPrefetchIsReportedAtTheNextUseAndThenRetried) {
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 3, 1, 8192);
+  (*cache)->BeginIteration();
+  for (int u = 0; u < 3; ++u) UseAndCheck(**cache, u, 1);
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  const void* bad = source_.data(200).data();
+  std::atomic<int> failures{0};
+  device_.SetCopyFault([&](void*, const void* src, uint64_t, Direction) {
+    if (src != bad || failures.fetch_add(1) > 0) return absl::OkStatus();
+    return absl::DataLossError("injected PCIe error");
+  });
+  (*cache)->BeginIteration();  // prefetches 0 and 1
+  UseAndCheck(**cache, 0, 1);  // prefetches 2, which fails
+  ASSERT_TRUE((*cache)->Synchronize().ok()) << "no use of 2 was issued";
+  UseAndCheck(**cache, 1, 1);
+  auto failed = (*cache)->Use(2, host_);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "tensor 200")) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "host copy is intact"));
+  UseAndCheck(**cache, 2, 1);  // copied again, correct
+  EXPECT_EQ((*cache)->stats().copy_failures, 1u);
+  ASSERT_TRUE((*cache)->Synchronize().ok());
+  EXPECT_EQ(source_.outstanding(), 0);
+}
+
+TEST_F(ParamCacheTest, AFailureAfterItsUseWasIssuedAbortsTheIteration) {
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20,
+                                                       .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 1, 1, 8192);
+  device_.SetCopyFault([](void*, const void*, uint64_t, Direction) {
+    absl::SleepFor(absl::Milliseconds(5));
+    return absl::UnavailableError("injected");
+  });
+  auto stream = device_.CreateStream();  // asynchronous compute: Use does not block
+  ASSERT_TRUE(stream.ok());
+  (*cache)->BeginIteration();
+  ASSERT_TRUE((*cache)->Use(0, *stream).ok());
+  ASSERT_TRUE((*cache)->Done(0, *stream).ok());
+  absl::Status s = (*cache)->Synchronize();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "run it again")) << s;
+  device_.SetCopyFault(nullptr);
+  EXPECT_TRUE((*cache)->Synchronize().ok());  // once
+  UseAndCheck(**cache, 0, 1);
+}
+
+TEST_F(ParamCacheTest, ACopyNeverOverwritesWhatComputeStillReads) {
+  // Room for one unit: B goes where A was, and its copy must wait for the
+  // "kernel" reading A on an asynchronous compute stream.
+  auto cache = ParamCache::Create(&device_, &source_,
+                                  {.budget_bytes = 64 << 10, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 2, 1, 64 << 10);
+  auto compute = device_.CreateStream();
+  auto end = device_.CreateEvent();
+  ASSERT_TRUE(compute.ok() && end.ok());
+  std::atomic<int> good{0};
+  (*cache)->BeginIteration();
+  for (int u = 0; u < 2; ++u) {
+    auto offsets = (*cache)->Use(u, *compute);
+    ASSERT_TRUE(offsets.ok()) << offsets.status();
+    const char* at = static_cast<char*>((*cache)->slab()) + (*offsets)[0];
+    const std::vector<uint8_t>* want = &source_.data(100 * u);
+    ASSERT_TRUE(device_.Launch(*compute, [&, at, want] {
+      absl::SleepFor(absl::Milliseconds(20));
+      good += std::memcmp(at, want->data(), want->size()) == 0;
+    }).ok());
+    ASSERT_TRUE((*cache)->Done(u, *compute).ok());
+  }
+  ASSERT_TRUE(device_.Record(*end, *compute).ok());
+  ASSERT_TRUE(device_.Synchronize(*end).ok());
+  EXPECT_EQ(good.load(), 2);
+  EXPECT_EQ((*cache)->stats().evictions, 1u);
+}
+
+TEST_F(ParamCacheTest, InvalidateCopiesTheNewValues) {
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 2, 2, 4096);
+  for (int step = 0; step < 3; ++step) {
+    (*cache)->BeginIteration();
+    UseAndCheck(**cache, 0, 2);
+    UseAndCheck(**cache, 1, 2);
+    UseAndCheck(**cache, 1, 2);  // resident: no copy
+    UseAndCheck(**cache, 0, 2);
+    ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+    for (uint64_t key : {0, 1, 100, 101}) source_.Fill(key, static_cast<uint8_t>(step + 10));
+  }
+  EXPECT_EQ((*cache)->stats().copies, 3u * 4u);
+}
+
+TEST_F(ParamCacheTest, UnregisteredHostMemoryGoesThroughStaging) {
+  source_.dma_ = false;
+  auto cache = ParamCache::Create(&device_, &source_,
+                                  {.budget_bytes = 8 << 20, .staging_bytes = 1 << 20});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 4, 1, 1536 << 10);  // larger than the staging buffer
+  for (int it = 0; it < 2; ++it) {
+    (*cache)->BeginIteration();
+    for (int u = 0; u < 4; ++u) UseAndCheck(**cache, u, 1);
+    ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  }
+  EXPECT_EQ((*cache)->stats().staged_bytes, 8u * (1536 << 10));
+}
+
+TEST_F(ParamCacheTest, PersistentTensorsStayAndLiveBytesAreCapped) {
+  auto cache = ParamCache::Create(&device_, &source_,
+                                  {.budget_bytes = 64 << 10,
+                                   .prefetch_depth = 0,
+                                   .persistence_threshold_bytes = 1024,
+                                   .max_live_bytes = 16 << 10});
+  ASSERT_TRUE(cache.ok());
+  // Each unit: one small (persistent) and one large tensor.
+  for (int u = 0; u < 4; ++u) {
+    source_.Add(100 * u, 512, u);
+    source_.Add(100 * u + 1, 16 << 10, u);
+    ASSERT_TRUE((*cache)->AddUnit({{100u * u, 512}, {100u * u + 1, 16 << 10}}).ok());
+  }
+  for (int it = 0; it < 2; ++it) {
+    (*cache)->BeginIteration();
+    source_.TakeHolds();
+    for (int u = 0; u < 4; ++u) UseAndCheck(**cache, u, 2);
+    std::vector<uint64_t> holds = source_.TakeHolds();
+    for (uint64_t k : holds) {
+      if (it == 1) {
+        EXPECT_EQ(k % 100, 1u) << "persistent tensor " << k << " copied again";
+      }
+    }
+  }
+  ParamCacheStats s = (*cache)->stats();
+  EXPECT_LE(s.peak_resident_bytes, 4 * 512 + (16 << 10));
+}
+
+TEST_F(ParamCacheTest, RefusesWhatCannotFit) {
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 8192});
+  ASSERT_TRUE(cache.ok());
+  source_.Add(1, 16384, 0);
+  auto unit = (*cache)->AddUnit({{1, 16384}});
+  EXPECT_EQ(unit.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(unit.status().message(), "budget is 8192")) << unit.status();
+  auto too_big = ParamCache::Create(&device_, &source_, {.budget_bytes = 1ull << 40});
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted);
+  // Two units that each fit, both in use at once, do not.
+  source_.Add(2, 8192, 0);
+  source_.Add(3, 8192, 0);
+  ASSERT_TRUE((*cache)->AddUnit({{2, 8192}}).ok());
+  ASSERT_TRUE((*cache)->AddUnit({{3, 8192}}).ok());
+  (*cache)->BeginIteration();
+  ASSERT_TRUE((*cache)->Use(0, host_).ok());
+  EXPECT_EQ((*cache)->Use(1, host_).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE((*cache)->Done(0, host_).ok());
+  UseAndCheck(**cache, 1, 0);
+}
+
+}  // namespace
+}  // namespace offload::gpu
