@@ -1,0 +1,107 @@
+// The GPU tier's gradient side: gradients copied from the device into
+// their host buffers (the partitions' gradient buffers in the daemon's
+// arena) on a copy stream of their own while the rest of backward runs.
+//
+//   1. Add(key, src, bytes, producer): the key's host buffer is held
+//      (GradientSink::Hold); a copy of `src` into it is issued on the drain's
+//      stream after the work issued so far on `producer` (the backward pass
+//      that wrote `src`), straight into DMA-registered memory or through a
+//      pinned staging buffer.
+//   2. Completed(wait): the keys whose copies are done, in the order added;
+//      their host buffers hold the bytes, and the caller hands them on (and
+//      may free `src`). A copy that failed is reported here with its key
+//      (its buffer is released unreturned by the caller): nothing half
+//      written is ever handed on.
+// `src` must stay valid until its key is reported.
+//
+// Thread-safety: all methods are safe from any thread (one lock).
+#ifndef OFFLOADD_GPU_GRADIENT_DRAIN_H_
+#define OFFLOADD_GPU_GRADIENT_DRAIN_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "gpu/device.h"
+
+namespace offload::gpu {
+
+// Where gradients go on the host.
+class GradientSink {
+ public:
+  struct Span {
+    void* data = nullptr;
+    uint64_t bytes = 0;
+    bool dma = false;  // registered for DMA: copied into directly
+  };
+  virtual ~GradientSink() = default;
+  // Holds the key's host buffer for writing until the caller hands it on.
+  virtual absl::StatusOr<Span> Hold(uint64_t key) = 0;
+};
+
+struct GradientDrainStats {
+  uint64_t copies = 0;
+  uint64_t d2h_bytes = 0;
+  uint64_t staged_bytes = 0;
+  uint64_t host_waits = 0;  // Completed(wait) or staging reuse blocked the host
+  uint64_t copy_failures = 0;
+};
+
+class GradientDrain {
+ public:
+  struct Done {
+    uint64_t key = 0;
+    absl::Status status;  // OK: the host buffer holds the bytes
+  };
+
+  static absl::StatusOr<std::unique_ptr<GradientDrain>> Create(Device* device, GradientSink* sink,
+                                                               uint64_t staging_bytes = 16 << 20);
+  // Waits for the copies in flight.
+  ~GradientDrain();
+
+  absl::Status Add(uint64_t key, const void* src, uint64_t bytes, const Stream& producer);
+  // Completed copies, oldest first; with `wait`, every copy added so far.
+  std::vector<Done> Completed(bool wait);
+  // Copies added and not yet reported.
+  size_t pending() const;
+  GradientDrainStats stats() const;
+
+ private:
+  struct Copy {
+    uint64_t key = 0;
+    GradientSink::Span host;
+    uint64_t bytes = 0;
+    // Staged: the device copy lands here; moved to `host` once done.
+    const char* staged = nullptr;
+    Event done;
+    absl::Status failed;  // could not be issued
+  };
+
+  GradientDrain(Device* device, GradientSink* sink, Stream stream, Event producer_done,
+                PinnedMemory staging);
+  // Finishes the front copy (its event complete, or waited for).
+  Done Finish(Copy& c, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Collect(bool wait, std::vector<Done>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Device* const device_;
+  GradientSink* const sink_;
+  Stream stream_;
+  Event producer_done_;
+  PinnedMemory staging_;
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Copy>> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::vector<Done> ready_ ABSL_GUARDED_BY(mu_);  // collected, not yet reported
+  uint64_t staging_head_ ABSL_GUARDED_BY(mu_) = 0;
+  GradientDrainStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace offload::gpu
+
+#endif  // OFFLOADD_GPU_GRADIENT_DRAIN_H_
