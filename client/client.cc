@@ -12,7 +12,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "base/host_memory.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "ipc/arena_protocol.h"
@@ -122,8 +124,34 @@ struct Session::Impl {
   struct Mapped {
     uint64_t begin = 0;
     HostMemory memory;
+    // After `memory`: unregistered before it is unmapped.
+    gpu::HostRegistration dma;
   };
   absl::flat_hash_map<uint64_t, Mapped> regions ABSL_GUARDED_BY(mu);
+  // Set by EnableDma: spans are registered with it as they are mapped.
+  gpu::Device* dma_device ABSL_GUARDED_BY(mu) = nullptr;
+  Session::DmaStats dma_stats ABSL_GUARDED_BY(mu);
+
+  // Registers `m` with dma_device (once; a refusal is counted, warned of
+  // once, and leaves it unregistered).
+  void RegisterForDma(Mapped& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (dma_device == nullptr || m.dma || m.memory.size() == 0) return;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<gpu::HostRegistration> r =
+        dma_device->RegisterHost(m.memory.data(), m.memory.size());
+    dma_stats.register_us += absl::ToInt64Microseconds(absl::Now() - start);
+    if (r.ok()) {
+      m.dma = *std::move(r);
+      ++dma_stats.spans;
+      dma_stats.bytes += m.memory.size();
+      return;
+    }
+    if (dma_stats.failed_spans++ == 0) {
+      LogWarning("registering the session's arena with %s for DMA failed (%s); its copies go "
+                 "through a staging buffer instead, slower (counted in dma_stats().failed_spans)",
+                 dma_device->name(), r.status().ToString());
+    }
+  }
 
   absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
     for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init(), &loc.span()}) {
@@ -141,6 +169,7 @@ struct Session::Impl {
           absl::StrCat("daemon named no span for partition ", loc.partition_id()));
     }
     std::byte* base;
+    bool dma = false;
     {
       absl::MutexLock lock(&mu);
       auto it = regions.find(loc.partition_id());
@@ -153,9 +182,11 @@ struct Session::Impl {
                               absl::StrCat("mapping partition ", loc.partition_id(), ": ",
                                            region.status().message()));
         }
-        it = regions.emplace(loc.partition_id(), Mapped{begin, *std::move(region)}).first;
+        it = regions.emplace(loc.partition_id(), Mapped{begin, *std::move(region), {}}).first;
       }
-      const Mapped& m = it->second;
+      Mapped& m = it->second;
+      RegisterForDma(m);
+      dma = static_cast<bool>(m.dma);
       for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
         if (r->bytes() != 0 &&
             (r->offset() < m.begin || r->offset() + r->bytes() > m.begin + m.memory.size())) {
@@ -176,6 +207,7 @@ struct Session::Impl {
     ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype(), "grad_dtype from the daemon"));
     v.step = loc.step();
     v.restored = loc.restored();
+    v.dma = dma;
     v.params = base + loc.params().offset();
     v.grads = base + loc.grads().offset();
     if (loc.master_init().bytes() != 0) {
@@ -368,6 +400,22 @@ Session::~Session() {
 }
 
 uint64_t Session::id() const { return impl_->ref.session_id(); }
+
+absl::Status Session::EnableDma(gpu::Device* device) {
+  if (device == nullptr) return absl::InvalidArgumentError("EnableDma: no device");
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->dma_device != nullptr && impl_->dma_device != device) {
+    return absl::FailedPreconditionError("EnableDma: already enabled with another device");
+  }
+  impl_->dma_device = device;
+  for (auto& [id, m] : impl_->regions) impl_->RegisterForDma(m);
+  return absl::OkStatus();
+}
+
+Session::DmaStats Session::dma_stats() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->dma_stats;
+}
 
 const std::string& Session::token() const { return impl_->ref.token(); }
 
@@ -581,6 +629,17 @@ absl::StatusOr<StepResult> Session::WaitStep() {
 }
 
 absl::Status Session::SetPlacement(const Placement& placement) {
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (impl_->dma_device != nullptr &&
+        (placement.params_host_percent.value_or(100) < 100 ||
+         placement.grads_host_percent.value_or(100) < 100)) {
+      return absl::FailedPreconditionError(
+          "SetPlacement: this session's arena is registered for DMA (EnableDma), which needs its "
+          "params and grads wholly on the host; below 100% the daemon would remove pages the "
+          "device copies from");
+    }
+  }
   v1::SetPlacementRequest req;
   *req.mutable_session() = impl_->ref;
   RETURN_IF_ERROR(ToProto(placement, req.mutable_placement()));

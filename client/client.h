@@ -50,6 +50,7 @@
 #include "absl/types/span.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/dtype.h"
+#include "gpu/device.h"
 
 namespace offload {
 namespace v1 {
@@ -201,6 +202,10 @@ struct PartitionView {
   // Registered by a session restoring a checkpoint: its parameters and
   // optimizer state are the saved ones; release it without writing.
   bool restored = false;
+  // Its span is registered for DMA with the device given to
+  // Session::EnableDma: copies to and from params and grads run at the
+  // link's speed without blocking the host.
+  bool dma = false;
 
   // Typed access; the element type must match the dtype's size.
   template <typename T>
@@ -347,8 +352,25 @@ class Session {
   absl::Status SetDelayedUpdate(bool enabled);
   // Changes where this session's data rests while it trains (unset kinds
   // keep theirs); returns at once, the daemon moves the data in the
-  // background.
+  // background. FAILED_PRECONDITION below 100% on the host for params or
+  // grads while DMA is enabled.
   absl::Status SetPlacement(const Placement& placement);
+  // Registers every partition span this session maps, now and from now
+  // on, with `device` for DMA (each once; they are unregistered before
+  // they are unmapped, when the Session goes). Only for a session whose
+  // params and grads rest wholly on the host (placement 100%): the daemon
+  // then never removes their pages, which a registration pins (pages
+  // removed under it would leave the device copying stale memory). A span
+  // the device refuses (RLIMIT_MEMLOCK, say) stays unregistered:
+  // PartitionView::dma is false for it, one warning is logged, and
+  // DmaStats counts it. `device` must outlive the Session.
+  absl::Status EnableDma(gpu::Device* device);
+  struct DmaStats {
+    uint64_t spans = 0, bytes = 0;  // registered
+    uint64_t failed_spans = 0;
+    uint64_t register_us = 0;  // time spent registering
+  };
+  DmaStats dma_stats() const;
   // Writes this session's checkpoint into `directory` (absolute; created
   // if missing) at the next step boundary, atomically; training waits only
   // for the step boundary (pause_us). With `background`, returns then and

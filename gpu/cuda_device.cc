@@ -163,11 +163,10 @@ class CudaDevice final : public Device {
     // each pointer lives; `direction` only labels errors.
     if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, Native(stream));
         err != cudaSuccess) {
-      return CudaError(absl::StrFormat("cudaMemcpyAsync of %d bytes from %p to %p (%s) on stream "
-                                       "%p of %s",
-                                       bytes, src, dst, DirectionName(direction), stream.get(),
-                                       name_),
-                       err);
+      return CudaError(
+          absl::StrFormat("cudaMemcpyAsync of %d bytes from %p to %p (%s) on stream %p of %s",
+                          bytes, src, dst, DirectionName(direction), stream.get(), name_),
+          err);
     }
     return absl::OkStatus();
   }
@@ -278,8 +277,8 @@ class CudaDevice final : public Device {
   absl::Status Mine(const Handle<K>& handle, const char* what, const char* op) const {
     if (handle.device() == this) return absl::OkStatus();
     if (!handle) return absl::InvalidArgumentError(absl::StrCat(op, ": empty ", what, " handle"));
-    return absl::InvalidArgumentError(absl::StrCat(op, " on ", name_, ": the ", what, " is ",
-                                                   handle.device()->name(), "'s"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, " on ", name_, ": the ", what, " is ", handle.device()->name(), "'s"));
   }
 
   // Constant after construction.
@@ -315,7 +314,8 @@ absl::StatusOr<std::unique_ptr<Device>> OpenCudaDevice(int ordinal) {
   if (cudaError_t err = cudaGetDeviceProperties(&prop, ordinal); err != cudaSuccess) {
     return CudaError(absl::StrCat("cudaGetDeviceProperties(", ordinal, ")"), err);
   }
-  return std::make_unique<CudaDevice>(ordinal, absl::StrCat("cuda:", ordinal, " (", prop.name, ")"));
+  return std::make_unique<CudaDevice>(ordinal,
+                                      absl::StrCat("cuda:", ordinal, " (", prop.name, ")"));
 }
 
 }  // namespace offload::gpu

@@ -130,14 +130,14 @@ TEST_F(CudaDeviceTest, RoundTripThroughRegisteredArena) {
   ASSERT_TRUE(never_recorded.ok()) << never_recorded.status();
   EXPECT_TRUE(*never_recorded);
 
-  ASSERT_TRUE(device_
-                  ->CopyAsync(on_device->get(), src.memory.data(), bytes,
-                              Direction::kHostToDevice, *stream)
-                  .ok());
-  ASSERT_TRUE(device_
-                  ->CopyAsync(dst.memory.data(), on_device->get(), bytes,
-                              Direction::kDeviceToHost, *stream)
-                  .ok());
+  ASSERT_TRUE(
+      device_
+          ->CopyAsync(on_device->get(), src.memory.data(), bytes, Direction::kHostToDevice, *stream)
+          .ok());
+  ASSERT_TRUE(
+      device_
+          ->CopyAsync(dst.memory.data(), on_device->get(), bytes, Direction::kDeviceToHost, *stream)
+          .ok());
   ASSERT_TRUE(device_->Record(*done, *stream).ok());
   absl::StatusOr<bool> queried = device_->Query(*done);  // either answer, but no error
   ASSERT_TRUE(queried.ok()) << queried.status();
@@ -210,10 +210,9 @@ TEST_F(CudaDeviceTest, BorrowedDefaultStream) {
   {
     Stream borrowed = device_->BorrowStream(nullptr);
     EXPECT_TRUE(borrowed);
-    ASSERT_TRUE(device_
-                    ->CopyAsync(on_device->get(), host->get(), kMiB, Direction::kHostToDevice,
-                                borrowed)
-                    .ok());
+    ASSERT_TRUE(
+        device_->CopyAsync(on_device->get(), host->get(), kMiB, Direction::kHostToDevice, borrowed)
+            .ok());
     ASSERT_TRUE(device_->Record(*done, borrowed).ok());
   }
   EXPECT_TRUE(device_->Synchronize(*done).ok());
