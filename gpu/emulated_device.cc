@@ -158,7 +158,7 @@ absl::Status EmulatedDevice::CopyAsync(void* dst, const void* src, uint64_t byte
   {
     absl::MutexLock lock(&mu_);
     const void* device_side = direction == Direction::kHostToDevice ? dst : src;
-    if (bytes != 0 && !InRanges(device_, device_side, bytes)) {
+    if (bytes != 0 && !options_.any_address_is_device && !InRanges(device_, device_side, bytes)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "emulated device: copy of %d bytes %s: %p is not inside device memory", bytes,
           direction == Direction::kHostToDevice ? "to the device" : "from the device",

@@ -38,6 +38,9 @@ struct EmulatedDeviceOptions {
   // Copies move this many bytes at a time, yielding in between.
   uint64_t copy_chunk_bytes = 64 << 10;
   uint64_t seed = 1;
+  // Copies take any address for device memory, not only Allocate's: for a
+  // framework whose CPU tensors play the device's (offloadd.torch's tests).
+  bool any_address_is_device = false;
 };
 
 class EmulatedDevice final : public Device {

@@ -62,11 +62,15 @@ class DeepSpeedConfigTest(unittest.TestCase):
                             for n in r.notes))
         self.assertTrue(any("stage3_max_reuse_distance" in n and "Belady" in n
                             for n in r.notes))
+        self.assertEqual(r.zero["gpu"], {"max_live_parameters": 10**9,
+                                         "max_reuse_distance": 10**9,
+                                         "persistence_threshold": 10**5})
 
-    def test_prefetch_bucket_sets_the_node_tunable(self):
+    def test_prefetch_bucket_sets_this_jobs_gpu_prefetch_not_the_node(self):
         r = t({"zero_optimization": {"stage3_prefetch_bucket_size": 50000000}})
-        self.assertEqual(r.zero["node_tunables"], {"swapper.prefetch_bytes": "50000000"})
-        self.assertTrue(any("node-wide" in n for n in r.notes))
+        self.assertEqual(r.zero["gpu"], {"prefetch_elements": 50000000})
+        self.assertNotIn("node_tunables", r.zero)
+        self.assertTrue(any("this job's gpu.prefetch_elements" in n for n in r.notes))
 
     def test_optimizer_section(self):
         r = t({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.8, 0.99],

@@ -195,6 +195,61 @@ class TorchWrapTest(unittest.TestCase):
         self.assertEqual(two["losses"], one["losses"])
         self.assert_close_losses(one, self.reference(sc), 1e-4)
 
+    def test_torch_transformer_layers_train_as_units(self):
+        # nn.MultiheadAttention reads out_proj.weight without calling
+        # out_proj: the layer and everything below it is one unit.
+        sc = dict(BASE, steps=10, clip=0.5, model="torch_encoder")
+        ref = self.reference(sc)
+        mine, _, _ = self.run_ranks(sc, 1)
+        self.assert_close_losses(mine, ref, 1e-4)
+
+    def test_gpu_tier_on_the_emulated_device(self):
+        # The GPU tier's code (units, prefetch along the learned order, the
+        # budget, eviction by next use, DMA registration, gradients on a
+        # stream of their own) on the emulated device: the same bits as
+        # without it, with a budget of the whole model and of less.
+        sc = dict(BASE, steps=8, clip=0.5)
+        # The tier hands the trainer's gradient statistics over ("auto"
+        # there): so does the run without it, for the same clipping bits.
+        plain, _, _ = self.run_ranks(dict(sc, zero={"gradient_stats": "trainer"}), 1)
+        whole, _, _ = self.run_ranks(dict(sc, zero={"gpu": {"device": "emulated"}}), 1)
+        g = whole["gpu"]
+        model_bytes = g["budget_bytes"]  # the default: the whole model's working parameters
+        self.assertEqual(whole["losses"], plain["losses"])
+        # Each step's values copied once (eight steps and the final
+        # evaluation): backward finds them on the device.
+        self.assertEqual(g["h2d_bytes"] % 9, 0)
+        self.assertLessEqual(g["h2d_bytes"] // 9, model_bytes)
+        self.assertGreater(g["resident_hits"], 0)
+        self.assertGreater(g["d2h_bytes"], 0)
+        self.assertGreater(g["dma_spans"], 0)
+        self.assertEqual(g["h2d_staged_bytes"], 0)
+        self.assertEqual(whole["counts"]["stats_sent"], whole["counts"]["returns"])
+        budget = model_bytes * 2 // 5
+        runs = {}
+        for depth in (2, 0):
+            zero = {"gpu": {"device": "emulated", "budget_bytes": budget,
+                            "prefetch_depth": depth}}
+            mine, _, _ = self.run_ranks(dict(sc, zero=zero), 1)
+            runs[depth] = mine
+            g = mine["gpu"]
+            with self.subTest(prefetch_depth=depth):
+                self.assertEqual(mine["losses"], plain["losses"])  # prefetch changes no bit
+                self.assertLessEqual(g["peak_resident_bytes"], budget)
+                self.assertGreater(g["evictions"], 0)
+                self.assertGreater(g["h2d_bytes"], whole["gpu"]["h2d_bytes"])  # backward brings some back
+                if depth:
+                    self.assertGreater(g["prefetch_hits"], 0)
+                else:
+                    self.assertEqual(g["prefetched_units"], 0)
+        # Placed partly on NVMe: the arena is not registered (the daemon
+        # removes pages there), and copies go through staging.
+        staged, _, _ = self.run_ranks(dict(sc, zero={
+            "gpu": {"device": "emulated"}, "placement": {"params": 50}}), 1)
+        self.assertEqual(staged["losses"], plain["losses"])
+        self.assertEqual(staged["gpu"]["dma_spans"], 0)
+        self.assertGreater(staged["gpu"]["h2d_staged_bytes"], 0)
+
     def test_on_gpus_with_nccl(self):
         # The model on CUDA devices: gathers and reductions on the device,
         # NCCL between ranks. Debian's torch 1.13 is built without CUDA, and

@@ -18,14 +18,39 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gpt  # noqa: E402
 
 
+class TorchEncoderLM(torch.nn.Module):
+    """A language model of torch's own transformer layers, whose attention
+    reads out_proj.weight without calling out_proj (scenario model
+    "torch_encoder")."""
+
+    def __init__(self, vocab, context, dim, layers):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.randn(context, dim) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+        self.register_buffer("mask", torch.triu(torch.full((context, context), float("-inf")), 1))
+
+    def forward(self, x, y):
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        h = self.encoder(h, mask=self.mask[: x.shape[1], : x.shape[1]])
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 y.reshape(-1))
+
+
 def train(sc, rank, world, use_offloadd):
     torch.manual_seed(sc.get("seed", 0))
     device = torch.device(sc.get("device", "cpu"))
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", rank % torch.cuda.device_count())
     text = gpt.Text(sc.get("text", "/usr/share/common-licenses/GPL-3"))
-    model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"],
-                    heads=2).to(device)
+    if sc.get("model") == "torch_encoder":
+        model = TorchEncoderLM(text.vocab, sc["context"], sc["dim"], sc["layers"]).to(device)
+    else:
+        model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"],
+                        heads=2).to(device)
     adamw = {"lr": sc["lr"], "weight_decay": sc["weight_decay"]}
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
     other = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
@@ -93,10 +118,11 @@ def train(sc, rank, world, use_offloadd):
         final = model(x.to(device), y.to(device)).item()
     state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
     counts = dict(model.offloadd.counts) if use_offloadd else {}
+    gpu_stats = model.offloadd.gpu_stats() if use_offloadd else None
     if use_offloadd:
         opt.close()
     return {"losses": losses, "norms": norms, "final": final, "state": state,
-            "checkpoint_state": checkpoint_state, "counts": counts}
+            "checkpoint_state": checkpoint_state, "counts": counts, "gpu": gpu_stats}
 
 
 def main():

@@ -16,6 +16,9 @@
 
 #include "absl/status/status.h"
 #include "client/client.h"
+#include "client/gpu_tier.h"
+#include "gpu/cuda_device.h"
+#include "gpu/emulated_device.h"
 
 namespace py = pybind11;
 using namespace pybind11::literals;  // NOLINT: "x"_a
@@ -161,6 +164,162 @@ AdamHyperparams Hyper(double lr, double beta1, double beta2, double eps, double 
   return h;
 }
 
+// The GPU tier (client/gpu_tier.h): devices, DMA, parameters on the device
+// ahead of use, gradients back while backward runs. Streams are passed as
+// integers: a cudaStream_t (torch.cuda.Stream.cuda_stream) on CUDA, 0 for
+// the host stream on the emulated device.
+gpu::Stream StreamOf(gpu::Device& d, uintptr_t stream) {
+  return d.BorrowStream(reinterpret_cast<void*>(stream));
+}
+
+py::dict TierStatsDict(const GpuTierStats& s) {
+  const gpu::ParamCacheStats& p = s.params;
+  return py::dict(
+      "uses"_a = p.uses, "tensor_uses"_a = p.tensor_uses, "resident_hits"_a = p.resident_hits,
+      "prefetch_hits"_a = p.prefetch_hits, "in_flight_at_use"_a = p.in_flight_at_use,
+      "prefetched_units"_a = p.prefetched_units, "h2d_copies"_a = p.copies,
+      "h2d_bytes"_a = p.h2d_bytes, "h2d_staged_bytes"_a = p.staged_bytes,
+      "evictions"_a = p.evictions, "invalidations"_a = p.invalidations,
+      "h2d_failures"_a = p.copy_failures, "off_trace_uses"_a = p.off_trace_uses,
+      "resident_bytes"_a = p.resident_bytes, "peak_resident_bytes"_a = p.peak_resident_bytes,
+      "budget_bytes"_a = p.budget_bytes, "d2h_copies"_a = s.gradients.copies,
+      "d2h_bytes"_a = s.gradients.d2h_bytes, "d2h_staged_bytes"_a = s.gradients.staged_bytes,
+      "d2h_host_waits"_a = s.gradients.host_waits, "d2h_failures"_a = s.gradients.copy_failures,
+      "gradients_returned"_a = s.gradients_returned, "dma_spans"_a = s.dma.spans,
+      "dma_bytes"_a = s.dma.bytes, "dma_failed_spans"_a = s.dma.failed_spans,
+      "dma_register_us"_a = s.dma.register_us);
+}
+
+void BindGpu(py::module_& m) {
+  py::class_<gpu::Device, std::shared_ptr<gpu::Device>>(m, "Device")
+      .def_property_readonly("name", &gpu::Device::name)
+      .def("free_bytes", [](gpu::Device& d) { return Value(d.FreeBytes()); });
+  m.def(
+      "open_device",
+      [](const std::string& spec, uint64_t memory_bytes) -> std::shared_ptr<gpu::Device> {
+        if (spec == "emulated") {
+          gpu::EmulatedDeviceOptions o;
+          if (memory_bytes) o.memory_bytes = memory_bytes;
+          o.any_address_is_device = true;  // torch's CPU tensors play the device's memory
+          return std::make_shared<gpu::EmulatedDevice>(o);
+        }
+        int ordinal = 0;
+        if (spec.rfind("cuda", 0) == 0) {
+          const std::string rest = spec.substr(4);
+          if (!rest.empty() && (rest[0] != ':' || rest.size() < 2 ||
+                                rest.find_first_not_of("0123456789", 1) != std::string::npos)) {
+            Raise(absl::InvalidArgumentError("device must be 'cuda', 'cuda:N' or 'emulated', got '" +
+                                             spec + "'"));
+          }
+          if (!rest.empty()) ordinal = std::stoi(rest.substr(1));
+        } else {
+          Raise(absl::InvalidArgumentError("device must be 'cuda', 'cuda:N' or 'emulated', got '" +
+                                           spec + "'"));
+        }
+        std::unique_ptr<gpu::Device> d = Value(Unlocked([&] { return gpu::OpenCudaDevice(ordinal); }));
+        return std::shared_ptr<gpu::Device>(std::move(d));
+      },
+      py::arg("spec"), py::arg("memory_bytes") = 0,
+      "a device for the GPU tier: 'cuda:N', or 'emulated' (host memory, memory_bytes of it) for "
+      "tests without a GPU");
+  m.def("built_with_cuda", &gpu::BuiltWithCuda);
+
+  py::class_<GpuTier, std::unique_ptr<GpuTier>>(m, "GpuTier")
+      .def(py::init([](Session& session, std::shared_ptr<gpu::Device> device,
+                       uint64_t budget_bytes, int prefetch_depth, uint64_t prefetch_bytes,
+                       uint64_t persistence_threshold_bytes, uint64_t max_live_bytes,
+                       uint64_t max_reuse_distance_bytes, uint64_t staging_bytes,
+                       bool register_arena, uintptr_t slab, uint64_t slab_bytes) {
+             GpuTierOptions o;
+             o.params.budget_bytes = budget_bytes;
+             o.params.prefetch_depth = prefetch_depth;
+             o.params.prefetch_bytes = prefetch_bytes;
+             o.params.persistence_threshold_bytes = persistence_threshold_bytes;
+             o.params.max_live_bytes = max_live_bytes;
+             o.params.max_reuse_distance_bytes = max_reuse_distance_bytes;
+             o.params.staging_bytes = staging_bytes;
+             o.gradient_staging_bytes = staging_bytes;
+             o.register_arena = register_arena;
+             gpu::DeviceMemory borrowed;
+             if (slab != 0) {
+               borrowed = gpu::DeviceMemory(device.get(), reinterpret_cast<void*>(slab),
+                                            slab_bytes, /*owned=*/false);
+             }
+             return Value(Unlocked([&] {
+               return GpuTier::Create(&session, device.get(), o, std::move(borrowed));
+             }));
+           }),
+           py::arg("session"), py::arg("device"), py::arg("budget_bytes") = 1ull << 30,
+           py::arg("prefetch_depth") = 2, py::arg("prefetch_bytes") = 256ull << 20,
+           py::arg("persistence_threshold_bytes") = 0, py::arg("max_live_bytes") = 0,
+           py::arg("max_reuse_distance_bytes") = 0, py::arg("staging_bytes") = 16ull << 20,
+           py::arg("register_arena") = true, py::arg("slab") = 0, py::arg("slab_bytes") = 0,
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def_property_readonly("slab_address",
+                             [](GpuTier& t) { return reinterpret_cast<uintptr_t>(t.params().slab()); })
+      .def_property_readonly("slab_bytes", [](GpuTier& t) { return t.params().slab_bytes(); })
+      .def(
+          "add_unit",
+          [](GpuTier& t, const std::vector<std::pair<uint64_t, uint64_t>>& tensors) {
+            return Value(t.params().AddUnit(tensors));
+          },
+          py::arg("tensors"), "a unit of (partition id, device bytes); returns its index")
+      .def("begin_iteration",
+           [](GpuTier& t) { Unlocked([&] { t.params().BeginIteration(); return 0; }); })
+      .def(
+          "use",
+          [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
+            return Value(Unlocked([&] { return t.params().Use(unit, StreamOf(*d, stream)); }));
+          },
+          py::arg("unit"), py::arg("stream"), py::arg("device"),
+          "the unit's tensors' byte offsets in the slab; `stream` waits for their copies")
+      .def(
+          "done",
+          [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
+            Check(Unlocked([&] { return t.params().Done(unit, StreamOf(*d, stream)); }));
+          },
+          py::arg("unit"), py::arg("stream"), py::arg("device"))
+      .def(
+          "invalidate",
+          [](GpuTier& t, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
+            Check(Unlocked([&] { return t.params().Invalidate(StreamOf(*d, stream)); }));
+          },
+          py::arg("stream"), py::arg("device"))
+      .def("synchronize",
+           [](GpuTier& t) { Check(Unlocked([&] { return t.params().Synchronize(); })); })
+      .def(
+          "set_prefetch",
+          [](GpuTier& t, int depth, uint64_t bytes) { t.params().SetPrefetch(depth, bytes); },
+          py::arg("depth"), py::arg("bytes"))
+      .def(
+          "add_gradient",
+          [](GpuTier& t, uint64_t pid, uintptr_t src, uint64_t bytes, uintptr_t stream,
+             std::shared_ptr<gpu::Device> d) {
+            Check(Unlocked([&] {
+              return t.AddGradient(pid, reinterpret_cast<const void*>(src), bytes,
+                                   StreamOf(*d, stream));
+            }));
+          },
+          py::arg("partition_id"), py::arg("address"), py::arg("bytes"), py::arg("stream"),
+          py::arg("device"))
+      .def(
+          "return_gradients",
+          [](GpuTier& t, bool wait, bool hand_over, std::optional<py::dict> stats) {
+            absl::flat_hash_map<uint64_t, GradientStats> given;
+            if (stats.has_value()) {
+              for (auto [k, v] : *stats) {
+                auto pair = v.cast<std::pair<double, uint64_t>>();
+                given[k.cast<uint64_t>()] = GradientStats{pair.first, pair.second};
+              }
+            }
+            return Value(Unlocked([&] { return t.ReturnGradients(wait, hand_over, given); }));
+          },
+          py::arg("wait"), py::arg("hand_over") = false, py::arg("stats") = py::none(),
+          "returns the gradients whose copies completed (all with wait); their ids")
+      .def_property_readonly("gradients_pending", &GpuTier::gradients_pending)
+      .def("stats", [](GpuTier& t) { return TierStatsDict(t.stats()); });
+}
+
 PYBIND11_MODULE(_offloadd, m) {
   m.doc() = "offloadd's client: sessions, partitions in shared memory, steps.";
   static Errors e;
@@ -197,6 +356,7 @@ PYBIND11_MODULE(_offloadd, m) {
       .def_readonly("name", &PartitionView::name)
       .def_readonly("numel", &PartitionView::numel)
       .def_readonly("step", &PartitionView::step)
+      .def_readonly("dma", &PartitionView::dma, "its span is registered for DMA (enable_dma)")
       .def_readonly("restored", &PartitionView::restored,
                     "its state and parameters came from the checkpoint the session restores")
       .def_property_readonly("param_dtype",
@@ -367,6 +527,20 @@ PYBIND11_MODULE(_offloadd, m) {
            [](Session& s) {
              return CheckpointDict(Value(Unlocked([&] { return s.WaitCheckpoint(); })));
            })
+      .def(
+          "enable_dma",
+          [](Session& s, std::shared_ptr<gpu::Device> d) {
+            Check(Unlocked([&] { return s.EnableDma(d.get()); }));
+          },
+          py::arg("device"), py::keep_alive<1, 2>(),
+          "registers the session's arena with the device for DMA (params and grads wholly on "
+          "the host only)")
+      .def("dma_stats",
+           [](const Session& s) {
+             Session::DmaStats d = s.dma_stats();
+             return py::dict("spans"_a = d.spans, "bytes"_a = d.bytes,
+                             "failed_spans"_a = d.failed_spans, "register_us"_a = d.register_us);
+           })
       .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
 
   py::class_<Client, std::unique_ptr<Client>>(m, "Client")
@@ -440,6 +614,7 @@ PYBIND11_MODULE(_offloadd, m) {
             return TunableDict(Value(Unlocked([&] { return c.SetTunable(name, value); })));
           },
           py::arg("name"), py::arg("value"), "changes a node-wide setting (offloadctl set)");
+  BindGpu(m);
 }
 
 }  // namespace

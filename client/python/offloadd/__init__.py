@@ -17,10 +17,17 @@ over the daemon's arena, valid while the session holds the partition.
 Errors are offloadd.Error (with .code) or a subclass: UnavailableError,
 ResourceExhaustedError, InvalidArgumentError, FailedPreconditionError,
 NotFoundError, PermissionDeniedError, DataLossError.
+
+The GPU tier (offloadd.torch uses it where the model is on a GPU):
+open_device("cuda:0" or "emulated") and GpuTier(session, device, ...) put a
+session's parameters on the device ahead of use and copy its gradients back
+on streams of their own (client/gpu_tier.h).
 """
 from ._offloadd import (  # noqa: F401
     Client,
     DataLossError,
+    Device,
+    GpuTier,
     Error,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -30,4 +37,6 @@ from ._offloadd import (  # noqa: F401
     ResourceExhaustedError,
     Session,
     UnavailableError,
+    built_with_cuda,
+    open_device,
 )

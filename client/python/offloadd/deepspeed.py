@@ -55,17 +55,28 @@ _IGNORED_ZERO = {
     "round_robin_gradients": _COMM,
     "sub_group_size": ("the daemon steps partitions in chunks (placement.state_chunk_bytes) "
                        "on its own optimizer threads"),
-    "stage3_max_live_parameters": ("a module's parameters are gathered just before it runs "
-                                   "and freed after"),
-    "stage3_max_reuse_distance": ("eviction is Belady's along the learned order; no reuse "
-                                  "distance to guess"),
-    "stage3_param_persistence_threshold": "every parameter is partitioned",
     "stage3_gather_16bit_weights_on_model_save": "model.state_dict() gathers full weights",
     "stage3_gather_fp16_weights_on_model_save": "model.state_dict() gathers full weights",
     "memory_efficient_linear": "parameters' saved values are re-gathered in backward",
     "ignore_unused_parameters": "unused parameters simply return no gradient",
     "elastic_checkpoint": "checkpoints are not built yet",
     "load_from_fp32_weights": "checkpoints are not built yet",
+}
+# DeepSpeed's stage-3 residency knobs and the GPU tier's settings they set.
+_GPU_TIER = {
+    "stage3_prefetch_bucket_size": "prefetch_elements",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+}
+_GPU_NOTES = {
+    "stage3_prefetch_bucket_size": "how far ahead, along the order learned in the first "
+                                   "iteration, parameters are copied to the GPU",
+    "stage3_max_live_parameters": "the most non-persistent parameters on the GPU at once",
+    "stage3_max_reuse_distance": ("parameters reused within this distance are evicted last; "
+                                  "eviction is by next use (Belady) along the learned order"),
+    "stage3_param_persistence_threshold": ("parameters this small stay on the GPU between "
+                                           "uses, until the next step"),
 }
 _OFFLOAD_FIELDS = {
     "buffer_count": _BUFFERS,
@@ -189,10 +200,12 @@ def _zero(t, d):
             _device(t, field, "params", v or {})
         elif k == "offload_optimizer":
             _device(t, field, "optimizer_state", v or {})
-        elif k == "stage3_prefetch_bucket_size":
-            t.zero.setdefault("node_tunables", {})["swapper.prefetch_bytes"] = str(int(v))
-            t.note(field, "sets the node-wide swapper.prefetch_bytes (shared by every session "
-                   "on the node); " + _PREFETCH)
+        elif k in _GPU_TIER:
+            # The job's own GPU tier (zero_config gpu), in elements as
+            # DeepSpeed counts them; no node-wide setting changes.
+            t.zero.setdefault("gpu", {})[_GPU_TIER[k]] = int(v)
+            t.note(field, f"sets this job's gpu.{_GPU_TIER[k]} (elements; used where the "
+                   "parameters are on a GPU): " + _GPU_NOTES[k])
         elif k == "cpu_offload":
             if v:
                 t.zero["placement"]["optimizer_state"] = "host"

@@ -47,6 +47,8 @@ Limits, said plainly:
   optimizer.last_step says so.
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
 """
+import bisect
+import ctypes
 import math
 import os
 import time
@@ -84,7 +86,8 @@ class _Shard:
     """One parameter: its full shape here, its slice in the daemon."""
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
-                 "gathered", "accumulate_node", "module_shards", "refs", "in_optimizer")
+                 "gathered", "accumulate_node", "module_shards", "refs", "in_optimizer",
+                 "unit")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -100,6 +103,7 @@ class _Shard:
         self.module_shards = [self]  # gathered together in backward
         self.refs = 0  # forward calls running that use it (a module inside another's)
         self.in_optimizer = False  # in a param group: its gradients go to the daemon
+        self.unit = None  # its unit in the GPU tier (_GpuTier), if one runs
 
 
 class _Engine:
@@ -164,6 +168,8 @@ class _Engine:
             loss_scaling=config["loss_scaling"],
             restore_from=config["restore_from"])
         self.restoring = bool(config["restore_from"])
+        self.params_host = params_host
+        self.tier = None  # _GpuTier, where the parameters are on a GPU (or gpu.device says)
         self.shards = []
         self.by_param = {}
         self._handles = []  # hooks, removed if wrap() fails
@@ -172,6 +178,10 @@ class _Engine:
         self._forward_depth = 0
         try:
             self._register(model)
+            self._group_units(model)
+            self.tier = _GpuTier.create(self, config["gpu"])
+            if self.tier is not None:
+                self.hold_per_pass = False  # the tier holds what it copies, while it copies
             self._install_hooks(model)
         except BaseException:
             self.abort()
@@ -284,6 +294,11 @@ class _Engine:
         if not need:
             return
         start = time.perf_counter()
+        if self.tier is not None:
+            self.tier.gather(need)
+            self.counts["fetches"] += len(need)
+            self.timings["fetch"] += time.perf_counter() - start
+            return
         held = self._held_views
         views = [held[s.pid] for s in need] if held else self.session.fetch([s.pid for s in need])
         try:
@@ -348,10 +363,22 @@ class _Engine:
         return [ids[i:i + n] for i in range(0, len(ids), n)]
 
     def _free(self, s):
-        if s.gathered:
+        was = s.gathered
+        if was:
             self._storage_to_shard.pop(self._base(s.param.data), None)
+            if self.tier is not None:
+                self.tier.forget(s)
         s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
         s.gathered = False
+        if was and self.tier is not None:
+            self.tier.freed(s)
+
+    def _shard_of(self, t):
+        """The gathered parameter `t` is (a view of), or None."""
+        s = self._storage_to_shard.get(self._base(t))
+        if s is None and self.tier is not None:
+            s = self.tier.shard_at(t)
+        return s
 
     def free_all(self):
         for s in self.shards:
@@ -381,6 +408,11 @@ class _Engine:
 
     def _return_gradient(self, s, grad):
         start = time.perf_counter()
+        if self.tier is not None:
+            self.tier.return_gradient(s, grad)
+            self.timings["return"] += time.perf_counter() - start
+            self._queue_sweep()
+            return
         flat = grad.detach().reshape(-1)
         if self.world > 1:
             comm = self._comm_device(s)
@@ -422,6 +454,11 @@ class _Engine:
     RETURN_BYTES = 32 << 20
 
     def flush_gradients(self):
+        if self.tier is not None:
+            start = time.perf_counter()
+            self.tier.flush_gradients()
+            self.timings["return"] += time.perf_counter() - start
+            return
         if not self._returns:
             return
         start = time.perf_counter()
@@ -466,14 +503,38 @@ class _Engine:
 
     # --- hooks ---------------------------------------------------------------
 
-    def _install_hooks(self, model):
-        for module in model.modules():
-            own = [self.by_param[id(p)] for p in module.parameters(recurse=False)
-                   if id(p) in self.by_param]
+    # Modules whose forward reads their submodules' parameters without
+    # calling those submodules (nn.MultiheadAttention reads out_proj.weight):
+    # each is one unit with everything below it.
+    _SUBTREE_UNITS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                      torch.nn.TransformerDecoderLayer)
+
+    def _group_units(self, model):
+        """The units, as (module, its shards): a module's own parameters,
+        or a _SUBTREE_UNITS module's and all below it. Gathered together
+        before the module runs and freed after; in backward, a saved
+        parameter brings its unit back (module_shards)."""
+        units, inside = [], set()
+        for module in model.modules():  # parents before children
+            if id(module) in inside:
+                continue
+            subtree = isinstance(module, self._SUBTREE_UNITS)
+            if subtree:
+                inside.update(id(m) for m in module.modules())
+            own, seen = [], set()
+            for p in module.parameters(recurse=subtree):
+                if id(p) in self.by_param and id(p) not in seen:
+                    seen.add(id(p))
+                    own.append(self.by_param[id(p)])
             if not own:
                 continue
             for s in own:
                 s.module_shards = own
+            units.append((module, own))
+        self._units = units
+
+    def _install_hooks(self, model):
+        for module, own in self._units:
             self._handles.append(module.register_forward_pre_hook(
                 lambda m, inputs, own=own: self._before_forward(own)))
             self._handles.append(module.register_forward_hook(
@@ -484,12 +545,15 @@ class _Engine:
         def pack(t):
             if t.layout != torch.strided or not t.numel():
                 return t
-            s = engine._storage_to_shard.get(engine._base(t))
+            s = engine._shard_of(t)
             if s is None or not s.gathered or t.dtype != s.dtype or t.device != s.device:
                 return t
             # A gathered parameter (or a view of one): keep only how to make
-            # it again, so that freeing the parameter frees its memory.
-            return (_SavedParam, s, t.size(), t.stride(), t.storage_offset())
+            # it again, so that freeing the parameter frees its memory. Its
+            # offset counts from the parameter's start (gathered again, it
+            # may sit elsewhere in the GPU tier's memory).
+            return (_SavedParam, s, t.size(), t.stride(),
+                    t.storage_offset() - s.param.data.storage_offset())
 
         def unpack(packed):
             if not (isinstance(packed, tuple) and packed and packed[0] is _SavedParam):
@@ -499,7 +563,7 @@ class _Engine:
                 engine.begin_pass()
                 engine._queue_sweep()
                 engine.gather(s.module_shards)  # one fetch for the module's parameters
-            return s.param.data.as_strided(size, stride, offset)
+            return s.param.data.as_strided(size, stride, s.param.data.storage_offset() + offset)
 
         forward = model.forward
 
@@ -509,6 +573,8 @@ class _Engine:
                 engine._sweep_queued = False
                 for s in engine.shards:
                     s.refs = 0
+            if engine._forward_depth == 0 and engine.tier is not None:
+                engine.tier.begin_iteration()
             engine._forward_depth += 1
             began = engine.begin_pass()
             try:
@@ -557,7 +623,271 @@ class _Engine:
         self.free_all()
         self._returns = []
         self._held_views = None
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
         self.session.close()
+
+    def gpu_stats(self):
+        """The GPU tier's counters (bytes each way, prefetch hits, waits,
+        DMA registration), or None where it does not run."""
+        return self.tier.stats() if self.tier is not None else None
+
+
+class _GpuTier:
+    """The GPU tier of one wrapped model (client/gpu_tier.h through the
+    binding): each module's parameters (a unit) are copied to the GPU on a
+    copy stream ahead of use along the order learned in the first
+    iteration, from the daemon's arena registered for DMA, into one slab of
+    GPU memory (gpu.budget_bytes) where they stay while the budget allows;
+    gradients go back into the arena on a stream of their own while the
+    rest of backward runs. The compute stream waits for copies with events,
+    never the host. device "emulated" runs the same code on the CPU (tests)."""
+
+    def __init__(self, engine, cfg, device_spec, torch_device):
+        self.e = engine
+        self.torch_device = torch_device
+        self.cuda = torch_device.type == "cuda"
+        self.device = offloadd.open_device(device_spec)
+        self.esize = torch.empty(0, dtype=engine.torch_working).element_size()
+        shards = engine.shards
+        # One unit per module's own parameters (a tied parameter: the last
+        # module that owns it, as module_shards).
+        groups = {}
+        for s in shards:
+            groups.setdefault(id(s.module_shards), s.module_shards)
+        self.units = []  # unit index -> [shards]
+        self.index = {}  # id(shard) -> its position in its unit
+        declared = []
+        for own in groups.values():
+            unit = [s for s in own if s.module_shards is own]
+            declared.append(unit)
+        total = sum(-(-s.slice_numel * self.esize // 256) * 256 for s in shards)
+        largest = max((sum(-(-s.slice_numel * self.esize // 256) * 256 for s in u)
+                       for u in declared), default=0)
+        budget = cfg.get("budget_bytes")
+        if budget is None:
+            budget = total
+            if self.cuda:
+                free, _ = torch.cuda.mem_get_info(torch_device)
+                budget = min(total, max(int(free * 0.4), 2 * largest))
+        if budget < largest:
+            raise offloadd.ResourceExhaustedError(
+                f"gpu.budget_bytes {budget}: the largest module's parameters need {largest} "
+                "bytes on the GPU at once")
+        grads_host = _percent("grads", engine.config["placement"].get("grads"))
+        if grads_host is None:
+            grads_host = float(engine.client.get_tunable("placement.grads_host_percent")["value"])
+        # DMA straight from the arena only where the daemon never removes
+        # its pages (params and grads wholly on the host); else staged.
+        register = engine.params_host == 100 and grads_host == 100
+        per = lambda k: int(cfg[k]) * self.esize if cfg.get(k) else 0  # elements -> bytes
+        kwargs = dict(budget_bytes=int(budget), prefetch_depth=int(cfg.get("prefetch_depth", 2)),
+                      prefetch_bytes=per("prefetch_elements") or (256 << 20),
+                      persistence_threshold_bytes=per("persistence_threshold"),
+                      max_live_bytes=per("max_live_parameters"),
+                      max_reuse_distance_bytes=per("max_reuse_distance"),
+                      staging_bytes=int(cfg.get("staging_bytes", 16 << 20)),
+                      register_arena=register)
+        if self.cuda:
+            # The slab is torch's allocation, so that torch accounts it.
+            self.slab = torch.empty(int(budget), dtype=torch.uint8, device=torch_device)
+            self.tier = offloadd.GpuTier(engine.session, self.device, slab=self.slab.data_ptr(),
+                                         slab_bytes=int(budget), **kwargs)
+        else:
+            self.tier = offloadd.GpuTier(engine.session, self.device, **kwargs)
+            n = self.tier.slab_bytes
+            self.slab = torch.frombuffer((ctypes.c_uint8 * n).from_address(
+                self.tier.slab_address), dtype=torch.uint8)
+        self.slab_base = self.slab.data_ptr()
+        for unit in declared:
+            u = self.tier.add_unit([(s.pid, s.slice_numel * self.esize) for s in unit])
+            self.units.append({"shards": unit, "offsets": None, "gathered": 0})
+            for i, s in enumerate(unit):
+                s.unit = u
+                self.index[id(s)] = i
+        self.at = {}  # data_ptr of a gathered parameter in the slab -> shard
+        self._starts = None  # sorted keys of `at`, built when needed
+        self.grads = {}  # pid -> (shard, its gradient slice on the GPU, stats or None)
+        self.grad_bytes = 0
+        self.counts = {"units_used": 0}
+
+    @staticmethod
+    def create(engine, cfg):
+        mode = cfg.get("tier", "auto")
+        spec = cfg.get("device")
+        devices = {s.device for s in engine.shards}
+        if spec == "emulated":
+            if mode is False:
+                return None
+            return _GpuTier(engine, cfg, "emulated", torch.device("cpu"))
+        if mode is False or len(devices) != 1:
+            return None
+        dev = next(iter(devices))
+        if dev.type != "cuda":
+            if mode is True:
+                raise offloadd.InvalidArgumentError(
+                    f"gpu.tier true needs the model's parameters on one CUDA device, not {dev}")
+            return None
+        if engine.world > 1 and engine.backend != "nccl":
+            return None  # gathers on the host (gloo): nothing for a GPU tier to do
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        return _GpuTier(engine, cfg, spec or f"cuda:{idx}", torch.device("cuda", idx))
+
+    def stream(self):
+        return torch.cuda.current_stream(self.torch_device).cuda_stream if self.cuda else 0
+
+    # --- parameters ---------------------------------------------------------
+
+    def begin_iteration(self):
+        self.tier.begin_iteration()
+
+    def gather(self, need):
+        e = self.e
+        by_unit = {}
+        for s in need:
+            by_unit.setdefault(s.unit, []).append(s)
+        for u, ss in by_unit.items():
+            rec = self.units[u]
+            if rec["offsets"] is None:
+                rec["offsets"] = self.tier.use(u, self.stream(), self.device)
+                self.counts["units_used"] += 1
+            locals_ = []
+            for s in ss:
+                off = rec["offsets"][self.index[id(s)]]
+                locals_.append(self.slab[off:off + s.slice_numel * self.esize]
+                               .view(e.torch_working))
+            if e.world == 1:
+                fulls = [loc if loc.dtype == s.dtype else loc.to(s.dtype)
+                         for s, loc in zip(ss, locals_)]
+            else:
+                fulls = self._all_gather(ss, locals_)
+            for s, full in zip(ss, fulls):
+                s.param.data = full[: s.numel].view(s.shape)
+                s.gathered = True
+                rec["gathered"] += 1
+                if full.data_ptr() >= self.slab_base and \
+                        full.data_ptr() < self.slab_base + self.slab.numel():
+                    self.at[s.param.data.data_ptr()] = s
+                    self._starts = None
+                else:
+                    e._storage_to_shard[e._base(s.param.data)] = s
+
+    def _all_gather(self, ss, locals_):
+        """One all-gather for the unit's slices (NCCL): each rank's slices
+        side by side, then each parameter cut out of every rank's part."""
+        e = self.e
+        sizes = [s.slice_numel for s in ss]
+        src = torch.cat(locals_) if len(locals_) > 1 else locals_[0]
+        flat = torch.empty(src.numel() * e.world, dtype=src.dtype, device=src.device)
+        e._collective(f"all-gather of '{ss[0].name}' and its module's parameters",
+                      lambda: dist.all_gather(list(flat.chunk(e.world)), src, group=e.group))
+        parts = flat.view(e.world, src.numel())
+        out, at = [], 0
+        for s, n in zip(ss, sizes):
+            out.append(parts[:, at:at + n].reshape(-1).to(s.dtype))
+            at += n
+        return out
+
+    def forget(self, s):
+        """`s` (still gathered) is about to be freed."""
+        if self.at.pop(s.param.data.data_ptr(), None) is not None:
+            self._starts = None
+
+    def freed(self, s):
+        """`s` was freed: its unit is done once all of it is."""
+        rec = self.units[s.unit]
+        rec["gathered"] -= 1
+        if rec["gathered"] == 0 and rec["offsets"] is not None:
+            rec["offsets"] = None
+            self.tier.done(s.unit, self.stream(), self.device)
+
+    def shard_at(self, t):
+        """The parameter gathered into the slab that `t` lies in, or None."""
+        if not self.at:
+            return None
+        ptr = t.data_ptr()
+        if not self.slab_base <= ptr < self.slab_base + self.slab.numel():
+            return None
+        if self._starts is None:
+            self._starts = sorted(self.at)
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return None
+        s = self.at[self._starts[i]]
+        return s if ptr < self._starts[i] + s.numel * self.esize else None
+
+    def invalidate(self):
+        self.tier.invalidate(self.stream(), self.device)
+
+    # --- gradients ------------------------------------------------------------
+
+    # Gradients in flight to the host before a batch is returned at once.
+    MAX_PENDING = 4096
+    MAX_PENDING_BYTES = 1 << 30
+
+    def return_gradient(self, s, grad):
+        e = self.e
+        flat = grad.detach().reshape(-1)
+        if e.world > 1:
+            padded = torch.zeros(s.slice_numel * e.world, dtype=torch.float32, device=flat.device)
+            padded[: s.numel] = flat
+            mine = torch.empty(s.slice_numel, dtype=torch.float32, device=flat.device)
+            e._collective(f"reduce-scatter of '{s.name}'", lambda: dist.reduce_scatter(
+                mine, list(padded.chunk(e.world)), group=e.group))
+            mine.div_(e.world)
+        else:
+            mine = flat.to(torch.float32).contiguous()
+            if mine.numel() < s.slice_numel:
+                mine = torch.cat([mine, mine.new_zeros(s.slice_numel - mine.numel())])
+        if s.pid in self.grads:  # returned twice before a flush (a tied weight)
+            self.flush_gradients()
+        stats = None
+        if e._hand_over and e._gradient_stats in ("trainer", "auto"):
+            stats = (torch.linalg.vector_norm(mine, dtype=torch.float32),
+                     torch.isfinite(mine).logical_not_().sum())
+        self.tier.add_gradient(s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(),
+                               self.device)
+        self.grads[s.pid] = (s, mine, stats)  # alive until its copy is done
+        self.grad_bytes += mine.numel() * 4
+        if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.MAX_PENDING_BYTES:
+            self.flush_gradients()
+
+    def flush_gradients(self):
+        e = self.e
+        if self.grads:
+            stats = None
+            entries = list(self.grads.values())
+            if all(st is not None for _, _, st in entries):
+                # One transfer of every statistic (the only host wait here).
+                norms = torch.stack([n for _, _, (n, _) in entries]).double()
+                bad = torch.stack([b for _, _, (_, b) in entries]).double()
+                vals = torch.stack([norms * norms, bad], 1).tolist()
+                stats = {s.pid: (sq, int(b)) for (s, _, _), (sq, b) in zip(entries, vals)}
+            try:
+                returned = self.tier.return_gradients(True, e._hand_over, stats)
+            finally:
+                self.grads, self.grad_bytes = {}, 0
+            e.returned_since_step = True
+            e.counts["returns"] += len(returned)
+            if stats is not None:
+                e.counts["stats_sent"] += len(returned)
+        # A copy to the GPU that failed after its use was issued: this
+        # iteration computed with bad values; say so before its step.
+        self.tier.synchronize()
+
+    def stats(self):
+        return dict(self.tier.stats(), **self.counts, device=self.device.name)
+
+    def close(self):
+        self.grads = {}
+        self.at = {}
+        for u, rec in enumerate(self.units):
+            if rec["offsets"] is not None:
+                rec["offsets"] = None
+                self.tier.done(u, self.stream(), self.device)
+        self.tier = None
+        self.slab = None
 
 
 class _SavedParam:
@@ -668,6 +998,8 @@ class Optimizer(torch.optim.Optimizer):
                 groups.append(dict(h, ids=ids))
         r = e.session.step(grad_scale=coef, overflow=overflow,
                            overlap=self._config["overlap_step"], groups=groups, **first)
+        if e.tier is not None and not r["skipped"]:
+            e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
         self._overlapped = bool(r["running"])
         if self._config["loss_scaling"] is not None:
@@ -732,7 +1064,10 @@ _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
-              "restore_from", "gradient_stats"}
+              "restore_from", "gradient_stats", "gpu"}
+_GPU_KEYS = {"tier", "device", "budget_bytes", "prefetch_depth", "prefetch_elements",
+             "persistence_threshold", "max_live_parameters", "max_reuse_distance",
+             "staging_bytes"}
 
 
 def _check_keys(section, d, allowed):
@@ -772,6 +1107,17 @@ def _zero_defaults(zero_config):
     if stats not in ("auto", "trainer", "daemon"):
         raise offloadd.InvalidArgumentError(
             f"gradient_stats must be auto, trainer or daemon, got {stats!r}")
+    gpu = dict(z.get("gpu") or {})
+    _check_keys("zero_config.gpu", gpu, _GPU_KEYS)
+    if gpu.get("tier", "auto") not in ("auto", True, False):
+        raise offloadd.InvalidArgumentError(
+            f"gpu.tier must be auto, true or false, got {gpu['tier']!r}")
+    for k in _GPU_KEYS - {"tier", "device"}:
+        v = gpu.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise offloadd.InvalidArgumentError(f"gpu.{k} must be an integer >= 0, got {v!r}")
+    if gpu.get("budget_bytes") == 0:
+        raise offloadd.InvalidArgumentError("gpu.budget_bytes must be > 0")
     static = z.get("static_loss_scale")
     if static is not None and (not isinstance(static, (int, float)) or static <= 0):
         raise offloadd.InvalidArgumentError(f"static_loss_scale must be > 0, got {static!r}")
@@ -790,6 +1136,7 @@ def _zero_defaults(zero_config):
         "overlap_step": bool(z.get("overlap_step", False)),
         "working_dtype": working,
         "gradient_stats": stats,
+        "gpu": gpu,
         "node_tunables": dict(z.get("node_tunables") or {}),
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
     }
@@ -821,6 +1168,13 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   gradient (squared norm, non-finite count): "trainer" (torch,
                                   where the gradient is, before its copy to the host), "daemon"
                                   (reads the buffer), "auto" (default: trainer on CUDA)
+      gpu                         the GPU tier, where the parameters are on a CUDA device:
+                                  tier (auto: on there; true; false), device ("cuda:N", or
+                                  "emulated" to run it on the CPU), budget_bytes (GPU memory for
+                                  parameters; default the model's, at most 40% of what is free),
+                                  prefetch_depth (modules ahead, 2), prefetch_elements,
+                                  persistence_threshold, max_live_parameters, max_reuse_distance
+                                  (elements, as DeepSpeed's stage3_* settings), staging_bytes
       node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the

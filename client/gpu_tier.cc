@@ -1,0 +1,162 @@
+#include "client/gpu_tier.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "base/status_macros.h"
+#include "cpu_adam/dtype.h"
+
+namespace offload {
+
+absl::StatusOr<std::unique_ptr<GpuTier>> GpuTier::Create(Session* session, gpu::Device* device,
+                                                          const GpuTierOptions& options,
+                                                          gpu::DeviceMemory slab) {
+  if (session == nullptr || device == nullptr) {
+    return absl::InvalidArgumentError("GpuTier needs a session and a device");
+  }
+  std::unique_ptr<GpuTier> tier(new GpuTier(session, device));
+  if (options.register_arena) RETURN_IF_ERROR(session->EnableDma(device));
+  ASSIGN_OR_RETURN(tier->drain_, gpu::GradientDrain::Create(device, tier.get(),
+                                                            options.gradient_staging_bytes));
+  ASSIGN_OR_RETURN(tier->params_,
+                   gpu::ParamCache::Create(device, tier.get(), options.params, std::move(slab)));
+  return tier;
+}
+
+GpuTier::~GpuTier() {
+  params_.reset();
+  drain_.reset();  // waits for its copies
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, count] : holds_) ids.push_back(id);
+    holds_.clear();
+    grads_held_.clear();
+  }
+  if (!ids.empty()) session_->Release(ids).IgnoreError();
+}
+
+void GpuTier::AddHolds(absl::Span<const uint64_t> ids) {
+  absl::MutexLock lock(&mu_);
+  for (uint64_t id : ids) ++holds_[id];
+}
+
+std::vector<uint64_t> GpuTier::Unhold(absl::Span<const uint64_t> ids) {
+  std::vector<uint64_t> free;
+  absl::MutexLock lock(&mu_);
+  for (uint64_t id : ids) {
+    auto it = holds_.find(id);
+    if (it == holds_.end()) continue;
+    if (--it->second == 0) {
+      holds_.erase(it);
+      free.push_back(id);
+    }
+  }
+  return free;
+}
+
+absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(
+    absl::Span<const uint64_t> keys) {
+  ASSIGN_OR_RETURN(std::vector<PartitionView> views, session_->Fetch(keys));
+  AddHolds(keys);
+  std::vector<gpu::HostSource::Span> spans;
+  spans.reserve(views.size());
+  for (const PartitionView& v : views) spans.push_back({v.params, v.dma});
+  return spans;
+}
+
+absl::Status GpuTier::Release(absl::Span<const uint64_t> keys) {
+  std::vector<uint64_t> free = Unhold(keys);
+  return free.empty() ? absl::OkStatus() : session_->Release(free);
+}
+
+absl::StatusOr<gpu::GradientSink::Span> GpuTier::Hold(uint64_t key) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (grads_held_.contains(key)) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "partition %d's gradient is already on its way to the host: return it first", key));
+    }
+  }
+  ASSIGN_OR_RETURN(PartitionView v, session_->Fetch(key, {.grads = true}));
+  AddHolds({key});
+  absl::MutexLock lock(&mu_);
+  grads_held_[key] = v;
+  return gpu::GradientSink::Span{v.grads, v.numel * DTypeSize(v.grad_dtype), v.dma};
+}
+
+absl::Status GpuTier::AddGradient(uint64_t partition_id, const void* src, uint64_t bytes,
+                                  const gpu::Stream& producer) {
+  return drain_->Add(partition_id, src, bytes, producer);
+}
+
+absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
+    bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats) {
+  std::vector<gpu::GradientDrain::Done> done = drain_->Completed(wait);
+  std::vector<PartitionView> good;
+  std::vector<uint64_t> ids, failed;
+  absl::Status first_error;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& d : done) {
+      auto it = grads_held_.find(d.key);
+      if (it == grads_held_.end()) continue;  // its Hold failed: nothing held
+      if (d.status.ok()) {
+        good.push_back(it->second);
+        ids.push_back(d.key);
+      } else {
+        failed.push_back(d.key);
+        ++gradient_failures_;
+        if (first_error.ok()) first_error = d.status;
+      }
+      grads_held_.erase(it);
+    }
+  }
+  bool with_stats = hand_over && !good.empty();
+  std::vector<GradientStats> given;
+  for (const PartitionView& v : good) {
+    auto it = stats.find(v.id);
+    if (it == stats.end()) {
+      with_stats = false;
+      break;
+    }
+    given.push_back(it->second);
+  }
+  constexpr size_t kMaxPerCall = 4096;
+  absl::Status returned;
+  for (size_t i = 0; i < good.size() && returned.ok(); i += kMaxPerCall) {
+    const size_t n = std::min(kMaxPerCall, good.size() - i);
+    absl::Span<const PartitionView> part(good.data() + i, n);
+    returned = with_stats ? session_->HandOverGradients(
+                                part, absl::Span<const GradientStats>(given.data() + i, n), false)
+                          : session_->ReturnGradients(part, /*release=*/false, hand_over);
+  }
+  // Released where the parameter side does not hold them too.
+  std::vector<uint64_t> all = ids;
+  all.insert(all.end(), failed.begin(), failed.end());
+  std::vector<uint64_t> free = Unhold(all);
+  for (size_t i = 0; i < free.size(); i += kMaxPerCall) {
+    const size_t n = std::min(kMaxPerCall, free.size() - i);
+    absl::Status released = session_->Release(absl::Span<const uint64_t>(free.data() + i, n));
+    if (returned.ok()) returned = released;
+  }
+  RETURN_IF_ERROR(returned);
+  RETURN_IF_ERROR(first_error);
+  absl::MutexLock lock(&mu_);
+  gradients_returned_ += ids.size();
+  return ids;
+}
+
+GpuTierStats GpuTier::stats() const {
+  GpuTierStats s;
+  s.params = params_->stats();
+  s.gradients = drain_->stats();
+  s.dma = session_->dma_stats();
+  absl::MutexLock lock(&mu_);
+  s.gradients_returned = gradients_returned_;
+  s.gradient_failures = gradient_failures_;
+  return s;
+}
+
+}  // namespace offload

@@ -1,0 +1,124 @@
+// The GPU tier of a trainer's session: gpu::ParamCache and
+// gpu::GradientDrain over a client Session, so that a trainer (C++, or
+// Python through the binding) gets its working parameters on the device
+// ahead of use and its gradients back into the daemon's buffers while
+// backward runs.
+//
+//   auto device = gpu::OpenCudaDevice(0);
+//   auto tier = GpuTier::Create(session.get(), device->get(), {});
+//   int unit = *(*tier)->params().AddUnit({{w.id, w.numel * 2}});
+//   each iteration:
+//     (*tier)->params().BeginIteration();
+//     offsets = (*tier)->params().Use(unit, compute);  ... Done(unit, compute)
+//     (*tier)->AddGradient(w.id, device_grad, bytes, compute);
+//     (*tier)->ReturnGradients(/*wait=*/true, /*hand_over=*/true, stats);
+//     session->Step(...); (*tier)->params().Invalidate(compute);
+//
+// Host side: the tier holds a partition's parameters (Fetch) only while
+// their copy to the device runs, and its gradient buffer (Fetch with
+// grads) from AddGradient until ReturnGradients hands it back; a partition
+// held for both is released when neither needs it. With
+// register_arena the session's arena is registered for DMA
+// (Session::EnableDma): only for sessions whose params and grads rest
+// wholly on the host; otherwise copies go through pinned staging buffers.
+//
+// Thread-safety: as the cache and the drain; the Session must outlive it.
+#ifndef OFFLOADD_CLIENT_GPU_TIER_H_
+#define OFFLOADD_CLIENT_GPU_TIER_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "gpu/device.h"
+#include "gpu/gradient_drain.h"
+#include "gpu/param_cache.h"
+
+namespace offload {
+
+struct GpuTierOptions {
+  gpu::ParamCacheOptions params;
+  // Pinned memory for gradients copied into unregistered host memory.
+  uint64_t gradient_staging_bytes = 16ull << 20;
+  // Register the session's arena for DMA (see Session::EnableDma).
+  bool register_arena = true;
+};
+
+struct GpuTierStats {
+  gpu::ParamCacheStats params;
+  gpu::GradientDrainStats gradients;
+  Session::DmaStats dma;
+  uint64_t gradients_returned = 0;
+  uint64_t gradient_failures = 0;
+};
+
+class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
+ public:
+  // `slab`: the parameters' device memory, if the caller has it (a
+  // framework's allocation); otherwise the cache allocates its budget.
+  static absl::StatusOr<std::unique_ptr<GpuTier>> Create(Session* session, gpu::Device* device,
+                                                         const GpuTierOptions& options,
+                                                         gpu::DeviceMemory slab = {});
+  // Waits for copies in flight; gradient buffers still held are released
+  // unreturned.
+  ~GpuTier() override;
+
+  gpu::ParamCache& params() { return *params_; }
+
+  // Copies the gradient of `partition_id` (`bytes` at device address
+  // `src`, written by the work issued so far on `producer`) into its
+  // buffer in the arena. `src` must stay valid until ReturnGradients
+  // reports the partition.
+  absl::Status AddGradient(uint64_t partition_id, const void* src, uint64_t bytes,
+                           const gpu::Stream& producer);
+  // Returns the gradients whose copies completed (every one added, with
+  // `wait`) to the daemon, releasing their holds, with `stats` for each
+  // if `stats` has every one of them (Session::HandOverGradients).
+  // Returns their ids. A failed copy's buffer is released unreturned and
+  // its error returned after the others went (nothing half-written is
+  // returned).
+  absl::StatusOr<std::vector<uint64_t>> ReturnGradients(
+      bool wait, bool hand_over,
+      const absl::flat_hash_map<uint64_t, GradientStats>& stats = {});
+  size_t gradients_pending() const { return drain_->pending(); }
+
+  GpuTierStats stats() const;
+
+ private:
+  GpuTier(Session* session, gpu::Device* device) : session_(session), device_(device) {}
+
+  // gpu::HostSource: the partitions' parameters.
+  absl::StatusOr<std::vector<gpu::HostSource::Span>> Hold(
+      absl::Span<const uint64_t> keys) override;
+  absl::Status Release(absl::Span<const uint64_t> keys) override;
+  // gpu::GradientSink: a partition's gradient buffer.
+  absl::StatusOr<gpu::GradientSink::Span> Hold(uint64_t key) override;
+
+  Session* const session_;
+  gpu::Device* const device_;
+  mutable absl::Mutex mu_;
+  // Gradient buffers held, by partition.
+  absl::flat_hash_map<uint64_t, PartitionView> grads_held_ ABSL_GUARDED_BY(mu_);
+  // The daemon's holds are not counted (one Release lets every hold of a
+  // partition go): the cache's and the drain's are counted here, and a
+  // partition is released when neither holds it.
+  absl::flat_hash_map<uint64_t, int> holds_ ABSL_GUARDED_BY(mu_);
+  // Counts one hold more of each; those whose count reached zero are
+  // released (returned, for Unhold).
+  void AddHolds(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<uint64_t> Unhold(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t gradients_returned_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t gradient_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  // Last: they call back into this object until destroyed.
+  std::unique_ptr<gpu::GradientDrain> drain_;
+  std::unique_ptr<gpu::ParamCache> params_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_CLIENT_GPU_TIER_H_
