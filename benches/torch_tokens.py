@@ -39,7 +39,25 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run(args, text, address, placement, overlap=False):
+def pinned_bandwidth(device, nbytes=256 << 20):
+    """Host-to-device and back through cudaMallocHost memory (torch's
+    pinned tensors): the link's bound, bytes/s, measured in this run."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        sync(device)
+        out.append(5 * nbytes / (time.perf_counter() - start))
+    return out
+
+
+def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
+        compute_only=False):
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = gpt.GPT(text.vocab, args.context, dim=args.dim, layers=args.layers,
@@ -51,8 +69,10 @@ def run(args, text, address, placement, overlap=False):
         model, opt = offloadd.torch.wrap(model, {"lr": 1e-3, "weight_decay": 0.1},
                                          {"address": address, "session_name": "bench",
                                           "placement": {"optimizer_state": placement},
-                                          "overlap_step": overlap})
+                                          "overlap_step": overlap, "delayed_update": dpu,
+                                          "gpu": {"tier": "auto" if gpu_tier else False}})
         engine = model.offloadd
+    t_opt = []
     gen = torch.Generator().manual_seed(1)
     before = None
     for step in range(args.warmup + args.steps):
@@ -63,7 +83,10 @@ def run(args, text, address, placement, overlap=False):
         x, y = (t.to(device) for t in text.batch(args.batch, args.context, gen))
         loss = model(x, y)
         loss.backward()
-        opt.step()
+        if not compute_only:
+            opt.step()
+            if engine and opt.last_step and step >= args.warmup:
+                t_opt.append(opt.last_step["compute_us"] / 1e6)
         opt.zero_grad()
     sync(device)
     wall = time.perf_counter() - start
@@ -72,6 +95,9 @@ def run(args, text, address, placement, overlap=False):
         for k in ("fetch", "return", "step"):
             out[k] = (engine.timings[k] - before[k]) / args.steps
         out["compute"] = out["wall"] - out["fetch"] - out["return"] - out["step"]
+        out["t_opt"] = statistics.median(t_opt) if t_opt else 0.0
+        g = engine.gpu_stats()
+        out["tier"] = 1.0 if g else 0.0
         opt.close()
     return out
 
@@ -120,15 +146,24 @@ def main():
               f"is {pool / (1 << 20):.1f} MiB: the working parameters and gradients "
               f"({8 * n / (1 << 20):.1f} MiB) and a third of the {state_bytes / (1 << 20):.1f} MiB "
               "of optimizer state")
-        runs = {"torch AdamW (in-process)": (None, None, False),
-                "offloadd, state on host": (host[1], "host", False),
-                "offloadd, state on NVMe": (nvme[1], "nvme", False),
-                "  the same, overlapped step": (nvme[1], "nvme", True)}
+        cuda = torch.device(args.device).type == "cuda"
+        # name: (address, placement, overlapped step, delayed update, GPU tier)
+        runs = {"torch AdamW (in-process)": (None, None, False, False, True),
+                "offloadd, state on host": (host[1], "host", False, False, True),
+                "  the same, delayed update": (host[1], "host", False, True, True),
+                "  the same, overlapped step": (host[1], "host", True, False, True),
+                "offloadd, state on NVMe": (nvme[1], "nvme", False, False, True),
+                "  the same, overlapped step ": (nvme[1], "nvme", True, False, True)}
+        if cuda:
+            runs["host, no GPU tier (before)"] = (host[1], "host", False, False, False)
         rounds = {name: [] for name in runs}
+        compute = []
         c0 = offloadd.Client(nvme[1]).stats()["counters"]
         for _ in range(args.rounds):
-            for name, (address, placement, overlap) in runs.items():
-                rounds[name].append(run(args, text, address, placement, overlap))
+            for name, (address, placement, overlap, dpu, tier) in runs.items():
+                rounds[name].append(run(args, text, address, placement, overlap, dpu, tier))
+            # GPU compute alone: forward and backward of the resident model.
+            compute.append(run(args, text, None, None, compute_only=True)["wall"])
         c1 = offloadd.Client(nvme[1]).stats()["counters"]
         results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                    for name, rs in rounds.items()}
@@ -151,6 +186,33 @@ def main():
     swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
     print(f"NVMe runs: {swapped / args.rounds / 2:.0f} MiB swapped in per run of "
           f"{args.warmup + args.steps} steps")
+    # The bound of an offloadd step: the model's compute on the device, the
+    # bytes each step moves over the link (working parameters there, fp32
+    # gradients back) at the pinned bandwidth measured here, and the
+    # optimizer's update (T_opt, measured by the daemon in the synchronous
+    # run), which the delayed update and the overlapped step hide.
+    t_compute = statistics.median(compute)
+    t_opt = results["offloadd, state on host"]["t_opt"]
+    link = 0.0
+    if torch.device(args.device).type == "cuda":
+        h2d, d2h = pinned_bandwidth(torch.device(args.device))
+        link = 4 * n / h2d + 4 * n / d2h
+        print(f"pinned memory: {h2d / 1e9:.1f} GB/s to the GPU, {d2h / 1e9:.1f} GB/s back")
+    overlapped = max(t_compute, link, t_opt)
+    bounds = {"offloadd, state on host": max(t_compute, link) + t_opt,
+              "  the same, delayed update": overlapped,
+              "  the same, overlapped step": overlapped}
+    print(f"bound: compute {1e3 * t_compute:.1f} ms, link {1e3 * link:.1f} ms, "
+          f"T_opt {1e3 * t_opt:.1f} ms")
+    for name, bound in bounds.items():
+        r = results[name]
+        vs = r["tokens_per_s"] / ref
+        target = 0.6 if name == "offloadd, state on host" else 0.8
+        print(f"{name.strip():28} {1e3 * r['wall']:.1f} ms/step = {r['wall'] / bound:.2f}x its "
+              f"bound {1e3 * bound:.1f} ms (target <= 1.15x: "
+              f"{'MET' if r['wall'] / bound <= 1.15 else 'NOT MET'}); {vs:.3f}x torch "
+              f"(target >= {target}x: {'MET' if vs >= target else 'NOT MET'})"
+              f"{'' if r.get('tier') else ' [no GPU tier]'}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 base=/root/.cache/offloadd-py$(basename "$pyinc" | tr -cd 0-9)
 targets=(//engine:offloadd //client:offloadctl //client/python:package //tests:wait_for_daemon
          //benches:step_overlap //benches:load //benches:out_of_core_step //benches:cpu_adam
-         //benches:nvme //benches:trace_replay)
+         //benches:nvme //benches:trace_replay //benches:gpu_copy //gpu:cuda_device_test)
 # --symlink_prefix=/: leaves the checkout's bazel-* links to the default build.
 bazel --output_base="$base" build -c opt --symlink_prefix=/ --copt=-isystem"$pyinc" "${targets[@]}"
 bin=$(bazel --output_base="$base" info -c opt bazel-bin 2>/dev/null)
@@ -33,12 +33,14 @@ put() {  # put SRC REL: copies SRC to DEST/run/REL
   mkdir -p "$dest/run/$(dirname "$2")" && cp -L "$1" "$dest/run/$2"
 }
 for b in engine/offloadd client/offloadctl tests/wait_for_daemon benches/step_overlap \
-         benches/load benches/out_of_core_step benches/cpu_adam benches/nvme benches/trace_replay; do
+         benches/load benches/out_of_core_step benches/cpu_adam benches/nvme benches/trace_replay \
+         benches/gpu_copy gpu/cuda_device_test; do
   put "$bin/$b" "$b"
 done
 mkdir -p "$dest/run/client/python/site"
 cp -rL "$bin/client/python/site/offloadd" "$dest/run/client/python/site/"
 for f in tests/torch_wrap_test.py tests/torch_wrap_worker.py benches/torch_tokens.py \
+         benches/bench_daemon.py \
          benches/torch_adamw.py client/python/demo/gpt.py client/python/demo/train_gpt.py; do
   put "$f" "$f"
 done
@@ -47,6 +49,7 @@ cp /usr/share/common-licenses/GPL-3 "$dest/GPL-3"  # the demo's training text
 # The libraries: everything ldd resolves except the C runtime, the C++
 # runtime and the loader, which the target has in newer versions.
 for f in "$dest"/run/engine/offloadd "$dest"/run/client/offloadctl "$dest"/run/benches/* \
+         "$dest"/run/gpu/cuda_device_test \
          "$dest"/run/client/python/site/offloadd/_offloadd.so; do
   [[ -x $f || $f == *.so ]] || continue
   ldd "$f" | awk '/=> \//{print $3}'

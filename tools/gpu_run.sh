@@ -2,7 +2,7 @@
 # Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
-# Stages: env gputest alltests tokens tokens_big step_overlap step_overlap_3t
+# Stages: env cudatest gpucopy gputier gputest alltests tokens tokens_big step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
 # Each stage prints "=== STAGE rc=N" at its end; a failing stage does not
@@ -24,12 +24,19 @@ for stage in "$@"; do
       python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
       df -hT /tmp /var/tmp | cat; lscpu | grep -E 'Model name|^CPU\(s\)|L3'
       ! ldd engine/offloadd client/python/site/offloadd/_offloadd.so | grep 'not found' ;;
+    cudatest) timeout 60 gpu/cuda_device_test ;;
+    gpucopy) timeout 120 benches/gpu_copy --bytes=1073741824 ;;
+    gputier)
+      timeout 300 python3 tests/torch_wrap_test.py -v \
+        TorchWrapTest.test_gpu_tier_on_cuda_matches_torch_adamw_on_the_gpu \
+        TorchWrapTest.test_gpu_tier_on_the_emulated_device \
+        TorchWrapTest.test_torch_transformer_layers_train_as_units ;;
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
     tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda ;;
     tokens_big)
       timeout 400 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda \
-        --dim=512 --layers=8 --batch=32 --context=128 --steps=20 ;;
+        --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 ;;
     step_overlap) timeout 300 benches/step_overlap ;;
     step_overlap_3t) timeout 300 benches/step_overlap --t=70ms ;;
     step_overlap_15) timeout 300 benches/step_overlap --threads=15 ;;

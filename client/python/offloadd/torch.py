@@ -951,6 +951,8 @@ class Optimizer(torch.optim.Optimizer):
                 p.grad = None
         e = self._engine
         e._returns, e._return_bytes = [], 0
+        if e.tier is not None:
+            e.tier.flush_gradients()  # in flight to the daemon: consumed below
         if e.returned_since_step:
             if e.session.pending_gradients()["partitions"]:
                 e.session.step(skip=True)
