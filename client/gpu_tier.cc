@@ -15,7 +15,7 @@ absl::StatusOr<std::unique_ptr<GpuTier>> GpuTier::Create(Session* session, gpu::
   if (session == nullptr || device == nullptr) {
     return absl::InvalidArgumentError("GpuTier needs a session and a device");
   }
-  std::unique_ptr<GpuTier> tier(new GpuTier(session, device));
+  std::unique_ptr<GpuTier> tier(new GpuTier(session, device, options.hold_per_iteration));
   if (options.register_arena) RETURN_IF_ERROR(session->EnableDma(device));
   ASSIGN_OR_RETURN(tier->drain_, gpu::GradientDrain::Create(device, tier.get(),
                                                             options.gradient_staging_bytes));
@@ -31,7 +31,11 @@ GpuTier::~GpuTier() {
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, count] : holds_) ids.push_back(id);
+    for (const auto& [id, view] : held_all_) {
+      if (!holds_.contains(id)) ids.push_back(id);
+    }
     holds_.clear();
+    held_all_.clear();
     grads_held_.clear();
   }
   if (!ids.empty()) session_->Release(ids).IgnoreError();
@@ -50,14 +54,97 @@ std::vector<uint64_t> GpuTier::Unhold(absl::Span<const uint64_t> ids) {
     if (it == holds_.end()) continue;
     if (--it->second == 0) {
       holds_.erase(it);
-      free.push_back(id);
+      // The iteration's hold stays until EndIteration.
+      if (!held_all_.contains(id)) free.push_back(id);
     }
   }
+  if (!free.empty()) ++daemon_calls_;
   return free;
+}
+
+absl::Status GpuTier::HoldAll(bool grads) {
+  std::vector<uint64_t> ids = params_->Keys();
+  constexpr size_t kMaxPerCall = 4096;
+  std::vector<PartitionView> views;
+  for (size_t i = 0; i < ids.size(); i += kMaxPerCall) {
+    const size_t n = std::min(kMaxPerCall, ids.size() - i);
+    absl::StatusOr<std::vector<PartitionView>> part =
+        session_->Fetch(absl::Span<const uint64_t>(ids.data() + i, n), {.grads = grads});
+    if (!part.ok()) {
+      // Nothing held for the iteration unless all of it is.
+      if (!views.empty() && !grads) {
+        std::vector<uint64_t> got;
+        for (const auto& v : views) got.push_back(v.id);
+        session_->Release(got).IgnoreError();
+      }
+      return part.status();
+    }
+    views.insert(views.end(), part->begin(), part->end());
+  }
+  absl::MutexLock lock(&mu_);
+  daemon_calls_ += (ids.size() + kMaxPerCall - 1) / kMaxPerCall;
+  for (PartitionView& v : views) held_all_[v.id] = std::move(v);
+  if (grads) grads_held_all_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status GpuTier::BeginIteration() {
+  if (hold_per_iteration_) {
+    bool held;
+    {
+      absl::MutexLock lock(&mu_);
+      held = !held_all_.empty();
+    }
+    if (!held) RETURN_IF_ERROR(HoldAll(/*grads=*/false));
+  }
+  params_->BeginIteration();
+  return absl::OkStatus();
+}
+
+absl::Status GpuTier::EndIteration() {
+  absl::Status copies = params_->Synchronize();
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!grads_held_.empty()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%d gradients are still on their way to the daemon: return them first",
+          grads_held_.size()));
+    }
+    for (const auto& [id, view] : held_all_) {
+      if (!holds_.contains(id)) ids.push_back(id);
+    }
+    held_all_.clear();
+    grads_held_all_ = false;
+  }
+  constexpr size_t kMaxPerCall = 4096;
+  absl::Status released;
+  for (size_t i = 0; i < ids.size(); i += kMaxPerCall) {
+    const size_t n = std::min(kMaxPerCall, ids.size() - i);
+    absl::Status s = session_->Release(absl::Span<const uint64_t>(ids.data() + i, n));
+    if (released.ok()) released = s;
+    absl::MutexLock lock(&mu_);
+    ++daemon_calls_;
+  }
+  RETURN_IF_ERROR(copies);
+  return released;
 }
 
 absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(
     absl::Span<const uint64_t> keys) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!held_all_.empty()) {
+      std::vector<gpu::HostSource::Span> spans;
+      for (uint64_t k : keys) {
+        auto it = held_all_.find(k);
+        if (it == held_all_.end()) break;
+        spans.push_back({it->second.params, it->second.dma});
+      }
+      if (spans.size() == keys.size()) return spans;  // held for the iteration
+    }
+    ++daemon_calls_;
+  }
   ASSIGN_OR_RETURN(std::vector<PartitionView> views, session_->Fetch(keys));
   AddHolds(keys);
   std::vector<gpu::HostSource::Span> spans;
@@ -79,9 +166,27 @@ absl::StatusOr<gpu::GradientSink::Span> GpuTier::Hold(uint64_t key) {
           "partition %d's gradient is already on its way to the host: return it first", key));
     }
   }
+  if (hold_per_iteration_) {
+    bool need;
+    {
+      absl::MutexLock lock(&mu_);
+      need = !grads_held_all_ && !held_all_.empty();
+    }
+    // The first gradient of the iteration: every gradient buffer at once.
+    if (need) RETURN_IF_ERROR(HoldAll(/*grads=*/true));
+    absl::MutexLock lock(&mu_);
+    auto it = held_all_.find(key);
+    if (grads_held_all_ && it != held_all_.end()) {
+      grads_held_[key] = it->second;
+      return gpu::GradientSink::Span{it->second.grads,
+                                     it->second.numel * DTypeSize(it->second.grad_dtype),
+                                     it->second.dma};
+    }
+  }
   ASSIGN_OR_RETURN(PartitionView v, session_->Fetch(key, {.grads = true}));
   AddHolds({key});
   absl::MutexLock lock(&mu_);
+  ++daemon_calls_;
   grads_held_[key] = v;
   return gpu::GradientSink::Span{v.grads, v.numel * DTypeSize(v.grad_dtype), v.dma};
 }
@@ -156,6 +261,7 @@ GpuTierStats GpuTier::stats() const {
   absl::MutexLock lock(&mu_);
   s.gradients_returned = gradients_returned_;
   s.gradient_failures = gradient_failures_;
+  s.daemon_calls = daemon_calls_;
   return s;
 }
 

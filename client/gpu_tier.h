@@ -47,6 +47,13 @@ struct GpuTierOptions {
   uint64_t gradient_staging_bytes = 16ull << 20;
   // Register the session's arena for DMA (see Session::EnableDma).
   bool register_arena = true;
+  // Hold every partition from BeginIteration to EndIteration (parameters
+  // and, from the first gradient on, gradient buffers) instead of each
+  // while its copy runs: two calls to the daemon an iteration instead of
+  // two per copy. Right where the holds cost no memory (params and grads
+  // on the host) and a fetch does not wait for a running step (not with
+  // the overlapped step).
+  bool hold_per_iteration = false;
 };
 
 struct GpuTierStats {
@@ -55,6 +62,7 @@ struct GpuTierStats {
   Session::DmaStats dma;
   uint64_t gradients_returned = 0;
   uint64_t gradient_failures = 0;
+  uint64_t daemon_calls = 0;  // holds and releases asked of the daemon
 };
 
 class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
@@ -69,6 +77,16 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   ~GpuTier() override;
 
   gpu::ParamCache& params() { return *params_; }
+
+  // An iteration (forward and backward) starts: with hold_per_iteration,
+  // every partition the cache knows is held at once (one call; their
+  // places in the arena are fixed until released), so that copies ask the
+  // daemon nothing; then ParamCache::BeginIteration.
+  absl::Status BeginIteration();
+  // The iteration's copies are done (ParamCache::Synchronize's outcome)
+  // and every hold this tier has is let go, in one call: call it before
+  // Session::Step (the delayed update needs every partition released).
+  absl::Status EndIteration();
 
   // Copies the gradient of `partition_id` (`bytes` at device address
   // `src`, written by the work issued so far on `producer`) into its
@@ -90,7 +108,10 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   GpuTierStats stats() const;
 
  private:
-  GpuTier(Session* session, gpu::Device* device) : session_(session), device_(device) {}
+  GpuTier(Session* session, gpu::Device* device, bool hold_per_iteration)
+      : session_(session), device_(device), hold_per_iteration_(hold_per_iteration) {}
+  // Holds every known partition (with grads: their gradient buffers too).
+  absl::Status HoldAll(bool grads) ABSL_LOCKS_EXCLUDED(mu_);
 
   // gpu::HostSource: the partitions' parameters.
   absl::StatusOr<std::vector<gpu::HostSource::Span>> Hold(
@@ -101,7 +122,13 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
 
   Session* const session_;
   gpu::Device* const device_;
+  const bool hold_per_iteration_;
   mutable absl::Mutex mu_;
+  // hold_per_iteration: the partitions the cache knows, and what the
+  // iteration's holds gave (params; grads once the first gradient came).
+  std::vector<uint64_t> all_ids_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, PartitionView> held_all_ ABSL_GUARDED_BY(mu_);
+  bool grads_held_all_ ABSL_GUARDED_BY(mu_) = false;
   // Gradient buffers held, by partition.
   absl::flat_hash_map<uint64_t, PartitionView> grads_held_ ABSL_GUARDED_BY(mu_);
   // The daemon's holds are not counted (one Release lets every hold of a
@@ -114,6 +141,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   std::vector<uint64_t> Unhold(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t gradients_returned_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t gradient_failures_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t daemon_calls_ ABSL_GUARDED_BY(mu_) = 0;
   // Last: they call back into this object until destroyed.
   std::unique_ptr<gpu::GradientDrain> drain_;
   std::unique_ptr<gpu::ParamCache> params_;

@@ -546,6 +546,14 @@ void ParamCache::SetPrefetch(int depth, uint64_t bytes) {
   options_.prefetch_bytes = bytes;
 }
 
+std::vector<uint64_t> ParamCache::Keys() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint64_t> keys;
+  keys.reserve(entries_.size());
+  for (const Entry& e : entries_) keys.push_back(e.key);
+  return keys;
+}
+
 ParamCacheStats ParamCache::stats() const {
   absl::MutexLock lock(&mu_);
   return stats_;

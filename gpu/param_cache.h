@@ -155,6 +155,8 @@ class ParamCache {
   absl::Status Synchronize();
 
   void SetPrefetch(int depth, uint64_t bytes);
+  // Every key declared, once each.
+  std::vector<uint64_t> Keys() const;
   ParamCacheStats stats() const;
   // The slab the offsets are in.
   void* slab() const { return slab_.get(); }

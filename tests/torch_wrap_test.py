@@ -225,6 +225,9 @@ class TorchWrapTest(unittest.TestCase):
         self.assertGreater(g["dma_spans"], 0)
         self.assertEqual(g["h2d_staged_bytes"], 0)
         self.assertEqual(whole["counts"]["stats_sent"], whole["counts"]["returns"])
+        # Held once an iteration (params, then grads) and let go once: no
+        # call to the daemon per copy.
+        self.assertLessEqual(g["daemon_calls"], 3 * 9)
         budget = model_bytes * 2 // 5
         runs = {}
         for depth in (2, 0):

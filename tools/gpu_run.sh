@@ -2,7 +2,7 @@
 # Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
-# Stages: env cudatest gpucopy gputier gputest alltests tokens tokens_big step_overlap step_overlap_3t
+# Stages: env cudatest gpucopy gputier gputier_cuda gputest alltests tokens tokens_big step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
 # Each stage prints "=== STAGE rc=N" at its end; a failing stage does not
@@ -31,6 +31,9 @@ for stage in "$@"; do
         TorchWrapTest.test_gpu_tier_on_cuda_matches_torch_adamw_on_the_gpu \
         TorchWrapTest.test_gpu_tier_on_the_emulated_device \
         TorchWrapTest.test_torch_transformer_layers_train_as_units ;;
+    gputier_cuda)
+      timeout 200 python3 tests/torch_wrap_test.py -v \
+        TorchWrapTest.test_gpu_tier_on_cuda_matches_torch_adamw_on_the_gpu ;;
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
     tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda ;;

@@ -187,7 +187,7 @@ py::dict TierStatsDict(const GpuTierStats& s) {
       "d2h_host_waits"_a = s.gradients.host_waits, "d2h_failures"_a = s.gradients.copy_failures,
       "gradients_returned"_a = s.gradients_returned, "dma_spans"_a = s.dma.spans,
       "dma_bytes"_a = s.dma.bytes, "dma_failed_spans"_a = s.dma.failed_spans,
-      "dma_register_us"_a = s.dma.register_us);
+      "dma_register_us"_a = s.dma.register_us, "daemon_calls"_a = s.daemon_calls);
 }
 
 void BindGpu(py::module_& m) {
@@ -229,7 +229,8 @@ void BindGpu(py::module_& m) {
                        uint64_t budget_bytes, int prefetch_depth, uint64_t prefetch_bytes,
                        uint64_t persistence_threshold_bytes, uint64_t max_live_bytes,
                        uint64_t max_reuse_distance_bytes, uint64_t staging_bytes,
-                       bool register_arena, uintptr_t slab, uint64_t slab_bytes) {
+                       bool register_arena, uintptr_t slab, uint64_t slab_bytes,
+                       bool hold_per_iteration) {
              GpuTierOptions o;
              o.params.budget_bytes = budget_bytes;
              o.params.prefetch_depth = prefetch_depth;
@@ -240,6 +241,7 @@ void BindGpu(py::module_& m) {
              o.params.staging_bytes = staging_bytes;
              o.gradient_staging_bytes = staging_bytes;
              o.register_arena = register_arena;
+             o.hold_per_iteration = hold_per_iteration;
              gpu::DeviceMemory borrowed;
              if (slab != 0) {
                borrowed = gpu::DeviceMemory(device.get(), reinterpret_cast<void*>(slab),
@@ -254,6 +256,7 @@ void BindGpu(py::module_& m) {
            py::arg("persistence_threshold_bytes") = 0, py::arg("max_live_bytes") = 0,
            py::arg("max_reuse_distance_bytes") = 0, py::arg("staging_bytes") = 16ull << 20,
            py::arg("register_arena") = true, py::arg("slab") = 0, py::arg("slab_bytes") = 0,
+           py::arg("hold_per_iteration") = false,
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def_property_readonly("slab_address",
                              [](GpuTier& t) { return reinterpret_cast<uintptr_t>(t.params().slab()); })
@@ -265,7 +268,9 @@ void BindGpu(py::module_& m) {
           },
           py::arg("tensors"), "a unit of (partition id, device bytes); returns its index")
       .def("begin_iteration",
-           [](GpuTier& t) { Unlocked([&] { t.params().BeginIteration(); return 0; }); })
+           [](GpuTier& t) { Check(Unlocked([&] { return t.BeginIteration(); })); })
+      .def("end_iteration", [](GpuTier& t) { Check(Unlocked([&] { return t.EndIteration(); })); },
+           "waits for the iteration's copies and lets its holds go (before a step)")
       .def(
           "use",
           [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {

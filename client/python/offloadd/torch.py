@@ -681,6 +681,10 @@ class _GpuTier:
         # DMA straight from the arena only where the daemon never removes
         # its pages (params and grads wholly on the host); else staged.
         register = engine.params_host == 100 and grads_host == 100
+        # Held for a whole iteration where holding costs no memory and a
+        # fetch does not wait for a running step: two calls to the daemon an
+        # iteration instead of two per copy.
+        hold_all = register and not engine.config["overlap_step"]
         per = lambda k: int(cfg[k]) * self.esize if cfg.get(k) else 0  # elements -> bytes
         kwargs = dict(budget_bytes=int(budget), prefetch_depth=int(cfg.get("prefetch_depth", 2)),
                       prefetch_bytes=per("prefetch_elements") or (256 << 20),
@@ -688,7 +692,7 @@ class _GpuTier:
                       max_live_bytes=per("max_live_parameters"),
                       max_reuse_distance_bytes=per("max_reuse_distance"),
                       staging_bytes=int(cfg.get("staging_bytes", 16 << 20)),
-                      register_arena=register)
+                      register_arena=register, hold_per_iteration=hold_all)
         if self.cuda:
             # The slab is torch's allocation, so that torch accounts it.
             self.slab = torch.empty(int(budget), dtype=torch.uint8, device=torch_device)
@@ -711,6 +715,7 @@ class _GpuTier:
         self.grads = {}  # pid -> (shard, its gradient slice on the GPU, stats or None)
         self.grad_bytes = 0
         self.counts = {"units_used": 0}
+        self._stream = None
 
     @staticmethod
     def create(engine, cfg):
@@ -735,11 +740,16 @@ class _GpuTier:
         return _GpuTier(engine, cfg, spec or f"cuda:{idx}", torch.device("cuda", idx))
 
     def stream(self):
-        return torch.cuda.current_stream(self.torch_device).cuda_stream if self.cuda else 0
+        """The compute stream (torch's current one when the iteration began)."""
+        if self._stream is None:
+            self._stream = (torch.cuda.current_stream(self.torch_device).cuda_stream
+                            if self.cuda else 0)
+        return self._stream
 
     # --- parameters ---------------------------------------------------------
 
     def begin_iteration(self):
+        self._stream = None
         self.tier.begin_iteration()
 
     def gather(self, need):
@@ -842,28 +852,33 @@ class _GpuTier:
                 mine = torch.cat([mine, mine.new_zeros(s.slice_numel - mine.numel())])
         if s.pid in self.grads:  # returned twice before a flush (a tied weight)
             self.flush_gradients()
+        # The norm where the gradient is (a non-finite norm: its elements
+        # are counted at the flush, rarely).
         stats = None
         if e._hand_over and e._gradient_stats in ("trainer", "auto"):
-            stats = (torch.linalg.vector_norm(mine, dtype=torch.float32),
-                     torch.isfinite(mine).logical_not_().sum())
+            stats = torch.linalg.vector_norm(mine, dtype=torch.float32)
         self.tier.add_gradient(s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(),
                                self.device)
         self.grads[s.pid] = (s, mine, stats)  # alive until its copy is done
         self.grad_bytes += mine.numel() * 4
         if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.MAX_PENDING_BYTES:
-            self.flush_gradients()
+            self.flush_gradients(end=False)
 
-    def flush_gradients(self):
+    def flush_gradients(self, end=True):
+        """Returns the gradients in flight; with `end` (backward is over, or
+        a step comes), also ends the iteration: its copies done, its holds
+        let go."""
         e = self.e
         if self.grads:
             stats = None
             entries = list(self.grads.values())
             if all(st is not None for _, _, st in entries):
-                # One transfer of every statistic (the only host wait here).
-                norms = torch.stack([n for _, _, (n, _) in entries]).double()
-                bad = torch.stack([b for _, _, (_, b) in entries]).double()
-                vals = torch.stack([norms * norms, bad], 1).tolist()
-                stats = {s.pid: (sq, int(b)) for (s, _, _), (sq, b) in zip(entries, vals)}
+                # One transfer of every norm (the only host wait here).
+                norms = torch.stack([n for _, _, n in entries]).double()
+                stats = {}
+                for (s, mine, _), sq in zip(entries, (norms * norms).tolist()):
+                    bad = 0 if math.isfinite(sq) else int(torch.isfinite(mine).logical_not_().sum())
+                    stats[s.pid] = (sq, bad)
             try:
                 returned = self.tier.return_gradients(True, e._hand_over, stats)
             finally:
@@ -874,7 +889,11 @@ class _GpuTier:
                 e.counts["stats_sent"] += len(returned)
         # A copy to the GPU that failed after its use was issued: this
         # iteration computed with bad values; say so before its step.
-        self.tier.synchronize()
+        if end:
+            self._stream = None
+            self.tier.end_iteration()
+        else:
+            self.tier.synchronize()
 
     def stats(self):
         return dict(self.tier.stats(), **self.counts, device=self.device.name)
