@@ -29,6 +29,13 @@ What happens:
   global clip coefficient (or skips it on overflow, every rank alike). Torch
   param groups and lr schedulers work as with torch's optimizers.
 
+On a GPU, the GPU tier (zero_config "gpu") copies each module's parameters
+to the device ahead of use on a side stream, from the daemon's arena
+registered for DMA, into a budget of GPU memory where they stay while they
+fit, and copies gradients back on a stream of their own while backward
+runs (see _GpuTier). nn.MultiheadAttention and torch's transformer layers
+are gathered whole (their forward reads submodules' weights directly).
+
 The torch.distributed process group (gloo on CPU, NCCL on GPU) is the
 trainer's: initialise it before wrap(); without one, wrap() trains in one
 process. Give init_process_group a timeout so that a rank whose peer died
