@@ -8,6 +8,21 @@
 #include "cpu_adam/dtype.h"
 
 namespace offload {
+namespace {
+// The most partitions one Fetch or Release may name.
+constexpr size_t kMaxIdsPerCall = 4096;
+}  // namespace
+
+absl::Status GpuTier::ReleaseIds(absl::Span<const uint64_t> ids) {
+  absl::Status first;
+  for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
+    absl::Status s = session_->Release(ids.subspan(i, kMaxIdsPerCall));
+    if (first.ok()) first = s;
+    absl::MutexLock lock(&mu_);
+    ++daemon_calls_;
+  }
+  return first;
+}
 
 absl::StatusOr<std::unique_ptr<GpuTier>> GpuTier::Create(Session* session, gpu::Device* device,
                                                           const GpuTierOptions& options,
@@ -38,7 +53,7 @@ GpuTier::~GpuTier() {
     held_all_.clear();
     grads_held_.clear();
   }
-  if (!ids.empty()) session_->Release(ids).IgnoreError();
+  ReleaseIds(ids).IgnoreError();
 }
 
 void GpuTier::AddHolds(absl::Span<const uint64_t> ids) {
@@ -58,31 +73,32 @@ std::vector<uint64_t> GpuTier::Unhold(absl::Span<const uint64_t> ids) {
       if (!held_all_.contains(id)) free.push_back(id);
     }
   }
-  if (!free.empty()) ++daemon_calls_;
   return free;
 }
 
 absl::Status GpuTier::HoldAll(bool grads) {
   std::vector<uint64_t> ids = params_->Keys();
-  constexpr size_t kMaxPerCall = 4096;
   std::vector<PartitionView> views;
-  for (size_t i = 0; i < ids.size(); i += kMaxPerCall) {
-    const size_t n = std::min(kMaxPerCall, ids.size() - i);
+  for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
     absl::StatusOr<std::vector<PartitionView>> part =
-        session_->Fetch(absl::Span<const uint64_t>(ids.data() + i, n), {.grads = grads});
+        session_->Fetch(absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall),
+                        {.grads = grads});
+    {
+      absl::MutexLock lock(&mu_);
+      ++daemon_calls_;
+    }
     if (!part.ok()) {
       // Nothing held for the iteration unless all of it is.
       if (!views.empty() && !grads) {
         std::vector<uint64_t> got;
         for (const auto& v : views) got.push_back(v.id);
-        session_->Release(got).IgnoreError();
+        ReleaseIds(got).IgnoreError();
       }
       return part.status();
     }
     views.insert(views.end(), part->begin(), part->end());
   }
   absl::MutexLock lock(&mu_);
-  daemon_calls_ += (ids.size() + kMaxPerCall - 1) / kMaxPerCall;
   for (PartitionView& v : views) held_all_[v.id] = std::move(v);
   if (grads) grads_held_all_ = true;
   return absl::OkStatus();
@@ -117,15 +133,7 @@ absl::Status GpuTier::EndIteration() {
     held_all_.clear();
     grads_held_all_ = false;
   }
-  constexpr size_t kMaxPerCall = 4096;
-  absl::Status released;
-  for (size_t i = 0; i < ids.size(); i += kMaxPerCall) {
-    const size_t n = std::min(kMaxPerCall, ids.size() - i);
-    absl::Status s = session_->Release(absl::Span<const uint64_t>(ids.data() + i, n));
-    if (released.ok()) released = s;
-    absl::MutexLock lock(&mu_);
-    ++daemon_calls_;
-  }
+  absl::Status released = ReleaseIds(ids);
   RETURN_IF_ERROR(copies);
   return released;
 }
@@ -153,10 +161,7 @@ absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(
   return spans;
 }
 
-absl::Status GpuTier::Release(absl::Span<const uint64_t> keys) {
-  std::vector<uint64_t> free = Unhold(keys);
-  return free.empty() ? absl::OkStatus() : session_->Release(free);
-}
+absl::Status GpuTier::Release(absl::Span<const uint64_t> keys) { return ReleaseIds(Unhold(keys)); }
 
 absl::StatusOr<gpu::GradientSink::Span> GpuTier::Hold(uint64_t key) {
   {
@@ -228,10 +233,9 @@ absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
     }
     given.push_back(it->second);
   }
-  constexpr size_t kMaxPerCall = 4096;
   absl::Status returned;
-  for (size_t i = 0; i < good.size() && returned.ok(); i += kMaxPerCall) {
-    const size_t n = std::min(kMaxPerCall, good.size() - i);
+  for (size_t i = 0; i < good.size() && returned.ok(); i += kMaxIdsPerCall) {
+    const size_t n = std::min(kMaxIdsPerCall, good.size() - i);
     absl::Span<const PartitionView> part(good.data() + i, n);
     returned = with_stats ? session_->HandOverGradients(
                                 part, absl::Span<const GradientStats>(given.data() + i, n), false)
@@ -240,12 +244,8 @@ absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
   // Released where the parameter side does not hold them too.
   std::vector<uint64_t> all = ids;
   all.insert(all.end(), failed.begin(), failed.end());
-  std::vector<uint64_t> free = Unhold(all);
-  for (size_t i = 0; i < free.size(); i += kMaxPerCall) {
-    const size_t n = std::min(kMaxPerCall, free.size() - i);
-    absl::Status released = session_->Release(absl::Span<const uint64_t>(free.data() + i, n));
-    if (returned.ok()) returned = released;
-  }
+  absl::Status released = ReleaseIds(Unhold(all));
+  if (returned.ok()) returned = released;
   RETURN_IF_ERROR(returned);
   RETURN_IF_ERROR(first_error);
   absl::MutexLock lock(&mu_);

@@ -139,6 +139,8 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // released (returned, for Unhold).
   void AddHolds(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<uint64_t> Unhold(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // Session::Release in calls of at most 4096, counted; the first error.
+  absl::Status ReleaseIds(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t gradients_returned_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t gradient_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t daemon_calls_ ABSL_GUARDED_BY(mu_) = 0;

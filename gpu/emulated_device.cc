@@ -133,6 +133,10 @@ absl::StatusOr<Event> EmulatedDevice::CreateEvent() {
   return Event(this, e, 0, /*owned=*/true);
 }
 
+const std::shared_ptr<EmulatedDevice::EventState>& EmulatedDevice::EventOf(const Event& event) {
+  return *static_cast<std::shared_ptr<EventState>*>(event.get());
+}
+
 EmulatedDevice::StreamState* EmulatedDevice::StateOf(const Stream& stream) {
   return stream.get() == nullptr ? host_stream_.get() : static_cast<StreamState*>(stream.get());
 }
@@ -180,7 +184,7 @@ absl::Status EmulatedDevice::Record(const Event& event, const Stream& stream) {
   if (!event || !stream) return absl::InvalidArgumentError("emulated device: record of no event");
   Op op;
   op.type = Op::kRecord;
-  op.event = *static_cast<std::shared_ptr<EventState>*>(event.get());
+  op.event = EventOf(event);
   {
     absl::MutexLock lock(&mu_);
     op.generation = ++op.event->recorded;
@@ -192,7 +196,7 @@ absl::Status EmulatedDevice::WaitOn(const Stream& stream, const Event& event) {
   if (!event || !stream) return absl::InvalidArgumentError("emulated device: wait on no event");
   Op op;
   op.type = Op::kWait;
-  op.event = *static_cast<std::shared_ptr<EventState>*>(event.get());
+  op.event = EventOf(event);
   {
     absl::MutexLock lock(&mu_);
     op.generation = op.event->recorded;
@@ -202,7 +206,7 @@ absl::Status EmulatedDevice::WaitOn(const Stream& stream, const Event& event) {
 
 absl::StatusOr<bool> EmulatedDevice::Query(const Event& event) {
   if (!event) return absl::InvalidArgumentError("emulated device: query of no event");
-  EventState& e = **static_cast<std::shared_ptr<EventState>*>(event.get());
+  EventState& e = *EventOf(event);
   absl::MutexLock lock(&mu_);
   if (e.completed < e.recorded) return false;
   if (!e.error.ok()) return std::exchange(e.error, absl::OkStatus());
@@ -211,7 +215,7 @@ absl::StatusOr<bool> EmulatedDevice::Query(const Event& event) {
 
 absl::Status EmulatedDevice::Synchronize(const Event& event) {
   if (!event) return absl::InvalidArgumentError("emulated device: synchronize on no event");
-  EventState& e = **static_cast<std::shared_ptr<EventState>*>(event.get());
+  EventState& e = *EventOf(event);
   absl::MutexLock lock(&mu_);
   const uint64_t target = e.recorded;
   const EventReached reached{&e, target};

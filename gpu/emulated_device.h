@@ -91,6 +91,8 @@ class EmulatedDevice final : public Device {
 
   // The stream behind a handle: the host stream for a null one.
   StreamState* StateOf(const Stream& stream);
+  // The state behind an event handle (CreateEvent's).
+  static const std::shared_ptr<EventState>& EventOf(const Event& event);
   absl::Status Enqueue(StreamState* s, Op op);
   void RunOp(StreamState* s, Op& op);
   void Worker(StreamState* s);

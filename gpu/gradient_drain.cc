@@ -49,7 +49,12 @@ absl::Status GradientDrain::Add(uint64_t key, const void* src, uint64_t bytes,
       return absl::InvalidArgumentError(absl::StrFormat(
           "gradient %d: %d bytes do not fit its host buffer of %d", key, bytes, host.bytes));
     }
-    ASSIGN_OR_RETURN(c->done, device_->CreateEvent());
+    if (spare_events_.empty()) {
+      ASSIGN_OR_RETURN(c->done, device_->CreateEvent());
+    } else {
+      c->done = std::move(spare_events_.back());
+      spare_events_.pop_back();
+    }
     RETURN_IF_ERROR(device_->Record(producer_done_, producer));
     RETURN_IF_ERROR(device_->WaitOn(stream_, producer_done_));
     if (host.dma) {
@@ -119,6 +124,7 @@ void GradientDrain::Collect(bool wait, std::vector<Done>* out) {
       }
     }
     out->push_back(Finish(c, std::move(status)));
+    if (c.done) spare_events_.push_back(std::move(c.done));  // complete: for a later copy
     in_flight_.pop_front();
   }
 }

@@ -98,6 +98,8 @@ class GradientDrain {
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Copy>> in_flight_ ABSL_GUARDED_BY(mu_);
   std::vector<Done> ready_ ABSL_GUARDED_BY(mu_);  // collected, not yet reported
+  // Events of finished copies, reused (not one driver call per gradient).
+  std::vector<Event> spare_events_ ABSL_GUARDED_BY(mu_);
   uint64_t staging_head_ ABSL_GUARDED_BY(mu_) = 0;
   GradientDrainStats stats_ ABSL_GUARDED_BY(mu_);
 };

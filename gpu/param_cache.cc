@@ -59,7 +59,7 @@ ParamCache::ParamCache(Device* device, HostSource* source, ParamCacheOptions opt
 
 ParamCache::~ParamCache() {
   absl::MutexLock lock(&mu_);
-  (void)Reap(/*wait=*/true);
+  Reap(/*wait=*/true);
 }
 
 absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors) {
@@ -187,6 +187,20 @@ void ParamCache::FreeRange(uint64_t offset, uint64_t bytes) {
   free_[offset] = bytes;
 }
 
+absl::StatusOr<Event> ParamCache::TakeEvent() {
+  if (spare_events_.empty()) return device_->CreateEvent();
+  Event e = std::move(spare_events_.back());
+  spare_events_.pop_back();
+  return e;
+}
+
+void ParamCache::Forget(Entry& e) {
+  FreeRange(e.offset, Rounded(e.bytes));
+  if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
+  e.state = State::kAbsent;
+  e.prefetched = false;
+}
+
 void ParamCache::Evict(int index) {
   Entry& e = entries_[index];
   // The next copy into this memory waits for the compute that read it.
@@ -195,10 +209,7 @@ void ParamCache::Evict(int index) {
       if (units_[u].released_recorded) (void)device_->WaitOn(copy_stream_, units_[u].released);
     }
   }
-  FreeRange(e.offset, Rounded(e.bytes));
-  if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
-  e.state = State::kAbsent;
-  e.prefetched = false;
+  Forget(e);
   ++stats_.evictions;
 }
 
@@ -304,12 +315,7 @@ absl::Status ParamCache::Bring(int unit, uint64_t limit) {
   const std::vector<int>& keep = units_[unit].entries;
   std::vector<int> placed;
   auto undo = [&] {
-    for (int i : placed) {
-      Entry& e = entries_[i];
-      FreeRange(e.offset, Rounded(e.bytes));
-      if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
-      e.state = State::kAbsent;
-    }
+    for (int i : placed) Forget(entries_[i]);
   };
   for (int i : missing) {
     absl::StatusOr<uint64_t> offset = Place(entries_[i].bytes, entries_[i].persistent, limit, keep);
@@ -329,7 +335,7 @@ absl::Status ParamCache::Bring(int unit, uint64_t limit) {
     return spans.ok() ? absl::InternalError("host source answered the wrong number of tensors")
                       : spans.status();
   }
-  absl::StatusOr<Event> done = device_->CreateEvent();
+  absl::StatusOr<Event> done = TakeEvent();
   if (!done.ok()) {
     undo();
     (void)source_->Release(batch->keys);
@@ -370,9 +376,7 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
     const std::string what = absl::StrFormat(
         "copy of tensor %d (%d bytes) to %s failed: %s; the host copy is intact", e.key, e.bytes,
         device_->name(), status.message());
-    FreeRange(e.offset, Rounded(e.bytes));
-    if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
-    e.prefetched = false;
+    Forget(e);
     if (e.used_in_flight || e.pins > 0) {
       // Reported by Synchronize, once; the next use copies again.
       if (failed_after_use_.ok()) {
@@ -380,7 +384,6 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
             what, "; a use of it was already issued, so this iteration's results are not valid: "
                   "run it again"));
       }
-      e.state = State::kAbsent;
     } else {
       e.state = State::kFailed;
       e.error = absl::Status(status.code(), what);
@@ -388,12 +391,13 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
     e.used_in_flight = false;
   }
   b.entries.clear();
+  spare_events_.push_back(std::move(b.done));  // complete: reused by a later batch
   absl::Status released = source_->Release(b.keys);
   if (!released.ok() && failed_after_use_.ok()) failed_after_use_ = released;
   b.keys.clear();
 }
 
-absl::Status ParamCache::Reap(bool wait) {
+void ParamCache::Reap(bool wait) {
   while (!in_flight_.empty()) {
     std::shared_ptr<Batch> b = in_flight_.front();
     absl::Status status;
@@ -407,7 +411,6 @@ absl::Status ParamCache::Reap(bool wait) {
     in_flight_.pop_front();
     FinishBatch(*b, status);
   }
-  return absl::OkStatus();
 }
 
 void ParamCache::Prefetch() {
@@ -443,7 +446,7 @@ absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& co
     return absl::InvalidArgumentError(absl::StrFormat("no unit %d (%d declared)", unit,
                                                       units_.size()));
   }
-  RETURN_IF_ERROR(Reap(/*wait=*/false));
+  Reap(/*wait=*/false);
   // A failed copy is reported once, at the unit's next use; the one after
   // copies again.
   for (int i : units_[unit].entries) {
@@ -510,7 +513,7 @@ absl::Status ParamCache::Done(int unit, const Stream& compute) {
 
 absl::Status ParamCache::Invalidate(const Stream& compute) {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(Reap(/*wait=*/true));
+  Reap(/*wait=*/true);
   for (const Entry& e : entries_) {
     if (e.pins > 0) {
       return absl::FailedPreconditionError(absl::StrFormat(
@@ -520,10 +523,7 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   RETURN_IF_ERROR(device_->Record(fence_, compute));
   RETURN_IF_ERROR(device_->WaitOn(copy_stream_, fence_));
   for (Entry& e : entries_) {
-    if (e.state == State::kReady) {
-      FreeRange(e.offset, Rounded(e.bytes));
-      if (!e.persistent) live_bytes_ -= Rounded(e.bytes);
-    }
+    if (e.state == State::kReady) Forget(e);
     e.state = State::kAbsent;
     e.error = absl::OkStatus();
     e.prefetched = false;
@@ -536,7 +536,7 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
 
 absl::Status ParamCache::Synchronize() {
   absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(Reap(/*wait=*/true));
+  Reap(/*wait=*/true);
   return std::exchange(failed_after_use_, absl::OkStatus());
 }
 

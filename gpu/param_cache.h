@@ -214,11 +214,16 @@ class ParamCache {
   absl::StatusOr<uint64_t> Place(uint64_t bytes, bool persistent, uint64_t limit,
                                  const std::vector<int>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Evict(int entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives the entry's device memory back; it becomes kAbsent.
+  void Forget(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An event for a batch: one a finished batch gave back, or a new one
+  // (creating one per batch would cost a driver call on every copy).
+  absl::StatusOr<Event> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeRange(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::optional<uint64_t> TakeRange(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CopyIn(Entry& e, const HostSource::Span& span) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the batches whose copies are done (all of them with `wait`).
-  absl::Status Reap(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Reap(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishBatch(Batch& b, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Prefetch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AdvanceCursor(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -239,6 +244,7 @@ class ParamCache {
   std::vector<Unit> units_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, uint64_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> bytes
   std::deque<std::shared_ptr<Batch>> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::vector<Event> spare_events_ ABSL_GUARDED_BY(mu_);
   uint64_t staging_head_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t persistent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // resident, non-persistent

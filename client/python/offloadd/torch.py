@@ -160,9 +160,7 @@ class _Engine:
         self.client = offloadd.Client(config["address"])
         for name, value in config["node_tunables"].items():
             self.client.set_tunable(name, value)
-        params_host = _percent("params", config["placement"].get("params"))
-        if params_host is None:  # the node's default
-            params_host = float(self.client.get_tunable("placement.params_host_percent")["value"])
+        params_host = self.host_percent("params")
         self.hold_per_pass = params_host == 100 and not config["overlap_step"]
         placement = config["placement"]
         self.session = self.client.open_session(
@@ -193,6 +191,14 @@ class _Engine:
         except BaseException:
             self.abort()
             raise
+
+    def host_percent(self, kind):
+        """The share of this session's `kind` ("params", "grads") kept on
+        the host: as placed in zero_config, else the node's default."""
+        percent = _percent(kind, self.config["placement"].get(kind))
+        if percent is None:
+            percent = float(self.client.get_tunable(f"placement.{kind}_host_percent")["value"])
+        return percent
 
     def commit(self):
         """wrap() succeeded: the parameters' own data goes."""
@@ -370,15 +376,12 @@ class _Engine:
         return [ids[i:i + n] for i in range(0, len(ids), n)]
 
     def _free(self, s):
-        was = s.gathered
-        if was:
+        if s.gathered:
             self._storage_to_shard.pop(self._base(s.param.data), None)
             if self.tier is not None:
-                self.tier.forget(s)
+                self.tier.freeing(s)
         s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
         s.gathered = False
-        if was and self.tier is not None:
-            self.tier.freed(s)
 
     def _shard_of(self, t):
         """The gathered parameter `t` is (a view of), or None."""
@@ -663,15 +666,16 @@ class _GpuTier:
         groups = {}
         for s in shards:
             groups.setdefault(id(s.module_shards), s.module_shards)
-        self.units = []  # unit index -> [shards]
+        self.units = []  # unit index -> its offsets in the slab while in use, shards gathered
         self.index = {}  # id(shard) -> its position in its unit
         declared = []
         for own in groups.values():
             unit = [s for s in own if s.module_shards is own]
             declared.append(unit)
-        total = sum(-(-s.slice_numel * self.esize // 256) * 256 for s in shards)
-        largest = max((sum(-(-s.slice_numel * self.esize // 256) * 256 for s in u)
-                       for u in declared), default=0)
+        def placed(s):  # its bytes in the slab, as the cache aligns them
+            return -(-s.slice_numel * self.esize // 256) * 256
+        total = sum(placed(s) for s in shards)
+        largest = max((sum(placed(s) for s in u) for u in declared), default=0)
         budget = cfg.get("budget_bytes")
         if budget is None:
             budget = total
@@ -682,9 +686,7 @@ class _GpuTier:
             raise offloadd.ResourceExhaustedError(
                 f"gpu.budget_bytes {budget}: the largest module's parameters need {largest} "
                 "bytes on the GPU at once")
-        grads_host = _percent("grads", engine.config["placement"].get("grads"))
-        if grads_host is None:
-            grads_host = float(engine.client.get_tunable("placement.grads_host_percent")["value"])
+        grads_host = engine.host_percent("grads")
         # DMA straight from the arena only where the daemon never removes
         # its pages (params and grads wholly on the host); else staged.
         register = engine.params_host == 100 and grads_host == 100
@@ -713,7 +715,7 @@ class _GpuTier:
         self.slab_base = self.slab.data_ptr()
         for unit in declared:
             u = self.tier.add_unit([(s.pid, s.slice_numel * self.esize) for s in unit])
-            self.units.append({"shards": unit, "offsets": None, "gathered": 0})
+            self.units.append({"offsets": None, "gathered": 0})
             for i, s in enumerate(unit):
                 s.unit = u
                 self.index[id(s)] = i
@@ -783,8 +785,7 @@ class _GpuTier:
                 s.param.data = full[: s.numel].view(s.shape)
                 s.gathered = True
                 rec["gathered"] += 1
-                if full.data_ptr() >= self.slab_base and \
-                        full.data_ptr() < self.slab_base + self.slab.numel():
+                if self._in_slab(full.data_ptr()):
                     self.at[s.param.data.data_ptr()] = s
                     self._starts = None
                 else:
@@ -806,13 +807,14 @@ class _GpuTier:
             at += n
         return out
 
-    def forget(self, s):
-        """`s` (still gathered) is about to be freed."""
+    def _in_slab(self, ptr):
+        return self.slab_base <= ptr < self.slab_base + self.slab.numel()
+
+    def freeing(self, s):
+        """`s` (still gathered) is being freed: its unit is done once all
+        of it is (the event Done records covers the compute issued so far)."""
         if self.at.pop(s.param.data.data_ptr(), None) is not None:
             self._starts = None
-
-    def freed(self, s):
-        """`s` was freed: its unit is done once all of it is."""
         rec = self.units[s.unit]
         rec["gathered"] -= 1
         if rec["gathered"] == 0 and rec["offsets"] is not None:
@@ -824,7 +826,7 @@ class _GpuTier:
         if not self.at:
             return None
         ptr = t.data_ptr()
-        if not self.slab_base <= ptr < self.slab_base + self.slab.numel():
+        if not self._in_slab(ptr):
             return None
         if self._starts is None:
             self._starts = sorted(self.at)
