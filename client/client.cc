@@ -124,33 +124,51 @@ struct Session::Impl {
   struct Mapped {
     uint64_t begin = 0;
     HostMemory memory;
-    // After `memory`: unregistered before it is unmapped.
-    gpu::HostRegistration dma;
+    // After `memory`: unregistered before it is unmapped. The regions
+    // registered for DMA, by arena offset: the working copy the daemon
+    // named (each of the delayed update's two buffers once it is named)
+    // and the gradient buffer. Never the whole span: a registration pins
+    // pages, and the daemon discards the second buffer's pages when the
+    // delayed update switches on (Swapper::Add), which would leave the
+    // device reading the pinned, orphaned ones.
+    struct Registered {
+      uint64_t offset = 0;
+      bool params = false;  // a working-copy buffer (dropped by SetDelayedUpdate)
+      gpu::HostRegistration registration;
+    };
+    std::vector<Registered> dma;
   };
   absl::flat_hash_map<uint64_t, Mapped> regions ABSL_GUARDED_BY(mu);
-  // Set by EnableDma: spans are registered with it as they are mapped.
+  // Set by EnableDma: regions are registered with it as they are named.
   gpu::Device* dma_device ABSL_GUARDED_BY(mu) = nullptr;
   Session::DmaStats dma_stats ABSL_GUARDED_BY(mu);
 
-  // Registers `m` with dma_device (once; a refusal is counted, warned of
-  // once, and leaves it unregistered).
-  void RegisterForDma(Mapped& m) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (dma_device == nullptr || m.dma || m.memory.size() == 0) return;
+  // Registers `r` (a region of `m`) with dma_device, once; a refusal is
+  // counted, warned of once, and leaves it unregistered. Whether it is
+  // registered.
+  bool RegisterForDma(Mapped& m, const v1::Region& r, bool params)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (dma_device == nullptr || r.bytes() == 0) return false;
+    for (const Mapped::Registered& x : m.dma) {
+      if (x.offset == r.offset()) return true;
+    }
     const absl::Time start = absl::Now();
-    absl::StatusOr<gpu::HostRegistration> r =
-        dma_device->RegisterHost(m.memory.data(), m.memory.size());
+    absl::StatusOr<gpu::HostRegistration> reg =
+        dma_device->RegisterHost(m.memory.data() + (r.offset() - m.begin), r.bytes());
     dma_stats.register_us += absl::ToInt64Microseconds(absl::Now() - start);
-    if (r.ok()) {
-      m.dma = *std::move(r);
-      ++dma_stats.spans;
-      dma_stats.bytes += m.memory.size();
-      return;
+    if (reg.ok()) {
+      m.dma.push_back({r.offset(), params, *std::move(reg)});
+      ++dma_stats.regions;
+      dma_stats.bytes += r.bytes();
+      return true;
     }
-    if (dma_stats.failed_spans++ == 0) {
+    if (dma_stats.failed_regions++ == 0) {
       LogWarning("registering the session's arena with %s for DMA failed (%s); its copies go "
-                 "through a staging buffer instead, slower (counted in dma_stats().failed_spans)",
-                 dma_device->name(), r.status().ToString());
+                 "through a staging buffer instead, slower (counted in "
+                 "dma_stats().failed_regions)",
+                 dma_device->name(), reg.status().ToString());
     }
+    return false;
   }
 
   absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
@@ -185,8 +203,6 @@ struct Session::Impl {
         it = regions.emplace(loc.partition_id(), Mapped{begin, *std::move(region), {}}).first;
       }
       Mapped& m = it->second;
-      RegisterForDma(m);
-      dma = static_cast<bool>(m.dma);
       for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
         if (r->bytes() != 0 &&
             (r->offset() < m.begin || r->offset() + r->bytes() > m.begin + m.memory.size())) {
@@ -194,6 +210,10 @@ struct Session::Impl {
               "daemon placed partition ", loc.partition_id(), " outside its mapped span"));
         }
       }
+      // Both, so that neither is left half registered by a refusal.
+      const bool params_dma = RegisterForDma(m, loc.params(), /*params=*/true);
+      const bool grads_dma = RegisterForDma(m, loc.grads(), /*params=*/false);
+      dma = params_dma && (grads_dma || loc.grads().bytes() == 0);
       base = m.memory.data() - m.begin;
       if (!loc.name().empty()) {
         names.try_emplace(loc.partition_id(), loc.name());
@@ -407,8 +427,7 @@ absl::Status Session::EnableDma(gpu::Device* device) {
   if (impl_->dma_device != nullptr && impl_->dma_device != device) {
     return absl::FailedPreconditionError("EnableDma: already enabled with another device");
   }
-  impl_->dma_device = device;
-  for (auto& [id, m] : impl_->regions) impl_->RegisterForDma(m);
+  impl_->dma_device = device;  // regions register as the daemon next names them
   return absl::OkStatus();
 }
 
@@ -616,7 +635,22 @@ absl::Status Session::SetDelayedUpdate(bool enabled) {
   req.set_enabled(enabled);
   v1::SetDelayedUpdateResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
-  return FromGrpc(impl_->stub->SetDelayedUpdate(&rpc.context, req, &resp), "SetDelayedUpdate");
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->SetDelayedUpdate(&rpc.context, req, &resp), "SetDelayedUpdate"));
+  // The daemon added or removed second buffers, discarding their pages:
+  // registrations of working copies may pin orphaned ones. They register
+  // again when next named.
+  absl::MutexLock lock(&impl_->mu);
+  for (auto& [id, m] : impl_->regions) {
+    auto stale = std::remove_if(m.dma.begin(), m.dma.end(),
+                                [](const Impl::Mapped::Registered& r) { return r.params; });
+    for (auto it = stale; it != m.dma.end(); ++it) {
+      --impl_->dma_stats.regions;
+      impl_->dma_stats.bytes -= it->registration.bytes();
+    }
+    m.dma.erase(stale, m.dma.end());
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StepResult> Session::WaitStep() {

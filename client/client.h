@@ -202,9 +202,9 @@ struct PartitionView {
   // Registered by a session restoring a checkpoint: its parameters and
   // optimizer state are the saved ones; release it without writing.
   bool restored = false;
-  // Its span is registered for DMA with the device given to
-  // Session::EnableDma: copies to and from params and grads run at the
-  // link's speed without blocking the host.
+  // Its params and grads are registered for DMA with the device given to
+  // Session::EnableDma: copies to and from them run at the link's speed
+  // without blocking the host.
   bool dma = false;
 
   // Typed access; the element type must match the dtype's size.
@@ -348,26 +348,30 @@ class Session {
   // The delayed parameter update on or off now (offload.proto's
   // SetDelayedUpdateRequest): fetches during a step are served at once with
   // the parameters one step older; release every partition before Step.
-  // Off drains: the newest parameters become current.
+  // Off drains: the newest parameters become current. With DMA enabled,
+  // the working copies' registrations go (the daemon adds or removes a
+  // buffer's pages): call it with no copy in flight from them.
   absl::Status SetDelayedUpdate(bool enabled);
   // Changes where this session's data rests while it trains (unset kinds
   // keep theirs); returns at once, the daemon moves the data in the
   // background. FAILED_PRECONDITION below 100% on the host for params or
   // grads while DMA is enabled.
   absl::Status SetPlacement(const Placement& placement);
-  // Registers every partition span this session maps, now and from now
-  // on, with `device` for DMA (each once; they are unregistered before
-  // they are unmapped, when the Session goes). Only for a session whose
-  // params and grads rest wholly on the host (placement 100%): the daemon
-  // then never removes their pages, which a registration pins (pages
-  // removed under it would leave the device copying stale memory). A span
-  // the device refuses (RLIMIT_MEMLOCK, say) stays unregistered:
+  // From now on, registers with `device` for DMA the regions the daemon
+  // names in Fetch and Register answers: each partition's working copy and
+  // gradient buffer, each once (the delayed update's second buffer when it
+  // is first named, after the daemon made it); they are unregistered
+  // before they are unmapped, when the Session goes. Only for a session
+  // whose params and grads rest wholly on the host (placement 100%): the
+  // daemon then never removes their pages, which a registration pins
+  // (pages removed under it would leave the device copying stale memory).
+  // A region the device refuses (RLIMIT_MEMLOCK, say) stays unregistered:
   // PartitionView::dma is false for it, one warning is logged, and
   // DmaStats counts it. `device` must outlive the Session.
   absl::Status EnableDma(gpu::Device* device);
   struct DmaStats {
-    uint64_t spans = 0, bytes = 0;  // registered
-    uint64_t failed_spans = 0;
+    uint64_t regions = 0, bytes = 0;  // registered now
+    uint64_t failed_regions = 0;
     uint64_t register_us = 0;  // time spent registering
   };
   DmaStats dma_stats() const;

@@ -321,6 +321,10 @@ uint64_t EmulatedDevice::registered_bytes() const {
   absl::MutexLock lock(&mu_);
   return registered_bytes_;
 }
+bool EmulatedDevice::IsRegistered(const void* data, uint64_t bytes) const {
+  absl::MutexLock lock(&mu_);
+  return InRanges(registered_, data, bytes);
+}
 uint64_t EmulatedDevice::copies() const {
   absl::MutexLock lock(&mu_);
   return copies_;

@@ -78,6 +78,8 @@ class EmulatedDevice final : public Device {
   uint64_t used_bytes() const;
   uint64_t peak_bytes() const;
   uint64_t registered_bytes() const;
+  // Whether [data, data + bytes) lies inside one registered range.
+  bool IsRegistered(const void* data, uint64_t bytes) const;
   uint64_t copies() const;
 
  protected:

@@ -28,6 +28,7 @@
 #include "base/smaps_testing.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
+#include "gpu/emulated_device.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
@@ -445,6 +446,60 @@ TEST_F(DaemonTest, DelayedUpdateSwitchesOnAfterItsWarmUpAndStillTrains) {
   EXPECT_LT(got->back(), 0.5 * got->front());
   // Off drains: afterwards steps are plain again.
   EXPECT_TRUE((*dpu)->SetDelayedUpdate(false).ok());
+}
+
+// DMA registers each partition's working copy and gradient buffer as the
+// daemon names them, never its whole span: the delayed update's second
+// buffer is registered only once it is named as the working copy, after
+// the daemon made it (discarding whatever pages were there, which a
+// registration made earlier would have pinned, leaving the device
+// reading orphaned pages). Switching the delayed update off drops the
+// working copies' registrations; the next fetch registers again.
+TEST_F(DaemonTest, DmaRegistersWorkingCopiesOnlyOnceTheDaemonNamesThem) {
+  gpu::EmulatedDevice device;  // outlives the session
+  SessionOptions options;
+  options.delayed_update_after_steps = 0;
+  auto opened = client_->OpenSession("dma", options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Session* s = opened->get();
+  ASSERT_TRUE(s->EnableDma(&device).ok());
+  constexpr uint64_t kNumel = 4096;
+  constexpr uint64_t kBytes = kNumel * sizeof(float);
+  auto p = s->Register("w", kNumel, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(p->dma);
+  EXPECT_TRUE(device.IsRegistered(p->params, kBytes));
+  EXPECT_TRUE(device.IsRegistered(p->grads, kBytes));
+  EXPECT_EQ(device.registered_bytes(), 2 * kBytes);  // not the span's third buffer
+  for (float& x : p->params_as<float>()) x = 1.0f;
+  ASSERT_TRUE(s->Release(*p).ok());
+  std::vector<void*> working;
+  for (int step = 0; step < 4; ++step) {
+    FetchOptions grads;
+    grads.grads = true;
+    auto v = s->Fetch(p->id, grads);
+    ASSERT_TRUE(v.ok()) << v.status();
+    ASSERT_TRUE(v->dma) << "step " << step;
+    EXPECT_TRUE(device.IsRegistered(v->params, kBytes)) << "step " << step;
+    if (absl::c_find(working, v->params) == working.end()) working.push_back(v->params);
+    for (float& g : v->grads_as<float>()) g = 0.25f;
+    ASSERT_TRUE(s->ReturnGradients(absl::MakeConstSpan(&*v, 1), /*release=*/true).ok());
+    // Before the step that first writes the second buffer, nothing of it
+    // is registered: only the buffers named so far are.
+    EXPECT_EQ(device.registered_bytes(), (1 + working.size()) * kBytes) << "step " << step;
+    auto r = s->Step(AdamHyperparams{});
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  ASSERT_EQ(working.size(), 2u);  // the delayed update's two buffers took turns
+  EXPECT_EQ(s->dma_stats().regions, 3u);
+  ASSERT_TRUE(s->SetDelayedUpdate(false).ok());
+  EXPECT_EQ(device.registered_bytes(), kBytes);  // the gradient buffer's
+  EXPECT_EQ(s->dma_stats().regions, 1u);
+  auto v = s->Fetch(p->id);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(v->dma);
+  EXPECT_EQ(device.registered_bytes(), 2 * kBytes);
+  ASSERT_TRUE(s->Release(*v).ok());
 }
 
 TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {

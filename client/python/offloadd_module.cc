@@ -185,8 +185,8 @@ py::dict TierStatsDict(const GpuTierStats& s) {
       "budget_bytes"_a = p.budget_bytes, "d2h_copies"_a = s.gradients.copies,
       "d2h_bytes"_a = s.gradients.d2h_bytes, "d2h_staged_bytes"_a = s.gradients.staged_bytes,
       "d2h_host_waits"_a = s.gradients.host_waits, "d2h_failures"_a = s.gradients.copy_failures,
-      "gradients_returned"_a = s.gradients_returned, "dma_spans"_a = s.dma.spans,
-      "dma_bytes"_a = s.dma.bytes, "dma_failed_spans"_a = s.dma.failed_spans,
+      "gradients_returned"_a = s.gradients_returned, "dma_regions"_a = s.dma.regions,
+      "dma_bytes"_a = s.dma.bytes, "dma_failed_regions"_a = s.dma.failed_regions,
       "dma_register_us"_a = s.dma.register_us, "daemon_calls"_a = s.daemon_calls);
 }
 
@@ -543,8 +543,8 @@ PYBIND11_MODULE(_offloadd, m) {
       .def("dma_stats",
            [](const Session& s) {
              Session::DmaStats d = s.dma_stats();
-             return py::dict("spans"_a = d.spans, "bytes"_a = d.bytes,
-                             "failed_spans"_a = d.failed_spans, "register_us"_a = d.register_us);
+             return py::dict("regions"_a = d.regions, "bytes"_a = d.bytes,
+                             "failed_regions"_a = d.failed_regions, "register_us"_a = d.register_us);
            })
       .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
 

@@ -940,6 +940,11 @@ class Optimizer(torch.optim.Optimizer):
             raise offloadd.InvalidArgumentError(f"param groups: {e}") from e
         self._static_scale = config["static_loss_scale"]
         self._overlapped = False  # an overlapped step may still run
+        # step() returns once the daemon decided, the update running beside
+        # the next forward and backward: asked for, or what the delayed
+        # update is for (its fetches do not wait for the update; before it
+        # switches on, each fetch waits for its own partition's).
+        self._overlap = config["overlap_step"] or config["delayed_update_after_steps"] is not None
         self.last_step = None
         if config["loss_scaling"] is not None:
             self._loss_scale = engine.session.pending_gradients()["loss_scale"]
@@ -1027,7 +1032,7 @@ class Optimizer(torch.optim.Optimizer):
             if ids:
                 groups.append(dict(h, ids=ids))
         r = e.session.step(grad_scale=coef, overflow=overflow,
-                           overlap=self._config["overlap_step"], groups=groups, **first)
+                           overlap=self._overlap, groups=groups, **first)
         if e.tier is not None and not r["skipped"]:
             e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
@@ -1190,7 +1195,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   backoff_factor, hysteresis, min_scale
       static_loss_scale           a fixed loss scale instead
       delayed_update              True, or the number of steps after which the
-                                  step of iteration i overlaps iteration i+1 (one step stale)
+                                  step of iteration i overlaps iteration i+1 (one step stale;
+                                  step() returns at once, as with overlap_step)
       overlap_step                step() returns at once; a fetch waits for its own partition
       working_dtype               fp32 (default), bf16 or fp16: the dtype offloadd keeps the
                                   working copy in (and gathers); the master stays fp32
