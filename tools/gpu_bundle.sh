@@ -40,7 +40,7 @@ done
 mkdir -p "$dest/run/client/python/site"
 cp -rL "$bin/client/python/site/offloadd" "$dest/run/client/python/site/"
 for f in tests/torch_wrap_test.py tests/torch_wrap_worker.py benches/torch_tokens.py \
-         benches/bench_daemon.py \
+         benches/bench_daemon.py benches/larger_than_gpu.py \
          benches/torch_adamw.py client/python/demo/gpt.py client/python/demo/train_gpt.py; do
   put "$f" "$f"
 done

@@ -2,7 +2,8 @@
 # Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
-# Stages: env cudatest gpucopy gputier gputier_cuda gputest alltests tokens tokens_big step_overlap step_overlap_3t
+# Stages: env cudatest gpucopy gputier gputier_cuda gputier_dpu gputest alltests tokens tokens_big large
+#         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
 # Each stage prints "=== STAGE rc=N" at its end; a failing stage does not
@@ -34,6 +35,12 @@ for stage in "$@"; do
     gputier_cuda)
       timeout 200 python3 tests/torch_wrap_test.py -v \
         TorchWrapTest.test_gpu_tier_on_cuda_matches_torch_adamw_on_the_gpu ;;
+    gputier_dpu)
+      timeout 200 python3 tests/torch_wrap_test.py -v \
+        TorchWrapTest.test_gpu_tier_with_the_delayed_update_on_cuda ;;
+    # A GPT past GPU-resident AdamW on an 80 GB GPU (LARGE_ARGS: more flags,
+    # --gpu_memory_gib=78 on a larger GPU, say).
+    large) timeout 480 python3 benches/larger_than_gpu.py --offloadd=engine/offloadd ${LARGE_ARGS:-} ;;
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
     tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda ;;
