@@ -249,10 +249,12 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
         if (KindOfBlock(b) != m.kind || b == PartitionStore::kInitBlock) continue;
         absl::Status moved = swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home);
         // The working-copy buffer not in use exists only with the delayed
-        // update (either kind, by the version).
-        const bool params_buffer =
-            b == PartitionStore::kShadowBlock || b == PartitionStore::kParamsBlock;
-        if (params_buffer && absl::IsNotFound(moved)) continue;
+        // update (either kind, by the version); the accumulator once used
+        // (it is made with the home set here).
+        const bool maybe_absent = b == PartitionStore::kShadowBlock ||
+                                  b == PartitionStore::kParamsBlock ||
+                                  b == PartitionStore::kAccumBlock;
+        if (maybe_absent && absl::IsNotFound(moved)) continue;
         RETURN_IF_ERROR(moved);
       }
     }
@@ -347,7 +349,49 @@ absl::StatusOr<PartitionSet::Partition*> PartitionSet::FindOrNotFound(uint64_t i
 
 absl::StatusOr<Swapper::Pin> PartitionSet::PinBlock(uint64_t id, uint64_t chunk, int block_kind,
                                                     bool for_write, bool traced) {
-  return swapper_->Acquire(PartitionStore::BlockOf(id, chunk, block_kind), for_write, traced);
+  const uint64_t block = PartitionStore::BlockOf(id, chunk, block_kind);
+  absl::StatusOr<Swapper::Pin> pin = swapper_->Acquire(block, for_write, traced);
+  if (block_kind != PartitionStore::kAccumBlock || !absl::IsNotFound(pin.status())) return pin;
+  // The gradient accumulator (fp32, 4 bytes a parameter) is made the first
+  // time it is needed: a trainer that hands its gradients over (one
+  // micro-batch a step) never needs one, and the pool does not hold one for
+  // it. Placed with the optimizer state.
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    if (chunk >= ChunksOf(p->info.numel)) {
+      return absl::InternalError(absl::StrCat("partition ", id, " has no chunk ", chunk));
+    }
+  }
+  // info.numel never changes after registration; home only under the lock
+  // (AddAccumulator reads it so).
+  RETURN_IF_ERROR(AddAccumulator(id, chunk, /*registering=*/nullptr));
+  return swapper_->Acquire(block, for_write, traced);
+}
+
+absl::Status PartitionSet::AddAccumulator(uint64_t id, uint64_t chunk,
+                                          const Partition* registering) {
+  uint64_t numel;
+  Tier home;
+  if (registering != nullptr) {  // not in partitions_ yet: nobody else sees it
+    numel = registering->info.numel;
+    home = registering->home[static_cast<int>(DataKind::kOptimizerState)];
+  } else {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    numel = p->info.numel;
+    home = p->home[static_cast<int>(DataKind::kOptimizerState)];
+  }
+  const uint64_t begin = chunk * state_chunk_elems_;
+  const uint64_t elems = std::min(state_chunk_elems_, numel - begin);
+  absl::Status added = swapper_->Add(PartitionStore::BlockOf(id, chunk,
+                                                             PartitionStore::kAccumBlock),
+                                     elems * sizeof(float), home, session_id_);
+  if (!added.ok() && !absl::IsAlreadyExists(added)) {  // made meanwhile: fine
+    return absl::Status(added.code(), absl::StrCat("allocating the gradient accumulator of "
+                                                   "partition ", id, ": ", added.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p, int kind,
@@ -503,6 +547,8 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
           const uint64_t size = DTypeSize(spec.grad_dtype);
           s = swapper_->AddExternal(block, in_span(grads_at + begin * size), elems * size, where,
                                     session_id_);
+        } else if (b == PartitionStore::kAccumBlock) {
+          continue;  // made when first needed (PinBlock): handed-over gradients need none
         } else {
           s = swapper_->Add(block, elems * sizeof(float), where, session_id_);
         }
@@ -1264,6 +1310,9 @@ absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState&
   for (uint64_t begin = 0, c = 0; begin < numel; begin += state_chunk_elems_, ++c) {
     const uint64_t elems = std::min(state_chunk_elems_, numel - begin);
     for (int kind : kinds) {
+      if (kind == PartitionStore::kAccumBlock) {
+        RETURN_IF_ERROR(AddAccumulator(p.info.id, c, /*registering=*/&p));
+      }
       ASSIGN_OR_RETURN(Swapper::Pin pin, PinBlock(p.info.id, c, kind, /*for_write=*/true));
       const bool params =
           kind == PartitionStore::kParamsBlock || kind == PartitionStore::kShadowBlock;

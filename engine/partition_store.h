@@ -539,6 +539,12 @@ class PartitionSet {
   absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind,
                                         bool for_write, bool traced = true)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Adds chunk `chunk`'s gradient accumulator (made when first needed; an
+  // existing one is fine), placed with the optimizer state. `registering`:
+  // the partition, while Register fills it before it is published; else it
+  // is looked up under the lock.
+  absl::Status AddAccumulator(uint64_t id, uint64_t chunk, const Partition* registering)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Master weights from the fp32 initial values, and the working copy from
   // them (rounded), chunk by chunk. `p` is held by the trainer.
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);

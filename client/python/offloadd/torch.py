@@ -861,11 +861,9 @@ class _GpuTier:
                 mine = torch.cat([mine, mine.new_zeros(s.slice_numel - mine.numel())])
         if s.pid in self.grads:  # returned twice before a flush (a tied weight)
             self.flush_gradients()
-        # The norm where the gradient is (a non-finite norm: its elements
-        # are counted at the flush, rarely).
-        stats = None
-        if e._hand_over and e._gradient_stats in ("trainer", "auto"):
-            stats = torch.linalg.vector_norm(mine, dtype=torch.float32)
+        # The norm where the gradient is, at the flush, all in one launch (a
+        # non-finite norm: its elements are counted then, rarely).
+        stats = e._hand_over and e._gradient_stats in ("trainer", "auto")
         self.tier.add_gradient(s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(),
                                self.device)
         self.grads[s.pid] = (s, mine, stats)  # alive until its copy is done
@@ -881,9 +879,9 @@ class _GpuTier:
         if self.grads:
             stats = None
             entries = list(self.grads.values())
-            if all(st is not None for _, _, st in entries):
+            if all(st for _, _, st in entries):
                 # One transfer of every norm (the only host wait here).
-                norms = torch.stack([n for _, _, n in entries]).double()
+                norms = torch.stack(torch._foreach_norm([m for _, m, _ in entries])).double()
                 stats = {}
                 for (s, mine, _), sq in zip(entries, (norms * norms).tolist()):
                     bad = 0 if math.isfinite(sq) else int(torch.isfinite(mine).logical_not_().sum())
