@@ -6,7 +6,10 @@ optimizer step).
 
 usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
        [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR]
-       [--device=cpu|cuda] [--tiny]
+       [--device=cpu|cuda] [--tiny] [--profile]
+--profile: only the delayed-update run with the state on the host, under
+cProfile: where the trainer's thread spends its time (top functions by own
+time), for work on the Python side.
 With --device=cuda the model computes on the GPU in every run: the reference
 keeps its AdamW state on the GPU too, offloadd keeps it in the daemon (the
 trade ZeRO-Offload makes: GPU memory for host time).
@@ -102,6 +105,21 @@ def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
     return out
 
 
+def profile(args, text, address):
+    """The delayed-update run under cProfile; prints the top of the trainer
+    thread's own time."""
+    import cProfile
+    import pstats
+    run(args, text, address, "host", dpu=True)  # warm: CUDA, the daemon's pool
+    prof = cProfile.Profile()
+    prof.enable()
+    r = run(args, text, address, "host", dpu=True)
+    prof.disable()
+    print(f"profiled: {1e3 * r['wall']:.1f} ms/step (with the profiler's overhead), "
+          f"{args.warmup + args.steps} steps")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--offloadd", required=True)
@@ -116,6 +134,8 @@ def main():
     p.add_argument("--swap_dir", default="/var/tmp")
     p.add_argument("--device", default="cpu", help="where the model computes: cpu or cuda")
     p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the trainer's thread in the delayed-update run")
     args = p.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.dim, args.layers, args.batch, args.context = 2, 1, 16, 1, 2, 8
@@ -139,6 +159,9 @@ def main():
                             [f"--nvme.dirs={swap}",
                              f"--memory.host_budget_bytes={pool}"])
         daemons = [host[0], nvme[0]]
+        if args.profile:
+            profile(args, text, host[1])
+            return
         print(f"model: {n / 1e6:.2f}M parameters ({args.layers} layers, dim {args.dim}), "
               f"{args.batch}x{args.context} tokens per step, {args.steps} steps after "
               f"{args.warmup} warm-up on {args.device}, torch threads {torch.get_num_threads()}; "

@@ -2,7 +2,7 @@
 # Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
-# Stages: env cudatest gpucopy gputier gputier_cuda gputier_dpu gputest alltests tokens tokens_big large
+# Stages: env cudatest gpucopy gputier gputier_cuda gputier_dpu gputest alltests tokens tokens_big tokens_profile large
 #         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
@@ -44,6 +44,9 @@ for stage in "$@"; do
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
     tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda ;;
+    tokens_profile)
+      timeout 200 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda \
+        --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --profile ;;
     tokens_big)
       timeout 400 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 ;;
