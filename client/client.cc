@@ -733,6 +733,13 @@ absl::Status Session::Close() {
   absl::Status closed =
       FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
   impl_->connection.reset();
+  // The partitions went with the session: their mappings go now, each
+  // registration for DMA before its mapping, even while this object lives
+  // on (a trainer's lingering references): pinned pages would otherwise
+  // stay allocated after the daemon freed them, outside its pool.
+  absl::MutexLock lock(&impl_->mu);
+  impl_->regions.clear();
+  impl_->dma_stats.regions = impl_->dma_stats.bytes = 0;
   return closed;
 }
 

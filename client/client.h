@@ -383,6 +383,9 @@ class Session {
   absl::StatusOr<CheckpointResult> Checkpoint(const std::string& directory,
                                               bool background = false);
   absl::StatusOr<CheckpointResult> WaitCheckpoint();
+  // Closes the session in the daemon and unmaps its partitions (every
+  // PartitionView of it is invalid afterwards; copies from them must have
+  // ended).
   absl::Status Close();
 
  private:

@@ -22,7 +22,9 @@
 // (Session::EnableDma): only for sessions whose params and grads rest
 // wholly on the host; otherwise copies go through pinned staging buffers.
 //
-// Thread-safety: as the cache and the drain; the Session must outlive it.
+// Thread-safety: as the cache and the drain; the Session must outlive it, and
+// the device the Session (with register_arena the Session holds DMA
+// registrations of it until it closes).
 #ifndef OFFLOADD_CLIENT_GPU_TIER_H_
 #define OFFLOADD_CLIENT_GPU_TIER_H_
 

@@ -257,7 +257,11 @@ void BindGpu(py::module_& m) {
            py::arg("max_reuse_distance_bytes") = 0, py::arg("staging_bytes") = 16ull << 20,
            py::arg("register_arena") = true, py::arg("slab") = 0, py::arg("slab_bytes") = 0,
            py::arg("hold_per_iteration") = false,
-           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+           // The tier keeps its session and device; the session keeps the
+           // device too: the tier enables DMA, and the session's
+           // registrations are given back to the device when it closes or
+           // goes, which may be after the tier.
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<2, 3>())
       .def_property_readonly("slab_address",
                              [](GpuTier& t) { return reinterpret_cast<uintptr_t>(t.params().slab()); })
       .def_property_readonly("slab_bytes", [](GpuTier& t) { return t.params().slab_bytes(); })

@@ -938,6 +938,9 @@ class Optimizer(torch.optim.Optimizer):
             raise offloadd.InvalidArgumentError(f"param groups: {e}") from e
         self._static_scale = config["static_loss_scale"]
         self._overlapped = False  # an overlapped step may still run
+        # The outcome of the last overlapped step that ended (its times),
+        # as step() found it; last_step is the one it started.
+        self.last_finished = None
         # step() returns once the daemon decided, the update running beside
         # the next forward and backward: asked for, or what the delayed
         # update is for (its fetches do not wait for the update; before it
@@ -1000,7 +1003,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._overlapped:
             # The previous step's failure (a swap-in error) surfaces here.
             self._overlapped = False
-            e.session.wait_step()
+            self.last_finished = e.session.wait_step()
         e.free_all()
         e.flush_gradients()
         pending = e.session.pending_gradients()
