@@ -400,7 +400,15 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
     out.sessions.push_back({s.session_id(), s.name(), s.partitions(), s.arena_bytes(), s.steps(),
                             s.held(), s.params_host_bytes(), s.params_nvme_bytes(),
                             s.grads_host_bytes(), s.grads_nvme_bytes(), s.state_host_bytes(),
-                            s.state_nvme_bytes()});
+                            s.state_nvme_bytes(), std::nullopt});
+    if (s.has_gpu()) {
+      const v1::GpuTierCounters& g = s.gpu();
+      out.sessions.back().gpu = GpuTierCounters{
+          g.h2d_bytes(),     g.h2d_staged_bytes(), g.d2h_bytes(),      g.tensor_uses(),
+          g.resident_hits(), g.prefetch_hits(),    g.host_waits(),     g.evictions(),
+          g.resident_bytes(), g.budget_bytes(),    g.dma_bytes(),      g.prefetch_depth(),
+          g.prefetch_bytes()};
+    }
   }
   return out;
 }
@@ -651,6 +659,30 @@ absl::Status Session::SetDelayedUpdate(bool enabled) {
     m.dma.erase(stale, m.dma.end());
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters& c) {
+  v1::ReportGpuTierRequest req;
+  *req.mutable_session() = impl_->ref;
+  v1::GpuTierCounters* out = req.mutable_counters();
+  out->set_h2d_bytes(c.h2d_bytes);
+  out->set_h2d_staged_bytes(c.h2d_staged_bytes);
+  out->set_d2h_bytes(c.d2h_bytes);
+  out->set_tensor_uses(c.tensor_uses);
+  out->set_resident_hits(c.resident_hits);
+  out->set_prefetch_hits(c.prefetch_hits);
+  out->set_host_waits(c.host_waits);
+  out->set_evictions(c.evictions);
+  out->set_resident_bytes(c.resident_bytes);
+  out->set_budget_bytes(c.budget_bytes);
+  out->set_dma_bytes(c.dma_bytes);
+  out->set_prefetch_depth(c.prefetch_depth);
+  out->set_prefetch_bytes(c.prefetch_bytes);
+  v1::ReportGpuTierResponse resp;
+  Rpc rpc(impl_->timeout, impl_->token);
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->ReportGpuTier(&rpc.context, req, &resp), "ReportGpuTier"));
+  return GpuTierNodeSettings{resp.prefetch_depth(), resp.prefetch_bytes()};
 }
 
 absl::StatusOr<StepResult> Session::WaitStep() {

@@ -241,6 +241,23 @@ struct Tunable {
   bool dynamic = false;
 };
 
+// What a GPU tier did since it began (totals), as it reports it to the
+// daemon (Session::ReportGpuTier) and GetStats shows it per session.
+struct GpuTierCounters {
+  uint64_t h2d_bytes = 0, h2d_staged_bytes = 0, d2h_bytes = 0;
+  uint64_t tensor_uses = 0, resident_hits = 0, prefetch_hits = 0;
+  uint64_t host_waits = 0, evictions = 0;
+  uint64_t resident_bytes = 0, budget_bytes = 0, dma_bytes = 0;
+  uint64_t prefetch_depth = 0, prefetch_bytes = 0;  // in effect
+};
+
+// The node's settings for GPU tiers (offloadctl set gpu.*); -1: the
+// trainer's own.
+struct GpuTierNodeSettings {
+  int64_t prefetch_depth = -1;
+  int64_t prefetch_bytes = -1;
+};
+
 struct DaemonStats {
   struct Counter {
     std::string name;
@@ -260,6 +277,7 @@ struct DaemonStats {
     uint64_t params_host_bytes, params_nvme_bytes;
     uint64_t grads_host_bytes, grads_nvme_bytes;
     uint64_t state_host_bytes, state_nvme_bytes;
+    std::optional<GpuTierCounters> gpu;  // its GPU tier's last report
   };
   std::string version;
   uint32_t pid = 0;
@@ -352,6 +370,10 @@ class Session {
   // the working copies' registrations go (the daemon adds or removes a
   // buffer's pages): call it with no copy in flight from them.
   absl::Status SetDelayedUpdate(bool enabled);
+  // Tells the daemon what this session's GPU tier did (GetStats shows it;
+  // the node's gpu_* counters add it up) and answers the node's settings
+  // for it. GpuTier calls it about once a second.
+  absl::StatusOr<GpuTierNodeSettings> ReportGpuTier(const GpuTierCounters& counters);
   // Changes where this session's data rests while it trains (unset kinds
   // keep theirs); returns at once, the daemon moves the data in the
   // background. FAILED_PRECONDITION below 100% on the host for params or

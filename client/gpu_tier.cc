@@ -1,9 +1,11 @@
 #include "client/gpu_tier.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "cpu_adam/dtype.h"
 
@@ -30,7 +32,7 @@ absl::StatusOr<std::unique_ptr<GpuTier>> GpuTier::Create(Session* session, gpu::
   if (session == nullptr || device == nullptr) {
     return absl::InvalidArgumentError("GpuTier needs a session and a device");
   }
-  std::unique_ptr<GpuTier> tier(new GpuTier(session, device, options.hold_per_iteration));
+  std::unique_ptr<GpuTier> tier(new GpuTier(session, device, options));
   if (options.register_arena) RETURN_IF_ERROR(session->EnableDma(device));
   ASSIGN_OR_RETURN(tier->drain_, gpu::GradientDrain::Create(device, tier.get(),
                                                             options.gradient_staging_bytes));
@@ -134,8 +136,77 @@ absl::Status GpuTier::EndIteration() {
     grads_held_all_ = false;
   }
   absl::Status released = ReleaseIds(ids);
+  MaybeReport();
   RETURN_IF_ERROR(copies);
   return released;
+}
+
+void GpuTier::SetPrefetch(int depth, uint64_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    own_depth_ = depth;
+    own_bytes_ = bytes;
+  }
+  ApplyPrefetch();
+}
+
+std::pair<int, uint64_t> GpuTier::PrefetchInEffect() const {
+  return {node_.prefetch_depth >= 0 ? static_cast<int>(node_.prefetch_depth) : own_depth_,
+          node_.prefetch_bytes >= 0 ? static_cast<uint64_t>(node_.prefetch_bytes) : own_bytes_};
+}
+
+void GpuTier::ApplyPrefetch() {
+  std::pair<int, uint64_t> p;
+  {
+    absl::MutexLock lock(&mu_);
+    p = PrefetchInEffect();
+  }
+  // Outside mu_: the cache calls this object's Hold under its own lock.
+  params_->SetPrefetch(p.first, p.second);
+}
+
+void GpuTier::MaybeReport() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!reporting_ || absl::Now() - last_report_ < report_interval_) return;
+    last_report_ = absl::Now();
+  }
+  const GpuTierStats s = stats();
+  GpuTierCounters c;
+  c.h2d_bytes = s.params.h2d_bytes;
+  c.h2d_staged_bytes = s.params.staged_bytes;
+  c.d2h_bytes = s.gradients.d2h_bytes;
+  c.tensor_uses = s.params.tensor_uses;
+  c.resident_hits = s.params.resident_hits;
+  c.prefetch_hits = s.params.prefetch_hits;
+  c.host_waits = s.gradients.host_waits;
+  c.evictions = s.params.evictions;
+  c.resident_bytes = s.params.resident_bytes;
+  c.budget_bytes = s.params.budget_bytes;
+  c.dma_bytes = s.dma.bytes;
+  c.prefetch_depth = static_cast<uint64_t>(std::max(0, s.prefetch_depth));
+  c.prefetch_bytes = s.prefetch_bytes;
+  absl::StatusOr<GpuTierNodeSettings> node = session_->ReportGpuTier(c);
+  bool changed = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!node.ok()) {
+      // An older daemon: stop asking. Anything else: try again later.
+      if (absl::IsUnimplemented(node.status())) reporting_ = false;
+      if (!report_failed_) {
+        report_failed_ = true;
+        LogWarning("GPU tier: reporting to offloadd failed (%s); training goes on, the "
+                   "daemon's stats lack this tier and its gpu.* settings do not reach it",
+                   node.status().ToString());
+      }
+      return;
+    }
+    ++reports_;
+    changed = node->prefetch_depth != node_.prefetch_depth ||
+              node->prefetch_bytes != node_.prefetch_bytes;
+    node_ = *node;
+  }
+  if (changed) ApplyPrefetch();
 }
 
 absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(
@@ -262,6 +333,8 @@ GpuTierStats GpuTier::stats() const {
   s.gradients_returned = gradients_returned_;
   s.gradient_failures = gradient_failures_;
   s.daemon_calls = daemon_calls_;
+  s.reports = reports_;
+  std::tie(s.prefetch_depth, s.prefetch_bytes) = PrefetchInEffect();
   return s;
 }
 

@@ -30,12 +30,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "gpu/device.h"
 #include "gpu/gradient_drain.h"
@@ -56,6 +58,11 @@ struct GpuTierOptions {
   // on the host) and a fetch does not wait for a running step (not with
   // the overlapped step).
   bool hold_per_iteration = false;
+  // EndIteration reports to the daemon (Session::ReportGpuTier) when this
+  // long passed since the last report, and applies the node's prefetch
+  // settings it answers (offloadctl set gpu.prefetch_depth, ...). Zero:
+  // every iteration; infinite: never.
+  absl::Duration report_interval = absl::Seconds(1);
 };
 
 struct GpuTierStats {
@@ -65,6 +72,11 @@ struct GpuTierStats {
   uint64_t gradients_returned = 0;
   uint64_t gradient_failures = 0;
   uint64_t daemon_calls = 0;  // holds and releases asked of the daemon
+  uint64_t reports = 0;       // to the daemon (ReportGpuTier)
+  // The prefetch in effect: the node's setting where it has one, else the
+  // trainer's own.
+  int prefetch_depth = 0;
+  uint64_t prefetch_bytes = 0;
 };
 
 class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
@@ -107,11 +119,27 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
       const absl::flat_hash_map<uint64_t, GradientStats>& stats = {});
   size_t gradients_pending() const { return drain_->pending(); }
 
+  // The trainer's own prefetch (ParamCache::SetPrefetch); the node's
+  // settings, where it has them, win while they are set.
+  void SetPrefetch(int depth, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+
   GpuTierStats stats() const;
 
  private:
-  GpuTier(Session* session, gpu::Device* device, bool hold_per_iteration)
-      : session_(session), device_(device), hold_per_iteration_(hold_per_iteration) {}
+  GpuTier(Session* session, gpu::Device* device, const GpuTierOptions& options)
+      : session_(session),
+        device_(device),
+        hold_per_iteration_(options.hold_per_iteration),
+        report_interval_(options.report_interval),
+        own_depth_(options.params.prefetch_depth),
+        own_bytes_(options.params.prefetch_bytes) {}
+  // Reports to the daemon if report_interval passed, and applies what it
+  // answers. A failure is logged once and training goes on.
+  void MaybeReport() ABSL_LOCKS_EXCLUDED(mu_);
+  // The prefetch in effect: the node's settings where set, else the own.
+  std::pair<int, uint64_t> PrefetchInEffect() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives the cache the prefetch in effect.
+  void ApplyPrefetch() ABSL_LOCKS_EXCLUDED(mu_);
   // Holds every known partition (with grads: their gradient buffers too).
   absl::Status HoldAll(bool grads) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -125,7 +153,15 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   Session* const session_;
   gpu::Device* const device_;
   const bool hold_per_iteration_;
+  const absl::Duration report_interval_;
   mutable absl::Mutex mu_;
+  int own_depth_ ABSL_GUARDED_BY(mu_);
+  uint64_t own_bytes_ ABSL_GUARDED_BY(mu_);
+  GpuTierNodeSettings node_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  uint64_t reports_ ABSL_GUARDED_BY(mu_) = 0;
+  bool report_failed_ ABSL_GUARDED_BY(mu_) = false;  // warned once
+  bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // off where the daemon has no ReportGpuTier
   // hold_per_iteration: the partitions the cache knows, and what the
   // iteration's holds gave (params; grads once the first gradient came).
   std::vector<uint64_t> all_ids_ ABSL_GUARDED_BY(mu_);

@@ -107,6 +107,30 @@ int Stats(Client& client) {
                 placed(x.grads_host_bytes, x.grads_nvme_bytes).c_str(),
                 placed(x.state_host_bytes, x.state_nvme_bytes).c_str());
   }
+  // The sessions whose trainers run a GPU tier, as they last reported.
+  bool header = false;
+  for (const auto& x : s->sessions) {
+    if (!x.gpu.has_value()) continue;
+    const GpuTierCounters& g = *x.gpu;
+    if (!header) {
+      header = true;
+      std::printf("\n%-20s %10s %10s %10s %9s %9s %8s %10s %17s %9s\n", "GPU TIER OF SESSION",
+                  "TO GPU", "STAGED", "FROM GPU", "RESIDENT%", "PREFETCH%", "EVICTED",
+                  "ON GPU", "PREFETCH AHEAD", "DMA");
+    }
+    auto percent = [](uint64_t part, uint64_t whole) {
+      return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
+    };
+    const std::string ahead =
+        absl::StrCat(g.prefetch_depth, " units/", Bytes(g.prefetch_bytes));
+    std::printf("%-20llu %10s %10s %10s %8.1f%% %8.1f%% %8llu %10s %17s %9s\n",
+                static_cast<unsigned long long>(x.id), Bytes(g.h2d_bytes).c_str(),
+                Bytes(g.h2d_staged_bytes).c_str(), Bytes(g.d2h_bytes).c_str(),
+                percent(g.resident_hits, g.tensor_uses), percent(g.prefetch_hits, g.tensor_uses),
+                static_cast<unsigned long long>(g.evictions),
+                (Bytes(g.resident_bytes) + "/" + Bytes(g.budget_bytes)).c_str(), ahead.c_str(),
+                Bytes(g.dma_bytes).c_str());
+  }
   return 0;
 }
 

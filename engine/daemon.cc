@@ -79,6 +79,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
                                                   d->steps_.get(), &d->stats_);
   d->sessions_->SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
+  d->sessions_->SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
@@ -210,6 +211,14 @@ void Daemon::SetHooks() {
       return absl::OkStatus();
     });
   }
+  registry_->SetHook<int64_t>("gpu.prefetch_depth", [raw](const int64_t& v) {
+    raw->sessions_->SetGpuTierSettings({v, raw->options_->gpu.prefetch_bytes});
+    return absl::OkStatus();
+  });
+  registry_->SetHook<int64_t>("gpu.prefetch_bytes", [raw](const int64_t& v) {
+    raw->sessions_->SetGpuTierSettings({raw->options_->gpu.prefetch_depth, v});
+    return absl::OkStatus();
+  });
   registry_->SetHook<int64_t>("swapper.prefetch_depth", [raw](const int64_t& v) {
     raw->swapper_->SetPrefetch(v, raw->options_->swapper.prefetch_bytes);
     return absl::OkStatus();

@@ -91,6 +91,17 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("placement.state_chunk_bytes", &o->placement.state_chunk_bytes,
           {"bytes", "data moves and updates in chunks of this many parameters times 4 bytes",
            false, kStateChunkRange});
+  r->Bind("gpu.prefetch_depth", &o->gpu.prefetch_depth,
+          {"units",
+           "every trainer's GPU tier prefetches this many units (modules) ahead; -1: each "
+           "trainer's own (gpu.prefetch_depth in zero_config); reaches trainers within about a "
+           "second",
+           true, kGpuPrefetchDepthRange});
+  r->Bind("gpu.prefetch_bytes", &o->gpu.prefetch_bytes,
+          {"bytes",
+           "every trainer's GPU tier prefetches at most this many bytes ahead; -1: each "
+           "trainer's own",
+           true, kGpuPrefetchBytesRange});
   r->Bind("metrics.port", &o->metrics.port,
           {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port",
            false, kTcpPortRange});

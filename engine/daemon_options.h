@@ -130,8 +130,8 @@ absl::StatusOr<HostHomePages> ResolveHostHomePages(const std::string& setting,
 struct PlacementOptions {
   // Percentage of each new session's bytes of a kind kept on the host: its
   // working parameters, its gradient buffers, its optimizer state (fp32
-  // master weights, Adam moments and the gradient accumulator, 16 bytes per
-  // parameter). The rest rests
+  // master weights and Adam moments, 12 bytes a parameter, and the gradient
+  // accumulator, 4 more, made when a return first needs one). The rest rests
   // on the NVMe tier and is brought into the host pool while in use
   // (parameters while the trainer holds them, everything during the step).
   // 100 keeps all of it in memory (fastest); lower values train models
@@ -162,6 +162,17 @@ inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44}
 inline constexpr IntRange kHostPercentRange{0, 100};
 inline constexpr IntRange kStateChunkRange{8192, int64_t{1} << 30};
 
+// Settings for the trainers' GPU tiers (client/gpu_tier.h), which run in
+// the trainer processes: each learns them when it reports (ReportGpuTier,
+// about once a second), so a change reaches every trainer of the node
+// within a second or so. -1: each trainer's own setting.
+struct GpuTierNodeOptions {
+  int64_t prefetch_depth = -1;  // units (modules) ahead
+  int64_t prefetch_bytes = -1;  // bytes ahead, at most
+};
+inline constexpr IntRange kGpuPrefetchDepthRange{-1, 1 << 16};
+inline constexpr IntRange kGpuPrefetchBytesRange{-1, int64_t{1} << 44};
+
 struct MetricsOptions {
   // Serve Prometheus text metrics at http://127.0.0.1:<port>/metrics (never
   // on other interfaces). -1 (default) off, 0 any free port (logged).
@@ -177,6 +188,7 @@ struct DaemonOptions {
   NvmeOptions nvme;
   SwapperOptions swapper;
   PlacementOptions placement;
+  GpuTierNodeOptions gpu;
   MetricsOptions metrics;
 };
 

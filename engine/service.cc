@@ -316,6 +316,40 @@ grpc::Status PartitionServiceImpl::SetDelayedUpdate(grpc::ServerContext* context
   });
 }
 
+grpc::Status PartitionServiceImpl::ReportGpuTier(grpc::ServerContext* context,
+                                                 const v1::ReportGpuTierRequest* req,
+                                                 v1::ReportGpuTierResponse* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    const v1::GpuTierCounters& c = req->counters();
+    GpuTierReport r;
+    r.h2d_bytes = c.h2d_bytes();
+    r.h2d_staged_bytes = c.h2d_staged_bytes();
+    r.d2h_bytes = c.d2h_bytes();
+    r.tensor_uses = c.tensor_uses();
+    r.resident_hits = c.resident_hits();
+    r.prefetch_hits = c.prefetch_hits();
+    r.host_waits = c.host_waits();
+    r.evictions = c.evictions();
+    r.resident_bytes = c.resident_bytes();
+    r.budget_bytes = c.budget_bytes();
+    r.dma_bytes = c.dma_bytes();
+    r.prefetch_depth = c.prefetch_depth();
+    r.prefetch_bytes = c.prefetch_bytes();
+    if (r.h2d_staged_bytes > r.h2d_bytes || r.resident_hits > r.tensor_uses ||
+        r.prefetch_hits > r.tensor_uses - r.resident_hits) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "counters that cannot be (staged ", r.h2d_staged_bytes, " of ", r.h2d_bytes,
+          " bytes; of ", r.tensor_uses, " uses ", r.resident_hits, " resident and ",
+          r.prefetch_hits, " prefetched)"));
+    }
+    ASSIGN_OR_RETURN(GpuTierSettings settings,
+                     sessions_->ReportGpuTier(KeyOf(req->session()), r));
+    resp->set_prefetch_depth(settings.prefetch_depth);
+    resp->set_prefetch_bytes(settings.prefetch_bytes);
+    return absl::OkStatus();
+  });
+}
+
 grpc::Status PartitionServiceImpl::GetPendingGradients(
     grpc::ServerContext* context, const v1::GetPendingGradientsRequest* req,
     v1::GetPendingGradientsResponse* resp) {
@@ -454,6 +488,23 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
     out->set_grads_host_bytes(s.host_bytes[kGrads]);
     out->set_grads_nvme_bytes(s.nvme_bytes[kGrads]);
     out->set_held(s.held);
+    if (s.gpu.has_value()) {
+      const GpuTierReport& g = *s.gpu;
+      v1::GpuTierCounters* c = out->mutable_gpu();
+      c->set_h2d_bytes(g.h2d_bytes);
+      c->set_h2d_staged_bytes(g.h2d_staged_bytes);
+      c->set_d2h_bytes(g.d2h_bytes);
+      c->set_tensor_uses(g.tensor_uses);
+      c->set_resident_hits(g.resident_hits);
+      c->set_prefetch_hits(g.prefetch_hits);
+      c->set_host_waits(g.host_waits);
+      c->set_evictions(g.evictions);
+      c->set_resident_bytes(g.resident_bytes);
+      c->set_budget_bytes(g.budget_bytes);
+      c->set_dma_bytes(g.dma_bytes);
+      c->set_prefetch_depth(g.prefetch_depth);
+      c->set_prefetch_bytes(g.prefetch_bytes);
+    }
   }
   resp->set_optimizer_kernel(
       absl::StrCat(optimizer_->kernel_name(), ", ", optimizer_->threads(), " threads"));

@@ -54,6 +54,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
                         v1::StepResponse*) override;
   grpc::Status SetDelayedUpdate(grpc::ServerContext*, const v1::SetDelayedUpdateRequest*,
                                 v1::SetDelayedUpdateResponse*) override;
+  grpc::Status ReportGpuTier(grpc::ServerContext*, const v1::ReportGpuTierRequest*,
+                             v1::ReportGpuTierResponse*) override;
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,
                                v1::ReturnGradientsResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;

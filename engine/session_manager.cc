@@ -58,6 +58,7 @@ struct SessionManager::Session {
   bool attached = false;          // a trainer received the arena
   std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
   SteadyTime last_call = opened;  // the last call that found it, or ended
+  std::optional<GpuTierReport> gpu;  // its GPU tier's last report
 
   // A step's decision with its loss-scale update, and a checkpoint's image
   // with its read of the loss scaler, each happen whole under it: a
@@ -590,6 +591,34 @@ absl::Status SessionManager::SetPlacement(const SessionKey& key, const Placement
   return session->partitions->SetPlacement(change);
 }
 
+absl::StatusOr<GpuTierSettings> SessionManager::ReportGpuTier(const SessionKey& key,
+                                                              const GpuTierReport& report) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  absl::MutexLock lock(&mu_);
+  // What it did since its previous report into the node's totals (all of
+  // it if its totals went down: a new tier on the same session).
+  const GpuTierReport before = session->gpu.value_or(GpuTierReport{});
+  auto add = [](std::atomic<int64_t>& total, uint64_t now, uint64_t was) {
+    total.fetch_add(static_cast<int64_t>(now >= was ? now - was : now),
+                    std::memory_order_relaxed);
+  };
+  add(stats_->gpu_h2d_bytes, report.h2d_bytes, before.h2d_bytes);
+  add(stats_->gpu_h2d_staged_bytes, report.h2d_staged_bytes, before.h2d_staged_bytes);
+  add(stats_->gpu_d2h_bytes, report.d2h_bytes, before.d2h_bytes);
+  add(stats_->gpu_tensor_uses, report.tensor_uses, before.tensor_uses);
+  add(stats_->gpu_resident_hits, report.resident_hits, before.resident_hits);
+  add(stats_->gpu_prefetch_hits, report.prefetch_hits, before.prefetch_hits);
+  add(stats_->gpu_host_waits, report.host_waits, before.host_waits);
+  add(stats_->gpu_evictions, report.evictions, before.evictions);
+  session->gpu = report;
+  return gpu_settings_;
+}
+
+void SessionManager::SetGpuTierSettings(const GpuTierSettings& settings) {
+  absl::MutexLock lock(&mu_);
+  gpu_settings_ = settings;
+}
+
 absl::Status SessionManager::SetDelayedUpdate(const SessionKey& key, bool on) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   session->delayed_update_after = -1;
@@ -776,14 +805,20 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(
 
 std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<std::shared_ptr<Session>> sessions;
+  std::vector<std::optional<GpuTierReport>> gpu;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, s] : sessions_) sessions.push_back(s);
+    for (const auto& [id, s] : sessions_) {
+      sessions.push_back(s);
+      gpu.push_back(s->gpu);
+    }
   }
   std::vector<SessionSummary> out;
-  for (const auto& s : sessions) {
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    const auto& s = sessions[i];
     const PartitionSet& p = *s->partitions;
     SessionSummary summary;
+    summary.gpu = gpu[i];
     summary.id = s->id;
     summary.name = s->name;
     summary.partitions = p.partitions();

@@ -85,6 +85,23 @@ struct GradientReturn {
   std::optional<GradStats> stats;
 };
 
+// What a trainer's GPU tier reported (ReportGpuTier): totals since it
+// began (offload.proto's GpuTierCounters).
+struct GpuTierReport {
+  uint64_t h2d_bytes = 0, h2d_staged_bytes = 0, d2h_bytes = 0;
+  uint64_t tensor_uses = 0, resident_hits = 0, prefetch_hits = 0;
+  uint64_t host_waits = 0, evictions = 0;
+  uint64_t resident_bytes = 0, budget_bytes = 0, dma_bytes = 0;
+  uint64_t prefetch_depth = 0, prefetch_bytes = 0;
+};
+
+// The node's settings for the trainers' GPU tiers (tunables gpu.*); -1:
+// each trainer's own.
+struct GpuTierSettings {
+  int64_t prefetch_depth = -1;
+  int64_t prefetch_bytes = -1;
+};
+
 struct SessionSummary {
   uint64_t id = 0;
   std::string name;
@@ -95,6 +112,7 @@ struct SessionSummary {
   // Bytes of each kind (DataKind) placed on the host and on NVMe.
   uint64_t host_bytes[kDataKinds] = {};
   uint64_t nvme_bytes[kDataKinds] = {};
+  std::optional<GpuTierReport> gpu;  // its GPU tier's last report
 };
 
 // How the trainer commits a step after its global decisions.
@@ -163,6 +181,14 @@ class SessionManager {
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
   absl::Status SetDelayedUpdate(const SessionKey& key, bool on) ABSL_LOCKS_EXCLUDED(mu_);
+  // Keeps the session's GPU-tier report (its summary shows it; what it
+  // added since the previous one goes into the node's gpu_* counters) and
+  // answers the node's settings for it.
+  absl::StatusOr<GpuTierSettings> ReportGpuTier(const SessionKey& key,
+                                                const GpuTierReport& report)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The node's settings, for every trainer's next report (tunables gpu.*).
+  void SetGpuTierSettings(const GpuTierSettings& settings) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)
@@ -328,6 +354,7 @@ class SessionManager {
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  GpuTierSettings gpu_settings_ ABSL_GUARDED_BY(mu_);
   const std::shared_ptr<PollBudget> ring_pollers_ =
       std::make_shared<PollBudget>(PollBudget::DefaultMax());
 };

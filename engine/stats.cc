@@ -23,6 +23,14 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"step_compute_time", v(step_compute_nanos) / 1000, "us"},
       {"waits_for_step", v(waits_for_step), "calls"},
       {"requests_failed", v(requests_failed), "requests"},
+      {"gpu_h2d_bytes", v(gpu_h2d_bytes), "bytes"},
+      {"gpu_h2d_staged_bytes", v(gpu_h2d_staged_bytes), "bytes"},
+      {"gpu_d2h_bytes", v(gpu_d2h_bytes), "bytes"},
+      {"gpu_tensor_uses", v(gpu_tensor_uses), "uses"},
+      {"gpu_resident_hits", v(gpu_resident_hits), "uses"},
+      {"gpu_prefetch_hits", v(gpu_prefetch_hits), "uses"},
+      {"gpu_host_waits", v(gpu_host_waits), "waits"},
+      {"gpu_evictions", v(gpu_evictions), "tensors"},
   };
 }
 

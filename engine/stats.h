@@ -44,6 +44,15 @@ struct Stats {
   std::atomic<int64_t> waits_for_step{0};
   std::atomic<int64_t> requests_failed{0};
   std::atomic<int64_t> checkpoints{0};  // written and committed
+  // What the trainers' GPU tiers reported (ReportGpuTier), summed.
+  std::atomic<int64_t> gpu_h2d_bytes{0};
+  std::atomic<int64_t> gpu_h2d_staged_bytes{0};
+  std::atomic<int64_t> gpu_d2h_bytes{0};
+  std::atomic<int64_t> gpu_tensor_uses{0};
+  std::atomic<int64_t> gpu_resident_hits{0};
+  std::atomic<int64_t> gpu_prefetch_hits{0};
+  std::atomic<int64_t> gpu_host_waits{0};
+  std::atomic<int64_t> gpu_evictions{0};
 
   std::vector<CounterValue> Snapshot() const;
 };

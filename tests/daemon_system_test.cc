@@ -28,6 +28,7 @@
 #include "base/smaps_testing.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
+#include "client/gpu_tier.h"
 #include "gpu/emulated_device.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -506,6 +507,91 @@ TEST_F(DaemonTest, DmaRegistersWorkingCopiesOnlyOnceTheDaemonNamesThem) {
   ASSERT_TRUE(s->Close().ok());
   EXPECT_EQ(device.registered_bytes(), 0u);
   EXPECT_EQ(s->dma_stats().regions, 0u);
+}
+
+// A trainer's GPU tier reports what it did (the session's stats and the
+// node's gpu_* counters show it) and takes the node's prefetch settings
+// from the answer: offloadctl set gpu.prefetch_depth reaches it at its next
+// report, and -1 gives it its own back.
+TEST_F(DaemonTest, GpuTiersReportToTheDaemonAndTakeItsPrefetchSettings) {
+  gpu::EmulatedDevice device;  // outlives the session
+  auto opened = client_->OpenSession("gpu");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Session* s = opened->get();
+  constexpr uint64_t kNumel = 2048;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto p = s->Register(absl::StrCat("w", i), kNumel, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(s->Release(*p).ok());
+    ids.push_back(p->id);
+  }
+  GpuTierOptions options;
+  options.params.budget_bytes = 4 * kNumel * sizeof(float);
+  options.params.prefetch_depth = 2;
+  options.hold_per_iteration = true;
+  options.report_interval = absl::ZeroDuration();  // every iteration
+  auto tier = GpuTier::Create(s, &device, options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<int> units;
+  for (uint64_t id : ids) {
+    auto u = (*tier)->params().AddUnit({{id, kNumel * sizeof(float)}});
+    ASSERT_TRUE(u.ok()) << u.status();
+    units.push_back(*u);
+  }
+  auto stream = device.CreateStream();
+  ASSERT_TRUE(stream.ok());
+  auto iteration = [&] {
+    ASSERT_TRUE((*tier)->BeginIteration().ok());
+    for (int u : units) {
+      ASSERT_TRUE((*tier)->params().Use(u, *stream).ok());
+      ASSERT_TRUE((*tier)->params().Done(u, *stream).ok());
+    }
+    ASSERT_TRUE((*tier)->params().Invalidate(*stream).ok());
+    ASSERT_TRUE((*tier)->EndIteration().ok());
+  };
+  iteration();
+  iteration();
+  auto find = [&](const DaemonStats& stats) -> std::optional<GpuTierCounters> {
+    for (const DaemonStats::Session& x : stats.sessions) {
+      if (x.id == s->id()) return x.gpu;
+    }
+    return std::nullopt;
+  };
+  std::optional<GpuTierCounters> reported = find(Stats());
+  ASSERT_TRUE(reported.has_value());
+  const GpuTierStats mine = (*tier)->stats();
+  EXPECT_EQ(mine.reports, 2u);
+  EXPECT_EQ(reported->h2d_bytes, mine.params.h2d_bytes);
+  EXPECT_EQ(reported->h2d_bytes, 2 * 4 * kNumel * sizeof(float));  // every step's values
+  EXPECT_EQ(reported->tensor_uses, 8u);
+  EXPECT_GT(reported->prefetch_hits, 0u);
+  EXPECT_EQ(reported->prefetch_depth, 2u);
+  EXPECT_EQ(Counter("gpu_h2d_bytes"), static_cast<int64_t>(reported->h2d_bytes));
+
+  // The node's setting reaches the tier at its next report.
+  ASSERT_TRUE(client_->SetTunable("gpu.prefetch_depth", "0").ok());
+  iteration();
+  EXPECT_EQ((*tier)->stats().prefetch_depth, 0);
+  const uint64_t prefetched = (*tier)->stats().params.prefetched_units;
+  iteration();
+  EXPECT_EQ((*tier)->stats().params.prefetched_units, prefetched);  // none with depth 0
+  EXPECT_EQ(find(Stats())->prefetch_depth, 0u);
+  ASSERT_TRUE(client_->SetTunable("gpu.prefetch_depth", "-1").ok());
+  iteration();
+  EXPECT_EQ((*tier)->stats().prefetch_depth, 2);  // its own again
+  EXPECT_EQ(client_->SetTunable("gpu.prefetch_depth", "-2").status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Counters that cannot be are refused, and change nothing.
+  GpuTierCounters bad;
+  bad.h2d_bytes = 10;
+  bad.h2d_staged_bytes = 20;
+  auto refused = s->ReportGpuTier(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "staged 20 of 10"))
+      << refused.status();
+  EXPECT_EQ(find(Stats())->h2d_bytes, (*tier)->stats().params.h2d_bytes);
 }
 
 TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {

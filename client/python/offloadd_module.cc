@@ -130,6 +130,16 @@ py::dict TunableDict(const Tunable& t) {
                   "description"_a = t.description, "dynamic"_a = t.dynamic);
 }
 
+py::dict GpuCountersDict(const GpuTierCounters& g) {
+  return py::dict("h2d_bytes"_a = g.h2d_bytes, "h2d_staged_bytes"_a = g.h2d_staged_bytes,
+                  "d2h_bytes"_a = g.d2h_bytes, "tensor_uses"_a = g.tensor_uses,
+                  "resident_hits"_a = g.resident_hits, "prefetch_hits"_a = g.prefetch_hits,
+                  "host_waits"_a = g.host_waits, "evictions"_a = g.evictions,
+                  "resident_bytes"_a = g.resident_bytes, "budget_bytes"_a = g.budget_bytes,
+                  "dma_bytes"_a = g.dma_bytes, "prefetch_depth"_a = g.prefetch_depth,
+                  "prefetch_bytes"_a = g.prefetch_bytes);
+}
+
 py::dict StatsDict(const DaemonStats& s) {
   py::dict counters, tiers;
   for (const DaemonStats::Counter& c : s.counters) counters[py::str(c.name)] = c.value;
@@ -143,7 +153,8 @@ py::dict StatsDict(const DaemonStats& s) {
         "arena_bytes"_a = x.arena_bytes, "steps"_a = x.steps, "held"_a = x.held,
         "params_host_bytes"_a = x.params_host_bytes, "params_nvme_bytes"_a = x.params_nvme_bytes,
         "grads_host_bytes"_a = x.grads_host_bytes, "grads_nvme_bytes"_a = x.grads_nvme_bytes,
-        "state_host_bytes"_a = x.state_host_bytes, "state_nvme_bytes"_a = x.state_nvme_bytes));
+        "state_host_bytes"_a = x.state_host_bytes, "state_nvme_bytes"_a = x.state_nvme_bytes,
+        "gpu"_a = x.gpu.has_value() ? py::object(GpuCountersDict(*x.gpu)) : py::none()));
   }
   return py::dict("version"_a = s.version, "pid"_a = s.pid, "uptime_ms"_a = s.uptime_ms,
                   "optimizer"_a = s.optimizer, "counters"_a = counters, "tiers"_a = tiers,
@@ -187,7 +198,9 @@ py::dict TierStatsDict(const GpuTierStats& s) {
       "d2h_host_waits"_a = s.gradients.host_waits, "d2h_failures"_a = s.gradients.copy_failures,
       "gradients_returned"_a = s.gradients_returned, "dma_regions"_a = s.dma.regions,
       "dma_bytes"_a = s.dma.bytes, "dma_failed_regions"_a = s.dma.failed_regions,
-      "dma_register_us"_a = s.dma.register_us, "daemon_calls"_a = s.daemon_calls);
+      "dma_register_us"_a = s.dma.register_us, "daemon_calls"_a = s.daemon_calls,
+      "reports"_a = s.reports, "prefetch_depth"_a = s.prefetch_depth,
+      "prefetch_bytes"_a = s.prefetch_bytes);
 }
 
 void BindGpu(py::module_& m) {
@@ -230,7 +243,7 @@ void BindGpu(py::module_& m) {
                        uint64_t persistence_threshold_bytes, uint64_t max_live_bytes,
                        uint64_t max_reuse_distance_bytes, uint64_t staging_bytes,
                        bool register_arena, uintptr_t slab, uint64_t slab_bytes,
-                       bool hold_per_iteration) {
+                       bool hold_per_iteration, int64_t report_interval_ms) {
              GpuTierOptions o;
              o.params.budget_bytes = budget_bytes;
              o.params.prefetch_depth = prefetch_depth;
@@ -242,6 +255,8 @@ void BindGpu(py::module_& m) {
              o.gradient_staging_bytes = staging_bytes;
              o.register_arena = register_arena;
              o.hold_per_iteration = hold_per_iteration;
+             o.report_interval = report_interval_ms < 0 ? absl::InfiniteDuration()
+                                                        : absl::Milliseconds(report_interval_ms);
              gpu::DeviceMemory borrowed;
              if (slab != 0) {
                borrowed = gpu::DeviceMemory(device.get(), reinterpret_cast<void*>(slab),
@@ -256,7 +271,7 @@ void BindGpu(py::module_& m) {
            py::arg("persistence_threshold_bytes") = 0, py::arg("max_live_bytes") = 0,
            py::arg("max_reuse_distance_bytes") = 0, py::arg("staging_bytes") = 16ull << 20,
            py::arg("register_arena") = true, py::arg("slab") = 0, py::arg("slab_bytes") = 0,
-           py::arg("hold_per_iteration") = false,
+           py::arg("hold_per_iteration") = false, py::arg("report_interval_ms") = 1000,
            // The tier keeps its session and device; the session keeps the
            // device too: the tier enables DMA, and the session's
            // registrations are given back to the device when it closes or
@@ -298,7 +313,7 @@ void BindGpu(py::module_& m) {
            [](GpuTier& t) { Check(Unlocked([&] { return t.params().Synchronize(); })); })
       .def(
           "set_prefetch",
-          [](GpuTier& t, int depth, uint64_t bytes) { t.params().SetPrefetch(depth, bytes); },
+          [](GpuTier& t, int depth, uint64_t bytes) { t.SetPrefetch(depth, bytes); },
           py::arg("depth"), py::arg("bytes"))
       .def(
           "add_gradient",
