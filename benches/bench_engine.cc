@@ -9,21 +9,20 @@
 namespace offload::bench {
 
 absl::StatusOr<std::unique_ptr<BenchEngine>> MakeBenchEngine(const BenchEngineOptions& o) {
-  auto e = std::make_unique<BenchEngine>();
+  std::unique_ptr<IoBackend> io;
+  EngineOptions e;
   if (!o.nvme.dirs.empty()) {
-    ASSIGN_OR_RETURN(e->backend, MakeIoBackend(o.nvme.io));
-    ASSIGN_OR_RETURN(e->space, SwapSpace::Create(o.nvme, e->backend.get()));
+    ASSIGN_OR_RETURN(io, MakeIoBackend(o.nvme.io));
+    e.nvme = o.nvme;
   }
-  e->pool = std::make_unique<HostPool>(Env::Default(), o.pool_bytes, /*lock_memory=*/false);
-  e->optimizer = std::make_unique<Optimizer>(o.optimizer);
-  ASSIGN_OR_RETURN(e->swapper, Swapper::Create(o.swapper, e->pool.get(), e->space.get()));
-  e->store = std::make_unique<PartitionStore>(Env::Default(), e->swapper.get(), &e->stats,
-                                              o.arena_bytes, Placement{}, o.chunk_elems,
-                                              o.huge_page_bytes);
-  e->steps = std::make_unique<StepRunner>(e->optimizer.get(), e->pool.get(), &e->stats);
-  e->sessions = std::make_unique<SessionManager>(Env::Default(), e->store.get(), e->steps.get(),
-                                                 &e->stats);
-  return e;
+  e.host_budget_bytes = o.pool_bytes;
+  e.optimizer = o.optimizer;
+  e.swapper = o.swapper;
+  e.session_arena_bytes = o.arena_bytes;
+  e.state_chunk_elems = o.chunk_elems;
+  e.huge_page_bytes = o.huge_page_bytes;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(e, Env::Default(), io.get()));
+  return std::make_unique<BenchEngine>(std::move(io), std::move(engine));
 }
 
 }  // namespace offload::bench

@@ -1,9 +1,6 @@
-// The daemon's engine assembled in-process for the benchmarks that drive it
-// without gRPC (step_overlap, out_of_core_step, checkpoint): I/O backend,
-// swap space, host pool, optimizer, swapper, partition store, step runner
-// and session manager, built as offloadd builds them (engine/daemon.cc) and
-// destroyed in reverse (the sessions and their blocks before the swapper,
-// the swapper before the pool and the swap space it writes to).
+// The daemon's engine (engine/engine.h) for the benchmarks that drive it
+// without gRPC (step_overlap, out_of_core_step, checkpoint), with its NVMe
+// tier's I/O backend, and its parts as they reach them.
 #ifndef OFFLOADD_BENCHES_BENCH_ENGINE_H_
 #define OFFLOADD_BENCHES_BENCH_ENGINE_H_
 
@@ -12,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/engine.h"
 #include "engine/partition_store.h"
 #include "engine/session_manager.h"
 #include "engine/stats.h"
@@ -40,15 +38,28 @@ struct BenchEngineOptions {
 };
 
 struct BenchEngine {
-  std::unique_ptr<IoBackend> backend;
-  std::unique_ptr<SwapSpace> space;
-  Stats stats;
-  std::unique_ptr<HostPool> pool;
-  std::unique_ptr<Optimizer> optimizer;
-  std::unique_ptr<Swapper> swapper;
-  std::unique_ptr<PartitionStore> store;
-  std::unique_ptr<StepRunner> steps;
-  std::unique_ptr<SessionManager> sessions;
+  BenchEngine(std::unique_ptr<IoBackend> io, std::unique_ptr<Engine> e)
+      : backend(std::move(io)),
+        engine(std::move(e)),
+        stats(engine->stats()),
+        pool(&engine->pool()),
+        optimizer(&engine->optimizer()),
+        space(engine->swap_space()),
+        swapper(&engine->swapper()),
+        store(&engine->store()),
+        steps(&engine->steps()),
+        sessions(&engine->sessions()) {}
+
+  std::unique_ptr<IoBackend> backend;  // outlives the engine's swap space
+  std::unique_ptr<Engine> engine;
+  Stats& stats;
+  HostPool* const pool;
+  Optimizer* const optimizer;
+  SwapSpace* const space;  // null without an NVMe tier
+  Swapper* const swapper;
+  PartitionStore* const store;
+  StepRunner* const steps;
+  SessionManager* const sessions;
 };
 
 absl::StatusOr<std::unique_ptr<BenchEngine>> MakeBenchEngine(const BenchEngineOptions& options);

@@ -61,7 +61,7 @@ struct Options {
 // tensor of kTensors.
 class Rank {
  public:
-  Rank(Engine* engine, int rank, int world, const Options& o) : engine_(engine), o_(o) {
+  Rank(TestEngine* engine, int rank, int world, const Options& o) : engine_(engine), o_(o) {
     PlacementChange placement;
     if (o.restore_from.empty()) placement[DataKind::kOptimizerState] = o.state_host_percent;
     auto opened = engine->sessions->Open(
@@ -77,7 +77,7 @@ class Rank {
 
   void RegisterAll(int rank, int world) {
     const Options& o = o_;
-    Engine* engine = engine_;
+    TestEngine* engine = engine_;
     for (size_t t = 0; t < std::size(kTensors); ++t) {
       const uint64_t slice = (kTensors[t].numel + world - 1) / world;
       PartitionSpec spec;
@@ -162,7 +162,7 @@ class Rank {
     size_t tensor;
     uint64_t offset;
   };
-  Engine* engine_;
+  TestEngine* engine_;
   Options o_;
   SessionKey key_;
   HostMemory arena_;
@@ -196,7 +196,7 @@ class RestoreTest : public ::testing::TestWithParam<Case> {};
 TEST_P(RestoreTest, ContinuesBitForBit) {
   const Case& c = GetParam();
   const std::string dir = TmpDir(std::string("ckpt-") + c.name);
-  Engine first(TmpDir(std::string("nvme-a-") + c.name), 64 << 20, 8, kChunk);
+  TestEngine first(TmpDir(std::string("nvme-a-") + c.name), 64 << 20, 8, kChunk);
   std::vector<std::unique_ptr<Rank>> ranks;
   for (int r = 0; r < c.world_before; ++r) {
     ranks.push_back(std::make_unique<Rank>(&first, r, c.world_before, c.options));
@@ -226,7 +226,7 @@ TEST_P(RestoreTest, ContinuesBitForBit) {
     expected.push_back(s);
   }
 
-  Engine second(TmpDir(std::string("nvme-b-") + c.name), 64 << 20, 8, kChunk);
+  TestEngine second(TmpDir(std::string("nvme-b-") + c.name), 64 << 20, 8, kChunk);
   Options o = c.options;
   o.restore_from = dir;
   std::vector<std::unique_ptr<Rank>> restored;
@@ -279,7 +279,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(RestoreErrors, SayWhatIsWrong) {
-  Engine engine(TmpDir("nvme-errors"), 64 << 20, 8, kChunk);
+  TestEngine engine(TmpDir("nvme-errors"), 64 << 20, 8, kChunk);
   EXPECT_EQ(engine.sessions->Open("x", {}, std::nullopt, std::nullopt, TmpDir("none")).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(engine.sessions->Open("x", {}, std::nullopt, std::nullopt, "relative").status().code(),
@@ -343,7 +343,7 @@ class RecordingSink : public ChunkSink {
 // other a step and an accumulation run while its checkpoint is open, and
 // capture first what they change: both checkpoints hold the same bytes.
 TEST(CopyOnWrite, AStepDuringACheckpointChangesNothingInIt) {
-  Engine engine(TmpDir("nvme-cow"), 64 << 20, 8, kChunk);
+  TestEngine engine(TmpDir("nvme-cow"), 64 << 20, 8, kChunk);
   const uint64_t numel = 3 * kChunk + 10;
   auto make = [&](uint64_t session) {
     auto set = engine.store->CreateSet(session, All(0));  // everything on NVMe
@@ -417,7 +417,7 @@ struct FullPoolSet {
 
   // Partitions `first_id` (a) and `first_id` + 1 (b): ids are the node's,
   // so two sets in one engine need different ones.
-  FullPoolSet(Engine& engine, uint64_t session, uint64_t first_id = 1) {
+  FullPoolSet(TestEngine& engine, uint64_t session, uint64_t first_id = 1) {
     auto made = engine.store->CreateSet(session, All(0));
     EXPECT_TRUE(made.ok()) << made.status();
     set = *std::move(made);
@@ -454,7 +454,7 @@ struct FullPoolSet {
 };
 
 // A synchronous step of `set` (lr 0.1).
-absl::StatusOr<StepSummary> RunStep(Engine& engine, PartitionSet& set) {
+absl::StatusOr<StepSummary> RunStep(TestEngine& engine, PartitionSet& set) {
   AdamHyperparams h;
   h.lr = 0.1;
   return engine.steps->Run(set, h, false, {});
@@ -464,7 +464,7 @@ absl::StatusOr<StepSummary> RunStep(Engine& engine, PartitionSet& set) {
 // until Go(); the destructor lets it go and joins it.
 class HeldStep {
  public:
-  HeldStep(Engine& engine, PartitionSet& set, StepPoint point) : engine_(engine) {
+  HeldStep(TestEngine& engine, PartitionSet& set, StepPoint point) : engine_(engine) {
     engine.steps->SetSyncPointForTesting([this, point](StepPoint at) {
       if (at != point || reached_.HasBeenNotified()) return;
       reached_.Notify();
@@ -486,7 +486,7 @@ class HeldStep {
   }
 
  private:
-  Engine& engine_;
+  TestEngine& engine_;
   absl::Notification reached_, go_;
   absl::StatusOr<StepSummary> result_;
   std::thread thread_;
@@ -494,7 +494,7 @@ class HeldStep {
 
 // The checkpoint of a FullPoolSet with nothing running, chunk by chunk.
 std::map<std::tuple<uint64_t, uint64_t, int>, std::string> QuietCheckpoint() {
-  Engine engine(TmpDir("nvme-quiet"), 64 << 20, 8, kChunk);
+  TestEngine engine(TmpDir("nvme-quiet"), 64 << 20, 8, kChunk);
   FullPoolSet quiet(engine, 1);
   RecordingSink sink;
   EXPECT_TRUE(quiet.set->BeginCheckpoint(&sink).ok());
@@ -528,7 +528,7 @@ class Background {
 // the capture the step makes before changing a chunk reads the blocks it
 // pinned, needing no room of its own.
 TEST(CopyOnWrite, AStepsCaptureNeedsNoRoomInThePoolItsOwnPinsFill) {
-  Engine engine(TmpDir("nvme-full-step"), 48 * FullPoolSet::Block(), 8, kChunk);
+  TestEngine engine(TmpDir("nvme-full-step"), 48 * FullPoolSet::Block(), 8, kChunk);
   FullPoolSet busy(engine, 2);
   ASSERT_TRUE(busy.set->Fetch({busy.b.id}).ok());  // the forward pass holds b
   RecordingSink sink;
@@ -546,7 +546,7 @@ TEST(CopyOnWrite, AStepsCaptureNeedsNoRoomInThePoolItsOwnPinsFill) {
 // The checkpoint's writer finds the pool full of a running step's pins and
 // the trainer's holds: it captures without waiting for the step.
 TEST(CopyOnWrite, TheWritersCaptureNeedsNoRoomWhileAStepFillsThePool) {
-  Engine engine(TmpDir("nvme-full-writer"), 48 * FullPoolSet::Block(), 8, kChunk);
+  TestEngine engine(TmpDir("nvme-full-writer"), 48 * FullPoolSet::Block(), 8, kChunk);
   FullPoolSet busy(engine, 2);
   ASSERT_TRUE(busy.set->Fetch({busy.b.id}).ok());
   RecordingSink sink;
@@ -577,7 +577,7 @@ TEST(CopyOnWrite, TheWritersCaptureNeedsNoRoomWhileAStepFillsThePool) {
 TEST(CopyOnWrite, APoolFullOfHeldPartitionsDoesNotFailTheCheckpoint) {
   for (bool held_by_other_session : {false, true}) {
     SCOPED_TRACE(held_by_other_session ? "held by another session" : "held by its trainer");
-    Engine engine(TmpDir("nvme-full-held"), 64 << 20, 8, kChunk);
+    TestEngine engine(TmpDir("nvme-full-held"), 64 << 20, 8, kChunk);
     FullPoolSet mine(engine, 1);
     std::optional<FullPoolSet> other;
     if (held_by_other_session) other.emplace(engine, 2, /*first_id=*/11);
@@ -616,7 +616,7 @@ TEST(CopyOnWrite, AFullCheckpointDiskFailsTheCheckpointNotTheStep) {
     }
     std::atomic<int> writes{0};
   } sink;
-  Engine engine(TmpDir("nvme-full-disk"), 64 << 20, 8, kChunk);
+  TestEngine engine(TmpDir("nvme-full-disk"), 64 << 20, 8, kChunk);
   FullPoolSet busy(engine, 2);
   ASSERT_TRUE(busy.set->BeginCheckpoint(&sink).ok());
   auto stepped = RunStep(engine, *busy.set);
@@ -634,7 +634,7 @@ TEST(CopyOnWrite, AFullCheckpointDiskFailsTheCheckpointNotTheStep) {
 // own sizes and bytes, as a checkpoint taken with room to spare has them.
 TEST(CopyOnWrite, ACheckpointWithNoRoomInThePoolEqualsOneWithRoom) {
   auto checkpoint = [](bool room) {
-    Engine engine(TmpDir(room ? "nvme-room" : "nvme-no-room"), 64 << 20, 8, kChunk);
+    TestEngine engine(TmpDir(room ? "nvme-room" : "nvme-no-room"), 64 << 20, 8, kChunk);
     auto set = engine.store->CreateSet(1, All(0));
     EXPECT_TRUE(set.ok()) << set.status();
     const uint64_t numel = 2 * kChunk + kChunk / 2;
@@ -675,7 +675,7 @@ TEST(CopyOnWrite, ACheckpointWithNoRoomInThePoolEqualsOneWithRoom) {
 // (RecordingSink fails the test on a second write), with the bytes as they
 // were when the checkpoint began.
 TEST(CopyOnWrite, ACaptureThatLosesItsRoomMidwayCopiesTheRestOut) {
-  Engine engine(TmpDir("nvme-resume"), 64 << 20, 8, kChunk);
+  TestEngine engine(TmpDir("nvme-resume"), 64 << 20, 8, kChunk);
   FullPoolSet busy(engine, 2);
   // Everything to NVMe, so that the captures read it back.
   const uint64_t limit = engine.pool->limit();
@@ -708,7 +708,7 @@ TEST(CopyOnWrite, ACaptureThatLosesItsRoomMidwayCopiesTheRestOut) {
 // checkpoint waits for the release (refuses); a writable hold taken while a
 // checkpoint runs gets its chunks captured before the fetch returns.
 TEST(CopyOnWrite, WritableHoldsAreNeverCapturedMidWrite) {
-  Engine engine(TmpDir("nvme-writable"), 64 << 20, 8, kChunk);
+  TestEngine engine(TmpDir("nvme-writable"), 64 << 20, 8, kChunk);
   auto set = engine.store->CreateSet(1);
   ASSERT_TRUE(set.ok());
   const uint64_t numel = 2 * kChunk;
@@ -746,7 +746,7 @@ TEST(CopyOnWrite, WritableHoldsAreNeverCapturedMidWrite) {
 
 TEST(CopyOnWrite, BackgroundCheckpointWhileTrainingRestoresTheStateAtItsStart) {
   const std::string dir = TmpDir("ckpt-background");
-  Engine first(TmpDir("nvme-bg-a"), 64 << 20, 8, kChunk);
+  TestEngine first(TmpDir("nvme-bg-a"), 64 << 20, 8, kChunk);
   Rank r(&first, 0, 1, Bf16StateOnNvme());
   for (int step = 1; step <= 2; ++step) {
     r.ReturnGradients(step);
@@ -769,7 +769,7 @@ TEST(CopyOnWrite, BackgroundCheckpointWhileTrainingRestoresTheStateAtItsStart) {
   EXPECT_EQ(done->summary.steps, 2u);
   EXPECT_FALSE(done->summary.manifest.empty());
 
-  Engine second(TmpDir("nvme-bg-b"), 64 << 20, 8, kChunk);
+  TestEngine second(TmpDir("nvme-bg-b"), 64 << 20, 8, kChunk);
   Options o = Bf16StateOnNvme();
   o.restore_from = dir;
   Rank q(&second, 0, 1, o);

@@ -39,34 +39,34 @@ std::array<PlacementTunable, kDataKinds> PlacementTunables(const PlacementOption
 }  // namespace
 
 Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
-    : options_(options), registry_(registry),
-      pool_(Env::Default(), static_cast<uint64_t>(options->memory.host_budget_bytes),
-            options->memory.lock_pool),
-      optimizer_(options->optimizer) {}
+    : options_(options), registry_(registry) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                                                       ConfigRegistry* registry) {
   std::unique_ptr<Daemon> d(new Daemon(options, registry));
-  // The constructor fell back to "auto" for a kernel this CPU lacks; say so.
-  RETURN_IF_ERROR(d->optimizer_.SetKernel(options->optimizer.kernel));
   ASSIGN_OR_RETURN(d->host_home_pages_,
                    ResolveHostHomePages(options->memory.host_home_pages, DamonMonitors()));
-  RETURN_IF_ERROR(d->StartNvmeTier());
-  SwapperOptions swapper = options->swapper;
-  swapper.host_home_pages = d->host_home_pages_.pages;
-  ASSIGN_OR_RETURN(d->swapper_, Swapper::Create(swapper, &d->pool_, d->swap_.get()));
-  Placement placement;
+  EngineOptions e;
+  e.host_budget_bytes = static_cast<uint64_t>(options->memory.host_budget_bytes);
+  e.lock_pool = options->memory.lock_pool;
+  e.optimizer = options->optimizer;
+  e.swapper = options->swapper;
+  e.swapper.host_home_pages = d->host_home_pages_.pages;
+  const bool nvme = !options->nvme.DirList().empty();
   for (const auto& [kind, name, value] : PlacementTunables(options->placement)) {
-    placement[kind] = static_cast<int>(*value);
-    absl::Status ok = PartitionStore::CheckPlacement(kind, placement[kind], d->swap_ != nullptr);
+    e.placement[kind] = static_cast<int>(*value);
+    absl::Status ok = PartitionStore::CheckPlacement(kind, e.placement[kind], nvme);
     if (!ok.ok()) return absl::Status(ok.code(), absl::StrCat(name, ": ", ok.message()));
   }
-  d->store_ = std::make_unique<PartitionStore>(
-      Env::Default(), d->swapper_.get(), &d->stats_,
-      static_cast<uint64_t>(options->memory.session_arena_bytes), placement,
-      static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float),
-      options->memory.arena_huge_pages ? SharedHugePageBytes() : 0);
-  if (options->memory.arena_huge_pages && SharedHugePageBytes() == 0 && d->swap_ != nullptr) {
+  e.state_chunk_elems = static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float);
+  e.session_arena_bytes = static_cast<uint64_t>(options->memory.session_arena_bytes);
+  e.huge_page_bytes = options->memory.arena_huge_pages ? SharedHugePageBytes() : 0;
+  if (nvme) {
+    ASSIGN_OR_RETURN(d->io_, MakeIoBackend(options->nvme.io));
+    e.nvme = options->nvme;
+  }
+  ASSIGN_OR_RETURN(d->engine_, Engine::Create(e, Env::Default(), d->io_.get()));
+  if (options->memory.arena_huge_pages && SharedHugePageBytes() == 0 && nvme) {
     LogWarning(
         "shared memory gets no huge pages on this node "
         "(/sys/kernel/mm/transparent_hugepage/shmem_enabled is never or deny): parameters and "
@@ -75,11 +75,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
         "'echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled' before starting "
         "offloadd lifts that");
   }
-  d->steps_ = std::make_unique<StepRunner>(&d->optimizer_, &d->pool_, &d->stats_);
-  d->sessions_ = std::make_unique<SessionManager>(Env::Default(), d->store_.get(),
-                                                  d->steps_.get(), &d->stats_);
-  d->sessions_->SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
-  d->sessions_->SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
+  SessionManager& sessions = d->engine_->sessions();
+  sessions.SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
+  sessions.SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
@@ -90,7 +88,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   const std::string kept = d->PreservedDir();
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
-      const int n = d->sessions_->RestorePreserved(kept);
+      const int n = d->engine_->sessions().RestorePreserved(kept);
       LogInfo("reopened %d session(s) kept across the restart; their trainers have %d s to "
               "resume them", n, static_cast<int>(server.reconnect_lease_seconds));
     } else {
@@ -100,7 +98,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     }
   }
   ASSIGN_OR_RETURN(d->arena_channel_,
-                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), d->sessions_.get(),
+                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
                                        absl::Seconds(server.attach_lease_seconds),
                                        absl::Seconds(server.idle_lease_seconds),
                                        absl::Seconds(server.reconnect_lease_seconds)));
@@ -112,7 +110,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     d->guard_ = std::make_unique<AccessGuard>("", "");
   }
   d->partition_service_ = std::make_unique<PartitionServiceImpl>(
-      d->sessions_.get(), &d->stats_, &d->calls_, d->guard_.get(), d->arena_channel_->path());
+      &d->engine_->sessions(), &d->engine_->stats(), &d->calls_, d->guard_.get(), d->arena_channel_->path());
   d->config_service_ = std::make_unique<ConfigServiceImpl>(registry, d->guard_.get());
   ServerIdentity identity;
   identity.started = absl::Now();
@@ -135,7 +133,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   builder.RegisterService(d->config_service_.get());
   Daemon* raw = d.get();
   d->stats_service_ = std::make_unique<StatsServiceImpl>([raw] { return raw->Snapshot(); },
-                                                         &d->optimizer_, identity);
+                                                         &d->engine_->optimizer(), identity);
   builder.RegisterService(d->stats_service_.get());
   // gRPC creates the socket file with the process umask: owner-only.
   mode_t old_mask = umask(0177);
@@ -168,17 +166,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
 void Daemon::SetHooks() {
   Daemon* raw = this;
   registry_->SetHook<int64_t>("optimizer.threads",
-                             [raw](const int64_t& v) { return raw->optimizer_.SetThreads(v); });
+                             [raw](const int64_t& v) { return raw->engine_->optimizer().SetThreads(v); });
   registry_->SetHook<int64_t>("optimizer.tile_elems",
-                             [raw](const int64_t& v) { return raw->optimizer_.SetTileElems(v); });
+                             [raw](const int64_t& v) { return raw->engine_->optimizer().SetTileElems(v); });
   registry_->SetHook<std::string>(
-      "optimizer.kernel", [raw](const std::string& v) { return raw->optimizer_.SetKernel(v); });
+      "optimizer.kernel", [raw](const std::string& v) { return raw->engine_->optimizer().SetKernel(v); });
   registry_->SetHook<bool>("optimizer.check_finite", [raw](const bool& v) {
-    raw->optimizer_.SetCheckFinite(v);
+    raw->engine_->optimizer().SetCheckFinite(v);
     return absl::OkStatus();
   });
   registry_->SetHook<bool>("nvme.checksum", [raw](const bool& v) {
-    if (raw->swap_ != nullptr) raw->swap_->SetChecksum(v);
+    if (raw->engine_->swap_space() != nullptr) raw->engine_->swap_space()->SetChecksum(v);
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("nvme.queue_depth", [raw](const int64_t& v) {
@@ -191,40 +189,40 @@ void Daemon::SetHooks() {
     return raw->io_ != nullptr ? raw->io_->SetSubmitBatch(v) : absl::OkStatus();
   });
   registry_->SetHook<int64_t>("server.ring_spin_us", [raw](const int64_t& v) {
-    raw->sessions_->SetRingSpin(absl::Microseconds(v));
+    raw->engine_->sessions().SetRingSpin(absl::Microseconds(v));
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
-    raw->pool_.SetLimit(static_cast<uint64_t>(v));
-    raw->swapper_->Trim();  // gives cached state back if the pool is now over
+    raw->engine_->pool().SetLimit(static_cast<uint64_t>(v));
+    raw->engine_->swapper().Trim();  // gives cached state back if the pool is now over
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {
-    raw->store_->SetArenaCapacity(static_cast<uint64_t>(v));
+    raw->engine_->store().SetArenaCapacity(static_cast<uint64_t>(v));
     return absl::OkStatus();
   });
   for (const auto& [kind, name, value] : PlacementTunables(options_->placement)) {
     registry_->SetHook<int64_t>(name, [raw, kind = kind](const int64_t& v) {
       RETURN_IF_ERROR(
-          PartitionStore::CheckPlacement(kind, static_cast<int>(v), raw->swap_ != nullptr));
-      raw->store_->SetDefaultPlacement(kind, static_cast<int>(v));
+          PartitionStore::CheckPlacement(kind, static_cast<int>(v), raw->engine_->swap_space() != nullptr));
+      raw->engine_->store().SetDefaultPlacement(kind, static_cast<int>(v));
       return absl::OkStatus();
     });
   }
   registry_->SetHook<int64_t>("gpu.prefetch_depth", [raw](const int64_t& v) {
-    raw->sessions_->SetGpuTierSettings({v, raw->options_->gpu.prefetch_bytes});
+    raw->engine_->sessions().SetGpuTierSettings({v, raw->options_->gpu.prefetch_bytes});
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("gpu.prefetch_bytes", [raw](const int64_t& v) {
-    raw->sessions_->SetGpuTierSettings({raw->options_->gpu.prefetch_depth, v});
+    raw->engine_->sessions().SetGpuTierSettings({raw->options_->gpu.prefetch_depth, v});
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("swapper.prefetch_depth", [raw](const int64_t& v) {
-    raw->swapper_->SetPrefetch(v, raw->options_->swapper.prefetch_bytes);
+    raw->engine_->swapper().SetPrefetch(v, raw->options_->swapper.prefetch_bytes);
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("swapper.prefetch_bytes", [raw](const int64_t& v) {
-    raw->swapper_->SetPrefetch(raw->options_->swapper.prefetch_depth, v);
+    raw->engine_->swapper().SetPrefetch(raw->options_->swapper.prefetch_depth, v);
     return absl::OkStatus();
   });
 }
@@ -246,14 +244,14 @@ absl::StatusOr<std::string> Daemon::WriteTcpToken() {
 
 DaemonSnapshot Daemon::Snapshot() const {
   DaemonSnapshot s;
-  s.counters = stats_.Snapshot();
-  AppendSwapperCounters(swapper_->Stats(), &s.counters);
-  s.tiers.push_back({"host", pool_.used(), pool_.limit()});
-  if (swap_ != nullptr) {
-    const SwapStats nvme = swap_->Stats();
+  s.counters = engine_->stats().Snapshot();
+  AppendSwapperCounters(engine_->swapper().Stats(), &s.counters);
+  s.tiers.push_back({"host", engine_->pool().used(), engine_->pool().limit()});
+  if (engine_->swap_space() != nullptr) {
+    const SwapStats nvme = engine_->swap_space()->Stats();
     s.tiers.push_back({"nvme", nvme.capacity - nvme.free, nvme.capacity});
   }
-  s.sessions = sessions_->Sessions();
+  s.sessions = engine_->sessions().Sessions();
   return s;
 }
 
@@ -271,7 +269,7 @@ std::vector<std::string> Daemon::Describe() const {
         absl::StrCat("metrics (Prometheus) on http://127.0.0.1:", metrics_->port(), "/metrics"));
   }
   lines.push_back(absl::StrCat(
-      "tier host: budget ", FormatByteSize(static_cast<int64_t>(pool_.limit())),
+      "tier host: budget ", FormatByteSize(static_cast<int64_t>(engine_->pool().limit())),
       " (one pool for every session's arena and optimizer state",
       options_->memory.lock_pool ? ", locked where permitted" : "", "); per-session arena up to ",
       FormatByteSize(options_->memory.session_arena_bytes)));
@@ -289,10 +287,10 @@ std::vector<std::string> Daemon::Describe() const {
                       : absl::StrCat("large partitions on ",
                                      FormatByteSize(static_cast<int64_t>(huge)), " pages")));
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
-  if (swap_ == nullptr) {
+  if (engine_->swap_space() == nullptr) {
     lines.push_back("tier nvme: off (set nvme.dirs to enable)");
   } else {
-    SwapStats s = swap_->Stats();
+    SwapStats s = engine_->swap_space()->Stats();
     std::vector<std::string> files;
     for (const auto& d : s.dirs) {
       files.push_back(absl::StrCat(d.path, d.direct ? " (O_DIRECT)" : " (buffered)"));
@@ -307,24 +305,11 @@ std::vector<std::string> Daemon::Describe() const {
       "%, grads ", options_->placement.grads_host_percent, "%, optimizer state ",
       options_->placement.optimizer_state_host_percent, "%; prefetch ", options_->swapper.prefetch_depth, " uses / ",
       FormatByteSize(options_->swapper.prefetch_bytes), " ahead"));
-  lines.push_back(absl::StrCat("optimizer: ", optimizer_.kernel_name(), " Adam on ",
-                               optimizer_.threads(), " threads, non-finite check ",
+  lines.push_back(absl::StrCat("optimizer: ", engine_->optimizer().kernel_name(), " Adam on ",
+                               engine_->optimizer().threads(), " threads, non-finite check ",
                                options_->optimizer.check_finite ? "on" : "off"));
   lines.push_back(absl::StrCat("data directory ", options_->server.data_dir));
   return lines;
-}
-
-absl::Status Daemon::StartNvmeTier() {
-  const NvmeOptions& n = options_->nvme;
-  if (n.DirList().empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(io_, MakeIoBackend(n.io));
-  absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, io_.get());
-  if (!space.ok()) {
-    return absl::Status(space.status().code(),
-                        absl::StrCat("NVMe tier (nvme.dirs): ", space.status().message()));
-  }
-  swap_ = std::move(*space);
-  return absl::OkStatus();
 }
 
 std::string Daemon::PreservedDir() const {
@@ -348,7 +333,7 @@ void Daemon::Shutdown() {
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.
   if (keep) {
-    const int n = sessions_->Preserve(PreservedDir());
+    const int n = engine_->sessions().Preserve(PreservedDir());
     if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
   }
   metrics_.reset();

@@ -17,23 +17,16 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/config_registry.h"
-#include "cpu_adam/optimizer.h"
 #include "engine/access_guard.h"
 #include "engine/arena_channel.h"
 #include "engine/call_gate.h"
 #include "engine/daemon_options.h"
+#include "engine/engine.h"
 #include "engine/metrics.h"
-#include "engine/partition_store.h"
 #include "engine/service.h"
-#include "engine/session_manager.h"
 #include "engine/snapshot.h"
-#include "engine/stats.h"
-#include "engine/step_runner.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/io_backend.h"
-#include "nvme/swap_space.h"
-#include "swapper/host_pool.h"
-#include "swapper/swapper.h"
 
 namespace offload {
 
@@ -57,7 +50,6 @@ class Daemon {
 
  private:
   Daemon(DaemonOptions* options, ConfigRegistry* registry);
-  absl::Status StartNvmeTier();
 
   void SetHooks();
   // Where Shutdown keeps sessions for the next offloadd.
@@ -65,21 +57,15 @@ class Daemon {
   // A fresh token for TCP callers, written owner-only to the data directory.
   absl::StatusOr<std::string> WriteTcpToken();
 
-  // Built in this order by Start (and destroyed in reverse: sessions before
-  // the swapper, the swapper before the pool and the swap space).
+  // Built in this order by Start and destroyed in reverse: what serves the
+  // engine before it, the engine (engine/engine.h says its own order)
+  // before the I/O backend its swap space writes through.
   DaemonOptions* const options_;
   ConfigRegistry* const registry_;
-  HostPool pool_;
   HostHomePages host_home_pages_;  // memory.host_home_pages, resolved at start
-  Stats stats_;
-  Optimizer optimizer_;
-  // The NVMe tier, when nvme.dirs names directories.
+  // The NVMe tier's I/O, when nvme.dirs names directories.
   std::unique_ptr<IoBackend> io_;
-  std::unique_ptr<SwapSpace> swap_;
-  std::unique_ptr<Swapper> swapper_;
-  std::unique_ptr<PartitionStore> store_;
-  std::unique_ptr<StepRunner> steps_;
-  std::unique_ptr<SessionManager> sessions_;
+  std::unique_ptr<Engine> engine_;
   CallGate calls_;
   std::string socket_path_;
   int tcp_port_ = -1;

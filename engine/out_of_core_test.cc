@@ -64,7 +64,7 @@ FetchMode WithGrads() {
 // Destroy it after the step has ended (WaitStep).
 class StepGate {
  public:
-  explicit StepGate(Engine& engine, StepPoint point = StepPoint::kGroupDone)
+  explicit StepGate(TestEngine& engine, StepPoint point = StepPoint::kGroupDone)
       : engine_(engine), point_(point) {
     engine.steps->SetSyncPointForTesting([this](StepPoint p) {
       if (counts_[static_cast<int>(p)]++ != 0 || p != point_) return;
@@ -83,7 +83,7 @@ class StepGate {
   int count(StepPoint p) const { return counts_[static_cast<int>(p)].load(); }
 
  private:
-  Engine& engine_;
+  TestEngine& engine_;
   const StepPoint point_;
   static_assert(static_cast<int>(StepPoint::kMeasuring) < 8, "a count for every StepPoint");
   std::atomic<int> counts_[8] = {};
@@ -92,7 +92,7 @@ class StepGate {
 
 // Whether a call began waiting for a step (the count moved past `before`)
 // within 20 s.
-bool AwaitAWaitForStep(Engine& engine, int64_t before) {
+bool AwaitAWaitForStep(TestEngine& engine, int64_t before) {
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (engine.stats.waits_for_step.load() == before) {
     if (absl::Now() > deadline) return false;
@@ -103,7 +103,7 @@ bool AwaitAWaitForStep(Engine& engine, int64_t before) {
 
 // The check of OverlappedStepWhereOnlyThePendingFetchWaits (void, for its
 // ASSERTs).
-void ExpectOnlyThePendingFetchWaits(Engine& engine, const SessionKey& key, uint64_t updated,
+void ExpectOnlyThePendingFetchWaits(TestEngine& engine, const SessionKey& key, uint64_t updated,
                                     uint64_t pending, StepGate& gate) {
   const int64_t waits = engine.stats.waits_for_step.load();
   auto got = engine.sessions->Fetch(key, {updated});
@@ -124,7 +124,7 @@ void ExpectOnlyThePendingFetchWaits(Engine& engine, const SessionKey& key, uint6
 // it, waits until the gate opens. Both come back with the step applied.
 // Returns the step's outcome.
 absl::StatusOr<StepSummary> OverlappedStepWhereOnlyThePendingFetchWaits(
-    Engine& engine, const SessionKey& key, uint64_t updated, uint64_t pending, StepGate& gate) {
+    TestEngine& engine, const SessionKey& key, uint64_t updated, uint64_t pending, StepGate& gate) {
   StepControl overlap;
   overlap.overlap = true;
   auto started = engine.sessions->Step(key, AdamHyperparams{}, overlap);
@@ -140,7 +140,7 @@ absl::StatusOr<StepSummary> OverlappedStepWhereOnlyThePendingFetchWaits(
 // ZeRO-3 holds a layer's.
 class Trainer {
  public:
-  Trainer(Engine* engine, const PlacementChange& placement,
+  Trainer(TestEngine* engine, const PlacementChange& placement,
           const std::vector<uint64_t>& sizes = kSizes)
       : engine_(engine) {
     auto opened = engine->sessions->Open("t", placement);
@@ -261,7 +261,7 @@ class Trainer {
   const HostMemory& arena() const { return arena_; }
 
  private:
-  Engine* engine_;
+  TestEngine* engine_;
   SessionKey key_;
   std::vector<PartitionInfo> parts_;
   HostMemory arena_;
@@ -310,9 +310,9 @@ std::string TmpDir(const std::string& name) { return std::string(getenv("TEST_TM
 // The issue's case: parameters, gradients and optimizer state all on NVMe,
 // four times the pool.
 TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
-  Engine in_memory(TmpDir("a"), 64 << 20);
+  TestEngine in_memory(TmpDir("a"), 64 << 20);
   Trainer reference(&in_memory, All(100));
-  Engine small(TmpDir("b"), RoundUpToPage(TotalBytes() / 4));
+  TestEngine small(TmpDir("b"), RoundUpToPage(TotalBytes() / 4));
   Trainer out_of_core(&small, All(0));
   ASSERT_EQ(reference.Params(), out_of_core.Params());
   for (int step = 1; step <= 6; ++step) {
@@ -380,8 +380,8 @@ TEST(OutOfCore, PartitionsLaidOutForHugePagesTrainBitForBitWithinThePool) {
   const uint64_t pool = state + 14 * (1 << 20);
   PlacementChange on_nvme = All(0);
   on_nvme[DataKind::kOptimizerState] = 100;
-  Engine small_pages(TmpDir("small"), pool, 8, kChunk, 0);
-  Engine huge_pages(TmpDir("huge"), pool, 8, kChunk, kHuge);
+  TestEngine small_pages(TmpDir("small"), pool, 8, kChunk, 0);
+  TestEngine huge_pages(TmpDir("huge"), pool, 8, kChunk, kHuge);
   Trainer reference(&small_pages, on_nvme, sizes);
   Trainer trainer(&huge_pages, on_nvme, sizes);
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -433,9 +433,9 @@ TEST(OutOfCore, PartitionsLaidOutForHugePagesTrainBitForBitWithinThePool) {
 // what it releases leaves the arena; holding more than the pool can ever
 // hold is RESOURCE_EXHAUSTED with the numbers, and holds nothing.
 TEST(OutOfCore, HeldPartitionsStayAndReleasedOnesLeave) {
-  Engine in_memory(TmpDir("j"), 64 << 20);
+  TestEngine in_memory(TmpDir("j"), 64 << 20);
   Trainer reference(&in_memory, All(100));
-  Engine small(TmpDir("k"), RoundUpToPage(TotalBytes() / 4));
+  TestEngine small(TmpDir("k"), RoundUpToPage(TotalBytes() / 4));
   Trainer t(&small, All(0));
   const std::string before = reference.Params();
   ASSERT_EQ(t.Params(), before);
@@ -477,7 +477,7 @@ TEST(OutOfCore, HeldPartitionsStayAndReleasedOnesLeave) {
 // A trainer that dies (its session abandoned) releases what it held: the
 // pool it filled serves the next trainer.
 TEST(OutOfCore, ATrainerThatDiesReleasesWhatItHeld) {
-  Engine small(TmpDir("l"), RoundUpToPage(TotalBytes() / 4));
+  TestEngine small(TmpDir("l"), RoundUpToPage(TotalBytes() / 4));
   Trainer greedy(&small, All(0));
   Trainer next(&small, All(0));
   // `greedy` holds its biggest partition's parameters and gradients.
@@ -492,7 +492,7 @@ TEST(OutOfCore, ATrainerThatDiesReleasesWhatItHeld) {
 // A swap-in that fails (EIO) fails the hold with DATA_LOSS and holds
 // nothing; the NVMe copy is intact, and the next hold reads it.
 TEST(OutOfCore, AFailedSwapInFailsTheFetchAndKeepsTheCopy) {
-  Engine small(TmpDir("m"), RoundUpToPage(TotalBytes() / 4), /*prefetch_depth=*/0);
+  TestEngine small(TmpDir("m"), RoundUpToPage(TotalBytes() / 4), /*prefetch_depth=*/0);
   Trainer t(&small, All(0));
   const std::string before = t.Params();
   const PartitionInfo& p = t.parts()[0];
@@ -520,7 +520,7 @@ TEST(OutOfCore, AFailedSwapInFailsTheFetchAndKeepsTheCopy) {
 }
 
 TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {
-  Engine engine(TmpDir("c"), 64 << 20);
+  TestEngine engine(TmpDir("c"), 64 << 20);
   Trainer quarter(&engine, StateAt(25));
   auto sessions = engine.sessions->Sessions();
   ASSERT_EQ(sessions.size(), 1u);
@@ -534,13 +534,13 @@ TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {
 }
 
 TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
-  Engine in_memory(TmpDir("d"), 64 << 20);
+  TestEngine in_memory(TmpDir("d"), 64 << 20);
   Trainer reference(&in_memory, All(100));
   const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
                               RoundUpToPage(kSizes[2] * 4));
   // No prefetch: every read is the step's own, so the failing one is too (a
   // failed prefetch is simply read again by the step).
-  Engine small(TmpDir("e"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
+  TestEngine small(TmpDir("e"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
   // Only the state on NVMe: every read of the step is a state chunk's.
   Trainer out_of_core(&small, StateAt(0));
   for (int step = 1; step <= 3; ++step) {
@@ -582,9 +582,9 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
 // before and after, and training stays bit-for-bit that of data kept in
 // memory throughout.
 TEST(OutOfCore, LivePlacementChangesMoveDataAndKeepTrainingExact) {
-  Engine in_memory(TmpDir("f"), 64 << 20);
+  TestEngine in_memory(TmpDir("f"), 64 << 20);
   Trainer reference(&in_memory, All(100));
-  Engine engine(TmpDir("g"), 64 << 20);
+  TestEngine engine(TmpDir("g"), 64 << 20);
   Trainer moved(&engine, All(100));
   auto step_both = [&](int step) {
     reference.ReturnGradients(step);
@@ -634,9 +634,9 @@ TEST(OutOfCore, LivePlacementChangesMoveDataAndKeepTrainingExact) {
 // same time from two threads: each trains bit-for-bit like its own copy with
 // state in memory (their traces are separate; eviction weighs both).
 TEST(OutOfCore, TwoSessionsShareASmallPool) {
-  Engine in_memory(TmpDir("h"), 64 << 20);
+  TestEngine in_memory(TmpDir("h"), 64 << 20);
   Trainer ref_a(&in_memory, All(100)), ref_b(&in_memory, All(100));
-  Engine shared(TmpDir("i"), RoundUpToPage(2 * TotalBytes() / 4));
+  TestEngine shared(TmpDir("i"), RoundUpToPage(2 * TotalBytes() / 4));
   Trainer a(&shared, All(0)), b(&shared, All(0));
   for (int step = 1; step <= 5; ++step) {
     for (Trainer* t : {&ref_a, &ref_b, &a, &b}) t->ReturnGradients(step);
@@ -659,7 +659,7 @@ TEST(OutOfCore, TwoSessionsShareASmallPool) {
 // the other whole, so that at the end every partition's blocks rest where
 // the final placement puts them, and the per-kind byte counts add up.
 TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
-  Engine engine(TmpDir("n"), 64 << 20);
+  TestEngine engine(TmpDir("n"), 64 << 20);
   auto opened = engine.sessions->Open("race", All(100));
   ASSERT_TRUE(opened.ok());
   const SessionKey key = opened->key;
@@ -722,7 +722,7 @@ TEST(OutOfCore, FourMicroBatchesEqualOneBigBatch) {
   for (const PlacementChange& placement : {All(100), All(0)}) {
     const bool on_nvme = !placement[DataKind::kParams].has_value() ||
                          *placement[DataKind::kParams] == 0;
-    Engine engine(TmpDir("acc" + std::to_string(dir++)),
+    TestEngine engine(TmpDir("acc" + std::to_string(dir++)),
                   on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
     Trainer micro(&engine, placement), big(&engine, placement);
     auto g = [](int step, int mb, size_t part, uint64_t j) {
@@ -772,7 +772,7 @@ void ExpectPendingNonFiniteSkipTheStep(Trainer& t, uint64_t nonfinite, const std
 // step is skipped and changes nothing; an explicit skip consumes the
 // gradients too and changes nothing.
 TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
-  Engine engine(TmpDir("skip"), 64 << 20);
+  TestEngine engine(TmpDir("skip"), 64 << 20);
   Trainer t(&engine, All(100));
   const std::string before = t.Params();
   t.ReturnGradientsOf([](size_t, uint64_t j) { return 0.01f * static_cast<float>(j % 7); });
@@ -806,7 +806,7 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
 // torch.nn.utils.clip_grad_norm_ does in place), with the norm of the
 // concatenated gradients.
 TEST(OutOfCore, ClippingOverTwoRanksIsClipGradNormOfTheConcatenation) {
-  Engine engine(TmpDir("clip"), 64 << 20), reference(TmpDir("clipref"), 64 << 20);
+  TestEngine engine(TmpDir("clip"), 64 << 20), reference(TmpDir("clipref"), 64 << 20);
   Trainer a(&engine, All(0)), b(&engine, All(0));
   Trainer ra(&reference, All(100)), rb(&reference, All(100));
   auto grad = [](int rank, int step, size_t part, uint64_t j) {
@@ -856,7 +856,7 @@ TEST(OutOfCore, ClippingOverTwoRanksIsClipGradNormOfTheConcatenation) {
 // update's pass (the same bits as returning unscaled gradients).
 void LossScalingSkipsOverflowsAndUnscales(const PlacementChange& placement,
                                           const std::string& dir) {
-  Engine engine(TmpDir(dir), 64 << 20);
+  TestEngine engine(TmpDir(dir), 64 << 20);
   LossScalingOptions o;
   o.initial_scale = 1024;
   o.hysteresis = 1;
@@ -949,7 +949,7 @@ TEST(OutOfCore, LossScalingWithStateOnNvme) {
 // (checked against the optimizer run directly on the fp32 values), with the
 // master on NVMe; the release derives the working copy.
 TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
-  Engine engine(TmpDir("fp32"), 64 << 20);
+  TestEngine engine(TmpDir("fp32"), 64 << 20);
   auto opened = engine.sessions->Open("fp32", StateAt(0));
   ASSERT_TRUE(opened.ok());
   const SessionKey key = opened->key;
@@ -1025,8 +1025,8 @@ TEST(OutOfCore, OverlappedStepsTrainLikeSynchronousOnes) {
   int dir = 0;
   for (const PlacementChange& placement : {All(100), All(0)}) {
     const bool on_nvme = *placement[DataKind::kParams] == 0;
-    Engine sync_engine(TmpDir("ov" + std::to_string(dir++)), 64 << 20);
-    Engine engine(TmpDir("ov" + std::to_string(dir++)),
+    TestEngine sync_engine(TmpDir("ov" + std::to_string(dir++)), 64 << 20);
+    TestEngine engine(TmpDir("ov" + std::to_string(dir++)),
                   on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
     Trainer sync(&sync_engine, placement), overlapped(&engine, placement);
     for (int step = 1; step <= 4; ++step) {
@@ -1055,7 +1055,7 @@ TEST(OutOfCore, OverlappedStepsTrainLikeSynchronousOnes) {
 TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
   // A small pool: groups of two chunks, so that the first partition (one
   // chunk, fetched first) is done after the first group.
-  Engine engine(TmpDir("ovw"), 1 << 20);
+  TestEngine engine(TmpDir("ovw"), 1 << 20);
   Trainer t(&engine, All(100));
   // This iteration fetches p2 (the smallest) first, then p0, then p1: the
   // step updates them in that order.
@@ -1081,7 +1081,7 @@ TEST(OutOfCore, AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition) {
 // least a million values), not when the whole group is: a fetch of the
 // first waits for nothing while the last is still to be updated.
 TEST(OutOfCore, APartitionLeavesTheStepBeforeTheRestOfItsGroup) {
-  Engine engine(TmpDir("run"), uint64_t{1} << 30);
+  TestEngine engine(TmpDir("run"), uint64_t{1} << 30);
   const uint64_t n = uint64_t{1} << 20;
   Trainer t(&engine, All(100), {n, n, n});
   t.ReturnGradients(1);  // fetched in order: the step updates p0, p1, p2
@@ -1098,7 +1098,7 @@ TEST(OutOfCore, APartitionLeavesTheStepBeforeTheRestOfItsGroup) {
 // the others the step's; each trains to the bits of a session stepped with
 // only its own hyperparameters.
 TEST(OutOfCore, ParamGroupsGiveEachPartitionItsHyperparameters) {
-  Engine engine(TmpDir("groups"), 64 << 20);
+  TestEngine engine(TmpDir("groups"), 64 << 20);
   Trainer grouped(&engine, StateAt(0)), base(&engine, All(100)), other(&engine, All(100));
   AdamHyperparams h;
   h.lr = 1e-2;
@@ -1148,7 +1148,7 @@ TEST(OutOfCore, DelayedUpdateIsExactlyOneStepStale) {
   int dir = 0;
   for (const PlacementChange& placement : {All(100), All(0)}) {
     const bool on_nvme = *placement[DataKind::kParams] == 0;
-    Engine engine(TmpDir("dpu" + std::to_string(dir++)),
+    TestEngine engine(TmpDir("dpu" + std::to_string(dir++)),
                   on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
     Trainer dpu(&engine, placement), ref(&engine, placement);
     ASSERT_TRUE(engine.sessions->SetDelayedUpdate(dpu.key(), true).ok());
@@ -1199,7 +1199,7 @@ TEST(OutOfCore, DelayedUpdateIsExactlyOneStepStale) {
 // at once with one whole version (the previous one), never a mix; the
 // update's version appears whole at the next commit.
 TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
-  Engine engine(TmpDir("dpuw"), 64 << 20);
+  TestEngine engine(TmpDir("dpuw"), 64 << 20);
   Trainer t(&engine, All(100));
   ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t.key(), true).ok());
   t.ReturnGradients(1);
@@ -1234,7 +1234,7 @@ TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
 TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   // A small pool: groups of two chunks, so that p2 (one chunk) is done after
   // the first group if it comes first, and p0 (five) is not.
-  Engine engine(TmpDir("dpuo"), 1 << 20);
+  TestEngine engine(TmpDir("dpuo"), 1 << 20);
   Trainer t(&engine, All(100));
   ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t.key(), true).ok());
   auto give = [&](size_t i, bool fetch) {
@@ -1284,7 +1284,7 @@ void InEveryPlacementWithAndWithoutDelayedUpdate(const std::string& name, Body b
   for (const PlacementChange& placement : {All(100), All(0)}) {
     const bool on_nvme = *placement[DataKind::kParams] == 0;
     for (bool dpu : {false, true}) {
-      Engine engine(TmpDir(name + std::to_string(dir++)),
+      TestEngine engine(TmpDir(name + std::to_string(dir++)),
                     on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
       Trainer handing(&engine, placement), other(&engine, placement);
       handing.HandOver(true);
@@ -1306,7 +1306,7 @@ void InEveryPlacementWithAndWithoutDelayedUpdate(const std::string& name, Body b
 // update; the pending statistics are the same bits.
 TEST(OutOfCore, HandedOverGradientsTrainBitForBitLikeAccumulatedOnes) {
   InEveryPlacementWithAndWithoutDelayedUpdate(
-      "handover", [](Engine&, Trainer& handed, Trainer& kept, const std::string& where) {
+      "handover", [](TestEngine&, Trainer& handed, Trainer& kept, const std::string& where) {
         for (int step = 1; step <= 4; ++step) {
           handed.ReturnGradients(step);
           kept.ReturnGradients(step);
@@ -1330,10 +1330,10 @@ TEST(OutOfCore, HandedOverGradientsTrainBitForBitLikeAccumulatedOnes) {
 // the fetch waits for that partition's update only.
 TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
   // Groups of two chunks (see AFetchDuringAnOverlappedStepWaitsOnlyForItsOwnPartition).
-  Engine engine(TmpDir("handwait"), 1 << 20), ref_engine(TmpDir("handwait_ref"), 64 << 20);
+  TestEngine engine(TmpDir("handwait"), 1 << 20), ref_engine(TmpDir("handwait_ref"), 64 << 20);
   Trainer t(&engine, All(100)), ref(&ref_engine, All(100));
   // A second micro-batch for partition 0, written into its held buffer.
-  auto second = [](Engine& e, Trainer& tr) {
+  auto second = [](TestEngine& e, Trainer& tr) {
     const PartitionInfo& p = tr.parts()[0];
     auto held = e.sessions->Fetch(tr.key(), {p.id}, WithGrads());
     ASSERT_TRUE(held.ok()) << held.status();
@@ -1388,7 +1388,7 @@ TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
 // not wait for it; Pending (and so the trainer's clipping decision) and a
 // fetch of the buffer (which then takes it back) do.
 TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
-  Engine engine(TmpDir("handbg"), 64 << 20);
+  TestEngine engine(TmpDir("handbg"), 64 << 20);
   Trainer t(&engine, All(100)), ref(&engine, All(100));
   absl::Notification measuring, go;
   engine.steps->SetSyncPointForTesting([&](StepPoint point) {
@@ -1435,7 +1435,7 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
 // and the update reads the buffers as it reads measured ones, training bit
 // for bit alike. In memory and on NVMe, with and without the delayed update.
 TEST(OutOfCore, GradientStatsFromTheTrainerAreTakenAsMeasured) {
-  InEveryPlacementWithAndWithoutDelayedUpdate("given", [](Engine& engine, Trainer& given,
+  InEveryPlacementWithAndWithoutDelayedUpdate("given", [](TestEngine& engine, Trainer& given,
                                                           Trainer& measured,
                                                           const std::string& where) {
     std::vector<GradStats> gave(kSizes.size());
@@ -1480,7 +1480,7 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreTakenAsMeasured) {
 // INVALID_ARGUMENT and lose nothing; on a later micro-batch they are
 // ignored and the daemon measures the sum it accumulates.
 TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
-  Engine engine(TmpDir("given_checks"), 64 << 20);
+  TestEngine engine(TmpDir("given_checks"), 64 << 20);
   Trainer t(&engine, All(100));
   t.HandOver(true);
   const std::string before = t.Params();
@@ -1549,7 +1549,7 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
 // ones: the parameters stay, and the next step sees only the next
 // gradients.
 TEST(OutOfCore, ASkippedStepConsumesHandedOverGradients) {
-  Engine engine(TmpDir("handskip"), 64 << 20);
+  TestEngine engine(TmpDir("handskip"), 64 << 20);
   Trainer t(&engine, All(100)), ref(&engine, All(100));
   t.HandOver(true);
   const std::string before = t.Params();
@@ -1581,10 +1581,10 @@ TEST(OutOfCore, ASkippedStepConsumesHandedOverGradients) {
 TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
   // Groups of two chunks: partition 0 (five chunks, returned first) is
   // midway after the first group.
-  Engine engine(TmpDir("handdpu"), 1 << 20), ref_engine(TmpDir("handdpu_ref"), 64 << 20);
+  TestEngine engine(TmpDir("handdpu"), 1 << 20), ref_engine(TmpDir("handdpu_ref"), 64 << 20);
   Trainer t(&engine, All(100)), ref(&ref_engine, All(100));
   for (Trainer* tr : {&t, &ref}) {
-    Engine& e = tr == &t ? engine : ref_engine;
+    TestEngine& e = tr == &t ? engine : ref_engine;
     ASSERT_TRUE(e.sessions->SetDelayedUpdate(tr->key(), true).ok());
   }
   t.HandOver(true);
@@ -1626,8 +1626,8 @@ TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
 // chunks already copied are overwritten by the next try), and the retry
 // takes it back whole: the step equals one over the same gradients kept.
 TEST(OutOfCore, AFailedReclaimKeepsTheBufferHandedOverAndTheRetryTakesItBack) {
-  Engine in_memory(TmpDir("reclaim_ref"), 64 << 20);
-  Engine small(TmpDir("reclaim"), RoundUpToPage(TotalBytes() / 4), /*prefetch_depth=*/0);
+  TestEngine in_memory(TmpDir("reclaim_ref"), 64 << 20);
+  TestEngine small(TmpDir("reclaim"), RoundUpToPage(TotalBytes() / 4), /*prefetch_depth=*/0);
   Trainer ref(&in_memory, All(100)), t(&small, All(0));
   t.HandOver(true);
   t.ReturnGradients(1);
@@ -1675,7 +1675,7 @@ TEST(OutOfCore, AFailedReclaimKeepsTheBufferHandedOverAndTheRetryTakesItBack) {
 // learned order must not take that for a change (it would stop prefetch
 // for every iteration: state on NVMe would be read on demand).
 TEST(OutOfCore, MeasuringInTheBackgroundKeepsTheLearnedOrder) {
-  Engine engine(TmpDir("handtrace"), RoundUpToPage(TotalBytes() / 2));
+  TestEngine engine(TmpDir("handtrace"), RoundUpToPage(TotalBytes() / 2));
   Trainer t(&engine, All(0));
   SwapperStats before;
   for (int step = 1; step <= 6; ++step) {
@@ -1711,7 +1711,7 @@ TEST(OutOfCore, MeasuringInTheBackgroundKeepsTheLearnedOrder) {
 // over and over while each update runs always sees the one version made
 // current at that step's commit, whole (data on NVMe, a small pool).
 TEST(OutOfCore, DelayedUpdateFetchesRacingUpdatesNeverSeeAMix) {
-  Engine engine(TmpDir("dpus"), RoundUpToPage(TotalBytes() / 2));
+  TestEngine engine(TmpDir("dpus"), RoundUpToPage(TotalBytes() / 2));
   Trainer t(&engine, All(0));
   ASSERT_TRUE(engine.sessions->SetDelayedUpdate(t.key(), true).ok());
   StepControl overlap;

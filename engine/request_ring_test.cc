@@ -12,6 +12,7 @@
 
 #include "base/env.h"
 #include "base/host_memory.h"
+#include "engine/engine.h"
 #include "engine/request_ring_server.h"
 #include "engine/session_manager.h"
 #include "gtest/gtest.h"
@@ -25,10 +26,7 @@ namespace {
 class RequestRingTest : public ::testing::Test {
  protected:
   RequestRingTest()
-      : pool_(Env::Default(), 64 << 20, false), optimizer_(OptimizerOptions{1, 1 << 16}),
-        swapper_(*Swapper::Create(SwapperOptions{}, &pool_, nullptr)),
-        store_(Env::Default(), swapper_.get(), &stats_, 16 << 20, Placement{}, 1 << 20),
-        steps_(&optimizer_, &pool_, &stats_), sessions_(Env::Default(), &store_, &steps_, &stats_) {
+      : engine_(MakeEngine()), sessions_(engine_->sessions()) {
     auto opened = sessions_.Open("ring");
     EXPECT_TRUE(opened.ok());
     key_ = opened->key;
@@ -57,13 +55,19 @@ class RequestRingTest : public ::testing::Test {
     return items;
   }
 
-  Stats stats_;
-  HostPool pool_;
-  Optimizer optimizer_;
-  std::unique_ptr<Swapper> swapper_;
-  PartitionStore store_;
-  StepRunner steps_;
-  SessionManager sessions_;
+  static std::unique_ptr<Engine> MakeEngine() {
+    EngineOptions o;
+    o.host_budget_bytes = 64 << 20;
+    o.optimizer = OptimizerOptions{1, 1 << 16};
+    o.session_arena_bytes = 16 << 20;
+    o.state_chunk_elems = 1 << 20;
+    auto engine = Engine::Create(o, Env::Default());
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return std::move(*engine);
+  }
+
+  std::unique_ptr<Engine> engine_;
+  SessionManager& sessions_;
   SessionKey key_;
   UniqueFd arena_fd_, ours_, daemons_;
   HostMemory ring_memory_;

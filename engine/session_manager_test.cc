@@ -12,6 +12,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/fault_injecting_env.h"
+#include "engine/engine.h"
 #include "base/host_memory.h"
 #include "gtest/gtest.h"
 
@@ -36,10 +37,23 @@ FetchMode WithGrads() {
 class SessionManagerTest : public ::testing::Test {
  protected:
   SessionManagerTest()
-      : pool_(&env_, 64 << 20, false), optimizer_(OptimizerOptions{1, 1 << 16}),
-        swapper_(*Swapper::Create(SwapperOptions{}, &pool_, nullptr)),
-        store_(&env_, swapper_.get(), &stats_, 16 << 20, Placement{}, 1 << 20),
-        steps_(&optimizer_, &pool_, &stats_), sessions_(&env_, &store_, &steps_, &stats_) {}
+      : engine_(MakeEngine(&env_)),
+        stats_(engine_->stats()),
+        pool_(engine_->pool()),
+        store_(engine_->store()),
+        steps_(engine_->steps()),
+        sessions_(engine_->sessions()) {}
+
+  static std::unique_ptr<Engine> MakeEngine(Env* env) {
+    EngineOptions o;
+    o.host_budget_bytes = 64 << 20;
+    o.optimizer = OptimizerOptions{1, 1 << 16};
+    o.session_arena_bytes = 16 << 20;
+    o.state_chunk_elems = 1 << 20;
+    auto engine = Engine::Create(o, env);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return std::move(*engine);
+  }
 
   SessionKey Open() {
     auto s = sessions_.Open("t");
@@ -48,13 +62,12 @@ class SessionManagerTest : public ::testing::Test {
   }
 
   FaultInjectingEnv env_{Env::Default()};
-  Stats stats_;
-  HostPool pool_;
-  Optimizer optimizer_;
-  std::unique_ptr<Swapper> swapper_;
-  PartitionStore store_;
-  StepRunner steps_;
-  SessionManager sessions_;
+  std::unique_ptr<Engine> engine_;
+  Stats& stats_;
+  HostPool& pool_;
+  PartitionStore& store_;
+  StepRunner& steps_;
+  SessionManager& sessions_;
 };
 
 TEST_F(SessionManagerTest, RegisterFetchReturnStep) {

@@ -1,7 +1,7 @@
-// A daemon's engine for tests: its pool, swapper over a real NVMe tier (an
-// io_uring swap space in a directory, behind a fault-injecting backend),
-// partition store, step runner and session manager, built as offloadd
-// builds them.
+// A daemon's engine for tests (engine/engine.h): its pool, swapper over a
+// real NVMe tier (an io_uring swap space in a directory, behind a
+// fault-injecting backend), partition store, step runner and session
+// manager.
 #ifndef OFFLOADD_ENGINE_TEST_ENGINE_H_
 #define OFFLOADD_ENGINE_TEST_ENGINE_H_
 
@@ -11,7 +11,7 @@
 #include <string>
 
 #include "base/env.h"
-#include "cpu_adam/optimizer.h"
+#include "engine/engine.h"
 #include "engine/partition_store.h"
 #include "engine/session_manager.h"
 #include "engine/stats.h"
@@ -25,50 +25,58 @@
 
 namespace offload {
 
-// A daemon's engine: pool, swapper (over an NVMe tier that may fail on
-// demand), store, step runner and session manager.
-class Engine {
+// A daemon's engine (Engine::Create, as offloadd builds it) over an NVMe
+// tier that may fail on demand; its parts as the tests reach them.
+class TestEngine {
  public:
   // `huge_page_bytes`: the arenas lay large partitions out for huge pages of
   // this size (0: small pages only), as offloadd does with
   // SharedHugePageBytes().
-  Engine(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth = 8,
-         uint64_t chunk_elems = 4096, uint64_t huge_page_bytes = 0) {
+  TestEngine(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth = 8,
+             uint64_t chunk_elems = 4096, uint64_t huge_page_bytes = 0)
+      : engine_(Make(dir, pool_bytes, prefetch_depth, chunk_elems, huge_page_bytes)),
+        faults(backend_.get()),
+        stats(engine_->stats()),
+        pool(&engine_->pool()),
+        swapper(&engine_->swapper()),
+        store(&engine_->store()),
+        steps(&engine_->steps()),
+        sessions(&engine_->sessions()) {}
+
+ private:
+  std::unique_ptr<Engine> Make(const std::string& dir, uint64_t pool_bytes,
+                               int64_t prefetch_depth, uint64_t chunk_elems,
+                               uint64_t huge_page_bytes) {
     mkdir(dir.c_str(), 0700);
     auto inner = MakeIoBackend(IoOptions{});
     EXPECT_TRUE(inner.ok()) << inner.status();
-    auto faulty = std::make_unique<FaultInjectingBackend>(std::move(*inner));
-    faults = faulty.get();
-    backend_ = std::move(faulty);
-    NvmeOptions n;
-    n.dirs = dir;
-    n.bytes_per_dir = int64_t{64} << 20;
-    space_ = *SwapSpace::Create(n, backend_.get());
-    pool = std::make_unique<HostPool>(Env::Default(), pool_bytes, false);
-    SwapperOptions so;
-    so.prefetch_depth = prefetch_depth;
-    swapper = *Swapper::Create(so, pool.get(), space_.get());
-    store = std::make_unique<PartitionStore>(Env::Default(), swapper.get(), &stats, 64 << 20,
-                                              Placement{}, chunk_elems, huge_page_bytes);
-    steps = std::make_unique<StepRunner>(&optimizer_, pool.get(), &stats);
-    sessions = std::make_unique<SessionManager>(Env::Default(), store.get(), steps.get(), &stats);
+    backend_ = std::make_unique<FaultInjectingBackend>(std::move(*inner));
+    EngineOptions o;
+    o.host_budget_bytes = pool_bytes;
+    o.swapper.prefetch_depth = prefetch_depth;
+    o.state_chunk_elems = chunk_elems;
+    o.session_arena_bytes = 64 << 20;
+    o.huge_page_bytes = huge_page_bytes;
+    o.nvme.emplace();
+    o.nvme->dirs = dir;
+    o.nvme->bytes_per_dir = int64_t{64} << 20;
+    auto engine = Engine::Create(o, Env::Default(), backend_.get());
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return std::move(*engine);
   }
 
-  // In the order they are built, so that they are destroyed in reverse: the
-  // swapper (and the sessions' blocks) before the swap space it writes to.
- private:
-  std::unique_ptr<IoBackend> backend_;
-  std::unique_ptr<SwapSpace> space_;
-  Optimizer optimizer_{OptimizerOptions{}};
+  // The backend outlives the engine, whose swap space writes through it.
+  std::unique_ptr<FaultInjectingBackend> backend_;
+  std::unique_ptr<Engine> engine_;
 
  public:
-  FaultInjectingBackend* faults = nullptr;
-  Stats stats;
-  std::unique_ptr<HostPool> pool;
-  std::unique_ptr<Swapper> swapper;
-  std::unique_ptr<PartitionStore> store;
-  std::unique_ptr<StepRunner> steps;
-  std::unique_ptr<SessionManager> sessions;
+  FaultInjectingBackend* const faults;
+  Stats& stats;
+  HostPool* const pool;
+  Swapper* const swapper;
+  PartitionStore* const store;
+  StepRunner* const steps;
+  SessionManager* const sessions;
 };
 
 // Every kind of data at `percent` on the host.

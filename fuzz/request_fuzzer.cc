@@ -28,6 +28,7 @@
 #include "cpu_adam/optimizer.h"
 #include "engine/access_guard.h"
 #include "engine/call_gate.h"
+#include "engine/engine.h"
 #include "engine/partition_store.h"
 #include "engine/service.h"
 #include "engine/session_manager.h"
@@ -83,16 +84,14 @@ class Harness {
   Harness() { Build(); }
 
   void Build() {
-    pool_ = std::make_unique<HostPool>(Env::Default(), int64_t{64} << 20, false);
-    swapper_ = *Swapper::Create(SwapperOptions{}, pool_.get(), nullptr);
-    store_ = std::make_unique<PartitionStore>(Env::Default(), swapper_.get(), &stats_,
-                                              uint64_t{16} << 20, Placement{}, 1 << 16);
-    steps_ = std::make_unique<StepRunner>(&optimizer_, pool_.get(), &stats_);
-    sessions_ = std::make_unique<SessionManager>(Env::Default(), store_.get(), steps_.get(),
-                                                 &stats_);
+    EngineOptions o;
+    o.host_budget_bytes = uint64_t{64} << 20;
+    o.session_arena_bytes = uint64_t{16} << 20;
+    o.state_chunk_elems = 1 << 16;
+    engine_ = *Engine::Create(o, Env::Default());
     guard_ = std::make_unique<AccessGuard>(kToken, "<fuzz>");
-    service_ = std::make_unique<PartitionServiceImpl>(sessions_.get(), &stats_, &gate_,
-                                                      guard_.get(), "<fuzz>.arena");
+    service_ = std::make_unique<PartitionServiceImpl>(&engine_->sessions(), &engine_->stats(),
+                                                      &gate_, guard_.get(), "<fuzz>.arena");
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
@@ -300,14 +299,8 @@ class Harness {
     }
   }
 
-  Stats stats_;
   CallGate gate_;
-  Optimizer optimizer_{OptimizerOptions{}};
-  std::unique_ptr<HostPool> pool_;
-  std::unique_ptr<Swapper> swapper_;
-  std::unique_ptr<PartitionStore> store_;
-  std::unique_ptr<StepRunner> steps_;
-  std::unique_ptr<SessionManager> sessions_;
+  std::unique_ptr<Engine> engine_;
   std::unique_ptr<AccessGuard> guard_;
   std::unique_ptr<PartitionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
