@@ -650,8 +650,10 @@ absl::Status Session::SetDelayedUpdate(bool enabled) {
   // again when next named.
   absl::MutexLock lock(&impl_->mu);
   for (auto& [id, m] : impl_->regions) {
-    auto stale = std::remove_if(m.dma.begin(), m.dma.end(),
-                                [](const Impl::Mapped::Registered& r) { return r.params; });
+    // Kept first, dropped after (partition, not remove_if: the dropped ones
+    // are still whole when counted).
+    auto stale = std::partition(m.dma.begin(), m.dma.end(),
+                                [](const Impl::Mapped::Registered& r) { return !r.params; });
     for (auto it = stale; it != m.dma.end(); ++it) {
       --impl_->dma_stats.regions;
       impl_->dma_stats.bytes -= it->registration.bytes();
@@ -679,7 +681,9 @@ absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters
   out->set_prefetch_depth(c.prefetch_depth);
   out->set_prefetch_bytes(c.prefetch_bytes);
   v1::ReportGpuTierResponse resp;
-  Rpc rpc(impl_->timeout, impl_->token);
+  // Short: the trainer's thread waits for it, and a report is never worth
+  // more than a moment of training.
+  Rpc rpc(std::min(impl_->timeout, absl::Seconds(1)), impl_->token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->stub->ReportGpuTier(&rpc.context, req, &resp), "ReportGpuTier"));
   return GpuTierNodeSettings{resp.prefetch_depth(), resp.prefetch_bytes()};

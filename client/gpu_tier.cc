@@ -156,12 +156,14 @@ std::pair<int, uint64_t> GpuTier::PrefetchInEffect() const {
 }
 
 void GpuTier::ApplyPrefetch() {
+  // One at a time, so that the last settings read are the ones applied;
+  // not under mu_: the cache calls this object's Hold under its own lock.
+  absl::MutexLock applying(&apply_mu_);
   std::pair<int, uint64_t> p;
   {
     absl::MutexLock lock(&mu_);
     p = PrefetchInEffect();
   }
-  // Outside mu_: the cache calls this object's Hold under its own lock.
   params_->SetPrefetch(p.first, p.second);
 }
 

@@ -154,6 +154,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   gpu::Device* const device_;
   const bool hold_per_iteration_;
   const absl::Duration report_interval_;
+  absl::Mutex apply_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // ApplyPrefetch, one at a time
   mutable absl::Mutex mu_;
   int own_depth_ ABSL_GUARDED_BY(mu_);
   uint64_t own_bytes_ ABSL_GUARDED_BY(mu_);

@@ -373,10 +373,15 @@ absl::Status PartitionSet::AddAccumulator(uint64_t id, uint64_t chunk,
                                           const Partition* registering) {
   uint64_t numel;
   Tier home;
+  // A placement change (SetPlacement) waits until the block is made with the
+  // home read here, so that it finds and moves it. Register holds
+  // placement_mu_ already.
+  std::optional<absl::MutexLock> placing;
   if (registering != nullptr) {  // not in partitions_ yet: nobody else sees it
     numel = registering->info.numel;
     home = registering->home[static_cast<int>(DataKind::kOptimizerState)];
   } else {
+    placing.emplace(&placement_mu_);
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
     numel = p->info.numel;
@@ -575,6 +580,10 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     // unused (the arena only grows), its pages freed with the blocks.
     partition->param_pins.clear();
     for (uint64_t block : added) swapper_->Remove(block);
+    // Accumulators a restore made (FillRestored); unknown ids are ignored.
+    for (uint64_t c = 0; c < ChunksOf(spec.numel); ++c) {
+      swapper_->Remove(PartitionStore::BlockOf(id, c, PartitionStore::kAccumBlock));
+    }
     absl::MutexLock lock(&mu_);
     names_.erase(spec.name);
     return status;

@@ -544,7 +544,7 @@ class PartitionSet {
   // the partition, while Register fills it before it is published; else it
   // is looked up under the lock.
   absl::Status AddAccumulator(uint64_t id, uint64_t chunk, const Partition* registering)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ABSL_LOCKS_EXCLUDED(mu_) ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // Master weights from the fp32 initial values, and the working copy from
   // them (rounded), chunk by chunk. `p` is held by the trainer.
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);

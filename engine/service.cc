@@ -335,6 +335,12 @@ grpc::Status PartitionServiceImpl::ReportGpuTier(grpc::ServerContext* context,
     r.dma_bytes = c.dma_bytes();
     r.prefetch_depth = c.prefetch_depth();
     r.prefetch_bytes = c.prefetch_bytes();
+    for (uint64_t v : {r.h2d_bytes, r.d2h_bytes, r.tensor_uses, r.host_waits, r.evictions}) {
+      if (v > static_cast<uint64_t>(INT64_MAX)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a counter of ", v, " is past what the node's totals hold"));
+      }
+    }
     if (r.h2d_staged_bytes > r.h2d_bytes || r.resident_hits > r.tensor_uses ||
         r.prefetch_hits > r.tensor_uses - r.resident_hits) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -496,6 +496,7 @@ TEST_F(DaemonTest, DmaRegistersWorkingCopiesOnlyOnceTheDaemonNamesThem) {
   ASSERT_TRUE(s->SetDelayedUpdate(false).ok());
   EXPECT_EQ(device.registered_bytes(), kBytes);  // the gradient buffer's
   EXPECT_EQ(s->dma_stats().regions, 1u);
+  EXPECT_EQ(s->dma_stats().bytes, kBytes);
   auto v = s->Fetch(p->id);
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_TRUE(v->dma);
