@@ -48,7 +48,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "cpu_adam/adam.h"
+#include "cpu_adam/types.h"
 #include "cpu_adam/dtype.h"
 #include "gpu/device.h"
 

@@ -18,25 +18,9 @@
 
 #include "absl/status/status.h"
 #include "cpu_adam/dtype.h"
+#include "cpu_adam/types.h"
 
 namespace offload {
-
-// Doubles, as Python passes them to torch: 1 - beta2 must be computed from
-// 0.999, not from 0.999f (which differs by 1.3e-5 relative).
-struct AdamHyperparams {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  // true: AdamW (weight decay applied to the parameter, decoupled from the
-  // gradient); false: Adam with the L2 penalty added to the gradient.
-  bool decoupled_weight_decay = true;
-  bool bias_correction = true;
-  // Gradients are multiplied by this first, in the same pass: the gradient
-  // unscale and clip coefficient together (clip_coef / loss_scale).
-  double grad_scale = 1.0;
-};
 
 // INVALID_ARGUMENT naming the offending field when a value is out of range
 // (negative lr, beta outside [0, 1), non-positive eps, grad_scale not finite
@@ -92,20 +76,10 @@ void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 // Number of NaN or infinite values among `n` gradients of `dtype`.
 uint64_t CountNonFiniteScalar(const void* grads, DType dtype, size_t n);
 
-// What a gradient accumulation pass measures (accumulate.h).
-// Its squared norm is summed in fp32 within blocks of this many values
-// and in double across blocks, in block order.
+// What a gradient accumulation pass measures (accumulate.h; GradStats in
+// types.h): its squared norm is summed in fp32 within blocks of this many
+// values and in double across blocks, in block order.
 inline constexpr size_t kGradStatsBlock = 1024;
-struct GradStats {
-  double sq_norm = 0;     // sum of squares of the accumulated values (inf/NaN if any is)
-  uint64_t nonfinite = 0;  // accumulated values that are NaN or +-Inf
-
-  GradStats& operator+=(const GradStats& o) {
-    sq_norm += o.sq_norm;
-    nonfinite += o.nonfinite;
-    return *this;
-  }
-};
 
 // One instruction set's kernels. The vectorised ones live in their own
 // targets (adam_avx2, adam_avx512) compiled with their own -m flags;

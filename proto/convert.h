@@ -5,7 +5,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "cpu_adam/adam.h"
+#include "cpu_adam/types.h"
 #include "cpu_adam/dtype.h"
 #include "proto/offload.pb.h"
 
