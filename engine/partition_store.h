@@ -584,8 +584,9 @@ class PartitionSet {
   const uint64_t state_chunk_elems_;
   const uint64_t huge_page_bytes_;  // 0: the arena has none
 
-  // Serialises Register and SetStateHostPercent of this set, across their
-  // calls into the swapper. Lock order: placement_mu_, then mu_ (briefly,
+  // Serialises Register, SetPlacement, SetDelayedUpdate and the lazy
+  // accumulator (AddAccumulator) of this set, across their calls into the
+  // swapper. Lock order: placement_mu_, then mu_ (briefly,
   // never across a swapper call), then the swapper's own.
   absl::Mutex placement_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;

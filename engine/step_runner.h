@@ -32,9 +32,9 @@
 //      failed. A swap-in that fails midway fails the step with its error;
 //      the groups before it stay applied, the rest keep their gradients.
 //
-// The step protocol of the coming issues (accumulation, global clipping,
-// an update overlapped with the next forward pass, the delayed parameter
-// update) lands here; the store stays the owner of the bytes.
+// The step protocol (accumulation, the decisions a step takes on clipping
+// and overflow, the overlapped step, the delayed parameter update) lives
+// here; the store stays the owner of the bytes.
 //
 // Thread-safety: Run() may be called from any thread, for any sets at once;
 // steps of different sessions share the optimizer pool.

@@ -48,8 +48,9 @@ Limits, said plainly:
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
   bf16/fp16 working_dtype the values are rounded from the fp32 master.
-  load_state_dict() and optimizer.state_dict() are not supported yet (the
-  state is the daemon's; checkpoints are planned).
+  load_state_dict() and optimizer.state_dict() are not supported (the state
+  is the daemon's): optimizer.checkpoint(dir) saves it and zero_config
+  restore_from resumes it.
 - Non-finite gradients skip the step on every rank (torch would write NaN);
   optimizer.last_step says so.
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
