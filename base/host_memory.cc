@@ -1,5 +1,7 @@
 #include "base/host_memory.h"
 
+#include <atomic>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -193,6 +195,17 @@ std::vector<std::string> DamonMonitors() {
   return DamonMonitorsIn("/proc", "/sys/kernel/mm/damon/admin/kdamonds");
 }
 
+namespace {
+std::atomic<int64_t> live_mappings{0};
+}  // namespace
+
+HostMemory::HostMemory(std::byte* data, uint64_t size, uint64_t mapped)
+    : data_(data), size_(size), mapped_(mapped) {
+  if (data_ != nullptr) live_mappings.fetch_add(1, std::memory_order_relaxed);
+}
+
+int64_t HostMemory::LiveMappings() { return live_mappings.load(std::memory_order_relaxed); }
+
 HostMemory::HostMemory(HostMemory&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)),
       mapped_(std::exchange(other.mapped_, 0)) {}
@@ -210,7 +223,10 @@ HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
 HostMemory::~HostMemory() { Reset(); }
 
 void HostMemory::Reset() {
-  if (data_ != nullptr) munmap(data_, mapped_);
+  if (data_ != nullptr) {
+    munmap(data_, mapped_);
+    live_mappings.fetch_sub(1, std::memory_order_relaxed);
+  }
   data_ = nullptr;
   size_ = mapped_ = 0;
 }

@@ -66,9 +66,13 @@ class HostMemory {
     return reinterpret_cast<T*>(data_);
   }
 
+  // Mappings this process holds through HostMemory now (each its own
+  // mmap; the kernel counts them against vm.max_map_count, possibly merged
+  // or split). Lock-free.
+  static int64_t LiveMappings();
+
  private:
-  HostMemory(std::byte* data, uint64_t size, uint64_t mapped)
-      : data_(data), size_(size), mapped_(mapped) {}
+  HostMemory(std::byte* data, uint64_t size, uint64_t mapped);
   void Reset();
 
   std::byte* data_ = nullptr;

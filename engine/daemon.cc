@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cerrno>
+#include <fstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -34,6 +35,17 @@ std::array<PlacementTunable, kDataKinds> PlacementTunables(const PlacementOption
            {DataKind::kGrads, "placement.grads_host_percent", &o.grads_host_percent},
            {DataKind::kOptimizerState, "placement.optimizer_state_host_percent",
             &o.optimizer_state_host_percent}}};
+}
+
+// memory.max_mappings resolved: -1 is three quarters of vm.max_map_count
+// (65530 where it cannot be read, the kernel's default).
+int64_t MappingBudget(int64_t setting) {
+  if (setting >= 0) return setting;
+  int64_t max_map_count = 65530;
+  std::ifstream f("/proc/sys/vm/max_map_count");
+  int64_t v;
+  if (f >> v && v > 0) max_map_count = v;
+  return max_map_count / 4 * 3;
 }
 
 }  // namespace
@@ -78,6 +90,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   SessionManager& sessions = d->engine_->sessions();
   sessions.SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
   sessions.SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
+  sessions.SetMappingBudget(MappingBudget(options->memory.max_mappings));
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
@@ -209,6 +222,10 @@ void Daemon::SetHooks() {
       return absl::OkStatus();
     });
   }
+  registry_->SetHook<int64_t>("memory.max_mappings", [raw](const int64_t& v) {
+    raw->engine_->sessions().SetMappingBudget(MappingBudget(v));
+    return absl::OkStatus();
+  });
   registry_->SetHook<int64_t>("gpu.prefetch_depth", [raw](const int64_t& v) {
     raw->engine_->sessions().SetGpuTierSettings({v, raw->options_->gpu.prefetch_bytes});
     return absl::OkStatus();

@@ -66,6 +66,11 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("memory.session_arena_bytes", &o->memory.session_arena_bytes,
           {"bytes", "most bytes one session's arena may hold (new sessions)", true,
            kSessionArenaRange});
+  r->Bind("memory.max_mappings", &o->memory.max_mappings,
+          {"mappings",
+           "most memory mappings offloadd holds; a registration that could pass it is "
+           "RESOURCE_EXHAUSTED; -1: three quarters of vm.max_map_count, 0: no budget",
+           true, kMaxMappingsRange});
   r->Bind("memory.lock_pool", &o->memory.lock_pool,
           {"bool", "mlock the host pool where permitted", false});
   r->Bind("memory.arena_huge_pages", &o->memory.arena_huge_pages,

@@ -70,6 +70,11 @@ struct ServerOptions {
 };
 
 struct MemoryOptions {
+  // Most memory mappings offloadd may hold; a registration that could pass
+  // it is refused (RESOURCE_EXHAUSTED) instead of the kernel refusing an
+  // mmap somewhere later. -1: three quarters of vm.max_map_count (the rest
+  // for threads, the allocator, libraries); 0: no budget.
+  int64_t max_mappings = -1;
   // Host memory offloadd may hold for all sessions together: shared arenas
   // plus fp32 master weights and Adam moments (16 bytes per fp32-gradient
   // parameter plus its working and gradient buffers). Registrations beyond
@@ -160,6 +165,7 @@ inline constexpr IntRange kRingSpinRange{0, 100000};
 inline constexpr IntRange kHostBudgetRange{4096, INT64_MAX};
 inline constexpr IntRange kSessionArenaRange{int64_t{1} << 20, int64_t{1} << 44};
 inline constexpr IntRange kHostPercentRange{0, 100};
+inline constexpr IntRange kMaxMappingsRange{-1, INT32_MAX};
 inline constexpr IntRange kStateChunkRange{8192, int64_t{1} << 30};
 
 // Settings for the trainers' GPU tiers (client/gpu_tier.h), which run in

@@ -662,6 +662,7 @@ class PartitionStore {
   // alignment).
   void SetArenaCapacity(uint64_t bytes);
   uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }
+  uint64_t state_chunk_elems() const { return state_chunk_elems_; }
   // Applies to sessions opened afterwards.
   void SetDefaultPlacement(DataKind kind, int percent) {
     default_percent_[static_cast<int>(kind)].store(percent, std::memory_order_relaxed);

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/directory.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/secret.h"
@@ -322,6 +323,37 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   return true;
 }
 
+absl::Status SessionManager::CheckMappingBudget(const Session& session,
+                                                const PartitionSpec& spec) const {
+  const int64_t budget = mapping_budget_.load();
+  if (budget <= 0) return absl::OkStatus();
+  // What the partition may map at most: its span, and per chunk master, m,
+  // v and an accumulator (pool allocations, each its own mapping).
+  const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
+  const uint64_t chunks = spec.numel / chunk + 1;
+  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(1 + 4 * chunks, budget + 1));
+  const int64_t live = HostMemory::LiveMappings();
+  if (live + need <= budget) return absl::OkStatus();
+  std::string most;
+  uint64_t most_partitions = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) {
+      const uint64_t n = s->partitions->partitions();
+      if (n > most_partitions) {
+        most_partitions = n;
+        most = absl::StrCat(id, " ('", s->name, "')");
+      }
+    }
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "registering '", spec.name, "' in session ", session.id, " could take offloadd past its "
+      "memory-mapping budget: ", live, " mappings held, up to ", need, " more, budget ", budget,
+      " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); the session "
+      "with the most partitions is ", most, " with ", most_partitions,
+      ": fewer, larger partitions (flatten small tensors into one) or another node"));
+}
+
 absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
                                                        const PartitionSpec& spec) {
   return RegisterAs(key, spec, std::nullopt);
@@ -349,6 +381,7 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
     RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
     ASSIGN_OR_RETURN(restored, session->restore->StateFor(spec));
   }
+  RETURN_IF_ERROR(CheckMappingBudget(*session, spec));
   ASSIGN_OR_RETURN(PartitionInfo info,
                    session->partitions->Register(id, spec, restored ? &*restored : nullptr));
   {

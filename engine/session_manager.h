@@ -189,6 +189,12 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   // The node's settings, for every trainer's next report (tunables gpu.*).
   void SetGpuTierSettings(const GpuTierSettings& settings) ABSL_LOCKS_EXCLUDED(mu_);
+  // Most memory mappings the daemon may hold (HostMemory::LiveMappings):
+  // a Register that could take it past is RESOURCE_EXHAUSTED, naming the
+  // budget and the session with the most partitions, before anything is
+  // mapped (so that threads, the allocator and other sessions' calls keep
+  // the rest of vm.max_map_count). 0: no budget.
+  void SetMappingBudget(int64_t mappings) { mapping_budget_.store(mappings); }
   absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)
@@ -354,7 +360,11 @@ class SessionManager {
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  // RESOURCE_EXHAUSTED if registering `spec` could pass the mapping budget.
+  absl::Status CheckMappingBudget(const Session& session, const PartitionSpec& spec) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   GpuTierSettings gpu_settings_ ABSL_GUARDED_BY(mu_);
+  std::atomic<int64_t> mapping_budget_{0};
   const std::shared_ptr<PollBudget> ring_pollers_ =
       std::make_shared<PollBudget>(PollBudget::DefaultMax());
 };

@@ -595,6 +595,51 @@ TEST_F(DaemonTest, GpuTiersReportToTheDaemonAndTakeItsPrefetchSettings) {
   EXPECT_EQ(find(Stats())->h2d_bytes, (*tier)->stats().params.h2d_bytes);
 }
 
+// Memory mappings are a budget checked when a partition is registered:
+// past it, Register is RESOURCE_EXHAUSTED naming the budget and the session
+// with the most partitions, and the daemon serves everyone else (it used to
+// run into vm.max_map_count and abort). The budget changes live.
+TEST_F(DaemonTest, MappingsAreABudgetCheckedAtRegistration) {
+  StartDaemon({"--memory.max_mappings=400"});
+  auto hog = Open("hog");
+  ASSERT_TRUE(hog);
+  absl::Status refused;
+  int registered = 0;
+  for (int i = 0; i < 1000 && refused.ok(); ++i) {
+    auto p = hog->Register(absl::StrCat("t", i), 64, DType::kFp32, DType::kFp32);
+    if (!p.ok()) {
+      refused = p.status();
+      break;
+    }
+    ASSERT_TRUE(hog->Release(*p).ok());
+    ++registered;
+  }
+  ASSERT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_GT(registered, 20);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "memory.max_mappings")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "('hog') with " + std::to_string(registered)))
+      << refused;
+  // Everyone else is served: another session opens, trains what it has,
+  // and the daemon answers stats.
+  auto other = Open("other");
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->Register("w", 64, DType::kFp32, DType::kFp32).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Stats().sessions.size(), 2u);
+  // Closing the hog gives its mappings back.
+  ASSERT_TRUE(hog->Close().ok());
+  auto w = other->Register("w", 64, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(other->Release(*w).ok());
+  // And the budget is live: 0 lifts it.
+  ASSERT_TRUE(client_->SetTunable("memory.max_mappings", "0").ok());
+  for (int i = 0; i < registered + 10; ++i) {
+    auto p = other->Register(absl::StrCat("u", i), 64, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << i << ": " << p.status();
+    ASSERT_TRUE(other->Release(*p).ok());
+  }
+}
+
 TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
   // Partition a gets gradients g with grad_scale 0.25; partition b gets g/4
   // with grad_scale 1 in another session. Both must end bit-identical, under
