@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "${RUNFILES_DIR:-$0.runfiles}/offloadd" 2>/dev/null || cd "$(dirname "$0")/.."
 PYTHONPATH=client/python/site exec /usr/bin/python3 benches/larger_than_gpu.py \
-  --offloadd=engine/offloadd "$@"
+  --offloadd=daemon/offloadd "$@"

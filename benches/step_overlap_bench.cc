@@ -86,7 +86,7 @@
 #include "benches/bench_util.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
-#include "engine/daemon_options.h"
+#include "daemon/daemon_options.h"
 
 namespace offload::bench {
 namespace {

@@ -1,5 +1,5 @@
 // Conversions between offload.v1 wire types and the project's own types,
-// shared by the service layer (engine/service.cc) and the client library.
+// shared by the service layer (daemon/service.cc) and the client library.
 #ifndef OFFLOADD_PROTO_CONVERT_H_
 #define OFFLOADD_PROTO_CONVERT_H_
 

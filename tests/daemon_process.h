@@ -27,16 +27,16 @@ inline constexpr absl::Duration kWaitLimit = absl::Seconds(20);
 
 class DaemonProcess {
  public:
-  // Starts `binary` (default: engine/offloadd in the test's runfiles) with
+  // Starts `binary` (default: daemon/offloadd in the test's runfiles) with
   // --server.data_dir set to a new directory under /tmp plus `flags`, and
   // returns once it serves (see WaitUntilServing).
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(
-      const std::vector<std::string>& flags = {}, const std::string& binary = "engine/offloadd");
+      const std::vector<std::string>& flags = {}, const std::string& binary = "daemon/offloadd");
   // As Start, in the existing `data_dir` (another offloadd's, stopped: a
   // restart). Its log starts afresh.
   static absl::StatusOr<std::unique_ptr<DaemonProcess>> StartIn(
       const std::string& data_dir, const std::vector<std::string>& flags = {},
-      const std::string& binary = "engine/offloadd");
+      const std::string& binary = "daemon/offloadd");
   ~DaemonProcess();  // SIGKILLs the daemon if still running
 
   // SIGTERM, then waits; returns the exit status (or 128 + signal).

@@ -1111,7 +1111,7 @@ TEST(DaemonStartup, RaisesItsDescriptorLimit) {
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
   auto result = ::offload::testing::RunCommand(
-      {"engine/offloadd", "--server.data_dir=" + daemon_->data_dir()});
+      {"daemon/offloadd", "--server.data_dir=" + daemon_->data_dir()});
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(result->output, "already serving")) << result->output;
@@ -1128,7 +1128,7 @@ TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
   const std::string file = std::string(dir) + "/precious.txt";
   std::ofstream(file) << "keep me";
   auto r = ::offload::testing::RunCommand(
-      {"engine/offloadd", std::string("--server.data_dir=") + dir, "--server.socket=" + file});
+      {"daemon/offloadd", std::string("--server.data_dir=") + dir, "--server.socket=" + file});
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(r->output, "is not a Unix socket")) << r->output;
@@ -1140,7 +1140,7 @@ TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
   const std::string open_dir = std::string(dir) + "/open";
   ASSERT_EQ(mkdir(open_dir.c_str(), 0700), 0);
   ASSERT_EQ(chmod(open_dir.c_str(), 0777), 0);
-  auto o = ::offload::testing::RunCommand({"engine/offloadd", "--server.data_dir=" + open_dir});
+  auto o = ::offload::testing::RunCommand({"daemon/offloadd", "--server.data_dir=" + open_dir});
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(o->output, "writable by other users (mode 0777)")) << o->output;
@@ -1560,7 +1560,7 @@ TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
 
   // A directory that does not exist stops start-up with the reason.
   auto bad = ::offload::testing::RunCommand(
-      {"engine/offloadd", std::string("--server.data_dir=") + dir + "/data",
+      {"daemon/offloadd", std::string("--server.data_dir=") + dir + "/data",
        "--nvme.dirs=/nonexistent/nvme0"});
   ASSERT_TRUE(bad.ok());
   EXPECT_EQ(bad->exit_code, 1);
@@ -1884,12 +1884,12 @@ TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
   RemoveOnExit remove_5(dir);
   std::string config = std::string(dir) + "/bad.yaml";
   std::ofstream(config) << "optimizer:\n  threads: lots\n";
-  auto r = ::offload::testing::RunCommand({"engine/offloadd", "--config=" + config});
+  auto r = ::offload::testing::RunCommand({"daemon/offloadd", "--config=" + config});
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_TRUE(absl::StrContains(r->output, "bad.yaml")) << r->output;
   EXPECT_TRUE(absl::StrContains(r->output, "optimizer.threads")) << r->output;
-  auto flag = ::offload::testing::RunCommand({"engine/offloadd", "--no.such=1"});
+  auto flag = ::offload::testing::RunCommand({"daemon/offloadd", "--no.such=1"});
   ASSERT_TRUE(flag.ok());
   EXPECT_EQ(flag->exit_code, 2);
   EXPECT_TRUE(absl::StrContains(flag->output, "no.such")) << flag->output;

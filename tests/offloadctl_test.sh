@@ -7,7 +7,7 @@ cleanup() { [[ -n $daemon_pid ]] && kill -9 "$daemon_pid" 2>/dev/null; rm -rf "$
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-engine/offloadd --server.data_dir="$dir" >"$dir/log" 2>&1 &
+daemon/offloadd --server.data_dir="$dir" >"$dir/log" 2>&1 &
 daemon_pid=$!
 tests/wait_for_daemon "$daemon_pid" "$dir/log" "$dir/offloadd.sock" || fail "offloadd did not start"
 export OFFLOADD_ADDRESS="unix:$dir/offloadd.sock"

@@ -5,7 +5,7 @@ dir=$(mktemp -d /tmp/python_client_test.XXXXXX)
 daemon_pid=
 cleanup() { [[ -n $daemon_pid ]] && kill -9 "$daemon_pid" 2>/dev/null; rm -rf "$dir"; }
 trap cleanup EXIT
-engine/offloadd --server.data_dir="$dir" >"$dir/log" 2>&1 &
+daemon/offloadd --server.data_dir="$dir" >"$dir/log" 2>&1 &
 daemon_pid=$!
 tests/wait_for_daemon "$daemon_pid" "$dir/log" "$dir/offloadd.sock" || {
   echo "offloadd did not start" >&2

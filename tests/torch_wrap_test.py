@@ -1,7 +1,7 @@
 """offloadd.torch.wrap against real daemons and in-process torch.optim.AdamW.
 
 Run by tests/torch_wrap_test.sh, which builds nothing and starts nothing:
-this file starts its own daemons (engine/offloadd) and trainer processes
+this file starts its own daemons (daemon/offloadd) and trainer processes
 (tests/torch_wrap_worker.py), one to four gloo ranks."""
 import json
 import os
@@ -16,7 +16,7 @@ import offloadd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "torch_wrap_worker.py")
-OFFLOADD = os.path.abspath("engine/offloadd")
+OFFLOADD = os.path.abspath("daemon/offloadd")
 WAIT = os.path.abspath("tests/wait_for_daemon")
 
 # Small enough that four ranks train 50 steps in seconds on two cores.

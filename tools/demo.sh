@@ -14,12 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash tools/setup.sh
-bazel build //engine:offloadd //client:offloadctl //client/python:package
+bazel build //daemon:offloadd //client:offloadctl //client/python:package
 
 bin=bazel-bin
 demo_dir="${OFFLOADD_DEMO_DIR:-${XDG_STATE_HOME:-$HOME/.local/state}/offloadd-demo}"
 mkdir -p "$demo_dir/swap"
-"$bin/engine/offloadd" --nvme.dirs="$demo_dir/swap" --nvme.bytes_per_dir=256MiB \
+"$bin/daemon/offloadd" --nvme.dirs="$demo_dir/swap" --nvme.bytes_per_dir=256MiB \
   --memory.host_budget_bytes=12MiB &
 daemon=$!
 trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null' EXIT

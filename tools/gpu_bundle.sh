@@ -10,7 +10,7 @@
 # Builds in a separate output base (the extension is compiled for that Python,
 # so it must not replace the default build's) and writes:
 #   DEST/run/   the files at the paths the tests and benchmarks expect
-#               (engine/offloadd, client/python/site, tests/..., benches/...)
+#               (daemon/offloadd, client/python/site, tests/..., benches/...)
 #   DEST/lib/   the shared libraries those programs need beyond the C and C++
 #               runtimes, which the target machine has (newer ones).
 # On the target: cd DEST/run && export LD_LIBRARY_PATH=$PWD/../lib
@@ -21,7 +21,7 @@ pyinc=${2:-/usr/local/include/python3.12}
 [[ -f $pyinc/Python.h ]] || { echo "no Python.h in $pyinc" >&2; exit 2; }
 cd "$(dirname "$0")/.."
 base=/root/.cache/offloadd-py$(basename "$pyinc" | tr -cd 0-9)
-targets=(//engine:offloadd //client:offloadctl //client/python:package //tests:wait_for_daemon
+targets=(//daemon:offloadd //client:offloadctl //client/python:package //tests:wait_for_daemon
          //benches:step_overlap //benches:load //benches:out_of_core_step //benches:cpu_adam
          //benches:nvme //benches:trace_replay //benches:gpu_copy //gpu:cuda_device_test)
 # --symlink_prefix=/: leaves the checkout's bazel-* links to the default build.
@@ -32,7 +32,7 @@ rm -rf "$dest" && mkdir -p "$dest/run" "$dest/lib"
 put() {  # put SRC REL: copies SRC to DEST/run/REL
   mkdir -p "$dest/run/$(dirname "$2")" && cp -L "$1" "$dest/run/$2"
 }
-for b in engine/offloadd client/offloadctl tests/wait_for_daemon benches/step_overlap \
+for b in daemon/offloadd client/offloadctl tests/wait_for_daemon benches/step_overlap \
          benches/load benches/out_of_core_step benches/cpu_adam benches/nvme benches/trace_replay \
          benches/gpu_copy gpu/cuda_device_test; do
   put "$bin/$b" "$b"
@@ -48,7 +48,7 @@ cp /usr/share/common-licenses/GPL-3 "$dest/GPL-3"  # the demo's training text
 
 # The libraries: everything ldd resolves except the C runtime, the C++
 # runtime and the loader, which the target has in newer versions.
-for f in "$dest"/run/engine/offloadd "$dest"/run/client/offloadctl "$dest"/run/benches/* \
+for f in "$dest"/run/daemon/offloadd "$dest"/run/client/offloadctl "$dest"/run/benches/* \
          "$dest"/run/gpu/cuda_device_test \
          "$dest"/run/client/python/site/offloadd/_offloadd.so; do
   [[ -x $f || $f == *.so ]] || continue

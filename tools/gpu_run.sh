@@ -24,7 +24,7 @@ for stage in "$@"; do
       nproc; free -g | head -2; nvidia-smi -L; python3 -V
       python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
       df -hT /tmp /var/tmp | cat; lscpu | grep -E 'Model name|^CPU\(s\)|L3'
-      ! ldd engine/offloadd client/python/site/offloadd/_offloadd.so | grep 'not found' ;;
+      ! ldd daemon/offloadd client/python/site/offloadd/_offloadd.so | grep 'not found' ;;
     cudatest) timeout 60 gpu/cuda_device_test ;;
     gpucopy) timeout 120 benches/gpu_copy --bytes=1073741824 ;;
     gputier)
@@ -40,15 +40,15 @@ for stage in "$@"; do
         TorchWrapTest.test_gpu_tier_with_the_delayed_update_on_cuda ;;
     # A GPT past GPU-resident AdamW on an 80 GB GPU (LARGE_ARGS: more flags,
     # --gpu_memory_gib=78 on a larger GPU, say).
-    large) timeout 480 python3 benches/larger_than_gpu.py --offloadd=engine/offloadd ${LARGE_ARGS:-} ;;
+    large) timeout 480 python3 benches/larger_than_gpu.py --offloadd=daemon/offloadd ${LARGE_ARGS:-} ;;
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
-    tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda ;;
+    tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda ;;
     tokens_profile)
-      timeout 200 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda \
+      timeout 200 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --profile ;;
     tokens_big)
-      timeout 400 python3 benches/torch_tokens.py --offloadd=engine/offloadd --device=cuda \
+      timeout 400 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 ;;
     step_overlap) timeout 300 benches/step_overlap ;;
     step_overlap_3t) timeout 300 benches/step_overlap --t=70ms ;;

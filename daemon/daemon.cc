@@ -1,4 +1,4 @@
-#include "engine/daemon.h"
+#include "daemon/daemon.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -7,8 +7,8 @@
 // With a positive server.reconnect_lease_seconds, Shutdown keeps every
 // session (SessionManager::Preserve) in <data_dir>/preserved, and the next
 // Start in that data directory reopens them for their trainers to resume.
-#ifndef OFFLOADD_ENGINE_DAEMON_H_
-#define OFFLOADD_ENGINE_DAEMON_H_
+#ifndef OFFLOADD_DAEMON_DAEMON_H_
+#define OFFLOADD_DAEMON_DAEMON_H_
 
 #include <memory>
 #include <string>
@@ -17,14 +17,14 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/config_registry.h"
-#include "engine/access_guard.h"
-#include "engine/arena_channel.h"
-#include "engine/call_gate.h"
-#include "engine/daemon_options.h"
+#include "daemon/access_guard.h"
+#include "daemon/arena_channel.h"
+#include "daemon/call_gate.h"
+#include "daemon/daemon_options.h"
 #include "engine/engine.h"
-#include "engine/metrics.h"
-#include "engine/service.h"
-#include "engine/snapshot.h"
+#include "daemon/metrics.h"
+#include "daemon/service.h"
+#include "daemon/snapshot.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/io_backend.h"
 
@@ -83,4 +83,4 @@ class Daemon {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_DAEMON_H_
+#endif  // OFFLOADD_DAEMON_DAEMON_H_

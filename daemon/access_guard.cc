@@ -1,4 +1,4 @@
-#include "engine/access_guard.h"
+#include "daemon/access_guard.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"

@@ -16,9 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "base/config_registry.h"
 #include "base/log.h"
-#include "engine/config_file.h"
-#include "engine/daemon.h"
-#include "engine/daemon_options.h"
+#include "daemon/config_file.h"
+#include "daemon/daemon.h"
+#include "daemon/daemon_options.h"
 #include "engine/version.h"
 
 namespace offload {

@@ -3,8 +3,8 @@
 // (gRPC's own Shutdown(deadline) also waits out its whole deadline while
 // idle client channels stay connected, so the daemon drains by itself and
 // then shuts gRPC down at once.) Thread-safe.
-#ifndef OFFLOADD_ENGINE_CALL_GATE_H_
-#define OFFLOADD_ENGINE_CALL_GATE_H_
+#ifndef OFFLOADD_DAEMON_CALL_GATE_H_
+#define OFFLOADD_DAEMON_CALL_GATE_H_
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -46,4 +46,4 @@ class CallScope {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_CALL_GATE_H_
+#endif  // OFFLOADD_DAEMON_CALL_GATE_H_

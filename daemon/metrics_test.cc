@@ -1,4 +1,4 @@
-#include "engine/metrics.h"
+#include "daemon/metrics.h"
 
 #include <string>
 

@@ -4,8 +4,8 @@
 //
 // Thread-safety: the services hold only pointers to thread-safe engine
 // objects and are called concurrently by gRPC's thread pool.
-#ifndef OFFLOADD_ENGINE_SERVICE_H_
-#define OFFLOADD_ENGINE_SERVICE_H_
+#ifndef OFFLOADD_DAEMON_SERVICE_H_
+#define OFFLOADD_DAEMON_SERVICE_H_
 
 #include <string>
 #include <vector>
@@ -15,10 +15,10 @@
 #include "absl/time/time.h"
 #include "base/config_registry.h"
 #include "cpu_adam/optimizer.h"
-#include "engine/access_guard.h"
-#include "engine/call_gate.h"
+#include "daemon/access_guard.h"
+#include "daemon/call_gate.h"
 #include "engine/session_manager.h"
-#include "engine/snapshot.h"
+#include "daemon/snapshot.h"
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/swap_space.h"
@@ -127,4 +127,4 @@ class StatsServiceImpl final : public v1::StatsService::Service {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_SERVICE_H_
+#endif  // OFFLOADD_DAEMON_SERVICE_H_

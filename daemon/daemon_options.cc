@@ -1,4 +1,4 @@
-#include "engine/daemon_options.h"
+#include "daemon/daemon_options.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

@@ -2,8 +2,8 @@
 // (base/config_registry.h): nested maps name tunables by their dotted path,
 // so `optimizer: {threads: 2}` sets optimizer.threads. Here rather than in
 // base/ because only the daemon reads files, and only it links yaml-cpp.
-#ifndef OFFLOADD_ENGINE_CONFIG_FILE_H_
-#define OFFLOADD_ENGINE_CONFIG_FILE_H_
+#ifndef OFFLOADD_DAEMON_CONFIG_FILE_H_
+#define OFFLOADD_DAEMON_CONFIG_FILE_H_
 
 #include <string>
 
@@ -23,4 +23,4 @@ absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_CONFIG_FILE_H_
+#endif  // OFFLOADD_DAEMON_CONFIG_FILE_H_

@@ -7,8 +7,8 @@
 // <data_dir>/tcp_token, readable by its own user only.
 //
 // Thread-safety: immutable after construction; safe from any thread.
-#ifndef OFFLOADD_ENGINE_ACCESS_GUARD_H_
-#define OFFLOADD_ENGINE_ACCESS_GUARD_H_
+#ifndef OFFLOADD_DAEMON_ACCESS_GUARD_H_
+#define OFFLOADD_DAEMON_ACCESS_GUARD_H_
 
 #include <string>
 
@@ -35,4 +35,4 @@ class AccessGuard {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_ACCESS_GUARD_H_
+#endif  // OFFLOADD_DAEMON_ACCESS_GUARD_H_

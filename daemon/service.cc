@@ -1,4 +1,4 @@
-#include "engine/service.h"
+#include "daemon/service.h"
 
 #include <unistd.h>
 

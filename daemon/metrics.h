@@ -10,8 +10,8 @@
 // Thread-safety: FormatPrometheus is a pure function. MetricsServer answers
 // on its own thread, calling the snapshot function it was given for each
 // scrape; that function must be thread-safe.
-#ifndef OFFLOADD_ENGINE_METRICS_H_
-#define OFFLOADD_ENGINE_METRICS_H_
+#ifndef OFFLOADD_DAEMON_METRICS_H_
+#define OFFLOADD_DAEMON_METRICS_H_
 
 #include <cstdint>
 #include <functional>
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "engine/snapshot.h"
+#include "daemon/snapshot.h"
 
 namespace offload {
 
@@ -47,4 +47,4 @@ class MetricsServer {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_METRICS_H_
+#endif  // OFFLOADD_DAEMON_METRICS_H_

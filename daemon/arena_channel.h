@@ -25,8 +25,8 @@
 // second, the sessions nobody attached to within `attach_lease` of opening,
 // and (a positive `idle_lease`) those no call reached for longer than it
 // (SessionManager::CloseExpired).
-#ifndef OFFLOADD_ENGINE_ARENA_CHANNEL_H_
-#define OFFLOADD_ENGINE_ARENA_CHANNEL_H_
+#ifndef OFFLOADD_DAEMON_ARENA_CHANNEL_H_
+#define OFFLOADD_DAEMON_ARENA_CHANNEL_H_
 
 #include <sys/socket.h>
 
@@ -96,4 +96,4 @@ class ArenaChannel {
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_ARENA_CHANNEL_H_
+#endif  // OFFLOADD_DAEMON_ARENA_CHANNEL_H_

@@ -1,11 +1,11 @@
 #include "base/config_registry.h"
-#include "engine/config_file.h"
+#include "daemon/config_file.h"
 
 #include <cstdio>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "engine/daemon_options.h"
+#include "daemon/daemon_options.h"
 #include "gtest/gtest.h"
 
 namespace offload {

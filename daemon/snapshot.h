@@ -2,8 +2,8 @@
 // engine's and the swapper's), its tiers and its sessions. Assembled in one
 // place (Daemon::Snapshot) for both the Stats gRPC service and the
 // Prometheus endpoint, so the two cannot drift apart.
-#ifndef OFFLOADD_ENGINE_SNAPSHOT_H_
-#define OFFLOADD_ENGINE_SNAPSHOT_H_
+#ifndef OFFLOADD_DAEMON_SNAPSHOT_H_
+#define OFFLOADD_DAEMON_SNAPSHOT_H_
 
 #include <cstdint>
 #include <functional>
@@ -31,4 +31,4 @@ using SnapshotFn = std::function<DaemonSnapshot()>;
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_SNAPSHOT_H_
+#endif  // OFFLOADD_DAEMON_SNAPSHOT_H_

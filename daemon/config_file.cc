@@ -1,4 +1,4 @@
-#include "engine/config_file.h"
+#include "daemon/config_file.h"
 
 #include <fstream>
 #include <sstream>

@@ -1,4 +1,4 @@
-#include "engine/arena_channel.h"
+#include "daemon/arena_channel.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>

@@ -1,4 +1,4 @@
-#include "engine/call_gate.h"
+#include "daemon/call_gate.h"
 
 namespace offload {
 

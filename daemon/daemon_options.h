@@ -4,8 +4,8 @@
 // in-class initializers; each field says its unit and its trade-off; its
 // range and whether it can change while offloadd runs are declared once, where
 // it is bound.
-#ifndef OFFLOADD_ENGINE_DAEMON_OPTIONS_H_
-#define OFFLOADD_ENGINE_DAEMON_OPTIONS_H_
+#ifndef OFFLOADD_DAEMON_DAEMON_OPTIONS_H_
+#define OFFLOADD_DAEMON_DAEMON_OPTIONS_H_
 
 #include <cstdint>
 #include <string>
@@ -204,4 +204,4 @@ void BindTunables(DaemonOptions* options, ConfigRegistry* registry);
 
 }  // namespace offload
 
-#endif  // OFFLOADD_ENGINE_DAEMON_OPTIONS_H_
+#endif  // OFFLOADD_DAEMON_DAEMON_OPTIONS_H_
