@@ -261,6 +261,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // process's, and a Client made after offloadd restarted would inherit the
   // dead daemon's (its first call failing UNAVAILABLE, "Broken pipe").
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // A fetch of every partition of a session with tens of thousands of them
+  // answers more than gRPC's default 4 MiB.
+  args.SetMaxReceiveMessageSize(256 << 20);
   impl->channel =
       grpc::CreateCustomChannel(impl->address, grpc::InsecureChannelCredentials(), args);
   auto deadline = std::chrono::system_clock::now() +

@@ -1050,6 +1050,22 @@ TEST_F(DaemonTest, TunablesChangeLiveOrSayWhyNot) {
   auto big = s->Register("big", 1 << 20, DType::kFp32, DType::kFp32);
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(s->Register("fits", 1000, DType::kFp32, DType::kFp32).ok());
+  // A budget past what the process may use is refused when it is set, not
+  // by the OOM killer later; the budget in force stays.
+  auto huge = client_->SetTunable("memory.host_budget_bytes", "1125899906842624");
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(huge.status().message(), "more than this process may use"))
+      << huge.status();
+  EXPECT_EQ(client_->GetTunable("memory.host_budget_bytes")->value, "1MiB");
+  EXPECT_EQ(s->Register("big2", 1 << 20, DType::kFp32, DType::kFp32).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST(DaemonStartup, AHostBudgetPastTheMachinesMemoryIsRefused) {
+  auto d = DaemonProcess::Start({"--memory.host_budget_bytes=1125899906842624"});
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(absl::StrContains(d.status().message(), "more than this process may use"))
+      << d.status();
 }
 
 TEST_F(DaemonTest, StopsCleanlyOnSigtermAndRemovesSockets) {
