@@ -59,8 +59,9 @@ _IGNORED_ZERO = {
     "stage3_gather_fp16_weights_on_model_save": "model.state_dict() gathers full weights",
     "memory_efficient_linear": "parameters' saved values are re-gathered in backward",
     "ignore_unused_parameters": "unused parameters simply return no gradient",
-    "elastic_checkpoint": "checkpoints are not built yet",
-    "load_from_fp32_weights": "checkpoints are not built yet",
+    "elastic_checkpoint": ("offloadd's checkpoints (optimizer.checkpoint, restore_from) "
+                           "restore with any number of ranks"),
+    "load_from_fp32_weights": "restore_from restores the fp32 master weights offloadd saved",
 }
 # DeepSpeed's stage-3 residency knobs and the GPU tier's settings they set.
 _GPU_TIER = {
