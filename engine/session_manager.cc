@@ -26,6 +26,8 @@ struct SessionManager::Session {
       : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)),
         scaler(std::move(scaler)), restore(std::move(restore)) {}
   ~Session() {
+    // Its partitions' mapping reservations go with it (ReserveMappings).
+    if (committed_mappings != nullptr) committed_mappings->fetch_sub(mappings.load());
     // The request ring's thread ends (after its call, if it runs the call
     // that dropped the session's last reference).
     if (ring != nullptr) ring->Stop();
@@ -60,6 +62,10 @@ struct SessionManager::Session {
   std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
   SteadyTime last_call = opened;  // the last call that found it, or ended
   std::optional<GpuTierReport> gpu;  // its GPU tier's last report
+  // Mappings reserved for its partitions (ReserveMappings), in the
+  // manager's total, which outlives neither.
+  std::atomic<int64_t> mappings{0};
+  std::shared_ptr<std::atomic<int64_t>> committed_mappings;
 
   // A step's decision with its loss-scale update, and a checkpoint's image
   // with its read of the loss scaler, each happen whole under it: a
@@ -182,6 +188,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   const uint64_t capacity = set->arena_capacity();
   auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set),
                                            std::move(scaler), std::move(restore));
+  session->committed_mappings = committed_mappings_;
   if (delayed_update_after.has_value()) {
     session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
   }
@@ -323,35 +330,57 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   return true;
 }
 
-absl::Status SessionManager::CheckMappingBudget(const Session& session,
-                                                const PartitionSpec& spec) const {
+absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
+                                                        const PartitionSpec& spec) {
   const int64_t budget = mapping_budget_.load();
-  if (budget <= 0) return absl::OkStatus();
-  // What the partition may map at most: its span, and per chunk master, m,
-  // v and an accumulator (pool allocations, each its own mapping).
+  if (budget <= 0) return 0;
+  // What the partition may map at most, now or later (blocks homed on NVMe
+  // map when they are brought in, accumulators when first needed): its
+  // span, and per chunk master, m, v and an accumulator (pool allocations,
+  // each its own mapping).
   const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
   const uint64_t chunks = spec.numel / chunk + 1;
   const int64_t need = static_cast<int64_t>(std::min<uint64_t>(1 + 4 * chunks, budget + 1));
+  // Reserved for every registered partition, and held now (which counts
+  // what partitions do not: rings, staging buffers, the pool's own).
+  const int64_t reserved = committed_mappings_->fetch_add(need) + need;
   const int64_t live = HostMemory::LiveMappings();
-  if (live + need <= budget) return absl::OkStatus();
-  std::string most;
-  uint64_t most_partitions = 0;
+  if (reserved <= budget && live + need <= budget) {
+    session.mappings.fetch_add(need);
+    return need;
+  }
+  committed_mappings_->fetch_sub(need);
+  std::vector<std::shared_ptr<Session>> sessions;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, s] : sessions_) {
-      const uint64_t n = s->partitions->partitions();
-      if (n > most_partitions) {
-        most_partitions = n;
-        most = absl::StrCat(id, " ('", s->name, "')");
-      }
+    for (const auto& [id, s] : sessions_) sessions.push_back(s);
+  }
+  // Outside mu_: each set's lock is a leaf.
+  const Session* most = nullptr;
+  uint64_t most_partitions = 0;
+  for (const auto& s : sessions) {
+    const uint64_t n = s->partitions->partitions();
+    if (n > most_partitions) {
+      most_partitions = n;
+      most = s.get();
     }
   }
+  const std::string who =
+      most == nullptr
+          ? std::string("no session holds partitions")
+          : absl::StrCat("the session with the most partitions is ", most->id, " ('",
+                         most->name, "') with ", most_partitions);
+  const std::string advice =
+      need > budget / 2
+          ? "this partition alone needs much of it: larger chunks (placement.state_chunk_bytes) "
+            "or a larger budget"
+          : "fewer, larger partitions (flatten small tensors into one) or another node";
   return absl::ResourceExhaustedError(absl::StrCat(
       "registering '", spec.name, "' in session ", session.id, " could take offloadd past its "
-      "memory-mapping budget: ", live, " mappings held, up to ", need, " more, budget ", budget,
-      " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); the session "
-      "with the most partitions is ", most, " with ", most_partitions,
-      ": fewer, larger partitions (flatten small tensors into one) or another node"));
+      "memory-mapping budget: ", live, " mappings held and ", reserved - need,
+      " reserved for registered partitions, up to ", need, " more, budget ", budget,
+      " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); ", who, ": ",
+      advice));
 }
 
 absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
@@ -381,9 +410,15 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
     RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
     ASSIGN_OR_RETURN(restored, session->restore->StateFor(spec));
   }
-  RETURN_IF_ERROR(CheckMappingBudget(*session, spec));
-  ASSIGN_OR_RETURN(PartitionInfo info,
-                   session->partitions->Register(id, spec, restored ? &*restored : nullptr));
+  ASSIGN_OR_RETURN(const int64_t reserved, ReserveMappings(*session, spec));
+  absl::StatusOr<PartitionInfo> registered =
+      session->partitions->Register(id, spec, restored ? &*restored : nullptr);
+  if (!registered.ok()) {
+    session->mappings.fetch_sub(reserved);
+    committed_mappings_->fetch_sub(reserved);
+    return registered.status();
+  }
+  PartitionInfo info = *std::move(registered);
   {
     absl::MutexLock lock(&mu_);
     // Closed meanwhile: the partition goes with the session's set; recording

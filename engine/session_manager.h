@@ -360,9 +360,16 @@ class SessionManager {
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
-  // RESOURCE_EXHAUSTED if registering `spec` could pass the mapping budget.
-  absl::Status CheckMappingBudget(const Session& session, const PartitionSpec& spec) const
+  // Reserves the mappings registering `spec` may take, now or later, in
+  // the node's total and the session's (released when the session goes, or
+  // by the caller if the registration fails); RESOURCE_EXHAUSTED if that
+  // or what is mapped now could pass the budget. The number reserved.
+  absl::StatusOr<int64_t> ReserveMappings(Session& session, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Every live session's reservations (shared with them: a session may be
+  // destroyed after the manager's last call).
+  const std::shared_ptr<std::atomic<int64_t>> committed_mappings_ =
+      std::make_shared<std::atomic<int64_t>>(0);
   GpuTierSettings gpu_settings_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> mapping_budget_{0};
   const std::shared_ptr<PollBudget> ring_pollers_ =

@@ -640,6 +640,53 @@ TEST_F(DaemonTest, MappingsAreABudgetCheckedAtRegistration) {
   }
 }
 
+// State homed on NVMe maps nothing when it is registered, only when the
+// swapper brings it in (a step): the budget reserves what each partition
+// may map, so the same number of partitions is refused as with the state
+// on the host, and stepping them all stays within it.
+TEST(DaemonStartup, TheMappingBudgetReservesWhatNvmeHomedStateMapsLater) {
+  char dir[] = "/tmp/offloadd_maps.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove(dir);
+  auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=64MiB",
+                                 "--placement.optimizer_state_host_percent=0",
+                                 "--memory.max_mappings=400"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto s = (*c)->OpenSession("nvme");
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::vector<PartitionView> parts;
+  absl::Status refused;
+  while (parts.size() < 1000) {
+    auto p = (*s)->Register(absl::StrCat("t", parts.size()), 64, DType::kFp32, DType::kFp32);
+    if (!p.ok()) {
+      refused = p.status();
+      break;
+    }
+    ASSERT_TRUE((*s)->Release(*p).ok());
+    parts.push_back(*p);
+  }
+  ASSERT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_LE(parts.size(), 80u);  // 5 mappings reserved each, of 400 (mapped now: 1 each)
+  EXPECT_TRUE(absl::StrContains(refused.message(), "reserved for registered partitions"))
+      << refused;
+  // Every one of them stepped: their state brought in, within the budget.
+  std::vector<uint64_t> ids;
+  for (const PartitionView& p : parts) ids.push_back(p.id);
+  FetchOptions grads;
+  grads.grads = true;
+  auto held = (*s)->Fetch(ids, grads);
+  ASSERT_TRUE(held.ok()) << held.status();
+  for (const PartitionView& v : *held) {
+    for (float& g : v.grads_as<float>()) g = 0.5f;
+  }
+  ASSERT_TRUE((*s)->ReturnGradients(*held, /*release=*/true).ok());
+  auto step = (*s)->Step(AdamHyperparams{});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->partitions_updated, parts.size());
+}
+
 TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
   // Partition a gets gradients g with grad_scale 0.25; partition b gets g/4
   // with grad_scale 1 in another session. Both must end bit-identical, under
