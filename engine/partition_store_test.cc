@@ -1,0 +1,301 @@
+// The partition store: arenas laid out for huge pages, holds and their
+// release, placement (shares, live changes racing registrations, no NVMe
+// tier), two sessions in one pool, fp32 initial values.
+#include "engine/trainer_testing.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "base/env.h"
+#include "engine/partition_store.h"
+#include "engine/test_engine.h"
+#include "ipc/request_ring.h"
+#include "engine/session_manager.h"
+#include "engine/step_runner.h"
+#include "gtest/gtest.h"
+#include "nvme/fault_injection.h"
+#include "nvme/io_backend_factory.h"
+#include "nvme/swap_space.h"
+#include "swapper/host_pool.h"
+#include "swapper/swapper.h"
+
+namespace offload {
+namespace {
+
+using namespace ::offload::trainer_testing;  // NOLINT: the tests' shared vocabulary
+
+TEST(ArenaLayout, HugePagesOnlyWhereBlocksFillThemAndLittleIsWasted) {
+  constexpr uint64_t kHuge = 2 << 20, kChunk = 1 << 20, kSmall = 4096;
+  const DType bf16 = DType::kBf16, fp32 = DType::kFp32;
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk, 0), kSmall);
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk, kHuge), kHuge);
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, fp32, true, kChunk, kHuge), kHuge);
+  // 1 MiB blocks of bf16 would share huge pages.
+  EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk / 2, kHuge), kSmall);
+  // 3 MiB regions rounded to 4 MiB waste a third; 17 MiB ones to 18, a 17th.
+  EXPECT_EQ(ArenaLayoutPageBytes(3 * kChunk / 2, bf16, bf16, false, kChunk, kHuge), kSmall);
+  EXPECT_EQ(ArenaLayoutPageBytes(8 * kChunk + kChunk / 2, bf16, bf16, false, kChunk, kHuge),
+            kHuge);
+  EXPECT_EQ(ArenaLayoutPageBytes(700, bf16, bf16, false, kChunk, kHuge), kSmall);
+}
+
+// What the trainer holds stays in memory however hard the pool is pressed;
+// what it releases leaves the arena; holding more than the pool can ever
+// hold is RESOURCE_EXHAUSTED with the numbers, and holds nothing.
+TEST(OutOfCore, HeldPartitionsStayAndReleasedOnesLeave) {
+  TestEngine in_memory(TmpDir("j"), 64 << 20);
+  Trainer reference(&in_memory, All(100));
+  TestEngine small(TmpDir("k"), RoundUpToPage(TotalBytes() / 4));
+  Trainer t(&small, All(0));
+  const std::string before = reference.Params();
+  ASSERT_EQ(t.Params(), before);
+  const PartitionInfo& held = t.parts()[2];
+  ASSERT_TRUE(small.sessions->Fetch(t.key(), {held.id}).ok());
+  const std::string held_bytes(
+      reinterpret_cast<const char*>(t.arena().data() + held.params.offset), held.params.bytes);
+  // Press the pool: a full step's worth of every other block.
+  for (int step = 1; step <= 2; ++step) {
+    reference.ReturnGradients(step);
+    t.ReturnGradients(step, /*keep=*/held.id);
+    ASSERT_TRUE(reference.Step().ok());
+    ASSERT_TRUE(t.Step().ok());
+    // The held parameters changed only in the step, in place, like the
+    // reference's; they never left (read through the trainer's mapping).
+    EXPECT_EQ(small.swapper->State(PartitionStore::BlockOf(held.id, 0, PartitionStore::kParamsBlock))
+                  .value(),
+              BlockState::kResident);
+  }
+  EXPECT_NE(std::string(reinterpret_cast<const char*>(t.arena().data() + held.params.offset),
+                        held.params.bytes),
+            held_bytes);
+  ASSERT_EQ(t.Params(/*keep=*/held.id), reference.Params());
+  ASSERT_TRUE(small.sessions->Release(t.key(), {held.id}).ok());
+  // Everything released: at most the pool's worth of the arena has pages.
+  small.swapper->WaitIdle();
+  struct stat st;
+  auto fd = small.sessions->DupArenaFd(t.key());
+  ASSERT_EQ(fstat(fd->get(), &st), 0);
+  EXPECT_LE(static_cast<uint64_t>(st.st_blocks) * 512, small.pool->limit());
+  // All three partitions at once need more than the pool.
+  auto all = small.sessions->Fetch(t.key(), {}, WithGrads());
+  EXPECT_EQ(all.status().code(), absl::StatusCode::kResourceExhausted) << all.status();
+  EXPECT_NE(all.status().message().find("held by callers"), std::string::npos) << all.status();
+  EXPECT_EQ(small.sessions->Sessions()[0].held, 0u);
+  EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
+}
+
+// A trainer that dies (its session abandoned) releases what it held: the
+// pool it filled serves the next trainer.
+TEST(OutOfCore, ATrainerThatDiesReleasesWhatItHeld) {
+  TestEngine small(TmpDir("l"), RoundUpToPage(TotalBytes() / 4));
+  Trainer greedy(&small, All(0));
+  Trainer next(&small, All(0));
+  // `greedy` holds its biggest partition's parameters and gradients.
+  ASSERT_TRUE(small.sessions->Fetch(greedy.key(), {greedy.parts()[0].id}, WithGrads()).ok());
+  const uint64_t pinned = small.swapper->Stats().pinned_bytes;
+  EXPECT_GE(pinned, kSizes[0] * (2 + 4));
+  EXPECT_TRUE(small.sessions->Abandon(greedy.key().id));
+  EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
+  EXPECT_TRUE(small.sessions->Fetch(next.key(), {next.parts()[0].id}, WithGrads()).ok());
+}
+
+TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {
+  TestEngine engine(TmpDir("c"), 64 << 20);
+  Trainer quarter(&engine, StateAt(25));
+  auto sessions = engine.sessions->Sessions();
+  ASSERT_EQ(sessions.size(), 1u);
+  const int state = static_cast<int>(DataKind::kOptimizerState);
+  const double host = static_cast<double>(sessions[0].host_bytes[state]);
+  const double total = host + static_cast<double>(sessions[0].nvme_bytes[state]);
+  EXPECT_EQ(total, static_cast<double>(StateBytes()));
+  // Whole partitions go one way or the other, never above the share.
+  EXPECT_LE(host / total, 0.25);
+  EXPECT_GT(host, 0.0);  // the smallest partitions fit under it
+}
+
+// Two sessions whose state is on NVMe share one small pool, stepping at the
+// same time from two threads: each trains bit-for-bit like its own copy with
+// state in memory (their traces are separate; eviction weighs both).
+TEST(OutOfCore, TwoSessionsShareASmallPool) {
+  TestEngine in_memory(TmpDir("h"), 64 << 20);
+  Trainer ref_a(&in_memory, All(100)), ref_b(&in_memory, All(100));
+  TestEngine shared(TmpDir("i"), RoundUpToPage(2 * TotalBytes() / 4));
+  Trainer a(&shared, All(0)), b(&shared, All(0));
+  for (int step = 1; step <= 5; ++step) {
+    for (Trainer* t : {&ref_a, &ref_b, &a, &b}) t->ReturnGradients(step);
+    ASSERT_TRUE(ref_a.Step().ok());
+    ASSERT_TRUE(ref_b.Step().ok());
+    absl::StatusOr<StepSummary> sa, sb;
+    std::thread other([&] { sb = b.Step(); });
+    sa = a.Step();
+    other.join();
+    ASSERT_TRUE(sa.ok()) << sa.status();
+    ASSERT_TRUE(sb.ok()) << sb.status();
+    ASSERT_EQ(ref_a.Params(), a.Params()) << "step " << step;
+    ASSERT_EQ(ref_b.Params(), b.Params()) << "step " << step;
+    EXPECT_LE(shared.pool->used(), shared.pool->limit());
+  }
+  EXPECT_GT(shared.swapper->Stats().swap_outs, 0u);
+}
+
+// Registrations and placement changes racing from two threads: each sees
+// the other whole, so that at the end every partition's blocks rest where
+// the final placement puts them, and the per-kind byte counts add up.
+TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
+  TestEngine engine(TmpDir("n"), 64 << 20);
+  auto opened = engine.sessions->Open("race", All(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr int kParts = 40;
+  std::vector<PartitionInfo> parts(kParts);
+  std::thread registrar([&] {
+    for (int i = 0; i < kParts; ++i) {
+      auto p = engine.sessions->Register(key, {"p" + std::to_string(i), 3000 + 1000 * uint64_t(i % 5),
+                                               DType::kBf16, DType::kFp32});
+      ASSERT_TRUE(p.ok()) << p.status();
+      parts[i] = *p;
+      ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    }
+  });
+  for (int round = 0; round < 60; ++round) {
+    ASSERT_TRUE(engine.sessions->SetPlacement(key, All(round % 2 == 0 ? 0 : 100)).ok());
+  }
+  registrar.join();
+  PlacementChange final_placement;
+  final_placement[DataKind::kParams] = 30;
+  final_placement[DataKind::kGrads] = 0;
+  final_placement[DataKind::kOptimizerState] = 60;
+  ASSERT_TRUE(engine.sessions->SetPlacement(key, final_placement).ok());
+  engine.swapper->WaitIdle();
+  // Recompute each kind's homes greedily in registration order, as the
+  // store does, and compare with what the swapper says.
+  const uint64_t elem_bytes[kDataKinds] = {2, 4, 16};
+  const int blocks_of[kDataKinds][3] = {{PartitionStore::kParamsBlock, -1, -1},
+                                        {PartitionStore::kGradsBlock, -1, -1},
+                                        {PartitionStore::kMaster, PartitionStore::kExpAvg,
+                                         PartitionStore::kExpAvgSq}};
+  const auto sessions = engine.sessions->Sessions();
+  ASSERT_EQ(sessions.size(), 1u);
+  for (int k = 0; k < kDataKinds; ++k) {
+    const int percent = *final_placement.host_percent[k];
+    uint64_t host = 0, total = 0;
+    for (const PartitionInfo& p : parts) {
+      const uint64_t add = p.numel * elem_bytes[k];
+      const bool on_host = (host + add) * 100 <= static_cast<uint64_t>(percent) * (total + add);
+      total += add;
+      if (on_host) host += add;
+      for (int b : blocks_of[k]) {
+        if (b < 0) continue;
+        auto home = engine.swapper->Home(PartitionStore::BlockOf(p.id, 0, b));
+        ASSERT_TRUE(home.ok());
+        EXPECT_EQ(*home, on_host ? Tier::kHost : Tier::kNvme) << "kind " << k << " " << p.name;
+      }
+    }
+    EXPECT_EQ(sessions[0].host_bytes[k], host) << "kind " << k;
+    EXPECT_EQ(sessions[0].nvme_bytes[k], total - host) << "kind " << k;
+  }
+}
+
+// fp32 master weights from the start: a bf16 partition registered with its
+// exact fp32 initial values steps from them, not from their bf16 rounding
+// (checked against the optimizer run directly on the fp32 values), with the
+// master on NVMe; the release derives the working copy.
+TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
+  TestEngine engine(TmpDir("fp32"), 64 << 20);
+  auto opened = engine.sessions->Open("fp32", StateAt(0));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = 3 * kChunkElems + 17;  // several chunks, the last partial
+  PartitionSpec spec{"w", kN, DType::kBf16, DType::kBf16};
+  spec.fp32_master = true;
+  auto p = engine.sessions->Register(key, spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->master_init.bytes, kN * 4);
+  auto fd = engine.sessions->DupArenaFd(key);
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  std::vector<float> init(kN), grads(kN);
+  for (uint64_t j = 0; j < kN; ++j) {
+    init[j] = 1.0f + 1e-4f * static_cast<float>(j % 97);  // not representable in bf16
+    grads[j] = 0.01f * std::sin(static_cast<float>(j));
+  }
+  std::memcpy(arena.data() + p->master_init.offset, init.data(), kN * 4);
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+  std::vector<uint16_t> want(kN);
+  NarrowFromFloat(init.data(), DType::kBf16, want.data(), kN);
+  ASSERT_EQ(std::memcmp(arena.data() + p->params.offset, want.data(), kN * 2), 0);
+  auto again = engine.sessions->Fetch(key, {p->id}, WithGrads());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)[0].master_init.bytes, 0u);  // committed
+  std::vector<uint16_t> g16(kN);
+  NarrowFromFloat(grads.data(), DType::kBf16, g16.data(), kN);
+  std::memcpy(arena.data() + p->grads.offset, g16.data(), kN * 2);
+  ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kN, DType::kBf16).ok());
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  AdamHyperparams h;
+  h.lr = 1e-3;
+  ASSERT_TRUE(engine.sessions->Step(key, h).ok());
+  // The reference: the optimizer over master = the fp32 values.
+  std::vector<float> master = init, m(kN, 0.f), v(kN, 0.f), acc(kN);
+  WidenToFloat(g16.data(), DType::kBf16, acc.data(), kN);
+  std::vector<uint16_t> working(kN);
+  Optimizer optimizer{OptimizerOptions{}};
+  AdamTask task;
+  task.span = {master.data(), m.data(), v.data(), acc.data(), DType::kFp32, working.data(),
+               DType::kBf16, kN};
+  task.step = 1;
+  ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), h).ok());
+  ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+  EXPECT_EQ(std::memcmp(arena.data() + p->params.offset, working.data(), kN * 2), 0);
+  // Starting from the rounded values instead gives other bits.
+  std::vector<float> rounded(kN), m2(kN, 0.f), v2(kN, 0.f);
+  WidenToFloat(want.data(), DType::kBf16, rounded.data(), kN);
+  std::vector<uint16_t> working2(kN);
+  task.span = {rounded.data(), m2.data(), v2.data(), acc.data(), DType::kFp32, working2.data(),
+               DType::kBf16, kN};
+  ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), h).ok());
+  EXPECT_NE(working, working2);
+  // Stepping a partition whose fp32 values are not committed is refused.
+  PartitionSpec u{"u", 100, DType::kBf16, DType::kBf16};
+  u.fp32_master = true;
+  auto pu = engine.sessions->Register(key, u);
+  ASSERT_TRUE(pu.ok());
+  ASSERT_TRUE(engine.sessions->Fetch(key, {pu->id}, WithGrads()).ok());
+  ASSERT_TRUE(engine.sessions->ReturnGradients(key, pu->id, 100, DType::kBf16).ok());
+  auto refused = engine.sessions->Step(key, h);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("'u'"), std::string::npos) << refused.status();
+  ASSERT_TRUE(engine.sessions->Release(key, {pu->id}).ok());
+  EXPECT_TRUE(engine.sessions->Step(key, h).ok());
+}
+
+TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
+  HostPool pool(Env::Default(), 1 << 20, false);
+  auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
+  Stats stats;
+  PartitionStore store(Env::Default(), swapper.get(), &stats, 1 << 20, Placement{}, kChunkElems);
+  EXPECT_EQ(store.CreateSet(1, StateAt(50)).status().code(), absl::StatusCode::kFailedPrecondition);
+  PlacementChange params;
+  params[DataKind::kParams] = 0;
+  EXPECT_EQ(store.CreateSet(1, params).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store.CreateSet(1, StateAt(101)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store.CreateSet(1, StateAt(100)).ok());
+}
+
+}  // namespace
+}  // namespace offload
