@@ -86,6 +86,7 @@ StepResult FromProto(const v1::StepResponse& r) {
   out.compute_us = r.compute_us();
   out.loss_scale = r.loss_scale();
   out.running = r.running();
+  out.delayed_update = r.delayed_update();
   return out;
 }
 

@@ -234,6 +234,10 @@ struct StepResult {
   double loss_scale = 1;
   // An overlapped step still running (the figures are the decision's).
   bool running = false;
+  // The session's delayed update was on: until the next step the parameters
+  // fetched are one step older than this step's (SetDelayedUpdate(false)
+  // makes the newest current).
+  bool delayed_update = false;
 };
 
 struct Tunable {

@@ -104,6 +104,7 @@ void ToProto(const StepSummary& s, v1::StepResponse* out) {
   out->set_state_wait_us(static_cast<uint64_t>(s.state_wait_nanos / 1000));
   out->set_compute_us(static_cast<uint64_t>(s.compute_nanos / 1000));
   out->set_running(s.running);
+  out->set_delayed_update(s.delayed_update);
 }
 
 absl::Status ShuttingDown() {

@@ -646,6 +646,7 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   } else {
     ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, control.groups));
   }
+  summary.delayed_update = session->partitions->delayed_update();
   if (scaler == nullptr) return summary;
   if (!control.skip || control.overflow) {
     scaler->Update(/*overflow=*/control.overflow || summary.nonfinite != 0);

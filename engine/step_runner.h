@@ -77,6 +77,8 @@ struct StepSummary {
   // Started overlapped (StepRunner::Start): the update runs on; the
   // figures above are the decision's, and the outcome comes later.
   bool running = false;
+  // The session's delayed update was on (SessionManager::Step sets it).
+  bool delayed_update = false;
 };
 
 // Hyperparameters of some partitions that differ from the step's (torch's

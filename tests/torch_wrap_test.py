@@ -621,6 +621,42 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_trains_like_torch(self.mlp, {"lr": 1e-2, "eps": 1.0},
                                       {"loss_scaling": {"initial_scale": 4096.0}})
 
+    def test_state_dict_with_the_delayed_update_returns_the_newest_weights(self):
+        # With the delayed update, iteration j computes on the weights of step
+        # j-2 and step j updates those of step j-1; after the last step the
+        # model still reads the previous step's weights. state_dict() drains
+        # the update first: it returns the last step's, as torch AdamW applying
+        # the same stale gradients ends with; training goes on afterwards.
+        import copy
+        import torch
+        ref, lag = self.mlp(), self.mlp()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2}, {"delayed_update": True})
+        gen = torch.Generator().manual_seed(5)
+        snaps = [copy.deepcopy(ref.state_dict())]  # the weights after each step
+        for j in range(1, 6):
+            x = torch.randn(4, 8, generator=gen)
+            lag.load_state_dict(snaps[max(0, j - 2)])
+            lag.zero_grad()
+            lag(x).pow(2).mean().backward()
+            for p, q in zip(ref.parameters(), lag.parameters()):
+                p.grad = q.grad.clone()
+            ropt.step()
+            snaps.append(copy.deepcopy(ref.state_dict()))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            self.assertTrue(opt.last_step["delayed_update"])
+        got = model.state_dict()
+        for k, v in snaps[5].items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        # Not the step before (what the model read until the drain).
+        self.assertFalse(all(torch.equal(got[k], v) for k, v in snaps[4].items()))
+        model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        self.assertTrue(opt.last_step["delayed_update"])
+        opt.close()
+
     def test_zero_grad_drops_the_gradients_the_daemon_holds(self):
         import torch
         ref, (model, opt) = self.mlp(), self.wrap(self.mlp(), {"lr": 1e-2})

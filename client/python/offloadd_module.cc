@@ -121,6 +121,7 @@ py::dict StepDict(const StepResult& r) {
   d["compute_us"] = r.compute_us;
   d["loss_scale"] = r.loss_scale;
   d["running"] = r.running;
+  d["delayed_update"] = r.delayed_update;
   return d;
 }
 

@@ -176,6 +176,7 @@ class _Engine:
         self.restoring = bool(config["restore_from"])
         self.params_host = params_host
         self.tier = None  # _GpuTier, where the parameters are on a GPU (or gpu.device says)
+        self._optimizer = None  # set by Optimizer
         self.shards = []
         self.by_param = {}
         self._handles = []  # hooks, removed if wrap() fails
@@ -396,6 +397,27 @@ class _Engine:
             if s.gathered:
                 self._free(s)
 
+    def latest_weights(self):
+        """With the delayed update on, the parameters fetched are one step
+        older than the last step's: makes the newest current (the daemon
+        drains the update: off, then on again), after an overlapped step
+        ends. The next iteration then reads the newest weights (one step
+        less stale, once). Nothing to do otherwise."""
+        opt = self._optimizer
+        if opt is None or not opt.last_step or not opt.last_step.get("delayed_update"):
+            return
+        if opt._overlapped:
+            opt._overlapped = False
+            opt.last_finished = self.session.wait_step()
+        self.free_all()
+        if self.tier is not None:
+            self.tier.tier.synchronize()  # no copy in flight from the working copies
+        self.session.set_delayed_update(False)
+        self.session.set_delayed_update(True)
+        opt.last_step = dict(opt.last_step, delayed_update=False)
+        if self.tier is not None:
+            self.tier.invalidate()
+
     # --- gradients ---------------------------------------------------------
 
     def _make_grad_hook(self, s):
@@ -600,7 +622,8 @@ class _Engine:
 
         def full_state(module, state, prefix, local_metadata):
             # Gathers every parameter in a fixed order (a collective: every
-            # rank calls state_dict()).
+            # rank calls state_dict()), the newest weights.
+            self.latest_weights()
             keys = {}
             for mname, m in module.named_modules(remove_duplicate=False):
                 for pname, p in m._parameters.items():
@@ -932,6 +955,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, param_groups, defaults, config):
         self._engine = engine  # add_param_group, which torch's __init__ calls, needs it
+        engine._optimizer = self  # the delayed update's drain (latest_weights) asks it
         self._config = config
         try:
             super().__init__(param_groups, defaults)
@@ -1047,6 +1071,13 @@ class Optimizer(torch.optim.Optimizer):
         e.counts["skipped"] += bool(r["skipped"])
         e.timings["step"] += time.perf_counter() - start
         return loss
+
+    def drain(self):
+        """With the delayed update: makes the newest weights the ones the
+        model reads (they are otherwise one step behind the last step), for
+        evaluation; state_dict() does this itself. The next iteration is
+        then one step less stale, once. Every rank calls it."""
+        self._engine.latest_weights()
 
     @staticmethod
     def _hyper(g):
@@ -1198,7 +1229,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       static_loss_scale           a fixed loss scale instead
       delayed_update              True, or the number of steps after which the
                                   step of iteration i overlaps iteration i+1 (one step stale;
-                                  step() returns at once, as with overlap_step)
+                                  step() returns at once, as with overlap_step); state_dict()
+                                  drains it first and returns the newest weights (call
+                                  optimizer.drain() before evaluating for the same)
       overlap_step                step() returns at once; a fetch waits for its own partition
       working_dtype               fp32 (default), bf16 or fp16: the dtype offloadd keeps the
                                   working copy in (and gathers); the master stays fp32
