@@ -657,6 +657,45 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertTrue(opt.last_step["delayed_update"])
         opt.close()
 
+    def test_a_deepspeed_loop_updates_at_the_accumulation_boundary(self):
+        # DeepSpeed's engine takes backward() and step() after every
+        # micro-batch and updates at every gradient_accumulation_steps-th:
+        # wrap(deepspeed_config=...) does the same, called on the model as
+        # DeepSpeed users call the engine (a zero_grad() inside the window,
+        # as some loops have, keeps what accumulated).
+        import offloadd.torch
+        import torch
+        ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+        ref = self.mlp()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+        old = os.environ.get("OFFLOADD_ADDRESS")
+        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
+        try:
+            model, opt = offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
+        finally:
+            if old is None:
+                del os.environ["OFFLOADD_ADDRESS"]
+            else:
+                os.environ["OFFLOADD_ADDRESS"] = old
+        gen = torch.Generator().manual_seed(7)
+        for i in range(8):
+            x = torch.randn(4, 8, generator=gen)
+            (ref(x).pow(2).mean() / 2).backward()
+            if i % 2 == 1:
+                ropt.step()
+                ropt.zero_grad()
+            self.assertEqual(model.is_gradient_accumulation_boundary(), i % 2 == 1)
+            opt.zero_grad()
+            model.backward(model(x).pow(2).mean())
+            model.step()
+        self.assertEqual(model.offloadd.counts["steps"], 4)
+        got = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        opt.close()
+
     def test_zero_grad_drops_the_gradients_the_daemon_holds(self):
         import torch
         ref, (model, opt) = self.mlp(), self.wrap(self.mlp(), {"lr": 1e-2})

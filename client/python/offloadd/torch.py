@@ -411,7 +411,9 @@ class _Engine:
             opt.last_finished = self.session.wait_step()
         self.free_all()
         if self.tier is not None:
-            self.tier.tier.synchronize()  # no copy in flight from the working copies
+            # Ends its iteration (an evaluation's forward holds every
+            # partition): copies done, holds let go.
+            self.tier.flush_gradients()
         self.session.set_delayed_update(False)
         self.session.set_delayed_update(True)
         opt.last_step = dict(opt.last_step, delayed_update=False)
@@ -972,6 +974,9 @@ class Optimizer(torch.optim.Optimizer):
         # switches on, each fetch waits for its own partition's).
         self._overlap = config["overlap_step"] or config["delayed_update_after_steps"] is not None
         self.last_step = None
+        # DeepSpeed's loop (wrap with a deepspeed_config): step() after every
+        # micro-batch, the update at every N-th (N = gradient_accumulation_steps).
+        self._micro_steps = 0
         if config["loss_scaling"] is not None:
             self._loss_scale = engine.session.pending_gradients()["loss_scale"]
         else:
@@ -1001,10 +1006,26 @@ class Optimizer(torch.optim.Optimizer):
         for p in params:
             self._engine.by_param[id(p)].in_optimizer = True
 
+    def is_gradient_accumulation_boundary(self):
+        """Whether the micro-batch being computed is the last before an
+        update (DeepSpeed's engine method): with a deepspeed_config, step()
+        updates only then."""
+        n = self._config["gradient_accumulation_steps"]
+        return (self._micro_steps + 1) % n == 0
+
+    def _inside_accumulation(self):
+        """In a DeepSpeed loop, between the micro-batches of one update: the
+        gradients returned so far are kept for it."""
+        return (self._config.get("deepspeed_loop")
+                and self._micro_steps % self._config["gradient_accumulation_steps"] != 0)
+
     def zero_grad(self, set_to_none=True):
         """Drops the gradients of this step so far, as torch's does: those
         the daemon accumulated are consumed by a skipped step (which changes
-        nothing else)."""
+        nothing else). In a DeepSpeed loop, before the accumulation boundary,
+        nothing (as DeepSpeed's engine)."""
+        if self._inside_accumulation():
+            return
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -1023,6 +1044,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._config.get("deepspeed_loop"):
+            self._micro_steps += 1
+            if self._inside_accumulation():
+                return loss  # DeepSpeed's engine: the update waits for the boundary
         e = self._engine
         start = time.perf_counter()
         if self._overlapped:
@@ -1251,7 +1276,11 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   optimizer state, steps and loss scale come from it (the
                                   model's own values are not used); any number of ranks
     deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
-      two dicts; see offloadd.deepspeed.
+      two dicts; see offloadd.deepspeed. The loop then runs as DeepSpeed's:
+      step() after every micro-batch updates at every
+      gradient_accumulation_steps-th (zero_grad() in between keeps what
+      accumulated), and the model takes backward(loss), step() and
+      is_gradient_accumulation_boundary() as DeepSpeed's engine does.
     """
     if deepspeed_config is not None:
         if adamw_config is not None or zero_config is not None:
@@ -1261,6 +1290,10 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         adamw_config, zero_config = deepspeed.from_config(deepspeed_config, world)
     config = _zero_defaults(zero_config)
+    # A DeepSpeed loop calls step() after every micro-batch; the engine steps
+    # at the accumulation boundary only (and the model takes backward(),
+    # step() and is_gradient_accumulation_boundary() as DeepSpeed's engine).
+    config["deepspeed_loop"] = deepspeed_config is not None
     a = dict(adamw_config or {})
     _check_keys("adamw_config", a, _ADAM_KEYS)
     adamw = a.get("adamw", True)
@@ -1281,4 +1314,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         raise
     engine.commit()
     model.offloadd = engine
+    if config["deepspeed_loop"]:
+        for name in ("backward", "step", "is_gradient_accumulation_boundary"):
+            if not hasattr(model, name):
+                setattr(model, name, getattr(optimizer, name))
     return model, optimizer
