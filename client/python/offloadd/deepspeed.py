@@ -279,8 +279,14 @@ def translate(config, world_size=1):
 
 
 def from_config(config, world_size=1):
-    """(adamw_config, zero_config) for wrap(); logs the notes."""
+    """(adamw_config, zero_config) for wrap(); logs one line saying how many
+    fields were accepted with a note and naming them (each note in full at
+    debug level)."""
     t = translate(config, world_size)
+    if t.notes:
+        fields = [n.split(":", 1)[0] for n in t.notes]
+        log.info("DeepSpeed config: %d field(s) accepted with a note (%s); the notes at debug "
+                 "level of logger %r", len(fields), ", ".join(fields), log.name)
     for n in t.notes:
-        log.warning("DeepSpeed config %s", n)
+        log.debug("DeepSpeed config %s", n)
     return t.adamw, t.zero
