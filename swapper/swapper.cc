@@ -218,6 +218,7 @@ absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& o
 
 Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space)
     : pool_(pool), space_(space),
+      nvme_capacity_(space == nullptr ? 0 : space->Stats().capacity),
       staging_bytes_(space == nullptr
                          ? 0
                          : std::max<uint64_t>(1, kStagingBytes / space->stripe_bytes()) *
@@ -333,9 +334,27 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     RETURN_IF_ERROR(TakeHostLocked(b.get()));
     changed_.SignalAll();
     b->state = BlockState::kResident;
+  } else {
+    RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
   }
   traces_.try_emplace(trace);
   blocks_[id] = std::move(b);
+  return absl::OkStatus();
+}
+
+uint64_t Swapper::NvmeFootprint(uint64_t bytes) const {
+  return RoundUp(bytes, space_->alignment());
+}
+
+absl::Status Swapper::HomeOnNvmeLocked(BlockId id, uint64_t bytes) {
+  const uint64_t need = NvmeFootprint(bytes);
+  if (nvme_homed_bytes_ + need > nvme_capacity_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "block ", id, " (", bytes, " bytes) cannot rest on NVMe: the tier's ", nvme_capacity_,
+        " bytes (nvme.bytes_per_dir in each of nvme.dirs) hold ", nvme_homed_bytes_,
+        " bytes homed there already; place less on NVMe or give the tier more room"));
+  }
+  nvme_homed_bytes_ += need;
   return absl::OkStatus();
 }
 
@@ -344,6 +363,7 @@ void Swapper::Remove(BlockId id) {
   Block* b = FindLocked(id);
   if (b == nullptr) return;
   const bool external = b->external != nullptr;
+  if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
   b->removed = true;
   EraseIfDoneLocked(b);  // may free *b: only compared against below
   if (!external) return;
@@ -572,6 +592,13 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
+  if (b->home != home) {
+    if (home == Tier::kNvme) {
+      RETURN_IF_ERROR(HomeOnNvmeLocked(id, b->bytes));
+    } else {
+      nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+    }
+  }
   b->home = home;
   RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {

@@ -338,6 +338,16 @@ class Swapper {
   // Constant after construction.
   HostPool* const pool_;
   SwapSpace* const space_;
+  // What the NVMe tier can hold, and what blocks homed there take of it
+  // (each rounded to the tier's alignment): a block the tier could not hold
+  // is refused when it is homed there (AddBlock, SetHome), not when its
+  // write-out fails steps later.
+  const uint64_t nvme_capacity_;
+  uint64_t nvme_homed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t NvmeFootprint(uint64_t bytes) const;
+  // Counts `bytes` more homed on NVMe, or RESOURCE_EXHAUSTED naming the
+  // tier's room.
+  absl::Status HomeOnNvmeLocked(BlockId id, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Each I/O thread's staging buffer (whole stripes; allocated on first use).
   const uint64_t staging_bytes_;
   const Pages host_home_pages_;  // SwapperOptions::host_home_pages

@@ -19,6 +19,7 @@
 #include "base/host_memory.h"
 #include "base/smaps_testing.h"
 #include "base/unique_fd.h"
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
@@ -875,6 +876,31 @@ TEST_F(SwapperTest, RemovingExternalMemoryWaitsForItsRead) {
   // Block 1's pages went with it; block 2's were written out.
   swapper_->WaitIdle();
   EXPECT_LE(arena.populated(), kMiB);
+}
+
+// What is homed on NVMe is counted against the tier's room when it is
+// homed there (added or moved), not when its write-out fails later: past it
+// the block is refused, nothing changes, and removing blocks gives room back.
+TEST_F(SwapperTest, HomingMoreOnNvmeThanTheTierHoldsIsRefusedAtOnce) {
+  Make(64 * kMiB);
+  const uint64_t capacity = space_->Stats().capacity;  // 256 MiB
+  const uint64_t block = 64 * kMiB;
+  uint64_t id = 1;
+  for (; id * block <= capacity; ++id) {
+    ASSERT_TRUE(swapper_->Add(id, block, Tier::kNvme, 0).ok()) << id;
+  }
+  absl::Status full = swapper_->Add(id, block, Tier::kNvme, 0);
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_TRUE(absl::StrContains(full.message(), "nvme.bytes_per_dir")) << full;
+  // A block on the host cannot move there either; it stays on the host.
+  ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 0).ok());
+  EXPECT_EQ(swapper_->SetHome(100, Tier::kNvme).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(swapper_->Stats().host_home_bytes, kMiB);
+  // Room comes back with a removal, and with a block moved home.
+  swapper_->Remove(1);
+  ASSERT_TRUE(swapper_->Add(id, block, Tier::kNvme, 0).ok());
+  ASSERT_TRUE(swapper_->SetHome(2, Tier::kHost).ok());
+  EXPECT_TRUE(swapper_->SetHome(100, Tier::kNvme).ok());
 }
 
 TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
