@@ -220,26 +220,54 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
     Tier home;
   };
   std::vector<Move> moves;
-  {
-    absl::MutexLock lock(&mu_);
+  // Twice under the set's lock: first to see how much more would rest on
+  // NVMe (refused before anything changes if the tier cannot hold it; the
+  // swapper is asked between, without the set's lock), then to apply.
+  // placement_mu_ keeps the partitions and their homes as they are between.
+  auto plan = [&](bool apply) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int64_t to_nvme = 0;
     for (DataKind k : kKinds) {
       if (!change[k].has_value()) continue;
       const int kind = static_cast<int>(k);
-      placement_[k] = *change[k];
       uint64_t host = 0, total = 0;
       for (auto& [id, p] : partitions_) {
         const uint64_t add = p->Bytes(k);
-        const Tier home = HomeFor(host, total, add, placement_[k]);
+        const Tier home = HomeFor(host, total, add, *change[k]);
         total += add;
         if (home == Tier::kHost) host += add;
         if (home != p->home[kind]) {
-          p->home[kind] = home;
-          moves.push_back({id, ChunksOf(p->info.numel), k, home});
+          // What moves now: not an accumulator not made yet (it is checked
+          // against the tier when it is).
+          const int64_t moving = static_cast<int64_t>(
+              k == DataKind::kOptimizerState ? 3 * p->info.numel * sizeof(float) : add);
+          to_nvme += home == Tier::kNvme ? moving : -moving;
+          if (apply) {
+            p->home[kind] = home;
+            moves.push_back({id, ChunksOf(p->info.numel), k, home});
+          }
         }
       }
-      bytes_[kind][static_cast<int>(Tier::kHost)] = host;
-      bytes_[kind][static_cast<int>(Tier::kNvme)] = total - host;
+      if (apply) {
+        placement_[k] = *change[k];
+        bytes_[kind][static_cast<int>(Tier::kHost)] = host;
+        bytes_[kind][static_cast<int>(Tier::kNvme)] = total - host;
+      }
     }
+    return to_nvme;
+  };
+  int64_t to_nvme;
+  {
+    absl::MutexLock lock(&mu_);
+    to_nvme = plan(/*apply=*/false);
+  }
+  if (to_nvme > 0 && static_cast<uint64_t>(to_nvme) > swapper_->NvmeRoom()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "placing ", to_nvme, " more bytes of this session on NVMe: the tier has room for ",
+        swapper_->NvmeRoom(), " (nvme.bytes_per_dir in each of nvme.dirs); nothing moved"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    plan(/*apply=*/true);
   }
   // Outside the set's lock; each call returns at once.
   for (const Move& m : moves) {

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -112,6 +113,38 @@ TEST(OutOfCore, ATrainerThatDiesReleasesWhatItHeld) {
   EXPECT_TRUE(small.sessions->Abandon(greedy.key().id));
   EXPECT_EQ(small.swapper->Stats().pinned_bytes, 0u);
   EXPECT_TRUE(small.sessions->Fetch(next.key(), {next.parts()[0].id}, WithGrads()).ok());
+}
+
+// Placing on NVMe more than its tier holds (64 MiB here) is refused before
+// anything moves; registering state there past it is refused too.
+TEST(OutOfCore, PlacingMoreOnNvmeThanTheTierHoldsChangesNothing) {
+  TestEngine engine(TmpDir("room"), 256 << 20);
+  auto opened = engine.sessions->Open("room", All(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  for (int i = 0; i < 9; ++i) {  // 108 MiB of master, m and v in all
+    auto p = engine.sessions->Register(key, {"p" + std::to_string(i), 1 << 20, DType::kBf16,
+                                             DType::kBf16});
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  }
+  const auto before = engine.sessions->Sessions()[0];
+  const absl::Status moved = engine.sessions->SetPlacement(key, StateAt(0));
+  EXPECT_EQ(moved.code(), absl::StatusCode::kResourceExhausted) << moved;
+  EXPECT_TRUE(absl::StrContains(moved.message(), "nothing moved")) << moved;
+  const auto after = engine.sessions->Sessions()[0];
+  const int state = static_cast<int>(DataKind::kOptimizerState);
+  EXPECT_EQ(after.host_bytes[state], before.host_bytes[state]);
+  EXPECT_EQ(after.nvme_bytes[state], 0u);
+  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, 0u);
+  // A share that fits moves.
+  const absl::Status half = engine.sessions->SetPlacement(key, StateAt(50));
+  EXPECT_TRUE(half.ok()) << half;
+  // A new session with its state on NVMe: refused past the tier's room.
+  auto nvme = engine.sessions->Open("nvme", StateAt(0));
+  ASSERT_TRUE(nvme.ok());
+  auto big = engine.sessions->Register(nvme->key, {"big", 2 << 20, DType::kBf16, DType::kBf16});
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
 }
 
 TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {

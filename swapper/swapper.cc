@@ -342,6 +342,11 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
   return absl::OkStatus();
 }
 
+uint64_t Swapper::NvmeRoom() const {
+  absl::MutexLock lock(&mu_);
+  return nvme_capacity_ - std::min(nvme_capacity_, nvme_homed_bytes_);
+}
+
 uint64_t Swapper::NvmeFootprint(uint64_t bytes) const {
   return RoundUp(bytes, space_->alignment());
 }

@@ -245,6 +245,9 @@ class Swapper {
   absl::Status SetHome(BlockId id, Tier home) ABSL_LOCKS_EXCLUDED(mu_);
 
   bool has_nvme() const { return space_ != nullptr; }
+  // Bytes the NVMe tier can still take as blocks homed there (0 without
+  // one); a snapshot.
+  uint64_t NvmeRoom() const ABSL_LOCKS_EXCLUDED(mu_);
   const HostPool& pool() const { return *pool_; }
 
   void SetPrefetch(int64_t depth, int64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);

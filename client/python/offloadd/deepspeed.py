@@ -285,7 +285,7 @@ def from_config(config, world_size=1):
     t = translate(config, world_size)
     if t.notes:
         fields = [n.split(":", 1)[0] for n in t.notes]
-        log.info("DeepSpeed config: %d field(s) accepted with a note (%s); the notes at debug "
+        log.warning("DeepSpeed config: %d field(s) accepted with a note (%s); the notes at debug "
                  "level of logger %r", len(fields), ", ".join(fields), log.name)
     for n in t.notes:
         log.debug("DeepSpeed config %s", n)
