@@ -274,6 +274,18 @@ absl::Status GpuTier::AddGradient(uint64_t partition_id, const void* src, uint64
   return drain_->Add(partition_id, src, bytes, producer);
 }
 
+absl::Status GpuTier::DropGradients() {
+  std::vector<uint64_t> ids;
+  {
+    std::vector<gpu::GradientDrain::Done> done = drain_->Completed(/*wait=*/true);
+    absl::MutexLock lock(&mu_);
+    for (const auto& d : done) {
+      if (grads_held_.erase(d.key) > 0) ids.push_back(d.key);
+    }
+  }
+  return ReleaseIds(Unhold(ids));
+}
+
 absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
     bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats) {
   std::vector<gpu::GradientDrain::Done> done = drain_->Completed(wait);

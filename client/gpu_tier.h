@@ -118,6 +118,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
       bool wait, bool hand_over,
       const absl::flat_hash_map<uint64_t, GradientStats>& stats = {});
   size_t gradients_pending() const { return drain_->pending(); }
+  // Waits for the gradient copies in flight and releases their buffers
+  // unreturned (an iteration given up): their sources may be freed after.
+  absl::Status DropGradients();
 
   // The trainer's own prefetch (ParamCache::SetPrefetch); the node's
   // settings, where it has them, win while they are set.

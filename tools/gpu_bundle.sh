@@ -23,7 +23,8 @@ cd "$(dirname "$0")/.."
 base=/root/.cache/offloadd-py$(basename "$pyinc" | tr -cd 0-9)
 targets=(//daemon:offloadd //client:offloadctl //client/python:package //tests:wait_for_daemon
          //benches:step_overlap //benches:load //benches:out_of_core_step //benches:cpu_adam
-         //benches:nvme //benches:trace_replay //benches:gpu_copy //gpu:cuda_device_test)
+         //benches:nvme //benches:trace_replay //benches:gpu_copy //gpu:cuda_device_test
+         //gpu:nccl_communicator_test //client/demo:offload_gpu_demo)
 # --symlink_prefix=/: leaves the checkout's bazel-* links to the default build.
 bazel --output_base="$base" build -c opt --symlink_prefix=/ --copt=-isystem"$pyinc" "${targets[@]}"
 bin=$(bazel --output_base="$base" info -c opt bazel-bin 2>/dev/null)
@@ -34,7 +35,8 @@ put() {  # put SRC REL: copies SRC to DEST/run/REL
 }
 for b in daemon/offloadd client/offloadctl tests/wait_for_daemon benches/step_overlap \
          benches/load benches/out_of_core_step benches/cpu_adam benches/nvme benches/trace_replay \
-         benches/gpu_copy gpu/cuda_device_test; do
+         benches/gpu_copy gpu/cuda_device_test gpu/nccl_communicator_test \
+         client/demo/offload_gpu_demo; do
   put "$bin/$b" "$b"
 done
 mkdir -p "$dest/run/client/python/site"
@@ -47,13 +49,15 @@ done
 cp /usr/share/common-licenses/GPL-3 "$dest/GPL-3"  # the demo's training text
 
 # The libraries: everything ldd resolves except the C runtime, the C++
-# runtime and the loader, which the target has in newer versions.
+# runtime and the loader, which the target has in newer versions, and NCCL
+# (218 MB; the target's PyTorch has its own, which gpu_run.sh finds).
 for f in "$dest"/run/daemon/offloadd "$dest"/run/client/offloadctl "$dest"/run/benches/* \
-         "$dest"/run/gpu/cuda_device_test \
+         "$dest"/run/gpu/cuda_device_test "$dest"/run/gpu/nccl_communicator_test \
+         "$dest"/run/client/demo/offload_gpu_demo \
          "$dest"/run/client/python/site/offloadd/_offloadd.so; do
   [[ -x $f || $f == *.so ]] || continue
   ldd "$f" | awk '/=> \//{print $3}'
-done | sort -u | grep -vE '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' |
+done | sort -u | grep -vE '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s|libnccl|ld-linux[^/]*)\.so' |
   while read -r lib; do cp -L "$lib" "$dest/lib/"; done
 # Debug symbols stay here: the device tool carries at most 64 MiB.
 find "$dest/run" "$dest/lib" -type f \( -perm -u+x -o -name '*.so*' \) ! -name '*.py' \

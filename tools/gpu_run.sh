@@ -2,7 +2,7 @@
 # Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
-# Stages: env cudatest gpucopy gputier gputier_cuda gputier_dpu gputest alltests tokens tokens_big tokens_profile large
+# Stages: env cudatest nccltest gpudemo gpucopy gputier gputier_cuda gputier_dpu gputest alltests tokens tokens_big tokens_profile large
 #         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
@@ -11,7 +11,11 @@
 set -uo pipefail
 bundle=$(cd "${1:?usage: tools/gpu_run.sh BUNDLE STAGE...}" && pwd)
 shift
-export LD_LIBRARY_PATH=$bundle/lib PYTHONUNBUFFERED=1 PYTHONPATH=client/python/site
+# NCCL is the target's PyTorch's (the bundle leaves it out).
+nccl=$(find $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
+         -name 'libnccl.so.2' 2>/dev/null | head -1)
+export LD_LIBRARY_PATH=$bundle/lib${nccl:+:$(dirname "$nccl")} PYTHONUNBUFFERED=1
+export PYTHONPATH=client/python/site
 # The demo's training text, where the tests and benchmarks look for it.
 [[ -f /usr/share/common-licenses/GPL-3 ]] ||
   { mkdir -p /usr/share/common-licenses && cp "$bundle/GPL-3" /usr/share/common-licenses/; }
@@ -26,6 +30,15 @@ for stage in "$@"; do
       df -hT /tmp /var/tmp | cat; lscpu | grep -E 'Model name|^CPU\(s\)|L3'
       ! ldd daemon/offloadd client/python/site/offloadd/_offloadd.so | grep 'not found' ;;
     cudatest) timeout 60 gpu/cuda_device_test ;;
+    nccltest) timeout 60 gpu/nccl_communicator_test ;;
+    # The C++ GPU demo: ZeRO-3 over NCCL (one rank) through a fresh offloadd.
+    gpudemo)
+      g=/tmp/offloadd-gpudemo; rm -rf $g
+      daemon/offloadd --server.data_dir=$g > $g.log 2>&1 & d=$!
+      tests/wait_for_daemon $d $g.log $g/offloadd.sock &&
+        timeout 120 client/demo/offload_gpu_demo --device=cuda \
+          --address=unix:$g/offloadd.sock
+      rc=$?; kill $d; wait $d; (exit $rc) ;;
     gpucopy) timeout 120 benches/gpu_copy --bytes=1073741824 ;;
     gputier)
       timeout 300 python3 tests/torch_wrap_test.py -v \

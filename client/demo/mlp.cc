@@ -1,5 +1,6 @@
 #include "client/demo/mlp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -26,10 +27,7 @@ class SplitMix64 {
   uint64_t state_;
 };
 
-struct Dataset {
-  std::vector<float> x;  // samples x inputs
-  std::vector<float> y;  // samples
-};
+}  // namespace
 
 Dataset MakeDataset(const MlpConfig& c) {
   SplitMix64 rng(c.seed * 7919 + 1);
@@ -53,25 +51,39 @@ Dataset MakeDataset(const MlpConfig& c) {
   return d;
 }
 
-// Loss (mean squared error over the batch) and gradients of all tensors.
-double ForwardBackward(const MlpConfig& c, const Dataset& d, int first, int count,
-                       const std::vector<std::vector<float>>& p,
-                       std::vector<std::vector<float>>* g) {
-  const std::vector<float>& w1 = p[0];
-  const std::vector<float>& b1 = p[1];
-  const std::vector<float>& w2 = p[2];
-  const std::vector<float>& b2 = p[3];
-  for (auto& t : *g) std::fill(t.begin(), t.end(), 0.0f);
-  std::vector<float>& gw1 = (*g)[0];
-  std::vector<float>& gb1 = (*g)[1];
-  std::vector<float>& gw2 = (*g)[2];
-  std::vector<float>& gb2 = (*g)[3];
+std::vector<std::vector<float>> InitialWeights(const MlpConfig& c) {
+  // Xavier-style uniform initialisation.
+  SplitMix64 rng(c.seed);
+  std::vector<std::vector<float>> initial;
+  for (const TensorShape& t : MlpTensors(c)) {
+    const bool bias = t.name[0] == 'b';
+    const float fan_in =
+        t.name == "w1" ? static_cast<float>(c.inputs) : static_cast<float>(c.hidden);
+    const float limit = bias ? 0.0f : std::sqrt(3.0f / fan_in);
+    std::vector<float> v(t.numel);
+    for (float& x : v) x = limit * rng.Uniform();
+    initial.push_back(std::move(v));
+  }
+  return initial;
+}
+
+double ForwardBackward(const MlpConfig& c, const float* xs, const float* ys, int count,
+                       const float* const p[4], float* const g[4]) {
+  const float* w1 = p[0];
+  const float* b1 = p[1];
+  const float* w2 = p[2];
+  const float* b2 = p[3];
+  const std::vector<TensorShape> shapes = MlpTensors(c);
+  for (int t = 0; t < 4; ++t) std::fill(g[t], g[t] + shapes[t].numel, 0.0f);
+  float* gw1 = g[0];
+  float* gb1 = g[1];
+  float* gw2 = g[2];
+  float* gb2 = g[3];
   std::vector<float> h(c.hidden);
   double loss = 0;
   const float scale = 2.0f / static_cast<float>(count);
   for (int k = 0; k < count; ++k) {
-    const int s = (first + k) % c.samples;
-    const float* x = &d.x[static_cast<size_t>(s) * c.inputs];
+    const float* x = &xs[static_cast<size_t>(k) * c.inputs];
     float out = b2[0];
     for (int j = 0; j < c.hidden; ++j) {
       float z = b1[j];
@@ -79,7 +91,7 @@ double ForwardBackward(const MlpConfig& c, const Dataset& d, int first, int coun
       h[j] = std::tanh(z);
       out += w2[j] * h[j];
     }
-    const float err = out - d.y[s];
+    const float err = out - ys[k];
     loss += static_cast<double>(err) * err;
     const float dout = scale * err;
     gb2[0] += dout;
@@ -92,6 +104,8 @@ double ForwardBackward(const MlpConfig& c, const Dataset& d, int first, int coun
   }
   return loss / count;
 }
+
+namespace {
 
 class InProcessStore final : public ParameterStore {
  public:
@@ -233,24 +247,22 @@ absl::StatusOr<std::vector<double>> Train(const MlpConfig& c, ParameterStore* st
   }
   const Dataset data = MakeDataset(c);
   const std::vector<TensorShape> tensors = MlpTensors(c);
-  // Xavier-style uniform initialisation.
-  SplitMix64 rng(c.seed);
-  std::vector<std::vector<float>> initial;
-  for (const TensorShape& t : tensors) {
-    const bool bias = t.name[0] == 'b';
-    const float fan_in = t.name == "w1" ? static_cast<float>(c.inputs) : static_cast<float>(c.hidden);
-    const float limit = bias ? 0.0f : std::sqrt(3.0f / fan_in);
-    std::vector<float> v(t.numel);
-    for (float& x : v) x = limit * rng.Uniform();
-    initial.push_back(std::move(v));
-  }
-  RETURN_IF_ERROR(store->Init(tensors, initial));
+  RETURN_IF_ERROR(store->Init(tensors, InitialWeights(c)));
   std::vector<std::vector<float>> params, grads;
   for (const TensorShape& t : tensors) grads.emplace_back(t.numel);
+  std::vector<float> x(static_cast<size_t>(c.batch) * c.inputs), y(c.batch);
   std::vector<double> losses;
   for (int step = 0; step < c.steps; ++step) {
     RETURN_IF_ERROR(store->Read(&params));
-    losses.push_back(ForwardBackward(c, data, step * c.batch, c.batch, params, &grads));
+    for (int k = 0; k < c.batch; ++k) {
+      const int s = static_cast<int>((static_cast<int64_t>(step) * c.batch + k) % c.samples);
+      std::copy_n(&data.x[static_cast<size_t>(s) * c.inputs], c.inputs,
+                  &x[static_cast<size_t>(k) * c.inputs]);
+      y[k] = data.y[s];
+    }
+    const float* p[4] = {params[0].data(), params[1].data(), params[2].data(), params[3].data()};
+    float* g[4] = {grads[0].data(), grads[1].data(), grads[2].data(), grads[3].data()};
+    losses.push_back(ForwardBackward(c, x.data(), y.data(), c.batch, p, g));
     RETURN_IF_ERROR(store->Update(grads));
   }
   return losses;

@@ -39,7 +39,24 @@ struct TensorShape {
   uint64_t numel;
 };
 
+// w1 (hidden x inputs), b1 (hidden), w2 (hidden), b2 (1).
 std::vector<TensorShape> MlpTensors(const MlpConfig& config);
+
+// The samples (x: samples x inputs, y: samples) and initial weights (one
+// vector per tensor of MlpTensors) of `config`.
+struct Dataset {
+  std::vector<float> x;
+  std::vector<float> y;
+};
+Dataset MakeDataset(const MlpConfig& config);
+std::vector<std::vector<float>> InitialWeights(const MlpConfig& config);
+
+// The mean squared error of `count` samples (x: count x inputs, y: count)
+// under parameters `p` (w1, b1, w2, b2), and its gradients into `g`
+// (overwritten), in a fixed order. Step k trains on samples
+// [k * batch, (k + 1) * batch) modulo samples.
+double ForwardBackward(const MlpConfig& config, const float* x, const float* y, int count,
+                       const float* const p[4], float* const g[4]);
 
 // Where the model's parameters live and who updates them.
 class ParameterStore {

@@ -1,0 +1,162 @@
+// gpu::Communicator over NCCL. Built only where bazel/cuda.bzl found NCCL in
+// the toolkit; nccl_communicator_none.cc stands in for it elsewhere.
+#include "gpu/nccl_communicator.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+
+#if NCCL_VERSION_CODE < 21000
+#error "offloadd needs NCCL 2.10 or later (ncclAvg)"
+#endif
+
+namespace offload::gpu {
+namespace {
+
+absl::Status NcclError(absl::string_view what, ncclResult_t r) {
+  absl::StatusCode code = absl::StatusCode::kInternal;
+  switch (r) {
+    case ncclSuccess:
+      return absl::OkStatus();
+    case ncclInvalidArgument:
+    case ncclInvalidUsage:
+      code = absl::StatusCode::kInvalidArgument;
+      break;
+    case ncclRemoteError:
+    case ncclSystemError:
+      code = absl::StatusCode::kUnavailable;
+      break;
+    default:
+      break;
+  }
+  return absl::Status(code, absl::StrCat(what, ": ", ncclGetErrorString(r), " (NCCL ",
+                                         static_cast<int>(r), ")"));
+}
+
+absl::Status SetDevice(int ordinal) {
+  if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", ordinal,
+                                                      "): ", cudaGetErrorString(err)));
+  }
+  return absl::OkStatus();
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int ordinal, int rank, int size)
+      : comm_(comm), ordinal_(ordinal), rank_(rank), size_(size) {}
+  ~NcclCommunicator() override {
+    (void)SetDevice(ordinal_);
+    // A broken communicator cannot finish its work: abort it instead.
+    ncclResult_t async = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &async) != ncclSuccess || async != ncclSuccess) {
+      ncclCommAbort(comm_);
+      return;
+    }
+    if (ncclResult_t r = ncclCommDestroy(comm_); r != ncclSuccess) {
+      LogWarning("%s: ncclCommDestroy: %s", name(), ncclGetErrorString(r));
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return absl::StrCat("nccl rank ", rank_, " of ", size_); }
+
+  absl::Status AllGather(absl::Span<const GatherItem> items, const Stream& stream) override {
+    return Group("all-gather", items.size(), [&](size_t i) {
+      const GatherItem& g = items[i];
+      return ncclAllGather(g.send, g.recv, g.bytes, ncclUint8, comm_, Native(stream));
+    });
+  }
+
+  absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
+                             const Stream& stream) override {
+    const ncclRedOp_t nccl_op = op == ReduceOp::kAvg ? ncclAvg : ncclSum;
+    return Group("reduce-scatter", items.size(), [&](size_t i) {
+      const ScatterItem& s = items[i];
+      return ncclReduceScatter(s.send, s.recv, s.count, ncclFloat32, nccl_op, comm_,
+                               Native(stream));
+    });
+  }
+
+ private:
+  static cudaStream_t Native(const Stream& stream) {
+    return static_cast<cudaStream_t>(stream.get());
+  }
+
+  // Issues items [0, n) as one NCCL group, after checking that no earlier
+  // collective broke the communicator.
+  template <typename IssueOne>
+  absl::Status Group(absl::string_view what, size_t n, IssueOne issue) {
+    const std::string context = absl::StrCat(name(), ": ", what, " of ", n, " items");
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
+      return NcclError(absl::StrCat(context, ": ncclCommGetAsyncError"), r);
+    }
+    if (async != ncclSuccess && async != ncclInProgress) {
+      return NcclError(absl::StrCat(context, ": the communicator is broken"), async);
+    }
+    if (n == 0) return absl::OkStatus();
+    if (absl::Status s = SetDevice(ordinal_); !s.ok()) return s;
+    if (ncclResult_t r = ncclGroupStart(); r != ncclSuccess) {
+      return NcclError(absl::StrCat(context, ": ncclGroupStart"), r);
+    }
+    ncclResult_t first = ncclSuccess;
+    for (size_t i = 0; i < n && first == ncclSuccess; ++i) first = issue(i);
+    const ncclResult_t end = ncclGroupEnd();
+    if (first != ncclSuccess) return NcclError(context, first);
+    if (end != ncclSuccess) return NcclError(absl::StrCat(context, ": ncclGroupEnd"), end);
+    return absl::OkStatus();
+  }
+
+  const ncclComm_t comm_;
+  const int ordinal_;
+  const int rank_;
+  const int size_;
+};
+
+}  // namespace
+
+bool BuiltWithNccl() { return true; }
+
+absl::StatusOr<std::string> NewNcclId() {
+  ncclUniqueId id;
+  if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+    return NcclError("ncclGetUniqueId", r);
+  }
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> OpenNcclCommunicator(int ordinal,
+                                                                   absl::string_view id,
+                                                                   int rank, int size) {
+  if (id.size() != NCCL_UNIQUE_ID_BYTES) {
+    return absl::InvalidArgumentError(absl::StrCat("an NCCL id has ", NCCL_UNIQUE_ID_BYTES,
+                                                   " bytes, not ", id.size()));
+  }
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", size));
+  }
+  if (absl::Status s = SetDevice(ordinal); !s.ok()) return s;
+  ncclUniqueId unique;
+  std::memcpy(unique.internal, id.data(), id.size());
+  ncclComm_t comm = nullptr;
+  if (ncclResult_t r = ncclCommInitRank(&comm, size, unique, rank); r != ncclSuccess) {
+    return NcclError(absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ",
+                                  ordinal, ")"),
+                     r);
+  }
+  return std::unique_ptr<Communicator>(new NcclCommunicator(comm, ordinal, rank, size));
+}
+
+}  // namespace offload::gpu
