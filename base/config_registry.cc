@@ -146,9 +146,9 @@ absl::Status ConfigRegistry::Freeze() {
                       absl::StrJoin(unapplied, ", "));
     }
     if (!static_hooked.empty()) {
-      absl::StrAppend(&why, why.empty() ? "" : "; ",
-                      "static tunables with a hook that would never run: ",
-                      absl::StrJoin(static_hooked, ", "));
+      absl::StrAppend(
+          &why, why.empty() ? "" : "; ",
+          "static tunables with a hook that would never run: ", absl::StrJoin(static_hooked, ", "));
     }
     return absl::InternalError(absl::StrCat("tunable registry wiring: ", why));
   }
@@ -169,13 +169,14 @@ absl::StatusOr<TunableInfo> ConfigRegistry::Set(absl::string_view name, absl::st
   absl::MutexLock lock(&mu_);
   auto it = tunables_.find(name);
   if (it == tunables_.end()) {
-    return absl::NotFoundError(absl::StrCat("no tunable named '", name,
-                                            "' (offloadctl config list shows them all)"));
+    return absl::NotFoundError(
+        absl::StrCat("no tunable named '", name, "' (offloadctl config list shows them all)"));
   }
   if (frozen_ && !it->second.spec.dynamic) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "tunable ", name, " cannot change while offloadd runs; set it in the config file or "
-        "on the command line and restart"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("tunable ", name,
+                     " cannot change while offloadd runs; set it in the config file or "
+                     "on the command line and restart"));
   }
   RETURN_IF_ERROR(it->second.set(value, /*run_hook=*/frozen_));
   return Snapshot(it->second);

@@ -21,15 +21,15 @@
 #ifndef OFFLOADD_BASE_CONFIG_REGISTRY_H_
 #define OFFLOADD_BASE_CONFIG_REGISTRY_H_
 
-#include <cstdint>
 #include <climits>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <memory>
-#include <typeinfo>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"

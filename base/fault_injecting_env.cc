@@ -30,8 +30,8 @@ absl::StatusOr<HostMemory> FaultInjectingEnv::Allocate(uint64_t bytes, Pages pag
   return target_->Allocate(bytes, pages);
 }
 
-absl::StatusOr<HostMemory> FaultInjectingEnv::MapShared(int fd, uint64_t offset,
-                                                        uint64_t bytes, Pages pages) {
+absl::StatusOr<HostMemory> FaultInjectingEnv::MapShared(int fd, uint64_t offset, uint64_t bytes,
+                                                        Pages pages) {
   if (int err = Next(EnvOp::kMapShared)) {
     return PosixError(absl::StrCat("mmap ", bytes, " bytes shared (injected)"), err);
   }

@@ -1,11 +1,10 @@
 #include "base/host_memory.h"
 
-#include <atomic>
-
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
@@ -52,9 +51,9 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
   if (bytes == 0) return HostMemory();
   const uint64_t mapped = RoundUpToPage(bytes);
   auto failed = [&](int err) {
-    return PosixError(absl::StrCat("mmap ", bytes, " bytes at offset ", offset, " of descriptor ",
-                                   fd, " shared"),
-                      err);
+    return PosixError(
+        absl::StrCat("mmap ", bytes, " bytes at offset ", offset, " of descriptor ", fd, " shared"),
+        err);
   };
   void* at = nullptr;
   int flags = MAP_SHARED | MAP_NORESERVE;
@@ -65,8 +64,8 @@ absl::StatusOr<HostMemory> HostMemory::MapShared(int fd, uint64_t offset, uint64
     // page more than needed, map the file over the right part of it, give
     // the rest back.
     const uint64_t huge = HugePageAlignment();
-    void* reserved = mmap(nullptr, mapped + huge, PROT_NONE,
-                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* reserved =
+        mmap(nullptr, mapped + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (reserved == MAP_FAILED) return failed(errno);
     const auto base = reinterpret_cast<uintptr_t>(reserved);
     const uintptr_t addr = base + ((offset % huge) + huge - base % huge) % huge;
@@ -101,8 +100,8 @@ std::string SelectedMode(const std::string& text) {
 
 uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes) {
   const std::string mode = SelectedMode(shmem_enabled);
-  const bool huge = mode == "advise" || mode == "within_size" || mode == "always" ||
-                    mode == "force";
+  const bool huge =
+      mode == "advise" || mode == "within_size" || mode == "always" || mode == "force";
   if (!huge || pmd_bytes <= PageSize() || !absl::has_single_bit(pmd_bytes)) return 0;
   return pmd_bytes;
 }
@@ -183,9 +182,8 @@ std::vector<std::string> DamonMonitorsIn(const std::string& proc_dir,
     if (!std::getline(std::ifstream(entry.path() / "comm"), comm)) continue;  // gone meanwhile
     if (comm.rfind("kdamond", 0) != 0) continue;
     const auto ops = operations.find(pid);
-    running.push_back(absl::StrCat(comm, " (pid ", pid,
-                                   ops == operations.end() ? "" : absl::StrCat(", ", ops->second),
-                                   ")"));
+    running.push_back(absl::StrCat(
+        comm, " (pid ", pid, ops == operations.end() ? "" : absl::StrCat(", ", ops->second), ")"));
   }
   std::sort(running.begin(), running.end());
   return running;
@@ -207,7 +205,8 @@ HostMemory::HostMemory(std::byte* data, uint64_t size, uint64_t mapped)
 int64_t HostMemory::LiveMappings() { return live_mappings.load(std::memory_order_relaxed); }
 
 HostMemory::HostMemory(HostMemory&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)),
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
       mapped_(std::exchange(other.mapped_, 0)) {}
 
 HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {

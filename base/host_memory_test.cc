@@ -5,8 +5,8 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -79,9 +79,9 @@ TEST(HostMemory, SharedHugePageBytesReadsTheSelectedMode) {
   EXPECT_EQ(SharedHugePageBytesFrom("always [within_size] advise never deny force", pmd), pmd);
   EXPECT_EQ(SharedHugePageBytesFrom("always within_size advise [never] deny force", pmd), 0u);
   EXPECT_EQ(SharedHugePageBytesFrom("always within_size advise never [deny] force", pmd), 0u);
-  EXPECT_EQ(SharedHugePageBytesFrom("", pmd), 0u);                    // no THP in the kernel
-  EXPECT_EQ(SharedHugePageBytesFrom("[advise]", 3 << 20), 0u);        // not a power of two
-  EXPECT_EQ(SharedHugePageBytesFrom("[advise]", PageSize()), 0u);     // no larger than a page
+  EXPECT_EQ(SharedHugePageBytesFrom("", pmd), 0u);                 // no THP in the kernel
+  EXPECT_EQ(SharedHugePageBytesFrom("[advise]", 3 << 20), 0u);     // not a power of two
+  EXPECT_EQ(SharedHugePageBytesFrom("[advise]", PageSize()), 0u);  // no larger than a page
 }
 
 TEST(HostMemory, SharedFileWritesGetLargePagesOnlyWhereNothingNeedsToAsk) {

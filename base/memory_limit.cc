@@ -28,8 +28,8 @@ uint64_t ReadLimitFile(const std::string& path) {
 
 }  // namespace
 
-MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup,
-                                const std::string& cgroup_root, uint64_t physical) {
+MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::string& cgroup_root,
+                                uint64_t physical) {
   MemoryLimit limit;
   limit.physical = physical;
   std::vector<std::string> candidates;
@@ -62,9 +62,9 @@ MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup,
 MemoryLimit ReadMemoryLimit() {
   const int64_t pages = sysconf(_SC_PHYS_PAGES);
   const int64_t page_size = sysconf(_SC_PAGESIZE);
-  const uint64_t physical =
-      pages > 0 && page_size > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
-                                 : 0;
+  const uint64_t physical = pages > 0 && page_size > 0
+                                ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
+                                : 0;
   std::ifstream in("/proc/self/cgroup");
   std::stringstream text;
   text << in.rdbuf();

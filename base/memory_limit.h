@@ -11,13 +11,11 @@
 namespace offload {
 
 struct MemoryLimit {
-  uint64_t physical = 0;  // sysconf(_SC_PHYS_PAGES) * page size
-  uint64_t cgroup = 0;    // 0: no cgroup limit found
+  uint64_t physical = 0;    // sysconf(_SC_PHYS_PAGES) * page size
+  uint64_t cgroup = 0;      // 0: no cgroup limit found
   std::string cgroup_file;  // where the limit was read
 
-  uint64_t effective() const {
-    return cgroup != 0 && cgroup < physical ? cgroup : physical;
-  }
+  uint64_t effective() const { return cgroup != 0 && cgroup < physical ? cgroup : physical; }
 };
 
 // Reads the limit of this process's cgroup: cgroup v2 `memory.max` of its
@@ -29,8 +27,8 @@ MemoryLimit ReadMemoryLimit();
 
 // As ReadMemoryLimit, with /proc/self/cgroup's contents, the cgroup mount
 // (normally /sys/fs/cgroup) and physical memory given. For tests.
-MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup,
-                                const std::string& cgroup_root, uint64_t physical);
+MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::string& cgroup_root,
+                                uint64_t physical);
 
 }  // namespace offload
 

@@ -50,8 +50,8 @@ TEST(MemoryLimit, CgroupV1AtItsPathOrAtTheContainersRoot) {
   // root has one.
   Write(root + "/memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n");
   Write(root + "/memory/memory.limit_in_bytes", "2147483648\n");
-  MemoryLimit m = ReadMemoryLimitFrom("9:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n", root,
-                                      24 * kGiB);
+  MemoryLimit m =
+      ReadMemoryLimitFrom("9:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n", root, 24 * kGiB);
   EXPECT_EQ(m.cgroup, 2 * kGiB);
   EXPECT_EQ(m.cgroup_file, root + "/memory/memory.limit_in_bytes");
 }

@@ -11,19 +11,19 @@ TEST(Utf8Test, AcceptsValidText) {
   EXPECT_EQ(FirstInvalidUtf8(""), std::nullopt);
   EXPECT_EQ(FirstInvalidUtf8("rank0/layers.3.attn"), std::nullopt);
   EXPECT_EQ(FirstInvalidUtf8("r\xc3\xa9seau \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x98\x80"),
-            std::nullopt);                                   // é, 日本, an emoji
+            std::nullopt);                                        // é, 日本, an emoji
   EXPECT_EQ(FirstInvalidUtf8("\xf4\x8f\xbf\xbf"), std::nullopt);  // U+10FFFF
 }
 
 TEST(Utf8Test, NamesTheFirstBadByte) {
   EXPECT_EQ(FirstInvalidUtf8("ab\xff"), 2u);
-  EXPECT_EQ(FirstInvalidUtf8("\x80"), 0u);                  // a lone continuation byte
-  EXPECT_EQ(FirstInvalidUtf8("a\xc3"), 1u);                 // truncated
-  EXPECT_EQ(FirstInvalidUtf8("a\xc3(b"), 2u);               // not continued
-  EXPECT_EQ(FirstInvalidUtf8("\xc0\xaf"), 0u);              // overlong '/'
-  EXPECT_EQ(FirstInvalidUtf8("\xe0\x80\xaf"), 0u);          // overlong, 3 bytes
-  EXPECT_EQ(FirstInvalidUtf8("x\xed\xa0\x80"), 1u);         // a surrogate, U+D800
-  EXPECT_EQ(FirstInvalidUtf8("\xf4\x90\x80\x80"), 0u);      // above U+10FFFF
+  EXPECT_EQ(FirstInvalidUtf8("\x80"), 0u);              // a lone continuation byte
+  EXPECT_EQ(FirstInvalidUtf8("a\xc3"), 1u);             // truncated
+  EXPECT_EQ(FirstInvalidUtf8("a\xc3(b"), 2u);           // not continued
+  EXPECT_EQ(FirstInvalidUtf8("\xc0\xaf"), 0u);          // overlong '/'
+  EXPECT_EQ(FirstInvalidUtf8("\xe0\x80\xaf"), 0u);      // overlong, 3 bytes
+  EXPECT_EQ(FirstInvalidUtf8("x\xed\xa0\x80"), 1u);     // a surrogate, U+D800
+  EXPECT_EQ(FirstInvalidUtf8("\xf4\x90\x80\x80"), 0u);  // above U+10FFFF
   EXPECT_EQ(FirstInvalidUtf8(std::string("ok\0\xfe", 4)), 3u);
 }
 

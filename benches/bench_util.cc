@@ -60,8 +60,9 @@ void PrintMachine(const std::string& dir) {
 double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth,
                     uint64_t size) {
   const std::string cmd = absl::StrCat(
-      "fio --name=bench --filename=", file, " --ioengine=io_uring --direct=1 --rw=",
-      write ? "write" : "read", " --bs=", bs, " --iodepth=", depth, " --size=", size,
+      "fio --name=bench --filename=", file,
+      " --ioengine=io_uring --direct=1 --rw=", write ? "write" : "read", " --bs=", bs,
+      " --iodepth=", depth, " --size=", size,
       " --fixedbufs --registerfiles --thread --numjobs=1 --output-format=json 2>/dev/null");
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return -1;
@@ -104,10 +105,23 @@ uint64_t CountOrExit(const char* text) {
   std::string t(text);
   if (!t.empty()) {
     switch (t.back()) {
-      case 'K': case 'k': mult = 1e3; t.pop_back(); break;
-      case 'M': case 'm': mult = 1e6; t.pop_back(); break;
-      case 'G': case 'g': mult = 1e9; t.pop_back(); break;
-      default: break;
+      case 'K':
+      case 'k':
+        mult = 1e3;
+        t.pop_back();
+        break;
+      case 'M':
+      case 'm':
+        mult = 1e6;
+        t.pop_back();
+        break;
+      case 'G':
+      case 'g':
+        mult = 1e9;
+        t.pop_back();
+        break;
+      default:
+        break;
     }
   }
   double v;

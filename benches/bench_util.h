@@ -31,8 +31,7 @@ void PrintMachine(const std::string& dir);
 // fio's bandwidth (bytes/s) for one sequential run in one direction over
 // `size` bytes of `file` (io_uring, O_DIRECT, fixed buffers, registered
 // file, request `bs`, depth `depth`), or -1 if fio failed.
-double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth,
-                    uint64_t size);
+double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t depth, uint64_t size);
 
 // Command-line flags of the benchmarks: the value of `arg` if it is
 // --`name`=VALUE, else null.

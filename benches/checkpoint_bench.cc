@@ -133,10 +133,11 @@ int Main(int argc, char** argv) {
   const double fio_read = FioBandwidth(fio_file, /*write=*/false, fio_bs, 16, fio_size);
   unlink(fio_file.c_str());
   if (fio_write > 0 && fio_read > 0) {
-    std::printf("fio (io_uring, O_DIRECT, %llu MiB requests, depth 16) over %.2f GB in %s: "
-                "write %.2f GB/s, read %.2f GB/s\n",
-                static_cast<unsigned long long>(fio_bs >> 20), fio_size / 1e9, f.dir.c_str(),
-                fio_write / 1e9, fio_read / 1e9);
+    std::printf(
+        "fio (io_uring, O_DIRECT, %llu MiB requests, depth 16) over %.2f GB in %s: "
+        "write %.2f GB/s, read %.2f GB/s\n",
+        static_cast<unsigned long long>(fio_bs >> 20), fio_size / 1e9, f.dir.c_str(),
+        fio_write / 1e9, fio_read / 1e9);
   } else {
     std::printf("fio failed (is it installed?): no bound\n");
   }
@@ -157,8 +158,8 @@ int Main(int argc, char** argv) {
     std::vector<uint64_t> ids;
     for (int l = 0; l < f.layers; ++l) {
       ASSIGN_OR_RETURN(PartitionInfo p,
-                       e.sessions->Register(key, {absl::StrCat("layer", l), per_layer,
-                                                  DType::kBf16, DType::kBf16}));
+                       e.sessions->Register(
+                           key, {absl::StrCat("layer", l), per_layer, DType::kBf16, DType::kBf16}));
       ids.push_back(p.id);
     }
     RETURN_IF_ERROR(e.sessions->Release(key, {}));
@@ -169,12 +170,12 @@ int Main(int argc, char** argv) {
   const SessionKey key = opened->key;
   auto ids = register_all(key);
   if (!ids.ok()) return Fail(ids.status(), "register");
-  std::printf("== checkpoint: %llu params in %d layers (bf16 working copy, fp32 master and "
-              "moments: %.2f GB per checkpoint), optimizer state %s; optimizer %s on %d threads\n",
-              static_cast<unsigned long long>(params), f.layers, bytes / 1e9,
-              f.nvme ? absl::StrCat("on NVMe, pool ", f.pool >> 20, " MiB").c_str()
-                     : "in memory",
-              e.optimizer->kernel_name().c_str(), e.optimizer->threads());
+  std::printf(
+      "== checkpoint: %llu params in %d layers (bf16 working copy, fp32 master and "
+      "moments: %.2f GB per checkpoint), optimizer state %s; optimizer %s on %d threads\n",
+      static_cast<unsigned long long>(params), f.layers, bytes / 1e9,
+      f.nvme ? absl::StrCat("on NVMe, pool ", f.pool >> 20, " MiB").c_str() : "in memory",
+      e.optimizer->kernel_name().c_str(), e.optimizer->threads());
 
   FetchMode backward;
   backward.grads = true;
@@ -199,10 +200,11 @@ int Main(int argc, char** argv) {
   auto written = e.sessions->Checkpoint(key, ckpt, /*background=*/false);
   if (!written.ok()) return Fail(written.status(), "checkpoint");
   const CheckpointSummary& fg = written->summary;
-  std::printf("foreground checkpoint: %.3f s for %.2f GB, %.2f GB/s = %.2fx fio's write; pause "
-              "%.3f ms\n",
-              fg.wall_us / 1e6, fg.bytes / 1e9, fg.bytes / (fg.wall_us / 1e6) / 1e9,
-              Ratio(fg.bytes / (fg.wall_us / 1e6), fio_write), fg.pause_us / 1e3);
+  std::printf(
+      "foreground checkpoint: %.3f s for %.2f GB, %.2f GB/s = %.2fx fio's write; pause "
+      "%.3f ms\n",
+      fg.wall_us / 1e6, fg.bytes / 1e9, fg.bytes / (fg.wall_us / 1e6) / 1e9,
+      Ratio(fg.bytes / (fg.wall_us / 1e6), fio_write), fg.pause_us / 1e3);
 
   // 3. Steps alone, then steps while a background checkpoint is written.
   double alone = 0;
@@ -233,14 +235,15 @@ int Main(int argc, char** argv) {
   }
   waiter.join();
   if (!finished.ok()) return Fail(finished.status(), "background checkpoint");
-  const double bg_wall = finished->summary.wall_us > 0 ? finished->summary.wall_us / 1e6
-                                                       : SecondsSince(begun);
+  const double bg_wall =
+      finished->summary.wall_us > 0 ? finished->summary.wall_us / 1e6 : SecondsSince(begun);
   const double bg_rate = finished->summary.bytes / bg_wall;
   std::printf("training alone: %.3f s per step (mean of %d)\n", alone, f.steps);
-  std::printf("while a background checkpoint is written: %.3f s per step (mean of %d, %.2fx "
-              "alone); the checkpoint %.3f s, %.2f GB/s = %.2fx fio's write; pause %.3f ms\n",
-              during / steps_during, steps_during, Ratio(during / steps_during, alone), bg_wall,
-              bg_rate / 1e9, Ratio(bg_rate, fio_write), started->summary.pause_us / 1e3);
+  std::printf(
+      "while a background checkpoint is written: %.3f s per step (mean of %d, %.2fx "
+      "alone); the checkpoint %.3f s, %.2f GB/s = %.2fx fio's write; pause %.3f ms\n",
+      during / steps_during, steps_during, Ratio(during / steps_during, alone), bg_wall,
+      bg_rate / 1e9, Ratio(bg_rate, fio_write), started->summary.pause_us / 1e3);
 
   // 4. Restore into a new session, its files read from the disk.
   if (auto closed = e.sessions->Close(key); !closed.ok()) return Fail(closed, "close");
@@ -252,8 +255,8 @@ int Main(int argc, char** argv) {
   if (auto r = register_all(rkey); !r.ok()) return Fail(r.status(), "restore");
   const double restore_wall = SecondsSince(restoring);
   const double restore_rate = finished->summary.bytes / restore_wall;
-  std::printf("restore (page cache dropped): %.3f s, %.2f GB/s = %.2fx fio's read\n",
-              restore_wall, restore_rate / 1e9, Ratio(restore_rate, fio_read));
+  std::printf("restore (page cache dropped): %.3f s, %.2f GB/s = %.2fx fio's read\n", restore_wall,
+              restore_rate / 1e9, Ratio(restore_rate, fio_read));
   if (auto closed = e.sessions->Close(rkey); !closed.ok()) return Fail(closed, "close");
   return 0;
 }

@@ -310,10 +310,8 @@ int Main(int argc, char** argv) {
 
   int failures = 0;
   for (int threads : f.threads) {
-    const size_t triad_n = std::max<size_t>(f.sizes.back(), f.sizes.size() == 1 &&
-                                                                    f.sizes[0] < 1'000'000
-                                                                ? f.sizes[0]
-                                                                : 32'000'000);
+    const size_t triad_n = std::max<size_t>(
+        f.sizes.back(), f.sizes.size() == 1 && f.sizes[0] < 1'000'000 ? f.sizes[0] : 32'000'000);
     const double triad = TriadGBs(threads, triad_n, f.reps);
     std::printf("\n== %d thread%s: triad %.1f GB/s (%zu floats per array)\n", threads,
                 threads == 1 ? "" : "s", triad, triad_n);
@@ -377,10 +375,15 @@ int Main(int argc, char** argv) {
             return 2;
           }
           AdamTask task;
-          task.span = AdamSpan{p.data(), m.data(), v.data(),
+          task.span = AdamSpan{p.data(),
+                               m.data(),
+                               v.data(),
                                c.grad == DType::kFp32 ? static_cast<const void*>(g32.data())
                                                       : static_cast<const void*>(g16.data()),
-                               c.grad, c.bf16_copy ? w16.data() : nullptr, DType::kBf16, n};
+                               c.grad,
+                               c.bf16_copy ? w16.data() : nullptr,
+                               DType::kBf16,
+                               n};
           uint64_t step = 0;
           bool ok = true;
           const double t = BestSeconds(f.reps, [&] {
@@ -467,10 +470,11 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\nkernel %s; bound = triad GB/s / bytes per parameter; best of %d round%s, "
-              "each the best of %d step%s after a warm-up\n",
-              Optimizer(OptimizerOptions{0, 1 << 16, f.kernel, false}).kernel_name().c_str(),
-              f.rounds, f.rounds == 1 ? "" : "s", f.reps, f.reps == 1 ? "" : "s");
+  std::printf(
+      "\nkernel %s; bound = triad GB/s / bytes per parameter; best of %d round%s, "
+      "each the best of %d step%s after a warm-up\n",
+      Optimizer(OptimizerOptions{0, 1 << 16, f.kernel, false}).kernel_name().c_str(), f.rounds,
+      f.rounds == 1 ? "" : "s", f.reps, f.reps == 1 ? "" : "s");
   if (!peer.empty()) {
     std::printf(
         "vs DS: our Gparam/s over DeepSpeed cpu_adam's, measured in alternating rounds "

@@ -49,7 +49,7 @@ struct Config {
   uint64_t numel = 65536;
   uint64_t step_every = 4;
   int64_t ring_spin_us = -1;  // the daemon's default
-  int rounds = 1;              // runs of each transport, each against a fresh daemon
+  int rounds = 1;             // runs of each transport, each against a fresh daemon
 };
 
 // One trainer: writes its latencies (ns, per op) and error count to `out`.
@@ -246,8 +246,8 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (c.trainers < 1 || c.seconds <= 0 || c.partitions < 1 || c.numel < 1 ||
-      c.step_every < 1 || c.rounds < 1) {
+  if (c.trainers < 1 || c.seconds <= 0 || c.partitions < 1 || c.numel < 1 || c.step_every < 1 ||
+      c.rounds < 1) {
     std::fprintf(stderr, "every count must be positive\n");
     return 2;
   }
@@ -278,10 +278,11 @@ int Main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       const size_t n = v.size();
       const double median = n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-      std::printf("fetch p99 over %zu runs through %s: %s us; median %.1f us (%s); at or under "
-                  "20 us in %d of %zu\n",
-                  n, ring ? "the ring" : "gRPC", list.c_str(), median,
-                  median <= 20.0 ? "met" : "NOT MET", met, n);
+      std::printf(
+          "fetch p99 over %zu runs through %s: %s us; median %.1f us (%s); at or under "
+          "20 us in %d of %zu\n",
+          n, ring ? "the ring" : "gRPC", list.c_str(), median, median <= 20.0 ? "met" : "NOT MET",
+          met, n);
     }
   }
   return failed == 0 ? 0 : 1;
@@ -300,11 +301,12 @@ int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
   }
   const std::string address = (*daemon)->address();
   const std::string dir = (*daemon)->data_dir();
-  std::printf("%d trainers x %llu partitions of %llu fp32 for %.1f s against one offloadd "
-              "(pid %d); a step every %llu iterations\n",
-              c.trainers, static_cast<unsigned long long>(c.partitions),
-              static_cast<unsigned long long>(c.numel), c.seconds, (*daemon)->pid(),
-              static_cast<unsigned long long>(c.step_every));
+  std::printf(
+      "%d trainers x %llu partitions of %llu fp32 for %.1f s against one offloadd "
+      "(pid %d); a step every %llu iterations\n",
+      c.trainers, static_cast<unsigned long long>(c.partitions),
+      static_cast<unsigned long long>(c.numel), c.seconds, (*daemon)->pid(),
+      static_cast<unsigned long long>(c.step_every));
   std::vector<pid_t> children;
   for (int i = 0; i < c.trainers; ++i) {
     const pid_t pid = fork();
@@ -352,7 +354,8 @@ int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
     calls += all[op].size();
     const uint64_t n = all[op].size();
     const double p50 = Percentile(all[op], 0.5), p99 = Percentile(all[op], 0.99);
-    const double max = all[op].empty() ? 0 : *std::max_element(all[op].begin(), all[op].end()) / 1e3;
+    const double max =
+        all[op].empty() ? 0 : *std::max_element(all[op].begin(), all[op].end()) / 1e3;
     std::printf("%-12s %10llu %9.1f %9.1f %9.1f\n", kOpNames[op],
                 static_cast<unsigned long long>(n), p50, p99, max);
   }
@@ -368,10 +371,10 @@ int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
               fetch99 <= 20.0 ? "met" : "NOT MET");
   if (!crowded_floor.empty()) {
     const double crowded99 = Percentile(crowded_floor, 0.99);
-    std::printf("%d such ping-pongs at once (the floor with as many processes as trainers): p50 "
-                "%.1f us, p99 %.1f us; fetch p99 = %.2fx that\n",
-                c.trainers, Percentile(crowded_floor, 0.5), crowded99,
-                fetch99 / std::max(crowded99, 1e-3));
+    std::printf(
+        "%d such ping-pongs at once (the floor with as many processes as trainers): p50 "
+        "%.1f us, p99 %.1f us; fetch p99 = %.2fx that\n",
+        c.trainers, Percentile(crowded_floor, 0.5), crowded99, fetch99 / std::max(crowded99, 1e-3));
   }
   std::printf("daemon RSS: %.1f MiB after warm-up, %.1f-%.1f MiB after (%+.1f%%)\n", warm / 1024.0,
               low / 1024.0, high / 1024.0, warm ? 100.0 * (double(high) - warm) / warm : 0.0);

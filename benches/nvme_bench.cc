@@ -49,9 +49,9 @@ struct Flags {
   std::string ops = "write,read";
   uint64_t file_bytes = uint64_t{1} << 30;
   bool fio = true;
-  int rounds = 2;  // each runs both tools, in alternating order
-  bool fixed = true;   // register the buffer pool (fixed-buffer I/O)
-  bool huge = true;    // transparent huge pages for the buffer pool
+  int rounds = 2;     // each runs both tools, in alternating order
+  bool fixed = true;  // register the buffer pool (fixed-buffer I/O)
+  bool huge = true;   // transparent huge pages for the buffer pool
 };
 
 int Main(int argc, char** argv) {
@@ -107,8 +107,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", file.status().ToString().c_str());
     return 1;
   }
-  std::printf("file %s, %llu MiB, %s; our buffers: %s pages (fio's: 4 KiB pages)\n",
-              path.c_str(), static_cast<unsigned long long>(f.file_bytes >> 20),
+  std::printf("file %s, %llu MiB, %s; our buffers: %s pages (fio's: 4 KiB pages)\n", path.c_str(),
+              static_cast<unsigned long long>(f.file_bytes >> 20),
               file->direct ? "O_DIRECT" : "buffered (no O_DIRECT here)",
               f.huge ? "2 MiB transparent huge" : "4 KiB");
   uint64_t max_size = 0;
@@ -116,7 +116,7 @@ int Main(int argc, char** argv) {
   for (uint64_t s : f.sizes) max_size = std::max(max_size, s);
   for (int d : f.depths) max_depth = std::max(max_depth, d);
   auto pool = HostMemory::Allocate(max_size * static_cast<uint64_t>(max_depth),
-                                    f.huge ? Pages::kHuge : Pages::kSmall);
+                                   f.huge ? Pages::kHuge : Pages::kSmall);
   if (!pool.ok()) return 1;
   std::memset(pool->data(), 0x5a, pool->size());
 
@@ -188,23 +188,26 @@ int Main(int argc, char** argv) {
             target_ratios.push_back(ours / fio);
           }
         }
-        std::printf("%-9s %6d %10.3f %10.3f %8s\n", FormatByteSize(static_cast<int64_t>(size)).c_str(),
-                    depth, ours / 1e9, fio / 1e9, ratio);
+        std::printf("%-9s %6d %10.3f %10.3f %8s\n",
+                    FormatByteSize(static_cast<int64_t>(size)).c_str(), depth, ours / 1e9,
+                    fio / 1e9, ratio);
       }
     }
   }
   if (f.fio && worst_target_ratio < 1e9) {
     std::sort(target_ratios.begin(), target_ratios.end());
-    std::printf("\nrequests >= 1MiB at depth >= 8 (%zu cells): median %.1f%%, worst %.1f%% of fio "
-                "(target 95%%)\n",
-                target_ratios.size(), 100 * target_ratios[target_ratios.size() / 2],
-                100 * worst_target_ratio);
+    std::printf(
+        "\nrequests >= 1MiB at depth >= 8 (%zu cells): median %.1f%%, worst %.1f%% of fio "
+        "(target 95%%)\n",
+        target_ratios.size(), 100 * target_ratios[target_ratios.size() / 2],
+        100 * worst_target_ratio);
   }
   if (f.fio) {
-    std::printf("fio command per cell: fio --name=bench --filename=%s --ioengine=io_uring --direct=1 "
-                "--rw=read|write --bs=SIZE --iodepth=DEPTH --size=%llu --fixedbufs --registerfiles "
-                "--thread --numjobs=1\n",
-                path.c_str(), static_cast<unsigned long long>(f.file_bytes));
+    std::printf(
+        "fio command per cell: fio --name=bench --filename=%s --ioengine=io_uring --direct=1 "
+        "--rw=read|write --bs=SIZE --iodepth=DEPTH --size=%llu --fixedbufs --registerfiles "
+        "--thread --numjobs=1\n",
+        path.c_str(), static_cast<unsigned long long>(f.file_bytes));
   }
   unlink(path.c_str());
 
@@ -231,7 +234,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
       return 1;
     }
-    const uint64_t extent = std::min<uint64_t>(static_cast<uint64_t>(swap.bytes_per_dir) / 2, 64 << 20);
+    const uint64_t extent =
+        std::min<uint64_t>(static_cast<uint64_t>(swap.bytes_per_dir) / 2, 64 << 20);
     auto data = HostMemory::Allocate(extent);
     std::memset(data->data(), 3, extent);
     std::printf("%-14s %12s %12s\n", "swap 1 extent", "out GB/s", "in GB/s");

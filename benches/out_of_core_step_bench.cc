@@ -73,8 +73,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -119,8 +119,8 @@ namespace {
 
 using ::offload::bench::BenchEngine;
 using ::offload::bench::BenchEngineOptions;
-using ::offload::bench::MakeBenchEngine;
 using ::offload::bench::Clock;
+using ::offload::bench::MakeBenchEngine;
 using ::offload::bench::PrintMachine;
 using ::offload::bench::ProcStatus;
 using ::offload::bench::ResetPeakRss;
@@ -187,7 +187,8 @@ std::vector<FioRun> RunFio(const std::string& file, const std::vector<std::strin
       " --size=", size, io_size != 0 ? absl::StrCat(" --io_size=", io_size) : "",
       " --fixedbufs --registerfiles --thread --output-format=json");
   for (size_t k = 0; k < rws.size(); ++k) {
-    absl::StrAppend(&cmd, " --name=j", k, " --rw=", rws[k], rws[k] == "rw" ? " --rwmixread=50" : "");
+    absl::StrAppend(&cmd, " --name=j", k, " --rw=", rws[k],
+                    rws[k] == "rw" ? " --rwmixread=50" : "");
   }
   absl::StrAppend(&cmd, " 2>/dev/null");
   std::vector<FioRun> runs;
@@ -241,10 +242,11 @@ FioRound FioRoundOn(const std::string& file, uint64_t bytes, const Flags& f) {
 }
 
 void PrintFioRound(const char* label, const FioRound& r, uint64_t bytes) {
-  std::printf("fio %-15s write %6.3f GB/s, read %6.3f GB/s; reading and writing %.2f GB each: "
-              "one rw=rw job %.3f s, a read job and a write job at once %.3f s\n",
-              label, r.write_bw / 1e9, r.read_bw / 1e9, static_cast<double>(bytes) / 1e9,
-              r.mixed_seconds, r.concurrent_seconds);
+  std::printf(
+      "fio %-15s write %6.3f GB/s, read %6.3f GB/s; reading and writing %.2f GB each: "
+      "one rw=rw job %.3f s, a read job and a write job at once %.3f s\n",
+      label, r.write_bw / 1e9, r.read_bw / 1e9, static_cast<double>(bytes) / 1e9, r.mixed_seconds,
+      r.concurrent_seconds);
 }
 
 // A pattern of `n` bf16 values.
@@ -436,48 +438,53 @@ int Main(int argc, char** argv) {
       "homed on NVMe (optimizer_state_host_percent 0)\n",
       static_cast<unsigned long long>(f.params), sizes.size(),
       static_cast<unsigned long long>(f.partition_params));
-  std::printf("state %.3f GB (%.3f GiB, 16 B/param); arena %.3f GB (%.3f GiB, 4 B/param, %s) "
-              "charged to the pool; state cache %.3f GiB\n",
-              state / 1e9, state / kGiB, arena_charge / 1e9, arena_charge / kGiB,
-              !f.arena_huge ? "small pages"
-              : SharedHugePageBytes() != 0 ? "large partitions on huge pages"
-                                           : "laid out for huge pages, the kernel gives small ones",
-              f.cache / kGiB);
-  std::printf("pool limit = arena + cache = %.3f GiB; state / cache = %.2fx; state / whole pool = "
-              "%.2fx\n",
-              pool_limit / kGiB, static_cast<double>(state) / f.cache,
-              static_cast<double>(state) / pool_limit);
+  std::printf(
+      "state %.3f GB (%.3f GiB, 16 B/param); arena %.3f GB (%.3f GiB, 4 B/param, %s) "
+      "charged to the pool; state cache %.3f GiB\n",
+      state / 1e9, state / kGiB, arena_charge / 1e9, arena_charge / kGiB,
+      !f.arena_huge                ? "small pages"
+      : SharedHugePageBytes() != 0 ? "large partitions on huge pages"
+                                   : "laid out for huge pages, the kernel gives small ones",
+      f.cache / kGiB);
+  std::printf(
+      "pool limit = arena + cache = %.3f GiB; state / cache = %.2fx; state / whole pool = "
+      "%.2fx\n",
+      pool_limit / kGiB, static_cast<double>(state) / f.cache,
+      static_cast<double>(state) / pool_limit);
   if (f.hand_over) {
-    std::printf("gradients handed over (ReturnGradients with hand_over): the accumulator's 4 "
-                "B/param are never read or written\n");
+    std::printf(
+        "gradients handed over (ReturnGradients with hand_over): the accumulator's 4 "
+        "B/param are never read or written\n");
   }
-  std::printf("chunks of %llu elems (%s per kind): %llu blocks; group limit (pool/4) %.0f MiB; "
-              "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
-              "queue depth %lld, %lld rings; stripe %s\n",
-              static_cast<unsigned long long>(chunk_elems),
-              FormatByteSize(static_cast<int64_t>(chunk_elems * 4)).c_str(),
-              static_cast<unsigned long long>(blocks), pool_limit / 4 / kMiB,
-              static_cast<long long>(f.prefetch_depth),
-              FormatByteSize(f.prefetch_bytes).c_str(), static_cast<long long>(f.io_threads),
-              f.checksum ? "on" : "off", FormatByteSize(f.request_bytes).c_str(),
-              static_cast<long long>(f.queue_depth), static_cast<long long>(f.rings),
-              FormatByteSize(f.stripe).c_str());
+  std::printf(
+      "chunks of %llu elems (%s per kind): %llu blocks; group limit (pool/4) %.0f MiB; "
+      "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
+      "queue depth %lld, %lld rings; stripe %s\n",
+      static_cast<unsigned long long>(chunk_elems),
+      FormatByteSize(static_cast<int64_t>(chunk_elems * 4)).c_str(),
+      static_cast<unsigned long long>(blocks), pool_limit / 4 / kMiB,
+      static_cast<long long>(f.prefetch_depth), FormatByteSize(f.prefetch_bytes).c_str(),
+      static_cast<long long>(f.io_threads), f.checksum ? "on" : "off",
+      FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
+      static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
 
   // 1. Compute bound (again after the engine: the machine is shared).
   ComputeResult compute;
   auto measure_compute = [&](const char* when) -> bool {
-    std::printf("\ncompute bound %s: Optimizer::Step over the same partitions in memory "
-                "(%.2f GB)...\n",
-                when, static_cast<double>(f.params) * 16 / 1e9);
+    std::printf(
+        "\ncompute bound %s: Optimizer::Step over the same partitions in memory "
+        "(%.2f GB)...\n",
+        when, static_cast<double>(f.params) * 16 / 1e9);
     absl::StatusOr<ComputeResult> c = ComputeBound(sizes, f.compute_reps);
     if (!c.ok()) {
       std::fprintf(stderr, "compute bound: %s\n", c.status().ToString().c_str());
       return false;
     }
-    std::printf("compute %s: best %.3f s, median %.3f s of %d (%d threads, kernel %s): %.3f "
-                "Gparam/s\n",
-                when, c->best, c->median, f.compute_reps, c->threads, c->kernel.c_str(),
-                f.params / c->best / 1e9);
+    std::printf(
+        "compute %s: best %.3f s, median %.3f s of %d (%d threads, kernel %s): %.3f "
+        "Gparam/s\n",
+        when, c->best, c->median, f.compute_reps, c->threads, c->kernel.c_str(),
+        f.params / c->best / 1e9);
     if (compute.best < 0 || c->best < compute.best) compute = *c;
     return true;
   };
@@ -487,10 +494,11 @@ int Main(int argc, char** argv) {
   const std::string fio_file = f.dir + "/fio_bench.dat";
   std::vector<FioRound> fio_rounds;  // [k]: after step k + 1
   if (f.fio) {
-    std::printf("\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld per job, on %s (%.2f GB), one "
-                "round after each step\n",
-                FormatByteSize(std::min(f.request_bytes, f.stripe)).c_str(),
-                static_cast<long long>(f.queue_depth), fio_file.c_str(), state / 1e9);
+    std::printf(
+        "\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld per job, on %s (%.2f GB), one "
+        "round after each step\n",
+        FormatByteSize(std::min(f.request_bytes, f.stripe)).c_str(),
+        static_cast<long long>(f.queue_depth), fio_file.c_str(), state / 1e9);
     if (RunFio(fio_file, {"write"}, 16 << 20, 16, state, 0).empty()) {
       std::printf("fio failed (is it installed?): no I/O bound\n");
       f.fio = false;
@@ -544,8 +552,8 @@ int Main(int argc, char** argv) {
     const SessionKey key = opened->key;
     std::vector<PartitionInfo> parts;
     for (size_t i = 0; i < sizes.size(); ++i) {
-      absl::StatusOr<PartitionInfo> p = e.sessions->Register(
-          key, {absl::StrCat("p", i), sizes[i], DType::kBf16, DType::kBf16});
+      absl::StatusOr<PartitionInfo> p =
+          e.sessions->Register(key, {absl::StrCat("p", i), sizes[i], DType::kBf16, DType::kBf16});
       if (!p.ok()) {
         std::fprintf(stderr, "register: %s\n", p.status().ToString().c_str());
         return 1;
@@ -615,7 +623,8 @@ int Main(int argc, char** argv) {
         }
       }
       const SwapperStats s0 = e.swapper->Stats();
-      const int64_t w0 = e.stats.step_state_wait_nanos.load(), c0 = e.stats.step_compute_nanos.load();
+      const int64_t w0 = e.stats.step_state_wait_nanos.load(),
+                    c0 = e.stats.step_compute_nanos.load();
       const auto start = Clock::now();
       absl::StatusOr<StepSummary> summary = e.sessions->Step(key, Hyper());
       StepRow row;
@@ -659,18 +668,17 @@ int Main(int argc, char** argv) {
   for (size_t i = 0; i < rows.size(); ++i) {
     const StepRow& r = rows[i];
     const SwapperStats& d = r.d;
-    std::printf("%-9s %8.3f %8.3f %8.3f %8.3f %7llu %7llu %7llu %7llu %7llu %7llu %6llu %6llu "
-                "%9.3f %9.3f\n",
-                i == 0 ? "1 (learn)" : std::to_string(i + 1).c_str(), r.seconds, d.bytes_in / 1e9,
-                d.bytes_out / 1e9, (d.bytes_in + d.bytes_out) / 1e9 / r.seconds,
-                static_cast<unsigned long long>(d.acquires),
-                static_cast<unsigned long long>(d.hits),
-                static_cast<unsigned long long>(d.waited_reads),
-                static_cast<unsigned long long>(d.misses),
-                static_cast<unsigned long long>(d.prefetches),
-                static_cast<unsigned long long>(d.prefetch_used),
-                static_cast<unsigned long long>(d.prefetch_wasted),
-                static_cast<unsigned long long>(d.zero_fills), r.wait, r.compute);
+    std::printf(
+        "%-9s %8.3f %8.3f %8.3f %8.3f %7llu %7llu %7llu %7llu %7llu %7llu %6llu %6llu "
+        "%9.3f %9.3f\n",
+        i == 0 ? "1 (learn)" : std::to_string(i + 1).c_str(), r.seconds, d.bytes_in / 1e9,
+        d.bytes_out / 1e9, (d.bytes_in + d.bytes_out) / 1e9 / r.seconds,
+        static_cast<unsigned long long>(d.acquires), static_cast<unsigned long long>(d.hits),
+        static_cast<unsigned long long>(d.waited_reads), static_cast<unsigned long long>(d.misses),
+        static_cast<unsigned long long>(d.prefetches),
+        static_cast<unsigned long long>(d.prefetch_used),
+        static_cast<unsigned long long>(d.prefetch_wasted),
+        static_cast<unsigned long long>(d.zero_fills), r.wait, r.compute);
   }
   // Steady state: every step after the first.
   double steady = 0, worst = 0, best = 1e30, in = 0, out = 0, rd_ns = 0, wr_ns = 0;
@@ -684,10 +692,10 @@ int Main(int argc, char** argv) {
     rd_ns += static_cast<double>(rows[i].d.read_nanos) / ns;
     wr_ns += static_cast<double>(rows[i].d.write_nanos) / ns;
   }
-  std::printf("steady steps (2..%zu): mean %.3f s, best %.3f s, worst %.3f s; per step read %.3f GB "
-              "+ written %.3f GB (state %.3f GB); I/O threads' busy time: reads %.2f s, writes %.2f s\n",
-              rows.size(), steady, best, worst, in / 1e9, out / 1e9, state / 1e9, rd_ns / 1e9,
-              wr_ns / 1e9);
+  std::printf(
+      "steady steps (2..%zu): mean %.3f s, best %.3f s, worst %.3f s; per step read %.3f GB "
+      "+ written %.3f GB (state %.3f GB); I/O threads' busy time: reads %.2f s, writes %.2f s\n",
+      rows.size(), steady, best, worst, in / 1e9, out / 1e9, state / 1e9, rd_ns / 1e9, wr_ns / 1e9);
   if (nvme_home != state) {
     std::printf("NOTE: %llu bytes homed on NVMe, not the state's %llu\n",
                 static_cast<unsigned long long>(nvme_home), static_cast<unsigned long long>(state));
@@ -709,10 +717,10 @@ int Main(int argc, char** argv) {
   double mean_ratio = -1, mean_ratio_avg = -1, worst_ratio = 0, learn_ratio = -1;
   if (f.fio && fio_rounds.size() == rows.size() &&
       std::all_of(fio_rounds.begin(), fio_rounds.end(), round_ok)) {
-    std::printf("fio rounds (seconds for the state's size, %.3f GB, each way):\n%-12s %10s %10s "
-                "%12s %12s %12s\n",
-                state / 1e9, "after step", "read GB/s", "write GB/s", "read+write", "concurrent",
-                "rw=rw");
+    std::printf(
+        "fio rounds (seconds for the state's size, %.3f GB, each way):\n%-12s %10s %10s "
+        "%12s %12s %12s\n",
+        state / 1e9, "after step", "read GB/s", "write GB/s", "read+write", "concurrent", "rw=rw");
     for (size_t k = 0; k < fio_rounds.size(); ++k) {
       const FioRound& r = fio_rounds[k];
       std::printf("%-12zu %10.3f %10.3f %11.3fs %11.3fs %11.3fs\n", k + 1, r.read_bw / 1e9,
@@ -720,8 +728,7 @@ int Main(int argc, char** argv) {
                   r.mixed_seconds);
     }
     std::printf("\n%-6s %8s %8s %8s %10s %10s %9s %9s %8s %9s\n", "step", "wall s", "read GB",
-                "write GB", "I/O before", "I/O after", "compute", "bound", "ratio",
-                "vs mean");
+                "write GB", "I/O before", "I/O after", "compute", "bound", "ratio", "vs mean");
     mean_ratio = mean_ratio_avg = 0;
     for (size_t i = 1; i < rows.size(); ++i) {
       const double in_b = static_cast<double>(rows[i].d.bytes_in);
@@ -744,23 +751,26 @@ int Main(int argc, char** argv) {
                   std::max(static_cast<double>(rows[0].d.bytes_in) / fio_rounds[0].read_bw +
                                static_cast<double>(rows[0].d.bytes_out) / fio_rounds[0].write_bw,
                            compute.best);
-    std::printf("I/O before/after: the fastest of read+write, concurrent and rw=rw (scaled to the "
-                "step's bytes) in the round before / after the step; bound = max(the faster of "
-                "the two, compute); ratio = wall / bound; vs mean: against the mean of the two "
-                "rounds\n");
+    std::printf(
+        "I/O before/after: the fastest of read+write, concurrent and rw=rw (scaled to the "
+        "step's bytes) in the round before / after the step; bound = max(the faster of "
+        "the two, compute); ratio = wall / bound; vs mean: against the mean of the two "
+        "rounds\n");
   } else if (f.fio) {
     std::printf("fio failed in some round: no I/O bound\n");
   }
   if (compute.best > 0) {
-    std::printf("compute bound (in-memory Optimizer::Step, best before/after): %.3f s; steady mean "
-                "/ compute: %.2fx\n",
-                compute.best, steady / compute.best);
+    std::printf(
+        "compute bound (in-memory Optimizer::Step, best before/after): %.3f s; steady mean "
+        "/ compute: %.2fx\n",
+        compute.best, steady / compute.best);
   }
   if (mean_ratio > 0) {
-    std::printf("steady step / bound: mean %.3fx (%.3fx against the mean of the adjacent rounds), "
-                "worst %.3fx; first step (learning, writes only) %.3fx; target <= 1.10x: %s\n",
-                mean_ratio, mean_ratio_avg, worst_ratio, learn_ratio,
-                mean_ratio <= 1.10 ? "MET" : "NOT MET");
+    std::printf(
+        "steady step / bound: mean %.3fx (%.3fx against the mean of the adjacent rounds), "
+        "worst %.3fx; first step (learning, writes only) %.3fx; target <= 1.10x: %s\n",
+        mean_ratio, mean_ratio_avg, worst_ratio, learn_ratio,
+        mean_ratio <= 1.10 ? "MET" : "NOT MET");
   }
 
   // Memory. The fixed overhead is VmRSS after setup: the binary, libraries,
@@ -768,13 +778,15 @@ int Main(int argc, char** argv) {
   // any state block is leased.
   std::printf("\n== memory (pool limit %.3f GiB = arena %.3f GiB + cache %.3f GiB)\n",
               pool_limit / kGiB, arena_charge / kGiB, f.cache / kGiB);
-  std::printf("VmRSS before the engine %.1f MiB; after setup (engine built, partitions registered, "
-              "nothing mapped or leased yet: the fixed overhead) %.1f MiB\n",
-              rss_before_engine / kMiB, rss_after_setup / kMiB);
-  std::printf("peak over the steps: VmHWM %.3f GiB; sampled max VmRSS %.3f GiB, RssAnon %.3f GiB, "
-              "RssShmem (arena) %.3f GiB; pool used max %.3f GiB\n",
-              hwm / kGiB, peaks.rss.load() / kGiB, peaks.anon.load() / kGiB,
-              peaks.shmem.load() / kGiB, peaks.pool.load() / kGiB);
+  std::printf(
+      "VmRSS before the engine %.1f MiB; after setup (engine built, partitions registered, "
+      "nothing mapped or leased yet: the fixed overhead) %.1f MiB\n",
+      rss_before_engine / kMiB, rss_after_setup / kMiB);
+  std::printf(
+      "peak over the steps: VmHWM %.3f GiB; sampled max VmRSS %.3f GiB, RssAnon %.3f GiB, "
+      "RssShmem (arena) %.3f GiB; pool used max %.3f GiB\n",
+      hwm / kGiB, peaks.rss.load() / kGiB, peaks.anon.load() / kGiB, peaks.shmem.load() / kGiB,
+      peaks.pool.load() / kGiB);
   std::printf("VmHWM - pool limit = %+.1f MiB against a fixed overhead of %.1f MiB: %s\n",
               (static_cast<double>(hwm) - static_cast<double>(pool_limit)) / kMiB,
               rss_after_setup / kMiB,

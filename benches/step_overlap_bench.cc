@@ -58,9 +58,8 @@
 // they are checked unchanged. --host_home_pages: the pages of the state
 // homed on the host, as offloadd's memory.host_home_pages. --threads: the
 // optimizer's (default one per CPU); fewer leave the trainer a core.
-#include <sys/stat.h>
-
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -97,7 +96,7 @@ struct Flags {
   uint64_t params = 100'000'000;
   int layers = 16;
   int iterations = -1;  // unset: 24 in memory, 6 with --nvme (an iteration takes 10-20x longer)
-  double t = -1;  // seconds; < 0: T_opt
+  double t = -1;        // seconds; < 0: T_opt
   bool nvme = false;
   bool params_nvme = false;  // --params_nvme: the working copy on NVMe too
   uint64_t pool = uint64_t{1} << 30;
@@ -168,9 +167,9 @@ int Main(int argc, char** argv) {
       f.iterations = std::atoi(v);
     } else if ((v = value("t"))) {
       double ms;
-      f.t = std::string(v) == "auto"          ? -1
+      f.t = std::string(v) == "auto"                            ? -1
             : absl::SimpleAtod(absl::StripSuffix(v, "ms"), &ms) ? ms / 1000
-                                                                 : -2;
+                                                                : -2;
     } else if ((v = value("pool"))) {
       f.pool = static_cast<uint64_t>(ByteSizeOrExit(v));
     } else if ((v = value("dir"))) {
@@ -206,8 +205,10 @@ int Main(int argc, char** argv) {
     return 2;
   }
   if (f.iterations % 2 != 0 && f.iterations % 3 != 0) {
-    std::fprintf(stderr, "--iterations=%d: must be a multiple of 2 or 3 (the hand-over modes take "
-                         "turns of 4, 3 or 2 iterations)\n", f.iterations);
+    std::fprintf(stderr,
+                 "--iterations=%d: must be a multiple of 2 or 3 (the hand-over modes take "
+                 "turns of 4, 3 or 2 iterations)\n",
+                 f.iterations);
     return 2;
   }
   auto host_home = ResolveHostHomePages(f.host_home_pages, DamonMonitors());
@@ -239,23 +240,22 @@ int Main(int argc, char** argv) {
   const SessionKey key = opened->key;
   std::vector<uint64_t> ids;
   for (int l = 0; l < f.layers; ++l) {
-    auto p = e.sessions->Register(key, {absl::StrCat("layer", l), per_layer, DType::kBf16,
-                                        DType::kBf16});
+    auto p = e.sessions->Register(
+        key, {absl::StrCat("layer", l), per_layer, DType::kBf16, DType::kBf16});
     if (!p.ok()) return Fail(p.status(), "register");
     ids.push_back(p->id);
   }
   if (auto s = e.sessions->Release(key, {}); !s.ok()) return Fail(s, "release");
-  std::printf("== step_overlap: %llu params in %d layers (bf16 params and gradients, arena on "
-              "%s pages), optimizer state %s; optimizer %s on %d threads\n",
-              static_cast<unsigned long long>(per_layer * f.layers), f.layers,
-              f.arena_huge ? (SharedHugePageBytes() != 0 ? "huge" : "small (laid out for huge)")
-                           : "small",
-              f.nvme ? absl::StrCat("on NVMe (", f.dir, ")",
-                                    f.params_nvme ? ", the working copy too" : "", ", pool ",
-                                    absl::StrFormat("%.2f GiB", f.pool / kGiB))
-                           .c_str()
-                     : "in memory",
-              e.optimizer->kernel_name().c_str(), e.optimizer->threads());
+  std::printf(
+      "== step_overlap: %llu params in %d layers (bf16 params and gradients, arena on "
+      "%s pages), optimizer state %s; optimizer %s on %d threads\n",
+      static_cast<unsigned long long>(per_layer * f.layers), f.layers,
+      f.arena_huge ? (SharedHugePageBytes() != 0 ? "huge" : "small (laid out for huge)") : "small",
+      f.nvme ? absl::StrCat("on NVMe (", f.dir, ")", f.params_nvme ? ", the working copy too" : "",
+                            ", pool ", absl::StrFormat("%.2f GiB", f.pool / kGiB))
+                   .c_str()
+             : "in memory",
+      e.optimizer->kernel_name().c_str(), e.optimizer->threads());
   std::printf("state homed on the host on %s pages (%s)\n",
               host_home->pages == Pages::kSmall ? "4 KiB" : "2 MiB", host_home->why.c_str());
 
@@ -264,8 +264,8 @@ int Main(int argc, char** argv) {
   AdamHyperparams h;
   h.lr = 1e-4;
   // One iteration; returns its wall time. `step` commits the gradients.
-  double returning = 0;  // time inside ReturnGradients (the accumulation pass)
-  double fetching = 0;   // time inside Fetch (waiting for updates, swap-ins)
+  double returning = 0;    // time inside ReturnGradients (the accumulation pass)
+  double fetching = 0;     // time inside Fetch (waiting for updates, swap-ins)
   bool hand_over = false;  // return gradients with hand_over (the fourth and fifth modes)
   // The fifth mode: each layer's gradient statistics, given with the return.
   std::vector<GradStats> given;
@@ -335,10 +335,11 @@ int Main(int argc, char** argv) {
   // The trainer's time is what its sleeps take, as measured, whether longer
   // or shorter than asked.
   const double bound = std::max(t_alone, t_opt);
-  std::printf("T_opt (synchronous Step alone, median of %d after %d warm-ups): %.3f s; T (forward + "
-              "backward asleep): %.3f s asked, T_alone %.3f s measured (each of its %d sleeps "
-              "shortened by %.0f us, their overshoot); bound max(T_alone, T_opt) = %.3f s\n",
-              opt_runs, opt_warmups, t_opt, t, t_alone, 2 * f.layers, g_overshoot * 1e6, bound);
+  std::printf(
+      "T_opt (synchronous Step alone, median of %d after %d warm-ups): %.3f s; T (forward + "
+      "backward asleep): %.3f s asked, T_alone %.3f s measured (each of its %d sleeps "
+      "shortened by %.0f us, their overshoot); bound max(T_alone, T_opt) = %.3f s\n",
+      opt_runs, opt_warmups, t_opt, t, t_alone, 2 * f.layers, g_overshoot * 1e6, bound);
   returning = 0;
 
   struct Row {
@@ -536,9 +537,9 @@ int Main(int argc, char** argv) {
   // update, start to end, and of that in the optimizer (Stats).
   // The ratio is the mean iteration's to the bound; "median x" the median
   // iteration's.
-  std::printf("\n%-16s %8s %8s %8s %8s %11s %8s %8s %8s %8s %9s %8s %8s %8s\n", "mode",
-              "iter s", "median s", "best s", "worst s", "Step call s", "sleep s", "fetch s",
-              "return s", "update s", "compute s", "bound s", "ratio", "median x");
+  std::printf("\n%-16s %8s %8s %8s %8s %11s %8s %8s %8s %8s %9s %8s %8s %8s\n", "mode", "iter s",
+              "median s", "best s", "worst s", "Step call s", "sleep s", "fetch s", "return s",
+              "update s", "compute s", "bound s", "ratio", "median x");
   for (const Row& r : rows) {
     if (r.iterations.empty()) {  // too few --iterations
       std::printf("%-16s no iteration counted\n", r.mode);
@@ -553,23 +554,26 @@ int Main(int argc, char** argv) {
   hand_over = give_stats = false;
   const absl::StatusOr<double> t_opt_after = measure_t_opt();
   if (!t_opt_after.ok()) return Fail(t_opt_after.status(), "calibration after");
-  std::printf("T_opt measured again after the modes (delayed update on: the same work): %.3f s, "
-              "%+.0f%% (the host's drift during the run)\n",
-              *t_opt_after, 100 * (*t_opt_after / t_opt - 1));
+  std::printf(
+      "T_opt measured again after the modes (delayed update on: the same work): %.3f s, "
+      "%+.0f%% (the host's drift during the run)\n",
+      *t_opt_after, 100 * (*t_opt_after / t_opt - 1));
   // T_acc: the accumulation pass with no update beside it.
   const double t_acc = rows[0].per_iteration(rows[0].ret);
-  std::printf("T_acc (ReturnGradients in synchronous mode: the daemon's accumulation pass, in "
-              "the backward pass, alone): %.3f s per iteration\n",
-              t_acc);
+  std::printf(
+      "T_acc (ReturnGradients in synchronous mode: the daemon's accumulation pass, in "
+      "the backward pass, alone): %.3f s per iteration\n",
+      t_acc);
   std::printf("synchronous: about T + T_acc + T_opt = %.3f s; measured %.3fx that\n",
               t + t_acc + t_opt, rows[0].mean() / (t + t_acc + t_opt));
   // Without DPU a layer's forward needs its updated parameters, so the
   // update can hide behind the forward pass only: its limit is
   // max(T_forward, T_opt) + T_backward.
   const double overlap_limit = std::max(t / 3, t_opt) + 2 * t / 3 + t_acc;
-  std::printf("overlapped: limit max(T/3, T_opt) + 2T/3 + T_acc = %.3f s; measured %.3fx that, "
-              "%.3fx the synchronous iteration\n",
-              overlap_limit, rows[1].mean() / overlap_limit, rows[1].mean() / rows[0].mean());
+  std::printf(
+      "overlapped: limit max(T/3, T_opt) + 2T/3 + T_acc = %.3f s; measured %.3fx that, "
+      "%.3fx the synchronous iteration\n",
+      overlap_limit, rows[1].mean() / overlap_limit, rows[1].mean() / rows[0].mean());
   if (auto done = e.sessions->WaitStep(key); !done.ok()) return Fail(done.status(), "wait");
   // With the delayed update the fetches do not wait for the update at all:
   // the trainer's time and the optimizer's overlap whole. The trainer's
@@ -578,10 +582,11 @@ int Main(int argc, char** argv) {
   for (int r : {2, 3, 4}) {
     if (rows[r].iterations.empty()) continue;
     const double dpu_ratio = rows[r].mean() / bound, median_ratio = rows[r].median() / bound;
-    std::printf("%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
-                "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
-                rows[r].mode, dpu_ratio, Verdict(dpu_ratio), median_ratio, Verdict(median_ratio),
-                rows[r].mean() / dpu_bound, dpu_bound);
+    std::printf(
+        "%s: mean iteration %.3fx max(T_alone, T_opt) (target <= 1.10x: %s), median "
+        "iteration %.3fx (%s); %.3fx max(T + T_acc, T_opt) = %.3f s\n",
+        rows[r].mode, dpu_ratio, Verdict(dpu_ratio), median_ratio, Verdict(median_ratio),
+        rows[r].mean() / dpu_bound, dpu_bound);
   }
   // The hand-over modes against T_opt of their own phase: the median of
   // the steps alone measured between their turns.
@@ -589,20 +594,21 @@ int Main(int argc, char** argv) {
     std::sort(t_opt_between.begin(), t_opt_between.end());
     const double t_opt_phase = MedianOfSorted(t_opt_between);
     const double phase_bound = std::max(t_alone, t_opt_phase);
-    std::printf("T_opt between the hand-over turns (synchronous steps alone, handed over with "
-                "statistics): median %.3f s of %zu (%.3f-%.3f s), %+.0f%% against T_opt before "
-                "the modes (the host's drift, and other work: that one through the fp32 "
-                "accumulator, the delayed update off); bound max(T_alone, that) = %.3f s\n",
-                t_opt_phase, t_opt_between.size(), t_opt_between.front(), t_opt_between.back(),
-                100 * (t_opt_phase / t_opt - 1), phase_bound);
+    std::printf(
+        "T_opt between the hand-over turns (synchronous steps alone, handed over with "
+        "statistics): median %.3f s of %zu (%.3f-%.3f s), %+.0f%% against T_opt before "
+        "the modes (the host's drift, and other work: that one through the fp32 "
+        "accumulator, the delayed update off); bound max(T_alone, that) = %.3f s\n",
+        t_opt_phase, t_opt_between.size(), t_opt_between.front(), t_opt_between.back(),
+        100 * (t_opt_phase / t_opt - 1), phase_bound);
     for (int r : {3, 4}) {
       if (rows[r].iterations.empty()) continue;
       const double mean_ratio = rows[r].mean() / phase_bound,
                    median_ratio = rows[r].median() / phase_bound;
-      std::printf("%s, against its phase's bound: mean iteration %.3fx (target <= 1.10x: %s), "
-                  "median iteration %.3fx (%s)\n",
-                  rows[r].mode, mean_ratio, Verdict(mean_ratio), median_ratio,
-                  Verdict(median_ratio));
+      std::printf(
+          "%s, against its phase's bound: mean iteration %.3fx (target <= 1.10x: %s), "
+          "median iteration %.3fx (%s)\n",
+          rows[r].mode, mean_ratio, Verdict(mean_ratio), median_ratio, Verdict(median_ratio));
     }
   }
   return 0;

@@ -144,9 +144,9 @@ bool ParseDuration(absl::string_view text, double* seconds) {
 
 struct Iteration {
   double seconds = 0;
-  double stalled = 0;  // inside Acquire
-  double computed = 0; // inside the delay
-  double released = 0; // inside the pin's release
+  double stalled = 0;   // inside Acquire
+  double computed = 0;  // inside the delay
+  double released = 0;  // inside the pin's release
   SwapperStats d;
 };
 
@@ -171,8 +171,8 @@ bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
       ok = false;
     }
     const auto c = Clock::now();
-    const auto until = c + std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(delay));
+    const auto until =
+        c + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(delay));
     if (f.busy) {
       while (Clock::now() < until) {
       }
@@ -278,24 +278,25 @@ int Main(int argc, char** argv) {
   const std::string memory =
       !f.arena ? "pool memory, huge pages"
                : absl::StrCat("a shared memfd arena, ",
-                              f.arena_huge ? "laid out for and asking for huge pages"
+                              f.arena_huge   ? "laid out for and asking for huge pages"
                               : f.arena_file ? "4 KiB pages, moved through the memfd"
                                              : "4 KiB pages, direct I/O into the mapping",
                               " (shmem_enabled: ", shmem_enabled, ")");
-  std::printf("== trace_replay: %d layers of %.1f MiB (%.3f GiB of parameters, one block each, "
-              "homed on NVMe, in %s); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers "
-              "fit)\n",
-              f.layers, layer_bytes / kMiB, total / kGiB, memory.c_str(),
-              f.pool / kGiB,
-              static_cast<double>(total) / f.pool, static_cast<double>(f.pool) / layer_bytes);
-  std::printf("iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; "
-              "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
-              "queue depth %lld, %lld rings; stripe %s\n",
-              f.layers - 1, f.layers - 1, f.busy ? "busy-wait" : "sleep",
-              static_cast<long long>(f.prefetch_depth), FormatByteSize(f.prefetch_bytes).c_str(),
-              static_cast<long long>(f.io_threads), f.checksum ? "on" : "off",
-              FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
-              static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
+  std::printf(
+      "== trace_replay: %d layers of %.1f MiB (%.3f GiB of parameters, one block each, "
+      "homed on NVMe, in %s); host pool %.3f GiB: parameters / pool = %.2fx (%.1f layers "
+      "fit)\n",
+      f.layers, layer_bytes / kMiB, total / kGiB, memory.c_str(), f.pool / kGiB,
+      static_cast<double>(total) / f.pool, static_cast<double>(f.pool) / layer_bytes);
+  std::printf(
+      "iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; "
+      "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
+      "queue depth %lld, %lld rings; stripe %s\n",
+      f.layers - 1, f.layers - 1, f.busy ? "busy-wait" : "sleep",
+      static_cast<long long>(f.prefetch_depth), FormatByteSize(f.prefetch_bytes).c_str(),
+      static_cast<long long>(f.io_threads), f.checksum ? "on" : "off",
+      FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
+      static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
 
   // fio: one round after setup and one after each configuration, so each
   // configuration is compared with the disk's speed just before and after it
@@ -308,7 +309,8 @@ int Main(int argc, char** argv) {
   std::vector<FioRound> rounds;
   auto fio_round = [&](const std::string& when) {
     if (!f.fio) return;
-    if (rounds.empty()) FioBandwidth(fio_file, true, 16 << 20, 16, total);  // timed writes overwrite
+    if (rounds.empty())
+      FioBandwidth(fio_file, true, 16 << 20, 16, total);  // timed writes overwrite
     FioRound r;
     r.write = FioBandwidth(fio_file, true, bs, f.queue_depth, total);
     r.read = FioBandwidth(fio_file, false, bs, f.queue_depth, total);
@@ -343,7 +345,8 @@ int Main(int argc, char** argv) {
     NvmeOptions n;
     n.dirs = f.dir;
     n.bytes_per_dir = static_cast<int64_t>(
-        total + std::max<uint64_t>(total / 16, 4 * static_cast<uint64_t>(f.io_threads) * layer_bytes));
+        total +
+        std::max<uint64_t>(total / 16, 4 * static_cast<uint64_t>(f.io_threads) * layer_bytes));
     n.stripe_bytes = f.stripe;
     n.checksum = f.checksum;
     n.io = io;
@@ -355,15 +358,15 @@ int Main(int argc, char** argv) {
     // The arena: one memfd, mapped once, a region per layer on whole pages
     // of the layout's size, as offloadd lays large partitions out (before
     // the swapper: it must outlive the swapper's I/O).
-    const uint64_t page = f.arena_huge ? std::max<uint64_t>(SharedHugePageBytes(), 2 << 20)
-                                       : PageSize();
+    const uint64_t page =
+        f.arena_huge ? std::max<uint64_t>(SharedHugePageBytes(), 2 << 20) : PageSize();
     const uint64_t region = RoundUp(layer_bytes, page);
     UniqueFd arena_fd;
     HostMemory arena;
     if (f.arena) {
       absl::StatusOr<UniqueFd> fd = Env::Default()->CreateMemfd("trace-replay");
-      absl::Status sized = fd.ok() ? Env::Default()->ResizeFile(fd->get(), region * f.layers)
-                                   : fd.status();
+      absl::Status sized =
+          fd.ok() ? Env::Default()->ResizeFile(fd->get(), region * f.layers) : fd.status();
       absl::StatusOr<HostMemory> mapped =
           sized.ok() ? HostMemory::MapShared(fd->get(), 0, region * f.layers,
                                              f.arena_huge ? Pages::kHuge : Pages::kSmall)
@@ -458,8 +461,8 @@ int Main(int argc, char** argv) {
                     }).c_str());
         results.push_back(std::move(res));
         s.WaitIdle();  // the prefetch EndIteration started
-        fio_round(absl::StrFormat("after %.1f ms, prefetch %s:", delay * 1e3,
-                                  prefetch ? "on" : "off"));
+        fio_round(
+            absl::StrFormat("after %.1f ms, prefetch %s:", delay * 1e3, prefetch ? "on" : "off"));
       }
     }
     stop.store(true);
@@ -474,19 +477,19 @@ int Main(int argc, char** argv) {
   rmdir(f.dir.c_str());  // only if empty
 
   // Report.
-  std::printf("\nlearning iteration (first after setup, prefetch on, delay %.1f ms): %.3f s, "
-              "read %.3f GB, written %.3f GB, relearned %llu\n",
-              f.delays[0] * 1e3, learning.seconds, learning.d.bytes_in / 1e9,
-              learning.d.bytes_out / 1e9, static_cast<unsigned long long>(learning.d.relearned));
+  std::printf(
+      "\nlearning iteration (first after setup, prefetch on, delay %.1f ms): %.3f s, "
+      "read %.3f GB, written %.3f GB, relearned %llu\n",
+      f.delays[0] * 1e3, learning.seconds, learning.d.bytes_in / 1e9, learning.d.bytes_out / 1e9,
+      static_cast<unsigned long long>(learning.d.relearned));
   std::printf("\n%-8s %-8s %8s %8s %8s %8s %8s %7s %6s %6s %6s %6s %6s %6s %8s %8s %8s %8s %s\n",
               "delay", "prefetch", "iter s", "compute", "I/O bnd", "ratio", "vs mean", "hits%",
-              "acq", "hits", "waited", "misses", "pref", "wasted", "read GB", "stall s",
-              "slept s", "unpin s", "target");
+              "acq", "hits", "waited", "misses", "pref", "wasted", "read GB", "stall s", "slept s",
+              "unpin s", "target");
   int met = 0, missed = 0;
   const bool have_io = f.fio && rounds.size() == results.size() + 1 &&
-                       std::all_of(rounds.begin(), rounds.end(), [](const FioRound& r) {
-                         return r.read > 0 && r.write > 0;
-                       });
+                       std::all_of(rounds.begin(), rounds.end(),
+                                   [](const FioRound& r) { return r.read > 0 && r.write > 0; });
   for (size_t k = 0; k < results.size(); ++k) {
     const Result& r = results[k];
     const double n = static_cast<double>(r.its.size());
@@ -525,38 +528,42 @@ int Main(int argc, char** argv) {
                             " 90%, time ", ok_time ? "<=" : ">", " 1.1x)");
       (ok_hits && ok_time ? met : missed)++;
     }
-    std::printf("%-8s %-8s %8.3f %8.3f %8.3f %7.3fx %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu "
-                "%6llu %8.3f %8.3f %8.3f %8.3f %s\n",
-                absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off", secs,
-                compute, io, secs / bound, secs / std::max(compute, io_mean), hit, static_cast<unsigned long long>(sum.acquires),
-                static_cast<unsigned long long>(sum.hits),
-                static_cast<unsigned long long>(sum.waited_reads),
-                static_cast<unsigned long long>(sum.misses),
-                static_cast<unsigned long long>(sum.prefetches),
-                static_cast<unsigned long long>(sum.prefetch_wasted), in / 1e9, stall, computed,
-                released, target.c_str());
+    std::printf(
+        "%-8s %-8s %8.3f %8.3f %8.3f %7.3fx %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu "
+        "%6llu %8.3f %8.3f %8.3f %8.3f %s\n",
+        absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off", secs, compute,
+        io, secs / bound, secs / std::max(compute, io_mean), hit,
+        static_cast<unsigned long long>(sum.acquires), static_cast<unsigned long long>(sum.hits),
+        static_cast<unsigned long long>(sum.waited_reads),
+        static_cast<unsigned long long>(sum.misses),
+        static_cast<unsigned long long>(sum.prefetches),
+        static_cast<unsigned long long>(sum.prefetch_wasted), in / 1e9, stall, computed, released,
+        target.c_str());
   }
-  std::printf("iter s: mean of %d measured iterations; compute = %d x 2 x delay; ratio = iter / "
-              "max(compute, I/O bnd); hits%% = hits / acquires; per iteration: stall = time inside "
-              "Acquire, slept = time in the compute delay, unpin = time releasing pins\n",
-              f.iterations - 1, f.layers);
+  std::printf(
+      "iter s: mean of %d measured iterations; compute = %d x 2 x delay; ratio = iter / "
+      "max(compute, I/O bnd); hits%% = hits / acquires; per iteration: stall = time inside "
+      "Acquire, slept = time in the compute delay, unpin = time releasing pins\n",
+      f.iterations - 1, f.layers);
   if (have_io) {
     std::vector<double> reads;
     for (const FioRound& r : rounds) reads.push_back(r.read);
     std::sort(reads.begin(), reads.end());
-    std::printf("I/O bnd = bytes moved per iteration (read in + written out) at the sequential "
-                "speeds of the fio round just before or just after the configuration, whichever "
-                "is faster; vs mean = iter / max(compute, the two rounds' mean); all %d uses read "
-                "from NVMe would take %.3f s at the median round's read speed (%.3f GB/s)\n",
-                2 * f.layers, 2.0 * static_cast<double>(total) / reads[(reads.size() - 1) / 2],
-                reads[(reads.size() - 1) / 2] / 1e9);
+    std::printf(
+        "I/O bnd = bytes moved per iteration (read in + written out) at the sequential "
+        "speeds of the fio round just before or just after the configuration, whichever "
+        "is faster; vs mean = iter / max(compute, the two rounds' mean); all %d uses read "
+        "from NVMe would take %.3f s at the median round's read speed (%.3f GB/s)\n",
+        2 * f.layers, 2.0 * static_cast<double>(total) / reads[(reads.size() - 1) / 2],
+        reads[(reads.size() - 1) / 2] / 1e9);
   } else {
     std::printf("no fio measurement: no I/O bound (ratio against compute only)\n");
   }
   std::printf("prefetch targets: %d met, %d not met\n", met, missed);
-  std::printf("memory: VmHWM over the iterations %.3f GiB, anonymous and arena pages (sampled "
-              "every 5 ms) at most %.3f GiB, pool limit %.3f GiB, pool used max %.3f GiB\n",
-              hwm / kGiB, resident_max / kGiB, f.pool / kGiB, pool_max / kGiB);
+  std::printf(
+      "memory: VmHWM over the iterations %.3f GiB, anonymous and arena pages (sampled "
+      "every 5 ms) at most %.3f GiB, pool limit %.3f GiB, pool used max %.3f GiB\n",
+      hwm / kGiB, resident_max / kGiB, f.pool / kGiB, pool_max / kGiB);
   return 0;
 }
 

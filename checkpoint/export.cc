@@ -23,8 +23,8 @@ absl::Status ReadWeights(const TensorIndex& index, const std::string& tensor, ui
     float* out = dst + (lo - begin);
     const PartitionRecord& p = *s->partition;
     if (p.master_initialized()) {
-      RETURN_IF_ERROR(index.Read(*s, ::offload::checkpoint::v1::MASTER, lo, hi - lo,
-                                 sizeof(float), out));
+      RETURN_IF_ERROR(
+          index.Read(*s, ::offload::checkpoint::v1::MASTER, lo, hi - lo, sizeof(float), out));
     } else {
       const auto dtype = static_cast<DType>(p.param_dtype());
       working.resize((hi - lo) * DTypeSize(dtype));
@@ -53,8 +53,7 @@ absl::StatusOr<ExportSummary> ExportSafetensors(const TensorIndex& index, const 
     ++summary.tensors;
     summary.elements += t.numel;
   }
-  std::map<std::string, std::string> metadata = {{"format", "pt"},
-                                                 {"producer", "offloadd export"}};
+  std::map<std::string, std::string> metadata = {{"format", "pt"}, {"producer", "offloadd export"}};
   if (!index.manifests().empty()) {
     metadata["step"] = absl::StrCat(index.manifests().front().second->steps());
   }

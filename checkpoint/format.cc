@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <optional>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -70,9 +70,8 @@ UniqueFd OpenDirect(int fd, int flags) {
 // error (EINVAL: the device's blocks are larger than kDirectAlignment;
 // ENOSPC, EIO, a truncated file) shows again with its context.
 template <typename Transfer>
-uint64_t TransferDirect(int direct_fd, DirectStats* stats, const std::string& path,
-                        const char* op, const void* data, uint64_t bytes, uint64_t offset,
-                        Transfer transfer) {
+uint64_t TransferDirect(int direct_fd, DirectStats* stats, const std::string& path, const char* op,
+                        const void* data, uint64_t bytes, uint64_t offset, Transfer transfer) {
   if (direct_fd < 0 || reinterpret_cast<uintptr_t>(data) % kDirectAlignment != 0 ||
       offset % kDirectAlignment != 0) {
     return 0;
@@ -130,8 +129,8 @@ std::string StemFor(absl::string_view session_name) {
   // Names that did not survive as they are ("job/rank0", long ones) get a
   // hash of the whole name, so that two sessions never share a stem.
   if (stem != session_name) {
-    absl::StrAppend(&stem, "-", absl::Hex(Hash(session_name.data(), session_name.size()),
-                                          absl::kZeroPad16));
+    absl::StrAppend(&stem, "-",
+                    absl::Hex(Hash(session_name.data(), session_name.size()), absl::kZeroPad16));
   }
   return stem;
 }
@@ -148,9 +147,10 @@ absl::Status CheckOwnDirectory(const std::string& dir) {
         geteuid(), "): another user could plant or replace checkpoint files there"));
   }
   if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "checkpoint directory ", dir, " is writable by other users: they could plant or replace "
-        "checkpoint files there; chmod go-w it or choose another"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("checkpoint directory ", dir,
+                     " is writable by other users: they could plant or replace "
+                     "checkpoint files there; chmod go-w it or choose another"));
   }
   return absl::OkStatus();
 }
@@ -238,9 +238,9 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
     if (absl::StatusOr<Manifest> current = ReadManifest(final_path); current.ok()) {
       const std::optional<uint64_t> theirs = DataGeneration(current->data_file(), stem);
       if (theirs.has_value() && mine.has_value() && *theirs > *mine) {
-        return absl::AbortedError(absl::StrCat(
-            final_path, " names a newer checkpoint (", current->data_file(),
-            ") of a session of the same name, committed meanwhile"));
+        return absl::AbortedError(
+            absl::StrCat(final_path, " names a newer checkpoint (", current->data_file(),
+                         ") of a session of the same name, committed meanwhile"));
       }
     }
     if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
@@ -260,7 +260,8 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   for (const std::string& name : ListDirectory(dir)) {
     absl::string_view n = name;
     std::optional<uint64_t> gen = DataGeneration(n, stem);
-    if (!gen.has_value() && absl::ConsumePrefix(&n, tmp_prefix) && absl::ConsumeSuffix(&n, ".tmp")) {
+    if (!gen.has_value() && absl::ConsumePrefix(&n, tmp_prefix) &&
+        absl::ConsumeSuffix(&n, ".tmp")) {
       gen = DataGeneration(n, stem);
     }
     if (gen.has_value() && mine.has_value() && *gen < *mine) {
@@ -306,8 +307,10 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
   }
   if (manifest.format_version() != kFormatVersion) {
     return absl::FailedPreconditionError(absl::StrCat(path, " has format version ",
-                                                      manifest.format_version(), "; this offloadd "
-                                                      "reads version ", kFormatVersion));
+                                                      manifest.format_version(),
+                                                      "; this offloadd "
+                                                      "reads version ",
+                                                      kFormatVersion));
   }
   return manifest;
 }
@@ -351,14 +354,13 @@ absl::Status CheckRecord(const Record& record, const std::string& path) {
 absl::Status DataFileReader::Read(const Record& record, void* dst) const {
   RETURN_IF_ERROR(CheckRecord(record, path_));
   auto* out = static_cast<std::byte*>(dst);
-  const uint64_t direct = TransferDirect(
-      direct_fd_.get(), direct_stats_.get(), path_, "read", dst, record.bytes(), record.offset(),
-      [&](int fd, uint64_t n) {
-        size_t missing = 0;
-        return PreadAll(fd, out, n, record.offset(), &missing);
-      });
-  RETURN_IF_ERROR(ReadAll(fd_.get(), out + direct, record.bytes() - direct,
-                          record.offset() + direct, path_));
+  const uint64_t direct = TransferDirect(direct_fd_.get(), direct_stats_.get(), path_, "read", dst,
+                                         record.bytes(), record.offset(), [&](int fd, uint64_t n) {
+                                           size_t missing = 0;
+                                           return PreadAll(fd, out, n, record.offset(), &missing);
+                                         });
+  RETURN_IF_ERROR(
+      ReadAll(fd_.get(), out + direct, record.bytes() - direct, record.offset() + direct, path_));
   if (Hash(dst, record.bytes()) != record.xxh3()) {
     return absl::DataLossError(absl::StrCat(path_, ": the ", record.bytes(), " bytes at offset ",
                                             record.offset(), " do not match their checksum"));

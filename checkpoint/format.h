@@ -115,7 +115,9 @@ class DataFileWriter {
 
  private:
   DataFileWriter(UniqueFd fd, UniqueFd direct_fd, std::string name, std::string path)
-      : fd_(std::move(fd)), direct_fd_(std::move(direct_fd)), name_(std::move(name)),
+      : fd_(std::move(fd)),
+        direct_fd_(std::move(direct_fd)),
+        name_(std::move(name)),
         path_(std::move(path)) {}
   UniqueFd fd_;
   UniqueFd direct_fd_;  // the same file opened O_DIRECT; -1 where unsupported
@@ -133,8 +135,7 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
 absl::StatusOr<Manifest> ReadManifest(const std::string& path);
 // Every <stem>.manifest in `dir`, with its path, by name. NOT_FOUND if
 // there is none.
-absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
-    const std::string& dir);
+absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(const std::string& dir);
 
 class DataFileReader {
  public:

@@ -26,8 +26,8 @@ using ::offload::checkpoint::v1::MASTER;
 using ::offload::checkpoint::v1::PARAMS;
 
 std::string TempDir() {
-  std::string t = absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp",
-                               "/ckpt_XXXXXX");
+  std::string t =
+      absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp", "/ckpt_XXXXXX");
   return mkdtemp(t.data());
 }
 
@@ -175,8 +175,8 @@ TEST(CheckpointFormatTest, AnInterruptedCheckpointLeavesThePreviousOne) {
   auto writer = DataFileWriter::Create(dir, "r");
   ASSERT_TRUE(writer.ok());
   std::vector<float> junk(15, 9.0f);
-  ASSERT_TRUE(writer->Write(0, absl::MakeConstSpan(reinterpret_cast<std::byte*>(junk.data()), 60))
-                  .ok());
+  ASSERT_TRUE(
+      writer->Write(0, absl::MakeConstSpan(reinterpret_cast<std::byte*>(junk.data()), 60)).ok());
   std::ofstream(dir + "/r.manifest.tmp") << "torn";
   auto index = TensorIndex::Load(dir);
   ASSERT_TRUE(index.ok()) << index.status();
@@ -203,8 +203,9 @@ TEST(CheckpointFormatTest, WritersOfOneStemNeverLoseTheNewerCheckpoint) {
     auto m = ReadManifest(dir + "/" + hashed + ".manifest");
     ASSERT_TRUE(m.ok());
     // Move it to the old name, as the previous version wrote it.
-    ASSERT_EQ(rename((dir + "/" + hashed + ".manifest").c_str(),
-                     (dir + "/job_rank0.manifest").c_str()), 0);
+    ASSERT_EQ(
+        rename((dir + "/" + hashed + ".manifest").c_str(), (dir + "/job_rank0.manifest").c_str()),
+        0);
     ASSERT_TRUE(WriteSession(dir, "job/rank0", 0, std::vector<float>(15, 2.0f), 15).ok());
     EXPECT_NE(access((dir + "/job_rank0.manifest").c_str(), F_OK), 0);
     auto index = TensorIndex::Load(dir);
@@ -346,9 +347,9 @@ TEST(SafetensorsTest, EscapesNamesAndRefusesDuplicates) {
     d[0] = 1;
     return absl::OkStatus();
   };
-  EXPECT_EQ(WriteSafetensors(dir + "/d.safetensors", {{"x", {1}, fill}, {"x", {1}, fill}}, {})
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      WriteSafetensors(dir + "/d.safetensors", {{"x", {1}, fill}, {"x", {1}, fill}}, {}).code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

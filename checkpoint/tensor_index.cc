@@ -24,8 +24,8 @@ constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
 // outside their partition. Checked before anything is sized by them.
 absl::Status Validate(const PartitionRecord& p, const std::string& path) {
   auto bad = [&](absl::string_view what) {
-    return absl::DataLossError(
-        absl::StrCat(path, ": partition '", p.name(), "' ", what, ": not a checkpoint offloadd wrote"));
+    return absl::DataLossError(absl::StrCat(path, ": partition '", p.name(), "' ", what,
+                                            ": not a checkpoint offloadd wrote"));
   };
   if (p.tensor().empty()) return bad("names no tensor");
   if (p.numel() == 0 || p.numel() > kMaxNumel || p.offset() > kMaxNumel) {
@@ -63,9 +63,9 @@ absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string
       Tensor& t = index->tensors_[p.tensor()];
       const std::vector<uint64_t> shape(p.shape().begin(), p.shape().end());
       if (!t.slices.empty() && t.shape != shape) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "checkpoint ", dir, ": tensor '", p.tensor(), "' has two shapes (partition '",
-            p.name(), "' in ", path, ")"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint ", dir, ": tensor '", p.tensor(),
+                         "' has two shapes (partition '", p.name(), "' in ", path, ")"));
       }
       t.shape = shape;
       t.slices.push_back(Slice{manifest.get(), &p, index->readers_.back().get()});
@@ -123,8 +123,8 @@ absl::StatusOr<std::vector<const TensorIndex::Slice*>> TensorIndex::Covering(
   return out;
 }
 
-absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t begin,
-                               uint64_t elems, size_t elem_size, void* dst) const {
+absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t begin, uint64_t elems,
+                               size_t elem_size, void* dst) const {
   const PartitionRecord& p = *slice.partition;
   // Indices within the partition.
   const uint64_t lo = begin - p.offset(), hi = lo + elems;
@@ -139,10 +139,10 @@ absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t beg
   for (const Record& r : p.records()) {
     if (r.kind() != kind || r.begin() + r.elems() <= lo || r.begin() >= hi) continue;
     if (r.elems() == 0 || r.bytes() != r.elems() * elem_size) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition '", p.name(), "' of the checkpoint in ", dir_, " holds ", RecordKindName(kind),
-          " with ", r.bytes(), " bytes for ", r.elems(), " elements, not ", elem_size,
-          " bytes each (a different dtype)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition '", p.name(), "' of the checkpoint in ", dir_, " holds ",
+                       RecordKindName(kind), " with ", r.bytes(), " bytes for ", r.elems(),
+                       " elements, not ", elem_size, " bytes each (a different dtype)"));
     }
     const uint64_t from = std::max(lo, r.begin()), to = std::min(hi, r.begin() + r.elems());
     covered += to - from;
@@ -164,9 +164,9 @@ absl::Status TensorIndex::Read(const Slice& slice, RecordKind kind, uint64_t beg
                 (to - from) * elem_size);
   }
   if (covered != elems) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition '", p.name(), "' of the checkpoint in ", dir_, " has ", covered, " of ", elems,
-        " elements of ", RecordKindName(kind), " asked for"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition '", p.name(), "' of the checkpoint in ", dir_, " has ", covered,
+                     " of ", elems, " elements of ", RecordKindName(kind), " asked for"));
   }
   return absl::OkStatus();
 }

@@ -3,8 +3,8 @@
 #include <poll.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 
@@ -33,8 +33,8 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view call) {
 }
 
 Tunable FromProto(const v1::Tunable& t) {
-  return Tunable{t.name(), t.type(), t.value(), t.default_value(), t.unit(), t.description(),
-                 t.dynamic()};
+  return Tunable{t.name(), t.type(),        t.value(),  t.default_value(),
+                 t.unit(), t.description(), t.dynamic()};
 }
 
 struct Rpc {
@@ -164,10 +164,11 @@ struct Session::Impl {
       return true;
     }
     if (dma_stats.failed_regions++ == 0) {
-      LogWarning("registering the session's arena with %s for DMA failed (%s); its copies go "
-                 "through a staging buffer instead, slower (counted in "
-                 "dma_stats().failed_regions)",
-                 dma_device->name(), reg.status().ToString());
+      LogWarning(
+          "registering the session's arena with %s for DMA failed (%s); its copies go "
+          "through a staging buffer instead, slower (counted in "
+          "dma_stats().failed_regions)",
+          dma_device->name(), reg.status().ToString());
     }
     return false;
   }
@@ -175,8 +176,8 @@ struct Session::Impl {
   absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
     for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init(), &loc.span()}) {
       if (r->offset() > arena_capacity || r->bytes() > arena_capacity - r->offset()) {
-        return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
-                                                " outside its arena"));
+        return absl::InternalError(
+            absl::StrCat("daemon placed partition ", loc.partition_id(), " outside its arena"));
       }
     }
     // The partition's whole span (its params may move inside it).
@@ -194,8 +195,7 @@ struct Session::Impl {
       auto it = regions.find(loc.partition_id());
       if (it == regions.end()) {
         absl::StatusOr<HostMemory> region = HostMemory::MapShared(
-            arena.get(), begin, end - begin,
-            loc.huge_pages() ? Pages::kHuge : Pages::kSmall);
+            arena.get(), begin, end - begin, loc.huge_pages() ? Pages::kHuge : Pages::kSmall);
         if (!region.ok()) {
           return absl::Status(region.status().code(),
                               absl::StrCat("mapping partition ", loc.partition_id(), ": ",
@@ -207,8 +207,8 @@ struct Session::Impl {
       for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
         if (r->bytes() != 0 &&
             (r->offset() < m.begin || r->offset() + r->bytes() > m.begin + m.memory.size())) {
-          return absl::InternalError(absl::StrCat(
-              "daemon placed partition ", loc.partition_id(), " outside its mapped span"));
+          return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
+                                                  " outside its mapped span"));
         }
       }
       // Both, so that neither is left half registered by a refusal.
@@ -300,7 +300,8 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   }
   v1::OpenSessionResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
-  RETURN_IF_ERROR(FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->partitions->OpenSession(&rpc.context, req, &resp), "OpenSession"));
   return Attach(resp, /*close_on_failure=*/true);
 }
 
@@ -362,8 +363,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
 absl::StatusOr<std::vector<Tunable>> Client::ListTunables() {
   v1::ListTunablesResponse resp;
   Rpc rpc(impl_->options.call_timeout, impl_->options.token);
-  RETURN_IF_ERROR(
-      FromGrpc(impl_->config->ListTunables(&rpc.context, {}, &resp), "ListTunables"));
+  RETURN_IF_ERROR(FromGrpc(impl_->config->ListTunables(&rpc.context, {}, &resp), "ListTunables"));
   std::vector<Tunable> out;
   for (const v1::Tunable& t : resp.tunables()) out.push_back(FromProto(t));
   return out;
@@ -398,7 +398,8 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
   out.uptime_ms = resp.uptime_ms();
   out.listening.assign(resp.listening().begin(), resp.listening().end());
   out.optimizer = resp.optimizer_kernel();
-  for (const auto& t : resp.tiers()) out.tiers.push_back({t.name(), t.used_bytes(), t.budget_bytes()});
+  for (const auto& t : resp.tiers())
+    out.tiers.push_back({t.name(), t.used_bytes(), t.budget_bytes()});
   for (const auto& c : resp.counters()) out.counters.push_back({c.name(), c.value(), c.unit()});
   for (const auto& s : resp.sessions()) {
     out.sessions.push_back({s.session_id(), s.name(), s.partitions(), s.arena_bytes(), s.steps(),
@@ -408,9 +409,9 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
     if (s.has_gpu()) {
       const v1::GpuTierCounters& g = s.gpu();
       out.sessions.back().gpu = GpuTierCounters{
-          g.h2d_bytes(),     g.h2d_staged_bytes(), g.d2h_bytes(),      g.tensor_uses(),
-          g.resident_hits(), g.prefetch_hits(),    g.host_waits(),     g.evictions(),
-          g.resident_bytes(), g.budget_bytes(),    g.dma_bytes(),      g.prefetch_depth(),
+          g.h2d_bytes(),      g.h2d_staged_bytes(), g.d2h_bytes(),  g.tensor_uses(),
+          g.resident_hits(),  g.prefetch_hits(),    g.host_waits(), g.evictions(),
+          g.resident_bytes(), g.budget_bytes(),     g.dma_bytes(),  g.prefetch_depth(),
           g.prefetch_bytes()};
     }
   }
@@ -474,7 +475,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
 }
 
 absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
-                                                         const FetchOptions& options) {
+                                                          const FetchOptions& options) {
   if (impl_->ring != nullptr && !ids.empty() && ids.size() <= ring::kMaxItems) {
     const uint32_t flags =
         (options.grads ? ring::kGrads : 0u) | (options.writable ? ring::kWritable : 0u);
@@ -530,8 +531,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
   return out;
 }
 
-absl::StatusOr<PartitionView> Session::Fetch(uint64_t partition_id,
-                                             const FetchOptions& options) {
+absl::StatusOr<PartitionView> Session::Fetch(uint64_t partition_id, const FetchOptions& options) {
   ASSIGN_OR_RETURN(std::vector<PartitionView> views,
                    Fetch(absl::MakeConstSpan(&partition_id, 1), options));
   if (views.size() != 1) return absl::InternalError("FetchParams returned no location");
@@ -551,8 +551,7 @@ absl::Status Session::Release(absl::Span<const uint64_t> ids) {
   for (uint64_t id : ids) req.add_partition_ids(id);
   v1::ReleasePartitionsResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
-  return FromGrpc(impl_->stub->ReleasePartitions(&rpc.context, req, &resp),
-                  "ReleasePartitions");
+  return FromGrpc(impl_->stub->ReleasePartitions(&rpc.context, req, &resp), "ReleasePartitions");
 }
 
 absl::Status Session::ReturnGradients(const PartitionView& p) {
@@ -567,9 +566,8 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
 absl::Status Session::HandOverGradients(absl::Span<const PartitionView> parts,
                                         absl::Span<const GradientStats> stats, bool release) {
   if (stats.size() != parts.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("HandOverGradients: ", stats.size(),
-                                                   " statistics for ", parts.size(),
-                                                   " partitions"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HandOverGradients: ", stats.size(), " statistics for ", parts.size(), " partitions"));
   }
   return ReturnGradients(parts, release, /*hand_over=*/true, stats);
 }
@@ -579,8 +577,8 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
   if (impl_->ring != nullptr && parts.size() <= ring::kMaxItems) {
     std::vector<ring::Item> items(parts.size());
     for (size_t i = 0; i < parts.size(); ++i) {
-      items[i] = ring::Item{parts[i].id, parts[i].numel,
-                            static_cast<uint32_t>(parts[i].grad_dtype), 0};
+      items[i] =
+          ring::Item{parts[i].id, parts[i].numel, static_cast<uint32_t>(parts[i].grad_dtype), 0};
       if (!stats.empty()) {
         items[i].flags = ring::kItemStats;
         items[i].sq_norm = stats[i].sq_norm;
@@ -617,10 +615,10 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
   *req.mutable_session() = impl_->ref;
   v1::GetPendingGradientsResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
-  RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp),
-                           "GetPendingGradients"));
-  return PendingGradients{resp.sq_norm(), resp.nonfinite(), resp.partitions(),
-                          resp.micro_batches(), resp.loss_scale()};
+  RETURN_IF_ERROR(
+      FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp), "GetPendingGradients"));
+  return PendingGradients{resp.sq_norm(), resp.nonfinite(), resp.partitions(), resp.micro_batches(),
+                          resp.loss_scale()};
 }
 
 absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOptions& options) {
@@ -688,8 +686,7 @@ absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters
   // Short: the trainer's thread waits for it, and a report is never worth
   // more than a moment of training.
   Rpc rpc(std::min(impl_->timeout, absl::Seconds(1)), impl_->token);
-  RETURN_IF_ERROR(
-      FromGrpc(impl_->stub->ReportGpuTier(&rpc.context, req, &resp), "ReportGpuTier"));
+  RETURN_IF_ERROR(FromGrpc(impl_->stub->ReportGpuTier(&rpc.context, req, &resp), "ReportGpuTier"));
   return GpuTierNodeSettings{resp.prefetch_depth(), resp.prefetch_bytes()};
 }
 
@@ -705,9 +702,8 @@ absl::StatusOr<StepResult> Session::WaitStep() {
 absl::Status Session::SetPlacement(const Placement& placement) {
   {
     absl::MutexLock lock(&impl_->mu);
-    if (impl_->dma_device != nullptr &&
-        (placement.params_host_percent.value_or(100) < 100 ||
-         placement.grads_host_percent.value_or(100) < 100)) {
+    if (impl_->dma_device != nullptr && (placement.params_host_percent.value_or(100) < 100 ||
+                                         placement.grads_host_percent.value_or(100) < 100)) {
       return absl::FailedPreconditionError(
           "SetPlacement: this session's arena is registered for DMA (EnableDma), which needs its "
           "params and grads wholly on the host; below 100% the daemon would remove pages the "
@@ -784,7 +780,7 @@ absl::Status Session::Close() {
 }
 
 absl::StatusOr<CheckpointResult> Client::CheckpointSession(uint64_t session_id,
-                                                          const std::string& directory) {
+                                                           const std::string& directory) {
   v1::CheckpointRequest req;
   req.mutable_session()->set_session_id(session_id);  // no token: as the operator
   req.set_directory(directory);

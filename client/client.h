@@ -28,8 +28,8 @@
 // gradients, only while holding them: outside a hold, reads may see zeros
 // and writes may be lost. Parameters change only during Step (hold them
 // `writable` to change them yourself). After a Step, gradient buffers hold
-// no defined values: write every element before returning. Everything held is released when the session ends (Close, or
-// this process's death). Holding more at once than the daemon's host pool
+// no defined values: write every element before returning. Everything held is released when the
+// session ends (Close, or this process's death). Holding more at once than the daemon's host pool
 // can hold is RESOURCE_EXHAUSTED, with the numbers.
 //
 // Thread-safety: Client and Session are safe to use from several threads;
@@ -48,8 +48,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "cpu_adam/types.h"
 #include "cpu_adam/dtype.h"
+#include "cpu_adam/types.h"
 #include "gpu/device.h"
 
 namespace offload {
@@ -85,20 +85,20 @@ struct ClientOptions {
 // slower). Unset: the daemon's default (placement.<kind>_host_percent) when
 // opening, unchanged in SetPlacement. Below 100 needs an NVMe tier.
 struct Placement {
-  std::optional<int> params_host_percent;   // working parameters
-  std::optional<int> grads_host_percent;    // gradient buffers
+  std::optional<int> params_host_percent;           // working parameters
+  std::optional<int> grads_host_percent;            // gradient buffers
   std::optional<int> optimizer_state_host_percent;  // fp32 master, Adam moments
 };
 
 // Dynamic loss scaling for fp16 training, kept by the daemon (see
 // offload.proto's LossScaling for the rule). Unset fields: the defaults.
 struct LossScaling {
-  std::optional<double> initial_scale;    // 65536
-  std::optional<int64_t> growth_interval; // 1000
-  std::optional<double> growth_factor;    // 2
-  std::optional<double> backoff_factor;   // 0.5
-  std::optional<int64_t> hysteresis;      // 2
-  std::optional<double> min_scale;        // 1
+  std::optional<double> initial_scale;     // 65536
+  std::optional<int64_t> growth_interval;  // 1000
+  std::optional<double> growth_factor;     // 2
+  std::optional<double> backoff_factor;    // 0.5
+  std::optional<int64_t> hysteresis;       // 2
+  std::optional<double> min_scale;         // 1
 };
 
 // How a session wants its data kept, and its loss scaled.
@@ -314,9 +314,8 @@ class Session {
   // master_init instead of params: the release makes them the master
   // weights exactly and the working copy rounded.
   // `slice`: which tensor's elements it holds (unset: a tensor of its own).
-  absl::StatusOr<PartitionView> Register(const std::string& name, uint64_t numel,
-                                         DType param_dtype, DType grad_dtype,
-                                         bool fp32_master = false,
+  absl::StatusOr<PartitionView> Register(const std::string& name, uint64_t numel, DType param_dtype,
+                                         DType grad_dtype, bool fp32_master = false,
                                          const std::optional<TensorSlice>& slice = std::nullopt);
   // Holds partitions (see the residency contract above). An empty list
   // fetches every partition of the session.
@@ -419,8 +418,8 @@ class Session {
   struct Impl;
   explicit Session(std::unique_ptr<Impl> impl);
   // `stats`: empty, or one per partition.
-  absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release,
-                               bool hand_over, absl::Span<const GradientStats> stats);
+  absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release, bool hand_over,
+                               absl::Span<const GradientStats> stats);
   std::unique_ptr<Impl> impl_;
 };
 

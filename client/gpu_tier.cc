@@ -27,15 +27,15 @@ absl::Status GpuTier::ReleaseIds(absl::Span<const uint64_t> ids) {
 }
 
 absl::StatusOr<std::unique_ptr<GpuTier>> GpuTier::Create(Session* session, gpu::Device* device,
-                                                          const GpuTierOptions& options,
-                                                          gpu::DeviceMemory slab) {
+                                                         const GpuTierOptions& options,
+                                                         gpu::DeviceMemory slab) {
   if (session == nullptr || device == nullptr) {
     return absl::InvalidArgumentError("GpuTier needs a session and a device");
   }
   std::unique_ptr<GpuTier> tier(new GpuTier(session, device, options));
   if (options.register_arena) RETURN_IF_ERROR(session->EnableDma(device));
-  ASSIGN_OR_RETURN(tier->drain_, gpu::GradientDrain::Create(device, tier.get(),
-                                                            options.gradient_staging_bytes));
+  ASSIGN_OR_RETURN(tier->drain_,
+                   gpu::GradientDrain::Create(device, tier.get(), options.gradient_staging_bytes));
   ASSIGN_OR_RETURN(tier->params_,
                    gpu::ParamCache::Create(device, tier.get(), options.params, std::move(slab)));
   return tier;
@@ -82,9 +82,8 @@ absl::Status GpuTier::HoldAll(bool grads) {
   std::vector<uint64_t> ids = params_->Keys();
   std::vector<PartitionView> views;
   for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
-    absl::StatusOr<std::vector<PartitionView>> part =
-        session_->Fetch(absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall),
-                        {.grads = grads});
+    absl::StatusOr<std::vector<PartitionView>> part = session_->Fetch(
+        absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall), {.grads = grads});
     {
       absl::MutexLock lock(&mu_);
       ++daemon_calls_;
@@ -125,9 +124,9 @@ absl::Status GpuTier::EndIteration() {
   {
     absl::MutexLock lock(&mu_);
     if (!grads_held_.empty()) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "%d gradients are still on their way to the daemon: return them first",
-          grads_held_.size()));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("%d gradients are still on their way to the daemon: return them first",
+                          grads_held_.size()));
     }
     for (const auto& [id, view] : held_all_) {
       if (!holds_.contains(id)) ids.push_back(id);
@@ -197,9 +196,10 @@ void GpuTier::MaybeReport() {
       if (absl::IsUnimplemented(node.status())) reporting_ = false;
       if (!report_failed_) {
         report_failed_ = true;
-        LogWarning("GPU tier: reporting to offloadd failed (%s); training goes on, the "
-                   "daemon's stats lack this tier and its gpu.* settings do not reach it",
-                   node.status().ToString());
+        LogWarning(
+            "GPU tier: reporting to offloadd failed (%s); training goes on, the "
+            "daemon's stats lack this tier and its gpu.* settings do not reach it",
+            node.status().ToString());
       }
       return;
     }
@@ -211,8 +211,7 @@ void GpuTier::MaybeReport() {
   if (changed) ApplyPrefetch();
 }
 
-absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(
-    absl::Span<const uint64_t> keys) {
+absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<const uint64_t> keys) {
   {
     absl::MutexLock lock(&mu_);
     if (!held_all_.empty()) {
@@ -256,9 +255,8 @@ absl::StatusOr<gpu::GradientSink::Span> GpuTier::Hold(uint64_t key) {
     auto it = held_all_.find(key);
     if (grads_held_all_ && it != held_all_.end()) {
       grads_held_[key] = it->second;
-      return gpu::GradientSink::Span{it->second.grads,
-                                     it->second.numel * DTypeSize(it->second.grad_dtype),
-                                     it->second.dma};
+      return gpu::GradientSink::Span{
+          it->second.grads, it->second.numel * DTypeSize(it->second.grad_dtype), it->second.dma};
     }
   }
   ASSIGN_OR_RETURN(PartitionView v, session_->Fetch(key, {.grads = true}));

@@ -115,8 +115,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // its error returned after the others went (nothing half-written is
   // returned).
   absl::StatusOr<std::vector<uint64_t>> ReturnGradients(
-      bool wait, bool hand_over,
-      const absl::flat_hash_map<uint64_t, GradientStats>& stats = {});
+      bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats = {});
   size_t gradients_pending() const { return drain_->pending(); }
   // Waits for the gradient copies in flight and releases their buffers
   // unreturned (an iteration given up): their sources may be freed after.
@@ -147,8 +146,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   absl::Status HoldAll(bool grads) ABSL_LOCKS_EXCLUDED(mu_);
 
   // gpu::HostSource: the partitions' parameters.
-  absl::StatusOr<std::vector<gpu::HostSource::Span>> Hold(
-      absl::Span<const uint64_t> keys) override;
+  absl::StatusOr<std::vector<gpu::HostSource::Span>> Hold(absl::Span<const uint64_t> keys) override;
   absl::Status Release(absl::Span<const uint64_t> keys) override;
   // gpu::GradientSink: a partition's gradient buffer.
   absl::StatusOr<gpu::GradientSink::Span> Hold(uint64_t key) override;
@@ -165,7 +163,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   absl::Time last_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t reports_ ABSL_GUARDED_BY(mu_) = 0;
   bool report_failed_ ABSL_GUARDED_BY(mu_) = false;  // warned once
-  bool reporting_ ABSL_GUARDED_BY(mu_) = true;  // off where the daemon has no ReportGpuTier
+  bool reporting_ ABSL_GUARDED_BY(mu_) = true;       // off where the daemon has no ReportGpuTier
   // hold_per_iteration: the partitions the cache knows, and what the
   // iteration's holds gave (params; grads once the first gradient came).
   std::vector<uint64_t> all_ids_ ABSL_GUARDED_BY(mu_);

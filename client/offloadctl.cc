@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/numbers.h"
 #include "checkpoint/export.h"
 #include "checkpoint/tensor_index.h"
 #include "client/client.h"
@@ -94,9 +94,8 @@ int Stats(Client& client) {
   }
   // Bytes placed per kind, host/NVMe.
   auto placed = [](uint64_t host, uint64_t nvme) { return Bytes(host) + "/" + Bytes(nvme); };
-  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s\n", "SESSION", "NAME", "PARTS",
-              "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
-              "STATE HOST/NVME");
+  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s\n", "SESSION", "NAME", "PARTS", "HELD",
+              "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME", "STATE HOST/NVME");
   for (const auto& x : s->sessions) {
     std::printf("%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s\n",
                 static_cast<unsigned long long>(x.id), x.name.c_str(),
@@ -115,14 +114,13 @@ int Stats(Client& client) {
     if (!header) {
       header = true;
       std::printf("\n%-20s %10s %10s %10s %9s %9s %8s %10s %17s %9s\n", "GPU TIER OF SESSION",
-                  "TO GPU", "STAGED", "FROM GPU", "RESIDENT%", "PREFETCH%", "EVICTED",
-                  "ON GPU", "PREFETCH AHEAD", "DMA");
+                  "TO GPU", "STAGED", "FROM GPU", "RESIDENT%", "PREFETCH%", "EVICTED", "ON GPU",
+                  "PREFETCH AHEAD", "DMA");
     }
     auto percent = [](uint64_t part, uint64_t whole) {
       return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
     };
-    const std::string ahead =
-        absl::StrCat(g.prefetch_depth, " units/", Bytes(g.prefetch_bytes));
+    const std::string ahead = absl::StrCat(g.prefetch_depth, " units/", Bytes(g.prefetch_bytes));
     std::printf("%-20llu %10s %10s %10s %8.1f%% %8.1f%% %8llu %10s %17s %9s\n",
                 static_cast<unsigned long long>(x.id), Bytes(g.h2d_bytes).c_str(),
                 Bytes(g.h2d_staged_bytes).c_str(), Bytes(g.d2h_bytes).c_str(),
@@ -150,12 +148,12 @@ int Checkpoint(Client& client, const std::string& id_text, const std::string& di
   }
   absl::StatusOr<CheckpointResult> r = client.CheckpointSession(id, Absolute(dir));
   if (!r.ok()) return Fail(r.status());
-  std::printf("checkpoint of session %llu at step %llu: %s\n  %llu partitions, %s, %.1f ms "
-              "(training paused %.1f ms)\n",
-              static_cast<unsigned long long>(id), static_cast<unsigned long long>(r->steps),
-              r->manifest.c_str(), static_cast<unsigned long long>(r->partitions),
-              Bytes(r->bytes).c_str(), static_cast<double>(r->wall_us) / 1000.0,
-              static_cast<double>(r->pause_us) / 1000.0);
+  std::printf(
+      "checkpoint of session %llu at step %llu: %s\n  %llu partitions, %s, %.1f ms "
+      "(training paused %.1f ms)\n",
+      static_cast<unsigned long long>(id), static_cast<unsigned long long>(r->steps),
+      r->manifest.c_str(), static_cast<unsigned long long>(r->partitions), Bytes(r->bytes).c_str(),
+      static_cast<double>(r->wall_us) / 1000.0, static_cast<double>(r->pause_us) / 1000.0);
   return 0;
 }
 
@@ -194,13 +192,12 @@ int Main(int argc, char** argv) {
     return 2;
   };
   if (args.empty()) return usage();
-  const bool known = (args[0] == "status" && args.size() == 1) ||
-                     (args[0] == "stats" && args.size() == 1) ||
-                     (args[0] == "config" && args.size() == 2 && args[1] == "list") ||
-                     (args[0] == "config" && args.size() == 3 && args[1] == "get") ||
-                     (args[0] == "config" && args.size() == 4 && args[1] == "set") ||
-                     (args[0] == "checkpoint" && args.size() == 3) ||
-                     (args[0] == "export" && args.size() == 3);
+  const bool known =
+      (args[0] == "status" && args.size() == 1) || (args[0] == "stats" && args.size() == 1) ||
+      (args[0] == "config" && args.size() == 2 && args[1] == "list") ||
+      (args[0] == "config" && args.size() == 3 && args[1] == "get") ||
+      (args[0] == "config" && args.size() == 4 && args[1] == "set") ||
+      (args[0] == "checkpoint" && args.size() == 3) || (args[0] == "export" && args.size() == 3);
   if (!known) return usage();
   if (args[0] == "export") {
     if (format != "safetensors") {
@@ -229,7 +226,8 @@ int Main(int argc, char** argv) {
     }
     return 0;
   }
-  absl::StatusOr<Tunable> t = args[1] == "get" ? c.GetTunable(args[2]) : c.SetTunable(args[2], args[3]);
+  absl::StatusOr<Tunable> t =
+      args[1] == "get" ? c.GetTunable(args[2]) : c.SetTunable(args[2], args[3]);
   if (!t.ok()) return Fail(t.status());
   PrintTunable(*t);
   return 0;

@@ -52,8 +52,8 @@ absl::StatusOr<int> Zero3::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t
 
 absl::Status Zero3::Gather(int unit, absl::Span<void* const> full, const gpu::Stream& compute) {
   if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("Zero3: no unit ", unit, " (", units_.size(),
-                                                   " declared)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Zero3: no unit ", unit, " (", units_.size(), " declared)"));
   }
   const std::vector<uint64_t>& sizes = units_[unit];
   if (full.size() != sizes.size()) {
@@ -95,10 +95,10 @@ absl::Status Zero3::ReduceScatter(uint64_t partition_id, const float* full, uint
                                   const gpu::Stream& compute) {
   const uint64_t ranks = comm_->size();
   if (full == nullptr || numel == 0 || numel % ranks != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Zero3: the gradient of partition ", partition_id, " has ", numel,
-        " elements; it must be the whole padded tensor, a positive multiple of the ", ranks,
-        " ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("Zero3: the gradient of partition ", partition_id, " has ", numel,
+                     " elements; it must be the whole padded tensor, a positive multiple of the ",
+                     ranks, " ranks"));
   }
   const uint64_t bytes = numel * sizeof(float);
   if (!pending_.empty() && pending_bytes_ + bytes > options_.bucket_bytes) {

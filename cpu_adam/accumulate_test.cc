@@ -1,10 +1,9 @@
 #include "cpu_adam/accumulate.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
-
-#include <cstring>
 
 #include "cpu_adam/kernel_select.h"
 #include "cpu_adam/optimizer.h"
@@ -71,18 +70,30 @@ TEST(Accumulate, CountsNonFiniteAccumulatedValues) {
 // with Inf and NaN among them; and measuring only (no accumulator), which
 // gives a first micro-batch's statistics.
 TEST(Accumulate, EveryKernelMatchesTheReferenceBitForBit) {
-  const std::vector<size_t> lengths = {0,    1,    7,    15,          16,          17,
-                                       1023, 1024, 1025, 3000,        4096,        4096 + 13,
-                                       5 * 1024 + 17,    9 * 1024,    12 * 1024 + 1000};
+  const std::vector<size_t> lengths = {0,
+                                       1,
+                                       7,
+                                       15,
+                                       16,
+                                       17,
+                                       1023,
+                                       1024,
+                                       1025,
+                                       3000,
+                                       4096,
+                                       4096 + 13,
+                                       5 * 1024 + 17,
+                                       9 * 1024,
+                                       12 * 1024 + 1000};
   constexpr size_t kMax = 12 * 1024 + 1000;
   for (const AdamKernels* k : SupportedAdamKernels()) {
     for (DType dtype : {DType::kFp32, DType::kBf16, DType::kFp16}) {
       for (size_t n : lengths) {
         for (size_t offset : {size_t{0}, size_t{1}}) {  // acc 64-byte aligned, or not
           for (bool poisoned : {false, true}) {
-            SCOPED_TRACE(testing::Message() << k->name << " dtype " << static_cast<int>(dtype)
-                                            << " n " << n << " offset " << offset
-                                            << " poisoned " << poisoned);
+            SCOPED_TRACE(testing::Message()
+                         << k->name << " dtype " << static_cast<int>(dtype) << " n " << n
+                         << " offset " << offset << " poisoned " << poisoned);
             std::vector<float> values = Pattern(n, 3.0f);
             if (poisoned && n > 5) {
               values[n / 2] = std::numeric_limits<float>::infinity();

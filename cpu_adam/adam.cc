@@ -1,10 +1,9 @@
 #include "cpu_adam/adam.h"
 
-#include "cpu_adam/accumulate.h"
-
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_adam/accumulate.h"
 
 namespace offload {
 namespace {
@@ -94,8 +93,7 @@ AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step) 
   c.neg_step_size = static_cast<float>(-(lr / bc1));
   c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
   c.eps = static_cast<float>(h.eps);
-  c.decay_factor =
-      h.decoupled_weight_decay ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
+  c.decay_factor = h.decoupled_weight_decay ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
   c.l2 = h.decoupled_weight_decay ? 0.0f : static_cast<float>(h.weight_decay);
   return c;
 }

@@ -38,8 +38,8 @@ struct AdamStepConstants {
   float neg_step_size;          // -lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
-  float decay_factor;           // AdamW: 1 - lr * wd; else 1
-  float l2;                     // Adam: wd; else 0
+  float decay_factor;  // AdamW: 1 - lr * wd; else 1
+  float l2;            // Adam: wd; else 0
 };
 
 AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step);

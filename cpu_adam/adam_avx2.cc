@@ -10,12 +10,11 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu_adam/adam_dispatch.h"
-
-#include <cstdint>
-#include <cstring>
 
 namespace offload {
 namespace {
@@ -135,7 +134,8 @@ uint64_t CountNonFiniteAvx2(const void* grads, DType dtype, size_t n) {
     for (; i + 8 <= n; i += 8) {
       const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i));
       const __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(u, exp), exp);
-      count += static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(hit))));
+      count +=
+          static_cast<uint64_t>(__builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(hit))));
     }
     for (; i < n; ++i) count += (g[i] & 0x7f800000u) == 0x7f800000u;
     return count;
@@ -147,7 +147,9 @@ uint64_t CountNonFiniteAvx2(const void* grads, DType dtype, size_t n) {
     const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i));
     const __m256i hit = _mm256_cmpeq_epi16(_mm256_and_si256(u, exp), exp);
     // Two mask bits per 16-bit lane.
-    count += static_cast<uint64_t>(__builtin_popcount(static_cast<unsigned>(_mm256_movemask_epi8(hit)))) / 2;
+    count += static_cast<uint64_t>(
+                 __builtin_popcount(static_cast<unsigned>(_mm256_movemask_epi8(hit)))) /
+             2;
   }
   for (; i < n; ++i) count += (g[i] & mask16) == mask16;
   return count;
@@ -222,8 +224,7 @@ GradStats AccumulateAvx2(const void* grads, DType dtype, float* acc, size_t n, b
 }  // namespace
 
 const AdamKernels& Avx2AdamKernels() {
-  static const AdamKernels kernels = {"avx2", &AdamAvx2, &CountNonFiniteAvx2,
-                                      &AccumulateAvx2};
+  static const AdamKernels kernels = {"avx2", &AdamAvx2, &CountNonFiniteAvx2, &AccumulateAvx2};
   return kernels;
 }
 

@@ -10,11 +10,10 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "cpu_adam/adam_dispatch.h"
-
-#include <cstdint>
 
 namespace offload {
 namespace {
@@ -42,7 +41,8 @@ inline __m256i ToBf16(__m512 x) {
   const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  r = _mm512_mask_mov_epi32(r, nan,
+                            _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
 }
 
@@ -87,8 +87,9 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
     p = _mm512_mul_ps(p, decay);
     const __m512 m =
         _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg + i), beta1));
-    const __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
-                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg_sq + i), beta2));
+    const __m512 v =
+        _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
+                        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg_sq + i), beta2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_mask_storeu_ps(exp_avg + i, mask, m);
@@ -113,8 +114,8 @@ uint64_t CountNonFiniteAvx512(const void* grads, DType dtype, size_t n) {
     const float* g = static_cast<const float*>(grads);
     const __m512i exp = _mm512_set1_epi32(0x7f800000);
     for (; i < n; i += 16) {
-      const __mmask16 mask =
-          n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __mmask16 mask = n - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                         : static_cast<__mmask16>((1u << (n - i)) - 1u);
       const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, g + i));
       count += static_cast<uint64_t>(
           __builtin_popcount(_mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(u, exp), exp)));
@@ -122,7 +123,8 @@ uint64_t CountNonFiniteAvx512(const void* grads, DType dtype, size_t n) {
     return count;
   }
   const uint16_t* g = static_cast<const uint16_t*>(grads);
-  const __m512i exp = _mm512_set1_epi16(static_cast<short>(dtype == DType::kBf16 ? 0x7f80 : 0x7c00));
+  const __m512i exp =
+      _mm512_set1_epi16(static_cast<short>(dtype == DType::kBf16 ? 0x7f80 : 0x7c00));
   for (; i < n; i += 32) {
     const __mmask32 mask = n - i >= 32 ? static_cast<__mmask32>(0xffffffffu)
                                        : static_cast<__mmask32>((uint64_t{1} << (n - i)) - 1u);

@@ -1,10 +1,10 @@
 #include "cpu_adam/adam.h"
-#include "cpu_adam/kernel_select.h"
 
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "cpu_adam/kernel_select.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -93,7 +93,7 @@ TEST(AdamKernels, MatchDoubleReferenceAcrossMagnitudes) {
       std::vector<float> p = p0, m(n + off, 0.0f), v(n + off, 0.0f);
       for (uint64_t t = 1; t <= 30; ++t) {
         AdamSpan s{p.data() + off, m.data() + off, v.data() + off, grads[t - 1].data() + off,
-                   DType::kFp32, nullptr, DType::kFp32, n};
+                   DType::kFp32,   nullptr,        DType::kFp32,   n};
         k->adam(ComputeStepConstants(h, t), s);
       }
       for (size_t i = 0; i < n; ++i) {
@@ -152,8 +152,10 @@ TEST(AdamScalar, ReadsHalfGradientsAndWritesHalfWorkingCopy) {
     g32[i] = Bf16ToFloat(g16[i]);
   }
   AdamStepConstants c = ComputeStepConstants(h, 1);
-  AdamScalar(c, {p.data(), m.data(), v.data(), g16.data(), DType::kBf16, w16.data(), DType::kBf16, n});
-  AdamScalar(c, {p32.data(), m32.data(), v32.data(), g32.data(), DType::kFp32, nullptr, DType::kFp32, n});
+  AdamScalar(c,
+             {p.data(), m.data(), v.data(), g16.data(), DType::kBf16, w16.data(), DType::kBf16, n});
+  AdamScalar(
+      c, {p32.data(), m32.data(), v32.data(), g32.data(), DType::kFp32, nullptr, DType::kFp32, n});
   for (size_t i = 0; i < n; ++i) {
     EXPECT_EQ(p[i], p32[i]);
     EXPECT_EQ(w16[i], FloatToBf16(p[i]));

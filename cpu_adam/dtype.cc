@@ -47,7 +47,7 @@ uint16_t FloatToFp16(float f) {
   if (abs >= 0x477ff000u) {  // rounds to >= 65520: overflow to infinity
     return sign | 0x7c00u;
   }
-  if (abs < 0x38800000u) {  // below the smallest fp16 normal (2^-14)
+  if (abs < 0x38800000u) {               // below the smallest fp16 normal (2^-14)
     if (abs < 0x33000000u) return sign;  // < 2^-25 rounds to zero
     // Subnormal result: shift the full mantissa into place, round to even.
     uint32_t exp = abs >> 23;

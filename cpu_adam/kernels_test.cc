@@ -133,12 +133,11 @@ TEST_P(KernelTest, BitIdenticalToScalarReference) {
                   Buffers got = ref;
                   AdamScalar(k, SpanOf(ref, n, off, c));
                   kernels_->adam(k, SpanOf(got, n, off, c));
-                  const std::string what = "grad=" + std::string(DTypeName(grad)) +
-                                           " working=" + std::to_string(working) +
-                                           " adamw=" + std::to_string(adamw) +
-                                           " bias=" + std::to_string(bias) + " n=" +
-                                           std::to_string(n) + " off=" + std::to_string(off) +
-                                           " special=" + std::to_string(special);
+                  const std::string what =
+                      "grad=" + std::string(DTypeName(grad)) +
+                      " working=" + std::to_string(working) + " adamw=" + std::to_string(adamw) +
+                      " bias=" + std::to_string(bias) + " n=" + std::to_string(n) +
+                      " off=" + std::to_string(off) + " special=" + std::to_string(special);
                   ASSERT_TRUE(SameBits(ref.p.data(), got.p.data(), ref.p.size() * 4, 4)) << what;
                   ASSERT_TRUE(SameBits(ref.m.data(), got.m.data(), ref.m.size() * 4, 4)) << what;
                   ASSERT_TRUE(SameBits(ref.v.data(), got.v.data(), ref.v.size() * 4, 4)) << what;

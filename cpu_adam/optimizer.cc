@@ -104,9 +104,7 @@ bool Optimizer::check_finite() const {
   return check_finite_;
 }
 
-uint64_t Optimizer::tiles_helped() const {
-  return tiles_helped_.load(std::memory_order_relaxed);
-}
+uint64_t Optimizer::tiles_helped() const { return tiles_helped_.load(std::memory_order_relaxed); }
 
 int Optimizer::threads() const {
   absl::ReaderMutexLock lock(&mu_);
@@ -177,7 +175,8 @@ void Optimizer::UpdateLocked(absl::Span<const AdamTask> tasks, const AdamHyperpa
   std::vector<AdamStepConstants> constants;
   constants.reserve(tasks.size());
   for (const AdamTask& t : tasks) {
-    constants.push_back(ComputeStepConstants(t.hyperparams != nullptr ? *t.hyperparams : h, t.step));
+    constants.push_back(
+        ComputeStepConstants(t.hyperparams != nullptr ? *t.hyperparams : h, t.step));
   }
   const AdamKernels& k = *kernels_;
   updates_running_.fetch_add(1, std::memory_order_relaxed);
@@ -253,13 +252,11 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
     const auto* grads = static_cast<const std::byte*>(task.grads);
     // Without an accumulator (handed over) the kernel only measures, as a
     // first accumulation would: the memory traffic is the gradients' read.
-    per_tile[static_cast<size_t>(&t - tiles.data())] =
-        kernels.accumulate(grads + t.begin * elem, task.grad_dtype,
-                           task.acc != nullptr ? task.acc + t.begin : nullptr, t.end - t.begin,
-                           task.first);
+    per_tile[static_cast<size_t>(&t - tiles.data())] = kernels.accumulate(
+        grads + t.begin * elem, task.grad_dtype, task.acc != nullptr ? task.acc + t.begin : nullptr,
+        t.end - t.begin, task.first);
   };
-  if (!measure_only && tiles.size() > 1 &&
-      updates_running_.load(std::memory_order_relaxed) != 0) {
+  if (!measure_only && tiles.size() > 1 && updates_running_.load(std::memory_order_relaxed) != 0) {
     // An update fills the pool: its threads take tiles beside this one
     // (the pool's thread would move over only once the update's run ends).
     UrgentJob job;
@@ -273,9 +270,7 @@ GradStats Optimizer::Accumulate(absl::Span<const AccumulateTask> tasks) {
     // Drained in the high-priority arena too: the pool's threads join it
     // once the update ends (or its run does), as they would without helping.
     const int drainers = static_cast<int>(std::min<size_t>(tiles.size(), threads_));
-    urgent_arena_->execute([&] {
-      tbb::parallel_for(0, drainers, [&](int) { job.Drain(); });
-    });
+    urgent_arena_->execute([&] { tbb::parallel_for(0, drainers, [&](int) { job.Drain(); }); });
     absl::MutexLock withdraw(&urgent_mu_);
     urgent_jobs_.erase(std::find(urgent_jobs_.begin(), urgent_jobs_.end(), &job));
     urgent_offered_.store(static_cast<int>(urgent_jobs_.size()), std::memory_order_relaxed);

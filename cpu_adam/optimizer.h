@@ -143,7 +143,7 @@ class Optimizer {
   mutable absl::Mutex mu_;
   absl::Mutex urgent_mu_ ABSL_ACQUIRED_AFTER(mu_);
   std::vector<UrgentJob*> urgent_jobs_ ABSL_GUARDED_BY(urgent_mu_);
-  std::atomic<int> urgent_offered_{0};    // urgent_jobs_.size(), read at every tile
+  std::atomic<int> urgent_offered_{0};   // urgent_jobs_.size(), read at every tile
   std::atomic<int> updates_running_{0};  // UpdateLocked calls inside ParallelTiles
   std::atomic<uint64_t> tiles_helped_{0};
   std::unique_ptr<tbb::task_arena> arena_ ABSL_GUARDED_BY(mu_);

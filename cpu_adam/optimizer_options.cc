@@ -3,9 +3,9 @@
 namespace offload {
 
 void BindOptimizerTunables(OptimizerOptions* o, ConfigRegistry* r) {
-  r->Bind("optimizer.threads", &o->threads,
-          {"threads", "threads in the optimizer arena; 0 = one per CPU", true,
-           kOptimizerThreadsRange});
+  r->Bind(
+      "optimizer.threads", &o->threads,
+      {"threads", "threads in the optimizer arena; 0 = one per CPU", true, kOptimizerThreadsRange});
   r->Bind("optimizer.tile_elems", &o->tile_elems,
           {"elements", "parameters per optimizer task", true, kOptimizerTileElemsRange});
   r->Bind("optimizer.kernel", &o->kernel,

@@ -12,7 +12,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "cpu_adam/dtype.h"
-
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -29,7 +28,9 @@ struct Buffers {
     }
   }
   AdamTask Task(uint64_t step) {
-    return {{p.data(), m.data(), v.data(), g.data(), DType::kFp32, w.data(), DType::kFp32, p.size()}, step};
+    return {
+        {p.data(), m.data(), v.data(), g.data(), DType::kFp32, w.data(), DType::kFp32, p.size()},
+        step};
   }
 };
 
@@ -212,12 +213,12 @@ TEST(Optimizer, AccumulatingAndMeasuringBesideAnUpdateGiveTheSameBits) {
   NarrowFromFloat(values.data(), DType::kBf16, grads.data(), kGrads);
   const std::vector<float> acc0(kGrads, 0.25f);
   AccumulateTask measure{grads.data(), DType::kBf16, nullptr, kGrads, /*first=*/false};
-  int beside[3] = {};  // per thread count: rounds whose calls began before the update ended
+  int beside[3] = {};       // per thread count: rounds whose calls began before the update ended
   uint64_t helped[3] = {};  // per thread count: accumulation tiles the update's threads ran
   for (int threads : {1, 2}) {
     OptimizerOptions o;
     o.threads = threads;
-    o.tile_elems = 4096;   // 25 tiles for each call
+    o.tile_elems = 4096;  // 25 tiles for each call
     o.kernel = "scalar";  // the slowest: an update of a few milliseconds
     Optimizer opt(o);
     const GradStats want_measure = opt.Accumulate(absl::MakeConstSpan(&measure, 1));
@@ -259,10 +260,11 @@ TEST(Optimizer, AccumulatingAndMeasuringBesideAnUpdateGiveTheSameBits) {
     }
     helped[threads] = opt.tiles_helped();
   }
-  std::printf("rounds whose calls began before the update ended: %d of 40 on one thread, %d of "
-              "40 on two; accumulation tiles the update's threads ran: %llu and %llu\n",
-              beside[1], beside[2], static_cast<unsigned long long>(helped[1]),
-              static_cast<unsigned long long>(helped[2]));
+  std::printf(
+      "rounds whose calls began before the update ended: %d of 40 on one thread, %d of "
+      "40 on two; accumulation tiles the update's threads ran: %llu and %llu\n",
+      beside[1], beside[2], static_cast<unsigned long long>(helped[1]),
+      static_cast<unsigned long long>(helped[2]));
   if (beside[1] + beside[2] < 10) {
     GTEST_SKIP() << "fewer than 10 rounds began a call before the update ended (a loaded host): "
                     "the cases beside an update were not reached";

@@ -69,8 +69,8 @@ class TorchReferenceTest : public ::testing::Test {
       return;
     }
     dir_ = std::string(std::getenv("TEST_TMPDIR")) + "/torch_ref";
-    std::string cmd = "mkdir -p " + dir_ + " && " + kPython +
-                      " cpu_adam/torch_reference.py " + dir_;
+    std::string cmd =
+        "mkdir -p " + dir_ + " && " + kPython + " cpu_adam/torch_reference.py " + dir_;
     generated_ = std::system(cmd.c_str()) == 0;
   }
 
@@ -121,8 +121,8 @@ TEST_F(TorchReferenceTest, EveryKernelMatchesTorchOver100Steps) {
       std::memcpy(p.data() + 1, t.p0.data(), t.n * 4);
       for (uint64_t step = 1; step <= t.steps; ++step) {
         std::memcpy(g.data() + gsize, t.grads.data() + (step - 1) * t.n * gsize, t.n * gsize);
-        AdamSpan s{p.data() + 1, m.data() + 1, v.data() + 1, g.data() + gsize, gdt,
-                   nullptr, DType::kFp32, t.n};
+        AdamSpan s{p.data() + 1, m.data() + 1, v.data() + 1, g.data() + gsize,
+                   gdt,          nullptr,      DType::kFp32, t.n};
         k->adam(ComputeStepConstants(t.h, step), s);
       }
       const std::string what = std::string(name) + "/" + k->name;

@@ -28,7 +28,7 @@ struct AdamHyperparams {
 // A gradient's squared norm and its count of non-finite values (measured
 // by the accumulation kernels, or given by the trainer).
 struct GradStats {
-  double sq_norm = 0;     // sum of squares of the accumulated values (inf/NaN if any is)
+  double sq_norm = 0;      // sum of squares of the accumulated values (inf/NaN if any is)
   uint64_t nonfinite = 0;  // accumulated values that are NaN or +-Inf
 
   GradStats& operator+=(const GradStats& o) {

@@ -17,10 +17,10 @@ absl::Status AccessGuard::CheckMayChange(const grpc::ServerContext& context,
       return absl::OkStatus();
     }
   }
-  return absl::PermissionDeniedError(absl::StrCat(
-      "over TCP offloadd serves read-only status; ", what,
-      " needs the Unix socket, or the token in ", token_path_,
-      " (readable by offloadd's user only) as OFFLOADD_TOKEN"));
+  return absl::PermissionDeniedError(
+      absl::StrCat("over TCP offloadd serves read-only status; ", what,
+                   " needs the Unix socket, or the token in ", token_path_,
+                   " (readable by offloadd's user only) as OFFLOADD_TOKEN"));
 }
 
 }  // namespace offload

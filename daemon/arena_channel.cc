@@ -53,14 +53,17 @@ absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(const std::str
 ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
                            SessionManager* sessions, absl::Duration attach_lease,
                            absl::Duration idle_lease, absl::Duration reconnect_lease)
-    : path_(std::move(path)), listener_(std::move(listener)), stop_event_(std::move(stop_event)),
-      sessions_(sessions), attach_lease_(attach_lease), idle_lease_(idle_lease),
+    : path_(std::move(path)),
+      listener_(std::move(listener)),
+      stop_event_(std::move(stop_event)),
+      sessions_(sessions),
+      attach_lease_(attach_lease),
+      idle_lease_(idle_lease),
       reconnect_lease_(reconnect_lease) {}
 
 void ArenaChannel::ExpireSessions() {
-  for (const SessionManager::Expired& e :
-       sessions_->CloseExpired(std::chrono::steady_clock::now(), attach_lease_, idle_lease_,
-                               reconnect_lease_)) {
+  for (const SessionManager::Expired& e : sessions_->CloseExpired(
+           std::chrono::steady_clock::now(), attach_lease_, idle_lease_, reconnect_lease_)) {
     if (e.why == SessionManager::Expired::kNeverAttached) {
       LogInfo("session %d closed: no trainer attached to it within %s of opening",
               static_cast<int64_t>(e.id), absl::FormatDuration(attach_lease_));
@@ -155,12 +158,11 @@ void ArenaChannel::Accept() {
   if (!cred.ok()) return refuse(cred.status());
   if (cred->uid != geteuid() && cred->uid != 0) {
     return refuse(absl::PermissionDeniedError(absl::StrCat(
-        "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ",
-        geteuid())));
+        "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ", geteuid())));
   }
   if (pending_.size() >= kMaxPending) {
-    return refuse(absl::UnavailableError(absl::StrCat(
-        kMaxPending, " connections are already waiting to attach; retry")));
+    return refuse(absl::UnavailableError(
+        absl::StrCat(kMaxPending, " connections are already waiting to attach; retry")));
   }
   SetReceiveTimeout(conn.get(), kReceiveTimeoutMs);
   pending_.push_back(
@@ -176,9 +178,10 @@ void ArenaChannel::Drop(size_t i) {
   }
   if (reconnect_lease_ > absl::ZeroDuration()) {
     if (sessions_->Detach(id)) {
-      LogInfo("session %d: its trainer (pid %d) went away without closing it; its holds are "
-              "released and it is kept %s for a restarted trainer to resume",
-              static_cast<int64_t>(id), pid, absl::FormatDuration(reconnect_lease_));
+      LogInfo(
+          "session %d: its trainer (pid %d) went away without closing it; its holds are "
+          "released and it is kept %s for a restarted trainer to resume",
+          static_cast<int64_t>(id), pid, absl::FormatDuration(reconnect_lease_));
     }
     return;
   }

@@ -33,8 +33,8 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <string>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -58,9 +58,9 @@ class ArenaChannel {
   const std::string& path() const { return path_; }
 
  private:
-  ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
-               SessionManager* sessions, absl::Duration attach_lease,
-               absl::Duration idle_lease, absl::Duration reconnect_lease);
+  ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event, SessionManager* sessions,
+               absl::Duration attach_lease, absl::Duration idle_lease,
+               absl::Duration reconnect_lease);
   struct Attached {
     UniqueFd connection;
     uint64_t session_id;
@@ -87,9 +87,9 @@ class ArenaChannel {
   const UniqueFd stop_event_;
   SessionManager* const sessions_;
   const absl::Duration attach_lease_;
-  const absl::Duration idle_lease_;  // zero: off
+  const absl::Duration idle_lease_;       // zero: off
   const absl::Duration reconnect_lease_;  // zero: a trainer gone is a session closed
-  std::vector<Attached> attached_;  // only the serving thread touches these
+  std::vector<Attached> attached_;        // only the serving thread touches these
   std::vector<Pending> pending_;
   std::thread thread_;
 };

@@ -12,8 +12,8 @@ namespace offload {
 
 namespace {
 
-absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node,
-                       const std::string& prefix, absl::string_view source) {
+absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node, const std::string& prefix,
+                       absl::string_view source) {
   if (node.IsMap()) {
     for (const auto& kv : node) {
       std::string key = kv.first.as<std::string>();
@@ -23,8 +23,8 @@ absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node,
     return absl::OkStatus();
   }
   if (!node.IsScalar()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ": '", prefix, "' must be a scalar value or a map of settings"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": '", prefix, "' must be a scalar value or a map of settings"));
   }
   auto set = registry.Set(prefix, node.Scalar());
   if (!set.ok()) {

@@ -1,10 +1,9 @@
-#include "base/config_registry.h"
-#include "daemon/config_file.h"
-
 #include <cstdio>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/config_registry.h"
+#include "daemon/config_file.h"
 #include "daemon/daemon_options.h"
 #include "gtest/gtest.h"
 
@@ -19,8 +18,10 @@ class ConfigTest : public ::testing::Test {
   void HookTheOtherDynamicTunables(const std::string& except) {
     for (const TunableInfo& t : registry_.List()) {
       if (!t.dynamic || t.name == except) continue;
-      if (t.type == "int") registry_.SetHook<int64_t>(t.name, [](const int64_t&) { return absl::OkStatus(); });
-      if (t.type == "bool") registry_.SetHook<bool>(t.name, [](const bool&) { return absl::OkStatus(); });
+      if (t.type == "int")
+        registry_.SetHook<int64_t>(t.name, [](const int64_t&) { return absl::OkStatus(); });
+      if (t.type == "bool")
+        registry_.SetHook<bool>(t.name, [](const bool&) { return absl::OkStatus(); });
       if (t.type == "string") {
         registry_.SetHook<std::string>(t.name, [](const std::string&) { return absl::OkStatus(); });
       }
@@ -111,10 +112,10 @@ TEST_F(ConfigTest, RangesAreTheComponentsOwn) {
   const TunableInfo depth = *registry_.Get("nvme.queue_depth");
   EXPECT_TRUE(registry_.Set("nvme.queue_depth", absl::StrCat(kQueueDepthRange.max)).ok());
   EXPECT_FALSE(registry_.Set("nvme.queue_depth", absl::StrCat(kQueueDepthRange.max + 1)).ok());
-  EXPECT_FALSE(registry_.Set("optimizer.threads", absl::StrCat(kOptimizerThreadsRange.max + 1))
-                   .ok());
-  EXPECT_TRUE(registry_.Set("optimizer.tile_elems", absl::StrCat(kOptimizerTileElemsRange.min))
-                  .ok());
+  EXPECT_FALSE(
+      registry_.Set("optimizer.threads", absl::StrCat(kOptimizerThreadsRange.max + 1)).ok());
+  EXPECT_TRUE(
+      registry_.Set("optimizer.tile_elems", absl::StrCat(kOptimizerTileElemsRange.min)).ok());
   EXPECT_EQ(depth.default_value, "32");
 }
 
@@ -143,9 +144,10 @@ TEST_F(ConfigTest, HostHomePagesResolveByDamonAndRefuseOtherValues) {
 }
 
 TEST_F(ConfigTest, YamlNestsByDottedName) {
-  ASSERT_TRUE(ApplyYaml(registry_, "server:\n  tcp_port: 0\noptimizer:\n  threads: 2\n"
-                             "memory: {host_budget_bytes: 512MiB}\n",
-                             "test.yaml")
+  ASSERT_TRUE(ApplyYaml(registry_,
+                        "server:\n  tcp_port: 0\noptimizer:\n  threads: 2\n"
+                        "memory: {host_budget_bytes: 512MiB}\n",
+                        "test.yaml")
                   .ok());
   EXPECT_EQ(options_.server.tcp_port, 0);
   EXPECT_EQ(options_.optimizer.threads, 2);

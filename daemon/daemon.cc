@@ -45,12 +45,13 @@ absl::Status CheckHostBudget(int64_t bytes) {
   const MemoryLimit limit = ReadMemoryLimit();
   const uint64_t most = limit.effective();
   if (most != 0 && static_cast<uint64_t>(bytes) > most) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory.host_budget_bytes ", bytes, " is more than this process may use: ", most,
-        " bytes (", limit.cgroup != 0 && limit.cgroup < limit.physical
-                        ? absl::StrCat("the cgroup limit in ", limit.cgroup_file)
-                        : std::string("physical memory"),
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory.host_budget_bytes ", bytes,
+                     " is more than this process may use: ", most, " bytes (",
+                     limit.cgroup != 0 && limit.cgroup < limit.physical
+                         ? absl::StrCat("the cgroup limit in ", limit.cgroup_file)
+                         : std::string("physical memory"),
+                     ")"));
   }
   return absl::OkStatus();
 }
@@ -121,19 +122,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
       const int n = d->engine_->sessions().RestorePreserved(kept);
-      LogInfo("reopened %d session(s) kept across the restart; their trainers have %d s to "
-              "resume them", n, static_cast<int>(server.reconnect_lease_seconds));
+      LogInfo(
+          "reopened %d session(s) kept across the restart; their trainers have %d s to "
+          "resume them",
+          n, static_cast<int>(server.reconnect_lease_seconds));
     } else {
-      LogWarning("sessions kept by the previous offloadd are in %s; with "
-                 "server.reconnect_lease_seconds 0 they are not reopened",
-                 kept);
+      LogWarning(
+          "sessions kept by the previous offloadd are in %s; with "
+          "server.reconnect_lease_seconds 0 they are not reopened",
+          kept);
     }
   }
-  ASSIGN_OR_RETURN(d->arena_channel_,
-                   ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
-                                       absl::Seconds(server.attach_lease_seconds),
-                                       absl::Seconds(server.idle_lease_seconds),
-                                       absl::Seconds(server.reconnect_lease_seconds)));
+  ASSIGN_OR_RETURN(
+      d->arena_channel_,
+      ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
+                          absl::Seconds(server.attach_lease_seconds),
+                          absl::Seconds(server.idle_lease_seconds),
+                          absl::Seconds(server.reconnect_lease_seconds)));
 
   if (server.tcp_port >= 0) {
     ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());
@@ -142,7 +147,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     d->guard_ = std::make_unique<AccessGuard>("", "");
   }
   d->partition_service_ = std::make_unique<PartitionServiceImpl>(
-      &d->engine_->sessions(), &d->engine_->stats(), &d->calls_, d->guard_.get(), d->arena_channel_->path());
+      &d->engine_->sessions(), &d->engine_->stats(), &d->calls_, d->guard_.get(),
+      d->arena_channel_->path());
   d->config_service_ = std::make_unique<ConfigServiceImpl>(registry, d->guard_.get());
   ServerIdentity identity;
   identity.started = absl::Now();
@@ -172,9 +178,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->server_ = builder.BuildAndStart();
   umask(old_mask);
   if (d->server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "gRPC server failed to start on unix:", d->socket_path_,
-        server.tcp_port >= 0 ? absl::StrCat(" and 127.0.0.1:", server.tcp_port) : ""));
+    return absl::UnavailableError(
+        absl::StrCat("gRPC server failed to start on unix:", d->socket_path_,
+                     server.tcp_port >= 0 ? absl::StrCat(" and 127.0.0.1:", server.tcp_port) : ""));
   }
   if (chmod(d->socket_path_.c_str(), 0600) != 0) {
     return PosixError(absl::StrCat("chmod 0600 ", d->socket_path_), errno);
@@ -186,9 +192,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
 
   if (options->metrics.port >= 0) {
-    ASSIGN_OR_RETURN(d->metrics_,
-                     MetricsServer::Start(static_cast<int>(options->metrics.port),
-                                          [raw] { return raw->Snapshot(); }));
+    ASSIGN_OR_RETURN(d->metrics_, MetricsServer::Start(static_cast<int>(options->metrics.port),
+                                                       [raw] { return raw->Snapshot(); }));
   }
   d->SetHooks();
   RETURN_IF_ERROR(registry->Freeze());
@@ -197,12 +202,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
 
 void Daemon::SetHooks() {
   Daemon* raw = this;
-  registry_->SetHook<int64_t>("optimizer.threads",
-                             [raw](const int64_t& v) { return raw->engine_->optimizer().SetThreads(v); });
-  registry_->SetHook<int64_t>("optimizer.tile_elems",
-                             [raw](const int64_t& v) { return raw->engine_->optimizer().SetTileElems(v); });
-  registry_->SetHook<std::string>(
-      "optimizer.kernel", [raw](const std::string& v) { return raw->engine_->optimizer().SetKernel(v); });
+  registry_->SetHook<int64_t>("optimizer.threads", [raw](const int64_t& v) {
+    return raw->engine_->optimizer().SetThreads(v);
+  });
+  registry_->SetHook<int64_t>("optimizer.tile_elems", [raw](const int64_t& v) {
+    return raw->engine_->optimizer().SetTileElems(v);
+  });
+  registry_->SetHook<std::string>("optimizer.kernel", [raw](const std::string& v) {
+    return raw->engine_->optimizer().SetKernel(v);
+  });
   registry_->SetHook<bool>("optimizer.check_finite", [raw](const bool& v) {
     raw->engine_->optimizer().SetCheckFinite(v);
     return absl::OkStatus();
@@ -236,8 +244,8 @@ void Daemon::SetHooks() {
   });
   for (const auto& [kind, name, value] : PlacementTunables(options_->placement)) {
     registry_->SetHook<int64_t>(name, [raw, kind = kind](const int64_t& v) {
-      RETURN_IF_ERROR(
-          PartitionStore::CheckPlacement(kind, static_cast<int>(v), raw->engine_->swap_space() != nullptr));
+      RETURN_IF_ERROR(PartitionStore::CheckPlacement(kind, static_cast<int>(v),
+                                                     raw->engine_->swap_space() != nullptr));
       raw->engine_->store().SetDefaultPlacement(kind, static_cast<int>(v));
       return absl::OkStatus();
     });
@@ -317,12 +325,11 @@ std::vector<std::string> Daemon::Describe() const {
   const uint64_t huge = SharedHugePageBytes();
   lines.push_back(absl::StrCat(
       "session arenas: ",
-      !options_->memory.arena_huge_pages
-          ? "4 KiB pages (memory.arena_huge_pages is false)"
-          : huge == 0 ? "4 KiB pages (the kernel gives shared memory no huge pages: "
-                        "/sys/kernel/mm/transparent_hugepage/shmem_enabled)"
-                      : absl::StrCat("large partitions on ",
-                                     FormatByteSize(static_cast<int64_t>(huge)), " pages")));
+      !options_->memory.arena_huge_pages ? "4 KiB pages (memory.arena_huge_pages is false)"
+      : huge == 0 ? "4 KiB pages (the kernel gives shared memory no huge pages: "
+                    "/sys/kernel/mm/transparent_hugepage/shmem_enabled)"
+                  : absl::StrCat("large partitions on ", FormatByteSize(static_cast<int64_t>(huge)),
+                                 " pages")));
   lines.push_back("tier gpu: none (no CUDA device support in this build)");
   if (engine_->swap_space() == nullptr) {
     lines.push_back("tier nvme: off (set nvme.dirs to enable)");
@@ -332,16 +339,17 @@ std::vector<std::string> Daemon::Describe() const {
     for (const auto& d : s.dirs) {
       files.push_back(absl::StrCat(d.path, d.direct ? " (O_DIRECT)" : " (buffered)"));
     }
-    lines.push_back(absl::StrCat(
-        "tier nvme: ", FormatByteSize(static_cast<int64_t>(s.capacity)), " preallocated in ",
-        absl::StrJoin(files, ", "), "; ", io_->name(), " backend, queue depth ",
-        options_->nvme.io.queue_depth, ", checksums ", options_->nvme.checksum ? "on" : "off"));
+    lines.push_back(absl::StrCat("tier nvme: ", FormatByteSize(static_cast<int64_t>(s.capacity)),
+                                 " preallocated in ", absl::StrJoin(files, ", "), "; ", io_->name(),
+                                 " backend, queue depth ", options_->nvme.io.queue_depth,
+                                 ", checksums ", options_->nvme.checksum ? "on" : "off"));
   }
-  lines.push_back(absl::StrCat(
-      "placement on the host by default: params ", options_->placement.params_host_percent,
-      "%, grads ", options_->placement.grads_host_percent, "%, optimizer state ",
-      options_->placement.optimizer_state_host_percent, "%; prefetch ", options_->swapper.prefetch_depth, " uses / ",
-      FormatByteSize(options_->swapper.prefetch_bytes), " ahead"));
+  lines.push_back(absl::StrCat("placement on the host by default: params ",
+                               options_->placement.params_host_percent, "%, grads ",
+                               options_->placement.grads_host_percent, "%, optimizer state ",
+                               options_->placement.optimizer_state_host_percent, "%; prefetch ",
+                               options_->swapper.prefetch_depth, " uses / ",
+                               FormatByteSize(options_->swapper.prefetch_bytes), " ahead"));
   lines.push_back(absl::StrCat("optimizer: ", engine_->optimizer().kernel_name(), " Adam on ",
                                engine_->optimizer().threads(), " threads, non-finite check ",
                                options_->optimizer.check_finite ? "on" : "off"));

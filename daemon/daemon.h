@@ -21,10 +21,10 @@
 #include "daemon/arena_channel.h"
 #include "daemon/call_gate.h"
 #include "daemon/daemon_options.h"
-#include "engine/engine.h"
 #include "daemon/metrics.h"
 #include "daemon/service.h"
 #include "daemon/snapshot.h"
+#include "engine/engine.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/io_backend.h"
 

@@ -21,8 +21,8 @@ absl::StatusOr<HostHomePages> ResolveHostHomePages(const std::string& setting,
   if (setting == "huge") return HostHomePages{Pages::kHuge, "memory.host_home_pages is huge"};
   if (setting == "small") return HostHomePages{Pages::kSmall, "memory.host_home_pages is small"};
   if (setting != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "memory.host_home_pages: '", setting, "' is none of auto, huge, small"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory.host_home_pages: '", setting, "' is none of auto, huge, small"));
   }
   if (damon_monitors.empty()) {
     return HostHomePages{Pages::kHuge, "memory.host_home_pages auto: no DAMON monitor runs here"};
@@ -47,10 +47,14 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"seconds", "a session no trainer attached to within this long of opening is closed",
            false, kAttachLeaseRange});
   r->Bind("server.idle_lease_seconds", &o->server.idle_lease_seconds,
-          {"seconds", "a session no call reached for this long is closed (a hung trainer); 0 never (no client keepalive yet)",
+          {"seconds",
+           "a session no call reached for this long is closed (a hung trainer); 0 never (no client "
+           "keepalive yet)",
            false, kIdleLeaseRange});
   r->Bind("server.reconnect_lease_seconds", &o->server.reconnect_lease_seconds,
-          {"seconds", "a session whose trainer went away is kept this long for a restarted trainer to resume (ResumeSession); 0 closes it at once",
+          {"seconds",
+           "a session whose trainer went away is kept this long for a restarted trainer to resume "
+           "(ResumeSession); 0 closes it at once",
            false, kReconnectLeaseRange});
   r->Bind("server.max_threads", &o->server.max_threads,
           {"threads", "most gRPC calls served at once; more are RESOURCE_EXHAUSTED", false,
@@ -58,7 +62,9 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("server.max_streams_per_connection", &o->server.max_streams_per_connection,
           {"calls", "most calls one connection may have open at once", false, kStreamsRange});
   r->Bind("server.ring_spin_us", &o->server.ring_spin_us,
-          {"microseconds", "a session's request-ring thread polls this long after each call before it sleeps (the next call then finds it awake); 0 always sleeps",
+          {"microseconds",
+           "a session's request-ring thread polls this long after each call before it sleeps (the "
+           "next call then finds it awake); 0 always sleeps",
            true, kRingSpinRange});
   r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
           {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
@@ -83,19 +89,20 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "pages of the host pool's memory for blocks homed on the host (optimizer state, "
            "accumulators): auto (small where DAMON monitors this node, else huge), huge, small",
            false});
-  r->Bind("placement.params_host_percent", &o->placement.params_host_percent,
-          {"percent", "share of a new session's working parameters kept on the host; the rest on NVMe",
-           true, kHostPercentRange});
-  r->Bind("placement.grads_host_percent", &o->placement.grads_host_percent,
-          {"percent", "share of a new session's gradient buffers kept on the host; the rest on NVMe",
-           true, kHostPercentRange});
+  r->Bind(
+      "placement.params_host_percent", &o->placement.params_host_percent,
+      {"percent", "share of a new session's working parameters kept on the host; the rest on NVMe",
+       true, kHostPercentRange});
+  r->Bind(
+      "placement.grads_host_percent", &o->placement.grads_host_percent,
+      {"percent", "share of a new session's gradient buffers kept on the host; the rest on NVMe",
+       true, kHostPercentRange});
   r->Bind("placement.optimizer_state_host_percent", &o->placement.optimizer_state_host_percent,
-          {"percent",
-           "share of a new session's optimizer state kept on the host; the rest on NVMe", true,
-           kHostPercentRange});
+          {"percent", "share of a new session's optimizer state kept on the host; the rest on NVMe",
+           true, kHostPercentRange});
   r->Bind("placement.state_chunk_bytes", &o->placement.state_chunk_bytes,
-          {"bytes", "data moves and updates in chunks of this many parameters times 4 bytes",
-           false, kStateChunkRange});
+          {"bytes", "data moves and updates in chunks of this many parameters times 4 bytes", false,
+           kStateChunkRange});
   r->Bind("gpu.prefetch_depth", &o->gpu.prefetch_depth,
           {"units",
            "every trainer's GPU tier prefetches this many units (modules) ahead; -1: each "
@@ -108,8 +115,8 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "trainer's own",
            true, kGpuPrefetchBytesRange});
   r->Bind("metrics.port", &o->metrics.port,
-          {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port",
-           false, kTcpPortRange});
+          {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port", false,
+           kTcpPortRange});
   BindOptimizerTunables(&o->optimizer, r);
   BindNvmeTunables(&o->nvme, r);
   BindSwapperTunables(&o->swapper, r);

@@ -36,8 +36,8 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
   absl::StrAppend(&out, "# HELP offloadd_tier_used_bytes bytes in use per tier\n",
                   "# TYPE offloadd_tier_used_bytes gauge\n");
   for (const TierValue& t : m.tiers) {
-    absl::StrAppend(&out, "offloadd_tier_used_bytes{tier=\"", Escape(t.name), "\"} ",
-                    t.used_bytes, "\n");
+    absl::StrAppend(&out, "offloadd_tier_used_bytes{tier=\"", Escape(t.name), "\"} ", t.used_bytes,
+                    "\n");
   }
   absl::StrAppend(&out, "# HELP offloadd_tier_budget_bytes capacity per tier\n",
                   "# TYPE offloadd_tier_budget_bytes gauge\n");
@@ -60,8 +60,8 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
     absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
                     " gauge\n");
     for (const SessionSummary& s : m.sessions) {
-      absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name),
-                      "\"} ", s.*metric.field, "\n");
+      absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ",
+                      s.*metric.field, "\n");
     }
   }
   absl::StrAppend(&out,
@@ -84,8 +84,7 @@ struct MetricsServer::Impl {
   httplib::Server server;
 };
 
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
-    int port, SnapshotFn snapshot) {
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port, SnapshotFn snapshot) {
   std::unique_ptr<MetricsServer> m(new MetricsServer());
   m->impl_ = std::make_unique<Impl>();
   m->impl_->server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {
@@ -94,8 +93,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   const int bound = port == 0 ? m->impl_->server.bind_to_any_port("127.0.0.1")
                               : (m->impl_->server.bind_to_port("127.0.0.1", port) ? port : -1);
   if (bound < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("metrics.port: cannot listen on 127.0.0.1:", port));
+    return absl::UnavailableError(absl::StrCat("metrics.port: cannot listen on 127.0.0.1:", port));
   }
   m->port_ = bound;
   Impl* impl = m->impl_.get();

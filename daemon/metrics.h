@@ -31,8 +31,7 @@ class MetricsServer {
  public:
   // Listens on 127.0.0.1:`port` (0: any free port). UNAVAILABLE if it cannot
   // bind.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
-      int port, SnapshotFn snapshot);
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(int port, SnapshotFn snapshot);
   ~MetricsServer();  // stops serving
 
   int port() const { return port_; }

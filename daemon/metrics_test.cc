@@ -26,8 +26,9 @@ TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
   EXPECT_NE(text.find("# TYPE offloadd_steps_total counter\noffloadd_steps_total 7\n"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("# TYPE offloadd_swap_resident_bytes gauge\noffloadd_swap_resident_bytes 4096"),
-            std::string::npos);
+  EXPECT_NE(
+      text.find("# TYPE offloadd_swap_resident_bytes gauge\noffloadd_swap_resident_bytes 4096"),
+      std::string::npos);
   EXPECT_NE(text.find("offloadd_tier_budget_bytes{tier=\"nvme\"} 5000\n"), std::string::npos);
   EXPECT_NE(text.find("offloadd_session_placed_bytes{session=\"3\",name=\"rank\\\"0\\\"\\nx\","
                       "kind=\"optimizer_state\",tier=\"nvme\"} 12\n"),

@@ -121,8 +121,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 template <typename Body>
 grpc::Status PartitionServiceImpl::Serve(const grpc::ServerContext& context, Body&& body) {
   CallScope scope(gate_);
-  absl::Status status = !scope.entered() ? ShuttingDown()
-                                         : guard_->CheckMayChange(context, "using sessions");
+  absl::Status status =
+      !scope.entered() ? ShuttingDown() : guard_->CheckMayChange(context, "using sessions");
   if (status.ok()) status = body();
   if (!status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
   return ToGrpcStatus(status);
@@ -195,8 +195,8 @@ grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext* contex
       const v1::TensorSlice& slice = req->slice();
       RETURN_IF_ERROR(CheckName(slice.tensor(), "slice.tensor", /*may_be_empty=*/false));
       if (slice.shape_size() > 16) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "slice.shape has ", slice.shape_size(), " dimensions; at most 16"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("slice.shape has ", slice.shape_size(), " dimensions; at most 16"));
       }
       spec.tensor = slice.tensor();
       spec.shape.assign(slice.shape().begin(), slice.shape().end());
@@ -254,10 +254,9 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
             "ReturnGradients names partitions either in partition_id or in partitions, not both");
       }
       if (static_cast<size_t>(req->partitions_size()) > SessionManager::kMaxFetchIds) {
-        return absl::InvalidArgumentError(absl::StrCat("a gradient return may name at most ",
-                                                       SessionManager::kMaxFetchIds,
-                                                       " partitions, got ",
-                                                       req->partitions_size()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("a gradient return may name at most ", SessionManager::kMaxFetchIds,
+                         " partitions, got ", req->partitions_size()));
       }
       items.assign(req->partitions().begin(), req->partitions().end());
     }
@@ -312,9 +311,8 @@ grpc::Status PartitionServiceImpl::WaitStep(grpc::ServerContext* context,
 grpc::Status PartitionServiceImpl::SetDelayedUpdate(grpc::ServerContext* context,
                                                     const v1::SetDelayedUpdateRequest* req,
                                                     v1::SetDelayedUpdateResponse*) {
-  return Serve(*context, [&] {
-    return sessions_->SetDelayedUpdate(KeyOf(req->session()), req->enabled());
-  });
+  return Serve(*context,
+               [&] { return sessions_->SetDelayedUpdate(KeyOf(req->session()), req->enabled()); });
 }
 
 grpc::Status PartitionServiceImpl::ReportGpuTier(grpc::ServerContext* context,
@@ -344,22 +342,21 @@ grpc::Status PartitionServiceImpl::ReportGpuTier(grpc::ServerContext* context,
     }
     if (r.h2d_staged_bytes > r.h2d_bytes || r.resident_hits > r.tensor_uses ||
         r.prefetch_hits > r.tensor_uses - r.resident_hits) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "counters that cannot be (staged ", r.h2d_staged_bytes, " of ", r.h2d_bytes,
-          " bytes; of ", r.tensor_uses, " uses ", r.resident_hits, " resident and ",
-          r.prefetch_hits, " prefetched)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("counters that cannot be (staged ", r.h2d_staged_bytes, " of ", r.h2d_bytes,
+                       " bytes; of ", r.tensor_uses, " uses ", r.resident_hits, " resident and ",
+                       r.prefetch_hits, " prefetched)"));
     }
-    ASSIGN_OR_RETURN(GpuTierSettings settings,
-                     sessions_->ReportGpuTier(KeyOf(req->session()), r));
+    ASSIGN_OR_RETURN(GpuTierSettings settings, sessions_->ReportGpuTier(KeyOf(req->session()), r));
     resp->set_prefetch_depth(settings.prefetch_depth);
     resp->set_prefetch_bytes(settings.prefetch_bytes);
     return absl::OkStatus();
   });
 }
 
-grpc::Status PartitionServiceImpl::GetPendingGradients(
-    grpc::ServerContext* context, const v1::GetPendingGradientsRequest* req,
-    v1::GetPendingGradientsResponse* resp) {
+grpc::Status PartitionServiceImpl::GetPendingGradients(grpc::ServerContext* context,
+                                                       const v1::GetPendingGradientsRequest* req,
+                                                       v1::GetPendingGradientsResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(PendingGradients p, sessions_->Pending(KeyOf(req->session())));
     resp->set_sq_norm(p.stats.sq_norm);
@@ -385,9 +382,9 @@ grpc::Status PartitionServiceImpl::Checkpoint(grpc::ServerContext* context,
                                               v1::CheckpointResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
     RETURN_IF_ERROR(CheckPath(req->directory(), "directory"));
-    ASSIGN_OR_RETURN(SessionManager::CheckpointOutcome outcome,
-                     sessions_->Checkpoint(KeyOf(req->session()), req->directory(),
-                                           req->background()));
+    ASSIGN_OR_RETURN(
+        SessionManager::CheckpointOutcome outcome,
+        sessions_->Checkpoint(KeyOf(req->session()), req->directory(), req->background()));
     ToProto(outcome, resp);
     return absl::OkStatus();
   });

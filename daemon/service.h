@@ -17,8 +17,8 @@
 #include "cpu_adam/optimizer.h"
 #include "daemon/access_guard.h"
 #include "daemon/call_gate.h"
-#include "engine/session_manager.h"
 #include "daemon/snapshot.h"
+#include "engine/session_manager.h"
 #include "engine/stats.h"
 #include "grpcpp/grpcpp.h"
 #include "nvme/swap_space.h"
@@ -35,7 +35,10 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   // `guard` decides what TCP callers may do.
   PartitionServiceImpl(SessionManager* sessions, Stats* stats, CallGate* gate,
                        const AccessGuard* guard, std::string arena_socket)
-      : sessions_(sessions), stats_(stats), gate_(gate), guard_(guard),
+      : sessions_(sessions),
+        stats_(stats),
+        gate_(gate),
+        guard_(guard),
         arena_socket_(std::move(arena_socket)) {}
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,

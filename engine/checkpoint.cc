@@ -154,15 +154,15 @@ absl::Status CheckpointWriter::Write(uint64_t id, uint64_t chunk, int block_kind
   const CheckpointedPartition& p = image_.partitions[it->second];
   const auto pos = std::find(p.block_kinds.begin(), p.block_kinds.end(), block_kind);
   if (pos == p.block_kinds.end() || chunk >= p.chunks) {
-    return absl::InternalError(absl::StrCat("partition ", id, " saves no block kind ",
-                                            block_kind, " of chunk ", chunk));
+    return absl::InternalError(
+        absl::StrCat("partition ", id, " saves no block kind ", block_kind, " of chunk ", chunk));
   }
   const size_t r = chunk * p.block_kinds.size() + static_cast<size_t>(pos - p.block_kinds.begin());
   uint64_t offset, want;
   {
     absl::MutexLock lock(&mu_);
-    const ckv1::Record& rec = manifest_.partitions(static_cast<int>(it->second)).records(
-        static_cast<int>(r));
+    const ckv1::Record& rec =
+        manifest_.partitions(static_cast<int>(it->second)).records(static_cast<int>(r));
     offset = rec.offset();
     want = rec.bytes();
   }
@@ -207,9 +207,9 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
         checkpoint::ReadManifest(absl::StrCat(dir_, "/", stem_, ".manifest"));
     if (!on_disk.ok() || on_disk->data_file() != file_.name()) unlink(file_.path().c_str());
     absl::MutexLock lock(&mu_);
-    return absl::Status(status.code(), absl::StrCat("checkpoint of session '",
-                                                    manifest_.session_name(), "' into ", dir_,
-                                                    " failed: ", status.message()));
+    return absl::Status(status.code(),
+                        absl::StrCat("checkpoint of session '", manifest_.session_name(), "' into ",
+                                     dir_, " failed: ", status.message()));
   }
   summary_.manifest = absl::StrCat(dir_, "/", stem_, ".manifest");
   summary_.wall_us = static_cast<uint64_t>(absl::GetCurrentTimeNanos() - began_ns_) / 1000;
@@ -256,11 +256,11 @@ absl::StatusOr<RestoredState> CheckpointRestore::StateFor(const PartitionSpec& s
   const uint64_t begin = spec.tensor_offset, end = begin + spec.numel;
   ASSIGN_OR_RETURN(std::vector<const checkpoint::TensorIndex::Slice*> slices,
                    index_->Covering(tensor, *t, begin, end));
-  const std::string what = absl::StrCat("partition '", spec.name, "' (elements [", begin, ", ",
-                                        end, ") of tensor '", tensor, "')");
+  const std::string what = absl::StrCat("partition '", spec.name, "' (elements [", begin, ", ", end,
+                                        ") of tensor '", tensor, "')");
   if (!spec.shape.empty() && !t->shape.empty() && spec.shape != t->shape) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what, ": its tensor is registered with another shape than the checkpoint's"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": its tensor is registered with another shape than the checkpoint's"));
   }
   // Agreed by every slice it takes elements from (a slice wholly of
   // padding takes them from the tensor's first).
@@ -274,19 +274,20 @@ absl::StatusOr<RestoredState> CheckpointRestore::StateFor(const PartitionSpec& s
     const checkpoint::PartitionRecord& p = *s->partition;
     if (p.step() != state.step || p.master_initialized() != state.master_initialized ||
         p.next_params_pending() != state.next_params_pending) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": the checkpoint's slices '", first.name(), "' and '", p.name(),
-          "' are at different steps"));
+      return absl::FailedPreconditionError(absl::StrCat(what, ": the checkpoint's slices '",
+                                                        first.name(), "' and '", p.name(),
+                                                        "' are at different steps"));
     }
     if (p.param_dtype() != static_cast<uint32_t>(spec.param_dtype)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, " is registered as ", DTypeName(spec.param_dtype), "; the checkpoint holds ",
-          DTypeName(static_cast<DType>(p.param_dtype()))));
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " is registered as ", DTypeName(spec.param_dtype),
+                       "; the checkpoint holds ", DTypeName(static_cast<DType>(p.param_dtype()))));
     }
     if (p.grads_ready()) {
       if (slices.size() != 1 || p.offset() != begin || p.numel() != spec.numel) {
         return absl::FailedPreconditionError(absl::StrCat(
-            what, ": the checkpoint holds gradients accumulated for its next step, sliced "
+            what,
+            ": the checkpoint holds gradients accumulated for its next step, sliced "
             "otherwise; restore with the same slicing, or checkpoint right after a step"));
       }
       state.grads_ready = true;

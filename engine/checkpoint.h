@@ -56,8 +56,8 @@ struct SessionCheckpointState {
 struct CheckpointSummary {
   std::string manifest;  // its path
   uint64_t partitions = 0;
-  uint64_t bytes = 0;  // of the data file
-  uint64_t steps = 0;  // the session's, at the checkpoint
+  uint64_t bytes = 0;     // of the data file
+  uint64_t steps = 0;     // the session's, at the checkpoint
   uint64_t pause_us = 0;  // step 1: waiting for the step boundary and the image
   uint64_t wall_us = 0;
 };

@@ -3,10 +3,10 @@
 // did; a step running while a checkpoint is written changes nothing in it.
 #include "engine/checkpoint.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -96,7 +96,8 @@ class Rank {
       if (!p->restored) {
         std::vector<float> init(slice, 0.0f);
         for (uint64_t j = 0; j < slice; ++j) {
-          if (spec.tensor_offset + j < kTensors[t].numel) init[j] = Value(t, spec.tensor_offset + j);
+          if (spec.tensor_offset + j < kTensors[t].numel)
+            init[j] = Value(t, spec.tensor_offset + j);
         }
         if (spec.fp32_master) {
           std::memcpy(arena_.data() + p->master_init.offset, init.data(), slice * 4);
@@ -280,8 +281,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(RestoreErrors, SayWhatIsWrong) {
   TestEngine engine(TmpDir("nvme-errors"), 64 << 20, 8, kChunk);
-  EXPECT_EQ(engine.sessions->Open("x", {}, std::nullopt, std::nullopt, TmpDir("none")).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      engine.sessions->Open("x", {}, std::nullopt, std::nullopt, TmpDir("none")).status().code(),
+      absl::StatusCode::kNotFound);
   EXPECT_EQ(engine.sessions->Open("x", {}, std::nullopt, std::nullopt, "relative").status().code(),
             absl::StatusCode::kInvalidArgument);
   const std::string dir = TmpDir("ckpt-errors");
@@ -323,9 +325,9 @@ class RecordingSink : public ChunkSink {
   absl::Status Write(uint64_t id, uint64_t chunk, int kind,
                      absl::Span<const std::byte> bytes) override {
     absl::MutexLock lock(&mu_);
-    auto [it, inserted] = chunks_.emplace(std::make_tuple(id, chunk, kind),
-                                          std::string(reinterpret_cast<const char*>(bytes.data()),
-                                                      bytes.size()));
+    auto [it, inserted] =
+        chunks_.emplace(std::make_tuple(id, chunk, kind),
+                        std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
     EXPECT_TRUE(inserted) << "chunk " << chunk << " kind " << kind << " captured twice";
     return absl::OkStatus();
   }
@@ -422,8 +424,8 @@ struct FullPoolSet {
     EXPECT_TRUE(made.ok()) << made.status();
     set = *std::move(made);
     auto pa = set->Register(first_id, PartitionSpec{"a", 2 * kChunk, DType::kFp32, DType::kFp32});
-    auto pb = set->Register(first_id + 1,
-                            PartitionSpec{"b", kHeld * kChunk, DType::kFp32, DType::kFp32});
+    auto pb =
+        set->Register(first_id + 1, PartitionSpec{"b", kHeld * kChunk, DType::kFp32, DType::kFp32});
     EXPECT_TRUE(pa.ok() && pb.ok()) << pa.status() << pb.status();
     a = *pa;
     b = *pb;
@@ -727,8 +729,7 @@ TEST(CopyOnWrite, WritableHoldsAreNeverCapturedMidWrite) {
   // A read-only hold is fine; a second checkpoint while one runs is not.
   ASSERT_TRUE((*set)->Fetch({p->id}).ok());
   ASSERT_TRUE((*set)->BeginCheckpoint(&sink).ok());
-  EXPECT_EQ((*set)->BeginCheckpoint(&sink).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*set)->BeginCheckpoint(&sink).status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE((*set)->Release({p->id}).ok());
   // Writable now: its chunks are in the checkpoint before the trainer
   // has the pointers, so what it writes next is not.

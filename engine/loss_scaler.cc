@@ -69,9 +69,9 @@ absl::Status LossScaler::Restore(const State& s) {
   if (!(s.scale >= options_.min_scale) || !std::isfinite(s.scale) || s.hysteresis_left < 0 ||
       s.hysteresis_left > options_.hysteresis || s.clean_steps < 0 ||
       s.clean_steps > options_.growth_interval) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "loss scaler state (scale ", s.scale, ", hysteresis left ", s.hysteresis_left,
-        ", clean steps ", s.clean_steps, ") does not fit its options"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss scaler state (scale ", s.scale, ", hysteresis left ", s.hysteresis_left,
+                     ", clean steps ", s.clean_steps, ") does not fit its options"));
   }
   absl::MutexLock lock(&mu_);
   scale_ = s.scale;

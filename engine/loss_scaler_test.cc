@@ -21,8 +21,8 @@ TEST(LossScaler, FollowsDeepSpeedsRuleWithHysteresis) {
   o.min_scale = 64;
   ASSERT_TRUE(ValidateLossScaling(o).ok());
   LossScaler s(o);
-  const std::vector<bool> overflow = {false, true, true, true, false, false, false,
-                                      true,  false, true, true, true, true, true};
+  const std::vector<bool> overflow = {false, true,  true, true, false, false, false,
+                                      true,  false, true, true, true,  true,  true};
   const std::vector<double> want = {1024, 1024, 512, 256, 256, 256, 512,
                                     512,  512,  256, 128, 64,  64,  64};
   for (size_t i = 0; i < overflow.size(); ++i) {

@@ -2,8 +2,6 @@
 // state do not fit the host pool trains to the same bits as one whose data
 // is all in memory, following the residency contract (hold, write or read,
 // release); swap-in failures lose nothing.
-#include "engine/trainer_testing.h"
-
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -24,11 +22,12 @@
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "engine/partition_store.h"
-#include "engine/test_engine.h"
-#include "ipc/request_ring.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
+#include "engine/test_engine.h"
+#include "engine/trainer_testing.h"
 #include "gtest/gtest.h"
+#include "ipc/request_ring.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
@@ -160,9 +159,9 @@ TEST(OutOfCore, AFailedSwapInFailsTheFetchAndKeepsTheCopy) {
   small.swapper->Trim();
   small.swapper->WaitIdle();
   small.pool->SetLimit(limit);
-  ASSERT_EQ(small.swapper->State(PartitionStore::BlockOf(p.id, 0, PartitionStore::kParamsBlock))
-                .value(),
-            BlockState::kOnNvme);
+  ASSERT_EQ(
+      small.swapper->State(PartitionStore::BlockOf(p.id, 0, PartitionStore::kParamsBlock)).value(),
+      BlockState::kOnNvme);
   FaultRule eio;
   eio.any_op = false;
   eio.op = IoOp::kRead;
@@ -208,10 +207,9 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
       // New gradients cannot be mixed into the half-applied step, nor can
       // it be skipped, nor the delayed update switched under it.
       EXPECT_EQ(out_of_core.ReturnGradientsStatus(), absl::StatusCode::kFailedPrecondition);
-      EXPECT_EQ(small.sessions->Step(out_of_core.key(), AdamHyperparams{}, SkipControl())
-                    .status()
-                    .code(),
-                absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(
+          small.sessions->Step(out_of_core.key(), AdamHyperparams{}, SkipControl()).status().code(),
+          absl::StatusCode::kFailedPrecondition);
       EXPECT_EQ(small.sessions->SetDelayedUpdate(out_of_core.key(), true).code(),
                 absl::StatusCode::kFailedPrecondition);
     }

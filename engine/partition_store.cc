@@ -59,7 +59,7 @@ struct PartitionSet::Partition {
   std::string tensor;  // of which it is a slice (never empty)
   std::vector<uint64_t> shape;
   uint64_t tensor_offset = 0;
-  HostMemory region;  // its span in the arena, mapped
+  HostMemory region;        // its span in the arena, mapped
   uint64_t page_bytes = 0;  // the page size its span is laid out for
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
@@ -71,7 +71,7 @@ struct PartitionSet::Partition {
   bool handed_over = false;
   bool in_step = false;
   bool accumulating = false;
-  bool accum_lost = false;     // an accumulation failed midway: skip the step
+  bool accum_lost = false;           // an accumulation failed midway: skip the step
   bool master_init_pending = false;  // fp32 initial values not committed yet
   // The working copy's two buffers (the second used by the delayed update):
   // `version` is the one the trainer reads; `swap_pending` means the other
@@ -83,7 +83,7 @@ struct PartitionSet::Partition {
   bool in_step_delayed = false;
   uint64_t micro_batches = 0;  // accumulated since the last step
   GradStats grad_stats;        // of the accumulated values
-  uint64_t resume_chunk = 0;  // a failed step updated the chunks before it
+  uint64_t resume_chunk = 0;   // a failed step updated the chunks before it
   // The trainer's holds: every chunk pinned, or none.
   std::vector<Swapper::Pin> param_pins, grad_pins;
   // Held for writing (a writable fetch, or since registration): the trainer
@@ -116,14 +116,14 @@ struct PartitionSet::Partition {
 
 absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty) {
   if ((name.empty() && !may_be_empty) || name.size() > 256) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " must be ", may_be_empty ? 0 : 1,
-                                                   " to 256 bytes, got ", name.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must be ", may_be_empty ? 0 : 1, " to 256 bytes, got ", name.size()));
   }
   for (char c : name) {
     const auto u = static_cast<unsigned char>(c);
     if (u < 0x20 || u == 0x7f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " holds a control character (byte ", static_cast<int>(u), "); use printable text"));
+      return absl::InvalidArgumentError(absl::StrCat(what, " holds a control character (byte ",
+                                                     static_cast<int>(u), "); use printable text"));
     }
   }
   if (const std::optional<size_t> bad = FirstInvalidUtf8(name); bad.has_value()) {
@@ -136,10 +136,13 @@ absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_
 PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
                                const Placement& placement, uint64_t state_chunk_elems,
                                uint64_t huge_page_bytes)
-    : env_(env), swapper_(swapper), stats_(stats),
-      state_chunk_elems_(std::max(state_chunk_elems / kChunkQuantum * kChunkQuantum,
-                                  kChunkQuantum)),
-      huge_page_bytes_(huge_page_bytes), arena_capacity_(0) {
+    : env_(env),
+      swapper_(swapper),
+      stats_(stats),
+      state_chunk_elems_(
+          std::max(state_chunk_elems / kChunkQuantum * kChunkQuantum, kChunkQuantum)),
+      huge_page_bytes_(huge_page_bytes),
+      arena_capacity_(0) {
   for (DataKind k : kKinds) SetDefaultPlacement(k, placement[k]);
   SetArenaCapacity(arena_capacity);
 }
@@ -157,9 +160,9 @@ absl::Status PartitionStore::CheckPlacement(DataKind kind, int percent, bool has
                                                    percent));
   }
   if (percent < 100 && !has_nvme) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        DataKindName(kind), " cannot be placed on NVMe (", 100 - percent,
-        "% asked for): this offloadd has no NVMe tier (set nvme.dirs)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(DataKindName(kind), " cannot be placed on NVMe (", 100 - percent,
+                     "% asked for): this offloadd has no NVMe tier (set nvme.dirs)"));
   }
   return absl::OkStatus();
 }
@@ -178,11 +181,15 @@ absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
                                                         huge_page_bytes_));
 }
 
-PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena,
-                           Swapper* swapper, Stats* stats, const Placement& placement,
-                           uint64_t state_chunk_elems, uint64_t huge_page_bytes)
-    : session_id_(session_id), arena_(std::move(arena)), swapper_(swapper), stats_(stats),
-      state_chunk_elems_(state_chunk_elems), huge_page_bytes_(huge_page_bytes),
+PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
+                           Stats* stats, const Placement& placement, uint64_t state_chunk_elems,
+                           uint64_t huge_page_bytes)
+    : session_id_(session_id),
+      arena_(std::move(arena)),
+      swapper_(swapper),
+      stats_(stats),
+      state_chunk_elems_(state_chunk_elems),
+      huge_page_bytes_(huge_page_bytes),
       placement_(placement) {}
 
 uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype, bool fp32_init,
@@ -417,12 +424,13 @@ absl::Status PartitionSet::AddAccumulator(uint64_t id, uint64_t chunk,
   }
   const uint64_t begin = chunk * state_chunk_elems_;
   const uint64_t elems = std::min(state_chunk_elems_, numel - begin);
-  absl::Status added = swapper_->Add(PartitionStore::BlockOf(id, chunk,
-                                                             PartitionStore::kAccumBlock),
-                                     elems * sizeof(float), home, session_id_);
+  absl::Status added =
+      swapper_->Add(PartitionStore::BlockOf(id, chunk, PartitionStore::kAccumBlock),
+                    elems * sizeof(float), home, session_id_);
   if (!added.ok() && !absl::IsAlreadyExists(added)) {  // made meanwhile: fine
     return absl::Status(added.code(), absl::StrCat("allocating the gradient accumulator of "
-                                                   "partition ", id, ": ", added.message()));
+                                                   "partition ",
+                                                   id, ": ", added.message()));
   }
   return absl::OkStatus();
 }
@@ -437,10 +445,10 @@ absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p,
   for (uint64_t c = 0; c < chunks; ++c) {
     absl::StatusOr<Swapper::Pin> pin = PinBlock(p.info.id, c, kind, for_write);
     if (!pin.ok()) {
-      return absl::Status(pin.status().code(),
-                          absl::StrCat("holding the ", grads ? "gradient buffer" : "parameters",
-                                       " of partition ", p.info.id, " ('", p.info.name,
-                                       "'): ", pin.status().message()));
+      return absl::Status(
+          pin.status().code(),
+          absl::StrCat("holding the ", grads ? "gradient buffer" : "parameters", " of partition ",
+                       p.info.id, " ('", p.info.name, "'): ", pin.status().message()));
     }
     pins.push_back(*std::move(pin));
   }
@@ -452,8 +460,8 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   // The name first: the messages below quote it.
   RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
   if (spec.numel == 0 || spec.numel > PartitionStore::kMaxNumel) {
-    return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "' numel ",
-                                                   spec.numel, " must be in [1, 2^40]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition '", spec.name, "' numel ", spec.numel, " must be in [1, 2^40]"));
   }
   if (!spec.tensor.empty()) {
     RETURN_IF_ERROR(CheckName(spec.tensor, "tensor name", /*may_be_empty=*/false));
@@ -465,17 +473,17 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   uint64_t tensor_numel = 1;
   for (uint64_t d : spec.shape) {
     if (d == 0 || d > PartitionStore::kMaxNumel / tensor_numel) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "partition '", spec.name, "': its tensor's shape has a dimension of ", d,
-          " or more than 2^40 elements"));
+      return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name,
+                                                     "': its tensor's shape has a dimension of ", d,
+                                                     " or more than 2^40 elements"));
     }
     tensor_numel *= d;
   }
   // A slice may lie wholly past its tensor's end (more ranks than
   // elements: all padding), not past 2^40.
   if (spec.tensor_offset > PartitionStore::kMaxNumel) {
-    return absl::InvalidArgumentError(absl::StrCat("partition '", spec.name, "': offset ",
-                                                   spec.tensor_offset, " is over 2^40"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition '", spec.name, "': offset ", spec.tensor_offset, " is over 2^40"));
   }
   // With restored state the fp32 initial values are not asked for.
   const bool fp32_init = spec.fp32_master && restored == nullptr;
@@ -505,9 +513,10 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     with_shadow = delayed_;  // stable: SetDelayedUpdate holds placement_mu_ too
     if (restored != nullptr && restored->next_params_pending && !with_shadow) {
       names_.erase(spec.name);
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": the checkpoint holds a newer working copy of the delayed update, but the "
-          "session's delayed update is off"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(what,
+                       ": the checkpoint holds a newer working copy of the delayed update, but the "
+                       "session's delayed update is off"));
     }
     for (DataKind k : kKinds) {
       const int kind = static_cast<int>(k);
@@ -543,8 +552,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     info.span = {params_off, span};
     if (fp32_init) info.master_init = {params_off + init_at, init_bytes};
     ASSIGN_OR_RETURN(partition->region,
-                     arena_->Map(params_off, span,
-                                 info.huge_pages ? Pages::kHuge : Pages::kSmall));
+                     arena_->Map(params_off, span, info.huge_pages ? Pages::kHuge : Pages::kSmall));
     partition->grads = partition->region.data() + grads_at;
     partition->params_offset[0] = params_off;
     partition->params_offset[1] = params_off + shadow_at;
@@ -566,16 +574,15 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
         if (b == PartitionStore::kShadowBlock) {
           if (!with_shadow) continue;
           const uint64_t size = DTypeSize(spec.param_dtype);
-          s = swapper_->AddExternal(block, in_span(shadow_at + begin * size), elems * size,
-                                    where, session_id_);
+          s = swapper_->AddExternal(block, in_span(shadow_at + begin * size), elems * size, where,
+                                    session_id_);
         } else if (b == PartitionStore::kInitBlock) {
           if (!fp32_init) continue;
           s = swapper_->AddExternal(block, in_span(init_at + begin * 4), elems * sizeof(float),
                                     Tier::kHost, session_id_);
         } else if (b == PartitionStore::kParamsBlock) {
           const uint64_t size = DTypeSize(spec.param_dtype);
-          s = swapper_->AddExternal(block, in_span(begin * size), elems * size, where,
-                                    session_id_);
+          s = swapper_->AddExternal(block, in_span(begin * size), elems * size, where, session_id_);
         } else if (b == PartitionStore::kGradsBlock) {
           const uint64_t size = DTypeSize(spec.grad_dtype);
           s = swapper_->AddExternal(block, in_span(grads_at + begin * size), elems * size, where,
@@ -679,7 +686,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
   std::vector<Swapper::Pin> spare;
   std::vector<PartitionInfo> out;
   bool recapture = false;  // a checkpoint began before this writable hold
-  for (;;) {  // again only if a delayed update's commit swapped a buffer meanwhile
+  for (;;) {               // again only if a delayed update's commit swapped a buffer meanwhile
     std::vector<int> kinds(wanted.size());
     // What is held already is not acquired again (nor recorded in the
     // learned order again); a writable fetch pins for writing.
@@ -773,8 +780,8 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
     for (uint64_t id : ids) {
       ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
       if (!p->held()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "partition ", id, " ('", p->info.name, "') is not held; nothing was released"));
+        return absl::FailedPreconditionError(absl::StrCat("partition ", id, " ('", p->info.name,
+                                                          "') is not held; nothing was released"));
       }
       which.push_back(p);
     }
@@ -819,14 +826,13 @@ absl::Status PartitionSet::CommitMasterInit(const Partition& p) {
 }
 
 absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64_t numel,
-                                                              DType grad_dtype, bool hand_over) {
+                                                             DType grad_dtype, bool hand_over) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
   if (numel != p->info.numel) {
-    return absl::InvalidArgumentError(absl::StrCat("gradients for partition ", id, " ('",
-                                                   p->info.name, "') have ", numel,
-                                                   " elements; it was registered with ",
-                                                   p->info.numel));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradients for partition ", id, " ('", p->info.name, "') have ", numel,
+                     " elements; it was registered with ", p->info.numel));
   }
   if (grad_dtype != p->info.grad_dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -841,24 +847,28 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   if (p->resume_chunk != 0) {
     // Part of this partition was updated with the gradients it holds; new
     // ones would mix two steps in one.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", id, " ('", p->info.name, "') is in a step that stopped midway; call Step "
-        "again before returning new gradients"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", id, " ('", p->info.name,
+                     "') is in a step that stopped midway; call Step "
+                     "again before returning new gradients"));
   }
   if (p->handed_over) {  // only a return racing with a fetch gets here
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", id, " ('", p->info.name, "'): its gradients were just handed over "
-        "(hand_over) by another call; fetch the buffer with grads again first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", id, " ('", p->info.name,
+                     "'): its gradients were just handed over "
+                     "(hand_over) by another call; fetch the buffer with grads again first"));
   }
   if (p->grad_pins.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", id, " ('", p->info.name, "'): its gradient buffer is not held; fetch it "
-        "with grads before writing gradients into it"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", id, " ('", p->info.name,
+                     "'): its gradient buffer is not held; fetch it "
+                     "with grads before writing gradients into it"));
   }
   if (p->accum_lost) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", id, " ('", p->info.name, "'): its accumulated gradients were lost in a "
-        "failed accumulation; skip this step first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", id, " ('", p->info.name,
+                     "'): its accumulated gradients were lost in a "
+                     "failed accumulation; skip this step first"));
   }
   p->accumulating = true;
   AccumulateItem item;
@@ -971,7 +981,7 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
     handed_back = std::move(p->grad_pins);
     p->grad_pins.clear();
   }
-  handed_back.clear();  // unpinned outside the lock
+  handed_back.clear();         // unpinned outside the lock
   if (item.hand_over) return;  // the step reads them there
   // The trainer's gradients are in the accumulator now: the buffer's bytes
   // are dead (no write-back if it rests on NVMe).
@@ -1017,9 +1027,10 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   if (!skipping) {
     for (const auto& [id, p] : partitions_) {
       if (p->accum_lost) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "partition ", id, " ('", p->info.name, "') lost its accumulated gradients in a "
-            "failed accumulation: skip this step (Step with skip)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("partition ", id, " ('", p->info.name,
+                         "') lost its accumulated gradients in a "
+                         "failed accumulation: skip this step (Step with skip)"));
       }
     }
   }
@@ -1027,15 +1038,16 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   for (const auto& [id, p] : partitions_) {
     const bool ready = p->grads_ready || p->accum_lost;
     if (ready && p->master_init_pending) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", id, " ('", p->info.name, "') was registered with fp32 initial values "
-          "that are not committed yet: release it first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition ", id, " ('", p->info.name,
+                       "') was registered with fp32 initial values "
+                       "that are not committed yet: release it first"));
     }
     if (ready && skipping && p->resume_chunk != 0) {
       // Its first chunks are updated already: skipping would leave them so.
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", id, " ('", p->info.name, "') is in a step that stopped midway: Step "
-          "again to finish it before skipping"));
+      return absl::FailedPreconditionError(absl::StrCat("partition ", id, " ('", p->info.name,
+                                                        "') is in a step that stopped midway: Step "
+                                                        "again to finish it before skipping"));
     }
   }
   RETURN_IF_ERROR(CheckSwapsLocked());
@@ -1092,9 +1104,10 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
 absl::Status PartitionSet::CheckSwapsLocked() const {
   for (const auto& [id, p] : partitions_) {
     if (p->swap_pending && p->held()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", id, " ('", p->info.name, "') is held: with the delayed update, release "
-          "every partition first (its newer parameters become current now)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition ", id, " ('", p->info.name,
+                       "') is held: with the delayed update, release "
+                       "every partition first (its newer parameters become current now)"));
     }
   }
   return absl::OkStatus();
@@ -1133,8 +1146,7 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
     ASSIGN_OR_RETURN(*w.pin, PinBlock(id, chunk, w.kind, w.for_write));
   }
   if (item.delayed && item.init_master) {
-    ASSIGN_OR_RETURN(pins.current,
-                     PinBlock(id, chunk, item.current_kind, /*for_write=*/false));
+    ASSIGN_OR_RETURN(pins.current, PinBlock(id, chunk, item.current_kind, /*for_write=*/false));
   }
   // Before the update changes the chunk, and after its blocks are pinned:
   // the capture reads them where they are, needing no room for them (a
@@ -1171,9 +1183,10 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
     for (const auto& [id, p] : partitions_) {
       if (p->resume_chunk != 0) {
         // The resumed update must write the buffer the interrupted one did.
-        return absl::FailedPreconditionError(absl::StrCat(
-            "partition ", id, " ('", p->info.name, "') is in a step that stopped midway: Step "
-            "again to finish it before switching the delayed update"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("partition ", id, " ('", p->info.name,
+                         "') is in a step that stopped midway: Step "
+                         "again to finish it before switching the delayed update"));
       }
     }
     if (!on) {
@@ -1228,7 +1241,8 @@ absl::Status PartitionSet::RefuseHandedOverLocked(absl::Span<Partition* const> w
   for (const Partition* p : wanted) {
     if (!p->handed_over) continue;
     return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", p->info.id, " ('", p->info.name, "'): its gradient buffer was handed "
+        "partition ", p->info.id, " ('", p->info.name,
+        "'): its gradient buffer was handed "
         "over (ReturnGradients with hand_over) while this fetch took it back; fetch again"));
   }
   return absl::OkStatus();
@@ -1337,8 +1351,8 @@ absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState&
                                         bool with_shadow) {
   std::vector<int> kinds;
   if (restored.master_initialized) {
-    kinds.insert(kinds.end(), {PartitionStore::kMaster, PartitionStore::kExpAvg,
-                               PartitionStore::kExpAvgSq});
+    kinds.insert(kinds.end(),
+                 {PartitionStore::kMaster, PartitionStore::kExpAvg, PartitionStore::kExpAvgSq});
   }
   if (restored.grads_ready) kinds.push_back(PartitionStore::kAccumBlock);
   kinds.push_back(PartitionStore::kParamsBlock);  // version 0: the current one
@@ -1382,17 +1396,17 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
     const std::string why =
         p->master_init_pending
             ? "was registered with fp32 initial values not committed yet: release it first"
-        : p->writable_hold ? "is held for writing (its parameters may be changing): release it "
-                             "first"
+        : p->writable_hold     ? "is held for writing (its parameters may be changing): release it "
+                                 "first"
         : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
         : p->accum_lost        ? "lost its accumulated gradients: skip this step first"
-        : p->handed_over ? "had gradients handed over (ReturnGradients with hand_over) while "
-                           "the checkpoint began: checkpoint again"
-                         : "";
+        : p->handed_over       ? "had gradients handed over (ReturnGradients with hand_over) while "
+                                 "the checkpoint began: checkpoint again"
+                               : "";
     if (!why.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot checkpoint session ", session_id_, ": partition ", id, " ('",
-                       p->info.name, "') ", why));
+      return absl::FailedPreconditionError(absl::StrCat("cannot checkpoint session ", session_id_,
+                                                        ": partition ", id, " ('", p->info.name,
+                                                        "') ", why));
     }
     CheckpointedPartition c;
     c.info = p->info;
@@ -1405,8 +1419,7 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
     c.grad_stats = p->grad_stats;
     c.chunks = ChunksOf(p->info.numel);
     if (c.master_initialized) {
-      c.block_kinds = {PartitionStore::kMaster, PartitionStore::kExpAvg,
-                       PartitionStore::kExpAvgSq};
+      c.block_kinds = {PartitionStore::kMaster, PartitionStore::kExpAvg, PartitionStore::kExpAvgSq};
     }
     if (c.grads_ready) c.block_kinds.push_back(PartitionStore::kAccumBlock);
     c.current_kind = ParamsKind(*p, /*next=*/false);
@@ -1466,8 +1479,8 @@ absl::Status PartitionSet::CaptureBlock(Capture* capture, uint64_t id, uint64_t 
   // changed yet (every change captures first). Not traced: a checkpoint's
   // reads are no part of the order that repeats.
   auto reading = [&](const absl::Status& s) {
-    return absl::Status(s.code(), absl::StrCat("reading chunk ", chunk, " of partition ", id,
-                                               ": ", s.message()));
+    return absl::Status(
+        s.code(), absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ", s.message()));
   };
   absl::StatusOr<Swapper::Pin> pin =
       PinBlock(id, chunk, block_kind, /*for_write=*/false, /*traced=*/false);
@@ -1483,11 +1496,10 @@ absl::Status PartitionSet::CaptureBlock(Capture* capture, uint64_t id, uint64_t 
   absl::MutexLock lock(&capture->staging_mu);
   if (capture->staging.empty()) {
     const uint64_t largest_block = state_chunk_elems_ * sizeof(float);
-    ASSIGN_OR_RETURN(capture->staging,
-                     HostMemory::Allocate(swapper_->CopyOutBytes(largest_block)));
+    ASSIGN_OR_RETURN(capture->staging, HostMemory::Allocate(swapper_->CopyOutBytes(largest_block)));
   }
-  absl::StatusOr<uint64_t> bytes = swapper_->CopyOut(
-      block, absl::MakeSpan(capture->staging.data(), capture->staging.size()));
+  absl::StatusOr<uint64_t> bytes =
+      swapper_->CopyOut(block, absl::MakeSpan(capture->staging.data(), capture->staging.size()));
   if (!bytes.ok()) return reading(bytes.status());
   return capture->sink->Write(id, chunk, block_kind,
                               absl::MakeConstSpan(capture->staging.data(), *bytes));

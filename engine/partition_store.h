@@ -157,8 +157,7 @@ struct RestoredState {
   // Elements [begin, begin + elems) of one block kind (PartitionStore::
   // BlockKind: kMaster, kExpAvg, kExpAvgSq, kAccumBlock, kParamsBlock for the
   // current working copy, kShadowBlock for the newer one) into `dst`.
-  std::function<absl::Status(int block_kind, uint64_t begin, uint64_t elems, std::byte* dst)>
-      read;
+  std::function<absl::Status(int block_kind, uint64_t begin, uint64_t elems, std::byte* dst)> read;
 };
 
 // Receives a checkpoint's bytes (PartitionSet::BeginCheckpoint): one block
@@ -171,7 +170,6 @@ class ChunkSink {
   virtual absl::Status Write(uint64_t id, uint64_t chunk, int block_kind,
                              absl::Span<const std::byte> bytes) = 0;
 };
-
 
 struct ArenaRegion {
   uint64_t offset = 0;
@@ -295,8 +293,8 @@ struct AccumulatePins {
 
 // The gradients waiting for the next step, over a session's partitions.
 struct PendingGradients {
-  GradStats stats;           // of the accumulated values
-  uint64_t partitions = 0;   // with gradients
+  GradStats stats;             // of the accumulated values
+  uint64_t partitions = 0;     // with gradients
   uint64_t micro_batches = 0;  // the most accumulated into one partition
   double loss_scale = 1;       // the session's (SessionManager fills it in)
 };
@@ -354,10 +352,10 @@ class PartitionSet {
   // full of held or pinned blocks, this session's or others') is copied
   // straight from its NVMe copy through the checkpoint's staging buffer,
   // one block of at most a state chunk's fp32 bytes, outside the pool
-  // (Swapper::CopyOut), allocated when first needed. SetDelayedUpdate waits for EndCheckpoint. FAILED_PRECONDITION while
-  // another checkpoint runs, for a partition whose fp32 initial values are
-  // not committed, a partition held for writing (release it first), or a
-  // step that stopped midway or lost its gradients.
+  // (Swapper::CopyOut), allocated when first needed. SetDelayedUpdate waits for EndCheckpoint.
+  // FAILED_PRECONDITION while another checkpoint runs, for a partition whose fp32 initial values
+  // are not committed, a partition held for writing (release it first), or a step that stopped
+  // midway or lost its gradients.
   absl::StatusOr<SetImage> BeginCheckpoint(ChunkSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
   // Captures chunk `chunk` of partition `id` unless done (waiting if
   // another thread is at it). The first failure of any capture is what
@@ -370,8 +368,7 @@ class PartitionSet {
   // empty `ids` means every partition, in registration order. Waits for the
   // requested partitions to leave a running step.
   absl::StatusOr<std::vector<PartitionInfo>> Fetch(absl::Span<const uint64_t> ids,
-                                                   FetchMode mode = {})
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                                   FetchMode mode = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Lets the partitions' holds go (parameters and gradient buffers). An
   // empty `ids` means every held partition. FAILED_PRECONDITION (and
   // nothing released) if one is not held. A partition registered with
@@ -401,8 +398,7 @@ class PartitionSet {
   // nothing, as is a checkpoint). Use it for the last (or only)
   // micro-batch.
   absl::StatusOr<AccumulateItem> BeginAccumulate(uint64_t id, uint64_t numel, DType grad_dtype,
-                                                 bool hand_over = false)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                                 bool hand_over = false) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<AccumulatePins> PinAccumulate(const AccumulateItem& item, uint64_t chunk)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Taking a handed-over buffer back before the step: of `ids` (empty: all),
@@ -412,10 +408,8 @@ class PartitionSet {
   // (PinAccumulate, EndAccumulate: the statistics stay, the buffer is the
   // trainer's again, its bytes dropped), or nothing if there is no longer
   // anything to take back. A failure leaves the gradients in the buffer.
-  std::vector<uint64_t> HandedOver(absl::Span<const uint64_t> ids) const
-      ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<std::optional<AccumulateItem>> BeginReclaim(uint64_t id)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<uint64_t> HandedOver(absl::Span<const uint64_t> ids) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::optional<AccumulateItem>> BeginReclaim(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   void EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
                      const GradStats& stats, uint64_t chunks_done) ABSL_LOCKS_EXCLUDED(mu_);
   // What the gradients returned since the last step add up to (once the
@@ -434,14 +428,12 @@ class PartitionSet {
   // come after, in registration order. FAILED_PRECONDITION
   // if there is none, or (unless `skipping`) if an accumulation was lost.
   // Must be followed by exactly one EndStep with the same items.
-  absl::StatusOr<std::vector<StepItem>> BeginStep(bool skipping = false)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<StepItem>> BeginStep(bool skipping = false) ABSL_LOCKS_EXCLUDED(mu_);
   // Pins chunk `chunk` of partition `id` (one of a running step's): its
   // optimizer state, parameters and accumulated gradients, reading in what
   // is on NVMe. The swapper's errors (DATA_LOSS for a failed read,
   // RESOURCE_EXHAUSTED when the pool cannot hold it).
-  absl::StatusOr<ChunkPins> PinChunk(const StepItem& item, uint64_t chunk)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ChunkPins> PinChunk(const StepItem& item, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The delayed parameter update (DPU, from ZeRO-Offload), on or off for
   // this set's next steps. On: every partition gets a second working-copy
@@ -477,8 +469,7 @@ class PartitionSet {
 
   // A region of the arena outside every partition (the request ring),
   // allocated and mapped: its offset and the mapping.
-  absl::StatusOr<std::pair<uint64_t, HostMemory>> MapExtra(uint64_t bytes)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::pair<uint64_t, HostMemory>> MapExtra(uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t session_id() const { return session_id_; }
   int arena_fd() const { return arena_->fd(); }
@@ -497,9 +488,8 @@ class PartitionSet {
   friend class PartitionStore;
   struct Partition;
 
-  PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
-               Stats* stats, const Placement& placement, uint64_t state_chunk_elems,
-               uint64_t huge_page_bytes);
+  PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper, Stats* stats,
+               const Placement& placement, uint64_t state_chunk_elems, uint64_t huge_page_bytes);
 
   // Waits until none of `partitions` is in a step (with `delayed_ok`, a
   // delayed-update step, which leaves the current working copy alone, does
@@ -536,9 +526,8 @@ class PartitionSet {
   absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, int kind, bool for_write)
       ABSL_LOCKS_EXCLUDED(mu_);
   // `traced`: see Swapper::Acquire (false for work in the background).
-  absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind,
-                                        bool for_write, bool traced = true)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind, bool for_write,
+                                        bool traced = true) ABSL_LOCKS_EXCLUDED(mu_);
   // Adds chunk `chunk`'s gradient accumulator (made when first needed; an
   // existing one is fine), placed with the optimizer state. `registering`:
   // the partition, while Register fills it before it is published; else it
@@ -568,7 +557,7 @@ class PartitionSet {
   struct Capture {
     ChunkSink* sink;
     absl::flat_hash_map<uint64_t, CapturedPartition> chunks;  // by partition id
-    int running = 0;  // captures in progress
+    int running = 0;                                          // captures in progress
     absl::Status status;
     // Blocks the pool cannot take in are copied here (CopyOut), one at a
     // time. Used by the captures running, so it lives while they do.
@@ -603,9 +592,9 @@ class PartitionSet {
   std::vector<uint64_t> fetch_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> fetched_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> return_order_ ABSL_GUARDED_BY(mu_);
-  bool delayed_ ABSL_GUARDED_BY(mu_) = false;  // SetDelayedUpdate
+  bool delayed_ ABSL_GUARDED_BY(mu_) = false;              // SetDelayedUpdate
   std::unique_ptr<Capture> capture_ ABSL_GUARDED_BY(mu_);  // a checkpoint being written
-  absl::CondVar captured_;  // a capture ended
+  absl::CondVar captured_;                                 // a capture ended
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
   Placement placement_ ABSL_GUARDED_BY(mu_);
@@ -625,7 +614,7 @@ class PartitionStore {
     kParamsBlock = 3,
     kGradsBlock = 4,
     kAccumBlock = 5,
-    kInitBlock = 6,  // fp32 initial values, from registration to the first release
+    kInitBlock = 6,    // fp32 initial values, from registration to the first release
     kShadowBlock = 7,  // the working copy's second buffer (the delayed update)
   };
   static constexpr int kBlockKinds = 8;

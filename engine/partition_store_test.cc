@@ -1,7 +1,7 @@
 // The partition store: arenas laid out for huge pages, holds and their
 // release, placement (shares, live changes racing registrations, no NVMe
 // tier), two sessions in one pool, fp32 initial values.
-#include "engine/trainer_testing.h"
+#include "engine/partition_store.h"
 
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -23,12 +23,12 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/env.h"
-#include "engine/partition_store.h"
-#include "engine/test_engine.h"
-#include "ipc/request_ring.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
+#include "engine/test_engine.h"
+#include "engine/trainer_testing.h"
 #include "gtest/gtest.h"
+#include "ipc/request_ring.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
@@ -50,8 +50,7 @@ TEST(ArenaLayout, HugePagesOnlyWhereBlocksFillThemAndLittleIsWasted) {
   EXPECT_EQ(ArenaLayoutPageBytes(2 * kChunk, bf16, bf16, false, kChunk / 2, kHuge), kSmall);
   // 3 MiB regions rounded to 4 MiB waste a third; 17 MiB ones to 18, a 17th.
   EXPECT_EQ(ArenaLayoutPageBytes(3 * kChunk / 2, bf16, bf16, false, kChunk, kHuge), kSmall);
-  EXPECT_EQ(ArenaLayoutPageBytes(8 * kChunk + kChunk / 2, bf16, bf16, false, kChunk, kHuge),
-            kHuge);
+  EXPECT_EQ(ArenaLayoutPageBytes(8 * kChunk + kChunk / 2, bf16, bf16, false, kChunk, kHuge), kHuge);
   EXPECT_EQ(ArenaLayoutPageBytes(700, bf16, bf16, false, kChunk, kHuge), kSmall);
 }
 
@@ -67,8 +66,8 @@ TEST(OutOfCore, HeldPartitionsStayAndReleasedOnesLeave) {
   ASSERT_EQ(t.Params(), before);
   const PartitionInfo& held = t.parts()[2];
   ASSERT_TRUE(small.sessions->Fetch(t.key(), {held.id}).ok());
-  const std::string held_bytes(
-      reinterpret_cast<const char*>(t.arena().data() + held.params.offset), held.params.bytes);
+  const std::string held_bytes(reinterpret_cast<const char*>(t.arena().data() + held.params.offset),
+                               held.params.bytes);
   // Press the pool: a full step's worth of every other block.
   for (int step = 1; step <= 2; ++step) {
     reference.ReturnGradients(step);
@@ -77,9 +76,10 @@ TEST(OutOfCore, HeldPartitionsStayAndReleasedOnesLeave) {
     ASSERT_TRUE(t.Step().ok());
     // The held parameters changed only in the step, in place, like the
     // reference's; they never left (read through the trainer's mapping).
-    EXPECT_EQ(small.swapper->State(PartitionStore::BlockOf(held.id, 0, PartitionStore::kParamsBlock))
-                  .value(),
-              BlockState::kResident);
+    EXPECT_EQ(
+        small.swapper->State(PartitionStore::BlockOf(held.id, 0, PartitionStore::kParamsBlock))
+            .value(),
+        BlockState::kResident);
   }
   EXPECT_NE(std::string(reinterpret_cast<const char*>(t.arena().data() + held.params.offset),
                         held.params.bytes),
@@ -123,8 +123,8 @@ TEST(OutOfCore, PlacingMoreOnNvmeThanTheTierHoldsChangesNothing) {
   ASSERT_TRUE(opened.ok());
   const SessionKey key = opened->key;
   for (int i = 0; i < 9; ++i) {  // 108 MiB of master, m and v in all
-    auto p = engine.sessions->Register(key, {"p" + std::to_string(i), 1 << 20, DType::kBf16,
-                                             DType::kBf16});
+    auto p = engine.sessions->Register(
+        key, {"p" + std::to_string(i), 1 << 20, DType::kBf16, DType::kBf16});
     ASSERT_TRUE(p.ok()) << p.status();
     ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
   }
@@ -198,8 +198,9 @@ TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
   std::vector<PartitionInfo> parts(kParts);
   std::thread registrar([&] {
     for (int i = 0; i < kParts; ++i) {
-      auto p = engine.sessions->Register(key, {"p" + std::to_string(i), 3000 + 1000 * uint64_t(i % 5),
-                                               DType::kBf16, DType::kFp32});
+      auto p = engine.sessions->Register(
+          key,
+          {"p" + std::to_string(i), 3000 + 1000 * uint64_t(i % 5), DType::kBf16, DType::kFp32});
       ASSERT_TRUE(p.ok()) << p.status();
       parts[i] = *p;
       ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
@@ -218,10 +219,10 @@ TEST(OutOfCore, PlacementChangesRacingRegistrationsEndConsistent) {
   // Recompute each kind's homes greedily in registration order, as the
   // store does, and compare with what the swapper says.
   const uint64_t elem_bytes[kDataKinds] = {2, 4, 16};
-  const int blocks_of[kDataKinds][3] = {{PartitionStore::kParamsBlock, -1, -1},
-                                        {PartitionStore::kGradsBlock, -1, -1},
-                                        {PartitionStore::kMaster, PartitionStore::kExpAvg,
-                                         PartitionStore::kExpAvgSq}};
+  const int blocks_of[kDataKinds][3] = {
+      {PartitionStore::kParamsBlock, -1, -1},
+      {PartitionStore::kGradsBlock, -1, -1},
+      {PartitionStore::kMaster, PartitionStore::kExpAvg, PartitionStore::kExpAvgSq}};
   const auto sessions = engine.sessions->Sessions();
   ASSERT_EQ(sessions.size(), 1u);
   for (int k = 0; k < kDataKinds; ++k) {
@@ -289,8 +290,8 @@ TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
   std::vector<uint16_t> working(kN);
   Optimizer optimizer{OptimizerOptions{}};
   AdamTask task;
-  task.span = {master.data(), m.data(), v.data(), acc.data(), DType::kFp32, working.data(),
-               DType::kBf16, kN};
+  task.span = {master.data(), m.data(),       v.data(),     acc.data(),
+               DType::kFp32,  working.data(), DType::kBf16, kN};
   task.step = 1;
   ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), h).ok());
   ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
@@ -299,8 +300,8 @@ TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
   std::vector<float> rounded(kN), m2(kN, 0.f), v2(kN, 0.f);
   WidenToFloat(want.data(), DType::kBf16, rounded.data(), kN);
   std::vector<uint16_t> working2(kN);
-  task.span = {rounded.data(), m2.data(), v2.data(), acc.data(), DType::kFp32, working2.data(),
-               DType::kBf16, kN};
+  task.span = {rounded.data(), m2.data(),       v2.data(),    acc.data(),
+               DType::kFp32,   working2.data(), DType::kBf16, kN};
   ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), h).ok());
   EXPECT_NE(working, working2);
   // Stepping a partition whose fp32 values are not committed is refused.

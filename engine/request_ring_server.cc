@@ -169,7 +169,7 @@ void RingServer::Serve() {
     request.op = static_cast<ring::Op>(op);
     request.items.assign(l->items, l->items + count);
     const RingAnswer answer = handler_(request);
-    if (stopping_.load()) break;  // the session went during the call
+    if (stopping_.load()) break;          // the session went during the call
     if (reset_pending_.load()) continue;  // its client died: no answer, reset
     Answer(answer);
   }

@@ -1,22 +1,22 @@
 // The request ring against a real session manager: the same answers as
 // the gRPC path's calls, concurrent callers, a hostile mailbox, a closed
 // session, a dead daemon.
+#include "ipc/request_ring.h"
+
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <thread>
-
-#include "absl/synchronization/notification.h"
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "base/env.h"
 #include "base/host_memory.h"
 #include "engine/engine.h"
 #include "engine/request_ring_server.h"
 #include "engine/session_manager.h"
 #include "gtest/gtest.h"
-#include "ipc/request_ring.h"
 #include "swapper/host_pool.h"
 #include "swapper/swapper.h"
 
@@ -25,8 +25,7 @@ namespace {
 
 class RequestRingTest : public ::testing::Test {
  protected:
-  RequestRingTest()
-      : engine_(MakeEngine()), sessions_(engine_->sessions()) {
+  RequestRingTest() : engine_(MakeEngine()), sessions_(engine_->sessions()) {
     auto opened = sessions_.Open("ring");
     EXPECT_TRUE(opened.ok());
     key_ = opened->key;
@@ -40,8 +39,8 @@ class RequestRingTest : public ::testing::Test {
     daemons_ = UniqueFd(pair[1]);  // the daemon's end of the arena channel
     client_ = std::make_unique<ring::Client>(layout(), ours_.get());
     for (int i = 0; i < 3; ++i) {
-      auto p = sessions_.Register(key_, {"p" + std::to_string(i), 1000, DType::kFp32,
-                                         DType::kFp32});
+      auto p =
+          sessions_.Register(key_, {"p" + std::to_string(i), 1000, DType::kFp32, DType::kFp32});
       EXPECT_TRUE(p.ok());
       ids_.push_back(p->id);
       EXPECT_TRUE(sessions_.Release(key_, {p->id}).ok());
@@ -90,8 +89,8 @@ TEST_F(RequestRingTest, AnswersAsTheSessionManagerDoes) {
   }
   EXPECT_EQ(sessions_.Sessions()[0].held, 3u);
   // Gradients returned, then released, in one call.
-  auto r = client_->Call(ring::kReturnGradients, ring::kThenRelease, Items(ids_),
-                         absl::Seconds(10));
+  auto r =
+      client_->Call(ring::kReturnGradients, ring::kThenRelease, Items(ids_), absl::Seconds(10));
   ASSERT_TRUE(r.status.ok()) << r.status;
   EXPECT_EQ(sessions_.Pending(key_)->partitions, 3u);
   EXPECT_EQ(sessions_.Sessions()[0].held, 0u);
@@ -101,8 +100,8 @@ TEST_F(RequestRingTest, AnswersAsTheSessionManagerDoes) {
   EXPECT_NE(unknown.status.message().find("999999"), std::string::npos);
   auto not_held = client_->Call(ring::kRelease, 0, Items({ids_[0]}), absl::Seconds(10));
   EXPECT_EQ(not_held.status.code(), absl::StatusCode::kFailedPrecondition);
-  auto bad_dtype = client_->Call(ring::kReturnGradients, 0, {{ids_[0], 1000, 7, 0}},
-                                 absl::Seconds(10));
+  auto bad_dtype =
+      client_->Call(ring::kReturnGradients, 0, {{ids_[0], 1000, 7, 0}}, absl::Seconds(10));
   EXPECT_EQ(bad_dtype.status.code(), absl::StatusCode::kInvalidArgument);
   auto bad_flags = client_->Call(ring::kReturnGradients, ring::kHandOver,
                                  {{ids_[0], 1000, 1, ring::kItemStats | 2}}, absl::Seconds(10));
@@ -146,7 +145,8 @@ TEST_F(RequestRingTest, AHostileMailboxGetsAnErrorAndServingGoesOn) {
     l->count = count;
     l->state.store(ring::kPosted);
     ring::FutexWake(&l->state);
-    while (l->state.load() == ring::kPosted) ring::FutexWait(&l->state, ring::kPosted, absl::Milliseconds(10));
+    while (l->state.load() == ring::kPosted)
+      ring::FutexWait(&l->state, ring::kPosted, absl::Milliseconds(10));
     EXPECT_EQ(l->state.load(), static_cast<uint32_t>(ring::kAnswered));
     EXPECT_EQ(l->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
     l->state.store(ring::kIdle);
@@ -302,7 +302,9 @@ TEST(RequestRing, AResetCallIsAbortedUnansweredAndTheRingServesOn) {
     return RingAnswer{absl::NotFoundError("second"), {}};
   });
   ring::Client::Answer first;
-  std::thread caller([&] { first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10)); });
+  std::thread caller([&] {
+    first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10));
+  });
   entered.WaitForNotification();
   std::atomic<bool> then_ran{false};
   r.server->Reset([&] { then_ran = true; });  // its trainer went away
@@ -331,8 +333,9 @@ TEST(RequestRing, DrainAnswersTheCallInFlightAndRefusesTheNext) {
     return RingAnswer{absl::NotFoundError("served"), {}};
   });
   ring::Client::Answer first;
-  std::thread caller(
-      [&] { first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10)); });
+  std::thread caller([&] {
+    first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10));
+  });
   entered.WaitForNotification();
   std::thread drainer([&] { r.server->Drain(absl::Seconds(5)); });
   absl::SleepFor(absl::Milliseconds(50));  // Drain has begun, the call still runs

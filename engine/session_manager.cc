@@ -23,8 +23,12 @@ namespace offload {
 struct SessionManager::Session {
   Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionSet> set,
           std::unique_ptr<LossScaler> scaler, std::unique_ptr<CheckpointRestore> restore)
-      : id(id), token(std::move(token)), name(std::move(name)), partitions(std::move(set)),
-        scaler(std::move(scaler)), restore(std::move(restore)) {}
+      : id(id),
+        token(std::move(token)),
+        name(std::move(name)),
+        partitions(std::move(set)),
+        scaler(std::move(scaler)),
+        restore(std::move(restore)) {}
   ~Session() {
     // Its partitions' mapping reservations go with it (ReserveMappings).
     if (committed_mappings != nullptr) committed_mappings->fetch_sub(mappings.load());
@@ -58,10 +62,10 @@ struct SessionManager::Session {
   // Monotonic: a wall-clock step (NTP, a resumed VM) must not expire leases.
   const SteadyTime opened = std::chrono::steady_clock::now();
   // Guarded by the manager's mu_:
-  bool attached = false;          // a trainer received the arena
+  bool attached = false;                     // a trainer received the arena
   std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
-  SteadyTime last_call = opened;  // the last call that found it, or ended
-  std::optional<GpuTierReport> gpu;  // its GPU tier's last report
+  SteadyTime last_call = opened;             // the last call that found it, or ended
+  std::optional<GpuTierReport> gpu;          // its GPU tier's last report
   // Mappings reserved for its partitions (ReserveMappings), in the
   // manager's total, which outlives neither.
   std::atomic<int64_t> mappings{0};
@@ -103,7 +107,11 @@ uint64_t NewIncarnation(Env* env) {
 }  // namespace
 
 SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats)
-    : env_(env), store_(store), steps_(steps), stats_(stats), incarnation_(NewIncarnation(env)),
+    : env_(env),
+      store_(store),
+      steps_(steps),
+      stats_(stats),
+      incarnation_(NewIncarnation(env)),
       next_session_id_(incarnation_ << 32 | 1) {}
 
 SessionManager::~SessionManager() {
@@ -217,13 +225,15 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
   auto it = sessions_.find(key.id);
   if (it == sessions_.end()) {
     if (kept_ids_.contains(key.id)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session ", key.id, " is closed (offloadd kept it across its restart, and it was "
-          "closed since: its reconnect lease ran out, or it was closed)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", key.id,
+                       " is closed (offloadd kept it across its restart, and it was "
+                       "closed since: its reconnect lease ran out, or it was closed)"));
     }
     if (key.id >> 32 != incarnation_) {
       return absl::NotFoundError(absl::StrCat(
-          "no session ", key.id, " in this offloadd: it is not one of its ids (offloadd was "
+          "no session ", key.id,
+          " in this offloadd: it is not one of its ids (offloadd was "
           "restarted since the session was opened, or the id is wrong); open a new session"));
     }
     if (key.id < next_session_id_) {
@@ -365,22 +375,23 @@ absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
       most = s.get();
     }
   }
-  const std::string who =
-      most == nullptr
-          ? std::string("no session holds partitions")
-          : absl::StrCat("the session with the most partitions is ", most->id, " ('",
-                         most->name, "') with ", most_partitions);
+  const std::string who = most == nullptr
+                              ? std::string("no session holds partitions")
+                              : absl::StrCat("the session with the most partitions is ", most->id,
+                                             " ('", most->name, "') with ", most_partitions);
   const std::string advice =
       need > budget / 2
           ? "this partition alone needs much of it: larger chunks (placement.state_chunk_bytes) "
             "or a larger budget"
           : "fewer, larger partitions (flatten small tensors into one) or another node";
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "registering '", spec.name, "' in session ", session.id, " could take offloadd past its "
-      "memory-mapping budget: ", live, " mappings held and ", reserved - need,
-      " reserved for registered partitions, up to ", need, " more, budget ", budget,
-      " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); ", who, ": ",
-      advice));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("registering '", spec.name, "' in session ", session.id,
+                   " could take offloadd past its "
+                   "memory-mapping budget: ",
+                   live, " mappings held and ", reserved - need,
+                   " reserved for registered partitions, up to ", need, " more, budget ", budget,
+                   " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); ", who,
+                   ": ", advice));
 }
 
 absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
@@ -436,8 +447,8 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
                                                                  absl::Span<const uint64_t> ids,
                                                                  FetchMode mode) {
   if (ids.size() > kMaxFetchIds) {
-    return absl::InvalidArgumentError(absl::StrCat("a fetch may name at most ", kMaxFetchIds,
-                                                   " partitions, got ", ids.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a fetch may name at most ", kMaxFetchIds, " partitions, got ", ids.size()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
   // A gradient buffer handed over and not read by a step yet comes back
@@ -450,8 +461,8 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
 
 absl::Status SessionManager::Release(const SessionKey& key, absl::Span<const uint64_t> ids) {
   if (ids.size() > kMaxFetchIds) {
-    return absl::InvalidArgumentError(absl::StrCat("a release may name at most ", kMaxFetchIds,
-                                                   " partitions, got ", ids.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a release may name at most ", kMaxFetchIds, " partitions, got ", ids.size()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
   return session->partitions->Release(ids);
@@ -467,12 +478,11 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key, uint64_t par
 }
 
 absl::Status SessionManager::ReturnGradients(const SessionKey& key,
-                                             absl::Span<const GradientReturn> items,
-                                             bool release, bool hand_over) {
+                                             absl::Span<const GradientReturn> items, bool release,
+                                             bool hand_over) {
   if (items.size() > kMaxFetchIds) {
-    return absl::InvalidArgumentError(absl::StrCat("a gradient return may name at most ",
-                                                   kMaxFetchIds, " partitions, got ",
-                                                   items.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a gradient return may name at most ", kMaxFetchIds, " partitions, got ", items.size()));
   }
   // The trainer's statistics are checked for all before any is returned:
   // a refusal returns nothing.
@@ -629,13 +639,13 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
       s->step_running = true;
       s->step_started = true;
     }
-    absl::StatusOr<StepSummary> started = steps_->Start(
-        *session->partitions, session, applied, skip, control.groups,
-        [s](absl::StatusOr<StepSummary> result) {
-          absl::MutexLock lock(&s->step_mu);
-          s->step_result = std::move(result);
-          s->step_running = false;
-        });
+    absl::StatusOr<StepSummary> started =
+        steps_->Start(*session->partitions, session, applied, skip, control.groups,
+                      [s](absl::StatusOr<StepSummary> result) {
+                        absl::MutexLock lock(&s->step_mu);
+                        s->step_result = std::move(result);
+                        s->step_running = false;
+                      });
     if (!started.ok()) {
       absl::MutexLock lock(&s->step_mu);
       s->step_running = false;
@@ -668,8 +678,7 @@ absl::StatusOr<GpuTierSettings> SessionManager::ReportGpuTier(const SessionKey& 
   // it if its totals went down: a new tier on the same session).
   const GpuTierReport before = session->gpu.value_or(GpuTierReport{});
   auto add = [](std::atomic<int64_t>& total, uint64_t now, uint64_t was) {
-    total.fetch_add(static_cast<int64_t>(now >= was ? now - was : now),
-                    std::memory_order_relaxed);
+    total.fetch_add(static_cast<int64_t>(now >= was ? now - was : now), std::memory_order_relaxed);
   };
   add(stats_->gpu_h2d_bytes, report.h2d_bytes, before.h2d_bytes);
   add(stats_->gpu_h2d_staged_bytes, report.h2d_staged_bytes, before.h2d_staged_bytes);
@@ -707,8 +716,9 @@ absl::StatusOr<StepSummary> SessionManager::WaitStep(const SessionKey& key) {
   return s->step_result;
 }
 
-absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(
-    const SessionKey& key, const std::string& dir, bool background) {
+absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(const SessionKey& key,
+                                                                             const std::string& dir,
+                                                                             bool background) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
   Session* s = session.get();
   // Gradients handed over are checkpointed from the accumulator.
@@ -835,9 +845,10 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region};
 }
 
-std::vector<SessionManager::Expired> SessionManager::CloseExpired(
-    SteadyTime now, absl::Duration attach_lease, absl::Duration idle_lease,
-    absl::Duration reconnect_lease) {
+std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now,
+                                                                  absl::Duration attach_lease,
+                                                                  absl::Duration idle_lease,
+                                                                  absl::Duration reconnect_lease) {
   const auto attach = absl::ToChronoNanoseconds(attach_lease);
   const auto idle = absl::ToChronoNanoseconds(idle_lease);
   const auto reconnect = absl::ToChronoNanoseconds(reconnect_lease);
@@ -861,8 +872,8 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(
   for (Expired& e : expired) {
     // Unless, checked under mu_ again, a trainer attached since (an
     // unattached or detached one) or a call came since (an idle one).
-    std::atomic<int64_t>* counter = e.why == Expired::kNotResumed ? &stats_->sessions_abandoned
-                                                                   : &stats_->sessions_expired;
+    std::atomic<int64_t>* counter =
+        e.why == Expired::kNotResumed ? &stats_->sessions_abandoned : &stats_->sessions_expired;
     const bool closed_it =
         e.why == Expired::kIdle
             ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle, counter)
@@ -978,8 +989,7 @@ int SessionManager::Preserve(const std::string& dir) {
       s->partitions->DropHolds();
       ASSIGN_OR_RETURN(CheckpointOutcome written,
                        Checkpoint(SessionKey{s->id, ""}, sub, /*background=*/false));
-      if (written.summary.partitions !=
-          static_cast<uint64_t>(kept_session.partition_ids_size())) {
+      if (written.summary.partitions != static_cast<uint64_t>(kept_session.partition_ids_size())) {
         return absl::FailedPreconditionError(
             absl::StrCat("it has ", written.summary.partitions, " partitions in its checkpoint, ",
                          kept_session.partition_ids_size(), " registered"));
@@ -994,8 +1004,8 @@ int SessionManager::Preserve(const std::string& dir) {
       ++kept;
       continue;
     }
-    LogWarning("session %d ('%s') is not kept across the restart: %s",
-               static_cast<int64_t>(s->id), s->name, status.ToString());
+    LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(s->id),
+               s->name, status.ToString());
     bool kept_there;  // reopened from there, not resumed: that copy stays
     {
       absl::MutexLock lock(&mu_);
@@ -1015,14 +1025,16 @@ int SessionManager::RestorePreserved(const std::string& dir) {
   for (const std::string& name : ListDirectory(dir)) {
     const std::string sub = absl::StrCat(dir, "/", name);
     absl::StatusOr<uint64_t> id =
-        IsDirectory(sub) ? RestoreOne(sub)
-                         : absl::StatusOr<uint64_t>(absl::FailedPreconditionError("not a directory"));
+        IsDirectory(sub)
+            ? RestoreOne(sub)
+            : absl::StatusOr<uint64_t>(absl::FailedPreconditionError("not a directory"));
     if (id.ok()) {
       restored.push_back(*id);
     } else {
-      LogWarning("a session kept across the restart in %s was not reopened (left there: "
-                 "OpenSession's restore_from takes it): %s",
-                 sub, id.status().ToString());
+      LogWarning(
+          "a session kept across the restart in %s was not reopened (left there: "
+          "OpenSession's restore_from takes it): %s",
+          sub, id.status().ToString());
     }
   }
   // Their leases start together, once every one is back.

@@ -175,8 +175,7 @@ class SessionManager {
   };
   absl::StatusOr<CheckpointOutcome> Checkpoint(const SessionKey& key, const std::string& dir,
                                                bool background) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<CheckpointOutcome> WaitCheckpoint(const SessionKey& key)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<CheckpointOutcome> WaitCheckpoint(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // Switches the session's delayed parameter update (PartitionSet::
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
@@ -184,8 +183,7 @@ class SessionManager {
   // Keeps the session's GPU-tier report (its summary shows it; what it
   // added since the previous one goes into the node's gpu_* counters) and
   // answers the node's settings for it.
-  absl::StatusOr<GpuTierSettings> ReportGpuTier(const SessionKey& key,
-                                                const GpuTierReport& report)
+  absl::StatusOr<GpuTierSettings> ReportGpuTier(const SessionKey& key, const GpuTierReport& report)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The node's settings, for every trainer's next report (tunables gpu.*).
   void SetGpuTierSettings(const GpuTierSettings& settings) ABSL_LOCKS_EXCLUDED(mu_);
@@ -203,8 +201,7 @@ class SessionManager {
   // every partition of the session.
   absl::StatusOr<std::vector<PartitionInfo>> Fetch(const SessionKey& key,
                                                    absl::Span<const uint64_t> ids,
-                                                   FetchMode mode = {})
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                                   FetchMode mode = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Lets holds go (PartitionSet::Release); an empty `ids`, every one.
   absl::Status Release(const SessionKey& key, absl::Span<const uint64_t> ids)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -331,8 +328,7 @@ class SessionManager {
                                                       absl::Span<const uint64_t> ids) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // One call that came through a session's request ring.
-  RingAnswer ServeRing(const SessionKey& key, const RingRequest& request)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  RingAnswer ServeRing(const SessionKey& key, const RingRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // With `only_unattached`, not if a trainer attached to it; with
   // `only_idle_since`, not if a call found it after that time or one is in
   // flight. `why` (a Stats counter: abandoned, expired), if given, counts

@@ -12,8 +12,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/fault_injecting_env.h"
-#include "engine/engine.h"
 #include "base/host_memory.h"
+#include "engine/engine.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -218,7 +218,6 @@ TEST_F(SessionManagerTest, FirstStepTakesMasterFromWorkingCopy) {
   }
   munmap(base, 16 << 20);
 }
-
 
 // Each Env call the manager makes can fail; the caller gets the errno's code
 // with context, nothing leaks, and the next call works.
@@ -505,8 +504,7 @@ TEST_F(SessionManagerTest, PreservedSessionsAreReopenedAsTheyWere) {
   EXPECT_EQ((*all)[0].id, p->id);
   auto fd = next.DupArenaFd(kept);
   ASSERT_TRUE(fd.ok());
-  auto region =
-      HostMemory::MapShared(fd->get(), 0, (*all)[0].span.offset + (*all)[0].span.bytes);
+  auto region = HostMemory::MapShared(fd->get(), 0, (*all)[0].span.offset + (*all)[0].span.bytes);
   ASSERT_TRUE(region.ok()) << region.status();
   const auto* w = reinterpret_cast<const float*>(region->data() + (*all)[0].params.offset);
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(w[i], 0.25f * static_cast<float>(i)) << i;
@@ -527,8 +525,7 @@ TEST_F(SessionManagerTest, ClosedAndNeverOpenedAreToldApartWithoutRememberingIds
   SessionKey a = Open();
   ASSERT_TRUE(sessions_.Close(a).ok());
   EXPECT_EQ(sessions_.Fetch(a, {}).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(sessions_.Fetch({a.id + 1, a.token}, {}).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(sessions_.Fetch({a.id + 1, a.token}, {}).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(sessions_.Fetch({0, a.token}, {}).status().code(), absl::StatusCode::kNotFound);
 }
 

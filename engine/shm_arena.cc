@@ -15,8 +15,8 @@ namespace offload {
 absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view name,
                                                            uint64_t capacity, Env* env) {
   if (capacity == 0 || capacity % kAlignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "arena capacity must be a positive multiple of ", kAlignment, ", got ", capacity));
+    return absl::InvalidArgumentError(absl::StrCat("arena capacity must be a positive multiple of ",
+                                                   kAlignment, ", got ", capacity));
   }
   const std::string label = absl::StrCat("offloadd-", name);
   ASSIGN_OR_RETURN(UniqueFd fd, env->CreateMemfd(label));
@@ -26,8 +26,7 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view nam
   return std::unique_ptr<ShmArena>(new ShmArena(std::move(fd), capacity, env));
 }
 
-absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes,
-                                         Pages pages) const {
+absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes, Pages pages) const {
   return env_->MapShared(fd_.get(), offset, bytes, pages);
 }
 

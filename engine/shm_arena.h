@@ -40,8 +40,7 @@ class ShmArena {
   // `name` only labels the memfd in /proc/<pid>/fd (it is not a path).
   // `env` (borrowed, must outlive the arena) makes the memfd, the mappings
   // and the file growth.
-  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(absl::string_view name,
-                                                          uint64_t capacity,
+  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(absl::string_view name, uint64_t capacity,
                                                           Env* env = Env::Default());
   ~ShmArena() = default;
   ShmArena(const ShmArena&) = delete;

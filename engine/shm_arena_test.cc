@@ -63,11 +63,10 @@ TEST(ShmArena, AlignedAllocationsShareNoPageOfTheirSize) {
   auto next = (*arena)->Allocate(100);
   ASSERT_TRUE(small.ok() && huge.ok() && next.ok());
   EXPECT_EQ(*small, 0u);
-  EXPECT_EQ(*huge, kHuge);           // past the small one, on a huge page
-  EXPECT_EQ(*next, 3 * kHuge);       // not inside the huge one's last page
+  EXPECT_EQ(*huge, kHuge);      // past the small one, on a huge page
+  EXPECT_EQ(*next, 3 * kHuge);  // not inside the huge one's last page
   EXPECT_EQ((*arena)->size(), 3 * kHuge + ShmArena::kAlignment);
-  EXPECT_EQ((*arena)->Allocate(kHuge, 3 << 20).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*arena)->Allocate(kHuge, 3 << 20).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*arena)->Allocate(kHuge, 1024).status().code(), absl::StatusCode::kInvalidArgument);
   // What no longer fits once aligned is refused, not placed past capacity.
   EXPECT_EQ((*arena)->Allocate(13 * kHuge, kHuge).status().code(),

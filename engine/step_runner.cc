@@ -29,9 +29,10 @@ int64_t NanosSince(std::chrono::steady_clock::time_point start) {
 absl::Status CheckGivenGradStats(uint64_t id, uint64_t numel, bool hand_over,
                                  const GradStats& given) {
   if (!hand_over) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "partition ", id, ": gradient statistics come with hand_over only (gradients added "
-        "into the accumulator are measured as they are added)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition ", id,
+                     ": gradient statistics come with hand_over only (gradients added "
+                     "into the accumulator are measured as they are added)"));
   }
   if (given.nonfinite > numel) {
     return absl::InvalidArgumentError(absl::StrCat("partition ", id, ": the statistics count ",
@@ -39,9 +40,9 @@ absl::Status CheckGivenGradStats(uint64_t id, uint64_t numel, bool hand_over,
                                                    numel));
   }
   if (given.sq_norm < 0 || (std::isnan(given.sq_norm) && given.nonfinite == 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "partition ", id, ": the statistics' squared norm is ", given.sq_norm,
-        given.sq_norm < 0 ? " (negative)" : " with no non-finite value counted"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition ", id, ": the statistics' squared norm is ", given.sq_norm,
+                     given.sq_norm < 0 ? " (negative)" : " with no non-finite value counted"));
   }
   return absl::OkStatus();
 }
@@ -94,9 +95,8 @@ void StepRunner::Measurer() {
   absl::MutexLock lock(&mu_);
   for (;;) {
     mu_.Await(absl::Condition(
-        +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return !r->measures_.empty() || r->stopping_;
-        },
+        +[](StepRunner* r)
+             ABSL_NO_THREAD_SAFETY_ANALYSIS { return !r->measures_.empty() || r->stopping_; },
         this));
     if (measures_.empty()) return;
     Measure m = std::move(measures_.front());
@@ -104,7 +104,7 @@ void StepRunner::Measurer() {
     mu_.Unlock();
     Sync(StepPoint::kMeasuring);
     AccumulateChunks(*m.set, m.item).IgnoreError();  // recorded in the set (accum_lost)
-    m = Measure{};  // the session may go now, outside the lock
+    m = Measure{};                                   // the session may go now, outside the lock
     mu_.Lock();
   }
 }
@@ -124,9 +124,8 @@ absl::Status StepRunner::AccumulateChunks(PartitionSet& set, const AccumulateIte
           absl::StrCat("accumulating the gradients of partition ", id, " (chunk ", done, " of ",
                        item.chunks, "): ", pins.status().message(),
                        item.reclaim ? "; the buffer is still handed over: fetch it again"
-                       : item.first || done == 0
-                           ? "; nothing was accumulated, return them again"
-                           : "; the accumulation is lost: skip this step"));
+                       : item.first || done == 0 ? "; nothing was accumulated, return them again"
+                                                 : "; the accumulation is lost: skip this step"));
       break;
     }
     AccumulateTask task;
@@ -156,7 +155,7 @@ StepRunner::~StepRunner() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  worker_.join();  // runs the steps already started to their end
+  worker_.join();    // runs the steps already started to their end
   measurer_.join();  // and the measurements
 }
 
@@ -164,7 +163,8 @@ void StepRunner::Worker() {
   absl::MutexLock lock(&mu_);
   for (;;) {
     mu_.Await(absl::Condition(
-        +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !r->jobs_.empty() || r->stopping_; },
+        +[](StepRunner* r)
+             ABSL_NO_THREAD_SAFETY_ANALYSIS { return !r->jobs_.empty() || r->stopping_; },
         this));
     if (jobs_.empty()) return;
     Job job = std::move(jobs_.front());
@@ -177,8 +177,8 @@ void StepRunner::Worker() {
   }
 }
 
-absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h,
-                                            bool skip, absl::Span<const ParamGroup> groups) {
+absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h, bool skip,
+                                            absl::Span<const ParamGroup> groups) {
   ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip, groups));
   if (prepared.done) return prepared.summary;
   return Execute(set, h, std::move(prepared));
@@ -214,8 +214,7 @@ absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionSet& set,
     if (!skip) {
       absl::Status valid = ValidateHyperparams(gh);
       if (!valid.ok()) {
-        return absl::Status(valid.code(),
-                            absl::StrCat("param group ", g, ": ", valid.message()));
+        return absl::Status(valid.code(), absl::StrCat("param group ", g, ": ", valid.message()));
       }
     }
     p.group_hyperparams.push_back(gh);
@@ -297,11 +296,11 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
       if (!got.ok()) {
         // The pool is full of this group: update it, then try again.
         if (!tasks.empty() && absl::IsResourceExhausted(got.status())) break;
-        status = absl::Status(
-            got.status().code(),
-            absl::StrCat("step of session ", set.session_id(), " stopped at chunk ",
-                         units[next].chunk, " of partition ", item.id,
-                         " (the next Step resumes there): ", got.status().message()));
+        status =
+            absl::Status(got.status().code(),
+                         absl::StrCat("step of session ", set.session_id(), " stopped at chunk ",
+                                      units[next].chunk, " of partition ", item.id,
+                                      " (the next Step resumes there): ", got.status().message()));
         break;
       }
       const uint64_t n = got->end - got->begin;
@@ -314,7 +313,7 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
       span.exp_avg = reinterpret_cast<float*>(got->exp_avg.data());
       span.exp_avg_sq = reinterpret_cast<float*>(got->exp_avg_sq.data());
       tasks.push_back(task);
-      init_from.push_back(!item.init_master ? nullptr
+      init_from.push_back(!item.init_master                ? nullptr
                           : got->current.data() != nullptr ? got->current.data()
                                                            : got->params.data());
       group_bytes += 3 * got->master.size() + got->params.size() + got->accum.size();
@@ -349,8 +348,8 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyp
           WidenToFloat(init_from[t], span.working_dtype, span.master, span.numel);
         }
       }
-      absl::Status updated = optimizer_->Update(
-          absl::MakeConstSpan(tasks).subspan(run_begin, run_end - run_begin), h);
+      absl::Status updated =
+          optimizer_->Update(absl::MakeConstSpan(tasks).subspan(run_begin, run_end - run_begin), h);
       compute_nanos += NanosSince(computing);
       if (!updated.ok()) {
         status = updated;  // the runs before stay applied

@@ -92,15 +92,15 @@ struct ParamGroup {
 // Named points inside Run(), for tests that need a deterministic
 // interleaving with other calls (RocksDB's sync points, in small).
 enum class StepPoint {
-  kPinned,     // after BeginStep, before the optimizer runs
+  kPinned,       // after BeginStep, before the optimizer runs
   kGroupPinned,  // a group of chunks is pinned, before its update
-  kRunDone,    // after one optimizer call over some of a group's chunks
-               // (ending where a partition does, or with the group), its
-               // finished partitions out of the step
-  kGroupDone,  // after a group of chunks was updated and its finished
-               // partitions left the step
-  kOptimized,  // after the optimizer, before EndStep
-  kMeasuring,  // on the measuring thread, before it measures handed-over gradients
+  kRunDone,      // after one optimizer call over some of a group's chunks
+                 // (ending where a partition does, or with the group), its
+                 // finished partitions out of the step
+  kGroupDone,    // after a group of chunks was updated and its finished
+                 // partitions left the step
+  kOptimized,    // after the optimizer, before EndStep
+  kMeasuring,    // on the measuring thread, before it measures handed-over gradients
 };
 
 // The checks StepRunner::Accumulate makes of the trainer's statistics of
@@ -147,15 +147,14 @@ class StepRunner {
   // accumulators first (PartitionSet::BeginReclaim); a fetch with grads and
   // a checkpoint call it. The swapper's errors if a copy fails (the
   // gradients stay in the buffer then).
-  absl::Status Reclaim(PartitionSet& set, absl::Span<const uint64_t> ids)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Reclaim(PartitionSet& set, absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
 
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.
   // `groups`: INVALID_ARGUMENT for a partition named twice or bad
   // hyperparameters, NOT_FOUND for one the set does not hold.
-  absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h,
-                                  bool skip = false, absl::Span<const ParamGroup> groups = {});
+  absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h, bool skip = false,
+                                  absl::Span<const ParamGroup> groups = {});
 
   // The overlapped step: decides as Run does (its errors, a skip) and
   // returns at once; the update runs on the runner's worker thread, in the

@@ -2,7 +2,7 @@
 // gradients, clipping across ranks, loss scaling, the overlapped step,
 // param groups, the delayed update, gradients handed over and their
 // statistics.
-#include "engine/trainer_testing.h"
+#include "engine/step_runner.h"
 
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -24,11 +24,11 @@
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "engine/partition_store.h"
-#include "engine/test_engine.h"
-#include "ipc/request_ring.h"
 #include "engine/session_manager.h"
-#include "engine/step_runner.h"
+#include "engine/test_engine.h"
+#include "engine/trainer_testing.h"
 #include "gtest/gtest.h"
+#include "ipc/request_ring.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
@@ -47,10 +47,10 @@ using namespace ::offload::trainer_testing;  // NOLINT: the tests' shared vocabu
 TEST(OutOfCore, FourMicroBatchesEqualOneBigBatch) {
   int dir = 0;
   for (const PlacementChange& placement : {All(100), All(0)}) {
-    const bool on_nvme = !placement[DataKind::kParams].has_value() ||
-                         *placement[DataKind::kParams] == 0;
+    const bool on_nvme =
+        !placement[DataKind::kParams].has_value() || *placement[DataKind::kParams] == 0;
     TestEngine engine(TmpDir("acc" + std::to_string(dir++)),
-                  on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+                      on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
     Trainer micro(&engine, placement), big(&engine, placement);
     auto g = [](int step, int mb, size_t part, uint64_t j) {
       return 0.01f * std::sin(0.1f * static_cast<float>(j) + 1.3f * static_cast<float>(mb) +
@@ -103,9 +103,8 @@ TEST(OutOfCore, NonFiniteMicroBatchesAndExplicitSkipsChangeNothing) {
   Trainer t(&engine, All(100));
   const std::string before = t.Params();
   t.ReturnGradientsOf([](size_t, uint64_t j) { return 0.01f * static_cast<float>(j % 7); });
-  t.ReturnGradientsOf([](size_t part, uint64_t j) {
-    return part == 1 && j == 5 ? std::nanf("") : 0.001f;
-  });
+  t.ReturnGradientsOf(
+      [](size_t part, uint64_t j) { return part == 1 && j == 5 ? std::nanf("") : 0.001f; });
   ExpectPendingNonFiniteSkipTheStep(t, 1, before);
   EXPECT_EQ(t.Pending()->partitions, 0u);
   t.ReturnGradientsOf([](size_t, uint64_t) { return 0.5f; });
@@ -191,7 +190,7 @@ TEST(OutOfCore, OverlappedStepsTrainLikeSynchronousOnes) {
     const bool on_nvme = *placement[DataKind::kParams] == 0;
     TestEngine sync_engine(TmpDir("ov" + std::to_string(dir++)), 64 << 20);
     TestEngine engine(TmpDir("ov" + std::to_string(dir++)),
-                  on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+                      on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
     Trainer sync(&sync_engine, placement), overlapped(&engine, placement);
     for (int step = 1; step <= 4; ++step) {
       sync.ReturnGradients(step);
@@ -313,7 +312,7 @@ TEST(OutOfCore, DelayedUpdateIsExactlyOneStepStale) {
   for (const PlacementChange& placement : {All(100), All(0)}) {
     const bool on_nvme = *placement[DataKind::kParams] == 0;
     TestEngine engine(TmpDir("dpu" + std::to_string(dir++)),
-                  on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+                      on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
     Trainer dpu(&engine, placement), ref(&engine, placement);
     ASSERT_TRUE(engine.sessions->SetDelayedUpdate(dpu.key(), true).ok());
     // Gradients as a function of the parameters a trainer read.
@@ -344,8 +343,8 @@ TEST(OutOfCore, DelayedUpdateIsExactlyOneStepStale) {
     // (EXPECT_TRUE on equality: a mismatch would print megabytes.)
     EXPECT_TRUE(dpu_reads[0] == ref_reads[0]);
     for (size_t k = 1; k + 1 < dpu_reads.size(); ++k) {
-      EXPECT_TRUE(dpu_reads[k + 1] == ref_reads[k]) << "iteration " << k + 2
-                                                    << (on_nvme ? " on NVMe" : "");
+      EXPECT_TRUE(dpu_reads[k + 1] == ref_reads[k])
+          << "iteration " << k + 2 << (on_nvme ? " on NVMe" : "");
     }
     for (size_t a = 0; a < dpu_reads.size(); ++a) {
       std::string row;
@@ -449,7 +448,7 @@ void InEveryPlacementWithAndWithoutDelayedUpdate(const std::string& name, Body b
     const bool on_nvme = *placement[DataKind::kParams] == 0;
     for (bool dpu : {false, true}) {
       TestEngine engine(TmpDir(name + std::to_string(dir++)),
-                    on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
+                        on_nvme ? RoundUpToPage(TotalBytes() / 2) : 64 << 20);
       Trainer handing(&engine, placement), other(&engine, placement);
       handing.HandOver(true);
       if (dpu) {
@@ -477,8 +476,8 @@ TEST(OutOfCore, HandedOverGradientsTrainBitForBitLikeAccumulatedOnes) {
           auto a = handed.Pending(), b = kept.Pending();
           ASSERT_TRUE(a.ok() && b.ok());
           EXPECT_EQ(std::memcmp(&a->stats.sq_norm, &b->stats.sq_norm, sizeof(double)), 0)
-              << where << " step " << step << ": " << a->stats.sq_norm << " vs "
-              << b->stats.sq_norm << " over " << a->partitions << "/" << b->partitions;
+              << where << " step " << step << ": " << a->stats.sq_norm << " vs " << b->stats.sq_norm
+              << " over " << a->partitions << "/" << b->partitions;
           EXPECT_EQ(a->stats.nonfinite, b->stats.nonfinite);
           ASSERT_TRUE(handed.Step().ok()) << where;
           ASSERT_TRUE(kept.Step().ok()) << where;
@@ -599,43 +598,41 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
 // and the update reads the buffers as it reads measured ones, training bit
 // for bit alike. In memory and on NVMe, with and without the delayed update.
 TEST(OutOfCore, GradientStatsFromTheTrainerAreTakenAsMeasured) {
-  InEveryPlacementWithAndWithoutDelayedUpdate("given", [](TestEngine& engine, Trainer& given,
-                                                          Trainer& measured,
-                                                          const std::string& where) {
-    std::vector<GradStats> gave(kSizes.size());
-    given.GiveStats([&gave](size_t i, absl::Span<const float> g) {
-      return gave[i] = SerialStats(g);
-    });
-    measured.HandOver(true);
-    std::atomic<int> measurings{0};
-    engine.steps->SetSyncPointForTesting([&measurings](StepPoint point) {
-      if (point == StepPoint::kMeasuring) ++measurings;
-    });
-    for (int step = 1; step <= 3; ++step) {
-      measured.ReturnGradients(step);
-      auto b = measured.Pending();  // after its measuring
-      ASSERT_TRUE(b.ok());
-      const int measurings_before = measurings.load();
-      const int64_t given_before = engine.stats.gradient_stats_given.load();
-      given.ReturnGradients(step);
-      auto a = given.Pending();
-      ASSERT_TRUE(a.ok());
-      EXPECT_EQ(measurings.load(), measurings_before) << where;
-      EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
-                static_cast<int64_t>(kSizes.size()))
-          << where;
-      EXPECT_EQ(a->partitions, kSizes.size());
-      EXPECT_DOUBLE_EQ(a->stats.sq_norm, gave[0].sq_norm + gave[1].sq_norm + gave[2].sq_norm)
-          << where;
-      // The same gradients, summed in another order.
-      EXPECT_NEAR(a->stats.sq_norm, b->stats.sq_norm, 1e-6 * b->stats.sq_norm) << where;
-      EXPECT_EQ(a->stats.nonfinite, 0u);
-      ASSERT_TRUE(given.Step().ok()) << where;
-      ASSERT_TRUE(measured.Step().ok()) << where;
-      EXPECT_TRUE(given.Params() == measured.Params()) << where << " step " << step;
-    }
-    engine.steps->SetSyncPointForTesting(nullptr);
-  });
+  InEveryPlacementWithAndWithoutDelayedUpdate(
+      "given", [](TestEngine& engine, Trainer& given, Trainer& measured, const std::string& where) {
+        std::vector<GradStats> gave(kSizes.size());
+        given.GiveStats(
+            [&gave](size_t i, absl::Span<const float> g) { return gave[i] = SerialStats(g); });
+        measured.HandOver(true);
+        std::atomic<int> measurings{0};
+        engine.steps->SetSyncPointForTesting([&measurings](StepPoint point) {
+          if (point == StepPoint::kMeasuring) ++measurings;
+        });
+        for (int step = 1; step <= 3; ++step) {
+          measured.ReturnGradients(step);
+          auto b = measured.Pending();  // after its measuring
+          ASSERT_TRUE(b.ok());
+          const int measurings_before = measurings.load();
+          const int64_t given_before = engine.stats.gradient_stats_given.load();
+          given.ReturnGradients(step);
+          auto a = given.Pending();
+          ASSERT_TRUE(a.ok());
+          EXPECT_EQ(measurings.load(), measurings_before) << where;
+          EXPECT_EQ(engine.stats.gradient_stats_given.load() - given_before,
+                    static_cast<int64_t>(kSizes.size()))
+              << where;
+          EXPECT_EQ(a->partitions, kSizes.size());
+          EXPECT_DOUBLE_EQ(a->stats.sq_norm, gave[0].sq_norm + gave[1].sq_norm + gave[2].sq_norm)
+              << where;
+          // The same gradients, summed in another order.
+          EXPECT_NEAR(a->stats.sq_norm, b->stats.sq_norm, 1e-6 * b->stats.sq_norm) << where;
+          EXPECT_EQ(a->stats.nonfinite, 0u);
+          ASSERT_TRUE(given.Step().ok()) << where;
+          ASSERT_TRUE(measured.Step().ok()) << where;
+          EXPECT_TRUE(given.Params() == measured.Params()) << where << " step " << step;
+        }
+        engine.steps->SetSyncPointForTesting(nullptr);
+      });
 }
 
 // What the trainer's statistics decide, and where they are not taken: a
@@ -667,18 +664,18 @@ TEST(OutOfCore, GradientStatsFromTheTrainerAreCheckedAndDecideTheSkip) {
   };
   for (const Bad& bad : {Bad{false, {1.0, 0}}, Bad{true, {-1.0, 0}}, Bad{true, {std::nan(""), 0}},
                          Bad{true, {1.0, p.numel + 1}}}) {
-    const absl::Status s = engine.sessions->ReturnGradients(t.key(), p.id, p.numel,
-                                                            DType::kFp32, bad.hand_over, bad.stats);
+    const absl::Status s = engine.sessions->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32,
+                                                            bad.hand_over, bad.stats);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("partition " + std::to_string(p.id)), std::string::npos) << s;
   }
   EXPECT_EQ(t.Pending()->partitions, 0u);
   // Still held: returned again, with statistics in range (a NaN norm with
   // the non-finite values counted, as a sum over them gives), it is taken.
-  ASSERT_TRUE(engine.sessions
-                  ->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32, true,
-                                    GradStats{std::nan(""), 2})
-                  .ok());
+  ASSERT_TRUE(
+      engine.sessions
+          ->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32, true, GradStats{std::nan(""), 2})
+          .ok());
   ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
   ExpectPendingNonFiniteSkipTheStep(t, 2, before);
 
@@ -855,9 +852,9 @@ TEST(OutOfCore, MeasuringInTheBackgroundKeepsTheLearnedOrder) {
       ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p.id}, WithGrads()).ok());
       auto* g = reinterpret_cast<float*>(t.arena().data() + p.grads.offset);
       for (uint64_t j = 0; j < p.numel; ++j) g[j] = 0.001f * static_cast<float>((j + step) % 7);
-      ASSERT_TRUE(engine.sessions
-                      ->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32, /*hand_over=*/true)
-                      .ok());
+      ASSERT_TRUE(
+          engine.sessions->ReturnGradients(t.key(), p.id, p.numel, DType::kFp32, /*hand_over=*/true)
+              .ok());
       ASSERT_TRUE(engine.sessions->Release(t.key(), {p.id}).ok());
       if (i == static_cast<size_t>(step % 3)) go.Notify();
     }

@@ -44,9 +44,8 @@ class TestEngine {
         sessions(&engine_->sessions()) {}
 
  private:
-  std::unique_ptr<Engine> Make(const std::string& dir, uint64_t pool_bytes,
-                               int64_t prefetch_depth, uint64_t chunk_elems,
-                               uint64_t huge_page_bytes) {
+  std::unique_ptr<Engine> Make(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth,
+                               uint64_t chunk_elems, uint64_t huge_page_bytes) {
     mkdir(dir.c_str(), 0700);
     auto inner = MakeIoBackend(IoOptions{});
     EXPECT_TRUE(inner.ok()) << inner.status();

@@ -26,11 +26,11 @@
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "engine/partition_store.h"
-#include "engine/test_engine.h"
-#include "ipc/request_ring.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
+#include "engine/test_engine.h"
 #include "gtest/gtest.h"
+#include "ipc/request_ring.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
@@ -38,7 +38,6 @@
 #include "swapper/swapper.h"
 
 namespace offload::trainer_testing {
-
 
 inline constexpr uint64_t kChunkElems = 4096;  // 16 KiB per kind and chunk
 // Three partitions of different sizes: 5 + 2 + 1 chunks (the last partial).
@@ -107,8 +106,8 @@ inline bool AwaitAWaitForStep(TestEngine& engine, int64_t before) {
 
 // The check of OverlappedStepWhereOnlyThePendingFetchWaits (void, for its
 // ASSERTs).
-inline void ExpectOnlyThePendingFetchWaits(TestEngine& engine, const SessionKey& key, uint64_t updated,
-                                    uint64_t pending, StepGate& gate) {
+inline void ExpectOnlyThePendingFetchWaits(TestEngine& engine, const SessionKey& key,
+                                           uint64_t updated, uint64_t pending, StepGate& gate) {
   const int64_t waits = engine.stats.waits_for_step.load();
   auto got = engine.sessions->Fetch(key, {updated});
   ASSERT_TRUE(got.ok()) << got.status();
@@ -309,14 +308,16 @@ inline PlacementChange StateAt(int percent) {
   return change;
 }
 
-inline std::string TmpDir(const std::string& name) { return std::string(getenv("TEST_TMPDIR")) + "/" + name; }
+inline std::string TmpDir(const std::string& name) {
+  return std::string(getenv("TEST_TMPDIR")) + "/" + name;
+}
 
 // fp16 loss scaling in the daemon: an overflow on any rank (the trainer's
 // global flag) skips the step, changes nothing and lowers the scale; the
 // pending norm is the unscaled gradient's; clean steps unscale in the
 // update's pass (the same bits as returning unscaled gradients).
 inline void LossScalingSkipsOverflowsAndUnscales(const PlacementChange& placement,
-                                          const std::string& dir) {
+                                                 const std::string& dir) {
   TestEngine engine(TmpDir(dir), 64 << 20);
   LossScalingOptions o;
   o.initial_scale = 1024;

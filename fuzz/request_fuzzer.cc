@@ -28,9 +28,9 @@
 #include "cpu_adam/optimizer.h"
 #include "daemon/access_guard.h"
 #include "daemon/call_gate.h"
+#include "daemon/service.h"
 #include "engine/engine.h"
 #include "engine/partition_store.h"
-#include "daemon/service.h"
 #include "engine/session_manager.h"
 #include "engine/stats.h"
 #include "engine/step_runner.h"
@@ -64,10 +64,10 @@ enum Method {
   kMethods
 };
 const char* const kNames[kMethods] = {
-    "OpenSession",    "CloseSession",        "RegisterPartition", "FetchParams",
+    "OpenSession",       "CloseSession",     "RegisterPartition",   "FetchParams",
     "ReleasePartitions", "ReturnGradients",  "GetPendingGradients", "Step",
-    "WaitStep",       "SetDelayedUpdate",    "SetPlacement",      "Checkpoint",
-    "WaitCheckpoint", "ResumeSession"};
+    "WaitStep",          "SetDelayedUpdate", "SetPlacement",        "Checkpoint",
+    "WaitCheckpoint",    "ResumeSession"};
 
 // Decodes `body` as M, points it at `session`, encodes it again; unchanged
 // if it does not decode.

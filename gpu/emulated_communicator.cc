@@ -29,10 +29,11 @@ struct EmulatedCommunicator::Call {
     } else {
       for (const ScatterItem& s : scatters) sizes.push_back(s.count);
     }
-    return absl::StrCat(gather ? "all-gather" : (op == ReduceOp::kAvg ? "reduce-scatter (avg)"
-                                                                       : "reduce-scatter (sum)"),
-                        " of ", sizes.size(), " items (", absl::StrJoin(sizes, ", "),
-                        gather ? " bytes)" : " floats)");
+    return absl::StrCat(
+        gather ? "all-gather"
+               : (op == ReduceOp::kAvg ? "reduce-scatter (avg)" : "reduce-scatter (sum)"),
+        " of ", sizes.size(), " items (", absl::StrJoin(sizes, ", "),
+        gather ? " bytes)" : " floats)");
   }
   bool Matches(const Call& o) const {
     if (gather != o.gather || op != o.op || gathers.size() != o.gathers.size() ||
@@ -70,18 +71,17 @@ struct EmulatedCommunicator::Group {
       Run(seq, round);
       round.done = true;
     } else {
-      auto done = [&round, this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-        return round.done || !broken.ok();
-      };
+      auto done = [&round, this]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return round.done || !broken.ok(); };
       if (!mu.AwaitWithTimeout(absl::Condition(&done), timeout) && broken.ok()) {
         std::vector<int> missing;
         for (int r = 0; r < size; ++r) {
           if (round.calls[r] == nullptr) missing.push_back(r);
         }
-        broken = absl::DeadlineExceededError(absl::StrCat(
-            "collective #", seq, " (", round.calls[rank]->Describe(), "): rank(s) ",
-            absl::StrJoin(missing, ", "), " did not issue it within ",
-            absl::FormatDuration(timeout)));
+        broken = absl::DeadlineExceededError(
+            absl::StrCat("collective #", seq, " (", round.calls[rank]->Describe(), "): rank(s) ",
+                         absl::StrJoin(missing, ", "), " did not issue it within ",
+                         absl::FormatDuration(timeout)));
       }
     }
     if (++round.left == round.arrived && (round.done || !broken.ok())) rounds.erase(seq);
@@ -91,9 +91,9 @@ struct EmulatedCommunicator::Group {
     const Call& first = *round.calls[0];
     for (int r = 1; r < size; ++r) {
       if (!round.calls[r]->Matches(first)) {
-        broken = absl::FailedPreconditionError(
-            absl::StrCat("collective #", seq, ": rank 0 issued ", first.Describe(), ", rank ", r,
-                         " ", round.calls[r]->Describe()));
+        broken = absl::FailedPreconditionError(absl::StrCat("collective #", seq, ": rank 0 issued ",
+                                                            first.Describe(), ", rank ", r, " ",
+                                                            round.calls[r]->Describe()));
         return;
       }
     }
@@ -195,9 +195,8 @@ absl::Status EmulatedCommunicator::Issue(Call call, const Stream& stream) {
   auto shared = std::make_shared<std::unique_ptr<Call>>(std::make_unique<Call>(std::move(call)));
   std::shared_ptr<Group> group = group_;
   const int rank = rank_;
-  return device_->Launch(stream, [group, seq, rank, shared]() {
-    group->Arrive(seq, rank, std::move(*shared));
-  });
+  return device_->Launch(
+      stream, [group, seq, rank, shared]() { group->Arrive(seq, rank, std::move(*shared)); });
 }
 
 }  // namespace offload::gpu

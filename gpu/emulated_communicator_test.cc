@@ -80,10 +80,10 @@ TEST(EmulatedCommunicatorTest, ReduceScatterSumsOrAveragesEachRanksPart) {
     for (int to = 0; to < 2; ++to) {
       for (int j = 0; j < 3; ++j) send[to * 3 + j] = (r + 1.0f) * (10.0f * to + j);
     }
-    ASSERT_TRUE(ranks.comms[r]
-                    ->ReduceScatter({{send.data(), sum[r].data(), 3}}, ReduceOp::kSum,
-                                    ranks.streams[r])
-                    .ok());
+    ASSERT_TRUE(
+        ranks.comms[r]
+            ->ReduceScatter({{send.data(), sum[r].data(), 3}}, ReduceOp::kSum, ranks.streams[r])
+            .ok());
     // In place: the result lands on this rank's own part of its input.
     avg[r] = send;
     ASSERT_TRUE(ranks.comms[r]

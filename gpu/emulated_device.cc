@@ -55,7 +55,8 @@ struct EmulatedDevice::StreamState {
 };
 
 EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options)
-    : options_(options), host_stream_(std::make_unique<StreamState>()),
+    : options_(options),
+      host_stream_(std::make_unique<StreamState>()),
       rng_(options.seed * 0x9E3779B97F4A7C15ull + 1) {
   host_stream_->host = true;
 }
@@ -71,9 +72,9 @@ absl::StatusOr<DeviceMemory> EmulatedDevice::Allocate(uint64_t bytes) {
   const uint64_t rounded = RoundUp(std::max<uint64_t>(bytes, 1));
   absl::MutexLock lock(&mu_);
   if (rounded > options_.memory_bytes - used_) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "emulated device: allocating %d bytes: %d of %d bytes free", bytes,
-        options_.memory_bytes - used_, options_.memory_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("emulated device: allocating %d bytes: %d of %d bytes free", bytes,
+                        options_.memory_bytes - used_, options_.memory_bytes));
   }
   void* p = std::aligned_alloc(kAlignment, rounded);
   if (p == nullptr) return absl::ResourceExhaustedError("emulated device: host out of memory");
@@ -108,12 +109,12 @@ absl::StatusOr<HostRegistration> EmulatedDevice::RegisterHost(void* data, uint64
   absl::MutexLock lock(&mu_);
   auto next = registered_.lower_bound(begin);
   const bool overlaps_next = next != registered_.end() && next->first < begin + bytes;
-  const bool overlaps_prev = next != registered_.begin() &&
-                             std::prev(next)->first + std::prev(next)->second > begin;
+  const bool overlaps_prev =
+      next != registered_.begin() && std::prev(next)->first + std::prev(next)->second > begin;
   if (overlaps_next || overlaps_prev) {
     // cudaErrorHostMemoryAlreadyRegistered
-    return absl::AlreadyExistsError(absl::StrFormat(
-        "emulated device: %d bytes at %p overlap a registered range", bytes, data));
+    return absl::AlreadyExistsError(
+        absl::StrFormat("emulated device: %d bytes at %p overlap a registered range", bytes, data));
   }
   registered_[begin] = bytes;
   registered_bytes_ += bytes;
@@ -173,8 +174,7 @@ absl::Status EmulatedDevice::CopyAsync(void* dst, const void* src, uint64_t byte
       rng_ ^= rng_ << 13;
       rng_ ^= rng_ >> 7;
       rng_ ^= rng_ << 17;
-      op.delay = options_.max_copy_delay *
-                 (static_cast<double>(rng_ % 1000000) / 1000000.0);
+      op.delay = options_.max_copy_delay * (static_cast<double>(rng_ % 1000000) / 1000000.0);
     }
   }
   return Enqueue(StateOf(stream), std::move(op));
@@ -266,7 +266,8 @@ void EmulatedDevice::RunOp(StreamState* s, Op& op) {
     case Op::kRecord: {
       absl::MutexLock lock(&mu_);
       op.event->completed = std::max(op.event->completed, op.generation);
-      if (!s->pending_error.ok()) op.event->error = std::exchange(s->pending_error, absl::OkStatus());
+      if (!s->pending_error.ok())
+        op.event->error = std::exchange(s->pending_error, absl::OkStatus());
       return;
     }
     case Op::kWait: {
@@ -287,9 +288,8 @@ void EmulatedDevice::Worker(StreamState* s) {
     {
       absl::MutexLock lock(&s->mu);
       s->mu.Await(absl::Condition(
-          +[](StreamState* st) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return st->stop || !st->queue.empty();
-          },
+          +[](StreamState* st)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return st->stop || !st->queue.empty(); },
           s));
       if (s->queue.empty()) return;  // stopping, and drained
       op = std::move(s->queue.front());

@@ -33,11 +33,13 @@ TEST(EmulatedDeviceTest, RoundTripWithEventsAndOrderAcrossStreams) {
   ASSERT_TRUE(h2d.ok() && d2h.ok() && copied.ok() && back.ok());
   std::vector<char> src(4 << 20), dst(4 << 20, 0);
   for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<char>(i * 7);
-  ASSERT_TRUE(dev.CopyAsync(mem->get(), src.data(), src.size(), Direction::kHostToDevice, *h2d).ok());
+  ASSERT_TRUE(
+      dev.CopyAsync(mem->get(), src.data(), src.size(), Direction::kHostToDevice, *h2d).ok());
   ASSERT_TRUE(dev.Record(*copied, *h2d).ok());
   // The second stream waits for the first: its copy sees the whole of it.
   ASSERT_TRUE(dev.WaitOn(*d2h, *copied).ok());
-  ASSERT_TRUE(dev.CopyAsync(dst.data(), mem->get(), dst.size(), Direction::kDeviceToHost, *d2h).ok());
+  ASSERT_TRUE(
+      dev.CopyAsync(dst.data(), mem->get(), dst.size(), Direction::kDeviceToHost, *d2h).ok());
   ASSERT_TRUE(dev.Record(*back, *d2h).ok());
   ASSERT_TRUE(dev.Synchronize(*back).ok());
   EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
@@ -61,9 +63,8 @@ TEST(EmulatedDeviceTest, FailedCopySurfacesOnceAtTheNextEvent) {
   auto s = dev.CreateStream();
   auto e = dev.CreateEvent();
   ASSERT_TRUE(mem.ok() && s.ok() && e.ok());
-  dev.SetCopyFault([](void*, const void*, uint64_t, Direction) {
-    return absl::DataLossError("injected");
-  });
+  dev.SetCopyFault(
+      [](void*, const void*, uint64_t, Direction) { return absl::DataLossError("injected"); });
   char host[4096] = {};
   ASSERT_TRUE(dev.CopyAsync(mem->get(), host, 4096, Direction::kHostToDevice, *s).ok());
   ASSERT_TRUE(dev.Record(*e, *s).ok());
@@ -87,12 +88,14 @@ TEST(EmulatedDeviceTest, StreamsCompleteOutOfOrder) {
   char host[256] = {};
   for (int round = 0; round < 40; ++round) {
     for (int i = 0; i < 2; ++i) {
-      ASSERT_TRUE(dev.CopyAsync(mem->get(), host, sizeof(host), Direction::kHostToDevice,
-                                streams[i]).ok());
-      ASSERT_TRUE(dev.Launch(streams[i], [&, i] {
-        absl::MutexLock l(&mu);
-        finished.push_back(i);
-      }).ok());
+      ASSERT_TRUE(
+          dev.CopyAsync(mem->get(), host, sizeof(host), Direction::kHostToDevice, streams[i]).ok());
+      ASSERT_TRUE(dev.Launch(streams[i],
+                             [&, i] {
+                               absl::MutexLock l(&mu);
+                               finished.push_back(i);
+                             })
+                      .ok());
     }
   }
   streams.clear();  // drains and joins
@@ -112,9 +115,8 @@ TEST(EmulatedDeviceTest, RegistrationOverlapAndInjectedFailure) {
             absl::StatusCode::kAlreadyExists);
   r->Reset();
   EXPECT_EQ(dev.registered_bytes(), 0u);
-  dev.SetRegisterFault([](void*, uint64_t) {
-    return absl::ResourceExhaustedError("RLIMIT_MEMLOCK");
-  });
+  dev.SetRegisterFault(
+      [](void*, uint64_t) { return absl::ResourceExhaustedError("RLIMIT_MEMLOCK"); });
   EXPECT_EQ(dev.RegisterHost(host.data(), host.size()).status().code(),
             absl::StatusCode::kResourceExhausted);
 }

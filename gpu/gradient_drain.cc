@@ -26,10 +26,13 @@ absl::StatusOr<std::unique_ptr<GradientDrain>> GradientDrain::Create(Device* dev
       device, sink, std::move(stream), std::move(producer_done), std::move(staging)));
 }
 
-GradientDrain::GradientDrain(Device* device, GradientSink* sink, Stream stream,
-                             Event producer_done, PinnedMemory staging)
-    : device_(device), sink_(sink), stream_(std::move(stream)),
-      producer_done_(std::move(producer_done)), staging_(std::move(staging)) {}
+GradientDrain::GradientDrain(Device* device, GradientSink* sink, Stream stream, Event producer_done,
+                             PinnedMemory staging)
+    : device_(device),
+      sink_(sink),
+      stream_(std::move(stream)),
+      producer_done_(std::move(producer_done)),
+      staging_(std::move(staging)) {}
 
 GradientDrain::~GradientDrain() {
   absl::MutexLock lock(&mu_);
@@ -103,9 +106,9 @@ GradientDrain::Done GradientDrain::Finish(Copy& c, absl::Status status) {
   if (status.ok() && c.staged != nullptr) std::memcpy(c.host.data, c.staged, c.bytes);
   if (!status.ok()) {
     ++stats_.copy_failures;
-    status = absl::Status(status.code(),
-                          absl::StrFormat("copy of gradient %d (%d bytes) from %s failed: %s",
-                                          c.key, c.bytes, device_->name(), status.message()));
+    status = absl::Status(
+        status.code(), absl::StrFormat("copy of gradient %d (%d bytes) from %s failed: %s", c.key,
+                                       c.bytes, device_->name(), status.message()));
   }
   return Done{c.key, std::move(status)};
 }

@@ -39,10 +39,12 @@ TEST_P(GradientDrainTest, CopiesWaitForTheProducerAndArriveWhole) {
     grads.push_back(*dev.Allocate(bytes));
     char* g = static_cast<char*>(grads.back().get());
     // "backward" writes the gradient late on its stream; the copy must see it.
-    ASSERT_TRUE(dev.Launch(*producer, [g, k, bytes] {
-      absl::SleepFor(absl::Milliseconds(2));
-      std::memset(g, 'a' + k, bytes);
-    }).ok());
+    ASSERT_TRUE(dev.Launch(*producer,
+                           [g, k, bytes] {
+                             absl::SleepFor(absl::Milliseconds(2));
+                             std::memset(g, 'a' + k, bytes);
+                           })
+                    .ok());
     ASSERT_TRUE((*drain)->Add(k, g, bytes, *producer).ok());
   }
   std::vector<GradientDrain::Done> done = (*drain)->Completed(/*wait=*/true);
@@ -67,9 +69,8 @@ TEST(GradientDrainFailureTest, AFailedCopyIsReportedWithItsKey) {
   ASSERT_TRUE(drain.ok());
   auto g = dev.Allocate(4096);
   ASSERT_TRUE(g.ok());
-  dev.SetCopyFault([](void*, const void*, uint64_t, Direction) {
-    return absl::DataLossError("injected");
-  });
+  dev.SetCopyFault(
+      [](void*, const void*, uint64_t, Direction) { return absl::DataLossError("injected"); });
   Stream host = dev.BorrowStream(nullptr);
   ASSERT_TRUE((*drain)->Add(7, g->get(), 4096, host).ok());
   // Too large for its buffer: reported too, not written.

@@ -38,15 +38,15 @@ absl::Status NcclError(absl::string_view what, ncclResult_t r) {
     default:
       break;
   }
-  return absl::Status(code, absl::StrCat(what, ": ", ncclGetErrorString(r), " (NCCL ",
-                                         static_cast<int>(r), ")"));
+  return absl::Status(
+      code, absl::StrCat(what, ": ", ncclGetErrorString(r), " (NCCL ", static_cast<int>(r), ")"));
 }
 
 absl::Status SetDevice(int ordinal) {
   if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::FailedPreconditionError(absl::StrCat("cudaSetDevice(", ordinal,
-                                                      "): ", cudaGetErrorString(err)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cudaSetDevice(", ordinal, "): ", cudaGetErrorString(err)));
   }
   return absl::OkStatus();
 }
@@ -138,11 +138,11 @@ absl::StatusOr<std::string> NewNcclId() {
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> OpenNcclCommunicator(int ordinal,
-                                                                   absl::string_view id,
-                                                                   int rank, int size) {
+                                                                   absl::string_view id, int rank,
+                                                                   int size) {
   if (id.size() != NCCL_UNIQUE_ID_BYTES) {
-    return absl::InvalidArgumentError(absl::StrCat("an NCCL id has ", NCCL_UNIQUE_ID_BYTES,
-                                                   " bytes, not ", id.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("an NCCL id has ", NCCL_UNIQUE_ID_BYTES, " bytes, not ", id.size()));
   }
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", size));
@@ -152,9 +152,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> OpenNcclCommunicator(int ordinal,
   std::memcpy(unique.internal, id.data(), id.size());
   ncclComm_t comm = nullptr;
   if (ncclResult_t r = ncclCommInitRank(&comm, size, unique, rank); r != ncclSuccess) {
-    return NcclError(absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ",
-                                  ordinal, ")"),
-                     r);
+    return NcclError(
+        absl::StrCat("ncclCommInitRank (rank ", rank, " of ", size, ", device ", ordinal, ")"), r);
   }
   return std::unique_ptr<Communicator>(new NcclCommunicator(comm, ordinal, rank, size));
 }

@@ -40,8 +40,8 @@ absl::StatusOr<std::string> NewNcclId();
 // (the one the trainer's gpu::Device is; its streams carry the collectives).
 // Blocks until every rank joined.
 absl::StatusOr<std::unique_ptr<Communicator>> OpenNcclCommunicator(int ordinal,
-                                                                   absl::string_view id,
-                                                                   int rank, int size);
+                                                                   absl::string_view id, int rank,
+                                                                   int size);
 
 }  // namespace offload::gpu
 

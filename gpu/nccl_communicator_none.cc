@@ -17,8 +17,10 @@ namespace {
 
 absl::Status NoNccl(absl::string_view what) {
   return absl::FailedPreconditionError(absl::StrCat(
-      what, ": offloadd was built without NCCL (the build looks in $CUDA_PATH, else "
-      "/usr/local/cuda, now " OFFLOADD_CUDA_PATH ", for include/nccl.h and "
+      what,
+      ": offloadd was built without NCCL (the build looks in $CUDA_PATH, else "
+      "/usr/local/cuda, now " OFFLOADD_CUDA_PATH
+      ", for include/nccl.h and "
       "lib64/libnccl.so.2); install NCCL into the toolkit, then rebuild (bazel sync --configure "
       "first if CUDA_PATH did not change)"));
 }

@@ -29,10 +29,10 @@ absl::StatusOr<std::unique_ptr<ParamCache>> ParamCache::Create(Device* device, H
     }
     absl::StatusOr<DeviceMemory> m = device->Allocate(options.budget_bytes);
     if (!m.ok()) {
-      return absl::Status(m.status().code(),
-                          absl::StrFormat("the GPU tier's parameter budget (%d bytes) on %s: %s",
-                                          options.budget_bytes, device->name(),
-                                          m.status().message()));
+      return absl::Status(
+          m.status().code(),
+          absl::StrFormat("the GPU tier's parameter budget (%d bytes) on %s: %s",
+                          options.budget_bytes, device->name(), m.status().message()));
     }
     slab = *std::move(m);
   }
@@ -47,9 +47,14 @@ absl::StatusOr<std::unique_ptr<ParamCache>> ParamCache::Create(Device* device, H
 
 ParamCache::ParamCache(Device* device, HostSource* source, ParamCacheOptions options,
                        DeviceMemory slab, Stream copy_stream, Event fence, PinnedMemory staging)
-    : device_(device), source_(source), budget_(slab.bytes() / kAlignment * kAlignment),
-      slab_(std::move(slab)), copy_stream_(std::move(copy_stream)), fence_(std::move(fence)),
-      staging_(std::move(staging)), options_(options) {
+    : device_(device),
+      source_(source),
+      budget_(slab.bytes() / kAlignment * kAlignment),
+      slab_(std::move(slab)),
+      copy_stream_(std::move(copy_stream)),
+      fence_(std::move(fence)),
+      staging_(std::move(staging)),
+      options_(options) {
   if (options_.max_live_bytes == 0 || options_.max_live_bytes > budget_) {
     options_.max_live_bytes = budget_;
   }
@@ -75,8 +80,8 @@ absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uin
     if (it != by_key_.end()) {
       const Entry& e = entries_[it->second];
       if (e.bytes != bytes) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "tensor %d declared with %d bytes and now %d", key, e.bytes, bytes));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("tensor %d declared with %d bytes and now %d", key, e.bytes, bytes));
       }
       if (std::find(unit.entries.begin(), unit.entries.end(), it->second) != unit.entries.end()) {
         return absl::InvalidArgumentError(absl::StrFormat("tensor %d named twice in a unit", key));
@@ -373,16 +378,17 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
       continue;
     }
     ++stats_.copy_failures;
-    const std::string what = absl::StrFormat(
-        "copy of tensor %d (%d bytes) to %s failed: %s; the host copy is intact", e.key, e.bytes,
-        device_->name(), status.message());
+    const std::string what =
+        absl::StrFormat("copy of tensor %d (%d bytes) to %s failed: %s; the host copy is intact",
+                        e.key, e.bytes, device_->name(), status.message());
     Forget(e);
     if (e.used_in_flight || e.pins > 0) {
       // Reported by Synchronize, once; the next use copies again.
       if (failed_after_use_.ok()) {
         failed_after_use_ = absl::AbortedError(absl::StrCat(
-            what, "; a use of it was already issued, so this iteration's results are not valid: "
-                  "run it again"));
+            what,
+            "; a use of it was already issued, so this iteration's results are not valid: "
+            "run it again"));
       }
     } else {
       e.state = State::kFailed;
@@ -443,8 +449,8 @@ void ParamCache::Prefetch() {
 absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& compute) {
   absl::MutexLock lock(&mu_);
   if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat("no unit %d (%d declared)", unit,
-                                                      units_.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("no unit %d (%d declared)", unit, units_.size()));
   }
   Reap(/*wait=*/false);
   // A failed copy is reported once, at the unit's next use; the one after
@@ -495,8 +501,7 @@ absl::Status ParamCache::Done(int unit, const Stream& compute) {
   Unit& u = units_[unit];
   for (int i : u.entries) {
     if (entries_[i].pins == 0) {
-      return absl::FailedPreconditionError(
-          absl::StrFormat("Done(%d) without a Use of it", unit));
+      return absl::FailedPreconditionError(absl::StrFormat("Done(%d) without a Use of it", unit));
     }
   }
   if (!u.released) {
@@ -516,8 +521,8 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   Reap(/*wait=*/true);
   for (const Entry& e : entries_) {
     if (e.pins > 0) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "the parameters changed while tensor %d is in use on the device", e.key));
+      return absl::FailedPreconditionError(
+          absl::StrFormat("the parameters changed while tensor %d is in use on the device", e.key));
     }
   }
   RETURN_IF_ERROR(device_->Record(fence_, compute));

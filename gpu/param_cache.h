@@ -43,8 +43,8 @@
 #include <deque>
 #include <limits>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -177,8 +177,8 @@ class ParamCache {
     State state = State::kAbsent;
     int pins = 0;  // units in use holding it
     bool persistent = false;
-    bool prefetched = false;  // copied ahead of its use, not yet used
-    bool used_in_flight = false;  // a use was issued while its copy ran
+    bool prefetched = false;       // copied ahead of its use, not yet used
+    bool used_in_flight = false;   // a use was issued while its copy ran
     std::shared_ptr<Batch> batch;  // while kCopying
     // A Done of one of its units was recorded since it was copied.
     bool released_recorded = false;

@@ -87,15 +87,16 @@ class ParamCacheTest : public ::testing::Test {
     ASSERT_TRUE(offsets.ok()) << offsets.status();
     for (int k = 0; k < per; ++k) {
       const auto& want = source_.data(100 * unit + k);
-      ASSERT_EQ(std::memcmp(static_cast<char*>(cache.slab()) + (*offsets)[k], want.data(),
-                            want.size()),
-                0)
+      ASSERT_EQ(
+          std::memcmp(static_cast<char*>(cache.slab()) + (*offsets)[k], want.data(), want.size()),
+          0)
           << "unit " << unit << " tensor " << k << " seen before its copy completed";
     }
     ASSERT_TRUE(cache.Done(unit, host_).ok());
   }
 
-  EmulatedDevice device_{{.memory_bytes = 64 << 20, .max_copy_delay = absl::Microseconds(300),
+  EmulatedDevice device_{{.memory_bytes = 64 << 20,
+                          .max_copy_delay = absl::Microseconds(300),
                           .copy_chunk_bytes = 4096}};
   Stream host_ = device_.BorrowStream(nullptr);
   FakeSource source_;
@@ -103,7 +104,8 @@ class ParamCacheTest : public ::testing::Test {
 
 TEST_F(ParamCacheTest, UseNeverSeesACopyInFlightAndBudgetHolds) {
   const uint64_t budget = 3 * 2 * (64 << 10);  // three units of the eight
-  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = budget, .prefetch_depth = 2});
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = budget, .prefetch_depth = 2});
   ASSERT_TRUE(cache.ok()) << cache.status();
   Declare(**cache, 8, 2, 64 << 10);
   for (int it = 0; it < 4; ++it) {
@@ -124,8 +126,8 @@ TEST_F(ParamCacheTest, UseNeverSeesACopyInFlightAndBudgetHolds) {
 }
 
 TEST_F(ParamCacheTest, PrefetchFollowsTheRecordedOrderToItsDepth) {
-  auto cache = ParamCache::Create(&device_, &source_,
-                                  {.budget_bytes = 16 << 20, .prefetch_depth = 2});
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 16 << 20, .prefetch_depth = 2});
   ASSERT_TRUE(cache.ok());
   Declare(**cache, 6, 1, 4096);
   const std::vector<int> order = {3, 1, 4, 0, 5, 2};
@@ -156,8 +158,8 @@ TEST_F(ParamCacheTest, PrefetchFollowsTheRecordedOrderToItsDepth) {
 TEST_F(ParamCacheTest, EvictsByNextUse) {
   // Room for three of four units; the order 0 1 2 3 0: at 3, unit 0 is
   // used again and 1, 2 are not, so 1 or 2 goes (LRU would drop 0).
-  auto cache = ParamCache::Create(&device_, &source_,
-                                  {.budget_bytes = 3 * 8192, .prefetch_depth = 0});
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 3 * 8192, .prefetch_depth = 0});
   ASSERT_TRUE(cache.ok());
   Declare(**cache, 4, 1, 8192);
   const std::vector<int> order = {0, 1, 2, 3, 0};
@@ -199,8 +201,8 @@ TEST_F(ParamCacheTest, AFailedPrefetchIsReportedAtTheNextUseAndThenRetried) {
 }
 
 TEST_F(ParamCacheTest, AFailureAfterItsUseWasIssuedAbortsTheIteration) {
-  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20,
-                                                       .prefetch_depth = 0});
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20, .prefetch_depth = 0});
   ASSERT_TRUE(cache.ok());
   Declare(**cache, 1, 1, 8192);
   device_.SetCopyFault([](void*, const void*, uint64_t, Direction) {
@@ -223,8 +225,8 @@ TEST_F(ParamCacheTest, AFailureAfterItsUseWasIssuedAbortsTheIteration) {
 TEST_F(ParamCacheTest, ACopyNeverOverwritesWhatComputeStillReads) {
   // Room for one unit: B goes where A was, and its copy must wait for the
   // "kernel" reading A on an asynchronous compute stream.
-  auto cache = ParamCache::Create(&device_, &source_,
-                                  {.budget_bytes = 64 << 10, .prefetch_depth = 0});
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 64 << 10, .prefetch_depth = 0});
   ASSERT_TRUE(cache.ok());
   Declare(**cache, 2, 1, 64 << 10);
   auto compute = device_.CreateStream();
@@ -237,10 +239,13 @@ TEST_F(ParamCacheTest, ACopyNeverOverwritesWhatComputeStillReads) {
     ASSERT_TRUE(offsets.ok()) << offsets.status();
     const char* at = static_cast<char*>((*cache)->slab()) + (*offsets)[0];
     const std::vector<uint8_t>* want = &source_.data(100 * u);
-    ASSERT_TRUE(device_.Launch(*compute, [&, at, want] {
-      absl::SleepFor(absl::Milliseconds(20));
-      good += std::memcmp(at, want->data(), want->size()) == 0;
-    }).ok());
+    ASSERT_TRUE(device_
+                    .Launch(*compute,
+                            [&, at, want] {
+                              absl::SleepFor(absl::Milliseconds(20));
+                              good += std::memcmp(at, want->data(), want->size()) == 0;
+                            })
+                    .ok());
     ASSERT_TRUE((*cache)->Done(u, *compute).ok());
   }
   ASSERT_TRUE(device_.Record(*end, *compute).ok());
@@ -267,8 +272,8 @@ TEST_F(ParamCacheTest, InvalidateCopiesTheNewValues) {
 
 TEST_F(ParamCacheTest, UnregisteredHostMemoryGoesThroughStaging) {
   source_.dma_ = false;
-  auto cache = ParamCache::Create(&device_, &source_,
-                                  {.budget_bytes = 8 << 20, .staging_bytes = 1 << 20});
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 8 << 20, .staging_bytes = 1 << 20});
   ASSERT_TRUE(cache.ok());
   Declare(**cache, 4, 1, 1536 << 10);  // larger than the staging buffer
   for (int it = 0; it < 2; ++it) {

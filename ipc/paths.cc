@@ -57,9 +57,9 @@ absl::Status CheckPrivateDir(const std::string& dir) {
   struct stat st;
   if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat ", dir), errno);
   if (st.st_uid != geteuid() && st.st_uid != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        dir, " belongs to uid ", st.st_uid, ", not to this user (uid ", geteuid(),
-        "); use a directory of your own"));
+    return absl::FailedPreconditionError(absl::StrCat(dir, " belongs to uid ", st.st_uid,
+                                                      ", not to this user (uid ", geteuid(),
+                                                      "); use a directory of your own"));
   }
   if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
     return absl::FailedPreconditionError(absl::StrFormat(

@@ -33,8 +33,7 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration ti
 }
 
 void FutexWake(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
-          0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
@@ -48,8 +47,8 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
       return absl::UnavailableError("offloadd went away (its arena channel connection closed)");
     }
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("no answer through the request ring within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(absl::StrCat("no answer through the request ring within ",
+                                                      absl::FormatDuration(timeout)));
     }
     return absl::OkStatus();
   };

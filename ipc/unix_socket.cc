@@ -21,9 +21,9 @@ absl::StatusOr<sockaddr_un> UnixAddress(const std::string& path) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Unix socket path must be 1 to ", sizeof(addr.sun_path) - 1, " bytes, got ",
-        path.size(), ": '", path, "'"));
+    return absl::InvalidArgumentError(absl::StrCat("Unix socket path must be 1 to ",
+                                                   sizeof(addr.sun_path) - 1, " bytes, got ",
+                                                   path.size(), ": '", path, "'"));
   }
   std::memcpy(addr.sun_path, path.data(), path.size());
   return addr;
@@ -93,9 +93,9 @@ absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock) {
     }
   }
   if (fds.size() > 1 || (msg.msg_flags & MSG_CTRUNC)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a message may carry at most one descriptor; this one carried ",
-        (msg.msg_flags & MSG_CTRUNC) ? "more than " : "", fds.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a message may carry at most one descriptor; this one carried ",
+                     (msg.msg_flags & MSG_CTRUNC) ? "more than " : "", fds.size()));
   }
   if (!fds.empty()) out.fd = std::move(fds[0]);
   if (n == 0) return absl::UnavailableError("peer closed the Unix socket");

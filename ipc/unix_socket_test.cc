@@ -1,16 +1,15 @@
 #include "ipc/unix_socket.h"
 
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#include <sys/socket.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <vector>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -133,8 +132,7 @@ TEST(FdPassing, ErrorsCarryContext) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(missing.status().message().find("/tmp/offload_no_such_dir/x.sock"), std::string::npos);
   EXPECT_NE(missing.status().message().find("ENOENT"), std::string::npos);
-  EXPECT_EQ(ConnectUnix(std::string(200, 'a')).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ConnectUnix(std::string(200, 'a')).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

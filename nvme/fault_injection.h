@@ -32,7 +32,7 @@ struct FaultRule {
   // Let `skip` matching attempts through, then fire `times` times (-1: always).
   int64_t skip = 0;
   int64_t times = 1;
-    // kError: the errno reported. kShort: report half the bytes, rounded down
+  // kError: the errno reported. kShort: report half the bytes, rounded down
   // to `short_align` (at least one unit); for reads the bytes past that are
   // overwritten, as if never read. kDelay: wait this long first.
   int error = 5;  // EIO

@@ -5,8 +5,8 @@
 namespace offload {
 
 std::string DescribeIo(const IoRequest& r, const std::string& path) {
-  return absl::StrCat(r.op == IoOp::kRead ? "read of " : "write of ", r.length,
-                      " bytes at offset ", r.offset, r.op == IoOp::kRead ? " from " : " to ", path);
+  return absl::StrCat(r.op == IoOp::kRead ? "read of " : "write of ", r.length, " bytes at offset ",
+                      r.offset, r.op == IoOp::kRead ? " from " : " to ", path);
 }
 
 }  // namespace offload

@@ -31,8 +31,8 @@ absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_
   for (size_t i = 0; i < requests.size(); ++i) {
     const IoRequest& r = requests[i];
     if (r.file < 0 || static_cast<size_t>(r.file) >= num_files) {
-      return absl::InvalidArgumentError(absl::StrCat("I/O request names file ", r.file,
-                                                     "; ", num_files, " are registered"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("I/O request names file ", r.file, "; ", num_files, " are registered"));
     }
     if (r.buffer == nullptr && r.length != 0) {
       return absl::InvalidArgumentError("I/O request without a buffer");
@@ -68,8 +68,7 @@ void IoBackendBase::SetResultHookForTesting(IoResultHook hook) {
   hook_ = std::move(hook);
 }
 
-absl::StatusOr<int> IoBackendBase::AddFileEntry(int fd, const std::string& path,
-                                                size_t max_files) {
+absl::StatusOr<int> IoBackendBase::AddFileEntry(int fd, const std::string& path, size_t max_files) {
   absl::MutexLock lock(&table_mu_);
   if (files_.size() >= max_files) {
     return absl::ResourceExhaustedError(
@@ -109,8 +108,8 @@ bool HandleResult(IoChunk& c, int64_t result, const std::string& path, ChunkOutc
   }
   const uint64_t done = static_cast<uint64_t>(result);
   if (done > c.remaining) {
-    outcome->Fail(absl::InternalError(absl::StrCat(DescribeIo(c.AsRequest(), path),
-                                                   ": kernel reported ", done, " bytes")));
+    outcome->Fail(absl::InternalError(
+        absl::StrCat(DescribeIo(c.AsRequest(), path), ": kernel reported ", done, " bytes")));
     return false;
   }
   c.offset += done;

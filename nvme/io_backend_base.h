@@ -49,7 +49,8 @@ absl::Status SplitIntoChunks(absl::Span<const IoRequest> requests, uint64_t max_
 class LiveIoSettings {
  public:
   explicit LiveIoSettings(const IoOptions& o)
-      : queue_depth_(o.queue_depth), request_bytes_(o.request_bytes),
+      : queue_depth_(o.queue_depth),
+        request_bytes_(o.request_bytes),
         submit_batch_(o.submit_batch) {}
 
   absl::Status SetQueueDepth(int64_t depth);

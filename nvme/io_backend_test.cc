@@ -1,5 +1,4 @@
 #include "nvme/io_backend.h"
-#include "nvme/io_backend_factory.h"
 
 #include <sys/statfs.h>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 #include "nvme/dio.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_base.h"
+#include "nvme/io_backend_factory.h"
 
 namespace offload {
 namespace {
@@ -179,8 +179,8 @@ TEST_P(BackendTest, EachRequestIsToldOfOnceItsBytesAreIn) {
   std::vector<std::atomic<bool>> complete(requests.size());
   RequestDone done = [&](size_t r) {
     told[r].fetch_add(1);
-    complete[r].store(std::memcmp(requests[r].buffer, src_.data() + requests[r].offset,
-                                  requests[r].length) == 0);
+    complete[r].store(
+        std::memcmp(requests[r].buffer, src_.data() + requests[r].offset, requests[r].length) == 0);
   };
   FaultRule halves;
   halves.kind = FaultRule::Kind::kShort;

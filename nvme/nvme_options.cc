@@ -17,9 +17,9 @@ std::vector<std::string> NvmeOptions::DirList() const {
 
 absl::Status ValidateRequestBytes(int64_t bytes) {
   if (!kRequestBytesRange.Contains(bytes) || bytes % kIoGranule != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request_bytes must be a multiple of ", kIoGranule, " in [", kRequestBytesRange.min,
-        ", ", kRequestBytesRange.max, "], got ", bytes));
+    return absl::InvalidArgumentError(absl::StrCat("request_bytes must be a multiple of ",
+                                                   kIoGranule, " in [", kRequestBytesRange.min,
+                                                   ", ", kRequestBytesRange.max, "], got ", bytes));
   }
   return absl::OkStatus();
 }

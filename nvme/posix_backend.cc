@@ -84,9 +84,8 @@ void PosixBackend::Work() {
   absl::MutexLock lock(&mu_);
   for (;;) {
     mu_.Await(absl::Condition(
-        +[](PosixBackend* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) {
-          return b->stopping_ || !b->batches_.empty();
-        },
+        +[](PosixBackend* b)
+             ABSL_EXCLUSIVE_LOCKS_REQUIRED(b->mu_) { return b->stopping_ || !b->batches_.empty(); },
         this));
     if (batches_.empty()) return;  // stopping, nothing left
     // A batch is queued exactly while it has chunks to hand out and fewer

@@ -17,7 +17,7 @@
 namespace offload {
 
 absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& options,
-                                                              IoBackend* backend) {
+                                                             IoBackend* backend) {
   const std::vector<std::string> dirs = options.DirList();
   if (dirs.empty()) {
     return absl::InvalidArgumentError("the NVMe tier needs at least one directory");
@@ -28,10 +28,9 @@ absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& 
     const std::string path = absl::StrCat(dir, "/", kFileName);
     ASSIGN_OR_RETURN(file->io, OpenIoFile(path, /*create=*/true, options.direct_io));
     if (flock(file->io.fd.get(), LOCK_EX | LOCK_NB) != 0) {
-      return errno == EWOULDBLOCK
-                 ? absl::FailedPreconditionError(
-                       absl::StrCat(path, " is in use by another offloadd"))
-                 : PosixError(absl::StrCat("locking ", path), errno);
+      return errno == EWOULDBLOCK ? absl::FailedPreconditionError(
+                                        absl::StrCat(path, " is in use by another offloadd"))
+                                  : PosixError(absl::StrCat("locking ", path), errno);
     }
     space->alignment_ = std::max(space->alignment_, file->io.alignment);
     space->files_.push_back(std::move(file));
@@ -102,9 +101,10 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::Allocate(uint64_t bytes) {
       for (const Segment& seg : e.segments) ReturnSegment(seg);  // what it took so far
       std::vector<std::string> free;
       for (const auto& g : files_) free.push_back(absl::StrCat(g->io.path, ": ", g->free));
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "NVMe tier full: an extent of ", bytes, " bytes needs ", share[j], " contiguous bytes in ",
-          f.io.path, "; free bytes per file: ", absl::StrJoin(free, ", ")));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("NVMe tier full: an extent of ", bytes, " bytes needs ", share[j],
+                       " contiguous bytes in ", f.io.path,
+                       "; free bytes per file: ", absl::StrJoin(free, ", ")));
     }
     const uint64_t offset = hole->first, length = hole->second;
     f.holes.erase(hole);
@@ -184,8 +184,7 @@ absl::Status SwapSpace::CheckBuffers(const Buffers& b, bool write) const {
       b.staging.size() < stripe_bytes()) {
     return absl::InvalidArgumentError(absl::StrCat(what, " staging buffer of ", b.staging.size(),
                                                    " bytes must be aligned to ", alignment_,
-                                                   " bytes and hold a stripe of ",
-                                                   stripe_bytes()));
+                                                   " bytes and hold a stripe of ", stripe_bytes()));
   }
   return absl::OkStatus();
 }
@@ -225,9 +224,7 @@ absl::Status SwapSpace::Transfer(
     }
     RequestDone heard;
     if (done) {
-      heard = [&](size_t k) {
-        done(first + k, static_cast<const std::byte*>(window[k].buffer));
-      };
+      heard = [&](size_t k) { done(first + k, static_cast<const std::byte*>(window[k].buffer)); };
     }
     RETURN_IF_ERROR(backend_->Run(window, heard));
     if (op == IoOp::kRead) {
@@ -312,12 +309,9 @@ absl::Status SwapSpace::RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& 
   return absl::OkStatus();
 }
 
-absl::Status SwapSpace::Read(uint64_t id, void* dst) {
-  return ReadInto(id, Buffers::Whole(dst));
-}
+absl::Status SwapSpace::Read(uint64_t id, void* dst) { return ReadInto(id, Buffers::Whole(dst)); }
 
-absl::Status SwapSpace::ReadStaged(uint64_t id, absl::Span<std::byte> staging,
-                                   StagedChunk sink) {
+absl::Status SwapSpace::ReadStaged(uint64_t id, absl::Span<std::byte> staging, StagedChunk sink) {
   return ReadInto(id, Buffers::Staged(staging, sink));
 }
 
@@ -351,10 +345,10 @@ absl::Status SwapSpace::ReadInto(uint64_t id, const Buffers& b) {
 
 absl::Status SwapSpace::Mismatch(const Extent& e, size_t r, uint64_t got) const {
   const IoRequest q = Plan(e, IoOp::kRead, nullptr)[r];
-  return absl::DataLossError(absl::StrCat(
-      "checksum mismatch: stripe ", r, " (", q.length, " bytes at ",
-      files_[(e.first + r) % files_.size()]->io.path, " offset ", q.offset, ") expected ",
-      absl::Hex(e.checksums[r]), ", read ", absl::Hex(got)));
+  return absl::DataLossError(
+      absl::StrCat("checksum mismatch: stripe ", r, " (", q.length, " bytes at ",
+                   files_[(e.first + r) % files_.size()]->io.path, " offset ", q.offset,
+                   ") expected ", absl::Hex(e.checksums[r]), ", read ", absl::Hex(got)));
 }
 
 absl::Status SwapSpace::Free(uint64_t id) {

@@ -45,8 +45,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
-#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
 #include "nvme/nvme_options.h"
@@ -181,8 +181,7 @@ class SwapSpace {
   // stripe r once transferred, `data` being where its bytes are.
   absl::Status Transfer(const Extent& e, IoOp op, const Buffers& b,
                         const std::function<void(size_t r, const std::byte* data)>& done,
-                        const std::function<absl::Status(size_t first, size_t end)>& verify)
-      const;
+                        const std::function<absl::Status(size_t first, size_t end)>& verify) const;
   absl::StatusOr<Extent> WriteNew(uint64_t bytes, const Buffers& b);
   absl::Status ReadInto(uint64_t id, const Buffers& b);
   absl::Status RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& b);

@@ -130,8 +130,8 @@ TEST_F(SwapSpaceTest, ChecksumCatchesCorruptionAndCanBeSwitchedOff) {
   EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
   EXPECT_TRUE(absl::StrContains(r.message(), "checksum mismatch")) << r;
   EXPECT_TRUE(absl::StrContains(r.message(), "extent " + std::to_string(*id))) << r;
-  EXPECT_TRUE(absl::StrContains(r.message(), "stripe 0 (1048576 bytes at " + dir +
-                                                 "/offloadd.swap offset 0)"))
+  EXPECT_TRUE(absl::StrContains(r.message(),
+                                "stripe 0 (1048576 bytes at " + dir + "/offloadd.swap offset 0)"))
       << r;
   // An extent written with checksums off is not verified.
   s->SetChecksum(false);
@@ -170,8 +170,8 @@ TEST_F(SwapSpaceTest, EachStripeIsCheckedAndAMismatchNamesItsFileAndOffset) {
   HostMemory got = *HostMemory::Allocate(RoundUp(bytes, 4096));
   absl::Status r = s->Read(*id, got.data());
   EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss);
-  EXPECT_TRUE(absl::StrContains(r.message(), "stripe 2 (1048576 bytes at " + d0 +
-                                                 "/offloadd.swap offset 1048576)"))
+  EXPECT_TRUE(absl::StrContains(
+      r.message(), "stripe 2 (1048576 bytes at " + d0 + "/offloadd.swap offset 1048576)"))
       << r;
 }
 
@@ -225,12 +225,11 @@ TEST_F(SwapSpaceTest, StagedTransfersMoveWindowsOfStripesAndMatchTheDirectOnes) 
   // A rewrite through staging replaces the contents; the sink's or the
   // source's error stops the transfer and is returned.
   const HostMemory b = Random(kMiB, 22);
-  ASSERT_TRUE(s->RewriteStaged(*direct, kMiB, window,
-                               [&](uint64_t at, absl::Span<std::byte> chunk) {
-                                 std::memcpy(chunk.data(), b.data() + at, chunk.size());
-                                 return absl::OkStatus();
-                               })
-                  .ok());
+  ASSERT_TRUE(
+      s->RewriteStaged(*direct, kMiB, window, [&](uint64_t at, absl::Span<std::byte> chunk) {
+         std::memcpy(chunk.data(), b.data() + at, chunk.size());
+         return absl::OkStatus();
+       }).ok());
   ExpectReadBack(*s, *direct, b, kMiB);
   const uint64_t free_before = s->Stats().free;
   auto refused = s->WriteStaged(bytes, window, [](uint64_t at, absl::Span<std::byte>) {
@@ -239,11 +238,10 @@ TEST_F(SwapSpaceTest, StagedTransfersMoveWindowsOfStripesAndMatchTheDirectOnes) 
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
   EXPECT_EQ(s->Stats().free, free_before);  // its space given back
   int windows = 0;
-  absl::Status stopped =
-      s->ReadStaged(*written, window, [&](uint64_t, absl::Span<std::byte>) {
-        ++windows;
-        return absl::CancelledError("enough");
-      });
+  absl::Status stopped = s->ReadStaged(*written, window, [&](uint64_t, absl::Span<std::byte>) {
+    ++windows;
+    return absl::CancelledError("enough");
+  });
   EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(windows, 1);
 
@@ -285,8 +283,8 @@ TEST_F(SwapSpaceTest, AStagedReadHandsOnNoWindowThatFailsItsChecksum) {
                                  });
   EXPECT_EQ(r.code(), absl::StatusCode::kDataLoss) << r;
   EXPECT_TRUE(absl::StrContains(r.message(), "checksum mismatch")) << r;
-  EXPECT_TRUE(absl::StrContains(r.message(), "stripe 2 (1048576 bytes at " + dir +
-                                                 "/offloadd.swap offset 2097152)"))
+  EXPECT_TRUE(absl::StrContains(
+      r.message(), "stripe 2 (1048576 bytes at " + dir + "/offloadd.swap offset 2097152)"))
       << r;
   EXPECT_EQ(at, std::vector<uint64_t>{0});
 }

@@ -101,9 +101,10 @@ class UringBackend final : public IoBackendBase {
         ClearSlotLocked(index);
         if (!warned_register_) {
           warned_register_ = true;
-          LogWarning("io_uring: cannot register %d bytes as a fixed buffer (%s); using plain "
-                     "buffers (raise RLIMIT_MEMLOCK for fixed-buffer I/O; said once)",
-                     static_cast<int64_t>(iov.iov_len), PosixError("register", -failed).message());
+          LogWarning(
+              "io_uring: cannot register %d bytes as a fixed buffer (%s); using plain "
+              "buffers (raise RLIMIT_MEMLOCK for fixed-buffer I/O; said once)",
+              static_cast<int64_t>(iov.iov_len), PosixError("register", -failed).message());
         }
         return absl::OkStatus();
       }
@@ -155,7 +156,8 @@ class UringBackend final : public IoBackendBase {
     uint64_t length;
   };
 
-  int FixedBufferIndex(const std::byte* p, uint64_t len) const ABSL_SHARED_LOCKS_REQUIRED(buffers_mu_) {
+  int FixedBufferIndex(const std::byte* p, uint64_t len) const
+      ABSL_SHARED_LOCKS_REQUIRED(buffers_mu_) {
     for (size_t i = 0; i < buffers_.size(); ++i) {
       if (buffers_[i].base != nullptr && p >= buffers_[i].base &&
           p + len <= buffers_[i].base + buffers_[i].length) {

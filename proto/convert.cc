@@ -25,9 +25,8 @@ absl::StatusOr<DType> FromProto(v1::DType t, absl::string_view field) {
     case v1::DTYPE_FP16:
       return DType::kFp16;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, " must be DTYPE_FP32, DTYPE_BF16 or DTYPE_FP16, got ",
-                       static_cast<int>(t)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " must be DTYPE_FP32, DTYPE_BF16 or DTYPE_FP16, got ", static_cast<int>(t)));
   }
 }
 

@@ -5,8 +5,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "cpu_adam/types.h"
 #include "cpu_adam/dtype.h"
+#include "cpu_adam/types.h"
 #include "proto/offload.pb.h"
 
 namespace offload {

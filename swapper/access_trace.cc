@@ -34,8 +34,8 @@ void AccessTrace::EndIteration() {
   // Two orders taking turns twice (A B A B: A next), else the newest. Once
   // is not enough: A X A, with X one odd iteration (a skipped step pins no
   // state), would predict X again.
-  const bool alternating = !before_last_.empty() && last_ != before_last_ &&
-                           last_ == third_last_ && before_last_ == fourth_last_;
+  const bool alternating = !before_last_.empty() && last_ != before_last_ && last_ == third_last_ &&
+                           before_last_ == fourth_last_;
   const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
   if (next != trace_) {
     trace_ = next;

@@ -74,8 +74,7 @@ absl::StatusOr<PoolCharge> HostPool::Reserve(uint64_t bytes, absl::string_view w
   return PoolCharge(this, charge);
 }
 
-absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what,
-                                               Pages pages) {
+absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what, Pages pages) {
   const uint64_t charge = Charge(bytes);
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
   absl::StatusOr<HostMemory> memory = env_->Allocate(bytes, pages);

@@ -31,8 +31,10 @@ class PoolMemory {
  public:
   PoolMemory() = default;
   PoolMemory(PoolMemory&& other) noexcept
-      : memory_(std::move(other.memory_)), pool_(std::exchange(other.pool_, nullptr)),
-        charged_(std::exchange(other.charged_, 0)), locked_(std::exchange(other.locked_, false)),
+      : memory_(std::move(other.memory_)),
+        pool_(std::exchange(other.pool_, nullptr)),
+        charged_(std::exchange(other.charged_, 0)),
+        locked_(std::exchange(other.locked_, false)),
         pages_(other.pages_) {}
   PoolMemory& operator=(PoolMemory&& other) noexcept;
   PoolMemory(const PoolMemory&) = delete;
@@ -50,7 +52,10 @@ class PoolMemory {
  private:
   friend class HostPool;
   PoolMemory(HostMemory memory, HostPool* pool, uint64_t charged, bool locked, Pages pages)
-      : memory_(std::move(memory)), pool_(pool), charged_(charged), locked_(locked),
+      : memory_(std::move(memory)),
+        pool_(pool),
+        charged_(charged),
+        locked_(locked),
         pages_(pages) {}
 
   HostMemory memory_;

@@ -1,8 +1,8 @@
 #include "swapper/swapper.h"
 
 #include <chrono>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 
@@ -23,9 +23,9 @@ namespace {
 constexpr uint64_t kStagingBytes = uint64_t{4} << 20;
 
 uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now() - start)
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
 }
 
 // Frees external memory's pages: they leave the memfd (and every mapping of
@@ -105,12 +105,12 @@ struct Swapper::Block {
   int file = -1;
   uint64_t file_offset = 0;
   PoolCharge charge;
-  uint64_t extent = 0;  // the NVMe copy; 0: none (the block is zeros)
-  bool nvme_current = false;  // the NVMe copy equals the host bytes
-  uint64_t version = 0;       // bumped by every write pin
-  uint64_t write_version = 0; // `version` when the write-out in flight was queued
+  uint64_t extent = 0;         // the NVMe copy; 0: none (the block is zeros)
+  bool nvme_current = false;   // the NVMe copy equals the host bytes
+  uint64_t version = 0;        // bumped by every write pin
+  uint64_t write_version = 0;  // `version` when the write-out in flight was queued
   uint64_t last_use = 0;
-  bool prefetched = false;    // brought in by prefetch, not acquired since
+  bool prefetched = false;  // brought in by prefetch, not acquired since
   bool move_queued = false;
   bool removed = false;
   bool dropping = false;  // kOnNvme, its external pages still being freed
@@ -133,9 +133,9 @@ absl::Status Swapper::TakeHostLocked(Block* b) {
   if (b->external != nullptr) {
     ASSIGN_OR_RETURN(b->charge, pool_->Reserve(b->span, what));
   } else {
-    ASSIGN_OR_RETURN(b->host, pool_->Allocate(b->bytes, what,
-                                              b->home == Tier::kHost ? host_home_pages_
-                                                                     : Pages::kHuge));
+    ASSIGN_OR_RETURN(
+        b->host,
+        pool_->Allocate(b->bytes, what, b->home == Tier::kHost ? host_home_pages_ : Pages::kHuge));
   }
   return absl::OkStatus();
 }
@@ -217,7 +217,8 @@ absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& o
 }
 
 Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space)
-    : pool_(pool), space_(space),
+    : pool_(pool),
+      space_(space),
       nvme_capacity_(space == nullptr ? 0 : space->Stats().capacity),
       staging_bytes_(space == nullptr
                          ? 0
@@ -278,9 +279,9 @@ absl::Status Swapper::AddExternal(BlockId id, const ExternalMemory& memory, uint
   std::byte* const data = memory.data;
   const uint64_t page_bytes = memory.page_bytes == 0 ? PageSize() : memory.page_bytes;
   if (page_bytes % PageSize() != 0 || !absl::has_single_bit(page_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "block ", id, ": page size ", page_bytes, " is not a power-of-two multiple of ",
-        PageSize()));
+    return absl::InvalidArgumentError(absl::StrCat("block ", id, ": page size ", page_bytes,
+                                                   " is not a power-of-two multiple of ",
+                                                   PageSize()));
   }
   if (data == nullptr || reinterpret_cast<uintptr_t>(data) % page_bytes != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -745,8 +746,8 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
     if (restricted) return absl::UnavailableError("no block is needed later than this one");
     if (failed_writes_ != failed_writes) {
       return absl::Status(last_write_error_.code(),
-                          absl::StrCat("making room for ", bytes, " bytes in the host pool: ",
-                                       last_write_error_.message()));
+                          absl::StrCat("making room for ", bytes,
+                                       " bytes in the host pool: ", last_write_error_.message()));
     }
     return RoomError(bytes);
   }
@@ -771,9 +772,7 @@ void Swapper::EvictLocked(Block* b) {
   b->write_version = b->version;
   freeing_bytes_ += ChargedOf(*b);
   ++writes_in_flight_;
-  QueueIoLocked([this, id = b->id](HostMemory& staging) {
-    RunIo(id, /*is_write=*/true, staging);
-  });
+  QueueIoLocked([this, id = b->id](HostMemory& staging) { RunIo(id, /*is_write=*/true, staging); });
 }
 
 absl::Status Swapper::StartReadLocked(Block* b) {
@@ -788,9 +787,8 @@ absl::Status Swapper::StartReadLocked(Block* b) {
   }
   b->state = BlockState::kReadingIn;
   ++reads_in_flight_;
-  QueueIoLocked([this, id = b->id](HostMemory& staging) {
-    RunIo(id, /*is_write=*/false, staging);
-  });
+  QueueIoLocked(
+      [this, id = b->id](HostMemory& staging) { RunIo(id, /*is_write=*/false, staging); });
   return absl::OkStatus();
 }
 
@@ -913,8 +911,8 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       stats_.staged_bytes += staged;
       b->extent = new_extent;
       b->nvme_current = b->version == version;
-      const bool still_evictable = b->pins == 0 && b->waiters == 0 && b->nvme_current &&
-                                   b->home == Tier::kNvme;
+      const bool still_evictable =
+          b->pins == 0 && b->waiters == 0 && b->nvme_current && b->home == Tier::kNvme;
       if (still_evictable || b->removed) {
         DropHostLocked(b);
         b->state = BlockState::kOnNvme;
@@ -944,8 +942,8 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       DropHostLocked(b);  // external memory: the half-read pages go too
       b->state = BlockState::kOnNvme;
       b->prefetched = false;
-      b->read_error = absl::Status(
-          status.code(), absl::StrCat("swapping in block ", id, ": ", status.message()));
+      b->read_error = absl::Status(status.code(),
+                                   absl::StrCat("swapping in block ", id, ": ", status.message()));
       ++b->failed_reads;
     }
   }

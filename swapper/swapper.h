@@ -101,30 +101,30 @@ struct ExternalMemory {
 
 struct SwapperStats {
   uint64_t blocks = 0;
-  uint64_t resident_bytes = 0;   // blocks with host memory (any state but kOnNvme)
+  uint64_t resident_bytes = 0;  // blocks with host memory (any state but kOnNvme)
   uint64_t pinned_bytes = 0;
   uint64_t host_home_bytes = 0;  // blocks homed on the host
   uint64_t nvme_home_bytes = 0;  // blocks homed on NVMe
   uint64_t acquires = 0;
-  uint64_t hits = 0;             // resident when acquired
-  uint64_t waited_reads = 0;     // found a swap-in (usually a prefetch) in flight
-  uint64_t misses = 0;           // had to start a swap-in
-  uint64_t prefetches = 0;       // swap-ins started by prefetch
-  uint64_t prefetch_used = 0;    // ... and acquired before being evicted
-  uint64_t prefetch_wasted = 0;  // ... evicted unused
-  uint64_t prefetch_pending = 0; // ... resident, not acquired yet
+  uint64_t hits = 0;              // resident when acquired
+  uint64_t waited_reads = 0;      // found a swap-in (usually a prefetch) in flight
+  uint64_t misses = 0;            // had to start a swap-in
+  uint64_t prefetches = 0;        // swap-ins started by prefetch
+  uint64_t prefetch_used = 0;     // ... and acquired before being evicted
+  uint64_t prefetch_wasted = 0;   // ... evicted unused
+  uint64_t prefetch_pending = 0;  // ... resident, not acquired yet
   uint64_t swap_ins = 0, swap_outs = 0, clean_drops = 0, zero_fills = 0;
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t read_nanos = 0, write_nanos = 0;  // summed over I/O threads
   uint64_t io_errors = 0;
-  uint64_t io_queue = 0;         // I/O tasks queued or running
-  uint64_t relearned = 0;        // trace orders re-learned
-  uint64_t discards = 0;         // blocks whose bytes were dropped as dead
-  uint64_t copy_outs = 0;        // CopyOut calls served from the NVMe copy
+  uint64_t io_queue = 0;                            // I/O tasks queued or running
+  uint64_t relearned = 0;                           // trace orders re-learned
+  uint64_t discards = 0;                            // blocks whose bytes were dropped as dead
+  uint64_t copy_outs = 0;                           // CopyOut calls served from the NVMe copy
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
-  uint64_t staged_bytes = 0;     // of bytes_in and bytes_out, moved through staging
-  uint64_t idle_wakeups = 0;     // an idle I/O thread or the mover woken with nothing to do
-  uint64_t repages = 0;          // blocks moved home to the host, copied to a lease of its pages
+  uint64_t staged_bytes = 0;  // of bytes_in and bytes_out, moved through staging
+  uint64_t idle_wakeups = 0;  // an idle I/O thread or the mover woken with nothing to do
+  uint64_t repages = 0;       // blocks moved home to the host, copied to a lease of its pages
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -141,8 +141,10 @@ class Swapper {
    public:
     Pin() = default;
     Pin(Pin&& other) noexcept
-        : swapper_(std::exchange(other.swapper_, nullptr)), id_(other.id_),
-          data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+        : swapper_(std::exchange(other.swapper_, nullptr)),
+          id_(other.id_),
+          data_(std::exchange(other.data_, nullptr)),
+          size_(std::exchange(other.size_, 0)) {}
     Pin& operator=(Pin&& other) noexcept;
     Pin(const Pin&) = delete;
     Pin& operator=(const Pin&) = delete;
@@ -176,8 +178,7 @@ class Swapper {
   // `trace`. ALREADY_EXISTS, INVALID_ARGUMENT (0 bytes), FAILED_PRECONDITION
   // (NVMe home without an NVMe tier), RESOURCE_EXHAUSTED (host home that the
   // pool cannot hold).
-  absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
   // As Add, but the bytes are the caller's: `memory.data` is a shared
   // mapping of a file (a memfd) that stays mapped until Remove(id) returns.
   // Its pages are freed now: the block starts as zeros, like one from Add.
@@ -228,8 +229,7 @@ class Swapper {
   // rounded up to it (CopyOutBytes), else INVALID_ARGUMENT; NOT_FOUND for an
   // unknown or removed block; a failed read's code (DATA_LOSS for EIO or a
   // checksum mismatch) naming the block.
-  absl::StatusOr<uint64_t> CopyOut(BlockId id, absl::Span<std::byte> dst)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> CopyOut(BlockId id, absl::Span<std::byte> dst) ABSL_LOCKS_EXCLUDED(mu_);
   // The bytes a CopyOut buffer for a block of `bytes` must span.
   uint64_t CopyOutBytes(uint64_t bytes) const;
 
@@ -280,8 +280,8 @@ class Swapper {
 
   Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space);
 
-  absl::Status AddBlock(BlockId id, uint64_t bytes, const ExternalMemory& external,
-                        uint64_t span, Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AddBlock(BlockId id, uint64_t bytes, const ExternalMemory& external, uint64_t span,
+                        Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
   Block* FindLocked(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::byte* DataOf(const Block& b);
   // The pool memory the block needs while resident (an external block's
@@ -333,8 +333,8 @@ class Swapper {
   void QueueIoLocked(IoTask task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunIo(BlockId id, bool is_write, HostMemory& staging) ABSL_LOCKS_EXCLUDED(mu_);
   // The block's bytes to or from NVMe through `staging` and its file.
-  absl::Status StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes,
-                        uint64_t* extent, bool is_write, HostMemory& staging);
+  absl::Status StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes, uint64_t* extent,
+                        bool is_write, HostMemory& staging);
   void IoThread() ABSL_LOCKS_EXCLUDED(mu_);
   void MoverThread() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -369,7 +369,7 @@ class Swapper {
   absl::CondVar move_work_;
   absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, AccessTrace> traces_ ABSL_GUARDED_BY(mu_);
-  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU time, one tick per Acquire
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;          // LRU time, one tick per Acquire
   uint64_t freeing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // charged to write-outs in flight
   uint64_t writes_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reads_in_flight_ ABSL_GUARDED_BY(mu_) = 0;

@@ -9,8 +9,7 @@ void BindSwapperTunables(SwapperOptions* o, ConfigRegistry* r) {
   r->Bind("swapper.prefetch_bytes", &o->prefetch_bytes,
           {"bytes", "prefetch at most this many bytes ahead", true, kPrefetchBytesRange});
   r->Bind("swapper.io_threads", &o->io_threads,
-          {"threads", "threads performing swap-ins and write-outs", false,
-           kSwapperIoThreadsRange});
+          {"threads", "threads performing swap-ins and write-outs", false, kSwapperIoThreadsRange});
 }
 
 }  // namespace offload

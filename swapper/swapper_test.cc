@@ -13,13 +13,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/env.h"
 #include "base/host_memory.h"
 #include "base/smaps_testing.h"
 #include "base/unique_fd.h"
-#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
@@ -120,8 +120,7 @@ class SwapperTest : public ::testing::Test {
   }
   // The I/O thread about to write (or read) block `id` stops there:
   // `reached` is notified, and it goes on once `release` is.
-  void HoldIo(uint64_t id, bool write, absl::Notification* reached,
-              absl::Notification* release) {
+  void HoldIo(uint64_t id, bool write, absl::Notification* reached, absl::Notification* release) {
     swapper_->SetIoHookForTesting([=](uint64_t block, bool is_write) {
       if (block == id && is_write == write) {
         reached->Notify();
@@ -203,8 +202,7 @@ TEST_F(SwapperTest, HostPlacedBlocksAreNeverEvicted) {
   // The pool cannot hold more host-placed blocks than it has room for.
   ASSERT_TRUE(swapper_->Add(101, kMiB, Tier::kHost, 7).ok());
   ASSERT_TRUE(swapper_->Add(102, kMiB, Tier::kHost, 7).ok());
-  EXPECT_EQ(swapper_->Add(103, kMiB, Tier::kHost, 7).code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(swapper_->Add(103, kMiB, Tier::kHost, 7).code(), absl::StatusCode::kResourceExhausted);
 }
 
 // A block homed on the host lives on the pages SwapperOptions::host_home_pages
@@ -362,8 +360,7 @@ TEST_F(SwapperTest, AFailedWriteOutKeepsTheBlockAndTheNextOneWorks) {
   // untouched.
   auto two = swapper_->Acquire(2, true);
   EXPECT_EQ(two.status().code(), absl::StatusCode::kResourceExhausted) << two.status();
-  EXPECT_NE(two.status().message().find("writing block 1 out"), std::string::npos)
-      << two.status();
+  EXPECT_NE(two.status().message().find("writing block 1 out"), std::string::npos) << two.status();
   EXPECT_EQ(StateOf(1), BlockState::kResident);
   EXPECT_EQ(swapper_->Stats().io_errors, 1u);
   // Short writes are completed by the engine; data survives them.
@@ -395,8 +392,8 @@ TEST_F(SwapperTest, EvictsTheBlockNeededFarthestAway) {
   swapper_->EndIteration(7);
   ASSERT_EQ(StateOf(4), BlockState::kResident);
   ASSERT_EQ(StateOf(2), BlockState::kResident);
-  const std::vector<std::vector<uint64_t>> resident_after = {
-      {1, 2}, {1, 2}, {1, 3}, {1, 3}, {1, 4}, {1, 2}};
+  const std::vector<std::vector<uint64_t>> resident_after = {{1, 2}, {1, 2}, {1, 3},
+                                                             {1, 3}, {1, 4}, {1, 2}};
   const uint64_t hits_before = swapper_->Stats().hits;
   for (size_t i = 0; i < order.size(); ++i) {
     ExpectHolds(order[i], static_cast<uint32_t>(order[i]));
@@ -582,7 +579,7 @@ TEST_F(SwapperTest, AWritePinWhileTheWriteIsQueuedKeepsTheChange) {
   release.Notify();
   swapper_->WaitIdle();
   ASSERT_EQ(StateOf(2), BlockState::kResident);  // pinned: it stayed
-  Fill(*two, 99);  // the update lands after that write
+  Fill(*two, 99);                                // the update lands after that write
   two->Reset();
   swapper_->SetIoHookForTesting(nullptr);
   pool_->SetLimit(2 * kMiB);
@@ -663,10 +660,8 @@ TEST_F(SwapperTest, ResidentMemoryStaysWithinThePool) {
   for (uint64_t id = 1; id <= 16; ++id) ExpectHolds(id, static_cast<uint32_t>(id + 2));
   peak = std::max(peak, ResidentBytes());
   // The pool plus a little for stacks and allocator slack.
-  EXPECT_LE(peak, baseline + kPool + 4 * kMiB)
-      << "peak " << peak << " baseline " << baseline;
+  EXPECT_LE(peak, baseline + kPool + 4 * kMiB) << "peak " << peak << " baseline " << baseline;
 }
-
 
 // Memory the caller maps from a memfd, as a session arena is mapped by the
 // daemon and by its trainer: the swapper writes it out, frees its pages and

@@ -50,9 +50,8 @@ float Value(uint64_t seed, uint64_t i) {
 std::vector<std::string> DaemonFlags(const std::string& nvme) {
   // State: 4 kinds x 2.3 MiB = 9.2 MiB on NVMe; the pool holds the working
   // copies and gradients (3.5 MiB) and a quarter of the state.
-  return {"--nvme.dirs=" + nvme, "--nvme.bytes_per_dir=128MiB",
-          "--memory.host_budget_bytes=6MiB", "--placement.optimizer_state_host_percent=0",
-          "--placement.state_chunk_bytes=256KiB"};
+  return {"--nvme.dirs=" + nvme, "--nvme.bytes_per_dir=128MiB", "--memory.host_budget_bytes=6MiB",
+          "--placement.optimizer_state_host_percent=0", "--placement.state_chunk_bytes=256KiB"};
 }
 
 using Params = std::vector<std::vector<float>>;
@@ -76,8 +75,8 @@ class Job {
     session_ = *std::move(s);
     parts_.clear();
     for (size_t t = 0; t < std::size(kNumel); ++t) {
-      auto p = session_->Register("w" + std::to_string(t), kNumel[t], DType::kBf16,
-                                  DType::kFp32, /*fp32_master=*/true);
+      auto p = session_->Register("w" + std::to_string(t), kNumel[t], DType::kBf16, DType::kFp32,
+                                  /*fp32_master=*/true);
       if (!p.ok()) return p.status();
       if (p->restored != !restore_from.empty()) return absl::InternalError("restored flag");
       if (!p->restored) {
@@ -230,7 +229,8 @@ TEST(Crash, KillNineAnywhereThenRestoreContinuesBitForBit) {
       }
       if (phase.load() == std::string("training while the checkpoint is written")) {
         // Alive to the end: the checkpoint may still be being written.
-        if (job.session().WaitCheckpoint().ok()) phase = "idle: training and the checkpoint were done";
+        if (job.session().WaitCheckpoint().ok())
+          phase = "idle: training and the checkpoint were done";
       }
       killer.join();
       // The daemon died at `phase` (or after all of it).
@@ -304,7 +304,8 @@ TEST(Offloadctl, ChecksPointsASessionByIdAndExportsSafetensors) {
   ASSERT_EQ(fread(&n, 8, 1, f), 1u);
   std::string header(n, '\0');
   ASSERT_EQ(fread(header.data(), 1, n, f), n);
-  const std::string w0 = "\"w0\":{\"dtype\":\"F32\",\"shape\":[300000],\"data_offsets\":[0,1200000]}";
+  const std::string w0 =
+      "\"w0\":{\"dtype\":\"F32\",\"shape\":[300000],\"data_offsets\":[0,1200000]}";
   ASSERT_NE(header.find(w0), std::string::npos) << header;
   std::vector<float> master(kNumel[0]);
   ASSERT_EQ(fread(master.data(), 4, master.size(), f), master.size());

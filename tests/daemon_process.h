@@ -113,8 +113,7 @@ struct CommandResult {
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv);
 
 // Starts `argv` without waiting, its stdout and stderr going to `output`.
-absl::StatusOr<pid_t> SpawnProcess(const std::vector<std::string>& argv,
-                                   const std::string& output);
+absl::StatusOr<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& output);
 
 }  // namespace offload::testing
 

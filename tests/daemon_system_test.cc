@@ -12,8 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -590,8 +590,7 @@ TEST_F(DaemonTest, GpuTiersReportToTheDaemonAndTakeItsPrefetchSettings) {
   bad.h2d_staged_bytes = 20;
   auto refused = s->ReportGpuTier(bad);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), "staged 20 of 10"))
-      << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "staged 20 of 10")) << refused.status();
   EXPECT_EQ(find(Stats())->h2d_bytes, (*tier)->stats().params.h2d_bytes);
 }
 
@@ -931,7 +930,9 @@ TEST_F(DaemonTest, ABurstOfCallsMakesBoundedThreads) {
         v1::GetStatsResponse resp;
         grpc::ClientContext ctx;
         grpc::Status s = stub->GetStats(&ctx, {}, &resp);
-        (s.ok() ? ok : s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ? exhausted : other)++;
+        (s.ok()                                                   ? ok
+         : s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED ? exhausted
+                                                                  : other)++;
       }
     });
   }
@@ -1275,9 +1276,9 @@ Placement AllAt(int percent) {
 
 // The tiered store end to end: the demo MLP with its parameters, gradients
 // and optimizer state all on the NVMe tier, its optimizer state (with the
-// gradient accumulator) alone over four times the host pool, trains to exactly the losses of the same model with
-// everything in memory, following the residency contract (the demo holds
-// one partition at a time).
+// gradient accumulator) alone over four times the host pool, trains to exactly the losses of the
+// same model with everything in memory, following the residency contract (the demo holds one
+// partition at a time).
 TEST(DaemonStartup, EverythingOnNvmeTrainsTheDemoToTheSameLosses) {
   char dir[] = "/tmp/offloadd_ooc.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
@@ -1413,12 +1414,11 @@ void ExpectResidentMemoryWithinThePool(const std::string& chunk, bool huge_pages
   // The daemon's own memory besides the pool: code, gRPC's and the thread
   // pools' stacks and arenas, the allocator.
   constexpr uint64_t kOverhead = 48 * kMiB;
-  auto d = DaemonProcess::Start({std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=800MiB",
-                                 "--memory.host_budget_bytes=64MiB",
-                                 "--placement.params_host_percent=0",
-                                 "--placement.grads_host_percent=0",
-                                 "--placement.optimizer_state_host_percent=0",
-                                 "--placement.state_chunk_bytes=" + chunk});
+  auto d = DaemonProcess::Start(
+      {std::string("--nvme.dirs=") + dir, "--nvme.bytes_per_dir=800MiB",
+       "--memory.host_budget_bytes=64MiB", "--placement.params_host_percent=0",
+       "--placement.grads_host_percent=0", "--placement.optimizer_state_host_percent=0",
+       "--placement.state_chunk_bytes=" + chunk});
   ASSERT_TRUE(d.ok()) << d.status();
   auto c = Client::Connect({(*d)->address()});
   ASSERT_TRUE(c.ok());
@@ -1476,10 +1476,11 @@ void ExpectResidentMemoryWithinThePool(const std::string& chunk, bool huge_pages
   ASSERT_GT(peak_kib, 0u);
   const uint64_t peak = peak_kib * 1024;
   ::testing::Test::RecordProperty("peak_rss_bytes", std::to_string(peak));
-  std::printf("daemon peak RSS %.1f MiB, anonymous and arena pages at most %.1f MiB when "
-              "sampled; pool %.0f MiB + stated overhead %.0f MiB\n",
-              static_cast<double>(peak) / kMiB, static_cast<double>(sampled_peak) / kMiB,
-              static_cast<double>(kPool) / kMiB, static_cast<double>(kOverhead) / kMiB);
+  std::printf(
+      "daemon peak RSS %.1f MiB, anonymous and arena pages at most %.1f MiB when "
+      "sampled; pool %.0f MiB + stated overhead %.0f MiB\n",
+      static_cast<double>(peak) / kMiB, static_cast<double>(sampled_peak) / kMiB,
+      static_cast<double>(kPool) / kMiB, static_cast<double>(kOverhead) / kMiB);
   EXPECT_LE(peak, kPool + kOverhead);
   EXPECT_GE(arena_peak, 2 * kMiB);  // a held partition's parameters were counted
   EXPECT_LE(sampled_peak, kPool + kOverhead);
@@ -1622,9 +1623,9 @@ TEST(DaemonStartup, NvmeTierStartsReportsAndTunesLive) {
   EXPECT_NE(access((a + "/offloadd.swap").c_str(), F_OK), 0);  // scratch removed
 
   // A directory that does not exist stops start-up with the reason.
-  auto bad = ::offload::testing::RunCommand(
-      {"daemon/offloadd", std::string("--server.data_dir=") + dir + "/data",
-       "--nvme.dirs=/nonexistent/nvme0"});
+  auto bad = ::offload::testing::RunCommand({"daemon/offloadd",
+                                             std::string("--server.data_dir=") + dir + "/data",
+                                             "--nvme.dirs=/nonexistent/nvme0"});
   ASSERT_TRUE(bad.ok());
   EXPECT_EQ(bad->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(bad->output, "/nonexistent/nvme0")) << bad->output;
@@ -1685,8 +1686,7 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
   SmallFilesystem small("size=4m");
   if (!small.mounted()) GTEST_SKIP() << small.why_not();
   const char* dir = small.path();
-  auto d = DaemonProcess::Start(
-      {absl::StrCat("--nvme.dirs=", dir), "--nvme.bytes_per_dir=64MiB"});
+  auto d = DaemonProcess::Start({absl::StrCat("--nvme.dirs=", dir), "--nvme.bytes_per_dir=64MiB"});
   ASSERT_FALSE(d.ok());
   EXPECT_TRUE(absl::StrContains(d.status().message(), "exited with 1")) << d.status();
   EXPECT_TRUE(absl::StrContains(d.status().message(), "RESOURCE_EXHAUSTED: NVMe tier (nvme.dirs)"))

@@ -143,8 +143,13 @@ TEST_F(Zero3Test, AUnitIsGatheredPerBucketAndGradientsAveragedIntoTheDaemon) {
     ASSERT_TRUE((*tier)->EndIteration().ok());
     // beta1 = beta2 = 0, eps = lr = 1e6: the update is 1e6 g / (|g| +
     // 1e6), a function of the averaged gradient alone.
-    AdamHyperparams sgd{/*lr=*/1e6, /*beta1=*/0, /*beta2=*/0, /*eps=*/1e6, /*weight_decay=*/0,
-                        /*decoupled_weight_decay=*/true, /*bias_correction=*/false};
+    AdamHyperparams sgd{/*lr=*/1e6,
+                        /*beta1=*/0,
+                        /*beta2=*/0,
+                        /*eps=*/1e6,
+                        /*weight_decay=*/0,
+                        /*decoupled_weight_decay=*/true,
+                        /*bias_correction=*/false};
     auto step = s->Step(sgd);
     ASSERT_TRUE(step.ok()) << step.status();
     EXPECT_EQ(step->partitions_updated, 3u);
@@ -201,10 +206,9 @@ TEST_F(Zero3Test, BadShapesAreRefusedAndNothingIsIssued) {
   void* none[1] = {nullptr};
   EXPECT_EQ((*zero3)->Gather(0, none, *compute).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ranks.comms[0]->collectives(), 0u);
-  EXPECT_EQ(Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {.bucket_bytes = 0})
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {.bucket_bytes = 0}).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 // The C++ GPU demo: two ranks train the MLP with ZeRO-3 through offloadd
@@ -217,7 +221,7 @@ TEST_F(Zero3Test, TheGpuDemoTrainsLikeTheHostInProcess) {
     constexpr int kRanks = 2;
     Ranks ranks = MakeRanks(kRanks);
     std::vector<absl::StatusOr<demo::GpuTrainResult>> results(kRanks,
-                                                               absl::UnknownError("not run"));
+                                                              absl::UnknownError("not run"));
     Each(kRanks, [&](int me) {
       auto kernels = demo::MakeEmulatedMlpKernels(ranks.devices[me].get());
       demo::GpuRank rank;
@@ -250,9 +254,10 @@ TEST_F(Zero3Test, TheGpuDemoTrainsLikeTheHostInProcess) {
 // The same demo binary on CUDA with NCCL (one rank): skips where the
 // machine has no CUDA device or the build no toolkit.
 TEST_F(Zero3Test, TheGpuDemoOnCudaWithNccl) {
-  const std::string cmd = absl::StrCat("client/demo/offload_gpu_demo --device=cuda --steps=60 "
-                                       "--address=",
-                                       daemon_->address(), " 2>&1");
+  const std::string cmd = absl::StrCat(
+      "client/demo/offload_gpu_demo --device=cuda --steps=60 "
+      "--address=",
+      daemon_->address(), " 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
   ASSERT_NE(p, nullptr);
   std::string out;

@@ -9,6 +9,7 @@ packages=(
   libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-torch python3-tqdm python3-matplotlib fio libcpp-httplib-dev
   clang-14 libfuzzer-14-dev  # tools/fuzz.sh: the libFuzzer targets in fuzz/
+  clang-format-14  # tools/format.sh: the house style
   libopenblas0-pthread  # torch's BLAS: Debian's python3-torch falls back to reference BLAS (~1 GFLOP/s)
   libtorch-dev ninja-build  # benches/cpu_adam's peer, ../shared/peers/deepspeed_cpu_adam
 )

@@ -46,5 +46,12 @@ else
   echo "tools/fuzz.sh FAILED" >&2
 fi
 rm -f "$fuzz_log"
+# And the house style: every C++ source as .clang-format says.
+if bash tools/format.sh --check; then
+  passed=$((passed + 1))
+else
+  failed=$((failed + 1))
+  rc=1
+fi
 echo "$passed passed, $failed failed"
 [[ $rc == 0 && $failed == 0 ]]

@@ -47,9 +47,8 @@ class CudaMlpKernels final : public MlpKernels {
     args.h = h;
     args.err = h + static_cast<uint64_t>(count) * c.hidden;
     if (int err = OffloadDemoMlpForwardBackward(&args, stream.get()); err != 0) {
-      return absl::InternalError(absl::StrCat(
-          "launching the demo MLP's kernels: ",
-          cudaGetErrorString(static_cast<cudaError_t>(err))));
+      return absl::InternalError(absl::StrCat("launching the demo MLP's kernels: ",
+                                              cudaGetErrorString(static_cast<cudaError_t>(err))));
     }
     return absl::OkStatus();
   }

@@ -49,9 +49,9 @@ int Main(int argc, char** argv) {
     if (!client.ok()) return Fail(client.status());
     absl::StatusOr<std::unique_ptr<Session>> session = (*client)->OpenSession("offload_demo");
     if (!session.ok()) return Fail(session.status());
-    std::printf("training a %d-%d-1 MLP (%s) through offloadd at %s, session %llu\n",
-                config.inputs, config.hidden, DTypeName(config.param_dtype),
-                (*client)->address().c_str(), static_cast<unsigned long long>((*session)->id()));
+    std::printf("training a %d-%d-1 MLP (%s) through offloadd at %s, session %llu\n", config.inputs,
+                config.hidden, DTypeName(config.param_dtype), (*client)->address().c_str(),
+                static_cast<unsigned long long>((*session)->id()));
     auto store = MakeDaemonStore(config, session->get());
     absl::StatusOr<std::vector<double>> losses = Train(config, store.get());
     if (!losses.ok()) return Fail(losses.status());
@@ -72,7 +72,9 @@ int Main(int argc, char** argv) {
     double diff = (remote.empty() || local.empty()) ? 0 : std::fabs(r - l) / std::fabs(l);
     worst = std::max(worst, diff);
     if (s % 20 == 0 || s == config.steps - 1) {
-      auto cell = [](double v) { return std::isnan(v) ? std::string("-") : absl::StrFormat("%.6f", v); };
+      auto cell = [](double v) {
+        return std::isnan(v) ? std::string("-") : absl::StrFormat("%.6f", v);
+      };
       std::printf("%6d %14s %14s %10.2e\n", s, cell(r).c_str(), cell(l).c_str(), diff);
     }
   }

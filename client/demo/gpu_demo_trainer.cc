@@ -158,9 +158,9 @@ int Emulated(const Flags& f) {
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < f.ranks; ++r) {
-    if (!results[r].ok()) return Fail(absl::Status(results[r].status().code(),
-                                                   absl::StrCat("rank ", r, ": ",
-                                                                results[r].status().message())));
+    if (!results[r].ok())
+      return Fail(absl::Status(results[r].status().code(),
+                               absl::StrCat("rank ", r, ": ", results[r].status().message())));
   }
   return Report(f, *results[0]);
 }
@@ -176,9 +176,8 @@ int Cuda(const Flags& f) {
   absl::StatusOr<std::unique_ptr<gpu::Communicator>> comm =
       gpu::OpenNcclCommunicator(f.gpu, *id, f.rank, f.world);
   if (!comm.ok()) return Fail(comm.status());
-  std::printf("training a %d-%d-1 MLP with ZeRO-3 on %s as %s through offloadd\n",
-              f.config.inputs, f.config.hidden, (*device)->name().c_str(),
-              (*comm)->name().c_str());
+  std::printf("training a %d-%d-1 MLP with ZeRO-3 on %s as %s through offloadd\n", f.config.inputs,
+              f.config.hidden, (*device)->name().c_str(), (*comm)->name().c_str());
   GpuRank rank;
   rank.device = device->get();
   rank.comm = comm->get();

@@ -62,8 +62,9 @@ std::unique_ptr<MlpKernels> MakeEmulatedMlpKernels(gpu::EmulatedDevice* device) 
 
 absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) {
   if (r.session == nullptr || r.device == nullptr || r.comm == nullptr || r.kernels == nullptr) {
-    return absl::InvalidArgumentError("TrainZero3 needs a session, a device, a communicator "
-                                      "and kernels");
+    return absl::InvalidArgumentError(
+        "TrainZero3 needs a session, a device, a communicator "
+        "and kernels");
   }
   const int ranks = r.comm->size();
   const int me = r.comm->rank();
@@ -86,8 +87,8 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   for (int t = 0; t < 4; ++t) {
     slice[t] = Zero3::SliceNumel(tensors[t].numel, ranks);
     full[t] = slice[t] * ranks;
-    ASSIGN_OR_RETURN(PartitionView view, r.session->Register(tensors[t].name, slice[t],
-                                                             DType::kFp32, DType::kFp32));
+    ASSIGN_OR_RETURN(PartitionView view,
+                     r.session->Register(tensors[t].name, slice[t], DType::kFp32, DType::kFp32));
     float* dst = static_cast<float*>(view.params);
     const uint64_t first = me * slice[t];
     for (uint64_t i = 0; i < slice[t]; ++i) {
@@ -105,7 +106,7 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   for (int u = 0; u < 2; ++u) {
     const int w = 2 * u, b = 2 * u + 1;
     ASSIGN_OR_RETURN(units[u], zero3->AddUnit({{ids[w], slice[w] * sizeof(float)},
-                                                {ids[b], slice[b] * sizeof(float)}}));
+                                               {ids[b], slice[b] * sizeof(float)}}));
   }
 
   // Device memory: full parameters and gradients, the dataset twice over

@@ -146,10 +146,10 @@ class InProcessStore final : public ParameterStore {
     for (size_t t = 0; t < tensors_.size(); ++t) {
       Tensor& x = tensors_[t];
       NarrowFromFloat(grads[t].data(), config_.param_dtype, x.grads.data(), x.master.size());
-      tasks.push_back({{x.master.data(), x.m.data(), x.v.data(), x.grads.data(),
-                        config_.param_dtype, x.working.data(), config_.param_dtype,
-                        x.master.size()},
-                       step_});
+      tasks.push_back(
+          {{x.master.data(), x.m.data(), x.v.data(), x.grads.data(), config_.param_dtype,
+            x.working.data(), config_.param_dtype, x.master.size()},
+           step_});
     }
     absl::StatusOr<StepReport> report = optimizer_.Step(tasks, config_.adam);
     if (!report.ok()) return report.status();
@@ -212,8 +212,8 @@ class DaemonStore final : public ParameterStore {
     }
     ASSIGN_OR_RETURN(StepResult r, session_->Step(config_.adam));
     if (r.partitions_updated != ids_.size()) {
-      return absl::InternalError(absl::StrCat("step updated ", r.partitions_updated, " of ",
-                                              ids_.size(), " partitions"));
+      return absl::InternalError(
+          absl::StrCat("step updated ", r.partitions_updated, " of ", ids_.size(), " partitions"));
     }
     return absl::OkStatus();
   }

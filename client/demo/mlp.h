@@ -30,8 +30,13 @@ struct MlpConfig {
   int steps = 200;
   uint64_t seed = 42;
   DType param_dtype = DType::kFp32;  // working copy and gradient dtype
-  AdamHyperparams adam{/*lr=*/3e-3, 0.9, 0.999, 1e-8, /*weight_decay=*/1e-4,
-                       /*decoupled_weight_decay=*/true, /*bias_correction=*/true};
+  AdamHyperparams adam{/*lr=*/3e-3,
+                       0.9,
+                       0.999,
+                       1e-8,
+                       /*weight_decay=*/1e-4,
+                       /*decoupled_weight_decay=*/true,
+                       /*bias_correction=*/true};
 };
 
 struct TensorShape {

@@ -10,11 +10,11 @@ extern "C" {
 
 struct OffloadDemoMlpArgs {
   int inputs, hidden, count;
-  const float *x, *y;                  // count x inputs, count
-  const float *w1, *b1, *w2, *b2;      // parameters
-  float *gw1, *gb1, *gw2, *gb2;        // their gradients (overwritten)
-  float* loss;                         // the mean squared error
-  float *h, *err;                      // workspace: count x hidden, count
+  const float *x, *y;              // count x inputs, count
+  const float *w1, *b1, *w2, *b2;  // parameters
+  float *gw1, *gb1, *gw2, *gb2;    // their gradients (overwritten)
+  float* loss;                     // the mean squared error
+  float *h, *err;                  // workspace: count x hidden, count
 };
 
 // Issues the forward and backward on `stream` (a cudaStream_t); returns a

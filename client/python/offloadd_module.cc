@@ -127,8 +127,8 @@ py::dict StepDict(const StepResult& r) {
 
 py::dict TunableDict(const Tunable& t) {
   return py::dict("name"_a = t.name, "type"_a = t.type, "value"_a = t.value,
-                  "default"_a = t.default_value, "unit"_a = t.unit,
-                  "description"_a = t.description, "dynamic"_a = t.dynamic);
+                  "default"_a = t.default_value, "unit"_a = t.unit, "description"_a = t.description,
+                  "dynamic"_a = t.dynamic);
 }
 
 py::dict GpuCountersDict(const GpuTierCounters& g) {
@@ -145,7 +145,8 @@ py::dict StatsDict(const DaemonStats& s) {
   py::dict counters, tiers;
   for (const DaemonStats::Counter& c : s.counters) counters[py::str(c.name)] = c.value;
   for (const DaemonStats::Tier& t : s.tiers) {
-    tiers[py::str(t.name)] = py::dict("used_bytes"_a = t.used_bytes, "budget_bytes"_a = t.budget_bytes);
+    tiers[py::str(t.name)] =
+        py::dict("used_bytes"_a = t.used_bytes, "budget_bytes"_a = t.budget_bytes);
   }
   py::list sessions;
   for (const DaemonStats::Session& x : s.sessions) {
@@ -222,15 +223,16 @@ void BindGpu(py::module_& m) {
           const std::string rest = spec.substr(4);
           if (!rest.empty() && (rest[0] != ':' || rest.size() < 2 ||
                                 rest.find_first_not_of("0123456789", 1) != std::string::npos)) {
-            Raise(absl::InvalidArgumentError("device must be 'cuda', 'cuda:N' or 'emulated', got '" +
-                                             spec + "'"));
+            Raise(absl::InvalidArgumentError(
+                "device must be 'cuda', 'cuda:N' or 'emulated', got '" + spec + "'"));
           }
           if (!rest.empty()) ordinal = std::stoi(rest.substr(1));
         } else {
           Raise(absl::InvalidArgumentError("device must be 'cuda', 'cuda:N' or 'emulated', got '" +
                                            spec + "'"));
         }
-        std::unique_ptr<gpu::Device> d = Value(Unlocked([&] { return gpu::OpenCudaDevice(ordinal); }));
+        std::unique_ptr<gpu::Device> d =
+            Value(Unlocked([&] { return gpu::OpenCudaDevice(ordinal); }));
         return std::shared_ptr<gpu::Device>(std::move(d));
       },
       py::arg("spec"), py::arg("memory_bytes") = 0,
@@ -239,8 +241,8 @@ void BindGpu(py::module_& m) {
   m.def("built_with_cuda", &gpu::BuiltWithCuda);
 
   py::class_<GpuTier, std::unique_ptr<GpuTier>>(m, "GpuTier")
-      .def(py::init([](Session& session, std::shared_ptr<gpu::Device> device,
-                       uint64_t budget_bytes, int prefetch_depth, uint64_t prefetch_bytes,
+      .def(py::init([](Session& session, std::shared_ptr<gpu::Device> device, uint64_t budget_bytes,
+                       int prefetch_depth, uint64_t prefetch_bytes,
                        uint64_t persistence_threshold_bytes, uint64_t max_live_bytes,
                        uint64_t max_reuse_distance_bytes, uint64_t staging_bytes,
                        bool register_arena, uintptr_t slab, uint64_t slab_bytes,
@@ -260,12 +262,11 @@ void BindGpu(py::module_& m) {
                                                         : absl::Milliseconds(report_interval_ms);
              gpu::DeviceMemory borrowed;
              if (slab != 0) {
-               borrowed = gpu::DeviceMemory(device.get(), reinterpret_cast<void*>(slab),
-                                            slab_bytes, /*owned=*/false);
+               borrowed = gpu::DeviceMemory(device.get(), reinterpret_cast<void*>(slab), slab_bytes,
+                                            /*owned=*/false);
              }
-             return Value(Unlocked([&] {
-               return GpuTier::Create(&session, device.get(), o, std::move(borrowed));
-             }));
+             return Value(Unlocked(
+                 [&] { return GpuTier::Create(&session, device.get(), o, std::move(borrowed)); }));
            }),
            py::arg("session"), py::arg("device"), py::arg("budget_bytes") = 1ull << 30,
            py::arg("prefetch_depth") = 2, py::arg("prefetch_bytes") = 256ull << 20,
@@ -278,8 +279,8 @@ void BindGpu(py::module_& m) {
            // registrations are given back to the device when it closes or
            // goes, which may be after the tier.
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<2, 3>())
-      .def_property_readonly("slab_address",
-                             [](GpuTier& t) { return reinterpret_cast<uintptr_t>(t.params().slab()); })
+      .def_property_readonly(
+          "slab_address", [](GpuTier& t) { return reinterpret_cast<uintptr_t>(t.params().slab()); })
       .def_property_readonly("slab_bytes", [](GpuTier& t) { return t.params().slab_bytes(); })
       .def(
           "add_unit",
@@ -289,8 +290,9 @@ void BindGpu(py::module_& m) {
           py::arg("tensors"), "a unit of (partition id, device bytes); returns its index")
       .def("begin_iteration",
            [](GpuTier& t) { Check(Unlocked([&] { return t.BeginIteration(); })); })
-      .def("end_iteration", [](GpuTier& t) { Check(Unlocked([&] { return t.EndIteration(); })); },
-           "waits for the iteration's copies and lets its holds go (before a step)")
+      .def(
+          "end_iteration", [](GpuTier& t) { Check(Unlocked([&] { return t.EndIteration(); })); },
+          "waits for the iteration's copies and lets its holds go (before a step)")
       .def(
           "use",
           [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
@@ -349,16 +351,17 @@ PYBIND11_MODULE(_offloadd, m) {
   m.doc() = "offloadd's client: sessions, partitions in shared memory, steps.";
   static Errors e;
   errors = &e;
-  e.base = py::module_::import("builtins").attr("type")(
-      "Error", py::make_tuple(py::reinterpret_borrow<py::object>(PyExc_RuntimeError)),
-      py::dict("__module__"_a = "offloadd", "code"_a = "UNKNOWN"));
+  e.base = py::module_::import("builtins")
+               .attr("type")("Error",
+                             py::make_tuple(py::reinterpret_borrow<py::object>(PyExc_RuntimeError)),
+                             py::dict("__module__"_a = "offloadd", "code"_a = "UNKNOWN"));
   // `code` is also a class attribute, so that errors raised in Python (by
   // offloadd.torch, offloadd.deepspeed) carry it too.
   auto sub = [&](const char* name, absl::StatusCode code) {
     return py::module_::import("builtins")
-        .attr("type")(name, py::make_tuple(e.base),
-                      py::dict("__module__"_a = "offloadd",
-                               "code"_a = absl::StatusCodeToString(code)));
+        .attr("type")(
+            name, py::make_tuple(e.base),
+            py::dict("__module__"_a = "offloadd", "code"_a = absl::StatusCodeToString(code)));
   };
   e.unavailable = sub("UnavailableError", absl::StatusCode::kUnavailable);
   e.resource_exhausted = sub("ResourceExhaustedError", absl::StatusCode::kResourceExhausted);
@@ -390,9 +393,7 @@ PYBIND11_MODULE(_offloadd, m) {
                              [](const PartitionView& p) { return DTypeName(p.grad_dtype); })
       .def_property_readonly(
           "params",
-          [](const PartitionView& p) {
-            return View(p.params, p.numel * DTypeSize(p.param_dtype));
-          },
+          [](const PartitionView& p) { return View(p.params, p.numel * DTypeSize(p.param_dtype)); },
           "the working parameters (bytes), while held")
       .def_property_readonly(
           "grads",
@@ -515,18 +516,14 @@ PYBIND11_MODULE(_offloadd, m) {
           },
           py::arg("lr") = 1e-3, py::arg("beta1") = 0.9, py::arg("beta2") = 0.999,
           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("adamw") = true,
-          py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0,
-          py::arg("skip") = false, py::arg("overflow") = false, py::arg("overlap") = false,
+          py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0, py::arg("skip") = false,
+          py::arg("overflow") = false, py::arg("overlap") = false,
           py::arg("groups") = std::vector<py::dict>{})
       .def("wait_step",
-           [](Session& s) {
-             return StepDict(Value(Unlocked([&] { return s.WaitStep(); })));
-           })
+           [](Session& s) { return StepDict(Value(Unlocked([&] { return s.WaitStep(); }))); })
       .def(
           "set_delayed_update",
-          [](Session& s, bool on) {
-            Check(Unlocked([&] { return s.SetDelayedUpdate(on); }));
-          },
+          [](Session& s, bool on) { Check(Unlocked([&] { return s.SetDelayedUpdate(on); })); },
           py::arg("enabled"))
       .def(
           "set_placement",
@@ -564,7 +561,8 @@ PYBIND11_MODULE(_offloadd, m) {
            [](const Session& s) {
              Session::DmaStats d = s.dma_stats();
              return py::dict("regions"_a = d.regions, "bytes"_a = d.bytes,
-                             "failed_regions"_a = d.failed_regions, "register_us"_a = d.register_us);
+                             "failed_regions"_a = d.failed_regions,
+                             "register_us"_a = d.register_us);
            })
       .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
 
@@ -579,8 +577,7 @@ PYBIND11_MODULE(_offloadd, m) {
       .def(
           "open_session",
           [](Client& c, const std::string& name, std::optional<int> params_host_percent,
-             std::optional<int> grads_host_percent,
-             std::optional<int> optimizer_state_host_percent,
+             std::optional<int> grads_host_percent, std::optional<int> optimizer_state_host_percent,
              std::optional<uint64_t> delayed_update_after_steps,
              std::optional<py::dict> loss_scaling, const std::string& restore_from) {
             SessionOptions o;
@@ -610,8 +607,8 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("name") = "", py::arg("params_host_percent") = py::none(),
           py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none(),
-          py::arg("delayed_update_after_steps") = py::none(),
-          py::arg("loss_scaling") = py::none(), py::arg("restore_from") = "")
+          py::arg("delayed_update_after_steps") = py::none(), py::arg("loss_scaling") = py::none(),
+          py::arg("restore_from") = "")
       .def(
           "resume_session",
           [](Client& c, uint64_t id, const py::bytes& token) {
@@ -621,12 +618,13 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("id"), py::arg("token"),
           "takes back a session whose trainer went away (within offloadd's "
           "server.reconnect_lease_seconds)")
-      .def("stats",
-           [](Client& c) {
-             const DaemonStats s = Value(Unlocked([&] { return c.GetStats(); }));
-             return StatsDict(s);
-           },
-           "the daemon's status: counters by name, tiers, sessions (as offloadctl stats)")
+      .def(
+          "stats",
+          [](Client& c) {
+            const DaemonStats s = Value(Unlocked([&] { return c.GetStats(); }));
+            return StatsDict(s);
+          },
+          "the daemon's status: counters by name, tiers, sessions (as offloadctl stats)")
       .def(
           "get_tunable",
           [](Client& c, const std::string& name) {
