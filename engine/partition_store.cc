@@ -63,16 +63,12 @@ struct PartitionSet::Partition {
   uint64_t page_bytes = 0;  // the page size its span is laid out for
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
-  bool master_initialized = false;
-  bool grads_ready = false;  // the accumulator holds gradients for the next step
-  // ... or the gradient buffer does: the only micro-batch's gradients,
-  // handed over (ReturnGradients with hand_over) for the step to read where
-  // they are. The buffer is the daemon's until the step consumes them.
-  bool handed_over = false;
-  bool in_step = false;
+  MasterState master = MasterState::kUnset;
+  GradState gradients = GradState::kNone;
+  StepState step = StepState::kOut;
+  // An accumulation, measurement or reclaim of its gradients is running
+  // (GradState's transient phase).
   bool accumulating = false;
-  bool accum_lost = false;           // an accumulation failed midway: skip the step
-  bool master_init_pending = false;  // fp32 initial values not committed yet
   // The working copy's two buffers (the second used by the delayed update):
   // `version` is the one the trainer reads; `swap_pending` means the other
   // holds a newer version, made current at the next step's commit.
@@ -80,7 +76,6 @@ struct PartitionSet::Partition {
   std::byte* buffer[2] = {nullptr, nullptr};
   int version = 0;
   bool swap_pending = false;
-  bool in_step_delayed = false;
   uint64_t micro_batches = 0;  // accumulated since the last step
   GradStats grad_stats;        // of the accumulated values
   uint64_t resume_chunk = 0;   // a failed step updated the chunks before it
@@ -359,7 +354,9 @@ int PartitionSet::ParamsKind(const Partition& p, bool next) {
 void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions, bool delayed_ok) {
   auto in_step = [partitions, delayed_ok]() {
     for (const Partition* p : partitions) {
-      if (p->in_step && !(delayed_ok && p->in_step_delayed)) return true;
+      if (p->step == StepState::kIn || (p->step == StepState::kInDelayed && !delayed_ok)) {
+        return true;
+      }
     }
     return false;
   };
@@ -558,7 +555,7 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
     partition->params_offset[1] = params_off + shadow_at;
     partition->buffer[0] = partition->region.data();
     partition->buffer[1] = partition->region.data() + shadow_at;
-    partition->master_init_pending = fp32_init;
+    if (fp32_init) partition->master = MasterState::kInitPending;
     const Tier* home = partition->home;
     // A block of the partition's span, `at` bytes into it, in the daemon's
     // mapping and in the arena's file.
@@ -626,8 +623,9 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   if (restored != nullptr) {
     partition->info.step = restored->step;
     partition->info.restored = true;
-    partition->master_initialized = restored->master_initialized;
-    partition->grads_ready = restored->grads_ready;
+    partition->master =
+        restored->master_initialized ? MasterState::kInitialized : MasterState::kUnset;
+    partition->gradients = restored->grads_ready ? GradState::kAccumulated : GradState::kNone;
     partition->micro_batches = restored->micro_batches;
     partition->grad_stats = restored->grad_stats;
     partition->swap_pending = restored->next_params_pending;
@@ -662,7 +660,10 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
       // partition's update is done.
       auto busy = [&wanted]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         for (const Partition* p : wanted) {
-          if (p->handed_over && (p->accumulating || p->in_step)) return true;
+          if (p->gradients == GradState::kHandedOver &&
+              (p->accumulating || p->step != StepState::kOut)) {
+            return true;
+          }
         }
         return false;
       };
@@ -786,7 +787,7 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
       which.push_back(p);
     }
     for (Partition* p : which) {
-      if (p->master_init_pending) commits.push_back(p);
+      if (p->master == MasterState::kInitPending) commits.push_back(p);
     }
   }
   // Outside the lock (swap-ins); the partitions stay held meanwhile.
@@ -795,8 +796,7 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
   {
     absl::MutexLock lock(&mu_);
     for (Partition* p : commits) {
-      p->master_init_pending = false;
-      p->master_initialized = true;
+      p->master = MasterState::kInitialized;
       p->info.master_init = {};
     }
     for (Partition* p : which) p->TakeHolds(&released);
@@ -843,7 +843,7 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   // these are for the next one. One accumulation of a partition at a time.
   AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
   // (Both at once: a step may begin while an earlier accumulation ends.)
-  while (p->accumulating || p->in_step) step_ended_.Wait(&mu_);
+  while (p->accumulating || p->step != StepState::kOut) step_ended_.Wait(&mu_);
   if (p->resume_chunk != 0) {
     // Part of this partition was updated with the gradients it holds; new
     // ones would mix two steps in one.
@@ -852,7 +852,7 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
                      "') is in a step that stopped midway; call Step "
                      "again before returning new gradients"));
   }
-  if (p->handed_over) {  // only a return racing with a fetch gets here
+  if (p->gradients == GradState::kHandedOver) {  // only a return racing with a fetch gets here
     return absl::FailedPreconditionError(
         absl::StrCat("partition ", id, " ('", p->info.name,
                      "'): its gradients were just handed over "
@@ -864,7 +864,7 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
                      "'): its gradient buffer is not held; fetch it "
                      "with grads before writing gradients into it"));
   }
-  if (p->accum_lost) {
+  if (p->gradients == GradState::kLost) {
     return absl::FailedPreconditionError(
         absl::StrCat("partition ", id, " ('", p->info.name,
                      "'): its accumulated gradients were lost in a "
@@ -880,7 +880,7 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   // added to the accumulator as usual.
   item.hand_over = hand_over && item.first;
   // From now on the buffer is the daemon's (a fetch with grads waits).
-  p->handed_over = item.hand_over;
+  if (item.hand_over) p->gradients = GradState::kHandedOver;
   // (A retry after a failed first micro-batch appears twice; its first
   // place counts.)
   if (item.first) return_order_.push_back(id);
@@ -910,7 +910,9 @@ std::vector<uint64_t> PartitionSet::HandedOver(absl::Span<const uint64_t> ids) c
   absl::MutexLock lock(&mu_);
   std::vector<uint64_t> out;
   auto check = [&out](const Partition* p) {
-    if (p != nullptr && p->handed_over && !p->in_step) out.push_back(p->info.id);
+    if (p != nullptr && p->gradients == GradState::kHandedOver && p->step == StepState::kOut) {
+      out.push_back(p->info.id);
+    }
   };
   if (ids.empty()) {
     for (const auto& [id, p] : partitions_) check(p.get());
@@ -929,7 +931,7 @@ absl::StatusOr<std::optional<AccumulateItem>> PartitionSet::BeginReclaim(uint64_
       step_ended_.Wait(&mu_);
     } while (p->accumulating);
   }
-  if (!p->handed_over || p->in_step) return std::nullopt;
+  if (p->gradients != GradState::kHandedOver || p->step != StepState::kOut) return std::nullopt;
   p->accumulating = true;
   AccumulateItem item;
   item.id = id;
@@ -951,7 +953,7 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
       p->accumulating = false;
       // On success the accumulator holds what the buffer held (the same
       // statistics); on failure the buffer still does.
-      if (outcome.ok()) p->handed_over = false;
+      if (outcome.ok()) p->gradients = GradState::kAccumulated;
       step_ended_.SignalAll();
     }
     if (!outcome.ok()) return;
@@ -971,11 +973,14 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
       // overwritten again; an addition that failed midway left some chunks
       // added and some not. A measurement in the background was answered
       // as done: its gradients are lost. The buffer is the trainer's again.
-      if ((!item.first && chunks_done > 0) || item.background) p->accum_lost = true;
-      p->handed_over = false;
+      if ((!item.first && chunks_done > 0) || item.background) {
+        p->gradients = GradState::kLost;
+      } else if (item.first) {
+        p->gradients = GradState::kNone;
+      }
       return;
     }
-    p->grads_ready = true;
+    if (p->gradients == GradState::kNone) p->gradients = GradState::kAccumulated;
     ++p->micro_batches;
     p->grad_stats = stats;
     handed_back = std::move(p->grad_pins);
@@ -1002,7 +1007,12 @@ PendingGradients PartitionSet::Pending() const {
   while (accumulating()) step_ended_.Wait(&mu_);
   PendingGradients out;
   for (const auto& [id, p] : partitions_) {
-    if (!p->grads_ready) continue;
+    // A lost accumulation's earlier micro-batches still count (the step
+    // will skip); one lost on its first has none.
+    if (p->gradients == GradState::kNone ||
+        (p->gradients == GradState::kLost && p->micro_batches == 0)) {
+      continue;
+    }
     out.stats += p->grad_stats;
     ++out.partitions;
     out.micro_batches = std::max(out.micro_batches, p->micro_batches);
@@ -1026,7 +1036,7 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   AwaitStepBoundaryLocked();
   if (!skipping) {
     for (const auto& [id, p] : partitions_) {
-      if (p->accum_lost) {
+      if (p->gradients == GradState::kLost) {
         return absl::FailedPreconditionError(
             absl::StrCat("partition ", id, " ('", p->info.name,
                          "') lost its accumulated gradients in a "
@@ -1036,8 +1046,8 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   }
   // Every check before anything changes: a refused step changes nothing.
   for (const auto& [id, p] : partitions_) {
-    const bool ready = p->grads_ready || p->accum_lost;
-    if (ready && p->master_init_pending) {
+    const bool ready = p->gradients != GradState::kNone;
+    if (ready && p->master == MasterState::kInitPending) {
       return absl::FailedPreconditionError(
           absl::StrCat("partition ", id, " ('", p->info.name,
                        "') was registered with fp32 initial values "
@@ -1053,15 +1063,15 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   RETURN_IF_ERROR(CheckSwapsLocked());
   std::vector<StepItem> items;
   for (auto& [id, p] : partitions_) {
-    if (!p->grads_ready && !p->accum_lost) continue;
+    if (p->gradients == GradState::kNone) continue;
     StepItem item;
     item.id = id;
     item.delayed = delayed_;
     item.stats = p->grad_stats;
-    item.init_master = !p->master_initialized;
-    item.hand_over = p->handed_over;
+    item.init_master = p->master == MasterState::kUnset;
+    item.hand_over = p->gradients == GradState::kHandedOver;
     // The accumulator, or the gradient buffer handed over.
-    item.task.span.grad_dtype = p->handed_over ? p->info.grad_dtype : DType::kFp32;
+    item.task.span.grad_dtype = item.hand_over ? p->info.grad_dtype : DType::kFp32;
     item.task.span.working_dtype = p->info.param_dtype;
     item.task.span.numel = p->info.numel;
     item.task.step = p->info.step + 1;
@@ -1078,8 +1088,7 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   CommitSwapsLocked();
   for (StepItem& item : items) {
     Partition* p = Find(item.id);
-    p->in_step = true;
-    p->in_step_delayed = item.delayed;
+    p->step = item.delayed ? StepState::kInDelayed : StepState::kIn;
     item.current_kind = ParamsKind(*p, /*next=*/false);
     item.write_kind = ParamsKind(*p, /*next=*/item.delayed);
   }
@@ -1239,7 +1248,7 @@ bool PartitionSet::delayed_update() const {
 
 absl::Status PartitionSet::RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const {
   for (const Partition* p : wanted) {
-    if (!p->handed_over) continue;
+    if (p->gradients != GradState::kHandedOver) continue;
     return absl::FailedPreconditionError(absl::StrCat(
         "partition ", p->info.id, " ('", p->info.name,
         "'): its gradient buffer was handed "
@@ -1258,17 +1267,14 @@ void PartitionSet::ConsumeGrads(const StepItem& item, uint64_t chunk) {
 }
 
 void PartitionSet::LeaveStepLocked(Partition* p, const StepItem& item, bool applied) {
-  p->in_step = false;
-  p->in_step_delayed = false;
+  p->step = StepState::kOut;
   p->resume_chunk = 0;
-  p->grads_ready = false;
-  p->handed_over = false;
-  p->accum_lost = false;
+  p->gradients = GradState::kNone;
   p->micro_batches = 0;
   p->grad_stats = GradStats{};
   if (!applied) return;
   // Its master copy was initialised (if it had to be) and updated.
-  p->master_initialized = true;
+  p->master = MasterState::kInitialized;
   ++p->info.step;
   if (item.delayed) p->swap_pending = true;
 }
@@ -1299,8 +1305,7 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
       }
       Partition* p = Find(items[i].id);
       if (outcomes[i].outcome == StepOutcome::kFailed) {
-        p->in_step = false;
-        p->in_step_delayed = false;
+        p->step = StepState::kOut;
         p->resume_chunk = outcomes[i].next_chunk;
         continue;
       }
@@ -1394,15 +1399,16 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
   capture->sink = sink;
   for (const auto& [id, p] : partitions_) {
     const std::string why =
-        p->master_init_pending
+        p->master == MasterState::kInitPending
             ? "was registered with fp32 initial values not committed yet: release it first"
         : p->writable_hold     ? "is held for writing (its parameters may be changing): release it "
                                  "first"
         : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
-        : p->accum_lost        ? "lost its accumulated gradients: skip this step first"
-        : p->handed_over       ? "had gradients handed over (ReturnGradients with hand_over) while "
-                                 "the checkpoint began: checkpoint again"
-                               : "";
+        : p->gradients == GradState::kLost ? "lost its accumulated gradients: skip this step first"
+        : p->gradients == GradState::kHandedOver
+            ? "had gradients handed over (ReturnGradients with hand_over) while "
+              "the checkpoint began: checkpoint again"
+            : "";
     if (!why.empty()) {
       return absl::FailedPreconditionError(absl::StrCat("cannot checkpoint session ", session_id_,
                                                         ": partition ", id, " ('", p->info.name,
@@ -1413,8 +1419,8 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
     c.tensor = p->tensor;
     c.shape = p->shape;
     c.tensor_offset = p->tensor_offset;
-    c.master_initialized = p->master_initialized;
-    c.grads_ready = p->grads_ready;
+    c.master_initialized = p->master == MasterState::kInitialized;
+    c.grads_ready = p->gradients == GradState::kAccumulated;
     c.micro_batches = p->micro_batches;
     c.grad_stats = p->grad_stats;
     c.chunks = ChunksOf(p->info.numel);

@@ -33,7 +33,9 @@
 // they were on the host): the trainer writes every element before
 // returning gradients. A session that ends releases all.
 //
-// Partition life cycle (per partition, under its set's lock):
+// Partition life cycle (per partition, under its set's lock): three
+// states, each an enum with its transitions drawn at its definition below
+// (PartitionSet::MasterState, GradState, StepState):
 //   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a
 //   step -> EndStep -> registered (step count advanced if the step applied).
 // A partition in a step belongs to the optimizer, which runs outside every
@@ -486,6 +488,46 @@ class PartitionSet {
 
  private:
   friend class PartitionStore;
+
+  // A partition's master weights and moments:
+  //
+  //   Register ──> kUnset ──────(a step applied)──────────────┐
+  //      │  (fp32_master)                                     v
+  //      └───> kInitPending ──(Release commits)──> kInitialized
+  //   Register restoring a checkpoint with them ──> kInitialized
+  //
+  // kUnset: never written; the first step initialises them from the
+  // working copy. kInitPending: the trainer writes fp32 initial values
+  // into the arena; a step or a checkpoint of it is refused until the
+  // first Release makes them the master weights.
+  enum class MasterState { kUnset, kInitPending, kInitialized };
+
+  // The gradients for the next step:
+  //
+  //   kNone        -- ReturnGradients ------------------> kAccumulated (the fp32 accumulator)
+  //   kNone        -- ReturnGradients with hand_over ---> kHandedOver (left in the gradient
+  //                   buffer, the daemon's until its step has read them)
+  //   kAccumulated -- ReturnGradients ------------------> kAccumulated (one more micro-batch)
+  //   kHandedOver  -- Reclaim ---------------------------> kAccumulated (copied over)
+  //   kAccumulated -- an addition that fails midway -----> kLost (the next step must skip)
+  //   kHandedOver  -- its measurement in the background fails --> kLost
+  //   any but kNone -- the step that consumes them (applied or skipped) --> kNone
+  //
+  // `accumulating` marks each arrow's transient phase (one at a time per
+  // partition; steps, checkpoints, Pending and other returns of it wait
+  // for it to end). hand_over enters kHandedOver when it begins (the
+  // buffer is the daemon's from then on). A first micro-batch that fails
+  // goes back to kNone; a later one that fails before changing anything
+  // stays kAccumulated; a reclaim that fails stays kHandedOver.
+  enum class GradState { kNone, kAccumulated, kHandedOver, kLost };
+
+  // The partition in a step: BeginStep moves every partition with
+  // gradients (not kNone) in; EndPartition or EndStep moves it out (a
+  // failed step keeps its gradients and resumes at the chunk it stopped).
+  // kInDelayed: a delayed-update step, which writes the other working-copy
+  // buffer, so fetches of the current one need not wait.
+  enum class StepState { kOut, kIn, kInDelayed };
+
   struct Partition;
 
   PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper, Stats* stats,

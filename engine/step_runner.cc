@@ -103,7 +103,7 @@ void StepRunner::Measurer() {
     measures_.pop_front();
     mu_.Unlock();
     Sync(StepPoint::kMeasuring);
-    AccumulateChunks(*m.set, m.item).IgnoreError();  // recorded in the set (accum_lost)
+    AccumulateChunks(*m.set, m.item).IgnoreError();  // recorded in the set (GradState::kLost)
     m = Measure{};                                   // the session may go now, outside the lock
     mu_.Lock();
   }
