@@ -57,7 +57,7 @@ struct BenchEngine {
   Optimizer* const optimizer;
   SwapSpace* const space;  // null without an NVMe tier
   Swapper* const swapper;
-  PartitionStore* const store;
+  PartitionStoreFactory* const store;
   StepRunner* const steps;
   SessionManager* const sessions;
 };

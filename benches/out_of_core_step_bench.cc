@@ -24,7 +24,7 @@
 //      timed write is an overwrite).
 //   3. The engine, assembled in-process as engine/out_of_core_test.cc does:
 //      HostPool (limit = the session arena's charge + --cache), Swapper over
-//      SwapSpace over MakeIoBackend, PartitionStore, StepRunner,
+//      SwapSpace over MakeIoBackend, PartitionStoreFactory, StepRunner,
 //      SessionManager. One session with all optimizer state homed on NVMe
 //      and params and gradients on the host, the partitions registered with
 //      bf16 params and bf16 gradients (written into the arena through the

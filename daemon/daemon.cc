@@ -87,7 +87,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   const bool nvme = !options->nvme.DirList().empty();
   for (const auto& [kind, name, value] : PlacementTunables(options->placement)) {
     e.placement[kind] = static_cast<int>(*value);
-    absl::Status ok = PartitionStore::CheckPlacement(kind, e.placement[kind], nvme);
+    absl::Status ok = PartitionStoreFactory::CheckPlacement(kind, e.placement[kind], nvme);
     if (!ok.ok()) return absl::Status(ok.code(), absl::StrCat(name, ": ", ok.message()));
   }
   e.state_chunk_elems = static_cast<uint64_t>(options->placement.state_chunk_bytes) / sizeof(float);
@@ -244,8 +244,8 @@ void Daemon::SetHooks() {
   });
   for (const auto& [kind, name, value] : PlacementTunables(options_->placement)) {
     registry_->SetHook<int64_t>(name, [raw, kind = kind](const int64_t& v) {
-      RETURN_IF_ERROR(PartitionStore::CheckPlacement(kind, static_cast<int>(v),
-                                                     raw->engine_->swap_space() != nullptr));
+      RETURN_IF_ERROR(PartitionStoreFactory::CheckPlacement(kind, static_cast<int>(v),
+                                                            raw->engine_->swap_space() != nullptr));
       raw->engine_->store().SetDefaultPlacement(kind, static_cast<int>(v));
       return absl::OkStatus();
     });

@@ -48,7 +48,7 @@ RecordKind RecordKindOf(const CheckpointedPartition& p, int block_kind) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
-    PartitionSet* set, const SessionCheckpointState& state, const std::string& dir) {
+    PartitionStore* set, const SessionCheckpointState& state, const std::string& dir) {
   const int64_t began = absl::GetCurrentTimeNanos();
   RETURN_IF_ERROR(checkpoint::PrepareDirectory(dir));
   const std::string stem = checkpoint::StemFor(state.name);

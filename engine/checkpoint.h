@@ -1,7 +1,7 @@
 // Writing a session's checkpoint, and restoring one into a new session.
 //
 // Writing (CheckpointWriter), in the format of checkpoint/format.h:
-//   1. Begin: PartitionSet::BeginCheckpoint at a step boundary (waits for a
+//   1. Begin: PartitionStore::BeginCheckpoint at a step boundary (waits for a
 //      running step and accumulations) takes the set's image and starts
 //      copy-on-write; the data file is created and laid out (one record per
 //      block kind per chunk). This is the only pause training sees.
@@ -66,7 +66,7 @@ class CheckpointWriter : public ChunkSink {
  public:
   // Step 1. `set` must outlive the writer.
   static absl::StatusOr<std::unique_ptr<CheckpointWriter>> Begin(
-      PartitionSet* set, const SessionCheckpointState& state, const std::string& dir);
+      PartitionStore* set, const SessionCheckpointState& state, const std::string& dir);
   ~CheckpointWriter() override;
 
   // Step 2. Checks `cancelled` between chunks (CANCELLED).
@@ -78,12 +78,12 @@ class CheckpointWriter : public ChunkSink {
                      absl::Span<const std::byte> bytes) override;
 
  private:
-  CheckpointWriter(PartitionSet* set, std::string dir, std::string stem,
+  CheckpointWriter(PartitionStore* set, std::string dir, std::string stem,
                    checkpoint::DataFileWriter file)
       : set_(set), dir_(std::move(dir)), stem_(std::move(stem)), file_(std::move(file)) {}
 
   // Constant after Begin.
-  PartitionSet* const set_;
+  PartitionStore* const set_;
   const std::string dir_, stem_;
   const checkpoint::DataFileWriter file_;
   SetImage image_;

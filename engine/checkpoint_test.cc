@@ -348,7 +348,7 @@ TEST(CopyOnWrite, AStepDuringACheckpointChangesNothingInIt) {
   TestEngine engine(TmpDir("nvme-cow"), 64 << 20, 8, kChunk);
   const uint64_t numel = 3 * kChunk + 10;
   auto make = [&](uint64_t session) {
-    auto set = engine.store->CreateSet(session, All(0));  // everything on NVMe
+    auto set = engine.store->CreateStore(session, All(0));  // everything on NVMe
     EXPECT_TRUE(set.ok());
     auto p = (*set)->Register(7 + session, PartitionSpec{"w", numel, DType::kFp32, DType::kFp32});
     EXPECT_TRUE(p.ok()) << p.status();
@@ -420,7 +420,7 @@ struct FullPoolSet {
   // Partitions `first_id` (a) and `first_id` + 1 (b): ids are the node's,
   // so two sets in one engine need different ones.
   FullPoolSet(TestEngine& engine, uint64_t session, uint64_t first_id = 1) {
-    auto made = engine.store->CreateSet(session, All(0));
+    auto made = engine.store->CreateStore(session, All(0));
     EXPECT_TRUE(made.ok()) << made.status();
     set = *std::move(made);
     auto pa = set->Register(first_id, PartitionSpec{"a", 2 * kChunk, DType::kFp32, DType::kFp32});
@@ -450,13 +450,13 @@ struct FullPoolSet {
     return set->EndCheckpoint();
   }
 
-  std::unique_ptr<PartitionSet> set;
+  std::unique_ptr<PartitionStore> set;
   PartitionInfo a, b;
   HostMemory region;
 };
 
 // A synchronous step of `set` (lr 0.1).
-absl::StatusOr<StepSummary> RunStep(TestEngine& engine, PartitionSet& set) {
+absl::StatusOr<StepSummary> RunStep(TestEngine& engine, PartitionStore& set) {
   AdamHyperparams h;
   h.lr = 0.1;
   return engine.steps->Run(set, h, false, {});
@@ -466,7 +466,7 @@ absl::StatusOr<StepSummary> RunStep(TestEngine& engine, PartitionSet& set) {
 // until Go(); the destructor lets it go and joins it.
 class HeldStep {
  public:
-  HeldStep(TestEngine& engine, PartitionSet& set, StepPoint point) : engine_(engine) {
+  HeldStep(TestEngine& engine, PartitionStore& set, StepPoint point) : engine_(engine) {
     engine.steps->SetSyncPointForTesting([this, point](StepPoint at) {
       if (at != point || reached_.HasBeenNotified()) return;
       reached_.Notify();
@@ -637,7 +637,7 @@ TEST(CopyOnWrite, AFullCheckpointDiskFailsTheCheckpointNotTheStep) {
 TEST(CopyOnWrite, ACheckpointWithNoRoomInThePoolEqualsOneWithRoom) {
   auto checkpoint = [](bool room) {
     TestEngine engine(TmpDir(room ? "nvme-room" : "nvme-no-room"), 64 << 20, 8, kChunk);
-    auto set = engine.store->CreateSet(1, All(0));
+    auto set = engine.store->CreateStore(1, All(0));
     EXPECT_TRUE(set.ok()) << set.status();
     const uint64_t numel = 2 * kChunk + kChunk / 2;
     auto p = (*set)->Register(7, PartitionSpec{"h", numel, DType::kBf16, DType::kBf16});
@@ -711,7 +711,7 @@ TEST(CopyOnWrite, ACaptureThatLosesItsRoomMidwayCopiesTheRestOut) {
 // checkpoint runs gets its chunks captured before the fetch returns.
 TEST(CopyOnWrite, WritableHoldsAreNeverCapturedMidWrite) {
   TestEngine engine(TmpDir("nvme-writable"), 64 << 20, 8, kChunk);
-  auto set = engine.store->CreateSet(1);
+  auto set = engine.store->CreateStore(1);
   ASSERT_TRUE(set.ok());
   const uint64_t numel = 2 * kChunk;
   auto p = (*set)->Register(5, PartitionSpec{"w", numel, DType::kFp32, DType::kFp32});

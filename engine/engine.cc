@@ -30,11 +30,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   for (int k = 0; k < kDataKinds; ++k) {
     const auto kind = static_cast<DataKind>(k);
     RETURN_IF_ERROR(
-        PartitionStore::CheckPlacement(kind, options.placement[kind], e->swap_ != nullptr));
+        PartitionStoreFactory::CheckPlacement(kind, options.placement[kind], e->swap_ != nullptr));
   }
-  e->store_ = std::make_unique<PartitionStore>(env, e->swapper_.get(), &e->stats_,
-                                               options.session_arena_bytes, options.placement,
-                                               options.state_chunk_elems, options.huge_page_bytes);
+  e->store_ = std::make_unique<PartitionStoreFactory>(
+      env, e->swapper_.get(), &e->stats_, options.session_arena_bytes, options.placement,
+      options.state_chunk_elems, options.huge_page_bytes);
   e->steps_ = std::make_unique<StepRunner>(&e->optimizer_, &e->pool_, &e->stats_);
   e->sessions_ =
       std::make_unique<SessionManager>(env, e->store_.get(), e->steps_.get(), &e->stats_);

@@ -43,7 +43,7 @@ struct EngineOptions {
   bool lock_pool = false;
   OptimizerOptions optimizer;
   SwapperOptions swapper;
-  // New sessions' placement (PartitionStore::CheckPlacement'd against
+  // New sessions' placement (PartitionStoreFactory::CheckPlacement'd against
   // whether there is an NVMe tier).
   Placement placement;
   // Partitions move and are updated in chunks of this many elements.
@@ -77,7 +77,7 @@ class Engine {
   Optimizer& optimizer() { return optimizer_; }
   SwapSpace* swap_space() { return swap_.get(); }  // null without an NVMe tier
   Swapper& swapper() { return *swapper_; }
-  PartitionStore& store() { return *store_; }
+  PartitionStoreFactory& store() { return *store_; }
   StepRunner& steps() { return *steps_; }
   SessionManager& sessions() { return *sessions_; }
 
@@ -90,7 +90,7 @@ class Engine {
   Optimizer optimizer_;
   std::unique_ptr<SwapSpace> swap_;
   std::unique_ptr<Swapper> swapper_;
-  std::unique_ptr<PartitionStore> store_;
+  std::unique_ptr<PartitionStoreFactory> store_;
   std::unique_ptr<StepRunner> steps_;
   std::unique_ptr<SessionManager> sessions_;
 };

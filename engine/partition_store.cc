@@ -54,7 +54,7 @@ const char* DataKindName(DataKind kind) {
   return "?";
 }
 
-struct PartitionSet::Partition {
+struct PartitionStore::Partition {
   PartitionInfo info;
   std::string tensor;  // of which it is a slice (never empty)
   std::vector<uint64_t> shape;
@@ -128,26 +128,27 @@ absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_
   return absl::OkStatus();
 }
 
-PartitionStore::PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                               const Placement& placement, uint64_t state_chunk_elems,
-                               uint64_t huge_page_bytes)
+PartitionStoreFactory::PartitionStoreFactory(Env* env, Swapper* swapper, Stats* stats,
+                                             uint64_t arena_capacity, const Placement& placement,
+                                             uint64_t state_chunk_elems, uint64_t huge_page_bytes)
     : env_(env),
       swapper_(swapper),
       stats_(stats),
-      state_chunk_elems_(
-          std::max(state_chunk_elems / kChunkQuantum * kChunkQuantum, kChunkQuantum)),
+      state_chunk_elems_(std::max(
+          state_chunk_elems / PartitionStore::kChunkQuantum * PartitionStore::kChunkQuantum,
+          PartitionStore::kChunkQuantum)),
       huge_page_bytes_(huge_page_bytes),
       arena_capacity_(0) {
   for (DataKind k : kKinds) SetDefaultPlacement(k, placement[k]);
   SetArenaCapacity(arena_capacity);
 }
 
-void PartitionStore::SetArenaCapacity(uint64_t bytes) {
+void PartitionStoreFactory::SetArenaCapacity(uint64_t bytes) {
   arena_capacity_.store(bytes / ShmArena::kAlignment * ShmArena::kAlignment,
                         std::memory_order_relaxed);
 }
 
-absl::Status PartitionStore::CheckPlacement(DataKind kind, int percent, bool has_nvme) {
+absl::Status PartitionStoreFactory::CheckPlacement(DataKind kind, int percent, bool has_nvme) {
   if (percent < 0 || percent > 100) {
     return absl::InvalidArgumentError(absl::StrCat(DataKindName(kind),
                                                    " placement must keep 0 to 100 percent on "
@@ -162,7 +163,7 @@ absl::Status PartitionStore::CheckPlacement(DataKind kind, int percent, bool has
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
+absl::StatusOr<std::unique_ptr<PartitionStore>> PartitionStoreFactory::CreateStore(
     uint64_t session_id, const PlacementChange& change) {
   Placement placement;
   for (DataKind k : kKinds) {
@@ -171,14 +172,14 @@ absl::StatusOr<std::unique_ptr<PartitionSet>> PartitionStore::CreateSet(
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
                    ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
-  return std::unique_ptr<PartitionSet>(new PartitionSet(session_id, std::move(arena), swapper_,
-                                                        stats_, placement, state_chunk_elems_,
-                                                        huge_page_bytes_));
+  return std::unique_ptr<PartitionStore>(new PartitionStore(session_id, std::move(arena), swapper_,
+                                                            stats_, placement, state_chunk_elems_,
+                                                            huge_page_bytes_));
 }
 
-PartitionSet::PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
-                           Stats* stats, const Placement& placement, uint64_t state_chunk_elems,
-                           uint64_t huge_page_bytes)
+PartitionStore::PartitionStore(uint64_t session_id, std::unique_ptr<ShmArena> arena,
+                               Swapper* swapper, Stats* stats, const Placement& placement,
+                               uint64_t state_chunk_elems, uint64_t huge_page_bytes)
     : session_id_(session_id),
       arena_(std::move(arena)),
       swapper_(swapper),
@@ -206,10 +207,10 @@ uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtyp
   return wasted * 8 <= laid_out ? huge : small;
 }
 
-absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
+absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
   for (DataKind k : kKinds) {
     if (change[k].has_value()) {
-      RETURN_IF_ERROR(PartitionStore::CheckPlacement(k, *change[k], swapper_->has_nvme()));
+      RETURN_IF_ERROR(PartitionStoreFactory::CheckPlacement(k, *change[k], swapper_->has_nvme()));
     }
   }
   // Until every block has its new home: a second change, or a registration,
@@ -292,7 +293,7 @@ absl::Status PartitionSet::SetPlacement(const PlacementChange& change) {
   return absl::OkStatus();
 }
 
-PartitionSet::~PartitionSet() {
+PartitionStore::~PartitionStore() {
   // No call can be in flight: the last reference is going. The trainer's
   // holds go first (an external block is removed only unpinned), then every
   // block, before the partitions' mappings go with partitions_. The
@@ -316,42 +317,42 @@ PartitionSet::~PartitionSet() {
   }
 }
 
-uint64_t PartitionSet::ChunksOf(uint64_t numel) const {
+uint64_t PartitionStore::ChunksOf(uint64_t numel) const {
   return (numel + state_chunk_elems_ - 1) / state_chunk_elems_;
 }
 
-size_t PartitionSet::partitions() const {
+size_t PartitionStore::partitions() const {
   absl::MutexLock lock(&mu_);
   return partitions_.size();
 }
 
-bool PartitionSet::Contains(uint64_t id) const {
+bool PartitionStore::Contains(uint64_t id) const {
   absl::MutexLock lock(&mu_);
   return Find(id) != nullptr;
 }
 
-size_t PartitionSet::held() const {
+size_t PartitionStore::held() const {
   absl::MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& [id, p] : partitions_) n += p->held() ? 1 : 0;
   return n;
 }
 
-uint64_t PartitionSet::steps() const {
+uint64_t PartitionStore::steps() const {
   absl::MutexLock lock(&mu_);
   return steps_;
 }
 
-uint64_t PartitionSet::bytes(DataKind kind, Tier home) const {
+uint64_t PartitionStore::bytes(DataKind kind, Tier home) const {
   absl::MutexLock lock(&mu_);
   return bytes_[static_cast<int>(kind)][static_cast<int>(home)];
 }
 
-int PartitionSet::ParamsKind(const Partition& p, bool next) {
+int PartitionStore::ParamsKind(const Partition& p, bool next) {
   return (p.version == 1) != next ? PartitionStore::kShadowBlock : PartitionStore::kParamsBlock;
 }
 
-void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions, bool delayed_ok) {
+void PartitionStore::AwaitOutOfStep(absl::Span<Partition* const> partitions, bool delayed_ok) {
   auto in_step = [partitions, delayed_ok]() {
     for (const Partition* p : partitions) {
       if (p->step == StepState::kIn || (p->step == StepState::kInDelayed && !delayed_ok)) {
@@ -369,18 +370,18 @@ void PartitionSet::AwaitOutOfStep(absl::Span<Partition* const> partitions, bool 
   } while (in_step());
 }
 
-PartitionSet::Partition* PartitionSet::Find(uint64_t id) const {
+PartitionStore::Partition* PartitionStore::Find(uint64_t id) const {
   auto it = partitions_.find(id);
   return it == partitions_.end() ? nullptr : it->second.get();
 }
 
-absl::StatusOr<PartitionSet::Partition*> PartitionSet::FindOrNotFound(uint64_t id) const {
+absl::StatusOr<PartitionStore::Partition*> PartitionStore::FindOrNotFound(uint64_t id) const {
   if (Partition* p = Find(id)) return p;
   return absl::NotFoundError(absl::StrCat("partition ", id, " is not registered"));
 }
 
-absl::StatusOr<Swapper::Pin> PartitionSet::PinBlock(uint64_t id, uint64_t chunk, int block_kind,
-                                                    bool for_write, bool traced) {
+absl::StatusOr<Swapper::Pin> PartitionStore::PinBlock(uint64_t id, uint64_t chunk, int block_kind,
+                                                      bool for_write, bool traced) {
   const uint64_t block = PartitionStore::BlockOf(id, chunk, block_kind);
   absl::StatusOr<Swapper::Pin> pin = swapper_->Acquire(block, for_write, traced);
   if (block_kind != PartitionStore::kAccumBlock || !absl::IsNotFound(pin.status())) return pin;
@@ -401,8 +402,8 @@ absl::StatusOr<Swapper::Pin> PartitionSet::PinBlock(uint64_t id, uint64_t chunk,
   return swapper_->Acquire(block, for_write, traced);
 }
 
-absl::Status PartitionSet::AddAccumulator(uint64_t id, uint64_t chunk,
-                                          const Partition* registering) {
+absl::Status PartitionStore::AddAccumulator(uint64_t id, uint64_t chunk,
+                                            const Partition* registering) {
   uint64_t numel;
   Tier home;
   // A placement change (SetPlacement) waits until the block is made with the
@@ -432,8 +433,8 @@ absl::Status PartitionSet::AddAccumulator(uint64_t id, uint64_t chunk,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p, int kind,
-                                                             bool for_write) {
+absl::StatusOr<std::vector<Swapper::Pin>> PartitionStore::Hold(const Partition& p, int kind,
+                                                               bool for_write) {
   const bool grads = kind == PartitionStore::kGradsBlock;
   // info.id and info.numel never change after registration.
   const uint64_t chunks = ChunksOf(p.info.numel);
@@ -452,8 +453,8 @@ absl::StatusOr<std::vector<Swapper::Pin>> PartitionSet::Hold(const Partition& p,
   return pins;
 }
 
-absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const PartitionSpec& spec,
-                                                     const RestoredState* restored) {
+absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const PartitionSpec& spec,
+                                                       const RestoredState* restored) {
   // The name first: the messages below quote it.
   RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
   if (spec.numel == 0 || spec.numel > PartitionStore::kMaxNumel) {
@@ -641,8 +642,8 @@ absl::StatusOr<PartitionInfo> PartitionSet::Register(uint64_t id, const Partitio
   return out;
 }
 
-absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const uint64_t> ids,
-                                                               FetchMode mode) {
+absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<const uint64_t> ids,
+                                                                 FetchMode mode) {
   std::vector<Partition*> wanted;
   {
     absl::MutexLock lock(&mu_);
@@ -769,7 +770,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionSet::Fetch(absl::Span<const 
   return out;  // `spare` unpins after the lock went
 }
 
-absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
+absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
   std::vector<Partition*> which, commits;
   {
     absl::MutexLock lock(&mu_);
@@ -810,7 +811,7 @@ absl::Status PartitionSet::Release(absl::Span<const uint64_t> ids) {
   return absl::OkStatus();  // `released` unpins here, outside the lock
 }
 
-absl::Status PartitionSet::CommitMasterInit(const Partition& p) {
+absl::Status PartitionStore::CommitMasterInit(const Partition& p) {
   // info.id, numel and dtypes never change after registration.
   const uint64_t id = p.info.id;
   for (uint64_t c = 0; c < ChunksOf(p.info.numel); ++c) {
@@ -825,8 +826,8 @@ absl::Status PartitionSet::CommitMasterInit(const Partition& p) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64_t numel,
-                                                             DType grad_dtype, bool hand_over) {
+absl::StatusOr<AccumulateItem> PartitionStore::BeginAccumulate(uint64_t id, uint64_t numel,
+                                                               DType grad_dtype, bool hand_over) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
   if (numel != p->info.numel) {
@@ -888,8 +889,8 @@ absl::StatusOr<AccumulateItem> PartitionSet::BeginAccumulate(uint64_t id, uint64
   return item;
 }
 
-absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem& item,
-                                                           uint64_t chunk) {
+absl::StatusOr<AccumulatePins> PartitionStore::PinAccumulate(const AccumulateItem& item,
+                                                             uint64_t chunk) {
   CaptureChunk(item.id, chunk);  // before the accumulator changes
   AccumulatePins pins;
   pins.begin = chunk * state_chunk_elems_;
@@ -906,7 +907,7 @@ absl::StatusOr<AccumulatePins> PartitionSet::PinAccumulate(const AccumulateItem&
   return pins;
 }
 
-std::vector<uint64_t> PartitionSet::HandedOver(absl::Span<const uint64_t> ids) const {
+std::vector<uint64_t> PartitionStore::HandedOver(absl::Span<const uint64_t> ids) const {
   absl::MutexLock lock(&mu_);
   std::vector<uint64_t> out;
   auto check = [&out](const Partition* p) {
@@ -922,7 +923,7 @@ std::vector<uint64_t> PartitionSet::HandedOver(absl::Span<const uint64_t> ids) c
   return out;
 }
 
-absl::StatusOr<std::optional<AccumulateItem>> PartitionSet::BeginReclaim(uint64_t id) {
+absl::StatusOr<std::optional<AccumulateItem>> PartitionStore::BeginReclaim(uint64_t id) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
   if (p->accumulating) {  // a measurement under way
@@ -943,8 +944,8 @@ absl::StatusOr<std::optional<AccumulateItem>> PartitionSet::BeginReclaim(uint64_
   return item;
 }
 
-void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
-                                 const GradStats& stats, uint64_t chunks_done) {
+void PartitionStore::EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
+                                   const GradStats& stats, uint64_t chunks_done) {
   std::vector<Swapper::Pin> handed_back;
   if (item.reclaim) {
     {
@@ -996,7 +997,7 @@ void PartitionSet::EndAccumulate(const AccumulateItem& item, const absl::Status&
   }
 }
 
-PendingGradients PartitionSet::Pending() const {
+PendingGradients PartitionStore::Pending() const {
   absl::MutexLock lock(&mu_);
   auto accumulating = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (const auto& [id, p] : partitions_) {
@@ -1020,7 +1021,7 @@ PendingGradients PartitionSet::Pending() const {
   return out;
 }
 
-void PartitionSet::AwaitStepBoundaryLocked() {
+void PartitionStore::AwaitStepBoundaryLocked() {
   auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (stepping_) return true;
     for (const auto& [id, p] : partitions_) {
@@ -1031,7 +1032,7 @@ void PartitionSet::AwaitStepBoundaryLocked() {
   while (busy()) step_ended_.Wait(&mu_);
 }
 
-absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
+absl::StatusOr<std::vector<StepItem>> PartitionStore::BeginStep(bool skipping) {
   absl::MutexLock lock(&mu_);
   AwaitStepBoundaryLocked();
   if (!skipping) {
@@ -1110,7 +1111,7 @@ absl::StatusOr<std::vector<StepItem>> PartitionSet::BeginStep(bool skipping) {
   return items;
 }
 
-absl::Status PartitionSet::CheckSwapsLocked() const {
+absl::Status PartitionStore::CheckSwapsLocked() const {
   for (const auto& [id, p] : partitions_) {
     if (p->swap_pending && p->held()) {
       return absl::FailedPreconditionError(
@@ -1122,7 +1123,7 @@ absl::Status PartitionSet::CheckSwapsLocked() const {
   return absl::OkStatus();
 }
 
-void PartitionSet::CommitSwapsLocked() {
+void PartitionStore::CommitSwapsLocked() {
   for (const auto& [id, p] : partitions_) {
     if (!p->swap_pending) continue;
     p->version ^= 1;
@@ -1131,7 +1132,7 @@ void PartitionSet::CommitSwapsLocked() {
   }
 }
 
-absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t chunk) {
+absl::StatusOr<ChunkPins> PartitionStore::PinChunk(const StepItem& item, uint64_t chunk) {
   const uint64_t id = item.id;
   const uint64_t numel = item.task.span.numel;
   ChunkPins pins;
@@ -1164,7 +1165,7 @@ absl::StatusOr<ChunkPins> PartitionSet::PinChunk(const StepItem& item, uint64_t 
   return pins;
 }
 
-absl::Status PartitionSet::SetDelayedUpdate(bool on) {
+absl::Status PartitionStore::SetDelayedUpdate(bool on) {
   absl::MutexLock placing(&placement_mu_);  // no registration meanwhile
   struct Buffer {
     uint64_t id;
@@ -1241,12 +1242,12 @@ absl::Status PartitionSet::SetDelayedUpdate(bool on) {
   return absl::OkStatus();
 }
 
-bool PartitionSet::delayed_update() const {
+bool PartitionStore::delayed_update() const {
   absl::MutexLock lock(&mu_);
   return delayed_;
 }
 
-absl::Status PartitionSet::RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const {
+absl::Status PartitionStore::RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const {
   for (const Partition* p : wanted) {
     if (p->gradients != GradState::kHandedOver) continue;
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1257,16 +1258,16 @@ absl::Status PartitionSet::RefuseHandedOverLocked(absl::Span<Partition* const> w
   return absl::OkStatus();
 }
 
-int PartitionSet::GradsKind(const StepItem& item) {
+int PartitionStore::GradsKind(const StepItem& item) {
   return item.hand_over ? PartitionStore::kGradsBlock : PartitionStore::kAccumBlock;
 }
 
-void PartitionSet::ConsumeGrads(const StepItem& item, uint64_t chunk) {
+void PartitionStore::ConsumeGrads(const StepItem& item, uint64_t chunk) {
   CaptureChunk(item.id, chunk);  // a skipped step's gradients, before they go
   swapper_->Discard(PartitionStore::BlockOf(item.id, chunk, GradsKind(item))).IgnoreError();
 }
 
-void PartitionSet::LeaveStepLocked(Partition* p, const StepItem& item, bool applied) {
+void PartitionStore::LeaveStepLocked(Partition* p, const StepItem& item, bool applied) {
   p->step = StepState::kOut;
   p->resume_chunk = 0;
   p->gradients = GradState::kNone;
@@ -1279,14 +1280,14 @@ void PartitionSet::LeaveStepLocked(Partition* p, const StepItem& item, bool appl
   if (item.delayed) p->swap_pending = true;
 }
 
-void PartitionSet::EndPartition(const StepItem& item) {
+void PartitionStore::EndPartition(const StepItem& item) {
   absl::MutexLock lock(&mu_);
   LeaveStepLocked(Find(item.id), item, /*applied=*/true);
   step_ended_.SignalAll();
 }
 
-void PartitionSet::EndStep(absl::Span<const StepItem> items,
-                           absl::Span<const ItemOutcome> outcomes) {
+void PartitionStore::EndStep(absl::Span<const StepItem> items,
+                             absl::Span<const ItemOutcome> outcomes) {
   // Gradients a skipped step consumed are dead too (an applied step
   // dropped its own chunk by chunk): dropped while the partitions are still
   // in the step, so that no fetch and return of the next gradients can
@@ -1322,7 +1323,7 @@ void PartitionSet::EndStep(absl::Span<const StepItem> items,
   swapper_->EndIteration(session_id_);
 }
 
-absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionSet::MapExtra(uint64_t bytes) {
+absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionStore::MapExtra(uint64_t bytes) {
   absl::MutexLock placing(&placement_mu_);  // registrations allocate under it too
   ASSIGN_OR_RETURN(uint64_t offset, arena_->Allocate(bytes));
   // Small pages: the pool counts none of it (it is the session's fixed
@@ -1332,7 +1333,7 @@ absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionSet::MapExtra(uint64_t 
   return std::make_pair(offset, std::move(memory));
 }
 
-void PartitionSet::DropHolds() {
+void PartitionStore::DropHolds() {
   std::vector<Swapper::Pin> released;
   {
     absl::MutexLock lock(&mu_);
@@ -1340,7 +1341,7 @@ void PartitionSet::DropHolds() {
   }
 }  // `released` unpins here, outside the lock
 
-absl::Status PartitionSet::RestoreSetState(uint64_t steps, bool delayed) {
+absl::Status PartitionStore::RestoreSetState(uint64_t steps, bool delayed) {
   absl::MutexLock placing(&placement_mu_);
   absl::MutexLock lock(&mu_);
   if (!partitions_.empty()) {
@@ -1352,8 +1353,8 @@ absl::Status PartitionSet::RestoreSetState(uint64_t steps, bool delayed) {
   return absl::OkStatus();
 }
 
-absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState& restored,
-                                        bool with_shadow) {
+absl::Status PartitionStore::FillRestored(const Partition& p, const RestoredState& restored,
+                                          bool with_shadow) {
   std::vector<int> kinds;
   if (restored.master_initialized) {
     kinds.insert(kinds.end(),
@@ -1382,7 +1383,7 @@ absl::Status PartitionSet::FillRestored(const Partition& p, const RestoredState&
   return absl::OkStatus();
 }
 
-absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
+absl::StatusOr<SetImage> PartitionStore::BeginCheckpoint(ChunkSink* sink) {
   absl::MutexLock lock(&mu_);
   AwaitStepBoundaryLocked();
   // Checked after the wait (it let the lock go): one checkpoint at a time.
@@ -1441,7 +1442,7 @@ absl::StatusOr<SetImage> PartitionSet::BeginCheckpoint(ChunkSink* sink) {
   return image;
 }
 
-void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
+void PartitionStore::CaptureChunk(uint64_t id, uint64_t chunk) {
   Capture* capture;
   std::vector<int> kinds;
   {
@@ -1479,8 +1480,8 @@ void PartitionSet::CaptureChunk(uint64_t id, uint64_t chunk) {
   captured_.SignalAll();
 }
 
-absl::Status PartitionSet::CaptureBlock(Capture* capture, uint64_t id, uint64_t chunk,
-                                        int block_kind) {
+absl::Status PartitionStore::CaptureBlock(Capture* capture, uint64_t id, uint64_t chunk,
+                                          int block_kind) {
   // A read pin: what is pinned for writing by another call is not being
   // changed yet (every change captures first). Not traced: a checkpoint's
   // reads are no part of the order that repeats.
@@ -1511,7 +1512,7 @@ absl::Status PartitionSet::CaptureBlock(Capture* capture, uint64_t id, uint64_t 
                               absl::MakeConstSpan(capture->staging.data(), *bytes));
 }
 
-void PartitionSet::CaptureAll(absl::Span<Partition* const> partitions) {
+void PartitionStore::CaptureAll(absl::Span<Partition* const> partitions) {
   std::vector<std::pair<uint64_t, uint64_t>> todo;  // id, chunks
   {
     absl::MutexLock lock(&mu_);
@@ -1523,7 +1524,7 @@ void PartitionSet::CaptureAll(absl::Span<Partition* const> partitions) {
   }
 }
 
-absl::Status PartitionSet::EndCheckpoint() {
+absl::Status PartitionStore::EndCheckpoint() {
   absl::MutexLock lock(&mu_);
   if (capture_ == nullptr) return absl::OkStatus();
   while (capture_->running > 0) captured_.Wait(&mu_);

@@ -1,9 +1,11 @@
-// The partition store: the one owner of partition buffers.
+// The partition store: one session's partitions, the one owner of their
+// buffers (PartitionStoreFactory makes one per session, with the node's
+// defaults).
 //
-// For each session it keeps a PartitionSet: the session's shared arena
-// (shm_arena.h), out of which each partition's working parameters and
-// gradient buffer are carved (the trainer maps them), and each partition's
-// daemon-private fp32 master weights and Adam moments. Every kind of data of
+// It keeps the session's shared arena (shm_arena.h), out of which each
+// partition's working parameters and gradient buffer are carved (the trainer
+// maps them), and each partition's daemon-private fp32 master weights and
+// Adam moments. Every kind of data of
 // every partition is cut into chunks of at most `state_chunk_elems`
 // elements, and every chunk is one block of the swapper (swapper/swapper.h):
 // parameters and gradients as external blocks over the arena's pages, the
@@ -33,16 +35,16 @@
 // they were on the host): the trainer writes every element before
 // returning gradients. A session that ends releases all.
 //
-// Partition life cycle (per partition, under its set's lock): three
+// Partition life cycle (per partition, under its store's lock): three
 // states, each an enum with its transitions drawn at its definition below
-// (PartitionSet::MasterState, GradState, StepState):
+// (PartitionStore::MasterState, GradState, StepState):
 //   registered -> ReturnGradients -> gradients ready -> BeginStep -> in a
 //   step -> EndStep -> registered (step count advanced if the step applied).
 // A partition in a step belongs to the optimizer, which runs outside every
-// lock; Fetch and ReturnGradients of it wait until EndStep. One step per set
+// lock; Fetch and ReturnGradients of it wait until EndStep. One step per store
 // runs at a time; a second BeginStep waits for the first to end.
 //
-// Errors: NOT_FOUND for a partition this set does not hold,
+// Errors: NOT_FOUND for a partition this store does not hold,
 // INVALID_ARGUMENT for malformed specs and gradients that do not match the
 // registration, ALREADY_EXISTS for a duplicate name, FAILED_PRECONDITION for
 // a step with no gradients or gradients returned without holding the
@@ -51,12 +53,12 @@
 // checksum or reads an I/O error. A failed call changes nothing and holds
 // nothing.
 //
-// Thread-safety: all methods are safe from any thread. Lock order: a set's
+// Thread-safety: all methods are safe from any thread. Lock order: a store's
 // lock (mu_) is a leaf; no other engine lock, nor the swapper's, is taken
 // while it is held (calls into the swapper happen outside it, and pins are
 // dropped outside it), and it is never taken while another engine lock is
 // held (ABSL_LOCKS_EXCLUDED below). Register and SetPlacement hold the
-// set's placement_mu_ (before mu_) across their swapper calls, so they see
+// store's placement_mu_ (before mu_) across their swapper calls, so they see
 // each other whole.
 #ifndef OFFLOADD_ENGINE_PARTITION_STORE_H_
 #define OFFLOADD_ENGINE_PARTITION_STORE_H_
@@ -81,32 +83,15 @@
 #include "cpu_adam/accumulate.h"
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/checkpoint_image.h"
+#include "engine/partition_info.h"
+#include "engine/placement.h"
 #include "engine/shm_arena.h"
 #include "engine/stats.h"
+#include "engine/step_protocol.h"
 #include "swapper/swapper.h"
 
 namespace offload {
-
-// The kinds of a partition's data that are placed independently.
-enum class DataKind { kParams = 0, kGrads = 1, kOptimizerState = 2 };
-inline constexpr int kDataKinds = 3;
-const char* DataKindName(DataKind kind);
-
-// Percentages of a session's bytes of each kind homed on the host.
-struct Placement {
-  int host_percent[kDataKinds] = {100, 100, 100};
-  int& operator[](DataKind k) { return host_percent[static_cast<int>(k)]; }
-  int operator[](DataKind k) const { return host_percent[static_cast<int>(k)]; }
-};
-
-// A change of some kinds' placement; unset kinds keep theirs.
-struct PlacementChange {
-  std::optional<int> host_percent[kDataKinds];
-  std::optional<int>& operator[](DataKind k) { return host_percent[static_cast<int>(k)]; }
-  const std::optional<int>& operator[](DataKind k) const {
-    return host_percent[static_cast<int>(k)];
-  }
-};
 
 // How Fetch holds partitions.
 struct FetchMode {
@@ -147,186 +132,43 @@ struct PartitionSpec {
 uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype, bool fp32_init,
                               uint64_t chunk_elems, uint64_t huge_page_bytes);
 
-// A registering partition's state, from a checkpoint its session restores
-// (engine/checkpoint.h).
-struct RestoredState {
-  uint64_t step = 0;
-  bool master_initialized = false;  // master weights and moments saved
-  bool grads_ready = false;         // accumulated gradients saved
-  uint64_t micro_batches = 0;
-  GradStats grad_stats;
-  bool next_params_pending = false;  // a newer working copy saved (the delayed update)
-  // Elements [begin, begin + elems) of one block kind (PartitionStore::
-  // BlockKind: kMaster, kExpAvg, kExpAvgSq, kAccumBlock, kParamsBlock for the
-  // current working copy, kShadowBlock for the newer one) into `dst`.
-  std::function<absl::Status(int block_kind, uint64_t begin, uint64_t elems, std::byte* dst)> read;
-};
-
-// Receives a checkpoint's bytes (PartitionSet::BeginCheckpoint): one block
-// kind of one chunk of a partition, as it was when the checkpoint began.
-// Called from several threads (the writer's, and those of calls about to
-// change a chunk not written yet).
-class ChunkSink {
- public:
-  virtual ~ChunkSink() = default;
-  virtual absl::Status Write(uint64_t id, uint64_t chunk, int block_kind,
-                             absl::Span<const std::byte> bytes) = 0;
-};
-
-struct ArenaRegion {
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-};
-
-struct PartitionInfo {
-  uint64_t id = 0;
-  std::string name;
-  uint64_t numel = 0;
-  DType param_dtype = DType::kFp32;
-  DType grad_dtype = DType::kFp32;
-  ArenaRegion params;
-  ArenaRegion grads;
-  // Registered with fp32_master and not released yet: where the trainer
-  // writes the fp32 initial values (numel floats). Otherwise empty.
-  ArenaRegion master_init;
-  // Everything the partition may place in the arena (its working copy's
-  // second buffer included): what a client maps once.
-  ArenaRegion span;
-  // The span is laid out for huge pages (each region starts on one and
-  // fills whole ones): a client maps it asking for huge pages; otherwise it
-  // asks for small pages only (a huge page there would hold more than the
-  // pool counts).
-  bool huge_pages = false;
-  uint64_t step = 0;
-  // Its state came from the checkpoint its session restores: the
-  // parameters are in place (nothing to write before releasing).
-  bool restored = false;
-};
-
-// A partition as a checkpoint began.
-struct CheckpointedPartition {
-  PartitionInfo info;
-  std::string tensor;  // never empty here
-  std::vector<uint64_t> shape{};
-  uint64_t tensor_offset = 0;
-  bool master_initialized = false;
-  bool grads_ready = false;
-  uint64_t micro_batches = 0;
-  GradStats grad_stats;
-  // The block kinds saved, per chunk: the master weights and moments if
-  // initialised, the accumulator if gradients are ready, the working copy
-  // read now (`current_kind`), and the newer one if pending (`next_kind`,
-  // else -1).
-  std::vector<int> block_kinds;
-  int current_kind = 0, next_kind = -1;
-  uint64_t chunks = 0;
-};
-
-// A set as a checkpoint began.
-struct SetImage {
-  uint64_t steps = 0;
-  bool delayed = false;
-  Placement placement;
-  uint64_t chunk_elems = 0;
-  std::vector<CheckpointedPartition> partitions;  // by id
-};
-
-// One partition of a step, as BeginStep hands it to the step runner. The
-// task's dtypes and step are set (gradients: the fp32 accumulator); the
-// pointers come from PinChunk.
-struct StepItem {
-  uint64_t id = 0;
-  AdamTask task;
-  uint64_t chunks = 0;
-  // What accumulating its gradients measured (non-finite values, norm).
-  GradStats stats;
-  // The delayed parameter update: the new working copy goes into the
-  // partition's other buffer, while the trainer reads the current one.
-  bool delayed = false;
-  // The working-copy buffers' block kinds: the one the update writes, the
-  // one the trainer reads (equal without the delayed update). Fixed for
-  // the step: buffers swap only between steps.
-  int write_kind = 0, current_kind = 0;
-  // The master copy has never been written: initialise it from the working
-  // copy before the update.
-  bool init_master = false;
-  // The first state chunk to update: not 0 when this step resumes one that
-  // failed midway through this partition.
-  uint64_t first_chunk = 0;
-  // The gradients are in the partition's gradient buffer (in its gradient
-  // dtype), handed over, not in the accumulator.
-  bool hand_over = false;
-};
-
-// One chunk of a partition, everything its update touches pinned in host
-// memory: elements [begin, end) of the partition. `accum` holds the
-// accumulated fp32 gradients (or, handed over, the gradient buffer's).
-
-struct ChunkPins {
-  uint64_t begin = 0, end = 0;
-  // `params` is the buffer the update writes; `current` (delayed update of
-  // a partition whose master is not initialised yet) the one it starts from.
-  Swapper::Pin master, exp_avg, exp_avg_sq, params, accum, current;
-};
-
-// A micro-batch's gradients being added into a partition's accumulator, as
-// BeginAccumulate hands it to the step runner.
-struct AccumulateItem {
-  uint64_t id = 0;
-  uint64_t numel = 0;
-  uint64_t chunks = 0;
-  DType grad_dtype = DType::kFp32;
-  bool first = false;  // the accumulator holds nothing yet: copy
-  // The gradients stay in the buffer for the step to read (measured only).
-  bool hand_over = false;
-  // Measured after the call returned (StepRunner): a failure cannot be
-  // reported to the caller, so it loses the accumulation (skip the step).
-  bool background = false;
-  // Not a return: handed-over gradients copied into the accumulator so
-  // that the trainer can have its buffer back before the step (BeginReclaim).
-  bool reclaim = false;
-};
-
-// One chunk of it: the trainer's gradients (read) and the accumulator.
-struct AccumulatePins {
-  uint64_t begin = 0, end = 0;
-  Swapper::Pin grads, accum;
-};
-
-// The gradients waiting for the next step, over a session's partitions.
-struct PendingGradients {
-  GradStats stats;             // of the accumulated values
-  uint64_t partitions = 0;     // with gradients
-  uint64_t micro_batches = 0;  // the most accumulated into one partition
-  double loss_scale = 1;       // the session's (SessionManager fills it in)
-};
-
-enum class StepOutcome {
-  kApplied,  // the update happened: gradients consumed, step counts advance
-  kSkipped,  // non-finite gradients: gradients consumed, nothing else changes
-  kFailed,   // stopped before its end: gradients stay ready, and the next
-             // step resumes at `next_chunk`
-};
-
-struct ItemOutcome {
-  StepOutcome outcome = StepOutcome::kFailed;
-  uint64_t next_chunk = 0;  // kFailed: chunks before it were updated
-  bool ended = false;       // already handed back by EndPartition
-};
-
 // INVALID_ARGUMENT unless `name` is 1 (0 with `may_be_empty`) to 256 bytes
 // without control characters (a newline would forge rows in offloadctl's
 // tables). The message names `what` but never echoes the name itself.
 absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty);
 
-class PartitionStore;
+class PartitionStoreFactory;
 
-// One session's partitions. Created by PartitionStore::CreateSet.
-class PartitionSet {
+// One session's partitions. Created by PartitionStoreFactory::CreateStore.
+class PartitionStore {
  public:
-  ~PartitionSet();
-  PartitionSet(const PartitionSet&) = delete;
-  PartitionSet& operator=(const PartitionSet&) = delete;
+  ~PartitionStore();
+  PartitionStore(const PartitionStore&) = delete;
+  PartitionStore& operator=(const PartitionStore&) = delete;
+
+  // Largest partition accepted (elements): keeps byte counts far from
+  // overflow and catches garbage sizes.
+  static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
+  // Kinds of swapper blocks of one chunk of a partition.
+  // The accumulator is placed with the optimizer state.
+  enum BlockKind {
+    kMaster = 0,
+    kExpAvg = 1,
+    kExpAvgSq = 2,
+    kParamsBlock = 3,
+    kGradsBlock = 4,
+    kAccumBlock = 5,
+    kInitBlock = 6,    // fp32 initial values, from registration to the first release
+    kShadowBlock = 7,  // the working copy's second buffer (the delayed update)
+  };
+  static constexpr int kBlockKinds = 8;
+  // The swapper's block id of one kind of one chunk of a partition.
+  static uint64_t BlockOf(uint64_t partition_id, uint64_t chunk, int kind) {
+    return partition_id << 32 | chunk << 3 | static_cast<uint64_t>(kind);
+  }
+  // Chunks are a multiple of this many elements, so that every chunk of a
+  // 16-bit kind starts on a page (the swapper frees and reads whole pages).
+  static constexpr uint64_t kChunkQuantum = 2048;
 
   // Registers partition `id` (chosen by the caller, unique daemon-wide),
   // its parameters zeros and held (writable) for the trainer to fill; with
@@ -343,7 +185,7 @@ class PartitionSet {
   absl::Status RestoreSetState(uint64_t steps, bool delayed) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Checkpoints, copy-on-write. BeginCheckpoint waits for a running step
-  // and accumulations to end (a step boundary) and returns the set's image
+  // and accumulations to end (a step boundary) and returns the store's image
   // then; from that moment every chunk of every partition in it is given
   // to `sink` exactly once, as it was then: by CaptureChunk (the writer
   // walks every chunk), or by a call about to change a chunk not captured
@@ -438,7 +280,7 @@ class PartitionSet {
   absl::StatusOr<ChunkPins> PinChunk(const StepItem& item, uint64_t chunk) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The delayed parameter update (DPU, from ZeRO-Offload), on or off for
-  // this set's next steps. On: every partition gets a second working-copy
+  // this store's next steps. On: every partition gets a second working-copy
   // buffer (swapper blocks placed like the parameters: twice the working
   // copy's memory); a step writes the new working copy there while fetches
   // go on reading the current one at once (never a mix: each fetch sees one
@@ -461,7 +303,7 @@ class PartitionSet {
   void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Changes the share of this set's bytes of some kinds homed on the host
+  // Changes the share of this store's bytes of some kinds homed on the host
   // and re-homes its partitions as at registration (greedily, in
   // registration order). Returns at once: the swapper moves the blocks in
   // the background (to the host: read in and kept resident; to NVMe:
@@ -487,7 +329,7 @@ class PartitionSet {
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  friend class PartitionStore;
+  friend class PartitionStoreFactory;
 
   // A partition's master weights and moments:
   //
@@ -530,8 +372,9 @@ class PartitionSet {
 
   struct Partition;
 
-  PartitionSet(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper, Stats* stats,
-               const Placement& placement, uint64_t state_chunk_elems, uint64_t huge_page_bytes);
+  PartitionStore(uint64_t session_id, std::unique_ptr<ShmArena> arena, Swapper* swapper,
+                 Stats* stats, const Placement& placement, uint64_t state_chunk_elems,
+                 uint64_t huge_page_bytes);
 
   // Waits until none of `partitions` is in a step (with `delayed_ok`, a
   // delayed-update step, which leaves the current working copy alone, does
@@ -561,8 +404,8 @@ class PartitionSet {
   // Chunks of a partition of `numel` elements.
   uint64_t ChunksOf(uint64_t numel) const;
   // Pins every chunk of `p`'s parameters (or gradients): the caller's
-  // hold. Without the set's lock (`p` stays valid: partitions go only with
-  // the set).
+  // hold. Without the store's lock (`p` stays valid: partitions go only with
+  // the store).
   // `kind`: kGradsBlock, or the parameters' (ParamsKind, read under the
   // lock by the caller).
   absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, int kind, bool for_write)
@@ -616,7 +459,7 @@ class PartitionSet {
   const uint64_t huge_page_bytes_;  // 0: the arena has none
 
   // Serialises Register, SetPlacement, SetDelayedUpdate and the lazy
-  // accumulator (AddAccumulator) of this set, across their calls into the
+  // accumulator (AddAccumulator) of this store, across their calls into the
   // swapper. Lock order: placement_mu_, then mu_ (briefly,
   // never across a swapper call), then the swapper's own.
   absl::Mutex placement_mu_ ABSL_ACQUIRED_BEFORE(mu_);
@@ -642,54 +485,30 @@ class PartitionSet {
   Placement placement_ ABSL_GUARDED_BY(mu_);
 };
 
-class PartitionStore {
+class PartitionStoreFactory {
  public:
-  // Largest partition accepted (elements): keeps byte counts far from
-  // overflow and catches garbage sizes.
-  static constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-  // Kinds of swapper blocks of one chunk of a partition.
-  // The accumulator is placed with the optimizer state.
-  enum BlockKind {
-    kMaster = 0,
-    kExpAvg = 1,
-    kExpAvgSq = 2,
-    kParamsBlock = 3,
-    kGradsBlock = 4,
-    kAccumBlock = 5,
-    kInitBlock = 6,    // fp32 initial values, from registration to the first release
-    kShadowBlock = 7,  // the working copy's second buffer (the delayed update)
-  };
-  static constexpr int kBlockKinds = 8;
-  // The swapper's block id of one kind of one chunk of a partition.
-  static uint64_t BlockOf(uint64_t partition_id, uint64_t chunk, int kind) {
-    return partition_id << 32 | chunk << 3 | static_cast<uint64_t>(kind);
-  }
-  // Chunks are a multiple of this many elements, so that every chunk of a
-  // 16-bit kind starts on a page (the swapper frees and reads whole pages).
-  static constexpr uint64_t kChunkQuantum = 2048;
-
-  // `env`, `swapper` and `stats` must outlive the store and every set it
+  // `env`, `swapper` and `stats` must outlive the store and every store it
   // made. `placement` is the node default for new sessions;
   // `state_chunk_elems` the size of a chunk (rounded down to kChunkQuantum,
   // at least that). `huge_page_bytes`: the huge page size the kernel gives
   // shared memory that asks (SharedHugePageBytes()), for the arenas to lay
   // large partitions out for; 0 lays everything out for small pages.
-  PartitionStore(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
-                 const Placement& placement, uint64_t state_chunk_elems,
-                 uint64_t huge_page_bytes = 0);
+  PartitionStoreFactory(Env* env, Swapper* swapper, Stats* stats, uint64_t arena_capacity,
+                        const Placement& placement, uint64_t state_chunk_elems,
+                        uint64_t huge_page_bytes = 0);
 
-  // A new, empty set for session `session_id` with an arena of the current
+  // A new, empty store for session `session_id` with an arena of the current
   // capacity, placed as the node default changed by `placement`.
   // INVALID_ARGUMENT outside [0, 100]; FAILED_PRECONDITION below 100
   // without an NVMe tier.
-  absl::StatusOr<std::unique_ptr<PartitionSet>> CreateSet(uint64_t session_id,
-                                                          const PlacementChange& placement = {});
+  absl::StatusOr<std::unique_ptr<PartitionStore>> CreateStore(
+      uint64_t session_id, const PlacementChange& placement = {});
 
   // INVALID_ARGUMENT outside [0, 100], FAILED_PRECONDITION below 100
   // without an NVMe tier.
   static absl::Status CheckPlacement(DataKind kind, int percent, bool has_nvme);
 
-  // Applies to sets created afterwards (rounded down to the arena's
+  // Applies to stores created afterwards (rounded down to the arena's
   // alignment).
   void SetArenaCapacity(uint64_t bytes);
   uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }

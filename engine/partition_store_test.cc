@@ -322,13 +322,15 @@ TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
   Stats stats;
-  PartitionStore store(Env::Default(), swapper.get(), &stats, 1 << 20, Placement{}, kChunkElems);
-  EXPECT_EQ(store.CreateSet(1, StateAt(50)).status().code(), absl::StatusCode::kFailedPrecondition);
+  PartitionStoreFactory store(Env::Default(), swapper.get(), &stats, 1 << 20, Placement{},
+                              kChunkElems);
+  EXPECT_EQ(store.CreateStore(1, StateAt(50)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   PlacementChange params;
   params[DataKind::kParams] = 0;
-  EXPECT_EQ(store.CreateSet(1, params).status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(store.CreateSet(1, StateAt(101)).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(store.CreateSet(1, StateAt(100)).ok());
+  EXPECT_EQ(store.CreateStore(1, params).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store.CreateStore(1, StateAt(101)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store.CreateStore(1, StateAt(100)).ok());
 }
 
 }  // namespace

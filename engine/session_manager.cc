@@ -21,7 +21,7 @@
 
 namespace offload {
 struct SessionManager::Session {
-  Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionSet> set,
+  Session(uint64_t id, std::string token, std::string name, std::unique_ptr<PartitionStore> set,
           std::unique_ptr<LossScaler> scaler, std::unique_ptr<CheckpointRestore> restore)
       : id(id),
         token(std::move(token)),
@@ -44,7 +44,7 @@ struct SessionManager::Session {
   const uint64_t id;
   const std::string token;
   const std::string name;
-  const std::unique_ptr<PartitionSet> partitions;
+  const std::unique_ptr<PartitionStore> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
   // The checkpoint it restores, if any (from `restore_from`). A kept
   // session's (RestoreOne) is its original one again once it is reopened,
@@ -106,7 +106,8 @@ uint64_t NewIncarnation(Env* env) {
 
 }  // namespace
 
-SessionManager::SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats)
+SessionManager::SessionManager(Env* env, PartitionStoreFactory* store, StepRunner* steps,
+                               Stats* stats)
     : env_(env),
       store_(store),
       steps_(steps),
@@ -188,7 +189,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     while (sessions_.contains(next_session_id_)) ++next_session_id_;
     id = next_session_id_++;
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PartitionSet> set, store_->CreateSet(id, placed));
+  ASSIGN_OR_RETURN(std::unique_ptr<PartitionStore> set, store_->CreateStore(id, placed));
   if (restore != nullptr) {
     const checkpoint::Manifest& m = restore->session_manifest();
     RETURN_IF_ERROR(set->RestoreSetState(m.steps(), m.delayed_update()));
@@ -314,7 +315,7 @@ bool SessionManager::Abandon(uint64_t id) {
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
                                std::optional<SteadyTime> only_idle_since,
                                std::atomic<int64_t>* why) {
-  // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionSet takes the
+  // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionStore takes the
   // set's lock). Memory is released when the last in-flight call drops its
   // reference.
   std::shared_ptr<Session> doomed;
@@ -814,7 +815,7 @@ bool SessionManager::Detach(uint64_t id) {
   // thread resets it, and drops what that call held).
   session->partitions->DropHolds();
   if (session->ring != nullptr) {
-    PartitionSet* set = session->partitions.get();
+    PartitionStore* set = session->partitions.get();
     session->ring->Reset([set] { set->DropHolds(); });
   }
   return true;
@@ -896,7 +897,7 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<SessionSummary> out;
   for (size_t i = 0; i < sessions.size(); ++i) {
     const auto& s = sessions[i];
-    const PartitionSet& p = *s->partitions;
+    const PartitionStore& p = *s->partitions;
     SessionSummary summary;
     summary.gpu = gpu[i];
     summary.id = s->id;

@@ -1,11 +1,11 @@
 // Sessions: ids, tokens, which session owns which partition, and their life
 // cycle. An orchestrator in the manner of LevelDB's DBImpl: it checks who is
 // asking and delegates the work to the component that owns it:
-//   partition buffers and their states -> PartitionStore / PartitionSet
+//   partition buffers and their states -> PartitionStoreFactory / PartitionStore
 //   the optimizer step                 -> StepRunner
 // Engine types only; the gRPC layer converts (service.h).
 //
-// A session is one trainer process's connection. It owns a PartitionSet (its
+// A session is one trainer process's connection. It owns a PartitionStore (its
 // shared arena, which the trainer maps, and its partitions' private state).
 // Calls in flight hold a reference to the session: closing it removes it at
 // once, and its memory is freed when the last such call returns.
@@ -138,7 +138,7 @@ class SessionManager {
 
   // Everything passed in must outlive the manager. `env` makes the session
   // tokens.
-  SessionManager(Env* env, PartitionStore* store, StepRunner* steps, Stats* stats);
+  SessionManager(Env* env, PartitionStoreFactory* store, StepRunner* steps, Stats* stats);
   ~SessionManager();
 
   // How long a session's request-ring thread polls for the next call after
@@ -147,7 +147,7 @@ class SessionManager {
   void SetRingSpin(absl::Duration spin) ABSL_LOCKS_EXCLUDED(mu_);
 
   // `placement`: changes to the node default for this session (see
-  // PartitionStore::CreateSet); `loss_scaling`: dynamic loss scaling for
+  // PartitionStoreFactory::CreateStore); `loss_scaling`: dynamic loss scaling for
   // fp16 training (loss_scaler.h), INVALID_ARGUMENT for options it cannot
   // use.
   // `delayed_update_after`: switch the delayed parameter update on once
@@ -176,7 +176,7 @@ class SessionManager {
   absl::StatusOr<CheckpointOutcome> Checkpoint(const SessionKey& key, const std::string& dir,
                                                bool background) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<CheckpointOutcome> WaitCheckpoint(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
-  // Switches the session's delayed parameter update (PartitionSet::
+  // Switches the session's delayed parameter update (PartitionStore::
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
   absl::Status SetDelayedUpdate(const SessionKey& key, bool on) ABSL_LOCKS_EXCLUDED(mu_);
@@ -197,17 +197,17 @@ class SessionManager {
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Holds the partitions (PartitionSet::Fetch). An empty `ids` fetches
+  // Holds the partitions (PartitionStore::Fetch). An empty `ids` fetches
   // every partition of the session.
   absl::StatusOr<std::vector<PartitionInfo>> Fetch(const SessionKey& key,
                                                    absl::Span<const uint64_t> ids,
                                                    FetchMode mode = {}) ABSL_LOCKS_EXCLUDED(mu_);
-  // Lets holds go (PartitionSet::Release); an empty `ids`, every one.
+  // Lets holds go (PartitionStore::Release); an empty `ids`, every one.
   absl::Status Release(const SessionKey& key, absl::Span<const uint64_t> ids)
       ABSL_LOCKS_EXCLUDED(mu_);
   // `numel` and `grad_dtype` describe what the trainer wrote; they must match
   // the registration. `hand_over`: the step reads the gradients where they
-  // are (PartitionSet::BeginAccumulate); `stats`, the trainer's statistics
+  // are (PartitionStore::BeginAccumulate); `stats`, the trainer's statistics
   // of them (StepRunner::Accumulate's `given`).
   absl::Status ReturnGradients(const SessionKey& key, uint64_t partition_id, uint64_t numel,
                                DType grad_dtype, bool hand_over = false,
@@ -235,7 +235,7 @@ class SessionManager {
   // (waiting for it). FAILED_PRECONDITION if none was started.
   absl::StatusOr<StepSummary> WaitStep(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Changes where the session's data rests (see PartitionSet::SetPlacement);
+  // Changes where the session's data rests (see PartitionStore::SetPlacement);
   // returns at once.
   absl::Status SetPlacement(const SessionKey& key, const PlacementChange& change)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -340,7 +340,7 @@ class SessionManager {
 
   // Constant after construction.
   Env* const env_;
-  PartitionStore* const store_;
+  PartitionStoreFactory* const store_;
   StepRunner* const steps_;
   Stats* const stats_;
   const uint64_t incarnation_;  // the high 32 bits of this daemon's session ids

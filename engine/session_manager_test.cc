@@ -65,7 +65,7 @@ class SessionManagerTest : public ::testing::Test {
   std::unique_ptr<Engine> engine_;
   Stats& stats_;
   HostPool& pool_;
-  PartitionStore& store_;
+  PartitionStoreFactory& store_;
   StepRunner& steps_;
   SessionManager& sessions_;
 };

@@ -61,7 +61,7 @@ void StepRunner::Sync(StepPoint point) {
   if (hook) hook(point);
 }
 
-absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t numel,
+absl::Status StepRunner::Accumulate(PartitionStore& set, uint64_t id, uint64_t numel,
                                     DType grad_dtype, bool hand_over,
                                     std::shared_ptr<void> keep_alive,
                                     const std::optional<GradStats>& given) {
@@ -83,7 +83,7 @@ absl::Status StepRunner::Accumulate(PartitionSet& set, uint64_t id, uint64_t num
   return AccumulateChunks(set, item);
 }
 
-absl::Status StepRunner::Reclaim(PartitionSet& set, absl::Span<const uint64_t> ids) {
+absl::Status StepRunner::Reclaim(PartitionStore& set, absl::Span<const uint64_t> ids) {
   for (uint64_t id : set.HandedOver(ids)) {
     ASSIGN_OR_RETURN(std::optional<AccumulateItem> item, set.BeginReclaim(id));
     if (item.has_value()) RETURN_IF_ERROR(AccumulateChunks(set, *item));
@@ -109,7 +109,7 @@ void StepRunner::Measurer() {
   }
 }
 
-absl::Status StepRunner::AccumulateChunks(PartitionSet& set, const AccumulateItem& item) {
+absl::Status StepRunner::AccumulateChunks(PartitionStore& set, const AccumulateItem& item) {
   const uint64_t id = item.id;
   GradStats stats;
   absl::Status status;
@@ -177,14 +177,14 @@ void StepRunner::Worker() {
   }
 }
 
-absl::StatusOr<StepSummary> StepRunner::Run(PartitionSet& set, const AdamHyperparams& h, bool skip,
-                                            absl::Span<const ParamGroup> groups) {
+absl::StatusOr<StepSummary> StepRunner::Run(PartitionStore& set, const AdamHyperparams& h,
+                                            bool skip, absl::Span<const ParamGroup> groups) {
   ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip, groups));
   if (prepared.done) return prepared.summary;
   return Execute(set, h, std::move(prepared));
 }
 
-absl::StatusOr<StepSummary> StepRunner::Start(PartitionSet& set, std::shared_ptr<void> keep_alive,
+absl::StatusOr<StepSummary> StepRunner::Start(PartitionStore& set, std::shared_ptr<void> keep_alive,
                                               const AdamHyperparams& h, bool skip,
                                               absl::Span<const ParamGroup> groups, Done done) {
   ASSIGN_OR_RETURN(Prepared prepared, Prepare(set, h, skip, groups));
@@ -199,7 +199,7 @@ absl::StatusOr<StepSummary> StepRunner::Start(PartitionSet& set, std::shared_ptr
   return now;
 }
 
-absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionSet& set,
+absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionStore& set,
                                                          const AdamHyperparams& h, bool skip,
                                                          absl::Span<const ParamGroup> groups) {
   if (!skip) RETURN_IF_ERROR(ValidateHyperparams(h));
@@ -256,7 +256,7 @@ absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionSet& set,
   return p;
 }
 
-absl::StatusOr<StepSummary> StepRunner::Execute(PartitionSet& set, const AdamHyperparams& h,
+absl::StatusOr<StepSummary> StepRunner::Execute(PartitionStore& set, const AdamHyperparams& h,
                                                 Prepared prepared) {
   const std::vector<StepItem>& items = prepared.items;
   std::vector<ItemOutcome>& outcomes = prepared.outcomes;

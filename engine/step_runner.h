@@ -9,13 +9,13 @@
 // back at once. The step then reads the accumulator.
 //
 //   1. Validate the hyperparameters (INVALID_ARGUMENT changes nothing).
-//   2. PartitionSet::BeginStep pins every partition whose gradients were
+//   2. PartitionStore::BeginStep pins every partition whose gradients were
 //      returned (waiting for the session's previous step to end).
 //   3. Non-finite gradients, counted when they were accumulated (see
 //      Accumulate), skip the whole step (with optimizer.check_finite), as
 //      does an explicit skip.
 //   4. Stream the update, in the order the next iteration will wait for its
-//      partitions (PartitionSet::BeginStep), through groups of chunks
+//      partitions (PartitionStore::BeginStep), through groups of chunks
 //      pinned at once (at most an eighth of the host pool, and 256 MiB): pin
 //      a group's optimizer state, parameters and gradients (the swapper
 //      reads in what is on NVMe; its prefetch, which has learned this order
@@ -27,7 +27,7 @@
 //      is updated in runs that end with a partition or with the group
 //      (batching small partitions to kMinRunElems, step_runner.cc), and
 //      each partition leaves the step as soon as its run is done.
-//   5. PartitionSet::EndStep unpins the partitions: applied (steps advance),
+//   5. PartitionStore::EndStep unpins the partitions: applied (steps advance),
 //      skipped (non-finite gradients: consumed, nothing else changes) or
 //      failed. A swap-in that fails midway fails the step with its error;
 //      the groups before it stay applied, the rest keep their gradients.
@@ -123,10 +123,10 @@ class StepRunner {
   // Adds a micro-batch's gradients (held by the trainer in partition
   // `id`'s gradient buffer) into the partition's fp32 accumulator, chunk
   // by chunk on the optimizer pool, measuring the accumulated values' norm
-  // and non-finite count in the same pass (PartitionSet::BeginAccumulate
+  // and non-finite count in the same pass (PartitionStore::BeginAccumulate
   // for the errors).
   //
-  // `hand_over` (PartitionSet::BeginAccumulate): the gradients are only
+  // `hand_over` (PartitionStore::BeginAccumulate): the gradients are only
   // measured, and stay for the step. Given `keep_alive` (what owns `set`),
   // the measuring runs on the runner's measuring thread and the call
   // returns once the request is checked: the trainer does not wait for it
@@ -138,22 +138,23 @@ class StepRunner {
   // buffer. On a step's first micro-batch they are taken as measured and
   // nothing reads the buffer before the step; on a later one they are
   // ignored (the sum is measured as it is added).
-  absl::Status Accumulate(PartitionSet& set, uint64_t id, uint64_t numel, DType grad_dtype,
+  absl::Status Accumulate(PartitionStore& set, uint64_t id, uint64_t numel, DType grad_dtype,
                           bool hand_over = false, std::shared_ptr<void> keep_alive = nullptr,
                           const std::optional<GradStats>& given = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Gives the trainer back the handed-over gradient buffers of `ids` (empty:
   // all) that no step has read yet, copying their gradients into the
-  // accumulators first (PartitionSet::BeginReclaim); a fetch with grads and
+  // accumulators first (PartitionStore::BeginReclaim); a fetch with grads and
   // a checkpoint call it. The swapper's errors if a copy fails (the
   // gradients stay in the buffer then).
-  absl::Status Reclaim(PartitionSet& set, absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Reclaim(PartitionStore& set, absl::Span<const uint64_t> ids)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.
   // `groups`: INVALID_ARGUMENT for a partition named twice or bad
   // hyperparameters, NOT_FOUND for one the set does not hold.
-  absl::StatusOr<StepSummary> Run(PartitionSet& set, const AdamHyperparams& h, bool skip = false,
+  absl::StatusOr<StepSummary> Run(PartitionStore& set, const AdamHyperparams& h, bool skip = false,
                                   absl::Span<const ParamGroup> groups = {});
 
   // The overlapped step: decides as Run does (its errors, a skip) and
@@ -162,7 +163,7 @@ class StepRunner {
   // step as soon as it is updated (so the next iteration's fetch of it
   // waits only for its own update). `done` gets the outcome (also when
   // the step ended at once); `keep_alive` holds what owns `set` until then.
-  absl::StatusOr<StepSummary> Start(PartitionSet& set, std::shared_ptr<void> keep_alive,
+  absl::StatusOr<StepSummary> Start(PartitionStore& set, std::shared_ptr<void> keep_alive,
                                     const AdamHyperparams& h, bool skip,
                                     absl::Span<const ParamGroup> groups, Done done);
 
@@ -184,24 +185,24 @@ class StepRunner {
     bool done = false;
     StepSummary summary;
   };
-  absl::StatusOr<Prepared> Prepare(PartitionSet& set, const AdamHyperparams& h, bool skip,
+  absl::StatusOr<Prepared> Prepare(PartitionStore& set, const AdamHyperparams& h, bool skip,
                                    absl::Span<const ParamGroup> groups) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<StepSummary> Execute(PartitionSet& set, const AdamHyperparams& h,
+  absl::StatusOr<StepSummary> Execute(PartitionStore& set, const AdamHyperparams& h,
                                       Prepared prepared) ABSL_LOCKS_EXCLUDED(mu_);
   struct Job {
     std::shared_ptr<void> keep_alive;
-    PartitionSet* set = nullptr;
+    PartitionStore* set = nullptr;
     AdamHyperparams h;
     Prepared prepared;
     Done done;
   };
   void Worker() ABSL_LOCKS_EXCLUDED(mu_);
   // Accumulates (or measures) `item` chunk by chunk and ends it.
-  absl::Status AccumulateChunks(PartitionSet& set, const AccumulateItem& item)
+  absl::Status AccumulateChunks(PartitionStore& set, const AccumulateItem& item)
       ABSL_LOCKS_EXCLUDED(mu_);
   struct Measure {
     std::shared_ptr<void> keep_alive;
-    PartitionSet* set = nullptr;
+    PartitionStore* set = nullptr;
     AccumulateItem item;
   };
   void Measurer() ABSL_LOCKS_EXCLUDED(mu_);

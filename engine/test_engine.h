@@ -73,7 +73,7 @@ class TestEngine {
   Stats& stats;
   HostPool* const pool;
   Swapper* const swapper;
-  PartitionStore* const store;
+  PartitionStoreFactory* const store;
   StepRunner* const steps;
   SessionManager* const sessions;
 };
