@@ -22,6 +22,7 @@
 #include "daemon/call_gate.h"
 #include "daemon/daemon_options.h"
 #include "daemon/metrics.h"
+#include "daemon/ring_service.h"
 #include "daemon/service.h"
 #include "daemon/snapshot.h"
 #include "engine/engine.h"
@@ -65,6 +66,9 @@ class Daemon {
   HostHomePages host_home_pages_;  // memory.host_home_pages, resolved at start
   // The NVMe tier's I/O, when nvme.dirs names directories.
   std::unique_ptr<IoBackend> io_;
+  // The sessions' request rings' calls: outlives the engine, whose ring
+  // threads call it.
+  std::unique_ptr<RingService> ring_service_;
   std::unique_ptr<Engine> engine_;
   CallGate calls_;
   std::string socket_path_;

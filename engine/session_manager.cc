@@ -209,7 +209,14 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   const ArenaRegion ring_region = session->ring_region;
   const SessionKey key{id, token};
   session->ring = RingServer::Start(
-      std::move(ring.second), [this, key](const RingRequest& r) { return ServeRing(key, r); },
+      std::move(ring.second),
+      [this, key](const RingRequest& r) {
+        RingCalls* calls = ring_calls_.load(std::memory_order_acquire);
+        if (calls == nullptr) {
+          return RingAnswer{absl::UnimplementedError("this offloadd serves no request rings"), {}};
+        }
+        return calls->Serve(key, r);
+      },
       absl::ZeroDuration(), ring_pollers_);
   {
     absl::MutexLock lock(&mu_);
@@ -514,84 +521,6 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key,
   }
   if (release) return Release(key, ids);
   return absl::OkStatus();
-}
-
-namespace {
-
-ring::Location ToRing(const PartitionInfo& p) {
-  ring::Location l{};
-  l.id = p.id;
-  l.numel = p.numel;
-  l.step = p.step;
-  l.params_offset = p.params.offset;
-  l.params_bytes = p.params.bytes;
-  l.grads_offset = p.grads.offset;
-  l.grads_bytes = p.grads.bytes;
-  l.span_offset = p.span.offset;
-  l.span_bytes = p.span.bytes;
-  l.master_init_offset = p.master_init.offset;
-  l.master_init_bytes = p.master_init.bytes;
-  l.param_dtype = static_cast<uint32_t>(p.param_dtype);
-  l.grad_dtype = static_cast<uint32_t>(p.grad_dtype);
-  l.restored = p.restored ? 1 : 0;
-  l.huge_pages = p.huge_pages ? 1 : 0;
-  return l;
-}
-
-}  // namespace
-
-RingAnswer SessionManager::ServeRing(const SessionKey& key, const RingRequest& r) {
-  RingAnswer answer;
-  std::vector<uint64_t> ids;
-  ids.reserve(r.items.size());
-  for (const ring::Item& item : r.items) ids.push_back(item.id);
-  switch (r.op) {
-    case ring::kFetch: {
-      if (ids.empty()) {
-        answer.status = absl::InvalidArgumentError(
-            "a fetch through the request ring names its partitions (fetch-all is gRPC's)");
-        break;
-      }
-      FetchMode mode;
-      mode.grads = (r.flags & ring::kGrads) != 0;
-      mode.writable = (r.flags & ring::kWritable) != 0;
-      absl::StatusOr<std::vector<PartitionInfo>> held = Fetch(key, ids, mode);
-      answer.status = held.status();
-      if (held.ok()) {
-        for (const PartitionInfo& p : *held) answer.locations.push_back(ToRing(p));
-      }
-      break;
-    }
-    case ring::kRelease:
-      answer.status = Release(key, ids);
-      break;
-    case ring::kReturnGradients: {
-      std::vector<GradientReturn> items;
-      items.reserve(r.items.size());
-      for (const ring::Item& item : r.items) {
-        GradientReturn g;
-        g.partition_id = item.id;
-        g.numel = item.numel;
-        if (item.dtype >= 1 && item.dtype <= 3) {
-          g.grad_dtype = static_cast<DType>(item.dtype);
-        } else {
-          g.grad_dtype = absl::InvalidArgumentError(
-              absl::StrCat("grad_dtype ", item.dtype, " is not fp32 (1), bf16 (2) or fp16 (3)"));
-        }
-        if ((item.flags & ~ring::kItemStats) != 0) {
-          g.grad_dtype = absl::InvalidArgumentError(
-              absl::StrCat("unknown item flags ", item.flags, " for partition ", item.id));
-        }
-        if (item.flags & ring::kItemStats) g.stats = GradStats{item.sq_norm, item.nonfinite};
-        items.push_back(std::move(g));
-      }
-      answer.status = ReturnGradients(key, items, (r.flags & ring::kThenRelease) != 0,
-                                      (r.flags & ring::kHandOver) != 0);
-      break;
-    }
-  }
-  if (!answer.status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
-  return answer;
 }
 
 absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) {

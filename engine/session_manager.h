@@ -136,10 +136,25 @@ class SessionManager {
   // 4 MiB message limit; a trainer fetches a layer's few at a time).
   static constexpr size_t kMaxFetchIds = 4096;
 
+  // Performs the calls that come through the sessions' request rings: the
+  // daemon's ring service (daemon/ring_service.h) decodes them into this
+  // manager's Fetch, Release and ReturnGradients, as the gRPC service
+  // decodes its messages. Called from every ring's thread at once.
+  class RingCalls {
+   public:
+    virtual ~RingCalls() = default;
+    virtual RingAnswer Serve(const SessionKey& key, const RingRequest& request) = 0;
+  };
+
   // Everything passed in must outlive the manager. `env` makes the session
   // tokens.
   SessionManager(Env* env, PartitionStoreFactory* store, StepRunner* steps, Stats* stats);
   ~SessionManager();
+
+  // Where the sessions' request rings send their calls: set once, before
+  // the first session opens (RestorePreserved's too); `calls` must outlive
+  // the manager. Without it a ring's calls are UNIMPLEMENTED.
+  void SetRingCalls(RingCalls* calls) { ring_calls_.store(calls, std::memory_order_release); }
 
   // How long a session's request-ring thread polls for the next call after
   // one ends before it sleeps (server.ring_spin_us; RingServer). Applies to
@@ -327,8 +342,6 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> FindOwning(const SessionKey& key,
                                                       absl::Span<const uint64_t> ids) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // One call that came through a session's request ring.
-  RingAnswer ServeRing(const SessionKey& key, const RingRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // With `only_unattached`, not if a trainer attached to it; with
   // `only_idle_since`, not if a call found it after that time or one is in
   // flight. `why` (a Stats counter: abandoned, expired), if given, counts
@@ -356,6 +369,7 @@ class SessionManager {
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  std::atomic<RingCalls*> ring_calls_{nullptr};
   // Reserves the mappings registering `spec` may take, now or later, in
   // the node's total and the session's (released when the session goes, or
   // by the caller if the registration fails); RESOURCE_EXHAUSTED if that

@@ -1,0 +1,191 @@
+// The ring service against a real session manager: the same answers as
+// the gRPC path's calls, concurrent callers, a hostile mailbox, a closed
+// session; and a session manager without a ring service.
+#include "daemon/ring_service.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "base/env.h"
+#include "base/host_memory.h"
+#include "base/unique_fd.h"
+#include "engine/engine.h"
+#include "engine/session_manager.h"
+#include "gtest/gtest.h"
+#include "ipc/request_ring.h"
+
+namespace offload {
+namespace {
+
+class RingServiceTest : public ::testing::Test {
+ protected:
+  RingServiceTest()
+      : ring_service_(nullptr), engine_(MakeEngine()), sessions_(engine_->sessions()) {
+    ring_service_ = std::make_unique<RingService>(&sessions_, &engine_->stats());
+    sessions_.SetRingCalls(ring_service_.get());
+    auto opened = sessions_.Open("ring");
+    EXPECT_TRUE(opened.ok());
+    key_ = opened->key;
+    auto fd = sessions_.DupArenaFd(key_);
+    arena_fd_ = std::move(*fd);
+    ring_memory_ = *HostMemory::MapShared(arena_fd_.get(), opened->ring.offset, opened->ring.bytes);
+    EXPECT_EQ(opened->ring.bytes, ring::RingBytes());
+    int pair[2];
+    EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+    ours_ = UniqueFd(pair[0]);
+    daemons_ = UniqueFd(pair[1]);  // the daemon's end of the arena channel
+    client_ = std::make_unique<ring::Client>(layout(), ours_.get());
+    for (int i = 0; i < 3; ++i) {
+      auto p =
+          sessions_.Register(key_, {"p" + std::to_string(i), 1000, DType::kFp32, DType::kFp32});
+      EXPECT_TRUE(p.ok());
+      ids_.push_back(p->id);
+      EXPECT_TRUE(sessions_.Release(key_, {p->id}).ok());
+    }
+  }
+
+  ring::Layout* layout() { return reinterpret_cast<ring::Layout*>(ring_memory_.data()); }
+  std::vector<ring::Item> Items(std::vector<uint64_t> ids) {
+    std::vector<ring::Item> items;
+    for (uint64_t id : ids) items.push_back({id, 1000, 1, 0});
+    return items;
+  }
+
+  static std::unique_ptr<Engine> MakeEngine() {
+    EngineOptions o;
+    o.host_budget_bytes = 64 << 20;
+    o.optimizer = OptimizerOptions{1, 1 << 16};
+    o.session_arena_bytes = 16 << 20;
+    o.state_chunk_elems = 1 << 20;
+    auto engine = Engine::Create(o, Env::Default());
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return std::move(*engine);
+  }
+
+  // Outlives the engine, whose ring threads call it.
+  std::unique_ptr<RingService> ring_service_;
+  std::unique_ptr<Engine> engine_;
+  SessionManager& sessions_;
+  SessionKey key_;
+  UniqueFd arena_fd_, ours_, daemons_;
+  HostMemory ring_memory_;
+  std::unique_ptr<ring::Client> client_;
+  std::vector<uint64_t> ids_;
+};
+
+TEST_F(RingServiceTest, AnswersAsTheSessionManagerDoes) {
+  auto a = client_->Call(ring::kFetch, ring::kGrads, Items(ids_), absl::Seconds(10));
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  ASSERT_EQ(a.locations.size(), 3u);
+  auto direct = sessions_.Fetch(key_, ids_);  // held already: the same places
+  ASSERT_TRUE(direct.ok());
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a.locations[i].id, (*direct)[i].id);
+    EXPECT_EQ(a.locations[i].params_offset, (*direct)[i].params.offset);
+    EXPECT_EQ(a.locations[i].grads_offset, (*direct)[i].grads.offset);
+    EXPECT_EQ(a.locations[i].span_bytes, (*direct)[i].span.bytes);
+    EXPECT_EQ(a.locations[i].numel, 1000u);
+  }
+  EXPECT_EQ(sessions_.Sessions()[0].held, 3u);
+  // Gradients returned, then released, in one call.
+  auto r =
+      client_->Call(ring::kReturnGradients, ring::kThenRelease, Items(ids_), absl::Seconds(10));
+  ASSERT_TRUE(r.status.ok()) << r.status;
+  EXPECT_EQ(sessions_.Pending(key_)->partitions, 3u);
+  EXPECT_EQ(sessions_.Sessions()[0].held, 0u);
+  // Errors come back with their code and message.
+  auto unknown = client_->Call(ring::kFetch, 0, Items({999999}), absl::Seconds(10));
+  EXPECT_EQ(unknown.status.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(unknown.status.message().find("999999"), std::string::npos);
+  auto not_held = client_->Call(ring::kRelease, 0, Items({ids_[0]}), absl::Seconds(10));
+  EXPECT_EQ(not_held.status.code(), absl::StatusCode::kFailedPrecondition);
+  auto bad_dtype =
+      client_->Call(ring::kReturnGradients, 0, {{ids_[0], 1000, 7, 0}}, absl::Seconds(10));
+  EXPECT_EQ(bad_dtype.status.code(), absl::StatusCode::kInvalidArgument);
+  auto bad_flags = client_->Call(ring::kReturnGradients, ring::kHandOver,
+                                 {{ids_[0], 1000, 1, ring::kItemStats | 2}}, absl::Seconds(10));
+  EXPECT_EQ(bad_flags.status.code(), absl::StatusCode::kInvalidArgument) << bad_flags.status;
+  EXPECT_NE(bad_flags.status.message().find("flags"), std::string::npos) << bad_flags.status;
+  // Statistics without hand_over reach the daemon's check (the client
+  // never sends them so).
+  auto unhanded = client_->Call(ring::kReturnGradients, 0,
+                                {{ids_[0], 1000, 1, ring::kItemStats, 1.0, 0}}, absl::Seconds(10));
+  EXPECT_EQ(unhanded.status.code(), absl::StatusCode::kInvalidArgument) << unhanded.status;
+  EXPECT_NE(unhanded.status.message().find("hand_over"), std::string::npos) << unhanded.status;
+  auto fetch_all = client_->Call(ring::kFetch, 0, {}, absl::Seconds(10));
+  EXPECT_EQ(fetch_all.status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(RingServiceTest, ConcurrentCallersTakeTurns) {
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 300; ++i) {
+        auto f = client_->Call(ring::kFetch, 0, Items({ids_[t]}), absl::Seconds(10));
+        if (!f.status.ok() || f.locations.size() != 1 || f.locations[0].id != ids_[t]) ++failures;
+        if (!client_->Call(ring::kRelease, 0, Items({ids_[t]}), absl::Seconds(10)).status.ok()) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(sessions_.Sessions()[0].held, 0u);
+}
+
+TEST_F(RingServiceTest, AHostileMailboxGetsAnErrorAndServingGoesOn) {
+  ring::Layout* l = layout();
+  for (auto [op, count] : {std::pair{99u, 1u}, std::pair{1u, 100000u}, std::pair{0u, 0u}}) {
+    uint32_t idle = ring::kIdle;
+    ASSERT_TRUE(l->state.compare_exchange_strong(idle, ring::kClaimed));
+    l->op = op;
+    l->count = count;
+    l->state.store(ring::kPosted);
+    ring::FutexWake(&l->state);
+    while (l->state.load() == ring::kPosted)
+      ring::FutexWait(&l->state, ring::kPosted, absl::Milliseconds(10));
+    EXPECT_EQ(l->state.load(), static_cast<uint32_t>(ring::kAnswered));
+    EXPECT_EQ(l->code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    l->state.store(ring::kIdle);
+  }
+  auto f = client_->Call(ring::kFetch, 0, Items({ids_[0]}), absl::Seconds(10));
+  EXPECT_TRUE(f.status.ok()) << f.status;
+}
+
+TEST_F(RingServiceTest, AClosedSessionClosesItsRing) {
+  ASSERT_TRUE(sessions_.Close(key_).ok());
+  auto f = client_->Call(ring::kFetch, 0, Items({ids_[0]}), absl::Seconds(10));
+  EXPECT_EQ(f.status.code(), absl::StatusCode::kFailedPrecondition) << f.status;
+}
+
+TEST(RingService, WithoutOneARingsCallsAreUnimplemented) {
+  EngineOptions o;
+  o.host_budget_bytes = 64 << 20;
+  o.optimizer = OptimizerOptions{1, 1 << 16};
+  o.session_arena_bytes = 16 << 20;
+  auto engine = Engine::Create(o, Env::Default());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  SessionManager& sessions = (*engine)->sessions();
+  auto opened = sessions.Open("no ring service");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto fd = sessions.DupArenaFd(opened->key);
+  ASSERT_TRUE(fd.ok());
+  HostMemory memory = *HostMemory::MapShared(fd->get(), opened->ring.offset, opened->ring.bytes);
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  UniqueFd ours(pair[0]), theirs(pair[1]);
+  ring::Client client(reinterpret_cast<ring::Layout*>(memory.data()), ours.get());
+  auto f = client.Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(10));
+  EXPECT_EQ(f.status.code(), absl::StatusCode::kUnimplemented) << f.status;
+}
+
+}  // namespace
+}  // namespace offload
