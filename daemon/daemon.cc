@@ -108,7 +108,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
         "offloadd lifts that");
   }
   SessionManager& sessions = d->engine_->sessions();
-  d->ring_service_ = std::make_unique<RingService>(&sessions, &d->engine_->stats());
+  d->ring_service_ = std::make_unique<RingService>(&sessions, &d->engine_->stats(), &d->calls_);
   sessions.SetRingCalls(d->ring_service_.get());
   sessions.SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
   sessions.SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});

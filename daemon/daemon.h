@@ -66,11 +66,13 @@ class Daemon {
   HostHomePages host_home_pages_;  // memory.host_home_pages, resolved at start
   // The NVMe tier's I/O, when nvme.dirs names directories.
   std::unique_ptr<IoBackend> io_;
+  // Every partition call passes it (gRPC's and the request rings'), so a
+  // stop can refuse new ones and drain those in flight.
+  CallGate calls_;
   // The sessions' request rings' calls: outlives the engine, whose ring
   // threads call it.
   std::unique_ptr<RingService> ring_service_;
   std::unique_ptr<Engine> engine_;
-  CallGate calls_;
   std::string socket_path_;
   int tcp_port_ = -1;
   std::unique_ptr<ArenaChannel> arena_channel_;

@@ -35,6 +35,12 @@ ring::Location ToRing(const PartitionInfo& p) {
 
 RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
   RingAnswer answer;
+  CallScope scope(gate_);
+  if (!scope.entered()) {
+    answer.status =
+        absl::UnavailableError("offloadd is shutting down; retry against its successor");
+    return answer;
+  }
   std::vector<uint64_t> ids;
   ids.reserve(r.items.size());
   for (const ring::Item& item : r.items) ids.push_back(item.id);

@@ -7,11 +7,15 @@
 //
 // Nothing in a request is trusted: a dtype or flag it does not know is
 // INVALID_ARGUMENT for that call, naming the value; the ring serves on.
+// Calls pass the daemon's CallGate as gRPC calls do: once offloadd is
+// stopping, a new one is UNAVAILABLE (and did not happen), and the stop
+// waits for those in flight.
 //
 // Thread-safety: Serve is called from every session's ring thread at once.
 #ifndef OFFLOADD_DAEMON_RING_SERVICE_H_
 #define OFFLOADD_DAEMON_RING_SERVICE_H_
 
+#include "daemon/call_gate.h"
 #include "engine/request_ring_server.h"
 #include "engine/session_manager.h"
 #include "engine/stats.h"
@@ -20,14 +24,16 @@ namespace offload {
 
 class RingService final : public SessionManager::RingCalls {
  public:
-  // `sessions` and `stats` must outlive it.
-  RingService(SessionManager* sessions, Stats* stats) : sessions_(sessions), stats_(stats) {}
+  // `sessions`, `stats` and `gate` must outlive it.
+  RingService(SessionManager* sessions, Stats* stats, CallGate* gate)
+      : sessions_(sessions), stats_(stats), gate_(gate) {}
 
   RingAnswer Serve(const SessionKey& key, const RingRequest& request) override;
 
  private:
   SessionManager* const sessions_;
   Stats* const stats_;
+  CallGate* const gate_;
 };
 
 }  // namespace offload

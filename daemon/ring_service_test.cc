@@ -15,6 +15,7 @@
 #include "base/env.h"
 #include "base/host_memory.h"
 #include "base/unique_fd.h"
+#include "daemon/call_gate.h"
 #include "engine/engine.h"
 #include "engine/session_manager.h"
 #include "gtest/gtest.h"
@@ -27,7 +28,7 @@ class RingServiceTest : public ::testing::Test {
  protected:
   RingServiceTest()
       : ring_service_(nullptr), engine_(MakeEngine()), sessions_(engine_->sessions()) {
-    ring_service_ = std::make_unique<RingService>(&sessions_, &engine_->stats());
+    ring_service_ = std::make_unique<RingService>(&sessions_, &engine_->stats(), &gate_);
     sessions_.SetRingCalls(ring_service_.get());
     auto opened = sessions_.Open("ring");
     EXPECT_TRUE(opened.ok());
@@ -68,7 +69,8 @@ class RingServiceTest : public ::testing::Test {
     return std::move(*engine);
   }
 
-  // Outlives the engine, whose ring threads call it.
+  // Outlive the engine, whose ring threads call them.
+  CallGate gate_;
   std::unique_ptr<RingService> ring_service_;
   std::unique_ptr<Engine> engine_;
   SessionManager& sessions_;
@@ -164,6 +166,19 @@ TEST_F(RingServiceTest, AClosedSessionClosesItsRing) {
   ASSERT_TRUE(sessions_.Close(key_).ok());
   auto f = client_->Call(ring::kFetch, 0, Items({ids_[0]}), absl::Seconds(10));
   EXPECT_EQ(f.status.code(), absl::StatusCode::kFailedPrecondition) << f.status;
+}
+
+// As gRPC's calls: once offloadd stops, a ring's call is UNAVAILABLE and
+// does not happen; when its ring closes for the stop, UNAVAILABLE too.
+TEST_F(RingServiceTest, StoppingRefusesCallsWithUnavailable) {
+  ASSERT_TRUE(gate_.CloseAndDrain(absl::Seconds(10)));
+  auto f = client_->Call(ring::kFetch, 0, Items({ids_[0]}), absl::Seconds(10));
+  EXPECT_EQ(f.status.code(), absl::StatusCode::kUnavailable) << f.status;
+  EXPECT_EQ(sessions_.Sessions()[0].held, 0u);  // nothing happened
+  engine_.reset();                              // the daemon's end: its rings close as it stops
+  auto closed = client_->Call(ring::kFetch, 0, Items({ids_[0]}), absl::Seconds(10));
+  EXPECT_EQ(closed.status.code(), absl::StatusCode::kUnavailable) << closed.status;
+  EXPECT_NE(closed.status.message().find("stopping"), std::string::npos) << closed.status;
 }
 
 TEST(RingService, WithoutOneARingsCallsAreUnimplemented) {

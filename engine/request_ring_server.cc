@@ -35,6 +35,7 @@ std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handle
   ring::Layout* l = server->layout();
   l->magic = ring::kMagic;
   l->version = ring::kVersion;
+  l->closed_reason = ring::kSessionClosed;
   l->client_sleeping.store(0);
   l->state.store(ring::kIdle, std::memory_order_release);
   // The thread keeps the server (its mapping, its handler) alive until it ends.
@@ -46,8 +47,9 @@ RingServer::~RingServer() {
   if (thread_.joinable()) thread_.detach();  // only when the thread itself drops the last reference
 }
 
-void RingServer::Stop() {
+void RingServer::Stop(ring::ClosedReason why) {
   if (stopping_.exchange(true)) return;
+  layout()->closed_reason = why;
   layout()->state.store(ring::kClosed, std::memory_order_seq_cst);
   ring::FutexWake(&layout()->state);
   if (thread_.get_id() == std::this_thread::get_id()) {
@@ -60,11 +62,12 @@ void RingServer::Stop() {
 void RingServer::Drain(absl::Duration patience) {
   if (!stopping_.load() && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
     drain_deadline_ns_.store(SteadyNowNs() + absl::ToInt64Nanoseconds(patience));
+    layout()->closed_reason = ring::kDaemonStopping;
     draining_.store(true, std::memory_order_seq_cst);
     ring::FutexWake(&layout()->state);
     thread_.join();
   }
-  Stop();
+  Stop(ring::kDaemonStopping);
 }
 
 void RingServer::Reset(std::function<void()> then) {

@@ -84,13 +84,15 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
                                            std::shared_ptr<PollBudget> budget = nullptr);
   ~RingServer();
 
-  // Closes the mailbox (clients see kClosed) and ends the thread.
-  void Stop();
+  // Closes the mailbox (clients see kClosed, and `why`) and ends the
+  // thread.
+  void Stop(ring::ClosedReason why = ring::kSessionClosed);
   // Closes the mailbox between calls and ends the thread: a call posted (or
   // being written) is served and answered first, and the mailbox closes
   // once its client has read the answer (or after `patience`, for a client
   // that never does), so that every call either happened and was answered
   // or was refused. Then as Stop.
+  // Closes with kDaemonStopping: what drains a ring is offloadd stopping.
   void Drain(absl::Duration patience);
   // Frees the mailbox of a call its client died in: the serving thread,
   // once the call it may be running ends (unanswered), sets the mailbox

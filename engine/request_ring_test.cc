@@ -202,8 +202,9 @@ TEST(RequestRing, DrainAnswersTheCallInFlightAndRefusesTheNext) {
   drainer.join();
   EXPECT_EQ(first.status.code(), absl::StatusCode::kNotFound) << first.status;
   EXPECT_EQ(first.status.message(), "served");
+  // A drain is offloadd stopping: UNAVAILABLE, as its gRPC calls then.
   auto next = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(1));
-  EXPECT_EQ(next.status.code(), absl::StatusCode::kFailedPrecondition) << next.status;
+  EXPECT_EQ(next.status.code(), absl::StatusCode::kUnavailable) << next.status;
   EXPECT_EQ(r.layout->state.load(), ring::kClosed);
 }
 

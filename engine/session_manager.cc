@@ -124,7 +124,7 @@ SessionManager::~SessionManager() {
     for (const auto& [id, s] : sessions_) sessions.push_back(s);
   }
   for (const auto& s : sessions) {
-    if (s->ring != nullptr) s->ring->Stop();
+    if (s->ring != nullptr) s->ring->Stop(ring::kDaemonStopping);
   }
 }
 

@@ -41,6 +41,11 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
   const absl::Time deadline = absl::Now() + timeout;
   auto gone = [&](uint32_t state) -> absl::Status {
     if (state == kClosed) {
+      if (ring_->closed_reason == kDaemonStopping) {
+        return absl::UnavailableError(
+            "offloadd is stopping (it closed this session's request ring); retry against its "
+            "successor");
+      }
       return absl::FailedPreconditionError("the daemon closed this session's request ring");
     }
     if (Hungup(connection_)) {

@@ -19,7 +19,8 @@
 //      then frees the mailbox instead.
 // The daemon resets the mailbox to kIdle when the session's trainer went
 // away (a restarted one may resume it); a call caught by that is ABORTED.
-// The daemon stops serving with state kClosed. A client whose daemon dies
+// The daemon stops serving with state kClosed (and `closed_reason` says
+// why: the session closed, or offloadd is stopping). A client whose daemon dies
 // sees the arena channel's connection close while it waits: UNAVAILABLE.
 #ifndef OFFLOADD_IPC_REQUEST_RING_H_
 #define OFFLOADD_IPC_REQUEST_RING_H_
@@ -38,7 +39,7 @@
 namespace offload::ring {
 
 inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
-inline constexpr uint32_t kVersion = 3;
+inline constexpr uint32_t kVersion = 4;
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
@@ -52,6 +53,10 @@ inline constexpr size_t kMessageBytes = 1024;
 
 enum Op : uint32_t { kFetch = 1, kRelease = 2, kReturnGradients = 3 };
 enum State : uint32_t { kIdle = 0, kClaimed = 1, kPosted = 2, kAnswered = 3, kClosed = 4 };
+// Why a mailbox closed: its session closed (a call then is
+// FAILED_PRECONDITION), or offloadd is stopping (UNAVAILABLE, as its gRPC
+// calls are then).
+enum ClosedReason : uint32_t { kSessionClosed = 0, kDaemonStopping = 1 };
 // Request flags.
 inline constexpr uint32_t kGrads = 1;        // fetch: hold the gradient buffers too
 inline constexpr uint32_t kWritable = 2;     // fetch: the trainer changes the parameters
@@ -96,7 +101,8 @@ struct Layout {
   std::atomic<uint32_t> abandoned;
   uint32_t magic;
   uint32_t version;
-  uint32_t pad_header;
+  // Why the state is kClosed: ClosedReason, written before it.
+  uint32_t closed_reason;
   // The request.
   uint32_t op;
   uint32_t flags;
