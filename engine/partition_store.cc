@@ -9,6 +9,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
 
@@ -124,6 +125,14 @@ absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_
   if (const std::optional<size_t> bad = FirstInvalidUtf8(name); bad.has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " is not UTF-8 (byte ", *bad, " of ", name.size(), ")"));
+  }
+  if (const std::optional<CodePointAt> unsafe = FirstUnsafeCodePoint(name); unsafe.has_value()) {
+    const bool c1 = unsafe->code_point <= 0x9f;
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " holds ",
+        c1 ? "a control character" : "a bidirectional override, which reorders text on screen,",
+        absl::StrFormat(" (U+%04X at byte %d)", unsafe->code_point, unsafe->offset),
+        "; use printable text"));
   }
   return absl::OkStatus();
 }

@@ -870,6 +870,18 @@ TEST_F(DaemonTest, NamesThatAreNotUtf8AreRefusedByName) {
     EXPECT_TRUE(absl::StrContains(s.error_message(), "session name is not UTF-8 (byte 4"))
         << s.error_message();
   }
+  // Valid UTF-8 that would forge what a terminal shows: a right-to-left
+  // override, a C1 control.
+  for (const char* name : {"rank\xe2\x80\xae"
+                           "0",
+                           "rank\xc2\x9b"
+                           "0"}) {
+    open.set_name(name);
+    grpc::ClientContext ctx;
+    grpc::Status s = stub->OpenSession(&ctx, open, &opened);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StrContains(s.error_message(), "at byte 4)")) << s.error_message();
+  }
   open.set_name("r\xc3\xa9seau");  // valid: é
   {
     grpc::ClientContext ctx;
