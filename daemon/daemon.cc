@@ -8,16 +8,21 @@
 #include <cerrno>
 #include <fstream>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "base/directory.h"
 #include "base/host_memory.h"
 #include "base/log.h"
 #include "base/memory_limit.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
+#include "checkpoint/format.h"
 #include "ipc/paths.h"
 #include "ipc/unix_socket.h"
 #include "nvme/io_backend_factory.h"
@@ -135,6 +140,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
           kept);
     }
   }
+  RETURN_IF_ERROR(d->StartAutoCheckpoints());
   ASSIGN_OR_RETURN(
       d->arena_channel_,
       ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
@@ -256,6 +262,16 @@ void Daemon::SetHooks() {
     raw->engine_->sessions().SetMappingBudget(MappingBudget(v));
     return absl::OkStatus();
   });
+  registry_->SetHook<int64_t>("checkpoint.auto_interval_seconds", [raw](const int64_t& v) {
+    raw->options_->checkpoint.interval_seconds = v;
+    raw->ApplyAutoCheckpoint();
+    return absl::OkStatus();
+  });
+  registry_->SetHook<int64_t>("checkpoint.auto_every_steps", [raw](const int64_t& v) {
+    raw->options_->checkpoint.every_steps = v;
+    raw->ApplyAutoCheckpoint();
+    return absl::OkStatus();
+  });
   registry_->SetHook<int64_t>("gpu.prefetch_depth", [raw](const int64_t& v) {
     raw->engine_->sessions().SetGpuTierSettings({v, raw->options_->gpu.prefetch_bytes});
     return absl::OkStatus();
@@ -357,6 +373,53 @@ std::vector<std::string> Daemon::Describe() const {
                                options_->optimizer.check_finite ? "on" : "off"));
   lines.push_back(absl::StrCat("data directory ", options_->server.data_dir));
   return lines;
+}
+
+absl::Status Daemon::StartAutoCheckpoints() {
+  AutoCheckpointNodeOptions& o = options_->checkpoint;
+  if (o.dir.empty()) o.dir = absl::StrCat(options_->server.data_dir, "/auto-checkpoints");
+  RETURN_IF_ERROR(MakeDirs(o.dir));
+  RETURN_IF_ERROR(CheckPrivateDir(o.dir));
+  SessionManager& sessions = engine_->sessions();
+  // What a crashed predecessor left: every directory no open session (one
+  // kept across a restart) owns.
+  absl::flat_hash_set<uint64_t> open;
+  for (const SessionSummary& s : sessions.Sessions()) open.insert(s.id);
+  int lost = 0;
+  for (const std::string& name : ListDirectory(o.dir)) {
+    uint64_t id = 0;
+    if (!absl::SimpleAtoi(name, &id) || open.contains(id)) continue;
+    const std::string dir = absl::StrCat(o.dir, "/", name);
+    absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
+        checkpoint::ReadManifests(dir);
+    if (!manifests.ok() || manifests->empty()) {
+      LogWarning("%s holds no readable automatic checkpoint (%s); remove it", dir,
+                 manifests.ok() ? "empty" : manifests.status().ToString());
+      continue;
+    }
+    const checkpoint::Manifest& m = manifests->front().second;
+    ++lost;
+    LogWarning(
+        "session %d ('%s') was lost with the previous offloadd: its automatic checkpoint of "
+        "step %d (%s) is in %s; OpenSession with restore_from %s resumes it (the directory goes "
+        "when that session closes)",
+        static_cast<int64_t>(id), m.session_name(), static_cast<int64_t>(m.steps()),
+        absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", absl::FromUnixMillis(m.created_unix_ms()),
+                         absl::UTCTimeZone()),
+        dir, dir);
+  }
+  if (lost > 0) LogInfo("%d lost session(s) can be resumed from %s", lost, o.dir);
+  ApplyAutoCheckpoint();
+  return absl::OkStatus();
+}
+
+void Daemon::ApplyAutoCheckpoint() {
+  const AutoCheckpointNodeOptions& o = options_->checkpoint;
+  SessionManager::AutoCheckpointOptions a;
+  if (o.interval_seconds > 0 || o.every_steps > 0) a.dir = o.dir;
+  a.every_steps = static_cast<uint64_t>(o.every_steps);
+  a.interval = absl::Seconds(o.interval_seconds);
+  engine_->sessions().SetAutoCheckpoint(a);
 }
 
 std::string Daemon::PreservedDir() const {

@@ -55,6 +55,11 @@ class Daemon {
   void SetHooks();
   // Where Shutdown keeps sessions for the next offloadd.
   std::string PreservedDir() const;
+  // Resolves checkpoint.auto_dir, reports the automatic checkpoints of
+  // sessions a crashed predecessor lost, and switches them on.
+  absl::Status StartAutoCheckpoints();
+  // Gives the session manager the checkpoint.auto_* settings now in effect.
+  void ApplyAutoCheckpoint();
   // A fresh token for TCP callers, written owner-only to the data directory.
   absl::StatusOr<std::string> WriteTcpToken();
 

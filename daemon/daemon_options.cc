@@ -114,6 +114,21 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "every trainer's GPU tier prefetches at most this many bytes ahead; -1: each "
            "trainer's own",
            true, kGpuPrefetchBytesRange});
+  r->Bind("checkpoint.auto_dir", &o->checkpoint.dir,
+          {"path",
+           "automatic checkpoints go to <dir>/<session id> (created 0700); empty means "
+           "<data_dir>/auto-checkpoints",
+           false});
+  r->Bind("checkpoint.auto_interval_seconds", &o->checkpoint.interval_seconds,
+          {"seconds",
+           "each session is checkpointed in the background after a step once this long passed "
+           "since its last one (a crash of offloadd then loses at most that much); 0 not by time",
+           true, kAutoCheckpointSecondsRange});
+  r->Bind("checkpoint.auto_every_steps", &o->checkpoint.every_steps,
+          {"steps",
+           "also after this many steps since the session's last automatic checkpoint; 0 not by "
+           "steps",
+           true, kAutoCheckpointStepsRange});
   r->Bind("metrics.port", &o->metrics.port,
           {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port", false,
            kTcpPortRange});

@@ -179,6 +179,24 @@ struct GpuTierNodeOptions {
 inline constexpr IntRange kGpuPrefetchDepthRange{-1, 1 << 16};
 inline constexpr IntRange kGpuPrefetchBytesRange{-1, int64_t{1} << 44};
 
+// Automatic checkpoints (SessionManager::SetAutoCheckpoint): every session
+// is checkpointed in the background into <dir>/<session id> after a step
+// once `interval_seconds` passed (or `every_steps` steps) since its last
+// one, so that a crash of offloadd loses at most that much training. A
+// session that closes removes its own; after a crash the next offloadd
+// logs each lost session's, for OpenSession's restore_from. Each takes the
+// session's state on disk (14 bytes a parameter for bf16 training).
+struct AutoCheckpointNodeOptions {
+  // Empty: <data_dir>/auto-checkpoints.
+  std::string dir;
+  // 0: not by time.
+  int64_t interval_seconds = 600;
+  // 0: not by steps.
+  int64_t every_steps = 0;
+};
+inline constexpr IntRange kAutoCheckpointSecondsRange{0, 604800};
+inline constexpr IntRange kAutoCheckpointStepsRange{0, int64_t{1} << 40};
+
 struct MetricsOptions {
   // Serve Prometheus text metrics at http://127.0.0.1:<port>/metrics (never
   // on other interfaces). -1 (default) off, 0 any free port (logged).
@@ -195,6 +213,7 @@ struct DaemonOptions {
   SwapperOptions swapper;
   PlacementOptions placement;
   GpuTierNodeOptions gpu;
+  AutoCheckpointNodeOptions checkpoint;
   MetricsOptions metrics;
 };
 

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/directory.h"
@@ -39,6 +40,8 @@ struct SessionManager::Session {
     // checkpoint stays); the set goes only after.
     checkpoint_cancel = true;
     if (checkpoint_thread.joinable()) checkpoint_thread.join();
+    // Closed by its trainer: its automatic checkpoints are not wanted.
+    for (const std::string& dir : remove_when_gone) RemoveKeptDirectory(dir);
   }
 
   const uint64_t id;
@@ -90,6 +93,19 @@ struct SessionManager::Session {
   absl::StatusOr<CheckpointSummary> checkpoint_result ABSL_GUARDED_BY(checkpoint_mu);
   std::thread checkpoint_thread ABSL_GUARDED_BY(checkpoint_mu);
   std::atomic<bool> checkpoint_cancel{false};
+  // The one running is automatic (its outcome is not the trainer's).
+  bool checkpoint_automatic ABSL_GUARDED_BY(checkpoint_mu) = false;
+
+  // Automatic checkpoints: where and when the last one began; failures
+  // logged. Guarded by checkpoint_mu.
+  uint64_t auto_step ABSL_GUARDED_BY(checkpoint_mu) = 0;
+  SteadyTime auto_time ABSL_GUARDED_BY(checkpoint_mu) = opened;
+  int auto_failures_logged ABSL_GUARDED_BY(checkpoint_mu) = 0;
+  // An automatic checkpoint of another session it restored (restore_from).
+  std::string restored_auto_dir;
+  // Directories removed once the session is gone (set when it closes:
+  // its automatic checkpoints; guarded by the manager's mu_ until then).
+  std::vector<std::string> remove_when_gone;
 };
 
 namespace {
@@ -221,6 +237,12 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   {
     absl::MutexLock lock(&mu_);
     session->ring->SetSpin(ring_spin_);
+    // Restoring another session's automatic checkpoint: it goes when this
+    // session closes (its own automatic ones replace it).
+    if (!auto_checkpoint_.dir.empty() && !session->restore_from.empty() &&
+        absl::StartsWith(session->restore_from, absl::StrCat(auto_checkpoint_.dir, "/"))) {
+      session->restored_auto_dir = session->restore_from;
+    }
     sessions_[id] = std::move(session);
   }
   stats_->sessions_opened.fetch_add(1, std::memory_order_relaxed);
@@ -338,6 +360,14 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     }
     doomed = std::move(found->second);
     kept_dir = std::exchange(doomed->kept_dir, "");
+    // Closed, not lost: its automatic checkpoints go once it is gone (its
+    // checkpoint thread ended).
+    if (!auto_checkpoint_.dir.empty()) {
+      doomed->remove_when_gone.push_back(absl::StrCat(auto_checkpoint_.dir, "/", id));
+    }
+    if (!doomed->restored_auto_dir.empty()) {
+      doomed->remove_when_gone.push_back(doomed->restored_auto_dir);
+    }
     sessions_.erase(found);
     absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
     stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
@@ -537,6 +567,14 @@ absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) 
 absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h,
                                                  const StepControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  absl::StatusOr<StepSummary> summary = DecideStep(session, h, control);
+  if (summary.ok()) MaybeAutoCheckpoint(session);
+  return summary;
+}
+
+absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Session>& session,
+                                                       const AdamHyperparams& h,
+                                                       const StepControl& control) {
   int64_t after = session->delayed_update_after.load();
   if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after) &&
       // Once, and not over a SetDelayedUpdate that cancelled it meanwhile.
@@ -650,7 +688,66 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
                                                                              const std::string& dir,
                                                                              bool background) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
+  return StartCheckpoint(session, dir, background, /*automatic=*/false);
+}
+
+void SessionManager::SetAutoCheckpoint(const AutoCheckpointOptions& options) {
+  absl::MutexLock lock(&mu_);
+  auto_checkpoint_ = options;
+}
+
+std::string SessionManager::AutoCheckpointDir(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  return auto_checkpoint_.dir.empty() ? "" : absl::StrCat(auto_checkpoint_.dir, "/", id);
+}
+
+void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) {
+  AutoCheckpointOptions options;
+  {
+    absl::MutexLock lock(&mu_);
+    options = auto_checkpoint_;
+  }
+  if (options.dir.empty()) return;
   Session* s = session.get();
+  const uint64_t steps = s->partitions->steps();
+  const SteadyTime now = std::chrono::steady_clock::now();
+  {
+    absl::MutexLock lock(&s->checkpoint_mu);
+    if (s->checkpoint_running) return;  // the trainer's, or the last one still
+    const bool by_steps = options.every_steps > 0 && steps >= s->auto_step + options.every_steps;
+    const bool by_time = options.interval > absl::ZeroDuration() &&
+                         now - s->auto_time >= absl::ToChronoNanoseconds(options.interval);
+    if (!by_steps && !by_time) return;
+    s->auto_step = steps;
+    s->auto_time = now;
+  }
+  const std::string dir = absl::StrCat(options.dir, "/", s->id);
+  absl::Status started =
+      StartCheckpoint(session, dir, /*background=*/true, /*automatic=*/true).status();
+  if (started.ok()) return;
+  stats_->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
+  absl::MutexLock lock(&s->checkpoint_mu);
+  if (s->auto_failures_logged++ < 3) {
+    LogWarning("session %d ('%s'): an automatic checkpoint into %s did not start: %s",
+               static_cast<int64_t>(s->id), s->name, dir, started.ToString());
+  }
+}
+
+absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoint(
+    const std::shared_ptr<Session>& session, const std::string& dir, bool background,
+    bool automatic) {
+  Session* s = session.get();
+  const uint64_t id = s->id;
+  if (!automatic) {
+    // An automatic one being written finishes first (the trainer's is not
+    // refused for it).
+    absl::MutexLock lock(&s->checkpoint_mu);
+    s->checkpoint_mu.Await(absl::Condition(
+        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return !x->checkpoint_running || !x->checkpoint_automatic;
+        },
+        s));
+  }
   // Gradients handed over are checkpointed from the accumulator.
   RETURN_IF_ERROR(steps_->Reclaim(*s->partitions, {}));
   SessionCheckpointState state;
@@ -671,7 +768,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
   absl::MutexLock lock(&s->checkpoint_mu);
   if (s->checkpoint_running) {
     return absl::FailedPreconditionError(
-        absl::StrCat("a checkpoint of session ", key.id, " is being written already"));
+        absl::StrCat("a checkpoint of session ", id, " is being written already"));
   }
   // The previous one's thread has set its outcome: it is about to end.
   if (s->checkpoint_thread.joinable()) s->checkpoint_thread.join();
@@ -679,19 +776,34 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
   CheckpointOutcome out;
   out.running = true;
   out.summary = writer->begun();  // sizes and pause; the path once written
-  s->checkpoint_started = true;
   s->checkpoint_running = true;
-  s->checkpoint_result = absl::UnavailableError("running");
+  s->checkpoint_automatic = automatic;
+  if (!automatic) {
+    s->checkpoint_started = true;
+    s->checkpoint_result = absl::UnavailableError("running");
+  }
   // The thread holds no reference to the session: ~Session cancels and
   // joins it before the set goes.
   Stats* stats = stats_;
-  s->checkpoint_thread = std::thread([s, stats, w = std::move(writer)]() mutable {
+  s->checkpoint_thread = std::thread([s, stats, automatic, w = std::move(writer)]() mutable {
     absl::StatusOr<CheckpointSummary> result = w->Finish(&s->checkpoint_cancel);
     w.reset();
     if (result.ok()) stats->checkpoints.fetch_add(1, std::memory_order_relaxed);
     absl::MutexLock lock(&s->checkpoint_mu);
-    s->checkpoint_result = std::move(result);
     s->checkpoint_running = false;
+    if (!automatic) {
+      s->checkpoint_result = std::move(result);
+      return;
+    }
+    if (result.ok()) {
+      stats->auto_checkpoints.fetch_add(1, std::memory_order_relaxed);
+    } else if (!s->checkpoint_cancel) {
+      stats->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
+      if (s->auto_failures_logged++ < 3) {
+        LogWarning("session %d ('%s'): an automatic checkpoint failed (the previous one stays): %s",
+                   static_cast<int64_t>(s->id), s->name, result.status().ToString());
+      }
+    }
   });
   return out;
 }

@@ -191,6 +191,28 @@ class SessionManager {
   absl::StatusOr<CheckpointOutcome> Checkpoint(const SessionKey& key, const std::string& dir,
                                                bool background) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<CheckpointOutcome> WaitCheckpoint(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Automatic checkpoints (checkpoint.auto_*): after a step, a session's
+  // state is checkpointed in the background into <dir>/<session id> once
+  // `every_steps` steps (0: not by steps) or `interval` (zero: not by time)
+  // passed since its last one (or since it opened), so that a crash of
+  // offloadd loses at most that much training: a session opened with
+  // restore_from that directory goes on from there. One due while the
+  // previous is still written waits for the next step. Each one replaces the
+  // session's previous one atomically (a failed one leaves it: logged,
+  // counted); it waits for a step running in the background (an
+  // overlapped one) to end, and a checkpoint the trainer asks for waits
+  // for it. A session that closes removes its directory; one opened to
+  // restore an automatic checkpoint of <dir> removes that directory too
+  // when it closes. An empty `dir`: off. Applies from the next step.
+  struct AutoCheckpointOptions {
+    std::string dir;
+    uint64_t every_steps = 0;
+    absl::Duration interval = absl::ZeroDuration();
+  };
+  void SetAutoCheckpoint(const AutoCheckpointOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
+  // The directory of session `id`'s automatic checkpoints.
+  std::string AutoCheckpointDir(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Switches the session's delayed parameter update (PartitionStore::
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
@@ -333,6 +355,15 @@ class SessionManager {
   static void RemoveKeptDirectory(const std::string& dir);
 
   // With `operator_call`, an empty token is accepted (see Checkpoint).
+  // Step and Checkpoint once the session is found.
+  absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
+                                         const AdamHyperparams& h, const StepControl& control)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<CheckpointOutcome> StartCheckpoint(const std::shared_ptr<Session>& session,
+                                                    const std::string& dir, bool background,
+                                                    bool automatic) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint).
+  void MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,
                                                 bool operator_call = false) const
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -369,6 +400,7 @@ class SessionManager {
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
   std::atomic<RingCalls*> ring_calls_{nullptr};
   // Reserves the mappings registering `spec` may take, now or later, in
   // the node's total and the session's (released when the session goes, or

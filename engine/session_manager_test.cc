@@ -219,6 +219,48 @@ TEST_F(SessionManagerTest, FirstStepTakesMasterFromWorkingCopy) {
   munmap(base, 16 << 20);
 }
 
+// An automatic checkpoint runs after the step it is due at, takes nothing
+// from the trainer (its own checkpoint waits for it instead of being
+// refused; WaitCheckpoint reports the trainer's), and goes with the session.
+TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
+  const std::string root = ::testing::TempDir() + "/auto_checkpoints";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  SessionManager::AutoCheckpointOptions options;
+  options.dir = root + "/auto";
+  options.every_steps = 2;
+  sessions_.SetAutoCheckpoint(options);
+  SessionKey key = Open();
+  const std::string auto_dir = sessions_.AutoCheckpointDir(key.id);
+  EXPECT_EQ(auto_dir, absl::StrCat(root, "/auto/", key.id));
+  auto p = sessions_.Register(key, {"w", 1 << 16, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  auto step = [&] {
+    ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
+    ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 1 << 16, DType::kFp32).ok());
+    ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+    ASSERT_TRUE(sessions_.Step(key, AdamHyperparams{}).ok());
+  };
+  step();
+  EXPECT_FALSE(std::filesystem::exists(auto_dir));  // not due after one step
+  step();                                           // due: begins in the background
+  // The trainer's own checkpoint right after it: waits, then runs.
+  auto mine = sessions_.Checkpoint(key, root + "/mine", /*background=*/true);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  auto waited = sessions_.WaitCheckpoint(key);
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_TRUE(absl::StrContains(waited->summary.manifest, root + "/mine"))
+      << waited->summary.manifest;
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 1);
+  EXPECT_EQ(stats_.auto_checkpoint_failures.load(), 0);
+  EXPECT_TRUE(std::filesystem::exists(auto_dir));
+  ASSERT_TRUE(sessions_.Close(key).ok());
+  EXPECT_FALSE(std::filesystem::exists(auto_dir));       // closed: not wanted
+  EXPECT_TRUE(std::filesystem::exists(root + "/mine"));  // the trainer's stays
+  sessions_.SetAutoCheckpoint({});
+}
+
 // Each Env call the manager makes can fail; the caller gets the errno's code
 // with context, nothing leaks, and the next call works.
 TEST_F(SessionManagerTest, OpenFailuresLeaveNothingBehind) {

@@ -10,6 +10,8 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"sessions_abandoned", v(sessions_abandoned), "sessions"},
       {"sessions_expired", v(sessions_expired), "sessions"},
       {"checkpoints", v(checkpoints), "checkpoints"},
+      {"auto_checkpoints", v(auto_checkpoints), "checkpoints"},
+      {"auto_checkpoint_failures", v(auto_checkpoint_failures), "checkpoints"},
       {"partitions_registered", v(partitions_registered), "partitions"},
       {"arena_attaches", v(arena_attaches), "attaches"},
       {"fetches", v(fetches), "partitions"},

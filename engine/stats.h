@@ -43,7 +43,11 @@ struct Stats {
   // step and waited for it to end.
   std::atomic<int64_t> waits_for_step{0};
   std::atomic<int64_t> requests_failed{0};
-  std::atomic<int64_t> checkpoints{0};  // written and committed
+  std::atomic<int64_t> checkpoints{0};  // written and committed (automatic ones too)
+  // Automatic checkpoints (SessionManager::SetAutoCheckpoint) committed, and
+  // those that failed (the session's previous one stays).
+  std::atomic<int64_t> auto_checkpoints{0};
+  std::atomic<int64_t> auto_checkpoint_failures{0};
   // What the trainers' GPU tiers reported (ReportGpuTier), summed.
   std::atomic<int64_t> gpu_h2d_bytes{0};
   std::atomic<int64_t> gpu_h2d_staged_bytes{0};

@@ -242,6 +242,13 @@ RemoveOnExit::~RemoveOnExit() {
   std::filesystem::remove_all(path_, ignored);
 }
 
+void DaemonProcess::Kill() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
 absl::StatusOr<int> DaemonProcess::Stop() {
   if (pid_ <= 0) return absl::FailedPreconditionError("offloadd is not running");
   if (kill(pid_, SIGTERM) != 0) return PosixError("kill SIGTERM", errno);

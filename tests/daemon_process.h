@@ -41,6 +41,8 @@ class DaemonProcess {
 
   // SIGTERM, then waits; returns the exit status (or 128 + signal).
   absl::StatusOr<int> Stop();
+  // SIGKILL (a crash), then waits; the data directory stays for StartIn.
+  void Kill();
 
   // Waits until the daemon's log contains `text`; fails at once if the
   // daemon exits first, and after `timeout` otherwise.

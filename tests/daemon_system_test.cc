@@ -1717,6 +1717,122 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
 // checkpoint fails with RESOURCE_EXHAUSTED naming the directory, leaves
 // nothing of itself behind, the previous checkpoint restores bit for bit,
 // and the daemon trains on.
+// Automatic checkpoints: a kill -9 of offloadd loses the steps since each
+// session's last one, not the job. The next offloadd names each lost
+// session's checkpoint; a session restoring it goes on bit for bit as one
+// that never died; a session that closed left none behind, and the lost
+// one's goes when the session that restored it closes.
+TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
+  constexpr uint64_t kNumel = 10000;
+  const std::vector<std::string> flags = {"--checkpoint.auto_every_steps=2",
+                                          "--checkpoint.auto_interval_seconds=0"};
+  auto train = [](Session* s, uint64_t id, int from, int to) {
+    for (int step = from; step <= to; ++step) {
+      FetchOptions grads;
+      grads.grads = true;
+      auto held = s->Fetch(id, grads);
+      ASSERT_TRUE(held.ok()) << held.status();
+      for (auto& g : held->grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step));
+      ASSERT_TRUE(s->ReturnGradients(*held).ok());
+      ASSERT_TRUE(s->Release(*held).ok());
+      ASSERT_TRUE(s->Step(AdamHyperparams{}).ok());
+    }
+  };
+  auto params = [](Session* s, uint64_t id) {
+    auto held = s->Fetch(id);
+    EXPECT_TRUE(held.ok()) << held.status();
+    std::vector<uint16_t> out;
+    if (!held.ok()) return out;
+    out.assign(held->params_as<uint16_t>().begin(), held->params_as<uint16_t>().end());
+    EXPECT_TRUE(s->Release(*held).ok());
+    return out;
+  };
+  auto open = [](Client* c, const std::string& name, const std::string& restore_from = "") {
+    SessionOptions options;
+    options.restore_from = restore_from;
+    auto s = c->OpenSession(name, options);
+    EXPECT_TRUE(s.ok()) << s.status();
+    auto p = (*s)->Register("w", kNumel, DType::kBf16, DType::kBf16);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p->restored) {
+      for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
+    }
+    EXPECT_TRUE((*s)->Release(*p).ok());
+    return std::make_pair(*std::move(s), *std::move(p));
+  };
+  auto counter = [](Client* c, const std::string& name) -> int64_t {
+    auto stats = c->GetStats();
+    if (!stats.ok()) return -1;
+    for (const auto& x : stats->counters) {
+      if (x.name == name) return x.value;
+    }
+    return -1;
+  };
+  auto await_counter = [&](Client* c, const std::string& name, int64_t value) {
+    const absl::Time deadline = absl::Now() + testing::kWaitLimit;
+    while (counter(c, name) < value && absl::Now() < deadline)
+      absl::SleepFor(absl::Milliseconds(5));
+    EXPECT_EQ(counter(c, name), value) << name;
+  };
+  auto await_gone = [](const std::string& path) {
+    const absl::Time deadline = absl::Now() + testing::kWaitLimit;
+    while (std::filesystem::exists(path) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return !std::filesystem::exists(path);
+  };
+
+  auto first = DaemonProcess::Start(flags);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  const std::string auto_dir = data_dir + "/auto-checkpoints";
+  uint64_t lost_id = 0;
+  std::vector<uint16_t> at_step_4;
+  {
+    auto client = Client::Connect({(*first)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    // A session that closes: its automatic checkpoint goes with it.
+    auto [closed, q] = open(client->get(), "closed");
+    train(closed.get(), q.id, 1, 2);
+    await_counter(client->get(), "auto_checkpoints", 1);
+    const std::string closed_dir = absl::StrCat(auto_dir, "/", closed->id());
+    EXPECT_TRUE(std::filesystem::exists(closed_dir));
+    ASSERT_TRUE(closed->Close().ok());
+    EXPECT_TRUE(await_gone(closed_dir)) << closed_dir;
+    // The session the kill loses: checkpointed after steps 2 and 4 (one
+    // due while the previous is written would wait for the next step).
+    auto [lost, p] = open(client->get(), "lost");
+    train(lost.get(), p.id, 1, 2);
+    await_counter(client->get(), "auto_checkpoints", 2);
+    train(lost.get(), p.id, 3, 4);
+    await_counter(client->get(), "auto_checkpoints", 3);
+    at_step_4 = params(lost.get(), p.id);
+    lost_id = lost->id();
+    (*first)->Kill();
+  }
+  auto second = DaemonProcess::StartIn(data_dir, flags);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::string lost_dir = absl::StrCat(auto_dir, "/", lost_id);
+  const std::string log = (*second)->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", lost_id,
+                                                  " ('lost') was lost with the previous offloadd: "
+                                                  "its automatic checkpoint of step 4")))
+      << log;
+  EXPECT_TRUE(absl::StrContains(log, lost_dir)) << log;
+  auto client = Client::Connect({(*second)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto [restored, p] = open(client->get(), "lost", lost_dir);
+  EXPECT_TRUE(p.restored);
+  EXPECT_EQ(params(restored.get(), p.id), at_step_4);
+  // Step 5 equals that of a session that never died.
+  auto [reference, r] = open(client->get(), "reference");
+  train(reference.get(), r.id, 1, 5);
+  train(restored.get(), p.id, 5, 5);
+  EXPECT_EQ(params(restored.get(), p.id), params(reference.get(), r.id));
+  ASSERT_TRUE(restored->Close().ok());
+  EXPECT_TRUE(await_gone(lost_dir)) << lost_dir;
+}
+
 // With a reconnect lease, a stopped offloadd (SIGTERM) keeps its sessions:
 // the next one in the same data directory reopens them, and a trainer
 // resumes its session by id and token, with its partitions (their ids too)
