@@ -784,6 +784,117 @@ class WrapInProcessTest(unittest.TestCase):
             return torch.nn.Sequential(Outer(), torch.nn.Linear(8, 1))
         self.assert_trains_like_torch(make, {"lr": 1e-2})
 
+    # --- torch's own modules, trained through wrap against torch AdamW ---
+
+    def assert_module_trains_like_torch(self, make, inputs, loss=None, steps=4, adamw=None):
+        """`make()` builds the model (seeded), `inputs(gen)` a tuple of its
+        forward's arguments, `loss(out)` a scalar (default: mean of squares
+        of the first output); every parameter and buffer after `steps`
+        steps must match torch.optim.AdamW's within 1e-5 relative."""
+        import torch
+        adamw = adamw or {"lr": 1e-2}
+        loss = loss or (lambda out: (out[0] if isinstance(out, tuple) else out).pow(2).mean())
+        ref = make()
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **adamw)
+        model, mine = self.wrap(make(), adamw)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(steps):
+            args = inputs(gen)
+            loss(ref(*args)).backward()
+            opt.step()
+            opt.zero_grad()
+            mine.backward(loss(model(*args)))
+            mine.step()
+            mine.zero_grad()
+        got = model.state_dict()
+        want = ref.state_dict()
+        self.assertEqual(sorted(got), sorted(want))
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        mine.close()
+
+    @staticmethod
+    def seeded(build):
+        import torch
+
+        def make():
+            torch.manual_seed(0)
+            return build()
+        return make
+
+    def test_recurrent_layers(self):
+        import torch
+
+        class Rnn(torch.nn.Module):
+            def __init__(self, kind):
+                super().__init__()
+                self.rnn = kind(8, 12, num_layers=2, batch_first=True)
+                self.head = torch.nn.Linear(12, 1)
+
+            def forward(self, x):
+                return self.head(self.rnn(x)[0])
+
+        for kind in (torch.nn.GRU, torch.nn.LSTM, torch.nn.RNN):
+            with self.subTest(kind=kind.__name__):
+                self.assert_module_trains_like_torch(
+                    self.seeded(lambda: Rnn(kind)),
+                    lambda g: (torch.randn(3, 5, 8, generator=g),))
+
+    def test_convolutions_with_batch_norm_buffers(self):
+        import torch
+        self.assert_module_trains_like_torch(
+            self.seeded(lambda: torch.nn.Sequential(
+                torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 1))),
+            lambda g: (torch.randn(4, 3, 6, 6, generator=g),))
+        self.assert_module_trains_like_torch(
+            self.seeded(lambda: torch.nn.Sequential(
+                torch.nn.Conv1d(3, 5, 3, groups=1), torch.nn.GroupNorm(1, 5),
+                torch.nn.ConvTranspose1d(5, 2, 3), torch.nn.LayerNorm(8))),
+            lambda g: (torch.randn(4, 3, 8, generator=g),))
+
+    def test_attention_and_transformer_modules(self):
+        import torch
+        self.assert_module_trains_like_torch(
+            self.seeded(lambda: torch.nn.MultiheadAttention(8, 2, batch_first=True)),
+            lambda g: (torch.randn(2, 5, 8, generator=g),) * 3)
+        self.assert_module_trains_like_torch(
+            self.seeded(lambda: torch.nn.TransformerDecoderLayer(
+                8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)),
+            lambda g: (torch.randn(2, 5, 8, generator=g), torch.randn(2, 4, 8, generator=g)))
+        self.assert_module_trains_like_torch(
+            self.seeded(lambda: torch.nn.Transformer(
+                8, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16,
+                dropout=0.0, batch_first=True)),
+            lambda g: (torch.randn(2, 5, 8, generator=g), torch.randn(2, 4, 8, generator=g)))
+
+    def test_tied_embedding_and_head(self):
+        import torch
+
+        class Lm(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(20, 8)
+                self.mix = torch.nn.Linear(8, 8)
+                self.head = torch.nn.Linear(8, 20, bias=False)
+                self.head.weight = self.embed.weight  # tied
+
+            def forward(self, tokens):
+                return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+        self.assert_module_trains_like_torch(
+            self.seeded(Lm), lambda g: (torch.randint(0, 20, (3, 6), generator=g),))
+
+    def test_frozen_parameters_stay_as_they_were(self):
+        import torch
+
+        def build():
+            m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+            for p in m[0].parameters():
+                p.requires_grad_(False)
+            return m
+        self.assert_module_trains_like_torch(
+            self.seeded(build), lambda g: (torch.randn(4, 8, generator=g),))
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
