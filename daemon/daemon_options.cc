@@ -67,8 +67,13 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "next call then finds it awake); 0 always sleeps",
            true, kRingSpinRange});
   r->Bind("memory.host_budget_bytes", &o->memory.host_budget_bytes,
-          {"bytes", "the host pool: arenas, master weights, moments of all sessions", true,
-           kHostBudgetRange});
+          {"bytes",
+           "the host pool: arenas, master weights, moments of all sessions. With state on NVMe "
+           "it needs at least the larger of: every rank's largest module's parameters and "
+           "gradients held at once, and one step's chunk of the largest partition's state (18-20 "
+           "bytes a parameter of placement.state_chunk_bytes / 4: fp32 master, moments, "
+           "gradients and the working copy); offloadd.torch names the figure when it is short",
+           true, kHostBudgetRange});
   r->Bind("memory.session_arena_bytes", &o->memory.session_arena_bytes,
           {"bytes", "most bytes one session's arena may hold (new sessions)", true,
            kSessionArenaRange});

@@ -195,6 +195,24 @@ class TorchWrapTest(unittest.TestCase):
         self.assertEqual(two["losses"], one["losses"])
         self.assert_close_losses(one, self.reference(sc), 1e-4)
 
+    def test_a_pool_smaller_than_the_model_slows_down_instead_of_failing(self):
+        # 3.4M parameters with everything on NVMe behind a 16 MiB pool that
+        # two ranks share: their fp32 parameters and gradients alone are
+        # 27 MB. Returns are sized to the pool and split when it is full,
+        # holds and steps wait for room (before: RESOURCE_EXHAUSTED on one
+        # rank, PeerLostError on the other).
+        daemon = Daemon(self.root, "small_pool", nvme=True,
+                        flags=["--memory.host_budget_bytes=16MiB"])
+        try:
+            sc = dict(BASE, dim=256, layers=4, steps=3,
+                      zero={"placement": {"optimizer_state": "nvme", "grads": "nvme",
+                                          "params": "nvme"}})
+            ref = self.reference(dict(BASE, dim=256, layers=4, steps=3))
+            mine, _, _ = self.run_ranks(sc, 2, addresses=[daemon.address] * 2)
+            self.assert_close_losses(mine, ref, 1e-4)
+        finally:
+            daemon.stop()
+
     def test_torch_transformer_layers_train_as_units(self):
         # nn.MultiheadAttention reads out_proj.weight without calling
         # out_proj: the layer and everything below it is one unit.
@@ -821,6 +839,32 @@ class WrapInProcessTest(unittest.TestCase):
             torch.manual_seed(0)
             return build()
         return make
+
+    def test_a_pool_too_small_for_the_work_says_how_large_it_must_be(self):
+        import torch
+        import offloadd.torch
+        daemon = Daemon(self.root, "tiny_pool", nvme=True,
+                        flags=["--memory.host_budget_bytes=2MiB"])
+        saved = offloadd.torch._Engine.ROOM_WAIT_SECONDS
+        offloadd.torch._Engine.ROOM_WAIT_SECONDS = 1.0
+        try:
+            torch.manual_seed(0)
+            model, opt = offloadd.torch.wrap(
+                torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 8)),
+                {"lr": 1e-3},
+                {"address": daemon.address,
+                 "placement": {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}})
+            opt.backward(model(torch.randn(4, 256)).pow(2).mean())
+            with self.assertRaises(offloadd.ResourceExhaustedError) as caught:
+                opt.step()
+            # A step pins a chunk of the 262,144-parameter partition's state:
+            # fp32 master, moments, gradients and working copy, 20 bytes each.
+            self.assertIn("needs at least 5242880 bytes of pool", str(caught.exception))
+            self.assertIn("memory.host_budget_bytes", str(caught.exception))
+            opt.close()
+        finally:
+            offloadd.torch._Engine.ROOM_WAIT_SECONDS = saved
+            daemon.stop()
 
     def test_recurrent_layers(self):
         import torch

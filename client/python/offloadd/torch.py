@@ -58,6 +58,7 @@ Limits, said plainly:
 import bisect
 import ctypes
 import math
+import random
 import os
 import time
 
@@ -129,7 +130,8 @@ class _Engine:
         self.timings = {"fetch": 0.0, "return": 0.0, "step": 0.0}
         # "stats_sent": returns that carried the trainer's statistics (the
         # daemon takes them on a step's first return of a partition).
-        self.counts = {"fetches": 0, "returns": 0, "stats_sent": 0, "steps": 0, "skipped": 0}
+        self.counts = {"fetches": 0, "returns": 0, "stats_sent": 0, "steps": 0, "skipped": 0,
+                       "room_waits": 0, "split_returns": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
         # (shard, this rank's averaged gradient slice, its statistics or None)
@@ -175,6 +177,12 @@ class _Engine:
             restore_from=config["restore_from"])
         self.restoring = bool(config["restore_from"])
         self.params_host = params_host
+        # The node's host pool, which every rank's holds share: batches of
+        # gradient returns stay well inside it (see _size_batches).
+        try:
+            self.pool_bytes = int(self.client.stats()["tiers"]["host"]["budget_bytes"])
+        except (offloadd.Error, KeyError, TypeError):
+            self.pool_bytes = 0
         self.tier = None  # _GpuTier, where the parameters are on a GPU (or gpu.device says)
         self._optimizer = None  # set by Optimizer
         self.shards = []
@@ -185,6 +193,7 @@ class _Engine:
         self._forward_depth = 0
         try:
             self._register(model)
+            self._size_batches()
             self._group_units(model)
             self.tier = _GpuTier.create(self, config["gpu"])
             if self.tier is not None:
@@ -193,6 +202,73 @@ class _Engine:
         except BaseException:
             self.abort()
             raise
+
+    # How long a hold or step the node's pool has no room for is retried
+    # (the other ranks' holds and steps give room back) before the job
+    # fails, naming the pool it needs.
+    ROOM_WAIT_SECONDS = 20.0
+
+    def _size_batches(self):
+        """Gradient returns hold their partitions' parameters and gradients
+        in the node's pool while they are written: a batch takes at most a
+        quarter of the pool shared by every rank (it may be smaller than the
+        default 32 MiB), and at least one partition."""
+        if self.pool_bytes > 0:
+            self.RETURN_BYTES = max(1, min(self.RETURN_BYTES, self.pool_bytes // (4 * self.world)))
+
+    def _held_bytes(self, shards):
+        """What holding `shards` for a gradient return takes from the pool
+        (parameters in the working dtype, fp32 gradients)."""
+        esize = torch.empty(0, dtype=self.torch_working).element_size()
+        return sum(s.slice_numel * (esize + 4) for s in shards)
+
+    def _room_error(self, what, cause):
+        """The error of a hold or step that found no room for too long,
+        with the least pool this job needs on one node: every rank holding
+        its largest module's parameters and gradients at once, or one step
+        pinning a chunk of the largest partition's state (fp32 master, two
+        moments and accumulated gradients, and the working copy)."""
+        esize = torch.empty(0, dtype=self.torch_working).element_size()
+        largest = max((self._held_bytes(m) for m in self._modules_shards()), default=0)
+        try:
+            chunk = int(self.client.get_tunable("placement.state_chunk_bytes")["value"]) // 4
+        except (offloadd.Error, KeyError, ValueError):
+            chunk = 1 << 22
+        step = max((min(s.slice_numel, chunk) for s in self.shards), default=0) * (16 + esize)
+        least = max(self.world * largest, step)
+        return offloadd.ResourceExhaustedError(
+            f"rank {self.rank} of {self.world}: the node's host pool "
+            f"({self.pool_bytes or 'unknown'} bytes) had no room for {what} for "
+            f"{self.ROOM_WAIT_SECONDS:g} s while the other ranks and steps held theirs: this job "
+            f"needs at least {least} bytes of pool on one node ({self.world} ranks holding their "
+            f"largest module's parameters and gradients, {largest} bytes each; one step's chunk "
+            f"of state, {step} bytes), plus what the daemon caches: raise "
+            f"memory.host_budget_bytes, lower placement.state_chunk_bytes, or run fewer ranks "
+            f"per node ({cause})")
+
+    def _modules_shards(self):
+        groups = {}
+        for s in self.shards:
+            groups.setdefault(id(s.module_shards), s.module_shards)
+        return list(groups.values())
+
+    def with_room(self, what, call):
+        """call(), retried with backoff while the node's pool has no room
+        (RESOURCE_EXHAUSTED: another rank's holds or a step fill it and
+        give it back); after ROOM_WAIT_SECONDS, an error naming the pool
+        this job needs."""
+        delay, deadline = 0.002, time.monotonic() + self.ROOM_WAIT_SECONDS
+        while True:
+            try:
+                return call()
+            except offloadd.ResourceExhaustedError as e:
+                if time.monotonic() >= deadline:
+                    raise self._room_error(what, e) from e
+                self.counts["room_waits"] += 1
+                # Jittered: ranks that collided (two steps each pinning
+                # half of what fits) do not collide again in lockstep.
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(2 * delay, 0.25)
 
     def host_percent(self, kind):
         """The share of this session's `kind` ("params", "grads") kept on
@@ -315,30 +391,40 @@ class _Engine:
             self.timings["fetch"] += time.perf_counter() - start
             return
         held = self._held_views
-        views = [held[s.pid] for s in need] if held else self.session.fetch([s.pid for s in need])
-        try:
-            for s, v in zip(need, views):
-                local = torch.frombuffer(v.params, dtype=self.torch_working)
-                if self.world == 1:
-                    full = local.to(device=s.device, dtype=s.dtype, copy=True)
-                else:
-                    comm = self._comm_device(s)
-                    # gloo has no bf16: its bits travel as fp16 (a gather
-                    # copies them unchanged).
-                    wire = self.torch_working
-                    if self.backend != "nccl" and wire == torch.bfloat16:
-                        wire = torch.float16
-                    flat = torch.empty(s.slice_numel * self.world, dtype=wire, device=comm)
-                    src = local.view(wire).to(comm)
-                    self._collective(f"all-gather of '{s.name}'", lambda: dist.all_gather(
-                        list(flat.chunk(self.world)), src, group=self.group))
-                    full = flat.view(self.torch_working).to(device=s.device, dtype=s.dtype)
-                s.param.data = full[: s.numel].view(s.shape)
-                s.gathered = True
-                self._storage_to_shard[self._base(s.param.data)] = s
-        finally:
-            if not held:
-                self.session.release([s.pid for s in need])
+        if held:
+            locals_ = [torch.frombuffer(held[s.pid].params, dtype=self.torch_working)
+                       for s in need]
+        else:
+            # Copied out and let go before any collective: a rank waiting
+            # for the others then holds none of the node's pool, which they
+            # may need to fetch their own slices.
+            ids = [s.pid for s in need]
+            views = self.with_room(
+                f"the parameters of '{need[0].name}' and its module's ({self._held_bytes(need)} "
+                "bytes)", lambda: self.session.fetch(ids))
+            try:
+                locals_ = [torch.frombuffer(v.params, dtype=self.torch_working).clone()
+                           for v in views]
+            finally:
+                self.session.release(ids)
+        for s, local in zip(need, locals_):
+            if self.world == 1:
+                full = local.to(device=s.device, dtype=s.dtype, copy=True)
+            else:
+                comm = self._comm_device(s)
+                # gloo has no bf16: its bits travel as fp16 (a gather
+                # copies them unchanged).
+                wire = self.torch_working
+                if self.backend != "nccl" and wire == torch.bfloat16:
+                    wire = torch.float16
+                flat = torch.empty(s.slice_numel * self.world, dtype=wire, device=comm)
+                src = local.view(wire).to(comm)
+                self._collective(f"all-gather of '{s.name}'", lambda: dist.all_gather(
+                    list(flat.chunk(self.world)), src, group=self.group))
+                full = flat.view(self.torch_working).to(device=s.device, dtype=s.dtype)
+            s.param.data = full[: s.numel].view(s.shape)
+            s.gathered = True
+            self._storage_to_shard[self._base(s.param.data)] = s
         self.counts["fetches"] += len(need)
         self.timings["fetch"] += time.perf_counter() - start
 
@@ -498,11 +584,33 @@ class _Engine:
             return
         start = time.perf_counter()
         batch, self._returns, self._return_bytes = self._returns, [], 0
+        self._return_batch(batch)
+        self.timings["return"] += time.perf_counter() - start
+
+    def _return_batch(self, batch):
+        """Returns `batch` in one call, or, where the node's pool has no
+        room to hold it all, in halves (and later batches no larger), down
+        to one partition, which waits for room (with_room)."""
         ids = [s.pid for s, _, _ in batch]
         stats = None
         if all(r[2] is not None for r in batch):
             stats = [(float(norm) ** 2, int(bad)) for _, _, (norm, bad) in batch]
-        views = self.session.fetch(ids, grads=True)
+        shards = [s for s, _, _ in batch]
+        if len(batch) > 1 and self._held_views is None:
+            try:
+                views = self.session.fetch(ids, grads=True)
+            except offloadd.ResourceExhaustedError:
+                half = len(batch) // 2
+                self.RETURN_BATCH = max(1, min(self.RETURN_BATCH, half))
+                self.RETURN_BYTES = max(1, min(self.RETURN_BYTES, self._held_bytes(shards) // 2))
+                self.counts["split_returns"] += 1
+                self._return_batch(batch[:half])
+                self._return_batch(batch[half:])
+                return
+        else:
+            views = self.with_room(
+                f"the gradient buffer of '{batch[0][0].name}' ({self._held_bytes(shards)} bytes)",
+                lambda: self.session.fetch(ids, grads=True))
         try:
             for (s, mine, _), v in zip(batch, views):
                 dst = torch.frombuffer(v.grads, dtype=torch.float32)
@@ -520,7 +628,6 @@ class _Engine:
         self.counts["returns"] += len(batch)
         if stats is not None:
             self.counts["stats_sent"] += len(batch)
-        self.timings["return"] += time.perf_counter() - start
 
     def _queue_sweep(self):
         # Frees what backward gathered but did not free (frozen parameters,
@@ -1082,8 +1189,10 @@ class Optimizer(torch.optim.Optimizer):
             ids = [e.by_param[id(p)].pid for p in g["params"]]
             if ids:
                 groups.append(dict(h, ids=ids))
-        r = e.session.step(grad_scale=coef, overflow=overflow,
-                           overlap=self._overlap, groups=groups, **first)
+        # A step the pool has no room for (the other ranks hold theirs)
+        # stops where it was and resumes at the next call.
+        r = e.with_room("the optimizer step's state chunks", lambda: e.session.step(
+            grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups, **first))
         if e.tier is not None and not r["skipped"]:
             e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
