@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -113,6 +114,22 @@ struct Session::Impl {
   // offers one and the client wants it.
   HostMemory ring_memory;
   std::unique_ptr<ring::Client> ring;
+  // The ring answered UNAVAILABLE (offloadd went away or is stopping): the
+  // calls go over gRPC from then on, so that a restarted offloadd's definite
+  // answer (NOT_FOUND: the session is from before its restart) reaches the
+  // trainer instead of UNAVAILABLE forever.
+  std::atomic<bool> ring_gone{false};
+
+  bool UseRing(size_t items) const {
+    return ring != nullptr && items <= ring::kMaxItems && !ring_gone.load();
+  }
+  ring::Client::Answer RingCall(ring::Op op, uint32_t flags, absl::Span<const ring::Item> items,
+                                absl::Duration timeout) {
+    ring::Client::Answer answer = ring->Call(op, flags, items, timeout);
+    if (absl::IsUnavailable(answer.status)) ring_gone.store(true);
+    return answer;
+  }
+
   absl::Mutex mu;
   // Partition names (the ring's answers carry none).
   absl::flat_hash_map<uint64_t, std::string> names ABSL_GUARDED_BY(mu);
@@ -476,11 +493,11 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
 
 absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
                                                           const FetchOptions& options) {
-  if (impl_->ring != nullptr && !ids.empty() && ids.size() <= ring::kMaxItems) {
+  if (impl_->UseRing(ids.size()) && !ids.empty()) {
     const uint32_t flags =
         (options.grads ? ring::kGrads : 0u) | (options.writable ? ring::kWritable : 0u);
     ring::Client::Answer answer =
-        impl_->ring->Call(ring::kFetch, flags, RingItems(ids), impl_->timeout);
+        impl_->RingCall(ring::kFetch, flags, RingItems(ids), impl_->timeout);
     RETURN_IF_ERROR(answer.status);
     std::vector<PartitionView> out;
     out.reserve(answer.locations.size());
@@ -543,8 +560,8 @@ absl::Status Session::Release(const PartitionView& p) {
 }
 
 absl::Status Session::Release(absl::Span<const uint64_t> ids) {
-  if (impl_->ring != nullptr && ids.size() <= ring::kMaxItems) {
-    return impl_->ring->Call(ring::kRelease, 0, RingItems(ids), impl_->timeout).status;
+  if (impl_->UseRing(ids.size())) {
+    return impl_->RingCall(ring::kRelease, 0, RingItems(ids), impl_->timeout).status;
   }
   v1::ReleasePartitionsRequest req;
   *req.mutable_session() = impl_->ref;
@@ -574,7 +591,7 @@ absl::Status Session::HandOverGradients(absl::Span<const PartitionView> parts,
 
 absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release,
                                       bool hand_over, absl::Span<const GradientStats> stats) {
-  if (impl_->ring != nullptr && parts.size() <= ring::kMaxItems) {
+  if (impl_->UseRing(parts.size())) {
     std::vector<ring::Item> items(parts.size());
     for (size_t i = 0; i < parts.size(); ++i) {
       items[i] =
@@ -585,10 +602,10 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
         items[i].nonfinite = stats[i].nonfinite;
       }
     }
-    return impl_->ring
-        ->Call(ring::kReturnGradients,
-               (release ? ring::kThenRelease : 0u) | (hand_over ? ring::kHandOver : 0u), items,
-               impl_->timeout)
+    return impl_
+        ->RingCall(ring::kReturnGradients,
+                   (release ? ring::kThenRelease : 0u) | (hand_over ? ring::kHandOver : 0u), items,
+                   impl_->timeout)
         .status;
   }
   v1::ReturnGradientsRequest req;

@@ -249,8 +249,41 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   return OpenedSession{SessionKey{id, std::move(token)}, capacity, ring_region};
 }
 
+absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
+  std::string dir;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!auto_checkpoint_.dir.empty()) dir = absl::StrCat(auto_checkpoint_.dir, "/", id);
+  }
+  // Its automatic checkpoint, if the offloadd it died with left one (read
+  // outside the lock: a file).
+  std::string where;
+  if (!dir.empty()) {
+    absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
+        checkpoint::ReadManifests(dir);
+    if (manifests.ok() && !manifests->empty()) {
+      where = absl::StrCat("; its automatic checkpoint of step ", manifests->front().second.steps(),
+                           " is in ", dir, ": open a session with restore_from ", dir,
+                           " to go on from there");
+    }
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "no session ", id,
+      " in this offloadd: it is not one of its ids (offloadd was restarted since the session "
+      "was opened, or the id is wrong)",
+      where.empty() ? "; open a new session" : where));
+}
+
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     const SessionKey& key, bool operator_call) const {
+  if (key.id >> 32 != incarnation_) {
+    bool kept;
+    {
+      absl::MutexLock lock(&mu_);
+      kept = sessions_.contains(key.id) || kept_ids_.contains(key.id);
+    }
+    if (!kept) return FromBeforeARestart(key.id);
+  }
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(key.id);
   if (it == sessions_.end()) {
@@ -261,10 +294,7 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
                        "closed since: its reconnect lease ran out, or it was closed)"));
     }
     if (key.id >> 32 != incarnation_) {
-      return absl::NotFoundError(absl::StrCat(
-          "no session ", key.id,
-          " in this offloadd: it is not one of its ids (offloadd was "
-          "restarted since the session was opened, or the id is wrong); open a new session"));
+      return absl::NotFoundError(absl::StrCat("no session ", key.id, " in this offloadd"));
     }
     if (key.id < next_session_id_) {
       return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));

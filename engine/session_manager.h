@@ -355,6 +355,9 @@ class SessionManager {
   static void RemoveKeptDirectory(const std::string& dir);
 
   // With `operator_call`, an empty token is accepted (see Checkpoint).
+  // NOT_FOUND for an id of an earlier offloadd's, naming the automatic
+  // checkpoint that offloadd left of it, if any.
+  absl::Status FromBeforeARestart(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Step and Checkpoint once the session is found.
   absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
                                          const AdamHyperparams& h, const StepControl& control)

@@ -1786,8 +1786,11 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string data_dir = (*first)->data_dir();
   const std::string auto_dir = data_dir + "/auto-checkpoints";
-  uint64_t lost_id = 0;
+  uint64_t lost_id = 0, lost_partition = 0;
   std::vector<uint16_t> at_step_4;
+  // The trainer of the lost session stays up through the crash.
+  std::unique_ptr<Client> stale_client;
+  std::unique_ptr<Session> stale;
   {
     auto client = Client::Connect({(*first)->address()});
     ASSERT_TRUE(client.ok()) << client.status();
@@ -1808,7 +1811,10 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
     await_counter(client->get(), "auto_checkpoints", 3);
     at_step_4 = params(lost.get(), p.id);
     lost_id = lost->id();
+    lost_partition = p.id;
     (*first)->Kill();
+    stale = std::move(lost);
+    stale_client = *std::move(client);
   }
   auto second = DaemonProcess::StartIn(data_dir, flags);
   ASSERT_TRUE(second.ok()) << second.status();
@@ -1819,6 +1825,19 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
                                                   "its automatic checkpoint of step 4")))
       << log;
   EXPECT_TRUE(absl::StrContains(log, lost_dir)) << log;
+  // Its trainer's calls get one definite answer, not UNAVAILABLE for ever:
+  // the request ring is gone with the old offloadd, so the client turns to
+  // gRPC, and the new offloadd says where the session's state is.
+  absl::Status answer;
+  for (const absl::Time deadline = absl::Now() + testing::kWaitLimit; absl::Now() < deadline;) {
+    answer = stale->Fetch(lost_partition).status();
+    if (!absl::IsUnavailable(answer)) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(answer.code(), absl::StatusCode::kNotFound) << answer;
+  EXPECT_TRUE(absl::StrContains(answer.message(),
+                                absl::StrCat("automatic checkpoint of step 4 is in ", lost_dir)))
+      << answer;
   auto client = Client::Connect({(*second)->address()});
   ASSERT_TRUE(client.ok()) << client.status();
   auto [restored, p] = open(client->get(), "lost", lost_dir);

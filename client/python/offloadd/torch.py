@@ -403,13 +403,20 @@ class _Engine:
                 f"the parameters of '{need[0].name}' and its module's ({self._held_bytes(need)} "
                 "bytes)", lambda: self.session.fetch(ids))
             try:
-                locals_ = [torch.frombuffer(v.params, dtype=self.torch_working).clone()
+                # (One rank: the copy to the parameter's device and dtype
+                # below is the only one.)
+                locals_ = [torch.frombuffer(v.params, dtype=self.torch_working)
                            for v in views]
+                if self.world == 1:
+                    locals_ = [loc.to(device=s.device, dtype=s.dtype, copy=True)
+                               for s, loc in zip(need, locals_)]
+                else:
+                    locals_ = [loc.clone() for loc in locals_]
             finally:
                 self.session.release(ids)
         for s, local in zip(need, locals_):
             if self.world == 1:
-                full = local.to(device=s.device, dtype=s.dtype, copy=True)
+                full = local if not held else local.to(device=s.device, dtype=s.dtype, copy=True)
             else:
                 comm = self._comm_device(s)
                 # gloo has no bf16: its bits travel as fp16 (a gather
