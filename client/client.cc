@@ -109,6 +109,7 @@ struct Session::Impl {
   v1::SessionRef ref;
   UniqueFd arena;  // the session arena's memfd
   uint64_t arena_capacity = 0;
+  std::string auto_checkpoint_dir;
   UniqueFd connection;  // the arena channel; closing it abandons the session
   // The request ring (fetch, release, return without gRPC), if the daemon
   // offers one and the client wants it.
@@ -360,6 +361,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
   s.connection = std::move(attached.connection);
   s.arena = std::move(attached.arena);
   s.arena_capacity = resp.arena_capacity();
+  s.auto_checkpoint_dir = resp.auto_checkpoint_dir();
   const v1::Region& r = resp.request_ring();
   if (impl_->options.request_ring && r.bytes() == ring::RingBytes() &&
       r.offset() <= s.arena_capacity - r.bytes()) {
@@ -467,6 +469,7 @@ Session::DmaStats Session::dma_stats() const {
 }
 
 const std::string& Session::token() const { return impl_->ref.token(); }
+const std::string& Session::auto_checkpoint_dir() const { return impl_->auto_checkpoint_dir; }
 
 absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
                                                 DType param_dtype, DType grad_dtype,

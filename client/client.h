@@ -307,6 +307,11 @@ class Session {
   // The session's secret (raw bytes): with id(), what ResumeSession needs.
   // Keep it where only this user can read it.
   const std::string& token() const;
+  // Where offloadd writes this session's automatic checkpoints (empty: they
+  // are off). After a crash of offloadd (calls answer NOT_FOUND: the
+  // session is from before its restart), open a session with
+  // SessionOptions::restore_from this directory to go on from the last.
+  const std::string& auto_checkpoint_dir() const;
 
   // Registers a partition, zeros, and holds it (writable) for the initial
   // values to be written.

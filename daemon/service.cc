@@ -163,6 +163,7 @@ void PartitionServiceImpl::Answer(const OpenedSession& opened,
   resp->set_arena_capacity(opened.arena_capacity);
   resp->mutable_request_ring()->set_offset(opened.ring.offset);
   resp->mutable_request_ring()->set_bytes(opened.ring.bytes);
+  resp->set_auto_checkpoint_dir(sessions_->AutoCheckpointDir(opened.key.id));
 }
 
 grpc::Status PartitionServiceImpl::ResumeSession(grpc::ServerContext* context,

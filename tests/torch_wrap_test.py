@@ -597,8 +597,12 @@ class WrapInProcessTest(unittest.TestCase):
         shutil.rmtree(cls.root, ignore_errors=True)
 
     def wrap(self, model, adamw=None, zero=None):
+        return self.wrap_at(self.daemon.address, model, adamw, zero)
+
+    @staticmethod
+    def wrap_at(address, model, adamw=None, zero=None):
         import offloadd.torch
-        zero = dict(zero or {}, address=self.daemon.address)
+        zero = dict(zero or {}, address=address)
         return offloadd.torch.wrap(model, adamw or {"lr": 1e-2}, zero)
 
     def mlp(self, bias=True):
@@ -839,6 +843,55 @@ class WrapInProcessTest(unittest.TestCase):
             torch.manual_seed(0)
             return build()
         return make
+
+    def test_a_job_goes_on_by_itself_after_offloadd_is_killed(self):
+        # kill -9 of offloadd mid-training; a supervisor starts it again in
+        # the same data directory; the training loop gets SessionRestored
+        # with the step of the last automatic checkpoint and goes on from
+        # there: the weights after 6 steps equal torch AdamW's.
+        import torch
+        import offloadd.torch
+        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
+        daemon = Daemon(self.root, "crashing", flags=flags)
+        adamw = {"lr": 1e-2}
+        ref = self.mlp()
+        opt_ref = torch.optim.AdamW(ref.parameters(), **adamw)
+        model, opt = self.wrap_at(daemon.address, self.mlp(), adamw)
+        data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+        for x in data:
+            ref(x).pow(2).mean().backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+        stats = offloadd.Client(daemon.address)
+        restored = []
+        step = 0
+        try:
+            while step < 6:
+                try:
+                    opt.backward(model(data[step]).pow(2).mean())
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+                    if step == 3:
+                        # The automatic checkpoint of step 3 is committed;
+                        # step 4 runs, then offloadd dies.
+                        deadline = time.monotonic() + 20
+                        while (stats.stats()["counters"]["auto_checkpoints"] < 3
+                               and time.monotonic() < deadline):
+                            time.sleep(0.01)
+                    if step == 4 and not restored:
+                        daemon.stop()  # SIGKILL
+                        daemon = Daemon(self.root, "crashing", flags=flags, restart=True)
+                except offloadd.torch.SessionRestored as r:
+                    restored.append(r.step)
+                    step = r.step
+            self.assertEqual(restored, [3])
+            got = model.state_dict()
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            opt.close()
+        finally:
+            daemon.stop()
 
     def test_a_pool_too_small_for_the_work_says_how_large_it_must_be(self):
         import torch

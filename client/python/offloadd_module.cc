@@ -412,6 +412,10 @@ PYBIND11_MODULE(_offloadd, m) {
       .def_property_readonly(
           "token", [](const Session& s) { return py::bytes(s.token()); },
           "the session's secret: with id, what Client.resume_session needs (keep it private)")
+      .def_property_readonly(
+          "auto_checkpoint_dir", &Session::auto_checkpoint_dir,
+          "where offloadd writes this session's automatic checkpoints ('' when off): after a "
+          "crash of offloadd, open a session with restore_from it to go on from the last")
       .def(
           "register",
           [](Session& s, const std::string& name, uint64_t numel, const std::string& param_dtype,

@@ -57,6 +57,7 @@ Limits, said plainly:
 """
 import bisect
 import ctypes
+import glob
 import math
 import random
 import os
@@ -74,6 +75,68 @@ _TIERS = {"host": 100, "cpu": 100, "nvme": 0}
 
 class PeerLostError(offloadd.UnavailableError):
     """A collective with the other ranks failed: a peer died or hung."""
+
+
+class SessionRestored(Exception):
+    """offloadd crashed and came back, and this job goes on from its last
+    automatic checkpoint (checkpoint.auto_*): the model's parameters and the
+    optimizer's state are those after `step` updates (counted from the start
+    of training; a step skipped for non-finite gradients does not count) on
+    every rank. The iteration that
+    raised it is lost; the training loop goes on from step `step` (its data
+    position and learning-rate schedule are its own to rewind):
+
+        step = 0
+        while step < steps:
+            try:
+                optimizer.backward(loss_fn(model(batch(step))))
+                optimizer.step()
+                step += 1
+            except offloadd.torch.SessionRestored as restored:
+                step = restored.step
+    """
+
+    def __init__(self, step, directory):
+        super().__init__(f"offloadd restarted; this job went on from its automatic checkpoint "
+                         f"of step {step} in {directory}")
+        self.step = step
+        self.directory = directory
+
+
+class _GuardedSession:
+    """A session whose calls survive a crash of offloadd: a call that finds
+    the daemon gone (UNAVAILABLE) waits for it to come back, and once it
+    answers that the session is from before its restart (NOT_FOUND), the
+    engine opens a new one from the last automatic checkpoint and the call
+    raises SessionRestored. Without automatic checkpoints, calls fail as
+    the session's do."""
+
+    # How long a call waits for offloadd to come back.
+    RESTART_WAIT_SECONDS = 60.0
+
+    def __init__(self, engine, session):
+        self._engine = engine
+        self._session = session
+
+    def __getattr__(self, name):
+        attr = getattr(self._session, name)
+        if not callable(attr) or not self._session.auto_checkpoint_dir:
+            return attr
+
+        def call(*args, **kwargs):
+            deadline = time.monotonic() + self.RESTART_WAIT_SECONDS
+            while True:
+                try:
+                    return attr(*args, **kwargs)
+                except offloadd.UnavailableError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)  # offloadd is gone or stopping: wait for its successor
+                except offloadd.NotFoundError as e:
+                    if "not one of its ids" not in str(e):
+                        raise
+                    self._engine.resume_after_crash(e)  # raises SessionRestored
+        return call
 
 
 def _percent(kind, value):
@@ -175,6 +238,7 @@ class _Engine:
             delayed_update_after_steps=config["delayed_update_after_steps"],
             loss_scaling=config["loss_scaling"],
             restore_from=config["restore_from"])
+        self.session = _GuardedSession(self, self.session)
         self.restoring = bool(config["restore_from"])
         self.params_host = params_host
         # The node's host pool, which every rank's holds share: batches of
@@ -269,6 +333,75 @@ class _Engine:
                 # half of what fits) do not collide again in lockstep.
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(2 * delay, 0.25)
+
+    def resume_after_crash(self, cause):
+        """offloadd died and came back: a new session restores this one's
+        last automatic checkpoint, every parameter's partition registered
+        again (its state restored), every rank at the same step; then
+        SessionRestored. Without a checkpoint to go on from, `cause`."""
+        old = self.session._session
+        # Its own last automatic checkpoint, or, if it crashed before one
+        # committed, the one it went on from.
+        directory = old.auto_checkpoint_dir
+        if not glob.glob(os.path.join(glob.escape(directory or "."), "*.manifest")):
+            directory = getattr(self, "_resumed_from", None) or directory
+        if self.tier is not None:
+            raise offloadd.NotFoundError(
+                f"{cause}; offloadd.torch resumes by itself only without the GPU tier: open a new "
+                f"session with restore_from {directory}") from cause
+        if not directory or not os.path.isdir(directory):
+            raise cause
+        config = self.config
+        placement = config["placement"]
+        session = self.client.open_session(
+            f"{config['session_name']}/rank{self.rank}",
+            params_host_percent=_percent("params", placement.get("params")),
+            grads_host_percent=_percent("grads", placement.get("grads")),
+            optimizer_state_host_percent=_percent("optimizer_state",
+                                                  placement.get("optimizer_state")),
+            delayed_update_after_steps=config["delayed_update_after_steps"],
+            loss_scaling=config["loss_scaling"],
+            restore_from=directory)
+        steps = set()
+        master = self.working_dtype != "fp32"
+        for s in self.shards:
+            part = session.register(s.name, s.slice_numel, param_dtype=self.working_dtype,
+                                    grad_dtype="fp32", fp32_master=master, tensor=s.name,
+                                    shape=list(s.shape) or [1],
+                                    offset=self.rank * s.slice_numel)
+            session.release([part.id])
+            if not part.restored:
+                session.close()
+                raise offloadd.DataLossError(
+                    f"the automatic checkpoint in {directory} holds no state of '{s.name}'; "
+                    "this job cannot go on from it") from cause
+            s.pid = part.id
+            steps.add(part.step)
+        # What the dead session held or was returning is gone with it.
+        self._held_views = None
+        self._returns, self._return_bytes = [], 0
+        self.returned_since_step = False
+        for s in self.shards:
+            if s.gathered:
+                self._storage_to_shard.pop(self._base(s.param.data), None)
+                s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
+                s.gathered = False
+        self.session = _GuardedSession(self, session)
+        self._resumed_from = directory
+        if self._optimizer is not None:
+            self._optimizer._overlapped = False
+        # Partitions no step updated (frozen) count fewer.
+        step = max(steps) if steps else 0
+        if self.world > 1:
+            t = torch.tensor([step, -step], dtype=torch.float64)
+            self._collective("all-reduce of the restored step",
+                             lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+            if t[0] != -t[1]:
+                raise offloadd.FailedPreconditionError(
+                    f"the ranks' automatic checkpoints are of steps {int(-t[1])} to {int(t[0])}: "
+                    "set checkpoint.auto_every_steps so that every rank's are of the same "
+                    "steps") from cause
+        raise SessionRestored(step, directory) from cause
 
     def host_percent(self, kind):
         """The share of this session's `kind` ("params", "grads") kept on
