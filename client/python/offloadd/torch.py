@@ -118,6 +118,11 @@ class _GuardedSession:
         self._engine = engine
         self._session = session
 
+    @property
+    def raw(self):
+        """The binding's Session (for native code that takes one)."""
+        return self._session
+
     def __getattr__(self, name):
         attr = getattr(self._session, name)
         if not callable(attr) or not self._session.auto_checkpoint_dir:
@@ -978,10 +983,10 @@ class _GpuTier:
         if self.cuda:
             # The slab is torch's allocation, so that torch accounts it.
             self.slab = torch.empty(int(budget), dtype=torch.uint8, device=torch_device)
-            self.tier = offloadd.GpuTier(engine.session, self.device, slab=self.slab.data_ptr(),
+            self.tier = offloadd.GpuTier(engine.session.raw, self.device, slab=self.slab.data_ptr(),
                                          slab_bytes=int(budget), **kwargs)
         else:
-            self.tier = offloadd.GpuTier(engine.session, self.device, **kwargs)
+            self.tier = offloadd.GpuTier(engine.session.raw, self.device, **kwargs)
             n = self.tier.slab_bytes
             self.slab = torch.frombuffer((ctypes.c_uint8 * n).from_address(
                 self.tier.slab_address), dtype=torch.uint8)
