@@ -115,20 +115,47 @@ struct Session::Impl {
   // offers one and the client wants it.
   HostMemory ring_memory;
   std::unique_ptr<ring::Client> ring;
-  // The ring answered UNAVAILABLE (offloadd went away or is stopping): the
-  // calls go over gRPC from then on, so that a restarted offloadd's definite
-  // answer (NOT_FOUND: the session is from before its restart) reaches the
-  // trainer instead of UNAVAILABLE forever.
-  std::atomic<bool> ring_gone{false};
+  // The offloadd this session's shared memory came from went away (the
+  // arena channel hung up) or closed the ring as it stopped. Its calls then
+  // get a definite answer instead of UNAVAILABLE for ever (Orphaned): a
+  // restarted offloadd's NOT_FOUND (the session is from before its
+  // restart, naming its automatic checkpoint), or, where it kept the
+  // session, FAILED_PRECONDITION saying to resume it (this object's
+  // mappings are the previous offloadd's: views over them would be stale).
+  std::atomic<bool> orphaned{false};
 
-  bool UseRing(size_t items) const {
-    return ring != nullptr && items <= ring::kMaxItems && !ring_gone.load();
-  }
+  bool UseRing(size_t items) const { return ring != nullptr && items <= ring::kMaxItems; }
   ring::Client::Answer RingCall(ring::Op op, uint32_t flags, absl::Span<const ring::Item> items,
                                 absl::Duration timeout) {
     ring::Client::Answer answer = ring->Call(op, flags, items, timeout);
-    if (absl::IsUnavailable(answer.status)) ring_gone.store(true);
+    if (absl::IsUnavailable(answer.status) && (ConnectionHungUp() || RingClosed())) {
+      orphaned.store(true);
+    }
     return answer;
+  }
+  bool ConnectionHungUp() const {
+    pollfd p{connection.get(), POLLRDHUP, 0};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+  }
+  bool RingClosed() const {
+    const auto* layout = reinterpret_cast<const ring::Layout*>(ring_memory.data());
+    return layout != nullptr && layout->state.load() == ring::kClosed;
+  }
+  // OK while this session is served by the offloadd it came from; else the
+  // definite answer (see orphaned).
+  absl::Status Orphaned() {
+    if (!orphaned.load()) return absl::OkStatus();
+    v1::GetPendingGradientsRequest req;
+    *req.mutable_session() = ref;
+    v1::GetPendingGradientsResponse resp;
+    Rpc rpc(timeout, token);
+    absl::Status probe =
+        FromGrpc(stub->GetPendingGradients(&rpc.context, req, &resp), "GetPendingGradients");
+    if (!probe.ok()) return probe;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "offloadd restarted and kept session ", ref.session_id(),
+        ", but this Session object's shared memory is the previous offloadd's: take the session "
+        "back with Client::ResumeSession(id, token) and use the Session it returns"));
   }
 
   absl::Mutex mu;
@@ -445,8 +472,7 @@ Session::~Session() {
   // restarted offloadd keeping this session for a trainer to resume, maybe
   // through another Session object.
   if (impl_->connection.valid()) {
-    pollfd p{impl_->connection.get(), POLLRDHUP, 0};
-    if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) return;
+    if (impl_->ConnectionHungUp()) return;
   }
   Close().IgnoreError();
 }
@@ -475,6 +501,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
                                                 DType param_dtype, DType grad_dtype,
                                                 bool fp32_master,
                                                 const std::optional<TensorSlice>& slice) {
+  RETURN_IF_ERROR(impl_->Orphaned());
   v1::RegisterPartitionRequest req;
   *req.mutable_session() = impl_->ref;
   req.set_name(name);
@@ -496,6 +523,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
 
 absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
                                                           const FetchOptions& options) {
+  RETURN_IF_ERROR(impl_->Orphaned());
   if (impl_->UseRing(ids.size()) && !ids.empty()) {
     const uint32_t flags =
         (options.grads ? ring::kGrads : 0u) | (options.writable ? ring::kWritable : 0u);
@@ -563,6 +591,7 @@ absl::Status Session::Release(const PartitionView& p) {
 }
 
 absl::Status Session::Release(absl::Span<const uint64_t> ids) {
+  RETURN_IF_ERROR(impl_->Orphaned());
   if (impl_->UseRing(ids.size())) {
     return impl_->RingCall(ring::kRelease, 0, RingItems(ids), impl_->timeout).status;
   }
@@ -594,6 +623,7 @@ absl::Status Session::HandOverGradients(absl::Span<const PartitionView> parts,
 
 absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, bool release,
                                       bool hand_over, absl::Span<const GradientStats> stats) {
+  RETURN_IF_ERROR(impl_->Orphaned());
   if (impl_->UseRing(parts.size())) {
     std::vector<ring::Item> items(parts.size());
     for (size_t i = 0; i < parts.size(); ++i) {

@@ -416,7 +416,7 @@ absl::Status Daemon::StartAutoCheckpoints() {
 void Daemon::ApplyAutoCheckpoint() {
   const AutoCheckpointNodeOptions& o = options_->checkpoint;
   SessionManager::AutoCheckpointOptions a;
-  if (o.interval_seconds > 0 || o.every_steps > 0) a.dir = o.dir;
+  a.dir = o.dir;  // also while off: closing sessions remove theirs
   a.every_steps = static_cast<uint64_t>(o.every_steps);
   a.interval = absl::Seconds(o.interval_seconds);
   engine_->sessions().SetAutoCheckpoint(a);

@@ -728,7 +728,9 @@ void SessionManager::SetAutoCheckpoint(const AutoCheckpointOptions& options) {
 
 std::string SessionManager::AutoCheckpointDir(uint64_t id) const {
   absl::MutexLock lock(&mu_);
-  return auto_checkpoint_.dir.empty() ? "" : absl::StrCat(auto_checkpoint_.dir, "/", id);
+  const bool on =
+      auto_checkpoint_.every_steps > 0 || auto_checkpoint_.interval > absl::ZeroDuration();
+  return auto_checkpoint_.dir.empty() || !on ? "" : absl::StrCat(auto_checkpoint_.dir, "/", id);
 }
 
 void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) {
@@ -737,14 +739,20 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
     absl::MutexLock lock(&mu_);
     options = auto_checkpoint_;
   }
-  if (options.dir.empty()) return;
+  if (options.dir.empty() ||
+      (options.every_steps == 0 && options.interval <= absl::ZeroDuration())) {
+    return;
+  }
   Session* s = session.get();
   const uint64_t steps = s->partitions->steps();
   const SteadyTime now = std::chrono::steady_clock::now();
   {
     absl::MutexLock lock(&s->checkpoint_mu);
     if (s->checkpoint_running) return;  // the trainer's, or the last one still
-    const bool by_steps = options.every_steps > 0 && steps >= s->auto_step + options.every_steps;
+    // Aligned to multiples of every_steps, so that one skipped (the last
+    // still being written) does not shift the ones after it.
+    const bool by_steps =
+        options.every_steps > 0 && steps / options.every_steps > s->auto_step / options.every_steps;
     const bool by_time = options.interval > absl::ZeroDuration() &&
                          now - s->auto_time >= absl::ToChronoNanoseconds(options.interval);
     if (!by_steps && !by_time) return;
@@ -768,16 +776,15 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
     bool automatic) {
   Session* s = session.get();
   const uint64_t id = s->id;
-  if (!automatic) {
-    // An automatic one being written finishes first (the trainer's is not
-    // refused for it).
-    absl::MutexLock lock(&s->checkpoint_mu);
+  // An automatic one being written finishes first: the trainer's is not
+  // refused for it.
+  auto await_automatic = [s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->checkpoint_mu) {
     s->checkpoint_mu.Await(absl::Condition(
         +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS {
           return !x->checkpoint_running || !x->checkpoint_automatic;
         },
         s));
-  }
+  };
   // Gradients handed over are checkpointed from the accumulator.
   RETURN_IF_ERROR(steps_->Reclaim(*s->partitions, {}));
   SessionCheckpointState state;
@@ -790,12 +797,32 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
     return CheckpointWriter::Begin(s->partitions.get(), state, dir);
   };
   if (!background) {
-    ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, begin());
-    ASSIGN_OR_RETURN(CheckpointSummary summary, writer->Finish(&s->checkpoint_cancel));
+    {
+      // Marked running (not automatic) while it is written, so that no
+      // automatic one starts beside it.
+      absl::MutexLock lock(&s->checkpoint_mu);
+      if (!automatic) await_automatic();
+      if (s->checkpoint_running) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("a checkpoint of session ", id, " is being written already"));
+      }
+      s->checkpoint_running = true;
+      s->checkpoint_automatic = false;
+    }
+    absl::StatusOr<CheckpointSummary> summary = [&]() -> absl::StatusOr<CheckpointSummary> {
+      ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer, begin());
+      return writer->Finish(&s->checkpoint_cancel);
+    }();
+    {
+      absl::MutexLock lock(&s->checkpoint_mu);
+      s->checkpoint_running = false;
+    }
+    if (!summary.ok()) return summary.status();
     stats_->checkpoints.fetch_add(1, std::memory_order_relaxed);
-    return CheckpointOutcome{summary, false};
+    return CheckpointOutcome{*summary, false};
   }
   absl::MutexLock lock(&s->checkpoint_mu);
+  if (!automatic) await_automatic();
   if (s->checkpoint_running) {
     return absl::FailedPreconditionError(
         absl::StrCat("a checkpoint of session ", id, " is being written already"));

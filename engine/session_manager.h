@@ -203,14 +203,16 @@ class SessionManager {
   // overlapped one) to end, and a checkpoint the trainer asks for waits
   // for it. A session that closes removes its directory; one opened to
   // restore an automatic checkpoint of <dir> removes that directory too
-  // when it closes. An empty `dir`: off. Applies from the next step.
+  // when it closes. An empty `dir`, or neither trigger: off (directories
+  // of sessions that close are still removed). Applies from the next step.
   struct AutoCheckpointOptions {
     std::string dir;
     uint64_t every_steps = 0;
     absl::Duration interval = absl::ZeroDuration();
   };
   void SetAutoCheckpoint(const AutoCheckpointOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
-  // The directory of session `id`'s automatic checkpoints.
+  // The directory of session `id`'s automatic checkpoints; empty while they
+  // are off.
   std::string AutoCheckpointDir(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Switches the session's delayed parameter update (PartitionStore::

@@ -15,7 +15,10 @@
 //     or a communicator already broken); a collective that fails while it
 //     runs (a peer gone, ranks that disagree) breaks the communicator: every
 //     later call returns that error, naming the collective. What it was to
-//     write is then undefined; what it reads is untouched.
+//     write is then undefined; what it reads is untouched. (NCCL reports
+//     what it detects, ncclCommGetAsyncError; a peer that dies without a
+//     network error may leave the collective waiting: the trainer's own
+//     timeout, as torch's NCCL watchdog, is what ends the job then.)
 //
 // Thread-safety: one thread issues a communicator's collectives (their
 // order is the contract between ranks).

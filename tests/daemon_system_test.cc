@@ -1940,6 +1940,17 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   const PartitionView p = (*listed)[0];
   EXPECT_EQ(p.id, partition_id);
   ASSERT_TRUE((*resumed)->Release(p).ok());
+  // The stale Session object's shared memory is the stopped offloadd's:
+  // its calls are refused, saying to resume (not served over views of a
+  // dead mapping, nor UNAVAILABLE for ever).
+  absl::Status stale_call;
+  for (const absl::Time deadline = absl::Now() + testing::kWaitLimit; absl::Now() < deadline;) {
+    stale_call = stale->Fetch(p.id).status();
+    if (!absl::IsUnavailable(stale_call)) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(stale_call.code(), absl::StatusCode::kFailedPrecondition) << stale_call;
+  EXPECT_TRUE(absl::StrContains(stale_call.message(), "ResumeSession")) << stale_call;
   // The stale Session object goes with a restarted offloadd at its address:
   // it must not close the session its trainer just resumed.
   stale.reset();

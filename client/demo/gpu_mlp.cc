@@ -136,13 +136,16 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   ASSIGN_OR_RETURN(gpu::Event done, r.device->CreateEvent());
   // On every way out, the work still issued on `compute` finishes before
   // the memory it uses goes.
-  absl::Cleanup finish = [&] {
-    if (r.device->Record(done, compute).ok()) r.device->Synchronize(done).IgnoreError();
-  };
+  // Host buffers copies read or write: declared before `finish`, so that
+  // they outlive the work it waits for.
   std::vector<float> x2(data.x), y2(data.y);
   x2.insert(x2.end(), data.x.begin(), data.x.end());
   y2.insert(y2.end(), data.y.begin(), data.y.end());
   const std::vector<char> zeros(grads_bytes, 0);  // the gradients' padding stays zero
+  std::vector<float> rank_losses(ranks);
+  absl::Cleanup finish = [&] {
+    if (r.device->Record(done, compute).ok()) r.device->Synchronize(done).IgnoreError();
+  };
   RETURN_IF_ERROR(r.device->CopyAsync(x, x2.data(), x2.size() * sizeof(float),
                                       gpu::Direction::kHostToDevice, compute));
   RETURN_IF_ERROR(r.device->CopyAsync(y, y2.data(), y2.size() * sizeof(float),
@@ -153,7 +156,6 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   RETURN_IF_ERROR(r.device->Synchronize(done));
 
   GpuTrainResult result;
-  std::vector<float> rank_losses(ranks);
   for (int step = 0; step < c.steps; ++step) {
     RETURN_IF_ERROR(tier->BeginIteration());
     float* const layer1[] = {params[0], params[1]};

@@ -277,6 +277,15 @@ class _Engine:
     # fails, naming the pool it needs.
     ROOM_WAIT_SECONDS = 20.0
 
+    @staticmethod
+    def _release_quietly(session, ids):
+        """Lets holds go while another error is on its way (that error is
+        the one the caller sees)."""
+        try:
+            session.release(ids)
+        except (offloadd.Error, SessionRestored):
+            pass
+
     def _size_batches(self):
         """Gradient returns hold their partitions' parameters and gradients
         in the node's pool while they are written: a batch takes at most a
@@ -350,10 +359,13 @@ class _Engine:
         directory = old.auto_checkpoint_dir
         if not glob.glob(os.path.join(glob.escape(directory or "."), "*.manifest")):
             directory = getattr(self, "_resumed_from", None) or directory
-        if self.tier is not None:
+        if self.tier is not None or self.world > 1:
+            # Several ranks find the daemon gone at different calls, so an
+            # agreement among them could meet another rank's collective.
             raise offloadd.NotFoundError(
-                f"{cause}; offloadd.torch resumes by itself only without the GPU tier: open a new "
-                f"session with restore_from {directory}") from cause
+                f"{cause}; offloadd.torch resumes by itself only with one rank and without the "
+                f"GPU tier: restart the job with this rank's zero_config restore_from "
+                f"{directory}") from cause
         if not directory or not os.path.isdir(directory):
             raise cause
         config = self.config
@@ -580,12 +592,14 @@ class _Engine:
             return False
         start = time.perf_counter()
         held = {}
+        session = self.session
         try:
             for ids in self._id_chunks():
-                held.update((v.id, v) for v in self.session.fetch(ids))
-        except BaseException:
-            if held:
-                self.session.release(list(held))
+                held.update((v.id, v) for v in session.fetch(ids))
+        except BaseException as exc:
+            # Not after offloadd restarted: the holds went with it.
+            if held and not isinstance(exc, SessionRestored):
+                self._release_quietly(session, list(held))
             raise
         self._held_views = held
         self.timings["fetch"] += time.perf_counter() - start
@@ -708,7 +722,7 @@ class _Engine:
         if any(r[0] is s for r in self._returns):
             self.flush_gradients()
         self._returns.append((s, mine, stats))
-        self._return_bytes += mine.numel() * 4
+        self._return_bytes += self._held_bytes([s])  # as the pool counts the hold
         if len(self._returns) >= self.RETURN_BATCH or self._return_bytes >= self.RETURN_BYTES:
             self.flush_gradients()
         self.timings["return"] += time.perf_counter() - start
@@ -741,9 +755,10 @@ class _Engine:
         if all(r[2] is not None for r in batch):
             stats = [(float(norm) ** 2, int(bad)) for _, _, (norm, bad) in batch]
         shards = [s for s, _, _ in batch]
+        session = self.session
         if len(batch) > 1 and self._held_views is None:
             try:
-                views = self.session.fetch(ids, grads=True)
+                views = session.fetch(ids, grads=True)
             except offloadd.ResourceExhaustedError:
                 half = len(batch) // 2
                 self.RETURN_BATCH = max(1, min(self.RETURN_BATCH, half))
@@ -755,7 +770,7 @@ class _Engine:
         else:
             views = self.with_room(
                 f"the gradient buffer of '{batch[0][0].name}' ({self._held_bytes(shards)} bytes)",
-                lambda: self.session.fetch(ids, grads=True))
+                lambda: session.fetch(ids, grads=True))
         try:
             for (s, mine, _), v in zip(batch, views):
                 dst = torch.frombuffer(v.grads, dtype=torch.float32)
@@ -763,11 +778,11 @@ class _Engine:
                 dst[:n].copy_(mine[:n])
                 dst[n:].zero_()
             # A pass holding everything lets go at its end.
-            self.session.return_gradients(views, release=self._held_views is None,
-                                          hand_over=self._hand_over, stats=stats)
-        except BaseException:
-            if self._held_views is None:
-                self.session.release(ids)
+            session.return_gradients(views, release=self._held_views is None,
+                                     hand_over=self._hand_over, stats=stats)
+        except BaseException as exc:
+            if self._held_views is None and not isinstance(exc, SessionRestored):
+                self._release_quietly(session, ids)
             raise
         self.returned_since_step = True
         self.counts["returns"] += len(batch)
