@@ -178,8 +178,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   builder.RegisterService(d->partition_service_.get());
   builder.RegisterService(d->config_service_.get());
   Daemon* raw = d.get();
-  d->stats_service_ = std::make_unique<StatsServiceImpl>([raw] { return raw->Snapshot(); },
-                                                         &d->engine_->optimizer(), identity);
+  d->stats_service_ = std::make_unique<StatsServiceImpl>(
+      [raw] { return raw->Snapshot(); }, &d->engine_->optimizer(), identity, d->guard_.get());
   builder.RegisterService(d->stats_service_.get());
   // gRPC creates the socket file with the process umask: owner-only.
   mode_t old_mask = umask(0177);

@@ -454,8 +454,9 @@ void StatsServiceImpl::AddListening(std::string address) {
   identity_.listening.push_back(std::move(address));
 }
 
-grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext* context, const v1::GetStatsRequest*,
                                         v1::GetStatsResponse* resp) {
+  const bool names = guard_ == nullptr || guard_->CheckMayChange(*context, "").ok();
   resp->set_version(kOffloaddVersion);
   resp->set_pid(static_cast<uint32_t>(getpid()));
   {
@@ -479,7 +480,7 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
   for (const SessionSummary& s : snapshot.sessions) {
     v1::SessionSummary* out = resp->add_sessions();
     out->set_session_id(s.id);
-    out->set_name(s.name);
+    if (names) out->set_name(s.name);
     out->set_partitions(s.partitions);
     out->set_arena_bytes(s.arena_bytes);
     out->set_steps(s.steps);

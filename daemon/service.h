@@ -113,10 +113,16 @@ class StatsServiceImpl final : public v1::StatsService::Service {
  public:
   // `swap` may be null (no NVMe tier).
   // `snapshot` gives the counters, tiers and sessions (Daemon::Snapshot).
-  StatsServiceImpl(SnapshotFn snapshot, const Optimizer* optimizer, ServerIdentity identity)
-      : snapshot_(std::move(snapshot)), optimizer_(optimizer), identity_(std::move(identity)) {}
+  // `guard`: over TCP without the token, session names are left out
+  // (every local user may read the status; names are the owner's).
+  StatsServiceImpl(SnapshotFn snapshot, const Optimizer* optimizer, ServerIdentity identity,
+                   const AccessGuard* guard = nullptr)
+      : snapshot_(std::move(snapshot)),
+        optimizer_(optimizer),
+        guard_(guard),
+        identity_(std::move(identity)) {}
 
-  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest*,
                         v1::GetStatsResponse*) override;
 
   void AddListening(std::string address) ABSL_LOCKS_EXCLUDED(mu_);
@@ -124,6 +130,7 @@ class StatsServiceImpl final : public v1::StatsService::Service {
  private:
   const SnapshotFn snapshot_;
   const Optimizer* const optimizer_;
+  const AccessGuard* const guard_;
   absl::Mutex mu_;
   ServerIdentity identity_ ABSL_GUARDED_BY(mu_);
 };

@@ -1243,7 +1243,15 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   ASSERT_FALSE(tcp.empty());
   auto over_tcp = Client::Connect({tcp});
   ASSERT_TRUE(over_tcp.ok()) << over_tcp.status();
-  EXPECT_TRUE((*over_tcp)->GetStats().ok());
+  // Status is read-only and every local user's, but session names are the
+  // owner's: left out over TCP without the token.
+  auto named = (*c)->OpenSession("secret-experiment");
+  ASSERT_TRUE(named.ok()) << named.status();
+  auto tcp_stats = (*over_tcp)->GetStats();
+  ASSERT_TRUE(tcp_stats.ok()) << tcp_stats.status();
+  ASSERT_EQ(tcp_stats->sessions.size(), 1u);
+  EXPECT_EQ(tcp_stats->sessions[0].name, "");
+  EXPECT_EQ((*c)->GetStats()->sessions[0].name, "secret-experiment");
   // Over TCP, any local user could connect: read-only status without the
   // token (issue 11's known break: tunables, sessions and budget were open).
   EXPECT_TRUE((*over_tcp)->GetTunable("optimizer.threads").ok());
@@ -1271,6 +1279,8 @@ TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
   auto right = Client::Connect(with_token);
   ASSERT_TRUE(right.ok());
   EXPECT_TRUE((*right)->SetTunable("optimizer.threads", "2").ok());
+  EXPECT_EQ((*right)->GetStats()->sessions[0].name, "secret-experiment");
+  ASSERT_TRUE((*named)->Close().ok());
   // The Unix socket needs none.
   EXPECT_TRUE((*c)->SetTunable("optimizer.threads", "1").ok());
   ASSERT_TRUE((*d)->Stop().ok());
