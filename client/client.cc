@@ -524,7 +524,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
 absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
                                                           const FetchOptions& options) {
   RETURN_IF_ERROR(impl_->Orphaned());
-  if (impl_->UseRing(ids.size()) && !ids.empty()) {
+  if (impl_->UseRing(ids.size()) && !ids.empty() && !options.load) {
     const uint32_t flags =
         (options.grads ? ring::kGrads : 0u) | (options.writable ? ring::kWritable : 0u);
     ring::Client::Answer answer =
@@ -568,6 +568,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
   for (uint64_t id : ids) req.add_partition_ids(id);
   req.set_grads(options.grads);
   req.set_writable(options.writable);
+  req.set_load(options.load);
   v1::FetchParamsResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->FetchParams(&rpc.context, req, &resp), "FetchParams"));

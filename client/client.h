@@ -183,6 +183,11 @@ struct FetchOptions {
   bool grads = false;
   // The trainer will change the parameters itself (loading a checkpoint).
   bool writable = false;
+  // The trainer loads new values (load_state_dict): writable, and the
+  // release makes them the master weights: write fp32 values into
+  // PartitionView::master_init where it is set (a 16-bit working copy is
+  // then rounded from them), else into params. Moments and steps stay.
+  bool load = false;
 };
 
 // A partition as the trainer sees it: pointers into the mapped arena, whose

@@ -217,6 +217,7 @@ grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext* context,
     FetchMode mode;
     mode.grads = req->grads();
     mode.writable = req->writable();
+    mode.load = req->load();
     ASSIGN_OR_RETURN(std::vector<PartitionInfo> infos,
                      sessions_->Fetch(KeyOf(req->session()), ids, mode));
     for (const PartitionInfo& p : infos) ToProto(p, resp->add_locations());

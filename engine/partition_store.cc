@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -62,6 +63,13 @@ struct PartitionStore::Partition {
   uint64_t tensor_offset = 0;
   HostMemory region;        // its span in the arena, mapped
   uint64_t page_bytes = 0;  // the page size its span is laid out for
+  // Where the fp32 initial values go, in its span (registered with them:
+  // a 16-bit working copy); 0 bytes: none. A load (FetchMode::load) uses it
+  // again.
+  uint64_t init_at = 0, init_bytes = 0;
+  // A load without that region: the release makes the working copy the
+  // master weights.
+  bool master_from_working = false;
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   MasterState master = MasterState::kUnset;
@@ -558,6 +566,8 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     info.grads = {params_off + grads_at, grad_bytes};
     info.span = {params_off, span};
     if (fp32_init) info.master_init = {params_off + init_at, init_bytes};
+    partition->init_at = init_at;
+    partition->init_bytes = init_bytes;
     ASSIGN_OR_RETURN(partition->region,
                      arena_->Map(params_off, span, info.huge_pages ? Pages::kHuge : Pages::kSmall));
     partition->grads = partition->region.data() + grads_at;
@@ -687,7 +697,34 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
       // return with hand_over that raced with it.)
       RETURN_IF_ERROR(RefuseHandedOverLocked(wanted));
     }
+    if (mode.load && delayed_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", session_id_,
+          ": loading parameters needs the delayed update off (SetDelayedUpdate(false) first)"));
+    }
   }
+  // A load: the fp32 values' regions of the partitions that have one,
+  // taken before any hold (a failure then holds nothing and leaves nothing).
+  std::vector<Partition*> with_init;
+  if (mode.load) {
+    mode.writable = true;
+    for (Partition* p : wanted) {
+      bool pending;
+      {
+        absl::MutexLock lock(&mu_);
+        pending = p->master == MasterState::kInitPending;
+      }
+      if (pending || p->init_bytes == 0) continue;
+      if (absl::Status added = AddInitBlocks(*p); !added.ok()) {
+        for (Partition* q : with_init) RemoveInitBlocks(*q);
+        return added;
+      }
+      with_init.push_back(p);
+    }
+  }
+  absl::Cleanup drop_init = [&] {
+    for (Partition* q : with_init) RemoveInitBlocks(*q);
+  };
   // Outside the lock: swap-ins take time. Pins taken here that turn out not
   // to be needed (held meanwhile) are dropped when `spare` goes, also
   // outside the lock.
@@ -756,9 +793,15 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
     // Marked under the lock a checkpoint begins under: either it sees the
     // hold (and refuses), or this sees it (and captures before returning).
     recapture = mode.writable && capture_ != nullptr;
+    for (Partition* p : with_init) {
+      // Its release makes the fp32 values written there the master weights.
+      p->master = MasterState::kInitPending;
+      p->info.master_init = {p->info.span.offset + p->init_at, p->init_bytes};
+    }
     for (size_t i = 0; i < wanted.size(); ++i) {
       Partition* p = wanted[i];
       if (mode.writable) p->writable_hold = true;
+      if (mode.load && p->init_bytes == 0) p->master_from_working = true;
       if (fetched_.insert(p->info.id).second) fetch_order_.push_back(p->info.id);
       for (auto [have, got] : {std::pair{&p->param_pins, &taken[i].params},
                                std::pair{&p->grad_pins, &taken[i].grads}}) {
@@ -773,6 +816,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
     }
     break;
   }
+  std::move(drop_init).Cancel();  // the release commits them
   // A checkpoint being written keeps what the trainer is about to change:
   // before the trainer has the pointers.
   if (recapture) CaptureAll(wanted);
@@ -780,7 +824,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
 }
 
 absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
-  std::vector<Partition*> which, commits;
+  std::vector<Partition*> which, commits, reloads;
   {
     absl::MutexLock lock(&mu_);
     if (ids.empty()) {
@@ -798,10 +842,12 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
     }
     for (Partition* p : which) {
       if (p->master == MasterState::kInitPending) commits.push_back(p);
+      if (p->master_from_working) reloads.push_back(p);
     }
   }
   // Outside the lock (swap-ins); the partitions stay held meanwhile.
   for (Partition* p : commits) RETURN_IF_ERROR(CommitMasterInit(*p));
+  for (Partition* p : reloads) RETURN_IF_ERROR(MasterFromWorking(*p));
   std::vector<Swapper::Pin> released;
   {
     absl::MutexLock lock(&mu_);
@@ -809,6 +855,7 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
       p->master = MasterState::kInitialized;
       p->info.master_init = {};
     }
+    for (Partition* p : reloads) p->master_from_working = false;
     for (Partition* p : which) p->TakeHolds(&released);
   }
   // The fp32 initial values are in the master weights now: their pages go.
@@ -818,6 +865,43 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
     }
   }
   return absl::OkStatus();  // `released` unpins here, outside the lock
+}
+
+absl::Status PartitionStore::MasterFromWorking(const Partition& p) {
+  const uint64_t id = p.info.id;
+  for (uint64_t c = 0; c < ChunksOf(p.info.numel); ++c) {
+    ASSIGN_OR_RETURN(Swapper::Pin params,
+                     PinBlock(id, c, ParamsKind(p, /*next=*/false), /*for_write=*/false));
+    ASSIGN_OR_RETURN(Swapper::Pin master, PinBlock(id, c, PartitionStore::kMaster, true));
+    WidenToFloat(params.data(), p.info.param_dtype, reinterpret_cast<float*>(master.data()),
+                 master.size() / sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PartitionStore::AddInitBlocks(const Partition& p) {
+  const uint64_t id = p.info.id;
+  std::vector<uint64_t> added;
+  for (uint64_t begin = 0, c = 0; begin < p.info.numel; begin += state_chunk_elems_, ++c) {
+    const uint64_t elems = std::min(state_chunk_elems_, p.info.numel - begin);
+    const uint64_t at = p.init_at + begin * sizeof(float);
+    absl::Status s = swapper_->AddExternal(
+        PartitionStore::BlockOf(id, c, PartitionStore::kInitBlock),
+        ExternalMemory{p.region.data() + at, p.page_bytes, arena_->fd(), p.info.span.offset + at},
+        elems * sizeof(float), Tier::kHost, session_id_);
+    if (!s.ok()) {
+      for (uint64_t b : added) swapper_->Remove(b);
+      return s;
+    }
+    added.push_back(PartitionStore::BlockOf(id, c, PartitionStore::kInitBlock));
+  }
+  return absl::OkStatus();
+}
+
+void PartitionStore::RemoveInitBlocks(const Partition& p) {
+  for (uint64_t c = 0; c < ChunksOf(p.info.numel); ++c) {
+    swapper_->Remove(PartitionStore::BlockOf(p.info.id, c, PartitionStore::kInitBlock));
+  }
 }
 
 absl::Status PartitionStore::CommitMasterInit(const Partition& p) {

@@ -100,6 +100,14 @@ struct FetchMode {
   // The trainer will change the parameters (loading a checkpoint): they are
   // written back when evicted. Otherwise they are read-only until a step.
   bool writable = false;
+  // The trainer loads new values (torch's load_state_dict): writable, and at
+  // the release the master weights take them: from fp32 values written
+  // into the region PartitionInfo::master_init names, where the partition
+  // has one (registered with fp32 initial values: a 16-bit working copy,
+  // then rounded from them), else from the working copy. Moments and step
+  // counts stay, as torch's optimizer state does. FAILED_PRECONDITION with
+  // the delayed update on.
+  bool load = false;
 };
 
 struct PartitionSpec {
@@ -422,6 +430,12 @@ class PartitionStore {
   // Master weights from the fp32 initial values, and the working copy from
   // them (rounded), chunk by chunk. `p` is held by the trainer.
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
+  // A load without fp32 values: the master weights from the working copy.
+  absl::Status MasterFromWorking(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
+  // The fp32 values' blocks of a load (over the region registration laid
+  // out), and their removal when the load fails.
+  absl::Status AddInitBlocks(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
+  void RemoveInitBlocks(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a restored partition's saved state into its blocks (held by the
   // caller, not yet in partitions_).

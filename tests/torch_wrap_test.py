@@ -872,11 +872,13 @@ class WrapInProcessTest(unittest.TestCase):
                     opt.step()
                     opt.zero_grad()
                     step += 1
-                    if step == 3:
-                        # The automatic checkpoint of step 3 is committed;
-                        # step 4 runs, then offloadd dies.
+                    if step <= 3 and not restored:
+                        # Each step's automatic checkpoint committed before
+                        # the next step (one due while the last is written
+                        # would wait for the step after): step 3's is the
+                        # last; step 4 runs, then offloadd dies.
                         deadline = time.monotonic() + 20
-                        while (stats.stats()["counters"]["auto_checkpoints"] < 3
+                        while (stats.stats()["counters"]["auto_checkpoints"] < step
                                and time.monotonic() < deadline):
                             time.sleep(0.01)
                     if step == 4 and not restored:
@@ -892,6 +894,62 @@ class WrapInProcessTest(unittest.TestCase):
             opt.close()
         finally:
             daemon.stop()
+
+    def test_load_state_dict_sets_the_master_weights_and_keeps_the_moments(self):
+        # Loading into a wrapped model, fresh or after steps, trains on as a
+        # torch model that loaded the same values into its AdamW run does;
+        # with a bf16 working copy the master takes the fp32 values exactly.
+        import torch
+        torch.manual_seed(5)
+        donor = self.mlp()
+        for p in donor.parameters():
+            p.data.add_(torch.randn_like(p) * 0.3)
+        loaded = {k: v.clone() for k, v in donor.state_dict().items()}
+        data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        for before in (0, 2):  # steps before the load
+            with self.subTest(steps_before_the_load=before):
+                ref = self.mlp()
+                opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+                model, opt = self.wrap(self.mlp(), {"lr": 1e-2})
+                for i, x in enumerate(data):
+                    if i == before:
+                        ref.load_state_dict(loaded)
+                        model.load_state_dict(loaded)
+                        got = model.state_dict()
+                        for k, v in loaded.items():
+                            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+                    ref(x).pow(2).mean().backward()
+                    opt_ref.step()
+                    opt_ref.zero_grad()
+                    opt.backward(model(x).pow(2).mean())
+                    opt.step()
+                    opt.zero_grad()
+                got = model.state_dict()
+                for k, v in ref.state_dict().items():
+                    torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+                opt.close()
+        # bf16 working copy: the master takes the fp32 values exactly, so a
+        # model loaded after wrap trains bit for bit as one wrapped with
+        # those values (registered with them as fp32 initial values); a
+        # master rounded to bf16 would drift from it.
+        def loaded_mlp():
+            m = self.mlp()
+            m.load_state_dict(loaded)
+            return m
+        bf16 = {"working_dtype": "bf16"}
+        direct, opt_direct = self.wrap(loaded_mlp(), {"lr": 1e-2}, bf16)
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2}, bf16)
+        model.load_state_dict(loaded)
+        for x in data:
+            for m, o in ((direct, opt_direct), (model, opt)):
+                o.backward(m(x).pow(2).mean())
+                o.step()
+                o.zero_grad()
+        want = direct.state_dict()
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+        opt.close()
+        opt_direct.close()
 
     def test_a_pool_too_small_for_the_work_says_how_large_it_must_be(self):
         import torch

@@ -435,13 +435,15 @@ PYBIND11_MODULE(_offloadd, m) {
           "(for checkpoints across rank counts and export)")
       .def(
           "fetch",
-          [](Session& s, const std::vector<uint64_t>& ids, bool grads, bool writable) {
+          [](Session& s, const std::vector<uint64_t>& ids, bool grads, bool writable, bool load) {
             FetchOptions o;
             o.grads = grads;
             o.writable = writable;
+            o.load = load;
             return Value(Unlocked([&] { return s.Fetch(ids, o); }));
           },
-          py::arg("ids"), py::arg("grads") = false, py::arg("writable") = false)
+          py::arg("ids"), py::arg("grads") = false, py::arg("writable") = false,
+          py::arg("load") = false)
       .def(
           "release",
           [](Session& s, const std::vector<uint64_t>& ids) {

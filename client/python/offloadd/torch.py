@@ -48,8 +48,11 @@ Limits, said plainly:
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
   bf16/fp16 working_dtype the values are rounded from the fp32 master.
-  load_state_dict() and optimizer.state_dict() are not supported (the state
-  is the daemon's): optimizer.checkpoint(dir) saves it and zero_config
+  model.load_state_dict() is one too: each rank's slice of the loaded values
+  becomes its partition's master weights (fp32, exactly; the working copy
+  rounded from them); the optimizer's moments and step counts stay, as
+  torch's do. optimizer.state_dict() is not supported (the state is the
+  daemon's): optimizer.checkpoint(dir) saves it and zero_config
   restore_from resumes it.
 - Non-finite gradients skip the step on every rank (torch would write NaN);
   optimizer.last_step says so.
@@ -910,6 +913,66 @@ class _Engine:
             return state
 
         self._handles.append(model._register_state_dict_hook(full_state))
+
+        # model.load_state_dict(): torch copies the loaded tensors into the
+        # parameters, whole ones: every parameter is gathered first, and
+        # written back to the daemon afterwards as its master weights.
+        def gather_for_load(*_):
+            self.gather_all_for_load()
+
+        def write_loaded(*_):
+            self.write_loaded()
+
+        self._handles.append(model._register_load_state_dict_pre_hook(gather_for_load))
+        self._handles.append(model.register_load_state_dict_post_hook(write_loaded))
+
+    def gather_all_for_load(self):
+        """Every parameter whole (a collective: every rank calls
+        load_state_dict), for torch to copy the loaded values into."""
+        if self.tier is not None:
+            raise offloadd.FailedPreconditionError(
+                "model.load_state_dict() is not supported with the GPU tier yet: load the weights "
+                "before wrap(), or resume an offloadd checkpoint (zero_config restore_from)")
+        self.latest_weights()
+        self.flush_gradients()
+        self.free_all()
+        for s in self.shards:
+            self.gather([s])
+        self._loading = True
+
+    def write_loaded(self):
+        """The loaded parameters back to the daemon: each rank's slice
+        becomes its partition's master weights (and working copy); moments
+        and step counts stay, as torch's optimizer state does."""
+        if not getattr(self, "_loading", False):
+            return
+        self._loading = False
+        opt = self._optimizer
+        delayed = bool(opt is not None and opt.last_step and
+                       opt.last_step.get("delayed_update"))
+        if delayed:
+            self.session.set_delayed_update(False)
+        try:
+            for chunk in [self.shards[i:i + self.MAX_IDS_PER_CALL]
+                          for i in range(0, len(self.shards), self.MAX_IDS_PER_CALL)]:
+                views = self.session.fetch([s.pid for s in chunk], load=True)
+                try:
+                    for s, v in zip(chunk, views):
+                        full = s.param.data.detach().reshape(-1).to("cpu", torch.float32)
+                        lo = min(self.rank * s.slice_numel, s.numel)
+                        hi = min(lo + s.slice_numel, s.numel)
+                        mine = torch.zeros(s.slice_numel, dtype=torch.float32)
+                        mine[: hi - lo] = full[lo:hi]
+                        if v.master_init is not None:  # fp32 kept exactly, the copy rounded
+                            torch.frombuffer(v.master_init, dtype=torch.float32).copy_(mine)
+                        else:
+                            torch.frombuffer(v.params, dtype=self.torch_working).copy_(mine)
+                finally:
+                    self.session.release([s.pid for s in chunk])
+        finally:
+            if delayed:
+                self.session.set_delayed_update(True)
+            self.free_all()
 
     def _before_forward(self, own):
         for s in own:
