@@ -318,6 +318,87 @@ TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
   EXPECT_TRUE(engine.sessions->Step(key, h).ok());
 }
 
+// A load (torch's load_state_dict): the values written become the master
+// weights, fp32 exactly where the working copy is bf16 (through the fp32
+// initial values' region) and from the working copy where it is fp32; the
+// moments and the step count stay; refused with the delayed update on.
+TEST(OutOfCore, ALoadMakesItsValuesTheMasterWeightsAndKeepsTheMoments) {
+  TestEngine engine(TmpDir("load"), 64 << 20);
+  auto opened = engine.sessions->Open("load", StateAt(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = 2 * kChunkElems + 5;
+  auto fd = engine.sessions->DupArenaFd(key);
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  FetchMode load;
+  load.load = true;
+  for (DType working : {DType::kBf16, DType::kFp32}) {
+    SCOPED_TRACE(DTypeName(working));
+    const size_t esize = DTypeSize(working);
+    PartitionSpec spec{absl::StrCat("w", DTypeName(working)), kN, working, DType::kFp32};
+    spec.fp32_master = working != DType::kFp32;
+    auto p = engine.sessions->Register(key, spec);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::vector<float> init(kN, 0.5f), g1(kN), g2(kN), loaded(kN);
+    for (uint64_t j = 0; j < kN; ++j) {
+      g1[j] = 0.01f * std::sin(static_cast<float>(j));
+      g2[j] = 0.02f * std::cos(static_cast<float>(j));
+      loaded[j] = 1.0f + 1e-4f * static_cast<float>(j % 89);  // not representable in bf16
+    }
+    std::vector<std::byte> w(kN * esize);
+    NarrowFromFloat(init.data(), working, w.data(), kN);
+    std::memcpy(arena.data() + p->params.offset, w.data(), w.size());
+    if (spec.fp32_master) std::memcpy(arena.data() + p->master_init.offset, init.data(), kN * 4);
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    auto step = [&](const std::vector<float>& g) {
+      ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}, WithGrads()).ok());
+      std::memcpy(arena.data() + p->grads.offset, g.data(), kN * 4);
+      ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kN, DType::kFp32).ok());
+      ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+      ASSERT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
+    };
+    step(g1);
+    // The load.
+    auto held = engine.sessions->Fetch(key, {p->id}, load);
+    ASSERT_TRUE(held.ok()) << held.status();
+    const PartitionInfo& at = (*held)[0];
+    if (spec.fp32_master) {
+      ASSERT_EQ(at.master_init.bytes, kN * 4);
+      std::memcpy(arena.data() + at.master_init.offset, loaded.data(), kN * 4);
+    } else {
+      ASSERT_EQ(at.master_init.bytes, 0u);
+      std::memcpy(arena.data() + at.params.offset, loaded.data(), kN * 4);
+    }
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    std::vector<std::byte> want(kN * esize);
+    NarrowFromFloat(loaded.data(), working, want.data(), kN);
+    ASSERT_EQ(std::memcmp(arena.data() + at.params.offset, want.data(), want.size()), 0);
+    step(g2);
+    // The reference: step 1 from the initial values, then the master set to
+    // the loaded values with step 1's moments, then step 2.
+    std::vector<float> master = init, m(kN, 0.f), v(kN, 0.f);
+    std::vector<std::byte> out(kN * esize);
+    Optimizer optimizer{OptimizerOptions{}};
+    AdamTask task;
+    task.span = {master.data(), m.data(),   v.data(), g1.data(),
+                 DType::kFp32,  out.data(), working,  kN};
+    task.step = 1;
+    ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), AdamHyperparams{}).ok());
+    master = loaded;
+    task.span.grads = g2.data();
+    task.step = 2;
+    ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), AdamHyperparams{}).ok());
+    ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+    EXPECT_EQ(std::memcmp(arena.data() + at.params.offset, out.data(), out.size()), 0);
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  }
+  // With the delayed update on, a load is refused and holds nothing.
+  ASSERT_TRUE(engine.sessions->SetDelayedUpdate(key, true).ok());
+  auto refused = engine.sessions->Fetch(key, {}, load);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_EQ(engine.sessions->Sessions()[0].held, 0u);
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
