@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -51,7 +53,21 @@ absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& 
     if (ftruncate(f->io.fd.get(), 0) != 0) {
       return PosixError(absl::StrCat("truncating ", f->io.path), errno);
     }
-    int rc = fallocate(f->io.fd.get(), 0, 0, static_cast<off_t>(size));
+    // The space of a swap file a just-stopped offloadd unlinked at its exit
+    // comes back to the filesystem some milliseconds later (7-35 ms were
+    // seen): ENOSPC is the answer only once it persists for kSpaceWait.
+    const absl::Time deadline = absl::Now() + kSpaceWait;
+    int rc;
+    for (bool said = false;; said = true) {
+      rc = fallocate(f->io.fd.get(), 0, 0, static_cast<off_t>(size));
+      if (rc == 0 || errno != ENOSPC || absl::Now() >= deadline) break;
+      if (!said) {
+        LogInfo("%s: no room yet for %d bytes; waiting up to %s for space being freed", f->io.path,
+                size, absl::FormatDuration(kSpaceWait));
+      }
+      if (ftruncate(f->io.fd.get(), 0) != 0) break;  // what it got goes back meanwhile
+      absl::SleepFor(absl::Milliseconds(20));
+    }
     if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
       LogWarning("%s: fallocate unsupported; space is not reserved in advance", f->io.path);
       rc = ftruncate(f->io.fd.get(), static_cast<off_t>(size));

@@ -46,6 +46,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "nvme/dio.h"
 #include "nvme/io_backend.h"
@@ -75,7 +76,10 @@ class SwapSpace {
   // Creates (or reuses) <dir>/offloadd.swap in each directory, locks it
   // against other daemons, preallocates it and registers it with `backend`,
   // which must outlive this object. RESOURCE_EXHAUSTED if a filesystem
-  // lacks the space; FAILED_PRECONDITION if another process holds a file.
+  // lacks the space for kSpaceWait (the space of a swap file a just-stopped
+  // offloadd unlinked comes back some milliseconds after its exit);
+  // FAILED_PRECONDITION if another process holds a file.
+  static constexpr absl::Duration kSpaceWait = absl::Seconds(2);
   static absl::StatusOr<std::unique_ptr<SwapSpace>> Create(const NvmeOptions& options,
                                                            IoBackend* backend);
   // Closes and removes the swap files (their contents are scratch).

@@ -1722,6 +1722,31 @@ TEST(DaemonStartup, ASwapFilesystemTooSmallIsRefusedAndLeftClean) {
   EXPECT_EQ(entries, 0) << "a partial swap file was left behind";
 }
 
+// A restart right after a clean stop: the stopped offloadd's swap file was
+// unlinked at its exit, and its space comes back to the filesystem some
+// milliseconds later. Space that comes back within a few seconds is waited
+// for, not ENOSPC (here a file filling a small tmpfs is removed 300 ms after
+// offloadd starts).
+TEST(DaemonStartup, SwapSpaceBeingFreedIsWaitedFor) {
+  SmallFilesystem small("size=8m");
+  if (!small.mounted()) GTEST_SKIP() << small.why_not();
+  const std::string filler = absl::StrCat(small.path(), "/filler");
+  {
+    std::ofstream out(filler, std::ios::binary);
+    const std::string mib(1 << 20, 'x');
+    for (int i = 0; i < 6; ++i) out << mib;
+  }
+  std::thread frees([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    unlink(filler.c_str());
+  });
+  auto d = DaemonProcess::Start(
+      {absl::StrCat("--nvme.dirs=", small.path()), "--nvme.bytes_per_dir=4MiB"});
+  frees.join();
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(absl::StrContains((*d)->ReadLog(), "no room yet")) << (*d)->ReadLog();
+}
+
 // A checkpoint into a real filesystem that fills up while it is written (a
 // 4 MiB tmpfs holding one checkpoint but not a second beside it): the
 // checkpoint fails with RESOURCE_EXHAUSTED naming the directory, leaves
