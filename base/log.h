@@ -1,5 +1,7 @@
 // Minimal leveled logging to stderr for the daemon: one line per call,
-// prefixed with a UTC timestamp and the level. Thread-safe (one write(2) per
+// prefixed with a UTC timestamp and the level; where stderr is the systemd
+// journal (JOURNAL_STREAM), with the journal's priority prefix instead and
+// no timestamp (the journal adds its own). Thread-safe (one write(2) per
 // line). absl's 2022 LTS has no logging library.
 #ifndef OFFLOADD_BASE_LOG_H_
 #define OFFLOADD_BASE_LOG_H_
@@ -7,12 +9,16 @@
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "absl/time/time.h"
 
 namespace offload {
 
 enum class LogLevel { kInfo, kWarning, kError };
 
 void LogLine(LogLevel level, const std::string& message);
+
+// The line LogLine writes (for the journal, or with the time `now`).
+std::string FormatLogLine(LogLevel level, const std::string& message, bool journal, absl::Time now);
 
 template <typename... Args>
 void LogInfo(const absl::FormatSpec<Args...>& format, const Args&... args) {
