@@ -895,6 +895,47 @@ class WrapInProcessTest(unittest.TestCase):
         finally:
             daemon.stop()
 
+    def test_a_job_goes_on_by_itself_when_offloadd_keeps_its_session_across_a_stop(self):
+        # SIGTERM with the reconnect lease: offloadd keeps the session; the
+        # next one reopens it; the loop gets SessionRestored with the step
+        # the session holds and redoes the interrupted iteration: the
+        # weights after 5 steps equal torch AdamW's.
+        import torch
+        import offloadd.torch
+        flags = ["--server.reconnect_lease_seconds=30"]
+        daemon = Daemon(self.root, "kept", flags=flags)
+        adamw = {"lr": 1e-2}
+        ref = self.mlp()
+        opt_ref = torch.optim.AdamW(ref.parameters(), **adamw)
+        model, opt = self.wrap_at(daemon.address, self.mlp(), adamw)
+        data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+        for x in data:
+            ref(x).pow(2).mean().backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+        restored, step = [], 0
+        try:
+            while step < 5:
+                try:
+                    loss = model(data[step]).pow(2).mean()
+                    if step == 2 and not restored:
+                        self.assertEqual(daemon.terminate(), 0)  # mid-iteration
+                        daemon = Daemon(self.root, "kept", flags=flags, restart=True)
+                    opt.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+                except offloadd.torch.SessionRestored as r:
+                    restored.append(r.step)
+                    step = r.step
+            self.assertEqual(restored, [2])
+            got = model.state_dict()
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            opt.close()
+        finally:
+            daemon.stop()
+
     def test_load_state_dict_sets_the_master_weights_and_keeps_the_moments(self):
         # Loading into a wrapped model, fresh or after steps, trains on as a
         # torch model that loaded the same values into its AdamW run does;

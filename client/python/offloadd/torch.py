@@ -81,11 +81,14 @@ class PeerLostError(offloadd.UnavailableError):
 
 
 class SessionRestored(Exception):
-    """offloadd crashed and came back, and this job goes on from its last
-    automatic checkpoint (checkpoint.auto_*): the model's parameters and the
-    optimizer's state are those after `step` updates (counted from the start
-    of training; a step skipped for non-finite gradients does not count) on
-    every rank. The iteration that
+    """offloadd stopped or crashed and came back, and this job goes on from
+    the session it kept (a SIGTERM with server.reconnect_lease_seconds) or
+    from its last automatic checkpoint (checkpoint.auto_*): the model's
+    parameters and the optimizer's state are those after `step` updates
+    (counted from the start of training; a step skipped for non-finite
+    gradients does not count). Raised by the call that found out; during
+    backward, by optimizer.backward(loss) (loss.backward() would turn it
+    into a RuntimeError). The iteration that
     raised it is lost; the training loop goes on from step `step` (its data
     position and learning-rate schedule are its own to rewind):
 
@@ -99,11 +102,10 @@ class SessionRestored(Exception):
                 step = restored.step
     """
 
-    def __init__(self, step, directory):
-        super().__init__(f"offloadd restarted; this job went on from its automatic checkpoint "
-                         f"of step {step} in {directory}")
+    def __init__(self, step, source):
+        super().__init__(f"offloadd restarted; this job goes on from step {step} ({source})")
         self.step = step
-        self.directory = directory
+        self.source = source
 
 
 class _GuardedSession:
@@ -144,6 +146,10 @@ class _GuardedSession:
                     if "not one of its ids" not in str(e):
                         raise
                     self._engine.resume_after_crash(e)  # raises SessionRestored
+                except offloadd.FailedPreconditionError as e:
+                    if "kept session" not in str(e):
+                        raise
+                    self._engine.resume_kept(e)  # raises SessionRestored
         return call
 
 
@@ -230,6 +236,7 @@ class _Engine:
         # the whole step).
         self._held_views = None  # partition id -> view, while a pass holds them all
         self.returned_since_step = False  # gradients went to the daemon since the last step
+        self.restored = None  # the last SessionRestored raised (for backward's)
 
         self.client = offloadd.Client(config["address"])
         for name, value in config["node_tunables"].items():
@@ -351,6 +358,41 @@ class _Engine:
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(2 * delay, 0.25)
 
+    def resume_kept(self, cause):
+        """offloadd stopped and came back keeping this session (its
+        reconnect lease): the session taken back (ResumeSession), as it
+        was at the stop, then SessionRestored with its step, for the loop
+        to redo the iteration the stop interrupted. One rank, as
+        resume_after_crash."""
+        old = self.session._session
+        if self.tier is not None or self.world > 1:
+            raise offloadd.FailedPreconditionError(
+                f"{cause}; offloadd.torch takes a kept session back by itself only with one rank "
+                "and without the GPU tier") from cause
+        session = self.client.resume_session(old.id, old.token)
+        views = session.fetch([s.pid for s in self.shards])
+        steps = {v.step for v in views}
+        session.release([s.pid for s in self.shards])
+        self._reset_after_restart(session)
+        self.restored = SessionRestored(max(steps) if steps else 0,
+                                        "the session offloadd kept across its stop")
+        raise self.restored from cause
+
+    def _reset_after_restart(self, session):
+        """What the previous daemon's session held or was returning is gone
+        with it: this engine goes on with `session`."""
+        self._held_views = None
+        self._returns, self._return_bytes = [], 0
+        self.returned_since_step = False
+        for s in self.shards:
+            if s.gathered:
+                self._storage_to_shard.pop(self._base(s.param.data), None)
+                s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
+                s.gathered = False
+        self.session = _GuardedSession(self, session)
+        if self._optimizer is not None:
+            self._optimizer._overlapped = False
+
     def resume_after_crash(self, cause):
         """offloadd died and came back: a new session restores this one's
         last automatic checkpoint, every parameter's partition registered
@@ -397,19 +439,8 @@ class _Engine:
                     "this job cannot go on from it") from cause
             s.pid = part.id
             steps.add(part.step)
-        # What the dead session held or was returning is gone with it.
-        self._held_views = None
-        self._returns, self._return_bytes = [], 0
-        self.returned_since_step = False
-        for s in self.shards:
-            if s.gathered:
-                self._storage_to_shard.pop(self._base(s.param.data), None)
-                s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
-                s.gathered = False
-        self.session = _GuardedSession(self, session)
+        self._reset_after_restart(session)
         self._resumed_from = directory
-        if self._optimizer is not None:
-            self._optimizer._overlapped = False
         # Partitions no step updated (frozen) count fewer.
         step = max(steps) if steps else 0
         if self.world > 1:
@@ -421,7 +452,8 @@ class _Engine:
                     f"the ranks' automatic checkpoints are of steps {int(-t[1])} to {int(t[0])}: "
                     "set checkpoint.auto_every_steps so that every rank's are of the same "
                     "steps") from cause
-        raise SessionRestored(step, directory) from cause
+        self.restored = SessionRestored(step, f"its automatic checkpoint in {directory}")
+        raise self.restored from cause
 
     def host_percent(self, kind):
         """The share of this session's `kind` ("params", "grads") kept on
@@ -1323,7 +1355,15 @@ class Optimizer(torch.optim.Optimizer):
 
     def backward(self, loss):
         scale = self._loss_scale / self._config["gradient_accumulation_steps"]
-        (loss * scale if scale != 1.0 else loss).backward()
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+        except RuntimeError as e:
+            # Autograd turns an exception of a hook into RuntimeError: the
+            # restart found during backward is SessionRestored again.
+            restored = self._engine.restored
+            if restored is not None and "SessionRestored" in str(e):
+                raise restored from e
+            raise
 
     def add_param_group(self, param_group):
         params = param_group["params"]
