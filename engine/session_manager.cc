@@ -597,8 +597,14 @@ absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) 
 absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const AdamHyperparams& h,
                                                  const StepControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  // After a synchronous step: its boundary, nothing pending. An overlapped
+  // one is still running when its call returns, and a checkpoint would wait
+  // for all of it: the automatic one is taken at the next Step instead,
+  // when the previous update is (nearly) done (this iteration's gradients
+  // then go into the checkpoint too, handed-over ones copied out first).
+  if (control.overlap) MaybeAutoCheckpoint(session);
   absl::StatusOr<StepSummary> summary = DecideStep(session, h, control);
-  if (summary.ok()) MaybeAutoCheckpoint(session);
+  if (summary.ok() && !control.overlap) MaybeAutoCheckpoint(session);
   return summary;
 }
 

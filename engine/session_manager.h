@@ -197,7 +197,9 @@ class SessionManager {
   // passed since its last one (or since it opened), so that a crash of
   // offloadd loses at most that much training: a session opened with
   // restore_from that directory goes on from there. One due while the
-  // previous is still written waits for the next step. Each one replaces the
+  // previous is still written waits for the next step. With overlapped
+  // steps it is taken at the start of the next Step (not after one still
+  // running, which it would wait for). Each one replaces the
   // session's previous one atomically (a failed one leaves it: logged,
   // counted); it waits for a step running in the background (an
   // overlapped one) to end, and a checkpoint the trainer asks for waits

@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "base/fault_injecting_env.h"
 #include "base/host_memory.h"
+#include "checkpoint/format.h"
 #include "engine/engine.h"
 #include "gtest/gtest.h"
 
@@ -258,6 +259,45 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   ASSERT_TRUE(sessions_.Close(key).ok());
   EXPECT_FALSE(std::filesystem::exists(auto_dir));       // closed: not wanted
   EXPECT_TRUE(std::filesystem::exists(root + "/mine"));  // the trainer's stays
+  sessions_.SetAutoCheckpoint({});
+}
+
+// With overlapped steps the automatic checkpoint is taken at the next Step,
+// at the boundary after the previous update: its manifest holds that step
+// count, and the trainer's WaitStep and next steps are unaffected.
+TEST_F(SessionManagerTest, AutomaticCheckpointsOfOverlappedStepsComeAtTheNextStep) {
+  const std::string root = ::testing::TempDir() + "/auto_overlap";
+  std::filesystem::remove_all(root);
+  SessionManager::AutoCheckpointOptions options;
+  options.dir = root;
+  options.every_steps = 1;
+  sessions_.SetAutoCheckpoint(options);
+  SessionKey key = Open();
+  auto p = sessions_.Register(key, {"w", 1 << 16, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  StepControl overlap;
+  overlap.overlap = true;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
+    ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 1 << 16, DType::kFp32).ok());
+    ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+    // Step i + 1's call takes the checkpoint due after step i (none before
+    // the first), then starts its own update.
+    ASSERT_TRUE(sessions_.Step(key, AdamHyperparams{}, overlap).ok());
+    auto done = sessions_.WaitStep(key);
+    ASSERT_TRUE(done.ok()) << done.status();
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (stats_.auto_checkpoints.load() < i && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(stats_.auto_checkpoints.load(), i);
+  }
+  auto manifests = checkpoint::ReadManifests(sessions_.AutoCheckpointDir(key.id));
+  ASSERT_TRUE(manifests.ok()) << manifests.status();
+  ASSERT_EQ(manifests->size(), 1u);
+  EXPECT_EQ(manifests->front().second.steps(), 2u);
+  ASSERT_TRUE(sessions_.Close(key).ok());
   sessions_.SetAutoCheckpoint({});
 }
 
