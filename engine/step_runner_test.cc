@@ -40,6 +40,16 @@ namespace {
 
 using namespace ::offload::trainer_testing;  // NOLINT: the tests' shared vocabulary
 
+// Starts an overlapped step of `key`'s session with `h` and returns once
+// `gate` holds it (at its stopping point, midway).
+void StartHeldStep(TestEngine& engine, const SessionKey& key, StepGate& gate,
+                   const AdamHyperparams& h = {}) {
+  StepControl overlap;
+  overlap.overlap = true;
+  ASSERT_TRUE(engine.sessions->Step(key, h, overlap).ok());
+  gate.AwaitReached();
+}
+
 // Gradient accumulation: four micro-batches returned one after another
 // train to the same bits as their sum returned once (added in fp32 in the
 // same order, as torch accumulates .grad), with the data in memory and on
@@ -370,10 +380,7 @@ TEST(OutOfCore, DelayedUpdateFetchesDuringTheStepSeeOneWholeVersion) {
   const std::string v0 = t.Params();
   t.ReturnGradients(2);
   StepGate gate(engine);
-  StepControl overlap;
-  overlap.overlap = true;
-  ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
-  gate.AwaitReached();  // step 2 is midway
+  StartHeldStep(engine, t.key(), gate);  // step 2 is midway
   const int64_t waits = engine.stats.waits_for_step.load();
   const std::string during = t.Params();  // every partition, no waiting
   EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
@@ -416,10 +423,7 @@ TEST(OutOfCore, DelayedUpdateRunsInTheOrderGradientsCameBack) {
   for (size_t i : {2, 0, 1}) give(i, /*fetch=*/false);
   for (size_t i : {0, 1, 2}) ASSERT_TRUE(engine.sessions->Release(t.key(), {t.parts()[i].id}).ok());
   StepGate gate(engine);
-  StepControl overlap;
-  overlap.overlap = true;
-  ASSERT_TRUE(engine.sessions->Step(t.key(), AdamHyperparams{}, overlap).ok());
-  gate.AwaitReached();
+  StartHeldStep(engine, t.key(), gate);
   // The partition returned first is updated first: the next iteration
   // returns its gradients without waiting.
   const int64_t waits = engine.stats.waits_for_step.load();
@@ -525,13 +529,7 @@ TEST(OutOfCore, AHandedOverBufferIsTheStepsUntilItsUpdateReadsIt) {
   t.ReturnGradients(2);
   ref.ReturnGradients(2);
   StepGate gate(engine);
-  StepControl overlap;
-  overlap.overlap = true;
-  AdamHyperparams h;
-  h.lr = 1e-2;
-  h.weight_decay = 0.01;
-  ASSERT_TRUE(engine.sessions->Step(t.key(), h, overlap).ok());
-  gate.AwaitReached();
+  StartHeldStep(engine, t.key(), gate, Decaying());
   const PartitionInfo& p0 = t.parts()[0];
   const int64_t waits = engine.stats.waits_for_step.load();
   absl::StatusOr<std::vector<PartitionInfo>> waited;
@@ -752,13 +750,7 @@ TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
   t.ReturnGradients(1);
   ref.ReturnGradients(1);
   StepGate gate(engine);
-  StepControl overlap;
-  overlap.overlap = true;
-  AdamHyperparams h;
-  h.lr = 1e-2;
-  h.weight_decay = 0.01;
-  ASSERT_TRUE(engine.sessions->Step(t.key(), h, overlap).ok());
-  gate.AwaitReached();
+  StartHeldStep(engine, t.key(), gate, Decaying());
   const PartitionInfo& p0 = t.parts()[0];
   const int64_t waits = engine.stats.waits_for_step.load();
   ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p0.id}).ok());  // parameters: at once

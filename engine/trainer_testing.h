@@ -55,6 +55,14 @@ inline StepControl OverflowControl() {
   return c;
 }
 
+// The hyperparameters Trainer::Step steps with: AdamW with weight decay.
+inline AdamHyperparams Decaying() {
+  AdamHyperparams h;
+  h.lr = 1e-2;
+  h.weight_decay = 0.01;
+  return h;
+}
+
 inline FetchMode WithGrads() {
   FetchMode mode;
   mode.grads = true;
@@ -225,12 +233,7 @@ class Trainer {
     return code;
   }
 
-  absl::StatusOr<StepSummary> Step() {
-    AdamHyperparams h;
-    h.lr = 1e-2;
-    h.weight_decay = 0.01;
-    return engine_->sessions->Step(key_, h);
-  }
+  absl::StatusOr<StepSummary> Step() { return engine_->sessions->Step(key_, Decaying()); }
 
   // The working copies, as bytes (each held while read; `keep` stays held).
   std::string Params(uint64_t keep = 0) const {

@@ -1752,49 +1752,58 @@ TEST(DaemonStartup, SwapSpaceBeingFreedIsWaitedFor) {
 // checkpoint fails with RESOURCE_EXHAUSTED naming the directory, leaves
 // nothing of itself behind, the previous checkpoint restores bit for bit,
 // and the daemon trains on.
+// The restart tests' trainer: one bf16 partition "w" of kRestartNumel
+// elements, initialised to 0.5 (unless restored), trained with gradients
+// 0.01 * step.
+constexpr uint64_t kRestartNumel = 10000;
+
+void TrainSteps(Session* s, uint64_t id, int from, int to) {
+  for (int step = from; step <= to; ++step) {
+    FetchOptions grads;
+    grads.grads = true;
+    auto held = s->Fetch(id, grads);
+    ASSERT_TRUE(held.ok()) << held.status();
+    for (auto& g : held->grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step));
+    ASSERT_TRUE(s->ReturnGradients(*held).ok());
+    ASSERT_TRUE(s->Release(*held).ok());
+    auto stepped = s->Step(AdamHyperparams{});
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+  }
+}
+
+std::vector<uint16_t> ParamsOf(Session* s, uint64_t id) {
+  auto held = s->Fetch(id);
+  EXPECT_TRUE(held.ok()) << held.status();
+  std::vector<uint16_t> out;
+  if (!held.ok()) return out;
+  out.assign(held->params_as<uint16_t>().begin(), held->params_as<uint16_t>().end());
+  EXPECT_TRUE(s->Release(*held).ok());
+  return out;
+}
+
+std::pair<std::unique_ptr<Session>, PartitionView> OpenTrainer(
+    Client* c, const std::string& name, const std::string& restore_from = "") {
+  SessionOptions options;
+  options.restore_from = restore_from;
+  auto s = c->OpenSession(name, options);
+  EXPECT_TRUE(s.ok()) << s.status();
+  auto p = (*s)->Register("w", kRestartNumel, DType::kBf16, DType::kBf16);
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (!p->restored) {
+    for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
+  }
+  EXPECT_TRUE((*s)->Release(*p).ok());
+  return std::make_pair(*std::move(s), *std::move(p));
+}
+
 // Automatic checkpoints: a kill -9 of offloadd loses the steps since each
 // session's last one, not the job. The next offloadd names each lost
 // session's checkpoint; a session restoring it goes on bit for bit as one
 // that never died; a session that closed left none behind, and the lost
 // one's goes when the session that restored it closes.
 TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
-  constexpr uint64_t kNumel = 10000;
   const std::vector<std::string> flags = {"--checkpoint.auto_every_steps=2",
                                           "--checkpoint.auto_interval_seconds=0"};
-  auto train = [](Session* s, uint64_t id, int from, int to) {
-    for (int step = from; step <= to; ++step) {
-      FetchOptions grads;
-      grads.grads = true;
-      auto held = s->Fetch(id, grads);
-      ASSERT_TRUE(held.ok()) << held.status();
-      for (auto& g : held->grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step));
-      ASSERT_TRUE(s->ReturnGradients(*held).ok());
-      ASSERT_TRUE(s->Release(*held).ok());
-      ASSERT_TRUE(s->Step(AdamHyperparams{}).ok());
-    }
-  };
-  auto params = [](Session* s, uint64_t id) {
-    auto held = s->Fetch(id);
-    EXPECT_TRUE(held.ok()) << held.status();
-    std::vector<uint16_t> out;
-    if (!held.ok()) return out;
-    out.assign(held->params_as<uint16_t>().begin(), held->params_as<uint16_t>().end());
-    EXPECT_TRUE(s->Release(*held).ok());
-    return out;
-  };
-  auto open = [](Client* c, const std::string& name, const std::string& restore_from = "") {
-    SessionOptions options;
-    options.restore_from = restore_from;
-    auto s = c->OpenSession(name, options);
-    EXPECT_TRUE(s.ok()) << s.status();
-    auto p = (*s)->Register("w", kNumel, DType::kBf16, DType::kBf16);
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p->restored) {
-      for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
-    }
-    EXPECT_TRUE((*s)->Release(*p).ok());
-    return std::make_pair(*std::move(s), *std::move(p));
-  };
   auto counter = [](Client* c, const std::string& name) -> int64_t {
     auto stats = c->GetStats();
     if (!stats.ok()) return -1;
@@ -1830,8 +1839,8 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
     auto client = Client::Connect({(*first)->address()});
     ASSERT_TRUE(client.ok()) << client.status();
     // A session that closes: its automatic checkpoint goes with it.
-    auto [closed, q] = open(client->get(), "closed");
-    train(closed.get(), q.id, 1, 2);
+    auto [closed, q] = OpenTrainer(client->get(), "closed");
+    TrainSteps(closed.get(), q.id, 1, 2);
     await_counter(client->get(), "auto_checkpoints", 1);
     const std::string closed_dir = absl::StrCat(auto_dir, "/", closed->id());
     EXPECT_TRUE(std::filesystem::exists(closed_dir));
@@ -1839,12 +1848,12 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
     EXPECT_TRUE(await_gone(closed_dir)) << closed_dir;
     // The session the kill loses: checkpointed after steps 2 and 4 (one
     // due while the previous is written would wait for the next step).
-    auto [lost, p] = open(client->get(), "lost");
-    train(lost.get(), p.id, 1, 2);
+    auto [lost, p] = OpenTrainer(client->get(), "lost");
+    TrainSteps(lost.get(), p.id, 1, 2);
     await_counter(client->get(), "auto_checkpoints", 2);
-    train(lost.get(), p.id, 3, 4);
+    TrainSteps(lost.get(), p.id, 3, 4);
     await_counter(client->get(), "auto_checkpoints", 3);
-    at_step_4 = params(lost.get(), p.id);
+    at_step_4 = ParamsOf(lost.get(), p.id);
     lost_id = lost->id();
     lost_partition = p.id;
     (*first)->Kill();
@@ -1875,14 +1884,14 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
       << answer;
   auto client = Client::Connect({(*second)->address()});
   ASSERT_TRUE(client.ok()) << client.status();
-  auto [restored, p] = open(client->get(), "lost", lost_dir);
+  auto [restored, p] = OpenTrainer(client->get(), "lost", lost_dir);
   EXPECT_TRUE(p.restored);
-  EXPECT_EQ(params(restored.get(), p.id), at_step_4);
+  EXPECT_EQ(ParamsOf(restored.get(), p.id), at_step_4);
   // Step 5 equals that of a session that never died.
-  auto [reference, r] = open(client->get(), "reference");
-  train(reference.get(), r.id, 1, 5);
-  train(restored.get(), p.id, 5, 5);
-  EXPECT_EQ(params(restored.get(), p.id), params(reference.get(), r.id));
+  auto [reference, r] = OpenTrainer(client->get(), "reference");
+  TrainSteps(reference.get(), r.id, 1, 5);
+  TrainSteps(restored.get(), p.id, 5, 5);
+  EXPECT_EQ(ParamsOf(restored.get(), p.id), ParamsOf(reference.get(), r.id));
   ASSERT_TRUE(restored->Close().ok());
   EXPECT_TRUE(await_gone(lost_dir)) << lost_dir;
 }
@@ -1895,42 +1904,7 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
 // lease; an offloadd without the lease reopens nothing. (The lease, 8 s,
 // bounds how long this test may take from the restart to the resume.)
 TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
-  constexpr uint64_t kNumel = 10000;
   const std::vector<std::string> lease = {"--server.reconnect_lease_seconds=8"};
-  // Steps `from` to `to` of `s`, whose partition is `p`: gradients 0.01 * step.
-  auto train = [](Session* s, const PartitionView& p, int from, int to) {
-    for (int step = from; step <= to; ++step) {
-      FetchOptions grads;
-      grads.grads = true;
-      auto held = s->Fetch(p.id, grads);
-      ASSERT_TRUE(held.ok()) << held.status();
-      for (auto& g : held->grads_as<uint16_t>()) g = FloatToBf16(0.01f * static_cast<float>(step));
-      ASSERT_TRUE(s->ReturnGradients(*held).ok());
-      ASSERT_TRUE(s->Release(*held).ok());
-      auto stepped = s->Step(AdamHyperparams{});
-      ASSERT_TRUE(stepped.ok()) << stepped.status();
-    }
-  };
-  auto params = [](Session* s, uint64_t id) {
-    auto held = s->Fetch(id);
-    EXPECT_TRUE(held.ok()) << held.status();
-    std::vector<uint16_t> out;
-    if (!held.ok()) return out;
-    out.assign(held->params_as<uint16_t>().begin(), held->params_as<uint16_t>().end());
-    EXPECT_TRUE(s->Release(*held).ok());
-    return out;
-  };
-  // A session of one partition, initialised to 0.5.
-  auto open = [](Client* c, const std::string& name) {
-    auto s = c->OpenSession(name);
-    EXPECT_TRUE(s.ok()) << s.status();
-    auto p = (*s)->Register("w", kNumel, DType::kBf16, DType::kBf16);
-    EXPECT_TRUE(p.ok()) << p.status();
-    for (auto& w : p->params_as<uint16_t>()) w = FloatToBf16(0.5f);
-    EXPECT_TRUE((*s)->Release(*p).ok());
-    return std::make_pair(*std::move(s), *std::move(p));
-  };
-
   auto first = DaemonProcess::Start(lease);
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string data_dir = (*first)->data_dir();
@@ -1943,13 +1917,13 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   {
     auto client = Client::Connect({(*first)->address()});
     ASSERT_TRUE(client.ok()) << client.status();
-    auto [kept, p] = open(client->get(), "kept");
-    train(kept.get(), p, 1, 2);
-    before = params(kept.get(), p.id);
+    auto [kept, p] = OpenTrainer(client->get(), "kept");
+    TrainSteps(kept.get(), p.id, 1, 2);
+    before = ParamsOf(kept.get(), p.id);
     id = kept->id();
     token = kept->token();
     partition_id = p.id;
-    auto [forgotten, q] = open(client->get(), "forgotten");
+    auto [forgotten, q] = OpenTrainer(client->get(), "forgotten");
     forgotten_id = forgotten->id();
     auto stopped = (*first)->Stop();
     ASSERT_TRUE(stopped.ok()) << stopped.status();
@@ -1990,12 +1964,12 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   // it must not close the session its trainer just resumed.
   stale.reset();
   first_client.reset();
-  EXPECT_EQ(params(resumed->get(), p.id), before);
-  train(resumed->get(), p, 3, 3);
+  EXPECT_EQ(ParamsOf(resumed->get(), p.id), before);
+  TrainSteps(resumed->get(), p.id, 3, 3);
   // The same three steps in a session that never stopped.
-  auto [reference, r] = open(client->get(), "reference");
-  train(reference.get(), r, 1, 3);
-  EXPECT_EQ(params(resumed->get(), p.id), params(reference.get(), r.id));
+  auto [reference, r] = OpenTrainer(client->get(), "reference");
+  TrainSteps(reference.get(), r.id, 1, 3);
+  EXPECT_EQ(ParamsOf(resumed->get(), p.id), ParamsOf(reference.get(), r.id));
 
   // "forgotten": nobody resumed it; it goes once the lease is over.
   const absl::Time deadline = absl::Now() + absl::Seconds(20);

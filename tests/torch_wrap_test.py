@@ -611,6 +611,26 @@ class WrapInProcessTest(unittest.TestCase):
         return torch.nn.Sequential(torch.nn.Linear(8, 16, bias=bias), torch.nn.Tanh(),
                                    torch.nn.Linear(16, 1, bias=bias))
 
+    def assert_weights(self, model, want, rtol=1e-5, atol=1e-6):
+        """`model`'s state_dict() (the gathered weights) against `want`;
+        returns it."""
+        import torch
+        got = model.state_dict()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=k)
+        return got
+
+    def trained_by_torch(self, data, adamw):
+        """self.mlp() trained one step per batch of `data` by torch AdamW."""
+        import torch
+        ref = self.mlp()
+        opt = torch.optim.AdamW(ref.parameters(), **adamw)
+        for x in data:
+            ref(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return ref
+
     def assert_trains_like_torch(self, make, adamw, zero=None, steps=5, scale=1.0):
         import torch
         ref = make()
@@ -625,9 +645,7 @@ class WrapInProcessTest(unittest.TestCase):
             mine.backward(model(x).pow(2).mean())
             mine.step()
             mine.zero_grad()
-        got = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        self.assert_weights(model, ref.state_dict())
         mine.close()
 
     def test_a_linear_whose_input_needs_no_gradient(self):
@@ -670,9 +688,7 @@ class WrapInProcessTest(unittest.TestCase):
             opt.step()
             opt.zero_grad()
             self.assertTrue(opt.last_step["delayed_update"])
-        got = model.state_dict()
-        for k, v in snaps[5].items():
-            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        got = self.assert_weights(model, snaps[5])
         # Not the step before (what the model read until the drain).
         self.assertFalse(all(torch.equal(got[k], v) for k, v in snaps[4].items()))
         model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
@@ -714,9 +730,7 @@ class WrapInProcessTest(unittest.TestCase):
             model.backward(model(x).pow(2).mean())
             model.step()
         self.assertEqual(model.offloadd.counts["steps"], 4)
-        got = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        self.assert_weights(model, ref.state_dict())
         opt.close()
 
     def test_zero_grad_drops_the_gradients_the_daemon_holds(self):
@@ -854,14 +868,9 @@ class WrapInProcessTest(unittest.TestCase):
         flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
         daemon = Daemon(self.root, "crashing", flags=flags)
         adamw = {"lr": 1e-2}
-        ref = self.mlp()
-        opt_ref = torch.optim.AdamW(ref.parameters(), **adamw)
         model, opt = self.wrap_at(daemon.address, self.mlp(), adamw)
         data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
-        for x in data:
-            ref(x).pow(2).mean().backward()
-            opt_ref.step()
-            opt_ref.zero_grad()
+        ref = self.trained_by_torch(data, adamw)
         stats = offloadd.Client(daemon.address)
         restored = []
         step = 0
@@ -888,9 +897,7 @@ class WrapInProcessTest(unittest.TestCase):
                     restored.append(r.step)
                     step = r.step
             self.assertEqual(restored, [3])
-            got = model.state_dict()
-            for k, v in ref.state_dict().items():
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            self.assert_weights(model, ref.state_dict())
             opt.close()
         finally:
             daemon.stop()
@@ -905,14 +912,9 @@ class WrapInProcessTest(unittest.TestCase):
         flags = ["--server.reconnect_lease_seconds=30"]
         daemon = Daemon(self.root, "kept", flags=flags)
         adamw = {"lr": 1e-2}
-        ref = self.mlp()
-        opt_ref = torch.optim.AdamW(ref.parameters(), **adamw)
         model, opt = self.wrap_at(daemon.address, self.mlp(), adamw)
         data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-        for x in data:
-            ref(x).pow(2).mean().backward()
-            opt_ref.step()
-            opt_ref.zero_grad()
+        ref = self.trained_by_torch(data, adamw)
         restored, step = [], 0
         try:
             while step < 5:
@@ -929,9 +931,7 @@ class WrapInProcessTest(unittest.TestCase):
                     restored.append(r.step)
                     step = r.step
             self.assertEqual(restored, [2])
-            got = model.state_dict()
-            for k, v in ref.state_dict().items():
-                torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            self.assert_weights(model, ref.state_dict())
             opt.close()
         finally:
             daemon.stop()
@@ -956,18 +956,14 @@ class WrapInProcessTest(unittest.TestCase):
                     if i == before:
                         ref.load_state_dict(loaded)
                         model.load_state_dict(loaded)
-                        got = model.state_dict()
-                        for k, v in loaded.items():
-                            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+                        self.assert_weights(model, loaded, rtol=0, atol=0)
                     ref(x).pow(2).mean().backward()
                     opt_ref.step()
                     opt_ref.zero_grad()
                     opt.backward(model(x).pow(2).mean())
                     opt.step()
                     opt.zero_grad()
-                got = model.state_dict()
-                for k, v in ref.state_dict().items():
-                    torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+                self.assert_weights(model, ref.state_dict())
                 opt.close()
         # bf16 working copy: the master takes the fp32 values exactly, so a
         # model loaded after wrap trains bit for bit as one wrapped with

@@ -243,17 +243,7 @@ class _Engine:
             self.client.set_tunable(name, value)
         params_host = self.host_percent("params")
         self.hold_per_pass = params_host == 100 and not config["overlap_step"]
-        placement = config["placement"]
-        self.session = self.client.open_session(
-            f"{config['session_name']}/rank{self.rank}",
-            params_host_percent=_percent("params", placement.get("params")),
-            grads_host_percent=_percent("grads", placement.get("grads")),
-            optimizer_state_host_percent=_percent("optimizer_state",
-                                                  placement.get("optimizer_state")),
-            delayed_update_after_steps=config["delayed_update_after_steps"],
-            loss_scaling=config["loss_scaling"],
-            restore_from=config["restore_from"])
-        self.session = _GuardedSession(self, self.session)
+        self.session = _GuardedSession(self, self._open_session(config["restore_from"]))
         self.restoring = bool(config["restore_from"])
         self.params_host = params_host
         # The node's host pool, which every rank's holds share: batches of
@@ -358,6 +348,29 @@ class _Engine:
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(2 * delay, 0.25)
 
+    def _open_session(self, restore_from):
+        """This rank's session, placed and configured as zero_config says."""
+        config = self.config
+        placement = config["placement"]
+        return self.client.open_session(
+            f"{config['session_name']}/rank{self.rank}",
+            params_host_percent=_percent("params", placement.get("params")),
+            grads_host_percent=_percent("grads", placement.get("grads")),
+            optimizer_state_host_percent=_percent("optimizer_state",
+                                                  placement.get("optimizer_state")),
+            delayed_update_after_steps=config["delayed_update_after_steps"],
+            loss_scaling=config["loss_scaling"],
+            restore_from=restore_from)
+
+    def _register_slice(self, session, s):
+        """Registers this rank's slice of `s`'s parameter in `session`
+        (held), as a slice of the tensor named by the parameter, so that a
+        checkpoint comes back with another number of ranks."""
+        return session.register(s.name, s.slice_numel, param_dtype=self.working_dtype,
+                                grad_dtype="fp32", fp32_master=self.working_dtype != "fp32",
+                                tensor=s.name, shape=list(s.shape) or [1],
+                                offset=self.rank * s.slice_numel)
+
     def resume_kept(self, cause):
         """offloadd stopped and came back keeping this session (its
         reconnect lease): the session taken back (ResumeSession), as it
@@ -384,11 +397,7 @@ class _Engine:
         self._held_views = None
         self._returns, self._return_bytes = [], 0
         self.returned_since_step = False
-        for s in self.shards:
-            if s.gathered:
-                self._storage_to_shard.pop(self._base(s.param.data), None)
-                s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
-                s.gathered = False
+        self.free_all()
         self.session = _GuardedSession(self, session)
         if self._optimizer is not None:
             self._optimizer._overlapped = False
@@ -396,8 +405,9 @@ class _Engine:
     def resume_after_crash(self, cause):
         """offloadd died and came back: a new session restores this one's
         last automatic checkpoint, every parameter's partition registered
-        again (its state restored), every rank at the same step; then
-        SessionRestored. Without a checkpoint to go on from, `cause`."""
+        again (its state restored); then SessionRestored. One rank only
+        (several would have to agree on the step first); without a
+        checkpoint to go on from, `cause`."""
         old = self.session._session
         # Its own last automatic checkpoint, or, if it crashed before one
         # committed, the one it went on from.
@@ -413,24 +423,10 @@ class _Engine:
                 f"{directory}") from cause
         if not directory or not os.path.isdir(directory):
             raise cause
-        config = self.config
-        placement = config["placement"]
-        session = self.client.open_session(
-            f"{config['session_name']}/rank{self.rank}",
-            params_host_percent=_percent("params", placement.get("params")),
-            grads_host_percent=_percent("grads", placement.get("grads")),
-            optimizer_state_host_percent=_percent("optimizer_state",
-                                                  placement.get("optimizer_state")),
-            delayed_update_after_steps=config["delayed_update_after_steps"],
-            loss_scaling=config["loss_scaling"],
-            restore_from=directory)
+        session = self._open_session(directory)
         steps = set()
-        master = self.working_dtype != "fp32"
         for s in self.shards:
-            part = session.register(s.name, s.slice_numel, param_dtype=self.working_dtype,
-                                    grad_dtype="fp32", fp32_master=master, tensor=s.name,
-                                    shape=list(s.shape) or [1],
-                                    offset=self.rank * s.slice_numel)
+            part = self._register_slice(session, s)
             session.release([part.id])
             if not part.restored:
                 session.close()
@@ -443,15 +439,6 @@ class _Engine:
         self._resumed_from = directory
         # Partitions no step updated (frozen) count fewer.
         step = max(steps) if steps else 0
-        if self.world > 1:
-            t = torch.tensor([step, -step], dtype=torch.float64)
-            self._collective("all-reduce of the restored step",
-                             lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
-            if t[0] != -t[1]:
-                raise offloadd.FailedPreconditionError(
-                    f"the ranks' automatic checkpoints are of steps {int(-t[1])} to {int(t[0])}: "
-                    "set checkpoint.auto_every_steps so that every rank's are of the same "
-                    "steps") from cause
         self.restored = SessionRestored(step, f"its automatic checkpoint in {directory}")
         raise self.restored from cause
 
@@ -510,12 +497,7 @@ class _Engine:
             s = _Shard(name, p, self.world)
             lo = min(self.rank * s.slice_numel, s.numel)
             master = self.working_dtype != "fp32"
-            # Each rank's slice of the tensor named by the parameter, so that
-            # a checkpoint comes back with another number of ranks.
-            part = self.session.register(name, s.slice_numel, param_dtype=self.working_dtype,
-                                         grad_dtype="fp32", fp32_master=master, tensor=name,
-                                         shape=list(p.shape) or [1],
-                                         offset=self.rank * s.slice_numel)
+            part = self._register_slice(self.session, s)
             try:
                 if not part.restored:
                     self._write_initial(s, p, name, part, lo, master)
