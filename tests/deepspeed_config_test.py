@@ -65,6 +65,10 @@ class DeepSpeedConfigTest(unittest.TestCase):
         self.assertEqual(r.zero["gpu"], {"max_live_parameters": 10**9,
                                          "max_reuse_distance": 10**9,
                                          "persistence_threshold": 10**5})
+        # The job's own bucket for averaging gradients across ranks.
+        self.assertEqual(r.zero["reduce_bucket_elements"], 5 * 10**8)
+        self.assertFalse(any(n.startswith("zero_optimization.reduce_bucket_size")
+                             for n in r.notes))
 
     def test_prefetch_bucket_sets_this_jobs_gpu_prefetch_not_the_node(self):
         r = t({"zero_optimization": {"stage3_prefetch_bucket_size": 50000000}})

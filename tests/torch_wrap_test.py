@@ -221,6 +221,39 @@ class TorchWrapTest(unittest.TestCase):
         mine, _, _ = self.run_ranks(sc, 1)
         self.assert_close_losses(mine, ref, 1e-4)
 
+    def test_ranks_gather_per_module_and_average_gradients_in_buckets(self):
+        # Two ranks gather each module's parameters in one all-gather and average their gradients in one collective per bucket
+        # (reduce_bucket_elements): the same bits with one parameter per
+        # collective (a bucket of 1 element) as with one bucket for the
+        # whole model, and torch's losses; through the GPU tier on the
+        # emulated device too (gloo: the bucket's all-reduce).
+        sc = dict(BASE, steps=6, clip=0.5)
+        ref = self.reference(sc)
+        runs = {}
+        for elements in (1, 4096, 1 << 24):
+            zero = {"reduce_bucket_elements": elements, "gradient_stats": "trainer"}
+            runs[elements], _, _ = self.run_ranks(dict(sc, zero=zero), 2)
+        one = runs[1]["counts"]
+        # One collective per gradient returned, without buckets; each
+        # backward in one with a bucket as large as the model.
+        self.assertEqual(one["reduce_collectives"], one["returns"])
+        # A module's parameters (a weight and its bias) come in one all-gather.
+        self.assertLess(0, one["gather_collectives"])
+        self.assertLess(one["gather_collectives"], one["fetches"])
+        self.assertEqual(runs[1 << 24]["counts"]["reduce_collectives"], sc["steps"])
+        self.assertLess(sc["steps"], runs[4096]["counts"]["reduce_collectives"])
+        self.assertLess(runs[4096]["counts"]["reduce_collectives"], one["returns"])
+        for elements in (4096, 1 << 24):
+            self.assertEqual(runs[elements]["losses"], runs[1]["losses"])
+            self.assertEqual(runs[elements]["counts"]["returns"], one["returns"])
+        self.assert_close_losses(runs[1 << 24], ref, 1e-4)
+        tiered, _, _ = self.run_ranks(dict(sc, zero={"gpu": {"device": "emulated"},
+                                                     "reduce_bucket_elements": 4096}), 2)
+        self.assertGreater(tiered["gpu"]["d2h_bytes"], 0)
+        self.assertEqual(tiered["counts"]["reduce_collectives"],
+                         runs[4096]["counts"]["reduce_collectives"])
+        self.assertEqual(tiered["losses"], runs[4096]["losses"])
+
     def test_gpu_tier_on_the_emulated_device(self):
         # The GPU tier's code (units, prefetch along the learned order, the
         # budget, eviction by next use, DMA registration, gradients on a

@@ -27,8 +27,9 @@ _NVME_PATH = ("the NVMe tier is the daemon's (its --nvme.dirs, shared by every r
               "node); a trainer does not choose it")
 _PREFETCH = ("offloadd learns the fetch order in the first iteration and prefetches along it "
              "(the daemon's swapper.prefetch_depth and swapper.prefetch_bytes)")
-_COMM = ("offloadd.torch gathers and reduces one parameter at a time with "
-         "torch.distributed; there are no buckets to size")
+_COMM = ("offloadd.torch gathers a module's parameters together (in one all-gather with "
+         "the GPU tier) and averages gradients in buckets of zero_config "
+         "reduce_bucket_elements (DeepSpeed's reduce_bucket_size)")
 _IGNORED_TOP = {
     "train_batch_size": "the trainer's loop chooses its batches",
     "train_micro_batch_size_per_gpu": "the trainer's loop chooses its batches",
@@ -48,7 +49,6 @@ _IGNORED_TOP = {
 _IGNORED_ZERO = {
     "overlap_comm": _COMM,
     "contiguous_gradients": "the daemon's gradient buffers are contiguous per partition",
-    "reduce_bucket_size": _COMM,
     "allgather_bucket_size": _COMM,
     "allgather_partitions": _COMM,
     "reduce_scatter": _COMM,
@@ -207,6 +207,8 @@ def _zero(t, d):
             t.zero.setdefault("gpu", {})[_GPU_TIER[k]] = int(v)
             t.note(field, f"sets this job's gpu.{_GPU_TIER[k]} (elements; used where the "
                    "parameters are on a GPU): " + _GPU_NOTES[k])
+        elif k == "reduce_bucket_size":
+            t.zero["reduce_bucket_elements"] = int(v)
         elif k == "cpu_offload":
             if v:
                 t.zero["placement"]["optimizer_state"] = "host"

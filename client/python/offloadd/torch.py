@@ -192,6 +192,83 @@ class _Shard:
         self.unit = None  # its unit in the GPU tier (_GpuTier), if one runs
 
 
+class _ReduceBucket:
+    """Gradients of several parameters averaged across ranks in one
+    collective (DeepSpeed's reduce_bucket_size, in elements of full
+    gradients): rank r's part of each gradient lies in row r of one fp32
+    buffer, the parameters side by side, so one reduce-scatter (NCCL; with
+    gloo, which has none, an all-reduce) leaves each rank its averaged
+    slices side by side. Every rank adds the same gradients in the same
+    order (backward's), so every rank reaches each collective. A gradient
+    is copied in when it comes: none is kept alive for the bucket."""
+
+    def __init__(self, engine, elements):
+        self.e = engine
+        self.columns = max(1, elements // engine.world)  # each rank's share of a bucket
+        self.buf = None  # world x columns (or one larger parameter's slice), zeros past `used`
+        self.entries = []  # (shard, its first column)
+        self.used = 0
+
+    def add(self, s, grad):
+        """Takes `s`'s full gradient; returns [(shard, its averaged slice)]
+        of a bucket this filled (or of the one before it)."""
+        comm = self.e._comm_device(s)
+        done = []
+        if self.entries and (self.used + s.slice_numel > self.columns
+                             or self.buf.device != comm
+                             or any(x is s for x, _ in self.entries)):  # tied: returned twice
+            done = self.flush()
+        need = max(self.columns, s.slice_numel)
+        if self.buf is None or self.buf.device != comm or self.buf.shape[1] < need:
+            self.buf = torch.zeros(self.e.world, need, dtype=torch.float32, device=comm)
+        flat = grad.detach().reshape(-1)
+        region = self.buf[:, self.used:self.used + s.slice_numel]
+        rows, rest = divmod(s.numel, s.slice_numel)
+        if rows:
+            region[:rows].copy_(flat[:rows * s.slice_numel].view(rows, s.slice_numel))
+        if rest:
+            region[rows, :rest].copy_(flat[rows * s.slice_numel:])
+        self.entries.append((s, self.used))
+        self.used += s.slice_numel
+        if self.used >= self.columns:
+            done += self.flush()
+        return done
+
+    def flush(self):
+        if not self.entries:
+            return []
+        e = self.e
+        entries, used = self.entries, self.used
+        self.entries, self.used = [], 0
+        src = self.buf[:, :used]
+        what = f"reduce-scatter of '{entries[0][0].name}'" + (
+            f" and {len(entries) - 1} more gradient(s)" if len(entries) > 1 else "")
+        try:
+            if e.backend == "nccl":
+                src = src.contiguous()
+                mine = torch.empty(used, dtype=torch.float32, device=src.device)
+                if hasattr(dist, "reduce_scatter_tensor"):
+                    e._collective(what, lambda: dist.reduce_scatter_tensor(
+                        mine, src.view(-1), group=e.group))
+                else:
+                    e._collective(what, lambda: dist.reduce_scatter(
+                        mine, list(src.unbind(0)), group=e.group))
+            else:
+                src = src.contiguous() if used < self.buf.shape[1] else src.clone()
+                e._collective(what, lambda: dist.all_reduce(src, group=e.group))
+                mine = src[e.rank]
+        finally:
+            self.buf[:, :used].zero_()
+        e.counts["reduce_collectives"] += 1
+        mine.div_(e.world)
+        return [(s, mine[at:at + s.slice_numel]) for s, at in entries]
+
+    def discard(self):
+        if self.entries:
+            self.buf[:, :self.used].zero_()
+        self.entries, self.used = [], 0
+
+
 class _Engine:
     """The hooks and the daemon session behind one wrapped model."""
 
@@ -208,13 +285,18 @@ class _Engine:
         # "stats_sent": returns that carried the trainer's statistics (the
         # daemon takes them on a step's first return of a partition).
         self.counts = {"fetches": 0, "returns": 0, "stats_sent": 0, "steps": 0, "skipped": 0,
-                       "room_waits": 0, "split_returns": 0}
+                       "room_waits": 0, "split_returns": 0, "reduce_collectives": 0,
+                       "gather_collectives": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
         # (shard, this rank's averaged gradient slice, its statistics or None)
         # not yet returned
         self._returns = []
         self._return_bytes = 0
+        # With several ranks, gradients averaged in buckets (one collective
+        # for many parameters).
+        self._reduce = (_ReduceBucket(self, config["reduce_bucket_elements"])
+                        if self.world > 1 else None)
         # With one micro-batch per step, gradient buffers are handed over:
         # the daemon measures them and its step reads them in place (no fp32
         # accumulator written and read). A second return of a partition
@@ -581,26 +663,44 @@ class _Engine:
                     locals_ = [loc.clone() for loc in locals_]
             finally:
                 self.session.release(ids)
-        for s, local in zip(need, locals_):
-            if self.world == 1:
-                full = local if not held else local.to(device=s.device, dtype=s.dtype, copy=True)
-            else:
-                comm = self._comm_device(s)
-                # gloo has no bf16: its bits travel as fp16 (a gather
-                # copies them unchanged).
-                wire = self.torch_working
-                if self.backend != "nccl" and wire == torch.bfloat16:
-                    wire = torch.float16
-                flat = torch.empty(s.slice_numel * self.world, dtype=wire, device=comm)
-                src = local.view(wire).to(comm)
-                self._collective(f"all-gather of '{s.name}'", lambda: dist.all_gather(
-                    list(flat.chunk(self.world)), src, group=self.group))
-                full = flat.view(self.torch_working).to(device=s.device, dtype=s.dtype)
+        if self.world == 1:
+            fulls = [local if not held else local.to(device=s.device, dtype=s.dtype, copy=True)
+                     for s, local in zip(need, locals_)]
+        else:
+            fulls = [full.to(device=s.device, dtype=s.dtype)
+                     for s, full in zip(need, self.all_gather(need, locals_))]
+        for s, full in zip(need, fulls):
             s.param.data = full[: s.numel].view(s.shape)
             s.gathered = True
             self._storage_to_shard[self._base(s.param.data)] = s
         self.counts["fetches"] += len(need)
         self.timings["fetch"] += time.perf_counter() - start
+
+    def all_gather(self, ss, locals_):
+        """Every rank's slices of `ss` (a unit's: gathered together) in one
+        all-gather: each rank's slices side by side, then each parameter
+        cut out of every rank's part, in the working dtype, on the device
+        the collective runs on."""
+        # gloo has no bf16: its bits travel as fp16 (a gather copies them
+        # unchanged).
+        wire = self.torch_working
+        if self.backend != "nccl" and wire == torch.bfloat16:
+            wire = torch.float16
+        comm = self._comm_device(ss[0])
+        src = (torch.cat([loc.view(wire) for loc in locals_]) if len(locals_) > 1
+               else locals_[0].view(wire)).to(comm)
+        flat = torch.empty(src.numel() * self.world, dtype=wire, device=comm)
+        what = f"all-gather of '{ss[0].name}'" + (
+            f" and {len(ss) - 1} more parameter(s) of its module" if len(ss) > 1 else "")
+        self._collective(what, lambda: dist.all_gather(list(flat.chunk(self.world)), src,
+                                                       group=self.group))
+        self.counts["gather_collectives"] += 1
+        parts = flat.view(self.world, src.numel())
+        out, at = [], 0
+        for s in ss:
+            out.append(parts[:, at:at + s.slice_numel].reshape(-1).view(self.torch_working))
+            at += s.slice_numel
+        return out
 
     def begin_pass(self):
         """Holds every partition for a forward or backward pass (see
@@ -705,26 +805,27 @@ class _Engine:
 
     def _return_gradient(self, s, grad):
         start = time.perf_counter()
-        if self.tier is not None:
-            self.tier.return_gradient(s, grad)
-            self.timings["return"] += time.perf_counter() - start
-            self._queue_sweep()
-            return
-        flat = grad.detach().reshape(-1)
-        if self.world > 1:
-            comm = self._comm_device(s)
-            padded = torch.zeros(s.slice_numel * self.world, dtype=torch.float32, device=comm)
-            padded[: s.numel] = flat
-            if self.backend == "nccl":
-                mine = torch.empty(s.slice_numel, dtype=torch.float32, device=comm)
-                self._collective(f"reduce-scatter of '{s.name}'", lambda: dist.reduce_scatter(
-                    mine, list(padded.chunk(self.world)), group=self.group))
-            else:  # gloo has no reduce-scatter
-                self._collective(f"all-reduce of '{s.name}'", lambda: dist.all_reduce(padded, group=self.group))
-                mine = padded[self.rank * s.slice_numel:(self.rank + 1) * s.slice_numel]
-            mine = mine.div_(self.world)
+        if self._reduce is not None:
+            for r, mine in self._reduce.add(s, grad):
+                self._deliver(r, mine)
         else:
-            mine = flat
+            self._deliver(s, grad.detach().reshape(-1))
+        self.timings["return"] += time.perf_counter() - start
+        self._queue_sweep()
+
+    def _drain_bucket(self):
+        """Averages and hands on the gradients still in the bucket (every
+        rank calls it at the same point: backward's end, a step)."""
+        if self._reduce is not None:
+            for r, mine in self._reduce.flush():
+                self._deliver(r, mine)
+
+    def _deliver(self, s, mine):
+        """`s`'s gradient for the daemon: this rank's averaged slice (several
+        ranks) or the whole flat gradient (one)."""
+        if self.tier is not None:
+            self.tier.return_gradient(s, mine)
+            return
         stats = None
         if self._hand_over and (self._gradient_stats == "trainer" or (
                 self._gradient_stats == "auto" and mine.device.type == "cuda")):
@@ -734,16 +835,16 @@ class _Engine:
             v = mine[:s.slice_numel]
             stats = (torch.linalg.vector_norm(v, dtype=torch.float32),
                      torch.isfinite(v).logical_not_().sum())
-        mine = mine.to("cpu", copy=True) if self.world > 1 else mine.to(torch.float32)
+        # (Several ranks: a slice of the bucket's own result, on the host
+        # already with gloo.)
+        mine = mine.to("cpu") if self.world > 1 else mine.to(torch.float32)
         # Returned in batches: one fetch, one return-and-release per batch.
         if any(r[0] is s for r in self._returns):
-            self.flush_gradients()
+            self._flush_returns()
         self._returns.append((s, mine, stats))
         self._return_bytes += self._held_bytes([s])  # as the pool counts the hold
         if len(self._returns) >= self.RETURN_BATCH or self._return_bytes >= self.RETURN_BYTES:
-            self.flush_gradients()
-        self.timings["return"] += time.perf_counter() - start
-        self._queue_sweep()
+            self._flush_returns()
 
     # Gradients held back for one batched return: at most this many
     # partitions or bytes (and all of them when backward ends).
@@ -751,11 +852,19 @@ class _Engine:
     RETURN_BYTES = 32 << 20
 
     def flush_gradients(self):
+        """Hands every gradient of this backward to the daemon (every rank
+        calls it at the same point: backward's end, a step)."""
+        start = time.perf_counter()
+        self._drain_bucket()
+        self.timings["return"] += time.perf_counter() - start
         if self.tier is not None:
             start = time.perf_counter()
             self.tier.flush_gradients()
             self.timings["return"] += time.perf_counter() - start
             return
+        self._flush_returns()
+
+    def _flush_returns(self):
         if not self._returns:
             return
         start = time.perf_counter()
@@ -1150,7 +1259,7 @@ class _GpuTier:
                 fulls = [loc if loc.dtype == s.dtype else loc.to(s.dtype)
                          for s, loc in zip(ss, locals_)]
             else:
-                fulls = self._all_gather(ss, locals_)
+                fulls = [full.to(s.dtype) for s, full in zip(ss, e.all_gather(ss, locals_))]
             for s, full in zip(ss, fulls):
                 s.param.data = full[: s.numel].view(s.shape)
                 s.gathered = True
@@ -1160,22 +1269,6 @@ class _GpuTier:
                     self._starts = None
                 else:
                     e._storage_to_shard[e._base(s.param.data)] = s
-
-    def _all_gather(self, ss, locals_):
-        """One all-gather for the unit's slices (NCCL): each rank's slices
-        side by side, then each parameter cut out of every rank's part."""
-        e = self.e
-        sizes = [s.slice_numel for s in ss]
-        src = torch.cat(locals_) if len(locals_) > 1 else locals_[0]
-        flat = torch.empty(src.numel() * e.world, dtype=src.dtype, device=src.device)
-        e._collective(f"all-gather of '{ss[0].name}' and its module's parameters",
-                      lambda: dist.all_gather(list(flat.chunk(e.world)), src, group=e.group))
-        parts = flat.view(e.world, src.numel())
-        out, at = [], 0
-        for s, n in zip(ss, sizes):
-            out.append(parts[:, at:at + n].reshape(-1).to(s.dtype))
-            at += n
-        return out
 
     def _in_slab(self, ptr):
         return self.slab_base <= ptr < self.slab_base + self.slab.numel()
@@ -1215,18 +1308,12 @@ class _GpuTier:
     MAX_PENDING = 4096
     MAX_PENDING_BYTES = 1 << 30
 
-    def return_gradient(self, s, grad):
+    def return_gradient(self, s, mine):
+        """`mine`: this rank's averaged fp32 slice (several ranks, from the
+        engine's bucket), or the whole flat gradient (one rank)."""
         e = self.e
-        flat = grad.detach().reshape(-1)
-        if e.world > 1:
-            padded = torch.zeros(s.slice_numel * e.world, dtype=torch.float32, device=flat.device)
-            padded[: s.numel] = flat
-            mine = torch.empty(s.slice_numel, dtype=torch.float32, device=flat.device)
-            e._collective(f"reduce-scatter of '{s.name}'", lambda: dist.reduce_scatter(
-                mine, list(padded.chunk(e.world)), group=e.group))
-            mine.div_(e.world)
-        else:
-            mine = flat.to(torch.float32).contiguous()
+        if e.world == 1:
+            mine = mine.to(torch.float32).contiguous()
             if mine.numel() < s.slice_numel:
                 mine = torch.cat([mine, mine.new_zeros(s.slice_numel - mine.numel())])
         if s.pid in self.grads:  # returned twice before a flush (a tied weight)
@@ -1383,6 +1470,8 @@ class Optimizer(torch.optim.Optimizer):
                 p.grad = None
         e = self._engine
         e._returns, e._return_bytes = [], 0
+        if e._reduce is not None:
+            e._reduce.discard()
         if e.tier is not None:
             e.tier.flush_gradients()  # in flight to the daemon: consumed below
         if e.returned_since_step:
@@ -1511,7 +1600,7 @@ _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
-              "restore_from", "gradient_stats", "gpu"}
+              "restore_from", "gradient_stats", "gpu", "reduce_bucket_elements"}
 _GPU_KEYS = {"tier", "device", "budget_bytes", "prefetch_depth", "prefetch_elements",
              "persistence_threshold", "max_live_parameters", "max_reuse_distance",
              "staging_bytes"}
@@ -1565,6 +1654,10 @@ def _zero_defaults(zero_config):
             raise offloadd.InvalidArgumentError(f"gpu.{k} must be an integer >= 0, got {v!r}")
     if gpu.get("budget_bytes") == 0:
         raise offloadd.InvalidArgumentError("gpu.budget_bytes must be > 0")
+    bucket = z.get("reduce_bucket_elements", 1 << 24)
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise offloadd.InvalidArgumentError(
+            f"reduce_bucket_elements must be a positive integer, got {bucket!r}")
     static = z.get("static_loss_scale")
     if static is not None and (not isinstance(static, (int, float)) or static <= 0):
         raise offloadd.InvalidArgumentError(f"static_loss_scale must be > 0, got {static!r}")
@@ -1584,6 +1677,7 @@ def _zero_defaults(zero_config):
         "working_dtype": working,
         "gradient_stats": stats,
         "gpu": gpu,
+        "reduce_bucket_elements": bucket,
         "node_tunables": dict(z.get("node_tunables") or {}),
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
     }
@@ -1625,6 +1719,10 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   prefetch_depth (modules ahead, 2), prefetch_elements,
                                   persistence_threshold, max_live_parameters, max_reuse_distance
                                   (elements, as DeepSpeed's stage3_* settings), staging_bytes
+      reduce_bucket_elements      with several ranks, gradients are averaged across ranks in one
+                                  collective per bucket of this many elements (full gradients,
+                                  as DeepSpeed's reduce_bucket_size; default 16M: a buffer of
+                                  64 MiB of fp32 on the device the collective runs on)
       node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the
