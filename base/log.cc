@@ -49,4 +49,20 @@ void LogLine(LogLevel level, const std::string& message) {
   (void)unused;
 }
 
+int64_t LogLimiter::Admit(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  if (now < next_) {
+    ++held_;
+    return -1;
+  }
+  next_ = now + interval_;
+  const int64_t held = held_;
+  held_ = 0;
+  return held;
+}
+
+std::string LogLimiter::Held(int64_t held) {
+  return held > 0 ? absl::StrCat(" (", held, " more like it since the last report)") : "";
+}
+
 }  // namespace offload

@@ -6,9 +6,12 @@
 #ifndef OFFLOADD_BASE_LOG_H_
 #define OFFLOADD_BASE_LOG_H_
 
+#include <cstdint>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace offload {
@@ -32,6 +35,32 @@ template <typename... Args>
 void LogError(const absl::FormatSpec<Args...>& format, const Args&... args) {
   LogLine(LogLevel::kError, absl::StrFormat(format, args...));
 }
+
+// One line per `interval` for a message the environment may repeat without
+// end (accept failing with EMFILE on every poll): the first occurrence is
+// let through, then at most one an interval, each saying how many were held
+// back since the last. Thread-safe.
+//
+//   static LogLimiter limiter(absl::Seconds(10));
+//   if (int64_t held = limiter.Admit(absl::Now()); held >= 0) {
+//     LogWarning("accept: %s%s", why, LogLimiter::Held(held));
+//   }
+class LogLimiter {
+ public:
+  explicit LogLimiter(absl::Duration interval) : interval_(interval) {}
+
+  // -1 if this occurrence is held back; else how many were held back
+  // before it (0 for the first).
+  int64_t Admit(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+  // " (N more like it since the last report)", or "" for 0.
+  static std::string Held(int64_t held);
+
+ private:
+  const absl::Duration interval_;
+  absl::Mutex mu_;
+  absl::Time next_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  int64_t held_ ABSL_GUARDED_BY(mu_) = 0;
+};
 
 }  // namespace offload
 

@@ -16,5 +16,18 @@ TEST(LogTest, LinesCarryTheTimeOrTheJournalsPriority) {
   EXPECT_EQ(FormatLogLine(LogLevel::kError, "e", /*journal=*/true, t), "<3>offloadd: e\n");
 }
 
+TEST(LogTest, ALimiterLetsOneLineAnIntervalThroughAndCountsTheRest) {
+  LogLimiter limiter(absl::Seconds(10));
+  const absl::Time t = absl::FromUnixSeconds(1000);
+  EXPECT_EQ(limiter.Admit(t), 0);  // the first
+  for (int i = 1; i <= 500; ++i) EXPECT_EQ(limiter.Admit(t + absl::Milliseconds(i)), -1);
+  EXPECT_EQ(limiter.Admit(t + absl::Seconds(10)), 500);  // one line, with the count
+  EXPECT_EQ(limiter.Admit(t + absl::Seconds(11)), -1);
+  EXPECT_EQ(limiter.Admit(t + absl::Seconds(60)), 1);
+  EXPECT_EQ(limiter.Admit(t + absl::Seconds(120)), 0);
+  EXPECT_EQ(LogLimiter::Held(0), "");
+  EXPECT_EQ(LogLimiter::Held(3), " (3 more like it since the last report)");
+}
+
 }  // namespace
 }  // namespace offload

@@ -90,7 +90,8 @@ void ArenaChannel::Serve() {
   constexpr auto kSweepEvery = std::chrono::seconds(1);
   auto next_sweep = std::chrono::steady_clock::now() + kSweepEvery;
   for (;;) {
-    fds.assign({{listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
+    const bool accepting = std::chrono::steady_clock::now() >= accept_paused_until_;
+    fds.assign({{accepting ? listener_.get() : -1, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
     for (const Attached& a : attached_) fds.push_back({a.connection.get(), POLLIN | POLLRDHUP, 0});
     for (const Pending& p : pending_) fds.push_back({p.connection.get(), POLLIN | POLLRDHUP, 0});
     const auto now = std::chrono::steady_clock::now();
@@ -100,6 +101,11 @@ void ArenaChannel::Serve() {
     }
     int timeout_ms = static_cast<int>(
         std::chrono::duration_cast<std::chrono::milliseconds>(next_sweep - now).count() + 1);
+    if (!accepting) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(accept_paused_until_ - now);
+      timeout_ms = std::min(timeout_ms, static_cast<int>(left.count()) + 1);
+    }
     for (const Pending& p : pending_) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
@@ -145,8 +151,12 @@ void ArenaChannel::Serve() {
 void ArenaChannel::Accept() {
   UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
   if (!conn.valid()) {
-    if (errno != EINTR && errno != ECONNABORTED && errno != EAGAIN) {
-      LogWarning("arena channel: %s", PosixError("accept", errno).ToString());
+    const int err = errno;
+    if (err == EINTR || err == ECONNABORTED || err == EAGAIN) return;
+    if (err == EMFILE || err == ENFILE) return RefuseOutOfDescriptors(err);
+    if (int64_t held = accept_errors_.Admit(absl::Now()); held >= 0) {
+      LogWarning("arena channel: %s%s", PosixError("accept", err).ToString(),
+                 LogLimiter::Held(held));
     }
     return;
   }
@@ -167,6 +177,35 @@ void ArenaChannel::Accept() {
   SetReceiveTimeout(conn.get(), kReceiveTimeoutMs);
   pending_.push_back(
       Pending{std::move(conn), *cred, std::chrono::steady_clock::now() + kRequestDeadline});
+}
+
+void ArenaChannel::RefuseOutOfDescriptors(int err) {
+  const DescriptorUse use = CountDescriptors();
+  const absl::Status why = absl::ResourceExhaustedError(
+      absl::StrCat("offloadd is out of file descriptors (", PosixError("accept", err).message(),
+                   "; ", use.open, " open, limit ", use.limit,
+                   "): close sessions, or raise its limit (LimitNOFILE=, ulimit -n); retry"));
+  // The waiting connections, each into the spare's number and refused.
+  int refused = 0;
+  for (; refused < 64; ++refused) {
+    pollfd waiting{listener_.get(), POLLIN, 0};
+    if (poll(&waiting, 1, 0) != 1) break;  // (accept would wait for the next one)
+    const bool taken = spare_.WithSpare([&] {
+      UniqueFd c(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!c.valid()) return false;
+      SendWithFd(c.get(), FormatAttachError(why), -1).IgnoreError();
+      return true;
+    });
+    if (!taken) break;
+  }
+  if (refused == 0 || !spare_.held()) {
+    // Not even the spare's number: the listener waits a moment (no spin).
+    accept_paused_until_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  }
+  if (int64_t held = accept_errors_.Admit(absl::Now()); held >= 0) {
+    LogWarning("arena channel: %s; refused %d attach(es)%s", why.message(), refused,
+               LogLimiter::Held(held));
+  }
 }
 
 void ArenaChannel::Drop(size_t i) {

@@ -40,6 +40,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/descriptors.h"
+#include "base/log.h"
 #include "base/unique_fd.h"
 #include "engine/session_manager.h"
 
@@ -76,6 +78,8 @@ class ArenaChannel {
   void Serve();
   void ExpireSessions();
   void Accept();
+  // accept failed with `err` (EMFILE, ENFILE).
+  void RefuseOutOfDescriptors(int err);
   // Answers the attach request `p` sent; on success returns what to keep
   // watching.
   std::optional<Attached> Answer(Pending p);
@@ -91,6 +95,13 @@ class ArenaChannel {
   const absl::Duration reconnect_lease_;  // zero: a trainer gone is a session closed
   std::vector<Attached> attached_;        // only the serving thread touches these
   std::vector<Pending> pending_;
+  // Out of descriptors (EMFILE): a pending connection is accepted into the
+  // spare's number and refused, so that the listener does not stay readable
+  // (a poll loop spinning); where even that fails, the listener is left out
+  // of the poll until `accept_paused_until_`. Warned about once an interval.
+  SpareDescriptor spare_;
+  std::chrono::steady_clock::time_point accept_paused_until_{};
+  LogLimiter accept_errors_{absl::Seconds(10)};
   std::thread thread_;
 };
 

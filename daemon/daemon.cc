@@ -162,38 +162,22 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   identity.started = absl::Now();
   identity.listening.push_back(absl::StrCat("unix:", d->socket_path_));
 
-  grpc::ServerBuilder builder;
-  grpc::ResourceQuota quota("offloadd");
-  quota.SetMaxThreads(static_cast<int>(server.max_threads));
-  builder.SetResourceQuota(quota);
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                             static_cast<int>(server.max_streams_per_connection));
-  builder.AddListeningPort(absl::StrCat("unix:", d->socket_path_),
-                           grpc::InsecureServerCredentials());
-  int selected_port = -1;
-  if (server.tcp_port >= 0) {
-    builder.AddListeningPort(absl::StrCat("127.0.0.1:", server.tcp_port),
-                             grpc::InsecureServerCredentials(), &selected_port);
-  }
-  builder.RegisterService(d->partition_service_.get());
-  builder.RegisterService(d->config_service_.get());
   Daemon* raw = d.get();
   d->stats_service_ = std::make_unique<StatsServiceImpl>(
       [raw] { return raw->Snapshot(); }, &d->engine_->optimizer(), identity, d->guard_.get());
-  builder.RegisterService(d->stats_service_.get());
-  // gRPC creates the socket file with the process umask: owner-only.
-  mode_t old_mask = umask(0177);
-  d->server_ = builder.BuildAndStart();
-  umask(old_mask);
-  if (d->server_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("gRPC server failed to start on unix:", d->socket_path_,
-                     server.tcp_port >= 0 ? absl::StrCat(" and 127.0.0.1:", server.tcp_port) : ""));
-  }
-  if (chmod(d->socket_path_.c_str(), 0600) != 0) {
-    return PosixError(absl::StrCat("chmod 0600 ", d->socket_path_), errno);
-  }
-  d->tcp_port_ = server.tcp_port >= 0 ? selected_port : -1;
+  d->partition_service_->SetSessionLimits(server.max_sessions, server.reserved_descriptors);
+  GrpcServerOptions listen;
+  listen.unix_path = d->socket_path_;
+  listen.tcp_port = static_cast<int>(server.tcp_port);
+  listen.max_threads = static_cast<int>(server.max_threads);
+  listen.max_streams_per_connection = static_cast<int>(server.max_streams_per_connection);
+  listen.handshake_timeout = absl::Seconds(server.handshake_timeout_seconds);
+  listen.idle_timeout = absl::Seconds(server.idle_connection_seconds);
+  listen.reserved_descriptors = server.reserved_descriptors;
+  ASSIGN_OR_RETURN(d->server_,
+                   GrpcServer::Start(listen, {d->partition_service_.get(), d->config_service_.get(),
+                                              d->stats_service_.get()}));
+  d->tcp_port_ = d->server_->tcp_port();
   if (d->tcp_port_ >= 0) {
     // The port is known only now that the server runs.
     d->stats_service_->AddListening(absl::StrCat("127.0.0.1:", d->tcp_port_));
@@ -447,8 +431,7 @@ void Daemon::Shutdown() {
     if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
   }
   metrics_.reset();
-  server_->Shutdown(std::chrono::system_clock::now());
-  server_->Wait();
+  server_->Shutdown();
   arena_channel_.reset();
   unlink(socket_path_.c_str());
   if (!tcp_token_path_.empty()) unlink(tcp_token_path_.c_str());

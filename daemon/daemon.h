@@ -21,6 +21,7 @@
 #include "daemon/arena_channel.h"
 #include "daemon/call_gate.h"
 #include "daemon/daemon_options.h"
+#include "daemon/grpc_server.h"
 #include "daemon/metrics.h"
 #include "daemon/ring_service.h"
 #include "daemon/service.h"
@@ -86,7 +87,7 @@ class Daemon {
   std::unique_ptr<PartitionServiceImpl> partition_service_;
   std::unique_ptr<ConfigServiceImpl> config_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<GrpcServer> server_;
   std::unique_ptr<MetricsServer> metrics_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;

@@ -61,6 +61,22 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            kServerThreadsRange});
   r->Bind("server.max_streams_per_connection", &o->server.max_streams_per_connection,
           {"calls", "most calls one connection may have open at once", false, kStreamsRange});
+  r->Bind("server.max_sessions", &o->server.max_sessions,
+          {"sessions",
+           "most sessions open at once; OpenSession past it is RESOURCE_EXHAUSTED (0: no "
+           "cap but the descriptors)",
+           false, IntRange{0, 1 << 20}});
+  r->Bind("server.reserved_descriptors", &o->server.reserved_descriptors,
+          {"descriptors",
+           "file descriptors kept free for the listeners, checkpoints and control calls: "
+           "OpenSession is RESOURCE_EXHAUSTED when fewer would be left",
+           false, IntRange{16, 1 << 20}});
+  r->Bind("server.handshake_timeout_seconds", &o->server.handshake_timeout_seconds,
+          {"seconds", "a connection that has not started HTTP/2 within this is closed", false,
+           IntRange{1, 3600}});
+  r->Bind("server.idle_connection_seconds", &o->server.idle_connection_seconds,
+          {"seconds", "a connection with no call for this long is closed (0: kept)", false,
+           IntRange{0, 7 * 24 * 3600}});
   r->Bind("server.ring_spin_us", &o->server.ring_spin_us,
           {"microseconds",
            "a session's request-ring thread polls this long after each call before it sleeps (the "

@@ -61,6 +61,21 @@ struct ServerOptions {
   int64_t max_threads = 128;
   int64_t max_streams_per_connection = 64;
 
+  // Descriptors: each session holds a few (its arena, its request ring's
+  // wake-ups) and a thread, each connection one. OpenSession is refused
+  // (RESOURCE_EXHAUSTED) past `max_sessions` (0: no cap but the
+  // descriptors) or when fewer than `reserved_descriptors` would be left,
+  // which stay for the listeners, checkpoints and the owner's control
+  // calls. A connection that has not started HTTP/2 within
+  // `handshake_timeout_seconds`, or had no call for
+  // `idle_connection_seconds` (0: kept), is closed. Should gRPC's listeners
+  // still stop accepting (accept4 failing with EMFILE leaves gRPC 1.51's
+  // deaf), offloadd builds them anew once descriptors are free again.
+  int64_t max_sessions = 1024;
+  int64_t reserved_descriptors = 64;
+  int64_t handshake_timeout_seconds = 10;
+  int64_t idle_connection_seconds = 600;
+
   // After each call of a session ends, its request-ring thread polls the
   // mailbox this many microseconds before it sleeps, so that the trainer's
   // next call finds it awake (waking a sleeping thread costs ~100 us on a

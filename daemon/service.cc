@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/descriptors.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
 #include "engine/version.h"
@@ -148,11 +149,35 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     std::optional<uint64_t> dpu_after;
     if (req->has_delayed_update_after_steps()) dpu_after = req->delayed_update_after_steps();
     RETURN_IF_ERROR(CheckPath(req->restore_from(), "restore_from"));
+    RETURN_IF_ERROR(CheckRoomForSession());
     ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling,
                                                            dpu_after, req->restore_from()));
     Answer(opened, resp);
     return absl::OkStatus();
   });
+}
+
+absl::Status PartitionServiceImpl::CheckRoomForSession() const {
+  if (max_sessions_ > 0) {
+    const int64_t open = sessions_->SessionCount();
+    if (open >= max_sessions_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("offloadd serves ", open, " sessions, its limit (server.max_sessions ",
+                       max_sessions_, "): close sessions that are done, or raise the limit"));
+    }
+  }
+  // A session takes a few descriptors (its arena, its request ring's
+  // wake-ups) and its trainer's connections a few more.
+  constexpr int64_t kPerSession = 4;
+  const DescriptorUse use = CountDescriptors();
+  if (use.free() < reserved_descriptors_ + kPerSession) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "offloadd has ", use.open, " of its ", use.limit, " file descriptors open and keeps ",
+        reserved_descriptors_,
+        " for its listeners, checkpoints and control calls (server.reserved_descriptors): "
+        "close sessions, or raise its limit (LimitNOFILE= in its unit, ulimit -n)"));
+  }
+  return absl::OkStatus();
 }
 
 void PartitionServiceImpl::Answer(const OpenedSession& opened,

@@ -41,6 +41,14 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
         guard_(guard),
         arena_socket_(std::move(arena_socket)) {}
 
+  // OpenSession is refused (RESOURCE_EXHAUSTED) past `max_sessions` (0: no
+  // cap) or where fewer than `reserved_descriptors` would be left. Set
+  // before the server starts.
+  void SetSessionLimits(int64_t max_sessions, int64_t reserved_descriptors) {
+    max_sessions_ = max_sessions;
+    reserved_descriptors_ = reserved_descriptors;
+  }
+
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
                            v1::OpenSessionResponse*) override;
   grpc::Status CloseSession(grpc::ServerContext*, const v1::CloseSessionRequest*,
@@ -84,6 +92,10 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   Stats* const stats_;
   CallGate* const gate_;
   const AccessGuard* const guard_;
+  int64_t max_sessions_ = 0;
+  int64_t reserved_descriptors_ = 0;
+  // RESOURCE_EXHAUSTED where one more session would pass a limit above.
+  absl::Status CheckRoomForSession() const;
   const std::string arena_socket_;
 };
 

@@ -988,6 +988,11 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
   return closed;
 }
 
+int64_t SessionManager::SessionCount() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(sessions_.size());
+}
+
 std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<std::shared_ptr<Session>> sessions;
   std::vector<std::optional<GpuTierReport>> gpu;

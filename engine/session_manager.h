@@ -317,6 +317,8 @@ class SessionManager {
   bool MarkAttached(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many sessions are open.
+  int64_t SessionCount() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Keeping sessions across a restart of offloadd (the daemon does it when
   // server.reconnect_lease_seconds > 0). Preserve, once the daemon takes no

@@ -1159,6 +1159,150 @@ TEST_F(DaemonTest, SilentPeersOnTheArenaChannelDelayNobody) {
   ASSERT_TRUE((*s)->Register("w", 10, DType::kFp32, DType::kFp32).ok());
 }
 
+// Descriptors of process `pid` open now.
+int64_t OpenDescriptorsOf(pid_t pid) {
+  int64_t n = 0;
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+    (void)e;
+    ++n;
+  }
+  return n;
+}
+
+// Sets process `pid`'s soft limit on open descriptors; returns the old one.
+rlim_t SetDescriptorLimitOf(pid_t pid, rlim_t soft) {
+  rlimit old{};
+  EXPECT_EQ(prlimit(pid, RLIMIT_NOFILE, nullptr, &old), 0);
+  rlimit now = old;
+  now.rlim_cur = soft;
+  EXPECT_EQ(prlimit(pid, RLIMIT_NOFILE, &now, nullptr), 0) << std::strerror(errno);
+  return old.rlim_cur;
+}
+
+// User and system CPU seconds process `pid` used so far.
+double CpuSecondsOf(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  std::istringstream fields(text.substr(text.rfind(')') + 2));
+  std::string field;
+  double ticks = 0;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14 || i == 15) ticks += std::stod(field);  // utime, stime
+  }
+  return ticks / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Issue 29: at EMFILE gRPC 1.51's listener stopped accepting for good and
+// the arena channel spun on its readable listener, logging each time.
+TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
+  auto d = DaemonProcess::Start({"--server.max_sessions=6", "--server.reserved_descriptors=32",
+                                 "--server.handshake_timeout_seconds=1"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  const pid_t pid = (*d)->pid();
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  // Sessions stop at server.max_sessions...
+  {
+    std::vector<std::unique_ptr<Session>> sessions;
+    for (int i = 0; i < 6; ++i) {
+      auto s = (*c)->OpenSession(absl::StrCat("s", i));
+      ASSERT_TRUE(s.ok()) << s.status();
+      sessions.push_back(std::move(*s));
+    }
+    auto over = (*c)->OpenSession("one too many");
+    EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(absl::StrContains(over.status().message(), "server.max_sessions 6"))
+        << over.status();
+  }
+  // ... and where fewer than the reserved descriptors would be left; the
+  // owner's control calls are still served.
+  const rlim_t limit = SetDescriptorLimitOf(pid, OpenDescriptorsOf(pid) + 20);
+  auto tight = (*c)->OpenSession("tight");
+  EXPECT_EQ(tight.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(tight.status().message(), "server.reserved_descriptors"))
+      << tight.status();
+  EXPECT_TRUE((*c)->GetStats().ok());
+
+  // Out of descriptors altogether: both listeners' accepts fail (EMFILE).
+  SetDescriptorLimitOf(pid, OpenDescriptorsOf(pid));
+  const double cpu_before = CpuSecondsOf(pid);
+  std::vector<UniqueFd> peers;
+  for (int i = 0; i < 20; ++i) {
+    auto arena = ConnectUnix((*d)->socket_path() + ".arena");
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    peers.push_back(std::move(*arena));
+  }
+  // An attach is refused in words, not left hanging.
+  timeval tv{5, 0};
+  ASSERT_EQ(setsockopt(peers[0].get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+  char reply[1024] = {};
+  const ssize_t got = recv(peers[0].get(), reply, sizeof(reply) - 1, 0);
+  ASSERT_GT(got, 0) << std::strerror(errno);
+  EXPECT_TRUE(absl::StrContains(reply, "out of file descriptors")) << reply;
+  for (int i = 0; i < 5; ++i) {
+    auto raw = ConnectUnix((*d)->socket_path());
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    peers.push_back(std::move(*raw));
+  }
+  ASSERT_TRUE((*d)->WaitForLog("gRPC stopped accepting").ok()) << (*d)->ReadLog();
+  absl::SleepFor(absl::Seconds(1));
+  // No loop spinning on a readable listener (before: a whole core), no
+  // line per attempt.
+  EXPECT_LT(CpuSecondsOf(pid) - cpu_before, 0.5);
+  const std::string log = (*d)->ReadLog();
+  int lines = 0;
+  for (size_t at = 0; (at = log.find("arena channel: offloadd is out of file descriptors", at)) !=
+                      std::string::npos;
+       ++at) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1) << log;
+  EXPECT_LE(lines, 2) << log;
+
+  // Descriptors come back: gRPC's listeners are built anew and a new
+  // client is served (before: deaf until a restart).
+  peers.clear();
+  SetDescriptorLimitOf(pid, limit);
+  ASSERT_TRUE((*d)->WaitForLog("gRPC listeners rebuilt").ok()) << (*d)->ReadLog();
+  auto fresh = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  auto s = (*fresh)->OpenSession("after");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE((*s)->Register("w", 10, DType::kFp32, DType::kFp32).ok());
+  EXPECT_TRUE((*c)->GetStats().ok());  // the first client reconnected by itself
+}
+
+// Connections that never start HTTP/2 give their descriptors back.
+TEST(DaemonStartup, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
+  auto d = DaemonProcess::Start({"--server.handshake_timeout_seconds=1"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  const int64_t before = OpenDescriptorsOf((*d)->pid());
+  std::vector<UniqueFd> silent;
+  for (int i = 0; i < 100; ++i) {
+    auto raw = ConnectUnix((*d)->socket_path());
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    silent.push_back(std::move(*raw));
+  }
+  // Each is closed by the daemon: a read sees the end.
+  for (UniqueFd& fd : silent) {
+    timeval tv{10, 0};
+    ASSERT_EQ(setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+    char buf[256];
+    ssize_t got;
+    while ((got = recv(fd.get(), buf, sizeof(buf), 0)) > 0) {
+    }
+    ASSERT_EQ(got, 0) << std::strerror(errno);
+  }
+  // (gRPC shuts a connection down at once and closes it a moment later.)
+  auto pidfd = ::offload::testing::OpenPidFd((*d)->pid());
+  ASSERT_TRUE(pidfd.ok()) << pidfd.status();
+  EXPECT_TRUE(::offload::testing::PollWithBackoff(
+                  [&] { return OpenDescriptorsOf((*d)->pid()) <= before + 5; }, pidfd->get())
+                  .ok())
+      << OpenDescriptorsOf((*d)->pid()) << " descriptors open, " << before << " before";
+}
+
 // offloadd raises its open-descriptor limit to the hard limit at start
 // (it inherits a lowered one here).
 TEST(DaemonStartup, RaisesItsDescriptorLimit) {

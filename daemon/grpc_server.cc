@@ -1,0 +1,143 @@
+#include "daemon/grpc_server.h"
+
+#include <sys/stat.h>
+
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/descriptors.h"
+#include "base/log.h"
+#include "base/posix_error.h"
+#include "base/status_macros.h"
+#include "grpc/support/log.h"
+
+namespace offload {
+namespace {
+
+// Set by gRPC's log when a listener stopped accepting; taken by the keeper.
+std::atomic<bool> g_accept_failed{false};
+
+void OnGrpcLog(gpr_log_func_args* args) {
+  if (absl::StrContains(args->message, "Failed accept4")) {
+    g_accept_failed.store(true, std::memory_order_release);
+  }
+  static LogLimiter limiter(absl::Seconds(10));
+  if (args->severity != GPR_LOG_SEVERITY_ERROR) return;
+  if (int64_t held = limiter.Admit(absl::Now()); held >= 0) {
+    LogError("gRPC: %s (%s:%d)%s", args->message, args->file, args->line,
+             LogLimiter::Held(held));
+  }
+}
+
+}  // namespace
+
+GrpcServer::GrpcServer(GrpcServerOptions options, std::vector<grpc::Service*> services)
+    : options_(std::move(options)), services_(std::move(services)) {}
+
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
+    GrpcServerOptions options, std::vector<grpc::Service*> services) {
+  gpr_set_log_function(&OnGrpcLog);
+  std::unique_ptr<GrpcServer> s(new GrpcServer(std::move(options), std::move(services)));
+  {
+    absl::MutexLock lock(&s->mu_);
+    RETURN_IF_ERROR(s->Build());
+  }
+  g_accept_failed.store(false);
+  s->keeper_ = std::thread([raw = s.get()] { raw->Keep(); });
+  return s;
+}
+
+absl::Status GrpcServer::Build() {
+  grpc::ServerBuilder builder;
+  grpc::ResourceQuota quota("offloadd");
+  quota.SetMaxThreads(options_.max_threads);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams_per_connection);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(options_.handshake_timeout)));
+  if (options_.idle_timeout > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                               static_cast<int>(absl::ToInt64Milliseconds(options_.idle_timeout)));
+  }
+  builder.AddListeningPort(absl::StrCat("unix:", options_.unix_path),
+                           grpc::InsecureServerCredentials());
+  int selected_port = -1;
+  const int port = tcp_port_ >= 0 ? tcp_port_ : options_.tcp_port;  // the same one on a rebuild
+  if (port >= 0) {
+    builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
+                             &selected_port);
+  }
+  for (grpc::Service* service : services_) builder.RegisterService(service);
+  // gRPC creates the socket file with the process umask: owner-only.
+  const mode_t old_mask = umask(0177);
+  server_ = builder.BuildAndStart();
+  umask(old_mask);
+  if (server_ == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("gRPC server failed to start on unix:", options_.unix_path,
+                     port >= 0 ? absl::StrCat(" and 127.0.0.1:", port) : ""));
+  }
+  if (chmod(options_.unix_path.c_str(), 0600) != 0) {
+    return PosixError(absl::StrCat("chmod 0600 ", options_.unix_path), errno);
+  }
+  if (port >= 0) tcp_port_ = selected_port;
+  return absl::OkStatus();
+}
+
+void GrpcServer::Keep() {
+  const auto stopping = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(200));
+    if (stopping_) return;
+    if (!g_accept_failed.exchange(false, std::memory_order_acq_rel)) continue;
+    const absl::Time failed = absl::Now();
+    LogWarning(
+        "gRPC stopped accepting connections (accept4 failed; at EMFILE gRPC 1.51 gives a "
+        "listener up): rebuilding the listeners once %d descriptors are free",
+        options_.reserved_descriptors);
+    DescriptorUse use = CountDescriptors();
+    while (use.free() < options_.reserved_descriptors) {
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(200));
+      if (stopping_) return;
+      use = CountDescriptors();
+    }
+    // Calls on the old server get a second to finish; then they are
+    // cancelled (UNAVAILABLE) and their clients reconnect.
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    server_->Wait();
+    server_.reset();
+    g_accept_failed.store(false, std::memory_order_release);  // the old listeners' last words
+    if (absl::Status built = Build(); !built.ok()) {
+      LogError("rebuilding the gRPC listeners failed (retrying in a second): %s",
+               built.ToString());
+      g_accept_failed.store(true, std::memory_order_release);
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
+      continue;
+    }
+    rebuilds_.fetch_add(1, std::memory_order_relaxed);
+    LogInfo("gRPC listeners rebuilt %d ms after they stopped accepting (%d of %d descriptors open)",
+            absl::ToInt64Milliseconds(absl::Now() - failed), use.open, use.limit);
+  }
+}
+
+void GrpcServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (keeper_.joinable()) keeper_.join();
+  absl::MutexLock lock(&mu_);
+  if (server_ != nullptr) {
+    server_->Shutdown(std::chrono::system_clock::now());
+    server_->Wait();
+  }
+}
+
+GrpcServer::~GrpcServer() { Shutdown(); }
+
+}  // namespace offload
