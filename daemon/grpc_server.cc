@@ -27,8 +27,7 @@ void OnGrpcLog(gpr_log_func_args* args) {
   static LogLimiter limiter(absl::Seconds(10));
   if (args->severity != GPR_LOG_SEVERITY_ERROR) return;
   if (int64_t held = limiter.Admit(absl::Now()); held >= 0) {
-    LogError("gRPC: %s (%s:%d)%s", args->message, args->file, args->line,
-             LogLimiter::Held(held));
+    LogError("gRPC: %s (%s:%d)%s", args->message, args->file, args->line, LogLimiter::Held(held));
   }
 }
 
@@ -56,8 +55,9 @@ absl::Status GrpcServer::Build() {
   quota.SetMaxThreads(options_.max_threads);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams_per_connection);
-  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
-                             static_cast<int>(absl::ToInt64Milliseconds(options_.handshake_timeout)));
+  builder.AddChannelArgument(
+      GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options_.handshake_timeout)));
   if (options_.idle_timeout > absl::ZeroDuration()) {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
                                static_cast<int>(absl::ToInt64Milliseconds(options_.idle_timeout)));
@@ -112,8 +112,7 @@ void GrpcServer::Keep() {
     server_.reset();
     g_accept_failed.store(false, std::memory_order_release);  // the old listeners' last words
     if (absl::Status built = Build(); !built.ok()) {
-      LogError("rebuilding the gRPC listeners failed (retrying in a second): %s",
-               built.ToString());
+      LogError("rebuilding the gRPC listeners failed (retrying in a second): %s", built.ToString());
       g_accept_failed.store(true, std::memory_order_release);
       mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
       continue;
