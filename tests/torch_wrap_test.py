@@ -687,6 +687,46 @@ class WrapInProcessTest(unittest.TestCase):
             with self.subTest(bias=bias):
                 self.assert_trains_like_torch(lambda: self.mlp(bias), {"lr": 1e-2})
 
+    def test_a_parameter_used_outside_its_forward_is_refused_by_name(self):
+        import torch
+        import offloadd
+
+        class ReadsAnothersWeight(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = torch.nn.Linear(8, 8)
+                self.head = torch.nn.Linear(8, 1)
+
+            def forward(self, x):
+                # inner's weight, read without calling inner (its forward
+                # gathers it): a second use of the weights, tied by hand.
+                return self.head(x @ self.inner.weight)
+
+        model, opt = self.wrap(self.mlp())
+        w = model[0].weight
+        # Shape, size and count are the whole parameter's at any time.
+        self.assertEqual(w.shape, torch.Size([16, 8]))
+        self.assertEqual((w.size(), w.size(1), w.numel(), w.dim()), ((16, 8), 8, 128, 2))
+        self.assertEqual(sum(p.numel() for p in model.parameters()), 8 * 16 + 16 + 16 + 1)
+        # Its values, outside any forward: refused, naming it (before: an
+        # empty tensor, or torch's "mat2 must be a matrix").
+        for use in (lambda: w.sum(), lambda: torch.matmul(torch.ones(2, 16), w),
+                    lambda: w * 2, lambda: torch.cat([w, w]), lambda: w.clone()):
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                        "parameter '0.weight' was used"):
+                use()
+        # Training and state_dict() are unchanged.
+        x = torch.randn(4, 8)
+        opt.backward(model(x).pow(2).mean())
+        opt.step()
+        self.assertEqual(model.state_dict()["0.weight"].shape, torch.Size([16, 8]))
+        opt.close()
+        other, opt = self.wrap(ReadsAnothersWeight())
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                    "parameter 'inner.weight' was used"):
+            other(torch.randn(2, 8))
+        opt.close()
+
     def test_static_loss_scale_is_undone_exactly(self):
         # eps = 1 makes Adam's update follow the gradient's size, so a
         # wrongly scaled gradient would show.

@@ -43,8 +43,9 @@ gets an error (PeerLostError) instead of waiting for it forever.
 
 Limits, said plainly:
 - A parameter must be used inside the forward of a module that owns it
-  (directly or through a submodule); using another module's parameter
-  outside that module's forward sees an empty tensor.
+  (directly or through a submodule); a use of its values anywhere else is
+  refused (FailedPreconditionError naming it). Its shape, size and numel()
+  are the whole parameter's at any time.
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
   bf16/fp16 working_dtype the values are rounded from the fp32 master.
@@ -172,8 +173,8 @@ class _Shard:
     """One parameter: its full shape here, its slice in the daemon."""
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
-                 "gathered", "accumulate_node", "module_shards", "refs", "in_optimizer",
-                 "unit")
+                 "_gathered", "accumulate_node", "module_shards", "refs", "in_optimizer",
+                 "unit", "guarded")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -184,12 +185,25 @@ class _Shard:
         self.dtype = param.dtype
         self.device = param.device
         self.pid = None
+        self.guarded = False  # its class turns _OffloadedParameter while not gathered
         self.gathered = False
         self.accumulate_node = None
         self.module_shards = [self]  # gathered together in backward
         self.refs = 0  # forward calls running that use it (a module inside another's)
         self.in_optimizer = False  # in a param group: its gradients go to the daemon
         self.unit = None  # its unit in the GPU tier (_GpuTier), if one runs
+
+    @property
+    def gathered(self):
+        """Whether the whole parameter's values are in param.data."""
+        return self._gathered
+
+    @gathered.setter
+    def gathered(self, present):
+        self._gathered = present
+        if self.guarded:
+            # Checked only while absent: a forward's own uses cost nothing.
+            self.param.__class__ = torch.nn.Parameter if present else _OffloadedParameter
 
 
 class _ReduceBucket:
@@ -267,6 +281,69 @@ class _ReduceBucket:
         if self.entries:
             self.buf[:, :self.used].zero_()
         self.entries, self.used = [], 0
+
+
+class _OffloadedParameter(torch.nn.Parameter):
+    """The class a wrapped model's parameters take: their values live in
+    offloadd and are here only while a forward (or backward) that uses them
+    runs. Their shape, size and count answer as the whole parameter's at
+    any time; a use of their values at any other time is refused in words,
+    naming the parameter, instead of reading an empty tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            for a in _tensor_args(args, kwargs):
+                s = getattr(a, "_offloadd_shard", None) if type(a) is cls else None
+                if s is not None and not s.gathered:
+                    shape = _WHOLE.get(func)
+                    if shape is not None:
+                        return shape(s, *args[1:], **kwargs)
+                    raise offloadd.FailedPreconditionError(
+                        f"parameter '{s.name}' was used ({getattr(func, '__name__', func)}) "
+                        "outside the forward of a module that owns it: offloadd holds its "
+                        "values between uses and gathers them for its module's forward and "
+                        "backward only. Use it inside such a forward (a module that reads "
+                        "another's weights should own them, or call it), or read the weights "
+                        "with model.state_dict()")
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def _tensor_args(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+# What may be asked of a parameter whose values are not here: what torch,
+# autograd and offloadd.torch itself ask (the data and gradient slots,
+# flags, hooks), never its values.
+_METADATA = {
+    torch.Tensor.data.__get__, torch.Tensor.data.__set__,
+    torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.requires_grad.__set__,
+    torch.Tensor.requires_grad_, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__,
+    torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.is_cuda.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.is_meta.__get__,
+    torch.Tensor.is_quantized.__get__, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.register_hook,
+    torch.Tensor.retain_grad, torch.Tensor._is_view, torch.Tensor.__hash__,
+    # torch's state_dict() detaches every parameter before the hook that
+    # puts the gathered weights in their place.
+    torch.Tensor.detach,
+}
+# The whole parameter's shape where its values are not here.
+_WHOLE = {
+    torch.Tensor.shape.__get__: lambda s, *_: s.shape,
+    torch.Tensor.size: lambda s, dim=None: s.shape if dim is None else s.shape[dim],
+    torch.Tensor.numel: lambda s: s.numel,
+    torch.Tensor.nelement: lambda s: s.numel,
+    torch.Tensor.dim: lambda s: len(s.shape),
+    torch.Tensor.ndim.__get__: lambda s, *_: len(s.shape),
+}
 
 
 class _Engine:
@@ -533,8 +610,14 @@ class _Engine:
         return percent
 
     def commit(self):
-        """wrap() succeeded: the parameters' own data goes."""
+        """wrap() succeeded: the parameters' own data goes, and a use of one
+        while its values are not here is refused by name."""
         self._originals = {}
+        for s in self.shards:
+            if type(s.param) is torch.nn.Parameter:
+                s.param._offloadd_shard = s
+                s.guarded = True
+                s.gathered = s.gathered
 
     def abort(self):
         """wrap() failed: the model is as it was, the session closed."""
