@@ -96,6 +96,31 @@ std::string SelectedMode(const std::string& text) {
   return text.substr(open + 1, close - open - 1);
 }
 
+constexpr char kThpDir[] = "/kernel/mm/transparent_hugepage";
+
+// The first line of `path`; empty where it cannot be read.
+std::string FirstLine(const std::string& path) {
+  std::string line;
+  std::getline(std::ifstream(path), line);
+  return line;
+}
+
+// hpage_pmd_size under `sys_dir`; 0 where it cannot be read or is no
+// power of two above the page size.
+uint64_t PmdBytesIn(const std::string& sys_dir) {
+  uint64_t pmd_bytes = 0;
+  const bool known =
+      absl::SimpleAtoi(FirstLine(absl::StrCat(sys_dir, kThpDir, "/hpage_pmd_size")), &pmd_bytes) &&
+      pmd_bytes > PageSize() && absl::has_single_bit(pmd_bytes);
+  return known ? pmd_bytes : 0;
+}
+
+// The PMD size, 2 MiB where it cannot be read.
+uint64_t PmdBytesOrDefaultIn(const std::string& sys_dir) {
+  const uint64_t pmd_bytes = PmdBytesIn(sys_dir);
+  return pmd_bytes != 0 ? pmd_bytes : uint64_t{2} << 20;
+}
+
 }  // namespace
 
 uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes) {
@@ -140,24 +165,35 @@ bool SharedFileWritesMayGetLargePages() {
 }
 
 uint64_t HugePageAlignment() {
-  static const uint64_t bytes = [] {
-    std::string pmd;
-    std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"), pmd);
-    uint64_t pmd_bytes = 0;
-    const bool known = absl::SimpleAtoi(pmd, &pmd_bytes) && pmd_bytes > PageSize() &&
-                       absl::has_single_bit(pmd_bytes);
-    return known ? pmd_bytes : uint64_t{2} << 20;
-  }();
+  static const uint64_t bytes = PmdBytesOrDefaultIn("/sys");
   return bytes;
 }
 
+std::string TransparentHugePageMode(const std::string& sys_dir, const std::string& control) {
+  return SelectedMode(FirstLine(absl::StrCat(sys_dir, kThpDir, "/", control)));
+}
+
+uint64_t SharedHugePageBytesIn(const std::string& sys_dir) {
+  // Empty where the kernel has no transparent huge pages.
+  return SharedHugePageBytesFrom(FirstLine(absl::StrCat(sys_dir, kThpDir, "/shmem_enabled")),
+                                 PmdBytesOrDefaultIn(sys_dir));
+}
+
 uint64_t SharedHugePageBytes() {
-  static const uint64_t bytes = [] {
-    std::string mode;  // empty where the kernel has no transparent huge pages
-    std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/shmem_enabled"), mode);
-    return SharedHugePageBytesFrom(mode, HugePageAlignment());
-  }();
+  static const uint64_t bytes = SharedHugePageBytesIn("/sys");
   return bytes;
+}
+
+uint64_t PrivateHugePageBytesFrom(const std::string& enabled, uint64_t pmd_bytes) {
+  const std::string mode = SelectedMode(enabled);
+  const bool huge = mode == "always" || mode == "madvise";
+  if (!huge || pmd_bytes <= PageSize() || !absl::has_single_bit(pmd_bytes)) return 0;
+  return pmd_bytes;
+}
+
+uint64_t PrivateHugePageBytesIn(const std::string& sys_dir) {
+  return PrivateHugePageBytesFrom(FirstLine(absl::StrCat(sys_dir, kThpDir, "/enabled")),
+                                  PmdBytesOrDefaultIn(sys_dir));
 }
 
 std::vector<std::string> DamonMonitorsIn(const std::string& proc_dir,

@@ -105,6 +105,23 @@ uint64_t HugePageAlignment();
 // size for SharedHugePageBytes; exposed for tests.
 uint64_t SharedHugePageBytesFrom(const std::string& shmem_enabled, uint64_t pmd_bytes);
 
+// SharedHugePageBytes on the node whose /sys is at `sys_dir` (a made-up
+// tree in tests), read at each call.
+uint64_t SharedHugePageBytesIn(const std::string& sys_dir);
+
+// The huge page size private memory asking for huge pages gets (the host
+// pool's and the I/O staging's HostMemory::Allocate with Pages::kHuge): the
+// PMD size where /sys/kernel/mm/transparent_hugepage/enabled is always or
+// madvise; 0 where it is never, or the files are missing. `enabled` is that
+// file's text. Read at each call, by `offloadctl doctor`.
+uint64_t PrivateHugePageBytesFrom(const std::string& enabled, uint64_t pmd_bytes);
+uint64_t PrivateHugePageBytesIn(const std::string& sys_dir);
+
+// The selected value of the transparent huge page control `control`
+// (enabled, shmem_enabled, defrag) under `sys_dir` (/sys): "madvise" for
+// "always [madvise] never"; empty where the kernel has no such file.
+std::string TransparentHugePageMode(const std::string& sys_dir, const std::string& control);
+
 // Whether pages a shared file (a memfd) gets when written through the file
 // (pwrite, no mapping to ask or decline) may be larger than the system's:
 // where shmem_enabled, or a per-size control under

@@ -212,6 +212,32 @@ TEST(HostMemory, DamonMonitorsAreTheKdamondThreads) {
                                       "kdamond.2 (pid 88)"}));
 }
 
+TEST(HostMemory, PrivateHugePageBytesReadsTheSelectedMode) {
+  const uint64_t pmd = 2 << 20;
+  EXPECT_EQ(PrivateHugePageBytesFrom("always [madvise] never\n", pmd), pmd);
+  EXPECT_EQ(PrivateHugePageBytesFrom("[always] madvise never", pmd), pmd);
+  EXPECT_EQ(PrivateHugePageBytesFrom("always madvise [never]", pmd), 0u);
+  EXPECT_EQ(PrivateHugePageBytesFrom("", pmd), 0u);  // no THP in the kernel
+  EXPECT_EQ(PrivateHugePageBytesFrom("[madvise]", 3 << 20), 0u);
+}
+
+TEST(HostMemory, HugePageControlsAreReadUnderTheGivenSys) {
+  const std::string sys = std::string(getenv("TEST_TMPDIR")) + "/thp/sys";
+  const std::string thp = sys + "/kernel/mm/transparent_hugepage";
+  EXPECT_EQ(TransparentHugePageMode(sys, "enabled"), "");
+  EXPECT_EQ(SharedHugePageBytesIn(sys), 0u);
+  EXPECT_EQ(PrivateHugePageBytesIn(sys), 0u);
+  WriteFile(thp + "/enabled", "always [madvise] never\n");
+  WriteFile(thp + "/shmem_enabled", "always within_size advise [never] deny force\n");
+  WriteFile(thp + "/hpage_pmd_size", "2097152\n");
+  EXPECT_EQ(TransparentHugePageMode(sys, "enabled"), "madvise");
+  EXPECT_EQ(TransparentHugePageMode(sys, "shmem_enabled"), "never");
+  EXPECT_EQ(PrivateHugePageBytesIn(sys), 2u << 20);
+  EXPECT_EQ(SharedHugePageBytesIn(sys), 0u);
+  WriteFile(thp + "/shmem_enabled", "always within_size [advise] never deny force\n");
+  EXPECT_EQ(SharedHugePageBytesIn(sys), 2u << 20);
+}
+
 TEST(HostMemory, ErrorsNameTheOperation) {
   auto bad = HostMemory::MapShared(-1, 8192, 4096);
   ASSERT_FALSE(bad.ok());

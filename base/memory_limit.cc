@@ -59,16 +59,28 @@ MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::
   return limit;
 }
 
-MemoryLimit ReadMemoryLimit() {
-  const int64_t pages = sysconf(_SC_PHYS_PAGES);
-  const int64_t page_size = sysconf(_SC_PAGESIZE);
-  const uint64_t physical = pages > 0 && page_size > 0
-                                ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
-                                : 0;
-  std::ifstream in("/proc/self/cgroup");
+MemoryLimit ReadMemoryLimitIn(const std::string& proc_dir, const std::string& sys_dir) {
+  // "MemTotal:       16318420 kB"; the same figure as sysconf's pages.
+  uint64_t physical = 0;
+  std::ifstream meminfo(proc_dir + "/meminfo");
+  for (std::string line; physical == 0 && std::getline(meminfo, line);) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    uint64_t kib = 0;
+    if (f.size() >= 2 && f[0] == "MemTotal:" && absl::SimpleAtoi(f[1], &kib)) physical = kib << 10;
+  }
+  if (physical == 0) {
+    const int64_t pages = sysconf(_SC_PHYS_PAGES);
+    const int64_t page_size = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && page_size > 0) {
+      physical = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
+    }
+  }
+  std::ifstream in(proc_dir + "/self/cgroup");
   std::stringstream text;
   text << in.rdbuf();
-  return ReadMemoryLimitFrom(text.str(), "/sys/fs/cgroup", physical);
+  return ReadMemoryLimitFrom(text.str(), sys_dir + "/fs/cgroup", physical);
 }
+
+MemoryLimit ReadMemoryLimit() { return ReadMemoryLimitIn("/proc", "/sys"); }
 
 }  // namespace offload

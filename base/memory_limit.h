@@ -25,6 +25,12 @@ struct MemoryLimit {
 // (about 2^63) mean no limit.
 MemoryLimit ReadMemoryLimit();
 
+// ReadMemoryLimit on the node whose /proc and /sys are at `proc_dir` and
+// `sys_dir` (made-up trees in tests): <proc_dir>/self/cgroup, the cgroup
+// mount <sys_dir>/fs/cgroup, and physical memory from <proc_dir>/meminfo's
+// MemTotal (this machine's sysconf where that cannot be read).
+MemoryLimit ReadMemoryLimitIn(const std::string& proc_dir, const std::string& sys_dir);
+
 // As ReadMemoryLimit, with /proc/self/cgroup's contents, the cgroup mount
 // (normally /sys/fs/cgroup) and physical memory given. For tests.
 MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::string& cgroup_root,

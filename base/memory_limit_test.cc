@@ -64,5 +64,16 @@ TEST(MemoryLimit, AboveThePhysicalMemoryOrUnreadableCountsPhysical) {
   EXPECT_GT(ReadMemoryLimit().effective(), 0u);  // this machine
 }
 
+TEST(MemoryLimit, AMadeUpNodeGivesItsMemTotalAndCgroup) {
+  const std::string root = Root("node");
+  Write(root + "/proc/meminfo", "MemTotal:       16777216 kB\nMemFree:         1024 kB\n");
+  Write(root + "/proc/self/cgroup", "0::/offloadd.service\n");
+  Write(root + "/sys/fs/cgroup/offloadd.service/memory.max", "6442450944\n");
+  MemoryLimit m = ReadMemoryLimitIn(root + "/proc", root + "/sys");
+  EXPECT_EQ(m.physical, 16 * kGiB);
+  EXPECT_EQ(m.cgroup, 6 * kGiB);
+  EXPECT_EQ(m.cgroup_file, root + "/sys/fs/cgroup/offloadd.service/memory.max");
+}
+
 }  // namespace
 }  // namespace offload

@@ -7,14 +7,17 @@
 //   offloadctl [--address=ADDR] stats
 //   offloadctl [--address=ADDR] checkpoint SESSION_ID DIR
 //   offloadctl export [--format=safetensors] CHECKPOINT_DIR OUTPUT
+//   offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]
 //
 // export reads a checkpoint directory offline (no daemon needed) and
 // writes every tensor's consolidated fp32 weights, across all the ranks
-// that checkpointed into it, into one file.
+// that checkpointed into it, into one file. doctor checks this node for
+// offloadd (client/doctor.h) and exits 0, 1 or 2 by what it found.
 // ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
 // TCP, anything but reading status needs $OFFLOADD_TOKEN (<data_dir>/tcp_token).
 // Exit status: 0 success, 1 the daemon refused or could not be reached
-// (the reason is printed with its status code), 2 usage error.
+// (the reason is printed with its status code), 2 usage error; doctor's
+// own are in kDoctorUsage.
 #include <unistd.h>
 
 #include <cstdio>
@@ -25,9 +28,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/config_registry.h"
 #include "checkpoint/export.h"
 #include "checkpoint/tensor_index.h"
 #include "client/client.h"
+#include "client/doctor.h"
 
 namespace offload {
 namespace {
@@ -43,8 +48,30 @@ constexpr char kUsage[] =
     "  checkpoint ID DIR       write session ID's checkpoint into DIR (atomically)\n"
     "  export [--format=safetensors] CHECKPOINT_DIR OUTPUT\n"
     "                          consolidated fp32 weights of a checkpoint (offline)\n"
+    "  doctor [--offline] [--NAME=VALUE ...]\n"
+    "                          check this node for offloadd (no daemon needed; doctor --help)\n"
     "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
     "Over TCP, only status is served unless $OFFLOADD_TOKEN holds <data_dir>/tcp_token.\n";
+
+constexpr char kDoctorUsage[] =
+    "usage: offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]\n"
+    "Checks the node offloadd runs on, or would run on, and prints one line per check:\n"
+    "  VERDICT  CHECK  MEASURED; fix: WHAT TO DO\n"
+    "with VERDICT ok, info (worth knowing, changes nothing), SLOW (offloadd runs, slower or at\n"
+    "risk) or FAIL (offloadd would refuse to start or fail its first I/O). Checked: huge pages\n"
+    "for shared and private memory, DAMON, the memory limit (cgroup or physical) against\n"
+    "memory.host_budget_bytes, RLIMIT_MEMLOCK, each nvme.dirs directory (filesystem, O_DIRECT,\n"
+    "a block written and read back through io_uring, free space against nvme.bytes_per_dir),\n"
+    "the Adam kernel this CPU gets, NUMA nodes, and the GPU (driver, device, DMA registration).\n"
+    "\n"
+    "Settings: a running offloadd's (at ADDR, as for the other commands), else offloadd's\n"
+    "defaults; --NAME=VALUE sets memory.*, nvme.* and optimizer.* settings on top, as offloadd\n"
+    "takes them (e.g. --nvme.dirs=/mnt/nvme0 --memory.host_budget_bytes=64GiB); other offloadd\n"
+    "settings are ignored. --offline asks no daemon. Limits (cgroup, RLIMIT_MEMLOCK) are this\n"
+    "process's: run it as, and where, offloadd and the trainers run.\n"
+    "\n"
+    "Exit status: 0 nothing would make offloadd fail or slow, 1 something would slow it,\n"
+    "2 something would make it fail (or a setting given does not parse).\n";
 
 std::string Bytes(uint64_t b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -170,10 +197,74 @@ int Export(const std::string& dir, const std::string& output) {
   return 0;
 }
 
+// `offloadctl doctor`: see kDoctorUsage.
+int Doctor(const ClientOptions& options, const std::vector<std::string>& flags) {
+  DoctorSettings settings;
+  ConfigRegistry registry;
+  BindDoctorTunables(&settings, &registry);
+  bool offline = false;
+  std::vector<std::pair<std::string, std::string>> given;
+  for (const std::string& f : flags) {
+    if (f == "--offline") {
+      offline = true;
+    } else if (absl::StartsWith(f, "--") && f.find('=') != std::string::npos) {
+      given.emplace_back(f.substr(2, f.find('=') - 2), f.substr(f.find('=') + 1));
+    } else {
+      std::fprintf(stderr, "offloadctl doctor: expected --offline or --NAME=VALUE, got '%s'\n%s",
+                   f.c_str(), kDoctorUsage);
+      return 2;
+    }
+  }
+  DoctorEnvironment environment = ThisMachine();
+  std::string source = "offloadd's defaults";
+  if (offline) {
+    absl::StrAppend(&source, " (--offline)");
+  } else {
+    ClientOptions quick = options;
+    quick.connect_timeout = absl::Seconds(1);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(quick);
+    absl::StatusOr<std::vector<Tunable>> live =
+        client.ok() ? (*client)->ListTunables() : client.status();
+    if (live.ok()) {
+      for (const Tunable& t : *live) {
+        // The checks' settings only; the rest are the daemon's own.
+        if (registry.Get(t.name).ok()) (void)registry.Set(t.name, t.value);
+      }
+      environment.daemon_running = true;
+      source = absl::StrCat("the running offloadd's at ", (*client)->address());
+    } else {
+      std::string why(live.status().message());
+      why = why.substr(0, why.find(" (is it running?"));
+      absl::StrAppend(&source, " (", why, ")");
+    }
+  }
+  for (const auto& [name, value] : given) {
+    absl::StatusOr<TunableInfo> set = registry.Set(name, value);
+    if (set.ok()) continue;
+    const bool checked = absl::StartsWith(name, "memory.") || absl::StartsWith(name, "nvme.") ||
+                         absl::StartsWith(name, "optimizer.");
+    if (set.status().code() == absl::StatusCode::kNotFound && !checked) {
+      std::fprintf(stderr, "offloadctl doctor: --%s is no setting the checks use; ignored\n",
+                   name.c_str());
+      continue;
+    }
+    std::fprintf(stderr, "offloadctl doctor: --%s: %s\n", name.c_str(),
+                 set.status().ToString().c_str());
+    return 2;
+  }
+  std::printf(
+      "settings: %s%s\n", source.c_str(),
+      given.empty() ? "" : absl::StrCat(", with ", given.size(), " from the command line").c_str());
+  const std::vector<Check> checks = RunDoctor(environment, settings);
+  std::fputs(FormatReport(checks).c_str(), stdout);
+  return ExitStatus(checks);
+}
+
 int Main(int argc, char** argv) {
   ClientOptions options;
   std::string format = "safetensors";
   std::vector<std::string> args;
+  bool help = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (absl::StartsWith(a, "--address=")) {
@@ -181,11 +272,18 @@ int Main(int argc, char** argv) {
     } else if (absl::StartsWith(a, "--format=")) {
       format = a.substr(9);
     } else if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
+      help = true;
     } else {
       args.push_back(a);
     }
+  }
+  if (help) {
+    std::fputs(!args.empty() && args[0] == "doctor" ? kDoctorUsage : kUsage, stdout);
+    return 0;
+  }
+  // doctor takes settings as --NAME=VALUE after it.
+  if (!args.empty() && args[0] == "doctor") {
+    return Doctor(options, std::vector<std::string>(args.begin() + 1, args.end()));
   }
   auto usage = [] {
     std::fputs(kUsage, stderr);

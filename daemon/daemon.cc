@@ -43,24 +43,6 @@ std::array<PlacementTunable, kDataKinds> PlacementTunables(const PlacementOption
             &o.optimizer_state_host_percent}}};
 }
 
-// memory.host_budget_bytes checked against what this process may use
-// (physical memory, or its cgroup's limit): a pool past it would promise
-// registrations the kernel then refuses (the OOM killer, not an error).
-absl::Status CheckHostBudget(int64_t bytes) {
-  const MemoryLimit limit = ReadMemoryLimit();
-  const uint64_t most = limit.effective();
-  if (most != 0 && static_cast<uint64_t>(bytes) > most) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("memory.host_budget_bytes ", bytes,
-                     " is more than this process may use: ", most, " bytes (",
-                     limit.cgroup != 0 && limit.cgroup < limit.physical
-                         ? absl::StrCat("the cgroup limit in ", limit.cgroup_file)
-                         : std::string("physical memory"),
-                     ")"));
-  }
-  return absl::OkStatus();
-}
-
 // memory.max_mappings resolved: -1 is three quarters of vm.max_map_count
 // (65530 where it cannot be read, the kernel's default).
 int64_t MappingBudget(int64_t setting) {
@@ -82,7 +64,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   std::unique_ptr<Daemon> d(new Daemon(options, registry));
   ASSIGN_OR_RETURN(d->host_home_pages_,
                    ResolveHostHomePages(options->memory.host_home_pages, DamonMonitors()));
-  RETURN_IF_ERROR(CheckHostBudget(options->memory.host_budget_bytes));
+  RETURN_IF_ERROR(CheckHostBudget(options->memory.host_budget_bytes, ReadMemoryLimit()));
   EngineOptions e;
   e.host_budget_bytes = static_cast<uint64_t>(options->memory.host_budget_bytes);
   e.lock_pool = options->memory.lock_pool;
@@ -225,7 +207,7 @@ void Daemon::SetHooks() {
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
-    RETURN_IF_ERROR(CheckHostBudget(v));
+    RETURN_IF_ERROR(CheckHostBudget(v, ReadMemoryLimit()));
     raw->engine_->pool().SetLimit(static_cast<uint64_t>(v));
     raw->engine_->swapper().Trim();  // gives cached state back if the pool is now over
     return absl::OkStatus();

@@ -31,6 +31,14 @@ DirectIoAlignment QueryDirectIoAlignment(int fd) {
 }
 
 absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct) {
+  absl::StatusOr<IoFile> file = OpenIoFileQuietly(path, create, want_direct);
+  if (file.ok() && want_direct && !file->direct) {
+    LogWarning("%s: filesystem does not support O_DIRECT; using buffered I/O (page cache)", path);
+  }
+  return file;
+}
+
+absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, bool want_direct) {
   const int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0);
   IoFile file;
   file.path = path;
@@ -52,9 +60,6 @@ absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool wan
   }
   file.fd.reset(open(path.c_str(), flags, 0600));
   if (!file.fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
-  if (want_direct) {
-    LogWarning("%s: filesystem does not support O_DIRECT; using buffered I/O (page cache)", path);
-  }
   file.alignment = 4096;
   return file;
 }

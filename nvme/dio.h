@@ -39,6 +39,10 @@ struct IoFile {
 // logged warning naming the path.
 absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct);
 
+// OpenIoFile without the warning: whether the file is direct says it
+// (offloadctl doctor reports it as its own finding).
+absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, bool want_direct);
+
 }  // namespace offload
 
 #endif  // OFFLOADD_NVME_DIO_H_

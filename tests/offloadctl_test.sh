@@ -42,6 +42,13 @@ grep -q "OK" "$dir/demo" || fail "demo output: $(cat "$dir/demo")"
 out=$($ctl stats)
 grep -Eq "^steps +20 " <<<"$out" || fail "stats: $out"
 
+# doctor with a daemon: its live settings.
+set +e
+out=$($ctl doctor 2>&1); rc=$?
+set -e
+[[ $rc -le 2 ]] || fail "doctor exited $rc: $out"
+grep -q "^settings: the running offloadd's at unix:$dir/offloadd.sock" <<<"$out" || fail "doctor settings: $out"
+
 kill -TERM "$daemon_pid"
 wait "$daemon_pid" || fail "daemon exited $? on SIGTERM: $(cat "$dir/log")"
 daemon_pid=
@@ -50,4 +57,40 @@ set +e
 OFFLOADD_ADDRESS="unix:$dir/offloadd.sock" $ctl status >/dev/null 2>&1; rc=$?
 set -e
 [[ $rc == 1 ]] || fail "status without daemon exited $rc"
+
+# doctor without a daemon: one line per check, a summary naming its exit
+# status, a real swap directory tried.
+check_doctor() {  # OUT RC
+  local lines n
+  n=$(wc -l <<<"$1")
+  (( n >= 10 )) || fail "doctor printed $n lines: $1"
+  grep -q "^settings: offloadd's defaults" <<<"$1" || fail "doctor settings line: $1"
+  lines=$(sed '1d;$d' <<<"$1")
+  if grep -Ev '^(ok  |info|SLOW|FAIL)  [^ ].*  [^ ]' <<<"$lines"; then fail "doctor line shape: $1"; fi
+  tail -1 <<<"$1" | grep -Eq "^[0-9]+ ok, [0-9]+ info, [0-9]+ slow, [0-9]+ fail: .* \(exit $2\)$" ||
+    fail "doctor summary (exit $2): $1"
+  for name in "shmem huge pages" "anon huge pages" DAMON "memory limit" RLIMIT_MEMLOCK "Adam kernel" NUMA GPU; do
+    grep -Eq "^[a-zA-Z]+ +$name " <<<"$lines" || fail "doctor lacks $name: $1"
+  done
+}
+mkdir "$dir/swap"
+set +e
+out=$(OFFLOADD_ADDRESS="unix:$dir/offloadd.sock" $ctl doctor --nvme.dirs="$dir/swap" --nvme.bytes_per_dir=16MiB); rc=$?
+set -e
+[[ $rc -le 1 ]] || fail "doctor on a usable directory exited $rc: $out"
+check_doctor "$out" "$rc"
+grep -Eq "^ok    swap space $dir/swap +.* free for nvme.bytes_per_dir 16.0 MiB$" <<<"$out" || fail "doctor space: $out"
+grep -Eq "^(ok  |SLOW)  O_DIRECT $dir/swap " <<<"$out" || fail "doctor O_DIRECT: $out"
+[[ -z $(ls -A "$dir/swap") ]] || fail "doctor left files in $dir/swap: $(ls -A "$dir/swap")"
+set +e
+out=$($ctl doctor --offline --nvme.dirs="$dir/missing"); rc=$?
+set -e
+[[ $rc == 2 ]] || fail "doctor on a missing directory exited $rc: $out"
+check_doctor "$out" 2
+grep -q "^FAIL  swap dir $dir/missing .*fix: mkdir -p $dir/missing" <<<"$out" || fail "doctor missing: $out"
+set +e
+$ctl doctor --offline --nvme.bytes_per_dir=lots >/dev/null 2>&1; rc=$?
+set -e
+[[ $rc == 2 ]] || fail "doctor with a bad setting exited $rc"
+$ctl doctor --help | grep -q "^Exit status: 0 nothing would make offloadd fail or slow" || fail "doctor --help"
 echo PASS
