@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
@@ -688,6 +689,67 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return FromProto(resp);
+}
+
+namespace {
+// Elements of each moment one GetMoments or SetMoments carries (the
+// daemon's limit).
+constexpr uint64_t kMomentsPerCall = uint64_t{16} << 20;
+}  // namespace
+
+absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begin, uint64_t count) {
+  Moments out;
+  out.exp_avg.resize(count);
+  out.exp_avg_sq.resize(count);
+  for (uint64_t done = 0; done < count || (count == 0 && done == 0);) {
+    const uint64_t n = std::min(count - done, kMomentsPerCall);
+    v1::GetMomentsRequest req;
+    *req.mutable_session() = impl_->ref;
+    req.set_partition_id(id);
+    req.set_begin(begin + done);
+    req.set_count(n);
+    v1::Moments resp;
+    Rpc rpc(impl_->timeout, impl_->token);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->GetMoments(&rpc.context, req, &resp), "GetMoments"));
+    if (resp.exp_avg().size() != n * sizeof(float) ||
+        resp.exp_avg_sq().size() != n * sizeof(float)) {
+      return absl::InternalError(absl::StrCat("GetMoments answered ", resp.exp_avg().size(),
+                                              " and ", resp.exp_avg_sq().size(), " bytes for ", n,
+                                              " elements"));
+    }
+    std::memcpy(out.exp_avg.data() + done, resp.exp_avg().data(), n * sizeof(float));
+    std::memcpy(out.exp_avg_sq.data() + done, resp.exp_avg_sq().data(), n * sizeof(float));
+    out.step = resp.step();
+    if (n == 0) break;
+    done += n;
+  }
+  return out;
+}
+
+absl::Status Session::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
+                                   absl::Span<const float> exp_avg,
+                                   absl::Span<const float> exp_avg_sq) {
+  if (exp_avg.size() != exp_avg_sq.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("exp_avg has ", exp_avg.size(), " elements, exp_avg_sq ", exp_avg_sq.size()));
+  }
+  for (uint64_t done = 0; done < exp_avg.size() || (exp_avg.empty() && done == 0);) {
+    const uint64_t n = std::min<uint64_t>(exp_avg.size() - done, kMomentsPerCall);
+    v1::SetMomentsRequest req;
+    *req.mutable_session() = impl_->ref;
+    req.set_partition_id(id);
+    req.set_begin(begin + done);
+    v1::Moments* m = req.mutable_moments();
+    m->set_step(step);
+    m->set_exp_avg(exp_avg.data() + done, n * sizeof(float));
+    m->set_exp_avg_sq(exp_avg_sq.data() + done, n * sizeof(float));
+    v1::SetMomentsResponse resp;
+    Rpc rpc(impl_->timeout, impl_->token);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->SetMoments(&rpc.context, req, &resp), "SetMoments"));
+    if (n == 0) break;
+    done += n;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Session::SetDelayedUpdate(bool enabled) {

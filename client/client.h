@@ -383,6 +383,18 @@ class Session {
   // the working copies' registrations go (the daemon adds or removes a
   // buffer's pages): call it with no copy in flight from them.
   absl::Status SetDelayedUpdate(bool enabled);
+  // Partition `id`'s Adam state as torch's AdamW keeps it (offload.proto's
+  // GetMomentsRequest): its step count and elements [begin, begin + count)
+  // of its two moments; WriteMoments sets them (both spans the same size).
+  // Between this session's steps. Any size: split into calls of at most
+  // 16M elements.
+  struct Moments {
+    uint64_t step = 0;
+    std::vector<float> exp_avg, exp_avg_sq;
+  };
+  absl::StatusOr<Moments> ReadMoments(uint64_t id, uint64_t begin, uint64_t count);
+  absl::Status WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
+                            absl::Span<const float> exp_avg, absl::Span<const float> exp_avg_sq);
   // Tells the daemon what this session's GPU tier did (GetStats shows it;
   // the node's gpu_* counters add it up) and answers the node's settings
   // for it. GpuTier calls it about once a second.

@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <cstring>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "base/descriptors.h"
 #include "base/status_macros.h"
@@ -332,6 +335,56 @@ grpc::Status PartitionServiceImpl::WaitStep(grpc::ServerContext* context,
     ASSIGN_OR_RETURN(StepSummary summary, sessions_->WaitStep(KeyOf(req->session())));
     ToProto(summary, resp);
     return absl::OkStatus();
+  });
+}
+
+namespace {
+// The most moment elements one GetMoments or SetMoments carries (two
+// moments of 64 MiB each).
+constexpr uint64_t kMaxMomentElements = uint64_t{16} << 20;
+}  // namespace
+
+grpc::Status PartitionServiceImpl::GetMoments(grpc::ServerContext* context,
+                                              const v1::GetMomentsRequest* req, v1::Moments* resp) {
+  return Serve(*context, [&]() -> absl::Status {
+    if (req->count() > kMaxMomentElements) {
+      return absl::InvalidArgumentError(absl::StrCat("count ", req->count(), " is over ",
+                                                     kMaxMomentElements, " elements a call"));
+    }
+    std::string* exp_avg = resp->mutable_exp_avg();
+    std::string* exp_avg_sq = resp->mutable_exp_avg_sq();
+    exp_avg->resize(req->count() * sizeof(float));
+    exp_avg_sq->resize(req->count() * sizeof(float));
+    ASSIGN_OR_RETURN(uint64_t step, sessions_->ReadMoments(
+                                        KeyOf(req->session()), req->partition_id(), req->begin(),
+                                        req->count(), reinterpret_cast<float*>(exp_avg->data()),
+                                        reinterpret_cast<float*>(exp_avg_sq->data())));
+    resp->set_step(step);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PartitionServiceImpl::SetMoments(grpc::ServerContext* context,
+                                              const v1::SetMomentsRequest* req,
+                                              v1::SetMomentsResponse*) {
+  return Serve(*context, [&]() -> absl::Status {
+    const v1::Moments& m = req->moments();
+    if (m.exp_avg().size() != m.exp_avg_sq().size() || m.exp_avg().size() % sizeof(float) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("moments.exp_avg (", m.exp_avg().size(), " bytes) and moments.exp_avg_sq (",
+                       m.exp_avg_sq().size(), " bytes) must be the same whole number of floats"));
+    }
+    const uint64_t count = m.exp_avg().size() / sizeof(float);
+    if (count > kMaxMomentElements) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(count, " elements is over ", kMaxMomentElements, " a call"));
+    }
+    // (Copied: protobuf's strings need not be aligned for floats.)
+    std::vector<float> exp_avg(count), exp_avg_sq(count);
+    std::memcpy(exp_avg.data(), m.exp_avg().data(), count * sizeof(float));
+    std::memcpy(exp_avg_sq.data(), m.exp_avg_sq().data(), count * sizeof(float));
+    return sessions_->WriteMoments(KeyOf(req->session()), req->partition_id(), m.step(),
+                                   req->begin(), count, exp_avg.data(), exp_avg_sq.data());
   });
 }
 

@@ -65,6 +65,10 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
                         v1::StepResponse*) override;
   grpc::Status SetDelayedUpdate(grpc::ServerContext*, const v1::SetDelayedUpdateRequest*,
                                 v1::SetDelayedUpdateResponse*) override;
+  grpc::Status GetMoments(grpc::ServerContext*, const v1::GetMomentsRequest*,
+                          v1::Moments*) override;
+  grpc::Status SetMoments(grpc::ServerContext*, const v1::SetMomentsRequest*,
+                          v1::SetMomentsResponse*) override;
   grpc::Status ReportGpuTier(grpc::ServerContext*, const v1::ReportGpuTierRequest*,
                              v1::ReportGpuTierResponse*) override;
   grpc::Status ReturnGradients(grpc::ServerContext*, const v1::ReturnGradientsRequest*,

@@ -879,6 +879,78 @@ absl::Status PartitionStore::MasterFromWorking(const Partition& p) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> PartitionStore::ReadMoments(uint64_t id, uint64_t begin, uint64_t count,
+                                                     float* exp_avg, float* exp_avg_sq) {
+  uint64_t step;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
+    step = p->info.step;
+  }
+  RETURN_IF_ERROR(CopyMoments(id, begin, count, exp_avg, exp_avg_sq, /*write=*/false));
+  return step;
+}
+
+absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
+                                          uint64_t count, const float* exp_avg,
+                                          const float* exp_avg_sq) {
+  Partition* p;
+  {
+    absl::MutexLock lock(&mu_);
+    if (delayed_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", id,
+          ": optimizer state is not written with the delayed update on (its step in flight would "
+          "overwrite it); switch it off first"));
+    }
+    ASSIGN_OR_RETURN(p, FindOrNotFound(id));
+    AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
+  }
+  CaptureAll(absl::MakeConstSpan(&p, 1));  // a checkpoint being written keeps what was
+  RETURN_IF_ERROR(CopyMoments(id, begin, count, const_cast<float*>(exp_avg),
+                              const_cast<float*>(exp_avg_sq), /*write=*/true));
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(p, FindOrNotFound(id));
+  p->info.step = step;
+  return absl::OkStatus();
+}
+
+absl::Status PartitionStore::CopyMoments(uint64_t id, uint64_t begin, uint64_t count,
+                                         float* exp_avg, float* exp_avg_sq, bool write) {
+  uint64_t numel;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    numel = p->info.numel;
+  }
+  if (begin > numel || count > numel - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("partition ", id, " has ", numel,
+                                                   " elements; asked for [", begin, ", ",
+                                                   begin + count, ")"));
+  }
+  const std::pair<float*, int> moments[] = {{exp_avg, PartitionStore::kExpAvg},
+                                            {exp_avg_sq, PartitionStore::kExpAvgSq}};
+  for (uint64_t at = begin; at < begin + count;) {
+    const uint64_t chunk = at / state_chunk_elems_;
+    const uint64_t in_chunk = at - chunk * state_chunk_elems_;
+    const uint64_t n = std::min(begin + count - at, state_chunk_elems_ - in_chunk);
+    for (const auto& [buffer, kind] : moments) {
+      if (buffer == nullptr) continue;
+      ASSIGN_OR_RETURN(Swapper::Pin pin, PinBlock(id, chunk, kind, write));
+      float* block = reinterpret_cast<float*>(pin.data()) + in_chunk;
+      float* mine = buffer + (at - begin);
+      if (write) {
+        std::memcpy(block, mine, n * sizeof(float));
+      } else {
+        std::memcpy(mine, block, n * sizeof(float));
+      }
+    }
+    at += n;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PartitionStore::AddInitBlocks(const Partition& p) {
   const uint64_t id = p.info.id;
   std::vector<uint64_t> added;

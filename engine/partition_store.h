@@ -311,6 +311,20 @@ class PartitionStore {
   void EndStep(absl::Span<const StepItem> items, absl::Span<const ItemOutcome> outcomes)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Partition `id`'s Adam state as torch's AdamW keeps it: its step count
+  // and, for elements [begin, begin + count), its moments (fp32, `count`
+  // floats each; either pointer may be null), copied out by ReadMoments or
+  // in by WriteMoments (which sets the step count too), wherever their
+  // blocks are (swapped in as a step would). A step of the partition
+  // running ends first; a checkpoint being written captures the chunks
+  // first. Between the trainer's own steps, like Fetch. INVALID_ARGUMENT
+  // past the partition's end; WriteMoments with the delayed update on is
+  // FAILED_PRECONDITION (the step in flight would overwrite them).
+  absl::StatusOr<uint64_t> ReadMoments(uint64_t id, uint64_t begin, uint64_t count, float* exp_avg,
+                                       float* exp_avg_sq) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status WriteMoments(uint64_t id, uint64_t step, uint64_t begin, uint64_t count,
+                            const float* exp_avg, const float* exp_avg_sq) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Changes the share of this store's bytes of some kinds homed on the host
   // and re-homes its partitions as at registration (greedily, in
   // registration order). Returns at once: the swapper moves the blocks in
@@ -409,6 +423,10 @@ class PartitionStore {
   absl::Status CheckSwapsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CommitSwapsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ReadMoments and WriteMoments: copies [begin, begin + count) of the two
+  // moments out of or into their blocks, chunk by chunk.
+  absl::Status CopyMoments(uint64_t id, uint64_t begin, uint64_t count, float* exp_avg,
+                           float* exp_avg_sq, bool write) ABSL_LOCKS_EXCLUDED(mu_);
   // Chunks of a partition of `numel` elements.
   uint64_t ChunksOf(uint64_t numel) const;
   // Pins every chunk of `p`'s parameters (or gradients): the caller's

@@ -322,6 +322,96 @@ TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
 // weights, fp32 exactly where the working copy is bf16 (through the fp32
 // initial values' region) and from the working copy where it is fp32; the
 // moments and the step count stay; refused with the delayed update on.
+// optimizer.state_dict() and load_state_dict(): the moments and the step
+// count read and written wherever they rest, and a step after a write
+// continues from them.
+TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
+  for (int host_percent : {100, 0}) {
+    SCOPED_TRACE(absl::StrCat("optimizer state ", host_percent, "% on the host"));
+    TestEngine engine(TmpDir(absl::StrCat("moments", host_percent)), 64 << 20);
+    auto opened = engine.sessions->Open("moments", StateAt(host_percent));
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const SessionKey key = opened->key;
+    constexpr uint64_t kN = 2 * kChunkElems + 5;
+    auto fd = engine.sessions->DupArenaFd(key);
+    HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+    auto p = engine.sessions->Register(key, PartitionSpec{"w", kN, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::vector<float> init(kN), g1(kN), g2(kN);
+    for (uint64_t j = 0; j < kN; ++j) {
+      init[j] = 0.5f + 1e-3f * static_cast<float>(j % 101);
+      g1[j] = 0.01f * std::sin(static_cast<float>(j));
+      g2[j] = 0.02f * std::cos(static_cast<float>(j));
+    }
+    std::memcpy(arena.data() + p->params.offset, init.data(), kN * 4);
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    auto step = [&](const std::vector<float>& g) {
+      ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}, WithGrads()).ok());
+      std::memcpy(arena.data() + p->grads.offset, g.data(), kN * 4);
+      ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kN, DType::kFp32).ok());
+      ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+      ASSERT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
+    };
+    // Before any step: step 0, zeros.
+    std::vector<float> m(kN, -1.f), v(kN, -1.f);
+    auto read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data());
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(*read, 0u);
+    EXPECT_EQ(m, std::vector<float>(kN, 0.f));
+    step(g1);
+    // The reference optimizer's step 1.
+    std::vector<float> master = init, rm(kN, 0.f), rv(kN, 0.f), out(kN);
+    Optimizer optimizer{OptimizerOptions{}};
+    AdamTask task;
+    task.span = {master.data(), rm.data(),  rv.data(),    g1.data(),
+                 DType::kFp32,  out.data(), DType::kFp32, kN};
+    task.step = 1;
+    ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), AdamHyperparams{}).ok());
+    read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data());
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(*read, 1u);
+    EXPECT_EQ(m, rm);
+    EXPECT_EQ(v, rv);
+    // A window across a chunk boundary, then the rest: written, read back.
+    std::vector<float> wm(kN), wv(kN);
+    for (uint64_t j = 0; j < kN; ++j) {
+      wm[j] = 1e-3f * static_cast<float>(j % 7) - 2e-3f;
+      wv[j] = 1e-6f * static_cast<float>(j % 13 + 1);
+    }
+    const uint64_t cut = kChunkElems - 3;
+    ASSERT_TRUE(engine.sessions->WriteMoments(key, p->id, 7, 0, cut, wm.data(), wv.data()).ok());
+    ASSERT_TRUE(engine.sessions
+                    ->WriteMoments(key, p->id, 7, cut, kN - cut, wm.data() + cut, wv.data() + cut)
+                    .ok());
+    std::vector<float> tail_m(10), tail_v(10);
+    read = engine.sessions->ReadMoments(key, p->id, cut - 5, 10, tail_m.data(), tail_v.data());
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(*read, 7u);
+    EXPECT_EQ(tail_m, std::vector<float>(wm.begin() + cut - 5, wm.begin() + cut + 5));
+    EXPECT_EQ(tail_v, std::vector<float>(wv.begin() + cut - 5, wv.begin() + cut + 5));
+    // The next step goes on from them: step 8 with the written moments.
+    step(g2);
+    rm = wm;
+    rv = wv;
+    task.span.grads = g2.data();
+    task.step = 8;
+    ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), AdamHyperparams{}).ok());
+    ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+    EXPECT_EQ(std::memcmp(arena.data() + p->params.offset, out.data(), kN * 4), 0);
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    // Out of range, another's partition, the delayed update: refused.
+    EXPECT_EQ(
+        engine.sessions->ReadMoments(key, p->id, kN - 1, 2, m.data(), v.data()).status().code(),
+        absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        engine.sessions->ReadMoments(key, p->id + 999, 0, 1, m.data(), v.data()).status().code(),
+        absl::StatusCode::kNotFound);
+    ASSERT_TRUE(engine.sessions->SetDelayedUpdate(key, true).ok());
+    EXPECT_EQ(engine.sessions->WriteMoments(key, p->id, 1, 0, 1, wm.data(), wv.data()).code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+}
+
 TEST(OutOfCore, ALoadMakesItsValuesTheMasterWeightsAndKeepsTheMoments) {
   TestEngine engine(TmpDir("load"), 64 << 20);
   auto opened = engine.sessions->Open("load", StateAt(100));

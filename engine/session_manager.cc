@@ -701,6 +701,22 @@ void SessionManager::SetGpuTierSettings(const GpuTierSettings& settings) {
   gpu_settings_ = settings;
 }
 
+absl::StatusOr<uint64_t> SessionManager::ReadMoments(const SessionKey& key, uint64_t partition_id,
+                                                     uint64_t begin, uint64_t count, float* exp_avg,
+                                                     float* exp_avg_sq) {
+  const uint64_t ids[] = {partition_id};
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
+  return session->partitions->ReadMoments(partition_id, begin, count, exp_avg, exp_avg_sq);
+}
+
+absl::Status SessionManager::WriteMoments(const SessionKey& key, uint64_t partition_id,
+                                          uint64_t step, uint64_t begin, uint64_t count,
+                                          const float* exp_avg, const float* exp_avg_sq) {
+  const uint64_t ids[] = {partition_id};
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
+  return session->partitions->WriteMoments(partition_id, step, begin, count, exp_avg, exp_avg_sq);
+}
+
 absl::Status SessionManager::SetDelayedUpdate(const SessionKey& key, bool on) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   session->delayed_update_after = -1;

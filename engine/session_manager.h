@@ -221,6 +221,13 @@ class SessionManager {
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
   absl::Status SetDelayedUpdate(const SessionKey& key, bool on) ABSL_LOCKS_EXCLUDED(mu_);
+  // A partition's Adam state (PartitionStore::ReadMoments, WriteMoments).
+  absl::StatusOr<uint64_t> ReadMoments(const SessionKey& key, uint64_t partition_id, uint64_t begin,
+                                       uint64_t count, float* exp_avg, float* exp_avg_sq)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status WriteMoments(const SessionKey& key, uint64_t partition_id, uint64_t step,
+                            uint64_t begin, uint64_t count, const float* exp_avg,
+                            const float* exp_avg_sq) ABSL_LOCKS_EXCLUDED(mu_);
   // Keeps the session's GPU-tier report (its summary shows it; what it
   // added since the previous one goes into the node's gpu_* counters) and
   // answers the node's settings for it.

@@ -254,6 +254,23 @@ class TorchWrapTest(unittest.TestCase):
                          runs[4096]["counts"]["reduce_collectives"])
         self.assertEqual(tiered["losses"], runs[4096]["losses"])
 
+    def test_optimizer_state_dict_of_two_ranks_is_torchs(self):
+        # Each rank holds a slice of each moment: state_dict() gathers them
+        # (every rank calls it), equal to torch AdamW's, param groups and
+        # the scheduler's lr included.
+        sc = dict(BASE, steps=4, optimizer_state=True)
+        ref = self.reference(sc)
+        mine, _, _ = self.run_ranks(sc, 2)
+        a, b = mine["optimizer_state"], ref["optimizer_state"]
+        self.assertEqual(a["lrs"], b["lrs"])
+        self.assertEqual(sorted(a["state"]), sorted(b["state"]))
+        for i, st in b["state"].items():
+            self.assertEqual(a["state"][i]["step"], st["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                self.assertEqual(len(a["state"][i][k]), len(st[k]))
+                worst = max(abs(x - y) - 1e-4 * abs(y) for x, y in zip(a["state"][i][k], st[k]))
+                self.assertLessEqual(worst, 1e-8, f"state {i} {k}")
+
     def test_gpu_tier_on_the_emulated_device(self):
         # The GPU tier's code (units, prefetch along the learned order, the
         # budget, eviction by next use, DMA registration, gradients on a
@@ -726,6 +743,76 @@ class WrapInProcessTest(unittest.TestCase):
                                     "parameter 'inner.weight' was used"):
             other(torch.randn(2, 8))
         opt.close()
+
+    def test_optimizer_state_dict_goes_to_and_from_torch_adamw(self):
+        import torch
+        import offloadd
+        adamw = {"lr": 1e-2, "weight_decay": 0.1}
+        gen = torch.Generator().manual_seed(5)
+        data = [torch.randn(4, 8, generator=gen) for _ in range(5)]
+        ref = self.mlp()
+        ref_opt = torch.optim.AdamW(ref.parameters(), **adamw)
+        model, mine = self.wrap(self.mlp(), adamw)
+        for x in data[:3]:
+            for m, o in ((ref, ref_opt), (model, mine)):
+                loss = m(x).pow(2).mean()
+                (o.backward(loss) if o is mine else loss.backward())
+                o.step()
+                o.zero_grad()
+        # Ours in torch's format, equal to torch's own.
+        ours, theirs = mine.state_dict(), ref_opt.state_dict()
+        self.assertEqual(sorted(ours["state"]), sorted(theirs["state"]))
+        for i, st in theirs["state"].items():
+            self.assertEqual(float(ours["state"][i]["step"]), float(st["step"]))
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours["state"][i][k], st[k], rtol=1e-5, atol=1e-9,
+                                           msg=f"{i} {k}")
+        self.assertEqual(ours["param_groups"][0]["params"], theirs["param_groups"][0]["params"])
+        self.assertEqual(ours["param_groups"][0]["lr"], 1e-2)
+
+        def go_on(m, o, batches):
+            for x in batches:
+                loss = m(x).pow(2).mean()
+                (o.backward(loss) if isinstance(o, type(mine)) else loss.backward())
+                o.step()
+                o.zero_grad()
+        # Ours into torch AdamW (through torch.save): it goes on as ours would.
+        import io
+        buf = io.BytesIO()
+        torch.save(ours, buf)
+        buf.seek(0)
+        taken = self.mlp()
+        taken.load_state_dict(model.state_dict())
+        taken_opt = torch.optim.AdamW(taken.parameters(), **adamw)
+        taken_opt.load_state_dict(torch.load(buf))
+        go_on(taken, taken_opt, data[3:])
+        go_on(ref, ref_opt, data[3:])
+        self.assertEqual(set(taken.state_dict()), set(ref.state_dict()))
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(taken.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        # Torch's into a fresh wrapped model (weights by model.load_state_dict):
+        # it goes on as torch does.
+        mine.close()
+        ref = self.mlp()
+        ref_opt = torch.optim.AdamW(ref.parameters(), **adamw)
+        go_on(ref, ref_opt, data[:3])
+        model, mine = self.wrap(self.mlp(), adamw)
+        model.load_state_dict(ref.state_dict())
+        mine.load_state_dict(ref_opt.state_dict())
+        go_on(ref, ref_opt, data[3:])
+        go_on(model, mine, data[3:])
+        self.assert_weights(model, ref.state_dict())
+        for i, st in ref_opt.state_dict()["state"].items():
+            self.assertEqual(float(mine.state_dict()["state"][i]["step"]), float(st["step"]))
+        # A state_dict of other parameters, or with amsgrad, is refused.
+        other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]).state_dict()
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "param groups"):
+            mine.load_state_dict(other)
+        bad = ref_opt.state_dict()
+        bad["param_groups"][0]["amsgrad"] = True
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "amsgrad"):
+            mine.load_state_dict(bad)
+        mine.close()
 
     def test_static_loss_scale_is_undone_exactly(self):
         # eps = 1 makes Adam's update follow the gradient's size, so a

@@ -117,12 +117,22 @@ def train(sc, rank, world, use_offloadd):
         x, y = text.batch(64, sc["context"], torch.Generator().manual_seed(99))
         final = model(x.to(device), y.to(device)).item()
     state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}
+    optimizer_state = None
+    if sc.get("optimizer_state"):  # torch's format, whichever optimizer ran
+        osd = opt.state_dict()
+        optimizer_state = {
+            "lrs": [g["lr"] for g in osd["param_groups"]],
+            "state": {str(i): {"step": float(st["step"]),
+                               "exp_avg": st["exp_avg"].flatten().tolist(),
+                               "exp_avg_sq": st["exp_avg_sq"].flatten().tolist()}
+                      for i, st in osd["state"].items()}}
     counts = dict(model.offloadd.counts) if use_offloadd else {}
     gpu_stats = model.offloadd.gpu_stats() if use_offloadd else None
     if use_offloadd:
         opt.close()
     return {"losses": losses, "norms": norms, "final": final, "state": state,
-            "checkpoint_state": checkpoint_state, "counts": counts, "gpu": gpu_stats}
+            "checkpoint_state": checkpoint_state, "counts": counts, "gpu": gpu_stats,
+            "optimizer_state": optimizer_state}
 
 
 def main():

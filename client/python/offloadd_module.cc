@@ -532,6 +532,41 @@ PYBIND11_MODULE(_offloadd, m) {
           [](Session& s, bool on) { Check(Unlocked([&] { return s.SetDelayedUpdate(on); })); },
           py::arg("enabled"))
       .def(
+          "read_moments",
+          [](Session& s, uint64_t id, uint64_t begin, uint64_t count) {
+            Session::Moments m = Value(Unlocked([&] { return s.ReadMoments(id, begin, count); }));
+            auto bytes = [](const std::vector<float>& v) {
+              return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+            };
+            return py::make_tuple(m.step, bytes(m.exp_avg), bytes(m.exp_avg_sq));
+          },
+          py::arg("id"), py::arg("begin"), py::arg("count"),
+          "(step, exp_avg, exp_avg_sq): partition id's Adam step count and elements [begin, "
+          "begin + count) of its moments, as fp32 bytes")
+      .def(
+          "write_moments",
+          [](Session& s, uint64_t id, uint64_t step, uint64_t begin, py::buffer exp_avg,
+             py::buffer exp_avg_sq) {
+            auto floats = [](py::buffer& b, const char* name) {
+              py::buffer_info info = b.request();
+              if (info.itemsize != sizeof(float) ||
+                  info.format != py::format_descriptor<float>::format() || info.ndim != 1 ||
+                  info.strides[0] != static_cast<py::ssize_t>(sizeof(float))) {
+                throw py::value_error(std::string(name) +
+                                      " must be a contiguous 1-D buffer of float32");
+              }
+              return absl::Span<const float>(static_cast<const float*>(info.ptr),
+                                             static_cast<size_t>(info.shape[0]));
+            };
+            absl::Span<const float> m = floats(exp_avg, "exp_avg");
+            absl::Span<const float> v = floats(exp_avg_sq, "exp_avg_sq");
+            Check(Unlocked([&] { return s.WriteMoments(id, step, begin, m, v); }));
+          },
+          py::arg("id"), py::arg("step"), py::arg("begin"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"),
+          "sets partition id's Adam step count and elements [begin, begin + len) of its moments "
+          "(float32 buffers, e.g. numpy arrays)")
+      .def(
           "set_placement",
           [](Session& s, std::optional<int> params, std::optional<int> grads,
              std::optional<int> optimizer_state) {

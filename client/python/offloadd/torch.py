@@ -52,9 +52,9 @@ Limits, said plainly:
   model.load_state_dict() is one too: each rank's slice of the loaded values
   becomes its partition's master weights (fp32, exactly; the working copy
   rounded from them); the optimizer's moments and step counts stay, as
-  torch's do. optimizer.state_dict() is not supported (the state is the
-  daemon's): optimizer.checkpoint(dir) saves it and zero_config
-  restore_from resumes it.
+  torch's do. optimizer.state_dict() and load_state_dict() are torch
+  AdamW's format (collectives too); optimizer.checkpoint(dir) and
+  zero_config restore_from are faster and keep the fp32 master weights.
 - Non-finite gradients skip the step on every rank (torch would write NaN);
   optimizer.last_step says so.
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
@@ -1659,14 +1659,116 @@ class Optimizer(torch.optim.Optimizer):
         """The outcome of this rank's background checkpoint, once written."""
         return self._engine.session.wait_checkpoint()
 
+    def _settle(self):
+        """Before the optimizer state is read or written: the overlapped
+        step has ended, and nothing of this iteration is in flight."""
+        e = self._engine
+        if self._overlapped:
+            self._overlapped = False
+            self.last_finished = e.session.wait_step()
+        e.free_all()
+        e.flush_gradients()
+
     def state_dict(self):
-        raise NotImplementedError(
-            "the optimizer state (fp32 master weights, moments) lives in offloadd: save it with "
-            "optimizer.checkpoint(directory), resume with zero_config restore_from; "
-            "model.state_dict() gathers the weights")
+        """torch.optim.AdamW's state_dict, read from the daemon: for each
+        parameter that has been stepped, its step count and both moments
+        whole (fp32, on the parameter's device), and the param groups'
+        hyperparameters. A collective: every rank calls it (each rank's
+        daemon holds a slice of each moment). torch.save() it; this
+        optimizer's load_state_dict() and torch.optim.AdamW's take it.
+        offloadd's own checkpoints (checkpoint()) are faster and hold the
+        fp32 master weights too."""
+        e = self._engine
+        self._settle()
+        state, groups, index = {}, [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(g["params"])))
+            for p in g["params"]:
+                s = e.by_param[id(p)]
+                step, exp_avg, exp_avg_sq = self._moments_of(s)
+                if step > 0:
+                    state[index] = {"step": torch.tensor(float(step)), "exp_avg": exp_avg,
+                                    "exp_avg_sq": exp_avg_sq}
+                index += 1
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def _moments_of(self, s):
+        """(step, exp_avg, exp_avg_sq) of shard `s`, whole (gathered)."""
+        e = self._engine
+        step, m, v = e.session.read_moments(s.pid, 0, s.slice_numel)
+        mine = torch.frombuffer(bytearray(m + v), dtype=torch.float32)
+        if e.world > 1:
+            comm = e._comm_device(s)
+            mine = mine.to(comm)
+            flat = torch.empty(mine.numel() * e.world, dtype=torch.float32, device=comm)
+            e._collective(f"all-gather of the moments of '{s.name}'", lambda: dist.all_gather(
+                list(flat.chunk(e.world)), mine, group=e.group))
+            parts = flat.view(e.world, 2, s.slice_numel)
+        else:
+            parts = mine.view(1, 2, s.slice_numel)
+        whole = [parts[:, k].reshape(-1)[: s.numel].view(s.shape).to(s.device, copy=True)
+                 for k in (0, 1)]
+        return step, whole[0], whole[1]
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("the optimizer state lives in offloadd (see state_dict)")
+        """Takes a state_dict() of this optimizer or of torch.optim.AdamW
+        (or Adam) for the same parameters in the same groups: each rank
+        writes its slice of each parameter's moments and its step count into
+        its daemon (a parameter with no state starts afresh, as in torch),
+        and the groups take the saved hyperparameters (lr, betas, eps,
+        weight decay). Every rank calls it. The weights are the model's
+        (model.load_state_dict)."""
+        e = self._engine
+        groups, saved = state_dict["param_groups"], state_dict["state"]
+        if len(groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
+            raise offloadd.InvalidArgumentError(
+                "optimizer state_dict: its param groups have "
+                f"{[len(g['params']) for g in groups]} parameters, this optimizer's "
+                f"{[len(g['params']) for g in self.param_groups]}")
+        for g in groups:
+            for k in ("amsgrad", "maximize"):
+                if g.get(k):
+                    raise offloadd.InvalidArgumentError(
+                        f"optimizer state_dict: {k}=True is not supported by offloadd's Adam")
+        self._settle()
+        delayed = bool(self.last_step and self.last_step.get("delayed_update"))
+        if delayed:
+            e.session.set_delayed_update(False)  # (switched on again below)
+        try:
+            for g, mine in zip(groups, self.param_groups):
+                for old, p in zip(g["params"], mine["params"]):
+                    self._write_moments(e.by_param[id(p)], saved.get(old))
+        finally:
+            if delayed:
+                e.session.set_delayed_update(True)
+        # The saved hyperparameters (torch's own keys such as amsgrad, which
+        # this optimizer's groups lack, stay out).
+        for g, mine in zip(groups, self.param_groups):
+            for k, v in g.items():
+                if k != "params" and k in mine:
+                    mine[k] = v
+
+    def _write_moments(self, s, st):
+        e = self._engine
+        lo = min(e.rank * s.slice_numel, s.numel)
+        hi = min(lo + s.slice_numel, s.numel)
+        pieces, step = [], 0
+        for key in ("exp_avg", "exp_avg_sq"):
+            piece = torch.zeros(s.slice_numel, dtype=torch.float32)
+            if st is not None:
+                t = st[key]
+                if tuple(t.shape) != tuple(s.shape):
+                    raise offloadd.InvalidArgumentError(
+                        f"optimizer state_dict: {key} of '{s.name}' has shape "
+                        f"{tuple(t.shape)}, the parameter {tuple(s.shape)}")
+                piece[: hi - lo] = t.detach().reshape(-1)[lo:hi].to("cpu", torch.float32)
+            pieces.append(piece.numpy())
+        if st is not None:
+            step = int(float(st["step"]))
+        e.session.write_moments(s.pid, step, 0, pieces[0], pieces[1])
 
     def close(self):
         """Waits for an overlapped step, then closes this rank's daemon
