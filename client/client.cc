@@ -694,7 +694,7 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
 namespace {
 // Elements of each moment one GetMoments or SetMoments carries (the
 // daemon's limit).
-constexpr uint64_t kMomentsPerCall = uint64_t{16} << 20;
+constexpr uint64_t kMomentsPerCall = uint64_t{4} << 20;
 }  // namespace
 
 absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begin, uint64_t count) {

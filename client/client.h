@@ -387,7 +387,7 @@ class Session {
   // GetMomentsRequest): its step count and elements [begin, begin + count)
   // of its two moments; WriteMoments sets them (both spans the same size).
   // Between this session's steps. Any size: split into calls of at most
-  // 16M elements.
+  // 4M elements.
   struct Moments {
     uint64_t step = 0;
     std::vector<float> exp_avg, exp_avg_sq;

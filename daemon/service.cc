@@ -340,8 +340,8 @@ grpc::Status PartitionServiceImpl::WaitStep(grpc::ServerContext* context,
 
 namespace {
 // The most moment elements one GetMoments or SetMoments carries (two
-// moments of 64 MiB each).
-constexpr uint64_t kMaxMomentElements = uint64_t{16} << 20;
+// moments of 16 MiB each: 128 calls at once hold at most 4 GiB).
+constexpr uint64_t kMaxMomentElements = uint64_t{4} << 20;
 }  // namespace
 
 grpc::Status PartitionServiceImpl::GetMoments(grpc::ServerContext* context,
