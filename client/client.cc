@@ -692,9 +692,10 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
 }
 
 namespace {
-// Elements of each moment one GetMoments or SetMoments carries (the
-// daemon's limit).
+// Elements of each moment one GetMoments carries (the daemon's limit), and
+// one SetMoments (under the daemon's 4 MiB limit on what it receives).
 constexpr uint64_t kMomentsPerCall = uint64_t{4} << 20;
+constexpr uint64_t kMomentsPerWrite = uint64_t{384} << 10;
 }  // namespace
 
 absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begin, uint64_t count) {
@@ -734,7 +735,7 @@ absl::Status Session::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
         absl::StrCat("exp_avg has ", exp_avg.size(), " elements, exp_avg_sq ", exp_avg_sq.size()));
   }
   for (uint64_t done = 0; done < exp_avg.size() || (exp_avg.empty() && done == 0);) {
-    const uint64_t n = std::min<uint64_t>(exp_avg.size() - done, kMomentsPerCall);
+    const uint64_t n = std::min<uint64_t>(exp_avg.size() - done, kMomentsPerWrite);
     v1::SetMomentsRequest req;
     *req.mutable_session() = impl_->ref;
     req.set_partition_id(id);

@@ -387,7 +387,7 @@ class Session {
   // GetMomentsRequest): its step count and elements [begin, begin + count)
   // of its two moments; WriteMoments sets them (both spans the same size).
   // Between this session's steps. Any size: split into calls of at most
-  // 4M elements.
+  // 4M elements (reads) or 384K (writes: the daemon receives at most 4 MiB).
   struct Moments {
     uint64_t step = 0;
     std::vector<float> exp_avg, exp_avg_sq;

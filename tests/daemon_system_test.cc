@@ -254,6 +254,42 @@ TEST_F(DaemonTest, GradientsOfSeveralPartitionsReturnInOneCall) {
   EXPECT_EQ(step->partitions_updated, 3u);
 }
 
+// optimizer.state_dict()'s calls over the wire: a partition larger than one
+// call carries (4M elements) read and written in several, and refused
+// calls that name what is wrong.
+TEST_F(DaemonTest, MomentsTravelInSeveralCallsAndComeBackAsWritten) {
+  auto s = Open("moments");
+  ASSERT_TRUE(s);
+  constexpr uint64_t kN = (uint64_t{4} << 20) + 3;
+  auto p = s->Register("big", kN, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(s->Release(*p).ok());
+  std::vector<float> m(kN), v(kN);
+  for (uint64_t j = 0; j < kN; ++j) {
+    m[j] = static_cast<float>(j % 1000) * 1e-3f;
+    v[j] = static_cast<float>(j % 77) * 1e-5f;
+  }
+  absl::Status written = s->WriteMoments(p->id, 5, 0, m, v);
+  ASSERT_TRUE(written.ok()) << written;
+  auto read = s->ReadMoments(p->id, 0, kN);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->step, 5u);
+  EXPECT_EQ(read->exp_avg, m);
+  EXPECT_EQ(read->exp_avg_sq, v);
+  auto tail = s->ReadMoments(p->id, kN - 2, 2);
+  ASSERT_TRUE(tail.ok()) << tail.status();
+  EXPECT_EQ(tail->exp_avg, std::vector<float>(m.end() - 2, m.end()));
+  auto past = s->ReadMoments(p->id, kN - 2, 3);
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument) << past.status();
+  const float one = 1.0f;
+  auto uneven = s->WriteMoments(p->id, 1, 0, absl::MakeConstSpan(&one, 1), {});
+  EXPECT_EQ(uneven.code(), absl::StatusCode::kInvalidArgument) << uneven;
+  auto other = Open("another");
+  ASSERT_TRUE(other);
+  auto theirs = other->ReadMoments(p->id, 0, 1);
+  EXPECT_EQ(theirs.status().code(), absl::StatusCode::kPermissionDenied) << theirs.status();
+}
+
 // Gradients handed over (ReturnGradients with hand_over), through the
 // request ring and through gRPC: the step reads them in the buffer and
 // trains bit for bit like gradients returned the usual way; a fetch of the
