@@ -86,6 +86,11 @@ void ConfigRegistry::BindTyped(std::string name, T* field, TunableSpec spec, con
     *field = std::move(value);
     return absl::OkStatus();
   };
+  t.normalize = [parse, format](absl::string_view text) -> absl::StatusOr<std::string> {
+    T value;
+    RETURN_IF_ERROR(parse(text, &value));
+    return format(value);
+  };
   t.hook = hook;
   t.hook_type = &typeid(T);
   t.has_hook = [hook] { return static_cast<bool>(*hook); };
@@ -180,6 +185,17 @@ absl::StatusOr<TunableInfo> ConfigRegistry::Set(absl::string_view name, absl::st
   }
   RETURN_IF_ERROR(it->second.set(value, /*run_hook=*/frozen_));
   return Snapshot(it->second);
+}
+
+absl::StatusOr<std::string> ConfigRegistry::Normalize(absl::string_view name,
+                                                      absl::string_view value) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tunables_.find(name);
+  if (it == tunables_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no tunable named '", name, "' (offloadctl config list shows them all)"));
+  }
+  return it->second.normalize(value);
 }
 
 absl::StatusOr<TunableInfo> ConfigRegistry::Get(absl::string_view name) const {

@@ -103,6 +103,9 @@ class ConfigRegistry {
   // frozen. Returns the tunable as stored afterwards.
   absl::StatusOr<TunableInfo> Set(absl::string_view name, absl::string_view value);
   absl::StatusOr<TunableInfo> Get(absl::string_view name) const;
+  // `value` as Get would show it once set ("8GiB" for "8192MiB"), checked
+  // as Set checks it, changing nothing: NOT_FOUND or INVALID_ARGUMENT as Set.
+  absl::StatusOr<std::string> Normalize(absl::string_view name, absl::string_view value) const;
   std::vector<TunableInfo> List() const;
 
  private:
@@ -117,6 +120,8 @@ class ConfigRegistry {
     const std::type_info* hook_type = nullptr;
     // Whether a non-empty hook was set.
     std::function<bool()> has_hook;
+    // Parses and range-checks `text`; formats it as `format` would.
+    std::function<absl::StatusOr<std::string>(absl::string_view text)> normalize;
   };
 
   template <typename T>

@@ -35,17 +35,17 @@ void SetReceiveTimeout(int fd, int ms) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(const std::string& path,
-                                                                  SessionManager* sessions,
-                                                                  absl::Duration attach_lease,
-                                                                  absl::Duration idle_lease,
-                                                                  absl::Duration reconnect_lease) {
+absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
+    const std::string& path, SessionManager* sessions, absl::Duration attach_lease,
+    absl::Duration idle_lease, absl::Duration reconnect_lease, std::optional<gid_t> group) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(path));
+  if (group.has_value()) RETURN_IF_ERROR(ShareWithGroup(path, *group));
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
   if (!stop.valid()) return PosixError("eventfd", errno);
   auto channel = std::unique_ptr<ArenaChannel>(
       new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease,
                        idle_lease, reconnect_lease));
+  channel->group_ = group;
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
   return channel;
 }
@@ -167,8 +167,14 @@ void ArenaChannel::Accept() {
   absl::StatusOr<ucred> cred = PeerCredentials(conn.get());
   if (!cred.ok()) return refuse(cred.status());
   if (cred->uid != geteuid() && cred->uid != 0) {
-    return refuse(absl::PermissionDeniedError(absl::StrCat(
-        "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ", geteuid())));
+    absl::StatusOr<bool> member =
+        group_.has_value() ? PeerInGroup(conn.get(), *cred, *group_) : false;
+    if (!member.ok()) return refuse(member.status());
+    if (!*member) {
+      return refuse(absl::PermissionDeniedError(absl::StrCat(
+          "uid ", cred->uid, " may not attach to sessions of a daemon running as uid ", geteuid(),
+          group_.has_value() ? absl::StrCat(" (nor is it in group ", *group_, ")") : "")));
+    }
   }
   if (pending_.size() >= kMaxPending) {
     return refuse(absl::UnavailableError(

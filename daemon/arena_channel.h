@@ -53,7 +53,8 @@ class ArenaChannel {
       const std::string& path, SessionManager* sessions,
       absl::Duration attach_lease = absl::Seconds(60),
       absl::Duration idle_lease = absl::ZeroDuration(),
-      absl::Duration reconnect_lease = absl::ZeroDuration());
+      absl::Duration reconnect_lease = absl::ZeroDuration(),
+      std::optional<gid_t> group = std::nullopt);
   // Stops the thread and removes the socket file.
   ~ArenaChannel();
 
@@ -95,6 +96,8 @@ class ArenaChannel {
   const absl::Duration reconnect_lease_;  // zero: a trainer gone is a session closed
   std::vector<Attached> attached_;        // only the serving thread touches these
   std::vector<Pending> pending_;
+  // server.socket_group: its members may attach too (the socket is 0660).
+  std::optional<gid_t> group_;
   // Out of descriptors (EMFILE): a pending connection is accepted into the
   // spare's number and refused, so that the listener does not stay readable
   // (a poll loop spinning); where even that fails, the listener is left out

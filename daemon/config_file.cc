@@ -4,6 +4,7 @@
 #include <sstream>
 #include <string>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "yaml-cpp/yaml.h"
@@ -12,13 +13,15 @@ namespace offload {
 
 namespace {
 
-absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node, const std::string& prefix,
-                       absl::string_view source) {
+using Settings = std::vector<std::pair<std::string, std::string>>;
+
+absl::Status Collect(const YAML::Node& node, const std::string& prefix, absl::string_view source,
+                     Settings* out) {
   if (node.IsMap()) {
     for (const auto& kv : node) {
       std::string key = kv.first.as<std::string>();
       std::string name = prefix.empty() ? key : absl::StrCat(prefix, ".", key);
-      RETURN_IF_ERROR(ApplyNode(registry, kv.second, name, source));
+      RETURN_IF_ERROR(Collect(kv.second, name, source, out));
     }
     return absl::OkStatus();
   }
@@ -26,17 +29,23 @@ absl::Status ApplyNode(ConfigRegistry& registry, const YAML::Node& node, const s
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": '", prefix, "' must be a scalar value or a map of settings"));
   }
-  auto set = registry.Set(prefix, node.Scalar());
-  if (!set.ok()) {
-    return absl::Status(set.status().code(), absl::StrCat(source, ": ", set.status().message()));
-  }
+  out->emplace_back(prefix, node.Scalar());
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 }  // namespace
 
-absl::Status ApplyYaml(ConfigRegistry& registry, absl::string_view yaml_text,
-                       absl::string_view source) {
+absl::StatusOr<Settings> ReadYamlSettings(absl::string_view yaml_text, absl::string_view source) {
   YAML::Node root;
   // yaml-cpp reports errors by exception; they stop here.
   try {
@@ -44,26 +53,74 @@ absl::Status ApplyYaml(ConfigRegistry& registry, absl::string_view yaml_text,
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": not valid YAML: ", e.what()));
   }
-  if (root.IsNull()) return absl::OkStatus();
+  Settings out;
+  if (root.IsNull()) return out;
   if (!root.IsMap()) {
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": the top level must be a map of settings"));
   }
   try {
-    return ApplyNode(registry, root, "", source);
+    RETURN_IF_ERROR(Collect(root, "", source, &out));
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
   }
+  return out;
+}
+
+absl::Status ApplyYaml(ConfigRegistry& registry, absl::string_view yaml_text,
+                       absl::string_view source) {
+  ASSIGN_OR_RETURN(Settings settings, ReadYamlSettings(yaml_text, source));
+  for (const auto& [name, value] : settings) {
+    auto set = registry.Set(name, value);
+    if (!set.ok()) {
+      return absl::Status(set.status().code(), absl::StrCat(source, ": ", set.status().message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ApplyYaml(registry, text, path);
+}
+
+absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std::string& path,
+                                            const std::vector<std::string>& from_command_line) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(Settings settings, ReadYamlSettings(text, path));
+  // Every name known before anything changes.
+  for (const auto& [name, value] : settings) {
+    auto known = registry.Get(name);
+    if (!known.ok()) {
+      return absl::Status(known.status().code(),
+                          absl::StrCat(path, ": ", known.status().message()));
+    }
   }
-  std::stringstream text;
-  text << in.rdbuf();
-  return ApplyYaml(registry, text.str(), path);
+  ConfigReload out;
+  for (const auto& [name, value] : settings) {
+    if (absl::c_linear_search(from_command_line, name)) {
+      out.kept.push_back(name);
+      continue;
+    }
+    const TunableInfo now = *registry.Get(name);
+    absl::StatusOr<std::string> wanted = registry.Normalize(name, value);
+    if (!wanted.ok()) {
+      out.refused.push_back(absl::StrCat(name, ": ", wanted.status().message()));
+      continue;
+    }
+    if (*wanted == now.value) continue;
+    if (!now.dynamic) {
+      out.need_restart.push_back(absl::StrCat(name, "=", *wanted));
+      continue;
+    }
+    auto set = registry.Set(name, value);
+    if (set.ok()) {
+      out.applied.push_back(absl::StrCat(name, "=", set->value));
+    } else {
+      out.refused.push_back(absl::StrCat(name, ": ", set.status().message()));
+    }
+  }
+  return out;
 }
 
 }  // namespace offload

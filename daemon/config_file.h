@@ -6,6 +6,8 @@
 #define OFFLOADD_DAEMON_CONFIG_FILE_H_
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -20,6 +22,26 @@ absl::Status ApplyYaml(ConfigRegistry& registry, absl::string_view yaml_text,
                        absl::string_view source);
 // NOT_FOUND if `path` cannot be read.
 absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path);
+
+// The settings a YAML document names, as (dotted name, value), in its order.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadYamlSettings(
+    absl::string_view yaml_text, absl::string_view source);
+
+// What re-reading the config file while offloadd runs did (SIGHUP).
+struct ConfigReload {
+  std::vector<std::string> applied;       // "name=value", changed now
+  std::vector<std::string> need_restart;  // "name=value", static: at the next start
+  std::vector<std::string> refused;       // "name: why" (a bad value: the old one stays)
+  std::vector<std::string> kept;          // names the command line set: it wins
+};
+// Re-reads `path` and applies what changed from the values in force:
+// dynamic settings at once (their hooks run, as offloadctl config set),
+// static ones listed as needing a restart; settings in `from_command_line`
+// are left as the command line set them; a setting no longer in the file
+// keeps its value until a restart. Fails (changing nothing) if the file
+// cannot be read or parsed, or names an unknown setting.
+absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std::string& path,
+                                            const std::vector<std::string>& from_command_line);
 
 }  // namespace offload
 

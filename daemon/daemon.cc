@@ -123,12 +123,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
     }
   }
   RETURN_IF_ERROR(d->StartAutoCheckpoints());
+  std::optional<gid_t> group;
+  if (!server.socket_group.empty()) {
+    absl::StatusOr<gid_t> gid = GroupNamed(server.socket_group);
+    if (!gid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("server.socket_group: ", gid.status().message()));
+    }
+    group = *gid;
+  }
   ASSIGN_OR_RETURN(
       d->arena_channel_,
       ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
                           absl::Seconds(server.attach_lease_seconds),
                           absl::Seconds(server.idle_lease_seconds),
-                          absl::Seconds(server.reconnect_lease_seconds)));
+                          absl::Seconds(server.reconnect_lease_seconds), group));
 
   if (server.tcp_port >= 0) {
     ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());
@@ -156,6 +165,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   listen.handshake_timeout = absl::Seconds(server.handshake_timeout_seconds);
   listen.idle_timeout = absl::Seconds(server.idle_connection_seconds);
   listen.reserved_descriptors = server.reserved_descriptors;
+  listen.group = group;
   ASSIGN_OR_RETURN(d->server_,
                    GrpcServer::Start(listen, {d->partition_service_.get(), d->config_service_.get(),
                                               d->stats_service_.get()}));
@@ -286,7 +296,11 @@ DaemonSnapshot Daemon::Snapshot() const {
 
 std::vector<std::string> Daemon::Describe() const {
   std::vector<std::string> lines;
-  lines.push_back(absl::StrCat("serving gRPC on unix:", socket_path_, " (owner-only)"));
+  lines.push_back(
+      absl::StrCat("serving gRPC on unix:", socket_path_,
+                   options_->server.socket_group.empty()
+                       ? " (owner-only)"
+                       : absl::StrCat(" (owner and group ", options_->server.socket_group, ")")));
   if (tcp_port_ >= 0) {
     lines.push_back(absl::StrCat("serving gRPC on 127.0.0.1:", tcp_port_,
                                  " (read-only status; more with the token in ", tcp_token_path_,

@@ -15,6 +15,11 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"path", "directory for the socket and state (created 0700)", false});
   r->Bind("server.socket", &o->server.socket,
           {"path", "gRPC Unix socket; empty means <data_dir>/offloadd.sock", false});
+  r->Bind("server.socket_group", &o->server.socket_group,
+          {"group",
+           "members of this group may use offloadd too (its sockets 0660 and this group's); empty: "
+           "the owner and root only",
+           false});
   r->Bind("server.tcp_port", &o->server.tcp_port,
           {"port", "also serve gRPC on 127.0.0.1:<port>; -1 off, 0 any free port", false,
            kTcpPortRange});

@@ -30,6 +30,11 @@ struct ServerOptions {
   // <data_dir>/offloadd.sock. The arena channel listens on <socket>.arena.
   std::string socket;
 
+  // A group whose members may use offloadd too (the trainers' group, under
+  // a system service): both sockets are made 0660 and that group's, and the
+  // arena channel admits its members. Empty: the owner (and root) only.
+  std::string socket_group;
+
   // Also serve gRPC on 127.0.0.1:<tcp_port> (never on other interfaces).
   // -1 disables TCP, 0 picks a free port. Trainers still need the Unix
   // socket for shared memory; TCP is for tools.

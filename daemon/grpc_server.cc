@@ -13,6 +13,7 @@
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "grpc/support/log.h"
+#include "ipc/unix_socket.h"
 
 namespace offload {
 namespace {
@@ -71,8 +72,9 @@ absl::Status GrpcServer::Build() {
                              &selected_port);
   }
   for (grpc::Service* service : services_) builder.RegisterService(service);
-  // gRPC creates the socket file with the process umask: owner-only.
-  const mode_t old_mask = umask(0177);
+  // gRPC creates the socket file with the process umask: owner-only (and
+  // the group's, where one is given).
+  const mode_t old_mask = umask(options_.group.has_value() ? 0117 : 0177);
   server_ = builder.BuildAndStart();
   umask(old_mask);
   if (server_ == nullptr) {
@@ -80,7 +82,9 @@ absl::Status GrpcServer::Build() {
         absl::StrCat("gRPC server failed to start on unix:", options_.unix_path,
                      port >= 0 ? absl::StrCat(" and 127.0.0.1:", port) : ""));
   }
-  if (chmod(options_.unix_path.c_str(), 0600) != 0) {
+  if (options_.group.has_value()) {
+    RETURN_IF_ERROR(ShareWithGroup(options_.unix_path, *options_.group));
+  } else if (chmod(options_.unix_path.c_str(), 0600) != 0) {
     return PosixError(absl::StrCat("chmod 0600 ", options_.unix_path), errno);
   }
   if (port >= 0) tcp_port_ = selected_port;

@@ -17,8 +17,11 @@
 #ifndef OFFLOADD_DAEMON_GRPC_SERVER_H_
 #define OFFLOADD_DAEMON_GRPC_SERVER_H_
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,6 +42,8 @@ struct GrpcServerOptions {
   absl::Duration handshake_timeout = absl::Seconds(10);
   absl::Duration idle_timeout = absl::ZeroDuration();  // zero: kept
   int64_t reserved_descriptors = 64;
+  // Members of this group may connect too (the socket is 0660, its group).
+  std::optional<gid_t> group;
 };
 
 class GrpcServer {

@@ -14,11 +14,13 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/config_registry.h"
 #include "base/log.h"
 #include "daemon/config_file.h"
 #include "daemon/daemon.h"
 #include "daemon/daemon_options.h"
+#include "daemon/sd_notify.h"
 #include "engine/version.h"
 
 namespace offload {
@@ -53,6 +55,35 @@ void RaiseDescriptorLimit() {
   }
 }
 
+// SIGHUP: the config file again, what can change live applied (and said),
+// what cannot said to need a restart.
+void Reload(ConfigRegistry& registry, const std::string& config_file,
+            const std::vector<std::string>& from_command_line) {
+  if (config_file.empty()) {
+    LogWarning(
+        "SIGHUP: no --config file to re-read; settings change live with offloadctl config set");
+    return;
+  }
+  absl::StatusOr<ConfigReload> r = ReloadYamlFile(registry, config_file, from_command_line);
+  if (!r.ok()) {
+    LogError("SIGHUP: %s; nothing changed", r.status().ToString());
+    return;
+  }
+  LogInfo("SIGHUP: re-read %s: %d setting(s) applied%s%s", config_file,
+          static_cast<int64_t>(r->applied.size()),
+          r->applied.empty() ? "" : absl::StrCat(" (", absl::StrJoin(r->applied, ", "), ")"),
+          r->kept.empty()
+              ? ""
+              : absl::StrCat("; the command line's kept for ", absl::StrJoin(r->kept, ", ")));
+  if (!r->need_restart.empty()) {
+    LogWarning("SIGHUP: %s cannot change while offloadd runs: it takes effect at the next start",
+               absl::StrJoin(r->need_restart, ", "));
+  }
+  if (!r->refused.empty()) {
+    LogError("SIGHUP: refused (the value in force stays): %s", absl::StrJoin(r->refused, "; "));
+  }
+}
+
 int Main(int argc, char** argv) {
   DaemonOptions options;
   ConfigRegistry registry;
@@ -84,7 +115,9 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
+  std::vector<std::string> from_command_line;
   for (const auto& [name, value] : flags) {
+    from_command_line.push_back(name);
     if (auto s = registry.Set(name, value); !s.ok()) {
       std::fprintf(stderr, "offloadd: --%s: %s\n", name.c_str(), s.status().ToString().c_str());
       return 2;
@@ -96,6 +129,7 @@ int Main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   RaiseDescriptorLimit();
@@ -108,8 +142,17 @@ int Main(int argc, char** argv) {
   for (const std::string& line : (*daemon)->Describe()) LogInfo("%s", line);
   if (!config_file.empty()) LogInfo("configuration from %s", config_file);
 
+  // Serving: a service manager waiting for readiness (Type=notify) learns it.
+  if (absl::Status n = NotifySystemd("READY=1"); !n.ok()) LogWarning("%s", n.ToString());
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  for (;;) {
+    sigwait(&signals, &signal_number);
+    if (signal_number != SIGHUP) break;
+    NotifySystemd("RELOADING=1").IgnoreError();
+    Reload(registry, config_file, from_command_line);
+    NotifySystemd("READY=1").IgnoreError();
+  }
+  NotifySystemd("STOPPING=1").IgnoreError();
   LogInfo("received %s, shutting down", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
   (*daemon)->Shutdown();
   daemon->reset();

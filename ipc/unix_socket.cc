@@ -1,9 +1,11 @@
 #include "ipc/unix_socket.h"
 
+#include <grp.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -110,6 +112,39 @@ absl::StatusOr<ucred> PeerCredentials(int sock) {
     return PosixError("getsockopt(SO_PEERCRED)", errno);
   }
   return cred;
+}
+
+absl::StatusOr<bool> PeerInGroup(int sock, const ucred& cred, gid_t group) {
+  if (cred.gid == group) return true;
+  std::vector<gid_t> groups(64);
+  for (;;) {
+    socklen_t len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) {
+      groups.resize(len / sizeof(gid_t));
+      break;
+    }
+    if (errno != ERANGE) return PosixError("getsockopt(SO_PEERGROUPS)", errno);
+    groups.resize(len / sizeof(gid_t) + 1);  // the kernel said how many
+  }
+  return std::find(groups.begin(), groups.end(), group) != groups.end();
+}
+
+absl::StatusOr<gid_t> GroupNamed(const std::string& name) {
+  std::vector<char> buf(16384);
+  group g{};
+  group* found = nullptr;
+  const int rc = getgrnam_r(name.c_str(), &g, buf.data(), buf.size(), &found);
+  if (rc != 0) return PosixError(absl::StrCat("looking up group '", name, "'"), rc);
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("no group named '", name, "'"));
+  return found->gr_gid;
+}
+
+absl::Status ShareWithGroup(const std::string& path, gid_t group) {
+  if (chown(path.c_str(), static_cast<uid_t>(-1), group) != 0) {
+    return PosixError(absl::StrCat("giving ", path, " to group ", group), errno);
+  }
+  if (chmod(path.c_str(), 0660) != 0) return PosixError(absl::StrCat("chmod 0660 ", path), errno);
+  return absl::OkStatus();
 }
 
 bool UnixSocketIsLive(const std::string& path) { return ConnectUnix(path).ok(); }

@@ -32,6 +32,16 @@ absl::StatusOr<ReceivedMessage> ReceiveWithFd(int sock);
 
 absl::StatusOr<ucred> PeerCredentials(int sock);
 
+// Whether the peer of `sock` (credentials `cred`) is in group `group`: its
+// group, or one of its supplementary groups (SO_PEERGROUPS).
+absl::StatusOr<bool> PeerInGroup(int sock, const ucred& cred, gid_t group);
+
+// The id of the group named `name`; NOT_FOUND if there is none.
+absl::StatusOr<gid_t> GroupNamed(const std::string& name);
+
+// Lets group `group` use the socket at `path`: its group and mode 0660.
+absl::Status ShareWithGroup(const std::string& path, gid_t group);
+
 // Makes `path` free for a new Unix socket: ALREADY_EXISTS if a live server
 // answers there, FAILED_PRECONDITION if something other than a socket is
 // there (never deleted), otherwise removes a stale socket file left by a

@@ -216,6 +216,11 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::StartIn(
     return pidfd.status();
   }
   std::unique_ptr<DaemonProcess> d(new DaemonProcess(dir, *pid, std::move(*pidfd)));
+  for (const std::string& flag : flags) {  // a socket named on the command line
+    if (absl::StartsWith(flag, "--server.socket=")) {
+      d->socket_path_ = flag.substr(std::string("--server.socket=").size());
+    }
+  }
   absl::Status serving = WaitUntilServing(d->pidfd_.get(), d->log_path(), d->socket_path());
   if (!serving.ok()) {
     int status;

@@ -49,7 +49,9 @@ class DaemonProcess {
   absl::Status WaitForLog(absl::string_view text, absl::Duration timeout = kWaitLimit) const;
 
   const std::string& data_dir() const { return data_dir_; }
-  std::string socket_path() const { return data_dir_ + "/offloadd.sock"; }
+  std::string socket_path() const {
+    return socket_path_.empty() ? data_dir_ + "/offloadd.sock" : socket_path_;
+  }
   std::string address() const { return "unix:" + socket_path(); }
   std::string log_path() const { return data_dir_ + "/offloadd.log"; }
   std::string ReadLog() const;
@@ -59,6 +61,7 @@ class DaemonProcess {
   DaemonProcess(std::string data_dir, pid_t pid, UniqueFd pidfd)
       : data_dir_(std::move(data_dir)), pid_(pid), pidfd_(std::move(pidfd)) {}
   std::string data_dir_;
+  std::string socket_path_;  // --server.socket's, if given
   pid_t pid_;
   UniqueFd pidfd_;  // becomes readable when the daemon exits
 };

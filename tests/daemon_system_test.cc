@@ -6,6 +6,7 @@
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1416,6 +1417,117 @@ TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(o->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(o->output, "writable by other users (mode 0777)")) << o->output;
+}
+
+// Under systemd (Type=notify): READY=1 once it serves; SIGHUP re-reads the
+// config file, applying what can change live and naming what cannot.
+TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
+  char dir[] = "/tmp/offloadd_notify.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_dir(dir);
+  const std::string notify = std::string(dir) + "/notify";
+  UniqueFd listener(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  timeval tv{20, 0};
+  ASSERT_EQ(setsockopt(listener.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+  auto next = [&] {
+    char buf[256] = {};
+    const ssize_t got = recv(listener.get(), buf, sizeof(buf) - 1, 0);
+    return got > 0 ? std::string(buf, static_cast<size_t>(got)) : std::string("(nothing)");
+  };
+  const std::string config = std::string(dir) + "/offloadd.yaml";
+  std::ofstream(config) << "optimizer:\n  threads: 1\ncheckpoint:\n  auto_every_steps: 5\n";
+  setenv("NOTIFY_SOCKET", notify.c_str(), 1);
+  auto d = DaemonProcess::Start({"--config=" + config, "--checkpoint.auto_every_steps=3"});
+  unsetenv("NOTIFY_SOCKET");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(next(), "READY=1");
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::ofstream(config, std::ios::trunc)
+      << "optimizer:\n  threads: 2\nmemory:\n  lock_pool: true\ncheckpoint:\n"
+         "  auto_every_steps: 5\n  auto_interval_seconds: 10min\n";
+  ASSERT_EQ(kill((*d)->pid(), SIGHUP), 0);
+  EXPECT_EQ(next(), "RELOADING=1");
+  EXPECT_EQ(next(), "READY=1");
+  ASSERT_TRUE((*d)->WaitForLog("SIGHUP: re-read").ok());
+  EXPECT_EQ((*c)->GetTunable("optimizer.threads")->value, "2");            // applied live
+  EXPECT_EQ((*c)->GetTunable("memory.lock_pool")->value, "false");         // at the next start
+  EXPECT_EQ((*c)->GetTunable("checkpoint.auto_every_steps")->value, "3");  // the command line's
+  ASSERT_TRUE((*d)->WaitForLog("memory.lock_pool=true cannot change while offloadd runs").ok())
+      << (*d)->ReadLog();
+  ASSERT_TRUE(
+      (*d)->WaitForLog("refused (the value in force stays): checkpoint.auto_interval_").ok())
+      << (*d)->ReadLog();
+  // A file that no longer parses changes nothing.
+  std::ofstream(config, std::ios::trunc) << "optimizer: [\n";
+  ASSERT_EQ(kill((*d)->pid(), SIGHUP), 0);
+  ASSERT_TRUE((*d)->WaitForLog("nothing changed").ok()) << (*d)->ReadLog();
+  EXPECT_EQ((*c)->GetTunable("optimizer.threads")->value, "2");
+  EXPECT_TRUE((*c)->GetStats().ok());
+  auto stopped = (*d)->Stop();
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(*stopped, 0);
+  // (RELOADING and READY of the second SIGHUP come first.)
+  std::string last;
+  for (int i = 0; i < 3; ++i) last = next();
+  EXPECT_EQ(last, "STOPPING=1");
+}
+
+// server.socket_group: the trainers' group reaches both sockets and
+// attaches; other users still do not.
+TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
+  if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
+  char dir[] = "/tmp/offloadd_group.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_dir(dir);
+  ASSERT_EQ(chmod(dir, 0755), 0);
+  const std::string socket_path = std::string(dir) + "/offloadd.sock";
+  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  struct stat st;
+  ASSERT_EQ(stat(socket_path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  EXPECT_EQ(st.st_gid, 100u);
+  ASSERT_EQ(stat((socket_path + ".arena").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  auto c = Client::Connect({"unix:" + socket_path});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  v1::OpenSessionResponse opened;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+  }
+  const AttachRequest request{opened.session().session_id(), opened.session().token()};
+  // As nobody, in group users or not: 1 = reached the gRPC socket, 2 =
+  // got an arena; 8 = could not become nobody.
+  auto as_nobody = [&](bool in_group) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const gid_t users = 100;
+      if (setgroups(in_group ? 1 : 0, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) {
+        _exit(8);
+      }
+      int result = 0;
+      if (ConnectUnix(socket_path).ok()) result |= 1;
+      if (AttachArena(opened.arena_socket(), request).ok()) result |= 2;
+      _exit(result);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  EXPECT_EQ(as_nobody(true), 3);
+  EXPECT_EQ(as_nobody(false), 0);
+  // A group that does not exist: offloadd does not start.
+  auto bad = DaemonProcess::Start({"--server.socket_group=no-such-group-here"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "no group named")) << bad.status();
 }
 
 TEST(DaemonStartup, ConfigFileFlagsAndLoopbackTcp) {
