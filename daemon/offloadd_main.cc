@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/config_registry.h"
 #include "base/log.h"
 #include "daemon/config_file.h"
@@ -29,7 +30,8 @@ namespace {
 void PrintHelp(const ConfigRegistry& registry) {
   std::printf(
       "offloadd %s: holds ZeRO-3 partitions for the trainers on this node.\n\n"
-      "usage: offloadd [--config=FILE.yaml] [--NAME=VALUE ...]\n\n"
+      "usage: offloadd [--config=FILE.yaml] [--NAME=VALUE ...]\n"
+      "       offloadd --print-config   (a config file of every setting, commented out)\n\n"
       "The YAML file nests settings by their dotted names, e.g.\n"
       "  optimizer:\n    threads: 2\n  memory:\n    host_budget_bytes: 8GiB\n\n"
       "Settings (default; * = changeable while running via offloadctl):\n",
@@ -38,6 +40,39 @@ void PrintHelp(const ConfigRegistry& registry) {
     std::printf("  --%s=%s%s\n      %s [%s]\n", t.name.c_str(),
                 t.default_value.empty() ? "\"\"" : t.default_value.c_str(), t.dynamic ? " *" : "",
                 t.description.c_str(), t.unit.c_str());
+  }
+}
+
+// --print-config: a config file naming every setting, each commented out
+// at its default with its description (the package's /etc/offloadd file).
+// Defaults that depend on the machine (the host budget) are said as such.
+void PrintConfig(const ConfigRegistry& registry) {
+  std::printf(
+      "# offloadd's configuration (offloadd --config=FILE). Every setting, commented out\n"
+      "# at its default on the machine this was written on; uncomment to change one.\n"
+      "# Settings marked 'live' also change while offloadd runs (offloadctl config set, or\n"
+      "# edit this file and reload: systemctl reload offloadd); the others at a restart.\n"
+      "# Command-line flags (--NAME=VALUE) override this file.\n");
+  std::string section;
+  for (const TunableInfo& t : registry.List()) {
+    const size_t dot = t.name.find('.');
+    const std::string head = t.name.substr(0, dot);
+    if (head != section) {
+      section = head;
+      std::printf("\n#%s:\n", section.c_str());
+    }
+    std::vector<std::string> words = absl::StrSplit(t.description, ' ');
+    std::string line = "#   #";
+    for (const std::string& w : words) {
+      if (line.size() + 1 + w.size() > 96) {
+        std::printf("%s\n", line.c_str());
+        line = "#   #";
+      }
+      absl::StrAppend(&line, " ", w);
+    }
+    std::printf("%s\n#   # [%s%s]\n#   %s: %s\n", line.c_str(), t.unit.c_str(),
+                t.dynamic ? ", live" : "", t.name.substr(dot + 1).c_str(),
+                t.default_value.empty() ? "\"\"" : t.default_value.c_str());
   }
 }
 
@@ -95,6 +130,10 @@ int Main(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
       PrintHelp(registry);
+      return 0;
+    }
+    if (arg == "--print-config") {
+      PrintConfig(registry);
       return 0;
     }
     if (!absl::StartsWith(arg, "--") || arg.find('=') == std::string::npos) {

@@ -30,7 +30,12 @@ std::string DefaultClientAddress() {
   if (const char* address = std::getenv("OFFLOADD_ADDRESS"); address != nullptr && *address) {
     return address;
   }
-  return absl::StrCat("unix:", SocketPathIn(DefaultDataDir()));
+  const std::string own = SocketPathIn(DefaultDataDir());
+  struct stat st;
+  if (lstat(own.c_str(), &st) != 0 && lstat(kSystemSocketPath, &st) == 0 && S_ISSOCK(st.st_mode)) {
+    return absl::StrCat("unix:", kSystemSocketPath);  // the node's system service
+  }
+  return absl::StrCat("unix:", own);
 }
 
 std::string TcpTokenPathIn(const std::string& data_dir) { return data_dir + "/tcp_token"; }

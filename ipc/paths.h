@@ -22,8 +22,12 @@ std::string SocketPathIn(const std::string& data_dir);
 std::string TcpTokenPathIn(const std::string& data_dir);
 inline constexpr char kTokenMetadataKey[] = "x-offloadd-token";
 
+// Where the system service (packaging/offloadd.service) listens.
+inline constexpr char kSystemSocketPath[] = "/run/offloadd/offloadd.sock";
+
 // The default client address: $OFFLOADD_ADDRESS if set, else
-// unix:<DefaultDataDir()>/offloadd.sock.
+// unix:<DefaultDataDir()>/offloadd.sock, or the system service's socket
+// where this user has no daemon of their own and the system one exists.
 std::string DefaultClientAddress();
 
 // Creates `dir` and missing parents. The last component is created 0700;
