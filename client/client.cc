@@ -453,6 +453,9 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
                             s.held(), s.params_host_bytes(), s.params_nvme_bytes(),
                             s.grads_host_bytes(), s.grads_nvme_bytes(), s.state_host_bytes(),
                             s.state_nvme_bytes(), std::nullopt});
+    out.sessions.back().step_wall_nanos = s.step_wall_nanos();
+    out.sessions.back().step_wait_nanos = s.step_wait_nanos();
+    out.sessions.back().step_compute_nanos = s.step_compute_nanos();
     if (s.has_gpu()) {
       const v1::GpuTierCounters& g = s.gpu();
       out.sessions.back().gpu = GpuTierCounters{

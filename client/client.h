@@ -278,15 +278,18 @@ struct DaemonStats {
     uint64_t used_bytes, budget_bytes;
   };
   struct Session {
-    uint64_t id;
+    uint64_t id = 0;
     std::string name;
-    uint64_t partitions, arena_bytes, steps;
-    uint64_t held;  // partitions held now
+    uint64_t partitions = 0, arena_bytes = 0, steps = 0;
+    uint64_t held = 0;  // partitions held now
     // Bytes placed by kind and tier.
-    uint64_t params_host_bytes, params_nvme_bytes;
-    uint64_t grads_host_bytes, grads_nvme_bytes;
-    uint64_t state_host_bytes, state_nvme_bytes;
+    uint64_t params_host_bytes = 0, params_nvme_bytes = 0;
+    uint64_t grads_host_bytes = 0, grads_nvme_bytes = 0;
+    uint64_t state_host_bytes = 0, state_nvme_bytes = 0;
     std::optional<GpuTierCounters> gpu;  // its GPU tier's last report
+    // Its steps' time so far (ended steps), nanoseconds: in all, waiting for
+    // optimizer state to be brought in, in the update.
+    int64_t step_wall_nanos = 0, step_wait_nanos = 0, step_compute_nanos = 0;
   };
   std::string version;
   uint32_t pid = 0;

@@ -5,6 +5,7 @@
 //   offloadctl [--address=ADDR] config get NAME
 //   offloadctl [--address=ADDR] config set NAME VALUE
 //   offloadctl [--address=ADDR] stats
+//   offloadctl [--address=ADDR] top [--interval=SECONDS] [--iterations=N]
 //   offloadctl [--address=ADDR] checkpoint SESSION_ID DIR
 //   offloadctl export [--format=safetensors] CHECKPOINT_DIR OUTPUT
 //   offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]
@@ -20,8 +21,11 @@
 // own are in kDoctorUsage.
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -33,6 +37,7 @@
 #include "checkpoint/tensor_index.h"
 #include "client/client.h"
 #include "client/doctor.h"
+#include "client/top.h"
 
 namespace offload {
 namespace {
@@ -45,6 +50,10 @@ constexpr char kUsage[] =
     "  config get NAME         one tunable\n"
     "  config set NAME VALUE   change a tunable (dynamic ones only while running)\n"
     "  stats                   counters and sessions\n"
+    "  top [--interval=S] [--iterations=N]\n"
+    "                          a live view: tiers, swap and prefetch rates, and per session its\n"
+    "                          placement, steps a second and step time split into waiting for\n"
+    "                          state and computing (every S seconds, 1; N screens, 0 = until ^C)\n"
     "  checkpoint ID DIR       write session ID's checkpoint into DIR (atomically)\n"
     "  export [--format=safetensors] CHECKPOINT_DIR OUTPUT\n"
     "                          consolidated fp32 weights of a checkpoint (offline)\n"
@@ -197,6 +206,30 @@ int Export(const std::string& dir, const std::string& output) {
   return 0;
 }
 
+// `offloadctl top`: a screen every `interval` from two snapshots.
+int Top(Client& client, double interval, int64_t iterations) {
+  const bool tty = isatty(STDOUT_FILENO) != 0;
+  std::optional<DaemonStats> before;
+  auto taken = std::chrono::steady_clock::now();
+  for (int64_t i = 0; iterations == 0 || i < iterations; ++i) {
+    absl::StatusOr<DaemonStats> now = client.GetStats();
+    if (!now.ok()) return Fail(now.status());
+    const auto at = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(at - taken).count();
+    const std::string screen = RenderTop(*now, before ? &*before : nullptr, seconds);
+    // A terminal is redrawn in place; a pipe gets one screen after another.
+    std::fputs(tty ? "\x1b[H\x1b[2J" : (i > 0 ? "\n" : ""), stdout);
+    std::fputs(screen.c_str(), stdout);
+    std::fflush(stdout);
+    before = std::move(*now);
+    taken = at;
+    if (iterations == 0 || i + 1 < iterations) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(interval));
+    }
+  }
+  return 0;
+}
+
 // `offloadctl doctor`: see kDoctorUsage.
 int Doctor(const ClientOptions& options, const std::vector<std::string>& flags) {
   DoctorSettings settings;
@@ -290,6 +323,26 @@ int Main(int argc, char** argv) {
     return 2;
   };
   if (args.empty()) return usage();
+  if (args[0] == "top") {
+    double interval = 1.0;
+    int64_t iterations = 0;
+    for (size_t i = 1; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      if (absl::StartsWith(a, "--interval=") && absl::SimpleAtod(a.substr(11), &interval) &&
+          interval >= 0.05) {
+        continue;
+      }
+      if (absl::StartsWith(a, "--iterations=") && absl::SimpleAtoi(a.substr(13), &iterations) &&
+          iterations >= 0) {
+        continue;
+      }
+      std::fprintf(stderr, "offloadctl top: bad argument '%s'\n", a.c_str());
+      return usage();
+    }
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+    if (!client.ok()) return Fail(client.status());
+    return Top(**client, interval, iterations);
+  }
   const bool known =
       (args[0] == "status" && args.size() == 1) || (args[0] == "stats" && args.size() == 1) ||
       (args[0] == "config" && args.size() == 2 && args[1] == "list") ||

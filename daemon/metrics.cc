@@ -1,6 +1,7 @@
 #include "daemon/metrics.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "httplib.h"
 
 namespace offload {
@@ -62,6 +63,20 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
     for (const SessionSummary& s : m.sessions) {
       absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ",
                       s.*metric.field, "\n");
+    }
+  }
+  absl::StrAppend(&out,
+                  "# HELP offloadd_session_step_seconds_total the session's steps' time: in all "
+                  "(wall), waiting for optimizer state (state_wait), in the update (compute)\n"
+                  "# TYPE offloadd_session_step_seconds_total counter\n");
+  for (const SessionSummary& s : m.sessions) {
+    const std::pair<const char*, int64_t> parts[] = {{"wall", s.step_wall_nanos},
+                                                     {"state_wait", s.step_wait_nanos},
+                                                     {"compute", s.step_compute_nanos}};
+    for (const auto& [part, nanos] : parts) {
+      absl::StrAppend(&out, "offloadd_session_step_seconds_total{session=\"", s.id, "\",name=\"",
+                      Escape(s.name), "\",part=\"", part, "\"} ",
+                      absl::StrFormat("%.9f", static_cast<double>(nanos) / 1e9), "\n");
     }
   }
   absl::StrAppend(&out,

@@ -573,6 +573,9 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext* context, const v1::
     out->set_grads_host_bytes(s.host_bytes[kGrads]);
     out->set_grads_nvme_bytes(s.nvme_bytes[kGrads]);
     out->set_held(s.held);
+    out->set_step_wall_nanos(s.step_wall_nanos);
+    out->set_step_wait_nanos(s.step_wait_nanos);
+    out->set_step_compute_nanos(s.step_compute_nanos);
     if (s.gpu.has_value()) {
       const GpuTierReport& g = *s.gpu;
       v1::GpuTierCounters* c = out->mutable_gpu();

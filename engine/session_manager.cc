@@ -61,6 +61,13 @@ struct SessionManager::Session {
   std::shared_ptr<RingServer> ring;  // set once, before the session is shared
   ArenaRegion ring_region;
   // Steps after which the delayed update switches itself on (-1: never).
+  // Its steps' time (SessionSummary), added as each step ends.
+  std::atomic<int64_t> step_wall_nanos{0}, step_wait_nanos{0}, step_compute_nanos{0};
+  void CountStep(const StepSummary& step) {
+    step_wall_nanos.fetch_add(step.wall_nanos, std::memory_order_relaxed);
+    step_wait_nanos.fetch_add(step.state_wait_nanos, std::memory_order_relaxed);
+    step_compute_nanos.fetch_add(step.compute_nanos, std::memory_order_relaxed);
+  }
   std::atomic<int64_t> delayed_update_after{-1};
   // Monotonic: a wall-clock step (NTP, a resumed VM) must not expire leases.
   const SteadyTime opened = std::chrono::steady_clock::now();
@@ -646,6 +653,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
     absl::StatusOr<StepSummary> started =
         steps_->Start(*session->partitions, session, applied, skip, control.groups,
                       [s](absl::StatusOr<StepSummary> result) {
+                        if (result.ok()) s->CountStep(*result);
                         absl::MutexLock lock(&s->step_mu);
                         s->step_result = std::move(result);
                         s->step_running = false;
@@ -659,6 +667,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
     summary = *started;
   } else {
     ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, control.groups));
+    session->CountStep(summary);
   }
   summary.delayed_update = session->partitions->delayed_update();
   if (scaler == nullptr) return summary;
@@ -1031,6 +1040,9 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
     summary.arena_bytes = p.arena_bytes();
     summary.steps = p.steps();
     summary.held = p.held();
+    summary.step_wall_nanos = s->step_wall_nanos.load(std::memory_order_relaxed);
+    summary.step_wait_nanos = s->step_wait_nanos.load(std::memory_order_relaxed);
+    summary.step_compute_nanos = s->step_compute_nanos.load(std::memory_order_relaxed);
     for (int k = 0; k < kDataKinds; ++k) {
       summary.host_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kHost);
       summary.nvme_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kNvme);

@@ -113,6 +113,11 @@ struct SessionSummary {
   uint64_t host_bytes[kDataKinds] = {};
   uint64_t nvme_bytes[kDataKinds] = {};
   std::optional<GpuTierReport> gpu;  // its GPU tier's last report
+  // Its steps' time so far (nanoseconds, steps that ended): in all, waiting
+  // for optimizer state to be brought in (swap-ins), and in the update.
+  int64_t step_wall_nanos = 0;
+  int64_t step_wait_nanos = 0;
+  int64_t step_compute_nanos = 0;
 };
 
 // How the trainer commits a step after its global decisions.

@@ -49,6 +49,35 @@ set -e
 [[ $rc -le 2 ]] || fail "doctor exited $rc: $out"
 grep -q "^settings: the running offloadd's at unix:$dir/offloadd.sock" <<<"$out" || fail "doctor settings: $out"
 
+# top, in a terminal as a person sees it (tmux), while the demo trains:
+# its session's row with steps a second and the step split; redrawn.
+command -v tmux >/dev/null || fail "tmux is missing (tools/setup.sh installs it)"
+client/demo/offload_demo --steps=100000 --mode=daemon >"$dir/demo2" 2>&1 &
+demo_pid=$!
+tmux_sock="$dir/tmux"
+tmux -S "$tmux_sock" new-session -d -x 220 -y 30 \
+  "OFFLOADD_ADDRESS=$OFFLOADD_ADDRESS $PWD/$ctl top --interval=0.3; sleep 30"
+screen=""
+for _ in $(seq 100); do
+  sleep 0.1
+  screen=$(tmux -S "$tmux_sock" capture-pane -p)
+  grep -Eq "^[0-9]+ +offload_demo +[0-9]+ +[0-9]+ .* [0-9]+\.[0-9]{2} +[0-9.]+ +[0-9]+% +[0-9]+% " <<<"$screen" && break
+done
+tmux -S "$tmux_sock" kill-server 2>/dev/null || true
+kill "$demo_pid" 2>/dev/null; wait "$demo_pid" 2>/dev/null || true
+grep -q "^offloadd 0.* pid $daemon_pid .* every 0\.[0-9] s" <<<"$screen" || fail "top header: $screen"
+grep -q "^tier host " <<<"$screen" || fail "top tiers: $screen"
+grep -Eq "^SESSION +NAME +PARTS +HELD .* STEPS/S +STEP MS +WAIT% +COMPUTE%" <<<"$screen" || fail "top columns: $screen"
+grep -Eq "^[0-9]+ +offload_demo +[0-9]+ +[0-9]+ .* [0-9]+\.[0-9]{2} +[0-9.]+ +[0-9]+% +[0-9]+% " <<<"$screen" ||
+  fail "top has no live row for the demo: $screen"
+# Not a terminal: one screen after another, as many as asked.
+out=$($ctl top --interval=0.1 --iterations=2)
+[[ $(grep -c "^offloadd " <<<"$out") == 2 ]] || fail "top --iterations=2: $out"
+set +e
+$ctl top --interval=-1 >/dev/null 2>&1; rc=$?
+set -e
+[[ $rc == 2 ]] || fail "top with a bad interval exited $rc"
+
 kill -TERM "$daemon_pid"
 wait "$daemon_pid" || fail "daemon exited $? on SIGTERM: $(cat "$dir/log")"
 daemon_pid=

@@ -26,6 +26,7 @@ out=$(lintian --fail-on error,warning "$deb" 2>&1) || fail "lintian: $out"
 root="$t/root"
 dpkg -x "$deb" "$root"
 for f in usr/bin/offloadd usr/bin/offloadctl etc/offloadd/offloadd.yaml \
+  usr/share/offloadd/grafana-dashboard.json \
   lib/systemd/system/offloadd.service usr/lib/python3/dist-packages/offloadd/_offloadd.so \
   usr/share/man/man8/offloadd.8.gz usr/share/doc/offloadd/copyright; do
   [[ -e $root/$f ]] || fail "the package lacks $f"
@@ -44,7 +45,7 @@ out=$(systemd-analyze verify --man=no --root="$root" "$root/lib/systemd/system/o
 # defaults), as the unit runs it.
 mkdir -p "$t/state" "$t/run"
 "$root/usr/bin/offloadd" --config="$root/etc/offloadd/offloadd.yaml" --server.data_dir="$t/state" \
-  --server.socket="$t/run/offloadd.sock" >"$t/log" 2>&1 &
+  --server.socket="$t/run/offloadd.sock" --metrics.port=0 >"$t/log" 2>&1 &
 daemon_pid=$!
 tests/wait_for_daemon "$daemon_pid" "$t/log" "$t/run/offloadd.sock" || fail "offloadd: $(cat "$t/log")"
 out=$("$root/usr/bin/offloadctl" --address="unix:$t/run/offloadd.sock" status) || fail "status: $out"
@@ -57,6 +58,22 @@ print('sessions', len(c.stats()['sessions']))
 s.close()
 ") || fail "python: $out"
 [[ $out == "sessions 1" ]] || fail "python: $out"
+# The packaged Grafana dashboard asks only for metrics this daemon exports.
+port=$(sed -n 's|.*metrics (Prometheus) on http://127.0.0.1:\([0-9]*\)/metrics.*|\1|p' "$t/log")
+[[ -n $port ]] || fail "no metrics port in the log: $(cat "$t/log")"
+out=$(/usr/bin/python3 - "$root/usr/share/offloadd/grafana-dashboard.json" "$port" <<'PY'
+import json, re, sys, urllib.request
+dash = json.load(open(sys.argv[1]))
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[2]}/metrics").read().decode()
+exported = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+used = {m for e in exprs for m in re.findall(r"\boffloadd_[a-z0-9_]+", e)}
+missing = sorted(used - exported)
+print(f"{len(exprs)} queries, {len(used)} metrics" if not missing and used else f"missing {missing}")
+PY
+) || fail "dashboard check: $out"
+[[ $out != missing* ]] || fail "the dashboard asks for metrics offloadd does not export: $out"
+
 kill -HUP "$daemon_pid"
 for _ in $(seq 100); do grep -q "SIGHUP: re-read" "$t/log" && break; sleep 0.1; done
 grep -q "SIGHUP: re-read .*: 0 setting(s) applied" "$t/log" || fail "reload: $(cat "$t/log")"

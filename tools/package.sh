@@ -2,8 +2,8 @@
 # Builds the Debian package: offloadd_<version>_amd64.deb with the daemon,
 # offloadctl, the Python package for the system Python, a default
 # /etc/offloadd/offloadd.yaml naming every setting (offloadd --print-config),
-# the systemd unit, man pages made from --help, and the maintainer scripts
-# in packaging/.
+# the systemd unit, man pages made from --help, a Grafana dashboard of its
+# Prometheus metrics, and the maintainer scripts in packaging/.
 #
 #   bash tools/package.sh [OUTDIR]          builds with Bazel, writes OUTDIR (default: .)
 #   bash tools/package.sh --from=DIR OUTDIR takes DIR/bin/offloadd, DIR/bin/offloadctl
@@ -49,6 +49,8 @@ strip --strip-unneeded --remove-section=.comment --remove-section=.note \
 "$from/bin/offloadd" --print-config >"$root/etc/offloadd/offloadd.yaml"
 chmod 644 "$root/etc/offloadd/offloadd.yaml"
 install -m 644 packaging/offloadd.service "$root/lib/systemd/system/"
+install -d "$root/usr/share/offloadd"
+install -m 644 packaging/grafana-dashboard.json "$root/usr/share/offloadd/"
 
 # Man pages: each program's --help, verbatim.
 man_page() {  # name section summary help-text

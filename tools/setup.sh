@@ -11,6 +11,7 @@ packages=(
   clang-14 libfuzzer-14-dev  # tools/fuzz.sh: the libFuzzer targets in fuzz/
   clang-format-14  # tools/format.sh: the house style
   lintian dpkg-dev  # tools/package.sh and its test: the .deb, checked
+  tmux  # offloadctl top, tested in a terminal as a person sees it
   libopenblas0-pthread  # torch's BLAS: Debian's python3-torch falls back to reference BLAS (~1 GFLOP/s)
   libtorch-dev ninja-build  # benches/cpu_adam's peer, ../shared/peers/deepspeed_cpu_adam
 )

@@ -1,0 +1,129 @@
+#include "client/top.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+
+namespace offload {
+namespace {
+
+std::string Bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return u == 0 ? absl::StrFormat("%.0f B", b) : absl::StrFormat("%.1f %s", b, units[u]);
+}
+
+std::string Rate(double bytes_per_second) { return Bytes(bytes_per_second) + "/s"; }
+
+std::map<std::string, int64_t> Counters(const DaemonStats& s) {
+  std::map<std::string, int64_t> out;
+  for (const auto& c : s.counters) out[c.name] = c.value;
+  return out;
+}
+
+std::string Duration(int64_t ms) {
+  const int64_t s = ms / 1000;
+  if (s < 60) return absl::StrCat(s, "s");
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
+}
+
+std::string Percent(double part, double whole) {
+  return whole <= 0 ? std::string("-") : absl::StrFormat("%.0f%%", 100.0 * part / whole);
+}
+
+}  // namespace
+
+std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double seconds,
+                      int width) {
+  std::vector<std::string> lines;
+  const std::map<std::string, int64_t> c = Counters(now);
+  const std::map<std::string, int64_t> b = before != nullptr ? Counters(*before) : c;
+  const bool rates = before != nullptr && seconds > 0;
+  auto delta = [&](const char* name) -> double {
+    auto x = c.find(name), y = b.find(name);
+    return x == c.end() || y == b.end() ? 0.0 : static_cast<double>(x->second - y->second);
+  };
+  auto per_second = [&](const char* name) { return rates ? delta(name) / seconds : 0.0; };
+
+  lines.push_back(absl::StrFormat("offloadd %s  pid %u  up %s  optimizer %s  sessions %d%s",
+                                  now.version, now.pid, Duration(now.uptime_ms), now.optimizer,
+                                  now.sessions.size(),
+                                  rates ? absl::StrFormat("  every %.1f s", seconds) : ""));
+  std::string tiers;
+  for (const auto& t : now.tiers) {
+    absl::StrAppend(&tiers, tiers.empty() ? "" : "   ", "tier ", t.name, " ",
+                    Bytes(static_cast<double>(t.used_bytes)), " of ",
+                    Bytes(static_cast<double>(t.budget_bytes)), " (",
+                    Percent(static_cast<double>(t.used_bytes), static_cast<double>(t.budget_bytes)),
+                    ")");
+  }
+  lines.push_back(tiers);
+  const double reads = delta("prefetch_used") + delta("swap_misses") + delta("swap_waited_reads");
+  lines.push_back(absl::StrFormat(
+      "swap in %s  out %s   prefetch used %s of reads (%s wasted)   updates %.3g params/s   "
+      "calls failed %.0f/s",
+      rates ? Rate(per_second("swap_in_bytes")) : "-",
+      rates ? Rate(per_second("swap_out_bytes")) : "-",
+      rates ? Percent(delta("prefetch_used"), reads) : "-",
+      rates ? Percent(delta("prefetch_wasted"), delta("prefetch_issued")) : "-",
+      per_second("params_updated"), per_second("requests_failed")));
+  lines.push_back("");
+  lines.push_back(absl::StrFormat("%-20s %-18s %6s %5s %21s %21s %21s %8s %9s %6s %8s %11s %6s",
+                                  "SESSION", "NAME", "PARTS", "HELD", "PARAMS HOST/NVME",
+                                  "GRADS HOST/NVME", "STATE HOST/NVME", "STEPS/S", "STEP MS",
+                                  "WAIT%", "COMPUTE%", "GPU IN/S", "GPU HIT%"));
+  std::map<uint64_t, const DaemonStats::Session*> earlier;
+  if (before != nullptr) {
+    for (const auto& s : before->sessions) earlier[s.id] = &s;
+  }
+  for (const auto& s : now.sessions) {
+    auto placed = [](uint64_t host, uint64_t nvme) {
+      return Bytes(static_cast<double>(host)) + "/" + Bytes(static_cast<double>(nvme));
+    };
+    const auto it = earlier.find(s.id);
+    const DaemonStats::Session* e = it == earlier.end() ? nullptr : it->second;
+    std::string steps = "-", step_ms = "-", wait = "-", compute = "-", gpu_in = "-", hit = "-";
+    if (rates && e != nullptr) {
+      const double dsteps = static_cast<double>(s.steps - e->steps);
+      const double wall = static_cast<double>(s.step_wall_nanos - e->step_wall_nanos);
+      steps = absl::StrFormat("%.2f", dsteps / seconds);
+      if (dsteps > 0 && wall > 0) {
+        step_ms = absl::StrFormat("%.2f", wall / dsteps / 1e6);
+        wait = Percent(static_cast<double>(s.step_wait_nanos - e->step_wait_nanos), wall);
+        compute = Percent(static_cast<double>(s.step_compute_nanos - e->step_compute_nanos), wall);
+      }
+      if (s.gpu.has_value() && e->gpu.has_value()) {
+        gpu_in = Rate(static_cast<double>(s.gpu->h2d_bytes - e->gpu->h2d_bytes) / seconds);
+        hit = Percent(static_cast<double>((s.gpu->resident_hits + s.gpu->prefetch_hits) -
+                                          (e->gpu->resident_hits + e->gpu->prefetch_hits)),
+                      static_cast<double>(s.gpu->tensor_uses - e->gpu->tensor_uses));
+      }
+    }
+    lines.push_back(absl::StrFormat(
+        "%-20d %-18s %6d %5d %21s %21s %21s %8s %9s %6s %8s %11s %6s", s.id,
+        s.name.empty() ? "(hidden)" : s.name.substr(0, 18), s.partitions, s.held,
+        placed(s.params_host_bytes, s.params_nvme_bytes),
+        placed(s.grads_host_bytes, s.grads_nvme_bytes),
+        placed(s.state_host_bytes, s.state_nvme_bytes), steps, step_ms, wait, compute, gpu_in,
+        hit));
+  }
+  if (now.sessions.empty()) lines.push_back("(no sessions)");
+  std::string out;
+  for (std::string& l : lines) {
+    if (static_cast<int>(l.size()) > width) l.resize(static_cast<size_t>(width));
+    absl::StrAppend(&out, l, "\n");
+  }
+  return out;
+}
+
+}  // namespace offload
