@@ -109,13 +109,13 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
                       static_cast<double>(s.gpu->tensor_uses - e->gpu->tensor_uses));
       }
     }
-    lines.push_back(absl::StrFormat(
-        "%-20d %-18s %6d %5d %21s %21s %21s %8s %9s %6s %8s %11s %6s", s.id,
-        s.name.empty() ? "(hidden)" : s.name.substr(0, 18), s.partitions, s.held,
-        placed(s.params_host_bytes, s.params_nvme_bytes),
-        placed(s.grads_host_bytes, s.grads_nvme_bytes),
-        placed(s.state_host_bytes, s.state_nvme_bytes), steps, step_ms, wait, compute, gpu_in,
-        hit));
+    lines.push_back(absl::StrFormat("%-20d %-18s %6d %5d %21s %21s %21s %8s %9s %6s %8s %11s %6s",
+                                    s.id, s.name.empty() ? "(hidden)" : s.name.substr(0, 18),
+                                    s.partitions, s.held,
+                                    placed(s.params_host_bytes, s.params_nvme_bytes),
+                                    placed(s.grads_host_bytes, s.grads_nvme_bytes),
+                                    placed(s.state_host_bytes, s.state_nvme_bytes), steps, step_ms,
+                                    wait, compute, gpu_in, hit));
   }
   if (now.sessions.empty()) lines.push_back("(no sessions)");
   std::string out;
