@@ -1107,11 +1107,15 @@ class WrapInProcessTest(unittest.TestCase):
             p.data.add_(torch.randn_like(p) * 0.3)
         loaded = {k: v.clone() for k, v in donor.state_dict().items()}
         data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-        for before in (0, 2):  # steps before the load
-            with self.subTest(steps_before_the_load=before):
+        # (With the GPU tier on the emulated device too, its budget less than
+        # the model: the load goes around it, and what it kept is dropped.)
+        tier = {"gpu": {"device": "emulated", "budget_bytes": 1024}}
+        for before, zero in ((0, None), (2, None), (2, tier)):  # steps before the load
+            with self.subTest(steps_before_the_load=before, zero=zero):
                 ref = self.mlp()
                 opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-                model, opt = self.wrap(self.mlp(), {"lr": 1e-2})
+                model, opt = self.wrap(self.mlp(), {"lr": 1e-2}, zero)
+                self.assertEqual(model.offloadd.gpu_stats() is not None, zero is not None)
                 for i, x in enumerate(data):
                     if i == before:
                         ref.load_state_dict(loaded)

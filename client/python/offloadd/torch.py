@@ -60,6 +60,7 @@ Limits, said plainly:
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
 """
 import bisect
+import contextlib
 import ctypes
 import glob
 import math
@@ -1134,17 +1135,24 @@ class _Engine:
 
     def gather_all_for_load(self):
         """Every parameter whole (a collective: every rank calls
-        load_state_dict), for torch to copy the loaded values into."""
-        if self.tier is not None:
-            raise offloadd.FailedPreconditionError(
-                "model.load_state_dict() is not supported with the GPU tier yet: load the weights "
-                "before wrap(), or resume an offloadd checkpoint (zero_config restore_from)")
+        load_state_dict), for torch to copy the loaded values into. With
+        the GPU tier, outside its budget's slab (which need not hold the
+        whole model): gathered as without the tier."""
         self.latest_weights()
         self.flush_gradients()
         self.free_all()
-        for s in self.shards:
-            self.gather([s])
+        with self._tier_bypassed():
+            for s in self.shards:
+                self.gather([s])
         self._loading = True
+
+    @contextlib.contextmanager
+    def _tier_bypassed(self):
+        tier, self.tier = self.tier, None
+        try:
+            yield
+        finally:
+            self.tier = tier
 
     def write_loaded(self):
         """The loaded parameters back to the daemon: each rank's slice
@@ -1178,7 +1186,10 @@ class _Engine:
         finally:
             if delayed:
                 self.session.set_delayed_update(True)
-            self.free_all()
+            with self._tier_bypassed():
+                self.free_all()
+            if self.tier is not None:
+                self.tier.invalidate()  # what it kept on the GPU is the old values
 
     def _before_forward(self, own):
         for s in own:
