@@ -341,6 +341,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
     if (l.min_scale) out->set_min_scale(*l.min_scale);
   }
   req.set_restore_from(options.restore_from);
+  req.set_share_weight(options.share_weight);
   if (options.delayed_update_after_steps.has_value()) {
     req.set_delayed_update_after_steps(*options.delayed_update_after_steps);
   }
@@ -456,6 +457,9 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
     out.sessions.back().step_wall_nanos = s.step_wall_nanos();
     out.sessions.back().step_wait_nanos = s.step_wait_nanos();
     out.sessions.back().step_compute_nanos = s.step_compute_nanos();
+    out.sessions.back().share_weight = s.share_weight();
+    out.sessions.back().optimizer_params = s.optimizer_params();
+    out.sessions.back().optimizer_queued_nanos = s.optimizer_queued_nanos();
     if (s.has_gpu()) {
       const v1::GpuTierCounters& g = s.gpu();
       out.sessions.back().gpu = GpuTierCounters{
@@ -894,6 +898,15 @@ absl::Status Session::Close() {
   impl_->regions.clear();
   impl_->dma_stats.regions = impl_->dma_stats.bytes = 0;
   return closed;
+}
+
+absl::Status Client::SetShare(uint64_t session_id, uint32_t weight) {
+  v1::SetShareRequest req;
+  req.mutable_session()->set_session_id(session_id);  // no token: as the operator
+  req.set_weight(weight);
+  v1::SetShareResponse resp;
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
+  return FromGrpc(impl_->partitions->SetShare(&rpc.context, req, &resp), "SetShare");
 }
 
 absl::StatusOr<CheckpointResult> Client::CheckpointSession(uint64_t session_id,

@@ -117,6 +117,9 @@ struct SessionOptions {
   // partition registered takes its saved state (PartitionView::restored)
   // from whichever checkpointed sessions held its tensor's elements.
   std::string restore_from;
+  // The session's weight in the node's optimizer when several sessions
+  // step at once (0: 1; at most 1000). Client::SetShare changes it.
+  uint32_t share_weight = 0;
 };
 
 // Which slice of which tensor a partition is: elements [offset, offset +
@@ -290,6 +293,11 @@ struct DaemonStats {
     // Its steps' time so far (ended steps), nanoseconds: in all, waiting for
     // optimizer state to be brought in, in the update.
     int64_t step_wall_nanos = 0, step_wait_nanos = 0, step_compute_nanos = 0;
+    // Its weight in the node's optimizer, parameters updated, and the time
+    // its updates waited for other sessions'.
+    int64_t share_weight = 1;
+    uint64_t optimizer_params = 0;
+    int64_t optimizer_queued_nanos = 0;
   };
   std::string version;
   uint32_t pid = 0;
@@ -472,6 +480,10 @@ class Client {
   // restarted since without keeping it.
   absl::StatusOr<std::unique_ptr<Session>> ResumeSession(uint64_t session_id,
                                                          const std::string& token);
+  // Session `session_id`'s weight in the node's optimizer (offloadctl
+  // share): with several sessions stepping at once, each gets updates in
+  // proportion. As the operator (no session token).
+  absl::Status SetShare(uint64_t session_id, uint32_t weight);
 
   absl::StatusOr<std::vector<Tunable>> ListTunables();
   absl::StatusOr<Tunable> GetTunable(const std::string& name);

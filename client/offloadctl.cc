@@ -7,6 +7,7 @@
 //   offloadctl [--address=ADDR] stats
 //   offloadctl [--address=ADDR] top [--interval=SECONDS] [--iterations=N]
 //   offloadctl [--address=ADDR] checkpoint SESSION_ID DIR
+//   offloadctl [--address=ADDR] share SESSION_ID WEIGHT
 //   offloadctl export [--format=safetensors] CHECKPOINT_DIR OUTPUT
 //   offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]
 //
@@ -55,6 +56,8 @@ constexpr char kUsage[] =
     "                          placement, steps a second and step time split into waiting for\n"
     "                          state and computing (every S seconds, 1; N screens, 0 = until ^C)\n"
     "  checkpoint ID DIR       write session ID's checkpoint into DIR (atomically)\n"
+    "  share ID WEIGHT         session ID's weight in the node's optimizer (1-1000): sessions\n"
+    "                          stepping at once get updates in proportion\n"
     "  export [--format=safetensors] CHECKPOINT_DIR OUTPUT\n"
     "                          consolidated fp32 weights of a checkpoint (offline)\n"
     "  doctor [--offline] [--NAME=VALUE ...]\n"
@@ -130,17 +133,20 @@ int Stats(Client& client) {
   }
   // Bytes placed per kind, host/NVMe.
   auto placed = [](uint64_t host, uint64_t nvme) { return Bytes(host) + "/" + Bytes(nvme); };
-  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s\n", "SESSION", "NAME", "PARTS", "HELD",
-              "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME", "STATE HOST/NVME");
+  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s\n", "SESSION", "NAME",
+              "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
+              "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S");
   for (const auto& x : s->sessions) {
-    std::printf("%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s\n",
-                static_cast<unsigned long long>(x.id), x.name.c_str(),
-                static_cast<unsigned long long>(x.partitions),
-                static_cast<unsigned long long>(x.held), Bytes(x.arena_bytes).c_str(),
-                static_cast<unsigned long long>(x.steps),
-                placed(x.params_host_bytes, x.params_nvme_bytes).c_str(),
-                placed(x.grads_host_bytes, x.grads_nvme_bytes).c_str(),
-                placed(x.state_host_bytes, x.state_nvme_bytes).c_str());
+    std::printf(
+        "%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f\n",
+        static_cast<unsigned long long>(x.id), x.name.c_str(),
+        static_cast<unsigned long long>(x.partitions), static_cast<unsigned long long>(x.held),
+        Bytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps),
+        placed(x.params_host_bytes, x.params_nvme_bytes).c_str(),
+        placed(x.grads_host_bytes, x.grads_nvme_bytes).c_str(),
+        placed(x.state_host_bytes, x.state_nvme_bytes).c_str(),
+        static_cast<long long>(x.share_weight), static_cast<unsigned long long>(x.optimizer_params),
+        static_cast<double>(x.optimizer_queued_nanos) / 1e9);
   }
   // The sessions whose trainers run a GPU tier, as they last reported.
   bool header = false;
@@ -348,7 +354,8 @@ int Main(int argc, char** argv) {
       (args[0] == "config" && args.size() == 2 && args[1] == "list") ||
       (args[0] == "config" && args.size() == 3 && args[1] == "get") ||
       (args[0] == "config" && args.size() == 4 && args[1] == "set") ||
-      (args[0] == "checkpoint" && args.size() == 3) || (args[0] == "export" && args.size() == 3);
+      (args[0] == "checkpoint" && args.size() == 3) || (args[0] == "export" && args.size() == 3) ||
+      (args[0] == "share" && args.size() == 3);
   if (!known) return usage();
   if (args[0] == "export") {
     if (format != "safetensors") {
@@ -365,6 +372,18 @@ int Main(int argc, char** argv) {
   if (args[0] == "status") return Status(c);
   if (args[0] == "stats") return Stats(c);
   if (args[0] == "checkpoint") return Checkpoint(c, args[1], args[2]);
+  if (args[0] == "share") {
+    uint64_t id;
+    uint32_t weight;
+    if (!absl::SimpleAtoi(args[1], &id) || !absl::SimpleAtoi(args[2], &weight)) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("share takes a session id and a weight, both numbers, not '", args[1], "' '",
+                       args[2], "' (ids: offloadctl stats)")));
+    }
+    if (absl::Status s = c.SetShare(id, weight); !s.ok()) return Fail(s);
+    std::printf("session %llu: share weight %u\n", static_cast<unsigned long long>(id), weight);
+    return 0;
+  }
   if (args[1] == "list") {
     absl::StatusOr<std::vector<Tunable>> list = c.ListTunables();
     if (!list.ok()) return Fail(list.status());

@@ -56,6 +56,8 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
       {"offloadd_session_held", "partitions the trainer holds", &SessionSummary::held},
       {"offloadd_session_arena_bytes", "shared arena bytes", &SessionSummary::arena_bytes},
       {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps},
+      {"offloadd_session_optimizer_params", "parameters the node's optimizer updated for it",
+       &SessionSummary::optimizer_params},
   };
   for (const SessionMetric& metric : kSession) {
     absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
@@ -64,6 +66,23 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
       absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ",
                       s.*metric.field, "\n");
     }
+  }
+  absl::StrAppend(&out,
+                  "# HELP offloadd_session_share_weight its weight in the node's optimizer\n"
+                  "# TYPE offloadd_session_share_weight gauge\n");
+  for (const SessionSummary& s : m.sessions) {
+    absl::StrAppend(&out, "offloadd_session_share_weight{session=\"", s.id, "\",name=\"",
+                    Escape(s.name), "\"} ", s.share_weight, "\n");
+  }
+  absl::StrAppend(&out,
+                  "# HELP offloadd_session_optimizer_queued_seconds_total time its updates waited "
+                  "for other sessions'\n"
+                  "# TYPE offloadd_session_optimizer_queued_seconds_total counter\n");
+  for (const SessionSummary& s : m.sessions) {
+    absl::StrAppend(&out, "offloadd_session_optimizer_queued_seconds_total{session=\"", s.id,
+                    "\",name=\"", Escape(s.name), "\"} ",
+                    absl::StrFormat("%.9f", static_cast<double>(s.optimizer_queued_nanos) / 1e9),
+                    "\n");
   }
   absl::StrAppend(&out,
                   "# HELP offloadd_session_step_seconds_total the session's steps' time: in all "

@@ -153,8 +153,19 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     if (req->has_delayed_update_after_steps()) dpu_after = req->delayed_update_after_steps();
     RETURN_IF_ERROR(CheckPath(req->restore_from(), "restore_from"));
     RETURN_IF_ERROR(CheckRoomForSession());
+    if (req->share_weight() > SessionManager::kMaxShareWeight) {
+      return absl::InvalidArgumentError(absl::StrCat("share_weight ", req->share_weight(),
+                                                     " is over ", SessionManager::kMaxShareWeight));
+    }
     ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling,
                                                            dpu_after, req->restore_from()));
+    if (req->share_weight() > 0) {
+      absl::Status shared = sessions_->SetShare(opened.key, req->share_weight());
+      if (!shared.ok()) {
+        sessions_->Close(opened.key).IgnoreError();
+        return shared;
+      }
+    }
     Answer(opened, resp);
     return absl::OkStatus();
   });
@@ -362,6 +373,11 @@ grpc::Status PartitionServiceImpl::GetMoments(grpc::ServerContext* context,
     resp->set_step(step);
     return absl::OkStatus();
   });
+}
+
+grpc::Status PartitionServiceImpl::SetShare(grpc::ServerContext* context,
+                                            const v1::SetShareRequest* req, v1::SetShareResponse*) {
+  return Serve(*context, [&] { return sessions_->SetShare(KeyOf(req->session()), req->weight()); });
 }
 
 grpc::Status PartitionServiceImpl::SetMoments(grpc::ServerContext* context,
@@ -576,6 +592,9 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext* context, const v1::
     out->set_step_wall_nanos(s.step_wall_nanos);
     out->set_step_wait_nanos(s.step_wait_nanos);
     out->set_step_compute_nanos(s.step_compute_nanos);
+    out->set_share_weight(s.share_weight);
+    out->set_optimizer_params(s.optimizer_params);
+    out->set_optimizer_queued_nanos(s.optimizer_queued_nanos);
     if (s.gpu.has_value()) {
       const GpuTierReport& g = *s.gpu;
       v1::GpuTierCounters* c = out->mutable_gpu();

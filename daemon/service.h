@@ -67,6 +67,8 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
                                 v1::SetDelayedUpdateResponse*) override;
   grpc::Status GetMoments(grpc::ServerContext*, const v1::GetMomentsRequest*,
                           v1::Moments*) override;
+  grpc::Status SetShare(grpc::ServerContext*, const v1::SetShareRequest*,
+                        v1::SetShareResponse*) override;
   grpc::Status SetMoments(grpc::ServerContext*, const v1::SetMomentsRequest*,
                           v1::SetMomentsResponse*) override;
   grpc::Status ReportGpuTier(grpc::ServerContext*, const v1::ReportGpuTierRequest*,

@@ -349,6 +349,10 @@ class PartitionStore {
   size_t held() const ABSL_LOCKS_EXCLUDED(mu_);
   // Steps applied so far.
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The session's weight in the node's optimizer when several sessions step
+  // at once (engine/optimizer_shares.h): 1 unless set.
+  int64_t share_weight() const { return share_weight_.load(std::memory_order_relaxed); }
+  void SetShareWeight(int64_t weight) { share_weight_.store(weight, std::memory_order_relaxed); }
 
  private:
   friend class PartitionStoreFactory;
@@ -513,6 +517,7 @@ class PartitionStore {
   std::unique_ptr<Capture> capture_ ABSL_GUARDED_BY(mu_);  // a checkpoint being written
   absl::CondVar captured_;                                 // a capture ended
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<int64_t> share_weight_{1};
   uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
   Placement placement_ ABSL_GUARDED_BY(mu_);
 };

@@ -412,6 +412,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   }
   // Its state is not wanted any more: a later offloadd must not reopen it.
   if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
+  steps_->shares().Forget(id);
   return true;
 }
 
@@ -708,6 +709,16 @@ absl::StatusOr<GpuTierSettings> SessionManager::ReportGpuTier(const SessionKey& 
 void SessionManager::SetGpuTierSettings(const GpuTierSettings& settings) {
   absl::MutexLock lock(&mu_);
   gpu_settings_ = settings;
+}
+
+absl::Status SessionManager::SetShare(const SessionKey& key, int64_t weight) {
+  if (weight < 1 || weight > kMaxShareWeight) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("share weight ", weight, " is not in [1, ", kMaxShareWeight, "]"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
+  session->partitions->SetShareWeight(weight);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> SessionManager::ReadMoments(const SessionKey& key, uint64_t partition_id,
@@ -1043,6 +1054,10 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
     summary.step_wall_nanos = s->step_wall_nanos.load(std::memory_order_relaxed);
     summary.step_wait_nanos = s->step_wait_nanos.load(std::memory_order_relaxed);
     summary.step_compute_nanos = s->step_compute_nanos.load(std::memory_order_relaxed);
+    summary.share_weight = p.share_weight();
+    const OptimizerShares::Usage used = steps_->shares().UsageOf(s->id);
+    summary.optimizer_params = used.elems;
+    summary.optimizer_queued_nanos = used.queued_nanos;
     for (int k = 0; k < kDataKinds; ++k) {
       summary.host_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kHost);
       summary.nvme_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kNvme);

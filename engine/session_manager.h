@@ -118,6 +118,11 @@ struct SessionSummary {
   int64_t step_wall_nanos = 0;
   int64_t step_wait_nanos = 0;
   int64_t step_compute_nanos = 0;
+  // Its weight in the node's optimizer, and what it got: parameters
+  // updated, and the time its updates waited for other sessions'.
+  int64_t share_weight = 1;
+  uint64_t optimizer_params = 0;
+  int64_t optimizer_queued_nanos = 0;
 };
 
 // How the trainer commits a step after its global decisions.
@@ -226,6 +231,12 @@ class SessionManager {
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
   // switch-on.
   absl::Status SetDelayedUpdate(const SessionKey& key, bool on) ABSL_LOCKS_EXCLUDED(mu_);
+  // The session's weight in the node's optimizer (OptimizerShares): with
+  // several sessions stepping at once, each gets updates in proportion to
+  // it. INVALID_ARGUMENT outside [1, 1000]. An empty token acts as the
+  // operator (offloadctl share).
+  static constexpr int64_t kMaxShareWeight = 1000;
+  absl::Status SetShare(const SessionKey& key, int64_t weight) ABSL_LOCKS_EXCLUDED(mu_);
   // A partition's Adam state (PartitionStore::ReadMoments, WriteMoments).
   absl::StatusOr<uint64_t> ReadMoments(const SessionKey& key, uint64_t partition_id, uint64_t begin,
                                        uint64_t count, float* exp_avg, float* exp_avg_sq)

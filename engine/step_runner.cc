@@ -341,15 +341,22 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionStore& set, const AdamH
         ++run_end;
         if (u.chunk + 1 == items[u.item].chunks && run_elems >= kMinRunElems) break;
       }
-      const auto computing = std::chrono::steady_clock::now();
-      for (size_t t = run_begin; t < run_end; ++t) {
-        const AdamSpan& span = tasks[t].span;
-        if (init_from[t] != nullptr) {
-          WidenToFloat(init_from[t], span.working_dtype, span.master, span.numel);
+      // The optimizer is the node's: this run waits for its session's turn,
+      // and holds it for the update only.
+      absl::Status updated;
+      std::chrono::steady_clock::time_point computing;
+      {
+        OptimizerShares::Turn turn = shares_.Take(set.session_id(), set.share_weight(), run_elems);
+        computing = std::chrono::steady_clock::now();
+        for (size_t t = run_begin; t < run_end; ++t) {
+          const AdamSpan& span = tasks[t].span;
+          if (init_from[t] != nullptr) {
+            WidenToFloat(init_from[t], span.working_dtype, span.master, span.numel);
+          }
         }
+        updated = optimizer_->Update(
+            absl::MakeConstSpan(tasks).subspan(run_begin, run_end - run_begin), h);
       }
-      absl::Status updated =
-          optimizer_->Update(absl::MakeConstSpan(tasks).subspan(run_begin, run_end - run_begin), h);
       compute_nanos += NanosSince(computing);
       if (!updated.ok()) {
         status = updated;  // the runs before stay applied
@@ -376,6 +383,7 @@ absl::StatusOr<StepSummary> StepRunner::Execute(PartitionStore& set, const AdamH
     Sync(StepPoint::kGroupDone);
   }
   Sync(StepPoint::kOptimized);
+  shares_.Idle(set.session_id());
   set.EndStep(items, outcomes);
   stats_->step_state_wait_nanos.fetch_add(wait_nanos, std::memory_order_relaxed);
   stats_->step_compute_nanos.fetch_add(compute_nanos, std::memory_order_relaxed);

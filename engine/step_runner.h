@@ -54,6 +54,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/optimizer.h"
+#include "engine/optimizer_shares.h"
 #include "engine/partition_store.h"
 #include "engine/stats.h"
 #include "swapper/host_pool.h"
@@ -119,6 +120,10 @@ class StepRunner {
   StepRunner(Optimizer* optimizer, const HostPool* pool, Stats* stats);
   // Runs the overlapped steps already started to their end.
   ~StepRunner();
+
+  // How sessions stepping at once share the optimizer (by their stores'
+  // share_weight), and what each used.
+  OptimizerShares& shares() { return shares_; }
 
   // Adds a micro-batch's gradients (held by the trainer in partition
   // `id`'s gradient buffer) into the partition's fp32 accumulator, chunk
@@ -217,6 +222,7 @@ class StepRunner {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;
   std::thread measurer_;  // handed-over gradients, measured in order
+  OptimizerShares shares_;
 };
 
 }  // namespace offload

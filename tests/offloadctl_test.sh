@@ -63,6 +63,17 @@ for _ in $(seq 100); do
   screen=$(tmux -S "$tmux_sock" capture-pane -p)
   grep -Eq "^[0-9]+ +offload_demo +[0-9]+ +[0-9]+ .* [0-9]+\.[0-9]{2} +[0-9.]+ +[0-9]+% +[0-9]+% " <<<"$screen" && break
 done
+# The demo session's weight in the node's optimizer, set live.
+id=$(grep -Eo "^[0-9]+ +offload_demo" <<<"$screen" | awk '{print $1}')
+[[ -n $id ]] || fail "no demo session id in: $screen"
+out=$($ctl share "$id" 3) || fail "share: $out"
+[[ $out == "session $id: share weight 3" ]] || fail "share: $out"
+set +e
+err=$($ctl share "$id" 0 2>&1); rc=$?
+set -e
+[[ $rc == 1 ]] && grep -q INVALID_ARGUMENT <<<"$err" || fail "share 0 exited $rc: $err"
+$ctl stats | grep -Eq "^$id +offload_demo .* 3 +[0-9]+ +[0-9.]+$" || fail "stats lacks the share: $($ctl stats)"
+
 tmux -S "$tmux_sock" kill-server 2>/dev/null || true
 kill "$demo_pid" 2>/dev/null; wait "$demo_pid" 2>/dev/null || true
 grep -q "^offloadd 0.* pid $daemon_pid .* every 0\.[0-9] s" <<<"$screen" || fail "top header: $screen"

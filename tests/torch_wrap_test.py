@@ -814,6 +814,16 @@ class WrapInProcessTest(unittest.TestCase):
             mine.load_state_dict(bad)
         mine.close()
 
+    def test_a_jobs_share_weight_reaches_the_daemon(self):
+        import offloadd
+        model, opt = self.wrap(self.mlp(), zero={"share_weight": 5})
+        stats = offloadd.Client(self.daemon.address).stats()
+        mine = [x for x in stats["sessions"] if x["id"] == model.offloadd.session.id]
+        self.assertEqual(mine[0]["share_weight"], 5)
+        opt.close()
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "share_weight"):
+            self.wrap(self.mlp(), zero={"share_weight": 0})
+
     def test_static_loss_scale_is_undone_exactly(self):
         # eps = 1 makes Adam's update follow the gradient's size, so a
         # wrongly scaled gradient would show.

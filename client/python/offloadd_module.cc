@@ -156,7 +156,11 @@ py::dict StatsDict(const DaemonStats& s) {
         "params_host_bytes"_a = x.params_host_bytes, "params_nvme_bytes"_a = x.params_nvme_bytes,
         "grads_host_bytes"_a = x.grads_host_bytes, "grads_nvme_bytes"_a = x.grads_nvme_bytes,
         "state_host_bytes"_a = x.state_host_bytes, "state_nvme_bytes"_a = x.state_nvme_bytes,
-        "gpu"_a = x.gpu.has_value() ? py::object(GpuCountersDict(*x.gpu)) : py::none()));
+        "gpu"_a = x.gpu.has_value() ? py::object(GpuCountersDict(*x.gpu)) : py::none(),
+        "step_wall_nanos"_a = x.step_wall_nanos, "step_wait_nanos"_a = x.step_wait_nanos,
+        "step_compute_nanos"_a = x.step_compute_nanos, "share_weight"_a = x.share_weight,
+        "optimizer_params"_a = x.optimizer_params,
+        "optimizer_queued_nanos"_a = x.optimizer_queued_nanos));
   }
   return py::dict("version"_a = s.version, "pid"_a = s.pid, "uptime_ms"_a = s.uptime_ms,
                   "optimizer"_a = s.optimizer, "counters"_a = counters, "tiers"_a = tiers,
@@ -620,9 +624,11 @@ PYBIND11_MODULE(_offloadd, m) {
           [](Client& c, const std::string& name, std::optional<int> params_host_percent,
              std::optional<int> grads_host_percent, std::optional<int> optimizer_state_host_percent,
              std::optional<uint64_t> delayed_update_after_steps,
-             std::optional<py::dict> loss_scaling, const std::string& restore_from) {
+             std::optional<py::dict> loss_scaling, const std::string& restore_from,
+             uint32_t share_weight) {
             SessionOptions o;
             o.restore_from = restore_from;
+            o.share_weight = share_weight;
             if (loss_scaling.has_value()) {
               // fp16: {"initial_scale": ..., "growth_interval": ..., ...}
               LossScaling l;
@@ -649,7 +655,14 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none(),
           py::arg("delayed_update_after_steps") = py::none(), py::arg("loss_scaling") = py::none(),
-          py::arg("restore_from") = "")
+          py::arg("restore_from") = "", py::arg("share_weight") = 0)
+      .def(
+          "set_share",
+          [](Client& c, uint64_t session_id, uint32_t weight) {
+            Check(Unlocked([&] { return c.SetShare(session_id, weight); }));
+          },
+          py::arg("session_id"), py::arg("weight"),
+          "a session's weight in the node's optimizer (1-1000), as the operator")
       .def(
           "resume_session",
           [](Client& c, uint64_t id, const py::bytes& token) {

@@ -520,7 +520,8 @@ class _Engine:
                                                   placement.get("optimizer_state")),
             delayed_update_after_steps=config["delayed_update_after_steps"],
             loss_scaling=config["loss_scaling"],
-            restore_from=restore_from)
+            restore_from=restore_from,
+            share_weight=config["share_weight"])
 
     def _register_slice(self, session, s):
         """Registers this rank's slice of `s`'s parameter in `session`
@@ -1796,7 +1797,7 @@ _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
-              "restore_from", "gradient_stats", "gpu", "reduce_bucket_elements"}
+              "restore_from", "gradient_stats", "gpu", "reduce_bucket_elements", "share_weight"}
 _GPU_KEYS = {"tier", "device", "budget_bytes", "prefetch_depth", "prefetch_elements",
              "persistence_threshold", "max_live_parameters", "max_reuse_distance",
              "staging_bytes"}
@@ -1850,6 +1851,10 @@ def _zero_defaults(zero_config):
             raise offloadd.InvalidArgumentError(f"gpu.{k} must be an integer >= 0, got {v!r}")
     if gpu.get("budget_bytes") == 0:
         raise offloadd.InvalidArgumentError("gpu.budget_bytes must be > 0")
+    share = z.get("share_weight", 1)
+    if isinstance(share, bool) or not isinstance(share, int) or not 1 <= share <= 1000:
+        raise offloadd.InvalidArgumentError(
+            f"share_weight must be an integer in [1, 1000], got {share!r}")
     bucket = z.get("reduce_bucket_elements", 1 << 24)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise offloadd.InvalidArgumentError(
@@ -1874,6 +1879,7 @@ def _zero_defaults(zero_config):
         "gradient_stats": stats,
         "gpu": gpu,
         "reduce_bucket_elements": bucket,
+        "share_weight": share,
         "node_tunables": dict(z.get("node_tunables") or {}),
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
     }
@@ -1919,6 +1925,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   collective per bucket of this many elements (full gradients,
                                   as DeepSpeed's reduce_bucket_size; default 16M: a buffer of
                                   64 MiB of fp32 on the device the collective runs on)
+      share_weight                this job's weight in the node's optimizer (1-1000, default 1):
+                                  when several jobs step at once, each gets updates in proportion
+                                  (offloadctl share ID WEIGHT changes it live)
       node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the

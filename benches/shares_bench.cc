@@ -1,0 +1,222 @@
+// Shares of the node's one optimizer (engine/optimizer_shares.h): sessions
+// stepping without pause, each with its own weight, against the same
+// sessions' throughput alone in the same run.
+//
+//   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
+//                            [--weights=2,1] [--tiny]
+//
+// Each session is a thread that, again and again, hands a gradient over
+// for each of its partitions (held, returned with its statistics,
+// released) and steps, as a trainer with state on the host and its
+// gradients computed elsewhere (a GPU) does: the daemon's work is the step. Prints each session's
+// parameters updated per second and the ratio to its weight's share
+// (target: within 10%), and the node's total against one session alone
+// (sharing must not cost throughput).
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "base/host_memory.h"
+#include "base/status_macros.h"
+#include "benches/bench_engine.h"
+#include "benches/bench_util.h"
+
+namespace offload {
+namespace {
+
+using bench::BenchEngine;
+using bench::Clock;
+
+struct Flags {
+  uint64_t params = 16'000'000;
+  int partitions = 4;
+  double seconds = 4;
+  std::vector<int64_t> weights = {2, 1};
+};
+
+// One session: registered partitions and its arena, mapped.
+struct Job {
+  SessionKey key;
+  HostMemory arena;
+  std::vector<PartitionInfo> parts;
+  std::atomic<uint64_t> updated{0};
+  bool written = false;  // its gradient buffers hold the gradients
+};
+
+absl::Status Open(BenchEngine& e, Job* job, const std::string& name, int64_t weight,
+                  uint64_t params, int partitions) {
+  ASSIGN_OR_RETURN(OpenedSession opened, e.sessions->Open(name));
+  job->key = opened.key;
+  RETURN_IF_ERROR(e.sessions->SetShare(job->key, weight));
+  const uint64_t each = params / static_cast<uint64_t>(partitions);
+  for (int i = 0; i < partitions; ++i) {
+    ASSIGN_OR_RETURN(PartitionInfo p, e.sessions->Register(job->key, {absl::StrCat("p", i), each,
+                                                                      DType::kFp32, DType::kFp32}));
+    job->parts.push_back(p);
+  }
+  ASSIGN_OR_RETURN(UniqueFd fd, e.sessions->DupArenaFd(job->key));
+  uint64_t end = 0;
+  for (const PartitionInfo& p : job->parts) {
+    end = std::max({end, p.params.offset + p.params.bytes, p.grads.offset + p.grads.bytes});
+  }
+  ASSIGN_OR_RETURN(job->arena, HostMemory::MapShared(fd.get(), 0, RoundUpToPage(end)));
+  for (const PartitionInfo& p : job->parts) {
+    std::memset(job->arena.data() + p.params.offset, 0, p.params.bytes);  // the initial values
+  }
+  return e.sessions->Release(job->key, {});
+}
+
+// Steps `job` until `stop`.
+absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
+  FetchMode grads;
+  grads.grads = true;
+  while (!stop.load(std::memory_order_relaxed)) {
+    for (const PartitionInfo& p : job->parts) {
+      // The trainer's gradients (the same every time: its own compute is
+      // not what is measured), handed over with their statistics, as
+      // offloadd.torch does with one micro-batch a step: the daemon's work
+      // for a step is the step.
+      RETURN_IF_ERROR(e.sessions->Fetch(job->key, {p.id}, grads).status());
+      if (!job->written) {
+        float* g = reinterpret_cast<float*>(job->arena.data() + p.grads.offset);
+        std::fill(g, g + p.numel, 1e-3f);
+      }
+      GradStats stats;
+      stats.sq_norm = static_cast<double>(p.numel) * 1e-6;
+      RETURN_IF_ERROR(e.sessions->ReturnGradients(job->key, p.id, p.numel, DType::kFp32,
+                                                  /*hand_over=*/true, stats));
+      RETURN_IF_ERROR(e.sessions->Release(job->key, {p.id}));
+    }
+    job->written = true;
+    ASSIGN_OR_RETURN(StepSummary s, e.sessions->Step(job->key, AdamHyperparams{}));
+    job->updated.fetch_add(s.params_updated, std::memory_order_relaxed);
+  }
+  return absl::OkStatus();
+}
+
+// Runs `jobs` at once for `seconds`; each one's parameters updated a second.
+absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vector<Job*>& jobs,
+                                                double seconds) {
+  std::atomic<bool> stop{false};
+  std::vector<absl::Status> status(jobs.size());
+  std::vector<uint64_t> before;
+  for (Job* j : jobs) before.push_back(j->updated.load());
+  std::vector<std::thread> threads;
+  const auto start = Clock::now();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    threads.emplace_back([&, i] { status[i] = Train(e, jobs[i], stop); });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  for (auto& t : threads) t.join();
+  const double took = bench::SecondsSince(start);
+  std::vector<double> rates;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    RETURN_IF_ERROR(status[i]);
+    rates.push_back(static_cast<double>(jobs[i]->updated.load() - before[i]) / took);
+  }
+  return rates;
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const char* v;
+    if ((v = bench::FlagValue(argv[i], "params"))) {
+      f.params = bench::CountOrExit(v);
+    } else if ((v = bench::FlagValue(argv[i], "partitions"))) {
+      f.partitions = std::max(1, std::atoi(v));
+    } else if ((v = bench::FlagValue(argv[i], "seconds"))) {
+      f.seconds = std::max(0.2, std::atof(v));
+    } else if ((v = bench::FlagValue(argv[i], "weights"))) {
+      f.weights.clear();
+      for (absl::string_view w : absl::StrSplit(v, ',')) {
+        int64_t x;
+        if (!absl::SimpleAtoi(w, &x) || x < 1 || x > 1000) {
+          std::fprintf(stderr, "--weights: integers in [1, 1000], not '%s'\n", v);
+          return 2;
+        }
+        f.weights.push_back(x);
+      }
+    } else if (a == "--tiny") {
+      f.params = 400'000;
+      f.seconds = 0.5;
+    } else {
+      std::fprintf(stderr, "unknown flag %s (see benches/shares_bench.cc)\n", a.c_str());
+      return 2;
+    }
+  }
+  bench::PrintMachine("/tmp");
+  auto made = bench::MakeBenchEngine({});
+  if (!made.ok()) {
+    std::fprintf(stderr, "engine: %s\n", made.status().ToString().c_str());
+    return 1;
+  }
+  BenchEngine& e = **made;
+  std::vector<std::unique_ptr<Job>> jobs;
+  std::vector<Job*> all;
+  int64_t weight_sum = 0;
+  for (size_t i = 0; i < f.weights.size(); ++i) {
+    jobs.push_back(std::make_unique<Job>());
+    if (absl::Status s = Open(e, jobs.back().get(), absl::StrCat("job", i), f.weights[i], f.params,
+                              f.partitions);
+        !s.ok()) {
+      std::fprintf(stderr, "opening job %zu: %s\n", i, s.ToString().c_str());
+      return 1;
+    }
+    all.push_back(jobs.back().get());
+    weight_sum += f.weights[i];
+  }
+  std::printf(
+      "== shares: %zu sessions of %llu fp32 parameters in %d partitions, stepping without pause; "
+      "optimizer on %lld threads\n",
+      jobs.size(), static_cast<unsigned long long>(f.params), f.partitions,
+      static_cast<long long>(e.optimizer->threads()));
+  // Warm-up (first steps touch the state), then one session alone.
+  if (auto r = RunTogether(e, all, std::min(1.0, f.seconds / 2)); !r.ok()) {
+    std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  auto alone = RunTogether(e, {all[0]}, f.seconds);
+  auto together = alone.ok() ? RunTogether(e, all, f.seconds) : alone.status();
+  if (!together.ok()) {
+    std::fprintf(stderr, "%s\n", together.status().ToString().c_str());
+    return 1;
+  }
+  double total = 0;
+  for (double r : *together) total += r;
+  double worst = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const double want = static_cast<double>(f.weights[i]) / static_cast<double>(weight_sum);
+    const double got = (*together)[i] / total;
+    worst = std::max(worst, std::abs(got / want - 1));
+    std::printf(
+        "job%zu weight %lld: %.1f Mparam/s = %.1f%% of the node's updates (its share "
+        "%.1f%%: ratio %.3f)\n",
+        i, static_cast<long long>(f.weights[i]), (*together)[i] / 1e6, 100 * got, 100 * want,
+        got / want);
+  }
+  for (size_t i = 0; i < all.size(); ++i) {
+    const OptimizerShares::Usage u = e.steps->shares().UsageOf(all[i]->key.id);
+    std::printf("job%zu: its updates waited %.2f s for others', held the optimizer %.2f s\n", i,
+                static_cast<double>(u.queued_nanos) / 1e9,
+                static_cast<double>(u.running_nanos) / 1e9);
+  }
+  std::printf("worst share off by %.1f%% (target: within 10%%)\n", 100 * worst);
+  std::printf("node total %.1f Mparam/s together vs %.1f alone: %.3fx\n", total / 1e6,
+              (*alone)[0] / 1e6, total / (*alone)[0]);
+  return 0;
+}
+
+}  // namespace
+}  // namespace offload
+
+int main(int argc, char** argv) { return offload::Main(argc, argv); }

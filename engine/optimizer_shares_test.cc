@@ -1,0 +1,81 @@
+#include "engine/optimizer_shares.h"
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+// Sessions that want the optimizer without pause get it in proportion to
+// their weights; the runs themselves never overlap.
+TEST(OptimizerShares, BusySessionsShareByWeight) {
+  OptimizerShares shares;
+  std::atomic<bool> stop{false};
+  std::atomic<int> holders{0};
+  std::atomic<bool> overlapped{false};
+  auto stepper = [&](uint64_t session, int64_t weight) {
+    while (!stop.load()) {
+      OptimizerShares::Turn turn = shares.Take(session, weight, 1000);
+      if (holders.fetch_add(1) != 0) overlapped = true;
+      absl::SleepFor(absl::Microseconds(200));
+      holders.fetch_sub(1);
+    }
+    shares.Idle(session);
+  };
+  std::vector<std::thread> threads;
+  threads.emplace_back(stepper, 1, 2);
+  threads.emplace_back(stepper, 2, 1);
+  threads.emplace_back(stepper, 3, 1);
+  absl::SleepFor(absl::Seconds(1));
+  stop = true;
+  for (auto& t : threads) t.join();
+  EXPECT_FALSE(overlapped.load());
+  const double a = static_cast<double>(shares.UsageOf(1).elems);
+  const double b = static_cast<double>(shares.UsageOf(2).elems);
+  const double c = static_cast<double>(shares.UsageOf(3).elems);
+  ASSERT_GT(b, 0);
+  EXPECT_NEAR(a / b, 2.0, 0.2) << a << " " << b << " " << c;
+  EXPECT_NEAR(c / b, 1.0, 0.1) << a << " " << b << " " << c;
+  EXPECT_GT(shares.UsageOf(2).queued_nanos, 0);
+}
+
+// A session back from idle takes no credit for its absence: it shares from
+// then on, it does not run alone until it caught up.
+TEST(OptimizerShares, IdlenessEarnsNoCredit) {
+  OptimizerShares shares;
+  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
+  shares.Idle(1);
+  std::atomic<bool> stop{false};
+  auto stepper = [&](uint64_t session) {
+    while (!stop.load()) {
+      OptimizerShares::Turn turn = shares.Take(session, 1, 1000);
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    shares.Idle(session);
+  };
+  const uint64_t before = shares.UsageOf(1).elems;
+  std::thread one(stepper, 1), two(stepper, 2);
+  absl::SleepFor(absl::Milliseconds(500));
+  stop = true;
+  one.join();
+  two.join();
+  const double a = static_cast<double>(shares.UsageOf(1).elems - before);
+  const double b = static_cast<double>(shares.UsageOf(2).elems);
+  EXPECT_NEAR(a / b, 1.0, 0.1) << a << " " << b;
+}
+
+TEST(OptimizerShares, AloneNothingWaits) {
+  OptimizerShares shares;
+  for (int i = 0; i < 100; ++i) shares.Take(7, 1, 10);
+  EXPECT_EQ(shares.UsageOf(7).elems, 1000u);
+  shares.Idle(7);
+  shares.Forget(7);
+  EXPECT_EQ(shares.UsageOf(7).elems, 0u);
+}
+
+}  // namespace
+}  // namespace offload
