@@ -32,8 +32,15 @@ double OptimizerShares::LargestRun(absl::Time now) const {
 }
 
 bool OptimizerShares::Next(uint64_t session, absl::Time now, absl::Time* recheck) const {
-  if (busy_) return false;
   const State& me = sessions_.at(session);
+  // All of one weight: their runs share the pool as they come (nothing to
+  // divide unequally, and no hand-over between runs to pay for).
+  bool uniform = true;
+  for (const auto& [id, s] : sessions_) {
+    if (Present(s, now) && s.weight != me.weight) uniform = false;
+  }
+  if (uniform) return true;
+  if (running_ > 0) return false;
   for (const auto& [id, s] : sessions_) {
     if (id == session) continue;
     const bool ahead =
@@ -69,6 +76,7 @@ OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, ui
     }
   }
   me.in_step = true;
+  me.weight = std::max<int64_t>(1, weight);
   ++me.waiting;
   for (;;) {
     const absl::Time now = absl::Now();
@@ -92,7 +100,7 @@ OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, ui
                           recheck);
   }
   --me.waiting;
-  busy_ = true;
+  ++running_;
   me.started = absl::Now();
   me.usage.queued_nanos += absl::ToInt64Nanoseconds(me.started - asked);
   me.usage.elems += elems;
@@ -103,7 +111,7 @@ OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, ui
 
 void OptimizerShares::End(uint64_t session) {
   absl::MutexLock lock(&mu_);
-  busy_ = false;
+  --running_;
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return;
   it->second.ended = absl::Now();

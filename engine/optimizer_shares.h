@@ -1,17 +1,16 @@
 // The node's one optimizer shared between sessions by weight.
 //
 // A step updates its partitions in runs (StepRunner); each run takes the
-// whole optimizer pool. When several sessions' steps want it at once, runs
-// go by weighted fair queueing: each session's virtual time advances by a
-// run's elements divided by its weight, and of the sessions waiting, the
-// one with the least virtual time goes next. A session that was idle starts
-// again at the least virtual time of those present (less one run), so
-// idleness earns no credit, and while it is idle its share goes to the
-// others (nothing waits for an absent session). Between two runs (pinning
-// the next) or two steps, a session ahead keeps its turn for up to 2 ms,
-// so that being not quite waiting when a run ends does not cost it its
-// share. Two sessions of weights 2 and 1 stepping without pause get 2:1 of
-// the updated parameters.
+// whole optimizer pool. Where the sessions stepping at once all have one
+// weight (the default: 1), their runs share the pool as they come. Where
+// weights differ, runs go one at a time by weighted fair queueing: each session's virtual time
+// advances by a run's elements divided by its weight, and of the sessions waiting, the one with the
+// least virtual time goes next. A session that was idle starts again at the least virtual time of
+// those present (less one run), so idleness earns no credit, and while it is idle its share goes to
+// the others (nothing waits for an absent session). Between two runs (pinning the next) or two
+// steps, a session ahead keeps its turn for up to 2 ms, so that being not quite waiting when a run
+// ends does not cost it its share. Two sessions of weights 2 and 1 stepping without pause get 2:1
+// of the updated parameters.
 //
 // Thread-safe. Take() blocks; a Turn ends (lets the next run go) when
 // destroyed.
@@ -67,6 +66,7 @@ class OptimizerShares {
   struct State {
     double virtual_time = 0;                  // elements served / weight
     double last_cost = 0;                     // of its last run
+    int64_t weight = 1;                       // at its last Take
     int waiting = 0;                          // runs queued
     bool in_step = false;                     // from its first Take to Idle
     absl::Time started;                       // of the run holding the optimizer
@@ -80,17 +80,19 @@ class OptimizerShares {
   double Floor(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The largest last run of the sessions present (in virtual time).
   double LargestRun(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether `session` goes now: nobody holds the optimizer, no waiting
-  // session is ahead of it (less virtual time; ties: the lower id), and no
-  // session ahead of it ended a run of its step less than kAnticipation ago
-  // (its next run is coming; `recheck` is lowered to when that runs out).
+  // Whether `session` goes now: at once where every session present has its
+  // weight (runs then share the pool as they come); else once nobody holds
+  // the optimizer, no waiting session is ahead of it (less virtual time;
+  // ties: the lower id), and no session ahead of it ended a run less than
+  // kAnticipation ago (its next run is coming; `recheck` is lowered to when
+  // that runs out).
   bool Next(uint64_t session, absl::Time now, absl::Time* recheck) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr absl::Duration kAnticipation = absl::Milliseconds(2);
 
   mutable absl::Mutex mu_;
   std::map<uint64_t, State> sessions_ ABSL_GUARDED_BY(mu_);
-  bool busy_ ABSL_GUARDED_BY(mu_) = false;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;  // runs holding the optimizer
 };
 
 }  // namespace offload

@@ -68,6 +68,15 @@ TEST(OptimizerShares, IdlenessEarnsNoCredit) {
   EXPECT_NEAR(a / b, 1.0, 0.1) << a << " " << b;
 }
 
+// Sessions of one weight (the default) run as they come: their runs may
+// overlap, and none waits for another's.
+TEST(OptimizerShares, OneWeightRunsTogether) {
+  OptimizerShares shares;
+  OptimizerShares::Turn a = shares.Take(1, 1, 100);
+  OptimizerShares::Turn b = shares.Take(2, 1, 100);  // would block if runs were exclusive
+  EXPECT_EQ(shares.UsageOf(2).elems, 100u);
+}
+
 TEST(OptimizerShares, AloneNothingWaits) {
   OptimizerShares shares;
   for (int i = 0; i < 100; ++i) shares.Take(7, 1, 10);
