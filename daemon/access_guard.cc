@@ -6,20 +6,30 @@
 #include "ipc/paths.h"
 
 namespace offload {
+bool AccessGuard::HasToken(const grpc::ServerContext& context) const {
+  if (token_.empty()) return false;
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find(kTokenMetadataKey);
+  return it != metadata.end() &&
+         SecretsEqual(absl::string_view(it->second.data(), it->second.size()), token_);
+}
+
 absl::Status AccessGuard::CheckMayChange(const grpc::ServerContext& context,
                                          absl::string_view what) const {
-  if (absl::StartsWith(context.peer(), "unix:")) return absl::OkStatus();
-  if (!token_.empty()) {
-    const auto& metadata = context.client_metadata();
-    auto it = metadata.find(kTokenMetadataKey);
-    if (it != metadata.end() &&
-        SecretsEqual(absl::string_view(it->second.data(), it->second.size()), token_)) {
-      return absl::OkStatus();
-    }
-  }
+  if (absl::StartsWith(context.peer(), "unix:") || HasToken(context)) return absl::OkStatus();
   return absl::PermissionDeniedError(
       absl::StrCat("over TCP offloadd serves read-only status; ", what,
                    " needs the Unix socket, or the token in ", token_path_,
+                   " (readable by offloadd's user only) as OFFLOADD_TOKEN"));
+}
+
+absl::Status AccessGuard::CheckOperator(const grpc::ServerContext& context,
+                                        absl::string_view what) const {
+  if (!group_shared_) return CheckMayChange(context, what);
+  if (HasToken(context)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat("the socket is shared with a group (server.socket_group): ", what,
+                   " is the operator's, with the token in ", token_path_,
                    " (readable by offloadd's user only) as OFFLOADD_TOKEN"));
 }
 

@@ -4,7 +4,10 @@
 // is loopback-only but reachable by every user of the machine: over it,
 // offloadd serves read-only status (stats, listing and reading tunables)
 // unless the caller presents the token offloadd wrote to
-// <data_dir>/tcp_token, readable by its own user only.
+// <data_dir>/tcp_token, readable by its own user only. With
+// server.socket_group, the group's members reach the Unix socket too: they
+// use sessions (each proves its own with its session token), but the
+// operator's actions (node settings, other sessions by id) need the token.
 //
 // Thread-safety: immutable after construction; safe from any thread.
 #ifndef OFFLOADD_DAEMON_ACCESS_GUARD_H_
@@ -20,17 +23,25 @@ namespace offload {
 
 class AccessGuard {
  public:
-  // `token` empty: no TCP listener, nothing to guard.
-  AccessGuard(std::string token, std::string token_path)
-      : token_(std::move(token)), token_path_(std::move(token_path)) {}
+  // `token` empty: no TCP listener and no group, nothing to guard.
+  // `group_shared`: the Unix socket is a group's too (server.socket_group).
+  AccessGuard(std::string token, std::string token_path, bool group_shared = false)
+      : token_(std::move(token)), token_path_(std::move(token_path)), group_shared_(group_shared) {}
 
   // OK for a caller on the Unix socket, or one presenting the token;
   // PERMISSION_DENIED naming `what` and where the token is otherwise.
   absl::Status CheckMayChange(const grpc::ServerContext& context, absl::string_view what) const;
+  // The operator's actions (changing node settings, acting on a session by
+  // id without its token): OK on an owner-only Unix socket, or with the
+  // token; PERMISSION_DENIED naming `what` otherwise.
+  absl::Status CheckOperator(const grpc::ServerContext& context, absl::string_view what) const;
 
  private:
+  bool HasToken(const grpc::ServerContext& context) const;
+
   const std::string token_;
   const std::string token_path_;
+  const bool group_shared_;
 };
 
 }  // namespace offload

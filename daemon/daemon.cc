@@ -139,9 +139,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                           absl::Seconds(server.idle_lease_seconds),
                           absl::Seconds(server.reconnect_lease_seconds), group));
 
-  if (server.tcp_port >= 0) {
+  if (server.tcp_port >= 0 || group.has_value()) {
     ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());
-    d->guard_ = std::make_unique<AccessGuard>(std::move(token), d->tcp_token_path_);
+    d->guard_ = std::make_unique<AccessGuard>(std::move(token), d->tcp_token_path_,
+                                              /*group_shared=*/group.has_value());
   } else {
     d->guard_ = std::make_unique<AccessGuard>("", "");
   }

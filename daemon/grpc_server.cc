@@ -66,15 +66,17 @@ absl::Status GrpcServer::Build() {
   builder.AddListeningPort(absl::StrCat("unix:", options_.unix_path),
                            grpc::InsecureServerCredentials());
   int selected_port = -1;
-  const int port = tcp_port_ >= 0 ? tcp_port_ : options_.tcp_port;  // the same one on a rebuild
+  const int chosen = tcp_port_.load();
+  const int port = chosen >= 0 ? chosen : options_.tcp_port;  // the same one on a rebuild
   if (port >= 0) {
     builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
                              &selected_port);
   }
   for (grpc::Service* service : services_) builder.RegisterService(service);
-  // gRPC creates the socket file with the process umask: owner-only (and
-  // the group's, where one is given).
-  const mode_t old_mask = umask(options_.group.has_value() ? 0117 : 0177);
+  // gRPC creates the socket file with the process umask: owner-only (0077
+  // keeps the owner's execute bit, for anything another thread creates
+  // meanwhile), and only then the group's (ShareWithGroup).
+  const mode_t old_mask = umask(0077);
   server_ = builder.BuildAndStart();
   umask(old_mask);
   if (server_ == nullptr) {
@@ -87,7 +89,7 @@ absl::Status GrpcServer::Build() {
   } else if (chmod(options_.unix_path.c_str(), 0600) != 0) {
     return PosixError(absl::StrCat("chmod 0600 ", options_.unix_path), errno);
   }
-  if (port >= 0) tcp_port_ = selected_port;
+  if (port >= 0 && tcp_port_ < 0) tcp_port_ = selected_port;  // chosen once, then kept
   return absl::OkStatus();
 }
 
@@ -111,15 +113,19 @@ void GrpcServer::Keep() {
     }
     // Calls on the old server get a second to finish; then they are
     // cancelled (UNAVAILABLE) and their clients reconnect.
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    server_->Wait();
-    server_.reset();
+    if (server_ != nullptr) {
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      server_->Wait();
+      server_.reset();
+    }
     g_accept_failed.store(false, std::memory_order_release);  // the old listeners' last words
-    if (absl::Status built = Build(); !built.ok()) {
+    absl::Status built;
+    while (!(built = Build()).ok()) {
+      // (A port taken meanwhile, descriptors gone again.)
+      server_.reset();
       LogError("rebuilding the gRPC listeners failed (retrying in a second): %s", built.ToString());
-      g_accept_failed.store(true, std::memory_order_release);
       mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
-      continue;
+      if (stopping_) return;
     }
     rebuilds_.fetch_add(1, std::memory_order_relaxed);
     LogInfo("gRPC listeners rebuilt %d ms after they stopped accepting (%d of %d descriptors open)",

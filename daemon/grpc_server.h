@@ -57,7 +57,7 @@ class GrpcServer {
 
   // The TCP port it listens on (chosen at start where options asked for
   // 0), or -1.
-  int tcp_port() const { return tcp_port_; }
+  int tcp_port() const { return tcp_port_.load(std::memory_order_relaxed); }
   // Times the listeners were built anew after gRPC stopped accepting.
   int64_t rebuilds() const { return rebuilds_.load(std::memory_order_relaxed); }
   // Stops accepting, cancels calls in flight, waits for them. Idempotent.
@@ -71,7 +71,7 @@ class GrpcServer {
 
   GrpcServerOptions options_;
   const std::vector<grpc::Service*> services_;
-  int tcp_port_ = -1;
+  std::atomic<int> tcp_port_{-1};
   std::atomic<int64_t> rebuilds_{0};
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -377,7 +377,12 @@ grpc::Status PartitionServiceImpl::GetMoments(grpc::ServerContext* context,
 
 grpc::Status PartitionServiceImpl::SetShare(grpc::ServerContext* context,
                                             const v1::SetShareRequest* req, v1::SetShareResponse*) {
-  return Serve(*context, [&] { return sessions_->SetShare(KeyOf(req->session()), req->weight()); });
+  return Serve(*context, [&]() -> absl::Status {
+    if (req->session().token().empty()) {
+      RETURN_IF_ERROR(guard_->CheckOperator(*context, "setting another session's share by id"));
+    }
+    return sessions_->SetShare(KeyOf(req->session()), req->weight());
+  });
 }
 
 grpc::Status PartitionServiceImpl::SetMoments(grpc::ServerContext* context,
@@ -477,6 +482,9 @@ grpc::Status PartitionServiceImpl::Checkpoint(grpc::ServerContext* context,
                                               const v1::CheckpointRequest* req,
                                               v1::CheckpointResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
+    if (req->session().token().empty()) {
+      RETURN_IF_ERROR(guard_->CheckOperator(*context, "checkpointing a session by id"));
+    }
     RETURN_IF_ERROR(CheckPath(req->directory(), "directory"));
     ASSIGN_OR_RETURN(
         SessionManager::CheckpointOutcome outcome,
@@ -490,6 +498,9 @@ grpc::Status PartitionServiceImpl::WaitCheckpoint(grpc::ServerContext* context,
                                                   const v1::WaitCheckpointRequest* req,
                                                   v1::CheckpointResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
+    if (req->session().token().empty()) {
+      RETURN_IF_ERROR(guard_->CheckOperator(*context, "waiting for a session's checkpoint by id"));
+    }
     ASSIGN_OR_RETURN(SessionManager::CheckpointOutcome outcome,
                      sessions_->WaitCheckpoint(KeyOf(req->session())));
     ToProto(outcome, resp);
@@ -532,7 +543,7 @@ grpc::Status ConfigServiceImpl::GetTunable(grpc::ServerContext*, const v1::GetTu
 
 grpc::Status ConfigServiceImpl::SetTunable(grpc::ServerContext* context,
                                            const v1::SetTunableRequest* req, v1::Tunable* resp) {
-  if (absl::Status may = guard_->CheckMayChange(*context, "changing tunables"); !may.ok()) {
+  if (absl::Status may = guard_->CheckOperator(*context, "changing tunables"); !may.ok()) {
     return ToGrpcStatus(may);
   }
   for (const auto& [text, what] : {std::pair{&req->name(), "name"}, {&req->value(), "value"}}) {

@@ -3,19 +3,17 @@
 #include <algorithm>
 #include <limits>
 
-#include "absl/time/clock.h"
-
 namespace offload {
 
 OptimizerShares::Turn::~Turn() {
   if (shares_ != nullptr) shares_->End(session_);
 }
 
-bool OptimizerShares::Present(const State& s, absl::Time now) {
+bool OptimizerShares::Present(const State& s, Clock::time_point now) {
   return s.in_step || s.waiting > 0 || now < s.ended + kAnticipation;
 }
 
-double OptimizerShares::Floor(absl::Time now) const {
+double OptimizerShares::Floor(Clock::time_point now) const {
   double least = std::numeric_limits<double>::infinity();
   for (const auto& [id, s] : sessions_) {
     if (Present(s, now)) least = std::min(least, s.virtual_time);
@@ -23,7 +21,7 @@ double OptimizerShares::Floor(absl::Time now) const {
   return least;
 }
 
-double OptimizerShares::LargestRun(absl::Time now) const {
+double OptimizerShares::LargestRun(Clock::time_point now) const {
   double largest = 0;
   for (const auto& [id, s] : sessions_) {
     if (Present(s, now)) largest = std::max(largest, s.last_cost);
@@ -31,7 +29,8 @@ double OptimizerShares::LargestRun(absl::Time now) const {
   return largest;
 }
 
-bool OptimizerShares::Next(uint64_t session, absl::Time now, absl::Time* recheck) const {
+bool OptimizerShares::Next(uint64_t session, Clock::time_point now,
+                           Clock::time_point* recheck) const {
   const State& me = sessions_.at(session);
   // All of one weight: their runs share the pool as they come (nothing to
   // divide unequally, and no hand-over between runs to pay for).
@@ -51,7 +50,7 @@ bool OptimizerShares::Next(uint64_t session, absl::Time now, absl::Time* recheck
     // trainer's next one coming): it keeps its turn for a moment, so that a
     // session that is never quite waiting when a run ends still gets its
     // share.
-    const absl::Time until = s.ended + kAnticipation;
+    const Clock::time_point until = s.ended + kAnticipation;
     if (now < until) {
       *recheck = std::min(*recheck, until);
       return false;
@@ -61,7 +60,7 @@ bool OptimizerShares::Next(uint64_t session, absl::Time now, absl::Time* recheck
 }
 
 OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, uint64_t elems) {
-  const absl::Time asked = absl::Now();
+  const Clock::time_point asked = Clock::now();
   const double cost =
       static_cast<double>(elems) / static_cast<double>(std::max<int64_t>(1, weight));
   absl::MutexLock lock(&mu_);
@@ -79,30 +78,35 @@ OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, ui
   me.weight = std::max<int64_t>(1, weight);
   ++me.waiting;
   for (;;) {
-    const absl::Time now = absl::Now();
-    absl::Time recheck = absl::InfiniteFuture();
+    const Clock::time_point now = Clock::now();
+    Clock::time_point recheck = Clock::time_point::max();
     if (Next(session, now, &recheck)) break;
     struct Changed {
       const OptimizerShares* shares;
       uint64_t session;
-      absl::Time recheck;
+      Clock::time_point recheck;
     } changed{this, session, recheck};
     // Woken when it may go, or when a kept turn starts that ends before
     // the deadline waited for (it then waits for that one); at the latest
     // at the deadline.
-    mu_.AwaitWithDeadline(absl::Condition(
-                              +[](Changed* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                absl::Time until = absl::InfiniteFuture();
-                                return c->shares->Next(c->session, absl::Now(), &until) ||
-                                       until < c->recheck;
-                              },
-                              &changed),
-                          recheck);
+    const absl::Duration wait =
+        recheck == Clock::time_point::max()
+            ? absl::InfiniteDuration()
+            : absl::FromChrono(std::chrono::duration_cast<std::chrono::nanoseconds>(recheck - now));
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](Changed* c) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                               Clock::time_point until = Clock::time_point::max();
+                               return c->shares->Next(c->session, Clock::now(), &until) ||
+                                      until < c->recheck;
+                             },
+                             &changed),
+                         wait);
   }
   --me.waiting;
   ++running_;
-  me.started = absl::Now();
-  me.usage.queued_nanos += absl::ToInt64Nanoseconds(me.started - asked);
+  me.started = Clock::now();
+  me.usage.queued_nanos +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(me.started - asked).count();
   me.usage.elems += elems;
   me.virtual_time += cost;
   me.last_cost = cost;
@@ -114,14 +118,18 @@ void OptimizerShares::End(uint64_t session) {
   --running_;
   auto it = sessions_.find(session);
   if (it == sessions_.end()) return;
-  it->second.ended = absl::Now();
-  it->second.usage.running_nanos += absl::ToInt64Nanoseconds(it->second.ended - it->second.started);
+  it->second.ended = Clock::now();
+  it->second.usage.running_nanos +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(it->second.ended - it->second.started)
+          .count();
 }
 
 void OptimizerShares::Idle(uint64_t session) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session);
-  if (it != sessions_.end()) it->second.in_step = false;
+  if (it == sessions_.end()) return;
+  it->second.in_step = false;
+  if (it->second.forgotten && it->second.waiting == 0) sessions_.erase(it);
 }
 
 OptimizerShares::Usage OptimizerShares::UsageOf(uint64_t session) const {
@@ -133,8 +141,11 @@ OptimizerShares::Usage OptimizerShares::UsageOf(uint64_t session) const {
 void OptimizerShares::Forget(uint64_t session) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session);
-  if (it != sessions_.end() && it->second.waiting == 0 && !it->second.in_step) {
+  if (it == sessions_.end()) return;
+  if (it->second.waiting == 0 && !it->second.in_step) {
     sessions_.erase(it);
+  } else {
+    it->second.forgotten = true;  // Idle erases it when its step ends
   }
 }
 

@@ -17,6 +17,7 @@
 #ifndef OFFLOADD_ENGINE_OPTIMIZER_SHARES_H_
 #define OFFLOADD_ENGINE_OPTIMIZER_SHARES_H_
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 
@@ -63,32 +64,35 @@ class OptimizerShares {
   void Forget(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // Monotonic: a wall clock stepped back would stretch kept turns.
+  using Clock = std::chrono::steady_clock;
   struct State {
-    double virtual_time = 0;                  // elements served / weight
-    double last_cost = 0;                     // of its last run
-    int64_t weight = 1;                       // at its last Take
-    int waiting = 0;                          // runs queued
-    bool in_step = false;                     // from its first Take to Idle
-    absl::Time started;                       // of the run holding the optimizer
-    absl::Time ended = absl::InfinitePast();  // its last run
+    double virtual_time = 0;                             // elements served / weight
+    double last_cost = 0;                                // of its last run
+    int64_t weight = 1;                                  // at its last Take
+    int waiting = 0;                                     // runs queued
+    bool in_step = false;                                // from its first Take to Idle
+    Clock::time_point started;                           // of the run holding the optimizer
+    Clock::time_point ended = Clock::time_point::min();  // its last run's end
+    bool forgotten = false;                              // its session closed mid-step
     Usage usage;
   };
   void End(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
   // In a step, or out of one for less than kAnticipation.
-  static bool Present(const State& s, absl::Time now);
+  static bool Present(const State& s, Clock::time_point now);
   // The least virtual time of the sessions present (infinite if none).
-  double Floor(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  double Floor(Clock::time_point now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The largest last run of the sessions present (in virtual time).
-  double LargestRun(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  double LargestRun(Clock::time_point now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `session` goes now: at once where every session present has its
   // weight (runs then share the pool as they come); else once nobody holds
   // the optimizer, no waiting session is ahead of it (less virtual time;
   // ties: the lower id), and no session ahead of it ended a run less than
   // kAnticipation ago (its next run is coming; `recheck` is lowered to when
   // that runs out).
-  bool Next(uint64_t session, absl::Time now, absl::Time* recheck) const
+  bool Next(uint64_t session, Clock::time_point now, Clock::time_point* recheck) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static constexpr absl::Duration kAnticipation = absl::Milliseconds(2);
+  static constexpr std::chrono::milliseconds kAnticipation{2};
 
   mutable absl::Mutex mu_;
   std::map<uint64_t, State> sessions_ ABSL_GUARDED_BY(mu_);

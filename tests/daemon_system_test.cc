@@ -1505,7 +1505,8 @@ TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
   }
   const AttachRequest request{opened.session().session_id(), opened.session().token()};
   // As nobody, in group users or not: 1 = reached the gRPC socket, 2 =
-  // got an arena; 8 = could not become nobody.
+  // got an arena; 8 = could not become nobody. (Raw sockets only: gRPC
+  // does not survive a fork of a process with its threads running.)
   auto as_nobody = [&](bool in_group) {
     const pid_t pid = fork();
     if (pid == 0) {
@@ -1524,6 +1525,57 @@ TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
   };
   EXPECT_EQ(as_nobody(true), 3);
   EXPECT_EQ(as_nobody(false), 0);
+  // A member may not act as the operator: offloadctl share, run as nobody
+  // in the group, is PERMISSION_DENIED. (On a session of its own: the
+  // attaches above closed the first when their processes exited.)
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+  }
+  {
+    int out[2];
+    ASSERT_EQ(pipe(out), 0);
+    const std::string id = std::to_string(opened.session().session_id());
+    const std::string address = "--address=unix:" + socket_path;
+    // (A copy nobody may run: the test's runfiles are under root's home.)
+    const std::string ctl = std::string(dir) + "/offloadctl";
+    std::filesystem::copy_file("client/offloadctl", ctl);
+    ASSERT_EQ(chmod(ctl.c_str(), 0755), 0);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const gid_t users = 100;
+      dup2(out[1], 2);
+      dup2(out[1], 1);
+      if (setgroups(1, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(8);
+      execl(ctl.c_str(), "offloadctl", address.c_str(), "share", id.c_str(), "7",
+            static_cast<char*>(nullptr));
+      _exit(9);
+    }
+    close(out[1]);
+    std::string said;
+    char buf[512];
+    for (ssize_t n; (n = read(out[0], buf, sizeof(buf))) > 0;) said.append(buf, n);
+    close(out[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 1) << said;
+    EXPECT_TRUE(absl::StrContains(said, "PERMISSION_DENIED")) << said;
+  }
+  // The operator's actions need the token the daemon wrote for its own user.
+  std::ifstream token_file((*d)->data_dir() + "/tcp_token");
+  std::string token((std::istreambuf_iterator<char>(token_file)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(token.empty());
+  EXPECT_EQ((*c)->SetShare(opened.session().session_id(), 7).code(),
+            absl::StatusCode::kPermissionDenied);
+  ClientOptions with_token;
+  with_token.address = "unix:" + socket_path;
+  with_token.token = token;
+  auto operator_client = Client::Connect(with_token);
+  ASSERT_TRUE(operator_client.ok()) << operator_client.status();
+  const absl::Status by_operator = (*operator_client)->SetShare(opened.session().session_id(), 7);
+  EXPECT_TRUE(by_operator.ok()) << by_operator;
+  EXPECT_EQ((*c)->SetTunable("optimizer.threads", "1").status().code(),
+            absl::StatusCode::kPermissionDenied);
   // A group that does not exist: offloadd does not start.
   auto bad = DaemonProcess::Start({"--server.socket_group=no-such-group-here"});
   ASSERT_FALSE(bad.ok());

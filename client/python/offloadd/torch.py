@@ -920,9 +920,9 @@ class _Engine:
             v = mine[:s.slice_numel]
             stats = (torch.linalg.vector_norm(v, dtype=torch.float32),
                      torch.isfinite(v).logical_not_().sum())
-        # (Several ranks: a slice of the bucket's own result, on the host
-        # already with gloo.)
-        mine = mine.to("cpu") if self.world > 1 else mine.to(torch.float32)
+        # (Several ranks: a copy of its slice of the bucket's result, which
+        # is not kept alive for it.)
+        mine = mine.to("cpu", copy=True) if self.world > 1 else mine.to(torch.float32)
         # Returned in batches: one fetch, one return-and-release per batch.
         if any(r[0] is s for r in self._returns):
             self._flush_returns()
@@ -1684,9 +1684,9 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self):
         """torch.optim.AdamW's state_dict, read from the daemon: for each
         parameter that has been stepped, its step count and both moments
-        whole (fp32, on the parameter's device), and the param groups'
-        hyperparameters. A collective: every rank calls it (each rank's
-        daemon holds a slice of each moment). torch.save() it; this
+        whole (fp32, on the CPU), and the param groups' hyperparameters. A
+        collective: every rank calls it (each rank's daemon holds a slice of
+        each moment). torch.save() it; this
         optimizer's load_state_dict() and torch.optim.AdamW's take it.
         offloadd's own checkpoints (checkpoint()) are faster and hold the
         fp32 master weights too."""
@@ -1720,7 +1720,10 @@ class Optimizer(torch.optim.Optimizer):
             parts = flat.view(e.world, 2, s.slice_numel)
         else:
             parts = mine.view(1, 2, s.slice_numel)
-        whole = [parts[:, k].reshape(-1)[: s.numel].view(s.shape).to(s.device, copy=True)
+        # On the CPU (a model offloaded for want of GPU memory has no room
+        # for 8 more bytes a parameter there); torch's load_state_dict moves
+        # state to each parameter's device itself.
+        whole = [parts[:, k].reshape(-1)[: s.numel].view(s.shape).to("cpu", copy=True)
                  for k in (0, 1)]
         return step, whole[0], whole[1]
 
