@@ -527,6 +527,12 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
         absl::StrCat("a fetch may name at most ", kMaxFetchIds, " partitions, got ", ids.size()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
+  if (ids.empty() && session->partitions->partitions() > kMaxFetchIds) {
+    // One reply for all would grow without bound (names and all): named.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a fetch of every partition (no ids) would hold ", session->partitions->partitions(),
+        "; one fetch holds at most ", kMaxFetchIds, ": name them, ", kMaxFetchIds, " a call"));
+  }
   // A gradient buffer handed over and not read by a step yet comes back
   // (its gradients copied into the accumulator) before it is held again.
   if (mode.grads) RETURN_IF_ERROR(steps_->Reclaim(*session->partitions, ids));

@@ -166,6 +166,40 @@ TEST_F(SessionManagerTest, BadRequestsGetPreciseCodes) {
   EXPECT_EQ(sessions_.Fetch(b, {pa->id}).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A fetch of every partition (no ids) is capped as one naming them is: its
+// reply would otherwise grow with the session (issue 29: 16,000 partitions
+// with long names passed the client's reply limit).
+TEST(SessionManager, AFetchOfEverythingIsCappedLikeANamedOne) {
+  EngineOptions o;
+  o.host_budget_bytes = 256 << 20;
+  o.optimizer = OptimizerOptions{1, 1 << 16};
+  o.session_arena_bytes = 128 << 20;  // 4097 partitions of a few pages each
+  o.state_chunk_elems = 1 << 20;
+  auto engine = Engine::Create(o, Env::Default());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  SessionManager& sessions = (*engine)->sessions();
+  auto opened = sessions.Open("many");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey a = opened->key;
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i <= SessionManager::kMaxFetchIds; ++i) {
+    auto p = sessions.Register(a, {absl::StrCat("p", i), 1, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    ids.push_back(p->id);
+  }
+  ASSERT_TRUE(sessions.Release(a, {}).ok());
+  auto all = sessions.Fetch(a, {});
+  EXPECT_EQ(all.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(all.status().message().find("4097"), std::string::npos) << all.status();
+  // In named calls of at most the cap, it works.
+  auto first = sessions.Fetch(a, absl::MakeConstSpan(ids).subspan(0, SessionManager::kMaxFetchIds));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->size(), SessionManager::kMaxFetchIds);
+  EXPECT_TRUE(
+      sessions.Fetch(a, absl::MakeConstSpan(ids).subspan(SessionManager::kMaxFetchIds)).ok());
+  EXPECT_TRUE(sessions.Release(a, {}).ok());
+}
+
 TEST_F(SessionManagerTest, AbandonFreesASessionNobodyElseHolds) {
   SessionKey key = Open();
   ASSERT_TRUE(sessions_.Register(key, {"w", 1000, DType::kFp32, DType::kFp32}).ok());
