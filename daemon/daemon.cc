@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   sessions.SetRingSpin(absl::Microseconds(options->server.ring_spin_us));
   sessions.SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
   sessions.SetMappingBudget(MappingBudget(options->memory.max_mappings));
+  sessions.SetMaxSessions(options->server.max_sessions);
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
@@ -157,7 +158,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   Daemon* raw = d.get();
   d->stats_service_ = std::make_unique<StatsServiceImpl>(
       [raw] { return raw->Snapshot(); }, &d->engine_->optimizer(), identity, d->guard_.get());
-  d->partition_service_->SetSessionLimits(server.max_sessions, server.reserved_descriptors);
+  d->partition_service_->SetReservedDescriptors(server.reserved_descriptors);
   GrpcServerOptions listen;
   listen.unix_path = d->socket_path_;
   listen.tcp_port = static_cast<int>(server.tcp_port);

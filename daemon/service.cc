@@ -172,14 +172,7 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
 }
 
 absl::Status PartitionServiceImpl::CheckRoomForSession() const {
-  if (max_sessions_ > 0) {
-    const int64_t open = sessions_->SessionCount();
-    if (open >= max_sessions_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("offloadd serves ", open, " sessions, its limit (server.max_sessions ",
-                       max_sessions_, "): close sessions that are done, or raise the limit"));
-    }
-  }
+  // (server.max_sessions is the session manager's, checked where it counts.)
   // A session takes a few descriptors (its arena, its request ring's
   // wake-ups) and its trainer's connections a few more.
   constexpr int64_t kPerSession = 4;

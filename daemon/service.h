@@ -41,11 +41,9 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
         guard_(guard),
         arena_socket_(std::move(arena_socket)) {}
 
-  // OpenSession is refused (RESOURCE_EXHAUSTED) past `max_sessions` (0: no
-  // cap) or where fewer than `reserved_descriptors` would be left. Set
-  // before the server starts.
-  void SetSessionLimits(int64_t max_sessions, int64_t reserved_descriptors) {
-    max_sessions_ = max_sessions;
+  // OpenSession is refused (RESOURCE_EXHAUSTED) where fewer than
+  // `reserved_descriptors` would be left. Set before the server starts.
+  void SetReservedDescriptors(int64_t reserved_descriptors) {
     reserved_descriptors_ = reserved_descriptors;
   }
 
@@ -98,7 +96,6 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   Stats* const stats_;
   CallGate* const gate_;
   const AccessGuard* const guard_;
-  int64_t max_sessions_ = 0;
   int64_t reserved_descriptors_ = 0;
   // RESOURCE_EXHAUSTED where one more session would pass a limit above.
   absl::Status CheckRoomForSession() const;

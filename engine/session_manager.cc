@@ -243,6 +243,13 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
       absl::ZeroDuration(), ring_pollers_);
   {
     absl::MutexLock lock(&mu_);
+    if (max_sessions_ > 0 && static_cast<int64_t>(sessions_.size()) >= max_sessions_) {
+      // Checked where it is counted: opens at once cannot pass it. (The
+      // session made meanwhile goes as `session` does, outside the lock.)
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "offloadd serves ", sessions_.size(), " sessions, its limit (server.max_sessions ",
+          max_sessions_, "): close sessions that are done, or raise the limit"));
+    }
     session->ring->SetSpin(ring_spin_);
     // Restoring another session's automatic checkpoint: it goes when this
     // session closes (its own automatic ones replace it).
@@ -1028,6 +1035,11 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
     if (closed_it) closed.push_back(std::move(e));
   }
   return closed;
+}
+
+void SessionManager::SetMaxSessions(int64_t max) {
+  absl::MutexLock lock(&mu_);
+  max_sessions_ = max;
 }
 
 int64_t SessionManager::SessionCount() const {

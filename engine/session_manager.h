@@ -342,6 +342,9 @@ class SessionManager {
   std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
   // How many sessions are open.
   int64_t SessionCount() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Open (and reopening a kept session) past `max` sessions is
+  // RESOURCE_EXHAUSTED (server.max_sessions); 0: no cap.
+  void SetMaxSessions(int64_t max) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Keeping sessions across a restart of offloadd (the daemon does it when
   // server.reconnect_lease_seconds > 0). Preserve, once the daemon takes no
@@ -432,6 +435,7 @@ class SessionManager {
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
+  int64_t max_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
   std::atomic<RingCalls*> ring_calls_{nullptr};
   // Reserves the mappings registering `spec` may take, now or later, in
