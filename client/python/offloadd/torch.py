@@ -233,6 +233,11 @@ class _ReduceBucket:
                              or self.buf.device != comm
                              or any(x is s for x, _ in self.entries)):  # tied: returned twice
             done = self.flush()
+        if self.buf is None:
+            # Never more than the model's gradients: a DeepSpeed config's
+            # reduce_bucket_size of 5e8 must not allocate 2 GB for a small one.
+            model = sum(x.slice_numel for x in self.e.shards if x.in_optimizer)
+            self.columns = max(1, min(self.columns, model))
         need = max(self.columns, s.slice_numel)
         if self.buf is None or self.buf.device != comm or self.buf.shape[1] < need:
             self.buf = torch.zeros(self.e.world, need, dtype=torch.float32, device=comm)
