@@ -11,17 +11,26 @@ namespace offload {
 namespace {
 
 // Sessions that want the optimizer without pause get it in proportion to
-// their weights; the runs themselves never overlap.
+// their weights; a run of the heavier never overlaps another's. (Runs of
+// the two of one weight may overlap while the heavier is not there: at the
+// start and the end.)
 TEST(OptimizerShares, BusySessionsShareByWeight) {
   OptimizerShares shares;
   std::atomic<bool> stop{false};
-  std::atomic<int> holders{0};
+  std::atomic<int> holders{0}, heavy{0};
   std::atomic<bool> overlapped{false};
   auto stepper = [&](uint64_t session, int64_t weight) {
     while (!stop.load()) {
       OptimizerShares::Turn turn = shares.Take(session, weight, 1000);
-      if (holders.fetch_add(1) != 0) overlapped = true;
+      const int others = holders.fetch_add(1);
+      if (weight == 2) {
+        heavy.fetch_add(1);
+        if (others != 0) overlapped = true;
+      } else if (heavy.load() != 0) {
+        overlapped = true;
+      }
       absl::SleepFor(absl::Microseconds(200));
+      if (weight == 2) heavy.fetch_sub(1);
       holders.fetch_sub(1);
     }
     shares.Idle(session);
@@ -43,29 +52,32 @@ TEST(OptimizerShares, BusySessionsShareByWeight) {
   EXPECT_GT(shares.UsageOf(2).queued_nanos, 0);
 }
 
-// A session back from idle takes no credit for its absence: it shares from
-// then on, it does not run alone until it caught up.
-TEST(OptimizerShares, IdlenessEarnsNoCredit) {
+// A session that ran alone for a long while (its virtual time far ahead)
+// and a newcomer share by weight from the start: the newcomer gets no
+// credit for the time it was absent, and does not run alone until it
+// caught up.
+TEST(OptimizerShares, AbsenceEarnsNoCredit) {
   OptimizerShares shares;
   for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
   shares.Idle(1);
   std::atomic<bool> stop{false};
-  auto stepper = [&](uint64_t session) {
+  auto stepper = [&](uint64_t session, int64_t weight) {
     while (!stop.load()) {
-      OptimizerShares::Turn turn = shares.Take(session, 1, 1000);
+      OptimizerShares::Turn turn = shares.Take(session, weight, 1000);
       absl::SleepFor(absl::Microseconds(200));
     }
     shares.Idle(session);
   };
   const uint64_t before = shares.UsageOf(1).elems;
-  std::thread one(stepper, 1), two(stepper, 2);
+  std::thread one(stepper, 1, 1), two(stepper, 2, 2);
   absl::SleepFor(absl::Milliseconds(500));
   stop = true;
   one.join();
   two.join();
   const double a = static_cast<double>(shares.UsageOf(1).elems - before);
   const double b = static_cast<double>(shares.UsageOf(2).elems);
-  EXPECT_NEAR(a / b, 1.0, 0.1) << a << " " << b;
+  ASSERT_GT(a, 0);
+  EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
 }
 
 // Sessions of one weight (the default) run as they come: their runs may
