@@ -28,6 +28,14 @@ uint64_t RoundUpToPage(uint64_t bytes) {
   return RoundUp(bytes, page);
 }
 
+bool PopulateForWrite(std::byte* data, uint64_t bytes) {
+  constexpr int kMadvPopulateWrite = 23;  // <linux/mman.h>, 5.14
+  const uint64_t page = PageSize();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + bytes;
+  return madvise(reinterpret_cast<void*>(begin), end - begin, kMadvPopulateWrite) == 0;
+}
+
 absl::Status DiscardSharedPages(std::byte* data, uint64_t bytes) {
   if (madvise(data, RoundUpToPage(bytes), MADV_REMOVE) != 0) {
     return PosixError(absl::StrCat("freeing ", bytes, " bytes of shared memory"), errno);

@@ -167,6 +167,12 @@ std::vector<std::string> DamonMonitorsIn(const std::string& proc_dir,
 // code if the kernel refuses (INVALID_ARGUMENT for a private mapping).
 absl::Status DiscardSharedPages(std::byte* data, uint64_t bytes);
 
+// Makes the pages of [data, data + bytes) resident and writable now
+// (MADV_POPULATE_WRITE, Linux 5.14), their contents unchanged: the faults a
+// first write would take, in one call. False where the kernel cannot (an
+// older one): the pages then come at first touch, as before.
+bool PopulateForWrite(std::byte* data, uint64_t bytes);
+
 }  // namespace offload
 
 #endif  // OFFLOADD_BASE_HOST_MEMORY_H_

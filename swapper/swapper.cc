@@ -308,38 +308,47 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     // Zeros, holding no pages, whatever the memory held before.
     RETURN_IF_ERROR(DiscardSharedPages(external, span));
   }
-  absl::MutexLock lock(&mu_);
-  if (blocks_.contains(id)) {
-    return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
-  }
-  auto b = std::make_unique<Block>();
-  b->id = id;
-  b->bytes = bytes;
-  b->trace = trace;
-  b->home = home;
-  b->external = external;
-  b->span = span;
-  // Through the file only where writes through it get small pages too: a
-  // mapping declines huge pages (MADV_NOHUGEPAGE) where the pool counts
-  // small ones, and a write through the file has no mapping to decline.
-  if (external != nullptr && memory.fd >= 0 && memory.page_bytes <= PageSize() &&
-      !SharedFileWritesMayGetLargePages()) {
-    b->file = memory.fd;
-    b->file_offset = memory.file_offset;
-  }
-  if (home == Tier::kHost) {
-    RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0));
-    if (blocks_.contains(id)) {  // added meanwhile, while room was made
+  std::byte* populate = nullptr;  // host memory to make resident, outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    if (blocks_.contains(id)) {
       return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
     }
-    RETURN_IF_ERROR(TakeHostLocked(b.get()));
-    changed_.SignalAll();
-    b->state = BlockState::kResident;
-  } else {
-    RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
+    auto b = std::make_unique<Block>();
+    b->id = id;
+    b->bytes = bytes;
+    b->trace = trace;
+    b->home = home;
+    b->external = external;
+    b->span = span;
+    // Through the file only where writes through it get small pages too: a
+    // mapping declines huge pages (MADV_NOHUGEPAGE) where the pool counts
+    // small ones, and a write through the file has no mapping to decline.
+    if (external != nullptr && memory.fd >= 0 && memory.page_bytes <= PageSize() &&
+        !SharedFileWritesMayGetLargePages()) {
+      b->file = memory.fd;
+      b->file_offset = memory.file_offset;
+    }
+    if (home == Tier::kHost) {
+      RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0));
+      if (blocks_.contains(id)) {  // added meanwhile, while room was made
+        return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
+      }
+      RETURN_IF_ERROR(TakeHostLocked(b.get()));
+      changed_.SignalAll();
+      b->state = BlockState::kResident;
+      if (external == nullptr) populate = b->host.data();
+    } else {
+      RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
+    }
+    traces_.try_emplace(trace);
+    blocks_[id] = std::move(b);
   }
-  traces_.try_emplace(trace);
-  blocks_[id] = std::move(b);
+  // A block that rests in the pool (optimizer state) gets its pages now,
+  // beside the trainer's registration, not at its first use in the first
+  // step (seconds of faults for a large model). Content-preserving: harmless
+  // should the block be repaged meanwhile.
+  if (populate != nullptr) PopulateForWrite(populate, bytes);
   return absl::OkStatus();
 }
 
