@@ -23,6 +23,7 @@
 #include "base/host_memory.h"
 #include "base/memory_limit.h"
 #include "base/unique_fd.h"
+#include "client/human.h"
 #include "cpu_adam/kernel_select.h"
 #include "gpu/cuda_device.h"
 
@@ -30,17 +31,6 @@ namespace offload {
 namespace {
 
 constexpr char kThp[] = "/sys/kernel/mm/transparent_hugepage";
-
-std::string Bytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, units[u]);
-}
 
 // The first line of `path`; empty where it cannot be read.
 std::string FirstLine(const std::string& path) {
@@ -107,9 +97,10 @@ Check CheckSharedHugePages(const NodeRoots& roots, const DoctorSettings& s) {
   const std::string fix =
       absl::StrCat("as root, before offloadd starts: echo advise > ", kThp, "/shmem_enabled");
   if (huge != 0) {
-    return Make(name, Verdict::kOk,
-                absl::StrCat("shmem_enabled ", mode, ": session arenas on ", Bytes(huge), " pages",
-                             s.memory.arena_huge_pages ? "" : " (memory.arena_huge_pages is off)"));
+    return Make(
+        name, Verdict::kOk,
+        absl::StrCat("shmem_enabled ", mode, ": session arenas on ", HumanBytes(huge), " pages",
+                     s.memory.arena_huge_pages ? "" : " (memory.arena_huge_pages is off)"));
   }
   if (!s.memory.arena_huge_pages) {
     return Make(name, Verdict::kInfo,
@@ -138,8 +129,8 @@ Check CheckPrivateHugePages(const NodeRoots& roots, const DoctorSettings& s) {
   const uint64_t huge = PrivateHugePageBytesIn(roots.sys);
   if (huge != 0) {
     return Make(name, Verdict::kOk,
-                absl::StrCat("enabled ", mode, ": host pool and I/O staging may get ", Bytes(huge),
-                             " pages"));
+                absl::StrCat("enabled ", mode, ": host pool and I/O staging may get ",
+                             HumanBytes(huge), " pages"));
   }
   const std::string fix =
       absl::StrCat("as root, before offloadd starts: echo madvise > ", kThp, "/enabled");
@@ -202,8 +193,8 @@ Check CheckMemoryLimit(const NodeRoots& roots, const DoctorSettings& s) {
   const bool cgroup = limit.cgroup != 0 && limit.cgroup < limit.physical;
   const std::string where = cgroup ? absl::StrCat("the cgroup limit in ", limit.cgroup_file)
                                    : std::string("physical memory");
-  const std::string measured = absl::StrCat("memory.host_budget_bytes ", Bytes(budget), " of ",
-                                            Bytes(most), " (", where, ")");
+  const std::string measured = absl::StrCat("memory.host_budget_bytes ", HumanBytes(budget), " of ",
+                                            HumanBytes(most), " (", where, ")");
   const std::string fix = absl::StrCat(
       "lower memory.host_budget_bytes (offloadd's default is half: ",
       FormatByteSize(DefaultHostBudgetBytes(limit)), ")",
@@ -214,7 +205,7 @@ Check CheckMemoryLimit(const NodeRoots& roots, const DoctorSettings& s) {
   }
   if (budget > most / 10 * 9) {
     return Make(name, Verdict::kSlow,
-                absl::StrCat(measured, ": leaves ", Bytes(most - budget),
+                absl::StrCat(measured, ": leaves ", HumanBytes(most - budget),
                              " for offloadd's threads, staging and the page cache; the OOM killer "
                              "ends offloadd instead of a registration failing"),
                 fix);
@@ -233,7 +224,7 @@ Check CheckMemlock(const NodeRoots& roots, uint64_t memlock_bytes, bool gpu_pres
     const uint64_t caps = std::strtoull(line.c_str() + 7, nullptr, 16);
     if ((caps >> 14 & 1) != 0) {
       return Make(name, Verdict::kOk,
-                  absl::StrCat(Bytes(memlock_bytes), ", not enforced (CAP_IPC_LOCK)"));
+                  absl::StrCat(HumanBytes(memlock_bytes), ", not enforced (CAP_IPC_LOCK)"));
     }
   }
   const auto budget = static_cast<uint64_t>(s.memory.host_budget_bytes);
@@ -244,20 +235,20 @@ Check CheckMemlock(const NodeRoots& roots, uint64_t memlock_bytes, bool gpu_pres
       "/etc/security/limits.conf");
   if (s.memory.lock_pool && memlock_bytes < budget) {
     return Make(name, Verdict::kSlow,
-                absl::StrCat(Bytes(memlock_bytes), ": memory.lock_pool is on but the pool (",
-                             Bytes(budget), ") cannot be locked, and may be swapped out"),
+                absl::StrCat(HumanBytes(memlock_bytes), ": memory.lock_pool is on but the pool (",
+                             HumanBytes(budget), ") cannot be locked, and may be swapped out"),
                 fix);
   }
   if (gpu_present && memlock_bytes < budget) {
     return Make(name, Verdict::kSlow,
-                absl::StrCat(Bytes(memlock_bytes),
+                absl::StrCat(HumanBytes(memlock_bytes),
                              ": trainers cannot register their arenas (up to the pool, ",
-                             Bytes(budget), ") for DMA; GPU copies are staged instead"),
+                             HumanBytes(budget), ") for DMA; GPU copies are staged instead"),
                 fix);
   }
   return Make(
       name, Verdict::kOk,
-      absl::StrCat(Bytes(memlock_bytes), " (nothing locks the pool",
+      absl::StrCat(HumanBytes(memlock_bytes), " (nothing locks the pool",
                    gpu_present ? "" : ", no GPU registers it",
                    NvmeTier(s) ? "; io_uring registers staging as fixed buffers within it" : "",
                    ")"));
@@ -326,7 +317,7 @@ std::vector<Check> JudgeSwapDir(const SwapDirProbe& p, const DoctorSettings& s,
   {
     const std::string name = absl::StrCat(p.backend.empty() ? "I/O" : p.backend, " ", p.dir);
     const std::string did =
-        absl::StrCat("wrote and read back ", Bytes(p.io_bytes), p.direct ? " directly" : "");
+        absl::StrCat("wrote and read back ", HumanBytes(p.io_bytes), p.direct ? " directly" : "");
     const std::string uring_fix =
         "allow io_uring: as root, sysctl kernel.io_uring_disabled=0; in a container, a seccomp "
         "profile that permits io_uring_setup, io_uring_enter and io_uring_register";
@@ -356,17 +347,18 @@ std::vector<Check> JudgeSwapDir(const SwapDirProbe& p, const DoctorSettings& s,
     const uint64_t align = std::max<uint64_t>(p.direct_alignment, 512);
     const uint64_t need = static_cast<uint64_t>(s.nvme.bytes_per_dir) / align * align;
     if (p.swap_file_locked && daemon_running) {
-      out.push_back(Make(
-          name, Verdict::kOk,
-          absl::StrCat("the running offloadd holds ", Bytes(p.swap_file_bytes), "; ",
-                       Bytes(p.free_bytes), " more free (nvme.bytes_per_dir ", Bytes(need), ")")));
+      out.push_back(Make(name, Verdict::kOk,
+                         absl::StrCat("the running offloadd holds ", HumanBytes(p.swap_file_bytes),
+                                      "; ", HumanBytes(p.free_bytes),
+                                      " more free (nvme.bytes_per_dir ", HumanBytes(need), ")")));
     } else {
       const uint64_t have = p.free_bytes + p.swap_file_bytes;
-      const std::string measured = absl::StrCat(
-          Bytes(p.free_bytes), " free",
-          p.swap_file_bytes != 0 ? absl::StrCat(" + ", Bytes(p.swap_file_bytes), " offloadd.swap")
-                                 : "",
-          " for nvme.bytes_per_dir ", Bytes(need));
+      const std::string measured =
+          absl::StrCat(HumanBytes(p.free_bytes), " free",
+                       p.swap_file_bytes != 0
+                           ? absl::StrCat(" + ", HumanBytes(p.swap_file_bytes), " offloadd.swap")
+                           : "",
+                       " for nvme.bytes_per_dir ", HumanBytes(need));
       if (have < need) {
         out.push_back(
             Make(name, Verdict::kFail,
@@ -436,7 +428,7 @@ Check CheckNuma(const NodeRoots& roots) {
       if (f.size() >= 4 && f[2] == "MemTotal:") (void)absl::SimpleAtoi(f[3], &kib);
     }
     nodes[n] = absl::StrCat("node", n, " (cpus ", FirstLine((entry.path() / "cpulist").string()),
-                            ", ", Bytes(kib << 10), ")");
+                            ", ", HumanBytes(kib << 10), ")");
   }
   if (nodes.empty()) return Make(name, Verdict::kOk, "no NUMA topology (one node)");
   std::vector<std::string> described;
@@ -477,9 +469,10 @@ std::vector<Check> CheckGpu(
   }
   std::vector<Check> out;
   absl::StatusOr<uint64_t> free = (*device)->FreeBytes();
-  out.push_back(Make("GPU", Verdict::kOk,
-                     absl::StrCat((*device)->name(), driver.empty() ? "" : ", ", driver,
-                                  free.ok() ? absl::StrCat(", ", Bytes(*free), " free") : "")));
+  out.push_back(
+      Make("GPU", Verdict::kOk,
+           absl::StrCat((*device)->name(), driver.empty() ? "" : ", ", driver,
+                        free.ok() ? absl::StrCat(", ", HumanBytes(*free), " free") : "")));
   // A shared mapping of a memfd, as a session's arena is, registered for
   // DMA as a trainer's GPU tier registers its arena.
   const uint64_t bytes = uint64_t{2} << 20;
@@ -495,13 +488,15 @@ std::vector<Check> CheckGpu(
     registered = r.status();
   }
   if (registered.ok()) {
-    out.push_back(Make("GPU DMA", Verdict::kOk,
-                       absl::StrCat("a ", Bytes(bytes), " shared mapping registered for DMA")));
+    out.push_back(
+        Make("GPU DMA", Verdict::kOk,
+             absl::StrCat("a ", HumanBytes(bytes), " shared mapping registered for DMA")));
   } else {
-    out.push_back(Make("GPU DMA", Verdict::kSlow,
-                       absl::StrCat("a ", Bytes(bytes), " shared mapping cannot be registered (",
-                                    registered.message(), "): GPU copies are staged"),
-                       "raise RLIMIT_MEMLOCK for the trainers (ulimit -l unlimited)"));
+    out.push_back(
+        Make("GPU DMA", Verdict::kSlow,
+             absl::StrCat("a ", HumanBytes(bytes), " shared mapping cannot be registered (",
+                          registered.message(), "): GPU copies are staged"),
+             "raise RLIMIT_MEMLOCK for the trainers (ulimit -l unlimited)"));
   }
   return out;
 }

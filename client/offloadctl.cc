@@ -38,6 +38,7 @@
 #include "checkpoint/tensor_index.h"
 #include "client/client.h"
 #include "client/doctor.h"
+#include "client/human.h"
 #include "client/top.h"
 
 namespace offload {
@@ -85,17 +86,6 @@ constexpr char kDoctorUsage[] =
     "Exit status: 0 nothing would make offloadd fail or slow, 1 something would slow it,\n"
     "2 something would make it fail (or a setting given does not parse).\n";
 
-std::string Bytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, units[u]);
-}
-
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "offloadctl: %s\n", s.ToString().c_str());
   return 1;
@@ -116,8 +106,8 @@ int Status(Client& client) {
               static_cast<double>(s->uptime_ms) / 1000.0);
   for (const std::string& l : s->listening) std::printf("listening  %s\n", l.c_str());
   for (const auto& t : s->tiers) {
-    std::printf("tier %-5s %s used of %s budget\n", t.name.c_str(), Bytes(t.used_bytes).c_str(),
-                Bytes(t.budget_bytes).c_str());
+    std::printf("tier %-5s %s used of %s budget\n", t.name.c_str(),
+                HumanBytes(t.used_bytes).c_str(), HumanBytes(t.budget_bytes).c_str());
   }
   std::printf("optimizer  %s\n", s->optimizer.c_str());
   std::printf("sessions   %zu open\n", s->sessions.size());
@@ -132,7 +122,9 @@ int Stats(Client& client) {
                 c.unit.c_str());
   }
   // Bytes placed per kind, host/NVMe.
-  auto placed = [](uint64_t host, uint64_t nvme) { return Bytes(host) + "/" + Bytes(nvme); };
+  auto placed = [](uint64_t host, uint64_t nvme) {
+    return HumanBytes(host) + "/" + HumanBytes(nvme);
+  };
   std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s\n", "SESSION", "NAME",
               "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
               "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S");
@@ -141,7 +133,7 @@ int Stats(Client& client) {
         "%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f\n",
         static_cast<unsigned long long>(x.id), x.name.c_str(),
         static_cast<unsigned long long>(x.partitions), static_cast<unsigned long long>(x.held),
-        Bytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps),
+        HumanBytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps),
         placed(x.params_host_bytes, x.params_nvme_bytes).c_str(),
         placed(x.grads_host_bytes, x.grads_nvme_bytes).c_str(),
         placed(x.state_host_bytes, x.state_nvme_bytes).c_str(),
@@ -162,14 +154,15 @@ int Stats(Client& client) {
     auto percent = [](uint64_t part, uint64_t whole) {
       return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
     };
-    const std::string ahead = absl::StrCat(g.prefetch_depth, " units/", Bytes(g.prefetch_bytes));
+    const std::string ahead =
+        absl::StrCat(g.prefetch_depth, " units/", HumanBytes(g.prefetch_bytes));
     std::printf("%-20llu %10s %10s %10s %8.1f%% %8.1f%% %8llu %10s %17s %9s\n",
-                static_cast<unsigned long long>(x.id), Bytes(g.h2d_bytes).c_str(),
-                Bytes(g.h2d_staged_bytes).c_str(), Bytes(g.d2h_bytes).c_str(),
+                static_cast<unsigned long long>(x.id), HumanBytes(g.h2d_bytes).c_str(),
+                HumanBytes(g.h2d_staged_bytes).c_str(), HumanBytes(g.d2h_bytes).c_str(),
                 percent(g.resident_hits, g.tensor_uses), percent(g.prefetch_hits, g.tensor_uses),
                 static_cast<unsigned long long>(g.evictions),
-                (Bytes(g.resident_bytes) + "/" + Bytes(g.budget_bytes)).c_str(), ahead.c_str(),
-                Bytes(g.dma_bytes).c_str());
+                (HumanBytes(g.resident_bytes) + "/" + HumanBytes(g.budget_bytes)).c_str(),
+                ahead.c_str(), HumanBytes(g.dma_bytes).c_str());
   }
   return 0;
 }
@@ -194,8 +187,9 @@ int Checkpoint(Client& client, const std::string& id_text, const std::string& di
       "checkpoint of session %llu at step %llu: %s\n  %llu partitions, %s, %.1f ms "
       "(training paused %.1f ms)\n",
       static_cast<unsigned long long>(id), static_cast<unsigned long long>(r->steps),
-      r->manifest.c_str(), static_cast<unsigned long long>(r->partitions), Bytes(r->bytes).c_str(),
-      static_cast<double>(r->wall_us) / 1000.0, static_cast<double>(r->pause_us) / 1000.0);
+      r->manifest.c_str(), static_cast<unsigned long long>(r->partitions),
+      HumanBytes(r->bytes).c_str(), static_cast<double>(r->wall_us) / 1000.0,
+      static_cast<double>(r->pause_us) / 1000.0);
   return 0;
 }
 
@@ -207,7 +201,7 @@ int Export(const std::string& dir, const std::string& output) {
   if (!s.ok()) return Fail(s.status());
   std::printf("%s: %llu tensors, %llu fp32 values, %s (from %zu session manifests)\n",
               output.c_str(), static_cast<unsigned long long>(s->tensors),
-              static_cast<unsigned long long>(s->elements), Bytes(s->bytes).c_str(),
+              static_cast<unsigned long long>(s->elements), HumanBytes(s->bytes).c_str(),
               (*index)->manifests().size());
   return 0;
 }

@@ -8,21 +8,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "client/human.h"
 
 namespace offload {
 namespace {
 
-std::string Bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return u == 0 ? absl::StrFormat("%.0f B", b) : absl::StrFormat("%.1f %s", b, units[u]);
-}
-
-std::string Rate(double bytes_per_second) { return Bytes(bytes_per_second) + "/s"; }
+std::string Rate(double bytes_per_second) { return HumanBytes(bytes_per_second) + "/s"; }
 
 std::map<std::string, int64_t> Counters(const DaemonStats& s) {
   std::map<std::string, int64_t> out;
@@ -62,8 +53,8 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
   std::string tiers;
   for (const auto& t : now.tiers) {
     absl::StrAppend(&tiers, tiers.empty() ? "" : "   ", "tier ", t.name, " ",
-                    Bytes(static_cast<double>(t.used_bytes)), " of ",
-                    Bytes(static_cast<double>(t.budget_bytes)), " (",
+                    HumanBytes(static_cast<double>(t.used_bytes)), " of ",
+                    HumanBytes(static_cast<double>(t.budget_bytes)), " (",
                     Percent(static_cast<double>(t.used_bytes), static_cast<double>(t.budget_bytes)),
                     ")");
   }
@@ -88,7 +79,7 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
   }
   for (const auto& s : now.sessions) {
     auto placed = [](uint64_t host, uint64_t nvme) {
-      return Bytes(static_cast<double>(host)) + "/" + Bytes(static_cast<double>(nvme));
+      return HumanBytes(static_cast<double>(host)) + "/" + HumanBytes(static_cast<double>(nvme));
     };
     const auto it = earlier.find(s.id);
     const DaemonStats::Session* e = it == earlier.end() ? nullptr : it->second;

@@ -322,6 +322,17 @@ TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
 // weights, fp32 exactly where the working copy is bf16 (through the fp32
 // initial values' region) and from the working copy where it is fp32; the
 // moments and the step count stay; refused with the delayed update on.
+// Holds partition `p`'s gradient buffer, writes `g` (fp32) into it,
+// returns and releases it, and steps the session.
+void StepWithGradients(TestEngine& engine, const SessionKey& key, const PartitionInfo& p,
+                       HostMemory& arena, const std::vector<float>& g) {
+  ASSERT_TRUE(engine.sessions->Fetch(key, {p.id}, WithGrads()).ok());
+  std::memcpy(arena.data() + p.grads.offset, g.data(), g.size() * sizeof(float));
+  ASSERT_TRUE(engine.sessions->ReturnGradients(key, p.id, g.size(), DType::kFp32).ok());
+  ASSERT_TRUE(engine.sessions->Release(key, {p.id}).ok());
+  ASSERT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
+}
+
 // optimizer.state_dict() and load_state_dict(): the moments and the step
 // count read and written wherever they rest, and a step after a write
 // continues from them.
@@ -345,13 +356,7 @@ TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
     }
     std::memcpy(arena.data() + p->params.offset, init.data(), kN * 4);
     ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
-    auto step = [&](const std::vector<float>& g) {
-      ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}, WithGrads()).ok());
-      std::memcpy(arena.data() + p->grads.offset, g.data(), kN * 4);
-      ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kN, DType::kFp32).ok());
-      ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
-      ASSERT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
-    };
+    auto step = [&](const std::vector<float>& g) { StepWithGradients(engine, key, *p, arena, g); };
     // Before any step: step 0, zeros.
     std::vector<float> m(kN, -1.f), v(kN, -1.f);
     auto read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data());
@@ -440,13 +445,7 @@ TEST(OutOfCore, ALoadMakesItsValuesTheMasterWeightsAndKeepsTheMoments) {
     std::memcpy(arena.data() + p->params.offset, w.data(), w.size());
     if (spec.fp32_master) std::memcpy(arena.data() + p->master_init.offset, init.data(), kN * 4);
     ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
-    auto step = [&](const std::vector<float>& g) {
-      ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}, WithGrads()).ok());
-      std::memcpy(arena.data() + p->grads.offset, g.data(), kN * 4);
-      ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kN, DType::kFp32).ok());
-      ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
-      ASSERT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
-    };
+    auto step = [&](const std::vector<float>& g) { StepWithGradients(engine, key, *p, arena, g); };
     step(g1);
     // The load.
     auto held = engine.sessions->Fetch(key, {p->id}, load);
