@@ -332,6 +332,7 @@ PartitionStore::~PartitionStore() {
       }
     }
   }
+  swapper_->ForgetTrace(session_id_);  // the session's learned access order
 }
 
 uint64_t PartitionStore::ChunksOf(uint64_t numel) const {

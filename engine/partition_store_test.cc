@@ -333,6 +333,21 @@ void StepWithGradients(TestEngine& engine, const SessionKey& key, const Partitio
   ASSERT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
 }
 
+// A session's learned access order goes with the session (one kept per
+// session ever served added up on a long-running daemon).
+TEST(OutOfCore, AClosedSessionsAccessOrderGoes) {
+  TestEngine engine(TmpDir("traces"), 64 << 20);
+  const uint64_t before = engine.swapper->Stats().traces;
+  auto opened = engine.sessions->Open("traced", StateAt(0));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto p =
+      engine.sessions->Register(opened->key, {"w", 3 * kChunkElems, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(engine.swapper->Stats().traces, before + 1);
+  ASSERT_TRUE(engine.sessions->Close(opened->key).ok());
+  EXPECT_EQ(engine.swapper->Stats().traces, before);
+}
+
 // optimizer.state_dict() and load_state_dict(): the moments and the step
 // count read and written wherever they rest, and a step after a write
 // continues from them.

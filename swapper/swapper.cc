@@ -590,6 +590,11 @@ void Swapper::RepageIfIdleLocked(Block* b) {
   ++stats_.repages;
 }
 
+void Swapper::ForgetTrace(uint64_t trace) {
+  absl::MutexLock lock(&mu_);
+  traces_.erase(trace);
+}
+
 void Swapper::EndIteration(uint64_t trace) {
   absl::MutexLock lock(&mu_);
   AccessTrace& t = traces_[trace];
@@ -664,6 +669,7 @@ SwapperStats Swapper::Stats() const {
   absl::MutexLock lock(&mu_);
   SwapperStats s = stats_;
   s.blocks = 0;
+  s.traces = traces_.size();
   for (const auto& [id, b] : blocks_) {
     if (b->removed) continue;
     ++s.blocks;

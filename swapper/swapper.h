@@ -101,6 +101,7 @@ struct ExternalMemory {
 
 struct SwapperStats {
   uint64_t blocks = 0;
+  uint64_t traces = 0;          // access orders kept (one per trace: a session)
   uint64_t resident_bytes = 0;  // blocks with host memory (any state but kOnNvme)
   uint64_t pinned_bytes = 0;
   uint64_t host_home_bytes = 0;  // blocks homed on the host
@@ -235,6 +236,10 @@ class Swapper {
 
   // The end of one iteration of `trace` (the optimizer step).
   void EndIteration(uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+  // `trace`'s blocks are all removed and none will come: its learned
+  // access order goes (a session's, when the session goes; kept, they add
+  // up on a daemon that serves many sessions).
+  void ForgetTrace(uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Changes where the block rests; returns at once, the swapper moves it in
   // the background (to the host: read in and kept; to NVMe: written out when

@@ -144,6 +144,22 @@ class SwapperTest : public ::testing::Test {
   std::unique_ptr<Swapper> swapper_;
 };
 
+// A trace's learned order goes with it, so that a daemon serving session
+// after session does not keep one per session it ever served.
+TEST_F(SwapperTest, AForgottenTracesOrderGoes) {
+  Make(4 * kMiB);
+  for (uint64_t id = 1; id <= 4; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(9, kMiB, Tier::kNvme, 8).ok());
+  for (uint64_t id : {1, 2, 3, 4, 9}) Write(id, static_cast<uint32_t>(id));
+  for (uint64_t id = 1; id <= 4; ++id) ExpectHolds(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  EXPECT_EQ(swapper_->Stats().traces, 2u);
+  for (uint64_t id = 1; id <= 4; ++id) swapper_->Remove(id);
+  swapper_->ForgetTrace(7);
+  EXPECT_EQ(swapper_->Stats().traces, 1u);
+  ExpectHolds(9, 9);  // the other trace's block is unaffected
+}
+
 TEST_F(SwapperTest, ManyTimesThePoolRoundTripsThroughNvme) {
   Make(4 * kMiB);
   for (uint64_t id = 1; id <= 16; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
