@@ -4,8 +4,11 @@
 
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/descriptors.h"
@@ -25,9 +28,20 @@ void OnGrpcLog(gpr_log_func_args* args) {
   if (absl::StrContains(args->message, "Failed accept4")) {
     g_accept_failed.store(true, std::memory_order_release);
   }
-  static LogLimiter limiter(absl::Seconds(10));
   if (args->severity != GPR_LOG_SEVERITY_ERROR) return;
-  if (int64_t held = limiter.Admit(absl::Now()); held >= 0) {
+  // One limiter per place in gRPC that logs, so that one error repeating
+  // does not hide another (a few dozen places at most; leaked on purpose,
+  // as gRPC may log while the process exits).
+  static absl::Mutex mu;
+  static auto* limiters = new absl::flat_hash_map<std::string, std::unique_ptr<LogLimiter>>();
+  LogLimiter* limiter;
+  {
+    absl::MutexLock lock(&mu);
+    std::unique_ptr<LogLimiter>& l = (*limiters)[absl::StrCat(args->file, ":", args->line)];
+    if (l == nullptr) l = std::make_unique<LogLimiter>(absl::Seconds(10));
+    limiter = l.get();
+  }
+  if (int64_t held = limiter->Admit(absl::Now()); held >= 0) {
     LogError("gRPC: %s (%s:%d)%s", args->message, args->file, args->line, LogLimiter::Held(held));
   }
 }
