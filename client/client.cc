@@ -709,7 +709,9 @@ absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begi
   Moments out;
   out.exp_avg.resize(count);
   out.exp_avg_sq.resize(count);
-  for (uint64_t done = 0; done < count || (count == 0 && done == 0);) {
+  // At least one call (for no elements, the step count alone).
+  uint64_t done = 0;
+  do {
     const uint64_t n = std::min(count - done, kMomentsPerCall);
     v1::GetMomentsRequest req;
     *req.mutable_session() = impl_->ref;
@@ -728,9 +730,8 @@ absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begi
     std::memcpy(out.exp_avg.data() + done, resp.exp_avg().data(), n * sizeof(float));
     std::memcpy(out.exp_avg_sq.data() + done, resp.exp_avg_sq().data(), n * sizeof(float));
     out.step = resp.step();
-    if (n == 0) break;
     done += n;
-  }
+  } while (done < count);
   return out;
 }
 
@@ -741,7 +742,9 @@ absl::Status Session::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
     return absl::InvalidArgumentError(
         absl::StrCat("exp_avg has ", exp_avg.size(), " elements, exp_avg_sq ", exp_avg_sq.size()));
   }
-  for (uint64_t done = 0; done < exp_avg.size() || (exp_avg.empty() && done == 0);) {
+  // At least one call (for no elements, the step count alone).
+  uint64_t done = 0;
+  do {
     const uint64_t n = std::min<uint64_t>(exp_avg.size() - done, kMomentsPerWrite);
     v1::SetMomentsRequest req;
     *req.mutable_session() = impl_->ref;
@@ -754,9 +757,8 @@ absl::Status Session::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
     v1::SetMomentsResponse resp;
     Rpc rpc(impl_->timeout, impl_->token);
     RETURN_IF_ERROR(FromGrpc(impl_->stub->SetMoments(&rpc.context, req, &resp), "SetMoments"));
-    if (n == 0) break;
     done += n;
-  }
+  } while (done < exp_avg.size());
   return absl::OkStatus();
 }
 

@@ -153,9 +153,9 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     if (req->has_delayed_update_after_steps()) dpu_after = req->delayed_update_after_steps();
     RETURN_IF_ERROR(CheckPath(req->restore_from(), "restore_from"));
     RETURN_IF_ERROR(CheckRoomForSession());
-    if (req->share_weight() > SessionManager::kMaxShareWeight) {
-      return absl::InvalidArgumentError(absl::StrCat("share_weight ", req->share_weight(),
-                                                     " is over ", SessionManager::kMaxShareWeight));
+    // (Before the session is made: one refused leaves nothing behind.)
+    if (req->share_weight() > 0) {
+      RETURN_IF_ERROR(SessionManager::CheckShareWeight(req->share_weight()));
     }
     ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling,
                                                            dpu_after, req->restore_from()));
@@ -169,6 +169,12 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     Answer(opened, resp);
     return absl::OkStatus();
   });
+}
+
+absl::Status PartitionServiceImpl::CheckByIdAsOperator(const grpc::ServerContext& context,
+                                                       const v1::SessionRef& session,
+                                                       absl::string_view what) const {
+  return session.token().empty() ? guard_->CheckOperator(context, what) : absl::OkStatus();
 }
 
 absl::Status PartitionServiceImpl::CheckRoomForSession() const {
@@ -371,9 +377,8 @@ grpc::Status PartitionServiceImpl::GetMoments(grpc::ServerContext* context,
 grpc::Status PartitionServiceImpl::SetShare(grpc::ServerContext* context,
                                             const v1::SetShareRequest* req, v1::SetShareResponse*) {
   return Serve(*context, [&]() -> absl::Status {
-    if (req->session().token().empty()) {
-      RETURN_IF_ERROR(guard_->CheckOperator(*context, "setting another session's share by id"));
-    }
+    RETURN_IF_ERROR(
+        CheckByIdAsOperator(*context, req->session(), "setting another session's share by id"));
     return sessions_->SetShare(KeyOf(req->session()), req->weight());
   });
 }
@@ -475,9 +480,7 @@ grpc::Status PartitionServiceImpl::Checkpoint(grpc::ServerContext* context,
                                               const v1::CheckpointRequest* req,
                                               v1::CheckpointResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
-    if (req->session().token().empty()) {
-      RETURN_IF_ERROR(guard_->CheckOperator(*context, "checkpointing a session by id"));
-    }
+    RETURN_IF_ERROR(CheckByIdAsOperator(*context, req->session(), "checkpointing a session by id"));
     RETURN_IF_ERROR(CheckPath(req->directory(), "directory"));
     ASSIGN_OR_RETURN(
         SessionManager::CheckpointOutcome outcome,
@@ -491,9 +494,8 @@ grpc::Status PartitionServiceImpl::WaitCheckpoint(grpc::ServerContext* context,
                                                   const v1::WaitCheckpointRequest* req,
                                                   v1::CheckpointResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
-    if (req->session().token().empty()) {
-      RETURN_IF_ERROR(guard_->CheckOperator(*context, "waiting for a session's checkpoint by id"));
-    }
+    RETURN_IF_ERROR(
+        CheckByIdAsOperator(*context, req->session(), "waiting for a session's checkpoint by id"));
     ASSIGN_OR_RETURN(SessionManager::CheckpointOutcome outcome,
                      sessions_->WaitCheckpoint(KeyOf(req->session())));
     ToProto(outcome, resp);

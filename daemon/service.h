@@ -99,6 +99,11 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   int64_t reserved_descriptors_ = 0;
   // RESOURCE_EXHAUSTED where one more session would pass a limit above.
   absl::Status CheckRoomForSession() const;
+  // A call naming `session` by id without its token acts as the operator:
+  // the guard's CheckOperator for `what`; with the token, OK (the session
+  // manager checks it).
+  absl::Status CheckByIdAsOperator(const grpc::ServerContext& context,
+                                   const v1::SessionRef& session, absl::string_view what) const;
   const std::string arena_socket_;
 };
 

@@ -880,12 +880,28 @@ absl::Status PartitionStore::MasterFromWorking(const Partition& p) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// INVALID_ARGUMENT unless [begin, begin + count) lies in a partition of
+// `numel` elements.
+absl::Status CheckMomentRange(uint64_t id, uint64_t numel, uint64_t begin, uint64_t count) {
+  if (begin > numel || count > numel - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("partition ", id, " has ", numel,
+                                                   " elements; asked for [", begin, ", ",
+                                                   begin + count, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<uint64_t> PartitionStore::ReadMoments(uint64_t id, uint64_t begin, uint64_t count,
                                                      float* exp_avg, float* exp_avg_sq) {
   uint64_t step;
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    RETURN_IF_ERROR(CheckMomentRange(id, p->info.numel, begin, count));
     AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
     step = p->info.step;
   }
@@ -896,7 +912,7 @@ absl::StatusOr<uint64_t> PartitionStore::ReadMoments(uint64_t id, uint64_t begin
 absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
                                           uint64_t count, const float* exp_avg,
                                           const float* exp_avg_sq) {
-  Partition* p;
+  Partition* p;  // valid while the store lives (partitions go with it)
   {
     absl::MutexLock lock(&mu_);
     if (delayed_) {
@@ -906,30 +922,19 @@ absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t b
           "overwrite it); switch it off first"));
     }
     ASSIGN_OR_RETURN(p, FindOrNotFound(id));
+    RETURN_IF_ERROR(CheckMomentRange(id, p->info.numel, begin, count));
     AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
   }
   CaptureAll(absl::MakeConstSpan(&p, 1));  // a checkpoint being written keeps what was
   RETURN_IF_ERROR(CopyMoments(id, begin, count, const_cast<float*>(exp_avg),
                               const_cast<float*>(exp_avg_sq), /*write=*/true));
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(p, FindOrNotFound(id));
   p->info.step = step;
   return absl::OkStatus();
 }
 
 absl::Status PartitionStore::CopyMoments(uint64_t id, uint64_t begin, uint64_t count,
                                          float* exp_avg, float* exp_avg_sq, bool write) {
-  uint64_t numel;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
-    numel = p->info.numel;
-  }
-  if (begin > numel || count > numel - begin) {
-    return absl::InvalidArgumentError(absl::StrCat("partition ", id, " has ", numel,
-                                                   " elements; asked for [", begin, ", ",
-                                                   begin + count, ")"));
-  }
   const std::pair<float*, int> moments[] = {{exp_avg, PartitionStore::kExpAvg},
                                             {exp_avg_sq, PartitionStore::kExpAvgSq}};
   for (uint64_t at = begin; at < begin + count;) {

@@ -427,8 +427,8 @@ class PartitionStore {
   absl::Status CheckSwapsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CommitSwapsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // ReadMoments and WriteMoments: copies [begin, begin + count) of the two
-  // moments out of or into their blocks, chunk by chunk.
+  // ReadMoments and WriteMoments: copies [begin, begin + count) (checked by
+  // them) of the two moments out of or into their blocks, chunk by chunk.
   absl::Status CopyMoments(uint64_t id, uint64_t begin, uint64_t count, float* exp_avg,
                            float* exp_avg_sq, bool write) ABSL_LOCKS_EXCLUDED(mu_);
   // Chunks of a partition of `numel` elements.

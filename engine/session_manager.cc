@@ -60,7 +60,6 @@ struct SessionManager::Session {
   std::string kept_dir;
   std::shared_ptr<RingServer> ring;  // set once, before the session is shared
   ArenaRegion ring_region;
-  // Steps after which the delayed update switches itself on (-1: never).
   // Its steps' time (SessionSummary), added as each step ends.
   std::atomic<int64_t> step_wall_nanos{0}, step_wait_nanos{0}, step_compute_nanos{0};
   void CountStep(const StepSummary& step) {
@@ -68,6 +67,7 @@ struct SessionManager::Session {
     step_wait_nanos.fetch_add(step.state_wait_nanos, std::memory_order_relaxed);
     step_compute_nanos.fetch_add(step.compute_nanos, std::memory_order_relaxed);
   }
+  // Steps after which the delayed update switches itself on (-1: never).
   std::atomic<int64_t> delayed_update_after{-1};
   // Monotonic: a wall-clock step (NTP, a resumed VM) must not expire leases.
   const SteadyTime opened = std::chrono::steady_clock::now();
@@ -724,11 +724,16 @@ void SessionManager::SetGpuTierSettings(const GpuTierSettings& settings) {
   gpu_settings_ = settings;
 }
 
-absl::Status SessionManager::SetShare(const SessionKey& key, int64_t weight) {
+absl::Status SessionManager::CheckShareWeight(int64_t weight) {
   if (weight < 1 || weight > kMaxShareWeight) {
     return absl::InvalidArgumentError(
         absl::StrCat("share weight ", weight, " is not in [1, ", kMaxShareWeight, "]"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status SessionManager::SetShare(const SessionKey& key, int64_t weight) {
+  RETURN_IF_ERROR(CheckShareWeight(weight));
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
   session->partitions->SetShareWeight(weight);
   return absl::OkStatus();
@@ -783,9 +788,7 @@ void SessionManager::SetAutoCheckpoint(const AutoCheckpointOptions& options) {
 
 std::string SessionManager::AutoCheckpointDir(uint64_t id) const {
   absl::MutexLock lock(&mu_);
-  const bool on =
-      auto_checkpoint_.every_steps > 0 || auto_checkpoint_.interval > absl::ZeroDuration();
-  return auto_checkpoint_.dir.empty() || !on ? "" : absl::StrCat(auto_checkpoint_.dir, "/", id);
+  return auto_checkpoint_.on() ? absl::StrCat(auto_checkpoint_.dir, "/", id) : "";
 }
 
 void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) {
@@ -794,10 +797,7 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
     absl::MutexLock lock(&mu_);
     options = auto_checkpoint_;
   }
-  if (options.dir.empty() ||
-      (options.every_steps == 0 && options.interval <= absl::ZeroDuration())) {
-    return;
-  }
+  if (!options.on()) return;
   Session* s = session.get();
   const uint64_t steps = s->partitions->steps();
   const SteadyTime now = std::chrono::steady_clock::now();
@@ -1040,11 +1040,6 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
 void SessionManager::SetMaxSessions(int64_t max) {
   absl::MutexLock lock(&mu_);
   max_sessions_ = max;
-}
-
-int64_t SessionManager::SessionCount() const {
-  absl::MutexLock lock(&mu_);
-  return static_cast<int64_t>(sessions_.size());
 }
 
 std::vector<SessionSummary> SessionManager::Sessions() const {

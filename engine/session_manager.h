@@ -221,6 +221,7 @@ class SessionManager {
     std::string dir;
     uint64_t every_steps = 0;
     absl::Duration interval = absl::ZeroDuration();
+    bool on() const { return !dir.empty() && (every_steps > 0 || interval > absl::ZeroDuration()); }
   };
   void SetAutoCheckpoint(const AutoCheckpointOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
   // The directory of session `id`'s automatic checkpoints; empty while they
@@ -236,6 +237,7 @@ class SessionManager {
   // it. INVALID_ARGUMENT outside [1, 1000]. An empty token acts as the
   // operator (offloadctl share).
   static constexpr int64_t kMaxShareWeight = 1000;
+  static absl::Status CheckShareWeight(int64_t weight);
   absl::Status SetShare(const SessionKey& key, int64_t weight) ABSL_LOCKS_EXCLUDED(mu_);
   // A partition's Adam state (PartitionStore::ReadMoments, WriteMoments).
   absl::StatusOr<uint64_t> ReadMoments(const SessionKey& key, uint64_t partition_id, uint64_t begin,
@@ -340,8 +342,6 @@ class SessionManager {
   bool MarkAttached(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::vector<SessionSummary> Sessions() const ABSL_LOCKS_EXCLUDED(mu_);
-  // How many sessions are open.
-  int64_t SessionCount() const ABSL_LOCKS_EXCLUDED(mu_);
   // Open (and reopening a kept session) past `max` sessions is
   // RESOURCE_EXHAUSTED (server.max_sessions); 0: no cap.
   void SetMaxSessions(int64_t max) ABSL_LOCKS_EXCLUDED(mu_);
@@ -386,7 +386,6 @@ class SessionManager {
   // followed).
   static void RemoveKeptDirectory(const std::string& dir);
 
-  // With `operator_call`, an empty token is accepted (see Checkpoint).
   // NOT_FOUND for an id of an earlier offloadd's, naming the automatic
   // checkpoint that offloadd left of it, if any.
   absl::Status FromBeforeARestart(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -399,6 +398,7 @@ class SessionManager {
                                                     bool automatic) ABSL_LOCKS_EXCLUDED(mu_);
   // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint).
   void MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) ABSL_LOCKS_EXCLUDED(mu_);
+  // With `operator_call`, an empty token is accepted (see Checkpoint).
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,
                                                 bool operator_call = false) const
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -221,7 +221,7 @@ class _ReduceBucket:
         self.e = engine
         self.columns = max(1, elements // engine.world)  # each rank's share of a bucket
         self.buf = None  # world x columns (or one larger parameter's slice), zeros past `used`
-        self.entries = []  # (shard, its first column)
+        self.entries = {}  # id(shard) -> (shard, its first column), in the order added
         self.used = 0
 
     def add(self, s, grad):
@@ -231,7 +231,7 @@ class _ReduceBucket:
         done = []
         if self.entries and (self.used + s.slice_numel > self.columns
                              or self.buf.device != comm
-                             or any(x is s for x, _ in self.entries)):  # tied: returned twice
+                             or id(s) in self.entries):  # tied: returned twice
             done = self.flush()
         if self.buf is None:
             # Never more than the model's gradients: a DeepSpeed config's
@@ -248,7 +248,7 @@ class _ReduceBucket:
             region[:rows].copy_(flat[:rows * s.slice_numel].view(rows, s.slice_numel))
         if rest:
             region[rows, :rest].copy_(flat[rows * s.slice_numel:])
-        self.entries.append((s, self.used))
+        self.entries[id(s)] = (s, self.used)
         self.used += s.slice_numel
         if self.used >= self.columns:
             done += self.flush()
@@ -258,8 +258,8 @@ class _ReduceBucket:
         if not self.entries:
             return []
         e = self.e
-        entries, used = self.entries, self.used
-        self.entries, self.used = [], 0
+        entries, used = list(self.entries.values()), self.used
+        self.entries, self.used = {}, 0
         src = self.buf[:, :used]
         what = f"reduce-scatter of '{entries[0][0].name}'" + (
             f" and {len(entries) - 1} more gradient(s)" if len(entries) > 1 else "")
@@ -286,7 +286,7 @@ class _ReduceBucket:
     def discard(self):
         if self.entries:
             self.buf[:, :self.used].zero_()
-        self.entries, self.used = [], 0
+        self.entries, self.used = {}, 0
 
 
 class _OffloadedParameter(torch.nn.Parameter):
@@ -643,7 +643,17 @@ class _Engine:
 
     # --- registration -----------------------------------------------------
 
-    def _write_initial(self, s, p, name, part, lo, master):
+    def _my_slice(self, s, t):
+        """This rank's slice of `t` (a whole tensor of `s`'s size, any dtype
+        or device) in fp32 on the CPU, the last rank's padded with zeros."""
+        flat = t.detach().reshape(-1)
+        lo = min(self.rank * s.slice_numel, s.numel)
+        hi = min(lo + s.slice_numel, s.numel)
+        mine = torch.zeros(s.slice_numel, dtype=torch.float32)
+        mine[: hi - lo] = flat[lo:hi]
+        return mine
+
+    def _write_initial(self, s, p, name, part, master):
         """The initial values of a registered (held) slice: rank 0's, as
         DDP starts."""
         full = p.detach().reshape(-1).to(torch.float32)
@@ -651,10 +661,7 @@ class _Engine:
             full = full.to(self._comm_device(s)).contiguous()
             self._collective(f"broadcast of '{name}'",
                              lambda: dist.broadcast(full, 0, group=self.group))
-            full = full.cpu()
-        mine = torch.zeros(s.slice_numel, dtype=torch.float32)
-        hi = min(lo + s.slice_numel, s.numel)
-        mine[: hi - lo] = full[lo:hi]
+        mine = self._my_slice(s, full)
         torch.frombuffer(part.params, dtype=self.torch_working).copy_(mine)
         if master:
             torch.frombuffer(part.master_init, dtype=torch.float32).copy_(mine)
@@ -667,12 +674,11 @@ class _Engine:
                 raise offloadd.InvalidArgumentError(
                     f"parameter '{name}' is {p.dtype}; offloadd holds floating-point parameters")
             s = _Shard(name, p, self.world)
-            lo = min(self.rank * s.slice_numel, s.numel)
             master = self.working_dtype != "fp32"
             part = self._register_slice(self.session, s)
             try:
                 if not part.restored:
-                    self._write_initial(s, p, name, part, lo, master)
+                    self._write_initial(s, p, name, part, master)
             finally:
                 self.session.release([part.id])
             s.pid = part.id
@@ -1178,11 +1184,7 @@ class _Engine:
                 views = self.session.fetch([s.pid for s in chunk], load=True)
                 try:
                     for s, v in zip(chunk, views):
-                        full = s.param.data.detach().reshape(-1).to("cpu", torch.float32)
-                        lo = min(self.rank * s.slice_numel, s.numel)
-                        hi = min(lo + s.slice_numel, s.numel)
-                        mine = torch.zeros(s.slice_numel, dtype=torch.float32)
-                        mine[: hi - lo] = full[lo:hi]
+                        mine = self._my_slice(s, s.param.data)
                         if v.master_init is not None:  # fp32 kept exactly, the copy rounded
                             torch.frombuffer(v.master_init, dtype=torch.float32).copy_(mine)
                         else:
@@ -1773,18 +1775,16 @@ class Optimizer(torch.optim.Optimizer):
 
     def _write_moments(self, s, st):
         e = self._engine
-        lo = min(e.rank * s.slice_numel, s.numel)
-        hi = min(lo + s.slice_numel, s.numel)
         pieces, step = [], 0
         for key in ("exp_avg", "exp_avg_sq"):
-            piece = torch.zeros(s.slice_numel, dtype=torch.float32)
+            piece = torch.zeros(s.slice_numel, dtype=torch.float32)  # no state: afresh
             if st is not None:
                 t = st[key]
                 if tuple(t.shape) != tuple(s.shape):
                     raise offloadd.InvalidArgumentError(
                         f"optimizer state_dict: {key} of '{s.name}' has shape "
                         f"{tuple(t.shape)}, the parameter {tuple(s.shape)}")
-                piece[: hi - lo] = t.detach().reshape(-1)[lo:hi].to("cpu", torch.float32)
+                piece = e._my_slice(s, t)
             pieces.append(piece.numpy())
         if st is not None:
             step = int(float(st["step"]))
