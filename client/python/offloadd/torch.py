@@ -864,9 +864,7 @@ class _Engine:
         opt = self._optimizer
         if opt is None or not opt.last_step or not opt.last_step.get("delayed_update"):
             return
-        if opt._overlapped:
-            opt._overlapped = False
-            opt.last_finished = self.session.wait_step()
+        opt.wait_overlapped()
         self.free_all()
         if self.tier is not None:
             # Ends its iteration (an evaluation's forward holds every
@@ -1593,12 +1591,7 @@ class Optimizer(torch.optim.Optimizer):
                 return loss  # DeepSpeed's engine: the update waits for the boundary
         e = self._engine
         start = time.perf_counter()
-        if self._overlapped:
-            # The previous step's failure (a swap-in error) surfaces here.
-            self._overlapped = False
-            self.last_finished = e.session.wait_step()
-        e.free_all()
-        e.flush_gradients()
+        self._settle()  # (the previous step's failure, a swap-in error, surfaces here)
         pending = e.session.pending_gradients()
         sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
         partitions = float(pending["partitions"])
@@ -1678,15 +1671,20 @@ class Optimizer(torch.optim.Optimizer):
         """The outcome of this rank's background checkpoint, once written."""
         return self._engine.session.wait_checkpoint()
 
-    def _settle(self):
-        """Before the optimizer state is read or written: the overlapped
-        step has ended, and nothing of this iteration is in flight."""
-        e = self._engine
+    def wait_overlapped(self):
+        """The overlapped step still running, if one is, has ended (its
+        outcome in last_finished)."""
         if self._overlapped:
             self._overlapped = False
-            self.last_finished = e.session.wait_step()
-        e.free_all()
-        e.flush_gradients()
+            self.last_finished = self._engine.session.wait_step()
+
+    def _settle(self):
+        """Before a step, or the optimizer state read or written: the
+        overlapped step has ended, and nothing of this iteration is in
+        flight."""
+        self.wait_overlapped()
+        self._engine.free_all()
+        self._engine.flush_gradients()
 
     def state_dict(self):
         """torch.optim.AdamW's state_dict, read from the daemon: for each
@@ -1794,9 +1792,7 @@ class Optimizer(torch.optim.Optimizer):
         """Waits for an overlapped step, then closes this rank's daemon
         session (the process's exit does too)."""
         try:
-            if self._overlapped:
-                self._overlapped = False
-                self._engine.session.wait_step()
+            self.wait_overlapped()
         finally:
             self._engine.close()
 
