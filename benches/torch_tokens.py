@@ -134,6 +134,9 @@ def main():
     p.add_argument("--swap_dir", default="/var/tmp")
     p.add_argument("--device", default="cpu", help="where the model computes: cpu or cuda")
     p.add_argument("--tiny", action="store_true", help="a few steps of a tiny model")
+    p.add_argument("--modes", default="all",
+                   help="comma-separated runs: torch,host,dpu,overlap,nvme,nvme_overlap,"
+                        "no_tier (torch and host are always run: the ratios need them)")
     p.add_argument("--profile", action="store_true",
                    help="profile the trainer's thread in the delayed-update run")
     args = p.parse_args()
@@ -170,15 +173,23 @@ def main():
               f"({8 * n / (1 << 20):.1f} MiB) and a third of the {state_bytes / (1 << 20):.1f} MiB "
               "of optimizer state")
         cuda = torch.device(args.device).type == "cuda"
-        # name: (address, placement, overlapped step, delayed update, GPU tier)
-        runs = {"torch AdamW (in-process)": (None, None, False, False, True),
-                "offloadd, state on host": (host[1], "host", False, False, True),
-                "  the same, delayed update": (host[1], "host", False, True, True),
-                "  the same, overlapped step": (host[1], "host", True, False, True),
-                "offloadd, state on NVMe": (nvme[1], "nvme", False, False, True),
-                "  the same, overlapped step ": (nvme[1], "nvme", True, False, True)}
+        # name: (mode, address, placement, overlapped step, delayed update, GPU tier)
+        every = [("torch AdamW (in-process)", "torch", None, None, False, False, True),
+                 ("offloadd, state on host", "host", host[1], "host", False, False, True),
+                 ("  the same, delayed update", "dpu", host[1], "host", False, True, True),
+                 ("  the same, overlapped step", "overlap", host[1], "host", True, False, True),
+                 ("offloadd, state on NVMe", "nvme", nvme[1], "nvme", False, False, True),
+                 ("  the same, overlapped step ", "nvme_overlap", nvme[1], "nvme", True, False,
+                  True)]
         if cuda:
-            runs["host, no GPU tier (before)"] = (host[1], "host", False, False, False)
+            every.append(("host, no GPU tier (before)", "no_tier", host[1], "host", False, False,
+                          False))
+        modes = {m for _, m, *_ in every} if args.modes == "all" else \
+            set(args.modes.split(",")) | {"torch", "host"}
+        unknown = modes - {m for _, m, *_ in every}
+        if unknown:
+            p.error(f"--modes: no run named {', '.join(sorted(unknown))}")
+        runs = {name: rest for name, m, *rest in every if m in modes}
         rounds = {name: [] for name in runs}
         compute = []
         c0 = offloadd.Client(nvme[1]).stats()["counters"]
@@ -207,8 +218,9 @@ def main():
                             (("fetch", 7), ("compute", 8), ("return", 7), ("step", 6)))
         print(line)
     swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
-    print(f"NVMe runs: {swapped / args.rounds / 2:.0f} MiB swapped in per run of "
-          f"{args.warmup + args.steps} steps")
+    if "offloadd, state on NVMe" in results:
+        print(f"NVMe runs: {swapped / args.rounds / 2:.0f} MiB swapped in per run of "
+              f"{args.warmup + args.steps} steps")
     # The bound of an offloadd step: the model's compute on the device, the
     # bytes each step moves over the link (working parameters there, fp32
     # gradients back) at the pinned bandwidth measured here, and the
@@ -228,6 +240,8 @@ def main():
     print(f"bound: compute {1e3 * t_compute:.1f} ms, link {1e3 * link:.1f} ms, "
           f"T_opt {1e3 * t_opt:.1f} ms")
     for name, bound in bounds.items():
+        if name not in results:
+            continue
         r = results[name]
         vs = r["tokens_per_s"] / ref
         target = 0.6 if name == "offloadd, state on host" else 0.8

@@ -478,8 +478,13 @@ absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& co
   for (size_t k = 0; k < list.size(); ++k) {
     Entry& e = entries_[list[k]];
     ++stats_.tensor_uses;
-    if (before[k] == State::kReady) ++stats_.resident_hits;
-    if (before[k] != State::kAbsent && e.prefetched) ++stats_.prefetch_hits;
+    // Disjoint, as the daemon's stats count them: a prefetched copy is a
+    // prefetch hit whether it is done or still in flight.
+    if (before[k] != State::kAbsent && e.prefetched) {
+      ++stats_.prefetch_hits;
+    } else if (before[k] == State::kReady) {
+      ++stats_.resident_hits;
+    }
     e.prefetched = false;
     if (e.state == State::kCopying) {
       if (before[k] == State::kCopying) ++stats_.in_flight_at_use;

@@ -103,9 +103,10 @@ struct ParamCacheOptions {
 struct ParamCacheStats {
   uint64_t uses = 0;
   uint64_t tensor_uses = 0;
-  // Tensor uses that found the tensor resident, or its copy issued ahead
-  // by a prefetch (prefetch_hits), or in flight (waited on by the compute
-  // stream, not the host).
+  // Tensor uses that found the tensor resident from an earlier use
+  // (resident_hits), or its copy issued ahead by a prefetch, done or in
+  // flight (prefetch_hits; waited on by the compute stream, not the host).
+  // Disjoint: resident_hits + prefetch_hits <= tensor_uses.
   uint64_t resident_hits = 0;
   uint64_t prefetch_hits = 0;
   uint64_t in_flight_at_use = 0;

@@ -120,6 +120,9 @@ TEST_F(ParamCacheTest, UseNeverSeesACopyInFlightAndBudgetHolds) {
   // pinned memory is host memory: device use is the budget, measured.
   EXPECT_EQ(device_.peak_bytes(), budget);
   EXPECT_GT(s.prefetch_hits, 0u);
+  EXPECT_GT(s.resident_hits, 0u);  // backward finds forward's last units
+  // As the daemon checks them (ReportGpuTier): disjoint parts of the uses.
+  EXPECT_LE(s.resident_hits + s.prefetch_hits, s.tensor_uses);
   EXPECT_EQ(source_.outstanding(), 0);
   cache->reset();
   EXPECT_EQ(device_.used_bytes(), 0u);

@@ -580,11 +580,18 @@ TEST_F(DaemonTest, GpuTiersReportToTheDaemonAndTakeItsPrefetchSettings) {
   }
   auto stream = device.CreateStream();
   ASSERT_TRUE(stream.ok());
+  // Forward and backward, each unit used twice; the prefetches issued at
+  // the iteration's start are complete before their use (Synchronize), so
+  // that a use counts as exactly one of resident and prefetched.
   auto iteration = [&] {
     ASSERT_TRUE((*tier)->BeginIteration().ok());
-    for (int u : units) {
-      ASSERT_TRUE((*tier)->params().Use(u, *stream).ok());
-      ASSERT_TRUE((*tier)->params().Done(u, *stream).ok());
+    ASSERT_TRUE((*tier)->params().Synchronize().ok());
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t i = 0; i < units.size(); ++i) {
+        const int u = units[pass == 0 ? i : units.size() - 1 - i];
+        ASSERT_TRUE((*tier)->params().Use(u, *stream).ok());
+        ASSERT_TRUE((*tier)->params().Done(u, *stream).ok());
+      }
     }
     ASSERT_TRUE((*tier)->params().Invalidate(*stream).ok());
     ASSERT_TRUE((*tier)->EndIteration().ok());
@@ -603,8 +610,10 @@ TEST_F(DaemonTest, GpuTiersReportToTheDaemonAndTakeItsPrefetchSettings) {
   EXPECT_EQ(mine.reports, 2u);
   EXPECT_EQ(reported->h2d_bytes, mine.params.h2d_bytes);
   EXPECT_EQ(reported->h2d_bytes, 2 * 4 * kNumel * sizeof(float));  // every step's values
-  EXPECT_EQ(reported->tensor_uses, 8u);
+  EXPECT_EQ(reported->tensor_uses, 16u);
   EXPECT_GT(reported->prefetch_hits, 0u);
+  EXPECT_GT(reported->resident_hits, 0u);  // backward's
+  EXPECT_LE(reported->resident_hits + reported->prefetch_hits, reported->tensor_uses);
   EXPECT_EQ(reported->prefetch_depth, 2u);
   EXPECT_EQ(Counter("gpu_h2d_bytes"), static_cast<int64_t>(reported->h2d_bytes));
 
@@ -619,6 +628,7 @@ TEST_F(DaemonTest, GpuTiersReportToTheDaemonAndTakeItsPrefetchSettings) {
   ASSERT_TRUE(client_->SetTunable("gpu.prefetch_depth", "-1").ok());
   iteration();
   EXPECT_EQ((*tier)->stats().prefetch_depth, 2);  // its own again
+  EXPECT_EQ((*tier)->stats().reports, 5u);        // every iteration's, none refused
   EXPECT_EQ(client_->SetTunable("gpu.prefetch_depth", "-2").status().code(),
             absl::StatusCode::kInvalidArgument);
 

@@ -2,7 +2,8 @@
 # Runs, on a GPU machine, what tools/gpu_bundle.sh packed: the CUDA system
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
-# Stages: env cudatest nccltest gpudemo gpucopy gputier gputier_cuda gputier_dpu gputest alltests tokens tokens_big tokens_profile large
+# Stages: env doctor cudatest nccltest gpudemo gpucopy gputier gputier_cuda gputier_dpu gputest compat
+#         alltests tokens tokens_big tokens_host tokens_profile large
 #         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
@@ -29,6 +30,10 @@ for stage in "$@"; do
       python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())"
       df -hT /tmp /var/tmp | cat; lscpu | grep -E 'Model name|^CPU\(s\)|L3'
       ! ldd daemon/offloadd client/python/site/offloadd/_offloadd.so | grep 'not found' ;;
+    # offloadctl doctor on a GPU node (exit 1: something to tune, not broken).
+    doctor)
+      timeout 60 client/offloadctl doctor --server.data_dir=/tmp/offloadd-doctor
+      rc=$?; (( rc <= 1 )) ;;
     cudatest) timeout 60 gpu/cuda_device_test ;;
     nccltest) timeout 60 gpu/nccl_communicator_test ;;
     # The C++ GPU demo: ZeRO-3 over NCCL (one rank) through a fresh offloadd.
@@ -55,6 +60,13 @@ for stage in "$@"; do
     # --gpu_memory_gib=78 on a larger GPU, say).
     large) timeout 480 python3 benches/larger_than_gpu.py --offloadd=daemon/offloadd ${LARGE_ARGS:-} ;;
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
+    # torch's own modules through wrap on the GPU (the GPU tier) against
+    # torch AdamW on the GPU.
+    compat)
+      OFFLOADD_TEST_DEVICE=cuda CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 200 python3 tests/torch_wrap_test.py -v \
+        WrapInProcessTest.test_recurrent_layers WrapInProcessTest.test_convolutions_with_batch_norm_buffers \
+        WrapInProcessTest.test_attention_and_transformer_modules WrapInProcessTest.test_tied_embedding_and_head \
+        WrapInProcessTest.test_frozen_parameters_stay_as_they_were ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
     tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda ;;
     tokens_profile)
@@ -63,6 +75,11 @@ for stage in "$@"; do
     tokens_big)
       timeout 400 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 ;;
+    # The 25M model, state on the host only (sync, delayed update, overlapped).
+    tokens_host)
+      timeout 300 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
+        --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 \
+        --modes=torch,host,dpu,overlap ;;
     step_overlap) timeout 300 benches/step_overlap ;;
     step_overlap_3t) timeout 300 benches/step_overlap --t=70ms ;;
     step_overlap_15) timeout 300 benches/step_overlap --threads=15 ;;

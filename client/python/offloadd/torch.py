@@ -730,6 +730,11 @@ class _Engine:
         if not need:
             return
         start = time.perf_counter()
+        if self.tier is not None and self.tier.resident:
+            self.tier.gather_resident(need)
+            self.counts["fetches"] += len(need)
+            self.timings["fetch"] += time.perf_counter() - start
+            return
         if self.tier is not None:
             self.tier.gather(need)
             self.counts["fetches"] += len(need)
@@ -836,6 +841,8 @@ class _Engine:
         return [ids[i:i + n] for i in range(0, len(ids), n)]
 
     def _free(self, s):
+        if self.tier is not None and self.tier.resident:
+            return  # stays gathered until the tier lets its unit go (free_all)
         if s.gathered:
             self._storage_to_shard.pop(self._base(s.param.data), None)
             if self.tier is not None:
@@ -851,6 +858,9 @@ class _Engine:
         return s
 
     def free_all(self):
+        if self.tier is not None and self.tier.resident:
+            self.tier.release_all()
+            return
         for s in self.shards:
             if s.gathered:
                 self._free(s)
@@ -1100,6 +1110,10 @@ class _Engine:
             engine._forward_depth += 1
             began = engine.begin_pass()
             try:
+                if engine.tier is not None and engine.tier.resident:
+                    # Parameters stay where they are until backward is
+                    # over: saved as they are.
+                    return forward(*args, **kwargs)
                 with saved_tensors_hooks(pack, unpack):
                     return forward(*args, **kwargs)
             finally:
@@ -1292,12 +1306,24 @@ class _GpuTier:
             self.slab = torch.frombuffer((ctypes.c_uint8 * n).from_address(
                 self.tier.slab_address), dtype=torch.uint8)
         self.slab_base = self.slab.data_ptr()
+        self.unit_shards = []  # unit index -> its shards, in the order the tier places them
         for unit in declared:
             u = self.tier.add_unit([(s.pid, s.slice_numel * self.esize) for s in unit])
-            self.units.append({"offsets": None, "gathered": 0})
+            self.units.append({"offsets": None, "gathered": 0, "views": None})
+            self.unit_shards.append(unit)
             for i, s in enumerate(unit):
                 s.unit = u
                 self.index[id(s)] = i
+        # Resident: the budget holds every unit at once (one rank; nothing
+        # is evicted), so a unit used once stays gathered until backward
+        # is over (free_all): its parameters are views of the slab, at the
+        # same place iteration after iteration, saved by autograd as they
+        # are, and only each iteration's first use of a unit reaches the
+        # tier (which copies the values a step changed). Otherwise each
+        # module's parameters are gathered for its forward and again for
+        # its backward, and freed after each.
+        self.resident = engine.world == 1 and budget >= total and not cfg.get(
+            "max_live_parameters")
         self.at = {}  # data_ptr of a gathered parameter in the slab -> shard
         self._starts = None  # sorted keys of `at`, built when needed
         self.grads = {}  # pid -> (shard, its gradient slice on the GPU, stats or None)
@@ -1369,6 +1395,40 @@ class _GpuTier:
                     self._starts = None
                 else:
                     e._storage_to_shard[e._base(s.param.data)] = s
+
+    def gather_resident(self, need):
+        """Resident mode: the units of `need` used (values copied where a
+        step changed them; the compute stream waits for the copies, not
+        the host) and their parameters pointed at their slab memory."""
+        e = self.e
+        for s in need:
+            if s.gathered:
+                continue  # another of its unit's, gathered with it
+            rec = self.units[s.unit]
+            offsets = self.tier.use(s.unit, self.stream(), self.device)
+            self.counts["units_used"] += 1
+            views = rec["views"]
+            if views is None or views[0] != offsets:  # placed elsewhere (a new order)
+                views = (offsets, [self.slab[off:off + u.slice_numel * self.esize]
+                                   .view(e.torch_working)[: u.numel].view(u.shape)
+                                   for u, off in zip(self.unit_shards[s.unit], offsets)])
+                rec["views"] = views
+            rec["offsets"] = offsets
+            for u, view in zip(self.unit_shards[s.unit], views[1]):
+                u.param.data = view if view.dtype == u.dtype else view.to(u.dtype)
+                u.gathered = True
+
+    def release_all(self):
+        """Resident mode: every unit in use let go (the event Done records
+        covers the compute issued so far); its parameters' values are
+        refused until a forward gathers them again (see
+        _OffloadedParameter), their memory stays in the slab."""
+        for u, rec in enumerate(self.units):
+            if rec["offsets"] is not None:
+                rec["offsets"] = None
+                for s in self.unit_shards[u]:
+                    s.gathered = False
+                self.tier.done(u, self.stream(), self.device)
 
     def _in_slab(self, ptr):
         return self.slab_base <= ptr < self.slab_base + self.slab.numel()
@@ -1460,7 +1520,8 @@ class _GpuTier:
             self.tier.synchronize()
 
     def stats(self):
-        return dict(self.tier.stats(), **self.counts, device=self.device.name)
+        return dict(self.tier.stats(), **self.counts, device=self.device.name,
+                    resident=self.resident)
 
     def close(self):
         self.grads = {}
@@ -1469,6 +1530,11 @@ class _GpuTier:
             if rec["offsets"] is not None:
                 rec["offsets"] = None
                 self.tier.done(u, self.stream(), self.device)
+            if self.resident:
+                rec["views"] = None
+                for s in self.unit_shards[u]:  # (no view of the slab outlives it)
+                    s.gathered = False
+                    s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
         self.tier = None
         self.slab = None
 
