@@ -6,10 +6,13 @@ optimizer step).
 
 usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
        [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR]
-       [--device=cpu|cuda] [--tiny] [--profile]
+       [--device=cpu|cuda] [--tiny] [--profile] [--trace] [--modes=LIST]
 --profile: only the delayed-update run with the state on the host, under
 cProfile: where the trainer's thread spends its time (top functions by own
 time), for work on the Python side.
+--trace: the delayed-update and synchronous runs under torch.profiler: the
+GPU's busy time per step and in which phase of the loop (batch, forward,
+backward, step, zero_grad) it sits idle.
 With --device=cuda the model computes on the GPU in every run: the reference
 keeps its AdamW state on the GPU too, offloadd keeps it in the daemon (the
 trade ZeRO-Offload makes: GPU memory for host time).
@@ -19,6 +22,8 @@ Starts its own daemons: one with the default pool (state on host), one
 whose pool is smaller than the model's optimizer state, with an NVMe tier
 in --swap_dir (ext4 for O_DIRECT; default /var/tmp)."""
 import argparse
+import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -60,7 +65,7 @@ def pinned_bandwidth(device, nbytes=256 << 20):
 
 
 def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
-        compute_only=False):
+        compute_only=False, profiler=None):
     torch.manual_seed(0)
     device = torch.device(args.device)
     model = gpt.GPT(text.vocab, args.context, dim=args.dim, layers=args.layers,
@@ -83,16 +88,25 @@ def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
             sync(device)
             before = dict(engine.timings) if engine else None
             start = time.perf_counter()
-        x, y = (t.to(device) for t in text.batch(args.batch, args.context, gen))
-        loss = model(x, y)
-        loss.backward()
+        if profiler is not None and step == args.warmup:
+            profiler.start()
+        with _phase(profiler, "batch"):
+            x, y = (t.to(device) for t in text.batch(args.batch, args.context, gen))
+        with _phase(profiler, "forward"):
+            loss = model(x, y)
+        with _phase(profiler, "backward"):
+            loss.backward()
         if not compute_only:
-            opt.step()
+            with _phase(profiler, "step"):
+                opt.step()
             if engine and opt.last_step and step >= args.warmup:
                 t_opt.append(opt.last_step["compute_us"] / 1e6)
-        opt.zero_grad()
+        with _phase(profiler, "zero_grad"):
+            opt.zero_grad()
     sync(device)
     wall = time.perf_counter() - start
+    if profiler is not None:
+        profiler.stop()
     out = {"wall": wall / args.steps, "tokens_per_s": args.batch * args.context * args.steps / wall}
     if engine:
         for k in ("fetch", "return", "step"):
@@ -103,6 +117,71 @@ def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
         out["tier"] = 1.0 if g else 0.0
         opt.close()
     return out
+
+
+def _phase(profiler, name):
+    if profiler is None:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function("phase:" + name)
+
+
+def _idle_by_phase(gpu, phases):
+    """`gpu`: sorted (start, end) of GPU work; `phases`: sorted (start, end,
+    name) of the loop's phases on the CPU. Returns the GPU's busy time
+    inside the phases' span, its idle time by the phase that was running
+    meanwhile, and the span."""
+    lo, hi = phases[0][0], phases[-1][1]
+    merged = []
+    for s0, e0 in gpu:
+        s0, e0 = max(s0, lo), min(e0, hi)
+        if e0 <= s0:
+            continue
+        if merged and s0 <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e0))
+        else:
+            merged.append((s0, e0))
+    busy = sum(e0 - s0 for s0, e0 in merged)
+    idle = {}
+    gaps = [(a[1], b[0]) for a, b in zip([(lo, lo)] + merged, merged + [(hi, hi)])]
+    for g0, g1 in gaps:
+        for p0, p1, name in phases:
+            o = min(p1, g1) - max(p0, g0)
+            if o > 0:
+                idle[name] = idle.get(name, 0.0) + o
+    return busy, idle, lo, hi
+
+
+def trace(args, text, address):
+    """The delayed-update and synchronous runs (state on the host) under
+    torch.profiler: how long the GPU is busy in a step, and in which phase
+    of the training loop its idle time falls (the trainer's thread doing
+    something the GPU waits for); then the CPU's top operations."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    run(args, text, address, "host", dpu=True)  # warm: CUDA, the daemon's pool
+    for name, dpu in (("delayed update", True), ("synchronous", False)):
+        prof = tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        r = run(args, text, address, "host", dpu=dpu, profiler=prof)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            events = json.load(open(f.name))
+        if isinstance(events, dict):  # (kineto's format; a list without it)
+            events = events.get("traceEvents", [])
+        spans = [(e["ts"], e["ts"] + e.get("dur", 0), e.get("cat"), e.get("name", ""))
+                 for e in events if "ts" in e]
+        gpu = sorted((a, b) for a, b, cat, _ in spans
+                     if cat in ("kernel", "gpu_memcpy", "gpu_memset"))
+        phases = sorted((a, b, n[6:]) for a, b, cat, n in spans
+                        if cat == "user_annotation" and n.startswith("phase:"))
+        if not gpu or not phases:
+            print(f"{name}: the profiler recorded no GPU activity or no phases")
+            continue
+        busy, idle, lo, hi = _idle_by_phase(gpu, phases)
+        n = args.steps
+        print(f"{name}: {1e3 * r['wall']:.1f} ms/step with the profiler; GPU busy "
+              f"{busy / n / 1e3:.1f} ms/step, idle {(hi - lo - busy) / n / 1e3:.1f} ms/step, of it "
+              + ", ".join(f"{k} {v / n / 1e3:.2f}" for k, v in
+                          sorted(idle.items(), key=lambda kv: -kv[1])))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
 def profile(args, text, address):
@@ -137,6 +216,8 @@ def main():
     p.add_argument("--modes", default="all",
                    help="comma-separated runs: torch,host,dpu,overlap,nvme,nvme_overlap,"
                         "no_tier (torch and host are always run: the ratios need them)")
+    p.add_argument("--trace", action="store_true",
+                   help="the GPU's busy and idle time per step under torch.profiler, by phase")
     p.add_argument("--profile", action="store_true",
                    help="profile the trainer's thread in the delayed-update run")
     args = p.parse_args()
@@ -164,6 +245,9 @@ def main():
         daemons = [host[0], nvme[0]]
         if args.profile:
             profile(args, text, host[1])
+            return
+        if args.trace:
+            trace(args, text, host[1])
             return
         print(f"model: {n / 1e6:.2f}M parameters ({args.layers} layers, dim {args.dim}), "
               f"{args.batch}x{args.context} tokens per step, {args.steps} steps after "

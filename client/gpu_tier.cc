@@ -272,6 +272,11 @@ absl::Status GpuTier::AddGradient(uint64_t partition_id, const void* src, uint64
   return drain_->Add(partition_id, src, bytes, producer);
 }
 
+absl::Status GpuTier::AddGradients(absl::Span<const gpu::GradientDrain::Item> items,
+                                   const gpu::Stream& producer) {
+  return drain_->Add(items, producer);
+}
+
 absl::Status GpuTier::DropGradients() {
   std::vector<uint64_t> ids;
   {

@@ -108,6 +108,10 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // reports the partition.
   absl::Status AddGradient(uint64_t partition_id, const void* src, uint64_t bytes,
                            const gpu::Stream& producer);
+  // Several at once (keys are partition ids): one wait on `producer` and
+  // one completion event for them all (see GradientDrain::Add).
+  absl::Status AddGradients(absl::Span<const gpu::GradientDrain::Item> items,
+                            const gpu::Stream& producer);
   // Returns the gradients whose copies completed (every one added, with
   // `wait`) to the daemon, releasing their holds, with `stats` for each
   // if `stats` has every one of them (Session::HandOverGradients).

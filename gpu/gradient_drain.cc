@@ -41,64 +41,102 @@ GradientDrain::~GradientDrain() {
 
 absl::Status GradientDrain::Add(uint64_t key, const void* src, uint64_t bytes,
                                 const Stream& producer) {
-  absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(GradientSink::Span host, sink_->Hold(key));
-  auto c = std::make_unique<Copy>();
-  c->key = key;
-  c->host = host;
-  c->bytes = bytes;
-  auto issue = [&]() -> absl::Status {
-    if (bytes > host.bytes) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "gradient %d: %d bytes do not fit its host buffer of %d", key, bytes, host.bytes));
-    }
-    if (spare_events_.empty()) {
-      ASSIGN_OR_RETURN(c->done, device_->CreateEvent());
-    } else {
-      c->done = std::move(spare_events_.back());
-      spare_events_.pop_back();
-    }
-    RETURN_IF_ERROR(device_->Record(producer_done_, producer));
-    RETURN_IF_ERROR(device_->WaitOn(stream_, producer_done_));
-    if (host.dma) {
-      RETURN_IF_ERROR(device_->CopyAsync(host.data, src, bytes, Direction::kDeviceToHost, stream_));
-    } else if (bytes <= staging_.bytes()) {
-      if (staging_head_ + bytes > staging_.bytes()) {
-        // Every earlier staged copy is moved out before the buffer is reused.
-        ++stats_.host_waits;
-        Collect(/*wait=*/true, &ready_);
-        staging_head_ = 0;
-      }
-      char* stage = static_cast<char*>(staging_.get()) + staging_head_;
-      RETURN_IF_ERROR(device_->CopyAsync(stage, src, bytes, Direction::kDeviceToHost, stream_));
-      c->staged = stage;
-      staging_head_ += (bytes + kAlignment - 1) / kAlignment * kAlignment;
-      stats_.staged_bytes += bytes;
-    } else {
-      // Larger than the staging buffer: chunk by chunk, the host waiting.
+  const Item item{key, src, bytes};
+  return Add(absl::MakeConstSpan(&item, 1), producer);
+}
+
+absl::StatusOr<Event> GradientDrain::TakeEvent() {
+  if (spare_events_.empty()) return device_->CreateEvent();
+  Event e = std::move(spare_events_.back());
+  spare_events_.pop_back();
+  return e;
+}
+
+absl::Status GradientDrain::Issue(Copy& c, const void* src) {
+  const uint64_t bytes = c.bytes;
+  if (bytes > c.host.bytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "gradient %d: %d bytes do not fit its host buffer of %d", c.key, bytes, c.host.bytes));
+  }
+  if (c.host.dma) {
+    return device_->CopyAsync(c.host.data, src, bytes, Direction::kDeviceToHost, stream_);
+  }
+  if (bytes <= staging_.bytes()) {
+    if (staging_head_ + bytes > staging_.bytes()) {
+      // Every earlier staged copy is moved out before the buffer is reused.
       ++stats_.host_waits;
+      Seal();
       Collect(/*wait=*/true, &ready_);
       staging_head_ = 0;
-      for (uint64_t done = 0; done < bytes;) {
-        const uint64_t chunk = std::min<uint64_t>(staging_.bytes(), bytes - done);
-        RETURN_IF_ERROR(device_->CopyAsync(staging_.get(), static_cast<const char*>(src) + done,
-                                           chunk, Direction::kDeviceToHost, stream_));
-        RETURN_IF_ERROR(device_->Record(c->done, stream_));
-        RETURN_IF_ERROR(device_->Synchronize(c->done));
-        std::memcpy(static_cast<char*>(host.data) + done, staging_.get(), chunk);
-        done += chunk;
-      }
-      stats_.staged_bytes += bytes;
     }
-    return device_->Record(c->done, stream_);
-  };
-  c->failed = issue();
-  if (c->failed.ok()) {
-    ++stats_.copies;
-    stats_.d2h_bytes += bytes;
+    char* stage = static_cast<char*>(staging_.get()) + staging_head_;
+    RETURN_IF_ERROR(device_->CopyAsync(stage, src, bytes, Direction::kDeviceToHost, stream_));
+    c.staged = stage;
+    staging_head_ += (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    stats_.staged_bytes += bytes;
+    return absl::OkStatus();
   }
-  in_flight_.push_back(std::move(c));
+  // Larger than the staging buffer: chunk by chunk, the host waiting.
+  ++stats_.host_waits;
+  Seal();
+  Collect(/*wait=*/true, &ready_);
+  staging_head_ = 0;
+  ASSIGN_OR_RETURN(Event chunk_done, TakeEvent());
+  for (uint64_t done = 0; done < bytes;) {
+    const uint64_t chunk = std::min<uint64_t>(staging_.bytes(), bytes - done);
+    RETURN_IF_ERROR(device_->CopyAsync(staging_.get(), static_cast<const char*>(src) + done, chunk,
+                                       Direction::kDeviceToHost, stream_));
+    RETURN_IF_ERROR(device_->Record(chunk_done, stream_));
+    RETURN_IF_ERROR(device_->Synchronize(chunk_done));
+    std::memcpy(static_cast<char*>(c.host.data) + done, staging_.get(), chunk);
+    done += chunk;
+  }
+  spare_events_.push_back(std::move(chunk_done));
+  stats_.staged_bytes += bytes;
   return absl::OkStatus();
+}
+
+absl::Status GradientDrain::Add(absl::Span<const Item> items, const Stream& producer) {
+  absl::MutexLock lock(&mu_);
+  if (items.empty()) return absl::OkStatus();
+  // The copies start after the work that wrote their sources.
+  absl::Status ordered = device_->Record(producer_done_, producer);
+  if (ordered.ok()) ordered = device_->WaitOn(stream_, producer_done_);
+  absl::Status held;
+  for (const Item& item : items) {
+    absl::StatusOr<GradientSink::Span> host = sink_->Hold(item.key);
+    if (!host.ok()) {
+      held = host.status();
+      break;
+    }
+    auto c = std::make_unique<Copy>();
+    c->key = item.key;
+    c->host = *host;
+    c->bytes = item.bytes;
+    c->failed = ordered.ok() ? Issue(*c, item.src) : ordered;
+    if (c->failed.ok()) {
+      ++stats_.copies;
+      stats_.d2h_bytes += item.bytes;
+    }
+    open_.push_back(c.get());
+    in_flight_.push_back(std::move(c));
+  }
+  Seal();
+  return held;
+}
+
+void GradientDrain::Seal() {
+  if (open_.empty()) return;
+  // One event after all of them, on their stream: each is done once it is.
+  Copy& last = *open_.back();
+  absl::StatusOr<Event> done = TakeEvent();
+  absl::Status recorded = done.ok() ? device_->Record(*done, stream_) : done.status();
+  if (recorded.ok()) last.done = *std::move(done);
+  for (Copy* c : open_) {
+    if (!recorded.ok() && c->failed.ok()) c->failed = recorded;
+    c->finished = &last.done;
+  }
+  open_.clear();
 }
 
 GradientDrain::Done GradientDrain::Finish(Copy& c, absl::Status status) {
@@ -119,9 +157,9 @@ void GradientDrain::Collect(bool wait, std::vector<Done>* out) {
     absl::Status status;
     if (c.failed.ok()) {
       if (wait) {
-        status = device_->Synchronize(c.done);
+        status = device_->Synchronize(*c.finished);
       } else {
-        absl::StatusOr<bool> done = device_->Query(c.done);
+        absl::StatusOr<bool> done = device_->Query(*c.finished);
         if (done.ok() && !*done) break;
         status = done.status();
       }

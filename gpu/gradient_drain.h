@@ -65,7 +65,19 @@ class GradientDrain {
   // Waits for the copies in flight.
   ~GradientDrain();
 
+  // One gradient to copy: its key, where it is on the device, its bytes.
+  struct Item {
+    uint64_t key = 0;
+    const void* src = nullptr;
+    uint64_t bytes = 0;
+  };
   absl::Status Add(uint64_t key, const void* src, uint64_t bytes, const Stream& producer);
+  // Several, in order, after the work issued so far on `producer`: one
+  // wait on it and one completion event for all of them (a gradient hook
+  // that batches costs the driver a third of the calls). An error holding
+  // an item's buffer stops there: the items before it are in flight and
+  // reported as usual, those from it on were not added.
+  absl::Status Add(absl::Span<const Item> items, const Stream& producer);
   // Completed copies, oldest first; with `wait`, every copy added so far.
   std::vector<Done> Completed(bool wait);
   // Copies added and not yet reported.
@@ -79,7 +91,10 @@ class GradientDrain {
     uint64_t bytes = 0;
     // Staged: the device copy lands here; moved to `host` once done.
     const char* staged = nullptr;
-    Event done;
+    Event done;  // set on the last copy of each Add
+    // The event that says this copy is done: `done` of its Add's last copy
+    // (which stays in in_flight_ until this one is collected).
+    const Event* finished = nullptr;
     absl::Status failed;  // could not be issued
   };
 
@@ -88,6 +103,12 @@ class GradientDrain {
   // Finishes the front copy (its event complete, or waited for).
   Done Finish(Copy& c, absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Collect(bool wait, std::vector<Done>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Issues `c`'s copy of `src` on the drain's stream.
+  absl::Status Issue(Copy& c, const void* src) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Event> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records one event after the copies issued since the last Seal, which
+  // each then wait on (Collect needs every copy in flight sealed).
+  void Seal() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Device* const device_;
   GradientSink* const sink_;
@@ -97,6 +118,7 @@ class GradientDrain {
 
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Copy>> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::vector<Copy*> open_ ABSL_GUARDED_BY(mu_);  // in in_flight_, not yet sealed
   std::vector<Done> ready_ ABSL_GUARDED_BY(mu_);  // collected, not yet reported
   // Events of finished copies, reused (not one driver call per gradient).
   std::vector<Event> spare_events_ ABSL_GUARDED_BY(mu_);

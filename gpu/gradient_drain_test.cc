@@ -15,6 +15,7 @@ namespace {
 class FakeSink : public GradientSink {
  public:
   absl::StatusOr<Span> Hold(uint64_t key) override {
+    if (key == refuse) return absl::ResourceExhaustedError("no room for this buffer");
     auto& v = buffers[key];
     v.assign(bytes, 0);
     return Span{v.data(), v.size(), dma};
@@ -22,6 +23,7 @@ class FakeSink : public GradientSink {
   std::map<uint64_t, std::vector<char>> buffers;
   uint64_t bytes = 1 << 20;
   bool dma = true;
+  uint64_t refuse = ~0ull;  // Hold of this key fails
 };
 
 class GradientDrainTest : public ::testing::TestWithParam<bool> {};
@@ -60,7 +62,76 @@ TEST_P(GradientDrainTest, CopiesWaitForTheProducerAndArriveWhole) {
   EXPECT_EQ((*drain)->pending(), 0u);
 }
 
+// Gradients added several at once (one wait on the producer, one event for
+// the batch): each still arrives whole, reported in order and never before
+// its bytes are there; in the staged case the staging buffer wraps inside
+// the first batch.
+TEST_P(GradientDrainTest, BatchesArriveWholeAndInOrder) {
+  EmulatedDevice dev({.memory_bytes = 64 << 20,
+                      .max_copy_delay = absl::Microseconds(500),
+                      .copy_chunk_bytes = 4096});
+  FakeSink sink;
+  sink.dma = GetParam();
+  auto drain = GradientDrain::Create(&dev, &sink, 1 << 20);
+  auto producer = dev.CreateStream();
+  ASSERT_TRUE(drain.ok() && producer.ok());
+  const uint64_t bytes = 384 << 10;
+  std::vector<DeviceMemory> grads;
+  std::vector<GradientDrain::Item> items;
+  for (int k = 0; k < 6; ++k) {
+    grads.push_back(*dev.Allocate(bytes));
+    char* g = static_cast<char*>(grads.back().get());
+    ASSERT_TRUE(dev.Launch(*producer,
+                           [g, k, bytes] {
+                             absl::SleepFor(absl::Milliseconds(1));
+                             std::memset(g, 'a' + k, bytes);
+                           })
+                    .ok());
+    items.push_back({static_cast<uint64_t>(k), g, bytes});
+  }
+  ASSERT_TRUE((*drain)->Add(absl::MakeConstSpan(items).subspan(0, 3), *producer).ok());
+  ASSERT_TRUE((*drain)->Add(absl::MakeConstSpan(items).subspan(3), *producer).ok());
+  std::vector<GradientDrain::Done> done;
+  while (done.size() < 6) {
+    for (GradientDrain::Done& d : (*drain)->Completed(/*wait=*/false)) {
+      ASSERT_TRUE(d.status.ok()) << d.status;
+      EXPECT_EQ(d.key, done.size());                                      // in order
+      EXPECT_EQ(sink.buffers[d.key][0], static_cast<char>('a' + d.key));  // whole when reported
+      EXPECT_EQ(sink.buffers[d.key][bytes - 1], static_cast<char>('a' + d.key));
+      done.push_back(d);
+    }
+  }
+  EXPECT_EQ((*drain)->stats().copies, 6u);
+  EXPECT_EQ((*drain)->pending(), 0u);
+}
+
 INSTANTIATE_TEST_SUITE_P(DmaAndStaged, GradientDrainTest, ::testing::Bool());
+
+// A buffer the sink cannot hold stops the batch there: the items before it
+// are copied and reported, none after it is added.
+TEST(GradientDrainFailureTest, ABatchStopsAtABufferThatCannotBeHeld) {
+  EmulatedDevice dev;
+  FakeSink sink;
+  sink.refuse = 2;
+  auto drain = GradientDrain::Create(&dev, &sink);
+  ASSERT_TRUE(drain.ok());
+  auto g = dev.Allocate(4096);
+  ASSERT_TRUE(g.ok());
+  std::memset(g->get(), 'x', 4096);
+  std::vector<GradientDrain::Item> items;
+  for (uint64_t k = 0; k < 4; ++k) items.push_back({k, g->get(), 4096});
+  Stream host = dev.BorrowStream(nullptr);
+  absl::Status s = (*drain)->Add(items, host);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  auto done = (*drain)->Completed(true);
+  ASSERT_EQ(done.size(), 2u);
+  for (uint64_t k = 0; k < 2; ++k) {
+    EXPECT_EQ(done[k].key, k);
+    EXPECT_TRUE(done[k].status.ok());
+    EXPECT_EQ(sink.buffers[k][4095], 'x');
+  }
+  EXPECT_EQ(sink.buffers.count(3), 0u);
+}
 
 TEST(GradientDrainFailureTest, AFailedCopyIsReportedWithItsKey) {
   EmulatedDevice dev;

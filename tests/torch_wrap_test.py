@@ -1010,10 +1010,16 @@ class WrapInProcessTest(unittest.TestCase):
         if device.type == "cuda":
             # fp32 arithmetic on the GPU, the same bits run to run: no TF32
             # (cuDNN's convolutions use it by default) and deterministic
-            # kernels (gpu_run.sh sets CUBLAS_WORKSPACE_CONFIG for cuBLAS).
+            # kernels (gpu_run.sh sets CUBLAS_WORKSPACE_CONFIG for cuBLAS),
+            # or a kernel's nondeterministic sums move a parameter whose
+            # gradient is small differently in the two runs.
             torch.backends.cudnn.allow_tf32 = False
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.use_deterministic_algorithms(True, warn_only=True)
+            # Attention's math kernel: the memory-efficient one's backward
+            # is not deterministic (torch only warns).
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_flash_sdp(False)
         adamw = adamw or {"lr": 1e-2}
         loss = loss or (lambda out: (out[0] if isinstance(out, tuple) else out).pow(2).mean())
         ref = make().to(device)

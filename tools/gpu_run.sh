@@ -3,7 +3,7 @@
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
 # Stages: env doctor cudatest nccltest gpudemo gpucopy gputier gputier_cuda gputier_dpu gputest compat
-#         alltests tokens tokens_big tokens_host tokens_profile large
+#         alltests tokens tokens_big tokens_host tokens_profile tokens_trace large
 #         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam
@@ -72,6 +72,9 @@ for stage in "$@"; do
     tokens_profile)
       timeout 200 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --profile ;;
+    tokens_trace)
+      timeout 200 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
+        --dim=512 --layers=8 --batch=32 --context=128 --steps=10 --warmup=3 --trace ;;
     tokens_big)
       timeout 400 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 ;;

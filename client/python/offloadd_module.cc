@@ -334,6 +334,19 @@ void BindGpu(py::module_& m) {
           py::arg("partition_id"), py::arg("address"), py::arg("bytes"), py::arg("stream"),
           py::arg("device"))
       .def(
+          "add_gradients",
+          [](GpuTier& t, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& items,
+             uintptr_t stream, std::shared_ptr<gpu::Device> d) {
+            std::vector<gpu::GradientDrain::Item> batch;
+            batch.reserve(items.size());
+            for (const auto& [pid, src, bytes] : items) {
+              batch.push_back({pid, reinterpret_cast<const void*>(src), bytes});
+            }
+            Check(Unlocked([&] { return t.AddGradients(batch, StreamOf(*d, stream)); }));
+          },
+          py::arg("items"), py::arg("stream"), py::arg("device"),
+          "add_gradient for several (partition_id, address, bytes), in order, at once")
+      .def(
           "return_gradients",
           [](GpuTier& t, bool wait, bool hand_over, std::optional<py::dict> stats) {
             absl::flat_hash_map<uint64_t, GradientStats> given;

@@ -890,6 +890,11 @@ class _Engine:
 
     def _make_grad_hook(self, s):
         def hook(grad):
+            tier = self.tier
+            if tier is not None and tier.resident:
+                if s.in_optimizer:
+                    tier.queue_gradient(s, grad)
+                return grad
             if s.in_optimizer:
                 self._return_gradient(s, grad)
             if not s.gathered:
@@ -903,6 +908,9 @@ class _Engine:
 
     def _make_after_grad(self, s):
         def hook(*_):
+            tier = self.tier
+            if tier is not None and tier.resident:
+                return  # .grad stays (its copy may run) until the tier returns it
             s.param.grad = None  # returned already; the daemon holds the sum
             self._free(s)
         return hook
@@ -1328,6 +1336,7 @@ class _GpuTier:
         self._starts = None  # sorted keys of `at`, built when needed
         self.grads = {}  # pid -> (shard, its gradient slice on the GPU, stats or None)
         self.grad_bytes = 0
+        self.queued, self.queued_bytes = [], 0  # (pid, address, bytes) not yet issued
         self.counts = {"units_used": 0}
         self._stream = None
 
@@ -1467,6 +1476,37 @@ class _GpuTier:
     # Gradients in flight to the host before a batch is returned at once.
     MAX_PENDING = 4096
     MAX_PENDING_BYTES = 1 << 30
+    # Resident mode: gradients whose copies are issued together (one call,
+    # one wait on the compute stream, one event), at most this many or
+    # bytes; the rest of backward runs meanwhile.
+    ISSUE_BATCH = 16
+    ISSUE_BYTES = 32 << 20
+
+    def queue_gradient(self, s, grad):
+        """Resident mode, from `s`'s gradient hook: `grad` (the whole fp32
+        gradient; torch then keeps it as .grad) is copied to the arena with
+        the next ones, in one call to the tier; returned at the flush (the
+        end of backward), which lets .grad go."""
+        start = time.perf_counter()
+        e = self.e
+        e._queue_sweep()
+        if s.pid in self.grads:  # returned twice before a flush (a tied weight)
+            self.flush_gradients(end=False)
+        g = grad.detach().reshape(-1)
+        if g.dtype != torch.float32:
+            g = g.to(torch.float32)
+        self.grads[s.pid] = (s, g, e._hand_over and e._gradient_stats in ("trainer", "auto"))
+        self.queued.append((s.pid, g.data_ptr(), g.numel() * 4))
+        self.queued_bytes += g.numel() * 4
+        self.grad_bytes += g.numel() * 4
+        if len(self.queued) >= self.ISSUE_BATCH or self.queued_bytes >= self.ISSUE_BYTES:
+            self._issue()
+        e.timings["return"] += time.perf_counter() - start
+
+    def _issue(self):
+        if self.queued:
+            items, self.queued, self.queued_bytes = self.queued, [], 0
+            self.tier.add_gradients(items, self.stream(), self.device)
 
     def return_gradient(self, s, mine):
         """`mine`: this rank's averaged fp32 slice (several ranks, from the
@@ -1493,6 +1533,7 @@ class _GpuTier:
         a step comes), also ends the iteration: its copies done, its holds
         let go."""
         e = self.e
+        self._issue()
         if self.grads:
             stats = None
             entries = list(self.grads.values())
@@ -1506,6 +1547,9 @@ class _GpuTier:
             try:
                 returned = self.tier.return_gradients(True, e._hand_over, stats)
             finally:
+                if self.resident:
+                    for s, _, _ in entries:  # copied (or failed): the daemon has the rest
+                        s.param.grad = None
                 self.grads, self.grad_bytes = {}, 0
             e.returned_since_step = True
             e.counts["returns"] += len(returned)
@@ -1525,6 +1569,7 @@ class _GpuTier:
 
     def close(self):
         self.grads = {}
+        self.queued, self.queued_bytes = [], 0
         self.at = {}
         for u, rec in enumerate(self.units):
             if rec["offsets"] is not None:
