@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
@@ -124,6 +125,41 @@ struct Session::Impl {
   // session, FAILED_PRECONDITION saying to resume it (this object's
   // mappings are the previous offloadd's: views over them would be stale).
   std::atomic<bool> orphaned{false};
+
+  // The keepalive (ClientOptions::keepalive): a thread that calls offloadd
+  // every `period` until stopped (Close, the destructor) or its offloadd is
+  // gone.
+  std::thread keepalive;
+  absl::Mutex keepalive_mu;
+  bool keepalive_stop ABSL_GUARDED_BY(keepalive_mu) = false;
+  ~Impl() { StopKeepalive(); }
+  void StartKeepalive(absl::Duration period) {
+    keepalive = std::thread([this, period] {
+      keepalive_mu.Lock();
+      for (;;) {
+        keepalive_mu.AwaitWithTimeout(absl::Condition(&keepalive_stop), period);
+        if (keepalive_stop || ConnectionHungUp()) break;
+        keepalive_mu.Unlock();
+        // Any call that names the session shows it alive; this one reads
+        // nothing the daemon must lock for long. A lost session is the
+        // trainer's own next call's to report.
+        v1::GetPendingGradientsRequest req;
+        *req.mutable_session() = ref;
+        v1::GetPendingGradientsResponse resp;
+        Rpc rpc(std::min(timeout, period), token);
+        (void)stub->GetPendingGradients(&rpc.context, req, &resp);
+        keepalive_mu.Lock();
+      }
+      keepalive_mu.Unlock();
+    });
+  }
+  void StopKeepalive() {
+    {
+      absl::MutexLock lock(&keepalive_mu);
+      keepalive_stop = true;
+    }
+    if (keepalive.joinable()) keepalive.join();
+  }
 
   bool UseRing(size_t items) const { return ring != nullptr && items <= ring::kMaxItems; }
   ring::Client::Answer RingCall(ring::Op op, uint32_t flags, absl::Span<const ring::Item> items,
@@ -405,6 +441,10 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
       }
     }
   }
+  if (impl_->options.keepalive && resp.idle_lease_seconds() > 0) {
+    s.StartKeepalive(
+        std::max(absl::Seconds(resp.idle_lease_seconds()) / 4, absl::Milliseconds(100)));
+  }
   return out;
 }
 
@@ -475,6 +515,7 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Session::~Session() {
+  impl_->StopKeepalive();
   // Closed, best effort, unless the offloadd it attached to is gone (its
   // arena connection hung up): whatever listens at the address now may be a
   // restarted offloadd keeping this session for a trainer to resume, maybe
@@ -880,6 +921,7 @@ absl::StatusOr<CheckpointResult> Session::WaitCheckpoint() {
 }
 
 absl::Status Session::Close() {
+  impl_->StopKeepalive();
   {
     absl::MutexLock lock(&impl_->mu);
     if (impl_->closed) return absl::OkStatus();

@@ -77,6 +77,12 @@ struct ClientOptions {
   // How long a call through the ring spins for its answer before sleeping:
   // lower it where trainers outnumber cores.
   absl::Duration request_ring_spin = absl::Microseconds(100);
+  // While a session is open, a thread calls offloadd every quarter of its
+  // idle lease (server.idle_lease_seconds, which it tells the session at
+  // open), so that a trainer quiet for longer (its own checkpoint, a
+  // barrier) keeps its session; a frozen or stopped process's lapses. Off:
+  // the trainer's own calls must come often enough.
+  bool keepalive = true;
 };
 
 // Where a session's data rests: per kind, the percentage of its bytes kept

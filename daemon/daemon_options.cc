@@ -26,11 +26,12 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("server.attach_lease_seconds", &o->server.attach_lease_seconds,
           {"seconds", "a session no trainer attached to within this long of opening is closed",
            false, kAttachLeaseRange});
-  r->Bind("server.idle_lease_seconds", &o->server.idle_lease_seconds,
-          {"seconds",
-           "a session no call reached for this long is closed (a hung trainer); 0 never (no client "
-           "keepalive yet)",
-           false, kIdleLeaseRange});
+  r->Bind(
+      "server.idle_lease_seconds", &o->server.idle_lease_seconds,
+      {"seconds",
+       "a session no call reached for this long is closed (a frozen trainer; clients call every "
+       "quarter of it while open); 0 never",
+       false, kIdleLeaseRange});
   r->Bind("server.reconnect_lease_seconds", &o->server.reconnect_lease_seconds,
           {"seconds",
            "a session whose trainer went away is kept this long for a restarted trainer to resume "

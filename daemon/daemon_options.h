@@ -46,11 +46,12 @@ struct ServerOptions {
   int64_t attach_lease_seconds = 60;
 
   // A session no call reached for this many seconds (and with none in
-  // flight) is closed: its trainer hangs while still connected. 0: never,
-  // the default: clients send no keepalive yet, so a healthy trainer that
-  // stops calling for a while (a long checkpoint of its own, a barrier)
-  // would lose its session.
-  int64_t idle_lease_seconds = 0;
+  // flight) is closed: its trainer's process is frozen (stopped) while
+  // still connected, or a client without a keepalive stopped calling.
+  // Clients call every quarter of it (ClientOptions::keepalive), so a
+  // healthy trainer quiet for longer keeps its session (and so does a
+  // trainer hung with its keepalive thread running). 0: never.
+  int64_t idle_lease_seconds = 300;
 
   // When a trainer's arena-channel connection closes (it exited or crashed
   // without closing its session), its holds are released at once and the

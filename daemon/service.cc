@@ -202,6 +202,7 @@ void PartitionServiceImpl::Answer(const OpenedSession& opened,
   resp->mutable_request_ring()->set_offset(opened.ring.offset);
   resp->mutable_request_ring()->set_bytes(opened.ring.bytes);
   resp->set_auto_checkpoint_dir(sessions_->AutoCheckpointDir(opened.key.id));
+  resp->set_idle_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_lease_)));
 }
 
 grpc::Status PartitionServiceImpl::ResumeSession(grpc::ServerContext* context,

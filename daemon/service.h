@@ -33,13 +33,17 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
  public:
   // Every call passes `gate`; once it closes, calls fail with UNAVAILABLE.
   // `guard` decides what TCP callers may do.
+  // `idle_lease`: the sessions' idle lease, told to clients when they open
+  // or resume one (their keepalive's period follows it).
   PartitionServiceImpl(SessionManager* sessions, Stats* stats, CallGate* gate,
-                       const AccessGuard* guard, std::string arena_socket)
+                       const AccessGuard* guard, std::string arena_socket,
+                       absl::Duration idle_lease = absl::ZeroDuration())
       : sessions_(sessions),
         stats_(stats),
         gate_(gate),
         guard_(guard),
-        arena_socket_(std::move(arena_socket)) {}
+        arena_socket_(std::move(arena_socket)),
+        idle_lease_(idle_lease) {}
 
   // OpenSession is refused (RESOURCE_EXHAUSTED) where fewer than
   // `reserved_descriptors` would be left. Set before the server starts.
@@ -105,6 +109,7 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   absl::Status CheckByIdAsOperator(const grpc::ServerContext& context,
                                    const v1::SessionRef& session, absl::string_view what) const;
   const std::string arena_socket_;
+  const absl::Duration idle_lease_;
 };
 
 class ConfigServiceImpl final : public v1::ConfigService::Service {

@@ -876,12 +876,18 @@ TEST_F(DaemonTest, ASessionNobodyAttachesToExpires) {
   EXPECT_TRUE(kept->Register("w", 16, DType::kFp32, DType::kFp32).ok());
 }
 
-// An attached trainer that stops calling (hung) loses its session after the
-// idle lease; one that keeps calling keeps its own.
+// An attached trainer that stops calling (frozen: no keepalive either) loses
+// its session after the idle lease; one that keeps calling keeps its own.
 TEST_F(DaemonTest, ASessionNoCallReachesExpires) {
   daemon_.reset();
   StartDaemon({"--server.idle_lease_seconds=1"});
-  auto hung = Open("hung");
+  ClientOptions frozen_options{daemon_->address()};
+  frozen_options.keepalive = false;
+  auto frozen = Client::Connect(frozen_options);
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  auto opened = (*frozen)->OpenSession("hung");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<Session> hung = *std::move(opened);
   auto busy = Open("busy");
   ASSERT_TRUE(hung && busy);
   ASSERT_TRUE(hung->Register("w", 1024, DType::kFp32, DType::kFp32).ok());
@@ -901,6 +907,27 @@ TEST_F(DaemonTest, ASessionNoCallReachesExpires) {
   EXPECT_EQ(Counter("sessions_expired"), 1);
   ASSERT_EQ(Stats().sessions.size(), 1u);
   EXPECT_EQ(Stats().sessions[0].name, "busy");
+}
+
+// A trainer quiet for longer than the idle lease (its own checkpoint, a
+// barrier) keeps its session: its client calls every quarter of the lease,
+// which the daemon told it at open.
+TEST_F(DaemonTest, AQuietTrainerKeepsItsSessionThroughItsKeepalive) {
+  daemon_.reset();
+  StartDaemon({"--server.idle_lease_seconds=1"});
+  auto quiet = Open("quiet");
+  ASSERT_TRUE(quiet);
+  auto w = quiet->Register("w", 1024, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(quiet->Release(*w).ok());
+  absl::SleepFor(absl::Seconds(3));  // three leases without a call of its own
+  EXPECT_TRUE(quiet->Fetch(w->id).ok());
+  EXPECT_EQ(Counter("sessions_expired"), 0);
+  EXPECT_EQ(Stats().sessions.size(), 1u);
+  // Closed, its keepalive stops with it (a later lease expires nothing).
+  ASSERT_TRUE(quiet->Close().ok());
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_EQ(Counter("sessions_expired"), 0);
 }
 
 // Names are bytes on the wire: invalid UTF-8 is INVALID_ARGUMENT naming the

@@ -448,6 +448,38 @@ class TorchWrapTest(unittest.TestCase):
             # fp32 working copies equal the fp32 master weights exported.
             self.assertEqual(values, expected, name)
 
+    def test_a_quiet_trainer_keeps_its_session_and_a_frozen_one_loses_it(self):
+        # server.idle_lease_seconds 2: a trainer process that makes no call
+        # for three leases keeps its session (its client calls every quarter
+        # of the lease from a thread); stopped (SIGSTOP: frozen, still
+        # connected), it loses it after a lease.
+        import signal
+        daemon = Daemon(self.root, "lease", flags=["--server.idle_lease_seconds=2"])
+        code = ("import offloadd, sys, time\n"
+                "s = offloadd.Client(sys.argv[1]).open_session('quiet')\n"
+                "print(s.id, flush=True)\n"
+                "time.sleep(120)\n")
+        child = subprocess.Popen([sys.executable, "-c", code, daemon.address],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertTrue(child.stdout.readline().strip().isdigit())
+            client = offloadd.Client(daemon.address)
+            names = lambda: [x["name"] for x in client.stats()["sessions"]]
+            time.sleep(6)
+            self.assertEqual(names(), ["quiet"])
+            self.assertEqual(client.stats()["counters"]["sessions_expired"], 0)
+            os.kill(child.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 30
+            while names():
+                self.assertLess(time.monotonic(), deadline, "the frozen trainer kept its session")
+                time.sleep(0.2)
+            self.assertEqual(client.stats()["counters"]["sessions_expired"], 1)
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+            daemon.stop()
+
     def test_a_killed_trainer_frees_its_session_and_the_others_get_an_error(self):
         client = offloadd.Client(self.daemon.address)
         before = client.stats()["counters"]["sessions_abandoned"]
