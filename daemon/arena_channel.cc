@@ -47,6 +47,7 @@ absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
                        idle_lease, reconnect_lease));
   channel->group_ = group;
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
+  channel->closer_ = std::thread([c = channel.get()] { c->CloseSessions(); });
   return channel;
 }
 
@@ -82,36 +83,60 @@ ArenaChannel::~ArenaChannel() {
   ssize_t unused = write(stop_event_.get(), &one, sizeof(one));
   (void)unused;
   if (thread_.joinable()) thread_.join();
+  {
+    absl::MutexLock lock(&close_mu_);
+    stopping_ = true;
+  }
+  if (closer_.joinable()) closer_.join();  // (sessions handed to it are closed first)
   unlink(path_.c_str());
+}
+
+void ArenaChannel::CloseSessions() {
+  constexpr absl::Duration kSweepEvery = absl::Seconds(1);
+  absl::Time next_sweep = absl::Now() + kSweepEvery;
+  close_mu_.Lock();
+  for (;;) {
+    close_mu_.AwaitWithDeadline(
+        absl::Condition(
+            +[](ArenaChannel* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->close_mu_) {
+              return c->stopping_ || !c->gone_.empty();
+            },
+            this),
+        next_sweep);
+    std::vector<Gone> gone = std::exchange(gone_, {});
+    const bool stopping = stopping_;
+    close_mu_.Unlock();
+    for (const Gone& g : gone) {
+      if (sessions_->Abandon(g.session_id)) {
+        LogInfo("session %d closed: its trainer (pid %d) went away without closing it",
+                static_cast<int64_t>(g.session_id), g.pid);
+      }
+    }
+    if (stopping) return;
+    if (absl::Now() >= next_sweep) {
+      ExpireSessions();
+      next_sweep = absl::Now() + kSweepEvery;
+    }
+    close_mu_.Lock();
+  }
 }
 
 void ArenaChannel::Serve() {
   std::vector<pollfd> fds;
-  constexpr auto kSweepEvery = std::chrono::seconds(1);
-  auto next_sweep = std::chrono::steady_clock::now() + kSweepEvery;
   for (;;) {
     const bool accepting = std::chrono::steady_clock::now() >= accept_paused_until_;
     fds.assign({{accepting ? listener_.get() : -1, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
     for (const Attached& a : attached_) fds.push_back({a.connection.get(), POLLIN | POLLRDHUP, 0});
     for (const Pending& p : pending_) fds.push_back({p.connection.get(), POLLIN | POLLRDHUP, 0});
     const auto now = std::chrono::steady_clock::now();
-    if (now >= next_sweep) {
-      ExpireSessions();
-      next_sweep = now + kSweepEvery;
-    }
-    int timeout_ms = static_cast<int>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(next_sweep - now).count() + 1);
-    if (!accepting) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(accept_paused_until_ - now);
-      timeout_ms = std::min(timeout_ms, static_cast<int>(left.count()) + 1);
-    }
-    for (const Pending& p : pending_) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(p.deadline - now).count();
+    int timeout_ms = -1;
+    auto until = [&](std::chrono::steady_clock::time_point t) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count();
       const int ms = static_cast<int>(std::max<int64_t>(0, left) + 1);
-      if (ms < timeout_ms) timeout_ms = ms;
-    }
+      if (timeout_ms < 0 || ms < timeout_ms) timeout_ms = ms;
+    };
+    if (!accepting) until(accept_paused_until_);
+    for (const Pending& p : pending_) until(p.deadline);
     int n = poll(fds.data(), fds.size(), timeout_ms);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -230,10 +255,10 @@ void ArenaChannel::Drop(size_t i) {
     }
     return;
   }
-  if (sessions_->Abandon(id)) {
-    LogInfo("session %d closed: its trainer (pid %d) went away without closing it",
-            static_cast<int64_t>(id), pid);
-  }
+  // Closed on the closing thread: a large session's teardown delays no
+  // attach answered here.
+  absl::MutexLock lock(&close_mu_);
+  gone_.push_back({id, pid});
 }
 
 std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
@@ -260,8 +285,9 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
     LogWarning("arena channel: answering pid %d: %s", p.cred.pid, sent.ToString());
     return std::nullopt;
   }
-  // Only now, on this thread (which also runs the expiry sweep): a trainer
-  // that died before the reply never attached.
+  // Only now: a trainer that died before the reply never attached. (A
+  // session the closing thread's sweep closed meanwhile, its attach lease
+  // just over, is not attached either.)
   if (!sessions_->MarkAttached(attach->session_id)) return std::nullopt;
   return Attached{std::move(p.connection), attach->session_id, p.cred.pid};
 }

@@ -21,9 +21,13 @@
 // watches the attached trainers, all in one poll loop: a peer that connects
 // and sends nothing delays nobody (it waits among the pending connections
 // until its 2 s deadline, then is closed), and at most kMaxPending wait at
-// once (more are refused at once). The same loop closes, about once a
-// second, the sessions nobody attached to within `attach_lease` of opening,
-// and (a positive `idle_lease`) those no call reached for longer than it
+// once (more are refused at once). A trainer gone with a reconnect lease
+// is detached on that thread (before any attach it answers next). A second
+// thread closes sessions, so that a large one's teardown (its memory, its
+// ring's thread, its automatic checkpoints' files) delays no attach: those
+// whose trainer went away (no reconnect lease), and, about once a second,
+// those nobody attached to within `attach_lease` of opening and (a positive
+// `idle_lease`) those no call reached for longer than it
 // (SessionManager::CloseExpired).
 #ifndef OFFLOADD_DAEMON_ARENA_CHANNEL_H_
 #define OFFLOADD_DAEMON_ARENA_CHANNEL_H_
@@ -38,7 +42,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/descriptors.h"
 #include "base/log.h"
@@ -77,6 +83,9 @@ class ArenaChannel {
   };
 
   void Serve();
+  // The closing thread: abandoned sessions as they come, expired ones once
+  // a second, until stopping_.
+  void CloseSessions();
   void ExpireSessions();
   void Accept();
   // accept failed with `err` (EMFILE, ENFILE).
@@ -105,7 +114,16 @@ class ArenaChannel {
   SpareDescriptor spare_;
   std::chrono::steady_clock::time_point accept_paused_until_{};
   LogLimiter accept_errors_{absl::Seconds(10)};
+  // Handed from the serving thread to the closing thread.
+  struct Gone {
+    uint64_t session_id;
+    pid_t pid;
+  };
+  absl::Mutex close_mu_;
+  std::vector<Gone> gone_ ABSL_GUARDED_BY(close_mu_);
+  bool stopping_ ABSL_GUARDED_BY(close_mu_) = false;
   std::thread thread_;
+  std::thread closer_;
 };
 
 }  // namespace offload
