@@ -335,6 +335,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (absl::StartsWith(impl->address, "unix:")) {
     const std::string path = impl->address.substr(5);
     if (access(path.c_str(), F_OK) != 0) {
+      if (errno == EACCES) {
+        // Its directory is not this user's to search: a service's socket
+        // is its group's (server.socket_group).
+        return absl::PermissionDeniedError(absl::StrCat(
+            "offloadd's socket ", path,
+            " is not reachable by this user (permission denied on its directory): offloadd "
+            "serves the owner and the members of its server.socket_group (the packaged "
+            "service: group offloadd; `sudo usermod -aG offloadd $USER`, then log in again)"));
+      }
       return absl::UnavailableError(absl::StrCat("no offloadd socket at ", path,
                                                  " (is it running? start it with `offloadd`)"));
     }
