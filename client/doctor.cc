@@ -13,6 +13,7 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -445,15 +446,22 @@ Check CheckNuma(const NodeRoots& roots) {
 std::vector<Check> CheckGpu(
     const NodeRoots& roots,
     const std::function<absl::StatusOr<std::unique_ptr<gpu::Device>>()>& open_gpu) {
-  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+  // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ...", or
+  // the open modules' "... NVIDIA UNIX Open Kernel Module for x86_64  580.82.07  Release
+  // Build ...": the version is the first word after "Kernel Module" that
+  // starts with a digit.
   std::string driver;
   const std::string nvrm = FirstLine(roots.proc + "/driver/nvidia/version");
   if (const size_t at = nvrm.find("Kernel Module"); at != std::string::npos) {
-    std::vector<std::string> f = absl::StrSplit(nvrm.substr(at + 13), ' ', absl::SkipWhitespace());
-    if (!f.empty()) driver = absl::StrCat("NVIDIA driver ", f[0]);
-  } else if (!nvrm.empty()) {
-    driver = "NVIDIA driver loaded";
+    for (absl::string_view word :
+         absl::StrSplit(nvrm.substr(at + 13), ' ', absl::SkipWhitespace())) {
+      if (absl::ascii_isdigit(static_cast<unsigned char>(word[0]))) {
+        driver = absl::StrCat("NVIDIA driver ", word);
+        break;
+      }
+    }
   }
+  if (driver.empty() && !nvrm.empty()) driver = "NVIDIA driver loaded";
   if (!open_gpu) {
     return {Make(
         "GPU", Verdict::kInfo,

@@ -298,6 +298,13 @@ TEST(Doctor, GpuFromTheBuildTheDeviceAndRegistration) {
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024");
   c = CheckGpu(node, nullptr);
   EXPECT_EQ(c[0].measured, "no CUDA in this build; NVIDIA driver 550.54.15");
+  // The open kernel modules' line (an H200 node's said "NVIDIA driver for").
+  Write(node.proc + "/driver/nvidia/version",
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.82.07  Release Build  "
+        "(dvs-builder@U16-I3-B03-4-3)  Wed Aug 27 01:01:01 UTC 2025");
+  EXPECT_EQ(CheckGpu(node, nullptr)[0].measured, "no CUDA in this build; NVIDIA driver 580.82.07");
+  Write(node.proc + "/driver/nvidia/version",
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024");
 
   c = CheckGpu(node, []() -> absl::StatusOr<std::unique_ptr<gpu::Device>> {
     return absl::FailedPreconditionError("no CUDA-capable device is detected");
