@@ -126,39 +126,62 @@ struct Session::Impl {
   // mappings are the previous offloadd's: views over them would be stale).
   std::atomic<bool> orphaned{false};
 
+  // The process that opened the session: a child forked since (a data
+  // loader's worker) neither closes it nor touches the keepalive thread,
+  // which does not exist there.
+  const pid_t owner = getpid();
+  bool InOwner() const { return getpid() == owner; }
+
   // The keepalive (ClientOptions::keepalive): a thread that calls offloadd
-  // every `period` until stopped (Close, the destructor) or its offloadd is
-  // gone.
-  std::thread keepalive;
+  // every `period` until stopped (Close, the destructor: the call in flight
+  // is cancelled), its offloadd is gone, or the session is (closed, expired,
+  // or from before offloadd restarted: the trainer's own next call says so).
+  std::unique_ptr<std::thread> keepalive;
   absl::Mutex keepalive_mu;
   bool keepalive_stop ABSL_GUARDED_BY(keepalive_mu) = false;
+  grpc::ClientContext* keepalive_call ABSL_GUARDED_BY(keepalive_mu) = nullptr;
   ~Impl() { StopKeepalive(); }
   void StartKeepalive(absl::Duration period) {
-    keepalive = std::thread([this, period] {
+    keepalive = std::make_unique<std::thread>([this, period] {
       keepalive_mu.Lock();
       for (;;) {
         keepalive_mu.AwaitWithTimeout(absl::Condition(&keepalive_stop), period);
         if (keepalive_stop || ConnectionHungUp()) break;
-        keepalive_mu.Unlock();
         // Any call that names the session shows it alive; this one reads
-        // nothing the daemon must lock for long. A lost session is the
-        // trainer's own next call's to report.
+        // nothing the daemon must lock for long.
         v1::GetPendingGradientsRequest req;
         *req.mutable_session() = ref;
         v1::GetPendingGradientsResponse resp;
         Rpc rpc(std::min(timeout, period), token);
-        (void)stub->GetPendingGradients(&rpc.context, req, &resp);
+        keepalive_call = &rpc.context;
+        keepalive_mu.Unlock();
+        const grpc::StatusCode code =
+            stub->GetPendingGradients(&rpc.context, req, &resp).error_code();
         keepalive_mu.Lock();
+        keepalive_call = nullptr;
+        if (code == grpc::StatusCode::NOT_FOUND || code == grpc::StatusCode::FAILED_PRECONDITION ||
+            code == grpc::StatusCode::PERMISSION_DENIED) {
+          break;  // the session is gone: nothing left to keep alive
+        }
       }
       keepalive_mu.Unlock();
     });
   }
+  // Safe from several threads at once, and from a forked child (which
+  // leaves the thread object alone).
   void StopKeepalive() {
+    std::unique_ptr<std::thread> thread;
     {
       absl::MutexLock lock(&keepalive_mu);
       keepalive_stop = true;
+      if (!InOwner()) {
+        (void)keepalive.release();  // the child has no such thread: never joined
+        return;
+      }
+      if (keepalive_call != nullptr) keepalive_call->TryCancel();
+      thread = std::move(keepalive);
     }
-    if (keepalive.joinable()) keepalive.join();
+    if (thread != nullptr && thread->joinable()) thread->join();
   }
 
   bool UseRing(size_t items) const { return ring != nullptr && items <= ring::kMaxItems; }
@@ -525,6 +548,8 @@ Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Session::~Session() {
   impl_->StopKeepalive();
+  // A forked child's copy: the session is its parent's.
+  if (!impl_->InOwner()) return;
   // Closed, best effort, unless the offloadd it attached to is gone (its
   // arena connection hung up): whatever listens at the address now may be a
   // restarted offloadd keeping this session for a trainer to resume, maybe

@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -47,7 +50,7 @@ absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
                        idle_lease, reconnect_lease));
   channel->group_ = group;
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
-  channel->closer_ = std::thread([c = channel.get()] { c->CloseSessions(); });
+  channel->closer_ = std::thread([c = channel.get()] { c->TearDown(); });
   return channel;
 }
 
@@ -63,19 +66,31 @@ ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_ev
       reconnect_lease_(reconnect_lease) {}
 
 void ArenaChannel::ExpireSessions() {
-  for (const SessionManager::Expired& e : sessions_->CloseExpired(
-           std::chrono::steady_clock::now(), attach_lease_, idle_lease_, reconnect_lease_)) {
+  SessionManager::Teardowns later;
+  std::vector<std::string> lines;
+  for (const SessionManager::Expired& e :
+       sessions_->CloseExpired(std::chrono::steady_clock::now(), attach_lease_, idle_lease_,
+                               reconnect_lease_, &later)) {
     if (e.why == SessionManager::Expired::kNeverAttached) {
-      LogInfo("session %d closed: no trainer attached to it within %s of opening",
-              static_cast<int64_t>(e.id), absl::FormatDuration(attach_lease_));
+      lines.push_back(
+          absl::StrFormat("session %d closed: no trainer attached to it within %s of opening",
+                          static_cast<int64_t>(e.id), absl::FormatDuration(attach_lease_)));
     } else if (e.why == SessionManager::Expired::kNotResumed) {
-      LogInfo("session %d closed: its trainer went away and none resumed it within %s",
-              static_cast<int64_t>(e.id), absl::FormatDuration(reconnect_lease_));
+      lines.push_back(
+          absl::StrFormat("session %d closed: its trainer went away and none resumed it within %s",
+                          static_cast<int64_t>(e.id), absl::FormatDuration(reconnect_lease_)));
     } else {
-      LogInfo("session %d closed: no call for %s (its trainer hung?)", static_cast<int64_t>(e.id),
-              absl::FormatDuration(idle_lease_));
+      lines.push_back(absl::StrFormat("session %d closed: no call for %s (its trainer hung?)",
+                                      static_cast<int64_t>(e.id),
+                                      absl::FormatDuration(idle_lease_)));
     }
   }
+  if (!lines.empty()) Later(std::move(later), absl::StrJoin(lines, "\n"));
+}
+
+void ArenaChannel::Later(SessionManager::Teardowns work, std::string line) {
+  absl::MutexLock lock(&close_mu_);
+  closed_.push_back({std::move(work), std::move(line)});
 }
 
 ArenaChannel::~ArenaChannel() {
@@ -91,50 +106,47 @@ ArenaChannel::~ArenaChannel() {
   unlink(path_.c_str());
 }
 
-void ArenaChannel::CloseSessions() {
-  constexpr absl::Duration kSweepEvery = absl::Seconds(1);
-  absl::Time next_sweep = absl::Now() + kSweepEvery;
+void ArenaChannel::TearDown() {
   close_mu_.Lock();
   for (;;) {
-    close_mu_.AwaitWithDeadline(
-        absl::Condition(
-            +[](ArenaChannel* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->close_mu_) {
-              return c->stopping_ || !c->gone_.empty();
-            },
-            this),
-        next_sweep);
-    std::vector<Gone> gone = std::exchange(gone_, {});
+    close_mu_.Await(absl::Condition(
+        +[](ArenaChannel* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->close_mu_) {
+          return c->stopping_ || !c->closed_.empty();
+        },
+        this));
+    std::vector<Closed> closed = std::exchange(closed_, {});
     const bool stopping = stopping_;
     close_mu_.Unlock();
-    for (const Gone& g : gone) {
-      if (sessions_->Abandon(g.session_id)) {
-        LogInfo("session %d closed: its trainer (pid %d) went away without closing it",
-                static_cast<int64_t>(g.session_id), g.pid);
-      }
+    for (Closed& c : closed) {
+      c.work.Run();
+      for (absl::string_view line : absl::StrSplit(c.line, '\n')) LogInfo("%s", line);
     }
     if (stopping) return;
-    if (absl::Now() >= next_sweep) {
-      ExpireSessions();
-      next_sweep = absl::Now() + kSweepEvery;
-    }
     close_mu_.Lock();
   }
 }
 
 void ArenaChannel::Serve() {
   std::vector<pollfd> fds;
+  constexpr auto kSweepEvery = std::chrono::seconds(1);
+  auto next_sweep = std::chrono::steady_clock::now() + kSweepEvery;
   for (;;) {
     const bool accepting = std::chrono::steady_clock::now() >= accept_paused_until_;
     fds.assign({{accepting ? listener_.get() : -1, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
     for (const Attached& a : attached_) fds.push_back({a.connection.get(), POLLIN | POLLRDHUP, 0});
     for (const Pending& p : pending_) fds.push_back({p.connection.get(), POLLIN | POLLRDHUP, 0});
     const auto now = std::chrono::steady_clock::now();
+    if (now >= next_sweep) {
+      ExpireSessions();
+      next_sweep = now + kSweepEvery;
+    }
     int timeout_ms = -1;
     auto until = [&](std::chrono::steady_clock::time_point t) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count();
       const int ms = static_cast<int>(std::max<int64_t>(0, left) + 1);
       if (timeout_ms < 0 || ms < timeout_ms) timeout_ms = ms;
     };
+    until(next_sweep);
     if (!accepting) until(accept_paused_until_);
     for (const Pending& p : pending_) until(p.deadline);
     int n = poll(fds.data(), fds.size(), timeout_ms);
@@ -255,10 +267,14 @@ void ArenaChannel::Drop(size_t i) {
     }
     return;
   }
-  // Closed on the closing thread: a large session's teardown delays no
-  // attach answered here.
-  absl::MutexLock lock(&close_mu_);
-  gone_.push_back({id, pid});
+  // Closed here (before any attach answered next); torn down on the
+  // teardown thread, so that a large session's teardown delays no attach.
+  SessionManager::Teardowns later;
+  if (sessions_->Abandon(id, &later)) {
+    Later(std::move(later),
+          absl::StrFormat("session %d closed: its trainer (pid %d) went away without closing it",
+                          static_cast<int64_t>(id), pid));
+  }
 }
 
 std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
@@ -285,9 +301,8 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
     LogWarning("arena channel: answering pid %d: %s", p.cred.pid, sent.ToString());
     return std::nullopt;
   }
-  // Only now: a trainer that died before the reply never attached. (A
-  // session the closing thread's sweep closed meanwhile, its attach lease
-  // just over, is not attached either.)
+  // Only now, on this thread (which also runs the expiry sweep): a trainer
+  // that died before the reply never attached.
   if (!sessions_->MarkAttached(attach->session_id)) return std::nullopt;
   return Attached{std::move(p.connection), attach->session_id, p.cred.pid};
 }

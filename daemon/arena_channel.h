@@ -21,14 +21,14 @@
 // watches the attached trainers, all in one poll loop: a peer that connects
 // and sends nothing delays nobody (it waits among the pending connections
 // until its 2 s deadline, then is closed), and at most kMaxPending wait at
-// once (more are refused at once). A trainer gone with a reconnect lease
-// is detached on that thread (before any attach it answers next). A second
-// thread closes sessions, so that a large one's teardown (its memory, its
-// ring's thread, its automatic checkpoints' files) delays no attach: those
-// whose trainer went away (no reconnect lease), and, about once a second,
-// those nobody attached to within `attach_lease` of opening and (a positive
-// `idle_lease`) those no call reached for longer than it
-// (SessionManager::CloseExpired).
+// once (more are refused at once). The same loop closes the sessions whose
+// trainer went away (or, with a reconnect lease, detaches them) and, about
+// once a second, those nobody attached to within `attach_lease` of opening
+// and (a positive `idle_lease`) those no call reached for longer than it
+// (SessionManager::CloseExpired): each before any attach it answers next.
+// A second thread then tears what they closed down (SessionManager::
+// Teardowns: their memory, ring threads, files), so that a large session's
+// teardown delays no attach.
 #ifndef OFFLOADD_DAEMON_ARENA_CHANNEL_H_
 #define OFFLOADD_DAEMON_ARENA_CHANNEL_H_
 
@@ -83,10 +83,12 @@ class ArenaChannel {
   };
 
   void Serve();
-  // The closing thread: abandoned sessions as they come, expired ones once
-  // a second, until stopping_.
-  void CloseSessions();
+  // The teardown thread: runs what the serving thread closed, then logs it,
+  // until stopping_ (and the queue is empty).
+  void TearDown();
   void ExpireSessions();
+  // Hands `work` to the teardown thread, `line` logged once it is done.
+  void Later(SessionManager::Teardowns work, std::string line);
   void Accept();
   // accept failed with `err` (EMFILE, ENFILE).
   void RefuseOutOfDescriptors(int err);
@@ -114,13 +116,13 @@ class ArenaChannel {
   SpareDescriptor spare_;
   std::chrono::steady_clock::time_point accept_paused_until_{};
   LogLimiter accept_errors_{absl::Seconds(10)};
-  // Handed from the serving thread to the closing thread.
-  struct Gone {
-    uint64_t session_id;
-    pid_t pid;
+  // Handed from the serving thread to the teardown thread.
+  struct Closed {
+    SessionManager::Teardowns work;
+    std::string line;  // logged once the work is done
   };
   absl::Mutex close_mu_;
-  std::vector<Gone> gone_ ABSL_GUARDED_BY(close_mu_);
+  std::vector<Closed> closed_ ABSL_GUARDED_BY(close_mu_);
   bool stopping_ ABSL_GUARDED_BY(close_mu_) = false;
   std::thread thread_;
   std::thread closer_;

@@ -51,7 +51,7 @@ struct ServerOptions {
   // Clients call every quarter of it (ClientOptions::keepalive), so a
   // healthy trainer quiet for longer keeps its session (and so does a
   // trainer hung with its keepalive thread running). 0: never.
-  int64_t idle_lease_seconds = 300;
+  int64_t idle_lease_seconds = 900;
 
   // When a trainer's arena-channel connection closes (it exited or crashed
   // without closing its session), its holds are released at once and the

@@ -381,13 +381,13 @@ void SessionManager::SetRingSpin(absl::Duration spin) {
   }
 }
 
-bool SessionManager::Abandon(uint64_t id) {
-  return CloseById(id, /*only_unattached=*/false, std::nullopt, &stats_->sessions_abandoned);
+bool SessionManager::Abandon(uint64_t id, Teardowns* later) {
+  return CloseById(id, /*only_unattached=*/false, std::nullopt, &stats_->sessions_abandoned, later);
 }
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
-                               std::optional<SteadyTime> only_idle_since,
-                               std::atomic<int64_t>* why) {
+                               std::optional<SteadyTime> only_idle_since, std::atomic<int64_t>* why,
+                               Teardowns* later) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionStore takes the
   // set's lock). Memory is released when the last in-flight call drops its
   // reference.
@@ -417,9 +417,14 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
     if (why != nullptr) why->fetch_add(1, std::memory_order_relaxed);
   }
-  // Its state is not wanted any more: a later offloadd must not reopen it.
-  if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
   steps_->shares().Forget(id);
+  // Its state is not wanted any more: a later offloadd must not reopen it.
+  // Then the last reference goes (unless a call in flight holds one).
+  Teardowns own;
+  (later != nullptr ? *later : own).Add([doomed = std::move(doomed), kept_dir]() mutable {
+    if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
+    doomed.reset();
+  });
   return true;
 }
 
@@ -1002,7 +1007,8 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
 std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now,
                                                                   absl::Duration attach_lease,
                                                                   absl::Duration idle_lease,
-                                                                  absl::Duration reconnect_lease) {
+                                                                  absl::Duration reconnect_lease,
+                                                                  Teardowns* later) {
   const auto attach = absl::ToChronoNanoseconds(attach_lease);
   const auto idle = absl::ToChronoNanoseconds(idle_lease);
   const auto reconnect = absl::ToChronoNanoseconds(reconnect_lease);
@@ -1030,8 +1036,9 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
         e.why == Expired::kNotResumed ? &stats_->sessions_abandoned : &stats_->sessions_expired;
     const bool closed_it =
         e.why == Expired::kIdle
-            ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle, counter)
-            : CloseById(e.id, /*only_unattached=*/true, std::nullopt, counter);
+            ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle, counter,
+                        later)
+            : CloseById(e.id, /*only_unattached=*/true, std::nullopt, counter, later);
     if (closed_it) closed.push_back(std::move(e));
   }
   return closed;

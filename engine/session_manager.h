@@ -34,6 +34,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -309,9 +310,32 @@ class SessionManager {
   // A duplicate of the session's arena descriptor, for the arena channel.
   absl::StatusOr<UniqueFd> DupArenaFd(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // What closing a session leaves to do once no call can find it: freeing
+  // its memory and partitions, joining its ring's thread, removing its
+  // files (a large session's take seconds). A caller that passes a
+  // Teardowns to a close gets these to run where they delay no one (the
+  // arena channel's closing thread); else the close runs them itself. A
+  // Teardowns destroyed unrun runs them.
+  class Teardowns {
+   public:
+    Teardowns() = default;
+    Teardowns(Teardowns&&) = default;
+    Teardowns& operator=(Teardowns&&) = default;
+    ~Teardowns() { Run(); }
+    void Add(std::function<void()> f) { work_.push_back(std::move(f)); }
+    void Run() {
+      for (auto& f : std::exchange(work_, {})) f();
+    }
+    bool empty() const { return work_.empty(); }
+
+   private:
+    std::vector<std::function<void()>> work_;
+  };
+
   // Closes session `id` because its trainer went away (no token: the arena
   // channel saw the trainer's connection close). False if it was not open.
-  bool Abandon(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // With `later`, its teardown is left there (see Teardowns).
+  bool Abandon(uint64_t id, Teardowns* later = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Its trainer went away but may come back (a positive reconnect lease):
   // the session's holds are released (as a dead trainer's are) and it stays
   // open, detached, until a trainer attaches again (ResumeSession, then the
@@ -335,8 +359,8 @@ class SessionManager {
   using SteadyTime = std::chrono::steady_clock::time_point;
   std::vector<Expired> CloseExpired(SteadyTime now, absl::Duration attach_lease,
                                     absl::Duration idle_lease,
-                                    absl::Duration reconnect_lease = absl::ZeroDuration())
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                    absl::Duration reconnect_lease = absl::ZeroDuration(),
+                                    Teardowns* later = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // The arena channel handed session `id`'s arena to a trainer (after the
   // reply went out); false if the session is closed.
   bool MarkAttached(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
@@ -415,7 +439,8 @@ class SessionManager {
   // session out of Sessions(): a caller that sees it gone sees it counted.
   bool CloseById(uint64_t id, bool only_unattached = false,
                  std::optional<SteadyTime> only_idle_since = std::nullopt,
-                 std::atomic<int64_t>* why = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+                 std::atomic<int64_t>* why = nullptr, Teardowns* later = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   Env* const env_;

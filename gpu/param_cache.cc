@@ -233,10 +233,10 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
     // before persistent, beyond the reuse distance before within it, then
     // the farthest next use.
     int victim = -1;
-    std::tuple<bool, bool, uint64_t> best{};
+    std::tuple<bool, bool, bool, uint64_t> best{};
     for (size_t i = 0; i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
-      if (e.state != State::kReady || e.pins > 0) continue;
+      if ((e.state != State::kReady && e.state != State::kStale) || e.pins > 0) continue;
       if (over_live && e.persistent) continue;
       if (std::find(keep.begin(), keep.end(), static_cast<int>(i)) != keep.end()) continue;
       const uint64_t next = NextUse(e);
@@ -245,7 +245,9 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       if (options_.max_reuse_distance_bytes != 0 && next != kNever && cursor_ >= 0) {
         far = trace_bytes_[next] - trace_bytes_[cursor_ + 1] > options_.max_reuse_distance_bytes;
       }
-      std::tuple<bool, bool, uint64_t> rank{!e.persistent, far, next};
+      // (A stale tensor costs its copy either way: it goes first.)
+      std::tuple<bool, bool, bool, uint64_t> rank{e.state == State::kStale, !e.persistent, far,
+                                                  next};
       if (victim < 0 || rank > best) {
         victim = static_cast<int>(i);
         best = rank;
@@ -314,7 +316,9 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
 absl::Status ParamCache::Bring(int unit, uint64_t limit) {
   std::vector<int> missing;
   for (int i : units_[unit].entries) {
-    if (entries_[i].state == State::kAbsent) missing.push_back(i);
+    if (entries_[i].state == State::kAbsent || entries_[i].state == State::kStale) {
+      missing.push_back(i);
+    }
   }
   if (missing.empty()) return absl::OkStatus();
   const std::vector<int>& keep = units_[unit].entries;
@@ -323,6 +327,21 @@ absl::Status ParamCache::Bring(int unit, uint64_t limit) {
     for (int i : placed) Forget(entries_[i]);
   };
   for (int i : missing) {
+    if (entries_[i].state == State::kStale) {
+      // Copied into its place: views of it stay valid. The copy waits for
+      // the compute issued before Invalidate (its fence) and, where a unit
+      // was released since, for the compute before that (a backward that
+      // read the old values after Invalidate).
+      Entry& e = entries_[i];
+      if (e.released_recorded) {
+        for (int u : e.units) {
+          if (units_[u].released_recorded) (void)device_->WaitOn(copy_stream_, units_[u].released);
+        }
+      }
+      e.state = State::kCopying;
+      placed.push_back(i);
+      continue;
+    }
     absl::StatusOr<uint64_t> offset = Place(entries_[i].bytes, entries_[i].persistent, limit, keep);
     if (!offset.ok()) {
       undo();
@@ -429,14 +448,18 @@ void ParamCache::Prefetch() {
     uint64_t missing = 0;
     bool failed = false;
     for (int i : units_[u].entries) {
-      missing += entries_[i].state == State::kAbsent ? Rounded(entries_[i].bytes) : 0;
-      failed |= entries_[i].state == State::kFailed;
+      const State st = entries_[i].state;
+      missing += st == State::kAbsent || st == State::kStale ? Rounded(entries_[i].bytes) : 0;
+      failed |= st == State::kFailed;
     }
     if (failed) break;  // its Use reports the failure
     if (missing == 0) continue;
     if (ahead + missing > options_.prefetch_bytes) break;
     std::vector<bool> was_absent;
-    for (int i : units_[u].entries) was_absent.push_back(entries_[i].state == State::kAbsent);
+    for (int i : units_[u].entries) {
+      was_absent.push_back(entries_[i].state == State::kAbsent ||
+                           entries_[i].state == State::kStale);
+    }
     if (!Bring(u, pos).ok()) break;  // no room ahead of later uses; Use will bring it
     for (size_t k = 0; k < units_[u].entries.size(); ++k) {
       if (was_absent[k]) entries_[units_[u].entries[k]].prefetched = true;
@@ -532,9 +555,15 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   }
   RETURN_IF_ERROR(device_->Record(fence_, compute));
   RETURN_IF_ERROR(device_->WaitOn(copy_stream_, fence_));
+  // Each tensor keeps its place (stale): its next use copies the new values
+  // there, so that views of it (autograd's saved tensors) stay where they
+  // were; a stale tensor is the first to give its room to another.
   for (Entry& e : entries_) {
-    if (e.state == State::kReady) Forget(e);
-    e.state = State::kAbsent;
+    if (e.state == State::kReady || e.state == State::kStale) {
+      e.state = State::kStale;
+    } else {
+      e.state = State::kAbsent;
+    }
     e.error = absl::OkStatus();
     e.prefetched = false;
     e.released_recorded = false;

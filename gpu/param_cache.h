@@ -165,9 +165,10 @@ class ParamCache {
 
  private:
   enum class State {
-    kAbsent,   // no device copy (or a stale one, already forgotten)
+    kAbsent,   // no device copy
     kCopying,  // a copy is in flight (batch)
     kReady,    // the device copy is current
+    kStale,    // placed, its values out of date (Invalidate): the next use copies in place
     kFailed,   // its copy failed; the next Use reports it, then kAbsent
   };
   struct Batch;

@@ -128,6 +128,69 @@ TEST_F(ParamCacheTest, UseNeverSeesACopyInFlightAndBudgetHolds) {
   EXPECT_EQ(device_.used_bytes(), 0u);
 }
 
+// Invalidate keeps each tensor where it is: the next use copies the new
+// values into the same place (views of it, such as autograd's saved
+// tensors, stay valid), and where room is short a stale tensor is the
+// first to give its place up.
+TEST_F(ParamCacheTest, InvalidateKeepsEachTensorsPlace) {
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20, .prefetch_depth = 2});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 4, 2, 4096);
+  std::map<int, std::vector<uint64_t>> placed;
+  (*cache)->BeginIteration();
+  for (int u = 0; u < 4; ++u) {
+    auto offsets = (*cache)->Use(u, host_);
+    ASSERT_TRUE(offsets.ok());
+    placed[u] = *offsets;
+    ASSERT_TRUE((*cache)->Done(u, host_).ok());
+  }
+  for (int it = 1; it < 3; ++it) {
+    ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+    for (int u = 0; u < 4; ++u) {
+      for (int k = 0; k < 2; ++k) source_.Fill(100 * u + k, static_cast<uint8_t>(50 * it + u));
+    }
+    (*cache)->BeginIteration();
+    for (int u = 3; u >= 0; --u) {  // another order: the places stay
+      auto offsets = (*cache)->Use(u, host_);
+      ASSERT_TRUE(offsets.ok());
+      EXPECT_EQ(*offsets, placed[u]) << "unit " << u << " moved in iteration " << it;
+      ASSERT_TRUE((*cache)->Done(u, host_).ok());
+      ASSERT_TRUE((*cache)->Synchronize().ok());
+      for (int k = 0; k < 2; ++k) {  // the new values, in place
+        const auto& want = source_.data(100 * u + k);
+        EXPECT_EQ(std::memcmp(static_cast<char*>((*cache)->slab()) + placed[u][k], want.data(),
+                              want.size()),
+                  0);
+      }
+    }
+  }
+  EXPECT_EQ((*cache)->stats().h2d_bytes, 3u * 4 * 2 * 4096);  // each tensor once an iteration
+  EXPECT_EQ((*cache)->stats().evictions, 0u);
+}
+
+TEST_F(ParamCacheTest, StaleTensorsGiveTheirPlaceFirst) {
+  // Room for two units of four: after Invalidate every tensor is stale and
+  // placed; using the other two units evicts stale ones, not a fresh one.
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 4 * 4096, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 4, 2, 4096);
+  (*cache)->BeginIteration();
+  UseAndCheck(**cache, 0, 2);
+  UseAndCheck(**cache, 1, 2);
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  (*cache)->BeginIteration();
+  UseAndCheck(**cache, 1, 2);  // fresh again, in place
+  const uint64_t evicted = (*cache)->stats().evictions;
+  UseAndCheck(**cache, 2, 2);  // takes unit 0's stale place, not unit 1's
+  EXPECT_EQ((*cache)->stats().evictions, evicted + 2);
+  UseAndCheck(**cache, 1, 2);  // still there: no copy
+  // Units 0 and 1, then unit 1 again (in place) and unit 2: 8 tensors.
+  EXPECT_EQ((*cache)->stats().h2d_bytes, 8u * 4096);
+  EXPECT_LE((*cache)->stats().peak_resident_bytes, 4u * 4096);
+}
+
 TEST_F(ParamCacheTest, PrefetchFollowsTheRecordedOrderToItsDepth) {
   auto cache =
       ParamCache::Create(&device_, &source_, {.budget_bytes = 16 << 20, .prefetch_depth = 2});

@@ -215,6 +215,37 @@ class PythonClientTest(unittest.TestCase):
             sys.setswitchinterval(old)
         self.assertGreater(during, 0)
 
+    def test_a_session_closed_by_two_threads_at_once(self):
+        # Session is safe from several threads: two closing it at once both
+        # return (its keepalive thread is stopped once).
+        for _ in range(5):
+            s = self.client.open_session("closed-twice")
+            threads = [threading.Thread(target=s.close) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=20)
+            self.assertFalse(any(t.is_alive() for t in threads), "a close never returned")
+
+    def test_a_forked_child_leaves_its_parents_session_alone(self):
+        # A data loader's worker forked with the session in memory drops its
+        # copy when it ends: the parent's session stays open and works.
+        import os
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                del self.session
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertTrue(os.WIFEXITED(status), f"the child died: status {status}")
+        self.assertEqual(os.WEXITSTATUS(status), 0)
+        self.session.pending_gradients()  # still open
+        names = [x["name"] for x in self.client.stats()["sessions"]]
+        self.assertIn("python-test", names)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -347,6 +347,9 @@ void BindGpu(py::module_& m) {
           py::arg("items"), py::arg("stream"), py::arg("device"),
           "add_gradient for several (partition_id, address, bytes), in order, at once")
       .def(
+          "drop_gradients", [](GpuTier& t) { Check(Unlocked([&] { return t.DropGradients(); })); },
+          "waits for the gradients' copies in flight and lets their buffers go unreturned")
+      .def(
           "return_gradients",
           [](GpuTier& t, bool wait, bool hand_over, std::optional<py::dict> stats) {
             absl::flat_hash_map<uint64_t, GradientStats> given;

@@ -292,9 +292,11 @@ class _ReduceBucket:
 class _OffloadedParameter(torch.nn.Parameter):
     """The class a wrapped model's parameters take: their values live in
     offloadd and are here only while a forward (or backward) that uses them
-    runs. Their shape, size and count answer as the whole parameter's at
-    any time; a use of their values at any other time is refused in words,
-    naming the parameter, instead of reading an empty tensor."""
+    runs (with the GPU tier's resident units: from their module's first
+    forward in an iteration until backward is over). Their shape, size and
+    count answer as the whole parameter's at any time; a use of their
+    values at any other time is refused in words, naming the parameter,
+    instead of reading an empty tensor."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -685,7 +687,8 @@ class _Engine:
             self.shards.append(s)
             self.by_param[id(p)] = s
             # The gradient hook returns p's gradient; the hook of the node
-            # that accumulates it frees the gathered values once it is in.
+            # that accumulates it frees the gathered values once it is in
+            # (resident units stay until backward is over).
             # Also on frozen parameters, which may be unfrozen later.
             with torch.enable_grad():
                 frozen = not p.requires_grad
@@ -908,10 +911,7 @@ class _Engine:
 
     def _make_after_grad(self, s):
         def hook(*_):
-            tier = self.tier
-            if tier is not None and tier.resident:
-                return  # .grad stays (its copy may run) until the tier returns it
-            s.param.grad = None  # returned already; the daemon holds the sum
+            s.param.grad = None  # returned already (or its copy queued): the daemon has it
             self._free(s)
         return hook
 
@@ -1330,8 +1330,10 @@ class _GpuTier:
         # tier (which copies the values a step changed). Otherwise each
         # module's parameters are gathered for its forward and again for
         # its backward, and freed after each.
-        self.resident = engine.world == 1 and budget >= total and not cfg.get(
-            "max_live_parameters")
+        # (Parameters of another dtype than the working copy's would each be
+        # converted into memory outside the budget, held as long.)
+        self.resident = (engine.world == 1 and budget >= total and not cfg.get(
+            "max_live_parameters") and all(s.dtype == engine.torch_working for s in shards))
         self.at = {}  # data_ptr of a gathered parameter in the slab -> shard
         self._starts = None  # sorted keys of `at`, built when needed
         self.grads = {}  # pid -> (shard, its gradient slice on the GPU, stats or None)
@@ -1434,10 +1436,10 @@ class _GpuTier:
         _OffloadedParameter), their memory stays in the slab."""
         for u, rec in enumerate(self.units):
             if rec["offsets"] is not None:
+                self.tier.done(u, self.stream(), self.device)
                 rec["offsets"] = None
                 for s in self.unit_shards[u]:
                     s.gathered = False
-                self.tier.done(u, self.stream(), self.device)
 
     def _in_slab(self, ptr):
         return self.slab_base <= ptr < self.slab_base + self.slab.numel()
@@ -1480,13 +1482,13 @@ class _GpuTier:
     # one wait on the compute stream, one event), at most this many or
     # bytes; the rest of backward runs meanwhile.
     ISSUE_BATCH = 16
-    ISSUE_BYTES = 32 << 20
+    ISSUE_BYTES = 8 << 20  # (within the default 16 MiB staging buffer)
 
     def queue_gradient(self, s, grad):
-        """Resident mode, from `s`'s gradient hook: `grad` (the whole fp32
-        gradient; torch then keeps it as .grad) is copied to the arena with
-        the next ones, in one call to the tier; returned at the flush (the
-        end of backward), which lets .grad go."""
+        """Resident mode, from `s`'s gradient hook: `grad` (the whole
+        gradient; kept here, in fp32, until its copy is done) is copied to
+        the arena with the next ones, in one call to the tier, and returned
+        at the flush (the end of backward)."""
         start = time.perf_counter()
         e = self.e
         e._queue_sweep()
@@ -1501,12 +1503,28 @@ class _GpuTier:
         self.grad_bytes += g.numel() * 4
         if len(self.queued) >= self.ISSUE_BATCH or self.queued_bytes >= self.ISSUE_BYTES:
             self._issue()
+        if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.MAX_PENDING_BYTES:
+            self.flush_gradients(end=False)
         e.timings["return"] += time.perf_counter() - start
 
     def _issue(self):
         if self.queued:
             items, self.queued, self.queued_bytes = self.queued, [], 0
-            self.tier.add_gradients(items, self.stream(), self.device)
+            try:
+                self.tier.add_gradients(items, self.stream(), self.device)
+            except BaseException:
+                # Some may be in flight: wait for them, let every buffer go
+                # unreturned; this backward's gradients are lost (the error
+                # says why), none half-returned.
+                self._drop()
+                raise
+
+    def _drop(self):
+        try:
+            self.tier.drop_gradients()
+        finally:
+            self.grads, self.grad_bytes = {}, 0
+            self.queued, self.queued_bytes = [], 0
 
     def return_gradient(self, s, mine):
         """`mine`: this rank's averaged fp32 slice (several ranks, from the
@@ -1547,9 +1565,6 @@ class _GpuTier:
             try:
                 returned = self.tier.return_gradients(True, e._hand_over, stats)
             finally:
-                if self.resident:
-                    for s, _, _ in entries:  # copied (or failed): the daemon has the rest
-                        s.param.grad = None
                 self.grads, self.grad_bytes = {}, 0
             e.returned_since_step = True
             e.counts["returns"] += len(returned)
@@ -1565,11 +1580,13 @@ class _GpuTier:
 
     def stats(self):
         return dict(self.tier.stats(), **self.counts, device=self.device.name,
-                    resident=self.resident)
+                    resident=self.resident, units=len(self.units))
 
     def close(self):
-        self.grads = {}
-        self.queued, self.queued_bytes = [], 0
+        try:
+            self._drop()  # copies in flight read their sources until done
+        except offloadd.Error:
+            pass
         self.at = {}
         for u, rec in enumerate(self.units):
             if rec["offsets"] is not None:
