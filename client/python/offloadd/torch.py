@@ -1426,7 +1426,7 @@ class _GpuTier:
                 rec["views"] = views
             rec["offsets"] = offsets
             for u, view in zip(self.unit_shards[s.unit], views[1]):
-                u.param.data = view if view.dtype == u.dtype else view.to(u.dtype)
+                u.param.data = view  # (resident: the working dtype is the parameter's)
                 u.gathered = True
 
     def release_all(self):
