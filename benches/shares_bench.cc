@@ -3,7 +3,14 @@
 // sessions' throughput alone in the same run.
 //
 //   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
-//                            [--weights=2,1] [--tiny]
+//                            [--weights=2,1] [--neighbour=DIR] [--tiny]
+//
+// --neighbour=DIR: instead, a session with its state on the host against
+// itself alone in the same run, while a neighbour whose optimizer state is
+// homed on NVMe (swap files in DIR, ext4 for O_DIRECT) steps without pause,
+// swapping as fast as the disk allows (the pool holds a quarter of its
+// state). Prints the first session's fetch latency (p50, p99) and step time
+// both ways and their ratios (issue 31's target: within 10%).
 //
 // Each session is a thread that, again and again, hands a gradient over
 // for each of its partitions (held, returned with its statistics,
@@ -18,6 +25,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -39,6 +47,7 @@ struct Flags {
   int partitions = 4;
   double seconds = 4;
   std::vector<int64_t> weights = {2, 1};
+  std::string neighbour;  // a swap directory: the neighbour measurement
 };
 
 // One session: registered partitions and its arena, mapped.
@@ -48,11 +57,15 @@ struct Job {
   std::vector<PartitionInfo> parts;
   std::atomic<uint64_t> updated{0};
   bool written = false;  // its gradient buffers hold the gradients
+  // Measured (only the thread training it touches these): each Fetch's and
+  // each Step's time, in microseconds.
+  bool timed = false;
+  std::vector<double> fetch_us, step_us;
 };
 
 absl::Status Open(BenchEngine& e, Job* job, const std::string& name, int64_t weight,
-                  uint64_t params, int partitions) {
-  ASSIGN_OR_RETURN(OpenedSession opened, e.sessions->Open(name));
+                  uint64_t params, int partitions, const PlacementChange& placement = {}) {
+  ASSIGN_OR_RETURN(OpenedSession opened, e.sessions->Open(name, placement));
   job->key = opened.key;
   RETURN_IF_ERROR(e.sessions->SetShare(job->key, weight));
   const uint64_t each = params / static_cast<uint64_t>(partitions);
@@ -83,7 +96,9 @@ absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
       // not what is measured), handed over with their statistics, as
       // offloadd.torch does with one micro-batch a step: the daemon's work
       // for a step is the step.
+      const auto fetching = Clock::now();
       RETURN_IF_ERROR(e.sessions->Fetch(job->key, {p.id}, grads).status());
+      if (job->timed) job->fetch_us.push_back(1e6 * bench::SecondsSince(fetching));
       if (!job->written) {
         float* g = reinterpret_cast<float*>(job->arena.data() + p.grads.offset);
         std::fill(g, g + p.numel, 1e-3f);
@@ -95,7 +110,9 @@ absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
       RETURN_IF_ERROR(e.sessions->Release(job->key, {p.id}));
     }
     job->written = true;
+    const auto stepping = Clock::now();
     ASSIGN_OR_RETURN(StepSummary s, e.sessions->Step(job->key, AdamHyperparams{}));
+    if (job->timed) job->step_us.push_back(1e6 * bench::SecondsSince(stepping));
     job->updated.fetch_add(s.params_updated, std::memory_order_relaxed);
   }
   return absl::OkStatus();
@@ -125,6 +142,88 @@ absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vecto
   return rates;
 }
 
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+}
+
+// --neighbour: see the top of this file.
+int Neighbour(const Flags& f) {
+  const uint64_t each = f.params / static_cast<uint64_t>(f.partitions);
+  const uint64_t params = each * static_cast<uint64_t>(f.partitions);
+  // Host bytes: what the two sessions place on the host (28 B a parameter:
+  // parameters and gradients, fp32, of both, the first's moments, the
+  // gradients' accumulators), what the trainers and a step hold at once (a
+  // partition's parameters and gradients each, 7 B a parameter in all at 4
+  // partitions), and a quarter of the neighbour's moments (2 B).
+  bench::BenchEngineOptions o;
+  o.nvme.dirs = f.neighbour;
+  o.nvme.bytes_per_dir = static_cast<int64_t>(RoundUpToPage(4 * 8 * params + (64 << 20)));
+  o.pool_bytes = 37 * params;
+  auto made = bench::MakeBenchEngine(o);
+  if (!made.ok()) {
+    std::fprintf(stderr, "engine: %s\n", made.status().ToString().c_str());
+    return 1;
+  }
+  BenchEngine& e = **made;
+  Job mine, neighbour;
+  PlacementChange on_nvme;
+  on_nvme[DataKind::kOptimizerState] = 0;
+  for (auto [job, name, placement] :
+       {std::tuple<Job*, const char*, PlacementChange>{&mine, "host", {}},
+        {&neighbour, "nvme", on_nvme}}) {
+    if (absl::Status s = Open(e, job, name, 1, params, f.partitions, placement); !s.ok()) {
+      std::fprintf(stderr, "opening %s: %s\n", name, s.ToString().c_str());
+      return 1;
+    }
+  }
+  std::printf(
+      "== neighbour: a session of %llu fp32 parameters (state on the host) alone, then beside "
+      "one of the same size whose optimizer state is homed on NVMe in %s (the pool holds a "
+      "quarter of it), both stepping without pause; optimizer on %lld threads\n",
+      static_cast<unsigned long long>(params), f.neighbour.c_str(),
+      static_cast<long long>(e.optimizer->threads()));
+  // Warm-up: both touched, the neighbour's state written out once.
+  if (auto r = RunTogether(e, {&mine, &neighbour}, std::min(1.0, f.seconds / 2)); !r.ok()) {
+    std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  struct Figures {
+    double fetch50, fetch99, step50;
+  };
+  auto measure = [&](const std::vector<Job*>& jobs) -> absl::StatusOr<Figures> {
+    mine.fetch_us.clear();
+    mine.step_us.clear();
+    mine.timed = true;
+    absl::StatusOr<std::vector<double>> r = RunTogether(e, jobs, f.seconds);
+    mine.timed = false;
+    RETURN_IF_ERROR(r.status());
+    return Figures{Quantile(mine.fetch_us, 0.5), Quantile(mine.fetch_us, 0.99),
+                   Quantile(mine.step_us, 0.5)};
+  };
+  const uint64_t in_before = e.swapper->Stats().bytes_in;
+  auto alone = measure({&mine});
+  auto beside = alone.ok() ? measure({&mine, &neighbour}) : alone.status();
+  if (!beside.ok()) {
+    std::fprintf(stderr, "%s\n", beside.status().ToString().c_str());
+    return 1;
+  }
+  const double swapped = static_cast<double>(e.swapper->Stats().bytes_in - in_before);
+  std::printf("neighbour swapped in %.0f MiB/s while measured\n", swapped / f.seconds / (1 << 20));
+  std::printf("%-28s %10s %10s %10s\n", "", "alone", "beside", "ratio");
+  std::printf("%-28s %10.1f %10.1f %10.3f\n", "fetch p50 (us)", alone->fetch50, beside->fetch50,
+              beside->fetch50 / alone->fetch50);
+  std::printf("%-28s %10.1f %10.1f %10.3f\n", "fetch p99 (us)", alone->fetch99, beside->fetch99,
+              beside->fetch99 / alone->fetch99);
+  std::printf("%-28s %10.2f %10.2f %10.3f\n", "step median (ms)", alone->step50 / 1e3,
+              beside->step50 / 1e3, beside->step50 / alone->step50);
+  const double worst = std::max(beside->fetch99 / alone->fetch99, beside->step50 / alone->step50);
+  std::printf("worst of fetch p99 and step: %.3fx alone (target <= 1.1x: %s)\n", worst,
+              worst <= 1.1 ? "MET" : "NOT MET");
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
@@ -146,6 +245,8 @@ int Main(int argc, char** argv) {
         }
         f.weights.push_back(x);
       }
+    } else if ((v = bench::FlagValue(argv[i], "neighbour"))) {
+      f.neighbour = v;
     } else if (a == "--tiny") {
       f.params = 400'000;
       f.seconds = 0.5;
@@ -154,7 +255,8 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  bench::PrintMachine("/tmp");
+  bench::PrintMachine(f.neighbour.empty() ? "/tmp" : f.neighbour);
+  if (!f.neighbour.empty()) return Neighbour(f);
   auto made = bench::MakeBenchEngine({});
   if (!made.ok()) {
     std::fprintf(stderr, "engine: %s\n", made.status().ToString().c_str());
