@@ -170,14 +170,15 @@ struct Session::Impl {
   // Safe from several threads at once, and from a forked child (which
   // leaves the thread object alone).
   void StopKeepalive() {
+    if (!InOwner()) {
+      // (Not even its lock: the parent's thread may have held it at the fork.)
+      (void)keepalive.release();  // the child has no such thread: never joined
+      return;
+    }
     std::unique_ptr<std::thread> thread;
     {
       absl::MutexLock lock(&keepalive_mu);
       keepalive_stop = true;
-      if (!InOwner()) {
-        (void)keepalive.release();  // the child has no such thread: never joined
-        return;
-      }
       if (keepalive_call != nullptr) keepalive_call->TryCancel();
       thread = std::move(keepalive);
     }
@@ -547,9 +548,13 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
 Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Session::~Session() {
+  if (!impl_->InOwner()) {
+    // A forked child's copy: the session, its threads, its gRPC channel and
+    // DMA registrations are its parent's; left alone, not even destroyed.
+    (void)impl_.release();
+    return;
+  }
   impl_->StopKeepalive();
-  // A forked child's copy: the session is its parent's.
-  if (!impl_->InOwner()) return;
   // Closed, best effort, unless the offloadd it attached to is gone (its
   // arena connection hung up): whatever listens at the address now may be a
   // restarted offloadd keeping this session for a trainer to resume, maybe
@@ -955,6 +960,11 @@ absl::StatusOr<CheckpointResult> Session::WaitCheckpoint() {
 }
 
 absl::Status Session::Close() {
+  if (!impl_->InOwner()) {
+    return absl::FailedPreconditionError(
+        "this session belongs to the process that opened it, not to a child forked from it: "
+        "close it there");
+  }
   impl_->StopKeepalive();
   {
     absl::MutexLock lock(&impl_->mu);

@@ -320,7 +320,7 @@ class SessionManager {
    public:
     Teardowns() = default;
     Teardowns(Teardowns&&) = default;
-    Teardowns& operator=(Teardowns&&) = default;
+    Teardowns& operator=(Teardowns&&) = delete;  // (would drop work unrun)
     ~Teardowns() { Run(); }
     void Add(std::function<void()> f) { work_.push_back(std::move(f)); }
     void Run() {

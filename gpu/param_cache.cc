@@ -230,8 +230,9 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       }
     }
     // The victim: not in use nor in flight nor wanted now; non-persistent
-    // before persistent, beyond the reuse distance before within it, then
-    // the farthest next use.
+    // before persistent, free ones (stale, or not used again) before the
+    // rest, beyond the reuse distance before within it, then the farthest
+    // next use.
     int victim = -1;
     std::tuple<bool, bool, bool, uint64_t> best{};
     for (size_t i = 0; i < entries_.size(); ++i) {
@@ -245,9 +246,10 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       if (options_.max_reuse_distance_bytes != 0 && next != kNever && cursor_ >= 0) {
         far = trace_bytes_[next] - trace_bytes_[cursor_ + 1] > options_.max_reuse_distance_bytes;
       }
-      // (A stale tensor costs its copy either way: it goes first.)
-      std::tuple<bool, bool, bool, uint64_t> rank{e.state == State::kStale, !e.persistent, far,
-                                                  next};
+      // Free to evict first: a stale tensor (its copy is due either way) or
+      // one not used again; then by how far ahead its next use is.
+      const bool free = e.state == State::kStale || next == kNever;
+      std::tuple<bool, bool, bool, uint64_t> rank{!e.persistent, free, far, next};
       if (victim < 0 || rank > best) {
         victim = static_cast<int>(i);
         best = rank;
@@ -324,21 +326,23 @@ absl::Status ParamCache::Bring(int unit, uint64_t limit) {
   const std::vector<int>& keep = units_[unit].entries;
   std::vector<int> placed;
   auto undo = [&] {
-    for (int i : placed) Forget(entries_[i]);
+    for (int i : placed) {
+      Entry& e = entries_[i];
+      if (e.in_place) {  // stale in its place again
+        e.state = State::kStale;
+        e.in_place = false;
+      } else {
+        Forget(e);
+      }
+    }
   };
   for (int i : missing) {
     if (entries_[i].state == State::kStale) {
-      // Copied into its place: views of it stay valid. The copy waits for
-      // the compute issued before Invalidate (its fence) and, where a unit
-      // was released since, for the compute before that (a backward that
-      // read the old values after Invalidate).
-      Entry& e = entries_[i];
-      if (e.released_recorded) {
-        for (int u : e.units) {
-          if (units_[u].released_recorded) (void)device_->WaitOn(copy_stream_, units_[u].released);
-        }
-      }
-      e.state = State::kCopying;
+      // Copied into its place, so that views of it stay valid. The copy
+      // comes after the compute issued before Invalidate (its fence), and
+      // nothing reads a stale place without a Use, which waits for it.
+      entries_[i].state = State::kCopying;
+      entries_[i].in_place = true;
       placed.push_back(i);
       continue;
     }
@@ -391,6 +395,7 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
     Entry& e = entries_[i];
     if (e.state != State::kCopying || e.batch.get() != &b) continue;
     e.batch.reset();
+    const bool in_place = std::exchange(e.in_place, false);
     if (status.ok()) {
       e.state = State::kReady;
       e.used_in_flight = false;
@@ -400,7 +405,11 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
     const std::string what =
         absl::StrFormat("copy of tensor %d (%d bytes) to %s failed: %s; the host copy is intact",
                         e.key, e.bytes, device_->name(), status.message());
-    Forget(e);
+    if (in_place) {
+      e.state = State::kStale;  // keeps its place: the next use copies again
+    } else {
+      Forget(e);
+    }
     if (e.used_in_flight || e.pins > 0) {
       // Reported by Synchronize, once; the next use copies again.
       if (failed_after_use_.ok()) {
@@ -410,7 +419,7 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
             "run it again"));
       }
     } else {
-      e.state = State::kFailed;
+      if (!in_place) e.state = State::kFailed;
       e.error = absl::Status(status.code(), what);
     }
     e.used_in_flight = false;
@@ -450,7 +459,7 @@ void ParamCache::Prefetch() {
     for (int i : units_[u].entries) {
       const State st = entries_[i].state;
       missing += st == State::kAbsent || st == State::kStale ? Rounded(entries_[i].bytes) : 0;
-      failed |= st == State::kFailed;
+      failed |= st == State::kFailed || !entries_[i].error.ok();
     }
     if (failed) break;  // its Use reports the failure
     if (missing == 0) continue;
@@ -480,13 +489,11 @@ absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& co
   // copies again.
   for (int i : units_[unit].entries) {
     Entry& e = entries_[i];
-    if (e.state == State::kFailed) {
+    if (e.state == State::kFailed || (e.state == State::kStale && !e.error.ok())) {
       absl::Status error = std::exchange(e.error, absl::OkStatus());
       for (int j : units_[unit].entries) {
-        if (entries_[j].state == State::kFailed) {
-          entries_[j].state = State::kAbsent;
-          entries_[j].error = absl::OkStatus();
-        }
+        if (entries_[j].state == State::kFailed) entries_[j].state = State::kAbsent;
+        entries_[j].error = absl::OkStatus();
       }
       return error;
     }
@@ -557,8 +564,17 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   RETURN_IF_ERROR(device_->WaitOn(copy_stream_, fence_));
   // Each tensor keeps its place (stale): its next use copies the new values
   // there, so that views of it (autograd's saved tensors) stay where they
-  // were; a stale tensor is the first to give its room to another.
+  // were; of tensors used equally far ahead, a stale one gives its room
+  // first. (A copy whose batch never got its event is given up here.)
   for (Entry& e : entries_) {
+    if (e.state == State::kCopying) {
+      e.batch.reset();
+      if (std::exchange(e.in_place, false)) {
+        e.state = State::kStale;
+      } else {
+        Forget(e);
+      }
+    }
     if (e.state == State::kReady || e.state == State::kStale) {
       e.state = State::kStale;
     } else {

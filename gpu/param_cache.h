@@ -182,9 +182,14 @@ class ParamCache {
     bool prefetched = false;       // copied ahead of its use, not yet used
     bool used_in_flight = false;   // a use was issued while its copy ran
     std::shared_ptr<Batch> batch;  // while kCopying
+    // While kCopying: into the place it kept while stale (undone or failed,
+    // it is stale there again, not forgotten).
+    bool in_place = false;
     // A Done of one of its units was recorded since it was copied.
     bool released_recorded = false;
-    absl::Status error;  // while kFailed
+    // While kFailed, or kStale after its copy in place failed: reported at
+    // its next Use.
+    absl::Status error;
     std::vector<int> units;
   };
   struct Unit {

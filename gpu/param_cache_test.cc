@@ -242,9 +242,11 @@ TEST_F(ParamCacheTest, EvictsByNextUse) {
 TEST_F(ParamCacheTest, AFailedPrefetchIsReportedAtTheNextUseAndThenRetried) {
   auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
   ASSERT_TRUE(cache.ok());
-  Declare(**cache, 3, 1, 8192);
+  Declare(**cache, 4, 1, 8192);  // (unit 3 is used only at the end)
   (*cache)->BeginIteration();
   for (int u = 0; u < 3; ++u) UseAndCheck(**cache, u, 1);
+  auto first = (*cache)->Use(2, host_);  // where tensor 200 is (kept across Invalidate)
+  ASSERT_TRUE(first.ok() && (*cache)->Done(2, host_).ok());
   ASSERT_TRUE((*cache)->Invalidate(host_).ok());
   const void* bad = source_.data(200).data();
   std::atomic<int> failures{0};
@@ -260,7 +262,12 @@ TEST_F(ParamCacheTest, AFailedPrefetchIsReportedAtTheNextUseAndThenRetried) {
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_TRUE(absl::StrContains(failed.status().message(), "tensor 200")) << failed.status();
   EXPECT_TRUE(absl::StrContains(failed.status().message(), "host copy is intact"));
-  UseAndCheck(**cache, 2, 1);  // copied again, correct
+  UseAndCheck(**cache, 3, 1);            // placed first: not where 200 is
+  auto again = (*cache)->Use(2, host_);  // copied again, in the same place
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *first) << "the failed copy in place gave its place up";
+  ASSERT_TRUE((*cache)->Done(2, host_).ok());
+  UseAndCheck(**cache, 2, 1);  // correct
   EXPECT_EQ((*cache)->stats().copy_failures, 1u);
   ASSERT_TRUE((*cache)->Synchronize().ok());
   EXPECT_EQ(source_.outstanding(), 0);

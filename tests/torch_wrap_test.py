@@ -1299,10 +1299,11 @@ class WrapInProcessTest(unittest.TestCase):
     def test_resident_units_train_as_the_path_without_the_tier(self):
         # The GPU tier's resident units (the emulated device, its budget the
         # whole model) against the same loop without the tier, bit for bit:
-        # tied weights, the delayed update, state_dict() between a forward
-        # and its backward (which drains the update: every unit is copied
-        # again, in its place, so that the pending backward reads what it
-        # saved), zero_grad() there, an evaluation under no_grad, close.
+        # tied weights, the delayed update, state_dict() and drain() between
+        # a forward and its backward (which drain the update: every unit the
+        # forward gathered is copied again, in its place, and the backward
+        # reads the newest weights, as it gathers them without the tier),
+        # zero_grad() there, an evaluation under no_grad, close.
         import torch
 
         class Lm(torch.nn.Module):
@@ -1329,6 +1330,8 @@ class WrapInProcessTest(unittest.TestCase):
                 out = model(tokens)
                 if step == 2:
                     model.state_dict()
+                if step == 3:
+                    opt.drain()  # the newest weights, also for this backward
                 if step == 4:
                     opt.zero_grad()
                 loss = out.pow(2).mean()

@@ -19,6 +19,16 @@ cd "$(dirname "$0")/.."
 command -v systemd-nspawn >/dev/null ||
   apt-get install -y --no-install-recommends systemd-container >/dev/null
 work=$(mktemp -d /var/tmp/systemd_check.XXXXXX)
+leader=""
+cleanup() {
+  [[ -n $leader ]] && kill -RTMIN+3 "$leader" 2>/dev/null  # systemd: halt
+  for _ in $(seq 50); do pgrep -f "systemd-nspawn -D $work/root" >/dev/null || break; sleep 0.2; done
+  pkill -f "systemd-nspawn -D $work/root" 2>/dev/null || true
+  umount "$work/root" 2>/dev/null || true
+  umount "$work/upper" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
 deb=${1:-}
 if [[ -z $deb ]]; then
   bash tools/package.sh "$work/pkg" >/dev/null 2>"$work/package.log" ||
@@ -31,16 +41,6 @@ mount -t tmpfs -o size=4g tmpfs "$work/upper"
 mkdir -p "$work/upper/upper" "$work/upper/work"
 mount -t overlay overlay \
   -o "lowerdir=/,upperdir=$work/upper/upper,workdir=$work/upper/work" "$work/root"
-leader=""
-cleanup() {
-  [[ -n $leader ]] && kill -RTMIN+3 "$leader" 2>/dev/null  # systemd: halt
-  for _ in $(seq 50); do pgrep -f "systemd-nspawn -D $work/root" >/dev/null || break; sleep 0.2; done
-  pkill -f "systemd-nspawn -D $work/root" 2>/dev/null || true
-  umount "$work/root" 2>/dev/null || true
-  umount "$work/upper" 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
 
 # The trainer: optimizer state homed on NVMe, a pool too small to hold it.
 cat > "$work/pkg/trainer.py" <<'EOF'

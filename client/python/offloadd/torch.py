@@ -878,6 +878,7 @@ class _Engine:
         if opt is None or not opt.last_step or not opt.last_step.get("delayed_update"):
             return
         opt.wait_overlapped()
+        pending = self._resident_gathered()
         self.free_all()
         if self.tier is not None:
             # Ends its iteration (an evaluation's forward holds every
@@ -888,6 +889,22 @@ class _Engine:
         opt.last_step = dict(opt.last_step, delayed_update=False)
         if self.tier is not None:
             self.tier.invalidate()
+            self._regather(pending)
+
+    def _resident_gathered(self):
+        """Resident units: the parameters gathered now, whose views a
+        pending backward may have saved (see _regather)."""
+        if self.tier is None or not self.tier.resident:
+            return []
+        return [s for s in self.shards if s.gathered]
+
+    def _regather(self, shards):
+        """After the tier invalidated its copies: `shards` (gathered
+        before) gathered again, their new values copied into their places
+        before anything later reads them, as a backward without the tier
+        would gather them again."""
+        if shards:
+            self.gather(shards)
 
     # --- gradients ---------------------------------------------------------
 
@@ -1172,6 +1189,7 @@ class _Engine:
         whole model): gathered as without the tier."""
         self.latest_weights()
         self.flush_gradients()
+        self._gathered_before_load = self._resident_gathered()
         self.free_all()
         with self._tier_bypassed():
             for s in self.shards:
@@ -1218,6 +1236,8 @@ class _Engine:
                 self.free_all()
             if self.tier is not None:
                 self.tier.invalidate()  # what it kept on the GPU is the old values
+                self._regather(getattr(self, "_gathered_before_load", []))
+            self._gathered_before_load = []
 
     def _before_forward(self, own):
         for s in own:
@@ -1512,19 +1532,23 @@ class _GpuTier:
             items, self.queued, self.queued_bytes = self.queued, [], 0
             try:
                 self.tier.add_gradients(items, self.stream(), self.device)
-            except BaseException:
-                # Some may be in flight: wait for them, let every buffer go
-                # unreturned; this backward's gradients are lost (the error
-                # says why), none half-returned.
-                self._drop()
-                raise
+            except BaseException as exc:
+                # Some may be in flight: wait for them and let their buffers
+                # go unreturned. This backward's gradients are lost (the
+                # error says why); any returned before (a full batch, a tied
+                # weight) are the daemon's: zero_grad() drops them.
+                try:
+                    self._drop()
+                except BaseException:
+                    pass  # (the first error is the one to see)
+                raise exc
 
     def _drop(self):
-        try:
-            self.tier.drop_gradients()
-        finally:
-            self.grads, self.grad_bytes = {}, 0
-            self.queued, self.queued_bytes = [], 0
+        """Waits for the gradients' copies in flight and lets their buffers
+        go unreturned; their sources are kept until that succeeded."""
+        self.tier.drop_gradients()
+        self.grads, self.grad_bytes = {}, 0
+        self.queued, self.queued_bytes = [], 0
 
     def return_gradient(self, s, mine):
         """`mine`: this rank's averaged fp32 slice (several ranks, from the
