@@ -3,7 +3,7 @@
 // sessions' throughput alone in the same run.
 //
 //   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
-//                            [--weights=2,1] [--neighbour=DIR] [--tiny]
+//                            [--weights=2,1] [--neighbour=DIR [--rounds=3]] [--tiny]
 //
 // --neighbour=DIR: instead, a session with its state on the host against
 // itself alone in the same run, while a neighbour whose optimizer state is
@@ -48,6 +48,7 @@ struct Flags {
   double seconds = 4;
   std::vector<int64_t> weights = {2, 1};
   std::string neighbour;  // a swap directory: the neighbour measurement
+  int rounds = 3;         // its alone/beside pairs
 };
 
 // One session: registered partitions and its arena, mapped.
@@ -179,7 +180,7 @@ int Neighbour(const Flags& f) {
     }
   }
   std::printf(
-      "== neighbour: a session of %llu fp32 parameters (state on the host) alone, then beside "
+      "== neighbour: a session of %llu fp32 parameters (state on the host) alone and beside "
       "one of the same size whose optimizer state is homed on NVMe in %s (the pool holds a "
       "quarter of it), both stepping without pause; optimizer on %lld threads\n",
       static_cast<unsigned long long>(params), f.neighbour.c_str(),
@@ -202,15 +203,37 @@ int Neighbour(const Flags& f) {
     return Figures{Quantile(mine.fetch_us, 0.5), Quantile(mine.fetch_us, 0.99),
                    Quantile(mine.step_us, 0.5)};
   };
-  const uint64_t in_before = e.swapper->Stats().bytes_in;
-  auto alone = measure({&mine});
-  auto beside = alone.ok() ? measure({&mine, &neighbour}) : alone.status();
-  if (!beside.ok()) {
-    std::fprintf(stderr, "%s\n", beside.status().ToString().c_str());
-    return 1;
+  // Alone and beside in alternation, `rounds` pairs (drift hits both
+  // alike); each figure the median over its rounds.
+  std::vector<Figures> alone_runs, beside_runs;
+  double swapped = 0;
+  for (int r = 0; r < f.rounds; ++r) {
+    auto a = measure({&mine});
+    const uint64_t in_before = e.swapper->Stats().bytes_in;
+    auto b = a.ok() ? measure({&mine, &neighbour}) : a.status();
+    if (!b.ok()) {
+      std::fprintf(stderr, "%s\n", b.status().ToString().c_str());
+      return 1;
+    }
+    swapped += static_cast<double>(e.swapper->Stats().bytes_in - in_before);
+    alone_runs.push_back(*a);
+    beside_runs.push_back(*b);
   }
-  const double swapped = static_cast<double>(e.swapper->Stats().bytes_in - in_before);
-  std::printf("neighbour swapped in %.0f MiB/s while measured\n", swapped / f.seconds / (1 << 20));
+  auto median = [](const std::vector<Figures>& runs, double Figures::*field) {
+    std::vector<double> v;
+    for (const Figures& x : runs) v.push_back(x.*field);
+    return Quantile(v, 0.5);
+  };
+  const Figures alone_f{median(alone_runs, &Figures::fetch50),
+                        median(alone_runs, &Figures::fetch99),
+                        median(alone_runs, &Figures::step50)};
+  const Figures beside_f{median(beside_runs, &Figures::fetch50),
+                         median(beside_runs, &Figures::fetch99),
+                         median(beside_runs, &Figures::step50)};
+  const Figures* alone = &alone_f;
+  const Figures* beside = &beside_f;
+  std::printf("neighbour swapped in %.0f MiB/s beside; medians of %d alternating rounds\n",
+              swapped / (f.seconds * f.rounds) / (1 << 20), f.rounds);
   std::printf("%-28s %10s %10s %10s\n", "", "alone", "beside", "ratio");
   std::printf("%-28s %10.1f %10.1f %10.3f\n", "fetch p50 (us)", alone->fetch50, beside->fetch50,
               beside->fetch50 / alone->fetch50);
@@ -247,9 +270,12 @@ int Main(int argc, char** argv) {
       }
     } else if ((v = bench::FlagValue(argv[i], "neighbour"))) {
       f.neighbour = v;
+    } else if ((v = bench::FlagValue(argv[i], "rounds"))) {
+      f.rounds = std::max(1, std::atoi(v));
     } else if (a == "--tiny") {
       f.params = 400'000;
       f.seconds = 0.5;
+      f.rounds = 1;
     } else {
       std::fprintf(stderr, "unknown flag %s (see benches/shares_bench.cc)\n", a.c_str());
       return 2;
