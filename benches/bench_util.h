@@ -4,14 +4,26 @@
 #ifndef OFFLOADD_BENCHES_BENCH_UTIL_H_
 #define OFFLOADD_BENCHES_BENCH_UTIL_H_
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace offload::bench {
 
 using Clock = std::chrono::steady_clock;
+
+// The q-quantile of `v` (0 <= q <= 1: the element at rank q * (n - 1),
+// rounded), 0 when `v` is empty. Reorders `v`.
+template <typename T>
+double Quantile(std::vector<T>& v, double q) {
+  if (v.empty()) return 0;
+  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return static_cast<double>(v[k]);
+}
 
 double SecondsSince(Clock::time_point start);
 

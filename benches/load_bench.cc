@@ -130,12 +130,8 @@ int Trainer(const Config& c, bool ring, const std::string& address, int index,
   return f.good() ? 0 : 1;
 }
 
-double Percentile(std::vector<uint32_t>& v, double q) {
-  if (v.empty()) return 0;
-  const size_t k = std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5));
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
-  return v[k] / 1e3;
-}
+// Of latencies in nanoseconds, in microseconds.
+double Percentile(std::vector<uint32_t>& v, double q) { return Quantile(v, q) / 1e3; }
 
 // Round trips of one byte between two processes over a Unix socketpair:
 // what any request/reply over a Unix socket costs at least (two context

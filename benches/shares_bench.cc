@@ -143,12 +143,6 @@ absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vecto
   return rates;
 }
 
-double Quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
-}
-
 // --neighbour: see the top of this file.
 int Neighbour(const Flags& f) {
   const uint64_t each = f.params / static_cast<uint64_t>(f.partitions);
@@ -200,8 +194,8 @@ int Neighbour(const Flags& f) {
     absl::StatusOr<std::vector<double>> r = RunTogether(e, jobs, f.seconds);
     mine.timed = false;
     RETURN_IF_ERROR(r.status());
-    return Figures{Quantile(mine.fetch_us, 0.5), Quantile(mine.fetch_us, 0.99),
-                   Quantile(mine.step_us, 0.5)};
+    return Figures{bench::Quantile(mine.fetch_us, 0.5), bench::Quantile(mine.fetch_us, 0.99),
+                   bench::Quantile(mine.step_us, 0.5)};
   };
   // Alone and beside in alternation, `rounds` pairs (drift hits both
   // alike); each figure the median over its rounds.
@@ -222,7 +216,7 @@ int Neighbour(const Flags& f) {
   auto median = [](const std::vector<Figures>& runs, double Figures::*field) {
     std::vector<double> v;
     for (const Figures& x : runs) v.push_back(x.*field);
-    return Quantile(v, 0.5);
+    return bench::Quantile(v, 0.5);
   };
   const Figures alone_f{median(alone_runs, &Figures::fetch50),
                         median(alone_runs, &Figures::fetch99),

@@ -13,8 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -85,12 +83,12 @@ void ArenaChannel::ExpireSessions() {
                                       absl::FormatDuration(idle_lease_)));
     }
   }
-  if (!lines.empty()) Later(std::move(later), absl::StrJoin(lines, "\n"));
+  if (!lines.empty()) Later(std::move(later), std::move(lines));
 }
 
-void ArenaChannel::Later(SessionManager::Teardowns work, std::string line) {
+void ArenaChannel::Later(SessionManager::Teardowns work, std::vector<std::string> lines) {
   absl::MutexLock lock(&close_mu_);
-  closed_.push_back({std::move(work), std::move(line)});
+  closed_.push_back({std::move(work), std::move(lines)});
 }
 
 ArenaChannel::~ArenaChannel() {
@@ -119,7 +117,7 @@ void ArenaChannel::TearDown() {
     close_mu_.Unlock();
     for (Closed& c : closed) {
       c.work.Run();
-      for (absl::string_view line : absl::StrSplit(c.line, '\n')) LogInfo("%s", line);
+      for (const std::string& line : c.lines) LogInfo("%s", line);
     }
     if (stopping) return;
     close_mu_.Lock();
@@ -272,8 +270,8 @@ void ArenaChannel::Drop(size_t i) {
   SessionManager::Teardowns later;
   if (sessions_->Abandon(id, &later)) {
     Later(std::move(later),
-          absl::StrFormat("session %d closed: its trainer (pid %d) went away without closing it",
-                          static_cast<int64_t>(id), pid));
+          {absl::StrFormat("session %d closed: its trainer (pid %d) went away without closing it",
+                           static_cast<int64_t>(id), pid)});
   }
 }
 

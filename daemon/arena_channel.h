@@ -87,8 +87,8 @@ class ArenaChannel {
   // until stopping_ (and the queue is empty).
   void TearDown();
   void ExpireSessions();
-  // Hands `work` to the teardown thread, `line` logged once it is done.
-  void Later(SessionManager::Teardowns work, std::string line);
+  // Hands `work` to the teardown thread, `lines` logged once it is done.
+  void Later(SessionManager::Teardowns work, std::vector<std::string> lines);
   void Accept();
   // accept failed with `err` (EMFILE, ENFILE).
   void RefuseOutOfDescriptors(int err);
@@ -119,7 +119,7 @@ class ArenaChannel {
   // Handed from the serving thread to the teardown thread.
   struct Closed {
     SessionManager::Teardowns work;
-    std::string line;  // logged once the work is done
+    std::vector<std::string> lines;  // logged once the work is done
   };
   absl::Mutex close_mu_;
   std::vector<Closed> closed_ ABSL_GUARDED_BY(close_mu_);

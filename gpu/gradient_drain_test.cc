@@ -26,6 +26,22 @@ class FakeSink : public GradientSink {
   uint64_t refuse = ~0ull;  // Hold of this key fails
 };
 
+// Gradient `k` of `bytes` in memory added to `grads` (which `dev` must
+// outlive), written late by "backward" on `producer` (after `delay`),
+// filled with 'a' + k.
+char* LateGradient(EmulatedDevice& dev, const Stream& producer, int k, uint64_t bytes,
+                   absl::Duration delay, std::vector<DeviceMemory>* grads) {
+  grads->push_back(*dev.Allocate(bytes));
+  char* g = static_cast<char*>(grads->back().get());
+  EXPECT_TRUE(dev.Launch(producer,
+                         [g, k, bytes, delay] {
+                           absl::SleepFor(delay);
+                           std::memset(g, 'a' + k, bytes);
+                         })
+                  .ok());
+  return g;
+}
+
 class GradientDrainTest : public ::testing::TestWithParam<bool> {};
 
 TEST_P(GradientDrainTest, CopiesWaitForTheProducerAndArriveWhole) {
@@ -38,15 +54,8 @@ TEST_P(GradientDrainTest, CopiesWaitForTheProducerAndArriveWhole) {
   std::vector<DeviceMemory> grads;
   const uint64_t bytes = 384 << 10;  // two fit the staging buffer, the third wraps it
   for (int k = 0; k < 6; ++k) {
-    grads.push_back(*dev.Allocate(bytes));
-    char* g = static_cast<char*>(grads.back().get());
-    // "backward" writes the gradient late on its stream; the copy must see it.
-    ASSERT_TRUE(dev.Launch(*producer,
-                           [g, k, bytes] {
-                             absl::SleepFor(absl::Milliseconds(2));
-                             std::memset(g, 'a' + k, bytes);
-                           })
-                    .ok());
+    // The copy must see what backward writes late on its stream.
+    char* g = LateGradient(dev, *producer, k, bytes, absl::Milliseconds(2), &grads);
     ASSERT_TRUE((*drain)->Add(k, g, bytes, *producer).ok());
   }
   std::vector<GradientDrain::Done> done = (*drain)->Completed(/*wait=*/true);
@@ -79,15 +88,8 @@ TEST_P(GradientDrainTest, BatchesArriveWholeAndInOrder) {
   std::vector<DeviceMemory> grads;
   std::vector<GradientDrain::Item> items;
   for (int k = 0; k < 6; ++k) {
-    grads.push_back(*dev.Allocate(bytes));
-    char* g = static_cast<char*>(grads.back().get());
-    ASSERT_TRUE(dev.Launch(*producer,
-                           [g, k, bytes] {
-                             absl::SleepFor(absl::Milliseconds(1));
-                             std::memset(g, 'a' + k, bytes);
-                           })
-                    .ok());
-    items.push_back({static_cast<uint64_t>(k), g, bytes});
+    items.push_back({static_cast<uint64_t>(k),
+                     LateGradient(dev, *producer, k, bytes, absl::Milliseconds(1), &grads), bytes});
   }
   ASSERT_TRUE((*drain)->Add(absl::MakeConstSpan(items).subspan(0, 3), *producer).ok());
   ASSERT_TRUE((*drain)->Add(absl::MakeConstSpan(items).subspan(3), *producer).ok());

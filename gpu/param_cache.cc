@@ -206,6 +206,16 @@ void ParamCache::Forget(Entry& e) {
   e.prefetched = false;
 }
 
+bool ParamCache::GiveUpCopy(Entry& e) {
+  e.batch.reset();
+  if (std::exchange(e.in_place, false)) {
+    e.state = State::kStale;
+    return true;
+  }
+  Forget(e);
+  return false;
+}
+
 void ParamCache::Evict(int index) {
   Entry& e = entries_[index];
   // The next copy into this memory waits for the compute that read it.
@@ -326,15 +336,7 @@ absl::Status ParamCache::Bring(int unit, uint64_t limit) {
   const std::vector<int>& keep = units_[unit].entries;
   std::vector<int> placed;
   auto undo = [&] {
-    for (int i : placed) {
-      Entry& e = entries_[i];
-      if (e.in_place) {  // stale in its place again
-        e.state = State::kStale;
-        e.in_place = false;
-      } else {
-        Forget(e);
-      }
-    }
+    for (int i : placed) GiveUpCopy(entries_[i]);
   };
   for (int i : missing) {
     if (entries_[i].state == State::kStale) {
@@ -394,9 +396,9 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
   for (int i : b.entries) {
     Entry& e = entries_[i];
     if (e.state != State::kCopying || e.batch.get() != &b) continue;
-    e.batch.reset();
-    const bool in_place = std::exchange(e.in_place, false);
     if (status.ok()) {
+      e.batch.reset();
+      e.in_place = false;
       e.state = State::kReady;
       e.used_in_flight = false;
       continue;
@@ -405,11 +407,7 @@ void ParamCache::FinishBatch(Batch& b, const absl::Status& status) {
     const std::string what =
         absl::StrFormat("copy of tensor %d (%d bytes) to %s failed: %s; the host copy is intact",
                         e.key, e.bytes, device_->name(), status.message());
-    if (in_place) {
-      e.state = State::kStale;  // keeps its place: the next use copies again
-    } else {
-      Forget(e);
-    }
+    const bool in_place = GiveUpCopy(e);  // (the next use copies again)
     if (e.used_in_flight || e.pins > 0) {
       // Reported by Synchronize, once; the next use copies again.
       if (failed_after_use_.ok()) {
@@ -567,14 +565,7 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   // were; of tensors used equally far ahead, a stale one gives its room
   // first. (A copy whose batch never got its event is given up here.)
   for (Entry& e : entries_) {
-    if (e.state == State::kCopying) {
-      e.batch.reset();
-      if (std::exchange(e.in_place, false)) {
-        e.state = State::kStale;
-      } else {
-        Forget(e);
-      }
-    }
+    if (e.state == State::kCopying) GiveUpCopy(e);
     if (e.state == State::kReady || e.state == State::kStale) {
       e.state = State::kStale;
     } else {

@@ -223,6 +223,10 @@ class ParamCache {
   void Evict(int entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the entry's device memory back; it becomes kAbsent.
   void Forget(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A copy into `e` that will not complete (undone, failed, given up): a
+  // copy in place leaves it stale in its place (true), else it is
+  // forgotten (false).
+  bool GiveUpCopy(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An event for a batch: one a finished batch gave back, or a new one
   // (creating one per batch would cost a driver call on every copy).
   absl::StatusOr<Event> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
