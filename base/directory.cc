@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,21 @@ std::vector<std::string> ListDirectory(const std::string& dir) {
   }
   std::sort(names.begin(), names.end());
   return names;
+}
+
+bool IsDirectory(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+void RemoveDirectoryOfFiles(const std::string& dir) {
+  if (!IsDirectory(dir)) return;
+  for (const std::string& name : ListDirectory(dir)) {
+    const std::string path = absl::StrCat(dir, "/", name);
+    struct stat st;
+    if (lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) unlink(path.c_str());
+  }
+  rmdir(dir.c_str());
 }
 
 absl::Status SyncDirectory(const std::string& dir) {

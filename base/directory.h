@@ -18,6 +18,14 @@ namespace offload {
 // read.
 std::vector<std::string> ListDirectory(const std::string& dir);
 
+// True if `path` is a directory itself (not a link to one).
+bool IsDirectory(const std::string& path);
+
+// Removes `dir` if it is a real directory holding only plain files: those
+// files and then the directory. Nothing a link points to is touched; a
+// directory with anything else in it stays (its plain files gone).
+void RemoveDirectoryOfFiles(const std::string& dir);
+
 // fsync of the directory itself: its entries (a file created, renamed or
 // removed in it) are durable once this returns.
 absl::Status SyncDirectory(const std::string& dir);

@@ -23,6 +23,7 @@
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "checkpoint/format.h"
+#include "engine/kept_sessions.h"
 #include "ipc/paths.h"
 #include "ipc/unix_socket.h"
 #include "nvme/io_backend_factory.h"
@@ -111,7 +112,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   const std::string kept = d->PreservedDir();
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
-      const int n = d->engine_->sessions().RestorePreserved(kept);
+      const int n = ReopenKeptSessions(d->engine_->sessions(), kept);
       LogInfo(
           "reopened %d session(s) kept across the restart; their trainers have %d s to "
           "resume them",
@@ -425,7 +426,7 @@ void Daemon::Shutdown() {
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.
   if (keep) {
-    const int n = engine_->sessions().Preserve(PreservedDir());
+    const int n = KeepSessions(engine_->sessions(), PreservedDir());
     if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
   }
   metrics_.reset();

@@ -41,7 +41,7 @@ struct SessionManager::Session {
     checkpoint_cancel = true;
     if (checkpoint_thread.joinable()) checkpoint_thread.join();
     // Closed by its trainer: its automatic checkpoints are not wanted.
-    for (const std::string& dir : remove_when_gone) RemoveKeptDirectory(dir);
+    for (const std::string& dir : remove_when_gone) RemoveDirectoryOfFiles(dir);
   }
 
   const uint64_t id;
@@ -50,11 +50,11 @@ struct SessionManager::Session {
   const std::unique_ptr<PartitionStore> partitions;
   const std::unique_ptr<LossScaler> scaler;  // fp16 sessions that asked for one
   // The checkpoint it restores, if any (from `restore_from`). A kept
-  // session's (RestoreOne) is its original one again once it is reopened,
+  // session's (Reopen) is its original one again once it is reopened,
   // before any call can reach it.
   std::unique_ptr<CheckpointRestore> restore;
   std::string restore_from;
-  // A kept session's directory (RestoreOne), removed once its trainer
+  // A kept session's directory (Reopen), removed once its trainer
   // resumed it or it closed: until then a crash of this offloadd leaves it
   // for the next. Guarded by the manager's mu_.
   std::string kept_dir;
@@ -422,7 +422,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   // Then the last reference goes (unless a call in flight holds one).
   Teardowns own;
   (later != nullptr ? *later : own).Add([doomed = std::move(doomed), kept_dir]() mutable {
-    if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
+    if (!kept_dir.empty()) RemoveDirectoryOfFiles(kept_dir);
     doomed.reset();
   });
   return true;
@@ -1000,7 +1000,7 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
     kept_dir = std::exchange(session->kept_dir, "");
   }
   // Resumed, it changes from here on: what was kept is stale.
-  if (!kept_dir.empty()) RemoveKeptDirectory(kept_dir);
+  if (!kept_dir.empty()) RemoveDirectoryOfFiles(kept_dir);
   return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region};
 }
 
@@ -1089,150 +1089,71 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
   return out;
 }
 
-namespace {
-
-constexpr char kPreservedFile[] = "session.binpb";
-
-bool IsDirectory(const std::string& path) {
-  struct stat st;
-  return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-}  // namespace
-
-void SessionManager::RemoveKeptDirectory(const std::string& dir) {
-  // Only a real directory, and only its plain files: nothing a link points to.
-  if (!IsDirectory(dir)) return;
-  for (const std::string& name : ListDirectory(dir)) {
-    const std::string path = absl::StrCat(dir, "/", name);
-    struct stat st;
-    if (lstat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode)) unlink(path.c_str());
-  }
-  rmdir(dir.c_str());
-}
-
-int SessionManager::Preserve(const std::string& dir) {
+void SessionManager::DrainRings(absl::Duration timeout) {
   std::vector<std::shared_ptr<Session>> sessions;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) sessions.push_back(s);
   }
-  if (sessions.empty()) return 0;
-  // No call through a ring from here on: one posted is served and answered
-  // first, and the trainer's next is refused (the ring is closed), so what
-  // it saw answered is in the checkpoint and what it saw refused is not.
   for (const auto& s : sessions) {
-    if (s->ring != nullptr) s->ring->Drain(absl::Seconds(2));
+    if (s->ring != nullptr) s->ring->Drain(timeout);
   }
-  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    LogWarning("cannot keep the sessions: %s",
-               PosixError(absl::StrCat("creating ", dir), errno).ToString());
-    return 0;
+}
+
+std::vector<uint64_t> SessionManager::SessionIds() const {
+  std::vector<uint64_t> ids;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, s] : sessions_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(uint64_t id) {
+  std::shared_ptr<Session> s;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = sessions_.find(id);
+    if (found == sessions_.end()) return absl::FailedPreconditionError("it was closed meanwhile");
+    s = found->second;
   }
-  int kept = 0;
-  for (const auto& s : sessions) {
-    const std::string sub = absl::StrCat(dir, "/", s->id);
-    absl::Status status = [&]() -> absl::Status {
-      {
-        // A background checkpoint being written ends first.
-        absl::MutexLock lock(&s->checkpoint_mu);
-        s->checkpoint_mu.Await(absl::Condition(
-            +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; },
-            s.get()));
-      }
-      // Its partitions' ids, in the manifest's order (by id), taken before
-      // the checkpoint: a lease running out meanwhile closes the session,
-      // and the count check below notices.
-      checkpoint::v1::PreservedSession kept_session;
-      {
-        absl::MutexLock lock(&mu_);
-        if (!sessions_.contains(s->id)) {
-          return absl::FailedPreconditionError("it was closed meanwhile");
-        }
-        std::vector<uint64_t> ids;
-        for (const auto& [partition, owner] : partition_owner_) {
-          if (owner == s->id) ids.push_back(partition);
-        }
-        std::sort(ids.begin(), ids.end());
-        for (uint64_t id : ids) kept_session.add_partition_ids(id);
-      }
-      // What the trainer held goes, as when it goes away (it fetches again
-      // once it resumed); a partition held for writing would stop the
-      // checkpoint.
-      s->partitions->DropHolds();
-      ASSIGN_OR_RETURN(CheckpointOutcome written,
-                       Checkpoint(SessionKey{s->id, ""}, sub, /*background=*/false));
-      if (written.summary.partitions != static_cast<uint64_t>(kept_session.partition_ids_size())) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("it has ", written.summary.partitions, " partitions in its checkpoint, ",
-                         kept_session.partition_ids_size(), " registered"));
-      }
-      kept_session.set_session_id(s->id);
-      kept_session.set_token(s->token);
-      kept_session.set_name(s->name);
-      kept_session.set_restore_from(s->restore_from);
-      return WriteFileAtomically(sub, kPreservedFile, kept_session.SerializeAsString());
-    }();
-    if (status.ok()) {
-      ++kept;
-      continue;
+  {
+    // A background checkpoint being written ends first.
+    absl::MutexLock lock(&s->checkpoint_mu);
+    s->checkpoint_mu.Await(absl::Condition(
+        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; },
+        s.get()));
+  }
+  // Its partitions' ids, in the manifest's order (by id), taken before the
+  // checkpoint: a lease running out meanwhile closes the session, and the
+  // keeper's count check notices.
+  KeptSession kept{SessionKey{s->id, s->token}, s->name, "", {}};
+  {
+    absl::MutexLock lock(&mu_);
+    if (!sessions_.contains(s->id)) return absl::FailedPreconditionError("it was closed meanwhile");
+    for (const auto& [partition, owner] : partition_owner_) {
+      if (owner == s->id) kept.partition_ids.push_back(partition);
     }
-    LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(s->id),
-               s->name, status.ToString());
-    bool kept_there;  // reopened from there, not resumed: that copy stays
-    {
-      absl::MutexLock lock(&mu_);
-      kept_there = s->kept_dir == sub;
-    }
-    if (!kept_there) RemoveKeptDirectory(sub);
+    kept.restore_from = s->restore_from;
   }
+  std::sort(kept.partition_ids.begin(), kept.partition_ids.end());
+  // What the trainer held goes, as when it goes away (it fetches again once
+  // it resumed); a partition held for writing would stop the checkpoint.
+  s->partitions->DropHolds();
   return kept;
 }
 
-int SessionManager::RestorePreserved(const std::string& dir) {
-  if (absl::Status own = checkpoint::CheckOwnDirectory(dir); !own.ok()) {
-    LogWarning("sessions kept in %s are not reopened: %s", dir, own.ToString());
-    return 0;
-  }
-  std::vector<uint64_t> restored;
-  for (const std::string& name : ListDirectory(dir)) {
-    const std::string sub = absl::StrCat(dir, "/", name);
-    absl::StatusOr<uint64_t> id =
-        IsDirectory(sub)
-            ? RestoreOne(sub)
-            : absl::StatusOr<uint64_t>(absl::FailedPreconditionError("not a directory"));
-    if (id.ok()) {
-      restored.push_back(*id);
-    } else {
-      LogWarning(
-          "a session kept across the restart in %s was not reopened (left there: "
-          "OpenSession's restore_from takes it): %s",
-          sub, id.status().ToString());
-    }
-  }
-  // Their leases start together, once every one is back.
-  const SteadyTime now = std::chrono::steady_clock::now();
+bool SessionManager::ReopenedFrom(uint64_t id, const std::string& dir) const {
   absl::MutexLock lock(&mu_);
-  for (uint64_t id : restored) {
-    auto found = sessions_.find(id);
-    if (found != sessions_.end()) found->second->detached_since = now;
-  }
-  return static_cast<int>(restored.size());
+  auto found = sessions_.find(id);
+  return found != sessions_.end() && found->second->kept_dir == dir;
 }
 
-absl::StatusOr<uint64_t> SessionManager::RestoreOne(const std::string& dir) {
-  const std::string path = absl::StrCat(dir, "/", kPreservedFile);
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-  if (!fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
-  checkpoint::v1::PreservedSession kept;
-  if (!kept.ParseFromFileDescriptor(fd.get())) {
-    return absl::DataLossError(absl::StrCat(path, " does not parse"));
-  }
-  const SessionKey key{kept.session_id(), kept.token()};
+absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& dir) {
+  const SessionKey& key = kept.key;
   if (key.id == 0 || key.token.size() != kTokenBytes) {
-    return absl::DataLossError(absl::StrCat(path, " names no session"));
+    return absl::DataLossError(absl::StrCat(dir, " names no session"));
   }
-  RETURN_IF_ERROR(OpenAs(kept.name(), {}, std::nullopt, std::nullopt, dir, &key).status());
+  RETURN_IF_ERROR(OpenAs(kept.name, {}, std::nullopt, std::nullopt, dir, &key).status());
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
@@ -1240,9 +1161,9 @@ absl::StatusOr<uint64_t> SessionManager::RestoreOne(const std::string& dir) {
   }
   absl::Status status = [&]() -> absl::Status {
     const checkpoint::Manifest& m = session->restore->session_manifest();
-    if (m.partitions_size() != kept.partition_ids_size()) {
-      return absl::DataLossError(absl::StrCat(path, " names ", kept.partition_ids_size(),
-                                              " partitions, the checkpoint holds ",
+    if (m.partitions_size() != static_cast<int>(kept.partition_ids.size())) {
+      return absl::DataLossError(absl::StrCat(dir, " names ", kept.partition_ids.size(),
+                                              " partitions, its checkpoint holds ",
                                               m.partitions_size()));
     }
     for (int i = 0; i < m.partitions_size(); ++i) {
@@ -1255,15 +1176,14 @@ absl::StatusOr<uint64_t> SessionManager::RestoreOne(const std::string& dir) {
       spec.tensor = p.tensor();
       spec.shape.assign(p.shape().begin(), p.shape().end());
       spec.tensor_offset = p.offset();
-      RETURN_IF_ERROR(RegisterAs(key, spec, kept.partition_ids(i)).status());
+      RETURN_IF_ERROR(RegisterAs(key, spec, kept.partition_ids[i]).status());
     }
     // As it was: partitions registered later come from the checkpoint the
     // session was opened to restore, if any, else start anew.
     session->restore.reset();
-    session->restore_from = kept.restore_from();
+    session->restore_from = kept.restore_from;
     if (!session->restore_from.empty()) {
-      ASSIGN_OR_RETURN(session->restore,
-                       CheckpointRestore::Open(session->restore_from, kept.name()));
+      ASSIGN_OR_RETURN(session->restore, CheckpointRestore::Open(session->restore_from, kept.name));
     }
     return absl::OkStatus();
   }();
@@ -1272,12 +1192,21 @@ absl::StatusOr<uint64_t> SessionManager::RestoreOne(const std::string& dir) {
     return status;
   }
   // As a trainer that went away: nothing held, waiting for ResumeSession
-  // (RestorePreserved starts the lease).
+  // (StartReconnectLeases starts the lease).
   session->partitions->DropHolds();
   absl::MutexLock lock(&mu_);
   session->attached = false;
   session->kept_dir = dir;
-  return key.id;
+  return absl::OkStatus();
+}
+
+void SessionManager::StartReconnectLeases(absl::Span<const uint64_t> ids) {
+  const SteadyTime now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  for (uint64_t id : ids) {
+    auto found = sessions_.find(id);
+    if (found != sessions_.end()) found->second->detached_since = now;
+  }
 }
 
 }  // namespace offload

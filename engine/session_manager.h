@@ -163,7 +163,7 @@ class SessionManager {
   ~SessionManager();
 
   // Where the sessions' request rings send their calls: set once, before
-  // the first session opens (RestorePreserved's too); `calls` must outlive
+  // the first session opens (Reopen's too); `calls` must outlive
   // the manager. Without it a ring's calls are UNIMPLEMENTED.
   void SetRingCalls(RingCalls* calls) { ring_calls_.store(calls, std::memory_order_release); }
 
@@ -370,25 +370,36 @@ class SessionManager {
   // RESOURCE_EXHAUSTED (server.max_sessions); 0: no cap.
   void SetMaxSessions(int64_t max) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Keeping sessions across a restart of offloadd (the daemon does it when
-  // server.reconnect_lease_seconds > 0). Preserve, once the daemon takes no
-  // more calls: closes every session's request ring between calls (one
-  // posted is served and answered first; RingServer::Drain) and writes each
-  // session into <dir>/<id>/: its checkpoint
-  // at a step boundary (a running step ends first) and what reopening it
-  // needs (PreservedSession: id, token, name, its partitions' ids).
-  // Returns how many it kept; a session it cannot keep (its checkpoint
-  // fails) is logged and goes, as it did before.
-  int Preserve(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
-  // At start, before any call: reopens every session kept in `dir` (which
-  // must be this user's alone), with its id, token, partitions (their ids
-  // too) and state, detached as a trainer that went away: it waits the
-  // reconnect lease, counted from when all are back, for ResumeSession (the
-  // trainer fetches its partitions again). A session's directory goes once
-  // its trainer resumed it or it closed; until then a crash of this offloadd
-  // leaves it for the next. One it cannot reopen is logged and left there
-  // (a checkpoint: OpenSession's restore_from takes it). Returns how many.
-  int RestorePreserved(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
+  // Keeping sessions across a restart of offloadd: what engine/kept_sessions
+  // (which writes and reads them) asks of the sessions.
+  //
+  // What reopening a session needs besides its checkpoint.
+  struct KeptSession {
+    SessionKey key;
+    std::string name;
+    std::string restore_from;             // the checkpoint it was opened to restore, if any
+    std::vector<uint64_t> partition_ids;  // ascending: its checkpoint manifest's order
+  };
+  // Closes every session's request ring between calls (one posted is served
+  // and answered first; RingServer::Drain), so that what a trainer saw
+  // answered is in what is kept and what it saw refused is not.
+  void DrainRings(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<uint64_t> SessionIds() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Session `id` ready to be checkpointed for keeping: a background
+  // checkpoint being written ends first, what its trainer held is dropped
+  // (a partition held for writing would stop the checkpoint; the trainer
+  // fetches again once it resumed). FAILED_PRECONDITION if it closed.
+  absl::StatusOr<KeptSession> QuiesceForKeeping(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // True if session `id` is open, reopened from `dir` and not resumed since.
+  bool ReopenedFrom(uint64_t id, const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Reopens `kept` with its id, token, partitions (their ids too) and state
+  // from the checkpoint in `dir`, detached as a trainer that went away:
+  // ResumeSession takes it back. `dir` is removed once a trainer resumed it
+  // or it closed; until then a crash leaves it for the next offloadd. An
+  // error leaves nothing open.
+  absl::Status Reopen(const KeptSession& kept, const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reconnect lease of the reopened sessions `ids` starts now.
+  void StartReconnectLeases(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Session;
@@ -404,11 +415,6 @@ class SessionManager {
   absl::StatusOr<PartitionInfo> RegisterAs(const SessionKey& key, const PartitionSpec& spec,
                                            std::optional<uint64_t> reuse_id)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // One kept session of RestorePreserved: its id.
-  absl::StatusOr<uint64_t> RestoreOne(const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
-  // A kept session's directory and the plain files in it (no link is
-  // followed).
-  static void RemoveKeptDirectory(const std::string& dir);
 
   // NOT_FOUND for an id of an earlier offloadd's, naming the automatic
   // checkpoint that offloadd left of it, if any.
