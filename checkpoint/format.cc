@@ -210,7 +210,7 @@ absl::Status DataFileWriter::Sync() const {
 }
 
 absl::Status CommitManifest(const std::string& dir, const std::string& stem,
-                            const Manifest& manifest) {
+                            const Manifest& manifest, bool keep_previous) {
   std::string payload;
   if (!manifest.SerializeToString(&payload)) {
     return absl::InternalError("serialising a checkpoint manifest failed");
@@ -221,6 +221,7 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   std::memcpy(header + 8, &length, 8);  // x86-64 and aarch64 Linux: little-endian
   std::memcpy(header + 16, &hash, 8);
   const std::string final_path = absl::StrCat(dir, "/", stem, ".manifest");
+  const std::string previous_path = absl::StrCat(dir, "/", stem, ".previous");
   // One temporary name per data file: two writers of a stem never share it.
   const std::string tmp_path = absl::StrCat(final_path, ".", manifest.data_file(), ".tmp");
   // The data file's directory entry is durable before the manifest naming it.
@@ -243,6 +244,20 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
                          ") of a session of the same name, committed meanwhile"));
       }
     }
+    if (keep_previous && access(final_path.c_str(), F_OK) == 0) {
+      // The one replaced stays as <stem>.previous (replacing the older one
+      // in one rename: a crash leaves one or the other).
+      const std::string link_tmp = absl::StrCat(previous_path, ".", manifest.data_file(), ".tmp");
+      unlink(link_tmp.c_str());
+      if (link(final_path.c_str(), link_tmp.c_str()) != 0) {
+        return PosixError(absl::StrCat("linking ", final_path, " to ", link_tmp), errno);
+      }
+      if (rename(link_tmp.c_str(), previous_path.c_str()) != 0) {
+        const int err = errno;
+        unlink(link_tmp.c_str());
+        return PosixError(absl::StrCat("renaming ", link_tmp, " to ", previous_path), err);
+      }
+    }
     if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
       return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), errno);
     }
@@ -255,7 +270,12 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   RETURN_IF_ERROR(SyncDirectory(dir));
   // Committed. The stem's older data files are garbage now (a newer one is
   // another writer's, still being filled), and so are temporary manifests
-  // of older attempts that crashed.
+  // of older attempts that crashed; the previous checkpoint's data file
+  // stays while <stem>.previous names it.
+  std::optional<uint64_t> keep;
+  if (absl::StatusOr<Manifest> previous = ReadManifest(previous_path); previous.ok()) {
+    keep = DataGeneration(previous->data_file(), stem);
+  }
   const std::string tmp_prefix = absl::StrCat(stem, ".manifest.");
   for (const std::string& name : ListDirectory(dir)) {
     absl::string_view n = name;
@@ -264,7 +284,12 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
         absl::ConsumeSuffix(&n, ".tmp")) {
       gen = DataGeneration(n, stem);
     }
-    if (gen.has_value() && mine.has_value() && *gen < *mine) {
+    if (!gen.has_value() && absl::StartsWith(name, absl::StrCat(stem, ".previous.")) &&
+        absl::EndsWith(name, ".tmp")) {
+      unlink(absl::StrCat(dir, "/", name).c_str());  // a link a crash left
+      continue;
+    }
+    if (gen.has_value() && mine.has_value() && *gen < *mine && gen != keep) {
       unlink(absl::StrCat(dir, "/", name).c_str());
     }
   }
@@ -316,13 +341,27 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
-    const std::string& dir) {
+    const std::string& dir, std::optional<uint64_t> steps) {
   RETURN_IF_ERROR(CheckOwnDirectory(dir));
   std::vector<std::pair<std::string, Manifest>> out;
   for (const std::string& name : ListDirectory(dir)) {
-    if (!absl::EndsWith(name, ".manifest")) continue;
+    absl::string_view stem = name;
+    if (!absl::ConsumeSuffix(&stem, ".manifest")) continue;
     std::string path = absl::StrCat(dir, "/", name);
     ASSIGN_OR_RETURN(Manifest m, ReadManifest(path));
+    if (steps.has_value() && m.steps() != *steps) {
+      // The kept previous checkpoint of the stem, if it is that step's.
+      std::string previous = absl::StrCat(dir, "/", stem, ".previous");
+      absl::StatusOr<Manifest> p = ReadManifest(previous);
+      if (!p.ok() || p->steps() != *steps) {
+        return absl::NotFoundError(
+            absl::StrCat("no checkpoint of step ", *steps, " of '", m.session_name(), "' in ", dir,
+                         " (it has step ", m.steps(),
+                         p.ok() ? absl::StrCat(" and step ", p->steps()) : std::string(), ")"));
+      }
+      path = std::move(previous);
+      m = *std::move(p);
+    }
     out.emplace_back(std::move(path), std::move(m));
   }
   if (out.empty()) {
@@ -333,6 +372,15 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     return absl::NotFoundError(absl::StrCat("no checkpoint (*.manifest) in ", dir));
   }
   return out;
+}
+
+std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string& stem) {
+  std::vector<uint64_t> steps;
+  for (const char* suffix : {".manifest", ".previous"}) {
+    absl::StatusOr<Manifest> m = ReadManifest(absl::StrCat(dir, "/", stem, suffix));
+    if (m.ok()) steps.push_back(m->steps());
+  }
+  return steps;
 }
 
 absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path) {

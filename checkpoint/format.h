@@ -18,6 +18,13 @@
 // nothing has touched; leftovers of the crashed attempt go at the next
 // checkpoint of the stem (4).
 //
+// Keeping the previous generation (automatic checkpoints: the ranks of a job
+// may be a checkpoint apart when offloadd dies between their commits), 3
+// starts by linking the old manifest as <stem>.previous (replacing the
+// older one by rename), and 4 keeps the data file that one names. A crash
+// at any point leaves a valid <stem>.manifest and, after the first
+// checkpoint kept so, a valid <stem>.previous.
+//
 // Reading verifies the frame, the payload's hash and each record's hash:
 // DATA_LOSS names the file, the offset and what did not match.
 //
@@ -42,6 +49,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -126,16 +134,23 @@ class DataFileWriter {
 };
 
 // Steps 2-4 above: commits `manifest` (which names its data file) as the
-// checkpoint of `stem` in `dir`.
+// checkpoint of `stem` in `dir`; with `keep_previous`, the checkpoint it
+// replaces stays as <stem>.previous.
 absl::Status CommitManifest(const std::string& dir, const std::string& stem,
-                            const Manifest& manifest);
+                            const Manifest& manifest, bool keep_previous = false);
 
 // One manifest, verified (DATA_LOSS for a torn or corrupted one,
 // NOT_FOUND if it does not exist).
 absl::StatusOr<Manifest> ReadManifest(const std::string& path);
 // Every <stem>.manifest in `dir`, with its path, by name. NOT_FOUND if
-// there is none.
-absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(const std::string& dir);
+// there is none. With `steps`, each stem's checkpoint taken after that many
+// steps: its manifest's, else its kept previous one's (NOT_FOUND naming the
+// stem and the steps it has if neither).
+absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
+    const std::string& dir, std::optional<uint64_t> steps = std::nullopt);
+// The steps of the checkpoints of `stem` in `dir`: its manifest's first,
+// then its kept previous one's, if any (unreadable ones left out).
+std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string& stem);
 
 class DataFileReader {
  public:

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/unique_fd.h"
 #include "checkpoint/export.h"
@@ -35,13 +36,14 @@ std::string TempDir() {
 // of tensor "w" (shape 3x5), master = values, in records of `chunk`
 // elements.
 absl::Status WriteSession(const std::string& dir, const std::string& name, uint64_t offset,
-                          const std::vector<float>& values, uint64_t chunk) {
+                          const std::vector<float>& values, uint64_t chunk, uint64_t steps = 7,
+                          bool keep_previous = false) {
   auto writer = DataFileWriter::Create(dir, StemFor(name));
   if (!writer.ok()) return writer.status();
   Manifest m;
   m.set_format_version(kFormatVersion);
   m.set_session_name(name);
-  m.set_steps(7);
+  m.set_steps(steps);
   m.set_data_file(writer->name());
   PartitionRecord* p = m.add_partitions();
   p->set_name("w");
@@ -71,7 +73,7 @@ absl::Status WriteSession(const std::string& dir, const std::string& name, uint6
   }
   m.set_data_bytes(at);
   if (absl::Status s = writer->Sync(); !s.ok()) return s;
-  return CommitManifest(dir, StemFor(name), m);
+  return CommitManifest(dir, StemFor(name), m, keep_previous);
 }
 
 TEST(StemTest, KeepsSafeBytesOnly) {
@@ -191,6 +193,45 @@ TEST(CheckpointFormatTest, AnInterruptedCheckpointLeavesThePreviousOne) {
     data_files += access(absl::StrCat(dir, "/r.", g, ".data").c_str(), F_OK) == 0;
   }
   EXPECT_EQ(data_files, 1);
+}
+
+// Automatic checkpoints keep the one they replace: a restore names the step
+// it wants and gets the latest or the previous checkpoint that has it; older
+// ones, and their data, are gone.
+TEST(CheckpointFormatTest, ThePreviousCheckpointStaysWhereAsked) {
+  const std::string dir = TempDir();
+  for (uint64_t step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(WriteSession(dir, "job/rank1", 0, std::vector<float>(15, 1.0f * step), 15, step,
+                             /*keep_previous=*/true)
+                    .ok());
+  }
+  const std::string stem = StemFor("job/rank1");
+  EXPECT_EQ(CheckpointSteps(dir, stem), (std::vector<uint64_t>{3, 2}));
+  std::vector<float> got(15);
+  for (uint64_t step : {3, 2}) {
+    auto index = TensorIndex::Load(dir, step);
+    ASSERT_TRUE(index.ok()) << index.status();
+    ASSERT_TRUE(ReadWeights(**index, "w", 0, 15, got.data()).ok());
+    for (float v : got) ASSERT_EQ(v, 1.0f * step);
+  }
+  auto latest = TensorIndex::Load(dir);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  ASSERT_TRUE(ReadWeights(**latest, "w", 0, 15, got.data()).ok());
+  EXPECT_EQ(got[0], 3.0f);
+  const absl::Status gone = TensorIndex::Load(dir, 1).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+  EXPECT_TRUE(absl::StrContains(gone.message(), "has step 3 and step 2")) << gone;
+  int data_files = 0;
+  for (int g = 0; g < 4; ++g) {
+    data_files += access(absl::StrCat(dir, "/", stem, ".", g, ".data").c_str(), F_OK) == 0;
+  }
+  EXPECT_EQ(data_files, 2);
+  // Without keep_previous, the previous one is as it was and the replaced
+  // one's data goes.
+  ASSERT_TRUE(WriteSession(dir, "job/rank1", 0, std::vector<float>(15, 4.0f), 15, 4).ok());
+  EXPECT_EQ(CheckpointSteps(dir, stem), (std::vector<uint64_t>{4, 2}));
+  EXPECT_TRUE(TensorIndex::Load(dir, 2).ok());
+  EXPECT_EQ(TensorIndex::Load(dir, 3).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(CheckpointFormatTest, WritersOfOneStemNeverLoseTheNewerCheckpoint) {

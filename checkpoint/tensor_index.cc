@@ -49,10 +49,11 @@ absl::Status Validate(const PartitionRecord& p, const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string& dir,
+                                                               std::optional<uint64_t> steps) {
   auto index = std::make_unique<TensorIndex>();
   index->dir_ = dir;
-  ASSIGN_OR_RETURN(auto manifests, ReadManifests(dir));
+  ASSIGN_OR_RETURN(auto manifests, ReadManifests(dir, steps));
   for (auto& [path, m] : manifests) {
     auto manifest = std::make_unique<Manifest>(std::move(m));
     ASSIGN_OR_RETURN(DataFileReader reader,

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,8 +41,10 @@ class TensorIndex {
     std::vector<Slice> slices;    // by offset
   };
 
-  // Reads and verifies every manifest in `dir` and opens their data files.
-  static absl::StatusOr<std::unique_ptr<TensorIndex>> Load(const std::string& dir);
+  // Reads and verifies every manifest in `dir` (each of `steps`, if given:
+  // ReadManifests) and opens their data files.
+  static absl::StatusOr<std::unique_ptr<TensorIndex>> Load(
+      const std::string& dir, std::optional<uint64_t> steps = std::nullopt);
 
   const std::string& directory() const { return dir_; }
   // path, manifest

@@ -112,6 +112,8 @@ struct Session::Impl {
   UniqueFd arena;  // the session arena's memfd
   uint64_t arena_capacity = 0;
   std::string auto_checkpoint_dir;
+  std::string restored_from;
+  std::vector<uint64_t> restorable_steps;
   UniqueFd connection;  // the arena channel; closing it abandons the session
   // The request ring (fetch, release, return without gRPC), if the daemon
   // offers one and the client wants it.
@@ -410,6 +412,8 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
     if (l.min_scale) out->set_min_scale(*l.min_scale);
   }
   req.set_restore_from(options.restore_from);
+  req.set_resume_lost(options.resume_lost);
+  if (options.restore_steps.has_value()) req.set_restore_steps(*options.restore_steps);
   req.set_share_weight(options.share_weight);
   if (options.delayed_update_after_steps.has_value()) {
     req.set_delayed_update_after_steps(*options.delayed_update_after_steps);
@@ -460,6 +464,8 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
   s.arena = std::move(attached.arena);
   s.arena_capacity = resp.arena_capacity();
   s.auto_checkpoint_dir = resp.auto_checkpoint_dir();
+  s.restored_from = resp.restored_from();
+  s.restorable_steps.assign(resp.restorable_steps().begin(), resp.restorable_steps().end());
   const v1::Region& r = resp.request_ring();
   if (impl_->options.request_ring && r.bytes() == ring::RingBytes() &&
       r.offset() <= s.arena_capacity - r.bytes()) {
@@ -584,6 +590,8 @@ Session::DmaStats Session::dma_stats() const {
 
 const std::string& Session::token() const { return impl_->ref.token(); }
 const std::string& Session::auto_checkpoint_dir() const { return impl_->auto_checkpoint_dir; }
+const std::string& Session::restored_from() const { return impl_->restored_from; }
+const std::vector<uint64_t>& Session::restorable_steps() const { return impl_->restorable_steps; }
 
 absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
                                                 DType param_dtype, DType grad_dtype,

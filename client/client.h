@@ -123,6 +123,14 @@ struct SessionOptions {
   // partition registered takes its saved state (PartitionView::restored)
   // from whichever checkpointed sessions held its tensor's elements.
   std::string restore_from;
+  // With restore_from empty: restore the newest automatic checkpoint a
+  // session of the same name left when an earlier offloadd died (none: a
+  // new session; Session::restored_from says which).
+  bool resume_lost = false;
+  // With restore_from or resume_lost: the checkpoint taken after this many
+  // steps (an automatic checkpoint keeps the one before it); unset: the
+  // latest.
+  std::optional<uint64_t> restore_steps;
   // The session's weight in the node's optimizer when several sessions
   // step at once (0: 1; at most 1000). Client::SetShare changes it.
   uint32_t share_weight = 0;
@@ -334,6 +342,11 @@ class Session {
   // session is from before its restart), open a session with
   // SessionOptions::restore_from this directory to go on from the last.
   const std::string& auto_checkpoint_dir() const;
+  // The checkpoint directory it restored (SessionOptions::restore_from, or
+  // the one resume_lost found; empty if none), and the steps of its
+  // checkpoints there: the latest first, then the kept previous one.
+  const std::string& restored_from() const;
+  const std::vector<uint64_t>& restorable_steps() const;
 
   // Registers a partition, zeros, and holds it (writable) for the initial
   // values to be written.

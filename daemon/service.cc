@@ -157,8 +157,11 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     if (req->share_weight() > 0) {
       RETURN_IF_ERROR(SessionManager::CheckShareWeight(req->share_weight()));
     }
-    ASSIGN_OR_RETURN(OpenedSession opened, sessions_->Open(req->name(), placement, scaling,
-                                                           dpu_after, req->restore_from()));
+    RestoreFrom restore(req->restore_from());
+    restore.lost = req->resume_lost();
+    if (req->has_restore_steps()) restore.steps = req->restore_steps();
+    ASSIGN_OR_RETURN(OpenedSession opened,
+                     sessions_->Open(req->name(), placement, scaling, dpu_after, restore));
     if (req->share_weight() > 0) {
       absl::Status shared = sessions_->SetShare(opened.key, req->share_weight());
       if (!shared.ok()) {
@@ -203,6 +206,8 @@ void PartitionServiceImpl::Answer(const OpenedSession& opened,
   resp->mutable_request_ring()->set_bytes(opened.ring.bytes);
   resp->set_auto_checkpoint_dir(sessions_->AutoCheckpointDir(opened.key.id));
   resp->set_idle_lease_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(idle_lease_)));
+  resp->set_restored_from(opened.restored_from);
+  for (uint64_t steps : opened.restorable_steps) resp->add_restorable_steps(steps);
 }
 
 grpc::Status PartitionServiceImpl::ResumeSession(grpc::ServerContext* context,

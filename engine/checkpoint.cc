@@ -53,7 +53,8 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   RETURN_IF_ERROR(checkpoint::PrepareDirectory(dir));
   const std::string stem = checkpoint::StemFor(state.name);
   ASSIGN_OR_RETURN(checkpoint::DataFileWriter file, checkpoint::DataFileWriter::Create(dir, stem));
-  std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(set, dir, stem, std::move(file)));
+  std::unique_ptr<CheckpointWriter> w(
+      new CheckpointWriter(set, dir, stem, std::move(file), state.keep_previous));
   w->began_ns_ = began;
   absl::StatusOr<SetImage> image = set->BeginCheckpoint(w.get());
   if (!image.ok()) {
@@ -198,7 +199,7 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
   if (status.ok()) status = file_.Sync();
   if (status.ok()) {
     absl::MutexLock lock(&mu_);
-    status = checkpoint::CommitManifest(dir_, stem_, manifest_);
+    status = checkpoint::CommitManifest(dir_, stem_, manifest_, keep_previous_);
   }
   if (!status.ok()) {
     // The previous checkpoint stays, unless the rename committed this one
@@ -217,13 +218,13 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointRestore>> CheckpointRestore::Open(
-    const std::string& dir, const std::string& session_name) {
+    const std::string& dir, const std::string& session_name, std::optional<uint64_t> steps) {
   if (dir.empty() || dir[0] != '/') {
     return absl::InvalidArgumentError(
         absl::StrCat("restore_from must be an absolute path, got '", dir, "'"));
   }
   auto r = std::unique_ptr<CheckpointRestore>(new CheckpointRestore());
-  ASSIGN_OR_RETURN(r->index_, checkpoint::TensorIndex::Load(dir));
+  ASSIGN_OR_RETURN(r->index_, checkpoint::TensorIndex::Load(dir, steps));
   for (const auto& [path, m] : r->index_->manifests()) {
     if (m->session_name() == session_name) r->session_ = m.get();
   }

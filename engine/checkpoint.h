@@ -51,6 +51,9 @@ struct SessionCheckpointState {
   std::string name;
   const LossScaler* scaler = nullptr;  // null without loss scaling
   int64_t delayed_update_after = -1;   // the automatic switch-on still to come
+  // The checkpoint this one replaces stays beside it (<stem>.previous):
+  // automatic checkpoints, so that a job's ranks find a step they all have.
+  bool keep_previous = false;
 };
 
 struct CheckpointSummary {
@@ -79,13 +82,18 @@ class CheckpointWriter : public ChunkSink {
 
  private:
   CheckpointWriter(PartitionStore* set, std::string dir, std::string stem,
-                   checkpoint::DataFileWriter file)
-      : set_(set), dir_(std::move(dir)), stem_(std::move(stem)), file_(std::move(file)) {}
+                   checkpoint::DataFileWriter file, bool keep_previous)
+      : set_(set),
+        dir_(std::move(dir)),
+        stem_(std::move(stem)),
+        file_(std::move(file)),
+        keep_previous_(keep_previous) {}
 
   // Constant after Begin.
   PartitionStore* const set_;
   const std::string dir_, stem_;
   const checkpoint::DataFileWriter file_;
+  const bool keep_previous_;
   SetImage image_;
   // Partition id -> its index in image_ and manifest_.partitions().
   absl::flat_hash_map<uint64_t, size_t> index_;
@@ -105,8 +113,11 @@ class CheckpointRestore {
   // INVALID_ARGUMENT for a relative path; the index's errors (NOT_FOUND
   // without manifests, DATA_LOSS for a corrupted one, FAILED_PRECONDITION
   // for overlapping ones).
-  static absl::StatusOr<std::unique_ptr<CheckpointRestore>> Open(const std::string& dir,
-                                                                 const std::string& session_name);
+  // With `steps`, the checkpoint taken after that many steps (a kept
+  // previous one where the latest is later: checkpoint::ReadManifests).
+  static absl::StatusOr<std::unique_ptr<CheckpointRestore>> Open(
+      const std::string& dir, const std::string& session_name,
+      std::optional<uint64_t> steps = std::nullopt);
 
   // The session-level state to take.
   const checkpoint::Manifest& session_manifest() const { return *session_; }

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/directory.h"
@@ -62,7 +63,9 @@ struct SessionManager::Session {
   ArenaRegion ring_region;
   // Its steps' time (SessionSummary), added as each step ends.
   std::atomic<int64_t> step_wall_nanos{0}, step_wait_nanos{0}, step_compute_nanos{0};
+  std::atomic<bool> stepped{false};  // a step ended since it opened
   void CountStep(const StepSummary& step) {
+    stepped.store(true);
     step_wall_nanos.fetch_add(step.wall_nanos, std::memory_order_relaxed);
     step_wait_nanos.fetch_add(step.state_wait_nanos, std::memory_order_relaxed);
     step_compute_nanos.fetch_add(step.compute_nanos, std::memory_order_relaxed);
@@ -154,25 +157,32 @@ SessionManager::~SessionManager() {
 absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::string_view name, const PlacementChange& placement,
     const std::optional<LossScalingOptions>& loss_scaling,
-    std::optional<uint64_t> delayed_update_after, const std::string& restore_from) {
+    std::optional<uint64_t> delayed_update_after, const RestoreFrom& restore_from) {
   return OpenAs(name, placement, loss_scaling, delayed_update_after, restore_from, nullptr);
 }
 
 absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     absl::string_view name, const PlacementChange& placement,
     const std::optional<LossScalingOptions>& loss_scaling,
-    std::optional<uint64_t> delayed_update_after, const std::string& restore_from,
+    std::optional<uint64_t> delayed_update_after, const RestoreFrom& restore_spec,
     const SessionKey* reuse) {
   if (delayed_update_after.has_value() && *delayed_update_after > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
+  std::string restore_from = restore_spec.dir;
+  if (restore_from.empty() && restore_spec.lost) {
+    ASSIGN_OR_RETURN(restore_from, FindLost(name, restore_spec.steps));
+  }
   std::unique_ptr<CheckpointRestore> restore;
+  std::vector<uint64_t> restorable_steps;
   PlacementChange placed = placement;
   std::optional<LossScalingOptions> scaling = loss_scaling;
   if (!restore_from.empty()) {
-    ASSIGN_OR_RETURN(restore, CheckpointRestore::Open(restore_from, std::string(name)));
+    ASSIGN_OR_RETURN(restore,
+                     CheckpointRestore::Open(restore_from, std::string(name), restore_spec.steps));
+    restorable_steps = checkpoint::CheckpointSteps(restore_from, checkpoint::StemFor(name));
     const checkpoint::Manifest& m = restore->session_manifest();
     for (int k = 0; k < kDataKinds; ++k) {
       const auto kind = static_cast<DataKind>(k);
@@ -260,7 +270,54 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     sessions_[id] = std::move(session);
   }
   stats_->sessions_opened.fetch_add(1, std::memory_order_relaxed);
-  return OpenedSession{SessionKey{id, std::move(token)}, capacity, ring_region};
+  return OpenedSession{SessionKey{id, std::move(token)}, capacity, ring_region, restore_from,
+                       std::move(restorable_steps)};
+}
+
+absl::StatusOr<std::string> SessionManager::FindLost(absl::string_view name,
+                                                     std::optional<uint64_t> steps) const {
+  std::string root;
+  absl::flat_hash_set<std::string> taken;  // open sessions' own and restored ones
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto_checkpoint_.dir.empty()) {
+      return absl::FailedPreconditionError(
+          "resuming a lost session needs automatic checkpoints (checkpoint.auto_*)");
+    }
+    root = auto_checkpoint_.dir;
+    for (const auto& [id, s] : sessions_) {
+      taken.insert(absl::StrCat(root, "/", id));
+      if (!s->restored_auto_dir.empty()) taken.insert(s->restored_auto_dir);
+    }
+  }
+  // Read outside the lock: files.
+  const std::string stem = checkpoint::StemFor(name);
+  std::string best;
+  uint64_t best_steps = 0;
+  int64_t best_created = 0;
+  for (const std::string& entry : ListDirectory(root)) {
+    uint64_t id = 0;
+    const std::string dir = absl::StrCat(root, "/", entry);
+    if (!absl::SimpleAtoi(entry, &id) || taken.contains(dir)) continue;
+    absl::StatusOr<checkpoint::Manifest> m =
+        checkpoint::ReadManifest(absl::StrCat(dir, "/", stem, ".manifest"));
+    if (!m.ok() || m->session_name() != name) continue;
+    if (steps.has_value()) {
+      const std::vector<uint64_t> held = checkpoint::CheckpointSteps(dir, stem);
+      if (std::find(held.begin(), held.end(), *steps) == held.end()) continue;
+    }
+    if (best.empty() || m->steps() > best_steps ||
+        (m->steps() == best_steps && m->created_unix_ms() > best_created)) {
+      best = dir;
+      best_steps = m->steps();
+      best_created = m->created_unix_ms();
+    }
+  }
+  if (best.empty() && steps.has_value()) {
+    return absl::NotFoundError(absl::StrCat("no automatic checkpoint of step ", *steps,
+                                            " of a lost session named '", name, "' in ", root));
+  }
+  return best;
 }
 
 absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
@@ -409,7 +466,9 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     if (!auto_checkpoint_.dir.empty()) {
       doomed->remove_when_gone.push_back(absl::StrCat(auto_checkpoint_.dir, "/", id));
     }
-    if (!doomed->restored_auto_dir.empty()) {
+    // (Only once it stepped: one that closes before, to open again at
+    // another of its steps, leaves it for that.)
+    if (!doomed->restored_auto_dir.empty() && doomed->stepped.load()) {
       doomed->remove_when_gone.push_back(doomed->restored_auto_dir);
     }
     sessions_.erase(found);
@@ -850,6 +909,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   SessionCheckpointState state;
   state.name = s->name;
   state.scaler = s->scaler.get();
+  state.keep_previous = automatic;
   // The image and the scaler at the same step boundary.
   auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
     absl::MutexLock decided(&s->decide_mu);
@@ -1001,7 +1061,7 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   }
   // Resumed, it changes from here on: what was kept is stale.
   if (!kept_dir.empty()) RemoveDirectoryOfFiles(kept_dir);
-  return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region};
+  return OpenedSession{key, session->partitions->arena_capacity(), session->ring_region, "", {}};
 }
 
 std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now,

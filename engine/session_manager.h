@@ -72,6 +72,29 @@ struct OpenedSession {
   uint64_t arena_capacity = 0;
   // The session's request ring (ipc/request_ring.h) in its arena.
   ArenaRegion ring;
+  // The checkpoint directory it restores (RestoreFrom), empty if none, and
+  // the steps of the checkpoints of its name there (the latest first, then
+  // a kept previous one: what another Open of it may ask for).
+  std::string restored_from;
+  std::vector<uint64_t> restorable_steps;
+};
+
+// Where a session's state comes from (Open): nowhere (a new session), a
+// checkpoint directory, or what an earlier offloadd that died left of a
+// session of the same name.
+struct RestoreFrom {
+  RestoreFrom() = default;
+  RestoreFrom(std::string dir) : dir(std::move(dir)) {}  // NOLINT: a directory is one
+  RestoreFrom(const char* dir) : dir(dir) {}             // NOLINT
+  // An absolute directory holding a checkpoint (Checkpoint), else empty.
+  std::string dir;
+  // With `dir` empty: the newest automatic checkpoint a session of the
+  // same name left when an earlier offloadd died and no open session
+  // restores (none: a new session).
+  bool lost = false;
+  // The checkpoint taken after this many steps (an automatic checkpoint
+  // keeps the one before it too); unset: the latest.
+  std::optional<uint64_t> steps;
 };
 
 // One partition of a gradient return naming several.
@@ -183,12 +206,10 @@ class SessionManager {
       absl::string_view name, const PlacementChange& placement = {},
       const std::optional<LossScalingOptions>& loss_scaling = std::nullopt,
       std::optional<uint64_t> delayed_update_after = std::nullopt,
-      const std::string& restore_from = "") ABSL_LOCKS_EXCLUDED(mu_);
-  // `restore_from` (an absolute directory, else empty): the session
-  // restores the checkpoint there (engine/checkpoint.h): its steps, loss
-  // scaler (options from `loss_scaling` if given), delayed update and
-  // placement (kinds `placement` leaves unset), and, at each Register, the
-  // partition's state.
+      const RestoreFrom& restore_from = {}) ABSL_LOCKS_EXCLUDED(mu_);
+  // `restore_from` (RestoreFrom): the session restores the checkpoint there (engine/checkpoint.h):
+  // its steps, loss scaler (options from `loss_scaling` if given), delayed update and placement
+  // (kinds `placement` leaves unset), and, at each Register, the partition's state.
 
   // Writes the session's checkpoint into `dir` (CheckpointWriter); with
   // `background`, returns once the image is taken (running set) and the
@@ -409,7 +430,12 @@ class SessionManager {
   absl::StatusOr<OpenedSession> OpenAs(absl::string_view name, const PlacementChange& placement,
                                        const std::optional<LossScalingOptions>& loss_scaling,
                                        std::optional<uint64_t> delayed_update_after,
-                                       const std::string& restore_from, const SessionKey* reuse)
+                                       const RestoreFrom& restore_from, const SessionKey* reuse)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The automatic checkpoint directory RestoreFrom::lost names for a
+  // session called `name` (with `steps`, one holding that step): empty if
+  // none (NOT_FOUND if `steps` was asked for).
+  absl::StatusOr<std::string> FindLost(absl::string_view name, std::optional<uint64_t> steps) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Register with partition id `reuse_id` (a kept session's), else a new one.
   absl::StatusOr<PartitionInfo> RegisterAs(const SessionKey& key, const PartitionSpec& spec,

@@ -296,6 +296,95 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   sessions_.SetAutoCheckpoint({});
 }
 
+// What a session left in its automatic checkpoints when its offloadd died
+// is found by its name: the latest, or the kept previous one at the step a
+// job's ranks share; one closed before it stepped leaves it for that, one
+// that stepped takes it away; an open session's own is never taken.
+TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
+  const std::string root = ::testing::TempDir() + "/lost";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  SessionManager::AutoCheckpointOptions options;
+  options.dir = root + "/auto";
+  options.every_steps = 1;
+  sessions_.SetAutoCheckpoint(options);
+  const auto opened = sessions_.Open("job/rank0");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  const std::string auto_dir = sessions_.AutoCheckpointDir(key.id);
+  auto p = sessions_.Register(key, {"w", 1 << 12, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
+    ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 1 << 12, DType::kFp32).ok());
+    ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+    ASSERT_TRUE(sessions_.Step(key, AdamHyperparams{}).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (stats_.auto_checkpoints.load() < i && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_EQ(stats_.auto_checkpoints.load(), i);
+  }
+  // The same name while its session is open: nothing lost to find.
+  RestoreFrom lost;
+  lost.lost = true;
+  auto alive = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(alive.ok()) << alive.status();
+  EXPECT_EQ(alive->restored_from, "");
+  ASSERT_TRUE(sessions_.Close(alive->key).ok());
+
+  // A restarted offloadd (the first one's session never closed: it died).
+  std::unique_ptr<Engine> restarted = MakeEngine(&env_);
+  SessionManager& next = restarted->sessions();
+  next.SetAutoCheckpoint(options);
+  auto latest = next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(latest->restored_from, auto_dir);
+  EXPECT_EQ(latest->restorable_steps, (std::vector<uint64_t>{3, 2}));
+  auto q = next.Register(latest->key, {"w", 1 << 12, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->restored);
+  EXPECT_EQ(q->step, 3u);
+  // Its other rank has only step 2: closed before a step, it leaves the
+  // directory for the session that opens at step 2.
+  ASSERT_TRUE(next.Close(latest->key).ok());
+  EXPECT_TRUE(std::filesystem::exists(auto_dir));
+  lost.steps = 2;
+  auto shared = next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_EQ(shared->restored_from, auto_dir);
+  q = next.Register(shared->key, {"w", 1 << 12, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->step, 2u);
+  // Taken by an open session: not found again; a step nobody kept is
+  // NOT_FOUND; another name has nothing lost.
+  lost.steps.reset();
+  auto again = next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->restored_from, "");
+  ASSERT_TRUE(next.Close(again->key).ok());
+  lost.steps = 1;
+  EXPECT_EQ(next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost).status().code(),
+            absl::StatusCode::kNotFound);
+  lost.steps.reset();
+  auto other = next.Open("job/rank1", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->restored_from, "");
+  EXPECT_TRUE(other->restorable_steps.empty());
+  ASSERT_TRUE(next.Close(other->key).ok());
+  // Once it stepped, the session that restored it takes it away at close.
+  ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
+  ASSERT_TRUE(next.Fetch(shared->key, {q->id}, WithGrads()).ok());
+  ASSERT_TRUE(next.ReturnGradients(shared->key, q->id, 1 << 12, DType::kFp32).ok());
+  ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
+  ASSERT_TRUE(next.Step(shared->key, AdamHyperparams{}).ok());
+  ASSERT_TRUE(next.Close(shared->key).ok());
+  EXPECT_FALSE(std::filesystem::exists(auto_dir));
+  ASSERT_TRUE(sessions_.Close(key).ok());
+  sessions_.SetAutoCheckpoint({});
+}
+
 // With overlapped steps the automatic checkpoint is taken at the next Step,
 // at the boundary after the previous update: its manifest holds that step
 // count, and the trainer's WaitStep and next steps are unaffected.

@@ -436,6 +436,11 @@ PYBIND11_MODULE(_offloadd, m) {
           "auto_checkpoint_dir", &Session::auto_checkpoint_dir,
           "where offloadd writes this session's automatic checkpoints ('' when off): after a "
           "crash of offloadd, open a session with restore_from it to go on from the last")
+      .def_property_readonly("restored_from", &Session::restored_from,
+                             "the checkpoint directory it restored ('' if none)")
+      .def_property_readonly("restorable_steps", &Session::restorable_steps,
+                             "the steps of its checkpoints there: the latest first, then the "
+                             "previous one an automatic checkpoint keeps")
       .def(
           "register",
           [](Session& s, const std::string& name, uint64_t numel, const std::string& param_dtype,
@@ -641,9 +646,11 @@ PYBIND11_MODULE(_offloadd, m) {
              std::optional<int> grads_host_percent, std::optional<int> optimizer_state_host_percent,
              std::optional<uint64_t> delayed_update_after_steps,
              std::optional<py::dict> loss_scaling, const std::string& restore_from,
-             uint32_t share_weight) {
+             uint32_t share_weight, bool resume_lost, std::optional<uint64_t> restore_steps) {
             SessionOptions o;
             o.restore_from = restore_from;
+            o.resume_lost = resume_lost;
+            o.restore_steps = restore_steps;
             o.share_weight = share_weight;
             if (loss_scaling.has_value()) {
               // fp16: {"initial_scale": ..., "growth_interval": ..., ...}
@@ -671,7 +678,8 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("grads_host_percent") = py::none(),
           py::arg("optimizer_state_host_percent") = py::none(),
           py::arg("delayed_update_after_steps") = py::none(), py::arg("loss_scaling") = py::none(),
-          py::arg("restore_from") = "", py::arg("share_weight") = 0)
+          py::arg("restore_from") = "", py::arg("share_weight") = 0, py::arg("resume_lost") = false,
+          py::arg("restore_steps") = py::none())
       .def(
           "set_share",
           [](Client& c, uint64_t session_id, uint32_t weight) {
