@@ -111,7 +111,10 @@ struct SessionManager::Session {
   uint64_t auto_step ABSL_GUARDED_BY(checkpoint_mu) = 0;
   SteadyTime auto_time ABSL_GUARDED_BY(checkpoint_mu) = opened;
   int auto_failures_logged ABSL_GUARDED_BY(checkpoint_mu) = 0;
-  // An automatic checkpoint of another session it restored (restore_from).
+  int64_t auto_committed ABSL_GUARDED_BY(checkpoint_mu) = 0;
+  // An automatic checkpoint of another session it restored (restore_from):
+  // removed once two of its own are committed (MaybeAutoCheckpoint), or when
+  // it closes after a step.
   std::string restored_auto_dir;
   // Directories removed once the session is gone (set when it closes:
   // its automatic checkpoints; guarded by the manager's mu_ until then).
@@ -863,6 +866,21 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
   }
   if (!options.on()) return;
   Session* s = session.get();
+  // Once two of its own are committed (a step a rank one checkpoint behind
+  // can meet), the lost session's it restored is not needed any more.
+  bool superseded;
+  {
+    absl::MutexLock lock(&s->checkpoint_mu);
+    superseded = s->auto_committed >= 2;
+  }
+  if (superseded) {
+    std::string restored;
+    {
+      absl::MutexLock lock(&mu_);
+      restored = std::exchange(s->restored_auto_dir, "");
+    }
+    if (!restored.empty()) RemoveDirectoryOfFiles(restored);
+  }
   const uint64_t steps = s->partitions->steps();
   const SteadyTime now = std::chrono::steady_clock::now();
   {
@@ -974,6 +992,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
     }
     if (result.ok()) {
       stats->auto_checkpoints.fetch_add(1, std::memory_order_relaxed);
+      ++s->auto_committed;
     } else if (!s->checkpoint_cancel) {
       stats->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
       if (s->auto_failures_logged++ < 3) {

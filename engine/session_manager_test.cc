@@ -373,14 +373,24 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
   EXPECT_EQ(other->restored_from, "");
   EXPECT_TRUE(other->restorable_steps.empty());
   ASSERT_TRUE(next.Close(other->key).ok());
-  // Once it stepped, the session that restored it takes it away at close.
+  // Once two of its own automatic checkpoints are committed, the session
+  // that restored it takes it away (at its next step).
   ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
-  ASSERT_TRUE(next.Fetch(shared->key, {q->id}, WithGrads()).ok());
-  ASSERT_TRUE(next.ReturnGradients(shared->key, q->id, 1 << 12, DType::kFp32).ok());
-  ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
-  ASSERT_TRUE(next.Step(shared->key, AdamHyperparams{}).ok());
-  ASSERT_TRUE(next.Close(shared->key).ok());
+  Stats& next_stats = restarted->stats();
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_TRUE(next.Fetch(shared->key, {q->id}, WithGrads()).ok());
+    ASSERT_TRUE(next.ReturnGradients(shared->key, q->id, 1 << 12, DType::kFp32).ok());
+    ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
+    ASSERT_TRUE(next.Step(shared->key, AdamHyperparams{}).ok());
+    EXPECT_EQ(std::filesystem::exists(auto_dir), i < 3) << i;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (next_stats.auto_checkpoints.load() < i && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_EQ(next_stats.auto_checkpoints.load(), i);
+  }
   EXPECT_FALSE(std::filesystem::exists(auto_dir));
+  ASSERT_TRUE(next.Close(shared->key).ok());
   ASSERT_TRUE(sessions_.Close(key).ok());
   sessions_.SetAutoCheckpoint({});
 }

@@ -95,6 +95,82 @@ class TorchWrapTest(unittest.TestCase):
                 return json.load(f), outputs, codes
         return None, outputs, codes
 
+    def test_two_ranks_go_on_after_offloadd_is_killed_at_random_points(self):
+        # kill -9 of offloadd at random moments under a 2-rank job; this test
+        # is the supervisor that starts offloadd again, and, as torchrun
+        # --max-restarts does, starts the ranks again when one fails;
+        # wrap(resume "auto") goes on from the newest automatic checkpoint
+        # both ranks have. The final weights equal an uninterrupted run's,
+        # bit for bit (the lost steps are repeated).
+        import random
+        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
+        sc = dict(BASE, steps=16, zero={"resume": "auto", "session_name": "killed"})
+        calm = Daemon(self.root, "uninterrupted", flags=flags)
+        try:
+            want, _, _ = self.run_ranks(sc, 2, addresses=[calm.address] * 2)
+        finally:
+            calm.stop()
+        self.assertEqual(want["start"], 0)
+        seed = int(time.time())
+        rng = random.Random(seed)
+        daemon = Daemon(self.root, "killed", flags=flags)
+        kills, attempts, log = 0, 0, []
+        try:
+            while True:
+                attempts += 1
+                self.assertLessEqual(attempts, 12, f"seed {seed}: {log}")
+                work = tempfile.mkdtemp(dir=self.root)
+                init, out = os.path.join(work, "init"), os.path.join(work, "out.json")
+                procs = [subprocess.Popen(
+                    [sys.executable, WORKER, json.dumps(sc), str(rank), "2", init, out],
+                    env=dict(os.environ, OFFLOADD_ADDRESS=daemon.address),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                    for rank in range(2)]
+                if kills < 3:
+                    # At a random point of this attempt: in wrap() (its
+                    # agreement) or after a random number of the ranks'
+                    # automatic checkpoints (two a step: within the first
+                    # five steps, which a resumed attempt gets to as well).
+                    target = rng.randint(0, 10)
+                    watch = offloadd.Client(daemon.address)
+                    counter = "sessions_opened" if target == 0 else "auto_checkpoints"
+                    while all(p.poll() is None for p in procs):
+                        try:
+                            if watch.stats()["counters"][counter] >= max(target, 1):
+                                break
+                        except offloadd.Error:
+                            pass
+                        time.sleep(0.005)
+                    if all(p.poll() is None for p in procs):
+                        daemon.stop()  # SIGKILL
+                        daemon = Daemon(self.root, "killed", flags=flags, restart=True)
+                        kills += 1
+                outputs = []
+                for p in procs:
+                    try:
+                        outputs.append(p.communicate(timeout=120)[0])
+                    except subprocess.TimeoutExpired:
+                        for q in procs:
+                            q.kill()
+                        self.fail(f"seed {seed}: ranks still running after 120 s\n{log}")
+                codes = [p.returncode for p in procs]
+                said = [line for o in outputs for line in o.splitlines() if "resumed at" in line]
+                log.append((codes, said))
+                if codes == [0, 0]:
+                    break
+                # A rank failed: the job restarts (both ranks), as torchrun's does.
+            with open(out) as f:
+                got = json.load(f)
+        finally:
+            daemon.stop()
+        print(f"\n  seed {seed}: {kills} kills, {attempts} attempts; {log}", file=sys.stderr)
+        self.assertGreaterEqual(kills, 2, f"seed {seed}: {log}")
+        self.assertGreater(attempts, 1)
+        self.assertEqual(got["state"].keys(), want["state"].keys())
+        for k in want["state"]:
+            self.assertEqual(got["state"][k], want["state"][k], f"seed {seed}: {k}")
+        self.assertEqual(got["final"], want["final"])
+
     def reference(self, scenario):
         key = json.dumps(scenario, sort_keys=True)
         if key not in self.reference_cache:

@@ -78,6 +78,10 @@ def train(sc, rank, world, use_offloadd):
     # Resuming from a checkpoint at step `start`: the same batches and
     # learning rates as an uninterrupted run from there.
     start = sc.get("start_step", 0)
+    if use_offloadd and sc.get("zero", {}).get("resume") == "auto":
+        start = model.offloadd.resumed_step  # what the ranks' automatic checkpoints share
+        print(f"rank {rank}: resumed at step {start} from {model.offloadd.resumed_from!r}",
+              flush=True)
     for _ in range(start):
         for _ in range(ga):
             text.batch(batch, sc["context"], gen)
@@ -130,7 +134,7 @@ def train(sc, rank, world, use_offloadd):
     gpu_stats = model.offloadd.gpu_stats() if use_offloadd else None
     if use_offloadd:
         opt.close()
-    return {"losses": losses, "norms": norms, "final": final, "state": state,
+    return {"start": start, "losses": losses, "norms": norms, "final": final, "state": state,
             "checkpoint_state": checkpoint_state, "counts": counts, "gpu": gpu_stats,
             "optimizer_state": optimizer_state}
 

@@ -67,6 +67,7 @@ import math
 import random
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -410,8 +411,15 @@ class _Engine:
             self.client.set_tunable(name, value)
         params_host = self.host_percent("params")
         self.hold_per_pass = params_host == 100 and not config["overlap_step"]
-        self.session = _GuardedSession(self, self._open_session(config["restore_from"]))
-        self.restoring = bool(config["restore_from"])
+        # The step this job goes on from: 0 for a new one, a checkpoint's
+        # with restore_from, and with resume "auto" the step the ranks'
+        # automatic checkpoints share after offloadd died (see _resume).
+        self.resumed_step = 0
+        self.resumed_from = config["restore_from"]
+        if config["resume"] == "auto" and not config["restore_from"]:
+            self.session = _GuardedSession(self, self._resume())
+        else:
+            self.session = _GuardedSession(self, self._open_session(config["restore_from"]))
         self.params_host = params_host
         # The node's host pool, which every rank's holds share: batches of
         # gradient returns stay well inside it (see _size_batches).
@@ -515,7 +523,7 @@ class _Engine:
                 time.sleep(delay * random.uniform(0.5, 1.5))
                 delay = min(2 * delay, 0.25)
 
-    def _open_session(self, restore_from):
+    def _open_session(self, restore_from, resume_lost=False, restore_steps=None):
         """This rank's session, placed and configured as zero_config says."""
         config = self.config
         placement = config["placement"]
@@ -528,7 +536,40 @@ class _Engine:
             delayed_update_after_steps=config["delayed_update_after_steps"],
             loss_scaling=config["loss_scaling"],
             restore_from=restore_from,
-            share_weight=config["share_weight"])
+            share_weight=config["share_weight"],
+            resume_lost=resume_lost,
+            restore_steps=restore_steps)
+
+    def _resume(self):
+        """zero_config resume "auto": this rank's session from what its
+        session of the same name left when offloadd died, at the newest
+        step every rank has (an automatic checkpoint keeps the one before
+        it too, so that ranks one checkpoint apart meet). Nothing lost
+        anywhere, or no step in common: a new session (step 0). Collective:
+        every rank calls it in wrap()."""
+        session = self._open_session("", resume_lost=True)
+        mine = [int(s) for s in session.restorable_steps]
+        steps = [mine]
+        if self.world > 1:
+            steps = [None] * self.world
+            self._collective("agreement on the step to resume from",
+                             lambda: dist.all_gather_object(steps, mine, group=self.group))
+        common = set.intersection(*(set(s) | {0} for s in steps))
+        target = max(common)
+        if target == (mine[0] if mine else 0):
+            self.resumed_step, self.resumed_from = target, session.restored_from
+            return session
+        # Another rank is a checkpoint behind (or has none): this rank goes
+        # back to the step they share.
+        directory = session.restored_from
+        session.close()  # before a step: the directory stays for the next open
+        if target == 0:
+            warnings.warn(f"offloadd.torch: rank {self.rank} had automatic checkpoints of steps "
+                          f"{mine} in {directory}, but another rank has none of them: the job "
+                          "starts anew")
+            return self._open_session("")
+        self.resumed_step, self.resumed_from = target, directory
+        return self._open_session(directory, restore_steps=target)
 
     def _register_slice(self, session, s):
         """Registers this rank's slice of `s`'s parameter in `session`
@@ -584,11 +625,15 @@ class _Engine:
             directory = getattr(self, "_resumed_from", None) or directory
         if self.tier is not None or self.world > 1:
             # Several ranks find the daemon gone at different calls, so an
-            # agreement among them could meet another rank's collective.
+            # agreement among them could meet another rank's collective: the
+            # job restarts, and wrap() agrees (resume "auto").
+            how = ("restart the job (torchrun --max-restarts does) and wrap() goes on from the "
+                   "newest automatic checkpoint every rank has" if self.config["resume"] else
+                   "restart the job with zero_config resume 'auto' (or this rank's "
+                   f"restore_from {directory})")
             raise offloadd.NotFoundError(
-                f"{cause}; offloadd.torch resumes by itself only with one rank and without the "
-                f"GPU tier: restart the job with this rank's zero_config restore_from "
-                f"{directory}") from cause
+                f"{cause}; with {self.world} ranks or the GPU tier, offloadd.torch does not go "
+                f"on in this process: {how}") from cause
         if not directory or not os.path.isdir(directory):
             raise cause
         session = self._open_session(directory)
@@ -1953,7 +1998,8 @@ _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
-              "restore_from", "gradient_stats", "gpu", "reduce_bucket_elements", "share_weight"}
+              "restore_from", "gradient_stats", "gpu", "reduce_bucket_elements", "share_weight",
+              "resume"}
 _GPU_KEYS = {"tier", "device", "budget_bytes", "prefetch_depth", "prefetch_elements",
              "persistence_threshold", "max_live_parameters", "max_reuse_distance",
              "staging_bytes"}
@@ -2015,6 +2061,11 @@ def _zero_defaults(zero_config):
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise offloadd.InvalidArgumentError(
             f"reduce_bucket_elements must be a positive integer, got {bucket!r}")
+    resume = z.get("resume", False)
+    if resume not in (False, None, "auto"):
+        raise offloadd.InvalidArgumentError(f"resume must be 'auto' or false, got {resume!r}")
+    if resume and z.get("restore_from"):
+        raise offloadd.InvalidArgumentError("resume 'auto' and restore_from exclude each other")
     static = z.get("static_loss_scale")
     if static is not None and (not isinstance(static, (int, float)) or static <= 0):
         raise offloadd.InvalidArgumentError(f"static_loss_scale must be > 0, got {static!r}")
@@ -2038,6 +2089,7 @@ def _zero_defaults(zero_config):
         "share_weight": share,
         "node_tunables": dict(z.get("node_tunables") or {}),
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
+        "resume": "auto" if resume else False,
     }
 
 
@@ -2088,6 +2140,14 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the
                                   model's own values are not used); any number of ranks
+      resume                      "auto": go on from what this job's sessions (by session_name
+                                  and rank) left in offloadd's automatic checkpoints when it
+                                  died, at the newest step every rank has; model.offloadd.
+                                  resumed_step says which (0: nothing to go on from, a new
+                                  job). With several ranks, a crash of offloadd ends every rank
+                                  with an error: restart the job (torchrun --max-restarts) and
+                                  it resumes here. One rank also resumes without a restart
+                                  (SessionRestored)
     deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
       two dicts; see offloadd.deepspeed. The loop then runs as DeepSpeed's:
       step() after every micro-batch updates at every
