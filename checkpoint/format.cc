@@ -244,22 +244,29 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
                          ") of a session of the same name, committed meanwhile"));
       }
     }
+    // The one replaced stays as <stem>.previous: linked aside first, and
+    // renamed over the older one only once the new one is in, so that a
+    // crash in between leaves the new manifest and the older previous one
+    // (never two names of one checkpoint).
+    std::string link_tmp;
     if (keep_previous && access(final_path.c_str(), F_OK) == 0) {
-      // The one replaced stays as <stem>.previous (replacing the older one
-      // in one rename: a crash leaves one or the other).
-      const std::string link_tmp = absl::StrCat(previous_path, ".", manifest.data_file(), ".tmp");
+      link_tmp = absl::StrCat(previous_path, ".", manifest.data_file(), ".tmp");
       unlink(link_tmp.c_str());
       if (link(final_path.c_str(), link_tmp.c_str()) != 0) {
         return PosixError(absl::StrCat("linking ", final_path, " to ", link_tmp), errno);
       }
-      if (rename(link_tmp.c_str(), previous_path.c_str()) != 0) {
-        const int err = errno;
-        unlink(link_tmp.c_str());
-        return PosixError(absl::StrCat("renaming ", link_tmp, " to ", previous_path), err);
-      }
     }
     if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
-      return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), errno);
+      const int err = errno;
+      if (!link_tmp.empty()) unlink(link_tmp.c_str());
+      return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), err);
+    }
+    if (!link_tmp.empty() && rename(link_tmp.c_str(), previous_path.c_str()) != 0) {
+      // Committed; only the previous one is not kept.
+      LogWarning(
+          "checkpoint %s: the previous one is not kept: %s", final_path,
+          PosixError(absl::StrCat("renaming ", link_tmp, " to ", previous_path), errno).ToString());
+      unlink(link_tmp.c_str());
     }
     return absl::OkStatus();
   }();

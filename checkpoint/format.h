@@ -20,10 +20,11 @@
 //
 // Keeping the previous generation (automatic checkpoints: the ranks of a job
 // may be a checkpoint apart when offloadd dies between their commits), 3
-// starts by linking the old manifest as <stem>.previous (replacing the
-// older one by rename), and 4 keeps the data file that one names. A crash
-// at any point leaves a valid <stem>.manifest and, after the first
-// checkpoint kept so, a valid <stem>.previous.
+// links the old manifest aside before its rename and, after it, renames
+// that link over <stem>.previous; 4 keeps the data file <stem>.previous
+// names. A crash at any point leaves a valid <stem>.manifest and, after the
+// first checkpoint kept so, a valid <stem>.previous naming an older one (a
+// crash between the two renames: the one before the replaced one).
 //
 // Reading verifies the frame, the payload's hash and each record's hash:
 // DATA_LOSS names the file, the offset and what did not match.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -175,17 +176,28 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   std::string restore_from = restore_spec.dir;
+  std::vector<uint64_t> restorable_steps;
+  // The name's lost directories that go once this session is open (a final
+  // choice among them: RestoreFrom::steps).
+  std::vector<std::string> superseded;
   if (restore_from.empty() && restore_spec.lost) {
-    ASSIGN_OR_RETURN(restore_from, FindLost(name, restore_spec.steps));
+    ASSIGN_OR_RETURN(LostCheckpoints lost, FindLost(name, restore_spec.steps));
+    restorable_steps = std::move(lost.steps);
+    if (restore_spec.steps.has_value()) {
+      superseded = std::move(lost.others);
+      if (*restore_spec.steps == 0 && !lost.dir.empty()) superseded.push_back(lost.dir);
+    }
+    if (restore_spec.steps.value_or(1) != 0) restore_from = std::move(lost.dir);
   }
   std::unique_ptr<CheckpointRestore> restore;
-  std::vector<uint64_t> restorable_steps;
   PlacementChange placed = placement;
   std::optional<LossScalingOptions> scaling = loss_scaling;
   if (!restore_from.empty()) {
     ASSIGN_OR_RETURN(restore,
                      CheckpointRestore::Open(restore_from, std::string(name), restore_spec.steps));
-    restorable_steps = checkpoint::CheckpointSteps(restore_from, checkpoint::StemFor(name));
+    if (!restore_spec.lost) {
+      restorable_steps = checkpoint::CheckpointSteps(restore_from, checkpoint::StemFor(name));
+    }
     const checkpoint::Manifest& m = restore->session_manifest();
     for (int k = 0; k < kDataKinds; ++k) {
       const auto kind = static_cast<DataKind>(k);
@@ -273,12 +285,13 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     sessions_[id] = std::move(session);
   }
   stats_->sessions_opened.fetch_add(1, std::memory_order_relaxed);
+  for (const std::string& dir : superseded) RemoveDirectoryOfFiles(dir);
   return OpenedSession{SessionKey{id, std::move(token)}, capacity, ring_region, restore_from,
                        std::move(restorable_steps)};
 }
 
-absl::StatusOr<std::string> SessionManager::FindLost(absl::string_view name,
-                                                     std::optional<uint64_t> steps) const {
+absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
+    absl::string_view name, std::optional<uint64_t> steps) const {
   std::string root;
   absl::flat_hash_set<std::string> taken;  // open sessions' own and restored ones
   {
@@ -293,11 +306,15 @@ absl::StatusOr<std::string> SessionManager::FindLost(absl::string_view name,
       if (!s->restored_auto_dir.empty()) taken.insert(s->restored_auto_dir);
     }
   }
-  // Read outside the lock: files.
+  // Read outside the lock: files. The newest directory wins (a job that
+  // started anew left older ones, whose steps may be higher).
   const std::string stem = checkpoint::StemFor(name);
-  std::string best;
-  uint64_t best_steps = 0;
-  int64_t best_created = 0;
+  struct Found {
+    std::string dir;
+    int64_t created;
+    std::vector<uint64_t> steps;
+  };
+  std::vector<Found> found;
   for (const std::string& entry : ListDirectory(root)) {
     uint64_t id = 0;
     const std::string dir = absl::StrCat(root, "/", entry);
@@ -305,22 +322,28 @@ absl::StatusOr<std::string> SessionManager::FindLost(absl::string_view name,
     absl::StatusOr<checkpoint::Manifest> m =
         checkpoint::ReadManifest(absl::StrCat(dir, "/", stem, ".manifest"));
     if (!m.ok() || m->session_name() != name) continue;
-    if (steps.has_value()) {
-      const std::vector<uint64_t> held = checkpoint::CheckpointSteps(dir, stem);
-      if (std::find(held.begin(), held.end(), *steps) == held.end()) continue;
-    }
-    if (best.empty() || m->steps() > best_steps ||
-        (m->steps() == best_steps && m->created_unix_ms() > best_created)) {
-      best = dir;
-      best_steps = m->steps();
-      best_created = m->created_unix_ms();
-    }
+    found.push_back({dir, m->created_unix_ms(), checkpoint::CheckpointSteps(dir, stem)});
   }
-  if (best.empty() && steps.has_value()) {
+  std::sort(found.begin(), found.end(),
+            [](const Found& a, const Found& b) { return a.created > b.created; });
+  LostCheckpoints out;
+  for (const Found& f : found) {
+    const bool holds = !steps.has_value() || *steps == 0 ||
+                       std::find(f.steps.begin(), f.steps.end(), *steps) != f.steps.end();
+    if (out.dir.empty() && holds) {
+      out.dir = f.dir;
+    } else {
+      out.others.push_back(f.dir);
+    }
+    out.steps.insert(out.steps.end(), f.steps.begin(), f.steps.end());
+  }
+  std::sort(out.steps.begin(), out.steps.end(), std::greater<>());
+  out.steps.erase(std::unique(out.steps.begin(), out.steps.end()), out.steps.end());
+  if (out.dir.empty() && steps.value_or(0) > 0) {
     return absl::NotFoundError(absl::StrCat("no automatic checkpoint of step ", *steps,
                                             " of a lost session named '", name, "' in ", root));
   }
-  return best;
+  return out;
 }
 
 absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
@@ -1261,6 +1284,12 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
     // session was opened to restore, if any, else start anew.
     session->restore.reset();
     session->restore_from = kept.restore_from;
+    // Gone (a lost session's automatic checkpoint it restored goes once
+    // two of its own are in): what it held is in this session's state;
+    // partitions registered later start anew.
+    if (!session->restore_from.empty() && !IsDirectory(session->restore_from)) {
+      session->restore_from.clear();
+    }
     if (!session->restore_from.empty()) {
       ASSIGN_OR_RETURN(session->restore, CheckpointRestore::Open(session->restore_from, kept.name));
     }

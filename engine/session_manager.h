@@ -90,10 +90,14 @@ struct RestoreFrom {
   std::string dir;
   // With `dir` empty: the newest automatic checkpoint a session of the
   // same name left when an earlier offloadd died and no open session
-  // restores (none: a new session).
+  // restores (none: a new session). The answer's restorable_steps are those
+  // of every such directory of the name.
   bool lost = false;
   // The checkpoint taken after this many steps (an automatic checkpoint
-  // keeps the one before it too); unset: the latest.
+  // keeps the one before it too); unset: the latest. With `lost`, it is the
+  // final choice (a job's ranks agreed on it): the newest directory holding
+  // that step is restored and the name's other lost ones go; 0: none is
+  // restored (a new session) and all go.
   std::optional<uint64_t> steps;
 };
 
@@ -432,10 +436,17 @@ class SessionManager {
                                        std::optional<uint64_t> delayed_update_after,
                                        const RestoreFrom& restore_from, const SessionKey* reuse)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The automatic checkpoint directory RestoreFrom::lost names for a
-  // session called `name` (with `steps`, one holding that step): empty if
-  // none (NOT_FOUND if `steps` was asked for).
-  absl::StatusOr<std::string> FindLost(absl::string_view name, std::optional<uint64_t> steps) const
+  // The automatic checkpoint directories of lost sessions called `name`
+  // (RestoreFrom::lost): `dir`, the newest (with `steps`, the newest holding
+  // that step; empty if none, NOT_FOUND if `steps` > 0 was asked for), the
+  // steps all of them hold (descending), and the others.
+  struct LostCheckpoints {
+    std::string dir;
+    std::vector<uint64_t> steps;
+    std::vector<std::string> others;
+  };
+  absl::StatusOr<LostCheckpoints> FindLost(absl::string_view name,
+                                           std::optional<uint64_t> steps) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Register with partition id `reuse_id` (a kept session's), else a new one.
   absl::StatusOr<PartitionInfo> RegisterAs(const SessionKey& key, const PartitionSpec& spec,

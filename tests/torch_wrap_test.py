@@ -166,6 +166,11 @@ class TorchWrapTest(unittest.TestCase):
         print(f"\n  seed {seed}: {kills} kills, {attempts} attempts; {log}", file=sys.stderr)
         self.assertGreaterEqual(kills, 2, f"seed {seed}: {log}")
         self.assertGreater(attempts, 1)
+        # Not by starting anew: a later attempt went on from a step both
+        # ranks had checkpointed.
+        resumed = [int(line.split("resumed at step ")[1].split()[0])
+                   for _, said in log[1:] for line in said]
+        self.assertGreater(max(resumed, default=0), 0, f"seed {seed}: {log}")
         self.assertEqual(got["state"].keys(), want["state"].keys())
         for k in want["state"]:
             self.assertEqual(got["state"][k], want["state"][k], f"seed {seed}: {k}")

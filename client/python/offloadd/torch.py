@@ -547,29 +547,37 @@ class _Engine:
         it too, so that ranks one checkpoint apart meet). Nothing lost
         anywhere, or no step in common: a new session (step 0). Collective:
         every rank calls it in wrap()."""
-        session = self._open_session("", resume_lost=True)
-        mine = [int(s) for s in session.restorable_steps]
+        failed, mine = None, None
+        try:
+            looked = self._open_session("", resume_lost=True)
+            mine = [int(s) for s in looked.restorable_steps]
+            looked.close()  # before a step: what it restored stays for the final open
+        except offloadd.Error as e:
+            failed = e
         steps = [mine]
         if self.world > 1:
+            # Every rank reaches the agreement, a failed one too (None), so
+            # that no rank waits in it for one that gave up.
             steps = [None] * self.world
             self._collective("agreement on the step to resume from",
                              lambda: dist.all_gather_object(steps, mine, group=self.group))
+        if failed is not None:
+            raise failed
+        if any(s is None for s in steps):
+            raise offloadd.UnavailableError(
+                f"rank {self.rank} of {self.world}: another rank could not look for its "
+                "automatic checkpoints; restart the job")
         common = set.intersection(*(set(s) | {0} for s in steps))
         target = max(common)
-        if target == (mine[0] if mine else 0):
-            self.resumed_step, self.resumed_from = target, session.restored_from
-            return session
-        # Another rank is a checkpoint behind (or has none): this rank goes
-        # back to the step they share.
-        directory = session.restored_from
-        session.close()  # before a step: the directory stays for the next open
-        if target == 0:
+        if mine and target == 0:
             warnings.warn(f"offloadd.torch: rank {self.rank} had automatic checkpoints of steps "
-                          f"{mine} in {directory}, but another rank has none of them: the job "
-                          "starts anew")
-            return self._open_session("")
-        self.resumed_step, self.resumed_from = target, directory
-        return self._open_session(directory, restore_steps=target)
+                          f"{mine}, but another rank has none of them: the job starts anew")
+        # The final choice: the newest checkpoint of that step is restored
+        # and the rank's other lost ones go (0: all go, a new session).
+        session = self._open_session("", resume_lost=True, restore_steps=target)
+        self.resumed_step, self.resumed_from = target, session.restored_from
+        self._resumed_from = session.restored_from or None
+        return session
 
     def _register_slice(self, session, s):
         """Registers this rank's slice of `s`'s parameter in `session`
