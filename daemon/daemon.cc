@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -370,6 +371,11 @@ absl::Status Daemon::StartAutoCheckpoints() {
   for (const SessionSummary& s : sessions.Sessions()) open.insert(s.id);
   int lost = 0;
   for (const std::string& name : ListDirectory(o.dir)) {
+    if (absl::StrContains(name, SessionManager::kClosingSuffix)) {
+      // A closed session's, renamed aside but not yet removed at the crash.
+      RemoveDirectoryOfFiles(absl::StrCat(o.dir, "/", name));
+      continue;
+    }
     uint64_t id = 0;
     if (!absl::SimpleAtoi(name, &id) || open.contains(id)) continue;
     const std::string dir = absl::StrCat(o.dir, "/", name);

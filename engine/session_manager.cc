@@ -497,6 +497,12 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     if (!doomed->restored_auto_dir.empty() && doomed->stepped.load()) {
       doomed->remove_when_gone.push_back(doomed->restored_auto_dir);
     }
+    // Out of FindLost's sight at once (they go when the session is gone,
+    // after its calls in flight and its checkpoint): renamed aside.
+    for (std::string& dir : doomed->remove_when_gone) {
+      std::string aside = absl::StrCat(dir, SessionManager::kClosingSuffix, id);
+      if (rename(dir.c_str(), aside.c_str()) == 0) dir = std::move(aside);
+    }
     sessions_.erase(found);
     absl::erase_if(partition_owner_, [id](const auto& entry) { return entry.second == id; });
     stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);

@@ -170,6 +170,10 @@ struct StepControl {
 class SessionManager {
  public:
   static constexpr size_t kTokenBytes = 16;
+  // A closed session's automatic checkpoint directory is renamed to
+  // <dir><kClosingSuffix><id> at once and removed once the session is gone;
+  // a crash in between leaves it for the next start to remove.
+  static constexpr char kClosingSuffix[] = ".closing.";
   // Most partition ids one Fetch may name (a reply stays far below gRPC's
   // 4 MiB message limit; a trainer fetches a layer's few at a time).
   static constexpr size_t kMaxFetchIds = 4096;

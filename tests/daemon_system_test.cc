@@ -2253,8 +2253,14 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
     stale = std::move(lost);
     stale_client = *std::move(client);
   }
+  // A closed session's directory, renamed aside but not yet removed when
+  // offloadd died: the next start removes it.
+  const std::string aside = auto_dir + "/77.closing.77";
+  std::filesystem::create_directories(aside);
+  std::ofstream(aside + "/x.manifest") << "left";
   auto second = DaemonProcess::StartIn(data_dir, flags);
   ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_FALSE(std::filesystem::exists(aside));
   const std::string lost_dir = absl::StrCat(auto_dir, "/", lost_id);
   const std::string log = (*second)->ReadLog();
   EXPECT_TRUE(absl::StrContains(log, absl::StrCat("session ", lost_id,
