@@ -11,8 +11,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "base/config_registry.h"
 
 namespace offload::bench {
@@ -98,6 +100,20 @@ int64_t ByteSizeOrExit(const char* text) {
     std::exit(2);
   }
   return *b;
+}
+
+bool TunableFlag(ConfigRegistry& registry, const char* arg) {
+  absl::string_view a = arg;
+  if (!absl::ConsumePrefix(&a, "--")) return false;
+  const size_t eq = a.find('=');
+  if (eq == absl::string_view::npos) return false;
+  const absl::string_view name = a.substr(0, eq);
+  if (!registry.Get(name).ok()) return false;
+  if (absl::StatusOr<TunableInfo> set = registry.Set(name, a.substr(eq + 1)); !set.ok()) {
+    std::fprintf(stderr, "--%s: %s\n", std::string(name).c_str(), set.status().ToString().c_str());
+    std::exit(2);
+  }
+  return true;
 }
 
 uint64_t CountOrExit(const char* text) {

@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace offload {
+class ConfigRegistry;
+}
+
 namespace offload::bench {
 
 using Clock = std::chrono::steady_clock;
@@ -48,6 +52,11 @@ double FioBandwidth(const std::string& file, bool write, uint64_t bs, int64_t de
 // Command-line flags of the benchmarks: the value of `arg` if it is
 // --`name`=VALUE, else null.
 const char* FlagValue(const char* arg, const char* name);
+// A flag spelled as one of offloadd's tunables bound in `registry`
+// (--nvme.queue_depth=64, --swapper.prefetch_bytes=1GiB: the daemon's names,
+// units and ranges): set there, and true; false if `arg` names none of them.
+// A value the registry refuses exits 2 with its reason.
+bool TunableFlag(ConfigRegistry& registry, const char* arg);
 // A positive byte size ("1GiB", "256MiB", "4096"), or exit 2 saying why.
 int64_t ByteSizeOrExit(const char* text);
 // A positive count with an optional decimal suffix ("400M", "1.5G", "10k"),

@@ -7,9 +7,10 @@
 //   bazel build -c opt //benches:out_of_core_step
 //   bazel-bin/benches/out_of_core_step [--dir=/var/tmp/offloadd-bench]
 //       [--params=400M] [--partition_params=25M] [--cache=1GiB] [--chunk=16MiB]
-//       [--steps=5] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
-//       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
-//       [--queue_depth=32] [--rings=2] [--stripe=1MiB]
+//       [--steps=5] [--swapper.prefetch_depth=8] [--swapper.prefetch_bytes=256MiB]
+//       [--swapper.io_threads=4] [--nvme.checksum=true|false] [--nvme.request_bytes=1MiB]
+//       [--nvme.queue_depth=32] [--nvme.rings=2] [--nvme.stripe_bytes=1MiB]
+//       (any nvme.* or swapper.* tunable, as offloadd spells it)
 //       [--compute_reps=3] [--no-fio] [--no-compute] [--hand_over]
 //       [--arena_pages=huge|small] [--tiny]
 //
@@ -110,9 +111,11 @@
 #include "engine/stats.h"
 #include "engine/step_runner.h"
 #include "nvme/io_backend.h"
+#include "nvme/nvme_options.h"
 #include "nvme/swap_space.h"
 #include "swapper/host_pool.h"
 #include "swapper/swapper.h"
+#include "swapper/swapper_options.h"
 
 namespace offload {
 namespace {
@@ -138,14 +141,10 @@ struct Flags {
   // (the daemon's default where the kernel gives shared memory huge pages).
   bool arena_huge = SharedHugePageBytes() != 0;
   int steps = 5;
-  int64_t prefetch_depth = SwapperOptions{}.prefetch_depth;
-  int64_t prefetch_bytes = SwapperOptions{}.prefetch_bytes;
-  int64_t io_threads = SwapperOptions{}.io_threads;
-  bool checksum = NvmeOptions{}.checksum;
-  int64_t request_bytes = IoOptions{}.request_bytes;
-  int64_t queue_depth = IoOptions{}.queue_depth;
-  int64_t rings = IoOptions{}.rings;
-  int64_t stripe = NvmeOptions{}.stripe_bytes;
+  // The NVMe tier's and the swapper's settings, as offloadd's tunables
+  // (--nvme.*, --swapper.*: bench::TunableFlag); offloadd's defaults.
+  NvmeOptions nvme;
+  SwapperOptions swapper;
   int compute_reps = 3;
   bool fio = true;
   bool compute = true;
@@ -229,11 +228,11 @@ struct FioRound {
 // mixed job, and a reading job with a writing job at once.
 FioRound FioRoundOn(const std::string& file, uint64_t bytes, const Flags& f) {
   FioRound out;
-  const uint64_t bs = static_cast<uint64_t>(std::min(f.request_bytes, f.stripe));
-  std::vector<FioRun> w = RunFio(file, {"write"}, bs, f.queue_depth, bytes, 0);
-  std::vector<FioRun> r = RunFio(file, {"read"}, bs, f.queue_depth, bytes, 0);
-  std::vector<FioRun> m = RunFio(file, {"rw"}, bs, f.queue_depth, bytes, 2 * bytes);
-  std::vector<FioRun> c = RunFio(file, {"read", "write"}, bs, f.queue_depth, bytes, 0);
+  const uint64_t bs = static_cast<uint64_t>(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes));
+  std::vector<FioRun> w = RunFio(file, {"write"}, bs, f.nvme.io.queue_depth, bytes, 0);
+  std::vector<FioRun> r = RunFio(file, {"read"}, bs, f.nvme.io.queue_depth, bytes, 0);
+  std::vector<FioRun> m = RunFio(file, {"rw"}, bs, f.nvme.io.queue_depth, bytes, 2 * bytes);
+  std::vector<FioRun> c = RunFio(file, {"read", "write"}, bs, f.nvme.io.queue_depth, bytes, 0);
   if (!w.empty()) out.write_bw = w[0].write_bw;
   if (!r.empty()) out.read_bw = r[0].read_bw;
   if (!m.empty()) out.mixed_seconds = m[0].seconds();
@@ -346,6 +345,9 @@ void Raise(std::atomic<uint64_t>& a, uint64_t v) {
 
 int Main(int argc, char** argv) {
   Flags f;
+  ConfigRegistry tunables;
+  BindNvmeTunables(&f.nvme, &tunables);
+  BindSwapperTunables(&f.swapper, &tunables);
   bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -365,22 +367,7 @@ int Main(int argc, char** argv) {
       f.chunk_bytes = static_cast<uint64_t>(bytes(v));
     } else if ((v = value("steps"))) {
       f.steps = std::max(2, std::atoi(v));
-    } else if ((v = value("prefetch_depth"))) {
-      f.prefetch_depth = std::atoll(v);
-    } else if ((v = value("prefetch_bytes"))) {
-      f.prefetch_bytes = bytes(v);
-    } else if ((v = value("io_threads"))) {
-      f.io_threads = std::atoll(v);
-    } else if ((v = value("checksum"))) {
-      f.checksum = std::string(v) == "on";
-    } else if ((v = value("request_bytes"))) {
-      f.request_bytes = bytes(v);
-    } else if ((v = value("queue_depth"))) {
-      f.queue_depth = std::atoll(v);
-    } else if ((v = value("rings"))) {
-      f.rings = std::atoll(v);
-    } else if ((v = value("stripe"))) {
-      f.stripe = bytes(v);
+    } else if (bench::TunableFlag(tunables, argv[i])) {
     } else if ((v = value("compute_reps"))) {
       f.compute_reps = std::max(1, std::atoi(v));
     } else if (a == "--no-fio") {
@@ -463,10 +450,12 @@ int Main(int argc, char** argv) {
       static_cast<unsigned long long>(chunk_elems),
       FormatByteSize(static_cast<int64_t>(chunk_elems * 4)).c_str(),
       static_cast<unsigned long long>(blocks), pool_limit / 4 / kMiB,
-      static_cast<long long>(f.prefetch_depth), FormatByteSize(f.prefetch_bytes).c_str(),
-      static_cast<long long>(f.io_threads), f.checksum ? "on" : "off",
-      FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
-      static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
+      static_cast<long long>(f.swapper.prefetch_depth),
+      FormatByteSize(f.swapper.prefetch_bytes).c_str(),
+      static_cast<long long>(f.swapper.io_threads), f.nvme.checksum ? "on" : "off",
+      FormatByteSize(f.nvme.io.request_bytes).c_str(),
+      static_cast<long long>(f.nvme.io.queue_depth), static_cast<long long>(f.nvme.io.rings),
+      FormatByteSize(f.nvme.stripe_bytes).c_str());
 
   // 1. Compute bound (again after the engine: the machine is shared).
   ComputeResult compute;
@@ -497,8 +486,8 @@ int Main(int argc, char** argv) {
     std::printf(
         "\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld per job, on %s (%.2f GB), one "
         "round after each step\n",
-        FormatByteSize(std::min(f.request_bytes, f.stripe)).c_str(),
-        static_cast<long long>(f.queue_depth), fio_file.c_str(), state / 1e9);
+        FormatByteSize(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes)).c_str(),
+        static_cast<long long>(f.nvme.io.queue_depth), fio_file.c_str(), state / 1e9);
     if (RunFio(fio_file, {"write"}, 16 << 20, 16, state, 0).empty()) {
       std::printf("fio failed (is it installed?): no I/O bound\n");
       f.fio = false;
@@ -513,20 +502,20 @@ int Main(int argc, char** argv) {
   uint64_t nvme_home = 0;
   {
     BenchEngineOptions eo;
-    eo.nvme.io.request_bytes = f.request_bytes;
-    eo.nvme.io.queue_depth = f.queue_depth;
-    eo.nvme.io.rings = f.rings;
+    eo.nvme.io.request_bytes = f.nvme.io.request_bytes;
+    eo.nvme.io.queue_depth = f.nvme.io.queue_depth;
+    eo.nvme.io.rings = f.nvme.io.rings;
     eo.nvme.dirs = f.dir;
     // Room for copy-on-write rewrites in flight.
-    const uint64_t slack =
-        std::max<uint64_t>(state / 16, 4 * static_cast<uint64_t>(f.io_threads) * chunk_elems * 4);
+    const uint64_t slack = std::max<uint64_t>(
+        state / 16, 4 * static_cast<uint64_t>(f.swapper.io_threads) * chunk_elems * 4);
     eo.nvme.bytes_per_dir = static_cast<int64_t>((state + slack + 4095) / 4096 * 4096);
-    eo.nvme.stripe_bytes = f.stripe;
-    eo.nvme.checksum = f.checksum;
+    eo.nvme.stripe_bytes = f.nvme.stripe_bytes;
+    eo.nvme.checksum = f.nvme.checksum;
     eo.pool_bytes = pool_limit;
-    eo.swapper.prefetch_depth = f.prefetch_depth;
-    eo.swapper.prefetch_bytes = f.prefetch_bytes;
-    eo.swapper.io_threads = f.io_threads;
+    eo.swapper.prefetch_depth = f.swapper.prefetch_depth;
+    eo.swapper.prefetch_bytes = f.swapper.prefetch_bytes;
+    eo.swapper.io_threads = f.swapper.io_threads;
     eo.arena_bytes = 2 * arena_charge + (4 << 20);
     eo.chunk_elems = chunk_elems;
     eo.huge_page_bytes = huge;

@@ -5,9 +5,10 @@
 //   bazel build -c opt //benches:trace_replay
 //   bazel-bin/benches/trace_replay [--dir=/var/tmp/offloadd-bench]
 //       [--layers=48] [--pool=1GiB] [--params=3GiB] [--delays=10ms,25ms,50ms]
-//       [--iterations=4] [--prefetch_depth=8] [--prefetch_bytes=256MiB]
-//       [--io_threads=4] [--checksum=on|off] [--request_bytes=1MiB]
-//       [--queue_depth=32] [--rings=2] [--stripe=1MiB] [--busy]
+//       [--iterations=4] [--swapper.prefetch_depth=8] [--swapper.prefetch_bytes=256MiB]
+//       [--swapper.io_threads=4] [--nvme.checksum=true|false] [--nvme.request_bytes=1MiB]
+//       [--nvme.queue_depth=32] [--nvme.rings=2] [--nvme.stripe_bytes=1MiB] [--busy]
+//       (any nvme.* or swapper.* tunable, as offloadd spells it)
 //       [--memory=arena|pool] [--arena_pages=huge|small] [--arena_io=file|mapping]
 //       [--no-fio] [--tiny]
 //
@@ -31,7 +32,7 @@
 // setup re-learns the order (setup's differed) and is reported apart.
 //
 // For each delay, two configurations on the same swapper, prefetch on
-// (--prefetch_depth / --prefetch_bytes) then off (depth 0): one iteration
+// (--swapper.prefetch_depth / --swapper.prefetch_bytes) then off (depth 0): one iteration
 // that is not measured (the first overall is the learning one), then
 // --iterations - 1 measured ones.
 //
@@ -80,9 +81,11 @@
 #include "benches/bench_util.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_backend_factory.h"
+#include "nvme/nvme_options.h"
 #include "nvme/swap_space.h"
 #include "swapper/host_pool.h"
 #include "swapper/swapper.h"
+#include "swapper/swapper_options.h"
 
 namespace offload {
 namespace {
@@ -103,14 +106,10 @@ struct Flags {
   uint64_t params = 0;  // 0: 3 x pool
   std::vector<double> delays = {0.010, 0.025, 0.050};
   int iterations = 4;
-  int64_t prefetch_depth = SwapperOptions{}.prefetch_depth;
-  int64_t prefetch_bytes = SwapperOptions{}.prefetch_bytes;
-  int64_t io_threads = SwapperOptions{}.io_threads;
-  bool checksum = NvmeOptions{}.checksum;
-  int64_t request_bytes = IoOptions{}.request_bytes;
-  int64_t queue_depth = IoOptions{}.queue_depth;
-  int64_t rings = IoOptions{}.rings;
-  int64_t stripe = NvmeOptions{}.stripe_bytes;
+  // The NVMe tier's and the swapper's settings, as offloadd's tunables
+  // (--nvme.*, --swapper.*: bench::TunableFlag); offloadd's defaults.
+  NvmeOptions nvme;
+  SwapperOptions swapper;
   bool busy = false;
   bool fio = true;
   bool arena = true;  // --memory=arena: external blocks over a memfd
@@ -194,6 +193,9 @@ bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
 
 int Main(int argc, char** argv) {
   Flags f;
+  ConfigRegistry tunables;
+  BindNvmeTunables(&f.nvme, &tunables);
+  BindSwapperTunables(&f.swapper, &tunables);
   bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -220,22 +222,7 @@ int Main(int argc, char** argv) {
       }
     } else if ((v = value("iterations"))) {
       f.iterations = std::max(2, std::atoi(v));
-    } else if ((v = value("prefetch_depth"))) {
-      f.prefetch_depth = std::atoll(v);
-    } else if ((v = value("prefetch_bytes"))) {
-      f.prefetch_bytes = bytes(v);
-    } else if ((v = value("io_threads"))) {
-      f.io_threads = std::atoll(v);
-    } else if ((v = value("checksum"))) {
-      f.checksum = std::string(v) == "on";
-    } else if ((v = value("request_bytes"))) {
-      f.request_bytes = bytes(v);
-    } else if ((v = value("queue_depth"))) {
-      f.queue_depth = std::atoll(v);
-    } else if ((v = value("rings"))) {
-      f.rings = std::atoll(v);
-    } else if ((v = value("stripe"))) {
-      f.stripe = bytes(v);
+    } else if (bench::TunableFlag(tunables, argv[i])) {
     } else if (a == "--busy") {
       f.busy = true;
     } else if (a == "--memory=arena" || a == "--memory=pool") {
@@ -293,16 +280,18 @@ int Main(int argc, char** argv) {
       "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
       "queue depth %lld, %lld rings; stripe %s\n",
       f.layers - 1, f.layers - 1, f.busy ? "busy-wait" : "sleep",
-      static_cast<long long>(f.prefetch_depth), FormatByteSize(f.prefetch_bytes).c_str(),
-      static_cast<long long>(f.io_threads), f.checksum ? "on" : "off",
-      FormatByteSize(f.request_bytes).c_str(), static_cast<long long>(f.queue_depth),
-      static_cast<long long>(f.rings), FormatByteSize(f.stripe).c_str());
+      static_cast<long long>(f.swapper.prefetch_depth),
+      FormatByteSize(f.swapper.prefetch_bytes).c_str(),
+      static_cast<long long>(f.swapper.io_threads), f.nvme.checksum ? "on" : "off",
+      FormatByteSize(f.nvme.io.request_bytes).c_str(),
+      static_cast<long long>(f.nvme.io.queue_depth), static_cast<long long>(f.nvme.io.rings),
+      FormatByteSize(f.nvme.stripe_bytes).c_str());
 
   // fio: one round after setup and one after each configuration, so each
   // configuration is compared with the disk's speed just before and after it
   // (this virtual disk drifts by tens of percent within minutes).
   const std::string fio_file = f.dir + "/fio_bench.dat";
-  const uint64_t bs = static_cast<uint64_t>(std::min(f.request_bytes, f.stripe));
+  const uint64_t bs = static_cast<uint64_t>(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes));
   struct FioRound {
     double read = -1, write = -1;
   };
@@ -312,8 +301,8 @@ int Main(int argc, char** argv) {
     if (rounds.empty())
       FioBandwidth(fio_file, true, 16 << 20, 16, total);  // timed writes overwrite
     FioRound r;
-    r.write = FioBandwidth(fio_file, true, bs, f.queue_depth, total);
-    r.read = FioBandwidth(fio_file, false, bs, f.queue_depth, total);
+    r.write = FioBandwidth(fio_file, true, bs, f.nvme.io.queue_depth, total);
+    r.read = FioBandwidth(fio_file, false, bs, f.nvme.io.queue_depth, total);
     std::printf("fio %-28s write %.3f GB/s, read %.3f GB/s\n", when.c_str(), r.write / 1e9,
                 r.read / 1e9);
     rounds.push_back(r);
@@ -321,7 +310,7 @@ int Main(int argc, char** argv) {
   if (f.fio) {
     std::printf("fio: io_uring, O_DIRECT, bs %s, iodepth %lld, sequential, %.2f GB file %s\n",
                 FormatByteSize(static_cast<int64_t>(bs)).c_str(),
-                static_cast<long long>(f.queue_depth), total / 1e9, fio_file.c_str());
+                static_cast<long long>(f.nvme.io.queue_depth), total / 1e9, fio_file.c_str());
   }
 
   struct Result {
@@ -334,9 +323,9 @@ int Main(int argc, char** argv) {
   uint64_t hwm = 0, pool_max = 0, resident_max = 0;
   {
     IoOptions io;
-    io.request_bytes = f.request_bytes;
-    io.queue_depth = f.queue_depth;
-    io.rings = f.rings;
+    io.request_bytes = f.nvme.io.request_bytes;
+    io.queue_depth = f.nvme.io.queue_depth;
+    io.rings = f.nvme.io.rings;
     absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeIoBackend(io);
     if (!backend.ok()) {
       std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
@@ -345,10 +334,10 @@ int Main(int argc, char** argv) {
     NvmeOptions n;
     n.dirs = f.dir;
     n.bytes_per_dir = static_cast<int64_t>(
-        total +
-        std::max<uint64_t>(total / 16, 4 * static_cast<uint64_t>(f.io_threads) * layer_bytes));
-    n.stripe_bytes = f.stripe;
-    n.checksum = f.checksum;
+        total + std::max<uint64_t>(total / 16,
+                                   4 * static_cast<uint64_t>(f.swapper.io_threads) * layer_bytes));
+    n.stripe_bytes = f.nvme.stripe_bytes;
+    n.checksum = f.nvme.checksum;
     n.io = io;
     absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, backend->get());
     if (!space.ok()) {
@@ -380,9 +369,9 @@ int Main(int argc, char** argv) {
     }
     HostPool pool(Env::Default(), f.pool, /*lock_memory=*/false);
     SwapperOptions so;
-    so.prefetch_depth = f.prefetch_depth;
-    so.prefetch_bytes = f.prefetch_bytes;
-    so.io_threads = f.io_threads;
+    so.prefetch_depth = f.swapper.prefetch_depth;
+    so.prefetch_bytes = f.swapper.prefetch_bytes;
+    so.io_threads = f.swapper.io_threads;
     absl::StatusOr<std::unique_ptr<Swapper>> created = Swapper::Create(so, &pool, space->get());
     if (!created.ok()) {
       std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
@@ -440,7 +429,8 @@ int Main(int argc, char** argv) {
     for (double delay : f.delays) {
       for (bool prefetch : {true, false}) {
         if (!ok) break;
-        s.SetPrefetch(prefetch ? f.prefetch_depth : 0, prefetch ? f.prefetch_bytes : 0);
+        s.SetPrefetch(prefetch ? f.swapper.prefetch_depth : 0,
+                      prefetch ? f.swapper.prefetch_bytes : 0);
         Result res;
         res.delay = delay;
         res.prefetch = prefetch;
