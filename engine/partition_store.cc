@@ -1567,8 +1567,11 @@ absl::StatusOr<SetImage> PartitionStore::BeginCheckpoint(ChunkSink* sink) {
   image.delayed = delayed_;
   image.placement = placement_;
   image.chunk_elems = state_chunk_elems_;
-  auto capture = std::make_unique<Capture>();
-  capture->sink = sink;
+  auto capture = std::make_shared<ChunkCapture>(
+      sink,
+      [this](uint64_t id, uint64_t chunk, int kind, ChunkSink* to, ChunkCapture::Staging* staging) {
+        return CaptureBlock(id, chunk, kind, to, staging);
+      });
   for (const auto& [id, p] : partitions_) {
     const std::string why =
         p->master == MasterState::kInitPending
@@ -1606,7 +1609,7 @@ absl::StatusOr<SetImage> PartitionStore::BeginCheckpoint(ChunkSink* sink) {
       c.next_kind = ParamsKind(*p, /*next=*/true);
       c.block_kinds.push_back(c.next_kind);
     }
-    capture->chunks[id] = {c.block_kinds, std::vector<uint8_t>(c.chunks, 0)};
+    capture->Add(id, c.block_kinds, c.chunks);
     image.partitions.push_back(std::move(c));
   }
   capture_ = std::move(capture);
@@ -1614,45 +1617,17 @@ absl::StatusOr<SetImage> PartitionStore::BeginCheckpoint(ChunkSink* sink) {
 }
 
 void PartitionStore::CaptureChunk(uint64_t id, uint64_t chunk) {
-  Capture* capture;
-  std::vector<int> kinds;
+  std::shared_ptr<ChunkCapture> capture;
   {
     absl::MutexLock lock(&mu_);
-    for (;;) {
-      if (capture_ == nullptr) return;
-      auto it = capture_->chunks.find(id);
-      if (it == capture_->chunks.end() || chunk >= it->second.state.size()) return;
-      uint8_t& state = it->second.state[chunk];
-      if (state == 2) return;
-      if (state == 0 && !capture_->status.ok()) {
-        state = 2;  // the checkpoint failed already: no more I/O for it
-        return;
-      }
-      if (state == 0) {
-        state = 1;
-        kinds = it->second.kinds;
-        capture = capture_.get();
-        ++capture_->running;  // keeps *capture alive until it ends
-        break;
-      }
-      captured_.Wait(&mu_);  // another thread is capturing it
-    }
+    capture = capture_;
   }
   // Outside the lock: swap-ins and file writes take time.
-  absl::Status status;
-  for (int kind : kinds) {
-    status = CaptureBlock(capture, id, chunk, kind);
-    if (!status.ok()) break;
-  }
-  absl::MutexLock lock(&mu_);
-  capture->chunks[id].state[chunk] = 2;  // failed or not, nobody waits for it again
-  if (!status.ok() && capture->status.ok()) capture->status = status;
-  --capture->running;
-  captured_.SignalAll();
+  if (capture != nullptr) capture->Capture(id, chunk);
 }
 
-absl::Status PartitionStore::CaptureBlock(Capture* capture, uint64_t id, uint64_t chunk,
-                                          int block_kind) {
+absl::Status PartitionStore::CaptureBlock(uint64_t id, uint64_t chunk, int block_kind,
+                                          ChunkSink* sink, ChunkCapture::Staging* staging) {
   // A read pin: what is pinned for writing by another call is not being
   // changed yet (every change captures first). Not traced: a checkpoint's
   // reads are no part of the order that repeats.
@@ -1663,24 +1638,22 @@ absl::Status PartitionStore::CaptureBlock(Capture* capture, uint64_t id, uint64_
   absl::StatusOr<Swapper::Pin> pin =
       PinBlock(id, chunk, block_kind, /*for_write=*/false, /*traced=*/false);
   if (pin.ok()) {
-    return capture->sink->Write(id, chunk, block_kind,
-                                absl::MakeConstSpan(pin->data(), pin->size()));
+    return sink->Write(id, chunk, block_kind, absl::MakeConstSpan(pin->data(), pin->size()));
   }
   if (!absl::IsResourceExhausted(pin.status())) return reading(pin.status());
   // No room to bring it in (the pool is full of held and pinned blocks,
   // which nothing the checkpoint can wait for would free): copied out of
   // where it rests instead, without the pool.
   const Swapper::BlockId block = PartitionStore::BlockOf(id, chunk, block_kind);
-  absl::MutexLock lock(&capture->staging_mu);
-  if (capture->staging.empty()) {
+  absl::MutexLock lock(&staging->mu);
+  if (staging->memory.empty()) {
     const uint64_t largest_block = state_chunk_elems_ * sizeof(float);
-    ASSIGN_OR_RETURN(capture->staging, HostMemory::Allocate(swapper_->CopyOutBytes(largest_block)));
+    ASSIGN_OR_RETURN(staging->memory, HostMemory::Allocate(swapper_->CopyOutBytes(largest_block)));
   }
   absl::StatusOr<uint64_t> bytes =
-      swapper_->CopyOut(block, absl::MakeSpan(capture->staging.data(), capture->staging.size()));
+      swapper_->CopyOut(block, absl::MakeSpan(staging->memory.data(), staging->memory.size()));
   if (!bytes.ok()) return reading(bytes.status());
-  return capture->sink->Write(id, chunk, block_kind,
-                              absl::MakeConstSpan(capture->staging.data(), *bytes));
+  return sink->Write(id, chunk, block_kind, absl::MakeConstSpan(staging->memory.data(), *bytes));
 }
 
 void PartitionStore::CaptureAll(absl::Span<Partition* const> partitions) {
@@ -1696,10 +1669,14 @@ void PartitionStore::CaptureAll(absl::Span<Partition* const> partitions) {
 }
 
 absl::Status PartitionStore::EndCheckpoint() {
+  std::shared_ptr<ChunkCapture> capture;
+  {
+    absl::MutexLock lock(&mu_);
+    capture = capture_;
+  }
+  if (capture == nullptr) return absl::OkStatus();
+  absl::Status status = capture->Finish();  // once no capture runs
   absl::MutexLock lock(&mu_);
-  if (capture_ == nullptr) return absl::OkStatus();
-  while (capture_->running > 0) captured_.Wait(&mu_);
-  absl::Status status = capture_->status;
   capture_.reset();
   captured_.SignalAll();
   return status;

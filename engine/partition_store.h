@@ -84,6 +84,7 @@
 #include "cpu_adam/dtype.h"
 #include "cpu_adam/optimizer.h"
 #include "engine/checkpoint_image.h"
+#include "engine/chunk_capture.h"
 #include "engine/partition_info.h"
 #include "engine/placement.h"
 #include "engine/shm_arena.h"
@@ -465,26 +466,11 @@ class PartitionStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Every chunk of the partitions, before they change (a writable fetch).
   void CaptureAll(absl::Span<Partition* const> partitions) ABSL_LOCKS_EXCLUDED(mu_);
-  struct Capture;
-  // Gives one block of a chunk to the capture's sink: under a read pin, or,
-  // when the pool has no room to bring it in, through the staging buffer.
-  absl::Status CaptureBlock(Capture* capture, uint64_t id, uint64_t chunk, int block_kind);
-
-  // A checkpoint being written: which chunks are captured.
-  struct CapturedPartition {
-    std::vector<int> kinds;      // its block kinds, in the order they are written
-    std::vector<uint8_t> state;  // per chunk: 0 (not yet), 1 (being captured) or 2 (done)
-  };
-  struct Capture {
-    ChunkSink* sink;
-    absl::flat_hash_map<uint64_t, CapturedPartition> chunks;  // by partition id
-    int running = 0;                                          // captures in progress
-    absl::Status status;
-    // Blocks the pool cannot take in are copied here (CopyOut), one at a
-    // time. Used by the captures running, so it lives while they do.
-    absl::Mutex staging_mu;
-    HostMemory staging ABSL_GUARDED_BY(staging_mu);
-  };
+  // A checkpoint's ChunkCapture::ReadBlock: one block of a chunk to `sink`,
+  // under a read pin, or, when the pool has no room to bring it in, copied
+  // out of where it rests through `staging`.
+  absl::Status CaptureBlock(uint64_t id, uint64_t chunk, int block_kind, ChunkSink* sink,
+                            ChunkCapture::Staging* staging);
 
   // Constant after construction.
   const uint64_t session_id_;
@@ -513,9 +499,11 @@ class PartitionStore {
   std::vector<uint64_t> fetch_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<uint64_t> fetched_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> return_order_ ABSL_GUARDED_BY(mu_);
-  bool delayed_ ABSL_GUARDED_BY(mu_) = false;              // SetDelayedUpdate
-  std::unique_ptr<Capture> capture_ ABSL_GUARDED_BY(mu_);  // a checkpoint being written
-  absl::CondVar captured_;                                 // a capture ended
+  bool delayed_ ABSL_GUARDED_BY(mu_) = false;  // SetDelayedUpdate
+  // A checkpoint being written: its copy-on-write, notified before a chunk
+  // changes (CaptureChunk). Shared with the captures running.
+  std::shared_ptr<ChunkCapture> capture_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar captured_;  // a checkpoint ended (capture_ reset)
   uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
   std::atomic<int64_t> share_weight_{1};
   uint64_t bytes_[kDataKinds][2] ABSL_GUARDED_BY(mu_) = {};  // by kind, Tier
