@@ -35,6 +35,33 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view call) {
                       absl::StrCat(call, ": ", s.error_message()));
 }
 
+// A region of the session's arena.
+struct ArenaSpan {
+  uint64_t offset = 0, bytes = 0;
+};
+
+// A gRPC answer's location as the request ring carries one (Session::Impl::
+// View reads only that); its name travels beside it.
+ring::Location FromWire(const v1::PartitionLocation& loc) {
+  ring::Location l{};
+  l.id = loc.partition_id();
+  l.numel = loc.numel();
+  l.step = loc.step();
+  l.params_offset = loc.params().offset();
+  l.params_bytes = loc.params().bytes();
+  l.grads_offset = loc.grads().offset();
+  l.grads_bytes = loc.grads().bytes();
+  l.span_offset = loc.span().offset();
+  l.span_bytes = loc.span().bytes();
+  l.master_init_offset = loc.master_init().offset();
+  l.master_init_bytes = loc.master_init().bytes();
+  l.param_dtype = static_cast<uint32_t>(loc.param_dtype());
+  l.grad_dtype = static_cast<uint32_t>(loc.grad_dtype());
+  l.restored = loc.restored() ? 1 : 0;
+  l.huge_pages = loc.huge_pages() ? 1 : 0;
+  return l;
+}
+
 Tunable FromProto(const v1::Tunable& t) {
   return Tunable{t.name(), t.type(),        t.value(),  t.default_value(),
                  t.unit(), t.description(), t.dynamic()};
@@ -255,20 +282,20 @@ struct Session::Impl {
   // Registers `r` (a region of `m`) with dma_device, once; a refusal is
   // counted, warned of once, and leaves it unregistered. Whether it is
   // registered.
-  bool RegisterForDma(Mapped& m, const v1::Region& r, bool params)
+  bool RegisterForDma(Mapped& m, const ArenaSpan& r, bool params)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (dma_device == nullptr || r.bytes() == 0) return false;
+    if (dma_device == nullptr || r.bytes == 0) return false;
     for (const Mapped::Registered& x : m.dma) {
-      if (x.offset == r.offset()) return true;
+      if (x.offset == r.offset) return true;
     }
     const absl::Time start = absl::Now();
     absl::StatusOr<gpu::HostRegistration> reg =
-        dma_device->RegisterHost(m.memory.data() + (r.offset() - m.begin), r.bytes());
+        dma_device->RegisterHost(m.memory.data() + (r.offset - m.begin), r.bytes);
     dma_stats.register_us += absl::ToInt64Microseconds(absl::Now() - start);
     if (reg.ok()) {
-      m.dma.push_back({r.offset(), params, *std::move(reg)});
+      m.dma.push_back({r.offset, params, *std::move(reg)});
       ++dma_stats.regions;
-      dma_stats.bytes += r.bytes();
+      dma_stats.bytes += r.bytes;
       return true;
     }
     if (dma_stats.failed_regions++ == 0) {
@@ -281,67 +308,70 @@ struct Session::Impl {
     return false;
   }
 
-  absl::StatusOr<PartitionView> View(const v1::PartitionLocation& loc) {
-    for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init(), &loc.span()}) {
-      if (r->offset() > arena_capacity || r->bytes() > arena_capacity - r->offset()) {
+  // A partition's view from where the daemon placed it (a request ring's
+  // answer as it is; a gRPC one through FromWire): the one location type on
+  // this side of the process boundary. `name` empty: the one it had.
+  absl::StatusOr<PartitionView> View(const ring::Location& l, absl::string_view name) {
+    const ArenaSpan params{l.params_offset, l.params_bytes}, grads{l.grads_offset, l.grads_bytes},
+        master_init{l.master_init_offset, l.master_init_bytes}, span{l.span_offset, l.span_bytes};
+    for (const ArenaSpan& r : {params, grads, master_init, span}) {
+      if (r.offset > arena_capacity || r.bytes > arena_capacity - r.offset) {
         return absl::InternalError(
-            absl::StrCat("daemon placed partition ", loc.partition_id(), " outside its arena"));
+            absl::StrCat("daemon placed partition ", l.id, " outside its arena"));
       }
     }
     // The partition's whole span (its params may move inside it).
     const uint64_t page = PageSize();
-    const uint64_t begin = loc.span().offset() / page * page;
-    const uint64_t end = loc.span().offset() + loc.span().bytes();
-    if (loc.span().bytes() == 0) {
-      return absl::InternalError(
-          absl::StrCat("daemon named no span for partition ", loc.partition_id()));
+    const uint64_t begin = span.offset / page * page;
+    const uint64_t end = span.offset + span.bytes;
+    if (span.bytes == 0) {
+      return absl::InternalError(absl::StrCat("daemon named no span for partition ", l.id));
     }
+    PartitionView v;
+    v.id = l.id;
+    v.numel = l.numel;
+    ASSIGN_OR_RETURN(v.param_dtype, FromProto(static_cast<v1::DType>(l.param_dtype),
+                                              "param_dtype from the daemon"));
+    ASSIGN_OR_RETURN(v.grad_dtype,
+                     FromProto(static_cast<v1::DType>(l.grad_dtype), "grad_dtype from the daemon"));
+    v.step = l.step;
+    v.restored = l.restored != 0;
     std::byte* base;
-    bool dma = false;
     {
       absl::MutexLock lock(&mu);
-      auto it = regions.find(loc.partition_id());
+      auto it = regions.find(l.id);
       if (it == regions.end()) {
         absl::StatusOr<HostMemory> region = HostMemory::MapShared(
-            arena.get(), begin, end - begin, loc.huge_pages() ? Pages::kHuge : Pages::kSmall);
+            arena.get(), begin, end - begin, l.huge_pages != 0 ? Pages::kHuge : Pages::kSmall);
         if (!region.ok()) {
-          return absl::Status(region.status().code(),
-                              absl::StrCat("mapping partition ", loc.partition_id(), ": ",
-                                           region.status().message()));
+          return absl::Status(region.status().code(), absl::StrCat("mapping partition ", l.id, ": ",
+                                                                   region.status().message()));
         }
-        it = regions.emplace(loc.partition_id(), Mapped{begin, *std::move(region), {}}).first;
+        it = regions.emplace(l.id, Mapped{begin, *std::move(region), {}}).first;
       }
       Mapped& m = it->second;
-      for (const v1::Region* r : {&loc.params(), &loc.grads(), &loc.master_init()}) {
-        if (r->bytes() != 0 &&
-            (r->offset() < m.begin || r->offset() + r->bytes() > m.begin + m.memory.size())) {
-          return absl::InternalError(absl::StrCat("daemon placed partition ", loc.partition_id(),
-                                                  " outside its mapped span"));
+      for (const ArenaSpan& r : {params, grads, master_init}) {
+        if (r.bytes != 0 &&
+            (r.offset < m.begin || r.offset + r.bytes > m.begin + m.memory.size())) {
+          return absl::InternalError(
+              absl::StrCat("daemon placed partition ", l.id, " outside its mapped span"));
         }
       }
       // Both, so that neither is left half registered by a refusal.
-      const bool params_dma = RegisterForDma(m, loc.params(), /*params=*/true);
-      const bool grads_dma = RegisterForDma(m, loc.grads(), /*params=*/false);
-      dma = params_dma && (grads_dma || loc.grads().bytes() == 0);
+      const bool params_dma = RegisterForDma(m, params, /*params=*/true);
+      const bool grads_dma = RegisterForDma(m, grads, /*params=*/false);
+      v.dma = params_dma && (grads_dma || grads.bytes == 0);
       base = m.memory.data() - m.begin;
-      if (!loc.name().empty()) {
-        names.try_emplace(loc.partition_id(), loc.name());
+      if (!name.empty()) {
+        names.try_emplace(l.id, std::string(name));
+        v.name = std::string(name);
+      } else if (auto known = names.find(l.id); known != names.end()) {
+        v.name = known->second;
       }
     }
-    PartitionView v;
-    v.id = loc.partition_id();
-    v.name = loc.name();
-    v.numel = loc.numel();
-    ASSIGN_OR_RETURN(v.param_dtype, FromProto(loc.param_dtype(), "param_dtype from the daemon"));
-    ASSIGN_OR_RETURN(v.grad_dtype, FromProto(loc.grad_dtype(), "grad_dtype from the daemon"));
-    v.step = loc.step();
-    v.restored = loc.restored();
-    v.dma = dma;
-    v.params = base + loc.params().offset();
-    v.grads = base + loc.grads().offset();
-    if (loc.master_init().bytes() != 0) {
-      v.master_init = reinterpret_cast<float*>(base + loc.master_init().offset());
-    }
+    v.params = base + params.offset;
+    v.grads = base + grads.offset;
+    if (master_init.bytes != 0) v.master_init = reinterpret_cast<float*>(base + master_init.offset);
     return v;
   }
 };
@@ -614,7 +644,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->stub->RegisterPartition(&rpc.context, req, &resp), "RegisterPartition"));
-  return impl_->View(resp.location());
+  return impl_->View(FromWire(resp.location()), resp.location().name());
 }
 
 absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint64_t> ids,
@@ -628,33 +658,8 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
     RETURN_IF_ERROR(answer.status);
     std::vector<PartitionView> out;
     out.reserve(answer.locations.size());
-    v1::PartitionLocation loc;
     for (const ring::Location& l : answer.locations) {
-      loc.Clear();
-      loc.set_partition_id(l.id);
-      {
-        absl::MutexLock lock(&impl_->mu);
-        auto it = impl_->names.find(l.id);
-        if (it != impl_->names.end()) loc.set_name(it->second);
-      }
-      loc.set_numel(l.numel);
-      loc.set_param_dtype(static_cast<v1::DType>(l.param_dtype));
-      loc.set_grad_dtype(static_cast<v1::DType>(l.grad_dtype));
-      loc.set_step(l.step);
-      loc.set_restored(l.restored != 0);
-      loc.set_huge_pages(l.huge_pages != 0);
-      for (auto [region, offset, bytes] :
-           {std::tuple{loc.mutable_params(), l.params_offset, l.params_bytes},
-            std::tuple{loc.mutable_grads(), l.grads_offset, l.grads_bytes},
-            std::tuple{loc.mutable_span(), l.span_offset, l.span_bytes}}) {
-        region->set_offset(offset);
-        region->set_bytes(bytes);
-      }
-      if (l.master_init_bytes != 0) {
-        loc.mutable_master_init()->set_offset(l.master_init_offset);
-        loc.mutable_master_init()->set_bytes(l.master_init_bytes);
-      }
-      ASSIGN_OR_RETURN(PartitionView v, impl_->View(loc));
+      ASSIGN_OR_RETURN(PartitionView v, impl_->View(l, ""));
       out.push_back(std::move(v));
     }
     return out;
@@ -670,7 +675,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
   RETURN_IF_ERROR(FromGrpc(impl_->stub->FetchParams(&rpc.context, req, &resp), "FetchParams"));
   std::vector<PartitionView> out;
   for (const v1::PartitionLocation& loc : resp.locations()) {
-    ASSIGN_OR_RETURN(PartitionView v, impl_->View(loc));
+    ASSIGN_OR_RETURN(PartitionView v, impl_->View(FromWire(loc), loc.name()));
     out.push_back(std::move(v));
   }
   return out;
