@@ -102,10 +102,18 @@ class TorchWrapTest(unittest.TestCase):
         # wrap(resume "auto") goes on from the newest automatic checkpoint
         # both ranks have. The final weights equal an uninterrupted run's,
         # bit for bit (the lost steps are repeated).
+        self.killed_at_random_points("killed", {})
+
+    def test_two_ranks_with_the_gpu_tier_go_on_after_offloadd_is_killed(self):
+        # The same with the GPU tier (on the emulated device): the restarted
+        # ranks' tiers start empty and gather what the resumed sessions hold.
+        self.killed_at_random_points("killed_tier", {"gpu": {"device": "emulated"}})
+
+    def killed_at_random_points(self, name, zero):
         import random
         flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
-        sc = dict(BASE, steps=16, zero={"resume": "auto", "session_name": "killed"})
-        calm = Daemon(self.root, "uninterrupted", flags=flags)
+        sc = dict(BASE, steps=16, zero=dict(zero, resume="auto", session_name=name))
+        calm = Daemon(self.root, "uninterrupted_" + name, flags=flags)
         try:
             want, _, _ = self.run_ranks(sc, 2, addresses=[calm.address] * 2)
         finally:
@@ -113,7 +121,7 @@ class TorchWrapTest(unittest.TestCase):
         self.assertEqual(want["start"], 0)
         seed = int(time.time())
         rng = random.Random(seed)
-        daemon = Daemon(self.root, "killed", flags=flags)
+        daemon = Daemon(self.root, name, flags=flags)
         kills, attempts, log = 0, 0, []
         try:
             while True:
@@ -143,7 +151,7 @@ class TorchWrapTest(unittest.TestCase):
                         time.sleep(0.005)
                     if all(p.poll() is None for p in procs):
                         daemon.stop()  # SIGKILL
-                        daemon = Daemon(self.root, "killed", flags=flags, restart=True)
+                        daemon = Daemon(self.root, name, flags=flags, restart=True)
                         kills += 1
                 outputs = []
                 for p in procs:
@@ -175,6 +183,8 @@ class TorchWrapTest(unittest.TestCase):
         for k in want["state"]:
             self.assertEqual(got["state"][k], want["state"][k], f"seed {seed}: {k}")
         self.assertEqual(got["final"], want["final"])
+        # The tier ran (it copied parameters to the device) where asked for.
+        self.assertEqual(bool(got["gpu"]), "gpu" in zero, got["gpu"])
 
     def reference(self, scenario):
         key = json.dumps(scenario, sort_keys=True)
@@ -1221,13 +1231,19 @@ class WrapInProcessTest(unittest.TestCase):
         # kill -9 of offloadd mid-training; a supervisor starts it again in
         # the same data directory; the training loop gets SessionRestored
         # with the step of the last automatic checkpoint and goes on from
-        # there: the weights after 6 steps equal torch AdamW's.
+        # there: the weights after 6 steps equal torch AdamW's. With the GPU
+        # tier too (on the emulated device: a new tier for the new session).
+        for name, zero in (("crashing", None), ("crashing_tier", {"gpu": {"device": "emulated"}})):
+            with self.subTest(zero=zero):
+                self._goes_on_after_a_kill(name, zero)
+
+    def _goes_on_after_a_kill(self, name, zero):
         import torch
         import offloadd.torch
         flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
-        daemon = Daemon(self.root, "crashing", flags=flags)
+        daemon = Daemon(self.root, name, flags=flags)
         adamw = {"lr": 1e-2}
-        model, opt = self.wrap_at(daemon.address, self.mlp(), adamw)
+        model, opt = self.wrap_at(daemon.address, self.mlp(), adamw, zero)
         data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
         ref = self.trained_by_torch(data, adamw)
         stats = offloadd.Client(daemon.address)
@@ -1251,12 +1267,13 @@ class WrapInProcessTest(unittest.TestCase):
                             time.sleep(0.01)
                     if step == 4 and not restored:
                         daemon.stop()  # SIGKILL
-                        daemon = Daemon(self.root, "crashing", flags=flags, restart=True)
+                        daemon = Daemon(self.root, name, flags=flags, restart=True)
                 except offloadd.torch.SessionRestored as r:
                     restored.append(r.step)
                     step = r.step
             self.assertEqual(restored, [3])
             self.assert_weights(model, ref.state_dict())
+            self.assertEqual(model.offloadd.gpu_stats() is not None, zero is not None)
             opt.close()
         finally:
             daemon.stop()
@@ -1265,13 +1282,18 @@ class WrapInProcessTest(unittest.TestCase):
         # SIGTERM with the reconnect lease: offloadd keeps the session; the
         # next one reopens it; the loop gets SessionRestored with the step
         # the session holds and redoes the interrupted iteration: the
-        # weights after 5 steps equal torch AdamW's.
+        # weights after 5 steps equal torch AdamW's. With the GPU tier too.
+        for name, zero in (("kept", None), ("kept_tier", {"gpu": {"device": "emulated"}})):
+            with self.subTest(zero=zero):
+                self._goes_on_after_a_stop(name, zero)
+
+    def _goes_on_after_a_stop(self, name, zero):
         import torch
         import offloadd.torch
         flags = ["--server.reconnect_lease_seconds=30"]
-        daemon = Daemon(self.root, "kept", flags=flags)
+        daemon = Daemon(self.root, name, flags=flags)
         adamw = {"lr": 1e-2}
-        model, opt = self.wrap_at(daemon.address, self.mlp(), adamw)
+        model, opt = self.wrap_at(daemon.address, self.mlp(), adamw, zero)
         data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
         ref = self.trained_by_torch(data, adamw)
         restored, step = [], 0
@@ -1281,7 +1303,7 @@ class WrapInProcessTest(unittest.TestCase):
                     loss = model(data[step]).pow(2).mean()
                     if step == 2 and not restored:
                         self.assertEqual(daemon.terminate(), 0)  # mid-iteration
-                        daemon = Daemon(self.root, "kept", flags=flags, restart=True)
+                        daemon = Daemon(self.root, name, flags=flags, restart=True)
                     opt.backward(loss)
                     opt.step()
                     opt.zero_grad()
@@ -1291,6 +1313,7 @@ class WrapInProcessTest(unittest.TestCase):
                     step = r.step
             self.assertEqual(restored, [2])
             self.assert_weights(model, ref.state_dict())
+            self.assertEqual(model.offloadd.gpu_stats() is not None, zero is not None)
             opt.close()
         finally:
             daemon.stop()

@@ -595,10 +595,10 @@ class _Engine:
         to redo the iteration the stop interrupted. One rank, as
         resume_after_crash."""
         old = self.session._session
-        if self.tier is not None or self.world > 1:
+        if self.world > 1:
             raise offloadd.FailedPreconditionError(
-                f"{cause}; offloadd.torch takes a kept session back by itself only with one rank "
-                "and without the GPU tier") from cause
+                f"{cause}; offloadd.torch takes a kept session back by itself only with one "
+                "rank") from cause
         session = self.client.resume_session(old.id, old.token)
         views = session.fetch([s.pid for s in self.shards])
         steps = {v.step for v in views}
@@ -618,6 +618,16 @@ class _Engine:
         self.session = _GuardedSession(self, session)
         if self._optimizer is not None:
             self._optimizer._overlapped = False
+        if self.tier is not None:
+            # It copies from one session's arena (its mappings, its DMA
+            # registration, its partitions): a new one for the new session;
+            # what the old one held on the GPU is stale.
+            try:
+                self.tier.close()
+            except offloadd.Error:
+                pass  # what it held went with the old daemon
+            self.tier = None
+            self.tier = _GpuTier.create(self, self.config["gpu"])
 
     def resume_after_crash(self, cause):
         """offloadd died and came back: a new session restores this one's
@@ -631,7 +641,7 @@ class _Engine:
         directory = old.auto_checkpoint_dir
         if not glob.glob(os.path.join(glob.escape(directory or "."), "*.manifest")):
             directory = getattr(self, "_resumed_from", None) or directory
-        if self.tier is not None or self.world > 1:
+        if self.world > 1:
             # Several ranks find the daemon gone at different calls, so an
             # agreement among them could meet another rank's collective: the
             # job restarts, and wrap() agrees (resume "auto").
@@ -640,8 +650,8 @@ class _Engine:
                    "restart the job with zero_config resume 'auto' (or this rank's "
                    f"restore_from {directory})")
             raise offloadd.NotFoundError(
-                f"{cause}; with {self.world} ranks or the GPU tier, offloadd.torch does not go "
-                f"on in this process: {how}") from cause
+                f"{cause}; with {self.world} ranks, offloadd.torch does not go on in this "
+                f"process: {how}") from cause
         if not directory or not os.path.isdir(directory):
             raise cause
         session = self._open_session(directory)
@@ -1318,6 +1328,30 @@ class _Engine:
         return self.tier.stats() if self.tier is not None else None
 
 
+class _TierGuard:
+    """The binding's GpuTier, whose calls reach offloadd without the
+    session's guard (_GuardedSession): one that finds offloadd gone or
+    restarted asks the session, whose guard waits for the successor and
+    resumes (SessionRestored); else the tier's own error."""
+
+    def __init__(self, engine, tier):
+        self._engine = engine
+        self._tier = tier
+
+    def __getattr__(self, name):
+        attr = getattr(self._tier, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except (offloadd.UnavailableError, offloadd.NotFoundError):
+                self._engine.session.release([])  # SessionRestored after a restart
+                raise
+        return call
+
+
 class _GpuTier:
     """The GPU tier of one wrapped model (client/gpu_tier.h through the
     binding): each module's parameters (a unit) are copied to the GPU on a
@@ -1379,10 +1413,12 @@ class _GpuTier:
         if self.cuda:
             # The slab is torch's allocation, so that torch accounts it.
             self.slab = torch.empty(int(budget), dtype=torch.uint8, device=torch_device)
-            self.tier = offloadd.GpuTier(engine.session.raw, self.device, slab=self.slab.data_ptr(),
-                                         slab_bytes=int(budget), **kwargs)
+            self.tier = _TierGuard(engine, offloadd.GpuTier(
+                engine.session.raw, self.device, slab=self.slab.data_ptr(),
+                slab_bytes=int(budget), **kwargs))
         else:
-            self.tier = offloadd.GpuTier(engine.session.raw, self.device, **kwargs)
+            self.tier = _TierGuard(engine, offloadd.GpuTier(engine.session.raw, self.device,
+                                                            **kwargs))
             n = self.tier.slab_bytes
             self.slab = torch.frombuffer((ctypes.c_uint8 * n).from_address(
                 self.tier.slab_address), dtype=torch.uint8)
