@@ -1349,6 +1349,7 @@ class _TierGuard:
             except (offloadd.UnavailableError, offloadd.NotFoundError):
                 self._engine.session.release([])  # SessionRestored after a restart
                 raise
+        self.__dict__[name] = call  # found without __getattr__ from now on (hooks call often)
         return call
 
 
