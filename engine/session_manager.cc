@@ -21,6 +21,7 @@
 #include "base/secret.h"
 #include "base/status_macros.h"
 #include "checkpoint/format.h"
+#include "swapper/host_pool.h"
 
 namespace offload {
 struct SessionManager::Session {
@@ -525,11 +526,15 @@ absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
   if (budget <= 0) return 0;
   // What the partition may map at most, now or later (blocks homed on NVMe
   // map when they are brought in, accumulators when first needed): its
-  // span, and per chunk master, m, v and an accumulator (pool allocations,
-  // each its own mapping).
+  // span, and per chunk master, m, v and an accumulator: pool allocations,
+  // each its own mapping, unless they are small enough for the pool's
+  // shared slabs (one mapping for thousands: those the budget counts as
+  // they are mapped, HostMemory::LiveMappings).
   const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
   const uint64_t chunks = spec.numel / chunk + 1;
-  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(1 + 4 * chunks, budget + 1));
+  const bool shared = std::min(spec.numel, chunk) * sizeof(float) <= HostPool::kSlabLeaseMaxBytes;
+  const int64_t need =
+      static_cast<int64_t>(std::min<uint64_t>(1 + (shared ? 0 : 4 * chunks), budget + 1));
   // Reserved for every registered partition, and held now (which counts
   // what partitions do not: rings, staging buffers, the pool's own).
   const int64_t reserved = committed_mappings_->fetch_add(need) + need;

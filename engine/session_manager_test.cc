@@ -471,21 +471,23 @@ TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
   SessionKey key = Open();
   ASSERT_TRUE(sessions_.Register(key, {"first", 1000, DType::kFp32, DType::kFp32}).ok());
   const uint64_t used = pool_.used();
-  // Master, exp_avg and exp_avg_sq are three allocations; fail each in turn.
+  // Master, exp_avg and exp_avg_sq are three allocations (mappings of their
+  // own: blocks larger than the pool's shared slots); fail each in turn.
+  constexpr uint64_t kLarge = HostPool::kSlabLeaseMaxBytes / sizeof(float) * 2;
   for (int n = 1; n <= 3; ++n) {
     env_.FailNth(EnvOp::kAllocate, n, ENOMEM);
-    auto failed = sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16});
+    auto failed = sessions_.Register(key, {"w", kLarge, DType::kBf16, DType::kBf16});
     EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << n;
     EXPECT_NE(failed.status().message().find("allocating partition 'w'"), std::string::npos)
         << failed.status();
     EXPECT_EQ(pool_.used(), used) << n;
   }
   env_.FailNth(EnvOp::kMapShared, 1, ENOMEM);
-  auto no_map = sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16});
+  auto no_map = sessions_.Register(key, {"w", kLarge, DType::kBf16, DType::kBf16});
   EXPECT_EQ(no_map.status().code(), absl::StatusCode::kResourceExhausted) << no_map.status();
   EXPECT_EQ(pool_.used(), used);
   env_.FailNth(EnvOp::kResizeFile, 1, ENOSPC);
-  auto no_arena = sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16});
+  auto no_arena = sessions_.Register(key, {"w", kLarge, DType::kBf16, DType::kBf16});
   EXPECT_EQ(no_arena.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(no_arena.status().message().find("growing session arena"), std::string::npos);
   EXPECT_EQ(pool_.used(), used);
@@ -493,7 +495,7 @@ TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
   auto all = sessions_.Fetch(key, {});
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->size(), 1u);
-  EXPECT_TRUE(sessions_.Register(key, {"w", 1000, DType::kBf16, DType::kBf16}).ok());
+  EXPECT_TRUE(sessions_.Register(key, {"w", kLarge, DType::kBf16, DType::kBf16}).ok());
 }
 
 // Holds a step at a StepPoint until released, so that other calls can be

@@ -2,13 +2,24 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/posix_error.h"
+#include "base/status_macros.h"
 
 namespace offload {
+
+struct HostPool::Slab {
+  HostMemory memory;
+  uint64_t slot_bytes = 0;
+  int cls = 0;
+  std::vector<uint32_t> free;  // slot indices
+  uint32_t in_use = 0;
+  bool with_room = false;  // listed in with_room_
+};
 
 PoolMemory& PoolMemory::operator=(PoolMemory&& other) noexcept {
   if (this != &other) {
@@ -18,6 +29,7 @@ PoolMemory& PoolMemory::operator=(PoolMemory&& other) noexcept {
     charged_ = std::exchange(other.charged_, 0);
     locked_ = std::exchange(other.locked_, false);
     pages_ = other.pages_;
+    slot_ = std::exchange(other.slot_, Slot{});
   }
   return *this;
 }
@@ -25,6 +37,11 @@ PoolMemory& PoolMemory::operator=(PoolMemory&& other) noexcept {
 void PoolMemory::Reset() {
   // munmap (in ~HostMemory) also unlocks a locked lease.
   memory_ = HostMemory();
+  if (slot_.slab != nullptr) {
+    if (locked_) munlock(slot_.data, charged_);
+    pool_->FreeSlot(slot_);
+    slot_ = Slot{};
+  }
   if (pool_ != nullptr) pool_->Release(charged_, locked_);
   pool_ = nullptr;
   charged_ = 0;
@@ -74,9 +91,94 @@ absl::StatusOr<PoolCharge> HostPool::Reserve(uint64_t bytes, absl::string_view w
   return PoolCharge(this, charge);
 }
 
+HostPool::HostPool(Env* env, uint64_t limit, bool lock_memory)
+    : env_(env), lock_memory_(lock_memory), limit_(limit) {}
+
+HostPool::~HostPool() = default;
+
+int64_t HostPool::slabs() const {
+  absl::MutexLock lock(&slab_mu_);
+  int64_t n = 0;
+  for (const auto& c : slabs_) n += static_cast<int64_t>(c.size());
+  return n;
+}
+
+absl::StatusOr<PoolMemory::Slot> HostPool::TakeSlot(uint64_t bytes) {
+  const uint64_t page = PageSize();
+  int cls = 0;
+  while ((page << cls) < bytes) ++cls;
+  const uint64_t slot_bytes = page << cls;
+  absl::MutexLock lock(&slab_mu_);
+  std::vector<Slab*>& room = with_room_[cls];
+  if (room.empty()) {
+    // A new slab (outside nothing: its mapping is lazy, so this is quick).
+    ASSIGN_OR_RETURN(HostMemory memory, env_->Allocate(kSlabBytes, Pages::kSmall));
+    auto slab = std::make_unique<Slab>();
+    slab->memory = std::move(memory);
+    slab->slot_bytes = slot_bytes;
+    slab->cls = cls;
+    const uint32_t slots = static_cast<uint32_t>(kSlabBytes / slot_bytes);
+    slab->free.reserve(slots);
+    for (uint32_t i = slots; i > 0; --i) slab->free.push_back(i - 1);  // slot 0 first
+    slab->with_room = true;
+    room.push_back(slab.get());
+    slabs_[cls].push_back(std::move(slab));
+  }
+  Slab* slab = room.back();
+  const uint32_t index = slab->free.back();
+  slab->free.pop_back();
+  ++slab->in_use;
+  if (slab->free.empty()) {
+    room.pop_back();
+    slab->with_room = false;
+  }
+  return PoolMemory::Slot{slab, index, slab->memory.data() + uint64_t{index} * slot_bytes, bytes};
+}
+
+void HostPool::FreeSlot(const PoolMemory::Slot& slot) {
+  auto* slab = static_cast<Slab*>(slot.slab);
+  // Its pages back to the kernel (zero when touched again), outside the
+  // lock: the slot is this lease's alone until it is listed free.
+  madvise(slot.data, slab->slot_bytes, MADV_DONTNEED);
+  absl::MutexLock lock(&slab_mu_);
+  slab->free.push_back(slot.index);
+  --slab->in_use;
+  std::vector<Slab*>& room = with_room_[slab->cls];
+  if (!slab->with_room) {
+    slab->with_room = true;
+    room.push_back(slab);
+  }
+  if (slab->in_use == 0 && room.size() > 1) {
+    // Empty, and another slab of its size has room: unmapped.
+    room.erase(std::find(room.begin(), room.end(), slab));
+    auto& all = slabs_[slab->cls];
+    all.erase(std::find_if(all.begin(), all.end(),
+                           [slab](const std::unique_ptr<Slab>& s) { return s.get() == slab; }));
+  }
+}
+
 absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what, Pages pages) {
   const uint64_t charge = Charge(bytes);
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
+  if (bytes > 0 && bytes <= kSlabLeaseMaxBytes) {
+    absl::StatusOr<PoolMemory::Slot> slot = TakeSlot(bytes);
+    if (!slot.ok()) {
+      used_.fetch_sub(charge, std::memory_order_relaxed);
+      return absl::Status(slot.status().code(),
+                          absl::StrCat("host pool: ", what, ": ", slot.status().message()));
+    }
+    bool locked = false;
+    if (lock_memory_) {
+      if (mlock(slot->data, charge) == 0) {
+        locked = true;
+        locked_.fetch_add(charge, std::memory_order_relaxed);
+      } else if (!lock_warned_.exchange(true)) {
+        LogWarning("host pool: mlock refused (%s); pool memory stays swappable",
+                   PosixError("mlock", errno).message());
+      }
+    }
+    return PoolMemory(*slot, this, charge, locked, pages);
+  }
   absl::StatusOr<HostMemory> memory = env_->Allocate(bytes, pages);
   if (!memory.ok()) {
     used_.fetch_sub(charge, std::memory_order_relaxed);

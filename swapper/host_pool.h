@@ -6,20 +6,29 @@
 // memory, and O_DIRECT transfers go straight from and to them), optionally
 // locked (mlock) where RLIMIT_MEMLOCK permits.
 //
-// A PoolMemory is a lease: the mapping plus its charge; destroying it
-// unmaps and gives the bytes back.
+// A PoolMemory is a lease: its memory plus its charge; destroying it gives
+// both back. A lease of more than kSlabLeaseMaxBytes is a mapping of its
+// own; smaller ones are slots of shared slabs (one mapping for many small
+// partitions' blocks: a process has vm.max_map_count mappings in all), whose
+// pages go back to the kernel when the lease ends (MADV_DONTNEED: zeroed
+// when taken again).
 //
 // Thread-safety: all methods are safe from any thread (lock-free
 // accounting).
 #ifndef OFFLOADD_SWAPPER_HOST_POOL_H_
 #define OFFLOADD_SWAPPER_HOST_POOL_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <utility>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "base/env.h"
 #include "base/host_memory.h"
 
@@ -35,34 +44,47 @@ class PoolMemory {
         pool_(std::exchange(other.pool_, nullptr)),
         charged_(std::exchange(other.charged_, 0)),
         locked_(std::exchange(other.locked_, false)),
-        pages_(other.pages_) {}
+        pages_(other.pages_),
+        slot_(std::exchange(other.slot_, Slot{})) {}
   PoolMemory& operator=(PoolMemory&& other) noexcept;
   PoolMemory(const PoolMemory&) = delete;
   PoolMemory& operator=(const PoolMemory&) = delete;
   ~PoolMemory() { Reset(); }
 
-  std::byte* data() const { return memory_.data(); }
-  uint64_t size() const { return memory_.size(); }
+  std::byte* data() const { return slot_.slab != nullptr ? slot_.data : memory_.data(); }
+  uint64_t size() const { return slot_.slab != nullptr ? slot_.size : memory_.size(); }
   uint64_t charged() const { return charged_; }
-  // The pages the lease asked for (HostPool::Allocate's `pages`).
+  // The pages the lease asked for (HostPool::Allocate's `pages`; a slab's
+  // slot is on small pages whatever was asked).
   Pages pages() const { return pages_; }
-  bool empty() const { return memory_.empty(); }
+  bool empty() const { return slot_.slab == nullptr && memory_.empty(); }
+  // Whether it is a slot of a shared slab (not a mapping of its own).
+  bool shared() const { return slot_.slab != nullptr; }
   void Reset();
 
  private:
   friend class HostPool;
+  struct Slot {
+    void* slab = nullptr;  // HostPool::Slab
+    uint32_t index = 0;
+    std::byte* data = nullptr;
+    uint64_t size = 0;
+  };
   PoolMemory(HostMemory memory, HostPool* pool, uint64_t charged, bool locked, Pages pages)
       : memory_(std::move(memory)),
         pool_(pool),
         charged_(charged),
         locked_(locked),
         pages_(pages) {}
+  PoolMemory(Slot slot, HostPool* pool, uint64_t charged, bool locked, Pages pages)
+      : pool_(pool), charged_(charged), locked_(locked), pages_(pages), slot_(slot) {}
 
   HostMemory memory_;
   HostPool* pool_ = nullptr;
   uint64_t charged_ = 0;
   bool locked_ = false;
   Pages pages_ = Pages::kSystemDefault;
+  Slot slot_;
 };
 
 // A charge for host memory the pool does not map itself (a session arena's
@@ -90,8 +112,15 @@ class PoolCharge {
 class HostPool {
  public:
   // `env` must outlive the pool, and the pool every PoolMemory it leased.
-  HostPool(Env* env, uint64_t limit, bool lock_memory)
-      : env_(env), lock_memory_(lock_memory), limit_(limit) {}
+  HostPool(Env* env, uint64_t limit, bool lock_memory);
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  // Leases of at most this many bytes are slots of shared slabs of
+  // kSlabBytes (slots of 1, 2, 4, 8 or 16 pages).
+  static constexpr uint64_t kSlabLeaseMaxBytes = uint64_t{64} << 10;
+  static constexpr uint64_t kSlabBytes = uint64_t{4} << 20;
 
   // What a lease of `bytes` is charged: whole pages.
   static uint64_t Charge(uint64_t bytes) { return RoundUpToPage(bytes); }
@@ -114,6 +143,8 @@ class HostPool {
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
   // Bytes of leases that mlock succeeded on.
   uint64_t locked() const { return locked_.load(std::memory_order_relaxed); }
+  // Slabs mapped now (each one mapping, shared by small leases).
+  int64_t slabs() const ABSL_LOCKS_EXCLUDED(slab_mu_);
 
  private:
   friend class PoolMemory;
@@ -121,6 +152,14 @@ class HostPool {
   // Adds `charge` to used_ unless that would exceed the limit.
   absl::Status Take(uint64_t charge, absl::string_view what);
   void Release(uint64_t charged, bool was_locked);
+  // A slot of at least `bytes` (<= kSlabLeaseMaxBytes) in a slab with room,
+  // a new slab if none has; the env's error if one cannot be mapped.
+  struct Slab;
+  absl::StatusOr<PoolMemory::Slot> TakeSlot(uint64_t bytes) ABSL_LOCKS_EXCLUDED(slab_mu_);
+  // Gives a slot back (its pages to the kernel); a slab left empty goes
+  // unless it is its size's only one with room.
+  void FreeSlot(const PoolMemory::Slot& slot) ABSL_LOCKS_EXCLUDED(slab_mu_);
+  static constexpr int kSlotClasses = 5;  // 1, 2, 4, 8, 16 pages
 
   Env* const env_;
   const bool lock_memory_;
@@ -128,6 +167,11 @@ class HostPool {
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> locked_{0};
   std::atomic<bool> lock_warned_{false};
+
+  mutable absl::Mutex slab_mu_;
+  // Per slot size: every slab, and those with a free slot.
+  std::array<std::vector<std::unique_ptr<Slab>>, kSlotClasses> slabs_ ABSL_GUARDED_BY(slab_mu_);
+  std::array<std::vector<Slab*>, kSlotClasses> with_room_ ABSL_GUARDED_BY(slab_mu_);
 };
 
 }  // namespace offload

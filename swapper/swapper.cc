@@ -576,8 +576,10 @@ void Swapper::ReleasePin(BlockId id) {
 void Swapper::RepageIfIdleLocked(Block* b) {
   // Only a block moved home to the host while in memory (SetHome) holds a
   // lease of other pages: every other host-homed lease is taken with them.
-  if (b->home != Tier::kHost || b->host.empty() || b->host.pages() == host_home_pages_ ||
-      b->removed || BusyLocked(*b) || b->state != BlockState::kResident) {
+  // (A slot of a shared slab is on small pages whatever it asked for.)
+  if (b->home != Tier::kHost || b->host.empty() || b->host.shared() ||
+      b->host.pages() == host_home_pages_ || b->removed || BusyLocked(*b) ||
+      b->state != BlockState::kResident) {
     return;
   }
   // A second copy for a moment; where the pool has no room for it, the
