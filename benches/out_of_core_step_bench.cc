@@ -502,20 +502,14 @@ int Main(int argc, char** argv) {
   uint64_t nvme_home = 0;
   {
     BenchEngineOptions eo;
-    eo.nvme.io.request_bytes = f.nvme.io.request_bytes;
-    eo.nvme.io.queue_depth = f.nvme.io.queue_depth;
-    eo.nvme.io.rings = f.nvme.io.rings;
+    eo.nvme = f.nvme;  // every nvme.* flag, then where and how much
     eo.nvme.dirs = f.dir;
     // Room for copy-on-write rewrites in flight.
     const uint64_t slack = std::max<uint64_t>(
         state / 16, 4 * static_cast<uint64_t>(f.swapper.io_threads) * chunk_elems * 4);
     eo.nvme.bytes_per_dir = static_cast<int64_t>((state + slack + 4095) / 4096 * 4096);
-    eo.nvme.stripe_bytes = f.nvme.stripe_bytes;
-    eo.nvme.checksum = f.nvme.checksum;
     eo.pool_bytes = pool_limit;
-    eo.swapper.prefetch_depth = f.swapper.prefetch_depth;
-    eo.swapper.prefetch_bytes = f.swapper.prefetch_bytes;
-    eo.swapper.io_threads = f.swapper.io_threads;
+    eo.swapper = f.swapper;
     eo.arena_bytes = 2 * arena_charge + (4 << 20);
     eo.chunk_elems = chunk_elems;
     eo.huge_page_bytes = huge;

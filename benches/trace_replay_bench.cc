@@ -322,23 +322,16 @@ int Main(int argc, char** argv) {
   Iteration learning;
   uint64_t hwm = 0, pool_max = 0, resident_max = 0;
   {
-    IoOptions io;
-    io.request_bytes = f.nvme.io.request_bytes;
-    io.queue_depth = f.nvme.io.queue_depth;
-    io.rings = f.nvme.io.rings;
-    absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeIoBackend(io);
+    absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeIoBackend(f.nvme.io);
     if (!backend.ok()) {
       std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
       return 1;
     }
-    NvmeOptions n;
+    NvmeOptions n = f.nvme;  // every nvme.* flag, then where and how much
     n.dirs = f.dir;
     n.bytes_per_dir = static_cast<int64_t>(
         total + std::max<uint64_t>(total / 16,
                                    4 * static_cast<uint64_t>(f.swapper.io_threads) * layer_bytes));
-    n.stripe_bytes = f.nvme.stripe_bytes;
-    n.checksum = f.nvme.checksum;
-    n.io = io;
     absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, backend->get());
     if (!space.ok()) {
       std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
@@ -368,11 +361,8 @@ int Main(int argc, char** argv) {
       arena = std::move(*mapped);
     }
     HostPool pool(Env::Default(), f.pool, /*lock_memory=*/false);
-    SwapperOptions so;
-    so.prefetch_depth = f.swapper.prefetch_depth;
-    so.prefetch_bytes = f.swapper.prefetch_bytes;
-    so.io_threads = f.swapper.io_threads;
-    absl::StatusOr<std::unique_ptr<Swapper>> created = Swapper::Create(so, &pool, space->get());
+    absl::StatusOr<std::unique_ptr<Swapper>> created =
+        Swapper::Create(f.swapper, &pool, space->get());
     if (!created.ok()) {
       std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
       return 1;

@@ -763,6 +763,9 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
 }
 
 absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
+  // (A stale Session object is told so, as its partition calls are: the
+  // GPU tier's guard asks this when one of its calls finds offloadd gone.)
+  RETURN_IF_ERROR(impl_->Orphaned());
   v1::GetPendingGradientsRequest req;
   *req.mutable_session() = impl_->ref;
   v1::GetPendingGradientsResponse resp;

@@ -528,13 +528,16 @@ absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
   // map when they are brought in, accumulators when first needed): its
   // span, and per chunk master, m, v and an accumulator: pool allocations,
   // each its own mapping, unless they are small enough for the pool's
-  // shared slabs (one mapping for thousands: those the budget counts as
-  // they are mapped, HostMemory::LiveMappings).
+  // shared slabs: a slab of 4 MiB holds the four blocks of at least 16
+  // such partitions (slots of at most 64 KiB), so every 16th small
+  // partition reserves one more, for the slab its blocks may need later.
   const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
   const uint64_t chunks = spec.numel / chunk + 1;
   const bool shared = std::min(spec.numel, chunk) * sizeof(float) <= HostPool::kSlabLeaseMaxBytes;
-  const int64_t need =
-      static_cast<int64_t>(std::min<uint64_t>(1 + (shared ? 0 : 4 * chunks), budget + 1));
+  constexpr uint64_t kSmallPerSlab = HostPool::kSlabBytes / HostPool::kSlabLeaseMaxBytes / 4;
+  const uint64_t blocks =
+      shared ? (small_partitions_.fetch_add(1) % kSmallPerSlab == 0 ? 1 : 0) : 4 * chunks;
+  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(1 + blocks, budget + 1));
   // Reserved for every registered partition, and held now (which counts
   // what partitions do not: rings, staging buffers, the pool's own).
   const int64_t reserved = committed_mappings_->fetch_add(need) + need;

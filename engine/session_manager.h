@@ -522,6 +522,7 @@ class SessionManager {
       std::make_shared<std::atomic<int64_t>>(0);
   GpuTierSettings gpu_settings_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> mapping_budget_{0};
+  std::atomic<uint64_t> small_partitions_{0};  // registered with slab-sized blocks, ever
   const std::shared_ptr<PollBudget> ring_pollers_ =
       std::make_shared<PollBudget>(PollBudget::DefaultMax());
 };

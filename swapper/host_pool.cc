@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
@@ -38,7 +39,6 @@ void PoolMemory::Reset() {
   // munmap (in ~HostMemory) also unlocks a locked lease.
   memory_ = HostMemory();
   if (slot_.slab != nullptr) {
-    if (locked_) munlock(slot_.data, charged_);
     pool_->FreeSlot(slot_);
     slot_ = Slot{};
   }
@@ -139,7 +139,9 @@ void HostPool::FreeSlot(const PoolMemory::Slot& slot) {
   auto* slab = static_cast<Slab*>(slot.slab);
   // Its pages back to the kernel (zero when touched again), outside the
   // lock: the slot is this lease's alone until it is listed free.
-  madvise(slot.data, slab->slot_bytes, MADV_DONTNEED);
+  if (madvise(slot.data, slab->slot_bytes, MADV_DONTNEED) != 0) {
+    std::memset(slot.data, 0, slab->slot_bytes);  // zero for the next lease all the same
+  }
   absl::MutexLock lock(&slab_mu_);
   slab->free.push_back(slot.index);
   --slab->in_use;
@@ -160,24 +162,15 @@ void HostPool::FreeSlot(const PoolMemory::Slot& slot) {
 absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what, Pages pages) {
   const uint64_t charge = Charge(bytes);
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
-  if (bytes > 0 && bytes <= kSlabLeaseMaxBytes) {
+  if (bytes > 0 && bytes <= kSlabLeaseMaxBytes && !lock_memory_ &&
+      io_alignment_.load(std::memory_order_relaxed) <= PageSize()) {
     absl::StatusOr<PoolMemory::Slot> slot = TakeSlot(bytes);
     if (!slot.ok()) {
       used_.fetch_sub(charge, std::memory_order_relaxed);
       return absl::Status(slot.status().code(),
                           absl::StrCat("host pool: ", what, ": ", slot.status().message()));
     }
-    bool locked = false;
-    if (lock_memory_) {
-      if (mlock(slot->data, charge) == 0) {
-        locked = true;
-        locked_.fetch_add(charge, std::memory_order_relaxed);
-      } else if (!lock_warned_.exchange(true)) {
-        LogWarning("host pool: mlock refused (%s); pool memory stays swappable",
-                   PosixError("mlock", errno).message());
-      }
-    }
-    return PoolMemory(*slot, this, charge, locked, pages);
+    return PoolMemory(*slot, this, charge, /*locked=*/false, pages);
   }
   absl::StatusOr<HostMemory> memory = env_->Allocate(bytes, pages);
   if (!memory.ok()) {

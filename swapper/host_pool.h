@@ -118,9 +118,15 @@ class HostPool {
   HostPool& operator=(const HostPool&) = delete;
 
   // Leases of at most this many bytes are slots of shared slabs of
-  // kSlabBytes (slots of 1, 2, 4, 8 or 16 pages).
+  // kSlabBytes (slots of 1, 2, 4, 8 or 16 pages), except in a pool that
+  // locks its memory (a lock on part of a mapping splits it in two, which
+  // would take the mappings back) or one whose leases take I/O aligned to
+  // more than a page (SetIoAlignment).
   static constexpr uint64_t kSlabLeaseMaxBytes = uint64_t{64} << 10;
   static constexpr uint64_t kSlabBytes = uint64_t{4} << 20;
+  // Leases are read and written by I/O in units of `bytes` (the swapper's
+  // NVMe tier: its direct-I/O alignment): above a page, no lease is a slot.
+  void SetIoAlignment(uint64_t bytes) { io_alignment_.store(bytes, std::memory_order_relaxed); }
 
   // What a lease of `bytes` is charged: whole pages.
   static uint64_t Charge(uint64_t bytes) { return RoundUpToPage(bytes); }
@@ -167,6 +173,7 @@ class HostPool {
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> locked_{0};
   std::atomic<bool> lock_warned_{false};
+  std::atomic<uint64_t> io_alignment_{0};
 
   mutable absl::Mutex slab_mu_;
   // Per slot size: every slab, and those with a free slot.

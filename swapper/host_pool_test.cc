@@ -146,12 +146,22 @@ TEST(HostPool, ASlabThatCannotBeMappedChargesNothing) {
   EXPECT_TRUE(b.ok()) << b.status();
 }
 
-// Locked small leases: each its own pages, unlocked when it ends.
-TEST(HostPool, SmallLeasesLockTheirOwnPages) {
+// A pool that locks its memory, or whose leases take I/O in units above a
+// page, gives small leases mappings of their own (a lock on part of a slab
+// would split it; a slot could not take the longer transfer).
+TEST(HostPool, LockingOrCoarseIoKeepsSmallLeasesApart) {
+  HostPool coarse(Env::Default(), uint64_t{1} << 30, false);
+  coarse.SetIoAlignment(4 * PageSize());
+  auto c = coarse.Allocate(100, "c");
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->shared());
+  EXPECT_EQ(coarse.slabs(), 0);
   HostPool pool(Env::Default(), uint64_t{1} << 30, true);
   auto a = pool.Allocate(100, "a");
   auto b = pool.Allocate(3 * PageSize(), "b");
   ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(a->shared());
+  EXPECT_EQ(pool.slabs(), 0);
   auto probe = HostMemory::Allocate(PageSize());
   const bool may_lock = mlock(probe->data(), PageSize()) == 0;
   EXPECT_EQ(pool.locked(), may_lock ? 4 * PageSize() : 0u);

@@ -208,6 +208,9 @@ absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& o
   RETURN_IF_ERROR(kPrefetchDepthRange.Check("swapper.prefetch_depth", options.prefetch_depth));
   RETURN_IF_ERROR(kPrefetchBytesRange.Check("swapper.prefetch_bytes", options.prefetch_bytes));
   RETURN_IF_ERROR(kSwapperIoThreadsRange.Check("swapper.io_threads", options.io_threads));
+  // Blocks are read and written in whole units of the tier's alignment,
+  // straight to and from their leases.
+  if (space != nullptr) pool->SetIoAlignment(space->alignment());
   std::unique_ptr<Swapper> s(new Swapper(options, pool, space));
   for (int64_t i = 0; i < options.io_threads; ++i) {
     s->io_threads_.emplace_back([raw = s.get()] { raw->IoThread(); });

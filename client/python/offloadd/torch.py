@@ -1261,10 +1261,18 @@ class _Engine:
 
     @contextlib.contextmanager
     def _tier_bypassed(self):
-        tier, self.tier = self.tier, None
+        tier, self.tier, session = self.tier, None, self.session
         try:
             yield
         finally:
+            if tier is not None and self.session is not session:
+                # offloadd restarted meanwhile (SessionRestored): the tier
+                # belongs to the old session; a new one for the new.
+                try:
+                    tier.close()
+                except offloadd.Error:
+                    pass
+                tier = _GpuTier.create(self, self.config["gpu"])
             self.tier = tier
 
     def write_loaded(self):
@@ -1331,8 +1339,10 @@ class _Engine:
 class _TierGuard:
     """The binding's GpuTier, whose calls reach offloadd without the
     session's guard (_GuardedSession): one that finds offloadd gone or
-    restarted asks the session, whose guard waits for the successor and
-    resumes (SessionRestored); else the tier's own error."""
+    restarted (UNAVAILABLE, or NOT_FOUND for an id of an earlier offloadd)
+    asks the session with a call that changes nothing, whose guard waits for
+    the successor and resumes (SessionRestored); any other error, or one
+    the session's call shows was not a restart, is the tier's own."""
 
     def __init__(self, engine, tier):
         self._engine = engine
@@ -1342,12 +1352,18 @@ class _TierGuard:
         attr = getattr(self._tier, name)
         if not callable(attr):
             return attr
+        engine = self._engine  # (not self: the cached call must not keep the guard alive)
 
         def call(*args, **kwargs):
             try:
                 return attr(*args, **kwargs)
-            except (offloadd.UnavailableError, offloadd.NotFoundError):
-                self._engine.session.release([])  # SessionRestored after a restart
+            except offloadd.NotFoundError as e:
+                if "not one of its ids" not in str(e):
+                    raise
+                engine.session.pending_gradients()  # SessionRestored
+                raise
+            except offloadd.UnavailableError:
+                engine.session.pending_gradients()  # SessionRestored after a restart
                 raise
         self.__dict__[name] = call  # found without __getattr__ from now on (hooks call often)
         return call
