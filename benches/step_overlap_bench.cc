@@ -152,8 +152,9 @@ int Fail(const absl::Status& s, const char* what) {
   return 1;
 }
 
-int Main(int argc, char** argv) {
-  Flags f;
+// The flags into `f`: 0, or the exit status for flags it refuses.
+int ParseFlags(int argc, char** argv, Flags* out) {
+  Flags& f = *out;
   bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -211,172 +212,124 @@ int Main(int argc, char** argv) {
                  f.iterations);
     return 2;
   }
-  auto host_home = ResolveHostHomePages(f.host_home_pages, DamonMonitors());
-  if (!host_home.ok()) return Fail(host_home.status(), "flags");
-  mkdir(f.dir.c_str(), 0700);
-  PrintMachine(f.dir);
-  const uint64_t per_layer = f.params / static_cast<uint64_t>(f.layers);
+  return 0;
+}
 
-  BenchEngineOptions eo;
-  if (f.nvme) {
-    eo.nvme.dirs = f.dir;
-    // The state's 16 bytes a parameter (and the two working-copy buffers'),
-    // with a quarter to spare.
-    eo.nvme.bytes_per_dir =
-        static_cast<int64_t>(f.params * (f.params_nvme ? 20 : 16) * 5 / 4 + (64 << 20));
-    eo.pool_bytes = f.pool;
-  }
-  eo.optimizer.threads = f.threads;
-  eo.swapper.host_home_pages = host_home->pages;
-  eo.huge_page_bytes = f.arena_huge ? HugePageAlignment() : 0;
-  auto made = MakeBenchEngine(eo);
-  if (!made.ok()) return Fail(made.status(), "engine");
-  BenchEngine& e = **made;
-  PlacementChange placement;
-  if (f.nvme) placement[DataKind::kOptimizerState] = 0;
-  if (f.nvme && f.params_nvme) placement[DataKind::kParams] = 0;
-  auto opened = e.sessions->Open("bench", placement);
-  if (!opened.ok()) return Fail(opened.status(), "open");
-  const SessionKey key = opened->key;
-  std::vector<uint64_t> ids;
-  for (int l = 0; l < f.layers; ++l) {
-    auto p = e.sessions->Register(
-        key, {absl::StrCat("layer", l), per_layer, DType::kBf16, DType::kBf16});
-    if (!p.ok()) return Fail(p.status(), "register");
-    ids.push_back(p->id);
-  }
-  if (auto s = e.sessions->Release(key, {}); !s.ok()) return Fail(s, "release");
-  std::printf(
-      "== step_overlap: %llu params in %d layers (bf16 params and gradients, arena on "
-      "%s pages), optimizer state %s; optimizer %s on %d threads\n",
-      static_cast<unsigned long long>(per_layer * f.layers), f.layers,
-      f.arena_huge ? (SharedHugePageBytes() != 0 ? "huge" : "small (laid out for huge)") : "small",
-      f.nvme ? absl::StrCat("on NVMe (", f.dir, ")", f.params_nvme ? ", the working copy too" : "",
-                            ", pool ", absl::StrFormat("%.2f GiB", f.pool / kGiB))
-                   .c_str()
-             : "in memory",
-      e.optimizer->kernel_name().c_str(), e.optimizer->threads());
-  std::printf("state homed on the host on %s pages (%s)\n",
-              host_home->pages == Pages::kSmall ? "4 KiB" : "2 MiB", host_home->why.c_str());
+// The engine's step counters, read between iterations.
+struct Counters {
+  int64_t steps, nanos, compute;
+};
 
-  FetchMode backward;
-  backward.grads = true;
-  AdamHyperparams h;
-  h.lr = 1e-4;
-  // One iteration; returns its wall time. `step` commits the gradients.
-  double returning = 0;    // time inside ReturnGradients (the accumulation pass)
-  double fetching = 0;     // time inside Fetch (waiting for updates, swap-ins)
-  bool hand_over = false;  // return gradients with hand_over (the fourth and fifth modes)
-  // The fifth mode: each layer's gradient statistics, given with the return.
-  std::vector<GradStats> given;
-  bool give_stats = false;
-  auto iteration = [&](double t, bool overlap, double* step_call) -> absl::StatusOr<double> {
-    const auto start = Clock::now();
-    for (int l = 0; l < f.layers; ++l) {
-      const auto q = Clock::now();
-      RETURN_IF_ERROR(e.sessions->Fetch(key, {ids[l]}).status());
-      fetching += SecondsSince(q);
-      Sleep(t / 3 / f.layers);
-      RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
+// The trainer: one session of --layers partitions of bf16 parameters and
+// gradients, its forward and backward passes sleeps between the calls a
+// trainer makes.
+class Trainer {
+ public:
+  static absl::StatusOr<std::unique_ptr<Trainer>> Start(const Flags& f, Pages host_home) {
+    auto tr = std::unique_ptr<Trainer>(new Trainer(f));
+    BenchEngineOptions eo;
+    if (f.nvme) {
+      eo.nvme.dirs = f.dir;
+      // The state's 16 bytes a parameter (and the two working-copy
+      // buffers'), with a quarter to spare.
+      eo.nvme.bytes_per_dir =
+          static_cast<int64_t>(f.params * (f.params_nvme ? 20 : 16) * 5 / 4 + (64 << 20));
+      eo.pool_bytes = f.pool;
     }
-    for (int l = f.layers - 1; l >= 0; --l) {
+    eo.optimizer.threads = f.threads;
+    eo.swapper.host_home_pages = host_home;
+    eo.huge_page_bytes = f.arena_huge ? HugePageAlignment() : 0;
+    ASSIGN_OR_RETURN(tr->engine_, MakeBenchEngine(eo));
+    PlacementChange placement;
+    if (f.nvme) placement[DataKind::kOptimizerState] = 0;
+    if (f.nvme && f.params_nvme) placement[DataKind::kParams] = 0;
+    ASSIGN_OR_RETURN(OpenedSession opened, tr->engine_->sessions->Open("bench", placement));
+    tr->key_ = opened.key;
+    for (int l = 0; l < f.layers; ++l) {
+      ASSIGN_OR_RETURN(PartitionInfo p, tr->engine_->sessions->Register(
+                                            tr->key_, {absl::StrCat("layer", l), tr->per_layer_,
+                                                       DType::kBf16, DType::kBf16}));
+      tr->ids_.push_back(p.id);
+    }
+    RETURN_IF_ERROR(tr->engine_->sessions->Release(tr->key_, {}));
+    return tr;
+  }
+
+  BenchEngine& engine() { return *engine_; }
+  SessionManager& sessions() { return *engine_->sessions; }
+  const SessionKey& key() const { return key_; }
+  uint64_t per_layer() const { return per_layer_; }
+
+  // One iteration; returns its wall time. `step` commits the gradients.
+  absl::StatusOr<double> Iteration(double t, bool overlap, double* step_call) {
+    const auto start = Clock::now();
+    for (int l = 0; l < f_.layers; ++l) {
       const auto q = Clock::now();
-      RETURN_IF_ERROR(e.sessions->Fetch(key, {ids[l]}, backward).status());
+      RETURN_IF_ERROR(sessions().Fetch(key_, {ids_[l]}).status());
       fetching += SecondsSince(q);
-      Sleep(2 * t / 3 / f.layers);
+      Sleep(t / 3 / f_.layers);
+      RETURN_IF_ERROR(sessions().Release(key_, {ids_[l]}));
+    }
+    FetchMode backward;
+    backward.grads = true;
+    for (int l = f_.layers - 1; l >= 0; --l) {
+      const auto q = Clock::now();
+      RETURN_IF_ERROR(sessions().Fetch(key_, {ids_[l]}, backward).status());
+      fetching += SecondsSince(q);
+      Sleep(2 * t / 3 / f_.layers);
       const auto r = Clock::now();
-      RETURN_IF_ERROR(e.sessions->ReturnGradients(
-          key, ids[l], per_layer, DType::kBf16, hand_over,
+      RETURN_IF_ERROR(sessions().ReturnGradients(
+          key_, ids_[l], per_layer_, DType::kBf16, hand_over,
           give_stats ? std::optional<GradStats>(given[l]) : std::nullopt));
       returning += SecondsSince(r);
-      RETURN_IF_ERROR(e.sessions->Release(key, {ids[l]}));
+      RETURN_IF_ERROR(sessions().Release(key_, {ids_[l]}));
     }
     const auto stepping = Clock::now();
     StepControl control;
     control.overlap = overlap;
-    auto summary = e.sessions->Step(key, h, control);
-    if (!summary.ok()) return summary.status();
+    AdamHyperparams h;
+    h.lr = 1e-4;
+    RETURN_IF_ERROR(sessions().Step(key_, h, control).status());
     *step_call = SecondsSince(stepping);
     return SecondsSince(start);
-  };
+  }
 
   // The trainer's schedule alone: the same sleeps, no calls.
-  auto schedule_alone = [&](double t) {
+  double ScheduleAlone(double t) const {
     const auto start = Clock::now();
-    for (int l = 0; l < f.layers; ++l) Sleep(t / 3 / f.layers);
-    for (int l = 0; l < f.layers; ++l) Sleep(2 * t / 3 / f.layers);
+    for (int l = 0; l < f_.layers; ++l) Sleep(t / 3 / f_.layers);
+    for (int l = 0; l < f_.layers; ++l) Sleep(2 * t / 3 / f_.layers);
     return SecondsSince(start);
-  };
+  }
 
   // T_opt: synchronous steps alone (gradients returned without sleeping),
-  // the median of `opt_runs` after two warm-ups (the first steps touch the
+  // the median of kOptRuns after kOptWarmups (the first steps touch the
   // optimizer state's fresh pages and initialise the master copies; a mean
   // would also take in a step the host slowed, and overstate T_opt).
-  // Measured again after the modes, to show how far the host drifted.
-  double step_call = 0;
-  const int opt_warmups = 2, opt_runs = 7;
-  auto measure_t_opt = [&]() -> absl::StatusOr<double> {
+  static constexpr int kOptWarmups = 2, kOptRuns = 7;
+  absl::StatusOr<double> MeasureTOpt() {
     std::vector<double> steps;
-    for (int r = 0; r < opt_warmups + opt_runs; ++r) {
-      RETURN_IF_ERROR(iteration(0, false, &step_call).status());
-      if (r >= opt_warmups) steps.push_back(step_call);
+    double step_call = 0;
+    for (int r = 0; r < kOptWarmups + kOptRuns; ++r) {
+      RETURN_IF_ERROR(Iteration(0, false, &step_call).status());
+      if (r >= kOptWarmups) steps.push_back(step_call);
     }
     std::sort(steps.begin(), steps.end());
     return MedianOfSorted(steps);
-  };
-  const absl::StatusOr<double> measured_t_opt = measure_t_opt();
-  if (!measured_t_opt.ok()) return Fail(measured_t_opt.status(), "calibration");
-  const double t_opt = *measured_t_opt;
-  const double t = f.t < 0 ? t_opt : f.t;
-  prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
-  g_overshoot = MeasureOvershoot(t / 3 / f.layers, 4 * f.layers);
-  double t_alone = 0;
-  for (int r = 0; r < 3; ++r) t_alone += schedule_alone(t) / 3;
-  // The trainer's time is what its sleeps take, as measured, whether longer
-  // or shorter than asked.
-  const double bound = std::max(t_alone, t_opt);
-  std::printf(
-      "T_opt (synchronous Step alone, median of %d after %d warm-ups): %.3f s; T (forward + "
-      "backward asleep): %.3f s asked, T_alone %.3f s measured (each of its %d sleeps "
-      "shortened by %.0f us, their overshoot); bound max(T_alone, T_opt) = %.3f s\n",
-      opt_runs, opt_warmups, t_opt, t, t_alone, 2 * f.layers, g_overshoot * 1e6, bound);
-  returning = 0;
+  }
 
-  struct Row {
-    const char* mode;
-    // Sums over the counted iterations: in the Step call, in Fetch, in
-    // ReturnGradients, and in the trainer's sleeps (T_alone if nothing
-    // delayed their wake-ups).
-    double step_call = 0, fetch = 0, ret = 0, sleep = 0;
-    // Sums over the mode's steps (Stats): the daemon's step, start to end,
-    // and of that the optimizer's compute.
-    int64_t steps = 0, update_nanos = 0, compute_nanos = 0;
-    std::vector<double> iterations;  // counted, sorted once all are in
-    double per_iteration(double sum) const { return sum / iterations.size(); }
-    double mean() const {
-      double total = 0;
-      for (double i : iterations) total += i;
-      return per_iteration(total);
-    }
-    double update() const { return steps > 0 ? update_nanos / 1e9 / steps : 0; }
-    double compute() const { return steps > 0 ? compute_nanos / 1e9 / steps : 0; }
-    double best() const { return iterations.front(); }
-    double worst() const { return iterations.back(); }
-    // The median iteration: this VM's host slows single steps 1.5-3x at
-    // random (in every mode, and in T_opt's own measurement, hence its
-    // median), which the mean takes in.
-    double median() const { return MedianOfSorted(iterations); }
-  };
   // The statistics of every layer's gradient buffer as it is now, read
   // where the arena maps it, the buffer held; with `fill`, first written
   // with fixed nonzero gradients (the trainer's backward, once), so that a
   // change to them during the phase shows.
-  auto buffer_stats = [&](bool fill) -> absl::StatusOr<std::vector<GradStats>> {
-    ASSIGN_OR_RETURN(UniqueFd fd, e.sessions->DupArenaFd(key));
+  absl::StatusOr<std::vector<GradStats>> BufferStats(bool fill) {
+    ASSIGN_OR_RETURN(UniqueFd fd, sessions().DupArenaFd(key_));
     const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    FetchMode backward;
+    backward.grads = true;
     std::vector<GradStats> out;
-    for (uint64_t id : ids) {
-      ASSIGN_OR_RETURN(std::vector<PartitionInfo> held, e.sessions->Fetch(key, {id}, backward));
+    for (uint64_t id : ids_) {
+      ASSIGN_OR_RETURN(std::vector<PartitionInfo> held, sessions().Fetch(key_, {id}, backward));
       const ArenaRegion g = held[0].grads;
       const uint64_t begin = g.offset / page * page;
       ASSIGN_OR_RETURN(HostMemory map,
@@ -392,36 +345,86 @@ int Main(int argc, char** argv) {
       measure.grad_dtype = DType::kBf16;
       measure.numel = held[0].numel;
       measure.first = true;
-      out.push_back(e.optimizer->Accumulate(absl::MakeConstSpan(&measure, 1)));
-      RETURN_IF_ERROR(e.sessions->Release(key, {id}));
+      out.push_back(engine_->optimizer->Accumulate(absl::MakeConstSpan(&measure, 1)));
+      RETURN_IF_ERROR(sessions().Release(key_, {id}));
     }
     return out;
-  };
-  std::vector<Row> rows(5);
-  rows[0].mode = "synchronous";
-  rows[1].mode = "overlapped";
-  rows[2].mode = "DPU";
-  rows[3].mode = "DPU, handed";
-  rows[4].mode = "DPU, stats given";
-  // The engine's step counters, read once between iterations: the steps
-  // that ended in between go to the mode whose gradients they updated.
-  struct Counters {
-    int64_t steps, nanos, compute;
-  };
-  auto counters = [&] {
-    return Counters{e.stats.steps.load(), e.stats.step_nanos.load(),
-                    e.stats.step_compute_nanos.load()};
-  };
-  // Each phase runs --iterations iterations per mode. The two modes that
-  // hand the gradients over take turns in one phase, so that the host's
-  // drift (this VM slows steps 1.5-3x at random for seconds at a time)
-  // falls on both alike: turns of 4, 3 or 2 iterations, the first of these
-  // that divides --iterations (so that each mode gets as many; other counts
-  // are refused above). Before each turn T_opt is measured again (one
-  // synchronous step alone, after the last update ended), so that the
-  // hand-over modes also have a bound from their own seconds of the host's
-  // time; the turn's first iteration, which starts with no update running
-  // beside it, is not counted.
+  }
+
+  Counters counters() const {
+    return Counters{engine_->stats.steps.load(), engine_->stats.step_nanos.load(),
+                    engine_->stats.step_compute_nanos.load()};
+  }
+
+  // What the iterations spent, summed since last reset by the caller.
+  double returning = 0;  // inside ReturnGradients (the accumulation pass)
+  double fetching = 0;   // inside Fetch (waiting for updates, swap-ins)
+  // How gradients go back: with hand_over (the fourth and fifth modes), and
+  // with each layer's statistics `given` (the fifth).
+  bool hand_over = false;
+  bool give_stats = false;
+  std::vector<GradStats> given;
+
+ private:
+  explicit Trainer(const Flags& f)
+      : f_(f), per_layer_(f.params / static_cast<uint64_t>(f.layers)) {}
+  const Flags f_;
+  const uint64_t per_layer_;
+  std::unique_ptr<BenchEngine> engine_;
+  SessionKey key_;
+  std::vector<uint64_t> ids_;
+};
+
+struct Row {
+  const char* mode;
+  // Sums over the counted iterations: in the Step call, in Fetch, in
+  // ReturnGradients, and in the trainer's sleeps (T_alone if nothing
+  // delayed their wake-ups).
+  double step_call = 0, fetch = 0, ret = 0, sleep = 0;
+  // Sums over the mode's steps (Stats): the daemon's step, start to end,
+  // and of that the optimizer's compute.
+  int64_t steps = 0, update_nanos = 0, compute_nanos = 0;
+  std::vector<double> iterations;  // counted, sorted once all are in
+  double per_iteration(double sum) const { return sum / iterations.size(); }
+  double mean() const {
+    double total = 0;
+    for (double i : iterations) total += i;
+    return per_iteration(total);
+  }
+  double update() const { return steps > 0 ? update_nanos / 1e9 / steps : 0; }
+  double compute() const { return steps > 0 ? compute_nanos / 1e9 / steps : 0; }
+  double best() const { return iterations.front(); }
+  double worst() const { return iterations.back(); }
+  // The median iteration: this VM's host slows single steps 1.5-3x at
+  // random (in every mode, and in T_opt's own measurement, hence its
+  // median), which the mean takes in.
+  double median() const { return MedianOfSorted(iterations); }
+};
+
+absl::Status In(const absl::Status& s, absl::string_view what) {
+  return s.ok() ? s : absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+}
+
+// Every mode, --iterations each, with T the trainer's time: the counted
+// iterations into `rows` (by mode: synchronous, overlapped, DPU, DPU
+// handed, DPU stats given), and the hand-over phase's own T_opt samples
+// into `t_opt_between`.
+//
+// Each phase runs --iterations iterations per mode. The two modes that hand
+// the gradients over take turns in one phase, so that the host's drift
+// (this VM slows steps 1.5-3x at random for seconds at a time) falls on
+// both alike: turns of 4, 3 or 2 iterations, the first of these that
+// divides --iterations (so that each mode gets as many; other counts are
+// refused by ParseFlags). Before each turn T_opt is measured again (one
+// synchronous step alone, after the last update ended), so that the
+// hand-over modes also have a bound from their own seconds of the host's
+// time; the turn's first iteration, which starts with no update running
+// beside it, is not counted.
+absl::Status RunModes(Trainer& tr, const Flags& f, double t, std::vector<Row>* rows_out,
+                      std::vector<double>* t_opt_between) {
+  std::vector<Row>& rows = *rows_out;
+  SessionManager& sessions = tr.sessions();
+  const SessionKey& key = tr.key();
   int turn = 0;
   for (int k : {4, 3, 2}) {
     if (f.iterations % k == 0) {
@@ -429,21 +432,21 @@ int Main(int argc, char** argv) {
       break;
     }
   }
-  std::vector<double> t_opt_between;  // the hand-over phase's own T_opt samples
+  double step_call = 0;
   const std::vector<std::vector<int>> phases = {{0}, {1}, {2}, {3, 4}};
   for (const std::vector<int>& modes : phases) {
     const int first = modes[0];
     const bool overlap = first > 0;
     if (first == 2) {
-      if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
-      if (auto s = e.sessions->SetDelayedUpdate(key, true); !s.ok()) return Fail(s, "dpu");
+      RETURN_IF_ERROR(In(sessions.WaitStep(key).status(), "wait"));
+      RETURN_IF_ERROR(In(sessions.SetDelayedUpdate(key, true), "dpu"));
     }
     if (first == 3) {
       // The buffers are the daemon's until the last update has read them.
-      if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
-      auto measured = buffer_stats(/*fill=*/true);
-      if (!measured.ok()) return Fail(measured.status(), "gradient statistics");
-      given = *std::move(measured);
+      RETURN_IF_ERROR(In(sessions.WaitStep(key).status(), "wait"));
+      absl::StatusOr<std::vector<GradStats>> measured = tr.BufferStats(/*fill=*/true);
+      RETURN_IF_ERROR(In(measured.status(), "gradient statistics"));
+      tr.given = *std::move(measured);
     }
     // Not counted: the phase's first iteration (the switch from the previous
     // one) and, when the delayed update is switched on, the second, whose
@@ -457,9 +460,9 @@ int Main(int argc, char** argv) {
     // during iteration i + 1 (the next Step waits for it), or in the
     // WaitStep after the last. -1: a skipped iteration's, not counted.
     int stepping = -1;
-    Counters before = counters();
+    Counters before = tr.counters();
     auto count_steps = [&] {
-      const Counters now = counters();
+      const Counters now = tr.counters();
       if (stepping >= 0) {
         rows[stepping].steps += now.steps - before.steps;
         rows[stepping].update_nanos += now.nanos - before.nanos;
@@ -477,27 +480,27 @@ int Main(int argc, char** argv) {
         // the blocks they read in the order they do (through the
         // accumulator instead, it upset the order the swapper learned for
         // state on NVMe, and every step of the phase waited for reads).
-        if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
+        RETURN_IF_ERROR(In(sessions.WaitStep(key).status(), "wait"));
         count_steps();
         stepping = -1;
-        hand_over = give_stats = true;
-        if (auto s = iteration(0, false, &step_call); !s.ok()) return Fail(s.status(), "T_opt");
-        t_opt_between.push_back(step_call);
+        tr.hand_over = tr.give_stats = true;
+        RETURN_IF_ERROR(In(tr.Iteration(0, false, &step_call).status(), "T_opt"));
+        t_opt_between->push_back(step_call);
         count_steps();
       }
-      hand_over = mode >= 3;
-      give_stats = mode == 4;
+      tr.hand_over = mode >= 3;
+      tr.give_stats = mode == 4;
       if (!overlap) stepping = mode;
-      const double fetched = fetching, returned = returning, slept0 = g_slept;
+      const double fetched = tr.fetching, returned = tr.returning, slept0 = g_slept;
       const int64_t nanos0 = before.nanos;
-      auto it = iteration(t, overlap, &step_call);
-      if (!it.ok()) return Fail(it.status(), rows[mode].mode);
+      absl::StatusOr<double> it = tr.Iteration(t, overlap, &step_call);
+      RETURN_IF_ERROR(In(it.status(), rows[mode].mode));
       const bool skipped = (i < skip || measures_t_opt) && i + 1 < total;
       if (skipped) stepping = -1;
       count_steps();
       if (f.per_iteration) {  // with the daemon's update time of the steps ended in it
         std::printf("  %-16s iteration %2d: %.3f s, fetch %.3f s, update %.3f s%s\n",
-                    rows[mode].mode, i, *it, fetching - fetched, (before.nanos - nanos0) / 1e9,
+                    rows[mode].mode, i, *it, tr.fetching - fetched, (before.nanos - nanos0) / 1e9,
                     skipped ? " (not counted)" : "");
       }
       if (skipped) {
@@ -506,37 +509,40 @@ int Main(int argc, char** argv) {
       }
       if (overlap) stepping = mode;
       Row& row = rows[mode];
-      row.fetch += fetching - fetched;
+      row.fetch += tr.fetching - fetched;
       row.sleep += g_slept - slept0;
-      row.ret += returning - returned;
+      row.ret += tr.returning - returned;
       row.iterations.push_back(*it);
       row.step_call += step_call;
     }
     if (overlap) {
-      if (auto s = e.sessions->WaitStep(key); !s.ok()) return Fail(s.status(), "wait");
+      RETURN_IF_ERROR(In(sessions.WaitStep(key).status(), "wait"));
       count_steps();
     }
     if (first == 3) {
       // The statistics given were the buffers' own all along.
-      auto after = buffer_stats(/*fill=*/false);
-      if (!after.ok()) return Fail(after.status(), "gradient statistics after");
-      for (size_t l = 0; l < given.size(); ++l) {
-        if ((*after)[l].sq_norm != given[l].sq_norm ||
-            (*after)[l].nonfinite != given[l].nonfinite) {
-          std::fprintf(stderr, "layer %zu's gradient buffer changed during the mode\n", l);
-          return 1;
+      absl::StatusOr<std::vector<GradStats>> after = tr.BufferStats(/*fill=*/false);
+      RETURN_IF_ERROR(In(after.status(), "gradient statistics after"));
+      for (size_t l = 0; l < tr.given.size(); ++l) {
+        if ((*after)[l].sq_norm != tr.given[l].sq_norm ||
+            (*after)[l].nonfinite != tr.given[l].nonfinite) {
+          return absl::InternalError(
+              absl::StrCat("layer ", l, "'s gradient buffer changed during the mode"));
         }
       }
     }
   }
   for (Row& r : rows) std::sort(r.iterations.begin(), r.iterations.end());
-  // Per iteration: in the trainer's sleeps (longer than T_alone when its
-  // wake-ups wait for a core), in Fetch (waiting for an update or a
-  // swap-in), in ReturnGradients (the accumulation pass, slower while an
-  // update shares the cores and the memory bus). Per step: the daemon's
-  // update, start to end, and of that in the optimizer (Stats).
-  // The ratio is the mean iteration's to the bound; "median x" the median
-  // iteration's.
+  return absl::OkStatus();
+}
+
+// Per iteration: in the trainer's sleeps (longer than T_alone when its
+// wake-ups wait for a core), in Fetch (waiting for an update or a swap-in),
+// in ReturnGradients (the accumulation pass, slower while an update shares
+// the cores and the memory bus). Per step: the daemon's update, start to
+// end, and of that in the optimizer (Stats). The ratio is the mean
+// iteration's to the bound; "median x" the median iteration's.
+void PrintRows(const std::vector<Row>& rows, double bound) {
   std::printf("\n%-16s %8s %8s %8s %8s %11s %8s %8s %8s %8s %9s %8s %8s %8s\n", "mode", "iter s",
               "median s", "best s", "worst s", "Step call s", "sleep s", "fetch s", "return s",
               "update s", "compute s", "bound s", "ratio", "median x");
@@ -551,13 +557,17 @@ int Main(int argc, char** argv) {
         r.per_iteration(r.sleep), r.per_iteration(r.fetch), r.per_iteration(r.ret), r.update(),
         r.compute(), bound, r.mean() / bound, r.median() / bound);
   }
-  hand_over = give_stats = false;
-  const absl::StatusOr<double> t_opt_after = measure_t_opt();
-  if (!t_opt_after.ok()) return Fail(t_opt_after.status(), "calibration after");
+}
+
+// Each mode against its limit: T_opt again (the host's drift), T_acc, the
+// synchronous and overlapped limits, the delayed update's bound, and the
+// hand-over modes against their phase's own T_opt.
+void PrintVerdicts(const std::vector<Row>& rows, double t, double t_opt, double t_opt_after,
+                   double t_alone, double bound, std::vector<double> t_opt_between) {
   std::printf(
       "T_opt measured again after the modes (delayed update on: the same work): %.3f s, "
       "%+.0f%% (the host's drift during the run)\n",
-      *t_opt_after, 100 * (*t_opt_after / t_opt - 1));
+      t_opt_after, 100 * (t_opt_after / t_opt - 1));
   // T_acc: the accumulation pass with no update beside it.
   const double t_acc = rows[0].per_iteration(rows[0].ret);
   std::printf(
@@ -574,7 +584,6 @@ int Main(int argc, char** argv) {
       "overlapped: limit max(T/3, T_opt) + 2T/3 + T_acc = %.3f s; measured %.3fx that, "
       "%.3fx the synchronous iteration\n",
       overlap_limit, rows[1].mean() / overlap_limit, rows[1].mean() / rows[0].mean());
-  if (auto done = e.sessions->WaitStep(key); !done.ok()) return Fail(done.status(), "wait");
   // With the delayed update the fetches do not wait for the update at all:
   // the trainer's time and the optimizer's overlap whole. The trainer's
   // time includes the daemon's accumulation pass.
@@ -590,27 +599,91 @@ int Main(int argc, char** argv) {
   }
   // The hand-over modes against T_opt of their own phase: the median of
   // the steps alone measured between their turns.
-  if (!t_opt_between.empty()) {
-    std::sort(t_opt_between.begin(), t_opt_between.end());
-    const double t_opt_phase = MedianOfSorted(t_opt_between);
-    const double phase_bound = std::max(t_alone, t_opt_phase);
+  if (t_opt_between.empty()) return;
+  std::sort(t_opt_between.begin(), t_opt_between.end());
+  const double t_opt_phase = MedianOfSorted(t_opt_between);
+  const double phase_bound = std::max(t_alone, t_opt_phase);
+  std::printf(
+      "T_opt between the hand-over turns (synchronous steps alone, handed over with "
+      "statistics): median %.3f s of %zu (%.3f-%.3f s), %+.0f%% against T_opt before "
+      "the modes (the host's drift, and other work: that one through the fp32 "
+      "accumulator, the delayed update off); bound max(T_alone, that) = %.3f s\n",
+      t_opt_phase, t_opt_between.size(), t_opt_between.front(), t_opt_between.back(),
+      100 * (t_opt_phase / t_opt - 1), phase_bound);
+  for (int r : {3, 4}) {
+    if (rows[r].iterations.empty()) continue;
+    const double mean_ratio = rows[r].mean() / phase_bound,
+                 median_ratio = rows[r].median() / phase_bound;
     std::printf(
-        "T_opt between the hand-over turns (synchronous steps alone, handed over with "
-        "statistics): median %.3f s of %zu (%.3f-%.3f s), %+.0f%% against T_opt before "
-        "the modes (the host's drift, and other work: that one through the fp32 "
-        "accumulator, the delayed update off); bound max(T_alone, that) = %.3f s\n",
-        t_opt_phase, t_opt_between.size(), t_opt_between.front(), t_opt_between.back(),
-        100 * (t_opt_phase / t_opt - 1), phase_bound);
-    for (int r : {3, 4}) {
-      if (rows[r].iterations.empty()) continue;
-      const double mean_ratio = rows[r].mean() / phase_bound,
-                   median_ratio = rows[r].median() / phase_bound;
-      std::printf(
-          "%s, against its phase's bound: mean iteration %.3fx (target <= 1.10x: %s), "
-          "median iteration %.3fx (%s)\n",
-          rows[r].mode, mean_ratio, Verdict(mean_ratio), median_ratio, Verdict(median_ratio));
-    }
+        "%s, against its phase's bound: mean iteration %.3fx (target <= 1.10x: %s), "
+        "median iteration %.3fx (%s)\n",
+        rows[r].mode, mean_ratio, Verdict(mean_ratio), median_ratio, Verdict(median_ratio));
   }
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  if (int refused = ParseFlags(argc, argv, &f); refused != 0) return refused;
+  auto host_home = ResolveHostHomePages(f.host_home_pages, DamonMonitors());
+  if (!host_home.ok()) return Fail(host_home.status(), "flags");
+  mkdir(f.dir.c_str(), 0700);
+  PrintMachine(f.dir);
+  absl::StatusOr<std::unique_ptr<Trainer>> started = Trainer::Start(f, host_home->pages);
+  if (!started.ok()) return Fail(started.status(), "engine");
+  Trainer& tr = **started;
+  std::printf(
+      "== step_overlap: %llu params in %d layers (bf16 params and gradients, arena on "
+      "%s pages), optimizer state %s; optimizer %s on %d threads\n",
+      static_cast<unsigned long long>(tr.per_layer() * f.layers), f.layers,
+      f.arena_huge ? (SharedHugePageBytes() != 0 ? "huge" : "small (laid out for huge)") : "small",
+      f.nvme ? absl::StrCat("on NVMe (", f.dir, ")", f.params_nvme ? ", the working copy too" : "",
+                            ", pool ", absl::StrFormat("%.2f GiB", f.pool / kGiB))
+                   .c_str()
+             : "in memory",
+      tr.engine().optimizer->kernel_name().c_str(), tr.engine().optimizer->threads());
+  std::printf("state homed on the host on %s pages (%s)\n",
+              host_home->pages == Pages::kSmall ? "4 KiB" : "2 MiB", host_home->why.c_str());
+
+  // T_opt, then T (the trainer's time; T_opt unless --t), measured again
+  // after the modes, to show how far the host drifted.
+  const absl::StatusOr<double> measured_t_opt = tr.MeasureTOpt();
+  if (!measured_t_opt.ok()) return Fail(measured_t_opt.status(), "calibration");
+  const double t_opt = *measured_t_opt;
+  const double t = f.t < 0 ? t_opt : f.t;
+  prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+  g_overshoot = MeasureOvershoot(t / 3 / f.layers, 4 * f.layers);
+  double t_alone = 0;
+  for (int r = 0; r < 3; ++r) t_alone += tr.ScheduleAlone(t) / 3;
+  // The trainer's time is what its sleeps take, as measured, whether longer
+  // or shorter than asked.
+  const double bound = std::max(t_alone, t_opt);
+  std::printf(
+      "T_opt (synchronous Step alone, median of %d after %d warm-ups): %.3f s; T (forward + "
+      "backward asleep): %.3f s asked, T_alone %.3f s measured (each of its %d sleeps "
+      "shortened by %.0f us, their overshoot); bound max(T_alone, T_opt) = %.3f s\n",
+      Trainer::kOptRuns, Trainer::kOptWarmups, t_opt, t, t_alone, 2 * f.layers, g_overshoot * 1e6,
+      bound);
+  tr.returning = 0;
+
+  std::vector<Row> rows(5);
+  rows[0].mode = "synchronous";
+  rows[1].mode = "overlapped";
+  rows[2].mode = "DPU";
+  rows[3].mode = "DPU, handed";
+  rows[4].mode = "DPU, stats given";
+  std::vector<double> t_opt_between;
+  if (absl::Status ran = RunModes(tr, f, t, &rows, &t_opt_between); !ran.ok()) {
+    std::fprintf(stderr, "%s\n", ran.ToString().c_str());
+    return 1;
+  }
+  PrintRows(rows, bound);
+  tr.hand_over = tr.give_stats = false;
+  const absl::StatusOr<double> t_opt_after = tr.MeasureTOpt();
+  if (!t_opt_after.ok()) return Fail(t_opt_after.status(), "calibration after");
+  if (auto done = tr.sessions().WaitStep(tr.key()); !done.ok()) {
+    return Fail(done.status(), "wait");
+  }
+  PrintVerdicts(rows, t, t_opt, *t_opt_after, t_alone, bound, std::move(t_opt_between));
   return 0;
 }
 
