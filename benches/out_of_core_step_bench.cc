@@ -343,8 +343,9 @@ void Raise(std::atomic<uint64_t>& a, uint64_t v) {
   }
 }
 
-int Main(int argc, char** argv) {
-  Flags f;
+// The flags into `f`: 0, or the exit status for flags it refuses.
+int ParseFlags(int argc, char** argv, Flags* out) {
+  Flags& f = *out;
   ConfigRegistry tunables;
   BindNvmeTunables(&f.nvme, &tunables);
   BindSwapperTunables(&f.swapper, &tunables);
@@ -393,42 +394,53 @@ int Main(int argc, char** argv) {
     f.steps = 3;
     f.compute_reps = 1;
   }
+  return 0;
+}
 
-  // Sizes.
-  const uint64_t chunk_elems = std::max<uint64_t>(f.chunk_bytes / sizeof(float), 1024);
+// What the flags make: the partitions' sizes, the arena's charge, the
+// state's bytes and the pool's limit.
+struct Plan {
+  uint64_t chunk_elems = 0;
   std::vector<uint64_t> sizes;
-  for (uint64_t left = f.params; left > 0;) {
-    sizes.push_back(std::min(left, f.partition_params));
-    left -= sizes.back();
-  }
-  const uint64_t huge = f.arena_huge ? HugePageAlignment() : 0;
+  uint64_t huge = 0;
   uint64_t arena_charge = 0, blocks = 0;
-  for (uint64_t n : sizes) {
+  uint64_t state = 0;  // master, exp_avg, exp_avg_sq and the fp32 gradient accumulator
+  uint64_t pool_limit = 0;
+};
+
+Plan MakePlan(const Flags& f) {
+  Plan p;
+  p.chunk_elems = std::max<uint64_t>(f.chunk_bytes / sizeof(float), 1024);
+  for (uint64_t left = f.params; left > 0;) {
+    p.sizes.push_back(std::min(left, f.partition_params));
+    left -= p.sizes.back();
+  }
+  p.huge = f.arena_huge ? HugePageAlignment() : 0;
+  for (uint64_t n : p.sizes) {
     // bf16 params + bf16 grads, each region in whole pages of its layout.
     const uint64_t page =
-        ArenaLayoutPageBytes(n, DType::kBf16, DType::kBf16, false, chunk_elems, huge);
-    arena_charge += 2 * RoundUp(n * 2, page);
-    blocks += 4 * ((n + chunk_elems - 1) / chunk_elems);
+        ArenaLayoutPageBytes(n, DType::kBf16, DType::kBf16, false, p.chunk_elems, p.huge);
+    p.arena_charge += 2 * RoundUp(n * 2, page);
+    p.blocks += 4 * ((n + p.chunk_elems - 1) / p.chunk_elems);
   }
   // Master, exp_avg, exp_avg_sq and the fp32 gradient accumulator.
-  const uint64_t state = f.params * 16;
-  const uint64_t pool_limit = arena_charge + f.cache;
+  p.state = f.params * 16;
+  p.pool_limit = p.arena_charge + f.cache;
+  return p;
+}
 
-  if (mkdir(f.dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    std::fprintf(stderr, "mkdir %s: %s\n", f.dir.c_str(), std::strerror(errno));
-    return 1;
-  }
-  PrintMachine(f.dir);
+// What the run will do, printed before it starts.
+void PrintPlan(const Flags& f, const Plan& p) {
   std::printf(
       "== out_of_core_step: %llu params in %zu partitions of <= %llu; bf16 working copy + bf16 "
       "gradients in the session arena, fp32 master + exp_avg + exp_avg_sq + gradient accumulator "
       "homed on NVMe (optimizer_state_host_percent 0)\n",
-      static_cast<unsigned long long>(f.params), sizes.size(),
+      static_cast<unsigned long long>(f.params), p.sizes.size(),
       static_cast<unsigned long long>(f.partition_params));
   std::printf(
       "state %.3f GB (%.3f GiB, 16 B/param); arena %.3f GB (%.3f GiB, 4 B/param, %s) "
       "charged to the pool; state cache %.3f GiB\n",
-      state / 1e9, state / kGiB, arena_charge / 1e9, arena_charge / kGiB,
+      p.state / 1e9, p.state / kGiB, p.arena_charge / 1e9, p.arena_charge / kGiB,
       !f.arena_huge                ? "small pages"
       : SharedHugePageBytes() != 0 ? "large partitions on huge pages"
                                    : "laid out for huge pages, the kernel gives small ones",
@@ -436,8 +448,8 @@ int Main(int argc, char** argv) {
   std::printf(
       "pool limit = arena + cache = %.3f GiB; state / cache = %.2fx; state / whole pool = "
       "%.2fx\n",
-      pool_limit / kGiB, static_cast<double>(state) / f.cache,
-      static_cast<double>(state) / pool_limit);
+      p.pool_limit / kGiB, static_cast<double>(p.state) / f.cache,
+      static_cast<double>(p.state) / p.pool_limit);
   if (f.hand_over) {
     std::printf(
         "gradients handed over (ReturnGradients with hand_over): the accumulator's 4 "
@@ -447,72 +459,64 @@ int Main(int argc, char** argv) {
       "chunks of %llu elems (%s per kind): %llu blocks; group limit (pool/4) %.0f MiB; "
       "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
       "queue depth %lld, %lld rings; stripe %s\n",
-      static_cast<unsigned long long>(chunk_elems),
-      FormatByteSize(static_cast<int64_t>(chunk_elems * 4)).c_str(),
-      static_cast<unsigned long long>(blocks), pool_limit / 4 / kMiB,
+      static_cast<unsigned long long>(p.chunk_elems),
+      FormatByteSize(static_cast<int64_t>(p.chunk_elems * 4)).c_str(),
+      static_cast<unsigned long long>(p.blocks), p.pool_limit / 4 / kMiB,
       static_cast<long long>(f.swapper.prefetch_depth),
       FormatByteSize(f.swapper.prefetch_bytes).c_str(),
       static_cast<long long>(f.swapper.io_threads), f.nvme.checksum ? "on" : "off",
       FormatByteSize(f.nvme.io.request_bytes).c_str(),
       static_cast<long long>(f.nvme.io.queue_depth), static_cast<long long>(f.nvme.io.rings),
       FormatByteSize(f.nvme.stripe_bytes).c_str());
+}
 
-  // 1. Compute bound (again after the engine: the machine is shared).
-  ComputeResult compute;
-  auto measure_compute = [&](const char* when) -> bool {
-    std::printf(
-        "\ncompute bound %s: Optimizer::Step over the same partitions in memory "
-        "(%.2f GB)...\n",
-        when, static_cast<double>(f.params) * 16 / 1e9);
-    absl::StatusOr<ComputeResult> c = ComputeBound(sizes, f.compute_reps);
-    if (!c.ok()) {
-      std::fprintf(stderr, "compute bound: %s\n", c.status().ToString().c_str());
-      return false;
-    }
-    std::printf(
-        "compute %s: best %.3f s, median %.3f s of %d (%d threads, kernel %s): %.3f "
-        "Gparam/s\n",
-        when, c->best, c->median, f.compute_reps, c->threads, c->kernel.c_str(),
-        f.params / c->best / 1e9);
-    if (compute.best < 0 || c->best < compute.best) compute = *c;
-    return true;
-  };
-  if (f.compute && !measure_compute("before")) return 1;
-
-  // 2. The fio file.
-  const std::string fio_file = f.dir + "/fio_bench.dat";
-  std::vector<FioRound> fio_rounds;  // [k]: after step k + 1
-  if (f.fio) {
-    std::printf(
-        "\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld per job, on %s (%.2f GB), one "
-        "round after each step\n",
-        FormatByteSize(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes)).c_str(),
-        static_cast<long long>(f.nvme.io.queue_depth), fio_file.c_str(), state / 1e9);
-    if (RunFio(fio_file, {"write"}, 16 << 20, 16, state, 0).empty()) {
-      std::printf("fio failed (is it installed?): no I/O bound\n");
-      f.fio = false;
-    }
+// The in-memory Optimizer::Step over the same partitions: the compute
+// bound, the best of before and after into `compute`. False if it failed.
+bool MeasureCompute(const char* when, const Flags& f, const Plan& p, ComputeResult* compute) {
+  std::printf(
+      "\ncompute bound %s: Optimizer::Step over the same partitions in memory "
+      "(%.2f GB)...\n",
+      when, static_cast<double>(f.params) * 16 / 1e9);
+  absl::StatusOr<ComputeResult> c = ComputeBound(p.sizes, f.compute_reps);
+  if (!c.ok()) {
+    std::fprintf(stderr, "compute bound: %s\n", c.status().ToString().c_str());
+    return false;
   }
+  std::printf(
+      "compute %s: best %.3f s, median %.3f s of %d (%d threads, kernel %s): %.3f "
+      "Gparam/s\n",
+      when, c->best, c->median, f.compute_reps, c->threads, c->kernel.c_str(),
+      f.params / c->best / 1e9);
+  if (compute->best < 0 || c->best < compute->best) *compute = *c;
+  return true;
+}
 
-  // 3. The engine.
-  const uint64_t rss_before_engine = ProcStatus()["VmRSS"];
+// The engine's run: the steps, each with a fio round after it (with
+// --fio), and what the process's memory did meanwhile.
+struct Run {
   std::vector<StepRow> rows;
-  uint64_t hwm = 0, rss_after_setup = 0;
+  std::vector<FioRound> fio_rounds;  // [k]: after step k + 1
+  uint64_t rss_before_engine = 0, rss_after_setup = 0, hwm = 0, nvme_home = 0;
   Peaks peaks;
-  uint64_t nvme_home = 0;
+};
+
+// 0, or the exit status of a failure (said on stderr).
+int RunSteps(const Flags& f, const Plan& p, const std::string& fio_file, Run* out) {
+  Run& run = *out;
+  run.rss_before_engine = ProcStatus()["VmRSS"];
   {
     BenchEngineOptions eo;
     eo.nvme = f.nvme;  // every nvme.* flag, then where and how much
     eo.nvme.dirs = f.dir;
     // Room for copy-on-write rewrites in flight.
     const uint64_t slack = std::max<uint64_t>(
-        state / 16, 4 * static_cast<uint64_t>(f.swapper.io_threads) * chunk_elems * 4);
-    eo.nvme.bytes_per_dir = static_cast<int64_t>((state + slack + 4095) / 4096 * 4096);
-    eo.pool_bytes = pool_limit;
+        p.state / 16, 4 * static_cast<uint64_t>(f.swapper.io_threads) * p.chunk_elems * 4);
+    eo.nvme.bytes_per_dir = static_cast<int64_t>((p.state + slack + 4095) / 4096 * 4096);
+    eo.pool_bytes = p.pool_limit;
     eo.swapper = f.swapper;
-    eo.arena_bytes = 2 * arena_charge + (4 << 20);
-    eo.chunk_elems = chunk_elems;
-    eo.huge_page_bytes = huge;
+    eo.arena_bytes = 2 * p.arena_charge + (4 << 20);
+    eo.chunk_elems = p.chunk_elems;
+    eo.huge_page_bytes = p.huge;
     absl::StatusOr<std::unique_ptr<BenchEngine>> made = MakeBenchEngine(eo);
     if (!made.ok()) {
       std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
@@ -523,7 +527,7 @@ int Main(int argc, char** argv) {
     std::printf("\nengine: swap file %s (%s, %.2f GB)\n", ss.dirs[0].path.c_str(),
                 ss.dirs[0].direct ? "O_DIRECT" : "buffered: no O_DIRECT here", ss.capacity / 1e9);
 
-    // Optimizer state on NVMe; parameters and gradients in the arena, on the
+    // Optimizer p.state on NVMe; parameters and gradients in the arena, on the
     // host.
     PlacementChange placement;
     placement[DataKind::kOptimizerState] = 0;
@@ -534,14 +538,14 @@ int Main(int argc, char** argv) {
     }
     const SessionKey key = opened->key;
     std::vector<PartitionInfo> parts;
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      absl::StatusOr<PartitionInfo> p =
-          e.sessions->Register(key, {absl::StrCat("p", i), sizes[i], DType::kBf16, DType::kBf16});
-      if (!p.ok()) {
-        std::fprintf(stderr, "register: %s\n", p.status().ToString().c_str());
+    for (size_t i = 0; i < p.sizes.size(); ++i) {
+      absl::StatusOr<PartitionInfo> part =
+          e.sessions->Register(key, {absl::StrCat("p", i), p.sizes[i], DType::kBf16, DType::kBf16});
+      if (!part.ok()) {
+        std::fprintf(stderr, "register: %s\n", part.status().ToString().c_str());
         return 1;
       }
-      parts.push_back(*p);
+      parts.push_back(*part);
     }
     // The trainer's side: working copy and gradients written through the
     // memfd (not a second mapping, which would count the pages twice in
@@ -567,8 +571,8 @@ int Main(int argc, char** argv) {
       }
       return true;
     };
-    for (const PartitionInfo& p : parts) {
-      if (!write_region(p.params, pw)) return 1;
+    for (const PartitionInfo& part : parts) {
+      if (!write_region(part.params, pw)) return 1;
     }
     if (absl::Status s = e.sessions->Release(key, {}); !s.ok()) {
       std::fprintf(stderr, "release: %s\n", s.ToString().c_str());
@@ -578,28 +582,28 @@ int Main(int argc, char** argv) {
     std::thread sampler([&] {
       while (!stop.load()) {
         std::map<std::string, uint64_t> s = ProcStatus();
-        Raise(peaks.rss, s["VmRSS"]);
-        Raise(peaks.anon, s["RssAnon"]);
-        Raise(peaks.shmem, s["RssShmem"]);
-        Raise(peaks.pool, e.pool->used());
+        Raise(run.peaks.rss, s["VmRSS"]);
+        Raise(run.peaks.anon, s["RssAnon"]);
+        Raise(run.peaks.shmem, s["RssShmem"]);
+        Raise(run.peaks.pool, e.pool->used());
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
     });
     // With the sampler running, so that its stack counts as fixed overhead.
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    rss_after_setup = ProcStatus()["VmRSS"];
+    run.rss_after_setup = ProcStatus()["VmRSS"];
     if (!ResetPeakRss()) std::printf("(could not reset VmHWM: /proc/self/clear_refs)\n");
     int failed = 0;
     for (int step = 1; step <= f.steps && failed == 0; ++step) {
       FetchMode backward;
       backward.grads = true;
-      for (const PartitionInfo& p : parts) {
-        absl::Status s = e.sessions->Fetch(key, {p.id}, backward).status();
-        if (s.ok() && !write_region(p.grads, pg)) s = absl::DataLossError("arena write");
+      for (const PartitionInfo& part : parts) {
+        absl::Status s = e.sessions->Fetch(key, {part.id}, backward).status();
+        if (s.ok() && !write_region(part.grads, pg)) s = absl::DataLossError("arena write");
         if (s.ok()) {
-          s = e.sessions->ReturnGradients(key, p.id, p.numel, DType::kBf16, f.hand_over);
+          s = e.sessions->ReturnGradients(key, part.id, part.numel, DType::kBf16, f.hand_over);
         }
-        if (s.ok()) s = e.sessions->Release(key, {p.id});
+        if (s.ok()) s = e.sessions->Release(key, {part.id});
         if (!s.ok()) {
           std::fprintf(stderr, "return gradients: %s\n", s.ToString().c_str());
           failed = 1;
@@ -622,34 +626,35 @@ int Main(int argc, char** argv) {
       row.compute = static_cast<double>(e.stats.step_compute_nanos.load() - c0) / 1e9;
       row.skipped = summary->skipped;
       row.params = summary->params_updated;
-      rows.push_back(row);
+      run.rows.push_back(row);
       std::printf("step %d: %.3f s (%llu params updated%s)\n", step, row.seconds,
                   static_cast<unsigned long long>(row.params), row.skipped ? ", SKIPPED" : "");
       if (f.fio) {
         e.swapper->WaitIdle();  // the prefetch for the next step, and its write-outs
-        fio_rounds.push_back(FioRoundOn(fio_file, state, f));
-        PrintFioRound(absl::StrCat("after step ", step, ":").c_str(), fio_rounds.back(), state);
+        run.fio_rounds.push_back(FioRoundOn(fio_file, p.state, f));
+        PrintFioRound(absl::StrCat("after step ", step, ":").c_str(), run.fio_rounds.back(),
+                      p.state);
       }
     }
     stop.store(true);
     sampler.join();
-    hwm = ProcStatus()["VmHWM"];
-    nvme_home = e.swapper->Stats().nvme_home_bytes;
+    run.hwm = ProcStatus()["VmHWM"];
+    run.nvme_home = e.swapper->Stats().nvme_home_bytes;
     if (failed != 0) return 1;
-    // ~Engine: sessions (their blocks), swapper, pool, swap space (the swap
+    // ~Engine: sessions (their p.blocks), swapper, pool, swap space (the swap
     // file is removed).
   }
+  return 0;
+}
 
-  unlink(fio_file.c_str());
-  rmdir(f.dir.c_str());  // only if empty (we may not have created it)
-  if (f.compute && !measure_compute("after")) return 1;
-
-  // Report.
+// Every step's time and swapper counters; the steady steps' mean (every
+// step after the first, which learns the order), returned.
+double PrintSteps(const Plan& p, const Run& run) {
   std::printf("\n%-9s %8s %8s %8s %8s %7s %7s %7s %7s %7s %7s %6s %6s %9s %9s\n", "step", "wall s",
               "read GB", "write GB", "r+w GB/s", "acq", "hits", "waited", "misses", "prefet",
               "used", "wasted", "zero", "pinwait s", "update s");
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const StepRow& r = rows[i];
+  for (size_t i = 0; i < run.rows.size(); ++i) {
+    const StepRow& r = run.rows[i];
     const SwapperStats& d = r.d;
     std::printf(
         "%-9s %8.3f %8.3f %8.3f %8.3f %7llu %7llu %7llu %7llu %7llu %7llu %6llu %6llu "
@@ -663,27 +668,36 @@ int Main(int argc, char** argv) {
         static_cast<unsigned long long>(d.prefetch_wasted),
         static_cast<unsigned long long>(d.zero_fills), r.wait, r.compute);
   }
-  // Steady state: every step after the first.
+  // Steady p.state: every step after the first.
   double steady = 0, worst = 0, best = 1e30, in = 0, out = 0, rd_ns = 0, wr_ns = 0;
-  const size_t ns = rows.size() - 1;
-  for (size_t i = 1; i < rows.size(); ++i) {
-    steady += rows[i].seconds / ns;
-    worst = std::max(worst, rows[i].seconds);
-    best = std::min(best, rows[i].seconds);
-    in += static_cast<double>(rows[i].d.bytes_in) / ns;
-    out += static_cast<double>(rows[i].d.bytes_out) / ns;
-    rd_ns += static_cast<double>(rows[i].d.read_nanos) / ns;
-    wr_ns += static_cast<double>(rows[i].d.write_nanos) / ns;
+  const size_t ns = run.rows.size() - 1;
+  for (size_t i = 1; i < run.rows.size(); ++i) {
+    steady += run.rows[i].seconds / ns;
+    worst = std::max(worst, run.rows[i].seconds);
+    best = std::min(best, run.rows[i].seconds);
+    in += static_cast<double>(run.rows[i].d.bytes_in) / ns;
+    out += static_cast<double>(run.rows[i].d.bytes_out) / ns;
+    rd_ns += static_cast<double>(run.rows[i].d.read_nanos) / ns;
+    wr_ns += static_cast<double>(run.rows[i].d.write_nanos) / ns;
   }
   std::printf(
       "steady steps (2..%zu): mean %.3f s, best %.3f s, worst %.3f s; per step read %.3f GB "
       "+ written %.3f GB (state %.3f GB); I/O threads' busy time: reads %.2f s, writes %.2f s\n",
-      rows.size(), steady, best, worst, in / 1e9, out / 1e9, state / 1e9, rd_ns / 1e9, wr_ns / 1e9);
-  if (nvme_home != state) {
+      run.rows.size(), steady, best, worst, in / 1e9, out / 1e9, p.state / 1e9, rd_ns / 1e9,
+      wr_ns / 1e9);
+  if (run.nvme_home != p.state) {
     std::printf("NOTE: %llu bytes homed on NVMe, not the state's %llu\n",
-                static_cast<unsigned long long>(nvme_home), static_cast<unsigned long long>(state));
+                static_cast<unsigned long long>(run.nvme_home),
+                static_cast<unsigned long long>(p.state));
   }
+  return steady;
+}
 
+// Each steady step against the fio rounds just before and after it, and
+// against the compute bound.
+void PrintBounds(const Flags& f, const Plan& p, const Run& run, const ComputeResult& compute,
+                 double steady) {
+  const size_t ns = run.rows.size() - 1;  // the steady steps
   // Bounds: each steady step against the fio rounds just before and after it.
   std::printf("\n== bounds\n");
   auto round_ok = [](const FioRound& r) {
@@ -691,49 +705,51 @@ int Main(int argc, char** argv) {
   };
   // The fastest way round `r` moves `in` read and `out` written bytes.
   auto round_io = [&](const FioRound& r, double in_bytes, double out_bytes) {
-    // The joint runs moved the state's size each way; a step reads and
-    // writes about as much (steady state), so scale by the larger side.
-    const double scale = std::max(in_bytes, out_bytes) / static_cast<double>(state);
+    // The joint runs moved the p.state's size each way; a step reads and
+    // writes about as much (steady p.state), so scale by the larger side.
+    const double scale = std::max(in_bytes, out_bytes) / static_cast<double>(p.state);
     return std::min({in_bytes / r.read_bw + out_bytes / r.write_bw, r.concurrent_seconds * scale,
                      r.mixed_seconds * scale});
   };
   double mean_ratio = -1, mean_ratio_avg = -1, worst_ratio = 0, learn_ratio = -1;
-  if (f.fio && fio_rounds.size() == rows.size() &&
-      std::all_of(fio_rounds.begin(), fio_rounds.end(), round_ok)) {
+  if (f.fio && run.fio_rounds.size() == run.rows.size() &&
+      std::all_of(run.fio_rounds.begin(), run.fio_rounds.end(), round_ok)) {
     std::printf(
         "fio rounds (seconds for the state's size, %.3f GB, each way):\n%-12s %10s %10s "
         "%12s %12s %12s\n",
-        state / 1e9, "after step", "read GB/s", "write GB/s", "read+write", "concurrent", "rw=rw");
-    for (size_t k = 0; k < fio_rounds.size(); ++k) {
-      const FioRound& r = fio_rounds[k];
+        p.state / 1e9, "after step", "read GB/s", "write GB/s", "read+write", "concurrent",
+        "rw=rw");
+    for (size_t k = 0; k < run.fio_rounds.size(); ++k) {
+      const FioRound& r = run.fio_rounds[k];
       std::printf("%-12zu %10.3f %10.3f %11.3fs %11.3fs %11.3fs\n", k + 1, r.read_bw / 1e9,
-                  r.write_bw / 1e9, state / r.read_bw + state / r.write_bw, r.concurrent_seconds,
-                  r.mixed_seconds);
+                  r.write_bw / 1e9, p.state / r.read_bw + p.state / r.write_bw,
+                  r.concurrent_seconds, r.mixed_seconds);
     }
     std::printf("\n%-6s %8s %8s %8s %10s %10s %9s %9s %8s %9s\n", "step", "wall s", "read GB",
                 "write GB", "I/O before", "I/O after", "compute", "bound", "ratio", "vs mean");
     mean_ratio = mean_ratio_avg = 0;
-    for (size_t i = 1; i < rows.size(); ++i) {
-      const double in_b = static_cast<double>(rows[i].d.bytes_in);
-      const double out_b = static_cast<double>(rows[i].d.bytes_out);
-      const double io_before = round_io(fio_rounds[i - 1], in_b, out_b);
-      const double io_after = round_io(fio_rounds[i], in_b, out_b);
+    for (size_t i = 1; i < run.rows.size(); ++i) {
+      const double in_b = static_cast<double>(run.rows[i].d.bytes_in);
+      const double out_b = static_cast<double>(run.rows[i].d.bytes_out);
+      const double io_before = round_io(run.fio_rounds[i - 1], in_b, out_b);
+      const double io_after = round_io(run.fio_rounds[i], in_b, out_b);
       const double bound = std::max({std::min(io_before, io_after), compute.best, 0.0});
       const double bound_avg = std::max({(io_before + io_after) / 2, compute.best, 0.0});
-      const double ratio = rows[i].seconds / bound;
+      const double ratio = run.rows[i].seconds / bound;
       mean_ratio += ratio / static_cast<double>(ns);
-      mean_ratio_avg += rows[i].seconds / bound_avg / static_cast<double>(ns);
+      mean_ratio_avg += run.rows[i].seconds / bound_avg / static_cast<double>(ns);
       worst_ratio = std::max(worst_ratio, ratio);
       std::printf("%-6zu %8.3f %8.3f %8.3f %9.3fs %9.3fs %8.3fs %8.3fs %7.3fx %8.3fx\n", i + 1,
-                  rows[i].seconds, in_b / 1e9, out_b / 1e9, io_before, io_after, compute.best,
-                  bound, ratio, rows[i].seconds / bound_avg);
+                  run.rows[i].seconds, in_b / 1e9, out_b / 1e9, io_before, io_after, compute.best,
+                  bound, ratio, run.rows[i].seconds / bound_avg);
     }
     // The learning step only writes: against the sequential speeds of the
     // round after it.
-    learn_ratio = rows[0].seconds /
-                  std::max(static_cast<double>(rows[0].d.bytes_in) / fio_rounds[0].read_bw +
-                               static_cast<double>(rows[0].d.bytes_out) / fio_rounds[0].write_bw,
-                           compute.best);
+    learn_ratio =
+        run.rows[0].seconds /
+        std::max(static_cast<double>(run.rows[0].d.bytes_in) / run.fio_rounds[0].read_bw +
+                     static_cast<double>(run.rows[0].d.bytes_out) / run.fio_rounds[0].write_bw,
+                 compute.best);
     std::printf(
         "I/O before/after: the fastest of read+write, concurrent and rw=rw (scaled to the "
         "step's bytes) in the round before / after the step; bound = max(the faster of "
@@ -755,26 +771,71 @@ int Main(int argc, char** argv) {
         mean_ratio, mean_ratio_avg, worst_ratio, learn_ratio,
         mean_ratio <= 1.10 ? "MET" : "NOT MET");
   }
+}
 
+// The process's memory against the pool's limit and its fixed overhead.
+void PrintMemory(const Flags& f, const Plan& p, const Run& run) {
   // Memory. The fixed overhead is VmRSS after setup: the binary, libraries,
   // the engine's threads and rings, before any arena page is mapped here or
-  // any state block is leased.
+  // any p.state block is leased.
   std::printf("\n== memory (pool limit %.3f GiB = arena %.3f GiB + cache %.3f GiB)\n",
-              pool_limit / kGiB, arena_charge / kGiB, f.cache / kGiB);
+              p.pool_limit / kGiB, p.arena_charge / kGiB, f.cache / kGiB);
   std::printf(
       "VmRSS before the engine %.1f MiB; after setup (engine built, partitions registered, "
       "nothing mapped or leased yet: the fixed overhead) %.1f MiB\n",
-      rss_before_engine / kMiB, rss_after_setup / kMiB);
+      run.rss_before_engine / kMiB, run.rss_after_setup / kMiB);
   std::printf(
       "peak over the steps: VmHWM %.3f GiB; sampled max VmRSS %.3f GiB, RssAnon %.3f GiB, "
       "RssShmem (arena) %.3f GiB; pool used max %.3f GiB\n",
-      hwm / kGiB, peaks.rss.load() / kGiB, peaks.anon.load() / kGiB, peaks.shmem.load() / kGiB,
-      peaks.pool.load() / kGiB);
+      run.hwm / kGiB, run.peaks.rss.load() / kGiB, run.peaks.anon.load() / kGiB,
+      run.peaks.shmem.load() / kGiB, run.peaks.pool.load() / kGiB);
   std::printf("VmHWM - pool limit = %+.1f MiB against a fixed overhead of %.1f MiB: %s\n",
-              (static_cast<double>(hwm) - static_cast<double>(pool_limit)) / kMiB,
-              rss_after_setup / kMiB,
-              hwm <= pool_limit + rss_after_setup ? "within pool + fixed overhead"
-                                                  : "ABOVE pool + fixed overhead");
+              (static_cast<double>(run.hwm) - static_cast<double>(p.pool_limit)) / kMiB,
+              run.rss_after_setup / kMiB,
+              run.hwm <= p.pool_limit + run.rss_after_setup ? "within pool + fixed overhead"
+                                                            : "ABOVE pool + fixed overhead");
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  if (int refused = ParseFlags(argc, argv, &f); refused != 0) return refused;
+  const Plan p = MakePlan(f);
+  if (mkdir(f.dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    std::fprintf(stderr, "mkdir %s: %s\n", f.dir.c_str(), std::strerror(errno));
+    return 1;
+  }
+  PrintMachine(f.dir);
+  PrintPlan(f, p);
+
+  // 1. Compute bound (again after the engine: the machine is shared).
+  ComputeResult compute;
+  if (f.compute && !MeasureCompute("before", f, p, &compute)) return 1;
+
+  // 2. The fio file.
+  const std::string fio_file = f.dir + "/fio_bench.dat";
+  std::vector<FioRound> fio_rounds;  // [k]: after step k + 1
+  if (f.fio) {
+    std::printf(
+        "\nfio: io_uring, O_DIRECT, bs %s, iodepth %lld per job, on %s (%.2f GB), one "
+        "round after each step\n",
+        FormatByteSize(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes)).c_str(),
+        static_cast<long long>(f.nvme.io.queue_depth), fio_file.c_str(), p.state / 1e9);
+    if (RunFio(fio_file, {"write"}, 16 << 20, 16, p.state, 0).empty()) {
+      std::printf("fio failed (is it installed?): no I/O bound\n");
+      f.fio = false;
+    }
+  }
+
+  // 3. The engine.
+  Run run;
+  if (int failed = RunSteps(f, p, fio_file, &run); failed != 0) return failed;
+  unlink(fio_file.c_str());
+  rmdir(f.dir.c_str());  // only if empty (we may not have created it)
+  if (f.compute && !MeasureCompute("after", f, p, &compute)) return 1;
+
+  const double steady = PrintSteps(p, run);
+  PrintBounds(f, p, run, compute, steady);
+  PrintMemory(f, p, run);
   return 0;
 }
 
