@@ -191,8 +191,9 @@ bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
   return ok;
 }
 
-int Main(int argc, char** argv) {
-  Flags f;
+// The flags into `f`: 0, or the exit status for flags it refuses.
+int ParseFlags(int argc, char** argv, Flags* out) {
+  Flags& f = *out;
   ConfigRegistry tunables;
   BindNvmeTunables(&f.nvme, &tunables);
   BindSwapperTunables(&f.swapper, &tunables);
@@ -248,18 +249,52 @@ int Main(int argc, char** argv) {
     f.iterations = 3;
   }
   if (f.params == 0) f.params = 3 * f.pool;
-  const uint64_t layer_bytes = f.params / static_cast<uint64_t>(f.layers) / 4096 * 4096;
-  if (layer_bytes == 0) {
-    std::fprintf(stderr, "--params / --layers is under 4 KiB\n");
-    return 2;
-  }
-  const uint64_t total = layer_bytes * static_cast<uint64_t>(f.layers);
+  return 0;
+}
 
-  if (mkdir(f.dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    std::fprintf(stderr, "mkdir %s: %s\n", f.dir.c_str(), std::strerror(errno));
-    return 1;
+// fio: one round after setup and one after each configuration, so each
+// configuration is compared with the disk's speed just before and after it
+// (this virtual disk drifts by tens of percent within minutes).
+struct FioRound {
+  double read = -1, write = -1;
+};
+struct FioRounds {
+  const Flags& f;
+  std::string file;
+  uint64_t total;  // the file's bytes
+  std::vector<FioRound> rounds;
+
+  uint64_t bs() const {
+    return static_cast<uint64_t>(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes));
   }
-  PrintMachine(f.dir);
+  void Round(const std::string& when) {
+    if (!f.fio) return;
+    if (rounds.empty()) FioBandwidth(file, true, 16 << 20, 16, total);  // timed writes overwrite
+    FioRound r;
+    r.write = FioBandwidth(file, true, bs(), f.nvme.io.queue_depth, total);
+    r.read = FioBandwidth(file, false, bs(), f.nvme.io.queue_depth, total);
+    std::printf("fio %-28s write %.3f GB/s, read %.3f GB/s\n", when.c_str(), r.write / 1e9,
+                r.read / 1e9);
+    rounds.push_back(r);
+  }
+};
+
+// One configuration's measured iterations.
+struct Result {
+  double delay = 0;
+  bool prefetch = false;
+  std::vector<Iteration> its;
+};
+
+// What the replay measured.
+struct Replayed {
+  std::vector<Result> results;
+  Iteration learning;
+  uint64_t hwm = 0, pool_max = 0, resident_max = 0;
+};
+
+// The layout and the iterations it runs, printed before they start.
+void PrintPlan(const Flags& f, uint64_t layer_bytes, uint64_t total) {
   std::string shmem_enabled;
   std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/shmem_enabled"), shmem_enabled);
   const std::string memory =
@@ -286,41 +321,12 @@ int Main(int argc, char** argv) {
       FormatByteSize(f.nvme.io.request_bytes).c_str(),
       static_cast<long long>(f.nvme.io.queue_depth), static_cast<long long>(f.nvme.io.rings),
       FormatByteSize(f.nvme.stripe_bytes).c_str());
+}
 
-  // fio: one round after setup and one after each configuration, so each
-  // configuration is compared with the disk's speed just before and after it
-  // (this virtual disk drifts by tens of percent within minutes).
-  const std::string fio_file = f.dir + "/fio_bench.dat";
-  const uint64_t bs = static_cast<uint64_t>(std::min(f.nvme.io.request_bytes, f.nvme.stripe_bytes));
-  struct FioRound {
-    double read = -1, write = -1;
-  };
-  std::vector<FioRound> rounds;
-  auto fio_round = [&](const std::string& when) {
-    if (!f.fio) return;
-    if (rounds.empty())
-      FioBandwidth(fio_file, true, 16 << 20, 16, total);  // timed writes overwrite
-    FioRound r;
-    r.write = FioBandwidth(fio_file, true, bs, f.nvme.io.queue_depth, total);
-    r.read = FioBandwidth(fio_file, false, bs, f.nvme.io.queue_depth, total);
-    std::printf("fio %-28s write %.3f GB/s, read %.3f GB/s\n", when.c_str(), r.write / 1e9,
-                r.read / 1e9);
-    rounds.push_back(r);
-  };
-  if (f.fio) {
-    std::printf("fio: io_uring, O_DIRECT, bs %s, iodepth %lld, sequential, %.2f GB file %s\n",
-                FormatByteSize(static_cast<int64_t>(bs)).c_str(),
-                static_cast<long long>(f.nvme.io.queue_depth), total / 1e9, fio_file.c_str());
-  }
-
-  struct Result {
-    double delay = 0;
-    bool prefetch = false;
-    std::vector<Iteration> its;
-  };
-  std::vector<Result> results;
-  Iteration learning;
-  uint64_t hwm = 0, pool_max = 0, resident_max = 0;
+// The swap space, the arena and the swapper; every layer written once, then
+// each configuration (delay x prefetch on/off) for --iterations, with a fio
+// round after each. 0, or the exit status of a failure (said on stderr).
+int Replay(const Flags& f, uint64_t layer_bytes, uint64_t total, FioRounds* fio, Replayed* out) {
   {
     absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeIoBackend(f.nvme.io);
     if (!backend.ok()) {
@@ -394,7 +400,7 @@ int Main(int argc, char** argv) {
     s.EndIteration(kTrace);
     s.WaitIdle();
     std::printf("\nsetup: %d layers written in %.2f s\n", f.layers, SecondsSince(setup));
-    fio_round("after setup:");
+    fio->Round("after setup:");
 
     std::ofstream("/proc/self/clear_refs") << "5";
     std::atomic<bool> stop{false};
@@ -427,7 +433,7 @@ int Main(int argc, char** argv) {
         Iteration warm;
         ok = RunIteration(s, f, delay, &warm);
         if (first) {
-          learning = warm;
+          out->learning = warm;
           first = false;
         }
         for (int i = 1; i < f.iterations && ok; ++i) {
@@ -439,39 +445,41 @@ int Main(int argc, char** argv) {
                     absl::StrJoin(res.its, ", ", [](std::string* out, const Iteration& it) {
                       absl::StrAppend(out, absl::StrFormat("%.3f s", it.seconds));
                     }).c_str());
-        results.push_back(std::move(res));
+        out->results.push_back(std::move(res));
         s.WaitIdle();  // the prefetch EndIteration started
-        fio_round(
+        fio->Round(
             absl::StrFormat("after %.1f ms, prefetch %s:", delay * 1e3, prefetch ? "on" : "off"));
       }
     }
     stop.store(true);
     sampler.join();
-    hwm = ProcStatus()["VmHWM"];
-    pool_max = pool_peak.load();
-    resident_max = resident_peak.load();
+    out->hwm = ProcStatus()["VmHWM"];
+    out->pool_max = pool_peak.load();
+    out->resident_max = resident_peak.load();
     if (!ok) return 1;
     created->reset();  // before the pool and the swap space
   }
-  unlink(fio_file.c_str());
-  rmdir(f.dir.c_str());  // only if empty
+  return 0;
+}
 
-  // Report.
+// Each configuration against its bound: compute (2 x layers x delay) and
+// the bytes moved at the fio rounds' sequential speeds.
+void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Replayed& run) {
   std::printf(
       "\nlearning iteration (first after setup, prefetch on, delay %.1f ms): %.3f s, "
       "read %.3f GB, written %.3f GB, relearned %llu\n",
-      f.delays[0] * 1e3, learning.seconds, learning.d.bytes_in / 1e9, learning.d.bytes_out / 1e9,
-      static_cast<unsigned long long>(learning.d.relearned));
+      f.delays[0] * 1e3, run.learning.seconds, run.learning.d.bytes_in / 1e9,
+      run.learning.d.bytes_out / 1e9, static_cast<unsigned long long>(run.learning.d.relearned));
   std::printf("\n%-8s %-8s %8s %8s %8s %8s %8s %7s %6s %6s %6s %6s %6s %6s %8s %8s %8s %8s %s\n",
               "delay", "prefetch", "iter s", "compute", "I/O bnd", "ratio", "vs mean", "hits%",
               "acq", "hits", "waited", "misses", "pref", "wasted", "read GB", "stall s", "slept s",
               "unpin s", "target");
   int met = 0, missed = 0;
-  const bool have_io = f.fio && rounds.size() == results.size() + 1 &&
-                       std::all_of(rounds.begin(), rounds.end(),
+  const bool have_io = f.fio && fio.rounds.size() == run.results.size() + 1 &&
+                       std::all_of(fio.rounds.begin(), fio.rounds.end(),
                                    [](const FioRound& r) { return r.read > 0 && r.write > 0; });
-  for (size_t k = 0; k < results.size(); ++k) {
-    const Result& r = results[k];
+  for (size_t k = 0; k < run.results.size(); ++k) {
+    const Result& r = run.results[k];
     const double n = static_cast<double>(r.its.size());
     double secs = 0, stall = 0, computed = 0, released = 0, in = 0, out = 0;
     SwapperStats sum;
@@ -490,12 +498,12 @@ int Main(int argc, char** argv) {
       sum.prefetch_wasted += it.d.prefetch_wasted;
     }
     const double compute = 2.0 * f.layers * r.delay;
-    // The bytes moved at the sequential speeds of the rounds before and
+    // The bytes moved at the sequential speeds of the fio.rounds before and
     // after: the faster one (and, for "vs mean", their mean).
     double io = -1, io_mean = -1;
     if (have_io) {
-      const double before = in / rounds[k].read + out / rounds[k].write;
-      const double after = in / rounds[k + 1].read + out / rounds[k + 1].write;
+      const double before = in / fio.rounds[k].read + out / fio.rounds[k].write;
+      const double after = in / fio.rounds[k + 1].read + out / fio.rounds[k + 1].write;
       io = std::min(before, after);
       io_mean = (before + after) / 2;
     }
@@ -527,7 +535,7 @@ int Main(int argc, char** argv) {
       f.iterations - 1, f.layers);
   if (have_io) {
     std::vector<double> reads;
-    for (const FioRound& r : rounds) reads.push_back(r.read);
+    for (const FioRound& r : fio.rounds) reads.push_back(r.read);
     std::sort(reads.begin(), reads.end());
     std::printf(
         "I/O bnd = bytes moved per iteration (read in + written out) at the sequential "
@@ -543,7 +551,36 @@ int Main(int argc, char** argv) {
   std::printf(
       "memory: VmHWM over the iterations %.3f GiB, anonymous and arena pages (sampled "
       "every 5 ms) at most %.3f GiB, pool limit %.3f GiB, pool used max %.3f GiB\n",
-      hwm / kGiB, resident_max / kGiB, f.pool / kGiB, pool_max / kGiB);
+      run.hwm / kGiB, run.resident_max / kGiB, f.pool / kGiB, run.pool_max / kGiB);
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  if (int refused = ParseFlags(argc, argv, &f); refused != 0) return refused;
+  const uint64_t layer_bytes = f.params / static_cast<uint64_t>(f.layers) / 4096 * 4096;
+  if (layer_bytes == 0) {
+    std::fprintf(stderr, "--params / --layers is under 4 KiB\n");
+    return 2;
+  }
+  const uint64_t total = layer_bytes * static_cast<uint64_t>(f.layers);
+
+  if (mkdir(f.dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    std::fprintf(stderr, "mkdir %s: %s\n", f.dir.c_str(), std::strerror(errno));
+    return 1;
+  }
+  PrintMachine(f.dir);
+  PrintPlan(f, layer_bytes, total);
+  FioRounds fio{f, f.dir + "/fio_bench.dat", total, {}};
+  if (f.fio) {
+    std::printf("fio: io_uring, O_DIRECT, bs %s, iodepth %lld, sequential, %.2f GB file %s\n",
+                FormatByteSize(static_cast<int64_t>(fio.bs())).c_str(),
+                static_cast<long long>(f.nvme.io.queue_depth), total / 1e9, fio.file.c_str());
+  }
+  Replayed run;
+  if (int failed = Replay(f, layer_bytes, total, &fio, &run); failed != 0) return failed;
+  unlink(fio.file.c_str());
+  rmdir(f.dir.c_str());  // only if empty
+  PrintReport(f, total, fio, run);
   return 0;
 }
 
