@@ -79,6 +79,7 @@
 #include "base/host_memory.h"
 #include "base/unique_fd.h"
 #include "benches/bench_util.h"
+#include "engine/engine.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/nvme_options.h"
@@ -338,14 +339,9 @@ int Replay(const Flags& f, uint64_t layer_bytes, uint64_t total, FioRounds* fio,
     n.bytes_per_dir = static_cast<int64_t>(
         total + std::max<uint64_t>(total / 16,
                                    4 * static_cast<uint64_t>(f.swapper.io_threads) * layer_bytes));
-    absl::StatusOr<std::unique_ptr<SwapSpace>> space = SwapSpace::Create(n, backend->get());
-    if (!space.ok()) {
-      std::fprintf(stderr, "%s\n", space.status().ToString().c_str());
-      return 1;
-    }
     // The arena: one memfd, mapped once, a region per layer on whole pages
     // of the layout's size, as offloadd lays large partitions out (before
-    // the swapper: it must outlive the swapper's I/O).
+    // the engine: it must outlive the swapper's I/O).
     const uint64_t page =
         f.arena_huge ? std::max<uint64_t>(SharedHugePageBytes(), 2 << 20) : PageSize();
     const uint64_t region = RoundUp(layer_bytes, page);
@@ -366,14 +362,20 @@ int Replay(const Flags& f, uint64_t layer_bytes, uint64_t total, FioRounds* fio,
       arena_fd = std::move(*fd);
       arena = std::move(*mapped);
     }
-    HostPool pool(Env::Default(), f.pool, /*lock_memory=*/false);
-    absl::StatusOr<std::unique_ptr<Swapper>> created =
-        Swapper::Create(f.swapper, &pool, space->get());
-    if (!created.ok()) {
-      std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+    // The engine's pool, swap space and swapper (its sessions and optimizer
+    // stay idle: this replays the swapper alone).
+    EngineOptions o;
+    o.host_budget_bytes = f.pool;
+    o.nvme = n;
+    o.swapper = f.swapper;
+    absl::StatusOr<std::unique_ptr<Engine>> engine =
+        Engine::Create(o, Env::Default(), backend->get());
+    if (!engine.ok()) {
+      std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
       return 1;
     }
-    Swapper& s = **created;
+    HostPool& pool = (*engine)->pool();
+    Swapper& s = (*engine)->swapper();
     for (int l = 0; l < f.layers; ++l) {
       const uint64_t id = static_cast<uint64_t>(l);
       absl::Status added =
@@ -457,7 +459,7 @@ int Replay(const Flags& f, uint64_t layer_bytes, uint64_t total, FioRounds* fio,
     out->pool_max = pool_peak.load();
     out->resident_max = resident_peak.load();
     if (!ok) return 1;
-    created->reset();  // before the pool and the swap space
+    engine->reset();  // before the arena
   }
   return 0;
 }
