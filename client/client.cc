@@ -444,6 +444,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   req.set_restore_from(options.restore_from);
   req.set_resume_lost(options.resume_lost);
   if (options.restore_steps.has_value()) req.set_restore_steps(*options.restore_steps);
+  req.set_keep_for_resume(options.keep_for_resume);
   req.set_share_weight(options.share_weight);
   if (options.delayed_update_after_steps.has_value()) {
     req.set_delayed_update_after_steps(*options.delayed_update_after_steps);
@@ -598,7 +599,10 @@ Session::~Session() {
   if (impl_->connection.valid()) {
     if (impl_->ConnectionHungUp()) return;
   }
-  Close().IgnoreError();
+  // Not Close(): a Session destroyed without it did not finish its job (an
+  // exception unwinding, a process on its way out after a failure), and one
+  // kept for a resume leaves its automatic checkpoints.
+  CloseAs(/*finished=*/false).IgnoreError();
 }
 
 uint64_t Session::id() const { return impl_->ref.session_id(); }
@@ -975,7 +979,9 @@ absl::StatusOr<CheckpointResult> Session::WaitCheckpoint() {
   return FromProto(resp);
 }
 
-absl::Status Session::Close() {
+absl::Status Session::Close() { return CloseAs(/*finished=*/true); }
+
+absl::Status Session::CloseAs(bool finished) {
   if (!impl_->InOwner()) {
     return absl::FailedPreconditionError(
         "this session belongs to the process that opened it, not to a child forked from it: "
@@ -989,6 +995,7 @@ absl::Status Session::Close() {
   }
   v1::CloseSessionRequest req;
   *req.mutable_session() = impl_->ref;
+  req.set_finished(finished);
   v1::CloseSessionResponse resp;
   Rpc rpc(absl::Seconds(10), impl_->token);
   absl::Status closed =

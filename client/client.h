@@ -131,6 +131,10 @@ struct SessionOptions {
   // steps (an automatic checkpoint keeps the one before it); unset: the
   // latest.
   std::optional<uint64_t> restore_steps;
+  // Its automatic checkpoints stay when it goes unfinished (this process
+  // dies, or destroys the Session without Close()): a restarted job finds
+  // them with resume_lost. Close() (the job ended) removes them.
+  bool keep_for_resume = false;
   // The session's weight in the node's optimizer when several sessions
   // step at once (0: 1; at most 1000). Client::SetShare changes it.
   uint32_t share_weight = 0;
@@ -462,10 +466,13 @@ class Session {
   absl::StatusOr<CheckpointResult> WaitCheckpoint();
   // Closes the session in the daemon and unmaps its partitions (every
   // PartitionView of it is invalid afterwards; copies from them must have
-  // ended).
+  // ended). The job ended: automatic checkpoints kept for a resume go (a
+  // Session destroyed without Close() leaves them).
   absl::Status Close();
 
  private:
+  // Close, telling offloadd whether the job finished.
+  absl::Status CloseAs(bool finished);
   friend class Client;
   struct Impl;
   explicit Session(std::unique_ptr<Impl> impl);

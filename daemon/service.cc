@@ -159,6 +159,7 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     }
     RestoreFrom restore(req->restore_from());
     restore.lost = req->resume_lost();
+    restore.keep_for_resume = req->keep_for_resume();
     if (req->has_restore_steps()) restore.steps = req->restore_steps();
     ASSIGN_OR_RETURN(OpenedSession opened,
                      sessions_->Open(req->name(), placement, scaling, dpu_after, restore));
@@ -223,7 +224,9 @@ grpc::Status PartitionServiceImpl::ResumeSession(grpc::ServerContext* context,
 grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext* context,
                                                 const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionResponse*) {
-  return Serve(*context, [&] { return sessions_->Close(KeyOf(req->session())); });
+  return Serve(*context, [&] {
+    return sessions_->Close(KeyOf(req->session()), !req->has_finished() || req->finished());
+  });
 }
 
 grpc::Status PartitionServiceImpl::RegisterPartition(grpc::ServerContext* context,

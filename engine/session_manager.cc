@@ -66,6 +66,7 @@ struct SessionManager::Session {
   // Its steps' time (SessionSummary), added as each step ends.
   std::atomic<int64_t> step_wall_nanos{0}, step_wait_nanos{0}, step_compute_nanos{0};
   std::atomic<bool> stepped{false};  // a step ended since it opened
+  bool keep_for_resume = false;      // RestoreFrom::keep_for_resume; set before it is shared
   void CountStep(const StepSummary& step) {
     stepped.store(true);
     step_wall_nanos.fetch_add(step.wall_nanos, std::memory_order_relaxed);
@@ -277,6 +278,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
           max_sessions_, "): close sessions that are done, or raise the limit"));
     }
     session->ring->SetSpin(ring_spin_);
+    session->keep_for_resume = restore_spec.keep_for_resume;
     // Restoring another session's automatic checkpoint: it goes when this
     // session closes (its own automatic ones replace it).
     if (!auto_checkpoint_.dir.empty() && !session->restore_from.empty() &&
@@ -448,10 +450,10 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::FindOwn
   return session;
 }
 
-absl::Status SessionManager::Close(const SessionKey& key) {
+absl::Status SessionManager::Close(const SessionKey& key, bool finished) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   // Another Close may have won the race since Find().
-  if (!CloseById(key.id)) {
+  if (!CloseById(key.id, /*only_unattached=*/false, std::nullopt, nullptr, nullptr, finished)) {
     return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
   }
   return absl::OkStatus();
@@ -466,12 +468,13 @@ void SessionManager::SetRingSpin(absl::Duration spin) {
 }
 
 bool SessionManager::Abandon(uint64_t id, Teardowns* later) {
-  return CloseById(id, /*only_unattached=*/false, std::nullopt, &stats_->sessions_abandoned, later);
+  return CloseById(id, /*only_unattached=*/false, std::nullopt, &stats_->sessions_abandoned, later,
+                   /*finished=*/false);
 }
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
                                std::optional<SteadyTime> only_idle_since, std::atomic<int64_t>* why,
-                               Teardowns* later) {
+                               Teardowns* later, bool finished) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionStore takes the
   // set's lock). Memory is released when the last in-flight call drops its
   // reference.
@@ -489,13 +492,15 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     doomed = std::move(found->second);
     kept_dir = std::exchange(doomed->kept_dir, "");
     // Closed, not lost: its automatic checkpoints go once it is gone (its
-    // checkpoint thread ended).
-    if (!auto_checkpoint_.dir.empty()) {
+    // checkpoint thread ended); unless it is kept for a resume and did not
+    // finish, when they stay as a crash of offloadd would leave them.
+    const bool keep = doomed->keep_for_resume && !finished;
+    if (!auto_checkpoint_.dir.empty() && !keep) {
       doomed->remove_when_gone.push_back(absl::StrCat(auto_checkpoint_.dir, "/", id));
     }
     // (Only once it stepped: one that closes before, to open again at
     // another of its steps, leaves it for that.)
-    if (!doomed->restored_auto_dir.empty() && doomed->stepped.load()) {
+    if (!doomed->restored_auto_dir.empty() && doomed->stepped.load() && !keep) {
       doomed->remove_when_gone.push_back(doomed->restored_auto_dir);
     }
     // Out of FindLost's sight at once (they go when the session is gone,
@@ -1153,8 +1158,9 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
     const bool closed_it =
         e.why == Expired::kIdle
             ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle, counter,
-                        later)
-            : CloseById(e.id, /*only_unattached=*/true, std::nullopt, counter, later);
+                        later, /*finished=*/false)
+            : CloseById(e.id, /*only_unattached=*/true, std::nullopt, counter, later,
+                        /*finished=*/false);
     if (closed_it) closed.push_back(std::move(e));
   }
   return closed;

@@ -99,6 +99,11 @@ struct RestoreFrom {
   // that step is restored and the name's other lost ones go; 0: none is
   // restored (a new session) and all go.
   std::optional<uint64_t> steps;
+  // The session's own automatic checkpoints (and one it restored) stay when
+  // it goes unfinished (its trainer went away or hung, or it was closed
+  // without Close's `finished`), as when offloadd dies: a restarted job
+  // finds them by name (`lost`). A finished Close removes them.
+  bool keep_for_resume = false;
 };
 
 // One partition of a gradient return naming several.
@@ -289,7 +294,10 @@ class SessionManager {
   // mapped (so that threads, the allocator and other sessions' calls keep
   // the rest of vm.max_map_count). 0: no budget.
   void SetMappingBudget(int64_t mappings) { mapping_budget_.store(mappings); }
-  absl::Status Close(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // `finished` false: the job did not end (a trainer closing on its way
+  // out after a failure): a session opened with RestoreFrom::keep_for_resume
+  // leaves its automatic checkpoints for a restart.
+  absl::Status Close(const SessionKey& key, bool finished = true) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::StatusOr<PartitionInfo> Register(const SessionKey& key, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -484,10 +492,12 @@ class SessionManager {
   // flight. `why` (a Stats counter: abandoned, expired), if given, counts
   // the close as sessions_closed does, in the same step that takes the
   // session out of Sessions(): a caller that sees it gone sees it counted.
+  // `finished` false (a trainer gone, a lease over, a Close not finished):
+  // a session kept for a resume leaves its automatic checkpoints.
   bool CloseById(uint64_t id, bool only_unattached = false,
                  std::optional<SteadyTime> only_idle_since = std::nullopt,
-                 std::atomic<int64_t>* why = nullptr, Teardowns* later = nullptr)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                 std::atomic<int64_t>* why = nullptr, Teardowns* later = nullptr,
+                 bool finished = true) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   Env* const env_;

@@ -395,6 +395,68 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
   sessions_.SetAutoCheckpoint({});
 }
 
+// A session kept for a resume leaves its automatic checkpoints when it goes
+// unfinished (an unfinished Close, its trainer gone), for a session of the
+// same name to find (resume_lost); a finished Close removes them.
+TEST_F(SessionManagerTest, ASessionKeptForAResumeLeavesItsCheckpointsUnlessFinished) {
+  const std::string root = ::testing::TempDir() + "/kept_for_resume";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  SessionManager::AutoCheckpointOptions options;
+  options.dir = root + "/auto";
+  options.every_steps = 1;
+  sessions_.SetAutoCheckpoint(options);
+  RestoreFrom keep;
+  keep.keep_for_resume = true;
+  int64_t checkpoints = stats_.auto_checkpoints.load();
+  // Opens `name`, one partition, one step, its automatic checkpoint in.
+  auto stepped = [&](const std::string& name, const RestoreFrom& from) {
+    auto opened = sessions_.Open(name, {}, std::nullopt, std::nullopt, from);
+    EXPECT_TRUE(opened.ok()) << opened.status();
+    auto p = sessions_.Register(opened->key, {"w", 1 << 10, DType::kFp32, DType::kFp32});
+    EXPECT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(sessions_.Release(opened->key, {p->id}).ok());
+    EXPECT_TRUE(sessions_.Fetch(opened->key, {p->id}, WithGrads()).ok());
+    EXPECT_TRUE(sessions_.ReturnGradients(opened->key, p->id, 1 << 10, DType::kFp32).ok());
+    EXPECT_TRUE(sessions_.Release(opened->key, {p->id}).ok());
+    EXPECT_TRUE(sessions_.Step(opened->key, AdamHyperparams{}).ok());
+    ++checkpoints;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (stats_.auto_checkpoints.load() < checkpoints && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    return opened->key;
+  };
+  // Closed unfinished: kept, and found by name.
+  SessionKey a = stepped("job/rank0", keep);
+  const std::string a_dir = sessions_.AutoCheckpointDir(a.id);
+  ASSERT_TRUE(sessions_.Close(a, /*finished=*/false).ok());
+  EXPECT_TRUE(std::filesystem::exists(a_dir));
+  // Its trainer gone: kept too.
+  SessionKey b = stepped("job/rank1", keep);
+  const std::string b_dir = sessions_.AutoCheckpointDir(b.id);
+  ASSERT_TRUE(sessions_.Abandon(b.id));
+  EXPECT_TRUE(std::filesystem::exists(b_dir));
+  RestoreFrom lost = keep;
+  lost.lost = true;
+  auto found = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->restored_from, a_dir);
+  // Finished (the job ended): what it restored goes with its own.
+  ASSERT_TRUE(sessions_.Close(found->key).ok());
+  EXPECT_TRUE(std::filesystem::exists(a_dir));  // (it closed before a step: left)
+  SessionKey c = stepped("job/rank0", lost);
+  ASSERT_TRUE(sessions_.Close(c).ok());
+  EXPECT_FALSE(std::filesystem::exists(a_dir));
+  // A session not kept for a resume: gone unfinished, its checkpoints go.
+  SessionKey d = stepped("other", RestoreFrom{});
+  const std::string d_dir = sessions_.AutoCheckpointDir(d.id);
+  ASSERT_TRUE(sessions_.Close(d, /*finished=*/false).ok());
+  EXPECT_FALSE(std::filesystem::exists(d_dir));
+  std::filesystem::remove_all(b_dir);
+  sessions_.SetAutoCheckpoint({});
+}
+
 // With overlapped steps the automatic checkpoint is taken at the next Step,
 // at the boundary after the previous update: its manifest holds that step
 // count, and the trainer's WaitStep and next steps are unaffected.

@@ -109,6 +109,35 @@ class TorchWrapTest(unittest.TestCase):
         # ranks' tiers start empty and gather what the resumed sessions hold.
         self.killed_at_random_points("killed_tier", {"gpu": {"device": "emulated"}})
 
+    def test_two_ranks_go_on_after_a_rank_is_killed(self):
+        # A rank (not offloadd) dies mid-step: the other fails in its next
+        # collective, and the job restarts, as torchrun --max-restarts does.
+        # Sessions opened for resume "auto" leave their automatic checkpoints
+        # when they go unfinished (the dead rank's abandoned, the other's
+        # closed as its process unwinds), so the restarted ranks go on from
+        # a step both have; the final weights equal an uninterrupted run's.
+        # optimizer.close() at the end removes them.
+        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
+        sc = dict(BASE, steps=12, zero={"resume": "auto", "session_name": "rankdies"})
+        daemon = Daemon(self.root, "rankdies", flags=flags)
+        try:
+            want, _, _ = self.run_ranks(sc, 2, addresses=[daemon.address] * 2)
+            _, outputs, codes = self.run_ranks(dict(sc, kill_at_step=7, kill_rank=1), 2,
+                                               addresses=[daemon.address] * 2, expect_ok=False)
+            self.assertNotEqual(codes, [0, 0], outputs)
+            got, outputs, _ = self.run_ranks(sc, 2, addresses=[daemon.address] * 2)
+            said = [line for o in outputs for line in o.splitlines() if "resumed at" in line]
+            self.assertEqual(len(said), 2, outputs)
+            for line in said:  # step 7's checkpoint may not have committed on both: 6 or 7
+                self.assertIn(int(line.split("resumed at step ")[1].split()[0]), (6, 7), said)
+            self.assertEqual(got["state"], want["state"])
+            # Finished (optimizer.close()): nothing left to resume.
+            auto = os.path.join(daemon.dir, "auto-checkpoints")
+            left = [d for d in os.listdir(auto) if not d.startswith(".")]
+            self.assertEqual(left, [], left)
+        finally:
+            daemon.stop()
+
     def killed_at_random_points(self, name, zero):
         import random
         flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]

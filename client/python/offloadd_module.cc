@@ -646,11 +646,13 @@ PYBIND11_MODULE(_offloadd, m) {
              std::optional<int> grads_host_percent, std::optional<int> optimizer_state_host_percent,
              std::optional<uint64_t> delayed_update_after_steps,
              std::optional<py::dict> loss_scaling, const std::string& restore_from,
-             uint32_t share_weight, bool resume_lost, std::optional<uint64_t> restore_steps) {
+             uint32_t share_weight, bool resume_lost, std::optional<uint64_t> restore_steps,
+             bool keep_for_resume) {
             SessionOptions o;
             o.restore_from = restore_from;
             o.resume_lost = resume_lost;
             o.restore_steps = restore_steps;
+            o.keep_for_resume = keep_for_resume;
             o.share_weight = share_weight;
             if (loss_scaling.has_value()) {
               // fp16: {"initial_scale": ..., "growth_interval": ..., ...}
@@ -679,7 +681,7 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("optimizer_state_host_percent") = py::none(),
           py::arg("delayed_update_after_steps") = py::none(), py::arg("loss_scaling") = py::none(),
           py::arg("restore_from") = "", py::arg("share_weight") = 0, py::arg("resume_lost") = false,
-          py::arg("restore_steps") = py::none())
+          py::arg("restore_steps") = py::none(), py::arg("keep_for_resume") = false)
       .def(
           "set_share",
           [](Client& c, uint64_t session_id, uint32_t weight) {

@@ -538,7 +538,11 @@ class _Engine:
             restore_from=restore_from,
             share_weight=config["share_weight"],
             resume_lost=resume_lost,
-            restore_steps=restore_steps)
+            restore_steps=restore_steps,
+            # A job that resumes by itself also after a rank (not offloadd)
+            # failed: what its sessions checkpointed outlives an unfinished
+            # close; optimizer.close() at the end of the job removes it.
+            keep_for_resume=config["resume"] == "auto")
 
     def _resume(self):
         """zero_config resume "auto": this rank's session from what its
@@ -2208,7 +2212,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   job). With several ranks, a crash of offloadd ends every rank
                                   with an error: restart the job (torchrun --max-restarts) and
                                   it resumes here. One rank also resumes without a restart
-                                  (SessionRestored)
+                                  (SessionRestored). A rank that dies leaves its checkpoints too
+                                  (its sessions go unfinished); optimizer.close() at the end of
+                                  the job removes them
     deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
       two dicts; see offloadd.deepspeed. The loop then runs as DeepSpeed's:
       step() after every micro-batch updates at every
