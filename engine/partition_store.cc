@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
 
@@ -317,21 +318,43 @@ PartitionStore::~PartitionStore() {
   // swapper is called without the set's lock, as everywhere.
   std::vector<Swapper::Pin> holds;
   std::vector<std::pair<uint64_t, uint64_t>> chunks;  // partition, chunks
+  std::vector<ArenaRegion> spans;                     // in the arena
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, p] : partitions_) {
       chunks.emplace_back(id, ChunksOf(p->info.numel));
+      spans.push_back(p->info.span);
       p->TakeHolds(&holds);
     }
   }
   holds.clear();
+  std::vector<uint64_t> blocks;
   for (const auto& [id, n] : chunks) {
     for (uint64_t c = 0; c < n; ++c) {
       for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
-        swapper_->Remove(PartitionStore::BlockOf(id, c, b));
+        blocks.push_back(PartitionStore::BlockOf(id, c, b));
       }
     }
   }
+  // The partitions' pages are freed a run of adjacent spans at a time
+  // below, not block by block; the pool keeps their charges until then.
+  // (Not the whole arena: its request ring says the session closed.)
+  std::vector<PoolCharge> charges;
+  swapper_->RemoveAll(blocks, &charges);
+  std::sort(spans.begin(), spans.end(),
+            [](const ArenaRegion& a, const ArenaRegion& b) { return a.offset < b.offset; });
+  for (size_t i = 0; i < spans.size();) {
+    const uint64_t begin = spans[i].offset;
+    uint64_t end = begin + spans[i].bytes;
+    for (++i; i < spans.size() && spans[i].offset <= end; ++i) {
+      end = std::max(end, spans[i].offset + spans[i].bytes);
+    }
+    if (absl::Status freed = arena_->Discard(begin, end - begin); !freed.ok()) {
+      LogWarning("session %d: %s (the pages go with the arena)", static_cast<int64_t>(session_id_),
+                 freed.ToString());
+    }
+  }
+  charges.clear();
   swapper_->ForgetTrace(session_id_);  // the session's learned access order
 }
 

@@ -30,6 +30,15 @@ absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes, Pages 
   return env_->MapShared(fd_.get(), offset, bytes, pages);
 }
 
+absl::Status ShmArena::Discard(uint64_t offset, uint64_t bytes) const {
+  if (bytes == 0) return absl::OkStatus();
+  if (fallocate(fd_.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                static_cast<off_t>(bytes)) != 0) {
+    return PosixError(absl::StrCat("freeing ", bytes, " bytes of the arena at ", offset), errno);
+  }
+  return absl::OkStatus();
+}
+
 uint64_t ShmArena::size() const {
   absl::MutexLock lock(&mu_);
   return size_;

@@ -66,6 +66,11 @@ class ShmArena {
   absl::StatusOr<HostMemory> Map(uint64_t offset, uint64_t bytes,
                                  Pages pages = Pages::kSystemDefault) const;
 
+  // Frees the pages of [offset, offset + bytes) (the file keeps its size:
+  // mappings read zeros there), whoever maps them: a session's teardown,
+  // its partitions' spans after their blocks went.
+  absl::Status Discard(uint64_t offset, uint64_t bytes) const;
+
   int fd() const { return fd_.get(); }
   uint64_t capacity() const { return capacity_; }
   uint64_t size() const;

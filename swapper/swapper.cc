@@ -393,6 +393,36 @@ void Swapper::Remove(BlockId id) {
   while (!gone()) changed_.Wait(&mu_);
 }
 
+void Swapper::RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* charges) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<BlockId, const Block*>> external;  // to see gone
+  for (BlockId id : ids) {
+    Block* b = FindLocked(id);
+    if (b == nullptr) continue;
+    if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+    b->removed = true;
+    if (b->external != nullptr) {
+      external.emplace_back(id, b);
+      if (!BusyLocked(*b) && b->state != BlockState::kOnNvme) {
+        // Its pages go with the caller's memory; its charge until then.
+        charges->push_back(std::move(b->charge));
+        b->state = BlockState::kOnNvme;
+      }
+    }
+    EraseIfDoneLocked(b);  // may free *b: only compared against below
+  }
+  // No I/O may touch the external memory after this (busy blocks finish
+  // theirs first).
+  auto gone = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& [id, b] : external) {
+      auto it = blocks_.find(id);
+      if (it != blocks_.end() && it->second.get() == b) return false;
+    }
+    return true;
+  };
+  while (!gone()) changed_.Wait(&mu_);
+}
+
 absl::Status Swapper::Discard(BlockId id) {
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);

@@ -199,6 +199,15 @@ class Swapper {
   // returns only once no I/O can touch its memory any more (it must not be
   // pinned). Unknown ids are ignored.
   void Remove(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes every block of `ids` as Remove does (the missing ones are no
+  // change), for a caller that frees its external blocks' memory itself, at
+  // once (a session's whole arena): their pages are not freed block by
+  // block (each an I/O thread's round trip, two context switches: 73 us a
+  // block measured), and their pool charges move to `charges`, for the
+  // caller to release once that memory is gone. One lock and one wait for
+  // the lot.
+  void RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* charges)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // The block's bytes are dead (consumed gradients): its NVMe copy is
   // freed and, if homed on NVMe, its host memory given back, with no I/O;

@@ -762,6 +762,34 @@ TEST_F(SwapperTest, ExternalMemoryIsWrittenOutFreedAndReadBackInPlace) {
   }
 }
 
+// RemoveAll (a session's teardown) removes many blocks at once: its
+// external blocks' pages stay for the caller to free (no I/O thread round
+// trip each), their pool charges come back to the caller, and the pool
+// counts them until it lets them go; blocks on NVMe and host blocks go as
+// with Remove.
+TEST_F(SwapperTest, RemoveAllLeavesTheExternalPagesAndTheirChargesToTheCaller) {
+  Make(4 * kMiB);
+  SharedArena arena(4 * kMiB, Pages::kSmall);
+  const uint64_t bytes = kMiB;
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE(swapper_->AddExternal(i + 1, arena.at(i * kMiB), bytes, Tier::kHost, 7).ok());
+    Write(i + 1, static_cast<uint32_t>(i + 1));
+  }
+  ASSERT_TRUE(swapper_->Add(10, bytes, Tier::kHost, 7).ok());  // pool memory of its own
+  Write(10, 10);
+  swapper_->WaitIdle();
+  const uint64_t used = pool_->used();
+  EXPECT_EQ(used, 4 * kMiB);
+  std::vector<PoolCharge> charges;
+  swapper_->RemoveAll({1, 2, 3, 10, 99}, &charges);  // 99: never added
+  EXPECT_EQ(charges.size(), 3u);
+  EXPECT_EQ(pool_->used(), 3 * kMiB);      // the pool block's memory went; the arena's is counted
+  EXPECT_EQ(arena.populated(), 3 * kMiB);  // left to the caller
+  EXPECT_EQ(swapper_->Acquire(1, false).status().code(), absl::StatusCode::kNotFound);
+  charges.clear();
+  EXPECT_EQ(pool_->used(), 0u);
+}
+
 // Through the file, a read that fails after some of the block's bytes were
 // put in place leaves none of them: its pages are freed, the NVMe copy
 // stays, and the next read gets the block whole.
