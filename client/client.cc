@@ -602,7 +602,7 @@ Session::~Session() {
   // Not Close(): a Session destroyed without it did not finish its job (an
   // exception unwinding, a process on its way out after a failure), and one
   // kept for a resume leaves its automatic checkpoints.
-  CloseAs(/*finished=*/false).IgnoreError();
+  Close(/*finished=*/false).IgnoreError();
 }
 
 uint64_t Session::id() const { return impl_->ref.session_id(); }
@@ -979,9 +979,7 @@ absl::StatusOr<CheckpointResult> Session::WaitCheckpoint() {
   return FromProto(resp);
 }
 
-absl::Status Session::Close() { return CloseAs(/*finished=*/true); }
-
-absl::Status Session::CloseAs(bool finished) {
+absl::Status Session::Close(bool finished) {
   if (!impl_->InOwner()) {
     return absl::FailedPreconditionError(
         "this session belongs to the process that opened it, not to a child forked from it: "

@@ -468,11 +468,12 @@ class Session {
   // PartitionView of it is invalid afterwards; copies from them must have
   // ended). The job ended: automatic checkpoints kept for a resume go (a
   // Session destroyed without Close() leaves them).
-  absl::Status Close();
+  absl::Status Close() { return Close(/*finished=*/true); }
+  // `finished` false: the job did not end (a failure unwinding): automatic
+  // checkpoints kept for a resume stay.
+  absl::Status Close(bool finished);
 
  private:
-  // Close, telling offloadd whether the job finished.
-  absl::Status CloseAs(bool finished);
   friend class Client;
   struct Impl;
   explicit Session(std::unique_ptr<Impl> impl);

@@ -37,6 +37,7 @@ absl::Status KeepOne(SessionManager& sessions, const SessionManager::KeptSession
   record.set_token(kept.key.token);
   record.set_name(kept.name);
   record.set_restore_from(kept.restore_from);
+  record.set_keep_for_resume(kept.keep_for_resume);
   for (uint64_t partition : kept.partition_ids) record.add_partition_ids(partition);
   return WriteFileAtomically(sub, kPreservedFile, record.SerializeAsString());
 }
@@ -54,7 +55,8 @@ absl::StatusOr<uint64_t> ReopenOne(SessionManager& sessions, const std::string& 
   SessionManager::KeptSession kept{SessionKey{record.session_id(), record.token()},
                                    record.name(),
                                    record.restore_from(),
-                                   {record.partition_ids().begin(), record.partition_ids().end()}};
+                                   {record.partition_ids().begin(), record.partition_ids().end()},
+                                   record.keep_for_resume()};
   RETURN_IF_ERROR(sessions.Reopen(kept, sub));
   return kept.key.id;
 }

@@ -354,7 +354,7 @@ PartitionStore::~PartitionStore() {
                  freed.ToString());
     }
   }
-  charges.clear();
+  swapper_->ReleaseCharges(&charges);
   swapper_->ForgetTrace(session_id_);  // the session's learned access order
 }
 

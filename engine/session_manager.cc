@@ -1248,7 +1248,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   // Its partitions' ids, in the manifest's order (by id), taken before the
   // checkpoint: a lease running out meanwhile closes the session, and the
   // keeper's count check notices.
-  KeptSession kept{SessionKey{s->id, s->token}, s->name, "", {}};
+  KeptSession kept{SessionKey{s->id, s->token}, s->name, "", {}, s->keep_for_resume};
   {
     absl::MutexLock lock(&mu_);
     if (!sessions_.contains(s->id)) return absl::FailedPreconditionError("it was closed meanwhile");
@@ -1275,7 +1275,9 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
   if (key.id == 0 || key.token.size() != kTokenBytes) {
     return absl::DataLossError(absl::StrCat(dir, " names no session"));
   }
-  RETURN_IF_ERROR(OpenAs(kept.name, {}, std::nullopt, std::nullopt, dir, &key).status());
+  RestoreFrom from(dir);
+  from.keep_for_resume = kept.keep_for_resume;
+  RETURN_IF_ERROR(OpenAs(kept.name, {}, std::nullopt, std::nullopt, from, &key).status());
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);

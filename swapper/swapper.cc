@@ -1,5 +1,6 @@
 #include "swapper/swapper.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -394,33 +395,52 @@ void Swapper::Remove(BlockId id) {
 }
 
 void Swapper::RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* charges) {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::pair<BlockId, const Block*>> external;  // to see gone
-  for (BlockId id : ids) {
-    Block* b = FindLocked(id);
-    if (b == nullptr) continue;
-    if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
-    b->removed = true;
-    if (b->external != nullptr) {
-      external.emplace_back(id, b);
-      if (!BusyLocked(*b) && b->state != BlockState::kOnNvme) {
-        // Its pages go with the caller's memory; its charge until then.
-        charges->push_back(std::move(b->charge));
-        b->state = BlockState::kOnNvme;
+  // Blocks of external memory still in the map (being written out or
+  // freed): no I/O may touch that memory once this returns.
+  std::vector<std::pair<BlockId, const Block*>> external;
+  // In batches, so that other sessions' calls get the lock in between (a
+  // pool block's lease is unmapped under it).
+  constexpr size_t kBatch = 512;
+  for (size_t at = 0; at < ids.size(); at += kBatch) {
+    absl::MutexLock lock(&mu_);
+    for (BlockId id : ids.subspan(at, kBatch)) {
+      Block* b = FindLocked(id);
+      if (b == nullptr) continue;
+      if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+      b->removed = true;
+      if (b->external != nullptr) {
+        if (!BusyLocked(*b) && b->state != BlockState::kOnNvme) {
+          // Its pages go with the caller's memory; its charge until then.
+          freeing_bytes_ += b->charge.bytes();
+          charges->push_back(std::move(b->charge));
+          b->state = BlockState::kOnNvme;
+        }
+        external.emplace_back(id, b);
       }
+      EraseIfDoneLocked(b);  // may free *b: only compared against below
     }
-    EraseIfDoneLocked(b);  // may free *b: only compared against below
   }
-  // No I/O may touch the external memory after this (busy blocks finish
-  // theirs first).
-  auto gone = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const auto& [id, b] : external) {
-      auto it = blocks_.find(id);
-      if (it != blocks_.end() && it->second.get() == b) return false;
-    }
-    return true;
+  absl::MutexLock lock(&mu_);
+  // Those still there are busy; each goes once its I/O ended.
+  auto prune = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    external.erase(std::remove_if(external.begin(), external.end(),
+                                  [&](const std::pair<BlockId, const Block*>& e)
+                                      ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                        auto it = blocks_.find(e.first);
+                                        return it == blocks_.end() || it->second.get() != e.second;
+                                      }),
+                   external.end());
   };
-  while (!gone()) changed_.Wait(&mu_);
+  for (prune(); !external.empty(); prune()) changed_.Wait(&mu_);
+}
+
+void Swapper::ReleaseCharges(std::vector<PoolCharge>* charges) {
+  uint64_t bytes = 0;
+  for (const PoolCharge& c : *charges) bytes += c.bytes();
+  absl::MutexLock lock(&mu_);
+  charges->clear();
+  freeing_bytes_ -= bytes;
+  changed_.SignalAll();
 }
 
 absl::Status Swapper::Discard(BlockId id) {

@@ -204,10 +204,12 @@ class Swapper {
   // once (a session's whole arena): their pages are not freed block by
   // block (each an I/O thread's round trip, two context switches: 73 us a
   // block measured), and their pool charges move to `charges`, for the
-  // caller to release once that memory is gone. One lock and one wait for
-  // the lot.
+  // caller to give back with ReleaseCharges once that memory is gone
+  // (counted as being freed meanwhile, so that making room waits for them
+  // rather than evicting others). The lock is let go between batches.
   void RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* charges)
       ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseCharges(std::vector<PoolCharge>* charges) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The block's bytes are dead (consumed gradients): its NVMe copy is
   // freed and, if homed on NVMe, its host memory given back, with no I/O;

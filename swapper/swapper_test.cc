@@ -786,7 +786,8 @@ TEST_F(SwapperTest, RemoveAllLeavesTheExternalPagesAndTheirChargesToTheCaller) {
   EXPECT_EQ(pool_->used(), 3 * kMiB);      // the pool block's memory went; the arena's is counted
   EXPECT_EQ(arena.populated(), 3 * kMiB);  // left to the caller
   EXPECT_EQ(swapper_->Acquire(1, false).status().code(), absl::StatusCode::kNotFound);
-  charges.clear();
+  swapper_->ReleaseCharges(&charges);
+  EXPECT_TRUE(charges.empty());
   EXPECT_EQ(pool_->used(), 0u);
 }
 

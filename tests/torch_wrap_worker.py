@@ -132,7 +132,7 @@ def train(sc, rank, world, use_offloadd):
                       for i, st in osd["state"].items()}}
     counts = dict(model.offloadd.counts) if use_offloadd else {}
     gpu_stats = model.offloadd.gpu_stats() if use_offloadd else None
-    if use_offloadd:
+    if use_offloadd and not sc.get("no_close"):  # no_close: the exit closes it
         opt.close()
     return {"start": start, "losses": losses, "norms": norms, "final": final, "state": state,
             "checkpoint_state": checkpoint_state, "counts": counts, "gpu": gpu_stats,

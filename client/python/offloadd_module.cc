@@ -630,7 +630,12 @@ PYBIND11_MODULE(_offloadd, m) {
                              "failed_regions"_a = d.failed_regions,
                              "register_us"_a = d.register_us);
            })
-      .def("close", [](Session& s) { Check(Unlocked([&] { return s.Close(); })); });
+      .def(
+          "close",
+          [](Session& s, bool finished) { Check(Unlocked([&] { return s.Close(finished); })); },
+          py::arg("finished") = true,
+          "closes the session; finished=False: the job did not end (a failure unwinding), and "
+          "automatic checkpoints kept for a resume (keep_for_resume) stay");
 
   py::class_<Client, std::unique_ptr<Client>>(m, "Client")
       .def(py::init([](const std::string& address) {

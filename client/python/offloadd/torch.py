@@ -59,6 +59,7 @@ Limits, said plainly:
   optimizer.last_step says so.
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
 """
+import atexit
 import bisect
 import contextlib
 import ctypes
@@ -66,6 +67,7 @@ import glob
 import math
 import random
 import os
+import sys
 import time
 import warnings
 
@@ -418,6 +420,11 @@ class _Engine:
         self.resumed_from = config["restore_from"]
         if config["resume"] == "auto" and not config["restore_from"]:
             self.session = _GuardedSession(self, self._resume())
+            # A script that ends without optimizer.close() has finished its
+            # job unless an exception ended it: its checkpoints go then
+            # (they would resume a finished job), and stay otherwise.
+            _UncaughtWatch.install()
+            atexit.register(self._close_at_exit)
         else:
             self.session = _GuardedSession(self, self._open_session(config["restore_from"]))
         self.params_host = params_host
@@ -543,6 +550,12 @@ class _Engine:
             # failed: what its sessions checkpointed outlives an unfinished
             # close; optimizer.close() at the end of the job removes it.
             keep_for_resume=config["resume"] == "auto")
+
+    def _close_at_exit(self):
+        try:
+            self.close(finished=not _UncaughtWatch.seen)
+        except (offloadd.Error, SessionRestored):
+            pass  # offloadd went away: what it kept stays
 
     def _resume(self):
         """zero_config resume "auto": this rank's session from what its
@@ -1325,19 +1338,40 @@ class _Engine:
             if s.refs == 0:
                 self._free(s)
 
-    def close(self):
+    def close(self, finished=True):
+        """Closes the session. finished=False (a failure unwinding): with
+        resume "auto", its automatic checkpoints stay for the restart."""
         self.free_all()
         self._returns = []
         self._held_views = None
         if self.tier is not None:
             self.tier.close()
             self.tier = None
-        self.session.close()
+        self.session.close(finished=finished)
 
     def gpu_stats(self):
         """The GPU tier's counters (bytes each way, prefetch hits, waits,
         DMA registration), or None where it does not run."""
         return self.tier.stats() if self.tier is not None else None
+
+
+class _UncaughtWatch:
+    """Whether an exception ended the program (sys.excepthook ran), for
+    exit-time closes: a job that died of one did not finish."""
+    seen = False
+    _installed = False
+
+    @classmethod
+    def install(cls):
+        if cls._installed:
+            return
+        cls._installed = True
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            cls.seen = True
+            previous(kind, value, tb)
+        sys.excepthook = hook
 
 
 class _TierGuard:
@@ -2052,11 +2086,18 @@ class Optimizer(torch.optim.Optimizer):
 
     def close(self):
         """Waits for an overlapped step, then closes this rank's daemon
-        session (the process's exit does too)."""
+        session (the process's exit does too). Called while an exception
+        propagates (a `finally`), or when the step it waits for failed, the
+        job did not finish: with resume "auto", its automatic checkpoints
+        stay for the restart; otherwise they go."""
+        finished = sys.exc_info()[0] is None
         try:
             self.wait_overlapped()
+        except BaseException:
+            finished = False
+            raise
         finally:
-            self._engine.close()
+            self._engine.close(finished=finished)
 
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
