@@ -2254,8 +2254,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   with an error: restart the job (torchrun --max-restarts) and
                                   it resumes here. One rank also resumes without a restart
                                   (SessionRestored). A rank that dies leaves its checkpoints too
-                                  (its sessions go unfinished); optimizer.close() at the end of
-                                  the job removes them
+                                  (its sessions go unfinished); optimizer.close() or a normal
+                                  exit removes them, one during an exception leaves them
     deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
       two dicts; see offloadd.deepspeed. The loop then runs as DeepSpeed's:
       step() after every micro-batch updates at every
