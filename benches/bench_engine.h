@@ -64,6 +64,11 @@ struct BenchEngine {
 
 absl::StatusOr<std::unique_ptr<BenchEngine>> MakeBenchEngine(const BenchEngineOptions& options);
 
+// The swapper's and the NVMe tier's settings a run used, for its header:
+// "prefetch depth 8 / 256MiB; io_threads 4; checksum on; io_uring requests
+// of 1MiB, queue depth 32, 2 rings; stripe 1MiB".
+std::string DescribeSwapSettings(const NvmeOptions& nvme, const SwapperOptions& swapper);
+
 }  // namespace offload::bench
 
 #endif  // OFFLOADD_BENCHES_BENCH_ENGINE_H_

@@ -456,18 +456,11 @@ void PrintPlan(const Flags& f, const Plan& p) {
         "B/param are never read or written\n");
   }
   std::printf(
-      "chunks of %llu elems (%s per kind): %llu blocks; group limit (pool/4) %.0f MiB; "
-      "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
-      "queue depth %lld, %lld rings; stripe %s\n",
+      "chunks of %llu elems (%s per kind): %llu blocks; group limit (pool/4) %.0f MiB; %s\n",
       static_cast<unsigned long long>(p.chunk_elems),
       FormatByteSize(static_cast<int64_t>(p.chunk_elems * 4)).c_str(),
       static_cast<unsigned long long>(p.blocks), p.pool_limit / 4 / kMiB,
-      static_cast<long long>(f.swapper.prefetch_depth),
-      FormatByteSize(f.swapper.prefetch_bytes).c_str(),
-      static_cast<long long>(f.swapper.io_threads), f.nvme.checksum ? "on" : "off",
-      FormatByteSize(f.nvme.io.request_bytes).c_str(),
-      static_cast<long long>(f.nvme.io.queue_depth), static_cast<long long>(f.nvme.io.rings),
-      FormatByteSize(f.nvme.stripe_bytes).c_str());
+      bench::DescribeSwapSettings(f.nvme, f.swapper).c_str());
 }
 
 // The in-memory Optimizer::Step over the same partitions: the compute

@@ -78,6 +78,7 @@
 #include "base/env.h"
 #include "base/host_memory.h"
 #include "base/unique_fd.h"
+#include "benches/bench_engine.h"
 #include "benches/bench_util.h"
 #include "engine/engine.h"
 #include "nvme/io_backend.h"
@@ -311,17 +312,9 @@ void PrintPlan(const Flags& f, uint64_t layer_bytes, uint64_t total) {
       "fit)\n",
       f.layers, layer_bytes / kMiB, total / kGiB, memory.c_str(), f.pool / kGiB,
       static_cast<double>(total) / f.pool, static_cast<double>(f.pool) / layer_bytes);
-  std::printf(
-      "iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; "
-      "prefetch depth %lld / %s; io_threads %lld; checksum %s; io_uring requests of %s, "
-      "queue depth %lld, %lld rings; stripe %s\n",
-      f.layers - 1, f.layers - 1, f.busy ? "busy-wait" : "sleep",
-      static_cast<long long>(f.swapper.prefetch_depth),
-      FormatByteSize(f.swapper.prefetch_bytes).c_str(),
-      static_cast<long long>(f.swapper.io_threads), f.nvme.checksum ? "on" : "off",
-      FormatByteSize(f.nvme.io.request_bytes).c_str(),
-      static_cast<long long>(f.nvme.io.queue_depth), static_cast<long long>(f.nvme.io.rings),
-      FormatByteSize(f.nvme.stripe_bytes).c_str());
+  std::printf("iteration: forward 0..%d then backward %d..0, read-only pins, a %s per use; %s\n",
+              f.layers - 1, f.layers - 1, f.busy ? "busy-wait" : "sleep",
+              bench::DescribeSwapSettings(f.nvme, f.swapper).c_str());
 }
 
 // The swap space, the arena and the swapper; every layer written once, then

@@ -8,7 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/host_memory.h"
-#include "engine/engine.h"
+#include "engine/test_engine.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -19,16 +19,10 @@ namespace {
 // token, partition id and bytes, detached until its trainer resumes it) and
 // leaves in place what it cannot read.
 TEST(KeptSessions, AreReopenedAsTheyWere) {
-  const std::string dir = std::string(getenv("TEST_TMPDIR")) + "/kept";
-  Env* env = Env::Default();
-  EngineOptions o;
-  o.host_budget_bytes = 64 << 20;
-  o.optimizer = OptimizerOptions{1, 1 << 16};
-  o.session_arena_bytes = 16 << 20;
-  o.state_chunk_elems = 1 << 20;
-  auto engine = Engine::Create(o, env);
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  SessionManager& sessions_ = (*engine)->sessions();
+  const std::string tmp = getenv("TEST_TMPDIR");
+  const std::string dir = tmp + "/kept";
+  TestEngine engine(tmp + "/nvme", 64 << 20);
+  SessionManager& sessions_ = *engine.sessions;
   auto Open = [&] {
     auto s = sessions_.Open("t");
     EXPECT_TRUE(s.ok()) << s.status();
@@ -63,7 +57,7 @@ TEST(KeptSessions, AreReopenedAsTheyWere) {
   fputs("not a session", junk);
   fclose(junk);
 
-  SessionManager next(env, &(*engine)->store(), &(*engine)->steps(), &(*engine)->stats());
+  SessionManager next(Env::Default(), engine.store, engine.steps, &engine.stats);
   EXPECT_EQ(ReopenKeptSessions(next, dir), 1);
   EXPECT_TRUE(std::filesystem::exists(dir + "/7/session.binpb"));
   EXPECT_EQ(next.Resume(SessionKey{kept.id, "wrong token....."}).status().code(),

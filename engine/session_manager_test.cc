@@ -62,6 +62,25 @@ class SessionManagerTest : public ::testing::Test {
     return s->key;
   }
 
+  // One step of partition `id` of `key` (`numel` fp32 elements, held
+  // nowhere): its gradients returned, then Step with `control`.
+  static void StepPartition(SessionManager& sessions, const SessionKey& key, uint64_t id,
+                            uint64_t numel, const StepControl& control = {}) {
+    ASSERT_TRUE(sessions.Fetch(key, {id}, WithGrads()).ok());
+    ASSERT_TRUE(sessions.ReturnGradients(key, id, numel, DType::kFp32).ok());
+    ASSERT_TRUE(sessions.Release(key, {id}).ok());
+    ASSERT_TRUE(sessions.Step(key, AdamHyperparams{}, control).ok());
+  }
+
+  // Waits (up to 20 s) until `stats` counted `n` automatic checkpoints; the
+  // caller checks that it did.
+  static void AwaitAutoCheckpoints(const Stats& stats, int64_t n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (stats.auto_checkpoints.load() < n && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+  }
+
   FaultInjectingEnv env_{Env::Default()};
   std::unique_ptr<Engine> engine_;
   Stats& stats_;
@@ -271,12 +290,7 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   auto p = sessions_.Register(key, {"w", 1 << 16, DType::kFp32, DType::kFp32});
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
-  auto step = [&] {
-    ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
-    ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 1 << 16, DType::kFp32).ok());
-    ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
-    ASSERT_TRUE(sessions_.Step(key, AdamHyperparams{}).ok());
-  };
+  auto step = [&] { StepPartition(sessions_, key, p->id, 1 << 16); };
   step();
   EXPECT_FALSE(std::filesystem::exists(auto_dir));  // not due after one step
   step();                                           // due: begins in the background
@@ -316,14 +330,8 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
   for (int i = 1; i <= 3; ++i) {
-    ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
-    ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 1 << 12, DType::kFp32).ok());
-    ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
-    ASSERT_TRUE(sessions_.Step(key, AdamHyperparams{}).ok());
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (stats_.auto_checkpoints.load() < i && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
+    ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 12));
+    AwaitAutoCheckpoints(stats_, i);
     ASSERT_EQ(stats_.auto_checkpoints.load(), i);
   }
   // The same name while its session is open: nothing lost to find.
@@ -378,15 +386,9 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
   ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
   Stats& next_stats = restarted->stats();
   for (int i = 1; i <= 3; ++i) {
-    ASSERT_TRUE(next.Fetch(shared->key, {q->id}, WithGrads()).ok());
-    ASSERT_TRUE(next.ReturnGradients(shared->key, q->id, 1 << 12, DType::kFp32).ok());
-    ASSERT_TRUE(next.Release(shared->key, {q->id}).ok());
-    ASSERT_TRUE(next.Step(shared->key, AdamHyperparams{}).ok());
+    ASSERT_NO_FATAL_FAILURE(StepPartition(next, shared->key, q->id, 1 << 12));
     EXPECT_EQ(std::filesystem::exists(auto_dir), i < 3) << i;
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (next_stats.auto_checkpoints.load() < i && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
+    AwaitAutoCheckpoints(next_stats, i);
     ASSERT_EQ(next_stats.auto_checkpoints.load(), i);
   }
   EXPECT_FALSE(std::filesystem::exists(auto_dir));
@@ -416,15 +418,8 @@ TEST_F(SessionManagerTest, ASessionKeptForAResumeLeavesItsCheckpointsUnlessFinis
     auto p = sessions_.Register(opened->key, {"w", 1 << 10, DType::kFp32, DType::kFp32});
     EXPECT_TRUE(p.ok()) << p.status();
     EXPECT_TRUE(sessions_.Release(opened->key, {p->id}).ok());
-    EXPECT_TRUE(sessions_.Fetch(opened->key, {p->id}, WithGrads()).ok());
-    EXPECT_TRUE(sessions_.ReturnGradients(opened->key, p->id, 1 << 10, DType::kFp32).ok());
-    EXPECT_TRUE(sessions_.Release(opened->key, {p->id}).ok());
-    EXPECT_TRUE(sessions_.Step(opened->key, AdamHyperparams{}).ok());
-    ++checkpoints;
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (stats_.auto_checkpoints.load() < checkpoints && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
+    StepPartition(sessions_, opened->key, p->id, 1 << 10);
+    AwaitAutoCheckpoints(stats_, ++checkpoints);
     return opened->key;
   };
   // Closed unfinished: kept, and found by name.
@@ -474,18 +469,12 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsOfOverlappedStepsComeAtTheNextSte
   StepControl overlap;
   overlap.overlap = true;
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
-    ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 1 << 16, DType::kFp32).ok());
-    ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
     // Step i + 1's call takes the checkpoint due after step i (none before
     // the first), then starts its own update.
-    ASSERT_TRUE(sessions_.Step(key, AdamHyperparams{}, overlap).ok());
+    ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 16, overlap));
     auto done = sessions_.WaitStep(key);
     ASSERT_TRUE(done.ok()) << done.status();
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (stats_.auto_checkpoints.load() < i && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
+    AwaitAutoCheckpoints(stats_, i);
     EXPECT_EQ(stats_.auto_checkpoints.load(), i);
   }
   auto manifests = checkpoint::ReadManifests(sessions_.AutoCheckpointDir(key.id));
