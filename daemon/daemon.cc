@@ -103,6 +103,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   sessions.SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
   sessions.SetMappingBudget(MappingBudget(options->memory.max_mappings));
   sessions.SetMaxSessions(options->server.max_sessions);
+  sessions.SetCaptureThreads(static_cast<int>(options->checkpoint.write_threads));
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
@@ -250,6 +251,10 @@ void Daemon::SetHooks() {
   registry_->SetHook<int64_t>("checkpoint.auto_every_steps", [raw](const int64_t& v) {
     raw->options_->checkpoint.every_steps = v;
     raw->ApplyAutoCheckpoint();
+    return absl::OkStatus();
+  });
+  registry_->SetHook<int64_t>("checkpoint.write_threads", [raw](const int64_t& v) {
+    raw->engine_->sessions().SetCaptureThreads(static_cast<int>(v));
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("gpu.prefetch_depth", [raw](const int64_t& v) {

@@ -35,7 +35,8 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("server.reconnect_lease_seconds", &o->server.reconnect_lease_seconds,
           {"seconds",
            "a session whose trainer went away is kept this long for a restarted trainer to resume "
-           "(ResumeSession); 0 closes it at once",
+           "(ResumeSession) or its restarted job to take over (a new session of its name); a "
+           "SIGTERM then keeps every session for the next offloadd; 0 closes it at once",
            false, kReconnectLeaseRange});
   r->Bind("server.max_threads", &o->server.max_threads,
           {"threads", "most gRPC calls served at once; more are RESOURCE_EXHAUSTED", false,
@@ -104,6 +105,12 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "also after this many steps since the session's last automatic checkpoint; 0 not by "
            "steps",
            true, kAutoCheckpointStepsRange});
+  r->Bind("checkpoint.write_threads", &o->checkpoint.write_threads,
+          {"threads",
+           "chunks captured at once by a checkpoint someone waits for (a trainer's, a stop's "
+           "keeping of sessions, a session's last one): writes in flight for disks whose "
+           "bandwidth needs depth; background ones write one at a time beside training",
+           true, kCheckpointWriteThreadsRange});
   r->Bind("metrics.port", &o->metrics.port,
           {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port", false,
            kTcpPortRange});

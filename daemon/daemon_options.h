@@ -57,8 +57,10 @@ struct ServerOptions {
   // without closing its session), its holds are released at once and the
   // session is kept this many seconds for a restarted trainer to resume
   // with its id and token (ResumeSession: optimizer state, steps and all),
-  // then closed. 0, the default: closed at once, its memory freed.
-  int64_t reconnect_lease_seconds = 0;
+  // then closed, unless a new session of its name takes it over first (its
+  // job restarted: SessionManager::TakeOverDetached). With it, a SIGTERM
+  // keeps every session for the next offloadd. 0: closed at once.
+  int64_t reconnect_lease_seconds = 120;
 
   // gRPC's synchronous server runs each call on a thread of its own; these
   // bound them (a burst of calls, or of reset streams, cannot make
@@ -149,8 +151,11 @@ struct AutoCheckpointNodeOptions {
   int64_t interval_seconds = 600;
   // 0: not by steps.
   int64_t every_steps = 0;
+  // Chunks a checkpoint written while someone waits captures at once.
+  int64_t write_threads = 4;
 };
 inline constexpr IntRange kAutoCheckpointSecondsRange{0, 604800};
+inline constexpr IntRange kCheckpointWriteThreadsRange{1, 64};
 inline constexpr IntRange kAutoCheckpointStepsRange{0, int64_t{1} << 40};
 
 struct MetricsOptions {

@@ -27,6 +27,7 @@
 #ifndef OFFLOADD_ENGINE_CHECKPOINT_H_
 #define OFFLOADD_ENGINE_CHECKPOINT_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -54,6 +55,11 @@ struct SessionCheckpointState {
   // The checkpoint this one replaces stays beside it (<stem>.previous):
   // automatic checkpoints, so that a job's ranks find a step they all have.
   bool keep_previous = false;
+  // Threads capturing its chunks in Finish (its caller and helpers it
+  // starts), so as many writes, and with state on NVMe swap-ins, in
+  // flight: a disk's bandwidth may need depth (fio on this project's VMs:
+  // 16 MiB direct writes 1.45 GB/s one at a time, 3.67 GB/s 32 at once).
+  int capture_threads = 1;
 };
 
 struct CheckpointSummary {
@@ -82,18 +88,20 @@ class CheckpointWriter : public ChunkSink {
 
  private:
   CheckpointWriter(PartitionStore* set, std::string dir, std::string stem,
-                   checkpoint::DataFileWriter file, bool keep_previous)
+                   checkpoint::DataFileWriter file, bool keep_previous, int capture_threads)
       : set_(set),
         dir_(std::move(dir)),
         stem_(std::move(stem)),
         file_(std::move(file)),
-        keep_previous_(keep_previous) {}
+        keep_previous_(keep_previous),
+        capture_threads_(std::max(1, capture_threads)) {}
 
   // Constant after Begin.
   PartitionStore* const set_;
   const std::string dir_, stem_;
   const checkpoint::DataFileWriter file_;
   const bool keep_previous_;
+  const int capture_threads_;
   SetImage image_;
   // Partition id -> its index in image_ and manifest_.partitions().
   absl::flat_hash_map<uint64_t, size_t> index_;

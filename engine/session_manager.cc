@@ -177,6 +177,9 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
         "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
+  // A job restarted: its sessions' trainers are gone, what they held is
+  // this one's to find (or not wanted).
+  if (reuse == nullptr) TakeOverDetached(name);
   std::string restore_from = restore_spec.dir;
   std::vector<uint64_t> restorable_steps;
   // The name's lost directories that go once this session is open (a final
@@ -304,6 +307,9 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
           "resuming a lost session needs automatic checkpoints (checkpoint.auto_*)");
     }
     root = auto_checkpoint_.dir;
+    // A session of the name that just closed unfinished writes its last
+    // state first.
+    while (finalizing_.contains(name)) finalized_.Wait(&mu_);
     for (const auto& [id, s] : sessions_) {
       taken.insert(absl::StrCat(root, "/", id));
       if (!s->restored_auto_dir.empty()) taken.insert(s->restored_auto_dir);
@@ -347,6 +353,72 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
                                             " of a lost session named '", name, "' in ", root));
   }
   return out;
+}
+
+void SessionManager::TakeOverDetached(absl::string_view name) {
+  if (name.empty()) return;  // (a name no job claims)
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : sessions_) {
+      if (s->name == name && s->detached_since.has_value()) ids.push_back(id);
+    }
+  }
+  for (uint64_t id : ids) {
+    if (CloseById(id, /*only_unattached=*/true, std::nullopt, &stats_->sessions_abandoned, nullptr,
+                  /*finished=*/false)) {
+      LogInfo(
+          "session %d ('%s'), whose trainer went away, is closed: a new session of its name "
+          "opens (its job restarted)",
+          static_cast<int64_t>(id), std::string(name));
+    }
+  }
+}
+
+void SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session,
+                                     const std::string& dir) {
+  Session* s = session.get();
+  // No call of its trainer's runs on from here (its ring's ends first), and
+  // none holds a partition (one held for writing would stop the checkpoint).
+  if (s->ring != nullptr) s->ring->Stop();
+  s->partitions->DropHolds();
+  {
+    absl::MutexLock lock(&s->checkpoint_mu);
+    s->checkpoint_mu.Await(absl::Condition(
+        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, s));
+  }
+  const uint64_t steps = s->partitions->steps();
+  if (steps == 0) return;  // a new session's state: nothing to go on from
+  std::string restored;
+  {
+    absl::MutexLock lock(&mu_);
+    restored = s->restored_auto_dir;
+  }
+  const std::string stem = checkpoint::StemFor(s->name);
+  for (const std::string& d : {dir, restored}) {
+    if (d.empty()) continue;
+    const std::vector<uint64_t> held = checkpoint::CheckpointSteps(d, stem);
+    if (std::find(held.begin(), held.end(), steps) != held.end()) return;
+  }
+  absl::Status written = [&]() -> absl::Status {
+    if (s->partitions->Pending().partitions > 0) {
+      StepControl drop;
+      drop.skip = true;
+      RETURN_IF_ERROR(DecideStep(session, AdamHyperparams{}, drop).status());
+    }
+    return StartCheckpoint(session, dir, /*background=*/false, /*automatic=*/true).status();
+  }();
+  if (!written.ok()) {
+    stats_->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
+    LogWarning(
+        "session %d ('%s') went unfinished; its state after step %d could not be kept for "
+        "a resume (its earlier automatic checkpoints stay): %s",
+        static_cast<int64_t>(s->id), s->name, static_cast<int64_t>(steps), written.ToString());
+    return;
+  }
+  stats_->auto_checkpoints.fetch_add(1, std::memory_order_relaxed);
+  LogInfo("session %d ('%s') went unfinished; its state after step %d is kept for a resume in %s",
+          static_cast<int64_t>(s->id), s->name, static_cast<int64_t>(steps), dir);
 }
 
 absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
@@ -479,7 +551,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   // set's lock). Memory is released when the last in-flight call drops its
   // reference.
   std::shared_ptr<Session> doomed;
-  std::string kept_dir;
+  std::string kept_dir, final_dir;
   {
     absl::MutexLock lock(&mu_);
     auto found = sessions_.find(id);
@@ -495,6 +567,10 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     // checkpoint thread ended); unless it is kept for a resume and did not
     // finish, when they stay as a crash of offloadd would leave them.
     const bool keep = doomed->keep_for_resume && !finished;
+    if (keep && auto_checkpoint_.on()) {
+      final_dir = absl::StrCat(auto_checkpoint_.dir, "/", id);
+      ++finalizing_[doomed->name];
+    }
     if (!auto_checkpoint_.dir.empty() && !keep) {
       doomed->remove_when_gone.push_back(absl::StrCat(auto_checkpoint_.dir, "/", id));
     }
@@ -518,10 +594,17 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   // Its state is not wanted any more: a later offloadd must not reopen it.
   // Then the last reference goes (unless a call in flight holds one).
   Teardowns own;
-  (later != nullptr ? *later : own).Add([doomed = std::move(doomed), kept_dir]() mutable {
-    if (!kept_dir.empty()) RemoveDirectoryOfFiles(kept_dir);
-    doomed.reset();
-  });
+  (later != nullptr ? *later : own)
+      .Add([this, doomed = std::move(doomed), kept_dir, final_dir]() mutable {
+        if (!final_dir.empty()) {
+          FinalCheckpoint(doomed, final_dir);
+          absl::MutexLock lock(&mu_);
+          if (--finalizing_[doomed->name] == 0) finalizing_.erase(doomed->name);
+          finalized_.SignalAll();
+        }
+        if (!kept_dir.empty()) RemoveDirectoryOfFiles(kept_dir);
+        doomed.reset();
+      });
   return true;
 }
 
@@ -970,6 +1053,9 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   state.name = s->name;
   state.scaler = s->scaler.get();
   state.keep_previous = automatic;
+  // Written while a call (or a stop) waits: as fast as the disk allows. In
+  // the background, beside training: one write at a time.
+  state.capture_threads = background ? 1 : capture_threads_.load();
   // The image and the scaler at the same step boundary.
   auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
     absl::MutexLock decided(&s->decide_mu);

@@ -294,6 +294,10 @@ class SessionManager {
   // mapped (so that threads, the allocator and other sessions' calls keep
   // the rest of vm.max_map_count). 0: no budget.
   void SetMappingBudget(int64_t mappings) { mapping_budget_.store(mappings); }
+  // Chunks a checkpoint written while a caller waits (not in the
+  // background: Checkpoint without `background`, keeping sessions at a
+  // stop, FinalCheckpoint) captures at once (SessionCheckpointState).
+  void SetCaptureThreads(int threads) { capture_threads_.store(std::max(1, threads)); }
   // `finished` false: the job did not end (a trainer closing on its way
   // out after a failure): a session opened with RestoreFrom::keep_for_resume
   // leaves its automatic checkpoints for a restart.
@@ -469,6 +473,21 @@ class SessionManager {
   // NOT_FOUND for an id of an earlier offloadd's, naming the automatic
   // checkpoint that offloadd left of it, if any.
   absl::Status FromBeforeARestart(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes the sessions called `name` whose trainers went away (detached,
+  // waiting on their reconnect lease: a trainer that died, or a session
+  // kept across a restart of offloadd) as not resumed, so that a new
+  // session of the name (the job restarted) has their memory, and, kept
+  // for a resume, what they held is found by name (FinalCheckpoint).
+  void TakeOverDetached(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
+  // A session kept for a resume that goes unfinished, once no call can find
+  // it: its state at its last step boundary becomes one more automatic
+  // checkpoint in `dir` (its own), unless it or the one it restored holds
+  // that step already (nothing changed since). Gradients returned since
+  // that step are dropped first: a restarted job redoes the iteration. One
+  // it cannot write (a step stopped midway, initial values not committed)
+  // is logged; its earlier automatic checkpoints stay.
+  void FinalCheckpoint(const std::shared_ptr<Session>& session, const std::string& dir)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Step and Checkpoint once the session is found.
   absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
                                          const AdamHyperparams& h, const StepControl& control)
@@ -520,6 +539,11 @@ class SessionManager {
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   int64_t max_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
+  // Names of closed sessions whose FinalCheckpoint is being written:
+  // FindLost waits for them (what it finds must not change under a job's
+  // agreement on a step).
+  absl::flat_hash_map<std::string, int> finalizing_ ABSL_GUARDED_BY(mu_);
+  mutable absl::CondVar finalized_;
   std::atomic<RingCalls*> ring_calls_{nullptr};
   // Reserves the mappings registering `spec` may take, now or later, in
   // the node's total and the session's (released when the session goes, or
@@ -533,6 +557,7 @@ class SessionManager {
       std::make_shared<std::atomic<int64_t>>(0);
   GpuTierSettings gpu_settings_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> mapping_budget_{0};
+  std::atomic<int> capture_threads_{4};        // SetCaptureThreads
   std::atomic<uint64_t> small_partitions_{0};  // registered with slab-sized blocks, ever
   const std::shared_ptr<PollBudget> ring_pollers_ =
       std::make_shared<PollBudget>(PollBudget::DefaultMax());

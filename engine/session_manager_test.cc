@@ -452,6 +452,85 @@ TEST_F(SessionManagerTest, ASessionKeptForAResumeLeavesItsCheckpointsUnlessFinis
   sessions_.SetAutoCheckpoint({});
 }
 
+// A session kept for a resume that goes unfinished after steps no automatic
+// checkpoint holds writes its state at its last step boundary as one more
+// (the gradients of the iteration its trainer did not finish dropped); a
+// new session of its name (the job restarted) takes over one whose trainer
+// went away and waits on its reconnect lease: its memory is freed and what
+// it held is found by name.
+TEST_F(SessionManagerTest, ARestartedJobTakesOverItsDetachedSessionsAtTheirLastStep) {
+  const std::string root = ::testing::TempDir() + "/take_over";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  SessionManager::AutoCheckpointOptions options;
+  options.dir = root + "/auto";
+  options.every_steps = 2;  // step 3 is in no automatic checkpoint
+  sessions_.SetAutoCheckpoint(options);
+  RestoreFrom keep;
+  keep.keep_for_resume = true;
+  constexpr uint64_t kNumel = 1 << 10;
+  auto opened = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, keep);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey old = opened->key;
+  auto p = sessions_.Register(old, {"w", kNumel, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(old, {p->id}).ok());
+  for (int i = 1; i <= 3; ++i)
+    ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, old, p->id, kNumel));
+  AwaitAutoCheckpoints(stats_, 1);
+  ASSERT_EQ(stats_.auto_checkpoints.load(), 1);
+  std::vector<float> m(kNumel), v(kNumel);
+  ASSERT_EQ(*sessions_.ReadMoments(old, p->id, 0, kNumel, m.data(), v.data()), 3u);
+  // Half an iteration, then the trainer dies (a reconnect lease keeps it).
+  ASSERT_TRUE(sessions_.Fetch(old, {p->id}, WithGrads()).ok());
+  ASSERT_TRUE(sessions_.ReturnGradients(old, p->id, kNumel, DType::kFp32).ok());
+  ASSERT_TRUE(sessions_.Detach(old.id));
+  const int64_t abandoned = stats_.sessions_abandoned.load();
+
+  // The restarted job's rank looks for what it left: the detached session
+  // is closed, its step 3 written, and found with the automatic one.
+  RestoreFrom lost = keep;
+  lost.lost = true;
+  auto looked = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, lost);
+  ASSERT_TRUE(looked.ok()) << looked.status();
+  EXPECT_EQ(stats_.sessions_abandoned.load(), abandoned + 1);
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 2);
+  EXPECT_EQ(looked->restorable_steps, (std::vector<uint64_t>{3, 2}));
+  EXPECT_EQ(looked->restored_from, sessions_.AutoCheckpointDir(old.id));
+  EXPECT_EQ(sessions_.Sessions().size(), 1u);
+  EXPECT_EQ(sessions_.Fetch(old, {p->id}).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto q = sessions_.Register(looked->key, {"w", kNumel, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->restored);
+  EXPECT_EQ(q->step, 3u);
+  std::vector<float> m2(kNumel), v2(kNumel);
+  ASSERT_EQ(*sessions_.ReadMoments(looked->key, q->id, 0, kNumel, m2.data(), v2.data()), 3u);
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+  // The unfinished iteration's gradients did not come with it.
+  auto pending = sessions_.Pending(looked->key);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->partitions, 0u);
+  ASSERT_TRUE(sessions_.Close(looked->key, /*finished=*/false).ok());
+  // Closed unfinished at a step it restored: nothing new is written.
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 2);
+
+  // A session whose trainer went away is taken over by a new session of its
+  // name even one that does not resume; a nameless one by nobody.
+  for (const std::string name : {"fresh", ""}) {
+    auto gone = sessions_.Open(name);
+    ASSERT_TRUE(gone.ok()) << gone.status();
+    ASSERT_TRUE(sessions_.Detach(gone->key.id));
+    auto next = sessions_.Open(name);
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(sessions_.Fetch(gone->key, {}).ok(), name.empty()) << name;
+    ASSERT_TRUE(sessions_.Close(next->key).ok());
+    sessions_.Close(gone->key).IgnoreError();
+  }
+  sessions_.SetAutoCheckpoint({});
+  std::filesystem::remove_all(root);
+}
+
 // With overlapped steps the automatic checkpoint is taken at the next Step,
 // at the boundary after the previous update: its manifest holds that step
 // count, and the trainer's WaitStep and next steps are unaffected.

@@ -59,6 +59,10 @@ class DaemonTest : public ::testing::Test {
     client_ = std::move(*c);
   }
 
+  // A demo trainer killed while it steps; `lease`: the daemon's reconnect
+  // lease is on.
+  void KillATrainer(bool lease);
+
   std::unique_ptr<Session> Open(const std::string& name) {
     auto s = client_->OpenSession(name);
     EXPECT_TRUE(s.ok()) << s.status();
@@ -791,7 +795,20 @@ TEST_F(DaemonTest, GradScaleAndEveryKernelGiveTheSameUpdate) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Without a reconnect lease, a killed trainer's session is closed at once;
+// with one (the default), it waits for its trainer until a new session of
+// its name (the job restarted) takes it over.
 TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
+  for (const bool lease : {false, true}) {
+    SCOPED_TRACE(lease ? "with the default reconnect lease" : "without a reconnect lease");
+    daemon_.reset();
+    StartDaemon(lease ? std::vector<std::string>{}
+                      : std::vector<std::string>{"--server.reconnect_lease_seconds=0"});
+    ASSERT_NO_FATAL_FAILURE(KillATrainer(lease));
+  }
+}
+
+void DaemonTest::KillATrainer(bool lease) {
   auto survivor = Open("survivor");
   ASSERT_TRUE(survivor);
   ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
@@ -833,6 +850,17 @@ TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
   absl::Status noticed =
       daemon_->WaitForLog(absl::StrCat("(pid ", *pid, ") went away without closing it"));
   ASSERT_TRUE(noticed.ok()) << noticed;
+  if (lease) {
+    // Kept for its trainer, holding its memory, until the job's next
+    // session of its name opens.
+    EXPECT_EQ(Stats().sessions.size(), 2u);
+    EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
+    EXPECT_EQ(Counter("sessions_abandoned"), 0);
+    auto restarted = Open("offload_demo");
+    ASSERT_TRUE(restarted);
+    ASSERT_TRUE(restarted->Close().ok());
+    EXPECT_TRUE(absl::StrContains(daemon_->ReadLog(), "a new session of its name opens"));
+  }
   auto gone = [&] { return Stats().sessions.size() == 1; };
   ASSERT_TRUE(gone());
   EXPECT_EQ(Stats().sessions[0].name, "survivor");
@@ -2421,7 +2449,7 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   ASSERT_TRUE(stopped.ok()) << stopped.status();
   resumed->reset();
   reference.reset();
-  auto third = DaemonProcess::StartIn(data_dir, {});
+  auto third = DaemonProcess::StartIn(data_dir, {"--server.reconnect_lease_seconds=0"});
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_TRUE(absl::StrContains((*third)->ReadLog(), "are not reopened")) << (*third)->ReadLog();
   auto client3 = Client::Connect({(*third)->address()});

@@ -109,6 +109,16 @@ class TorchWrapTest(unittest.TestCase):
         # ranks' tiers start empty and gather what the resumed sessions hold.
         self.killed_at_random_points("killed_tier", {"gpu": {"device": "emulated"}})
 
+    def test_two_ranks_go_on_after_offloadd_is_stopped_at_random_points(self):
+        # SIGTERM of offloadd with the reconnect lease (a supervisor
+        # restarting it): it keeps both sessions and the next one reopens
+        # them. With two ranks offloadd.torch does not take them back in
+        # the same processes: the ranks fail, the job restarts, and wrap()
+        # takes the kept sessions over by name (the session manager writes
+        # each one's last step as an automatic checkpoint) and goes on from
+        # the step both ranks have. Bit for bit, as after kill -9.
+        self.killed_at_random_points("stopped", {}, stop="term")
+
     def test_two_ranks_go_on_after_a_rank_is_killed(self):
         # A rank (not offloadd) dies mid-step: the other fails in its next
         # collective, and the job restarts, as torchrun --max-restarts does.
@@ -116,10 +126,19 @@ class TorchWrapTest(unittest.TestCase):
         # when they go unfinished (the dead rank's abandoned, the other's
         # closed as its process unwinds), so the restarted ranks go on from
         # a step both have; the final weights equal an uninterrupted run's.
-        # optimizer.close() at the end removes them.
-        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
+        # optimizer.close() at the end removes them. With the reconnect
+        # lease, the dead rank's session waits for its trainer instead: the
+        # restarted rank's session of its name takes it over (its memory
+        # freed, its last step written as an automatic checkpoint).
+        for lease in (0, 60):
+            with self.subTest(lease=lease):
+                self._rank_killed(lease)
+
+    def _rank_killed(self, lease):
+        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0",
+                 f"--server.reconnect_lease_seconds={lease}"]
         sc = dict(BASE, steps=12, zero={"resume": "auto", "session_name": "rankdies"})
-        daemon = Daemon(self.root, "rankdies", flags=flags)
+        daemon = Daemon(self.root, f"rankdies{lease}", flags=flags)
         try:
             want, _, _ = self.run_ranks(sc, 2, addresses=[daemon.address] * 2)
             _, outputs, codes = self.run_ranks(dict(sc, kill_at_step=7, kill_rank=1), 2,
@@ -141,9 +160,11 @@ class TorchWrapTest(unittest.TestCase):
         finally:
             daemon.stop()
 
-    def killed_at_random_points(self, name, zero):
+    def killed_at_random_points(self, name, zero, stop="kill"):
+        """`stop`: "kill" (SIGKILL) or "term" (SIGTERM, the lease on)."""
         import random
-        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
+        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0",
+                 f"--server.reconnect_lease_seconds={60 if stop == 'term' else 0}"]
         sc = dict(BASE, steps=24, zero=dict(zero, resume="auto", session_name=name))
         calm = Daemon(self.root, "uninterrupted_" + name, flags=flags)
         try:
@@ -184,7 +205,10 @@ class TorchWrapTest(unittest.TestCase):
                             pass
                         time.sleep(0.005)
                     if all(p.poll() is None for p in procs):
-                        daemon.stop()  # SIGKILL
+                        if stop == "kill":
+                            daemon.stop()  # SIGKILL
+                        else:
+                            self.assertEqual(daemon.terminate(), 0)
                         daemon = Daemon(self.root, name, flags=flags, restart=True)
                         kills += 1
                 outputs = []
@@ -617,8 +641,11 @@ class TorchWrapTest(unittest.TestCase):
         self.assertIn("PeerLostError", outputs[0])
         self.assertIn("a peer trainer died or stopped answering", outputs[0])
         self.assertLess(time.monotonic() - start, 100)
-        # Both sessions are gone: the killed one abandoned, the survivor's
-        # closed when it exited; no partition is left held.
+        # Both trainers are gone; with the reconnect lease (on by default)
+        # their sessions wait for them, until the job, started again, opens
+        # sessions of the same names: those take them over (their memory
+        # freed, counted abandoned), and close when the job ends.
+        self.run_ranks(dict(BASE, steps=2), 2)
         deadline = time.monotonic() + 10
         while True:
             stats = client.stats()
@@ -1318,11 +1345,17 @@ class WrapInProcessTest(unittest.TestCase):
         # next one reopens it; the loop gets SessionRestored with the step
         # the session holds and redoes the interrupted iteration: the
         # weights after 5 steps equal torch AdamW's. With the GPU tier too.
-        for name, zero in (("kept", None), ("kept_tier", {"gpu": {"device": "emulated"}})):
-            with self.subTest(zero=zero):
-                self._goes_on_after_a_stop(name, zero)
+        # Stopped during forward, or after a backward whose gradients were
+        # returned (pending in the kept session), found by the next
+        # micro-batch's forward: the redone iteration's gradients are not
+        # added to the interrupted one's.
+        for name, zero, when in (("kept", None, "forward"),
+                                 ("kept_tier", {"gpu": {"device": "emulated"}}, "forward"),
+                                 ("kept_pending", None, "after_backward")):
+            with self.subTest(zero=zero, when=when):
+                self._goes_on_after_a_stop(name, zero, when)
 
-    def _goes_on_after_a_stop(self, name, zero):
+    def _goes_on_after_a_stop(self, name, zero, when):
         import torch
         import offloadd.torch
         flags = ["--server.reconnect_lease_seconds=30"]
@@ -1336,10 +1369,14 @@ class WrapInProcessTest(unittest.TestCase):
             while step < 5:
                 try:
                     loss = model(data[step]).pow(2).mean()
-                    if step == 2 and not restored:
+                    if step == 2 and not restored and when == "forward":
                         self.assertEqual(daemon.terminate(), 0)  # mid-iteration
                         daemon = Daemon(self.root, name, flags=flags, restart=True)
                     opt.backward(loss)
+                    if step == 2 and not restored and when == "after_backward":
+                        self.assertEqual(daemon.terminate(), 0)
+                        daemon = Daemon(self.root, name, flags=flags, restart=True)
+                        model(data[step])  # a next micro-batch's forward
                     opt.step()
                     opt.zero_grad()
                     step += 1

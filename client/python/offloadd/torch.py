@@ -87,7 +87,7 @@ class PeerLostError(offloadd.UnavailableError):
 
 class SessionRestored(Exception):
     """offloadd stopped or crashed and came back, and this job goes on from
-    the session it kept (a SIGTERM with server.reconnect_lease_seconds) or
+    the session it kept (a SIGTERM, with server.reconnect_lease_seconds on) or
     from its last automatic checkpoint (checkpoint.auto_*): the model's
     parameters and the optimizer's state are those after `step` updates
     (counted from the start of training; a step skipped for non-finite
@@ -121,8 +121,9 @@ class _GuardedSession:
     raises SessionRestored. Without automatic checkpoints, calls fail as
     the session's do."""
 
-    # How long a call waits for offloadd to come back.
-    RESTART_WAIT_SECONDS = 60.0
+    # How long a call waits for offloadd to come back (a stop that keeps
+    # the sessions writes them first, and the next offloadd reads them).
+    RESTART_WAIT_SECONDS = 300.0
 
     def __init__(self, engine, session):
         self._engine = engine
@@ -444,6 +445,8 @@ class _Engine:
         self._forward_depth = 0
         try:
             self._register(model)
+            if self.resumed_step:
+                self._drop_interrupted_gradients(self.session)
             self._size_batches()
             self._group_units(model)
             self.tier = _GpuTier.create(self, config["gpu"])
@@ -625,9 +628,19 @@ class _Engine:
                                         "the session offloadd kept across its stop")
         raise self.restored from cause
 
+    @staticmethod
+    def _drop_interrupted_gradients(session):
+        """The loop redoes the iteration it was in, from the step it goes
+        on from: gradients that iteration returned before offloadd went (kept
+        with the session, or in an automatic checkpoint taken after an
+        overlapped step) go, else they would count twice."""
+        if session.pending_gradients()["partitions"]:
+            session.step(skip=True)
+
     def _reset_after_restart(self, session):
         """What the previous daemon's session held or was returning is gone
         with it: this engine goes on with `session`."""
+        self._drop_interrupted_gradients(session)
         self._held_views = None
         self._returns, self._return_bytes = [], 0
         self.returned_since_step = False

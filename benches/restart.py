@@ -1,0 +1,203 @@
+"""offloadd stopped with SIGTERM and started again while a trainer waits (an upgrade, a
+supervisor's restart), with the reconnect lease (on by default): how long the stop takes to
+keep the sessions, how long the next offloadd takes to serve them again, and how long the
+trainer then takes to have its partitions back, against the disk's own direct writes and
+reads of the same bytes in the same directory, measured in the same run (the limit: what a
+stop that writes every session can reach).
+
+usage: restart.py --offloadd=PATH [--params=268435456] [--partitions=16] [--dir=DIR]
+       [--write_threads=4] [--rounds=2] [--tiny]
+
+One session holds --params parameters in --partitions partitions, as ZeRO-3 mixed precision
+keeps them: a bf16 working copy and bf16 gradients in the trainer's arena, fp32 master weights
+and Adam moments in the pool (14 bytes a parameter kept: 2 + 4 + 4 + 4), after one step.
+  stop      SIGTERM to exit: calls drained, the session checkpointed into
+            <data_dir>/preserved (checkpoint.write_threads chunks at once), memory freed
+  start     exec to serving: the kept session reopened (its state read back)
+  resume    ResumeSession, then a fetch of every partition and its release
+Limit: 16 MiB O_DIRECT writes (then fsync) and reads of the same number of bytes into a file
+in the same directory, by 1 and by 8 threads at once. Ratio: bytes kept / stop time against
+the best limit's GB/s. Medians over --rounds.
+"""
+import argparse
+import mmap
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import offloadd
+from bench_daemon import start_daemon
+
+CHUNK = 16 << 20
+
+
+def direct_io(path, total, threads, write):
+    """Seconds to write (then fsync) or read `total` bytes of `path` with O_DIRECT, 16 MiB a
+    call, `threads` calls at once."""
+    flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+    fd = os.open(path, flags | os.O_DIRECT, 0o600)
+    offsets = list(range(0, total, CHUNK))
+    lock = threading.Lock()
+
+    def work():
+        buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+        buf.write(os.urandom(4096) * (CHUNK // 4096))
+        while True:
+            with lock:
+                if not offsets:
+                    return
+                off = offsets.pop()
+            if write:
+                os.pwrite(fd, buf, off)
+            else:
+                os.preadv(fd, [buf], off)
+
+    t = time.perf_counter()
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    if write:
+        os.fsync(fd)
+    took = time.perf_counter() - t
+    os.close(fd)
+    return took
+
+
+def log_time(line):
+    """The timestamp of a log line (2026-11-27T04:49:32.685Z ...), in seconds."""
+    m = re.match(r"\d{4}-\d\d-\d\dT(\d\d):(\d\d):(\d\d\.\d+)Z", line)
+    h, mi, s = m.groups()
+    return int(h) * 3600 + int(mi) * 60 + float(s)
+
+
+def one_round(args, root):
+    shutil.rmtree(root, ignore_errors=True)
+    flags = [f"--checkpoint.write_threads={args.write_threads}",
+             f"--memory.host_budget_bytes={max(1 << 30, args.params * 24)}"]
+    proc, address = start_daemon(args.offloadd, root, flags)
+    client = offloadd.Client(address)
+    session = client.open_session("restart_bench")
+    each = args.params // args.partitions
+    ids = []
+    for i in range(args.partitions):
+        part = session.register(f"w{i}", each, param_dtype="bf16", grad_dtype="bf16",
+                                fp32_master=True)
+        session.release([part.id])
+        ids.append(part.id)
+    views = session.fetch(ids, grads=True)
+    session.return_gradients(views, release=True)
+    session.step(lr=1e-3)
+    sid, token = session.id, session.token
+
+    t = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait()
+    stop = time.perf_counter() - t
+    with open(os.path.join(root, "log")) as f:
+        lines = f.read().splitlines()
+    kept_line = next(l for l in lines if "kept 1 session(s)" in l)
+    term_line = next(l for l in lines if "received SIGTERM" in l)
+    keep = log_time(kept_line) - log_time(term_line)
+    kept_bytes = sum(os.path.getsize(os.path.join(dp, f))
+                     for dp, _, fs in os.walk(os.path.join(root, "preserved")) for f in fs)
+
+    os.rename(os.path.join(root, "log"), os.path.join(root, "log.first"))
+    t = time.perf_counter()
+    proc, address = restart_daemon(args, root, flags)
+    start = time.perf_counter() - t
+    t = time.perf_counter()
+    client = offloadd.Client(address)
+    resumed = client.resume_session(sid, token)
+    resumed.fetch(ids)
+    resumed.release(ids)
+    resume = time.perf_counter() - t
+    resumed.close()
+    proc.kill()
+    proc.wait()
+    del session
+    return stop, keep, start, resume, kept_bytes
+
+
+def restart_daemon(args, root, flags):
+    """start_daemon in a data directory that exists (the stopped one's)."""
+    log = open(os.path.join(root, "log"), "w")
+    proc = subprocess.Popen([args.offloadd, f"--server.data_dir={root}"] + flags, stdout=log,
+                            stderr=subprocess.STDOUT)
+    address = "unix:" + os.path.join(root, "offloadd.sock")
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            offloadd.Client(address)
+            return proc, address
+        except offloadd.UnavailableError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"offloadd did not start again; see {root}/log")
+            time.sleep(0.01)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--offloadd", required=True)
+    ap.add_argument("--params", type=int, default=256 << 20)
+    ap.add_argument("--partitions", type=int, default=16)
+    ap.add_argument("--dir", default="/var/tmp/offloadd_restart_bench")
+    ap.add_argument("--write_threads", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    if args.tiny:
+        args.params, args.partitions, args.rounds = 1 << 20, 2, 1
+        args.dir = tempfile.mkdtemp(prefix="rb.")  # short: the socket's path
+    args.offloadd = os.path.abspath(args.offloadd)
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)
+    root = os.path.join(args.dir, "d")
+    results, limits = [], []
+    for r in range(args.rounds):
+        results.append(one_round(args, root))
+        kept = results[-1][4]
+        probe = os.path.join(args.dir, "direct.probe")
+        size = max(CHUNK, kept // CHUNK * CHUNK)
+        row = {}
+        for threads in (1, 8):
+            row[("write", threads)] = direct_io(probe, size, threads, True)
+            row[("read", threads)] = direct_io(probe, size, threads, False)
+        os.unlink(probe)
+        limits.append(row)
+    shutil.rmtree(root, ignore_errors=True)
+    if args.tiny:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    med = lambda xs: statistics.median(xs)
+    stop, keep, start, resume, kept = (med([x[i] for x in results]) for i in range(5))
+    gb = kept / 1e9
+    print(f"offloadd SIGTERM and restart with the reconnect lease: {args.params / 1e6:.1f}M "
+          f"parameters in {args.partitions} partitions (bf16 working copy and gradients, fp32 "
+          f"master and moments), {gb:.2f} GB kept, in {args.dir}; "
+          f"checkpoint.write_threads {args.write_threads}; medians of {args.rounds} rounds")
+    print(f"  stop (SIGTERM to exit)       {stop:7.2f} s   keeping the session {keep:.2f} s = "
+          f"{gb / keep:.2f} GB/s")
+    print(f"  start (exec to serving)      {start:7.2f} s   = {gb / start:.2f} GB/s read back")
+    print(f"  resume (ResumeSession, fetch) {resume:6.3f} s")
+    for kind in ("write", "read"):
+        for threads in (1, 8):
+            took = med([row[(kind, threads)] for row in limits])
+            print(f"  disk: O_DIRECT 16 MiB {kind}s, {threads} at once: {gb / took:.2f} GB/s")
+    best_write = max(gb / med([row[("write", t)] for row in limits]) for t in (1, 8))
+    best_read = max(gb / med([row[("read", t)] for row in limits]) for t in (1, 8))
+    print(f"keeping: {gb / keep:.2f} GB/s = {gb / keep / best_write:.2f}x the disk's best direct "
+          f"write; the stop {stop:.2f} s = {stop / (gb / best_write):.2f}x writing the bytes at "
+          f"that speed")
+    print(f"start: {gb / start:.2f} GB/s = {gb / start / best_read:.2f}x the disk's best direct "
+          f"read")
+
+
+if __name__ == "__main__":
+    main()
