@@ -428,11 +428,12 @@ void Daemon::Shutdown() {
   }
   // Partition calls in flight (a Step may take a while) get 30 seconds to
   // finish; new ones are refused with UNAVAILABLE meanwhile. When sessions
-  // are kept, every one finishes (a checkpoint a call writes would stop the
+  // are kept, 120 seconds (a checkpoint a call writes would stop the
   // session's from being taken).
   const bool keep = options_->server.reconnect_lease_seconds > 0;
-  if (!calls_.CloseAndDrain(keep ? absl::InfiniteDuration() : absl::Seconds(30))) {
-    LogWarning("calls still running after 30 s; going on without them");
+  const absl::Duration drain = keep ? absl::Seconds(120) : absl::Seconds(30);
+  if (!calls_.CloseAndDrain(drain)) {
+    LogWarning("calls still running after %s; going on without them", absl::FormatDuration(drain));
   }
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.

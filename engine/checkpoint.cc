@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -208,7 +209,13 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
     };
     std::vector<std::thread> helpers;
     const size_t threads = std::min<size_t>(capture_threads_, chunks.size());
-    for (size_t t = 1; t < threads; ++t) helpers.emplace_back(capture);
+    for (size_t t = 1; t < threads; ++t) {
+      try {
+        helpers.emplace_back(capture);
+      } catch (const std::system_error&) {
+        break;  // no thread to be had: fewer capture
+      }
+    }
     capture();
     for (std::thread& t : helpers) t.join();
     if (stopped)

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <functional>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -80,6 +81,7 @@ struct SessionManager::Session {
   // Guarded by the manager's mu_:
   bool attached = false;                     // a trainer received the arena
   std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
+  bool resuming = false;                     // Resume answered, not attached yet
   SteadyTime last_call = opened;             // the last call that found it, or ended
   std::optional<GpuTierReport> gpu;          // its GPU tier's last report
   // Mappings reserved for its partitions (ReserveMappings), in the
@@ -177,9 +179,10 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
         "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
-  // A job restarted: its sessions' trainers are gone, what they held is
-  // this one's to find (or not wanted).
-  if (reuse == nullptr) TakeOverDetached(name);
+  if (loss_scaling.has_value()) RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
+  // A job that resumes by itself restarted: its sessions' trainers are
+  // gone, what they held is this one's to find.
+  if (reuse == nullptr && restore_spec.keep_for_resume) TakeOverDetached(name);
   std::string restore_from = restore_spec.dir;
   std::vector<uint64_t> restorable_steps;
   // The name's lost directories that go once this session is open (a final
@@ -309,7 +312,14 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
     root = auto_checkpoint_.dir;
     // A session of the name that just closed unfinished writes its last
     // state first.
-    while (finalizing_.contains(name)) finalized_.Wait(&mu_);
+    const absl::Time deadline = absl::Now() + kFinalCheckpointWait;
+    while (finalizing_.contains(name)) {
+      if (finalized_.WaitWithDeadline(&mu_, deadline) && finalizing_.contains(name)) {
+        return absl::UnavailableError(absl::StrCat(
+            "a session named '", name, "' that went unfinished is still writing its last step (",
+            absl::FormatDuration(kFinalCheckpointWait), " so far): retry"));
+      }
+    }
     for (const auto& [id, s] : sessions_) {
       taken.insert(absl::StrCat(root, "/", id));
       if (!s->restored_auto_dir.empty()) taken.insert(s->restored_auto_dir);
@@ -357,16 +367,21 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
 
 void SessionManager::TakeOverDetached(absl::string_view name) {
   if (name.empty()) return;  // (a name no job claims)
+  // Waiting for their trainers (not one resuming now), and themselves
+  // kept for a resume: a job's, not any session that shares the name.
+  auto taken = [name](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return s.name == name && s.keep_for_resume && s.detached_since.has_value() && !s.resuming;
+  };
   std::vector<uint64_t> ids;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) {
-      if (s->name == name && s->detached_since.has_value()) ids.push_back(id);
+      if (taken(*s)) ids.push_back(id);
     }
   }
   for (uint64_t id : ids) {
     if (CloseById(id, /*only_unattached=*/true, std::nullopt, &stats_->sessions_abandoned, nullptr,
-                  /*finished=*/false)) {
+                  /*finished=*/false, taken)) {
       LogInfo(
           "session %d ('%s'), whose trainer went away, is closed: a new session of its name "
           "opens (its job restarted)",
@@ -375,50 +390,83 @@ void SessionManager::TakeOverDetached(absl::string_view name) {
   }
 }
 
-void SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session,
-                                     const std::string& dir) {
+bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bool reopened) {
   Session* s = session.get();
-  // No call of its trainer's runs on from here (its ring's ends first), and
-  // none holds a partition (one held for writing would stop the checkpoint).
+  // No call of its trainer's runs on from here: its ring's calls end; gRPC
+  // calls that found it before it closed end too (waited for: they may
+  // still step or return gradients), then a running overlapped step and
+  // checkpoint. Nothing holds a partition (one held for writing would stop
+  // the checkpoint).
   if (s->ring != nullptr) s->ring->Stop();
-  s->partitions->DropHolds();
+  const absl::Time deadline = absl::Now() + kFinalCheckpointWait;
+  while (session.use_count() > 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  if (session.use_count() > 1) {
+    LogWarning(
+        "session %d ('%s') went unfinished; a call of its trainer's still runs after %s, "
+        "so its last step is not kept for a resume (its automatic checkpoints stay)",
+        static_cast<int64_t>(s->id), s->name, absl::FormatDuration(kFinalCheckpointWait));
+    return false;
+  }
+  {
+    absl::MutexLock lock(&s->step_mu);
+    s->step_mu.Await(absl::Condition(
+        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
+  }
   {
     absl::MutexLock lock(&s->checkpoint_mu);
     s->checkpoint_mu.Await(absl::Condition(
         +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, s));
   }
+  s->partitions->DropHolds();
+  // Only a state that is whole: one a step made since it opened, or a kept
+  // session's (a restored one still registering is its source's subset).
+  if (!s->stepped.load() && !reopened) return true;
   const uint64_t steps = s->partitions->steps();
-  if (steps == 0) return;  // a new session's state: nothing to go on from
-  std::string restored;
+  if (steps == 0) return true;  // a new session's state: nothing to go on from
+  std::string own, restored;
   {
     absl::MutexLock lock(&mu_);
+    own = absl::StrCat(auto_checkpoint_.dir, "/", s->id);
     restored = s->restored_auto_dir;
   }
   const std::string stem = checkpoint::StemFor(s->name);
-  for (const std::string& d : {dir, restored}) {
+  for (const std::string& d : {own, restored}) {
     if (d.empty()) continue;
     const std::vector<uint64_t> held = checkpoint::CheckpointSteps(d, stem);
-    if (std::find(held.begin(), held.end(), steps) != held.end()) return;
+    if (std::find(held.begin(), held.end(), steps) != held.end()) return true;
+  }
+  // In a directory of its own (a lost session's, as FindLost sees them),
+  // so that its automatic pair stays: a rank one step behind may need it.
+  std::string dir;
+  {
+    absl::MutexLock lock(&mu_);
+    while (sessions_.contains(next_session_id_)) ++next_session_id_;
+    dir = absl::StrCat(auto_checkpoint_.dir, "/", next_session_id_++);
   }
   absl::Status written = [&]() -> absl::Status {
+    // The gradients of the iteration its trainer did not finish go: the
+    // restarted job redoes it. (The step runner's own skip: no delayed
+    // update switched on, no step counted.)
     if (s->partitions->Pending().partitions > 0) {
-      StepControl drop;
-      drop.skip = true;
-      RETURN_IF_ERROR(DecideStep(session, AdamHyperparams{}, drop).status());
+      RETURN_IF_ERROR(steps_->Run(*s->partitions, AdamHyperparams{}, /*skip=*/true, {}).status());
     }
-    return StartCheckpoint(session, dir, /*background=*/false, /*automatic=*/true).status();
+    return StartCheckpoint(session, dir, /*background=*/false, /*automatic=*/false).status();
   }();
   if (!written.ok()) {
     stats_->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
     LogWarning(
         "session %d ('%s') went unfinished; its state after step %d could not be kept for "
-        "a resume (its earlier automatic checkpoints stay): %s",
+        "a resume (its automatic checkpoints stay): %s",
         static_cast<int64_t>(s->id), s->name, static_cast<int64_t>(steps), written.ToString());
-    return;
+    RemoveDirectoryOfFiles(dir);
+    return false;
   }
   stats_->auto_checkpoints.fetch_add(1, std::memory_order_relaxed);
   LogInfo("session %d ('%s') went unfinished; its state after step %d is kept for a resume in %s",
           static_cast<int64_t>(s->id), s->name, static_cast<int64_t>(steps), dir);
+  return true;
 }
 
 absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
@@ -523,7 +571,8 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::FindOwn
 }
 
 absl::Status SessionManager::Close(const SessionKey& key, bool finished) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  // (No reference kept: the teardown may wait for the last one to go.)
+  RETURN_IF_ERROR(Find(key).status());
   // Another Close may have won the race since Find().
   if (!CloseById(key.id, /*only_unattached=*/false, std::nullopt, nullptr, nullptr, finished)) {
     return absl::FailedPreconditionError(absl::StrCat("session ", key.id, " is closed"));
@@ -546,17 +595,20 @@ bool SessionManager::Abandon(uint64_t id, Teardowns* later) {
 
 bool SessionManager::CloseById(uint64_t id, bool only_unattached,
                                std::optional<SteadyTime> only_idle_since, std::atomic<int64_t>* why,
-                               Teardowns* later, bool finished) {
+                               Teardowns* later, bool finished,
+                               const std::function<bool(const Session&)>& only_if) {
   // Destroyed after mu_ is released (mu_ is a leaf; ~PartitionStore takes the
   // set's lock). Memory is released when the last in-flight call drops its
   // reference.
   std::shared_ptr<Session> doomed;
-  std::string kept_dir, final_dir;
+  std::string kept_dir;
+  bool final = false;
   {
     absl::MutexLock lock(&mu_);
     auto found = sessions_.find(id);
     if (found == sessions_.end()) return false;
     if (only_unattached && found->second->attached) return false;
+    if (only_if && !only_if(*found->second)) return false;
     if (only_idle_since.has_value() &&
         (found->second->last_call > *only_idle_since || found->second.use_count() > 1)) {
       return false;
@@ -568,7 +620,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     // finish, when they stay as a crash of offloadd would leave them.
     const bool keep = doomed->keep_for_resume && !finished;
     if (keep && auto_checkpoint_.on()) {
-      final_dir = absl::StrCat(auto_checkpoint_.dir, "/", id);
+      final = true;
       ++finalizing_[doomed->name];
     }
     if (!auto_checkpoint_.dir.empty() && !keep) {
@@ -595,14 +647,17 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   // Then the last reference goes (unless a call in flight holds one).
   Teardowns own;
   (later != nullptr ? *later : own)
-      .Add([this, doomed = std::move(doomed), kept_dir, final_dir]() mutable {
-        if (!final_dir.empty()) {
-          FinalCheckpoint(doomed, final_dir);
+      .Add([this, doomed = std::move(doomed), kept_dir, final]() mutable {
+        bool kept_elsewhere = true;
+        if (final) {
+          kept_elsewhere = FinalCheckpoint(doomed, !kept_dir.empty());
           absl::MutexLock lock(&mu_);
           if (--finalizing_[doomed->name] == 0) finalizing_.erase(doomed->name);
           finalized_.SignalAll();
         }
-        if (!kept_dir.empty()) RemoveDirectoryOfFiles(kept_dir);
+        // (Unless its last step is nowhere else: then that copy stays, for
+        // restore_from.)
+        if (!kept_dir.empty() && kept_elsewhere) RemoveDirectoryOfFiles(kept_dir);
         doomed.reset();
       });
   return true;
@@ -1161,6 +1216,7 @@ bool SessionManager::MarkAttached(uint64_t id) {
   if (found == sessions_.end()) return false;
   found->second->attached = true;
   found->second->detached_since.reset();
+  found->second->resuming = false;
   return true;
 }
 
@@ -1173,6 +1229,7 @@ bool SessionManager::Detach(uint64_t id) {
     session = found->second;
     session->attached = false;
     session->detached_since = std::chrono::steady_clock::now();
+    session->resuming = false;
   }
   // Outside mu_: what the dead trainer held goes (fp32 initial values it
   // may have been writing stay uncommitted), and its request ring is freed
@@ -1200,9 +1257,11 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   std::string kept_dir;
   {
     absl::MutexLock lock(&mu_);
-    // The lease starts again: the trainer attaches next.
+    // The lease starts again: the trainer attaches next (no takeover
+    // meanwhile).
     if (session->detached_since.has_value()) {
       session->detached_since = std::chrono::steady_clock::now();
+      session->resuming = true;
     }
     kept_dir = std::exchange(session->kept_dir, "");
   }
@@ -1376,18 +1435,43 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
                                               " partitions, its checkpoint holds ",
                                               m.partitions_size()));
     }
-    for (int i = 0; i < m.partitions_size(); ++i) {
-      const checkpoint::PartitionRecord& p = m.partitions(i);
-      PartitionSpec spec;
-      spec.name = p.name();
-      spec.numel = p.numel();
-      spec.param_dtype = static_cast<DType>(p.param_dtype());
-      spec.grad_dtype = static_cast<DType>(p.grad_dtype());
-      spec.tensor = p.tensor();
-      spec.shape.assign(p.shape().begin(), p.shape().end());
-      spec.tensor_offset = p.offset();
-      RETURN_IF_ERROR(RegisterAs(key, spec, kept.partition_ids[i]).status());
+    // Its partitions read back by capture_threads_ threads from one cursor
+    // (reads in flight, as the stop had writes).
+    std::atomic<int> next{0};
+    absl::Mutex failed_mu;
+    absl::Status failed;
+    auto reopen = [&] {
+      for (int i; (i = next.fetch_add(1)) < m.partitions_size();) {
+        const checkpoint::PartitionRecord& p = m.partitions(i);
+        PartitionSpec spec;
+        spec.name = p.name();
+        spec.numel = p.numel();
+        spec.param_dtype = static_cast<DType>(p.param_dtype());
+        spec.grad_dtype = static_cast<DType>(p.grad_dtype());
+        spec.tensor = p.tensor();
+        spec.shape.assign(p.shape().begin(), p.shape().end());
+        spec.tensor_offset = p.offset();
+        absl::Status registered = RegisterAs(key, spec, kept.partition_ids[i]).status();
+        if (!registered.ok()) {
+          absl::MutexLock lock(&failed_mu);
+          if (failed.ok()) failed = registered;
+          next = m.partitions_size();  // the others stop too
+          return;
+        }
+      }
+    };
+    std::vector<std::thread> helpers;
+    const int threads = std::min(capture_threads_.load(), m.partitions_size());
+    for (int t = 1; t < threads; ++t) {
+      try {
+        helpers.emplace_back(reopen);
+      } catch (const std::system_error&) {
+        break;  // no thread to be had: fewer read
+      }
     }
+    reopen();
+    for (std::thread& t : helpers) t.join();
+    RETURN_IF_ERROR(failed);
     // As it was: partitions registered later come from the checkpoint the
     // session was opened to restore, if any, else start anew.
     session->restore.reset();

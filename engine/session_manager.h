@@ -47,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "base/env.h"
 #include "base/unique_fd.h"
@@ -296,7 +297,8 @@ class SessionManager {
   void SetMappingBudget(int64_t mappings) { mapping_budget_.store(mappings); }
   // Chunks a checkpoint written while a caller waits (not in the
   // background: Checkpoint without `background`, keeping sessions at a
-  // stop, FinalCheckpoint) captures at once (SessionCheckpointState).
+  // stop, FinalCheckpoint) captures at once (SessionCheckpointState), and
+  // partitions a kept session's Reopen reads back at once.
   void SetCaptureThreads(int threads) { capture_threads_.store(std::max(1, threads)); }
   // `finished` false: the job did not end (a trainer closing on its way
   // out after a failure): a session opened with RestoreFrom::keep_for_resume
@@ -356,7 +358,9 @@ class SessionManager {
   // files (a large session's take seconds). A caller that passes a
   // Teardowns to a close gets these to run where they delay no one (the
   // arena channel's closing thread); else the close runs them itself. A
-  // Teardowns destroyed unrun runs them.
+  // Teardowns destroyed unrun runs them. They may call into this manager
+  // (a session kept for a resume writes its last step: FinalCheckpoint),
+  // so they run before it is destroyed.
   class Teardowns {
    public:
     Teardowns() = default;
@@ -473,21 +477,27 @@ class SessionManager {
   // NOT_FOUND for an id of an earlier offloadd's, naming the automatic
   // checkpoint that offloadd left of it, if any.
   absl::Status FromBeforeARestart(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Closes the sessions called `name` whose trainers went away (detached,
-  // waiting on their reconnect lease: a trainer that died, or a session
-  // kept across a restart of offloadd) as not resumed, so that a new
-  // session of the name (the job restarted) has their memory, and, kept
-  // for a resume, what they held is found by name (FinalCheckpoint).
+  // Closes the sessions called `name` kept for a resume whose trainers went
+  // away (detached, waiting on their reconnect lease: a trainer that died,
+  // or a session kept across a restart of offloadd; not one a trainer is
+  // resuming) as not resumed, so that a new session of the name kept for
+  // a resume too (the job restarted) has their memory and finds what they
+  // held by name (FinalCheckpoint).
   void TakeOverDetached(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
   // A session kept for a resume that goes unfinished, once no call can find
-  // it: its state at its last step boundary becomes one more automatic
-  // checkpoint in `dir` (its own), unless it or the one it restored holds
-  // that step already (nothing changed since). Gradients returned since
+  // it (calls that found it before, and a running step, are waited for, up
+  // to kFinalCheckpointWait): its state at its last step boundary becomes
+  // a checkpoint in a directory of its own under the automatic ones (a lost
+  // session's, as FindLost sees them; its own automatic pair stays),
+  // unless its automatic checkpoints or the one it restored hold that step
+  // already, or it is not whole (it never stepped since it opened, and
+  // was not `reopened` from a kept directory). Gradients returned since
   // that step are dropped first: a restarted job redoes the iteration. One
   // it cannot write (a step stopped midway, initial values not committed)
-  // is logged; its earlier automatic checkpoints stay.
-  void FinalCheckpoint(const std::shared_ptr<Session>& session, const std::string& dir)
+  // is logged and false returned; its automatic checkpoints stay.
+  bool FinalCheckpoint(const std::shared_ptr<Session>& session, bool reopened)
       ABSL_LOCKS_EXCLUDED(mu_);
+  static constexpr absl::Duration kFinalCheckpointWait = absl::Seconds(60);
   // Step and Checkpoint once the session is found.
   absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
                                          const AdamHyperparams& h, const StepControl& control)
@@ -514,10 +524,12 @@ class SessionManager {
   // session out of Sessions(): a caller that sees it gone sees it counted.
   // `finished` false (a trainer gone, a lease over, a Close not finished):
   // a session kept for a resume leaves its automatic checkpoints.
+  // `only_if`, if given, is checked under mu_ with the session found.
   bool CloseById(uint64_t id, bool only_unattached = false,
                  std::optional<SteadyTime> only_idle_since = std::nullopt,
                  std::atomic<int64_t>* why = nullptr, Teardowns* later = nullptr,
-                 bool finished = true) ABSL_LOCKS_EXCLUDED(mu_);
+                 bool finished = true, const std::function<bool(const Session&)>& only_if = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   Env* const env_;

@@ -2,9 +2,11 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -496,7 +498,10 @@ TEST_F(SessionManagerTest, ARestartedJobTakesOverItsDetachedSessionsAtTheirLastS
   EXPECT_EQ(stats_.sessions_abandoned.load(), abandoned + 1);
   EXPECT_EQ(stats_.auto_checkpoints.load(), 2);
   EXPECT_EQ(looked->restorable_steps, (std::vector<uint64_t>{3, 2}));
-  EXPECT_EQ(looked->restored_from, sessions_.AutoCheckpointDir(old.id));
+  // (In a directory of its own: its automatic pair stays beside it.)
+  EXPECT_TRUE(absl::StartsWith(looked->restored_from, options.dir + "/")) << looked->restored_from;
+  EXPECT_NE(looked->restored_from, sessions_.AutoCheckpointDir(old.id));
+  EXPECT_TRUE(std::filesystem::exists(sessions_.AutoCheckpointDir(old.id)));
   EXPECT_EQ(sessions_.Sessions().size(), 1u);
   EXPECT_EQ(sessions_.Fetch(old, {p->id}).status().code(), absl::StatusCode::kFailedPrecondition);
   auto q = sessions_.Register(looked->key, {"w", kNumel, DType::kFp32, DType::kFp32});
@@ -515,18 +520,61 @@ TEST_F(SessionManagerTest, ARestartedJobTakesOverItsDetachedSessionsAtTheirLastS
   // Closed unfinished at a step it restored: nothing new is written.
   EXPECT_EQ(stats_.auto_checkpoints.load(), 2);
 
-  // A session whose trainer went away is taken over by a new session of its
-  // name even one that does not resume; a nameless one by nobody.
-  for (const std::string name : {"fresh", ""}) {
-    auto gone = sessions_.Open(name);
+  // Only a session kept for a resume is taken over, by one kept for a
+  // resume too (a job's restart, not any session that shares the name),
+  // not while its trainer resumes it, and never a nameless one.
+  struct Case {
+    std::string name;
+    bool gone_keeps, next_keeps, resuming, taken;
+  };
+  for (const Case& c :
+       {Case{"fresh", false, false, false, false}, Case{"fresh", true, false, false, false},
+        Case{"fresh", false, true, false, false}, Case{"fresh", true, true, true, false},
+        Case{"", true, true, false, false}, Case{"fresh", true, true, false, true}}) {
+    SCOPED_TRACE(absl::StrCat("'", c.name, "' ", c.gone_keeps, c.next_keeps, c.resuming));
+    auto gone =
+        sessions_.Open(c.name, {}, std::nullopt, std::nullopt, c.gone_keeps ? keep : RestoreFrom{});
     ASSERT_TRUE(gone.ok()) << gone.status();
     ASSERT_TRUE(sessions_.Detach(gone->key.id));
-    auto next = sessions_.Open(name);
+    if (c.resuming) {
+      ASSERT_TRUE(sessions_.Resume(gone->key).ok());
+    }
+    auto next =
+        sessions_.Open(c.name, {}, std::nullopt, std::nullopt, c.next_keeps ? keep : RestoreFrom{});
     ASSERT_TRUE(next.ok()) << next.status();
-    EXPECT_EQ(sessions_.Fetch(gone->key, {}).ok(), name.empty()) << name;
+    EXPECT_NE(sessions_.Fetch(gone->key, {}).ok(), c.taken);
     ASSERT_TRUE(sessions_.Close(next->key).ok());
     sessions_.Close(gone->key).IgnoreError();
   }
+
+  // Its trainer gone without a lease: the teardown (the arena channel's
+  // closing thread) writes its last step while the restarted job already
+  // looks for it; the look waits for the write.
+  auto opened2 = sessions_.Open("job/rank1", {}, std::nullopt, std::nullopt, keep);
+  ASSERT_TRUE(opened2.ok()) << opened2.status();
+  auto p2 = sessions_.Register(opened2->key, {"w", kNumel, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p2.ok()) << p2.status();
+  ASSERT_TRUE(sessions_.Release(opened2->key, {p2->id}).ok());
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, opened2->key, p2->id, kNumel));
+  }
+  AwaitAutoCheckpoints(stats_, 3);  // step 2's
+  ASSERT_EQ(stats_.auto_checkpoints.load(), 3);
+  std::optional<SessionManager::Teardowns> later(std::in_place);
+  ASSERT_TRUE(sessions_.Abandon(opened2->key.id, &*later));
+  std::atomic<bool> answered{false};
+  absl::StatusOr<OpenedSession> found;
+  std::thread restarted([&] {
+    found = sessions_.Open("job/rank1", {}, std::nullopt, std::nullopt, lost);
+    answered = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(answered.load());
+  later.reset();  // runs it
+  restarted.join();
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->restorable_steps, (std::vector<uint64_t>{3, 2}));
+  ASSERT_TRUE(sessions_.Close(found->key).ok());
   sessions_.SetAutoCheckpoint({});
   std::filesystem::remove_all(root);
 }
