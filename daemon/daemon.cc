@@ -392,6 +392,17 @@ absl::Status Daemon::StartAutoCheckpoints() {
       continue;
     }
     const checkpoint::Manifest& m = manifests->front().second;
+    const absl::Time created = absl::FromUnixMillis(m.created_unix_ms());
+    if (o.lost_keep_hours > 0 && absl::Now() - created > absl::Hours(o.lost_keep_hours)) {
+      RemoveDirectoryOfFiles(dir);
+      LogInfo(
+          "removed %s, the automatic checkpoint of step %d of session '%s' lost on %s: older "
+          "than checkpoint.lost_keep_hours (%d)",
+          dir, static_cast<int64_t>(m.steps()), m.session_name(),
+          absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", created, absl::UTCTimeZone()),
+          static_cast<int>(o.lost_keep_hours));
+      continue;
+    }
     ++lost;
     LogWarning(
         "session %d ('%s') was lost with the previous offloadd: its automatic checkpoint of "

@@ -105,6 +105,12 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "also after this many steps since the session's last automatic checkpoint; 0 not by "
            "steps",
            true, kAutoCheckpointStepsRange});
+  r->Bind("checkpoint.lost_keep_hours", &o->checkpoint.lost_keep_hours,
+          {"hours",
+           "at start, a lost session's automatic checkpoint directory (what a crashed offloadd "
+           "or an unfinished job left) whose newest checkpoint is older than this is removed; "
+           "0 keeps them until a session restores them",
+           false, kLostKeepHoursRange});
   r->Bind("checkpoint.write_threads", &o->checkpoint.write_threads,
           {"threads",
            "chunks captured at once by a checkpoint someone waits for (a trainer's, a stop's "

@@ -153,7 +153,12 @@ struct AutoCheckpointNodeOptions {
   int64_t every_steps = 0;
   // Chunks a checkpoint written while someone waits captures at once.
   int64_t write_threads = 4;
+  // A lost session's directory (what a crashed offloadd or a session kept
+  // for a resume left) whose newest checkpoint is older than this is
+  // removed at start. 0: kept until a session restores it.
+  int64_t lost_keep_hours = 168;
 };
+inline constexpr IntRange kLostKeepHoursRange{0, 24 * 3650};
 inline constexpr IntRange kAutoCheckpointSecondsRange{0, 604800};
 inline constexpr IntRange kCheckpointWriteThreadsRange{1, 64};
 inline constexpr IntRange kAutoCheckpointStepsRange{0, int64_t{1} << 40};

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "base/host_memory.h"
 #include "base/smaps_testing.h"
+#include "checkpoint/format.h"
 #include "client/client.h"
 #include "client/demo/mlp.h"
 #include "client/gpu_tier.h"
@@ -2176,6 +2177,43 @@ TEST(DaemonStartup, SwapSpaceBeingFreedIsWaitedFor) {
   frees.join();
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_TRUE(absl::StrContains((*d)->ReadLog(), "no room yet")) << (*d)->ReadLog();
+}
+
+// What no restart resumed (a lost session's automatic checkpoints) goes at
+// a start once its newest checkpoint is older than
+// checkpoint.lost_keep_hours; a recent one stays and is named in the log.
+TEST(DaemonStartup, LostCheckpointsOlderThanTheirKeepGoAtStart) {
+  auto first = DaemonProcess::Start();
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  ASSERT_TRUE((*first)->Stop().ok());
+  auto plant = [&](uint64_t id, absl::Duration age) {
+    const std::string dir = absl::StrCat(data_dir, "/auto-checkpoints/", id);
+    EXPECT_EQ(mkdir(dir.c_str(), 0700), 0) << dir;
+    checkpoint::Manifest m;
+    m.set_format_version(checkpoint::kFormatVersion);
+    m.set_session_name("job/rank0");
+    m.set_steps(7);
+    m.set_created_unix_ms(absl::ToUnixMillis(absl::Now() - age));
+    m.set_data_file("job_rank0.1.data");
+    EXPECT_TRUE(checkpoint::CommitManifest(dir, checkpoint::StemFor("job/rank0"), m).ok());
+    return dir;
+  };
+  const std::string old = plant(11, absl::Hours(200));
+  const std::string recent = plant(12, absl::Hours(1));
+  auto second = DaemonProcess::StartIn(data_dir);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_FALSE(std::filesystem::exists(old));
+  EXPECT_TRUE(std::filesystem::exists(recent));
+  const std::string log = (*second)->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, "older than checkpoint.lost_keep_hours (168)")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "session 12 ('job/rank0') was lost")) << log;
+  // 0 keeps them.
+  ASSERT_TRUE((*second)->Stop().ok());
+  const std::string older = plant(13, absl::Hours(24 * 400));
+  auto third = DaemonProcess::StartIn(data_dir, {"--checkpoint.lost_keep_hours=0"});
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_TRUE(std::filesystem::exists(older));
 }
 
 // A checkpoint into a real filesystem that fills up while it is written (a
