@@ -1,5 +1,6 @@
 #include "base/host_memory.h"
 
+#include <malloc.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -15,9 +16,26 @@
 #include "absl/numeric/bits.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/posix_error.h"
 
 namespace offload {
+bool TrimHeap(absl::Duration interval) {
+  static std::atomic<int64_t> last_ns{0};
+  const int64_t now = absl::GetCurrentTimeNanos();
+  int64_t last = last_ns.load();
+  if (now - last < absl::ToInt64Nanoseconds(interval) ||
+      !last_ns.compare_exchange_strong(last, now)) {
+    return false;
+  }
+#ifdef __GLIBC__
+  malloc_trim(0);
+  return true;
+#else
+  return false;
+#endif
+}
+
 uint64_t PageSize() {
   static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   return page;

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace offload {
 
@@ -79,6 +80,14 @@ class HostMemory {
   uint64_t size_ = 0;
   uint64_t mapped_ = 0;
 };
+
+// Gives the C heap's free memory back to the kernel (glibc's malloc_trim:
+// every arena's free pages, not only the top of the main one), at most
+// once per `interval` across callers (it walks every arena). True if it
+// ran. What a large session's teardown frees (names, maps, protobufs) stays
+// in the process's resident memory otherwise, in the arenas of the threads
+// that allocated it.
+bool TrimHeap(absl::Duration interval = absl::Seconds(1));
 
 // Page size of this machine (sysconf), and `bytes` rounded up to it.
 uint64_t PageSize();

@@ -658,7 +658,11 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
         // (Unless its last step is nowhere else: then that copy stays, for
         // restore_from.)
         if (!kept_dir.empty() && kept_elsewhere) RemoveDirectoryOfFiles(kept_dir);
+        const bool last = doomed.use_count() == 1;
         doomed.reset();
+        // What it allocated on the heap (names, maps, records) back to the
+        // kernel, not left in the arenas of the threads that served it.
+        if (last) TrimHeap();
       });
   return true;
 }
