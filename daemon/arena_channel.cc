@@ -11,6 +11,7 @@
 #include <chrono>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/log.h"
@@ -38,14 +39,15 @@ void SetReceiveTimeout(int fd, int ms) {
 
 absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
     const std::string& path, SessionManager* sessions, absl::Duration attach_lease,
-    absl::Duration idle_lease, absl::Duration reconnect_lease, std::optional<gid_t> group) {
+    absl::Duration idle_lease, absl::Duration reconnect_lease, std::optional<gid_t> group,
+    int64_t max_sessions_per_user) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(path));
   if (group.has_value()) RETURN_IF_ERROR(ShareWithGroup(path, *group));
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
   if (!stop.valid()) return PosixError("eventfd", errno);
   auto channel = std::unique_ptr<ArenaChannel>(
       new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease,
-                       idle_lease, reconnect_lease));
+                       idle_lease, reconnect_lease, max_sessions_per_user));
   channel->group_ = group;
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
   channel->closer_ = std::thread([c = channel.get()] { c->TearDown(); });
@@ -54,14 +56,16 @@ absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
 
 ArenaChannel::ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event,
                            SessionManager* sessions, absl::Duration attach_lease,
-                           absl::Duration idle_lease, absl::Duration reconnect_lease)
+                           absl::Duration idle_lease, absl::Duration reconnect_lease,
+                           int64_t max_sessions_per_user)
     : path_(std::move(path)),
       listener_(std::move(listener)),
       stop_event_(std::move(stop_event)),
       sessions_(sessions),
       attach_lease_(attach_lease),
       idle_lease_(idle_lease),
-      reconnect_lease_(reconnect_lease) {}
+      reconnect_lease_(reconnect_lease),
+      max_sessions_per_user_(max_sessions_per_user) {}
 
 void ArenaChannel::ExpireSessions() {
   SessionManager::Teardowns later;
@@ -291,6 +295,28 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
   absl::StatusOr<AttachRequest> attach =
       ParseAttachRequest(request->payload, SessionManager::kTokenBytes);
   if (!attach.ok()) return reply_error(attach.status());
+  const uid_t uid = p.cred.uid;
+  if (max_sessions_per_user_ > 0 && uid != geteuid() && uid != 0) {
+    // Another user's (a member of the socket's group): its sessions hold
+    // memory, a ring thread and descriptors of the node's. Counted by
+    // session: several processes attached to one count once.
+    absl::flat_hash_set<uint64_t> held;
+    for (const Attached& a : attached_) {
+      if (a.uid == uid && a.session_id != attach->session_id) held.insert(a.session_id);
+    }
+    if (static_cast<int64_t>(held.size()) >= max_sessions_per_user_) {
+      // The session it asked for is closed: unattached, it would only wait
+      // for its attach lease (a wrong token closes nothing).
+      const bool closed = sessions_->Close(SessionKey{attach->session_id, attach->token}).ok();
+      return reply_error(absl::ResourceExhaustedError(absl::StrCat(
+          "uid ", uid, " has ", held.size(),
+          " sessions attached, the most a user other than offloadd's may "
+          "(server.max_sessions_per_user ",
+          max_sessions_per_user_,
+          "): close sessions that are done, or ask the operator to raise it",
+          closed ? absl::StrCat("; session ", attach->session_id, " is closed") : "")));
+    }
+  }
   absl::StatusOr<UniqueFd> fd =
       sessions_->DupArenaFd(SessionKey{attach->session_id, attach->token});
   if (!fd.ok()) return reply_error(fd.status());
@@ -302,7 +328,7 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
   // Only now, on this thread (which also runs the expiry sweep): a trainer
   // that died before the reply never attached.
   if (!sessions_->MarkAttached(attach->session_id)) return std::nullopt;
-  return Attached{std::move(p.connection), attach->session_id, p.cred.pid};
+  return Attached{std::move(p.connection), attach->session_id, p.cred.pid, uid};
 }
 
 }  // namespace offload

@@ -60,7 +60,7 @@ class ArenaChannel {
       absl::Duration attach_lease = absl::Seconds(60),
       absl::Duration idle_lease = absl::ZeroDuration(),
       absl::Duration reconnect_lease = absl::ZeroDuration(),
-      std::optional<gid_t> group = std::nullopt);
+      std::optional<gid_t> group = std::nullopt, int64_t max_sessions_per_user = 0);
   // Stops the thread and removes the socket file.
   ~ArenaChannel();
 
@@ -69,11 +69,12 @@ class ArenaChannel {
  private:
   ArenaChannel(std::string path, UniqueFd listener, UniqueFd stop_event, SessionManager* sessions,
                absl::Duration attach_lease, absl::Duration idle_lease,
-               absl::Duration reconnect_lease);
+               absl::Duration reconnect_lease, int64_t max_sessions_per_user);
   struct Attached {
     UniqueFd connection;
     uint64_t session_id;
     pid_t pid;
+    uid_t uid;
   };
   // Accepted, credentials checked, its request not read yet.
   struct Pending {
@@ -105,7 +106,10 @@ class ArenaChannel {
   const absl::Duration attach_lease_;
   const absl::Duration idle_lease_;       // zero: off
   const absl::Duration reconnect_lease_;  // zero: a trainer gone is a session closed
-  std::vector<Attached> attached_;        // only the serving thread touches these
+  // Sessions a user other than offloadd's own (and root) may have attached
+  // at once (a member of server.socket_group); 0: no bound.
+  const int64_t max_sessions_per_user_;
+  std::vector<Attached> attached_;  // only the serving thread touches these
   std::vector<Pending> pending_;
   // server.socket_group: its members may attach too (the socket is 0660).
   std::optional<gid_t> group_;

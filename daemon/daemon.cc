@@ -138,10 +138,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
   ASSIGN_OR_RETURN(
       d->arena_channel_,
-      ArenaChannel::Start(absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
-                          absl::Seconds(server.attach_lease_seconds),
-                          absl::Seconds(server.idle_lease_seconds),
-                          absl::Seconds(server.reconnect_lease_seconds), group));
+      ArenaChannel::Start(
+          absl::StrCat(d->socket_path_, ".arena"), &d->engine_->sessions(),
+          absl::Seconds(server.attach_lease_seconds), absl::Seconds(server.idle_lease_seconds),
+          absl::Seconds(server.reconnect_lease_seconds), group, server.max_sessions_per_user));
 
   if (server.tcp_port >= 0 || group.has_value()) {
     ASSIGN_OR_RETURN(std::string token, d->WriteTcpToken());

@@ -48,6 +48,12 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "most sessions open at once; OpenSession past it is RESOURCE_EXHAUSTED (0: no "
            "cap but the descriptors)",
            false, IntRange{0, 1 << 20}});
+  r->Bind("server.max_sessions_per_user", &o->server.max_sessions_per_user,
+          {"sessions",
+           "most sessions one user other than offloadd's own (a member of server.socket_group) "
+           "may have attached at once; its next is refused (RESOURCE_EXHAUSTED) and closed; 0: "
+           "no bound but server.max_sessions",
+           false, IntRange{0, 1 << 20}});
   r->Bind("server.reserved_descriptors", &o->server.reserved_descriptors,
           {"descriptors",
            "file descriptors kept free for the listeners, checkpoints and control calls: "

@@ -81,6 +81,10 @@ struct ServerOptions {
   // still stop accepting (accept4 failing with EMFILE leaves gRPC 1.51's
   // deaf), offloadd builds them anew once descriptors are free again.
   int64_t max_sessions = 1024;
+  // Sessions one user other than offloadd's own (a member of
+  // `socket_group`) may have attached at once; its next attach (so its
+  // OpenSession) is RESOURCE_EXHAUSTED. 0: no bound but max_sessions.
+  int64_t max_sessions_per_user = 128;
   int64_t reserved_descriptors = 64;
   int64_t handshake_timeout_seconds = 10;
   int64_t idle_connection_seconds = 600;

@@ -1551,6 +1551,75 @@ TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
 
 // server.socket_group: the trainers' group reaches both sockets and
 // attaches; other users still do not.
+// A user other than offloadd's own (a member of the socket's group) has at
+// most server.max_sessions_per_user sessions attached: its next attach is
+// RESOURCE_EXHAUSTED naming the bound, and the session it asked for is
+// closed; offloadd's own user is not bound by it.
+TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
+  if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
+  char dir[] = "/tmp/offloadd_peruser.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_dir(dir);
+  ASSERT_EQ(chmod(dir, 0755), 0);
+  const std::string socket_path = std::string(dir) + "/offloadd.sock";
+  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
+                                 "--server.max_sessions_per_user=2"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  auto open = [&] {
+    v1::OpenSessionResponse opened;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+    return opened;
+  };
+  std::vector<v1::OpenSessionResponse> sessions;
+  for (int i = 0; i < 4; ++i) sessions.push_back(open());
+  // As nobody, in group users, holding each attachment: bit i set if the
+  // i-th attached, bit 4 + i if it was refused for the bound.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const gid_t users = 100;
+    if (setgroups(1, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(255);
+    int result = 0;
+    std::vector<Attachment> held;
+    for (int i = 0; i < 4; ++i) {
+      const AttachRequest request{sessions[i].session().session_id(),
+                                  sessions[i].session().token()};
+      absl::StatusOr<Attachment> a = AttachArena(sessions[i].arena_socket(), request);
+      if (a.ok()) {
+        result |= 1 << i;
+        held.push_back(*std::move(a));
+      } else if (absl::IsResourceExhausted(a.status()) &&
+                 absl::StrContains(a.status().message(), "server.max_sessions_per_user 2") &&
+                 absl::StrContains(a.status().message(), "is closed")) {
+        result |= 1 << (4 + i);
+      }
+    }
+    _exit(result);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0x03 | 0xc0);
+  // The refused ones are closed; offloadd's own user attaches past the bound.
+  for (int i = 2; i < 4; ++i) {
+    v1::GetPendingGradientsRequest req;
+    *req.mutable_session() = sessions[i].session();
+    v1::GetPendingGradientsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_EQ(stub->GetPendingGradients(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  std::vector<Attachment> mine;
+  for (int i = 0; i < 3; ++i) {
+    const v1::OpenSessionResponse opened = open();
+    absl::StatusOr<Attachment> a = AttachArena(
+        opened.arena_socket(), {opened.session().session_id(), opened.session().token()});
+    ASSERT_TRUE(a.ok()) << a.status();
+    mine.push_back(*std::move(a));
+  }
+}
+
 TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
   char dir[] = "/tmp/offloadd_group.XXXXXX";
