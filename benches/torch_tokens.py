@@ -64,6 +64,15 @@ def pinned_bandwidth(device, nbytes=256 << 20):
     return out
 
 
+def tier_config(args, gpu_tier):
+    """zero_config's "gpu": the tier where the model computes on a GPU, or
+    (--tier=emulated) on the host-emulated device, the same code on the CPU
+    (for profiling the trainer's thread without a GPU)."""
+    if not gpu_tier:
+        return {"tier": False}
+    return {"device": "emulated"} if args.tier == "emulated" else {"tier": "auto"}
+
+
 def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
         compute_only=False, profiler=None):
     torch.manual_seed(0)
@@ -78,7 +87,7 @@ def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
                                          {"address": address, "session_name": "bench",
                                           "placement": {"optimizer_state": placement},
                                           "overlap_step": overlap, "delayed_update": dpu,
-                                          "gpu": {"tier": "auto" if gpu_tier else False}})
+                                          "gpu": tier_config(args, gpu_tier)})
         engine = model.offloadd
     t_opt = []
     gen = torch.Generator().manual_seed(1)
@@ -218,6 +227,8 @@ def main():
                         "no_tier (torch and host are always run: the ratios need them)")
     p.add_argument("--trace", action="store_true",
                    help="the GPU's busy and idle time per step under torch.profiler, by phase")
+    p.add_argument("--tier", default="auto", choices=("auto", "emulated"),
+                   help="the GPU tier as on a GPU (auto), or on the host-emulated device")
     p.add_argument("--profile", action="store_true",
                    help="profile the trainer's thread in the delayed-update run")
     args = p.parse_args()
