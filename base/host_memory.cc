@@ -16,24 +16,26 @@
 #include "absl/numeric/bits.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "base/posix_error.h"
 
 namespace offload {
-bool TrimHeap(absl::Duration interval) {
-  static std::atomic<int64_t> last_ns{0};
-  const int64_t now = absl::GetCurrentTimeNanos();
-  int64_t last = last_ns.load();
-  if (now - last < absl::ToInt64Nanoseconds(interval) ||
-      !last_ns.compare_exchange_strong(last, now)) {
-    return false;
-  }
+namespace {
+std::atomic<bool> g_trim_requested{false};
+}  // namespace
+
+bool TrimHeap() {
 #ifdef __GLIBC__
   malloc_trim(0);
   return true;
 #else
   return false;
 #endif
+}
+
+void RequestHeapTrim() { g_trim_requested.store(true, std::memory_order_relaxed); }
+
+bool TrimHeapIfRequested() {
+  return g_trim_requested.exchange(false, std::memory_order_relaxed) && TrimHeap();
 }
 
 uint64_t PageSize() {

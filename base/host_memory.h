@@ -26,7 +26,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/time/time.h"
 
 namespace offload {
 
@@ -82,12 +81,17 @@ class HostMemory {
 };
 
 // Gives the C heap's free memory back to the kernel (glibc's malloc_trim:
-// every arena's free pages, not only the top of the main one), at most
-// once per `interval` across callers (it walks every arena). True if it
-// ran. What a large session's teardown frees (names, maps, protobufs) stays
-// in the process's resident memory otherwise, in the arenas of the threads
-// that allocated it.
-bool TrimHeap(absl::Duration interval = absl::Seconds(1));
+// every arena's free pages, not only the top of the main one); false where
+// the C library has no such call. What a large session's teardown frees
+// (names, maps, protobufs) stays in the process's resident memory
+// otherwise, in the arenas of the threads that allocated it. It locks each
+// arena in turn: callers that free much ask for it (RequestHeapTrim), and
+// one thread that may wait runs it (TrimHeapIfRequested, the arena
+// channel's sweep, once a second).
+bool TrimHeap();
+void RequestHeapTrim();
+// TrimHeap if one was requested since the last; true if it ran.
+bool TrimHeapIfRequested();
 
 // Page size of this machine (sysconf), and `bytes` rounded up to it.
 uint64_t PageSize();

@@ -20,6 +20,7 @@ in the same directory, by 1 and by 8 threads at once. Ratio: bytes kept / stop t
 the best limit's GB/s. Medians over --rounds.
 """
 import argparse
+import datetime
 import mmap
 import os
 import re
@@ -74,9 +75,8 @@ def direct_io(path, total, threads, write):
 
 def log_time(line):
     """The timestamp of a log line (2026-11-27T04:49:32.685Z ...), in seconds."""
-    m = re.match(r"\d{4}-\d\d-\d\dT(\d\d):(\d\d):(\d\d\.\d+)Z", line)
-    h, mi, s = m.groups()
-    return int(h) * 3600 + int(mi) * 60 + float(s)
+    stamp = line.split()[0].rstrip("Z")
+    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 def one_round(args, root):
@@ -168,8 +168,11 @@ def main():
         size = max(CHUNK, kept // CHUNK * CHUNK)
         row = {}
         for threads in (1, 8):
-            row[("write", threads)] = direct_io(probe, size, threads, True)
-            row[("read", threads)] = direct_io(probe, size, threads, False)
+            # A new file each time, as the stop writes new files.
+            if os.path.exists(probe):
+                os.unlink(probe)
+            row[("write", threads)] = size / direct_io(probe, size, threads, True) / 1e9
+            row[("read", threads)] = size / direct_io(probe, size, threads, False) / 1e9
         os.unlink(probe)
         limits.append(row)
     shutil.rmtree(root, ignore_errors=True)
@@ -184,19 +187,20 @@ def main():
           f"checkpoint.write_threads {args.write_threads}; medians of {args.rounds} rounds")
     print(f"  stop (SIGTERM to exit)       {stop:7.2f} s   keeping the session {keep:.2f} s = "
           f"{gb / keep:.2f} GB/s")
-    print(f"  start (exec to serving)      {start:7.2f} s   = {gb / start:.2f} GB/s read back")
+    print(f"  start (exec to serving, the kept state read back within) {start:.2f} s = "
+          f"{gb / start:.2f} GB/s of kept state")
     print(f"  resume (ResumeSession, fetch) {resume:6.3f} s")
     for kind in ("write", "read"):
         for threads in (1, 8):
-            took = med([row[(kind, threads)] for row in limits])
-            print(f"  disk: O_DIRECT 16 MiB {kind}s, {threads} at once: {gb / took:.2f} GB/s")
-    best_write = max(gb / med([row[("write", t)] for row in limits]) for t in (1, 8))
-    best_read = max(gb / med([row[("read", t)] for row in limits]) for t in (1, 8))
+            rate = med([row[(kind, threads)] for row in limits])
+            print(f"  disk: O_DIRECT 16 MiB {kind}s, {threads} at once: {rate:.2f} GB/s")
+    best_write = max(med([row[("write", t)] for row in limits]) for t in (1, 8))
+    best_read = max(med([row[("read", t)] for row in limits]) for t in (1, 8))
     print(f"keeping: {gb / keep:.2f} GB/s = {gb / keep / best_write:.2f}x the disk's best direct "
           f"write; the stop {stop:.2f} s = {stop / (gb / best_write):.2f}x writing the bytes at "
           f"that speed")
-    print(f"start: {gb / start:.2f} GB/s = {gb / start / best_read:.2f}x the disk's best direct "
-          f"read")
+    print(f"start: {gb / start:.2f} GB/s of kept state = {gb / start / best_read:.2f}x the disk's "
+          f"best direct read")
 
 
 if __name__ == "__main__":

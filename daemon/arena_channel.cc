@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -140,6 +141,7 @@ void ArenaChannel::Serve() {
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_sweep) {
       ExpireSessions();
+      TrimHeapIfRequested();  // what closed sessions left on the heap
       next_sweep = now + kSweepEvery;
     }
     int timeout_ms = -1;
@@ -305,9 +307,13 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
       if (a.uid == uid && a.session_id != attach->session_id) held.insert(a.session_id);
     }
     if (static_cast<int64_t>(held.size()) >= max_sessions_per_user_) {
-      // The session it asked for is closed: unattached, it would only wait
-      // for its attach lease (a wrong token closes nothing).
-      const bool closed = sessions_->Close(SessionKey{attach->session_id, attach->token}).ok();
+      // The session it asked for is closed if it is new (unattached, it
+      // would only wait for its attach lease); one resumed or kept across
+      // a restart stays for a later attach. Torn down off this thread.
+      SessionManager::Teardowns later;
+      const bool closed =
+          sessions_->CloseNeverAttached(SessionKey{attach->session_id, attach->token}, &later);
+      if (closed) Later(std::move(later), {});
       return reply_error(absl::ResourceExhaustedError(absl::StrCat(
           "uid ", uid, " has ", held.size(),
           " sessions attached, the most a user other than offloadd's may "

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cerrno>
+#include <ctime>
 #include <fstream>
 
 #include "absl/container/flat_hash_set.h"
@@ -23,6 +24,7 @@
 #include "base/memory_limit.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
+#include "base/unique_fd.h"
 #include "checkpoint/format.h"
 #include "engine/kept_sessions.h"
 #include "ipc/paths.h"
@@ -364,6 +366,12 @@ std::vector<std::string> Daemon::Describe() const {
   return lines;
 }
 
+namespace {
+// In a lost session's automatic checkpoint directory: when a start first
+// found it lost (its modification time).
+constexpr char kLostSinceFile[] = ".lost_since";
+}  // namespace
+
 absl::Status Daemon::StartAutoCheckpoints() {
   AutoCheckpointNodeOptions& o = options_->checkpoint;
   if (o.dir.empty()) o.dir = absl::StrCat(options_->server.data_dir, "/auto-checkpoints");
@@ -392,14 +400,23 @@ absl::Status Daemon::StartAutoCheckpoints() {
       continue;
     }
     const checkpoint::Manifest& m = manifests->front().second;
-    const absl::Time created = absl::FromUnixMillis(m.created_unix_ms());
-    if (o.lost_keep_hours > 0 && absl::Now() - created > absl::Hours(o.lost_keep_hours)) {
+    // Aged from when a start first found it lost (its marker's time), not
+    // from its checkpoint's: a node that was off for long keeps what its
+    // jobs would resume from.
+    const std::string marker = absl::StrCat(dir, "/", kLostSinceFile);
+    struct stat since;
+    if (stat(marker.c_str(), &since) != 0) {
+      UniqueFd made(::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+      since.st_mtime = time(nullptr);
+    }
+    const absl::Time found = absl::FromTimeT(since.st_mtime);
+    if (o.lost_keep_hours > 0 && absl::Now() - found > absl::Hours(o.lost_keep_hours)) {
       RemoveDirectoryOfFiles(dir);
       LogInfo(
-          "removed %s, the automatic checkpoint of step %d of session '%s' lost on %s: older "
-          "than checkpoint.lost_keep_hours (%d)",
+          "removed %s, the automatic checkpoint of step %d of session '%s', found lost on %s: "
+          "none resumed it within checkpoint.lost_keep_hours (%d)",
           dir, static_cast<int64_t>(m.steps()), m.session_name(),
-          absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", created, absl::UTCTimeZone()),
+          absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", found, absl::UTCTimeZone()),
           static_cast<int>(o.lost_keep_hours));
       continue;
     }

@@ -113,16 +113,15 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            true, kAutoCheckpointStepsRange});
   r->Bind("checkpoint.lost_keep_hours", &o->checkpoint.lost_keep_hours,
           {"hours",
-           "at start, a lost session's automatic checkpoint directory (what a crashed offloadd "
-           "or an unfinished job left) whose newest checkpoint is older than this is removed; "
-           "0 keeps them until a session restores them",
+           "a lost session's automatic checkpoint directory (what a crashed offloadd or an "
+           "unfinished job left) is removed at the first start this long after a start first "
+           "found it lost; 0 keeps them until a session restores them",
            false, kLostKeepHoursRange});
   r->Bind("checkpoint.write_threads", &o->checkpoint.write_threads,
           {"threads",
            "chunks captured at once by a checkpoint someone waits for (a trainer's, a stop's "
-           "keeping of sessions, a session's last one), and partitions a start reads back from "
-           "the sessions a stop kept: requests in flight for disks whose bandwidth needs depth; "
-           "background checkpoints write one at a time beside training",
+           "keeping of sessions, a session's last one): writes in flight for disks whose "
+           "bandwidth needs depth; background checkpoints write one at a time beside training",
            true, kCheckpointWriteThreadsRange});
   r->Bind("metrics.port", &o->metrics.port,
           {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port", false,

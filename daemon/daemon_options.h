@@ -158,8 +158,9 @@ struct AutoCheckpointNodeOptions {
   // Chunks a checkpoint written while someone waits captures at once.
   int64_t write_threads = 4;
   // A lost session's directory (what a crashed offloadd or a session kept
-  // for a resume left) whose newest checkpoint is older than this is
-  // removed at start. 0: kept until a session restores it.
+  // for a resume left) is removed at the first start this long after a
+  // start first found it lost (a marker file in it). 0: kept until a
+  // session restores it.
   int64_t lost_keep_hours = 168;
 };
 inline constexpr IntRange kLostKeepHoursRange{0, 24 * 3650};

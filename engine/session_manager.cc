@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cerrno>
 #include <functional>
-#include <system_error>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -81,9 +80,12 @@ struct SessionManager::Session {
   // Guarded by the manager's mu_:
   bool attached = false;                     // a trainer received the arena
   std::optional<SteadyTime> detached_since;  // its trainer went away (Detach)
-  bool resuming = false;                     // Resume answered, not attached yet
-  SteadyTime last_call = opened;             // the last call that found it, or ended
-  std::optional<GpuTierReport> gpu;          // its GPU tier's last report
+  // Resume answered, not attached yet (a takeover leaves it alone for a
+  // while: TakeOverDetached).
+  std::optional<SteadyTime> resuming_since;
+  bool reopened = false;             // kept across a restart of offloadd (Reopen)
+  SteadyTime last_call = opened;     // the last call that found it, or ended
+  std::optional<GpuTierReport> gpu;  // its GPU tier's last report
   // Mappings reserved for its partitions (ReserveMappings), in the
   // manager's total, which outlives neither.
   std::atomic<int64_t> mappings{0};
@@ -312,12 +314,12 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
     root = auto_checkpoint_.dir;
     // A session of the name that just closed unfinished writes its last
     // state first.
-    const absl::Time deadline = absl::Now() + kFinalCheckpointWait;
+    const absl::Time deadline = absl::Now() + kFindLostWait;
     while (finalizing_.contains(name)) {
       if (finalized_.WaitWithDeadline(&mu_, deadline) && finalizing_.contains(name)) {
         return absl::UnavailableError(absl::StrCat(
             "a session named '", name, "' that went unfinished is still writing its last step (",
-            absl::FormatDuration(kFinalCheckpointWait), " so far): retry"));
+            absl::FormatDuration(kFindLostWait), " so far): retry"));
       }
     }
     for (const auto& [id, s] : sessions_) {
@@ -369,8 +371,11 @@ void SessionManager::TakeOverDetached(absl::string_view name) {
   if (name.empty()) return;  // (a name no job claims)
   // Waiting for their trainers (not one resuming now), and themselves
   // kept for a resume: a job's, not any session that shares the name.
-  auto taken = [name](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return s.name == name && s.keep_for_resume && s.detached_since.has_value() && !s.resuming;
+  const SteadyTime now = std::chrono::steady_clock::now();
+  auto taken = [name, now](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const bool resuming = s.resuming_since.has_value() &&
+                          now - *s.resuming_since < absl::ToChronoNanoseconds(kResumeAttachWait);
+    return s.name == name && s.keep_for_resume && s.detached_since.has_value() && !resuming;
   };
   std::vector<uint64_t> ids;
   {
@@ -588,6 +593,15 @@ void SessionManager::SetRingSpin(absl::Duration spin) {
   }
 }
 
+bool SessionManager::CloseNeverAttached(const SessionKey& key, Teardowns* later) {
+  if (!Find(key).ok()) return false;  // (no reference kept: see Close)
+  return CloseById(key.id, /*only_unattached=*/true, std::nullopt, nullptr, later,
+                   /*finished=*/false, [](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                     return !s.detached_since.has_value() && !s.resuming_since.has_value() &&
+                            !s.reopened;
+                   });
+}
+
 bool SessionManager::Abandon(uint64_t id, Teardowns* later) {
   return CloseById(id, /*only_unattached=*/false, std::nullopt, &stats_->sessions_abandoned, later,
                    /*finished=*/false);
@@ -650,7 +664,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
       .Add([this, doomed = std::move(doomed), kept_dir, final]() mutable {
         bool kept_elsewhere = true;
         if (final) {
-          kept_elsewhere = FinalCheckpoint(doomed, !kept_dir.empty());
+          kept_elsewhere = FinalCheckpoint(doomed, doomed->reopened);
           absl::MutexLock lock(&mu_);
           if (--finalizing_[doomed->name] == 0) finalizing_.erase(doomed->name);
           finalized_.SignalAll();
@@ -662,7 +676,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
         doomed.reset();
         // What it allocated on the heap (names, maps, records) back to the
         // kernel, not left in the arenas of the threads that served it.
-        if (last) TrimHeap();
+        if (last) RequestHeapTrim();
       });
   return true;
 }
@@ -1220,7 +1234,7 @@ bool SessionManager::MarkAttached(uint64_t id) {
   if (found == sessions_.end()) return false;
   found->second->attached = true;
   found->second->detached_since.reset();
-  found->second->resuming = false;
+  found->second->resuming_since.reset();
   return true;
 }
 
@@ -1233,7 +1247,7 @@ bool SessionManager::Detach(uint64_t id) {
     session = found->second;
     session->attached = false;
     session->detached_since = std::chrono::steady_clock::now();
-    session->resuming = false;
+    session->resuming_since.reset();
   }
   // Outside mu_: what the dead trainer held goes (fp32 initial values it
   // may have been writing stay uncommitted), and its request ring is freed
@@ -1265,7 +1279,7 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
     // meanwhile).
     if (session->detached_since.has_value()) {
       session->detached_since = std::chrono::steady_clock::now();
-      session->resuming = true;
+      session->resuming_since = std::chrono::steady_clock::now();
     }
     kept_dir = std::exchange(session->kept_dir, "");
   }
@@ -1439,43 +1453,21 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
                                               " partitions, its checkpoint holds ",
                                               m.partitions_size()));
     }
-    // Its partitions read back by capture_threads_ threads from one cursor
-    // (reads in flight, as the stop had writes).
-    std::atomic<int> next{0};
-    absl::Mutex failed_mu;
-    absl::Status failed;
-    auto reopen = [&] {
-      for (int i; (i = next.fetch_add(1)) < m.partitions_size();) {
-        const checkpoint::PartitionRecord& p = m.partitions(i);
-        PartitionSpec spec;
-        spec.name = p.name();
-        spec.numel = p.numel();
-        spec.param_dtype = static_cast<DType>(p.param_dtype());
-        spec.grad_dtype = static_cast<DType>(p.grad_dtype());
-        spec.tensor = p.tensor();
-        spec.shape.assign(p.shape().begin(), p.shape().end());
-        spec.tensor_offset = p.offset();
-        absl::Status registered = RegisterAs(key, spec, kept.partition_ids[i]).status();
-        if (!registered.ok()) {
-          absl::MutexLock lock(&failed_mu);
-          if (failed.ok()) failed = registered;
-          next = m.partitions_size();  // the others stop too
-          return;
-        }
-      }
-    };
-    std::vector<std::thread> helpers;
-    const int threads = std::min(capture_threads_.load(), m.partitions_size());
-    for (int t = 1; t < threads; ++t) {
-      try {
-        helpers.emplace_back(reopen);
-      } catch (const std::system_error&) {
-        break;  // no thread to be had: fewer read
-      }
+    // In the manifest's order, one at a time: the order decides which
+    // partitions the placement keeps on the host, as when they were first
+    // registered.
+    for (int i = 0; i < m.partitions_size(); ++i) {
+      const checkpoint::PartitionRecord& p = m.partitions(i);
+      PartitionSpec spec;
+      spec.name = p.name();
+      spec.numel = p.numel();
+      spec.param_dtype = static_cast<DType>(p.param_dtype());
+      spec.grad_dtype = static_cast<DType>(p.grad_dtype());
+      spec.tensor = p.tensor();
+      spec.shape.assign(p.shape().begin(), p.shape().end());
+      spec.tensor_offset = p.offset();
+      RETURN_IF_ERROR(RegisterAs(key, spec, kept.partition_ids[i]).status());
     }
-    reopen();
-    for (std::thread& t : helpers) t.join();
-    RETURN_IF_ERROR(failed);
     // As it was: partitions registered later come from the checkpoint the
     // session was opened to restore, if any, else start anew.
     session->restore.reset();
@@ -1492,7 +1484,12 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
     return absl::OkStatus();
   }();
   if (!status.ok()) {
-    CloseById(key.id);
+    // Unfinished: its automatic checkpoints stay (they are what a resume
+    // falls back to where the kept copy is bad). No reference held (its
+    // teardown waits for the last one).
+    session.reset();
+    CloseById(key.id, /*only_unattached=*/false, std::nullopt, nullptr, nullptr,
+              /*finished=*/false);
     return status;
   }
   // As a trainer that went away: nothing held, waiting for ResumeSession
@@ -1501,6 +1498,7 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
   absl::MutexLock lock(&mu_);
   session->attached = false;
   session->kept_dir = dir;
+  session->reopened = true;
   return absl::OkStatus();
 }
 

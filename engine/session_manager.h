@@ -297,8 +297,7 @@ class SessionManager {
   void SetMappingBudget(int64_t mappings) { mapping_budget_.store(mappings); }
   // Chunks a checkpoint written while a caller waits (not in the
   // background: Checkpoint without `background`, keeping sessions at a
-  // stop, FinalCheckpoint) captures at once (SessionCheckpointState), and
-  // partitions a kept session's Reopen reads back at once.
+  // stop, FinalCheckpoint) captures at once (SessionCheckpointState).
   void SetCaptureThreads(int threads) { capture_threads_.store(std::max(1, threads)); }
   // `finished` false: the job did not end (a trainer closing on its way
   // out after a failure): a session opened with RestoreFrom::keep_for_resume
@@ -377,6 +376,11 @@ class SessionManager {
     std::vector<std::function<void()>> work_;
   };
 
+  // Closes session `key` if no trainer ever attached to it, none is
+  // resuming it and it was not kept across a restart (an attach refused:
+  // unattached, it would only wait for its attach lease), unfinished, its
+  // teardown left in `later`. False otherwise, or for a wrong token.
+  bool CloseNeverAttached(const SessionKey& key, Teardowns* later) ABSL_LOCKS_EXCLUDED(mu_);
   // Closes session `id` because its trainer went away (no token: the arena
   // channel saw the trainer's connection close). False if it was not open.
   // With `later`, its teardown is left there (see Teardowns).
@@ -498,6 +502,14 @@ class SessionManager {
   bool FinalCheckpoint(const std::shared_ptr<Session>& session, bool reopened)
       ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr absl::Duration kFinalCheckpointWait = absl::Seconds(60);
+  // How long FindLost waits for a FinalCheckpoint of its name (several
+  // run one after another on the arena channel's teardown thread, each
+  // writing a whole session) before UNAVAILABLE ("retry": offloadd.torch
+  // does); under the clients' call timeout (10 minutes).
+  static constexpr absl::Duration kFindLostWait = absl::Minutes(8);
+  // How long a session a trainer resumed (ResumeSession) is left alone by
+  // takeovers while its trainer attaches.
+  static constexpr absl::Duration kResumeAttachWait = absl::Seconds(60);
   // Step and Checkpoint once the session is found.
   absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
                                          const AdamHyperparams& h, const StepControl& control)

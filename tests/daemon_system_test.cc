@@ -6,6 +6,7 @@
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1549,12 +1550,10 @@ TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
   EXPECT_EQ(last, "STOPPING=1");
 }
 
-// server.socket_group: the trainers' group reaches both sockets and
-// attaches; other users still do not.
 // A user other than offloadd's own (a member of the socket's group) has at
 // most server.max_sessions_per_user sessions attached: its next attach is
-// RESOURCE_EXHAUSTED naming the bound, and the session it asked for is
-// closed; offloadd's own user is not bound by it.
+// RESOURCE_EXHAUSTED naming the bound, and the session it asked for (new,
+// never attached) is closed; offloadd's own user is not bound by it.
 TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
   char dir[] = "/tmp/offloadd_peruser.XXXXXX";
@@ -1620,6 +1619,8 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
   }
 }
 
+// server.socket_group: the trainers' group reaches both sockets and
+// attaches; other users still do not.
 TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
   char dir[] = "/tmp/offloadd_group.XXXXXX";
@@ -2249,14 +2250,17 @@ TEST(DaemonStartup, SwapSpaceBeingFreedIsWaitedFor) {
 }
 
 // What no restart resumed (a lost session's automatic checkpoints) goes at
-// a start once its newest checkpoint is older than
-// checkpoint.lost_keep_hours; a recent one stays and is named in the log.
-TEST(DaemonStartup, LostCheckpointsOlderThanTheirKeepGoAtStart) {
+// a start once checkpoint.lost_keep_hours passed since a start first found
+// it lost (not since its checkpoint was made: a node that was off keeps
+// what its jobs would resume from); the others stay, named in the log.
+TEST(DaemonStartup, LostCheckpointsGoOnceKeptLongEnough) {
   auto first = DaemonProcess::Start();
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string data_dir = (*first)->data_dir();
   ASSERT_TRUE((*first)->Stop().ok());
-  auto plant = [&](uint64_t id, absl::Duration age) {
+  // A lost directory whose checkpoint is `age` old; found lost `found_ago`
+  // (no marker: never found yet).
+  auto plant = [&](uint64_t id, absl::Duration age, std::optional<absl::Duration> found_ago) {
     const std::string dir = absl::StrCat(data_dir, "/auto-checkpoints/", id);
     EXPECT_EQ(mkdir(dir.c_str(), 0700), 0) << dir;
     checkpoint::Manifest m;
@@ -2266,20 +2270,30 @@ TEST(DaemonStartup, LostCheckpointsOlderThanTheirKeepGoAtStart) {
     m.set_created_unix_ms(absl::ToUnixMillis(absl::Now() - age));
     m.set_data_file("job_rank0.1.data");
     EXPECT_TRUE(checkpoint::CommitManifest(dir, checkpoint::StemFor("job/rank0"), m).ok());
+    if (found_ago.has_value()) {
+      const std::string marker = dir + "/.lost_since";
+      std::ofstream(marker).flush();
+      const timeval then{absl::ToTimeT(absl::Now() - *found_ago), 0};
+      const timeval times[2] = {then, then};
+      EXPECT_EQ(utimes(marker.c_str(), times), 0);
+    }
     return dir;
   };
-  const std::string old = plant(11, absl::Hours(200));
-  const std::string recent = plant(12, absl::Hours(1));
+  const std::string gone = plant(11, absl::Hours(300), absl::Hours(200));
+  const std::string recent = plant(12, absl::Hours(300), absl::Hours(1));
+  const std::string off_long = plant(13, absl::Hours(24 * 400), std::nullopt);
   auto second = DaemonProcess::StartIn(data_dir);
   ASSERT_TRUE(second.ok()) << second.status();
-  EXPECT_FALSE(std::filesystem::exists(old));
+  EXPECT_FALSE(std::filesystem::exists(gone));
   EXPECT_TRUE(std::filesystem::exists(recent));
+  EXPECT_TRUE(std::filesystem::exists(off_long));
+  EXPECT_TRUE(std::filesystem::exists(off_long + "/.lost_since"));  // found now
   const std::string log = (*second)->ReadLog();
-  EXPECT_TRUE(absl::StrContains(log, "older than checkpoint.lost_keep_hours (168)")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "within checkpoint.lost_keep_hours (168)")) << log;
   EXPECT_TRUE(absl::StrContains(log, "session 12 ('job/rank0') was lost")) << log;
   // 0 keeps them.
   ASSERT_TRUE((*second)->Stop().ok());
-  const std::string older = plant(13, absl::Hours(24 * 400));
+  const std::string older = plant(14, absl::Hours(300), absl::Hours(24 * 400));
   auto third = DaemonProcess::StartIn(data_dir, {"--checkpoint.lost_keep_hours=0"});
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_TRUE(std::filesystem::exists(older));

@@ -569,7 +569,7 @@ class _Engine:
         every rank calls it in wrap()."""
         failed, mine = None, None
         try:
-            looked = self._open_session("", resume_lost=True)
+            looked = self._look_for_lost()
             mine = [int(s) for s in looked.restorable_steps]
             looked.close()  # before a step: what it restored stays for the final open
         except offloadd.Error as e:
@@ -598,6 +598,24 @@ class _Engine:
         self.resumed_step, self.resumed_from = target, session.restored_from
         self._resumed_from = session.restored_from or None
         return session
+
+    # How long wrap() waits for the sessions of its name that went
+    # unfinished to finish writing their last step (offloadd writes them one
+    # after another).
+    LOST_WAIT_SECONDS = 1800.0
+
+    def _look_for_lost(self):
+        """A session opened to find what this rank's session of the same
+        name left (resume_lost); retried while offloadd says a session of
+        the name is still writing its last step."""
+        deadline = time.monotonic() + self.LOST_WAIT_SECONDS
+        while True:
+            try:
+                return self._open_session("", resume_lost=True)
+            except offloadd.UnavailableError as e:
+                if "still writing its last step" not in str(e) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(1.0)
 
     def _register_slice(self, session, s):
         """Registers this rank's slice of `s`'s parameter in `session`
