@@ -4,9 +4,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/host_memory.h"
 #include "engine/test_engine.h"
 #include "gtest/gtest.h"
@@ -88,6 +90,72 @@ TEST(KeptSessions, AreReopenedAsTheyWere) {
   EXPECT_EQ(closed.code(), absl::StatusCode::kFailedPrecondition) << closed;
   EXPECT_TRUE(absl::StrContains(closed.message(), "is closed")) << closed;
   EXPECT_EQ(next.Resume(lost).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A session opened to restore an earlier step of a checkpoint (restore_from
+// with restore_steps: the step a job's ranks agreed on) registers its later
+// partitions from that step after a restart too.
+TEST(KeptSessions, KeepTheStepTheyRestore) {
+  const std::string tmp = getenv("TEST_TMPDIR");
+  TestEngine engine(tmp + "/nvme_steps", 64 << 20);
+  SessionManager& sessions = *engine.sessions;
+  SessionManager::AutoCheckpointOptions automatic;
+  automatic.dir = tmp + "/auto_steps";
+  automatic.every_steps = 1;
+  sessions.SetAutoCheckpoint(automatic);
+  // A checkpoint holding steps 2 and 1 (an automatic one keeps the one
+  // before it), copied aside.
+  auto first = sessions.Open("job");
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<uint64_t> ids;
+  for (const char* name : {"w", "v"}) {
+    auto p = sessions.Register(first->key, {name, 1000, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    ids.push_back(p->id);
+  }
+  ASSERT_TRUE(sessions.Release(first->key, {}).ok());
+  FetchMode with_grads;
+  with_grads.grads = true;
+  for (int step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(sessions.Fetch(first->key, ids, with_grads).ok());
+    for (uint64_t id : ids) {
+      ASSERT_TRUE(sessions.ReturnGradients(first->key, id, 1000, DType::kFp32).ok());
+    }
+    ASSERT_TRUE(sessions.Release(first->key, ids).ok());
+    ASSERT_TRUE(sessions.Step(first->key, AdamHyperparams{}).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (engine.stats.auto_checkpoints.load() < step && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_EQ(engine.stats.auto_checkpoints.load(), step);
+  }
+  const std::string ckpt = tmp + "/two_steps";
+  std::filesystem::remove_all(ckpt);
+  std::filesystem::copy(sessions.AutoCheckpointDir(first->key.id), ckpt);
+  std::filesystem::permissions(ckpt, std::filesystem::perms::owner_all);
+  ASSERT_TRUE(sessions.Close(first->key).ok());
+  sessions.SetAutoCheckpoint({});
+
+  RestoreFrom from(ckpt);
+  from.steps = 1;
+  auto second = sessions.Open("job", {}, std::nullopt, std::nullopt, from);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto w = sessions.Register(second->key, {"w", 1000, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->step, 1u);
+  ASSERT_TRUE(sessions.Release(second->key, {}).ok());
+  const std::string dir = tmp + "/kept_steps";
+  EXPECT_EQ(KeepSessions(sessions, dir), 1);
+  ASSERT_TRUE(sessions.Close(second->key).ok());
+
+  SessionManager next(Env::Default(), engine.store, engine.steps, &engine.stats);
+  EXPECT_EQ(ReopenKeptSessions(next, dir), 1);
+  ASSERT_TRUE(next.Resume(second->key).ok());
+  auto v = next.Register(second->key, {"v", 1000, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_TRUE(v->restored);
+  EXPECT_EQ(v->step, 1u);  // not the checkpoint's latest, 2
+  ASSERT_TRUE(next.Close(second->key).ok());
 }
 
 }  // namespace

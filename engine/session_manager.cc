@@ -57,6 +57,7 @@ struct SessionManager::Session {
   // before any call can reach it.
   std::unique_ptr<CheckpointRestore> restore;
   std::string restore_from;
+  std::optional<uint64_t> restore_steps;  // the step of restore_from's it restores, if asked
   // A kept session's directory (Reopen), removed once its trainer
   // resumed it or it closed: until then a crash of this offloadd leaves it
   // for the next. Guarded by the manager's mu_.
@@ -259,7 +260,10 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   if (delayed_update_after.has_value()) {
     session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
   }
-  if (session->restore != nullptr) session->restore_from = restore_from;
+  if (session->restore != nullptr) {
+    session->restore_from = restore_from;
+    session->restore_steps = restore_spec.steps;
+  }
   // The request ring: the first region of the arena, served by a thread of
   // its own.
   ASSIGN_OR_RETURN(auto ring, session->partitions->MapExtra(ring::RingBytes()));
@@ -1411,7 +1415,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   // Its partitions' ids, in the manifest's order (by id), taken before the
   // checkpoint: a lease running out meanwhile closes the session, and the
   // keeper's count check notices.
-  KeptSession kept{SessionKey{s->id, s->token}, s->name, "", {}, s->keep_for_resume};
+  KeptSession kept{SessionKey{s->id, s->token}, s->name, "", {}, s->keep_for_resume, std::nullopt};
   {
     absl::MutexLock lock(&mu_);
     if (!sessions_.contains(s->id)) return absl::FailedPreconditionError("it was closed meanwhile");
@@ -1419,6 +1423,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
       if (owner == s->id) kept.partition_ids.push_back(partition);
     }
     kept.restore_from = s->restore_from;
+    kept.restore_steps = s->restore_steps;
   }
   std::sort(kept.partition_ids.begin(), kept.partition_ids.end());
   // What the trainer held goes, as when it goes away (it fetches again once
@@ -1472,6 +1477,7 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
     // session was opened to restore, if any, else start anew.
     session->restore.reset();
     session->restore_from = kept.restore_from;
+    session->restore_steps = kept.restore_steps;
     // Gone (a lost session's automatic checkpoint it restored goes once
     // two of its own are in): what it held is in this session's state;
     // partitions registered later start anew.
@@ -1479,7 +1485,8 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
       session->restore_from.clear();
     }
     if (!session->restore_from.empty()) {
-      ASSIGN_OR_RETURN(session->restore, CheckpointRestore::Open(session->restore_from, kept.name));
+      ASSIGN_OR_RETURN(session->restore, CheckpointRestore::Open(session->restore_from, kept.name,
+                                                                 kept.restore_steps));
     }
     return absl::OkStatus();
   }();

@@ -426,9 +426,10 @@ class SessionManager {
   struct KeptSession {
     SessionKey key;
     std::string name;
-    std::string restore_from;             // the checkpoint it was opened to restore, if any
-    std::vector<uint64_t> partition_ids;  // ascending: its checkpoint manifest's order
-    bool keep_for_resume = false;         // RestoreFrom::keep_for_resume
+    std::string restore_from;               // the checkpoint it was opened to restore, if any
+    std::vector<uint64_t> partition_ids;    // ascending: its checkpoint manifest's order
+    bool keep_for_resume = false;           // RestoreFrom::keep_for_resume
+    std::optional<uint64_t> restore_steps;  // RestoreFrom::steps, with restore_from
   };
   // Closes every session's request ring between calls (one posted is served
   // and answered first; RingServer::Drain), so that what a trainer saw
