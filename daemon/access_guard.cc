@@ -1,5 +1,7 @@
 #include "daemon/access_guard.h"
 
+#include <string>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/secret.h"
@@ -14,9 +16,19 @@ bool AccessGuard::HasToken(const grpc::ServerContext& context) const {
          SecretsEqual(absl::string_view(it->second.data(), it->second.size()), token_);
 }
 
+namespace {
+// The unix socket's connections reach gRPC from offloadd's acceptor
+// (daemon/unix_acceptor: grpc::AddInsecureChannelFromFd names them "fd:N");
+// TCP's are gRPC's own ("ipv4:...").
+bool OverUnixSocket(const grpc::ServerContext& context) {
+  const std::string peer = context.peer();
+  return absl::StartsWith(peer, "fd:") || absl::StartsWith(peer, "unix:");
+}
+}  // namespace
+
 absl::Status AccessGuard::CheckMayChange(const grpc::ServerContext& context,
                                          absl::string_view what) const {
-  if (absl::StartsWith(context.peer(), "unix:") || HasToken(context)) return absl::OkStatus();
+  if (OverUnixSocket(context) || HasToken(context)) return absl::OkStatus();
   return absl::PermissionDeniedError(
       absl::StrCat("over TCP offloadd serves read-only status; ", what,
                    " needs the Unix socket, or the token in ", token_path_,

@@ -173,6 +173,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   listen.idle_timeout = absl::Seconds(server.idle_connection_seconds);
   listen.reserved_descriptors = server.reserved_descriptors;
   listen.group = group;
+  listen.max_connections_per_user = server.max_connections_per_user;
   ASSIGN_OR_RETURN(d->server_,
                    GrpcServer::Start(listen, {d->partition_service_.get(), d->config_service_.get(),
                                               d->stats_service_.get()}));

@@ -54,6 +54,12 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            "may have attached at once; its next is refused (RESOURCE_EXHAUSTED) and closed; 0: "
            "no bound but server.max_sessions",
            false, IntRange{0, 1 << 20}});
+  r->Bind("server.max_connections_per_user", &o->server.max_connections_per_user,
+          {"connections",
+           "most connections one user other than offloadd's own (a member of "
+           "server.socket_group) may hold on the socket at once; its next is closed at once; 0: "
+           "no bound",
+           false, IntRange{0, 1 << 20}});
   r->Bind("server.reserved_descriptors", &o->server.reserved_descriptors,
           {"descriptors",
            "file descriptors kept free for the listeners, checkpoints and control calls: "

@@ -85,6 +85,10 @@ struct ServerOptions {
   // `socket_group`) may have attached at once; its next attach (so its
   // OpenSession) is RESOURCE_EXHAUSTED. 0: no bound but max_sessions.
   int64_t max_sessions_per_user = 128;
+  // Connections one such user may hold at once on the unix socket (offloadd
+  // accepts them itself: daemon/unix_acceptor); its next is closed at once.
+  // 0: no bound.
+  int64_t max_connections_per_user = 256;
   int64_t reserved_descriptors = 64;
   int64_t handshake_timeout_seconds = 10;
   int64_t idle_connection_seconds = 600;

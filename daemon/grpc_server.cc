@@ -16,6 +16,7 @@
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "grpc/support/log.h"
+#include "grpcpp/server_posix.h"
 #include "ipc/unix_socket.h"
 
 namespace offload {
@@ -60,8 +61,24 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
     RETURN_IF_ERROR(s->Build());
   }
   g_accept_failed.store(false);
+  UnixAcceptorOptions accept;
+  accept.path = s->options_.unix_path;
+  accept.group = s->options_.group;
+  accept.handshake_timeout = s->options_.handshake_timeout;
+  accept.max_connections_per_user = s->options_.max_connections_per_user;
+  accept.reserved_descriptors = s->options_.reserved_descriptors;
+  ASSIGN_OR_RETURN(s->acceptor_,
+                   UnixAcceptor::Start(std::move(accept), [raw = s.get()](UniqueFd connection) {
+                     raw->Adopt(std::move(connection));
+                   }));
   s->keeper_ = std::thread([raw = s.get()] { raw->Keep(); });
   return s;
+}
+
+void GrpcServer::Adopt(UniqueFd connection) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || server_ == nullptr) return;  // closed: its client reconnects
+  grpc::AddInsecureChannelFromFd(server_.get(), connection.release());
 }
 
 absl::Status GrpcServer::Build() {
@@ -77,8 +94,7 @@ absl::Status GrpcServer::Build() {
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
                                static_cast<int>(absl::ToInt64Milliseconds(options_.idle_timeout)));
   }
-  builder.AddListeningPort(absl::StrCat("unix:", options_.unix_path),
-                           grpc::InsecureServerCredentials());
+  // (The unix socket's connections come from the acceptor: Adopt.)
   int selected_port = -1;
   const int chosen = tcp_port_.load();
   const int port = chosen >= 0 ? chosen : options_.tcp_port;  // the same one on a rebuild
@@ -87,21 +103,10 @@ absl::Status GrpcServer::Build() {
                              &selected_port);
   }
   for (grpc::Service* service : services_) builder.RegisterService(service);
-  // gRPC creates the socket file with the process umask: owner-only (0077
-  // keeps the owner's execute bit, for anything another thread creates
-  // meanwhile), and only then the group's (ShareWithGroup).
-  const mode_t old_mask = umask(0077);
   server_ = builder.BuildAndStart();
-  umask(old_mask);
   if (server_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("gRPC server failed to start on unix:", options_.unix_path,
-                     port >= 0 ? absl::StrCat(" and 127.0.0.1:", port) : ""));
-  }
-  if (options_.group.has_value()) {
-    RETURN_IF_ERROR(ShareWithGroup(options_.unix_path, *options_.group));
-  } else if (chmod(options_.unix_path.c_str(), 0600) != 0) {
-    return PosixError(absl::StrCat("chmod 0600 ", options_.unix_path), errno);
+    return absl::UnavailableError(absl::StrCat(
+        "gRPC server failed to start", port >= 0 ? absl::StrCat(" on 127.0.0.1:", port) : ""));
   }
   if (port >= 0 && tcp_port_ < 0) tcp_port_ = selected_port;  // chosen once, then kept
   return absl::OkStatus();
@@ -153,6 +158,7 @@ void GrpcServer::Shutdown() {
     if (stopping_) return;
     stopping_ = true;
   }
+  acceptor_.reset();  // no new connection
   if (keeper_.joinable()) keeper_.join();
   absl::MutexLock lock(&mu_);
   if (server_ != nullptr) {

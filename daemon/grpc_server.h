@@ -1,15 +1,20 @@
 // The daemon's gRPC server on its unix socket (and 127.0.0.1:port), kept
 // listening.
 //
-// gRPC 1.51 stops accepting on a listener for good once accept4 fails with
-// anything but EAGAIN, EINTR or ECONNABORTED (EMFILE: grpc#20418): the
+// The unix socket is accepted by offloadd (daemon/unix_acceptor), which
+// knows each connection's user before gRPC gets it
+// (grpc::AddInsecureChannelFromFd): another user's connections are bounded
+// (`max_connections_per_user`), descriptors running short are kept for
+// offloadd's own user, and accepting never stops for good.
+// On TCP, gRPC 1.51 accepts itself and stops for good once accept4 fails
+// with anything but EAGAIN, EINTR or ECONNABORTED (EMFILE: grpc#20418): the
 // daemon runs on, deaf. GrpcServer watches gRPC's own log for that failure
 // ("Failed accept4") and, once the process has `reserved_descriptors` free
-// again, builds the server anew on the same addresses with the same
-// services: calls still running on the old one end with UNAVAILABLE and
-// clients reconnect by themselves. Connections that never start HTTP/2 are
-// closed after `handshake_timeout`, those with no call after
-// `idle_timeout`, so that silent ones give their descriptors back.
+// again, builds the server anew with the same services: calls still
+// running on the old one end with UNAVAILABLE and clients reconnect by
+// themselves. Connections that never start HTTP/2 are closed after
+// `handshake_timeout`, those with no call after `idle_timeout`, so that
+// silent ones give their descriptors back.
 //
 // gRPC's log goes through offloadd's (errors only, a repeated one once
 // every 10 seconds with its count). One GrpcServer per process (gRPC's log
@@ -30,6 +35,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/unique_fd.h"
+#include "daemon/unix_acceptor.h"
 #include "grpcpp/grpcpp.h"
 
 namespace offload {
@@ -44,6 +51,9 @@ struct GrpcServerOptions {
   int64_t reserved_descriptors = 64;
   // Members of this group may connect too (the socket is 0660, its group).
   std::optional<gid_t> group;
+  // Connections one such member may hold at once on the unix socket; 0: no
+  // bound.
+  int64_t max_connections_per_user = 0;
 };
 
 class GrpcServer {
@@ -62,12 +72,16 @@ class GrpcServer {
   int64_t rebuilds() const { return rebuilds_.load(std::memory_order_relaxed); }
   // Stops accepting, cancels calls in flight, waits for them. Idempotent.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
+  // The unix socket's acceptor (its counters), null once shut down.
+  UnixAcceptor* acceptor() { return acceptor_.get(); }
 
  private:
   GrpcServer(GrpcServerOptions options, std::vector<grpc::Service*> services);
   absl::Status Build() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The keeper thread: rebuilds after gRPC logged a failed accept.
   void Keep() ABSL_LOCKS_EXCLUDED(mu_);
+  // A connection the acceptor took: the server's from now on.
+  void Adopt(UniqueFd connection) ABSL_LOCKS_EXCLUDED(mu_);
 
   GrpcServerOptions options_;
   const std::vector<grpc::Service*> services_;
@@ -77,6 +91,7 @@ class GrpcServer {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
   std::thread keeper_;
+  std::unique_ptr<UnixAcceptor> acceptor_;  // set at Start, reset at Shutdown
 };
 
 }  // namespace offload

@@ -177,7 +177,7 @@ absl::Status ClaimSocketPath(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path) {
+absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path, int backlog) {
   auto addr = UnixAddress(path);
   if (!addr.ok()) return addr.status();
   RETURN_IF_ERROR(ClaimSocketPath(path));
@@ -190,7 +190,7 @@ absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path) {
   int bind_errno = errno;
   umask(old_mask);
   if (rc != 0) return PosixError(absl::StrCat("bind ", path), bind_errno);
-  if (listen(fd.get(), 64) != 0) return PosixError(absl::StrCat("listen ", path), errno);
+  if (listen(fd.get(), backlog) != 0) return PosixError(absl::StrCat("listen ", path), errno);
   return fd;
 }
 

@@ -49,8 +49,9 @@ absl::Status ShareWithGroup(const std::string& path, gid_t group);
 absl::Status ClaimSocketPath(const std::string& path);
 
 // Creates a listening Unix stream socket at `path` readable and writable by
-// the owner only, after ClaimSocketPath.
-absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path);
+// the owner only, after ClaimSocketPath; `backlog` connections may wait to
+// be accepted.
+absl::StatusOr<UniqueFd> ListenUnixOwnerOnly(const std::string& path, int backlog = 64);
 
 // Connects to the Unix stream socket at `path`.
 absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);

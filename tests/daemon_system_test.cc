@@ -1,7 +1,9 @@
 // System tests: a real offloadd process, driven from this (separate) process
 // through the client library, raw gRPC stubs and the arena channel.
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <grp.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
@@ -1321,11 +1323,28 @@ double CpuSecondsOf(pid_t pid) {
 // the arena channel spun on its readable listener, logging each time.
 TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
   auto d = DaemonProcess::Start({"--server.max_sessions=6", "--server.reserved_descriptors=32",
-                                 "--server.handshake_timeout_seconds=1"});
+                                 "--server.handshake_timeout_seconds=1", "--server.tcp_port=0"});
   ASSERT_TRUE(d.ok()) << d.status();
   const pid_t pid = (*d)->pid();
   auto c = Client::Connect({(*d)->address()});
   ASSERT_TRUE(c.ok()) << c.status();
+  std::string tcp;  // 127.0.0.1:port
+  auto listening = (*c)->GetStats();
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  for (const std::string& l : listening->listening) {
+    if (absl::StartsWith(l, "127.0.0.1:")) tcp = l;
+  }
+  ASSERT_FALSE(tcp.empty());
+  auto connect_tcp = [&] {
+    UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(std::stoi(tcp.substr(tcp.rfind(':') + 1))));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0)
+        << std::strerror(errno);
+    return fd;
+  };
   // Sessions stop at server.max_sessions...
   {
     std::vector<std::unique_ptr<Session>> sessions;
@@ -1371,6 +1390,11 @@ TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
     ASSERT_TRUE(raw.ok()) << raw.status();
     peers.push_back(std::move(*raw));
   }
+  // The gRPC socket's acceptor pauses (the connections stay queued) and
+  // tries again every 100 ms, logging once; on TCP, gRPC's own listener
+  // gives up.
+  ASSERT_TRUE((*d)->WaitForLog("gRPC acceptor: accept").ok()) << (*d)->ReadLog();
+  for (int i = 0; i < 3; ++i) peers.push_back(connect_tcp());
   ASSERT_TRUE((*d)->WaitForLog("gRPC stopped accepting").ok()) << (*d)->ReadLog();
   absl::SleepFor(absl::Seconds(1));
   // No loop spinning on a readable listener (before: a whole core), no
@@ -1386,11 +1410,22 @@ TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
   EXPECT_GE(lines, 1) << log;
   EXPECT_LE(lines, 2) << log;
 
-  // Descriptors come back: gRPC's listeners are built anew and a new
-  // client is served (before: deaf until a restart).
+  int acceptor_lines = 0;
+  for (size_t at = 0; (at = log.find("gRPC acceptor: accept", at)) != std::string::npos; ++at) {
+    ++acceptor_lines;
+  }
+  EXPECT_LE(acceptor_lines, 2) << log;
+
+  // Descriptors come back: the acceptor takes the queued connections and
+  // a new client is served (before offloadd accepted them itself, gRPC's
+  // listener stopped for good and was rebuilt; before that, deaf until a
+  // restart).
   peers.clear();
   SetDescriptorLimitOf(pid, limit);
   ASSERT_TRUE((*d)->WaitForLog("gRPC listeners rebuilt").ok()) << (*d)->ReadLog();
+  auto over_tcp = Client::Connect({tcp});
+  ASSERT_TRUE(over_tcp.ok()) << over_tcp.status();
+  EXPECT_TRUE((*over_tcp)->GetStats().ok());
   auto fresh = Client::Connect({(*d)->address()});
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   auto s = (*fresh)->OpenSession("after");
@@ -1617,6 +1652,52 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
     ASSERT_TRUE(a.ok()) << a.status();
     mine.push_back(*std::move(a));
   }
+}
+
+// offloadd accepts its gRPC socket's connections itself: a user other than
+// its own holds at most server.max_connections_per_user of them (waiting for
+// their first bytes or serving calls); its next is closed at once, while
+// offloadd's own user still gets in.
+TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
+  if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
+  char dir[] = "/tmp/offloadd_conns.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_dir(dir);
+  ASSERT_EQ(chmod(dir, 0755), 0);
+  const std::string socket_path = std::string(dir) + "/offloadd.sock";
+  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
+                                 "--server.max_connections_per_user=3"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  // As nobody, in group users: five connections held open; the number the
+  // daemon closed within a second (its end read) is the exit status.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const gid_t users = 100;
+    if (setgroups(1, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(255);
+    std::vector<UniqueFd> held;
+    for (int i = 0; i < 5; ++i) {
+      absl::StatusOr<UniqueFd> c = ConnectUnix(socket_path);
+      if (!c.ok()) _exit(254);
+      held.push_back(*std::move(c));
+      absl::SleepFor(absl::Milliseconds(50));  // one after another, as counted
+    }
+    int closed = 0;
+    for (UniqueFd& c : held) {
+      timeval tv{1, 0};
+      setsockopt(c.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      char buf[64];
+      if (recv(c.get(), buf, sizeof(buf), 0) == 0) ++closed;
+    }
+    _exit(closed);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 2);
+  EXPECT_TRUE(absl::StrContains((*d)->ReadLog(), "server.max_connections_per_user 3"))
+      << (*d)->ReadLog();
+  auto c = Client::Connect({"unix:" + socket_path});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->GetStats().ok());
 }
 
 // server.socket_group: the trainers' group reaches both sockets and

@@ -1,0 +1,112 @@
+// The daemon's gRPC Unix socket, accepted by offloadd rather than by gRPC:
+// each connection's peer is known (SO_PEERCRED) before gRPC sees a byte of
+// it, so that
+//   - a user other than offloadd's own and root (a member of
+//     server.socket_group) holds at most `max_connections_per_user`
+//     connections at once; past it a new one is closed at once;
+//   - when fewer than `reserved_descriptors` descriptors are free, only
+//     offloadd's own user (and root) gets in: the operator's control calls
+//     keep their way in;
+//   - out of descriptors (EMFILE), accepting pauses and resumes by itself
+//     (gRPC 1.51's own accept loop gives a listener up for good: grpc#20418);
+//   - a connection whose peer sends nothing within `handshake_timeout` is
+//     closed (gRPC's handshake timeout does not apply to connections it is
+//     handed).
+// A connection whose peer sent its first bytes goes to `deliver`
+// (GrpcServer: grpc::AddInsecureChannelFromFd), which owns it from then on.
+// The acceptor remembers which user each delivered connection belongs to
+// and which socket it is (its inode), so that one gRPC has closed since no
+// longer counts.
+//
+// Thread-safety: one thread of its own runs the accept loop; `deliver` is
+// called on it. The counters are atomics.
+#ifndef OFFLOADD_DAEMON_UNIX_ACCEPTOR_H_
+#define OFFLOADD_DAEMON_UNIX_ACCEPTOR_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "base/log.h"
+#include "base/unique_fd.h"
+
+namespace offload {
+
+struct UnixAcceptorOptions {
+  std::string path;            // created owner-only (0600), or 0660 for `group`
+  std::optional<gid_t> group;  // its members may connect too
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  int64_t max_connections_per_user = 0;  // 0: no bound
+  int64_t reserved_descriptors = 64;
+  int max_pending = 256;  // connections waiting for their first bytes
+};
+
+class UnixAcceptor {
+ public:
+  static absl::StatusOr<std::unique_ptr<UnixAcceptor>> Start(
+      UnixAcceptorOptions options, std::function<void(UniqueFd connection)> deliver);
+  // Stops the thread and closes the waiting connections (not the delivered
+  // ones, which are gRPC's).
+  ~UnixAcceptor();
+  UnixAcceptor(const UnixAcceptor&) = delete;
+  UnixAcceptor& operator=(const UnixAcceptor&) = delete;
+
+  // Connections closed at once: past a user's bound, or for another user
+  // while descriptors are short.
+  int64_t refused() const { return refused_.load(std::memory_order_relaxed); }
+  // Connections closed because their peer sent nothing in time.
+  int64_t timed_out() const { return timed_out_.load(std::memory_order_relaxed); }
+  // Delivered connections of user `uid` still open (checked now).
+  int64_t ConnectionsOf(uid_t uid);
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Waiting {
+    UniqueFd connection;
+    uid_t uid;
+    Clock::time_point deadline;
+  };
+  struct Delivered {
+    int fd;       // gRPC's now: only looked at (fstat), never closed here
+    ino_t inode;  // the socket's: another file on the same number is not it
+    uid_t uid;
+  };
+
+  UnixAcceptor(UnixAcceptorOptions options, UniqueFd listener, UniqueFd stop,
+               std::function<void(UniqueFd)> deliver);
+  void Serve();
+  void Accept();
+  void Deliver(Waiting w);
+  // Drops what gRPC closed since; then the live ones of `uid`.
+  int64_t CountLive(uid_t uid);
+
+  const UnixAcceptorOptions options_;
+  const UniqueFd listener_;
+  const UniqueFd stop_;
+  const std::function<void(UniqueFd)> deliver_;
+  const uid_t self_;
+  // Only the serving thread touches these (ConnectionsOf takes mu_).
+  std::vector<Waiting> waiting_;
+  absl::Mutex mu_;
+  std::vector<Delivered> delivered_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point paused_until_{};
+  LogLimiter errors_{absl::Seconds(10)};
+  std::atomic<int64_t> refused_{0}, timed_out_{0};
+  std::thread thread_;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_DAEMON_UNIX_ACCEPTOR_H_
