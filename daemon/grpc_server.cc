@@ -50,15 +50,20 @@ void OnGrpcLog(gpr_log_func_args* args) {
 }  // namespace
 
 GrpcServer::GrpcServer(GrpcServerOptions options, std::vector<grpc::Service*> services)
-    : options_(std::move(options)), services_(std::move(services)) {}
+    : options_(std::move(options)), services_(std::move(services)) {
+  quota_.SetMaxThreads(options_.max_threads);
+}
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
     GrpcServerOptions options, std::vector<grpc::Service*> services) {
   gpr_set_log_function(&OnGrpcLog);
   std::unique_ptr<GrpcServer> s(new GrpcServer(std::move(options), std::move(services)));
-  {
+  // The unix socket's calls on a server of their own, never rebuilt: TCP's
+  // troubles do not cut them.
+  ASSIGN_OR_RETURN(s->unix_server_, s->Build(/*tcp=*/false));
+  if (s->options_.tcp_port >= 0) {
     absl::MutexLock lock(&s->mu_);
-    RETURN_IF_ERROR(s->Build());
+    ASSIGN_OR_RETURN(s->server_, s->Build(/*tcp=*/true));
   }
   g_accept_failed.store(false);
   UnixAcceptorOptions accept;
@@ -71,21 +76,19 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
                    UnixAcceptor::Start(std::move(accept), [raw = s.get()](UniqueFd connection) {
                      raw->Adopt(std::move(connection));
                    }));
-  s->keeper_ = std::thread([raw = s.get()] { raw->Keep(); });
+  if (s->options_.tcp_port >= 0) s->keeper_ = std::thread([raw = s.get()] { raw->Keep(); });
   return s;
 }
 
 void GrpcServer::Adopt(UniqueFd connection) {
-  absl::MutexLock lock(&mu_);
-  if (stopping_ || server_ == nullptr) return;  // closed: its client reconnects
-  grpc::AddInsecureChannelFromFd(server_.get(), connection.release());
+  // (unix_server_ stands from before the acceptor starts until after it
+  // stopped.)
+  grpc::AddInsecureChannelFromFd(unix_server_.get(), connection.release());
 }
 
-absl::Status GrpcServer::Build() {
+absl::StatusOr<std::unique_ptr<grpc::Server>> GrpcServer::Build(bool tcp) {
   grpc::ServerBuilder builder;
-  grpc::ResourceQuota quota("offloadd");
-  quota.SetMaxThreads(options_.max_threads);
-  builder.SetResourceQuota(quota);
+  builder.SetResourceQuota(quota_);  // one bound on threads for both servers
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams_per_connection);
   builder.AddChannelArgument(
       GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
@@ -98,18 +101,19 @@ absl::Status GrpcServer::Build() {
   int selected_port = -1;
   const int chosen = tcp_port_.load();
   const int port = chosen >= 0 ? chosen : options_.tcp_port;  // the same one on a rebuild
-  if (port >= 0) {
+  if (tcp) {
     builder.AddListeningPort(absl::StrCat("127.0.0.1:", port), grpc::InsecureServerCredentials(),
                              &selected_port);
   }
+  // (Synchronous services may serve several servers.)
   for (grpc::Service* service : services_) builder.RegisterService(service);
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "gRPC server failed to start", port >= 0 ? absl::StrCat(" on 127.0.0.1:", port) : ""));
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) {
+    return absl::UnavailableError(absl::StrCat("gRPC server failed to start",
+                                               tcp ? absl::StrCat(" on 127.0.0.1:", port) : ""));
   }
-  if (port >= 0 && tcp_port_ < 0) tcp_port_ = selected_port;  // chosen once, then kept
-  return absl::OkStatus();
+  if (tcp && tcp_port_ < 0) tcp_port_ = selected_port;  // chosen once, then kept
+  return server;
 }
 
 void GrpcServer::Keep() {
@@ -138,14 +142,15 @@ void GrpcServer::Keep() {
       server_.reset();
     }
     g_accept_failed.store(false, std::memory_order_release);  // the old listeners' last words
-    absl::Status built;
-    while (!(built = Build()).ok()) {
+    absl::StatusOr<std::unique_ptr<grpc::Server>> built;
+    while (!(built = Build(/*tcp=*/true)).ok()) {
       // (A port taken meanwhile, descriptors gone again.)
-      server_.reset();
-      LogError("rebuilding the gRPC listeners failed (retrying in a second): %s", built.ToString());
+      LogError("rebuilding the gRPC listeners failed (retrying in a second): %s",
+               built.status().ToString());
       mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Seconds(1));
       if (stopping_) return;
     }
+    server_ = *std::move(built);
     rebuilds_.fetch_add(1, std::memory_order_relaxed);
     LogInfo("gRPC listeners rebuilt %d ms after they stopped accepting (%d of %d descriptors open)",
             absl::ToInt64Milliseconds(absl::Now() - failed), use.open, use.limit);
@@ -161,9 +166,11 @@ void GrpcServer::Shutdown() {
   acceptor_.reset();  // no new connection
   if (keeper_.joinable()) keeper_.join();
   absl::MutexLock lock(&mu_);
-  if (server_ != nullptr) {
-    server_->Shutdown(std::chrono::system_clock::now());
-    server_->Wait();
+  for (grpc::Server* server : {server_.get(), unix_server_.get()}) {
+    if (server != nullptr) server->Shutdown(std::chrono::system_clock::now());
+  }
+  for (grpc::Server* server : {server_.get(), unix_server_.get()}) {
+    if (server != nullptr) server->Wait();
   }
 }
 

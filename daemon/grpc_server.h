@@ -72,12 +72,12 @@ class GrpcServer {
   int64_t rebuilds() const { return rebuilds_.load(std::memory_order_relaxed); }
   // Stops accepting, cancels calls in flight, waits for them. Idempotent.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
-  // The unix socket's acceptor (its counters), null once shut down.
-  UnixAcceptor* acceptor() { return acceptor_.get(); }
 
  private:
   GrpcServer(GrpcServerOptions options, std::vector<grpc::Service*> services);
-  absl::Status Build() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A server of the services: on the TCP port (`tcp`), or on no port, for
+  // the unix socket's connections (Adopt).
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Build(bool tcp);
   // The keeper thread: rebuilds after gRPC logged a failed accept.
   void Keep() ABSL_LOCKS_EXCLUDED(mu_);
   // A connection the acceptor took: the server's from now on.
@@ -89,7 +89,9 @@ class GrpcServer {
   std::atomic<int64_t> rebuilds_{0};
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);  // TCP's, rebuilt
+  std::unique_ptr<grpc::Server> unix_server_;                  // set at Start, never rebuilt
+  grpc::ResourceQuota quota_{"offloadd"};                      // threads, both servers'
   std::thread keeper_;
   std::unique_ptr<UnixAcceptor> acceptor_;  // set at Start, reset at Shutdown
 };

@@ -9,9 +9,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/descriptors.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -22,7 +25,12 @@ namespace offload {
 absl::StatusOr<std::unique_ptr<UnixAcceptor>> UnixAcceptor::Start(
     UnixAcceptorOptions options, std::function<void(UniqueFd)> deliver) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(options.path, /*backlog=*/1024));
-  if (options.group.has_value()) RETURN_IF_ERROR(ShareWithGroup(options.path, *options.group));
+  if (options.group.has_value()) {
+    if (absl::Status shared = ShareWithGroup(options.path, *options.group); !shared.ok()) {
+      unlink(options.path.c_str());
+      return shared;
+    }
+  }
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
   if (!stop.valid()) return PosixError("eventfd", errno);
   auto acceptor = std::unique_ptr<UnixAcceptor>(new UnixAcceptor(
@@ -63,47 +71,95 @@ int64_t UnixAcceptor::CountLive(uid_t uid) {
   return n;
 }
 
+namespace {
+// What an HTTP/2 client sends first (RFC 9113, 3.4).
+constexpr char kPreface[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+constexpr size_t kPrefaceBytes = sizeof(kPreface) - 1;
+// How often a connection that sent part of the preface is looked at again.
+constexpr auto kPartialTick = std::chrono::milliseconds(20);
+}  // namespace
+
+UnixAcceptor::Preface UnixAcceptor::Peek(const Waiting& w) const {
+  char got[kPrefaceBytes];
+  const ssize_t n = recv(w.connection.get(), got, sizeof(got), MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0) return errno == EAGAIN || errno == EINTR ? Preface::kPartial : Preface::kBad;
+  if (n == 0) return Preface::kBad;  // hung up
+  if (std::memcmp(got, kPreface, static_cast<size_t>(n)) != 0) return Preface::kBad;
+  return static_cast<size_t>(n) == kPrefaceBytes ? Preface::kWhole : Preface::kPartial;
+}
+
 void UnixAcceptor::Serve() {
   std::vector<pollfd> fds;
   for (;;) {
     const Clock::time_point now = Clock::now();
     const bool accepting = now >= paused_until_;
     fds.assign({{accepting ? listener_.get() : -1, POLLIN, 0}, {stop_.get(), POLLIN, 0}});
-    for (const Waiting& w : waiting_) fds.push_back({w.connection.get(), POLLIN | POLLRDHUP, 0});
     Clock::time_point wake = Clock::time_point::max();
     if (!accepting) wake = paused_until_;
-    for (const Waiting& w : waiting_) wake = std::min(wake, w.deadline);
+    for (const Waiting& w : waiting_) {
+      // One that sent part of the preface stays readable: looked at on a
+      // tick instead of waking every poll.
+      fds.push_back({w.connection.get(),
+                     static_cast<int16_t>(w.partial ? POLLRDHUP : POLLIN | POLLRDHUP), 0});
+      wake = std::min(wake, w.partial ? std::min(w.deadline, now + kPartialTick) : w.deadline);
+    }
     int timeout_ms = -1;
     if (wake != Clock::time_point::max()) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count();
       timeout_ms = static_cast<int>(std::max<int64_t>(0, left) + 1);
     }
     if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
-      if (errno == EINTR) continue;
-      LogError("gRPC acceptor: %s", PosixError("poll", errno).ToString());
-      return;
+      const int err = errno;
+      if (err == EINTR) continue;
+      // (ENOMEM: try again in a moment; never give up.)
+      if (int64_t held = accept_errors_.Admit(absl::Now()); held >= 0) {
+        LogError("gRPC acceptor: %s%s", PosixError("poll", err).message(), LogLimiter::Held(held));
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+      continue;
     }
     if (fds[1].revents != 0) return;
-    // Waiting connections: delivered once their peer said something (its
-    // HTTP/2 preface; a hang-up goes too, gRPC reads the end), closed past
-    // their deadline. Back to front, so that erasing keeps the indices of
-    // those not yet seen.
+    // Waiting connections: delivered once their peer sent the preface,
+    // closed if it sent anything else, hung up, or is past its deadline.
+    // Back to front, so that erasing keeps the indices of those not yet
+    // seen.
     const Clock::time_point after = Clock::now();
     for (size_t i = waiting_.size(); i-- > 0;) {
-      const bool ready = fds[2 + i].revents != 0;
-      if (!ready && waiting_[i].deadline > after) continue;
-      Waiting w = std::move(waiting_[i]);
-      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-      if (!ready) {
-        timed_out_.fetch_add(1, std::memory_order_relaxed);
+      Waiting& w = waiting_[i];
+      const bool looked_at = fds[2 + i].revents != 0 || w.partial || w.deadline <= after;
+      if (!looked_at) continue;
+      const Preface preface = Peek(w);
+      if (preface == Preface::kPartial && w.deadline > after) {
+        w.partial = true;
         continue;
       }
-      char first;
-      const ssize_t got = recv(w.connection.get(), &first, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (got > 0) Deliver(std::move(w));  // (else it hung up first: closed)
+      Waiting taken = std::move(w);
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+      if (preface == Preface::kWhole) {
+        Deliver(std::move(taken));
+      } else if (preface == Preface::kPartial) {
+        timed_out_.fetch_add(1, std::memory_order_relaxed);  // (closed)
+      }
     }
     if (fds[0].revents != 0) Accept();
   }
+}
+
+bool UnixAcceptor::ShortOfDescriptors(int at) {
+  rlimit limit{};
+  getrlimit(RLIMIT_NOFILE, &limit);
+  const int64_t max = static_cast<int64_t>(limit.rlim_cur);
+  // The kernel hands out the lowest free number: every one below `at` is
+  // open, so this many at least.
+  if (at + options_.reserved_descriptors >= max) return true;
+  // Otherwise counted (holes below may hide many open above), at most once
+  // every 100 ms.
+  const Clock::time_point now = Clock::now();
+  if (now - descriptors_counted_ >= std::chrono::milliseconds(100)) {
+    free_descriptors_ = CountDescriptors().free();
+    descriptors_counted_ = now;
+  }
+  return free_descriptors_ < options_.reserved_descriptors;
 }
 
 void UnixAcceptor::Accept() {
@@ -115,7 +171,7 @@ void UnixAcceptor::Accept() {
     // and accepting resumes in a moment, without spinning on a readable
     // listener.
     paused_until_ = Clock::now() + std::chrono::milliseconds(100);
-    if (int64_t held = errors_.Admit(absl::Now()); held >= 0) {
+    if (int64_t held = accept_errors_.Admit(absl::Now()); held >= 0) {
       LogWarning("gRPC acceptor: %s; accepting again in 100 ms%s",
                  PosixError("accept", err).message(), LogLimiter::Held(held));
     }
@@ -126,7 +182,7 @@ void UnixAcceptor::Accept() {
   const bool owner = cred->uid == self_ || cred->uid == 0;
   auto refuse = [&](const std::string& why) {
     refused_.fetch_add(1, std::memory_order_relaxed);
-    if (int64_t held = errors_.Admit(absl::Now()); held >= 0) {
+    if (int64_t held = refusals_.Admit(absl::Now()); held >= 0) {
       LogWarning("gRPC acceptor: refused a connection of uid %d (pid %d): %s%s",
                  static_cast<int>(cred->uid), static_cast<int>(cred->pid), why,
                  LogLimiter::Held(held));
@@ -139,21 +195,13 @@ void UnixAcceptor::Accept() {
     } else {
       return refuse("not offloadd's user");
     }
-    // Descriptors short: the rest are offloadd's own user's. (The kernel
-    // hands out the lowest free number: every one below this is open.)
-    rlimit limit{};
-    getrlimit(RLIMIT_NOFILE, &limit);
-    const int64_t max = static_cast<int64_t>(limit.rlim_cur);
-    const int64_t at = conn.get();
-    const bool short_of_descriptors =
-        at + options_.reserved_descriptors >= max ||
-        (2 * at >= max && CountDescriptors().free() < options_.reserved_descriptors);
-    if (short_of_descriptors) {
+    // Descriptors short: the rest are offloadd's own user's.
+    if (ShortOfDescriptors(conn.get())) {
       return refuse(absl::StrCat("fewer than server.reserved_descriptors (",
                                  options_.reserved_descriptors,
                                  ") free, kept for offloadd's own user"));
     }
-    if (options_.max_connections_per_user > 0) {
+    if (Bounded(cred->uid)) {
       int64_t waiting = 0;
       for (const Waiting& w : waiting_) waiting += w.uid == cred->uid ? 1 : 0;
       const int64_t held = CountLive(cred->uid) + waiting;
@@ -166,9 +214,22 @@ void UnixAcceptor::Accept() {
     }
   }
   if (static_cast<int>(waiting_.size()) >= options_.max_pending) {
-    // The oldest waiting one goes (a flood of silent connections must not
-    // keep new ones out).
-    waiting_.erase(waiting_.begin());
+    // One waiting goes, so that a flood of silent connections does not keep
+    // new ones out: the oldest of the user with the most waiting, offloadd's
+    // own user's last.
+    absl::flat_hash_map<uid_t, int> count;
+    for (const Waiting& w : waiting_) ++count[w.uid];
+    auto weight = [&](uid_t uid) { return (uid == self_ || uid == 0 ? 0 : 1 << 20) + count[uid]; };
+    uid_t most = waiting_.front().uid;
+    for (const auto& [uid, n] : count) {
+      if (weight(uid) > weight(most)) most = uid;
+    }
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      if (it->uid == most) {
+        waiting_.erase(it);
+        break;
+      }
+    }
     timed_out_.fetch_add(1, std::memory_order_relaxed);
   }
   waiting_.push_back(Waiting{std::move(conn), cred->uid,
@@ -176,9 +237,9 @@ void UnixAcceptor::Accept() {
 }
 
 void UnixAcceptor::Deliver(Waiting w) {
-  struct stat st;
-  if (fstat(w.connection.get(), &st) != 0) return;
-  {
+  if (Bounded(w.uid)) {
+    struct stat st;
+    if (fstat(w.connection.get(), &st) != 0) return;
     absl::MutexLock lock(&mu_);
     delivered_.push_back(Delivered{w.connection.get(), st.st_ino, w.uid});
   }

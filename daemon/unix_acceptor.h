@@ -9,14 +9,15 @@
 //     keep their way in;
 //   - out of descriptors (EMFILE), accepting pauses and resumes by itself
 //     (gRPC 1.51's own accept loop gives a listener up for good: grpc#20418);
-//   - a connection whose peer sends nothing within `handshake_timeout` is
-//     closed (gRPC's handshake timeout does not apply to connections it is
+//   - a connection whose peer has not sent HTTP/2's client preface within
+//     `handshake_timeout` is closed, and one that sends anything else at
+//     once (gRPC's handshake timeout does not apply to connections it is
 //     handed).
-// A connection whose peer sent its first bytes goes to `deliver`
-// (GrpcServer: grpc::AddInsecureChannelFromFd), which owns it from then on.
-// The acceptor remembers which user each delivered connection belongs to
-// and which socket it is (its inode), so that one gRPC has closed since no
-// longer counts.
+// A connection whose peer sent the preface goes to `deliver` (GrpcServer:
+// grpc::AddInsecureChannelFromFd), which owns it from then on. The acceptor
+// remembers which user each delivered connection of a bounded user belongs
+// to and which socket it is (its inode), so that one gRPC has closed since
+// no longer counts.
 //
 // Thread-safety: one thread of its own runs the accept loop; `deliver` is
 // called on it. The counters are atomics.
@@ -77,6 +78,7 @@ class UnixAcceptor {
     UniqueFd connection;
     uid_t uid;
     Clock::time_point deadline;
+    bool partial = false;  // part of the preface came: looked at again on a tick
   };
   struct Delivered {
     int fd;       // gRPC's now: only looked at (fstat), never closed here
@@ -88,7 +90,17 @@ class UnixAcceptor {
                std::function<void(UniqueFd)> deliver);
   void Serve();
   void Accept();
+  // Whether `w`'s peer sent the whole preface (then it is delivered),
+  // something else or hung up (closed), or part of it (waits on).
+  enum class Preface { kWhole, kPartial, kBad };
+  Preface Peek(const Waiting& w) const;
   void Deliver(Waiting w);
+  // Whether the connection of `uid` just accepted as descriptor number
+  // `at` would leave fewer than reserved_descriptors free.
+  bool ShortOfDescriptors(int at);
+  bool Bounded(uid_t uid) const {
+    return uid != self_ && uid != 0 && options_.max_connections_per_user > 0;
+  }
   // Drops what gRPC closed since; then the live ones of `uid`.
   int64_t CountLive(uid_t uid);
 
@@ -102,7 +114,9 @@ class UnixAcceptor {
   absl::Mutex mu_;
   std::vector<Delivered> delivered_ ABSL_GUARDED_BY(mu_);
   Clock::time_point paused_until_{};
-  LogLimiter errors_{absl::Seconds(10)};
+  Clock::time_point descriptors_counted_{};
+  int64_t free_descriptors_ = 0;  // as counted then
+  LogLimiter accept_errors_{absl::Seconds(10)}, refusals_{absl::Seconds(10)};
   std::atomic<int64_t> refused_{0}, timed_out_{0};
   std::thread thread_;
 };
