@@ -1431,7 +1431,7 @@ TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
   auto s = (*fresh)->OpenSession("after");
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_TRUE((*s)->Register("w", 10, DType::kFp32, DType::kFp32).ok());
-  EXPECT_TRUE((*c)->GetStats().ok());  // the first client reconnected by itself
+  EXPECT_TRUE((*c)->GetStats().ok());  // the first client (Unix socket) never lost its way in
 }
 
 // Connections that never start HTTP/2 give their descriptors back.
