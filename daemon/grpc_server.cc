@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -50,9 +51,7 @@ void OnGrpcLog(gpr_log_func_args* args) {
 }  // namespace
 
 GrpcServer::GrpcServer(GrpcServerOptions options, std::vector<grpc::Service*> services)
-    : options_(std::move(options)), services_(std::move(services)) {
-  quota_.SetMaxThreads(options_.max_threads);
-}
+    : options_(std::move(options)), services_(std::move(services)) {}
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
     GrpcServerOptions options, std::vector<grpc::Service*> services) {
@@ -88,7 +87,13 @@ void GrpcServer::Adopt(UniqueFd connection) {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> GrpcServer::Build(bool tcp) {
   grpc::ServerBuilder builder;
-  builder.SetResourceQuota(quota_);  // one bound on threads for both servers
+  // Each server its own threads (a server that cannot reserve one at start
+  // aborts the process: a rebuilt TCP server must not find the Unix
+  // socket's calls holding them all). TCP's is read-only status, or the
+  // token holder's: an eighth.
+  grpc::ResourceQuota quota(tcp ? "offloadd-tcp" : "offloadd");
+  quota.SetMaxThreads(tcp ? std::max(2, options_.max_threads / 8) : options_.max_threads);
+  builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams_per_connection);
   builder.AddChannelArgument(
       GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,

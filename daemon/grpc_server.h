@@ -91,7 +91,6 @@ class GrpcServer {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);  // TCP's, rebuilt
   std::unique_ptr<grpc::Server> unix_server_;                  // set at Start, never rebuilt
-  grpc::ResourceQuota quota_{"offloadd"};                      // threads, both servers'
   std::thread keeper_;
   std::unique_ptr<UnixAcceptor> acceptor_;  // set at Start, reset at Shutdown
 };

@@ -126,9 +126,15 @@ void UnixAcceptor::Serve() {
     const Clock::time_point after = Clock::now();
     for (size_t i = waiting_.size(); i-- > 0;) {
       Waiting& w = waiting_[i];
-      const bool looked_at = fds[2 + i].revents != 0 || w.partial || w.deadline <= after;
+      const int16_t revents = fds[2 + i].revents;
+      const bool looked_at = revents != 0 || w.partial || w.deadline <= after;
       if (!looked_at) continue;
-      const Preface preface = Peek(w);
+      Preface preface = Peek(w);
+      // A peer that shut its end can never finish the preface (what it
+      // sent stays queued: it would look partial for ever).
+      if (preface == Preface::kPartial && (revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) {
+        preface = Preface::kBad;
+      }
       if (preface == Preface::kPartial && w.deadline > after) {
         w.partial = true;
         continue;
@@ -139,6 +145,8 @@ void UnixAcceptor::Serve() {
         Deliver(std::move(taken));
       } else if (preface == Preface::kPartial) {
         timed_out_.fetch_add(1, std::memory_order_relaxed);  // (closed)
+      } else {
+        rejected_.fetch_add(1, std::memory_order_relaxed);
       }
     }
     if (fds[0].revents != 0) Accept();
@@ -152,14 +160,18 @@ bool UnixAcceptor::ShortOfDescriptors(int at) {
   // The kernel hands out the lowest free number: every one below `at` is
   // open, so this many at least.
   if (at + options_.reserved_descriptors >= max) return true;
-  // Otherwise counted (holes below may hide many open above), at most once
-  // every 100 ms.
+  // Otherwise counted (holes below may hide many open above): at most once
+  // every 100 ms while far from the reserve, each admitted connection
+  // taking one from the count meanwhile; every time when close to it.
   const Clock::time_point now = Clock::now();
-  if (now - descriptors_counted_ >= std::chrono::milliseconds(100)) {
+  if (now - descriptors_counted_ >= std::chrono::milliseconds(100) ||
+      free_descriptors_ < 2 * options_.reserved_descriptors) {
     free_descriptors_ = CountDescriptors().free();
     descriptors_counted_ = now;
   }
-  return free_descriptors_ < options_.reserved_descriptors;
+  if (free_descriptors_ < options_.reserved_descriptors) return true;
+  --free_descriptors_;  // this one, admitted
+  return false;
 }
 
 void UnixAcceptor::Accept() {
@@ -219,11 +231,16 @@ void UnixAcceptor::Accept() {
     // own user's last.
     absl::flat_hash_map<uid_t, int> count;
     for (const Waiting& w : waiting_) ++count[w.uid];
-    auto weight = [&](uid_t uid) { return (uid == self_ || uid == 0 ? 0 : 1 << 20) + count[uid]; };
+    auto weight = [&](uid_t uid) {
+      return (uid == self_ || uid == 0 ? 0 : 1 << 20) + count.at(uid);
+    };
     uid_t most = waiting_.front().uid;
     for (const auto& [uid, n] : count) {
       if (weight(uid) > weight(most)) most = uid;
     }
+    // Only offloadd's own user's wait: another user's newcomer is the one
+    // that goes.
+    if (!owner && weight(most) < (1 << 20)) return refuse("the queue of connections is full");
     for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
       if (it->uid == most) {
         waiting_.erase(it);

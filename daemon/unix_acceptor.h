@@ -67,8 +67,12 @@ class UnixAcceptor {
   // Connections closed at once: past a user's bound, or for another user
   // while descriptors are short.
   int64_t refused() const { return refused_.load(std::memory_order_relaxed); }
-  // Connections closed because their peer sent nothing in time.
+  // Connections closed because their peer sent nothing in time (or the
+  // queue was full).
   int64_t timed_out() const { return timed_out_.load(std::memory_order_relaxed); }
+  // Connections closed because their peer sent something other than
+  // HTTP/2's preface, or hung up first.
+  int64_t rejected() const { return rejected_.load(std::memory_order_relaxed); }
   // Delivered connections of user `uid` still open (checked now).
   int64_t ConnectionsOf(uid_t uid);
 
@@ -117,7 +121,7 @@ class UnixAcceptor {
   Clock::time_point descriptors_counted_{};
   int64_t free_descriptors_ = 0;  // as counted then
   LogLimiter accept_errors_{absl::Seconds(10)}, refusals_{absl::Seconds(10)};
-  std::atomic<int64_t> refused_{0}, timed_out_{0};
+  std::atomic<int64_t> refused_{0}, timed_out_{0}, rejected_{0};
   std::thread thread_;
 };
 
