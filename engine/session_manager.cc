@@ -103,11 +103,21 @@ struct SessionManager::Session {
   bool step_started ABSL_GUARDED_BY(step_mu) = false;
   bool step_running ABSL_GUARDED_BY(step_mu) = false;
   absl::StatusOr<StepSummary> step_result ABSL_GUARDED_BY(step_mu);
+  // Until no overlapped step of it runs.
+  void AwaitNoStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
+    step_mu.Await(absl::Condition(
+        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, this));
+  }
 
   // The last background checkpoint: running, or its outcome.
   absl::Mutex checkpoint_mu;
   bool checkpoint_started ABSL_GUARDED_BY(checkpoint_mu) = false;
   bool checkpoint_running ABSL_GUARDED_BY(checkpoint_mu) = false;
+  // Until no checkpoint of it is being written.
+  void AwaitNoCheckpoint() ABSL_EXCLUSIVE_LOCKS_REQUIRED(checkpoint_mu) {
+    checkpoint_mu.Await(absl::Condition(
+        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, this));
+  }
   absl::StatusOr<CheckpointSummary> checkpoint_result ABSL_GUARDED_BY(checkpoint_mu);
   std::thread checkpoint_thread ABSL_GUARDED_BY(checkpoint_mu);
   std::atomic<bool> checkpoint_cancel{false};
@@ -244,9 +254,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   } else {
     RETURN_IF_ERROR(env_->RandomBytes(token.data(), token.size()));
     absl::MutexLock lock(&mu_);
-    // A kept session of an earlier offloadd drew the same incarnation.
-    while (sessions_.contains(next_session_id_)) ++next_session_id_;
-    id = next_session_id_++;
+    id = NewSessionId();
   }
   ASSIGN_OR_RETURN(std::unique_ptr<PartitionStore> set, store_->CreateStore(id, placed));
   if (restore != nullptr) {
@@ -371,6 +379,13 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
   return out;
 }
 
+uint64_t SessionManager::NewSessionId() {
+  // (Past the ids of sessions an earlier offloadd kept: one may have drawn
+  // the same incarnation.)
+  while (sessions_.contains(next_session_id_)) ++next_session_id_;
+  return next_session_id_++;
+}
+
 void SessionManager::TakeOverDetached(absl::string_view name) {
   if (name.empty()) return;  // (a name no job claims)
   // Waiting for their trainers (not one resuming now), and themselves
@@ -420,13 +435,11 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
   }
   {
     absl::MutexLock lock(&s->step_mu);
-    s->step_mu.Await(absl::Condition(
-        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
+    s->AwaitNoStep();
   }
   {
     absl::MutexLock lock(&s->checkpoint_mu);
-    s->checkpoint_mu.Await(absl::Condition(
-        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, s));
+    s->AwaitNoCheckpoint();
   }
   s->partitions->DropHolds();
   // Only a state that is whole: one a step made since it opened, or a kept
@@ -451,8 +464,7 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
   std::string dir;
   {
     absl::MutexLock lock(&mu_);
-    while (sessions_.contains(next_session_id_)) ++next_session_id_;
-    dir = absl::StrCat(auto_checkpoint_.dir, "/", next_session_id_++);
+    dir = absl::StrCat(auto_checkpoint_.dir, "/", NewSessionId());
   }
   absl::Status written = [&]() -> absl::Status {
     // The gradients of the iteration its trainer did not finish go: the
@@ -928,8 +940,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
       absl::MutexLock lock(&s->step_mu);
       // One at a time: the previous overlapped step's outcome is kept until
       // this one starts (BeginStep waits for it to end anyway).
-      s->step_mu.Await(absl::Condition(
-          +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
+      s->AwaitNoStep();
       s->step_running = true;
       s->step_started = true;
     }
@@ -1038,8 +1049,7 @@ absl::StatusOr<StepSummary> SessionManager::WaitStep(const SessionKey& key) {
     return absl::FailedPreconditionError(
         absl::StrCat("session ", key.id, " has started no overlapped step"));
   }
-  s->step_mu.Await(absl::Condition(
-      +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, s));
+  s->AwaitNoStep();
   return s->step_result;
 }
 
@@ -1218,8 +1228,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::WaitCheckpoint
     return absl::FailedPreconditionError(
         absl::StrCat("session ", key.id, " has started no background checkpoint"));
   }
-  s->checkpoint_mu.Await(absl::Condition(
-      +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, s));
+  s->AwaitNoCheckpoint();
   ASSIGN_OR_RETURN(CheckpointSummary summary, s->checkpoint_result);
   return CheckpointOutcome{summary, false};
 }
@@ -1408,9 +1417,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   {
     // A background checkpoint being written ends first.
     absl::MutexLock lock(&s->checkpoint_mu);
-    s->checkpoint_mu.Await(absl::Condition(
-        +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; },
-        s.get()));
+    s->AwaitNoCheckpoint();
   }
   // Its partitions' ids, in the manifest's order (by id), taken before the
   // checkpoint: a lease running out meanwhile closes the session, and the

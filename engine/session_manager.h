@@ -482,6 +482,9 @@ class SessionManager {
   // NOT_FOUND for an id of an earlier offloadd's, naming the automatic
   // checkpoint that offloadd left of it, if any.
   absl::Status FromBeforeARestart(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // An id no session of this offloadd has (a new session's, or a final
+  // checkpoint's directory).
+  uint64_t NewSessionId() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes the sessions called `name` kept for a resume whose trainers went
   // away (detached, waiting on their reconnect lease: a trainer that died,
   // or a session kept across a restart of offloadd; not one a trainer is
