@@ -74,6 +74,19 @@ class SessionManagerTest : public ::testing::Test {
     ASSERT_TRUE(sessions.Step(key, AdamHyperparams{}, control).ok());
   }
 
+  // Automatic checkpoints every `every_steps` steps into <root>/auto, `root`
+  // made afresh; the options, for a manager of another offloadd too.
+  SessionManager::AutoCheckpointOptions AutoCheckpointsIn(const std::string& root,
+                                                          uint64_t every_steps) {
+    std::filesystem::remove_all(root);
+    std::filesystem::create_directories(root);
+    SessionManager::AutoCheckpointOptions options;
+    options.dir = root + "/auto";
+    options.every_steps = every_steps;
+    sessions_.SetAutoCheckpoint(options);
+    return options;
+  }
+
   // Waits (up to 20 s) until `stats` counted `n` automatic checkpoints; the
   // caller checks that it did.
   static void AwaitAutoCheckpoints(const Stats& stats, int64_t n) {
@@ -280,12 +293,7 @@ TEST_F(SessionManagerTest, FirstStepTakesMasterFromWorkingCopy) {
 // refused; WaitCheckpoint reports the trainer's), and goes with the session.
 TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   const std::string root = ::testing::TempDir() + "/auto_checkpoints";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
-  SessionManager::AutoCheckpointOptions options;
-  options.dir = root + "/auto";
-  options.every_steps = 2;
-  sessions_.SetAutoCheckpoint(options);
+  AutoCheckpointsIn(root, 2);
   SessionKey key = Open();
   const std::string auto_dir = sessions_.AutoCheckpointDir(key.id);
   EXPECT_EQ(auto_dir, absl::StrCat(root, "/auto/", key.id));
@@ -318,12 +326,7 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
 // that stepped takes it away; an open session's own is never taken.
 TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
   const std::string root = ::testing::TempDir() + "/lost";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
-  SessionManager::AutoCheckpointOptions options;
-  options.dir = root + "/auto";
-  options.every_steps = 1;
-  sessions_.SetAutoCheckpoint(options);
+  const SessionManager::AutoCheckpointOptions options = AutoCheckpointsIn(root, 1);
   const auto opened = sessions_.Open("job/rank0");
   ASSERT_TRUE(opened.ok()) << opened.status();
   const SessionKey key = opened->key;
@@ -404,12 +407,7 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
 // same name to find (resume_lost); a finished Close removes them.
 TEST_F(SessionManagerTest, ASessionKeptForAResumeLeavesItsCheckpointsUnlessFinished) {
   const std::string root = ::testing::TempDir() + "/kept_for_resume";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
-  SessionManager::AutoCheckpointOptions options;
-  options.dir = root + "/auto";
-  options.every_steps = 1;
-  sessions_.SetAutoCheckpoint(options);
+  AutoCheckpointsIn(root, 1);
   RestoreFrom keep;
   keep.keep_for_resume = true;
   int64_t checkpoints = stats_.auto_checkpoints.load();
@@ -462,12 +460,8 @@ TEST_F(SessionManagerTest, ASessionKeptForAResumeLeavesItsCheckpointsUnlessFinis
 // it held is found by name.
 TEST_F(SessionManagerTest, ARestartedJobTakesOverItsDetachedSessionsAtTheirLastStep) {
   const std::string root = ::testing::TempDir() + "/take_over";
-  std::filesystem::remove_all(root);
-  std::filesystem::create_directories(root);
-  SessionManager::AutoCheckpointOptions options;
-  options.dir = root + "/auto";
-  options.every_steps = 2;  // step 3 is in no automatic checkpoint
-  sessions_.SetAutoCheckpoint(options);
+  const SessionManager::AutoCheckpointOptions options =
+      AutoCheckpointsIn(root, 2);  // step 3 is in no automatic checkpoint
   RestoreFrom keep;
   keep.keep_for_resume = true;
   constexpr uint64_t kNumel = 1 << 10;
