@@ -50,6 +50,13 @@ namespace {
 using ::offload::testing::DaemonProcess;
 using ::offload::testing::RemoveOnExit;
 
+// In a forked child: becomes nobody (uid and gid 65534), in the group users
+// (gid 100) or in no group. False if the kernel refused.
+bool BecomeNobody(bool in_users) {
+  const gid_t users = 100;
+  return setgroups(in_users ? 1 : 0, &users) == 0 && setgid(65534) == 0 && setuid(65534) == 0;
+}
+
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override { StartDaemon({}); }
@@ -1164,7 +1171,7 @@ TEST_F(DaemonTest, AnotherUnixUserIsKeptOut) {
   auto as_nobody = [&](bool only_arena_attach) {
     const pid_t pid = fork();
     if (pid == 0) {
-      if (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(8);
+      if (!BecomeNobody(/*in_users=*/false)) _exit(8);
       int result = 0;
       if (!only_arena_attach) {
         if (ConnectUnix(grpc_socket).ok()) result |= 1;
@@ -1613,8 +1620,7 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
   // i-th attached, bit 4 + i if it was refused for the bound.
   const pid_t pid = fork();
   if (pid == 0) {
-    const gid_t users = 100;
-    if (setgroups(1, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(255);
+    if (!BecomeNobody(/*in_users=*/true)) _exit(255);
     int result = 0;
     std::vector<Attachment> held;
     for (int i = 0; i < 4; ++i) {
@@ -1674,8 +1680,7 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
   // once one of the kept ones was closed by the client, a new one is kept.
   const pid_t pid = fork();
   if (pid == 0) {
-    const gid_t users = 100;
-    if (setgroups(1, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(255);
+    if (!BecomeNobody(/*in_users=*/true)) _exit(255);
     static constexpr char kHello[] =
         "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
     auto start = [&]() -> UniqueFd {
@@ -1755,10 +1760,7 @@ TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
   auto as_nobody = [&](bool in_group) {
     const pid_t pid = fork();
     if (pid == 0) {
-      const gid_t users = 100;
-      if (setgroups(in_group ? 1 : 0, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) {
-        _exit(8);
-      }
+      if (!BecomeNobody(in_group)) _exit(8);
       int result = 0;
       if (ConnectUnix(socket_path).ok()) result |= 1;
       if (AttachArena(opened.arena_socket(), request).ok()) result |= 2;
@@ -1788,10 +1790,9 @@ TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
     ASSERT_EQ(chmod(ctl.c_str(), 0755), 0);
     const pid_t pid = fork();
     if (pid == 0) {
-      const gid_t users = 100;
       dup2(out[1], 2);
       dup2(out[1], 1);
-      if (setgroups(1, &users) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(8);
+      if (!BecomeNobody(/*in_users=*/true)) _exit(8);
       execl(ctl.c_str(), "offloadctl", address.c_str(), "share", id.c_str(), "7",
             static_cast<char*>(nullptr));
       _exit(9);
