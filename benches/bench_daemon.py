@@ -7,16 +7,17 @@ import time
 import offloadd
 
 
-def start_daemon(binary, root, extra):
-    """Starts `binary` with its data directory `root` (created; short, for the socket's path)
-    and the flags `extra`; returns the process and its address once it answers. Exits with
-    the log's path if it does not start within 20 s."""
-    os.makedirs(root)
+def start_daemon(binary, root, extra, restart=False, timeout=20.0, poll=0.05):
+    """Starts `binary` with its data directory `root` (created, or with `restart` the existing
+    one of a stopped offloadd; short, for the socket's path) and the flags `extra`; returns the
+    process and its address once it answers (asked every `poll` seconds). Exits with the log's
+    path if it does not start within `timeout` seconds."""
+    os.makedirs(root, exist_ok=restart)
     log = open(os.path.join(root, "log"), "w")
     proc = subprocess.Popen([binary, f"--server.data_dir={root}"] + extra, stdout=log,
                             stderr=subprocess.STDOUT)
     address = "unix:" + os.path.join(root, "offloadd.sock")
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + timeout
     while True:
         try:
             offloadd.Client(address)
@@ -24,4 +25,4 @@ def start_daemon(binary, root, extra):
         except offloadd.UnavailableError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"offloadd did not start; see {root}/log")
-            time.sleep(0.05)
+            time.sleep(poll)

@@ -23,12 +23,9 @@ import argparse
 import datetime
 import mmap
 import os
-import re
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -112,7 +109,8 @@ def one_round(args, root):
 
     os.rename(os.path.join(root, "log"), os.path.join(root, "log.first"))
     t = time.perf_counter()
-    proc, address = restart_daemon(args, root, flags)
+    proc, address = start_daemon(args.offloadd, root, flags, restart=True, timeout=600,
+                                 poll=0.01)
     start = time.perf_counter() - t
     t = time.perf_counter()
     client = offloadd.Client(address)
@@ -125,23 +123,6 @@ def one_round(args, root):
     proc.wait()
     del session
     return stop, keep, start, resume, kept_bytes
-
-
-def restart_daemon(args, root, flags):
-    """start_daemon in a data directory that exists (the stopped one's)."""
-    log = open(os.path.join(root, "log"), "w")
-    proc = subprocess.Popen([args.offloadd, f"--server.data_dir={root}"] + flags, stdout=log,
-                            stderr=subprocess.STDOUT)
-    address = "unix:" + os.path.join(root, "offloadd.sock")
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            offloadd.Client(address)
-            return proc, address
-        except offloadd.UnavailableError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"offloadd did not start again; see {root}/log")
-            time.sleep(0.01)
 
 
 def main():
