@@ -55,10 +55,7 @@ UnixAcceptor::~UnixAcceptor() {
   if (thread_.joinable()) thread_.join();
 }
 
-int64_t UnixAcceptor::ConnectionsOf(uid_t uid) { return CountLive(uid); }
-
 int64_t UnixAcceptor::CountLive(uid_t uid) {
-  absl::MutexLock lock(&mu_);
   int64_t n = 0;
   delivered_.erase(std::remove_if(delivered_.begin(), delivered_.end(),
                                   [](const Delivered& d) {
@@ -141,13 +138,7 @@ void UnixAcceptor::Serve() {
       }
       Waiting taken = std::move(w);
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-      if (preface == Preface::kWhole) {
-        Deliver(std::move(taken));
-      } else if (preface == Preface::kPartial) {
-        timed_out_.fetch_add(1, std::memory_order_relaxed);  // (closed)
-      } else {
-        rejected_.fetch_add(1, std::memory_order_relaxed);
-      }
+      if (preface == Preface::kWhole) Deliver(std::move(taken));  // (else closed)
     }
     if (fds[0].revents != 0) Accept();
   }
@@ -193,7 +184,6 @@ void UnixAcceptor::Accept() {
   if (!cred.ok()) return;  // the peer is gone
   const bool owner = cred->uid == self_ || cred->uid == 0;
   auto refuse = [&](const std::string& why) {
-    refused_.fetch_add(1, std::memory_order_relaxed);
     if (int64_t held = refusals_.Admit(absl::Now()); held >= 0) {
       LogWarning("gRPC acceptor: refused a connection of uid %d (pid %d): %s%s",
                  static_cast<int>(cred->uid), static_cast<int>(cred->pid), why,
@@ -247,7 +237,6 @@ void UnixAcceptor::Accept() {
         break;
       }
     }
-    timed_out_.fetch_add(1, std::memory_order_relaxed);
   }
   waiting_.push_back(Waiting{std::move(conn), cred->uid,
                              Clock::now() + absl::ToChronoNanoseconds(options_.handshake_timeout)});
@@ -257,7 +246,6 @@ void UnixAcceptor::Deliver(Waiting w) {
   if (Bounded(w.uid)) {
     struct stat st;
     if (fstat(w.connection.get(), &st) != 0) return;
-    absl::MutexLock lock(&mu_);
     delivered_.push_back(Delivered{w.connection.get(), st.st_ino, w.uid});
   }
   deliver_(std::move(w.connection));

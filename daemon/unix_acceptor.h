@@ -20,13 +20,12 @@
 // no longer counts.
 //
 // Thread-safety: one thread of its own runs the accept loop; `deliver` is
-// called on it. The counters are atomics.
+// called on it.
 #ifndef OFFLOADD_DAEMON_UNIX_ACCEPTOR_H_
 #define OFFLOADD_DAEMON_UNIX_ACCEPTOR_H_
 
 #include <sys/types.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -36,9 +35,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
@@ -63,18 +60,6 @@ class UnixAcceptor {
   ~UnixAcceptor();
   UnixAcceptor(const UnixAcceptor&) = delete;
   UnixAcceptor& operator=(const UnixAcceptor&) = delete;
-
-  // Connections closed at once: past a user's bound, or for another user
-  // while descriptors are short.
-  int64_t refused() const { return refused_.load(std::memory_order_relaxed); }
-  // Connections closed because their peer sent nothing in time (or the
-  // queue was full).
-  int64_t timed_out() const { return timed_out_.load(std::memory_order_relaxed); }
-  // Connections closed because their peer sent something other than
-  // HTTP/2's preface, or hung up first.
-  int64_t rejected() const { return rejected_.load(std::memory_order_relaxed); }
-  // Delivered connections of user `uid` still open (checked now).
-  int64_t ConnectionsOf(uid_t uid);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -113,15 +98,13 @@ class UnixAcceptor {
   const UniqueFd stop_;
   const std::function<void(UniqueFd)> deliver_;
   const uid_t self_;
-  // Only the serving thread touches these (ConnectionsOf takes mu_).
+  // Only the serving thread touches these.
   std::vector<Waiting> waiting_;
-  absl::Mutex mu_;
-  std::vector<Delivered> delivered_ ABSL_GUARDED_BY(mu_);
+  std::vector<Delivered> delivered_;
   Clock::time_point paused_until_{};
   Clock::time_point descriptors_counted_{};
   int64_t free_descriptors_ = 0;  // as counted then
   LogLimiter accept_errors_{absl::Seconds(10)}, refusals_{absl::Seconds(10)};
-  std::atomic<int64_t> refused_{0}, timed_out_{0}, rejected_{0};
   std::thread thread_;
 };
 
