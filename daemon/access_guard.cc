@@ -1,11 +1,16 @@
 #include "daemon/access_guard.h"
 
+#include <unistd.h>
+
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "base/secret.h"
 #include "ipc/paths.h"
+#include "ipc/unix_socket.h"
 
 namespace offload {
 bool AccessGuard::HasToken(const grpc::ServerContext& context) const {
@@ -43,6 +48,18 @@ absl::Status AccessGuard::CheckOperator(const grpc::ServerContext& context,
       absl::StrCat("the socket is shared with a group (server.socket_group): ", what,
                    " is the operator's, with the token in ", token_path_,
                    " (readable by offloadd's user only) as OFFLOADD_TOKEN"));
+}
+
+std::optional<uid_t> AccessGuard::OtherUser(const grpc::ServerContext& context) const {
+  const std::string peer = context.peer();
+  absl::string_view number(peer);
+  int fd = -1;
+  if (!absl::ConsumePrefix(&number, "fd:") || !absl::SimpleAtoi(number, &fd) || fd < 0) {
+    return std::nullopt;
+  }
+  absl::StatusOr<ucred> cred = PeerCredentials(fd);
+  if (!cred.ok() || cred->uid == geteuid() || cred->uid == 0) return std::nullopt;
+  return cred->uid;
 }
 
 }  // namespace offload

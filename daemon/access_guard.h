@@ -13,6 +13,9 @@
 #ifndef OFFLOADD_DAEMON_ACCESS_GUARD_H_
 #define OFFLOADD_DAEMON_ACCESS_GUARD_H_
 
+#include <sys/types.h>
+
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -35,6 +38,13 @@ class AccessGuard {
   // id without its token): OK on an owner-only Unix socket, or with the
   // token; PERMISSION_DENIED naming `what` otherwise.
   absl::Status CheckOperator(const grpc::ServerContext& context, absl::string_view what) const;
+  // The caller's Unix user where it is neither offloadd's own nor root
+  // (a member of server.socket_group: its sessions are bounded); unset
+  // otherwise, and over TCP. Read from the call's connection (SO_PEERCRED
+  // of the descriptor offloadd's acceptor handed to gRPC) while the call
+  // runs: should the connection close meanwhile and its number be reused,
+  // the uid read is another connection's, or none.
+  std::optional<uid_t> OtherUser(const grpc::ServerContext& context) const;
 
  private:
   bool HasToken(const grpc::ServerContext& context) const;

@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   sessions.SetGpuTierSettings({options->gpu.prefetch_depth, options->gpu.prefetch_bytes});
   sessions.SetMappingBudget(MappingBudget(options->memory.max_mappings));
   sessions.SetMaxSessions(options->server.max_sessions);
+  sessions.SetMaxSessionsPerUser(options->server.max_sessions_per_user);
   sessions.SetCaptureThreads(static_cast<int>(options->checkpoint.write_threads));
   const ServerOptions& server = options->server;
   RETURN_IF_ERROR(MakeDirs(server.data_dir));

@@ -50,9 +50,10 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
            false, IntRange{0, 1 << 20}});
   r->Bind("server.max_sessions_per_user", &o->server.max_sessions_per_user,
           {"sessions",
-           "most sessions one user other than offloadd's own (a member of server.socket_group) "
-           "may have attached at once; its next is refused (RESOURCE_EXHAUSTED) and closed; 0: "
-           "no bound but server.max_sessions",
+           "most sessions one user other than offloadd's own or root (a member of "
+           "server.socket_group) may hold at once: its OpenSession past it (sessions it opened, "
+           "attached or not) and its attach past it (sessions it attached) are "
+           "RESOURCE_EXHAUSTED; 0: no bound but server.max_sessions",
            false, IntRange{0, 1 << 20}});
   r->Bind("server.max_connections_per_user", &o->server.max_connections_per_user,
           {"connections",

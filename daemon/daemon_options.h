@@ -81,9 +81,11 @@ struct ServerOptions {
   // still stop accepting (accept4 failing with EMFILE leaves gRPC 1.51's
   // deaf), offloadd builds them anew once descriptors are free again.
   int64_t max_sessions = 1024;
-  // Sessions one user other than offloadd's own (a member of
-  // `socket_group`) may have attached at once; its next attach (so its
-  // OpenSession) is RESOURCE_EXHAUSTED. 0: no bound but max_sessions.
+  // Sessions one user other than offloadd's own or root (a member of
+  // `socket_group`) may hold at once: its OpenSession past it is
+  // RESOURCE_EXHAUSTED (counting the sessions it opened, attached or not),
+  // and so is its attach past it (counting the sessions it has attached).
+  // 0: no bound but max_sessions.
   int64_t max_sessions_per_user = 128;
   // Connections one such user may hold at once on the unix socket (offloadd
   // accepts them itself: daemon/unix_acceptor); its next is closed at once.

@@ -68,6 +68,7 @@ struct SessionManager::Session {
   std::atomic<int64_t> step_wall_nanos{0}, step_wait_nanos{0}, step_compute_nanos{0};
   std::atomic<bool> stepped{false};  // a step ended since it opened
   bool keep_for_resume = false;      // RestoreFrom::keep_for_resume; set before it is shared
+  std::optional<uid_t> user;         // who opened it, where bounded; set before it is shared
   void CountStep(const StepSummary& step) {
     stepped.store(true);
     step_wall_nanos.fetch_add(step.wall_nanos, std::memory_order_relaxed);
@@ -178,15 +179,16 @@ SessionManager::~SessionManager() {
 absl::StatusOr<OpenedSession> SessionManager::Open(
     absl::string_view name, const PlacementChange& placement,
     const std::optional<LossScalingOptions>& loss_scaling,
-    std::optional<uint64_t> delayed_update_after, const RestoreFrom& restore_from) {
-  return OpenAs(name, placement, loss_scaling, delayed_update_after, restore_from, nullptr);
+    std::optional<uint64_t> delayed_update_after, const RestoreFrom& restore_from,
+    std::optional<uid_t> user) {
+  return OpenAs(name, placement, loss_scaling, delayed_update_after, restore_from, nullptr, user);
 }
 
 absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     absl::string_view name, const PlacementChange& placement,
     const std::optional<LossScalingOptions>& loss_scaling,
     std::optional<uint64_t> delayed_update_after, const RestoreFrom& restore_spec,
-    const SessionKey* reuse) {
+    const SessionKey* reuse, std::optional<uid_t> user) {
   if (delayed_update_after.has_value() && *delayed_update_after > (uint64_t{1} << 40)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "delayed_update_after_steps must be at most 2^40, got ", *delayed_update_after));
@@ -297,6 +299,18 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
           "offloadd serves ", sessions_.size(), " sessions, its limit (server.max_sessions ",
           max_sessions_, "): close sessions that are done, or raise the limit"));
     }
+    if (user.has_value() && max_sessions_per_user_ > 0) {
+      int64_t held = 0;
+      for (const auto& [other_id, other] : sessions_) held += other->user == user ? 1 : 0;
+      if (held >= max_sessions_per_user_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "uid ", *user, " has ", held, " sessions open, attached or not (server.max_sessions_",
+            "per_user ", max_sessions_per_user_,
+            "): close sessions that are done (one never attached goes after the attach lease), "
+            "or ask offloadd's operator to raise the bound"));
+      }
+    }
+    session->user = user;
     session->ring->SetSpin(ring_spin_);
     session->keep_for_resume = restore_spec.keep_for_resume;
     // Restoring another session's automatic checkpoint: it goes when this
@@ -1345,6 +1359,11 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
 void SessionManager::SetMaxSessions(int64_t max) {
   absl::MutexLock lock(&mu_);
   max_sessions_ = max;
+}
+
+void SessionManager::SetMaxSessionsPerUser(int64_t max) {
+  absl::MutexLock lock(&mu_);
+  max_sessions_per_user_ = max;
 }
 
 std::vector<SessionSummary> SessionManager::Sessions() const {

@@ -31,6 +31,8 @@
 #ifndef OFFLOADD_ENGINE_SESSION_MANAGER_H_
 #define OFFLOADD_ENGINE_SESSION_MANAGER_H_
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -216,11 +218,15 @@ class SessionManager {
   // `delayed_update_after`: switch the delayed parameter update on once
   // this many steps were applied (0: from the first); unset: off until
   // SetDelayedUpdate.
+  // `user`: the Unix user who asked, where its sessions are bounded
+  // (SetMaxSessionsPerUser: a user other than offloadd's own); unset: not
+  // counted.
   absl::StatusOr<OpenedSession> Open(
       absl::string_view name, const PlacementChange& placement = {},
       const std::optional<LossScalingOptions>& loss_scaling = std::nullopt,
       std::optional<uint64_t> delayed_update_after = std::nullopt,
-      const RestoreFrom& restore_from = {}) ABSL_LOCKS_EXCLUDED(mu_);
+      const RestoreFrom& restore_from = {}, std::optional<uid_t> user = std::nullopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // `restore_from` (RestoreFrom): the session restores the checkpoint there (engine/checkpoint.h):
   // its steps, loss scaler (options from `loss_scaling` if given), delayed update and placement
   // (kinds `placement` leaves unset), and, at each Register, the partition's state.
@@ -418,6 +424,9 @@ class SessionManager {
   // Open (and reopening a kept session) past `max` sessions is
   // RESOURCE_EXHAUSTED (server.max_sessions); 0: no cap.
   void SetMaxSessions(int64_t max) ABSL_LOCKS_EXCLUDED(mu_);
+  // Open with a `user` that has `max` sessions open (attached or not) is
+  // RESOURCE_EXHAUSTED (server.max_sessions_per_user); 0: no bound.
+  void SetMaxSessionsPerUser(int64_t max) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Keeping sessions across a restart of offloadd: what engine/kept_sessions
   // (which writes and reads them) asks of the sessions.
@@ -460,7 +469,8 @@ class SessionManager {
   absl::StatusOr<OpenedSession> OpenAs(absl::string_view name, const PlacementChange& placement,
                                        const std::optional<LossScalingOptions>& loss_scaling,
                                        std::optional<uint64_t> delayed_update_after,
-                                       const RestoreFrom& restore_from, const SessionKey* reuse)
+                                       const RestoreFrom& restore_from, const SessionKey* reuse,
+                                       std::optional<uid_t> user = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The automatic checkpoint directories of lost sessions called `name`
   // (RestoreFrom::lost): `dir`, the newest (with `steps`, the newest holding
@@ -566,6 +576,7 @@ class SessionManager {
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   int64_t max_sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t max_sessions_per_user_ ABSL_GUARDED_BY(mu_) = 0;
   AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
   // Names of closed sessions whose FinalCheckpoint is being written:
   // FindLost waits for them (what it finds must not change under a job's

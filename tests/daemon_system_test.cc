@@ -26,7 +26,10 @@
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/host_memory.h"
@@ -1658,6 +1661,87 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
     ASSERT_TRUE(a.ok()) << a.status();
     mine.push_back(*std::move(a));
   }
+}
+
+// A user other than offloadd's own opens at most
+// server.max_sessions_per_user sessions, attached or not (one never
+// attached would otherwise hold its descriptor and thread until the attach
+// lease): its next OpenSession is RESOURCE_EXHAUSTED naming the bound and
+// the user, one more opens once one of its sessions closes, and offloadd's
+// own user is not bound by it.
+TEST(DaemonStartup, AnotherUserOpensAtMostItsShareOfSessions) {
+  if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
+  char dir[] = "/tmp/offloadd_opens.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_dir(dir);
+  ASSERT_EQ(chmod(dir, 0755), 0);
+  const std::string socket_path = std::string(dir) + "/offloadd.sock";
+  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
+                                 "--server.max_sessions_per_user=2"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  // (A copy nobody may run: the test's runfiles are under root's home.)
+  const std::string opener = std::string(dir) + "/open_sessions";
+  std::filesystem::copy_file("tests/open_sessions", opener);
+  ASSERT_EQ(chmod(opener.c_str(), 0755), 0);
+  // As nobody, in group users: its lines, one per OpenSession (its
+  // stdout; gRPC's own log lines go to the test's stderr).
+  auto open_as_nobody = [&](int count) {
+    int out[2];
+    EXPECT_EQ(pipe(out), 0);
+    const std::string address = "unix:" + socket_path;
+    const std::string n = std::to_string(count);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      dup2(out[1], 1);
+      if (!BecomeNobody(/*in_users=*/true)) _exit(8);
+      execl(opener.c_str(), "open_sessions", address.c_str(), n.c_str(),
+            static_cast<char*>(nullptr));
+      _exit(9);
+    }
+    close(out[1]);
+    std::string said;
+    char buf[512];
+    for (ssize_t got; (got = read(out[0], buf, sizeof(buf))) > 0;) said.append(buf, got);
+    close(out[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0) << said;
+    return std::vector<std::string>(absl::StrSplit(said, '\n', absl::SkipEmpty()));
+  };
+  const std::vector<std::string> first = open_as_nobody(3);
+  ASSERT_EQ(first.size(), 3u) << absl::StrJoin(first, "\n");
+  EXPECT_TRUE(absl::StartsWith(first[0], "OK ")) << first[0];
+  EXPECT_TRUE(absl::StartsWith(first[1], "OK ")) << first[1];
+  const std::string refused = absl::StrCat(static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED),
+                                           " uid 65534 has 2 sessions open");
+  EXPECT_TRUE(absl::StartsWith(first[2], refused)) << first[2];
+  EXPECT_TRUE(absl::StrContains(first[2], "server.max_sessions_per_user 2")) << first[2];
+  // offloadd's own user opens past the bound.
+  auto channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
+  auto stub = v1::PartitionService::NewStub(channel);
+  for (int i = 0; i < 3; ++i) {
+    v1::OpenSessionResponse opened;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
+  }
+  // One of nobody's sessions closes (with its token): nobody opens one more,
+  // and no more than that.
+  const std::vector<std::string> ok = absl::StrSplit(first[0], ' ');
+  ASSERT_EQ(ok.size(), 3u);
+  v1::CloseSessionRequest close_request;
+  uint64_t id = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(ok[1], &id));
+  close_request.mutable_session()->set_session_id(id);
+  close_request.mutable_session()->set_token(ok[2]);
+  {
+    v1::CloseSessionResponse closed;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->CloseSession(&ctx, close_request, &closed).ok());
+  }
+  const std::vector<std::string> second = open_as_nobody(2);
+  ASSERT_EQ(second.size(), 2u) << absl::StrJoin(second, "\n");
+  EXPECT_TRUE(absl::StartsWith(second[0], "OK ")) << second[0];
+  EXPECT_TRUE(absl::StartsWith(second[1], refused)) << second[1];
 }
 
 // offloadd accepts its gRPC socket's connections itself: a user other than
