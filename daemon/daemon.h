@@ -87,6 +87,7 @@ class Daemon {
   std::unique_ptr<PartitionServiceImpl> partition_service_;
   std::unique_ptr<ConfigServiceImpl> config_service_;
   std::unique_ptr<StatsServiceImpl> stats_service_;
+  ConnectionCounters connections_;  // the listeners', outliving them
   std::unique_ptr<GrpcServer> server_;
   std::unique_ptr<MetricsServer> metrics_;
   absl::Mutex shutdown_mu_;

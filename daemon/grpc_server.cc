@@ -71,6 +71,7 @@ absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(
   accept.handshake_timeout = s->options_.handshake_timeout;
   accept.max_connections_per_user = s->options_.max_connections_per_user;
   accept.reserved_descriptors = s->options_.reserved_descriptors;
+  accept.counters = s->options_.counters;
   ASSIGN_OR_RETURN(s->acceptor_,
                    UnixAcceptor::Start(std::move(accept), [raw = s.get()](UniqueFd connection) {
                      raw->Adopt(std::move(connection));
@@ -156,7 +157,9 @@ void GrpcServer::Keep() {
       if (stopping_) return;
     }
     server_ = *std::move(built);
-    rebuilds_.fetch_add(1, std::memory_order_relaxed);
+    if (options_.counters != nullptr) {
+      options_.counters->listener_rebuilds.fetch_add(1, std::memory_order_relaxed);
+    }
     LogInfo("gRPC listeners rebuilt %d ms after they stopped accepting (%d of %d descriptors open)",
             absl::ToInt64Milliseconds(absl::Now() - failed), use.open, use.limit);
   }

@@ -54,6 +54,9 @@ struct GrpcServerOptions {
   // Connections one such member may hold at once on the unix socket; 0: no
   // bound.
   int64_t max_connections_per_user = 0;
+  // Where the listeners count what they did with connections; outlives the
+  // server; null: not counted.
+  ConnectionCounters* counters = nullptr;
 };
 
 class GrpcServer {
@@ -68,8 +71,6 @@ class GrpcServer {
   // The TCP port it listens on (chosen at start where options asked for
   // 0), or -1.
   int tcp_port() const { return tcp_port_.load(std::memory_order_relaxed); }
-  // Times the listeners were built anew after gRPC stopped accepting.
-  int64_t rebuilds() const { return rebuilds_.load(std::memory_order_relaxed); }
   // Stops accepting, cancels calls in flight, waits for them. Idempotent.
   void Shutdown() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -86,7 +87,6 @@ class GrpcServer {
   GrpcServerOptions options_;
   const std::vector<grpc::Service*> services_;
   std::atomic<int> tcp_port_{-1};
-  std::atomic<int64_t> rebuilds_{0};
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<grpc::Server> server_ ABSL_GUARDED_BY(mu_);  // TCP's, rebuilt

@@ -138,7 +138,11 @@ void UnixAcceptor::Serve() {
       }
       Waiting taken = std::move(w);
       waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-      if (preface == Preface::kWhole) Deliver(std::move(taken));  // (else closed)
+      if (preface == Preface::kWhole) {
+        Deliver(std::move(taken));
+      } else {
+        Count(&ConnectionCounters::dropped);  // (closed)
+      }
     }
     if (fds[0].revents != 0) Accept();
   }
@@ -174,6 +178,7 @@ void UnixAcceptor::Accept() {
     // and accepting resumes in a moment, without spinning on a readable
     // listener.
     paused_until_ = Clock::now() + std::chrono::milliseconds(100);
+    Count(&ConnectionCounters::accept_pauses);
     if (int64_t held = accept_errors_.Admit(absl::Now()); held >= 0) {
       LogWarning("gRPC acceptor: %s; accepting again in 100 ms%s",
                  PosixError("accept", err).message(), LogLimiter::Held(held));
@@ -184,6 +189,7 @@ void UnixAcceptor::Accept() {
   if (!cred.ok()) return;  // the peer is gone
   const bool owner = cred->uid == self_ || cred->uid == 0;
   auto refuse = [&](const std::string& why) {
+    Count(&ConnectionCounters::refused);
     if (int64_t held = refusals_.Admit(absl::Now()); held >= 0) {
       LogWarning("gRPC acceptor: refused a connection of uid %d (pid %d): %s%s",
                  static_cast<int>(cred->uid), static_cast<int>(cred->pid), why,
@@ -234,6 +240,7 @@ void UnixAcceptor::Accept() {
     for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
       if (it->uid == most) {
         waiting_.erase(it);
+        Count(&ConnectionCounters::dropped);
         break;
       }
     }
@@ -245,9 +252,13 @@ void UnixAcceptor::Accept() {
 void UnixAcceptor::Deliver(Waiting w) {
   if (Bounded(w.uid)) {
     struct stat st;
-    if (fstat(w.connection.get(), &st) != 0) return;
+    if (fstat(w.connection.get(), &st) != 0) {
+      Count(&ConnectionCounters::dropped);
+      return;
+    }
     delivered_.push_back(Delivered{w.connection.get(), st.st_ino, w.uid});
   }
+  Count(&ConnectionCounters::accepted);
   deliver_(std::move(w.connection));
 }
 

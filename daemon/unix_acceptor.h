@@ -26,6 +26,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -42,13 +43,30 @@
 
 namespace offload {
 
+// What the gRPC listeners did with connections, for the daemon's counters
+// (offloadctl stats, Prometheus). Owned by whoever starts the listeners
+// (the daemon), outliving them; counted on the listeners' threads.
+struct ConnectionCounters {
+  std::atomic<int64_t> accepted{0};  // handed to gRPC (the unix socket's)
+  // Closed at once, unserved: a user neither offloadd's nor its group's,
+  // the descriptors kept for offloadd's own user, a user's bound, a full
+  // queue.
+  std::atomic<int64_t> refused{0};
+  // Closed before gRPC saw them: something other than HTTP/2 sent, hung up,
+  // nothing within the handshake timeout, or pushed out of a full queue.
+  std::atomic<int64_t> dropped{0};
+  std::atomic<int64_t> accept_pauses{0};      // accept failed (EMFILE...): paused 100 ms
+  std::atomic<int64_t> listener_rebuilds{0};  // TCP's gRPC listener built anew
+};
+
 struct UnixAcceptorOptions {
   std::string path;            // created owner-only (0600), or 0660 for `group`
   std::optional<gid_t> group;  // its members may connect too
   absl::Duration handshake_timeout = absl::Seconds(10);
   int64_t max_connections_per_user = 0;  // 0: no bound
   int64_t reserved_descriptors = 64;
-  int max_pending = 256;  // connections waiting for their first bytes
+  int max_pending = 256;                   // connections waiting for their first bytes
+  ConnectionCounters* counters = nullptr;  // outlives the acceptor; null: not counted
 };
 
 class UnixAcceptor {
@@ -92,6 +110,11 @@ class UnixAcceptor {
   }
   // Drops what gRPC closed since; then the live ones of `uid`.
   int64_t CountLive(uid_t uid);
+  void Count(std::atomic<int64_t> ConnectionCounters::*counter) {
+    if (options_.counters != nullptr) {
+      (options_.counters->*counter).fetch_add(1, std::memory_order_relaxed);
+    }
+  }
 
   const UnixAcceptorOptions options_;
   const UniqueFd listener_;

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "absl/algorithm/container.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -60,6 +61,18 @@ bool BecomeNobody(bool in_users) {
   return setgroups(in_users ? 1 : 0, &users) == 0 && setgid(65534) == 0 && setuid(65534) == 0;
 }
 
+// The counter `name` of the daemon `client` talks to; -1 if there is none.
+int64_t CounterOf(Client& client, const std::string& name) {
+  auto stats = client.GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  if (!stats.ok()) return -1;
+  for (const auto& c : stats->counters) {
+    if (c.name == name) return c.value;
+  }
+  ADD_FAILURE() << "no counter " << name;
+  return -1;
+}
+
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override { StartDaemon({}); }
@@ -89,15 +102,7 @@ class DaemonTest : public ::testing::Test {
     return stats.ok() ? *std::move(stats) : DaemonStats{};
   }
 
-  int64_t Counter(const std::string& name) {
-    auto stats = client_->GetStats();
-    EXPECT_TRUE(stats.ok());
-    for (const auto& c : stats->counters) {
-      if (c.name == name) return c.value;
-    }
-    ADD_FAILURE() << "no counter " << name;
-    return -1;
-  }
+  int64_t Counter(const std::string& name) { return CounterOf(*client_, name); }
 
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;
@@ -1442,12 +1447,21 @@ TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_TRUE((*s)->Register("w", 10, DType::kFp32, DType::kFp32).ok());
   EXPECT_TRUE((*c)->GetStats().ok());  // the first client (Unix socket) never lost its way in
+  // The operator sees it in the counters: the acceptor paused, TCP's
+  // listener was rebuilt once, the queued connections (silent: closed after
+  // the handshake timeout) and the clients' got in.
+  EXPECT_GE(CounterOf(**c, "grpc_accept_pauses"), 1);
+  EXPECT_EQ(CounterOf(**c, "grpc_listener_rebuilds"), 1);
+  EXPECT_GE(CounterOf(**c, "grpc_connections_accepted"), 2);
 }
 
 // Connections that never start HTTP/2 give their descriptors back.
 TEST(DaemonStartup, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
   auto d = DaemonProcess::Start({"--server.handshake_timeout_seconds=1"});
   ASSERT_TRUE(d.ok()) << d.status();
+  auto c = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const int64_t dropped = CounterOf(**c, "grpc_connections_dropped");
   const int64_t before = OpenDescriptorsOf((*d)->pid());
   std::vector<UniqueFd> silent;
   for (int i = 0; i < 100; ++i) {
@@ -1472,6 +1486,10 @@ TEST(DaemonStartup, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
                   [&] { return OpenDescriptorsOf((*d)->pid()) <= before + 5; }, pidfd->get())
                   .ok())
       << OpenDescriptorsOf((*d)->pid()) << " descriptors open, " << before << " before";
+  // Counted as dropped; the client's connection as accepted.
+  EXPECT_EQ(CounterOf(**c, "grpc_connections_dropped"), dropped + 100);
+  EXPECT_EQ(CounterOf(**c, "grpc_connections_accepted"), 1);
+  EXPECT_EQ(CounterOf(**c, "grpc_connections_refused"), 0);
 }
 
 // offloadd raises its open-descriptor limit to the hard limit at start
@@ -1732,7 +1750,7 @@ TEST(DaemonStartup, AnotherUserOpensAtMostItsShareOfSessions) {
   uint64_t id = 0;
   ASSERT_TRUE(absl::SimpleAtoi(ok[1], &id));
   close_request.mutable_session()->set_session_id(id);
-  close_request.mutable_session()->set_token(ok[2]);
+  close_request.mutable_session()->set_token(absl::HexStringToBytes(ok[2]));
   {
     v1::CloseSessionResponse closed;
     grpc::ClientContext ctx;
@@ -1808,7 +1826,8 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
       << (*d)->ReadLog();
   auto c = Client::Connect({"unix:" + socket_path});
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE((*c)->GetStats().ok());
+  // The two refused at once and those refused while waiting for room.
+  EXPECT_GE(CounterOf(**c, "grpc_connections_refused"), 2);
 }
 
 // server.socket_group: the trainers' group reaches both sockets and

@@ -5,13 +5,14 @@
 //
 //   open_sessions ADDRESS COUNT
 //
-// Prints one line per OpenSession: "OK <session id> <token>" or the gRPC status
+// Prints one line per OpenSession: "OK <session id> <token in hex>" or the gRPC status
 // code's number and message. Exit 0 once all were tried, 2 for bad
 // arguments.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
+#include "absl/strings/escaping.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/offload.grpc.pb.h"
 
@@ -29,7 +30,7 @@ int main(int argc, char** argv) {
     const grpc::Status status = stub->OpenSession(&context, {}, &opened);
     if (status.ok()) {
       std::printf("OK %llu %s\n", static_cast<unsigned long long>(opened.session().session_id()),
-                  opened.session().token().c_str());
+                  absl::BytesToHexString(opened.session().token()).c_str());
     } else {
       std::printf("%d %s\n", static_cast<int>(status.error_code()), status.error_message().c_str());
     }
