@@ -38,6 +38,15 @@ bool TrimHeapIfRequested() {
   return g_trim_requested.exchange(false, std::memory_order_relaxed) && TrimHeap();
 }
 
+bool TrimHeapIfHoarding(uint64_t free_bytes) {
+#ifdef __GLIBC__
+  return mallinfo2().fordblks >= free_bytes && TrimHeap();
+#else
+  (void)free_bytes;
+  return false;
+#endif
+}
+
 uint64_t PageSize() {
   static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   return page;

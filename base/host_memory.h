@@ -92,6 +92,13 @@ bool TrimHeap();
 void RequestHeapTrim();
 // TrimHeap if one was requested since the last; true if it ran.
 bool TrimHeapIfRequested();
+// TrimHeap if the C heap holds at least `free_bytes` free (glibc's
+// mallinfo2: free chunks, those already given back included); true if it
+// ran. What calls nobody asks a trim for leave behind (a burst of gRPC
+// streams: their buffers, freed, kept by the arenas of the threads that
+// served them); costs a walk of every arena's free lists, so callers look
+// every several seconds, not on every pass.
+bool TrimHeapIfHoarding(uint64_t free_bytes);
 
 // Page size of this machine (sysconf), and `bytes` rounded up to it.
 uint64_t PageSize();

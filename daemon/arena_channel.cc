@@ -132,7 +132,9 @@ void ArenaChannel::TearDown() {
 void ArenaChannel::Serve() {
   std::vector<pollfd> fds;
   constexpr auto kSweepEvery = std::chrono::seconds(1);
+  constexpr auto kHeapLookEvery = std::chrono::seconds(10);
   auto next_sweep = std::chrono::steady_clock::now() + kSweepEvery;
+  auto next_heap_look = next_sweep;
   for (;;) {
     const bool accepting = std::chrono::steady_clock::now() >= accept_paused_until_;
     fds.assign({{accepting ? listener_.get() : -1, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}});
@@ -141,7 +143,12 @@ void ArenaChannel::Serve() {
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_sweep) {
       ExpireSessions();
-      TrimHeapIfRequested();  // what closed sessions left on the heap
+      // What closed sessions left on the heap; every 10 s, what anything
+      // else left (a burst of gRPC streams) once it is 32 MiB or more.
+      if (!TrimHeapIfRequested() && now >= next_heap_look) {
+        TrimHeapIfHoarding(uint64_t{32} << 20);
+        next_heap_look = now + kHeapLookEvery;
+      }
       next_sweep = now + kSweepEvery;
     }
     int timeout_ms = -1;
