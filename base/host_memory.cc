@@ -39,7 +39,7 @@ bool TrimHeapIfRequested() {
 }
 
 bool TrimHeapIfHoarding(uint64_t free_bytes) {
-#ifdef __GLIBC__
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
   return mallinfo2().fordblks >= free_bytes && TrimHeap();
 #else
   (void)free_bytes;

@@ -93,11 +93,15 @@ void RequestHeapTrim();
 // TrimHeap if one was requested since the last; true if it ran.
 bool TrimHeapIfRequested();
 // TrimHeap if the C heap holds at least `free_bytes` free (glibc's
-// mallinfo2: free chunks, those already given back included); true if it
-// ran. What calls nobody asks a trim for leave behind (a burst of gRPC
-// streams: their buffers, freed, kept by the arenas of the threads that
-// served them); costs a walk of every arena's free lists, so callers look
-// every several seconds, not on every pass.
+// mallinfo2: free chunks, those already given back included, so a heap
+// that stays fragmented is trimmed at every look); true if it ran. For what
+// calls nobody asks a trim for leave behind (a burst of gRPC streams: their
+// buffers, freed, kept by the arenas of the threads that served them).
+// Looking walks every arena's free lists and a trim madvises each free run
+// of pages, every arena locked in turn: callers look every several seconds.
+// Measured in offloadd after 10,000 reset streams (benches/stream_burst):
+// 15-24 ms for a trim giving back about 140 MB, 0.35-0.65 ms for a look and
+// trim of the same heap once given back.
 bool TrimHeapIfHoarding(uint64_t free_bytes);
 
 // Page size of this machine (sysconf), and `bytes` rounded up to it.

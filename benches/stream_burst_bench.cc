@@ -4,7 +4,7 @@
 // against its baseline measured in the same run.
 //
 //   bazel build -c opt //benches:stream_burst && bazel-bin/benches/stream_burst
-//       [--streams=10000] [--connections=4] [--bursts=3] [--settle_seconds=11]
+//       [--streams=10000] [--connections=4] [--bursts=3] [--settle_seconds=15]
 //       [--socket=PATH --pid=PID] [--tiny]
 //
 // A fresh offloadd (tests/daemon_process, its defaults), or the running one
@@ -14,9 +14,10 @@
 // as raw HTTP/2, each reset (RST_STREAM) right behind its request; its
 // VmRSS right after the burst, and --settle_seconds later (offloadd looks
 // at its heap every 10 s and gives back what it hoards: the arena
-// channel's sweep, TrimHeapIfHoarding). Prints what offloadd answered (the
-// calls it began answering before their reset reached it, the streams it
-// reset itself, whether it ended a connection), each VmRSS against the
+// channel's sweep, TrimHeapIfHoarding). Prints what offloadd sent back (its
+// HEADERS frames: each call it answered before the reset reached it sends
+// one or two; the streams it reset itself; whether it ended a connection
+// with GOAWAY), each VmRSS against the
 // baseline, and the growth from the first burst to the last (what keeps
 // growing, not what the first burst's threads took once).
 #include <sys/socket.h>
@@ -48,7 +49,7 @@ struct Flags {
   int64_t streams = 10000;
   int connections = 4;
   int bursts = 3;
-  int settle_seconds = 11;  // the arena channel looks at the heap every 10 s
+  int settle_seconds = 15;  // the arena channel looks at the heap every 10 s
   std::string socket;       // a running offloadd's gRPC socket (with `pid`); empty: start one
   pid_t pid = 0;
 };
@@ -107,7 +108,7 @@ std::string Header() {
 // What offloadd sent back on a connection, by frame type.
 struct Answers {
   bool connected = false;
-  int64_t headers = 0;  // answers begun (HEADERS)
+  int64_t headers = 0;  // HEADERS frames: an answer's metadata, its trailers
   int64_t resets = 0;   // streams it reset (RST_STREAM)
   bool goaway = false;  // it ended the connection
   void Add(const Answers& o) {
@@ -227,7 +228,7 @@ int Run(const Flags& f) {
       "request\n",
       static_cast<long long>(f.streams), f.connections);
   std::printf("offloadd resident before: %.1f MB\n", base);
-  std::printf("%-6s %6s %9s %9s %7s %13s %15s %13s\n", "burst", "secs", "answered", "reset",
+  std::printf("%-6s %6s %9s %9s %7s %13s %15s %13s\n", "burst", "secs", "HEADERS", "reset",
               "goaway", "RSS after MB", "RSS settled MB", "settled/base");
   double first_settled = 0, last_settled = 0;
   for (int b = 0; b < f.bursts; ++b) {
@@ -235,7 +236,9 @@ int Run(const Flags& f) {
     std::vector<std::thread> threads;
     std::vector<Answers> answers(f.connections);
     for (int c = 0; c < f.connections; ++c) {
-      threads.emplace_back([&, c] { answers[c] = Burst(socket_path, f.streams / f.connections); });
+      // (The remainder goes to the first connections.)
+      const int64_t mine = f.streams / f.connections + (c < f.streams % f.connections ? 1 : 0);
+      threads.emplace_back([&, c, mine] { answers[c] = Burst(socket_path, mine); });
     }
     for (auto& t : threads) t.join();
     Answers all;

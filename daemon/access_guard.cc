@@ -50,16 +50,25 @@ absl::Status AccessGuard::CheckOperator(const grpc::ServerContext& context,
                    " (readable by offloadd's user only) as OFFLOADD_TOKEN"));
 }
 
-std::optional<uid_t> AccessGuard::OtherUser(const grpc::ServerContext& context) const {
+absl::StatusOr<std::optional<uid_t>> AccessGuard::OtherUser(
+    const grpc::ServerContext& context) const {
   const std::string peer = context.peer();
   absl::string_view number(peer);
-  int fd = -1;
-  if (!absl::ConsumePrefix(&number, "fd:") || !absl::SimpleAtoi(number, &fd) || fd < 0) {
-    return std::nullopt;
+  if (!absl::ConsumePrefix(&number, "fd:")) {
+    // TCP (the token holder's), or a Unix socket gRPC accepted itself
+    // (tests' own servers): not another user's.
+    return std::optional<uid_t>();
   }
-  absl::StatusOr<ucred> cred = PeerCredentials(fd);
-  if (!cred.ok() || cred->uid == geteuid() || cred->uid == 0) return std::nullopt;
-  return cred->uid;
+  int fd = -1;
+  absl::StatusOr<ucred> cred = absl::UnavailableError("");
+  if (absl::SimpleAtoi(number, &fd) && fd >= 0) cred = PeerCredentials(fd);
+  if (!cred.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("offloadd could not tell which user is calling on connection ", peer,
+                     " (it closed meanwhile?): ", cred.status().message(), "; try again"));
+  }
+  if (cred->uid == geteuid() || cred->uid == 0) return std::optional<uid_t>();
+  return std::optional<uid_t>(cred->uid);
 }
 
 }  // namespace offload

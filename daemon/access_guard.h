@@ -19,6 +19,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "grpcpp/grpcpp.h"
 
@@ -40,11 +41,13 @@ class AccessGuard {
   absl::Status CheckOperator(const grpc::ServerContext& context, absl::string_view what) const;
   // The caller's Unix user where it is neither offloadd's own nor root
   // (a member of server.socket_group: its sessions are bounded); unset
-  // otherwise, and over TCP. Read from the call's connection (SO_PEERCRED
-  // of the descriptor offloadd's acceptor handed to gRPC) while the call
-  // runs: should the connection close meanwhile and its number be reused,
-  // the uid read is another connection's, or none.
-  std::optional<uid_t> OtherUser(const grpc::ServerContext& context) const;
+  // for those, and over TCP (the token holder's). Read from the call's
+  // connection (SO_PEERCRED of the descriptor offloadd's acceptor handed to
+  // gRPC) while the call runs. UNAVAILABLE where it cannot be read (the
+  // connection closed meanwhile, its number now something else's): no
+  // unbounded call for want of knowing who made it. (A number reused by
+  // another connection meanwhile reads that one's user.)
+  absl::StatusOr<std::optional<uid_t>> OtherUser(const grpc::ServerContext& context) const;
 
  private:
   bool HasToken(const grpc::ServerContext& context) const;

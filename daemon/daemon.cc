@@ -300,11 +300,12 @@ DaemonSnapshot Daemon::Snapshot() const {
   s.counters = engine_->stats().Snapshot();
   AppendSwapperCounters(engine_->swapper().Stats(), &s.counters);
   auto v = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
-  s.counters.push_back({"grpc_connections_accepted", v(connections_.accepted), "connections"});
-  s.counters.push_back({"grpc_connections_refused", v(connections_.refused), "connections"});
-  s.counters.push_back({"grpc_connections_dropped", v(connections_.dropped), "connections"});
-  s.counters.push_back({"grpc_accept_pauses", v(connections_.accept_pauses), "pauses"});
-  s.counters.push_back({"grpc_listener_rebuilds", v(connections_.listener_rebuilds), "rebuilds"});
+  s.counters.push_back({"grpc_unix_connections_accepted", v(connections_.accepted), "connections"});
+  s.counters.push_back({"grpc_unix_connections_refused", v(connections_.refused), "connections"});
+  s.counters.push_back({"grpc_unix_connections_dropped", v(connections_.dropped), "connections"});
+  s.counters.push_back({"grpc_unix_accept_pauses", v(connections_.accept_pauses), "pauses"});
+  s.counters.push_back(
+      {"grpc_tcp_listener_rebuilds", v(connections_.listener_rebuilds), "rebuilds"});
   s.tiers.push_back({"host", engine_->pool().used(), engine_->pool().limit()});
   if (engine_->swap_space() != nullptr) {
     const SwapStats nvme = engine_->swap_space()->Stats();

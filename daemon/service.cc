@@ -161,9 +161,9 @@ grpc::Status PartitionServiceImpl::OpenSession(grpc::ServerContext* context,
     restore.lost = req->resume_lost();
     restore.keep_for_resume = req->keep_for_resume();
     if (req->has_restore_steps()) restore.steps = req->restore_steps();
+    ASSIGN_OR_RETURN(std::optional<uid_t> user, guard_->OtherUser(*context));
     ASSIGN_OR_RETURN(OpenedSession opened,
-                     sessions_->Open(req->name(), placement, scaling, dpu_after, restore,
-                                     guard_->OtherUser(*context)));
+                     sessions_->Open(req->name(), placement, scaling, dpu_after, restore, user));
     if (req->share_weight() > 0) {
       absl::Status shared = sessions_->SetShare(opened.key, req->share_weight());
       if (!shared.ok()) {

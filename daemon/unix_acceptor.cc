@@ -186,7 +186,10 @@ void UnixAcceptor::Accept() {
     return;
   }
   absl::StatusOr<ucred> cred = PeerCredentials(conn.get());
-  if (!cred.ok()) return;  // the peer is gone
+  if (!cred.ok()) {
+    Count(&ConnectionCounters::dropped);  // the peer is gone
+    return;
+  }
   const bool owner = cred->uid == self_ || cred->uid == 0;
   auto refuse = [&](const std::string& why) {
     Count(&ConnectionCounters::refused);

@@ -44,16 +44,20 @@
 namespace offload {
 
 // What the gRPC listeners did with connections, for the daemon's counters
-// (offloadctl stats, Prometheus). Owned by whoever starts the listeners
-// (the daemon), outliving them; counted on the listeners' threads.
+// (offloadctl stats, Prometheus): the Unix socket's connections, which
+// offloadd accepts itself, and the rebuilds of TCP's listener (whose
+// connections gRPC accepts). Owned by whoever starts the listeners (the
+// daemon), outliving them; counted on the listeners' threads. Connections
+// still waiting when offloadd stops are in none of them.
 struct ConnectionCounters {
-  std::atomic<int64_t> accepted{0};  // handed to gRPC (the unix socket's)
+  std::atomic<int64_t> accepted{0};  // handed to gRPC
   // Closed at once, unserved: a user neither offloadd's nor its group's,
   // the descriptors kept for offloadd's own user, a user's bound, a full
   // queue.
   std::atomic<int64_t> refused{0};
-  // Closed before gRPC saw them: something other than HTTP/2 sent, hung up,
-  // nothing within the handshake timeout, or pushed out of a full queue.
+  // Closed before gRPC saw them: something other than HTTP/2 sent, hung up
+  // (before its credentials were read too), nothing within the handshake
+  // timeout, or pushed out of a full queue.
   std::atomic<int64_t> dropped{0};
   std::atomic<int64_t> accept_pauses{0};      // accept failed (EMFILE...): paused 100 ms
   std::atomic<int64_t> listener_rebuilds{0};  // TCP's gRPC listener built anew

@@ -39,6 +39,7 @@ absl::Status KeepOne(SessionManager& sessions, const SessionManager::KeptSession
   record.set_restore_from(kept.restore_from);
   record.set_keep_for_resume(kept.keep_for_resume);
   if (kept.restore_steps.has_value()) record.set_restore_steps(*kept.restore_steps);
+  if (kept.user.has_value()) record.set_user(*kept.user);
   for (uint64_t partition : kept.partition_ids) record.add_partition_ids(partition);
   return WriteFileAtomically(sub, kPreservedFile, record.SerializeAsString());
 }
@@ -58,8 +59,10 @@ absl::StatusOr<uint64_t> ReopenOne(SessionManager& sessions, const std::string& 
                                    record.restore_from(),
                                    {record.partition_ids().begin(), record.partition_ids().end()},
                                    record.keep_for_resume(),
+                                   std::nullopt,
                                    std::nullopt};
   if (record.has_restore_steps()) kept.restore_steps = record.restore_steps();
+  if (record.has_user()) kept.user = record.user();
   RETURN_IF_ERROR(sessions.Reopen(kept, sub));
   return kept.key.id;
 }

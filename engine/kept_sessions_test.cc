@@ -92,6 +92,48 @@ TEST(KeptSessions, AreReopenedAsTheyWere) {
   EXPECT_EQ(next.Resume(lost).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A user other than offloadd's own opens at most SetMaxSessionsPerUser
+// sessions (others and the unbounded are not counted against it); its
+// sessions kept across a restart are counted for it again once reopened.
+TEST(KeptSessions, AUsersSessionsAreBoundedAndStayCountedOnceReopened) {
+  const std::string tmp = getenv("TEST_TMPDIR");
+  const std::string dir = tmp + "/kept_users";
+  TestEngine engine(tmp + "/nvme_users", 64 << 20);
+  SessionManager& sessions = *engine.sessions;
+  sessions.SetMaxSessionsPerUser(2);
+  const uid_t user = 1000, other = 1001;
+  auto open = [](SessionManager& m, const std::string& name, std::optional<uid_t> who) {
+    return m.Open(name, {}, std::nullopt, std::nullopt, {}, who);
+  };
+  auto a = open(sessions, "a", user);
+  auto b = open(sessions, "b", user);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const int64_t opened = engine.stats.sessions_opened.load();
+  const absl::Status refused = open(sessions, "c", user).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "uid 1000 has 2 sessions open")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "server.max_sessions_per_user 2")) << refused;
+  EXPECT_EQ(engine.stats.sessions_opened.load(), opened);  // not counted as opened
+  auto c = open(sessions, "c", other);
+  auto d = open(sessions, "d", std::nullopt);
+  ASSERT_TRUE(c.ok() && d.ok());
+  // One closes: room for one more, not two.
+  ASSERT_TRUE(sessions.Close(b->key).ok());
+  auto e = open(sessions, "e", user);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(open(sessions, "f", user).status().code(), absl::StatusCode::kResourceExhausted);
+
+  // Kept across a restart: reopened (never refused), and counted again.
+  EXPECT_EQ(KeepSessions(sessions, dir), 4);
+  for (const auto& s : {a, c, d, e}) ASSERT_TRUE(sessions.Close(s->key).ok());
+  SessionManager next(Env::Default(), engine.store, engine.steps, &engine.stats);
+  next.SetMaxSessionsPerUser(1);
+  EXPECT_EQ(ReopenKeptSessions(next, dir), 4);
+  EXPECT_EQ(open(next, "g", user).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(open(next, "g", other).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(open(next, "g", 1002).ok());
+}
+
 // A session opened to restore an earlier step of a checkpoint (restore_from
 // with restore_steps: the step a job's ranks agreed on) registers its later
 // partitions from that step after a restart too.

@@ -195,6 +195,11 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   if (loss_scaling.has_value()) RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
+  {
+    // A user at its bound is refused before anything is built or taken over.
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(CheckRoomForUserLocked(user));
+  }
   // A job that resumes by itself restarted: its sessions' trainers are
   // gone, what they held is this one's to find.
   if (reuse == nullptr && restore_spec.keep_for_resume) TakeOverDetached(name);
@@ -299,17 +304,8 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
           "offloadd serves ", sessions_.size(), " sessions, its limit (server.max_sessions ",
           max_sessions_, "): close sessions that are done, or raise the limit"));
     }
-    if (user.has_value() && max_sessions_per_user_ > 0) {
-      int64_t held = 0;
-      for (const auto& [other_id, other] : sessions_) held += other->user == user ? 1 : 0;
-      if (held >= max_sessions_per_user_) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "uid ", *user, " has ", held, " sessions open, attached or not (server.max_sessions_",
-            "per_user ", max_sessions_per_user_,
-            "): close sessions that are done (one never attached goes after the attach lease), "
-            "or ask offloadd's operator to raise the bound"));
-      }
-    }
+    // Checked again where it is counted (opens at once).
+    RETURN_IF_ERROR(CheckRoomForUserLocked(user));
     session->user = user;
     session->ring->SetSpin(ring_spin_);
     session->keep_for_resume = restore_spec.keep_for_resume;
@@ -1366,6 +1362,18 @@ void SessionManager::SetMaxSessionsPerUser(int64_t max) {
   max_sessions_per_user_ = max;
 }
 
+absl::Status SessionManager::CheckRoomForUserLocked(std::optional<uid_t> user) const {
+  if (!user.has_value() || max_sessions_per_user_ <= 0) return absl::OkStatus();
+  int64_t held = 0;
+  for (const auto& [id, session] : sessions_) held += session->user == user ? 1 : 0;
+  if (held < max_sessions_per_user_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "uid ", *user, " has ", held,
+      " sessions open, attached or not (server.max_sessions_per_user ", max_sessions_per_user_,
+      "): close sessions that are done (one never attached goes after the attach lease), or ask "
+      "offloadd's operator to raise the bound"));
+}
+
 std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<std::shared_ptr<Session>> sessions;
   std::vector<std::optional<GpuTierReport>> gpu;
@@ -1441,7 +1449,8 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   // Its partitions' ids, in the manifest's order (by id), taken before the
   // checkpoint: a lease running out meanwhile closes the session, and the
   // keeper's count check notices.
-  KeptSession kept{SessionKey{s->id, s->token}, s->name, "", {}, s->keep_for_resume, std::nullopt};
+  KeptSession kept{SessionKey{s->id, s->token}, s->name,      "",          {},
+                   s->keep_for_resume,          std::nullopt, std::nullopt};
   {
     absl::MutexLock lock(&mu_);
     if (!sessions_.contains(s->id)) return absl::FailedPreconditionError("it was closed meanwhile");
@@ -1450,6 +1459,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     }
     kept.restore_from = s->restore_from;
     kept.restore_steps = s->restore_steps;
+    kept.user = s->user;
   }
   std::sort(kept.partition_ids.begin(), kept.partition_ids.end());
   // What the trainer held goes, as when it goes away (it fetches again once
@@ -1476,6 +1486,9 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
   {
     absl::MutexLock lock(&mu_);
     session = sessions_.at(key.id);
+    // Counted for its user again, never refused for it: it was within the
+    // bound when it was opened.
+    session->user = kept.user;
   }
   absl::Status status = [&]() -> absl::Status {
     const checkpoint::Manifest& m = session->restore->session_manifest();

@@ -439,6 +439,7 @@ class SessionManager {
     std::vector<uint64_t> partition_ids;    // ascending: its checkpoint manifest's order
     bool keep_for_resume = false;           // RestoreFrom::keep_for_resume
     std::optional<uint64_t> restore_steps;  // RestoreFrom::steps, with restore_from
+    std::optional<uid_t> user;              // Open's `user`: still counted once reopened
   };
   // Closes every session's request ring between calls (one posted is served
   // and answered first; RingServer::Drain), so that what a trainer saw
@@ -577,6 +578,9 @@ class SessionManager {
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
   int64_t max_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t max_sessions_per_user_ ABSL_GUARDED_BY(mu_) = 0;
+  // RESOURCE_EXHAUSTED if `user` holds max_sessions_per_user_ sessions.
+  absl::Status CheckRoomForUserLocked(std::optional<uid_t> user) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
   // Names of closed sessions whose FinalCheckpoint is being written:
   // FindLost waits for them (what it finds must not change under a job's

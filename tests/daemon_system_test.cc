@@ -1450,9 +1450,9 @@ TEST(DaemonStartup, OutOfDescriptorsItRefusesInWordsAndItsListenersComeBack) {
   // The operator sees it in the counters: the acceptor paused, TCP's
   // listener was rebuilt once, the queued connections (silent: closed after
   // the handshake timeout) and the clients' got in.
-  EXPECT_GE(CounterOf(**c, "grpc_accept_pauses"), 1);
-  EXPECT_EQ(CounterOf(**c, "grpc_listener_rebuilds"), 1);
-  EXPECT_GE(CounterOf(**c, "grpc_connections_accepted"), 2);
+  EXPECT_GE(CounterOf(**c, "grpc_unix_accept_pauses"), 1);
+  EXPECT_EQ(CounterOf(**c, "grpc_tcp_listener_rebuilds"), 1);
+  EXPECT_GE(CounterOf(**c, "grpc_unix_connections_accepted"), 2);
 }
 
 // Connections that never start HTTP/2 give their descriptors back.
@@ -1461,7 +1461,7 @@ TEST(DaemonStartup, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
   ASSERT_TRUE(d.ok()) << d.status();
   auto c = Client::Connect({(*d)->address()});
   ASSERT_TRUE(c.ok()) << c.status();
-  const int64_t dropped = CounterOf(**c, "grpc_connections_dropped");
+  const int64_t dropped = CounterOf(**c, "grpc_unix_connections_dropped");
   const int64_t before = OpenDescriptorsOf((*d)->pid());
   std::vector<UniqueFd> silent;
   for (int i = 0; i < 100; ++i) {
@@ -1487,9 +1487,9 @@ TEST(DaemonStartup, SilentConnectionsAreClosedAfterTheHandshakeTimeout) {
                   .ok())
       << OpenDescriptorsOf((*d)->pid()) << " descriptors open, " << before << " before";
   // Counted as dropped; the client's connection as accepted.
-  EXPECT_EQ(CounterOf(**c, "grpc_connections_dropped"), dropped + 100);
-  EXPECT_EQ(CounterOf(**c, "grpc_connections_accepted"), 1);
-  EXPECT_EQ(CounterOf(**c, "grpc_connections_refused"), 0);
+  EXPECT_EQ(CounterOf(**c, "grpc_unix_connections_dropped"), dropped + 100);
+  EXPECT_EQ(CounterOf(**c, "grpc_unix_connections_accepted"), 1);
+  EXPECT_EQ(CounterOf(**c, "grpc_unix_connections_refused"), 0);
 }
 
 // offloadd raises its open-descriptor limit to the hard limit at start
@@ -1827,7 +1827,7 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
   auto c = Client::Connect({"unix:" + socket_path});
   ASSERT_TRUE(c.ok()) << c.status();
   // The two refused at once and those refused while waiting for room.
-  EXPECT_GE(CounterOf(**c, "grpc_connections_refused"), 2);
+  EXPECT_GE(CounterOf(**c, "grpc_unix_connections_refused"), 2);
 }
 
 // server.socket_group: the trainers' group reaches both sockets and
