@@ -8,12 +8,22 @@
 //
 // For each thread count it measures a STREAM-style triad (a = b + s*c on
 // floats, counted as 16 bytes per element: two reads, one write and the
-// write's allocate read), then each case's step. A case's bound is triad
-// bandwidth divided by the bytes it must move per parameter:
+// write's allocate read), printed for reference, then each case's step
+// against its bound. A case's bound is its own memory traffic without its
+// arithmetic, measured in the same round on the same arrays and threads
+// (the "stream" of the case): the arrays the step reads read, the arrays it
+// updates written back in place (their lines were read: no allocate read),
+// the working copy written around the cache (non-temporal stores: no
+// allocate read), the pre-scan's extra read of the gradients. The bytes
+// each case must move per parameter, as the GB/s column counts them:
 //   fp32 gradients, in place:          16 read + 12 written = 28
 //   bf16 gradients:                    26
-//   + separate bf16 working copy:      +2 written, +2 write-allocate = +4
+//   + separate bf16 working copy:      +2 written (+2 write-allocate for
+//                                      the kernel's ordinary stores) = +4
 //   + non-finite pre-scan:             +4 (fp32) or +2 (bf16) read
+// (Until 2026-11-27 the bound was the triad's bandwidth over those bytes;
+// both the kernel and DeepSpeed's ran at 120-170% of it: a triad moves
+// memory differently from an update in place.)
 // Every time is the best of --reps after one warm-up. Then gradient
 // accumulation (bf16 gradients into the fp32 accumulator, as a returned
 // micro-batch is added): this kernel's against the scalar reference's, with
@@ -38,6 +48,7 @@
 //       (26 bytes, 30 with the bf16 working copy).
 // The peer is skipped, with a line saying why, when --peer=none, when it is
 // not there, or when it cannot run (missing packages: tools/setup.sh).
+#include <immintrin.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -54,6 +65,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
@@ -122,6 +134,122 @@ double TriadGBs(int threads, size_t n, int reps) {
   });
   if (a[n / 2] != 7.0f) std::fprintf(stderr, "triad result wrong\n");
   return 16.0 * static_cast<double>(n) / t / 1e9;
+}
+
+// The arrays a case's step reads and writes.
+struct Arrays {
+  float* p;
+  float* m;
+  float* v;
+  const float* g32;
+  const uint16_t* g16;
+  uint16_t* w16;
+  size_t n;
+};
+
+// One range of a case's memory traffic without its arithmetic: plain C++
+// (the compiler's vectors for this target), for machines without AVX-512.
+template <bool kBf16Grads>
+void StreamRange(const Arrays& a, size_t begin, size_t end, bool copy, bool prescan) {
+  float* __restrict p = a.p;
+  float* __restrict m = a.m;
+  float* __restrict v = a.v;
+  const float* __restrict g32 = a.g32;
+  const uint16_t* __restrict g16 = a.g16;
+  if (prescan) {
+    uint32_t any = 0;
+    for (size_t i = begin; i != end; ++i) {
+      any |= kBf16Grads ? g16[i] : absl::bit_cast<uint32_t>(g32[i]);
+    }
+    if (any == 0xdeadbeefu) std::abort();  // (keeps the reads)
+  }
+  for (size_t i = begin; i != end; ++i) {
+    const float g =
+        kBf16Grads ? absl::bit_cast<float>(static_cast<uint32_t>(g16[i]) << 16) : g32[i];
+    p[i] = p[i] - 1e-30f * g;
+    m[i] = m[i] + 0.0f * g;
+    v[i] = v[i] + 0.0f * g;
+  }
+  if (copy) {
+    for (size_t i = begin; i + 1 < end; i += 2) {
+      const uint32_t pair = (absl::bit_cast<uint32_t>(p[i]) >> 16) |
+                            (absl::bit_cast<uint32_t>(p[i + 1]) & 0xffff0000u);
+      _mm_stream_si32(reinterpret_cast<int*>(a.w16 + i), static_cast<int>(pair));
+    }
+    _mm_sfence();
+  }
+}
+
+// The same with AVX-512, 16 lanes as the Adam kernel moves them: the
+// bound of a kernel that issues as few instructions per byte as this one.
+// The working copy's stores are non-temporal where 16-byte aligned.
+template <bool kBf16Grads>
+__attribute__((target("avx512f,avx512bw"))) void StreamRange512(const Arrays& a, size_t begin,
+                                                                  size_t end, bool copy,
+                                                                  bool prescan) {
+  const size_t whole = begin + (end - begin) / 16 * 16;
+  if (prescan) {
+    __m512i any = _mm512_setzero_si512();
+    for (size_t i = begin; i != whole; i += 16) {
+      any = _mm512_or_si512(
+          any, kBf16Grads ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(a.g16 + i)))
+                          : _mm512_castps_si512(_mm512_loadu_ps(a.g32 + i)));
+    }
+    if (_mm512_reduce_or_epi32(any) == static_cast<int>(0xdeadbeef)) std::abort();
+  }
+  const __m512 tiny = _mm512_set1_ps(1e-30f), zero = _mm512_setzero_ps();
+  const bool stream_copy = copy && reinterpret_cast<uintptr_t>(a.w16 + begin) % 16 == 0;
+  for (size_t i = begin; i != whole; i += 16) {
+    const __m512 g =
+        kBf16Grads
+            ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                  _mm512_cvtepu16_epi32(
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.g16 + i))),
+                  16))
+            : _mm512_loadu_ps(a.g32 + i);
+    const __m512 p = _mm512_sub_ps(_mm512_loadu_ps(a.p + i), _mm512_mul_ps(tiny, g));
+    _mm512_storeu_ps(a.p + i, p);
+    _mm512_storeu_ps(a.m + i, _mm512_fmadd_ps(zero, g, _mm512_loadu_ps(a.m + i)));
+    _mm512_storeu_ps(a.v + i, _mm512_fmadd_ps(zero, g, _mm512_loadu_ps(a.v + i)));
+    if (copy) {
+      const __m256i w = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));
+      if (stream_copy) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(a.w16 + i), _mm256_castsi256_si128(w));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(a.w16 + i + 8),
+                         _mm256_extracti128_si256(w, 1));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.w16 + i), w);
+      }
+    }
+  }
+  if (copy) _mm_sfence();
+  if (whole != end) StreamRange<kBf16Grads>(a, whole, end, copy, prescan);
+}
+
+// One pass of a case's memory traffic without its arithmetic (see the top
+// of this file): what its bound is measured by.
+void StreamPass(tbb::task_arena& arena, DType grad, bool copy, bool prescan, const Arrays& a) {
+  static const bool avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  arena.execute([&] {
+    // Ranges of an even length, so that the working copy's pairs never
+    // straddle two.
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, (a.n + 1) / 2, 1 << 15), [&](const auto& r) {
+      const size_t begin = 2 * r.begin(), end = std::min(a.n, 2 * r.end());
+      if (avx512) {
+        if (grad == DType::kFp32) {
+          StreamRange512<false>(a, begin, end, copy, prescan);
+        } else {
+          StreamRange512<true>(a, begin, end, copy, prescan);
+        }
+      } else if (grad == DType::kFp32) {
+        StreamRange<false>(a, begin, end, copy, prescan);
+      } else {
+        StreamRange<true>(a, begin, end, copy, prescan);
+      }
+    });
+  });
 }
 
 double TorchSeconds(size_t n, int threads, int reps) {
@@ -340,9 +468,12 @@ int Main(int argc, char** argv) {
         std::fill(w16.begin(), w16.end(), 0);
       }
 
-      // Our cases and the peer, --rounds times in alternating order; each
-      // keeps its best round.
-      std::vector<double> best(std::size(kCases), 1e30);  // seconds
+      // Our cases, each with its stream (its bound), and the peer, --rounds
+      // times in alternating order; each keeps its best round.
+      std::vector<double> best(std::size(kCases), 1e30);         // seconds
+      std::vector<double> stream_best(std::size(kCases), 1e30);  // seconds
+      tbb::task_arena stream_arena(threads);
+      const Arrays arrays{p.data(), m.data(), v.data(), g32.data(), g16.data(), w16.data(), n};
       PeerRates peer_rate;
       peer_rate.fill(-1);
       bool peer_ok = !peer.empty();
@@ -396,6 +527,10 @@ int Main(int argc, char** argv) {
             ++failures;
           }
           best[ci] = std::min(best[ci], t);
+          stream_best[ci] =
+              std::min(stream_best[ci], BestSeconds(f.reps, [&] {
+                         StreamPass(stream_arena, c.grad, c.bf16_copy, c.check_finite, arrays);
+                       }));
         }
         if (!peer_first) run_peer();
       }
@@ -406,19 +541,26 @@ int Main(int argc, char** argv) {
         std::snprintf(s, sizeof(s), "%.2fx%s", ours / theirs, mark);
         return std::string(s);
       };
-      auto row = [&](const char* name, double rate, double bytes, const std::string& vs_torch,
-                     const std::string& vs_ds) {
-        const double bound = triad * 1e9 / bytes;
-        std::printf("%-12zu %-34s %9.3f %8.1f %9.3f %7.1f%% %10s %8s\n", n, name, rate / 1e9,
-                    rate * bytes / 1e9, bound / 1e9, 100.0 * rate / bound, vs_torch.c_str(),
-                    vs_ds.c_str());
+      // `bound`: params/s (its case's stream, or the triad's over `bytes`
+      // where `by_triad`); <= 0: none.
+      auto row = [&](const char* name, double rate, double bytes, double bound, bool by_triad,
+                     const std::string& vs_torch, const std::string& vs_ds) {
+        if (by_triad) bound = triad * 1e9 / bytes;
+        char bound_text[16] = "-", share[16] = "-";
+        if (bound > 0) {
+          std::snprintf(bound_text, sizeof(bound_text), "%.3f", bound / 1e9);
+          std::snprintf(share, sizeof(share), "%.1f%%%s", 100.0 * rate / bound,
+                        by_triad ? "t" : "");
+        }
+        std::printf("%-12zu %-34s %9.3f %8.1f %9s %8s %10s %8s\n", n, name, rate / 1e9,
+                    rate * bytes / 1e9, bound_text, share, vs_torch.c_str(), vs_ds.c_str());
       };
       for (size_t ci = 0; ci < std::size(kCases); ++ci) {
         const Case& c = kCases[ci];
         const double rate = static_cast<double>(n) / best[ci];
         char vs_torch[32] = "-";
         if (torch_rate > 0) std::snprintf(vs_torch, sizeof(vs_torch), "%.1fx", rate / torch_rate);
-        row(c.name, rate, c.bytes, vs_torch,
+        row(c.name, rate, c.bytes, static_cast<double>(n) / stream_best[ci], false, vs_torch,
             c.peer == kNoPeer ? "-" : ratio(rate, peer_rate[c.peer], c.same_work ? "" : "*"));
       }
       for (size_t k = 0; k < std::size(kPeerCases); ++k) {
@@ -427,7 +569,11 @@ int Main(int argc, char** argv) {
         if (torch_rate > 0) {
           std::snprintf(vs_torch, sizeof(vs_torch), "%.1fx", peer_rate[k] / torch_rate);
         }
-        row(kPeerCases[k].label, peer_rate[k], kPeerCases[k].bytes, vs_torch, "1.00x");
+        // DeepSpeed fp32 moves what "fp32 grads" does: that case's stream.
+        static_assert(kCases[0].peer == kPeerFp32 && kCases[0].same_work);
+        const double bound = k == kPeerFp32 ? static_cast<double>(n) / stream_best[0] : -1;
+        row(kPeerCases[k].label, peer_rate[k], kPeerCases[k].bytes, bound, false, vs_torch,
+            "1.00x");
       }
       if (torch_rate > 0) {
         std::printf("%-12zu %-34s %9.3f %8.1f %9s %8s %10s %8s\n", n, "torch AdamW (fp32)",
@@ -466,13 +612,15 @@ int Main(int argc, char** argv) {
         row(measure ? "measure handed-over bf16"
             : first ? "accumulate bf16, first micro-batch"
                     : "accumulate bf16, later micro-batch",
-            rate, measure ? 2 : 10, absl::StrFormat("%.1fx", t[1] / t[0]), "-");
+            rate, measure ? 2 : 10, -1, true, absl::StrFormat("%.1fx", t[1] / t[0]), "-");
       }
     }
   }
   std::printf(
-      "\nkernel %s; bound = triad GB/s / bytes per parameter; best of %d round%s, "
-      "each the best of %d step%s after a warm-up\n",
+      "\nkernel %s; bound = the case's own memory traffic without its arithmetic (its stream: "
+      "the same arrays read, updated in place, the working copy written around the cache), "
+      "measured in the same rounds; t: the triad's GB/s over the bytes per parameter instead; "
+      "best of %d round%s, each the best of %d step%s after a warm-up\n",
       Optimizer(OptimizerOptions{0, 1 << 16, f.kernel, false}).kernel_name().c_str(), f.rounds,
       f.rounds == 1 ? "" : "s", f.reps, f.reps == 1 ? "" : "s");
   if (!peer.empty()) {
