@@ -22,7 +22,7 @@
 //                                      the kernel's ordinary stores) = +4
 //   + non-finite pre-scan:             +4 (fp32) or +2 (bf16) read
 // (Until 2026-11-27 the bound was the triad's bandwidth over those bytes;
-// both the kernel and DeepSpeed's ran at 120-170% of it: a triad moves
+// both the kernel and DeepSpeed's ran at 120-235% of it: a triad moves
 // memory differently from an update in place.)
 // Every time is the best of --reps after one warm-up. Then gradient
 // accumulation (bf16 gradients into the fp32 accumulator, as a returned
@@ -147,22 +147,46 @@ struct Arrays {
   size_t n;
 };
 
-// One range of a case's memory traffic without its arithmetic: plain C++
-// (the compiler's vectors for this target), for machines without AVX-512.
+// Keeps `x` (a value nothing else reads) from being optimized away.
+template <typename T>
+void Keep(T x) {
+  asm volatile("" : : "r"(x));
+}
+
+// The pre-scan's pass over a range of the gradients: plain C++ (the
+// compiler's vectors for this target).
 template <bool kBf16Grads>
-void StreamRange(const Arrays& a, size_t begin, size_t end, bool copy, bool prescan) {
+void ScanRange(const Arrays& a, size_t begin, size_t end) {
+  uint32_t any = 0;
+  for (size_t i = begin; i != end; ++i) {
+    any |= kBf16Grads ? a.g16[i] : absl::bit_cast<uint32_t>(a.g32[i]);
+  }
+  Keep(any);
+}
+
+// The same with AVX-512.
+template <bool kBf16Grads>
+__attribute__((target("avx512f"))) void ScanRange512(const Arrays& a, size_t begin, size_t end) {
+  const size_t whole = begin + (end - begin) / 16 * 16;
+  __m512i any = _mm512_setzero_si512();
+  for (size_t i = begin; i != whole; i += 16) {
+    any = _mm512_or_si512(any, kBf16Grads ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                reinterpret_cast<const __m256i*>(a.g16 + i)))
+                                          : _mm512_castps_si512(_mm512_loadu_ps(a.g32 + i)));
+  }
+  Keep(_mm512_reduce_or_epi32(any));
+  if (whole != end) ScanRange<kBf16Grads>(a, whole, end);
+}
+
+// One range of a case's update traffic without its arithmetic: plain C++,
+// for machines without AVX-512.
+template <bool kBf16Grads>
+void UpdateRange(const Arrays& a, size_t begin, size_t end, bool copy) {
   float* __restrict p = a.p;
   float* __restrict m = a.m;
   float* __restrict v = a.v;
   const float* __restrict g32 = a.g32;
   const uint16_t* __restrict g16 = a.g16;
-  if (prescan) {
-    uint32_t any = 0;
-    for (size_t i = begin; i != end; ++i) {
-      any |= kBf16Grads ? g16[i] : absl::bit_cast<uint32_t>(g32[i]);
-    }
-    if (any == 0xdeadbeefu) std::abort();  // (keeps the reads)
-  }
   for (size_t i = begin; i != end; ++i) {
     const float g =
         kBf16Grads ? absl::bit_cast<float>(static_cast<uint32_t>(g16[i]) << 16) : g32[i];
@@ -171,43 +195,32 @@ void StreamRange(const Arrays& a, size_t begin, size_t end, bool copy, bool pres
     v[i] = v[i] + 0.0f * g;
   }
   if (copy) {
-    for (size_t i = begin; i + 1 < end; i += 2) {
+    size_t i = begin;
+    for (; i + 1 < end; i += 2) {
       const uint32_t pair = (absl::bit_cast<uint32_t>(p[i]) >> 16) |
                             (absl::bit_cast<uint32_t>(p[i + 1]) & 0xffff0000u);
       _mm_stream_si32(reinterpret_cast<int*>(a.w16 + i), static_cast<int>(pair));
     }
+    if (i < end) a.w16[i] = static_cast<uint16_t>(absl::bit_cast<uint32_t>(p[i]) >> 16);
     _mm_sfence();
   }
 }
 
-// The same with AVX-512, 16 lanes as the Adam kernel moves them: the
-// bound of a kernel that issues as few instructions per byte as this one.
-// The working copy's stores are non-temporal where 16-byte aligned.
+// The same with AVX-512, 16 lanes as the Adam kernel moves them. The
+// working copy's stores are non-temporal (16 bytes at a time): ranges
+// start on whole blocks of kStreamBlock values, so they stay aligned.
 template <bool kBf16Grads>
-__attribute__((target("avx512f,avx512bw"))) void StreamRange512(const Arrays& a, size_t begin,
-                                                                  size_t end, bool copy,
-                                                                  bool prescan) {
+__attribute__((target("avx512f"))) void UpdateRange512(const Arrays& a, size_t begin, size_t end,
+                                                       bool copy) {
   const size_t whole = begin + (end - begin) / 16 * 16;
-  if (prescan) {
-    __m512i any = _mm512_setzero_si512();
-    for (size_t i = begin; i != whole; i += 16) {
-      any = _mm512_or_si512(
-          any, kBf16Grads ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                reinterpret_cast<const __m256i*>(a.g16 + i)))
-                          : _mm512_castps_si512(_mm512_loadu_ps(a.g32 + i)));
-    }
-    if (_mm512_reduce_or_epi32(any) == static_cast<int>(0xdeadbeef)) std::abort();
-  }
   const __m512 tiny = _mm512_set1_ps(1e-30f), zero = _mm512_setzero_ps();
   const bool stream_copy = copy && reinterpret_cast<uintptr_t>(a.w16 + begin) % 16 == 0;
   for (size_t i = begin; i != whole; i += 16) {
-    const __m512 g =
-        kBf16Grads
-            ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                  _mm512_cvtepu16_epi32(
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.g16 + i))),
-                  16))
-            : _mm512_loadu_ps(a.g32 + i);
+    const __m512 g = kBf16Grads ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                          reinterpret_cast<const __m256i*>(a.g16 + i))),
+                                      16))
+                                : _mm512_loadu_ps(a.g32 + i);
     const __m512 p = _mm512_sub_ps(_mm512_loadu_ps(a.p + i), _mm512_mul_ps(tiny, g));
     _mm512_storeu_ps(a.p + i, p);
     _mm512_storeu_ps(a.m + i, _mm512_fmadd_ps(zero, g, _mm512_loadu_ps(a.m + i)));
@@ -216,37 +229,52 @@ __attribute__((target("avx512f,avx512bw"))) void StreamRange512(const Arrays& a,
       const __m256i w = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16));
       if (stream_copy) {
         _mm_stream_si128(reinterpret_cast<__m128i*>(a.w16 + i), _mm256_castsi256_si128(w));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(a.w16 + i + 8),
-                         _mm256_extracti128_si256(w, 1));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(a.w16 + i + 8), _mm256_extracti128_si256(w, 1));
       } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.w16 + i), w);
       }
     }
   }
   if (copy) _mm_sfence();
-  if (whole != end) StreamRange<kBf16Grads>(a, whole, end, copy, prescan);
+  if (whole != end) UpdateRange<kBf16Grads>(a, whole, end, copy);
+}
+
+constexpr size_t kStreamBlock = 32;  // values: 64 bytes of the working copy
+
+// Which path the streams take on this machine (printed with the results).
+bool StreamHasAvx512() {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512;
 }
 
 // One pass of a case's memory traffic without its arithmetic (see the top
-// of this file): what its bound is measured by.
+// of this file): what its bound is measured by. The pre-scan, as the
+// optimizer's, is a pass of its own over all the gradients first.
 void StreamPass(tbb::task_arena& arena, DType grad, bool copy, bool prescan, const Arrays& a) {
-  static const bool avx512 =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  const bool avx512 = StreamHasAvx512();
+  const bool bf16 = grad != DType::kFp32;
+  auto blocks = [&](auto&& fn) {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, (a.n + kStreamBlock - 1) / kStreamBlock, 2048),
+                      [&](const auto& r) {
+                        fn(kStreamBlock * r.begin(), std::min(a.n, kStreamBlock * r.end()));
+                      });
+  };
   arena.execute([&] {
-    // Ranges of an even length, so that the working copy's pairs never
-    // straddle two.
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, (a.n + 1) / 2, 1 << 15), [&](const auto& r) {
-      const size_t begin = 2 * r.begin(), end = std::min(a.n, 2 * r.end());
-      if (avx512) {
-        if (grad == DType::kFp32) {
-          StreamRange512<false>(a, begin, end, copy, prescan);
+    if (prescan) {
+      blocks([&](size_t begin, size_t end) {
+        if (avx512) {
+          bf16 ? ScanRange512<true>(a, begin, end) : ScanRange512<false>(a, begin, end);
         } else {
-          StreamRange512<true>(a, begin, end, copy, prescan);
+          bf16 ? ScanRange<true>(a, begin, end) : ScanRange<false>(a, begin, end);
         }
-      } else if (grad == DType::kFp32) {
-        StreamRange<false>(a, begin, end, copy, prescan);
+      });
+    }
+    blocks([&](size_t begin, size_t end) {
+      if (avx512) {
+        bf16 ? UpdateRange512<true>(a, begin, end, copy)
+             : UpdateRange512<false>(a, begin, end, copy);
       } else {
-        StreamRange<true>(a, begin, end, copy, prescan);
+        bf16 ? UpdateRange<true>(a, begin, end, copy) : UpdateRange<false>(a, begin, end, copy);
       }
     });
   });
@@ -617,12 +645,14 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf(
-      "\nkernel %s; bound = the case's own memory traffic without its arithmetic (its stream: "
-      "the same arrays read, updated in place, the working copy written around the cache), "
-      "measured in the same rounds; t: the triad's GB/s over the bytes per parameter instead; "
-      "best of %d round%s, each the best of %d step%s after a warm-up\n",
-      Optimizer(OptimizerOptions{0, 1 << 16, f.kernel, false}).kernel_name().c_str(), f.rounds,
-      f.rounds == 1 ? "" : "s", f.reps, f.reps == 1 ? "" : "s");
+      "\nkernel %s; bound = the case's own memory traffic without its arithmetic (its stream, "
+      "%s: the same arrays read, updated in place, the working copy written around the cache, "
+      "the pre-scan a pass of its own), measured in the same rounds in this process; t: the "
+      "triad's GB/s over the bytes per parameter instead; best of %d round%s, each the best of "
+      "%d step%s after a warm-up\n",
+      Optimizer(OptimizerOptions{0, 1 << 16, f.kernel, false}).kernel_name().c_str(),
+      StreamHasAvx512() ? "AVX-512" : "the compiler's vectors", f.rounds, f.rounds == 1 ? "" : "s",
+      f.reps, f.reps == 1 ? "" : "s");
   if (!peer.empty()) {
     std::printf(
         "vs DS: our Gparam/s over DeepSpeed cpu_adam's, measured in alternating rounds "

@@ -93,8 +93,10 @@ TEST(KeptSessions, AreReopenedAsTheyWere) {
 }
 
 // A user other than offloadd's own opens at most SetMaxSessionsPerUser
-// sessions (others and the unbounded are not counted against it); its
-// sessions kept across a restart are counted for it again once reopened.
+// sessions (others and the unbounded are not counted against it); its job
+// restarted at the bound takes its own detached session over, another
+// user's of the name does not; its sessions kept across a restart are
+// counted for it again once reopened.
 TEST(KeptSessions, AUsersSessionsAreBoundedAndStayCountedOnceReopened) {
   const std::string tmp = getenv("TEST_TMPDIR");
   const std::string dir = tmp + "/kept_users";
@@ -123,12 +125,28 @@ TEST(KeptSessions, AUsersSessionsAreBoundedAndStayCountedOnceReopened) {
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(open(sessions, "f", user).status().code(), absl::StatusCode::kResourceExhausted);
 
+  // The user's job restarts while at its bound: its new session takes its
+  // detached one (kept for a resume) over and opens; another user's
+  // session of the same name takes nothing of it over.
+  ASSERT_TRUE(sessions.Close(e->key).ok());
+  RestoreFrom keep;
+  keep.keep_for_resume = true;
+  auto job = sessions.Open("job", {}, std::nullopt, std::nullopt, keep, user);
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_TRUE(sessions.Detach(job->key.id));
+  auto others = sessions.Open("job", {}, std::nullopt, std::nullopt, keep, other);
+  ASSERT_TRUE(others.ok()) << others.status();
+  EXPECT_TRUE(sessions.Fetch(job->key, {}).ok());  // not taken over
+  auto restarted = sessions.Open("job", {}, std::nullopt, std::nullopt, keep, user);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  EXPECT_EQ(sessions.Fetch(job->key, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+
   // Kept across a restart: reopened (never refused), and counted again.
-  EXPECT_EQ(KeepSessions(sessions, dir), 4);
-  for (const auto& s : {a, c, d, e}) ASSERT_TRUE(sessions.Close(s->key).ok());
+  EXPECT_EQ(KeepSessions(sessions, dir), 5);
+  for (const auto& s : {a, c, d, others, restarted}) ASSERT_TRUE(sessions.Close(s->key).ok());
   SessionManager next(Env::Default(), engine.store, engine.steps, &engine.stats);
   next.SetMaxSessionsPerUser(1);
-  EXPECT_EQ(ReopenKeptSessions(next, dir), 4);
+  EXPECT_EQ(ReopenKeptSessions(next, dir), 5);
   EXPECT_EQ(open(next, "g", user).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(open(next, "g", other).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(open(next, "g", 1002).ok());

@@ -195,14 +195,16 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   if (loss_scaling.has_value()) RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
-  {
-    // A user at its bound is refused before anything is built or taken over.
+
+  // A job that resumes by itself restarted: its sessions' trainers are
+  // gone, what they held is this one's to find.
+  if (reuse == nullptr && restore_spec.keep_for_resume) TakeOverDetached(name, user);
+  if (reuse == nullptr) {
+    // A user at its bound is refused before anything is built (after its
+    // restarted job took its own sessions over: they no longer count).
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(CheckRoomForUserLocked(user));
   }
-  // A job that resumes by itself restarted: its sessions' trainers are
-  // gone, what they held is this one's to find.
-  if (reuse == nullptr && restore_spec.keep_for_resume) TakeOverDetached(name);
   std::string restore_from = restore_spec.dir;
   std::vector<uint64_t> restorable_steps;
   // The name's lost directories that go once this session is open (a final
@@ -304,8 +306,10 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
           "offloadd serves ", sessions_.size(), " sessions, its limit (server.max_sessions ",
           max_sessions_, "): close sessions that are done, or raise the limit"));
     }
-    // Checked again where it is counted (opens at once).
-    RETURN_IF_ERROR(CheckRoomForUserLocked(user));
+    // Checked again where it is counted (opens at once); a kept session
+    // reopened (`reuse`) counts for its user again, never refused: it was
+    // within the bound when it was opened.
+    if (reuse == nullptr) RETURN_IF_ERROR(CheckRoomForUserLocked(user));
     session->user = user;
     session->ring->SetSpin(ring_spin_);
     session->keep_for_resume = restore_spec.keep_for_resume;
@@ -396,15 +400,17 @@ uint64_t SessionManager::NewSessionId() {
   return next_session_id_++;
 }
 
-void SessionManager::TakeOverDetached(absl::string_view name) {
+void SessionManager::TakeOverDetached(absl::string_view name, std::optional<uid_t> user) {
   if (name.empty()) return;  // (a name no job claims)
   // Waiting for their trainers (not one resuming now), and themselves
-  // kept for a resume: a job's, not any session that shares the name.
+  // kept for a resume: a job's, not any session that shares the name; and
+  // opened by the same user (a bounded user's job takes over only its own).
   const SteadyTime now = std::chrono::steady_clock::now();
-  auto taken = [name, now](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto taken = [name, now, user](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     const bool resuming = s.resuming_since.has_value() &&
                           now - *s.resuming_since < absl::ToChronoNanoseconds(kResumeAttachWait);
-    return s.name == name && s.keep_for_resume && s.detached_since.has_value() && !resuming;
+    return s.name == name && s.user == user && s.keep_for_resume && s.detached_since.has_value() &&
+           !resuming;
   };
   std::vector<uint64_t> ids;
   {
@@ -1481,14 +1487,12 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
   }
   RestoreFrom from(dir);
   from.keep_for_resume = kept.keep_for_resume;
-  RETURN_IF_ERROR(OpenAs(kept.name, {}, std::nullopt, std::nullopt, from, &key).status());
+  RETURN_IF_ERROR(
+      OpenAs(kept.name, {}, std::nullopt, std::nullopt, from, &key, kept.user).status());
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
     session = sessions_.at(key.id);
-    // Counted for its user again, never refused for it: it was within the
-    // bound when it was opened.
-    session->user = kept.user;
   }
   absl::Status status = [&]() -> absl::Status {
     const checkpoint::Manifest& m = session->restore->session_manifest();

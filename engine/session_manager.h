@@ -501,8 +501,10 @@ class SessionManager {
   // or a session kept across a restart of offloadd; not one a trainer is
   // resuming) as not resumed, so that a new session of the name kept for
   // a resume too (the job restarted) has their memory and finds what they
-  // held by name (FinalCheckpoint).
-  void TakeOverDetached(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
+  // held by name (FinalCheckpoint). Only those `user` opened (Open's
+  // `user`; unset: offloadd's own user's and root's): no user closes
+  // another's by naming it.
+  void TakeOverDetached(absl::string_view name, std::optional<uid_t> user) ABSL_LOCKS_EXCLUDED(mu_);
   // A session kept for a resume that goes unfinished, once no call can find
   // it (calls that found it before, and a running step, are waited for, up
   // to kFinalCheckpointWait): its state at its last step boundary becomes
