@@ -193,6 +193,7 @@ class TorchWrapTest(unittest.TestCase):
                     env=dict(os.environ, OFFLOADD_ADDRESS=daemon.address),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                     for rank in range(2)]
+                killed = False
                 if failures < 2 and kills < 6:
                     # At a random point of this attempt: the first time in
                     # wrap() (its agreement) or after some of the ranks'
@@ -218,6 +219,7 @@ class TorchWrapTest(unittest.TestCase):
                             self.assertEqual(daemon.terminate(), 0)
                         daemon = Daemon(self.root, name, flags=flags, restart=True)
                         kills += 1
+                        killed = True
                 outputs = []
                 for p in procs:
                     try:
@@ -228,13 +230,20 @@ class TorchWrapTest(unittest.TestCase):
                         self.fail(f"seed {seed}: ranks still running after 120 s\n{log}")
                 codes = [p.returncode for p in procs]
                 said = [line for o in outputs for line in o.splitlines() if "resumed at" in line]
-                log.append((codes, said))
+                log.append((codes, said, "killed" if killed else "not killed"))
                 if codes == [0, 0]:
                     if failures >= 2 or kills >= 6:
                         break
                     # The kill cost nothing (it came while wrap() could still
-                    # retry, or after the ranks' last call): the job is run
-                    # again from its start, to be killed again.
+                    # retry, or after the ranks' last call): what the job
+                    # trained is checked, and it runs again from its start,
+                    # to be killed again. One that ended before its kill
+                    # came is a test that lost its way: said at once.
+                    self.assertTrue(killed, f"seed {seed}: an attempt ended unkilled: {log}")
+                    with open(out) as f:
+                        self.assertEqual(json.load(f)["state"], want["state"],
+                                         f"seed {seed}: a kill that cost nothing changed the "
+                                         f"weights: {log}")
                     continue
                 # A rank failed: the job restarts (both ranks), as torchrun's does.
                 failures += 1
@@ -248,7 +257,7 @@ class TorchWrapTest(unittest.TestCase):
         # Not by starting anew: a later attempt went on from a step both
         # ranks had checkpointed.
         resumed = [int(line.split("resumed at step ")[1].split()[0])
-                   for _, said in log[1:] for line in said]
+                   for _, said, _ in log[1:] for line in said]
         self.assertGreater(max(resumed, default=0), 0, f"seed {seed}: {log}")
         self.assertEqual(got["state"].keys(), want["state"].keys())
         for k in want["state"]:
