@@ -61,6 +61,44 @@ bool BecomeNobody(bool in_users) {
   return setgroups(in_users ? 1 : 0, &users) == 0 && setgid(65534) == 0 && setuid(65534) == 0;
 }
 
+// Runs `binary` (a path in the test's runfiles) as nobody in group users,
+// with `args`, from a copy in `dir` (the runfiles are under root's home,
+// which nobody may not read). Its exit status (-1 if it did not exit; 8: it
+// could not become nobody) and what it printed: stdout, and stderr too
+// where `with_stderr` (else stderr stays the test's: gRPC's own log lines).
+struct RanAsNobody {
+  int status = -1;
+  std::string output;
+};
+RanAsNobody RunAsNobody(const std::string& dir, const std::string& binary,
+                        const std::vector<std::string>& args, bool with_stderr) {
+  const std::string copy = dir + "/" + std::filesystem::path(binary).filename().string();
+  if (!std::filesystem::exists(copy)) std::filesystem::copy_file(binary, copy);
+  EXPECT_EQ(chmod(copy.c_str(), 0755), 0);
+  std::vector<char*> argv{const_cast<char*>(copy.c_str())};
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  int out[2];
+  EXPECT_EQ(pipe(out), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], 1);
+    if (with_stderr) dup2(out[1], 2);
+    if (!BecomeNobody(/*in_users=*/true)) _exit(8);
+    execv(copy.c_str(), argv.data());
+    _exit(9);
+  }
+  close(out[1]);
+  RanAsNobody ran;
+  char buf[512];
+  for (ssize_t got; (got = read(out[0], buf, sizeof(buf))) > 0;) ran.output.append(buf, got);
+  close(out[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ran.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return ran;
+}
+
 // The counter `name` of the daemon `client` talks to; -1 if there is none.
 int64_t CounterOf(Client& client, const std::string& name) {
   auto stats = client.GetStats();
@@ -1697,34 +1735,13 @@ TEST(DaemonStartup, AnotherUserOpensAtMostItsShareOfSessions) {
   auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
                                  "--server.max_sessions_per_user=2"});
   ASSERT_TRUE(d.ok()) << d.status();
-  // (A copy nobody may run: the test's runfiles are under root's home.)
-  const std::string opener = std::string(dir) + "/open_sessions";
-  std::filesystem::copy_file("tests/open_sessions", opener);
-  ASSERT_EQ(chmod(opener.c_str(), 0755), 0);
-  // As nobody, in group users: its lines, one per OpenSession (its
-  // stdout; gRPC's own log lines go to the test's stderr).
+  // As nobody, in group users: its lines, one per OpenSession.
   auto open_as_nobody = [&](int count) {
-    int out[2];
-    EXPECT_EQ(pipe(out), 0);
-    const std::string address = "unix:" + socket_path;
-    const std::string n = std::to_string(count);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      dup2(out[1], 1);
-      if (!BecomeNobody(/*in_users=*/true)) _exit(8);
-      execl(opener.c_str(), "open_sessions", address.c_str(), n.c_str(),
-            static_cast<char*>(nullptr));
-      _exit(9);
-    }
-    close(out[1]);
-    std::string said;
-    char buf[512];
-    for (ssize_t got; (got = read(out[0], buf, sizeof(buf))) > 0;) said.append(buf, got);
-    close(out[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0) << said;
-    return std::vector<std::string>(absl::StrSplit(said, '\n', absl::SkipEmpty()));
+    const RanAsNobody ran =
+        RunAsNobody(dir, "tests/open_sessions", {"unix:" + socket_path, std::to_string(count)},
+                    /*with_stderr=*/false);
+    EXPECT_EQ(ran.status, 0) << ran.output;
+    return std::vector<std::string>(absl::StrSplit(ran.output, '\n', absl::SkipEmpty()));
   };
   const std::vector<std::string> first = open_as_nobody(3);
   ASSERT_EQ(first.size(), 3u) << absl::StrJoin(first, "\n");
@@ -1883,32 +1900,12 @@ TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
     ASSERT_TRUE(stub->OpenSession(&ctx, {}, &opened).ok());
   }
   {
-    int out[2];
-    ASSERT_EQ(pipe(out), 0);
-    const std::string id = std::to_string(opened.session().session_id());
-    const std::string address = "--address=unix:" + socket_path;
-    // (A copy nobody may run: the test's runfiles are under root's home.)
-    const std::string ctl = std::string(dir) + "/offloadctl";
-    std::filesystem::copy_file("client/offloadctl", ctl);
-    ASSERT_EQ(chmod(ctl.c_str(), 0755), 0);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      dup2(out[1], 2);
-      dup2(out[1], 1);
-      if (!BecomeNobody(/*in_users=*/true)) _exit(8);
-      execl(ctl.c_str(), "offloadctl", address.c_str(), "share", id.c_str(), "7",
-            static_cast<char*>(nullptr));
-      _exit(9);
-    }
-    close(out[1]);
-    std::string said;
-    char buf[512];
-    for (ssize_t n; (n = read(out[0], buf, sizeof(buf))) > 0;) said.append(buf, n);
-    close(out[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 1) << said;
-    EXPECT_TRUE(absl::StrContains(said, "PERMISSION_DENIED")) << said;
+    const RanAsNobody ran = RunAsNobody(dir, "client/offloadctl",
+                                        {"--address=unix:" + socket_path, "share",
+                                         std::to_string(opened.session().session_id()), "7"},
+                                        /*with_stderr=*/true);
+    EXPECT_EQ(ran.status, 1) << ran.output;
+    EXPECT_TRUE(absl::StrContains(ran.output, "PERMISSION_DENIED")) << ran.output;
   }
   // The operator's actions need the token the daemon wrote for its own user.
   std::ifstream token_file((*d)->data_dir() + "/tcp_token");
