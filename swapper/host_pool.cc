@@ -36,6 +36,12 @@ PoolMemory& PoolMemory::operator=(PoolMemory&& other) noexcept {
 }
 
 void PoolMemory::Reset() {
+  if (pool_ != nullptr && slot_.slab == nullptr && !locked_ && !memory_.empty() &&
+      pool_->KeepSpare(memory_, pages_, charged_)) {
+    pool_ = nullptr;
+    charged_ = 0;
+    return;
+  }
   // munmap (in ~HostMemory) also unlocks a locked lease.
   memory_ = HostMemory();
   if (slot_.slab != nullptr) {
@@ -64,6 +70,7 @@ void PoolCharge::Reset() {
 }
 
 bool HostPool::Fits(uint64_t bytes) const {
+  // (Spares give way: used() leaves them out.)
   const uint64_t need = Charge(bytes);
   const uint64_t lim = limit();
   const uint64_t u = used();
@@ -71,6 +78,13 @@ bool HostPool::Fits(uint64_t bytes) const {
 }
 
 absl::Status HostPool::Take(uint64_t charge, absl::string_view what) {
+  absl::Status taken = TakeOnce(charge, what);
+  if (taken.ok() || spare_bytes() == 0) return taken;
+  DropSpares(charge);
+  return TakeOnce(charge, what);
+}
+
+absl::Status HostPool::TakeOnce(uint64_t charge, absl::string_view what) {
   uint64_t u = used_.load(std::memory_order_relaxed);
   for (;;) {
     const uint64_t lim = limit();
@@ -94,7 +108,7 @@ absl::StatusOr<PoolCharge> HostPool::Reserve(uint64_t bytes, absl::string_view w
 HostPool::HostPool(Env* env, uint64_t limit, bool lock_memory)
     : env_(env), lock_memory_(lock_memory), limit_(limit) {}
 
-HostPool::~HostPool() = default;
+HostPool::~HostPool() { DropSpares(UINT64_MAX); }
 
 int64_t HostPool::slabs() const {
   absl::MutexLock lock(&slab_mu_);
@@ -159,8 +173,21 @@ void HostPool::FreeSlot(const PoolMemory::Slot& slot) {
   }
 }
 
-absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what, Pages pages) {
+absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view what, Pages pages,
+                                              Contents contents) {
   const uint64_t charge = Charge(bytes);
+  if (contents == Contents::kOverwritten && bytes >= kSpareMinBytes && !lock_memory_) {
+    absl::MutexLock lock(&spare_mu_);
+    for (auto it = spares_.begin(); it != spares_.end(); ++it) {
+      if (it->memory.size() != bytes || it->pages != pages || it->charged != charge) continue;
+      // Its charge was never given back: the lease takes it over.
+      HostMemory memory = std::move(it->memory);
+      spare_bytes_ -= it->charged;
+      spares_.erase(it);
+      spares_taken_.fetch_add(1, std::memory_order_relaxed);
+      return PoolMemory(std::move(memory), this, charge, /*locked=*/false, pages);
+    }
+  }
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
   if (bytes > 0 && bytes <= kSlabLeaseMaxBytes && !lock_memory_ &&
       io_alignment_.load(std::memory_order_relaxed) <= PageSize()) {
@@ -194,6 +221,44 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
 void HostPool::Release(uint64_t charged, bool was_locked) {
   used_.fetch_sub(charged, std::memory_order_relaxed);
   if (was_locked) locked_.fetch_sub(charged, std::memory_order_relaxed);
+}
+
+bool HostPool::KeepSpare(HostMemory& memory, Pages pages, uint64_t charged) {
+  if (memory.size() < kSpareMinBytes || lock_memory_) return false;
+  absl::MutexLock lock(&spare_mu_);
+  if (spare_bytes_ + charged > spare_limit_) return false;
+  spares_.push_back(Spare{std::move(memory), pages, charged});
+  spare_bytes_ += charged;
+  return true;
+}
+
+void HostPool::DropSpares(uint64_t bytes) {
+  std::vector<Spare> dropped;
+  {
+    absl::MutexLock lock(&spare_mu_);
+    uint64_t freed = 0;
+    while (!spares_.empty() && freed < bytes) {
+      freed += spares_.front().charged;
+      spare_bytes_ -= spares_.front().charged;
+      dropped.push_back(std::move(spares_.front()));
+      spares_.erase(spares_.begin());
+    }
+  }
+  // Unmapped outside the lock, then their charges go.
+  for (Spare& s : dropped) {
+    s.memory = HostMemory();
+    Release(s.charged, /*was_locked=*/false);
+  }
+}
+
+void HostPool::SetSpareBytes(uint64_t bytes) {
+  uint64_t excess = 0;
+  {
+    absl::MutexLock lock(&spare_mu_);
+    spare_limit_ = bytes;
+    if (spare_bytes_ > bytes) excess = spare_bytes_ - bytes;
+  }
+  if (excess > 0) DropSpares(excess);
 }
 
 }  // namespace offload

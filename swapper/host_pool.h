@@ -13,6 +13,15 @@
 // pages go back to the kernel when the lease ends (MADV_DONTNEED: zeroed
 // when taken again).
 //
+// Spares (SetSpareBytes): a lease of its own mapping of at least
+// kSpareMinBytes, not locked, that ends keeps its pages in the pool, still
+// charged, up to the spare bytes given. An Allocate whose caller overwrites
+// all of it before anyone reads it (Contents::kOverwritten: the swapper's
+// reads from NVMe) takes a spare of its size and pages instead of fresh
+// pages, which the kernel would clear first (and fault in, under the I/O
+// that reads into them). A Take that finds no room gives the spares back
+// first: they never keep a lease out.
+//
 // Thread-safety: all methods are safe from any thread (lock-free
 // accounting).
 #ifndef OFFLOADD_SWAPPER_HOST_POOL_H_
@@ -134,11 +143,27 @@ class HostPool {
   // Whether Charge(bytes) more fit under the limit now.
   bool Fits(uint64_t bytes) const;
 
-  // Zeroed memory for `bytes` on `pages`, charged to the pool.
-  // RESOURCE_EXHAUSTED naming `what` and the numbers if it does not fit; the
-  // errno's code if the mapping fails (nothing charged then).
+  // What the caller does with a lease's first contents.
+  enum class Contents {
+    kZeroed,       // reads them: zeros
+    kOverwritten,  // writes every byte before anyone reads: a spare's will do
+  };
+  // Memory for `bytes` on `pages`, charged to the pool: zeroed, or with
+  // kOverwritten whatever a spare of that size held. RESOURCE_EXHAUSTED
+  // naming `what` and the numbers if it does not fit; the errno's code if
+  // the mapping fails (nothing charged then).
   absl::StatusOr<PoolMemory> Allocate(uint64_t bytes, absl::string_view what,
-                                      Pages pages = Pages::kHuge);
+                                      Pages pages = Pages::kHuge,
+                                      Contents contents = Contents::kZeroed);
+
+  // Leases of at least this many bytes may become spares.
+  static constexpr uint64_t kSpareMinBytes = uint64_t{1} << 20;
+  // The most bytes spares may hold (0, the default: none; lowering it gives
+  // the excess back).
+  void SetSpareBytes(uint64_t bytes) ABSL_LOCKS_EXCLUDED(spare_mu_);
+  // Bytes spares hold now (not part of used()), and leases that took one.
+  uint64_t spare_bytes() const { return spare_bytes_.load(std::memory_order_relaxed); }
+  uint64_t spares_taken() const { return spares_taken_.load(std::memory_order_relaxed); }
 
   // Charges Charge(bytes) without mapping anything. RESOURCE_EXHAUSTED as
   // Allocate.
@@ -146,7 +171,11 @@ class HostPool {
 
   void SetLimit(uint64_t limit) { limit_.store(limit, std::memory_order_relaxed); }
   uint64_t limit() const { return limit_.load(std::memory_order_relaxed); }
-  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  // Bytes leased and reserved now; spares are not counted (they give way
+  // to any lease), though their pages are charged against the limit too.
+  uint64_t used() const {
+    return used_.load(std::memory_order_relaxed) - spare_bytes_.load(std::memory_order_relaxed);
+  }
   // Bytes of leases that mlock succeeded on.
   uint64_t locked() const { return locked_.load(std::memory_order_relaxed); }
   // Slabs mapped now (each one mapping, shared by small leases).
@@ -155,9 +184,22 @@ class HostPool {
  private:
   friend class PoolMemory;
   friend class PoolCharge;
-  // Adds `charge` to used_ unless that would exceed the limit.
+  // Adds `charge` to used_ unless that would exceed the limit (after
+  // giving spares back).
   absl::Status Take(uint64_t charge, absl::string_view what);
+  absl::Status TakeOnce(uint64_t charge, absl::string_view what);
   void Release(uint64_t charged, bool was_locked);
+  // A lease ending: true if its memory stays as a spare (its charge with
+  // it), false if the caller unmaps and releases it as before.
+  bool KeepSpare(HostMemory& memory, Pages pages, uint64_t charged) ABSL_LOCKS_EXCLUDED(spare_mu_);
+  // Gives back spares holding at least `bytes` (all: UINT64_MAX); their
+  // pages go to the kernel, their charges with them.
+  void DropSpares(uint64_t bytes) ABSL_LOCKS_EXCLUDED(spare_mu_);
+  struct Spare {
+    HostMemory memory;
+    Pages pages;
+    uint64_t charged;
+  };
   // A slot of at least `bytes` (<= kSlabLeaseMaxBytes) in a slab with room,
   // a new slab if none has; the env's error if one cannot be mapped.
   struct Slab;
@@ -174,6 +216,12 @@ class HostPool {
   std::atomic<uint64_t> locked_{0};
   std::atomic<bool> lock_warned_{false};
   std::atomic<uint64_t> io_alignment_{0};
+
+  mutable absl::Mutex spare_mu_;
+  std::vector<Spare> spares_ ABSL_GUARDED_BY(spare_mu_);  // the oldest first
+  std::atomic<uint64_t> spare_bytes_{0};                  // changed under spare_mu_
+  uint64_t spare_limit_ ABSL_GUARDED_BY(spare_mu_) = 0;
+  std::atomic<uint64_t> spares_taken_{0};
 
   mutable absl::Mutex slab_mu_;
   // Per slot size: every slab, and those with a free slot.

@@ -30,6 +30,77 @@ TEST(HostPool, ChargesWholePagesExactlyAndGivesThemBack) {
   EXPECT_EQ(pool.used(), 0u);
 }
 
+// A lease of its own mapping that ends keeps its pages as a spare (still
+// charged, up to the spare bytes set): only a caller that overwrites it all
+// (kOverwritten) gets it back, of the same size; a zeroed lease is never
+// one. Spares give way to any lease past the limit and to a lower cap.
+TEST(HostPool, SparesServeOverwrittenLeasesAndGiveWay) {
+  const uint64_t mib = uint64_t{1} << 20;
+  HostPool pool(Env::Default(), 8 * mib, false);
+  pool.SetSpareBytes(4 * mib);
+  auto a = pool.Allocate(2 * mib, "a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::memset(a->data(), 0x5a, 2 * mib);
+  const std::byte* was = a->data();
+  a->Reset();
+  EXPECT_EQ(pool.spare_bytes(), 2 * mib);
+  EXPECT_EQ(pool.used(), 0u);  // spares are not in use
+  EXPECT_TRUE(pool.Fits(8 * mib));
+  // Zeroed: fresh pages, the spare stays.
+  auto zeroed = pool.Allocate(2 * mib, "zeroed");
+  ASSERT_TRUE(zeroed.ok());
+  EXPECT_NE(zeroed->data(), was);
+  EXPECT_EQ(static_cast<int>(zeroed->data()[123]), 0);
+  EXPECT_EQ(pool.spare_bytes(), 2 * mib);
+  // Another size: fresh pages too.
+  auto other = pool.Allocate(mib, "other", Pages::kHuge, HostPool::Contents::kOverwritten);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(pool.spares_taken(), 0u);
+  other->Reset();  // 1 MiB: a spare too
+  EXPECT_EQ(pool.spare_bytes(), 3 * mib);
+  // Overwritten, same size and pages: the spare, as it was left.
+  auto reused = pool.Allocate(2 * mib, "reused", Pages::kHuge, HostPool::Contents::kOverwritten);
+  ASSERT_TRUE(reused.ok());
+  EXPECT_EQ(reused->data(), was);
+  EXPECT_EQ(static_cast<int>(reused->data()[123]), 0x5a);
+  EXPECT_EQ(pool.spares_taken(), 1u);
+  EXPECT_EQ(pool.spare_bytes(), mib);
+  EXPECT_EQ(pool.used(), 4 * mib);
+  // Past the cap, an ending lease is unmapped as before.
+  reused->Reset();
+  zeroed->Reset();
+  EXPECT_EQ(pool.spare_bytes(), 3 * mib);
+  // A lease needing the spares' room gets it: 6 MiB leased, 3 of spares, a
+  // limit of 8.
+  auto big = pool.Allocate(6 * mib, "big");
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_LE(pool.spare_bytes(), 2 * mib);
+  EXPECT_EQ(pool.used(), 6 * mib);
+  big->Reset();  // 6 MiB: past the cap, unmapped
+  pool.SetSpareBytes(0);
+  EXPECT_EQ(pool.spare_bytes(), 0u);
+  auto last = pool.Allocate(8 * mib, "last");
+  EXPECT_TRUE(last.ok()) << last.status();
+}
+
+// A pool that locks its memory keeps no spares (a lock would be lost or
+// need redoing); small leases (slab slots) never become spares.
+TEST(HostPool, NoSparesOfLockedOrSmallLeases) {
+  const uint64_t mib = uint64_t{1} << 20;
+  HostPool locking(Env::Default(), 8 * mib, /*lock_memory=*/true);
+  locking.SetSpareBytes(4 * mib);
+  auto a = locking.Allocate(2 * mib, "a");
+  ASSERT_TRUE(a.ok());
+  a->Reset();
+  EXPECT_EQ(locking.spare_bytes(), 0u);
+  HostPool pool(Env::Default(), 8 * mib, false);
+  pool.SetSpareBytes(4 * mib);
+  auto small = pool.Allocate(PageSize(), "small");
+  ASSERT_TRUE(small.ok());
+  small->Reset();
+  EXPECT_EQ(pool.spare_bytes(), 0u);
+}
+
 TEST(HostPool, RefusesWhatDoesNotFitWithTheNumbersAndChangesNothing) {
   HostPool pool(Env::Default(), 4 * PageSize(), false);
   auto a = pool.Allocate(3 * PageSize(), "a");

@@ -22,6 +22,10 @@ namespace {
 // whole stripes (at least one): large enough that a window's I/O keeps the
 // devices busy, small enough to be a fixed overhead.
 constexpr uint64_t kStagingBytes = uint64_t{4} << 20;
+// The pool's spares (HostPool::SetSpareBytes) where there is an NVMe tier:
+// a few blocks' worth (blocks are placement.state_chunk_bytes, 16 MiB by
+// default), never in a lease's way.
+constexpr uint64_t kSpareBytes = uint64_t{128} << 20;
 
 uint64_t NanosSince(std::chrono::steady_clock::time_point start) {
   return static_cast<uint64_t>(
@@ -129,14 +133,15 @@ uint64_t Swapper::ChargedOf(const Block& b) {
   return b.external != nullptr ? b.charge.bytes() : b.host.charged();
 }
 
-absl::Status Swapper::TakeHostLocked(Block* b) {
+absl::Status Swapper::TakeHostLocked(Block* b, HostPool::Contents contents) {
   const std::string what = absl::StrCat("block ", b->id);
   if (b->external != nullptr) {
     ASSIGN_OR_RETURN(b->charge, pool_->Reserve(b->span, what));
   } else {
     ASSIGN_OR_RETURN(
         b->host,
-        pool_->Allocate(b->bytes, what, b->home == Tier::kHost ? host_home_pages_ : Pages::kHuge));
+        pool_->Allocate(b->bytes, what, b->home == Tier::kHost ? host_home_pages_ : Pages::kHuge,
+                        contents));
   }
   return absl::OkStatus();
 }
@@ -211,7 +216,12 @@ absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& o
   RETURN_IF_ERROR(kSwapperIoThreadsRange.Check("swapper.io_threads", options.io_threads));
   // Blocks are read and written in whole units of the tier's alignment,
   // straight to and from their leases.
-  if (space != nullptr) pool->SetIoAlignment(space->alignment());
+  if (space != nullptr) {
+    pool->SetIoAlignment(space->alignment());
+    // Evicted blocks' pages wait as spares for the next read from NVMe
+    // (no clearing of fresh pages under its I/O), up to this many bytes.
+    pool->SetSpareBytes(kSpareBytes);
+  }
   std::unique_ptr<Swapper> s(new Swapper(options, pool, space));
   for (int64_t i = 0; i < options.io_threads; ++i) {
     s->io_threads_.emplace_back([raw = s.get()] { raw->IoThread(); });
@@ -846,7 +856,10 @@ void Swapper::EvictLocked(Block* b) {
 }
 
 absl::Status Swapper::StartReadLocked(Block* b) {
-  RETURN_IF_ERROR(TakeHostLocked(b));
+  // A read fills the whole lease (Space::Read of its extent); a block never
+  // written out reads as zeros, which only a fresh lease is.
+  RETURN_IF_ERROR(TakeHostLocked(
+      b, b->extent != 0 ? HostPool::Contents::kOverwritten : HostPool::Contents::kZeroed));
   if (b->extent == 0) {
     // Never written out (or discarded): zeros, which a fresh lease and the
     // holes of external memory already are.

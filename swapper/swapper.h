@@ -305,8 +305,11 @@ class Swapper {
   static uint64_t NeedOf(const Block& b);
   static uint64_t ChargedOf(const Block& b);
   // Gives the block host memory (a lease, or the charge for its external
-  // pages) from the pool, which must fit it. Its bytes are zeros.
-  absl::Status TakeHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // pages) from the pool, which must fit it. Its bytes are zeros unless
+  // `contents`: kOverwritten where a read from NVMe fills the whole lease
+  // (a spare's pages will do: HostPool).
+  absl::Status TakeHostLocked(Block* b, HostPool::Contents contents = HostPool::Contents::kZeroed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the block's host memory back. External pages are freed by an I/O
   // thread, outside the lock (the block is `dropping` until then);
   // DropHostNowLocked frees them at once.
