@@ -307,6 +307,12 @@ DaemonSnapshot Daemon::Snapshot() const {
   s.counters.push_back(
       {"grpc_tcp_listener_rebuilds", v(connections_.listener_rebuilds), "rebuilds"});
   s.tiers.push_back({"host", engine_->pool().used(), engine_->pool().limit()});
+  // The pool's spares: evicted blocks' pages waiting for reads from NVMe,
+  // charged but not in the host tier's use.
+  s.counters.push_back({"pool_spare_bytes", static_cast<int64_t>(engine_->pool().spare_bytes()),
+                        "bytes", /*gauge=*/true});
+  s.counters.push_back(
+      {"pool_spares_taken", static_cast<int64_t>(engine_->pool().spares_taken()), "leases"});
   if (engine_->swap_space() != nullptr) {
     const SwapStats nvme = engine_->swap_space()->Stats();
     s.tiers.push_back({"nvme", nvme.capacity - nvme.free, nvme.capacity});

@@ -78,10 +78,13 @@ bool HostPool::Fits(uint64_t bytes) const {
 }
 
 absl::Status HostPool::Take(uint64_t charge, absl::string_view what) {
-  absl::Status taken = TakeOnce(charge, what);
-  if (taken.ok() || spare_bytes() == 0) return taken;
-  DropSpares(charge);
-  return TakeOnce(charge, what);
+  for (;;) {
+    absl::Status taken = TakeOnce(charge, what);
+    if (taken.ok() || spare_bytes() == 0) return taken;
+    // Spares give way: as many as the shortfall.
+    const uint64_t u = used_.load(std::memory_order_relaxed), lim = limit();
+    DropSpares(u + charge > lim ? u + charge - lim : charge);
+  }
 }
 
 absl::Status HostPool::TakeOnce(uint64_t charge, absl::string_view what) {
@@ -225,10 +228,25 @@ void HostPool::Release(uint64_t charged, bool was_locked) {
 
 bool HostPool::KeepSpare(HostMemory& memory, Pages pages, uint64_t charged) {
   if (memory.size() < kSpareMinBytes || lock_memory_) return false;
-  absl::MutexLock lock(&spare_mu_);
-  if (spare_bytes_ + charged > spare_limit_) return false;
-  spares_.push_back(Spare{std::move(memory), pages, charged});
-  spare_bytes_ += charged;
+  // A pool over its limit (lowered) gives it back instead.
+  if (used_.load(std::memory_order_relaxed) > limit()) return false;
+  std::vector<Spare> older;  // made way for this one: unmapped outside the lock
+  {
+    absl::MutexLock lock(&spare_mu_);
+    if (charged > spare_limit_) return false;
+    // The newest are kept (they are the sizes reads ask for now).
+    while (spare_bytes_ + charged > spare_limit_) {
+      spare_bytes_ -= spares_.front().charged;
+      older.push_back(std::move(spares_.front()));
+      spares_.erase(spares_.begin());
+    }
+    spares_.push_back(Spare{std::move(memory), pages, charged});
+    spare_bytes_ += charged;
+  }
+  for (Spare& s : older) {
+    s.memory = HostMemory();
+    Release(s.charged, /*was_locked=*/false);
+  }
   return true;
 }
 
@@ -249,6 +267,12 @@ void HostPool::DropSpares(uint64_t bytes) {
     s.memory = HostMemory();
     Release(s.charged, /*was_locked=*/false);
   }
+}
+
+void HostPool::SetLimit(uint64_t limit) {
+  limit_.store(limit, std::memory_order_relaxed);
+  const uint64_t charged = used_.load(std::memory_order_relaxed);
+  if (charged > limit && spare_bytes() > 0) DropSpares(charged - limit);
 }
 
 void HostPool::SetSpareBytes(uint64_t bytes) {

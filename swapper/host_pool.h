@@ -19,8 +19,10 @@
 // all of it before anyone reads it (Contents::kOverwritten: the swapper's
 // reads from NVMe) takes a spare of its size and pages instead of fresh
 // pages, which the kernel would clear first (and fault in, under the I/O
-// that reads into them). A Take that finds no room gives the spares back
-// first: they never keep a lease out.
+// that reads into them). A Take that finds no room gives spares back first
+// (as many as it lacks), and so does a lower limit: they never keep a lease
+// out nor the pool over its limit. When the cap is reached the oldest
+// spares make way for newer ones.
 //
 // Thread-safety: all methods are safe from any thread (lock-free
 // accounting).
@@ -169,12 +171,18 @@ class HostPool {
   // Allocate.
   absl::StatusOr<PoolCharge> Reserve(uint64_t bytes, absl::string_view what);
 
-  void SetLimit(uint64_t limit) { limit_.store(limit, std::memory_order_relaxed); }
+  // A lower limit gives back spares down to it at once (leases are the
+  // caller's to give back: the swapper evicts).
+  void SetLimit(uint64_t limit) ABSL_LOCKS_EXCLUDED(spare_mu_);
   uint64_t limit() const { return limit_.load(std::memory_order_relaxed); }
   // Bytes leased and reserved now; spares are not counted (they give way
   // to any lease), though their pages are charged against the limit too.
+  // (Two counters read one after the other: a reader racing a lease that
+  // becomes a spare sees it in neither, never less than nothing.)
   uint64_t used() const {
-    return used_.load(std::memory_order_relaxed) - spare_bytes_.load(std::memory_order_relaxed);
+    const uint64_t charged = used_.load(std::memory_order_relaxed);
+    const uint64_t spares = spare_bytes_.load(std::memory_order_relaxed);
+    return charged > spares ? charged - spares : 0;
   }
   // Bytes of leases that mlock succeeded on.
   uint64_t locked() const { return locked_.load(std::memory_order_relaxed); }

@@ -31,9 +31,10 @@ TEST(HostPool, ChargesWholePagesExactlyAndGivesThemBack) {
 }
 
 // A lease of its own mapping that ends keeps its pages as a spare (still
-// charged, up to the spare bytes set): only a caller that overwrites it all
-// (kOverwritten) gets it back, of the same size; a zeroed lease is never
-// one. Spares give way to any lease past the limit and to a lower cap.
+// charged, up to the spare bytes set, the oldest making way): only a caller
+// that overwrites it all (kOverwritten) gets it back, of the same size; a
+// zeroed lease is never one. Spares give way to any lease past the limit
+// and to a lower cap.
 TEST(HostPool, SparesServeOverwrittenLeasesAndGiveWay) {
   const uint64_t mib = uint64_t{1} << 20;
   HostPool pool(Env::Default(), 8 * mib, false);
@@ -66,10 +67,10 @@ TEST(HostPool, SparesServeOverwrittenLeasesAndGiveWay) {
   EXPECT_EQ(pool.spares_taken(), 1u);
   EXPECT_EQ(pool.spare_bytes(), mib);
   EXPECT_EQ(pool.used(), 4 * mib);
-  // Past the cap, an ending lease is unmapped as before.
+  // Past the cap, the oldest spare makes way for the newest.
   reused->Reset();
   zeroed->Reset();
-  EXPECT_EQ(pool.spare_bytes(), 3 * mib);
+  EXPECT_EQ(pool.spare_bytes(), 4 * mib);
   // A lease needing the spares' room gets it: 6 MiB leased, 3 of spares, a
   // limit of 8.
   auto big = pool.Allocate(6 * mib, "big");
@@ -81,6 +82,36 @@ TEST(HostPool, SparesServeOverwrittenLeasesAndGiveWay) {
   EXPECT_EQ(pool.spare_bytes(), 0u);
   auto last = pool.Allocate(8 * mib, "last");
   EXPECT_TRUE(last.ok()) << last.status();
+}
+
+// Spares give back exactly what they must: a limit lowered below what the
+// pool holds with them drops them down to it, a lease that lacks room drops
+// as many as it lacks (Fits counts them as free, and Take then agrees), and
+// a full cap makes the oldest make way for a newer one.
+TEST(HostPool, SparesGiveWayToALowerLimitAndToWhatALeaseLacks) {
+  const uint64_t mib = uint64_t{1} << 20;
+  HostPool pool(Env::Default(), 9 * mib, false);
+  pool.SetSpareBytes(3 * mib);
+  auto lease = pool.Allocate(5 * mib, "lease");
+  ASSERT_TRUE(lease.ok());
+  for (int i = 0; i < 3; ++i) {
+    auto s = pool.Allocate(mib, "spare");
+    ASSERT_TRUE(s.ok());
+    std::memset(s->data(), i + 1, mib);
+  }  // each a spare as it goes: 3 MiB of them, 8 MiB charged
+  EXPECT_EQ(pool.spare_bytes(), 3 * mib);
+  EXPECT_EQ(pool.used(), 5 * mib);
+  // 3 MiB more: Fits says yes, and the Take drops 2 MiB of spares for it.
+  EXPECT_TRUE(pool.Fits(3 * mib));
+  auto more = pool.Allocate(3 * mib, "more");
+  ASSERT_TRUE(more.ok()) << more.status();
+  EXPECT_EQ(pool.spare_bytes(), mib);
+  more->Reset();  // past the cap with the spare: the oldest spare goes
+  EXPECT_LE(pool.spare_bytes(), 3 * mib);
+  // A lower limit: spares go down to it at once.
+  pool.SetLimit(6 * mib);
+  EXPECT_LE(pool.used() + pool.spare_bytes(), 6 * mib);
+  EXPECT_EQ(pool.used(), 5 * mib);
 }
 
 // A pool that locks its memory keeps no spares (a lock would be lost or

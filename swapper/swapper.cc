@@ -243,6 +243,9 @@ Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space
       prefetch_bytes_(options.prefetch_bytes) {}
 
 Swapper::~Swapper() {
+  // No spares wait for reads any more: the blocks' leases, released with
+  // them below, are unmapped.
+  if (space_ != nullptr) pool_->SetSpareBytes(0);
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;

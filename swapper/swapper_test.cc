@@ -298,6 +298,29 @@ TEST_F(SwapperTest, PinnedBlocksStayAndPinningMoreThanThePoolIsResourceExhausted
   ExpectHolds(1, 1);
 }
 
+// An evicted block's lease waits as a spare, and a read from NVMe lands on
+// it (its bytes all overwritten); a block never written out still reads as
+// zeros (a fresh lease), whatever spares there are.
+TEST_F(SwapperTest, ReadsLandOnSparesAndNeverWrittenBlocksStayZeros) {
+  Make(3 * kMiB);  // three blocks fill it: each read evicts one
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+    Write(id, static_cast<uint32_t>(id));
+  }
+  ASSERT_TRUE(swapper_->Add(4, kMiB, Tier::kNvme, 7).ok());
+  {
+    auto fresh = swapper_->Acquire(4, /*for_write=*/false);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    for (uint64_t i = 0; i < kMiB; ++i) ASSERT_EQ(static_cast<int>(fresh->data()[i]), 0) << i;
+  }
+  const uint64_t taken = pool_->spares_taken();
+  for (int round = 0; round < 2; ++round) {
+    for (uint64_t id = 1; id <= 3; ++id) ExpectHolds(id, static_cast<uint32_t>(id));
+  }
+  EXPECT_GT(pool_->spares_taken(), taken);
+  EXPECT_LE(pool_->used() + pool_->spare_bytes(), 3 * kMiB);
+}
+
 TEST_F(SwapperTest, TrimGivesMemoryBackWhenTheLimitIsLowered) {
   Make(8 * kMiB);
   ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 7).ok());
@@ -311,8 +334,10 @@ TEST_F(SwapperTest, TrimGivesMemoryBackWhenTheLimitIsLowered) {
   pool_->SetLimit(3 * kMiB);
   swapper_->Trim();
   swapper_->WaitIdle();
-  // The host-placed block and the pinned one stay; one more fits.
+  // The host-placed block and the pinned one stay; one more fits. What was
+  // evicted is unmapped or a spare, within the limit too.
   EXPECT_EQ(pool_->used(), 3 * kMiB);
+  EXPECT_LE(pool_->used() + pool_->spare_bytes(), 3 * kMiB);
   EXPECT_EQ(StateOf(100), BlockState::kResident);
   EXPECT_EQ(StateOf(6), BlockState::kResident);
   pinned->Reset();
