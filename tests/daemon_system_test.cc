@@ -61,6 +61,24 @@ bool BecomeNobody(bool in_users) {
   return setgroups(in_users ? 1 : 0, &users) == 0 && setgid(65534) == 0 && setuid(65534) == 0;
 }
 
+// Starts offloadd with its sockets shared with group users
+// (server.socket_group, 0660) in a new directory under /tmp that others may
+// enter (`*dir`, its socket `*dir`/offloadd.sock, removed when `*remove`
+// goes), with `flags` besides.
+absl::StatusOr<std::unique_ptr<DaemonProcess>> StartGroupShared(
+    const std::vector<std::string>& flags, std::string* dir,
+    std::unique_ptr<RemoveOnExit>* remove) {
+  char made[] = "/tmp/offloadd_group.XXXXXX";
+  if (mkdtemp(made) == nullptr) return absl::InternalError("mkdtemp failed");
+  *remove = std::make_unique<RemoveOnExit>(made);
+  if (chmod(made, 0755) != 0) return absl::InternalError("chmod failed");
+  *dir = made;
+  std::vector<std::string> all = {"--server.socket=" + *dir + "/offloadd.sock",
+                                  "--server.socket_group=users"};
+  all.insert(all.end(), flags.begin(), flags.end());
+  return DaemonProcess::Start(all);
+}
+
 // Runs `binary` (a path in the test's runfiles) as nobody in group users,
 // with `args`, from a copy in `dir` (the runfiles are under root's home,
 // which nobody may not read). Its exit status (-1 if it did not exit; 8: it
@@ -1657,14 +1675,11 @@ TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
 // never attached) is closed; offloadd's own user is not bound by it.
 TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
-  char dir[] = "/tmp/offloadd_peruser.XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  RemoveOnExit remove_dir(dir);
-  ASSERT_EQ(chmod(dir, 0755), 0);
-  const std::string socket_path = std::string(dir) + "/offloadd.sock";
-  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
-                                 "--server.max_sessions_per_user=2"});
+  std::string dir;
+  std::unique_ptr<RemoveOnExit> remove_dir;
+  auto d = StartGroupShared({"--server.max_sessions_per_user=2"}, &dir, &remove_dir);
   ASSERT_TRUE(d.ok()) << d.status();
+  const std::string socket_path = dir + "/offloadd.sock";
   auto channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
   auto stub = v1::PartitionService::NewStub(channel);
   auto open = [&] {
@@ -1727,14 +1742,11 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfSessions) {
 // own user is not bound by it.
 TEST(DaemonStartup, AnotherUserOpensAtMostItsShareOfSessions) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
-  char dir[] = "/tmp/offloadd_opens.XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  RemoveOnExit remove_dir(dir);
-  ASSERT_EQ(chmod(dir, 0755), 0);
-  const std::string socket_path = std::string(dir) + "/offloadd.sock";
-  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
-                                 "--server.max_sessions_per_user=2"});
+  std::string dir;
+  std::unique_ptr<RemoveOnExit> remove_dir;
+  auto d = StartGroupShared({"--server.max_sessions_per_user=2"}, &dir, &remove_dir);
   ASSERT_TRUE(d.ok()) << d.status();
+  const std::string socket_path = dir + "/offloadd.sock";
   // As nobody, in group users: its lines, one per OpenSession.
   auto open_as_nobody = [&](int count) {
     const RanAsNobody ran =
@@ -1785,14 +1797,11 @@ TEST(DaemonStartup, AnotherUserOpensAtMostItsShareOfSessions) {
 // offloadd's own user still gets in.
 TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
-  char dir[] = "/tmp/offloadd_conns.XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  RemoveOnExit remove_dir(dir);
-  ASSERT_EQ(chmod(dir, 0755), 0);
-  const std::string socket_path = std::string(dir) + "/offloadd.sock";
-  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users",
-                                 "--server.max_connections_per_user=3"});
+  std::string dir;
+  std::unique_ptr<RemoveOnExit> remove_dir;
+  auto d = StartGroupShared({"--server.max_connections_per_user=3"}, &dir, &remove_dir);
   ASSERT_TRUE(d.ok()) << d.status();
+  const std::string socket_path = dir + "/offloadd.sock";
   // As nobody, in group users: five connections, each starting HTTP/2 (the
   // client preface and an empty SETTINGS frame) and held open. Exit status:
   // how many the daemon closed (its end read within a second), plus 10 if,
@@ -1851,13 +1860,11 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
 // attaches; other users still do not.
 TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
   if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
-  char dir[] = "/tmp/offloadd_group.XXXXXX";
-  ASSERT_NE(mkdtemp(dir), nullptr);
-  RemoveOnExit remove_dir(dir);
-  ASSERT_EQ(chmod(dir, 0755), 0);
-  const std::string socket_path = std::string(dir) + "/offloadd.sock";
-  auto d = DaemonProcess::Start({"--server.socket=" + socket_path, "--server.socket_group=users"});
+  std::string dir;
+  std::unique_ptr<RemoveOnExit> remove_dir;
+  auto d = StartGroupShared({}, &dir, &remove_dir);
   ASSERT_TRUE(d.ok()) << d.status();
+  const std::string socket_path = dir + "/offloadd.sock";
   struct stat st;
   ASSERT_EQ(stat(socket_path.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0660u);
