@@ -230,43 +230,47 @@ bool HostPool::KeepSpare(HostMemory& memory, Pages pages, uint64_t charged) {
   if (memory.size() < kSpareMinBytes || lock_memory_) return false;
   // A pool over its limit (lowered) gives it back instead.
   if (used_.load(std::memory_order_relaxed) > limit()) return false;
-  std::vector<Spare> older;  // made way for this one: unmapped outside the lock
+  std::vector<Spare> older;  // made way for this one
   {
     absl::MutexLock lock(&spare_mu_);
     if (charged > spare_limit_) return false;
     // The newest are kept (they are the sizes reads ask for now).
-    while (spare_bytes_ + charged > spare_limit_) {
-      spare_bytes_ -= spares_.front().charged;
-      older.push_back(std::move(spares_.front()));
-      spares_.erase(spares_.begin());
+    if (spare_bytes_ + charged > spare_limit_) {
+      older = TakeOldestLocked(spare_bytes_ + charged - spare_limit_);
     }
     spares_.push_back(Spare{std::move(memory), pages, charged});
     spare_bytes_ += charged;
   }
-  for (Spare& s : older) {
-    s.memory = HostMemory();
+  GiveBack(std::move(older));
+  return true;
+}
+
+std::vector<HostPool::Spare> HostPool::TakeOldestLocked(uint64_t bytes) {
+  std::vector<Spare> taken;
+  uint64_t freed = 0;
+  while (!spares_.empty() && freed < bytes) {
+    freed += spares_.front().charged;
+    spare_bytes_ -= spares_.front().charged;
+    taken.push_back(std::move(spares_.front()));
+    spares_.erase(spares_.begin());
+  }
+  return taken;
+}
+
+void HostPool::GiveBack(std::vector<Spare> spares) {
+  for (Spare& s : spares) {
+    s.memory = HostMemory();  // unmapped (outside spare_mu_), then the charge goes
     Release(s.charged, /*was_locked=*/false);
   }
-  return true;
 }
 
 void HostPool::DropSpares(uint64_t bytes) {
   std::vector<Spare> dropped;
   {
     absl::MutexLock lock(&spare_mu_);
-    uint64_t freed = 0;
-    while (!spares_.empty() && freed < bytes) {
-      freed += spares_.front().charged;
-      spare_bytes_ -= spares_.front().charged;
-      dropped.push_back(std::move(spares_.front()));
-      spares_.erase(spares_.begin());
-    }
+    dropped = TakeOldestLocked(bytes);
   }
-  // Unmapped outside the lock, then their charges go.
-  for (Spare& s : dropped) {
-    s.memory = HostMemory();
-    Release(s.charged, /*was_locked=*/false);
-  }
+  GiveBack(std::move(dropped));
 }
 
 void HostPool::SetLimit(uint64_t limit) {

@@ -208,6 +208,11 @@ class HostPool {
     Pages pages;
     uint64_t charged;
   };
+  // Takes the oldest spares out, at least `bytes` of them (all there are if
+  // fewer), for GiveBack outside the lock.
+  std::vector<Spare> TakeOldestLocked(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(spare_mu_);
+  // Unmaps `spares` and gives their charges back.
+  void GiveBack(std::vector<Spare> spares) ABSL_LOCKS_EXCLUDED(spare_mu_);
   // A slot of at least `bytes` (<= kSlabLeaseMaxBytes) in a slab with room,
   // a new slab if none has; the env's error if one cannot be mapped.
   struct Slab;
