@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "base/host_memory.h"
 #include "base/log.h"
+#include "base/span_maps.h"
 #include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "ipc/arena_protocol.h"
@@ -137,6 +138,8 @@ struct Session::Impl {
   std::string token;
   v1::SessionRef ref;
   UniqueFd arena;  // the session arena's memfd
+  // Maps spans of `arena` (set with it).
+  std::unique_ptr<SpanMaps> spans;
   uint64_t arena_capacity = 0;
   std::string auto_checkpoint_dir;
   std::string restored_from;
@@ -254,12 +257,14 @@ struct Session::Impl {
   bool closed ABSL_GUARDED_BY(mu) = false;
   // Each partition's span (params, grads, the second working-copy buffer),
   // mapped the first time the daemon names it: address space only for what
-  // the session holds. A partition's span never moves (its params may move
-  // inside it), so its mapping stays valid as long as the Session. Kept
-  // with the arena offset it starts at.
+  // the session holds, small spans as views of their arena window's
+  // mapping (SpanMaps: mappings per window, not per partition, as in the
+  // daemon). A partition's span never moves (its params may move inside
+  // it), so its mapping stays valid as long as the Session. Kept with the
+  // arena offset it starts at.
   struct Mapped {
     uint64_t begin = 0;
-    HostMemory memory;
+    MappedSpan memory;
     // After `memory`: unregistered before it is unmapped. The regions
     // registered for DMA, by arena offset: the working copy the daemon
     // named (each of the delayed update's two buffers once it is named)
@@ -341,8 +346,8 @@ struct Session::Impl {
       absl::MutexLock lock(&mu);
       auto it = regions.find(l.id);
       if (it == regions.end()) {
-        absl::StatusOr<HostMemory> region = HostMemory::MapShared(
-            arena.get(), begin, end - begin, l.huge_pages != 0 ? Pages::kHuge : Pages::kSmall);
+        absl::StatusOr<MappedSpan> region =
+            spans->Map(begin, end - begin, l.huge_pages != 0 ? Pages::kHuge : Pages::kSmall);
         if (!region.ok()) {
           return absl::Status(region.status().code(), absl::StrCat("mapping partition ", l.id, ": ",
                                                                    region.status().message()));
@@ -493,6 +498,10 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
   // sees the connection close and frees the session.
   s.connection = std::move(attached.connection);
   s.arena = std::move(attached.arena);
+  s.spans = std::make_unique<SpanMaps>(
+      [fd = s.arena.get()](uint64_t offset, uint64_t bytes, Pages pages) {
+        return HostMemory::MapShared(fd, offset, bytes, pages);
+      });
   s.arena_capacity = resp.arena_capacity();
   s.auto_checkpoint_dir = resp.auto_checkpoint_dir();
   s.restored_from = resp.restored_from();

@@ -313,6 +313,11 @@ DaemonSnapshot Daemon::Snapshot() const {
                         "bytes", /*gauge=*/true});
   s.counters.push_back(
       {"pool_spares_taken", static_cast<int64_t>(engine_->pool().spares_taken()), "leases"});
+  // The mappings the daemon holds (small partitions' spans share one per
+  // arena window) against memory.max_mappings (0: no budget).
+  s.counters.push_back({"memory_mappings", HostMemory::LiveMappings(), "mappings", /*gauge=*/true});
+  s.counters.push_back(
+      {"memory_mapping_budget", engine_->sessions().mapping_budget(), "mappings", /*gauge=*/true});
   if (engine_->swap_space() != nullptr) {
     const SwapStats nvme = engine_->swap_space()->Stats();
     s.tiers.push_back({"nvme", nvme.capacity - nvme.free, nvme.capacity});

@@ -62,7 +62,7 @@ struct PartitionStore::Partition {
   std::string tensor;  // of which it is a slice (never empty)
   std::vector<uint64_t> shape;
   uint64_t tensor_offset = 0;
-  HostMemory region;        // its span in the arena, mapped
+  MappedSpan region;        // its span in the arena, mapped (ShmArena::MapSpan)
   uint64_t page_bytes = 0;  // the page size its span is laid out for
   // Where the fp32 initial values go, in its span (registered with them:
   // a 16-bit working copy); 0 bytes: none. A load (FetchMode::load) uses it
@@ -223,6 +223,27 @@ uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtyp
     wasted += RoundUp(bytes, huge) - ShmArena::RoundedSize(bytes);
   }
   return wasted * 8 <= laid_out ? huge : small;
+}
+
+SpanLayout LayOutSpan(const PartitionSpec& spec, bool fp32_init, uint64_t chunk_elems,
+                      uint64_t huge_page_bytes) {
+  SpanLayout l;
+  l.page = ArenaLayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype, fp32_init,
+                                chunk_elems, huge_page_bytes);
+  auto rounded = [&l](uint64_t bytes) { return RoundUp(bytes, l.page); };
+  const uint64_t param_bytes = spec.numel * DTypeSize(spec.param_dtype);
+  l.grads_at = rounded(param_bytes);
+  l.init_at = l.grads_at + rounded(spec.numel * DTypeSize(spec.grad_dtype));
+  l.init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;
+  l.shadow_at = l.init_at + rounded(l.init_bytes);
+  l.bytes = l.shadow_at + rounded(param_bytes);
+  return l;
+}
+
+bool SpanLayout::huge_pages() const { return page > ShmArena::kAlignment; }
+
+bool SpanLayout::SharesMapping() const {
+  return !huge_pages() && bytes <= SpanMaps::kSharedMaxBytes;
 }
 
 absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
@@ -569,22 +590,17 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     const uint64_t param_bytes = partition->Bytes(DataKind::kParams);
     const uint64_t grad_bytes = partition->Bytes(DataKind::kGrads);
     // One allocation, so that params, grads (and the fp32 initial values)
-    // are adjacent and one mapping (of just this partition: no address
-    // space for the rest) covers them. Each region starts on a page of the
-    // layout's size: a block (a chunk of one region) never shares a page
-    // with another.
-    const uint64_t page = ArenaLayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype,
-                                               fp32_init, state_chunk_elems_, huge_page_bytes_);
+    // are adjacent and one mapping covers them (the partition's own, or
+    // its window's, shared with the small partitions around it). Each
+    // region starts on a page of the layout's size: a block (a chunk of one
+    // region) never shares a page with another.
+    const SpanLayout layout = LayOutSpan(spec, fp32_init, state_chunk_elems_, huge_page_bytes_);
+    const uint64_t page = layout.page;
     partition->page_bytes = page;
-    info.huge_pages = page > ShmArena::kAlignment;
-    auto rounded = [page](uint64_t bytes) { return RoundUp(bytes, page); };
-    const uint64_t grads_at = rounded(param_bytes);
-    const uint64_t init_at = grads_at + rounded(grad_bytes);
-    const uint64_t init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;
-    // The working copy's second buffer (the delayed update) last: address
-    // space only, until the delayed update is switched on.
-    const uint64_t shadow_at = fp32_init ? init_at + rounded(init_bytes) : init_at;
-    const uint64_t span = shadow_at + rounded(param_bytes);
+    info.huge_pages = layout.huge_pages();
+    const uint64_t grads_at = layout.grads_at, init_at = layout.init_at,
+                   init_bytes = layout.init_bytes, shadow_at = layout.shadow_at,
+                   span = layout.bytes;
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span, page));
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};
@@ -592,8 +608,9 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     if (fp32_init) info.master_init = {params_off + init_at, init_bytes};
     partition->init_at = init_at;
     partition->init_bytes = init_bytes;
-    ASSIGN_OR_RETURN(partition->region,
-                     arena_->Map(params_off, span, info.huge_pages ? Pages::kHuge : Pages::kSmall));
+    ASSIGN_OR_RETURN(
+        partition->region,
+        arena_->MapSpan(params_off, span, info.huge_pages ? Pages::kHuge : Pages::kSmall));
     partition->grads = partition->region.data() + grads_at;
     partition->params_offset[0] = params_off;
     partition->params_offset[1] = params_off + shadow_at;

@@ -141,6 +141,27 @@ struct PartitionSpec {
 uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype, bool fp32_init,
                               uint64_t chunk_elems, uint64_t huge_page_bytes);
 
+// Where a partition's regions lie in its span, in bytes from its start, each
+// on a page of `page` bytes (ArenaLayoutPageBytes): params at 0, then grads,
+// with fp32_init the fp32 initial values, and last the delayed update's
+// second working-copy buffer (address space only until it is switched on).
+struct SpanLayout {
+  uint64_t page = 0;
+  uint64_t grads_at = 0;
+  uint64_t init_at = 0;
+  uint64_t init_bytes = 0;  // 0 without fp32_init
+  uint64_t shadow_at = 0;
+  uint64_t bytes = 0;  // the whole span
+  bool huge_pages() const;
+  // Whether the span maps as a view of its arena window's mapping, shared
+  // with the small spans around it (SpanMaps), or on its own: small-page
+  // spans of at most SpanMaps::kSharedMaxBytes share (one laid across a
+  // window's end excepted).
+  bool SharesMapping() const;
+};
+SpanLayout LayOutSpan(const PartitionSpec& spec, bool fp32_init, uint64_t chunk_elems,
+                      uint64_t huge_page_bytes);
+
 // INVALID_ARGUMENT unless `name` is 1 (0 with `may_be_empty`) to 256 bytes
 // without control characters (a newline would forge rows in offloadctl's
 // tables). The message names `what` but never echoes the name itself.
@@ -538,6 +559,11 @@ class PartitionStoreFactory {
   void SetArenaCapacity(uint64_t bytes);
   uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }
   uint64_t state_chunk_elems() const { return state_chunk_elems_; }
+  // How a partition of `spec` is laid out in a session arena (its initial
+  // values asked for where spec.fp32_master).
+  SpanLayout LayOut(const PartitionSpec& spec) const {
+    return LayOutSpan(spec, spec.fp32_master, state_chunk_elems_, huge_page_bytes_);
+  }
   // Applies to sessions opened afterwards.
   void SetDefaultPlacement(DataKind kind, int percent) {
     default_percent_[static_cast<int>(kind)].store(percent, std::memory_order_relaxed);

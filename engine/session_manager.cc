@@ -19,6 +19,7 @@
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/secret.h"
+#include "base/span_maps.h"
 #include "base/status_macros.h"
 #include "checkpoint/format.h"
 #include "swapper/host_pool.h"
@@ -91,6 +92,8 @@ struct SessionManager::Session {
   // Mappings reserved for its partitions (ReserveMappings), in the
   // manager's total, which outlives neither.
   std::atomic<int64_t> mappings{0};
+  // Registrations of spans that share their window's mapping (ReserveMappings).
+  std::atomic<uint64_t> shared_spans{0};
   std::shared_ptr<std::atomic<int64_t>> committed_mappings;
 
   // A step's decision with its loss-scale update, and a checkpoint's image
@@ -724,13 +727,22 @@ absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
   // shared slabs: a slab of 4 MiB holds the four blocks of at least 16
   // such partitions (slots of at most 64 KiB), so every 16th small
   // partition reserves one more, for the slab its blocks may need later.
+  // Likewise its span: a small one is a view of its arena window's mapping
+  // (SpanMaps), which holds at least 16 of them, one more crossing its
+  // end: every 8th of the session's small spans reserves one.
   const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
   const uint64_t chunks = spec.numel / chunk + 1;
   const bool shared = std::min(spec.numel, chunk) * sizeof(float) <= HostPool::kSlabLeaseMaxBytes;
   constexpr uint64_t kSmallPerSlab = HostPool::kSlabBytes / HostPool::kSlabLeaseMaxBytes / 4;
   const uint64_t blocks =
       shared ? (small_partitions_.fetch_add(1) % kSmallPerSlab == 0 ? 1 : 0) : 4 * chunks;
-  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(1 + blocks, budget + 1));
+  constexpr uint64_t kSpansPerWindowMapping =
+      SpanMaps::kWindowBytes / SpanMaps::kSharedMaxBytes / 2;
+  const uint64_t span =
+      store_->LayOut(spec).SharesMapping()
+          ? (session.shared_spans.fetch_add(1) % kSpansPerWindowMapping == 0 ? 1 : 0)
+          : 1;
+  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(span + blocks, budget + 1));
   // Reserved for every registered partition, and held now (which counts
   // what partitions do not: rings, staging buffers, the pool's own).
   const int64_t reserved = committed_mappings_->fetch_add(need) + need;

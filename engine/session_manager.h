@@ -301,6 +301,7 @@ class SessionManager {
   // mapped (so that threads, the allocator and other sessions' calls keep
   // the rest of vm.max_map_count). 0: no budget.
   void SetMappingBudget(int64_t mappings) { mapping_budget_.store(mappings); }
+  int64_t mapping_budget() const { return mapping_budget_.load(); }
   // Chunks a checkpoint written while a caller waits (not in the
   // background: Checkpoint without `background`, keeping sessions at a
   // stop, FinalCheckpoint) captures at once (SessionCheckpointState).

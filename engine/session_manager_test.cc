@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "base/fault_injecting_env.h"
 #include "base/host_memory.h"
+#include "base/span_maps.h"
 #include "checkpoint/format.h"
 #include "engine/engine.h"
 #include "gtest/gtest.h"
@@ -654,8 +655,10 @@ TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
         << failed.status();
     EXPECT_EQ(pool_.used(), used) << n;
   }
+  // A span of its own (small ones are views of the window "first" mapped).
+  constexpr uint64_t kOwnSpan = SpanMaps::kSharedMaxBytes / 2;
   env_.FailNth(EnvOp::kMapShared, 1, ENOMEM);
-  auto no_map = sessions_.Register(key, {"w", kLarge, DType::kBf16, DType::kBf16});
+  auto no_map = sessions_.Register(key, {"w", kOwnSpan, DType::kBf16, DType::kBf16});
   EXPECT_EQ(no_map.status().code(), absl::StatusCode::kResourceExhausted) << no_map.status();
   EXPECT_EQ(pool_.used(), used);
   env_.FailNth(EnvOp::kResizeFile, 1, ENOSPC);

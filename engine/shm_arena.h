@@ -7,11 +7,12 @@
 // is sealed against shrinking (F_SEAL_SHRINK), so a client cannot truncate it
 // under the daemon and make daemon accesses fault. Its size grows with the
 // allocations, up to `capacity`. Nothing is mapped up front: whoever uses a
-// region maps just that region (Map; the client does the same), so a
-// session costs address space only for what it holds, and hundreds of
-// sessions cost no more than their partitions.
+// region maps just that region (Map) or the window of the file it lies in
+// (MapSpan: small partitions share one mapping per window, base/span_maps.h;
+// the client does the same), so a session costs address space only for what
+// it holds, and mappings for its windows rather than its partitions.
 //
-// Thread-safety: Allocate() and Map() may be called from any thread; fd()
+// Thread-safety: Allocate(), Map() and MapSpan() may be called from any thread; fd()
 // and capacity() are immutable after Create().
 #ifndef OFFLOADD_ENGINE_SHM_ARENA_H_
 #define OFFLOADD_ENGINE_SHM_ARENA_H_
@@ -27,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/env.h"
 #include "base/host_memory.h"
+#include "base/span_maps.h"
 #include "base/unique_fd.h"
 
 namespace offload {
@@ -66,6 +68,15 @@ class ShmArena {
   absl::StatusOr<HostMemory> Map(uint64_t offset, uint64_t bytes,
                                  Pages pages = Pages::kSystemDefault) const;
 
+  // A partition's span: `bytes` from `offset`, in a window's mapping shared
+  // with the other small spans in it where SpanMaps::SharesWindow, else
+  // mapped on its own; mapped while the result lives.
+  absl::StatusOr<MappedSpan> MapSpan(uint64_t offset, uint64_t bytes, Pages pages) {
+    return spans_.Map(offset, bytes, pages);
+  }
+  // Windows of this arena mapped now (SpanMaps::windows).
+  int mapped_windows() const { return spans_.windows(); }
+
   // Frees the pages of [offset, offset + bytes) (the file keeps its size:
   // mappings read zeros there), whoever maps them: a session's teardown,
   // its partitions' spans after their blocks went.
@@ -77,12 +88,18 @@ class ShmArena {
 
  private:
   ShmArena(UniqueFd fd, uint64_t capacity, Env* env)
-      : fd_(std::move(fd)), capacity_(capacity), env_(env) {}
+      : fd_(std::move(fd)),
+        capacity_(capacity),
+        env_(env),
+        spans_([this](uint64_t offset, uint64_t bytes, Pages pages) {
+          return Map(offset, bytes, pages);
+        }) {}
 
   // Constant after construction.
   const UniqueFd fd_;
   const uint64_t capacity_;
   Env* const env_;
+  SpanMaps spans_;  // after fd_ and env_, which it maps with
   mutable absl::Mutex mu_;
   uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;
 };
