@@ -4,13 +4,27 @@
 
 namespace offload {
 
+absl::StatusOr<std::shared_ptr<const HostMemory>> SpanMaps::MapCounted(uint64_t offset,
+                                                                       uint64_t bytes,
+                                                                       Pages pages) {
+  absl::StatusOr<HostMemory> mapped = map_(offset, bytes, pages);
+  if (!mapped.ok()) return mapped.status();
+  if (mapped_ == nullptr) return std::make_shared<const HostMemory>(*std::move(mapped));
+  mapped_->fetch_add(1);
+  // Uncounted as it is unmapped (the counter outlives this object).
+  return std::shared_ptr<const HostMemory>(new HostMemory(*std::move(mapped)),
+                                           [counter = mapped_](const HostMemory* m) {
+                                             delete m;
+                                             counter->fetch_sub(1);
+                                           });
+}
+
 absl::StatusOr<MappedSpan> SpanMaps::Map(uint64_t offset, uint64_t bytes, Pages pages) {
   if (!SharesWindow(offset, bytes, pages)) {
-    absl::StatusOr<HostMemory> own = map_(offset, bytes, pages);
+    absl::StatusOr<std::shared_ptr<const HostMemory>> own = MapCounted(offset, bytes, pages);
     if (!own.ok()) return own.status();
-    auto mapping = std::make_shared<const HostMemory>(*std::move(own));
-    std::byte* data = mapping->data();
-    return MappedSpan(std::move(mapping), data, bytes, /*shared=*/false);
+    std::byte* data = (*own)->data();
+    return MappedSpan(*std::move(own), data, bytes, /*shared=*/false);
   }
   const uint64_t index = offset / kWindowBytes;
   const uint64_t begin = index * kWindowBytes;
@@ -22,9 +36,10 @@ absl::StatusOr<MappedSpan> SpanMaps::Map(uint64_t offset, uint64_t bytes, Pages 
     // entries go as windows are mapped, so the table holds at most the
     // windows mapped now and one being replaced.
     absl::erase_if(windows_, [](const auto& e) { return e.second.expired(); });
-    absl::StatusOr<HostMemory> mapped = map_(begin, kWindowBytes, Pages::kSmall);
+    absl::StatusOr<std::shared_ptr<const HostMemory>> mapped =
+        MapCounted(begin, kWindowBytes, Pages::kSmall);
     if (!mapped.ok()) return mapped.status();
-    window = std::make_shared<const HostMemory>(*std::move(mapped));
+    window = *std::move(mapped);
     windows_[index] = window;
   }
   std::byte* data = window->data() + (offset - begin);

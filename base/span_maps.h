@@ -17,13 +17,16 @@
 // A window maps past the file's end (MAP_NORESERVE: pages exist as the file
 // grows and they are touched), so nothing is touched outside a span. The
 // daemon (ShmArena) and the client library each keep one per session arena,
-// in their own process.
+// in their own process. The daemon counts the mappings as they are made
+// (`mapped`): its budget of mappings (SessionManager) holds them, not a
+// guess of how many spans share a window.
 //
 // Thread-safety: Map may be called from any thread; a MappedSpan is a value
 // that keeps its mapping alive.
 #ifndef OFFLOADD_BASE_SPAN_MAPS_H_
 #define OFFLOADD_BASE_SPAN_MAPS_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -67,7 +70,10 @@ class SpanMaps {
   // (HostMemory::MapShared, or an Env's).
   using MapFn =
       std::function<absl::StatusOr<HostMemory>(uint64_t offset, uint64_t bytes, Pages pages)>;
-  explicit SpanMaps(MapFn map) : map_(std::move(map)) {}
+  // With `mapped`, every mapping made (its own or a window) adds one to
+  // it while it lives.
+  explicit SpanMaps(MapFn map, std::shared_ptr<std::atomic<int64_t>> mapped = nullptr)
+      : map_(std::move(map)), mapped_(std::move(mapped)) {}
   SpanMaps(const SpanMaps&) = delete;
   SpanMaps& operator=(const SpanMaps&) = delete;
 
@@ -88,7 +94,12 @@ class SpanMaps {
   int windows() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // A mapping of `bytes` from `offset`, counted in mapped_ while it lives.
+  absl::StatusOr<std::shared_ptr<const HostMemory>> MapCounted(uint64_t offset, uint64_t bytes,
+                                                               Pages pages);
+
   const MapFn map_;
+  const std::shared_ptr<std::atomic<int64_t>> mapped_;
   mutable absl::Mutex mu_;
   // By window index; an expired entry's window went with its last span.
   absl::flat_hash_map<uint64_t, std::weak_ptr<const HostMemory>> windows_ ABSL_GUARDED_BY(mu_);

@@ -3,7 +3,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstddef>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -102,6 +106,51 @@ TEST_F(SpanMapsTest, LargeHugeAndStraddlingSpansMapOnTheirOwn) {
   uint32_t seen;
   std::memcpy(&seen, c->data(), sizeof(seen));
   EXPECT_EQ(seen, v);
+}
+
+TEST_F(SpanMapsTest, SpansUpToAWindowsEndAndOfTheLargestSharedSizeShare) {
+  auto counted = std::make_shared<std::atomic<int64_t>>(0);
+  SpanMaps maps(Counting(), counted);
+  constexpr uint64_t kMax = SpanMaps::kSharedMaxBytes;
+  auto last = maps.Map(kWindow - kMax, kMax, Pages::kSmall);  // ends at the window's end
+  auto first = maps.Map(0, kMax, Pages::kSmall);
+  auto larger = maps.Map(kMax, kMax + 4096, Pages::kSmall);
+  auto next = maps.Map(kWindow, 4096, Pages::kSmall);  // starts the next window
+  ASSERT_TRUE(last.ok() && first.ok() && larger.ok() && next.ok());
+  EXPECT_TRUE(last->shared());
+  EXPECT_TRUE(first->shared());
+  EXPECT_FALSE(larger->shared());
+  EXPECT_TRUE(next->shared());
+  EXPECT_EQ(last->data() - first->data(), static_cast<std::ptrdiff_t>(kWindow - kMax));
+  EXPECT_EQ(maps.windows(), 2);
+  // Every mapping counted while it lives: two windows and one of its own.
+  EXPECT_EQ(counted->load(), 3);
+  larger = MappedSpan();
+  next = MappedSpan();
+  EXPECT_EQ(counted->load(), 1);
+  last = MappedSpan();
+  first = MappedSpan();
+  EXPECT_EQ(counted->load(), 0);
+}
+
+TEST_F(SpanMapsTest, ThreadsMappingOneWindowAtOnceShareOneMapping) {
+  auto counted = std::make_shared<std::atomic<int64_t>>(0);
+  SpanMaps maps(Counting(), counted);
+  std::vector<MappedSpan> spans(64);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = t; i < 64; i += 4) {
+        auto s = maps.Map(static_cast<uint64_t>(i) * 4096, 4096, Pages::kSmall);
+        ASSERT_TRUE(s.ok()) << s.status();
+        spans[i] = *std::move(s);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(counted->load(), 1);
+  EXPECT_EQ(maps_, 1);
+  for (int i = 1; i < 64; ++i) EXPECT_EQ(spans[i].data() - spans[0].data(), i * 4096);
 }
 
 TEST_F(SpanMapsTest, AFailedWindowMappingIsTheCallersErrorAndTriedAgain) {

@@ -182,14 +182,16 @@ absl::Status PartitionStoreFactory::CheckPlacement(DataKind kind, int percent, b
 }
 
 absl::StatusOr<std::unique_ptr<PartitionStore>> PartitionStoreFactory::CreateStore(
-    uint64_t session_id, const PlacementChange& change) {
+    uint64_t session_id, const PlacementChange& change,
+    std::shared_ptr<std::atomic<int64_t>> span_mappings) {
   Placement placement;
   for (DataKind k : kKinds) {
     placement[k] = change[k].value_or(default_percent_[static_cast<int>(k)].load());
     RETURN_IF_ERROR(CheckPlacement(k, placement[k], swapper_->has_nvme()));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ShmArena> arena,
-                   ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_));
+                   ShmArena::Create(absl::StrCat("session-", session_id), arena_capacity(), env_,
+                                    std::move(span_mappings)));
   return std::unique_ptr<PartitionStore>(new PartitionStore(session_id, std::move(arena), swapper_,
                                                             stats_, placement, state_chunk_elems_,
                                                             huge_page_bytes_));
@@ -241,10 +243,6 @@ SpanLayout LayOutSpan(const PartitionSpec& spec, bool fp32_init, uint64_t chunk_
 }
 
 bool SpanLayout::huge_pages() const { return page > ShmArena::kAlignment; }
-
-bool SpanLayout::SharesMapping() const {
-  return !huge_pages() && bytes <= SpanMaps::kSharedMaxBytes;
-}
 
 absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
   for (DataKind k : kKinds) {

@@ -153,11 +153,6 @@ struct SpanLayout {
   uint64_t shadow_at = 0;
   uint64_t bytes = 0;  // the whole span
   bool huge_pages() const;
-  // Whether the span maps as a view of its arena window's mapping, shared
-  // with the small spans around it (SpanMaps), or on its own: small-page
-  // spans of at most SpanMaps::kSharedMaxBytes share (one laid across a
-  // window's end excepted).
-  bool SharesMapping() const;
 };
 SpanLayout LayOutSpan(const PartitionSpec& spec, bool fp32_init, uint64_t chunk_elems,
                       uint64_t huge_page_bytes);
@@ -544,11 +539,13 @@ class PartitionStoreFactory {
                         uint64_t huge_page_bytes = 0);
 
   // A new, empty store for session `session_id` with an arena of the current
-  // capacity, placed as the node default changed by `placement`.
-  // INVALID_ARGUMENT outside [0, 100]; FAILED_PRECONDITION below 100
-  // without an NVMe tier.
+  // capacity, placed as the node default changed by `placement`; its
+  // partitions' span mappings counted in `span_mappings` while they live
+  // (ShmArena::Create). INVALID_ARGUMENT outside [0, 100];
+  // FAILED_PRECONDITION below 100 without an NVMe tier.
   absl::StatusOr<std::unique_ptr<PartitionStore>> CreateStore(
-      uint64_t session_id, const PlacementChange& placement = {});
+      uint64_t session_id, const PlacementChange& placement = {},
+      std::shared_ptr<std::atomic<int64_t>> span_mappings = nullptr);
 
   // INVALID_ARGUMENT outside [0, 100], FAILED_PRECONDITION below 100
   // without an NVMe tier.
@@ -559,11 +556,6 @@ class PartitionStoreFactory {
   void SetArenaCapacity(uint64_t bytes);
   uint64_t arena_capacity() const { return arena_capacity_.load(std::memory_order_relaxed); }
   uint64_t state_chunk_elems() const { return state_chunk_elems_; }
-  // How a partition of `spec` is laid out in a session arena (its initial
-  // values asked for where spec.fp32_master).
-  SpanLayout LayOut(const PartitionSpec& spec) const {
-    return LayOutSpan(spec, spec.fp32_master, state_chunk_elems_, huge_page_bytes_);
-  }
   // Applies to sessions opened afterwards.
   void SetDefaultPlacement(DataKind kind, int percent) {
     default_percent_[static_cast<int>(kind)].store(percent, std::memory_order_relaxed);

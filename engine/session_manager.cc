@@ -19,7 +19,6 @@
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/secret.h"
-#include "base/span_maps.h"
 #include "base/status_macros.h"
 #include "checkpoint/format.h"
 #include "swapper/host_pool.h"
@@ -92,8 +91,6 @@ struct SessionManager::Session {
   // Mappings reserved for its partitions (ReserveMappings), in the
   // manager's total, which outlives neither.
   std::atomic<int64_t> mappings{0};
-  // Registrations of spans that share their window's mapping (ReserveMappings).
-  std::atomic<uint64_t> shared_spans{0};
   std::shared_ptr<std::atomic<int64_t>> committed_mappings;
 
   // A step's decision with its loss-scale update, and a checkpoint's image
@@ -268,7 +265,8 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     absl::MutexLock lock(&mu_);
     id = NewSessionId();
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PartitionStore> set, store_->CreateStore(id, placed));
+  ASSIGN_OR_RETURN(std::unique_ptr<PartitionStore> set,
+                   store_->CreateStore(id, placed, committed_mappings_));
   if (restore != nullptr) {
     const checkpoint::Manifest& m = restore->session_manifest();
     RETURN_IF_ERROR(set->RestoreSetState(m.steps(), m.delayed_update()));
@@ -716,40 +714,37 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
   return true;
 }
 
-absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
-                                                        const PartitionSpec& spec) {
+absl::StatusOr<SessionManager::Reservation> SessionManager::ReserveMappings(
+    Session& session, const PartitionSpec& spec) {
   const int64_t budget = mapping_budget_.load();
-  if (budget <= 0) return 0;
+  if (budget <= 0) return Reservation{};
   // What the partition may map at most, now or later (blocks homed on NVMe
-  // map when they are brought in, accumulators when first needed): its
-  // span, and per chunk master, m, v and an accumulator: pool allocations,
+  // map when they are brought in, accumulators when first needed): per
+  // chunk master, m, v and an accumulator: pool allocations,
   // each its own mapping, unless they are small enough for the pool's
   // shared slabs: a slab of 4 MiB holds the four blocks of at least 16
   // such partitions (slots of at most 64 KiB), so every 16th small
   // partition reserves one more, for the slab its blocks may need later.
-  // Likewise its span: a small one is a view of its arena window's mapping
-  // (SpanMaps), which holds at least 16 of them, one more crossing its
-  // end: every 8th of the session's small spans reserves one.
+  // Its span is mapped now, during the registration: its own mapping, or
+  // a view of its arena window's (SpanMaps), a new one at most. Not
+  // reserved: the arena counts each span mapping in committed_mappings_
+  // as it is made and until it goes (CreateStore), so the checks below
+  // leave room for one and see the windows already mapped.
   const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
   const uint64_t chunks = spec.numel / chunk + 1;
   const bool shared = std::min(spec.numel, chunk) * sizeof(float) <= HostPool::kSlabLeaseMaxBytes;
   constexpr uint64_t kSmallPerSlab = HostPool::kSlabBytes / HostPool::kSlabLeaseMaxBytes / 4;
   const uint64_t blocks =
-      shared ? (small_partitions_.fetch_add(1) % kSmallPerSlab == 0 ? 1 : 0) : 4 * chunks;
-  constexpr uint64_t kSpansPerWindowMapping =
-      SpanMaps::kWindowBytes / SpanMaps::kSharedMaxBytes / 2;
-  const uint64_t span =
-      store_->LayOut(spec).SharesMapping()
-          ? (session.shared_spans.fetch_add(1) % kSpansPerWindowMapping == 0 ? 1 : 0)
-          : 1;
-  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(span + blocks, budget + 1));
+      shared ? (small_partitions_.load() % kSmallPerSlab == 0 ? 1 : 0) : 4 * chunks;
+  const int64_t need = static_cast<int64_t>(std::min<uint64_t>(blocks, budget + 1));
+  constexpr int64_t kSpanRoom = 1;
   // Reserved for every registered partition, and held now (which counts
   // what partitions do not: rings, staging buffers, the pool's own).
   const int64_t reserved = committed_mappings_->fetch_add(need) + need;
   const int64_t live = HostMemory::LiveMappings();
-  if (reserved <= budget && live + need <= budget) {
+  if (reserved + kSpanRoom <= budget && live + need + kSpanRoom <= budget) {
     session.mappings.fetch_add(need);
-    return need;
+    return Reservation{need, shared};
   }
   committed_mappings_->fetch_sub(need);
   std::vector<std::shared_ptr<Session>> sessions;
@@ -781,7 +776,8 @@ absl::StatusOr<int64_t> SessionManager::ReserveMappings(Session& session,
                    " could take offloadd past its "
                    "memory-mapping budget: ",
                    live, " mappings held and ", reserved - need,
-                   " reserved for registered partitions, up to ", need, " more, budget ", budget,
+                   " reserved for registered partitions and their arenas, up to ", need + kSpanRoom,
+                   " more, budget ", budget,
                    " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); ", who,
                    ": ", advice));
 }
@@ -813,14 +809,17 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
     RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
     ASSIGN_OR_RETURN(restored, session->restore->StateFor(spec));
   }
-  ASSIGN_OR_RETURN(const int64_t reserved, ReserveMappings(*session, spec));
+  ASSIGN_OR_RETURN(const Reservation reserved, ReserveMappings(*session, spec));
   absl::StatusOr<PartitionInfo> registered =
       session->partitions->Register(id, spec, restored ? &*restored : nullptr);
   if (!registered.ok()) {
-    session->mappings.fetch_sub(reserved);
-    committed_mappings_->fetch_sub(reserved);
+    session->mappings.fetch_sub(reserved.mappings);
+    committed_mappings_->fetch_sub(reserved.mappings);
     return registered.status();
   }
+  // Counted once a registration went through: one refused, retried, is
+  // refused again (its slab's share was not taken).
+  if (reserved.small_blocks) small_partitions_.fetch_add(1);
   PartitionInfo info = *std::move(registered);
   {
     absl::MutexLock lock(&mu_);

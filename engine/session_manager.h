@@ -595,7 +595,11 @@ class SessionManager {
   // the node's total and the session's (released when the session goes, or
   // by the caller if the registration fails); RESOURCE_EXHAUSTED if that
   // or what is mapped now could pass the budget. The number reserved.
-  absl::StatusOr<int64_t> ReserveMappings(Session& session, const PartitionSpec& spec)
+  struct Reservation {
+    int64_t mappings = 0;       // reserved (released by the caller if registering fails)
+    bool small_blocks = false;  // its blocks are slots of the pool's slabs
+  };
+  absl::StatusOr<Reservation> ReserveMappings(Session& session, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Every live session's reservations (shared with them: a session may be
   // destroyed after the manager's last call).

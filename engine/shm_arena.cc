@@ -12,8 +12,9 @@
 
 namespace offload {
 
-absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view name,
-                                                           uint64_t capacity, Env* env) {
+absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(
+    absl::string_view name, uint64_t capacity, Env* env,
+    std::shared_ptr<std::atomic<int64_t>> span_mappings) {
   if (capacity == 0 || capacity % kAlignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("arena capacity must be a positive multiple of ",
                                                    kAlignment, ", got ", capacity));
@@ -23,7 +24,8 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(absl::string_view nam
   if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
     return PosixError(absl::StrCat("sealing ", label), errno);
   }
-  return std::unique_ptr<ShmArena>(new ShmArena(std::move(fd), capacity, env));
+  return std::unique_ptr<ShmArena>(
+      new ShmArena(std::move(fd), capacity, env, std::move(span_mappings)));
 }
 
 absl::StatusOr<HostMemory> ShmArena::Map(uint64_t offset, uint64_t bytes, Pages pages) const {

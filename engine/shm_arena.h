@@ -17,6 +17,7 @@
 #ifndef OFFLOADD_ENGINE_SHM_ARENA_H_
 #define OFFLOADD_ENGINE_SHM_ARENA_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -41,9 +42,11 @@ class ShmArena {
 
   // `name` only labels the memfd in /proc/<pid>/fd (it is not a path).
   // `env` (borrowed, must outlive the arena) makes the memfd, the mappings
-  // and the file growth.
-  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(absl::string_view name, uint64_t capacity,
-                                                          Env* env = Env::Default());
+  // and the file growth. With `span_mappings`, each mapping MapSpan makes
+  // counts one in it while it lives (SpanMaps).
+  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(
+      absl::string_view name, uint64_t capacity, Env* env = Env::Default(),
+      std::shared_ptr<std::atomic<int64_t>> span_mappings = nullptr);
   ~ShmArena() = default;
   ShmArena(const ShmArena&) = delete;
   ShmArena& operator=(const ShmArena&) = delete;
@@ -87,13 +90,14 @@ class ShmArena {
   uint64_t size() const;
 
  private:
-  ShmArena(UniqueFd fd, uint64_t capacity, Env* env)
+  ShmArena(UniqueFd fd, uint64_t capacity, Env* env,
+           std::shared_ptr<std::atomic<int64_t>> span_mappings)
       : fd_(std::move(fd)),
         capacity_(capacity),
         env_(env),
-        spans_([this](uint64_t offset, uint64_t bytes, Pages pages) {
-          return Map(offset, bytes, pages);
-        }) {}
+        spans_([this](uint64_t offset, uint64_t bytes,
+                      Pages pages) { return Map(offset, bytes, pages); },
+               std::move(span_mappings)) {}
 
   // Constant after construction.
   const UniqueFd fd_;

@@ -1341,7 +1341,7 @@ class WrapInProcessTest(unittest.TestCase):
                         # Each step's automatic checkpoint committed before
                         # the next step (one due while the last is written
                         # would wait for the step after): step 3's is the
-                        # last; step 4 runs, then offloadd dies.
+                        # last waited for; step 4 runs, then offloadd dies.
                         deadline = time.monotonic() + 20
                         while (stats.stats()["counters"]["auto_checkpoints"] < step
                                and time.monotonic() < deadline):
@@ -1352,7 +1352,9 @@ class WrapInProcessTest(unittest.TestCase):
                 except offloadd.torch.SessionRestored as r:
                     restored.append(r.step)
                     step = r.step
-            self.assertEqual(restored, [3])
+            # Step 3's, or step 4's where its checkpoint (written behind
+            # the step) committed before the kill came.
+            self.assertIn(restored, ([3], [4]))
             self.assert_weights(model, ref.state_dict())
             self.assertEqual(model.offloadd.gpu_stats() is not None, zero is not None)
             opt.close()
