@@ -51,7 +51,6 @@ absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
                        idle_lease, reconnect_lease, max_sessions_per_user));
   channel->group_ = group;
   channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
-  channel->closer_ = std::thread([c = channel.get()] { c->TearDown(); });
   return channel;
 }
 
@@ -92,8 +91,7 @@ void ArenaChannel::ExpireSessions() {
 }
 
 void ArenaChannel::Later(SessionManager::Teardowns work, std::vector<std::string> lines) {
-  absl::MutexLock lock(&close_mu_);
-  closed_.push_back({std::move(work), std::move(lines)});
+  teardowns_->Add(std::move(work), std::move(lines));
 }
 
 ArenaChannel::~ArenaChannel() {
@@ -101,32 +99,8 @@ ArenaChannel::~ArenaChannel() {
   ssize_t unused = write(stop_event_.get(), &one, sizeof(one));
   (void)unused;
   if (thread_.joinable()) thread_.join();
-  {
-    absl::MutexLock lock(&close_mu_);
-    stopping_ = true;
-  }
-  if (closer_.joinable()) closer_.join();  // (sessions handed to it are closed first)
+  teardowns_.reset();  // (sessions handed to it are closed first)
   unlink(path_.c_str());
-}
-
-void ArenaChannel::TearDown() {
-  close_mu_.Lock();
-  for (;;) {
-    close_mu_.Await(absl::Condition(
-        +[](ArenaChannel* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->close_mu_) {
-          return c->stopping_ || !c->closed_.empty();
-        },
-        this));
-    std::vector<Closed> closed = std::exchange(closed_, {});
-    const bool stopping = stopping_;
-    close_mu_.Unlock();
-    for (Closed& c : closed) {
-      c.work.Run();
-      for (const std::string& line : c.lines) LogInfo("%s", line);
-    }
-    if (stopping) return;
-    close_mu_.Lock();
-  }
 }
 
 void ArenaChannel::Serve() {

@@ -26,9 +26,9 @@
 // once a second, those nobody attached to within `attach_lease` of opening
 // and (a positive `idle_lease`) those no call reached for longer than it
 // (SessionManager::CloseExpired): each before any attach it answers next.
-// A second thread then tears what they closed down (SessionManager::
-// Teardowns: their memory, ring threads, files), so that a large session's
-// teardown delays no attach.
+// Other threads then tear what they closed down (TeardownQueue: their
+// memory, ring threads, files, final checkpoints; sessions side by side), so
+// that a large session's teardown delays no attach and no other teardown.
 #ifndef OFFLOADD_DAEMON_ARENA_CHANNEL_H_
 #define OFFLOADD_DAEMON_ARENA_CHANNEL_H_
 
@@ -49,6 +49,7 @@
 #include "base/descriptors.h"
 #include "base/log.h"
 #include "base/unique_fd.h"
+#include "daemon/teardown_queue.h"
 #include "engine/session_manager.h"
 
 namespace offload {
@@ -84,11 +85,8 @@ class ArenaChannel {
   };
 
   void Serve();
-  // The teardown thread: runs what the serving thread closed, then logs it,
-  // until stopping_ (and the queue is empty).
-  void TearDown();
   void ExpireSessions();
-  // Hands `work` to the teardown thread, `lines` logged once it is done.
+  // Hands `work` to the teardown threads, `lines` logged once it is done.
   void Later(SessionManager::Teardowns work, std::vector<std::string> lines);
   void Accept();
   // accept failed with `err` (EMFILE, ENFILE).
@@ -120,16 +118,10 @@ class ArenaChannel {
   SpareDescriptor spare_;
   std::chrono::steady_clock::time_point accept_paused_until_{};
   LogLimiter accept_errors_{absl::Seconds(10)};
-  // Handed from the serving thread to the teardown thread.
-  struct Closed {
-    SessionManager::Teardowns work;
-    std::vector<std::string> lines;  // logged once the work is done
-  };
-  absl::Mutex close_mu_;
-  std::vector<Closed> closed_ ABSL_GUARDED_BY(close_mu_);
-  bool stopping_ ABSL_GUARDED_BY(close_mu_) = false;
+  // What the serving thread closed, torn down (emptied and destroyed after
+  // the serving thread ended: sessions handed to it are closed first).
+  std::unique_ptr<TeardownQueue> teardowns_ = std::make_unique<TeardownQueue>();
   std::thread thread_;
-  std::thread closer_;
 };
 
 }  // namespace offload

@@ -363,7 +363,7 @@ class SessionManager {
   // its memory and partitions, joining its ring's thread, removing its
   // files (a large session's take seconds). A caller that passes a
   // Teardowns to a close gets these to run where they delay no one (the
-  // arena channel's closing thread); else the close runs them itself. A
+  // arena channel's teardown threads); else the close runs them itself. A
   // Teardowns destroyed unrun runs them. They may call into this manager
   // (a session kept for a resume writes its last step: FinalCheckpoint),
   // so they run before it is destroyed.
@@ -377,6 +377,9 @@ class SessionManager {
     void Run() {
       for (auto& f : std::exchange(work_, {})) f();
     }
+    // Each teardown, one per closed session, to run elsewhere (and in any
+    // order: they are independent).
+    std::vector<std::function<void()>> Take() { return std::exchange(work_, {}); }
     bool empty() const { return work_.empty(); }
 
    private:
@@ -521,9 +524,9 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr absl::Duration kFinalCheckpointWait = absl::Seconds(60);
   // How long FindLost waits for a FinalCheckpoint of its name (several
-  // run one after another on the arena channel's teardown thread, each
-  // writing a whole session) before UNAVAILABLE ("retry": offloadd.torch
-  // does); under the clients' call timeout (10 minutes).
+  // may queue for the arena channel's teardown threads, each writing a
+  // whole session) before UNAVAILABLE ("retry": offloadd.torch does);
+  // under the clients' call timeout (10 minutes).
   static constexpr absl::Duration kFindLostWait = absl::Minutes(8);
   // How long a session a trainer resumed (ResumeSession) is left alone by
   // takeovers while its trainer attaches.
