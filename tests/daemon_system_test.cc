@@ -2888,6 +2888,75 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
       << gone.status() << (*third)->ReadLog();
 }
 
+// A stop keeps the sessions, stopped and restarted in memory
+// (server.memory_keep_dir on a tmpfs) where they fit, else on the disk
+// (<data_dir>/preserved), saying why; the next offloadd reopens them from
+// either, and the trainer goes on exactly as a session that never stopped.
+// `memory_fs`: the tmpfs's mount options.
+void KeepAcrossARestartIn(const std::string& memory_fs, bool fits) {
+  SmallFilesystem fs(memory_fs);
+  if (!fs.mounted()) GTEST_SKIP() << fs.why_not();
+  const std::string memory_dir = absl::StrCat(fs.path(), "/preserved");
+  const std::vector<std::string> flags = {"--server.reconnect_lease_seconds=8",
+                                          "--server.memory_keep_dir=" + memory_dir};
+  auto first = DaemonProcess::Start(flags);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  const std::string disk_dir = data_dir + "/preserved";
+  const std::string kept_in = fits ? memory_dir : disk_dir;
+  uint64_t id = 0, partition_id = 0;
+  std::string token;
+  std::vector<uint16_t> before;
+  {
+    auto client = Client::Connect({(*first)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    auto [kept, p] = OpenTrainer(client->get(), "kept");
+    TrainSteps(kept.get(), p.id, 1, 2);
+    before = ParamsOf(kept.get(), p.id);
+    id = kept->id();
+    token = kept->token();
+    partition_id = p.id;
+    auto stopped = (*first)->Stop();
+    ASSERT_TRUE(stopped.ok()) << stopped.status();
+    const std::string log = (*first)->ReadLog();
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("kept 1 session(s) in ", kept_in))) << log;
+    if (!fits) {
+      EXPECT_TRUE(absl::StrContains(log, "keeping the sessions on the disk")) << log;
+      EXPECT_TRUE(absl::StrContains(log, "its filesystem has")) << log;
+    }
+  }
+  EXPECT_TRUE(std::filesystem::exists(absl::StrCat(kept_in, "/", id)));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(fits ? disk_dir : memory_dir, "/", id)));
+  auto second = DaemonProcess::StartIn(data_dir, flags);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(
+      absl::StrContains((*second)->ReadLog(),
+                        absl::StrCat("reopened 1 session(s) kept across the restart in ", kept_in)))
+      << (*second)->ReadLog();
+  auto client = Client::Connect({(*second)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto resumed = (*client)->ResumeSession(id, token);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(ParamsOf(resumed->get(), partition_id), before);
+  TrainSteps(resumed->get(), partition_id, 3, 3);
+  auto [reference, r] = OpenTrainer(client->get(), "reference");
+  TrainSteps(reference.get(), r.id, 1, 3);
+  EXPECT_EQ(ParamsOf(resumed->get(), partition_id), ParamsOf(reference.get(), r.id));
+  // Resumed: its kept copy goes (in memory: the memory it held).
+  const std::string copy = absl::StrCat(kept_in, "/", id);
+  for (const absl::Time deadline = absl::Now() + testing::kWaitLimit;
+       std::filesystem::exists(copy) && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_FALSE(std::filesystem::exists(copy));
+}
+
+TEST(DaemonRestart, KeepsSessionsInMemoryWhereTheyFit) { KeepAcrossARestartIn("size=256m", true); }
+
+TEST(DaemonRestart, KeepsSessionsOnTheDiskWhereMemoryHasNoRoom) {
+  KeepAcrossARestartIn("size=1m", false);
+}
+
 TEST_F(DaemonTest, ACheckpointIntoAFullFilesystemFailsCleanlyAndKeepsThePreviousOne) {
   SmallFilesystem small("size=4m,mode=0700");
   if (!small.mounted()) GTEST_SKIP() << small.why_not();
