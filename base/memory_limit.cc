@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 
@@ -54,9 +53,6 @@ MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::
     if (uint64_t v = ReadLimitFile(file); v != 0) {
       limit.cgroup = v;
       limit.cgroup_file = file;
-      const std::string dir = file.substr(0, file.rfind('/') + 1);
-      const bool v2 = absl::EndsWith(file, "/memory.max");
-      limit.cgroup_used = ReadLimitFile(dir + (v2 ? "memory.current" : "memory.usage_in_bytes"));
       break;
     }
   }
@@ -65,14 +61,12 @@ MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::
 
 MemoryLimit ReadMemoryLimitIn(const std::string& proc_dir, const std::string& sys_dir) {
   // "MemTotal:       16318420 kB"; the same figure as sysconf's pages.
-  uint64_t physical = 0, available = 0;
+  uint64_t physical = 0;
   std::ifstream meminfo(proc_dir + "/meminfo");
-  for (std::string line; (physical == 0 || available == 0) && std::getline(meminfo, line);) {
+  for (std::string line; physical == 0 && std::getline(meminfo, line);) {
     std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
     uint64_t kib = 0;
-    if (f.size() < 2 || !absl::SimpleAtoi(f[1], &kib)) continue;
-    if (f[0] == "MemTotal:") physical = kib << 10;
-    if (f[0] == "MemAvailable:") available = kib << 10;
+    if (f.size() >= 2 && f[0] == "MemTotal:" && absl::SimpleAtoi(f[1], &kib)) physical = kib << 10;
   }
   if (physical == 0) {
     const int64_t pages = sysconf(_SC_PHYS_PAGES);
@@ -84,9 +78,7 @@ MemoryLimit ReadMemoryLimitIn(const std::string& proc_dir, const std::string& sy
   std::ifstream in(proc_dir + "/self/cgroup");
   std::stringstream text;
   text << in.rdbuf();
-  MemoryLimit limit = ReadMemoryLimitFrom(text.str(), sys_dir + "/fs/cgroup", physical);
-  limit.available = available;
-  return limit;
+  return ReadMemoryLimitFrom(text.str(), sys_dir + "/fs/cgroup", physical);
 }
 
 MemoryLimit ReadMemoryLimit() { return ReadMemoryLimitIn("/proc", "/sys"); }

@@ -14,19 +14,8 @@ struct MemoryLimit {
   uint64_t physical = 0;    // sysconf(_SC_PHYS_PAGES) * page size
   uint64_t cgroup = 0;      // 0: no cgroup limit found
   std::string cgroup_file;  // where the limit was read
-  // What the cgroup uses now (memory.current, v1 memory.usage_in_bytes,
-  // beside cgroup_file); 0 where there is no limit or it cannot be read.
-  uint64_t cgroup_used = 0;
-  // /proc/meminfo's MemAvailable; 0 where it cannot be read.
-  uint64_t available = 0;
 
   uint64_t effective() const { return cgroup != 0 && cgroup < physical ? cgroup : physical; }
-  // What more this process's cgroup may take before its limit (physical
-  // memory without one).
-  uint64_t cgroup_left() const {
-    if (cgroup == 0) return physical;
-    return cgroup > cgroup_used ? cgroup - cgroup_used : 0;
-  }
 };
 
 // Reads the limit of this process's cgroup: cgroup v2 `memory.max` of its

@@ -73,32 +73,6 @@ TEST(MemoryLimit, AMadeUpNodeGivesItsMemTotalAndCgroup) {
   EXPECT_EQ(m.physical, 16 * kGiB);
   EXPECT_EQ(m.cgroup, 6 * kGiB);
   EXPECT_EQ(m.cgroup_file, root + "/sys/fs/cgroup/offloadd.service/memory.max");
-  EXPECT_EQ(m.available, 0u);  // no MemAvailable line
-  EXPECT_EQ(m.cgroup_used, 0u);
-  EXPECT_EQ(m.cgroup_left(), 6 * kGiB);
-}
-
-// What is left: MemAvailable, and the cgroup's limit less its usage (v2
-// memory.current, v1 memory.usage_in_bytes beside the limit).
-TEST(MemoryLimit, WhatIsLeftInTheHostAndTheCgroup) {
-  const std::string root = Root("left");
-  Write(root + "/proc/meminfo",
-        "MemTotal:       16777216 kB\nMemFree:         1024 kB\nMemAvailable:    4194304 kB\n");
-  Write(root + "/proc/self/cgroup", "0::/offloadd.service\n");
-  Write(root + "/sys/fs/cgroup/offloadd.service/memory.max", "6442450944\n");
-  Write(root + "/sys/fs/cgroup/offloadd.service/memory.current", "5368709120\n");
-  MemoryLimit m = ReadMemoryLimitIn(root + "/proc", root + "/sys");
-  EXPECT_EQ(m.available, 4 * kGiB);
-  EXPECT_EQ(m.cgroup_used, 5 * kGiB);
-  EXPECT_EQ(m.cgroup_left(), 1 * kGiB);
-  const std::string v1 = Root("left_v1");
-  Write(v1 + "/memory/job/memory.limit_in_bytes", "2147483648\n");
-  Write(v1 + "/memory/job/memory.usage_in_bytes", "3221225472\n");  // over: none left
-  MemoryLimit over = ReadMemoryLimitFrom("4:memory:/job\n", v1, 16 * kGiB);
-  EXPECT_EQ(over.cgroup_used, 3 * kGiB);
-  EXPECT_EQ(over.cgroup_left(), 0u);
-  // No limit: the physical memory is what a cgroup leaves.
-  EXPECT_EQ(ReadMemoryLimitFrom("0::/\n", root + "/none", 16 * kGiB).cgroup_left(), 16 * kGiB);
 }
 
 }  // namespace

@@ -6,7 +6,7 @@ reads of the same bytes in the same directory, measured in the same run (the lim
 stop that writes every session can reach).
 
 usage: restart.py --offloadd=PATH [--params=268435456] [--partitions=16] [--dir=DIR]
-       [--write_threads=4] [--rounds=2] [--memory_dir=/dev/shm|none] [--tiny]
+       [--write_threads=4] [--rounds=2] [--tiny]
 
 One session holds --params parameters in --partitions partitions, as ZeRO-3 mixed precision
 keeps them: a bf16 working copy and bf16 gradients in the trainer's arena, fp32 master weights
@@ -18,10 +18,6 @@ and Adam moments in the pool (14 bytes a parameter kept: 2 + 4 + 4 + 4), after o
 Limit: 16 MiB O_DIRECT writes (then fsync) and reads of the same number of bytes into a file
 in the same directory, by 1 and by 8 threads at once. Ratio: bytes kept / stop time against
 the best limit's GB/s. Medians over --rounds.
-Each round also stops and restarts the same way with the sessions kept in memory
-(server.memory_keep_dir in a fresh directory under --memory_dir, a tmpfs; the packaged
-service's ${RUNTIME_DIRECTORY}/preserved), unless --memory_dir=none: its stop against the
-disk's, same round.
 """
 import argparse
 import datetime
@@ -80,15 +76,10 @@ def log_time(line):
     return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
-def one_round(args, root, memory_dir=None):
-    """One stop and restart; with `memory_dir`, the sessions kept there (in memory)."""
+def one_round(args, root):
     shutil.rmtree(root, ignore_errors=True)
     flags = [f"--checkpoint.write_threads={args.write_threads}",
              f"--memory.host_budget_bytes={max(1 << 30, args.params * 24)}"]
-    kept_dir = os.path.join(root, "preserved")
-    if memory_dir is not None:
-        kept_dir = os.path.join(memory_dir, "preserved")
-        flags.append(f"--server.memory_keep_dir={kept_dir}")
     proc, address = start_daemon(args.offloadd, root, flags)
     client = offloadd.Client(address)
     session = client.open_session("restart_bench")
@@ -111,12 +102,10 @@ def one_round(args, root, memory_dir=None):
     with open(os.path.join(root, "log")) as f:
         lines = f.read().splitlines()
     kept_line = next(l for l in lines if "kept 1 session(s)" in l)
-    if not kept_line.rstrip().endswith(f" in {kept_dir} for the next offloadd"):
-        raise SystemExit(f"restart: the session was not kept in {kept_dir}: {kept_line}")
     term_line = next(l for l in lines if "received SIGTERM" in l)
     keep = log_time(kept_line) - log_time(term_line)
     kept_bytes = sum(os.path.getsize(os.path.join(dp, f))
-                     for dp, _, fs in os.walk(kept_dir) for f in fs)
+                     for dp, _, fs in os.walk(os.path.join(root, "preserved")) for f in fs)
 
     os.rename(os.path.join(root, "log"), os.path.join(root, "log.first"))
     t = time.perf_counter()
@@ -133,8 +122,6 @@ def one_round(args, root, memory_dir=None):
     proc.kill()
     proc.wait()
     del session
-    if memory_dir is not None:
-        shutil.rmtree(memory_dir, ignore_errors=True)
     return stop, keep, start, resume, kept_bytes
 
 
@@ -146,21 +133,16 @@ def main():
     ap.add_argument("--dir", default="/var/tmp/offloadd_restart_bench")
     ap.add_argument("--write_threads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--memory_dir", default="/dev/shm")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
-    in_memory = args.memory_dir != "none" and os.path.isdir(args.memory_dir)
     if args.tiny:
         args.params, args.partitions, args.rounds = 1 << 20, 2, 1
         args.dir = tempfile.mkdtemp(prefix="rb.")  # short: the socket's path
     args.offloadd = os.path.abspath(args.offloadd)
     os.makedirs(args.dir, mode=0o700, exist_ok=True)
     root = os.path.join(args.dir, "d")
-    results, limits, memory = [], [], []
+    results, limits = [], []
     for r in range(args.rounds):
-        if in_memory:
-            memory.append(one_round(args, root, tempfile.mkdtemp(prefix="offloadd_keep.",
-                                                                 dir=args.memory_dir)))
         results.append(one_round(args, root))
         kept = results[-1][4]
         probe = os.path.join(args.dir, "direct.probe")
@@ -200,19 +182,6 @@ def main():
           f"that speed")
     print(f"start: {gb / start:.2f} GB/s of kept state = {gb / start / best_read:.2f}x the disk's "
           f"best direct read")
-    if memory:
-        m_stop, m_keep, m_start, m_resume, m_kept = (med([x[i] for x in memory])
-                                                      for i in range(5))
-        m_gb = m_kept / 1e9
-        print(f"kept in memory (server.memory_keep_dir under {args.memory_dir}), same rounds:")
-        print(f"  stop (SIGTERM to exit)       {m_stop:7.2f} s   keeping the session {m_keep:.2f} s "
-              f"= {m_gb / m_keep:.2f} GB/s")
-        print(f"  start (exec to serving, the kept state read back within) {m_start:.2f} s = "
-              f"{m_gb / m_start:.2f} GB/s of kept state")
-        print(f"  resume (ResumeSession, fetch) {m_resume:6.3f} s")
-        print(f"in memory: the stop {m_stop:.2f} s = {m_stop / stop:.2f}x the stop keeping on the "
-              f"disk, {m_stop / (gb / best_write):.2f}x writing the bytes at the disk's best direct "
-              f"write; the start {m_start / start:.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <array>
@@ -114,15 +113,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   // Sessions the previous offloadd kept when it stopped (Shutdown), before
-  // any call or lease can reach them: in memory, or on the disk.
-  for (const std::string& kept : {server.memory_keep_dir, d->PreservedDir()}) {
-    if (kept.empty() || access(kept.c_str(), F_OK) != 0) continue;
+  // any call or lease can reach them.
+  const std::string kept = d->PreservedDir();
+  if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
       const int n = ReopenKeptSessions(d->engine_->sessions(), kept);
       LogInfo(
-          "reopened %d session(s) kept across the restart in %s; their trainers have %d s to "
+          "reopened %d session(s) kept across the restart; their trainers have %d s to "
           "resume them",
-          n, kept, static_cast<int>(server.reconnect_lease_seconds));
+          n, static_cast<int>(server.reconnect_lease_seconds));
     } else {
       LogWarning(
           "sessions kept by the previous offloadd are in %s; with "
@@ -470,26 +469,6 @@ std::string Daemon::PreservedDir() const {
   return absl::StrCat(options_->server.data_dir, "/preserved");
 }
 
-std::string Daemon::KeepDir() const {
-  const std::string& memory = options_->server.memory_keep_dir;
-  if (memory.empty()) return PreservedDir();
-  const uint64_t bytes = engine_->sessions().KeepBytesBound();
-  absl::Status room = [&]() -> absl::Status {
-    RETURN_IF_ERROR(MakeDirs(memory));
-    RETURN_IF_ERROR(CheckPrivateDir(memory));
-    struct statvfs fs;
-    if (statvfs(memory.c_str(), &fs) != 0) {
-      return PosixError(absl::StrCat("statvfs ", memory), errno);
-    }
-    return CheckRoomToKeepInMemory(bytes, static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize,
-                                   ReadMemoryLimit());
-  }();
-  if (room.ok()) return memory;
-  LogWarning("keeping the sessions on the disk (%s), not in %s: %s", PreservedDir(), memory,
-             room.ToString());
-  return PreservedDir();
-}
-
 void Daemon::Shutdown() {
   {
     absl::MutexLock lock(&shutdown_mu_);
@@ -507,10 +486,9 @@ void Daemon::Shutdown() {
   }
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.
-  if (keep && !engine_->sessions().SessionIds().empty()) {
-    const std::string dir = KeepDir();
-    const int n = KeepSessions(engine_->sessions(), dir);
-    if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, dir);
+  if (keep) {
+    const int n = KeepSessions(engine_->sessions(), PreservedDir());
+    if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
   }
   metrics_.reset();
   server_->Shutdown();

@@ -56,10 +56,6 @@ class Daemon {
   void SetHooks();
   // Where Shutdown keeps sessions for the next offloadd.
   std::string PreservedDir() const;
-  // Where a stop keeps the sessions: server.memory_keep_dir where they fit
-  // (CheckRoomToKeepInMemory; created private), else PreservedDir(), a
-  // warning saying why.
-  std::string KeepDir() const;
   // Resolves checkpoint.auto_dir, reports the automatic checkpoints of
   // sessions a crashed predecessor lost, and switches them on.
   absl::Status StartAutoCheckpoints();

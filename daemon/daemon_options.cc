@@ -15,12 +15,6 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
           {"path", "directory for the socket and state (created 0700)", false});
   r->Bind("server.socket", &o->server.socket,
           {"path", "gRPC Unix socket; empty means <data_dir>/offloadd.sock", false});
-  r->Bind("server.memory_keep_dir", &o->server.memory_keep_dir,
-          {"path",
-           "a memory filesystem's directory where a SIGTERM stop keeps the sessions when they fit "
-           "(copied at memory speed, not written to <data_dir>/preserved); the next offloadd "
-           "reopens from both; empty: the disk only",
-           false});
   r->Bind("server.socket_group", &o->server.socket_group,
           {"group",
            "members of this group may use offloadd too (its sockets 0660 and this group's); empty: "

@@ -30,16 +30,6 @@ struct ServerOptions {
   // <data_dir>/offloadd.sock. The arena channel listens on <socket>.arena.
   std::string socket;
 
-  // A directory on a memory filesystem (tmpfs) where a SIGTERM stop keeps
-  // the sessions (reconnect_lease_seconds > 0) when they fit in it, in the
-  // host's available memory and in the cgroup's, instead of
-  // <data_dir>/preserved on the disk: the stop copies them at memory speed.
-  // The next offloadd reopens sessions from both. Empty: the disk only.
-  // The packaged service names ${RUNTIME_DIRECTORY}/preserved, which
-  // systemd keeps across a restart (RuntimeDirectoryPreserve=restart) and
-  // frees when the service stops.
-  std::string memory_keep_dir;
-
   // A group whose members may use offloadd too (the trainers' group, under
   // a system service): both sockets are made 0660 and that group's, and the
   // arena channel admits its members. Empty: the owner (and root) only.

@@ -120,20 +120,4 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir) {
   return static_cast<int>(reopened.size());
 }
 
-absl::Status CheckRoomToKeepInMemory(uint64_t bytes, uint64_t fs_free, const MemoryLimit& memory) {
-  const uint64_t need = bytes + bytes / 10;
-  auto short_of = [&](absl::string_view what, uint64_t have) {
-    return absl::ResourceExhaustedError(absl::StrCat("keeping the sessions takes up to ", bytes,
-                                                     " bytes (", need, " with a tenth to spare); ",
-                                                     what, " has ", have));
-  };
-  if (fs_free < need) return short_of("its filesystem", fs_free);
-  if (memory.available < need) return short_of("the host's available memory", memory.available);
-  if (memory.cgroup != 0 && memory.cgroup_left() < need) {
-    return short_of(absl::StrCat("this process's cgroup (", memory.cgroup_file, ")"),
-                    memory.cgroup_left());
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace offload

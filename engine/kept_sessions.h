@@ -8,9 +8,6 @@
 //   Daemon::Shutdown:  KeepSessions(engine->sessions(), dir);
 //   Daemon::Start:     ReopenKeptSessions(engine->sessions(), dir);
 //
-// `dir` is <data_dir>/preserved on the disk, or server.memory_keep_dir on a
-// memory filesystem where the sessions fit (CheckRoomToKeepInMemory).
-//
 // The files are this module's; what a session holds and how it is reopened
 // is the SessionManager's (its KeptSession calls).
 //
@@ -19,11 +16,8 @@
 #ifndef OFFLOADD_ENGINE_KEPT_SESSIONS_H_
 #define OFFLOADD_ENGINE_KEPT_SESSIONS_H_
 
-#include <cstdint>
 #include <string>
 
-#include "absl/status/status.h"
-#include "base/memory_limit.h"
 #include "engine/session_manager.h"
 
 namespace offload {
@@ -41,14 +35,6 @@ int KeepSessions(SessionManager& sessions, const std::string& dir);
 // there (a checkpoint: OpenSession's restore_from takes it). Returns how
 // many it reopened.
 int ReopenKeptSessions(SessionManager& sessions, const std::string& dir);
-
-// Whether keeping `bytes` of sessions in a directory of a memory filesystem
-// (server.memory_keep_dir) whose filesystem has `fs_free` bytes free fits:
-// in it, in the host's available memory and in this process's cgroup (a
-// memory filesystem's pages are charged to whoever writes them, and they
-// stay while the next offloadd restores the same bytes), each with a tenth
-// to spare. OK, or RESOURCE_EXHAUSTED saying what is short.
-absl::Status CheckRoomToKeepInMemory(uint64_t bytes, uint64_t fs_free, const MemoryLimit& memory);
 
 }  // namespace offload
 

@@ -218,30 +218,5 @@ TEST(KeptSessions, KeepTheStepTheyRestore) {
   ASSERT_TRUE(next.Close(second->key).ok());
 }
 
-// Sessions are kept in memory only where they fit in its filesystem, the
-// host's available memory and the cgroup's, each with a tenth to spare;
-// the refusal says which is short.
-TEST(KeptSessions, KeepInMemoryOnlyWhereItFits) {
-  constexpr uint64_t kGiB = uint64_t{1} << 30;
-  MemoryLimit memory;
-  memory.physical = 64 * kGiB;
-  memory.available = 32 * kGiB;
-  EXPECT_TRUE(CheckRoomToKeepInMemory(10 * kGiB, 20 * kGiB, memory).ok());
-  absl::Status fs = CheckRoomToKeepInMemory(10 * kGiB, 10 * kGiB, memory);
-  EXPECT_EQ(fs.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_TRUE(absl::StrContains(fs.message(), "its filesystem has")) << fs;
-  memory.available = 10 * kGiB;
-  absl::Status host = CheckRoomToKeepInMemory(10 * kGiB, 20 * kGiB, memory);
-  EXPECT_TRUE(absl::StrContains(host.message(), "available memory")) << host;
-  memory.available = 32 * kGiB;
-  memory.cgroup = 16 * kGiB;
-  memory.cgroup_file = "/sys/fs/cgroup/offloadd.service/memory.max";
-  memory.cgroup_used = 6 * kGiB;
-  absl::Status cgroup = CheckRoomToKeepInMemory(10 * kGiB, 20 * kGiB, memory);
-  EXPECT_TRUE(absl::StrContains(cgroup.message(), "offloadd.service")) << cgroup;
-  memory.cgroup_used = 4 * kGiB;
-  EXPECT_TRUE(CheckRoomToKeepInMemory(10 * kGiB, 20 * kGiB, memory).ok());
-}
-
 }  // namespace
 }  // namespace offload

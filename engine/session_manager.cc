@@ -1450,24 +1450,6 @@ std::vector<uint64_t> SessionManager::SessionIds() const {
   return ids;
 }
 
-uint64_t SessionManager::KeepBytesBound() const {
-  std::vector<std::shared_ptr<Session>> sessions;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, s] : sessions_) sessions.push_back(s);
-  }
-  uint64_t bytes = 0;
-  for (const auto& s : sessions) {
-    const PartitionStore& p = *s->partitions;
-    auto both = [&p](DataKind k) { return p.bytes(k, Tier::kHost) + p.bytes(k, Tier::kNvme); };
-    // Two working copies at most; the state's bytes count all four fp32
-    // arrays; a MiB for the records and the last blocks' rounding.
-    bytes += 2 * both(DataKind::kParams) + both(DataKind::kOptimizerState) + (uint64_t{1} << 20) +
-             p.partitions() * 4 * checkpoint::kDirectAlignment;
-  }
-  return bytes;
-}
-
 absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(uint64_t id) {
   std::shared_ptr<Session> s;
   {

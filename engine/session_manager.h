@@ -455,10 +455,6 @@ class SessionManager {
   // (a partition held for writing would stop the checkpoint; the trainer
   // fetches again once it resumed). FAILED_PRECONDITION if it closed.
   absl::StatusOr<KeptSession> QuiesceForKeeping(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
-  // At most the bytes keeping every open session takes (their checkpoints:
-  // the working copy and the delayed update's pending one, master weights,
-  // moments and accumulators, the records around them).
-  uint64_t KeepBytesBound() const ABSL_LOCKS_EXCLUDED(mu_);
   // True if session `id` is open, reopened from `dir` and not resumed since.
   bool ReopenedFrom(uint64_t id, const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
   // Reopens `kept` with its id, token, partitions (their ids too) and state
