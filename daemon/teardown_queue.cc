@@ -1,5 +1,6 @@
 #include "daemon/teardown_queue.h"
 
+#include <algorithm>
 #include <atomic>
 #include <utility>
 

@@ -15,10 +15,10 @@ namespace {
 // thread running them in turn never gets to (it used to be one thread).
 TEST(TeardownQueue, TheSessionsOfOneBatchAreTornDownSideBySide) {
   constexpr int kSessions = 3;
-  TeardownQueue queue(kSessions);
   std::atomic<int> started{0}, together{0};
   absl::Notification all_done;
   std::atomic<int> done{0};
+  TeardownQueue queue(kSessions);  // last: gone before what its tasks touch
   SessionManager::Teardowns work;
   for (int i = 0; i < kSessions; ++i) {
     work.Add([&] {
@@ -35,8 +35,8 @@ TEST(TeardownQueue, TheSessionsOfOneBatchAreTornDownSideBySide) {
   EXPECT_EQ(together.load(), kSessions);
 }
 
-// What is queued when the queue goes is run first; a batch of nothing
-// leaves nothing behind.
+// What is queued when the queue goes is run first, batches of nothing
+// among them.
 TEST(TeardownQueue, RunsWhatIsQueuedBeforeItGoes) {
   std::atomic<int> ran{0};
   {

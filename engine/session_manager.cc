@@ -720,33 +720,40 @@ absl::StatusOr<SessionManager::Reservation> SessionManager::ReserveMappings(
   if (budget <= 0) return Reservation{};
   // What the partition may map at most, now or later (blocks homed on NVMe
   // map when they are brought in, accumulators when first needed): per
-  // chunk master, m, v and an accumulator: pool allocations,
-  // each its own mapping, unless they are small enough for the pool's
-  // shared slabs: a slab of 4 MiB holds the four blocks of at least 16
-  // such partitions (slots of at most 64 KiB), so every 16th small
-  // partition reserves one more, for the slab its blocks may need later.
-  // Its span is mapped now, during the registration: its own mapping, or
-  // a view of its arena window's (SpanMaps), a new one at most. Not
-  // reserved: the arena counts each span mapping in committed_mappings_
-  // as it is made and until it goes (CreateStore), so the checks below
-  // leave room for one and see the windows already mapped.
+  // chunk master, m, v and an accumulator: pool allocations, each its own
+  // mapping, unless they are small enough for the pool's shared slabs: a
+  // slab of 4 MiB holds the four blocks of at least 16 such chunks (slots
+  // of at most 64 KiB), so every 16th small chunk of the node's reserves
+  // one more, for the slab its blocks may need later (a ticket per chunk,
+  // given back by a registration that does not go through: Unreserve).
+  // Its span is mapped during the registration: its own mapping, or a view
+  // of its arena window's (SpanMaps), a new one at most. The arena counts
+  // each span mapping in committed_mappings_ as it is made and until it
+  // goes (CreateStore); room for one is reserved with the rest and given
+  // back once the registration is over (it counted what it mapped).
   const uint64_t chunk = std::max<uint64_t>(1, store_->state_chunk_elems());
   const uint64_t chunks = spec.numel / chunk + 1;
   const bool shared = std::min(spec.numel, chunk) * sizeof(float) <= HostPool::kSlabLeaseMaxBytes;
   constexpr uint64_t kSmallPerSlab = HostPool::kSlabBytes / HostPool::kSlabLeaseMaxBytes / 4;
-  const uint64_t blocks =
-      shared ? (small_partitions_.load() % kSmallPerSlab == 0 ? 1 : 0) : 4 * chunks;
+  Reservation r;
+  uint64_t blocks = 4 * chunks;
+  if (shared) {
+    r.ticket = small_chunks_.fetch_add(chunks);
+    r.ticket_chunks = chunks;
+    // The multiples of kSmallPerSlab among the tickets taken.
+    blocks = (r.ticket + chunks + kSmallPerSlab - 1) / kSmallPerSlab -
+             (r.ticket + kSmallPerSlab - 1) / kSmallPerSlab;
+  }
   const int64_t need = static_cast<int64_t>(std::min<uint64_t>(blocks, budget + 1));
-  constexpr int64_t kSpanRoom = 1;
+  r.mappings = need;
+  r.span_room = 1;
   // Reserved for every registered partition, and held now (which counts
   // what partitions do not: rings, staging buffers, the pool's own).
-  const int64_t reserved = committed_mappings_->fetch_add(need) + need;
+  const int64_t reserved = committed_mappings_->fetch_add(need + r.span_room) + need + r.span_room;
   const int64_t live = HostMemory::LiveMappings();
-  if (reserved + kSpanRoom <= budget && live + need + kSpanRoom <= budget) {
-    session.mappings.fetch_add(need);
-    return Reservation{need, shared};
-  }
-  committed_mappings_->fetch_sub(need);
+  session.mappings.fetch_add(need);
+  if (reserved <= budget && live + need + r.span_room <= budget) return r;
+  Unreserve(session, r);
   std::vector<std::shared_ptr<Session>> sessions;
   {
     absl::MutexLock lock(&mu_);
@@ -775,11 +782,25 @@ absl::StatusOr<SessionManager::Reservation> SessionManager::ReserveMappings(
       absl::StrCat("registering '", spec.name, "' in session ", session.id,
                    " could take offloadd past its "
                    "memory-mapping budget: ",
-                   live, " mappings held and ", reserved - need,
-                   " reserved for registered partitions and their arenas, up to ", need + kSpanRoom,
-                   " more, budget ", budget,
+                   live, " mappings held and ", reserved - need - r.span_room,
+                   " reserved for registered partitions and their arenas, up to ",
+                   need + r.span_room, " more, budget ", budget,
                    " (memory.max_mappings; the kernel's vm.max_map_count bounds them all); ", who,
                    ": ", advice));
+}
+
+void SessionManager::Unreserve(Session& session, const Reservation& r) {
+  committed_mappings_->fetch_sub(r.span_room);
+  // Its tickets back, unless another registration took some since: then
+  // the slabs they reserved stay reserved (with the session), for the
+  // small chunks whose tickets come after them.
+  uint64_t taken = r.ticket + r.ticket_chunks;
+  const bool given_back =
+      r.ticket_chunks == 0 || small_chunks_.compare_exchange_strong(taken, r.ticket);
+  if (given_back) {
+    session.mappings.fetch_sub(r.mappings);
+    committed_mappings_->fetch_sub(r.mappings);
+  }
 }
 
 absl::StatusOr<PartitionInfo> SessionManager::Register(const SessionKey& key,
@@ -809,17 +830,15 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
     RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
     ASSIGN_OR_RETURN(restored, session->restore->StateFor(spec));
   }
-  ASSIGN_OR_RETURN(const Reservation reserved, ReserveMappings(*session, spec));
+  ASSIGN_OR_RETURN(Reservation reserved, ReserveMappings(*session, spec));
   absl::StatusOr<PartitionInfo> registered =
       session->partitions->Register(id, spec, restored ? &*restored : nullptr);
+  // Its span is counted as mapped now: the room goes back.
+  committed_mappings_->fetch_sub(std::exchange(reserved.span_room, 0));
   if (!registered.ok()) {
-    session->mappings.fetch_sub(reserved.mappings);
-    committed_mappings_->fetch_sub(reserved.mappings);
+    Unreserve(*session, reserved);
     return registered.status();
   }
-  // Counted once a registration went through: one refused, retried, is
-  // refused again (its slab's share was not taken).
-  if (reserved.small_blocks) small_partitions_.fetch_add(1);
   PartitionInfo info = *std::move(registered);
   {
     absl::MutexLock lock(&mu_);

@@ -599,19 +599,26 @@ class SessionManager {
   // by the caller if the registration fails); RESOURCE_EXHAUSTED if that
   // or what is mapped now could pass the budget. The number reserved.
   struct Reservation {
-    int64_t mappings = 0;       // reserved (released by the caller if registering fails)
-    bool small_blocks = false;  // its blocks are slots of the pool's slabs
+    int64_t mappings = 0;   // for what it maps later (Unreserve if registering fails)
+    int64_t span_room = 0;  // for its span, given back once registered
+    // Its small chunks' tickets (small_chunks_): [ticket, ticket + ticket_chunks).
+    uint64_t ticket = 0;
+    uint64_t ticket_chunks = 0;
   };
   absl::StatusOr<Reservation> ReserveMappings(Session& session, const PartitionSpec& spec)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Gives back what ReserveMappings reserved for a registration that did
+  // not go through: a refused one, asked again, is refused again.
+  void Unreserve(Session& session, const Reservation& r);
   // Every live session's reservations (shared with them: a session may be
   // destroyed after the manager's last call).
   const std::shared_ptr<std::atomic<int64_t>> committed_mappings_ =
       std::make_shared<std::atomic<int64_t>>(0);
   GpuTierSettings gpu_settings_ ABSL_GUARDED_BY(mu_);
   std::atomic<int64_t> mapping_budget_{0};
-  std::atomic<int> capture_threads_{4};        // SetCaptureThreads
-  std::atomic<uint64_t> small_partitions_{0};  // registered with slab-sized blocks, ever
+  std::atomic<int> capture_threads_{4};  // SetCaptureThreads
+  // Tickets of chunks with slab-sized blocks (ReserveMappings), ever.
+  std::atomic<uint64_t> small_chunks_{0};
   const std::shared_ptr<PollBudget> ring_pollers_ =
       std::make_shared<PollBudget>(PollBudget::DefaultMax());
 };

@@ -18,6 +18,7 @@
 #include "base/span_maps.h"
 #include "checkpoint/format.h"
 #include "engine/engine.h"
+#include "engine/test_engine.h"
 #include "gtest/gtest.h"
 
 namespace offload {
@@ -851,6 +852,33 @@ TEST_F(SessionManagerTest, ClosedAndNeverOpenedAreToldApartWithoutRememberingIds
   EXPECT_EQ(sessions_.Fetch(a, {}).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(sessions_.Fetch({a.id + 1, a.token}, {}).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(sessions_.Fetch({0, a.token}, {}).status().code(), absl::StatusCode::kNotFound);
+}
+
+// The pool's slabs are reserved by small chunk, not by partition: a
+// partition of many chunks each small enough for the slabs (small state
+// chunks) reserves a slab's mapping for every 16 of its chunks, so the
+// budget refuses it where 16 one-chunk partitions would pass; refused, it
+// gives its share back and is refused again.
+TEST(SessionManagerBudget, SmallChunksReserveTheirSlabsByChunk) {
+  const std::string tmp = getenv("TEST_TMPDIR");
+  TestEngine engine(tmp + "/nvme_chunks", 64 << 20, 8, /*chunk_elems=*/4096);
+  SessionManager& sessions = *engine.sessions;
+  auto opened = sessions.Open("chunks");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  // Room for about 10 more mappings than are held now.
+  sessions.SetMappingBudget(HostMemory::LiveMappings() + 12);
+  constexpr uint64_t kChunks = 320;  // 20 slabs' worth of small chunks
+  auto refused = sessions.Register(key, {"many", kChunks * 4096, DType::kFp32, DType::kFp32});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(
+      sessions.Register(key, {"many", kChunks * 4096, DType::kFp32, DType::kFp32}).status().code(),
+      absl::StatusCode::kResourceExhausted);
+  // One chunk's partitions fit, 16 to a slab.
+  for (int i = 0; i < 32; ++i) {
+    auto p = sessions.Register(key, {absl::StrCat("one", i), 4096, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << i << ": " << p.status();
+  }
 }
 
 }  // namespace
