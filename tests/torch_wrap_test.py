@@ -1200,6 +1200,43 @@ class WrapInProcessTest(unittest.TestCase):
             return torch.nn.Sequential(Outer(), torch.nn.Linear(8, 1))
         self.assert_trains_like_torch(make, {"lr": 1e-2})
 
+    def test_thousands_of_small_tensors_take_a_few_mappings(self):
+        # A model of thousands of small tensors (a mixture of experts'
+        # biases, say): this process maps its session's arena per 64 MiB
+        # window, not per partition, also with the GPU tier registering each
+        # tensor's buffers for DMA (the emulated device here; on a GPU
+        # machine, OFFLOADD_TEST_DEVICE=cuda, where registering with CUDA
+        # must split no mapping). It trains like torch.
+        import torch
+        dev = self.device_type()
+
+        def mappings():
+            with open("/proc/self/maps") as f:
+                return sum(1 for _ in f)
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(1000)]).to(dev)
+
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).to(dev)
+        ref = make()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        sum(m(x).pow(2).mean() for m in ref).backward()
+        ref_opt.step()
+        zero = {"gpu": {"device": "emulated"}} if dev == "cpu" else None
+        before = mappings()
+        model, opt = self.wrap(make(), {"lr": 1e-2}, zero)
+        grew = mappings() - before
+        opt.backward(sum(m(x).pow(2).mean() for m in model))
+        opt.step()
+        opt.zero_grad()
+        # 2,000 partitions: one per tensor before windows, two with DMA.
+        self.assertLess(grew, 2000 // 16, f"{grew} mappings more")
+        if zero is not None or dev == "cuda":
+            self.assertGreater(model.offloadd.gpu_stats()["dma_regions"], 0)
+        self.assert_weights(model, ref.state_dict())
+        opt.close()
+
     # --- torch's own modules, trained through wrap against torch AdamW ---
 
     def assert_module_trains_like_torch(self, make, inputs, loss=None, steps=4, adamw=None):
