@@ -77,8 +77,6 @@ class ShmArena {
   absl::StatusOr<MappedSpan> MapSpan(uint64_t offset, uint64_t bytes, Pages pages) {
     return spans_.Map(offset, bytes, pages);
   }
-  // Windows of this arena mapped now (SpanMaps::windows).
-  int mapped_windows() const { return spans_.windows(); }
 
   // Frees the pages of [offset, offset + bytes) (the file keeps its size:
   // mappings read zeros there), whoever maps them: a session's teardown,
