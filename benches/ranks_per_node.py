@@ -22,13 +22,23 @@ first of each round, the configurations alternating for --rounds rounds.
                         parameters with OpenMP threads of its own: T = the cores (what every
                         rank gets by default: torch and OpenMP size their pools to the
                         machine), and T = cores / ranks (shared out by hand, at least one)
+  DeepSpeed ZeRO-3 step the same, then (with --dtype=bf16) the copy of the updated fp32
+                        parameters into the rank's bf16 ones that DeepSpeed's ZeRO-3 makes
+                        after every optimizer step (stage3.py,
+                        _reassign_or_swap_out_partitioned_parameters: fp16_partitioned_groups_
+                        flat[i].copy_(fp32_partitioned_groups_flat[i]), on the CPU where the
+                        parameters are offloaded), with torch's threads (T): the work
+                        offloadd's step does, which writes the bf16 working copy itself. Still
+                        less than DeepSpeed's ZeRO-3 step: its gradients' conversion to fp32
+                        and their unscaling pass are left out.
 Bound: ranks x params x bytes per parameter / triad bandwidth, counted as benches/cpu_adam
 counts them (a write to memory not read first costs its allocate read too): offloadd with bf16
 30 B (reads fp32 master weights and moments, 12, and bf16 gradients, 2; writes master weights
 and moments, 12, and the bf16 working copy the trainers fetch, 2 + 2), with fp32 36 B (16 read,
 12 + 4 + 4 written); DeepSpeed 28 B (reads params, gradients and moments, writes params and
 moments in place: fp32 throughout, no separate working copy, which is the peer's only case
-with fp32 master weights, so the two sides do not do the same work). The triad (a = b + s * c
+with fp32 master weights, so the two sides do not do the same work); the ZeRO-3 step 36 B
+(adam_update's 28, and the copy: 4 read, 2 + 2 written). The triad (a = b + s * c
 on floats, torch, one thread per core) counts 16 bytes per element, as benches/cpu_adam does.
 Rate = ranks x params / step time, in Gparam/s.
 """
@@ -88,19 +98,23 @@ def offloadd_rank(rank, address, n, dtype, steps, barrier, out):
     out.put((rank, times))
 
 
-def deepspeed_rank(rank, peer, n, threads, steps, barrier, out):
+def deepspeed_rank(rank, peer, n, threads, copy_to, steps, barrier, out):
     sys.path.insert(0, peer)
     import bench as peer_bench  # the peer's own harness: its build() loads the cached op
     ds = peer_bench.build()
     torch.set_num_threads(threads)  # the op's `omp parallel for` uses this thread's pool size
     p, g = torch.full((n,), 0.5), torch.full((n,), 0.01)
     m, v = torch.zeros(n), torch.zeros(n)
+    # ZeRO-3's low-precision copy of the partition (written every step, as DeepSpeed does).
+    lp = torch.zeros(n, dtype=DTYPES[copy_to]) if copy_to else None
     ds.create_adam(0, LR, BETA1, BETA2, EPS, 0.0, True, False)
     times = []
     for s in range(1, steps + 1):
         barrier.wait()
         t0 = time.monotonic()
         ds.adam_update(0, s, LR, BETA1, BETA2, EPS, 0.0, True, p, g, m, v)
+        if lp is not None:
+            lp.copy_(p)
         times.append((t0, time.monotonic()))
     ds.destroy_adam(0)
     out.put((rank, times))
@@ -170,12 +184,15 @@ def main():
           f"triad {triad:.1f} GB/s; {a.steps} steps per round (the first not counted), "
           f"{a.rounds} rounds", flush=True)
 
-    configs = [("offloadd, one pool", 30 if a.dtype == "bf16" else 36, None)]
+    configs = [("offloadd, one pool", 30 if a.dtype == "bf16" else 36, None, None)]
     if peer:
-        configs.append((f"DeepSpeed, {cores} threads/rank", 28, cores))
         share = max(1, cores // a.ranks)
-        configs.append((f"DeepSpeed, {share} thread{'s' if share > 1 else ''}/rank", 28, share))
-    steps = {name: [] for name, _, _ in configs}
+        for t in (cores, share):
+            per = f"{t} thread{'s' if t > 1 else ''}/rank"
+            configs.append((f"DeepSpeed, {per}", 28, t, None))
+            if a.dtype == "bf16":
+                configs.append((f"DeepSpeed ZeRO-3, {per}", 36, t, a.dtype))
+    steps = {name: [] for name, _, _, _ in configs}
     root = tempfile.mkdtemp(prefix="ranks_per_node.", dir="/tmp")  # short socket paths
     # Room for every rank's state in the pool: master, moments, accumulator (16 B),
     # working copy and gradients (at most 8 B), with slack.
@@ -184,12 +201,13 @@ def main():
                                    [f"--memory.host_budget_bytes={pool}"])
     try:
         for r in range(a.rounds):
-            for name, _, threads in configs:
+            for name, _, threads, copy_to in configs:
                 if threads is None:
                     got = run_ranks(offloadd_rank, lambda k: (address, a.params, a.dtype),
                                     a.ranks, a.steps)
                 else:
-                    got = run_ranks(deepspeed_rank, lambda k, t=threads: (peer, a.params, t),
+                    got = run_ranks(deepspeed_rank,
+                                    lambda k, t=threads, c=copy_to: (peer, a.params, t, c),
                                     a.ranks, a.steps)
                 steps[name] += got[1:]
                 print(f"round {r + 1}, {name}: " + ", ".join(f"{t * 1e3:.1f}" for t in got)
@@ -199,17 +217,19 @@ def main():
         daemon.wait()
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\n{'configuration':<28}{'step ms':>9}{'worst ms':>10}{'Gparam/s':>10}{'B/param':>9}"
+    print(f"\n{'configuration':<36}{'step ms':>9}{'worst ms':>10}{'Gparam/s':>10}{'B/param':>9}"
           f"{'bound ms':>10}{'of bound':>10}{'vs offloadd':>13}")
     ours = statistics.median(steps[configs[0][0]])
-    for name, bytes_per, _ in configs:
+    for name, bytes_per, _, _ in configs:
         med, worst = statistics.median(steps[name]), max(steps[name])
         bound = a.ranks * a.params * bytes_per / (triad * 1e9)
-        print(f"{name:<28}{med * 1e3:>9.1f}{worst * 1e3:>10.1f}"
+        print(f"{name:<36}{med * 1e3:>9.1f}{worst * 1e3:>10.1f}"
               f"{a.ranks * a.params / med / 1e9:>10.3f}{bytes_per:>9}{bound * 1e3:>10.1f}"
               f"{bound / med:>9.0%} {med / ours:>12.2f}x")
     print("step = median over counted steps, first rank's start to last rank's end; "
-          "vs offloadd = its step time over offloadd's (above 1: offloadd faster)")
+          "vs offloadd = its step time over offloadd's (above 1: offloadd faster); "
+          "DeepSpeed ZeRO-3 = adam_update and the copy into the bf16 parameters ZeRO-3 makes "
+          "after it, the work offloadd's step does")
 
 
 if __name__ == "__main__":
