@@ -42,10 +42,16 @@
 // sides. What is compared ("vs DS"):
 //   "fp32 grads" with DeepSpeed fp32: the same work, fp32 params, grads and
 //       moments updated in place, 28 bytes per parameter on both sides;
-//   "bf16 grads" and "bf16 grads + bf16 copy" with DeepSpeed bf16 (marked *):
-//       not the same work. DeepSpeed's only bf16-gradient case has bf16
-//       params and no fp32 master (22 bytes); ours keep an fp32 master
-//       (26 bytes, 30 with the bf16 working copy).
+//   "bf16 grads" with DeepSpeed bf16 (marked *): not the same work.
+//       DeepSpeed's only bf16-gradient case has bf16 params and no fp32
+//       master (22 bytes); ours keep an fp32 master (26 bytes);
+//   "bf16 grads + bf16 copy" with DeepSpeed's ZeRO-3 step (marked z): each
+//       side's CPU work for a step of bf16 training, fp32 master weights and
+//       moments updated and the bf16 working copy written. DeepSpeed's
+//       ZeRO-3 runs its Adam on fp32 gradients and then copies the fp32
+//       parameters into the bf16 ones (stage3.py; benches/ds_zero3_step.py
+//       times it with the harness's op): 36 bytes; ours 30, from bf16
+//       gradients.
 // The peer is skipped, with a line saying why, when --peer=none, when it is
 // not there, or when it cannot run (missing packages: tools/setup.sh).
 #include <immintrin.h>
@@ -303,9 +309,11 @@ struct PeerCase {
 constexpr PeerCase kPeerCases[] = {
     {"fp32", "DeepSpeed fp32 (peer)", 28},
     {"bf16", "DeepSpeed bf16 params+grads (peer)", 22},
+    {"zero3", "DeepSpeed ZeRO-3 step (peer)", 36},
 };
 constexpr int kPeerFp32 = 0;
 constexpr int kPeerBf16 = 1;
+constexpr int kPeerZero3 = 2;  // benches/ds_zero3_step.py
 constexpr int kNoPeer = -1;
 
 using PeerRates = std::array<double, std::size(kPeerCases)>;  // params/s
@@ -316,16 +324,16 @@ struct Case {
   bool bf16_copy;
   bool check_finite;
   double bytes;    // per parameter, as in the header comment
-  int peer;        // the kPeerCases entry it is compared with, or kNoPeer
-  bool same_work;  // whether that peer case does exactly this work
+  int peer;          // the kPeerCases entry it is compared with, or kNoPeer
+  const char* mark;  // "" the same work; "*" not; "z" each side's ZeRO-3 step
 };
 
 constexpr Case kCases[] = {
-    {"fp32 grads", DType::kFp32, false, false, 28, kPeerFp32, true},
-    {"fp32 grads + bf16 copy", DType::kFp32, true, false, 32, kNoPeer, false},
-    {"bf16 grads", DType::kBf16, false, false, 26, kPeerBf16, false},
-    {"bf16 grads + bf16 copy", DType::kBf16, true, false, 30, kPeerBf16, false},
-    {"bf16 grads + copy + finite check", DType::kBf16, true, true, 32, kNoPeer, false},
+    {"fp32 grads", DType::kFp32, false, false, 28, kPeerFp32, ""},
+    {"fp32 grads + bf16 copy", DType::kFp32, true, false, 32, kNoPeer, ""},
+    {"bf16 grads", DType::kBf16, false, false, 26, kPeerBf16, "*"},
+    {"bf16 grads + bf16 copy", DType::kBf16, true, false, 30, kPeerZero3, "z"},
+    {"bf16 grads + copy + finite check", DType::kBf16, true, true, 32, kNoPeer, ""},
 };
 
 // The repository root: `bazel run` names it; otherwise the real path of
@@ -356,8 +364,13 @@ std::string ShellQuote(absl::string_view s) {
 // Runs the peer's harness once for one size and thread count and returns
 // its rate per kPeerCases entry, or why it could not.
 absl::StatusOr<PeerRates> RunPeer(const std::string& dir, size_t n, int threads, int reps) {
-  const std::string cmd = absl::StrCat(ShellQuote(dir + "/run.sh"), " --n ", n, " --threads ",
-                                       threads, " --reps ", reps, " --cases fp32,bf16 2>&1");
+  // Its harness's cases, then its ZeRO-3 step (benches/ds_zero3_step.py, with the op the
+  // harness built).
+  const std::string cmd = absl::StrCat(
+      ShellQuote(dir + "/run.sh"), " --n ", n, " --threads ", threads, " --reps ", reps,
+      " --cases fp32,bf16 2>&1 && OMP_NUM_THREADS=", threads, " /usr/bin/python3 ",
+      ShellQuote(RepoRoot() + "/benches/ds_zero3_step.py"), " --peer ", ShellQuote(dir), " --n ",
+      n, " --threads ", threads, " --reps ", reps, " 2>&1");
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return absl::InternalError(absl::StrCat("popen: ", std::strerror(errno)));
   PeerRates rates;
@@ -589,7 +602,7 @@ int Main(int argc, char** argv) {
         char vs_torch[32] = "-";
         if (torch_rate > 0) std::snprintf(vs_torch, sizeof(vs_torch), "%.1fx", rate / torch_rate);
         row(c.name, rate, c.bytes, static_cast<double>(n) / stream_best[ci], false, vs_torch,
-            c.peer == kNoPeer ? "-" : ratio(rate, peer_rate[c.peer], c.same_work ? "" : "*"));
+            c.peer == kNoPeer ? "-" : ratio(rate, peer_rate[c.peer], c.mark));
       }
       for (size_t k = 0; k < std::size(kPeerCases); ++k) {
         if (peer_rate[k] <= 0) continue;
@@ -598,7 +611,7 @@ int Main(int argc, char** argv) {
           std::snprintf(vs_torch, sizeof(vs_torch), "%.1fx", peer_rate[k] / torch_rate);
         }
         // DeepSpeed fp32 moves what "fp32 grads" does: that case's stream.
-        static_assert(kCases[0].peer == kPeerFp32 && kCases[0].same_work);
+        static_assert(kCases[0].peer == kPeerFp32 && kCases[0].mark[0] == '\0');
         const double bound = k == kPeerFp32 ? static_cast<double>(n) / stream_best[0] : -1;
         row(kPeerCases[k].label, peer_rate[k], kPeerCases[k].bytes, bound, false, vs_torch,
             "1.00x");
@@ -661,7 +674,11 @@ int Main(int argc, char** argv) {
         "place: 28 B/param each)\n"
         "  * vs DeepSpeed bf16: not the same work: DeepSpeed's bf16 case has bf16 params and "
         "grads and no fp32 master (22 B/param);\n"
-        "    ours keep an fp32 master (26 B/param, 30 with the bf16 copy)\n");
+        "    ours keep an fp32 master (26 B/param)\n"
+        "  z vs DeepSpeed's ZeRO-3 step: each side's CPU work for a step of bf16 training "
+        "(fp32 master and moments updated, the bf16 working copy written): DeepSpeed's Adam\n"
+        "    on fp32 gradients, then the copy into the bf16 parameters its ZeRO-3 makes "
+        "(stage3.py; benches/ds_zero3_step.py), 36 B/param; ours from bf16 gradients, 30\n");
   }
   return failures == 0 ? 0 : 1;
 }
