@@ -323,7 +323,7 @@ struct Case {
   DType grad;
   bool bf16_copy;
   bool check_finite;
-  double bytes;    // per parameter, as in the header comment
+  double bytes;      // per parameter, as in the header comment
   int peer;          // the kPeerCases entry it is compared with, or kNoPeer
   const char* mark;  // "" the same work; "*" not; "z" each side's ZeRO-3 step
 };
@@ -369,8 +369,8 @@ absl::StatusOr<PeerRates> RunPeer(const std::string& dir, size_t n, int threads,
   const std::string cmd = absl::StrCat(
       ShellQuote(dir + "/run.sh"), " --n ", n, " --threads ", threads, " --reps ", reps,
       " --cases fp32,bf16 2>&1 && OMP_NUM_THREADS=", threads, " /usr/bin/python3 ",
-      ShellQuote(RepoRoot() + "/benches/ds_zero3_step.py"), " --peer ", ShellQuote(dir), " --n ",
-      n, " --threads ", threads, " --reps ", reps, " 2>&1");
+      ShellQuote(RepoRoot() + "/benches/ds_zero3_step.py"), " --peer ", ShellQuote(dir), " --n ", n,
+      " --threads ", threads, " --reps ", reps, " 2>&1");
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return absl::InternalError(absl::StrCat("popen: ", std::strerror(errno)));
   PeerRates rates;
