@@ -28,9 +28,10 @@ first of each round, the configurations alternating for --rounds rounds.
                         _reassign_or_swap_out_partitioned_parameters: fp16_partitioned_groups_
                         flat[i].copy_(fp32_partitioned_groups_flat[i]), on the CPU where the
                         parameters are offloaded), with torch's threads (T): the work
-                        offloadd's step does, which writes the bf16 working copy itself. Still
-                        less than DeepSpeed's ZeRO-3 step: its gradients' conversion to fp32
-                        and their unscaling pass are left out.
+                        offloadd's step does, which writes the bf16 working copy itself (in
+                        the same pass: 30 B against 36, the same job, not the same bytes).
+                        Still less than DeepSpeed's ZeRO-3 step on the CPU: its unscale and
+                        clip pass over the fp32 gradients is left out.
 Bound: ranks x params x bytes per parameter / triad bandwidth, counted as benches/cpu_adam
 counts them (a write to memory not read first costs its allocate read too): offloadd with bf16
 30 B (reads fp32 master weights and moments, 12, and bf16 gradients, 2; writes master weights
@@ -187,7 +188,7 @@ def main():
     configs = [("offloadd, one pool", 30 if a.dtype == "bf16" else 36, None, None)]
     if peer:
         share = max(1, cores // a.ranks)
-        for t in (cores, share):
+        for t in (cores, share) if share != cores else (cores,):
             per = f"{t} thread{'s' if t > 1 else ''}/rank"
             configs.append((f"DeepSpeed, {per}", 28, t, None))
             if a.dtype == "bf16":
