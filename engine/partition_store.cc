@@ -227,23 +227,6 @@ uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtyp
   return wasted * 8 <= laid_out ? huge : small;
 }
 
-SpanLayout LayOutSpan(const PartitionSpec& spec, bool fp32_init, uint64_t chunk_elems,
-                      uint64_t huge_page_bytes) {
-  SpanLayout l;
-  l.page = ArenaLayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype, fp32_init,
-                                chunk_elems, huge_page_bytes);
-  auto rounded = [&l](uint64_t bytes) { return RoundUp(bytes, l.page); };
-  const uint64_t param_bytes = spec.numel * DTypeSize(spec.param_dtype);
-  l.grads_at = rounded(param_bytes);
-  l.init_at = l.grads_at + rounded(spec.numel * DTypeSize(spec.grad_dtype));
-  l.init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;
-  l.shadow_at = l.init_at + rounded(l.init_bytes);
-  l.bytes = l.shadow_at + rounded(param_bytes);
-  return l;
-}
-
-bool SpanLayout::huge_pages() const { return page > ShmArena::kAlignment; }
-
 absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
   for (DataKind k : kKinds) {
     if (change[k].has_value()) {
@@ -592,13 +575,18 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     // its window's, shared with the small partitions around it). Each
     // region starts on a page of the layout's size: a block (a chunk of one
     // region) never shares a page with another.
-    const SpanLayout layout = LayOutSpan(spec, fp32_init, state_chunk_elems_, huge_page_bytes_);
-    const uint64_t page = layout.page;
+    const uint64_t page = ArenaLayoutPageBytes(spec.numel, spec.param_dtype, spec.grad_dtype,
+                                               fp32_init, state_chunk_elems_, huge_page_bytes_);
     partition->page_bytes = page;
-    info.huge_pages = layout.huge_pages();
-    const uint64_t grads_at = layout.grads_at, init_at = layout.init_at,
-                   init_bytes = layout.init_bytes, shadow_at = layout.shadow_at,
-                   span = layout.bytes;
+    info.huge_pages = page > ShmArena::kAlignment;
+    auto rounded = [page](uint64_t bytes) { return RoundUp(bytes, page); };
+    const uint64_t grads_at = rounded(param_bytes);
+    const uint64_t init_at = grads_at + rounded(grad_bytes);
+    const uint64_t init_bytes = fp32_init ? spec.numel * sizeof(float) : 0;
+    // The working copy's second buffer (the delayed update) last: address
+    // space only, until the delayed update is switched on.
+    const uint64_t shadow_at = fp32_init ? init_at + rounded(init_bytes) : init_at;
+    const uint64_t span = shadow_at + rounded(param_bytes);
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span, page));
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};

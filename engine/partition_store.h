@@ -141,22 +141,6 @@ struct PartitionSpec {
 uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtype, bool fp32_init,
                               uint64_t chunk_elems, uint64_t huge_page_bytes);
 
-// Where a partition's regions lie in its span, in bytes from its start, each
-// on a page of `page` bytes (ArenaLayoutPageBytes): params at 0, then grads,
-// with fp32_init the fp32 initial values, and last the delayed update's
-// second working-copy buffer (address space only until it is switched on).
-struct SpanLayout {
-  uint64_t page = 0;
-  uint64_t grads_at = 0;
-  uint64_t init_at = 0;
-  uint64_t init_bytes = 0;  // 0 without fp32_init
-  uint64_t shadow_at = 0;
-  uint64_t bytes = 0;  // the whole span
-  bool huge_pages() const;
-};
-SpanLayout LayOutSpan(const PartitionSpec& spec, bool fp32_init, uint64_t chunk_elems,
-                      uint64_t huge_page_bytes);
-
 // INVALID_ARGUMENT unless `name` is 1 (0 with `may_be_empty`) to 256 bytes
 // without control characters (a newline would forge rows in offloadctl's
 // tables). The message names `what` but never echoes the name itself.

@@ -195,7 +195,6 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   if (loss_scaling.has_value()) RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
-
   // A job that resumes by itself restarted: its sessions' trainers are
   // gone, what they held is this one's to find.
   if (reuse == nullptr && restore_spec.keep_for_resume) TakeOverDetached(name, user);

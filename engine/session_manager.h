@@ -596,8 +596,8 @@ class SessionManager {
   std::atomic<RingCalls*> ring_calls_{nullptr};
   // Reserves the mappings registering `spec` may take, now or later, in
   // the node's total and the session's (released when the session goes, or
-  // by the caller if the registration fails); RESOURCE_EXHAUSTED if that
-  // or what is mapped now could pass the budget. The number reserved.
+  // by Unreserve if the registration fails), with room for its span;
+  // RESOURCE_EXHAUSTED if that or what is mapped now could pass the budget.
   struct Reservation {
     int64_t mappings = 0;   // for what it maps later (Unreserve if registering fails)
     int64_t span_room = 0;  // for its span, given back once registered
@@ -610,7 +610,8 @@ class SessionManager {
   // Gives back what ReserveMappings reserved for a registration that did
   // not go through: a refused one, asked again, is refused again.
   void Unreserve(Session& session, const Reservation& r);
-  // Every live session's reservations (shared with them: a session may be
+  // Every live session's reservations and its arena's span mappings, as
+  // they are mapped (shared with them and their arenas: a session may be
   // destroyed after the manager's last call).
   const std::shared_ptr<std::atomic<int64_t>> committed_mappings_ =
       std::make_shared<std::atomic<int64_t>>(0);
