@@ -67,6 +67,11 @@ void BindMemoryTunables(MemoryOptions* o, ConfigRegistry* r) {
            "lay large partitions out for huge pages in the session arenas where the kernel gives "
            "them to shared memory (shmem_enabled advise, within_size, always)",
            false});
+  r->Bind("memory.pool_dir", &o->pool_dir,
+          {"path",
+           "a directory on tmpfs whose file holds the host pool: a SIGTERM stop then keeps "
+           "sessions there instead of writing them to disk (empty: private memory)",
+           false});
   r->Bind("memory.host_home_pages", &o->host_home_pages,
           {"pages",
            "pages of the host pool's memory for blocks homed on the host (optimizer state, "

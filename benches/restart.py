@@ -6,7 +6,8 @@ reads of the same bytes in the same directory, measured in the same run (the lim
 stop that writes every session can reach).
 
 usage: restart.py --offloadd=PATH [--params=268435456] [--partitions=16] [--dir=DIR]
-       [--write_threads=4] [--rounds=2] [--tiny]
+       [--write_threads=4] [--rounds=2] [--pool_dir=/dev/shm/offloadd_restart_bench | --pool_dir=]
+       [--tiny]
 
 One session holds --params parameters in --partitions partitions, as ZeRO-3 mixed precision
 keeps them: a bf16 working copy and bf16 gradients in the trainer's arena, fp32 master weights
@@ -15,14 +16,22 @@ and Adam moments in the pool (14 bytes a parameter kept: 2 + 4 + 4 + 4), after o
             <data_dir>/preserved (checkpoint.write_threads chunks at once), memory freed
   start     exec to serving: the kept session reopened (its state read back)
   resume    ResumeSession, then a fetch of every partition and its release
+  step      the second step before the stop (what the pool's memory costs while training)
+Each round runs twice, one after the other: with the pool in private memory (the stop writes
+every session), and with the pool in a file in --pool_dir (memory.pool_dir, on tmpfs: the stop
+leaves the host-resident state there and writes only the rest, here the bf16 working copy;
+the next offloadd reads it from there). An empty --pool_dir runs the first only.
 Limit: 16 MiB O_DIRECT writes (then fsync) and reads of the same number of bytes into a file
 in the same directory, by 1 and by 8 threads at once. Ratio: bytes kept / stop time against
-the best limit's GB/s. Medians over --rounds.
+the best limit's GB/s; for the pool in a file, the stop against writing every kept byte at the
+disk's best write (below 1: the stop takes less than writing every session). Medians over
+--rounds.
 """
 import argparse
 import datetime
 import mmap
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -76,10 +85,12 @@ def log_time(line):
     return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
-def one_round(args, root):
+def one_round(args, root, pool_dir=""):
     shutil.rmtree(root, ignore_errors=True)
     flags = [f"--checkpoint.write_threads={args.write_threads}",
              f"--memory.host_budget_bytes={max(1 << 30, args.params * 24)}"]
+    if pool_dir:
+        flags.append(f"--memory.pool_dir={pool_dir}")
     proc, address = start_daemon(args.offloadd, root, flags)
     client = offloadd.Client(address)
     session = client.open_session("restart_bench")
@@ -93,6 +104,12 @@ def one_round(args, root):
     views = session.fetch(ids, grads=True)
     session.return_gradients(views, release=True)
     session.step(lr=1e-3)
+    # A second step, timed: what the pool's memory costs while training.
+    views = session.fetch(ids, grads=True)
+    session.return_gradients(views, release=True)
+    t = time.perf_counter()
+    session.step(lr=1e-3)
+    step = time.perf_counter() - t
     sid, token = session.id, session.token
 
     t = time.perf_counter()
@@ -104,8 +121,9 @@ def one_round(args, root):
     kept_line = next(l for l in lines if "kept 1 session(s)" in l)
     term_line = next(l for l in lines if "received SIGTERM" in l)
     keep = log_time(kept_line) - log_time(term_line)
-    kept_bytes = sum(os.path.getsize(os.path.join(dp, f))
-                     for dp, _, fs in os.walk(os.path.join(root, "preserved")) for f in fs)
+    written, in_memory = (int(x) for x in
+                          re.search(r"(\d+) bytes written, (\d+) left", kept_line).groups())
+    kept_bytes = written + in_memory
 
     os.rename(os.path.join(root, "log"), os.path.join(root, "log.first"))
     t = time.perf_counter()
@@ -122,7 +140,10 @@ def one_round(args, root):
     proc.kill()
     proc.wait()
     del session
-    return stop, keep, start, resume, kept_bytes
+    if pool_dir:
+        left = os.listdir(pool_dir)
+        assert not left, f"the next offloadd left {left} in {pool_dir}"
+    return stop, keep, start, resume, kept_bytes, written, step
 
 
 def main():
@@ -133,17 +154,24 @@ def main():
     ap.add_argument("--dir", default="/var/tmp/offloadd_restart_bench")
     ap.add_argument("--write_threads", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pool_dir", default="/dev/shm/offloadd_restart_bench")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     if args.tiny:
         args.params, args.partitions, args.rounds = 1 << 20, 2, 1
         args.dir = tempfile.mkdtemp(prefix="rb.")  # short: the socket's path
+        if args.pool_dir:
+            args.pool_dir = tempfile.mkdtemp(prefix="rb.", dir="/dev/shm")
     args.offloadd = os.path.abspath(args.offloadd)
     os.makedirs(args.dir, mode=0o700, exist_ok=True)
     root = os.path.join(args.dir, "d")
-    results, limits = [], []
+    if args.pool_dir:
+        os.makedirs(args.pool_dir, mode=0o700, exist_ok=True)
+    results, limits, in_memory = [], [], []
     for r in range(args.rounds):
         results.append(one_round(args, root))
+        if args.pool_dir:
+            in_memory.append(one_round(args, root, args.pool_dir))
         kept = results[-1][4]
         probe = os.path.join(args.dir, "direct.probe")
         size = max(CHUNK, kept // CHUNK * CHUNK)
@@ -157,10 +185,12 @@ def main():
         os.unlink(probe)
         limits.append(row)
     shutil.rmtree(root, ignore_errors=True)
+    if args.pool_dir:
+        os.rmdir(args.pool_dir)
     if args.tiny:
         shutil.rmtree(args.dir, ignore_errors=True)
     med = lambda xs: statistics.median(xs)
-    stop, keep, start, resume, kept = (med([x[i] for x in results]) for i in range(5))
+    stop, keep, start, resume, kept, _, step = (med([x[i] for x in results]) for i in range(7))
     gb = kept / 1e9
     print(f"offloadd SIGTERM and restart with the reconnect lease: {args.params / 1e6:.1f}M "
           f"parameters in {args.partitions} partitions (bf16 working copy and gradients, fp32 "
@@ -171,6 +201,7 @@ def main():
     print(f"  start (exec to serving, the kept state read back within) {start:.2f} s = "
           f"{gb / start:.2f} GB/s of kept state")
     print(f"  resume (ResumeSession, fetch) {resume:6.3f} s")
+    print(f"  a step (the second) before the stop {step:.3f} s")
     for kind in ("write", "read"):
         for threads in (1, 8):
             rate = med([row[(kind, threads)] for row in limits])
@@ -182,6 +213,23 @@ def main():
           f"that speed")
     print(f"start: {gb / start:.2f} GB/s of kept state = {gb / start / best_read:.2f}x the disk's "
           f"best direct read")
+    if not in_memory:
+        return
+    m_stop, m_keep, m_start, m_resume, m_kept, m_written, m_step = (
+        med([x[i] for x in in_memory]) for i in range(7))
+    writing_all = m_kept / 1e9 / best_write
+    print(f"with the pool in a file in {args.pool_dir} (memory.pool_dir), same rounds: "
+          f"{m_kept / 1e9:.2f} GB kept, {m_written / 1e9:.2f} GB of it written (the working copy), "
+          f"the rest left in the pool's file")
+    print(f"  stop (SIGTERM to exit)       {m_stop:7.2f} s   keeping the session {m_keep:.2f} s")
+    print(f"  start (exec to serving, the kept state read back within) {m_start:.2f} s")
+    print(f"  resume (ResumeSession, fetch) {m_resume:6.3f} s")
+    print(f"  a step (the second) before the stop {m_step:.3f} s = {m_step / step:.2f}x the step "
+          f"with the pool in private memory")
+    print(f"pool in a file: the stop {m_stop:.2f} s = {m_stop / writing_all:.2f}x writing every kept "
+          f"byte at the disk's best write ({writing_all:.2f} s; target below 1), "
+          f"{m_stop / stop:.2f}x the stop writing the session; start {m_start / start:.2f}x "
+          f"the start reading it from the disk")
 
 
 if __name__ == "__main__":

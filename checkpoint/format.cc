@@ -390,11 +390,31 @@ std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string&
   return steps;
 }
 
-absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path) {
+absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path,
+                                                    const std::string& memory_path) {
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return PosixError(absl::StrCat("opening checkpoint data ", path), errno);
   UniqueFd direct = OpenDirect(fd.get(), O_RDONLY);
-  return DataFileReader(std::move(fd), std::move(direct), path);
+  DataFileReader reader(std::move(fd), std::move(direct), path);
+  if (!memory_path.empty()) {
+    reader.memory_fd_.reset(open(memory_path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!reader.memory_fd_.valid()) {
+      return PosixError(absl::StrCat("opening the kept memory file ", memory_path, " (", path,
+                                     "'s manifest names it)"),
+                        errno);
+    }
+    struct stat st;
+    if (fstat(reader.memory_fd_.get(), &st) != 0) {
+      return PosixError(absl::StrCat("stat of ", memory_path), errno);
+    }
+    if ((st.st_uid != geteuid() && st.st_uid != 0) || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+      return absl::PermissionDeniedError(absl::StrCat("the kept memory file ", memory_path,
+                                                      " belongs to uid ", st.st_uid,
+                                                      " or is writable by others: not read"));
+    }
+    reader.memory_path_ = memory_path;
+  }
+  return reader;
 }
 
 absl::Status CheckRecord(const Record& record, const std::string& path) {
@@ -409,6 +429,20 @@ absl::Status CheckRecord(const Record& record, const std::string& path) {
 absl::Status DataFileReader::Read(const Record& record, void* dst) const {
   RETURN_IF_ERROR(CheckRecord(record, path_));
   auto* out = static_cast<std::byte*>(dst);
+  if (record.has_memory_offset()) {
+    if (!memory_fd_.valid()) {
+      return absl::DataLossError(
+          absl::StrCat(path_, ": a record kept in memory, and its manifest names no memory file"));
+    }
+    RETURN_IF_ERROR(
+        ReadAll(memory_fd_.get(), out, record.bytes(), record.memory_offset(), memory_path_));
+    if (Hash(dst, record.bytes()) != record.xxh3()) {
+      return absl::DataLossError(absl::StrCat(memory_path_, ": the ", record.bytes(),
+                                              " bytes at offset ", record.memory_offset(),
+                                              " do not match their checksum"));
+    }
+    return absl::OkStatus();
+  }
   const uint64_t direct = TransferDirect(direct_fd_.get(), direct_stats_.get(), path_, "read", dst,
                                          record.bytes(), record.offset(), [&](int fd, uint64_t n) {
                                            size_t missing = 0;

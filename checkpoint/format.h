@@ -155,7 +155,11 @@ std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string&
 
 class DataFileReader {
  public:
-  static absl::StatusOr<DataFileReader> Open(const std::string& path);
+  // With `memory_path` (a manifest's memory_file), records with a
+  // memory_offset are read from that file: it must belong to this user (or
+  // root) and be writable by no one else (PERMISSION_DENIED).
+  static absl::StatusOr<DataFileReader> Open(const std::string& path,
+                                             const std::string& memory_path = "");
   DataFileReader(DataFileReader&&) = default;
   DataFileReader& operator=(DataFileReader&&) = default;
 
@@ -170,6 +174,8 @@ class DataFileReader {
   UniqueFd fd_;
   UniqueFd direct_fd_;  // -1 where the file system has no O_DIRECT
   std::string path_;
+  UniqueFd memory_fd_;  // -1 without a memory file
+  std::string memory_path_;
   std::shared_ptr<DirectStats> direct_stats_ = std::make_shared<DirectStats>();
 };
 

@@ -57,7 +57,8 @@ absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string
   for (auto& [path, m] : manifests) {
     auto manifest = std::make_unique<Manifest>(std::move(m));
     ASSIGN_OR_RETURN(DataFileReader reader,
-                     DataFileReader::Open(absl::StrCat(dir, "/", manifest->data_file())));
+                     DataFileReader::Open(absl::StrCat(dir, "/", manifest->data_file()),
+                                          manifest->memory_file()));
     index->readers_.push_back(std::make_unique<DataFileReader>(std::move(reader)));
     for (const PartitionRecord& p : manifest->partitions()) {
       RETURN_IF_ERROR(Validate(p, path));

@@ -72,6 +72,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   EngineOptions e;
   e.host_budget_bytes = static_cast<uint64_t>(options->memory.host_budget_bytes);
   e.lock_pool = options->memory.lock_pool;
+  if (!options->memory.pool_dir.empty()) {
+    RETURN_IF_ERROR(MakeDirs(options->memory.pool_dir));
+    e.pool_dir = options->memory.pool_dir;
+  }
   e.optimizer = options->optimizer;
   e.swapper = options->swapper;
   e.swapper.host_home_pages = d->host_home_pages_.pages;
@@ -117,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   const std::string kept = d->PreservedDir();
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
-      const int n = ReopenKeptSessions(d->engine_->sessions(), kept);
+      const int n = ReopenKeptSessions(d->engine_->sessions(), kept, d->engine_->pool().file());
       LogInfo(
           "reopened %d session(s) kept across the restart; their trainers have %d s to "
           "resume them",
@@ -487,8 +491,18 @@ void Daemon::Shutdown() {
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.
   if (keep) {
-    const int n = KeepSessions(engine_->sessions(), PreservedDir());
-    if (n > 0) LogInfo("kept %d session(s) in %s for the next offloadd", n, PreservedDir());
+    KeptBytes bytes;
+    const absl::Time began = absl::Now();
+    const int n = KeepSessions(engine_->sessions(), PreservedDir(), engine_->pool().file(), &bytes);
+    if (n > 0) {
+      LogInfo(
+          "kept %d session(s) in %s for the next offloadd in %s: %d bytes written, %d left in "
+          "the pool's file in %s",
+          n, PreservedDir(), absl::FormatDuration(absl::Now() - began),
+          static_cast<int64_t>(bytes.written), static_cast<int64_t>(bytes.referenced),
+          options_->memory.pool_dir.empty() ? "(none: memory.pool_dir unset)"
+                                            : options_->memory.pool_dir);
+    }
   }
   metrics_.reset();
   server_->Shutdown();

@@ -57,8 +57,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   RETURN_IF_ERROR(checkpoint::PrepareDirectory(dir));
   const std::string stem = checkpoint::StemFor(state.name);
   ASSIGN_OR_RETURN(checkpoint::DataFileWriter file, checkpoint::DataFileWriter::Create(dir, stem));
-  std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(
-      set, dir, stem, std::move(file), state.keep_previous, state.capture_threads));
+  std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(set, dir, stem, std::move(file), state));
   w->began_ns_ = began;
   absl::StatusOr<SetImage> image = set->BeginCheckpoint(w.get());
   if (!image.ok()) {
@@ -95,6 +94,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
     ls->set_clean_steps(s.clean_steps);
   }
   m.set_data_file(w->file_.name());
+  if (state.by_reference != nullptr) m.set_memory_file(state.memory_file);
   // The layout: per partition, per chunk, each saved block kind, each
   // record on an aligned offset, so that it is written around the page
   // cache (checkpoint/format.h; its blocks' memory is page-aligned), and
@@ -176,18 +176,28 @@ absl::Status CheckpointWriter::Write(uint64_t id, uint64_t chunk, int block_kind
                                             bytes.size(), " bytes, its record ", want));
   }
   const uint64_t hash = checkpoint::Hash(bytes.data(), bytes.size());
-  RETURN_IF_ERROR(file_.Write(offset, bytes));
+  // Kept by reference: the bytes stay where they are, in the pool's file.
+  std::optional<uint64_t> in_memory;
+  if (by_reference_ != nullptr) in_memory = by_reference_->OffsetOf(bytes.data(), bytes.size());
+  if (in_memory.has_value()) {
+    by_reference_->Retain(*in_memory, bytes.size());
+    referenced_bytes_.fetch_add(bytes.size(), std::memory_order_relaxed);
+  } else {
+    RETURN_IF_ERROR(file_.Write(offset, bytes));
+  }
   absl::MutexLock lock(&mu_);
-  manifest_.mutable_partitions(static_cast<int>(it->second))
-      ->mutable_records(static_cast<int>(r))
-      ->set_xxh3(hash);
+  ckv1::Record* rec = manifest_.mutable_partitions(static_cast<int>(it->second))
+                          ->mutable_records(static_cast<int>(r));
+  rec->set_xxh3(hash);
+  if (in_memory.has_value()) rec->set_memory_offset(*in_memory);
   return absl::OkStatus();
 }
 
 absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<bool>* cancelled) {
   // The whole file first: a disk without the room fails the checkpoint
-  // before any capture writes to it.
-  absl::Status status = file_.Reserve(summary_.bytes);
+  // before any capture writes to it. (Not when keeping by reference: most
+  // of it stays a hole.)
+  absl::Status status = by_reference_ != nullptr ? absl::OkStatus() : file_.Reserve(summary_.bytes);
   if (status.ok()) {
     // Every chunk, in the data file's order, taken from one cursor by this
     // thread and capture_threads_ - 1 helpers: as many writes (and, with
@@ -241,6 +251,7 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
                                      dir_, " failed: ", status.message()));
   }
   summary_.manifest = absl::StrCat(dir_, "/", stem_, ".manifest");
+  summary_.referenced_bytes = referenced_bytes_.load();
   summary_.wall_us = static_cast<uint64_t>(absl::GetCurrentTimeNanos() - began_ns_) / 1000;
   return summary_;
 }
@@ -343,6 +354,40 @@ absl::StatusOr<RestoredState> CheckpointRestore::StateFor(const PartitionSpec& s
     }
     return absl::OkStatus();
   };
+  // Kept in memory: one slice, as the partition was, each record whole.
+  if (slices.size() == 1 && slices.front()->begin() == begin &&
+      slices.front()->partition->numel() == spec.numel &&
+      !slices.front()->manifest->memory_file().empty()) {
+    const checkpoint::TensorIndex::Slice* slice = slices.front();
+    auto find = [slice](int block_kind, uint64_t from,
+                        uint64_t elems) -> const checkpoint::Record* {
+      const RecordKind kind = RecordKindToRestore(block_kind);
+      for (const checkpoint::Record& r : slice->partition->records()) {
+        if (r.kind() == kind && r.begin() == from && r.elems() == elems && r.has_memory_offset()) {
+          return &r;
+        }
+      }
+      return nullptr;
+    };
+    state.in_memory = [slice, find](int block_kind, uint64_t from,
+                                    uint64_t elems) -> std::optional<RestoredState::InMemory> {
+      const checkpoint::Record* r = find(block_kind, from, elems);
+      if (r == nullptr) return std::nullopt;
+      return RestoredState::InMemory{slice->manifest->memory_file(), r->memory_offset(),
+                                     r->bytes()};
+    };
+    state.check_in_memory = [slice, find](int block_kind, uint64_t from, uint64_t elems,
+                                          absl::Span<const std::byte> bytes) -> absl::Status {
+      const checkpoint::Record* r = find(block_kind, from, elems);
+      if (r == nullptr || r->bytes() != bytes.size() ||
+          checkpoint::Hash(bytes.data(), bytes.size()) != r->xxh3()) {
+        return absl::DataLossError(absl::StrCat(
+            slice->manifest->memory_file(), ": the ", bytes.size(), " bytes kept at offset ",
+            r == nullptr ? 0 : r->memory_offset(), " do not match their checksum"));
+      }
+      return absl::OkStatus();
+    };
+  }
   return state;
 }
 

@@ -44,6 +44,7 @@
 #include "checkpoint/tensor_index.h"
 #include "engine/loss_scaler.h"
 #include "engine/partition_store.h"
+#include "swapper/pool_file.h"
 
 namespace offload {
 
@@ -60,14 +61,22 @@ struct SessionCheckpointState {
   // flight: a disk's bandwidth may need depth (fio on this project's VMs:
   // 16 MiB direct writes 1.45 GB/s one at a time, 3.67 GB/s 32 at once).
   int capture_threads = 1;
+  // Keeping a session across a restart of offloadd with its pool in a file
+  // (memory.pool_dir): a chunk whose bytes lie in `by_reference` (linked
+  // as `memory_file`) is named there (Record.memory_offset, the extent
+  // retained: PoolFile::Retain) instead of written; the rest, and what is
+  // captured elsewhere (copied out of NVMe), is written as usual.
+  PoolFile* by_reference = nullptr;
+  std::string memory_file;
 };
 
 struct CheckpointSummary {
   std::string manifest;  // its path
   uint64_t partitions = 0;
-  uint64_t bytes = 0;     // of the data file
-  uint64_t steps = 0;     // the session's, at the checkpoint
-  uint64_t pause_us = 0;  // step 1: waiting for the step boundary and the image
+  uint64_t bytes = 0;             // of the data file
+  uint64_t referenced_bytes = 0;  // of those, named in the memory file (by_reference)
+  uint64_t steps = 0;             // the session's, at the checkpoint
+  uint64_t pause_us = 0;          // step 1: waiting for the step boundary and the image
   uint64_t wall_us = 0;
 };
 
@@ -88,13 +97,14 @@ class CheckpointWriter : public ChunkSink {
 
  private:
   CheckpointWriter(PartitionStore* set, std::string dir, std::string stem,
-                   checkpoint::DataFileWriter file, bool keep_previous, int capture_threads)
+                   checkpoint::DataFileWriter file, const SessionCheckpointState& state)
       : set_(set),
         dir_(std::move(dir)),
         stem_(std::move(stem)),
         file_(std::move(file)),
-        keep_previous_(keep_previous),
-        capture_threads_(std::max(1, capture_threads)) {}
+        keep_previous_(state.keep_previous),
+        capture_threads_(std::max(1, state.capture_threads)),
+        by_reference_(state.by_reference) {}
 
   // Constant after Begin.
   PartitionStore* const set_;
@@ -102,6 +112,8 @@ class CheckpointWriter : public ChunkSink {
   const checkpoint::DataFileWriter file_;
   const bool keep_previous_;
   const int capture_threads_;
+  PoolFile* const by_reference_;
+  std::atomic<uint64_t> referenced_bytes_{0};
   SetImage image_;
   // Partition id -> its index in image_ and manifest_.partitions().
   absl::flat_hash_map<uint64_t, size_t> index_;

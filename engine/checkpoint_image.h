@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,20 @@ struct RestoredState {
   // BlockKind: kMaster, kExpAvg, kExpAvgSq, kAccumBlock, kParamsBlock for the
   // current working copy, kShadowBlock for the newer one) into `dst`.
   std::function<absl::Status(int block_kind, uint64_t begin, uint64_t elems, std::byte* dst)> read;
+  // Where one record holds exactly those elements in a memory file (a
+  // session kept across a restart in its pool's file, memory.pool_dir): the
+  // file, the offset and the bytes. Null or nullopt: read.
+  struct InMemory {
+    std::string file;
+    uint64_t offset = 0;
+    uint64_t bytes = 0;
+  };
+  std::function<std::optional<InMemory>(int block_kind, uint64_t begin, uint64_t elems)> in_memory;
+  // Whether `bytes` (taken where in_memory said) match that record's
+  // checksum: DATA_LOSS naming it otherwise.
+  std::function<absl::Status(int block_kind, uint64_t begin, uint64_t elems,
+                             absl::Span<const std::byte> bytes)>
+      check_in_memory;
 };
 
 // Receives a checkpoint's bytes (PartitionStore::BeginCheckpoint): one block

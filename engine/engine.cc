@@ -15,6 +15,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   std::unique_ptr<Engine> e(new Engine(options, env));
   // The constructor fell back to "auto" for a kernel this CPU lacks; say so.
   RETURN_IF_ERROR(e->optimizer_.SetKernel(options.optimizer.kernel));
+  if (!options.pool_dir.empty()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<PoolFile> file, PoolFile::Create(options.pool_dir));
+    e->pool_.UseFile(std::move(file));
+  }
   if (options.nvme.has_value()) {
     if (io == nullptr) {
       return absl::InvalidArgumentError("NVMe tier (nvme.dirs): no I/O backend to write it");

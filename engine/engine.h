@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "base/env.h"
@@ -41,6 +42,9 @@ struct EngineOptions {
   // to it; mlocked where permitted with `lock_pool`.
   uint64_t host_budget_bytes = uint64_t{8} << 30;
   bool lock_pool = false;
+  // The pool's memory as a file in this directory on a memory file system
+  // (swapper/pool_file.h); empty: private memory.
+  std::string pool_dir;
   OptimizerOptions optimizer;
   SwapperOptions swapper;
   // New sessions' placement (PartitionStoreFactory::CheckPlacement'd against
@@ -60,7 +64,8 @@ struct EngineOptions {
 class Engine {
  public:
   // `io`: the NVMe tier's I/O backend, required with options.nvme (and
-  // ignored without); it must outlive the engine. Errors: the NVMe tier's
+  // ignored without); it must outlive the engine. Errors: the pool file's
+  // (PoolFile::Create), the NVMe tier's
   // (prefixed "NVMe tier (nvme.dirs)"), a placement the tiers cannot hold,
   // the optimizer's kernel.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options, Env* env,

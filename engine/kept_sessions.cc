@@ -6,10 +6,17 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "base/directory.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -22,11 +29,26 @@ namespace {
 
 constexpr char kPreservedFile[] = "session.binpb";
 
-// Keeps the session `kept` in `sub`.
+// The name a kept session's state has in the pool's file's directory.
+std::string MemoryLinkFor(const std::string& memory_dir, uint64_t id) {
+  return absl::StrCat(memory_dir, "/kept-", id, ".memory");
+}
+
+bool SameFile(const std::string& a, const std::string& b) {
+  struct stat x, y;
+  return stat(a.c_str(), &x) == 0 && stat(b.c_str(), &y) == 0 && x.st_dev == y.st_dev &&
+         x.st_ino == y.st_ino;
+}
+
+// Keeps the session `kept` in `sub`; with `memory`, what it holds in the
+// pool's file stays there, named `link`.
 absl::Status KeepOne(SessionManager& sessions, const SessionManager::KeptSession& kept,
-                     const std::string& sub) {
+                     const std::string& sub, PoolFile* memory, const std::string& link,
+                     KeptBytes* bytes) {
   ASSIGN_OR_RETURN(SessionManager::CheckpointOutcome written,
-                   sessions.Checkpoint(SessionKey{kept.key.id, ""}, sub, /*background=*/false));
+                   sessions.CheckpointForKeeping(kept.key.id, sub, memory, link));
+  bytes->referenced += written.summary.referenced_bytes;
+  bytes->written += written.summary.bytes - written.summary.referenced_bytes;
   if (written.summary.partitions != kept.partition_ids.size()) {
     return absl::FailedPreconditionError(absl::StrCat("it has ", written.summary.partitions,
                                                       " partitions in its checkpoint, ",
@@ -42,6 +64,52 @@ absl::Status KeepOne(SessionManager& sessions, const SessionManager::KeptSession
   if (kept.user.has_value()) record.set_user(*kept.user);
   for (uint64_t partition : kept.partition_ids) record.add_partition_ids(partition);
   return WriteFileAtomically(sub, kPreservedFile, record.SerializeAsString());
+}
+
+// The manifest of the session kept in `sub`, if it names a memory file.
+std::optional<checkpoint::Manifest> KeptInMemory(const std::string& sub) {
+  UniqueFd fd(
+      open(absl::StrCat(sub, "/", kPreservedFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  checkpoint::v1::PreservedSession record;
+  if (!fd.valid() || !record.ParseFromFileDescriptor(fd.get())) return std::nullopt;
+  absl::StatusOr<checkpoint::Manifest> m = checkpoint::ReadManifest(
+      absl::StrCat(sub, "/", checkpoint::StemFor(record.name()), ".manifest"));
+  if (!m.ok() || m->memory_file().empty()) return std::nullopt;
+  return *std::move(m);
+}
+
+// The ranges (offset, bytes) of `m`'s records kept in its memory file.
+std::vector<std::pair<uint64_t, uint64_t>> MemoryRanges(const checkpoint::Manifest& m) {
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const checkpoint::PartitionRecord& p : m.partitions()) {
+    for (const checkpoint::Record& r : p.records()) {
+      if (r.has_memory_offset()) ranges.emplace_back(r.memory_offset(), r.bytes());
+    }
+  }
+  return ranges;
+}
+
+// The session kept in `sub` (reopened, or not to be: `drop`) no longer
+// needs its kept memory: the name goes, and `sub` with it (it no longer
+// holds the session). In a file this pool took over (`memory`), the bytes
+// are the reopened session's now, or were punched out as unclaimed; in
+// another, they are punched out here.
+void ConsumeMemory(SessionManager& sessions, uint64_t id, const std::string& sub,
+                   const checkpoint::Manifest& m, const PoolFile* memory) {
+  if (memory == nullptr || !memory->IsFile(m.memory_file())) {
+    UniqueFd fd(open(m.memory_file().c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW));
+    for (const auto& [offset, bytes] : MemoryRanges(m)) {
+      if (!fd.valid()) break;
+      fallocate(fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                static_cast<off_t>(RoundUpToPage(bytes)));
+    }
+  }
+  if (unlink(m.memory_file().c_str()) != 0 && errno != ENOENT) {
+    LogWarning("session %d's kept memory %s stays: %s", static_cast<int64_t>(id), m.memory_file(),
+               PosixError("unlink", errno).ToString());
+  }
+  sessions.ForgetKeptCopy(id);
+  RemoveDirectoryOfFiles(sub);
 }
 
 // Reopens the session kept in `sub`: its id.
@@ -69,7 +137,10 @@ absl::StatusOr<uint64_t> ReopenOne(SessionManager& sessions, const std::string& 
 
 }  // namespace
 
-int KeepSessions(SessionManager& sessions, const std::string& dir) {
+int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory,
+                 KeptBytes* bytes) {
+  KeptBytes unused;
+  if (bytes == nullptr) bytes = &unused;
   const std::vector<uint64_t> ids = sessions.SessionIds();
   if (ids.empty()) return 0;
   // No call through a ring from here on: what a trainer saw answered is in
@@ -84,11 +155,27 @@ int KeepSessions(SessionManager& sessions, const std::string& dir) {
   for (uint64_t id : ids) {
     const std::string sub = absl::StrCat(dir, "/", id);
     absl::StatusOr<SessionManager::KeptSession> session = sessions.QuiesceForKeeping(id);
-    absl::Status status = session.ok() ? KeepOne(sessions, *session, sub) : session.status();
+    // Named in the pool's file where it has one (written otherwise).
+    std::string link;
+    PoolFile* by_reference = nullptr;
+    if (memory != nullptr && session.ok()) {
+      link = MemoryLinkFor(memory->dir(), id);
+      unlink(link.c_str());  // an earlier keep's, not taken
+      if (absl::Status linked = memory->Link(link); linked.ok()) {
+        by_reference = memory;
+      } else {
+        LogWarning("session %d is written, not kept in memory: %s", static_cast<int64_t>(id),
+                   linked.ToString());
+        link.clear();
+      }
+    }
+    absl::Status status = session.ok() ? KeepOne(sessions, *session, sub, by_reference, link, bytes)
+                                       : session.status();
     if (status.ok()) {
       ++kept;
       continue;
     }
+    if (!link.empty()) unlink(link.c_str());
     LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(id),
                session.ok() ? session->name : "", status.ToString());
     // Reopened from there and not resumed since: that copy stays.
@@ -97,22 +184,86 @@ int KeepSessions(SessionManager& sessions, const std::string& dir) {
   return kept;
 }
 
-int ReopenKeptSessions(SessionManager& sessions, const std::string& dir) {
+int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory) {
   if (absl::Status own = checkpoint::CheckOwnDirectory(dir); !own.ok()) {
     LogWarning("sessions kept in %s are not reopened: %s", dir, own.ToString());
     return 0;
   }
+  // What is kept in memory, and where. Where it is all in one file, this
+  // pool takes that file over: the sessions take their bytes where they are.
+  absl::flat_hash_map<std::string, checkpoint::Manifest> in_memory;  // by sub
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::string file;
+  bool one_file = true;
+  for (const std::string& name : ListDirectory(dir)) {
+    const std::string sub = absl::StrCat(dir, "/", name);
+    std::optional<checkpoint::Manifest> m = KeptInMemory(sub);
+    if (!m.has_value()) continue;
+    if (file.empty()) {
+      file = m->memory_file();
+    } else if (!SameFile(file, m->memory_file())) {
+      one_file = false;
+    }
+    for (const auto& range : MemoryRanges(*m)) ranges.push_back(range);
+    in_memory.emplace(sub, *std::move(m));
+  }
+  bool taken_over = false;
+  if (memory != nullptr && !file.empty() && one_file) {
+    absl::Status over = memory->TakeOver(file, ranges);
+    taken_over = over.ok();
+    if (!over.ok()) {
+      LogWarning("the sessions kept in %s are copied out of it, not taken where they are: %s", file,
+                 over.ToString());
+    }
+  }
   std::vector<uint64_t> reopened;
+  std::vector<std::pair<uint64_t, std::string>> lost;  // kept in the taken file, not reopened
   for (const std::string& name : ListDirectory(dir)) {
     const std::string sub = absl::StrCat(dir, "/", name);
     absl::StatusOr<uint64_t> id = ReopenOne(sessions, sub);
+    auto kept = in_memory.find(sub);
     if (id.ok()) {
       reopened.push_back(*id);
-    } else {
+      if (kept != in_memory.end()) ConsumeMemory(sessions, *id, sub, kept->second, memory);
+      continue;
+    }
+    if (taken_over && kept != in_memory.end()) {
+      lost.emplace_back(0, sub);
       LogWarning(
-          "a session kept across the restart in %s was not reopened (left there: "
-          "OpenSession's restore_from takes it): %s",
+          "a session kept across the restart in %s and in the pool's file was not reopened, and "
+          "its state there goes (the pool's memory is this offloadd's now; its automatic "
+          "checkpoints, if any, remain): %s",
           sub, id.status().ToString());
+      continue;
+    }
+    LogWarning(
+        "a session kept across the restart in %s was not reopened (left there: "
+        "OpenSession's restore_from takes it): %s",
+        sub, id.status().ToString());
+  }
+  if (taken_over) {
+    memory->ReleaseUnclaimed();
+    for (const auto& [unused, sub] : lost) {
+      const checkpoint::Manifest& m = in_memory.at(sub);
+      unlink(m.memory_file().c_str());
+      RemoveDirectoryOfFiles(sub);
+    }
+  }
+  // Kept memory no kept session names any more (its directory went: a
+  // lost session's cleanup, by hand) holds memory for no one.
+  if (memory != nullptr) {
+    const std::string& memory_dir = memory->dir();
+    for (const std::string& name : ListDirectory(memory_dir)) {
+      uint64_t id;
+      absl::string_view rest = name;
+      if (!absl::ConsumePrefix(&rest, "kept-") || !absl::ConsumeSuffix(&rest, ".memory") ||
+          !absl::SimpleAtoi(rest, &id)) {
+        continue;
+      }
+      if (!IsDirectory(absl::StrCat(dir, "/", id))) {
+        unlink(absl::StrCat(memory_dir, "/", name).c_str());
+        LogInfo("removed %s/%s: no session kept in %s names it", memory_dir, name, dir);
+      }
     }
   }
   // Their leases start together, once every one is back.

@@ -5,8 +5,17 @@
 // partitions' ids); the next daemon reopens them before it takes any call,
 // detached, for their trainers to resume (ResumeSession).
 //
-//   Daemon::Shutdown:  KeepSessions(engine->sessions(), dir);
-//   Daemon::Start:     ReopenKeptSessions(engine->sessions(), dir);
+// Where the host pool is a file on a memory file system (memory.pool_dir),
+// what a session holds in it is not written: the file gets a name per kept
+// session, <pool dir>/kept-<id>.memory, and the checkpoint names offsets in
+// it (SessionCheckpointState::by_reference). The next daemon's pool takes
+// that file over and the reopened sessions' blocks take their bytes where
+// they are (nothing copied); then the names and <dir>/<id>/ go (the copy is
+// gone: the session holds it). What is elsewhere (on NVMe, in the arena)
+// is written and read as before.
+//
+//   Daemon::Shutdown:  KeepSessions(engine->sessions(), dir, engine->pool().file());
+//   Daemon::Start:     ReopenKeptSessions(engine->sessions(), dir, engine->pool().file());
 //
 // The files are this module's; what a session holds and how it is reopened
 // is the SessionManager's (its KeptSession calls).
@@ -19,6 +28,7 @@
 #include <string>
 
 #include "engine/session_manager.h"
+#include "swapper/pool_file.h"
 
 namespace offload {
 
@@ -27,14 +37,28 @@ namespace offload {
 // running background checkpoint ends first; its trainer's holds go).
 // Returns how many it kept; one it cannot keep (its checkpoint fails, it
 // closed meanwhile) is logged and goes, as it would without keeping.
-int KeepSessions(SessionManager& sessions, const std::string& dir);
+// With `memory` (the pool's file), host-resident state is kept by reference.
+struct KeptBytes {
+  uint64_t referenced = 0;  // named in the pool's file
+  uint64_t written = 0;     // written into <dir>
+};
+int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory = nullptr,
+                 KeptBytes* bytes = nullptr);
 
 // At start, before any call: reopens every session kept in `dir` (which
 // must be this user's alone: checkpoint::CheckOwnDirectory), then starts
 // their reconnect leases together. One it cannot reopen is logged and left
 // there (a checkpoint: OpenSession's restore_from takes it). Returns how
-// many it reopened.
-int ReopenKeptSessions(SessionManager& sessions, const std::string& dir);
+// many it reopened. With `memory` (the pool's file, memory.pool_dir): where
+// the sessions kept in memory are all in one file, the pool takes it over
+// (PoolFile::TakeOver) and their blocks take their bytes where they are,
+// checked against their checksums; what no reopened session claimed goes
+// (a session kept there that cannot be reopened is lost: logged, its
+// directory removed). Kept memory in another file is read (copied) and
+// punched out. Names of kept memory no directory in `dir` holds any more
+// are removed.
+int ReopenKeptSessions(SessionManager& sessions, const std::string& dir,
+                       PoolFile* memory = nullptr);
 
 }  // namespace offload
 

@@ -1,5 +1,8 @@
 #include "engine/kept_sessions.h"
 
+#include <stdlib.h>
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -9,9 +12,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/directory.h"
 #include "base/host_memory.h"
+#include "checkpoint/format.h"
 #include "engine/test_engine.h"
+#include "engine/trainer_testing.h"
 #include "gtest/gtest.h"
+#include "swapper/pool_file.h"
 
 namespace offload {
 namespace {
@@ -216,6 +223,109 @@ TEST(KeptSessions, KeepTheStepTheyRestore) {
   EXPECT_TRUE(v->restored);
   EXPECT_EQ(v->step, 1u);  // not the checkpoint's latest, 2
   ASSERT_TRUE(next.Close(second->key).ok());
+}
+
+}  // namespace
+}  // namespace offload
+
+namespace offload {
+namespace {
+
+uint64_t AllocatedBytes(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : 0;
+}
+
+// The records of the one manifest in `dir`: kind, begin, elems, hash.
+std::vector<std::string> RecordsIn(const std::string& dir) {
+  auto manifests = checkpoint::ReadManifests(dir);
+  EXPECT_TRUE(manifests.ok()) << manifests.status();
+  std::vector<std::string> out;
+  if (!manifests.ok() || manifests->size() != 1) return out;
+  for (const auto& p : (*manifests)[0].second.partitions()) {
+    for (const auto& r : p.records()) {
+      out.push_back(
+          absl::StrCat(p.name(), " ", r.kind(), " ", r.begin(), " ", r.elems(), " ", r.xxh3()));
+    }
+  }
+  return out;
+}
+
+// With the pool in a file on tmpfs (memory.pool_dir), a kept session's
+// host-resident state is not written: its checkpoint names offsets in the
+// file, which outlives the engine; the next one has the same bytes (the
+// same records, hash for hash, as a checkpoint written before the stop),
+// then removes the file's name and the kept directory. The next pool takes
+// the file over: the kept bytes become the reopened blocks, nothing copied.
+// Names no kept directory holds are swept.
+TEST(KeptSessions, InThePoolsFileAreNamedNotWrittenAndTakenBack) {
+  char made[] = "/dev/shm/kept_sessions_test.XXXXXX";
+  if (mkdtemp(made) == nullptr || !CheckMemoryFileSystem(made).ok()) {
+    GTEST_SKIP() << "no tmpfs at /dev/shm for the pool's file";
+  }
+  const std::string pool_dir = made;
+  const std::string tmp = getenv("TEST_TMPDIR");
+  const std::string dir = tmp + "/kept_memory";
+  const std::string before = tmp + "/before_stop", after = tmp + "/after_restart";
+  SessionKey key;
+  KeptBytes bytes;
+  std::string kept_name;
+  uint64_t state_bytes = 0;
+  {
+    TestEngine engine(tmp + "/nvme_memory_a", 64 << 20, 8, trainer_testing::kChunkElems, 0,
+                      pool_dir);
+    ASSERT_NE(engine.pool->file(), nullptr);
+    trainer_testing::Trainer t(&engine, {});
+    for (int step = 1; step <= 2; ++step) {
+      t.ReturnGradients(step);
+      ASSERT_TRUE(t.Step().ok());
+    }
+    key = t.key();
+    ASSERT_TRUE(engine.sessions->Checkpoint(key, before, false).ok());
+    for (uint64_t n : trainer_testing::kSizes) state_bytes += 3 * n * sizeof(float);
+    ASSERT_EQ(KeepSessions(*engine.sessions, dir, engine.pool->file(), &bytes), 1);
+    kept_name = absl::StrCat(pool_dir, "/kept-", key.id, ".memory");
+    EXPECT_TRUE(std::filesystem::exists(kept_name));
+    // Master weights and both moments stay in the file; the working copy
+    // (the arena's) is written.
+    EXPECT_GE(bytes.referenced, state_bytes);
+    EXPECT_GT(bytes.written, 0u);
+    EXPECT_LT(bytes.written, bytes.referenced);
+    uint64_t written_on_disk = 0;
+    for (const std::string& name : ListDirectory(absl::StrCat(dir, "/", key.id))) {
+      written_on_disk += AllocatedBytes(absl::StrCat(dir, "/", key.id, "/", name));
+    }
+    EXPECT_LT(written_on_disk, bytes.referenced / 2);
+    ASSERT_TRUE(engine.sessions->Close(key).ok());
+  }
+  // The engine (and its pool's file) gone: what was named is still there.
+  EXPECT_GE(AllocatedBytes(kept_name), bytes.referenced);
+  const std::string orphan = pool_dir + "/kept-999.memory";
+  FILE* f = fopen(orphan.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  fclose(f);
+
+  // Another name for the kept file, to tell whether the next pool takes it.
+  const std::string probe = pool_dir + "/probe";
+  ASSERT_EQ(link(kept_name.c_str(), probe.c_str()), 0);
+
+  TestEngine next(tmp + "/nvme_memory_b", 64 << 20, 8, trainer_testing::kChunkElems, 0, pool_dir);
+  EXPECT_EQ(ReopenKeptSessions(*next.sessions, dir, next.pool->file()), 1);
+  // Taken over: the kept bytes are the session's blocks now, not copied.
+  EXPECT_TRUE(next.pool->file()->IsFile(probe));
+  EXPECT_GE(next.pool->file()->taken_bytes(), state_bytes);
+  EXPECT_LT(AllocatedBytes(probe), 2 * bytes.referenced);
+  unlink(probe.c_str());
+  EXPECT_FALSE(std::filesystem::exists(kept_name));
+  EXPECT_FALSE(std::filesystem::exists(orphan));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/", key.id)));
+  ASSERT_TRUE(next.sessions->Resume(key).ok());
+  ASSERT_TRUE(next.sessions->Checkpoint(key, after, false).ok());
+  const std::vector<std::string> was = RecordsIn(before), is = RecordsIn(after);
+  EXPECT_FALSE(was.empty());
+  EXPECT_EQ(was, is);
+  ASSERT_TRUE(next.sessions->Close(key).ok());
+  RemoveDirectoryOfFiles(pool_dir);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/log.h"
@@ -566,7 +567,8 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     }
   }
   // Outside the set's lock: making room may wait for write-outs.
-  std::vector<uint64_t> added;  // blocks, to remove if a later step fails
+  std::vector<uint64_t> added;            // blocks, to remove if a later step fails
+  absl::flat_hash_set<uint64_t> adopted;  // of those, taken from the pool's file as kept
   absl::Status status = [&]() -> absl::Status {
     const uint64_t param_bytes = partition->Bytes(DataKind::kParams);
     const uint64_t grad_bytes = partition->Bytes(DataKind::kGrads);
@@ -634,7 +636,25 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
         } else if (b == PartitionStore::kAccumBlock) {
           continue;  // made when first needed (PinBlock): handed-over gradients need none
         } else {
-          s = swapper_->Add(block, elems * sizeof(float), where, session_id_);
+          // Kept in this pool's file by the previous offloadd: taken where
+          // it is (FillRestored checks it), else a new block read into.
+          std::optional<RestoredState::InMemory> kept;
+          const PoolFile* file = swapper_->pool().file();
+          if (restored != nullptr && restored->master_initialized && restored->in_memory &&
+              file != nullptr) {
+            kept = restored->in_memory(b, begin, elems);
+            if (kept.has_value() &&
+                (kept->bytes != elems * sizeof(float) || !file->IsFile(kept->file))) {
+              kept.reset();
+            }
+          }
+          if (kept.has_value()) {
+            s = swapper_->AddKept(block, elems * sizeof(float), where, session_id_, kept->offset);
+            if (s.ok()) adopted.insert(block);
+          }
+          if (!kept.has_value() || absl::IsFailedPrecondition(s)) {
+            s = swapper_->Add(block, elems * sizeof(float), where, session_id_);
+          }
         }
         if (!s.ok()) {
           return absl::Status(s.code(), absl::StrCat("allocating ", what, ": ", s.message()));
@@ -646,7 +666,7 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     ASSIGN_OR_RETURN(partition->param_pins,
                      Hold(*partition, PartitionStore::kParamsBlock, /*for_write=*/true));
     if (restored != nullptr) {
-      absl::Status filled = FillRestored(*partition, *restored, with_shadow);
+      absl::Status filled = FillRestored(*partition, *restored, with_shadow, adopted);
       if (!filled.ok()) {
         return absl::Status(filled.code(),
                             absl::StrCat("restoring ", what, ": ", filled.message()));
@@ -1551,7 +1571,8 @@ absl::Status PartitionStore::RestoreSetState(uint64_t steps, bool delayed) {
 }
 
 absl::Status PartitionStore::FillRestored(const Partition& p, const RestoredState& restored,
-                                          bool with_shadow) {
+                                          bool with_shadow,
+                                          const absl::flat_hash_set<uint64_t>& adopted) {
   std::vector<int> kinds;
   if (restored.master_initialized) {
     kinds.insert(kinds.end(),
@@ -1567,12 +1588,19 @@ absl::Status PartitionStore::FillRestored(const Partition& p, const RestoredStat
       if (kind == PartitionStore::kAccumBlock) {
         RETURN_IF_ERROR(AddAccumulator(p.info.id, c, /*registering=*/&p));
       }
-      ASSIGN_OR_RETURN(Swapper::Pin pin, PinBlock(p.info.id, c, kind, /*for_write=*/true));
+      const bool kept = adopted.contains(PartitionStore::BlockOf(p.info.id, c, kind));
+      ASSIGN_OR_RETURN(Swapper::Pin pin, PinBlock(p.info.id, c, kind, /*for_write=*/!kept));
       const bool params =
           kind == PartitionStore::kParamsBlock || kind == PartitionStore::kShadowBlock;
       const uint64_t want = elems * (params ? DTypeSize(p.info.param_dtype) : sizeof(float));
       if (pin.size() != want) {
         return absl::InternalError(absl::StrCat("block of ", pin.size(), " bytes for ", want));
+      }
+      if (kept) {
+        // Its bytes are the kept ones already: checked, not read.
+        RETURN_IF_ERROR(restored.check_in_memory(kind, begin, elems,
+                                                 absl::MakeConstSpan(pin.data(), pin.size())));
+        continue;
       }
       RETURN_IF_ERROR(restored.read(kind, begin, elems, pin.data()));
     }

@@ -462,8 +462,8 @@ class PartitionStore {
   absl::StatusOr<Partition*> FindOrNotFound(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a restored partition's saved state into its blocks (held by the
   // caller, not yet in partitions_).
-  absl::Status FillRestored(const Partition& p, const RestoredState& restored, bool with_shadow)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status FillRestored(const Partition& p, const RestoredState& restored, bool with_shadow,
+                            const absl::flat_hash_set<uint64_t>& adopted) ABSL_LOCKS_EXCLUDED(mu_);
   // Every chunk of the partitions, before they change (a writable fetch).
   void CaptureAll(absl::Span<Partition* const> partitions) ABSL_LOCKS_EXCLUDED(mu_);
   // A checkpoint's ChunkCapture::ReadBlock: one block of a chunk to `sink`,

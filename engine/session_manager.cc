@@ -1165,9 +1165,17 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
   }
 }
 
+absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::CheckpointForKeeping(
+    uint64_t id, const std::string& dir, PoolFile* file, const std::string& memory_file) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                   Find(SessionKey{id, ""}, /*operator_call=*/true));
+  return StartCheckpoint(session, dir, /*background=*/false, /*automatic=*/false, file,
+                         memory_file);
+}
+
 absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoint(
     const std::shared_ptr<Session>& session, const std::string& dir, bool background,
-    bool automatic) {
+    bool automatic, PoolFile* by_reference, const std::string& memory_file) {
   Session* s = session.get();
   const uint64_t id = s->id;
   // An automatic one being written finishes first: the trainer's is not
@@ -1188,6 +1196,8 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   // Written while a call (or a stop) waits: as fast as the disk allows. In
   // the background, beside training: one write at a time.
   state.capture_threads = background ? 1 : capture_threads_.load();
+  state.by_reference = by_reference;
+  state.memory_file = memory_file;
   // The image and the scaler at the same step boundary.
   auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
     absl::MutexLock decided(&s->decide_mu);
@@ -1501,6 +1511,12 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   // it resumed); a partition held for writing would stop the checkpoint.
   s->partitions->DropHolds();
   return kept;
+}
+
+void SessionManager::ForgetKeptCopy(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto found = sessions_.find(id);
+  if (found != sessions_.end()) found->second->kept_dir.clear();
 }
 
 bool SessionManager::ReopenedFrom(uint64_t id, const std::string& dir) const {

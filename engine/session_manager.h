@@ -243,6 +243,14 @@ class SessionManager {
   absl::StatusOr<CheckpointOutcome> Checkpoint(const SessionKey& key, const std::string& dir,
                                                bool background) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<CheckpointOutcome> WaitCheckpoint(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Checkpoint (as the operator, written before it returns) for keeping the
+  // session across a restart: with `file` (the pool's, linked as
+  // `memory_file`), chunks in it are named there instead of written
+  // (SessionCheckpointState::by_reference).
+  absl::StatusOr<CheckpointOutcome> CheckpointForKeeping(uint64_t id, const std::string& dir,
+                                                         PoolFile* file,
+                                                         const std::string& memory_file)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Automatic checkpoints (checkpoint.auto_*): after a step, a session's
   // state is checkpointed in the background into <dir>/<session id> once
   // `every_steps` steps (0: not by steps) or `interval` (zero: not by time)
@@ -455,6 +463,9 @@ class SessionManager {
   // (a partition held for writing would stop the checkpoint; the trainer
   // fetches again once it resumed). FAILED_PRECONDITION if it closed.
   absl::StatusOr<KeptSession> QuiesceForKeeping(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The reopened session `id` no longer has its kept copy (its kept memory
+  // was taken: engine/kept_sessions.h): nothing is left there to fall back on.
+  void ForgetKeptCopy(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   // True if session `id` is open, reopened from `dir` and not resumed since.
   bool ReopenedFrom(uint64_t id, const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
   // Reopens `kept` with its id, token, partitions (their ids too) and state
@@ -537,7 +548,10 @@ class SessionManager {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<CheckpointOutcome> StartCheckpoint(const std::shared_ptr<Session>& session,
                                                     const std::string& dir, bool background,
-                                                    bool automatic) ABSL_LOCKS_EXCLUDED(mu_);
+                                                    bool automatic,
+                                                    PoolFile* by_reference = nullptr,
+                                                    const std::string& memory_file = "")
+      ABSL_LOCKS_EXCLUDED(mu_);
   // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint).
   void MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) ABSL_LOCKS_EXCLUDED(mu_);
   // With `operator_call`, an empty token is accepted (see Checkpoint).

@@ -32,9 +32,11 @@ class TestEngine {
   // `huge_page_bytes`: the arenas lay large partitions out for huge pages of
   // this size (0: small pages only), as offloadd does with
   // SharedHugePageBytes().
+  // `pool_dir`: the pool's memory is a file there (EngineOptions::pool_dir).
   TestEngine(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth = 8,
-             uint64_t chunk_elems = 4096, uint64_t huge_page_bytes = 0)
-      : engine_(Make(dir, pool_bytes, prefetch_depth, chunk_elems, huge_page_bytes)),
+             uint64_t chunk_elems = 4096, uint64_t huge_page_bytes = 0,
+             const std::string& pool_dir = "")
+      : engine_(Make(dir, pool_bytes, prefetch_depth, chunk_elems, huge_page_bytes, pool_dir)),
         faults(backend_.get()),
         stats(engine_->stats()),
         pool(&engine_->pool()),
@@ -45,7 +47,8 @@ class TestEngine {
 
  private:
   std::unique_ptr<Engine> Make(const std::string& dir, uint64_t pool_bytes, int64_t prefetch_depth,
-                               uint64_t chunk_elems, uint64_t huge_page_bytes) {
+                               uint64_t chunk_elems, uint64_t huge_page_bytes,
+                               const std::string& pool_dir) {
     mkdir(dir.c_str(), 0700);
     auto inner = MakeIoBackend(IoOptions{});
     EXPECT_TRUE(inner.ok()) << inner.status();
@@ -56,6 +59,7 @@ class TestEngine {
     o.state_chunk_elems = chunk_elems;
     o.session_arena_bytes = 64 << 20;
     o.huge_page_bytes = huge_page_bytes;
+    o.pool_dir = pool_dir;
     o.nvme.emplace();
     o.nvme->dirs = dir;
     o.nvme->bytes_per_dir = int64_t{64} << 20;

@@ -31,6 +31,8 @@ PoolMemory& PoolMemory::operator=(PoolMemory&& other) noexcept {
     locked_ = std::exchange(other.locked_, false);
     pages_ = other.pages_;
     slot_ = std::exchange(other.slot_, Slot{});
+    extent_ = std::exchange(other.extent_, PoolFile::Extent{});
+    size_ = other.size_;
   }
   return *this;
 }
@@ -48,7 +50,15 @@ void PoolMemory::Reset() {
     pool_->FreeSlot(slot_);
     slot_ = Slot{};
   }
-  if (pool_ != nullptr) pool_->Release(charged_, locked_);
+  bool retained = false;
+  if (extent_.data != nullptr) {
+    if (locked_) munlock(extent_.data, extent_.length);
+    // A lease a kept checkpoint names keeps its memory, and its charge with
+    // it: what the pool then holds stays within its limit.
+    retained = pool_->file_->Give(extent_);
+    extent_ = PoolFile::Extent{};
+  }
+  if (pool_ != nullptr && !retained) pool_->Release(charged_, locked_);
   pool_ = nullptr;
   charged_ = 0;
   locked_ = false;
@@ -192,7 +202,20 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
     }
   }
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
-  if (bytes > 0 && bytes <= kSlabLeaseMaxBytes && !lock_memory_ &&
+  if (file_ != nullptr && bytes > 0) {
+    // Huge-page aligned where the file gets huge pages (shmem_enabled
+    // advise or more) and the lease fills one.
+    const uint64_t huge = SharedHugePageBytes();
+    uint64_t align = std::max(PageSize(), io_alignment_.load(std::memory_order_relaxed));
+    if (huge > align && bytes >= huge) align = huge;
+    absl::StatusOr<PoolFile::Extent> extent = file_->Take(bytes, align);
+    if (extent.ok()) {
+      const bool locked = LockLease(extent->data, extent->length, charge);
+      return PoolMemory(*extent, bytes, this, charge, locked, pages);
+    }
+    // No room left in its file: private memory, as without one.
+  }
+  if (bytes > 0 && bytes <= kSlabLeaseMaxBytes && !lock_memory_ && file_ == nullptr &&
       io_alignment_.load(std::memory_order_relaxed) <= PageSize()) {
     absl::StatusOr<PoolMemory::Slot> slot = TakeSlot(bytes);
     if (!slot.ok()) {
@@ -208,17 +231,38 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
     return absl::Status(memory.status().code(),
                         absl::StrCat("host pool: ", what, ": ", memory.status().message()));
   }
-  bool locked = false;
-  if (lock_memory_ && bytes > 0) {
-    if (mlock(memory->data(), bytes) == 0) {
-      locked = true;
-      locked_.fetch_add(charge, std::memory_order_relaxed);
-    } else if (!lock_warned_.exchange(true)) {
-      LogWarning("host pool: mlock refused (%s); pool memory stays swappable",
-                 PosixError("mlock", errno).message());
-    }
-  }
+  const bool locked = LockLease(memory->data(), bytes, charge);
   return PoolMemory(std::move(*memory), this, charge, locked, pages);
+}
+
+absl::StatusOr<PoolMemory> HostPool::Claim(uint64_t offset, uint64_t bytes,
+                                           absl::string_view what) {
+  if (file_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("host pool: ", what, ": no pool file"));
+  }
+  const uint64_t charge = Charge(bytes);
+  if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
+  absl::StatusOr<PoolFile::Extent> extent = file_->Claim(offset, bytes);
+  if (!extent.ok()) {
+    used_.fetch_sub(charge, std::memory_order_relaxed);
+    return absl::Status(extent.status().code(),
+                        absl::StrCat("host pool: ", what, ": ", extent.status().message()));
+  }
+  const bool locked = LockLease(extent->data, extent->length, charge);
+  return PoolMemory(*extent, bytes, this, charge, locked, Pages::kSystemDefault);
+}
+
+bool HostPool::LockLease(void* data, uint64_t bytes, uint64_t charge) {
+  if (!lock_memory_ || bytes == 0) return false;
+  if (mlock(data, bytes) == 0) {
+    locked_.fetch_add(charge, std::memory_order_relaxed);
+    return true;
+  }
+  if (!lock_warned_.exchange(true)) {
+    LogWarning("host pool: mlock refused (%s); pool memory stays swappable",
+               PosixError("mlock", errno).message());
+  }
+  return false;
 }
 
 void HostPool::Release(uint64_t charged, bool was_locked) {
@@ -227,7 +271,7 @@ void HostPool::Release(uint64_t charged, bool was_locked) {
 }
 
 bool HostPool::KeepSpare(HostMemory& memory, Pages pages, uint64_t charged) {
-  if (memory.size() < kSpareMinBytes || lock_memory_) return false;
+  if (memory.size() < kSpareMinBytes || lock_memory_ || file_ != nullptr) return false;
   // A pool over its limit (lowered) gives it back instead.
   if (used_.load(std::memory_order_relaxed) > limit()) return false;
   std::vector<Spare> older;  // made way for this one

@@ -24,6 +24,10 @@
 // out nor the pool over its limit. When the cap is reached the oldest
 // spares make way for newer ones.
 //
+// With a file (UseFile: memory.pool_dir), every lease is an extent of one
+// file on tmpfs instead (PoolFile): no slabs, no spares, the same charges;
+// a SIGTERM stop can then leave kept sessions' state where it is.
+//
 // Thread-safety: all methods are safe from any thread (lock-free
 // accounting).
 #ifndef OFFLOADD_SWAPPER_HOST_POOL_H_
@@ -42,6 +46,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/env.h"
 #include "base/host_memory.h"
+#include "swapper/pool_file.h"
 
 namespace offload {
 
@@ -56,21 +61,30 @@ class PoolMemory {
         charged_(std::exchange(other.charged_, 0)),
         locked_(std::exchange(other.locked_, false)),
         pages_(other.pages_),
-        slot_(std::exchange(other.slot_, Slot{})) {}
+        slot_(std::exchange(other.slot_, Slot{})),
+        extent_(std::exchange(other.extent_, PoolFile::Extent{})),
+        size_(other.size_) {}
   PoolMemory& operator=(PoolMemory&& other) noexcept;
   PoolMemory(const PoolMemory&) = delete;
   PoolMemory& operator=(const PoolMemory&) = delete;
   ~PoolMemory() { Reset(); }
 
-  std::byte* data() const { return slot_.slab != nullptr ? slot_.data : memory_.data(); }
-  uint64_t size() const { return slot_.slab != nullptr ? slot_.size : memory_.size(); }
+  std::byte* data() const {
+    return slot_.slab != nullptr     ? slot_.data
+           : extent_.data != nullptr ? extent_.data
+                                     : memory_.data();
+  }
+  uint64_t size() const {
+    return slot_.slab != nullptr ? slot_.size : extent_.data != nullptr ? size_ : memory_.size();
+  }
   uint64_t charged() const { return charged_; }
   // The pages the lease asked for (HostPool::Allocate's `pages`; a slab's
   // slot is on small pages whatever was asked).
   Pages pages() const { return pages_; }
-  bool empty() const { return slot_.slab == nullptr && memory_.empty(); }
-  // Whether it is a slot of a shared slab (not a mapping of its own).
-  bool shared() const { return slot_.slab != nullptr; }
+  bool empty() const { return slot_.slab == nullptr && extent_.data == nullptr && memory_.empty(); }
+  // Whether it shares a mapping (a slot of a shared slab, an extent of the
+  // pool's file) rather than being a mapping of its own.
+  bool shared() const { return slot_.slab != nullptr || extent_.data != nullptr; }
   void Reset();
 
  private:
@@ -89,6 +103,14 @@ class PoolMemory {
         pages_(pages) {}
   PoolMemory(Slot slot, HostPool* pool, uint64_t charged, bool locked, Pages pages)
       : pool_(pool), charged_(charged), locked_(locked), pages_(pages), slot_(slot) {}
+  PoolMemory(PoolFile::Extent extent, uint64_t size, HostPool* pool, uint64_t charged, bool locked,
+             Pages pages)
+      : pool_(pool),
+        charged_(charged),
+        locked_(locked),
+        pages_(pages),
+        extent_(extent),
+        size_(size) {}
 
   HostMemory memory_;
   HostPool* pool_ = nullptr;
@@ -96,6 +118,8 @@ class PoolMemory {
   bool locked_ = false;
   Pages pages_ = Pages::kSystemDefault;
   Slot slot_;
+  PoolFile::Extent extent_;  // of the pool's file (HostPool::UseFile)
+  uint64_t size_ = 0;        // with extent_: the bytes asked for
 };
 
 // A charge for host memory the pool does not map itself (a session arena's
@@ -128,6 +152,14 @@ class HostPool {
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
 
+  // From now on every lease is an extent of `file` (memory.pool_dir: a file
+  // on a memory file system that kept sessions can name, PoolFile), none a
+  // slot of a slab nor a spare; a lease the file has no room for is private
+  // memory as before. Call before the first lease.
+  void UseFile(std::unique_ptr<PoolFile> file) { file_ = std::move(file); }
+  // The file, if UseFile gave one.
+  PoolFile* file() const { return file_.get(); }
+
   // Leases of at most this many bytes are slots of shared slabs of
   // kSlabBytes (slots of 1, 2, 4, 8 or 16 pages), except in a pool that
   // locks its memory (a lock on part of a mapping splits it in two, which
@@ -157,6 +189,12 @@ class HostPool {
   absl::StatusOr<PoolMemory> Allocate(uint64_t bytes, absl::string_view what,
                                       Pages pages = Pages::kHuge,
                                       Contents contents = Contents::kZeroed);
+
+  // The kept range at `offset` of the pool's file (PoolFile::Claim: bytes a
+  // session reopened by the next offloadd takes where they are), charged as
+  // a lease of `bytes`. RESOURCE_EXHAUSTED as Allocate; FAILED_PRECONDITION
+  // without a file or a kept range there.
+  absl::StatusOr<PoolMemory> Claim(uint64_t offset, uint64_t bytes, absl::string_view what);
 
   // Leases of at least this many bytes may become spares.
   static constexpr uint64_t kSpareMinBytes = uint64_t{1} << 20;
@@ -222,8 +260,12 @@ class HostPool {
   void FreeSlot(const PoolMemory::Slot& slot) ABSL_LOCKS_EXCLUDED(slab_mu_);
   static constexpr int kSlotClasses = 5;  // 1, 2, 4, 8, 16 pages
 
+  // Locks `bytes` at `data` if the pool locks its memory; whether it did.
+  bool LockLease(void* data, uint64_t bytes, uint64_t charge);
+
   Env* const env_;
   const bool lock_memory_;
+  std::unique_ptr<PoolFile> file_;
   std::atomic<uint64_t> limit_;
   std::atomic<uint64_t> used_{0};
   std::atomic<uint64_t> locked_{0};

@@ -369,6 +369,41 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
   return absl::OkStatus();
 }
 
+absl::Status Swapper::AddKept(BlockId id, uint64_t bytes, Tier home, uint64_t trace,
+                              uint64_t offset) {
+  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
+  if (home == Tier::kNvme && space_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", id, " cannot rest on NVMe: no NVMe tier (set nvme.dirs)"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (blocks_.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
+  }
+  auto b = std::make_unique<Block>();
+  b->id = id;
+  b->bytes = bytes;
+  b->trace = trace;
+  b->home = home;
+  RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
+  if (blocks_.contains(id)) {  // added meanwhile, while room was made
+    return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
+  }
+  ASSIGN_OR_RETURN(b->host, pool_->Claim(offset, bytes, absl::StrCat("block ", id)));
+  if (home == Tier::kNvme) {
+    absl::Status homed = HomeOnNvmeLocked(id, bytes);
+    if (!homed.ok()) {
+      b->host.Reset();
+      return homed;
+    }
+  }
+  b->state = BlockState::kResident;  // no NVMe copy yet: written out when evicted
+  traces_.try_emplace(trace);
+  blocks_[id] = std::move(b);
+  changed_.SignalAll();
+  return absl::OkStatus();
+}
+
 uint64_t Swapper::NvmeRoom() const {
   absl::MutexLock lock(&mu_);
   return nvme_capacity_ - std::min(nvme_capacity_, nvme_homed_bytes_);
