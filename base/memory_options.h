@@ -68,15 +68,16 @@ struct MemoryOptions {
   // (SwapperOptions::host_home_pages).
   std::string host_home_pages = "auto";
 
-  // A directory on a memory file system (tmpfs, e.g. under /dev/shm or
-  // systemd's RuntimeDirectory) whose file holds the host pool's memory
+  // A directory on tmpfs (e.g. /dev/shm/offloadd; not systemd's
+  // RuntimeDirectory, which a stop removes) whose file holds the host pool's memory
   // (swapper/pool_file.h). Then a SIGTERM stop keeping sessions (the
   // reconnect lease) leaves their host-resident state in that file instead
   // of writing it to the data directory, and the next offloadd reads it
   // from there: the stop takes milliseconds, not the disk's time for every
   // session. Costs: the pool is shared memory (4 KiB pages where
   // shmem_enabled is never), and state kept there holds memory until the
-  // next offloadd takes it (or its file is removed). Empty: private memory.
+  // next offloadd takes it (or its files are removed, or a reboot). One
+  // offloadd (one data directory) per directory. Empty: private memory.
   std::string pool_dir;
 };
 

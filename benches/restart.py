@@ -141,8 +141,13 @@ def one_round(args, root, pool_dir=""):
     proc.wait()
     del session
     if pool_dir:
-        left = os.listdir(pool_dir)
+        # Every kept name taken (what stays: the directory's owner marker, and
+        # the name the killed offloadd's taken-over file kept, which the next
+        # start in this directory removes).
+        left = [n for n in os.listdir(pool_dir) if n.startswith("kept-")]
         assert not left, f"the next offloadd left {left} in {pool_dir}"
+        for name in os.listdir(pool_dir):
+            os.unlink(os.path.join(pool_dir, name))
     return stop, keep, start, resume, kept_bytes, written, step
 
 

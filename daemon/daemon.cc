@@ -58,6 +58,26 @@ int64_t MappingBudget(int64_t setting) {
   return max_map_count / 4 * 3;
 }
 
+// memory.pool_dir belongs to the offloadd of one data directory (its first
+// start there writes which): another one's start would take the kept
+// memory there for litter, its sessions being kept in another directory.
+absl::Status ClaimPoolDir(const std::string& pool_dir, const std::string& data_dir) {
+  const std::string marker = absl::StrCat(pool_dir, "/data_dir");
+  std::string owner;
+  if (std::ifstream in(marker); in.good()) {
+    owner.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } else {
+    RETURN_IF_ERROR(WriteFileAtomically(pool_dir, "data_dir", data_dir));
+    owner = data_dir;
+  }
+  if (owner != data_dir) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("memory.pool_dir ", pool_dir, " belongs to the offloadd of data directory ",
+                     owner, " (", marker, "), not ", data_dir, ": give each its own"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
@@ -74,6 +94,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   e.lock_pool = options->memory.lock_pool;
   if (!options->memory.pool_dir.empty()) {
     RETURN_IF_ERROR(MakeDirs(options->memory.pool_dir));
+    RETURN_IF_ERROR(ClaimPoolDir(options->memory.pool_dir, options->server.data_dir));
     e.pool_dir = options->memory.pool_dir;
   }
   e.optimizer = options->optimizer;

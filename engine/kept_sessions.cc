@@ -227,27 +227,19 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
       if (kept != in_memory.end()) ConsumeMemory(sessions, *id, sub, kept->second, memory);
       continue;
     }
-    if (taken_over && kept != in_memory.end()) {
-      lost.emplace_back(0, sub);
-      LogWarning(
-          "a session kept across the restart in %s and in the pool's file was not reopened, and "
-          "its state there goes (the pool's memory is this offloadd's now; its automatic "
-          "checkpoints, if any, remain): %s",
-          sub, id.status().ToString());
-      continue;
-    }
+    if (taken_over && kept != in_memory.end()) lost.emplace_back(0, sub);
     LogWarning(
         "a session kept across the restart in %s was not reopened (left there: "
         "OpenSession's restore_from takes it): %s",
         sub, id.status().ToString());
   }
   if (taken_over) {
-    memory->ReleaseUnclaimed();
+    // The ranges of sessions not reopened stay, for a later start.
+    std::vector<std::pair<uint64_t, uint64_t>> keep;
     for (const auto& [unused, sub] : lost) {
-      const checkpoint::Manifest& m = in_memory.at(sub);
-      unlink(m.memory_file().c_str());
-      RemoveDirectoryOfFiles(sub);
+      for (const auto& range : MemoryRanges(in_memory.at(sub))) keep.push_back(range);
     }
+    memory->ReleaseUnclaimed(keep);
   }
   // Kept memory no kept session names any more (its directory went: a
   // lost session's cleanup, by hand) holds memory for no one.

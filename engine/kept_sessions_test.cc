@@ -313,7 +313,7 @@ TEST(KeptSessions, InThePoolsFileAreNamedNotWrittenAndTakenBack) {
   EXPECT_EQ(ReopenKeptSessions(*next.sessions, dir, next.pool->file()), 1);
   // Taken over: the kept bytes are the session's blocks now, not copied.
   EXPECT_TRUE(next.pool->file()->IsFile(probe));
-  EXPECT_GE(next.pool->file()->taken_bytes(), state_bytes);
+  EXPECT_GE(next.pool->file()->claimed_bytes(), state_bytes);
   EXPECT_LT(AllocatedBytes(probe), 2 * bytes.referenced);
   unlink(probe.c_str());
   EXPECT_FALSE(std::filesystem::exists(kept_name));
@@ -324,6 +324,10 @@ TEST(KeptSessions, InThePoolsFileAreNamedNotWrittenAndTakenBack) {
   const std::vector<std::string> was = RecordsIn(before), is = RecordsIn(after);
   EXPECT_FALSE(was.empty());
   EXPECT_EQ(was, is);
+  // A second restart: the taken-over file is named and kept again.
+  KeptBytes again;
+  ASSERT_EQ(KeepSessions(*next.sessions, dir, next.pool->file(), &again), 1);
+  EXPECT_GE(again.referenced, state_bytes);
   ASSERT_TRUE(next.sessions->Close(key).ok());
   RemoveDirectoryOfFiles(pool_dir);
 }

@@ -18,14 +18,21 @@
 #include "base/status_macros.h"
 
 namespace offload {
+namespace {
+
+// The name a pool file taken over keeps while this process has it (it is
+// no unnamed file then: without a name it could not be named again).
+constexpr char kOwnName[] = "pool.memory";
+
+}  // namespace
 
 absl::Status CheckMemoryFileSystem(const std::string& dir) {
   struct statfs fs;
   if (statfs(dir.c_str(), &fs) != 0) return PosixError(absl::StrCat("statfs of ", dir), errno);
-  if (fs.f_type != TMPFS_MAGIC && fs.f_type != RAMFS_MAGIC) {
+  if (fs.f_type != TMPFS_MAGIC) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "memory.pool_dir %s is not on a memory file system (tmpfs or ramfs; its file system's "
-        "type is 0x%x): the pool's memory would be written back to a disk",
+        "memory.pool_dir %s is not on tmpfs (its file system's type is 0x%x): elsewhere the "
+        "pool's memory would be written back to a disk, or (ramfs) never given back",
         dir, static_cast<uint64_t>(fs.f_type)));
   }
   return absl::OkStatus();
@@ -60,6 +67,9 @@ absl::StatusOr<std::unique_ptr<PoolFile>> PoolFile::Create(const std::string& di
     }
     return PosixError(absl::StrCat("locking ", dir), errno);
   }
+  // A name an earlier offloadd's taken-over file kept, if it died: its kept
+  // names, if any, still hold what was kept.
+  unlink(absl::StrCat(dir, "/", kOwnName).c_str());
   UniqueFd fd(open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600));
   if (!fd.valid()) return PosixError(absl::StrCat("creating an unnamed file in ", dir), errno);
   if (ftruncate(fd.get(), static_cast<off_t>(region_bytes)) != 0) {
@@ -75,9 +85,12 @@ absl::StatusOr<std::unique_ptr<PoolFile>> PoolFile::Create(const std::string& di
 
 PoolFile::~PoolFile() {
   absl::MutexLock lock(&mu_);
-  if (link_.empty()) return;  // unnamed: it goes with the descriptor
-  // What no kept checkpoint names goes now, not when the last name does.
+  if (!own_name_.empty()) unlink(own_name_.c_str());
+  if (!linked_) return;  // no kept session names it: it goes with the descriptor
+  // What no kept checkpoint names (nor a kept session not reopened) goes
+  // now, not when the last name does.
   std::vector<std::pair<uint64_t, uint64_t>> kept(retained_.begin(), retained_.end());
+  kept.insert(kept.end(), unclaimed_.begin(), unclaimed_.end());
   std::sort(kept.begin(), kept.end());
   uint64_t at = 0;
   for (const auto& [offset, length] : kept) {
@@ -97,6 +110,13 @@ void PoolFile::Punch(uint64_t offset, uint64_t length) const {
 
 absl::Status PoolFile::TakeOver(const std::string& path,
                                 const std::vector<std::pair<uint64_t, uint64_t>>& kept) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (taken_ != 0 || linked_ || !own_name_.empty()) {
+      return absl::FailedPreconditionError(
+          "the pool's file has extents taken already, or is a kept one already");
+    }
+  }
   UniqueFd fd(open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) return PosixError(absl::StrCat("opening the kept pool file ", path), errno);
   struct stat st;
@@ -128,10 +148,15 @@ absl::Status PoolFile::TakeOver(const std::string& path,
       HostMemory mapping,
       HostMemory::MapShared(fd.get(), 0, static_cast<uint64_t>(st.st_size),
                             SharedHugePageBytes() > 0 ? Pages::kHuge : Pages::kSystemDefault));
-  absl::MutexLock lock(&mu_);
-  if (taken_ != 0 || !link_.empty()) {
-    return absl::FailedPreconditionError("the pool's file has extents taken already");
+  // A name of its own while this process has it (the kept ones go as their
+  // sessions are reopened): without one it could not be named again.
+  const std::string own = absl::StrCat(dir_, "/", kOwnName);
+  unlink(own.c_str());
+  if (link(path.c_str(), own.c_str()) != 0) {
+    return PosixError(absl::StrCat("naming the kept pool file ", own), errno);
   }
+  absl::MutexLock lock(&mu_);
+  own_name_ = own;
   fd_ = std::move(fd);
   mapping_ = std::move(mapping);
   data_ = mapping_.data();
@@ -139,6 +164,7 @@ absl::Status PoolFile::TakeOver(const std::string& path,
   free_.clear();
   by_length_.clear();
   unclaimed_.clear();
+  claimed_.clear();
   // What no kept range holds (an earlier offloadd's unkept leases, if it
   // died before punching them) goes.
   uint64_t at = 0;
@@ -150,6 +176,8 @@ absl::Status PoolFile::TakeOver(const std::string& path,
     unclaimed_[offset] = length;
     at = offset + length;
   }
+  // And past them (an earlier offloadd stopped before punching its leases).
+  if (region_ > end) Punch(end, region_ - end);
   top_ = end;
   return absl::OkStatus();
 }
@@ -167,23 +195,51 @@ absl::StatusOr<PoolFile::Extent> PoolFile::Claim(uint64_t offset, uint64_t bytes
     return absl::FailedPreconditionError(
         absl::StrCat("the ", bytes, " bytes at ", offset, " are not kept, or claimed already"));
   }
+  // Pages for what the kept bytes left as holes (never touched): a full
+  // tmpfs says so here, not with SIGBUS later.
+  if (fallocate(fd_.get(), 0, static_cast<off_t>(offset), static_cast<off_t>(length)) != 0) {
+    return PosixError(absl::StrCat("the kept bytes at ", offset, " of the pool's file"), errno);
+  }
   unclaimed_.erase(it);
   if (offset > begin) unclaimed_[begin] = offset - begin;
   if (end > offset + length) unclaimed_[offset + length] = end - offset - length;
+  claimed_.insert(offset);
   taken_ += length;
+  claimed_bytes_ += length;
   return Extent{data_ + offset, offset, length};
 }
 
-std::vector<std::pair<uint64_t, uint64_t>> PoolFile::ReleaseUnclaimed() {
-  std::map<uint64_t, uint64_t> left;
+void PoolFile::ReleaseUnclaimed(const std::vector<std::pair<uint64_t, uint64_t>>& keep) {
+  std::vector<std::pair<uint64_t, uint64_t>> held;
+  for (const auto& [offset, bytes] : keep) held.emplace_back(offset, RoundUpToPage(bytes));
+  std::sort(held.begin(), held.end());
+  std::vector<std::pair<uint64_t, uint64_t>> go;  // pieces of unclaimed ranges not held
   {
     absl::MutexLock lock(&mu_);
-    left.swap(unclaimed_);
+    claimed_.clear();  // the reopened sessions' blocks are theirs for good
+    std::map<uint64_t, uint64_t> stay;
+    for (const auto& [offset, length] : unclaimed_) {
+      uint64_t at = offset;
+      const uint64_t end = offset + length;
+      for (const auto& [h, hl] : held) {
+        if (h + hl <= at || h >= end) continue;
+        if (h > at) go.emplace_back(at, h - at);
+        const uint64_t b = std::max(h, at), e = std::min(h + hl, end);
+        stay[b] = e - b;
+        at = e;
+      }
+      if (end > at) go.emplace_back(at, end - at);
+    }
+    unclaimed_.swap(stay);
   }
-  for (const auto& [offset, length] : left) Punch(offset, length);
+  for (const auto& [offset, length] : go) Punch(offset, length);
   absl::MutexLock lock(&mu_);
-  for (const auto& [offset, length] : left) FreeLocked(offset, length);
-  return {left.begin(), left.end()};
+  for (const auto& [offset, length] : go) FreeLocked(offset, length);
+}
+
+uint64_t PoolFile::claimed_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return claimed_bytes_;
 }
 
 bool PoolFile::IsFile(const std::string& path) const {
@@ -194,30 +250,45 @@ bool PoolFile::IsFile(const std::string& path) const {
 
 absl::StatusOr<PoolFile::Extent> PoolFile::Take(uint64_t bytes, uint64_t align) {
   const uint64_t length = RoundUp(std::max<uint64_t>(bytes, 1), align);
-  absl::MutexLock lock(&mu_);
-  if (link_.empty()) {
+  uint64_t start = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    bool found = false;
     // Best fit among what was given back, at an aligned start.
     for (auto it = by_length_.lower_bound(length); it != by_length_.end(); ++it) {
       const uint64_t begin = it->second, end = begin + it->first;
-      const uint64_t start = RoundUp(begin, align);
+      start = RoundUp(begin, align);
       if (start + length > end) continue;
       by_length_.erase(it);
       free_.erase(begin);
       if (start > begin) FreeLocked(begin, start - begin);
       if (end > start + length) FreeLocked(start + length, end - start - length);
-      taken_ += length;
-      return Extent{data_ + start, start, length};
+      found = true;
+      break;
     }
+    if (!found) {
+      start = RoundUp(top_, align);
+      if (start + length > region_ || start + length < start) {
+        return absl::ResourceExhaustedError(absl::StrCat("the pool's file in ", dir_,
+                                                         " has no room for ", bytes,
+                                                         " bytes more (", taken_, " taken)"));
+      }
+      if (start > top_) FreeLocked(top_, start - top_);
+      top_ = start + length;
+    }
+    taken_ += length;
   }
-  const uint64_t start = RoundUp(top_, align);
-  if (start + length > region_ || start + length < start) {
-    return absl::ResourceExhaustedError(absl::StrCat("the pool's file in ", dir_,
-                                                     " has no room for ", bytes, " bytes more (",
-                                                     taken_, " taken)"));
+  // Its pages now: a full tmpfs says ENOSPC here, not SIGBUS at a touch.
+  if (fallocate(fd_.get(), 0, static_cast<off_t>(start), static_cast<off_t>(length)) != 0) {
+    const int err = errno;
+    Punch(start, length);  // what it did allocate
+    absl::MutexLock lock(&mu_);
+    taken_ -= length;
+    FreeLocked(start, length);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the pool's file in ", dir_, " cannot have ", length,
+                     " bytes more: ", PosixError("fallocate", err).message()));
   }
-  if (start > top_ && link_.empty()) FreeLocked(top_, start - top_);
-  top_ = start + length;
-  taken_ += length;
   return Extent{data_ + start, start, length};
 }
 
@@ -258,7 +329,13 @@ bool PoolFile::Give(const Extent& extent) {
   {
     absl::MutexLock lock(&mu_);
     taken_ -= extent.length;
-    if (!link_.empty()) return retained_.contains(extent.offset);
+    // A kept checkpoint names it: it stays as it is until the process ends.
+    if (retained_.contains(extent.offset)) return true;
+    // Claimed by a session whose reopening failed: kept for a later one.
+    if (claimed_.erase(extent.offset) != 0) {
+      unclaimed_[extent.offset] = extent.length;
+      return false;
+    }
   }
   // Outside the lock (freeing pages takes a while); the extent is the
   // caller's alone until listed free.
@@ -278,19 +355,19 @@ std::optional<uint64_t> PoolFile::OffsetOf(const void* p, uint64_t bytes) const 
 
 absl::Status PoolFile::Link(const std::string& path) {
   absl::MutexLock lock(&mu_);
-  // The first name from the descriptor (an O_TMPFILE file may be linked
-  // through /proc without CAP_DAC_READ_SEARCH), the others from it.
-  const std::string from = link_.empty() ? absl::StrCat("/proc/self/fd/", fd_.get()) : link_;
+  // Through /proc: an unnamed (O_TMPFILE) file may be named that way
+  // without CAP_DAC_READ_SEARCH, and a taken-over one has a name of its own.
+  const std::string from = absl::StrCat("/proc/self/fd/", fd_.get());
   if (linkat(AT_FDCWD, from.c_str(), AT_FDCWD, path.c_str(), AT_SYMLINK_FOLLOW) != 0) {
     return PosixError(absl::StrCat("naming the pool's file ", path), errno);
   }
-  if (link_.empty()) link_ = path;
+  linked_ = true;
   return absl::OkStatus();
 }
 
 bool PoolFile::linked() const {
   absl::MutexLock lock(&mu_);
-  return !link_.empty();
+  return linked_;
 }
 
 void PoolFile::Retain(uint64_t offset, uint64_t bytes) {

@@ -11,10 +11,11 @@
 // the file (its pages go to the kernel; it reads zeros when taken again).
 // One mapping whatever the number of leases, so no slabs either.
 //
-// Keeping: Link gives the file a name; from then on extents given back are
-// neither punched nor taken again (what a kept checkpoint names must stay
-// as it is until the process ends), and Retain marks the extents kept
-// checkpoints name. The destructor punches out everything else.
+// Keeping: Link gives the file a name, and Retain marks the extents kept
+// checkpoints name (while their leases are pinned): given back, those stay
+// as they are until the process ends. The destructor punches out
+// everything else. Each extent's pages are allocated when it is taken
+// (fallocate): a full tmpfs is an error then, not SIGBUS at a touch.
 //
 // Thread-safety: all methods are safe from any thread.
 #ifndef OFFLOADD_SWAPPER_POOL_FILE_H_
@@ -30,6 +31,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -46,8 +48,8 @@ class PoolFile {
   static constexpr uint64_t kRegionBytes = uint64_t{1} << 40;
 
   // A new unnamed file in `dir`, which must be this user's alone
-  // (checkpoint-style: mode 0700) and on a memory file system (tmpfs or
-  // ramfs): INVALID_ARGUMENT naming the path and what it is otherwise
+  // (checkpoint-style: mode 0700) and on tmpfs (ramfs cannot punch holes):
+  // INVALID_ARGUMENT naming the path and what it is otherwise
   // (PERMISSION_DENIED for one others may write); FAILED_PRECONDITION while
   // another PoolFile (another offloadd) has the directory; the errno's code
   // naming the call where the file cannot be made or mapped.
@@ -66,8 +68,9 @@ class PoolFile {
   // `align` (a power of two, at least the page size), zeroed.
   // RESOURCE_EXHAUSTED where the region has no such room.
   absl::StatusOr<Extent> Take(uint64_t bytes, uint64_t align);
-  // Gives `extent` back: punched out and free for the next Take, unless
-  // the file is linked; true if it was retained (its memory stays).
+  // Gives `extent` back: punched out and free for the next Take, unless it
+  // is retained (then its memory stays: true) or was claimed by a reopening
+  // that failed (a kept range again).
   bool Give(const Extent& extent);
 
   // Taking a kept file over (the next offloadd, engine/kept_sessions.h):
@@ -83,9 +86,15 @@ class PoolFile {
   // copies: a reopened session's block takes its bytes where they are).
   // FAILED_PRECONDITION unless it lies in a kept range not claimed yet.
   absl::StatusOr<Extent> Claim(uint64_t offset, uint64_t bytes);
-  // Kept ranges no one claimed (sessions that could not be reopened) are
-  // punched out and free; their bytes, their offsets.
-  std::vector<std::pair<uint64_t, uint64_t>> ReleaseUnclaimed();
+  // Once the kept sessions are reopened: what they claimed is theirs for
+  // good, and kept ranges no one claimed are punched out and free, except
+  // those within `keep` (offset, bytes: sessions that could not be
+  // reopened, kept for a later start), which stay as they are. (An extent
+  // claimed and given back before this, by a reopening that failed, is a
+  // kept range again.)
+  void ReleaseUnclaimed(const std::vector<std::pair<uint64_t, uint64_t>>& keep);
+  // Bytes Claim took since this file was taken over.
+  uint64_t claimed_bytes() const;
   // Whether `path` names this pool's file.
   bool IsFile(const std::string& path) const;
 
@@ -93,8 +102,9 @@ class PoolFile {
   std::optional<uint64_t> OffsetOf(const void* p, uint64_t bytes) const;
 
   // Names the file `path` (a hard link: the same file under several names
-  // is one copy). The first call also stops extents given back from being
-  // punched or taken again. The errno's code naming the path.
+  // is one copy); from then on the destructor leaves retained extents (and
+  // kept ranges not claimed) and punches out the rest. The errno's code
+  // naming the path.
   absl::Status Link(const std::string& path);
   bool linked() const;
   // Marks [offset, offset + bytes) as named by a kept checkpoint: the
@@ -134,12 +144,15 @@ class PoolFile {
   std::map<uint64_t, uint64_t> free_ ABSL_GUARDED_BY(mu_);       // offset -> length, below top_
   std::multimap<uint64_t, uint64_t> by_length_ ABSL_GUARDED_BY(mu_);  // length -> offset
   uint64_t taken_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string link_ ABSL_GUARDED_BY(mu_);  // the first name, if linked
+  bool linked_ ABSL_GUARDED_BY(mu_) = false;                    // a kept session names it
+  std::string own_name_ ABSL_GUARDED_BY(mu_);                   // a taken-over file's (kOwnName)
+  absl::flat_hash_set<uint64_t> claimed_ ABSL_GUARDED_BY(mu_);  // offsets, until released
+  uint64_t claimed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, uint64_t> retained_ ABSL_GUARDED_BY(mu_);  // offset -> length
 };
 
-// Whether `dir` is on a memory file system (tmpfs, ramfs): INVALID_ARGUMENT
-// naming it and its file system's type otherwise.
+// Whether `dir` is on tmpfs: INVALID_ARGUMENT naming it and its file
+// system's type otherwise.
 absl::Status CheckMemoryFileSystem(const std::string& dir);
 
 }  // namespace offload

@@ -82,7 +82,7 @@ TEST(PoolFile, RefusesADirectoryOnADiskOrOpenToOthers) {
   rmdir(disk);
   if (!CheckMemoryFileSystem("/var/tmp").ok()) {
     EXPECT_TRUE(absl::IsInvalidArgument(on_disk.status())) << on_disk.status();
-    EXPECT_NE(on_disk.status().message().find("not on a memory file system"), std::string::npos);
+    EXPECT_NE(on_disk.status().message().find("is not on tmpfs"), std::string::npos);
   }
   MemoryDir dir;
   SKIP_WITHOUT_MEMORY_DIR(dir);
@@ -101,9 +101,10 @@ TEST(PoolFile, RefusesADirectoryOnADiskOrOpenToOthers) {
   EXPECT_TRUE(PoolFile::Create(dir.path(), 64 * kMiB).ok());
 }
 
-// Once linked, nothing given back is punched or taken again (a kept
-// checkpoint may name it); the destructor punches what none retained, and
-// the retained bytes stay in the named file for the next process.
+// Once linked, a retained extent given back stays as it is (a kept
+// checkpoint names it), others go as before; the destructor punches what
+// none retained, and the retained bytes stay in the named file for the next
+// process.
 TEST(PoolFile, LinkedItKeepsWhatIsRetainedAndDropsTheRestAtTheEnd) {
   MemoryDir dir;
   SKIP_WITHOUT_MEMORY_DIR(dir);
@@ -125,11 +126,13 @@ TEST(PoolFile, LinkedItKeepsWhatIsRetainedAndDropsTheRestAtTheEnd) {
     f.Retain(kept->offset, 2 * kMiB);
     EXPECT_TRUE(f.Give(*kept));
     EXPECT_FALSE(f.Give(*dropped));
-    // Not punched yet, not taken again.
-    EXPECT_EQ(static_cast<int>(dropped->data[5]), 0x22);
-    auto next = f.Take(kMiB, PageSize());
+    // Not retained: punched and taken again; the retained one is not.
+    auto next = f.Take(2 * kMiB, PageSize());
     ASSERT_TRUE(next.ok());
-    EXPECT_GE(next->offset, dropped->offset + dropped->length);
+    EXPECT_EQ(next->offset, dropped->offset);
+    EXPECT_EQ(static_cast<int>(next->data[5]), 0);
+    EXPECT_EQ(static_cast<int>(kept->data[5]), 0x11);
+    EXPECT_FALSE(f.Give(*next));
     EXPECT_FALSE(f.Link(name).ok());  // taken
   }
   EXPECT_GE(BlocksOf(name), 2 * kMiB);
@@ -167,18 +170,76 @@ TEST(PoolFile, AHostPoolLeasesItsExtents) {
   large->Reset();
   EXPECT_EQ(pool.spare_bytes(), 0u);
   EXPECT_EQ(pool.used(), PageSize());
-  auto kept = pool.Allocate(kMiB, "kept");
+  auto kept = pool.Allocate(4 * kMiB, "kept");
   ASSERT_TRUE(kept.ok());
-  EXPECT_EQ(*pool.file()->OffsetOf(kept->data(), kMiB), large_at);  // reused
+  EXPECT_EQ(*pool.file()->OffsetOf(kept->data(), 4 * kMiB), large_at);  // reused
   ASSERT_TRUE(pool.file()->Link(dir.path() + "/kept").ok());
-  pool.file()->Retain(large_at, kMiB);
+  pool.file()->Retain(large_at, 4 * kMiB);
   kept->Reset();
   small->Reset();
-  EXPECT_EQ(pool.used(), kMiB);  // the retained lease's charge stays
+  EXPECT_EQ(pool.used(), 4 * kMiB);  // the retained lease's charge stays
   // Larger than the file's room: private memory.
-  auto outside = pool.Allocate(12 * kMiB, "outside");
+  auto outside = pool.Allocate(14 * kMiB, "outside");
   ASSERT_TRUE(outside.ok()) << outside.status();
   EXPECT_FALSE(pool.file()->OffsetOf(outside->data(), outside->size()).has_value());
+}
+
+// The next process's pool takes a kept file over: kept ranges are claimed
+// where they are (with their bytes), the rest of the file is free and
+// punched; a claim given back before the release is a kept range again; at
+// the release what no one claimed goes, except what is to stay. Taken over,
+// the file can be named again (a second restart), and it takes no file
+// over once it has extents taken.
+TEST(PoolFile, TakesAKeptFileOverAndHandsOutItsRangesOnce) {
+  MemoryDir dir;
+  SKIP_WITHOUT_MEMORY_DIR(dir);
+  const std::string name = dir.path() + "/kept-1.memory";
+  uint64_t a_at = 0, b_at = 0, c_at = 0;
+  {
+    auto file = PoolFile::Create(dir.path(), 64 * kMiB);
+    ASSERT_TRUE(file.ok()) << file.status();
+    auto a = (*file)->Take(kMiB, PageSize());
+    auto junk = (*file)->Take(kMiB, PageSize());
+    auto b = (*file)->Take(kMiB, PageSize());
+    auto c = (*file)->Take(kMiB, PageSize());
+    ASSERT_TRUE(a.ok() && junk.ok() && b.ok() && c.ok());
+    std::memset(a->data, 0xa, kMiB);
+    std::memset(junk->data, 0xf, kMiB);
+    std::memset(b->data, 0xb, kMiB);
+    std::memset(c->data, 0xc, kMiB);
+    a_at = a->offset, b_at = b->offset, c_at = c->offset;
+    ASSERT_TRUE((*file)->Link(name).ok());
+    for (const auto* e : {&*a, &*b, &*c}) (*file)->Retain(e->offset, kMiB);
+    // Dies without giving anything back (the junk is not punched by it).
+  }
+  auto file = PoolFile::Create(dir.path(), 64 * kMiB);
+  ASSERT_TRUE(file.ok()) << file.status();
+  PoolFile& f = **file;
+  ASSERT_TRUE(f.TakeOver(name, {{a_at, kMiB}, {b_at, kMiB}, {c_at, kMiB}}).ok());
+  EXPECT_TRUE(f.IsFile(name));
+  auto a = f.Claim(a_at, kMiB);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(static_cast<int>(a->data[100]), 0xa);
+  EXPECT_TRUE(absl::IsFailedPrecondition(f.Claim(a_at, kMiB).status()));         // once
+  EXPECT_TRUE(absl::IsFailedPrecondition(f.Claim(a_at + kMiB, kMiB).status()));  // not kept
+  // A reopening that fails gives its claim back: kept again.
+  auto b = f.Claim(b_at, kMiB);
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(f.Give(*b));
+  EXPECT_EQ(static_cast<int>(f.Claim(b_at, kMiB)->data[7]), 0xb);
+  EXPECT_EQ(f.claimed_bytes(), 3 * kMiB);
+  // The junk between was punched and is free: the next extent lands there.
+  auto fresh = f.Take(kMiB, PageSize());
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->offset, a_at + kMiB);
+  EXPECT_EQ(static_cast<int>(fresh->data[9]), 0);
+  // c is neither claimed nor kept: released.
+  f.ReleaseUnclaimed({});
+  EXPECT_TRUE(absl::IsFailedPrecondition(f.Claim(c_at, kMiB).status()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(f.TakeOver(name, {})));  // extents taken
+  // Its kept name gone, it can still be named for the next restart.
+  ASSERT_EQ(unlink(name.c_str()), 0);
+  EXPECT_TRUE(f.Link(dir.path() + "/kept-2.memory").ok());
 }
 
 }  // namespace

@@ -175,6 +175,12 @@ class Swapper {
   Swapper(const Swapper&) = delete;
   Swapper& operator=(const Swapper&) = delete;
 
+  // Add of a block whose bytes a kept session left in the pool's file at
+  // `offset` (HostPool::Claim): resident with them, nothing copied; homed
+  // on NVMe, it is written there when evicted. The pool's errors.
+  absl::Status AddKept(BlockId id, uint64_t bytes, Tier home, uint64_t trace, uint64_t offset)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // A new block of `bytes` zeros homed at `home`, its uses traced in
   // `trace`. ALREADY_EXISTS, INVALID_ARGUMENT (0 bytes), FAILED_PRECONDITION
   // (NVMe home without an NVMe tier), RESOURCE_EXHAUSTED (host home that the
@@ -191,11 +197,6 @@ class Swapper {
   // (see this file's opening comment). INVALID_ARGUMENT for unaligned or
   // private memory, or a page size that is not a power-of-two multiple of
   // the system's.
-  // Add of a block whose bytes a kept session left in the pool's file at
-  // `offset` (HostPool::Claim): resident with them, nothing copied; homed
-  // on NVMe, it is written there when evicted. The pool's errors.
-  absl::Status AddKept(BlockId id, uint64_t bytes, Tier home, uint64_t trace, uint64_t offset)
-      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status AddExternal(BlockId id, const ExternalMemory& memory, uint64_t bytes, Tier home,
                            uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
 
