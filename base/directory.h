@@ -6,6 +6,8 @@
 #ifndef OFFLOADD_BASE_DIRECTORY_H_
 #define OFFLOADD_BASE_DIRECTORY_H_
 
+#include <sys/stat.h>
+
 #include <string>
 #include <vector>
 
@@ -20,6 +22,15 @@ std::vector<std::string> ListDirectory(const std::string& dir);
 
 // True if `path` is a directory itself (not a link to one).
 bool IsDirectory(const std::string& path);
+
+// Whether what `st` describes belongs to this process's user (or root) and
+// no one else may write it: what offloadd's own state may live in or be
+// read from (another user could plant or replace it otherwise).
+bool PrivateToThisUser(const struct stat& st);
+
+// True if `a` and `b` name the same file (device and inode, links
+// followed); false if either cannot be looked up.
+bool SameFile(const std::string& a, const std::string& b);
 
 // Removes `dir` if it is a real directory holding only plain files: those
 // files and then the directory. Nothing a link points to is touched; a

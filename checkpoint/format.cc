@@ -407,7 +407,7 @@ absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path,
     if (fstat(reader.memory_fd_.get(), &st) != 0) {
       return PosixError(absl::StrCat("stat of ", memory_path), errno);
     }
-    if ((st.st_uid != geteuid() && st.st_uid != 0) || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    if (!PrivateToThisUser(st)) {
       return absl::PermissionDeniedError(absl::StrCat("the kept memory file ", memory_path,
                                                       " belongs to uid ", st.st_uid,
                                                       " or is writable by others: not read"));

@@ -34,12 +34,6 @@ std::string MemoryLinkFor(const std::string& memory_dir, uint64_t id) {
   return absl::StrCat(memory_dir, "/kept-", id, ".memory");
 }
 
-bool SameFile(const std::string& a, const std::string& b) {
-  struct stat x, y;
-  return stat(a.c_str(), &x) == 0 && stat(b.c_str(), &y) == 0 && x.st_dev == y.st_dev &&
-         x.st_ino == y.st_ino;
-}
-
 // Keeps the session `kept` in `sub`; with `memory`, what it holds in the
 // pool's file stays there, named `link`.
 absl::Status KeepOne(SessionManager& sessions, const SessionManager::KeptSession& kept,
@@ -89,11 +83,10 @@ std::vector<std::pair<uint64_t, uint64_t>> MemoryRanges(const checkpoint::Manife
   return ranges;
 }
 
-// The session kept in `sub` (reopened, or not to be: `drop`) no longer
-// needs its kept memory: the name goes, and `sub` with it (it no longer
-// holds the session). In a file this pool took over (`memory`), the bytes
-// are the reopened session's now, or were punched out as unclaimed; in
-// another, they are punched out here.
+// The session reopened from `sub` no longer needs its kept memory: the
+// name goes, and `sub` with it (it no longer holds the session). In a file
+// this pool took over (`memory`), the bytes are the session's blocks now;
+// in another, they were read (copied) and are punched out here.
 void ConsumeMemory(SessionManager& sessions, uint64_t id, const std::string& sub,
                    const checkpoint::Manifest& m, const PoolFile* memory) {
   if (memory == nullptr || !memory->IsFile(m.memory_file())) {
@@ -217,7 +210,7 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
     }
   }
   std::vector<uint64_t> reopened;
-  std::vector<std::pair<uint64_t, std::string>> lost;  // kept in the taken file, not reopened
+  std::vector<std::string> not_reopened;  // kept in the taken-over file
   for (const std::string& name : ListDirectory(dir)) {
     const std::string sub = absl::StrCat(dir, "/", name);
     absl::StatusOr<uint64_t> id = ReopenOne(sessions, sub);
@@ -227,7 +220,7 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
       if (kept != in_memory.end()) ConsumeMemory(sessions, *id, sub, kept->second, memory);
       continue;
     }
-    if (taken_over && kept != in_memory.end()) lost.emplace_back(0, sub);
+    if (taken_over && kept != in_memory.end()) not_reopened.push_back(sub);
     LogWarning(
         "a session kept across the restart in %s was not reopened (left there: "
         "OpenSession's restore_from takes it): %s",
@@ -236,7 +229,7 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
   if (taken_over) {
     // The ranges of sessions not reopened stay, for a later start.
     std::vector<std::pair<uint64_t, uint64_t>> keep;
-    for (const auto& [unused, sub] : lost) {
+    for (const std::string& sub : not_reopened) {
       for (const auto& range : MemoryRanges(in_memory.at(sub))) keep.push_back(range);
     }
     memory->ReleaseUnclaimed(keep);

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/directory.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 
@@ -49,7 +50,7 @@ absl::StatusOr<std::unique_ptr<PoolFile>> PoolFile::Create(const std::string& di
   if (!S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat("memory.pool_dir ", dir, " is not a directory"));
   }
-  if ((st.st_uid != geteuid() && st.st_uid != 0) || (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+  if (!PrivateToThisUser(st)) {
     return absl::PermissionDeniedError(
         absl::StrCat("memory.pool_dir ", dir, " must belong to this user (uid ", geteuid(),
                      ") and be writable by no one else: it holds every session's state"));
@@ -121,8 +122,7 @@ absl::Status PoolFile::TakeOver(const std::string& path,
   if (!fd.valid()) return PosixError(absl::StrCat("opening the kept pool file ", path), errno);
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return PosixError(absl::StrCat("stat of ", path), errno);
-  if (!S_ISREG(st.st_mode) || (st.st_uid != geteuid() && st.st_uid != 0) ||
-      (st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+  if (!S_ISREG(st.st_mode) || !PrivateToThisUser(st)) {
     return absl::PermissionDeniedError(
         absl::StrCat(path, " is not a pool file of this user's: not taken over"));
   }
@@ -243,9 +243,7 @@ uint64_t PoolFile::claimed_bytes() const {
 }
 
 bool PoolFile::IsFile(const std::string& path) const {
-  struct stat a, b;
-  return stat(path.c_str(), &a) == 0 && fstat(fd_.get(), &b) == 0 && a.st_dev == b.st_dev &&
-         a.st_ino == b.st_ino;
+  return SameFile(path, absl::StrCat("/proc/self/fd/", fd_.get()));
 }
 
 absl::StatusOr<PoolFile::Extent> PoolFile::Take(uint64_t bytes, uint64_t align) {

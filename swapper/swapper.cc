@@ -308,7 +308,8 @@ absl::Status Swapper::AddExternal(BlockId id, const ExternalMemory& memory, uint
 }
 
 absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory& memory,
-                               uint64_t span, Tier home, uint64_t trace) {
+                               uint64_t span, Tier home, uint64_t trace,
+                               std::optional<uint64_t> kept) {
   std::byte* const external = memory.data;
   if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
   if (home == Tier::kNvme && space_ == nullptr) {
@@ -346,18 +347,25 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
       b->file = memory.fd;
       b->file_offset = memory.file_offset;
     }
-    if (home == Tier::kHost) {
+    // Resident from the start: homed on the host, or kept (its bytes
+    // already in the pool's file; homed on NVMe, it is written there when
+    // first evicted).
+    if (home == Tier::kHost || kept.has_value()) {
       RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0));
       if (blocks_.contains(id)) {  // added meanwhile, while room was made
         return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
       }
-      RETURN_IF_ERROR(TakeHostLocked(b.get()));
+      if (kept.has_value()) {
+        ASSIGN_OR_RETURN(b->host, pool_->Claim(*kept, bytes, absl::StrCat("block ", id)));
+      } else {
+        RETURN_IF_ERROR(TakeHostLocked(b.get()));
+      }
       changed_.SignalAll();
       b->state = BlockState::kResident;
-      if (external == nullptr) populate = b->host.data();
-    } else {
-      RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
+      if (external == nullptr && !kept.has_value()) populate = b->host.data();
     }
+    // (A kept block's claim, should this fail, goes back with `b`.)
+    if (home == Tier::kNvme) RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
     traces_.try_emplace(trace);
     blocks_[id] = std::move(b);
   }
@@ -371,37 +379,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
 
 absl::Status Swapper::AddKept(BlockId id, uint64_t bytes, Tier home, uint64_t trace,
                               uint64_t offset) {
-  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat("block ", id, " has 0 bytes"));
-  if (home == Tier::kNvme && space_ == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("block ", id, " cannot rest on NVMe: no NVMe tier (set nvme.dirs)"));
-  }
-  absl::MutexLock lock(&mu_);
-  if (blocks_.contains(id)) {
-    return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
-  }
-  auto b = std::make_unique<Block>();
-  b->id = id;
-  b->bytes = bytes;
-  b->trace = trace;
-  b->home = home;
-  RETURN_IF_ERROR(MakeRoomLocked(bytes, /*restricted=*/false, 0));
-  if (blocks_.contains(id)) {  // added meanwhile, while room was made
-    return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
-  }
-  ASSIGN_OR_RETURN(b->host, pool_->Claim(offset, bytes, absl::StrCat("block ", id)));
-  if (home == Tier::kNvme) {
-    absl::Status homed = HomeOnNvmeLocked(id, bytes);
-    if (!homed.ok()) {
-      b->host.Reset();
-      return homed;
-    }
-  }
-  b->state = BlockState::kResident;  // no NVMe copy yet: written out when evicted
-  traces_.try_emplace(trace);
-  blocks_[id] = std::move(b);
-  changed_.SignalAll();
-  return absl::OkStatus();
+  return AddBlock(id, bytes, ExternalMemory{}, 0, home, trace, offset);
 }
 
 uint64_t Swapper::NvmeRoom() const {

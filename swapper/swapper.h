@@ -61,6 +61,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -302,8 +303,11 @@ class Swapper {
 
   Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space);
 
+  // Add, AddExternal and (with `kept`, the offset in the pool's file)
+  // AddKept.
   absl::Status AddBlock(BlockId id, uint64_t bytes, const ExternalMemory& external, uint64_t span,
-                        Tier home, uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+                        Tier home, uint64_t trace, std::optional<uint64_t> kept = std::nullopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
   Block* FindLocked(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::byte* DataOf(const Block& b);
   // The pool memory the block needs while resident (an external block's
