@@ -22,16 +22,17 @@ first of each round, the configurations alternating for --rounds rounds.
                         parameters with OpenMP threads of its own: T = the cores (what every
                         rank gets by default: torch and OpenMP size their pools to the
                         machine), and T = cores / ranks (shared out by hand, at least one)
-  DeepSpeed ZeRO-3 step the same, then (with --dtype=bf16) the copy of the updated fp32
-                        parameters into the rank's bf16 ones that DeepSpeed's ZeRO-3 makes
-                        after every optimizer step (stage3.py,
-                        _reassign_or_swap_out_partitioned_parameters: fp16_partitioned_groups_
-                        flat[i].copy_(fp32_partitioned_groups_flat[i]), on the CPU where the
-                        parameters are offloaded), with torch's threads (T): the work
-                        offloadd's step does, which writes the bf16 working copy itself (in
-                        the same pass: 30 B against 36, the same job, not the same bytes).
-                        Still less than DeepSpeed's ZeRO-3 step on the CPU: its unscale and
-                        clip pass over the fp32 gradients is left out.
+  DeepSpeed ZeRO-3 step the same, then the copy of the updated fp32 parameters into the
+                        rank's --dtype ones that DeepSpeed's ZeRO-3 makes after every
+                        optimizer step (stage3.py, _reassign_or_swap_out_partitioned_
+                        parameters: fp16_partitioned_groups_flat[i].copy_(
+                        fp32_partitioned_groups_flat[i]), on the CPU where the parameters are
+                        offloaded; with fp32 parameters too, whose fp32 partition the
+                        offloaded optimizer makes as a clone), with torch's threads (T): the
+                        work offloadd's step does, which writes the working copy itself (in
+                        the same pass: bf16 30 B against 36, fp32 36 against 40; the same job,
+                        not the same bytes). Still less than DeepSpeed's ZeRO-3 step on the
+                        CPU: its unscale and clip pass over the fp32 gradients is left out.
 Bound: ranks x params x bytes per parameter / triad bandwidth, counted as benches/cpu_adam
 counts them (a write to memory not read first costs its allocate read too): offloadd with bf16
 30 B (reads fp32 master weights and moments, 12, and bf16 gradients, 2; writes master weights
@@ -39,7 +40,8 @@ and moments, 12, and the bf16 working copy the trainers fetch, 2 + 2), with fp32
 12 + 4 + 4 written); DeepSpeed 28 B (reads params, gradients and moments, writes params and
 moments in place: fp32 throughout, no separate working copy, which is the peer's only case
 with fp32 master weights, so the two sides do not do the same work); the ZeRO-3 step 36 B
-(adam_update's 28, and the copy: 4 read, 2 + 2 written). The triad (a = b + s * c
+with bf16 (adam_update's 28, and the copy: 4 read, 2 + 2 written), 40 B with fp32 (4 read,
+4 + 4 written). The triad (a = b + s * c
 on floats, torch, one thread per core) counts 16 bytes per element, as benches/cpu_adam does.
 Rate = ranks x params / step time, in Gparam/s.
 """
@@ -106,7 +108,8 @@ def deepspeed_rank(rank, peer, n, threads, copy_to, steps, barrier, out):
     torch.set_num_threads(threads)  # the op's `omp parallel for` uses this thread's pool size
     p, g = torch.full((n,), 0.5), torch.full((n,), 0.01)
     m, v = torch.zeros(n), torch.zeros(n)
-    # ZeRO-3's low-precision copy of the partition (written every step, as DeepSpeed does).
+    # ZeRO-3's copy of the partition in the working dtype (written every step, as DeepSpeed
+    # does, bf16 or fp32).
     lp = torch.zeros(n, dtype=DTYPES[copy_to]) if copy_to else None
     ds.create_adam(0, LR, BETA1, BETA2, EPS, 0.0, True, False)
     times = []
@@ -191,8 +194,8 @@ def main():
         for t in (cores, share) if share != cores else (cores,):
             per = f"{t} thread{'s' if t > 1 else ''}/rank"
             configs.append((f"DeepSpeed, {per}", 28, t, None))
-            if a.dtype == "bf16":
-                configs.append((f"DeepSpeed ZeRO-3, {per}", 36, t, a.dtype))
+            configs.append((f"DeepSpeed ZeRO-3, {per}", 36 if a.dtype == "bf16" else 40, t,
+                            a.dtype))
     steps = {name: [] for name, _, _, _ in configs}
     root = tempfile.mkdtemp(prefix="ranks_per_node.", dir="/tmp")  # short socket paths
     # Room for every rank's state in the pool: master, moments, accumulator (16 B),
@@ -229,8 +232,9 @@ def main():
               f"{bound / med:>9.0%} {med / ours:>12.2f}x")
     print("step = median over counted steps, first rank's start to last rank's end; "
           "vs offloadd = its step time over offloadd's (above 1: offloadd faster); "
-          "DeepSpeed ZeRO-3 = adam_update and the copy into the bf16 parameters ZeRO-3 makes "
-          "after it: the job offloadd's step does (not the same bytes: 36 B against 30)")
+          f"DeepSpeed ZeRO-3 = adam_update and the copy into the {a.dtype} parameters ZeRO-3 "
+          "makes after it: the job offloadd's step does (not the same bytes: "
+          f"{'36 B against 30' if a.dtype == 'bf16' else '40 B against 36'})")
 
 
 if __name__ == "__main__":
