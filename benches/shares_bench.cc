@@ -3,14 +3,30 @@
 // sessions' throughput alone in the same run.
 //
 //   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
-//                            [--weights=2,1] [--neighbour=DIR [--rounds=3]] [--tiny]
+//                            [--weights=2,1] [--state-on-nvme=DIR]
+//                            [--neighbour=DIR [--rounds=9]] [--tiny]
+//
+// --state-on-nvme=DIR: the sessions' optimizer state homed on NVMe (swap
+// files in DIR), the pool holding a quarter of it: each step swaps its state
+// in and out, the disk is what the sessions share, and its bandwidth is
+// divided by the same weights (the swapper's I/O queue, Swapper::SetIoWeight).
 //
 // --neighbour=DIR: instead, a session with its state on the host against
-// itself alone in the same run, while a neighbour whose optimizer state is
+// itself alone in the same run (windows of --seconds, 1 by default here,
+// alternating --rounds times: this VM's memory bandwidth drifts within
+// seconds, so many short windows), while a neighbour whose optimizer state is
 // homed on NVMe (swap files in DIR, ext4 for O_DIRECT) steps without pause,
 // swapping as fast as the disk allows (the pool holds a quarter of its
 // state). Prints the first session's fetch latency (p50, p99) and step time
-// both ways and their ratios (issue 31's target: within 10%).
+// both ways and their ratios (issue 31's target: within 10%), and an
+// estimate of the limit the cores set: the neighbour's own work (its
+// updates, its I/O's checksums and system calls), measured as the process's
+// CPU time while it runs alone and scaled to the pace it ran at beside,
+// takes that much of the cores from the first session, whose step alone
+// keeps them busy; its step beside is then no faster than (its CPU alone) /
+// (cores - the neighbour's). An estimate: the pace beside is what the shares
+// gave the neighbour, the process's idle CPU is counted on both sides, and
+// memory bandwidth taken by the neighbour's transfers is not in it.
 //
 // Each session is a thread that, again and again, hands a gradient over
 // for each of its partitions (held, returned with its statistics,
@@ -19,6 +35,9 @@
 // parameters updated per second and the ratio to its weight's share
 // (target: within 10%), and the node's total against one session alone
 // (sharing must not cost throughput).
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -30,6 +49,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/host_memory.h"
 #include "base/status_macros.h"
@@ -45,10 +65,11 @@ using bench::Clock;
 struct Flags {
   uint64_t params = 16'000'000;
   int partitions = 4;
-  double seconds = 4;
+  double seconds = 0;  // 0: 4, or 1 with --neighbour
   std::vector<int64_t> weights = {2, 1};
   std::string neighbour;  // a swap directory: the neighbour measurement
-  int rounds = 3;         // its alone/beside pairs
+  std::string state_dir;  // a swap directory: every session's state on NVMe
+  int rounds = 9;         // its alone/beside/neighbour-alone windows
 };
 
 // One session: registered partitions and its arena, mapped.
@@ -143,6 +164,15 @@ absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vecto
   return rates;
 }
 
+// The process's CPU time so far (user and system, all its threads: the
+// optimizer's, the swapper's, io_uring's workers), in seconds.
+double ProcessCpuSeconds() {
+  rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * t.tv_usec; };
+  return seconds(u.ru_utime) + seconds(u.ru_stime);
+}
+
 // --neighbour: see the top of this file.
 int Neighbour(const Flags& f) {
   const uint64_t each = f.params / static_cast<uint64_t>(f.partitions);
@@ -187,35 +217,51 @@ int Neighbour(const Flags& f) {
   struct Figures {
     double fetch50, fetch99, step50;
   };
-  auto measure = [&](const std::vector<Job*>& jobs) -> absl::StatusOr<Figures> {
+  // A window's load, each a wall second: the process's CPU seconds, and the
+  // neighbour's parameters updated and bytes swapped in.
+  struct Load {
+    double cpu = 0, nb_updated = 0, nb_swapped = 0;
+  };
+  // Runs `jobs` for f.seconds; `figures`: mine's (it is one of them).
+  auto measure = [&](const std::vector<Job*>& jobs, Load* load,
+                     Figures* figures = nullptr) -> absl::Status {
     mine.fetch_us.clear();
     mine.step_us.clear();
-    mine.timed = true;
+    mine.timed = figures != nullptr;
+    const double cpu = ProcessCpuSeconds();
+    const uint64_t swapped = e.swapper->Stats().bytes_in;
+    const uint64_t updated = neighbour.updated.load();
+    const auto start = Clock::now();
     absl::StatusOr<std::vector<double>> r = RunTogether(e, jobs, f.seconds);
+    const double wall = bench::SecondsSince(start);
     mine.timed = false;
     RETURN_IF_ERROR(r.status());
-    return Figures{bench::Quantile(mine.fetch_us, 0.5), bench::Quantile(mine.fetch_us, 0.99),
-                   bench::Quantile(mine.step_us, 0.5)};
+    load->cpu = (ProcessCpuSeconds() - cpu) / wall;
+    load->nb_updated = static_cast<double>(neighbour.updated.load() - updated) / wall;
+    load->nb_swapped = static_cast<double>(e.swapper->Stats().bytes_in - swapped) / wall;
+    if (figures != nullptr) {
+      *figures = {bench::Quantile(mine.fetch_us, 0.5), bench::Quantile(mine.fetch_us, 0.99),
+                  bench::Quantile(mine.step_us, 0.5)};
+    }
+    return absl::OkStatus();
   };
-  // Alone and beside in alternation, `rounds` pairs (drift hits both
-  // alike); each figure the median over its rounds.
-  std::vector<Figures> alone_runs, beside_runs;
-  double swapped = 0;
+  // Mine alone, beside the neighbour, and the neighbour alone, in
+  // alternation, `rounds` times (drift hits all alike); each figure the
+  // median over its rounds.
+  std::vector<Figures> alone_runs(f.rounds), beside_runs(f.rounds);
+  std::vector<Load> mine_load(f.rounds), beside_load(f.rounds), nb_load(f.rounds);
   for (int r = 0; r < f.rounds; ++r) {
-    auto a = measure({&mine});
-    const uint64_t in_before = e.swapper->Stats().bytes_in;
-    auto b = a.ok() ? measure({&mine, &neighbour}) : a.status();
-    if (!b.ok()) {
-      std::fprintf(stderr, "%s\n", b.status().ToString().c_str());
+    absl::Status s = measure({&mine}, &mine_load[r], &alone_runs[r]);
+    if (s.ok()) s = measure({&mine, &neighbour}, &beside_load[r], &beside_runs[r]);
+    if (s.ok()) s = measure({&neighbour}, &nb_load[r]);
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
       return 1;
     }
-    swapped += static_cast<double>(e.swapper->Stats().bytes_in - in_before);
-    alone_runs.push_back(*a);
-    beside_runs.push_back(*b);
   }
-  auto median = [](const std::vector<Figures>& runs, double Figures::*field) {
+  auto median = [](const auto& runs, auto field) {
     std::vector<double> v;
-    for (const Figures& x : runs) v.push_back(x.*field);
+    for (const auto& x : runs) v.push_back(x.*field);
     return bench::Quantile(v, 0.5);
   };
   const Figures alone_f{median(alone_runs, &Figures::fetch50),
@@ -226,15 +272,39 @@ int Neighbour(const Flags& f) {
                          median(beside_runs, &Figures::step50)};
   const Figures* alone = &alone_f;
   const Figures* beside = &beside_f;
-  std::printf("neighbour swapped in %.0f MiB/s beside; medians of %d alternating rounds\n",
-              swapped / (f.seconds * f.rounds) / (1 << 20), f.rounds);
-  std::printf("%-28s %10s %10s %10s\n", "", "alone", "beside", "ratio");
-  std::printf("%-28s %10.1f %10.1f %10.3f\n", "fetch p50 (us)", alone->fetch50, beside->fetch50,
-              beside->fetch50 / alone->fetch50);
-  std::printf("%-28s %10.1f %10.1f %10.3f\n", "fetch p99 (us)", alone->fetch99, beside->fetch99,
-              beside->fetch99 / alone->fetch99);
-  std::printf("%-28s %10.2f %10.2f %10.3f\n", "step median (ms)", alone->step50 / 1e3,
-              beside->step50 / 1e3, beside->step50 / alone->step50);
+  // The limit: the neighbour's CPU at its pace beside, out of the cores
+  // mine's step keeps busy alone.
+  const double cores = static_cast<double>(sysconf(_SC_NPROCESSORS_ONLN));
+  const double mine_cpu = median(mine_load, &Load::cpu);
+  const double nb_cpu_alone = median(nb_load, &Load::cpu);
+  const double nb_pace =
+      median(beside_load, &Load::nb_updated) / median(nb_load, &Load::nb_updated);
+  const double nb_cpu = nb_cpu_alone * nb_pace;
+  // (<= 0: the neighbour's work alone would fill the cores; no estimate.)
+  const double floor = mine_cpu + nb_cpu <= cores ? 1.0
+                       : nb_cpu < cores           ? mine_cpu / (cores - nb_cpu)
+                                                  : -1;
+  std::printf(
+      "neighbour alone: swapped in %.0f MiB/s, updated %.1f Mparam/s, the process busy %.2f of "
+      "%.0f cores\n",
+      median(nb_load, &Load::nb_swapped) / (1 << 20), median(nb_load, &Load::nb_updated) / 1e6,
+      nb_cpu_alone, cores);
+  std::printf(
+      "beside: the neighbour swapped in %.0f MiB/s, at %.2f of its pace alone: its own work "
+      "about %.2f cores; mine's step alone keeps %.2f busy: beside, by that estimate, no faster "
+      "than %s alone (the limit)\n",
+      median(beside_load, &Load::nb_swapped) / (1 << 20), nb_pace, nb_cpu, mine_cpu,
+      floor > 0 ? absl::StrFormat("%.3fx", floor).c_str() : "(none: its work fills the cores)");
+  std::printf("medians of %d alternating rounds\n", f.rounds);
+  std::printf("%-28s %10s %10s %10s %10s\n", "", "alone", "beside", "ratio", "to limit");
+  std::printf("%-28s %10.1f %10.1f %10.3f %10s\n", "fetch p50 (us)", alone->fetch50,
+              beside->fetch50, beside->fetch50 / alone->fetch50, "");
+  std::printf("%-28s %10.1f %10.1f %10.3f %10s\n", "fetch p99 (us)", alone->fetch99,
+              beside->fetch99, beside->fetch99 / alone->fetch99, "");
+  std::printf(
+      "%-28s %10.2f %10.2f %10.3f %10s\n", "step median (ms)", alone->step50 / 1e3,
+      beside->step50 / 1e3, beside->step50 / alone->step50,
+      floor > 0 ? absl::StrFormat("%.3f", beside->step50 / alone->step50 / floor).c_str() : "-");
   const double worst = std::max(beside->fetch99 / alone->fetch99, beside->step50 / alone->step50);
   std::printf("worst of fetch p99 and step: %.3fx alone (target <= 1.1x: %s)\n", worst,
               worst <= 1.1 ? "MET" : "NOT MET");
@@ -264,6 +334,8 @@ int Main(int argc, char** argv) {
       }
     } else if ((v = bench::FlagValue(argv[i], "neighbour"))) {
       f.neighbour = v;
+    } else if ((v = bench::FlagValue(argv[i], "state-on-nvme"))) {
+      f.state_dir = v;
     } else if ((v = bench::FlagValue(argv[i], "rounds"))) {
       f.rounds = std::max(1, std::atoi(v));
     } else if (a == "--tiny") {
@@ -275,9 +347,25 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  bench::PrintMachine(f.neighbour.empty() ? "/tmp" : f.neighbour);
+  if (f.seconds == 0) f.seconds = f.neighbour.empty() ? 4 : 1;
+  bench::PrintMachine(!f.neighbour.empty()   ? f.neighbour
+                      : !f.state_dir.empty() ? f.state_dir
+                                             : "/tmp");
   if (!f.neighbour.empty()) return Neighbour(f);
-  auto made = bench::MakeBenchEngine({});
+  bench::BenchEngineOptions o;
+  PlacementChange placement;
+  if (!f.state_dir.empty()) {
+    // Host bytes: every session's parameters and gradients (fp32, 8 B a
+    // parameter), what the trainers and a step hold at once (7 B a
+    // parameter at 4 partitions), a quarter of every session's moments and
+    // master weights (3 B).
+    const uint64_t n = f.weights.size();
+    o.nvme.dirs = f.state_dir;
+    o.nvme.bytes_per_dir = static_cast<int64_t>(RoundUpToPage(n * 4 * 8 * f.params + (64 << 20)));
+    o.pool_bytes = (11 * n + 7) * f.params + (64 << 20);
+    placement[DataKind::kOptimizerState] = 0;
+  }
+  auto made = bench::MakeBenchEngine(o);
   if (!made.ok()) {
     std::fprintf(stderr, "engine: %s\n", made.status().ToString().c_str());
     return 1;
@@ -289,7 +377,7 @@ int Main(int argc, char** argv) {
   for (size_t i = 0; i < f.weights.size(); ++i) {
     jobs.push_back(std::make_unique<Job>());
     if (absl::Status s = Open(e, jobs.back().get(), absl::StrCat("job", i), f.weights[i], f.params,
-                              f.partitions);
+                              f.partitions, placement);
         !s.ok()) {
       std::fprintf(stderr, "opening job %zu: %s\n", i, s.ToString().c_str());
       return 1;
@@ -299,15 +387,25 @@ int Main(int argc, char** argv) {
   }
   std::printf(
       "== shares: %zu sessions of %llu fp32 parameters in %d partitions, stepping without pause; "
-      "optimizer on %lld threads\n",
+      "optimizer on %lld threads; optimizer state %s\n",
       jobs.size(), static_cast<unsigned long long>(f.params), f.partitions,
-      static_cast<long long>(e.optimizer->threads()));
+      static_cast<long long>(e.optimizer->threads()),
+      f.state_dir.empty()
+          ? "on the host"
+          : absl::StrCat("homed on NVMe in ", f.state_dir, " (the pool holds a quarter of it)")
+                .c_str());
   // Warm-up (first steps touch the state), then one session alone.
   if (auto r = RunTogether(e, all, std::min(1.0, f.seconds / 2)); !r.ok()) {
     std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
     return 1;
   }
   auto alone = RunTogether(e, {all[0]}, f.seconds);
+  auto moved = [&](const Job& j) {
+    const Swapper::TraceIo io = e.swapper->IoOf(j.key.id);
+    return static_cast<double>(io.bytes_in + io.bytes_out);
+  };
+  std::vector<double> moved_before;
+  for (const Job* j : all) moved_before.push_back(moved(*j));
   auto together = alone.ok() ? RunTogether(e, all, f.seconds) : alone.status();
   if (!together.ok()) {
     std::fprintf(stderr, "%s\n", together.status().ToString().c_str());
@@ -325,6 +423,18 @@ int Main(int argc, char** argv) {
         "%.1f%%: ratio %.3f)\n",
         i, static_cast<long long>(f.weights[i]), (*together)[i] / 1e6, 100 * got, 100 * want,
         got / want);
+  }
+  if (!f.state_dir.empty()) {
+    double disk = 0;
+    for (size_t i = 0; i < all.size(); ++i) disk += moved(*all[i]) - moved_before[i];
+    for (size_t i = 0; i < all.size(); ++i) {
+      const double mine = moved(*all[i]) - moved_before[i];
+      const double want = static_cast<double>(f.weights[i]) / static_cast<double>(weight_sum);
+      std::printf(
+          "job%zu: its blocks moved %.0f MiB/s in and out = %.1f%% of the disk's traffic (its "
+          "share %.1f%%: ratio %.3f)\n",
+          i, mine / f.seconds / (1 << 20), 100 * mine / disk, 100 * want, mine / disk / want);
+    }
   }
   for (size_t i = 0; i < all.size(); ++i) {
     const OptimizerShares::Usage u = e.steps->shares().UsageOf(all[i]->key.id);

@@ -579,6 +579,9 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
     out.sessions.back().share_weight = s.share_weight();
     out.sessions.back().optimizer_params = s.optimizer_params();
     out.sessions.back().optimizer_queued_nanos = s.optimizer_queued_nanos();
+    out.sessions.back().nvme_read_bytes = s.nvme_read_bytes();
+    out.sessions.back().nvme_write_bytes = s.nvme_write_bytes();
+    out.sessions.back().io_queued_nanos = s.io_queued_nanos();
     if (s.has_gpu()) {
       const v1::GpuTierCounters& g = s.gpu();
       out.sessions.back().gpu = GpuTierCounters{

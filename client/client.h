@@ -316,6 +316,10 @@ struct DaemonStats {
     int64_t share_weight = 1;
     uint64_t optimizer_params = 0;
     int64_t optimizer_queued_nanos = 0;
+    // Its blocks' NVMe traffic, and the time their transfers waited for the
+    // daemon's I/O threads.
+    uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+    int64_t io_queued_nanos = 0;
   };
   std::string version;
   uint32_t pid = 0;

@@ -70,9 +70,10 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
       per_second("params_updated"), per_second("requests_failed")));
   lines.push_back("");
   lines.push_back(absl::StrFormat(
-      "%-20s %-18s %6s %5s %21s %21s %21s %8s %9s %6s %8s %5s %9s %7s %11s %8s", "SESSION", "NAME",
-      "PARTS", "HELD", "PARAMS HOST/NVME", "GRADS HOST/NVME", "STATE HOST/NVME", "STEPS/S",
-      "STEP MS", "WAIT%", "COMPUTE%", "SHARE", "UPDATES/S", "QUEUED%", "GPU IN/S", "GPU HIT%"));
+      "%-20s %-18s %6s %5s %21s %21s %21s %8s %9s %6s %8s %5s %9s %7s %11s %11s %8s", "SESSION",
+      "NAME", "PARTS", "HELD", "PARAMS HOST/NVME", "GRADS HOST/NVME", "STATE HOST/NVME", "STEPS/S",
+      "STEP MS", "WAIT%", "COMPUTE%", "SHARE", "UPDATES/S", "QUEUED%", "NVME I/O/S", "GPU IN/S",
+      "GPU HIT%"));
   std::map<uint64_t, const DaemonStats::Session*> earlier;
   if (before != nullptr) {
     for (const auto& s : before->sessions) earlier[s.id] = &s;
@@ -84,7 +85,7 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
     const auto it = earlier.find(s.id);
     const DaemonStats::Session* e = it == earlier.end() ? nullptr : it->second;
     std::string steps = "-", step_ms = "-", wait = "-", compute = "-", gpu_in = "-", hit = "-";
-    std::string updates = "-", queued = "-";
+    std::string updates = "-", queued = "-", nvme = "-";
     if (rates && e != nullptr) {
       const double dsteps = static_cast<double>(s.steps - e->steps);
       const double wall = static_cast<double>(s.step_wall_nanos - e->step_wall_nanos);
@@ -93,6 +94,9 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
           "%.3g", static_cast<double>(s.optimizer_params - e->optimizer_params) / seconds);
       queued = Percent(static_cast<double>(s.optimizer_queued_nanos - e->optimizer_queued_nanos),
                        seconds * 1e9);
+      nvme = Rate(static_cast<double>((s.nvme_read_bytes + s.nvme_write_bytes) -
+                                      (e->nvme_read_bytes + e->nvme_write_bytes)) /
+                  seconds);
       if (dsteps > 0 && wall > 0) {
         step_ms = absl::StrFormat("%.2f", wall / dsteps / 1e6);
         wait = Percent(static_cast<double>(s.step_wait_nanos - e->step_wait_nanos), wall);
@@ -105,13 +109,13 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
                       static_cast<double>(s.gpu->tensor_uses - e->gpu->tensor_uses));
       }
     }
-    lines.push_back(
-        absl::StrFormat("%-20d %-18s %6d %5d %21s %21s %21s %8s %9s %6s %8s %5d %9s %7s %11s %8s",
-                        s.id, s.name.empty() ? "(hidden)" : s.name.substr(0, 18), s.partitions,
-                        s.held, placed(s.params_host_bytes, s.params_nvme_bytes),
-                        placed(s.grads_host_bytes, s.grads_nvme_bytes),
-                        placed(s.state_host_bytes, s.state_nvme_bytes), steps, step_ms, wait,
-                        compute, s.share_weight, updates, queued, gpu_in, hit));
+    lines.push_back(absl::StrFormat(
+        "%-20d %-18s %6d %5d %21s %21s %21s %8s %9s %6s %8s %5d %9s %7s %11s %11s %8s", s.id,
+        s.name.empty() ? "(hidden)" : s.name.substr(0, 18), s.partitions, s.held,
+        placed(s.params_host_bytes, s.params_nvme_bytes),
+        placed(s.grads_host_bytes, s.grads_nvme_bytes),
+        placed(s.state_host_bytes, s.state_nvme_bytes), steps, step_ms, wait, compute,
+        s.share_weight, updates, queued, nvme, gpu_in, hit));
   }
   if (now.sessions.empty()) lines.push_back("(no sessions)");
   std::string out;

@@ -67,9 +67,10 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
                       s.*metric.field, "\n");
     }
   }
-  absl::StrAppend(&out,
-                  "# HELP offloadd_session_share_weight its weight in the node's optimizer\n"
-                  "# TYPE offloadd_session_share_weight gauge\n");
+  absl::StrAppend(
+      &out,
+      "# HELP offloadd_session_share_weight its weight in the node's optimizer and NVMe I/O\n"
+      "# TYPE offloadd_session_share_weight gauge\n");
   for (const SessionSummary& s : m.sessions) {
     absl::StrAppend(&out, "offloadd_session_share_weight{session=\"", s.id, "\",name=\"",
                     Escape(s.name), "\"} ", s.share_weight, "\n");
@@ -83,6 +84,27 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
                     "\",name=\"", Escape(s.name), "\"} ",
                     absl::StrFormat("%.9f", static_cast<double>(s.optimizer_queued_nanos) / 1e9),
                     "\n");
+  }
+  absl::StrAppend(&out,
+                  "# HELP offloadd_session_nvme_bytes_total bytes of its blocks moved to and "
+                  "from NVMe (direction: read, swapped in; write, written out)\n"
+                  "# TYPE offloadd_session_nvme_bytes_total counter\n");
+  for (const SessionSummary& s : m.sessions) {
+    for (const auto& [direction, bytes] :
+         {std::pair<const char*, uint64_t>{"read", s.nvme_read_bytes},
+          {"write", s.nvme_write_bytes}}) {
+      absl::StrAppend(&out, "offloadd_session_nvme_bytes_total{session=\"", s.id, "\",name=\"",
+                      Escape(s.name), "\",direction=\"", direction, "\"} ", bytes, "\n");
+    }
+  }
+  absl::StrAppend(&out,
+                  "# HELP offloadd_session_io_queued_seconds_total time its blocks' transfers "
+                  "waited for the swapper's I/O threads\n"
+                  "# TYPE offloadd_session_io_queued_seconds_total counter\n");
+  for (const SessionSummary& s : m.sessions) {
+    absl::StrAppend(&out, "offloadd_session_io_queued_seconds_total{session=\"", s.id, "\",name=\"",
+                    Escape(s.name), "\"} ",
+                    absl::StrFormat("%.9f", static_cast<double>(s.io_queued_nanos) / 1e9), "\n");
   }
   absl::StrAppend(&out,
                   "# HELP offloadd_session_step_seconds_total the session's steps' time: in all "

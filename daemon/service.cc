@@ -611,6 +611,9 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext* context, const v1::
     out->set_share_weight(s.share_weight);
     out->set_optimizer_params(s.optimizer_params);
     out->set_optimizer_queued_nanos(s.optimizer_queued_nanos);
+    out->set_nvme_read_bytes(s.nvme_read_bytes);
+    out->set_nvme_write_bytes(s.nvme_write_bytes);
+    out->set_io_queued_nanos(s.io_queued_nanos);
     if (s.gpu.has_value()) {
       const GpuTierReport& g = *s.gpu;
       v1::GpuTierCounters* c = out->mutable_gpu();

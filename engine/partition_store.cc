@@ -358,11 +358,16 @@ PartitionStore::~PartitionStore() {
     }
   }
   swapper_->ReleaseCharges(&charges);
-  swapper_->ForgetTrace(session_id_);  // the session's learned access order
+  swapper_->ForgetTrace(session_id_);  // the session's learned access order and I/O weight
 }
 
 uint64_t PartitionStore::ChunksOf(uint64_t numel) const {
   return (numel + state_chunk_elems_ - 1) / state_chunk_elems_;
+}
+
+void PartitionStore::SetShareWeight(int64_t weight) {
+  share_weight_.store(weight, std::memory_order_relaxed);
+  swapper_->SetIoWeight(session_id_, weight);
 }
 
 size_t PartitionStore::partitions() const {

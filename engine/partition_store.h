@@ -351,9 +351,13 @@ class PartitionStore {
   // Steps applied so far.
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
   // The session's weight in the node's optimizer when several sessions step
-  // at once (engine/optimizer_shares.h): 1 unless set.
+  // at once (engine/optimizer_shares.h), and in the swapper's I/O when
+  // several sessions' blocks wait for it (Swapper::SetIoWeight): 1 unless
+  // set.
   int64_t share_weight() const { return share_weight_.load(std::memory_order_relaxed); }
-  void SetShareWeight(int64_t weight) { share_weight_.store(weight, std::memory_order_relaxed); }
+  void SetShareWeight(int64_t weight) ABSL_LOCKS_EXCLUDED(mu_);
+  // Its blocks' NVMe traffic so far (Swapper::IoOf).
+  Swapper::TraceIo Io() const { return swapper_->IoOf(session_id_); }
 
  private:
   friend class PartitionStoreFactory;

@@ -1448,6 +1448,10 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
     const OptimizerShares::Usage used = steps_->shares().UsageOf(s->id);
     summary.optimizer_params = used.elems;
     summary.optimizer_queued_nanos = used.queued_nanos;
+    const Swapper::TraceIo io = p.Io();
+    summary.nvme_read_bytes = io.bytes_in;
+    summary.nvme_write_bytes = io.bytes_out;
+    summary.io_queued_nanos = io.queued_nanos;
     for (int k = 0; k < kDataKinds; ++k) {
       summary.host_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kHost);
       summary.nvme_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kNvme);

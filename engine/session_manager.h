@@ -159,6 +159,12 @@ struct SessionSummary {
   int64_t share_weight = 1;
   uint64_t optimizer_params = 0;
   int64_t optimizer_queued_nanos = 0;
+  // Its blocks' NVMe traffic (swapped in, written out) and the time their
+  // transfers waited for an I/O thread (Swapper::IoOf): the disk's share
+  // it got by the same weight.
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
+  int64_t io_queued_nanos = 0;
 };
 
 // How the trainer commits a step after its global decisions.

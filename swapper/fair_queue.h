@@ -19,9 +19,11 @@
 // behind it: that flow's last finish tag below the item's finish tag. It
 // goes when that flow catches up, or at the latest kAnticipation after that
 // flow's last item is done (it was not coming back: its share goes to the
-// others). Flows of one weight (the default) never wait for each other, and
-// an item no heavier flow is behind goes at once: the queue idles a thread
-// only for a heavier flow that is using the disk.
+// others). Flows of one weight (the default) never wait for each other, an
+// item no heavier flow is behind goes at once, and an item pushed with
+// `may_wait` false never waits (the swapper's write-outs: a heavier flow may
+// be waiting for the room they make): the queue idles a thread only for a
+// heavier flow that is using the disk.
 //
 // Flows are named by id; one never seen (or forgotten) has weight 1.
 // Not thread-safe: the owner locks.
@@ -69,12 +71,15 @@ class FairQueue {
     EraseIfDone(it);
   }
 
-  void Push(uint64_t flow, uint64_t cost, T item, Clock::time_point now = Clock::now()) {
+  // `may_wait`: whether the item may wait for a heavier flow behind it
+  // (anticipation, above).
+  void Push(uint64_t flow, uint64_t cost, T item, Clock::time_point now = Clock::now(),
+            bool may_wait = true) {
     Flow& f = flows_[flow];
     f.forgotten = false;
     const double start = std::max(virtual_time_, f.finish);
     f.finish = start + static_cast<double>(cost) / static_cast<double>(f.weight);
-    f.queue.push_back(Entry{start, f.finish, now, std::move(item)});
+    f.queue.push_back(Entry{start, f.finish, now, may_wait, std::move(item)});
     ++size_;
   }
 
@@ -98,7 +103,8 @@ class FairQueue {
     });
     for (auto c : candidates) {
       const Entry& head = c->second.queue.front();
-      if (const std::optional<Clock::time_point> until = WaitsFor(c->first, head.finish, now)) {
+      if (const std::optional<Clock::time_point> until =
+              head.may_wait ? WaitsFor(c->first, head.finish, now) : std::nullopt) {
         *recheck = std::min(*recheck, *until);
         continue;
       }
@@ -129,6 +135,7 @@ class FairQueue {
     double start;
     double finish;
     Clock::time_point queued;
+    bool may_wait;
     T item;
   };
   struct Flow {

@@ -174,7 +174,7 @@ TEST(FairQueue, AFlowThatStopsAskingStopsHoldingTheOthersAfterItsAnticipation) {
   Clock::time_point recheck = Clock::time_point::max();
   q.Push(1, 16, 16);  // finish 4
   ASSERT_TRUE(q.Pop(t0, &flow, &recheck).has_value());
-  q.Done(1, t0);  // and flow 1 asks for nothing more
+  q.Done(1, t0);      // and flow 1 asks for nothing more
   q.Push(2, 16, 16);  // finish 16: flow 1 (finish 4) is behind it
   recheck = Clock::time_point::max();
   EXPECT_FALSE(q.Pop(t0, &flow, &recheck).has_value());

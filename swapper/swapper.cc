@@ -71,6 +71,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.copy_out_nanos -= e.copy_out_nanos;
   d.staged_bytes -= e.staged_bytes;
   d.idle_wakeups -= e.idle_wakeups;
+  d.io_fair_waits -= e.io_fair_waits;
   d.repages -= e.repages;
   return d;
 }
@@ -115,8 +116,9 @@ struct Swapper::Block {
   uint64_t version = 0;        // bumped by every write pin
   uint64_t write_version = 0;  // `version` when the write-out in flight was queued
   uint64_t last_use = 0;
-  bool prefetched = false;  // brought in by prefetch, not acquired since
-  bool move_queued = false;
+  bool prefetched = false;      // brought in by prefetch, not acquired since
+  int moves_queued = 0;         // the mover's moves of it queued (a prefetch, a move to the host)
+  bool to_host_queued = false;  // one of them a move to the host
   bool removed = false;
   bool dropping = false;  // kOnNvme, its external pages still being freed
   uint64_t failed_reads = 0;
@@ -166,7 +168,7 @@ void Swapper::DropHostLocked(Block* b) {
   // than evicting more) and cannot be read in again.
   b->dropping = true;
   freeing_bytes_ += b->charge.bytes();
-  io_queue_.push_front([this, id = b->id](HostMemory&) { FinishDrop(id); });
+  frees_.push_back([this, id = b->id](HostMemory&) { FinishDrop(id); });
   io_work_.Signal();
   changed_.SignalAll();
 }
@@ -336,6 +338,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     b->id = id;
     b->bytes = bytes;
     b->trace = trace;
+    trace_io_.try_emplace(trace);  // its I/O counted from here until ForgetTrace
     b->home = home;
     b->external = external;
     b->span = span;
@@ -674,6 +677,21 @@ void Swapper::RepageIfIdleLocked(Block* b) {
 void Swapper::ForgetTrace(uint64_t trace) {
   absl::MutexLock lock(&mu_);
   traces_.erase(trace);
+  io_queue_.Forget(trace);
+  prefetches_.Forget(trace);
+  trace_io_.erase(trace);
+}
+
+Swapper::TraceIo Swapper::IoOf(uint64_t trace) const {
+  absl::MutexLock lock(&mu_);
+  auto it = trace_io_.find(trace);
+  return it == trace_io_.end() ? TraceIo{} : it->second;
+}
+
+void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
+  absl::MutexLock lock(&mu_);
+  io_queue_.SetWeight(trace, weight);
+  prefetches_.SetWeight(trace, weight);
 }
 
 void Swapper::EndIteration(uint64_t trace) {
@@ -703,14 +721,12 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   b->home = home;
   RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
-    if (b->move_queued) {
-      // A prefetch may give up (it evicts only what is needed later); a
-      // move to the host must not.
-      for (Move& m : moves_) {
-        if (m.id == id) m.kind = MoveKind::kToHost;
-      }
-    } else {
-      b->move_queued = true;
+    // Queued as a prefetch or not: a prefetch may give up (it evicts only
+    // what is needed later); a move to the host must not. (Whichever of the
+    // two comes first reads it in; the other finds it resident.)
+    if (!b->to_host_queued) {
+      b->to_host_queued = true;
+      ++b->moves_queued;
       moves_.push_back({id, MoveKind::kToHost});
       move_work_.Signal();
     }
@@ -759,13 +775,14 @@ SwapperStats Swapper::Stats() const {
     if (b->prefetched) ++s.prefetch_pending;
     (b->home == Tier::kHost ? s.host_home_bytes : s.nvme_home_bytes) += b->bytes;
   }
-  s.io_queue = io_queue_.size() + io_running_;
+  s.io_queue = frees_.size() + io_queue_.size() + io_running_;
   return s;
 }
 
 void Swapper::WaitIdle() {
   absl::MutexLock lock(&mu_);
-  while (!moves_.empty() || mover_busy_ || !io_queue_.empty() || io_running_ > 0) {
+  while (!moves_.empty() || !prefetches_.empty() || mover_busy_ || !frees_.empty() ||
+         !io_queue_.empty() || io_running_ > 0) {
     changed_.Wait(&mu_);
   }
 }
@@ -868,7 +885,8 @@ void Swapper::EvictLocked(Block* b) {
   b->write_version = b->version;
   freeing_bytes_ += ChargedOf(*b);
   ++writes_in_flight_;
-  QueueIoLocked([this, id = b->id](HostMemory& staging) { RunIo(id, /*is_write=*/true, staging); });
+  QueueIoLocked(*b, /*is_write=*/true,
+                [this, id = b->id](HostMemory& staging) { RunIo(id, /*is_write=*/true, staging); });
 }
 
 absl::Status Swapper::StartReadLocked(Block* b) {
@@ -886,8 +904,9 @@ absl::Status Swapper::StartReadLocked(Block* b) {
   }
   b->state = BlockState::kReadingIn;
   ++reads_in_flight_;
-  QueueIoLocked(
-      [this, id = b->id](HostMemory& staging) { RunIo(id, /*is_write=*/false, staging); });
+  QueueIoLocked(*b, /*is_write=*/false, [this, id = b->id](HostMemory& staging) {
+    RunIo(id, /*is_write=*/false, staging);
+  });
   return absl::OkStatus();
 }
 
@@ -913,9 +932,9 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
     if (++blocks > prefetch_depth_ || bytes > static_cast<uint64_t>(prefetch_bytes_)) {
       return false;
     }
-    if (b->state != BlockState::kOnNvme || b->move_queued) return true;
-    b->move_queued = true;
-    moves_.push_back({id, MoveKind::kPrefetch});
+    if (b->state != BlockState::kOnNvme || b->moves_queued > 0) return true;
+    ++b->moves_queued;
+    prefetches_.Push(b->trace, b->bytes, Move{id, MoveKind::kPrefetch});
     move_work_.Signal();
     return true;
   };
@@ -923,8 +942,9 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   changed_.SignalAll();
 }
 
-void Swapper::QueueIoLocked(IoTask task) {
-  io_queue_.push_back(std::move(task));
+void Swapper::QueueIoLocked(const Block& b, bool is_write, IoTask task) {
+  io_queue_.Push(b.trace, b.bytes, std::move(task), std::chrono::steady_clock::now(),
+                 /*may_wait=*/!is_write);
   io_work_.Signal();
   changed_.SignalAll();
 }
@@ -1007,6 +1027,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
     if (status.ok()) {
       ++stats_.swap_outs;
       stats_.bytes_out += bytes;
+      if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_out += bytes;
       stats_.staged_bytes += staged;
       b->extent = new_extent;
       b->nvme_current = b->version == version;
@@ -1033,6 +1054,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
     if (status.ok()) {
       ++stats_.swap_ins;
       stats_.bytes_in += bytes;
+      if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_in += bytes;
       stats_.staged_bytes += staged;
       b->state = BlockState::kResident;
       b->nvme_current = true;
@@ -1055,37 +1077,78 @@ void Swapper::IoThread() {
   HostMemory staging;  // this thread's, for blocks moved through their file
   absl::MutexLock lock(&mu_);
   for (;;) {
-    while (io_queue_.empty() && !stopping_) {
+    IoTask task;
+    std::optional<uint64_t> trace;  // a transfer's (a free has none)
+    // The next work that may go: a free, else a transfer the fair queue lets
+    // go; one that waits for a trace behind it is looked at again when that
+    // wait ends, or at the next Push or Done.
+    for (;;) {
+      if (!frees_.empty()) {
+        task = std::move(frees_.front());
+        frees_.pop_front();
+        break;
+      }
+      if (!io_queue_.empty()) {
+        const auto now = std::chrono::steady_clock::now();
+        auto recheck = std::chrono::steady_clock::time_point::max();
+        uint64_t flow;
+        std::chrono::steady_clock::duration waited;
+        std::optional<IoTask> next = io_queue_.Pop(now, &flow, &recheck, &waited);
+        if (next.has_value()) {
+          task = *std::move(next);
+          trace = flow;
+          if (auto it = trace_io_.find(flow); it != trace_io_.end()) {
+            it->second.queued_nanos +=
+                std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
+          }
+          // One Push may have let several go: the next thread looks too.
+          if (!io_queue_.empty()) io_work_.Signal();
+          break;
+        }
+        ++stats_.io_fair_waits;
+        io_work_.WaitWithTimeout(&mu_, absl::FromChrono(recheck - now));
+        continue;
+      }
+      if (stopping_) {  // and nothing left to do
+        if (staging.size() != 0) space_->RemoveBuffer(staging.data(), staging.size());
+        return;
+      }
       io_work_.Wait(&mu_);
-      if (io_queue_.empty() && !stopping_) ++stats_.idle_wakeups;
+      if (frees_.empty() && io_queue_.empty() && !stopping_) ++stats_.idle_wakeups;
     }
-    if (io_queue_.empty()) {  // stopping, and nothing left to do
-      if (staging.size() != 0) space_->RemoveBuffer(staging.data(), staging.size());
-      return;
-    }
-    IoTask task = std::move(io_queue_.front());
-    io_queue_.pop_front();
     ++io_running_;
     mu_.Unlock();
     task(staging);  // decrements io_running_ under the lock
     mu_.Lock();
+    if (trace.has_value()) {
+      io_queue_.Done(*trace, std::chrono::steady_clock::now());
+      if (!io_queue_.empty()) io_work_.SignalAll();  // a transfer waiting for it may go
+    }
   }
 }
 
 void Swapper::MoverThread() {
   absl::MutexLock lock(&mu_);
   for (;;) {
-    while (moves_.empty() && !stopping_) {
+    while (moves_.empty() && prefetches_.empty() && !stopping_) {
       move_work_.Wait(&mu_);
-      if (moves_.empty() && !stopping_) ++stats_.idle_wakeups;
+      if (moves_.empty() && prefetches_.empty() && !stopping_) ++stats_.idle_wakeups;
     }
     if (stopping_) return;
-    const Move move = moves_.front();
-    moves_.pop_front();
+    Move move{0, MoveKind::kPrefetch};
+    if (!moves_.empty()) {
+      move = moves_.front();
+      moves_.pop_front();
+    } else {
+      uint64_t trace;
+      auto never = std::chrono::steady_clock::time_point::max();
+      move = *prefetches_.Pop(std::chrono::steady_clock::now(), &trace, &never);
+      prefetches_.Done(trace, std::chrono::steady_clock::now());
+    }
     // WaitIdle may be satisfied now: a move found with nothing left to do
     // (its block removed, or read in by an Acquire meanwhile) ends below
     // without another signal.
-    if (moves_.empty()) changed_.SignalAll();
+    if (moves_.empty() && prefetches_.empty()) changed_.SignalAll();
     if (move.kind == MoveKind::kTrim) {
       mover_busy_ = true;
       absl::flat_hash_set<BlockId> tried;
@@ -1102,7 +1165,8 @@ void Swapper::MoverThread() {
     }
     Block* b = FindLocked(move.id);
     if (b == nullptr) continue;
-    b->move_queued = false;
+    --b->moves_queued;
+    if (move.kind == MoveKind::kToHost) b->to_host_queued = false;
     if (b->state != BlockState::kOnNvme) continue;
     mover_busy_ = true;
     // Its pages still being freed (evicted a moment ago): once they are.

@@ -76,6 +76,7 @@
 #include "base/host_memory.h"
 #include "nvme/swap_space.h"
 #include "swapper/access_trace.h"
+#include "swapper/fair_queue.h"
 #include "swapper/host_pool.h"
 #include "swapper/swapper_options.h"
 
@@ -126,7 +127,10 @@ struct SwapperStats {
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
   uint64_t staged_bytes = 0;  // of bytes_in and bytes_out, moved through staging
   uint64_t idle_wakeups = 0;  // an idle I/O thread or the mover woken with nothing to do
-  uint64_t repages = 0;       // blocks moved home to the host, copied to a lease of its pages
+  // An I/O thread waited with transfers queued: each waits for a trace
+  // behind it by its weight (SetIoWeight) that is still using the disk.
+  uint64_t io_fair_waits = 0;
+  uint64_t repages = 0;  // blocks moved home to the host, copied to a lease of its pages
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -258,6 +262,18 @@ class Swapper {
   // access order goes (a session's, when the session goes; kept, they add
   // up on a daemon that serves many sessions).
   void ForgetTrace(uint64_t trace) ABSL_LOCKS_EXCLUDED(mu_);
+  // The weight of `trace`'s blocks' I/O (>= 1; 1 unless set) when blocks of
+  // several traces wait for the I/O threads: they take the threads, and so
+  // the disk, in proportion to their traces' weights (fair_queue.h), the
+  // bytes of each swap-in and write-out counted to its block's trace.
+  // The mover's prefetches go by the same weights. ForgetTrace forgets it.
+  void SetIoWeight(uint64_t trace, int64_t weight) ABSL_LOCKS_EXCLUDED(mu_);
+  // What `trace`'s blocks moved so far (until ForgetTrace).
+  struct TraceIo {
+    uint64_t bytes_in = 0, bytes_out = 0;  // swapped in, written out
+    int64_t queued_nanos = 0;              // their transfers' time queued for an I/O thread
+  };
+  TraceIo IoOf(uint64_t trace) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Changes where the block rests; returns at once, the swapper moves it in
   // the background (to the host: read in and kept; to NVMe: written out when
@@ -359,7 +375,10 @@ class Swapper {
   // An I/O thread's work; `staging` is the thread's staging buffer (empty
   // until first needed).
   using IoTask = std::function<void(HostMemory& staging)>;
-  void QueueIoLocked(IoTask task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues `b`'s swap-in or write-out, its bytes counted to its trace (a
+  // write-out never waits for a heavier trace: that trace may be waiting
+  // for the room it makes).
+  void QueueIoLocked(const Block& b, bool is_write, IoTask task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunIo(BlockId id, bool is_write, HostMemory& staging) ABSL_LOCKS_EXCLUDED(mu_);
   // The block's bytes to or from NVMe through `staging` and its file.
   absl::Status StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes, uint64_t* extent,
@@ -408,9 +427,18 @@ class Swapper {
   absl::Status last_write_error_ ABSL_GUARDED_BY(mu_);
   int64_t prefetch_depth_ ABSL_GUARDED_BY(mu_);
   int64_t prefetch_bytes_ ABSL_GUARDED_BY(mu_);
+  // The mover's work: moves to the host and trims in order, first; then
+  // prefetches, in the order of their traces' weights (SetIoWeight; the
+  // mover is one thread: a prefetch waiting for room still holds up those
+  // behind it).
   std::deque<Move> moves_ ABSL_GUARDED_BY(mu_);
+  FairQueue<Move> prefetches_ ABSL_GUARDED_BY(mu_){/*anticipate=*/false};
   bool mover_busy_ ABSL_GUARDED_BY(mu_) = false;
-  std::deque<IoTask> io_queue_ ABSL_GUARDED_BY(mu_);
+  // The I/O threads' work: first the frees of external pages (no I/O, and
+  // they make room), then the transfers, by their traces' weights.
+  std::deque<IoTask> frees_ ABSL_GUARDED_BY(mu_);
+  FairQueue<IoTask> io_queue_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, TraceIo> trace_io_ ABSL_GUARDED_BY(mu_);
   uint64_t io_running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);

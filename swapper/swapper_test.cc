@@ -632,6 +632,119 @@ TEST_F(SwapperTest, AWritePinWhileTheWriteIsQueuedKeepsTheChange) {
   ExpectHolds(3, 33);
 }
 
+// Blocks of several traces waiting for the I/O threads go by their traces'
+// weights (SetIoWeight): with one I/O thread held while 24 reads of trace 1
+// (weight 2) and 24 of trace 2 (weight 1) queue, the next 24 reads are 16 of
+// trace 1 and 8 of trace 2; then the rest.
+TEST_F(SwapperTest, ReadsWaitingForTheDiskGoByTheirTracesWeights) {
+  constexpr int kEach = 24;
+  Make(64 * kMiB, /*prefetch_depth=*/0, /*io_threads=*/1);
+  swapper_->SetIoWeight(1, 2);
+  for (int i = 0; i < kEach; ++i) {
+    ASSERT_TRUE(swapper_->Add(100 + i, kMiB, Tier::kNvme, 1).ok());
+    ASSERT_TRUE(swapper_->Add(200 + i, kMiB, Tier::kNvme, 2).ok());
+    Write(100 + i, 100 + i);
+    Write(200 + i, 200 + i);
+  }
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 3).ok());
+  Write(1, 1);
+  // Everything out to NVMe.
+  pool_->SetLimit(0);
+  swapper_->Trim();
+  swapper_->WaitIdle();
+  pool_->SetLimit(64 * kMiB);
+  for (uint64_t id : {uint64_t{1}, uint64_t{100}, uint64_t{200}}) {
+    ASSERT_EQ(StateOf(id), BlockState::kOnNvme) << id;
+  }
+  // The one I/O thread stops in block 1's read until every other read is
+  // queued; the order of the reads after it is recorded.
+  absl::Notification reached, release;
+  absl::Mutex mu;
+  std::vector<uint64_t> order;
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (is_write) return;
+    if (id == 1) {
+      reached.Notify();
+      release.WaitForNotification();
+      return;
+    }
+    absl::MutexLock lock(&mu);
+    order.push_back(id);
+  });
+  std::thread first([&] { ExpectHolds(1, 1); });
+  reached.WaitForNotification();
+  std::vector<std::thread> readers;
+  std::atomic<int> wrong{0};
+  for (int i = 0; i < kEach; ++i) {
+    for (uint64_t id : {uint64_t(100 + i), uint64_t(200 + i)}) {
+      readers.emplace_back([&, id] {
+        auto p = swapper_->Acquire(id, /*for_write=*/false);
+        if (!p.ok() || !Holds(*p, static_cast<uint32_t>(id))) ++wrong;
+      });
+    }
+  }
+  AwaitTrue([&] { return swapper_->Stats().io_queue >= 2 * kEach + 1; }, "the reads queued");
+  release.Notify();
+  first.join();
+  for (std::thread& t : readers) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  ASSERT_EQ(order.size(), 2u * kEach);
+  int of_one = 0;
+  for (int i = 0; i < kEach; ++i) of_one += order[i] < 200 ? 1 : 0;
+  EXPECT_NEAR(of_one, 2 * kEach / 3, 1) << "of the first " << kEach << " reads";
+  // Each trace's traffic: its blocks written out once and read in once; its
+  // reads queued while block 1's was held.
+  for (uint64_t trace : {1, 2}) {
+    const Swapper::TraceIo io = swapper_->IoOf(trace);
+    EXPECT_EQ(io.bytes_out, kEach * kMiB) << trace;
+    EXPECT_EQ(io.bytes_in, kEach * kMiB) << trace;
+    EXPECT_GT(io.queued_nanos, 0) << trace;
+  }
+  EXPECT_EQ(swapper_->IoOf(99).bytes_in, 0u);  // a trace with no blocks
+  // Forgotten, a trace's weight and counts go; its blocks' later transfers
+  // are not counted anew, and the queue goes on.
+  swapper_->ForgetTrace(1);
+  swapper_->SetIoHookForTesting(nullptr);
+  pool_->SetLimit(0);
+  swapper_->Trim();
+  swapper_->WaitIdle();
+  pool_->SetLimit(64 * kMiB);
+  for (int i = 0; i < kEach; ++i) ExpectHolds(100 + i, 100 + i);
+  EXPECT_EQ(swapper_->IoOf(1).bytes_in, 0u);
+  EXPECT_EQ(swapper_->IoOf(2).bytes_in, kEach * kMiB);
+}
+
+// A write-out never waits for a heavier trace that is using the disk (that
+// trace may be waiting for the room it makes): with trace 1 (weight 4) reading
+// and trace 2 (weight 1) ahead of it, trace 2's write-out still goes while
+// trace 1's read runs.
+TEST_F(SwapperTest, WriteOutsDoNotWaitForAHeavierTrace) {
+  Make(4 * kMiB, /*prefetch_depth=*/0, /*io_threads=*/2);
+  swapper_->SetIoWeight(1, 4);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 1).ok());
+  for (uint64_t id : {2, 3, 4, 5}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 2).ok());
+  Write(1, 1);
+  pool_->SetLimit(0);
+  swapper_->Trim();
+  swapper_->WaitIdle();
+  pool_->SetLimit(4 * kMiB);
+  for (uint64_t id : {2, 3, 4, 5}) Write(id, static_cast<uint32_t>(id));  // fills the pool
+  // Trace 1's read of block 1 is held running; it needs no room (the pool's
+  // limit allows one more block), but trace 2 is far ahead of it in bytes.
+  pool_->SetLimit(5 * kMiB);
+  absl::Notification reached, release;
+  HoldIo(1, /*write=*/false, &reached, &release);
+  std::thread reader([&] { ExpectHolds(1, 1); });
+  reached.WaitForNotification();
+  // Now room for trace 2 is needed: its write-out goes at once.
+  const uint64_t outs = swapper_->Stats().swap_outs;
+  pool_->SetLimit(4 * kMiB);
+  swapper_->Trim();
+  AwaitTrue([&] { return swapper_->Stats().swap_outs > outs; }, "trace 2's write-out");
+  release.Notify();
+  reader.join();
+}
+
 // A move to the host is not lost behind a prefetch of the same block that
 // was queued first (a prefetch may give up; the move must not).
 TEST_F(SwapperTest, AMoveToTheHostOverridesAQueuedPrefetch) {

@@ -2158,6 +2158,10 @@ TEST(DaemonStartup, EverythingOnNvmeTrainsTheDemoToTheSameLosses) {
                     stats->sessions[0].grads_host_bytes,
                 0u);
       EXPECT_EQ(stats->sessions[0].held, 0u);
+      // Its blocks' traffic: at least its state in and out once a step.
+      EXPECT_GE(stats->sessions[0].nvme_read_bytes, kStateBytes);
+      EXPECT_GE(stats->sessions[0].nvme_write_bytes, kStateBytes);
+      EXPECT_GT(stats->sessions[0].io_queued_nanos, 0);
     }
     return losses.ok() ? *losses : std::vector<double>{};
   };
@@ -2410,6 +2414,8 @@ TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_sessions_opened_total 1")) << res->body;
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_tier_budget_bytes{tier=\"host\"}"));
   EXPECT_TRUE(absl::StrContains(res->body, "name=\"rank0\""));
+  EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_nvme_bytes_total{session="));
+  EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_io_queued_seconds_total{session="));
   EXPECT_TRUE(absl::StrContains(res->body, "# TYPE offloadd_swap_hits_total counter"));
   // Off by default (the banner's last line is the data directory).
   auto plain = DaemonProcess::Start({});

@@ -160,7 +160,9 @@ py::dict StatsDict(const DaemonStats& s) {
         "step_wall_nanos"_a = x.step_wall_nanos, "step_wait_nanos"_a = x.step_wait_nanos,
         "step_compute_nanos"_a = x.step_compute_nanos, "share_weight"_a = x.share_weight,
         "optimizer_params"_a = x.optimizer_params,
-        "optimizer_queued_nanos"_a = x.optimizer_queued_nanos));
+        "optimizer_queued_nanos"_a = x.optimizer_queued_nanos,
+        "nvme_read_bytes"_a = x.nvme_read_bytes, "nvme_write_bytes"_a = x.nvme_write_bytes,
+        "io_queued_nanos"_a = x.io_queued_nanos));
   }
   return py::dict("version"_a = s.version, "pid"_a = s.pid, "uptime_ms"_a = s.uptime_ms,
                   "optimizer"_a = s.optimizer, "counters"_a = counters, "tiers"_a = tiers,
