@@ -47,6 +47,9 @@
 // prefetched. Only uses of NVMe-homed blocks enter a trace: the others are
 // never read in nor evicted, and may vary between iterations where these do
 // not (their Acquires still refill the prefetch window).
+// I/O order: the I/O threads free external pages first, then take swap-ins
+// and write-outs by their blocks' traces' weights (SetIoWeight,
+// fair_queue.h); the mover's prefetches go in the same order.
 // Memory: the pool's limit is never exceeded. Asking to pin more than the
 // pool holds at once is RESOURCE_EXHAUSTED with the numbers.
 //
