@@ -75,6 +75,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -159,6 +160,24 @@ struct Arrays {
   uint16_t* w16;
   float* w32;
   size_t n;
+};
+
+// `n` values of T on page boundaries (zeroed pages, untouched until written).
+template <typename T>
+class PageArray {
+ public:
+  explicit PageArray(size_t n)
+      : memory_(static_cast<T*>(std::aligned_alloc(4096, (n * sizeof(T) + 4095) / 4096 * 4096)),
+                &std::free) {
+    if (memory_ == nullptr) {
+      std::fprintf(stderr, "out of memory for %zu values\n", n);
+      std::exit(1);
+    }
+  }
+  T* data() const { return memory_.get(); }
+
+ private:
+  std::unique_ptr<T, decltype(&std::free)> memory_;
 };
 
 // The working copy a case writes beside the master weights.
@@ -546,14 +565,12 @@ int Main(int argc, char** argv) {
           ++failures;
         }
       }
-      std::vector<float> p(n), m(n), v(n), g32(n);
-      std::vector<uint16_t> g16(n), w16(n);
-      // Aligned, so that its stream writes whole lines around the cache as
-      // the bf16 copy's does (a vector's large block is 16 bytes past a page).
-      std::unique_ptr<float, decltype(&std::free)> w32_memory(
-          static_cast<float*>(std::aligned_alloc(4096, (n * sizeof(float) + 4095) / 4096 * 4096)),
-          &std::free);
-      float* const w32 = w32_memory.get();
+      // On page boundaries, as the daemon's pool and arena give the kernel
+      // its arrays (a vector's large block starts 16 bytes past one, so that
+      // every 64-byte access would span two cache lines).
+      PageArray<float> p(n), m(n), v(n), g32(n), w32_array(n);
+      PageArray<uint16_t> g16(n), w16(n);
+      float* const w32 = w32_array.data();
       {
         tbb::task_arena arena(threads);
         Fill(arena, p.data(), n, 0.5f);
@@ -561,8 +578,8 @@ int Main(int argc, char** argv) {
         Fill(arena, v.data(), n, 0.0f);
         Fill(arena, g32.data(), n, 0.01f);
         Fill(arena, w32, n, 0.0f);
-        std::fill(g16.begin(), g16.end(), FloatToBf16(0.01f));
-        std::fill(w16.begin(), w16.end(), 0);
+        std::fill(g16.data(), g16.data() + n, FloatToBf16(0.01f));
+        std::fill(w16.data(), w16.data() + n, 0);
       }
 
       // Our cases, each with its stream (its bound), and the peer, --rounds

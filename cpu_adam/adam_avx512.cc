@@ -46,9 +46,11 @@ inline __m256i ToBf16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-template <Out W>
+template <Out W, bool kStream = false>
 inline void StoreWorking(void* w, size_t i, __m512 p, __mmask16 mask) {
-  if constexpr (W == Out::kFp32) {
+  if constexpr (W == Out::kFp32 && kStream) {
+    _mm512_stream_ps(static_cast<float*>(w) + i, p);  // a whole aligned vector
+  } else if constexpr (W == Out::kFp32) {
     _mm512_mask_storeu_ps(static_cast<float*>(w) + i, mask, p);
   } else if constexpr (W == Out::kBf16) {
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(w) + i, mask, ToBf16(p));
@@ -80,7 +82,11 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   float* const exp_avg_sq = s.exp_avg_sq;
   const size_t n = s.numel;
 
-  auto body = [&](size_t i, __mmask16 mask) {
+  // kStream: the working copy's vector goes around the cache (whole, aligned
+  // vectors only): nothing reads it back in the step, and a write-allocate
+  // would read each of its lines first.
+  auto body = [&](size_t i, __mmask16 mask, auto stream) {
+    constexpr bool kStream = decltype(stream)::value;
     __m512 g = _mm512_mul_ps(LoadGrad<G>(s.grads, i, mask), grad_scale);
     __m512 p = _mm512_maskz_loadu_ps(mask, master + i);
     if constexpr (kL2) g = _mm512_fmadd_ps(p, l2, g);
@@ -95,12 +101,20 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
     _mm512_mask_storeu_ps(exp_avg + i, mask, m);
     _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);
     _mm512_mask_storeu_ps(master + i, mask, p);
-    StoreWorking<W>(s.working, i, p, mask);
+    StoreWorking<W, kStream>(s.working, i, p, mask);
   };
 
   size_t i = 0;
-  for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff));
-  if (i < n) body(i, static_cast<__mmask16>((1u << (n - i)) - 1u));
+  if constexpr (W == Out::kFp32) {
+    // An fp32 working copy (36 of the step's bytes with its allocate reads,
+    // 32 without) on a 64-byte boundary, as the arena's are.
+    if (reinterpret_cast<uintptr_t>(s.working) % 64 == 0) {
+      for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::true_type{});
+      _mm_sfence();  // ordered before whatever tells others the step is done
+    }
+  }
+  for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::false_type{});
+  if (i < n) body(i, static_cast<__mmask16>((1u << (n - i)) - 1u), std::false_type{});
 }
 
 void AdamAvx512(const AdamStepConstants& c, const AdamSpan& s) {

@@ -2,7 +2,10 @@
 // results over all dtype combinations, odd sizes, unaligned starts and
 // special values (denormals, huge and tiny magnitudes, signed zeros).
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -153,6 +156,43 @@ TEST_P(KernelTest, BitIdenticalToScalarReference) {
     }
   }
   EXPECT_EQ(cases, 3 * 4 * 2 * 2 * 2 * 11 * 3 * 2);
+}
+
+// A working copy on a 64-byte boundary, as the arena's are, takes the
+// kernels' whole-line stores (AVX-512 writes an fp32 one around the cache):
+// the same bits, every dtype, with and without a tail.
+TEST_P(KernelTest, AlignedWorkingCopiesAreBitIdenticalToo) {
+  for (int working : {1, 2, 3}) {
+    for (size_t n : {size_t{16}, size_t{17}, size_t{1000}, size_t{4099}}) {
+      const DType wt = static_cast<DType>(working);
+      auto aligned = [](size_t bytes) {
+        return std::unique_ptr<unsigned char, decltype(&std::free)>(
+            static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)),
+            &std::free);
+      };
+      Buffers ref = MakeBuffers(n, 0, DType::kFp32, static_cast<uint32_t>(n + working), false);
+      Buffers got = ref;
+      auto w_ref = aligned(n * 4), w_got = aligned(n * 4);
+      std::memset(w_ref.get(), 0xAB, n * 4);
+      std::memset(w_got.get(), 0xAB, n * 4);
+      ASSERT_EQ(reinterpret_cast<uintptr_t>(w_got.get()) % 64, 0u);
+      AdamHyperparams h;
+      h.lr = 1e-2f;
+      h.weight_decay = 0.05f;
+      const AdamStepConstants k = ComputeStepConstants(h, 3);
+      AdamScalar(k, {ref.p.data(), ref.m.data(), ref.v.data(), ref.g.data(), DType::kFp32,
+                     w_ref.get(), wt, n});
+      kernels_->adam(k, {got.p.data(), got.m.data(), got.v.data(), got.g.data(), DType::kFp32,
+                         w_got.get(), wt, n});
+      const std::string what = "working=" + std::to_string(working) + " n=" + std::to_string(n);
+      ASSERT_TRUE(SameBits(ref.p.data(), got.p.data(), n * 4, 4)) << what;
+      ASSERT_TRUE(SameBits(w_ref.get(), w_got.get(), n * DTypeSize(wt), DTypeSize(wt))) << what;
+      // Nothing past the copy's end written.
+      ASSERT_TRUE(SameBits(w_ref.get() + n * DTypeSize(wt), w_got.get() + n * DTypeSize(wt),
+                           n * (4 - DTypeSize(wt)), 1))
+          << what;
+    }
+  }
 }
 
 TEST_P(KernelTest, WorkingCopyKeepsNaNAndInfinity) {
