@@ -52,6 +52,8 @@ inline void StoreWorking(void* w, size_t i, __m512 p, __mmask16 mask) {
     _mm512_stream_ps(static_cast<float*>(w) + i, p);  // a whole aligned vector
   } else if constexpr (W == Out::kFp32) {
     _mm512_mask_storeu_ps(static_cast<float*>(w) + i, mask, p);
+  } else if constexpr (W == Out::kBf16 && kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(w) + i), ToBf16(p));
   } else if constexpr (W == Out::kBf16) {
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(w) + i, mask, ToBf16(p));
   } else if constexpr (W == Out::kFp16) {
@@ -105,9 +107,9 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   };
 
   size_t i = 0;
-  if constexpr (W == Out::kFp32) {
-    // An fp32 working copy (36 of the step's bytes with its allocate reads,
-    // 32 without) on a 64-byte boundary, as the arena's are.
+  if constexpr (W == Out::kFp32 || W == Out::kBf16) {
+    // An fp32 or bf16 working copy (4 or 2 bytes a parameter, and as many
+    // again for its allocate reads) on a 64-byte boundary, as the arena's are.
     if (reinterpret_cast<uintptr_t>(s.working) % 64 == 0) {
       for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::true_type{});
       _mm_sfence();  // ordered before whatever tells others the step is done
