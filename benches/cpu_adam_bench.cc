@@ -162,7 +162,8 @@ struct Arrays {
   size_t n;
 };
 
-// `n` values of T on page boundaries (zeroed pages, untouched until written).
+// `n` values of T on page boundaries (uninitialised: every array is filled
+// before use).
 template <typename T>
 class PageArray {
  public:

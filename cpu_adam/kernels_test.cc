@@ -159,8 +159,9 @@ TEST_P(KernelTest, BitIdenticalToScalarReference) {
 }
 
 // A working copy on a 64-byte boundary, as the arena's are, takes the
-// kernels' whole-line stores (AVX-512 writes an fp32 one around the cache):
-// the same bits, every dtype, with and without a tail.
+// kernels' whole-line stores (AVX-512 writes fp32 and bf16 ones around the
+// cache): the same bits, every dtype, with and without a tail, and nothing
+// written past its end.
 TEST_P(KernelTest, AlignedWorkingCopiesAreBitIdenticalToo) {
   for (int working : {1, 2, 3}) {
     for (size_t n : {size_t{16}, size_t{17}, size_t{1000}, size_t{4099}}) {
@@ -172,9 +173,10 @@ TEST_P(KernelTest, AlignedWorkingCopiesAreBitIdenticalToo) {
       };
       Buffers ref = MakeBuffers(n, 0, DType::kFp32, static_cast<uint32_t>(n + working), false);
       Buffers got = ref;
-      auto w_ref = aligned(n * 4), w_got = aligned(n * 4);
-      std::memset(w_ref.get(), 0xAB, n * 4);
-      std::memset(w_got.get(), 0xAB, n * 4);
+      const size_t bytes = n * 4 + 128;  // and two lines past the largest copy
+      auto w_ref = aligned(bytes), w_got = aligned(bytes);
+      std::memset(w_ref.get(), 0xAB, bytes);
+      std::memset(w_got.get(), 0xAB, bytes);
       ASSERT_EQ(reinterpret_cast<uintptr_t>(w_got.get()) % 64, 0u);
       AdamHyperparams h;
       h.lr = 1e-2f;
@@ -187,9 +189,9 @@ TEST_P(KernelTest, AlignedWorkingCopiesAreBitIdenticalToo) {
       const std::string what = "working=" + std::to_string(working) + " n=" + std::to_string(n);
       ASSERT_TRUE(SameBits(ref.p.data(), got.p.data(), n * 4, 4)) << what;
       ASSERT_TRUE(SameBits(w_ref.get(), w_got.get(), n * DTypeSize(wt), DTypeSize(wt))) << what;
-      // Nothing past the copy's end written.
+      // Nothing past the copy's end written (the reference writes none).
       ASSERT_TRUE(SameBits(w_ref.get() + n * DTypeSize(wt), w_got.get() + n * DTypeSize(wt),
-                           n * (4 - DTypeSize(wt)), 1))
+                           bytes - n * DTypeSize(wt), 1))
           << what;
     }
   }

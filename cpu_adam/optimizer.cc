@@ -124,7 +124,8 @@ std::vector<Optimizer::Tile> Optimizer::MakeTiles(absl::Span<const AdamTask> tas
 }
 
 std::vector<Optimizer::Tile> Optimizer::MakeTilesOf(absl::Span<const uint64_t> numels) const {
-  const size_t tile = static_cast<size_t>(tile_elems_);
+  // (On whole cache lines of fp32 and 16-bit arrays: optimizer_options.h.)
+  const size_t tile = static_cast<size_t>(tile_elems_) / 32 * 32;
   std::vector<Tile> tiles;
   for (size_t i = 0; i < numels.size(); ++i) {
     for (size_t b = 0; b < numels[i]; b += tile) {
