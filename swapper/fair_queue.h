@@ -60,7 +60,7 @@ class FairQueue {
   }
   int64_t weight(uint64_t flow) const {
     auto it = flows_.find(flow);
-    return it == flows_.end() || it->second.forgotten ? 1 : it->second.weight;
+    return it == flows_.end() ? 1 : it->second.weight;  // (Forget sets 1)
   }
   // The flow's weight and history go (once its items have left and ended).
   void Forget(uint64_t flow) {

@@ -885,8 +885,7 @@ void Swapper::EvictLocked(Block* b) {
   b->write_version = b->version;
   freeing_bytes_ += ChargedOf(*b);
   ++writes_in_flight_;
-  QueueIoLocked(*b, /*is_write=*/true,
-                [this, id = b->id](HostMemory& staging) { RunIo(id, /*is_write=*/true, staging); });
+  QueueIoLocked(*b, /*is_write=*/true);
 }
 
 absl::Status Swapper::StartReadLocked(Block* b) {
@@ -904,9 +903,7 @@ absl::Status Swapper::StartReadLocked(Block* b) {
   }
   b->state = BlockState::kReadingIn;
   ++reads_in_flight_;
-  QueueIoLocked(*b, /*is_write=*/false, [this, id = b->id](HostMemory& staging) {
-    RunIo(id, /*is_write=*/false, staging);
-  });
+  QueueIoLocked(*b, /*is_write=*/false);
   return absl::OkStatus();
 }
 
@@ -942,9 +939,11 @@ void Swapper::SchedulePrefetchLocked(uint64_t trace) {
   changed_.SignalAll();
 }
 
-void Swapper::QueueIoLocked(const Block& b, bool is_write, IoTask task) {
-  io_queue_.Push(b.trace, b.bytes, std::move(task), std::chrono::steady_clock::now(),
-                 /*may_wait=*/!is_write);
+void Swapper::QueueIoLocked(const Block& b, bool is_write) {
+  io_queue_.Push(
+      b.trace, b.bytes,
+      [this, id = b.id, is_write](HostMemory& staging) { RunIo(id, is_write, staging); },
+      std::chrono::steady_clock::now(), /*may_wait=*/!is_write);
   io_work_.Signal();
   changed_.SignalAll();
 }

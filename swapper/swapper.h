@@ -378,10 +378,10 @@ class Swapper {
   // An I/O thread's work; `staging` is the thread's staging buffer (empty
   // until first needed).
   using IoTask = std::function<void(HostMemory& staging)>;
-  // Queues `b`'s swap-in or write-out, its bytes counted to its trace (a
-  // write-out never waits for a heavier trace: that trace may be waiting
-  // for the room it makes).
-  void QueueIoLocked(const Block& b, bool is_write, IoTask task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues `b`'s swap-in or write-out (RunIo), its bytes counted to its
+  // trace (a write-out never waits for a heavier trace: that trace may be
+  // waiting for the room it makes).
+  void QueueIoLocked(const Block& b, bool is_write) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunIo(BlockId id, bool is_write, HostMemory& staging) ABSL_LOCKS_EXCLUDED(mu_);
   // The block's bytes to or from NVMe through `staging` and its file.
   absl::Status StagedIo(BlockId id, int fd, uint64_t file_offset, uint64_t bytes, uint64_t* extent,
