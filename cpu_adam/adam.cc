@@ -92,6 +92,10 @@ AdamStepConstants ComputeStepConstants(const AdamHyperparams& h, uint64_t step) 
   c.one_minus_beta2 = static_cast<float>(1.0 - b2);
   c.neg_step_size = static_cast<float>(-(lr / bc1));
   c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  // beta2 < 1 keeps bc2 >= 1.1e-16 (its square root >= 1e-8); the range
+  // check is the kernels' precondition (adam.h), not a case that occurs.
+  const float b = c.bias_correction2_sqrt;
+  c.inv_bias_correction2_sqrt = b >= 0x1p-30f && b <= 1.0f ? 1.0f / b : 0.0f;
   c.eps = static_cast<float>(h.eps);
   c.decay_factor = h.decoupled_weight_decay ? static_cast<float>(1.0 - lr * h.weight_decay) : 1.0f;
   c.l2 = h.decoupled_weight_decay ? 0.0f : static_cast<float>(h.weight_decay);

@@ -37,6 +37,9 @@ struct AdamStepConstants {
   float one_minus_beta2;
   float neg_step_size;          // -lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  // 1 / bias_correction2_sqrt rounded to float, or 0 where the vector
+  // kernels must divide (see AdamScalar).
+  float inv_bias_correction2_sqrt;
   float eps;
   float decay_factor;  // AdamW: 1 - lr * wd; else 1
   float l2;            // Adam: wd; else 0
@@ -71,6 +74,16 @@ struct AdamSpan {
 //   d = sqrt(v) / bias_correction2_sqrt + eps
 //   p = p + (neg_step_size * m) / d
 //   working = round(p)                           (if requested)
+// The vector kernels divide by bias_correction2_sqrt (b, a constant) without
+// a divide instruction where inv_bias_correction2_sqrt (y = RN(1/b)) is set:
+// q = a * y, r = fma(-q, b, a) (exact), q' = fma(r, y, q) is RN(a/b) for
+// every a (Markstein's theorem for y = RN(1/b); checked over every float
+// significand for the divisors in kernels_test), where no step underflows or
+// overflows: ComputeStepConstants sets y only for b in [2^-30, 1], and
+// a = sqrt(v) lies in [2^-75, 2^64]. Inf and NaN take q (r is NaN there);
+// a = -0 gives +0, which the + eps that follows makes equal.
+// One divide instead of two: the divider, not memory, bounds one thread's
+// step on the machines measured (benches/RESULTS.md, cpu_adam).
 void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 
 // Number of NaN or infinite values among `n` gradients of `dtype`.

@@ -77,6 +77,8 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m256 omb2 = _mm256_set1_ps(c.one_minus_beta2);
   const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
   const __m256 bc2 = _mm256_set1_ps(c.bias_correction2_sqrt);
+  const __m256 inv_bc2 = _mm256_set1_ps(c.inv_bias_correction2_sqrt);
+  const bool divide = c.inv_bias_correction2_sqrt == 0.0f;
   const __m256 eps = _mm256_set1_ps(c.eps);
   const __m256 decay = _mm256_set1_ps(c.decay_factor);
   const __m256 l2 = _mm256_set1_ps(c.l2);
@@ -90,7 +92,16 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
     const __m256 m = _mm256_fmadd_ps(g, omb1, _mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), beta1));
     const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
                                      _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    const __m256 root = _mm256_sqrt_ps(v);
+    __m256 scaled;  // root / bc2, correctly rounded (adam.h)
+    if (divide) {
+      scaled = _mm256_div_ps(root, bc2);
+    } else {
+      const __m256 q = _mm256_mul_ps(root, inv_bc2);
+      const __m256 r = _mm256_fnmadd_ps(q, bc2, root);
+      scaled = _mm256_blendv_ps(q, _mm256_fmadd_ps(r, inv_bc2, q), _mm256_cmp_ps(r, r, _CMP_ORD_Q));
+    }
+    const __m256 denom = _mm256_add_ps(scaled, eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(exp_avg + i, m);
     _mm256_storeu_ps(exp_avg_sq + i, v);

@@ -76,6 +76,8 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m512 omb2 = _mm512_set1_ps(c.one_minus_beta2);
   const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
   const __m512 bc2 = _mm512_set1_ps(c.bias_correction2_sqrt);
+  const __m512 inv_bc2 = _mm512_set1_ps(c.inv_bias_correction2_sqrt);
+  const bool divide = c.inv_bias_correction2_sqrt == 0.0f;
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __m512 decay = _mm512_set1_ps(c.decay_factor);
   const __m512 l2 = _mm512_set1_ps(c.l2);
@@ -98,7 +100,16 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
     const __m512 v =
         _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
                         _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg_sq + i), beta2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+    const __m512 root = _mm512_sqrt_ps(v);
+    __m512 scaled;  // root / bc2, correctly rounded (adam.h)
+    if (divide) {
+      scaled = _mm512_div_ps(root, bc2);
+    } else {
+      const __m512 q = _mm512_mul_ps(root, inv_bc2);
+      const __m512 r = _mm512_fnmadd_ps(q, bc2, root);
+      scaled = _mm512_mask3_fmadd_ps(r, inv_bc2, q, _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q));
+    }
+    const __m512 denom = _mm512_add_ps(scaled, eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_mask_storeu_ps(exp_avg + i, mask, m);
     _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);

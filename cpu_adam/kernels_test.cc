@@ -1,6 +1,7 @@
 // Every vectorised kernel against the scalar reference: bit-identical
 // results over all dtype combinations, odd sizes, unaligned starts and
 // special values (denormals, huge and tiny magnitudes, signed zeros).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -219,6 +220,67 @@ TEST_P(KernelTest, WorkingCopyKeepsNaNAndInfinity) {
         EXPECT_EQ(w[i], w2[i]) << "working " << working << " value " << p[i];
       }
     }
+  }
+}
+
+// The vector kernels divide sqrt(v) by bias_correction2_sqrt with its
+// reciprocal and two multiply-adds (adam.h). For the divisors of real steps,
+// every float significand of sqrt(v) (v over every float in [1, 4)) and the
+// special values: the denominator must equal sqrt(v) / b rounded once. The
+// constants are set so that it shows: gradients 0, beta1 = beta2 = 1 (m and
+// v pass through), eps too small to change a sum, p = 0 and -lr = -1, and m
+// the expected denominator, so p comes out -1 exactly where the kernel's
+// denominator is that one (x / y is 1 only for y == x).
+TEST_P(KernelTest, ScaledRootIsSqrtOverBiasCorrectionRoundedOnce) {
+  std::vector<AdamStepConstants> divisors;
+  for (double beta2 : {0.999, 0.95, 0.99999}) {
+    for (uint64_t step : {1, 2, 3, 10, 777, 5000}) {
+      AdamHyperparams h;
+      h.beta2 = beta2;
+      divisors.push_back(ComputeStepConstants(h, step));
+      ASSERT_NE(divisors.back().inv_bias_correction2_sqrt, 0.0f) << beta2 << " " << step;
+    }
+  }
+  divisors.push_back(divisors[0]);
+  divisors.back().inv_bias_correction2_sqrt = 0.0f;  // the divide, where y is not set
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::vector<float> p(kChunk), m(kChunk), v(kChunk), g(kChunk, 0.0f);
+  for (AdamStepConstants k : divisors) {
+    k.grad_scale = 1.0f;
+    k.beta1 = k.beta2 = 1.0f;
+    k.one_minus_beta1 = k.one_minus_beta2 = 0.0f;
+    k.neg_step_size = -1.0f;
+    k.eps = 0x1p-100f;
+    k.decay_factor = 1.0f;
+    k.l2 = 0.0f;
+    const float b = k.bias_correction2_sqrt;
+    const uint32_t first = FloatBits(1.0f), end = FloatBits(4.0f);
+    for (uint32_t at = first; at < end; at += kChunk) {
+      const size_t n = std::min<size_t>(kChunk, end - at);
+      for (size_t i = 0; i < n; ++i) {
+        v[i] = BitsToFloat(static_cast<uint32_t>(at + i));
+        m[i] = std::sqrt(v[i]) / b;
+        p[i] = 0.0f;
+      }
+      kernels_->adam(
+          k, {p.data(), m.data(), v.data(), g.data(), DType::kFp32, nullptr, DType::kFp32, n});
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(p[i], -1.0f) << "v=" << v[i] << " b=" << b
+                               << " y=" << k.inv_bias_correction2_sqrt;
+      }
+    }
+    // Special values against the reference: 0, -0, the smallest and
+    // largest v, infinity, NaN.
+    const float specials[] = {0.0f,  -0.0f,  1e-45f, 1e-38f, 3.4e38f, INFINITY, NAN, 1.0f, 2.0f,
+                              0.25f, 1e-20f, 1e20f,  1e-45f, 0.0f,    INFINITY, NAN, 7.0f};
+    const size_t n = sizeof(specials) / sizeof(specials[0]);
+    std::vector<float> p2(n, 0.5f), m2(n, 1.0f), v2(specials, specials + n), g2(n, 0.0f);
+    std::vector<float> p3 = p2, m3 = m2, v3 = v2;
+    AdamScalar(
+        k, {p2.data(), m2.data(), v2.data(), g2.data(), DType::kFp32, nullptr, DType::kFp32, n});
+    kernels_->adam(
+        k, {p3.data(), m3.data(), v3.data(), g2.data(), DType::kFp32, nullptr, DType::kFp32, n});
+    ASSERT_TRUE(SameBits(p2.data(), p3.data(), n * 4, 4)) << "b=" << b;
   }
 }
 
