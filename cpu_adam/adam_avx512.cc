@@ -77,57 +77,68 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m512 neg_step_size = _mm512_set1_ps(c.neg_step_size);
   const __m512 bc2 = _mm512_set1_ps(c.bias_correction2_sqrt);
   const __m512 inv_bc2 = _mm512_set1_ps(c.inv_bias_correction2_sqrt);
-  const bool divide = c.inv_bias_correction2_sqrt == 0.0f;
   const __m512 eps = _mm512_set1_ps(c.eps);
   const __m512 decay = _mm512_set1_ps(c.decay_factor);
   const __m512 l2 = _mm512_set1_ps(c.l2);
   float* const master = s.master;
   float* const exp_avg = s.exp_avg;
   float* const exp_avg_sq = s.exp_avg_sq;
+  const void* const grads = s.grads;
+  void* const working = s.working;
   const size_t n = s.numel;
 
-  // kStream: the working copy's vector goes around the cache (whole, aligned
-  // vectors only): nothing reads it back in the step, and a write-allocate
-  // would read each of its lines first.
-  auto body = [&](size_t i, __mmask16 mask, auto stream) {
-    constexpr bool kStream = decltype(stream)::value;
-    __m512 g = _mm512_mul_ps(LoadGrad<G>(s.grads, i, mask), grad_scale);
-    __m512 p = _mm512_maskz_loadu_ps(mask, master + i);
-    if constexpr (kL2) g = _mm512_fmadd_ps(p, l2, g);
-    p = _mm512_mul_ps(p, decay);
-    const __m512 m =
-        _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg + i), beta1));
-    const __m512 v =
-        _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
-                        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg_sq + i), beta2));
-    const __m512 root = _mm512_sqrt_ps(v);
-    __m512 scaled;  // root / bc2, correctly rounded (adam.h)
-    if (divide) {
-      scaled = _mm512_div_ps(root, bc2);
-    } else {
-      const __m512 q = _mm512_mul_ps(root, inv_bc2);
-      const __m512 r = _mm512_fnmadd_ps(q, bc2, root);
-      scaled = _mm512_mask3_fmadd_ps(r, inv_bc2, q, _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q));
-    }
-    const __m512 denom = _mm512_add_ps(scaled, eps);
-    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
-    _mm512_mask_storeu_ps(exp_avg + i, mask, m);
-    _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);
-    _mm512_mask_storeu_ps(master + i, mask, p);
-    StoreWorking<W, kStream>(s.working, i, p, mask);
-  };
+  // kDivide: root / bc2 with a divide where the constants have no reciprocal
+  // for it (adam.h). kStream: the working copy's vector goes around the cache
+  // (whole, aligned vectors only): nothing reads it back in the step, and a
+  // write-allocate would read each of its lines first. Both are template
+  // arguments so that the loops carry no test of them.
+  auto run = [&](auto divide) {
+    constexpr bool kDivide = decltype(divide)::value;
+    auto body = [&](size_t i, __mmask16 mask, auto stream) {
+      constexpr bool kStream = decltype(stream)::value;
+      __m512 g = _mm512_mul_ps(LoadGrad<G>(grads, i, mask), grad_scale);
+      __m512 p = _mm512_maskz_loadu_ps(mask, master + i);
+      if constexpr (kL2) g = _mm512_fmadd_ps(p, l2, g);
+      p = _mm512_mul_ps(p, decay);
+      const __m512 m =
+          _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg + i), beta1));
+      const __m512 v =
+          _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, exp_avg_sq + i), beta2));
+      const __m512 root = _mm512_sqrt_ps(v);
+      __m512 scaled;  // root / bc2, correctly rounded (adam.h)
+      if constexpr (kDivide) {
+        scaled = _mm512_div_ps(root, bc2);
+      } else {
+        const __m512 q = _mm512_mul_ps(root, inv_bc2);
+        const __m512 r = _mm512_fnmadd_ps(q, bc2, root);
+        scaled = _mm512_mask3_fmadd_ps(r, inv_bc2, q, _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q));
+      }
+      const __m512 denom = _mm512_add_ps(scaled, eps);
+      p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
+      _mm512_mask_storeu_ps(exp_avg + i, mask, m);
+      _mm512_mask_storeu_ps(exp_avg_sq + i, mask, v);
+      _mm512_mask_storeu_ps(master + i, mask, p);
+      StoreWorking<W, kStream>(working, i, p, mask);
+    };
 
-  size_t i = 0;
-  if constexpr (W == Out::kFp32 || W == Out::kBf16) {
-    // An fp32 or bf16 working copy (4 or 2 bytes a parameter, and as many
-    // again for its allocate reads) on a 64-byte boundary, as the arena's are.
-    if (reinterpret_cast<uintptr_t>(s.working) % 64 == 0) {
-      for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::true_type{});
-      _mm_sfence();  // ordered before whatever tells others the step is done
+    size_t i = 0;
+    if constexpr (W == Out::kFp32 || W == Out::kBf16) {
+      // An fp32 or bf16 working copy (4 or 2 bytes a parameter, and as many
+      // again for its allocate reads) on a 64-byte boundary, as the arena's are.
+      if (reinterpret_cast<uintptr_t>(working) % 64 == 0) {
+        for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::true_type{});
+        _mm_sfence();  // ordered before whatever tells others the step is done
+      }
     }
+    for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::false_type{});
+    if (i < n) body(i, static_cast<__mmask16>((1u << (n - i)) - 1u), std::false_type{});
+  };
+  if (c.inv_bias_correction2_sqrt == 0.0f) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
   }
-  for (; i + 16 <= n; i += 16) body(i, static_cast<__mmask16>(0xffff), std::false_type{});
-  if (i < n) body(i, static_cast<__mmask16>((1u << (n - i)) - 1u), std::false_type{});
 }
 
 void AdamAvx512(const AdamStepConstants& c, const AdamSpan& s) {
