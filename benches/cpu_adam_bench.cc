@@ -37,13 +37,15 @@
 // non-finite count, nothing written: 2 bytes per parameter).
 //
 // The peer is DeepSpeed's CPU Adam (DeepSpeedCPUAdam's C++ op, built from
-// its unmodified sources with its CPU op builder's flags), timed by the
-// harness in --peer (default: ../shared/peers/deepspeed_cpu_adam from the
-// repository root; see its README.md) in a child process with
-// OMP_NUM_THREADS=T. For each thread count and size, our cases and the peer
-// run --rounds times in alternating order, and each reports its best round,
-// so both see the same machine. Same hyperparameters and values on both
-// sides. What is compared ("vs DS"):
+// its unmodified sources with its CPU op builder's flags by the harness in
+// --peer (default: ../shared/peers/deepspeed_cpu_adam from the repository
+// root; see its README.md), timed by benches/ds_peer.py in one child process
+// per thread count and size with OMP_NUM_THREADS=T. Each round times every
+// case of ours and its peer's case back to back (the order alternating by
+// round), so that each pair sees the same phase of a machine whose memory
+// bandwidth drifts over minutes; "vs DS" is the median of the rounds' ratios
+// (each printed below the table), the rates each side's best round. Same
+// hyperparameters and values on both sides. What is compared ("vs DS"):
 //   "fp32 grads" with DeepSpeed fp32: the same work, fp32 params, grads and
 //       moments updated in place, 28 bytes per parameter on both sides;
 //   "bf16 grads" with DeepSpeed bf16 (marked *): not the same work.
@@ -54,7 +56,7 @@
 //       updated and the bf16 working copy written, for a step of bf16
 //       training. DeepSpeed's ZeRO-3 runs its Adam on fp32 gradients and then
 //       copies the fp32 parameters into the bf16 ones (stage3.py;
-//       benches/ds_zero3_step.py times it with the harness's op and torch's
+//       benches/ds_peer.py times it with the harness's op and torch's
 //       copy_): 36 bytes; ours 30 (28 where the copy goes around the cache),
 //       from bf16 gradients, the copy written in the same pass. DeepSpeed's
 //       unscale-and-clip pass is left out.
@@ -109,7 +111,7 @@ struct Flags {
   int reps = 5;
   std::string kernel = "auto";
   bool torch = true;
-  int rounds = 3;    // each runs our cases and the peer, in alternating order
+  int rounds = 3;    // each times our cases, each beside its peer's
   std::string peer;  // the peer's directory; empty: the default; "none": skip
 };
 
@@ -348,7 +350,7 @@ double TorchSeconds(size_t n, int threads, int reps) {
   return t;
 }
 
-// The peer's cases, as its run.sh names them, in the order RunPeer returns.
+// The peer's cases, as benches/ds_peer.py names them.
 struct PeerCase {
   const char* name;   // run.sh --cases
   const char* label;  // our table's row
@@ -363,7 +365,7 @@ constexpr PeerCase kPeerCases[] = {
 };
 constexpr int kPeerFp32 = 0;
 constexpr int kPeerBf16 = 1;
-constexpr int kPeerZero3 = 2;      // benches/ds_zero3_step.py, bf16
+constexpr int kPeerZero3 = 2;      // ZeRO-3's step (benches/ds_peer.py), bf16
 constexpr int kPeerZero3Fp32 = 3;  // the same, fp32
 constexpr int kNoPeer = -1;
 
@@ -420,72 +422,113 @@ std::string ShellQuote(absl::string_view s) {
   return out + "'";
 }
 
-// Runs the peer's harness once for one size and thread count, then its
-// ZeRO-3 step (benches/ds_zero3_step.py, with the op the harness built), and
-// returns its rate per kPeerCases entry (-1 for the ZeRO-3 step where that
-// script failed: said, and the harness's own cases kept), or why the harness
-// could not run.
-absl::StatusOr<PeerRates> RunPeer(const std::string& dir, size_t n, int threads, int reps) {
-  PeerRates rates;
-  rates.fill(-1);
-  // Runs `cmd`, takes the result lines, returns the last other line (the
-  // error, if any) and the exit status.
-  auto run = [&](const std::string& cmd, std::string* other) -> int {
-    FILE* pipe = popen(cmd.c_str(), "r");
-    if (pipe == nullptr) {
-      *other = absl::StrCat("popen: ", std::strerror(errno));
-      return -1;
+// The peer's cases (benches/ds_peer.py) in one child process for one size
+// and thread count: each Measure times one case there, the best of `reps`
+// steps after one, so that the bench can time each of its cases and the
+// matching one of the peer back to back.
+class PeerServer {
+ public:
+  // Starts ds_peer.py with OMP_NUM_THREADS=threads and waits for it to be
+  // ready (it has built or loaded the peer's op).
+  static absl::StatusOr<std::unique_ptr<PeerServer>> Start(const std::string& dir, size_t n,
+                                                           int threads) {
+    const char* python = std::getenv("PYTHON");  // as run.sh honours it
+    const std::string interpreter =
+        python != nullptr && *python != '\0' ? python : "/usr/bin/python3";
+    const std::string script = RepoRoot() + "/benches/ds_peer.py";
+    int to_child[2], from_child[2];
+    if (pipe(to_child) != 0) return absl::InternalError(std::strerror(errno));
+    if (pipe(from_child) != 0) {
+      close(to_child[0]);
+      close(to_child[1]);
+      return absl::InternalError(std::strerror(errno));
     }
-    char buf[4096];
-    while (std::fgets(buf, sizeof(buf), pipe) != nullptr) {
-      const absl::string_view line = absl::StripAsciiWhitespace(buf);
+    const std::string omp = absl::StrCat("OMP_NUM_THREADS=", threads);
+    const std::vector<std::string> args = {interpreter, script, "--peer=" + dir,
+                                           absl::StrCat("--n=", n),
+                                           absl::StrCat("--threads=", threads)};
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError(std::strerror(errno));
+    if (pid == 0) {
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      dup2(from_child[1], 2);
+      close(to_child[0]);
+      close(to_child[1]);
+      close(from_child[0]);
+      close(from_child[1]);
+      putenv(const_cast<char*>(omp.c_str()));
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    auto server = std::unique_ptr<PeerServer>(new PeerServer(
+        pid, fdopen(to_child[1], "w"), fdopen(from_child[0], "r"), n, threads, script));
+    std::string line;
+    while (server->ReadLine(&line)) {
+      if (line == "ready") return server;
+      server->last_other_ = line;
+    }
+    return server->Failed("started");
+  }
+
+  ~PeerServer() {
+    std::fclose(in_);  // the child's stdin: it exits at end of input
+    std::fclose(out_);
+    int status;
+    waitpid(pid_, &status, 0);
+  }
+
+  // Params/s of one kPeerCases entry: the best of `reps` steps after one.
+  absl::StatusOr<double> Measure(int peer_case, int reps) {
+    const char* name = kPeerCases[peer_case].name;
+    std::fprintf(in_, "%s %d\n", name, reps);
+    std::fflush(in_);
+    std::string line;
+    while (ReadLine(&line)) {
       // deepspeed_cpu_adam CASE n=N threads=T Gparam/s=X
       const std::vector<absl::string_view> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
-      bool result = false;
-      if (w.size() == 5 && w[0] == "deepspeed_cpu_adam" && w[2] == absl::StrCat("n=", n) &&
-          w[3] == absl::StrCat("threads=", threads) && absl::StartsWith(w[4], "Gparam/s=")) {
-        for (size_t k = 0; k < std::size(kPeerCases); ++k) {
-          double g;
-          if (w[1] == kPeerCases[k].name && absl::SimpleAtod(w[4].substr(9), &g) && g > 0) {
-            rates[k] = g * 1e9;
-            result = true;
-          }
-        }
+      double g;
+      if (w.size() == 5 && w[0] == "deepspeed_cpu_adam" && w[1] == name &&
+          w[2] == absl::StrCat("n=", n_) && w[3] == absl::StrCat("threads=", threads_) &&
+          absl::StartsWith(w[4], "Gparam/s=") && absl::SimpleAtod(w[4].substr(9), &g) && g > 0) {
+        return g * 1e9;
       }
-      if (!result && !line.empty()) *other = std::string(line);
+      last_other_ = line;
+      if (absl::StartsWith(line, "error ")) break;
     }
-    return pclose(pipe);
-  };
-  auto failed = [](const std::string& what, int rc, const std::string& other) {
-    return absl::StrCat(
-        what, " ",
-        rc != 0 ? absl::StrCat("exited with status ", WIFEXITED(rc) ? WEXITSTATUS(rc) : rc)
-                : "printed no result",
-        other.empty() ? "" : ": ", other);
-  };
-  std::string other;
-  const int rc = run(absl::StrCat(ShellQuote(dir + "/run.sh"), " --n ", n, " --threads ", threads,
-                                  " --reps ", reps, " --cases fp32,bf16 2>&1"),
-                     &other);
-  if (rc != 0 || rates[kPeerFp32] <= 0 || rates[kPeerBf16] <= 0) {
-    return absl::UnavailableError(failed(dir + "/run.sh", rc, other));
+    return Failed(absl::StrCat("asked for ", name));
   }
-  // The same interpreter as the harness's (run.sh honours $PYTHON).
-  const char* python = std::getenv("PYTHON");
-  const std::string script = RepoRoot() + "/benches/ds_zero3_step.py";
-  other.clear();
-  const int zrc = run(
-      absl::StrCat("OMP_NUM_THREADS=", threads, " ",
-                   ShellQuote(python != nullptr && *python != '\0' ? python : "/usr/bin/python3"),
-                   " ", ShellQuote(script), " --peer ", ShellQuote(dir), " --n ", n, " --threads ",
-                   threads, " --reps ", reps, " 2>&1"),
-      &other);
-  if (zrc != 0 || rates[kPeerZero3] <= 0 || rates[kPeerZero3Fp32] <= 0) {
-    // (What it printed before failing is kept.)
-    std::printf("peer's ZeRO-3 steps: %s\n", failed(script, zrc, other).c_str());
+
+ private:
+  PeerServer(pid_t pid, FILE* in, FILE* out, size_t n, int threads, std::string script)
+      : pid_(pid), in_(in), out_(out), n_(n), threads_(threads), script_(std::move(script)) {}
+
+  bool ReadLine(std::string* line) {
+    char buf[4096];
+    if (std::fgets(buf, sizeof(buf), out_) == nullptr) return false;
+    *line = std::string(absl::StripAsciiWhitespace(buf));
+    return true;
   }
-  return rates;
-}
+
+  absl::Status Failed(absl::string_view when) const {
+    return absl::UnavailableError(absl::StrCat(script_, " ", when, ", then gave no result",
+                                               last_other_.empty() ? "" : ": ", last_other_));
+  }
+
+  pid_t pid_;
+  FILE* in_;
+  FILE* out_;
+  size_t n_;
+  int threads_;
+  std::string script_;
+  std::string last_other_;  // the last line that was not a result (an error)
+};
 
 // The peer's directory, or empty after printing why it is skipped. An
 // explicit --peer=PATH that cannot run is an error (*error set).
@@ -507,8 +550,31 @@ std::string FindPeer(const Flags& f, bool* error) {
   }
   std::printf("peer DeepSpeed cpu_adam: %s (building its extension unless cached: a minute)\n",
               dir.c_str());
-  if (absl::StatusOr<PeerRates> r = RunPeer(dir, 1000, 1, 1); !r.ok()) {
-    std::printf("%s %s\n", skipped, std::string(r.status().message()).c_str());
+  // The harness builds the op (and says which Debian package is missing);
+  // then the server times one step of each case.
+  std::string last;
+  FILE* pipe = popen(
+      absl::StrCat(ShellQuote(dir + "/run.sh"), " --n 1000 --threads 1 --reps 1 --cases fp32 2>&1")
+          .c_str(),
+      "r");
+  char buf2[4096];
+  while (pipe != nullptr && std::fgets(buf2, sizeof(buf2), pipe) != nullptr) {
+    if (!absl::StripAsciiWhitespace(buf2).empty())
+      last = std::string(absl::StripAsciiWhitespace(buf2));
+  }
+  const int rc = pipe == nullptr ? -1 : pclose(pipe);
+  absl::Status ok = absl::OkStatus();
+  if (rc != 0) {
+    ok = absl::UnavailableError(absl::StrCat(dir, "/run.sh failed: ", last));
+  } else if (auto server = PeerServer::Start(dir, 1000, 1); !server.ok()) {
+    ok = server.status();
+  } else {
+    for (size_t k = 0; k < std::size(kPeerCases) && ok.ok(); ++k) {
+      ok = (*server)->Measure(static_cast<int>(k), 1).status();
+    }
+  }
+  if (!ok.ok()) {
+    std::printf("%s %s\n", skipped, std::string(ok.message()).c_str());
     *error = !f.peer.empty();
     return "";
   }
@@ -598,35 +664,46 @@ int Main(int argc, char** argv) {
         std::fill(w16.data(), w16.data() + n, 0);
       }
 
-      // Our cases, each with its stream (its bound), and the peer, --rounds
-      // times in alternating order; each keeps its best round.
+      // Our cases, each with its stream (its bound) and its peer's case,
+      // --rounds times; each keeps its best round.
       std::vector<double> best(std::size(kCases), 1e30);         // seconds
       std::vector<double> stream_best(std::size(kCases), 1e30);  // seconds
       tbb::task_arena stream_arena(threads);
       const Arrays arrays{p.data(),   m.data(),   v.data(),   g32.data(),
                           g16.data(), w16.data(), w32.data(), n};
-      PeerRates peer_rate;
+      PeerRates peer_rate;  // its best round per case
       peer_rate.fill(-1);
-      bool peer_ok = !peer.empty();
-      auto run_peer = [&] {
-        if (!peer_ok) return;
-        absl::StatusOr<PeerRates> r = RunPeer(peer, n, threads, f.reps);
+      // Per case: our rate over the peer's, each round (the two timed back
+      // to back).
+      std::vector<std::vector<double>> round_ratios(std::size(kCases));
+      std::unique_ptr<PeerServer> server;
+      if (!peer.empty()) {
+        absl::StatusOr<std::unique_ptr<PeerServer>> s = PeerServer::Start(peer, n, threads);
+        if (s.ok()) {
+          server = *std::move(s);
+        } else {
+          std::printf("peer failed: %s\n", std::string(s.status().message()).c_str());
+          ++failures;
+        }
+      }
+      // The peer's rate for its case `k` this round, or -1.
+      auto run_peer = [&](int k) {
+        if (server == nullptr || k == kNoPeer) return -1.0;
+        absl::StatusOr<double> r = server->Measure(k, f.reps);
         if (!r.ok()) {
           std::printf("peer failed: %s\n", std::string(r.status().message()).c_str());
           ++failures;
-          peer_ok = false;
-          peer_rate.fill(-1);
-          return;
+          server.reset();
+          return -1.0;
         }
-        for (size_t k = 0; k < peer_rate.size(); ++k) {
-          peer_rate[k] = std::max(peer_rate[k], (*r)[k]);
-        }
+        peer_rate[k] = std::max(peer_rate[k], *r);
+        return *r;
       };
       for (int round = 0; round < f.rounds; ++round) {
         const bool peer_first = round % 2 == 1;
-        if (peer_first) run_peer();
         for (size_t ci = 0; ci < std::size(kCases); ++ci) {
           const Case& c = kCases[ci];
+          double theirs = peer_first ? run_peer(c.peer) : -1;
           OptimizerOptions o;
           o.threads = threads;
           o.kernel = f.kernel;
@@ -660,19 +737,25 @@ int Main(int argc, char** argv) {
             ++failures;
           }
           best[ci] = std::min(best[ci], t);
+          if (!peer_first) theirs = run_peer(c.peer);
+          if (theirs > 0) round_ratios[ci].push_back(static_cast<double>(n) / t / theirs);
           stream_best[ci] =
               std::min(stream_best[ci], BestSeconds(f.reps, [&] {
                          StreamPass(stream_arena, c.grad, c.copy, c.check_finite, arrays);
                        }));
         }
-        if (!peer_first) run_peer();
       }
+      server.reset();  // its memory back before the accumulation's
 
-      auto ratio = [](double ours, double theirs, const char* mark) {
-        if (ours <= 0 || theirs <= 0) return std::string("-");
-        char s[32];
-        std::snprintf(s, sizeof(s), "%.2fx%s", ours / theirs, mark);
-        return std::string(s);
+      // The median of a case's per-round ratios ("-" where the peer did
+      // not run).
+      auto median_ratio = [&](size_t ci, const char* mark) {
+        std::vector<double> r = round_ratios[ci];
+        if (r.empty()) return std::string("-");
+        std::sort(r.begin(), r.end());
+        const double mid =
+            r.size() % 2 == 1 ? r[r.size() / 2] : (r[r.size() / 2 - 1] + r[r.size() / 2]) / 2;
+        return absl::StrFormat("%.2fx%s", mid, mark);
       };
       // `bound`: params/s (its case's stream, or the triad's over `bytes`
       // where `by_triad`); <= 0: none.
@@ -694,7 +777,7 @@ int Main(int argc, char** argv) {
         char vs_torch[32] = "-";
         if (torch_rate > 0) std::snprintf(vs_torch, sizeof(vs_torch), "%.1fx", rate / torch_rate);
         row(c.name, rate, CaseBytes(c, copy_streams), static_cast<double>(n) / stream_best[ci],
-            false, vs_torch, c.peer == kNoPeer ? "-" : ratio(rate, peer_rate[c.peer], c.mark));
+            false, vs_torch, median_ratio(ci, c.mark));
       }
       for (size_t k = 0; k < std::size(kPeerCases); ++k) {
         if (peer_rate[k] <= 0) continue;
@@ -745,6 +828,13 @@ int Main(int argc, char** argv) {
                     : "accumulate bf16, later micro-batch",
             rate, measure ? 2 : 10, -1, true, absl::StrFormat("%.1fx", t[1] / t[0]), "-");
       }
+      // Each round's ratio, so that the spread shows beside the median.
+      for (size_t ci = 0; ci < std::size(kCases); ++ci) {
+        if (round_ratios[ci].empty()) continue;
+        std::string rounds;
+        for (double r : round_ratios[ci]) absl::StrAppendFormat(&rounds, " %.2f", r);
+        std::printf("%-12zu   vs DS by round, %s:%s\n", n, kCases[ci].name, rounds.c_str());
+      }
     }
   }
   std::printf(
@@ -758,8 +848,9 @@ int Main(int argc, char** argv) {
       f.reps, f.reps == 1 ? "" : "s");
   if (!peer.empty()) {
     std::printf(
-        "vs DS: our Gparam/s over DeepSpeed cpu_adam's, measured in alternating rounds "
-        "(DeepSpeed with OMP_NUM_THREADS=threads)\n"
+        "vs DS: the median over the rounds of our Gparam/s over DeepSpeed cpu_adam's, each "
+        "case and its peer's timed back to back, in alternating order (DeepSpeed in one "
+        "process, benches/ds_peer.py, with OMP_NUM_THREADS=threads)\n"
         "  fp32 grads vs DeepSpeed fp32: the same work (fp32 params, grads and moments, in "
         "place: 28 B/param each)\n"
         "  * vs DeepSpeed bf16: not the same work: DeepSpeed's bf16 case has bf16 params and "
@@ -768,7 +859,7 @@ int Main(int argc, char** argv) {
         "  z vs DeepSpeed's ZeRO-3 step: the same job, not the same bytes (fp32 master and "
         "moments updated, the working copy written): DeepSpeed's Adam on fp32\n"
         "    gradients, then torch's copy into the parameters its ZeRO-3 makes (stage3.py; "
-        "benches/ds_zero3_step.py): bf16 36 B/param, ours from bf16 gradients in one pass %d;\n"
+        "benches/ds_peer.py): bf16 36 B/param, ours from bf16 gradients in one pass %d;\n"
         "    fp32 40 B/param, ours %d\n",
         copy_streams ? 28 : 30, copy_streams ? 32 : 36);
   }
