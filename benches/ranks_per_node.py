@@ -10,7 +10,9 @@ usage: ranks_per_node.py --offloadd=PATH [--ranks=4] [--params=25000000] [--step
 Each configuration runs --ranks processes started together; every step begins at a barrier,
 and a step's time is from the first rank's start to the last rank's end (the ranks' next
 collective waits for the slowest). Per configuration: the median over the steps after the
-first of each round, the configurations alternating for --rounds rounds.
+first of each round, the configurations alternating for --rounds rounds (in reversed order
+every other round); "vs offloadd" is the median over the rounds of the configuration's median
+step over offloadd's in the same round (each round's ratio printed below the table).
   offloadd              one daemon; each rank a session holding one partition of --params
                         parameters, a --dtype working copy and gradients (bf16 by default, as
                         ZeRO-Offload trains: fp32 master weights and moments in the daemon),
@@ -198,6 +200,7 @@ def main():
             configs.append((f"DeepSpeed ZeRO-3, {per}", 36 if a.dtype == "bf16" else 40, t,
                             a.dtype))
     steps = {name: [] for name, _, _, _ in configs}
+    by_round = {name: [] for name, _, _, _ in configs}  # each round's median
     root = tempfile.mkdtemp(prefix="ranks_per_node.", dir="/tmp")  # short socket paths
     # Room for every rank's state in the pool: master, moments, accumulator (16 B),
     # working copy and gradients (at most 8 B), with slack.
@@ -213,7 +216,8 @@ def main():
                       else configs[0][1], None, None)
         print(f"offloadd's optimizer: {kernel}", flush=True)
         for r in range(a.rounds):
-            for name, _, threads, copy_to in configs:
+            # Alternating order: no configuration always runs first in a round.
+            for name, _, threads, copy_to in configs if r % 2 == 0 else configs[::-1]:
                 if threads is None:
                     got = run_ranks(offloadd_rank, lambda k: (address, a.params, a.dtype),
                                     a.ranks, a.steps)
@@ -222,6 +226,7 @@ def main():
                                     lambda k, t=threads, c=copy_to: (peer, a.params, t, c),
                                     a.ranks, a.steps)
                 steps[name] += got[1:]
+                by_round[name].append(statistics.median(got[1:]))
                 print(f"round {r + 1}, {name}: " + ", ".join(f"{t * 1e3:.1f}" for t in got)
                       + " ms", flush=True)
     finally:
@@ -231,15 +236,23 @@ def main():
 
     print(f"\n{'configuration':<36}{'step ms':>9}{'worst ms':>10}{'Gparam/s':>10}{'B/param':>9}"
           f"{'bound ms':>10}{'of bound':>10}{'vs offloadd':>13}")
-    ours = statistics.median(steps[configs[0][0]])
+    # Each round's ratio: the configuration's median step over offloadd's in
+    # the same round (seconds apart: the same phase of a machine whose speed
+    # moves over minutes); "vs offloadd" is their median.
+    ours_by_round = by_round[configs[0][0]]
     for name, bytes_per, _, _ in configs:
         med, worst = statistics.median(steps[name]), max(steps[name])
         bound = a.ranks * a.params * bytes_per / (triad * 1e9)
+        ratios = [t / o for t, o in zip(by_round[name], ours_by_round)]
         print(f"{name:<36}{med * 1e3:>9.1f}{worst * 1e3:>10.1f}"
               f"{a.ranks * a.params / med / 1e9:>10.3f}{bytes_per:>9}{bound * 1e3:>10.1f}"
-              f"{bound / med:>9.0%} {med / ours:>12.2f}x")
+              f"{bound / med:>9.0%} {statistics.median(ratios):>12.2f}x")
+    for name, _, _, _ in configs[1:]:
+        ratios = [t / o for t, o in zip(by_round[name], ours_by_round)]
+        print(f"  vs offloadd by round, {name}: " + " ".join(f"{r:.2f}" for r in ratios))
     print("step = median over counted steps, first rank's start to last rank's end; "
-          "vs offloadd = its step time over offloadd's (above 1: offloadd faster); "
+          "vs offloadd = the median over the rounds of its median step over offloadd's in the "
+          "same round (above 1: offloadd faster); "
           f"DeepSpeed ZeRO-3 = adam_update and the copy into the {a.dtype} parameters ZeRO-3 "
           "makes after it: the job offloadd's step does (not the same bytes: "
           f"{36 if a.dtype == 'bf16' else 40} B against {configs[0][1]})")
