@@ -64,8 +64,9 @@ struct AdamSpan {
 // The scalar reference kernel. Per element, in this order, fusing exactly
 // the multiply-adds marked fma (each one rounding) and no others. This is the
 // operation sequence of torch 1.13's single-tensor Adam/AdamW on CPU, so the
-// results match torch bit for bit; every vector kernel performs the same
-// IEEE operations, so all kernels agree bit for bit too:
+// results match torch bit for bit; the vector kernels give the same results
+// (the same IEEE operations but for the one division below), so all kernels
+// agree bit for bit too:
 //   g = grad * grad_scale
 //   g = fma(p, l2, g)                            (Adam with weight decay)
 //   p = p * decay_factor                         (AdamW)
@@ -74,17 +75,23 @@ struct AdamSpan {
 //   d = sqrt(v) / bias_correction2_sqrt + eps
 //   p = p + (neg_step_size * m) / d
 //   working = round(p)                           (if requested)
-// The vector kernels divide by bias_correction2_sqrt (b, a constant) without
-// a divide instruction where inv_bias_correction2_sqrt (y = RN(1/b)) is set:
-// q = a * y, r = fma(-q, b, a) (exact), q' = fma(r, y, q) is RN(a/b) for
-// every a (Markstein's theorem for y = RN(1/b); checked over every float
-// significand for the divisors in kernels_test), where no step underflows or
+// The vector kernels divide by bias_correction2_sqrt (b, the same for every
+// element) without a divide instruction where inv_bias_correction2_sqrt
+// (y = RN(1/b)) is set: q = RN(a * y), r = RN(a - b * q) (one fma),
+// q' = RN(q + r * y) (one fma), the "one multiplication and two fused
+// multiply-adds" of Brisebarre, Muller and Raina (IEEE Trans. Computers,
+// 2004), which gives RN(a/b) where it gives it for every a. That depends on
+// b; no proof here: checked against the divide instruction over every float
+// significand of a for every divisor in kernels_test (those of real steps
+// included) and, outside the tests, for 201,204 divisors (random and of real
+// steps) and a sweep over every significand of b (benches/RESULTS.md,
+// cpu_adam): no difference. It holds where no step underflows or
 // overflows: ComputeStepConstants sets y only for b in [2^-30, 1], and
 // a = sqrt(v) lies in [2^-75, 2^64]. Inf and NaN take q (r is NaN there);
 // a = -0 gives +0, which the + eps that follows makes equal.
 // One divide instead of two: where the state is in cache the divider bounds
-// the step (1M parameters: 1.27-1.29x faster); where it streams from memory
-// this changes nothing measurable (benches/RESULTS.md, cpu_adam).
+// the step (1M parameters: 1.26-1.31x faster); where it streams from memory
+// this changes nothing measurable.
 void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 
 // Number of NaN or infinite values among `n` gradients of `dtype`.

@@ -1,7 +1,8 @@
 // AVX2 Adam: 8 lanes; the tail runs one vector iteration on padded local
-// copies. Performs exactly the IEEE operations of AdamScalar in the same
-// order, fusing only where it does (this target builds with
-// -ffp-contract=off), so its results are bit-identical to the reference.
+// copies. Performs the IEEE operations of AdamScalar in the same order,
+// fusing only where it does (this target builds with -ffp-contract=off),
+// but for the division by the bias correction (adam.h), so its results are
+// bit-identical to the reference.
 //
 // This file must not call inline functions shared with other targets (such
 // as those in dtype.h): the compiler could emit an AVX2 copy that the linker
@@ -78,57 +79,67 @@ void Kernel::Loop(const AdamStepConstants& c, const AdamSpan& s) {
   const __m256 neg_step_size = _mm256_set1_ps(c.neg_step_size);
   const __m256 bc2 = _mm256_set1_ps(c.bias_correction2_sqrt);
   const __m256 inv_bc2 = _mm256_set1_ps(c.inv_bias_correction2_sqrt);
-  const bool divide = c.inv_bias_correction2_sqrt == 0.0f;
   const __m256 eps = _mm256_set1_ps(c.eps);
   const __m256 decay = _mm256_set1_ps(c.decay_factor);
   const __m256 l2 = _mm256_set1_ps(c.l2);
 
-  auto body = [&](float* master, float* exp_avg, float* exp_avg_sq, const void* grads,
-                  void* working, size_t i) {
-    __m256 g = _mm256_mul_ps(LoadGrad<G>(grads, i), grad_scale);
-    __m256 p = _mm256_loadu_ps(master + i);
-    if constexpr (kL2) g = _mm256_fmadd_ps(p, l2, g);
-    p = _mm256_mul_ps(p, decay);
-    const __m256 m = _mm256_fmadd_ps(g, omb1, _mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), beta1));
-    const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
-                                     _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2));
-    const __m256 root = _mm256_sqrt_ps(v);
-    __m256 scaled;  // root / bc2, correctly rounded (adam.h)
-    if (divide) {
-      scaled = _mm256_div_ps(root, bc2);
-    } else {
-      const __m256 q = _mm256_mul_ps(root, inv_bc2);
-      const __m256 r = _mm256_fnmadd_ps(q, bc2, root);
-      scaled = _mm256_blendv_ps(q, _mm256_fmadd_ps(r, inv_bc2, q), _mm256_cmp_ps(r, r, _CMP_ORD_Q));
-    }
-    const __m256 denom = _mm256_add_ps(scaled, eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
-    _mm256_storeu_ps(exp_avg + i, m);
-    _mm256_storeu_ps(exp_avg_sq + i, v);
-    _mm256_storeu_ps(master + i, p);
-    StoreWorking<W>(working, i, p);
-  };
+  // kDivide: root / bc2 with a divide where the constants have no reciprocal
+  // for it (adam.h); a template argument so that the loop carries no test.
+  auto run = [&](auto divide) {
+    constexpr bool kDivide = decltype(divide)::value;
+    auto body = [&](float* master, float* exp_avg, float* exp_avg_sq, const void* grads,
+                    void* working, size_t i) {
+      __m256 g = _mm256_mul_ps(LoadGrad<G>(grads, i), grad_scale);
+      __m256 p = _mm256_loadu_ps(master + i);
+      if constexpr (kL2) g = _mm256_fmadd_ps(p, l2, g);
+      p = _mm256_mul_ps(p, decay);
+      const __m256 m = _mm256_fmadd_ps(g, omb1, _mm256_mul_ps(_mm256_loadu_ps(exp_avg + i), beta1));
+      const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g,
+                                       _mm256_mul_ps(_mm256_loadu_ps(exp_avg_sq + i), beta2));
+      const __m256 root = _mm256_sqrt_ps(v);
+      __m256 scaled;  // root / bc2, correctly rounded (adam.h)
+      if constexpr (kDivide) {
+        scaled = _mm256_div_ps(root, bc2);
+      } else {
+        const __m256 q = _mm256_mul_ps(root, inv_bc2);
+        const __m256 r = _mm256_fnmadd_ps(q, bc2, root);
+        scaled =
+            _mm256_blendv_ps(q, _mm256_fmadd_ps(r, inv_bc2, q), _mm256_cmp_ps(r, r, _CMP_ORD_Q));
+      }
+      const __m256 denom = _mm256_add_ps(scaled, eps);
+      p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
+      _mm256_storeu_ps(exp_avg + i, m);
+      _mm256_storeu_ps(exp_avg_sq + i, v);
+      _mm256_storeu_ps(master + i, p);
+      StoreWorking<W>(working, i, p);
+    };
 
-  const size_t n = s.numel;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) body(s.master, s.exp_avg, s.exp_avg_sq, s.grads, s.working, i);
-  if (i == n) return;
-  // Tail: padded copies in, one iteration, results out.
-  const size_t rest = n - i;
-  const size_t gsize = G == DType::kFp32 ? 4 : 2;
-  const size_t wsize = W == Out::kFp32 ? 4 : 2;
-  alignas(32) float p[8] = {}, m[8] = {}, v[8] = {};
-  alignas(32) unsigned char g[32] = {}, w[32] = {};
-  std::memcpy(p, s.master + i, rest * 4);
-  std::memcpy(m, s.exp_avg + i, rest * 4);
-  std::memcpy(v, s.exp_avg_sq + i, rest * 4);
-  std::memcpy(g, static_cast<const unsigned char*>(s.grads) + i * gsize, rest * gsize);
-  body(p, m, v, g, w, 0);
-  std::memcpy(s.master + i, p, rest * 4);
-  std::memcpy(s.exp_avg + i, m, rest * 4);
-  std::memcpy(s.exp_avg_sq + i, v, rest * 4);
-  if constexpr (W != Out::kNone) {
-    std::memcpy(static_cast<unsigned char*>(s.working) + i * wsize, w, rest * wsize);
+    const size_t n = s.numel;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) body(s.master, s.exp_avg, s.exp_avg_sq, s.grads, s.working, i);
+    if (i == n) return;
+    // Tail: padded copies in, one iteration, results out.
+    const size_t rest = n - i;
+    const size_t gsize = G == DType::kFp32 ? 4 : 2;
+    const size_t wsize = W == Out::kFp32 ? 4 : 2;
+    alignas(32) float p[8] = {}, m[8] = {}, v[8] = {};
+    alignas(32) unsigned char g[32] = {}, w[32] = {};
+    std::memcpy(p, s.master + i, rest * 4);
+    std::memcpy(m, s.exp_avg + i, rest * 4);
+    std::memcpy(v, s.exp_avg_sq + i, rest * 4);
+    std::memcpy(g, static_cast<const unsigned char*>(s.grads) + i * gsize, rest * gsize);
+    body(p, m, v, g, w, 0);
+    std::memcpy(s.master + i, p, rest * 4);
+    std::memcpy(s.exp_avg + i, m, rest * 4);
+    std::memcpy(s.exp_avg_sq + i, v, rest * 4);
+    if constexpr (W != Out::kNone) {
+      std::memcpy(static_cast<unsigned char*>(s.working) + i * wsize, w, rest * wsize);
+    }
+  };
+  if (c.inv_bias_correction2_sqrt == 0.0f) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
   }
 }
 

@@ -1,7 +1,8 @@
 // AVX-512 Adam: 16 lanes, masked loads and stores for the tail (no scalar
-// remainder loop). Performs exactly the IEEE operations of AdamScalar in the
-// same order, fusing only where it does (this target builds with
-// -ffp-contract=off), so its results are bit-identical to the reference.
+// remainder loop). Performs the IEEE operations of AdamScalar in the same
+// order, fusing only where it does (this target builds with
+// -ffp-contract=off), but for the division by the bias correction (adam.h),
+// so its results are bit-identical to the reference.
 //
 // This file must not call inline functions shared with other targets (such
 // as those in dtype.h): the compiler could emit an AVX-512 copy that the

@@ -233,13 +233,22 @@ TEST_P(KernelTest, WorkingCopyKeepsNaNAndInfinity) {
 // denominator is that one (x / y is 1 only for y == x).
 TEST_P(KernelTest, ScaledRootIsSqrtOverBiasCorrectionRoundedOnce) {
   std::vector<AdamStepConstants> divisors;
+  // Steps 310 (beta2 0.95) and 16000 (0.999) give b = 1 - 2^-24, where
+  // q = a * y is most often more than an ulp off a/b (y = 1 + 2^-23).
   for (double beta2 : {0.999, 0.95, 0.99999}) {
-    for (uint64_t step : {1, 2, 3, 10, 777, 5000}) {
+    for (uint64_t step : {1, 2, 3, 10, 77, 310, 16000}) {
       AdamHyperparams h;
       h.beta2 = beta2;
       divisors.push_back(ComputeStepConstants(h, step));
       ASSERT_NE(divisors.back().inv_bias_correction2_sqrt, 0.0f) << beta2 << " " << step;
     }
+  }
+  // And the largest divisors below 1 directly.
+  for (uint32_t below_one : {1u, 2u, 3u}) {
+    divisors.push_back(divisors[0]);
+    const float b = BitsToFloat(FloatBits(1.0f) - below_one);
+    divisors.back().bias_correction2_sqrt = b;
+    divisors.back().inv_bias_correction2_sqrt = 1.0f / b;
   }
   divisors.push_back(divisors[0]);
   divisors.back().inv_bias_correction2_sqrt = 0.0f;  // the divide, where y is not set
