@@ -68,8 +68,11 @@
 //       and copies it back after the step, 40.
 // The peer is skipped, with a line saying why, when --peer=none, when it is
 // not there, or when it cannot run (missing packages: tools/setup.sh).
+#include <fcntl.h>
 #include <immintrin.h>
 #include <limits.h>
+#include <signal.h>
+#include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -352,7 +355,7 @@ double TorchSeconds(size_t n, int threads, int reps) {
 
 // The peer's cases, as benches/ds_peer.py names them.
 struct PeerCase {
-  const char* name;   // run.sh --cases
+  const char* name;   // ds_peer.py's CASE
   const char* label;  // our table's row
   double bytes;       // per parameter
 };
@@ -432,43 +435,63 @@ class PeerServer {
   // ready (it has built or loaded the peer's op).
   static absl::StatusOr<std::unique_ptr<PeerServer>> Start(const std::string& dir, size_t n,
                                                            int threads) {
-    const char* python = std::getenv("PYTHON");  // as run.sh honours it
+    const char* python = std::getenv("PYTHON");  // as run.sh honours it (PATH searched)
     const std::string interpreter =
         python != nullptr && *python != '\0' ? python : "/usr/bin/python3";
     const std::string script = RepoRoot() + "/benches/ds_peer.py";
-    int to_child[2], from_child[2];
-    if (pipe(to_child) != 0) return absl::InternalError(std::strerror(errno));
-    if (pipe(from_child) != 0) {
-      close(to_child[0]);
-      close(to_child[1]);
-      return absl::InternalError(std::strerror(errno));
-    }
-    const std::string omp = absl::StrCat("OMP_NUM_THREADS=", threads);
+    // Everything the child needs is built before it starts.
     const std::vector<std::string> args = {interpreter, script, "--peer=" + dir,
                                            absl::StrCat("--n=", n),
                                            absl::StrCat("--threads=", threads)};
-    const pid_t pid = fork();
-    if (pid < 0) return absl::InternalError(std::strerror(errno));
-    if (pid == 0) {
-      dup2(to_child[0], 0);
-      dup2(from_child[1], 1);
-      dup2(from_child[1], 2);
+    std::vector<std::string> env = {absl::StrCat("OMP_NUM_THREADS=", threads)};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (!absl::StartsWith(*e, "OMP_NUM_THREADS=")) env.push_back(*e);
+    }
+    auto pointers = [](const std::vector<std::string>& v) {
+      std::vector<char*> p;
+      for (const std::string& s : v) p.push_back(const_cast<char*>(s.c_str()));
+      p.push_back(nullptr);
+      return p;
+    };
+    std::vector<char*> argv = pointers(args), envp = pointers(env);
+    int to_child[2], from_child[2];
+    if (pipe2(to_child, O_CLOEXEC) != 0) return absl::InternalError(std::strerror(errno));
+    if (pipe2(from_child, O_CLOEXEC) != 0) {
+      const int err = errno;
       close(to_child[0]);
       close(to_child[1]);
-      close(from_child[0]);
-      close(from_child[1]);
-      putenv(const_cast<char*>(omp.c_str()));
-      std::vector<char*> argv;
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      std::fprintf(stderr, "exec %s: %s\n", argv[0], std::strerror(errno));
-      _exit(127);
+      return absl::InternalError(std::strerror(err));
     }
+    // The child's stdin, stdout and stderr (dup2 clears close-on-exec).
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], 1);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], 2);
+    pid_t pid = -1;
+    const int spawned = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
     close(to_child[0]);
     close(from_child[1]);
-    auto server = std::unique_ptr<PeerServer>(new PeerServer(
-        pid, fdopen(to_child[1], "w"), fdopen(from_child[0], "r"), n, threads, script));
+    FILE* in = spawned == 0 ? fdopen(to_child[1], "w") : nullptr;
+    FILE* out = spawned == 0 ? fdopen(from_child[0], "r") : nullptr;
+    if (in == nullptr || out == nullptr) {
+      const int err = spawned != 0 ? spawned : errno;
+      if (in != nullptr) {
+        std::fclose(in);
+      } else {
+        close(to_child[1]);
+      }
+      if (out != nullptr) {
+        std::fclose(out);
+      } else {
+        close(from_child[0]);
+      }
+      if (spawned == 0) waitpid(pid, nullptr, 0);  // its stdin closed: it ends
+      return absl::UnavailableError(
+          absl::StrCat("starting ", interpreter, " ", script, ": ", std::strerror(err)));
+    }
+    auto server = std::unique_ptr<PeerServer>(new PeerServer(pid, in, out, n, threads, script));
     std::string line;
     while (server->ReadLine(&line)) {
       if (line == "ready") return server;
@@ -480,15 +503,16 @@ class PeerServer {
   ~PeerServer() {
     std::fclose(in_);  // the child's stdin: it exits at end of input
     std::fclose(out_);
-    int status;
-    waitpid(pid_, &status, 0);
+    Reap();
   }
 
   // Params/s of one kPeerCases entry: the best of `reps` steps after one.
   absl::StatusOr<double> Measure(int peer_case, int reps) {
     const char* name = kPeerCases[peer_case].name;
-    std::fprintf(in_, "%s %d\n", name, reps);
-    std::fflush(in_);
+    // A peer that died fails the write (EPIPE: SIGPIPE is ignored, Main).
+    if (std::fprintf(in_, "%s %d\n", name, reps) < 0 || std::fflush(in_) != 0) {
+      return Failed(absl::StrCat("asked for ", name));
+    }
     std::string line;
     while (ReadLine(&line)) {
       // deepspeed_cpu_adam CASE n=N threads=T Gparam/s=X
@@ -511,13 +535,35 @@ class PeerServer {
 
   bool ReadLine(std::string* line) {
     char buf[4096];
-    if (std::fgets(buf, sizeof(buf), out_) == nullptr) return false;
+    if (std::fgets(buf, sizeof(buf), out_) == nullptr) {
+      ended_ = true;  // its output closed: it has ended or is ending
+      return false;
+    }
     *line = std::string(absl::StripAsciiWhitespace(buf));
     return true;
   }
 
-  absl::Status Failed(absl::string_view when) const {
-    return absl::UnavailableError(absl::StrCat(script_, " ", when, ", then gave no result",
+  // Waits for the child once; its exit status after that.
+  int Reap() {
+    if (pid_ > 0) {
+      while (waitpid(pid_, &status_, 0) < 0 && errno == EINTR) {
+      }
+      pid_ = -1;
+    }
+    return status_;
+  }
+
+  // Why the peer gave no result: its last other line and, where it has
+  // ended, how.
+  absl::Status Failed(absl::string_view when) {
+    std::string how;
+    if (ended_) {  // ended (a Python script does not close its output and go on)
+      Reap();
+      how = WIFEXITED(status_) ? absl::StrCat(" (it exited with status ", WEXITSTATUS(status_), ")")
+            : WIFSIGNALED(status_) ? absl::StrCat(" (killed by signal ", WTERMSIG(status_), ")")
+                                   : "";
+    }
+    return absl::UnavailableError(absl::StrCat(script_, " ", when, ", then gave no result", how,
                                                last_other_.empty() ? "" : ": ", last_other_));
   }
 
@@ -527,6 +573,8 @@ class PeerServer {
   size_t n_;
   int threads_;
   std::string script_;
+  int status_ = 0;          // the child's, once reaped
+  bool ended_ = false;      // its output reached its end
   std::string last_other_;  // the last line that was not a result (an error)
 };
 
@@ -582,6 +630,9 @@ std::string FindPeer(const Flags& f, bool* error) {
 }
 
 int Main(int argc, char** argv) {
+  // A peer that dies fails our next write to it (EPIPE) instead of killing
+  // the bench.
+  signal(SIGPIPE, SIG_IGN);
   Flags f;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];

@@ -22,7 +22,9 @@ The peer's op is built by its own harness (../shared/peers/deepspeed_cpu_adam, `
 usage: OMP_NUM_THREADS=T ds_peer.py --peer=DIR --n=N --threads=T
 Reads requests `CASE REPS` on stdin, one a line; answers each with
 `deepspeed_cpu_adam CASE n=N threads=T Gparam/s=X` (the best of REPS steps after one), or
-`error CASE: WHY`. Each case's tensors are made at its first request and kept.
+`error CASE: WHY`. Each case's tensors are made at its first request and kept, so that every
+round measures the same memory: at N parameters about 34 N bytes (fp32 16 N, bf16 12 N, the
+two ZeRO-3 copies 6 N), beside benches/cpu_adam's own 24 N (about 6 GB together at 100M).
 """
 import argparse
 import sys
@@ -73,7 +75,8 @@ def main():
         if not words:
             continue
         case = words[0]
-        if case not in ("fp32", "bf16", "zero3", "zero3_fp32") or len(words) != 2:
+        if (case not in ("fp32", "bf16", "zero3", "zero3_fp32") or len(words) != 2
+                or not words[1].isdigit()):
             print(f"error {case}: want `CASE REPS`, CASE one of fp32, bf16, zero3, zero3_fp32",
                   flush=True)
             continue

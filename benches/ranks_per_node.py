@@ -10,9 +10,10 @@ usage: ranks_per_node.py --offloadd=PATH [--ranks=4] [--params=25000000] [--step
 Each configuration runs --ranks processes started together; every step begins at a barrier,
 and a step's time is from the first rank's start to the last rank's end (the ranks' next
 collective waits for the slowest). Per configuration: the median over the steps after the
-first of each round, the configurations alternating for --rounds rounds (in reversed order
-every other round); "vs offloadd" is the median over the rounds of the configuration's median
-step over offloadd's in the same round (each round's ratio printed below the table).
+first of each run. Each round runs offloadd next to every other configuration (offloadd first
+in even rounds; in odd ones the configurations in reversed order, each followed by offloadd),
+and "vs offloadd" is the median over the rounds of the configuration's median step over that
+of the run of offloadd beside it (each round's ratio printed below the table).
   offloadd              one daemon; each rank a session holding one partition of --params
                         parameters, a --dtype working copy and gradients (bf16 by default, as
                         ZeRO-Offload trains: fp32 master weights and moments in the daemon),
@@ -200,7 +201,7 @@ def main():
             configs.append((f"DeepSpeed ZeRO-3, {per}", 36 if a.dtype == "bf16" else 40, t,
                             a.dtype))
     steps = {name: [] for name, _, _, _ in configs}
-    by_round = {name: [] for name, _, _, _ in configs}  # each round's median
+    ratios = {name: [] for name, _, _, _ in configs}  # over offloadd's run beside it
     root = tempfile.mkdtemp(prefix="ranks_per_node.", dir="/tmp")  # short socket paths
     # Room for every rank's state in the pool: master, moments, accumulator (16 B),
     # working copy and gradients (at most 8 B), with slack.
@@ -215,20 +216,31 @@ def main():
         configs[0] = (configs[0][0], (28 if a.dtype == "bf16" else 32) if streams
                       else configs[0][1], None, None)
         print(f"offloadd's optimizer: {kernel}", flush=True)
+        def run(r, config):
+            name, _, threads, copy_to = config
+            if threads is None:
+                got = run_ranks(offloadd_rank, lambda k: (address, a.params, a.dtype),
+                                a.ranks, a.steps)
+            else:
+                got = run_ranks(deepspeed_rank,
+                                lambda k, t=threads, c=copy_to: (peer, a.params, t, c),
+                                a.ranks, a.steps)
+            steps[name] += got[1:]
+            print(f"round {r + 1}, {name}: " + ", ".join(f"{t * 1e3:.1f}" for t in got)
+                  + " ms", flush=True)
+            return statistics.median(got[1:])
+
         for r in range(a.rounds):
-            # Alternating order: no configuration always runs first in a round.
-            for name, _, threads, copy_to in configs if r % 2 == 0 else configs[::-1]:
-                if threads is None:
-                    got = run_ranks(offloadd_rank, lambda k: (address, a.params, a.dtype),
-                                    a.ranks, a.steps)
-                else:
-                    got = run_ranks(deepspeed_rank,
-                                    lambda k, t=threads, c=copy_to: (peer, a.params, t, c),
-                                    a.ranks, a.steps)
-                steps[name] += got[1:]
-                by_round[name].append(statistics.median(got[1:]))
-                print(f"round {r + 1}, {name}: " + ", ".join(f"{t * 1e3:.1f}" for t in got)
-                      + " ms", flush=True)
+            # offloadd runs next to every configuration, before it in even
+            # rounds and after it in odd ones (the configurations then in
+            # reversed order), and each is compared with that run of offloadd.
+            others = configs[1:] if r % 2 == 0 else configs[:0:-1]
+            if not others:
+                run(r, configs[0])
+            for config in others:
+                pair = (configs[0], config) if r % 2 == 0 else (config, configs[0])
+                medians = {c[0]: run(r, c) for c in pair}
+                ratios[config[0]].append(medians[config[0]] / medians[configs[0][0]])
     finally:
         daemon.terminate()
         daemon.wait()
@@ -236,23 +248,21 @@ def main():
 
     print(f"\n{'configuration':<36}{'step ms':>9}{'worst ms':>10}{'Gparam/s':>10}{'B/param':>9}"
           f"{'bound ms':>10}{'of bound':>10}{'vs offloadd':>13}")
-    # Each round's ratio: the configuration's median step over offloadd's in
-    # the same round (seconds apart: the same phase of a machine whose speed
-    # moves over minutes); "vs offloadd" is their median.
-    ours_by_round = by_round[configs[0][0]]
+    # "vs offloadd": the median of the configuration's ratios to the run of
+    # offloadd beside it (seconds apart: the same phase of a machine whose
+    # speed moves over minutes).
     for name, bytes_per, _, _ in configs:
         med, worst = statistics.median(steps[name]), max(steps[name])
         bound = a.ranks * a.params * bytes_per / (triad * 1e9)
-        ratios = [t / o for t, o in zip(by_round[name], ours_by_round)]
+        vs = statistics.median(ratios[name]) if ratios[name] else 1.0
         print(f"{name:<36}{med * 1e3:>9.1f}{worst * 1e3:>10.1f}"
               f"{a.ranks * a.params / med / 1e9:>10.3f}{bytes_per:>9}{bound * 1e3:>10.1f}"
-              f"{bound / med:>9.0%} {statistics.median(ratios):>12.2f}x")
+              f"{bound / med:>9.0%} {vs:>12.2f}x")
     for name, _, _, _ in configs[1:]:
-        ratios = [t / o for t, o in zip(by_round[name], ours_by_round)]
-        print(f"  vs offloadd by round, {name}: " + " ".join(f"{r:.2f}" for r in ratios))
+        print(f"  vs offloadd by round, {name}: " + " ".join(f"{r:.2f}" for r in ratios[name]))
     print("step = median over counted steps, first rank's start to last rank's end; "
-          "vs offloadd = the median over the rounds of its median step over offloadd's in the "
-          "same round (above 1: offloadd faster); "
+          "vs offloadd = the median over the rounds of its median step over that of the run of "
+          "offloadd beside it (above 1: offloadd faster); "
           f"DeepSpeed ZeRO-3 = adam_update and the copy into the {a.dtype} parameters ZeRO-3 "
           "makes after it: the job offloadd's step does (not the same bytes: "
           f"{36 if a.dtype == 'bf16' else 40} B against {configs[0][1]})")
