@@ -7,11 +7,15 @@
 //
 //   bazel build -c opt //cpu_adam:division_sweep
 //   bazel-bin/cpu_adam/division_sweep FIRST END
+//   bazel-bin/cpu_adam/division_sweep --beta2=0.999,0.95 [--steps=N]
 //
-// checks the divisors b = 1 + k * 2^-23 for k in [FIRST, END) (k < 2^23:
-// every significand of b is one of them), about a millisecond each on one
-// core; prints progress every 65536 divisors, each divisor with a mismatch,
-// and the total. Exit status 1 where any differ. Needs AVX-512.
+// The first checks the divisors b = 1 + k * 2^-23 for k in [FIRST, END)
+// (k < 2^23: every significand of b is one of them); the second every
+// distinct divisor ComputeStepConstants gives for those beta2 at steps 1..N
+// (default: until it reaches 1), those a training run with them divides by.
+// About a millisecond a divisor on one core; prints progress every 65536
+// divisors, each divisor with a mismatch, and the total. Exit status 1 where
+// any differ. Needs AVX-512.
 #include <immintrin.h>
 
 #include <cinttypes>
@@ -19,6 +23,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cpu_adam/adam.h"
 
 namespace {
 
@@ -33,9 +42,9 @@ float FromBits(uint32_t u) {
 uint64_t Mismatches(float b) {
   const float y = 1.0f / b;
   const __m512 bv = _mm512_set1_ps(b), yv = _mm512_set1_ps(y);
-  const __m512i first = _mm512_add_epi32(
-      _mm512_set1_epi32(0x3f800000),
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i first =
+      _mm512_add_epi32(_mm512_set1_epi32(0x3f800000),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   uint64_t bad = 0;
   for (uint32_t j = 0; j < (1u << 23); j += 16) {
     const __m512 a =
@@ -44,41 +53,82 @@ uint64_t Mismatches(float b) {
     const __m512 q = _mm512_mul_ps(a, yv);
     const __m512 r = _mm512_fnmadd_ps(q, bv, a);
     const __m512 got = _mm512_fmadd_ps(r, yv, q);
-    bad += static_cast<uint64_t>(__builtin_popcount(_mm512_cmp_epi32_mask(
-        _mm512_castps_si512(want), _mm512_castps_si512(got), _MM_CMPINT_NE)));
+    bad += static_cast<uint64_t>(__builtin_popcount(
+        _mm512_cmp_epi32_mask(_mm512_castps_si512(want), _mm512_castps_si512(got), _MM_CMPINT_NE)));
   }
+  return bad;
+}
+
+// Checks `divisors`; prints and returns the number of differences.
+uint64_t Sweep(const std::vector<float>& divisors, const char* what) {
+  uint64_t bad = 0;
+  for (size_t i = 0; i < divisors.size(); ++i) {
+    if (const uint64_t here = Mismatches(divisors[i]); here != 0) {
+      bad += here;
+      std::printf("b = %a: %" PRIu64 " dividends differ\n", static_cast<double>(divisors[i]), here);
+    }
+    if (i % 65536 == 65535) {
+      std::printf("%zu of %zu divisors checked, %" PRIu64 " differences\n", i + 1, divisors.size(),
+                  bad);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("%s: %zu divisors, %" PRIu64 " differences\n", what, divisors.size(), bad);
   return bad;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: division_sweep FIRST END  (divisors 1 + k * 2^-23, k < 2^23)\n");
-    return 2;
-  }
+  const char* usage =
+      "usage: division_sweep FIRST END  (divisors 1 + k * 2^-23, k < 2^23)\n"
+      "       division_sweep --beta2=B[,B...] [--steps=N]\n";
   if (!__builtin_cpu_supports("avx512f")) {
     std::fprintf(stderr, "division_sweep: this CPU has no AVX-512\n");
     return 2;
   }
-  const uint32_t first = static_cast<uint32_t>(std::strtoul(argv[1], nullptr, 0));
-  const uint32_t end = static_cast<uint32_t>(std::strtoul(argv[2], nullptr, 0));
-  if (first > end || end > (1u << 23)) {
-    std::fprintf(stderr, "division_sweep: want FIRST <= END <= %u\n", 1u << 23);
+  std::vector<float> divisors;
+  std::string what;
+  if (argc >= 2 && std::strncmp(argv[1], "--beta2=", 8) == 0) {
+    uint64_t steps = 0;  // 0: until the divisor reaches 1
+    if (argc == 3 && std::strncmp(argv[2], "--steps=", 8) == 0) {
+      steps = std::strtoull(argv[2] + 8, nullptr, 10);
+    } else if (argc != 2) {
+      std::fputs(usage, stderr);
+      return 2;
+    }
+    std::set<uint32_t> seen;
+    for (const char* b = argv[1] + 8; *b != '\0';) {
+      char* end;
+      offload::AdamHyperparams h;
+      h.beta2 = std::strtod(b, &end);
+      if (end == b || !(h.beta2 > 0 && h.beta2 < 1)) {
+        std::fprintf(stderr, "division_sweep: beta2 must be in (0, 1): %s\n", b);
+        return 2;
+      }
+      for (uint64_t t = 1; steps == 0 || t <= steps; ++t) {
+        const float d = offload::ComputeStepConstants(h, t).bias_correction2_sqrt;
+        if (d == 1.0f) break;  // and so for every later step
+        uint32_t bits;
+        std::memcpy(&bits, &d, sizeof(bits));
+        if (seen.insert(bits).second) divisors.push_back(d);
+      }
+      b = *end == ',' ? end + 1 : end;
+    }
+    what = std::string("the steps' divisors for beta2 ") + (argv[1] + 8);
+  } else if (argc == 3) {
+    const uint32_t first = static_cast<uint32_t>(std::strtoul(argv[1], nullptr, 0));
+    const uint32_t end = static_cast<uint32_t>(std::strtoul(argv[2], nullptr, 0));
+    if (first > end || end > (1u << 23)) {
+      std::fprintf(stderr, "division_sweep: want FIRST <= END <= %u\n", 1u << 23);
+      return 2;
+    }
+    for (uint32_t k = first; k < end; ++k) divisors.push_back(FromBits(0x3f800000u + k));
+    what = "divisors 1 + k * 2^-23 for k in [" + std::to_string(first) + ", " +
+           std::to_string(end) + ")";
+  } else {
+    std::fputs(usage, stderr);
     return 2;
   }
-  uint64_t bad = 0;
-  for (uint32_t k = first; k < end; ++k) {
-    const float b = FromBits(0x3f800000u + k);
-    if (const uint64_t here = Mismatches(b); here != 0) {
-      bad += here;
-      std::printf("b = %a: %" PRIu64 " dividends differ\n", static_cast<double>(b), here);
-    }
-    if ((k - first) % 65536 == 65535) {
-      std::printf("divisors %u..%u checked, %" PRIu64 " differences\n", first, k + 1, bad);
-      std::fflush(stdout);
-    }
-  }
-  std::printf("divisors %u..%u: %" PRIu64 " differences\n", first, end, bad);
-  return bad == 0 ? 0 : 1;
+  return Sweep(divisors, what.c_str()) == 0 ? 0 : 1;
 }
