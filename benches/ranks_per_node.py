@@ -101,6 +101,9 @@ def offloadd_rank(rank, address, n, dtype, steps, barrier, out):
         t0 = time.monotonic()
         session.step(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
         times.append((t0, time.monotonic()))
+    # Every rank's last step over before any session closes: a close frees the
+    # session's state, and that work would run beside the others' last step.
+    barrier.wait()
     session.close()
     out.put((rank, times))
 
