@@ -468,8 +468,17 @@ class PeerServer {
     posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
     posix_spawn_file_actions_adddup2(&actions, from_child[1], 1);
     posix_spawn_file_actions_adddup2(&actions, from_child[1], 2);
+    // SIGPIPE as the child would have it by default (this process ignores it).
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t default_signals;
+    sigemptyset(&default_signals);
+    sigaddset(&default_signals, SIGPIPE);
+    posix_spawnattr_setsigdefault(&attr, &default_signals);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF);
     pid_t pid = -1;
-    const int spawned = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+    const int spawned = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
+    posix_spawnattr_destroy(&attr);
     posix_spawn_file_actions_destroy(&actions);
     close(to_child[0]);
     close(from_child[1]);
@@ -487,7 +496,8 @@ class PeerServer {
       } else {
         close(from_child[0]);
       }
-      if (spawned == 0) waitpid(pid, nullptr, 0);  // its stdin closed: it ends
+      while (spawned == 0 && waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }  // its stdin closed: it ends
       return absl::UnavailableError(
           absl::StrCat("starting ", interpreter, " ", script, ": ", std::strerror(err)));
     }
@@ -509,8 +519,11 @@ class PeerServer {
   // Params/s of one kPeerCases entry: the best of `reps` steps after one.
   absl::StatusOr<double> Measure(int peer_case, int reps) {
     const char* name = kPeerCases[peer_case].name;
-    // A peer that died fails the write (EPIPE: SIGPIPE is ignored, Main).
+    // A peer that died fails the write (EPIPE: SIGPIPE is ignored, Main);
+    // what it printed last is read to its end.
     if (std::fprintf(in_, "%s %d\n", name, reps) < 0 || std::fflush(in_) != 0) {
+      std::string line;
+      while (ReadLine(&line)) last_other_ = line;
       return Failed(absl::StrCat("asked for ", name));
     }
     std::string line;
@@ -543,22 +556,22 @@ class PeerServer {
     return true;
   }
 
-  // Waits for the child once; its exit status after that.
-  int Reap() {
-    if (pid_ > 0) {
-      while (waitpid(pid_, &status_, 0) < 0 && errno == EINTR) {
-      }
-      pid_ = -1;
+  // Waits for the child once (reaped_: status_ is its exit status).
+  void Reap() {
+    if (pid_ <= 0) return;
+    pid_t got;
+    while ((got = waitpid(pid_, &status_, 0)) < 0 && errno == EINTR) {
     }
-    return status_;
+    reaped_ = got == pid_;
+    pid_ = -1;
   }
 
   // Why the peer gave no result: its last other line and, where it has
   // ended, how.
   absl::Status Failed(absl::string_view when) {
     std::string how;
-    if (ended_) {  // ended (a Python script does not close its output and go on)
-      Reap();
+    if (ended_) Reap();  // ended (a Python script does not close its output and go on)
+    if (reaped_) {
       how = WIFEXITED(status_) ? absl::StrCat(" (it exited with status ", WEXITSTATUS(status_), ")")
             : WIFSIGNALED(status_) ? absl::StrCat(" (killed by signal ", WTERMSIG(status_), ")")
                                    : "";
@@ -575,6 +588,7 @@ class PeerServer {
   std::string script_;
   int status_ = 0;          // the child's, once reaped
   bool ended_ = false;      // its output reached its end
+  bool reaped_ = false;     // status_ is its exit status
   std::string last_other_;  // the last line that was not a result (an error)
 };
 

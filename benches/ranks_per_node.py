@@ -50,8 +50,10 @@ on floats, torch, one thread per core) counts 16 bytes per element, as benches/c
 Rate = ranks x params / step time, in Gparam/s.
 """
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import statistics
 import subprocess
@@ -83,7 +85,22 @@ def triad_gbs(n, reps=5):
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+@contextlib.contextmanager
+def barrier_aborted_on_error(barrier):
+    """A rank that fails breaks the barrier, so that the others fail too instead of waiting."""
+    try:
+        yield
+    except BaseException:
+        barrier.abort()
+        raise
+
+
 def offloadd_rank(rank, address, n, dtype, steps, barrier, out):
+    with barrier_aborted_on_error(barrier):
+        offloadd_rank_steps(rank, address, n, dtype, steps, barrier, out)
+
+
+def offloadd_rank_steps(rank, address, n, dtype, steps, barrier, out):
     client = offloadd.Client(address)
     session = client.open_session(f"rank{rank}")
     part = session.register("w", n, param_dtype=dtype, grad_dtype=dtype)
@@ -109,6 +126,11 @@ def offloadd_rank(rank, address, n, dtype, steps, barrier, out):
 
 
 def deepspeed_rank(rank, peer, n, threads, copy_to, steps, barrier, out):
+    with barrier_aborted_on_error(barrier):
+        deepspeed_rank_steps(rank, peer, n, threads, copy_to, steps, barrier, out)
+
+
+def deepspeed_rank_steps(rank, peer, n, threads, copy_to, steps, barrier, out):
     sys.path.insert(0, peer)
     import bench as peer_bench  # the peer's own harness: its build() loads the cached op
     ds = peer_bench.build()
@@ -127,6 +149,7 @@ def deepspeed_rank(rank, peer, n, threads, copy_to, steps, barrier, out):
         if lp is not None:
             lp.copy_(p)
         times.append((t0, time.monotonic()))
+    barrier.wait()  # as offloadd's ranks: nothing freed beside another rank's last step
     ds.destroy_adam(0)
     out.put((rank, times))
 
@@ -140,9 +163,22 @@ def run_ranks(target, args_of, ranks, steps):
     for p in procs:
         p.start()
     results = {}
-    for _ in range(ranks):
-        rank, times = out.get(timeout=600)
-        results[rank] = times
+    try:
+        deadline = time.monotonic() + 600
+        while len(results) < ranks:
+            try:
+                rank, times = out.get(timeout=1)
+                results[rank] = times
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    sys.exit(f"a rank of {target.__name__} exited with {failed[0]}")
+                if time.monotonic() > deadline:
+                    sys.exit(f"the ranks of {target.__name__} gave no result in 600 s")
+    except BaseException:
+        for p in procs:
+            p.terminate()  # none left waiting at a barrier for one that died
+        raise
     for p in procs:
         p.join()
         if p.exitcode != 0:

@@ -65,8 +65,8 @@ struct AdamSpan {
 // the multiply-adds marked fma (each one rounding) and no others. This is the
 // operation sequence of torch 1.13's single-tensor Adam/AdamW on CPU, so the
 // results match torch bit for bit; the vector kernels give the same results
-// (the same IEEE operations but for the one division below), so all kernels
-// agree bit for bit too:
+// (the same IEEE operations but for the one division below, exact for the
+// divisors checked), so all kernels agree bit for bit too:
 //   g = grad * grad_scale
 //   g = fma(p, l2, g)                            (Adam with weight decay)
 //   p = p * decay_factor                         (AdamW)
@@ -80,8 +80,9 @@ struct AdamSpan {
 // (y = RN(1/b)) is set: q = RN(a * y), r = RN(a - b * q) (one fma),
 // q' = RN(q + r * y) (one fma), the "one multiplication and two fused
 // multiply-adds" of Brisebarre, Muller and Raina (IEEE Trans. Computers,
-// 2004), which gives RN(a/b) where it gives it for every a. That depends on
-// b; no proof here: checked against the divide instruction over every float
+// 2004). For some divisors b it gives RN(a/b) for every a; which ones
+// depends on b, and no proof is offered here: checked against the divide
+// instruction over every float
 // significand of a for every divisor in kernels_test (those of real steps
 // included) and, outside the tests (cpu_adam:division_sweep), for every
 // divisor of every step with beta2 0.9, 0.95, 0.98, 0.99, 0.995, 0.997,
@@ -92,7 +93,7 @@ struct AdamSpan {
 // a = sqrt(v) lies in [2^-75, 2^64]. Inf and NaN take q (r is NaN there);
 // a = -0 gives +0, which the + eps that follows makes equal.
 // One divide instead of two: where the state is in cache the divider bounds
-// the step (1M parameters: 1.26-1.31x faster); where it streams from memory
+// the step (1M parameters: 1.27-1.31x faster); where it streams from memory
 // this changes nothing measurable.
 void AdamScalar(const AdamStepConstants& c, const AdamSpan& span);
 

@@ -2,7 +2,8 @@
 // remainder loop). Performs the IEEE operations of AdamScalar in the same
 // order, fusing only where it does (this target builds with
 // -ffp-contract=off), but for the division by the bias correction (adam.h),
-// so its results are bit-identical to the reference.
+// so its results are bit-identical to the reference (for the divisors
+// checked there).
 //
 // This file must not call inline functions shared with other targets (such
 // as those in dtype.h): the compiler could emit an AVX-512 copy that the

@@ -14,10 +14,12 @@
 // distinct divisor ComputeStepConstants gives for those beta2 at steps 1..N
 // (default: until it reaches 1), those a training run with them divides by.
 // About a millisecond a divisor on one core; prints progress every 65536
-// divisors, each divisor with a mismatch, and the total. Exit status 1 where
-// any differ. Needs AVX-512.
+// divisors, each divisor with a mismatch, and the total. Exit status 0 where
+// none differ, 1 where any do, 2 for a bad command line (or no divisor to
+// check) or a CPU without AVX-512.
 #include <immintrin.h>
 
+#include <cerrno>
 #include <cinttypes>
 #include <cstdint>
 #include <cstdio>
@@ -77,6 +79,16 @@ uint64_t Sweep(const std::vector<float>& divisors, const char* what) {
   return bad;
 }
 
+// `text` whole as an unsigned number (decimal, or hex with 0x); false for
+// anything else.
+bool ParseUint(const char* text, uint64_t* value) {
+  if (*text == '\0' || *text == '-') return false;
+  char* end;
+  errno = 0;
+  *value = std::strtoull(text, &end, 0);
+  return *end == '\0' && errno == 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -91,19 +103,23 @@ int main(int argc, char** argv) {
   std::string what;
   if (argc >= 2 && std::strncmp(argv[1], "--beta2=", 8) == 0) {
     uint64_t steps = 0;  // 0: until the divisor reaches 1
-    if (argc == 3 && std::strncmp(argv[2], "--steps=", 8) == 0) {
-      steps = std::strtoull(argv[2] + 8, nullptr, 10);
+    if (argc == 3) {
+      if (std::strncmp(argv[2], "--steps=", 8) != 0 || !ParseUint(argv[2] + 8, &steps) ||
+          steps == 0) {
+        std::fputs(usage, stderr);
+        return 2;
+      }
     } else if (argc != 2) {
       std::fputs(usage, stderr);
       return 2;
     }
     std::set<uint32_t> seen;
-    for (const char* b = argv[1] + 8; *b != '\0';) {
+    for (const char* b = argv[1] + 8;;) {
       char* end;
       offload::AdamHyperparams h;
       h.beta2 = std::strtod(b, &end);
-      if (end == b || !(h.beta2 > 0 && h.beta2 < 1)) {
-        std::fprintf(stderr, "division_sweep: beta2 must be in (0, 1): %s\n", b);
+      if (end == b || (*end != ',' && *end != '\0') || !(h.beta2 > 0 && h.beta2 < 1)) {
+        std::fprintf(stderr, "division_sweep: each beta2 a number in (0, 1): %s\n", argv[1]);
         return 2;
       }
       for (uint64_t t = 1; steps == 0 || t <= steps; ++t) {
@@ -113,21 +129,28 @@ int main(int argc, char** argv) {
         std::memcpy(&bits, &d, sizeof(bits));
         if (seen.insert(bits).second) divisors.push_back(d);
       }
-      b = *end == ',' ? end + 1 : end;
+      if (*end == '\0') break;
+      b = end + 1;
     }
     what = std::string("the steps' divisors for beta2 ") + (argv[1] + 8);
   } else if (argc == 3) {
-    const uint32_t first = static_cast<uint32_t>(std::strtoul(argv[1], nullptr, 0));
-    const uint32_t end = static_cast<uint32_t>(std::strtoul(argv[2], nullptr, 0));
-    if (first > end || end > (1u << 23)) {
-      std::fprintf(stderr, "division_sweep: want FIRST <= END <= %u\n", 1u << 23);
+    uint64_t first, end;
+    if (!ParseUint(argv[1], &first) || !ParseUint(argv[2], &end) || first > end ||
+        end > (uint64_t{1} << 23)) {
+      std::fprintf(stderr, "division_sweep: want numbers FIRST <= END <= %u\n%s", 1u << 23, usage);
       return 2;
     }
-    for (uint32_t k = first; k < end; ++k) divisors.push_back(FromBits(0x3f800000u + k));
+    for (uint64_t k = first; k < end; ++k) {
+      divisors.push_back(FromBits(0x3f800000u + static_cast<uint32_t>(k)));
+    }
     what = "divisors 1 + k * 2^-23 for k in [" + std::to_string(first) + ", " +
            std::to_string(end) + ")";
   } else {
     std::fputs(usage, stderr);
+    return 2;
+  }
+  if (divisors.empty()) {
+    std::fprintf(stderr, "division_sweep: no divisor to check\n");
     return 2;
   }
   return Sweep(divisors, what.c_str()) == 0 ? 0 : 1;
