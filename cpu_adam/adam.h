@@ -86,9 +86,9 @@ struct AdamSpan {
 // significand of a for every divisor in kernels_test (those of real steps
 // included) and, outside the tests (cpu_adam:division_sweep), for every
 // divisor of every step with beta2 0.9, 0.95, 0.98, 0.99, 0.995, 0.997,
-// 0.999, 0.9995 or 0.9999 (98,389 divisors) and for a part of all divisor
-// significands (benches/RESULTS.md, cpu_adam): no difference. It holds where
-// no step underflows or
+// 0.999, 0.9995 or 0.9999 (98,389 divisors) and for every one of the 2^23
+// divisor significands (benches/RESULTS.md, cpu_adam): no difference. It
+// holds where no step underflows or
 // overflows: ComputeStepConstants sets y only for b in [2^-30, 1], and
 // a = sqrt(v) lies in [2^-75, 2^64]. Inf and NaN take q (r is NaN there);
 // a = -0 gives +0, which the + eps that follows makes equal.
