@@ -75,15 +75,26 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
     absl::StrAppend(&out, "offloadd_session_share_weight{session=\"", s.id, "\",name=\"",
                     Escape(s.name), "\"} ", s.share_weight, "\n");
   }
-  absl::StrAppend(&out,
-                  "# HELP offloadd_session_optimizer_queued_seconds_total time its updates waited "
-                  "for other sessions'\n"
-                  "# TYPE offloadd_session_optimizer_queued_seconds_total counter\n");
-  for (const SessionSummary& s : m.sessions) {
-    absl::StrAppend(&out, "offloadd_session_optimizer_queued_seconds_total{session=\"", s.id,
-                    "\",name=\"", Escape(s.name), "\"} ",
-                    absl::StrFormat("%.9f", static_cast<double>(s.optimizer_queued_nanos) / 1e9),
-                    "\n");
+  // Per-session times kept in nanoseconds, exported in seconds.
+  struct SessionSeconds {
+    const char* name;
+    const char* help;
+    int64_t SessionSummary::*nanos;
+  };
+  static const SessionSeconds kSessionSeconds[] = {
+      {"offloadd_session_optimizer_queued_seconds_total",
+       "time its updates waited for other sessions'", &SessionSummary::optimizer_queued_nanos},
+      {"offloadd_session_io_queued_seconds_total",
+       "time its blocks' transfers waited for the swapper's I/O threads",
+       &SessionSummary::io_queued_nanos},
+  };
+  for (const SessionSeconds& metric : kSessionSeconds) {
+    absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
+                    " counter\n");
+    for (const SessionSummary& s : m.sessions) {
+      absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ",
+                      absl::StrFormat("%.9f", static_cast<double>(s.*metric.nanos) / 1e9), "\n");
+    }
   }
   absl::StrAppend(&out,
                   "# HELP offloadd_session_nvme_bytes_total bytes of its blocks moved to and "
@@ -96,15 +107,6 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
       absl::StrAppend(&out, "offloadd_session_nvme_bytes_total{session=\"", s.id, "\",name=\"",
                       Escape(s.name), "\",direction=\"", direction, "\"} ", bytes, "\n");
     }
-  }
-  absl::StrAppend(&out,
-                  "# HELP offloadd_session_io_queued_seconds_total time its blocks' transfers "
-                  "waited for the swapper's I/O threads\n"
-                  "# TYPE offloadd_session_io_queued_seconds_total counter\n");
-  for (const SessionSummary& s : m.sessions) {
-    absl::StrAppend(&out, "offloadd_session_io_queued_seconds_total{session=\"", s.id, "\",name=\"",
-                    Escape(s.name), "\"} ",
-                    absl::StrFormat("%.9f", static_cast<double>(s.io_queued_nanos) / 1e9), "\n");
   }
   absl::StrAppend(&out,
                   "# HELP offloadd_session_step_seconds_total the session's steps' time: in all "
