@@ -9,11 +9,15 @@ usage: ranks_per_node.py --offloadd=PATH [--ranks=4] [--params=25000000] [--step
 
 Each configuration runs --ranks processes started together; every step begins at a barrier,
 and a step's time is from the first rank's start to the last rank's end (the ranks' next
-collective waits for the slowest). Per configuration: the median over the steps after the
-first of each run. Each round runs offloadd next to every other configuration (offloadd first
-in even rounds; in odd ones the configurations in reversed order, each followed by offloadd),
-and "vs offloadd" is the median over the rounds of the configuration's median step over that
-of the run of offloadd beside it (each round's ratio printed below the table).
+collective waits for the slowest). Every step also ends at a barrier: ZeRO-3's next forward
+begins with an all-gather, so no rank's next iteration runs beside another rank's step (without
+it, offloadd's ranks that finished first handed over their next gradients beside the others'
+steps: 78-86 ms a step against 71-74 ms with it, same sitting). Per configuration: the median
+over the steps after the first of each run. Each round runs offloadd next to every other
+configuration (offloadd first in even rounds; in odd ones the configurations in reversed order,
+each followed by offloadd), and "vs offloadd" is the median over the rounds of the
+configuration's median step over that of the run of offloadd beside it (each round's ratio
+printed below the table).
   offloadd              one daemon; each rank a session holding one partition of --params
                         parameters, a --dtype working copy and gradients (bf16 by default, as
                         ZeRO-Offload trains: fp32 master weights and moments in the daemon),
@@ -118,9 +122,11 @@ def offloadd_rank_steps(rank, address, n, dtype, steps, barrier, out):
         t0 = time.monotonic()
         session.step(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
         times.append((t0, time.monotonic()))
-    # Every rank's last step over before any session closes: a close frees the
-    # session's state, and that work would run beside the others' last step.
-    barrier.wait()
+        # ZeRO-3's next forward starts with an all-gather of the parameters, which
+        # waits for every rank's step: no rank's next iteration (its gradients,
+        # their norm) runs beside another rank's step. The barrier after the last
+        # step also keeps the sessions' closes (which free their state) out of it.
+        barrier.wait()
     session.close()
     out.put((rank, times))
 
@@ -149,7 +155,7 @@ def deepspeed_rank_steps(rank, peer, n, threads, copy_to, steps, barrier, out):
         if lp is not None:
             lp.copy_(p)
         times.append((t0, time.monotonic()))
-    barrier.wait()  # as offloadd's ranks: nothing freed beside another rank's last step
+        barrier.wait()  # as offloadd's ranks: the next forward's all-gather
     ds.destroy_adam(0)
     out.put((rank, times))
 
