@@ -13,12 +13,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/checksum.h"
 #include "base/directory.h"
 #include "base/file_io.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
-#include "xxhash.h"
 
 namespace offload::checkpoint {
 namespace {
@@ -102,7 +102,7 @@ std::optional<uint64_t> DataGeneration(absl::string_view name, absl::string_view
 
 }  // namespace
 
-uint64_t Hash(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+uint64_t Hash(const void* data, size_t bytes) { return Checksum64(data, bytes); }
 
 namespace {
 

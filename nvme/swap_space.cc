@@ -11,10 +11,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/checksum.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
-#include "xxhash.h"
 
 namespace offload {
 
@@ -267,7 +267,7 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buff
     // Each stripe once written (a buffer that changes meanwhile makes the
     // block's owner discard this copy: the swapper's version check).
     hash = [&](size_t r, const std::byte* data) {
-      e.checksums[r] = XXH3_64bits(data, StripeDataBytes(e, r));
+      e.checksums[r] = Checksum64(data, StripeDataBytes(e, r));
     };
   }
   absl::Status s = Transfer(e, IoOp::kWrite, b, hash, nullptr);
@@ -346,7 +346,7 @@ absl::Status SwapSpace::ReadInto(uint64_t id, const Buffers& b) {
   if (e.has_checksum) {
     got.assign(e.checksums.size(), 0);
     hash = [&](size_t r, const std::byte* data) {
-      got[r] = XXH3_64bits(data, StripeDataBytes(e, r));
+      got[r] = Checksum64(data, StripeDataBytes(e, r));
     };
     verify = [&](size_t first, size_t end) -> absl::Status {
       for (size_t r = first; r < end; ++r) {
