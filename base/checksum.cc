@@ -20,4 +20,16 @@ uint64_t Checksum64(const void* data, size_t bytes) {
 
 uint64_t Checksum64Baseline(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
 
+namespace {
+
+// libxxhash picks the dispatch's vector unit at the first call of more than
+// 240 bytes and keeps it in a plain global: made here, at load time, before
+// any thread of ours can race on it.
+const uint64_t kDispatchChosen = [] {
+  unsigned char bytes[256] = {};
+  return Checksum64(bytes, sizeof(bytes));
+}();
+
+}  // namespace
+
 }  // namespace offload

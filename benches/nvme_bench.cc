@@ -217,32 +217,35 @@ int Main(int argc, char** argv) {
   // stripe hashed 64 times) and from memory (each 1 MiB stripe of a buffer
   // larger than the caches once, as a stripe just read from the disk is).
   {
-    const size_t stripe = 1 << 20;
-    const size_t cold_bytes = f.file_bytes <= (64u << 20) ? (64u << 20) : (512u << 20);
-    auto buf = HostMemory::Allocate(cold_bytes);
-    std::memset(buf->data(), 1, buf->size());
-    uint64_t sink = 0;
-    using HashFn = uint64_t (*)(const void*, size_t);
-    const HashFn fns[2] = {Checksum64, Checksum64Baseline};
-    double hot[2] = {0, 0}, cold[2] = {0, 0};
-    for (int rep = 0; rep < 5; ++rep) {
-      for (int k = 0; k < 2; ++k) {
-        const int i = rep % 2 == 0 ? k : 1 - k;
-        auto start = Clock::now();
-        for (int r = 0; r < 64; ++r) sink += fns[i](buf->data(), stripe);
-        hot[i] = std::max(hot[i], 64.0 * stripe / SecondsSince(start) / 1e9);
-        start = Clock::now();
-        for (size_t at = 0; at + stripe <= buf->size(); at += stripe) {
-          sink += fns[i](buf->data() + at, stripe);
+    {
+      const size_t stripe = 1 << 20;
+      const size_t cold_bytes = f.file_bytes <= (64u << 20) ? (64u << 20) : (512u << 20);
+      auto buf = HostMemory::Allocate(cold_bytes);
+      std::memset(buf->data(), 1, buf->size());
+      uint64_t sink = 0;
+      using HashFn = uint64_t (*)(const void*, size_t);
+      const HashFn fns[2] = {Checksum64, Checksum64Baseline};
+      double hot[2] = {0, 0}, cold[2] = {0, 0};
+      for (int rep = 0; rep < 5; ++rep) {
+        for (int k = 0; k < 2; ++k) {
+          const int i = rep % 2 == 0 ? k : 1 - k;
+          auto start = Clock::now();
+          for (int r = 0; r < 64; ++r) sink += fns[i](buf->data(), stripe);
+          hot[i] = std::max(hot[i], 64.0 * stripe / SecondsSince(start) / 1e9);
+          start = Clock::now();
+          for (size_t at = 0; at + stripe <= buf->size(); at += stripe) {
+            sink += fns[i](buf->data() + at, stripe);
+          }
+          cold[i] = std::max(cold[i], static_cast<double>(buf->size()) / SecondsSince(start) / 1e9);
         }
-        cold[i] = std::max(cold[i], static_cast<double>(buf->size()) / SecondsSince(start) / 1e9);
       }
-    }
-    std::printf(
-        "\n== checksum (XXH3-64, 1 MiB stripes, one core, GB/s): from the cache %.1f, from memory "
-        "%.1f (%zu MiB); libxxhash's baseline build %.1f and %.1f: %.2fx and %.2fx (sink %llx)\n",
-        hot[0], cold[0], buf->size() >> 20, hot[1], cold[1], hot[0] / hot[1], cold[0] / cold[1],
-        static_cast<unsigned long long>(sink & 0xf));
+      std::printf(
+          "\n== checksum (XXH3-64, 1 MiB stripes, one core, GB/s): from the cache %.1f, from "
+          "memory "
+          "%.1f (%zu MiB); libxxhash's baseline build %.1f and %.1f: %.2fx and %.2fx (sink %llx)\n",
+          hot[0], cold[0], buf->size() >> 20, hot[1], cold[1], hot[0] / hot[1], cold[0] / cold[1],
+          static_cast<unsigned long long>(sink & 0xf));
+    }  // (the buffer freed before the swaps below)
 
     IoOptions so;
     so.queue_depth = 32;

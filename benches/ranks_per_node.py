@@ -22,7 +22,7 @@ printed below the table).
                         parameters, a --dtype working copy and gradients (bf16 by default, as
                         ZeRO-Offload trains: fp32 master weights and moments in the daemon),
                         its gradients handed over (ReturnGradients with hand_over), their
-                        norm taken (GetPendingGradients, before the barrier: the ranks'
+                        norm taken (GetPendingGradients, before the step's opening barrier: the ranks'
                         all-reduce for clipping comes between it and Step), then Step;
                         the daemon's optimizer threads (one per core) serve every rank's step
   DeepSpeed, T threads  each rank runs DeepSpeed's adam_update over its own --params fp32
