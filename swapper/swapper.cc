@@ -275,6 +275,13 @@ bool Swapper::BusyLocked(const Block& b) const {
          b.state == BlockState::kWritingOut;
 }
 
+uint64_t Swapper::UsedAfterFreeingLocked() const {
+  // Not below zero: RemoveAll's leases leave the pool (used() goes down)
+  // without the lock, before freeing_bytes_ does under it.
+  const uint64_t used = pool_->used();
+  return used > freeing_bytes_ ? used - freeing_bytes_ : 0;
+}
+
 void Swapper::EraseIfDoneLocked(Block* b) {
   if (!b->removed || BusyLocked(*b)) return;
   if (b->state != BlockState::kOnNvme) {
@@ -429,10 +436,11 @@ void Swapper::RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* 
   std::vector<std::pair<BlockId, const Block*>> external;
   // In batches, so that other sessions' calls get the lock in between. The
   // leases of the pool blocks that nothing uses leave the lock with the
-  // batch and are unmapped without it (a 16 MiB lease of 4 KiB pages takes
+  // batch and are given back without it (a 16 MiB lease of 4 KiB pages takes
   // about a millisecond to unmap, a session's state of 1.6 GB 80 ms: other
   // sessions' steps pin and release their blocks under this lock), counted
-  // as being freed until then, as the charges above are.
+  // as being freed until then, as the external blocks' charges below are
+  // (UsedAfterFreeingLocked: the pool's count drops first).
   constexpr size_t kBatch = 512;
   std::vector<PoolMemory> leases;
   for (size_t at = 0; at < ids.size(); at += kBatch) {
@@ -859,7 +867,7 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
     if (stopping_) return absl::CancelledError("the swapper is shutting down");
     if (charge > pool_->limit()) return RoomError(bytes);
     // Enough is already being written out: wait for it.
-    const uint64_t after = pool_->used() - freeing_bytes_;
+    const uint64_t after = UsedAfterFreeingLocked();
     if (after <= pool_->limit() - charge) {
       changed_.Wait(&mu_);
       continue;
@@ -1168,7 +1176,7 @@ void Swapper::MoverThread() {
     if (move.kind == MoveKind::kTrim) {
       mover_busy_ = true;
       absl::flat_hash_set<BlockId> tried;
-      while (pool_->used() - freeing_bytes_ > pool_->limit()) {
+      while (UsedAfterFreeingLocked() > pool_->limit()) {
         Block* victim = ChooseVictimLocked(/*restricted=*/false, 0, tried);
         if (victim == nullptr) break;
         tried.insert(victim->id);

@@ -220,7 +220,8 @@ class Swapper {
   // block measured), and their pool charges move to `charges`, for the
   // caller to give back with ReleaseCharges once that memory is gone
   // (counted as being freed meanwhile, so that making room waits for them
-  // rather than evicting others). The lock is let go between batches.
+  // rather than evicting others). The lock is let go between batches, and
+  // the pool blocks' leases are given back after each batch without it.
   void RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* charges)
       ABSL_LOCKS_EXCLUDED(mu_);
   void ReleaseCharges(std::vector<PoolCharge>* charges) ABSL_LOCKS_EXCLUDED(mu_);
@@ -346,6 +347,9 @@ class Swapper {
   void DropHostNowLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishDrop(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
   bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pool's use less what is being freed (freeing_bytes_), never below
+  // zero.
+  uint64_t UsedAfterFreeingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
   // A block homed on the host whose lease asked for other pages than
