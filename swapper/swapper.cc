@@ -372,7 +372,10 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
       }
       changed_.SignalAll();
       b->state = BlockState::kResident;
-      if (external == nullptr && !kept.has_value()) populate = b->host.data();
+      if (external == nullptr && !kept.has_value()) {
+        populate = b->host.data();
+        ++b->waiters;  // its lease stays put (no repage, eviction or erasure) until populated
+      }
     }
     // (A kept block's claim, should this fail, goes back with `b`.)
     if (home == Tier::kNvme) RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
@@ -381,9 +384,18 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
   }
   // A block that rests in the pool (optimizer state) gets its pages now,
   // beside the trainer's registration, not at its first use in the first
-  // step (seconds of faults for a large model). Content-preserving: harmless
-  // should the block be repaged meanwhile.
-  if (populate != nullptr) PopulateForWrite(populate, bytes);
+  // step (seconds of faults for a large model), without the lock; a waiter
+  // meanwhile, so that a Remove, a repage or a change of its home to NVMe
+  // does not give its lease back under the populating (which would fault
+  // pages into memory the pool no longer counts).
+  if (populate != nullptr) {
+    PopulateForWrite(populate, bytes);
+    absl::MutexLock lock(&mu_);
+    Block* b = blocks_.at(id).get();  // a waiter: never erased meanwhile
+    --b->waiters;
+    EraseIfDoneLocked(b);  // removed meanwhile: goes now
+    changed_.SignalAll();
+  }
   return absl::OkStatus();
 }
 
