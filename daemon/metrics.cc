@@ -24,6 +24,18 @@ std::string Escape(const std::string& s) {
   return out;
 }
 
+// One metric with a line per session (its id and name the labels): the HELP
+// and TYPE lines, then `value(session)` for each.
+template <typename Value>
+void AppendPerSession(std::string* out, const char* name, const char* help, const char* type,
+                      const std::vector<SessionSummary>& sessions, Value value) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+  for (const SessionSummary& s : sessions) {
+    absl::StrAppend(out, name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ", value(s),
+                    "\n");
+  }
+}
+
 }  // namespace
 
 std::string FormatPrometheus(const DaemonSnapshot& m) {
@@ -60,21 +72,12 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
        &SessionSummary::optimizer_params},
   };
   for (const SessionMetric& metric : kSession) {
-    absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
-                    " gauge\n");
-    for (const SessionSummary& s : m.sessions) {
-      absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ",
-                      s.*metric.field, "\n");
-    }
+    AppendPerSession(&out, metric.name, metric.help, "gauge", m.sessions,
+                     [&](const SessionSummary& s) { return s.*metric.field; });
   }
-  absl::StrAppend(
-      &out,
-      "# HELP offloadd_session_share_weight its weight in the node's optimizer and NVMe I/O\n"
-      "# TYPE offloadd_session_share_weight gauge\n");
-  for (const SessionSummary& s : m.sessions) {
-    absl::StrAppend(&out, "offloadd_session_share_weight{session=\"", s.id, "\",name=\"",
-                    Escape(s.name), "\"} ", s.share_weight, "\n");
-  }
+  AppendPerSession(&out, "offloadd_session_share_weight",
+                   "its weight in the node's optimizer and NVMe I/O", "gauge", m.sessions,
+                   [](const SessionSummary& s) { return s.share_weight; });
   // Per-session times kept in nanoseconds, exported in seconds.
   struct SessionSeconds {
     const char* name;
@@ -89,12 +92,10 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
        &SessionSummary::io_queued_nanos},
   };
   for (const SessionSeconds& metric : kSessionSeconds) {
-    absl::StrAppend(&out, "# HELP ", metric.name, " ", metric.help, "\n# TYPE ", metric.name,
-                    " counter\n");
-    for (const SessionSummary& s : m.sessions) {
-      absl::StrAppend(&out, metric.name, "{session=\"", s.id, "\",name=\"", Escape(s.name), "\"} ",
-                      absl::StrFormat("%.9f", static_cast<double>(s.*metric.nanos) / 1e9), "\n");
-    }
+    AppendPerSession(&out, metric.name, metric.help, "counter", m.sessions,
+                     [&](const SessionSummary& s) {
+                       return absl::StrFormat("%.9f", static_cast<double>(s.*metric.nanos) / 1e9);
+                     });
   }
   absl::StrAppend(&out,
                   "# HELP offloadd_session_nvme_bytes_total bytes of its blocks moved to and "

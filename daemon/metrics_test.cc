@@ -16,6 +16,8 @@ DaemonSnapshot Sample() {
   s.id = 3;
   s.name = "rank\"0\"\nx";  // hostile: quotes and a newline
   s.steps = 7;
+  s.share_weight = 2;
+  s.optimizer_queued_nanos = 1'500'000'000;
   s.nvme_bytes[static_cast<int>(DataKind::kOptimizerState)] = 12;
   m.sessions = {s};
   return m;
@@ -32,6 +34,24 @@ TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
   EXPECT_NE(text.find("offloadd_tier_budget_bytes{tier=\"nvme\"} 5000\n"), std::string::npos);
   EXPECT_NE(text.find("offloadd_session_placed_bytes{session=\"3\",name=\"rank\\\"0\\\"\\nx\","
                       "kind=\"optimizer_state\",tier=\"nvme\"} 12\n"),
+            std::string::npos)
+      << text;
+  // The per-session families: HELP and TYPE, then a line a session.
+  const std::string labels = "{session=\"3\",name=\"rank\\\"0\\\"\\nx\"} ";
+  EXPECT_NE(text.find("# HELP offloadd_session_steps optimizer steps applied\n"
+                      "# TYPE offloadd_session_steps gauge\n"
+                      "offloadd_session_steps" +
+                      labels + "7\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("# TYPE offloadd_session_share_weight gauge\n"
+                      "offloadd_session_share_weight" +
+                      labels + "2\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("# TYPE offloadd_session_optimizer_queued_seconds_total counter\n"
+                      "offloadd_session_optimizer_queued_seconds_total" +
+                      labels + "1.500000000\n"),
             std::string::npos)
       << text;
   // Every sample line is one line: the newline in the name did not break it.
