@@ -10,6 +10,9 @@
 // files in DIR), the pool holding a quarter of it: each step swaps its state
 // in and out, the disk is what the sessions share, and its bandwidth is
 // divided by the same weights (the swapper's I/O queue, Swapper::SetIoWeight).
+// Alone, the first session has the pool to itself: the idle sessions' blocks
+// are evicted first (printed: how many), and its updates a second are those
+// of a session whose state mostly fits, not a quarter.
 //
 // --neighbour=DIR: instead, a session with its state on the host against
 // itself alone in the same run (windows of --seconds, 1 by default here,
@@ -399,7 +402,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
     return 1;
   }
+  const SwapperStats before_alone = e.swapper->Stats();
   auto alone = RunTogether(e, {all[0]}, f.seconds);
+  const SwapperStats during_alone = e.swapper->Stats().Since(before_alone);
   auto moved = [&](const Job& j) {
     const Swapper::TraceIo io = e.swapper->IoOf(j.key.id);
     return static_cast<double>(io.bytes_in + io.bytes_out);
@@ -445,6 +450,17 @@ int Main(int argc, char** argv) {
   std::printf("worst share off by %.1f%% (target: within 10%%)\n", 100 * worst);
   std::printf("node total %.1f Mparam/s together vs %.1f alone: %.3fx\n", total / 1e6,
               (*alone)[0] / 1e6, total / (*alone)[0]);
+  if (!f.state_dir.empty()) {
+    // Alone, the idle sessions' share of the pool is job0's (Swapper: an
+    // idle trace's blocks are evicted first).
+    std::printf(
+        "job0 alone: %llu blocks evicted, %llu of them the idle sessions' (their room now "
+        "job0's); %.0f MiB/s in and out\n",
+        static_cast<unsigned long long>(during_alone.swap_outs + during_alone.clean_drops),
+        static_cast<unsigned long long>(during_alone.idle_evictions),
+        static_cast<double>(during_alone.bytes_in + during_alone.bytes_out) / f.seconds /
+            (1 << 20));
+  }
   return 0;
 }
 

@@ -72,6 +72,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.staged_bytes -= e.staged_bytes;
   d.idle_wakeups -= e.idle_wakeups;
   d.io_fair_waits -= e.io_fair_waits;
+  d.idle_evictions -= e.idle_evictions;
   d.repages -= e.repages;
   return d;
 }
@@ -345,7 +346,8 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     b->id = id;
     b->bytes = bytes;
     b->trace = trace;
-    trace_io_.try_emplace(trace);  // its I/O counted from here until ForgetTrace
+    // Its I/O counted from here until ForgetTrace; at work from here.
+    trace_records_.try_emplace(trace).first->second.last_use = std::chrono::steady_clock::now();
     b->home = home;
     b->external = external;
     b->span = span;
@@ -541,6 +543,13 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   ++stats_.acquires;
   b->last_use = ++clock_;
+  if (auto it = trace_records_.find(b->trace); it != trace_records_.end()) {
+    TraceRecord& r = it->second;
+    r.last_use = std::chrono::steady_clock::now();
+    if (r.iteration_start == std::chrono::steady_clock::time_point{}) {
+      r.iteration_start = r.last_use;
+    }
+  }
   ++b->waiters;
   bool counted = false;
   absl::Status status;
@@ -716,13 +725,13 @@ void Swapper::ForgetTrace(uint64_t trace) {
   traces_.erase(trace);
   io_queue_.Forget(trace);
   prefetches_.Forget(trace);
-  trace_io_.erase(trace);
+  trace_records_.erase(trace);
 }
 
 Swapper::TraceIo Swapper::IoOf(uint64_t trace) const {
   absl::MutexLock lock(&mu_);
-  auto it = trace_io_.find(trace);
-  return it == trace_io_.end() ? TraceIo{} : it->second;
+  auto it = trace_records_.find(trace);
+  return it == trace_records_.end() ? TraceIo{} : it->second.io;
 }
 
 void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
@@ -733,6 +742,13 @@ void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
 
 void Swapper::EndIteration(uint64_t trace) {
   absl::MutexLock lock(&mu_);
+  if (auto it = trace_records_.find(trace); it != trace_records_.end()) {
+    TraceRecord& r = it->second;
+    if (r.iteration_start != std::chrono::steady_clock::time_point{}) {
+      r.iteration = std::chrono::steady_clock::now() - r.iteration_start;
+      r.iteration_start = {};
+    }
+  }
   AccessTrace& t = traces_[trace];
   const uint64_t before = t.relearned();
   t.EndIteration();
@@ -834,26 +850,52 @@ uint64_t Swapper::NextUseLocked(const Block& b) const {
   return it == traces_.end() ? AccessTrace::kNever : it->second.NextUse(b.id);
 }
 
+bool Swapper::IdleLocked(uint64_t trace, std::chrono::steady_clock::time_point now) const {
+  auto it = trace_records_.find(trace);
+  if (it == trace_records_.end()) return true;  // forgotten: its session is gone
+  const TraceRecord& r = it->second;
+  return now - r.last_use > std::max(idle_after_, 2 * r.iteration);
+}
+
 Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_than,
-                                            const absl::flat_hash_set<BlockId>& tried) const {
+                                            const absl::flat_hash_set<BlockId>& tried,
+                                            bool* idle) const {
+  const auto now = std::chrono::steady_clock::now();
+  // A trace holding a block, or waiting for one, is at work however long
+  // ago its last Acquire began (a slow swap-in).
+  absl::flat_hash_set<uint64_t> busy;
+  for (const auto& [id, b] : blocks_) {
+    if (b->pins > 0 || b->waiters > 0) busy.insert(b->trace);
+  }
+  absl::flat_hash_map<uint64_t, bool> idle_of;  // by trace, looked up once each
   Block* best = nullptr;
-  std::tuple<uint64_t, uint64_t> best_key{0, 0};
+  std::tuple<bool, uint64_t, uint64_t> best_key{false, 0, 0};
   for (const auto& [id, b] : blocks_) {
     if (b->removed || b->pins > 0 || b->waiters > 0 || b->state != BlockState::kResident ||
         b->home != Tier::kNvme || tried.contains(id)) {
       continue;
     }
+    auto [at, added] = idle_of.try_emplace(b->trace, false);
+    if (added) at->second = !busy.contains(b->trace) && IdleLocked(b->trace, now);
     const uint64_t next = NextUseLocked(*b);
-    if (restricted && next <= farther_than) continue;
-    // Farthest next use first; among equals (never used again, or no trace
-    // followed), least recently used first.
-    std::tuple<uint64_t, uint64_t> key{next, ~b->last_use};
+    if (restricted && !at->second && next <= farther_than) continue;
+    // An idle trace's blocks first (its uses are not coming soon, however
+    // near they are in its own order); then the farthest next use; among
+    // equals (never used again, or no trace followed), least recently used
+    // first.
+    std::tuple<bool, uint64_t, uint64_t> key{at->second, next, ~b->last_use};
     if (best == nullptr || key > best_key) {
       best = b.get();
       best_key = key;
     }
   }
+  if (best != nullptr) *idle = std::get<0>(best_key);
   return best;
+}
+
+void Swapper::SetIdleAfterForTesting(std::chrono::steady_clock::duration idle_after) {
+  absl::MutexLock lock(&mu_);
+  idle_after_ = idle_after;
 }
 
 absl::Status Swapper::RoomError(uint64_t bytes) const {
@@ -884,8 +926,10 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
       changed_.Wait(&mu_);
       continue;
     }
-    if (Block* victim = ChooseVictimLocked(restricted, farther_than, tried)) {
+    bool idle;
+    if (Block* victim = ChooseVictimLocked(restricted, farther_than, tried, &idle)) {
       tried.insert(victim->id);
+      if (idle) ++stats_.idle_evictions;
       EvictLocked(victim);
       continue;
     }
@@ -1063,7 +1107,9 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
     if (status.ok()) {
       ++stats_.swap_outs;
       stats_.bytes_out += bytes;
-      if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_out += bytes;
+      if (auto it = trace_records_.find(b->trace); it != trace_records_.end()) {
+        it->second.io.bytes_out += bytes;
+      }
       stats_.staged_bytes += staged;
       b->extent = new_extent;
       b->nvme_current = b->version == version;
@@ -1090,7 +1136,9 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
     if (status.ok()) {
       ++stats_.swap_ins;
       stats_.bytes_in += bytes;
-      if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_in += bytes;
+      if (auto it = trace_records_.find(b->trace); it != trace_records_.end()) {
+        it->second.io.bytes_in += bytes;
+      }
       stats_.staged_bytes += staged;
       b->state = BlockState::kResident;
       b->nvme_current = true;
@@ -1133,8 +1181,8 @@ void Swapper::IoThread() {
         if (next.has_value()) {
           task = *std::move(next);
           trace = flow;
-          if (auto it = trace_io_.find(flow); it != trace_io_.end()) {
-            it->second.queued_nanos +=
+          if (auto it = trace_records_.find(flow); it != trace_records_.end()) {
+            it->second.io.queued_nanos +=
                 std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
           }
           // One Push may have let several go: the next thread looks too.
@@ -1189,9 +1237,11 @@ void Swapper::MoverThread() {
       mover_busy_ = true;
       absl::flat_hash_set<BlockId> tried;
       while (UsedAfterFreeingLocked() > pool_->limit()) {
-        Block* victim = ChooseVictimLocked(/*restricted=*/false, 0, tried);
+        bool idle;
+        Block* victim = ChooseVictimLocked(/*restricted=*/false, 0, tried, &idle);
         if (victim == nullptr) break;
         tried.insert(victim->id);
+        if (idle) ++stats_.idle_evictions;
         EvictLocked(victim);
       }
       while (writes_in_flight_ > 0) changed_.Wait(&mu_);

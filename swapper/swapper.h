@@ -38,13 +38,19 @@
 //                   waiting Acquires (DATA_LOSS for checksum or EIO).
 // Eviction: only unpinned, resident, NVMe-homed blocks, the one whose next
 // use (by its trace) is farthest first; blocks whose trace is not being
-// followed count as never used again, least recently used first. A failed
+// followed count as never used again, least recently used first. Blocks of
+// an idle trace (none of its blocks held or waited for, and none acquired
+// for a second, or for two of its iterations where those are longer) go
+// before any other: trace
+// distances count a trace's own uses, so without this an idle session's
+// blocks, next used a few uses from now by its trace, would keep their room
+// from the sessions at work. A failed
 // write-out (ENOSPC, EIO) leaves the block resident, and its older NVMe
 // copy intact (copy-on-write rewrites); the next victim is tried.
 // Prefetch: after each traced Acquire, the next prefetch_depth blocks
 // along the trace that are not resident (at most prefetch_bytes) are read in
 // by the mover thread, evicting only blocks needed later than the one
-// prefetched. Only uses of NVMe-homed blocks enter a trace: the others are
+// prefetched (or an idle trace's). Only uses of NVMe-homed blocks enter a trace: the others are
 // never read in nor evicted, and may vary between iterations where these do
 // not (their Acquires still refill the prefetch window).
 // I/O order: the I/O threads free external pages first, then take swap-ins
@@ -59,6 +65,7 @@
 #ifndef OFFLOADD_SWAPPER_SWAPPER_H_
 #define OFFLOADD_SWAPPER_SWAPPER_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -133,7 +140,8 @@ struct SwapperStats {
   // An I/O thread waited with transfers queued: each waits for a trace
   // behind it by its weight (SetIoWeight) that is still using the disk.
   uint64_t io_fair_waits = 0;
-  uint64_t repages = 0;  // blocks moved home to the host, copied to a lease of its pages
+  uint64_t idle_evictions = 0;  // victims of an idle trace (chosen before any other)
+  uint64_t repages = 0;         // blocks moved home to the host, copied to a lease of its pages
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -312,6 +320,10 @@ class Swapper {
   // injected delays make races deterministic). `is_write` tells the kind.
   void SetIoHookForTesting(std::function<void(BlockId, bool is_write)> hook)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // How long a trace goes without an Acquire before it counts as idle
+  // (kIdleAfter; its iterations' length may make it longer).
+  void SetIdleAfterForTesting(std::chrono::steady_clock::duration idle_after)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Block;
@@ -368,8 +380,14 @@ class Swapper {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Excludes `tried` (victims this MakeRoom already wrote out: one whose
   // write failed is not tried again).
+  // Sets *idle to whether the victim's trace is idle.
   Block* ChooseVictimLocked(bool restricted, uint64_t farther_than,
-                            const absl::flat_hash_set<BlockId>& tried) const
+                            const absl::flat_hash_set<BlockId>& tried, bool* idle) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // No block of the trace acquired for kIdleAfter, or for two of its
+  // iterations where those are longer (the caller checks that none is held
+  // or waited for).
+  bool IdleLocked(uint64_t trace, std::chrono::steady_clock::time_point now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextUseLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -445,7 +463,20 @@ class Swapper {
   // they make room), then the transfers, by their traces' weights.
   std::deque<IoTask> frees_ ABSL_GUARDED_BY(mu_);
   FairQueue<IoTask> io_queue_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, TraceIo> trace_io_ ABSL_GUARDED_BY(mu_);
+  // Per trace, from its first block's Add until ForgetTrace: its I/O, and
+  // when it was last at work (eviction tells idle traces from the others).
+  struct TraceRecord {
+    TraceIo io;
+    std::chrono::steady_clock::time_point last_use;  // last Acquire (or Add)
+    // The first Acquire since the last EndIteration (none: epoch), and the
+    // last iteration's length from its first Acquire to its EndIteration
+    // (a pause between iterations does not lengthen it).
+    std::chrono::steady_clock::time_point iteration_start;
+    std::chrono::steady_clock::duration iteration{0};
+  };
+  absl::flat_hash_map<uint64_t, TraceRecord> trace_records_ ABSL_GUARDED_BY(mu_);
+  static constexpr std::chrono::seconds kIdleAfter{1};
+  std::chrono::steady_clock::duration idle_after_ ABSL_GUARDED_BY(mu_) = kIdleAfter;
   uint64_t io_running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);

@@ -447,6 +447,68 @@ TEST_F(SwapperTest, EvictsTheBlockNeededFarthestAway) {
   EXPECT_EQ(swapper_->Stats().hits - hits_before, 2u);
 }
 
+// Two traces in a pool of four blocks: trace 7 uses blocks 1 and 5, trace 8
+// uses 2, 3, 4, in those orders; both orders are learned, and 1, 5, 3 and 4
+// are resident. Trace 7 does not count as idle until the test says so.
+class IdleTraceTest : public SwapperTest {
+ protected:
+  void SetUp() override {
+    SwapperTest::SetUp();
+    Make(4 * kMiB);
+    swapper_->SetIdleAfterForTesting(std::chrono::hours(1));
+    for (uint64_t id : {1, 5}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+    for (uint64_t id : {2, 3, 4}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
+    for (uint64_t id : {1, 5}) Write(id, static_cast<uint32_t>(id));
+    swapper_->EndIteration(7);
+    for (uint64_t id : {2, 3, 4}) Write(id, static_cast<uint32_t>(id));  // evicts 2
+    swapper_->EndIteration(8);
+    for (uint64_t id : {1, 5, 3, 4}) ASSERT_EQ(StateOf(id), BlockState::kResident) << id;
+  }
+  // Trace 7 idle from now on unless it holds or waits for a block: nothing
+  // of it acquired for a millisecond, and its iterations were shorter.
+  void MakeTrace7Idle() {
+    swapper_->SetIdleAfterForTesting(std::chrono::milliseconds(1));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+};
+
+// Belady's distances count each trace's own uses: trace 7's blocks are next
+// in its order however long it has not run. While trace 7 is at work they
+// keep their room; once it is idle, they make room before any block a trace
+// at work will use.
+TEST_F(IdleTraceTest, AnIdleTracesBlocksMakeRoomFirst) {
+  ExpectHolds(1, 1);
+  ExpectHolds(2, 2);  // room: 4, trace 8's farthest
+  for (uint64_t id : {1, 5}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(StateOf(4), BlockState::kOnNvme);
+  EXPECT_EQ(swapper_->Stats().idle_evictions, 0u);
+
+  MakeTrace7Idle();
+  ExpectHolds(3, 3);
+  ExpectHolds(4, 4);  // room: 1 (trace 7's farther), where Belady would take 3
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  for (uint64_t id : {5, 2, 3, 4}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(swapper_->Stats().idle_evictions, 1u);
+  ExpectHolds(1, 1);  // and its bytes come back
+}
+
+// A trace that holds a block (or waits for one) is at work, however long ago
+// its last Acquire began.
+TEST_F(IdleTraceTest, ATraceHoldingABlockIsNotIdle) {
+  auto held = swapper_->Acquire(5, /*for_write=*/false);
+  ASSERT_TRUE(held.ok()) << held.status();
+  MakeTrace7Idle();
+  ExpectHolds(2, 2);  // room: 4, trace 8's farthest
+  EXPECT_EQ(StateOf(1), BlockState::kResident);
+  EXPECT_EQ(StateOf(4), BlockState::kOnNvme);
+  EXPECT_EQ(swapper_->Stats().idle_evictions, 0u);
+  held->Reset();
+  ExpectHolds(3, 3);
+  ExpectHolds(4, 4);  // room: one of trace 7's, idle now
+  for (uint64_t id : {2, 3, 4}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(swapper_->Stats().idle_evictions, 1u);
+}
+
 TEST_F(SwapperTest, ChangedOrderIsLearnedAgain) {
   Make(2 * kMiB);
   for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
