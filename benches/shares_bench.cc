@@ -10,9 +10,11 @@
 // files in DIR), the pool holding a quarter of it: each step swaps its state
 // in and out, the disk is what the sessions share, and its bandwidth is
 // divided by the same weights (the swapper's I/O queue, Swapper::SetIoWeight).
-// Alone, the first session has the pool to itself: the idle sessions' blocks
-// are evicted first (printed: how many), and its updates a second are those
-// of a session whose state mostly fits, not a quarter.
+// Together, the pool's traffic goes by the same weights (a session past its
+// share gives room first; printed: how many of the evictions); alone, the
+// first session has the pool to itself: the idle sessions' blocks are
+// evicted first (printed: how many), and its updates a second are those of
+// a session whose state mostly fits, not a quarter.
 //
 // --neighbour=DIR: instead, a session with its state on the host against
 // itself alone in the same run (windows of --seconds, 1 by default here,
@@ -411,7 +413,9 @@ int Main(int argc, char** argv) {
   };
   std::vector<double> moved_before;
   for (const Job* j : all) moved_before.push_back(moved(*j));
+  const SwapperStats before_together = e.swapper->Stats();
   auto together = alone.ok() ? RunTogether(e, all, f.seconds) : alone.status();
+  const SwapperStats during_together = e.swapper->Stats().Since(before_together);
   if (!together.ok()) {
     std::fprintf(stderr, "%s\n", together.status().ToString().c_str());
     return 1;
@@ -430,15 +434,20 @@ int Main(int argc, char** argv) {
         got / want);
   }
   if (!f.state_dir.empty()) {
+    std::printf(
+        "together: %llu blocks evicted, %llu of them a session's past its share of the pool\n",
+        static_cast<unsigned long long>(during_together.swap_outs + during_together.clean_drops),
+        static_cast<unsigned long long>(during_together.share_evictions));
     double disk = 0;
     for (size_t i = 0; i < all.size(); ++i) disk += moved(*all[i]) - moved_before[i];
+    // Not a share to meet: a session with more of the pool's room moves
+    // fewer bytes an update.
     for (size_t i = 0; i < all.size(); ++i) {
       const double mine = moved(*all[i]) - moved_before[i];
-      const double want = static_cast<double>(f.weights[i]) / static_cast<double>(weight_sum);
       std::printf(
-          "job%zu: its blocks moved %.0f MiB/s in and out = %.1f%% of the disk's traffic (its "
-          "share %.1f%%: ratio %.3f)\n",
-          i, mine / f.seconds / (1 << 20), 100 * mine / disk, 100 * want, mine / disk / want);
+          "job%zu: its blocks moved %.0f MiB/s in and out = %.1f%% of the disk's traffic, %.1f B "
+          "an update\n",
+          i, mine / f.seconds / (1 << 20), 100 * mine / disk, mine / f.seconds / (*together)[i]);
     }
   }
   for (size_t i = 0; i < all.size(); ++i) {

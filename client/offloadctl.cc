@@ -57,7 +57,7 @@ constexpr char kUsage[] =
     "                          placement, steps a second and step time split into waiting for\n"
     "                          state and computing (every S seconds, 1; N screens, 0 = until ^C)\n"
     "  checkpoint ID DIR       write session ID's checkpoint into DIR (atomically)\n"
-    "  share ID WEIGHT         session ID's weight in the node's optimizer and NVMe I/O\n"
+    "  share ID WEIGHT         session ID's weight in the node's optimizer, NVMe I/O and pool\n"
     "                          (1-1000): sessions stepping at once get updates, and the disk\n"
     "                          when they wait for it, in proportion\n"
     "  export [--format=safetensors] CHECKPOINT_DIR OUTPUT\n"

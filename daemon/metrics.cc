@@ -76,7 +76,7 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
                      [&](const SessionSummary& s) { return s.*metric.field; });
   }
   AppendPerSession(&out, "offloadd_session_share_weight",
-                   "its weight in the node's optimizer and NVMe I/O", "gauge", m.sessions,
+                   "its weight in the node's optimizer, NVMe I/O and pool", "gauge", m.sessions,
                    [](const SessionSummary& s) { return s.share_weight; });
   // Per-session times kept in nanoseconds, exported in seconds.
   struct SessionSeconds {

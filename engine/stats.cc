@@ -71,6 +71,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_order_relearned", s.relearned, "times");
   add("swap_repages", s.repages, "blocks");
   add("swap_idle_evictions", s.idle_evictions, "blocks");
+  add("swap_share_evictions", s.share_evictions, "blocks");
 }
 
 }  // namespace offload

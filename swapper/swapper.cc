@@ -73,6 +73,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.idle_wakeups -= e.idle_wakeups;
   d.io_fair_waits -= e.io_fair_waits;
   d.idle_evictions -= e.idle_evictions;
+  d.share_evictions -= e.share_evictions;
   d.repages -= e.repages;
   return d;
 }
@@ -346,8 +347,8 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     b->id = id;
     b->bytes = bytes;
     b->trace = trace;
-    // Its I/O counted from here until ForgetTrace; at work from here.
-    trace_records_.try_emplace(trace).first->second.last_use = std::chrono::steady_clock::now();
+    trace_io_.try_emplace(trace);  // its I/O counted from here until ForgetTrace
+    pool_shares_.Touched(trace, SharesNowLocked());
     b->home = home;
     b->external = external;
     b->span = span;
@@ -363,7 +364,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     // already in the pool's file; homed on NVMe, it is written there when
     // first evicted).
     if (home == Tier::kHost || kept.has_value()) {
-      RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0));
+      RETURN_IF_ERROR(MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0, trace));
       if (blocks_.contains(id)) {  // added meanwhile, while room was made
         return absl::AlreadyExistsError(absl::StrCat("block ", id, " exists already"));
       }
@@ -543,13 +544,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   ++stats_.acquires;
   b->last_use = ++clock_;
-  if (auto it = trace_records_.find(b->trace); it != trace_records_.end()) {
-    TraceRecord& r = it->second;
-    r.last_use = std::chrono::steady_clock::now();
-    if (r.iteration_start == std::chrono::steady_clock::time_point{}) {
-      r.iteration_start = r.last_use;
-    }
-  }
+  pool_shares_.Touched(b->trace, SharesNowLocked());
   ++b->waiters;
   bool counted = false;
   absl::Status status;
@@ -582,7 +577,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
     if (!counted) ++stats_.misses;
     counted = true;
     if (!pool_->Fits(NeedOf(*b))) {
-      status = MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0);
+      status = MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0, b->trace);
       // The lock may have been released: look again. A prefetch may have
       // brought this very block in meanwhile (then the room is not needed).
       if (!status.ok() && b->state == BlockState::kOnNvme) break;
@@ -606,6 +601,11 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // every step and stopped prefetch. (They still refill the prefetch
   // window below, as reads complete, while the trainer works.)
   if (traced && b->home == Tier::kNvme) traces_[b->trace].RecordUse(id);
+  // Its share of the pool's traffic: uses that happen, untraced ones too
+  // (they take the pool's room all the same; PoolShares caps a burst's cost).
+  if (b->home == Tier::kNvme) {
+    pool_shares_.Served(b->trace, b->bytes, io_queue_.weight(b->trace), SharesNowLocked());
+  }
   ++b->pins;
   if (b->prefetched) {
     b->prefetched = false;
@@ -725,13 +725,14 @@ void Swapper::ForgetTrace(uint64_t trace) {
   traces_.erase(trace);
   io_queue_.Forget(trace);
   prefetches_.Forget(trace);
-  trace_records_.erase(trace);
+  trace_io_.erase(trace);
+  pool_shares_.Forget(trace);
 }
 
 Swapper::TraceIo Swapper::IoOf(uint64_t trace) const {
   absl::MutexLock lock(&mu_);
-  auto it = trace_records_.find(trace);
-  return it == trace_records_.end() ? TraceIo{} : it->second.io;
+  auto it = trace_io_.find(trace);
+  return it == trace_io_.end() ? TraceIo{} : it->second;
 }
 
 void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
@@ -742,13 +743,7 @@ void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
 
 void Swapper::EndIteration(uint64_t trace) {
   absl::MutexLock lock(&mu_);
-  if (auto it = trace_records_.find(trace); it != trace_records_.end()) {
-    TraceRecord& r = it->second;
-    if (r.iteration_start != std::chrono::steady_clock::time_point{}) {
-      r.iteration = std::chrono::steady_clock::now() - r.iteration_start;
-      r.iteration_start = {};
-    }
-  }
+  pool_shares_.EndIteration(trace, SharesNowLocked());
   AccessTrace& t = traces_[trace];
   const uint64_t before = t.relearned();
   t.EndIteration();
@@ -850,52 +845,101 @@ uint64_t Swapper::NextUseLocked(const Block& b) const {
   return it == traces_.end() ? AccessTrace::kNever : it->second.NextUse(b.id);
 }
 
-bool Swapper::IdleLocked(uint64_t trace, std::chrono::steady_clock::time_point now) const {
-  auto it = trace_records_.find(trace);
-  if (it == trace_records_.end()) return true;  // forgotten: its session is gone
-  const TraceRecord& r = it->second;
-  return now - r.last_use > std::max(idle_after_, 2 * r.iteration);
-}
-
 Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_than,
+                                            uint64_t for_trace,
                                             const absl::flat_hash_set<BlockId>& tried,
-                                            bool* idle) const {
-  const auto now = std::chrono::steady_clock::now();
-  // A trace holding a block, or waiting for one, is at work however long
-  // ago its last Acquire began (a slow swap-in).
+                                            VictimKind* kind) const {
+  const auto now = SharesNowLocked();
+  // A trace holding a block, or waiting for one (the one room is made for
+  // among them), is at work however long ago its last Acquire began (a slow
+  // swap-in). The room each trace's NVMe-homed blocks hold in the pool.
   absl::flat_hash_set<uint64_t> busy;
+  if (for_trace != kNoTrace) busy.insert(for_trace);
+  absl::flat_hash_map<uint64_t, uint64_t> room;
+  uint64_t all_room = 0;
   for (const auto& [id, b] : blocks_) {
     if (b->pins > 0 || b->waiters > 0) busy.insert(b->trace);
+    if (b->home == Tier::kNvme && b->state != BlockState::kOnNvme) {
+      room[b->trace] += b->bytes;
+      all_room += b->bytes;
+    }
   }
-  absl::flat_hash_map<uint64_t, bool> idle_of;  // by trace, looked up once each
+  // Per trace, looked up once: idle (gives room first); holding more of the
+  // pool's room than three quarters, or than its weight's share among the
+  // traces using the pool and half the rest, whichever is more (a slow trace,
+  // never ahead of its share of the traffic, must not take all of it: gives
+  // room next); ahead of its share of the traffic (then). A tighter bound
+  // (half, or its weight's share) cost two sessions sharing the pool half
+  // their updates in benches/shares: it fought the traffic's shares, which
+  // let a session streaming through its state hold more for a while.
+  struct Standing {
+    bool idle = false;
+    bool over = false;
+    bool ahead = false;
+    bool gives() const { return idle || over || ahead; }
+  };
+  const double floor = pool_shares_.Floor(now);
+  absl::flat_hash_map<uint64_t, Standing> standing;
+  auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto [at, added] = standing.try_emplace(trace);
+    if (added) {
+      Standing& s = at->second;
+      s.idle = !busy.contains(trace) && pool_shares_.Quiet(trace, now);
+      auto r = room.find(trace);
+      const double held = r == room.end() ? 0 : static_cast<double>(r->second);
+      const double most = std::max(0.75, (1 + pool_shares_.RoomShare(trace, now)) / 2);
+      s.over = !s.idle && held > most * static_cast<double>(all_room);
+      s.ahead = !s.idle && pool_shares_.Ahead(trace, floor);
+    }
+    return at->second;
+  };
+  // A prefetch (speculative) for a trace that gives room takes none from
+  // the traces that do not.
+  const bool prefetch_gives = restricted && for_trace != kNoTrace && standing_of(for_trace).gives();
   Block* best = nullptr;
-  std::tuple<bool, uint64_t, uint64_t> best_key{false, 0, 0};
+  std::tuple<bool, bool, bool, uint64_t, uint64_t> best_key{false, false, false, 0, 0};
   for (const auto& [id, b] : blocks_) {
     if (b->removed || b->pins > 0 || b->waiters > 0 || b->state != BlockState::kResident ||
         b->home != Tier::kNvme || tried.contains(id)) {
       continue;
     }
-    auto [at, added] = idle_of.try_emplace(b->trace, false);
-    if (added) at->second = !busy.contains(b->trace) && IdleLocked(b->trace, now);
+    const Standing s = standing_of(b->trace);
     const uint64_t next = NextUseLocked(*b);
-    if (restricted && !at->second && next <= farther_than) continue;
+    if (restricted && !s.idle && (next <= farther_than || (prefetch_gives && !s.gives()))) {
+      continue;
+    }
     // An idle trace's blocks first (its uses are not coming soon, however
-    // near they are in its own order); then the farthest next use; among
-    // equals (never used again, or no trace followed), least recently used
-    // first.
-    std::tuple<bool, uint64_t, uint64_t> key{at->second, next, ~b->last_use};
+    // near they are in its own order), then those of a trace holding more
+    // than its room, then of one ahead of its share of the traffic; then the
+    // farthest next use; among equals (never used again, or no trace
+    // followed), least recently used first.
+    std::tuple<bool, bool, bool, uint64_t, uint64_t> key{s.idle, s.over, s.ahead, next,
+                                                         ~b->last_use};
     if (best == nullptr || key > best_key) {
       best = b.get();
       best_key = key;
     }
   }
-  if (best != nullptr) *idle = std::get<0>(best_key);
+  if (best != nullptr) {
+    *kind = std::get<0>(best_key)                            ? VictimKind::kIdle
+            : std::get<1>(best_key) || std::get<2>(best_key) ? VictimKind::kAhead
+                                                             : VictimKind::kFarthest;
+  }
   return best;
 }
 
-void Swapper::SetIdleAfterForTesting(std::chrono::steady_clock::duration idle_after) {
+void Swapper::CountVictimLocked(VictimKind kind) {
+  if (kind == VictimKind::kIdle) ++stats_.idle_evictions;
+  if (kind == VictimKind::kAhead) ++stats_.share_evictions;
+}
+
+void Swapper::SetClockForTesting(std::function<std::chrono::steady_clock::time_point()> clock) {
   absl::MutexLock lock(&mu_);
-  idle_after_ = idle_after;
+  clock_for_testing_ = std::move(clock);
+}
+
+std::chrono::steady_clock::time_point Swapper::SharesNowLocked() const {
+  return clock_for_testing_ ? clock_for_testing_() : std::chrono::steady_clock::now();
 }
 
 absl::Status Swapper::RoomError(uint64_t bytes) const {
@@ -912,7 +956,8 @@ absl::Status Swapper::RoomError(uint64_t bytes) const {
       "partitions at once, or place more state on NVMe)"));
 }
 
-absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than) {
+absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than,
+                                     uint64_t for_trace) {
   const uint64_t charge = HostPool::Charge(bytes);
   const uint64_t failed_writes = failed_writes_;
   absl::flat_hash_set<BlockId> tried;
@@ -926,10 +971,10 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
       changed_.Wait(&mu_);
       continue;
     }
-    bool idle;
-    if (Block* victim = ChooseVictimLocked(restricted, farther_than, tried, &idle)) {
+    VictimKind kind = VictimKind::kFarthest;
+    if (Block* victim = ChooseVictimLocked(restricted, farther_than, for_trace, tried, &kind)) {
       tried.insert(victim->id);
-      if (idle) ++stats_.idle_evictions;
+      CountVictimLocked(kind);
       EvictLocked(victim);
       continue;
     }
@@ -1107,9 +1152,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
     if (status.ok()) {
       ++stats_.swap_outs;
       stats_.bytes_out += bytes;
-      if (auto it = trace_records_.find(b->trace); it != trace_records_.end()) {
-        it->second.io.bytes_out += bytes;
-      }
+      if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_out += bytes;
       stats_.staged_bytes += staged;
       b->extent = new_extent;
       b->nvme_current = b->version == version;
@@ -1136,9 +1179,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
     if (status.ok()) {
       ++stats_.swap_ins;
       stats_.bytes_in += bytes;
-      if (auto it = trace_records_.find(b->trace); it != trace_records_.end()) {
-        it->second.io.bytes_in += bytes;
-      }
+      if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_in += bytes;
       stats_.staged_bytes += staged;
       b->state = BlockState::kResident;
       b->nvme_current = true;
@@ -1181,8 +1222,8 @@ void Swapper::IoThread() {
         if (next.has_value()) {
           task = *std::move(next);
           trace = flow;
-          if (auto it = trace_records_.find(flow); it != trace_records_.end()) {
-            it->second.io.queued_nanos +=
+          if (auto it = trace_io_.find(flow); it != trace_io_.end()) {
+            it->second.queued_nanos +=
                 std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count();
           }
           // One Push may have let several go: the next thread looks too.
@@ -1237,11 +1278,11 @@ void Swapper::MoverThread() {
       mover_busy_ = true;
       absl::flat_hash_set<BlockId> tried;
       while (UsedAfterFreeingLocked() > pool_->limit()) {
-        bool idle;
-        Block* victim = ChooseVictimLocked(/*restricted=*/false, 0, tried, &idle);
+        VictimKind kind = VictimKind::kFarthest;
+        Block* victim = ChooseVictimLocked(/*restricted=*/false, 0, kNoTrace, tried, &kind);
         if (victim == nullptr) break;
         tried.insert(victim->id);
-        if (idle) ++stats_.idle_evictions;
+        CountVictimLocked(kind);
         EvictLocked(victim);
       }
       while (writes_in_flight_ > 0) changed_.Wait(&mu_);
@@ -1273,9 +1314,9 @@ void Swapper::MoverThread() {
     const uint64_t bytes = NeedOf(*b);
     absl::Status status;
     if (move.kind == MoveKind::kPrefetch) {
-      status = MakeRoomLocked(bytes, /*restricted=*/true, NextUseLocked(*b));
+      status = MakeRoomLocked(bytes, /*restricted=*/true, NextUseLocked(*b), b->trace);
     } else {
-      status = MakeRoomLocked(bytes, /*restricted=*/false, 0);
+      status = MakeRoomLocked(bytes, /*restricted=*/false, 0, b->trace);
     }
     b = FindLocked(move.id);
     if (b == nullptr) {

@@ -1,10 +1,9 @@
 // The swapper: moves blocks of bytes between the node's host pool and the
 // NVMe tier, prefetches along the learned access order, and evicts by
-// Belady's choice. It knows nothing of sessions or partitions: the partition
-// store names blocks by id, says where each rests (its home tier) and which
-// access trace its uses belong to (an opaque id; the store passes the
-// session). It owns its I/O threads; the host memory comes from the pool
-// (host_pool.h), which bounds it.
+// Belady's choice within the traces' shares of the pool. It knows nothing of sessions or
+// partitions: the partition store names blocks by id, says where each rests (its home tier) and
+// which access trace its uses belong to (an opaque id; the store passes the session). It owns its
+// I/O threads; the host memory comes from the pool (host_pool.h), which bounds it.
 //
 // Memory: a block's bytes are a lease from the pool (Add), or memory the
 // caller maps from a shared file, such as a session arena that a trainer
@@ -36,23 +35,36 @@
 //                   nobody sees half-read bytes. A failed read frees the lease, goes back
 //                   to kOnNvme with the NVMe copy intact, and fails the
 //                   waiting Acquires (DATA_LOSS for checksum or EIO).
-// Eviction: only unpinned, resident, NVMe-homed blocks, the one whose next
-// use (by its trace) is farthest first; blocks whose trace is not being
-// followed count as never used again, least recently used first. Blocks of
-// an idle trace (none of its blocks held or waited for, and none acquired
-// for a second, or for two of its iterations where those are longer) go
-// before any other: trace
-// distances count a trace's own uses, so without this an idle session's
-// blocks, next used a few uses from now by its trace, would keep their room
-// from the sessions at work. A failed
-// write-out (ENOSPC, EIO) leaves the block resident, and its older NVMe
-// copy intact (copy-on-write rewrites); the next victim is tried.
+// Eviction: only unpinned, resident, NVMe-homed blocks. Trace distances
+// count each trace's own uses, so between traces they say little; the
+// victim is, in this order (pool_shares.h says when a trace is idle and
+// when it is ahead):
+//   1. an idle trace's block (none of its blocks held or waited for, none
+//      acquired for a second or two of its iterations): its uses are not
+//      coming soon, however near in its own order; its room goes to the
+//      traces at work;
+//   2. a block of a trace holding more of the pool's room than three
+//      quarters, or than its weight's share and half the rest, whichever is
+//      more (a slow trace, never ahead of its share of the traffic, must not
+//      take all of it);
+//   3. a block of a trace ahead of its share of the pool's traffic (the
+//      bytes of NVMe-homed blocks it acquired over its weight, SetIoWeight,
+//      more than PoolShares::Slack() past the least of the traces using the
+//      pool): traces that want more than the pool holds get its traffic,
+//      and the updates it serves, by weight;
+//   4. the block whose next use by its trace is farthest (Belady); blocks
+//      whose trace is not being followed count as never used again, least
+//      recently used first.
+// A failed write-out (ENOSPC, EIO) leaves the block resident, and its older
+// NVMe copy intact (copy-on-write rewrites); the next victim is tried.
 // Prefetch: after each traced Acquire, the next prefetch_depth blocks
 // along the trace that are not resident (at most prefetch_bytes) are read in
 // by the mover thread, evicting only blocks needed later than the one
-// prefetched (or an idle trace's). Only uses of NVMe-homed blocks enter a trace: the others are
-// never read in nor evicted, and may vary between iterations where these do
-// not (their Acquires still refill the prefetch window).
+// prefetched, or an idle trace's (for a trace that gives room by 2 or 3,
+// only blocks of traces that do). Only uses of NVMe-homed blocks enter a
+// trace: the others are never read in nor evicted, and may vary between
+// iterations where these do not (their Acquires still refill the prefetch
+// window).
 // I/O order: the I/O threads free external pages first, then take swap-ins
 // and write-outs by their blocks' traces' weights (SetIoWeight,
 // fair_queue.h); the mover's prefetches go in the same order.
@@ -88,6 +100,7 @@
 #include "swapper/access_trace.h"
 #include "swapper/fair_queue.h"
 #include "swapper/host_pool.h"
+#include "swapper/pool_shares.h"
 #include "swapper/swapper_options.h"
 
 namespace offload {
@@ -140,8 +153,9 @@ struct SwapperStats {
   // An I/O thread waited with transfers queued: each waits for a trace
   // behind it by its weight (SetIoWeight) that is still using the disk.
   uint64_t io_fair_waits = 0;
-  uint64_t idle_evictions = 0;  // victims of an idle trace (chosen before any other)
-  uint64_t repages = 0;         // blocks moved home to the host, copied to a lease of its pages
+  uint64_t idle_evictions = 0;   // victims chosen: of an idle trace (before any other)
+  uint64_t share_evictions = 0;  // ... of a trace past its share of the pool (2 or 3 above)
+  uint64_t repages = 0;          // blocks moved home to the host, copied to a lease of its pages
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -320,9 +334,9 @@ class Swapper {
   // injected delays make races deterministic). `is_write` tells the kind.
   void SetIoHookForTesting(std::function<void(BlockId, bool is_write)> hook)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // How long a trace goes without an Acquire before it counts as idle
-  // (kIdleAfter; its iterations' length may make it longer).
-  void SetIdleAfterForTesting(std::chrono::steady_clock::duration idle_after)
+  // The clock that tells idle traces and shares (PoolShares); I/O timing
+  // keeps the real one.
+  void SetClockForTesting(std::function<std::chrono::steady_clock::time_point()> clock)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -376,19 +390,20 @@ class Swapper {
   // Nothing more to evict: the failed write-out's error if one failed in
   // this call, else RESOURCE_EXHAUSTED with the numbers; UNAVAILABLE when
   // `restricted` finds no victim.
-  absl::Status MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than)
+  // `for_trace`: whose block the room is for (kNoTrace: nobody's, a trim).
+  absl::Status MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than,
+                              uint64_t for_trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr uint64_t kNoTrace = ~uint64_t{0};
+  // Why a victim was chosen (the order at the top of this file).
+  enum class VictimKind { kIdle, kAhead, kFarthest };
+  // The next victim (null: none), its kind in *kind. Excludes `tried`
+  // (victims this MakeRoom already wrote out: one whose write failed is not
+  // tried again).
+  Block* ChooseVictimLocked(bool restricted, uint64_t farther_than, uint64_t for_trace,
+                            const absl::flat_hash_set<BlockId>& tried, VictimKind* kind) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Excludes `tried` (victims this MakeRoom already wrote out: one whose
-  // write failed is not tried again).
-  // Sets *idle to whether the victim's trace is idle.
-  Block* ChooseVictimLocked(bool restricted, uint64_t farther_than,
-                            const absl::flat_hash_set<BlockId>& tried, bool* idle) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // No block of the trace acquired for kIdleAfter, or for two of its
-  // iterations where those are longer (the caller checks that none is held
-  // or waited for).
-  bool IdleLocked(uint64_t trace, std::chrono::steady_clock::time_point now) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountVictimLocked(VictimKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   uint64_t NextUseLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Precondition: kOnNvme and the pool fits it. Leases memory, then fills it
@@ -463,20 +478,12 @@ class Swapper {
   // they make room), then the transfers, by their traces' weights.
   std::deque<IoTask> frees_ ABSL_GUARDED_BY(mu_);
   FairQueue<IoTask> io_queue_ ABSL_GUARDED_BY(mu_);
-  // Per trace, from its first block's Add until ForgetTrace: its I/O, and
-  // when it was last at work (eviction tells idle traces from the others).
-  struct TraceRecord {
-    TraceIo io;
-    std::chrono::steady_clock::time_point last_use;  // last Acquire (or Add)
-    // The first Acquire since the last EndIteration (none: epoch), and the
-    // last iteration's length from its first Acquire to its EndIteration
-    // (a pause between iterations does not lengthen it).
-    std::chrono::steady_clock::time_point iteration_start;
-    std::chrono::steady_clock::duration iteration{0};
-  };
-  absl::flat_hash_map<uint64_t, TraceRecord> trace_records_ ABSL_GUARDED_BY(mu_);
-  static constexpr std::chrono::seconds kIdleAfter{1};
-  std::chrono::steady_clock::duration idle_after_ ABSL_GUARDED_BY(mu_) = kIdleAfter;
+  absl::flat_hash_map<uint64_t, TraceIo> trace_io_ ABSL_GUARDED_BY(mu_);
+  // Which traces are at work, and how far ahead of its share of the pool
+  // each is (eviction).
+  PoolShares pool_shares_ ABSL_GUARDED_BY(mu_);
+  std::function<std::chrono::steady_clock::time_point()> clock_for_testing_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point SharesNowLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t io_running_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);

@@ -129,6 +129,16 @@ class SwapperTest : public ::testing::Test {
     });
   }
 
+  // The swapper's clock for idle traces and shares stands still from here
+  // until AdvanceClock moves it.
+  void UseFakeClock() {
+    swapper_->SetClockForTesting([this] {
+      return std::chrono::steady_clock::time_point{} + std::chrono::hours(1) +
+             std::chrono::milliseconds(clock_ms_.load());
+    });
+  }
+  void AdvanceClock(std::chrono::milliseconds by) { clock_ms_ += by.count(); }
+
   void TearDown() override {
     swapper_.reset();  // before the pool and the space it uses
     if (pool_ != nullptr) {
@@ -142,6 +152,7 @@ class SwapperTest : public ::testing::Test {
   std::unique_ptr<SwapSpace> space_;
   std::unique_ptr<HostPool> pool_;
   std::unique_ptr<Swapper> swapper_;
+  std::atomic<int64_t> clock_ms_{0};
 };
 
 // A trace's learned order goes with it, so that a daemon serving session
@@ -359,7 +370,9 @@ TEST_F(SwapperTest, ConcurrentAcquiresShareOneSwapIn) {
     if (id == 1 && !is_write) release.WaitForNotification();
   });
   std::vector<std::thread> readers;
-  std::vector<bool> ok(4, false);
+  // Not vector<bool>: its elements share words, and four threads setting
+  // theirs at once may lose one another's.
+  std::vector<int> ok(4, 0);
   for (int i = 0; i < 4; ++i) {
     readers.emplace_back([&, i] {
       auto p = swapper_->Acquire(1, false);
@@ -449,13 +462,13 @@ TEST_F(SwapperTest, EvictsTheBlockNeededFarthestAway) {
 
 // Two traces in a pool of four blocks: trace 7 uses blocks 1 and 5, trace 8
 // uses 2, 3, 4, in those orders; both orders are learned, and 1, 5, 3 and 4
-// are resident. Trace 7 does not count as idle until the test says so.
+// are resident. The clock stands still until the test moves it.
 class IdleTraceTest : public SwapperTest {
  protected:
   void SetUp() override {
     SwapperTest::SetUp();
     Make(4 * kMiB);
-    swapper_->SetIdleAfterForTesting(std::chrono::hours(1));
+    UseFakeClock();
     for (uint64_t id : {1, 5}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
     for (uint64_t id : {2, 3, 4}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
     for (uint64_t id : {1, 5}) Write(id, static_cast<uint32_t>(id));
@@ -465,11 +478,8 @@ class IdleTraceTest : public SwapperTest {
     for (uint64_t id : {1, 5, 3, 4}) ASSERT_EQ(StateOf(id), BlockState::kResident) << id;
   }
   // Trace 7 idle from now on unless it holds or waits for a block: nothing
-  // of it acquired for a millisecond, and its iterations were shorter.
-  void MakeTrace7Idle() {
-    swapper_->SetIdleAfterForTesting(std::chrono::milliseconds(1));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  // of it acquired for 10 s (its iterations took no time on this clock).
+  void MakeTrace7Idle() { AdvanceClock(std::chrono::seconds(10)); }
 };
 
 // Belady's distances count each trace's own uses: trace 7's blocks are next
@@ -507,6 +517,90 @@ TEST_F(IdleTraceTest, ATraceHoldingABlockIsNotIdle) {
   ExpectHolds(4, 4);  // room: one of trace 7's, idle now
   for (uint64_t id : {2, 3, 4}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
   EXPECT_EQ(swapper_->Stats().idle_evictions, 1u);
+}
+
+// Two traces at work in a pool of four blocks: trace 7 (weight 1) uses
+// blocks 1-4, trace 8 (weight 2) uses 11-13, in those orders, both learned.
+// Resident: 1 (next used by trace 7 three uses from now), 2 (next), 3, and
+// 13 (two uses after 11, trace 8's next, on NVMe): Belady alone would make
+// room for 11 with 1. Trace 7 holds three quarters of the pool (not more:
+// not over its room); each has acquired about 5 MiB over its weight so far.
+// The clock stands still.
+class PoolShareTest : public SwapperTest {
+ protected:
+  void SetUp() override {
+    SwapperTest::SetUp();
+    Make(4 * kMiB);
+    UseFakeClock();
+    swapper_->SetIoWeight(8, 2);
+    for (uint64_t id : {1, 2, 3, 4}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+    for (uint64_t id : {11, 12, 13}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
+    for (uint64_t id : {1, 2, 3, 4}) Write(id, static_cast<uint32_t>(id));
+    swapper_->EndIteration(7);
+    // Evicts 4, then 11 and 12 (trace 8's order not learned yet).
+    for (uint64_t id : {11, 12, 13}) Write(id, static_cast<uint32_t>(id));
+    swapper_->EndIteration(8);
+    ExpectHolds(1, 1);
+    for (uint64_t id : {1, 2, 3, 13}) ASSERT_EQ(StateOf(id), BlockState::kResident) << id;
+    share_evictions_ = swapper_->Stats().share_evictions;
+  }
+  uint64_t ShareEvictionsSinceSetUp() {
+    return swapper_->Stats().share_evictions - share_evictions_;
+  }
+  uint64_t share_evictions_ = 0;
+  // Trace 8 acquires `mib` MiB more (a resident block, untraced: its order
+  // stays as learned).
+  void Trace8Acquires(int mib) {
+    for (int i = 0; i < mib; ++i) {
+      auto p = swapper_->Acquire(13, /*for_write=*/false, /*traced=*/false);
+      ASSERT_TRUE(p.ok()) << p.status();
+    }
+  }
+};
+
+// 50 MiB more at weight 2 is 25 MiB of its share: within the slack (32 MiB)
+// of trace 7's, so Belady's choice stands (counted at weight 1, trace 8
+// would be far ahead and give room itself).
+TEST_F(PoolShareTest, WithinItsShareBeladyChooses) {
+  Trace8Acquires(50);
+  ExpectHolds(11, 11);
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  for (uint64_t id : {2, 3, 11, 13}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(ShareEvictionsSinceSetUp(), 0u);
+}
+
+// 100 MiB more at weight 2 is 50 MiB ahead: trace 8 makes room for its own
+// block with its own farthest (13), though trace 7's block 1 is farther in
+// trace 7's order.
+TEST_F(PoolShareTest, ATraceAheadOfItsShareGivesRoomFirst) {
+  Trace8Acquires(100);
+  ExpectHolds(11, 11);
+  EXPECT_EQ(StateOf(13), BlockState::kOnNvme);
+  for (uint64_t id : {1, 2, 3, 11}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(ShareEvictionsSinceSetUp(), 1u);
+  ExpectHolds(13, 13);
+}
+
+// A trace that never gets ahead of its share of the traffic (slow, or
+// light) keeps no more than three quarters of the pool's room (or its
+// weight's share and half the rest, where that is more): trace 7 holds four
+// of five blocks when trace 8 needs room, and gives one (its farthest, 4)
+// where Belady would take trace 8's block 11 (its order not learned: never
+// used again, as far as the swapper knows).
+TEST_F(SwapperTest, ATraceHoldingMoreThanItsRoomGivesRoom) {
+  Make(5 * kMiB);
+  UseFakeClock();
+  for (uint64_t id : {1, 2, 3, 4, 5}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id : {11, 12}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
+  for (uint64_t id : {1, 2, 3, 4, 5}) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  Write(11, 11);  // evicts 5: trace 7 alone used the pool
+  EXPECT_EQ(StateOf(5), BlockState::kOnNvme);
+  EXPECT_EQ(swapper_->Stats().share_evictions, 0u);
+  Write(12, 12);
+  EXPECT_EQ(StateOf(4), BlockState::kOnNvme);
+  for (uint64_t id : {1, 2, 3, 11, 12}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(swapper_->Stats().share_evictions, 1u);
 }
 
 TEST_F(SwapperTest, ChangedOrderIsLearnedAgain) {

@@ -1,0 +1,150 @@
+// Which traces are at work, and how far each is ahead of its share of the
+// host pool's traffic: what the swapper's eviction asks before Belady's
+// distances, which count each trace's own uses and so say little between
+// traces.
+//
+// Idle: a trace none of whose blocks was acquired for kIdleAfter, or for two
+// of its iterations where those are longer (an iteration: from its first
+// Acquire after an EndIteration to the next EndIteration, so that a pause
+// between iterations does not lengthen it). The caller also checks that the
+// trace holds and waits for no block: a slow swap-in is not a rest.
+//
+// Shares: each trace counts the bytes of NVMe-homed blocks it acquired over
+// its weight (`served`, as a fair queue's virtual time). The traces using
+// the pool are those that acquired one within their idle time; of them, one
+// more than Slack() ahead of the least served is ahead, and gives room
+// first. A trace back from a rest (or new) starts at least at the least of
+// the others' (no credit for the time away). A lead is not forgiven (a
+// burst, such as a checkpoint's reads through the pool, is paid for in
+// room until the others catch up): capping it let the heavier of two
+// sessions keep what it took beyond its share (benches/shares: off by 21-25%
+// with a cap of four slacks). Where the traces want more than the pool
+// holds, its traffic, and so the updates it serves, goes by weight.
+//
+// Times are given (the swapper's clock; tests use their own); not
+// thread-safe: the owner locks.
+#ifndef OFFLOADD_SWAPPER_POOL_SHARES_H_
+#define OFFLOADD_SWAPPER_POOL_SHARES_H_
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "absl/container/flat_hash_map.h"
+
+namespace offload {
+
+class PoolShares {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr std::chrono::seconds kIdleAfter{1};
+  // In bytes over weight: at least this far ahead (or two of the largest
+  // blocks served, where that is more) is ahead (Slack()).
+  static constexpr double kShareSlack = 32.0 * (1 << 20);
+
+  // The trace is at work at `now` (a block added, or an Acquire begun).
+  void Touched(uint64_t trace, Clock::time_point now) {
+    Trace& t = traces_[trace];
+    t.last_use = now;
+    if (!t.iteration_start.has_value()) t.iteration_start = now;
+  }
+
+  // An Acquire of the trace's NVMe-homed block of `bytes` succeeded at `now`;
+  // `weight` (>= 1) is the trace's.
+  void Served(uint64_t trace, uint64_t bytes, int64_t weight, Clock::time_point now) {
+    Trace& t = traces_[trace];
+    const double floor = Floor(now, trace);
+    const bool others = floor != std::numeric_limits<double>::infinity();
+    // Back after a rest (or new): no credit for the time away.
+    if (others && (!t.last_pool_use.has_value() || now - *t.last_pool_use > Window(t))) {
+      t.served = std::max(t.served, floor);
+    }
+    t.weight = std::max<int64_t>(1, weight);
+    t.served += static_cast<double>(bytes) / static_cast<double>(t.weight);
+    largest_block_ = std::max(largest_block_, bytes);
+    t.last_pool_use = now;
+  }
+
+  void EndIteration(uint64_t trace, Clock::time_point now) {
+    auto it = traces_.find(trace);
+    if (it == traces_.end() || !it->second.iteration_start.has_value()) return;
+    it->second.iteration = now - *it->second.iteration_start;
+    it->second.iteration_start.reset();
+  }
+
+  void Forget(uint64_t trace) { traces_.erase(trace); }
+
+  // No block of the trace acquired within its idle time (a trace never seen,
+  // or forgotten, is idle). The caller checks holds and waits.
+  bool Quiet(uint64_t trace, Clock::time_point now) const {
+    auto it = traces_.find(trace);
+    return it == traces_.end() || now - it->second.last_use > Window(it->second);
+  }
+
+  // Whether the trace acquired an NVMe-homed block within its idle time.
+  bool UsesPool(uint64_t trace, Clock::time_point now) const {
+    auto it = traces_.find(trace);
+    return it != traces_.end() && UsesPool(it->second, now);
+  }
+
+  // The least served of the traces using the pool, other than `except`
+  // (infinite if none).
+  double Floor(Clock::time_point now, uint64_t except = kNone) const {
+    double floor = std::numeric_limits<double>::infinity();
+    for (const auto& [id, t] : traces_) {
+      if (id != except && UsesPool(t, now)) floor = std::min(floor, t.served);
+    }
+    return floor;
+  }
+
+  // More than Slack() ahead of `floor` (Floor(now), taken once for a choice
+  // among many blocks).
+  bool Ahead(uint64_t trace, double floor) const {
+    auto it = traces_.find(trace);
+    return it != traces_.end() && it->second.served > floor + Slack();
+  }
+  double Slack() const { return std::max(kShareSlack, 2.0 * static_cast<double>(largest_block_)); }
+
+  // The part of the pool's room the trace's weight gives it among the traces
+  // using the pool (1 if it is alone, or not using it).
+  double RoomShare(uint64_t trace, Clock::time_point now) const {
+    auto it = traces_.find(trace);
+    if (it == traces_.end() || !UsesPool(it->second, now)) return 1;
+    double sum = 0;
+    for (const auto& [id, t] : traces_) {
+      if (UsesPool(t, now)) sum += static_cast<double>(t.weight);
+    }
+    return static_cast<double>(it->second.weight) / sum;
+  }
+
+  double served(uint64_t trace) const {
+    auto it = traces_.find(trace);
+    return it == traces_.end() ? 0 : it->second.served;
+  }
+
+ private:
+  static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
+  struct Trace {
+    Clock::time_point last_use;                        // its last Acquire (or Add)
+    std::optional<Clock::time_point> last_pool_use;    // its last one served from the pool
+    std::optional<Clock::time_point> iteration_start;  // the first Acquire since EndIteration
+    Clock::duration iteration{0};                      // the last iteration's length
+    double served = 0;
+    int64_t weight = 1;  // at its last Served
+  };
+  static Clock::duration Window(const Trace& t) {
+    return std::max<Clock::duration>(kIdleAfter, 2 * t.iteration);
+  }
+  static bool UsesPool(const Trace& t, Clock::time_point now) {
+    return t.last_pool_use.has_value() && now - *t.last_pool_use <= Window(t);
+  }
+
+  absl::flat_hash_map<uint64_t, Trace> traces_;
+  uint64_t largest_block_ = 0;
+};
+
+}  // namespace offload
+
+#endif  // OFFLOADD_SWAPPER_POOL_SHARES_H_

@@ -1,0 +1,102 @@
+#include "swapper/pool_shares.h"
+
+#include <chrono>
+#include <limits>
+
+#include "gtest/gtest.h"
+
+namespace offload {
+namespace {
+
+using Clock = PoolShares::Clock;
+constexpr uint64_t kMiB = 1 << 20;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Times from an arbitrary start, in milliseconds.
+Clock::time_point At(int64_t ms) {
+  return Clock::time_point{} + std::chrono::hours(1) + std::chrono::milliseconds(ms);
+}
+
+TEST(PoolSharesTest, IdleAfterASecondOrTwoOfItsIterations) {
+  PoolShares s;
+  EXPECT_TRUE(s.Quiet(7, At(0)));  // never seen
+  s.Touched(7, At(0));
+  EXPECT_FALSE(s.Quiet(7, At(1000)));
+  EXPECT_TRUE(s.Quiet(7, At(1001)));
+  // An iteration of 5 s (its first use at 0 to EndIteration): idle 10 s
+  // after its last use, at 4 s.
+  s.Touched(7, At(2000));
+  s.Touched(7, At(4000));
+  s.EndIteration(7, At(5000));
+  EXPECT_FALSE(s.Quiet(7, At(14000)));
+  EXPECT_TRUE(s.Quiet(7, At(14001)));
+  // A pause between iterations does not lengthen the next: it starts at
+  // its first Acquire (20 s), not at the last EndIteration.
+  s.Touched(7, At(20000));
+  s.EndIteration(7, At(20100));
+  EXPECT_FALSE(s.Quiet(7, At(21000)));
+  EXPECT_TRUE(s.Quiet(7, At(21001)));
+  s.Forget(7);
+  EXPECT_TRUE(s.Quiet(7, At(20100)));
+}
+
+TEST(PoolSharesTest, ServedIsBytesOverWeightAndAheadPassesTheSlack) {
+  PoolShares s;
+  s.Served(1, 64 * kMiB, 2, At(0));
+  s.Served(2, 64 * kMiB, 1, At(0));  // new: starts at the floor, 32 MiB
+  EXPECT_EQ(s.served(1), 32.0 * kMiB);
+  EXPECT_EQ(s.served(2), 96.0 * kMiB);
+  const double floor = s.Floor(At(1));
+  EXPECT_EQ(floor, 32.0 * kMiB);
+  // The slack: two of the largest blocks served (64 MiB), past 32 MiB.
+  EXPECT_EQ(s.Slack(), 128.0 * kMiB);
+  EXPECT_FALSE(s.Ahead(2, floor));  // 64 MiB ahead: not past it
+  for (int i = 0; i < 65; ++i) s.Served(2, kMiB, 1, At(2));
+  EXPECT_TRUE(s.Ahead(2, s.Floor(At(2))));  // 128 + 1 MiB ahead
+  EXPECT_FALSE(s.Ahead(1, s.Floor(At(2))));
+}
+
+TEST(PoolSharesTest, ALeadStays) {
+  PoolShares s;
+  s.Served(1, kMiB, 1, At(0));
+  for (int i = 0; i < 1000; ++i) s.Served(2, kMiB, 1, At(0));  // a checkpoint's reads, say
+  EXPECT_EQ(s.served(2), 1001.0 * kMiB);                       // from the floor (1), then 1000 more
+  EXPECT_TRUE(s.Ahead(2, s.Floor(At(0))));
+}
+
+TEST(PoolSharesTest, OnlyTracesUsingThePoolSetTheFloorAndShareTheRoom) {
+  PoolShares s;
+  s.Served(1, 10 * kMiB, 1, At(0));
+  s.Touched(2, At(0));  // at work on host-homed blocks only: not using the pool
+  EXPECT_EQ(s.Floor(At(0)), 10.0 * kMiB);
+  EXPECT_EQ(s.Floor(At(0), /*except=*/1), kInf);
+  EXPECT_TRUE(s.UsesPool(1, At(0)));
+  EXPECT_FALSE(s.UsesPool(2, At(0)));
+  EXPECT_EQ(s.RoomShare(1, At(0)), 1.0);
+  s.Served(3, kMiB, 3, At(0));
+  EXPECT_EQ(s.RoomShare(1, At(0)), 0.25);
+  EXPECT_EQ(s.RoomShare(3, At(0)), 0.75);
+  EXPECT_EQ(s.RoomShare(2, At(0)), 1.0);
+  // Past their idle time, traces no longer count.
+  EXPECT_EQ(s.Floor(At(1001)), kInf);
+  EXPECT_FALSE(s.UsesPool(1, At(1001)));
+}
+
+// A trace away for a while comes back at least at the least of the others'
+// (no credit for the rest); one that stayed keeps its lead.
+TEST(PoolSharesTest, BackFromARestNoCredit) {
+  PoolShares s;
+  s.Served(1, 10 * kMiB, 1, At(0));
+  s.Served(2, 10 * kMiB, 1, At(0));  // starts at 10: served 20
+  for (int t = 100; t <= 5000; t += 100) s.Served(2, 2 * kMiB, 1, At(t));  // 120 MiB
+  EXPECT_EQ(s.served(2), 120.0 * kMiB);
+  s.Served(1, kMiB, 1, At(5000));  // away 5 s: from 120, not 10
+  EXPECT_EQ(s.served(1), 121.0 * kMiB);
+  EXPECT_FALSE(s.Ahead(2, s.Floor(At(5000))));
+  // Within its idle time it keeps its place: ahead stays ahead.
+  for (int i = 0; i < 10; ++i) s.Served(1, 10 * kMiB, 1, At(5500));
+  EXPECT_TRUE(s.Ahead(1, s.Floor(At(5500))));  // 221 against 120
+}
+
+}  // namespace
+}  // namespace offload
