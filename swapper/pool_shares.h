@@ -11,15 +11,19 @@
 //
 // Shares: each trace counts the bytes of NVMe-homed blocks it acquired over
 // its weight (`served`, as a fair queue's virtual time). The traces using
-// the pool are those that acquired one within their idle time; of them, one
-// more than Slack() ahead of the least served is ahead, and gives room
-// first. A trace back from a rest (or new) starts at least at the least of
-// the others' (no credit for the time away). A lead is not forgiven (a
-// burst, such as a checkpoint's reads through the pool, is paid for in
-// room until the others catch up): capping it let the heavier of two
-// sessions keep what it took beyond its share (benches/shares: off by 21-25%
-// with a cap of four slacks). Where the traces want more than the pool
-// holds, its traffic, and so the updates it serves, goes by weight.
+// the pool are those that acquired one within their idle time; one more
+// than Slack() ahead of the least served of them is ahead, and gives room
+// first. A trace whose blocks all fit counts too, so it may hold the floor
+// low and make every other ahead, their weights then not telling them
+// apart; counting only the traces that read from NVMe lately let one that
+// came to fit stop giving room (the other got a tenth of the updates in
+// benches/shares). A trace back from a rest (or new) starts at least at the
+// least of the others' (no credit for the time away). A lead is not
+// forgiven (a burst, such as a checkpoint's reads through the pool, is paid
+// for in room until the others catch up): capping it let the heavier of two
+// sessions keep what it took beyond its share (benches/shares: off by
+// 21-25% with a cap of four slacks). Where the traces want more than the
+// pool holds, its traffic, and so the updates it serves, goes by weight.
 //
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.
@@ -40,11 +44,14 @@ class PoolShares {
  public:
   using Clock = std::chrono::steady_clock;
   static constexpr std::chrono::seconds kIdleAfter{1};
-  // In bytes over weight: at least this far ahead (or two of the largest
-  // blocks served, where that is more) is ahead (Slack()).
+  // In bytes over weight: more than this far ahead (or than two of the
+  // largest blocks served, where that is more) is ahead (Slack()).
   static constexpr double kShareSlack = 32.0 * (1 << 20);
 
-  // The trace is at work at `now` (a block added, or an Acquire begun).
+  // The trace got a block at `now`: at work, its iteration not begun.
+  void Added(uint64_t trace, Clock::time_point now) { traces_[trace].last_use = now; }
+
+  // The trace is at work at `now` (an Acquire begun).
   void Touched(uint64_t trace, Clock::time_point now) {
     Trace& t = traces_[trace];
     t.last_use = now;
@@ -55,6 +62,7 @@ class PoolShares {
   // `weight` (>= 1) is the trace's.
   void Served(uint64_t trace, uint64_t bytes, int64_t weight, Clock::time_point now) {
     Trace& t = traces_[trace];
+    t.last_use = now;  // however long the Acquire waited
     const double floor = Floor(now, trace);
     const bool others = floor != std::numeric_limits<double>::infinity();
     // Back after a rest (or new): no credit for the time away.
@@ -75,6 +83,12 @@ class PoolShares {
   }
 
   void Forget(uint64_t trace) { traces_.erase(trace); }
+
+  // From now on (Served also takes the weight it is given).
+  void SetWeight(uint64_t trace, int64_t weight) {
+    auto it = traces_.find(trace);
+    if (it != traces_.end()) it->second.weight = std::max<int64_t>(1, weight);
+  }
 
   // No block of the trace acquired within its idle time (a trace never seen,
   // or forgotten, is idle). The caller checks holds and waits.

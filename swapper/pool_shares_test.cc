@@ -67,8 +67,14 @@ TEST(PoolSharesTest, ALeadStays) {
 TEST(PoolSharesTest, OnlyTracesUsingThePoolSetTheFloorAndShareTheRoom) {
   PoolShares s;
   s.Served(1, 10 * kMiB, 1, At(0));
-  s.Touched(2, At(0));  // at work on host-homed blocks only: not using the pool
+  s.Touched(2, At(0));               // at work on host-homed blocks only: not using the pool
+  s.Served(4, 20 * kMiB, 2, At(0));  // new: from the floor (10), 10 more
+  EXPECT_EQ(s.served(4), 20.0 * kMiB);
   EXPECT_EQ(s.Floor(At(0)), 10.0 * kMiB);
+  EXPECT_TRUE(s.UsesPool(4, At(0)));
+  EXPECT_EQ(s.RoomShare(1, At(0)), 1.0 / 3);
+  EXPECT_EQ(s.RoomShare(4, At(0)), 2.0 / 3);
+  s.Forget(4);
   EXPECT_EQ(s.Floor(At(0), /*except=*/1), kInf);
   EXPECT_TRUE(s.UsesPool(1, At(0)));
   EXPECT_FALSE(s.UsesPool(2, At(0)));
@@ -96,6 +102,30 @@ TEST(PoolSharesTest, BackFromARestNoCredit) {
   // Within its idle time it keeps its place: ahead stays ahead.
   for (int i = 0; i < 10; ++i) s.Served(1, 10 * kMiB, 1, At(5500));
   EXPECT_TRUE(s.Ahead(1, s.Floor(At(5500))));  // 221 against 120
+}
+
+}  // namespace
+}  // namespace offload
+
+namespace offload {
+namespace {
+
+TEST(PoolSharesTest, AWeightSetLaterCountsFromThen) {
+  PoolShares s;
+  s.Served(1, kMiB, 1, At(0));
+  s.Served(2, kMiB, 1, At(0));
+  EXPECT_EQ(s.RoomShare(1, At(0)), 0.5);
+  s.SetWeight(1, 3);
+  EXPECT_EQ(s.RoomShare(1, At(0)), 0.75);
+}
+
+// An Acquire that waited longer than the idle time still leaves its trace
+// at work when it succeeds.
+TEST(PoolSharesTest, ASlowAcquireIsWork) {
+  PoolShares s;
+  s.Touched(1, At(0));
+  s.Served(1, kMiB, 1, At(5000));
+  EXPECT_FALSE(s.Quiet(1, At(5000)));
 }
 
 }  // namespace

@@ -348,7 +348,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     b->bytes = bytes;
     b->trace = trace;
     trace_io_.try_emplace(trace);  // its I/O counted from here until ForgetTrace
-    pool_shares_.Touched(trace, SharesNowLocked());
+    pool_shares_.Added(trace, SharesNowLocked());
     b->home = home;
     b->external = external;
     b->span = span;
@@ -602,7 +602,8 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // window below, as reads complete, while the trainer works.)
   if (traced && b->home == Tier::kNvme) traces_[b->trace].RecordUse(id);
   // Its share of the pool's traffic: uses that happen, untraced ones too
-  // (they take the pool's room all the same; PoolShares caps a burst's cost).
+  // (they take the pool's room all the same: a burst is paid for in room
+  // until the others catch up, pool_shares.h).
   if (b->home == Tier::kNvme) {
     pool_shares_.Served(b->trace, b->bytes, io_queue_.weight(b->trace), SharesNowLocked());
   }
@@ -739,6 +740,7 @@ void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
   absl::MutexLock lock(&mu_);
   io_queue_.SetWeight(trace, weight);
   prefetches_.SetWeight(trace, weight);
+  pool_shares_.SetWeight(trace, weight);
 }
 
 void Swapper::EndIteration(uint64_t trace) {
@@ -859,7 +861,9 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   uint64_t all_room = 0;
   for (const auto& [id, b] : blocks_) {
     if (b->pins > 0 || b->waiters > 0) busy.insert(b->trace);
-    if (b->home == Tier::kNvme && b->state != BlockState::kOnNvme) {
+    // Room held: resident or being read in (a write-out is leaving).
+    if (b->home == Tier::kNvme && !b->removed &&
+        (b->state == BlockState::kResident || b->state == BlockState::kReadingIn)) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
     }

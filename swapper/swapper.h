@@ -43,10 +43,10 @@
 //      acquired for a second or two of its iterations): its uses are not
 //      coming soon, however near in its own order; its room goes to the
 //      traces at work;
-//   2. a block of a trace holding more of the pool's room than three
-//      quarters, or than its weight's share and half the rest, whichever is
-//      more (a slow trace, never ahead of its share of the traffic, must not
-//      take all of it);
+//   2. a block of a trace whose NVMe-homed blocks hold more of the pool
+//      than three quarters, or than its weight's share and half the rest,
+//      whichever is more (a slow trace, never ahead of its share of the
+//      traffic, must not take all of it);
 //   3. a block of a trace ahead of its share of the pool's traffic (the
 //      bytes of NVMe-homed blocks it acquired over its weight, SetIoWeight,
 //      more than PoolShares::Slack() past the least of the traces using the
@@ -335,7 +335,8 @@ class Swapper {
   void SetIoHookForTesting(std::function<void(BlockId, bool is_write)> hook)
       ABSL_LOCKS_EXCLUDED(mu_);
   // The clock that tells idle traces and shares (PoolShares); I/O timing
-  // keeps the real one.
+  // keeps the real one. Called under the swapper's lock: it must not call
+  // back into the swapper.
   void SetClockForTesting(std::function<std::chrono::steady_clock::time_point()> clock)
       ABSL_LOCKS_EXCLUDED(mu_);
 

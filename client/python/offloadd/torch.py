@@ -2272,9 +2272,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   64 MiB of fp32 on the device the collective runs on)
       share_weight                this job's weight in the node's optimizer, NVMe I/O and pool
                                   (1-1000, default 1): when several jobs step at once, each gets
-                                  updates, the disk when they wait for it, and the pool's room
-                                  when they want more than it holds, in proportion (offloadctl
-                                  share ID WEIGHT changes it live)
+                                  updates, the disk when they wait for it, and the pool's traffic
+                                  when they want more room than it holds, in proportion
+                                  (offloadctl share ID WEIGHT changes it live)
       node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the
