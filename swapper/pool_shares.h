@@ -58,18 +58,17 @@ class PoolShares {
     if (!t.iteration_start.has_value()) t.iteration_start = now;
   }
 
-  // An Acquire of the trace's NVMe-homed block of `bytes` succeeded at `now`;
-  // `weight` (>= 1) is the trace's.
-  void Served(uint64_t trace, uint64_t bytes, int64_t weight, Clock::time_point now) {
+  // An Acquire of the trace's NVMe-homed block of `bytes` succeeded at `now`
+  // (counted over the trace's weight: SetWeight).
+  void Served(uint64_t trace, uint64_t bytes, Clock::time_point now) {
     Trace& t = traces_[trace];
     t.last_use = now;  // however long the Acquire waited
-    const double floor = Floor(now, trace);
-    const bool others = floor != std::numeric_limits<double>::infinity();
-    // Back after a rest (or new): no credit for the time away.
-    if (others && (!t.last_pool_use.has_value() || now - *t.last_pool_use > Window(t))) {
-      t.served = std::max(t.served, floor);
+    // Back after a rest (or new): no credit for the time away. (The others'
+    // floor is looked for only then: this runs at every Acquire.)
+    if (!t.last_pool_use.has_value() || now - *t.last_pool_use > Window(t)) {
+      const double floor = Floor(now, trace);
+      if (floor != std::numeric_limits<double>::infinity()) t.served = std::max(t.served, floor);
     }
-    t.weight = std::max<int64_t>(1, weight);
     t.served += static_cast<double>(bytes) / static_cast<double>(t.weight);
     largest_block_ = std::max(largest_block_, bytes);
     t.last_pool_use = now;
@@ -84,10 +83,10 @@ class PoolShares {
 
   void Forget(uint64_t trace) { traces_.erase(trace); }
 
-  // From now on (Served also takes the weight it is given).
+  // The trace's weight from now on (>= 1; lower counts as 1). A trace never
+  // given one has weight 1.
   void SetWeight(uint64_t trace, int64_t weight) {
-    auto it = traces_.find(trace);
-    if (it != traces_.end()) it->second.weight = std::max<int64_t>(1, weight);
+    traces_[trace].weight = std::max<int64_t>(1, weight);
   }
 
   // No block of the trace acquired within its idle time (a trace never seen,
@@ -146,7 +145,7 @@ class PoolShares {
     std::optional<Clock::time_point> iteration_start;  // the first Acquire since EndIteration
     Clock::duration iteration{0};                      // the last iteration's length
     double served = 0;
-    int64_t weight = 1;  // at its last Served
+    int64_t weight = 1;  // SetWeight's
   };
   static Clock::duration Window(const Trace& t) {
     return std::max<Clock::duration>(kIdleAfter, 2 * t.iteration);

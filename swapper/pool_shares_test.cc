@@ -42,8 +42,9 @@ TEST(PoolSharesTest, IdleAfterASecondOrTwoOfItsIterations) {
 
 TEST(PoolSharesTest, ServedIsBytesOverWeightAndAheadPassesTheSlack) {
   PoolShares s;
-  s.Served(1, 64 * kMiB, 2, At(0));
-  s.Served(2, 64 * kMiB, 1, At(0));  // new: starts at the floor, 32 MiB
+  s.SetWeight(1, 2);
+  s.Served(1, 64 * kMiB, At(0));
+  s.Served(2, 64 * kMiB, At(0));  // new: starts at the floor, 32 MiB
   EXPECT_EQ(s.served(1), 32.0 * kMiB);
   EXPECT_EQ(s.served(2), 96.0 * kMiB);
   const double floor = s.Floor(At(1));
@@ -51,24 +52,25 @@ TEST(PoolSharesTest, ServedIsBytesOverWeightAndAheadPassesTheSlack) {
   // The slack: two of the largest blocks served (64 MiB), past 32 MiB.
   EXPECT_EQ(s.Slack(), 128.0 * kMiB);
   EXPECT_FALSE(s.Ahead(2, floor));  // 64 MiB ahead: not past it
-  for (int i = 0; i < 65; ++i) s.Served(2, kMiB, 1, At(2));
+  for (int i = 0; i < 65; ++i) s.Served(2, kMiB, At(2));
   EXPECT_TRUE(s.Ahead(2, s.Floor(At(2))));  // 128 + 1 MiB ahead
   EXPECT_FALSE(s.Ahead(1, s.Floor(At(2))));
 }
 
 TEST(PoolSharesTest, ALeadStays) {
   PoolShares s;
-  s.Served(1, kMiB, 1, At(0));
-  for (int i = 0; i < 1000; ++i) s.Served(2, kMiB, 1, At(0));  // a checkpoint's reads, say
-  EXPECT_EQ(s.served(2), 1001.0 * kMiB);                       // from the floor (1), then 1000 more
+  s.Served(1, kMiB, At(0));
+  for (int i = 0; i < 1000; ++i) s.Served(2, kMiB, At(0));  // a checkpoint's reads, say
+  EXPECT_EQ(s.served(2), 1001.0 * kMiB);                    // from the floor (1), then 1000 more
   EXPECT_TRUE(s.Ahead(2, s.Floor(At(0))));
 }
 
 TEST(PoolSharesTest, OnlyTracesUsingThePoolSetTheFloorAndShareTheRoom) {
   PoolShares s;
-  s.Served(1, 10 * kMiB, 1, At(0));
-  s.Touched(2, At(0));               // at work on host-homed blocks only: not using the pool
-  s.Served(4, 20 * kMiB, 2, At(0));  // new: from the floor (10), 10 more
+  s.Served(1, 10 * kMiB, At(0));
+  s.Touched(2, At(0));  // at work on host-homed blocks only: not using the pool
+  s.SetWeight(4, 2);
+  s.Served(4, 20 * kMiB, At(0));  // new: from the floor (10), 10 more
   EXPECT_EQ(s.served(4), 20.0 * kMiB);
   EXPECT_EQ(s.Floor(At(0)), 10.0 * kMiB);
   EXPECT_TRUE(s.UsesPool(4, At(0)));
@@ -79,7 +81,8 @@ TEST(PoolSharesTest, OnlyTracesUsingThePoolSetTheFloorAndShareTheRoom) {
   EXPECT_TRUE(s.UsesPool(1, At(0)));
   EXPECT_FALSE(s.UsesPool(2, At(0)));
   EXPECT_EQ(s.RoomShare(1, At(0)), 1.0);
-  s.Served(3, kMiB, 3, At(0));
+  s.SetWeight(3, 3);
+  s.Served(3, kMiB, At(0));
   EXPECT_EQ(s.RoomShare(1, At(0)), 0.25);
   EXPECT_EQ(s.RoomShare(3, At(0)), 0.75);
   EXPECT_EQ(s.RoomShare(2, At(0)), 1.0);
@@ -92,28 +95,22 @@ TEST(PoolSharesTest, OnlyTracesUsingThePoolSetTheFloorAndShareTheRoom) {
 // (no credit for the rest); one that stayed keeps its lead.
 TEST(PoolSharesTest, BackFromARestNoCredit) {
   PoolShares s;
-  s.Served(1, 10 * kMiB, 1, At(0));
-  s.Served(2, 10 * kMiB, 1, At(0));  // starts at 10: served 20
-  for (int t = 100; t <= 5000; t += 100) s.Served(2, 2 * kMiB, 1, At(t));  // 120 MiB
+  s.Served(1, 10 * kMiB, At(0));
+  s.Served(2, 10 * kMiB, At(0));                                        // starts at 10: served 20
+  for (int t = 100; t <= 5000; t += 100) s.Served(2, 2 * kMiB, At(t));  // 120 MiB
   EXPECT_EQ(s.served(2), 120.0 * kMiB);
-  s.Served(1, kMiB, 1, At(5000));  // away 5 s: from 120, not 10
+  s.Served(1, kMiB, At(5000));  // away 5 s: from 120, not 10
   EXPECT_EQ(s.served(1), 121.0 * kMiB);
   EXPECT_FALSE(s.Ahead(2, s.Floor(At(5000))));
   // Within its idle time it keeps its place: ahead stays ahead.
-  for (int i = 0; i < 10; ++i) s.Served(1, 10 * kMiB, 1, At(5500));
+  for (int i = 0; i < 10; ++i) s.Served(1, 10 * kMiB, At(5500));
   EXPECT_TRUE(s.Ahead(1, s.Floor(At(5500))));  // 221 against 120
 }
 
-}  // namespace
-}  // namespace offload
-
-namespace offload {
-namespace {
-
 TEST(PoolSharesTest, AWeightSetLaterCountsFromThen) {
   PoolShares s;
-  s.Served(1, kMiB, 1, At(0));
-  s.Served(2, kMiB, 1, At(0));
+  s.Served(1, kMiB, At(0));
+  s.Served(2, kMiB, At(0));
   EXPECT_EQ(s.RoomShare(1, At(0)), 0.5);
   s.SetWeight(1, 3);
   EXPECT_EQ(s.RoomShare(1, At(0)), 0.75);
@@ -124,7 +121,7 @@ TEST(PoolSharesTest, AWeightSetLaterCountsFromThen) {
 TEST(PoolSharesTest, ASlowAcquireIsWork) {
   PoolShares s;
   s.Touched(1, At(0));
-  s.Served(1, kMiB, 1, At(5000));
+  s.Served(1, kMiB, At(5000));
   EXPECT_FALSE(s.Quiet(1, At(5000)));
 }
 

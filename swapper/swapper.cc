@@ -605,7 +605,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // (they take the pool's room all the same: a burst is paid for in room
   // until the others catch up, pool_shares.h).
   if (b->home == Tier::kNvme) {
-    pool_shares_.Served(b->trace, b->bytes, io_queue_.weight(b->trace), SharesNowLocked());
+    pool_shares_.Served(b->trace, b->bytes, SharesNowLocked());
   }
   ++b->pins;
   if (b->prefetched) {
