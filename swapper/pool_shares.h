@@ -10,13 +10,19 @@
 // trace holds and waits for no block: a slow swap-in is not a rest.
 //
 // Shares: each trace counts the bytes of NVMe-homed blocks it acquired over
-// its weight (`served`, as a fair queue's virtual time). The traces using
-// the pool are those that acquired one within their idle time; one more
-// than Slack() ahead of the least served of them is ahead, and gives room
-// first. A trace whose blocks all fit counts too, so it may hold the floor
-// low and make every other ahead, their weights then not telling them
-// apart; counting only the traces that read from NVMe lately let one that
-// came to fit stop giving room (the other got a tenth of the updates in
+// its weight (`served`, as a fair queue's virtual time). A block in the
+// trace's learned order counts once a pass (an iteration: to its
+// EndIteration, or its idle time where it has none): acquired again within
+// an iteration (a fetch's hold and the step's, forward and backward) it costs
+// the pool no more room or reads, so the shares count the state each trace
+// works through, as its updates do, whichever of its state rests on NVMe.
+// Acquires outside the order (a checkpoint's reads) count each time. The
+// traces using the pool are those that acquired one within their idle time;
+// one more than Slack() ahead of the least served of them is ahead, and
+// gives room first. A trace whose blocks all fit counts too, so it may hold
+// the floor low and make every other ahead, their weights then not telling
+// them apart; counting only the traces that read from NVMe lately let one
+// that came to fit stop giving room (the other got a tenth of the updates in
 // benches/shares). A trace back from a rest (or new) starts at least at the
 // least of the others' (no credit for the time away). A lead is not
 // forgiven (a burst, such as a checkpoint's reads through the pool, is paid
@@ -35,8 +41,10 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 
 namespace offload {
 
@@ -58,8 +66,25 @@ class PoolShares {
     if (!t.iteration_start.has_value()) t.iteration_start = now;
   }
 
-  // An Acquire of the trace's NVMe-homed block of `bytes` succeeded at `now`
-  // (counted over the trace's weight: SetWeight).
+  // An Acquire of the trace's NVMe-homed `block` of `bytes` in its learned
+  // order succeeded at `now`: counted once a pass (Served), however often
+  // the block is acquired in it.
+  void ServedInPass(uint64_t trace, uint64_t block, uint64_t bytes, Clock::time_point now) {
+    Trace& t = traces_[trace];
+    // A pass with no EndIteration (a trace that fetches and never steps)
+    // ends after the trace's idle time.
+    if (now - t.pass_start > Window(t)) NewPass(t, now);
+    if (t.counted.insert(block).second) {
+      Served(trace, bytes, now);
+    } else {
+      t.last_use = now;
+      t.last_pool_use = now;
+    }
+  }
+
+  // An Acquire of `bytes` of the trace's NVMe-homed blocks succeeded at `now`
+  // (outside its learned order, such as a checkpoint's reads: counted each
+  // time; a burst is paid for), counted over the trace's weight (SetWeight).
   void Served(uint64_t trace, uint64_t bytes, Clock::time_point now) {
     Trace& t = traces_[trace];
     t.last_use = now;  // however long the Acquire waited
@@ -70,15 +95,18 @@ class PoolShares {
       if (floor != std::numeric_limits<double>::infinity()) t.served = std::max(t.served, floor);
     }
     t.served += static_cast<double>(bytes) / static_cast<double>(t.weight);
-    largest_block_ = std::max(largest_block_, bytes);
+    t.largest = std::max(t.largest, bytes);
     t.last_pool_use = now;
   }
 
   void EndIteration(uint64_t trace, Clock::time_point now) {
     auto it = traces_.find(trace);
-    if (it == traces_.end() || !it->second.iteration_start.has_value()) return;
-    it->second.iteration = now - *it->second.iteration_start;
-    it->second.iteration_start.reset();
+    if (it == traces_.end()) return;
+    Trace& t = it->second;
+    NewPass(t, now);
+    if (!t.iteration_start.has_value()) return;
+    t.iteration = now - *t.iteration_start;
+    t.iteration_start.reset();
   }
 
   void Forget(uint64_t trace) { traces_.erase(trace); }
@@ -118,7 +146,13 @@ class PoolShares {
     auto it = traces_.find(trace);
     return it != traces_.end() && it->second.served > floor + Slack();
   }
-  double Slack() const { return std::max(kShareSlack, 2.0 * static_cast<double>(largest_block_)); }
+  // (Of the blocks the traces served in their last two passes: it follows
+  // the traces there are, not the largest block there ever was.)
+  double Slack() const {
+    uint64_t largest = 0;
+    for (const auto& [id, t] : traces_) largest = std::max({largest, t.largest, t.largest_before});
+    return std::max(kShareSlack, 2.0 * static_cast<double>(largest));
+  }
 
   // The part of the pool's room the trace's weight gives it among the traces
   // using the pool (1 if it is alone, or not using it).
@@ -146,7 +180,17 @@ class PoolShares {
     Clock::duration iteration{0};                      // the last iteration's length
     double served = 0;
     int64_t weight = 1;  // SetWeight's
+    // This pass: when it began, the blocks counted in it, the largest.
+    Clock::time_point pass_start;
+    absl::flat_hash_set<uint64_t> counted;
+    uint64_t largest = 0;
+    uint64_t largest_before = 0;  // the pass before's
   };
+  static void NewPass(Trace& t, Clock::time_point now) {
+    t.pass_start = now;
+    t.counted.clear();
+    t.largest_before = std::exchange(t.largest, 0);
+  }
   static Clock::duration Window(const Trace& t) {
     return std::max<Clock::duration>(kIdleAfter, 2 * t.iteration);
   }
@@ -155,7 +199,6 @@ class PoolShares {
   }
 
   absl::flat_hash_map<uint64_t, Trace> traces_;
-  uint64_t largest_block_ = 0;
 };
 
 }  // namespace offload

@@ -125,5 +125,48 @@ TEST(PoolSharesTest, ASlowAcquireIsWork) {
   EXPECT_FALSE(s.Quiet(1, At(5000)));
 }
 
+// A block of the learned order acquired again within its trace's iteration
+// (a fetch's hold and the step's, forward and backward) counts once: the
+// shares count the state a trace works through, not how often it touches
+// it. Acquires outside the order count each time.
+TEST(PoolSharesTest, ABlockInTheOrderCountsOnceAnIteration) {
+  PoolShares s;
+  for (int i = 0; i < 3; ++i) s.ServedInPass(1, /*block=*/7, kMiB, At(10 * i));
+  s.ServedInPass(1, /*block=*/8, kMiB, At(30));
+  EXPECT_EQ(s.served(1), 2.0 * kMiB);
+  s.Served(1, kMiB, At(35));  // a checkpoint's read of block 7, say
+  EXPECT_EQ(s.served(1), 3.0 * kMiB);
+  s.EndIteration(1, At(40));
+  s.ServedInPass(1, 7, kMiB, At(50));
+  s.ServedInPass(1, 7, kMiB, At(60));
+  EXPECT_EQ(s.served(1), 4.0 * kMiB);
+  // A trace that never ends an iteration: a pass lasts its idle time.
+  s.ServedInPass(2, 9, kMiB, At(0));
+  const double first = s.served(2);  // (new: from the floor, trace 1's)
+  s.ServedInPass(2, 9, kMiB, At(1000));
+  EXPECT_EQ(s.served(2), first);
+  EXPECT_FALSE(s.Quiet(2, At(1900)));  // a use all the same
+  s.ServedInPass(2, 9, kMiB, At(1001));
+  EXPECT_EQ(s.served(2), first + kMiB);
+}
+
+// The slack follows the blocks of the traces there are: the largest of
+// their last two passes, not the largest there ever was.
+TEST(PoolSharesTest, TheSlackFollowsTheBlocksServedLately) {
+  PoolShares s;
+  s.Served(1, 100 * kMiB, At(0));
+  s.Served(2, kMiB, At(0));
+  EXPECT_EQ(s.Slack(), 200.0 * kMiB);
+  s.EndIteration(1, At(10));
+  EXPECT_EQ(s.Slack(), 200.0 * kMiB);  // the pass before's
+  s.Served(1, kMiB, At(20));
+  s.EndIteration(1, At(30));
+  EXPECT_EQ(s.Slack(), PoolShares::kShareSlack);
+  s.Served(3, 50 * kMiB, At(40));
+  EXPECT_EQ(s.Slack(), 100.0 * kMiB);
+  s.Forget(3);
+  EXPECT_EQ(s.Slack(), PoolShares::kShareSlack);
+}
+
 }  // namespace
 }  // namespace offload

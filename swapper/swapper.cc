@@ -601,11 +601,16 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // every step and stopped prefetch. (They still refill the prefetch
   // window below, as reads complete, while the trainer works.)
   if (traced && b->home == Tier::kNvme) traces_[b->trace].RecordUse(id);
-  // Its share of the pool's traffic: uses that happen, untraced ones too
-  // (they take the pool's room all the same: a burst is paid for in room
-  // until the others catch up, pool_shares.h).
+  // Its share of the pool's traffic: uses that happen, a block in the
+  // learned order once an iteration, untraced ones each time (they take the
+  // pool's room all the same: a burst is paid for in room until the others
+  // catch up; pool_shares.h).
   if (b->home == Tier::kNvme) {
-    pool_shares_.Served(b->trace, b->bytes, SharesNowLocked());
+    if (traced) {
+      pool_shares_.ServedInPass(b->trace, id, b->bytes, SharesNowLocked());
+    } else {
+      pool_shares_.Served(b->trace, b->bytes, SharesNowLocked());
+    }
   }
   ++b->pins;
   if (b->prefetched) {

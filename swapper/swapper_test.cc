@@ -581,6 +581,21 @@ TEST_F(PoolShareTest, ATraceAheadOfItsShareGivesRoomFirst) {
   ExpectHolds(13, 13);
 }
 
+// Acquires of a block in the trace's order count once an iteration (a
+// fetch's hold and the step's of the same state): 100 of block 13 in one
+// iteration leave trace 8 within its share, and the room goes by Belady's
+// distances (13: off trace 8's order now, never used again as far as the
+// swapper knows), not by the share rule as the untraced 100 MiB above.
+TEST_F(PoolShareTest, AcquiresInTheOrderCountOnceAnIteration) {
+  for (int i = 0; i < 100; ++i) {
+    auto p = swapper_->Acquire(13, /*for_write=*/false, /*traced=*/true);
+    ASSERT_TRUE(p.ok()) << p.status();
+  }
+  ExpectHolds(11, 11);
+  EXPECT_EQ(StateOf(13), BlockState::kOnNvme);
+  EXPECT_EQ(ShareEvictionsSinceSetUp(), 0u);
+}
+
 // A trace that never gets ahead of its share of the traffic (slow, or
 // light) keeps no more than three quarters of the pool's room (or its
 // weight's share and half the rest, where that is more): trace 7 holds four
