@@ -186,6 +186,11 @@ class PythonClientTest(unittest.TestCase):
         self.assertTrue(issubclass(offloadd.ResourceExhaustedError, offloadd.Error))
         with self.assertRaises(offloadd.UnavailableError):
             offloadd.Client("unix:/nonexistent/offloadd.sock")
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            offloadd.open_device("cuda:x")
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            offloadd.open_device("emulated", max_copy_delay_us=-1)
+        self.assertEqual(offloadd.open_device("emulated", max_copy_delay_us=0).name, "emulated")
 
     def test_blocking_calls_release_the_gil(self):
         # A step over 8M parameters takes milliseconds. With a switch

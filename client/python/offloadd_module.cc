@@ -217,10 +217,18 @@ void BindGpu(py::module_& m) {
       .def("free_bytes", [](gpu::Device& d) { return Value(d.FreeBytes()); });
   m.def(
       "open_device",
-      [](const std::string& spec, uint64_t memory_bytes) -> std::shared_ptr<gpu::Device> {
+      [](const std::string& spec, uint64_t memory_bytes,
+         std::optional<int64_t> max_copy_delay_us) -> std::shared_ptr<gpu::Device> {
         if (spec == "emulated") {
           gpu::EmulatedDeviceOptions o;
           if (memory_bytes) o.memory_bytes = memory_bytes;
+          if (max_copy_delay_us) {
+            if (*max_copy_delay_us < 0) {
+              Raise(absl::InvalidArgumentError("max_copy_delay_us must be >= 0, got " +
+                                               std::to_string(*max_copy_delay_us)));
+            }
+            o.max_copy_delay = absl::Microseconds(*max_copy_delay_us);
+          }
           o.any_address_is_device = true;  // torch's CPU tensors play the device's memory
           return std::make_shared<gpu::EmulatedDevice>(o);
         }
@@ -241,9 +249,10 @@ void BindGpu(py::module_& m) {
             Value(Unlocked([&] { return gpu::OpenCudaDevice(ordinal); }));
         return std::shared_ptr<gpu::Device>(std::move(d));
       },
-      py::arg("spec"), py::arg("memory_bytes") = 0,
+      py::arg("spec"), py::arg("memory_bytes") = 0, py::arg("max_copy_delay_us") = py::none(),
       "a device for the GPU tier: 'cuda:N', or 'emulated' (host memory, memory_bytes of it) for "
-      "tests without a GPU");
+      "tests without a GPU; its copies wait a random time below max_copy_delay_us (default 200) "
+      "so that streams complete out of order, 0 for none (profiling the trainer's thread)");
   m.def("built_with_cuda", &gpu::BuiltWithCuda);
 
   py::class_<GpuTier, std::unique_ptr<GpuTier>>(m, "GpuTier")

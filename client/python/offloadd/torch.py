@@ -370,7 +370,10 @@ class _Engine:
         self.backend = dist.get_backend(process_group) if self.distributed else None
         self.working_dtype = config["working_dtype"]
         self.torch_working = _DTYPES[self.working_dtype]
-        self.timings = {"fetch": 0.0, "return": 0.0, "step": 0.0}
+        # Seconds on the trainer's thread: fetching parameters, returning
+        # gradients (of it, with the GPU tier, waiting for the device to
+        # finish backward: device_wait), stepping.
+        self.timings = {"fetch": 0.0, "return": 0.0, "step": 0.0, "device_wait": 0.0}
         # "stats_sent": returns that carried the trainer's statistics (the
         # daemon takes them on a step's first return of a partition).
         self.counts = {"fetches": 0, "returns": 0, "stats_sent": 0, "steps": 0, "skipped": 0,
@@ -1757,8 +1760,11 @@ class _GpuTier:
             if all(st for _, _, st in entries):
                 # One transfer of every norm (the only host wait here).
                 norms = torch.stack(torch._foreach_norm([m for _, m, _ in entries])).double()
+                waiting = time.perf_counter()
+                squares = (norms * norms).tolist()  # waits for backward on the device
+                e.timings["device_wait"] += time.perf_counter() - waiting
                 stats = {}
-                for (s, mine, _), sq in zip(entries, (norms * norms).tolist()):
+                for (s, mine, _), sq in zip(entries, squares):
                     bad = 0 if math.isfinite(sq) else int(torch.isfinite(mine).logical_not_().sum())
                     stats[s.pid] = (sq, bad)
             try:
