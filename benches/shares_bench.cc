@@ -3,7 +3,8 @@
 // sessions' throughput alone in the same run.
 //
 //   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
-//                            [--weights=2,1] [--state-on-nvme=DIR]
+//                            [--weights=2,1]
+//                            [--state-on-nvme=DIR [--slow=N [--slow-pause-ms=200]]]
 //                            [--neighbour=DIR [--rounds=9]] [--tiny]
 //
 // --state-on-nvme=DIR: the sessions' optimizer state homed on NVMe (swap
@@ -15,6 +16,14 @@
 // first session has the pool to itself: the idle sessions' blocks are
 // evicted first (printed: how many), and its updates a second are those of
 // a session whose state mostly fits, not a quarter.
+// --slow=N (with --state-on-nvme): one more session of N parameters, weight
+// 1, whose state fits in the pool beside the others' quarter and which
+// pauses --slow-pause-ms before each step (a trainer whose GPU computes
+// meanwhile): it
+// uses the pool, slowly, so it is the least served of the sessions, and the
+// others are all ahead of it. Their shares are printed among themselves (its
+// own updates apart): its presence must not stop their weights from telling
+// them apart.
 //
 // --neighbour=DIR: instead, a session with its state on the host against
 // itself alone in the same run (windows of --seconds, 1 by default here,
@@ -75,6 +84,8 @@ struct Flags {
   std::string neighbour;  // a swap directory: the neighbour measurement
   std::string state_dir;  // a swap directory: every session's state on NVMe
   int rounds = 9;         // its alone/beside/neighbour-alone windows
+  uint64_t slow = 0;      // --slow's parameters (0: no such session)
+  int slow_pause_ms = 200;
 };
 
 // One session: registered partitions and its arena, mapped.
@@ -83,7 +94,8 @@ struct Job {
   HostMemory arena;
   std::vector<PartitionInfo> parts;
   std::atomic<uint64_t> updated{0};
-  bool written = false;  // its gradient buffers hold the gradients
+  bool written = false;                // its gradient buffers hold the gradients
+  std::chrono::milliseconds pause{0};  // before each step: the trainer's compute
   // Measured (only the thread training it touches these): each Fetch's and
   // each Step's time, in microseconds.
   bool timed = false;
@@ -137,6 +149,7 @@ absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
       RETURN_IF_ERROR(e.sessions->Release(job->key, {p.id}));
     }
     job->written = true;
+    if (job->pause.count() > 0) std::this_thread::sleep_for(job->pause);
     const auto stepping = Clock::now();
     ASSIGN_OR_RETURN(StepSummary s, e.sessions->Step(job->key, AdamHyperparams{}));
     if (job->timed) job->step_us.push_back(1e6 * bench::SecondsSince(stepping));
@@ -341,6 +354,10 @@ int Main(int argc, char** argv) {
       f.neighbour = v;
     } else if ((v = bench::FlagValue(argv[i], "state-on-nvme"))) {
       f.state_dir = v;
+    } else if ((v = bench::FlagValue(argv[i], "slow"))) {
+      f.slow = bench::CountOrExit(v);
+    } else if ((v = bench::FlagValue(argv[i], "slow-pause-ms"))) {
+      f.slow_pause_ms = std::max(0, std::atoi(v));
     } else if ((v = bench::FlagValue(argv[i], "rounds"))) {
       f.rounds = std::max(1, std::atoi(v));
     } else if (a == "--tiny") {
@@ -368,7 +385,12 @@ int Main(int argc, char** argv) {
     o.nvme.dirs = f.state_dir;
     o.nvme.bytes_per_dir = static_cast<int64_t>(RoundUpToPage(n * 4 * 8 * f.params + (64 << 20)));
     o.pool_bytes = (11 * n + 7) * f.params + (64 << 20);
+    // The slow session's all: parameters, gradients, state, its holds.
+    o.pool_bytes += 31 * f.slow;
     placement[DataKind::kOptimizerState] = 0;
+  } else if (f.slow > 0) {
+    std::fprintf(stderr, "--slow needs --state-on-nvme\n");
+    return 2;
   }
   auto made = bench::MakeBenchEngine(o);
   if (!made.ok()) {
@@ -390,6 +412,18 @@ int Main(int argc, char** argv) {
     all.push_back(jobs.back().get());
     weight_sum += f.weights[i];
   }
+  std::unique_ptr<Job> slow;
+  if (f.slow > 0) {
+    slow = std::make_unique<Job>();
+    slow->pause = std::chrono::milliseconds(f.slow_pause_ms);
+    if (absl::Status s = Open(e, slow.get(), "slow", 1, f.slow, f.partitions, placement); !s.ok()) {
+      std::fprintf(stderr, "opening the slow session: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  // Every session that steps together: the slow one too, its updates apart.
+  std::vector<Job*> stepping = all;
+  if (slow) stepping.push_back(slow.get());
   std::printf(
       "== shares: %zu sessions of %llu fp32 parameters in %d partitions, stepping without pause; "
       "optimizer on %lld threads; optimizer state %s\n",
@@ -400,7 +434,7 @@ int Main(int argc, char** argv) {
           : absl::StrCat("homed on NVMe in ", f.state_dir, " (the pool holds a quarter of it)")
                 .c_str());
   // Warm-up (first steps touch the state), then one session alone.
-  if (auto r = RunTogether(e, all, std::min(1.0, f.seconds / 2)); !r.ok()) {
+  if (auto r = RunTogether(e, stepping, std::min(1.0, f.seconds / 2)); !r.ok()) {
     std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
     return 1;
   }
@@ -414,14 +448,20 @@ int Main(int argc, char** argv) {
   std::vector<double> moved_before;
   for (const Job* j : all) moved_before.push_back(moved(*j));
   const SwapperStats before_together = e.swapper->Stats();
-  auto together = alone.ok() ? RunTogether(e, all, f.seconds) : alone.status();
+  auto together = alone.ok() ? RunTogether(e, stepping, f.seconds) : alone.status();
   const SwapperStats during_together = e.swapper->Stats().Since(before_together);
   if (!together.ok()) {
     std::fprintf(stderr, "%s\n", together.status().ToString().c_str());
     return 1;
   }
   double total = 0;
-  for (double r : *together) total += r;
+  for (size_t i = 0; i < all.size(); ++i) total += (*together)[i];
+  if (slow) {
+    std::printf(
+        "slow: %llu parameters, weight 1, state fitting, %d ms before each step: %.1f Mparam/s "
+        "(not in the shares below)\n",
+        static_cast<unsigned long long>(f.slow), f.slow_pause_ms, (*together)[all.size()] / 1e6);
+  }
   double worst = 0;
   for (size_t i = 0; i < all.size(); ++i) {
     const double want = static_cast<double>(f.weights[i]) / static_cast<double>(weight_sum);

@@ -10,21 +10,25 @@
 // trace holds and waits for no block: a slow swap-in is not a rest.
 //
 // Shares: each trace counts the bytes of NVMe-homed blocks it acquired over
-// its weight (`served`, as a fair queue's virtual time). A block in the
-// trace's learned order counts once a pass (an iteration: to its
-// EndIteration, or its idle time where it has none): acquired again within
-// an iteration (a fetch's hold and the step's, forward and backward) it costs
-// the pool no more room or reads, so the shares count the state each trace
-// works through, as its updates do, whichever of its state rests on NVMe.
-// Acquires outside the order (a checkpoint's reads) count each time. The
-// traces using the pool are those that acquired one within their idle time;
-// one more than Slack() ahead of the least served of them is ahead, and
-// gives room first. A trace whose blocks all fit counts too, so it may hold
+// its weight (`served`, as a fair queue's virtual time). A traced Acquire
+// (one that enters the learned order) counts its block once a pass (an
+// iteration: to its EndIteration, or, where the trace ends none for a while,
+// its idle time): a block acquired again within an iteration (a fetch's hold
+// and the step's, forward and backward) is the same state worked on, so the
+// shares count the state each trace works through, as its updates do (its
+// state on NVMe: a trace with more of it on the host is charged less), not
+// how often it is touched, nor re-reads after an eviction. Acquires outside
+// the order (a checkpoint's reads) count each time. The traces using the pool
+// are those that acquired one within their idle time; one more than Slack()
+// ahead of the least served of them is ahead, and gives room first, the
+// farthest ahead first. A trace whose blocks all fit counts too, so it may hold
 // the floor low and make every other ahead, their weights then not telling
 // them apart; counting only the traces that read from NVMe lately let one
 // that came to fit stop giving room (the other got a tenth of the updates in
 // benches/shares). A trace back from a rest (or new) starts at least at the
-// least of the others' (no credit for the time away). A lead is not
+// least of the others' (no credit for the time away), or, where some of them
+// are ahead of that least (one holds it low: slow, or its blocks all fit),
+// at the least of those ahead: level with the traces it competes with. A lead is not
 // forgiven (a burst, such as a checkpoint's reads through the pool, is paid
 // for in room until the others catch up): capping it let the heavier of two
 // sessions keep what it took beyond its share (benches/shares: off by
@@ -44,7 +48,6 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 
 namespace offload {
 
@@ -66,20 +69,26 @@ class PoolShares {
     if (!t.iteration_start.has_value()) t.iteration_start = now;
   }
 
-  // An Acquire of the trace's NVMe-homed `block` of `bytes` in its learned
-  // order succeeded at `now`: counted once a pass (Served), however often
-  // the block is acquired in it.
-  void ServedInPass(uint64_t trace, uint64_t block, uint64_t bytes, Clock::time_point now) {
+  // A traced Acquire of the trace's NVMe-homed block of `bytes` succeeded at
+  // `now`: counted once a pass (Served), however often the block is
+  // acquired in it. `*block_pass` is the block's own record of the pass it
+  // was last counted in (the caller keeps it with the block; 0 at first).
+  void ServedInPass(uint64_t trace, uint64_t* block_pass, uint64_t bytes, Clock::time_point now) {
     Trace& t = traces_[trace];
-    // A pass with no EndIteration (a trace that fetches and never steps)
-    // ends after the trace's idle time.
-    if (now - t.pass_start > Window(t)) NewPass(t, now);
-    if (t.counted.insert(block).second) {
-      Served(trace, bytes, now);
-    } else {
+    // A pass ends at EndIteration; where none comes (a trace that fetches
+    // and never steps, or stopped stepping) after the trace's idle time, or
+    // four of its iterations, counted from its iteration's first Acquire (a
+    // pause between iterations is not part of one).
+    Clock::time_point since = t.pass_start;
+    if (t.iteration_start.has_value()) since = std::max(since, *t.iteration_start);
+    if (now - since > std::max<Clock::duration>(kIdleAfter, 4 * t.iteration)) NewPass(t, now);
+    if (*block_pass == t.pass) {
       t.last_use = now;
       t.last_pool_use = now;
+      return;
     }
+    *block_pass = t.pass;
+    Served(trace, bytes, now);
   }
 
   // An Acquire of `bytes` of the trace's NVMe-homed blocks succeeded at `now`
@@ -89,10 +98,10 @@ class PoolShares {
     Trace& t = traces_[trace];
     t.last_use = now;  // however long the Acquire waited
     // Back after a rest (or new): no credit for the time away. (The others'
-    // floor is looked for only then: this runs at every Acquire.)
+    // level is looked for only then: this runs at every Acquire.)
     if (!t.last_pool_use.has_value() || now - *t.last_pool_use > Window(t)) {
-      const double floor = Floor(now, trace);
-      if (floor != std::numeric_limits<double>::infinity()) t.served = std::max(t.served, floor);
+      const double level = Rejoin(now, trace);
+      if (level != std::numeric_limits<double>::infinity()) t.served = std::max(t.served, level);
     }
     t.served += static_cast<double>(bytes) / static_cast<double>(t.weight);
     t.largest = std::max(t.largest, bytes);
@@ -140,17 +149,30 @@ class PoolShares {
     return floor;
   }
 
-  // More than Slack() ahead of `floor` (Floor(now), taken once for a choice
-  // among many blocks).
-  bool Ahead(uint64_t trace, double floor) const {
-    auto it = traces_.find(trace);
-    return it != traces_.end() && it->second.served > floor + Slack();
+  // More than `slack` (Slack(now)) ahead of `floor` (Floor(now)); both
+  // taken once for a choice among many blocks.
+  bool Ahead(uint64_t trace, double floor, double slack) const {
+    return Lead(trace, floor, slack) > 0;
   }
-  // (Of the blocks the traces served in their last two passes: it follows
-  // the traces there are, not the largest block there ever was.)
-  double Slack() const {
+  // How far ahead of `floor`: (served - floor) / slack rounded down, 0 within
+  // one slack (not ahead). Of the traces ahead, the one farthest ahead gives
+  // room first, so that where one trace holds the floor low (slow, or its
+  // blocks all fit) and every other is ahead of it, their weights still tell
+  // them apart.
+  uint64_t Lead(uint64_t trace, double floor, double slack) const {
+    auto it = traces_.find(trace);
+    if (it == traces_.end()) return 0;
+    const double lead = it->second.served - floor;
+    return lead > slack ? static_cast<uint64_t>(lead / slack) : 0;
+  }
+  // kShareSlack, or two of the largest blocks the traces using the pool
+  // served in their last two passes, where that is more (it follows the
+  // traces at work, not the largest block there ever was).
+  double Slack(Clock::time_point now) const {
     uint64_t largest = 0;
-    for (const auto& [id, t] : traces_) largest = std::max({largest, t.largest, t.largest_before});
+    for (const auto& [id, t] : traces_) {
+      if (UsesPool(t, now)) largest = std::max({largest, t.largest, t.largest_before});
+    }
     return std::max(kShareSlack, 2.0 * static_cast<double>(largest));
   }
 
@@ -173,6 +195,20 @@ class PoolShares {
 
  private:
   static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
+  // Where a trace back from a rest starts: the least served of the others
+  // using the pool, or of those of them ahead of that least, if any are.
+  double Rejoin(Clock::time_point now, uint64_t trace) const {
+    const double floor = Floor(now, trace);
+    if (floor == std::numeric_limits<double>::infinity()) return floor;
+    const double slack = Slack(now);
+    double level = std::numeric_limits<double>::infinity();
+    for (const auto& [id, t] : traces_) {
+      if (id != trace && UsesPool(t, now) && t.served > floor + slack) {
+        level = std::min(level, t.served);
+      }
+    }
+    return level != std::numeric_limits<double>::infinity() ? level : floor;
+  }
   struct Trace {
     Clock::time_point last_use;                        // its last Acquire (or Add)
     std::optional<Clock::time_point> last_pool_use;    // its last one served from the pool
@@ -180,15 +216,16 @@ class PoolShares {
     Clock::duration iteration{0};                      // the last iteration's length
     double served = 0;
     int64_t weight = 1;  // SetWeight's
-    // This pass: when it began, the blocks counted in it, the largest.
+    // This pass: its number (blocks counted in it carry it), when it began,
+    // the largest block served in it.
+    uint64_t pass = 1;
     Clock::time_point pass_start;
-    absl::flat_hash_set<uint64_t> counted;
     uint64_t largest = 0;
     uint64_t largest_before = 0;  // the pass before's
   };
   static void NewPass(Trace& t, Clock::time_point now) {
+    ++t.pass;
     t.pass_start = now;
-    t.counted.clear();
     t.largest_before = std::exchange(t.largest, 0);
   }
   static Clock::duration Window(const Trace& t) {

@@ -17,6 +17,11 @@ Clock::time_point At(int64_t ms) {
   return Clock::time_point{} + std::chrono::hours(1) + std::chrono::milliseconds(ms);
 }
 
+// Ahead at `now`, with the floor and the slack as the swapper takes them.
+bool AheadAt(const PoolShares& s, uint64_t trace, Clock::time_point now) {
+  return s.Ahead(trace, s.Floor(now), s.Slack(now));
+}
+
 TEST(PoolSharesTest, IdleAfterASecondOrTwoOfItsIterations) {
   PoolShares s;
   EXPECT_TRUE(s.Quiet(7, At(0)));  // never seen
@@ -50,11 +55,39 @@ TEST(PoolSharesTest, ServedIsBytesOverWeightAndAheadPassesTheSlack) {
   const double floor = s.Floor(At(1));
   EXPECT_EQ(floor, 32.0 * kMiB);
   // The slack: two of the largest blocks served (64 MiB), past 32 MiB.
-  EXPECT_EQ(s.Slack(), 128.0 * kMiB);
-  EXPECT_FALSE(s.Ahead(2, floor));  // 64 MiB ahead: not past it
+  EXPECT_EQ(s.Slack(At(1)), 128.0 * kMiB);
+  EXPECT_FALSE(s.Ahead(2, floor, s.Slack(At(1))));  // 64 MiB ahead: not past it
   for (int i = 0; i < 65; ++i) s.Served(2, kMiB, At(2));
-  EXPECT_TRUE(s.Ahead(2, s.Floor(At(2))));  // 128 + 1 MiB ahead
-  EXPECT_FALSE(s.Ahead(1, s.Floor(At(2))));
+  EXPECT_TRUE(AheadAt(s, 2, At(2)));  // 128 + 1 MiB ahead
+  EXPECT_FALSE(AheadAt(s, 1, At(2)));
+}
+
+// The lead in whole slacks (0 within the first): of the traces ahead of one
+// that holds the floor low, the farthest ahead gives room first.
+TEST(PoolSharesTest, LeadIsInWholeSlacks) {
+  PoolShares s;
+  s.Served(1, kMiB, At(0));                // the floor: 1 MiB
+  for (int i = 0; i < 100; ++i) {          // each from 1, as none is ahead yet
+    s.Served(2, kMiB, At(0));              // 101
+    if (i < 40) s.Served(3, kMiB, At(0));  // 41
+    if (i < 20) s.Served(4, kMiB, At(0));  // 21
+  }
+  const double floor = s.Floor(At(0));
+  const double slack = s.Slack(At(0));
+  EXPECT_EQ(floor, 1.0 * kMiB);
+  EXPECT_EQ(slack, PoolShares::kShareSlack);
+  EXPECT_EQ(s.Lead(2, floor, slack), 3u);  // 100 MiB: 3 slacks of 32
+  EXPECT_EQ(s.Lead(3, floor, slack), 1u);
+  EXPECT_EQ(s.Lead(4, floor, slack), 0u);  // within the slack
+  EXPECT_EQ(s.Lead(1, floor, slack), 0u);
+  EXPECT_EQ(s.Lead(5, floor, slack), 0u);  // unknown
+  EXPECT_TRUE(s.Ahead(3, floor, slack));
+  EXPECT_FALSE(s.Ahead(4, floor, slack));
+  // A trace new (or back from a rest) starts level with those ahead of the
+  // one holding the floor low (trace 4, within the slack, is not ahead):
+  // from the least of them, 41, not from 1.
+  s.Served(6, kMiB, At(0));
+  EXPECT_EQ(s.served(6), 42.0 * kMiB);
 }
 
 TEST(PoolSharesTest, ALeadStays) {
@@ -62,7 +95,7 @@ TEST(PoolSharesTest, ALeadStays) {
   s.Served(1, kMiB, At(0));
   for (int i = 0; i < 1000; ++i) s.Served(2, kMiB, At(0));  // a checkpoint's reads, say
   EXPECT_EQ(s.served(2), 1001.0 * kMiB);                    // from the floor (1), then 1000 more
-  EXPECT_TRUE(s.Ahead(2, s.Floor(At(0))));
+  EXPECT_TRUE(AheadAt(s, 2, At(0)));
 }
 
 TEST(PoolSharesTest, OnlyTracesUsingThePoolSetTheFloorAndShareTheRoom) {
@@ -101,10 +134,10 @@ TEST(PoolSharesTest, BackFromARestNoCredit) {
   EXPECT_EQ(s.served(2), 120.0 * kMiB);
   s.Served(1, kMiB, At(5000));  // away 5 s: from 120, not 10
   EXPECT_EQ(s.served(1), 121.0 * kMiB);
-  EXPECT_FALSE(s.Ahead(2, s.Floor(At(5000))));
+  EXPECT_FALSE(AheadAt(s, 2, At(5000)));
   // Within its idle time it keeps its place: ahead stays ahead.
   for (int i = 0; i < 10; ++i) s.Served(1, 10 * kMiB, At(5500));
-  EXPECT_TRUE(s.Ahead(1, s.Floor(At(5500))));  // 221 against 120
+  EXPECT_TRUE(AheadAt(s, 1, At(5500)));  // 221 against 120
 }
 
 TEST(PoolSharesTest, AWeightSetLaterCountsFromThen) {
@@ -131,23 +164,38 @@ TEST(PoolSharesTest, ASlowAcquireIsWork) {
 // it. Acquires outside the order count each time.
 TEST(PoolSharesTest, ABlockInTheOrderCountsOnceAnIteration) {
   PoolShares s;
-  for (int i = 0; i < 3; ++i) s.ServedInPass(1, /*block=*/7, kMiB, At(10 * i));
-  s.ServedInPass(1, /*block=*/8, kMiB, At(30));
+  uint64_t b7 = 0, b8 = 0, b9 = 0;  // the blocks' records of their passes
+  for (int i = 0; i < 3; ++i) s.ServedInPass(1, &b7, kMiB, At(10 * i));
+  s.ServedInPass(1, &b8, kMiB, At(30));
   EXPECT_EQ(s.served(1), 2.0 * kMiB);
   s.Served(1, kMiB, At(35));  // a checkpoint's read of block 7, say
   EXPECT_EQ(s.served(1), 3.0 * kMiB);
   s.EndIteration(1, At(40));
-  s.ServedInPass(1, 7, kMiB, At(50));
-  s.ServedInPass(1, 7, kMiB, At(60));
+  s.ServedInPass(1, &b7, kMiB, At(50));
+  s.ServedInPass(1, &b7, kMiB, At(60));
   EXPECT_EQ(s.served(1), 4.0 * kMiB);
   // A trace that never ends an iteration: a pass lasts its idle time.
-  s.ServedInPass(2, 9, kMiB, At(0));
+  s.ServedInPass(2, &b9, kMiB, At(0));
   const double first = s.served(2);  // (new: from the floor, trace 1's)
-  s.ServedInPass(2, 9, kMiB, At(1000));
+  s.ServedInPass(2, &b9, kMiB, At(1000));
   EXPECT_EQ(s.served(2), first);
   EXPECT_FALSE(s.Quiet(2, At(1900)));  // a use all the same
-  s.ServedInPass(2, 9, kMiB, At(1001));
+  s.ServedInPass(2, &b9, kMiB, At(1001));
   EXPECT_EQ(s.served(2), first + kMiB);
+  // A pause between iterations is not part of a pass's time: trace 3's
+  // iteration takes 300 ms (a pass without EndIteration: 1.2 s), then it
+  // pauses 700 ms; the pass that began at its EndIteration is timed from its
+  // next first Acquire (1 s), so 1.6 s is the same pass.
+  uint64_t c1 = 0, c2 = 0;
+  s.Touched(3, At(0));
+  s.ServedInPass(3, &c1, kMiB, At(0));
+  s.EndIteration(3, At(300));
+  s.Touched(3, At(1000));
+  s.ServedInPass(3, &c2, kMiB, At(1000));
+  const double counted = s.served(3);
+  s.Touched(3, At(1600));
+  s.ServedInPass(3, &c2, kMiB, At(1600));  // not again
+  EXPECT_EQ(s.served(3), counted);
 }
 
 // The slack follows the blocks of the traces there are: the largest of
@@ -156,16 +204,21 @@ TEST(PoolSharesTest, TheSlackFollowsTheBlocksServedLately) {
   PoolShares s;
   s.Served(1, 100 * kMiB, At(0));
   s.Served(2, kMiB, At(0));
-  EXPECT_EQ(s.Slack(), 200.0 * kMiB);
+  EXPECT_EQ(s.Slack(At(0)), 200.0 * kMiB);
   s.EndIteration(1, At(10));
-  EXPECT_EQ(s.Slack(), 200.0 * kMiB);  // the pass before's
+  EXPECT_EQ(s.Slack(At(10)), 200.0 * kMiB);  // the pass before's
   s.Served(1, kMiB, At(20));
   s.EndIteration(1, At(30));
-  EXPECT_EQ(s.Slack(), PoolShares::kShareSlack);
+  EXPECT_EQ(s.Slack(At(30)), PoolShares::kShareSlack);
   s.Served(3, 50 * kMiB, At(40));
-  EXPECT_EQ(s.Slack(), 100.0 * kMiB);
+  EXPECT_EQ(s.Slack(At(40)), 100.0 * kMiB);
   s.Forget(3);
-  EXPECT_EQ(s.Slack(), PoolShares::kShareSlack);
+  EXPECT_EQ(s.Slack(At(40)), PoolShares::kShareSlack);
+  // Only the traces using the pool count: trace 4's block, a second after
+  // its last use, no longer does.
+  s.Served(4, 80 * kMiB, At(50));
+  EXPECT_EQ(s.Slack(At(1050)), 160.0 * kMiB);
+  EXPECT_EQ(s.Slack(At(1051)), PoolShares::kShareSlack);
 }
 
 }  // namespace

@@ -118,6 +118,7 @@ struct Swapper::Block {
   uint64_t version = 0;        // bumped by every write pin
   uint64_t write_version = 0;  // `version` when the write-out in flight was queued
   uint64_t last_use = 0;
+  uint64_t shares_pass = 0;     // its trace's pass it last counted in (PoolShares::ServedInPass)
   bool prefetched = false;      // brought in by prefetch, not acquired since
   int moves_queued = 0;         // the mover's moves of it queued (a prefetch, a move to the host)
   bool to_host_queued = false;  // one of them a move to the host
@@ -607,7 +608,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // catch up; pool_shares.h).
   if (b->home == Tier::kNvme) {
     if (traced) {
-      pool_shares_.ServedInPass(b->trace, id, b->bytes, SharesNowLocked());
+      pool_shares_.ServedInPass(b->trace, &b->shares_pass, b->bytes, SharesNowLocked());
     } else {
       pool_shares_.Served(b->trace, b->bytes, SharesNowLocked());
     }
@@ -877,17 +878,21 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   // pool's room than three quarters, or than its weight's share among the
   // traces using the pool and half the rest, whichever is more (a slow trace,
   // never ahead of its share of the traffic, must not take all of it: gives
-  // room next); ahead of its share of the traffic (then). A tighter bound
+  // room next); ahead of its share of the traffic (then; the farthest ahead
+  // first, pool_shares.h). A tighter bound
   // (half, or its weight's share) cost two sessions sharing the pool half
   // their updates in benches/shares: it fought the traffic's shares, which
   // let a session streaming through its state hold more for a while.
   struct Standing {
     bool idle = false;
     bool over = false;
-    bool ahead = false;
-    bool gives() const { return idle || over || ahead; }
+    uint64_t lead = 0;  // PoolShares::Lead: 0 within its share
+    bool gives() const { return idle || over || lead > 0; }
+    // Who gives room before whom (the victim's key below begins with it).
+    std::tuple<bool, bool, uint64_t> rank() const { return {idle, over, lead}; }
   };
   const double floor = pool_shares_.Floor(now);
+  const double slack = pool_shares_.Slack(now);
   absl::flat_hash_map<uint64_t, Standing> standing;
   auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto [at, added] = standing.try_emplace(trace);
@@ -898,15 +903,18 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
       const double held = r == room.end() ? 0 : static_cast<double>(r->second);
       const double most = std::max(0.75, (1 + pool_shares_.RoomShare(trace, now)) / 2);
       s.over = !s.idle && held > most * static_cast<double>(all_room);
-      s.ahead = !s.idle && pool_shares_.Ahead(trace, floor);
+      s.lead = s.idle ? 0 : pool_shares_.Lead(trace, floor, slack);
     }
     return at->second;
   };
   // A prefetch (speculative) for a trace that gives room takes none from
-  // the traces that do not.
-  const bool prefetch_gives = restricted && for_trace != kNoTrace && standing_of(for_trace).gives();
+  // the traces that give less (those that do not, or are less far ahead).
+  std::optional<std::tuple<bool, bool, uint64_t>> prefetch_rank;
+  if (restricted && for_trace != kNoTrace && standing_of(for_trace).gives()) {
+    prefetch_rank = standing_of(for_trace).rank();
+  }
   Block* best = nullptr;
-  std::tuple<bool, bool, bool, uint64_t, uint64_t> best_key{false, false, false, 0, 0};
+  std::tuple<bool, bool, uint64_t, uint64_t, uint64_t> best_key{false, false, 0, 0, 0};
   for (const auto& [id, b] : blocks_) {
     if (b->removed || b->pins > 0 || b->waiters > 0 || b->state != BlockState::kResident ||
         b->home != Tier::kNvme || tried.contains(id)) {
@@ -914,25 +922,26 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
     }
     const Standing s = standing_of(b->trace);
     const uint64_t next = NextUseLocked(*b);
-    if (restricted && !s.idle && (next <= farther_than || (prefetch_gives && !s.gives()))) {
+    if (restricted && !s.idle &&
+        (next <= farther_than || (prefetch_rank.has_value() && s.rank() < *prefetch_rank))) {
       continue;
     }
     // An idle trace's blocks first (its uses are not coming soon, however
     // near they are in its own order), then those of a trace holding more
-    // than its room, then of one ahead of its share of the traffic; then the
-    // farthest next use; among equals (never used again, or no trace
-    // followed), least recently used first.
-    std::tuple<bool, bool, bool, uint64_t, uint64_t> key{s.idle, s.over, s.ahead, next,
-                                                         ~b->last_use};
+    // than its room, then of one ahead of its share of the traffic (the
+    // farthest ahead first); then the farthest next use; among equals (never
+    // used again, or no trace followed), least recently used first.
+    std::tuple<bool, bool, uint64_t, uint64_t, uint64_t> key{s.idle, s.over, s.lead, next,
+                                                             ~b->last_use};
     if (best == nullptr || key > best_key) {
       best = b.get();
       best_key = key;
     }
   }
   if (best != nullptr) {
-    *kind = std::get<0>(best_key)                            ? VictimKind::kIdle
-            : std::get<1>(best_key) || std::get<2>(best_key) ? VictimKind::kAhead
-                                                             : VictimKind::kFarthest;
+    *kind = std::get<0>(best_key)                                ? VictimKind::kIdle
+            : std::get<1>(best_key) || std::get<2>(best_key) > 0 ? VictimKind::kAhead
+                                                                 : VictimKind::kFarthest;
   }
   return best;
 }

@@ -596,6 +596,73 @@ TEST_F(PoolShareTest, AcquiresInTheOrderCountOnceAnIteration) {
   EXPECT_EQ(ShareEvictionsSinceSetUp(), 0u);
 }
 
+// Where one trace holds the floor low (trace 9: slow, its one block fits)
+// and the others are both ahead of it, the one farthest ahead gives room
+// first: trace 8 (100 MiB of reads past the floor) before trace 7 (40), so
+// that their weights still tell them apart. Belady alone would take trace
+// 7's block 2 (its next use is after block 1's; trace 8's 11 is next).
+TEST_F(SwapperTest, TheTraceFarthestAheadGivesRoomFirst) {
+  Make(4 * kMiB);
+  UseFakeClock();
+  ASSERT_TRUE(swapper_->Add(21, kMiB, Tier::kNvme, 9).ok());
+  for (uint64_t id : {1, 2}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id : {11, 12}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
+  Write(21, 21);
+  swapper_->EndIteration(9);
+  for (uint64_t id : {1, 2}) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  Write(11, 11);
+  swapper_->EndIteration(8);
+  // Reads outside the orders (a checkpoint's, say): each one counts.
+  auto reads = [&](uint64_t id, int n) {
+    for (int i = 0; i < n; ++i) {
+      auto p = swapper_->Acquire(id, /*for_write=*/false, /*traced=*/false);
+      ASSERT_TRUE(p.ok()) << p.status();
+    }
+  };
+  reads(1, 40);
+  reads(11, 100);
+  const uint64_t before = swapper_->Stats().share_evictions;
+  Write(12, 12);
+  EXPECT_EQ(StateOf(11), BlockState::kOnNvme);
+  for (uint64_t id : {21, 1, 2, 12}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+  EXPECT_EQ(swapper_->Stats().share_evictions - before, 1u);
+}
+
+// A prefetch (speculative) for a trace ahead of its share takes room only
+// from traces that give as much: trace 8 (100 MiB of reads past the floor
+// trace 9 holds) prefetches its block 12, which a demand of trace 7 (40 MiB
+// past) evicted; the only blocks needed later than 12 are trace 7's, which
+// is less far ahead, so the prefetch gives up instead of taking them.
+TEST_F(SwapperTest, APrefetchTakesNoRoomFromTracesLessFarAhead) {
+  Make(4 * kMiB);
+  UseFakeClock();
+  ASSERT_TRUE(swapper_->Add(21, kMiB, Tier::kNvme, 9).ok());
+  for (uint64_t id : {1, 2, 3}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(12, kMiB, Tier::kNvme, 8).ok());
+  Write(21, 21);
+  swapper_->EndIteration(9);
+  for (uint64_t id : {1, 2, 3}) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  Write(12, 12);  // room: 3, the farthest (trace 8's order not learned)
+  ASSERT_EQ(StateOf(3), BlockState::kOnNvme);
+  auto reads = [&](uint64_t id, int n) {  // outside the orders: each counts
+    for (int i = 0; i < n; ++i) {
+      auto p = swapper_->Acquire(id, /*for_write=*/false, /*traced=*/false);
+      ASSERT_TRUE(p.ok()) << p.status();
+    }
+  };
+  reads(2, 40);
+  reads(12, 100);
+  ExpectHolds(3, 3);  // room: 12, of the trace farthest ahead
+  ASSERT_EQ(StateOf(12), BlockState::kOnNvme);
+  swapper_->SetPrefetch(1, 64 * kMiB);
+  swapper_->EndIteration(8);  // learns [12]: its prefetch is due
+  swapper_->WaitIdle();
+  EXPECT_EQ(StateOf(12), BlockState::kOnNvme);
+  for (uint64_t id : {21, 1, 2, 3}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
+}
+
 // A trace that never gets ahead of its share of the traffic (slow, or
 // light) keeps no more than three quarters of the pool's room (or its
 // weight's share and half the rest, where that is more): trace 7 holds four
