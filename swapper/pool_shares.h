@@ -12,8 +12,9 @@
 // Shares: each trace counts the bytes of NVMe-homed blocks it acquired over
 // its weight (`served`, as a fair queue's virtual time). A traced Acquire
 // (one that enters the learned order) counts its block once a pass (an
-// iteration: to its EndIteration, or, where the trace ends none for a while,
-// its idle time): a block acquired again within an iteration (a fetch's hold
+// iteration: to its EndIteration; where none comes, a second, or eight of
+// its iterations, of use without a rest): a block acquired again within an
+// iteration (a fetch's hold
 // and the step's, forward and backward) is the same state worked on, so the
 // shares count the state each trace works through, as its updates do (its
 // state on NVMe: a trace with more of it on the host is charged less), not
@@ -26,9 +27,10 @@
 // them apart; counting only the traces that read from NVMe lately let one
 // that came to fit stop giving room (the other got a tenth of the updates in
 // benches/shares). A trace back from a rest (or new) starts at least at the
-// least of the others' (no credit for the time away), or, where some of them
-// are ahead of that least (one holds it low: slow, or its blocks all fit),
-// at the least of those ahead: level with the traces it competes with. A lead is not
+// least of the others' that compete for room (brought a block into the pool
+// within their idle time), else of all using the pool: no credit for the
+// time away, and none from one that holds the least low without competing
+// (slow, and its blocks fit). A lead is not
 // forgiven (a burst, such as a checkpoint's reads through the pool, is paid
 // for in room until the others catch up): capping it let the heavier of two
 // sessions keep what it took beyond its share (benches/shares: off by
@@ -75,13 +77,16 @@ class PoolShares {
   // was last counted in (the caller keeps it with the block; 0 at first).
   void ServedInPass(uint64_t trace, uint64_t* block_pass, uint64_t bytes, Clock::time_point now) {
     Trace& t = traces_[trace];
-    // A pass ends at EndIteration; where none comes (a trace that fetches
-    // and never steps, or stopped stepping) after the trace's idle time, or
-    // four of its iterations, counted from its iteration's first Acquire (a
-    // pause between iterations is not part of one).
+    // A pass ends at EndIteration, and after a rest (then Served looks for
+    // the others' level). Where no EndIteration comes (a trace that fetches
+    // and never steps, or stopped stepping), after a second or eight of its
+    // iterations, timed from its iteration's first Acquire (a pause between
+    // iterations is not part of one).
     Clock::time_point since = t.pass_start;
     if (t.iteration_start.has_value()) since = std::max(since, *t.iteration_start);
-    if (now - since > std::max<Clock::duration>(kIdleAfter, 4 * t.iteration)) NewPass(t, now);
+    if (!UsesPool(t, now) || now - since > std::max<Clock::duration>(kIdleAfter, 8 * t.iteration)) {
+      NewPass(t, now);
+    }
     if (*block_pass == t.pass) {
       t.last_use = now;
       t.last_pool_use = now;
@@ -107,6 +112,10 @@ class PoolShares {
     t.largest = std::max(t.largest, bytes);
     t.last_pool_use = now;
   }
+
+  // A block of the trace came into the pool at `now` (read from NVMe, or
+  // zeros): it competes for room (Rejoin).
+  void BroughtIn(uint64_t trace, Clock::time_point now) { traces_[trace].last_brought_in = now; }
 
   void EndIteration(uint64_t trace, Clock::time_point now) {
     auto it = traces_.find(trace);
@@ -196,18 +205,17 @@ class PoolShares {
  private:
   static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
   // Where a trace back from a rest starts: the least served of the others
-  // using the pool, or of those of them ahead of that least, if any are.
+  // competing for room (using the pool and bringing blocks into it), else
+  // of all using it (infinite if none).
   double Rejoin(Clock::time_point now, uint64_t trace) const {
-    const double floor = Floor(now, trace);
-    if (floor == std::numeric_limits<double>::infinity()) return floor;
-    const double slack = Slack(now);
     double level = std::numeric_limits<double>::infinity();
     for (const auto& [id, t] : traces_) {
-      if (id != trace && UsesPool(t, now) && t.served > floor + slack) {
+      if (id != trace && UsesPool(t, now) && t.last_brought_in.has_value() &&
+          now - *t.last_brought_in <= Window(t)) {
         level = std::min(level, t.served);
       }
     }
-    return level != std::numeric_limits<double>::infinity() ? level : floor;
+    return level != std::numeric_limits<double>::infinity() ? level : Floor(now, trace);
   }
   struct Trace {
     Clock::time_point last_use;                        // its last Acquire (or Add)
@@ -215,16 +223,17 @@ class PoolShares {
     std::optional<Clock::time_point> iteration_start;  // the first Acquire since EndIteration
     Clock::duration iteration{0};                      // the last iteration's length
     double served = 0;
-    int64_t weight = 1;  // SetWeight's
-    // This pass: its number (blocks counted in it carry it), when it began,
-    // the largest block served in it.
-    uint64_t pass = 1;
+    int64_t weight = 1;                                // SetWeight's
+    std::optional<Clock::time_point> last_brought_in;  // BroughtIn's
+    // This pass: its number (blocks counted in it carry it; unique among all
+    // traces' passes, 0 none), when it began, the largest block served in it.
+    uint64_t pass = 0;
     Clock::time_point pass_start;
     uint64_t largest = 0;
     uint64_t largest_before = 0;  // the pass before's
   };
-  static void NewPass(Trace& t, Clock::time_point now) {
-    ++t.pass;
+  void NewPass(Trace& t, Clock::time_point now) {
+    t.pass = ++passes_;
     t.pass_start = now;
     t.largest_before = std::exchange(t.largest, 0);
   }
@@ -236,6 +245,7 @@ class PoolShares {
   }
 
   absl::flat_hash_map<uint64_t, Trace> traces_;
+  uint64_t passes_ = 0;  // passes begun, of all traces
 };
 
 }  // namespace offload

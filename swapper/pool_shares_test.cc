@@ -83,11 +83,31 @@ TEST(PoolSharesTest, LeadIsInWholeSlacks) {
   EXPECT_EQ(s.Lead(5, floor, slack), 0u);  // unknown
   EXPECT_TRUE(s.Ahead(3, floor, slack));
   EXPECT_FALSE(s.Ahead(4, floor, slack));
-  // A trace new (or back from a rest) starts level with those ahead of the
-  // one holding the floor low (trace 4, within the slack, is not ahead):
-  // from the least of them, 41, not from 1.
+  // A trace new (or back from a rest) starts at the least of the others'.
   s.Served(6, kMiB, At(0));
-  EXPECT_EQ(s.served(6), 42.0 * kMiB);
+  EXPECT_EQ(s.served(6), 2.0 * kMiB);
+  // Or, where some compete for room (bring blocks into the pool), at the
+  // least of theirs: trace 1 (slow, its blocks fit) holds the floor low
+  // without competing, and a newcomer is not owed the others' lead over it.
+  for (uint64_t t : {2, 3, 4}) s.BroughtIn(t, At(0));
+  s.Served(7, kMiB, At(0));
+  EXPECT_EQ(s.served(7), 22.0 * kMiB);  // from trace 4's 21
+}
+
+// A rest ends the pass: a block counted before it counts again after it,
+// and the trace comes back at the others' level (no credit for the rest),
+// though its iterations (1 s) make a pass last longer than the rest (2.4 s).
+TEST(PoolSharesTest, ARestEndsThePass) {
+  PoolShares s;
+  uint64_t b = 0;
+  s.Touched(8, At(0));
+  s.EndIteration(8, At(1000));
+  s.Touched(8, At(1100));
+  s.ServedInPass(8, &b, kMiB, At(1100));
+  for (int i = 0; i < 100; ++i) s.Served(9, kMiB, At(3000));
+  s.Touched(8, At(3500));
+  s.ServedInPass(8, &b, kMiB, At(3500));
+  EXPECT_GE(s.served(8), s.served(9));
 }
 
 TEST(PoolSharesTest, ALeadStays) {

@@ -1037,6 +1037,7 @@ absl::Status Swapper::StartReadLocked(Block* b) {
   // written out reads as zeros, which only a fresh lease is.
   RETURN_IF_ERROR(TakeHostLocked(
       b, b->extent != 0 ? HostPool::Contents::kOverwritten : HostPool::Contents::kZeroed));
+  pool_shares_.BroughtIn(b->trace, SharesNowLocked());  // it competes for room
   if (b->extent == 0) {
     // Never written out (or discarded): zeros, which a fresh lease and the
     // holes of external memory already are.
