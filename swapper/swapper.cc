@@ -865,13 +865,22 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   if (for_trace != kNoTrace) busy.insert(for_trace);
   absl::flat_hash_map<uint64_t, uint64_t> room;
   uint64_t all_room = 0;
+  // One walk over the blocks (each a cache miss or more where there are many:
+  // this runs at every eviction): the traces' room and work, and the blocks
+  // that may go, looked at below.
+  std::vector<Block*>& candidates = victim_candidates_;
+  candidates.clear();
   for (const auto& [id, b] : blocks_) {
-    if (b->pins > 0 || b->waiters > 0) busy.insert(b->trace);
+    const bool held = b->pins > 0 || b->waiters > 0;
+    if (held) busy.insert(b->trace);
     // Room held: resident or being read in (a write-out is leaving).
     if (b->home == Tier::kNvme && !b->removed &&
         (b->state == BlockState::kResident || b->state == BlockState::kReadingIn)) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
+      if (!held && b->state == BlockState::kResident && !tried.contains(id)) {
+        candidates.push_back(b.get());
+      }
     }
   }
   // Per trace, looked up once: idle (gives room first); holding more of the
@@ -915,11 +924,7 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   }
   Block* best = nullptr;
   std::tuple<bool, bool, uint64_t, uint64_t, uint64_t> best_key{false, false, 0, 0, 0};
-  for (const auto& [id, b] : blocks_) {
-    if (b->removed || b->pins > 0 || b->waiters > 0 || b->state != BlockState::kResident ||
-        b->home != Tier::kNvme || tried.contains(id)) {
-      continue;
-    }
+  for (Block* b : candidates) {
     const Standing s = standing_of(b->trace);
     const uint64_t next = NextUseLocked(*b);
     if (restricted && !s.idle &&
@@ -934,7 +939,7 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
     std::tuple<bool, bool, uint64_t, uint64_t, uint64_t> key{s.idle, s.over, s.lead, next,
                                                              ~b->last_use};
     if (best == nullptr || key > best_key) {
-      best = b.get();
+      best = b;
       best_key = key;
     }
   }

@@ -457,6 +457,9 @@ class Swapper {
   absl::CondVar io_work_;
   absl::CondVar move_work_;
   absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_ ABSL_GUARDED_BY(mu_);
+  // ChooseVictimLocked's scratch: the blocks it may choose (kept so that
+  // each eviction does not allocate).
+  mutable std::vector<Block*> victim_candidates_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, AccessTrace> traces_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;          // LRU time, one tick per Acquire
   uint64_t freeing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // charged to write-outs in flight
