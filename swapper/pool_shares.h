@@ -14,28 +14,28 @@
 // (one that enters the learned order) counts its block once a pass (an
 // iteration: to its EndIteration; where none comes, a second, or eight of
 // its iterations, of use without a rest): a block acquired again within an
-// iteration (a fetch's hold
-// and the step's, forward and backward) is the same state worked on, so the
-// shares count the state each trace works through, as its updates do (its
-// state on NVMe: a trace with more of it on the host is charged less), not
-// how often it is touched, nor re-reads after an eviction. Acquires outside
-// the order (a checkpoint's reads) count each time. The traces using the pool
-// are those that acquired one within their idle time; one more than Slack()
-// ahead of the least served of them is ahead, and gives room first, the
-// farthest ahead first. A trace whose blocks all fit counts too, so it may hold
-// the floor low and make every other ahead, their weights then not telling
-// them apart; counting only the traces that read from NVMe lately let one
-// that came to fit stop giving room (the other got a tenth of the updates in
-// benches/shares). A trace back from a rest (or new) starts at least at the
-// least of the others' that compete for room (brought a block into the pool
-// within their idle time), else of all using the pool: no credit for the
-// time away, and none from one that holds the least low without competing
-// (slow, and its blocks fit). A lead is not
-// forgiven (a burst, such as a checkpoint's reads through the pool, is paid
-// for in room until the others catch up): capping it let the heavier of two
-// sessions keep what it took beyond its share (benches/shares: off by
-// 21-25% with a cap of four slacks). Where the traces want more than the
-// pool holds, its traffic, and so the updates it serves, goes by weight.
+// iteration (a fetch's hold and the step's, forward and backward) is the
+// same state worked on, so the shares count the state each trace works
+// through, as its updates do (its state on NVMe: a trace with more of it on
+// the host is charged less), not how often it is touched, nor re-reads after
+// an eviction. Acquires outside the order (a checkpoint's reads) count each
+// time. The traces using the pool are those that acquired one within their
+// idle time; one more than Slack() ahead of the least served of them is
+// ahead, and gives room first, the farthest ahead first. A trace whose
+// blocks all fit counts too, so it may hold the floor low and make every
+// other ahead (then the farthest ahead gives first, and their weights still
+// tell them apart); counting only the traces that read from NVMe lately let
+// one that came to fit stop giving room (the other got a tenth of the
+// updates in benches/shares). A trace back from a rest (or new) starts at
+// least at the least of the others' that compete for room (brought a block
+// into the pool within their idle time), else of all using the pool: no
+// credit for the time away, and none from one that holds the least low
+// without competing (slow, and its blocks fit). A lead is not forgiven (a
+// burst, such as a checkpoint's reads through the pool, is paid for in room
+// until the others catch up): capping it let the heavier of two sessions
+// keep what it took beyond its share (benches/shares: off by 21-25% with a
+// cap of four slacks). Where the traces want more than the pool holds, its
+// traffic, and so the updates it serves, goes by weight.
 //
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.
