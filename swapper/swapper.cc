@@ -265,6 +265,7 @@ Swapper::~Swapper() {
     if (b->extent != 0) space_->Free(b->extent).IgnoreError();
     if (b->state != BlockState::kOnNvme) DropHostNowLocked(b.get());
   }
+  in_pool_.clear();
   blocks_.clear();
 }
 
@@ -295,6 +296,7 @@ void Swapper::EraseIfDoneLocked(Block* b) {
     if (b->dropping) return;
   }
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
+  in_pool_.erase(b);
   blocks_.erase(b->id);
   changed_.SignalAll();
 }
@@ -384,6 +386,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     // (A kept block's claim, should this fail, goes back with `b`.)
     if (home == Tier::kNvme) RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
     traces_.try_emplace(trace);
+    in_pool_.insert(b.get());  // (kept if resident or held: ChooseVictimLocked)
     blocks_[id] = std::move(b);
   }
   // A block that rests in the pool (optimizer state) gets its pages now,
@@ -547,6 +550,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   b->last_use = ++clock_;
   pool_shares_.Touched(b->trace, SharesNowLocked());
   ++b->waiters;
+  in_pool_.insert(b);
   bool counted = false;
   absl::Status status;
   for (;;) {
@@ -614,6 +618,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
     }
   }
   ++b->pins;
+  in_pool_.insert(b);
   if (b->prefetched) {
     b->prefetched = false;
     ++stats_.prefetch_used;
@@ -644,6 +649,7 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
   // A waiter: not evicted (so its NVMe copy is neither rewritten nor
   // freed), discarded or erased until it is done.
   ++b->waiters;
+  in_pool_.insert(b);
   absl::Status status;
   for (;;) {
     if (b->removed) {
@@ -657,6 +663,7 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
     if (b->state != BlockState::kOnNvme) {
       // In host memory: copied under a pin, without the lock.
       ++b->pins;
+      in_pool_.insert(b);
       Pin pin(this, id, DataOf(*b), b->bytes);
       mu_.Unlock();
       std::memcpy(dst.data(), pin.data(), pin.size());
@@ -775,6 +782,7 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
     }
   }
   b->home = home;
+  in_pool_.insert(b);
   RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
     // Queued as a prefetch or not: a prefetch may give up (it evicts only
@@ -865,21 +873,30 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   if (for_trace != kNoTrace) busy.insert(for_trace);
   absl::flat_hash_map<uint64_t, uint64_t> room;
   uint64_t all_room = 0;
-  // One walk over the blocks (each a cache miss or more where there are many:
-  // this runs at every eviction): the traces' room and work, and the blocks
-  // that may go, looked at below.
+  // One walk over the blocks that matter (in_pool_: held ones, and those
+  // homed on NVMe that hold room; the others it still lists are let go
+  // here): the traces' room and work, and the blocks that may go, looked at
+  // below. (This runs at every eviction; blocks on NVMe, most of them where
+  // the state is larger than the pool, are not looked at.)
   std::vector<Block*>& candidates = victim_candidates_;
   candidates.clear();
-  for (const auto& [id, b] : blocks_) {
+  for (auto it = in_pool_.begin(); it != in_pool_.end();) {
+    Block* b = *it;
     const bool held = b->pins > 0 || b->waiters > 0;
+    const bool room_held = b->home == Tier::kNvme && (b->state == BlockState::kResident ||
+                                                      b->state == BlockState::kReadingIn);
+    if (!held && !room_held) {
+      in_pool_.erase(it++);  // listed again when it is held or brought in
+      continue;
+    }
+    ++it;
     if (held) busy.insert(b->trace);
     // Room held: resident or being read in (a write-out is leaving).
-    if (b->home == Tier::kNvme && !b->removed &&
-        (b->state == BlockState::kResident || b->state == BlockState::kReadingIn)) {
+    if (room_held && !b->removed) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
-      if (!held && b->state == BlockState::kResident && !tried.contains(id)) {
-        candidates.push_back(b.get());
+      if (!held && b->state == BlockState::kResident && !tried.contains(b->id)) {
+        candidates.push_back(b);
       }
     }
   }
@@ -1029,6 +1046,7 @@ void Swapper::EvictLocked(Block* b) {
     return;
   }
   b->state = BlockState::kWritingOut;
+  in_pool_.insert(b);
   // The bytes as of now are what the write-out stands for: a write pin from
   // here on (even before the write starts) makes its copy stale.
   b->write_version = b->version;
@@ -1047,11 +1065,13 @@ absl::Status Swapper::StartReadLocked(Block* b) {
     // Never written out (or discarded): zeros, which a fresh lease and the
     // holes of external memory already are.
     b->state = BlockState::kResident;
+    in_pool_.insert(b);
     ++stats_.zero_fills;
     changed_.SignalAll();
     return absl::OkStatus();
   }
   b->state = BlockState::kReadingIn;
+  in_pool_.insert(b);
   ++reads_in_flight_;
   QueueIoLocked(*b, /*is_write=*/false);
   return absl::OkStatus();
@@ -1187,6 +1207,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
         b->state = BlockState::kOnNvme;
       } else {
         b->state = BlockState::kResident;  // pinned meanwhile: stays
+        in_pool_.insert(b);
       }
     } else {
       ++stats_.io_errors;
@@ -1194,6 +1215,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       last_write_error_ = absl::Status(
           status.code(), absl::StrCat("writing block ", id, " out: ", status.message()));
       b->state = BlockState::kResident;
+      in_pool_.insert(b);
       LogWarning("swapper: writing block %d out failed, it stays in host memory: %s",
                  static_cast<int64_t>(id), status.ToString());
     }
@@ -1206,6 +1228,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_in += bytes;
       stats_.staged_bytes += staged;
       b->state = BlockState::kResident;
+      in_pool_.insert(b);
       b->nvme_current = true;
     } else {
       ++stats_.io_errors;

@@ -460,6 +460,11 @@ class Swapper {
   // ChooseVictimLocked's scratch: the blocks it may choose (kept so that
   // each eviction does not allocate).
   mutable std::vector<Block*> victim_candidates_ ABSL_GUARDED_BY(mu_);
+  // Every block held (pins, waiters) or homed on NVMe and resident or being
+  // read in, and some that were (listed at each change that can make a block
+  // one of these: added, held, its state or home set; erased with the block;
+  // the others let go by ChooseVictimLocked's walk, which needs no more).
+  mutable absl::flat_hash_set<Block*> in_pool_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, AccessTrace> traces_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;          // LRU time, one tick per Acquire
   uint64_t freeing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // charged to write-outs in flight
