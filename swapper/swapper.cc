@@ -978,6 +978,18 @@ void Swapper::SetClockForTesting(std::function<std::chrono::steady_clock::time_p
   clock_for_testing_ = std::move(clock);
 }
 
+std::vector<Swapper::BlockId> Swapper::UnlistedForTesting() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<BlockId> unlisted;
+  for (const auto& [id, b] : blocks_) {
+    const bool held = b->pins > 0 || b->waiters > 0;
+    const bool room_held = b->home == Tier::kNvme && (b->state == BlockState::kResident ||
+                                                      b->state == BlockState::kReadingIn);
+    if ((held || room_held) && !in_pool_.contains(b.get())) unlisted.push_back(id);
+  }
+  return unlisted;
+}
+
 std::chrono::steady_clock::time_point Swapper::SharesNowLocked() const {
   return clock_for_testing_ ? clock_for_testing_() : std::chrono::steady_clock::now();
 }

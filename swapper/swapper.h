@@ -339,6 +339,10 @@ class Swapper {
   // back into the swapper.
   void SetClockForTesting(std::function<std::chrono::steady_clock::time_point()> clock)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The blocks eviction must see (held, or homed on NVMe and resident or
+  // being read in) that its index lacks, by id: none unless a change of
+  // state, home or holds forgot to list its block (tests check it).
+  std::vector<BlockId> UnlistedForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Block;

@@ -140,6 +140,10 @@ class SwapperTest : public ::testing::Test {
   void AdvanceClock(std::chrono::milliseconds by) { clock_ms_ += by.count(); }
 
   void TearDown() override {
+    // Whatever the test did, eviction's index lists every block it must see.
+    if (swapper_ != nullptr) {
+      EXPECT_TRUE(swapper_->UnlistedForTesting().empty());
+    }
     swapper_.reset();  // before the pool and the space it uses
     if (pool_ != nullptr) {
       EXPECT_EQ(pool_->used(), 0u);
