@@ -19,11 +19,10 @@
 // --slow=N (with --state-on-nvme): one more session of N parameters, weight
 // 1, whose state fits in the pool beside the others' quarter and which
 // pauses --slow-pause-ms before each step (a trainer whose GPU computes
-// meanwhile): it
-// uses the pool, slowly, so it is the least served of the sessions, and the
-// others are all ahead of it. Their shares are printed among themselves (its
-// own updates apart): its presence must not stop their weights from telling
-// them apart.
+// meanwhile): it uses the pool, slowly, so it is the least served of the
+// sessions, and the others are all ahead of it. Their shares are printed
+// among themselves (its own updates apart): its presence must not stop their
+// weights from telling them apart.
 //
 // --neighbour=DIR: instead, a session with its state on the host against
 // itself alone in the same run (windows of --seconds, 1 by default here,

@@ -158,16 +158,11 @@ class PoolShares {
     return floor;
   }
 
-  // More than `slack` (Slack(now)) ahead of `floor` (Floor(now)); both
-  // taken once for a choice among many blocks.
-  bool Ahead(uint64_t trace, double floor, double slack) const {
-    return Lead(trace, floor, slack) > 0;
-  }
-  // How far ahead of `floor`: (served - floor) / slack rounded down, 0 within
-  // one slack (not ahead). Of the traces ahead, the one farthest ahead gives
-  // room first, so that where one trace holds the floor low (slow, or its
-  // blocks all fit) and every other is ahead of it, their weights still tell
-  // them apart.
+  // How far ahead of `floor` (Floor(now)): (served - floor) / `slack`
+  // (Slack(now)) rounded down, 0 within one slack (not ahead); floor and
+  // slack taken once for a choice among many blocks. Of the traces ahead, the one farthest ahead
+  // gives room first, so that where one trace holds the floor low (slow, or its blocks all fit) and
+  // every other is ahead of it, their weights still tell them apart.
   uint64_t Lead(uint64_t trace, double floor, double slack) const {
     auto it = traces_.find(trace);
     if (it == traces_.end()) return 0;

@@ -19,7 +19,7 @@ Clock::time_point At(int64_t ms) {
 
 // Ahead at `now`, with the floor and the slack as the swapper takes them.
 bool AheadAt(const PoolShares& s, uint64_t trace, Clock::time_point now) {
-  return s.Ahead(trace, s.Floor(now), s.Slack(now));
+  return s.Lead(trace, s.Floor(now), s.Slack(now)) > 0;
 }
 
 TEST(PoolSharesTest, IdleAfterASecondOrTwoOfItsIterations) {
@@ -56,7 +56,7 @@ TEST(PoolSharesTest, ServedIsBytesOverWeightAndAheadPassesTheSlack) {
   EXPECT_EQ(floor, 32.0 * kMiB);
   // The slack: two of the largest blocks served (64 MiB), past 32 MiB.
   EXPECT_EQ(s.Slack(At(1)), 128.0 * kMiB);
-  EXPECT_FALSE(s.Ahead(2, floor, s.Slack(At(1))));  // 64 MiB ahead: not past it
+  EXPECT_EQ(s.Lead(2, floor, s.Slack(At(1))), 0u);  // 64 MiB ahead: not past it
   for (int i = 0; i < 65; ++i) s.Served(2, kMiB, At(2));
   EXPECT_TRUE(AheadAt(s, 2, At(2)));  // 128 + 1 MiB ahead
   EXPECT_FALSE(AheadAt(s, 1, At(2)));
@@ -81,8 +81,6 @@ TEST(PoolSharesTest, LeadIsInWholeSlacks) {
   EXPECT_EQ(s.Lead(4, floor, slack), 0u);  // within the slack
   EXPECT_EQ(s.Lead(1, floor, slack), 0u);
   EXPECT_EQ(s.Lead(5, floor, slack), 0u);  // unknown
-  EXPECT_TRUE(s.Ahead(3, floor, slack));
-  EXPECT_FALSE(s.Ahead(4, floor, slack));
   // A trace new (or back from a rest) starts at the least of the others'.
   s.Served(6, kMiB, At(0));
   EXPECT_EQ(s.served(6), 2.0 * kMiB);

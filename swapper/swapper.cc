@@ -274,8 +274,16 @@ Swapper::Block* Swapper::FindLocked(BlockId id) const {
   return it == blocks_.end() || it->second->removed ? nullptr : it->second.get();
 }
 
+bool Swapper::Held(const Block& b) { return b.pins > 0 || b.waiters > 0; }
+
+bool Swapper::HoldsRoom(const Block& b) {
+  // (A write-out is leaving.)
+  return b.home == Tier::kNvme &&
+         (b.state == BlockState::kResident || b.state == BlockState::kReadingIn);
+}
+
 bool Swapper::BusyLocked(const Block& b) const {
-  return b.pins > 0 || b.waiters > 0 || b.dropping || b.state == BlockState::kReadingIn ||
+  return Held(b) || b.dropping || b.state == BlockState::kReadingIn ||
          b.state == BlockState::kWritingOut;
 }
 
@@ -882,16 +890,14 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   candidates.clear();
   for (auto it = in_pool_.begin(); it != in_pool_.end();) {
     Block* b = *it;
-    const bool held = b->pins > 0 || b->waiters > 0;
-    const bool room_held = b->home == Tier::kNvme && (b->state == BlockState::kResident ||
-                                                      b->state == BlockState::kReadingIn);
+    const bool held = Held(*b);
+    const bool room_held = HoldsRoom(*b);
     if (!held && !room_held) {
       in_pool_.erase(it++);  // listed again when it is held or brought in
       continue;
     }
     ++it;
     if (held) busy.insert(b->trace);
-    // Room held: resident or being read in (a write-out is leaving).
     if (room_held && !b->removed) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
@@ -905,10 +911,10 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   // traces using the pool and half the rest, whichever is more (a slow trace,
   // never ahead of its share of the traffic, must not take all of it: gives
   // room next); ahead of its share of the traffic (then; the farthest ahead
-  // first, pool_shares.h). A tighter bound
-  // (half, or its weight's share) cost two sessions sharing the pool half
-  // their updates in benches/shares: it fought the traffic's shares, which
-  // let a session streaming through its state hold more for a while.
+  // first, pool_shares.h). A tighter bound (half, or its weight's share) cost
+  // two sessions sharing the pool half their updates in benches/shares: it
+  // fought the traffic's shares, which let a session streaming through its
+  // state hold more for a while.
   struct Standing {
     bool idle = false;
     bool over = false;
@@ -982,10 +988,7 @@ std::vector<Swapper::BlockId> Swapper::UnlistedForTesting() const {
   absl::MutexLock lock(&mu_);
   std::vector<BlockId> unlisted;
   for (const auto& [id, b] : blocks_) {
-    const bool held = b->pins > 0 || b->waiters > 0;
-    const bool room_held = b->home == Tier::kNvme && (b->state == BlockState::kResident ||
-                                                      b->state == BlockState::kReadingIn);
-    if ((held || room_held) && !in_pool_.contains(b.get())) unlisted.push_back(id);
+    if ((Held(*b) || HoldsRoom(*b)) && !in_pool_.contains(b.get())) unlisted.push_back(id);
   }
   return unlisted;
 }
@@ -998,7 +1001,7 @@ absl::Status Swapper::RoomError(uint64_t bytes) const {
   uint64_t pinned = 0, host_homed = 0;
   for (const auto& [id, b] : blocks_) {
     if (b->state == BlockState::kOnNvme || b->removed) continue;
-    if (b->pins > 0 || b->waiters > 0) pinned += NeedOf(*b);
+    if (Held(*b)) pinned += NeedOf(*b);
     if (b->home == Tier::kHost) host_homed += NeedOf(*b);
   }
   return absl::ResourceExhaustedError(absl::StrCat(

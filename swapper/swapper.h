@@ -50,8 +50,9 @@
 //   3. a block of a trace ahead of its share of the pool's traffic (the
 //      bytes of NVMe-homed blocks it acquired over its weight, SetIoWeight,
 //      more than PoolShares::Slack() past the least of the traces using the
-//      pool): traces that want more than the pool holds get its traffic,
-//      and the updates it serves, by weight;
+//      pool; of several, the farthest ahead first): traces that want more
+//      than the pool holds get its traffic, and the updates it serves, by
+//      weight;
 //   4. the block whose next use by its trace is farthest (Belady); blocks
 //      whose trace is not being followed count as never used again, least
 //      recently used first.
@@ -61,7 +62,8 @@
 // along the trace that are not resident (at most prefetch_bytes) are read in
 // by the mover thread, evicting only blocks needed later than the one
 // prefetched, or an idle trace's (for a trace that gives room by 2 or 3,
-// only blocks of traces that do). Only uses of NVMe-homed blocks enter a
+// only blocks of traces that give at least as much: idle, by 2, or as far
+// ahead). Only uses of NVMe-homed blocks enter a
 // trace: the others are never read in nor evicted, and may vary between
 // iterations where these do not (their Acquires still refill the prefetch
 // window).
@@ -377,6 +379,11 @@ class Swapper {
   void DropHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropHostNowLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishDrop(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Pinned or waited for.
+  static bool Held(const Block& b);
+  // Homed on NVMe and in the pool (resident or being read in): room that
+  // eviction can give.
+  static bool HoldsRoom(const Block& b);
   bool BusyLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The pool's use less what is being freed (freeing_bytes_), never below
   // zero.

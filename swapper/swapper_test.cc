@@ -92,6 +92,13 @@ class SwapperTest : public ::testing::Test {
     ASSERT_TRUE(p.ok()) << p.status();
     Fill(*p, seed);
   }
+  // Acquires block `id` `n` times, each let go at once.
+  void AcquireTimes(uint64_t id, int n, bool traced) {
+    for (int i = 0; i < n; ++i) {
+      auto p = swapper_->Acquire(id, /*for_write=*/false, traced);
+      ASSERT_TRUE(p.ok()) << p.status();
+    }
+  }
   void ExpectHolds(uint64_t id, uint32_t seed) {
     auto p = swapper_->Acquire(id, /*for_write=*/false);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -554,12 +561,7 @@ class PoolShareTest : public SwapperTest {
   uint64_t share_evictions_ = 0;
   // Trace 8 acquires `mib` MiB more (a resident block, untraced: its order
   // stays as learned).
-  void Trace8Acquires(int mib) {
-    for (int i = 0; i < mib; ++i) {
-      auto p = swapper_->Acquire(13, /*for_write=*/false, /*traced=*/false);
-      ASSERT_TRUE(p.ok()) << p.status();
-    }
-  }
+  void Trace8Acquires(int mib) { AcquireTimes(13, mib, /*traced=*/false); }
 };
 
 // 50 MiB more at weight 2 is 25 MiB of its share: within the slack (32 MiB)
@@ -591,10 +593,7 @@ TEST_F(PoolShareTest, ATraceAheadOfItsShareGivesRoomFirst) {
 // distances (13: off trace 8's order now, never used again as far as the
 // swapper knows), not by the share rule as the untraced 100 MiB above.
 TEST_F(PoolShareTest, AcquiresInTheOrderCountOnceAnIteration) {
-  for (int i = 0; i < 100; ++i) {
-    auto p = swapper_->Acquire(13, /*for_write=*/false, /*traced=*/true);
-    ASSERT_TRUE(p.ok()) << p.status();
-  }
+  AcquireTimes(13, 100, /*traced=*/true);
   ExpectHolds(11, 11);
   EXPECT_EQ(StateOf(13), BlockState::kOnNvme);
   EXPECT_EQ(ShareEvictionsSinceSetUp(), 0u);
@@ -618,14 +617,8 @@ TEST_F(SwapperTest, TheTraceFarthestAheadGivesRoomFirst) {
   Write(11, 11);
   swapper_->EndIteration(8);
   // Reads outside the orders (a checkpoint's, say): each one counts.
-  auto reads = [&](uint64_t id, int n) {
-    for (int i = 0; i < n; ++i) {
-      auto p = swapper_->Acquire(id, /*for_write=*/false, /*traced=*/false);
-      ASSERT_TRUE(p.ok()) << p.status();
-    }
-  };
-  reads(1, 40);
-  reads(11, 100);
+  AcquireTimes(1, 40, /*traced=*/false);
+  AcquireTimes(11, 100, /*traced=*/false);
   const uint64_t before = swapper_->Stats().share_evictions;
   Write(12, 12);
   EXPECT_EQ(StateOf(11), BlockState::kOnNvme);
@@ -650,14 +643,9 @@ TEST_F(SwapperTest, APrefetchTakesNoRoomFromTracesLessFarAhead) {
   swapper_->EndIteration(7);
   Write(12, 12);  // room: 3, the farthest (trace 8's order not learned)
   ASSERT_EQ(StateOf(3), BlockState::kOnNvme);
-  auto reads = [&](uint64_t id, int n) {  // outside the orders: each counts
-    for (int i = 0; i < n; ++i) {
-      auto p = swapper_->Acquire(id, /*for_write=*/false, /*traced=*/false);
-      ASSERT_TRUE(p.ok()) << p.status();
-    }
-  };
-  reads(2, 40);
-  reads(12, 100);
+  // Reads outside the orders: each counts.
+  AcquireTimes(2, 40, /*traced=*/false);
+  AcquireTimes(12, 100, /*traced=*/false);
   ExpectHolds(3, 3);  // room: 12, of the trace farthest ahead
   ASSERT_EQ(StateOf(12), BlockState::kOnNvme);
   swapper_->SetPrefetch(1, 64 * kMiB);
