@@ -37,7 +37,9 @@ void AccessTrace::EndIteration() {
   const bool alternating = !before_last_.empty() && last_ != before_last_ && last_ == third_last_ &&
                            before_last_ == fourth_last_;
   const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
+  ++iterations_;
   if (next != trace_) {
+    ++orders_;
     trace_ = next;
     positions_.clear();
     for (size_t i = 0; i < trace_.size(); ++i) positions_[trace_[i]].push_back(i);

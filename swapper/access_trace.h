@@ -75,6 +75,16 @@ class AccessTrace {
   // first, or after an empty one) are not counted.
   uint64_t relearned() const { return relearned_; }
   size_t trace_length() const { return trace_.size(); }
+  // Where this iteration is along the order (NextUse counts from here): a
+  // use expected `d` uses from now is at position() + d until the
+  // iteration ends, or skips ahead past it (RecordUse).
+  size_t position() const { return pos_; }
+  // EndIteration calls so far, and how many of them changed the order
+  // predicted: where the latter did not move, the order is the same and a
+  // position p of one iteration is p + trace_length() in the next
+  // (VictimIndex counts on both).
+  uint64_t iterations() const { return iterations_; }
+  uint64_t orders() const { return orders_; }
 
  private:
   std::vector<uint64_t> trace_;
@@ -86,6 +96,8 @@ class AccessTrace {
   size_t pos_ = 0;
   bool matched_ = true;
   uint64_t relearned_ = 0;
+  uint64_t iterations_ = 0;
+  uint64_t orders_ = 0;
 };
 
 }  // namespace offload

@@ -265,7 +265,6 @@ Swapper::~Swapper() {
     if (b->extent != 0) space_->Free(b->extent).IgnoreError();
     if (b->state != BlockState::kOnNvme) DropHostNowLocked(b.get());
   }
-  in_pool_.clear();
   blocks_.clear();
 }
 
@@ -301,10 +300,11 @@ void Swapper::EraseIfDoneLocked(Block* b) {
     // by an I/O thread (not under the lock), which erases the block after.
     DropHostLocked(b);
     b->state = BlockState::kOnNvme;
+    RelistLocked(*b);
     if (b->dropping) return;
   }
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
-  in_pool_.erase(b);
+  victims_.Erase(b->id);
   blocks_.erase(b->id);
   changed_.SignalAll();
 }
@@ -394,7 +394,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     // (A kept block's claim, should this fail, goes back with `b`.)
     if (home == Tier::kNvme) RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
     traces_.try_emplace(trace);
-    in_pool_.insert(b.get());  // (kept if resident or held: ChooseVictimLocked)
+    RelistLocked(*b);
     blocks_[id] = std::move(b);
   }
   // A block that rests in the pool (optimizer state) gets its pages now,
@@ -408,6 +408,7 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
     absl::MutexLock lock(&mu_);
     Block* b = blocks_.at(id).get();  // a waiter: never erased meanwhile
     --b->waiters;
+    RelistLocked(*b);
     EraseIfDoneLocked(b);  // removed meanwhile: goes now
     changed_.SignalAll();
   }
@@ -447,6 +448,7 @@ void Swapper::Remove(BlockId id) {
   const bool external = b->external != nullptr;
   if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
   b->removed = true;
+  RelistLocked(*b);
   EraseIfDoneLocked(b);  // may free *b: only compared against below
   if (!external) return;
   // The caller unmaps external memory next: no I/O may touch it after this.
@@ -491,6 +493,7 @@ void Swapper::RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* 
           lease_bytes += b->host.charged();
           leases.push_back(std::move(b->host));
         }
+        RelistLocked(*b);
         EraseIfDoneLocked(b);  // may free *b: only compared against below
       }
       freeing_bytes_ += lease_bytes;
@@ -542,6 +545,7 @@ absl::Status Swapper::Discard(BlockId id) {
   if (b->state == BlockState::kResident && b->home == Tier::kNvme) {
     DropHostLocked(b);
     b->state = BlockState::kOnNvme;
+    RelistLocked(*b);
   }
   // A block homed on the host keeps its memory and its bytes: freeing and
   // refaulting its pages every step would cost more than it saves.
@@ -558,7 +562,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   b->last_use = ++clock_;
   pool_shares_.Touched(b->trace, SharesNowLocked());
   ++b->waiters;
-  in_pool_.insert(b);
+  RelistLocked(*b);
   bool counted = false;
   absl::Status status;
   for (;;) {
@@ -600,7 +604,9 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
     status = StartReadLocked(b);
     if (!status.ok()) break;
   }
+  if (status.ok()) ++b->pins;  // the waiter becomes a pin
   --b->waiters;
+  RelistLocked(*b);
   if (!status.ok()) {
     EraseIfDoneLocked(b);
     return status;
@@ -625,8 +631,6 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
       pool_shares_.Served(b->trace, b->bytes, SharesNowLocked());
     }
   }
-  ++b->pins;
-  in_pool_.insert(b);
   if (b->prefetched) {
     b->prefetched = false;
     ++stats_.prefetch_used;
@@ -657,7 +661,7 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
   // A waiter: not evicted (so its NVMe copy is neither rewritten nor
   // freed), discarded or erased until it is done.
   ++b->waiters;
-  in_pool_.insert(b);
+  RelistLocked(*b);
   absl::Status status;
   for (;;) {
     if (b->removed) {
@@ -671,7 +675,7 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
     if (b->state != BlockState::kOnNvme) {
       // In host memory: copied under a pin, without the lock.
       ++b->pins;
-      in_pool_.insert(b);
+      RelistLocked(*b);
       Pin pin(this, id, DataOf(*b), b->bytes);
       mu_.Unlock();
       std::memcpy(dst.data(), pin.data(), pin.size());
@@ -706,6 +710,7 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
   }
   const uint64_t bytes = b->bytes;
   --b->waiters;
+  RelistLocked(*b);
   changed_.SignalAll();
   EraseIfDoneLocked(b);
   if (!status.ok()) return status;
@@ -718,6 +723,7 @@ void Swapper::ReleasePin(BlockId id) {
   if (it == blocks_.end()) return;
   Block* b = it->second.get();
   --b->pins;
+  RelistLocked(*b);
   RepageIfIdleLocked(b);
   EraseIfDoneLocked(b);
   changed_.SignalAll();
@@ -745,6 +751,7 @@ void Swapper::RepageIfIdleLocked(Block* b) {
 void Swapper::ForgetTrace(uint64_t trace) {
   absl::MutexLock lock(&mu_);
   traces_.erase(trace);
+  victims_.Forget(trace);
   io_queue_.Forget(trace);
   prefetches_.Forget(trace);
   trace_io_.erase(trace);
@@ -790,7 +797,7 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
     }
   }
   b->home = home;
-  in_pool_.insert(b);
+  RelistLocked(*b);
   RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
     // Queued as a prefetch or not: a prefetch may give up (it evicts only
@@ -869,107 +876,178 @@ uint64_t Swapper::NextUseLocked(const Block& b) const {
   return it == traces_.end() ? AccessTrace::kNever : it->second.NextUse(b.id);
 }
 
+namespace {
+
+// A trace's standing for eviction, looked up once per choice: idle (gives
+// room first); holding more of the pool's room than three quarters, or
+// than its weight's share among the traces using the pool and half the
+// rest, whichever is more (a slow trace, never ahead of its share of the
+// traffic, must not take all of it: gives room next); ahead of its share of
+// the traffic (then; the farthest ahead first, pool_shares.h). A tighter
+// bound (half, or its weight's share) cost two sessions sharing the pool
+// half their updates in benches/shares: it fought the traffic's shares,
+// which let a session streaming through its state hold more for a while.
+struct TraceStanding {
+  bool idle = false;
+  bool over = false;
+  uint64_t lead = 0;  // PoolShares::Lead: 0 within its share
+  bool gives() const { return idle || over || lead > 0; }
+  // Who gives room before whom (a victim's key begins with it).
+  std::tuple<bool, bool, uint64_t> rank() const { return {idle, over, lead}; }
+};
+
+// `busy`: the trace holds a block or waits for one (the one room is made
+// for among them): at work however long ago its last Acquire began (a slow
+// swap-in). `room`: what its NVMe-homed blocks hold of the pool's room,
+// `all_room` all traces'.
+TraceStanding StandingOfTrace(const PoolShares& shares, uint64_t trace, bool busy, uint64_t room,
+                              uint64_t all_room, PoolShares::Clock::time_point now, double floor,
+                              double slack) {
+  TraceStanding s;
+  s.idle = !busy && shares.Quiet(trace, now);
+  const double most = std::max(0.75, (1 + shares.RoomShare(trace, now)) / 2);
+  s.over = !s.idle && static_cast<double>(room) > most * static_cast<double>(all_room);
+  s.lead = s.idle ? 0 : shares.Lead(trace, floor, slack);
+  return s;
+}
+
+}  // namespace
+
+VictimIndex::Standing Swapper::StandingOf(const Block& b) {
+  VictimIndex::Standing s;
+  s.held = Held(b);
+  s.room = HoldsRoom(b) && !b.removed ? b.bytes : 0;
+  s.candidate = s.room > 0 && !s.held && b.state == BlockState::kResident;
+  // (Only a candidate's matters: an Acquire, which sets it, holds the block.)
+  s.last_use = s.candidate ? b.last_use : 0;
+  return s;
+}
+
+const AccessTrace* Swapper::OrderOfLocked(uint64_t trace) const {
+  auto it = traces_.find(trace);
+  return it == traces_.end() ? nullptr : &it->second;
+}
+
+void Swapper::RelistLocked(const Block& b) {
+  const VictimIndex::Standing s = StandingOf(b);
+  victims_.Set(b.id, b.trace, s, s.candidate ? OrderOfLocked(b.trace) : nullptr);
+}
+
 Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_than,
                                             uint64_t for_trace,
                                             const absl::flat_hash_set<BlockId>& tried,
-                                            VictimKind* kind) const {
+                                            VictimKind* kind) {
   const auto now = SharesNowLocked();
-  // A trace holding a block, or waiting for one (the one room is made for
-  // among them), is at work however long ago its last Acquire began (a slow
-  // swap-in). The room each trace's NVMe-homed blocks hold in the pool.
-  absl::flat_hash_set<uint64_t> busy;
-  if (for_trace != kNoTrace) busy.insert(for_trace);
-  absl::flat_hash_map<uint64_t, uint64_t> room;
-  uint64_t all_room = 0;
-  // One walk over the blocks that matter (in_pool_: held ones, and those
-  // homed on NVMe that hold room; the others it still lists are let go
-  // here): the traces' room and work, and the blocks that may go, looked at
-  // below. (This runs at every eviction; blocks on NVMe, most of them where
-  // the state is larger than the pool, are not looked at.)
-  std::vector<Block*>& candidates = victim_candidates_;
-  candidates.clear();
-  for (auto it = in_pool_.begin(); it != in_pool_.end();) {
-    Block* b = *it;
-    const bool held = Held(*b);
-    const bool room_held = HoldsRoom(*b);
-    if (!held && !room_held) {
-      in_pool_.erase(it++);  // listed again when it is held or brought in
-      continue;
-    }
-    ++it;
-    if (held) busy.insert(b->trace);
-    if (room_held && !b->removed) {
-      room[b->trace] += b->bytes;
-      all_room += b->bytes;
-      if (!held && b->state == BlockState::kResident && !tried.contains(b->id)) {
-        candidates.push_back(b);
-      }
-    }
-  }
-  // Per trace, looked up once: idle (gives room first); holding more of the
-  // pool's room than three quarters, or than its weight's share among the
-  // traces using the pool and half the rest, whichever is more (a slow trace,
-  // never ahead of its share of the traffic, must not take all of it: gives
-  // room next); ahead of its share of the traffic (then; the farthest ahead
-  // first, pool_shares.h). A tighter bound (half, or its weight's share) cost
-  // two sessions sharing the pool half their updates in benches/shares: it
-  // fought the traffic's shares, which let a session streaming through its
-  // state hold more for a while.
-  struct Standing {
-    bool idle = false;
-    bool over = false;
-    uint64_t lead = 0;  // PoolShares::Lead: 0 within its share
-    bool gives() const { return idle || over || lead > 0; }
-    // Who gives room before whom (the victim's key below begins with it).
-    std::tuple<bool, bool, uint64_t> rank() const { return {idle, over, lead}; }
-  };
   const double floor = pool_shares_.Floor(now);
   const double slack = pool_shares_.Slack(now);
-  absl::flat_hash_map<uint64_t, Standing> standing;
+  const uint64_t all_room = victims_.all_room();
   auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto [at, added] = standing.try_emplace(trace);
-    if (added) {
-      Standing& s = at->second;
-      s.idle = !busy.contains(trace) && pool_shares_.Quiet(trace, now);
-      auto r = room.find(trace);
-      const double held = r == room.end() ? 0 : static_cast<double>(r->second);
-      const double most = std::max(0.75, (1 + pool_shares_.RoomShare(trace, now)) / 2);
-      s.over = !s.idle && held > most * static_cast<double>(all_room);
-      s.lead = s.idle ? 0 : pool_shares_.Lead(trace, floor, slack);
-    }
-    return at->second;
+    const bool busy = (for_trace != kNoTrace && trace == for_trace) || victims_.Held(trace);
+    return StandingOfTrace(pool_shares_, trace, busy, victims_.Room(trace), all_room, now, floor,
+                           slack);
   };
   // A prefetch (speculative) for a trace that gives room takes none from
   // the traces that give less (those that do not, or are less far ahead).
   std::optional<std::tuple<bool, bool, uint64_t>> prefetch_rank;
-  if (restricted && for_trace != kNoTrace && standing_of(for_trace).gives()) {
-    prefetch_rank = standing_of(for_trace).rank();
+  if (restricted && for_trace != kNoTrace) {
+    const TraceStanding s = standing_of(for_trace);
+    if (s.gives()) prefetch_rank = s.rank();
   }
+  // Each trace's first candidate in its own order (the farthest next use,
+  // then the least recently used: VictimIndex), against the others': an
+  // idle trace's first (its uses are not coming soon, however near they
+  // are in its own order), then one holding more than its room, then one
+  // ahead of its share of the traffic (the farthest ahead first); then the
+  // farthest next use; among equals (never used again, or no trace
+  // followed), least recently used first.
   Block* best = nullptr;
-  std::tuple<bool, bool, uint64_t, uint64_t, uint64_t> best_key{false, false, 0, 0, 0};
-  for (Block* b : candidates) {
-    const Standing s = standing_of(b->trace);
-    const uint64_t next = NextUseLocked(*b);
-    if (restricted && !s.idle &&
-        (next <= farther_than || (prefetch_rank.has_value() && s.rank() < *prefetch_rank))) {
-      continue;
-    }
-    // An idle trace's blocks first (its uses are not coming soon, however
-    // near they are in its own order), then those of a trace holding more
-    // than its room, then of one ahead of its share of the traffic (the
-    // farthest ahead first); then the farthest next use; among equals (never
-    // used again, or no trace followed), least recently used first.
-    std::tuple<bool, bool, uint64_t, uint64_t, uint64_t> key{s.idle, s.over, s.lead, next,
-                                                             ~b->last_use};
-    if (best == nullptr || key > best_key) {
-      best = b;
-      best_key = key;
+  VictimKey best_key{false, false, 0, 0, 0};
+  victims_.TracesWithCandidates(&victim_traces_);
+  for (uint64_t trace : victim_traces_) {
+    const TraceStanding s = standing_of(trace);
+    const bool bound = restricted && !s.idle;
+    if (bound && prefetch_rank.has_value() && s.rank() < *prefetch_rank) continue;
+    victims_.ForEachCandidate(trace, OrderOfLocked(trace),
+                              [&](BlockId id, uint64_t next, uint64_t last_use)
+                                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                                    if (bound && next <= farther_than)
+                                      return false;  // (the rest are needed sooner)
+                                    if (tried.contains(id)) return true;
+                                    const VictimKey key{s.idle, s.over, s.lead, next, ~last_use};
+                                    if (best == nullptr || key > best_key) {
+                                      best = blocks_.at(id).get();
+                                      best_key = key;
+                                    }
+                                    return false;
+                                  });
+  }
+  if (check_victims_) {
+    const std::optional<VictimKey> walked =
+        WalkForVictimLocked(restricted, farther_than, for_trace, tried, now);
+    std::vector<std::string> errors = IndexErrorsLocked();
+    auto describe = [](const std::optional<VictimKey>& k) {
+      if (!k.has_value()) return std::string("none");
+      const auto& [idle, over, lead, next, not_last_use] = *k;
+      return absl::StrCat("(idle ", idle, ", over ", over, ", lead ", lead, ", next ", next,
+                          ", last use ", ~not_last_use, ")");
+    };
+    const std::optional<VictimKey> chosen =
+        best == nullptr ? std::nullopt : std::optional<VictimKey>(best_key);
+    if (walked != chosen || !errors.empty()) {
+      if (victim_mismatches_++ == 0) {
+        first_victim_mismatch_ = errors.empty() ? absl::StrCat("chose ", describe(chosen),
+                                                               ", the walk ", describe(walked))
+                                                : errors.front();
+      }
     }
   }
   if (best != nullptr) {
     *kind = std::get<0>(best_key)                                ? VictimKind::kIdle
             : std::get<1>(best_key) || std::get<2>(best_key) > 0 ? VictimKind::kAhead
                                                                  : VictimKind::kFarthest;
+  }
+  return best;
+}
+
+std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
+    bool restricted, uint64_t farther_than, uint64_t for_trace,
+    const absl::flat_hash_set<BlockId>& tried, PoolShares::Clock::time_point now) const {
+  absl::flat_hash_set<uint64_t> busy;
+  if (for_trace != kNoTrace) busy.insert(for_trace);
+  absl::flat_hash_map<uint64_t, uint64_t> room;
+  uint64_t all_room = 0;
+  std::vector<const Block*> candidates;
+  for (const auto& [id, b] : blocks_) {
+    if (Held(*b)) busy.insert(b->trace);
+    if (HoldsRoom(*b) && !b->removed) {
+      room[b->trace] += b->bytes;
+      all_room += b->bytes;
+      if (!Held(*b) && b->state == BlockState::kResident && !tried.contains(id)) {
+        candidates.push_back(b.get());
+      }
+    }
+  }
+  const double floor = pool_shares_.Floor(now);
+  const double slack = pool_shares_.Slack(now);
+  auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto r = room.find(trace);
+    return StandingOfTrace(pool_shares_, trace, busy.contains(trace),
+                           r == room.end() ? 0 : r->second, all_room, now, floor, slack);
+  };
+  std::optional<std::tuple<bool, bool, uint64_t>> prefetch_rank;
+  if (restricted && for_trace != kNoTrace && standing_of(for_trace).gives()) {
+    prefetch_rank = standing_of(for_trace).rank();
+  }
+  std::optional<VictimKey> best;
+  for (const Block* b : candidates) {
+    const TraceStanding s = standing_of(b->trace);
+    const uint64_t next = NextUseLocked(*b);
+    if (restricted && !s.idle &&
+        (next <= farther_than || (prefetch_rank.has_value() && s.rank() < *prefetch_rank))) {
+      continue;
+    }
+    const VictimKey key{s.idle, s.over, s.lead, next, ~b->last_use};
+    if (!best.has_value() || key > *best) best = key;
   }
   return best;
 }
@@ -984,13 +1062,44 @@ void Swapper::SetClockForTesting(std::function<std::chrono::steady_clock::time_p
   clock_for_testing_ = std::move(clock);
 }
 
-std::vector<Swapper::BlockId> Swapper::UnlistedForTesting() const {
+std::vector<std::string> Swapper::IndexErrorsForTesting() const {
   absl::MutexLock lock(&mu_);
-  std::vector<BlockId> unlisted;
+  return IndexErrorsLocked();
+}
+
+std::vector<std::string> Swapper::IndexErrorsLocked() const {
+  std::vector<std::string> errors = victims_.CheckForTesting(
+      [this](uint64_t trace) ABSL_NO_THREAD_SAFETY_ANALYSIS { return OrderOfLocked(trace); });
+  auto describe = [](const VictimIndex::Standing& s) {
+    return absl::StrCat(s.held ? "held" : "not held", ", room ", s.room,
+                        s.candidate ? ", a candidate last used at " : "",
+                        s.candidate ? absl::StrCat(s.last_use) : "");
+  };
   for (const auto& [id, b] : blocks_) {
-    if ((Held(*b) || HoldsRoom(*b)) && !in_pool_.contains(b.get())) unlisted.push_back(id);
+    const VictimIndex::Standing want = StandingOf(*b);
+    const VictimIndex::Standing has = victims_.Of(id);
+    if (has != want) {
+      errors.push_back(
+          absl::StrCat("block ", id, ": listed as ", describe(has), "; it is ", describe(want)));
+    }
   }
-  return unlisted;
+  if (victims_.size() != blocks_.size()) {
+    errors.push_back(
+        absl::StrCat("the index knows ", victims_.size(), " blocks, the swapper ", blocks_.size()));
+  }
+  return errors;
+}
+
+void Swapper::CheckVictimsForTesting() {
+  absl::MutexLock lock(&mu_);
+  check_victims_ = true;
+}
+
+std::string Swapper::VictimMismatchForTesting() const {
+  absl::MutexLock lock(&mu_);
+  if (victim_mismatches_ == 0) return "";
+  return absl::StrCat(victim_mismatches_,
+                      " choices of a victim failed the check; the first: ", first_victim_mismatch_);
 }
 
 std::chrono::steady_clock::time_point Swapper::SharesNowLocked() const {
@@ -1056,12 +1165,13 @@ void Swapper::EvictLocked(Block* b) {
   if (b->nvme_current && b->extent != 0) {
     DropHostLocked(b);  // the NVMe copy is current: no write needed
     b->state = BlockState::kOnNvme;
+    RelistLocked(*b);
     ++stats_.clean_drops;
     changed_.SignalAll();
     return;
   }
   b->state = BlockState::kWritingOut;
-  in_pool_.insert(b);
+  RelistLocked(*b);
   // The bytes as of now are what the write-out stands for: a write pin from
   // here on (even before the write starts) makes its copy stale.
   b->write_version = b->version;
@@ -1080,13 +1190,13 @@ absl::Status Swapper::StartReadLocked(Block* b) {
     // Never written out (or discarded): zeros, which a fresh lease and the
     // holes of external memory already are.
     b->state = BlockState::kResident;
-    in_pool_.insert(b);
+    RelistLocked(*b);
     ++stats_.zero_fills;
     changed_.SignalAll();
     return absl::OkStatus();
   }
   b->state = BlockState::kReadingIn;
-  in_pool_.insert(b);
+  RelistLocked(*b);
   ++reads_in_flight_;
   QueueIoLocked(*b, /*is_write=*/false);
   return absl::OkStatus();
@@ -1222,15 +1332,15 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
         b->state = BlockState::kOnNvme;
       } else {
         b->state = BlockState::kResident;  // pinned meanwhile: stays
-        in_pool_.insert(b);
       }
+      RelistLocked(*b);
     } else {
       ++stats_.io_errors;
       ++failed_writes_;
       last_write_error_ = absl::Status(
           status.code(), absl::StrCat("writing block ", id, " out: ", status.message()));
       b->state = BlockState::kResident;
-      in_pool_.insert(b);
+      RelistLocked(*b);
       LogWarning("swapper: writing block %d out failed, it stays in host memory: %s",
                  static_cast<int64_t>(id), status.ToString());
     }
@@ -1243,12 +1353,13 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) it->second.bytes_in += bytes;
       stats_.staged_bytes += staged;
       b->state = BlockState::kResident;
-      in_pool_.insert(b);
+      RelistLocked(*b);
       b->nvme_current = true;
     } else {
       ++stats_.io_errors;
       DropHostLocked(b);  // external memory: the half-read pages go too
       b->state = BlockState::kOnNvme;
+      RelistLocked(*b);
       b->prefetched = false;
       b->read_error = absl::Status(status.code(),
                                    absl::StrCat("swapping in block ", id, ": ", status.message()));

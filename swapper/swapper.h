@@ -56,6 +56,10 @@
 //   4. the block whose next use by its trace is farthest (Belady); blocks
 //      whose trace is not being followed count as never used again, least
 //      recently used first.
+// The choice looks at each trace's first candidate in an index kept per
+// trace (victim_index.h: its blocks by next use, its holds and room, told of
+// every change of a block's holds, state, home, removal or last use), not
+// at every block in the pool.
 // A failed write-out (ENOSPC, EIO) leaves the block resident, and its older
 // NVMe copy intact (copy-on-write rewrites); the next victim is tried.
 // Prefetch: after each traced Acquire, the next prefetch_depth blocks
@@ -86,7 +90,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -104,6 +110,7 @@
 #include "swapper/host_pool.h"
 #include "swapper/pool_shares.h"
 #include "swapper/swapper_options.h"
+#include "swapper/victim_index.h"
 
 namespace offload {
 
@@ -341,10 +348,17 @@ class Swapper {
   // back into the swapper.
   void SetClockForTesting(std::function<std::chrono::steady_clock::time_point()> clock)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The blocks eviction must see (held, or homed on NVMe and resident or
-  // being read in) that its index lacks, by id: none unless a change of
-  // state, home or holds forgot to list its block (tests check it).
-  std::vector<BlockId> UnlistedForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Where eviction's index (VictimIndex) disagrees with the blocks: none
+  // unless a change of a block's holds, state, home, removal or last use
+  // forgot to tell it (tests check it).
+  std::vector<std::string> IndexErrorsForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
+  // From here on every choice of a victim is checked (slow): the index
+  // agrees with the blocks, and the victim ranks (VictimKey) as the one a
+  // walk over every block (the choice without the index) would have chosen
+  // (among equals, either may go). VictimMismatchForTesting: how
+  // many choices failed either, and how the first did ("" if none).
+  void CheckVictimsForTesting() ABSL_LOCKS_EXCLUDED(mu_);
+  std::string VictimMismatchForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Block;
@@ -412,8 +426,25 @@ class Swapper {
   // (victims this MakeRoom already wrote out: one whose write failed is not
   // tried again).
   Block* ChooseVictimLocked(bool restricted, uint64_t farther_than, uint64_t for_trace,
-                            const absl::flat_hash_set<BlockId>& tried, VictimKind* kind) const
+                            const absl::flat_hash_set<BlockId>& tried, VictimKind* kind)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why one victim goes before another: (idle, over its room, lead, next
+  // use, ~last use), the greatest first (ChooseVictimLocked).
+  using VictimKey = std::tuple<bool, bool, uint64_t, uint64_t, uint64_t>;
+  // The same choice by a walk over every block (CheckVictimsForTesting).
+  std::optional<VictimKey> WalkForVictimLocked(bool restricted, uint64_t farther_than,
+                                               uint64_t for_trace,
+                                               const absl::flat_hash_set<BlockId>& tried,
+                                               PoolShares::Clock::time_point now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> IndexErrorsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What eviction sees of the block now (VictimIndex).
+  static VictimIndex::Standing StandingOf(const Block& b);
+  const AccessTrace* OrderOfLocked(uint64_t trace) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the index the block's standing: after every change of its pins,
+  // waiters, state, home, removal or last use, before the lock is let go
+  // (or waited on).
+  void RelistLocked(const Block& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountVictimLocked(VictimKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   uint64_t NextUseLocked(const Block& b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -468,14 +499,15 @@ class Swapper {
   absl::CondVar io_work_;
   absl::CondVar move_work_;
   absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_ ABSL_GUARDED_BY(mu_);
-  // ChooseVictimLocked's scratch: the blocks it may choose (kept so that
-  // each eviction does not allocate).
-  mutable std::vector<Block*> victim_candidates_ ABSL_GUARDED_BY(mu_);
-  // Every block held (pins, waiters) or homed on NVMe and resident or being
-  // read in, and some that were (listed at each change that can make a block
-  // one of these: added, held, its state or home set; erased with the block;
-  // the others let go by ChooseVictimLocked's walk, which needs no more).
-  mutable absl::flat_hash_set<Block*> in_pool_ ABSL_GUARDED_BY(mu_);
+  // Eviction's view of the blocks: which are held, the room each trace's
+  // blocks hold, the candidates by next use (RelistLocked keeps it).
+  VictimIndex victims_ ABSL_GUARDED_BY(mu_);
+  // ChooseVictimLocked's scratch (kept so that an eviction does not
+  // allocate).
+  std::vector<uint64_t> victim_traces_ ABSL_GUARDED_BY(mu_);
+  bool check_victims_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t victim_mismatches_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string first_victim_mismatch_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, AccessTrace> traces_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;          // LRU time, one tick per Acquire
   uint64_t freeing_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // charged to write-outs in flight

@@ -6,9 +6,11 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,6 +77,7 @@ class SwapperTest : public ::testing::Test {
   // A swapper over a pool of `pool_bytes`.
   void Make(uint64_t pool_bytes, int64_t prefetch_depth = 0, int64_t io_threads = 4,
             Pages host_home_pages = Pages::kHuge) {
+    CheckIndex();
     swapper_.reset();  // a second Make in a test: before the pool it uses
     pool_ = std::make_unique<HostPool>(Env::Default(), pool_bytes, false);
     SwapperOptions o;
@@ -84,6 +87,21 @@ class SwapperTest : public ::testing::Test {
     auto s = Swapper::Create(o, pool_.get(), space_.get());
     ASSERT_TRUE(s.ok()) << s.status();
     swapper_ = std::move(*s);
+    swapper_->CheckVictimsForTesting();
+  }
+
+  // Eviction's index agrees with the blocks now (`where`: the test's step).
+  void ExpectIndexAgrees(const std::string& where) {
+    for (const std::string& error : swapper_->IndexErrorsForTesting()) {
+      ADD_FAILURE() << where << ": " << error;
+    }
+  }
+  // Whatever the test did, eviction's index agrees with the blocks, and
+  // every victim ranked as the one a walk over all of them would have chosen.
+  void CheckIndex() {
+    if (swapper_ == nullptr) return;
+    for (const std::string& error : swapper_->IndexErrorsForTesting()) ADD_FAILURE() << error;
+    EXPECT_EQ(swapper_->VictimMismatchForTesting(), "");
   }
 
   // Acquires `id` for writing, fills it with `seed`, releases it.
@@ -147,10 +165,7 @@ class SwapperTest : public ::testing::Test {
   void AdvanceClock(std::chrono::milliseconds by) { clock_ms_ += by.count(); }
 
   void TearDown() override {
-    // Whatever the test did, eviction's index lists every block it must see.
-    if (swapper_ != nullptr) {
-      EXPECT_TRUE(swapper_->UnlistedForTesting().empty());
-    }
+    CheckIndex();
     swapper_.reset();  // before the pool and the space it uses
     if (pool_ != nullptr) {
       EXPECT_EQ(pool_->used(), 0u);
@@ -410,9 +425,139 @@ TEST_F(SwapperTest, AFailedSwapInIsDataLossAndTheCopyStaysIntact) {
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
   EXPECT_NE(failed.status().message().find("swapping in block 1"), std::string::npos);
   EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  ExpectIndexAgrees("after the failed swap-in");
   EXPECT_EQ(swapper_->Stats().io_errors, 1u);
   ExpectHolds(1, 11);
   ExpectHolds(2, 22);
+}
+
+// Many operations at random, on blocks of three traces in a pool of six,
+// with prefetch and the mover running; most uses follow each trace's order
+// (its blocks by id, an iteration ending after the last), so that learned
+// orders, their repeats and their skips are exercised too. Eviction's index agrees with
+// the blocks throughout, and every victim ranks as the one a walk over all
+// blocks would have chosen (CheckIndex at the end counts those that did not).
+TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) {
+  constexpr uint64_t kBlock = 64 << 10;
+  constexpr uint64_t kBlocks = 15;
+  constexpr uint64_t kTraces = 3;
+  Make(6 * kBlock, /*prefetch_depth=*/2);
+  std::mt19937 rng(20261128);
+  auto pick = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };
+  std::vector<bool> added(kBlocks + 1, false);
+  auto add = [&](uint64_t id) {
+    const Tier home = pick(8) == 0 ? Tier::kHost : Tier::kNvme;
+    absl::Status s = swapper_->Add(id, kBlock, home, /*trace=*/id % kTraces);
+    // (A removed block being written out is still there: added later. The
+    // pool full of pins and blocks homed on the host: likewise.)
+    ASSERT_TRUE(s.ok() || absl::IsAlreadyExists(s) || absl::IsResourceExhausted(s)) << s;
+    added[id] = s.ok();
+  };
+  for (uint64_t id = 1; id <= kBlocks; ++id) add(id);
+  std::vector<uint64_t> next_in_order(kTraces, 0);  // each trace's next block
+  std::vector<Swapper::Pin> pins;
+  int failed = 0;
+  for (int step = 0; step < 6000; ++step) {
+    uint64_t id = 1 + pick(kBlocks);
+    const uint64_t what = pick(100);
+    if (what < 60) {                // a use, held for a while (at most three at once)
+      uint64_t ends = kTraces;      // (none)
+      bool traced = pick(10) == 0;  // (an odd use now and then enters the order)
+      if (what < 45) {              // the next along its trace's order
+        traced = pick(10) != 0;
+        const uint64_t trace = pick(kTraces);
+        id = kTraces * next_in_order[trace] + (trace == 0 ? kTraces : trace);
+        next_in_order[trace] = (next_in_order[trace] + 1) % (kBlocks / kTraces);
+        if (next_in_order[trace] == 0) ends = trace;  // its last block
+      }
+      if (added[id]) {
+        auto p = swapper_->Acquire(id, /*for_write=*/pick(2) == 0, traced);
+        if (p.ok()) {
+          pins.push_back(std::move(*p));
+          if (pins.size() > 3) pins.erase(pins.begin());
+        } else {
+          ++failed;
+        }
+      }
+      if (ends != kTraces) swapper_->EndIteration(ends);
+    } else if (what < 82) {
+      if (!pins.empty()) pins.erase(pins.begin() + static_cast<ptrdiff_t>(pick(pins.size())));
+    } else if (what < 84) {
+      if (added[id]) swapper_->Discard(id).IgnoreError();  // (busy: refused)
+    } else if (what < 90) {
+      if (added[id]) {
+        ASSERT_TRUE(swapper_->SetHome(id, pick(6) == 0 ? Tier::kHost : Tier::kNvme).ok());
+      }
+    } else if (what < 91) {
+      swapper_->EndIteration(pick(kTraces));  // (an iteration cut short)
+    } else if (what < 94) {                   // a block gone (its pins released first), and back
+      if (added[id]) {
+        pins.erase(std::remove_if(pins.begin(), pins.end(),
+                                  [&](const Swapper::Pin& p) { return p.id() == id; }),
+                   pins.end());
+        swapper_->Remove(id);
+        added[id] = false;
+      } else {
+        add(id);
+      }
+    } else {
+      swapper_->WaitIdle();  // (prefetches and write-outs done: the next uses hit)
+    }
+    if (step % 100 == 0) ExpectIndexAgrees(absl::StrCat("step ", step));
+  }
+  pins.clear();
+  swapper_->WaitIdle();
+  ExpectIndexAgrees("at the end");
+  const SwapperStats st = swapper_->Stats();
+  EXPECT_GT(st.swap_outs + st.clean_drops, 250u);  // evictions: victims chosen
+  EXPECT_GT(st.prefetches, 25u);
+  EXPECT_LT(failed, 300);  // (room for three pins at most: rare)
+}
+
+// A prefetch whose read fails gives its room back: nobody waits for it to
+// say so.
+TEST_F(SwapperTest, AFailedPrefetchGivesItsRoomBack) {
+  Make(3 * kMiB);
+  for (uint64_t id = 1; id <= 4; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 4; ++id) Write(id, static_cast<uint32_t>(id));  // evicts 1
+  swapper_->EndIteration(7);
+  swapper_->SetPrefetch(1, 64 * kMiB);
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  FailNext(IoOp::kRead, EIO);
+  ExpectHolds(3, 3);  // a hit; the window reaches 1, next iteration's first
+  swapper_->WaitIdle();
+  EXPECT_EQ(swapper_->Stats().io_errors, 1u);
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  ExpectIndexAgrees("after the failed prefetch");
+  ExpectHolds(1, 1);
+}
+
+// A block removed while pinned holds no more room for eviction to give,
+// nor does one whose session ends (RemoveAll); both go at their release.
+TEST_F(SwapperTest, ABlockRemovedWhilePinnedGivesNoRoom) {
+  Make(4 * kMiB);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 3; ++id) Write(id, static_cast<uint32_t>(id));
+  {
+    auto one = swapper_->Acquire(1, false);
+    auto two = swapper_->Acquire(2, false);
+    ASSERT_TRUE(one.ok() && two.ok());
+    swapper_->Remove(1);
+    ExpectIndexAgrees("block 1 removed, pinned");
+    std::vector<PoolCharge> charges;
+    swapper_->RemoveAll({2}, &charges);
+    ExpectIndexAgrees("block 2 removed with RemoveAll, pinned");
+    // Evictions beside them (CheckIndex: chosen as the walk would).
+    ASSERT_TRUE(swapper_->Add(4, kMiB, Tier::kNvme, 8).ok());
+    ASSERT_TRUE(swapper_->Add(5, kMiB, Tier::kNvme, 8).ok());
+    Write(4, 4);
+    Write(5, 5);
+    EXPECT_GE(swapper_->Stats().swap_outs + swapper_->Stats().clean_drops, 1u);
+  }
+  ExpectIndexAgrees("both released");
+  EXPECT_EQ(swapper_->State(1).status().code(), absl::StatusCode::kNotFound);
+  ExpectHolds(3, 3);
+  ExpectHolds(5, 5);
 }
 
 TEST_F(SwapperTest, AFailedWriteOutKeepsTheBlockAndTheNextOneWorks) {
@@ -821,6 +966,7 @@ TEST_F(SwapperTest, AcquireDuringWriteOutKeepsTheBlockResident) {
     release.Notify();
     AwaitTrue([&] { return StateOf(1) != BlockState::kWritingOut; }, "the write-out to end");
     EXPECT_EQ(StateOf(1), BlockState::kResident);  // pinned: it stayed
+    ExpectIndexAgrees("pinned, after its write-out");
   }
   evicter.join();
   EXPECT_TRUE(third.ok()) << third;
@@ -1330,6 +1476,7 @@ TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
     EXPECT_TRUE(Holds(*pinned, 2));
   }
   for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Discard(id).ok());
+  ExpectIndexAgrees("after the discards");
   EXPECT_EQ(pool_->used(), 0u);
   EXPECT_EQ(arena.populated(), 0u);
   EXPECT_EQ(space_->Stats().extents, 0u);
