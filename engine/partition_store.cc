@@ -430,9 +430,9 @@ absl::StatusOr<PartitionStore::Partition*> PartitionStore::FindOrNotFound(uint64
 }
 
 absl::StatusOr<Swapper::Pin> PartitionStore::PinBlock(uint64_t id, uint64_t chunk, int block_kind,
-                                                      bool for_write, bool traced) {
+                                                      bool for_write, Swapper::Use use) {
   const uint64_t block = PartitionStore::BlockOf(id, chunk, block_kind);
-  absl::StatusOr<Swapper::Pin> pin = swapper_->Acquire(block, for_write, traced);
+  absl::StatusOr<Swapper::Pin> pin = swapper_->Acquire(block, for_write, use);
   if (block_kind != PartitionStore::kAccumBlock || !absl::IsNotFound(pin.status())) return pin;
   // The gradient accumulator (fp32, 4 bytes a parameter) is made the first
   // time it is needed: a trainer that hands its gradients over (one
@@ -448,7 +448,7 @@ absl::StatusOr<Swapper::Pin> PartitionStore::PinBlock(uint64_t id, uint64_t chun
   // info.numel never changes after registration; home only under the lock
   // (AddAccumulator reads it so).
   RETURN_IF_ERROR(AddAccumulator(id, chunk, /*registering=*/nullptr));
-  return swapper_->Acquire(block, for_write, traced);
+  return swapper_->Acquire(block, for_write, use);
 }
 
 absl::Status PartitionStore::AddAccumulator(uint64_t id, uint64_t chunk,
@@ -1120,9 +1120,11 @@ absl::StatusOr<AccumulatePins> PartitionStore::PinAccumulate(const AccumulateIte
   // The gradients are held by the trainer (resident); the accumulator is
   // read in unless this is the first micro-batch (then it is overwritten).
   // Measuring in the background runs beside the trainer's next fetches, in
-  // an order that differs every iteration: not traced.
-  ASSIGN_OR_RETURN(pins.grads, PinBlock(item.id, chunk, PartitionStore::kGradsBlock,
-                                        /*for_write=*/false, /*traced=*/!item.background));
+  // an order that differs every iteration: the iteration's work, out of its
+  // order.
+  ASSIGN_OR_RETURN(pins.grads,
+                   PinBlock(item.id, chunk, PartitionStore::kGradsBlock, /*for_write=*/false,
+                            item.background ? Swapper::Use::kBackground : Swapper::Use::kInOrder));
   if (item.hand_over) return pins;  // measured only: no accumulator
   ASSIGN_OR_RETURN(pins.accum,
                    PinBlock(item.id, chunk, PartitionStore::kAccumBlock, /*for_write=*/true));
@@ -1688,14 +1690,15 @@ void PartitionStore::CaptureChunk(uint64_t id, uint64_t chunk) {
 absl::Status PartitionStore::CaptureBlock(uint64_t id, uint64_t chunk, int block_kind,
                                           ChunkSink* sink, ChunkCapture::Staging* staging) {
   // A read pin: what is pinned for writing by another call is not being
-  // changed yet (every change captures first). Not traced: a checkpoint's
-  // reads are no part of the order that repeats.
+  // changed yet (every change captures first). Beside the iteration's
+  // work: a checkpoint's reads are no part of the order that repeats, and
+  // count in the session's share of the pool each time.
   auto reading = [&](const absl::Status& s) {
     return absl::Status(
         s.code(), absl::StrCat("reading chunk ", chunk, " of partition ", id, ": ", s.message()));
   };
   absl::StatusOr<Swapper::Pin> pin =
-      PinBlock(id, chunk, block_kind, /*for_write=*/false, /*traced=*/false);
+      PinBlock(id, chunk, block_kind, /*for_write=*/false, Swapper::Use::kExtra);
   if (pin.ok()) {
     return sink->Write(id, chunk, block_kind, absl::MakeConstSpan(pin->data(), pin->size()));
   }

@@ -445,9 +445,10 @@ class PartitionStore {
   // lock by the caller).
   absl::StatusOr<std::vector<Swapper::Pin>> Hold(const Partition& p, int kind, bool for_write)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // `traced`: see Swapper::Acquire (false for work in the background).
+  // `use`: see Swapper::Acquire.
   absl::StatusOr<Swapper::Pin> PinBlock(uint64_t id, uint64_t chunk, int block_kind, bool for_write,
-                                        bool traced = true) ABSL_LOCKS_EXCLUDED(mu_);
+                                        Swapper::Use use = Swapper::Use::kInOrder)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Adds chunk `chunk`'s gradient accumulator (made when first needed; an
   // existing one is fine), placed with the optimizer state. `registering`:
   // the partition, while Register fills it before it is published; else it

@@ -10,16 +10,17 @@
 // trace holds and waits for no block: a slow swap-in is not a rest.
 //
 // Shares: each trace counts the bytes of NVMe-homed blocks it acquired over
-// its weight (`served`, as a fair queue's virtual time). A traced Acquire
-// (one that enters the learned order) counts its block once a pass (an
+// its weight (`served`, as a fair queue's virtual time). An Acquire of the
+// iteration's work (Swapper::Use: in the learned order, or measuring
+// gradients in the background) counts its block once a pass (an
 // iteration: to its EndIteration; where none comes, a second, or eight of
 // its iterations, of use without a rest): a block acquired again within an
 // iteration (a fetch's hold and the step's, forward and backward) is the
 // same state worked on, so the shares count the state each trace works
 // through, as its updates do (its state on NVMe: a trace with more of it on
 // the host is charged less), not how often it is touched, nor re-reads after
-// an eviction. Acquires outside the order (a checkpoint's reads) count each
-// time. The traces using the pool are those that acquired one within their
+// an eviction. Acquires beside the iteration's work (a checkpoint's reads)
+// count each time. The traces using the pool are those that acquired one within their
 // idle time; one more than Slack() ahead of the least served of them is
 // ahead, and gives room first, the farthest ahead first. A trace whose
 // blocks all fit counts too, so it may hold the floor low and make every
@@ -71,9 +72,9 @@ class PoolShares {
     if (!t.iteration_start.has_value()) t.iteration_start = now;
   }
 
-  // A traced Acquire of the trace's NVMe-homed block of `bytes` succeeded at
-  // `now`: counted once a pass (Served), however often the block is
-  // acquired in it. `*block_pass` is the block's own record of the pass it
+  // An Acquire of the iteration's work, of the trace's NVMe-homed block of
+  // `bytes`, succeeded at `now`: counted once a pass (Served), however often
+  // the block is acquired in it. `*block_pass` is the block's own record of the pass it
   // was last counted in (the caller keeps it with the block; 0 at first).
   void ServedInPass(uint64_t trace, uint64_t* block_pass, uint64_t bytes, Clock::time_point now) {
     Trace& t = traces_[trace];

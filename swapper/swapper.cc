@@ -554,7 +554,8 @@ absl::Status Swapper::Discard(BlockId id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool traced) {
+absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use use) {
+  const bool traced = use == Use::kInOrder;
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
@@ -620,12 +621,12 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, bool t
   // every step and stopped prefetch. (They still refill the prefetch
   // window below, as reads complete, while the trainer works.)
   if (traced && b->home == Tier::kNvme) traces_[b->trace].RecordUse(id);
-  // Its share of the pool's traffic: uses that happen, a block in the
-  // learned order once an iteration, untraced ones each time (they take the
-  // pool's room all the same: a burst is paid for in room until the others
-  // catch up; pool_shares.h).
+  // Its share of the pool's traffic: uses that happen, a block of the
+  // iteration's work once an iteration, work beside it each time (it takes
+  // the pool's room all the same: a burst is paid for in room until the
+  // others catch up; pool_shares.h).
   if (b->home == Tier::kNvme) {
-    if (traced) {
+    if (use != Use::kExtra) {
       pool_shares_.ServedInPass(b->trace, &b->shares_pass, b->bytes, SharesNowLocked());
     } else {
       pool_shares_.Served(b->trace, b->bytes, SharesNowLocked());

@@ -62,7 +62,7 @@
 // at every block in the pool.
 // A failed write-out (ENOSPC, EIO) leaves the block resident, and its older
 // NVMe copy intact (copy-on-write rewrites); the next victim is tried.
-// Prefetch: after each traced Acquire, the next prefetch_depth blocks
+// Prefetch: after each Acquire in order (Use), the next prefetch_depth blocks
 // along the trace that are not resident (at most prefetch_bytes) are read in
 // by the mover thread, evicting only blocks needed later than the one
 // prefetched, or an idle trace's (for a trace that gives room by 2 or 3,
@@ -264,15 +264,27 @@ class Swapper {
   // while it is pinned or in flight; NOT_FOUND for an unknown id.
   absl::Status Discard(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // What a use is to its trace's iteration (Acquire): whether it enters
+  // the learned order, and how it counts in the trace's share of the pool's
+  // traffic (pool_shares.h).
+  enum class Use {
+    // The iteration's work, in its order: recorded in the trace (a block
+    // homed on NVMe only), prefetch ahead; counted once an iteration.
+    kInOrder,
+    // The iteration's work out of its order (gradients measured in the
+    // background, which interleave differently every iteration: recorded,
+    // they would make the order look changed and stop prefetch for the
+    // iteration): not recorded; counted once an iteration, as in order.
+    kBackground,
+    // Work beside the iteration's (a checkpoint's reads): not recorded;
+    // counted each time (a burst is paid for in room until the others
+    // catch up).
+    kExtra,
+  };
   // Makes the block resident and pins it until the Pin goes. With
   // `for_write` the caller will change its bytes (the NVMe copy stops being
-  // current). Records the use in the block's trace (a block homed on NVMe
-  // only) and prefetches ahead, unless `traced` is false: a use whose
-  // timing is not the access order (work in the background, such as
-  // measuring gradients or writing a checkpoint, which interleaves
-  // differently every iteration) would make the learned order look changed
-  // and stop prefetch for the iteration.
-  absl::StatusOr<Pin> Acquire(BlockId id, bool for_write, bool traced = true)
+  // current). `use`: above.
+  absl::StatusOr<Pin> Acquire(BlockId id, bool for_write, Use use = Use::kInOrder)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Copies the block's bytes as they are when it begins into `dst` and

@@ -111,9 +111,9 @@ class SwapperTest : public ::testing::Test {
     Fill(*p, seed);
   }
   // Acquires block `id` `n` times, each let go at once.
-  void AcquireTimes(uint64_t id, int n, bool traced) {
+  void AcquireTimes(uint64_t id, int n, Swapper::Use use) {
     for (int i = 0; i < n; ++i) {
-      auto p = swapper_->Acquire(id, /*for_write=*/false, traced);
+      auto p = swapper_->Acquire(id, /*for_write=*/false, use);
       ASSERT_TRUE(p.ok()) << p.status();
     }
   }
@@ -460,18 +460,21 @@ TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) {
   for (int step = 0; step < 6000; ++step) {
     uint64_t id = 1 + pick(kBlocks);
     const uint64_t what = pick(100);
-    if (what < 60) {                // a use, held for a while (at most three at once)
-      uint64_t ends = kTraces;      // (none)
-      bool traced = pick(10) == 0;  // (an odd use now and then enters the order)
-      if (what < 45) {              // the next along its trace's order
-        traced = pick(10) != 0;
+    if (what < 60) {            // a use, held for a while (at most three at once)
+      uint64_t ends = kTraces;  // (none)
+      // (An odd use now and then enters the order.)
+      Swapper::Use use = pick(10) == 0  ? Swapper::Use::kInOrder
+                         : pick(2) == 0 ? Swapper::Use::kBackground
+                                        : Swapper::Use::kExtra;
+      if (what < 45) {  // the next along its trace's order
+        if (pick(10) != 0) use = Swapper::Use::kInOrder;
         const uint64_t trace = pick(kTraces);
         id = kTraces * next_in_order[trace] + (trace == 0 ? kTraces : trace);
         next_in_order[trace] = (next_in_order[trace] + 1) % (kBlocks / kTraces);
         if (next_in_order[trace] == 0) ends = trace;  // its last block
       }
       if (added[id]) {
-        auto p = swapper_->Acquire(id, /*for_write=*/pick(2) == 0, traced);
+        auto p = swapper_->Acquire(id, /*for_write=*/pick(2) == 0, use);
         if (p.ok()) {
           pins.push_back(std::move(*p));
           if (pins.size() > 3) pins.erase(pins.begin());
@@ -706,7 +709,7 @@ class PoolShareTest : public SwapperTest {
   uint64_t share_evictions_ = 0;
   // Trace 8 acquires `mib` MiB more (a resident block, untraced: its order
   // stays as learned).
-  void Trace8Acquires(int mib) { AcquireTimes(13, mib, /*traced=*/false); }
+  void Trace8Acquires(int mib) { AcquireTimes(13, mib, Swapper::Use::kExtra); }
 };
 
 // 50 MiB more at weight 2 is 25 MiB of its share: within the slack (32 MiB)
@@ -738,9 +741,22 @@ TEST_F(PoolShareTest, ATraceAheadOfItsShareGivesRoomFirst) {
 // distances (13: off trace 8's order now, never used again as far as the
 // swapper knows), not by the share rule as the untraced 100 MiB above.
 TEST_F(PoolShareTest, AcquiresInTheOrderCountOnceAnIteration) {
-  AcquireTimes(13, 100, /*traced=*/true);
+  AcquireTimes(13, 100, Swapper::Use::kInOrder);
   ExpectHolds(11, 11);
   EXPECT_EQ(StateOf(13), BlockState::kOnNvme);
+  EXPECT_EQ(ShareEvictionsSinceSetUp(), 0u);
+}
+
+// So do those of the iteration's work out of its order (gradients measured
+// in the background, a micro-batch at a time): 100 of block 13 leave trace
+// 8 within its share, and Belady's choice stands (as for 50 MiB counted
+// each time, WithinItsShareBeladyChooses; 100 counted each time are past
+// it, ATraceAheadOfItsShareGivesRoomFirst).
+TEST_F(PoolShareTest, UsesInTheBackgroundCountOnceAnIteration) {
+  AcquireTimes(13, 100, Swapper::Use::kBackground);
+  ExpectHolds(11, 11);
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  for (uint64_t id : {2, 3, 11, 13}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
   EXPECT_EQ(ShareEvictionsSinceSetUp(), 0u);
 }
 
@@ -762,8 +778,8 @@ TEST_F(SwapperTest, TheTraceFarthestAheadGivesRoomFirst) {
   Write(11, 11);
   swapper_->EndIteration(8);
   // Reads outside the orders (a checkpoint's, say): each one counts.
-  AcquireTimes(1, 40, /*traced=*/false);
-  AcquireTimes(11, 100, /*traced=*/false);
+  AcquireTimes(1, 40, Swapper::Use::kExtra);
+  AcquireTimes(11, 100, Swapper::Use::kExtra);
   const uint64_t before = swapper_->Stats().share_evictions;
   Write(12, 12);
   EXPECT_EQ(StateOf(11), BlockState::kOnNvme);
@@ -789,8 +805,8 @@ TEST_F(SwapperTest, APrefetchTakesNoRoomFromTracesLessFarAhead) {
   Write(12, 12);  // room: 3, the farthest (trace 8's order not learned)
   ASSERT_EQ(StateOf(3), BlockState::kOnNvme);
   // Reads outside the orders: each counts.
-  AcquireTimes(2, 40, /*traced=*/false);
-  AcquireTimes(12, 100, /*traced=*/false);
+  AcquireTimes(2, 40, Swapper::Use::kExtra);
+  AcquireTimes(12, 100, Swapper::Use::kExtra);
   ExpectHolds(3, 3);  // room: 12, of the trace farthest ahead
   ASSERT_EQ(StateOf(12), BlockState::kOnNvme);
   swapper_->SetPrefetch(1, 64 * kMiB);
@@ -858,11 +874,11 @@ TEST_F(SwapperTest, PrefetchAlongTheTraceMakesEveryUseAHit) {
   EXPECT_EQ(after.prefetch_wasted, 0u);
 }
 
-// Uses in the background (measuring gradients, writing a checkpoint)
-// interleave with the caller's order differently every iteration: untraced,
-// they neither look like a changed order nor stop the prefetch; the same
-// uses traced do both.
-TEST_F(SwapperTest, UntracedUsesLeaveTheLearnedOrderAlone) {
+// Uses out of the order (measuring gradients in the background, writing a
+// checkpoint) interleave with the caller's order differently every
+// iteration: as such (Use::kBackground, kExtra) they neither look like a
+// changed order nor stop the prefetch; the same uses in order do both.
+TEST_F(SwapperTest, UsesOutOfTheOrderLeaveTheLearnedOrderAlone) {
   Make(4 * kMiB, /*prefetch_depth=*/2);
   for (uint64_t id = 1; id <= 8; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
   for (uint64_t id = 1; id <= 8; ++id) Write(id, static_cast<uint32_t>(id));
@@ -870,10 +886,10 @@ TEST_F(SwapperTest, UntracedUsesLeaveTheLearnedOrderAlone) {
   swapper_->WaitIdle();
   // One iteration in the learned order, with an out-of-order use after
   // each use (9 - id: 8, 7, ...).
-  auto iteration = [&](bool traced) {
+  auto iteration = [&](Swapper::Use use) {
     for (uint64_t id = 1; id <= 8; ++id) {
       ExpectHolds(id, static_cast<uint32_t>(id));
-      auto other = swapper_->Acquire(9 - id, /*for_write=*/false, traced);
+      auto other = swapper_->Acquire(9 - id, /*for_write=*/false, use);
       ASSERT_TRUE(other.ok()) << other.status();
       EXPECT_TRUE(Holds(*other, static_cast<uint32_t>(9 - id)));
       other->Reset();
@@ -883,13 +899,15 @@ TEST_F(SwapperTest, UntracedUsesLeaveTheLearnedOrderAlone) {
     swapper_->WaitIdle();
   };
   SwapperStats before = swapper_->Stats();
-  iteration(/*traced=*/false);
-  SwapperStats after = swapper_->Stats();
-  EXPECT_EQ(after.relearned, before.relearned);
-  EXPECT_GE(after.prefetches - before.prefetches, 4u);
-  before = after;
-  iteration(/*traced=*/true);
-  after = swapper_->Stats();
+  for (Swapper::Use use : {Swapper::Use::kBackground, Swapper::Use::kExtra}) {
+    iteration(use);
+    SwapperStats after = swapper_->Stats();
+    EXPECT_EQ(after.relearned, before.relearned);
+    EXPECT_GE(after.prefetches - before.prefetches, 4u);
+    before = after;
+  }
+  iteration(Swapper::Use::kInOrder);
+  const SwapperStats after = swapper_->Stats();
   EXPECT_EQ(after.relearned, before.relearned + 1);
 }
 
