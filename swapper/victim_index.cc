@@ -45,6 +45,7 @@ uint64_t VictimIndex::Sync(Trace* t, const AccessTrace& order) {
 }
 
 void VictimIndex::Set(BlockId id, uint64_t trace, const Standing& now, const AccessTrace* order) {
+  if (now == Standing{} && !entries_.contains(id)) return;  // (nothing to know)
   auto [it, added] = entries_.try_emplace(id);
   Entry& e = it->second;
   if (!added && e.trace == trace && e.standing == now) return;  // (most pins change nothing here)
@@ -76,6 +77,9 @@ void VictimIndex::Set(BlockId id, uint64_t trace, const Standing& now, const Acc
     t.by_lru.insert({~now.last_use, id});
   }
   if (t.forgotten && t.empty()) traces_.erase(at_trace);
+  // Known only while it stands for something: the table follows the blocks
+  // held and in the pool, not every block a session registered.
+  if (now == Standing{}) entries_.erase(it);
 }
 
 void VictimIndex::Leave(BlockId id, const Entry& e) {

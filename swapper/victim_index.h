@@ -110,8 +110,8 @@ class VictimIndex {
     }
   }
 
-  // What the index holds of `id` (default: nothing), and how many blocks
-  // it knows (every one Set and not Erased): for tests' checks.
+  // What the index holds of `id` (default: nothing), and of how many blocks
+  // it holds something: for tests' checks against the blocks.
   Standing Of(BlockId id) const;
   size_t size() const { return entries_.size(); }
   size_t traces() const { return traces_.size(); }  // (kept: not forgotten, or not empty)

@@ -63,7 +63,7 @@ TEST(VictimIndexTest, KeepsEachTracesHoldsAndRoom) {
   index.Erase(2);
   EXPECT_EQ(index.Room(7), 0u);
   EXPECT_EQ(index.all_room(), 50u);
-  EXPECT_EQ(index.size(), 2u);  // 1 (standing for nothing) and 3
+  EXPECT_EQ(index.size(), 1u);  // 3 (1 stands for nothing)
   EXPECT_EQ(index.Of(3), Candidate(50, 2));
   EXPECT_EQ(index.Of(2), VictimIndex::Standing{});
   EXPECT_TRUE(index.CheckForTesting([](uint64_t) { return nullptr; }).empty());
