@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 base=/root/.cache/offloadd-py$(basename "$pyinc" | tr -cd 0-9)
 targets=(//daemon:offloadd //client:offloadctl //client/python:package //tests:wait_for_daemon
          //benches:step_overlap //benches:load //benches:out_of_core_step //benches:cpu_adam
-         //benches:nvme //benches:trace_replay //benches:gpu_copy //gpu:cuda_device_test
+         //benches:nvme //benches:trace_replay //benches:gpu_copy //benches:shares //gpu:cuda_device_test
          //gpu:nccl_communicator_test //client/demo:offload_gpu_demo)
 # --symlink_prefix=/: leaves the checkout's bazel-* links to the default build.
 bazel --output_base="$base" build -c opt --symlink_prefix=/ --copt=-isystem"$pyinc" "${targets[@]}"
@@ -35,7 +35,7 @@ put() {  # put SRC REL: copies SRC to DEST/run/REL
 }
 for b in daemon/offloadd client/offloadctl tests/wait_for_daemon benches/step_overlap \
          benches/load benches/out_of_core_step benches/cpu_adam benches/nvme benches/trace_replay \
-         benches/gpu_copy gpu/cuda_device_test gpu/nccl_communicator_test \
+         benches/gpu_copy benches/shares gpu/cuda_device_test gpu/nccl_communicator_test \
          client/demo/offload_gpu_demo; do
   put "$bin/$b" "$b"
 done

@@ -6,7 +6,7 @@
 #         alltests tokens tokens_big tokens_host tokens_profile tokens_trace large
 #         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
-#         load1 load1_nosteps load8 cpu_adam
+#         load1 load1_nosteps load8 cpu_adam shares shares_nvme shares_neighbour
 # Each stage prints "=== STAGE rc=N" at its end; a failing stage does not
 # stop the others.
 set -uo pipefail
@@ -93,6 +93,12 @@ for stage in "$@"; do
     load1_nosteps) timeout 60 benches/load --trainers=1 --seconds=5 --step_every=1000000000 ;;
     load8) timeout 60 benches/load --trainers=8 --seconds=5 ;;
     cpu_adam) timeout 300 benches/cpu_adam --peer=none --threads=1,8,16 ;;
+    # Issue 31 on 16 cores: the optimizer's and the pool's shares by weight,
+    # and a session beside a neighbour swapping from NVMe (its swap space
+    # beside the bundle: on the machine's disk, where O_DIRECT works).
+    shares) timeout 120 benches/shares ;;
+    shares_nvme) mkdir -p "$bundle/../sn" && timeout 180 benches/shares --state-on-nvme="$bundle/../sn" --seconds=10 ;;
+    shares_neighbour) mkdir -p "$bundle/../nb" && timeout 180 benches/shares --neighbour="$bundle/../nb" ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   rc=$?
