@@ -96,6 +96,8 @@ class SwapperTest : public ::testing::Test {
       ADD_FAILURE() << where << ": " << error;
     }
   }
+  // Below its tests (RandomOperations...).
+  void RandomOperations(bool shares);
   // Whatever the test did, eviction's index agrees with the blocks, and
   // every victim ranked as the one a walk over all of them would have chosen.
   void CheckIndex() {
@@ -434,20 +436,31 @@ TEST_F(SwapperTest, AFailedSwapInIsDataLossAndTheCopyStaysIntact) {
 // Many operations at random, on blocks of three traces in a pool of six,
 // with prefetch and the mover running; most uses follow each trace's order
 // (its blocks by id, an iteration ending after the last), so that learned
-// orders, their repeats and their skips are exercised too. Eviction's index agrees with
-// the blocks throughout, and every victim ranks as the one a walk over all
-// blocks would have chosen (CheckIndex at the end counts those that did not).
-TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) {
-  constexpr uint64_t kBlock = 64 << 10;
+// orders, their repeats and their skips are exercised too. Eviction's index
+// agrees with the blocks throughout, and every victim ranks as the one a
+// walk over all blocks would have chosen (CheckIndex at the end counts those
+// that did not). With `shares`: blocks of 1 MiB, the traces weighted 1, 2
+// and 3, a fake clock moving on 0-49 ms a step, and one trace quiet for each
+// stretch of 300 steps, so that traces go idle and get ahead of their
+// shares (the ranks before Belady's distances).
+void SwapperTest::RandomOperations(bool shares) {
+  const uint64_t block = shares ? kMiB : 64 << 10;
   constexpr uint64_t kBlocks = 15;
   constexpr uint64_t kTraces = 3;
-  Make(6 * kBlock, /*prefetch_depth=*/2);
+  Make(6 * block, /*prefetch_depth=*/2);
+  Swapper* swapper = swapper_.get();
+  if (shares) {
+    UseFakeClock();
+    for (uint64_t trace = 0; trace < kTraces; ++trace) {
+      swapper->SetIoWeight(trace, static_cast<int64_t>(trace + 1));
+    }
+  }
   std::mt19937 rng(20261128);
   auto pick = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };
   std::vector<bool> added(kBlocks + 1, false);
   auto add = [&](uint64_t id) {
     const Tier home = pick(8) == 0 ? Tier::kHost : Tier::kNvme;
-    absl::Status s = swapper_->Add(id, kBlock, home, /*trace=*/id % kTraces);
+    absl::Status s = swapper->Add(id, block, home, /*trace=*/id % kTraces);
     // (A removed block being written out is still there: added later. The
     // pool full of pins and blocks homed on the host: likewise.)
     ASSERT_TRUE(s.ok() || absl::IsAlreadyExists(s) || absl::IsResourceExhausted(s)) << s;
@@ -457,7 +470,21 @@ TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) {
   std::vector<uint64_t> next_in_order(kTraces, 0);  // each trace's next block
   std::vector<Swapper::Pin> pins;
   int failed = 0;
+  uint64_t quiet = kTraces;  // (none)
+  Swapper::Pin held_long;    // now and then, the quiet trace's: busy, not idle
   for (int step = 0; step < 6000; ++step) {
+    if (shares) {
+      AdvanceClock(std::chrono::milliseconds(pick(50)));
+      if (step % 300 == 0) {
+        held_long.Reset();
+        quiet = pick(kTraces);
+        const uint64_t id = kTraces * pick(kBlocks / kTraces) + (quiet == 0 ? kTraces : quiet);
+        if (pick(2) == 0 && added[id]) {
+          auto p = swapper->Acquire(id, /*for_write=*/false, Swapper::Use::kExtra);
+          if (p.ok()) held_long = std::move(*p);
+        }
+      }
+    }
     uint64_t id = 1 + pick(kBlocks);
     const uint64_t what = pick(100);
     if (what < 60) {            // a use, held for a while (at most three at once)
@@ -473,8 +500,8 @@ TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) {
         next_in_order[trace] = (next_in_order[trace] + 1) % (kBlocks / kTraces);
         if (next_in_order[trace] == 0) ends = trace;  // its last block
       }
-      if (added[id]) {
-        auto p = swapper_->Acquire(id, /*for_write=*/pick(2) == 0, use);
+      if (added[id] && id % kTraces != quiet) {
+        auto p = swapper->Acquire(id, /*for_write=*/pick(2) == 0, use);
         if (p.ok()) {
           pins.push_back(std::move(*p));
           if (pins.size() > 3) pins.erase(pins.begin());
@@ -482,40 +509,52 @@ TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) {
           ++failed;
         }
       }
-      if (ends != kTraces) swapper_->EndIteration(ends);
+      if (ends != kTraces && ends != quiet) swapper->EndIteration(ends);
     } else if (what < 82) {
       if (!pins.empty()) pins.erase(pins.begin() + static_cast<ptrdiff_t>(pick(pins.size())));
     } else if (what < 84) {
-      if (added[id]) swapper_->Discard(id).IgnoreError();  // (busy: refused)
+      if (added[id]) swapper->Discard(id).IgnoreError();  // (busy: refused)
     } else if (what < 90) {
       if (added[id]) {
-        ASSERT_TRUE(swapper_->SetHome(id, pick(6) == 0 ? Tier::kHost : Tier::kNvme).ok());
+        ASSERT_TRUE(swapper->SetHome(id, pick(6) == 0 ? Tier::kHost : Tier::kNvme).ok());
       }
     } else if (what < 91) {
-      swapper_->EndIteration(pick(kTraces));  // (an iteration cut short)
-    } else if (what < 94) {                   // a block gone (its pins released first), and back
-      if (added[id]) {
+      if (id % kTraces != quiet) swapper->EndIteration(id % kTraces);  // (an iteration cut short)
+    } else if (what < 94) {  // a block gone (its pins released first), and back
+      if (id % kTraces == quiet) {
+        // (Adding touches its trace: the quiet one stays quiet.)
+      } else if (added[id]) {
         pins.erase(std::remove_if(pins.begin(), pins.end(),
                                   [&](const Swapper::Pin& p) { return p.id() == id; }),
                    pins.end());
-        swapper_->Remove(id);
+        if (held_long.data() != nullptr && held_long.id() == id) held_long.Reset();
+        swapper->Remove(id);
         added[id] = false;
       } else {
         add(id);
       }
     } else {
-      swapper_->WaitIdle();  // (prefetches and write-outs done: the next uses hit)
+      swapper->WaitIdle();  // (prefetches and write-outs done: the next uses hit)
     }
     if (step % 100 == 0) ExpectIndexAgrees(absl::StrCat("step ", step));
   }
   pins.clear();
-  swapper_->WaitIdle();
+  held_long.Reset();
+  swapper->WaitIdle();
   ExpectIndexAgrees("at the end");
-  const SwapperStats st = swapper_->Stats();
-  EXPECT_GT(st.swap_outs + st.clean_drops, 250u);  // evictions: victims chosen
+  const SwapperStats st = swapper->Stats();
+  EXPECT_GT(st.swap_outs + st.clean_drops, 100u);  // evictions: victims chosen
   EXPECT_GT(st.prefetches, 25u);
   EXPECT_LT(failed, 300);  // (room for three pins at most: rare)
+  if (shares) {            // the ranks before the distances were in play
+    EXPECT_GT(st.idle_evictions, 0u);
+    EXPECT_GT(st.share_evictions, 10u);
+  }
 }
+
+TEST_F(SwapperTest, RandomOperationsKeepEvictionsIndexTrue) { RandomOperations(false); }
+
+TEST_F(SwapperTest, RandomOperationsAcrossSharesKeepEvictionsIndexTrue) { RandomOperations(true); }
 
 // A prefetch whose read fails gives its room back: nobody waits for it to
 // say so.
