@@ -17,11 +17,7 @@ uint64_t VictimIndex::Sync(Trace* t, const AccessTrace& order) {
     t->iteration = order.iterations();
     t->length = order.trace_length();
     t->by_next.clear();
-    for (const auto& [not_last_use, id] : t->by_lru) {
-      Entry& e = entries_.at(id);
-      e.at = At(*t, id, order);
-      t->by_next.insert({e.at, not_last_use, id});
-    }
+    for (const auto& [not_last_use, id] : t->by_lru) Relook(t, id, not_last_use, order);
   } else if (order.iterations() != t->iteration) {
     // The same order, iterations later: a position p of then is p + length
     // in the next iteration. (Those of an iteration cut short, or of the
@@ -37,9 +33,7 @@ uint64_t VictimIndex::Sync(Trace* t, const AccessTrace& order) {
     const auto [at, not_last_use, id] = *first;
     if (at >= pos) break;  // (kNever too)
     t->by_next.erase(first);
-    Entry& e = entries_.at(id);
-    e.at = At(*t, id, order);
-    t->by_next.insert({e.at, not_last_use, id});
+    Relook(t, id, not_last_use, order);
   }
   return pos;
 }
@@ -56,15 +50,11 @@ void VictimIndex::Set(BlockId id, uint64_t trace, const Standing& now, const Acc
   e.trace = trace;
   auto at_trace = traces_.try_emplace(trace).first;
   Trace& t = at_trace->second;
-  const Standing was = e.standing;
+  Subtract(&t, id, e);  // what it stood for (nothing, where new or moved)
   e.standing = now;
-  t.held = t.held - (was.held ? 1 : 0) + (now.held ? 1 : 0);
-  t.room = t.room - was.room + now.room;
-  all_room_ = all_room_ - was.room + now.room;
-  if (was.candidate) {
-    t.by_next.erase({e.at, ~was.last_use, id});
-    t.by_lru.erase({~was.last_use, id});
-  }
+  if (now.held) ++t.held;
+  t.room += now.room;
+  all_room_ += now.room;
   if (now.candidate) {
     if (order != nullptr && order->on_trace()) {
       Sync(&t, *order);
@@ -82,19 +72,28 @@ void VictimIndex::Set(BlockId id, uint64_t trace, const Standing& now, const Acc
   if (now == Standing{}) entries_.erase(it);
 }
 
+void VictimIndex::Subtract(Trace* t, BlockId id, const Entry& e) {
+  const Standing& s = e.standing;
+  t->held -= s.held ? 1 : 0;
+  t->room -= s.room;
+  all_room_ -= s.room;
+  if (s.candidate) {
+    t->by_next.erase({e.at, ~s.last_use, id});
+    t->by_lru.erase({~s.last_use, id});
+  }
+}
+
 void VictimIndex::Leave(BlockId id, const Entry& e) {
   auto it = traces_.find(e.trace);
   if (it == traces_.end()) return;  // (only where it stood for nothing)
-  Trace& t = it->second;
-  const Standing& s = e.standing;
-  t.held -= s.held ? 1 : 0;
-  t.room -= s.room;
-  all_room_ -= s.room;
-  if (s.candidate) {
-    t.by_next.erase({e.at, ~s.last_use, id});
-    t.by_lru.erase({~s.last_use, id});
-  }
-  if (t.forgotten && t.empty()) traces_.erase(it);
+  Subtract(&it->second, id, e);
+  if (it->second.forgotten && it->second.empty()) traces_.erase(it);
+}
+
+void VictimIndex::Relook(Trace* t, BlockId id, uint64_t not_last_use, const AccessTrace& order) {
+  Entry& e = entries_.at(id);
+  e.at = At(*t, id, order);
+  t->by_next.insert({e.at, not_last_use, id});
 }
 
 void VictimIndex::Erase(BlockId id) {

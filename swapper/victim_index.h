@@ -152,8 +152,13 @@ class VictimIndex {
   uint64_t Sync(Trace* t, const AccessTrace& order);
   // The position of `id`'s next use (kNever); `t` in step with `order`.
   static uint64_t At(const Trace& t, BlockId id, const AccessTrace& order);
-  // Takes the entry's standing out of its trace's sums and orders.
+  // Takes the entry's standing out of `t`'s sums and orders (its trace's).
+  void Subtract(Trace* t, BlockId id, const Entry& e);
+  // The same, its trace looked up (and let go, where forgotten and empty).
   void Leave(BlockId id, const Entry& e);
+  // A candidate's next use looked up in `order` and put in `t`'s order by
+  // next use (not there now).
+  void Relook(Trace* t, BlockId id, uint64_t not_last_use, const AccessTrace& order);
 
   absl::flat_hash_map<BlockId, Entry> entries_;
   absl::flat_hash_map<uint64_t, Trace> traces_;
