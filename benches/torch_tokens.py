@@ -205,7 +205,9 @@ def profile(args, text, address):
     prof.disable()
     print(f"profiled: {1e3 * r['wall']:.1f} ms/step (with the profiler's overhead), "
           f"{args.warmup + args.steps} steps")
-    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(prof, stream=sys.stdout)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)  # which of the loop's calls the time is under
 
 
 def main():

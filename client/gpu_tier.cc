@@ -15,13 +15,19 @@ namespace {
 constexpr size_t kMaxIdsPerCall = 4096;
 }  // namespace
 
+GpuTier::DaemonCall::~DaemonCall() {
+  const int64_t us = absl::ToInt64Microseconds(absl::Now() - start_);
+  absl::MutexLock lock(&tier_->mu_);
+  ++tier_->daemon_calls_;
+  tier_->daemon_us_ += static_cast<uint64_t>(std::max<int64_t>(us, 0));
+}
+
 absl::Status GpuTier::ReleaseIds(absl::Span<const uint64_t> ids) {
   absl::Status first;
   for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
+    DaemonCall call(this);
     absl::Status s = session_->Release(ids.subspan(i, kMaxIdsPerCall));
     if (first.ok()) first = s;
-    absl::MutexLock lock(&mu_);
-    ++daemon_calls_;
   }
   return first;
 }
@@ -82,11 +88,11 @@ absl::Status GpuTier::HoldAll(bool grads) {
   std::vector<uint64_t> ids = params_->Keys();
   std::vector<PartitionView> views;
   for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
-    absl::StatusOr<std::vector<PartitionView>> part = session_->Fetch(
-        absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall), {.grads = grads});
+    absl::StatusOr<std::vector<PartitionView>> part;
     {
-      absl::MutexLock lock(&mu_);
-      ++daemon_calls_;
+      DaemonCall call(this);
+      part = session_->Fetch(absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall),
+                             {.grads = grads});
     }
     if (!part.ok()) {
       // Nothing held for the iteration unless all of it is.
@@ -223,13 +229,24 @@ absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<cons
       }
       if (spans.size() == keys.size()) return spans;  // held for the iteration
     }
-    ++daemon_calls_;
   }
-  ASSIGN_OR_RETURN(std::vector<PartitionView> views, session_->Fetch(keys));
-  AddHolds(keys);
   std::vector<gpu::HostSource::Span> spans;
-  spans.reserve(views.size());
-  for (const PartitionView& v : views) spans.push_back({v.params, v.dma});
+  spans.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); i += kMaxIdsPerCall) {
+    const absl::Span<const uint64_t> part = keys.subspan(i, kMaxIdsPerCall);
+    absl::StatusOr<std::vector<PartitionView>> views;
+    {
+      DaemonCall call(this);
+      views = session_->Fetch(part);
+    }
+    if (!views.ok()) {
+      // Nothing held unless all of it is (others' holds stay).
+      ReleaseIds(Unhold(keys.subspan(0, i))).IgnoreError();
+      return views.status();
+    }
+    AddHolds(part);
+    for (const PartitionView& v : *views) spans.push_back({v.params, v.dma});
+  }
   return spans;
 }
 
@@ -259,10 +276,14 @@ absl::StatusOr<gpu::GradientSink::Span> GpuTier::Hold(uint64_t key) {
           it->second.grads, it->second.numel * DTypeSize(it->second.grad_dtype), it->second.dma};
     }
   }
-  ASSIGN_OR_RETURN(PartitionView v, session_->Fetch(key, {.grads = true}));
+  absl::StatusOr<PartitionView> fetched;
+  {
+    DaemonCall call(this);
+    fetched = session_->Fetch(key, {.grads = true});
+  }
+  ASSIGN_OR_RETURN(PartitionView v, std::move(fetched));
   AddHolds({key});
   absl::MutexLock lock(&mu_);
-  ++daemon_calls_;
   grads_held_[key] = v;
   return gpu::GradientSink::Span{v.grads, v.numel * DTypeSize(v.grad_dtype), v.dma};
 }
@@ -325,6 +346,7 @@ absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
   for (size_t i = 0; i < good.size() && returned.ok(); i += kMaxIdsPerCall) {
     const size_t n = std::min(kMaxIdsPerCall, good.size() - i);
     absl::Span<const PartitionView> part(good.data() + i, n);
+    DaemonCall call(this);
     returned = with_stats ? session_->HandOverGradients(
                                 part, absl::Span<const GradientStats>(given.data() + i, n), false)
                           : session_->ReturnGradients(part, /*release=*/false, hand_over);
@@ -350,6 +372,7 @@ GpuTierStats GpuTier::stats() const {
   s.gradients_returned = gradients_returned_;
   s.gradient_failures = gradient_failures_;
   s.daemon_calls = daemon_calls_;
+  s.daemon_us = daemon_us_;
   s.reports = reports_;
   std::tie(s.prefetch_depth, s.prefetch_bytes) = PrefetchInEffect();
   return s;

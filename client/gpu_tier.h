@@ -71,8 +71,11 @@ struct GpuTierStats {
   Session::DmaStats dma;
   uint64_t gradients_returned = 0;
   uint64_t gradient_failures = 0;
-  uint64_t daemon_calls = 0;  // holds and releases asked of the daemon
-  uint64_t reports = 0;       // to the daemon (ReportGpuTier)
+  // Holds, releases and gradient returns asked of the daemon, and the
+  // calling threads' time in them (the trainer's, mostly).
+  uint64_t daemon_calls = 0;
+  uint64_t daemon_us = 0;
+  uint64_t reports = 0;  // to the daemon (ReportGpuTier)
   // The prefetch in effect: the node's setting where it has one, else the
   // trainer's own.
   int prefetch_depth = 0;
@@ -188,6 +191,19 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   uint64_t gradients_returned_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t gradient_failures_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t daemon_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t daemon_us_ ABSL_GUARDED_BY(mu_) = 0;
+  // Counts a call to the daemon and the time until it goes out of scope.
+  class DaemonCall {
+   public:
+    explicit DaemonCall(GpuTier* tier) : tier_(tier), start_(absl::Now()) {}
+    ~DaemonCall();
+    DaemonCall(const DaemonCall&) = delete;
+    DaemonCall& operator=(const DaemonCall&) = delete;
+
+   private:
+    GpuTier* const tier_;
+    const absl::Time start_;
+  };
   // Last: they call back into this object until destroyed.
   std::unique_ptr<gpu::GradientDrain> drain_;
   std::unique_ptr<gpu::ParamCache> params_;

@@ -325,15 +325,19 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
   return absl::OkStatus();
 }
 
-absl::Status ParamCache::Bring(int unit, uint64_t limit) {
-  std::vector<int> missing;
-  for (int i : units_[unit].entries) {
-    if (entries_[i].state == State::kAbsent || entries_[i].state == State::kStale) {
-      missing.push_back(i);
+absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
+  std::vector<int> missing, keep;
+  for (int unit : units) {
+    for (int i : units_[unit].entries) {
+      // (A tensor in two of the units, a tied weight, once.)
+      if (std::find(keep.begin(), keep.end(), i) != keep.end()) continue;
+      keep.push_back(i);
+      if (entries_[i].state == State::kAbsent || entries_[i].state == State::kStale) {
+        missing.push_back(i);
+      }
     }
   }
   if (missing.empty()) return absl::OkStatus();
-  const std::vector<int>& keep = units_[unit].entries;
   std::vector<int> placed;
   auto undo = [&] {
     for (int i : placed) GiveUpCopy(entries_[i]);
@@ -467,7 +471,7 @@ void ParamCache::Prefetch() {
       was_absent.push_back(entries_[i].state == State::kAbsent ||
                            entries_[i].state == State::kStale);
     }
-    if (!Bring(u, pos).ok()) break;  // no room ahead of later uses; Use will bring it
+    if (!Bring({u}, pos).ok()) break;  // no room ahead of later uses; Use will bring it
     for (size_t k = 0; k < units_[u].entries.size(); ++k) {
       if (was_absent[k]) entries_[units_[u].entries[k]].prefetched = true;
     }
@@ -476,15 +480,21 @@ void ParamCache::Prefetch() {
   }
 }
 
-absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& compute) {
-  absl::MutexLock lock(&mu_);
-  if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("no unit %d (%d declared)", unit, units_.size()));
+absl::Status ParamCache::CheckUnits(absl::Span<const int> units) const {
+  std::vector<bool> named(units_.size());
+  for (int unit : units) {
+    if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("no unit %d (%d declared)", unit, units_.size()));
+    }
+    if (named[unit])
+      return absl::InvalidArgumentError(absl::StrFormat("unit %d named twice", unit));
+    named[unit] = true;
   }
-  Reap(/*wait=*/false);
-  // A failed copy is reported once, at the unit's next use; the one after
-  // copies again.
+  return absl::OkStatus();
+}
+
+absl::Status ParamCache::TakeFailure(int unit) {
   for (int i : units_[unit].entries) {
     Entry& e = entries_[i];
     if (e.state == State::kFailed || (e.state == State::kStale && !e.error.ok())) {
@@ -496,55 +506,96 @@ absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& co
       return error;
     }
   }
-  AdvanceCursor(unit);
-  ++stats_.uses;
-  std::vector<State> before;
-  for (int i : units_[unit].entries) before.push_back(entries_[i].state);
-  RETURN_IF_ERROR(Bring(unit, kNever));
-  std::vector<uint64_t> offsets;
-  const std::vector<int>& list = units_[unit].entries;
-  for (size_t k = 0; k < list.size(); ++k) {
-    Entry& e = entries_[list[k]];
-    ++stats_.tensor_uses;
-    // Disjoint, as the daemon's stats count them: a prefetched copy is a
-    // prefetch hit whether it is done or still in flight.
-    if (before[k] != State::kAbsent && e.prefetched) {
-      ++stats_.prefetch_hits;
-    } else if (before[k] == State::kReady) {
-      ++stats_.resident_hits;
-    }
-    e.prefetched = false;
-    if (e.state == State::kCopying) {
-      if (before[k] == State::kCopying) ++stats_.in_flight_at_use;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint64_t>> ParamCache::Use(int unit, const Stream& compute) {
+  ASSIGN_OR_RETURN(std::vector<std::vector<uint64_t>> offsets,
+                   Use(absl::MakeConstSpan(&unit, 1), compute));
+  return std::move(offsets[0]);
+}
+
+absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<const int> units,
+                                                                   const Stream& compute) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUnits(units));
+  Reap(/*wait=*/false);
+  // A failed copy is reported once, at the unit's next use; the one after
+  // copies again.
+  for (int unit : units) RETURN_IF_ERROR(TakeFailure(unit));
+  std::vector<std::vector<State>> before;
+  for (int unit : units) {
+    AdvanceCursor(unit);
+    ++stats_.uses;
+    before.emplace_back();
+    for (int i : units_[unit].entries) before.back().push_back(entries_[i].state);
+  }
+  RETURN_IF_ERROR(Bring(units, kNever));
+  // `compute` waits for every batch a tensor is still copied in, once each,
+  // before any pin is taken (a failed wait leaves nothing in use; the
+  // copies complete or fail on their own).
+  std::vector<const Batch*> waited;
+  for (int unit : units) {
+    for (int i : units_[unit].entries) {
+      const Entry& e = entries_[i];
+      if (e.state != State::kCopying) continue;
+      if (std::find(waited.begin(), waited.end(), e.batch.get()) != waited.end()) continue;
       RETURN_IF_ERROR(device_->WaitOn(compute, e.batch->done));
-      e.used_in_flight = true;
+      waited.push_back(e.batch.get());
     }
-    ++e.pins;
-    offsets.push_back(e.offset);
+  }
+  std::vector<std::vector<uint64_t>> offsets(units.size());
+  for (size_t n = 0; n < units.size(); ++n) {
+    const std::vector<int>& list = units_[units[n]].entries;
+    for (size_t k = 0; k < list.size(); ++k) {
+      Entry& e = entries_[list[k]];
+      const State was = before[n][k];
+      ++stats_.tensor_uses;
+      // Disjoint, as the daemon's stats count them: a prefetched copy is a
+      // prefetch hit whether it is done or still in flight.
+      if (was != State::kAbsent && e.prefetched) {
+        ++stats_.prefetch_hits;
+      } else if (was == State::kReady) {
+        ++stats_.resident_hits;
+      }
+      e.prefetched = false;
+      if (e.state == State::kCopying) {
+        if (was == State::kCopying) ++stats_.in_flight_at_use;
+        e.used_in_flight = true;
+      }
+      ++e.pins;
+      offsets[n].push_back(e.offset);
+    }
   }
   Prefetch();
   return offsets;
 }
 
 absl::Status ParamCache::Done(int unit, const Stream& compute) {
+  return Done(absl::MakeConstSpan(&unit, 1), compute);
+}
+
+absl::Status ParamCache::Done(absl::Span<const int> units, const Stream& compute) {
   absl::MutexLock lock(&mu_);
-  if (unit < 0 || static_cast<size_t>(unit) >= units_.size()) {
-    return absl::InvalidArgumentError(absl::StrFormat("no unit %d", unit));
-  }
-  Unit& u = units_[unit];
-  for (int i : u.entries) {
-    if (entries_[i].pins == 0) {
-      return absl::FailedPreconditionError(absl::StrFormat("Done(%d) without a Use of it", unit));
+  RETURN_IF_ERROR(CheckUnits(units));
+  for (int unit : units) {
+    for (int i : units_[unit].entries) {
+      if (entries_[i].pins == 0) {
+        return absl::FailedPreconditionError(absl::StrFormat("Done(%d) without a Use of it", unit));
+      }
     }
   }
-  if (!u.released) {
-    ASSIGN_OR_RETURN(u.released, device_->CreateEvent());
-  }
-  RETURN_IF_ERROR(device_->Record(u.released, compute));
-  u.released_recorded = true;
-  for (int i : u.entries) {
-    --entries_[i].pins;
-    entries_[i].released_recorded = true;
+  for (int unit : units) {
+    Unit& u = units_[unit];
+    if (!u.released) {
+      ASSIGN_OR_RETURN(u.released, device_->CreateEvent());
+    }
+    RETURN_IF_ERROR(device_->Record(u.released, compute));
+    u.released_recorded = true;
+    for (int i : u.entries) {
+      --entries_[i].pins;
+      entries_[i].released_recorded = true;
+    }
   }
   return absl::OkStatus();
 }

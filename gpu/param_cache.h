@@ -145,9 +145,21 @@ class ParamCache {
   // wait for them; the tensors stay until Done. Returns each tensor's byte
   // offset in the slab, in the unit's order.
   absl::StatusOr<std::vector<uint64_t>> Use(int unit, const Stream& compute);
+  // Use of each of `units`, in that order, in one call: their copies issued
+  // together (one hold of the host's bytes, one event, one wait of
+  // `compute`), so that compute waits for all of them. For a trainer whose
+  // budget holds every unit, at the iteration's start: one call instead of
+  // one per unit as its modules run. RESOURCE_EXHAUSTED if they do not fit
+  // at once; on any error none of them is in use.
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> Use(absl::Span<const int> units,
+                                                         const Stream& compute);
   // The unit's compute is issued on `compute`: its tensors may be evicted
   // once the work issued so far there completes.
   absl::Status Done(int unit, const Stream& compute);
+  // Done of each of `units`; FAILED_PRECONDITION (and none done) if one is
+  // not in use. (Either: INVALID_ARGUMENT for a unit not declared or named
+  // twice.)
+  absl::Status Done(absl::Span<const int> units, const Stream& compute);
   // The host values changed: every resident copy is stale. Copies made
   // after this wait for the work issued so far on `compute`.
   absl::Status Invalidate(const Stream& compute);
@@ -214,10 +226,17 @@ class ParamCache {
   // cursor (kNever if none).
   uint64_t NextUse(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextUseOfUnit(int unit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Places the unit's missing tensors in the slab, evicting as the policy
-  // allows (only tensors used after `limit` when prefetching), and issues
-  // their copies. FAILED_PRECONDITION-free: RESOURCE_EXHAUSTED if no room.
-  absl::Status Bring(int unit, uint64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places the units' missing tensors in the slab, evicting as the policy
+  // allows (only tensors used after `limit` when prefetching; none of the
+  // units'), and issues their copies as one batch. FAILED_PRECONDITION-free:
+  // RESOURCE_EXHAUSTED if no room (then nothing is placed).
+  absl::Status Bring(absl::Span<const int> units, uint64_t limit)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An out-of-range unit, or one named twice: INVALID_ARGUMENT.
+  absl::Status CheckUnits(absl::Span<const int> units) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A copy failure of one of the unit's tensors, reported once: the error,
+  // and the unit's tensors are copied again at the next use.
+  absl::Status TakeFailure(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint64_t> Place(uint64_t bytes, bool persistent, uint64_t limit,
                                  const std::vector<int>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Evict(int entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

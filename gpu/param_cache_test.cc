@@ -31,6 +31,7 @@ class FakeSource : public HostSource {
 
   absl::StatusOr<std::vector<Span>> Hold(absl::Span<const uint64_t> keys) override {
     absl::MutexLock l(&mu_);
+    ++hold_calls_;
     std::vector<Span> out;
     for (uint64_t k : keys) {
       holds_.push_back(k);
@@ -50,6 +51,10 @@ class FakeSource : public HostSource {
     absl::MutexLock l(&mu_);
     return std::exchange(holds_, {});
   }
+  int hold_calls() {
+    absl::MutexLock l(&mu_);
+    return hold_calls_;
+  }
   int outstanding() {
     absl::MutexLock l(&mu_);
     int n = 0;
@@ -63,6 +68,7 @@ class FakeSource : public HostSource {
   absl::Mutex mu_;
   std::vector<uint64_t> holds_;
   std::map<uint64_t, int> held_;
+  int hold_calls_ = 0;
 };
 
 class ParamCacheTest : public ::testing::Test {
@@ -383,6 +389,81 @@ TEST_F(ParamCacheTest, PersistentTensorsStayAndLiveBytesAreCapped) {
   }
   ParamCacheStats s = (*cache)->stats();
   EXPECT_LE(s.peak_resident_bytes, 4 * 512 + (16 << 10));
+}
+
+// Units used in one call (a trainer whose budget holds them all, at its
+// iteration's start): their copies are one batch (one hold of the host's
+// bytes), a tensor two of them share is copied once, and each unit sees its
+// own values, new ones after Invalidate.
+TEST_F(ParamCacheTest, UnitsUsedTogetherAreCopiedAsOneBatch) {
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 4 << 20, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Declare(**cache, 6, 2, 64 << 10);
+  source_.Add(600, 64 << 10, 6);
+  ASSERT_TRUE((*cache)->AddUnit({{600, 64 << 10}, {0, 64 << 10}}).ok());  // ties unit 0's first
+  const std::vector<int> all = {0, 1, 2, 3, 4, 5, 6};
+  for (int it = 0; it < 3; ++it) {
+    (*cache)->BeginIteration();
+    source_.TakeHolds();
+    const int calls = source_.hold_calls();
+    auto offsets = (*cache)->Use(all, host_);
+    ASSERT_TRUE(offsets.ok()) << offsets.status();
+    EXPECT_EQ(source_.hold_calls(), calls + 1) << "iteration " << it;
+    EXPECT_EQ(source_.TakeHolds().size(), 13u) << "the shared tensor held once";
+    ASSERT_EQ(offsets->size(), all.size());
+    for (int u : all) {
+      const std::vector<uint64_t> keys =
+          u < 6 ? std::vector<uint64_t>{100u * u, 100u * u + 1} : std::vector<uint64_t>{600, 0};
+      ASSERT_EQ((*offsets)[u].size(), keys.size());
+      for (size_t k = 0; k < keys.size(); ++k) {
+        const auto& want = source_.data(keys[k]);
+        EXPECT_EQ(std::memcmp(static_cast<char*>((*cache)->slab()) + (*offsets)[u][k], want.data(),
+                              want.size()),
+                  0)
+            << "iteration " << it << " unit " << u << " tensor " << k;
+      }
+    }
+    EXPECT_EQ((*offsets)[6][1], (*offsets)[0][0]);
+    ASSERT_TRUE((*cache)->Done(all, host_).ok());
+    ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+    for (int u = 0; u < 6; ++u) {
+      source_.Fill(100 * u, static_cast<uint8_t>(it + 20));
+      source_.Fill(100 * u + 1, static_cast<uint8_t>(it + 30));
+    }
+    source_.Fill(600, static_cast<uint8_t>(it + 40));
+  }
+  ParamCacheStats s = (*cache)->stats();
+  EXPECT_EQ(s.copies, 3u * 13u);
+  EXPECT_EQ(s.uses, 3u * 7u);
+  ASSERT_TRUE((*cache)->Synchronize().ok());
+  EXPECT_EQ(source_.outstanding(), 0);
+}
+
+// What one call cannot do it refuses whole: nothing stays in use.
+TEST_F(ParamCacheTest, UnitsUsedTogetherAreRefusedAsOne) {
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 2 * (64 << 10)});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Declare(**cache, 3, 1, 64 << 10);  // the budget holds two of the three at once
+  (*cache)->BeginIteration();
+  const std::vector<int> twice = {0, 1, 0}, unknown = {0, 7}, three = {0, 1, 2};
+  EXPECT_EQ((*cache)->Use(twice, host_).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*cache)->Use(unknown, host_).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*cache)->Use(three, host_).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*cache)->stats().resident_bytes, 0u) << "nothing placed";
+  // So each unit alone still fits, and two at once.
+  UseAndCheck(**cache, 2, 1);
+  const std::vector<int> two = {0, 1};
+  ASSERT_TRUE((*cache)->Use(two, host_).ok());
+  // Done of units of which one is not in use: none done.
+  EXPECT_EQ((*cache)->Done(three, host_).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*cache)->Use(std::vector<int>{2}, host_).status().code(),
+            absl::StatusCode::kResourceExhausted)
+      << "units 0 and 1 are still in use";
+  ASSERT_TRUE((*cache)->Done(two, host_).ok());
+  UseAndCheck(**cache, 2, 1);
+  ASSERT_TRUE((*cache)->Synchronize().ok());
+  EXPECT_EQ(source_.outstanding(), 0);
 }
 
 TEST_F(ParamCacheTest, RefusesWhatCannotFit) {

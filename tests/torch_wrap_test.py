@@ -467,9 +467,9 @@ class TorchWrapTest(unittest.TestCase):
         self.assertGreater(g["dma_regions"], 0)
         self.assertEqual(g["h2d_staged_bytes"], 0)
         self.assertEqual(whole["counts"]["stats_sent"], whole["counts"]["returns"])
-        # Held once an iteration (params, then grads) and let go once: no
-        # call to the daemon per copy.
-        self.assertLessEqual(g["daemon_calls"], 3 * 9)
+        # Held once an iteration (params, then grads), the gradients
+        # returned once and all let go once: no call to the daemon per copy.
+        self.assertLessEqual(g["daemon_calls"], 4 * 9)
         budget = model_bytes * 2 // 5
         runs = {}
         for depth in (2, 0):

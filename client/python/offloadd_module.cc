@@ -207,7 +207,7 @@ py::dict TierStatsDict(const GpuTierStats& s) {
       "gradients_returned"_a = s.gradients_returned, "dma_regions"_a = s.dma.regions,
       "dma_bytes"_a = s.dma.bytes, "dma_failed_regions"_a = s.dma.failed_regions,
       "dma_register_us"_a = s.dma.register_us, "daemon_calls"_a = s.daemon_calls,
-      "reports"_a = s.reports, "prefetch_depth"_a = s.prefetch_depth,
+      "daemon_us"_a = s.daemon_us, "reports"_a = s.reports, "prefetch_depth"_a = s.prefetch_depth,
       "prefetch_bytes"_a = s.prefetch_bytes);
 }
 
@@ -316,11 +316,27 @@ void BindGpu(py::module_& m) {
           py::arg("unit"), py::arg("stream"), py::arg("device"),
           "the unit's tensors' byte offsets in the slab; `stream` waits for their copies")
       .def(
+          "use_units",
+          [](GpuTier& t, const std::vector<int>& units, uintptr_t stream,
+             std::shared_ptr<gpu::Device> d) {
+            return Value(Unlocked([&] { return t.params().Use(units, StreamOf(*d, stream)); }));
+          },
+          py::arg("units"), py::arg("stream"), py::arg("device"),
+          "use of every unit named, in one call (their copies issued together): each one's "
+          "offsets, as use's")
+      .def(
           "done",
           [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
             Check(Unlocked([&] { return t.params().Done(unit, StreamOf(*d, stream)); }));
           },
           py::arg("unit"), py::arg("stream"), py::arg("device"))
+      .def(
+          "done_units",
+          [](GpuTier& t, const std::vector<int>& units, uintptr_t stream,
+             std::shared_ptr<gpu::Device> d) {
+            Check(Unlocked([&] { return t.params().Done(units, StreamOf(*d, stream)); }));
+          },
+          py::arg("units"), py::arg("stream"), py::arg("device"))
       .def(
           "invalidate",
           [](GpuTier& t, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
