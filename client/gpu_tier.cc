@@ -4,6 +4,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_format.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -252,40 +253,64 @@ absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<cons
 
 absl::Status GpuTier::Release(absl::Span<const uint64_t> keys) { return ReleaseIds(Unhold(keys)); }
 
-absl::StatusOr<gpu::GradientSink::Span> GpuTier::Hold(uint64_t key) {
+absl::StatusOr<std::vector<gpu::GradientSink::Span>> GpuTier::HoldBuffers(
+    absl::Span<const uint64_t> keys) {
+  bool need_all;
   {
     absl::MutexLock lock(&mu_);
-    if (grads_held_.contains(key)) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "partition %d's gradient is already on its way to the host: return it first", key));
+    absl::flat_hash_set<uint64_t> named;
+    for (uint64_t key : keys) {
+      if (grads_held_.contains(key) || !named.insert(key).second) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "partition %d's gradient is already on its way to the host: return it first", key));
+      }
+    }
+    need_all =
+        hold_per_iteration_ && !gradients_per_batch_ && !grads_held_all_ && !held_all_.empty();
+  }
+  // The iteration's first gradients: every gradient buffer at once (one
+  // call). Not while a step runs that may still read them (the delayed
+  // update's): then each batch's own, which the step, going in the order
+  // gradients were returned, gives back first.
+  if (need_all) RETURN_IF_ERROR(HoldAll(/*grads=*/true));
+  std::vector<uint64_t> missing;
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t key : keys) {
+      if (!grads_held_all_ || !held_all_.contains(key)) missing.push_back(key);
     }
   }
-  if (hold_per_iteration_) {
-    bool need;
+  absl::flat_hash_map<uint64_t, PartitionView> fetched;
+  for (size_t i = 0; i < missing.size(); i += kMaxIdsPerCall) {
+    const absl::Span<const uint64_t> part = absl::MakeConstSpan(missing).subspan(i, kMaxIdsPerCall);
+    absl::StatusOr<std::vector<PartitionView>> views;
     {
-      absl::MutexLock lock(&mu_);
-      need = !grads_held_all_ && !held_all_.empty();
+      DaemonCall call(this);
+      views = session_->Fetch(part, {.grads = true});
     }
-    // The first gradient of the iteration: every gradient buffer at once.
-    if (need) RETURN_IF_ERROR(HoldAll(/*grads=*/true));
-    absl::MutexLock lock(&mu_);
-    auto it = held_all_.find(key);
-    if (grads_held_all_ && it != held_all_.end()) {
-      grads_held_[key] = it->second;
-      return gpu::GradientSink::Span{
-          it->second.grads, it->second.numel * DTypeSize(it->second.grad_dtype), it->second.dma};
+    if (!views.ok()) {
+      // Nothing held unless all of it is (others' holds stay).
+      ReleaseIds(Unhold(absl::MakeConstSpan(missing).subspan(0, i))).IgnoreError();
+      return views.status();
     }
+    AddHolds(part);
+    for (PartitionView& v : *views) fetched[v.id] = std::move(v);
   }
-  absl::StatusOr<PartitionView> fetched;
-  {
-    DaemonCall call(this);
-    fetched = session_->Fetch(key, {.grads = true});
-  }
-  ASSIGN_OR_RETURN(PartitionView v, std::move(fetched));
-  AddHolds({key});
+  std::vector<gpu::GradientSink::Span> spans;
+  spans.reserve(keys.size());
   absl::MutexLock lock(&mu_);
-  grads_held_[key] = v;
-  return gpu::GradientSink::Span{v.grads, v.numel * DTypeSize(v.grad_dtype), v.dma};
+  for (uint64_t key : keys) {
+    auto it = fetched.find(key);
+    const PartitionView& v = it != fetched.end() ? it->second : held_all_.at(key);
+    grads_held_[key] = v;
+    spans.push_back({v.grads, v.numel * DTypeSize(v.grad_dtype), v.dma});
+  }
+  return spans;
+}
+
+void GpuTier::SetGradientsPerBatch(bool per_batch) {
+  absl::MutexLock lock(&mu_);
+  gradients_per_batch_ = per_batch;
 }
 
 absl::Status GpuTier::AddGradient(uint64_t partition_id, const void* src, uint64_t bytes,

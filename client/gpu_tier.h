@@ -128,6 +128,13 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // unreturned (an iteration given up): their sources may be freed after.
   absl::Status DropGradients();
 
+  // With hold_per_iteration: whether the iteration's gradient buffers are
+  // held each batch's own as gradients come (true: while the step before
+  // may still read them, the delayed update's, so that a batch waits only
+  // for its own partitions' updates) or all at the first (one call; the
+  // default).
+  void SetGradientsPerBatch(bool per_batch) ABSL_LOCKS_EXCLUDED(mu_);
+
   // The trainer's own prefetch (ParamCache::SetPrefetch); the node's
   // settings, where it has them, win while they are set.
   void SetPrefetch(int depth, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
@@ -155,8 +162,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // gpu::HostSource: the partitions' parameters.
   absl::StatusOr<std::vector<gpu::HostSource::Span>> Hold(absl::Span<const uint64_t> keys) override;
   absl::Status Release(absl::Span<const uint64_t> keys) override;
-  // gpu::GradientSink: a partition's gradient buffer.
-  absl::StatusOr<gpu::GradientSink::Span> Hold(uint64_t key) override;
+  // gpu::GradientSink: partitions' gradient buffers.
+  absl::StatusOr<std::vector<gpu::GradientSink::Span>> HoldBuffers(
+      absl::Span<const uint64_t> keys) override;
 
   Session* const session_;
   gpu::Device* const device_;
@@ -176,6 +184,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   std::vector<uint64_t> all_ids_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, PartitionView> held_all_ ABSL_GUARDED_BY(mu_);
   bool grads_held_all_ ABSL_GUARDED_BY(mu_) = false;
+  bool gradients_per_batch_ ABSL_GUARDED_BY(mu_) = false;
   // Gradient buffers held, by partition.
   absl::flat_hash_map<uint64_t, PartitionView> grads_held_ ABSL_GUARDED_BY(mu_);
   // The daemon's holds are not counted (one Release lets every hold of a

@@ -100,18 +100,21 @@ absl::Status GradientDrain::Add(absl::Span<const Item> items, const Stream& prod
   absl::MutexLock lock(&mu_);
   if (items.empty()) return absl::OkStatus();
   // The copies start after the work that wrote their sources.
+  std::vector<uint64_t> keys;
+  keys.reserve(items.size());
+  for (const Item& item : items) keys.push_back(item.key);
+  ASSIGN_OR_RETURN(std::vector<GradientSink::Span> hosts, sink_->HoldBuffers(keys));
+  if (hosts.size() != items.size()) {
+    return absl::InternalError(absl::StrFormat("the gradient sink held %d buffers for %d keys",
+                                               hosts.size(), items.size()));
+  }
   absl::Status ordered = device_->Record(producer_done_, producer);
   if (ordered.ok()) ordered = device_->WaitOn(stream_, producer_done_);
-  absl::Status held;
-  for (const Item& item : items) {
-    absl::StatusOr<GradientSink::Span> host = sink_->Hold(item.key);
-    if (!host.ok()) {
-      held = host.status();
-      break;
-    }
+  for (size_t k = 0; k < items.size(); ++k) {
+    const Item& item = items[k];
     auto c = std::make_unique<Copy>();
     c->key = item.key;
-    c->host = *host;
+    c->host = hosts[k];
     c->bytes = item.bytes;
     c->failed = ordered.ok() ? Issue(*c, item.src) : ordered;
     if (c->failed.ok()) {
@@ -122,7 +125,7 @@ absl::Status GradientDrain::Add(absl::Span<const Item> items, const Stream& prod
     in_flight_.push_back(std::move(c));
   }
   Seal();
-  return held;
+  return absl::OkStatus();
 }
 
 void GradientDrain::Seal() {

@@ -3,8 +3,8 @@
 // arena) on a copy stream of their own while the rest of backward runs.
 //
 //   1. Add(key, src, bytes, producer): the key's host buffer is held
-//      (GradientSink::Hold); a copy of `src` into it is issued on the drain's
-//      stream after the work issued so far on `producer` (the backward pass
+//      (GradientSink::HoldBuffers, one call for the keys of one Add); a copy of `src` into it is
+//      issued on the drain's stream after the work issued so far on `producer` (the backward pass
 //      that wrote `src`), straight into DMA-registered memory or through a
 //      pinned staging buffer.
 //   2. Completed(wait): the keys whose copies are done, in the order added;
@@ -41,8 +41,9 @@ class GradientSink {
     bool dma = false;  // registered for DMA: copied into directly
   };
   virtual ~GradientSink() = default;
-  // Holds the key's host buffer for writing until the caller hands it on.
-  virtual absl::StatusOr<Span> Hold(uint64_t key) = 0;
+  // Holds the keys' host buffers for writing until the caller hands each
+  // on; all of them or (an error) none.
+  virtual absl::StatusOr<std::vector<Span>> HoldBuffers(absl::Span<const uint64_t> keys) = 0;
 };
 
 struct GradientDrainStats {
@@ -74,9 +75,8 @@ class GradientDrain {
   absl::Status Add(uint64_t key, const void* src, uint64_t bytes, const Stream& producer);
   // Several, in order, after the work issued so far on `producer`: one
   // wait on it and one completion event for all of them (a gradient hook
-  // that batches costs the driver a third of the calls). An error holding
-  // an item's buffer stops there: the items before it are in flight and
-  // reported as usual, those from it on were not added.
+  // that batches costs the driver a third of the calls), and one hold of
+  // their buffers. An error holding them adds none.
   absl::Status Add(absl::Span<const Item> items, const Stream& producer);
   // Completed copies, oldest first; with `wait`, every copy added so far.
   std::vector<Done> Completed(bool wait);

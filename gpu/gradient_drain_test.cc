@@ -14,12 +14,20 @@ namespace {
 
 class FakeSink : public GradientSink {
  public:
-  absl::StatusOr<Span> Hold(uint64_t key) override {
-    if (key == refuse) return absl::ResourceExhaustedError("no room for this buffer");
-    auto& v = buffers[key];
-    v.assign(bytes, 0);
-    return Span{v.data(), v.size(), dma};
+  absl::StatusOr<std::vector<Span>> HoldBuffers(absl::Span<const uint64_t> keys) override {
+    ++holds;
+    for (uint64_t key : keys) {
+      if (key == refuse) return absl::ResourceExhaustedError("no room for this buffer");
+    }
+    std::vector<Span> out;
+    for (uint64_t key : keys) {
+      auto& v = buffers[key];
+      v.assign(bytes, 0);
+      out.push_back(Span{v.data(), v.size(), dma});
+    }
+    return out;
   }
+  int holds = 0;  // calls
   std::map<uint64_t, std::vector<char>> buffers;
   uint64_t bytes = 1 << 20;
   bool dma = true;
@@ -109,9 +117,9 @@ TEST_P(GradientDrainTest, BatchesArriveWholeAndInOrder) {
 
 INSTANTIATE_TEST_SUITE_P(DmaAndStaged, GradientDrainTest, ::testing::Bool());
 
-// A buffer the sink cannot hold stops the batch there: the items before it
-// are copied and reported, none after it is added.
-TEST(GradientDrainFailureTest, ABatchStopsAtABufferThatCannotBeHeld) {
+// One hold for a batch's buffers; one the sink cannot hold adds none of
+// them, and the batch after it goes on.
+TEST(GradientDrainFailureTest, ABatchWhoseBuffersCannotBeHeldAddsNone) {
   EmulatedDevice dev;
   FakeSink sink;
   sink.refuse = 2;
@@ -125,14 +133,20 @@ TEST(GradientDrainFailureTest, ABatchStopsAtABufferThatCannotBeHeld) {
   Stream host = dev.BorrowStream(nullptr);
   absl::Status s = (*drain)->Add(items, host);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(sink.holds, 1);
+  EXPECT_TRUE(sink.buffers.empty());
+  EXPECT_TRUE((*drain)->Completed(true).empty());
+  EXPECT_EQ((*drain)->pending(), 0u);
+  items.erase(items.begin() + 2);
+  ASSERT_TRUE((*drain)->Add(items, host).ok());
+  EXPECT_EQ(sink.holds, 2);
   auto done = (*drain)->Completed(true);
-  ASSERT_EQ(done.size(), 2u);
-  for (uint64_t k = 0; k < 2; ++k) {
-    EXPECT_EQ(done[k].key, k);
-    EXPECT_TRUE(done[k].status.ok());
-    EXPECT_EQ(sink.buffers[k][4095], 'x');
+  ASSERT_EQ(done.size(), 3u);
+  for (size_t i = 0; i < done.size(); ++i) {
+    EXPECT_EQ(done[i].key, items[i].key);
+    EXPECT_TRUE(done[i].status.ok());
+    EXPECT_EQ(sink.buffers[items[i].key][4095], 'x');
   }
-  EXPECT_EQ(sink.buffers.count(3), 0u);
 }
 
 TEST(GradientDrainFailureTest, AFailedCopyIsReportedWithItsKey) {

@@ -627,6 +627,82 @@ TEST_F(DaemonTest, DmaRegistersWorkingCopiesOnlyOnceTheDaemonNamesThem) {
   EXPECT_EQ(s->dma_stats().regions, 0u);
 }
 
+// With the delayed update the step after an iteration runs while the next
+// one computes, and reads the gradient buffers that iteration's backward
+// writes again. Held a batch at a time (SetGradientsPerBatch, what
+// offloadd.torch sets while a step runs), the first batch waits only for
+// its own partitions' updates, which the step does first (in the order
+// their gradients came), not for the whole step.
+TEST_F(DaemonTest, WithTheDelayedUpdateAGradientBatchWaitsOnlyForItsOwnPartitions) {
+  gpu::EmulatedDevice device({.memory_bytes = 512 << 20});  // outlives the session
+  std::unique_ptr<Session> s = Open("dpu");
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->SetDelayedUpdate(true).ok());
+  // A partition whose gradients come first, updated in a run of the
+  // optimizer of its own (1M parameters: StepRunner's shortest), and a
+  // large one whose update takes most of the step's time.
+  const uint64_t numel[] = {1 << 20, 24 << 20};
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 2; ++i) {
+    auto p = s->Register(absl::StrCat("w", i), numel[i], DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(s->Release(*p).ok());
+    ids.push_back(p->id);
+  }
+  GpuTierOptions options;
+  options.params.budget_bytes = (numel[0] + numel[1]) * sizeof(float);
+  options.hold_per_iteration = true;
+  auto tier = GpuTier::Create(s.get(), &device, options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  // (The tier holds what its units name; the parameters are not used here.)
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE((*tier)->params().AddUnit({{ids[i], numel[i] * sizeof(float)}}).ok());
+  }
+  auto grads = device.Allocate(numel[1] * sizeof(float));
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  std::memset(grads->get(), 0, numel[1] * sizeof(float));
+  gpu::Stream host = device.BorrowStream(nullptr);
+  // Backward: the small partition's gradient, then the large one's,
+  // handed over with their statistics.
+  auto backward = [&] {
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE((*tier)->AddGradient(ids[i], grads->get(), numel[i] * sizeof(float), host).ok());
+    }
+    absl::flat_hash_map<uint64_t, GradientStats> stats = {{ids[0], {}}, {ids[1], {}}};
+    auto returned = (*tier)->ReturnGradients(/*wait=*/true, /*hand_over=*/true, stats);
+    ASSERT_TRUE(returned.ok()) << returned.status();
+    ASSERT_EQ(returned->size(), 2u);
+    ASSERT_TRUE((*tier)->EndIteration().ok());
+  };
+  StepOptions kOverlap;
+  kOverlap.overlap = true;
+  ASSERT_TRUE((*tier)->BeginIteration().ok());
+  backward();
+  ASSERT_TRUE(s->Step(AdamHyperparams{}, kOverlap).ok());
+  ASSERT_TRUE(s->WaitStep().ok());
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE((*tier)->BeginIteration().ok());
+    backward();
+    const int64_t steps = Counter("steps");
+    ASSERT_TRUE(s->Step(AdamHyperparams{}, kOverlap).ok());
+    (*tier)->SetGradientsPerBatch(true);
+    ASSERT_TRUE((*tier)->BeginIteration().ok());
+    ASSERT_TRUE((*tier)->AddGradient(ids[0], grads->get(), numel[0] * sizeof(float), host).ok());
+    // Held while the step still updates the large partition (24M
+    // parameters: tens of milliseconds here).
+    EXPECT_EQ(Counter("steps"), steps) << "round " << round;
+    ASSERT_TRUE((*tier)->AddGradient(ids[1], grads->get(), numel[1] * sizeof(float), host).ok());
+    ASSERT_TRUE(s->WaitStep().ok());
+    EXPECT_EQ(Counter("steps"), steps + 1);
+    auto returned = (*tier)->ReturnGradients(/*wait=*/true, /*hand_over=*/false);
+    ASSERT_TRUE(returned.ok()) << returned.status();
+    ASSERT_TRUE((*tier)->EndIteration().ok());
+    ASSERT_TRUE(s->Step(AdamHyperparams{}, kOverlap).ok());
+    ASSERT_TRUE(s->WaitStep().ok());
+    (*tier)->SetGradientsPerBatch(false);
+  }
+}
+
 // A trainer's GPU tier reports what it did (the session's stats and the
 // node's gpu_* counters show it) and takes the node's prefetch settings
 // from the answer: offloadctl set gpu.prefetch_depth reaches it at its next

@@ -346,6 +346,12 @@ void BindGpu(py::module_& m) {
       .def("synchronize",
            [](GpuTier& t) { Check(Unlocked([&] { return t.params().Synchronize(); })); })
       .def(
+          "set_gradients_per_batch",
+          [](GpuTier& t, bool per_batch) { t.SetGradientsPerBatch(per_batch); },
+          py::arg("per_batch"),
+          "gradient buffers held each batch's own as gradients come (while the step before "
+          "may still read them) or all at the first")
+      .def(
           "set_prefetch",
           [](GpuTier& t, int depth, uint64_t bytes) { t.SetPrefetch(depth, bytes); },
           py::arg("depth"), py::arg("bytes"))

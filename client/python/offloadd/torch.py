@@ -1544,6 +1544,7 @@ class _GpuTier:
         self.queued, self.queued_bytes = [], 0  # (pid, address, bytes) not yet issued
         self.counts = {"units_used": 0}
         self._stream = None
+        self._per_batch = False  # gradient buffers held a batch at a time
 
     @staticmethod
     def create(engine, cfg):
@@ -1693,6 +1694,12 @@ class _GpuTier:
 
     def invalidate(self):
         self.tier.invalidate(self.stream(), self.device)
+
+    def step_running(self, running):
+        """After a step: whether it still runs (see GpuTier::SetGradientsPerBatch)."""
+        if running != self._per_batch:
+            self.tier.set_gradients_per_batch(running)
+            self._per_batch = running
 
     # --- gradients ------------------------------------------------------------
 
@@ -1982,6 +1989,11 @@ class Optimizer(torch.optim.Optimizer):
             e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
         self._overlapped = bool(r["running"])
+        if e.tier is not None:
+            # A step still running (the delayed update's) reads the gradient
+            # buffers the next backward writes, in the order they came:
+            # each batch then waits only for its own partitions' updates.
+            e.tier.step_running(self._overlapped)
         if self._config["loss_scaling"] is not None:
             self._loss_scale = r["loss_scale"]
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
