@@ -345,7 +345,7 @@ absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
     absl::MutexLock lock(&mu_);
     for (const auto& d : done) {
       auto it = grads_held_.find(d.key);
-      if (it == grads_held_.end()) continue;  // its Hold failed: nothing held
+      if (it == grads_held_.end()) continue;  // (dropped meanwhile: nothing held)
       if (d.status.ok()) {
         good.push_back(it->second);
         ids.push_back(d.key);

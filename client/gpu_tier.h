@@ -52,11 +52,12 @@ struct GpuTierOptions {
   // Register the session's arena for DMA (see Session::EnableDma).
   bool register_arena = true;
   // Hold every partition from BeginIteration to EndIteration (parameters
-  // and, from the first gradient on, gradient buffers) instead of each
-  // while its copy runs: two calls to the daemon an iteration instead of
-  // two per copy. Right where the holds cost no memory (params and grads
-  // on the host) and a fetch does not wait for a running step (not with
-  // the overlapped step).
+  // and, from the first gradient on, gradient buffers; with
+  // SetGradientsPerBatch, each batch's gradient buffers as it comes)
+  // instead of each while its copy runs: two calls to the daemon an
+  // iteration instead of two per copy. Right where the holds cost no memory
+  // (params and grads on the host) and a fetch of parameters does not wait
+  // for a running step (not with the overlapped step).
   bool hold_per_iteration = false;
   // EndIteration reports to the daemon (Session::ReportGpuTier) when this
   // long passed since the last report, and applies the node's prefetch

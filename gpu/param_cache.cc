@@ -327,10 +327,11 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
 
 absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
   std::vector<int> missing, keep;
+  std::vector<bool> kept(entries_.size());
   for (int unit : units) {
     for (int i : units_[unit].entries) {
-      // (A tensor in two of the units, a tied weight, once.)
-      if (std::find(keep.begin(), keep.end(), i) != keep.end()) continue;
+      if (kept[i]) continue;  // (a tensor in two of the units, a tied weight: once)
+      kept[i] = true;
       keep.push_back(i);
       if (entries_[i].state == State::kAbsent || entries_[i].state == State::kStale) {
         missing.push_back(i);
@@ -531,6 +532,9 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
     for (int i : units_[unit].entries) before.back().push_back(entries_[i].state);
   }
   RETURN_IF_ERROR(Bring(units, kNever));
+  // Making room may have finished earlier batches, a prefetch of these
+  // units' tensors among them, and found it failed: reported now, not used.
+  for (int unit : units) RETURN_IF_ERROR(TakeFailure(unit));
   // `compute` waits for every batch a tensor is still copied in, once each,
   // before any pin is taken (a failed wait leaves nothing in use; the
   // copies complete or fail on their own).
@@ -585,12 +589,17 @@ absl::Status ParamCache::Done(absl::Span<const int> units, const Stream& compute
       }
     }
   }
+  // Every event recorded before any pin goes: a device error leaves all of
+  // them in use.
   for (int unit : units) {
     Unit& u = units_[unit];
     if (!u.released) {
       ASSIGN_OR_RETURN(u.released, device_->CreateEvent());
     }
     RETURN_IF_ERROR(device_->Record(u.released, compute));
+  }
+  for (int unit : units) {
+    Unit& u = units_[unit];
     u.released_recorded = true;
     for (int i : u.entries) {
       --entries_[i].pins;

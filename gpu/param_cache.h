@@ -145,20 +145,23 @@ class ParamCache {
   // wait for them; the tensors stay until Done. Returns each tensor's byte
   // offset in the slab, in the unit's order.
   absl::StatusOr<std::vector<uint64_t>> Use(int unit, const Stream& compute);
-  // Use of each of `units`, in that order, in one call: their copies issued
-  // together (one hold of the host's bytes, one event, one wait of
-  // `compute`), so that compute waits for all of them. For a trainer whose
-  // budget holds every unit, at the iteration's start: one call instead of
-  // one per unit as its modules run. RESOURCE_EXHAUSTED if they do not fit
-  // at once; on any error none of them is in use.
+  // Use of each of `units`, in that order, in one call: the copies it issues
+  // go together (one hold of the host's bytes, one event), and `compute`
+  // waits once for each batch still in flight (those and earlier
+  // prefetches), so for all of them. For a trainer whose budget holds every
+  // unit, at the iteration's start: one call instead of one per unit as its
+  // modules run (a unit its forward never reaches is copied all the same).
+  // RESOURCE_EXHAUSTED if they do not fit at once; on any error none of
+  // them is in use (the recorded order and the use counts have advanced,
+  // as for one unit).
   absl::StatusOr<std::vector<std::vector<uint64_t>>> Use(absl::Span<const int> units,
                                                          const Stream& compute);
   // The unit's compute is issued on `compute`: its tensors may be evicted
   // once the work issued so far there completes.
   absl::Status Done(int unit, const Stream& compute);
-  // Done of each of `units`; FAILED_PRECONDITION (and none done) if one is
-  // not in use. (Either: INVALID_ARGUMENT for a unit not declared or named
-  // twice.)
+  // Done of each of `units`, all or (an error) none: FAILED_PRECONDITION if
+  // one is not in use, a device error recording the events. (Either:
+  // INVALID_ARGUMENT for a unit not declared or named twice.)
   absl::Status Done(absl::Span<const int> units, const Stream& compute);
   // The host values changed: every resident copy is stale. Copies made
   // after this wait for the work issued so far on `compute`.

@@ -463,6 +463,7 @@ class TorchWrapTest(unittest.TestCase):
         self.assertEqual(g["h2d_bytes"] % 9, 0)
         self.assertLessEqual(g["h2d_bytes"] // 9, model_bytes)
         self.assertEqual(g["uses"], 9 * g["units"])  # each unit once an iteration
+        self.assertEqual(g["use_calls"], 9)  # all of them in one call, at its start
         self.assertGreater(g["d2h_bytes"], 0)
         self.assertGreater(g["dma_regions"], 0)
         self.assertEqual(g["h2d_staged_bytes"], 0)

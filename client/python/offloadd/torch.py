@@ -1542,7 +1542,7 @@ class _GpuTier:
         self.grads = {}  # pid -> (shard, its gradient slice on the GPU, stats or None)
         self.grad_bytes = 0
         self.queued, self.queued_bytes = [], 0  # (pid, address, bytes) not yet issued
-        self.counts = {"units_used": 0}
+        self.counts = {"units_used": 0, "use_calls": 0}  # (resident: calls to the tier's use)
         self._stream = None
         self._per_batch = False  # gradient buffers held a batch at a time
 
@@ -1585,8 +1585,8 @@ class _GpuTier:
             # Every unit at once: the compute stream waits for all the
             # copies a step made due (about a millisecond for 100 MB at
             # PCIe's pace) instead of each module's forward asking the tier
-            # for its own (a call and a wait each, on the trainer's thread,
-            # which is what the GPU waited for).
+            # for its own (a call and a wait each, on the trainer's thread);
+            # a unit the forward does not reach is copied all the same.
             need = [s for s in self.e.shards if not s.gathered]
             self.gather_resident(need)
             self.e.counts["fetches"] += len(need)
@@ -1635,6 +1635,7 @@ class _GpuTier:
             used = [self.tier.use(units[0], self.stream(), self.device)]
         else:
             used = self.tier.use_units(units, self.stream(), self.device)
+        self.counts["use_calls"] += 1
         for unit, offsets in zip(units, used):
             rec = self.units[unit]
             self.counts["units_used"] += 1
@@ -2045,6 +2046,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._overlapped:
             self._overlapped = False
             self.last_finished = self._engine.session.wait_step()
+            if self._engine.tier is not None:
+                self._engine.tier.step_running(False)
 
     def _settle(self):
         """Before a step, or the optimizer state read or written: the
