@@ -226,6 +226,18 @@ struct Session::Impl {
     }
     return answer;
   }
+  // A call through the mailbox that names no partition and answers a
+  // response message (ring::kPendingGradients, ring::kWaitStep).
+  absl::Status RingMessage(ring::Op op, google::protobuf::MessageLite* out) {
+    ring::Client::Answer answer = RingCall(op, 0, {}, timeout);
+    RETURN_IF_ERROR(answer.status);
+    if (!out->ParseFromString(answer.payload)) {
+      return absl::InternalError(absl::StrCat("the daemon's answer to request ring op ", op,
+                                              " is not its message (", answer.payload.size(),
+                                              " bytes)"));
+    }
+    return absl::OkStatus();
+  }
   bool ConnectionHungUp() const {
     pollfd p{connection.get(), POLLRDHUP, 0};
     return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
@@ -782,12 +794,17 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
   // (A stale Session object is told so, as its partition calls are: the
   // GPU tier's guard asks this when one of its calls finds offloadd gone.)
   RETURN_IF_ERROR(impl_->Orphaned());
-  v1::GetPendingGradientsRequest req;
-  *req.mutable_session() = impl_->ref;
   v1::GetPendingGradientsResponse resp;
-  Rpc rpc(impl_->timeout, impl_->token);
-  RETURN_IF_ERROR(
-      FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp), "GetPendingGradients"));
+  if (impl_->UseRing(0)) {
+    // A call a step: through the mailbox, the same message as gRPC's.
+    RETURN_IF_ERROR(impl_->RingMessage(ring::kPendingGradients, &resp));
+  } else {
+    v1::GetPendingGradientsRequest req;
+    *req.mutable_session() = impl_->ref;
+    Rpc rpc(impl_->timeout, impl_->token);
+    RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp),
+                             "GetPendingGradients"));
+  }
   return PendingGradients{resp.sq_norm(), resp.nonfinite(), resp.partitions(), resp.micro_batches(),
                           resp.loss_scale()};
 }
@@ -926,9 +943,14 @@ absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters
 }
 
 absl::StatusOr<StepResult> Session::WaitStep() {
+  RETURN_IF_ERROR(impl_->Orphaned());
+  v1::StepResponse resp;
+  if (impl_->UseRing(0)) {
+    RETURN_IF_ERROR(impl_->RingMessage(ring::kWaitStep, &resp));
+    return FromProto(resp);
+  }
   v1::WaitStepRequest req;
   *req.mutable_session() = impl_->ref;
-  v1::StepResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->WaitStep(&rpc.context, req, &resp), "WaitStep"));
   return FromProto(resp);

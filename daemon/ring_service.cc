@@ -1,10 +1,12 @@
 #include "daemon/ring_service.h"
 
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cpu_adam/dtype.h"
+#include "daemon/step_wire.h"
 #include "ipc/request_ring.h"
 
 namespace offload {
@@ -86,6 +88,37 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
       }
       answer.status = sessions_->ReturnGradients(key, items, (r.flags & ring::kThenRelease) != 0,
                                                  (r.flags & ring::kHandOver) != 0);
+      break;
+    }
+    case ring::kPendingGradients:
+    case ring::kWaitStep: {
+      if (!r.items.empty() || r.flags != 0) {
+        answer.status = absl::InvalidArgumentError(
+            absl::StrCat("request ring: op ", r.op, " takes no items and no flags, got ",
+                         r.items.size(), " items and flags ", r.flags));
+        break;
+      }
+      if (r.op == ring::kPendingGradients) {
+        absl::StatusOr<PendingGradients> p = sessions_->Pending(key);
+        answer.status = p.status();
+        if (p.ok()) {
+          v1::GetPendingGradientsResponse resp;
+          ToProto(*p, &resp);
+          resp.SerializeToString(&answer.payload);
+        }
+      } else {
+        absl::StatusOr<StepSummary> s = sessions_->WaitStep(key);
+        answer.status = s.status();
+        if (s.ok()) {
+          v1::StepResponse resp;
+          ToProto(*s, &resp);
+          resp.SerializeToString(&answer.payload);
+        }
+      }
+      if (answer.payload.size() > ring::kMessageBytes) {  // (tens of bytes)
+        answer.status = absl::InternalError(absl::StrCat(
+            "request ring: an answer of ", answer.payload.size(), " bytes does not fit"));
+      }
       break;
     }
   }

@@ -20,6 +20,7 @@
 #include "engine/session_manager.h"
 #include "gtest/gtest.h"
 #include "ipc/request_ring.h"
+#include "proto/offload.pb.h"
 
 namespace offload {
 namespace {
@@ -122,6 +123,59 @@ TEST_F(RingServiceTest, AnswersAsTheSessionManagerDoes) {
   EXPECT_NE(unhanded.status.message().find("hand_over"), std::string::npos) << unhanded.status;
   auto fetch_all = client_->Call(ring::kFetch, 0, {}, absl::Seconds(10));
   EXPECT_EQ(fetch_all.status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The step protocol's two calls a step (pending gradients, waiting for an
+// overlapped step): the gRPC response messages, serialized, as the
+// session manager answers them; no items nor flags.
+TEST_F(RingServiceTest, PendingGradientsAndWaitStepAnswerTheGrpcMessages) {
+  auto held = client_->Call(ring::kFetch, ring::kGrads, Items(ids_), absl::Seconds(10));
+  ASSERT_TRUE(held.status.ok()) << held.status;
+  std::vector<ring::Item> given = Items(ids_);
+  for (size_t i = 0; i < given.size(); ++i) {
+    given[i].flags = ring::kItemStats;
+    given[i].sq_norm = 1.5 * static_cast<double>(i + 1);
+  }
+  given[1].nonfinite = 2;
+  ASSERT_TRUE(client_
+                  ->Call(ring::kReturnGradients, ring::kThenRelease | ring::kHandOver, given,
+                         absl::Seconds(10))
+                  .status.ok());
+  auto pending = client_->Call(ring::kPendingGradients, 0, {}, absl::Seconds(10));
+  ASSERT_TRUE(pending.status.ok()) << pending.status;
+  v1::GetPendingGradientsResponse p;
+  ASSERT_TRUE(p.ParseFromString(pending.payload));
+  auto direct = sessions_.Pending(key_);
+  ASSERT_TRUE(direct.ok());
+  EXPECT_EQ(p.sq_norm(), direct->stats.sq_norm);
+  EXPECT_EQ(p.sq_norm(), 9.0);
+  EXPECT_EQ(p.nonfinite(), 2u);
+  EXPECT_EQ(p.partitions(), 3u);
+  EXPECT_EQ(p.micro_batches(), direct->micro_batches);
+  EXPECT_EQ(p.loss_scale(), direct->loss_scale);
+  // No overlapped step yet: the session manager's error, through the ring.
+  auto none = client_->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
+  EXPECT_EQ(none.status.code(), absl::StatusCode::kFailedPrecondition) << none.status;
+  StepControl overlap;
+  overlap.overlap = true;
+  overlap.skip = true;  // (the nonfinite gradients: a skipped step either way)
+  auto started = sessions_.Step(key_, AdamHyperparams{}, overlap);
+  ASSERT_TRUE(started.ok()) << started.status();
+  auto waited = client_->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
+  ASSERT_TRUE(waited.status.ok()) << waited.status;
+  v1::StepResponse w;
+  ASSERT_TRUE(w.ParseFromString(waited.payload));
+  EXPECT_TRUE(w.skipped());
+  EXPECT_FALSE(w.running());
+  EXPECT_EQ(w.params_updated(), 0u);
+  // Items or flags are refused, naming the op.
+  auto with_items = client_->Call(ring::kPendingGradients, 0, Items({ids_[0]}), absl::Seconds(10));
+  EXPECT_EQ(with_items.status.code(), absl::StatusCode::kInvalidArgument) << with_items.status;
+  auto with_flags = client_->Call(ring::kWaitStep, ring::kGrads, {}, absl::Seconds(10));
+  EXPECT_EQ(with_flags.status.code(), absl::StatusCode::kInvalidArgument) << with_flags.status;
+  EXPECT_NE(with_flags.status.message().find("op 5"), std::string::npos) << with_flags.status;
+  auto unknown_op = client_->Call(static_cast<ring::Op>(6), 0, {}, absl::Seconds(10));
+  EXPECT_EQ(unknown_op.status.code(), absl::StatusCode::kInvalidArgument) << unknown_op.status;
 }
 
 TEST_F(RingServiceTest, ConcurrentCallersTakeTurns) {

@@ -9,6 +9,7 @@
 #include "base/descriptors.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
+#include "daemon/step_wire.h"
 #include "engine/version.h"
 #include "proto/convert.h"
 
@@ -96,19 +97,6 @@ absl::StatusOr<PlacementChange> FromProto(const v1::Placement& p) {
     change[f.kind] = static_cast<int>(f.value);
   }
   return change;
-}
-
-void ToProto(const StepSummary& s, v1::StepResponse* out) {
-  out->set_loss_scale(s.loss_scale);
-  out->set_partitions_updated(s.partitions_updated);
-  out->set_params_updated(s.params_updated);
-  out->set_skipped(s.skipped);
-  out->set_nonfinite_gradients(s.nonfinite);
-  out->set_wall_us(static_cast<uint64_t>(s.wall_nanos / 1000));
-  out->set_state_wait_us(static_cast<uint64_t>(s.state_wait_nanos / 1000));
-  out->set_compute_us(static_cast<uint64_t>(s.compute_nanos / 1000));
-  out->set_running(s.running);
-  out->set_delayed_update(s.delayed_update);
 }
 
 absl::Status ShuttingDown() {
@@ -468,11 +456,7 @@ grpc::Status PartitionServiceImpl::GetPendingGradients(grpc::ServerContext* cont
                                                        v1::GetPendingGradientsResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(PendingGradients p, sessions_->Pending(KeyOf(req->session())));
-    resp->set_sq_norm(p.stats.sq_norm);
-    resp->set_nonfinite(p.stats.nonfinite);
-    resp->set_partitions(p.partitions);
-    resp->set_micro_batches(p.micro_batches);
-    resp->set_loss_scale(p.loss_scale);
+    ToProto(p, resp);
     return absl::OkStatus();
   });
 }

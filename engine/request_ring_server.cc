@@ -163,9 +163,10 @@ void RingServer::Serve() {
     request.flags = l->flags;
     const uint32_t count = l->count;
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (count > ring::kMaxItems || op < ring::kFetch || op > ring::kReturnGradients) {
+    if (count > ring::kMaxItems || op < ring::kFetch || op > ring::kWaitStep) {
       Answer({absl::InvalidArgumentError(absl::StrCat("request ring: op ", op, " with ", count,
                                                       " items (at most ", ring::kMaxItems, ")")),
+              {},
               {}});
       continue;
     }
@@ -199,7 +200,8 @@ void RingServer::PollBriefly() {
 void RingServer::Answer(const RingAnswer& answer) {
   ring::Layout* l = layout();
   l->code = static_cast<int32_t>(answer.status.code());
-  const absl::string_view message = answer.status.message();
+  const absl::string_view message =
+      answer.status.ok() ? absl::string_view(answer.payload) : answer.status.message();
   l->message_bytes = static_cast<uint32_t>(std::min(message.size(), ring::kMessageBytes));
   std::memcpy(l->message, message.data(), l->message_bytes);
   l->out_count = static_cast<uint32_t>(std::min<size_t>(answer.locations.size(), ring::kMaxItems));

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -69,6 +70,9 @@ struct RingRequest {
 struct RingAnswer {
   absl::Status status;
   std::vector<ring::Location> locations;
+  // On success, what `message` carries (ring::kPendingGradients' and
+  // ring::kWaitStep's response), at most ring::kMessageBytes.
+  std::string payload;
 };
 
 class RingServer : public std::enable_shared_from_this<RingServer> {

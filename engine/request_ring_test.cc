@@ -75,7 +75,7 @@ TEST(RequestRing, AfterACallTheThreadPollsAndStillResetsAndStops) {
   auto handler = [&](const RingRequest&) {
     ++calls;
     server->ExpectCall();
-    return RingAnswer{absl::OkStatus(), {}};
+    return RingAnswer{absl::OkStatus(), {}, {}};
   };
   // Sleeping after each call: at least one sleep per call.
   {
@@ -116,7 +116,7 @@ TEST(RequestRing, WithMoreRingsExpectingCallsThanTheBudgetTheThreadSleeps) {
   LoneRing r(
       [&](const RingRequest&) {
         server->ExpectCall();
-        return RingAnswer{absl::OkStatus(), {}};
+        return RingAnswer{absl::OkStatus(), {}, {}};
       },
       absl::Seconds(60), budget);
   server = r.server;
@@ -137,7 +137,7 @@ TEST(RequestRing, ACallerThatGivesUpLeavesTheRingUsable) {
   std::atomic<int> calls{0};
   LoneRing r([&](const RingRequest&) {
     if (calls++ == 0) absl::SleepFor(absl::Milliseconds(300));  // the first call is slow
-    return RingAnswer{absl::OkStatus(), {}};
+    return RingAnswer{absl::OkStatus(), {}, {}};
   });
   auto slow = r.client->Call(ring::kRelease, 0, {}, absl::Milliseconds(100));
   EXPECT_EQ(slow.status.code(), absl::StatusCode::kDeadlineExceeded) << slow.status;
@@ -155,9 +155,9 @@ TEST(RequestRing, AResetCallIsAbortedUnansweredAndTheRingServesOn) {
     if (calls++ == 0) {
       entered.Notify();
       release.WaitForNotification();
-      return RingAnswer{absl::OkStatus(), {ring::Location{}}};  // must not be delivered
+      return RingAnswer{absl::OkStatus(), {ring::Location{}}, {}};  // must not be delivered
     }
-    return RingAnswer{absl::NotFoundError("second"), {}};
+    return RingAnswer{absl::NotFoundError("second"), {}, {}};
   });
   ring::Client::Answer first;
   std::thread caller([&] {
@@ -188,7 +188,7 @@ TEST(RequestRing, DrainAnswersTheCallInFlightAndRefusesTheNext) {
   LoneRing r([&](const RingRequest&) {
     entered.Notify();
     release.WaitForNotification();
-    return RingAnswer{absl::NotFoundError("served"), {}};
+    return RingAnswer{absl::NotFoundError("served"), {}, {}};
   });
   ring::Client::Answer first;
   std::thread caller([&] {

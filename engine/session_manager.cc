@@ -292,7 +292,8 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
       [this, key](const RingRequest& r) {
         RingCalls* calls = ring_calls_.load(std::memory_order_acquire);
         if (calls == nullptr) {
-          return RingAnswer{absl::UnimplementedError("this offloadd serves no request rings"), {}};
+          return RingAnswer{
+              absl::UnimplementedError("this offloadd serves no request rings"), {}, {}};
         }
         return calls->Serve(key, r);
       },

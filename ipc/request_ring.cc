@@ -61,7 +61,7 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
   for (;;) {
     uint32_t expected = kIdle;
     if (ring_->state.compare_exchange_strong(expected, kClaimed, std::memory_order_acquire)) break;
-    if (absl::Status s = gone(expected); !s.ok()) return {s, {}};
+    if (absl::Status s = gone(expected); !s.ok()) return {s, {}, {}};
     FutexWait(&ring_->state, expected, absl::Milliseconds(50));
   }
   ring_->abandoned.store(0, std::memory_order_relaxed);
@@ -96,15 +96,16 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
         if (ring_->state.compare_exchange_strong(answered, kIdle, std::memory_order_seq_cst)) {
           FutexWake(&ring_->state);
         }
-        return {s, {}};
+        return {s, {}, {}};
       }
     }
   }
   if (state != kAnswered) {
-    if (state == kClosed) return {gone(state), {}};
+    if (state == kClosed) return {gone(state), {}, {}};
     return {absl::AbortedError(
                 "the daemon reset this session's request ring (its trainer was taken for gone); "
                 "the call may or may not have happened"),
+            {},
             {}};
   }
   Answer answer;
@@ -115,6 +116,7 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
   } else {
     const uint32_t n = std::min(ring_->out_count, kMaxItems);
     answer.locations.assign(ring_->locations, ring_->locations + n);
+    answer.payload.assign(ring_->message, std::min<size_t>(ring_->message_bytes, kMessageBytes));
   }
   // Back to idle, unless the daemon closed the mailbox meanwhile.
   uint32_t answered = kAnswered;

@@ -1,5 +1,6 @@
 // The shared-memory fast path for a session's most frequent calls (fetch,
-// release, return gradients): a one-request mailbox in the session's arena
+// release, return gradients, and the step protocol's pending gradients and
+// wait for an overlapped step): a one-request mailbox in the session's arena
 // with futex wake-ups, so that these calls cost two context switches
 // instead of a gRPC round trip. gRPC stays for everything else (and for
 // calls too large for the mailbox).
@@ -17,6 +18,9 @@
 //      answer out; state = kIdle, FUTEX_WAKE (a waiting claimant). A client
 //      that gives up (its deadline) sets `abandoned`; the daemon's answer
 //      then frees the mailbox instead.
+// kPendingGradients and kWaitStep name no item; their answer, on success,
+// is the gRPC call's response message (GetPendingGradientsResponse,
+// StepResponse) serialized into `message` (message_bytes long).
 // The daemon resets the mailbox to kIdle when the session's trainer went
 // away (a restarted one may resume it); a call caught by that is ABORTED.
 // The daemon stops serving with state kClosed (and `closed_reason` says
@@ -39,7 +43,7 @@
 namespace offload::ring {
 
 inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
-inline constexpr uint32_t kVersion = 4;
+inline constexpr uint32_t kVersion = 5;         // 5: kPendingGradients, kWaitStep
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
@@ -51,7 +55,13 @@ inline constexpr absl::Duration kDefaultSpin = absl::Microseconds(100);
 inline constexpr uint32_t kMaxItems = 512;
 inline constexpr size_t kMessageBytes = 1024;
 
-enum Op : uint32_t { kFetch = 1, kRelease = 2, kReturnGradients = 3 };
+enum Op : uint32_t {
+  kFetch = 1,
+  kRelease = 2,
+  kReturnGradients = 3,
+  kPendingGradients = 4,
+  kWaitStep = 5,
+};
 enum State : uint32_t { kIdle = 0, kClaimed = 1, kPosted = 2, kAnswered = 3, kClosed = 4 };
 // Why a mailbox closed: its session closed (a call then is
 // FAILED_PRECONDITION), or offloadd is stopping (UNAVAILABLE, as its gRPC
@@ -143,6 +153,7 @@ class Client {
   struct Answer {
     absl::Status status;
     std::vector<Location> locations;
+    std::string payload;  // kPendingGradients' and kWaitStep's response message
   };
   // FAILED_PRECONDITION if the daemon closed the mailbox (the session is
   // gone); UNAVAILABLE if the daemon died; DEADLINE_EXCEEDED after

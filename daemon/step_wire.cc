@@ -1,0 +1,28 @@
+#include "daemon/step_wire.h"
+
+#include <cstdint>
+
+namespace offload {
+
+void ToProto(const StepSummary& s, v1::StepResponse* out) {
+  out->set_loss_scale(s.loss_scale);
+  out->set_partitions_updated(s.partitions_updated);
+  out->set_params_updated(s.params_updated);
+  out->set_skipped(s.skipped);
+  out->set_nonfinite_gradients(s.nonfinite);
+  out->set_wall_us(static_cast<uint64_t>(s.wall_nanos / 1000));
+  out->set_state_wait_us(static_cast<uint64_t>(s.state_wait_nanos / 1000));
+  out->set_compute_us(static_cast<uint64_t>(s.compute_nanos / 1000));
+  out->set_running(s.running);
+  out->set_delayed_update(s.delayed_update);
+}
+
+void ToProto(const PendingGradients& p, v1::GetPendingGradientsResponse* out) {
+  out->set_sq_norm(p.stats.sq_norm);
+  out->set_nonfinite(p.stats.nonfinite);
+  out->set_partitions(p.partitions);
+  out->set_micro_batches(p.micro_batches);
+  out->set_loss_scale(p.loss_scale);
+}
+
+}  // namespace offload

@@ -1,0 +1,18 @@
+// The step protocol's answers as the wire says them (offload.v1's
+// StepResponse and GetPendingGradientsResponse), shared by the gRPC service
+// and the request ring's, which carries the same messages serialized.
+#ifndef OFFLOADD_DAEMON_STEP_WIRE_H_
+#define OFFLOADD_DAEMON_STEP_WIRE_H_
+
+#include "engine/step_protocol.h"
+#include "engine/step_runner.h"
+#include "proto/offload.pb.h"
+
+namespace offload {
+
+void ToProto(const StepSummary& s, v1::StepResponse* out);
+void ToProto(const PendingGradients& p, v1::GetPendingGradientsResponse* out);
+
+}  // namespace offload
+
+#endif  // OFFLOADD_DAEMON_STEP_WIRE_H_
