@@ -145,10 +145,12 @@ struct Session::Impl {
   std::string restored_from;
   std::vector<uint64_t> restorable_steps;
   UniqueFd connection;  // the arena channel; closing it abandons the session
-  // The request ring (fetch, release, return without gRPC), if the daemon
-  // offers one and the client wants it.
+  // The request ring (fetch, release, return without gRPC; with
+  // ring_step_calls, pending gradients and waiting for a step too), if the
+  // daemon offers one and the client wants it.
   HostMemory ring_memory;
   std::unique_ptr<ring::Client> ring;
+  bool ring_step_calls = false;
   // The offloadd this session's shared memory came from went away (the
   // arena channel hung up) or closed the ring as it stopped. Its calls then
   // get a definite answer instead of UNAVAILABLE for ever (Orphaned): a
@@ -529,6 +531,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
         s.ring_memory = *std::move(mapped);
         s.ring = std::make_unique<ring::Client>(layout, s.connection.get(),
                                                 impl_->options.request_ring_spin);
+        s.ring_step_calls = (layout->features & ring::kStepCalls) != 0;
       }
     }
   }
@@ -795,7 +798,7 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
   // GPU tier's guard asks this when one of its calls finds offloadd gone.)
   RETURN_IF_ERROR(impl_->Orphaned());
   v1::GetPendingGradientsResponse resp;
-  if (impl_->UseRing(0)) {
+  if (impl_->UseRing(0) && impl_->ring_step_calls) {
     // A call a step: through the mailbox, the same message as gRPC's.
     RETURN_IF_ERROR(impl_->RingMessage(ring::kPendingGradients, &resp));
   } else {
@@ -945,7 +948,7 @@ absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters
 absl::StatusOr<StepResult> Session::WaitStep() {
   RETURN_IF_ERROR(impl_->Orphaned());
   v1::StepResponse resp;
-  if (impl_->UseRing(0)) {
+  if (impl_->UseRing(0) && impl_->ring_step_calls) {
     RETURN_IF_ERROR(impl_->RingMessage(ring::kWaitStep, &resp));
     return FromProto(resp);
   }

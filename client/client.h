@@ -70,9 +70,11 @@ struct ClientOptions {
   // it wrote to <data_dir>/tcp_token. Empty means $OFFLOADD_TOKEN, if set.
   // Not needed on the Unix socket.
   std::string token{};
-  // Fetch, release and return gradients of up to 512 partitions through
-  // the session's shared-memory request ring (futex wake-ups) instead of
-  // gRPC, when the daemon offers one. Off: everything over gRPC.
+  // Fetch, release and return gradients of up to 512 partitions, and the
+  // step's GetPendingGradients and WaitStep, through the session's
+  // shared-memory request ring (futex wake-ups) instead of gRPC, when the
+  // daemon offers one (the last two where it serves them). Off: everything
+  // over gRPC.
   bool request_ring = true;
   // How long a call through the ring spins for its answer before sleeping:
   // lower it where trainers outnumber cores.

@@ -35,6 +35,7 @@ std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handle
   ring::Layout* l = server->layout();
   l->magic = ring::kMagic;
   l->version = ring::kVersion;
+  l->features = ring::kStepCalls;
   l->closed_reason = ring::kSessionClosed;
   l->client_sleeping.store(0);
   l->state.store(ring::kIdle, std::memory_order_release);
@@ -172,6 +173,8 @@ void RingServer::Serve() {
     }
     request.op = static_cast<ring::Op>(op);
     request.items.assign(l->items, l->items + count);
+    // A wait for a step may take its time: not counted as polling meanwhile.
+    if (request.op == ring::kWaitStep) SetExpecting(false);
     const RingAnswer answer = handler_(request);
     if (stopping_.load()) break;          // the session went during the call
     if (reset_pending_.load()) continue;  // its client died: no answer, reset
@@ -199,9 +202,14 @@ void RingServer::PollBriefly() {
 
 void RingServer::Answer(const RingAnswer& answer) {
   ring::Layout* l = layout();
-  l->code = static_cast<int32_t>(answer.status.code());
+  absl::Status status = answer.status;
+  if (status.ok() && answer.payload.size() > ring::kMessageBytes) {
+    status = absl::InternalError(absl::StrCat("request ring: an answer of ", answer.payload.size(),
+                                              " bytes does not fit its ", ring::kMessageBytes));
+  }
+  l->code = static_cast<int32_t>(status.code());
   const absl::string_view message =
-      answer.status.ok() ? absl::string_view(answer.payload) : answer.status.message();
+      status.ok() ? absl::string_view(answer.payload) : status.message();
   l->message_bytes = static_cast<uint32_t>(std::min(message.size(), ring::kMessageBytes));
   std::memcpy(l->message, message.data(), l->message_bytes);
   l->out_count = static_cast<uint32_t>(std::min<size_t>(answer.locations.size(), ring::kMaxItems));

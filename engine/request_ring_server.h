@@ -1,8 +1,8 @@
 // The daemon's half of a session's request ring (ipc/request_ring.h): one
 // thread, asleep on the mailbox's futex until the trainer posts, that
 // copies the request out of shared memory, has `handler` perform it (the
-// session manager's Fetch, Release and ReturnGradients: the same calls and
-// checks as over gRPC), and writes the answer back.
+// session manager's Fetch, Release, ReturnGradients, Pending and WaitStep:
+// the same calls and checks as over gRPC), and writes the answer back.
 //
 // Waking a sleeping thread costs about 100 us on a virtual machine whose
 // idle CPU has halted (3-4 us while it still polls), five times the budget
@@ -71,7 +71,7 @@ struct RingAnswer {
   absl::Status status;
   std::vector<ring::Location> locations;
   // On success, what `message` carries (ring::kPendingGradients' and
-  // ring::kWaitStep's response), at most ring::kMessageBytes.
+  // ring::kWaitStep's response); past ring::kMessageBytes, INTERNAL.
   std::string payload;
 };
 

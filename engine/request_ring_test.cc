@@ -66,6 +66,35 @@ struct LoneRing {
   std::unique_ptr<ring::Client> client;
 };
 
+// A payload (the step calls' response messages) reaches the client whole;
+// one past the mailbox is INTERNAL, not cut short; an error carries no
+// payload. The mailbox says it serves the step calls.
+TEST(RequestRing, APayloadArrivesWholeOrNotAtAll) {
+  std::string next;
+  LoneRing ring([&](const RingRequest&) {
+    if (next == "error") return RingAnswer{absl::NotFoundError("no such step"), {}, "ignored"};
+    return RingAnswer{absl::OkStatus(), {}, next};
+  });
+  EXPECT_EQ(ring.layout->features & ring::kStepCalls, ring::kStepCalls);
+  next = std::string("\x08\x01\x10\x00serialized", 14);
+  auto a = ring.client->Call(ring::kPendingGradients, 0, {}, absl::Seconds(10));
+  ASSERT_TRUE(a.status.ok()) << a.status;
+  EXPECT_EQ(a.payload, next);
+  next = std::string(ring::kMessageBytes, 'x');
+  auto full = ring.client->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
+  ASSERT_TRUE(full.status.ok()) << full.status;
+  EXPECT_EQ(full.payload.size(), ring::kMessageBytes);
+  next.push_back('y');
+  auto over = ring.client->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
+  EXPECT_EQ(over.status.code(), absl::StatusCode::kInternal) << over.status;
+  EXPECT_TRUE(over.payload.empty());
+  next = "error";
+  auto error = ring.client->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
+  EXPECT_EQ(error.status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(error.status.message(), "no such step");
+  EXPECT_TRUE(error.payload.empty());
+}
+
 // After a call ends (ExpectCall, as the session manager does at the end of
 // every call of the session) the thread polls instead of sleeping, and a
 // polling thread still resets and stops at once.

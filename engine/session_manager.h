@@ -194,8 +194,8 @@ class SessionManager {
 
   // Performs the calls that come through the sessions' request rings: the
   // daemon's ring service (daemon/ring_service.h) decodes them into this
-  // manager's Fetch, Release and ReturnGradients, as the gRPC service
-  // decodes its messages. Called from every ring's thread at once.
+  // manager's Fetch, Release, ReturnGradients, Pending and WaitStep, as the
+  // gRPC service decodes its messages. Called from every ring's thread at once.
   class RingCalls {
    public:
     virtual ~RingCalls() = default;

@@ -18,9 +18,10 @@
 //      answer out; state = kIdle, FUTEX_WAKE (a waiting claimant). A client
 //      that gives up (its deadline) sets `abandoned`; the daemon's answer
 //      then frees the mailbox instead.
-// kPendingGradients and kWaitStep name no item; their answer, on success,
-// is the gRPC call's response message (GetPendingGradientsResponse,
-// StepResponse) serialized into `message` (message_bytes long).
+// kPendingGradients and kWaitStep (where `features` has kStepCalls) name no
+// item; their answer, on success, is the gRPC call's response message
+// (GetPendingGradientsResponse, StepResponse) serialized into `message`
+// (message_bytes long). A kWaitStep holds the mailbox until the step ends.
 // The daemon resets the mailbox to kIdle when the session's trainer went
 // away (a restarted one may resume it); a call caught by that is ABORTED.
 // The daemon stops serving with state kClosed (and `closed_reason` says
@@ -43,7 +44,10 @@
 namespace offload::ring {
 
 inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
-inline constexpr uint32_t kVersion = 5;         // 5: kPendingGradients, kWaitStep
+inline constexpr uint32_t kVersion = 4;
+// What a daemon's mailbox serves beyond fetch, release and return (its
+// `features`; zero from daemons before them, whose clients use gRPC).
+inline constexpr uint32_t kStepCalls = 1;  // kPendingGradients and kWaitStep
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
@@ -123,7 +127,7 @@ struct Layout {
   int32_t code;  // absl::StatusCode
   uint32_t message_bytes;
   uint32_t out_count;
-  uint32_t pad1;
+  uint32_t features;  // kStepCalls; written by the daemon once, at the start
   char message[kMessageBytes];
   Location locations[kMaxItems];
 };
