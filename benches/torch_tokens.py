@@ -96,6 +96,7 @@ def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
         if step == args.warmup:
             sync(device)
             before = dict(engine.timings) if engine else None
+            tier_before = engine.gpu_stats() if engine else None
             start = time.perf_counter()
         if profiler is not None and step == args.warmup:
             profiler.start()
@@ -124,6 +125,12 @@ def run(args, text, address, placement, overlap=False, dpu=False, gpu_tier=True,
         out["t_opt"] = statistics.median(t_opt) if t_opt else 0.0
         g = engine.gpu_stats()
         out["tier"] = 1.0 if g else 0.0
+        if g and tier_before:
+            # The tier's calls to offloadd a step, and the trainer's time in
+            # them (after the warm-up: its DMA registrations are the first
+            # iteration's).
+            out["tier_calls"] = (g["daemon_calls"] - tier_before["daemon_calls"]) / args.steps
+            out["tier_ms"] = (g["daemon_us"] - tier_before["daemon_us"]) / 1e3 / args.steps
         opt.close()
     return out
 
@@ -325,6 +332,10 @@ def main():
                             (("fetch", 7), ("compute", 8), ("return", 7), ("step", 6),
                              ("device_wait", 6)))
         print(line)
+    for name, r in results.items():
+        if "tier_calls" in r:
+            print(f"{name.strip():28} the GPU tier's calls to offloadd: {r['tier_calls']:.1f} a "
+                  f"step, {r['tier_ms']:.2f} ms")
     swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
     if "offloadd, state on NVMe" in results:
         print(f"NVMe runs: {swapped / args.rounds / 2:.0f} MiB swapped in per run of "
