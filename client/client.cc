@@ -146,8 +146,8 @@ struct Session::Impl {
   std::vector<uint64_t> restorable_steps;
   UniqueFd connection;  // the arena channel; closing it abandons the session
   // The request ring (fetch, release, return without gRPC; with
-  // ring_step_calls, pending gradients and waiting for a step too), if the
-  // daemon offers one and the client wants it.
+  // ring_step_calls, the step, its pending gradients and waiting for it
+  // too), if the daemon offers one and the client wants it.
   HostMemory ring_memory;
   std::unique_ptr<ring::Client> ring;
   bool ring_step_calls = false;
@@ -222,7 +222,15 @@ struct Session::Impl {
   bool UseRing(size_t items) const { return ring != nullptr && items <= ring::kMaxItems; }
   ring::Client::Answer RingCall(ring::Op op, uint32_t flags, absl::Span<const ring::Item> items,
                                 absl::Duration timeout) {
-    ring::Client::Answer answer = ring->Call(op, flags, items, timeout);
+    return Orphaning(ring->Call(op, flags, items, timeout));
+  }
+  // A call whose request is a message's bytes (ring::kStep).
+  ring::Client::Answer RingCall(ring::Op op, absl::string_view request, absl::Duration timeout) {
+    return Orphaning(ring->Call(op, request, timeout));
+  }
+  // A call's answer, the session marked orphaned where it says the daemon
+  // went.
+  ring::Client::Answer Orphaning(ring::Client::Answer answer) {
     if (absl::IsUnavailable(answer.status) && (ConnectionHungUp() || RingClosed())) {
       orphaned.store(true);
     }
@@ -825,6 +833,20 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
     ToProto(g.hyperparams, out->mutable_hyperparams(), /*with_grad_scale=*/false);  // the step's
   }
   v1::StepResponse resp;
+  if (impl_->UseRing(0) && impl_->ring_step_calls && req.ByteSizeLong() <= ring::kMaxRequestBytes) {
+    RETURN_IF_ERROR(impl_->Orphaned());
+    std::string bytes;
+    req.clear_session();  // (the mailbox is the session's)
+    req.SerializeToString(&bytes);
+    ring::Client::Answer answer = impl_->RingCall(ring::kStep, bytes, impl_->timeout);
+    RETURN_IF_ERROR(answer.status);
+    if (!resp.ParseFromString(answer.payload)) {
+      return absl::InternalError(
+          "the daemon's answer to a step through the request ring is not "
+          "a StepResponse");
+    }
+    return FromProto(resp);
+  }
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return FromProto(resp);

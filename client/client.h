@@ -71,7 +71,7 @@ struct ClientOptions {
   // Not needed on the Unix socket.
   std::string token{};
   // Fetch, release and return gradients of up to 512 partitions, and the
-  // step's GetPendingGradients and WaitStep, through the session's
+  // step's GetPendingGradients, Step and WaitStep, through the session's
   // shared-memory request ring (futex wake-ups) instead of gRPC, when the
   // daemon offers one (the last two where it serves them). Off: everything
   // over gRPC.

@@ -90,6 +90,29 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
                                                  (r.flags & ring::kHandOver) != 0);
       break;
     }
+    case ring::kStep: {
+      v1::StepRequest req;
+      if (r.flags != 0) {
+        answer.status = absl::InvalidArgumentError(
+            absl::StrCat("request ring: a step takes no flags, got ", r.flags));
+        break;
+      }
+      if (!req.ParseFromString(r.payload)) {
+        answer.status = absl::InvalidArgumentError(absl::StrCat(
+            "request ring: a step's request of ", r.payload.size(), " bytes is not a StepRequest"));
+        break;
+      }
+      absl::StatusOr<StepCall> call = FromProto(req);
+      absl::StatusOr<StepSummary> s =
+          call.ok() ? sessions_->Step(key, call->hyperparams, call->control) : call.status();
+      answer.status = s.status();
+      if (s.ok()) {
+        v1::StepResponse resp;
+        ToProto(*s, &resp);
+        resp.SerializeToString(&answer.payload);
+      }
+      break;
+    }
     case ring::kPendingGradients:
     case ring::kWaitStep: {
       if (!r.items.empty() || r.flags != 0) {

@@ -1,6 +1,6 @@
 // The request ring's service: the calls that come through a session's ring
 // (ipc/request_ring.h), decoded into the session manager's Fetch, Release,
-// ReturnGradients, Pending and WaitStep, with the same checks and answers as
+// ReturnGradients, Pending, Step and WaitStep, with the same checks and answers as
 // the gRPC service's (service.h), its twin. The engine runs each session's ring
 // thread (engine/request_ring_server.h) and hands it every request through
 // SessionManager::RingCalls.

@@ -20,6 +20,7 @@
 #include "engine/session_manager.h"
 #include "gtest/gtest.h"
 #include "ipc/request_ring.h"
+#include "proto/convert.h"
 #include "proto/offload.pb.h"
 
 namespace offload {
@@ -125,9 +126,10 @@ TEST_F(RingServiceTest, AnswersAsTheSessionManagerDoes) {
   EXPECT_EQ(fetch_all.status.code(), absl::StatusCode::kInvalidArgument);
 }
 
-// The step protocol's two calls a step (pending gradients, waiting for an
-// overlapped step): the gRPC response messages, serialized, as the
-// session manager answers them; no items nor flags.
+// The step protocol's calls (pending gradients, the step, waiting for an
+// overlapped one): the gRPC messages, serialized, answered as the session
+// manager answers them; no items nor flags; a step's request refused whole
+// where it is not a StepRequest with hyperparameters.
 TEST_F(RingServiceTest, PendingGradientsAndWaitStepAnswerTheGrpcMessages) {
   auto held = client_->Call(ring::kFetch, ring::kGrads, Items(ids_), absl::Seconds(10));
   ASSERT_TRUE(held.status.ok()) << held.status;
@@ -156,11 +158,25 @@ TEST_F(RingServiceTest, PendingGradientsAndWaitStepAnswerTheGrpcMessages) {
   // No overlapped step yet: the session manager's error, through the ring.
   auto none = client_->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
   EXPECT_EQ(none.status.code(), absl::StatusCode::kFailedPrecondition) << none.status;
-  StepControl overlap;
-  overlap.overlap = true;
-  overlap.skip = true;  // (the nonfinite gradients: a skipped step either way)
-  auto started = sessions_.Step(key_, AdamHyperparams{}, overlap);
-  ASSERT_TRUE(started.ok()) << started.status();
+  // The step itself: its request the gRPC message's bytes.
+  v1::StepRequest step;
+  auto no_hyperparams = client_->Call(ring::kStep, step.SerializeAsString(), absl::Seconds(10));
+  EXPECT_EQ(no_hyperparams.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_hyperparams.status.message().find("hyperparams"), std::string::npos);
+  auto garbage = client_->Call(ring::kStep, std::string("\xff\xff\xff\xff", 4), absl::Seconds(10));
+  EXPECT_EQ(garbage.status.code(), absl::StatusCode::kInvalidArgument) << garbage.status;
+  auto too_big =
+      client_->Call(ring::kStep, std::string(ring::kMaxRequestBytes + 1, 'x'), absl::Seconds(10));
+  EXPECT_EQ(too_big.status.code(), absl::StatusCode::kInvalidArgument) << too_big.status;
+  EXPECT_EQ(sessions_.Pending(key_)->partitions, 3u) << "the refused calls changed nothing";
+  ToProto(AdamHyperparams{}, step.mutable_hyperparams());
+  step.set_overlap(true);
+  step.set_skip(true);  // (the nonfinite gradients: a skipped step either way)
+  auto started = client_->Call(ring::kStep, step.SerializeAsString(), absl::Seconds(10));
+  ASSERT_TRUE(started.status.ok()) << started.status;
+  v1::StepResponse decided;
+  ASSERT_TRUE(decided.ParseFromString(started.payload));
+  EXPECT_TRUE(decided.skipped());
   auto waited = client_->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
   ASSERT_TRUE(waited.status.ok()) << waited.status;
   v1::StepResponse w;

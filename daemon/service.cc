@@ -314,23 +314,9 @@ grpc::Status PartitionServiceImpl::ReturnGradients(grpc::ServerContext* context,
 grpc::Status PartitionServiceImpl::Step(grpc::ServerContext* context, const v1::StepRequest* req,
                                         v1::StepResponse* resp) {
   return Serve(*context, [&]() -> absl::Status {
-    if (!req->has_hyperparams()) return absl::InvalidArgumentError("Step needs hyperparams");
-    const AdamHyperparams h = FromProto(req->hyperparams());
-    StepControl control;
-    control.skip = req->skip();
-    control.overflow = req->overflow();
-    control.overlap = req->overlap();
-    for (const v1::ParamGroup& g : req->groups()) {
-      if (g.hyperparams().has_grad_scale()) {
-        return absl::InvalidArgumentError(
-            "a param group sets grad_scale; it is the step's (the global clip coefficient)");
-      }
-      ParamGroup group;
-      group.partition_ids.assign(g.partition_ids().begin(), g.partition_ids().end());
-      group.hyperparams = FromProto(g.hyperparams());
-      control.groups.push_back(std::move(group));
-    }
-    ASSIGN_OR_RETURN(StepSummary summary, sessions_->Step(KeyOf(req->session()), h, control));
+    ASSIGN_OR_RETURN(StepCall call, FromProto(*req));
+    ASSIGN_OR_RETURN(StepSummary summary,
+                     sessions_->Step(KeyOf(req->session()), call.hyperparams, call.control));
     ToProto(summary, resp);
     return absl::OkStatus();
   });

@@ -1,8 +1,31 @@
 #include "daemon/step_wire.h"
 
 #include <cstdint>
+#include <utility>
+
+#include "proto/convert.h"
 
 namespace offload {
+
+absl::StatusOr<StepCall> FromProto(const v1::StepRequest& req) {
+  if (!req.has_hyperparams()) return absl::InvalidArgumentError("Step needs hyperparams");
+  StepCall call;
+  call.hyperparams = FromProto(req.hyperparams());
+  call.control.skip = req.skip();
+  call.control.overflow = req.overflow();
+  call.control.overlap = req.overlap();
+  for (const v1::ParamGroup& g : req.groups()) {
+    if (g.hyperparams().has_grad_scale()) {
+      return absl::InvalidArgumentError(
+          "a param group sets grad_scale; it is the step's (the global clip coefficient)");
+    }
+    ParamGroup group;
+    group.partition_ids.assign(g.partition_ids().begin(), g.partition_ids().end());
+    group.hyperparams = FromProto(g.hyperparams());
+    call.control.groups.push_back(std::move(group));
+  }
+  return call;
+}
 
 void ToProto(const StepSummary& s, v1::StepResponse* out) {
   out->set_loss_scale(s.loss_scale);

@@ -164,17 +164,26 @@ void RingServer::Serve() {
     request.flags = l->flags;
     const uint32_t count = l->count;
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (count > ring::kMaxItems || op < ring::kFetch || op > ring::kWaitStep) {
-      Answer({absl::InvalidArgumentError(absl::StrCat("request ring: op ", op, " with ", count,
-                                                      " items (at most ", ring::kMaxItems, ")")),
+    const bool bytes = op == ring::kStep;  // (its count is of bytes)
+    if (count > (bytes ? ring::kMaxRequestBytes : ring::kMaxItems) || op < ring::kFetch ||
+        op > ring::kStep) {
+      Answer({absl::InvalidArgumentError(
+                  absl::StrCat("request ring: op ", op, " with ", count,
+                               bytes ? " bytes (at most " : " items (at most ",
+                               bytes ? ring::kMaxRequestBytes : ring::kMaxItems, ")")),
               {},
               {}});
       continue;
     }
     request.op = static_cast<ring::Op>(op);
-    request.items.assign(l->items, l->items + count);
-    // A wait for a step may take its time: not counted as polling meanwhile.
-    if (request.op == ring::kWaitStep) SetExpecting(false);
+    if (bytes) {
+      request.payload.assign(reinterpret_cast<const char*>(l->items), count);
+    } else {
+      request.items.assign(l->items, l->items + count);
+    }
+    // A step, or a wait for one, may take its time: not counted as polling
+    // meanwhile.
+    if (request.op == ring::kWaitStep || request.op == ring::kStep) SetExpecting(false);
     const RingAnswer answer = handler_(request);
     if (stopping_.load()) break;          // the session went during the call
     if (reset_pending_.load()) continue;  // its client died: no answer, reset

@@ -1,7 +1,7 @@
 // The daemon's half of a session's request ring (ipc/request_ring.h): one
 // thread, asleep on the mailbox's futex until the trainer posts, that
 // copies the request out of shared memory, has `handler` perform it (the
-// session manager's Fetch, Release, ReturnGradients, Pending and WaitStep:
+// session manager's Fetch, Release, ReturnGradients, Pending, Step and WaitStep:
 // the same calls and checks as over gRPC), and writes the answer back.
 //
 // Waking a sleeping thread costs about 100 us on a virtual machine whose
@@ -65,6 +65,7 @@ struct RingRequest {
   ring::Op op;
   uint32_t flags;
   std::vector<ring::Item> items;
+  std::string payload;  // ring::kStep's request message, as the mailbox held it
 };
 
 struct RingAnswer {

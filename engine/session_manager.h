@@ -194,7 +194,7 @@ class SessionManager {
 
   // Performs the calls that come through the sessions' request rings: the
   // daemon's ring service (daemon/ring_service.h) decodes them into this
-  // manager's Fetch, Release, ReturnGradients, Pending and WaitStep, as the
+  // manager's Fetch, Release, ReturnGradients, Pending, Step and WaitStep, as the
   // gRPC service decodes its messages. Called from every ring's thread at once.
   class RingCalls {
    public:

@@ -38,6 +38,24 @@ void FutexWake(std::atomic<uint32_t>* word) {
 
 Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
                             absl::Duration timeout) {
+  return Post(op, flags, static_cast<uint32_t>(items.size()), items.data(),
+              items.size() * sizeof(Item), timeout);
+}
+
+Client::Answer Client::Call(Op op, absl::string_view request, absl::Duration timeout) {
+  if (request.size() > kMaxRequestBytes) {
+    return {absl::InvalidArgumentError(absl::StrCat("a request of ", request.size(),
+                                                    " bytes does not fit the request ring (",
+                                                    kMaxRequestBytes, ")")),
+            {},
+            {}};
+  }
+  return Post(op, 0, static_cast<uint32_t>(request.size()), request.data(), request.size(),
+              timeout);
+}
+
+Client::Answer Client::Post(Op op, uint32_t flags, uint32_t count, const void* data, size_t bytes,
+                            absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   auto gone = [&](uint32_t state) -> absl::Status {
     if (state == kClosed) {
@@ -67,8 +85,8 @@ Client::Answer Client::Call(Op op, uint32_t flags, absl::Span<const Item> items,
   ring_->abandoned.store(0, std::memory_order_relaxed);
   ring_->op = op;
   ring_->flags = flags;
-  ring_->count = static_cast<uint32_t>(items.size());
-  std::memcpy(ring_->items, items.data(), items.size() * sizeof(Item));
+  ring_->count = count;
+  std::memcpy(ring_->items, data, bytes);
   // 2. Post.
   ring_->state.store(kPosted, std::memory_order_seq_cst);
   FutexWake(&ring_->state);

@@ -18,10 +18,14 @@
 //      answer out; state = kIdle, FUTEX_WAKE (a waiting claimant). A client
 //      that gives up (its deadline) sets `abandoned`; the daemon's answer
 //      then frees the mailbox instead.
-// kPendingGradients and kWaitStep (where `features` has kStepCalls) name no
-// item; their answer, on success, is the gRPC call's response message
-// (GetPendingGradientsResponse, StepResponse) serialized into `message`
-// (message_bytes long). A kWaitStep holds the mailbox until the step ends.
+// kPendingGradients, kWaitStep and kStep (where `features` has kStepCalls)
+// name no item; kStep's request is the gRPC StepRequest serialized into the
+// items' memory (`count` bytes, at most kMaxRequestBytes; its session field
+// is ignored: the mailbox is the session's). Their answer, on success, is
+// the gRPC call's response message (GetPendingGradientsResponse,
+// StepResponse) serialized into `message` (message_bytes long). A
+// kWaitStep holds the mailbox until the step ends; a kStep until it is
+// decided (or done, unless it overlaps).
 // The daemon resets the mailbox to kIdle when the session's trainer went
 // away (a restarted one may resume it); a call caught by that is ABORTED.
 // The daemon stops serving with state kClosed (and `closed_reason` says
@@ -38,6 +42,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
@@ -47,7 +52,7 @@ inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
 inline constexpr uint32_t kVersion = 4;
 // What a daemon's mailbox serves beyond fetch, release and return (its
 // `features`; zero from daemons before them, whose clients use gRPC).
-inline constexpr uint32_t kStepCalls = 1;  // kPendingGradients and kWaitStep
+inline constexpr uint32_t kStepCalls = 1;  // kPendingGradients, kWaitStep and kStep
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
@@ -65,6 +70,7 @@ enum Op : uint32_t {
   kReturnGradients = 3,
   kPendingGradients = 4,
   kWaitStep = 5,
+  kStep = 6,
 };
 enum State : uint32_t { kIdle = 0, kClaimed = 1, kPosted = 2, kAnswered = 3, kClosed = 4 };
 // Why a mailbox closed: its session closed (a call then is
@@ -132,6 +138,9 @@ struct Layout {
   Location locations[kMaxItems];
 };
 
+// The most bytes a kStep request carries (the items' memory).
+inline constexpr uint32_t kMaxRequestBytes = kMaxItems * sizeof(Item);
+
 // The mailbox's size in the arena: whole pages.
 size_t RingBytes();
 
@@ -163,8 +172,16 @@ class Client {
   // gone); UNAVAILABLE if the daemon died; DEADLINE_EXCEEDED after
   // `timeout`.
   Answer Call(Op op, uint32_t flags, absl::Span<const Item> items, absl::Duration timeout);
+  // A call whose request is a message's bytes (kStep): INVALID_ARGUMENT
+  // past kMaxRequestBytes.
+  Answer Call(Op op, absl::string_view request, absl::Duration timeout);
 
  private:
+  // Claims the mailbox, writes op, flags, count and `bytes` of `data` into
+  // the items' memory, posts and waits for the answer.
+  Answer Post(Op op, uint32_t flags, uint32_t count, const void* data, size_t bytes,
+              absl::Duration timeout);
+
   Layout* const ring_;
   const int connection_;
   const absl::Duration spin_;
