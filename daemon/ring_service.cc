@@ -33,6 +33,17 @@ ring::Location ToRing(const PartitionInfo& p) {
   return l;
 }
 
+// `result`'s status and, on success, its wire message as the answer's
+// payload.
+template <typename Message, typename Result>
+void Reply(const absl::StatusOr<Result>& result, RingAnswer* answer) {
+  answer->status = result.status();
+  if (!result.ok()) return;
+  Message message;
+  ToProto(*result, &message);
+  message.SerializeToString(&answer->payload);
+}
+
 }  // namespace
 
 RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
@@ -103,14 +114,9 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
         break;
       }
       absl::StatusOr<StepCall> call = FromProto(req);
-      absl::StatusOr<StepSummary> s =
-          call.ok() ? sessions_->Step(key, call->hyperparams, call->control) : call.status();
-      answer.status = s.status();
-      if (s.ok()) {
-        v1::StepResponse resp;
-        ToProto(*s, &resp);
-        resp.SerializeToString(&answer.payload);
-      }
+      Reply<v1::StepResponse>(call.ok() ? sessions_->Step(key, call->hyperparams, call->control)
+                                        : absl::StatusOr<StepSummary>(call.status()),
+                              &answer);
       break;
     }
     case ring::kPendingGradients:
@@ -122,21 +128,9 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
         break;
       }
       if (r.op == ring::kPendingGradients) {
-        absl::StatusOr<PendingGradients> p = sessions_->Pending(key);
-        answer.status = p.status();
-        if (p.ok()) {
-          v1::GetPendingGradientsResponse resp;
-          ToProto(*p, &resp);
-          resp.SerializeToString(&answer.payload);
-        }
+        Reply<v1::GetPendingGradientsResponse>(sessions_->Pending(key), &answer);
       } else {
-        absl::StatusOr<StepSummary> s = sessions_->WaitStep(key);
-        answer.status = s.status();
-        if (s.ok()) {
-          v1::StepResponse resp;
-          ToProto(*s, &resp);
-          resp.SerializeToString(&answer.payload);
-        }
+        Reply<v1::StepResponse>(sessions_->WaitStep(key), &answer);
       }
       break;  // (tens of bytes; RingServer refuses one past the mailbox)
     }
