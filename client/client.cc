@@ -236,10 +236,14 @@ struct Session::Impl {
     }
     return answer;
   }
-  // A call through the mailbox that names no partition and answers a
-  // response message (ring::kPendingGradients, ring::kWaitStep).
-  absl::Status RingMessage(ring::Op op, google::protobuf::MessageLite* out) {
-    ring::Client::Answer answer = RingCall(op, 0, {}, timeout);
+  // Whether the step's calls go through the mailbox (the daemon serves them).
+  bool UseRingForStep() const { return ring != nullptr && ring_step_calls; }
+  // A step call through the mailbox: `request` a message's bytes (none for
+  // ring::kPendingGradients and ring::kWaitStep), its answer a response
+  // message.
+  absl::Status RingMessage(ring::Op op, absl::string_view request,
+                           google::protobuf::MessageLite* out) {
+    ring::Client::Answer answer = RingCall(op, request, timeout);
     RETURN_IF_ERROR(answer.status);
     if (!out->ParseFromString(answer.payload)) {
       return absl::InternalError(absl::StrCat("the daemon's answer to request ring op ", op,
@@ -806,9 +810,9 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
   // GPU tier's guard asks this when one of its calls finds offloadd gone.)
   RETURN_IF_ERROR(impl_->Orphaned());
   v1::GetPendingGradientsResponse resp;
-  if (impl_->UseRing(0) && impl_->ring_step_calls) {
+  if (impl_->UseRingForStep()) {
     // A call a step: through the mailbox, the same message as gRPC's.
-    RETURN_IF_ERROR(impl_->RingMessage(ring::kPendingGradients, &resp));
+    RETURN_IF_ERROR(impl_->RingMessage(ring::kPendingGradients, {}, &resp));
   } else {
     v1::GetPendingGradientsRequest req;
     *req.mutable_session() = impl_->ref;
@@ -833,18 +837,10 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
     ToProto(g.hyperparams, out->mutable_hyperparams(), /*with_grad_scale=*/false);  // the step's
   }
   v1::StepResponse resp;
-  if (impl_->UseRing(0) && impl_->ring_step_calls && req.ByteSizeLong() <= ring::kMaxRequestBytes) {
+  if (impl_->UseRingForStep() && req.ByteSizeLong() <= ring::kMaxRequestBytes) {
     RETURN_IF_ERROR(impl_->Orphaned());
-    std::string bytes;
     req.clear_session();  // (the mailbox is the session's)
-    req.SerializeToString(&bytes);
-    ring::Client::Answer answer = impl_->RingCall(ring::kStep, bytes, impl_->timeout);
-    RETURN_IF_ERROR(answer.status);
-    if (!resp.ParseFromString(answer.payload)) {
-      return absl::InternalError(
-          "the daemon's answer to a step through the request ring is not "
-          "a StepResponse");
-    }
+    RETURN_IF_ERROR(impl_->RingMessage(ring::kStep, req.SerializeAsString(), &resp));
     return FromProto(resp);
   }
   Rpc rpc(impl_->timeout, impl_->token);
@@ -970,8 +966,8 @@ absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters
 absl::StatusOr<StepResult> Session::WaitStep() {
   RETURN_IF_ERROR(impl_->Orphaned());
   v1::StepResponse resp;
-  if (impl_->UseRing(0) && impl_->ring_step_calls) {
-    RETURN_IF_ERROR(impl_->RingMessage(ring::kWaitStep, &resp));
+  if (impl_->UseRingForStep()) {
+    RETURN_IF_ERROR(impl_->RingMessage(ring::kWaitStep, {}, &resp));
     return FromProto(resp);
   }
   v1::WaitStepRequest req;

@@ -1,6 +1,7 @@
 #include "client/gpu_tier.h"
 
 #include <algorithm>
+#include <iterator>
 #include <tuple>
 #include <utility>
 
@@ -231,24 +232,34 @@ absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<cons
       if (spans.size() == keys.size()) return spans;  // held for the iteration
     }
   }
+  ASSIGN_OR_RETURN(std::vector<PartitionView> views, FetchAndHold(keys, {}));
   std::vector<gpu::HostSource::Span> spans;
-  spans.reserve(keys.size());
-  for (size_t i = 0; i < keys.size(); i += kMaxIdsPerCall) {
-    const absl::Span<const uint64_t> part = keys.subspan(i, kMaxIdsPerCall);
-    absl::StatusOr<std::vector<PartitionView>> views;
+  spans.reserve(views.size());
+  for (const PartitionView& v : views) spans.push_back({v.params, v.dma});
+  return spans;
+}
+
+absl::StatusOr<std::vector<PartitionView>> GpuTier::FetchAndHold(absl::Span<const uint64_t> ids,
+                                                                 const FetchOptions& options) {
+  std::vector<PartitionView> views;
+  views.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
+    const absl::Span<const uint64_t> part = ids.subspan(i, kMaxIdsPerCall);
+    absl::StatusOr<std::vector<PartitionView>> got;
     {
       DaemonCall call(this);
-      views = session_->Fetch(part);
+      got = session_->Fetch(part, options);
     }
-    if (!views.ok()) {
+    if (!got.ok()) {
       // Nothing held unless all of it is (others' holds stay).
-      ReleaseIds(Unhold(keys.subspan(0, i))).IgnoreError();
-      return views.status();
+      ReleaseIds(Unhold(ids.subspan(0, i))).IgnoreError();
+      return got.status();
     }
     AddHolds(part);
-    for (const PartitionView& v : *views) spans.push_back({v.params, v.dma});
+    views.insert(views.end(), std::make_move_iterator(got->begin()),
+                 std::make_move_iterator(got->end()));
   }
-  return spans;
+  return views;
 }
 
 absl::Status GpuTier::Release(absl::Span<const uint64_t> keys) { return ReleaseIds(Unhold(keys)); }
@@ -280,22 +291,9 @@ absl::StatusOr<std::vector<gpu::GradientSink::Span>> GpuTier::HoldBuffers(
       if (!grads_held_all_ || !held_all_.contains(key)) missing.push_back(key);
     }
   }
+  ASSIGN_OR_RETURN(std::vector<PartitionView> views, FetchAndHold(missing, {.grads = true}));
   absl::flat_hash_map<uint64_t, PartitionView> fetched;
-  for (size_t i = 0; i < missing.size(); i += kMaxIdsPerCall) {
-    const absl::Span<const uint64_t> part = absl::MakeConstSpan(missing).subspan(i, kMaxIdsPerCall);
-    absl::StatusOr<std::vector<PartitionView>> views;
-    {
-      DaemonCall call(this);
-      views = session_->Fetch(part, {.grads = true});
-    }
-    if (!views.ok()) {
-      // Nothing held unless all of it is (others' holds stay).
-      ReleaseIds(Unhold(absl::MakeConstSpan(missing).subspan(0, i))).IgnoreError();
-      return views.status();
-    }
-    AddHolds(part);
-    for (PartitionView& v : *views) fetched[v.id] = std::move(v);
-  }
+  for (PartitionView& v : views) fetched[v.id] = std::move(v);
   std::vector<gpu::GradientSink::Span> spans;
   spans.reserve(keys.size());
   absl::MutexLock lock(&mu_);

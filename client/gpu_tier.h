@@ -196,6 +196,12 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // released (returned, for Unhold).
   void AddHolds(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<uint64_t> Unhold(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // Session::Fetch of `ids` in calls of at most 4096, counted, each call's
+  // partitions counted as held by this tier (AddHolds); on an error nothing
+  // these calls took stays held (others' holds stay).
+  absl::StatusOr<std::vector<PartitionView>> FetchAndHold(absl::Span<const uint64_t> ids,
+                                                          const FetchOptions& options)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Session::Release in calls of at most 4096, counted; the first error.
   absl::Status ReleaseIds(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t gradients_returned_ ABSL_GUARDED_BY(mu_) = 0;
