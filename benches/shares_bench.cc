@@ -5,7 +5,7 @@
 //   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
 //                            [--weights=2,1]
 //                            [--state-on-nvme=DIR [--slow=N [--slow-pause-ms=200]]]
-//                            [--neighbour=DIR [--rounds=9]] [--tiny]
+//                            [--neighbour=DIR [--rounds=9]] [--timeline] [--tiny]
 //
 // --state-on-nvme=DIR: the sessions' optimizer state homed on NVMe (swap
 // files in DIR), the pool holding a quarter of it: each step swaps its state
@@ -23,6 +23,10 @@
 // sessions, and the others are all ahead of it. Their shares are printed
 // among themselves (its own updates apart): its presence must not stop their
 // weights from telling them apart.
+//
+// --timeline: each second of the sessions' run together, each one's
+// updates, the pool's room its blocks hold, its disk traffic and its blocks
+// evicted (how the shares settle, or do not).
 //
 // --neighbour=DIR: instead, a session with its state on the host against
 // itself alone in the same run (windows of --seconds, 1 by default here,
@@ -85,6 +89,7 @@ struct Flags {
   int rounds = 9;         // its alone/beside/neighbour-alone windows
   uint64_t slow = 0;      // --slow's parameters (0: no such session)
   int slow_pause_ms = 200;
+  bool timeline = false;  // each second's updates, room and disk traffic by session
 };
 
 // One session: registered partitions and its arena, mapped.
@@ -158,8 +163,10 @@ absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
 }
 
 // Runs `jobs` at once for `seconds`; each one's parameters updated a second.
+// `timeline`: prints, each second, each session's updates, the pool's room
+// its blocks hold and its disk traffic (how the shares settle over time).
 absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vector<Job*>& jobs,
-                                                double seconds) {
+                                                double seconds, bool timeline = false) {
   std::atomic<bool> stop{false};
   std::vector<absl::Status> status(jobs.size());
   std::vector<uint64_t> before;
@@ -169,7 +176,33 @@ absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vecto
   for (size_t i = 0; i < jobs.size(); ++i) {
     threads.emplace_back([&, i] { status[i] = Train(e, jobs[i], stop); });
   }
-  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  if (timeline) {
+    std::vector<uint64_t> updated = before, moved(jobs.size()), evicted(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const Swapper::TraceIo io = e.swapper->IoOf(jobs[i]->key.id);
+      moved[i] = io.bytes_in + io.bytes_out;
+      evicted[i] = io.evictions;
+    }
+    for (int second = 1; second <= static_cast<int>(seconds); ++second) {
+      std::this_thread::sleep_until(start + std::chrono::seconds(second));
+      std::string line = absl::StrFormat("  t=%2ds", second);
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        const uint64_t u = jobs[i]->updated.load();
+        const Swapper::TraceIo io = e.swapper->IoOf(jobs[i]->key.id);
+        absl::StrAppendFormat(
+            &line, "  job%zu %6.1f Mparam/s, room %4.0f MiB, disk %4.0f MiB/s, evicted %3llu", i,
+            static_cast<double>(u - updated[i]) / 1e6, static_cast<double>(io.room) / (1 << 20),
+            static_cast<double>(io.bytes_in + io.bytes_out - moved[i]) / (1 << 20),
+            static_cast<unsigned long long>(io.evictions - evicted[i]));
+        updated[i] = u;
+        moved[i] = io.bytes_in + io.bytes_out;
+        evicted[i] = io.evictions;
+      }
+      std::printf("%s\n", line.c_str());
+    }
+  }
+  std::this_thread::sleep_until(
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds)));
   stop = true;
   for (auto& t : threads) t.join();
   const double took = bench::SecondsSince(start);
@@ -359,6 +392,8 @@ int Main(int argc, char** argv) {
       f.slow_pause_ms = std::max(0, std::atoi(v));
     } else if ((v = bench::FlagValue(argv[i], "rounds"))) {
       f.rounds = std::max(1, std::atoi(v));
+    } else if (a == "--timeline") {
+      f.timeline = true;
     } else if (a == "--tiny") {
       f.params = 400'000;
       f.seconds = 0.5;
@@ -447,7 +482,8 @@ int Main(int argc, char** argv) {
   std::vector<double> moved_before;
   for (const Job* j : all) moved_before.push_back(moved(*j));
   const SwapperStats before_together = e.swapper->Stats();
-  auto together = alone.ok() ? RunTogether(e, stepping, f.seconds) : alone.status();
+  if (f.timeline) std::printf("together, second by second:\n");
+  auto together = alone.ok() ? RunTogether(e, stepping, f.seconds, f.timeline) : alone.status();
   const SwapperStats during_together = e.swapper->Stats().Since(before_together);
   if (!together.ok()) {
     std::fprintf(stderr, "%s\n", together.status().ToString().c_str());

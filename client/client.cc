@@ -609,6 +609,8 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
     out.sessions.back().nvme_read_bytes = s.nvme_read_bytes();
     out.sessions.back().nvme_write_bytes = s.nvme_write_bytes();
     out.sessions.back().io_queued_nanos = s.io_queued_nanos();
+    out.sessions.back().pool_room_bytes = s.pool_room_bytes();
+    out.sessions.back().pool_evictions = s.pool_evictions();
     if (s.has_gpu()) {
       const v1::GpuTierCounters& g = s.gpu();
       out.sessions.back().gpu = GpuTierCounters{

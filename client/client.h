@@ -322,6 +322,8 @@ struct DaemonStats {
     // daemon's I/O threads.
     uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
     int64_t io_queued_nanos = 0;
+    // The host pool's room its NVMe-homed blocks hold, its blocks evicted.
+    uint64_t pool_room_bytes = 0, pool_evictions = 0;
   };
   std::string version;
   uint32_t pid = 0;

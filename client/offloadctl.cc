@@ -126,12 +126,14 @@ int Stats(Client& client) {
   auto placed = [](uint64_t host, uint64_t nvme) {
     return HumanBytes(host) + "/" + HumanBytes(nvme);
   };
-  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s %21s %9s\n", "SESSION",
-              "NAME", "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
-              "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S", "NVME READ/WRITTEN", "IO WAIT S");
+  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s %21s %9s %10s %9s\n",
+              "SESSION", "NAME", "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME",
+              "GRADS HOST/NVME", "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S",
+              "NVME READ/WRITTEN", "IO WAIT S", "POOL ROOM", "EVICTED");
   for (const auto& x : s->sessions) {
     std::printf(
-        "%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f %21s %9.3f\n",
+        "%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f %21s %9.3f %10s "
+        "%9llu\n",
         static_cast<unsigned long long>(x.id), x.name.c_str(),
         static_cast<unsigned long long>(x.partitions), static_cast<unsigned long long>(x.held),
         HumanBytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps),
@@ -141,7 +143,8 @@ int Stats(Client& client) {
         static_cast<long long>(x.share_weight), static_cast<unsigned long long>(x.optimizer_params),
         static_cast<double>(x.optimizer_queued_nanos) / 1e9,
         placed(x.nvme_read_bytes, x.nvme_write_bytes).c_str(),
-        static_cast<double>(x.io_queued_nanos) / 1e9);
+        static_cast<double>(x.io_queued_nanos) / 1e9, HumanBytes(x.pool_room_bytes).c_str(),
+        static_cast<unsigned long long>(x.pool_evictions));
   }
   // The sessions whose trainers run a GPU tier, as they last reported.
   bool header = false;

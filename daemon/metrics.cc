@@ -70,11 +70,16 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
       {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps},
       {"offloadd_session_optimizer_params", "parameters the node's optimizer updated for it",
        &SessionSummary::optimizer_params},
+      {"offloadd_session_pool_room_bytes", "the host pool's room its NVMe-homed blocks hold",
+       &SessionSummary::pool_room_bytes},
   };
   for (const SessionMetric& metric : kSession) {
     AppendPerSession(&out, metric.name, metric.help, "gauge", m.sessions,
                      [&](const SessionSummary& s) { return s.*metric.field; });
   }
+  AppendPerSession(&out, "offloadd_session_pool_evictions_total",
+                   "its NVMe-homed blocks evicted from the host pool", "counter", m.sessions,
+                   [](const SessionSummary& s) { return s.pool_evictions; });
   AppendPerSession(&out, "offloadd_session_share_weight",
                    "its weight in the node's optimizer, NVMe I/O and pool", "gauge", m.sessions,
                    [](const SessionSummary& s) { return s.share_weight; });

@@ -584,6 +584,8 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext* context, const v1::
     out->set_nvme_read_bytes(s.nvme_read_bytes);
     out->set_nvme_write_bytes(s.nvme_write_bytes);
     out->set_io_queued_nanos(s.io_queued_nanos);
+    out->set_pool_room_bytes(s.pool_room_bytes);
+    out->set_pool_evictions(s.pool_evictions);
     if (s.gpu.has_value()) {
       const GpuTierReport& g = *s.gpu;
       v1::GpuTierCounters* c = out->mutable_gpu();

@@ -1453,6 +1453,8 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
     summary.nvme_read_bytes = io.bytes_in;
     summary.nvme_write_bytes = io.bytes_out;
     summary.io_queued_nanos = io.queued_nanos;
+    summary.pool_room_bytes = io.room;
+    summary.pool_evictions = io.evictions;
     for (int k = 0; k < kDataKinds; ++k) {
       summary.host_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kHost);
       summary.nvme_bytes[k] = p.bytes(static_cast<DataKind>(k), Tier::kNvme);

@@ -165,6 +165,10 @@ struct SessionSummary {
   uint64_t nvme_read_bytes = 0;
   uint64_t nvme_write_bytes = 0;
   int64_t io_queued_nanos = 0;
+  // The host pool's room its NVMe-homed blocks hold now, and its blocks
+  // evicted so far: the pool's share it gets.
+  uint64_t pool_room_bytes = 0;
+  uint64_t pool_evictions = 0;
 };
 
 // How the trainer commits a step after its global decisions.

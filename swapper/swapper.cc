@@ -762,7 +762,9 @@ void Swapper::ForgetTrace(uint64_t trace) {
 Swapper::TraceIo Swapper::IoOf(uint64_t trace) const {
   absl::MutexLock lock(&mu_);
   auto it = trace_io_.find(trace);
-  return it == trace_io_.end() ? TraceIo{} : it->second;
+  TraceIo io = it == trace_io_.end() ? TraceIo{} : it->second;
+  io.room = victims_.Room(trace);
+  return io;
 }
 
 void Swapper::SetIoWeight(uint64_t trace, int64_t weight) {
@@ -1161,6 +1163,7 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
 }
 
 void Swapper::EvictLocked(Block* b) {
+  if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) ++it->second.evictions;
   if (b->prefetched) {
     b->prefetched = false;
     ++stats_.prefetch_wasted;

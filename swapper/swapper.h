@@ -319,6 +319,8 @@ class Swapper {
   struct TraceIo {
     uint64_t bytes_in = 0, bytes_out = 0;  // swapped in, written out
     int64_t queued_nanos = 0;              // their transfers' time queued for an I/O thread
+    uint64_t evictions = 0;                // its blocks evicted (written out or dropped)
+    uint64_t room = 0;                     // the pool's room its blocks hold now
   };
   TraceIo IoOf(uint64_t trace) const ABSL_LOCKS_EXCLUDED(mu_);
 

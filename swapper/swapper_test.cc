@@ -1125,12 +1125,15 @@ TEST_F(SwapperTest, ReadsWaitingForTheDiskGoByTheirTracesWeights) {
   int of_one = 0;
   for (int i = 0; i < kEach; ++i) of_one += order[i] < 200 ? 1 : 0;
   EXPECT_NEAR(of_one, 2 * kEach / 3, 1) << "of the first " << kEach << " reads";
-  // Each trace's traffic: its blocks written out once and read in once; its
-  // reads queued while block 1's was held.
+  // Each trace's traffic: its blocks evicted (written out) once and read in
+  // once, all of them in the pool now; its reads queued while block 1's
+  // was held.
   for (uint64_t trace : {1, 2}) {
     const Swapper::TraceIo io = swapper_->IoOf(trace);
     EXPECT_EQ(io.bytes_out, kEach * kMiB) << trace;
     EXPECT_EQ(io.bytes_in, kEach * kMiB) << trace;
+    EXPECT_EQ(io.evictions, uint64_t{kEach}) << trace;
+    EXPECT_EQ(io.room, kEach * kMiB) << trace;
     EXPECT_GT(io.queued_nanos, 0) << trace;
   }
   EXPECT_EQ(swapper_->IoOf(99).bytes_in, 0u);  // a trace with no blocks
@@ -1144,7 +1147,10 @@ TEST_F(SwapperTest, ReadsWaitingForTheDiskGoByTheirTracesWeights) {
   pool_->SetLimit(64 * kMiB);
   for (int i = 0; i < kEach; ++i) ExpectHolds(100 + i, 100 + i);
   EXPECT_EQ(swapper_->IoOf(1).bytes_in, 0u);
+  EXPECT_EQ(swapper_->IoOf(1).evictions, 0u);
   EXPECT_EQ(swapper_->IoOf(2).bytes_in, kEach * kMiB);
+  EXPECT_EQ(swapper_->IoOf(2).evictions, uint64_t{2 * kEach});  // (the trim's too)
+  EXPECT_EQ(swapper_->IoOf(2).room, 0u);
 }
 
 // A write-out never waits for a heavier trace that is using the disk (that

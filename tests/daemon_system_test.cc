@@ -2253,6 +2253,11 @@ TEST(DaemonStartup, EverythingOnNvmeTrainsTheDemoToTheSameLosses) {
       EXPECT_GE(stats->sessions[0].nvme_read_bytes, kStateBytes);
       EXPECT_GE(stats->sessions[0].nvme_write_bytes, kStateBytes);
       EXPECT_GT(stats->sessions[0].io_queued_nanos, 0);
+      // The pool holds less than its state: blocks evicted, the room they
+      // hold within the pool.
+      EXPECT_GT(stats->sessions[0].pool_evictions, 0u);
+      EXPECT_GT(stats->sessions[0].pool_room_bytes, 0u);
+      EXPECT_LE(stats->sessions[0].pool_room_bytes, kPool);
     }
     return losses.ok() ? *losses : std::vector<double>{};
   };
@@ -2507,6 +2512,8 @@ TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
   EXPECT_TRUE(absl::StrContains(res->body, "name=\"rank0\""));
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_nvme_bytes_total{session="));
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_io_queued_seconds_total{session="));
+  EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_pool_room_bytes{session="));
+  EXPECT_TRUE(absl::StrContains(res->body, "# TYPE offloadd_session_pool_evictions_total counter"));
   EXPECT_TRUE(absl::StrContains(res->body, "# TYPE offloadd_swap_hits_total counter"));
   // Off by default (the banner's last line is the data directory).
   auto plain = DaemonProcess::Start({});

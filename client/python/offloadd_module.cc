@@ -162,7 +162,8 @@ py::dict StatsDict(const DaemonStats& s) {
         "optimizer_params"_a = x.optimizer_params,
         "optimizer_queued_nanos"_a = x.optimizer_queued_nanos,
         "nvme_read_bytes"_a = x.nvme_read_bytes, "nvme_write_bytes"_a = x.nvme_write_bytes,
-        "io_queued_nanos"_a = x.io_queued_nanos));
+        "io_queued_nanos"_a = x.io_queued_nanos, "pool_room_bytes"_a = x.pool_room_bytes,
+        "pool_evictions"_a = x.pool_evictions));
   }
   return py::dict("version"_a = s.version, "pid"_a = s.pid, "uptime_ms"_a = s.uptime_ms,
                   "optimizer"_a = s.optimizer, "counters"_a = counters, "tiers"_a = tiers,
