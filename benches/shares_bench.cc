@@ -510,9 +510,11 @@ int Main(int argc, char** argv) {
   }
   if (!f.state_dir.empty()) {
     std::printf(
-        "together: %llu blocks evicted, %llu of them a session's past its share of the pool\n",
+        "together: %llu blocks evicted, %llu of them a session's giving room by the shares (out "
+        "of turn, past its share); %llu turns\n",
         static_cast<unsigned long long>(during_together.swap_outs + during_together.clean_drops),
-        static_cast<unsigned long long>(during_together.share_evictions));
+        static_cast<unsigned long long>(during_together.share_evictions),
+        static_cast<unsigned long long>(during_together.turns));
     double disk = 0;
     for (size_t i = 0; i < all.size(); ++i) disk += moved(*all[i]) - moved_before[i];
     // Not a share to meet: a session with more of the pool's room moves

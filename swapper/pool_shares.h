@@ -38,6 +38,24 @@
 // cap of four slacks). Where the traces want more than the pool holds, its
 // traffic, and so the updates it serves, goes by weight.
 //
+// Turns: where two or more traces at work at once (holding or waiting for
+// blocks) want more room than they hold (each waited for a read of its
+// blocks, or had one evicted, within its idle time), sharing the room lets
+// each keep only part of its state, so every trace streams from NVMe and
+// the node runs at the disk's pace; worse, a trace whose state nearly fits
+// takes back what it gives (it steps faster than a block is written out)
+// and keeps the room (benches/shares on 16 cores: the other got 0.5% of the
+// updates). So the pool goes to one of them at a time: the turn's holder
+// (Turn) gives room only to itself; the others give first, to anyone. A
+// turn lasts the longer of kMinTurn and kTurnSwitches times the holder's
+// first iteration in it (that iteration brought its state in: the switch
+// is paid for), or kUnmeasuredTurn where no iteration ends, or until the
+// holder rests (holds and waits for nothing for kMinTurn); then it goes to
+// the least served of the traces at work (the traffic's shares, below,
+// decide who is owed, and so the weights; the same holder again if it still
+// is). Where only one trace is at work at a time (trainers stepping while
+// the others compute), there are no turns.
+//
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.
 #ifndef OFFLOADD_SWAPPER_POOL_SHARES_H_
@@ -61,6 +79,11 @@ class PoolShares {
   // In bytes over weight: more than this far ahead (or than two of the
   // largest blocks served, where that is more) is ahead (Slack()).
   static constexpr double kShareSlack = 32.0 * (1 << 20);
+  // Turns (see the top).
+  static constexpr std::chrono::milliseconds kMinTurn{200};
+  static constexpr int kTurnSwitches = 3;
+  static constexpr std::chrono::seconds kUnmeasuredTurn{10};
+  static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
 
   // The trace got a block at `now`: at work, its iteration not begun.
   void Added(uint64_t trace, Clock::time_point now) { traces_[trace].last_use = now; }
@@ -118,9 +141,61 @@ class PoolShares {
   // zeros): it competes for room (Rejoin).
   void BroughtIn(uint64_t trace, Clock::time_point now) { traces_[trace].last_brought_in = now; }
 
+  // The trace waited for a read of one of its blocks (a miss, or one in
+  // flight), or one of its blocks was evicted, at `now`: it wants more room
+  // than it holds, or gives room to a trace that does (Turn). (A trace whose
+  // blocks are evicted may never miss: stepping faster than they are written
+  // out, it takes each one back before it is gone.)
+  void Missed(uint64_t trace, Clock::time_point now) { traces_[trace].last_miss = now; }
+
+  // The trace that holds the pool's turn at `now`, passing it on where the
+  // holder's turn is over or it rests (see the top); kNone while fewer than
+  // two traces want room and are at work (hold or wait for a block now:
+  // `busy(trace)`; the holder, or did within kMinTurn): then there are no
+  // turns, and the shares below alone decide (one trainer stepping while
+  // the other computes takes room as the traffic's shares say).
+  template <typename Busy>
+  uint64_t Turn(Clock::time_point now, const Busy& busy) {
+    if (turn_ != kNone && busy(turn_)) turn_busy_ = now;
+    auto at_work = [&](uint64_t id, const Trace& t) {
+      if (!UsesPool(t, now)) return false;
+      if (id == turn_) return now - turn_busy_ <= kMinTurn;
+      return t.last_miss.has_value() && now - *t.last_miss <= Window(t) && busy(id);
+    };
+    int working = 0;
+    for (const auto& [id, t] : traces_) working += at_work(id, t) ? 1 : 0;
+    if (working < 2) return kNone;
+    if (auto it = traces_.find(turn_); it != traces_.end() && at_work(turn_, it->second)) {
+      const Clock::duration length =
+          turn_switch_.has_value()
+              ? std::max<Clock::duration>(kMinTurn, kTurnSwitches * *turn_switch_)
+              : Clock::duration(kUnmeasuredTurn);
+      if (now - turn_since_ < length) return turn_;
+    }
+    // The least served of those at work.
+    uint64_t next = kNone;
+    for (const auto& [id, t] : traces_) {
+      if (!at_work(id, t)) continue;
+      if (next == kNone || t.served < traces_.at(next).served ||
+          (t.served == traces_.at(next).served && id < next)) {
+        next = id;
+      }
+    }
+    turn_since_ = now;
+    turn_busy_ = now;
+    if (next == turn_) return turn_;  // still the least served: another turn, no switch
+    turn_ = next;
+    turn_switch_.reset();
+    ++turns_;
+    return turn_;
+  }
+  // Turns begun.
+  uint64_t turns() const { return turns_; }
+
   void EndIteration(uint64_t trace, Clock::time_point now) {
     auto it = traces_.find(trace);
     if (it == traces_.end()) return;
+    if (trace == turn_ && !turn_switch_.has_value()) turn_switch_ = now - turn_since_;
     Trace& t = it->second;
     NewPass(t, now);
     if (!t.iteration_start.has_value()) return;
@@ -128,7 +203,10 @@ class PoolShares {
     t.iteration_start.reset();
   }
 
-  void Forget(uint64_t trace) { traces_.erase(trace); }
+  void Forget(uint64_t trace) {
+    traces_.erase(trace);
+    if (trace == turn_) turn_ = kNone;
+  }
 
   // The trace's weight from now on (>= 1; lower counts as 1). A trace never
   // given one has weight 1.
@@ -199,7 +277,6 @@ class PoolShares {
   }
 
  private:
-  static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
   // Where a trace back from a rest starts: the least served of the others
   // competing for room (using the pool and bringing blocks into it), else
   // of all using it (infinite if none).
@@ -221,6 +298,7 @@ class PoolShares {
     double served = 0;
     int64_t weight = 1;                                // SetWeight's
     std::optional<Clock::time_point> last_brought_in;  // BroughtIn's
+    std::optional<Clock::time_point> last_miss;        // Missed's
     // This pass: its number (blocks counted in it carry it; unique among all
     // traces' passes, 0 none), when it began, the largest block served in it.
     uint64_t pass = 0;
@@ -242,6 +320,13 @@ class PoolShares {
 
   absl::flat_hash_map<uint64_t, Trace> traces_;
   uint64_t passes_ = 0;  // passes begun, of all traces
+  // The turn: its holder (kNone: no turns), since when, its first iteration
+  // in the turn (the switch), turns begun.
+  uint64_t turn_ = kNone;
+  Clock::time_point turn_since_;
+  Clock::time_point turn_busy_;  // when the holder last held or waited for a block
+  std::optional<Clock::duration> turn_switch_;
+  uint64_t turns_ = 0;
 };
 
 }  // namespace offload

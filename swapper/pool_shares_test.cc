@@ -239,5 +239,77 @@ TEST(PoolSharesTest, TheSlackFollowsTheBlocksServedLately) {
   EXPECT_EQ(s.Slack(At(1051)), PoolShares::kShareSlack);
 }
 
+// Turns: none while fewer than two traces want room and are at work at
+// once; then the least served holds the pool until its turn is over (three
+// times its first iteration in it, at least kMinTurn), and the next least
+// served gets it.
+TEST(PoolSharesTest, TwoTracesWantingRoomAtOnceTakeTurns) {
+  PoolShares s;
+  s.SetWeight(1, 2);
+  bool busy1 = true, busy2 = true;
+  auto busy = [&](uint64_t t) { return t == 1 ? busy1 : busy2; };
+  s.Served(1, 64 * kMiB, At(0));  // 32 MiB over its weight
+  s.Served(2, 48 * kMiB, At(0));  // new: starts at the floor (32), then 80
+  // Neither has waited for a read, nor given a block: no turns.
+  EXPECT_EQ(s.Turn(At(1), busy), PoolShares::kNone);
+  s.Missed(2, At(2));
+  EXPECT_EQ(s.Turn(At(3), busy), PoolShares::kNone);  // one wants room
+  s.Missed(1, At(4));
+  busy1 = false;  // ... but rests (computes)
+  EXPECT_EQ(s.Turn(At(5), busy), PoolShares::kNone);
+  busy1 = true;
+  EXPECT_EQ(s.Turn(At(6), busy), 1u);  // the least served
+  EXPECT_EQ(s.turns(), 1u);
+  // Its first iteration in the turn (the switch) ends 100 ms in: the turn
+  // lasts 300 ms.
+  s.EndIteration(1, At(106));
+  for (int64_t ms : {200, 305}) {
+    s.Served(1, 96 * kMiB, At(ms));  // now at 80 MiB over its weight, then 128
+    EXPECT_EQ(s.Turn(At(ms), busy), 1u) << ms;
+  }
+  EXPECT_EQ(s.Turn(At(306), busy), 2u);  // over: trace 2 is the least served
+  EXPECT_EQ(s.turns(), 2u);
+  // No iteration of trace 2's ends: its turn lasts kUnmeasuredTurn (both
+  // at work meanwhile, trace 1 the least served from 500 ms on).
+  const int64_t unmeasured = std::chrono::milliseconds(PoolShares::kUnmeasuredTurn).count();
+  for (int64_t ms = 400; ms < 306 + unmeasured; ms += 100) {
+    for (uint64_t t : {1, 2}) {
+      s.Missed(t, At(ms));
+      s.Served(t, (t == 2 ? 300 : 1) * kMiB, At(ms));
+    }
+    ASSERT_EQ(s.Turn(At(ms), busy), 2u) << ms;
+  }
+  EXPECT_EQ(s.Turn(At(306 + unmeasured), busy), 1u);
+  s.Forget(1);
+  EXPECT_EQ(s.Turn(At(307 + unmeasured), busy), PoolShares::kNone);
+}
+
+// A holder that rests (holds and waits for nothing for kMinTurn) gives its
+// turn up; the least served at work gets it, the same holder again if it
+// still is (no new turn: nothing to switch).
+TEST(PoolSharesTest, AHolderThatRestsGivesItsTurnUp) {
+  PoolShares s;
+  bool busy1 = true;
+  auto busy = [&](uint64_t t) { return t != 1 || busy1; };
+  s.Served(1, 10 * kMiB, At(0));
+  s.Served(2, 50 * kMiB, At(0));
+  s.Served(3, 30 * kMiB, At(0));
+  for (uint64_t t : {1, 2}) s.Missed(t, At(0));
+  ASSERT_EQ(s.Turn(At(1), busy), 1u);
+  s.EndIteration(1, At(2));  // a switch of 1 ms: turns of kMinTurn
+  const int64_t min_turn = PoolShares::kMinTurn.count();
+  // Still the least served when its turn is over: it keeps it.
+  EXPECT_EQ(s.Turn(At(2 + min_turn), busy), 1u);
+  EXPECT_EQ(s.turns(), 1u);
+  // It stops holding or waiting for blocks: a pause, then a rest.
+  busy1 = false;
+  EXPECT_EQ(s.Turn(At(100 + min_turn), busy), 1u);
+  EXPECT_EQ(s.Turn(At(3 + 2 * min_turn), busy), PoolShares::kNone);  // trace 2 alone at work
+  // Trace 3 too: the least served of the two at work gets the turn.
+  s.Missed(3, At(4 + 2 * min_turn));
+  EXPECT_EQ(s.Turn(At(5 + 2 * min_turn), busy), 3u);
+  EXPECT_EQ(s.turns(), 2u);
+}
+
 }  // namespace
 }  // namespace offload

@@ -74,6 +74,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.io_fair_waits -= e.io_fair_waits;
   d.idle_evictions -= e.idle_evictions;
   d.share_evictions -= e.share_evictions;
+  d.turns -= e.turns;
   d.repages -= e.repages;
   return d;
 }
@@ -118,8 +119,13 @@ struct Swapper::Block {
   uint64_t version = 0;        // bumped by every write pin
   uint64_t write_version = 0;  // `version` when the write-out in flight was queued
   uint64_t last_use = 0;
-  uint64_t shares_pass = 0;     // its trace's pass it last counted in (PoolShares::ServedInPass)
-  bool prefetched = false;      // brought in by prefetch, not acquired since
+  uint64_t shares_pass = 0;  // its trace's pass it last counted in (PoolShares::ServedInPass)
+  bool prefetched = false;   // brought in by prefetch, not acquired since
+  // Written out as room for the turn's holder (out of turn): an Acquire
+  // waits for the write and reads it back, rather than keep it (its trace,
+  // stepping fast on what it still holds, would take back every block it
+  // gives while the write is in flight).
+  bool given = false;
   int moves_queued = 0;         // the mover's moves of it queued (a prefetch, a move to the host)
   bool to_host_queued = false;  // one of them a move to the host
   bool removed = false;
@@ -571,6 +577,13 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
       status = absl::NotFoundError(absl::StrCat("block ", id, " was removed"));
       break;
     }
+    if (b->state == BlockState::kWritingOut && b->given) {
+      if (!counted) ++stats_.misses;
+      counted = true;
+      pool_shares_.Missed(b->trace, SharesNowLocked());
+      while (b->state == BlockState::kWritingOut) changed_.Wait(&mu_);
+      continue;
+    }
     if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) {
       if (!counted) ++stats_.hits;
       break;
@@ -578,6 +591,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
     if (b->state == BlockState::kReadingIn) {
       if (!counted) ++stats_.waited_reads;
       counted = true;
+      pool_shares_.Missed(b->trace, SharesNowLocked());
       const uint64_t failures = b->failed_reads;
       while (b->state == BlockState::kReadingIn) changed_.Wait(&mu_);
       if (b->failed_reads != failures) {
@@ -594,6 +608,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
     }
     if (!counted) ++stats_.misses;
     counted = true;
+    pool_shares_.Missed(b->trace, SharesNowLocked());
     if (!pool_->Fits(NeedOf(*b))) {
       status = MakeRoomLocked(NeedOf(*b), /*restricted=*/false, 0, b->trace);
       // The lock may have been released: look again. A prefetch may have
@@ -892,22 +907,24 @@ namespace {
 // which let a session streaming through its state hold more for a while.
 struct TraceStanding {
   bool idle = false;
+  bool out_of_turn = false;  // turns are taken (PoolShares::Turn), and not this trace's
   bool over = false;
   uint64_t lead = 0;  // PoolShares::Lead: 0 within its share
-  bool gives() const { return idle || over || lead > 0; }
+  bool gives() const { return idle || out_of_turn || over || lead > 0; }
   // Who gives room before whom (a victim's key begins with it).
-  std::tuple<bool, bool, uint64_t> rank() const { return {idle, over, lead}; }
+  std::tuple<bool, bool, bool, uint64_t> rank() const { return {idle, out_of_turn, over, lead}; }
 };
 
 // `busy`: the trace holds a block or waits for one (the one room is made
 // for among them): at work however long ago its last Acquire began (a slow
 // swap-in). `room`: what its NVMe-homed blocks hold of the pool's room,
-// `all_room` all traces'.
+// `all_room` all traces'. `holder`: the turn's (PoolShares::Turn).
 TraceStanding StandingOfTrace(const PoolShares& shares, uint64_t trace, bool busy, uint64_t room,
                               uint64_t all_room, PoolShares::Clock::time_point now, double floor,
-                              double slack) {
+                              double slack, uint64_t holder) {
   TraceStanding s;
   s.idle = !busy && shares.Quiet(trace, now);
+  s.out_of_turn = !s.idle && holder != PoolShares::kNone && trace != holder;
   const double most = std::max(0.75, (1 + shares.RoomShare(trace, now)) / 2);
   s.over = !s.idle && static_cast<double>(room) > most * static_cast<double>(all_room);
   s.lead = s.idle ? 0 : shares.Lead(trace, floor, slack);
@@ -941,19 +958,30 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
                                             const absl::flat_hash_set<BlockId>& tried,
                                             VictimKind* kind) {
   const auto now = SharesNowLocked();
+  const uint64_t turns = pool_shares_.turns();
+  const uint64_t holder =
+      pool_shares_.Turn(now, [&](uint64_t trace) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return (for_trace != kNoTrace && trace == for_trace) || victims_.Held(trace);
+      });
+  stats_.turns += pool_shares_.turns() - turns;
   const double floor = pool_shares_.Floor(now);
   const double slack = pool_shares_.Slack(now);
   const uint64_t all_room = victims_.all_room();
   auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool busy = (for_trace != kNoTrace && trace == for_trace) || victims_.Held(trace);
     return StandingOfTrace(pool_shares_, trace, busy, victims_.Room(trace), all_room, now, floor,
-                           slack);
+                           slack, holder);
   };
   // A prefetch (speculative) for a trace that gives room takes none from
-  // the traces that give less (those that do not, or are less far ahead).
-  std::optional<std::tuple<bool, bool, uint64_t>> prefetch_rank;
+  // the traces that give less (those that do not, or are less far ahead);
+  // from those that give more it takes any block (their next uses count in
+  // their own orders, not in the prefetching trace's), from the others only
+  // blocks needed later than the one it brings in.
+  std::optional<std::tuple<bool, bool, bool, uint64_t>> prefetch_rank;
+  std::tuple<bool, bool, bool, uint64_t> for_rank{false, false, false, 0};
   if (restricted && for_trace != kNoTrace) {
     const TraceStanding s = standing_of(for_trace);
+    for_rank = s.rank();
     if (s.gives()) prefetch_rank = s.rank();
   }
   // Each trace's first candidate in its own order (the farthest next use,
@@ -964,35 +992,34 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   // farthest next use; among equals (never used again, or no trace
   // followed), least recently used first.
   Block* best = nullptr;
-  VictimKey best_key{false, false, 0, 0, 0};
+  VictimKey best_key{false, false, false, 0, 0, 0};
   victims_.TracesWithCandidates(&victim_traces_);
   for (uint64_t trace : victim_traces_) {
     const TraceStanding s = standing_of(trace);
-    const bool bound = restricted && !s.idle;
-    if (bound && prefetch_rank.has_value() && s.rank() < *prefetch_rank) continue;
-    victims_.ForEachCandidate(trace, OrderOfLocked(trace),
-                              [&](BlockId id, uint64_t next, uint64_t last_use)
-                                  ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-                                    if (bound && next <= farther_than)
-                                      return false;  // (the rest are needed sooner)
-                                    if (tried.contains(id)) return true;
-                                    const VictimKey key{s.idle, s.over, s.lead, next, ~last_use};
-                                    if (best == nullptr || key > best_key) {
-                                      best = blocks_.at(id).get();
-                                      best_key = key;
-                                    }
-                                    return false;
-                                  });
+    if (restricted && !s.idle && prefetch_rank.has_value() && s.rank() < *prefetch_rank) continue;
+    const bool bound = restricted && !s.idle && !(s.rank() > for_rank);
+    victims_.ForEachCandidate(
+        trace, OrderOfLocked(trace),
+        [&](BlockId id, uint64_t next, uint64_t last_use) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          if (bound && next <= farther_than) return false;  // (the rest are needed sooner)
+          if (tried.contains(id)) return true;
+          const VictimKey key{s.idle, s.out_of_turn, s.over, s.lead, next, ~last_use};
+          if (best == nullptr || key > best_key) {
+            best = blocks_.at(id).get();
+            best_key = key;
+          }
+          return false;
+        });
   }
   if (check_victims_) {
     const std::optional<VictimKey> walked =
-        WalkForVictimLocked(restricted, farther_than, for_trace, tried, now);
+        WalkForVictimLocked(restricted, farther_than, for_trace, tried, now, holder);
     std::vector<std::string> errors = IndexErrorsLocked();
     auto describe = [](const std::optional<VictimKey>& k) {
       if (!k.has_value()) return std::string("none");
-      const auto& [idle, over, lead, next, not_last_use] = *k;
-      return absl::StrCat("(idle ", idle, ", over ", over, ", lead ", lead, ", next ", next,
-                          ", last use ", ~not_last_use, ")");
+      const auto& [idle, out_of_turn, over, lead, next, not_last_use] = *k;
+      return absl::StrCat("(idle ", idle, ", out of turn ", out_of_turn, ", over ", over, ", lead ",
+                          lead, ", next ", next, ", last use ", ~not_last_use, ")");
     };
     const std::optional<VictimKey> chosen =
         best == nullptr ? std::nullopt : std::optional<VictimKey>(best_key);
@@ -1006,7 +1033,8 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   }
   if (best != nullptr) {
     *kind = std::get<0>(best_key)                                ? VictimKind::kIdle
-            : std::get<1>(best_key) || std::get<2>(best_key) > 0 ? VictimKind::kAhead
+            : std::get<1>(best_key)                              ? VictimKind::kOutOfTurn
+            : std::get<2>(best_key) || std::get<3>(best_key) > 0 ? VictimKind::kAhead
                                                                  : VictimKind::kFarthest;
   }
   return best;
@@ -1014,7 +1042,8 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
 
 std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
     bool restricted, uint64_t farther_than, uint64_t for_trace,
-    const absl::flat_hash_set<BlockId>& tried, PoolShares::Clock::time_point now) const {
+    const absl::flat_hash_set<BlockId>& tried, PoolShares::Clock::time_point now,
+    uint64_t holder) const {
   absl::flat_hash_set<uint64_t> busy;
   if (for_trace != kNoTrace) busy.insert(for_trace);
   absl::flat_hash_map<uint64_t, uint64_t> room;
@@ -1035,21 +1064,24 @@ std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
   auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto r = room.find(trace);
     return StandingOfTrace(pool_shares_, trace, busy.contains(trace),
-                           r == room.end() ? 0 : r->second, all_room, now, floor, slack);
+                           r == room.end() ? 0 : r->second, all_room, now, floor, slack, holder);
   };
-  std::optional<std::tuple<bool, bool, uint64_t>> prefetch_rank;
-  if (restricted && for_trace != kNoTrace && standing_of(for_trace).gives()) {
-    prefetch_rank = standing_of(for_trace).rank();
+  std::optional<std::tuple<bool, bool, bool, uint64_t>> prefetch_rank;
+  std::tuple<bool, bool, bool, uint64_t> for_rank{false, false, false, 0};
+  if (restricted && for_trace != kNoTrace) {
+    for_rank = standing_of(for_trace).rank();
+    if (standing_of(for_trace).gives()) prefetch_rank = for_rank;
   }
   std::optional<VictimKey> best;
   for (const Block* b : candidates) {
     const TraceStanding s = standing_of(b->trace);
     const uint64_t next = NextUseLocked(*b);
     if (restricted && !s.idle &&
-        (next <= farther_than || (prefetch_rank.has_value() && s.rank() < *prefetch_rank))) {
+        ((next <= farther_than && !(s.rank() > for_rank)) ||
+         (prefetch_rank.has_value() && s.rank() < *prefetch_rank))) {
       continue;
     }
-    const VictimKey key{s.idle, s.over, s.lead, next, ~b->last_use};
+    const VictimKey key{s.idle, s.out_of_turn, s.over, s.lead, next, ~b->last_use};
     if (!best.has_value() || key > *best) best = key;
   }
   return best;
@@ -1057,7 +1089,7 @@ std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
 
 void Swapper::CountVictimLocked(VictimKind kind) {
   if (kind == VictimKind::kIdle) ++stats_.idle_evictions;
-  if (kind == VictimKind::kAhead) ++stats_.share_evictions;
+  if (kind == VictimKind::kAhead || kind == VictimKind::kOutOfTurn) ++stats_.share_evictions;
 }
 
 void Swapper::SetClockForTesting(std::function<std::chrono::steady_clock::time_point()> clock) {
@@ -1144,6 +1176,8 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
     if (Block* victim = ChooseVictimLocked(restricted, farther_than, for_trace, tried, &kind)) {
       tried.insert(victim->id);
       CountVictimLocked(kind);
+      victim->given =
+          kind == VictimKind::kOutOfTurn && for_trace != kNoTrace && victim->trace != for_trace;
       EvictLocked(victim);
       continue;
     }
@@ -1164,6 +1198,7 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
 
 void Swapper::EvictLocked(Block* b) {
   if (auto it = trace_io_.find(b->trace); it != trace_io_.end()) ++it->second.evictions;
+  pool_shares_.Missed(b->trace, SharesNowLocked());
   if (b->prefetched) {
     b->prefetched = false;
     ++stats_.prefetch_wasted;
@@ -1331,8 +1366,10 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       stats_.staged_bytes += staged;
       b->extent = new_extent;
       b->nvme_current = b->version == version;
-      const bool still_evictable =
-          b->pins == 0 && b->waiters == 0 && b->nvme_current && b->home == Tier::kNvme;
+      // (Given, it goes even with Acquires waiting: they read it back.)
+      const bool still_evictable = b->pins == 0 && (b->waiters == 0 || b->given) &&
+                                   b->nvme_current && b->home == Tier::kNvme;
+      b->given = false;
       if (still_evictable || b->removed) {
         DropHostLocked(b);
         b->state = BlockState::kOnNvme;
@@ -1346,6 +1383,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       last_write_error_ = absl::Status(
           status.code(), absl::StrCat("writing block ", id, " out: ", status.message()));
       b->state = BlockState::kResident;
+      b->given = false;
       RelistLocked(*b);
       LogWarning("swapper: writing block %d out failed, it stays in host memory: %s",
                  static_cast<int64_t>(id), status.ToString());

@@ -37,23 +37,30 @@
 //                   waiting Acquires (DATA_LOSS for checksum or EIO).
 // Eviction: only unpinned, resident, NVMe-homed blocks. Trace distances
 // count each trace's own uses, so between traces they say little; the
-// victim is, in this order (pool_shares.h says when a trace is idle and
-// when it is ahead):
+// victim is, in this order (pool_shares.h says when a trace is idle, when
+// turns are taken and when a trace is ahead):
 //   1. an idle trace's block (none of its blocks held or waited for, none
 //      acquired for a second or two of its iterations): its uses are not
 //      coming soon, however near in its own order; its room goes to the
 //      traces at work;
-//   2. a block of a trace whose NVMe-homed blocks hold more of the pool
+//   2. where traces take turns (two or more at work at once want more
+//      room than they hold), a block of a trace whose turn it is not: the
+//      pool goes to one of them at a time, the least served, for a few of
+//      its iterations, rather than part of it to each, which lets every one
+//      stream from NVMe at the disk's pace (or one take back at once what
+//      it gives). A block so given for the holder is gone for good: its
+//      trace's Acquire during its write-out waits and reads it back;
+//   3. a block of a trace whose NVMe-homed blocks hold more of the pool
 //      than three quarters, or than its weight's share and half the rest,
 //      whichever is more (a slow trace, never ahead of its share of the
 //      traffic, must not take all of it);
-//   3. a block of a trace ahead of its share of the pool's traffic (the
+//   4. a block of a trace ahead of its share of the pool's traffic (the
 //      bytes of NVMe-homed blocks it acquired over its weight, SetIoWeight,
 //      more than PoolShares::Slack() past the least of the traces using the
 //      pool; of several, the farthest ahead first): traces that want more
 //      than the pool holds get its traffic, and the updates it serves, by
 //      weight;
-//   4. the block whose next use by its trace is farthest (Belady); blocks
+//   5. the block whose next use by its trace is farthest (Belady); blocks
 //      whose trace is not being followed count as never used again, least
 //      recently used first.
 // The choice looks at each trace's first candidate in an index kept per
@@ -64,10 +71,10 @@
 // NVMe copy intact (copy-on-write rewrites); the next victim is tried.
 // Prefetch: after each Acquire in order (Use), the next prefetch_depth blocks
 // along the trace that are not resident (at most prefetch_bytes) are read in
-// by the mover thread, evicting only blocks needed later than the one
-// prefetched, or an idle trace's (for a trace that gives room by 2 or 3,
-// only blocks of traces that give at least as much: idle, by 2, or as far
-// ahead). Only uses of NVMe-homed blocks enter a
+// by the mover thread, evicting only blocks of traces that give more room
+// than the prefetching one (idle, out of turn, over, farther ahead, in that
+// order), or its own and its equals' needed later than the one prefetched;
+// never of traces that give less. Only uses of NVMe-homed blocks enter a
 // trace: the others are never read in nor evicted, and may vary between
 // iterations where these do not (their Acquires still refill the prefetch
 // window).
@@ -162,9 +169,12 @@ struct SwapperStats {
   // An I/O thread waited with transfers queued: each waits for a trace
   // behind it by its weight (SetIoWeight) that is still using the disk.
   uint64_t io_fair_waits = 0;
-  uint64_t idle_evictions = 0;   // victims chosen: of an idle trace (before any other)
-  uint64_t share_evictions = 0;  // ... of a trace past its share of the pool (2 or 3 above)
-  uint64_t repages = 0;          // blocks moved home to the host, copied to a lease of its pages
+  uint64_t idle_evictions = 0;  // victims chosen: of an idle trace (before any other)
+  // ... of a trace that gives room by the shares: out of turn, over its room
+  // or ahead (2 to 4 above)
+  uint64_t share_evictions = 0;
+  uint64_t turns = 0;    // the pool's turns begun (PoolShares::Turn)
+  uint64_t repages = 0;  // blocks moved home to the host, copied to a lease of its pages
 
   // What happened since `earlier` (a snapshot from the same swapper): the
   // counters' differences; the gauges (blocks, bytes resident, pinned and
@@ -435,21 +445,22 @@ class Swapper {
                               uint64_t for_trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr uint64_t kNoTrace = ~uint64_t{0};
   // Why a victim was chosen (the order at the top of this file).
-  enum class VictimKind { kIdle, kAhead, kFarthest };
+  enum class VictimKind { kIdle, kOutOfTurn, kAhead, kFarthest };
   // The next victim (null: none), its kind in *kind. Excludes `tried`
   // (victims this MakeRoom already wrote out: one whose write failed is not
   // tried again).
   Block* ChooseVictimLocked(bool restricted, uint64_t farther_than, uint64_t for_trace,
                             const absl::flat_hash_set<BlockId>& tried, VictimKind* kind)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Why one victim goes before another: (idle, over its room, lead, next
-  // use, ~last use), the greatest first (ChooseVictimLocked).
-  using VictimKey = std::tuple<bool, bool, uint64_t, uint64_t, uint64_t>;
+  // Why one victim goes before another: (idle, out of turn, over its room,
+  // lead, next use, ~last use), the greatest first (ChooseVictimLocked).
+  using VictimKey = std::tuple<bool, bool, bool, uint64_t, uint64_t, uint64_t>;
   // The same choice by a walk over every block (CheckVictimsForTesting).
   std::optional<VictimKey> WalkForVictimLocked(bool restricted, uint64_t farther_than,
                                                uint64_t for_trace,
                                                const absl::flat_hash_set<BlockId>& tried,
-                                               PoolShares::Clock::time_point now) const
+                                               PoolShares::Clock::time_point now,
+                                               uint64_t holder) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<std::string> IndexErrorsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What eviction sees of the block now (VictimIndex).

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -824,6 +825,80 @@ TEST_F(SwapperTest, TheTraceFarthestAheadGivesRoomFirst) {
   EXPECT_EQ(StateOf(11), BlockState::kOnNvme);
   for (uint64_t id : {21, 1, 2, 12}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
   EXPECT_EQ(swapper_->Stats().share_evictions - before, 1u);
+}
+
+// Turns (pool_shares.h): trace 7 (blocks 1-3) and trace 8 (11-13), within
+// the slack of each other, have both had blocks evicted or missed. While
+// trace 7 holds block 3 (at work, the least served: it holds the turn),
+// trace 8's new block takes the room of its own least recently used (12),
+// not of trace 7's (2), which the shares alone would take (least recently
+// used of all, the orders not learned); only one trace at work, no turns.
+// Then trace 7 reads block 1 back: the room comes from trace 8 (out of
+// turn), and trace 8's Acquire of that block while it is being written out
+// waits for the write and reads it back, rather than keep it in the pool.
+TEST_F(SwapperTest, TracesWantingRoomAtOnceTakeTurns) {
+  for (const bool at_once : {false, true}) {
+    SCOPED_TRACE(at_once ? "both at work" : "one at a time");
+    Make(4 * kMiB);
+    UseFakeClock();
+    for (uint64_t id : {1, 2, 3}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+    for (uint64_t id : {11, 12, 13}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
+    for (uint64_t id : {1, 2, 3, 11}) Write(id, static_cast<uint32_t>(id));
+    Write(12, 12);  // evicts block 1: trace 7 gave, trace 8 missed
+    ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+    AcquireTimes(11, 5, Swapper::Use::kExtra);  // trace 8: 7 MiB served, trace 7: 3
+    std::optional<Swapper::Pin> held;
+    if (at_once) {
+      auto p = swapper_->Acquire(3, /*for_write=*/false, Swapper::Use::kExtra);
+      ASSERT_TRUE(p.ok()) << p.status();
+      held = std::move(*p);
+    }
+    const uint64_t turns = swapper_->Stats().turns;
+    Write(13, 13);
+    if (!at_once) {
+      EXPECT_EQ(StateOf(2), BlockState::kOnNvme);
+      EXPECT_EQ(StateOf(12), BlockState::kResident);
+      EXPECT_EQ(swapper_->Stats().turns, turns);
+      continue;
+    }
+    EXPECT_EQ(StateOf(12), BlockState::kOnNvme);
+    EXPECT_EQ(StateOf(2), BlockState::kResident);
+    EXPECT_EQ(swapper_->Stats().turns, turns + 1);
+    // Trace 7 reads block 1 back while trace 8, at work (holding 13), has
+    // its 11 written out for it; trace 8 asks for 11 meanwhile.
+    auto held_by_8 = swapper_->Acquire(13, /*for_write=*/false, Swapper::Use::kExtra);
+    ASSERT_TRUE(held_by_8.ok()) << held_by_8.status();
+    absl::Notification writing, release;
+    swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+      if (id == 11 && is_write && !writing.HasBeenNotified()) {
+        writing.Notify();
+        release.WaitForNotification();
+      }
+    });
+    std::thread reader([&] { ExpectHolds(1, 1); });
+    if (!writing.WaitForNotificationWithTimeout(absl::Seconds(10))) {
+      release.Notify();
+      reader.join();
+      swapper_->SetIoHookForTesting(nullptr);
+      FAIL() << "block 11 was not written out for trace 7";
+    }
+    const uint64_t read_by_8 = swapper_->IoOf(8).bytes_in;
+    const uint64_t misses = swapper_->Stats().misses;
+    std::atomic<bool> got{false};
+    std::thread taker([&] {
+      ExpectHolds(11, 11);
+      got = true;
+    });
+    AwaitTrue([&] { return swapper_->Stats().misses > misses; }, "trace 8 waiting for block 11");
+    EXPECT_FALSE(got.load());  // it waits for the write-out
+    release.Notify();
+    reader.join();
+    taker.join();
+    swapper_->SetIoHookForTesting(nullptr);
+    EXPECT_EQ(swapper_->IoOf(8).bytes_in, read_by_8 + kMiB);  // read back
+    held_by_8->Reset();
+    held.reset();
+  }
 }
 
 // A prefetch (speculative) for a trace ahead of its share takes room only
