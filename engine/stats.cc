@@ -72,6 +72,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_repages", s.repages, "blocks");
   add("swap_idle_evictions", s.idle_evictions, "blocks");
   add("swap_share_evictions", s.share_evictions, "blocks");
+  add("swap_turns", s.turns, "turns");
 }
 
 }  // namespace offload

@@ -72,8 +72,8 @@ set +e
 err=$($ctl share "$id" 0 2>&1); rc=$?
 set -e
 [[ $rc == 1 ]] && grep -q INVALID_ARGUMENT <<<"$err" || fail "share 0 exited $rc: $err"
-$ctl stats | grep -Eq "^$id +offload_demo .* 3 +[0-9]+ +[0-9.]+ +[0-9.]+ [KMGT]?i?B/[0-9.]+ [KMGT]?i?B +[0-9.]+$" ||
-  fail "stats lacks the share and NVMe traffic: $($ctl stats)"
+$ctl stats | grep -Eq "^$id +offload_demo .* 3 +[0-9]+ +[0-9.]+ +[0-9.]+ [KMGT]?i?B/[0-9.]+ [KMGT]?i?B +[0-9.]+ +[0-9.]+ [KMGT]?i?B +[0-9]+$" ||
+  fail "stats lacks the share, NVMe traffic and pool room: $($ctl stats)"
 
 tmux -S "$tmux_sock" kill-server 2>/dev/null || true
 kill "$demo_pid" 2>/dev/null; wait "$demo_pid" 2>/dev/null || true
