@@ -930,6 +930,38 @@ TEST_F(SwapperTest, APrefetchTakesNoRoomFromTracesLessFarAhead) {
   for (uint64_t id : {21, 1, 2, 3}) EXPECT_EQ(StateOf(id), BlockState::kResident) << id;
 }
 
+// A prefetch takes any block of a trace that gives more room than its own:
+// next uses count in each trace's own order, so a block trace 8 (far ahead)
+// needs next is no reason to spare it. Trace 7 holds block 1 and prefetches
+// 3 (two uses on); every other candidate (2, 11, 12) is needed sooner in its
+// own order, and only trace 8's may go.
+TEST_F(SwapperTest, APrefetchTakesRoomFromTracesThatGiveMore) {
+  Make(8 * kMiB);
+  UseFakeClock();
+  for (uint64_t id : {1, 2, 3}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id : {11, 12}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 8).ok());
+  for (uint64_t id : {1, 2, 3}) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);  // its order: 1, 2, 3
+  for (uint64_t id : {11, 12}) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(8);  // its order: 11, 12
+  // Trace 7 ahead: a smaller pool takes its farthest, 3.
+  AcquireTimes(2, 100, Swapper::Use::kExtra);
+  pool_->SetLimit(4 * kMiB);
+  swapper_->Trim();
+  swapper_->WaitIdle();
+  ASSERT_EQ(StateOf(3), BlockState::kOnNvme);
+  // Now trace 8 is the one far ahead (trace 7 holds the floor).
+  AcquireTimes(11, 300, Swapper::Use::kExtra);
+  swapper_->SetPrefetch(1, 64 * kMiB);
+  auto one = swapper_->Acquire(1, /*for_write=*/false);
+  ASSERT_TRUE(one.ok()) << one.status();
+  swapper_->WaitIdle();
+  EXPECT_EQ(StateOf(3), BlockState::kResident);
+  EXPECT_EQ(StateOf(2), BlockState::kResident);
+  EXPECT_NE(StateOf(11) == BlockState::kOnNvme, StateOf(12) == BlockState::kOnNvme);
+  ExpectHolds(3, 3);
+}
+
 // A trace that never gets ahead of its share of the traffic (slow, or
 // light) keeps no more than three quarters of the pool's room (or its
 // weight's share and half the rest, where that is more): trace 7 holds four
