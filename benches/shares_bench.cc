@@ -5,7 +5,8 @@
 //   bazel-bin/benches/shares [--params=16M] [--partitions=4] [--seconds=4]
 //                            [--weights=2,1]
 //                            [--state-on-nvme=DIR [--slow=N [--slow-pause-ms=200]]]
-//                            [--neighbour=DIR [--rounds=9]] [--timeline] [--tiny]
+//                            [--neighbour=DIR [--rounds=9]] [--timeline] [--lockstep]
+//                            [--tiny]
 //
 // --state-on-nvme=DIR: the sessions' optimizer state homed on NVMe (swap
 // files in DIR), the pool holding a quarter of it: each step swaps its state
@@ -23,6 +24,11 @@
 // sessions, and the others are all ahead of it. Their shares are printed
 // among themselves (its own updates apart): its presence must not stop their
 // weights from telling them apart.
+//
+// --lockstep: the sessions (not --slow's) step together, as the ranks of
+// one job do (each waits after its step for the others: ZeRO-3's next
+// all-gather); their shares are then those of one job's ranks, and what
+// matters is the node's updates.
 //
 // --timeline: each second of the sessions' run together, each one's
 // updates, the pool's room its blocks hold, its disk traffic and its blocks
@@ -68,6 +74,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "base/host_memory.h"
 #include "base/status_macros.h"
 #include "benches/bench_engine.h"
@@ -90,6 +98,34 @@ struct Flags {
   uint64_t slow = 0;      // --slow's parameters (0: no such session)
   int slow_pause_ms = 200;
   bool timeline = false;  // each second's updates, room and disk traffic by session
+  bool lockstep = false;  // the sessions step together, as the ranks of one job
+};
+
+// The ranks of one job step together: each waits here after its step until
+// all have stepped (ZeRO-3's next all-gather), or until `stop`.
+class Lockstep {
+ public:
+  explicit Lockstep(int ranks) : ranks_(ranks) {}
+  void Wait(const std::atomic<bool>& stop) {
+    absl::MutexLock lock(&mu_);
+    const uint64_t round = round_;
+    if (++arrived_ == ranks_) {
+      arrived_ = 0;
+      ++round_;
+      all_.SignalAll();
+      return;
+    }
+    while (round_ == round && !stop.load(std::memory_order_relaxed)) {
+      all_.WaitWithTimeout(&mu_, absl::Milliseconds(10));
+    }
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::CondVar all_;
+  const int ranks_;
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t round_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // One session: registered partitions and its arena, mapped.
@@ -100,6 +136,7 @@ struct Job {
   std::atomic<uint64_t> updated{0};
   bool written = false;                // its gradient buffers hold the gradients
   std::chrono::milliseconds pause{0};  // before each step: the trainer's compute
+  bool lockstep = false;               // steps with the others so marked (--lockstep)
   // Measured (only the thread training it touches these): each Fetch's and
   // each Step's time, in microseconds.
   bool timed = false;
@@ -129,8 +166,9 @@ absl::Status Open(BenchEngine& e, Job* job, const std::string& name, int64_t wei
   return e.sessions->Release(job->key, {});
 }
 
-// Steps `job` until `stop`.
-absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
+// Steps `job` until `stop`; after each step, waits at `ranks` if given.
+absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop,
+                   Lockstep* ranks = nullptr) {
   FetchMode grads;
   grads.grads = true;
   while (!stop.load(std::memory_order_relaxed)) {
@@ -158,6 +196,7 @@ absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop) {
     ASSIGN_OR_RETURN(StepSummary s, e.sessions->Step(job->key, AdamHyperparams{}));
     if (job->timed) job->step_us.push_back(1e6 * bench::SecondsSince(stepping));
     job->updated.fetch_add(s.params_updated, std::memory_order_relaxed);
+    if (ranks != nullptr) ranks->Wait(stop);
   }
   return absl::OkStatus();
 }
@@ -172,9 +211,12 @@ absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vecto
   std::vector<uint64_t> before;
   for (Job* j : jobs) before.push_back(j->updated.load());
   std::vector<std::thread> threads;
+  Lockstep ranks(static_cast<int>(
+      std::count_if(jobs.begin(), jobs.end(), [](const Job* j) { return j->lockstep; })));
   const auto start = Clock::now();
   for (size_t i = 0; i < jobs.size(); ++i) {
-    threads.emplace_back([&, i] { status[i] = Train(e, jobs[i], stop); });
+    threads.emplace_back(
+        [&, i] { status[i] = Train(e, jobs[i], stop, jobs[i]->lockstep ? &ranks : nullptr); });
   }
   if (timeline) {
     std::vector<uint64_t> updated = before, moved(jobs.size()), evicted(jobs.size());
@@ -394,6 +436,8 @@ int Main(int argc, char** argv) {
       f.rounds = std::max(1, std::atoi(v));
     } else if (a == "--timeline") {
       f.timeline = true;
+    } else if (a == "--lockstep") {
+      f.lockstep = true;
     } else if (a == "--tiny") {
       f.params = 400'000;
       f.seconds = 0.5;
@@ -443,6 +487,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "opening job %zu: %s\n", i, s.ToString().c_str());
       return 1;
     }
+    jobs.back()->lockstep = f.lockstep;
     all.push_back(jobs.back().get());
     weight_sum += f.weights[i];
   }
