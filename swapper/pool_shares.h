@@ -46,15 +46,21 @@
 // takes back what it gives (it steps faster than a block is written out)
 // and keeps the room (benches/shares on 16 cores: the other got 0.5% of the
 // updates). So the pool goes to one of them at a time: the turn's holder
-// (Turn) gives room only to itself; the others give first, to anyone. A
-// turn lasts the longer of kMinTurn and kTurnSwitches times the holder's
-// first iteration in it (that iteration brought its state in: the switch
-// is paid for), or kUnmeasuredTurn where no iteration ends, or until the
-// holder rests (holds and waits for nothing for kMinTurn); then it goes to
-// the least served of the traces at work (the traffic's shares, below,
-// decide who is owed, and so the weights; the same holder again if it still
-// is). Where only one trace is at work at a time (trainers stepping while
-// the others compute), there are no turns.
+// (Turn) takes room from the others before its own (their blocks are the
+// victims first, to anyone). A turn lasts the longer of kMinTurn and
+// kTurnSwitches times the switch (from its start to the end of the
+// holder's first iteration begun in it, which brought its state in), or
+// kUnmeasuredTurn where none ends, or until the holder rests (holds and
+// waits for nothing, begins no Acquire, for kMinTurn); then it goes to the
+// least served of the traces at work (the traffic's shares, below, decide
+// who is owed, and so the weights; the same holder again if it still is).
+// A turn pays where its holder got through two iterations more than each
+// other trace at work; one that did not (the ranks of one job stepping
+// together: the holder waits for the others at every step) moved state to
+// and fro for nothing: no turns then for four times its length (2 to 20
+// s). Where only one trace is at work at a time (trainers stepping while
+// the others compute), there are no turns, and a turn lapses when nobody
+// competes for kMinTurn.
 //
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.
@@ -83,6 +89,7 @@ class PoolShares {
   static constexpr std::chrono::milliseconds kMinTurn{200};
   static constexpr int kTurnSwitches = 3;
   static constexpr std::chrono::seconds kUnmeasuredTurn{10};
+  static constexpr std::chrono::seconds kNoTurnsAfterAnIdleOne{2};
   static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
 
   // The trace got a block at `now`: at work, its iteration not begun.
@@ -156,21 +163,61 @@ class PoolShares {
   // the other computes takes room as the traffic's shares say).
   template <typename Busy>
   uint64_t Turn(Clock::time_point now, const Busy& busy) {
-    if (turn_ != kNone && busy(turn_)) turn_busy_ = now;
+    answered_ = TurnNow(now, busy);
+    return answered_;
+  }
+
+ private:
+  template <typename Busy>
+  uint64_t TurnNow(Clock::time_point now, const Busy& busy) {
+    auto held = traces_.find(turn_);
+    if (held == traces_.end()) {
+      turn_ = kNone;
+    } else if (busy(turn_)) {
+      turn_busy_ = now;
+    }
+    // The holder works while it holds or waits for a block, or began an
+    // Acquire, within kMinTurn (a pause between its Acquires is not a rest).
     auto at_work = [&](uint64_t id, const Trace& t) {
       if (!UsesPool(t, now)) return false;
-      if (id == turn_) return now - turn_busy_ <= kMinTurn;
+      if (id == turn_) return now - std::max(turn_busy_, t.last_use) <= kMinTurn;
       return t.last_miss.has_value() && now - *t.last_miss <= Window(t) && busy(id);
     };
+    if (now < no_turns_until_) return kNone;
     int working = 0;
     for (const auto& [id, t] : traces_) working += at_work(id, t) ? 1 : 0;
-    if (working < 2) return kNone;
-    if (auto it = traces_.find(turn_); it != traces_.end() && at_work(turn_, it->second)) {
+    if (working < 2) {
+      // Turns lapse: the next ones start afresh (a turn is not kept, nor
+      // measured, while nobody competes for the room).
+      if (turn_ != kNone && now - last_turns_ > kMinTurn) turn_ = kNone;
+      return kNone;
+    }
+    last_turns_ = now;
+    if (turn_ != kNone && at_work(turn_, held->second)) {
       const Clock::duration length =
           turn_switch_.has_value()
               ? std::max<Clock::duration>(kMinTurn, kTurnSwitches * *turn_switch_)
               : Clock::duration(kUnmeasuredTurn);
       if (now - turn_since_ < length) return turn_;
+    }
+    if (turn_ != kNone) {
+      // Did the turn pay? Its holder should have got through at least two
+      // iterations more than each of the others at work; where it did not
+      // (ranks of one job stepping together: the holder waits for the
+      // others at every step), turns only move state to and fro: none for
+      // a while.
+      const uint64_t done = held->second.iterations - held->second.turn_mark;
+      for (const auto& [id, t] : traces_) {
+        if (id == turn_ || !at_work(id, t)) continue;
+        if (done < t.iterations - t.turn_mark + 2) {
+          no_turns_until_ =
+              now + std::clamp<Clock::duration>(4 * (now - turn_since_), kNoTurnsAfterAnIdleOne,
+                                                10 * kNoTurnsAfterAnIdleOne);
+          turn_ = kNone;
+          ++idle_turns_;
+          return kNone;
+        }
+      }
     }
     // The least served of those at work.
     uint64_t next = kNone;
@@ -182,21 +229,32 @@ class PoolShares {
       }
     }
     turn_since_ = now;
-    turn_busy_ = now;
+    for (auto& [id, t] : traces_) t.turn_mark = t.iterations;
     if (next == turn_) return turn_;  // still the least served: another turn, no switch
     turn_ = next;
+    turn_busy_ = now;
     turn_switch_.reset();
     ++turns_;
     return turn_;
   }
-  // Turns begun.
+
+ public:
+  // The holder Turn last answered (kNone: no turns then).
+  uint64_t holder() const { return answered_; }
+  // Turns begun; turns that did not pay (no turns for a while after each).
   uint64_t turns() const { return turns_; }
+  uint64_t idle_turns() const { return idle_turns_; }
 
   void EndIteration(uint64_t trace, Clock::time_point now) {
     auto it = traces_.find(trace);
     if (it == traces_.end()) return;
-    if (trace == turn_ && !turn_switch_.has_value()) turn_switch_ = now - turn_since_;
     Trace& t = it->second;
+    ++t.iterations;
+    // The switch: from the turn's start to the end of the holder's first
+    // iteration begun in it (the one running at the start may end at once).
+    if (trace == turn_ && !turn_switch_.has_value() && t.iterations >= t.turn_mark + 2) {
+      turn_switch_ = now - turn_since_;
+    }
     NewPass(t, now);
     if (!t.iteration_start.has_value()) return;
     t.iteration = now - *t.iteration_start;
@@ -299,6 +357,8 @@ class PoolShares {
     int64_t weight = 1;                                // SetWeight's
     std::optional<Clock::time_point> last_brought_in;  // BroughtIn's
     std::optional<Clock::time_point> last_miss;        // Missed's
+    uint64_t iterations = 0;                           // EndIteration's
+    uint64_t turn_mark = 0;                            // `iterations` when the turn began
     // This pass: its number (blocks counted in it carry it; unique among all
     // traces' passes, 0 none), when it began, the largest block served in it.
     uint64_t pass = 0;
@@ -327,6 +387,10 @@ class PoolShares {
   Clock::time_point turn_busy_;  // when the holder last held or waited for a block
   std::optional<Clock::duration> turn_switch_;
   uint64_t turns_ = 0;
+  uint64_t idle_turns_ = 0;
+  Clock::time_point no_turns_until_;  // after a turn that did not pay
+  Clock::time_point last_turns_;      // when two or more last competed
+  uint64_t answered_ = kNone;         // Turn's last answer
 };
 
 }  // namespace offload

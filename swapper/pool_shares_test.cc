@@ -241,13 +241,14 @@ TEST(PoolSharesTest, TheSlackFollowsTheBlocksServedLately) {
 
 // Turns: none while fewer than two traces want room and are at work at
 // once; then the least served holds the pool until its turn is over (three
-// times its first iteration in it, at least kMinTurn), and the next least
-// served gets it.
+// times its first iteration begun in it, at least kMinTurn), and the next
+// least served gets it; a turn whose holder got through no more than one
+// iteration more than another at work did not pay: no turns for a while.
 TEST(PoolSharesTest, TwoTracesWantingRoomAtOnceTakeTurns) {
   PoolShares s;
   s.SetWeight(1, 2);
-  bool busy1 = true, busy2 = true;
-  auto busy = [&](uint64_t t) { return t == 1 ? busy1 : busy2; };
+  bool busy1 = true;
+  auto busy = [&](uint64_t t) { return t != 1 || busy1; };
   s.Served(1, 64 * kMiB, At(0));  // 32 MiB over its weight
   s.Served(2, 48 * kMiB, At(0));  // new: starts at the floor (32), then 80
   // Neither has waited for a read, nor given a block: no turns.
@@ -259,34 +260,59 @@ TEST(PoolSharesTest, TwoTracesWantingRoomAtOnceTakeTurns) {
   EXPECT_EQ(s.Turn(At(5), busy), PoolShares::kNone);
   busy1 = true;
   EXPECT_EQ(s.Turn(At(6), busy), 1u);  // the least served
+  EXPECT_EQ(s.holder(), 1u);
   EXPECT_EQ(s.turns(), 1u);
-  // Its first iteration in the turn (the switch) ends 100 ms in: the turn
-  // lasts 300 ms.
+  // The iteration running at the start ends at 50 ms, the first one begun
+  // in the turn at 106: the switch took 100 ms, the turn lasts 300.
+  s.EndIteration(1, At(50));
   s.EndIteration(1, At(106));
   for (int64_t ms : {200, 305}) {
     s.Served(1, 96 * kMiB, At(ms));  // now at 80 MiB over its weight, then 128
     EXPECT_EQ(s.Turn(At(ms), busy), 1u) << ms;
   }
-  EXPECT_EQ(s.Turn(At(306), busy), 2u);  // over: trace 2 is the least served
+  // Over, and it paid (two iterations, trace 2 none): trace 2 is the least
+  // served.
+  EXPECT_EQ(s.Turn(At(306), busy), 2u);
   EXPECT_EQ(s.turns(), 2u);
-  // No iteration of trace 2's ends: its turn lasts kUnmeasuredTurn (both
-  // at work meanwhile, trace 1 the least served from 500 ms on).
-  const int64_t unmeasured = std::chrono::milliseconds(PoolShares::kUnmeasuredTurn).count();
-  for (int64_t ms = 400; ms < 306 + unmeasured; ms += 100) {
-    for (uint64_t t : {1, 2}) {
-      s.Missed(t, At(ms));
-      s.Served(t, (t == 2 ? 300 : 1) * kMiB, At(ms));
-    }
-    ASSERT_EQ(s.Turn(At(ms), busy), 2u) << ms;
+  // Trace 2's switch: 194 ms (its second iteration in the turn ends at
+  // 500): the turn lasts 582 ms. Trace 1 gets through one meanwhile.
+  for (int64_t ms : {400, 500, 600}) {
+    s.Served(2, 40 * kMiB, At(ms));  // 200 MiB by 600
+    s.EndIteration(2, At(ms));
   }
-  EXPECT_EQ(s.Turn(At(306 + unmeasured), busy), 1u);
+  s.Missed(1, At(550));
+  s.Served(1, kMiB, At(550));
+  s.EndIteration(1, At(550));
+  EXPECT_EQ(s.Turn(At(887), busy), 2u);
+  s.Missed(1, At(888));
+  s.Served(1, kMiB, At(888));
+  EXPECT_EQ(s.Turn(At(889), busy), 1u);  // it paid: 3 against 1
+  EXPECT_EQ(s.turns(), 3u);
+  // Trace 1's turn (switch 111 ms, 333 ms long) does not pay: 2 iterations
+  // against trace 2's 1. No turns for 2 s (four times the turn, at least).
+  s.EndIteration(1, At(900));
+  s.EndIteration(1, At(1000));
+  s.EndIteration(2, At(950));
+  for (uint64_t t : {1, 2}) {
+    s.Missed(t, At(1200));
+    s.Served(t, kMiB, At(1200));
+  }
+  EXPECT_EQ(s.Turn(At(1223), busy), PoolShares::kNone);
+  EXPECT_EQ(s.idle_turns(), 1u);
+  for (uint64_t t : {1, 2}) {
+    s.Missed(t, At(3200));
+    s.Served(t, kMiB, At(3200));
+  }
+  EXPECT_EQ(s.Turn(At(3222), busy), PoolShares::kNone);
+  EXPECT_NE(s.Turn(At(3224), busy), PoolShares::kNone);
+  EXPECT_EQ(s.turns(), 4u);
   s.Forget(1);
-  EXPECT_EQ(s.Turn(At(307 + unmeasured), busy), PoolShares::kNone);
+  EXPECT_EQ(s.Turn(At(3225), busy), PoolShares::kNone);
 }
 
-// A holder that rests (holds and waits for nothing for kMinTurn) gives its
-// turn up; the least served at work gets it, the same holder again if it
-// still is (no new turn: nothing to switch).
+// A holder that rests (holds and waits for nothing, begins no Acquire, for
+// kMinTurn) gives its turn up before it is over: to the least served of
+// the traces at work.
 TEST(PoolSharesTest, AHolderThatRestsGivesItsTurnUp) {
   PoolShares s;
   bool busy1 = true;
@@ -296,19 +322,14 @@ TEST(PoolSharesTest, AHolderThatRestsGivesItsTurnUp) {
   s.Served(3, 30 * kMiB, At(0));
   for (uint64_t t : {1, 2}) s.Missed(t, At(0));
   ASSERT_EQ(s.Turn(At(1), busy), 1u);
-  s.EndIteration(1, At(2));  // a switch of 1 ms: turns of kMinTurn
-  const int64_t min_turn = PoolShares::kMinTurn.count();
-  // Still the least served when its turn is over: it keeps it.
-  EXPECT_EQ(s.Turn(At(2 + min_turn), busy), 1u);
-  EXPECT_EQ(s.turns(), 1u);
-  // It stops holding or waiting for blocks: a pause, then a rest.
+  for (int64_t ms : {50, 100, 150}) s.EndIteration(1, At(ms));  // a turn of 297 ms
   busy1 = false;
-  EXPECT_EQ(s.Turn(At(100 + min_turn), busy), 1u);
-  EXPECT_EQ(s.Turn(At(3 + 2 * min_turn), busy), PoolShares::kNone);  // trace 2 alone at work
-  // Trace 3 too: the least served of the two at work gets the turn.
-  s.Missed(3, At(4 + 2 * min_turn));
-  EXPECT_EQ(s.Turn(At(5 + 2 * min_turn), busy), 3u);
+  EXPECT_EQ(s.Turn(At(150), busy), 1u);                 // a pause (149 ms), not yet a rest
+  EXPECT_EQ(s.Turn(At(202), busy), PoolShares::kNone);  // resting: trace 2 alone at work
+  s.Missed(3, At(210));
+  EXPECT_EQ(s.Turn(At(220), busy), 3u);  // its turn paid; trace 3 is the least served at work
   EXPECT_EQ(s.turns(), 2u);
+  EXPECT_EQ(s.idle_turns(), 0u);
 }
 
 }  // namespace

@@ -1176,8 +1176,8 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
     if (Block* victim = ChooseVictimLocked(restricted, farther_than, for_trace, tried, &kind)) {
       tried.insert(victim->id);
       CountVictimLocked(kind);
-      victim->given =
-          kind == VictimKind::kOutOfTurn && for_trace != kNoTrace && victim->trace != for_trace;
+      victim->given = kind == VictimKind::kOutOfTurn && for_trace != kNoTrace &&
+                      for_trace == pool_shares_.holder();
       EvictLocked(victim);
       continue;
     }
@@ -1204,6 +1204,7 @@ void Swapper::EvictLocked(Block* b) {
     ++stats_.prefetch_wasted;
   }
   if (b->nvme_current && b->extent != 0) {
+    b->given = false;   // (gone already)
     DropHostLocked(b);  // the NVMe copy is current: no write needed
     b->state = BlockState::kOnNvme;
     RelistLocked(*b);
