@@ -27,7 +27,9 @@
 //   1. kResident:   its bytes are in host memory (a pool lease).
 //   2. kWritingOut: an eviction writes it to NVMe. The host copy stays valid:
 //                   an Acquire pins it, and the block then stays resident
-//                   (the write only refreshes the NVMe copy).
+//                   (the write only refreshes the NVMe copy); but one given
+//                   for the turn's holder (eviction, 2 below) goes: an
+//                   Acquire waits for the write and reads it back.
 //   3. kOnNvme:     only the NVMe copy exists (or none yet: a block never
 //                   written is zeros); it holds no host memory.
 //   4. kReadingIn:  a swap-in reads it into a fresh lease. Every Acquire
@@ -53,7 +55,8 @@
 //   3. a block of a trace whose NVMe-homed blocks hold more of the pool
 //      than three quarters, or than its weight's share and half the rest,
 //      whichever is more (a slow trace, never ahead of its share of the
-//      traffic, must not take all of it);
+//      traffic, must not take all of it; the turn's holder may, for its
+//      turn);
 //   4. a block of a trace ahead of its share of the pool's traffic (the
 //      bytes of NVMe-homed blocks it acquired over its weight, SetIoWeight,
 //      more than PoolShares::Slack() past the least of the traces using the
