@@ -836,9 +836,13 @@ TEST_F(SwapperTest, TheTraceFarthestAheadGivesRoomFirst) {
 // Then trace 7 reads block 1 back: the room comes from trace 8 (out of
 // turn), and trace 8's Acquire of that block while it is being written out
 // waits for the write and reads it back, rather than keep it in the pool.
+// Where that write fails, the block stays, and trace 8's Acquire finds it
+// there; trace 7's room comes from its own block 2.
 TEST_F(SwapperTest, TracesWantingRoomAtOnceTakeTurns) {
-  for (const bool at_once : {false, true}) {
-    SCOPED_TRACE(at_once ? "both at work" : "one at a time");
+  enum Variant { kOneAtATime, kAtOnce, kTheWriteFails };
+  for (const Variant variant : {kOneAtATime, kAtOnce, kTheWriteFails}) {
+    SCOPED_TRACE(variant);
+    const bool at_once = variant != kOneAtATime;
     Make(4 * kMiB);
     UseFakeClock();
     for (uint64_t id : {1, 2, 3}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
@@ -875,6 +879,8 @@ TEST_F(SwapperTest, TracesWantingRoomAtOnceTakeTurns) {
         release.WaitForNotification();
       }
     });
+    if (variant == kTheWriteFails) FailNext(IoOp::kWrite, EIO);
+    const uint64_t io_errors = swapper_->Stats().io_errors;
     std::thread reader([&] { ExpectHolds(1, 1); });
     if (!writing.WaitForNotificationWithTimeout(absl::Seconds(10))) {
       release.Notify();
@@ -895,7 +901,14 @@ TEST_F(SwapperTest, TracesWantingRoomAtOnceTakeTurns) {
     reader.join();
     taker.join();
     swapper_->SetIoHookForTesting(nullptr);
-    EXPECT_EQ(swapper_->IoOf(8).bytes_in, read_by_8 + kMiB);  // read back
+    if (variant == kTheWriteFails) {
+      EXPECT_EQ(swapper_->Stats().io_errors, io_errors + 1);
+      EXPECT_EQ(swapper_->IoOf(8).bytes_in, read_by_8);  // found in the pool
+      EXPECT_EQ(StateOf(11), BlockState::kResident);
+      EXPECT_EQ(StateOf(2), BlockState::kOnNvme);
+    } else {
+      EXPECT_EQ(swapper_->IoOf(8).bytes_in, read_by_8 + kMiB);  // read back
+    }
     held_by_8->Reset();
     held.reset();
   }
