@@ -97,7 +97,8 @@ for stage in "$@"; do
     # and a session beside a neighbour swapping from NVMe (its swap space
     # beside the bundle: on the machine's disk, where O_DIRECT works).
     shares) timeout 120 benches/shares ;;
-    shares_nvme) mkdir -p "$bundle/../sn" && timeout 180 benches/shares --state-on-nvme="$bundle/../sn" --seconds=10 ;;
+    # (--timeline: each second's updates, room and turns' traces by session.)
+    shares_nvme) mkdir -p "$bundle/../sn" && timeout 180 benches/shares --state-on-nvme="$bundle/../sn" --seconds=10 --timeline ;;
     shares_neighbour) mkdir -p "$bundle/../nb" && timeout 180 benches/shares --neighbour="$bundle/../nb" ;;
     *) echo "unknown stage $stage"; false ;;
   esac
