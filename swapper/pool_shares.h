@@ -57,10 +57,10 @@
 // A turn pays where its holder got through two iterations more than each
 // other trace at work; one that did not (the ranks of one job stepping
 // together: the holder waits for the others at every step) moved state to
-// and fro for nothing: no turns then for four times its length (2 to 20
-// s). Where only one trace is at work at a time (trainers stepping while
-// the others compute), there are no turns, and a turn lapses when nobody
-// competes for kMinTurn.
+// and fro for nothing: no turns then for four times its length, at least
+// 2 s, twice that after each such turn in a row, at most a minute. Where only one trace is at work
+// at a time (trainers stepping while the others compute), there are no turns, and a turn lapses
+// when nobody competes for kMinTurn.
 //
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.
@@ -184,12 +184,36 @@ class PoolShares {
       return t.last_miss.has_value() && now - *t.last_miss <= Window(t) && busy(id);
     };
     if (now < no_turns_until_) return kNone;
+    // Did the turn pay? Its holder should have got through at least two
+    // iterations more than each other trace `counted`; where it did not
+    // (ranks of one job stepping together: the holder waits for the
+    // others at every step), turns only move state to and fro: none for a
+    // while, twice as long after each such turn in a row, up to a minute.
+    auto ends_paid = [&](auto counted) {
+      const uint64_t done = held->second.iterations - held->second.turn_mark;
+      for (const auto& [id, t] : traces_) {
+        if (id == turn_ || !counted(id, t) || done >= t.iterations - t.turn_mark + 2) continue;
+        const Clock::duration pause = std::max<Clock::duration>(
+            4 * (now - turn_since_), kNoTurnsAfterAnIdleOne * (int64_t{1} << unpaid_));
+        no_turns_until_ = now + std::min<Clock::duration>(pause, std::chrono::minutes(1));
+        unpaid_ = std::min(unpaid_ + 1, 5);
+        turn_ = kNone;
+        ++idle_turns_;
+        return false;
+      }
+      unpaid_ = 0;
+      return true;
+    };
     int working = 0;
     for (const auto& [id, t] : traces_) working += at_work(id, t) ? 1 : 0;
     if (working < 2) {
-      // Turns lapse: the next ones start afresh (a turn is not kept, nor
-      // measured, while nobody competes for the room).
-      if (turn_ != kNone && now - last_turns_ > kMinTurn) turn_ = kNone;
+      // Turns lapse while nobody competes for the room: the turn ends (and
+      // is judged against every trace using the pool); the next ones start
+      // afresh.
+      if (turn_ != kNone && now - last_turns_ > kMinTurn) {
+        ends_paid([&](uint64_t, const Trace& t) { return UsesPool(t, now); });
+        turn_ = kNone;
+      }
       return kNone;
     }
     last_turns_ = now;
@@ -200,25 +224,7 @@ class PoolShares {
               : Clock::duration(kUnmeasuredTurn);
       if (now - turn_since_ < length) return turn_;
     }
-    if (turn_ != kNone) {
-      // Did the turn pay? Its holder should have got through at least two
-      // iterations more than each of the others at work; where it did not
-      // (ranks of one job stepping together: the holder waits for the
-      // others at every step), turns only move state to and fro: none for
-      // a while.
-      const uint64_t done = held->second.iterations - held->second.turn_mark;
-      for (const auto& [id, t] : traces_) {
-        if (id == turn_ || !at_work(id, t)) continue;
-        if (done < t.iterations - t.turn_mark + 2) {
-          no_turns_until_ =
-              now + std::clamp<Clock::duration>(4 * (now - turn_since_), kNoTurnsAfterAnIdleOne,
-                                                10 * kNoTurnsAfterAnIdleOne);
-          turn_ = kNone;
-          ++idle_turns_;
-          return kNone;
-        }
-      }
-    }
+    if (turn_ != kNone && !ends_paid(at_work)) return kNone;
     // The least served of those at work.
     uint64_t next = kNone;
     for (const auto& [id, t] : traces_) {
@@ -389,6 +395,7 @@ class PoolShares {
   uint64_t turns_ = 0;
   uint64_t idle_turns_ = 0;
   Clock::time_point no_turns_until_;  // after a turn that did not pay
+  int unpaid_ = 0;                    // such turns in a row
   Clock::time_point last_turns_;      // when two or more last competed
   uint64_t answered_ = kNone;         // Turn's last answer
 };

@@ -332,5 +332,55 @@ TEST(PoolSharesTest, AHolderThatRestsGivesItsTurnUp) {
   EXPECT_EQ(s.idle_turns(), 0u);
 }
 
+// A turn that lapses (its holder rests, as a rank waiting for the others
+// at a step's end does, and nobody else competes) is judged too: one
+// iteration against the other's one did not pay; no turns for 2 s, then
+// twice as long after another such turn.
+TEST(PoolSharesTest, ATurnThatLapsesUnpaidStopsTurnsForAWhile) {
+  PoolShares s;
+  bool working[3] = {false, true, true};
+  auto busy = [&](uint64_t t) { return working[t]; };
+  auto both_at = [&](int64_t ms) {
+    for (uint64_t t : {1, 2}) {
+      s.Missed(t, At(ms));
+      s.Served(t, kMiB, At(ms));
+    }
+  };
+  both_at(0);
+  ASSERT_EQ(s.Turn(At(1), busy), 1u);
+  s.EndIteration(1, At(50));
+  s.EndIteration(2, At(60));
+  working[1] = false;
+  EXPECT_EQ(s.Turn(At(150), busy), 1u);                 // a pause, not yet a rest
+  EXPECT_EQ(s.Turn(At(300), busy), PoolShares::kNone);  // trace 2 alone at work
+  EXPECT_EQ(s.idle_turns(), 0u);
+  EXPECT_EQ(s.Turn(At(400), busy), PoolShares::kNone);  // lapsed: judged, not paid
+  EXPECT_EQ(s.idle_turns(), 1u);
+  working[1] = true;
+  both_at(500);
+  EXPECT_EQ(s.Turn(At(500), busy), PoolShares::kNone);
+  both_at(2399);
+  EXPECT_EQ(s.Turn(At(2399), busy), PoolShares::kNone);
+  both_at(2401);
+  const uint64_t holder = s.Turn(At(2401), busy);
+  ASSERT_NE(holder, PoolShares::kNone);
+  EXPECT_EQ(s.turns(), 2u);
+  // Unpaid again (neither ends an iteration; the holder rests, and the
+  // turn lapses at 2700): no turns for 4 s.
+  working[holder] = false;
+  const uint64_t other = 3 - holder;
+  for (int64_t ms : {2700, 2900}) {
+    s.Missed(other, At(ms));
+    s.Served(other, kMiB, At(ms));
+    EXPECT_EQ(s.Turn(At(ms), busy), PoolShares::kNone) << ms;
+  }
+  EXPECT_EQ(s.idle_turns(), 2u);
+  working[holder] = true;
+  both_at(6699);
+  EXPECT_EQ(s.Turn(At(6699), busy), PoolShares::kNone);
+  both_at(6701);
+  EXPECT_NE(s.Turn(At(6701), busy), PoolShares::kNone);
+}
+
 }  // namespace
 }  // namespace offload
