@@ -203,7 +203,8 @@ absl::Status Train(BenchEngine& e, Job* job, const std::atomic<bool>& stop,
 
 // Runs `jobs` at once for `seconds`; each one's parameters updated a second.
 // `timeline`: prints, each second, each session's updates, the pool's room
-// its blocks hold and its disk traffic (how the shares settle over time).
+// its blocks hold, its disk traffic and its blocks evicted (how the shares
+// settle over time).
 absl::StatusOr<std::vector<double>> RunTogether(BenchEngine& e, const std::vector<Job*>& jobs,
                                                 double seconds, bool timeline = false) {
   std::atomic<bool> stop{false};

@@ -58,9 +58,10 @@
 // other trace at work; one that did not (the ranks of one job stepping
 // together: the holder waits for the others at every step) moved state to
 // and fro for nothing: no turns then for four times its length, at least
-// 2 s, twice that after each such turn in a row, at most a minute. Where only one trace is at work
-// at a time (trainers stepping while the others compute), there are no turns, and a turn lapses
-// when nobody competes for kMinTurn.
+// 2 s, twice that after each such turn in a row, at most a minute. Where
+// only one trace is at work at a time (trainers stepping while the others
+// compute), there are no turns, and a turn lapses when nobody competes for
+// kMinTurn.
 //
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.
@@ -163,13 +164,6 @@ class PoolShares {
   // the other computes takes room as the traffic's shares say).
   template <typename Busy>
   uint64_t Turn(Clock::time_point now, const Busy& busy) {
-    answered_ = TurnNow(now, busy);
-    return answered_;
-  }
-
- private:
-  template <typename Busy>
-  uint64_t TurnNow(Clock::time_point now, const Busy& busy) {
     auto held = traces_.find(turn_);
     if (held == traces_.end()) {
       turn_ = kNone;
@@ -243,10 +237,10 @@ class PoolShares {
     ++turns_;
     return turn_;
   }
-
- public:
-  // The holder Turn last answered (kNone: no turns then).
-  uint64_t holder() const { return answered_; }
+  // The turn's holder, kNone if none: what Turn last answered wherever
+  // that was not kNone (then turns may be paused or lapsing with a holder
+  // still named).
+  uint64_t holder() const { return turn_; }
   // Turns begun; turns that did not pay (no turns for a while after each).
   uint64_t turns() const { return turns_; }
   uint64_t idle_turns() const { return idle_turns_; }
@@ -397,7 +391,6 @@ class PoolShares {
   Clock::time_point no_turns_until_;  // after a turn that did not pay
   int unpaid_ = 0;                    // such turns in a row
   Clock::time_point last_turns_;      // when two or more last competed
-  uint64_t answered_ = kNone;         // Turn's last answer
 };
 
 }  // namespace offload

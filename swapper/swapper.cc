@@ -862,6 +862,7 @@ absl::StatusOr<Tier> Swapper::Home(BlockId id) const {
 SwapperStats Swapper::Stats() const {
   absl::MutexLock lock(&mu_);
   SwapperStats s = stats_;
+  s.turns = pool_shares_.turns();
   s.blocks = 0;
   s.traces = traces_.size();
   for (const auto& [id, b] : blocks_) {
@@ -958,19 +959,17 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
                                             const absl::flat_hash_set<BlockId>& tried,
                                             VictimKind* kind) {
   const auto now = SharesNowLocked();
-  const uint64_t turns = pool_shares_.turns();
-  const uint64_t holder =
-      pool_shares_.Turn(now, [&](uint64_t trace) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return (for_trace != kNoTrace && trace == for_trace) || victims_.Held(trace);
-      });
-  stats_.turns += pool_shares_.turns() - turns;
+  // (Called under mu_, by Turn too.)
+  auto busy = [&](uint64_t trace) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return (for_trace != kNoTrace && trace == for_trace) || victims_.Held(trace);
+  };
+  const uint64_t holder = pool_shares_.Turn(now, busy);
   const double floor = pool_shares_.Floor(now);
   const double slack = pool_shares_.Slack(now);
   const uint64_t all_room = victims_.all_room();
   auto standing_of = [&](uint64_t trace) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const bool busy = (for_trace != kNoTrace && trace == for_trace) || victims_.Held(trace);
-    return StandingOfTrace(pool_shares_, trace, busy, victims_.Room(trace), all_room, now, floor,
-                           slack, holder);
+    return StandingOfTrace(pool_shares_, trace, busy(trace), victims_.Room(trace), all_room, now,
+                           floor, slack, holder);
   };
   // A prefetch (speculative) for a trace that gives room takes none from
   // the traces that give less (those that do not, or are less far ahead);
@@ -987,7 +986,8 @@ Swapper::Block* Swapper::ChooseVictimLocked(bool restricted, uint64_t farther_th
   // Each trace's first candidate in its own order (the farthest next use,
   // then the least recently used: VictimIndex), against the others': an
   // idle trace's first (its uses are not coming soon, however near they
-  // are in its own order), then one holding more than its room, then one
+  // are in its own order), then one whose turn it is not (where turns are
+  // taken), then one holding more than its room, then one
   // ahead of its share of the traffic (the farthest ahead first); then the
   // farthest next use; among equals (never used again, or no trace
   // followed), least recently used first.
@@ -1069,8 +1069,9 @@ std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
   std::optional<std::tuple<bool, bool, bool, uint64_t>> prefetch_rank;
   std::tuple<bool, bool, bool, uint64_t> for_rank{false, false, false, 0};
   if (restricted && for_trace != kNoTrace) {
-    for_rank = standing_of(for_trace).rank();
-    if (standing_of(for_trace).gives()) prefetch_rank = for_rank;
+    const TraceStanding s = standing_of(for_trace);
+    for_rank = s.rank();
+    if (s.gives()) prefetch_rank = for_rank;
   }
   std::optional<VictimKey> best;
   for (const Block* b : candidates) {
@@ -1176,8 +1177,8 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
     if (Block* victim = ChooseVictimLocked(restricted, farther_than, for_trace, tried, &kind)) {
       tried.insert(victim->id);
       CountVictimLocked(kind);
-      victim->given = kind == VictimKind::kOutOfTurn && for_trace != kNoTrace &&
-                      for_trace == pool_shares_.holder();
+      // (Out of turn: turns are taken, and the holder is the one Turn answered.)
+      victim->given = kind == VictimKind::kOutOfTurn && for_trace == pool_shares_.holder();
       EvictLocked(victim);
       continue;
     }
