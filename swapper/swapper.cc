@@ -71,6 +71,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.copy_out_nanos -= e.copy_out_nanos;
   d.staged_bytes -= e.staged_bytes;
   d.idle_wakeups -= e.idle_wakeups;
+  d.waiter_wakeups -= e.waiter_wakeups;
   d.io_fair_waits -= e.io_fair_waits;
   d.idle_evictions -= e.idle_evictions;
   d.share_evictions -= e.share_evictions;
@@ -581,7 +582,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
       if (!counted) ++stats_.misses;
       counted = true;
       pool_shares_.Missed(b->trace, SharesNowLocked());
-      while (b->state == BlockState::kWritingOut) changed_.Wait(&mu_);
+      while (b->state == BlockState::kWritingOut) WaitForChangeLocked();
       continue;
     }
     if (b->state == BlockState::kResident || b->state == BlockState::kWritingOut) {
@@ -593,7 +594,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
       counted = true;
       pool_shares_.Missed(b->trace, SharesNowLocked());
       const uint64_t failures = b->failed_reads;
-      while (b->state == BlockState::kReadingIn) changed_.Wait(&mu_);
+      while (b->state == BlockState::kReadingIn) WaitForChangeLocked();
       if (b->failed_reads != failures) {
         status = b->read_error;
         break;
@@ -603,7 +604,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
     // kOnNvme.
     if (b->dropping) {
       // Its pages are still being freed: read it in once they are.
-      while (b->dropping) changed_.Wait(&mu_);
+      while (b->dropping) WaitForChangeLocked();
       continue;
     }
     if (!counted) ++stats_.misses;
@@ -741,8 +742,21 @@ void Swapper::ReleasePin(BlockId id) {
   --b->pins;
   RelistLocked(*b);
   RepageIfIdleLocked(b);
-  EraseIfDoneLocked(b);
-  changed_.SignalAll();
+  // Who waits on a release: room being made, for a block that can be
+  // evicted now (homed on NVMe, no pins left); Remove and room, for a
+  // removed block to go (EraseIfDoneLocked wakes them). A block homed on
+  // the host is never evicted: its release wakes nobody (the sessions
+  // whose state is on the host pin and release thousands of blocks a
+  // second, and each wake of a neighbour's threads waiting for room sent
+  // them through the lock to look for a victim again).
+  const bool evictable = b->pins == 0 && b->home == Tier::kNvme;
+  EraseIfDoneLocked(b);  // may free *b
+  if (evictable) changed_.SignalAll();
+}
+
+void Swapper::WaitForChangeLocked() {
+  changed_.Wait(&mu_);
+  ++stats_.waiter_wakeups;
 }
 
 void Swapper::RepageIfIdleLocked(Block* b) {
@@ -1170,7 +1184,7 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
     // Enough is already being written out: wait for it.
     const uint64_t after = UsedAfterFreeingLocked();
     if (after <= pool_->limit() - charge) {
-      changed_.Wait(&mu_);
+      WaitForChangeLocked();
       continue;
     }
     VictimKind kind = VictimKind::kFarthest;
@@ -1183,7 +1197,7 @@ absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t f
       continue;
     }
     if (writes_in_flight_ > 0 || reads_in_flight_ > 0 || copy_outs_in_flight_ > 0) {
-      changed_.Wait(&mu_);
+      WaitForChangeLocked();
       continue;
     }
     if (restricted) return absl::UnavailableError("no block is needed later than this one");

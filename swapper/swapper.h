@@ -169,6 +169,9 @@ struct SwapperStats {
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
   uint64_t staged_bytes = 0;  // of bytes_in and bytes_out, moved through staging
   uint64_t idle_wakeups = 0;  // an idle I/O thread or the mover woken with nothing to do
+  // A caller waiting in the swapper (for room, for a read or a write-out in
+  // flight) woken to look again: each wake counted.
+  uint64_t waiter_wakeups = 0;
   // An I/O thread waited with transfers queued: each waits for a trace
   // behind it by its weight (SetIoWeight) that is still using the disk.
   uint64_t io_fair_waits = 0;
@@ -435,6 +438,8 @@ class Swapper {
   // host_home_pages_ (moved home while in memory), resident and used by no
   // one: copied to a lease of those (where the pool has room for the copy).
   void RepageIfIdleLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A caller's wait for the swapper's state to change (changed_), counted.
+  void WaitForChangeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Until `bytes` more fit in the pool: evicts victims (only ones next used
   // later than `farther_than` uses from now when `restricted`), waiting for

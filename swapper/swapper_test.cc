@@ -244,6 +244,51 @@ TEST_F(SwapperTest, PinningResidentBlocksWakesNoIdleWorker) {
   EXPECT_LT(d.idle_wakeups, 20u);
 }
 
+// A session whose state is on the host pins and releases its blocks
+// thousands of times a second beside a session waiting for room: a release
+// of a block that cannot make room (homed on the host) wakes no waiter,
+// which would only go through the lock to find nothing changed.
+TEST_F(SwapperTest, ReleasingAHostBlockWakesNoWaiterForRoom) {
+  Make(3 * kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 8).ok());
+  for (uint64_t id : {2, 3, 4}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 1);
+  Write(2, 2);
+  Write(3, 3);  // the pool is full
+  absl::Notification reached, release;
+  std::atomic<bool> held{false};
+  swapper_->SetIoHookForTesting([&](uint64_t, bool is_write) {
+    if (is_write && !held.exchange(true)) {  // the first write-out stops here
+      reached.Notify();
+      release.WaitForNotification();
+    }
+  });
+  std::thread waiter([&] {
+    auto p = swapper_->Acquire(4, /*for_write=*/true);  // waits for the write-out
+    EXPECT_TRUE(p.ok()) << p.status();
+  });
+  reached.WaitForNotification();
+  absl::SleepFor(absl::Milliseconds(20));  // the waiter waits for room
+  const SwapperStats before = swapper_->Stats();
+  for (int i = 0; i < 300; ++i) {  // paced as calls arrive
+    {
+      auto p = swapper_->Acquire(1, /*for_write=*/i % 2 == 0);
+      if (!p.ok()) {
+        ADD_FAILURE() << p.status();
+        break;
+      }
+    }
+    absl::SleepFor(absl::Microseconds(50));
+  }
+  const SwapperStats d = swapper_->Stats().Since(before);
+  release.Notify();
+  waiter.join();
+  swapper_->SetIoHookForTesting(nullptr);
+  EXPECT_EQ(d.hits, 300u);
+  // Woken by each release: about 300.
+  EXPECT_LT(d.waiter_wakeups, 10u);
+}
+
 TEST_F(SwapperTest, HostPlacedBlocksAreNeverEvicted) {
   Make(3 * kMiB);
   ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 7).ok());
