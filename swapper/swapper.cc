@@ -549,15 +549,16 @@ absl::Status Swapper::Discard(BlockId id) {
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
   b->extent = 0;
   b->nvme_current = false;
+  ++stats_.discards;
   if (b->state == BlockState::kResident && b->home == Tier::kNvme) {
     DropHostLocked(b);
     b->state = BlockState::kOnNvme;
     RelistLocked(*b);
+    changed_.SignalAll();  // room
   }
-  // A block homed on the host keeps its memory and its bytes: freeing and
-  // refaulting its pages every step would cost more than it saves.
-  ++stats_.discards;
-  changed_.SignalAll();
+  // A block homed on the host keeps its memory and its bytes (freeing and
+  // refaulting its pages every step would cost more than it saves): no
+  // room for anyone waiting.
   return absl::OkStatus();
 }
 
