@@ -102,8 +102,15 @@ struct Swapper::Block {
   uint64_t trace = 0;
   Tier home = Tier::kHost;
   BlockState state = BlockState::kOnNvme;
-  int pins = 0;
-  int waiters = 0;  // Acquires and CopyOuts inside the swapper for this block
+  std::atomic<int> pins{0};  // taken under the lock (changed under it; read by TryDiscardFast)
+  int waiters = 0;           // Acquires and CopyOuts inside the swapper for this block
+  // Pinned without the lock (TryAcquireFast): whether it may be now, and the
+  // pins so taken. `fast_lingering`: no longer so, with pins so taken still
+  // out (counted as held by the victim index until the last goes; while it
+  // may be, the index does not count them: they change without the lock).
+  std::atomic<bool> fast{false};
+  std::atomic<int> fast_pins{0};
+  bool fast_lingering = false;
   // The bytes, in every state but kOnNvme: a pool lease, or (external
   // blocks) the caller's shared memory at `external` with the pool charge
   // for its pages.
@@ -210,15 +217,23 @@ Swapper::Pin& Swapper::Pin::operator=(Pin&& other) noexcept {
     id_ = other.id_;
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    fast_ = std::exchange(other.fast_, nullptr);
   }
   return *this;
 }
 
 void Swapper::Pin::Reset() {
-  if (swapper_ != nullptr) swapper_->ReleasePin(id_);
+  if (swapper_ != nullptr) {
+    if (fast_ != nullptr) {
+      swapper_->ReleaseFastPin(fast_, id_);
+    } else {
+      swapper_->ReleasePin(id_);
+    }
+  }
   swapper_ = nullptr;
   data_ = nullptr;
   size_ = 0;
+  fast_ = nullptr;
 }
 
 absl::StatusOr<std::unique_ptr<Swapper>> Swapper::Create(const SwapperOptions& options,
@@ -272,6 +287,7 @@ Swapper::~Swapper() {
     if (b->extent != 0) space_->Free(b->extent).IgnoreError();
     if (b->state != BlockState::kOnNvme) DropHostNowLocked(b.get());
   }
+  absl::MutexLock table(&table_mu_);
   blocks_.clear();
 }
 
@@ -280,7 +296,9 @@ Swapper::Block* Swapper::FindLocked(BlockId id) const {
   return it == blocks_.end() || it->second->removed ? nullptr : it->second.get();
 }
 
-bool Swapper::Held(const Block& b) { return b.pins > 0 || b.waiters > 0; }
+bool Swapper::Held(const Block& b) { return PinsOf(b) > 0 || b.waiters > 0; }
+
+int Swapper::PinsOf(const Block& b) { return b.pins.load() + b.fast_pins.load(); }
 
 bool Swapper::HoldsRoom(const Block& b) {
   // (A write-out is leaving.)
@@ -312,8 +330,19 @@ void Swapper::EraseIfDoneLocked(Block* b) {
   }
   if (b->extent != 0) space_->Free(b->extent).IgnoreError();
   victims_.Erase(b->id);
-  blocks_.erase(b->id);
+  EraseLocked(b->id);
   changed_.SignalAll();
+}
+
+void Swapper::InsertLocked(std::unique_ptr<Block> b) {
+  absl::MutexLock table(&table_mu_);
+  const BlockId id = b->id;
+  blocks_[id] = std::move(b);
+}
+
+void Swapper::EraseLocked(BlockId id) {
+  absl::MutexLock table(&table_mu_);
+  blocks_.erase(id);
 }
 
 absl::Status Swapper::Add(BlockId id, uint64_t bytes, Tier home, uint64_t trace) {
@@ -399,10 +428,15 @@ absl::Status Swapper::AddBlock(BlockId id, uint64_t bytes, const ExternalMemory&
       }
     }
     // (A kept block's claim, should this fail, goes back with `b`.)
-    if (home == Tier::kNvme) RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
+    if (home == Tier::kNvme) {
+      RETURN_IF_ERROR(HomeOnNvmeLocked(id, bytes));
+      CountNvmeHomeLocked(trace, +1);
+    }
     traces_.try_emplace(trace);
     RelistLocked(*b);
-    blocks_[id] = std::move(b);
+    Block* const added = b.get();
+    InsertLocked(std::move(b));
+    UpdateFastLocked(added);
   }
   // A block that rests in the pool (optimizer state) gets its pages now,
   // beside the trainer's registration, not at its first use in the first
@@ -453,8 +487,12 @@ void Swapper::Remove(BlockId id) {
   Block* b = FindLocked(id);
   if (b == nullptr) return;
   const bool external = b->external != nullptr;
-  if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+  if (b->home == Tier::kNvme) {
+    nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+    CountNvmeHomeLocked(b->trace, -1);
+  }
   b->removed = true;
+  UpdateFastLocked(b);  // (before its pins are looked at)
   RelistLocked(*b);
   EraseIfDoneLocked(b);  // may free *b: only compared against below
   if (!external) return;
@@ -486,8 +524,12 @@ void Swapper::RemoveAll(absl::Span<const BlockId> ids, std::vector<PoolCharge>* 
       for (BlockId id : ids.subspan(at, kBatch)) {
         Block* b = FindLocked(id);
         if (b == nullptr) continue;
-        if (b->home == Tier::kNvme) nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+        if (b->home == Tier::kNvme) {
+          nvme_homed_bytes_ -= NvmeFootprint(b->bytes);
+          CountNvmeHomeLocked(b->trace, -1);
+        }
         b->removed = true;
+        UpdateFastLocked(b);  // (before its pins are looked at)
         if (b->external != nullptr) {
           if (!BusyLocked(*b) && b->state != BlockState::kOnNvme) {
             // Its pages go with the caller's memory; its charge until then.
@@ -535,6 +577,7 @@ void Swapper::ReleaseCharges(std::vector<PoolCharge>* charges) {
 }
 
 absl::Status Swapper::Discard(BlockId id) {
+  if (std::optional<absl::Status> fast = TryDiscardFast(id)) return *fast;
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
@@ -556,6 +599,7 @@ absl::Status Swapper::Discard(BlockId id) {
     RelistLocked(*b);
     changed_.SignalAll();  // room
   }
+  UpdateFastLocked(b);  // (no NVMe copy now)
   // A block homed on the host keeps its memory and its bytes (freeing and
   // refaulting its pages every step would cost more than it saves): no
   // room for anyone waiting.
@@ -563,6 +607,7 @@ absl::Status Swapper::Discard(BlockId id) {
 }
 
 absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use use) {
+  if (Pin pin; TryAcquireFast(id, &pin)) return pin;
   const bool traced = use == Use::kInOrder;
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
@@ -658,7 +703,101 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
     b->nvme_current = false;
   }
   if (traced) SchedulePrefetchLocked(b->trace);
+  if (b->home == Tier::kHost) UpdateFastLocked(b);  // (its next pins without the lock)
   return Pin(this, id, DataOf(*b), b->bytes);
+}
+
+bool Swapper::TryAcquireFast(BlockId id, Pin* pin) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  Block* b = nullptr;
+  bool fast = false;
+  {
+    absl::ReaderMutexLock table(&table_mu_);
+    auto it = blocks_.find(id);
+    if (it == blocks_.end()) return false;
+    b = it->second.get();
+    if (!b->fast.load()) return false;
+    // Counted first, then looked at again: whoever clears `fast` looks at
+    // the pins after (UpdateFastLocked), so one of the two sees the other.
+    b->fast_pins.fetch_add(1);
+    fast = b->fast.load();
+  }
+  if (!fast) {  // cleared meanwhile: taken back, through the lock
+    ReleaseFastPin(b, id);
+    return false;
+  }
+  fast_hits_.fetch_add(1, std::memory_order_relaxed);
+  // Its memory stays put: nothing moves or frees it while it is pinned,
+  // and whatever would first clears `fast` and finds this pin.
+  *pin = Pin(this, id, DataOf(*b), b->bytes, b);
+  return true;
+}
+
+void Swapper::ReleaseFastPin(Block* b, BlockId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  bool settle = false;
+  {
+    absl::ReaderMutexLock table(&table_mu_);  // not erased until this is done with it
+    settle = b->fast_pins.fetch_sub(1) == 1 && !b->fast.load();
+  }
+  if (!settle) return;
+  // The last pin taken without the lock of a block that may no longer be
+  // pinned so: what a release under the lock does.
+  absl::MutexLock lock(&mu_);
+  auto it = blocks_.find(id);
+  if (it == blocks_.end() || it->second.get() != b) return;  // gone meanwhile
+  UpdateFastLocked(b);
+  RelistLocked(*b);
+  RepageIfIdleLocked(b);
+  const bool evictable = PinsOf(*b) == 0 && b->home == Tier::kNvme;
+  EraseIfDoneLocked(b);  // may free *b
+  if (evictable) changed_.SignalAll();
+}
+
+std::optional<absl::Status> Swapper::TryDiscardFast(BlockId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  absl::ReaderMutexLock table(&table_mu_);
+  auto it = blocks_.find(id);
+  if (it == blocks_.end()) return std::nullopt;
+  const Block& b = *it->second;
+  if (!b.fast.load()) return std::nullopt;
+  // Homed on the host with no NVMe copy: its memory and bytes stay, there
+  // is nothing to free (see Discard).
+  if (PinsOf(b) > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("block ", id, " is pinned or in flight; its bytes stay"));
+  }
+  fast_discards_.fetch_add(1, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+void Swapper::UpdateFastLocked(Block* b) {
+  const bool needs_repage = b->home == Tier::kHost && !b->host.empty() && !b->host.shared() &&
+                            b->host.pages() != host_home_pages_;
+  const bool fast = b->home == Tier::kHost && b->state == BlockState::kResident && !b->removed &&
+                    !b->dropping && b->extent == 0 && !b->prefetched && !needs_repage &&
+                    !nvme_blocks_.contains(b->trace);
+  // Written without the lock from now on, without a version: should it go
+  // to NVMe later, it is written there when first evicted.
+  if (fast) b->nvme_current = false;
+  b->fast.store(fast);
+  // (After `fast` is cleared: see TryAcquireFast.)
+  const bool lingering = !fast && b->fast_pins.load() > 0;
+  if (lingering != b->fast_lingering) {
+    b->fast_lingering = lingering;
+    RelistLocked(*b);
+  }
+}
+
+void Swapper::CountNvmeHomeLocked(uint64_t trace, int delta) {
+  uint64_t& n = nvme_blocks_[trace];
+  const bool had = n > 0;
+  n += static_cast<uint64_t>(static_cast<int64_t>(delta));
+  const bool has = n > 0;
+  if (!has) nvme_blocks_.erase(trace);
+  if (had == has) return;
+  // The trace's blocks on the host may be pinned without the lock now, or
+  // no longer (their uses refill its prefetch window again).
+  for (auto& [id, b] : blocks_) {
+    if (b->trace == trace) UpdateFastLocked(b.get());
+  }
 }
 
 uint64_t Swapper::CopyOutBytes(uint64_t bytes) const {
@@ -750,7 +889,7 @@ void Swapper::ReleasePin(BlockId id) {
   // whose state is on the host pin and release thousands of blocks a
   // second, and each wake of a neighbour's threads waiting for room sent
   // them through the lock to look for a victim again).
-  const bool evictable = b->pins == 0 && b->home == Tier::kNvme;
+  const bool evictable = PinsOf(*b) == 0 && b->home == Tier::kNvme;
   EraseIfDoneLocked(b);  // may free *b
   if (evictable) changed_.SignalAll();
 }
@@ -777,6 +916,7 @@ void Swapper::RepageIfIdleLocked(Block* b) {
   std::memcpy(moved->data(), b->host.data(), b->bytes);
   b->host = *std::move(moved);
   ++stats_.repages;
+  UpdateFastLocked(b);
 }
 
 void Swapper::ForgetTrace(uint64_t trace) {
@@ -822,7 +962,8 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
   absl::MutexLock lock(&mu_);
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
-  if (b->home != home) {
+  const Tier was = b->home;
+  if (was != home) {
     if (home == Tier::kNvme) {
       RETURN_IF_ERROR(HomeOnNvmeLocked(id, b->bytes));
     } else {
@@ -830,6 +971,8 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
     }
   }
   b->home = home;
+  UpdateFastLocked(b);  // (before its pins are looked at)
+  if (was != home) CountNvmeHomeLocked(b->trace, home == Tier::kNvme ? +1 : -1);
   RelistLocked(*b);
   RepageIfIdleLocked(b);
   if (home == Tier::kHost && b->state == BlockState::kOnNvme) {
@@ -877,6 +1020,10 @@ absl::StatusOr<Tier> Swapper::Home(BlockId id) const {
 SwapperStats Swapper::Stats() const {
   absl::MutexLock lock(&mu_);
   SwapperStats s = stats_;
+  const uint64_t fast_hits = fast_hits_.load(std::memory_order_relaxed);
+  s.acquires += fast_hits;
+  s.hits += fast_hits;
+  s.discards += fast_discards_.load(std::memory_order_relaxed);
   s.turns = pool_shares_.turns();
   s.blocks = 0;
   s.traces = traces_.size();
@@ -884,7 +1031,7 @@ SwapperStats Swapper::Stats() const {
     if (b->removed) continue;
     ++s.blocks;
     if (b->state != BlockState::kOnNvme) s.resident_bytes += b->bytes;
-    if (b->pins > 0) s.pinned_bytes += b->bytes;
+    if (PinsOf(*b) > 0) s.pinned_bytes += b->bytes;
     if (b->prefetched) ++s.prefetch_pending;
     (b->home == Tier::kHost ? s.host_home_bytes : s.nvme_home_bytes) += b->bytes;
   }
@@ -951,7 +1098,10 @@ TraceStanding StandingOfTrace(const PoolShares& shares, uint64_t trace, bool bus
 
 VictimIndex::Standing Swapper::StandingOf(const Block& b) {
   VictimIndex::Standing s;
-  s.held = Held(b);
+  // (Pins taken without the lock of a block that may be pinned so change
+  // without the lock: not counted; such a block holds no room and is
+  // never a candidate.)
+  s.held = b.pins.load() > 0 || b.waiters > 0 || b.fast_lingering;
   s.room = HoldsRoom(b) && !b.removed ? b.bytes : 0;
   s.candidate = s.room > 0 && !s.held && b.state == BlockState::kResident;
   // (Only a candidate's matters: an Acquire, which sets it, holds the block.)
@@ -1065,11 +1215,12 @@ std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
   uint64_t all_room = 0;
   std::vector<const Block*> candidates;
   for (const auto& [id, b] : blocks_) {
-    if (Held(*b)) busy.insert(b->trace);
+    const bool held = StandingOf(*b).held;  // (as the index counts it)
+    if (held) busy.insert(b->trace);
     if (HoldsRoom(*b) && !b->removed) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
-      if (!Held(*b) && b->state == BlockState::kResident && !tried.contains(id)) {
+      if (!held && b->state == BlockState::kResident && !tried.contains(id)) {
         candidates.push_back(b.get());
       }
     }
@@ -1384,7 +1535,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       b->extent = new_extent;
       b->nvme_current = b->version == version;
       // (Given, it goes even with Acquires waiting: they read it back.)
-      const bool still_evictable = b->pins == 0 && (b->waiters == 0 || b->given) &&
+      const bool still_evictable = PinsOf(*b) == 0 && (b->waiters == 0 || b->given) &&
                                    b->nvme_current && b->home == Tier::kNvme;
       b->given = false;
       if (still_evictable || b->removed) {
@@ -1416,6 +1567,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       b->state = BlockState::kResident;
       RelistLocked(*b);
       b->nvme_current = true;
+      UpdateFastLocked(b);  // (a block moved home to the host, in memory now)
     } else {
       ++stats_.io_errors;
       DropHostLocked(b);  // external memory: the half-read pages go too

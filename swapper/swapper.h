@@ -90,9 +90,19 @@
 // Thread-safety: all methods are safe from any thread. One lock (mu_)
 // guards the block table; I/O runs on the I/O threads without it. A Pin must
 // not outlive the swapper.
+// Without the lock: a block homed on the host, resident, of a trace with no
+// block homed on NVMe (a session whose state is all on the host) is pinned,
+// released and discarded without mu_ (a reader lock on the table and its
+// own counter): such a session's fetches and steps never wait for another
+// session's swapping, which holds mu_ to choose victims, start and finish
+// its transfers and wait for room. Its uses predict nothing and it has
+// nothing to prefetch: it takes no part in the learned orders, the LRU or
+// the pool's shares (as a block homed on the host already took none but
+// the prefetch window's refill, which such a trace does not have).
 #ifndef OFFLOADD_SWAPPER_SWAPPER_H_
 #define OFFLOADD_SWAPPER_SWAPPER_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -189,6 +199,9 @@ struct SwapperStats {
 };
 
 class Swapper {
+ private:
+  struct Block;
+
  public:
   using BlockId = uint64_t;
 
@@ -200,7 +213,8 @@ class Swapper {
         : swapper_(std::exchange(other.swapper_, nullptr)),
           id_(other.id_),
           data_(std::exchange(other.data_, nullptr)),
-          size_(std::exchange(other.size_, 0)) {}
+          size_(std::exchange(other.size_, 0)),
+          fast_(std::exchange(other.fast_, nullptr)) {}
     Pin& operator=(Pin&& other) noexcept;
     Pin(const Pin&) = delete;
     Pin& operator=(const Pin&) = delete;
@@ -213,12 +227,13 @@ class Swapper {
 
    private:
     friend class Swapper;
-    Pin(Swapper* s, BlockId id, std::byte* data, uint64_t size)
-        : swapper_(s), id_(id), data_(data), size_(size) {}
+    Pin(Swapper* s, BlockId id, std::byte* data, uint64_t size, Block* fast = nullptr)
+        : swapper_(s), id_(id), data_(data), size_(size), fast_(fast) {}
     Swapper* swapper_ = nullptr;
     BlockId id_ = 0;
     std::byte* data_ = nullptr;
     uint64_t size_ = 0;
+    Block* fast_ = nullptr;  // taken without the lock: its block (kept by the pin)
   };
 
   // `pool` must outlive the swapper; `space` too, or be null (no NVMe tier:
@@ -391,7 +406,6 @@ class Swapper {
   std::string VictimMismatchForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct Block;
   enum class MoveKind { kPrefetch, kToHost, kTrim };
   struct Move {
     BlockId id;
@@ -440,6 +454,31 @@ class Swapper {
   void RepageIfIdleLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A caller's wait for the swapper's state to change (changed_), counted.
   void WaitForChangeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Pins without the lock (see the top): pins `id` into `*pin` and returns
+  // true where its block may be pinned so now, else false (then Acquire
+  // goes through the lock).
+  bool TryAcquireFast(BlockId id, Pin* pin) ABSL_LOCKS_EXCLUDED(mu_, table_mu_);
+  // A pin taken without the lock goes; the last one of a block that may no
+  // longer be pinned so does what ReleasePin does, under the lock.
+  void ReleaseFastPin(Block* b, BlockId id) ABSL_LOCKS_EXCLUDED(mu_, table_mu_);
+  // Discard without the lock, where the block may be pinned so (its bytes
+  // are all it has: nothing to free); nullopt: through the lock.
+  std::optional<absl::Status> TryDiscardFast(BlockId id) ABSL_LOCKS_EXCLUDED(mu_, table_mu_);
+  // Whether `b` may be pinned without the lock now; set where that may
+  // have changed. Cleared (before anything that needs the block unpinned
+  // looks at its pins) where it stops being so: by then every pin taken
+  // without the lock is counted in fast_pins.
+  void UpdateFastLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks homed on NVMe of `trace`, counted by `delta`: its blocks on the
+  // host may be pinned without the lock only while it has none.
+  void CountNvmeHomeLocked(uint64_t trace, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pins of every kind (taken under the lock and without it).
+  static int PinsOf(const Block& b);
+  // Inserts or erases a block of the table (readers without mu_ hold
+  // table_mu_).
+  void InsertLocked(std::unique_ptr<Block> b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Until `bytes` more fit in the pool: evicts victims (only ones next used
   // later than `farther_than` uses from now when `restricted`), waiting for
@@ -531,7 +570,15 @@ class Swapper {
   // at a time, from the very calls being served.
   absl::CondVar io_work_;
   absl::CondVar move_work_;
-  absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_ ABSL_GUARDED_BY(mu_);
+  // Changed under mu_ and table_mu_ both; read under either (the paths
+  // without the lock read it under table_mu_, as readers).
+  absl::flat_hash_map<BlockId, std::unique_ptr<Block>> blocks_;
+  mutable absl::Mutex table_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  // Blocks homed on NVMe by trace (CountNvmeHomeLocked).
+  absl::flat_hash_map<uint64_t, uint64_t> nvme_blocks_ ABSL_GUARDED_BY(mu_);
+  // Counted without the lock, added to the stats.
+  std::atomic<uint64_t> fast_hits_{0};
+  std::atomic<uint64_t> fast_discards_{0};
   // Eviction's view of the blocks: which are held, the room each trace's
   // blocks hold, the candidates by next use (RelistLocked keeps it).
   VictimIndex victims_ ABSL_GUARDED_BY(mu_);

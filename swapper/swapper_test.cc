@@ -294,6 +294,101 @@ TEST_F(SwapperTest, ReleasingAHostBlockWakesNoWaiterForRoom) {
   EXPECT_LT(d.waiter_wakeups, 10u);
 }
 
+// A session whose state is all on the host pins, releases and discards
+// its blocks without the swapper's lock: while another session's call holds
+// the lock (here: stopped in the swapper's clock, which it reads under the
+// lock), its calls go on.
+TEST_F(SwapperTest, ASessionOnTheHostPinsWithoutTheSwappersLock) {
+  Make(4 * kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 8).ok());  // trace 8: all on the host
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 1);
+  Write(2, 2);
+  std::atomic<bool> stop_in_clock{false};
+  absl::Notification in_clock, open_clock;
+  swapper_->SetClockForTesting([&] {
+    if (stop_in_clock.exchange(false)) {
+      in_clock.Notify();
+      open_clock.WaitForNotification();
+    }
+    return std::chrono::steady_clock::now();
+  });
+  const SwapperStats before = swapper_->Stats();
+  stop_in_clock = true;
+  std::thread other([&] {  // trace 7's Acquire holds the lock until open_clock
+    auto p = swapper_->Acquire(2, /*for_write=*/false);
+    EXPECT_TRUE(p.ok()) << p.status();
+  });
+  in_clock.WaitForNotification();
+  absl::Notification done;
+  std::thread mine([&] {
+    for (int i = 0; i < 100; ++i) {
+      auto p = swapper_->Acquire(1, /*for_write=*/i % 2 == 0);
+      if (!p.ok()) {
+        ADD_FAILURE() << p.status();
+        break;
+      }
+      if (i % 2 == 0) Fill(*p, 100 + i);
+      if (!Holds(*p, 100 + i - i % 2)) ADD_FAILURE() << "pin " << i;
+      p->Reset();
+      if (i % 2 == 1) {
+        EXPECT_TRUE(swapper_->Discard(1).ok());
+      }
+    }
+    done.Notify();
+  });
+  const bool went_on = done.WaitForNotificationWithTimeout(absl::Seconds(5));
+  open_clock.Notify();  // (unblocks both where they waited for the lock)
+  mine.join();
+  other.join();
+  swapper_->SetClockForTesting(nullptr);
+  EXPECT_TRUE(went_on) << "trace 8's calls waited for the lock another session held";
+  const SwapperStats d = swapper_->Stats().Since(before);
+  EXPECT_EQ(d.hits, 101u);  // (trace 7's one too)
+  EXPECT_EQ(d.discards, 50u);
+  ExpectHolds(1, 198);
+}
+
+// Pins taken without the lock count wherever pins count: a block moved to
+// NVMe while so pinned is not evicted until they go; one removed goes when
+// they do; a pinned one is not discarded.
+TEST_F(SwapperTest, PinsTakenWithoutTheLockHoldTheBlock) {
+  Make(2 * kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 8).ok());
+  Write(1, 11);
+  auto held = swapper_->Acquire(1, /*for_write=*/true);  // without the lock
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(swapper_->Discard(1).code(), absl::StatusCode::kFailedPrecondition);
+  Fill(*held, 12);
+  ASSERT_TRUE(swapper_->SetHome(1, Tier::kNvme).ok());  // trace 8 goes through the lock now
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 8).ok());
+  ASSERT_TRUE(swapper_->Add(3, kMiB, Tier::kNvme, 8).ok());
+  Write(2, 2);
+  Write(3, 3);  // room: 2 goes, never 1
+  EXPECT_EQ(StateOf(1), BlockState::kResident);
+  EXPECT_EQ(StateOf(2), BlockState::kOnNvme);
+  EXPECT_EQ(swapper_->Stats().pinned_bytes, kMiB);
+  held->Reset();
+  ExpectHolds(2, 2);  // room: 1 goes now, written out with what the pin wrote
+  EXPECT_EQ(StateOf(1), BlockState::kOnNvme);
+  ExpectHolds(1, 12);
+  ExpectHolds(3, 3);
+
+  // Removed while so pinned: its memory stays until the pin goes.
+  ASSERT_TRUE(swapper_->Add(4, kMiB, Tier::kHost, 9).ok());
+  Write(4, 4);
+  auto last = swapper_->Acquire(4, /*for_write=*/true);
+  ASSERT_TRUE(last.ok()) << last.status();
+  const uint64_t used = pool_->used();
+  swapper_->Remove(4);
+  EXPECT_EQ(pool_->used(), used);
+  Fill(*last, 5);  // (its memory, still the block's)
+  last->Reset();
+  EXPECT_LT(pool_->used(), used);
+  for (uint64_t id : {1, 2, 3}) swapper_->Remove(id);
+  EXPECT_EQ(swapper_->Stats().blocks, 0u);
+}
+
 TEST_F(SwapperTest, HostPlacedBlocksAreNeverEvicted) {
   Make(3 * kMiB);
   ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 7).ok());
