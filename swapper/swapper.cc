@@ -72,6 +72,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.staged_bytes -= e.staged_bytes;
   d.idle_wakeups -= e.idle_wakeups;
   d.waiter_wakeups -= e.waiter_wakeups;
+  d.unlocked_pins -= e.unlocked_pins;
   d.io_fair_waits -= e.io_fair_waits;
   d.idle_evictions -= e.idle_evictions;
   d.share_evictions -= e.share_evictions;
@@ -744,6 +745,10 @@ void Swapper::ReleaseFastPin(Block* b, BlockId id) ABSL_NO_THREAD_SAFETY_ANALYSI
   absl::MutexLock lock(&mu_);
   auto it = blocks_.find(id);
   if (it == blocks_.end() || it->second.get() != b) return;  // gone meanwhile
+  // The pins may have written it (without a version): no NVMe copy is
+  // current, one being written included.
+  ++b->version;
+  b->nvme_current = false;
   UpdateFastLocked(b);
   RelistLocked(*b);
   RepageIfIdleLocked(b);
@@ -777,6 +782,9 @@ void Swapper::UpdateFastLocked(Block* b) {
   // Written without the lock from now on, without a version: should it go
   // to NVMe later, it is written there when first evicted.
   if (fast) b->nvme_current = false;
+  // No longer so: its uses count for the LRU again, from now (uses without
+  // the lock do not tick the clock).
+  if (!fast && b->fast.load()) b->last_use = ++clock_;
   b->fast.store(fast);
   // (After `fast` is cleared: see TryAcquireFast.)
   const bool lingering = !fast && b->fast_pins.load() > 0;
@@ -1023,6 +1031,7 @@ SwapperStats Swapper::Stats() const {
   const uint64_t fast_hits = fast_hits_.load(std::memory_order_relaxed);
   s.acquires += fast_hits;
   s.hits += fast_hits;
+  s.unlocked_pins = fast_hits;
   s.discards += fast_discards_.load(std::memory_order_relaxed);
   s.turns = pool_shares_.turns();
   s.blocks = 0;
@@ -1215,12 +1224,15 @@ std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
   uint64_t all_room = 0;
   std::vector<const Block*> candidates;
   for (const auto& [id, b] : blocks_) {
-    const bool held = StandingOf(*b).held;  // (as the index counts it)
-    if (held) busy.insert(b->trace);
+    // Which sessions hold blocks: as the index counts it (pins taken without
+    // the lock of blocks that may be so pinned change without it); which
+    // blocks may go: by every pin (a block the index offers while pins
+    // taken without the lock are out is a mismatch).
+    if (StandingOf(*b).held) busy.insert(b->trace);
     if (HoldsRoom(*b) && !b->removed) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
-      if (!held && b->state == BlockState::kResident && !tried.contains(id)) {
+      if (!Held(*b) && b->state == BlockState::kResident && !tried.contains(id)) {
         candidates.push_back(b.get());
       }
     }

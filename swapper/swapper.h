@@ -161,6 +161,7 @@ struct SwapperStats {
   uint64_t host_home_bytes = 0;  // blocks homed on the host
   uint64_t nvme_home_bytes = 0;  // blocks homed on NVMe
   uint64_t acquires = 0;
+  uint64_t unlocked_pins = 0;     // of them, taken without the lock (a session all on the host)
   uint64_t hits = 0;              // resident when acquired
   uint64_t waited_reads = 0;      // found a swap-in (usually a prefetch) in flight
   uint64_t misses = 0;            // had to start a swap-in

@@ -251,7 +251,9 @@ TEST_F(SwapperTest, PinningResidentBlocksWakesNoIdleWorker) {
 // changed.
 TEST_F(SwapperTest, ReleasingAHostBlockWakesNoWaiterForRoom) {
   Make(3 * kMiB);
-  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 8).ok());
+  // (Of a session with state on NVMe too: through the lock. One all on the
+  // host pins without it: ASessionOnTheHostPinsWithoutTheSwappersLock.)
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 7).ok());
   for (uint64_t id : {2, 3, 4}) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
   Write(1, 1);
   Write(2, 2);
@@ -290,6 +292,7 @@ TEST_F(SwapperTest, ReleasingAHostBlockWakesNoWaiterForRoom) {
   waiter.join();
   swapper_->SetIoHookForTesting(nullptr);
   EXPECT_EQ(d.hits, 300u);
+  EXPECT_EQ(d.unlocked_pins, 0u);
   // Woken by each release and discard: about 450.
   EXPECT_LT(d.waiter_wakeups, 10u);
 }
@@ -345,6 +348,7 @@ TEST_F(SwapperTest, ASessionOnTheHostPinsWithoutTheSwappersLock) {
   EXPECT_TRUE(went_on) << "trace 8's calls waited for the lock another session held";
   const SwapperStats d = swapper_->Stats().Since(before);
   EXPECT_EQ(d.hits, 101u);  // (trace 7's one too)
+  EXPECT_EQ(d.unlocked_pins, 100u);
   EXPECT_EQ(d.discards, 50u);
   ExpectHolds(1, 198);
 }
@@ -356,15 +360,21 @@ TEST_F(SwapperTest, PinsTakenWithoutTheLockHoldTheBlock) {
   Make(2 * kMiB);
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 8).ok());
   Write(1, 11);
+  const uint64_t unlocked = swapper_->Stats().unlocked_pins;
   auto held = swapper_->Acquire(1, /*for_write=*/true);  // without the lock
   ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(swapper_->Stats().unlocked_pins - unlocked, 1u);
   EXPECT_EQ(swapper_->Discard(1).code(), absl::StatusCode::kFailedPrecondition);
   Fill(*held, 12);
   ASSERT_TRUE(swapper_->SetHome(1, Tier::kNvme).ok());  // trace 8 goes through the lock now
   ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 8).ok());
   ASSERT_TRUE(swapper_->Add(3, kMiB, Tier::kNvme, 8).ok());
   Write(2, 2);
-  Write(3, 3);  // room: 2 goes, never 1
+  const uint64_t outs = swapper_->Stats().swap_outs;
+  Write(3, 3);  // room: 2 goes, never 1 (not even tried: no write-out of it)
+  swapper_->WaitIdle();
+  swapper_->SetIoHookForTesting(nullptr);
+  EXPECT_EQ(swapper_->Stats().swap_outs - outs, 1u);
   EXPECT_EQ(StateOf(1), BlockState::kResident);
   EXPECT_EQ(StateOf(2), BlockState::kOnNvme);
   EXPECT_EQ(swapper_->Stats().pinned_bytes, kMiB);
