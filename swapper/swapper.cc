@@ -105,12 +105,13 @@ struct Swapper::Block {
   BlockState state = BlockState::kOnNvme;
   std::atomic<int> pins{0};  // taken under the lock (changed under it; read by TryDiscardFast)
   int waiters = 0;           // Acquires and CopyOuts inside the swapper for this block
-  // Pinned without the lock (TryAcquireFast): whether it may be now, and the
-  // pins so taken. `fast_lingering`: no longer so, with pins so taken still
-  // out (counted as held by the victim index until the last goes; while it
-  // may be, the index does not count them: they change without the lock).
-  std::atomic<bool> fast{false};
-  std::atomic<int> fast_pins{0};
+  // Pinned without the lock (TryAcquireFast): bit 0, whether it may be
+  // now; above it, the pins so taken (one word: a pin is taken only while
+  // the bit is set, in one compare-and-swap). `fast_lingering`: no longer
+  // so, with pins so taken still out (counted as held by the victim index
+  // until the last goes; while it may be, the index does not count them:
+  // they change without the lock).
+  std::atomic<uint32_t> fast{0};
   bool fast_lingering = false;
   // The bytes, in every state but kOnNvme: a pool lease, or (external
   // blocks) the caller's shared memory at `external` with the pool charge
@@ -299,7 +300,7 @@ Swapper::Block* Swapper::FindLocked(BlockId id) const {
 
 bool Swapper::Held(const Block& b) { return PinsOf(b) > 0 || b.waiters > 0; }
 
-int Swapper::PinsOf(const Block& b) { return b.pins.load() + b.fast_pins.load(); }
+int Swapper::PinsOf(const Block& b) { return b.pins.load() + static_cast<int>(b.fast.load() >> 1); }
 
 bool Swapper::HoldsRoom(const Block& b) {
   // (A write-out is leaving.)
@@ -704,27 +705,27 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
     b->nvme_current = false;
   }
   if (traced) SchedulePrefetchLocked(b->trace);
-  if (b->home == Tier::kHost) UpdateFastLocked(b);  // (its next pins without the lock)
+  if (b->home == Tier::kHost) {
+    DropNvmeCopyLocked(b);
+    UpdateFastLocked(b);  // (its next pins without the lock)
+  }
   return Pin(this, id, DataOf(*b), b->bytes);
 }
 
 bool Swapper::TryAcquireFast(BlockId id, Pin* pin) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   Block* b = nullptr;
-  bool fast = false;
   {
     absl::ReaderMutexLock table(&table_mu_);
     auto it = blocks_.find(id);
     if (it == blocks_.end()) return false;
     b = it->second.get();
-    if (!b->fast.load()) return false;
-    // Counted first, then looked at again: whoever clears `fast` looks at
-    // the pins after (UpdateFastLocked), so one of the two sees the other.
-    b->fast_pins.fetch_add(1);
-    fast = b->fast.load();
-  }
-  if (!fast) {  // cleared meanwhile: taken back, through the lock
-    ReleaseFastPin(b, id);
-    return false;
+    // Counted only while it may be pinned so, in the same word: whoever
+    // clears the bit (UpdateFastLocked, under the lock) gets the count
+    // with it.
+    uint32_t state = b->fast.load();
+    do {
+      if ((state & 1) == 0) return false;
+    } while (!b->fast.compare_exchange_weak(state, state + 2));
   }
   fast_hits_.fetch_add(1, std::memory_order_relaxed);
   // Its memory stays put: nothing moves or frees it while it is pinned,
@@ -737,7 +738,7 @@ void Swapper::ReleaseFastPin(Block* b, BlockId id) ABSL_NO_THREAD_SAFETY_ANALYSI
   bool settle = false;
   {
     absl::ReaderMutexLock table(&table_mu_);  // not erased until this is done with it
-    settle = b->fast_pins.fetch_sub(1) == 1 && !b->fast.load();
+    settle = b->fast.fetch_sub(2) == 2;       // the last such pin, the bit cleared
   }
   if (!settle) return;
   // The last pin taken without the lock of a block that may no longer be
@@ -762,7 +763,7 @@ std::optional<absl::Status> Swapper::TryDiscardFast(BlockId id) ABSL_NO_THREAD_S
   auto it = blocks_.find(id);
   if (it == blocks_.end()) return std::nullopt;
   const Block& b = *it->second;
-  if (!b.fast.load()) return std::nullopt;
+  if ((b.fast.load() & 1) == 0) return std::nullopt;
   // Homed on the host with no NVMe copy: its memory and bytes stay, there
   // is nothing to free (see Discard).
   if (PinsOf(b) > 0) {
@@ -784,14 +785,24 @@ void Swapper::UpdateFastLocked(Block* b) {
   if (fast) b->nvme_current = false;
   // No longer so: its uses count for the LRU again, from now (uses without
   // the lock do not tick the clock).
-  if (!fast && b->fast.load()) b->last_use = ++clock_;
-  b->fast.store(fast);
-  // (After `fast` is cleared: see TryAcquireFast.)
-  const bool lingering = !fast && b->fast_pins.load() > 0;
+  const uint32_t was = fast ? b->fast.fetch_or(1) : b->fast.fetch_and(~1u);
+  if (!fast && (was & 1) != 0) b->last_use = ++clock_;
+  // (The count as the bit was cleared: no pin is taken so after it.)
+  const bool lingering = !fast && (was >> 1) > 0;
   if (lingering != b->fast_lingering) {
     b->fast_lingering = lingering;
     RelistLocked(*b);
   }
+}
+
+void Swapper::DropNvmeCopyLocked(Block* b) {
+  if (b->home != Tier::kHost || b->state != BlockState::kResident || b->extent == 0 ||
+      b->waiters > 0 || b->dropping) {
+    return;
+  }
+  space_->Free(b->extent).IgnoreError();
+  b->extent = 0;
+  b->nvme_current = false;
 }
 
 void Swapper::CountNvmeHomeLocked(uint64_t trace, int delta) {
@@ -979,6 +990,7 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
     }
   }
   b->home = home;
+  DropNvmeCopyLocked(b);
   UpdateFastLocked(b);  // (before its pins are looked at)
   if (was != home) CountNvmeHomeLocked(b->trace, home == Tier::kNvme ? +1 : -1);
   RelistLocked(*b);
@@ -1226,13 +1238,15 @@ std::optional<Swapper::VictimKey> Swapper::WalkForVictimLocked(
   for (const auto& [id, b] : blocks_) {
     // Which sessions hold blocks: as the index counts it (pins taken without
     // the lock of blocks that may be so pinned change without it); which
-    // blocks may go: by every pin (a block the index offers while pins
-    // taken without the lock are out is a mismatch).
+    // blocks may go: by every pin, and until the last such pin's release
+    // has told the index (a block the index offers while pins taken
+    // without the lock are out is a mismatch).
     if (StandingOf(*b).held) busy.insert(b->trace);
     if (HoldsRoom(*b) && !b->removed) {
       room[b->trace] += b->bytes;
       all_room += b->bytes;
-      if (!Held(*b) && b->state == BlockState::kResident && !tried.contains(id)) {
+      if (!Held(*b) && !b->fast_lingering && b->state == BlockState::kResident &&
+          !tried.contains(id)) {
         candidates.push_back(b.get());
       }
     }
@@ -1579,7 +1593,9 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       b->state = BlockState::kResident;
       RelistLocked(*b);
       b->nvme_current = true;
-      UpdateFastLocked(b);  // (a block moved home to the host, in memory now)
+      // (A block moved home to the host, in memory now.)
+      DropNvmeCopyLocked(b);
+      UpdateFastLocked(b);
     } else {
       ++stats_.io_errors;
       DropHostLocked(b);  // external memory: the half-read pages go too

@@ -468,9 +468,14 @@ class Swapper {
   std::optional<absl::Status> TryDiscardFast(BlockId id) ABSL_LOCKS_EXCLUDED(mu_, table_mu_);
   // Whether `b` may be pinned without the lock now; set where that may
   // have changed. Cleared (before anything that needs the block unpinned
-  // looks at its pins) where it stops being so: by then every pin taken
-  // without the lock is counted in fast_pins.
+  // looks at its pins) where it stops being so: clearing it takes the
+  // count of the pins so taken in the same step (Block::fast).
   void UpdateFastLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A block homed on the host, resident, that nothing may read from NVMe
+  // (no waiter: a CopyOut reading its copy holds one) keeps no NVMe copy:
+  // the tier's room was given back when it moved home, and a block without
+  // one may be pinned without the lock.
+  void DropNvmeCopyLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks homed on NVMe of `trace`, counted by `delta`: its blocks on the
   // host may be pinned without the lock only while it has none.
   void CountNvmeHomeLocked(uint64_t trace, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
