@@ -1902,6 +1902,50 @@ TEST_F(SwapperTest, DiscardedBlocksAreZerosWithoutIo) {
   ExpectHolds(4, 4);
 }
 
+// A block moved home to the host gives its NVMe copy back (the tier's
+// room was given back at the move), once nothing may read that copy: not
+// while a checkpoint's CopyOut reads it, even as other write-outs take new
+// extents, but at its first use after.
+TEST_F(SwapperTest, ABlockMovedHomeGivesItsNvmeCopyBackOnceNothingReadsIt) {
+  Make(2 * kMiB);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  Write(3, 33);  // 1 goes to NVMe
+  swapper_->WaitIdle();
+  ASSERT_EQ(StateOf(1), BlockState::kOnNvme);
+  auto allocated = HostMemory::Allocate(swapper_->CopyOutBytes(kMiB));
+  ASSERT_TRUE(allocated.ok()) << allocated.status();
+  HostMemory buffer = *std::move(allocated);
+  absl::Notification reached, release;
+  std::atomic<bool> first{true};
+  swapper_->SetIoHookForTesting([&](uint64_t id, bool is_write) {
+    if (id == 1 && !is_write && first.exchange(false)) {  // the CopyOut's read
+      reached.Notify();
+      release.WaitForNotification();
+    }
+  });
+  std::thread copier([&] {
+    auto copied = swapper_->CopyOut(1, absl::Span<std::byte>(buffer.data(), buffer.size()));
+    ASSERT_TRUE(copied.ok()) << copied.status();
+    EXPECT_TRUE(Holds(buffer.data(), kMiB, 11)) << "its NVMe copy changed under the CopyOut";
+  });
+  reached.WaitForNotification();
+  ASSERT_TRUE(swapper_->SetHome(1, Tier::kHost).ok());
+  swapper_->WaitIdle();  // read in by the mover
+  ExpectHolds(1, 11);
+  Write(2, 222);  // write-outs of the others take extents
+  Write(3, 333);
+  Write(2, 2222);
+  swapper_->WaitIdle();
+  const uint64_t extents = space_->Stats().extents;
+  release.Notify();
+  copier.join();
+  swapper_->SetIoHookForTesting(nullptr);
+  ExpectHolds(1, 11);  // nothing reads its copy now
+  EXPECT_EQ(space_->Stats().extents, extents - 1);
+}
+
 // CopyOut gives a block's bytes wherever it rests (in the pool, on NVMe,
 // never written) without taking pool memory or changing where it is.
 TEST_F(SwapperTest, CopyOutReadsABlockWhereverItIsWithoutThePool) {
