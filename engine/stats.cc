@@ -50,6 +50,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   level("swap_nvme_placed_bytes", s.nvme_home_bytes, "bytes");
   add("swap_acquires", s.acquires, "acquires");
   add("swap_hits", s.hits, "acquires");
+  add("swap_unlocked_pins", s.unlocked_pins, "acquires");  // of them, without the swapper's lock
   add("swap_waited_reads", s.waited_reads, "acquires");
   add("swap_misses", s.misses, "acquires");
   add("prefetch_issued", s.prefetches, "blocks");

@@ -197,6 +197,10 @@ TEST_F(DaemonTest, DemoTrainsThroughDaemonExactlyLikeInProcess) {
   ExpectDemoMatchesInProcess(client_.get(), DType::kBf16);
   ExpectDemoMatchesInProcess(client_.get(), DType::kFp16);
   EXPECT_EQ(Counter("steps"), 180);
+  // Its state all on the host: its pins go without the swapper's lock.
+  const int64_t unlocked = Counter("swap_unlocked_pins");
+  EXPECT_GT(unlocked, Counter("swap_acquires") / 2);
+  EXPECT_LE(unlocked, Counter("swap_acquires"));
 }
 
 TEST_F(DaemonTest, BadRequestsGetClearErrorsAndTheDaemonKeepsServing) {
