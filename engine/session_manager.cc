@@ -587,8 +587,7 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
   return std::shared_ptr<Session>(ref, session);
 }
 
-absl::Status SessionManager::CheckOwner(const Session& session, uint64_t partition_id) const {
-  absl::MutexLock lock(&mu_);
+absl::Status SessionManager::CheckOwnerLocked(const Session& session, uint64_t partition_id) const {
   auto it = partition_owner_.find(partition_id);
   if (it == partition_owner_.end()) {
     return absl::NotFoundError(
@@ -604,7 +603,9 @@ absl::Status SessionManager::CheckOwner(const Session& session, uint64_t partiti
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::FindOwning(
     const SessionKey& key, absl::Span<const uint64_t> ids) const {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  for (uint64_t id : ids) RETURN_IF_ERROR(CheckOwner(*session, id));
+  if (ids.empty()) return session;
+  absl::MutexLock lock(&mu_);  // (once for all: a fetch names up to kMaxFetchIds)
+  for (uint64_t id : ids) RETURN_IF_ERROR(CheckOwnerLocked(*session, id));
   return session;
 }
 

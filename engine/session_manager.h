@@ -568,8 +568,8 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,
                                                 bool operator_call = false) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status CheckOwner(const Session& session, uint64_t partition_id) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status CheckOwnerLocked(const Session& session, uint64_t partition_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finds the session and checks it owns every partition in `ids`.
   absl::StatusOr<std::shared_ptr<Session>> FindOwning(const SessionKey& key,
                                                       absl::Span<const uint64_t> ids) const
