@@ -603,9 +603,16 @@ absl::Status SessionManager::CheckOwnerLocked(const Session& session, uint64_t p
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::FindOwning(
     const SessionKey& key, absl::Span<const uint64_t> ids) const {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
-  if (ids.empty()) return session;
-  absl::MutexLock lock(&mu_);  // (once for all: a fetch names up to kMaxFetchIds)
-  for (uint64_t id : ids) RETURN_IF_ERROR(CheckOwnerLocked(*session, id));
+  // The manager's lock (every session's) once for a few dozen ids, not once
+  // each, nor for all of a fetch's up to kMaxFetchIds at once (a long hold
+  // would be another session's wait).
+  constexpr size_t kIdsALock = 64;
+  for (size_t at = 0; at < ids.size(); at += kIdsALock) {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t id : ids.subspan(at, kIdsALock)) {
+      RETURN_IF_ERROR(CheckOwnerLocked(*session, id));
+    }
+  }
   return session;
 }
 

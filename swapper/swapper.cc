@@ -887,6 +887,9 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
   const uint64_t bytes = b->bytes;
   --b->waiters;
   RelistLocked(*b);
+  // (Moved home to the host while this read its NVMe copy: not needed now.)
+  DropNvmeCopyLocked(b);
+  UpdateFastLocked(b);
   changed_.SignalAll();
   EraseIfDoneLocked(b);
   if (!status.ok()) return status;
@@ -1569,6 +1572,9 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
         b->state = BlockState::kOnNvme;
       } else {
         b->state = BlockState::kResident;  // pinned meanwhile: stays
+        // (Moved home to the host meanwhile: its new copy is not needed.)
+        DropNvmeCopyLocked(b);
+        UpdateFastLocked(b);
       }
       RelistLocked(*b);
     } else {
