@@ -584,8 +584,7 @@ absl::Status Swapper::Discard(BlockId id) {
   Block* b = FindLocked(id);
   if (b == nullptr) return absl::NotFoundError(absl::StrCat("no block ", id));
   if (BusyLocked(*b)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("block ", id, " is pinned or in flight; its bytes stay"));
+    return BusyDiscardError(id);
   }
   if (b->prefetched) {
     b->prefetched = false;
@@ -706,8 +705,7 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
   }
   if (traced) SchedulePrefetchLocked(b->trace);
   if (b->home == Tier::kHost) {
-    DropNvmeCopyLocked(b);
-    UpdateFastLocked(b);  // (its next pins without the lock)
+    SettleOnHostLocked(b);  // (its next pins without the lock)
   }
   return Pin(this, id, DataOf(*b), b->bytes);
 }
@@ -751,11 +749,12 @@ void Swapper::ReleaseFastPin(Block* b, BlockId id) ABSL_NO_THREAD_SAFETY_ANALYSI
   ++b->version;
   b->nvme_current = false;
   UpdateFastLocked(b);
-  RelistLocked(*b);
-  RepageIfIdleLocked(b);
-  const bool evictable = PinsOf(*b) == 0 && b->home == Tier::kNvme;
-  EraseIfDoneLocked(b);  // may free *b
-  if (evictable) changed_.SignalAll();
+  ReleasedLocked(b);
+}
+
+absl::Status Swapper::BusyDiscardError(BlockId id) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("block ", id, " is pinned or in flight; its bytes stay"));
 }
 
 std::optional<absl::Status> Swapper::TryDiscardFast(BlockId id) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -767,8 +766,7 @@ std::optional<absl::Status> Swapper::TryDiscardFast(BlockId id) ABSL_NO_THREAD_S
   // Homed on the host with no NVMe copy: its memory and bytes stay, there
   // is nothing to free (see Discard).
   if (PinsOf(b) > 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("block ", id, " is pinned or in flight; its bytes stay"));
+    return BusyDiscardError(id);
   }
   fast_discards_.fetch_add(1, std::memory_order_relaxed);
   return absl::OkStatus();
@@ -803,6 +801,11 @@ void Swapper::DropNvmeCopyLocked(Block* b) {
   space_->Free(b->extent).IgnoreError();
   b->extent = 0;
   b->nvme_current = false;
+}
+
+void Swapper::SettleOnHostLocked(Block* b) {
+  DropNvmeCopyLocked(b);
+  UpdateFastLocked(b);
 }
 
 void Swapper::CountNvmeHomeLocked(uint64_t trace, int delta) {
@@ -888,8 +891,7 @@ absl::StatusOr<uint64_t> Swapper::CopyOut(BlockId id, absl::Span<std::byte> dst)
   --b->waiters;
   RelistLocked(*b);
   // (Moved home to the host while this read its NVMe copy: not needed now.)
-  DropNvmeCopyLocked(b);
-  UpdateFastLocked(b);
+  SettleOnHostLocked(b);
   changed_.SignalAll();
   EraseIfDoneLocked(b);
   if (!status.ok()) return status;
@@ -902,6 +904,10 @@ void Swapper::ReleasePin(BlockId id) {
   if (it == blocks_.end()) return;
   Block* b = it->second.get();
   --b->pins;
+  ReleasedLocked(b);
+}
+
+void Swapper::ReleasedLocked(Block* b) {
   RelistLocked(*b);
   RepageIfIdleLocked(b);
   // Who waits on a release: room being made, for a block that can be
@@ -993,8 +999,7 @@ absl::Status Swapper::SetHome(BlockId id, Tier home) {
     }
   }
   b->home = home;
-  DropNvmeCopyLocked(b);
-  UpdateFastLocked(b);  // (before its pins are looked at)
+  SettleOnHostLocked(b);  // (before its pins are looked at)
   if (was != home) CountNvmeHomeLocked(b->trace, home == Tier::kNvme ? +1 : -1);
   RelistLocked(*b);
   RepageIfIdleLocked(b);
@@ -1573,8 +1578,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       } else {
         b->state = BlockState::kResident;  // pinned meanwhile: stays
         // (Moved home to the host meanwhile: its new copy is not needed.)
-        DropNvmeCopyLocked(b);
-        UpdateFastLocked(b);
+        SettleOnHostLocked(b);
       }
       RelistLocked(*b);
     } else {
@@ -1600,8 +1604,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       RelistLocked(*b);
       b->nvme_current = true;
       // (A block moved home to the host, in memory now.)
-      DropNvmeCopyLocked(b);
-      UpdateFastLocked(b);
+      SettleOnHostLocked(b);
     } else {
       ++stats_.io_errors;
       DropHostLocked(b);  // external memory: the half-read pages go too

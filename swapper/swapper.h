@@ -449,6 +449,10 @@ class Swapper {
   uint64_t UsedAfterFreeingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfDoneLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleasePin(BlockId id) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a pin of `b` went (under the lock, or the last one without it):
+  // tells the index, repages, erases a removed block, wakes who waits for
+  // room where the block may be evicted now.
+  void ReleasedLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A block homed on the host whose lease asked for other pages than
   // host_home_pages_ (moved home while in memory), resident and used by no
   // one: copied to a lease of those (where the pool has room for the copy).
@@ -466,6 +470,8 @@ class Swapper {
   // Discard without the lock, where the block may be pinned so (its bytes
   // are all it has: nothing to free); nullopt: through the lock.
   std::optional<absl::Status> TryDiscardFast(BlockId id) ABSL_LOCKS_EXCLUDED(mu_, table_mu_);
+  // Discard's refusal of a block pinned or in flight.
+  static absl::Status BusyDiscardError(BlockId id);
   // Whether `b` may be pinned without the lock now; set where that may
   // have changed. Cleared (before anything that needs the block unpinned
   // looks at its pins) where it stops being so: clearing it takes the
@@ -476,6 +482,9 @@ class Swapper {
   // the tier's room was given back when it moved home, and a block without
   // one may be pinned without the lock.
   void DropNvmeCopyLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // DropNvmeCopyLocked, then UpdateFastLocked: where a block may have come
+  // home to the host, or the last reader of its NVMe copy gone.
+  void SettleOnHostLocked(Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Blocks homed on NVMe of `trace`, counted by `delta`: its blocks on the
   // host may be pinned without the lock only while it has none.
   void CountNvmeHomeLocked(uint64_t trace, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
