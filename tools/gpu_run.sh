@@ -61,7 +61,8 @@ for stage in "$@"; do
     large) timeout 480 python3 benches/larger_than_gpu.py --offloadd=daemon/offloadd ${LARGE_ARGS:-} ;;
     gputest) timeout 300 python3 tests/torch_wrap_test.py -v TorchWrapTest.test_on_gpus_with_nccl ;;
     # torch's own modules through wrap on the GPU (the GPU tier) against
-    # torch AdamW on the GPU.
+    # torch AdamW stepping on the host (1e-5) and on the GPU (as close as
+    # torch's own host AdamW is to it).
     compat)
       OFFLOADD_TEST_DEVICE=cuda CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 200 python3 tests/torch_wrap_test.py -v \
         WrapInProcessTest.test_recurrent_layers WrapInProcessTest.test_convolutions_with_batch_norm_buffers \
