@@ -11,8 +11,9 @@ usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
 cProfile: where the trainer's thread spends its time (top functions by own
 time), for work on the Python side.
 --trace: the delayed-update and synchronous runs under torch.profiler: the
-GPU's busy time per step and in which phase of the loop (batch, forward,
-backward, step, zero_grad) it sits idle.
+GPU's busy time per step, in which phase of the loop (batch, forward,
+backward, step, zero_grad) it sits idle, and inside which of offloadd's
+calls (the tier's and the session's, each marked for the profiler).
 With --device=cuda the model computes on the GPU in every run: the reference
 keeps its AdamW state on the GPU too, offloadd keeps it in the daemon (the
 trade ZeRO-Offload makes: GPU memory for host time).
@@ -167,13 +168,95 @@ def _idle_by_phase(gpu, phases):
     return busy, idle, lo, hi
 
 
+def _idle_inside(gpu, calls, lo, hi):
+    """`gpu` as _idle_by_phase's; `calls`: (start, end, name) of offloadd's
+    calls on the trainer's thread (they nest). Returns the GPU's idle time
+    within [lo, hi] inside each name's calls, and inside none of them."""
+    merged = []
+    for s0, e0 in sorted(gpu):
+        s0, e0 = max(s0, lo), min(e0, hi)
+        if e0 <= s0:
+            continue
+        if merged and s0 <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e0))
+        else:
+            merged.append((s0, e0))
+    gaps = [(a[1], b[0]) for a, b in zip([(lo, lo)] + merged, merged + [(hi, hi)]) if b[0] > a[1]]
+    inside, covered = {}, []
+    for c0, c1, name in calls:
+        for g0, g1 in gaps:
+            o0, o1 = max(c0, g0), min(c1, g1)
+            if o1 > o0:
+                inside[name] = inside.get(name, 0.0) + (o1 - o0)
+                covered.append((o0, o1))
+    union, end = 0.0, None  # the idle time under any call, nested ones once
+    for o0, o1 in sorted(covered):
+        if end is None or o0 > end:
+            union += o1 - o0
+            end = o1
+        elif o1 > end:
+            union += o1 - end
+            end = o1
+    return inside, sum(g1 - g0 for g0, g1 in gaps) - union
+
+
+def _annotate_offloadd_calls():
+    """Marks offloadd.torch's calls (the GPU tier's, the session's, and the
+    tier's Python steps around them) for torch.profiler as "offloadd:NAME",
+    so that the trace tells which of them the GPU waits through. Returns
+    what undoes it."""
+    import offloadd.torch as ot
+    record = torch.profiler.record_function
+    undo = []
+
+    def timed(name, f):
+        def call(*a, **k):
+            with record("offloadd:" + name):
+                return f(*a, **k)
+        return call
+
+    for cls in (ot._TierGuard, ot._GuardedSession):
+        get = cls.__getattr__
+
+        def getattr_(self, name, get=get):
+            attr = get(self, name)
+            if not callable(attr):
+                return attr
+            call = timed(name, attr)
+            if name in self.__dict__:  # (the tier's guard keeps its calls: keep this one)
+                self.__dict__[name] = call
+            return call
+        cls.__getattr__ = getattr_
+        undo.append((cls, "__getattr__", get))
+    for cls, names in ((ot._GpuTier, ("begin_iteration", "flush_gradients", "_issue")),
+                       (ot.Optimizer, ("zero_grad",))):
+        for n in names:
+            f = getattr(cls, n)
+            setattr(cls, n, timed("py." + n.lstrip("_"), f))
+            undo.append((cls, n, f))
+
+    def restore():
+        for cls, n, f in undo:
+            setattr(cls, n, f)
+    return restore
+
+
 def trace(args, text, address):
     """The delayed-update and synchronous runs (state on the host) under
-    torch.profiler: how long the GPU is busy in a step, and in which phase
-    of the training loop its idle time falls (the trainer's thread doing
-    something the GPU waits for); then the CPU's top operations."""
+    torch.profiler: how long the GPU is busy in a step, in which phase of
+    the training loop its idle time falls (the trainer's thread doing
+    something the GPU waits for) and inside which of offloadd's calls; then
+    the CPU's top operations."""
     from torch.profiler import ProfilerActivity, profile as tprofile
     run(args, text, address, "host", dpu=True)  # warm: CUDA, the daemon's pool
+    restore = _annotate_offloadd_calls()
+    try:
+        _trace_runs(args, text, address, tprofile, ProfilerActivity)
+    finally:
+        restore()
+
+
+def _trace_runs(args, text, address, tprofile, ProfilerActivity):
     for name, dpu in (("delayed update", True), ("synchronous", False)):
         prof = tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         r = run(args, text, address, "host", dpu=dpu, profiler=prof)
@@ -186,8 +269,10 @@ def trace(args, text, address):
                  for e in events if "ts" in e]
         gpu = sorted((a, b) for a, b, cat, _ in spans
                      if cat in ("kernel", "gpu_memcpy", "gpu_memset"))
-        phases = sorted((a, b, n[6:]) for a, b, cat, n in spans
-                        if cat == "user_annotation" and n.startswith("phase:"))
+        # (The CPU's annotations: "user_annotation", or no category on some
+        # torch versions; the GPU's copies of them are "gpu_user_annotation".)
+        mine = [(a, b, n) for a, b, cat, n in spans if cat in ("user_annotation", None)]
+        phases = sorted((a, b, n[6:]) for a, b, n in mine if n.startswith("phase:"))
         if not gpu or not phases:
             print(f"{name}: the profiler recorded no GPU activity or no phases")
             continue
@@ -197,6 +282,12 @@ def trace(args, text, address):
               f"{busy / n / 1e3:.1f} ms/step, idle {(hi - lo - busy) / n / 1e3:.1f} ms/step, of it "
               + ", ".join(f"{k} {v / n / 1e3:.2f}" for k, v in
                           sorted(idle.items(), key=lambda kv: -kv[1])))
+        calls = [(a, b, n[9:]) for a, b, n in mine if n.startswith("offloadd:")]
+        inside, outside = _idle_inside(gpu, calls, lo, hi)
+        print(f"  the GPU idle inside offloadd's calls, ms/step (nested: py.* hold the "
+              f"others): " + ", ".join(f"{k} {v / n / 1e3:.2f}" for k, v in
+                                       sorted(inside.items(), key=lambda kv: -kv[1]))
+              + f"; inside none {outside / n / 1e3:.2f}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
