@@ -175,7 +175,8 @@ absl::StatusOr<TunableInfo> ConfigRegistry::Set(absl::string_view name, absl::st
   auto it = tunables_.find(name);
   if (it == tunables_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("no tunable named '", name, "' (offloadctl config list shows them all)"));
+        absl::StrCat("no tunable named '", name,
+                     "' (offloadd --help, or offloadctl config list, shows them all)"));
   }
   if (frozen_ && !it->second.spec.dynamic) {
     return absl::FailedPreconditionError(
@@ -193,7 +194,8 @@ absl::StatusOr<std::string> ConfigRegistry::Normalize(absl::string_view name,
   auto it = tunables_.find(name);
   if (it == tunables_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("no tunable named '", name, "' (offloadctl config list shows them all)"));
+        absl::StrCat("no tunable named '", name,
+                     "' (offloadd --help, or offloadctl config list, shows them all)"));
   }
   return it->second.normalize(value);
 }

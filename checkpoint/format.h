@@ -75,8 +75,9 @@ inline constexpr uint32_t kFormatVersion = 1;
 inline constexpr uint64_t kDirectAlignment = 4096;
 
 // A stem for session `name`: its letters, digits, '-', '_' and '.' kept,
-// every other byte (a '/' of "job/rank0" included) made '_', at most 64
-// bytes; "session" for an empty name.
+// every other byte (a '/' of "job/rank0" included) made '_', at most 48
+// bytes; where that changed the name, '-' and 16 hex digits of its hash
+// follow ("torch/rank0": torch_rank0-<hash>); "session" for an empty name.
 std::string StemFor(absl::string_view session_name);
 
 // The directory, created (mode 0700, parents too) if missing.

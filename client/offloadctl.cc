@@ -27,6 +27,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -65,7 +66,8 @@ constexpr char kUsage[] =
     "  doctor [--offline] [--NAME=VALUE ...]\n"
     "                          check this node for offloadd (no daemon needed; doctor --help)\n"
     "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
-    "Over TCP, only status is served unless $OFFLOADD_TOKEN holds <data_dir>/tcp_token.\n";
+    "Over TCP, only what reads (status, stats, config list and get) is served unless\n"
+    "$OFFLOADD_TOKEN holds <data_dir>/tcp_token.\n";
 
 constexpr char kDoctorUsage[] =
     "usage: offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]\n"
@@ -299,6 +301,25 @@ int Doctor(const ClientOptions& options, const std::vector<std::string>& flags) 
   return ExitStatus(checks);
 }
 
+// One line on a command line that names no command (the usage follows).
+std::string WhatIsWrong(const std::vector<std::string>& args) {
+  static const std::pair<const char*, const char*> kForms[] = {
+      {"status", "status"},
+      {"stats", "stats"},
+      {"config", "config list | config get NAME | config set NAME VALUE"},
+      {"checkpoint", "checkpoint ID DIR"},
+      {"export", "export [--format=safetensors] CHECKPOINT_DIR OUTPUT"},
+      {"share", "share ID WEIGHT"}};
+  for (const auto& [name, form] : kForms) {
+    if (args[0] == name) return absl::StrCat("offloadctl: ", name, " is used as: ", form);
+  }
+  if (args[0] == "set" || args[0] == "get" || args[0] == "list") {
+    return absl::StrCat("offloadctl: no command '", args[0], "': settings are 'offloadctl config ",
+                        args[0], "'");
+  }
+  return absl::StrCat("offloadctl: no command '", args[0], "'");
+}
+
 int Main(int argc, char** argv) {
   ClientOptions options;
   std::string format = "safetensors";
@@ -356,7 +377,10 @@ int Main(int argc, char** argv) {
       (args[0] == "config" && args.size() == 4 && args[1] == "set") ||
       (args[0] == "checkpoint" && args.size() == 3) || (args[0] == "export" && args.size() == 3) ||
       (args[0] == "share" && args.size() == 3);
-  if (!known) return usage();
+  if (!known) {
+    std::fprintf(stderr, "%s\n\n", WhatIsWrong(args).c_str());
+    return usage();
+  }
   if (args[0] == "export") {
     if (format != "safetensors") {
       std::fprintf(stderr, "offloadctl: export writes --format=safetensors only, not '%s'\n",

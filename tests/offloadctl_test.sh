@@ -32,9 +32,18 @@ set -e
 [[ $rc == 1 ]] || fail "static set exited $rc"
 grep -q FAILED_PRECONDITION <<<"$err" || fail "static set: $err"
 set +e
-$ctl frobnicate >/dev/null 2>&1; rc=$?
+err=$($ctl frobnicate 2>&1); rc=$?
 set -e
 [[ $rc == 2 ]] || fail "usage error exited $rc"
+grep -q "no command 'frobnicate'" <<<"$err" || fail "usage error says not which word: $err"
+set +e
+err=$($ctl set optimizer.threads 2 2>&1); rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q "offloadctl config set" <<<"$err" || fail "set without config: $rc $err"
+set +e
+err=$($ctl config get 2>&1); rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q "config get NAME" <<<"$err" || fail "config get without a name: $rc $err"
 
 client/demo/offload_demo --steps=20 >"$dir/demo" || fail "demo: $(cat "$dir/demo")"
 grep -q "OK" "$dir/demo" || fail "demo output: $(cat "$dir/demo")"

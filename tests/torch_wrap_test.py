@@ -1667,6 +1667,19 @@ class WrapInProcessTest(unittest.TestCase):
                 torch.nn.ConvTranspose1d(5, 2, 3), torch.nn.LayerNorm(8))),
             lambda g: (torch.randn(4, 3, 8, generator=g),))
 
+    def test_node_tunables_take_numbers_and_booleans(self):
+        """zero_config's node_tunables as a user writes them in Python (an
+        int, a bool) set the node's settings as offloadctl config set does."""
+        import offloadd
+        client = offloadd.Client(self.daemon.address)
+        self.addCleanup(client.set_tunable, "gpu.prefetch_depth", "-1")
+        self.addCleanup(client.set_tunable, "nvme.checksum", "true")
+        model, opt = self.wrap(self.mlp(), zero={"node_tunables": {
+            "gpu.prefetch_depth": 3, "nvme.checksum": False}})
+        opt.close()
+        self.assertEqual(client.get_tunable("gpu.prefetch_depth")["value"], "3")
+        self.assertEqual(client.get_tunable("nvme.checksum")["value"], "false")
+
     def test_attention_and_transformer_modules(self):
         import torch
         self.assert_module_trains_like_torch(

@@ -755,7 +755,7 @@ PYBIND11_MODULE(_offloadd, m) {
           [](Client& c, const std::string& name, const std::string& value) {
             return TunableDict(Value(Unlocked([&] { return c.SetTunable(name, value); })));
           },
-          py::arg("name"), py::arg("value"), "changes a node-wide setting (offloadctl set)");
+          py::arg("name"), py::arg("value"), "changes a node-wide setting (offloadctl config set)");
   BindGpu(m);
 }
 

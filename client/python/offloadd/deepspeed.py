@@ -7,8 +7,8 @@ optimizer, fp16/bf16, clipping, accumulation) to wrap()'s adamw_config and
 zero_config. A field offloadd does not support is an InvalidArgumentError
 naming it. A field that has no meaning under offloadd's design (buffer
 counts and sizes: one pool per node is sized by the daemon) is accepted
-with a note saying why; from_config() logs the notes on the "offloadd"
-logger at WARNING.
+with a note saying why; from_config() logs one WARNING line naming those
+fields, and each note at DEBUG, on the "offloadd.deepspeed" logger.
 """
 import json
 import logging

@@ -414,7 +414,9 @@ class _Engine:
 
         self.client = offloadd.Client(config["address"])
         for name, value in config["node_tunables"].items():
-            self.client.set_tunable(name, value)
+            if isinstance(value, bool):  # (before int: True is one)
+                value = "true" if value else "false"
+            self.client.set_tunable(name, str(value))
         params_host = self.host_percent("params")
         self.hold_per_pass = params_host == 100 and not config["overlap_step"]
         # The step this job goes on from: 0 for a new one, a checkpoint's
@@ -2284,6 +2286,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       may hold torch-style param groups (dicts with "params" and overrides).
     zero_config:
       address                     the daemon (default $OFFLOADD_ADDRESS or its socket)
+      session_name                this job's sessions are named <session_name>/rank<r>
+                                  (default "torch"); resume finds them by it
       placement                   {"params"|"grads"|"optimizer_state": "host", "nvme" or a host percent}
       gradient_clipping           global max norm (0: off)
       gradient_accumulation_steps micro-batches per step: backward() divides the loss by it
@@ -2319,7 +2323,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   updates, the disk when they wait for it, and the pool's traffic
                                   when they want more room than it holds, in proportion
                                   (offloadctl share ID WEIGHT changes it live)
-      node_tunables               {name: value} node-wide daemon settings to set (offloadctl set)
+      node_tunables               {name: value} node-wide daemon settings to set, as
+                                  offloadctl config set NAME VALUE does (values: numbers,
+                                  booleans or strings such as "64MiB")
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the
                                   model's own values are not used); any number of ranks
