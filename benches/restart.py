@@ -44,6 +44,23 @@ from bench_daemon import start_daemon
 
 CHUNK = 16 << 20
 
+# The offloadd processes started and not yet waited for: killed on the way
+# out, whatever ends the bench (an error, ^C, a timeout's SIGTERM), so that
+# none is left serving with gigabytes of kept state.
+_live = []
+
+
+def _start(*a, **kw):
+    proc, address = start_daemon(*a, **kw)
+    _live.append(proc)
+    return proc, address
+
+
+def _reap(proc):
+    proc.wait()
+    if proc in _live:
+        _live.remove(proc)
+
 
 def direct_io(path, total, threads, write):
     """Seconds to write (then fsync) or read `total` bytes of `path` with O_DIRECT, 16 MiB a
@@ -91,7 +108,7 @@ def one_round(args, root, pool_dir=""):
              f"--memory.host_budget_bytes={max(1 << 30, args.params * 24)}"]
     if pool_dir:
         flags.append(f"--memory.pool_dir={pool_dir}")
-    proc, address = start_daemon(args.offloadd, root, flags)
+    proc, address = _start(args.offloadd, root, flags)
     client = offloadd.Client(address)
     session = client.open_session("restart_bench")
     each = args.params // args.partitions
@@ -114,7 +131,7 @@ def one_round(args, root, pool_dir=""):
 
     t = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
-    proc.wait()
+    _reap(proc)
     stop = time.perf_counter() - t
     with open(os.path.join(root, "log")) as f:
         lines = f.read().splitlines()
@@ -127,8 +144,7 @@ def one_round(args, root, pool_dir=""):
 
     os.rename(os.path.join(root, "log"), os.path.join(root, "log.first"))
     t = time.perf_counter()
-    proc, address = start_daemon(args.offloadd, root, flags, restart=True, timeout=600,
-                                 poll=0.01)
+    proc, address = _start(args.offloadd, root, flags, restart=True, timeout=600, poll=0.01)
     start = time.perf_counter() - t
     t = time.perf_counter()
     client = offloadd.Client(address)
@@ -138,7 +154,7 @@ def one_round(args, root, pool_dir=""):
     resume = time.perf_counter() - t
     resumed.close()
     proc.kill()
-    proc.wait()
+    _reap(proc)
     del session
     if pool_dir:
         # Every kept name taken (what stays: the directory's owner marker, and
@@ -170,8 +186,39 @@ def main():
     args.offloadd = os.path.abspath(args.offloadd)
     os.makedirs(args.dir, mode=0o700, exist_ok=True)
     root = os.path.join(args.dir, "d")
+    given_pool_dir = args.pool_dir
     if args.pool_dir:
         os.makedirs(args.pool_dir, mode=0o700, exist_ok=True)
+        # (This run's own directory in it: what the finally below removes.)
+        args.pool_dir = tempfile.mkdtemp(prefix="run.", dir=args.pool_dir)
+
+    def stopped(signum, frame):
+        raise SystemExit(f"restart: stopped by signal {signum}")
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGHUP, stopped)
+    try:
+        measure(args, root)
+    finally:
+        # What this run wrote: the daemons' state (gigabytes), the probe,
+        # the pool's files (memory, in /dev/shm).
+        for proc in list(_live):
+            proc.kill()
+            _reap(proc)
+        shutil.rmtree(root, ignore_errors=True)
+        probe = os.path.join(args.dir, "direct.probe")
+        if os.path.exists(probe):
+            os.unlink(probe)
+        if args.pool_dir:
+            shutil.rmtree(args.pool_dir, ignore_errors=True)
+            try:
+                os.rmdir(given_pool_dir)  # (where nothing else is in it)
+            except OSError:
+                pass
+        if args.tiny:
+            shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def measure(args, root):
     results, limits, in_memory = [], [], []
     for r in range(args.rounds):
         results.append(one_round(args, root))
@@ -189,11 +236,6 @@ def main():
             row[("read", threads)] = size / direct_io(probe, size, threads, False) / 1e9
         os.unlink(probe)
         limits.append(row)
-    shutil.rmtree(root, ignore_errors=True)
-    if args.pool_dir:
-        os.rmdir(args.pool_dir)
-    if args.tiny:
-        shutil.rmtree(args.dir, ignore_errors=True)
     med = lambda xs: statistics.median(xs)
     stop, keep, start, resume, kept, _, step = (med([x[i] for x in results]) for i in range(7))
     gb = kept / 1e9
