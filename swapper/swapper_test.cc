@@ -27,6 +27,7 @@
 #include "nvme/fault_injection.h"
 #include "nvme/io_backend_factory.h"
 #include "nvme/swap_space.h"
+#include "swapper/pool_shares.h"
 
 namespace offload {
 namespace {
@@ -443,11 +444,18 @@ TEST_F(SwapperTest, PinsWithoutTheLockSurviveMovesToNvmeAndBack) {
   // (Trace 7 never ahead of its share, its order learned: trace 9's block
   // on NVMe gives room first.) One of them on NVMe while trace 7 goes
   // through the pool, 60 times, and until 16 of trace 9's blocks were read
-  // back (at most 600).
+  // back (at most 600 times, or longer than a turn without an end: trace 9,
+  // whose iterations never end, wins the pool's first turn now and then,
+  // and its blocks give no room while it lasts, PoolShares::kUnmeasuredTurn;
+  // 2 runs in 300 with the 2 cores busy, before this bound).
   swapper_->SetIoWeight(7, 1000);
   {
     std::mt19937 rng(3);
-    for (int n = 0; n < 600 && (n < 60 || swapper_->IoOf(9).bytes_in < 16 * kBlock); ++n) {
+    const absl::Time until =
+        absl::Now() + absl::FromChrono(PoolShares::kUnmeasuredTurn) + absl::Seconds(5);
+    for (int n = 0;
+         (n < 600 || absl::Now() < until) && (n < 60 || swapper_->IoOf(9).bytes_in < 16 * kBlock);
+         ++n) {
       const uint64_t id = 100 + rng() % kOwn;
       if (!swapper_->SetHome(id, Tier::kNvme).ok()) ++errors;
       for (uint64_t other = 1; other <= 8; ++other) {
