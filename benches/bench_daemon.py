@@ -11,18 +11,25 @@ def start_daemon(binary, root, extra, restart=False, timeout=20.0, poll=0.05):
     """Starts `binary` with its data directory `root` (created, or with `restart` the existing
     one of a stopped offloadd; short, for the socket's path) and the flags `extra`; returns the
     process and its address once it answers (asked every `poll` seconds). Exits with the log's
-    path if it does not start within `timeout` seconds."""
+    path if it does not start within `timeout` seconds; then, or if anything interrupts the
+    wait (a signal the caller turned into an exception), the process is killed first: none is
+    left running unseen."""
     os.makedirs(root, exist_ok=restart)
     log = open(os.path.join(root, "log"), "w")
     proc = subprocess.Popen([binary, f"--server.data_dir={root}"] + extra, stdout=log,
                             stderr=subprocess.STDOUT)
     address = "unix:" + os.path.join(root, "offloadd.sock")
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            offloadd.Client(address)
-            return proc, address
-        except offloadd.UnavailableError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"offloadd did not start; see {root}/log")
-            time.sleep(poll)
+    try:
+        while True:
+            try:
+                offloadd.Client(address)
+                return proc, address
+            except offloadd.UnavailableError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"offloadd did not start; see {root}/log")
+                time.sleep(poll)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise

@@ -77,7 +77,8 @@ inline constexpr uint64_t kDirectAlignment = 4096;
 // A stem for session `name`: its letters, digits, '-', '_' and '.' kept,
 // every other byte (a '/' of "job/rank0" included) made '_', at most 48
 // bytes; where that changed the name, '-' and 16 hex digits of its hash
-// follow ("torch/rank0": torch_rank0-<hash>); "session" for an empty name.
+// follow ("torch/rank0": torch_rank0-<hash>); "session-<hash>" for an
+// empty name.
 std::string StemFor(absl::string_view session_name);
 
 // The directory, created (mode 0700, parents too) if missing.

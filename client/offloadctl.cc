@@ -16,7 +16,8 @@
 // that checkpointed into it, into one file. doctor checks this node for
 // offloadd (client/doctor.h) and exits 0, 1 or 2 by what it found.
 // ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
-// TCP, anything but reading status needs $OFFLOADD_TOKEN (<data_dir>/tcp_token).
+// TCP, anything but reading (status, stats, config list and get) needs
+// $OFFLOADD_TOKEN (<data_dir>/tcp_token).
 // Exit status: 0 success, 1 the daemon refused or could not be reached
 // (the reason is printed with its status code), 2 usage error; doctor's
 // own are in kDoctorUsage.

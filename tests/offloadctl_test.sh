@@ -43,7 +43,8 @@ set -e
 set +e
 err=$($ctl config get 2>&1); rc=$?
 set -e
-[[ $rc == 2 ]] && grep -q "config get NAME" <<<"$err" || fail "config get without a name: $rc $err"
+[[ $rc == 2 ]] && grep -q "config is used as: config list" <<<"$err" ||
+  fail "config get without a name: $rc $err"
 
 client/demo/offload_demo --steps=20 >"$dir/demo" || fail "demo: $(cat "$dir/demo")"
 grep -q "OK" "$dir/demo" || fail "demo output: $(cat "$dir/demo")"

@@ -1259,9 +1259,8 @@ class WrapInProcessTest(unittest.TestCase):
         than 1e-5 between two equally exact implementations (on the CPU, an
         AdamW computed in float64 and rounded each step moves a
         TransformerDecoderLayer's weight 1.5e-4 from torch's in 4 steps):
-        offloadd is held to 1e-5 of torch AdamW on the host, and to torch
-        AdamW on the GPU as closely as torch's own host AdamW is (twice
-        that distance, plus 1e-5)."""
+        offloadd is held to 1e-5 of torch AdamW on the host, and the worst
+        distance of each from torch AdamW on the GPU is printed."""
         import torch
         device = torch.device(os.environ.get("OFFLOADD_TEST_DEVICE", "cpu"))
         if device.type == "cuda":
@@ -1328,6 +1327,7 @@ class WrapInProcessTest(unittest.TestCase):
         # (On the CPU both runs' sums round alike: every element at 1e-5.)
         top = max((float(g.max()) for g in peak.values()), default=0.0)
         lr = adamw["lr"]
+        gpu_far = {"offloadd": (0.0, None), "torch on the host": (0.0, None)}
 
         def where(k, a, b, err, whose):
             i = int(err.reshape(-1).argmax())
@@ -1347,16 +1347,20 @@ class WrapInProcessTest(unittest.TestCase):
                 raise AssertionError(where(k, a, b, err, "torch AdamW's on the host")) from None
             if noise.any():
                 self.assertLessEqual(float((a[noise] - b[noise]).abs().max()), 2 * steps * lr, k)
-            if device.type != "cpu":
+            if device.type != "cpu" and a.is_floating_point() and bool((~noise).any()):
                 c = there[k].cpu()
-                spread = (b - c).abs()  # torch's own two AdamW, element by element
-                err = ((a - c).abs() - 1e-5 * c.abs() - 1e-6 - 2 * spread).masked_fill(
-                    noise, -math.inf)
-                if bool((err > 0).any()):
-                    i = int(err.reshape(-1).argmax())
-                    raise AssertionError(
-                        where(k, a, c, err, f"torch AdamW's on the {device.type}") +
-                        f"; torch's on the host {float(b.reshape(-1)[i]):.9g}")
+                far = lambda x: float(((x - c).abs() / c.abs().clamp_min(1e-30))[~noise].max())
+                for who, x in (("offloadd", a), ("torch on the host", b)):
+                    if far(x) > gpu_far[who][0]:
+                        gpu_far[who] = (far(x), k)
+        if device.type != "cpu":
+            # For the record (not a test: the host reference is the gate, and
+            # within 1e-5 of it offloadd is as far from the GPU's AdamW as
+            # torch's own host AdamW is, give or take 1e-5).
+            print(f"\n  against torch AdamW on the {device}, worst relative difference: " +
+                  ", ".join(f"{who} {d:.2g}" + (f" ({k})" if k else "")
+                            for who, (d, k) in gpu_far.items()),
+                  file=sys.stderr)
         mine.close()
 
     @staticmethod
