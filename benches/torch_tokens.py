@@ -142,14 +142,11 @@ def _phase(profiler, name):
     return torch.profiler.record_function("phase:" + name)
 
 
-def _idle_by_phase(gpu, phases):
-    """`gpu`: sorted (start, end) of GPU work; `phases`: sorted (start, end,
-    name) of the loop's phases on the CPU. Returns the GPU's busy time
-    inside the phases' span, its idle time by the phase that was running
-    meanwhile, and the span."""
-    lo, hi = phases[0][0], phases[-1][1]
+def _busy_and_idle(gpu, lo, hi):
+    """`gpu`: (start, end) of GPU work. Returns its busy spans within [lo,
+    hi], merged and sorted, and the idle gaps between them."""
     merged = []
-    for s0, e0 in gpu:
+    for s0, e0 in sorted(gpu):
         s0, e0 = max(s0, lo), min(e0, hi)
         if e0 <= s0:
             continue
@@ -157,9 +154,19 @@ def _idle_by_phase(gpu, phases):
             merged[-1] = (merged[-1][0], max(merged[-1][1], e0))
         else:
             merged.append((s0, e0))
+    gaps = [(a[1], b[0]) for a, b in zip([(lo, lo)] + merged, merged + [(hi, hi)]) if b[0] > a[1]]
+    return merged, gaps
+
+
+def _idle_by_phase(gpu, phases):
+    """`gpu`: sorted (start, end) of GPU work; `phases`: sorted (start, end,
+    name) of the loop's phases on the CPU. Returns the GPU's busy time
+    inside the phases' span, its idle time by the phase that was running
+    meanwhile, and the span."""
+    lo, hi = phases[0][0], phases[-1][1]
+    merged, gaps = _busy_and_idle(gpu, lo, hi)
     busy = sum(e0 - s0 for s0, e0 in merged)
     idle = {}
-    gaps = [(a[1], b[0]) for a, b in zip([(lo, lo)] + merged, merged + [(hi, hi)])]
     for g0, g1 in gaps:
         for p0, p1, name in phases:
             o = min(p1, g1) - max(p0, g0)
@@ -172,16 +179,7 @@ def _idle_inside(gpu, calls, lo, hi):
     """`gpu` as _idle_by_phase's; `calls`: (start, end, name) of offloadd's
     calls on the trainer's thread (they nest). Returns the GPU's idle time
     within [lo, hi] inside each name's calls, and inside none of them."""
-    merged = []
-    for s0, e0 in sorted(gpu):
-        s0, e0 = max(s0, lo), min(e0, hi)
-        if e0 <= s0:
-            continue
-        if merged and s0 <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e0))
-        else:
-            merged.append((s0, e0))
-    gaps = [(a[1], b[0]) for a, b in zip([(lo, lo)] + merged, merged + [(hi, hi)]) if b[0] > a[1]]
+    _, gaps = _busy_and_idle(gpu, lo, hi)
     inside, covered = {}, []
     for c0, c1, name in calls:
         for g0, g1 in gaps:
