@@ -66,13 +66,15 @@ OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, ui
   absl::MutexLock lock(&mu_);
   State& me = sessions_[session];
   if (!Present(me, asked)) {
-    // Back from idle: no credit for the time away, beyond the one run (the
-    // largest of anyone's) by which present sessions' virtual times may
-    // differ anyway.
+    // Back from idle, or new: no credit for the time away, beyond the one
+    // run (the largest of anyone's) by which present sessions' virtual
+    // times may differ anyway. Where nobody is present (the others between
+    // their steps), from where the optimizer's virtual time got to: else a
+    // newcomer would start at zero, and a session that ran alone for hours
+    // would wait at every contended run until the newcomer caught up.
     const double floor = Floor(asked);
-    if (floor != std::numeric_limits<double>::infinity()) {
-      me.virtual_time = std::max(me.virtual_time, floor - std::max(cost, LargestRun(asked)));
-    }
+    const double level = floor != std::numeric_limits<double>::infinity() ? floor : clock_;
+    me.virtual_time = std::max(me.virtual_time, level - std::max(cost, LargestRun(asked)));
   }
   me.in_step = true;
   me.weight = std::max<int64_t>(1, weight);
@@ -110,6 +112,7 @@ OptimizerShares::Turn OptimizerShares::Take(uint64_t session, int64_t weight, ui
   me.usage.elems += elems;
   me.virtual_time += cost;
   me.last_cost = cost;
+  clock_ = std::max(clock_, Floor(me.started));  // (`me` is present: finite)
   return Turn(this, session);
 }
 

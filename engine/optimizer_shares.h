@@ -5,9 +5,11 @@
 // weight (the default: 1), their runs share the pool as they come. Where
 // weights differ, runs go one at a time by weighted fair queueing: each session's virtual time
 // advances by a run's elements divided by its weight, and of the sessions waiting, the one with the
-// least virtual time goes next. A session that was idle starts again at the least virtual time of
-// those present (less one run), so idleness earns no credit, and while it is idle its share goes to
-// the others (nothing waits for an absent session). Between two runs (pinning the next) or two
+// least virtual time goes next. A session that was idle, or is new, starts again at the least
+// virtual time of those present (less one run), or where none is, where that least virtual time
+// last got to: so idleness earns no credit (nor does coming while the others rest between their
+// steps), and while a session is idle its share goes to the others (nothing waits for an absent
+// session). Between two runs (pinning the next) or two
 // steps, a session ahead keeps its turn for up to 2 ms, so that being not quite waiting when a run
 // ends does not cost it its share. Two sessions of weights 2 and 1 stepping without pause get 2:1
 // of the updated parameters.
@@ -97,6 +99,9 @@ class OptimizerShares {
   mutable absl::Mutex mu_;
   std::map<uint64_t, State> sessions_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;  // runs holding the optimizer
+  // The least virtual time of the sessions present, as far as it got (it
+  // never goes back): where a session starts that comes while none is.
+  double clock_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace offload

@@ -80,6 +80,38 @@ TEST(OptimizerShares, AbsenceEarnsNoCredit) {
   EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
 }
 
+// The same where the newcomer's first run comes while the session that
+// ran alone rests (between two of its steps, as a trainer computes): the
+// newcomer starts where the optimizer's virtual time got to, not at zero,
+// so the one that ran alone is not held back until the newcomer has
+// updated as much as it did (before: session 1 got 1 run in 500 ms).
+TEST(OptimizerShares, ANewcomerWhileTheOthersRestGetsNoCreditEither) {
+  OptimizerShares shares;
+  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
+  shares.Idle(1);
+  absl::SleepFor(absl::Milliseconds(10));                     // (past its anticipation: it rests)
+  { OptimizerShares::Turn first = shares.Take(2, 2, 1000); }  // session 2 comes meanwhile
+  shares.Idle(2);
+  std::atomic<bool> stop{false};
+  auto stepper = [&](uint64_t session, int64_t weight) {
+    while (!stop.load()) {
+      OptimizerShares::Turn turn = shares.Take(session, weight, 1000);
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    shares.Idle(session);
+  };
+  const uint64_t a0 = shares.UsageOf(1).elems, b0 = shares.UsageOf(2).elems;
+  std::thread one(stepper, 1, 1), two(stepper, 2, 2);
+  absl::SleepFor(absl::Milliseconds(500));
+  stop = true;
+  one.join();
+  two.join();
+  const double a = static_cast<double>(shares.UsageOf(1).elems - a0);
+  const double b = static_cast<double>(shares.UsageOf(2).elems - b0);
+  ASSERT_GT(a, 0);
+  EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
+}
+
 // Sessions of one weight (the default) run as they come: their runs may
 // overlap, and none waits for another's.
 TEST(OptimizerShares, OneWeightRunsTogether) {
