@@ -29,11 +29,13 @@
 // one that came to fit stop giving room (the other got a tenth of the
 // updates in benches/shares). A trace back from a rest (or new) starts at
 // least at the least of the others' that compete for room (brought a block
-// into the pool within their idle time), else of all using the pool: no
-// credit for the time away, and none from one that holds the least low
-// without competing (slow, and its blocks fit). A lead is not forgiven (a
-// burst, such as a checkpoint's reads through the pool, is paid for in room
-// until the others catch up): capping it let the heavier of two sessions
+// into the pool within their idle time), else of all using the pool, else
+// (all the others resting) where that least last got to: no credit for the
+// time away (nor for coming while the others rest), and none from one that
+// holds the least low without competing (slow, and its blocks fit). A lead
+// built while others use the pool is not forgiven (a burst, such as a
+// checkpoint's reads through the pool, is paid for in room until the
+// others catch up): capping it let the heavier of two sessions
 // keep what it took beyond its share (benches/shares: off by 21-25% with a
 // cap of four slacks). Where the traces want more than the pool holds, its
 // traffic, and so the updates it serves, goes by weight.
@@ -51,7 +53,8 @@
 // kTurnSwitches times the switch (from its start to the end of the
 // holder's first iteration begun in it, which brought its state in), or
 // kUnmeasuredTurn where none ends, or until the holder rests (holds and
-// waits for nothing, begins no Acquire, for kMinTurn); then it goes to the
+// waits for nothing, begins no Acquire, for kMinTurn; a holder gone idle,
+// so for its idle time, ends its turn unjudged); then it goes to the
 // least served of the traces at work (the traffic's shares, below, decide
 // who is owed, and so the weights; the same holder again if it still is).
 // A turn pays where its holder got through two iterations more than each
@@ -94,12 +97,12 @@ class PoolShares {
   static constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
 
   // The trace got a block at `now`: at work, its iteration not begun.
-  void Added(uint64_t trace, Clock::time_point now) { traces_[trace].last_use = now; }
+  void Added(uint64_t trace, Clock::time_point now) { Used(trace, traces_[trace], now); }
 
   // The trace is at work at `now` (an Acquire begun).
   void Touched(uint64_t trace, Clock::time_point now) {
     Trace& t = traces_[trace];
-    t.last_use = now;
+    Used(trace, t, now);
     if (!t.iteration_start.has_value()) t.iteration_start = now;
   }
 
@@ -120,7 +123,7 @@ class PoolShares {
       NewPass(t, now);
     }
     if (*block_pass == t.pass) {
-      t.last_use = now;
+      Used(trace, t, now);
       t.last_pool_use = now;
       return;
     }
@@ -133,7 +136,7 @@ class PoolShares {
   // time; a burst is paid for), counted over the trace's weight (SetWeight).
   void Served(uint64_t trace, uint64_t bytes, Clock::time_point now) {
     Trace& t = traces_[trace];
-    t.last_use = now;  // however long the Acquire waited
+    Used(trace, t, now);  // however long the Acquire waited
     // Back after a rest (or new): no credit for the time away. (The others'
     // level is looked for only then: this runs at every Acquire.)
     if (!t.last_pool_use.has_value() || now - *t.last_pool_use > Window(t)) {
@@ -143,6 +146,7 @@ class PoolShares {
     t.served += static_cast<double>(bytes) / static_cast<double>(t.weight);
     t.largest = std::max(t.largest, bytes);
     t.last_pool_use = now;
+    level_ = std::max(level_, Floor(now));  // (`trace` uses the pool: finite)
   }
 
   // A block of the trace came into the pool at `now` (read from NVMe, or
@@ -165,6 +169,10 @@ class PoolShares {
   template <typename Busy>
   uint64_t Turn(Clock::time_point now, const Busy& busy) {
     auto held = traces_.find(turn_);
+    if (held != traces_.end() && GoneIdle(held->second, now)) {
+      turn_ = kNone;  // (unjudged: see GoneIdle)
+      held = traces_.end();
+    }
     if (held == traces_.end()) {
       turn_ = kNone;
     } else if (busy(turn_)) {
@@ -335,9 +343,12 @@ class PoolShares {
   }
 
  private:
-  // Where a trace back from a rest starts: the least served of the others
-  // competing for room (using the pool and bringing blocks into it), else
-  // of all using it (infinite if none).
+  // Where a trace back from a rest (or new) starts: the least served of the
+  // others competing for room (using the pool and bringing blocks into it),
+  // else of all using it, else (every other resting) where that least
+  // served last got to: a trace that came while the others rested would
+  // otherwise start at what it had (zero, new), and one that had used the
+  // pool alone for a long while, back, would be ahead by all of it.
   double Rejoin(Clock::time_point now, uint64_t trace) const {
     double level = std::numeric_limits<double>::infinity();
     for (const auto& [id, t] : traces_) {
@@ -346,7 +357,9 @@ class PoolShares {
         level = std::min(level, t.served);
       }
     }
-    return level != std::numeric_limits<double>::infinity() ? level : Floor(now, trace);
+    if (level != std::numeric_limits<double>::infinity()) return level;
+    const double floor = Floor(now, trace);
+    return floor != std::numeric_limits<double>::infinity() ? floor : level_;
   }
   struct Trace {
     Clock::time_point last_use;                        // its last Acquire (or Add)
@@ -377,9 +390,26 @@ class PoolShares {
   static bool UsesPool(const Trace& t, Clock::time_point now) {
     return t.last_pool_use.has_value() && now - *t.last_pool_use <= Window(t);
   }
+  // Whether the turn's holder `t` went idle: nothing of it at work (held,
+  // waited for, an Acquire begun) for longer than its idle time, as a job
+  // that stopped or paused for seconds. Its turn then ends unjudged: what
+  // the others did meanwhile (one stepping alone, its state fitting, with
+  // no eviction to ask for a turn) was not the turn's doing, and judging it
+  // then found it unpaid and stopped turns for up to a minute. (A holder
+  // that rests briefly, as a rank waiting at a step's end, is judged.)
+  bool GoneIdle(const Trace& t, Clock::time_point now) const {
+    return now - std::max(turn_busy_, t.last_use) > Window(t);
+  }
+  // The trace is at work at `now` (its last use): a holder back from idle
+  // finds its turn ended (GoneIdle), to be given afresh.
+  void Used(uint64_t trace, Trace& t, Clock::time_point now) {
+    if (trace == turn_ && GoneIdle(t, now)) turn_ = kNone;
+    t.last_use = now;
+  }
 
   absl::flat_hash_map<uint64_t, Trace> traces_;
   uint64_t passes_ = 0;  // passes begun, of all traces
+  double level_ = 0;     // the least served of the traces using the pool, as far as it got
   // The turn: its holder (kNone: no turns), since when, its first iteration
   // in the turn (the switch), turns begun.
   uint64_t turn_ = kNone;
