@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -52,14 +53,9 @@ TEST(OptimizerShares, BusySessionsShareByWeight) {
   EXPECT_GT(shares.UsageOf(2).queued_nanos, 0);
 }
 
-// A session that ran alone for a long while (its virtual time far ahead)
-// and a newcomer share by weight from the start: the newcomer gets no
-// credit for the time it was absent, and does not run alone until it
-// caught up.
-TEST(OptimizerShares, AbsenceEarnsNoCredit) {
-  OptimizerShares shares;
-  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
-  shares.Idle(1);
+// Sessions 1 (weight 1) and 2 (weight 2) stepping without pause for half
+// a second, a run of 1000 parameters every 200 us: what each updated.
+std::pair<double, double> StepTogether(OptimizerShares& shares) {
   std::atomic<bool> stop{false};
   auto stepper = [&](uint64_t session, int64_t weight) {
     while (!stop.load()) {
@@ -68,14 +64,25 @@ TEST(OptimizerShares, AbsenceEarnsNoCredit) {
     }
     shares.Idle(session);
   };
-  const uint64_t before = shares.UsageOf(1).elems;
+  const uint64_t a0 = shares.UsageOf(1).elems, b0 = shares.UsageOf(2).elems;
   std::thread one(stepper, 1, 1), two(stepper, 2, 2);
   absl::SleepFor(absl::Milliseconds(500));
   stop = true;
   one.join();
   two.join();
-  const double a = static_cast<double>(shares.UsageOf(1).elems - before);
-  const double b = static_cast<double>(shares.UsageOf(2).elems);
+  return {static_cast<double>(shares.UsageOf(1).elems - a0),
+          static_cast<double>(shares.UsageOf(2).elems - b0)};
+}
+
+// A session that ran alone for a long while (its virtual time far ahead)
+// and a newcomer share by weight from the start: the newcomer gets no
+// credit for the time it was absent, and does not run alone until it
+// caught up.
+TEST(OptimizerShares, AbsenceEarnsNoCredit) {
+  OptimizerShares shares;
+  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
+  shares.Idle(1);
+  const auto [a, b] = StepTogether(shares);
   ASSERT_GT(a, 0);
   EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
 }
@@ -92,22 +99,7 @@ TEST(OptimizerShares, ANewcomerWhileTheOthersRestGetsNoCreditEither) {
   absl::SleepFor(absl::Milliseconds(10));                     // (past its anticipation: it rests)
   { OptimizerShares::Turn first = shares.Take(2, 2, 1000); }  // session 2 comes meanwhile
   shares.Idle(2);
-  std::atomic<bool> stop{false};
-  auto stepper = [&](uint64_t session, int64_t weight) {
-    while (!stop.load()) {
-      OptimizerShares::Turn turn = shares.Take(session, weight, 1000);
-      absl::SleepFor(absl::Microseconds(200));
-    }
-    shares.Idle(session);
-  };
-  const uint64_t a0 = shares.UsageOf(1).elems, b0 = shares.UsageOf(2).elems;
-  std::thread one(stepper, 1, 1), two(stepper, 2, 2);
-  absl::SleepFor(absl::Milliseconds(500));
-  stop = true;
-  one.join();
-  two.join();
-  const double a = static_cast<double>(shares.UsageOf(1).elems - a0);
-  const double b = static_cast<double>(shares.UsageOf(2).elems - b0);
+  const auto [a, b] = StepTogether(shares);
   ASSERT_GT(a, 0);
   EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
 }

@@ -17,6 +17,23 @@ Clock::time_point At(int64_t ms) {
   return Clock::time_point{} + std::chrono::hours(1) + std::chrono::milliseconds(ms);
 }
 
+// Traces 1 and 2 at `ms`: each waited for a read and was served a MiB.
+void BothAt(PoolShares& s, int64_t ms) {
+  for (uint64_t t : {1, 2}) {
+    s.Missed(t, At(ms));
+    s.Served(t, kMiB, At(ms));
+  }
+}
+
+// Trace 2 alone from 100 ms to `until`: a MiB served and an iteration
+// every 10 ms.
+void TwoAloneUntil(PoolShares& s, int64_t until) {
+  for (int64_t ms = 100; ms <= until; ms += 10) {
+    s.Served(2, kMiB, At(ms));
+    s.EndIteration(2, At(ms));
+  }
+}
+
 // Ahead at `now`, with the floor and the slack as the swapper takes them.
 bool AheadAt(const PoolShares& s, uint64_t trace, Clock::time_point now) {
   return s.Lead(trace, s.Floor(now), s.Slack(now)) > 0;
@@ -355,13 +372,7 @@ TEST(PoolSharesTest, ATurnThatLapsesUnpaidStopsTurnsForAWhile) {
   PoolShares s;
   bool working[3] = {false, true, true};
   auto busy = [&](uint64_t t) { return working[t]; };
-  auto both_at = [&](int64_t ms) {
-    for (uint64_t t : {1, 2}) {
-      s.Missed(t, At(ms));
-      s.Served(t, kMiB, At(ms));
-    }
-  };
-  both_at(0);
+  BothAt(s, 0);
   ASSERT_EQ(s.Turn(At(1), busy), 1u);
   s.EndIteration(1, At(50));
   s.EndIteration(2, At(60));
@@ -372,11 +383,11 @@ TEST(PoolSharesTest, ATurnThatLapsesUnpaidStopsTurnsForAWhile) {
   EXPECT_EQ(s.Turn(At(400), busy), PoolShares::kNone);  // lapsed: judged, not paid
   EXPECT_EQ(s.idle_turns(), 1u);
   working[1] = true;
-  both_at(500);
+  BothAt(s, 500);
   EXPECT_EQ(s.Turn(At(500), busy), PoolShares::kNone);
-  both_at(2399);
+  BothAt(s, 2399);
   EXPECT_EQ(s.Turn(At(2399), busy), PoolShares::kNone);
-  both_at(2401);
+  BothAt(s, 2401);
   const uint64_t holder = s.Turn(At(2401), busy);
   ASSERT_NE(holder, PoolShares::kNone);
   EXPECT_EQ(s.turns(), 2u);
@@ -391,9 +402,9 @@ TEST(PoolSharesTest, ATurnThatLapsesUnpaidStopsTurnsForAWhile) {
   }
   EXPECT_EQ(s.idle_turns(), 2u);
   working[holder] = true;
-  both_at(6699);
+  BothAt(s, 6699);
   EXPECT_EQ(s.Turn(At(6699), busy), PoolShares::kNone);
-  both_at(6701);
+  BothAt(s, 6701);
   EXPECT_NE(s.Turn(At(6701), busy), PoolShares::kNone);
 }
 
@@ -408,24 +419,15 @@ TEST(PoolSharesTest, AHolderGoneIdleEndsItsTurnUnjudged) {
   PoolShares s;
   bool working[3] = {false, true, true};
   auto busy = [&](uint64_t t) { return working[t]; };
-  auto both_at = [&](int64_t ms) {
-    for (uint64_t t : {1, 2}) {
-      s.Missed(t, At(ms));
-      s.Served(t, kMiB, At(ms));
-    }
-  };
-  both_at(0);
+  BothAt(s, 0);
   ASSERT_EQ(s.Turn(At(1), busy), 1u);
   s.EndIteration(1, At(50));
   working[1] = false;  // trace 1 stops; trace 2 steps alone, its state fitting
-  for (int64_t ms = 100; ms <= 20000; ms += 10) {
-    s.Served(2, kMiB, At(ms));
-    s.EndIteration(2, At(ms));
-  }
+  TwoAloneUntil(s, 20000);
   EXPECT_EQ(s.Turn(At(20000), busy), PoolShares::kNone);  // trace 2 alone at work
   EXPECT_EQ(s.idle_turns(), 0u);
   working[1] = true;
-  both_at(20100);
+  BothAt(s, 20100);
   EXPECT_NE(s.Turn(At(20100), busy), PoolShares::kNone);  // at once
   EXPECT_EQ(s.turns(), 2u);
 }
@@ -436,20 +438,11 @@ TEST(PoolSharesTest, AHolderBackFromIdleStartsAfresh) {
   PoolShares s;
   bool working[3] = {false, true, true};
   auto busy = [&](uint64_t t) { return working[t]; };
-  for (uint64_t t : {1, 2}) {
-    s.Missed(t, At(0));
-    s.Served(t, kMiB, At(0));
-  }
+  BothAt(s, 0);
   ASSERT_EQ(s.Turn(At(1), busy), 1u);
   s.EndIteration(1, At(50));
-  for (int64_t ms = 100; ms <= 20000; ms += 10) {
-    s.Served(2, kMiB, At(ms));
-    s.EndIteration(2, At(ms));
-  }
-  for (uint64_t t : {1, 2}) {
-    s.Missed(t, At(20100));
-    s.Served(t, kMiB, At(20100));
-  }
+  TwoAloneUntil(s, 20000);
+  BothAt(s, 20100);
   EXPECT_NE(s.Turn(At(20101), busy), PoolShares::kNone);
   EXPECT_EQ(s.idle_turns(), 0u);
 }
