@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -53,9 +52,17 @@ TEST(OptimizerShares, BusySessionsShareByWeight) {
   EXPECT_GT(shares.UsageOf(2).queued_nanos, 0);
 }
 
+// Session 1 (weight 1) alone for a while, then resting: its virtual time
+// far ahead.
+void OneAloneForAWhile(OptimizerShares& shares) {
+  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);
+  shares.Idle(1);
+}
+
 // Sessions 1 (weight 1) and 2 (weight 2) stepping without pause for half
-// a second, a run of 1000 parameters every 200 us: what each updated.
-std::pair<double, double> StepTogether(OptimizerShares& shares) {
+// a second, a run of 1000 parameters every 200 us: session 2 updates
+// twice what session 1 does.
+void ExpectTwoToOneStepping(OptimizerShares& shares) {
   std::atomic<bool> stop{false};
   auto stepper = [&](uint64_t session, int64_t weight) {
     while (!stop.load()) {
@@ -70,8 +77,10 @@ std::pair<double, double> StepTogether(OptimizerShares& shares) {
   stop = true;
   one.join();
   two.join();
-  return {static_cast<double>(shares.UsageOf(1).elems - a0),
-          static_cast<double>(shares.UsageOf(2).elems - b0)};
+  const double a = static_cast<double>(shares.UsageOf(1).elems - a0);
+  const double b = static_cast<double>(shares.UsageOf(2).elems - b0);
+  ASSERT_GT(a, 0);
+  EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
 }
 
 // A session that ran alone for a long while (its virtual time far ahead)
@@ -80,11 +89,8 @@ std::pair<double, double> StepTogether(OptimizerShares& shares) {
 // caught up.
 TEST(OptimizerShares, AbsenceEarnsNoCredit) {
   OptimizerShares shares;
-  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
-  shares.Idle(1);
-  const auto [a, b] = StepTogether(shares);
-  ASSERT_GT(a, 0);
-  EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
+  OneAloneForAWhile(shares);
+  ExpectTwoToOneStepping(shares);
 }
 
 // The same where the newcomer's first run comes while the session that
@@ -94,14 +100,11 @@ TEST(OptimizerShares, AbsenceEarnsNoCredit) {
 // updated as much as it did (before: session 1 got 1 run in 500 ms).
 TEST(OptimizerShares, ANewcomerWhileTheOthersRestGetsNoCreditEither) {
   OptimizerShares shares;
-  for (int i = 0; i < 1000; ++i) shares.Take(1, 1, 1000);  // session 1 alone for a while
-  shares.Idle(1);
+  OneAloneForAWhile(shares);
   absl::SleepFor(absl::Milliseconds(10));                     // (past its anticipation: it rests)
   { OptimizerShares::Turn first = shares.Take(2, 2, 1000); }  // session 2 comes meanwhile
   shares.Idle(2);
-  const auto [a, b] = StepTogether(shares);
-  ASSERT_GT(a, 0);
-  EXPECT_NEAR(b / a, 2.0, 0.2) << a << " " << b;
+  ExpectTwoToOneStepping(shares);
 }
 
 // Sessions of one weight (the default) run as they come: their runs may

@@ -25,6 +25,21 @@ void BothAt(PoolShares& s, int64_t ms) {
   }
 }
 
+// Whether traces 1 and 2 hold or wait for blocks (Turn's `busy`): both.
+struct Working {
+  bool trace[3] = {false, true, true};
+  bool operator()(uint64_t t) const { return trace[t]; }
+};
+
+// Both traces want room at 0; the turn goes (at 1 ms) to the least served,
+// which is returned; trace 1 ends an iteration at 50 ms.
+uint64_t BothWantRoom(PoolShares& s, const Working& working) {
+  BothAt(s, 0);
+  const uint64_t holder = s.Turn(At(1), working);
+  s.EndIteration(1, At(50));
+  return holder;
+}
+
 // Trace 2 alone from 100 ms to `until`: a MiB served and an iteration
 // every 10 ms.
 void TwoAloneUntil(PoolShares& s, int64_t until) {
@@ -370,42 +385,39 @@ TEST(PoolSharesTest, AHolderThatRestsGivesItsTurnUp) {
 // twice as long after another such turn.
 TEST(PoolSharesTest, ATurnThatLapsesUnpaidStopsTurnsForAWhile) {
   PoolShares s;
-  bool working[3] = {false, true, true};
-  auto busy = [&](uint64_t t) { return working[t]; };
-  BothAt(s, 0);
-  ASSERT_EQ(s.Turn(At(1), busy), 1u);
-  s.EndIteration(1, At(50));
+  Working working;
+  ASSERT_EQ(BothWantRoom(s, working), 1u);
   s.EndIteration(2, At(60));
-  working[1] = false;
-  EXPECT_EQ(s.Turn(At(150), busy), 1u);                 // a pause, not yet a rest
-  EXPECT_EQ(s.Turn(At(300), busy), PoolShares::kNone);  // trace 2 alone at work
+  working.trace[1] = false;
+  EXPECT_EQ(s.Turn(At(150), working), 1u);                 // a pause, not yet a rest
+  EXPECT_EQ(s.Turn(At(300), working), PoolShares::kNone);  // trace 2 alone at work
   EXPECT_EQ(s.idle_turns(), 0u);
-  EXPECT_EQ(s.Turn(At(400), busy), PoolShares::kNone);  // lapsed: judged, not paid
+  EXPECT_EQ(s.Turn(At(400), working), PoolShares::kNone);  // lapsed: judged, not paid
   EXPECT_EQ(s.idle_turns(), 1u);
-  working[1] = true;
+  working.trace[1] = true;
   BothAt(s, 500);
-  EXPECT_EQ(s.Turn(At(500), busy), PoolShares::kNone);
+  EXPECT_EQ(s.Turn(At(500), working), PoolShares::kNone);
   BothAt(s, 2399);
-  EXPECT_EQ(s.Turn(At(2399), busy), PoolShares::kNone);
+  EXPECT_EQ(s.Turn(At(2399), working), PoolShares::kNone);
   BothAt(s, 2401);
-  const uint64_t holder = s.Turn(At(2401), busy);
+  const uint64_t holder = s.Turn(At(2401), working);
   ASSERT_NE(holder, PoolShares::kNone);
   EXPECT_EQ(s.turns(), 2u);
   // Unpaid again (neither ends an iteration; the holder rests, and the
   // turn lapses at 2700): no turns for 4 s.
-  working[holder] = false;
+  working.trace[holder] = false;
   const uint64_t other = 3 - holder;
   for (int64_t ms : {2700, 2900}) {
     s.Missed(other, At(ms));
     s.Served(other, kMiB, At(ms));
-    EXPECT_EQ(s.Turn(At(ms), busy), PoolShares::kNone) << ms;
+    EXPECT_EQ(s.Turn(At(ms), working), PoolShares::kNone) << ms;
   }
   EXPECT_EQ(s.idle_turns(), 2u);
-  working[holder] = true;
+  working.trace[holder] = true;
   BothAt(s, 6699);
-  EXPECT_EQ(s.Turn(At(6699), busy), PoolShares::kNone);
+  EXPECT_EQ(s.Turn(At(6699), working), PoolShares::kNone);
   BothAt(s, 6701);
-  EXPECT_NE(s.Turn(At(6701), busy), PoolShares::kNone);
+  EXPECT_NE(s.Turn(At(6701), working), PoolShares::kNone);
 }
 
 // A holder gone idle (no Acquire within its idle time: its job stopped, or
@@ -417,18 +429,15 @@ TEST(PoolSharesTest, ATurnThatLapsesUnpaidStopsTurnsForAWhile) {
 // with the state on NVMe: 0.25-0.33x of one session alone in 5 of 11 runs).
 TEST(PoolSharesTest, AHolderGoneIdleEndsItsTurnUnjudged) {
   PoolShares s;
-  bool working[3] = {false, true, true};
-  auto busy = [&](uint64_t t) { return working[t]; };
-  BothAt(s, 0);
-  ASSERT_EQ(s.Turn(At(1), busy), 1u);
-  s.EndIteration(1, At(50));
-  working[1] = false;  // trace 1 stops; trace 2 steps alone, its state fitting
+  Working working;
+  ASSERT_EQ(BothWantRoom(s, working), 1u);
+  working.trace[1] = false;  // trace 1 stops; trace 2 steps alone, its state fitting
   TwoAloneUntil(s, 20000);
-  EXPECT_EQ(s.Turn(At(20000), busy), PoolShares::kNone);  // trace 2 alone at work
+  EXPECT_EQ(s.Turn(At(20000), working), PoolShares::kNone);  // trace 2 alone at work
   EXPECT_EQ(s.idle_turns(), 0u);
-  working[1] = true;
+  working.trace[1] = true;
   BothAt(s, 20100);
-  EXPECT_NE(s.Turn(At(20100), busy), PoolShares::kNone);  // at once
+  EXPECT_NE(s.Turn(At(20100), working), PoolShares::kNone);  // at once
   EXPECT_EQ(s.turns(), 2u);
 }
 
@@ -436,14 +445,11 @@ TEST(PoolSharesTest, AHolderGoneIdleEndsItsTurnUnjudged) {
 // its return ends the gone turn, unjudged.
 TEST(PoolSharesTest, AHolderBackFromIdleStartsAfresh) {
   PoolShares s;
-  bool working[3] = {false, true, true};
-  auto busy = [&](uint64_t t) { return working[t]; };
-  BothAt(s, 0);
-  ASSERT_EQ(s.Turn(At(1), busy), 1u);
-  s.EndIteration(1, At(50));
+  Working working;
+  ASSERT_EQ(BothWantRoom(s, working), 1u);
   TwoAloneUntil(s, 20000);
   BothAt(s, 20100);
-  EXPECT_NE(s.Turn(At(20101), busy), PoolShares::kNone);
+  EXPECT_NE(s.Turn(At(20101), working), PoolShares::kNone);
   EXPECT_EQ(s.idle_turns(), 0u);
 }
 
