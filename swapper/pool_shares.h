@@ -119,7 +119,10 @@ class PoolShares {
     // iterations is not part of one).
     Clock::time_point since = t.pass_start;
     if (t.iteration_start.has_value()) since = std::max(since, *t.iteration_start);
-    if (!UsesPool(t, now) || now - since > std::max<Clock::duration>(kIdleAfter, 8 * t.iteration)) {
+    // (Pass 0 is none: a trace whose first use was counted each time, by
+    // Served, has not begun one.)
+    if (t.pass == 0 || !UsesPool(t, now) ||
+        now - since > std::max<Clock::duration>(kIdleAfter, 8 * t.iteration)) {
       NewPass(t, now);
     }
     if (*block_pass == t.pass) {
@@ -211,9 +214,15 @@ class PoolShares {
     if (working < 2) {
       // Turns lapse while nobody competes for the room: the turn ends (and
       // is judged against every trace using the pool); the next ones start
-      // afresh.
+      // afresh. Judged where that is found within kIdleAfter of its lapse
+      // (this runs at evictions, which the ranks of one job, stepping
+      // together, make at every step): found later, the traces' iterations
+      // since were not the turn's doing, and a pause of four times that
+      // stopped turns when both competed again (as GoneIdle).
       if (turn_ != kNone && now - last_turns_ > kMinTurn) {
-        ends_paid([&](uint64_t, const Trace& t) { return UsesPool(t, now); });
+        if (now - last_turns_ <= kMinTurn + kIdleAfter) {
+          ends_paid([&](uint64_t, const Trace& t) { return UsesPool(t, now); });
+        }
         turn_ = kNone;
       }
       return kNone;

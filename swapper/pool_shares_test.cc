@@ -453,5 +453,39 @@ TEST(PoolSharesTest, AHolderBackFromIdleStartsAfresh) {
   EXPECT_EQ(s.idle_turns(), 0u);
 }
 
+// A turn that lapsed (trace 2 stopped wanting room, its state fitting) but
+// is found so only seconds later, at the next eviction: it ends unjudged.
+// Judged then, both traces' iterations since made it unpaid, and the pause
+// (four times the seconds since the turn began) stopped turns when both
+// competed again.
+TEST(PoolSharesTest, ATurnFoundLapsedLongAfterEndsUnjudged) {
+  PoolShares s;
+  Working working;
+  ASSERT_EQ(BothWantRoom(s, working), 1u);
+  for (int64_t ms = 100; ms <= 5000; ms += 100) {
+    for (uint64_t t : {1, 2}) {
+      s.Served(t, kMiB, At(ms));
+      s.EndIteration(t, At(ms));
+    }
+  }
+  EXPECT_EQ(s.Turn(At(5000), working), PoolShares::kNone);  // trace 2 wants no room
+  EXPECT_EQ(s.idle_turns(), 0u);
+  BothAt(s, 5100);
+  EXPECT_NE(s.Turn(At(5100), working), PoolShares::kNone);
+}
+
+// A trace whose first use of the pool was counted as such (Served: a
+// checkpoint's read) had begun no pass: the first block of its iteration's
+// work counts all the same.
+TEST(PoolSharesTest, TheFirstPassCountsAfterAUseBesideTheIteration) {
+  PoolShares s;
+  s.Touched(1, At(0));
+  s.Served(1, kMiB, At(0));
+  uint64_t block_pass = 0;
+  s.Touched(1, At(10));
+  s.ServedInPass(1, &block_pass, 64 * kMiB, At(10));
+  EXPECT_EQ(s.served(1), 65.0 * kMiB);
+}
+
 }  // namespace
 }  // namespace offload
