@@ -10,7 +10,7 @@
 //       [--nvme.queue_depth=32] [--nvme.rings=2] [--nvme.stripe_bytes=1MiB] [--busy]
 //       (any nvme.* or swapper.* tunable, as offloadd spells it)
 //       [--memory=arena|pool] [--arena_pages=huge|small] [--arena_io=file|mapping]
-//       [--no-fio] [--tiny]
+//       [--no-fio] [--eval=PASSES] [--tiny]
 //
 // The model: --layers layers, each one parameter partition of
 // --params / --layers bytes, one swapper block homed on NVMe (all of them
@@ -47,6 +47,13 @@
 // just before and just after the configuration counts. Targets with
 // prefetch: hits >= 90% and iteration <= 1.1 x max(compute, I/O bound).
 // Files go under --dir and are deleted at the end.
+//
+// --eval=PASSES: then evaluation, as a training loop runs it every so often:
+// after a training iteration, PASSES forward passes (layers 0..L-1) with no
+// EndIteration between them (no step), prefetch on then off, at the first
+// delay. Reported: the second half of the passes (the first half learns),
+// each pass's time against the compute bound (layers x delay), hits, and
+// the passes the swapper counted (swap_order_passes).
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -122,6 +129,7 @@ struct Flags {
   // --arena_io=file|mapping: the swapper told the arena's file (it stages
   // transfers of 4 KiB pages through it) or only the mapping.
   bool arena_file = true;
+  int eval = 0;  // --eval: forward passes without a step after training
 };
 
 // "10ms", "0.5s", "250us".
@@ -151,9 +159,11 @@ struct Iteration {
   SwapperStats d;
 };
 
-// One forward + backward pass. Returns false (after printing) on an error or
-// wrong bytes.
-bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
+// One forward + backward pass and EndIteration (`forward_only`: the forward
+// pass alone, no EndIteration: evaluation). Returns false (after printing)
+// on an error or wrong bytes.
+bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it,
+                  bool forward_only = false) {
   const SwapperStats before = s.Stats();
   const auto start = Clock::now();
   bool ok = true;
@@ -186,8 +196,10 @@ bool RunIteration(Swapper& s, const Flags& f, double delay, Iteration* it) {
     it->released += SecondsSince(r);
   };
   for (int l = 0; l < f.layers && ok; ++l) use(l);
-  for (int l = f.layers - 1; l >= 0 && ok; --l) use(l);
-  s.EndIteration(kTrace);
+  if (!forward_only) {
+    for (int l = f.layers - 1; l >= 0 && ok; --l) use(l);
+    s.EndIteration(kTrace);
+  }
   it->seconds = SecondsSince(start);
   it->d = s.Stats().Since(before);
   return ok;
@@ -234,6 +246,8 @@ int ParseFlags(int argc, char** argv, Flags* out) {
       f.arena_huge = a == "--arena_pages=huge";
     } else if (a == "--arena_io=file" || a == "--arena_io=mapping") {
       f.arena_file = a == "--arena_io=file";
+    } else if ((v = value("eval"))) {
+      f.eval = std::max(2, std::atoi(v));
     } else if (a == "--no-fio") {
       f.fio = false;
     } else if (a == "--tiny") {
@@ -249,6 +263,7 @@ int ParseFlags(int argc, char** argv, Flags* out) {
     f.params = 18 << 20;
     f.delays = {0.001};
     f.iterations = 3;
+    if (f.eval > 0) f.eval = 6;
   }
   if (f.params == 0) f.params = 3 * f.pool;
   return 0;
@@ -291,6 +306,7 @@ struct Result {
 // What the replay measured.
 struct Replayed {
   std::vector<Result> results;
+  std::vector<Result> eval;  // --eval: the measured forward passes
   Iteration learning;
   uint64_t hwm = 0, pool_max = 0, resident_max = 0;
 };
@@ -446,6 +462,24 @@ int Replay(const Flags& f, uint64_t layer_bytes, uint64_t total, FioRounds* fio,
             absl::StrFormat("after %.1f ms, prefetch %s:", delay * 1e3, prefetch ? "on" : "off"));
       }
     }
+    for (bool prefetch : {true, false}) {
+      if (!ok || f.eval == 0) break;
+      s.SetPrefetch(prefetch ? f.swapper.prefetch_depth : 0,
+                    prefetch ? f.swapper.prefetch_bytes : 0);
+      Result res;
+      res.delay = f.delays[0];
+      res.prefetch = prefetch;
+      Iteration training;
+      ok = RunIteration(s, f, res.delay, &training);
+      for (int i = 0; i < f.eval && ok; ++i) {
+        Iteration it;
+        ok = RunIteration(s, f, res.delay, &it, /*forward_only=*/true);
+        if (2 * i >= f.eval) res.its.push_back(it);
+      }
+      s.EndIteration(kTrace);  // (the next step)
+      s.WaitIdle();
+      out->eval.push_back(std::move(res));
+    }
     stop.store(true);
     sampler.join();
     out->hwm = ProcStatus()["VmHWM"];
@@ -543,6 +577,46 @@ void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Rep
     std::printf("no fio measurement: no I/O bound (ratio against compute only)\n");
   }
   std::printf("prefetch targets: %d met, %d not met\n", met, missed);
+  if (!run.eval.empty()) {
+    std::printf(
+        "\nevaluation: %d forward passes with no step between them, after a training "
+        "iteration; the last %zu measured\n",
+        f.eval, run.eval[0].its.size());
+    std::printf("%-8s %-8s %8s %8s %8s %7s %6s %6s %6s %6s %6s\n", "delay", "prefetch", "pass s",
+                "compute", "ratio", "hits%", "acq", "hits", "waited", "misses", "passes");
+    for (const Result& r : run.eval) {
+      const double n = static_cast<double>(r.its.size());
+      double secs = 0;
+      SwapperStats sum;
+      for (const Iteration& it : r.its) {
+        secs += it.seconds / n;
+        sum.acquires += it.d.acquires;
+        sum.hits += it.d.hits;
+        sum.waited_reads += it.d.waited_reads;
+        sum.misses += it.d.misses;
+        sum.order_passes += it.d.order_passes;
+      }
+      const double compute = f.layers * r.delay;
+      std::printf("%-8s %-8s %8.3f %8.3f %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu\n",
+                  absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off",
+                  secs, compute, secs / compute,
+                  100.0 * static_cast<double>(sum.hits) / static_cast<double>(sum.acquires),
+                  static_cast<unsigned long long>(sum.acquires),
+                  static_cast<unsigned long long>(sum.hits),
+                  static_cast<unsigned long long>(sum.waited_reads),
+                  static_cast<unsigned long long>(sum.misses),
+                  static_cast<unsigned long long>(sum.order_passes));
+    }
+    if (run.eval.size() == 2) {
+      const auto mean = [](const Result& r) {
+        double secs = 0;
+        for (const Iteration& it : r.its) secs += it.seconds / static_cast<double>(r.its.size());
+        return secs;
+      };
+      std::printf("evaluation with prefetch: %.3fx the time of the same passes without\n",
+                  mean(run.eval[0]) / mean(run.eval[1]));
+    }
+  }
   std::printf(
       "memory: VmHWM over the iterations %.3f GiB, anonymous and arena pages (sampled "
       "every 5 ms) at most %.3f GiB, pool limit %.3f GiB, pool used max %.3f GiB\n",

@@ -70,6 +70,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_io_errors", s.io_errors, "errors");
   level("swap_io_queue", s.io_queue, "tasks");
   add("swap_order_relearned", s.relearned, "times");
+  add("swap_order_passes", s.order_passes, "passes");
   add("swap_repages", s.repages, "blocks");
   add("swap_idle_evictions", s.idle_evictions, "blocks");
   add("swap_share_evictions", s.share_evictions, "blocks");

@@ -4,28 +4,102 @@
 
 namespace offload {
 
-void AccessTrace::RecordUse(uint64_t id) {
+bool AccessTrace::RecordUse(uint64_t id) {
+  ++uses_;
+  if (recording_.size() >= std::max(kMaxRecording, 4 * last_uses_)) {
+    recording_.clear();  // (bounded: this iteration's end learns nothing new)
+    dropped_ = true;
+    uses_off_ = 0;
+    next_look_ = kFirstLook;
+  }
   recording_.push_back(id);
-  if (!matched_ || trace_.empty()) return;
-  if (pos_ < trace_.size() && trace_[pos_] == id) {
-    ++pos_;
-    return;
-  }
-  // Uses the trace expects may not happen (the first iteration also held
-  // partitions for their registration): skip ahead to this use's next
-  // position in this iteration.
-  auto it = positions_.find(id);
-  if (it != positions_.end()) {
-    auto next = std::lower_bound(it->second.begin(), it->second.end(), pos_);
-    if (next != it->second.end()) {
-      pos_ = *next + 1;
-      return;
+  if (matched_ && !trace_.empty()) {
+    if (pos_ < trace_.size() && trace_[pos_] == id) {
+      ++pos_;
+      return false;
     }
+    if (repeats_ && pos_ == trace_.size() && trace_[0] == id) {
+      // Another pass of an order that repeats: its positions go on as an
+      // iteration's next ones (VictimIndex), its recording starts again.
+      ++iterations_;
+      ++passes_;
+      ++passes_this_iteration_;
+      pos_ = 1;
+      recording_.assign(1, id);
+      dropped_ = false;
+      return true;
+    }
+    // Uses the trace expects may not happen (the first iteration also held
+    // partitions for their registration): skip ahead to this use's next
+    // position in this iteration.
+    auto it = positions_.find(id);
+    if (it != positions_.end()) {
+      auto next = std::lower_bound(it->second.begin(), it->second.end(), pos_);
+      if (next != it->second.end()) {
+        pos_ = *next + 1;
+        return false;
+      }
+    }
+    matched_ = false;  // the order changed (or the iteration is longer)
+    uses_off_ = 0;
+    next_look_ = kFirstLook;
   }
-  matched_ = false;  // the order changed (or the iteration is longer)
+  ++uses_off_;
+  if (uses_ > 2 * last_uses_ && uses_off_ >= next_look_ && uses_off_ <= recording_.size()) {
+    LookForRepeats();
+  }
+  return false;
+}
+
+void AccessTrace::LookForRepeats() {
+  // The uses since the trace went off its order, latest first: the prefix
+  // function of that reversed run says, for each of its prefixes (a run of
+  // the latest uses), the longest proper prefix that is also its suffix,
+  // so (length - that) is the run's shortest period. The longest run that
+  // holds two periods or more gives the order: its last period, from its
+  // first use (the next one, if it repeats).
+  const size_t n = uses_off_;
+  auto latest = [&](size_t k) { return recording_[recording_.size() - 1 - k]; };
+  std::vector<size_t> border(n, 0);
+  size_t found = 0;  // the period
+  for (size_t k = 1; k < n; ++k) {
+    size_t b = border[k - 1];
+    while (b > 0 && latest(k) != latest(b)) b = border[b - 1];
+    if (latest(k) == latest(b)) ++b;
+    border[k] = b;
+  }
+  // (A run shorter than half of them, or than kFirstLook, is not the order
+  // they follow; nor is one use again and again: forward's last layer then
+  // backward's first is 3 3, and a fetch's hold and the step's of the same
+  // block are two uses of it in one pass.)
+  for (size_t len = n; len >= std::max(kFirstLook, (n + 1) / 2) && found == 0; --len) {
+    const size_t period = len - border[len - 1];
+    if (2 * period <= len && period >= 2) found = period;
+  }
+  next_look_ = 2 * n;
+  if (found == 0) return;
+  // A new order even where it is the one before: the position starts
+  // again within the iteration (VictimIndex looks every next use up again).
+  SetOrder(std::vector<uint64_t>(recording_.end() - static_cast<ptrdiff_t>(found),
+                                 recording_.end()));
+  repeats_ = true;
+  matched_ = true;
+  pos_ = 0;
+}
+
+void AccessTrace::SetOrder(std::vector<uint64_t> order) {
+  ++orders_;
+  trace_ = std::move(order);
+  positions_.clear();
+  for (size_t i = 0; i < trace_.size(); ++i) positions_[trace_[i]].push_back(i);
 }
 
 void AccessTrace::EndIteration() {
+  if (dropped_) {
+    // Over the bound (4. above): what is left of the recording is not the
+    // iteration's order. The order stays; its next pass starts here.
+    recording_ = trace_;
+  }
   if (recording_ != trace_ && !trace_.empty()) ++relearned_;
   fourth_last_ = std::move(third_last_);
   third_last_ = std::move(before_last_);
@@ -36,17 +110,22 @@ void AccessTrace::EndIteration() {
   // state), would predict X again.
   const bool alternating = !before_last_.empty() && last_ != before_last_ && last_ == third_last_ &&
                            before_last_ == fourth_last_;
-  const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
+  // (Not one with passes, which ran long without a step, nor an empty one
+  // (a skipped step with nothing else on NVMe): the gate would open in
+  // training; the first, whatever it had.)
+  if (uses_ > 0 && (passes_this_iteration_ == 0 || iterations_ == passes_)) last_uses_ = uses_;
   ++iterations_;
-  if (next != trace_) {
-    ++orders_;
-    trace_ = next;
-    positions_.clear();
-    for (size_t i = 0; i < trace_.size(); ++i) positions_[trace_[i]].push_back(i);
-  }
+  const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
+  if (next != trace_) SetOrder(next);
+  matched_ = true;
+  repeats_ = false;
+  passes_this_iteration_ = 0;
+  uses_ = 0;
+  uses_off_ = 0;
+  next_look_ = kFirstLook;
+  dropped_ = false;
   recording_.clear();
   pos_ = 0;
-  matched_ = true;
 }
 
 uint64_t AccessTrace::NextUse(uint64_t id) const {

@@ -24,6 +24,25 @@
 //      of an iteration, and Belady's distances near its end) assume it
 //      repeats: where two orders take turns they are off there, until
 //      EndIteration predicts the next one.
+//   4. Passes without a step. A session that only fetches (an evaluation
+//      or inference loop: forward after forward, no step) ends no
+//      iteration: its uses went off the order after the first forward, and
+//      its recording grew without end. So where a trace's uses since its
+//      last EndIteration are more than twice its last iteration's (or it
+//      never ended one) and off the order, the order is looked for in the
+//      uses since they went off it: the longest run of the latest uses
+//      that repeats a shorter order at least twice (a prefix function,
+//      looked for each time those uses double) gives that order, learned
+//      as one that repeats: each time it comes round again a pass begins
+//      (RecordUse says so; iterations() counts it), the recording starts
+//      again, and prefetch runs along it as in training. An iteration that
+//      only ends later (the loop steps again) learns what was recorded
+//      since the last pass. The gate (twice the last iteration) keeps this
+//      out of training, where gradient accumulation repeats forward and
+//      backward within an iteration whose whole order is learned. The
+//      recording is bounded (kMaxRecording, or four times the last
+//      iteration's uses): beyond, it is dropped and the iteration's end
+//      learns nothing new.
 //
 // Thread-compatible: the owner (the swapper) serialises calls.
 #ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
@@ -43,7 +62,12 @@ class AccessTrace {
  public:
   static constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
 
-  void RecordUse(uint64_t id);
+  static constexpr size_t kMaxRecording = size_t{1} << 16;  // (4 x the last iteration, if more)
+
+  // Returns true where the use began another pass of an order that repeats
+  // without EndIteration (4. above): the caller counts it as an iteration
+  // of the trace's work.
+  bool RecordUse(uint64_t id);
   void EndIteration();
 
   // Whether predictions are available: a trace is learned and this
@@ -79,12 +103,15 @@ class AccessTrace {
   // use expected `d` uses from now is at position() + d until the
   // iteration ends, or skips ahead past it (RecordUse).
   size_t position() const { return pos_; }
-  // EndIteration calls so far, and how many of them changed the order
-  // predicted: where the latter did not move, the order is the same and a
-  // position p of one iteration is p + trace_length() in the next
-  // (VictimIndex counts on both).
+  // EndIteration calls and passes (4. above) so far, and how many of them
+  // changed the order predicted: where the latter did not move, the order
+  // is the same and a position p of one iteration is p + trace_length() in
+  // the next (VictimIndex counts on both).
   uint64_t iterations() const { return iterations_; }
   uint64_t orders() const { return orders_; }
+  // Passes begun (4. above), and the uses recorded now (bounded).
+  uint64_t passes() const { return passes_; }
+  size_t recorded() const { return recording_.size(); }
 
  private:
   std::vector<uint64_t> trace_;
@@ -98,6 +125,23 @@ class AccessTrace {
   uint64_t relearned_ = 0;
   uint64_t iterations_ = 0;
   uint64_t orders_ = 0;
+  // Passes without a step (4. above): the order repeats within an
+  // iteration; uses since the last EndIteration, and those of the last
+  // iteration that had no passes (the first's, whatever it had); uses since
+  // the trace went off its order (or since the iteration began, without
+  // one) still recorded, looked at again when they reach `next_look_`; whether this
+  // iteration's recording was dropped (over the bound).
+  static constexpr size_t kFirstLook = 8;  // uses off the order first looked at
+  void LookForRepeats();
+  void SetOrder(std::vector<uint64_t> order);
+  bool repeats_ = false;
+  uint64_t passes_ = 0;
+  uint64_t passes_this_iteration_ = 0;
+  size_t uses_ = 0;
+  size_t last_uses_ = 0;
+  size_t uses_off_ = 0;
+  size_t next_look_ = kFirstLook;
+  bool dropped_ = false;
 };
 
 }  // namespace offload

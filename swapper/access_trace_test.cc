@@ -122,5 +122,113 @@ TEST(AccessTrace, OneOddIterationIsNotTakenForTwoOrdersTakingTurns) {
   }
 }
 
+// Records `uses`; the number of them that began a pass (RecordUse).
+int Record(AccessTrace& t, const std::vector<uint64_t>& uses) {
+  int passes = 0;
+  for (uint64_t id : uses) passes += t.RecordUse(id) ? 1 : 0;
+  return passes;
+}
+
+// A session that only fetches (inference) never ends an iteration: the
+// order its uses repeat is learned from them, each repeat is a pass, and
+// the recording stays a pass long.
+TEST(AccessTrace, UsesThatRepeatWithoutAStepLearnTheirOrder) {
+  const std::vector<uint64_t> forward = {1, 2, 3, 4, 5};
+  AccessTrace t;
+  int passes = 0;
+  for (int i = 0; i < 4; ++i) passes += Record(t, forward);
+  ASSERT_TRUE(t.on_trace());
+  EXPECT_EQ(t.Upcoming(5), forward);
+  EXPECT_EQ(t.NextUse(3), 2u);
+  for (int i = 0; i < 10; ++i) {
+    passes += Record(t, forward);
+    EXPECT_TRUE(t.on_trace()) << i;
+    EXPECT_LE(t.recorded(), forward.size()) << i;
+  }
+  EXPECT_GE(passes, 10);
+  EXPECT_EQ(t.passes(), static_cast<uint64_t>(passes));
+  EXPECT_GE(t.iterations(), t.passes());
+}
+
+// Evaluation after training: forward passes without a step go off the
+// training order (forward then backward) at the second; once they ran past
+// twice the last iteration's uses, their own order is learned, and the next
+// step's iteration is learned as before.
+TEST(AccessTrace, ForwardPassesAfterTrainingArePredicted) {
+  const std::vector<uint64_t> forward = {1, 2, 3, 4, 5, 6};
+  const std::vector<uint64_t> training = {1, 2, 3, 4, 5, 6, 6, 5, 4, 3, 2, 1, 40, 41};
+  AccessTrace t;
+  for (int i = 0; i < 3; ++i) Iterate(t, training);
+  for (int i = 0; i < 8; ++i) Record(t, forward);
+  ASSERT_TRUE(t.on_trace());
+  EXPECT_EQ(t.Upcoming(6), forward);
+  EXPECT_GT(t.passes(), 0u);
+  for (int i = 0; i < 20; ++i) {
+    Record(t, forward);
+    EXPECT_TRUE(t.on_trace()) << i;
+  }
+  // Training again: the iteration with the evaluation in it ends at the
+  // step; the one after is learned whole and followed.
+  Iterate(t, training);
+  Iterate(t, training);
+  const uint64_t passes = t.passes(), relearned = t.relearned();
+  for (uint64_t id : training) {
+    EXPECT_FALSE(t.RecordUse(id));
+    EXPECT_TRUE(t.on_trace()) << id;
+  }
+  t.EndIteration();
+  EXPECT_EQ(t.passes(), passes);
+  EXPECT_EQ(t.relearned(), relearned);
+}
+
+// Gradient accumulation repeats forward and backward within an iteration
+// whose whole order (with the step's state, 40 41) is learned: no passes
+// once an iteration is known, the whole order followed (the first
+// iteration, with nothing known, may find repeats; the next learns it
+// whole).
+TEST(AccessTrace, GradientAccumulationKeepsItsWholeOrder) {
+  std::vector<uint64_t> iteration;
+  for (int micro = 0; micro < 8; ++micro) {
+    for (uint64_t id : {1, 2, 3, 4, 4, 3, 2, 1}) iteration.push_back(id);
+  }
+  iteration.push_back(40);
+  iteration.push_back(41);
+  AccessTrace t;
+  Iterate(t, iteration);
+  Iterate(t, iteration);
+  const uint64_t passes = t.passes();
+  for (int i = 0; i < 3; ++i) {
+    for (uint64_t id : iteration) {
+      EXPECT_FALSE(t.RecordUse(id));
+      EXPECT_TRUE(t.on_trace()) << i << " at " << id;
+    }
+    EXPECT_EQ(t.NextUse(1), 0u);  // the next iteration's first
+    t.EndIteration();
+  }
+  EXPECT_EQ(t.passes(), passes);
+  // A skipped step with nothing recorded (its state not used) changes
+  // none of that.
+  Iterate(t, {});
+  Iterate(t, iteration);
+  for (uint64_t id : iteration) EXPECT_FALSE(t.RecordUse(id));
+  EXPECT_TRUE(t.on_trace());
+  EXPECT_EQ(t.passes(), passes);
+}
+
+// Uses that never repeat and never end an iteration keep a bounded
+// recording; the iteration that ends at last learns nothing from what is
+// left of it.
+TEST(AccessTrace, ARecordingWithoutEndIsBounded) {
+  AccessTrace t;
+  Iterate(t, {1, 2, 3});
+  for (uint64_t id = 100; id < 100 + 3 * AccessTrace::kMaxRecording; ++id) {
+    t.RecordUse(id);
+    ASSERT_LE(t.recorded(), AccessTrace::kMaxRecording);
+  }
+  EXPECT_EQ(t.passes(), 0u);
+  t.EndIteration();
+  EXPECT_EQ(t.Upcoming(3), (std::vector<uint64_t>{1, 2, 3}));
+}
+
 }  // namespace
 }  // namespace offload

@@ -65,6 +65,7 @@ SwapperStats SwapperStats::Since(const SwapperStats& e) const {
   d.write_nanos -= e.write_nanos;
   d.io_errors -= e.io_errors;
   d.relearned -= e.relearned;
+  d.order_passes -= e.order_passes;
   d.discards -= e.discards;
   d.copy_outs -= e.copy_outs;
   d.copy_out_bytes -= e.copy_out_bytes;
@@ -683,7 +684,13 @@ absl::StatusOr<Swapper::Pin> Swapper::Acquire(BlockId id, bool for_write, Use us
   // working-copy buffers take turns), which made the order look new at
   // every step and stopped prefetch. (They still refill the prefetch
   // window below, as reads complete, while the trainer works.)
-  if (traced && b->home == Tier::kNvme) traces_[b->trace].RecordUse(id);
+  // A pass of an order that repeats without EndIteration (a session that
+  // only fetches: access_trace.h) is an iteration of its work for the
+  // pool's shares and turns too: its turns are measured and judged by it.
+  if (traced && b->home == Tier::kNvme && traces_[b->trace].RecordUse(id)) {
+    ++stats_.order_passes;
+    pool_shares_.EndIteration(b->trace, SharesNowLocked());
+  }
   // Its share of the pool's traffic: uses that happen, a block of the
   // iteration's work once an iteration, work beside it each time (it takes
   // the pool's room all the same: a burst is paid for in room until the

@@ -1268,6 +1268,38 @@ TEST_F(SwapperTest, PrefetchAlongTheTraceMakesEveryUseAHit) {
   EXPECT_EQ(after.prefetch_wasted, 0u);
 }
 
+// Evaluation after training, its parameters on NVMe: forward passes with
+// no step between them went off the learned order (forward, backward) and
+// were never prefetched; their own order is learned from them (passes),
+// and with prefetch every use is a hit again.
+TEST_F(SwapperTest, ForwardPassesWithoutAStepArePrefetched) {
+  Make(4 * kMiB, /*prefetch_depth=*/2);
+  for (uint64_t id = 1; id <= 8; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  for (uint64_t id = 1; id <= 8; ++id) Write(id, static_cast<uint32_t>(id));
+  swapper_->EndIteration(7);
+  auto use = [&](uint64_t id) {
+    ExpectHolds(id, static_cast<uint32_t>(id));
+    swapper_->WaitIdle();  // a compute phase long enough for the prefetch
+  };
+  for (int i = 0; i < 2; ++i) {  // training: forward, backward, a step
+    for (uint64_t id = 1; id <= 8; ++id) use(id);
+    for (uint64_t id = 8; id >= 1; --id) use(id);
+    swapper_->EndIteration(7);
+  }
+  for (int i = 0; i < 6; ++i) {
+    for (uint64_t id = 1; id <= 8; ++id) use(id);
+  }
+  const SwapperStats before = swapper_->Stats();
+  EXPECT_GT(before.order_passes, 0u);
+  for (int i = 0; i < 3; ++i) {
+    for (uint64_t id = 1; id <= 8; ++id) use(id);
+  }
+  const SwapperStats after = swapper_->Stats();
+  EXPECT_EQ(after.hits - before.hits, 24u);
+  EXPECT_EQ(after.misses, before.misses);
+  EXPECT_EQ(after.order_passes - before.order_passes, 3u);
+}
+
 // Uses out of the order (measuring gradients in the background, writing a
 // checkpoint) interleave with the caller's order differently every
 // iteration: as such (Use::kBackground, kExtra) they neither look like a
