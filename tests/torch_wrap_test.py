@@ -1580,6 +1580,34 @@ class WrapInProcessTest(unittest.TestCase):
             offloadd.torch._Engine.ROOM_WAIT_SECONDS = saved
             daemon.stop()
 
+    def test_evaluation_with_the_parameters_on_nvme_follows_its_own_order(self):
+        # A training loop that evaluates (forward passes under no_grad, no
+        # step between them) with its parameters on NVMe: the daemon learns
+        # the order the passes repeat (swap_order_passes) instead of going
+        # off the training order at the second pass, and the evaluation's
+        # outputs are those of the trained weights.
+        import torch
+        daemon = Daemon(self.root, "evaluation", nvme=True)
+        try:
+            model, opt = self.wrap_at(daemon.address, self.mlp(), {"lr": 1e-2},
+                                      {"placement": {"params": "nvme", "optimizer_state": "nvme"}})
+            gen = torch.Generator().manual_seed(1)
+            x = torch.randn(4, 8, generator=gen)
+            for _ in range(3):
+                opt.backward(model(x).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+            opt.drain()
+            with torch.no_grad():
+                want = model(x)
+                for _ in range(40):
+                    self.assertTrue(torch.equal(model(x), want))
+            passes = offloadd.Client(daemon.address).stats()["counters"]["swap_order_passes"]
+            opt.close()
+            self.assertGreater(passes, 10)
+        finally:
+            daemon.stop()
+
     def test_resident_units_train_as_the_path_without_the_tier(self):
         # The GPU tier's resident units (the emulated device, its budget the
         # whole model) against the same loop without the tier, bit for bit:
