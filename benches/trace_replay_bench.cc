@@ -598,8 +598,8 @@ void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Rep
       }
       const double compute = f.layers * r.delay;
       std::printf("%-8s %-8s %8.3f %8.3f %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu\n",
-                  absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off",
-                  secs, compute, secs / compute,
+                  absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off", secs,
+                  compute, secs / compute,
                   100.0 * static_cast<double>(sum.hits) / static_cast<double>(sum.acquires),
                   static_cast<unsigned long long>(sum.acquires),
                   static_cast<unsigned long long>(sum.hits),

@@ -80,8 +80,8 @@ void AccessTrace::LookForRepeats() {
   if (found == 0) return;
   // A new order even where it is the one before: the position starts
   // again within the iteration (VictimIndex looks every next use up again).
-  SetOrder(std::vector<uint64_t>(recording_.end() - static_cast<ptrdiff_t>(found),
-                                 recording_.end()));
+  SetOrder(
+      std::vector<uint64_t>(recording_.end() - static_cast<ptrdiff_t>(found), recording_.end()));
   repeats_ = true;
   matched_ = true;
   pos_ = 0;

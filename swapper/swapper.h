@@ -173,8 +173,8 @@ struct SwapperStats {
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t read_nanos = 0, write_nanos = 0;  // summed over I/O threads
   uint64_t io_errors = 0;
-  uint64_t io_queue = 0;                            // I/O tasks queued or running
-  uint64_t relearned = 0;                           // trace orders re-learned
+  uint64_t io_queue = 0;   // I/O tasks queued or running
+  uint64_t relearned = 0;  // trace orders re-learned
   // Passes of an order that repeats without a step (AccessTrace: a session
   // that only fetches, as evaluation or inference does).
   uint64_t order_passes = 0;
