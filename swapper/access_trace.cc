@@ -20,13 +20,11 @@ bool AccessTrace::RecordUse(uint64_t id) {
     }
     if (repeats_ && pos_ == trace_.size() && trace_[0] == id) {
       // Another pass of an order that repeats: its positions go on as an
-      // iteration's next ones (VictimIndex), its recording starts again.
+      // iteration's next ones (VictimIndex). (The recording goes on: the
+      // iteration's end learns all of it, within the bound.)
       ++iterations_;
       ++passes_;
-      ++passes_this_iteration_;
       pos_ = 1;
-      recording_.assign(1, id);
-      dropped_ = false;
       return true;
     }
     // Uses the trace expects may not happen (the first iteration also held
@@ -110,16 +108,15 @@ void AccessTrace::EndIteration() {
   // state), would predict X again.
   const bool alternating = !before_last_.empty() && last_ != before_last_ && last_ == third_last_ &&
                            before_last_ == fourth_last_;
-  // (Not one with passes, which ran long without a step, nor an empty one
-  // (a skipped step with nothing else on NVMe): the gate would open in
-  // training; the first, whatever it had.)
-  if (uses_ > 0 && (passes_this_iteration_ == 0 || iterations_ == passes_)) last_uses_ = uses_;
+  // (Not an empty one, a skipped step with nothing else on NVMe, nor one
+  // whose recording was dropped: each would set the gate, or the bound,
+  // where no iteration of the session's work is.)
+  if (uses_ > 0 && !dropped_) last_uses_ = uses_;
   ++iterations_;
   const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
   if (next != trace_) SetOrder(next);
   matched_ = true;
   repeats_ = false;
-  passes_this_iteration_ = 0;
   uses_ = 0;
   uses_off_ = 0;
   next_look_ = kFirstLook;

@@ -34,15 +34,16 @@
 //      that repeats a shorter order at least twice (a prefix function,
 //      looked for each time those uses double) gives that order, learned
 //      as one that repeats: each time it comes round again a pass begins
-//      (RecordUse says so; iterations() counts it), the recording starts
-//      again, and prefetch runs along it as in training. An iteration that
-//      only ends later (the loop steps again) learns what was recorded
-//      since the last pass. The gate (twice the last iteration) keeps this
-//      out of training, where gradient accumulation repeats forward and
-//      backward within an iteration whose whole order is learned. The
-//      recording is bounded (kMaxRecording, or four times the last
-//      iteration's uses): beyond, it is dropped and the iteration's end
-//      learns nothing new.
+//      (RecordUse says so; iterations() counts it), and prefetch runs
+//      along it as in training. The iteration's end (the loop steps again)
+//      learns its whole recording as before, so that gradient
+//      accumulation, whose forward and backward repeat within an iteration,
+//      learns its whole order even where an iteration found passes (its
+//      first, with nothing to gate it, or one after a short one, an
+//      epoch's last); the gate (twice the last iteration) keeps passes out
+//      of the iterations after. The recording is bounded (kMaxRecording,
+//      or four times the last iteration's uses): beyond, it is dropped and
+//      the iteration's end learns nothing new.
 //
 // Thread-compatible: the owner (the swapper) serialises calls.
 #ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
@@ -95,13 +96,15 @@ class AccessTrace {
   }
 
   // How many iterations did not follow the order predicted for them (a
-  // changed order, learned again); iterations with no prediction (the
-  // first, or after an empty one) are not counted.
+  // changed order, learned again, or one found in passes); iterations
+  // with no prediction (the first, unless it found passes, or after an
+  // empty one) are not counted.
   uint64_t relearned() const { return relearned_; }
   size_t trace_length() const { return trace_.size(); }
   // Where this iteration is along the order (NextUse counts from here): a
   // use expected `d` uses from now is at position() + d until the
-  // iteration ends, or skips ahead past it (RecordUse).
+  // iteration ends (or a pass, 4. above), or skips ahead past it
+  // (RecordUse).
   size_t position() const { return pos_; }
   // EndIteration calls and passes (4. above) so far, and how many of them
   // changed the order predicted: where the latter did not move, the order
@@ -109,7 +112,8 @@ class AccessTrace {
   // the next (VictimIndex counts on both).
   uint64_t iterations() const { return iterations_; }
   uint64_t orders() const { return orders_; }
-  // Passes begun (4. above), and the uses recorded now (bounded).
+  // Passes begun (4. above), and the uses recorded in this iteration
+  // (bounded).
   uint64_t passes() const { return passes_; }
   size_t recorded() const { return recording_.size(); }
 
@@ -127,7 +131,7 @@ class AccessTrace {
   uint64_t orders_ = 0;
   // Passes without a step (4. above): the order repeats within an
   // iteration; uses since the last EndIteration, and those of the last
-  // iteration that had no passes (the first's, whatever it had); uses since
+  // iteration (not an empty one, nor one whose recording was dropped); uses since
   // the trace went off its order (or since the iteration began, without
   // one) still recorded, looked at again when they reach `next_look_`; whether this
   // iteration's recording was dropped (over the bound).
@@ -136,7 +140,6 @@ class AccessTrace {
   void SetOrder(std::vector<uint64_t> order);
   bool repeats_ = false;
   uint64_t passes_ = 0;
-  uint64_t passes_this_iteration_ = 0;
   size_t uses_ = 0;
   size_t last_uses_ = 0;
   size_t uses_off_ = 0;

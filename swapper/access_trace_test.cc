@@ -122,6 +122,18 @@ TEST(AccessTrace, OneOddIterationIsNotTakenForTwoOrdersTakingTurns) {
   }
 }
 
+// `micro` micro-batches of forward and backward (1 2 3 4 4 3 2 1), then
+// the step's state (40 41).
+std::vector<uint64_t> Accumulated(int micro) {
+  std::vector<uint64_t> uses;
+  for (int m = 0; m < micro; ++m) {
+    for (uint64_t id : {1, 2, 3, 4, 4, 3, 2, 1}) uses.push_back(id);
+  }
+  uses.push_back(40);
+  uses.push_back(41);
+  return uses;
+}
+
 // Records `uses`; the number of them that began a pass (RecordUse).
 int Record(AccessTrace& t, const std::vector<uint64_t>& uses) {
   int passes = 0;
@@ -143,11 +155,14 @@ TEST(AccessTrace, UsesThatRepeatWithoutAStepLearnTheirOrder) {
   for (int i = 0; i < 10; ++i) {
     passes += Record(t, forward);
     EXPECT_TRUE(t.on_trace()) << i;
-    EXPECT_LE(t.recorded(), forward.size()) << i;
   }
   EXPECT_GE(passes, 10);
   EXPECT_EQ(t.passes(), static_cast<uint64_t>(passes));
   EXPECT_GE(t.iterations(), t.passes());
+  // However long it goes on, its recording is bounded.
+  for (size_t i = 0; i < AccessTrace::kMaxRecording / 4; ++i) Record(t, forward);
+  EXPECT_TRUE(t.on_trace());
+  EXPECT_LE(t.recorded(), AccessTrace::kMaxRecording);
 }
 
 // Evaluation after training: forward passes without a step go off the
@@ -182,19 +197,12 @@ TEST(AccessTrace, ForwardPassesAfterTrainingArePredicted) {
 }
 
 // Gradient accumulation repeats forward and backward within an iteration
-// whose whole order (with the step's state, 40 41) is learned: no passes
-// once an iteration is known, the whole order followed (the first
-// iteration, with nothing known, may find repeats; the next learns it
-// whole).
+// whose whole order (with the step's state, 40 41) is learned and followed
+// from the second iteration on, with no passes (the first, with nothing
+// known, finds repeats: its end learns it whole all the same).
 TEST(AccessTrace, GradientAccumulationKeepsItsWholeOrder) {
-  std::vector<uint64_t> iteration;
-  for (int micro = 0; micro < 8; ++micro) {
-    for (uint64_t id : {1, 2, 3, 4, 4, 3, 2, 1}) iteration.push_back(id);
-  }
-  iteration.push_back(40);
-  iteration.push_back(41);
+  const std::vector<uint64_t> iteration = Accumulated(8);
   AccessTrace t;
-  Iterate(t, iteration);
   Iterate(t, iteration);
   const uint64_t passes = t.passes();
   for (int i = 0; i < 3; ++i) {
@@ -212,6 +220,25 @@ TEST(AccessTrace, GradientAccumulationKeepsItsWholeOrder) {
   Iterate(t, iteration);
   for (uint64_t id : iteration) EXPECT_FALSE(t.RecordUse(id));
   EXPECT_TRUE(t.on_trace());
+  EXPECT_EQ(t.passes(), passes);
+}
+
+// An iteration much shorter than the next (an epoch's last, with fewer
+// micro-batches) opens the gate for the next, which finds passes; its end
+// learns it whole, and the iterations after follow it with none.
+TEST(AccessTrace, AShortIterationLeavesNoPassesInTheNext) {
+  AccessTrace t;
+  for (int i = 0; i < 3; ++i) Iterate(t, Accumulated(8));
+  Iterate(t, Accumulated(1));
+  Iterate(t, Accumulated(8));
+  const uint64_t passes = t.passes();
+  for (int i = 0; i < 3; ++i) {
+    for (uint64_t id : Accumulated(8)) {
+      EXPECT_FALSE(t.RecordUse(id));
+      EXPECT_TRUE(t.on_trace()) << i << " at " << id;
+    }
+    t.EndIteration();
+  }
   EXPECT_EQ(t.passes(), passes);
 }
 
