@@ -108,10 +108,12 @@ void AccessTrace::EndIteration() {
   // state), would predict X again.
   const bool alternating = !before_last_.empty() && last_ != before_last_ && last_ == third_last_ &&
                            before_last_ == fourth_last_;
-  // (Not an empty one, a skipped step with nothing else on NVMe, nor one
-  // whose recording was dropped: each would set the gate, or the bound,
-  // where no iteration of the session's work is.)
-  if (uses_ > 0 && !dropped_) last_uses_ = uses_;
+  // (Not an empty one, a skipped step with nothing else on NVMe: the gate
+  // would open in training. One whose recording was dropped counts: an
+  // iteration of training longer than the bound, such as gradient
+  // accumulation's, is then recorded whole at the next; after one with an
+  // evaluation in it, the next iteration of training sets the gate again.)
+  if (uses_ > 0) last_uses_ = uses_;
   ++iterations_;
   const std::vector<uint64_t>& next = alternating ? before_last_ : last_;
   if (next != trace_) SetOrder(next);

@@ -43,7 +43,8 @@
 //      epoch's last); the gate (twice the last iteration) keeps passes out
 //      of the iterations after. The recording is bounded (kMaxRecording,
 //      or four times the last iteration's uses): beyond, it is dropped and
-//      the iteration's end learns nothing new.
+//      the iteration's end learns nothing new (an iteration of training
+//      longer than the bound is then learned at the next, recorded whole).
 //
 // Thread-compatible: the owner (the swapper) serialises calls.
 #ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
@@ -131,7 +132,7 @@ class AccessTrace {
   uint64_t orders_ = 0;
   // Passes without a step (4. above): the order repeats within an
   // iteration; uses since the last EndIteration, and those of the last
-  // iteration (not an empty one, nor one whose recording was dropped); uses since
+  // iteration (not an empty one); uses since
   // the trace went off its order (or since the iteration began, without
   // one) still recorded, looked at again when they reach `next_look_`; whether this
   // iteration's recording was dropped (over the bound).

@@ -242,6 +242,35 @@ TEST(AccessTrace, AShortIterationLeavesNoPassesInTheNext) {
   EXPECT_EQ(t.passes(), passes);
 }
 
+// An iteration longer than the bound on the recording (a large model's,
+// or gradient accumulation's), from the first or after a short one:
+// dropped once, learned at the next, followed after.
+TEST(AccessTrace, IterationsLongerThanTheBoundAreLearned) {
+  for (int kind = 0; kind < 4; ++kind) {
+    const int micro = kind % 2 == 0 ? 1 : 4;
+    const size_t n = AccessTrace::kMaxRecording / micro;  // (two of them a micro-batch)
+    std::vector<uint64_t> iteration;
+    for (int m = 0; m < micro; ++m) {
+      for (uint64_t id = 0; id < n; ++id) iteration.push_back(id);
+      for (uint64_t id = n; id-- > 0;) iteration.push_back(id);
+    }
+    iteration.push_back(n);  // the step's state
+    AccessTrace t;
+    if (kind >= 2) Iterate(t, {1, 2, 3});
+    Iterate(t, iteration);
+    Iterate(t, iteration);
+    const uint64_t passes = t.passes();
+    for (int i = 0; i < 2; ++i) {
+      for (uint64_t id : iteration) {
+        ASSERT_FALSE(t.RecordUse(id)) << kind;
+        ASSERT_TRUE(t.on_trace()) << kind << " " << i << " at " << id;
+      }
+      t.EndIteration();
+    }
+    EXPECT_EQ(t.passes(), passes) << kind;
+  }
+}
+
 // Uses that never repeat and never end an iteration keep a bounded
 // recording; the iteration that ends at last learns nothing from what is
 // left of it.
