@@ -45,6 +45,8 @@
 //      or four times the last iteration's uses): beyond, it is dropped and
 //      the iteration's end learns nothing new (an iteration of training
 //      longer than the bound is then learned at the next, recorded whole).
+//      A session that never steps finds its order only where a pass is at
+//      most half the bound (32 Ki uses).
 //
 // Thread-compatible: the owner (the swapper) serialises calls.
 #ifndef OFFLOADD_SWAPPER_ACCESS_TRACE_H_
@@ -99,7 +101,8 @@ class AccessTrace {
   // How many iterations did not follow the order predicted for them (a
   // changed order, learned again, or one found in passes); iterations
   // with no prediction (the first, unless it found passes, or after an
-  // empty one) are not counted.
+  // empty one), and those whose recording was dropped (they learn nothing),
+  // are not counted.
   uint64_t relearned() const { return relearned_; }
   size_t trace_length() const { return trace_.size(); }
   // Where this iteration is along the order (NextUse counts from here): a
@@ -107,10 +110,12 @@ class AccessTrace {
   // iteration ends (or a pass, 4. above), or skips ahead past it
   // (RecordUse).
   size_t position() const { return pos_; }
-  // EndIteration calls and passes (4. above) so far, and how many of them
-  // changed the order predicted: where the latter did not move, the order
-  // is the same and a position p of one iteration is p + trace_length() in
-  // the next (VictimIndex counts on both).
+  // EndIteration calls and passes (4. above) so far, and how many times
+  // the order predicted changed (at those, or where an order was found in
+  // passes, even the same one: the position starts again): where the
+  // latter did not move, the order is the same and a position p of one
+  // iteration is p + trace_length() in the next (VictimIndex counts on
+  // both).
   uint64_t iterations() const { return iterations_; }
   uint64_t orders() const { return orders_; }
   // Passes begun (4. above), and the uses recorded in this iteration

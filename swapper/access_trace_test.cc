@@ -143,7 +143,7 @@ int Record(AccessTrace& t, const std::vector<uint64_t>& uses) {
 
 // A session that only fetches (inference) never ends an iteration: the
 // order its uses repeat is learned from them, each repeat is a pass, and
-// the recording stays a pass long.
+// the recording stays within its bound.
 TEST(AccessTrace, UsesThatRepeatWithoutAStepLearnTheirOrder) {
   const std::vector<uint64_t> forward = {1, 2, 3, 4, 5};
   AccessTrace t;
