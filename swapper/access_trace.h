@@ -135,22 +135,19 @@ class AccessTrace {
   uint64_t relearned_ = 0;
   uint64_t iterations_ = 0;
   uint64_t orders_ = 0;
-  // Passes without a step (4. above): the order repeats within an
-  // iteration; uses since the last EndIteration, and those of the last
-  // iteration (not an empty one); uses since
-  // the trace went off its order (or since the iteration began, without
-  // one) still recorded, looked at again when they reach `next_look_`; whether this
-  // iteration's recording was dropped (over the bound).
+  // Passes without a step (4. above).
   static constexpr size_t kFirstLook = 8;  // uses off the order first looked at
+  // Looks for an order the uses off the order repeat; learns it if found.
   void LookForRepeats();
+  // The order predicted from now on (a new one for VictimIndex: orders_).
   void SetOrder(std::vector<uint64_t> order);
-  bool repeats_ = false;
-  uint64_t passes_ = 0;
-  size_t uses_ = 0;
-  size_t last_uses_ = 0;
-  size_t uses_off_ = 0;
-  size_t next_look_ = kFirstLook;
-  bool dropped_ = false;
+  bool repeats_ = false;           // trace_ was found in passes: it wraps
+  uint64_t passes_ = 0;            // passes begun
+  size_t uses_ = 0;                // since the last EndIteration
+  size_t last_uses_ = 0;           // of the last iteration that had any
+  size_t uses_off_ = 0;            // the latest uses off the order, still recorded
+  size_t next_look_ = kFirstLook;  // uses_off_ at the next look
+  bool dropped_ = false;           // this iteration's recording was (over the bound)
 };
 
 }  // namespace offload
