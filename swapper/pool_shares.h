@@ -64,7 +64,7 @@
 // 2 s, twice that after each such turn in a row, at most a minute. Where
 // only one trace is at work at a time (trainers stepping while the others
 // compute), there are no turns, and a turn lapses when nobody competes for
-// kMinTurn.
+// kMinTurn (judged; found over a second late, unjudged).
 //
 // Times are given (the swapper's clock; tests use their own); not
 // thread-safe: the owner locks.

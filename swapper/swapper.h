@@ -173,11 +173,9 @@ struct SwapperStats {
   uint64_t bytes_in = 0, bytes_out = 0;
   uint64_t read_nanos = 0, write_nanos = 0;  // summed over I/O threads
   uint64_t io_errors = 0;
-  uint64_t io_queue = 0;   // I/O tasks queued or running
-  uint64_t relearned = 0;  // trace orders re-learned
-  // Passes of an order that repeats without a step (AccessTrace: a session
-  // that only fetches, as evaluation or inference does).
-  uint64_t order_passes = 0;
+  uint64_t io_queue = 0;                            // I/O tasks queued or running
+  uint64_t relearned = 0;                           // trace orders re-learned
+  uint64_t order_passes = 0;                        // passes without a step (AccessTrace)
   uint64_t discards = 0;                            // blocks whose bytes were dropped as dead
   uint64_t copy_outs = 0;                           // CopyOut calls served from the NVMe copy
   uint64_t copy_out_bytes = 0, copy_out_nanos = 0;  // ... their reads (not in bytes_in)
