@@ -351,9 +351,11 @@ TEST(PoolSharesTest, TwoTracesWantingRoomAtOnceTakeTurns) {
     s.Served(t, kMiB, At(3200));
   }
   EXPECT_EQ(s.Turn(At(3222), busy), PoolShares::kNone);
-  EXPECT_NE(s.Turn(At(3224), busy), PoolShares::kNone);
+  const uint64_t holder = s.Turn(At(3224), busy);
+  ASSERT_NE(holder, PoolShares::kNone);
   EXPECT_EQ(s.turns(), 4u);
-  s.Forget(1);
+  s.Forget(holder);  // its session closed: no turn is held for it
+  EXPECT_EQ(s.holder(), PoolShares::kNone);
   EXPECT_EQ(s.Turn(At(3225), busy), PoolShares::kNone);
 }
 
