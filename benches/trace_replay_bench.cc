@@ -491,6 +491,33 @@ int Replay(const Flags& f, uint64_t layer_bytes, uint64_t total, FioRounds* fio,
   return 0;
 }
 
+// A configuration's measured iterations: their times and bytes moved, per
+// iteration (means), and the counters the reports show, summed.
+struct Measured {
+  double secs = 0, stall = 0, computed = 0, released = 0, in = 0, out = 0;
+  SwapperStats sum;
+};
+Measured Measure(const Result& r) {
+  const double n = static_cast<double>(r.its.size());
+  Measured m;
+  for (const Iteration& it : r.its) {
+    m.secs += it.seconds / n;
+    m.stall += it.stalled / n;
+    m.computed += it.computed / n;
+    m.released += it.released / n;
+    m.in += static_cast<double>(it.d.bytes_in) / n;
+    m.out += static_cast<double>(it.d.bytes_out) / n;
+    m.sum.acquires += it.d.acquires;
+    m.sum.hits += it.d.hits;
+    m.sum.waited_reads += it.d.waited_reads;
+    m.sum.misses += it.d.misses;
+    m.sum.prefetches += it.d.prefetches;
+    m.sum.prefetch_wasted += it.d.prefetch_wasted;
+    m.sum.order_passes += it.d.order_passes;
+  }
+  return m;
+}
+
 // Each configuration against its bound: compute (2 x layers x delay) and
 // the bytes moved at the fio rounds' sequential speeds.
 void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Replayed& run) {
@@ -509,23 +536,7 @@ void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Rep
                                    [](const FioRound& r) { return r.read > 0 && r.write > 0; });
   for (size_t k = 0; k < run.results.size(); ++k) {
     const Result& r = run.results[k];
-    const double n = static_cast<double>(r.its.size());
-    double secs = 0, stall = 0, computed = 0, released = 0, in = 0, out = 0;
-    SwapperStats sum;
-    for (const Iteration& it : r.its) {
-      secs += it.seconds / n;
-      stall += it.stalled / n;
-      computed += it.computed / n;
-      released += it.released / n;
-      in += static_cast<double>(it.d.bytes_in) / n;
-      out += static_cast<double>(it.d.bytes_out) / n;
-      sum.acquires += it.d.acquires;
-      sum.hits += it.d.hits;
-      sum.waited_reads += it.d.waited_reads;
-      sum.misses += it.d.misses;
-      sum.prefetches += it.d.prefetches;
-      sum.prefetch_wasted += it.d.prefetch_wasted;
-    }
+    const auto [secs, stall, computed, released, in, out, sum] = Measure(r);
     const double compute = 2.0 * f.layers * r.delay;
     // The bytes moved at the sequential speeds of the fio.rounds before and
     // after: the faster one (and, for "vs mean", their mean).
@@ -585,17 +596,9 @@ void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Rep
     std::printf("%-8s %-8s %8s %8s %8s %7s %6s %6s %6s %6s %6s\n", "delay", "prefetch", "pass s",
                 "compute", "ratio", "hits%", "acq", "hits", "waited", "misses", "passes");
     for (const Result& r : run.eval) {
-      const double n = static_cast<double>(r.its.size());
-      double secs = 0;
-      SwapperStats sum;
-      for (const Iteration& it : r.its) {
-        secs += it.seconds / n;
-        sum.acquires += it.d.acquires;
-        sum.hits += it.d.hits;
-        sum.waited_reads += it.d.waited_reads;
-        sum.misses += it.d.misses;
-        sum.order_passes += it.d.order_passes;
-      }
+      const Measured m = Measure(r);
+      const double secs = m.secs;
+      const SwapperStats& sum = m.sum;
       const double compute = f.layers * r.delay;
       std::printf("%-8s %-8s %8.3f %8.3f %7.3fx %6.1f%% %6llu %6llu %6llu %6llu %6llu\n",
                   absl::StrFormat("%.1fms", r.delay * 1e3).c_str(), r.prefetch ? "on" : "off", secs,
@@ -608,13 +611,8 @@ void PrintReport(const Flags& f, uint64_t total, const FioRounds& fio, const Rep
                   static_cast<unsigned long long>(sum.order_passes));
     }
     if (run.eval.size() == 2) {
-      const auto mean = [](const Result& r) {
-        double secs = 0;
-        for (const Iteration& it : r.its) secs += it.seconds / static_cast<double>(r.its.size());
-        return secs;
-      };
       std::printf("evaluation with prefetch: %.3fx the time of the same passes without\n",
-                  mean(run.eval[0]) / mean(run.eval[1]));
+                  Measure(run.eval[0]).secs / Measure(run.eval[1]).secs);
     }
   }
   std::printf(

@@ -42,10 +42,8 @@ bool AccessTrace::RecordUse(uint64_t id) {
     uses_off_ = 0;
     next_look_ = kFirstLook;
   }
-  ++uses_off_;
-  if (uses_ > 2 * last_uses_ && uses_off_ >= next_look_ && uses_off_ <= recording_.size()) {
-    LookForRepeats();
-  }
+  ++uses_off_;  // (never more than the recording holds: both start again together)
+  if (uses_ > 2 * last_uses_ && uses_off_ >= next_look_) LookForRepeats();
   return false;
 }
 
