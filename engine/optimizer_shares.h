@@ -62,7 +62,9 @@ class OptimizerShares {
   // it.
   void Idle(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
   Usage UsageOf(uint64_t session) const ABSL_LOCKS_EXCLUDED(mu_);
-  // The session is gone: its accounting goes.
+  // The session is gone: its accounting goes (the daemon's sessions call it
+  // as they are destroyed, when no step of theirs runs; one still in a step
+  // goes as that step ends).
   void Forget(uint64_t session) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

@@ -45,6 +45,10 @@ struct SessionManager::Session {
     if (checkpoint_thread.joinable()) checkpoint_thread.join();
     // Closed by its trainer: its automatic checkpoints are not wanted.
     for (const std::string& dir : remove_when_gone) RemoveDirectoryOfFiles(dir);
+    // Its share of the optimizer goes once no step of it can run (a step
+    // holds a reference): forgotten at Close, a step that began before and
+    // took its first turn after would leave an entry behind for good.
+    if (shares != nullptr) shares->Forget(id);
   }
 
   const uint64_t id;
@@ -92,6 +96,7 @@ struct SessionManager::Session {
   // manager's total, which outlives neither.
   std::atomic<int64_t> mappings{0};
   std::shared_ptr<std::atomic<int64_t>> committed_mappings;
+  OptimizerShares* shares = nullptr;  // the node's optimizer (outlives the manager)
 
   // A step's decision with its loss-scale update, and a checkpoint's image
   // with its read of the loss scaler, each happen whole under it: a
@@ -274,6 +279,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   auto session = std::make_shared<Session>(id, token, std::string(name), std::move(set),
                                            std::move(scaler), std::move(restore));
   session->committed_mappings = committed_mappings_;
+  session->shares = &steps_->shares();
   if (delayed_update_after.has_value()) {
     session->delayed_update_after = static_cast<int64_t>(*delayed_update_after);
   }
@@ -697,7 +703,6 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     stats_->sessions_closed.fetch_add(1, std::memory_order_relaxed);
     if (why != nullptr) why->fetch_add(1, std::memory_order_relaxed);
   }
-  steps_->shares().Forget(id);
   // Its state is not wanted any more: a later offloadd must not reopen it.
   // Then the last reference goes (unless a call in flight holds one).
   Teardowns own;

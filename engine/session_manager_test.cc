@@ -738,6 +738,9 @@ TEST_F(SessionManagerRaceTest, CloseDuringStepReturnsAtOnceAndFreesAfterIt) {
   FinishStep();
   EXPECT_TRUE(step_result_.ok()) << step_result_.status();
   EXPECT_EQ(pool_.used(), 0u);
+  // The step took its optimizer turn after the close: its share's
+  // accounting went with the session all the same.
+  EXPECT_EQ(steps_.shares().UsageOf(key_.id).elems, 0u);
 }
 
 TEST_F(SessionManagerRaceTest, AbandonDuringStepFreesAfterIt) {
