@@ -356,8 +356,9 @@ int Main(int argc, char** argv) {
     int64_t iterations = 0;
     for (size_t i = 1; i < args.size(); ++i) {
       const std::string& a = args[i];
+      // (At most a day: "inf" parses, and would sleep for no time at all.)
       if (absl::StartsWith(a, "--interval=") && absl::SimpleAtod(a.substr(11), &interval) &&
-          interval >= 0.05) {
+          interval >= 0.05 && interval <= 86400) {
         continue;
       }
       if (absl::StartsWith(a, "--iterations=") && absl::SimpleAtoi(a.substr(13), &iterations) &&

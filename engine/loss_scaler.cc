@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -12,8 +13,9 @@ absl::Status ValidateLossScaling(const LossScalingOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("loss_scaling.", field, " must be ", want, ", got ", v));
   };
-  if (!std::isfinite(o.initial_scale) || o.initial_scale <= 0) {
-    return bad("initial_scale", o.initial_scale, "a positive finite number");
+  // (The trainer scales its loss by it in fp32 or lower.)
+  if (!(o.initial_scale > 0 && o.initial_scale <= std::numeric_limits<float>::max())) {
+    return bad("initial_scale", o.initial_scale, "positive and at most fp32's largest");
   }
   if (!std::isfinite(o.min_scale) || o.min_scale <= 0 || o.min_scale > o.initial_scale) {
     return bad("min_scale", o.min_scale, "positive and at most initial_scale");
@@ -51,7 +53,10 @@ void LossScaler::Update(bool overflow) {
   }
   if (++clean_steps_ >= options_.growth_interval) {
     clean_steps_ = 0;
-    scale_ *= options_.growth_factor;
+    // Grown while fp32 holds it (as torch's GradScaler: only to a finite
+    // scale); an infinite one would overflow every step after, for good.
+    const double grown = scale_ * options_.growth_factor;
+    if (grown <= std::numeric_limits<float>::max()) scale_ = grown;
     hysteresis_left_ = options_.hysteresis;
   }
 }

@@ -31,6 +31,26 @@ TEST(LossScaler, FollowsDeepSpeedsRuleWithHysteresis) {
   }
 }
 
+// The scale grows only while fp32 holds it: an infinite one would make
+// every later step overflow, and its checkpoints unrestorable.
+TEST(LossScaler, GrowsNoFurtherThanFp32Holds) {
+  LossScalingOptions o;
+  o.initial_scale = 1e38;
+  o.min_scale = 1;
+  o.growth_interval = 1;
+  o.growth_factor = 10;
+  ASSERT_TRUE(ValidateLossScaling(o).ok());
+  LossScaler s(o);
+  for (int i = 0; i < 3; ++i) s.Update(false);
+  EXPECT_EQ(s.scale(), 1e38);
+  s.Update(true);  // (hysteresis 2: the first overflow is absorbed)
+  s.Update(true);
+  EXPECT_EQ(s.scale(), 5e37);
+  EXPECT_TRUE(s.Restore(s.state()).ok());
+  o.initial_scale = 1e39;  // past fp32: the trainer's scaled loss would be infinite
+  EXPECT_EQ(ValidateLossScaling(o).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LossScaler, RefusesOptionsItCannotUse) {
   LossScalingOptions o;
   o.backoff_factor = 1.5;

@@ -502,8 +502,7 @@ absl::StatusOr<std::vector<Swapper::Pin>> PartitionStore::Hold(const Partition& 
   return pins;
 }
 
-absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const PartitionSpec& spec,
-                                                       const RestoredState* restored) {
+absl::Status CheckPartitionSpec(const PartitionSpec& spec) {
   // The name first: the messages below quote it.
   RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
   if (spec.numel == 0 || spec.numel > PartitionStore::kMaxNumel) {
@@ -532,6 +531,12 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     return absl::InvalidArgumentError(
         absl::StrCat("partition '", spec.name, "': offset ", spec.tensor_offset, " is over 2^40"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const PartitionSpec& spec,
+                                                       const RestoredState* restored) {
+  RETURN_IF_ERROR(CheckPartitionSpec(spec));
   // With restored state the fp32 initial values are not asked for.
   const bool fp32_init = spec.fp32_master && restored == nullptr;
   const std::string what = absl::StrCat("partition '", spec.name, "' of session ", session_id_);

@@ -146,6 +146,12 @@ uint64_t ArenaLayoutPageBytes(uint64_t numel, DType param_dtype, DType grad_dtyp
 // tables). The message names `what` but never echoes the name itself.
 absl::Status CheckName(absl::string_view name, absl::string_view what, bool may_be_empty);
 
+// INVALID_ARGUMENT, naming what is wrong, unless `spec` is one a partition
+// may have: its names (CheckName), numel in [1, 2^40], a shape of at most
+// 16 dimensions and 2^40 elements, an offset of at most 2^40. Registration
+// checks it first, before anything is reserved for the partition.
+absl::Status CheckPartitionSpec(const PartitionSpec& spec);
+
 class PartitionStoreFactory;
 
 // One session's partitions. Created by PartitionStoreFactory::CreateStore.

@@ -825,6 +825,10 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
                                                          const PartitionSpec& spec,
                                                          std::optional<uint64_t> reuse_id) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  // A size no partition may have is the caller's mistake, said as such:
+  // not the mapping budget's refusal (its chunks counted first), nor a
+  // checkpoint's mismatch; and it takes no id.
+  RETURN_IF_ERROR(CheckPartitionSpec(spec));
   uint64_t id;
   {
     absl::MutexLock lock(&mu_);
@@ -840,7 +844,6 @@ absl::StatusOr<PartitionInfo> SessionManager::RegisterAs(const SessionKey& key,
   }
   std::optional<RestoredState> restored;
   if (session->restore != nullptr) {
-    RETURN_IF_ERROR(CheckName(spec.name, "partition name", /*may_be_empty=*/false));
     ASSIGN_OR_RETURN(restored, session->restore->StateFor(spec));
   }
   ASSIGN_OR_RETURN(Reservation reserved, ReserveMappings(*session, spec));
@@ -1041,10 +1044,17 @@ absl::StatusOr<GpuTierSettings> SessionManager::ReportGpuTier(const SessionKey& 
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   absl::MutexLock lock(&mu_);
   // What it did since its previous report into the node's totals (all of
-  // it if its totals went down: a new tier on the same session).
+  // it if its totals went down: a new tier on the same session). The
+  // trainers' own counts: a total stops at INT64_MAX, so that no report
+  // (each counter at most INT64_MAX) turns the node's negative.
   const GpuTierReport before = session->gpu.value_or(GpuTierReport{});
   auto add = [](std::atomic<int64_t>& total, uint64_t now, uint64_t was) {
-    total.fetch_add(static_cast<int64_t>(now >= was ? now - was : now), std::memory_order_relaxed);
+    const uint64_t delta = std::min<uint64_t>(now >= was ? now - was : now, INT64_MAX);
+    const int64_t was_total = total.load(std::memory_order_relaxed);  // (writers hold mu_)
+    total.store(delta > static_cast<uint64_t>(INT64_MAX - was_total)
+                    ? INT64_MAX
+                    : was_total + static_cast<int64_t>(delta),
+                std::memory_order_relaxed);
   };
   add(stats_->gpu_h2d_bytes, report.h2d_bytes, before.h2d_bytes);
   add(stats_->gpu_h2d_staged_bytes, report.h2d_staged_bytes, before.h2d_staged_bytes);

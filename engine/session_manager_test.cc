@@ -182,6 +182,15 @@ TEST_F(SessionManagerTest, BadRequestsGetPreciseCodes) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(sessions_.Register(a, {"w", 5, DType::kFp32, DType::kFp32}).status().code(),
             absl::StatusCode::kAlreadyExists);
+  // A size no partition may have is the caller's mistake, told as such
+  // (not the mapping budget's refusal, which counted its chunks first).
+  sessions_.SetMappingBudget(HostMemory::LiveMappings() + 1000);
+  for (uint64_t numel : {uint64_t{1} << 41, ~uint64_t{0}}) {
+    auto past = sessions_.Register(a, {"huge", numel, DType::kFp32, DType::kFp32});
+    EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument) << past.status();
+    EXPECT_NE(past.status().message().find("2^40"), std::string::npos) << past.status();
+  }
+  sessions_.SetMappingBudget(0);
   // Releasing what is not held changes nothing.
   ASSERT_TRUE(sessions_.Release(a, {pa->id}).ok());
   EXPECT_EQ(sessions_.Release(a, {pa->id}).code(), absl::StatusCode::kFailedPrecondition);
@@ -833,6 +842,28 @@ TEST_F(SessionManagerTest, HostileNamesAndHugeFetchesAreRefused) {
   EXPECT_EQ(sessions_.Fetch(key, many).status().code(), absl::StatusCode::kInvalidArgument);
   many.pop_back();
   EXPECT_TRUE(sessions_.Fetch(key, many).ok());
+}
+
+// The node's GPU-tier totals add what each trainer's tier reports it did
+// (all of it where its counts went down: a new tier); a report can push a
+// total to INT64_MAX, never past it into the negative, which every
+// operator's stats would show.
+TEST_F(SessionManagerTest, TheTrainersGpuTierCountsAddUpWithoutWrapping) {
+  SessionKey key = Open();
+  GpuTierReport r;
+  r.h2d_bytes = 1000;
+  ASSERT_TRUE(sessions_.ReportGpuTier(key, r).ok());
+  r.h2d_bytes = 1500;
+  ASSERT_TRUE(sessions_.ReportGpuTier(key, r).ok());
+  EXPECT_EQ(stats_.gpu_h2d_bytes.load(), 1500);
+  r.h2d_bytes = 100;  // a new tier on the same session
+  ASSERT_TRUE(sessions_.ReportGpuTier(key, r).ok());
+  EXPECT_EQ(stats_.gpu_h2d_bytes.load(), 1600);
+  for (uint64_t v : {uint64_t{INT64_MAX}, uint64_t{0}, uint64_t{INT64_MAX}}) {
+    r.h2d_bytes = v;
+    ASSERT_TRUE(sessions_.ReportGpuTier(key, r).ok());
+    EXPECT_EQ(stats_.gpu_h2d_bytes.load(), INT64_MAX) << v;
+  }
 }
 
 // A trainer that presents the key of a session opened before offloadd
