@@ -822,8 +822,8 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
     RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp),
                              "GetPendingGradients"));
   }
-  return PendingGradients{resp.sq_norm(), resp.nonfinite(), resp.partitions(), resp.micro_batches(),
-                          resp.loss_scale()};
+  return PendingGradients{resp.sq_norm(),       resp.nonfinite(),  resp.partitions(),
+                          resp.micro_batches(), resp.loss_scale(), resp.delayed_update()};
 }
 
 absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOptions& options) {

@@ -182,6 +182,9 @@ struct PendingGradients {
   uint64_t partitions = 0;
   uint64_t micro_batches = 0;
   double loss_scale = 1;
+  // The session's delayed update is on now: the parameters fetched may be
+  // a step older than its last step's; SetDelayedUpdate(false) drains it.
+  bool delayed_update = false;
 };
 
 // How Step commits after the trainer's global decisions.

@@ -155,6 +155,14 @@ TEST_F(RingServiceTest, PendingGradientsAndWaitStepAnswerTheGrpcMessages) {
   EXPECT_EQ(p.partitions(), 3u);
   EXPECT_EQ(p.micro_batches(), direct->micro_batches);
   EXPECT_EQ(p.loss_scale(), direct->loss_scale);
+  EXPECT_FALSE(p.delayed_update());
+  // The session's delayed update, as it is now.
+  ASSERT_TRUE(sessions_.SetDelayedUpdate(key_, true).ok());
+  pending = client_->Call(ring::kPendingGradients, 0, {}, absl::Seconds(10));
+  ASSERT_TRUE(pending.status.ok()) << pending.status;
+  ASSERT_TRUE(p.ParseFromString(pending.payload));
+  EXPECT_TRUE(p.delayed_update());
+  ASSERT_TRUE(sessions_.SetDelayedUpdate(key_, false).ok());
   // No overlapped step yet: the session manager's error, through the ring.
   auto none = client_->Call(ring::kWaitStep, 0, {}, absl::Seconds(10));
   EXPECT_EQ(none.status.code(), absl::StatusCode::kFailedPrecondition) << none.status;

@@ -46,6 +46,7 @@ void ToProto(const PendingGradients& p, v1::GetPendingGradientsResponse* out) {
   out->set_partitions(p.partitions);
   out->set_micro_batches(p.micro_batches);
   out->set_loss_scale(p.loss_scale);
+  out->set_delayed_update(p.delayed_update);
 }
 
 }  // namespace offload

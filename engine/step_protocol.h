@@ -76,10 +76,11 @@ struct AccumulatePins {
 
 // The gradients waiting for the next step, over a session's partitions.
 struct PendingGradients {
-  GradStats stats;             // of the accumulated values
-  uint64_t partitions = 0;     // with gradients
-  uint64_t micro_batches = 0;  // the most accumulated into one partition
-  double loss_scale = 1;       // the session's (SessionManager fills it in)
+  GradStats stats;              // of the accumulated values
+  uint64_t partitions = 0;      // with gradients
+  uint64_t micro_batches = 0;   // the most accumulated into one partition
+  double loss_scale = 1;        // the session's (SessionManager fills it in)
+  bool delayed_update = false;  // the session's delayed update is on (SessionManager)
 };
 
 enum class StepOutcome {

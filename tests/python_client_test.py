@@ -111,6 +111,7 @@ class PythonClientTest(unittest.TestCase):
             ref.grad += g2
             pending = self.session.pending_gradients()
             self.assertEqual(pending["micro_batches"], 2)
+            self.assertFalse(pending["delayed_update"])
             # Global clipping as clip_grad_norm_ does it (one rank here).
             total = pending["sq_norm"] ** 0.5
             torch_total = torch.nn.utils.clip_grad_norm_([ref], max_norm=50.0)

@@ -1077,12 +1077,110 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertTrue(opt.last_step["delayed_update"])
         opt.close()
 
+    def test_loads_with_the_delayed_update_on(self):
+        # The daemon refuses to load parameters or moments while the delayed
+        # update is on: model.load_state_dict and optimizer.load_state_dict
+        # switch it off around the load, after steps, after a drain (which
+        # once left offloadd.torch believing it off), and in a session
+        # restored from a checkpoint of the delayed update before any step
+        # (whose state_dict() is the newest weights, not the step before's).
+        import torch
+        torch.manual_seed(5)
+        donor = self.mlp()
+        for p in donor.parameters():
+            p.data.add_(torch.randn_like(p) * 0.3)
+        loaded = {k: v.clone() for k, v in donor.state_dict().items()}
+        gen = torch.Generator().manual_seed(3)
+        dpu = {"delayed_update": True}
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2}, dpu)
+
+        def train(m, o, n):
+            for _ in range(n):
+                o.backward(m(torch.randn(4, 8, generator=gen)).pow(2).mean())
+                o.step()
+                o.zero_grad()
+        train(model, opt, 3)
+        self.assertTrue(opt.last_step["delayed_update"])
+        model.load_state_dict(loaded)
+        self.assert_weights(model, loaded, rtol=0, atol=0)
+        train(model, opt, 2)
+        opt.drain()
+        moments = opt.state_dict()
+        model.load_state_dict(loaded)
+        opt.load_state_dict(moments)
+        self.assert_weights(model, loaded, rtol=0, atol=0)
+        train(model, opt, 2)
+        ckpt = os.path.join(self.root, "dpu_loads")
+        opt.checkpoint(ckpt)  # with the last step's weights still pending
+        newest = {k: v.clone() for k, v in model.state_dict().items()}  # (drains)
+        opt.close()
+        restored, ropt = self.wrap(self.mlp(), {"lr": 1e-2}, dict(dpu, restore_from=ckpt))
+        self.assert_weights(restored, newest, rtol=0, atol=0)
+        restored.load_state_dict(loaded)
+        self.assert_weights(restored, loaded, rtol=0, atol=0)
+        train(restored, ropt, 1)
+        ropt.close()
+
+    def test_a_partial_load_leaves_the_other_masters_exact(self):
+        # load_state_dict(strict=False) with some parameters writes those
+        # back; with a bf16 working copy the others keep their fp32 masters,
+        # so they train on bit for bit as without the load (each master
+        # written from its bf16 copy drifted from it). The loaded layer is
+        # frozen, its values (the bf16 copy's, loaded) the same in both runs.
+        import torch
+        data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+        finals = []
+        for partial in (False, True):
+            mlp = self.mlp()
+            mlp[0].requires_grad_(False)
+            model, opt = self.wrap(mlp, {"lr": 1e-2}, {"working_dtype": "bf16"})
+            for i, x in enumerate(data):
+                if partial and i == 3:
+                    first = {k: v for k, v in model.state_dict().items() if k.startswith("0.")}
+                    result = model.load_state_dict(first, strict=False)
+                    self.assertEqual(sorted(result.missing_keys), ["2.bias", "2.weight"])
+                opt.backward(model(x).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+            finals.append(model.state_dict())
+            opt.close()
+        for k in ("2.weight", "2.bias"):
+            torch.testing.assert_close(finals[1][k], finals[0][k], rtol=0, atol=0, msg=k)
+
+    def test_an_optimizer_state_dict_that_does_not_fit_changes_nothing(self):
+        # A moment of the wrong shape is refused before any is written: the
+        # state stays as it was, not loaded up to the parameter that failed.
+        import copy
+        import torch
+        import offloadd
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2})
+        for i in range(2):
+            opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        before = opt.state_dict()
+        bad = copy.deepcopy(before)
+        for st in bad["state"].values():
+            st["exp_avg"].zero_()
+        last = max(bad["state"])
+        bad["state"][last]["exp_avg_sq"] = torch.zeros(3, 3)
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "exp_avg_sq"):
+            opt.load_state_dict(bad)
+        after = opt.state_dict()
+        for i, st in before["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(after["state"][i][k], st[k], rtol=0, atol=0,
+                                           msg=f"{i} {k}")
+        opt.close()
+
     def test_a_deepspeed_loop_updates_at_the_accumulation_boundary(self):
         # DeepSpeed's engine takes backward() and step() after every
         # micro-batch and updates at every gradient_accumulation_steps-th:
         # wrap(deepspeed_config=...) does the same, called on the model as
         # DeepSpeed users call the engine (a zero_grad() inside the window,
-        # as some loops have, keeps what accumulated).
+        # as some loops have, keeps what accumulated). A step at the boundary
+        # that fails (the previous step's error surfaces there) is still the
+        # boundary when the loop calls it again.
         import offloadd.torch
         import torch
         ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
@@ -1109,6 +1207,16 @@ class WrapInProcessTest(unittest.TestCase):
             self.assertEqual(model.is_gradient_accumulation_boundary(), i % 2 == 1)
             opt.zero_grad()
             model.backward(model(x).pow(2).mean())
+            if i == 3:
+                settle = opt._settle
+
+                def failing():
+                    opt._settle = settle  # once
+                    raise RuntimeError("a step that failed")
+                opt._settle = failing
+                with self.assertRaisesRegex(RuntimeError, "a step that failed"):
+                    model.step()
+                self.assertTrue(model.is_gradient_accumulation_boundary())
             model.step()
         self.assertEqual(model.offloadd.counts["steps"], 4)
         self.assert_weights(model, ref.state_dict())
@@ -1401,7 +1509,11 @@ class WrapInProcessTest(unittest.TestCase):
         # with the step of the last automatic checkpoint and goes on from
         # there: the weights after 6 steps equal torch AdamW's. With the GPU
         # tier too (on the emulated device: a new tier for the new session).
-        for name, zero in (("crashing", None), ("crashing_tier", {"gpu": {"device": "emulated"}})):
+        # With dynamic loss scaling (its scale doubling every step, exact in
+        # fp32) the trainer scales its loss by the restored session's scale.
+        scaled = {"loss_scaling": {"initial_scale": 1024.0, "growth_interval": 1}}
+        for name, zero in (("crashing", None), ("crashing_tier", {"gpu": {"device": "emulated"}}),
+                           ("crashing_scaled", scaled)):
             with self.subTest(zero=zero):
                 self._goes_on_after_a_kill(name, zero)
 
@@ -1439,11 +1551,13 @@ class WrapInProcessTest(unittest.TestCase):
                 except offloadd.torch.SessionRestored as r:
                     restored.append(r.step)
                     step = r.step
+                    self.assertEqual(opt.loss_scale,
+                                     model.offloadd.session.pending_gradients()["loss_scale"])
             # Step 3's, or step 4's where its checkpoint (written behind
             # the step) committed before the kill came.
             self.assertIn(restored, ([3], [4]))
             self.assert_weights(model, ref.state_dict())
-            self.assertEqual(model.offloadd.gpu_stats() is not None, zero is not None)
+            self.assertEqual(model.offloadd.gpu_stats() is not None, "gpu" in (zero or {}))
             opt.close()
         finally:
             daemon.stop()

@@ -547,6 +547,7 @@ PYBIND11_MODULE(_offloadd, m) {
              d["partitions"] = p.partitions;
              d["micro_batches"] = p.micro_batches;
              d["loss_scale"] = p.loss_scale;
+             d["delayed_update"] = p.delayed_update;
              return d;
            })
       .def(

@@ -442,6 +442,9 @@ class _Engine:
             self.pool_bytes = 0
         self.tier = None  # _GpuTier, where the parameters are on a GPU (or gpu.device says)
         self._optimizer = None  # set by Optimizer
+        # The parameters fetched are the newest (drained since the last
+        # step, or no delayed update): unknown until asked (latest_weights).
+        self._weights_current = False
         self.shards = []
         self.by_param = {}
         self._handles = []  # hooks, removed if wrap() fails
@@ -669,8 +672,17 @@ class _Engine:
         self.returned_since_step = False
         self.free_all()
         self.session = _GuardedSession(self, session)
-        if self._optimizer is not None:
-            self._optimizer._overlapped = False
+        self._weights_current = False  # (a restored session may hold a newer copy)
+        opt = self._optimizer
+        if opt is not None:
+            opt._overlapped = False
+            # A DeepSpeed loop's accumulation window begins again: the
+            # micro-batches returned before went with the daemon.
+            opt._micro_steps = 0
+            if self.config["loss_scaling"] is not None:
+                # The restored session's scale (its checkpoint's), which
+                # the daemon unscales the gradients by.
+                opt._loss_scale = session.pending_gradients()["loss_scale"]
         if self.tier is not None:
             # It copies from one session's arena (its mappings, its DMA
             # registration, its partitions): a new one for the new session;
@@ -984,16 +996,28 @@ class _Engine:
             if s.gathered:
                 self._free(s)
 
+    def delayed_update_on(self):
+        """Whether the session's delayed update is on now, as the daemon
+        says: it switches itself on after delayed_update_after_steps, and a
+        session restored from a checkpoint has the checkpoint's (with its
+        newer working copy), before any step of this process."""
+        return bool(self.session.pending_gradients()["delayed_update"])
+
     def latest_weights(self):
         """With the delayed update on, the parameters fetched are one step
         older than the last step's: makes the newest current (the daemon
         drains the update: off, then on again), after an overlapped step
         ends. The next iteration then reads the newest weights (one step
-        less stale, once). Nothing to do otherwise."""
-        opt = self._optimizer
-        if opt is None or not opt.last_step or not opt.last_step.get("delayed_update"):
+        less stale, once). Nothing to do otherwise (the delayed update off,
+        or drained since the last step)."""
+        if self._weights_current:
             return
-        opt.wait_overlapped()
+        if not self.delayed_update_on():
+            self._weights_current = True
+            return
+        opt = self._optimizer
+        if opt is not None:
+            opt.wait_overlapped()
         pending = self._resident_gathered()
         self.free_all()
         if self.tier is not None:
@@ -1002,7 +1026,7 @@ class _Engine:
             self.tier.flush_gradients()
         self.session.set_delayed_update(False)
         self.session.set_delayed_update(True)
-        opt.last_step = dict(opt.last_step, delayed_update=False)
+        self._weights_current = True
         if self.tier is not None:
             self.tier.invalidate()
             self._regather(pending)
@@ -1268,11 +1292,7 @@ class _Engine:
             # Gathers every parameter in a fixed order (a collective: every
             # rank calls state_dict()), the newest weights.
             self.latest_weights()
-            keys = {}
-            for mname, m in module.named_modules(remove_duplicate=False):
-                for pname, p in m._parameters.items():
-                    if p is not None and id(p) in self.by_param:
-                        keys[prefix + (mname + "." if mname else "") + pname] = self.by_param[id(p)]
+            keys = self._keys(module, prefix)
             for key in sorted(keys):
                 if key not in state:
                     continue
@@ -1289,8 +1309,11 @@ class _Engine:
         # model.load_state_dict(): torch copies the loaded tensors into the
         # parameters, whole ones: every parameter is gathered first, and
         # written back to the daemon afterwards as its master weights.
-        def gather_for_load(*_):
-            self.gather_all_for_load()
+        def gather_for_load(state_dict, prefix, *_):
+            # Only the parameters it holds are written back (strict=False
+            # may load some): the others keep their masters exactly.
+            loaded = {s.pid for key, s in self._keys(model, prefix).items() if key in state_dict}
+            self.gather_all_for_load(loaded)
 
         def write_loaded(*_):
             self.write_loaded()
@@ -1298,11 +1321,23 @@ class _Engine:
         self._handles.append(model._register_load_state_dict_pre_hook(gather_for_load))
         self._handles.append(model.register_load_state_dict_post_hook(write_loaded))
 
-    def gather_all_for_load(self):
+    def _keys(self, module, prefix):
+        """{state_dict key: shard} of the parameters under `module`
+        (a tied one under each of its names)."""
+        keys = {}
+        for mname, m in module.named_modules(remove_duplicate=False):
+            for pname, p in m._parameters.items():
+                if p is not None and id(p) in self.by_param:
+                    keys[prefix + (mname + "." if mname else "") + pname] = self.by_param[id(p)]
+        return keys
+
+    def gather_all_for_load(self, loaded=None):
         """Every parameter whole (a collective: every rank calls
-        load_state_dict), for torch to copy the loaded values into. With
-        the GPU tier, outside its budget's slab (which need not hold the
-        whole model): gathered as without the tier."""
+        load_state_dict), for torch to copy the loaded values into; those
+        of `loaded` (partition ids; None: all) are written back to the
+        daemon after (write_loaded). With the GPU tier, outside its
+        budget's slab (which need not hold the whole model): gathered as
+        without the tier."""
         self.latest_weights()
         self.flush_gradients()
         self._gathered_before_load = self._resident_gathered()
@@ -1311,6 +1346,7 @@ class _Engine:
             for s in self.shards:
                 self.gather([s])
         self._loading = True
+        self._loaded = loaded
 
     @contextlib.contextmanager
     def _tier_bypassed(self):
@@ -1335,14 +1371,14 @@ class _Engine:
         if not getattr(self, "_loading", False):
             return
         self._loading = False
-        opt = self._optimizer
-        delayed = bool(opt is not None and opt.last_step and
-                       opt.last_step.get("delayed_update"))
+        loaded = getattr(self, "_loaded", None)
+        shards = [s for s in self.shards if loaded is None or s.pid in loaded]
+        delayed = self.delayed_update_on()
         if delayed:
             self.session.set_delayed_update(False)
         try:
-            for chunk in [self.shards[i:i + self.MAX_IDS_PER_CALL]
-                          for i in range(0, len(self.shards), self.MAX_IDS_PER_CALL)]:
+            for chunk in [shards[i:i + self.MAX_IDS_PER_CALL]
+                          for i in range(0, len(shards), self.MAX_IDS_PER_CALL)]:
                 views = self.session.fetch([s.pid for s in chunk], load=True)
                 try:
                     for s, v in zip(chunk, views):
@@ -1952,9 +1988,22 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._config.get("deepspeed_loop"):
+            micro = self._micro_steps
             self._micro_steps += 1
             if self._inside_accumulation():
                 return loss  # DeepSpeed's engine: the update waits for the boundary
+            try:
+                self._update()
+            except BaseException:
+                # Not updated: the call again is the boundary again (after
+                # a restart the window began anew: left at 0).
+                self._micro_steps = min(self._micro_steps, micro)
+                raise
+            return loss
+        self._update()
+        return loss
+
+    def _update(self):
         e = self._engine
         start = time.perf_counter()
         self._settle()  # (the previous step's failure, a swap-in error, surfaces here)
@@ -1967,7 +2016,7 @@ class Optimizer(torch.optim.Optimizer):
             sq_norm, nonfinite, partitions = t.tolist()
         if not partitions:  # no gradients anywhere: nothing to do, as in torch
             e.timings["step"] += time.perf_counter() - start
-            return loss
+            return
         if self._static_scale:
             sq_norm /= self._static_scale * self._static_scale
         overflow = nonfinite > 0 or not math.isfinite(sq_norm)
@@ -1991,6 +2040,9 @@ class Optimizer(torch.optim.Optimizer):
         if e.tier is not None and not r["skipped"]:
             e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
+        # With the delayed update the model reads the step before's weights
+        # until the next step, or a drain (latest_weights).
+        e._weights_current = not r["delayed_update"]
         self._overlapped = bool(r["running"])
         if e.tier is not None:
             # A step still running (the delayed update's) reads the gradient
@@ -2004,7 +2056,6 @@ class Optimizer(torch.optim.Optimizer):
         e.counts["steps"] += 1
         e.counts["skipped"] += bool(r["skipped"])
         e.timings["step"] += time.perf_counter() - start
-        return loss
 
     def drain(self):
         """With the delayed update: makes the newest weights the ones the
@@ -2126,8 +2177,18 @@ class Optimizer(torch.optim.Optimizer):
                 if g.get(k):
                     raise offloadd.InvalidArgumentError(
                         f"optimizer state_dict: {k}=True is not supported by offloadd's Adam")
+        # Every shape checked before anything is written: a mismatch leaves
+        # the state as it was.
+        for g, mine in zip(groups, self.param_groups):
+            for old, p in zip(g["params"], mine["params"]):
+                st, s = saved.get(old), e.by_param[id(p)]
+                for key in ("exp_avg", "exp_avg_sq") if st is not None else ():
+                    if tuple(st[key].shape) != tuple(s.shape):
+                        raise offloadd.InvalidArgumentError(
+                            f"optimizer state_dict: {key} of '{s.name}' has shape "
+                            f"{tuple(st[key].shape)}, the parameter {tuple(s.shape)}")
         self._settle()
-        delayed = bool(self.last_step and self.last_step.get("delayed_update"))
+        delayed = e.delayed_update_on()
         if delayed:
             e.session.set_delayed_update(False)  # (switched on again below)
         try:
@@ -2150,12 +2211,7 @@ class Optimizer(torch.optim.Optimizer):
         for key in ("exp_avg", "exp_avg_sq"):
             piece = torch.zeros(s.slice_numel, dtype=torch.float32)  # no state: afresh
             if st is not None:
-                t = st[key]
-                if tuple(t.shape) != tuple(s.shape):
-                    raise offloadd.InvalidArgumentError(
-                        f"optimizer state_dict: {key} of '{s.name}' has shape "
-                        f"{tuple(t.shape)}, the parameter {tuple(s.shape)}")
-                piece = e._my_slice(s, t)
+                piece = e._my_slice(s, st[key])  # (its shape checked by load_state_dict)
             pieces.append(piece.numpy())
         if st is not None:
             step = int(float(st["step"]))
