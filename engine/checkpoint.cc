@@ -95,6 +95,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   }
   m.set_data_file(w->file_.name());
   if (state.by_reference != nullptr) m.set_memory_file(state.memory_file);
+  if (state.user.has_value()) m.set_opened_by(static_cast<uint32_t>(*state.user));
   // The layout: per partition, per chunk, each saved block kind, each
   // record on an aligned offset, so that it is written around the page
   // cache (checkpoint/format.h; its blocks' memory is page-aligned), and

@@ -27,6 +27,8 @@
 #ifndef OFFLOADD_ENGINE_CHECKPOINT_H_
 #define OFFLOADD_ENGINE_CHECKPOINT_H_
 
+#include <sys/types.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -68,6 +70,8 @@ struct SessionCheckpointState {
   // captured elsewhere (copied out of NVMe), is written as usual.
   PoolFile* by_reference = nullptr;
   std::string memory_file;
+  // Who opened the session, where not offloadd's own user (Manifest.opened_by).
+  std::optional<uid_t> user;
 };
 
 struct CheckpointSummary {

@@ -200,6 +200,18 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   }
   RETURN_IF_ERROR(CheckName(name, "session name", /*may_be_empty=*/true));
   if (loss_scaling.has_value()) RETURN_IF_ERROR(ValidateLossScaling(*loss_scaling));
+  // (Either would be ignored otherwise: a session opened afresh, or from
+  // another checkpoint than asked.)
+  if (!restore_spec.dir.empty() && restore_spec.lost) {
+    return absl::InvalidArgumentError(
+        "restore_from and resume_lost exclude each other: a checkpoint named, or a lost "
+        "session's found by name");
+  }
+  if (restore_spec.steps.has_value() && restore_spec.dir.empty() && !restore_spec.lost) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("restore_steps ", *restore_spec.steps,
+                     " names a step of a checkpoint: give restore_from, or resume_lost"));
+  }
   // A job that resumes by itself restarted: its sessions' trainers are
   // gone, what they held is this one's to find.
   if (reuse == nullptr && restore_spec.keep_for_resume) TakeOverDetached(name, user);
@@ -215,7 +227,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   // choice among them: RestoreFrom::steps).
   std::vector<std::string> superseded;
   if (restore_from.empty() && restore_spec.lost) {
-    ASSIGN_OR_RETURN(LostCheckpoints lost, FindLost(name, restore_spec.steps));
+    ASSIGN_OR_RETURN(LostCheckpoints lost, FindLost(name, restore_spec.steps, user));
     restorable_steps = std::move(lost.steps);
     if (restore_spec.steps.has_value()) {
       superseded = std::move(lost.others);
@@ -335,7 +347,7 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
 }
 
 absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
-    absl::string_view name, std::optional<uint64_t> steps) const {
+    absl::string_view name, std::optional<uint64_t> steps, std::optional<uid_t> user) const {
   std::string root;
   absl::flat_hash_set<std::string> taken;  // open sessions' own and restored ones
   {
@@ -376,6 +388,10 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
     absl::StatusOr<checkpoint::Manifest> m =
         checkpoint::ReadManifest(absl::StrCat(dir, "/", stem, ".manifest"));
     if (!m.ok() || m->session_name() != name) continue;
+    // Another user's job of the same name neither restores nor removes it.
+    const std::optional<uid_t> opened_by =
+        m->has_opened_by() ? std::optional<uid_t>(m->opened_by()) : std::nullopt;
+    if (opened_by != user) continue;
     found.push_back({dir, m->created_unix_ms(), checkpoint::CheckpointSteps(dir, stem)});
   }
   std::sort(found.begin(), found.end(),
@@ -1218,6 +1234,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   state.name = s->name;
   state.scaler = s->scaler.get();
   state.keep_previous = automatic;
+  state.user = s->user;
   // Written while a call (or a stop) waits: as fast as the disk allows. In
   // the background, beside training: one write at a time.
   state.capture_threads = background ? 1 : capture_threads_.load();

@@ -507,8 +507,9 @@ class SessionManager {
     std::vector<uint64_t> steps;
     std::vector<std::string> others;
   };
-  absl::StatusOr<LostCheckpoints> FindLost(absl::string_view name,
-                                           std::optional<uint64_t> steps) const
+  // Only those `user` opened (Manifest.opened_by; nullopt: offloadd's own).
+  absl::StatusOr<LostCheckpoints> FindLost(absl::string_view name, std::optional<uint64_t> steps,
+                                           std::optional<uid_t> user) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Register with partition id `reuse_id` (a kept session's), else a new one.
   absl::StatusOr<PartitionInfo> RegisterAs(const SessionKey& key, const PartitionSpec& spec,

@@ -191,6 +191,15 @@ TEST_F(SessionManagerTest, BadRequestsGetPreciseCodes) {
     EXPECT_NE(past.status().message().find("2^40"), std::string::npos) << past.status();
   }
   sessions_.SetMappingBudget(0);
+  // Restore fields that would be ignored.
+  RestoreFrom both("/nonexistent");
+  both.lost = true;
+  EXPECT_EQ(sessions_.Open("r", {}, std::nullopt, std::nullopt, both).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  RestoreFrom steps_alone;
+  steps_alone.steps = 3;
+  EXPECT_EQ(sessions_.Open("r", {}, std::nullopt, std::nullopt, steps_alone).status().code(),
+            absl::StatusCode::kInvalidArgument);
   // Releasing what is not held changes nothing.
   ASSERT_TRUE(sessions_.Release(a, {pa->id}).ok());
   EXPECT_EQ(sessions_.Release(a, {pa->id}).code(), absl::StatusCode::kFailedPrecondition);
@@ -410,6 +419,48 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
   EXPECT_FALSE(std::filesystem::exists(auto_dir));
   ASSERT_TRUE(next.Close(shared->key).ok());
   ASSERT_TRUE(sessions_.Close(key).ok());
+  sessions_.SetAutoCheckpoint({});
+}
+
+// Where offloadd serves other users (server.socket_group), a lost session
+// is found by its name and by the user who opened it: another user's job of
+// the same name neither restores its checkpoints nor removes them.
+TEST_F(SessionManagerTest, ALostSessionIsFoundOnlyByTheUserWhoOpenedIt) {
+  const std::string root = ::testing::TempDir() + "/lost_by_user";
+  const SessionManager::AutoCheckpointOptions options = AutoCheckpointsIn(root, 1);
+  constexpr uid_t kAlice = 1001, kBob = 1002;
+  auto opened = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, {}, kAlice);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const std::string auto_dir = sessions_.AutoCheckpointDir(opened->key.id);
+  auto p = sessions_.Register(opened->key, {"w", 1 << 12, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(opened->key, {p->id}).ok());
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, opened->key, p->id, 1 << 12));
+  AwaitAutoCheckpoints(stats_, 1);
+  ASSERT_EQ(stats_.auto_checkpoints.load(), 1);
+
+  // A restarted offloadd (the session never closed: it died).
+  std::unique_ptr<Engine> restarted = MakeEngine(&env_);
+  SessionManager& next = restarted->sessions();
+  next.SetAutoCheckpoint(options);
+  RestoreFrom lost;
+  lost.lost = true;
+  lost.steps = 0;  // (the final choice "none": every lost one of the name would go)
+  for (std::optional<uid_t> other : {std::optional<uid_t>(kBob), std::optional<uid_t>()}) {
+    auto theirs = next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost, other);
+    ASSERT_TRUE(theirs.ok()) << theirs.status();
+    EXPECT_EQ(theirs->restored_from, "");
+    EXPECT_TRUE(theirs->restorable_steps.empty());
+    ASSERT_TRUE(next.Close(theirs->key).ok());
+    EXPECT_TRUE(std::filesystem::exists(auto_dir));
+  }
+  lost.steps.reset();
+  auto mine = next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost, kAlice);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->restored_from, auto_dir);
+  EXPECT_EQ(mine->restorable_steps, (std::vector<uint64_t>{1}));
+  ASSERT_TRUE(next.Close(mine->key).ok());
+  ASSERT_TRUE(sessions_.Close(opened->key).ok());
   sessions_.SetAutoCheckpoint({});
 }
 
