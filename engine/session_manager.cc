@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <filesystem>
 #include <functional>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -1143,6 +1145,25 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
                                                                              const std::string& dir,
                                                                              bool background) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
+  // The automatic checkpoints' directory is offloadd's: a checkpoint
+  // written into it (a session's of the same name, in another's directory)
+  // would replace what a lost session resumes from.
+  std::string auto_root;
+  {
+    absl::MutexLock lock(&mu_);
+    auto_root = auto_checkpoint_.dir;
+  }
+  if (!auto_root.empty()) {
+    std::error_code root_error, target_error;
+    const std::filesystem::path root = std::filesystem::weakly_canonical(auto_root, root_error);
+    const std::filesystem::path target = std::filesystem::weakly_canonical(dir, target_error);
+    const auto [r, t] = std::mismatch(root.begin(), root.end(), target.begin(), target.end());
+    if (!root_error && !target_error && r == root.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("checkpoint directory ", dir, " is inside the automatic checkpoints' (",
+                       auto_root, "), which offloadd manages: choose another"));
+    }
+  }
   return StartCheckpoint(session, dir, background, /*automatic=*/false);
 }
 

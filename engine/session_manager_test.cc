@@ -337,6 +337,17 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   ASSERT_TRUE(sessions_.Close(key).ok());
   EXPECT_FALSE(std::filesystem::exists(auto_dir));       // closed: not wanted
   EXPECT_TRUE(std::filesystem::exists(root + "/mine"));  // the trainer's stays
+  // The automatic ones' directory is offloadd's: a trainer's checkpoint
+  // there (another session's directory, or the root itself) is refused.
+  SessionKey other = Open();
+  for (const std::string& dir :
+       {root + "/auto", root + "/auto/" + std::to_string(key.id), root + "/mine/../auto/x"}) {
+    EXPECT_EQ(sessions_.Checkpoint(other, dir, false).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << dir;
+  }
+  EXPECT_TRUE(sessions_.Checkpoint(other, root + "/autumn", false).ok());
+  ASSERT_TRUE(sessions_.Close(other).ok());
   sessions_.SetAutoCheckpoint({});
 }
 
