@@ -61,11 +61,23 @@ void RingServer::Stop(ring::ClosedReason why) {
 }
 
 void RingServer::Drain(absl::Duration patience) {
-  if (!stopping_.load() && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
-    drain_deadline_ns_.store(SteadyNowNs() + absl::ToInt64Nanoseconds(patience));
-    layout()->closed_reason = ring::kDaemonStopping;
-    draining_.store(true, std::memory_order_seq_cst);
-    ring::FutexWake(&layout()->state);
+  BeginDrain(absl::Now() + patience);
+  EndDrain();
+}
+
+void RingServer::BeginDrain(absl::Time deadline) {
+  if (stopping_.load() || !thread_.joinable() || thread_.get_id() == std::this_thread::get_id()) {
+    return;
+  }
+  drain_deadline_ns_.store(SteadyNowNs() +
+                           std::max<int64_t>(0, absl::ToInt64Nanoseconds(deadline - absl::Now())));
+  layout()->closed_reason = ring::kDaemonStopping;
+  draining_.store(true, std::memory_order_seq_cst);
+  ring::FutexWake(&layout()->state);
+}
+
+void RingServer::EndDrain() {
+  if (draining_.load() && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
     thread_.join();
   }
   Stop(ring::kDaemonStopping);
@@ -160,9 +172,9 @@ void RingServer::Serve() {
     }
     // Copied out before any check: the trainer may rewrite the mailbox.
     RingRequest request;
-    const uint32_t op = l->op;
-    request.flags = l->flags;
-    const uint32_t count = l->count;
+    const uint32_t op = ring::ReadOnce(l->op);
+    request.flags = ring::ReadOnce(l->flags);
+    const uint32_t count = ring::ReadOnce(l->count);
     std::atomic_thread_fence(std::memory_order_acquire);
     const bool bytes = op == ring::kStep;  // (its count is of bytes)
     if (count > (bytes ? ring::kMaxRequestBytes : ring::kMaxItems) || op < ring::kFetch ||
@@ -219,10 +231,16 @@ void RingServer::Answer(const RingAnswer& answer) {
   l->code = static_cast<int32_t>(status.code());
   const absl::string_view message =
       status.ok() ? absl::string_view(answer.payload) : status.message();
-  l->message_bytes = static_cast<uint32_t>(std::min(message.size(), ring::kMessageBytes));
-  std::memcpy(l->message, message.data(), l->message_bytes);
-  l->out_count = static_cast<uint32_t>(std::min<size_t>(answer.locations.size(), ring::kMaxItems));
-  std::memcpy(l->locations, answer.locations.data(), l->out_count * sizeof(ring::Location));
+  // Copied by the lengths computed here, then those written: the trainer
+  // may rewrite the mailbox's fields meanwhile (never read back).
+  const uint32_t message_bytes =
+      static_cast<uint32_t>(std::min(message.size(), ring::kMessageBytes));
+  std::memcpy(l->message, message.data(), message_bytes);
+  ring::WriteOnce(l->message_bytes, message_bytes);
+  const uint32_t out_count =
+      static_cast<uint32_t>(std::min<size_t>(answer.locations.size(), ring::kMaxItems));
+  std::memcpy(l->locations, answer.locations.data(), out_count * sizeof(ring::Location));
+  ring::WriteOnce(l->out_count, out_count);
   uint32_t posted = ring::kPosted;
   if (!l->state.compare_exchange_strong(posted, ring::kAnswered, std::memory_order_seq_cst)) {
     return;

@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "base/host_memory.h"
 #include "ipc/request_ring.h"
 
@@ -99,6 +100,11 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   // or was refused. Then as Stop.
   // Closes with kDaemonStopping: what drains a ring is offloadd stopping.
   void Drain(absl::Duration patience);
+  // Drain in two halves, for many rings to one deadline at once: BeginDrain
+  // asks the serving thread to close (patient until `deadline`), EndDrain
+  // waits for it, then stops.
+  void BeginDrain(absl::Time deadline);
+  void EndDrain();
   // Frees the mailbox of a call its client died in: the serving thread,
   // once the call it may be running ends (unanswered), sets the mailbox
   // back to idle (unless closed) and runs `then` (what that call held

@@ -1534,8 +1534,15 @@ void SessionManager::DrainRings(absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : sessions_) sessions.push_back(s);
   }
+  // All at once, to one deadline: one after another, a trainer that leaves
+  // each of its mailboxes mid-call would hold the stop for a patience a
+  // session (past the service manager's stop timeout, keeping nothing).
+  const absl::Time deadline = absl::Now() + timeout;
   for (const auto& s : sessions) {
-    if (s->ring != nullptr) s->ring->Drain(timeout);
+    if (s->ring != nullptr) s->ring->BeginDrain(deadline);
+  }
+  for (const auto& s : sessions) {
+    if (s->ring != nullptr) s->ring->EndDrain();
   }
 }
 

@@ -20,6 +20,7 @@
 #include "engine/engine.h"
 #include "engine/test_engine.h"
 #include "gtest/gtest.h"
+#include "ipc/request_ring.h"
 
 namespace offload {
 namespace {
@@ -925,6 +926,35 @@ TEST_F(SessionManagerTest, TheTrainersGpuTierCountsAddUpWithoutWrapping) {
     r.h2d_bytes = v;
     ASSERT_TRUE(sessions_.ReportGpuTier(key, r).ok());
     EXPECT_EQ(stats_.gpu_h2d_bytes.load(), INT64_MAX) << v;
+  }
+}
+
+// offloadd keeping its sessions as it stops drains every request ring to
+// one deadline at once: a trainer that leaves each of its mailboxes claimed
+// (a call begun, never posted) holds the stop for one patience, not one a
+// session (eight here: 2.4 s one after another, past what the service
+// manager waits for many sessions).
+TEST_F(SessionManagerTest, RingsLeftMidCallHoldTheStopForOnePatienceInAll) {
+  std::vector<void*> maps;
+  const size_t bytes = ring::RingBytes();
+  for (int i = 0; i < 8; ++i) {
+    auto opened = sessions_.Open(absl::StrCat("claimed", i));
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    auto fd = sessions_.DupArenaFd(opened->key);
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(),
+                     static_cast<off_t>(opened->ring.offset));
+    ASSERT_NE(map, MAP_FAILED) << errno;
+    maps.push_back(map);
+    static_cast<ring::Layout*>(map)->state.store(ring::kClaimed);
+  }
+  const absl::Time start = absl::Now();
+  sessions_.DrainRings(absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(took, absl::Milliseconds(1500)) << took;
+  for (void* map : maps) {
+    EXPECT_EQ(static_cast<ring::Layout*>(map)->state.load(), ring::kClosed);
+    munmap(map, bytes);
   }
 }
 

@@ -138,6 +138,19 @@ struct Layout {
   Location locations[kMaxItems];
 };
 
+// A field of the mailbox the other side may write at any moment, read (or
+// written) exactly once, as the kernel's READ_ONCE and WRITE_ONCE: the value
+// checked is the value used, never a second load of what a hostile trainer
+// rewrote in between (a plain field lets the compiler load it again).
+template <typename T>
+T ReadOnce(const T& field) {
+  return *static_cast<const volatile T*>(&field);
+}
+template <typename T>
+void WriteOnce(T& field, T value) {
+  *static_cast<volatile T*>(&field) = value;
+}
+
 // The most bytes a kStep request carries (the items' memory).
 inline constexpr uint32_t kMaxRequestBytes = kMaxItems * sizeof(Item);
 
