@@ -149,6 +149,11 @@ struct SessionManager::Session {
 
 namespace {
 
+// Who opened the checkpoint's session, where not offloadd's own user.
+std::optional<uid_t> OpenedBy(const checkpoint::Manifest& m) {
+  return m.has_opened_by() ? std::optional<uid_t>(m.opened_by()) : std::nullopt;
+}
+
 // A random 31-bit number, never 0 (ids stay below 2^63 and never 0).
 uint64_t NewIncarnation(Env* env) {
   uint32_t r = 0;
@@ -335,9 +340,11 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
     session->ring->SetSpin(ring_spin_);
     session->keep_for_resume = restore_spec.keep_for_resume;
     // Restoring another session's automatic checkpoint: it goes when this
-    // session closes (its own automatic ones replace it).
+    // session closes (its own automatic ones replace it); not another
+    // user's, which it may read (restore_from), never remove.
     if (!auto_checkpoint_.dir.empty() && !session->restore_from.empty() &&
-        absl::StartsWith(session->restore_from, absl::StrCat(auto_checkpoint_.dir, "/"))) {
+        absl::StartsWith(session->restore_from, absl::StrCat(auto_checkpoint_.dir, "/")) &&
+        session->restore != nullptr && OpenedBy(session->restore->session_manifest()) == user) {
       session->restored_auto_dir = session->restore_from;
     }
     sessions_[id] = std::move(session);
@@ -391,9 +398,7 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
         checkpoint::ReadManifest(absl::StrCat(dir, "/", stem, ".manifest"));
     if (!m.ok() || m->session_name() != name) continue;
     // Another user's job of the same name neither restores nor removes it.
-    const std::optional<uid_t> opened_by =
-        m->has_opened_by() ? std::optional<uid_t>(m->opened_by()) : std::nullopt;
-    if (opened_by != user) continue;
+    if (OpenedBy(*m) != user) continue;
     found.push_back({dir, m->created_unix_ms(), checkpoint::CheckpointSteps(dir, stem)});
   }
   std::sort(found.begin(), found.end(),

@@ -436,7 +436,8 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundByNameAtAStepItsRanksShare) {
 
 // Where offloadd serves other users (server.socket_group), a lost session
 // is found by its name and by the user who opened it: another user's job of
-// the same name neither restores its checkpoints nor removes them.
+// the same name neither restores its checkpoints nor removes them (nor does
+// one that names their directory, which it may restore).
 TEST_F(SessionManagerTest, ALostSessionIsFoundOnlyByTheUserWhoOpenedIt) {
   const std::string root = ::testing::TempDir() + "/lost_by_user";
   const SessionManager::AutoCheckpointOptions options = AutoCheckpointsIn(root, 1);
@@ -466,6 +467,17 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundOnlyByTheUserWhoOpenedIt) {
     ASSERT_TRUE(next.Close(theirs->key).ok());
     EXPECT_TRUE(std::filesystem::exists(auto_dir));
   }
+  // Its directory named (restore_from: members may read each other's
+  // checkpoints), another user's session restores it, and never removes it.
+  auto named = next.Open("job/rank0", {}, std::nullopt, std::nullopt, RestoreFrom(auto_dir), kBob);
+  ASSERT_TRUE(named.ok()) << named.status();
+  auto q = next.Register(named->key, {"w", 1 << 12, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->restored);
+  ASSERT_TRUE(next.Release(named->key, {q->id}).ok());
+  ASSERT_NO_FATAL_FAILURE(StepPartition(next, named->key, q->id, 1 << 12));
+  ASSERT_TRUE(next.Close(named->key).ok());
+  EXPECT_TRUE(std::filesystem::exists(auto_dir));
   lost.steps.reset();
   auto mine = next.Open("job/rank0", {}, std::nullopt, std::nullopt, lost, kAlice);
   ASSERT_TRUE(mine.ok()) << mine.status();

@@ -1147,6 +1147,28 @@ class WrapInProcessTest(unittest.TestCase):
         for k in ("2.weight", "2.bias"):
             torch.testing.assert_close(finals[1][k], finals[0][k], rtol=0, atol=0, msg=k)
 
+    def test_what_a_module_loads_under_a_legacy_name_is_written_back(self):
+        # A module's own _load_from_state_dict may rename legacy keys (as
+        # torch's modules do across versions): what torch loaded, under
+        # whichever name, is what goes back to the daemon.
+        import torch
+
+        class Legacy(torch.nn.Linear):
+            def _load_from_state_dict(self, state_dict, prefix, *args):
+                old = prefix + "old_weight"
+                if old in state_dict:
+                    state_dict[prefix + "weight"] = state_dict.pop(old)
+                super()._load_from_state_dict(state_dict, prefix, *args)
+
+        torch.manual_seed(0)
+        model, opt = self.wrap(torch.nn.Sequential(Legacy(8, 4)), {"lr": 1e-2})
+        want = {"0.old_weight": torch.randn(4, 8), "0.bias": torch.randn(4)}
+        model.load_state_dict(dict(want))
+        got = model.state_dict()
+        torch.testing.assert_close(got["0.weight"], want["0.old_weight"], rtol=0, atol=0)
+        torch.testing.assert_close(got["0.bias"], want["0.bias"], rtol=0, atol=0)
+        opt.close()
+
     def test_an_optimizer_state_dict_that_does_not_fit_changes_nothing(self):
         # A moment of the wrong shape is refused before any is written: the
         # state stays as it was, not loaded up to the parameter that failed.

@@ -667,6 +667,11 @@ class _Engine:
         """What the previous daemon's session held or was returning is gone
         with it: this engine goes on with `session`."""
         self._drop_interrupted_gradients(session)
+        # Read before anything here changes (a call that fails leaves the
+        # engine as it was): the restored session's scale, its checkpoint's,
+        # which the daemon unscales the gradients by.
+        scale = (session.pending_gradients()["loss_scale"]
+                 if self.config["loss_scaling"] is not None else None)
         self._held_views = None
         self._returns, self._return_bytes = [], 0
         self.returned_since_step = False
@@ -679,10 +684,8 @@ class _Engine:
             # A DeepSpeed loop's accumulation window begins again: the
             # micro-batches returned before went with the daemon.
             opt._micro_steps = 0
-            if self.config["loss_scaling"] is not None:
-                # The restored session's scale (its checkpoint's), which
-                # the daemon unscales the gradients by.
-                opt._loss_scale = session.pending_gradients()["loss_scale"]
+            if scale is not None:
+                opt._loss_scale = scale
         if self.tier is not None:
             # It copies from one session's arena (its mappings, its DMA
             # registration, its partitions): a new one for the new session;
@@ -1310,13 +1313,17 @@ class _Engine:
         # parameters, whole ones: every parameter is gathered first, and
         # written back to the daemon afterwards as its master weights.
         def gather_for_load(state_dict, prefix, *_):
-            # Only the parameters it holds are written back (strict=False
-            # may load some): the others keep their masters exactly.
-            loaded = {s.pid for key, s in self._keys(model, prefix).items() if key in state_dict}
-            self.gather_all_for_load(loaded)
+            self._load_prefix = prefix
+            self.gather_all_for_load()
 
-        def write_loaded(*_):
-            self.write_loaded()
+        def write_loaded(module, incompatible_keys):
+            # Only the parameters torch loaded are written back (strict=False
+            # may load some; a module's own _load_from_state_dict may rename
+            # keys: what it did not find is missing): the others keep their
+            # masters exactly.
+            missing = set(incompatible_keys.missing_keys)
+            self.write_loaded({s.pid for key, s in self._keys(model, self._load_prefix).items()
+                               if key not in missing})
 
         self._handles.append(model._register_load_state_dict_pre_hook(gather_for_load))
         self._handles.append(model.register_load_state_dict_post_hook(write_loaded))
@@ -1331,13 +1338,11 @@ class _Engine:
                     keys[prefix + (mname + "." if mname else "") + pname] = self.by_param[id(p)]
         return keys
 
-    def gather_all_for_load(self, loaded=None):
+    def gather_all_for_load(self):
         """Every parameter whole (a collective: every rank calls
-        load_state_dict), for torch to copy the loaded values into; those
-        of `loaded` (partition ids; None: all) are written back to the
-        daemon after (write_loaded). With the GPU tier, outside its
-        budget's slab (which need not hold the whole model): gathered as
-        without the tier."""
+        load_state_dict), for torch to copy the loaded values into. With
+        the GPU tier, outside its budget's slab (which need not hold the
+        whole model): gathered as without the tier."""
         self.latest_weights()
         self.flush_gradients()
         self._gathered_before_load = self._resident_gathered()
@@ -1346,7 +1351,6 @@ class _Engine:
             for s in self.shards:
                 self.gather([s])
         self._loading = True
-        self._loaded = loaded
 
     @contextlib.contextmanager
     def _tier_bypassed(self):
@@ -1364,14 +1368,14 @@ class _Engine:
                 tier = _GpuTier.create(self, self.config["gpu"])
             self.tier = tier
 
-    def write_loaded(self):
-        """The loaded parameters back to the daemon: each rank's slice
-        becomes its partition's master weights (and working copy); moments
-        and step counts stay, as torch's optimizer state does."""
+    def write_loaded(self, loaded=None):
+        """The loaded parameters (partition ids; None: all) back to the
+        daemon: each rank's slice becomes its partition's master weights
+        (and working copy); moments and step counts stay, as torch's
+        optimizer state does."""
         if not getattr(self, "_loading", False):
             return
         self._loading = False
-        loaded = getattr(self, "_loaded", None)
         shards = [s for s in self.shards if loaded is None or s.pid in loaded]
         delayed = self.delayed_update_on()
         if delayed:
