@@ -28,6 +28,10 @@ namespace {
 constexpr auto kRequestDeadline = std::chrono::seconds(2);
 // Connections waiting for their request at once; more are refused.
 constexpr size_t kMaxPending = 256;
+// Of those, one user's other than offloadd's own (and root's): a member of
+// server.socket_group that opens connections and sends nothing holds at
+// most these, not every slot (every other user's attach then refused).
+constexpr size_t kMaxPendingPerUser = 64;
 // Reading a request that poll said is there never waits long.
 constexpr int kReceiveTimeoutMs = 100;
 
@@ -201,6 +205,15 @@ void ArenaChannel::Accept() {
   if (pending_.size() >= kMaxPending) {
     return refuse(absl::UnavailableError(
         absl::StrCat(kMaxPending, " connections are already waiting to attach; retry")));
+  }
+  if (cred->uid != geteuid() && cred->uid != 0) {
+    const size_t mine = std::count_if(pending_.begin(), pending_.end(),
+                                      [&](const Pending& p) { return p.cred.uid == cred->uid; });
+    if (mine >= kMaxPendingPerUser) {
+      return refuse(absl::UnavailableError(absl::StrCat(
+          "uid ", cred->uid, " has ", mine, " connections waiting to attach already (at most ",
+          kMaxPendingPerUser, " a user): send their requests, or retry")));
+    }
   }
   SetReceiveTimeout(conn.get(), kReceiveTimeoutMs);
   pending_.push_back(

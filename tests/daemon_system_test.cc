@@ -2068,6 +2068,52 @@ TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfConnections) {
   EXPECT_GE(CounterOf(**c, "grpc_unix_connections_refused"), 2);
 }
 
+// A member of the socket group that opens connections to the arena socket
+// and sends nothing holds at most a quarter of the slots for attaches
+// waiting for their request (64 of 256, each for up to 2 s): offloadd's own
+// user (and every other member) still attaches meanwhile.
+TEST(DaemonStartup, AnotherUserHoldsAtMostItsShareOfWaitingAttaches) {
+  if (geteuid() != 0) GTEST_SKIP() << "becoming another user needs root";
+  std::string dir;
+  std::unique_ptr<RemoveOnExit> remove_dir;
+  auto d = StartGroupShared({}, &dir, &remove_dir);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string socket_path = dir + "/offloadd.sock";
+  int ready[2], done[2];
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(done), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(ready[0]);
+    close(done[1]);
+    if (!BecomeNobody(/*in_users=*/true)) _exit(8);
+    std::vector<UniqueFd> held;
+    for (int i = 0; i < 300; ++i) {
+      absl::StatusOr<UniqueFd> c = ConnectUnix(socket_path + ".arena");
+      if (c.ok()) held.push_back(*std::move(c));
+    }
+    absl::SleepFor(absl::Milliseconds(200));  // (accepted, or refused, by now)
+    (void)!write(ready[1], "r", 1);
+    char b;
+    (void)!read(done[0], &b, 1);  // held until offloadd's user attached
+    _exit(held.size() == 300 ? 0 : 9);
+  }
+  close(ready[1]);
+  close(done[0]);
+  char b;
+  ASSERT_EQ(read(ready[0], &b, 1), 1);
+  auto c = Client::Connect({"unix:" + socket_path});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto session = (*c)->OpenSession("beside");
+  EXPECT_TRUE(session.ok()) << session.status();
+  (void)!write(done[1], "d", 1);
+  close(ready[0]);
+  close(done[1]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0);
+}
+
 // server.socket_group: the trainers' group reaches both sockets and
 // attaches; other users still do not.
 TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
