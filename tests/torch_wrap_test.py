@@ -1584,6 +1584,44 @@ class WrapInProcessTest(unittest.TestCase):
         finally:
             daemon.stop()
 
+    def test_a_wrap_that_fails_after_resuming_leaves_the_resume_point(self):
+        # resume "auto" after offloadd died: a wrap() that fails after its
+        # session restored the job's last automatic checkpoint (and dropped
+        # the gradients that checkpoint held, taken at an overlapped step's
+        # call, with a skipped step) did not finish the job: the next wrap()
+        # resumes from the same step (it found nothing: the failed one had
+        # removed the directory).
+        import torch
+        import offloadd
+        flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
+        name = "failed_wrap"
+        daemon = Daemon(self.root, name, flags=flags)
+        zero = {"resume": "auto", "overlap_step": True, "session_name": name}
+        try:
+            model, opt = self.wrap_at(daemon.address, self.mlp(), {"lr": 1e-2}, zero)
+            stats = offloadd.Client(daemon.address)
+            for step in range(1, 4):
+                opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+                opt.step()  # (takes the checkpoint due after the step before)
+                opt.zero_grad()
+                # Each committed before the next is due (one due while the
+                # last is written waits for the step after).
+                deadline = time.monotonic() + 20
+                while (stats.stats()["counters"]["auto_checkpoints"] < step - 1
+                       and time.monotonic() < deadline):
+                    time.sleep(0.01)
+            self.assertEqual(stats.stats()["counters"]["auto_checkpoints"], 2)
+            daemon.stop()  # SIGKILL
+            daemon = Daemon(self.root, name, flags=flags, restart=True)
+            stranger = torch.nn.Parameter(torch.zeros(3))
+            with self.assertRaises(offloadd.InvalidArgumentError):
+                self.wrap_at(daemon.address, self.mlp(), {"lr": 1e-2, "params": [stranger]}, zero)
+            model, opt = self.wrap_at(daemon.address, self.mlp(), {"lr": 1e-2}, zero)
+            self.assertEqual(model.offloadd.resumed_step, 2)
+            opt.close()
+        finally:
+            daemon.stop()
+
     def test_a_job_goes_on_by_itself_when_offloadd_keeps_its_session_across_a_stop(self):
         # SIGTERM with the reconnect lease: offloadd keeps the session; the
         # next one reopens it; the loop gets SessionRestored with the step

@@ -770,7 +770,9 @@ class _Engine:
         self._originals = {}
         self._model.__dict__.pop("forward", None)
         try:
-            self.session.close()
+            # A job that resumes by itself did not finish: what its session
+            # restored (and its automatic checkpoints) stays for the next try.
+            self.session.close(finished=self.config["resume"] != "auto")
         except offloadd.Error:
             pass
 
