@@ -27,7 +27,8 @@ cp fuzz/corpus/request/* "$scratch/"
 # A crash or hang leaves its input here (not in the repository).
 artifacts=/tmp/offloadd-fuzz-artifacts
 mkdir -p "$artifacts"
-"$bin/fuzz/request_fuzzer_libfuzzer" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=4096 \
+LSAN_OPTIONS="suppressions=$(pwd)/fuzz/lsan.supp" \
+  "$bin/fuzz/request_fuzzer_libfuzzer" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=4096 \
   -artifact_prefix="$artifacts/" \
   -print_final_stats=1 "$scratch" 2>&1 | grep -vE '^#[0-9]+\s+(NEW|REDUCE|pulse)' || exit 1
 echo "fuzz: request_fuzzer ran ${seconds}s without a crash"
