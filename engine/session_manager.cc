@@ -369,8 +369,9 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
     // A session of the name that just closed unfinished writes its last
     // state first.
     const absl::Time deadline = absl::Now() + kFindLostWait;
-    while (finalizing_.contains(name)) {
-      if (finalized_.WaitWithDeadline(&mu_, deadline) && finalizing_.contains(name)) {
+    const NameOfUser mine{std::string(name), user};
+    while (finalizing_.contains(mine)) {
+      if (finalized_.WaitWithDeadline(&mu_, deadline) && finalizing_.contains(mine)) {
         return absl::UnavailableError(absl::StrCat(
             "a session named '", name, "' that went unfinished is still writing its last step (",
             absl::FormatDuration(kFindLostWait), " so far): retry"));
@@ -705,7 +706,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     const bool keep = doomed->keep_for_resume && !finished;
     if (keep && auto_checkpoint_.on()) {
       final = true;
-      ++finalizing_[doomed->name];
+      ++finalizing_[NameOfUser(doomed->name, doomed->user)];
     }
     if (!auto_checkpoint_.dir.empty() && !keep) {
       doomed->remove_when_gone.push_back(absl::StrCat(auto_checkpoint_.dir, "/", id));
@@ -735,7 +736,8 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
         if (final) {
           kept_elsewhere = FinalCheckpoint(doomed, doomed->reopened);
           absl::MutexLock lock(&mu_);
-          if (--finalizing_[doomed->name] == 0) finalizing_.erase(doomed->name);
+          const NameOfUser named(doomed->name, doomed->user);
+          if (--finalizing_[named] == 0) finalizing_.erase(named);
           finalized_.SignalAll();
         }
         // (Unless its last step is nowhere else: then that copy stays, for

@@ -613,10 +613,12 @@ class SessionManager {
   absl::Status CheckRoomForUserLocked(std::optional<uid_t> user) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
-  // Names of closed sessions whose FinalCheckpoint is being written:
-  // FindLost waits for them (what it finds must not change under a job's
-  // agreement on a step).
-  absl::flat_hash_map<std::string, int> finalizing_ ABSL_GUARDED_BY(mu_);
+  // Names (and the users who opened them) of closed sessions whose
+  // FinalCheckpoint is being written: FindLost waits for its user's (what it
+  // finds must not change under a job's agreement on a step), not another
+  // user's of the same name, which it would not find.
+  using NameOfUser = std::pair<std::string, std::optional<uid_t>>;
+  absl::flat_hash_map<NameOfUser, int> finalizing_ ABSL_GUARDED_BY(mu_);
   mutable absl::CondVar finalized_;
   std::atomic<RingCalls*> ring_calls_{nullptr};
   // Reserves the mappings registering `spec` may take, now or later, in

@@ -488,6 +488,37 @@ TEST_F(SessionManagerTest, ALostSessionIsFoundOnlyByTheUserWhoOpenedIt) {
   sessions_.SetAutoCheckpoint({});
 }
 
+// A lost session is looked for once its user's session of the name that
+// went unfinished has written its last step; another user's of the same
+// name delays no one (before: up to 8 minutes, then UNAVAILABLE).
+TEST_F(SessionManagerTest, AnotherUsersUnfinishedSessionOfTheNameDelaysNoOne) {
+  const std::string root = ::testing::TempDir() + "/finalizing_by_user";
+  AutoCheckpointsIn(root, 1);
+  constexpr uid_t kAlice = 1001, kBob = 1002;
+  RestoreFrom keep;
+  keep.keep_for_resume = true;
+  auto alice = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, keep, kAlice);
+  ASSERT_TRUE(alice.ok()) << alice.status();
+  auto p = sessions_.Register(alice->key, {"w", 1 << 10, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(alice->key, {p->id}).ok());
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, alice->key, p->id, 1 << 10));
+  AwaitAutoCheckpoints(stats_, 1);
+  {
+    SessionManager::Teardowns later;  // Alice's last step written when it goes
+    ASSERT_TRUE(sessions_.Abandon(alice->key.id, &later));
+    RestoreFrom lost;
+    lost.lost = true;
+    const absl::Time start = absl::Now();
+    auto bobs = sessions_.Open("job/rank0", {}, std::nullopt, std::nullopt, lost, kBob);
+    ASSERT_TRUE(bobs.ok()) << bobs.status();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+    EXPECT_EQ(bobs->restored_from, "");
+    ASSERT_TRUE(sessions_.Close(bobs->key).ok());
+  }
+  sessions_.SetAutoCheckpoint({});
+}
+
 // A session kept for a resume leaves its automatic checkpoints when it goes
 // unfinished (an unfinished Close, its trainer gone), for a session of the
 // same name to find (resume_lost); a finished Close removes them.
