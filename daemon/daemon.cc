@@ -140,6 +140,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   // Sessions the previous offloadd kept when it stopped (Shutdown), before
   // any call or lease can reach them.
   const std::string kept = d->PreservedDir();
+  d->engine_->sessions().SetKeptDirectory(kept);  // (no trainer's checkpoint goes there)
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
       const int n = ReopenKeptSessions(d->engine_->sessions(), kept, d->engine_->pool().file());

@@ -1152,23 +1152,27 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
                                                                              const std::string& dir,
                                                                              bool background) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
-  // The automatic checkpoints' directory is offloadd's: a checkpoint
-  // written into it (a session's of the same name, in another's directory)
-  // would replace what a lost session resumes from.
-  std::string auto_root;
+  // The automatic checkpoints' directory and the kept sessions' are
+  // offloadd's: a checkpoint written into one (a session's of the same
+  // name, in another's directory) would replace what a lost session
+  // resumes from, or a kept session's state.
+  std::vector<std::pair<std::string, const char*>> roots;
   {
     absl::MutexLock lock(&mu_);
-    auto_root = auto_checkpoint_.dir;
+    roots = {{auto_checkpoint_.dir, "the automatic checkpoints'"},
+             {kept_dir_, "the kept sessions'"}};
   }
-  if (!auto_root.empty()) {
-    std::error_code root_error, target_error;
-    const std::filesystem::path root = std::filesystem::weakly_canonical(auto_root, root_error);
-    const std::filesystem::path target = std::filesystem::weakly_canonical(dir, target_error);
+  std::error_code target_error;
+  const std::filesystem::path target = std::filesystem::weakly_canonical(dir, target_error);
+  for (const auto& [where, whose] : roots) {
+    if (where.empty() || target_error) continue;
+    std::error_code root_error;
+    const std::filesystem::path root = std::filesystem::weakly_canonical(where, root_error);
     const auto [r, t] = std::mismatch(root.begin(), root.end(), target.begin(), target.end());
-    if (!root_error && !target_error && r == root.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("checkpoint directory ", dir, " is inside the automatic checkpoints' (",
-                       auto_root, "), which offloadd manages: choose another"));
+    if (!root_error && r == root.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint directory ", dir, " is inside ",
+                                                     whose, " (", where,
+                                                     "), which offloadd manages: choose another"));
     }
   }
   return StartCheckpoint(session, dir, background, /*automatic=*/false);
@@ -1177,6 +1181,11 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
 void SessionManager::SetAutoCheckpoint(const AutoCheckpointOptions& options) {
   absl::MutexLock lock(&mu_);
   auto_checkpoint_ = options;
+}
+
+void SessionManager::SetKeptDirectory(std::string dir) {
+  absl::MutexLock lock(&mu_);
+  kept_dir_ = std::move(dir);
 }
 
 std::string SessionManager::AutoCheckpointDir(uint64_t id) const {

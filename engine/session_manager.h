@@ -284,6 +284,10 @@ class SessionManager {
     bool on() const { return !dir.empty() && (every_steps > 0 || interval > absl::ZeroDuration()); }
   };
   void SetAutoCheckpoint(const AutoCheckpointOptions& options) ABSL_LOCKS_EXCLUDED(mu_);
+  // Where sessions kept across a restart are (<data_dir>/preserved): like
+  // the automatic checkpoints' directory, offloadd's, and refused to a
+  // trainer's Checkpoint (it would replace a kept session's state).
+  void SetKeptDirectory(std::string dir) ABSL_LOCKS_EXCLUDED(mu_);
   // The directory of session `id`'s automatic checkpoints; empty while they
   // are off.
   std::string AutoCheckpointDir(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -613,6 +617,7 @@ class SessionManager {
   absl::Status CheckRoomForUserLocked(std::optional<uid_t> user) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   AutoCheckpointOptions auto_checkpoint_ ABSL_GUARDED_BY(mu_);
+  std::string kept_dir_ ABSL_GUARDED_BY(mu_);  // SetKeptDirectory
   // Names (and the users who opened them) of closed sessions whose
   // FinalCheckpoint is being written: FindLost waits for its user's (what it
   // finds must not change under a job's agreement on a step), not another

@@ -348,6 +348,11 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
         << dir;
   }
   EXPECT_TRUE(sessions_.Checkpoint(other, root + "/autumn", false).ok());
+  // So is the kept sessions' (<data_dir>/preserved).
+  sessions_.SetKeptDirectory(root + "/preserved");
+  EXPECT_EQ(sessions_.Checkpoint(other, root + "/preserved/7", false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  sessions_.SetKeptDirectory("");
   ASSERT_TRUE(sessions_.Close(other).ok());
   sessions_.SetAutoCheckpoint({});
 }
