@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -343,6 +344,15 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
                                                       "; this offloadd "
                                                       "reads version ",
                                                       kFormatVersion));
+  }
+  // Its data file is a name in the manifest's own directory, not a path: a
+  // manifest naming "../x" would have offloadd read (or, committing over a
+  // legacy manifest, remove) a file anywhere it may.
+  const std::string& data = manifest.data_file();
+  if (data == "." || data == ".." || data.find('/') != std::string::npos ||
+      data.find('\0') != std::string::npos) {
+    return absl::DataLossError(absl::StrCat(path, " names a data file outside its directory ('",
+                                            absl::CHexEscape(data), "')"));
   }
   return manifest;
 }

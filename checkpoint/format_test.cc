@@ -286,6 +286,32 @@ TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
   m->mutable_partitions(0)->add_shape(uint64_t{1} << 38);  // 3 x 5 x 2^38 > 2^40
   ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
   EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
+  m->mutable_partitions(0)->clear_shape();
+  // A data file outside the manifest's directory (read from, or removed at
+  // a later commit, wherever offloadd may).
+  // (Framed and hashed as CommitManifest does, which would not write it.)
+  auto write_raw = [&](const Manifest& manifest) {
+    std::string payload;
+    ASSERT_TRUE(manifest.SerializeToString(&payload));
+    const uint64_t length = payload.size(), hash = Hash(payload.data(), payload.size());
+    std::ofstream out(dir + "/r.manifest", std::ios::binary | std::ios::trunc);
+    out.write("OFLDCKP1", 8);
+    out.write(reinterpret_cast<const char*>(&length), 8);
+    out.write(reinterpret_cast<const char*>(&hash), 8);
+    out << payload;
+  };
+  const std::string valid = m->data_file();
+  write_raw(*m);
+  ASSERT_TRUE(ReadManifest(dir + "/r.manifest").ok());  // (the framing is right)
+  for (const char* outside : {"../../etc/passwd", "..", "/etc/passwd"}) {
+    m->set_data_file(outside);
+    write_raw(*m);
+    EXPECT_EQ(ReadManifest(dir + "/r.manifest").status().code(), absl::StatusCode::kDataLoss)
+        << outside;
+    EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss) << outside;
+  }
+  m->set_data_file(valid);
+  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
   // A directory others may write is refused, for reading and writing.
   ASSERT_EQ(chmod(dir.c_str(), 0777), 0);
   EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kPermissionDenied);
