@@ -1236,6 +1236,7 @@ PendingGradients PartitionStore::Pending() const {
   };
   while (accumulating()) step_ended_.Wait(&mu_);
   PendingGradients out;
+  out.delayed_update = delayed_;
   for (const auto& [id, p] : partitions_) {
     // A lost accumulation's earlier micro-batches still count (the step
     // will skip); one lost on its first has none.

@@ -975,7 +975,6 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key,
 absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
   PendingGradients out = session->partitions->Pending();
-  out.delayed_update = session->partitions->delayed_update();
   if (session->scaler != nullptr) {
     // The trainer's global clipping works on the unscaled gradient.
     out.loss_scale = session->scaler->scale();

@@ -80,7 +80,7 @@ struct PendingGradients {
   uint64_t partitions = 0;      // with gradients
   uint64_t micro_batches = 0;   // the most accumulated into one partition
   double loss_scale = 1;        // the session's (SessionManager fills it in)
-  bool delayed_update = false;  // the session's delayed update is on (SessionManager)
+  bool delayed_update = false;  // the session's delayed update is on
 };
 
 enum class StepOutcome {
