@@ -149,6 +149,17 @@ struct SessionManager::Session {
 
 namespace {
 
+// Whether `path` is `root` or lies under it, as the file system resolves
+// both (symbolic links, ".."), component by component ("/a/autumn" is not
+// under "/a/auto"). False where either cannot be resolved.
+bool InsideDirectory(const std::string& path, const std::string& root) {
+  std::error_code path_error, root_error;
+  const std::filesystem::path p = std::filesystem::weakly_canonical(path, path_error);
+  const std::filesystem::path r = std::filesystem::weakly_canonical(root, root_error);
+  if (path_error || root_error) return false;
+  return std::mismatch(r.begin(), r.end(), p.begin(), p.end()).first == r.end();
+}
+
 // Who opened the checkpoint's session, where not offloadd's own user.
 std::optional<uid_t> OpenedBy(const checkpoint::Manifest& m) {
   return m.has_opened_by() ? std::optional<uid_t>(m.opened_by()) : std::nullopt;
@@ -1161,16 +1172,10 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
     roots = {{auto_checkpoint_.dir, "the automatic checkpoints'"},
              {kept_dir_, "the kept sessions'"}};
   }
-  std::error_code target_error;
-  const std::filesystem::path target = std::filesystem::weakly_canonical(dir, target_error);
-  for (const auto& [where, whose] : roots) {
-    if (where.empty() || target_error) continue;
-    std::error_code root_error;
-    const std::filesystem::path root = std::filesystem::weakly_canonical(where, root_error);
-    const auto [r, t] = std::mismatch(root.begin(), root.end(), target.begin(), target.end());
-    if (!root_error && r == root.end()) {
+  for (const auto& [root, whose] : roots) {
+    if (!root.empty() && InsideDirectory(dir, root)) {
       return absl::InvalidArgumentError(absl::StrCat("checkpoint directory ", dir, " is inside ",
-                                                     whose, " (", where,
+                                                     whose, " (", root,
                                                      "), which offloadd manages: choose another"));
     }
   }
