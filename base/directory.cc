@@ -14,17 +14,34 @@
 
 namespace offload {
 
-std::vector<std::string> ListDirectory(const std::string& dir) {
+namespace {
+
+// The names `d` holds, sorted; closes it.
+std::vector<std::string> ReadAndClose(DIR* d) {
   std::vector<std::string> names;
-  if (DIR* d = opendir(dir.c_str())) {
-    while (const dirent* e = readdir(d)) {
-      const absl::string_view name = e->d_name;
-      if (name != "." && name != "..") names.emplace_back(name);
-    }
-    closedir(d);
+  if (d == nullptr) return names;
+  while (const dirent* e = readdir(d)) {
+    const absl::string_view name = e->d_name;
+    if (name != "." && name != "..") names.emplace_back(name);
   }
+  closedir(d);
   std::sort(names.begin(), names.end());
   return names;
+}
+
+}  // namespace
+
+std::vector<std::string> ListDirectory(const std::string& dir) {
+  return ReadAndClose(opendir(dir.c_str()));
+}
+
+std::vector<std::string> ListDirectory(int dir_fd) {
+  // A descriptor of its own (fdopendir takes it over), at the start.
+  const int fd = openat(dir_fd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return {};
+  DIR* d = fdopendir(fd);
+  if (d == nullptr) close(fd);
+  return ReadAndClose(d);
 }
 
 bool IsDirectory(const std::string& path) {

@@ -19,6 +19,9 @@ namespace offload {
 // The names in `dir`, sorted, without "." and ".."; none if it cannot be
 // read.
 std::vector<std::string> ListDirectory(const std::string& dir);
+// The same of the directory open as `dir_fd` (which stays open and is not
+// moved).
+std::vector<std::string> ListDirectory(int dir_fd);
 
 // True if `path` is a directory itself (not a link to one).
 bool IsDirectory(const std::string& path);

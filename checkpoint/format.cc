@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <optional>
 
@@ -136,9 +137,10 @@ std::string StemFor(absl::string_view session_name) {
   return stem;
 }
 
-absl::Status CheckOwnDirectory(const std::string& dir) {
-  struct stat st;
-  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat of ", dir), errno);
+namespace {
+
+// CheckOwnDirectory's rules, on what `st` describes.
+absl::Status CheckOwn(const struct stat& st, const std::string& dir) {
   if (!S_ISDIR(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(dir, " is not a directory"));
   }
@@ -156,37 +158,76 @@ absl::Status CheckOwnDirectory(const std::string& dir) {
   return absl::OkStatus();
 }
 
-absl::Status PrepareDirectory(const std::string& dir) {
-  if (dir.empty() || dir[0] != '/') {
+}  // namespace
+
+absl::Status CheckOwnDirectory(const std::string& dir) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat of ", dir), errno);
+  return CheckOwn(st, dir);
+}
+
+absl::StatusOr<Directory> Directory::Open(const std::string& path) {
+  auto fd = std::make_shared<UniqueFd>(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd->get() < 0 && errno == ENOTDIR) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a directory"));
+  }
+  if (fd->get() < 0) return PosixError(absl::StrCat("opening ", path), errno);
+  struct stat st;
+  if (fstat(fd->get(), &st) != 0) return PosixError(absl::StrCat("stat of ", path), errno);
+  RETURN_IF_ERROR(CheckOwn(st, path));
+  return Directory(path, std::move(fd));
+}
+
+absl::StatusOr<Directory> Directory::Prepare(const std::string& path) {
+  if (path.empty() || path[0] != '/') {
     return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint directory must be an absolute path, got '", dir, "'"));
+        absl::StrCat("checkpoint directory must be an absolute path, got '", path, "'"));
   }
   // Each missing parent, then the directory itself.
-  for (size_t slash = 1; slash <= dir.size(); ++slash) {
-    if (slash != dir.size() && dir[slash] != '/') continue;
-    const std::string prefix = dir.substr(0, slash);
+  for (size_t slash = 1; slash <= path.size(); ++slash) {
+    if (slash != path.size() && path[slash] != '/') continue;
+    const std::string prefix = path.substr(0, slash);
     if (mkdir(prefix.c_str(), 0700) != 0 && errno != EEXIST) {
       return PosixError(absl::StrCat("creating checkpoint directory ", prefix), errno);
     }
   }
-  return CheckOwnDirectory(dir);
+  return Open(path);
 }
 
-absl::StatusOr<DataFileWriter> DataFileWriter::Create(const std::string& dir,
+std::string Directory::PathOf(absl::string_view name) const {
+  return absl::StrCat(path_, "/", name);
+}
+
+absl::StatusOr<std::string> Directory::Location() const {
+  const std::string link = absl::StrCat("/proc/self/fd/", fd());
+  char buf[PATH_MAX + 1];
+  const ssize_t n = readlink(link.c_str(), buf, PATH_MAX);
+  if (n < 0) return PosixError(absl::StrCat("where ", path_, " lies now (", link, ")"), errno);
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+std::vector<std::string> Directory::List() const { return ListDirectory(fd()); }
+
+absl::Status Directory::Sync() const {
+  if (fsync(fd()) != 0) return PosixError(absl::StrCat("fsync of directory ", path_), errno);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DataFileWriter> DataFileWriter::Create(const Directory& dir,
                                                       const std::string& stem) {
   uint64_t gen = 0;
-  for (const std::string& name : ListDirectory(dir)) {
+  for (const std::string& name : dir.List()) {
     if (auto g = DataGeneration(name, stem)) gen = std::max(gen, *g + 1);
   }
   for (;; ++gen) {  // another writer of the same stem may race us: O_EXCL decides
     std::string name = absl::StrCat(stem, ".", gen, ".data");
-    std::string path = absl::StrCat(dir, "/", name);
-    UniqueFd fd(open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
+    UniqueFd fd(
+        openat(dir.fd(), name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (fd.get() >= 0) {
       UniqueFd direct = OpenDirect(fd.get(), O_WRONLY);
-      return DataFileWriter(std::move(fd), std::move(direct), std::move(name), std::move(path));
+      return DataFileWriter(dir, std::move(fd), std::move(direct), std::move(name));
     }
-    if (errno != EEXIST) return PosixError(absl::StrCat("creating ", path), errno);
+    if (errno != EEXIST) return PosixError(absl::StrCat("creating ", dir.PathOf(name)), errno);
   }
 }
 
@@ -210,8 +251,10 @@ absl::Status DataFileWriter::Sync() const {
   return absl::OkStatus();
 }
 
-absl::Status CommitManifest(const std::string& dir, const std::string& stem,
-                            const Manifest& manifest, bool keep_previous) {
+void DataFileWriter::Remove() const { unlinkat(dir_.fd(), name_.c_str(), 0); }
+
+absl::Status CommitManifest(const Directory& dir, const std::string& stem, const Manifest& manifest,
+                            bool keep_previous) {
   std::string payload;
   if (!manifest.SerializeToString(&payload)) {
     return absl::InternalError("serialising a checkpoint manifest failed");
@@ -221,23 +264,27 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
   const uint64_t length = payload.size(), hash = Hash(payload.data(), payload.size());
   std::memcpy(header + 8, &length, 8);  // x86-64 and aarch64 Linux: little-endian
   std::memcpy(header + 16, &hash, 8);
-  const std::string final_path = absl::StrCat(dir, "/", stem, ".manifest");
-  const std::string previous_path = absl::StrCat(dir, "/", stem, ".previous");
+  const int dfd = dir.fd();
+  const std::string final_name = absl::StrCat(stem, ".manifest");
+  const std::string previous_name = absl::StrCat(stem, ".previous");
   // One temporary name per data file: two writers of a stem never share it.
-  const std::string tmp_path = absl::StrCat(final_path, ".", manifest.data_file(), ".tmp");
+  const std::string tmp_name = absl::StrCat(final_name, ".", manifest.data_file(), ".tmp");
+  const std::string final_path = dir.PathOf(final_name);
+  const std::string previous_path = dir.PathOf(previous_name);
+  const std::string tmp_path = dir.PathOf(tmp_name);
   // The data file's directory entry is durable before the manifest naming it.
-  RETURN_IF_ERROR(SyncDirectory(dir));
+  RETURN_IF_ERROR(dir.Sync());
   const std::optional<uint64_t> mine = DataGeneration(manifest.data_file(), stem);
   absl::Status written = [&]() -> absl::Status {
     UniqueFd fd(
-        open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+        openat(dfd, tmp_name.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
     if (fd.get() < 0) return PosixError(absl::StrCat("creating ", tmp_path), errno);
     RETURN_IF_ERROR(WriteAll(fd.get(), header, kHeaderBytes, 0, tmp_path));
     RETURN_IF_ERROR(WriteAll(fd.get(), payload.data(), payload.size(), kHeaderBytes, tmp_path));
     if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of ", tmp_path), errno);
     // Another writer of this stem (a session of the same name) committed a
     // newer checkpoint meanwhile: this older one must not replace it.
-    if (absl::StatusOr<Manifest> current = ReadManifest(final_path); current.ok()) {
+    if (absl::StatusOr<Manifest> current = ReadManifest(dir, final_name); current.ok()) {
       const std::optional<uint64_t> theirs = DataGeneration(current->data_file(), stem);
       if (theirs.has_value() && mine.has_value() && *theirs > *mine) {
         return absl::AbortedError(
@@ -250,42 +297,43 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
     // crash in between leaves the new manifest and the older previous one
     // (never two names of one checkpoint).
     std::string link_tmp;
-    if (keep_previous && access(final_path.c_str(), F_OK) == 0) {
-      link_tmp = absl::StrCat(previous_path, ".", manifest.data_file(), ".tmp");
-      unlink(link_tmp.c_str());
-      if (link(final_path.c_str(), link_tmp.c_str()) != 0) {
+    struct stat st;
+    if (keep_previous && fstatat(dfd, final_name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      link_tmp = absl::StrCat(previous_name, ".", manifest.data_file(), ".tmp");
+      unlinkat(dfd, link_tmp.c_str(), 0);
+      if (linkat(dfd, final_name.c_str(), dfd, link_tmp.c_str(), 0) != 0) {
         return PosixError(absl::StrCat("linking ", final_path, " to ", link_tmp), errno);
       }
     }
-    if (rename(tmp_path.c_str(), final_path.c_str()) != 0) {
+    if (renameat(dfd, tmp_name.c_str(), dfd, final_name.c_str()) != 0) {
       const int err = errno;
-      if (!link_tmp.empty()) unlink(link_tmp.c_str());
+      if (!link_tmp.empty()) unlinkat(dfd, link_tmp.c_str(), 0);
       return PosixError(absl::StrCat("renaming ", tmp_path, " to ", final_path), err);
     }
-    if (!link_tmp.empty() && rename(link_tmp.c_str(), previous_path.c_str()) != 0) {
+    if (!link_tmp.empty() && renameat(dfd, link_tmp.c_str(), dfd, previous_name.c_str()) != 0) {
       // Committed; only the previous one is not kept.
       LogWarning(
           "checkpoint %s: the previous one is not kept: %s", final_path,
           PosixError(absl::StrCat("renaming ", link_tmp, " to ", previous_path), errno).ToString());
-      unlink(link_tmp.c_str());
+      unlinkat(dfd, link_tmp.c_str(), 0);
     }
     return absl::OkStatus();
   }();
   if (!written.ok()) {
-    unlink(tmp_path.c_str());
+    unlinkat(dfd, tmp_name.c_str(), 0);
     return written;
   }
-  RETURN_IF_ERROR(SyncDirectory(dir));
+  RETURN_IF_ERROR(dir.Sync());
   // Committed. The stem's older data files are garbage now (a newer one is
   // another writer's, still being filled), and so are temporary manifests
   // of older attempts that crashed; the previous checkpoint's data file
   // stays while <stem>.previous names it.
   std::optional<uint64_t> keep;
-  if (absl::StatusOr<Manifest> previous = ReadManifest(previous_path); previous.ok()) {
+  if (absl::StatusOr<Manifest> previous = ReadManifest(dir, previous_name); previous.ok()) {
     keep = DataGeneration(previous->data_file(), stem);
   }
   const std::string tmp_prefix = absl::StrCat(stem, ".manifest.");
-  for (const std::string& name : ListDirectory(dir)) {
+  for (const std::string& name : dir.List()) {
     absl::string_view n = name;
     std::optional<uint64_t> gen = DataGeneration(n, stem);
     if (!gen.has_value() && absl::ConsumePrefix(&n, tmp_prefix) &&
@@ -294,29 +342,31 @@ absl::Status CommitManifest(const std::string& dir, const std::string& stem,
     }
     if (!gen.has_value() && absl::StartsWith(name, absl::StrCat(stem, ".previous.")) &&
         absl::EndsWith(name, ".tmp")) {
-      unlink(absl::StrCat(dir, "/", name).c_str());  // a link a crash left
+      unlinkat(dfd, name.c_str(), 0);  // a link a crash left
       continue;
     }
     if (gen.has_value() && mine.has_value() && *gen < *mine && gen != keep) {
-      unlink(absl::StrCat(dir, "/", name).c_str());
+      unlinkat(dfd, name.c_str(), 0);
     }
   }
   // A checkpoint of this session written before stems carried a hash
   // (<name>.manifest with the name as it was) would hold its tensors twice.
   const std::string legacy = LegacyStem(manifest.session_name());
   if (legacy != stem) {
-    const std::string legacy_manifest = absl::StrCat(dir, "/", legacy, ".manifest");
-    if (absl::StatusOr<Manifest> old = ReadManifest(legacy_manifest);
+    const std::string legacy_manifest = absl::StrCat(legacy, ".manifest");
+    if (absl::StatusOr<Manifest> old = ReadManifest(dir, legacy_manifest);
         old.ok() && old->session_name() == manifest.session_name()) {
-      unlink(legacy_manifest.c_str());
-      unlink(absl::StrCat(dir, "/", old->data_file()).c_str());
+      unlinkat(dfd, legacy_manifest.c_str(), 0);
+      unlinkat(dfd, old->data_file().c_str(), 0);
     }
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+namespace {
+
+// The manifest open as `fd` (named `path` in messages), verified.
+absl::StatusOr<Manifest> ReadManifestFrom(const UniqueFd& fd, const std::string& path) {
   if (fd.get() < 0) return PosixError(absl::StrCat("opening ", path), errno);
   char header[kHeaderBytes];
   RETURN_IF_ERROR(ReadAll(fd.get(), header, kHeaderBytes, 0, path));
@@ -326,8 +376,12 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
   uint64_t length, hash;
   std::memcpy(&length, header + 8, 8);
   std::memcpy(&hash, header + 16, 8);
-  if (length > kMaxManifestBytes) {
-    return absl::DataLossError(absl::StrCat(path, " claims a ", length, "-byte manifest"));
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return PosixError(absl::StrCat("stat of ", path), errno);
+  // Checked before anything is allocated for it.
+  if (length > kMaxManifestBytes || length > static_cast<uint64_t>(st.st_size) - kHeaderBytes) {
+    return absl::DataLossError(
+        absl::StrCat(path, " claims a ", length, "-byte manifest in ", st.st_size, " bytes"));
   }
   std::string payload(length, '\0');
   RETURN_IF_ERROR(ReadAll(fd.get(), payload.data(), length, kHeaderBytes, path));
@@ -357,23 +411,40 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
   return manifest;
 }
 
+}  // namespace
+
+absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
+  return ReadManifestFrom(UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC)), path);
+}
+
+absl::StatusOr<Manifest> ReadManifest(const Directory& dir, const std::string& name) {
+  return ReadManifestFrom(UniqueFd(openat(dir.fd(), name.c_str(), O_RDONLY | O_CLOEXEC)),
+                          dir.PathOf(name));
+}
+
 absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     const std::string& dir, std::optional<uint64_t> steps) {
-  RETURN_IF_ERROR(CheckOwnDirectory(dir));
+  ASSIGN_OR_RETURN(Directory d, Directory::Open(dir));
+  return ReadManifests(d, steps);
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
+    const Directory& dir, std::optional<uint64_t> steps) {
   std::vector<std::pair<std::string, Manifest>> out;
-  for (const std::string& name : ListDirectory(dir)) {
+  for (const std::string& name : dir.List()) {
     absl::string_view stem = name;
     if (!absl::ConsumeSuffix(&stem, ".manifest")) continue;
-    std::string path = absl::StrCat(dir, "/", name);
-    ASSIGN_OR_RETURN(Manifest m, ReadManifest(path));
+    std::string path = dir.PathOf(name);
+    ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, name));
     if (steps.has_value() && m.steps() != *steps) {
       // The kept previous checkpoint of the stem, if it is that step's.
-      std::string previous = absl::StrCat(dir, "/", stem, ".previous");
-      absl::StatusOr<Manifest> p = ReadManifest(previous);
+      const std::string previous_name = absl::StrCat(stem, ".previous");
+      std::string previous = dir.PathOf(previous_name);
+      absl::StatusOr<Manifest> p = ReadManifest(dir, previous_name);
       if (!p.ok() || p->steps() != *steps) {
         return absl::NotFoundError(
-            absl::StrCat("no checkpoint of step ", *steps, " of '", m.session_name(), "' in ", dir,
-                         " (it has step ", m.steps(),
+            absl::StrCat("no checkpoint of step ", *steps, " of '", m.session_name(), "' in ",
+                         dir.path(), " (it has step ", m.steps(),
                          p.ok() ? absl::StrCat(" and step ", p->steps()) : std::string(), ")"));
       }
       path = std::move(previous);
@@ -382,11 +453,7 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     out.emplace_back(std::move(path), std::move(m));
   }
   if (out.empty()) {
-    struct stat st;
-    if (stat(dir.c_str(), &st) != 0) {
-      return PosixError(absl::StrCat("checkpoint directory ", dir), errno);
-    }
-    return absl::NotFoundError(absl::StrCat("no checkpoint (*.manifest) in ", dir));
+    return absl::NotFoundError(absl::StrCat("no checkpoint (*.manifest) in ", dir.path()));
   }
   return out;
 }
@@ -400,9 +467,10 @@ std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string&
   return steps;
 }
 
-absl::StatusOr<DataFileReader> DataFileReader::Open(const std::string& path,
+absl::StatusOr<DataFileReader> DataFileReader::Open(const Directory& dir, const std::string& name,
                                                     const std::string& memory_path) {
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  const std::string path = dir.PathOf(name);
+  UniqueFd fd(openat(dir.fd(), name.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return PosixError(absl::StrCat("opening checkpoint data ", path), errno);
   UniqueFd direct = OpenDirect(fd.get(), O_RDONLY);
   DataFileReader reader(std::move(fd), std::move(direct), path);

@@ -29,6 +29,9 @@
 // Reading verifies the frame, the payload's hash and each record's hash:
 // DATA_LOSS names the file, the offset and what did not match.
 //
+// A directory is opened once (Directory), checked on what was opened, and
+// its files are then reached through that descriptor only.
+//
 // Data files are written and read around the page cache (O_DIRECT) where
 // the file system allows it and a transfer's memory and offset are aligned
 // to kDirectAlignment: the whole aligned blocks of a record directly, its
@@ -81,13 +84,44 @@ inline constexpr uint64_t kDirectAlignment = 4096;
 // empty name.
 std::string StemFor(absl::string_view session_name);
 
-// The directory, created (mode 0700, parents too) if missing.
-// INVALID_ARGUMENT for a relative path or one that is not a directory;
-// see CheckOwnDirectory.
-absl::Status PrepareDirectory(const std::string& dir);
 // PERMISSION_DENIED unless `dir` belongs to this user (or root) and no one
 // else may write it: another user could plant or swap checkpoint files.
 absl::Status CheckOwnDirectory(const std::string& dir);
+
+// A checkpoint directory, open. CheckOwnDirectory's rules are checked on
+// the directory that was opened, and every file of its checkpoints is then
+// created, read, linked, renamed and removed relative to it: the path
+// replaced by a link after the check (by anyone who may write one of its
+// parents) changes nothing. Copies share one descriptor.
+class Directory {
+ public:
+  // The existing directory at `path` (links in it followed).
+  // INVALID_ARGUMENT if it is not a directory, PERMISSION_DENIED if it
+  // fails the check.
+  static absl::StatusOr<Directory> Open(const std::string& path);
+  // Open, creating it (mode 0700, parents too) if missing.
+  // INVALID_ARGUMENT for a relative path.
+  static absl::StatusOr<Directory> Prepare(const std::string& path);
+
+  // The path it was opened by, and `name` in it: for messages.
+  const std::string& path() const { return path_; }
+  std::string PathOf(absl::string_view name) const;
+  int fd() const { return fd_->get(); }
+  // Where the directory lies now, as the kernel resolves it (not the path
+  // it was opened by, which may have been replaced since).
+  absl::StatusOr<std::string> Location() const;
+  // The names in it, sorted, without "." and "..".
+  std::vector<std::string> List() const;
+  // fsync of the directory: entries created, renamed or removed in it are
+  // durable once this returns.
+  absl::Status Sync() const;
+
+ private:
+  Directory(std::string path, std::shared_ptr<const UniqueFd> fd)
+      : path_(std::move(path)), fd_(std::move(fd)) {}
+  std::string path_;
+  std::shared_ptr<const UniqueFd> fd_;
+};
 // DATA_LOSS for a record no checkpoint writes (larger than 1 GiB, or past
 // 2^50 bytes): checked before anything is allocated for it.
 absl::Status CheckRecord(const Record& record, const std::string& path);
@@ -101,7 +135,7 @@ struct DirectStats {
 class DataFileWriter {
  public:
   // Creates <dir>/<stem>.<gen>.data, gen above every data file of the stem.
-  static absl::StatusOr<DataFileWriter> Create(const std::string& dir, const std::string& stem);
+  static absl::StatusOr<DataFileWriter> Create(const Directory& dir, const std::string& stem);
 
   DataFileWriter(DataFileWriter&&) = default;
   DataFileWriter& operator=(DataFileWriter&&) = default;
@@ -120,16 +154,20 @@ class DataFileWriter {
   uint64_t direct_bytes() const { return direct_stats_->bytes.load(); }
   // fsync.
   absl::Status Sync() const;
-  // The file's name in the directory.
+  // Removes the file from its directory (a checkpoint that failed).
+  void Remove() const;
+  // The file's name in the directory, and its path (for messages).
   const std::string& name() const { return name_; }
   const std::string& path() const { return path_; }
 
  private:
-  DataFileWriter(UniqueFd fd, UniqueFd direct_fd, std::string name, std::string path)
-      : fd_(std::move(fd)),
+  DataFileWriter(Directory dir, UniqueFd fd, UniqueFd direct_fd, std::string name)
+      : dir_(std::move(dir)),
+        fd_(std::move(fd)),
         direct_fd_(std::move(direct_fd)),
         name_(std::move(name)),
-        path_(std::move(path)) {}
+        path_(dir_.PathOf(name_)) {}
+  Directory dir_;
   UniqueFd fd_;
   UniqueFd direct_fd_;  // the same file opened O_DIRECT; -1 where unsupported
   std::string name_, path_;
@@ -139,16 +177,20 @@ class DataFileWriter {
 // Steps 2-4 above: commits `manifest` (which names its data file) as the
 // checkpoint of `stem` in `dir`; with `keep_previous`, the checkpoint it
 // replaces stays as <stem>.previous.
-absl::Status CommitManifest(const std::string& dir, const std::string& stem,
-                            const Manifest& manifest, bool keep_previous = false);
+absl::Status CommitManifest(const Directory& dir, const std::string& stem, const Manifest& manifest,
+                            bool keep_previous = false);
 
 // One manifest, verified (DATA_LOSS for a torn or corrupted one,
-// NOT_FOUND if it does not exist).
+// NOT_FOUND if it does not exist): at `path`, or `name` in `dir`.
 absl::StatusOr<Manifest> ReadManifest(const std::string& path);
+absl::StatusOr<Manifest> ReadManifest(const Directory& dir, const std::string& name);
 // Every <stem>.manifest in `dir`, with its path, by name. NOT_FOUND if
 // there is none. With `steps`, each stem's checkpoint taken after that many
 // steps: its manifest's, else its kept previous one's (NOT_FOUND naming the
-// stem and the steps it has if neither).
+// stem and the steps it has if neither). The path form opens the directory
+// first (Directory::Open).
+absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
+    const Directory& dir, std::optional<uint64_t> steps = std::nullopt);
 absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     const std::string& dir, std::optional<uint64_t> steps = std::nullopt);
 // The steps of the checkpoints of `stem` in `dir`: its manifest's first,
@@ -157,10 +199,11 @@ std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string&
 
 class DataFileReader {
  public:
-  // With `memory_path` (a manifest's memory_file), records with a
-  // memory_offset are read from that file: it must belong to this user (or
-  // root) and be writable by no one else (PERMISSION_DENIED).
-  static absl::StatusOr<DataFileReader> Open(const std::string& path,
+  // The data file `name` in `dir`. With `memory_path` (a manifest's
+  // memory_file), records with a memory_offset are read from that file: it
+  // must belong to this user (or root) and be writable by no one else
+  // (PERMISSION_DENIED).
+  static absl::StatusOr<DataFileReader> Open(const Directory& dir, const std::string& name,
                                              const std::string& memory_path = "");
   DataFileReader(DataFileReader&&) = default;
   DataFileReader& operator=(DataFileReader&&) = default;

@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/directory.h"
 #include "base/unique_fd.h"
 #include "checkpoint/export.h"
 #include "checkpoint/safetensors.h"
@@ -32,10 +33,17 @@ std::string TempDir() {
   return mkdtemp(t.data());
 }
 
+// `dir`, open (it exists and passes the ownership check).
+Directory Opened(const std::string& dir) {
+  absl::StatusOr<Directory> d = Directory::Open(dir);
+  EXPECT_TRUE(d.ok()) << d.status();
+  return *std::move(d);
+}
+
 // Writes one session's checkpoint: slice [offset, offset + values.size())
 // of tensor "w" (shape 3x5), master = values, in records of `chunk`
 // elements.
-absl::Status WriteSession(const std::string& dir, const std::string& name, uint64_t offset,
+absl::Status WriteSession(const Directory& dir, const std::string& name, uint64_t offset,
                           const std::vector<float>& values, uint64_t chunk, uint64_t steps = 7,
                           bool keep_previous = false) {
   auto writer = DataFileWriter::Create(dir, StemFor(name));
@@ -74,6 +82,11 @@ absl::Status WriteSession(const std::string& dir, const std::string& name, uint6
   m.set_data_bytes(at);
   if (absl::Status s = writer->Sync(); !s.ok()) return s;
   return CommitManifest(dir, StemFor(name), m, keep_previous);
+}
+absl::Status WriteSession(const std::string& dir, const std::string& name, uint64_t offset,
+                          const std::vector<float>& values, uint64_t chunk, uint64_t steps = 7,
+                          bool keep_previous = false) {
+  return WriteSession(Opened(dir), name, offset, values, chunk, steps, keep_previous);
 }
 
 TEST(StemTest, KeepsSafeBytesOnly) {
@@ -174,7 +187,7 @@ TEST(CheckpointFormatTest, AnInterruptedCheckpointLeavesThePreviousOne) {
   const std::string dir = TempDir();
   ASSERT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 1.0f), 15).ok());
   // The next one crashed after writing its data, before its manifest.
-  auto writer = DataFileWriter::Create(dir, "r");
+  auto writer = DataFileWriter::Create(Opened(dir), "r");
   ASSERT_TRUE(writer.ok());
   std::vector<float> junk(15, 9.0f);
   ASSERT_TRUE(
@@ -254,18 +267,18 @@ TEST(CheckpointFormatTest, WritersOfOneStemNeverLoseTheNewerCheckpoint) {
   }
   // Two writers of one stem: the older generation may not replace the
   // newer commit; a crashed attempt's temporary manifest is collected.
-  auto older = DataFileWriter::Create(dir, "s");
-  auto newer = DataFileWriter::Create(dir, "s");
+  auto older = DataFileWriter::Create(Opened(dir), "s");
+  auto newer = DataFileWriter::Create(Opened(dir), "s");
   ASSERT_TRUE(older.ok() && newer.ok());
   std::ofstream(dir + "/s.manifest." + older->name() + ".tmp") << "torn";
   Manifest m;
   m.set_format_version(kFormatVersion);
   m.set_session_name("s");
   m.set_data_file(newer->name());
-  ASSERT_TRUE(CommitManifest(dir, "s", m).ok());
+  ASSERT_TRUE(CommitManifest(Opened(dir), "s", m).ok());
   EXPECT_NE(access((dir + "/s.manifest." + older->name() + ".tmp").c_str(), F_OK), 0);
   m.set_data_file(older->name());
-  EXPECT_EQ(CommitManifest(dir, "s", m).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(CommitManifest(Opened(dir), "s", m).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(ReadManifest(dir + "/s.manifest")->data_file(), newer->name());
 }
 
@@ -276,15 +289,15 @@ TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
   auto m = ReadManifest(dir + "/r.manifest");
   ASSERT_TRUE(m.ok());
   m->mutable_partitions(0)->mutable_records(0)->set_bytes(uint64_t{1} << 40);
-  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  ASSERT_TRUE(CommitManifest(Opened(dir), "r", *m).ok());
   EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
   m->mutable_partitions(0)->mutable_records(0)->set_bytes(60);
   m->mutable_partitions(0)->set_numel(uint64_t{1} << 50);
-  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  ASSERT_TRUE(CommitManifest(Opened(dir), "r", *m).ok());
   EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
   m->mutable_partitions(0)->set_numel(15);
   m->mutable_partitions(0)->add_shape(uint64_t{1} << 38);  // 3 x 5 x 2^38 > 2^40
-  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  ASSERT_TRUE(CommitManifest(Opened(dir), "r", *m).ok());
   EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
   m->mutable_partitions(0)->clear_shape();
   // A data file outside the manifest's directory (read from, or removed at
@@ -311,11 +324,43 @@ TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
     EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss) << outside;
   }
   m->set_data_file(valid);
-  ASSERT_TRUE(CommitManifest(dir, "r", *m).ok());
+  ASSERT_TRUE(CommitManifest(Opened(dir), "r", *m).ok());
   // A directory others may write is refused, for reading and writing.
   ASSERT_EQ(chmod(dir.c_str(), 0777), 0);
   EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(PrepareDirectory(dir).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Directory::Prepare(dir).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+// A checkpoint is written into, and read from, the directory that passed
+// the check: its path made a link to one anyone may write, after it was
+// opened, changes nothing.
+TEST(CheckpointFormatTest, ADirectoryIsCheckedOnceAndUsedAsOpened) {
+  const std::string dir = TempDir(), moved = dir + ".moved", planted = TempDir();
+  ASSERT_EQ(chmod(planted.c_str(), 0777), 0);  // what another user could offer
+  const Directory opened = Opened(dir);
+  ASSERT_EQ(rename(dir.c_str(), moved.c_str()), 0);
+  ASSERT_EQ(symlink(planted.c_str(), dir.c_str()), 0);
+  ASSERT_TRUE(WriteSession(opened, "r", 0, std::vector<float>(15, 1.0f), 15).ok());
+  EXPECT_TRUE(ListDirectory(planted).empty());
+  EXPECT_EQ(ListDirectory(moved).size(), 2u);  // r.manifest, r.0.data
+  auto manifests = ReadManifests(opened);
+  ASSERT_TRUE(manifests.ok()) << manifests.status();
+  ASSERT_EQ(manifests->size(), 1u);
+  // Its manifests and data, planted where the path now leads, are not read.
+  ASSERT_TRUE(WriteSession(Opened(moved), "s", 0, std::vector<float>(15, 2.0f), 15).ok());
+  for (const std::string& name : ListDirectory(moved)) {
+    if (absl::StartsWith(name, "s.")) {
+      ASSERT_EQ(rename((moved + "/" + name).c_str(), (planted + "/" + name).c_str()), 0);
+    }
+  }
+  manifests = ReadManifests(opened);
+  ASSERT_TRUE(manifests.ok()) << manifests.status();
+  EXPECT_EQ(manifests->size(), 1u);
+  EXPECT_EQ(ReadManifests(dir).status().code(), absl::StatusCode::kPermissionDenied);
+  // Where it is now, for the checks made on locations.
+  auto location = opened.Location();
+  ASSERT_TRUE(location.ok()) << location.status();
+  EXPECT_EQ(*location, moved);
 }
 
 // Records written and read around the page cache (aligned memory and
@@ -333,7 +378,7 @@ TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
       where = shm;
     }
     SCOPED_TRACE(where);
-    auto writer = DataFileWriter::Create(where, "s");
+    auto writer = DataFileWriter::Create(Opened(where), "s");
     ASSERT_TRUE(writer.ok()) << writer.status();
     struct Free {
       void operator()(std::byte* p) const { std::free(p); }
@@ -370,7 +415,7 @@ TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
       ASSERT_GE(fd.get(), 0);
       posix_fadvise(fd.get(), 0, 0, POSIX_FADV_DONTNEED);
     }
-    auto reader = DataFileReader::Open(writer->path());
+    auto reader = DataFileReader::Open(Opened(where), writer->name());
     ASSERT_TRUE(reader.ok()) << reader.status();
     std::unique_ptr<std::byte[], Free> into(
         static_cast<std::byte*>(std::aligned_alloc(kDirectAlignment, 4 * kDirectAlignment)));
@@ -396,7 +441,7 @@ TEST(CheckpointFormatTest, DirectAndBufferedRecordsRoundTripSideBySide) {
 // tests/daemon_system_test.cc.)
 TEST(CheckpointFormatTest, ReserveAllocatesTheFileOrSaysWhyNot) {
   const std::string dir = TempDir();
-  auto writer = DataFileWriter::Create(dir, "s");
+  auto writer = DataFileWriter::Create(Opened(dir), "s");
   ASSERT_TRUE(writer.ok()) << writer.status();
   ASSERT_TRUE(writer->Reserve(1 << 20).ok());
   struct stat st;

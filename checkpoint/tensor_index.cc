@@ -53,12 +53,13 @@ absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string
                                                                std::optional<uint64_t> steps) {
   auto index = std::make_unique<TensorIndex>();
   index->dir_ = dir;
-  ASSIGN_OR_RETURN(auto manifests, ReadManifests(dir, steps));
+  // Its manifests and data files read from the directory that was checked.
+  ASSIGN_OR_RETURN(const Directory opened, Directory::Open(dir));
+  ASSIGN_OR_RETURN(auto manifests, ReadManifests(opened, steps));
   for (auto& [path, m] : manifests) {
     auto manifest = std::make_unique<Manifest>(std::move(m));
     ASSIGN_OR_RETURN(DataFileReader reader,
-                     DataFileReader::Open(absl::StrCat(dir, "/", manifest->data_file()),
-                                          manifest->memory_file()));
+                     DataFileReader::Open(opened, manifest->data_file(), manifest->memory_file()));
     index->readers_.push_back(std::make_unique<DataFileReader>(std::move(reader)));
     for (const PartitionRecord& p : manifest->partitions()) {
       RETURN_IF_ERROR(Validate(p, path));

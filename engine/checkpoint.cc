@@ -52,9 +52,8 @@ RecordKind RecordKindOf(const CheckpointedPartition& p, int block_kind) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
-    PartitionStore* set, const SessionCheckpointState& state, const std::string& dir) {
+    PartitionStore* set, const SessionCheckpointState& state, checkpoint::Directory dir) {
   const int64_t began = absl::GetCurrentTimeNanos();
-  RETURN_IF_ERROR(checkpoint::PrepareDirectory(dir));
   const std::string stem = checkpoint::StemFor(state.name);
   ASSIGN_OR_RETURN(checkpoint::DataFileWriter file, checkpoint::DataFileWriter::Create(dir, stem));
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(set, dir, stem, std::move(file), state));
@@ -63,7 +62,7 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
   if (!image.ok()) {
     w->ended_ = true;  // never began
     w->laid_out_.Notify();
-    unlink(w->file_.path().c_str());
+    w->file_.Remove();
     return image.status();
   }
   w->image_ = *std::move(image);
@@ -244,14 +243,14 @@ absl::StatusOr<CheckpointSummary> CheckpointWriter::Finish(const std::atomic<boo
     // The previous checkpoint stays, unless the rename committed this one
     // (and only the directory's fsync failed): then its data stays too.
     absl::StatusOr<checkpoint::Manifest> on_disk =
-        checkpoint::ReadManifest(absl::StrCat(dir_, "/", stem_, ".manifest"));
-    if (!on_disk.ok() || on_disk->data_file() != file_.name()) unlink(file_.path().c_str());
+        checkpoint::ReadManifest(dir_, absl::StrCat(stem_, ".manifest"));
+    if (!on_disk.ok() || on_disk->data_file() != file_.name()) file_.Remove();
     absl::MutexLock lock(&mu_);
     return absl::Status(status.code(),
                         absl::StrCat("checkpoint of session '", manifest_.session_name(), "' into ",
-                                     dir_, " failed: ", status.message()));
+                                     dir_.path(), " failed: ", status.message()));
   }
-  summary_.manifest = absl::StrCat(dir_, "/", stem_, ".manifest");
+  summary_.manifest = dir_.PathOf(absl::StrCat(stem_, ".manifest"));
   summary_.referenced_bytes = referenced_bytes_.load();
   summary_.wall_us = static_cast<uint64_t>(absl::GetCurrentTimeNanos() - began_ns_) / 1000;
   return summary_;

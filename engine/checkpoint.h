@@ -86,9 +86,10 @@ struct CheckpointSummary {
 
 class CheckpointWriter : public ChunkSink {
  public:
-  // Step 1. `set` must outlive the writer.
+  // Step 1, into `dir` (checkpoint::Directory::Prepare). `set` must
+  // outlive the writer.
   static absl::StatusOr<std::unique_ptr<CheckpointWriter>> Begin(
-      PartitionStore* set, const SessionCheckpointState& state, const std::string& dir);
+      PartitionStore* set, const SessionCheckpointState& state, checkpoint::Directory dir);
   ~CheckpointWriter() override;
 
   // Step 2. Checks `cancelled` between chunks (CANCELLED).
@@ -100,7 +101,7 @@ class CheckpointWriter : public ChunkSink {
                      absl::Span<const std::byte> bytes) override;
 
  private:
-  CheckpointWriter(PartitionStore* set, std::string dir, std::string stem,
+  CheckpointWriter(PartitionStore* set, checkpoint::Directory dir, std::string stem,
                    checkpoint::DataFileWriter file, const SessionCheckpointState& state)
       : set_(set),
         dir_(std::move(dir)),
@@ -112,7 +113,8 @@ class CheckpointWriter : public ChunkSink {
 
   // Constant after Begin.
   PartitionStore* const set_;
-  const std::string dir_, stem_;
+  const checkpoint::Directory dir_;
+  const std::string stem_;
   const checkpoint::DataFileWriter file_;
   const bool keep_previous_;
   const int capture_threads_;

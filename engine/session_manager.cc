@@ -531,7 +531,7 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
     if (s->partitions->Pending().partitions > 0) {
       RETURN_IF_ERROR(steps_->Run(*s->partitions, AdamHyperparams{}, /*skip=*/true, {}).status());
     }
-    return StartCheckpoint(session, dir, /*background=*/false, /*automatic=*/false).status();
+    return StartCheckpoint(session, dir, /*background=*/false, CheckpointFor::kFinal).status();
   }();
   if (!written.ok()) {
     stats_->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
@@ -1162,10 +1162,13 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
                                                                              const std::string& dir,
                                                                              bool background) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key, /*operator_call=*/true));
-  // The automatic checkpoints' directory and the kept sessions' are
-  // offloadd's: a checkpoint written into one (a session's of the same
-  // name, in another's directory) would replace what a lost session
-  // resumes from, or a kept session's state.
+  // Refused before anything is created; checked again on the directory
+  // opened (StartCheckpoint), which its path may no longer name.
+  RETURN_IF_ERROR(CheckOutsideManaged(dir));
+  return StartCheckpoint(session, dir, background, CheckpointFor::kTrainer);
+}
+
+absl::Status SessionManager::CheckOutsideManaged(const std::string& dir) const {
   std::vector<std::pair<std::string, const char*>> roots;
   {
     absl::MutexLock lock(&mu_);
@@ -1179,7 +1182,7 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
                                                      "), which offloadd manages: choose another"));
     }
   }
-  return StartCheckpoint(session, dir, background, /*automatic=*/false);
+  return absl::OkStatus();
 }
 
 void SessionManager::SetAutoCheckpoint(const AutoCheckpointOptions& options) {
@@ -1237,7 +1240,7 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
   }
   const std::string dir = absl::StrCat(options.dir, "/", s->id);
   absl::Status started =
-      StartCheckpoint(session, dir, /*background=*/true, /*automatic=*/true).status();
+      StartCheckpoint(session, dir, /*background=*/true, CheckpointFor::kAutomatic).status();
   if (started.ok()) return;
   stats_->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
   absl::MutexLock lock(&s->checkpoint_mu);
@@ -1251,14 +1254,15 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::CheckpointForK
     uint64_t id, const std::string& dir, PoolFile* file, const std::string& memory_file) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                    Find(SessionKey{id, ""}, /*operator_call=*/true));
-  return StartCheckpoint(session, dir, /*background=*/false, /*automatic=*/false, file,
+  return StartCheckpoint(session, dir, /*background=*/false, CheckpointFor::kKeeping, file,
                          memory_file);
 }
 
 absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoint(
     const std::shared_ptr<Session>& session, const std::string& dir, bool background,
-    bool automatic, PoolFile* by_reference, const std::string& memory_file) {
+    CheckpointFor whose, PoolFile* by_reference, const std::string& memory_file) {
   Session* s = session.get();
+  const bool automatic = whose == CheckpointFor::kAutomatic;
   const uint64_t id = s->id;
   // An automatic one being written finishes first: the trainer's is not
   // refused for it.
@@ -1285,7 +1289,14 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
     absl::MutexLock decided(&s->decide_mu);
     state.delayed_update_after = s->delayed_update_after.load();
-    return CheckpointWriter::Begin(s->partitions.get(), state, dir);
+    ASSIGN_OR_RETURN(checkpoint::Directory opened, checkpoint::Directory::Prepare(dir));
+    if (whose == CheckpointFor::kTrainer) {
+      // Where it is now: its path may have been made a link since
+      // Checkpoint looked (by whoever may write one of its parents).
+      ASSIGN_OR_RETURN(const std::string location, opened.Location());
+      RETURN_IF_ERROR(CheckOutsideManaged(location));
+    }
+    return CheckpointWriter::Begin(s->partitions.get(), state, std::move(opened));
   };
   if (!background) {
     {

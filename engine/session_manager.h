@@ -561,12 +561,22 @@ class SessionManager {
   absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
                                          const AdamHyperparams& h, const StepControl& control)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Whose checkpoint StartCheckpoint writes: the trainer's (never into
+  // offloadd's own directories: CheckOutsideManaged), an automatic one, the
+  // last of a session that went unfinished (into its automatic ones'
+  // directory), a session's kept across a restart.
+  enum class CheckpointFor { kTrainer, kAutomatic, kFinal, kKeeping };
   absl::StatusOr<CheckpointOutcome> StartCheckpoint(const std::shared_ptr<Session>& session,
                                                     const std::string& dir, bool background,
-                                                    bool automatic,
+                                                    CheckpointFor whose,
                                                     PoolFile* by_reference = nullptr,
                                                     const std::string& memory_file = "")
       ABSL_LOCKS_EXCLUDED(mu_);
+  // INVALID_ARGUMENT if `dir` is or lies inside the automatic checkpoints'
+  // directory or the kept sessions': a trainer's checkpoint written there
+  // would replace what a lost session resumes from, or a kept session's
+  // state.
+  absl::Status CheckOutsideManaged(const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
   // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint).
   void MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) ABSL_LOCKS_EXCLUDED(mu_);
   // With `operator_call`, an empty token is accepted (see Checkpoint).

@@ -2751,7 +2751,9 @@ TEST(DaemonStartup, LostCheckpointsGoOnceKeptLongEnough) {
     m.set_steps(7);
     m.set_created_unix_ms(absl::ToUnixMillis(absl::Now() - age));
     m.set_data_file("job_rank0.1.data");
-    EXPECT_TRUE(checkpoint::CommitManifest(dir, checkpoint::StemFor("job/rank0"), m).ok());
+    EXPECT_TRUE(checkpoint::CommitManifest(*checkpoint::Directory::Open(dir),
+                                           checkpoint::StemFor("job/rank0"), m)
+                    .ok());
     if (found_ago.has_value()) {
       const std::string marker = dir + "/.lost_since";
       std::ofstream(marker).flush();
