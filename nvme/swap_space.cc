@@ -255,6 +255,19 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buff
   if (bytes == 0) return absl::InvalidArgumentError("cannot swap out an empty extent");
   RETURN_IF_ERROR(CheckBuffers(b, /*write=*/true));
   ASSIGN_OR_RETURN(Extent e, Allocate(bytes));
+  return FillNew(std::move(e), b);
+}
+
+absl::StatusOr<SwapSpace::Extent> SwapSpace::FillNew(Extent e, const Buffers& b) {
+  absl::Status s = Fill(e, b);
+  if (!s.ok()) {
+    Release(e);  // nothing else refers to this space
+    return Annotate(s, absl::StrCat("swapping out ", e.bytes, " bytes"));
+  }
+  return e;
+}
+
+absl::Status SwapSpace::Fill(Extent& e, const Buffers& b) {
   bool checksum;
   {
     absl::MutexLock lock(&mu_);
@@ -270,12 +283,7 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buff
       e.checksums[r] = Checksum64(data, StripeDataBytes(e, r));
     };
   }
-  absl::Status s = Transfer(e, IoOp::kWrite, b, hash, nullptr);
-  if (!s.ok()) {
-    Release(e);  // nothing else refers to this space
-    return Annotate(s, absl::StrCat("swapping out ", bytes, " bytes"));
-  }
-  return e;
+  return Transfer(e, IoOp::kWrite, b, hash, nullptr);
 }
 
 uint64_t SwapSpace::Register(Extent e) {
@@ -306,11 +314,24 @@ absl::Status SwapSpace::RewriteStaged(uint64_t id, uint64_t bytes, absl::Span<st
 }
 
 absl::Status SwapSpace::RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& b) {
+  Extent current;
   {
     absl::MutexLock lock(&mu_);
-    if (!extents_.contains(id)) return absl::NotFoundError(absl::StrCat("no extent ", id));
+    auto it = extents_.find(id);
+    if (it == extents_.end()) return absl::NotFoundError(absl::StrCat("no extent ", id));
+    current = it->second;
   }
-  ASSIGN_OR_RETURN(Extent fresh, WriteNew(bytes, b));
+  if (bytes == 0) return absl::InvalidArgumentError("cannot swap out an empty extent");
+  RETURN_IF_ERROR(CheckBuffers(b, /*write=*/true));
+  absl::StatusOr<Extent> allocated = Allocate(bytes);
+  if (!allocated.ok() && RoundUp(bytes, alignment_) == RoundUp(current.bytes, alignment_)) {
+    // No room for a second copy (a tier filled with state rewritten every
+    // step): over the first one. Its caller keeps the bytes in memory
+    // until this succeeds and reads the old copy no more.
+    return RewriteInPlace(id, std::move(current), bytes, b);
+  }
+  ASSIGN_OR_RETURN(Extent e, std::move(allocated));
+  ASSIGN_OR_RETURN(Extent fresh, FillNew(std::move(e), b));
   Extent old;
   {
     absl::MutexLock lock(&mu_);
@@ -322,6 +343,29 @@ absl::Status SwapSpace::RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& 
     }
   }
   Release(old);
+  return absl::OkStatus();
+}
+
+absl::Status SwapSpace::RewriteInPlace(uint64_t id, Extent e, uint64_t bytes, const Buffers& b) {
+  e.bytes = bytes;
+  e.torn = false;
+  const bool first = in_place_rewrites_.fetch_add(1, std::memory_order_relaxed) == 0;
+  if (first) {
+    LogWarning(
+        "NVMe tier: no free space for a second copy of an extent of %d bytes; rewriting in "
+        "place from now on where needed (a write that fails then loses the old copy, which "
+        "the swapper no longer needs). Size the tier above what is placed there to avoid it",
+        static_cast<int64_t>(bytes));
+  }
+  absl::Status s = Fill(e, b);
+  absl::MutexLock lock(&mu_);
+  auto it = extents_.find(id);
+  if (it == extents_.end()) return s;  // freed meanwhile (its space with it)
+  if (!s.ok()) {
+    it->second.torn = true;  // partly overwritten: never read as it was
+    return Annotate(s, absl::StrCat("rewriting extent ", id, " in place (", bytes, " bytes)"));
+  }
+  it->second = std::move(e);
   return absl::OkStatus();
 }
 
@@ -338,6 +382,11 @@ absl::Status SwapSpace::ReadInto(uint64_t id, const Buffers& b) {
     auto it = extents_.find(id);
     if (it == extents_.end()) return absl::NotFoundError(absl::StrCat("no extent ", id));
     e = it->second;
+  }
+  if (e.torn) {
+    return absl::DataLossError(absl::StrCat("extent ", id,
+                                            " was being rewritten in place (the NVMe tier had no "
+                                            "room for a second copy) when that write failed"));
   }
   RETURN_IF_ERROR(CheckBuffers(b, /*write=*/false));
   std::vector<uint64_t> got;
@@ -400,6 +449,7 @@ SwapStats SwapSpace::Stats() const {
   SwapStats s;
   s.alignment = alignment_;
   s.extents = extents_.size();
+  s.in_place_rewrites = in_place_rewrites_.load(std::memory_order_relaxed);
   for (const auto& f : files_) {
     s.dirs.push_back({f->io.path, f->io.direct, f->capacity, f->free});
     s.capacity += f->capacity;

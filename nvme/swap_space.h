@@ -7,7 +7,12 @@
 // swap-out or swap-in keeps every device busy. Each file's share of an
 // extent is contiguous. Writes go to fresh space; Rewrite frees the old
 // space only after the new write succeeded, so a failed write (ENOSPC, EIO)
-// never damages data already swapped out.
+// never damages data already swapped out. Where the tier has no room for a
+// second copy, Rewrite writes over the first instead (logged once, counted
+// in SwapStats::in_place_rewrites): a training's state rewritten every step
+// may fill the tier it was admitted to. A failed write in place leaves the
+// extent unreadable (DATA_LOSS), never read as a mix of old and new bytes;
+// an extent must not be freed while it is rewritten.
 //
 // Integrity: with `checksum` on, a 64-bit XXH3 of each stripe of the data
 // is recorded at swap-out and checked at swap-in; a mismatch is DATA_LOSS
@@ -34,6 +39,7 @@
 #ifndef OFFLOADD_NVME_SWAP_SPACE_H_
 #define OFFLOADD_NVME_SWAP_SPACE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -67,6 +73,7 @@ struct SwapStats {
   uint64_t free = 0;
   uint64_t extents = 0;
   uint32_t alignment = 0;
+  uint64_t in_place_rewrites = 0;  // Rewrites without room for a second copy
 };
 
 class SwapSpace {
@@ -96,7 +103,7 @@ class SwapSpace {
   // Swaps `bytes` from `src` out to fresh space; returns the new extent.
   absl::StatusOr<uint64_t> Write(const void* src, uint64_t bytes);
   // Replaces extent `id`'s contents (copy-on-write; on failure the old
-  // contents stay readable).
+  // contents stay readable; in place where there is no room, see above).
   absl::Status Rewrite(uint64_t id, const void* src, uint64_t bytes);
   // Swaps extent `id` in to `dst`, verifying its checksum.
   absl::Status Read(uint64_t id, void* dst);
@@ -137,6 +144,7 @@ class SwapSpace {
     size_t first = 0;               // file of stripe 0
     bool has_checksum = false;
     std::vector<uint64_t> checksums;  // XXH3-64 of each stripe (Plan's requests)
+    bool torn = false;                // a rewrite in place failed: not readable
   };
   struct File {
     IoFile io;
@@ -189,6 +197,13 @@ class SwapSpace {
   absl::StatusOr<Extent> WriteNew(uint64_t bytes, const Buffers& b);
   absl::Status ReadInto(uint64_t id, const Buffers& b);
   absl::Status RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& b);
+  // Writes `b` into `e`'s space (its checksums with it).
+  absl::Status Fill(Extent& e, const Buffers& b);
+  // Fill of newly allocated space, released if it fails.
+  absl::StatusOr<Extent> FillNew(Extent e, const Buffers& b);
+  // Rewrite over extent `id`'s own space (`e`, a copy of it).
+  absl::Status RewriteInPlace(uint64_t id, Extent e, uint64_t bytes, const Buffers& b);
+  std::atomic<uint64_t> in_place_rewrites_{0};
   absl::Status Annotate(const absl::Status& s, const std::string& what) const;
 
   const NvmeOptions options_;

@@ -109,6 +109,47 @@ TEST_F(SwapSpaceTest, FullTierIsResourceExhaustedAndKeepsEarlierData) {
   ExpectReadBack(*s, *id, a, 5 * kMiB);
 }
 
+// A tier filled by what was admitted to it (state rewritten every step)
+// has no room for a second copy: the rewrite goes over the first one. One
+// that fails there leaves the extent unreadable, never half old and half
+// new; the next rewrite makes it whole again.
+TEST_F(SwapSpaceTest, ARewriteWithoutRoomForASecondCopyGoesInPlace) {
+  auto s = Make({MakeDir("in_place")}, 8 * kMiB);
+  ASSERT_TRUE(s);
+  auto a = Random(5 * kMiB, 1), b = Random(5 * kMiB, 2), c = Random(5 * kMiB, 3);
+  auto id = s->Write(a.data(), 5 * kMiB);
+  ASSERT_TRUE(id.ok());
+  absl::Status rewritten = s->Rewrite(*id, b.data(), 5 * kMiB);
+  ASSERT_TRUE(rewritten.ok()) << rewritten;
+  ExpectReadBack(*s, *id, b, 5 * kMiB);
+  EXPECT_EQ(s->Stats().in_place_rewrites, 1u);
+  EXPECT_EQ(s->Stats().free, 3 * kMiB);
+
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kWrite;
+  eio.skip = 1;  // the second stripe: the first is overwritten already
+  backend_->AddRule(eio);
+  EXPECT_FALSE(s->Rewrite(*id, c.data(), 5 * kMiB).ok());
+  backend_->ClearRules();
+  HostMemory got = *HostMemory::Allocate(5 * kMiB);
+  absl::Status torn = s->Read(*id, got.data());
+  EXPECT_EQ(torn.code(), absl::StatusCode::kDataLoss) << torn;
+  EXPECT_TRUE(absl::StrContains(torn.message(), "in place")) << torn;
+  EXPECT_EQ(s->Stats().free, 3 * kMiB);
+
+  ASSERT_TRUE(s->Rewrite(*id, c.data(), 5 * kMiB).ok());
+  ExpectReadBack(*s, *id, c, 5 * kMiB);
+  EXPECT_EQ(s->Stats().in_place_rewrites, 3u);
+  // With room again, a copy first.
+  ASSERT_TRUE(s->Free(*id).ok());
+  auto small = s->Write(a.data(), 2 * kMiB);
+  ASSERT_TRUE(small.ok());
+  ASSERT_TRUE(s->Rewrite(*small, b.data(), 2 * kMiB).ok());
+  ExpectReadBack(*s, *small, b, 2 * kMiB);
+  EXPECT_EQ(s->Stats().in_place_rewrites, 3u);
+}
+
 TEST_F(SwapSpaceTest, ChecksumCatchesCorruptionAndCanBeSwitchedOff) {
   const std::string dir = MakeDir("crc");
   auto s = Make({dir}, 8 * kMiB);

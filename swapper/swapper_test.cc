@@ -219,6 +219,22 @@ TEST_F(SwapperTest, ManyTimesThePoolRoundTripsThroughNvme) {
   EXPECT_EQ(s.nvme_home_bytes, 16 * kMiB);
 }
 
+// A tier as full as what is homed there admits (here all of it), the
+// blocks rewritten over and over as optimizer state is: each write-out
+// still finds room (a rewrite in place where no second copy fits), and
+// every block holds what was last written.
+TEST_F(SwapperTest, ATierFullOfStateRewrittenEveryStepKeepsTraining) {
+  constexpr uint64_t kBlock = 64 * kMiB;  // the tier holds four
+  Make(kBlock);
+  for (uint64_t id = 1; id <= 4; ++id) ASSERT_TRUE(swapper_->Add(id, kBlock, Tier::kNvme, 7).ok());
+  for (uint32_t round = 0; round < 3; ++round) {
+    for (uint64_t id = 1; id <= 4; ++id) Write(id, static_cast<uint32_t>(10 * round + id));
+  }
+  for (uint64_t id = 1; id <= 4; ++id) ExpectHolds(id, static_cast<uint32_t>(20 + id));
+  EXPECT_EQ(swapper_->Stats().io_errors, 0u);
+  EXPECT_GT(space_->Stats().in_place_rewrites, 0u);
+}
+
 // Pinning and unpinning a resident block is the hot path of every fetch
 // (tens of thousands a second): it must not wake the idle I/O threads and
 // the mover, which find nothing to do and cost a context switch each on the
