@@ -458,13 +458,18 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
   return out;
 }
 
-std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string& stem) {
+std::vector<uint64_t> CheckpointSteps(const Directory& dir, const std::string& stem) {
   std::vector<uint64_t> steps;
   for (const char* suffix : {".manifest", ".previous"}) {
-    absl::StatusOr<Manifest> m = ReadManifest(absl::StrCat(dir, "/", stem, suffix));
+    absl::StatusOr<Manifest> m = ReadManifest(dir, absl::StrCat(stem, suffix));
     if (m.ok()) steps.push_back(m->steps());
   }
   return steps;
+}
+
+std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string& stem) {
+  absl::StatusOr<Directory> d = Directory::Open(dir);
+  return d.ok() ? CheckpointSteps(*d, stem) : std::vector<uint64_t>();
 }
 
 absl::StatusOr<DataFileReader> DataFileReader::Open(const Directory& dir, const std::string& name,

@@ -194,7 +194,9 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
 absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     const std::string& dir, std::optional<uint64_t> steps = std::nullopt);
 // The steps of the checkpoints of `stem` in `dir`: its manifest's first,
-// then its kept previous one's, if any (unreadable ones left out).
+// then its kept previous one's, if any (unreadable ones left out; none
+// where the directory fails Directory::Open).
+std::vector<uint64_t> CheckpointSteps(const Directory& dir, const std::string& stem);
 std::vector<uint64_t> CheckpointSteps(const std::string& dir, const std::string& stem);
 
 class DataFileReader {

@@ -139,6 +139,27 @@ TEST(CheckpointFormatTest, TwoRanksConsolidateAndExport) {
   EXPECT_EQ(f.peek(), EOF);
 }
 
+// One rank's last checkpoint did not complete: the directory holds its
+// sessions at different steps, and restoring or exporting all would mix
+// them. Refused, naming what each holds and the step all do.
+TEST(CheckpointFormatTest, SessionsAtDifferentStepsAreNotMixed) {
+  const std::string dir = TempDir();
+  const std::vector<float> a(8, 1.0f), b(8, 2.0f);
+  for (uint64_t steps : {3, 4}) {
+    ASSERT_TRUE(WriteSession(dir, "job/rank0", 0, a, 3, steps, /*keep_previous=*/true).ok());
+  }
+  ASSERT_TRUE(WriteSession(dir, "job/rank1", 8, b, 3, 3, /*keep_previous=*/true).ok());
+  auto mixed = TensorIndex::Load(dir);
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kFailedPrecondition) << mixed.status();
+  EXPECT_TRUE(absl::StrContains(mixed.status().message(), "'job/rank0' 4 (and 3)"))
+      << mixed.status();
+  EXPECT_TRUE(absl::StrContains(mixed.status().message(), "'job/rank1' 3")) << mixed.status();
+  EXPECT_TRUE(absl::StrContains(mixed.status().message(), "step 3: ask for it")) << mixed.status();
+  auto at3 = TensorIndex::Load(dir, 3);
+  ASSERT_TRUE(at3.ok()) << at3.status();
+  EXPECT_EQ((*at3)->manifests().size(), 2u);
+}
+
 TEST(CheckpointFormatTest, MissingSliceAndOverlapAreRefused) {
   const std::string dir = TempDir();
   ASSERT_TRUE(WriteSession(dir, "rank0", 0, std::vector<float>(8, 1.0f), 8).ok());

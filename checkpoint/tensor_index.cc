@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/host_memory.h"  // RoundUp
 #include "base/status_macros.h"
 
@@ -47,6 +49,46 @@ absl::Status Validate(const PartitionRecord& p, const std::string& path) {
   return absl::OkStatus();
 }
 
+// FAILED_PRECONDITION if the latest checkpoints of the sessions in `dir`
+// were taken after different numbers of steps: one of a job's ranks did
+// not commit its last one (a full disk, offloadd killed between them), and
+// restoring from all would mix two moments of training. Names each
+// session's steps and what they all hold, for restore_steps.
+absl::Status CheckOneStep(const Directory& dir,
+                          const std::vector<std::pair<std::string, Manifest>>& manifests) {
+  const uint64_t first = manifests.front().second.steps();
+  if (std::all_of(manifests.begin(), manifests.end(),
+                  [first](const auto& m) { return m.second.steps() == first; })) {
+    return absl::OkStatus();
+  }
+  std::vector<std::string> each;
+  std::vector<uint64_t> common;
+  for (size_t i = 0; i < manifests.size(); ++i) {
+    const Manifest& m = manifests[i].second;
+    std::vector<uint64_t> held = CheckpointSteps(dir, StemFor(m.session_name()));
+    if (held.empty()) held = {m.steps()};
+    std::string kept;
+    if (held.size() > 1) kept = absl::StrCat(" (and ", held[1], ")");
+    each.push_back(absl::StrCat("'", m.session_name(), "' ", m.steps(), kept));
+    std::sort(held.begin(), held.end());
+    if (i == 0) {
+      common = held;
+    } else {
+      std::vector<uint64_t> both;
+      std::set_intersection(common.begin(), common.end(), held.begin(), held.end(),
+                            std::back_inserter(both));
+      common = std::move(both);
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint ", dir.path(),
+      " holds its sessions at different steps (a rank's last checkpoint did not complete): ",
+      absl::StrJoin(each, ", "), "; restoring all would mix them. ",
+      common.empty() ? std::string("No step is held by all of them")
+                     : absl::StrCat("All of them hold step ", common.back(),
+                                    ": ask for it (restore_steps, offloadctl export --steps)")));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string& dir,
@@ -56,6 +98,7 @@ absl::StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Load(const std::string
   // Its manifests and data files read from the directory that was checked.
   ASSIGN_OR_RETURN(const Directory opened, Directory::Open(dir));
   ASSIGN_OR_RETURN(auto manifests, ReadManifests(opened, steps));
+  if (!steps.has_value()) RETURN_IF_ERROR(CheckOneStep(opened, manifests));
   for (auto& [path, m] : manifests) {
     auto manifest = std::make_unique<Manifest>(std::move(m));
     ASSIGN_OR_RETURN(DataFileReader reader,

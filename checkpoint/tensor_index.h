@@ -42,7 +42,10 @@ class TensorIndex {
   };
 
   // Reads and verifies every manifest in `dir` (each of `steps`, if given:
-  // ReadManifests) and opens their data files.
+  // ReadManifests) and opens their data files. Without `steps`,
+  // FAILED_PRECONDITION where the manifests are of different steps (a
+  // rank's last checkpoint did not complete: restoring all would mix two
+  // moments of training), naming each session's and the latest all hold.
   static absl::StatusOr<std::unique_ptr<TensorIndex>> Load(
       const std::string& dir, std::optional<uint64_t> steps = std::nullopt);
 

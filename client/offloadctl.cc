@@ -8,12 +8,13 @@
 //   offloadctl [--address=ADDR] top [--interval=SECONDS] [--iterations=N]
 //   offloadctl [--address=ADDR] checkpoint SESSION_ID DIR
 //   offloadctl [--address=ADDR] share SESSION_ID WEIGHT
-//   offloadctl export [--format=safetensors] CHECKPOINT_DIR OUTPUT
+//   offloadctl export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT
 //   offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]
 //
 // export reads a checkpoint directory offline (no daemon needed) and
 // writes every tensor's consolidated fp32 weights, across all the ranks
-// that checkpointed into it, into one file. doctor checks this node for
+// that checkpointed into it, into one file (with --steps, each rank's
+// checkpoint of that step: the latest or the one kept before it). doctor checks this node for
 // offloadd (client/doctor.h) and exits 0, 1 or 2 by what it found.
 // ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
 // TCP, anything but reading (status, stats, config list and get) needs
@@ -62,8 +63,10 @@ constexpr char kUsage[] =
     "  share ID WEIGHT         session ID's weight in the node's optimizer, NVMe I/O and pool\n"
     "                          (1-1000): sessions stepping at once get updates, and the disk\n"
     "                          when they wait for it, in proportion\n"
-    "  export [--format=safetensors] CHECKPOINT_DIR OUTPUT\n"
-    "                          consolidated fp32 weights of a checkpoint (offline)\n"
+    "  export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT\n"
+    "                          consolidated fp32 weights of a checkpoint (offline); --steps:\n"
+    "                          of the checkpoints taken after N steps (where the ranks' latest\n"
+    "                          differ)\n"
     "  doctor [--offline] [--NAME=VALUE ...]\n"
     "                          check this node for offloadd (no daemon needed; doctor --help)\n"
     "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
@@ -202,9 +205,9 @@ int Checkpoint(Client& client, const std::string& id_text, const std::string& di
   return 0;
 }
 
-int Export(const std::string& dir, const std::string& output) {
+int Export(const std::string& dir, const std::string& output, std::optional<uint64_t> steps) {
   absl::StatusOr<std::unique_ptr<checkpoint::TensorIndex>> index =
-      checkpoint::TensorIndex::Load(Absolute(dir));
+      checkpoint::TensorIndex::Load(Absolute(dir), steps);
   if (!index.ok()) return Fail(index.status());
   absl::StatusOr<checkpoint::ExportSummary> s = checkpoint::ExportSafetensors(**index, output);
   if (!s.ok()) return Fail(s.status());
@@ -309,7 +312,7 @@ std::string WhatIsWrong(const std::vector<std::string>& args) {
       {"stats", "stats"},
       {"config", "config list | config get NAME | config set NAME VALUE"},
       {"checkpoint", "checkpoint ID DIR"},
-      {"export", "export [--format=safetensors] CHECKPOINT_DIR OUTPUT"},
+      {"export", "export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT"},
       {"share", "share ID WEIGHT"}};
   for (const auto& [name, form] : kForms) {
     if (args[0] == name) return absl::StrCat("offloadctl: ", name, " is used as: ", form);
@@ -324,6 +327,7 @@ std::string WhatIsWrong(const std::vector<std::string>& args) {
 int Main(int argc, char** argv) {
   ClientOptions options;
   std::string format = "safetensors";
+  std::optional<uint64_t> steps;
   std::vector<std::string> args;
   bool help = false;
   for (int i = 1; i < argc; ++i) {
@@ -332,6 +336,14 @@ int Main(int argc, char** argv) {
       options.address = a.substr(10);
     } else if (absl::StartsWith(a, "--format=")) {
       format = a.substr(9);
+    } else if (absl::StartsWith(a, "--steps=")) {
+      uint64_t n = 0;
+      if (!absl::SimpleAtoi(a.substr(8), &n)) {
+        std::fprintf(stderr, "offloadctl: --steps takes a number of steps, not '%s'\n",
+                     a.substr(8).c_str());
+        return 2;
+      }
+      steps = n;
     } else if (a == "--help" || a == "-h") {
       help = true;
     } else {
@@ -389,7 +401,7 @@ int Main(int argc, char** argv) {
                    format.c_str());
       return 2;
     }
-    return Export(args[1], args[2]);
+    return Export(args[1], args[2], steps);
   }
 
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
