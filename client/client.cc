@@ -68,10 +68,15 @@ Tunable FromProto(const v1::Tunable& t) {
                  t.unit(), t.description(), t.dynamic()};
 }
 
+// `timeout` from now as gRPC takes deadlines: an infinite one is none (a
+// sum of milliseconds would overflow and lie in the past).
+std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
+  return absl::ToChronoTime(absl::Now() + timeout);
+}
+
 struct Rpc {
   Rpc(absl::Duration timeout, const std::string& token) {
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+    context.set_deadline(DeadlineAfter(timeout));
     if (!token.empty()) context.AddMetadata(kTokenMetadataKey, token);
   }
   grpc::ClientContext context;
@@ -445,9 +450,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   args.SetMaxReceiveMessageSize(256 << 20);
   impl->channel =
       grpc::CreateCustomChannel(impl->address, grpc::InsecureChannelCredentials(), args);
-  auto deadline = std::chrono::system_clock::now() +
-                  std::chrono::milliseconds(absl::ToInt64Milliseconds(options.connect_timeout));
-  if (!impl->channel->WaitForConnected(deadline)) {
+  if (!impl->channel->WaitForConnected(DeadlineAfter(options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("no offloadd answers at ", impl->address,
                                                " (is it running? start it with `offloadd`)"));
   }

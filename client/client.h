@@ -65,6 +65,7 @@ struct ClientOptions {
   // How long Connect waits for the daemon to answer.
   absl::Duration connect_timeout = absl::Seconds(5);
   // Deadline of each call. Step on a large model takes longest.
+  // absl::InfiniteDuration(): none (either timeout).
   absl::Duration call_timeout = absl::Minutes(10);
   // Over TCP, offloadd serves read-only status unless calls carry the token
   // it wrote to <data_dir>/tcp_token. Empty means $OFFLOADD_TOKEN, if set.

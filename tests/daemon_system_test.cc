@@ -1151,6 +1151,22 @@ void DaemonTest::KillATrainer(bool lease) {
 
 // A session opened over raw gRPC that no trainer attaches to is closed
 // after the lease; one a trainer attached to stays.
+// No deadline at all is a timeout a user may ask for: calls then wait as
+// long as they take (they failed at once: the deadline overflowed into the
+// past).
+TEST_F(DaemonTest, InfiniteTimeoutsMeanNoDeadline) {
+  ClientOptions o{daemon_->address()};
+  o.connect_timeout = absl::InfiniteDuration();
+  o.call_timeout = absl::InfiniteDuration();
+  o.request_ring = false;  // every call over gRPC, with its deadline
+  auto c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto s = (*c)->OpenSession("no_deadline");
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto stats = (*c)->GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+}
+
 TEST_F(DaemonTest, ASessionNobodyAttachesToExpires) {
   daemon_.reset();
   StartDaemon({"--server.attach_lease_seconds=1"});
