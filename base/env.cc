@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <system_error>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/posix_error.h"
@@ -48,6 +50,14 @@ class PosixEnv final : public Env {
       got += static_cast<size_t>(n);
     }
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::thread> StartThread(std::function<void()> body) override {
+    try {
+      return std::thread(std::move(body));
+    } catch (const std::system_error& e) {
+      return PosixError("starting a thread", e.code().value());
+    }
   }
 };
 

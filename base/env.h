@@ -13,7 +13,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,6 +48,10 @@ class Env {
 
   // Fills `out` with `bytes` cryptographically random bytes (getrandom).
   virtual absl::Status RandomBytes(void* out, size_t bytes) = 0;
+
+  // A thread running `body`; the errno's status where none can be had
+  // (EAGAIN: a limit on threads or processes) instead of an exception.
+  virtual absl::StatusOr<std::thread> StartThread(std::function<void()> body) = 0;
 };
 
 }  // namespace offload

@@ -57,4 +57,9 @@ absl::Status FaultInjectingEnv::RandomBytes(void* out, size_t bytes) {
   return target_->RandomBytes(out, bytes);
 }
 
+absl::StatusOr<std::thread> FaultInjectingEnv::StartThread(std::function<void()> body) {
+  if (int err = Next(EnvOp::kStartThread)) return PosixError("starting a thread (injected)", err);
+  return target_->StartThread(std::move(body));
+}
+
 }  // namespace offload

@@ -18,7 +18,7 @@
 
 namespace offload {
 
-enum class EnvOp { kAllocate, kMapShared, kCreateMemfd, kResizeFile, kRandomBytes };
+enum class EnvOp { kAllocate, kMapShared, kCreateMemfd, kResizeFile, kRandomBytes, kStartThread };
 
 class FaultInjectingEnv final : public Env {
  public:
@@ -36,6 +36,7 @@ class FaultInjectingEnv final : public Env {
   absl::StatusOr<UniqueFd> CreateMemfd(const std::string& label) override;
   absl::Status ResizeFile(int fd, uint64_t bytes) override;
   absl::Status RandomBytes(void* out, size_t bytes) override;
+  absl::StatusOr<std::thread> StartThread(std::function<void()> body) override;
 
  private:
   struct Plan {
@@ -48,7 +49,7 @@ class FaultInjectingEnv final : public Env {
 
   Env* const target_;
   mutable absl::Mutex mu_;
-  std::array<Plan, 5> plans_ ABSL_GUARDED_BY(mu_);
+  std::array<Plan, 6> plans_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace offload

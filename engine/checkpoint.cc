@@ -147,7 +147,10 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointWriter::Begin(
 }
 
 CheckpointWriter::~CheckpointWriter() {
-  if (!ended_) set_->EndCheckpoint().IgnoreError();
+  if (ended_) return;
+  // Begun, never finished: the image ends, and the data file goes.
+  set_->EndCheckpoint().IgnoreError();
+  file_.Remove();
 }
 
 absl::Status CheckpointWriter::Write(uint64_t id, uint64_t chunk, int block_kind,

@@ -1344,7 +1344,9 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   // The thread holds no reference to the session: ~Session cancels and
   // joins it before the set goes.
   Stats* stats = stats_;
-  s->checkpoint_thread = std::thread([s, stats, automatic, w = std::move(writer)]() mutable {
+  auto writer_owner = std::make_shared<std::unique_ptr<CheckpointWriter>>(std::move(writer));
+  absl::StatusOr<std::thread> thread = env_->StartThread([s, stats, automatic, writer_owner]() {
+    std::unique_ptr<CheckpointWriter> w = std::move(*writer_owner);
     absl::StatusOr<CheckpointSummary> result = w->Finish(&s->checkpoint_cancel);
     w.reset();
     if (result.ok()) stats->checkpoints.fetch_add(1, std::memory_order_relaxed);
@@ -1365,6 +1367,19 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
       }
     }
   });
+  if (!thread.ok()) {
+    // (A limit on threads reached.) Nothing is written: the writer ends
+    // the image and removes its data file; the previous checkpoint stays.
+    writer_owner->reset();
+    s->checkpoint_running = false;
+    s->checkpoint_automatic = false;
+    const absl::Status failed(
+        thread.status().code(),
+        absl::StrCat("checkpoint of session ", id, " not started: ", thread.status().message()));
+    if (!automatic) s->checkpoint_result = failed;
+    return failed;
+  }
+  s->checkpoint_thread = *std::move(thread);
   return out;
 }
 

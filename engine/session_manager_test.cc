@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "base/directory.h"
 #include "base/fault_injecting_env.h"
 #include "base/host_memory.h"
 #include "base/span_maps.h"
@@ -759,6 +760,29 @@ TEST_F(SessionManagerTest, OpenFailuresLeaveNothingBehind) {
   EXPECT_EQ(stats_.sessions_opened.load(), 1);
   SessionKey key = Open();
   EXPECT_TRUE(sessions_.Register(key, {"w", 10, DType::kFp32, DType::kFp32}).ok());
+}
+
+// A checkpoint in the background whose thread cannot be had (a limit on
+// threads reached) is an error at once; none is left marked running (the
+// next one would be refused and a stop would wait for it for ever), and
+// its data file goes.
+TEST_F(SessionManagerTest, ABackgroundCheckpointWithoutAThreadLeavesNoneRunning) {
+  const std::string dir = ::testing::TempDir() + "/no_thread";
+  SessionKey key = Open();
+  auto p = sessions_.Register(key, {"w", 1 << 10, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  env_.FailNth(EnvOp::kStartThread, 1, EAGAIN);
+  auto refused = sessions_.Checkpoint(key, dir, /*background=*/true);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "not started")) << refused.status();
+  EXPECT_TRUE(ListDirectory(dir).empty());
+  auto waited = sessions_.WaitCheckpoint(key);  // says what happened, at once
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kUnavailable) << waited.status();
+  auto again = sessions_.Checkpoint(key, dir, /*background=*/true);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(sessions_.WaitCheckpoint(key).ok());
+  ASSERT_TRUE(sessions_.Close(key).ok());
 }
 
 TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
