@@ -66,6 +66,9 @@ class FaultInjectingBackend final : public IoBackend {
   absl::Status SetSubmitBatch(int64_t b) override { return inner_->SetSubmitBatch(b); }
   // The wrapper owns the inner backend's hook.
   void SetResultHookForTesting(IoResultHook) override {}
+  void SetEnterHookForTesting(IoEnterHook hook) override {
+    inner_->SetEnterHookForTesting(std::move(hook));
+  }
 
  private:
   int64_t Apply(const IoRequest& attempt, int64_t result);

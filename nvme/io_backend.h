@@ -44,6 +44,11 @@ struct IoRequest {
 // result (bytes, or -errno) and may replace it, e.g. with a short count,
 // -EIO, -EAGAIN or -ENOSPC, or sleep to add delay.
 using IoResultHook = std::function<int64_t(const IoRequest& attempt, int64_t result)>;
+// Test hook at io_uring's entries into the kernel (submitting, waiting):
+// sees each call's result (>= 0, or -errno) and may replace it, e.g. with a
+// hard error after the kernel took the requests. The POSIX backend never
+// calls it.
+using IoEnterHook = std::function<int(int result)>;
 
 // Told by Run() that all of request `request`'s bytes (an index into the
 // requests given) are transferred, while later ones may still be in flight,
@@ -82,6 +87,7 @@ class IoBackend {
   virtual absl::Status SetSubmitBatch(int64_t batch) = 0;
 
   virtual void SetResultHookForTesting(IoResultHook hook) = 0;
+  virtual void SetEnterHookForTesting(IoEnterHook hook) = 0;
 };
 
 // "read 1048576 bytes at offset 4096 of /x/swap0" style context.

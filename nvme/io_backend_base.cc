@@ -68,6 +68,11 @@ void IoBackendBase::SetResultHookForTesting(IoResultHook hook) {
   hook_ = std::move(hook);
 }
 
+void IoBackendBase::SetEnterHookForTesting(IoEnterHook hook) {
+  absl::MutexLock lock(&table_mu_);
+  enter_hook_ = std::move(hook);
+}
+
 absl::StatusOr<int> IoBackendBase::AddFileEntry(int fd, const std::string& path, size_t max_files) {
   absl::MutexLock lock(&table_mu_);
   if (files_.size() >= max_files) {
@@ -85,6 +90,7 @@ absl::StatusOr<PreparedBatch> IoBackendBase::Prepare(absl::Span<const IoRequest>
       SplitIntoChunks(requests, settings_.request_bytes(), files_.size(), &batch.chunks));
   batch.files = files_;
   batch.hook = hook_;
+  batch.enter_hook = enter_hook_;
   return batch;
 }
 

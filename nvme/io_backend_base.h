@@ -78,6 +78,7 @@ struct PreparedBatch {
   std::vector<IoChunk> chunks;
   std::vector<IoFileEntry> files;
   IoResultHook hook;
+  IoEnterHook enter_hook;
 };
 
 // Base of the concrete backends, implementing once what they share: the live
@@ -89,6 +90,7 @@ class IoBackendBase : public IoBackend {
   absl::Status SetRequestBytes(int64_t bytes) final { return settings_.SetRequestBytes(bytes); }
   absl::Status SetSubmitBatch(int64_t batch) final { return settings_.SetSubmitBatch(batch); }
   void SetResultHookForTesting(IoResultHook hook) final ABSL_LOCKS_EXCLUDED(table_mu_);
+  void SetEnterHookForTesting(IoEnterHook hook) final ABSL_LOCKS_EXCLUDED(table_mu_);
 
  protected:
   explicit IoBackendBase(const IoOptions& options) : settings_(options) {}
@@ -108,6 +110,7 @@ class IoBackendBase : public IoBackend {
   mutable absl::Mutex table_mu_;
   std::vector<IoFileEntry> files_ ABSL_GUARDED_BY(table_mu_);
   IoResultHook hook_ ABSL_GUARDED_BY(table_mu_);
+  IoEnterHook enter_hook_ ABSL_GUARDED_BY(table_mu_);
 };
 
 // Counts down each request's chunks and tells RequestDone of a request when

@@ -265,6 +265,53 @@ TEST_P(BackendTest, ConcurrentCallersOnDisjointRanges) {
 INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values("io_uring", "posix"),
                          [](const auto& info) { return info.param; });
 
+// io_uring_enter failing hard after the kernel took requests (a "cannot
+// happen"): Run returns only once the kernel is done with every one of
+// them (the caller reuses their buffers at once), and the ring goes out of
+// service while another serves the next calls.
+TEST(UringBackend, AFailedRingHandsNoBufferBackBeforeTheKernelIsDone) {
+  IoOptions o;
+  o.backend = "io_uring";
+  o.rings = 2;
+  o.queue_depth = 8;
+  o.submit_batch = 64;  // past the depth: the first entry submits and waits
+  o.request_bytes = 256 * 1024;
+  auto inner = MakeIoBackend(o);
+  if (!inner.ok() || (*inner)->name() != "io_uring") GTEST_SKIP() << "no io_uring here";
+  FaultInjectingBackend backend(std::move(*inner));
+  const std::string path = std::string(getenv("TEST_TMPDIR")) + "/io_failed_ring.dat";
+  auto f = OpenIoFile(path, /*create=*/true, /*want_direct=*/true);
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ(ftruncate(f->fd.get(), 8 * kMiB), 0);
+  auto id = backend.AddFile(f->fd.get(), path);
+  ASSERT_TRUE(id.ok());
+  HostMemory src = *HostMemory::Allocate(8 * kMiB), dst = *HostMemory::Allocate(8 * kMiB);
+  FillRandom(src.data(), src.size(), 7);
+  FaultRule seen;  // counts the completions Run reaps (a delay of nothing)
+  seen.kind = FaultRule::Kind::kDelay;
+  seen.delay = absl::ZeroDuration();
+  seen.times = -1;
+  const size_t reaped = backend.AddRule(seen);
+  std::atomic<int> taken{-1};
+  backend.SetEnterHookForTesting([&taken](int rc) {
+    int expected = -1;
+    return rc > 0 && taken.compare_exchange_strong(expected, rc) ? -EBADFD : rc;
+  });
+  auto writes = Requests(IoOp::kWrite, *id, src.data(), src.size(), kMiB);
+  absl::Status failed = backend.Run(writes);
+  EXPECT_FALSE(failed.ok());
+  EXPECT_TRUE(absl::StrContains(failed.message(), "io_uring")) << failed;
+  ASSERT_GT(taken.load(), 0);
+  EXPECT_EQ(backend.fired(reaped), taken.load());
+  // The other ring serves on, every time.
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(backend.Run(writes).ok());
+    auto reads = Requests(IoOp::kRead, *id, dst.data(), dst.size(), kMiB);
+    ASSERT_TRUE(backend.Run(reads).ok());
+    EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
+  }
+}
+
 TEST(HandleResult, ShortTransfersAdvanceAndRequeueErrorsStop) {
   std::byte buf[8192];
   for (IoOp op : {IoOp::kRead, IoOp::kWrite}) {

@@ -3,14 +3,18 @@
 #include <liburing.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <deque>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -149,7 +153,9 @@ class UringBackend final : public IoBackendBase {
     io_uring ring;
     bool fixed_files = false;
     bool fixed_buffers = false;
-    bool broken = false;
+    // A hard error of io_uring_enter: entries may linger in the ring, so it
+    // is used no more (set under mu, read by RingLease without it).
+    std::atomic<bool> broken{false};
   };
   struct BufferEntry {
     std::byte* base;
@@ -168,17 +174,23 @@ class UringBackend final : public IoBackendBase {
   }
 
   // A ring held for one Run(): the first free one, else wait for one.
+  // Rings out of service (broken) are passed over while another is not.
   class RingLease {
    public:
     explicit RingLease(UringBackend& b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      const size_t start = b.next_ring_.fetch_add(1) % b.rings_.size();
-      for (size_t k = 0; k < b.rings_.size() && ring_ == nullptr; ++k) {
-        Ring* r = b.rings_[(start + k) % b.rings_.size()].get();
+      const size_t n = b.rings_.size();
+      const size_t start = b.next_ring_.fetch_add(1) % n;
+      for (size_t k = 0; k < n && ring_ == nullptr; ++k) {
+        Ring* r = b.rings_[(start + k) % n].get();
+        if (r->broken.load(std::memory_order_relaxed)) continue;
         if (r->mu.TryLock()) ring_ = r;
       }
-      if (ring_ == nullptr) {
-        ring_ = b.rings_[start].get();
-        ring_->mu.Lock();
+      for (size_t k = 0; k < n && ring_ == nullptr; ++k) {
+        Ring* r = b.rings_[(start + k) % n].get();
+        if (!r->broken.load(std::memory_order_relaxed) || k == n - 1) {
+          ring_ = r;
+          ring_->mu.Lock();
+        }
       }
     }
     ~RingLease() ABSL_NO_THREAD_SAFETY_ANALYSIS { ring_->mu.Unlock(); }
@@ -203,6 +215,8 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const Reque
   RequestProgress progress(chunks, requests.size(), done);
   const std::vector<IoFileEntry>& files = prepared.files;
   const IoResultHook& hook = prepared.hook;
+  const IoEnterHook& enter_hook = prepared.enter_hook;
+  auto entered = [&](int rc) { return enter_hook ? enter_hook(rc) : rc; };
   {
     absl::ReaderMutexLock lock(&buffers_mu_);
     for (IoChunk& c : chunks) c.buf_index = FixedBufferIndex(c.buffer, c.remaining);
@@ -221,9 +235,47 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const Reque
   size_t in_flight = 0, queued = 0;
   ChunkOutcome outcome;
 
+  // After a hard error of io_uring_enter: what the kernel took stays its
+  // own, buffers and all, until it completes, whatever the ring says; Run
+  // must not return before (the caller reuses those buffers). Waits for
+  // each without entering the kernel through the ring (reading its
+  // completion queue; any system call runs the deferred completions).
+  auto drain_after_error = [&] {
+    r.broken = true;
+    size_t owned = in_flight - std::min<size_t>(in_flight, io_uring_sq_ready(&r.ring));
+    const absl::Time give_up = absl::Now() + absl::Minutes(5);
+    while (owned > 0) {
+      io_uring_cqe* cqe = nullptr;
+      if (io_uring_peek_cqe(&r.ring, &cqe) != 0 || cqe == nullptr) {
+        if (absl::Now() > give_up) {
+          // Returning would hand buffers the kernel may still write to the
+          // caller: stop here instead.
+          LogError(
+              "io_uring: %d requests never completed after the ring failed (%s); their "
+              "buffers cannot be handed back: aborting",
+              static_cast<int64_t>(owned), outcome.status().ToString());
+          std::abort();
+        }
+        absl::SleepFor(absl::Milliseconds(1));
+        continue;
+      }
+      unsigned head, seen = 0;
+      io_uring_for_each_cqe(&r.ring, head, cqe) {
+        ++seen;
+        if (hook) {
+          const size_t idx = static_cast<size_t>(io_uring_cqe_get_data64(cqe));
+          hook(chunks[idx].AsRequest(), cqe->res);
+        }
+      }
+      io_uring_cq_advance(&r.ring, seen);
+      owned -= std::min<size_t>(owned, seen);
+      in_flight -= std::min<size_t>(in_flight, seen);
+    }
+  };
+
   auto submit = [&]() -> bool {
     for (;;) {
-      int rc = io_uring_submit(&r.ring);
+      int rc = entered(io_uring_submit(&r.ring));
       if (rc >= 0) {
         queued = 0;
         return true;
@@ -274,22 +326,22 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const Reque
     int rc;
     if (queued > 0) {
       // Submit and wait for a completion in one system call.
-      rc = io_uring_submit_and_wait(&r.ring, 1);
+      rc = entered(io_uring_submit_and_wait(&r.ring, 1));
       if (rc >= 0) {
         queued = 0;
         rc = io_uring_peek_cqe(&r.ring, &cqe);
       } else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
         outcome.Fail(PosixError("io_uring_submit_and_wait", -rc));
-        r.broken = true;
+        drain_after_error();
         break;
       }
     } else {
-      rc = io_uring_wait_cqe(&r.ring, &cqe);
+      rc = entered(io_uring_wait_cqe(&r.ring, &cqe));
     }
     if (rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) continue;
     if (rc < 0) {
       outcome.Fail(PosixError("io_uring_wait_cqe", -rc));
-      r.broken = true;
+      drain_after_error();
       break;
     }
     unsigned head, seen = 0;
