@@ -265,6 +265,15 @@ struct Session::Impl {
     const auto* layout = reinterpret_cast<const ring::Layout*>(ring_memory.data());
     return layout != nullptr && layout->state.load() == ring::kClosed;
   }
+  // Orphaned, before a call over gRPC: a connection the daemon hung up
+  // makes this Session orphaned first. (The ring's calls find that out
+  // from their answer; gRPC's would be served by the next offloadd, which
+  // kept the session, while this object maps its memory through the
+  // previous one's.)
+  absl::Status OrphanedBeforeGrpc() {
+    if (!orphaned.load() && ConnectionHungUp()) orphaned.store(true);
+    return Orphaned();
+  }
   // OK while this session is served by the offloadd it came from; else the
   // definite answer (see orphaned).
   absl::Status Orphaned() {
@@ -675,7 +684,7 @@ absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_
                                                 DType param_dtype, DType grad_dtype,
                                                 bool fp32_master,
                                                 const std::optional<TensorSlice>& slice) {
-  RETURN_IF_ERROR(impl_->Orphaned());
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());
   v1::RegisterPartitionRequest req;
   *req.mutable_session() = impl_->ref;
   req.set_name(name);
@@ -712,6 +721,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
     }
     return out;
   }
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());
   v1::FetchParamsRequest req;
   *req.mutable_session() = impl_->ref;
   for (uint64_t id : ids) req.add_partition_ids(id);
@@ -745,6 +755,7 @@ absl::Status Session::Release(absl::Span<const uint64_t> ids) {
   if (impl_->UseRing(ids.size())) {
     return impl_->RingCall(ring::kRelease, 0, RingItems(ids), impl_->timeout).status;
   }
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());
   v1::ReleasePartitionsRequest req;
   *req.mutable_session() = impl_->ref;
   for (uint64_t id : ids) req.add_partition_ids(id);
@@ -791,6 +802,7 @@ absl::Status Session::ReturnGradients(absl::Span<const PartitionView> parts, boo
                    impl_->timeout)
         .status;
   }
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());
   v1::ReturnGradientsRequest req;
   *req.mutable_session() = impl_->ref;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -819,6 +831,7 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
     // A call a step: through the mailbox, the same message as gRPC's.
     RETURN_IF_ERROR(impl_->RingMessage(ring::kPendingGradients, {}, &resp));
   } else {
+    RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());
     v1::GetPendingGradientsRequest req;
     *req.mutable_session() = impl_->ref;
     Rpc rpc(impl_->timeout, impl_->token);
@@ -848,6 +861,7 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
     RETURN_IF_ERROR(impl_->RingMessage(ring::kStep, req.SerializeAsString(), &resp));
     return FromProto(resp);
   }
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Step(&rpc.context, req, &resp), "Step"));
   return FromProto(resp);

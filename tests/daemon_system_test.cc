@@ -2954,6 +2954,40 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
   EXPECT_TRUE(await_gone(lost_dir)) << lost_dir;
 }
 
+// A stale Session object whose calls go over gRPC (no request ring) is
+// told to resume too: the next offloadd, which kept the session, would
+// serve them while this object reads and writes its memory through the
+// stopped one's mapping (gradients lost, parameters stale).
+TEST(DaemonRestart, AStaleSessionWithoutARingIsToldToResume) {
+  const std::vector<std::string> lease = {"--server.reconnect_lease_seconds=8"};
+  auto first = DaemonProcess::Start(lease);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ClientOptions no_ring{(*first)->address()};
+  no_ring.request_ring = false;
+  auto client = Client::Connect(no_ring);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto [stale, p] = OpenTrainer(client->get(), "kept");
+  TrainSteps(stale.get(), p.id, 1, 2);
+  auto stopped = (*first)->Stop();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  auto second = DaemonProcess::StartIn((*first)->data_dir(), lease);
+  ASSERT_TRUE(second.ok()) << second.status();
+  // (The old channel's first call may find its connection broken.)
+  absl::Status fetched;
+  for (const absl::Time deadline = absl::Now() + testing::kWaitLimit; absl::Now() < deadline;) {
+    fetched = stale->Fetch(p.id).status();
+    if (!absl::IsUnavailable(fetched)) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  for (const absl::Status& call :
+       {fetched, stale->ReturnGradients(p),
+        stale->Register("another", 8, DType::kFp32, DType::kFp32).status(),
+        stale->Step(AdamHyperparams{}).status()}) {
+    EXPECT_EQ(call.code(), absl::StatusCode::kFailedPrecondition) << call;
+    EXPECT_TRUE(absl::StrContains(call.message(), "ResumeSession")) << call;
+  }
+}
+
 // With a reconnect lease, a stopped offloadd (SIGTERM) keeps its sessions:
 // the next one in the same data directory reopens them, and a trainer
 // resumes its session by id and token, with its partitions (their ids too)
