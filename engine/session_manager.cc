@@ -145,6 +145,10 @@ struct SessionManager::Session {
   // Directories removed once the session is gone (set when it closes:
   // its automatic checkpoints; guarded by the manager's mu_ until then).
   std::vector<std::string> remove_when_gone;
+  // Closed (CloseById), under the manager's mu_: a step still running then
+  // starts no automatic checkpoint (it would make the directory the close
+  // put aside again, for nobody to remove).
+  bool closed = false;
 };
 
 namespace {
@@ -710,6 +714,7 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
       return false;
     }
     doomed = std::move(found->second);
+    doomed->closed = true;
     kept_dir = std::exchange(doomed->kept_dir, "");
     // Closed, not lost: its automatic checkpoints go once it is gone (its
     // checkpoint thread ended); unless it is kept for a resume and did not
@@ -1201,13 +1206,14 @@ std::string SessionManager::AutoCheckpointDir(uint64_t id) const {
 }
 
 void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) {
+  Session* s = session.get();
   AutoCheckpointOptions options;
   {
     absl::MutexLock lock(&mu_);
+    if (s->closed) return;  // (closed during its step)
     options = auto_checkpoint_;
   }
   if (!options.on()) return;
-  Session* s = session.get();
   // Once two of its own are committed (a step a rank one checkpoint behind
   // can meet), the lost session's it restored is not needed any more.
   bool superseded;
@@ -1242,6 +1248,10 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
   absl::Status started =
       StartCheckpoint(session, dir, /*background=*/true, CheckpointFor::kAutomatic).status();
   if (started.ok()) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (s->closed) return;  // closed meanwhile: not a failure
+  }
   stats_->auto_checkpoint_failures.fetch_add(1, std::memory_order_relaxed);
   absl::MutexLock lock(&s->checkpoint_mu);
   if (s->auto_failures_logged++ < 3) {
@@ -1289,7 +1299,18 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
     absl::MutexLock decided(&s->decide_mu);
     state.delayed_update_after = s->delayed_update_after.load();
-    ASSIGN_OR_RETURN(checkpoint::Directory opened, checkpoint::Directory::Prepare(dir));
+    absl::StatusOr<checkpoint::Directory> prepared = [&]() {
+      if (whose != CheckpointFor::kAutomatic) return checkpoint::Directory::Prepare(dir);
+      // Made only while the session is open, as seen by CloseById (which
+      // puts its automatic checkpoints' directory aside under mu_).
+      absl::MutexLock lock(&mu_);
+      if (s->closed) {
+        return absl::StatusOr<checkpoint::Directory>(absl::FailedPreconditionError(
+            absl::StrCat("session ", s->id, " closed: no automatic checkpoint")));
+      }
+      return checkpoint::Directory::Prepare(dir);
+    }();
+    ASSIGN_OR_RETURN(checkpoint::Directory opened, std::move(prepared));
     if (whose == CheckpointFor::kTrainer) {
       // Where it is now: its path may have been made a link since
       // Checkpoint looked (by whoever may write one of its parents).

@@ -887,6 +887,39 @@ TEST_F(SessionManagerRaceTest, CloseDuringStepReturnsAtOnceAndFreesAfterIt) {
   EXPECT_EQ(steps_.shares().UsageOf(key_.id).elems, 0u);
 }
 
+// A session closed while its step runs, an automatic checkpoint due at
+// that step: none is started, and the directory the close put aside is not
+// made again (nobody would remove it; a later start would report a lost
+// session).
+TEST_F(SessionManagerRaceTest, ASessionClosedMidStepLeavesNoAutomaticCheckpoint) {
+  const std::string root = ::testing::TempDir() + "/closed_mid_step";
+  AutoCheckpointsIn(root, 1);
+  key_ = Open();
+  auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok());
+  id_ = p->id;
+  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  StepPartition(sessions_, key_, id_, 4096);  // its first automatic checkpoint
+  AwaitAutoCheckpoints(stats_, 1);
+  ASSERT_EQ(stats_.auto_checkpoints.load(), 1);
+  const std::string auto_dir = sessions_.AutoCheckpointDir(key_.id);
+  ASSERT_TRUE(std::filesystem::exists(auto_dir));
+  // The next step, held; the session closed meanwhile.
+  ASSERT_TRUE(sessions_.Fetch(key_, {id_}, WithGrads()).ok());
+  ASSERT_TRUE(sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32).ok());
+  steps_.SetSyncPointForTesting([this](StepPoint point) { gate_(point); });
+  stepper_ = std::thread([this] { step_result_ = sessions_.Step(key_, AdamHyperparams{}); });
+  gate_.AwaitReached();
+  ASSERT_TRUE(sessions_.Close(key_).ok());
+  FinishStep();
+  EXPECT_TRUE(step_result_.ok()) << step_result_.status();
+  EXPECT_EQ(pool_.used(), 0u);  // the session is gone
+  EXPECT_FALSE(std::filesystem::exists(auto_dir));
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 1);
+  EXPECT_EQ(stats_.auto_checkpoint_failures.load(), 0);
+  sessions_.SetAutoCheckpoint({});
+}
+
 TEST_F(SessionManagerRaceTest, AbandonDuringStepFreesAfterIt) {
   StartHeldStep();
   EXPECT_TRUE(sessions_.Abandon(key_.id));
