@@ -289,17 +289,26 @@ absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
         "placing ", to_nvme, " more bytes of this session on NVMe: the tier has room for ",
         swapper_->NvmeRoom(), " (nvme.bytes_per_dir in each of nvme.dirs); nothing moved"));
   }
+  // As they were, should a block's move fail (the estimate above leaves
+  // out accumulators and second working copies that exist): put back.
+  Placement placement_was;
+  uint64_t bytes_was[kDataKinds][2];
   {
     absl::MutexLock lock(&mu_);
+    placement_was = placement_;
+    std::memcpy(bytes_was, bytes_, sizeof(bytes_));
     plan(/*apply=*/true);
   }
   // Outside the set's lock; each call returns at once.
+  std::vector<std::pair<Swapper::BlockId, Tier>> moved_blocks;  // and the home each had
+  absl::Status status;
   for (const Move& m : moves) {
-    for (uint64_t c = 0; c < m.chunks; ++c) {
+    for (uint64_t c = 0; c < m.chunks && status.ok(); ++c) {
       for (int b = 0; b < PartitionStore::kBlockKinds; ++b) {
         // The fp32 initial values stay on the host until committed.
         if (KindOfBlock(b) != m.kind || b == PartitionStore::kInitBlock) continue;
-        absl::Status moved = swapper_->SetHome(PartitionStore::BlockOf(m.id, c, b), m.home);
+        const Swapper::BlockId block = PartitionStore::BlockOf(m.id, c, b);
+        absl::Status moved = swapper_->SetHome(block, m.home);
         // The working-copy buffer not in use exists only with the delayed
         // update (either kind, by the version); the accumulator once used
         // (it is made with the home set here).
@@ -307,11 +316,35 @@ absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
                                   b == PartitionStore::kParamsBlock ||
                                   b == PartitionStore::kAccumBlock;
         if (maybe_absent && absl::IsNotFound(moved)) continue;
-        RETURN_IF_ERROR(moved);
+        if (!moved.ok()) {
+          status = std::move(moved);
+          break;
+        }
+        moved_blocks.push_back({block, m.home == Tier::kNvme ? Tier::kHost : Tier::kNvme});
       }
     }
+    if (!status.ok()) break;
   }
-  return absl::OkStatus();
+  if (status.ok()) return absl::OkStatus();
+  // Every block back where it was (what a move freed is there to take
+  // again), and the set's homes and figures with them.
+  for (auto it = moved_blocks.rbegin(); it != moved_blocks.rend(); ++it) {
+    if (absl::Status back = swapper_->SetHome(it->first, it->second); !back.ok()) {
+      LogWarning("placement: block %d not moved back: %s", static_cast<int64_t>(it->first),
+                 back.ToString());
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    placement_ = placement_was;
+    std::memcpy(bytes_, bytes_was, sizeof(bytes_));
+    for (const Move& m : moves) {
+      auto p = partitions_.find(m.id);
+      if (p == partitions_.end()) continue;
+      p->second->home[static_cast<int>(m.kind)] = m.home == Tier::kNvme ? Tier::kHost : Tier::kNvme;
+    }
+  }
+  return absl::Status(status.code(), absl::StrCat(status.message(), "; nothing moved"));
 }
 
 PartitionStore::~PartitionStore() {

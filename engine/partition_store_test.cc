@@ -147,6 +147,34 @@ TEST(OutOfCore, PlacingMoreOnNvmeThanTheTierHoldsChangesNothing) {
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
 }
 
+// A move to NVMe that fails part way (the estimate leaves out the
+// gradient accumulator, here made by returned gradients: master, m and v
+// fit the 64 MiB tier, the accumulator does not) puts every block back:
+// the session's homes and figures are as before, the tier holds nothing of
+// it, and it trains on.
+TEST(OutOfCore, APlacementThatFailsPartWayMovesNothing) {
+  TestEngine engine(TmpDir("part_way"), 256 << 20);
+  auto opened = engine.sessions->Open("part_way", All(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr uint64_t kNumel = 5 << 20;  // 60 MiB of master, m and v; 80 with the accumulator
+  auto p = engine.sessions->Register(key, {"w", kNumel, DType::kBf16, DType::kBf16});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}, WithGrads()).ok());
+  ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kNumel, DType::kBf16).ok());
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  const auto before = engine.sessions->Sessions()[0];
+  const absl::Status moved = engine.sessions->SetPlacement(key, StateAt(0));
+  EXPECT_EQ(moved.code(), absl::StatusCode::kResourceExhausted) << moved;
+  EXPECT_TRUE(absl::StrContains(moved.message(), "nothing moved")) << moved;
+  const auto after = engine.sessions->Sessions()[0];
+  const int state = static_cast<int>(DataKind::kOptimizerState);
+  EXPECT_EQ(after.host_bytes[state], before.host_bytes[state]);
+  EXPECT_EQ(after.nvme_bytes[state], 0u);
+  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, 0u);
+  EXPECT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
+}
+
 TEST(OutOfCore, FractionalPlacementKeepsThatShareOnTheHost) {
   TestEngine engine(TmpDir("c"), 64 << 20);
   Trainer quarter(&engine, StateAt(25));
