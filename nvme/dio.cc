@@ -23,11 +23,21 @@ DirectIoAlignment QueryDirectIoAlignment(int fd) {
   // Older kernels: the device's logical block size.
   struct stat st;
   if (fstat(fd, &st) != 0) return {};
-  std::ifstream in(absl::StrCat("/sys/dev/block/", major(st.st_dev), ":", minor(st.st_dev),
-                                "/queue/logical_block_size"));
-  uint32_t block = 0;
-  if (in >> block && block != 0) return {block, block};
+  const uint32_t block = LogicalBlockSize("/sys/dev/block", major(st.st_dev), minor(st.st_dev));
+  if (block != 0) return {block, block};
   return {};
+}
+
+uint32_t LogicalBlockSize(const std::string& sys_dev_block, unsigned major, unsigned minor) {
+  const std::string dev = absl::StrCat(sys_dev_block, "/", major, ":", minor);
+  // A partition's directory (a link into its disk's) has no queue: its
+  // parent, the disk's, does.
+  for (const char* queue : {"/queue/logical_block_size", "/../queue/logical_block_size"}) {
+    std::ifstream in(dev + queue);
+    uint32_t block = 0;
+    if (in >> block && block != 0 && (block & (block - 1)) == 0) return block;
+  }
+  return 0;
 }
 
 absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool want_direct) {

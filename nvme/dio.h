@@ -21,9 +21,17 @@ struct DirectIoAlignment {
 };
 
 // statx(STATX_DIOALIGN) where the kernel reports it; otherwise the logical
-// block size of the underlying block device from sysfs. Unsupported (0, 0)
-// for filesystems without direct I/O, such as tmpfs.
+// block size of the underlying block device from sysfs (the disk's for a
+// partition). Unsupported (0, 0) where neither knows: filesystems without
+// direct I/O; tmpfs (which takes O_DIRECT from Linux 6.6 on, as a copy);
+// and, before 6.1, filesystems on no block device of their own (btrfs,
+// overlayfs, NFS), which then work through the page cache.
 DirectIoAlignment QueryDirectIoAlignment(int fd);
+
+// The logical block size of block device `major`:`minor` as
+// `sys_dev_block` (/sys/dev/block) tells it: its queue's, or for a
+// partition (which has none) its disk's; 0 if neither is there.
+uint32_t LogicalBlockSize(const std::string& sys_dev_block, unsigned major, unsigned minor);
 
 struct IoFile {
   UniqueFd fd;

@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 #include <vector>
@@ -347,6 +349,24 @@ TEST(DirectIo, AlignmentIsQueried) {
   EXPECT_EQ(a.offset & (a.offset - 1), 0u) << a.offset;
   EXPECT_GE(f->alignment, 512u);
   EXPECT_EQ(f->alignment % a.offset, 0u);
+}
+
+// Kernels before 6.1 (no STATX_DIOALIGN) learn the alignment from sysfs:
+// a partition's directory has no queue, its disk's has. A tree laid out as
+// /sys/dev/block is (the device's entry a link into its disk's directory).
+TEST(DirectIo, APartitionsBlockSizeIsItsDisks) {
+  const std::string root = std::string(getenv("TEST_TMPDIR")) + "/sysfs";
+  const std::string disk = root + "/devices/nvme0n1";
+  std::filesystem::remove_all(root);
+  ASSERT_TRUE(std::filesystem::create_directories(disk + "/nvme0n1p1"));
+  ASSERT_TRUE(std::filesystem::create_directories(disk + "/queue"));
+  ASSERT_TRUE(std::filesystem::create_directories(root + "/dev/block"));
+  std::ofstream(disk + "/queue/logical_block_size") << "512\n";
+  std::filesystem::create_directory_symlink(disk, root + "/dev/block/259:0");
+  std::filesystem::create_directory_symlink(disk + "/nvme0n1p1", root + "/dev/block/259:1");
+  EXPECT_EQ(LogicalBlockSize(root + "/dev/block", 259, 0), 512u);  // the disk
+  EXPECT_EQ(LogicalBlockSize(root + "/dev/block", 259, 1), 512u);  // its partition
+  EXPECT_EQ(LogicalBlockSize(root + "/dev/block", 0, 42), 0u);     // btrfs' anonymous device
 }
 
 TEST(DirectIo, TmpfsFallsBackToBufferedIo) {

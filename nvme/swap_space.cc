@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -29,6 +30,18 @@ absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& 
     auto file = std::make_unique<File>();
     const std::string path = absl::StrCat(dir, "/", kFileName);
     ASSIGN_OR_RETURN(file->io, OpenIoFile(path, /*create=*/true, options.direct_io));
+    // One directory named twice (another path to it): its file would be
+    // locked against itself, "in use by another offloadd".
+    struct stat st;
+    if (fstat(file->io.fd.get(), &st) != 0)
+      return PosixError(absl::StrCat("stat of ", path), errno);
+    for (const auto& earlier : space->files_) {
+      struct stat e;
+      if (fstat(earlier->io.fd.get(), &e) == 0 && e.st_dev == st.st_dev && e.st_ino == st.st_ino) {
+        return absl::InvalidArgumentError(absl::StrCat("nvme.dirs names one directory twice: ", dir,
+                                                       " and the one of ", earlier->io.path));
+      }
+    }
     if (flock(file->io.fd.get(), LOCK_EX | LOCK_NB) != 0) {
       return errno == EWOULDBLOCK ? absl::FailedPreconditionError(
                                         absl::StrCat(path, " is in use by another offloadd"))
@@ -57,10 +70,11 @@ absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& 
     // comes back to the filesystem some milliseconds later (7-35 ms were
     // seen): ENOSPC is the answer only once it persists for kSpaceWait.
     const absl::Time deadline = absl::Now() + kSpaceWait;
-    int rc;
+    int rc, err = 0;  // fallocate's (not a later call's)
     for (bool said = false;; said = true) {
       rc = fallocate(f->io.fd.get(), 0, 0, static_cast<off_t>(size));
-      if (rc == 0 || errno != ENOSPC || absl::Now() >= deadline) break;
+      err = rc == 0 ? 0 : errno;
+      if (rc == 0 || err != ENOSPC || absl::Now() >= deadline) break;
       if (!said) {
         LogInfo("%s: no room yet for %d bytes; waiting up to %s for space being freed", f->io.path,
                 size, absl::FormatDuration(kSpaceWait));
@@ -68,12 +82,12 @@ absl::StatusOr<std::unique_ptr<SwapSpace>> SwapSpace::Create(const NvmeOptions& 
       if (ftruncate(f->io.fd.get(), 0) != 0) break;  // what it got goes back meanwhile
       absl::SleepFor(absl::Milliseconds(20));
     }
-    if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
+    if (rc != 0 && (err == EOPNOTSUPP || err == ENOSYS)) {
       LogWarning("%s: fallocate unsupported; space is not reserved in advance", f->io.path);
       rc = ftruncate(f->io.fd.get(), static_cast<off_t>(size));
+      err = rc == 0 ? 0 : errno;
     }
     if (rc != 0) {
-      const int err = errno;
       unlink(f->io.path.c_str());
       return PosixError(absl::StrCat("preallocating ", size, " bytes for ", f->io.path), err);
     }

@@ -415,6 +415,21 @@ TEST_F(SwapSpaceTest, RefusesWhatItCannotDo) {
   EXPECT_EQ(s->Write(a.data(), 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// One directory named twice (here through a link) is a mistake said as
+// one, not "in use by another offloadd".
+TEST_F(SwapSpaceTest, ADirectoryNamedTwiceIsSaidSo) {
+  const std::string dir = MakeDir("twice");
+  const std::string link = std::string(getenv("TEST_TMPDIR")) + "/twice_link";
+  unlink(link.c_str());
+  ASSERT_EQ(symlink(dir.c_str(), link.c_str()), 0);
+  NvmeOptions o;
+  o.dirs = dir + "," + link;
+  o.bytes_per_dir = 8 * kMiB;
+  auto s = SwapSpace::Create(o, backend_.get());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+  EXPECT_TRUE(absl::StrContains(s.status().message(), "twice")) << s.status();
+}
+
 TEST_F(SwapSpaceTest, WorksBufferedOnTmpfs) {
   struct statfs fs;
   if (statfs("/dev/shm", &fs) != 0 || fs.f_type != 0x01021994) GTEST_SKIP() << "no tmpfs";
