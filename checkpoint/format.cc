@@ -183,13 +183,19 @@ absl::StatusOr<Directory> Directory::Prepare(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint directory must be an absolute path, got '", path, "'"));
   }
-  // Each missing parent, then the directory itself.
+  // Each missing parent, then the directory itself; each one made durable
+  // in its parent (its entry could vanish in a crash otherwise, and the
+  // checkpoints in it with it).
+  size_t parent_end = 0;  // where the last prefix's parent ends ("/": 1)
   for (size_t slash = 1; slash <= path.size(); ++slash) {
     if (slash != path.size() && path[slash] != '/') continue;
     const std::string prefix = path.substr(0, slash);
-    if (mkdir(prefix.c_str(), 0700) != 0 && errno != EEXIST) {
+    if (mkdir(prefix.c_str(), 0700) == 0) {
+      RETURN_IF_ERROR(SyncDirectory(path.substr(0, std::max<size_t>(parent_end, 1))));
+    } else if (errno != EEXIST) {
       return PosixError(absl::StrCat("creating checkpoint directory ", prefix), errno);
     }
+    parent_end = slash;
   }
   return Open(path);
 }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/directory.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "base/unique_fd.h"
@@ -97,7 +98,11 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
     if (rename(tmp.c_str(), path.c_str()) != 0) {
       return PosixError(absl::StrCat("renaming ", tmp, " to ", path), errno);
     }
-    return absl::OkStatus();
+    // The name durable too (a crash could otherwise lose the file).
+    const size_t slash = path.rfind('/');
+    return SyncDirectory(slash == std::string::npos ? "."
+                         : slash == 0               ? "/"
+                                                    : path.substr(0, slash));
   }();
   if (!status.ok()) unlink(tmp.c_str());
   return status;
