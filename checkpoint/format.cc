@@ -1,6 +1,7 @@
 #include "checkpoint/format.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -280,6 +281,15 @@ absl::Status CommitManifest(const Directory& dir, const std::string& stem, const
   const std::string tmp_path = dir.PathOf(tmp_name);
   // The data file's directory entry is durable before the manifest naming it.
   RETURN_IF_ERROR(dir.Sync());
+  // One commit at a time in a directory (writers of one stem: sessions of
+  // one name, or unnamed ones): between another's check for a newer
+  // manifest and its rename, this one could commit, and its cleanup then
+  // remove the data file that other's manifest names. A lock of its own
+  // (a descriptor of its own: flock excludes open files, not processes).
+  UniqueFd lock_fd(openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (lock_fd.get() < 0 || flock(lock_fd.get(), LOCK_EX) != 0) {
+    return PosixError(absl::StrCat("locking ", dir.path(), " for a commit"), errno);
+  }
   const std::optional<uint64_t> mine = DataGeneration(manifest.data_file(), stem);
   absl::Status written = [&]() -> absl::Status {
     UniqueFd fd(

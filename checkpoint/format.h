@@ -176,7 +176,8 @@ class DataFileWriter {
 
 // Steps 2-4 above: commits `manifest` (which names its data file) as the
 // checkpoint of `stem` in `dir`; with `keep_previous`, the checkpoint it
-// replaces stays as <stem>.previous.
+// replaces stays as <stem>.previous. Commits into one directory take turns
+// (flock of the directory), in this process and across processes.
 absl::Status CommitManifest(const Directory& dir, const std::string& stem, const Manifest& manifest,
                             bool keep_previous = false);
 

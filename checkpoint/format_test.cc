@@ -1,18 +1,23 @@
 #include "checkpoint/format.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/directory.h"
 #include "base/unique_fd.h"
 #include "checkpoint/export.h"
@@ -301,6 +306,28 @@ TEST(CheckpointFormatTest, WritersOfOneStemNeverLoseTheNewerCheckpoint) {
   m.set_data_file(older->name());
   EXPECT_EQ(CommitManifest(Opened(dir), "s", m).code(), absl::StatusCode::kAborted);
   EXPECT_EQ(ReadManifest(dir + "/s.manifest")->data_file(), newer->name());
+}
+
+// Commits into one directory take turns: one waits while another holds
+// the directory (between its check for a newer manifest and its cleanup, a
+// second writer of the stem would otherwise commit and have its data file
+// removed from under its manifest).
+TEST(CheckpointFormatTest, CommitsIntoOneDirectoryTakeTurns) {
+  const std::string dir = TempDir();
+  UniqueFd other(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ASSERT_EQ(flock(other.get(), LOCK_EX), 0);  // another writer's commit, under way
+  std::atomic<bool> committed{false};
+  std::thread writer([&] {
+    EXPECT_TRUE(WriteSession(dir, "r", 0, std::vector<float>(15, 1.0f), 15).ok());
+    committed = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(committed.load());
+  EXPECT_FALSE(std::filesystem::exists(dir + "/r.manifest"));
+  ASSERT_EQ(flock(other.get(), LOCK_UN), 0);
+  writer.join();
+  EXPECT_TRUE(committed.load());
+  EXPECT_TRUE(ReadManifest(dir + "/r.manifest").ok());
 }
 
 TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
