@@ -1013,13 +1013,16 @@ absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t b
     ASSIGN_OR_RETURN(p, FindOrNotFound(id));
     RETURN_IF_ERROR(CheckMomentRange(id, p->info.numel, begin, count));
     AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
+    ++moments_writing_;  // no step or checkpoint image begins until this ends
   }
   CaptureAll(absl::MakeConstSpan(&p, 1));  // a checkpoint being written keeps what was
-  RETURN_IF_ERROR(CopyMoments(id, begin, count, const_cast<float*>(exp_avg),
-                              const_cast<float*>(exp_avg_sq), /*write=*/true));
+  absl::Status copied = CopyMoments(id, begin, count, const_cast<float*>(exp_avg),
+                                    const_cast<float*>(exp_avg_sq), /*write=*/true);
   absl::MutexLock lock(&mu_);
-  p->info.step = step;
-  return absl::OkStatus();
+  if (copied.ok()) p->info.step = step;
+  --moments_writing_;
+  step_ended_.SignalAll();
+  return copied;
 }
 
 absl::Status PartitionStore::CopyMoments(uint64_t id, uint64_t begin, uint64_t count,
@@ -1286,7 +1289,7 @@ PendingGradients PartitionStore::Pending() const {
 
 void PartitionStore::AwaitStepBoundaryLocked() {
   auto busy = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (stepping_) return true;
+    if (stepping_ || moments_writing_ > 0) return true;
     for (const auto& [id, p] : partitions_) {
       if (p->accumulating) return true;
     }

@@ -504,6 +504,10 @@ class PartitionStore {
   std::map<uint64_t, std::unique_ptr<Partition>> partitions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> names_ ABSL_GUARDED_BY(mu_);
   bool stepping_ ABSL_GUARDED_BY(mu_) = false;
+  // WriteMoments calls under way: a step or a checkpoint's image waits for
+  // them (AwaitStepBoundaryLocked), so that neither sees half the moments
+  // written under the step count before.
+  int moments_writing_ ABSL_GUARDED_BY(mu_) = 0;
   // The order in which the trainer first held each partition since the
   // last step began, and first returned its gradients: BeginStep orders a
   // step by one of them (see there).

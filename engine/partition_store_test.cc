@@ -23,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/env.h"
+#include "checkpoint/format.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
 #include "engine/test_engine.h"
@@ -458,6 +459,56 @@ TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
     EXPECT_EQ(engine.sessions->WriteMoments(key, p->id, 1, 0, 1, wm.data(), wv.data()).code(),
               absl::StatusCode::kFailedPrecondition);
   }
+}
+
+// A checkpoint begun while moments are being written (optimizer
+// load_state_dict) waits for the write: its image is the moments written
+// and the step count given, never half of them under the step before.
+TEST(OutOfCore, ACheckpointWaitsForAMomentsWriteUnderWay) {
+  TestEngine engine(TmpDir("moments_race"), 64 << 20, /*prefetch_depth=*/0);
+  auto opened = engine.sessions->Open("moments_race", StateAt(0));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = kChunkElems;
+  auto fd = engine.sessions->DupArenaFd(key);
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  auto p = engine.sessions->Register(key, PartitionSpec{"w", kN, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  StepWithGradients(engine, key, *p, arena, std::vector<float>(kN, 0.01f));
+  // Its optimizer state out of memory: writing the moments reads them in.
+  engine.pool->SetLimit(0);
+  engine.swapper->Trim();
+  engine.swapper->WaitIdle();
+  engine.pool->SetLimit(64 << 20);
+  absl::Notification reading, go_on;
+  engine.swapper->SetIoHookForTesting([&](Swapper::BlockId, bool is_write) {
+    if (is_write || reading.HasBeenNotified()) return;
+    reading.Notify();
+    go_on.WaitForNotification();
+  });
+  const std::vector<float> wm(kN, 0.25f), wv(kN, 0.5f);
+  std::thread writer([&] {
+    EXPECT_TRUE(engine.sessions->WriteMoments(key, p->id, 7, 0, kN, wm.data(), wv.data()).ok());
+  });
+  reading.WaitForNotification();  // the write is under way, held in its read
+  std::atomic<bool> begun{false};
+  const std::string dir = TmpDir("moments_race_checkpoint");
+  std::thread checkpointer([&] {
+    EXPECT_TRUE(engine.sessions->Checkpoint(key, dir, /*background=*/true).ok());
+    begun = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(begun.load());  // waits for the write
+  go_on.Notify();
+  writer.join();
+  checkpointer.join();
+  ASSERT_TRUE(engine.sessions->WaitCheckpoint(key).ok());
+  engine.swapper->SetIoHookForTesting(nullptr);
+  auto manifests = checkpoint::ReadManifests(dir);
+  ASSERT_TRUE(manifests.ok()) << manifests.status();
+  ASSERT_EQ(manifests->size(), 1u);
+  EXPECT_EQ(manifests->front().second.partitions(0).step(), 7u);
 }
 
 TEST(OutOfCore, ALoadMakesItsValuesTheMasterWeightsAndKeepsTheMoments) {
