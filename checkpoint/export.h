@@ -1,7 +1,9 @@
 // Consolidated fp32 weights of a checkpoint, however many sessions (ranks)
 // wrote it: each tensor whole, from the fp32 master weights of its slices
 // (or, for a slice never stepped, its working copy widened to fp32),
-// padding past the tensor's end dropped.
+// padding past the tensor's end dropped. (A tensor registered without a
+// shape ends where its last slice does: its padding, which nothing tells
+// apart, stays.)
 #ifndef OFFLOADD_CHECKPOINT_EXPORT_H_
 #define OFFLOADD_CHECKPOINT_EXPORT_H_
 
