@@ -116,6 +116,20 @@ TEST(OutOfCore, ATrainerThatDiesReleasesWhatItHeld) {
   EXPECT_TRUE(small.sessions->Fetch(next.key(), {next.parts()[0].id}, WithGrads()).ok());
 }
 
+// Moving the session's optimizer state to NVMe is refused with "nothing
+// moved", and nothing did: its figures as before, the tier holding none.
+void ExpectStateStaysOnTheHost(TestEngine& engine, const SessionKey& key) {
+  const auto before = engine.sessions->Sessions()[0];
+  const absl::Status moved = engine.sessions->SetPlacement(key, StateAt(0));
+  EXPECT_EQ(moved.code(), absl::StatusCode::kResourceExhausted) << moved;
+  EXPECT_TRUE(absl::StrContains(moved.message(), "nothing moved")) << moved;
+  const auto after = engine.sessions->Sessions()[0];
+  const int state = static_cast<int>(DataKind::kOptimizerState);
+  EXPECT_EQ(after.host_bytes[state], before.host_bytes[state]);
+  EXPECT_EQ(after.nvme_bytes[state], 0u);
+  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, 0u);
+}
+
 // Placing on NVMe more than its tier holds (64 MiB here) is refused before
 // anything moves; registering state there past it is refused too.
 TEST(OutOfCore, PlacingMoreOnNvmeThanTheTierHoldsChangesNothing) {
@@ -129,15 +143,7 @@ TEST(OutOfCore, PlacingMoreOnNvmeThanTheTierHoldsChangesNothing) {
     ASSERT_TRUE(p.ok()) << p.status();
     ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
   }
-  const auto before = engine.sessions->Sessions()[0];
-  const absl::Status moved = engine.sessions->SetPlacement(key, StateAt(0));
-  EXPECT_EQ(moved.code(), absl::StatusCode::kResourceExhausted) << moved;
-  EXPECT_TRUE(absl::StrContains(moved.message(), "nothing moved")) << moved;
-  const auto after = engine.sessions->Sessions()[0];
-  const int state = static_cast<int>(DataKind::kOptimizerState);
-  EXPECT_EQ(after.host_bytes[state], before.host_bytes[state]);
-  EXPECT_EQ(after.nvme_bytes[state], 0u);
-  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, 0u);
+  ExpectStateStaysOnTheHost(engine, key);
   // A share that fits moves.
   const absl::Status half = engine.sessions->SetPlacement(key, StateAt(50));
   EXPECT_TRUE(half.ok()) << half;
@@ -164,15 +170,7 @@ TEST(OutOfCore, APlacementThatFailsPartWayMovesNothing) {
   ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}, WithGrads()).ok());
   ASSERT_TRUE(engine.sessions->ReturnGradients(key, p->id, kNumel, DType::kBf16).ok());
   ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
-  const auto before = engine.sessions->Sessions()[0];
-  const absl::Status moved = engine.sessions->SetPlacement(key, StateAt(0));
-  EXPECT_EQ(moved.code(), absl::StatusCode::kResourceExhausted) << moved;
-  EXPECT_TRUE(absl::StrContains(moved.message(), "nothing moved")) << moved;
-  const auto after = engine.sessions->Sessions()[0];
-  const int state = static_cast<int>(DataKind::kOptimizerState);
-  EXPECT_EQ(after.host_bytes[state], before.host_bytes[state]);
-  EXPECT_EQ(after.nvme_bytes[state], 0u);
-  EXPECT_EQ(engine.swapper->Stats().nvme_home_bytes, 0u);
+  ExpectStateStaysOnTheHost(engine, key);
   EXPECT_TRUE(engine.sessions->Step(key, AdamHyperparams{}).ok());
 }
 
