@@ -49,6 +49,8 @@ class MappedSpan {
   bool empty() const { return data_ == nullptr; }
   // Whether it is a view of a window's mapping other spans share.
   bool shared() const { return shared_; }
+  // The mapping it is in: holding it keeps the span's pages mapped.
+  const std::shared_ptr<const HostMemory>& mapping() const { return mapping_; }
 
  private:
   friend class SpanMaps;

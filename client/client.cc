@@ -407,6 +407,7 @@ struct Session::Impl {
       const bool grads_dma = RegisterForDma(m, grads, /*params=*/false);
       v.dma = params_dma && (grads_dma || grads.bytes == 0);
       base = m.memory.data() - m.begin;
+      v.memory = m.memory.mapping();
       if (!name.empty()) {
         names.try_emplace(l.id, std::string(name));
         v.name = std::string(name);

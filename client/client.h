@@ -238,6 +238,10 @@ struct PartitionView {
   // Session::EnableDma: copies to and from them run at the link's speed
   // without blocking the host.
   bool dma = false;
+  // The mapping the pointers above are in. Holding it keeps them mapped
+  // after the Session closes or goes (its bytes stale then, never a fault):
+  // for views that may outlive their Session (the Python binding's).
+  std::shared_ptr<const void> memory;
 
   // Typed access; the element type must match the dtype's size.
   template <typename T>

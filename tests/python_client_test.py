@@ -221,6 +221,32 @@ class PythonClientTest(unittest.TestCase):
             sys.setswitchinterval(old)
         self.assertGreater(during, 0)
 
+    def test_partition_memory_outlives_its_session(self):
+        # A partition's bytes (a memoryview, a tensor over it) taken from a
+        # Session that closes or is collected stay mapped: stale, never a
+        # fault that kills the interpreter. In a child: a crash is its own.
+        import subprocess
+        script = (
+            "import gc, offloadd, torch\n"
+            "client = offloadd.Client()\n"
+            "s = client.open_session('outlived')\n"
+            "p = s.register('w', 1024)\n"
+            "view = p.params\n"
+            "t = torch.frombuffer(view, dtype=torch.float32)\n"
+            "t.fill_(2.0)\n"
+            "s.close()\n"
+            "del s\n"
+            "gc.collect()\n"
+            "print(float(t.sum()) in (0.0, 2048.0), len(bytes(p.params)))\n"
+            "q = client.open_session('temporary').register('v', 16)\n"
+            "gc.collect()\n"
+            "print(len(bytes(q.params)))\n")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120)
+        self.assertEqual(done.returncode, 0, f"the child died: {done.returncode}\n{done.stderr}")
+        # (Stale: as written, or the zeros of pages the daemon gave back.)
+        self.assertEqual(done.stdout.split(), ["True", "4096", "64"])
+
     def test_a_session_closed_by_two_threads_at_once(self):
         # Session is safe from several threads: two closing it at once both
         # return (its keepalive thread is stopped once).

@@ -94,8 +94,18 @@ auto Unlocked(F&& f) {
   return f();
 }
 
-py::memoryview View(void* data, uint64_t bytes) {
-  return py::memoryview::from_memory(data, static_cast<ssize_t>(bytes), /*readonly=*/false);
+// Bytes of a partition's mapping as Python holds them: a buffer that keeps
+// the mapping (PartitionView::memory), so that a memoryview of it, and a
+// tensor over that, stay mapped after the Session closes or is collected
+// (their bytes stale then, never a fault).
+struct MappedBytes {
+  std::shared_ptr<const void> owner;
+  void* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+py::memoryview View(const PartitionView& p, void* data, uint64_t bytes) {
+  return py::memoryview(py::cast(MappedBytes{p.memory, data, bytes}));
 }
 
 py::dict CheckpointDict(const CheckpointResult& r) {
@@ -433,6 +443,11 @@ PYBIND11_MODULE(_offloadd, m) {
   m.attr("PermissionDeniedError") = e.permission_denied;
   m.attr("DataLossError") = e.data_loss;
 
+  py::class_<MappedBytes>(m, "_MappedBytes", py::buffer_protocol()).def_buffer([](MappedBytes& b) {
+    return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                           {static_cast<ssize_t>(b.bytes)}, {ssize_t{1}}, /*readonly=*/false);
+  });
+
   py::class_<PartitionView>(m, "Partition")
       .def_readonly("id", &PartitionView::id)
       .def_readonly("name", &PartitionView::name)
@@ -447,17 +462,21 @@ PYBIND11_MODULE(_offloadd, m) {
                              [](const PartitionView& p) { return DTypeName(p.grad_dtype); })
       .def_property_readonly(
           "params",
-          [](const PartitionView& p) { return View(p.params, p.numel * DTypeSize(p.param_dtype)); },
+          [](const PartitionView& p) {
+            return View(p, p.params, p.numel * DTypeSize(p.param_dtype));
+          },
           "the working parameters (bytes), while held")
       .def_property_readonly(
           "grads",
-          [](const PartitionView& p) { return View(p.grads, p.numel * DTypeSize(p.grad_dtype)); },
+          [](const PartitionView& p) {
+            return View(p, p.grads, p.numel * DTypeSize(p.grad_dtype));
+          },
           "the gradient buffer (bytes), while held with grads")
       .def_property_readonly(
           "master_init",
           [](const PartitionView& p) -> py::object {
             if (p.master_init == nullptr) return py::none();
-            return View(p.master_init, p.numel * sizeof(float));
+            return View(p, p.master_init, p.numel * sizeof(float));
           },
           "fp32 initial values (registered with fp32_master, until released)");
 
