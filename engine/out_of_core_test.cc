@@ -219,6 +219,50 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
   }
 }
 
+// A step that stops after finishing some partitions (0 here), midway
+// through one (1) and before another (2): the ones it has not finished
+// take no new gradients (they would be added to the ones it still has to
+// apply), the Step that resumes it finishes those alone (a finished
+// partition's next gradients wait for the next Step), and the session's
+// step count goes up once, when it is finished.
+TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
+  TestEngine in_memory(TmpDir("s1"), 64 << 20);
+  Trainer reference(&in_memory, All(100));
+  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
+                              RoundUpToPage(kSizes[2] * 4));
+  TestEngine small(TmpDir("s2"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
+  Trainer out_of_core(&small, StateAt(0));
+  for (int step = 1; step <= 2; ++step) {
+    reference.ReturnGradients(step);
+    out_of_core.ReturnGradients(step);
+    ASSERT_TRUE(reference.Step().ok());
+    if (step == 1) {
+      ASSERT_TRUE(out_of_core.Step().ok());
+    }
+  }
+  // Step 2 fails at its 17th swap-in: partition 0 is finished, 1 is not.
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.skip = 16;
+  eio.error = EIO;
+  small.faults->AddRule(eio);
+  auto failed = out_of_core.Step();
+  small.faults->ClearRules();
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  EXPECT_EQ(out_of_core.ReturnGradientsStatus(1), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(out_of_core.ReturnGradientsStatus(2), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(small.sessions->Sessions()[0].steps, 1u);
+  // Partition 0 takes its next gradients (the buffer as it is); the Step
+  // that resumes leaves them for the next.
+  EXPECT_EQ(out_of_core.ReturnGradientsStatus(0), absl::StatusCode::kOk);
+  auto resumed = out_of_core.Step();
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
+  EXPECT_EQ(reference.Params(), out_of_core.Params());
+  EXPECT_EQ(small.sessions->Pending(out_of_core.key())->partitions, 1u);
+}
+
 // Moving a session's data between the tiers while it trains, both ways,
 // returns at once and loses nothing: every partition's bytes are the same
 // before and after, and training stays bit-for-bit that of data kept in

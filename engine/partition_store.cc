@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -90,6 +91,11 @@ struct PartitionStore::Partition {
   uint64_t micro_batches = 0;  // accumulated since the last step
   GradStats grad_stats;        // of the accumulated values
   uint64_t resume_chunk = 0;   // a failed step updated the chunks before it
+  // In a step that stopped midway (updated in none, some or all chunks
+  // before resume_chunk): until Step finishes it, no new gradients (they
+  // would be added to this step's), no skip, no switch of the delayed
+  // update, no checkpoint.
+  bool stopped = false;
   // The trainer's holds: every chunk pinned, or none.
   std::vector<Swapper::Pin> param_pins, grad_pins;
   // Held for writing (a writable fetch, or since registration): the trainer
@@ -1108,9 +1114,10 @@ absl::StatusOr<AccumulateItem> PartitionStore::BeginAccumulate(uint64_t id, uint
   AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
   // (Both at once: a step may begin while an earlier accumulation ends.)
   while (p->accumulating || p->step != StepState::kOut) step_ended_.Wait(&mu_);
-  if (p->resume_chunk != 0) {
-    // Part of this partition was updated with the gradients it holds; new
-    // ones would mix two steps in one.
+  if (p->stopped) {
+    // The step that stopped applies the gradients it holds when it is
+    // resumed (its other partitions had theirs); new ones would be added
+    // to them, two iterations in one step.
     return absl::FailedPreconditionError(
         absl::StrCat("partition ", id, " ('", p->info.name,
                      "') is in a step that stopped midway; call Step "
@@ -1320,17 +1327,22 @@ absl::StatusOr<std::vector<StepItem>> PartitionStore::BeginStep(bool skipping) {
                        "') was registered with fp32 initial values "
                        "that are not committed yet: release it first"));
     }
-    if (ready && skipping && p->resume_chunk != 0) {
-      // Its first chunks are updated already: skipping would leave them so.
+    if (ready && skipping && p->stopped) {
+      // Other partitions, or its own first chunks, are updated already:
+      // skipping would leave them so.
       return absl::FailedPreconditionError(absl::StrCat("partition ", id, " ('", p->info.name,
                                                         "') is in a step that stopped midway: Step "
                                                         "again to finish it before skipping"));
     }
   }
   RETURN_IF_ERROR(CheckSwapsLocked());
+  // After a step stopped midway, the next finishes it: its partitions
+  // alone (a finished partition's next gradients wait for the step after).
+  const bool resuming =
+      absl::c_any_of(partitions_, [](const auto& e) { return e.second->stopped; });
   std::vector<StepItem> items;
   for (auto& [id, p] : partitions_) {
-    if (p->gradients == GradState::kNone) continue;
+    if (p->gradients == GradState::kNone || (resuming && !p->stopped)) continue;
     StepItem item;
     item.id = id;
     item.delayed = delayed_;
@@ -1364,9 +1376,11 @@ absl::StatusOr<std::vector<StepItem>> PartitionStore::BeginStep(bool skipping) {
   const std::vector<uint64_t>& order = delayed_ ? return_order_ : fetch_order_;
   absl::flat_hash_map<uint64_t, size_t> rank;
   for (size_t i = 0; i < order.size(); ++i) rank.emplace(order[i], i);
-  fetch_order_.clear();
-  fetched_.clear();
-  return_order_.clear();
+  if (!resuming) {  // (a resume's: what the trainer did since the step began, kept)
+    fetch_order_.clear();
+    fetched_.clear();
+    return_order_.clear();
+  }
   std::stable_sort(items.begin(), items.end(), [&rank](const StepItem& a, const StepItem& b) {
     auto ra = rank.find(a.id), rb = rank.find(b.id);
     const size_t x = ra == rank.end() ? SIZE_MAX : ra->second;
@@ -1457,8 +1471,8 @@ absl::Status PartitionStore::SetDelayedUpdate(bool on) {
     }
     if (on == delayed_) return absl::OkStatus();
     for (const auto& [id, p] : partitions_) {
-      if (p->resume_chunk != 0) {
-        // The resumed update must write the buffer the interrupted one did.
+      if (p->stopped) {
+        // The resumed update must write the buffers the interrupted one did.
         return absl::FailedPreconditionError(
             absl::StrCat("partition ", id, " ('", p->info.name,
                          "') is in a step that stopped midway: Step "
@@ -1536,6 +1550,7 @@ void PartitionStore::ConsumeGrads(const StepItem& item, uint64_t chunk) {
 void PartitionStore::LeaveStepLocked(Partition* p, const StepItem& item, bool applied) {
   p->step = StepState::kOut;
   p->resume_chunk = 0;
+  p->stopped = false;
   p->gradients = GradState::kNone;
   p->micro_batches = 0;
   p->grad_stats = GradStats{};
@@ -1562,7 +1577,7 @@ void PartitionStore::EndStep(absl::Span<const StepItem> items,
     if (outcomes[i].outcome != StepOutcome::kSkipped) continue;
     for (uint64_t c = 0; c < items[i].chunks; ++c) ConsumeGrads(items[i], c);
   }
-  bool applied_any = false;
+  bool applied_any = false, stopped = false;
   {
     absl::MutexLock lock(&mu_);
     for (size_t i = 0; i < items.size(); ++i) {
@@ -1574,13 +1589,21 @@ void PartitionStore::EndStep(absl::Span<const StepItem> items,
       if (outcomes[i].outcome == StepOutcome::kFailed) {
         p->step = StepState::kOut;
         p->resume_chunk = outcomes[i].next_chunk;
+        p->stopped = true;
+        stopped = true;
         continue;
       }
       const bool applied = outcomes[i].outcome == StepOutcome::kApplied;
       LeaveStepLocked(p, items[i], applied);
       applied_any |= applied;
     }
-    if (applied_any) ++steps_;
+    // A step counts once, when it is finished: one that stopped midway
+    // counts when the Step that resumes it ends.
+    step_applied_ |= applied_any;
+    if (!stopped) {
+      if (step_applied_) ++steps_;
+      step_applied_ = false;
+    }
     stepping_ = false;
     step_ended_.SignalAll();
   }
@@ -1679,9 +1702,9 @@ absl::StatusOr<SetImage> PartitionStore::BeginCheckpoint(ChunkSink* sink) {
     const std::string why =
         p->master == MasterState::kInitPending
             ? "was registered with fp32 initial values not committed yet: release it first"
-        : p->writable_hold     ? "is held for writing (its parameters may be changing): release it "
-                                 "first"
-        : p->resume_chunk != 0 ? "is in a step that stopped midway: Step again first"
+        : p->writable_hold ? "is held for writing (its parameters may be changing): release it "
+                             "first"
+        : p->stopped       ? "is in a step that stopped midway: Step again first"
         : p->gradients == GradState::kLost ? "lost its accumulated gradients: skip this step first"
         : p->gradients == GradState::kHandedOver
             ? "had gradients handed over (ReturnGradients with hand_over) while "

@@ -508,6 +508,9 @@ class PartitionStore {
   // them (AwaitStepBoundaryLocked), so that neither sees half the moments
   // written under the step count before.
   int moments_writing_ ABSL_GUARDED_BY(mu_) = 0;
+  // The step under way (stopped midway, to be resumed) updated some
+  // partition already: steps_ counts it once it is finished.
+  bool step_applied_ ABSL_GUARDED_BY(mu_) = false;
   // The order in which the trainer first held each partition since the
   // last step began, and first returned its gradients: BeginStep orders a
   // step by one of them (see there).

@@ -224,8 +224,10 @@ class Trainer {
   void GiveStats(StatsFn stats) { give_ = std::move(stats); }
 
   // Returns the first partition's gradients again; the status code.
-  absl::StatusCode ReturnGradientsStatus() {
-    const PartitionInfo& p = parts_[0];
+  // The code of returning gradients for partition `which` (fetched with
+  // them, released after).
+  absl::StatusCode ReturnGradientsStatus(size_t which = 0) {
+    const PartitionInfo& p = parts_[which];
     EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}, WithGrads()).ok());
     const absl::StatusCode code =
         engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).code();
