@@ -1016,6 +1016,13 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
 absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Session>& session,
                                                        const AdamHyperparams& h,
                                                        const StepControl& control) {
+  {
+    // The previous overlapped step counted first: its partitions leave it
+    // (and the trainer's next gradients come) before it ends, and the
+    // switch below goes by the steps ended.
+    absl::MutexLock lock(&session->step_mu);
+    session->AwaitNoStep();
+  }
   int64_t after = session->delayed_update_after.load();
   if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after) &&
       // Once, and not over a SetDelayedUpdate that cancelled it meanwhile.
@@ -1035,7 +1042,14 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   AdamHyperparams applied = h;
   if (scaler != nullptr) applied.grad_scale = h.grad_scale / scaler->scale();
   // An overflow on any rank skips everywhere (the ranks must stay alike).
-  const bool skip = control.skip || control.overflow;
+  // With loss scaling, one here too, whatever optimizer.check_finite says
+  // (which decides for sessions without: a non-finite gradient applied
+  // would make the master weights NaN, and the scaler count a clean step).
+  bool overflow = control.overflow;
+  if (scaler != nullptr && !overflow && !control.skip && !steps_->check_finite()) {
+    overflow = session->partitions->Pending().stats.nonfinite != 0;
+  }
+  const bool skip = control.skip || overflow;
   StepSummary summary;
   if (control.overlap) {
     Session* s = session.get();
@@ -1068,8 +1082,8 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   }
   summary.delayed_update = session->partitions->delayed_update();
   if (scaler == nullptr) return summary;
-  if (!control.skip || control.overflow) {
-    scaler->Update(/*overflow=*/control.overflow || summary.nonfinite != 0);
+  if (!control.skip || overflow) {
+    scaler->Update(/*overflow=*/overflow || summary.nonfinite != 0);
   }
   summary.loss_scale = scaler->scale();
   return summary;

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -785,6 +786,38 @@ TEST_F(SessionManagerTest, ABackgroundCheckpointWithoutAThreadLeavesNoneRunning)
   ASSERT_TRUE(sessions_.Close(key).ok());
 }
 
+// With fp16 loss scaling, a non-finite gradient skips the step and lowers
+// the scale even with optimizer.check_finite off (which decides only for
+// sessions without a scaler): applied, it made the master weights NaN and
+// counted as a clean step.
+TEST_F(SessionManagerTest, LossScalingSkipsOverflowsWithoutTheOptimizersCheck) {
+  engine_->optimizer().SetCheckFinite(false);
+  LossScalingOptions scaling;
+  scaling.initial_scale = 1024;
+  scaling.hysteresis = 1;
+  auto opened = sessions_.Open("fp16", {}, scaling);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  auto p = sessions_.Register(key, {"w", 4, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  auto fd = sessions_.DupArenaFd(key);
+  ASSERT_TRUE(fd.ok());
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 16 << 20);
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  ASSERT_TRUE(sessions_.Fetch(key, {p->id}, WithGrads()).ok());
+  auto* g = reinterpret_cast<float*>(arena.data() + p->grads.offset);
+  g[0] = std::numeric_limits<float>::infinity();
+  g[1] = g[2] = g[3] = 1.0f;
+  ASSERT_TRUE(sessions_.ReturnGradients(key, p->id, 4, DType::kFp32).ok());
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  auto stepped = sessions_.Step(key, AdamHyperparams{});
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_TRUE(stepped->skipped);
+  EXPECT_EQ(stepped->loss_scale, 512.0);
+  EXPECT_EQ(sessions_.Sessions()[0].steps, 0u);
+  engine_->optimizer().SetCheckFinite(true);
+}
+
 TEST_F(SessionManagerTest, RegisterFailuresGiveTheBudgetBack) {
   SessionKey key = Open();
   ASSERT_TRUE(sessions_.Register(key, {"first", 1000, DType::kFp32, DType::kFp32}).ok());
@@ -928,6 +961,47 @@ TEST_F(SessionManagerRaceTest, AbandonDuringStepFreesAfterIt) {
   EXPECT_TRUE(step_result_.ok()) << step_result_.status();
   EXPECT_EQ(pool_.used(), 0u);
   EXPECT_EQ(stats_.sessions_abandoned.load(), 1);
+}
+
+// The delayed update switches on after its warm-up of steps counted when
+// they end: a Step that comes while the overlapped step before it is
+// finishing (its partitions out of it, the trainer's next gradients in,
+// its end not yet counted) waits for it, and switches on as a synchronous
+// one would.
+TEST_F(SessionManagerRaceTest, TheDelayedUpdateSwitchesOnAfterOverlappedStepsEnd) {
+  auto opened = sessions_.Open("warm_up", {}, std::nullopt, /*delayed_update_after=*/1);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  key_ = opened->key;
+  auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok());
+  id_ = p->id;
+  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  ASSERT_TRUE(sessions_.Fetch(key_, {id_}, WithGrads()).ok());
+  ASSERT_TRUE(sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32).ok());
+  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  StepGate ending(StepPoint::kOptimized);  // the partition left the step; its end not counted
+  std::atomic<bool> held{false};
+  steps_.SetSyncPointForTesting([&ending, &held](StepPoint point) {
+    if (point == StepPoint::kOptimized && !held.exchange(true)) ending(point);  // the first's
+  });
+  StepControl overlap;
+  overlap.overlap = true;
+  auto first = sessions_.Step(key_, AdamHyperparams{}, overlap);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->delayed_update);
+  ending.AwaitReached();
+  ASSERT_TRUE(sessions_.Fetch(key_, {id_}, WithGrads()).ok());
+  ASSERT_TRUE(sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32).ok());
+  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  absl::StatusOr<StepSummary> second;
+  std::thread stepper([&] { second = sessions_.Step(key_, AdamHyperparams{}, overlap); });
+  absl::SleepFor(absl::Milliseconds(100));  // (it waits, or decides without the first's end)
+  ending.Release();
+  stepper.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(second->delayed_update);
+  ASSERT_TRUE(sessions_.WaitStep(key_).ok());
+  steps_.SetSyncPointForTesting(nullptr);
 }
 
 TEST_F(SessionManagerRaceTest, FetchOfAPartitionInAStepSeesTheUpdatedVersion) {

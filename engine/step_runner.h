@@ -155,6 +155,10 @@ class StepRunner {
   absl::Status Reclaim(PartitionStore& set, absl::Span<const uint64_t> ids)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Whether a step skips itself where the gradients hold non-finite values
+  // (optimizer.check_finite).
+  bool check_finite() const { return optimizer_->check_finite(); }
+
   // One step over every partition with accumulated gradients; with `skip`,
   // the gradients are consumed and nothing else changes.
   // `groups`: INVALID_ARGUMENT for a partition named twice or bad
