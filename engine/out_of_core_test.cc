@@ -263,6 +263,42 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
   EXPECT_EQ(small.sessions->Pending(out_of_core.key())->partitions, 1u);
 }
 
+// With loss scaling, an overlapped step counts for the scale when it is
+// decided; should it stop midway, the Step that finishes it does not
+// count it again (the scale would grow a step early).
+TEST(OutOfCore, AnOverlappedStepThatStopsCountsOnceForTheLossScale) {
+  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
+                              RoundUpToPage(kSizes[2] * 4));
+  TestEngine small(TmpDir("s3"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
+  LossScalingOptions scaling;
+  scaling.initial_scale = 1024;
+  scaling.growth_interval = 1;  // every clean step doubles it
+  Trainer t(&small, StateAt(0), kSizes, scaling);
+  t.ReturnGradients(1);
+  ASSERT_TRUE(t.Step().ok());  // 2048; its state written out: the next step reads it
+  t.ReturnGradients(2);
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.skip = 16;
+  eio.error = EIO;
+  small.faults->AddRule(eio);
+  StepControl overlap;
+  overlap.overlap = true;
+  auto started = small.sessions->Step(t.key(), Decaying(), overlap);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_EQ(started->loss_scale, 4096.0);
+  EXPECT_EQ(small.sessions->WaitStep(t.key()).status().code(), absl::StatusCode::kDataLoss);
+  small.faults->ClearRules();
+  auto finished = t.Step();
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_EQ(finished->loss_scale, 4096.0);
+  t.ReturnGradients(3);
+  auto next = t.Step();
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->loss_scale, 8192.0);
+}
+
 // Moving a session's data between the tiers while it trains, both ways,
 // returns at once and loses nothing: every partition's bytes are the same
 // before and after, and training stays bit-for-bit that of data kept in

@@ -431,6 +431,11 @@ uint64_t PartitionStore::steps() const {
   return steps_;
 }
 
+bool PartitionStore::stopped_midway() const {
+  absl::MutexLock lock(&mu_);
+  return absl::c_any_of(partitions_, [](const auto& e) { return e.second->stopped; });
+}
+
 uint64_t PartitionStore::bytes(DataKind kind, Tier home) const {
   absl::MutexLock lock(&mu_);
   return bytes_[static_cast<int>(kind)][static_cast<int>(home)];

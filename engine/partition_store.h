@@ -354,8 +354,11 @@ class PartitionStore {
   uint64_t bytes(DataKind kind, Tier home) const ABSL_LOCKS_EXCLUDED(mu_);
   // Partitions the trainer holds now.
   size_t held() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Steps applied so far.
+  // Steps applied so far (a step that stopped midway counts once the Step
+  // that resumes it ends).
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a step stopped midway: the next Step finishes it.
+  bool stopped_midway() const ABSL_LOCKS_EXCLUDED(mu_);
   // The session's weight in the node's optimizer when several sessions step
   // at once (engine/optimizer_shares.h), and in the swapper's I/O when
   // several sessions' blocks wait for it (Swapper::SetIoWeight): 1 unless

@@ -105,6 +105,10 @@ struct SessionManager::Session {
   // checkpoint never sees the steps of one moment and the scale of another.
   // Taken before the set's lock and before step_mu.
   absl::Mutex decide_mu;
+  // The loss scaler counted the step under way when it began (overlapped:
+  // decided before it ran); should it stop midway, the Step that finishes
+  // it does not count it again.
+  bool scaler_counted_step ABSL_GUARDED_BY(decide_mu) = false;
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -1036,6 +1040,11 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   }
   absl::MutexLock decided(&session->decide_mu);
   LossScaler* scaler = session->scaler.get();
+  // Whether this Step finishes one that stopped midway, which the scaler
+  // counted already (it was overlapped); decided before it runs (a step
+  // that fails here is not counted).
+  const bool counted = session->partitions->stopped_midway() && session->scaler_counted_step;
+  session->scaler_counted_step = counted;
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
   // non-finite values here) skips the step and lowers the scale; otherwise
   // the gradients are unscaled in the update's pass.
@@ -1082,8 +1091,9 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   }
   summary.delayed_update = session->partitions->delayed_update();
   if (scaler == nullptr) return summary;
-  if (!control.skip || overflow) {
+  if ((!control.skip || overflow) && !counted) {
     scaler->Update(/*overflow=*/overflow || summary.nonfinite != 0);
+    session->scaler_counted_step = control.overlap;  // (kept, should it stop)
   }
   summary.loss_scale = scaler->scale();
   return summary;

@@ -152,9 +152,10 @@ absl::StatusOr<StepSummary> OverlappedStepWhereOnlyThePendingFetchWaits(
 class Trainer {
  public:
   Trainer(TestEngine* engine, const PlacementChange& placement,
-          const std::vector<uint64_t>& sizes = kSizes)
+          const std::vector<uint64_t>& sizes = kSizes,
+          const std::optional<LossScalingOptions>& loss_scaling = std::nullopt)
       : engine_(engine) {
-    auto opened = engine->sessions->Open("t", placement);
+    auto opened = engine->sessions->Open("t", placement, loss_scaling);
     EXPECT_TRUE(opened.ok()) << opened.status();
     key_ = opened->key;
     auto fd = engine->sessions->DupArenaFd(key_);
