@@ -135,9 +135,11 @@ void GradientDrain::Seal() {
   absl::StatusOr<Event> done = TakeEvent();
   absl::Status recorded = done.ok() ? device_->Record(*done, stream_) : done.status();
   if (recorded.ok()) last.done = *std::move(done);
+  auto outcome = std::make_shared<std::optional<absl::Status>>();
   for (Copy* c : open_) {
     if (!recorded.ok() && c->failed.ok()) c->failed = recorded;
     c->finished = &last.done;
+    c->outcome = outcome;
   }
   open_.clear();
 }
@@ -158,7 +160,9 @@ void GradientDrain::Collect(bool wait, std::vector<Done>* out) {
   while (!in_flight_.empty()) {
     Copy& c = *in_flight_.front();
     absl::Status status;
-    if (c.failed.ok()) {
+    if (c.failed.ok() && c.outcome->has_value()) {
+      status = **c.outcome;  // its Add's event answered for an earlier copy
+    } else if (c.failed.ok()) {
       if (wait) {
         status = device_->Synchronize(*c.finished);
       } else {
@@ -166,6 +170,7 @@ void GradientDrain::Collect(bool wait, std::vector<Done>* out) {
         if (done.ok() && !*done) break;
         status = done.status();
       }
+      *c.outcome = status;
     }
     out->push_back(Finish(c, std::move(status)));
     if (c.done) spare_events_.push_back(std::move(c.done));  // complete: for a later copy

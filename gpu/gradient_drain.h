@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -96,6 +97,11 @@ class GradientDrain {
     // (which stays in in_flight_ until this one is collected).
     const Event* finished = nullptr;
     absl::Status failed;  // could not be issued
+    // What that event said, once asked: the same for every copy of the Add
+    // (a device reports a failed copy once, at the first event after it:
+    // asked per copy, the first would take the blame and the failed one
+    // pass as good).
+    std::shared_ptr<std::optional<absl::Status>> outcome;
   };
 
   GradientDrain(Device* device, GradientSink* sink, Stream stream, Event producer_done,

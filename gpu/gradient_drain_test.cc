@@ -170,5 +170,37 @@ TEST(GradientDrainFailureTest, AFailedCopyIsReportedWithItsKey) {
   EXPECT_EQ((*drain)->stats().copy_failures, 2u);
 }
 
+// A copy that fails among others of one Add: the device tells of it once,
+// at the Add's event; every copy of the Add is reported failed (which of
+// them cannot be told), none passes as good with bytes never written.
+TEST(GradientDrainFailureTest, AFailedCopyInABatchFailsItsWholeBatch) {
+  for (bool dma : {true, false}) {
+    SCOPED_TRACE(dma ? "DMA" : "staged");
+    EmulatedDevice dev;
+    FakeSink sink;
+    sink.dma = dma;
+    auto drain = GradientDrain::Create(&dev, &sink, 1 << 20);
+    ASSERT_TRUE(drain.ok());
+    std::vector<DeviceMemory> grads;
+    std::vector<GradientDrain::Item> items;
+    for (uint64_t k = 0; k < 3; ++k) {
+      grads.push_back(*dev.Allocate(4096));
+      std::memset(grads.back().get(), 'a' + static_cast<int>(k), 4096);
+      items.push_back({k, grads.back().get(), 4096});
+    }
+    const void* bad = grads[1].get();
+    dev.SetCopyFault([bad](void*, const void* src, uint64_t, Direction) {
+      return src == bad ? absl::DataLossError("injected") : absl::OkStatus();
+    });
+    Stream host = dev.BorrowStream(nullptr);
+    ASSERT_TRUE((*drain)->Add(items, host).ok());
+    auto done = (*drain)->Completed(true);
+    ASSERT_EQ(done.size(), 3u);
+    for (const GradientDrain::Done& d : done) {
+      EXPECT_EQ(d.status.code(), absl::StatusCode::kDataLoss) << "gradient " << d.key;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace offload::gpu
