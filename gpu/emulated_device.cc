@@ -124,6 +124,8 @@ absl::StatusOr<HostRegistration> EmulatedDevice::RegisterHost(void* data, uint64
 absl::StatusOr<Stream> EmulatedDevice::CreateStream() {
   auto* s = new StreamState;
   s->thread = std::thread([this, s] { Worker(s); });
+  absl::MutexLock lock(&mu_);
+  streams_.insert(s);
   return Stream(this, s, 0, /*owned=*/true);
 }
 
@@ -139,7 +141,10 @@ const std::shared_ptr<EmulatedDevice::EventState>& EmulatedDevice::EventOf(const
 }
 
 EmulatedDevice::StreamState* EmulatedDevice::StateOf(const Stream& stream) {
-  return stream.get() == nullptr ? host_stream_.get() : static_cast<StreamState*>(stream.get());
+  if (stream.get() == nullptr) return host_stream_.get();
+  auto* s = static_cast<StreamState*>(stream.get());
+  absl::MutexLock lock(&mu_);
+  return streams_.contains(s) ? s : nullptr;
 }
 
 bool EmulatedDevice::InRanges(const std::map<uintptr_t, uint64_t>& ranges, const void* p,
@@ -231,6 +236,11 @@ absl::Status EmulatedDevice::Launch(const Stream& stream, std::function<void()> 
 }
 
 absl::Status EmulatedDevice::Enqueue(StreamState* s, Op op) {
+  if (s == nullptr) {
+    return absl::InvalidArgumentError(
+        "emulated device: a stream it did not make (a borrowed stream must be null, the host "
+        "stream: no other handle means anything to it)");
+  }
   if (s->host) {
     RunOp(s, op);
     return absl::OkStatus();
@@ -360,6 +370,10 @@ void EmulatedDevice::Destroy(Kind kind, void* handle, uint64_t bytes) {
     }
     case Kind::kStream: {
       auto* s = static_cast<StreamState*>(handle);
+      {
+        absl::MutexLock lock(&mu_);
+        streams_.erase(s);
+      }
       {
         absl::MutexLock lock(&s->mu);
         s->stop = true;

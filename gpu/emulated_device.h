@@ -23,6 +23,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gpu/device.h"
@@ -92,7 +93,9 @@ class EmulatedDevice final : public Device {
   struct Op;
 
   // The stream behind a handle: the host stream for a null one.
-  StreamState* StateOf(const Stream& stream);
+  // Null for a handle this device did not make (a borrowed one must be
+  // null: the host stream).
+  StreamState* StateOf(const Stream& stream) ABSL_LOCKS_EXCLUDED(mu_);
   // The state behind an event handle (CreateEvent's).
   static const std::shared_ptr<EventState>& EventOf(const Event& event);
   absl::Status Enqueue(StreamState* s, Op op);
@@ -115,6 +118,8 @@ class EmulatedDevice final : public Device {
   uint64_t copies_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t rng_ ABSL_GUARDED_BY(mu_);
   CopyFault copy_fault_ ABSL_GUARDED_BY(mu_);
+  // The streams CreateStream made and not yet destroyed.
+  absl::flat_hash_set<const StreamState*> streams_ ABSL_GUARDED_BY(mu_);
   std::function<absl::Status(void*, uint64_t)> register_fault_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -57,6 +57,26 @@ TEST(EmulatedDeviceTest, CopyOutsideDeviceMemoryIsRefused) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A stream handle it did not make (a CUDA stream's given to the emulated
+// device, a stale one) is refused, never taken for its own.
+TEST(EmulatedDeviceTest, AStreamItDidNotMakeIsRefused) {
+  EmulatedDevice dev;
+  auto mem = dev.Allocate(16);
+  auto event = dev.CreateEvent();
+  ASSERT_TRUE(mem.ok() && event.ok());
+  char host[16] = {};
+  const Stream foreign = dev.BorrowStream(reinterpret_cast<void*>(uintptr_t{1}));
+  EXPECT_EQ(dev.CopyAsync(mem->get(), host, 16, Direction::kHostToDevice, foreign).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dev.Record(*event, foreign).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dev.WaitOn(foreign, *event).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(dev.Launch(foreign, [] {}).code(), absl::StatusCode::kInvalidArgument);
+  // The host stream (null) and its own still work.
+  EXPECT_TRUE(
+      dev.CopyAsync(mem->get(), host, 16, Direction::kHostToDevice, dev.BorrowStream(nullptr))
+          .ok());
+}
+
 TEST(EmulatedDeviceTest, FailedCopySurfacesOnceAtTheNextEvent) {
   EmulatedDevice dev;
   auto mem = dev.Allocate(4096);
