@@ -72,19 +72,30 @@ absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uin
   if (tensors.empty()) return absl::InvalidArgumentError("a unit needs at least one tensor");
   Unit unit;
   const int index = static_cast<int>(units_.size());
+  // A unit refused declares nothing: the tensors it added go again (a
+  // later unit may declare them otherwise, and Keys() names none of them).
+  const size_t entries_before = entries_.size();
+  const uint64_t persistent_before = persistent_bytes_;
+  auto refuse = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (size_t i = entries_before; i < entries_.size(); ++i) by_key_.erase(entries_[i].key);
+    entries_.resize(entries_before);
+    persistent_bytes_ = persistent_before;
+    return why;
+  };
   for (const auto& [key, bytes] : tensors) {
     if (bytes == 0) {
-      return absl::InvalidArgumentError(absl::StrFormat("tensor %d has no bytes", key));
+      return refuse(absl::InvalidArgumentError(absl::StrFormat("tensor %d has no bytes", key)));
     }
     auto it = by_key_.find(key);
     if (it != by_key_.end()) {
       const Entry& e = entries_[it->second];
       if (e.bytes != bytes) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("tensor %d declared with %d bytes and now %d", key, e.bytes, bytes));
+        return refuse(absl::InvalidArgumentError(
+            absl::StrFormat("tensor %d declared with %d bytes and now %d", key, e.bytes, bytes)));
       }
       if (std::find(unit.entries.begin(), unit.entries.end(), it->second) != unit.entries.end()) {
-        return absl::InvalidArgumentError(absl::StrFormat("tensor %d named twice in a unit", key));
+        return refuse(
+            absl::InvalidArgumentError(absl::StrFormat("tensor %d named twice in a unit", key)));
       }
       unit.entries.push_back(it->second);
     } else {
@@ -102,9 +113,9 @@ absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uin
     unit.bytes += Rounded(bytes);
   }
   if (unit.bytes > budget_) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
+    return refuse(absl::ResourceExhaustedError(absl::StrFormat(
         "a unit of %d tensors needs %d bytes on the device; the GPU tier's budget is %d bytes",
-        tensors.size(), unit.bytes, budget_));
+        tensors.size(), unit.bytes, budget_)));
   }
   for (int e : unit.entries) entries_[e].units.push_back(index);
   units_.push_back(std::move(unit));

@@ -333,6 +333,21 @@ TEST_F(ParamCacheTest, ACopyNeverOverwritesWhatComputeStillReads) {
   EXPECT_EQ((*cache)->stats().evictions, 1u);
 }
 
+// A unit refused declares none of its tensors: they may be declared again
+// otherwise, and the cache names only tensors of units it has.
+TEST_F(ParamCacheTest, ARefusedUnitDeclaresNothing) {
+  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ((*cache)->AddUnit({{1, 100}, {2, 0}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*cache)->AddUnit({{3, 100}, {4, 2 << 20}}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE((*cache)->Keys().empty());
+  auto unit = (*cache)->AddUnit({{1, 200}});
+  ASSERT_TRUE(unit.ok()) << unit.status();
+  EXPECT_EQ((*cache)->Keys(), std::vector<uint64_t>{1});
+}
+
 TEST_F(ParamCacheTest, InvalidateCopiesTheNewValues) {
   auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
   ASSERT_TRUE(cache.ok());
