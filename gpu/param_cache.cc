@@ -314,13 +314,16 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
       if (staging_head_ + chunk > capacity) {
         RETURN_IF_ERROR(device_->Record(fence_, copy_stream_));
         absl::Status s = device_->Synchronize(fence_);
+        staging_head_ = 0;
         if (!s.ok()) {
           // A copy before the fence failed: which one is not known, so
-          // every batch in flight counts as failed.
+          // every batch in flight counts as failed, and so does this one
+          // (the failed copy may be one of its own tensors': Bring undoes
+          // it, and the next use copies again).
           for (auto& b : in_flight_) FinishBatch(*b, s);
           in_flight_.clear();
+          return s;
         }
-        staging_head_ = 0;
       }
       char* stage = static_cast<char*>(staging_.get()) + staging_head_;
       std::memcpy(stage, static_cast<const char*>(span.data) + done, chunk);

@@ -348,6 +348,42 @@ TEST_F(ParamCacheTest, ARefusedUnitDeclaresNothing) {
   EXPECT_EQ((*cache)->Keys(), std::vector<uint64_t>{1});
 }
 
+// Staged copies: a copy that fails before the staging buffer wraps is
+// told at the wrap's fence, which cannot say whose it was. The batch being
+// copied fails with the ones in flight (the failed copy may be its own):
+// no tensor of it becomes ready with bytes never copied.
+TEST_F(ParamCacheTest, AStagedCopyFailureAtTheWrapFailsTheBatchBeingCopied) {
+  source_.dma_ = false;
+  auto cache = ParamCache::Create(
+      &device_, &source_, {.budget_bytes = 8 << 20, .prefetch_depth = 0, .staging_bytes = 1 << 20});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  source_.Add(1, 768 << 10, 1);  // unit 0
+  source_.Add(2, 256 << 10, 2);  // unit 1: fills the buffer to its end,
+  source_.Add(3, 900 << 10, 3);  // then wraps it
+  ASSERT_TRUE((*cache)->AddUnit({{1, 768 << 10}}).ok());
+  ASSERT_TRUE((*cache)->AddUnit({{2, 256 << 10}, {3, 900 << 10}}).ok());
+  UseAndCheck(**cache, 0, 0);
+  std::atomic<int> copies{0};
+  device_.SetCopyFault([&copies](void*, const void*, uint64_t, Direction) {
+    return ++copies == 1 ? absl::DataLossError("injected") : absl::OkStatus();  // tensor 2's
+  });
+  auto failed = (*cache)->Use(1, host_);
+  EXPECT_FALSE(failed.ok());
+  device_.SetCopyFault(nullptr);
+  (void)(*cache)->Synchronize();
+  // Copied again at the next use, whole.
+  auto offsets = (*cache)->Use(1, host_);
+  ASSERT_TRUE(offsets.ok()) << offsets.status();
+  for (int k = 0; k < 2; ++k) {
+    const auto& want = source_.data(2 + k);
+    EXPECT_EQ(
+        std::memcmp(static_cast<char*>((*cache)->slab()) + (*offsets)[k], want.data(), want.size()),
+        0)
+        << "tensor " << 2 + k;
+  }
+  ASSERT_TRUE((*cache)->Done(1, host_).ok());
+}
+
 TEST_F(ParamCacheTest, InvalidateCopiesTheNewValues) {
   auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
   ASSERT_TRUE(cache.ok());
