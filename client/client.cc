@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/algorithm/container.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -164,6 +165,8 @@ struct Session::Impl {
   // session, FAILED_PRECONDITION saying to resume it (this object's
   // mappings are the previous offloadd's: views over them would be stale).
   std::atomic<bool> orphaned{false};
+  // GpuTiers of this session alive (Session::Close refuses while any is).
+  std::atomic<int> tiers{0};
 
   // The process that opened the session: a child forked since (a data
   // loader's worker) neither closes it nor touches the keepalive thread,
@@ -318,6 +321,9 @@ struct Session::Impl {
       gpu::HostRegistration registration;
     };
     std::vector<Registered> dma;
+    // Offsets of regions the device refused: not asked again (each ask a
+    // driver call under the session's lock, on every fetch naming it).
+    std::vector<uint64_t> refused;
   };
   absl::flat_hash_map<uint64_t, Mapped> regions ABSL_GUARDED_BY(mu);
   // Set by EnableDma: regions are registered with it as they are named.
@@ -333,6 +339,7 @@ struct Session::Impl {
     for (const Mapped::Registered& x : m.dma) {
       if (x.offset == r.offset) return true;
     }
+    if (absl::c_linear_search(m.refused, r.offset)) return false;
     const absl::Time start = absl::Now();
     absl::StatusOr<gpu::HostRegistration> reg =
         dma_device->RegisterHost(m.memory.data() + (r.offset - m.begin), r.bytes);
@@ -343,6 +350,7 @@ struct Session::Impl {
       dma_stats.bytes += r.bytes;
       return true;
     }
+    m.refused.push_back(r.offset);
     if (dma_stats.failed_regions++ == 0) {
       LogWarning(
           "registering the session's arena with %s for DMA failed (%s); its copies go "
@@ -392,7 +400,7 @@ struct Session::Impl {
           return absl::Status(region.status().code(), absl::StrCat("mapping partition ", l.id, ": ",
                                                                    region.status().message()));
         }
-        it = regions.emplace(l.id, Mapped{begin, *std::move(region), {}}).first;
+        it = regions.emplace(l.id, Mapped{begin, *std::move(region), {}, {}}).first;
       }
       Mapped& m = it->second;
       for (const ArenaSpan& r : {params, grads, master_init}) {
@@ -1060,6 +1068,11 @@ absl::Status Session::Close(bool finished) {
         "this session belongs to the process that opened it, not to a child forked from it: "
         "close it there");
   }
+  if (const int tiers = impl_->tiers.load(); tiers > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", impl_->ref.session_id(), " has ", tiers,
+        " GpuTier(s) attached: destroy them first (their copies read and write its memory)"));
+  }
   impl_->StopKeepalive();
   {
     absl::MutexLock lock(&impl_->mu);
@@ -1083,6 +1096,8 @@ absl::Status Session::Close(bool finished) {
   impl_->dma_stats.regions = impl_->dma_stats.bytes = 0;
   return closed;
 }
+
+void Session::AttachTier(int delta) { impl_->tiers.fetch_add(delta); }
 
 absl::Status Client::SetShare(uint64_t session_id, uint32_t weight) {
   v1::SetShareRequest req;

@@ -483,7 +483,9 @@ class Session {
   // Closes the session in the daemon and unmaps its partitions (every
   // PartitionView of it is invalid afterwards; copies from them must have
   // ended). The job ended: automatic checkpoints kept for a resume go (a
-  // Session destroyed without Close() leaves them).
+  // Session destroyed without Close() leaves them). FAILED_PRECONDITION,
+  // nothing closed, while a GpuTier of it lives (its copies read and write
+  // the session's memory): destroy the tier first.
   absl::Status Close() { return Close(/*finished=*/true); }
   // `finished` false: the job did not end (a failure unwinding): automatic
   // checkpoints kept for a resume stay.
@@ -491,8 +493,10 @@ class Session {
 
  private:
   friend class Client;
+  friend class GpuTier;  // counts itself attached (Close refuses meanwhile)
   struct Impl;
   explicit Session(std::unique_ptr<Impl> impl);
+  void AttachTier(int delta);
   // `stats`: empty, or one per partition.
   absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release, bool hand_over,
                                absl::Span<const GradientStats> stats);

@@ -64,6 +64,7 @@ GpuTier::~GpuTier() {
     grads_held_.clear();
   }
   ReleaseIds(ids).IgnoreError();
+  session_->AttachTier(-1);
 }
 
 void GpuTier::AddHolds(absl::Span<const uint64_t> ids) {

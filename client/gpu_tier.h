@@ -149,7 +149,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
         hold_per_iteration_(options.hold_per_iteration),
         report_interval_(options.report_interval),
         own_depth_(options.params.prefetch_depth),
-        own_bytes_(options.params.prefetch_bytes) {}
+        own_bytes_(options.params.prefetch_bytes) {
+    session_->AttachTier(+1);
+  }
   // Reports to the daemon if report_interval passed, and applies what it
   // answers. A failure is logged once and training goes on.
   void MaybeReport() ABSL_LOCKS_EXCLUDED(mu_);

@@ -638,6 +638,55 @@ TEST_F(DaemonTest, DmaRegistersWorkingCopiesOnlyOnceTheDaemonNamesThem) {
   EXPECT_EQ(s->dma_stats().regions, 0u);
 }
 
+// A session is not closed under its GpuTier (whose copies read and write
+// its memory): Close refuses until the tier is gone.
+TEST_F(DaemonTest, ASessionIsNotClosedUnderItsGpuTier) {
+  gpu::EmulatedDevice device;
+  auto opened = client_->OpenSession("tiered");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Session* s = opened->get();
+  GpuTierOptions options;
+  options.params.budget_bytes = 1 << 20;
+  auto tier = GpuTier::Create(s, &device, options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  const absl::Status refused = s->Close();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "GpuTier")) << refused;
+  EXPECT_TRUE(s->GetPendingGradients().ok());  // still open
+  tier->reset();
+  EXPECT_TRUE(s->Close().ok());
+}
+
+// A region the device refuses to register is asked once: later fetches
+// naming it go to the staging path without another driver call, and
+// failed_regions counts regions, not fetches.
+TEST_F(DaemonTest, ARegionTheDeviceRefusesIsAskedOnce) {
+  gpu::EmulatedDevice device;  // outlives the session
+  std::atomic<int> asked{0};
+  device.SetRegisterFault([&asked](void*, uint64_t) {
+    ++asked;
+    return absl::ResourceExhaustedError("injected: RLIMIT_MEMLOCK");
+  });
+  auto opened = client_->OpenSession("refused");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Session* s = opened->get();
+  ASSERT_TRUE(s->EnableDma(&device).ok());
+  auto p = s->Register("w", 4096, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_FALSE(p->dma);
+  ASSERT_TRUE(s->Release(*p).ok());
+  for (int i = 0; i < 3; ++i) {
+    FetchOptions grads;
+    grads.grads = true;
+    auto v = s->Fetch(p->id, grads);
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_FALSE(v->dma);
+    ASSERT_TRUE(s->Release(*v).ok());
+  }
+  EXPECT_EQ(asked.load(), 2);  // the working copy and the gradient buffer
+  EXPECT_EQ(s->dma_stats().failed_regions, 2u);
+}
+
 // With the delayed update the step after an iteration runs while the next
 // one computes, and reads the gradient buffers that iteration's backward
 // writes again. Held a batch at a time (SetGradientsPerBatch, what
