@@ -247,6 +247,39 @@ class PythonClientTest(unittest.TestCase):
         # (Stale: as written, or the zeros of pages the daemon gave back.)
         self.assertEqual(done.stdout.split(), ["True", "4096", "64"])
 
+    def test_write_moments_keeps_its_buffers_exported_until_done(self):
+        # write_moments reads its buffers without the GIL (here while it
+        # waits for an overlapped step to end): they stay exported until it
+        # returns, so another thread cannot resize one under it.
+        import array
+        n = 8 << 20
+        p = self.register("moments", torch.zeros(n))
+        self.return_grads(p, torch.full((n,), 0.5))
+        for _ in range(3):
+            m, v = array.array("f", bytes(4 * n)), array.array("f", bytes(4 * n))
+            self.session.step(lr=1e-3, overlap=True)
+            done = threading.Event()
+
+            def write():
+                self.session.write_moments(p.id, 1, 0, m, v)
+                done.set()
+            t = threading.Thread(target=write)
+            t.start()
+            time.sleep(0.01)
+            try:
+                m.append(1.0)
+                resized = True
+            except BufferError:
+                resized = False
+            still_writing = not done.is_set()
+            t.join(timeout=60)
+            self.session.wait_step()
+            if still_writing or not resized:
+                self.assertFalse(resized and still_writing, "resized while being written")
+                return
+            self.return_grads(p, torch.full((n,), 0.5))  # the step was quicker: again
+        self.skipTest("each step ended before the write was looked at")
+
     def test_a_session_closed_by_two_threads_at_once(self):
         # Session is safe from several threads: two closing it at once both
         # return (its keepalive thread is stopped once).

@@ -626,8 +626,10 @@ PYBIND11_MODULE(_offloadd, m) {
           "write_moments",
           [](Session& s, uint64_t id, uint64_t step, uint64_t begin, py::buffer exp_avg,
              py::buffer exp_avg_sq) {
-            auto floats = [](py::buffer& b, const char* name) {
-              py::buffer_info info = b.request();
+            // Each buffer exported (py::buffer_info holds the export) until
+            // the write returns: read without the GIL, it must stay put
+            // (another thread may not resize it meanwhile).
+            auto floats = [](const py::buffer_info& info, const char* name) {
               if (info.itemsize != sizeof(float) ||
                   info.format != py::format_descriptor<float>::format() || info.ndim != 1 ||
                   info.strides[0] != static_cast<py::ssize_t>(sizeof(float))) {
@@ -637,8 +639,9 @@ PYBIND11_MODULE(_offloadd, m) {
               return absl::Span<const float>(static_cast<const float*>(info.ptr),
                                              static_cast<size_t>(info.shape[0]));
             };
-            absl::Span<const float> m = floats(exp_avg, "exp_avg");
-            absl::Span<const float> v = floats(exp_avg_sq, "exp_avg_sq");
+            const py::buffer_info m_info = exp_avg.request(), v_info = exp_avg_sq.request();
+            absl::Span<const float> m = floats(m_info, "exp_avg");
+            absl::Span<const float> v = floats(v_info, "exp_avg_sq");
             Check(Unlocked([&] { return s.WriteMoments(id, step, begin, m, v); }));
           },
           py::arg("id"), py::arg("step"), py::arg("begin"), py::arg("exp_avg"),
