@@ -221,6 +221,40 @@ class PythonClientTest(unittest.TestCase):
             sys.setswitchinterval(old)
         self.assertGreater(during, 0)
 
+    def test_a_tier_call_waiting_for_another_threads_use_releases_the_gil(self):
+        # tier.stats() waits for the parameter cache's lock, which a use()
+        # in another thread holds while its fetch waits for a step: a third
+        # thread runs meanwhile (it wakes from a short sleep and needs the
+        # GIL to say so), not only once stats() returns.
+        n = 24 << 20
+        p = self.register("tiered", torch.ones(n))
+        dev = offloadd.open_device("emulated", memory_bytes=128 << 20, max_copy_delay_us=0)
+        tier = offloadd.GpuTier(self.session, dev, budget_bytes=112 << 20,
+                                register_arena=False, prefetch_depth=0)
+        unit = tier.add_unit([(p.id, 4 * n)])
+        for _ in range(3):
+            self.return_grads(p, torch.full((n,), 0.1))
+            self.session.step(overlap=True)  # its partition in the step: a fetch waits
+            user = threading.Thread(target=lambda: tier.use(unit, 0, dev))
+            user.start()
+            woke = []
+            other = threading.Thread(target=lambda: (time.sleep(0.002),
+                                                     woke.append(time.monotonic())))
+            other.start()
+            began = time.monotonic()
+            tier.stats()
+            ended = time.monotonic()
+            other.join()
+            user.join(timeout=60)
+            self.session.wait_step()
+            tier.done(unit, 0, dev)
+            if ended - began > 0.02:  # stats() had to wait
+                self.assertLess(woke[0], ended - 0.005, "the GIL was held while stats() waited")
+                del tier
+                return
+        del tier
+        self.skipTest("each step ended before stats() had to wait")
+
     def test_partition_memory_outlives_its_session(self):
         # A partition's bytes (a memoryview, a tensor over it) taken from a
         # Session that closes or is collected stay mapped: stale, never a

@@ -311,7 +311,7 @@ void BindGpu(py::module_& m) {
       .def(
           "add_unit",
           [](GpuTier& t, const std::vector<std::pair<uint64_t, uint64_t>>& tensors) {
-            return Value(t.params().AddUnit(tensors));
+            return Value(Unlocked([&] { return t.params().AddUnit(tensors); }));
           },
           py::arg("tensors"), "a unit of (partition id, device bytes); returns its index")
       .def("begin_iteration",
@@ -358,13 +358,15 @@ void BindGpu(py::module_& m) {
            [](GpuTier& t) { Check(Unlocked([&] { return t.params().Synchronize(); })); })
       .def(
           "set_gradients_per_batch",
-          [](GpuTier& t, bool per_batch) { t.SetGradientsPerBatch(per_batch); },
+          [](GpuTier& t, bool per_batch) { Unlocked([&] { t.SetGradientsPerBatch(per_batch); }); },
           py::arg("per_batch"),
           "gradient buffers held each batch's own as gradients come (while the step before "
           "may still read them) or all at the first")
       .def(
           "set_prefetch",
-          [](GpuTier& t, int depth, uint64_t bytes) { t.SetPrefetch(depth, bytes); },
+          [](GpuTier& t, int depth, uint64_t bytes) {
+            Unlocked([&] { t.SetPrefetch(depth, bytes); });
+          },
           py::arg("depth"), py::arg("bytes"))
       .def(
           "add_gradient",
@@ -407,8 +409,12 @@ void BindGpu(py::module_& m) {
           },
           py::arg("wait"), py::arg("hand_over") = false, py::arg("stats") = py::none(),
           "returns the gradients whose copies completed (all with wait); their ids")
-      .def_property_readonly("gradients_pending", &GpuTier::gradients_pending)
-      .def("stats", [](GpuTier& t) { return TierStatsDict(t.stats()); });
+      // (Each of these waits for locks a use() in another thread holds
+      // across a call to offloadd: without the GIL meanwhile.)
+      .def_property_readonly(
+          "gradients_pending",
+          [](GpuTier& t) { return Unlocked([&] { return t.gradients_pending(); }); })
+      .def("stats", [](GpuTier& t) { return TierStatsDict(Unlocked([&] { return t.stats(); })); });
 }
 
 PYBIND11_MODULE(_offloadd, m) {
@@ -682,7 +688,7 @@ PYBIND11_MODULE(_offloadd, m) {
           "the host only)")
       .def("dma_stats",
            [](const Session& s) {
-             Session::DmaStats d = s.dma_stats();
+             Session::DmaStats d = Unlocked([&] { return s.dma_stats(); });
              return py::dict("regions"_a = d.regions, "bytes"_a = d.bytes,
                              "failed_regions"_a = d.failed_regions,
                              "register_us"_a = d.register_us);
