@@ -9,6 +9,7 @@
 #include <ctime>
 #include <fstream>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -141,9 +142,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   // any call or lease can reach them.
   const std::string kept = d->PreservedDir();
   d->engine_->sessions().SetKeptDirectory(kept);  // (no trainer's checkpoint goes there)
+  // Should the start fail after the kept sessions were reopened (a group
+  // that does not exist, a port taken), they are kept again, as a stop
+  // keeps them: reopening took what the pool's file held (memory.pool_dir)
+  // out of the previous offloadd's keeping.
+  int reopened = 0;
+  bool started = false;
+  absl::Cleanup keep_again = [&] {
+    if (started || reopened == 0) return;
+    KeptBytes bytes;
+    const int n = KeepSessions(d->engine_->sessions(), kept, d->engine_->pool().file(), &bytes);
+    LogWarning("offloadd did not start: the %d session(s) it reopened are kept again (%d)",
+               reopened, n);
+  };
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
       const int n = ReopenKeptSessions(d->engine_->sessions(), kept, d->engine_->pool().file());
+      reopened = n;
       LogInfo(
           "reopened %d session(s) kept across the restart; their trainers have %d s to "
           "resume them",
@@ -217,6 +232,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
   d->SetHooks();
   RETURN_IF_ERROR(registry->Freeze());
+  started = true;
   return d;
 }
 

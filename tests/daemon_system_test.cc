@@ -3003,6 +3003,56 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
   EXPECT_TRUE(await_gone(lost_dir)) << lost_dir;
 }
 
+// A restart that fails after it reopened the kept sessions (here a
+// socket group that does not exist) keeps them again: with the pool in a
+// file (memory.pool_dir) reopening took them out of the previous
+// offloadd's keeping, and the failed start lost every one of them.
+TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
+  char pool_dir[] = "/dev/shm/offloadd_failed_start_XXXXXX";
+  ASSERT_NE(mkdtemp(pool_dir), nullptr);
+  const std::vector<std::string> flags = {"--server.reconnect_lease_seconds=30",
+                                          absl::StrCat("--memory.pool_dir=", pool_dir)};
+  auto first = DaemonProcess::Start(flags);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  uint64_t id = 0;
+  std::string token;
+  std::vector<uint16_t> before;
+  {
+    auto client = Client::Connect({(*first)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    auto [kept, p] = OpenTrainer(client->get(), "kept");
+    TrainSteps(kept.get(), p.id, 1, 2);
+    before = ParamsOf(kept.get(), p.id);
+    id = kept->id();
+    token = kept->token();
+    auto stopped = (*first)->Stop();
+    ASSERT_TRUE(stopped.ok()) << stopped.status();
+  }
+  // (Not through DaemonProcess, whose failed start removes the directory.)
+  const std::string bad = absl::StrCat(
+      "daemon/offloadd --server.data_dir=", data_dir, " ", absl::StrJoin(flags, " "),
+      " --server.socket_group=offloadd_no_such_group > ", data_dir, "/failed.log 2>&1");
+  const int failed = std::system(bad.c_str());
+  ASSERT_TRUE(WIFEXITED(failed) && WEXITSTATUS(failed) != 0) << failed;
+  auto third = DaemonProcess::StartIn(data_dir, flags);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_TRUE(absl::StrContains((*third)->ReadLog(), "reopened 1 session(s)"))
+      << (*third)->ReadLog();
+  auto client = Client::Connect({(*third)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto resumed = (*client)->ResumeSession(id, token);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  auto listed = (*resumed)->Fetch(std::vector<uint64_t>{});
+  ASSERT_TRUE(listed.ok() && listed->size() == 1u);
+  const uint64_t pid = (*listed)[0].id;
+  ASSERT_TRUE((*resumed)->Release((*listed)[0]).ok());
+  EXPECT_EQ(ParamsOf(resumed->get(), pid), before);
+  ASSERT_TRUE((*resumed)->Close().ok());
+  (void)(*third)->Stop();
+  std::filesystem::remove_all(pool_dir);
+}
+
 // A stale Session object whose calls go over gRPC (no request ring) is
 // told to resume too: the next offloadd, which kept the session, would
 // serve them while this object reads and writes its memory through the
