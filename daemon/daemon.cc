@@ -27,6 +27,7 @@
 #include "base/status_macros.h"
 #include "base/unique_fd.h"
 #include "checkpoint/format.h"
+#include "daemon/sd_notify.h"
 #include "engine/kept_sessions.h"
 #include "ipc/paths.h"
 #include "ipc/unix_socket.h"
@@ -34,6 +35,18 @@
 
 namespace offload {
 namespace {
+
+// Before each kept session is written or read back: systemd (Type=notify)
+// is told to wait a while longer for the start or the stop, and what is
+// under way (a session of 100 GB takes minutes at the disk's speed; the
+// unit's timeouts are for the daemon itself).
+EachKeptSession TellSystemdToWait(const char* doing) {
+  return [doing](uint64_t id) {
+    NotifySystemd(absl::StrCat("EXTEND_TIMEOUT_USEC=", int64_t{600} * 1000 * 1000,
+                               "\nSTATUS=", doing, " kept session ", id))
+        .IgnoreError();
+  };
+}
 
 // The placement tunables, one per kind of data.
 struct PlacementTunable {
@@ -151,13 +164,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   absl::Cleanup keep_again = [&] {
     if (started || reopened == 0) return;
     KeptBytes bytes;
-    const int n = KeepSessions(d->engine_->sessions(), kept, d->engine_->pool().file(), &bytes);
+    const int n = KeepSessions(d->engine_->sessions(), kept, d->engine_->pool().file(), &bytes,
+                               TellSystemdToWait("keeping"));
     LogWarning("offloadd did not start: the %d session(s) it reopened are kept again (%d)",
                reopened, n);
   };
   if (access(kept.c_str(), F_OK) == 0) {
     if (server.reconnect_lease_seconds > 0) {
-      const int n = ReopenKeptSessions(d->engine_->sessions(), kept, d->engine_->pool().file());
+      const int n = ReopenKeptSessions(d->engine_->sessions(), kept, d->engine_->pool().file(),
+                                       TellSystemdToWait("reopening"));
       reopened = n;
       LogInfo(
           "reopened %d session(s) kept across the restart; their trainers have %d s to "
@@ -531,7 +546,8 @@ void Daemon::Shutdown() {
   if (keep) {
     KeptBytes bytes;
     const absl::Time began = absl::Now();
-    const int n = KeepSessions(engine_->sessions(), PreservedDir(), engine_->pool().file(), &bytes);
+    const int n = KeepSessions(engine_->sessions(), PreservedDir(), engine_->pool().file(), &bytes,
+                               TellSystemdToWait("keeping"));
     if (n > 0) {
       LogInfo(
           "kept %d session(s) in %s for the next offloadd in %s: %d bytes written, %d left in "

@@ -131,7 +131,7 @@ absl::StatusOr<uint64_t> ReopenOne(SessionManager& sessions, const std::string& 
 }  // namespace
 
 int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory,
-                 KeptBytes* bytes) {
+                 KeptBytes* bytes, const EachKeptSession& before_each) {
   KeptBytes unused;
   if (bytes == nullptr) bytes = &unused;
   const std::vector<uint64_t> ids = sessions.SessionIds();
@@ -146,6 +146,7 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
   }
   int kept = 0;
   for (uint64_t id : ids) {
+    if (before_each) before_each(id);
     const std::string sub = absl::StrCat(dir, "/", id);
     absl::StatusOr<SessionManager::KeptSession> session = sessions.QuiesceForKeeping(id);
     // Named in the pool's file where it has one (written otherwise).
@@ -177,7 +178,8 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
   return kept;
 }
 
-int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory) {
+int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory,
+                       const EachKeptSession& before_each) {
   if (absl::Status own = checkpoint::CheckOwnDirectory(dir); !own.ok()) {
     LogWarning("sessions kept in %s are not reopened: %s", dir, own.ToString());
     return 0;
@@ -213,6 +215,10 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
   std::vector<std::string> not_reopened;  // kept in the taken-over file
   for (const std::string& name : ListDirectory(dir)) {
     const std::string sub = absl::StrCat(dir, "/", name);
+    if (before_each) {
+      uint64_t named = 0;
+      before_each(absl::SimpleAtoi(name, &named) ? named : 0);
+    }
     absl::StatusOr<uint64_t> id = ReopenOne(sessions, sub);
     auto kept = in_memory.find(sub);
     if (id.ok()) {

@@ -25,6 +25,7 @@
 #ifndef OFFLOADD_ENGINE_KEPT_SESSIONS_H_
 #define OFFLOADD_ENGINE_KEPT_SESSIONS_H_
 
+#include <functional>
 #include <string>
 
 #include "engine/session_manager.h"
@@ -42,8 +43,11 @@ struct KeptBytes {
   uint64_t referenced = 0;  // named in the pool's file
   uint64_t written = 0;     // written into <dir>
 };
+// `before_each`, if set, hears of each session before it is kept (the
+// daemon tells systemd to wait longer).
+using EachKeptSession = std::function<void(uint64_t id)>;
 int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory = nullptr,
-                 KeptBytes* bytes = nullptr);
+                 KeptBytes* bytes = nullptr, const EachKeptSession& before_each = nullptr);
 
 // At start, before any call: reopens every session kept in `dir` (which
 // must be this user's alone: checkpoint::CheckOwnDirectory), then starts
@@ -57,8 +61,9 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
 // directory removed). Kept memory in another file is read (copied) and
 // punched out. Names of kept memory no directory in `dir` holds any more
 // are removed.
-int ReopenKeptSessions(SessionManager& sessions, const std::string& dir,
-                       PoolFile* memory = nullptr);
+// `before_each` as for KeepSessions, before each session is reopened.
+int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory = nullptr,
+                       const EachKeptSession& before_each = nullptr);
 
 }  // namespace offload
 

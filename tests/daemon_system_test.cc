@@ -1888,28 +1888,42 @@ TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
   EXPECT_TRUE(absl::StrContains(o->output, "writable by other users (mode 0777)")) << o->output;
 }
 
+// Where systemd's notifications ($NOTIFY_SOCKET) come, in `dir`: each
+// datagram, as offloadd sent it.
+class NotifyListener {
+ public:
+  explicit NotifyListener(const std::string& dir) : path_(dir + "/notify") {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path_.c_str(), sizeof(addr.sun_path) - 1);
+    EXPECT_EQ(bind(fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    timeval tv{20, 0};
+    EXPECT_EQ(setsockopt(fd_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
+  }
+  const std::string& path() const { return path_; }
+  // The next datagram; "(nothing)" after 20 s without one.
+  std::string Next() {
+    char buf[256] = {};
+    const ssize_t got = recv(fd_.get(), buf, sizeof(buf) - 1, 0);
+    return got > 0 ? std::string(buf, static_cast<size_t>(got)) : std::string("(nothing)");
+  }
+
+ private:
+  const std::string path_;
+  UniqueFd fd_{socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0)};
+};
+
 // Under systemd (Type=notify): READY=1 once it serves; SIGHUP re-reads the
 // config file, applying what can change live and naming what cannot.
 TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
   char dir[] = "/tmp/offloadd_notify.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
   RemoveOnExit remove_dir(dir);
-  const std::string notify = std::string(dir) + "/notify";
-  UniqueFd listener(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
-  ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  timeval tv{20, 0};
-  ASSERT_EQ(setsockopt(listener.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)), 0);
-  auto next = [&] {
-    char buf[256] = {};
-    const ssize_t got = recv(listener.get(), buf, sizeof(buf) - 1, 0);
-    return got > 0 ? std::string(buf, static_cast<size_t>(got)) : std::string("(nothing)");
-  };
+  NotifyListener listener(dir);
+  auto next = [&] { return listener.Next(); };
   const std::string config = std::string(dir) + "/offloadd.yaml";
   std::ofstream(config) << "optimizer:\n  threads: 1\ncheckpoint:\n  auto_every_steps: 5\n";
-  setenv("NOTIFY_SOCKET", notify.c_str(), 1);
+  setenv("NOTIFY_SOCKET", listener.path().c_str(), 1);
   auto d = DaemonProcess::Start({"--config=" + config, "--checkpoint.auto_every_steps=3"});
   unsetenv("NOTIFY_SOCKET");
   ASSERT_TRUE(d.ok()) << d.status();
@@ -3051,6 +3065,37 @@ TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
   ASSERT_TRUE((*resumed)->Close().ok());
   (void)(*third)->Stop();
   std::filesystem::remove_all(pool_dir);
+}
+
+// Under systemd, keeping sessions at a stop and reading them back at the
+// next start may take minutes (the disk's speed): before each session
+// offloadd tells systemd to wait longer, and what it does, so that the
+// unit's timeouts do not end it mid-write or loop its restarts.
+TEST(DaemonRestart, TellsSystemdToWaitWhileItKeepsAndReopensSessions) {
+  char dir[] = "/tmp/offloadd_notify.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove_dir(dir);
+  NotifyListener listener(dir);
+  const std::vector<std::string> lease = {"--server.reconnect_lease_seconds=30"};
+  setenv("NOTIFY_SOCKET", listener.path().c_str(), 1);
+  auto first = DaemonProcess::Start(lease);
+  unsetenv("NOTIFY_SOCKET");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(listener.Next(), "READY=1");
+  auto client = Client::Connect({(*first)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto [kept, p] = OpenTrainer(client->get(), "kept");
+  TrainSteps(kept.get(), p.id, 1, 1);
+  const std::string wait = absl::StrCat("EXTEND_TIMEOUT_USEC=600000000\nSTATUS=");
+  ASSERT_TRUE((*first)->Stop().ok());
+  EXPECT_EQ(listener.Next(), "STOPPING=1");
+  EXPECT_EQ(listener.Next(), absl::StrCat(wait, "keeping kept session ", kept->id()));
+  setenv("NOTIFY_SOCKET", listener.path().c_str(), 1);
+  auto second = DaemonProcess::StartIn((*first)->data_dir(), lease);
+  unsetenv("NOTIFY_SOCKET");
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(listener.Next(), absl::StrCat(wait, "reopening kept session ", kept->id()));
+  EXPECT_EQ(listener.Next(), "READY=1");
 }
 
 // A stale Session object whose calls go over gRPC (no request ring) is
