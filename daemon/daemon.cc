@@ -1,6 +1,7 @@
 #include "daemon/daemon.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/directory.h"
+#include "base/file_io.h"
 #include "base/host_memory.h"
 #include "base/log.h"
 #include "base/memory_limit.h"
@@ -92,6 +94,31 @@ absl::Status ClaimPoolDir(const std::string& pool_dir, const std::string& data_d
   return absl::OkStatus();
 }
 
+// <data_dir>/offloadd.lock, locked for this process, holding its pid;
+// FAILED_PRECONDITION naming the pid that holds it. (Another offloadd with
+// its own socket in the same data directory would reopen the same kept
+// sessions, mark the first one's live checkpoints lost and replace its
+// token.)
+absl::StatusOr<UniqueFd> LockDataDir(const std::string& data_dir) {
+  const std::string path = absl::StrCat(data_dir, "/offloadd.lock");
+  UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600));
+  if (!fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK) return PosixError(absl::StrCat("locking ", path), errno);
+    char pid[32] = {};
+    (void)!pread(fd.get(), pid, sizeof(pid) - 1, 0);
+    return absl::FailedPreconditionError(
+        absl::StrCat("data directory ", data_dir, " is in use by another offloadd (pid ",
+                     absl::StripAsciiWhitespace(pid), ", ", path,
+                     "): give each offloadd its own server.data_dir"));
+  }
+  const std::string mine = absl::StrCat(getpid(), "\n");
+  if (ftruncate(fd.get(), 0) != 0 || PwriteAll(fd.get(), mine.data(), mine.size(), 0) != 0) {
+    return PosixError(absl::StrCat("writing ", path), errno);
+  }
+  return fd;
+}
+
 }  // namespace
 
 Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
@@ -151,6 +178,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
+  ASSIGN_OR_RETURN(d->data_dir_lock_, LockDataDir(server.data_dir));
   // Sessions the previous offloadd kept when it stopped (Shutdown), before
   // any call or lease can reach them.
   const std::string kept = d->PreservedDir();

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/config_registry.h"
+#include "base/unique_fd.h"
 #include "daemon/access_guard.h"
 #include "daemon/arena_channel.h"
 #include "daemon/call_gate.h"
@@ -69,6 +70,10 @@ class Daemon {
   // before the I/O backend its swap space writes through.
   DaemonOptions* const options_;
   ConfigRegistry* const registry_;
+  // <data_dir>/offloadd.lock, locked (flock) while this offloadd runs: one
+  // daemon a data directory (its kept sessions, automatic checkpoints and
+  // token are one owner's). Released last.
+  UniqueFd data_dir_lock_;
   HostHomePages host_home_pages_;  // memory.host_home_pages, resolved at start
   // The NVMe tier's I/O, when nvme.dirs names directories.
   std::unique_ptr<IoBackend> io_;

@@ -1861,6 +1861,24 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
   EXPECT_TRUE(client_->GetStats().ok());
 }
 
+// Another offloadd in the same data directory, with a socket of its own,
+// refuses to start (it would reopen the same kept sessions, mark this
+// one's live checkpoints lost and replace its token); this one is unharmed.
+TEST_F(DaemonTest, ASecondDaemonOnTheSameDataDirRefusesToStart) {
+  const std::string token = daemon_->data_dir() + "/tcp_token";
+  const bool had_token = std::filesystem::exists(token);
+  auto result =
+      ::offload::testing::RunCommand({"daemon/offloadd", "--server.data_dir=" + daemon_->data_dir(),
+                                      "--server.socket=" + daemon_->data_dir() + "/second.sock"});
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(
+      result->output, "is in use by another offloadd (pid " + std::to_string(daemon_->pid())))
+      << result->output;
+  EXPECT_EQ(std::filesystem::exists(token), had_token);
+  EXPECT_TRUE(client_->GetStats().ok());
+}
+
 // Issue 11's known breaks: a socket path naming a regular file deleted it;
 // a data directory others can write was accepted.
 TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
@@ -3044,11 +3062,12 @@ TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
     ASSERT_TRUE(stopped.ok()) << stopped.status();
   }
   // (Not through DaemonProcess, whose failed start removes the directory.)
-  const std::string bad = absl::StrCat(
-      "daemon/offloadd --server.data_dir=", data_dir, " ", absl::StrJoin(flags, " "),
-      " --server.socket_group=offloadd_no_such_group > ", data_dir, "/failed.log 2>&1");
-  const int failed = std::system(bad.c_str());
-  ASSERT_TRUE(WIFEXITED(failed) && WEXITSTATUS(failed) != 0) << failed;
+  std::vector<std::string> bad = {"daemon/offloadd", "--server.data_dir=" + data_dir,
+                                  "--server.socket_group=offloadd_no_such_group"};
+  bad.insert(bad.end(), flags.begin(), flags.end());
+  auto failed = ::offload::testing::RunCommand(bad);
+  ASSERT_TRUE(failed.ok());
+  ASSERT_EQ(failed->exit_code, 1) << failed->output;
   auto third = DaemonProcess::StartIn(data_dir, flags);
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_TRUE(absl::StrContains((*third)->ReadLog(), "reopened 1 session(s)"))
