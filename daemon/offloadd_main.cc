@@ -163,6 +163,11 @@ int Main(int argc, char** argv) {
     }
   }
 
+  // A log line to a pipe whose reader went (offloadd 2>&1 | tee, the tee
+  // ended) is an EPIPE to ignore, not a signal that ends every session.
+  // (systemd ignores SIGPIPE for its services already.)
+  signal(SIGPIPE, SIG_IGN);
+
   // Block the shutdown signals in every thread; this one waits for them.
   sigset_t signals;
   sigemptyset(&signals);

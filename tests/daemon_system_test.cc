@@ -1879,6 +1879,44 @@ TEST_F(DaemonTest, ASecondDaemonOnTheSameDataDirRefusesToStart) {
   EXPECT_TRUE(client_->GetStats().ok());
 }
 
+// A log line to a pipe whose reader went (offloadd 2>&1 | tee, the tee
+// gone) ends nothing: offloadd serves on and stops cleanly.
+TEST(DaemonStartup, ALogLineToAPipeNobodyReadsEndsNothing) {
+  char dir[] = "/tmp/offloadd_pipe.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove(dir);
+  int out[2];
+  ASSERT_EQ(pipe2(out, O_CLOEXEC), 0);
+  const std::string data_dir = std::string("--server.data_dir=") + dir;
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    dup2(out[1], STDERR_FILENO);
+    execl("daemon/offloadd", "daemon/offloadd", data_dir.c_str(), nullptr);
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  close(out[1]);
+  std::string said;
+  char buf[4096];
+  while (said.find("serving gRPC") == std::string::npos) {
+    const ssize_t n = read(out[0], buf, sizeof(buf));
+    if (n <= 0) break;
+    said.append(buf, static_cast<size_t>(n));
+  }
+  ASSERT_NE(said.find("serving gRPC"), std::string::npos) << said;
+  close(out[0]);                    // the reader goes
+  ASSERT_EQ(kill(pid, SIGHUP), 0);  // and offloadd logs
+  absl::SleepFor(absl::Milliseconds(300));
+  auto c = Client::Connect({std::string("unix:") + dir + "/offloadd.sock"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE((*c)->GetStats().ok());
+  ASSERT_EQ(kill(pid, SIGTERM), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 // Issue 11's known breaks: a socket path naming a regular file deleted it;
 // a data directory others can write was accepted.
 TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
