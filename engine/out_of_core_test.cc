@@ -39,6 +39,27 @@ namespace {
 
 using namespace ::offload::trainer_testing;  // NOLINT: the tests' shared vocabulary
 
+// An engine whose pool holds the working copies (twice: the delayed
+// update's) and a quarter of the optimizer state: a step with the state on
+// NVMe reads it in. No prefetch: every read is the step's own, so a
+// failing one is too (a failed prefetch is simply read again by the step).
+std::unique_ptr<TestEngine> SmallEngine(const std::string& name) {
+  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
+                              RoundUpToPage(kSizes[2] * 4));
+  return std::make_unique<TestEngine>(TmpDir(name), arena + RoundUpToPage(StateBytes() / 4),
+                                      /*prefetch_depth=*/0);
+}
+
+// The NVMe tier's read after the next `skip` fails with EIO.
+void FailRead(TestEngine& engine, int skip) {
+  FaultRule eio;
+  eio.any_op = false;
+  eio.op = IoOp::kRead;
+  eio.skip = skip;
+  eio.error = EIO;
+  engine.faults->AddRule(eio);
+}
+
 // The case: parameters, gradients and optimizer state all on NVMe,
 // four times the pool.
 TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
@@ -179,11 +200,8 @@ TEST(OutOfCore, AFailedSwapInFailsTheFetchAndKeepsTheCopy) {
 TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
   TestEngine in_memory(TmpDir("d"), 64 << 20);
   Trainer reference(&in_memory, All(100));
-  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
-                              RoundUpToPage(kSizes[2] * 4));
-  // No prefetch: every read is the step's own, so the failing one is too (a
-  // failed prefetch is simply read again by the step).
-  TestEngine small(TmpDir("e"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
+  auto engine = SmallEngine("e");
+  TestEngine& small = *engine;
   // Only the state on NVMe: every read of the step is a state chunk's.
   Trainer out_of_core(&small, StateAt(0));
   for (int step = 1; step <= 3; ++step) {
@@ -194,12 +212,7 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
       // Fail the eighth swap-in of this step: the first group of chunks of
       // partition 1 (two chunks of master, m, v) is updated, then
       // the step stops with the read's error.
-      FaultRule eio;
-      eio.any_op = false;
-      eio.op = IoOp::kRead;
-      eio.skip = 7;
-      eio.error = EIO;
-      small.faults->AddRule(eio);
+      FailRead(small, 7);
       auto failed = out_of_core.Step();
       EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
       EXPECT_NE(failed.status().message().find("resumes there"), std::string::npos);
@@ -228,9 +241,8 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
 TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
   TestEngine in_memory(TmpDir("s1"), 64 << 20);
   Trainer reference(&in_memory, All(100));
-  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
-                              RoundUpToPage(kSizes[2] * 4));
-  TestEngine small(TmpDir("s2"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
+  auto engine = SmallEngine("s2");
+  TestEngine& small = *engine;
   Trainer out_of_core(&small, StateAt(0));
   for (int step = 1; step <= 2; ++step) {
     reference.ReturnGradients(step);
@@ -241,12 +253,7 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
     }
   }
   // Step 2 fails at its 17th swap-in: partition 0 is finished, 1 is not.
-  FaultRule eio;
-  eio.any_op = false;
-  eio.op = IoOp::kRead;
-  eio.skip = 16;
-  eio.error = EIO;
-  small.faults->AddRule(eio);
+  FailRead(small, 16);
   auto failed = out_of_core.Step();
   small.faults->ClearRules();
   ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
@@ -267,9 +274,8 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
 // decided; should it stop midway, the Step that finishes it does not
 // count it again (the scale would grow a step early).
 TEST(OutOfCore, AnOverlappedStepThatStopsCountsOnceForTheLossScale) {
-  const uint64_t arena = 2 * (RoundUpToPage(kSizes[0] * 4) + RoundUpToPage(kSizes[1] * 4) +
-                              RoundUpToPage(kSizes[2] * 4));
-  TestEngine small(TmpDir("s3"), arena + RoundUpToPage(StateBytes() / 4), /*prefetch_depth=*/0);
+  auto engine = SmallEngine("s3");
+  TestEngine& small = *engine;
   LossScalingOptions scaling;
   scaling.initial_scale = 1024;
   scaling.growth_interval = 1;  // every clean step doubles it
@@ -277,12 +283,7 @@ TEST(OutOfCore, AnOverlappedStepThatStopsCountsOnceForTheLossScale) {
   t.ReturnGradients(1);
   ASSERT_TRUE(t.Step().ok());  // 2048; its state written out: the next step reads it
   t.ReturnGradients(2);
-  FaultRule eio;
-  eio.any_op = false;
-  eio.op = IoOp::kRead;
-  eio.skip = 16;
-  eio.error = EIO;
-  small.faults->AddRule(eio);
+  FailRead(small, 16);
   StepControl overlap;
   overlap.overlap = true;
   auto started = small.sessions->Step(t.key(), Decaying(), overlap);

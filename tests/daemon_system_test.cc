@@ -2967,6 +2967,26 @@ std::pair<std::unique_ptr<Session>, PartitionView> OpenTrainer(
   return std::make_pair(*std::move(s), *std::move(p));
 }
 
+// A session "kept" on `c`, trained two steps before a restart: what its
+// resume is checked against.
+struct TrainedBeforeRestart {
+  std::unique_ptr<Session> session;
+  uint64_t id = 0, partition_id = 0;
+  std::string token;
+  std::vector<uint16_t> params;
+};
+TrainedBeforeRestart TrainBeforeRestart(Client* c) {
+  auto [s, p] = OpenTrainer(c, "kept");
+  TrainSteps(s.get(), p.id, 1, 2);
+  TrainedBeforeRestart t;
+  t.params = ParamsOf(s.get(), p.id);
+  t.id = s->id();
+  t.token = s->token();
+  t.partition_id = p.id;
+  t.session = std::move(s);
+  return t;
+}
+
 // Automatic checkpoints: a kill -9 of offloadd loses the steps since each
 // session's last one, not the job. The next offloadd names each lost
 // session's checkpoint; a session restoring it goes on bit for bit as one
@@ -3085,20 +3105,18 @@ TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
   auto first = DaemonProcess::Start(flags);
   ASSERT_TRUE(first.ok()) << first.status();
   const std::string data_dir = (*first)->data_dir();
-  uint64_t id = 0;
-  std::string token;
-  std::vector<uint16_t> before;
+  TrainedBeforeRestart trained;
   {
     auto client = Client::Connect({(*first)->address()});
     ASSERT_TRUE(client.ok()) << client.status();
-    auto [kept, p] = OpenTrainer(client->get(), "kept");
-    TrainSteps(kept.get(), p.id, 1, 2);
-    before = ParamsOf(kept.get(), p.id);
-    id = kept->id();
-    token = kept->token();
+    trained = TrainBeforeRestart(client->get());
     auto stopped = (*first)->Stop();
     ASSERT_TRUE(stopped.ok()) << stopped.status();
+    trained.session.reset();
   }
+  const uint64_t id = trained.id;
+  const std::string& token = trained.token;
+  const std::vector<uint16_t>& before = trained.params;
   // (Not through DaemonProcess, whose failed start removes the directory.)
   std::vector<std::string> bad = {"daemon/offloadd", "--server.data_dir=" + data_dir,
                                   "--server.socket_group=offloadd_no_such_group"};
@@ -3210,12 +3228,12 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   {
     auto client = Client::Connect({(*first)->address()});
     ASSERT_TRUE(client.ok()) << client.status();
-    auto [kept, p] = OpenTrainer(client->get(), "kept");
-    TrainSteps(kept.get(), p.id, 1, 2);
-    before = ParamsOf(kept.get(), p.id);
-    id = kept->id();
-    token = kept->token();
-    partition_id = p.id;
+    TrainedBeforeRestart trained = TrainBeforeRestart(client->get());
+    std::unique_ptr<Session> kept = std::move(trained.session);
+    before = trained.params;
+    id = trained.id;
+    token = trained.token;
+    partition_id = trained.partition_id;
     auto [forgotten, q] = OpenTrainer(client->get(), "forgotten");
     forgotten_id = forgotten->id();
     auto stopped = (*first)->Stop();
