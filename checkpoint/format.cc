@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "base/checksum.h"
 #include "base/directory.h"
 #include "base/file_io.h"
@@ -260,6 +261,15 @@ absl::Status DataFileWriter::Sync() const {
 
 void DataFileWriter::Remove() const { unlinkat(dir_.fd(), name_.c_str(), 0); }
 
+namespace {
+
+absl::Mutex& CommitMutex() {
+  static absl::Mutex* const mu = new absl::Mutex;  // never destroyed
+  return *mu;
+}
+
+}  // namespace
+
 absl::Status CommitManifest(const Directory& dir, const std::string& stem, const Manifest& manifest,
                             bool keep_previous) {
   std::string payload;
@@ -284,11 +294,26 @@ absl::Status CommitManifest(const Directory& dir, const std::string& stem, const
   // One commit at a time in a directory (writers of one stem: sessions of
   // one name, or unnamed ones): between another's check for a newer
   // manifest and its rename, this one could commit, and its cleanup then
-  // remove the data file that other's manifest names. A lock of its own
-  // (a descriptor of its own: flock excludes open files, not processes).
+  // remove the data file that other's manifest names. This process's
+  // commits take turns under one mutex; other processes' through a flock
+  // of the directory (a descriptor of its own: flock excludes open files),
+  // where the file system has it (NFS and Lustre may not: then this
+  // process's alone, said once).
+  absl::MutexLock one_at_a_time(&CommitMutex());
   UniqueFd lock_fd(openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (lock_fd.get() < 0 || flock(lock_fd.get(), LOCK_EX) != 0) {
-    return PosixError(absl::StrCat("locking ", dir.path(), " for a commit"), errno);
+  if (lock_fd.get() < 0) return PosixError(absl::StrCat("opening ", dir.path()), errno);
+  if (flock(lock_fd.get(), LOCK_EX) != 0) {
+    const int err = errno;
+    if (err != EBADF && err != ENOLCK && err != ENOSYS && err != EOPNOTSUPP && err != EINVAL) {
+      return PosixError(absl::StrCat("locking ", dir.path(), " for a commit"), err);
+    }
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) {
+      LogWarning(
+          "checkpoint: %s cannot be locked (%s): commits of other processes into it are "
+          "not kept apart (this offloadd's are)",
+          dir.path(), std::strerror(err));
+    }
   }
   const std::optional<uint64_t> mine = DataGeneration(manifest.data_file(), stem);
   absl::Status written = [&]() -> absl::Status {
