@@ -261,9 +261,14 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
   EXPECT_EQ(out_of_core.ReturnGradientsStatus(2), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(small.sessions->Sessions()[0].steps, 1u);
   // Partition 0 takes its next gradients (the buffer as it is); the Step
-  // that resumes leaves them for the next.
+  // that resumes leaves them for the next, and applies what the stopped
+  // step was decided with: an overflow it is told of now (the next
+  // iteration's) does not make it a skip, which a half-applied step
+  // cannot be.
   EXPECT_EQ(out_of_core.ReturnGradientsStatus(0), absl::StatusCode::kOk);
-  auto resumed = out_of_core.Step();
+  StepControl overflow;
+  overflow.overflow = true;
+  auto resumed = small.sessions->Step(out_of_core.key(), Decaying(), overflow);
   ASSERT_TRUE(resumed.ok()) << resumed.status();
   EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
   EXPECT_EQ(reference.Params(), out_of_core.Params());

@@ -1313,8 +1313,13 @@ void PartitionStore::AwaitStepBoundaryLocked() {
 absl::StatusOr<std::vector<StepItem>> PartitionStore::BeginStep(bool skipping) {
   absl::MutexLock lock(&mu_);
   AwaitStepBoundaryLocked();
+  // After a step stopped midway, the next finishes it: its partitions
+  // alone (a finished partition's next gradients wait for the step after).
+  const bool resuming =
+      absl::c_any_of(partitions_, [](const auto& e) { return e.second->stopped; });
   if (!skipping) {
     for (const auto& [id, p] : partitions_) {
+      if (resuming && !p->stopped) continue;
       if (p->gradients == GradState::kLost) {
         return absl::FailedPreconditionError(
             absl::StrCat("partition ", id, " ('", p->info.name,
@@ -1341,10 +1346,6 @@ absl::StatusOr<std::vector<StepItem>> PartitionStore::BeginStep(bool skipping) {
     }
   }
   RETURN_IF_ERROR(CheckSwapsLocked());
-  // After a step stopped midway, the next finishes it: its partitions
-  // alone (a finished partition's next gradients wait for the step after).
-  const bool resuming =
-      absl::c_any_of(partitions_, [](const auto& e) { return e.second->stopped; });
   std::vector<StepItem> items;
   for (auto& [id, p] : partitions_) {
     if (p->gradients == GradState::kNone || (resuming && !p->stopped)) continue;

@@ -109,6 +109,8 @@ struct SessionManager::Session {
   // decided before it ran); should it stop midway, the Step that finishes
   // it does not count it again.
   bool scaler_counted_step ABSL_GUARDED_BY(decide_mu) = false;
+  // The loss scale the step under way was decided with.
+  float scale_of_step ABSL_GUARDED_BY(decide_mu) = 1.0f;
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -1043,19 +1045,30 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   // Whether this Step finishes one that stopped midway, which the scaler
   // counted already (it was overlapped); decided before it runs (a step
   // that fails here is not counted).
-  const bool counted = session->partitions->stopped_midway() && session->scaler_counted_step;
+  const bool resuming = session->partitions->stopped_midway();
+  const bool counted = resuming && session->scaler_counted_step;
   session->scaler_counted_step = counted;
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
   // non-finite values here) skips the step and lowers the scale; otherwise
   // the gradients are unscaled in the update's pass.
   AdamHyperparams applied = h;
-  if (scaler != nullptr) applied.grad_scale = h.grad_scale / scaler->scale();
+  if (scaler != nullptr) {
+    // A step resumed is unscaled as it began (an overlapped one's start
+    // may have changed the scale since).
+    if (!resuming) session->scale_of_step = scaler->scale();
+    applied.grad_scale = h.grad_scale / session->scale_of_step;
+  }
   // An overflow on any rank skips everywhere (the ranks must stay alike).
   // With loss scaling, one here too, whatever optimizer.check_finite says
   // (which decides for sessions without: a non-finite gradient applied
   // would make the master weights NaN, and the scaler count a clean step).
-  bool overflow = control.overflow;
-  if (scaler != nullptr && !overflow && !control.skip && !steps_->check_finite()) {
+  // A Step that finishes one stopped midway applies what that one was
+  // decided with (its gradients were finite, or it would have been
+  // skipped): an overflow told now, or the next iteration's gradients
+  // returned meanwhile, are not its. (An explicit skip is refused: a
+  // half-applied step cannot be.)
+  bool overflow = control.overflow && !resuming;
+  if (scaler != nullptr && !overflow && !control.skip && !resuming && !steps_->check_finite()) {
     overflow = session->partitions->Pending().stats.nonfinite != 0;
   }
   const bool skip = control.skip || overflow;
