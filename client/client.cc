@@ -165,8 +165,9 @@ struct Session::Impl {
   // session, FAILED_PRECONDITION saying to resume it (this object's
   // mappings are the previous offloadd's: views over them would be stale).
   std::atomic<bool> orphaned{false};
-  // GpuTiers of this session alive (Session::Close refuses while any is).
-  std::atomic<int> tiers{0};
+  // GpuTiers of this session alive (Session::Close refuses while any is);
+  // shared with them, as one may outlive the Session.
+  std::shared_ptr<std::atomic<int>> tiers = std::make_shared<std::atomic<int>>(0);
 
   // The process that opened the session: a child forked since (a data
   // loader's worker) neither closes it nor touches the keepalive thread,
@@ -1068,7 +1069,7 @@ absl::Status Session::Close(bool finished) {
         "this session belongs to the process that opened it, not to a child forked from it: "
         "close it there");
   }
-  if (const int tiers = impl_->tiers.load(); tiers > 0) {
+  if (const int tiers = impl_->tiers->load(); tiers > 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session ", impl_->ref.session_id(), " has ", tiers,
         " GpuTier(s) attached: destroy them first (their copies read and write its memory)"));
@@ -1097,7 +1098,7 @@ absl::Status Session::Close(bool finished) {
   return closed;
 }
 
-void Session::AttachTier(int delta) { impl_->tiers.fetch_add(delta); }
+std::shared_ptr<std::atomic<int>> Session::TierCount() const { return impl_->tiers; }
 
 absl::Status Client::SetShare(uint64_t session_id, uint32_t weight) {
   v1::SetShareRequest req;

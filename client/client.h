@@ -37,6 +37,7 @@
 #ifndef OFFLOADD_CLIENT_CLIENT_H_
 #define OFFLOADD_CLIENT_CLIENT_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -496,7 +497,8 @@ class Session {
   friend class GpuTier;  // counts itself attached (Close refuses meanwhile)
   struct Impl;
   explicit Session(std::unique_ptr<Impl> impl);
-  void AttachTier(int delta);
+  // The count of GpuTiers attached, shared with them.
+  std::shared_ptr<std::atomic<int>> TierCount() const;
   // `stats`: empty, or one per partition.
   absl::Status ReturnGradients(absl::Span<const PartitionView> parts, bool release, bool hand_over,
                                absl::Span<const GradientStats> stats);

@@ -64,7 +64,7 @@ GpuTier::~GpuTier() {
     grads_held_.clear();
   }
   ReleaseIds(ids).IgnoreError();
-  session_->AttachTier(-1);
+  attached_->fetch_sub(1);  // (the count outlives a Session gone first)
 }
 
 void GpuTier::AddHolds(absl::Span<const uint64_t> ids) {

@@ -28,6 +28,7 @@
 #ifndef OFFLOADD_CLIENT_GPU_TIER_H_
 #define OFFLOADD_CLIENT_GPU_TIER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -149,8 +150,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
         hold_per_iteration_(options.hold_per_iteration),
         report_interval_(options.report_interval),
         own_depth_(options.params.prefetch_depth),
-        own_bytes_(options.params.prefetch_bytes) {
-    session_->AttachTier(+1);
+        own_bytes_(options.params.prefetch_bytes),
+        attached_(session->TierCount()) {
+    attached_->fetch_add(1);
   }
   // Reports to the daemon if report_interval passed, and applies what it
   // answers. A failure is logged once and training goes on.
@@ -177,6 +179,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   mutable absl::Mutex mu_;
   int own_depth_ ABSL_GUARDED_BY(mu_);
   uint64_t own_bytes_ ABSL_GUARDED_BY(mu_);
+  // The session's count of tiers attached (Session::Close refuses while it
+  // is above 0); held here, as the Session may go first.
+  const std::shared_ptr<std::atomic<int>> attached_;
   GpuTierNodeSettings node_ ABSL_GUARDED_BY(mu_);
   absl::Time last_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t reports_ ABSL_GUARDED_BY(mu_) = 0;

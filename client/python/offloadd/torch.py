@@ -1462,17 +1462,25 @@ class _TierGuard:
 
     def __init__(self, engine, tier):
         self._engine = engine
-        self._tier = tier
+        # The tier, in a holder close() empties: no call's frame (kept by a
+        # traceback) holds the tier itself, so that it goes when closed, and
+        # the session can close after it.
+        self._holder = [tier]
+
+    def close(self):
+        self._holder[0] = None
 
     def __getattr__(self, name):
-        attr = getattr(self._tier, name)
+        holder = self._holder
+        attr = getattr(holder[0], name)
         if not callable(attr):
             return attr
+        del attr
         engine = self._engine  # (not self: the cached call must not keep the guard alive)
 
         def call(*args, **kwargs):
             try:
-                return attr(*args, **kwargs)
+                return getattr(holder[0], name)(*args, **kwargs)
             except offloadd.NotFoundError as e:
                 if "not one of its ids" not in str(e):
                     raise
@@ -1877,6 +1885,7 @@ class _GpuTier:
                 for s in self.unit_shards[u]:  # (no view of the slab outlives it)
                     s.gathered = False
                     s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
+        self.tier.close()
         self.tier = None
         self.slab = None
 
