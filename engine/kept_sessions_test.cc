@@ -223,6 +223,31 @@ TEST(KeptSessions, KeepTheStepTheyRestore) {
   EXPECT_TRUE(v->restored);
   EXPECT_EQ(v->step, 1u);  // not the checkpoint's latest, 2
   ASSERT_TRUE(next.Close(second->key).ok());
+
+  // Its restore_from changed since it was kept, so that no restore takes it
+  // (another session's checkpoint of another step beside its own): the
+  // kept session is reopened all the same (what it holds is in its kept
+  // state), and partitions it registers later start anew, said in the log.
+  auto third = sessions.Open("job", {}, std::nullopt, std::nullopt, RestoreFrom(ckpt));
+  ASSERT_TRUE(third.ok()) << third.status();
+  ASSERT_TRUE(sessions.Register(third->key, {"w", 1000, DType::kFp32, DType::kFp32}).ok());
+  ASSERT_TRUE(sessions.Release(third->key, {}).ok());
+  const std::string dir3 = tmp + "/kept_changed";
+  EXPECT_EQ(KeepSessions(sessions, dir3), 1);
+  ASSERT_TRUE(sessions.Close(third->key).ok());
+  auto other = sessions.Open("other");
+  ASSERT_TRUE(other.ok());
+  ASSERT_TRUE(sessions.Register(other->key, {"u", 10, DType::kFp32, DType::kFp32}).ok());
+  ASSERT_TRUE(sessions.Release(other->key, {}).ok());
+  ASSERT_TRUE(sessions.Checkpoint(other->key, ckpt, /*background=*/false).ok());  // step 0
+  ASSERT_TRUE(sessions.Close(other->key).ok());
+  SessionManager after(Env::Default(), engine.store, engine.steps, &engine.stats);
+  EXPECT_EQ(ReopenKeptSessions(after, dir3), 1);
+  ASSERT_TRUE(after.Resume(third->key).ok());
+  auto later = after.Register(third->key, {"v", 1000, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_FALSE(later->restored);
+  ASSERT_TRUE(after.Close(third->key).ok());
 }
 
 }  // namespace

@@ -325,7 +325,12 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   }
   if (session->restore != nullptr) {
     session->restore_from = restore_from;
-    session->restore_steps = restore_spec.steps;
+    // The step restored, named even where not asked for: a session kept
+    // across a restart reopens its restore at that step, whatever the
+    // directory holds by then (its ranks' later checkpoints into it, one
+    // of them failed: a mix no restore takes).
+    session->restore_steps =
+        restore_spec.steps.value_or(session->restore->session_manifest().steps());
   }
   // The request ring: the first region of the arena, served by a thread of
   // its own.
@@ -1753,8 +1758,21 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
       session->restore_from.clear();
     }
     if (!session->restore_from.empty()) {
-      ASSIGN_OR_RETURN(session->restore, CheckpointRestore::Open(session->restore_from, kept.name,
-                                                                 kept.restore_steps));
+      absl::StatusOr<std::unique_ptr<CheckpointRestore>> restore =
+          CheckpointRestore::Open(session->restore_from, kept.name, kept.restore_steps);
+      if (!restore.ok()) {
+        // Changed since (the job's later checkpoints into it, one of them
+        // failed): what the session holds is in its kept state, which is
+        // not lost for it.
+        LogWarning(
+            "session %d ('%s'): its restore_from %s no longer restores (%s); partitions it "
+            "registers from now on start anew",
+            static_cast<int64_t>(key.id), kept.name, session->restore_from,
+            restore.status().ToString());
+        session->restore_from.clear();
+      } else {
+        session->restore = *std::move(restore);
+      }
     }
     return absl::OkStatus();
   }();
