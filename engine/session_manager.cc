@@ -1341,17 +1341,18 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   auto begin = [&]() -> absl::StatusOr<std::unique_ptr<CheckpointWriter>> {
     absl::MutexLock decided(&s->decide_mu);
     state.delayed_update_after = s->delayed_update_after.load();
-    absl::StatusOr<checkpoint::Directory> prepared = [&]() {
-      if (whose != CheckpointFor::kAutomatic) return checkpoint::Directory::Prepare(dir);
-      // Made only while the session is open, as seen by CloseById (which
-      // puts its automatic checkpoints' directory aside under mu_).
+    absl::StatusOr<checkpoint::Directory> prepared = checkpoint::Directory::Prepare(dir);
+    if (prepared.ok() && whose == CheckpointFor::kAutomatic) {
+      // Written only while the session is open, as CloseById sees it (it
+      // puts the automatic checkpoints' directory aside under mu_): one
+      // made again by a close meanwhile goes again (empty: rmdir).
       absl::MutexLock lock(&mu_);
       if (s->closed) {
-        return absl::StatusOr<checkpoint::Directory>(absl::FailedPreconditionError(
-            absl::StrCat("session ", s->id, " closed: no automatic checkpoint")));
+        rmdir(dir.c_str());
+        return absl::FailedPreconditionError(
+            absl::StrCat("session ", s->id, " closed: no automatic checkpoint"));
       }
-      return checkpoint::Directory::Prepare(dir);
-    }();
+    }
     ASSIGN_OR_RETURN(checkpoint::Directory opened, std::move(prepared));
     if (whose == CheckpointFor::kTrainer) {
       // Where it is now: its path may have been made a link since
