@@ -177,8 +177,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   RETURN_IF_ERROR(MakeDirs(server.data_dir));
   RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
-  RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
+  // The data directory first: a second offloadd there touches nothing, not
+  // even a socket it would judge stale.
   ASSIGN_OR_RETURN(d->data_dir_lock_, LockDataDir(server.data_dir));
+  RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   // Sessions the previous offloadd kept when it stopped (Shutdown), before
   // any call or lease can reach them.
   const std::string kept = d->PreservedDir();

@@ -27,10 +27,12 @@
 //      is updated in runs that end with a partition or with the group
 //      (batching small partitions to kMinRunElems, step_runner.cc), and
 //      each partition leaves the step as soon as its run is done.
-//   5. PartitionStore::EndStep unpins the partitions: applied (steps advance),
-//      skipped (non-finite gradients: consumed, nothing else changes) or
-//      failed. A swap-in that fails midway fails the step with its error;
-//      the groups before it stay applied, the rest keep their gradients.
+//   5. PartitionStore::EndStep unpins the partitions: applied, skipped
+//      (non-finite gradients: consumed, nothing else changes) or failed. A
+//      swap-in that fails midway (or a full pool) stops the step with its
+//      error; the groups before it stay applied, the rest keep their
+//      gradients, and the next step finishes it alone. The session's step
+//      count advances once a step is finished.
 //
 // The step protocol (accumulation, the decisions a step takes on clipping
 // and overflow, the overlapped step, the delayed parameter update) lives
