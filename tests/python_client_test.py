@@ -292,10 +292,13 @@ class PythonClientTest(unittest.TestCase):
         for _ in range(3):
             m, v = array.array("f", bytes(4 * n)), array.array("f", bytes(4 * n))
             self.session.step(lr=1e-3, overlap=True)
-            done = threading.Event()
+            done, failed = threading.Event(), []
 
             def write():
-                self.session.write_moments(p.id, 1, 0, m, v)
+                try:
+                    self.session.write_moments(p.id, 1, 0, m, v)
+                except offloadd.Error as e:  # resized before it was exported: no verdict
+                    failed.append(e)
                 done.set()
             t = threading.Thread(target=write)
             t.start()
@@ -308,10 +311,10 @@ class PythonClientTest(unittest.TestCase):
             still_writing = not done.is_set()
             t.join(timeout=60)
             self.session.wait_step()
-            if still_writing or not resized:
+            if not failed and (still_writing or not resized):
                 self.assertFalse(resized and still_writing, "resized while being written")
                 return
-            self.return_grads(p, torch.full((n,), 0.5))  # the step was quicker: again
+            self.return_grads(p, torch.full((n,), 0.5))  # no verdict this round: again
         self.skipTest("each step ended before the write was looked at")
 
     def test_a_session_closed_by_two_threads_at_once(self):
