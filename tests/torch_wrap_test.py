@@ -1111,7 +1111,7 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(model, loaded, rtol=0, atol=0)
         train(model, opt, 2)
         ckpt = os.path.join(self.root, "dpu_loads")
-        opt.checkpoint(ckpt)  # with the last step's weights still pending
+        written = opt.checkpoint(ckpt)  # with the last step's weights still pending
         newest = {k: v.clone() for k, v in model.state_dict().items()}  # (drains)
         opt.close()
         restored, ropt = self.wrap(self.mlp(), {"lr": 1e-2}, dict(dpu, restore_from=ckpt))
@@ -1120,6 +1120,17 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(restored, loaded, rtol=0, atol=0)
         train(restored, ropt, 1)
         ropt.close()
+        # A step of the checkpoint named (restore_steps): its own, or
+        # NOT_FOUND naming what it has; a bad one refused before anything.
+        again, aopt = self.wrap(self.mlp(), {"lr": 1e-2},
+                                dict(dpu, restore_from=ckpt, restore_steps=written["steps"]))
+        self.assert_weights(again, newest, rtol=0, atol=0)
+        aopt.close()
+        with self.assertRaises(offloadd.NotFoundError):
+            self.wrap(self.mlp(), {"lr": 1e-2}, dict(dpu, restore_from=ckpt, restore_steps=999))
+        for bad in (dict(dpu, restore_steps=3), dict(dpu, restore_from=ckpt, restore_steps=-1)):
+            with self.assertRaises(offloadd.InvalidArgumentError):
+                self.wrap(self.mlp(), {"lr": 1e-2}, bad)
 
     def test_a_partial_load_leaves_the_other_masters_exact(self):
         # load_state_dict(strict=False) with some parameters writes those

@@ -432,7 +432,8 @@ class _Engine:
             _UncaughtWatch.install()
             atexit.register(self._close_at_exit)
         else:
-            self.session = _GuardedSession(self, self._open_session(config["restore_from"]))
+            self.session = _GuardedSession(self, self._open_session(
+                config["restore_from"], restore_steps=config["restore_steps"]))
         self.params_host = params_host
         # The node's host pool, which every rank's holds share: batches of
         # gradient returns stay well inside it (see _size_batches).
@@ -2249,11 +2250,24 @@ class Optimizer(torch.optim.Optimizer):
 
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
+
+
+def _restore_steps(z):
+    """zero_config's restore_steps: None, or a step count of restore_from's."""
+    steps = z.get("restore_steps")
+    if steps is None:
+        return None
+    if not z.get("restore_from"):
+        raise offloadd.InvalidArgumentError("restore_steps needs restore_from")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise offloadd.InvalidArgumentError(
+            f"restore_steps must be a step count (an int >= 0), got {steps!r}")
+    return steps
 _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
-              "restore_from", "gradient_stats", "gpu", "reduce_bucket_elements", "share_weight",
-              "resume"}
+              "restore_from", "restore_steps", "gradient_stats", "gpu", "reduce_bucket_elements",
+              "share_weight", "resume"}
 _GPU_KEYS = {"tier", "device", "budget_bytes", "prefetch_depth", "prefetch_elements",
              "persistence_threshold", "max_live_parameters", "max_reuse_distance",
              "staging_bytes"}
@@ -2343,6 +2357,7 @@ def _zero_defaults(zero_config):
         "share_weight": share,
         "node_tunables": dict(z.get("node_tunables") or {}),
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
+        "restore_steps": _restore_steps(z),
         "resume": "auto" if resume else False,
     }
 
@@ -2400,6 +2415,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       restore_from                a directory optimizer.checkpoint() wrote: the parameters,
                                   optimizer state, steps and loss scale come from it (the
                                   model's own values are not used); any number of ranks
+      restore_steps               with restore_from: its checkpoints taken after that many
+                                  steps (where its ranks' latest differ, the error names
+                                  the step they all hold, if any)
       resume                      "auto": go on from what this job's sessions (by session_name
                                   and rank) left in offloadd's automatic checkpoints when it
                                   died, at the newest step every rank has; model.offloadd.
