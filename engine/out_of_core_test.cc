@@ -21,6 +21,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "base/env.h"
+#include "engine/kept_sessions.h"
 #include "engine/partition_store.h"
 #include "engine/session_manager.h"
 #include "engine/step_runner.h"
@@ -273,6 +274,33 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
   EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
   EXPECT_EQ(reference.Params(), out_of_core.Params());
   EXPECT_EQ(small.sessions->Pending(out_of_core.key())->partitions, 1u);
+}
+
+// A session whose step stopped midway (its trainer backing off on a full
+// pool, or gone) is kept at a stop all the same: the step is finished
+// first, as it was decided, and the next offloadd's session is the
+// finished step's, as the in-memory reference.
+TEST(OutOfCore, AStepStoppedMidwayIsFinishedBeforeItsSessionIsKept) {
+  TestEngine in_memory(TmpDir("k1"), 64 << 20);
+  Trainer reference(&in_memory, All(100));
+  auto engine = SmallEngine("k2");
+  TestEngine& small = *engine;
+  Trainer out_of_core(&small, StateAt(0));
+  for (int step = 1; step <= 2; ++step) {
+    reference.ReturnGradients(step);
+    out_of_core.ReturnGradients(step);
+    ASSERT_TRUE(reference.Step().ok());
+    if (step == 1) {
+      ASSERT_TRUE(out_of_core.Step().ok());
+    }
+  }
+  FailRead(small, 16);
+  ASSERT_EQ(out_of_core.Step().status().code(), absl::StatusCode::kDataLoss);
+  small.faults->ClearRules();
+  const std::string dir = TmpDir("k3");
+  EXPECT_EQ(KeepSessions(*small.sessions, dir), 1);
+  EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
+  EXPECT_EQ(reference.Params(), out_of_core.Params());
 }
 
 // With loss scaling, an overlapped step counts for the scale when it is

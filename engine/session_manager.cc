@@ -111,6 +111,11 @@ struct SessionManager::Session {
   bool scaler_counted_step ABSL_GUARDED_BY(decide_mu) = false;
   // The loss scale the step under way was decided with.
   float scale_of_step ABSL_GUARDED_BY(decide_mu) = 1.0f;
+  // What the last step was decided with (its loss scale applied): a step
+  // stopped midway that must be finished without its trainer (to keep the
+  // session at a stop) is finished with them.
+  AdamHyperparams decided_hyperparams ABSL_GUARDED_BY(decide_mu);
+  std::vector<ParamGroup> decided_groups ABSL_GUARDED_BY(decide_mu);
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -1077,6 +1082,8 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
     overflow = session->partitions->Pending().stats.nonfinite != 0;
   }
   const bool skip = control.skip || overflow;
+  session->decided_hyperparams = applied;
+  session->decided_groups = control.groups;
   StepSummary summary;
   if (control.overlap) {
     Session* s = session.get();
@@ -1676,6 +1683,28 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     // A background checkpoint being written ends first.
     absl::MutexLock lock(&s->checkpoint_mu);
     s->AwaitNoCheckpoint();
+  }
+  {
+    // A step that stopped midway (its trainer backing off on a full pool,
+    // or gone) is finished first, as it was decided: a checkpoint takes no
+    // half step, and the session would not be kept.
+    absl::MutexLock decided(&s->decide_mu);
+    {
+      absl::MutexLock lock(&s->step_mu);
+      s->AwaitNoStep();
+    }
+    if (s->partitions->stopped_midway()) {
+      absl::StatusOr<StepSummary> finished =
+          steps_->Run(*s->partitions, s->decided_hyperparams, /*skip=*/false, s->decided_groups);
+      if (!finished.ok()) {
+        return absl::Status(finished.status().code(),
+                            absl::StrCat("its step stopped midway and could not be finished: ",
+                                         finished.status().message()));
+      }
+      s->CountStep(*finished);
+      if (s->scaler != nullptr && !s->scaler_counted_step) s->scaler->Update(/*overflow=*/false);
+      s->scaler_counted_step = false;
+    }
   }
   // Its partitions' ids, in the manifest's order (by id), taken before the
   // checkpoint: a lease running out meanwhile closes the session, and the
