@@ -520,6 +520,15 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
     s->AwaitNoCheckpoint();
   }
   s->partitions->DropHolds();
+  // A step that stopped midway: finished, as it was decided (the
+  // checkpoint below takes no half step).
+  if (absl::Status finished = FinishStoppedStep(*s); !finished.ok()) {
+    LogWarning(
+        "session %d ('%s') went unfinished; its last step is not kept for a resume (its "
+        "automatic checkpoints stay): %s",
+        static_cast<int64_t>(s->id), s->name, finished.ToString());
+    return false;
+  }
   // Only a state that is whole: one a step made since it opened, or a kept
   // session's (a restored one still registering is its source's subset).
   if (!s->stepped.load() && !reopened) return true;
@@ -1671,6 +1680,27 @@ std::vector<uint64_t> SessionManager::SessionIds() const {
   return ids;
 }
 
+absl::Status SessionManager::FinishStoppedStep(Session& session) {
+  Session* s = &session;
+  absl::MutexLock decided(&s->decide_mu);
+  {
+    absl::MutexLock lock(&s->step_mu);
+    s->AwaitNoStep();
+  }
+  if (!s->partitions->stopped_midway()) return absl::OkStatus();
+  absl::StatusOr<StepSummary> finished =
+      steps_->Run(*s->partitions, s->decided_hyperparams, /*skip=*/false, s->decided_groups);
+  if (!finished.ok()) {
+    return absl::Status(finished.status().code(),
+                        absl::StrCat("its step stopped midway and could not be finished: ",
+                                     finished.status().message()));
+  }
+  s->CountStep(*finished);
+  if (s->scaler != nullptr && !s->scaler_counted_step) s->scaler->Update(/*overflow=*/false);
+  s->scaler_counted_step = false;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(uint64_t id) {
   std::shared_ptr<Session> s;
   {
@@ -1684,28 +1714,10 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     absl::MutexLock lock(&s->checkpoint_mu);
     s->AwaitNoCheckpoint();
   }
-  {
-    // A step that stopped midway (its trainer backing off on a full pool,
-    // or gone) is finished first, as it was decided: a checkpoint takes no
-    // half step, and the session would not be kept.
-    absl::MutexLock decided(&s->decide_mu);
-    {
-      absl::MutexLock lock(&s->step_mu);
-      s->AwaitNoStep();
-    }
-    if (s->partitions->stopped_midway()) {
-      absl::StatusOr<StepSummary> finished =
-          steps_->Run(*s->partitions, s->decided_hyperparams, /*skip=*/false, s->decided_groups);
-      if (!finished.ok()) {
-        return absl::Status(finished.status().code(),
-                            absl::StrCat("its step stopped midway and could not be finished: ",
-                                         finished.status().message()));
-      }
-      s->CountStep(*finished);
-      if (s->scaler != nullptr && !s->scaler_counted_step) s->scaler->Update(/*overflow=*/false);
-      s->scaler_counted_step = false;
-    }
-  }
+  // A step that stopped midway (its trainer backing off on a full pool,
+  // or gone) is finished first: a checkpoint takes no half step, and the
+  // session would not be kept.
+  RETURN_IF_ERROR(FinishStoppedStep(*s));
   // Its partitions' ids, in the manifest's order (by id), taken before the
   // checkpoint: a lease running out meanwhile closes the session, and the
   // keeper's count check notices.

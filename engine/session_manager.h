@@ -546,6 +546,10 @@ class SessionManager {
   // that step are dropped first: a restarted job redoes the iteration. One
   // it cannot write (a step stopped midway, initial values not committed)
   // is logged and false returned; its automatic checkpoints stay.
+  // A step of `session` that stopped midway, finished as it was decided
+  // (without its trainer: to keep the session, or its last state); OK if
+  // none stopped.
+  absl::Status FinishStoppedStep(Session& session) ABSL_LOCKS_EXCLUDED(mu_);
   bool FinalCheckpoint(const std::shared_ptr<Session>& session, bool reopened)
       ABSL_LOCKS_EXCLUDED(mu_);
   static constexpr absl::Duration kFinalCheckpointWait = absl::Seconds(60);
