@@ -61,6 +61,24 @@ void FailRead(TestEngine& engine, int skip) {
   engine.faults->AddRule(eio);
 }
 
+// Step 1 in both; step 2 in the reference, and in `out_of_core` (on
+// `small`, a SmallEngine) stopped at its 17th swap-in: partition 0
+// finished, partition 1 midway, partition 2 not begun.
+void StopStepTwoMidway(Trainer& reference, Trainer& out_of_core, TestEngine& small) {
+  for (int step = 1; step <= 2; ++step) {
+    reference.ReturnGradients(step);
+    out_of_core.ReturnGradients(step);
+    ASSERT_TRUE(reference.Step().ok());
+    if (step == 1) {
+      ASSERT_TRUE(out_of_core.Step().ok());
+    }
+  }
+  FailRead(small, 16);
+  auto failed = out_of_core.Step();
+  small.faults->ClearRules();
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+}
+
 // The case: parameters, gradients and optimizer state all on NVMe,
 // four times the pool.
 TEST(OutOfCore, EverythingOnNvmeTrainsBitForBitLikeEverythingInMemory) {
@@ -245,19 +263,7 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
   auto engine = SmallEngine("s2");
   TestEngine& small = *engine;
   Trainer out_of_core(&small, StateAt(0));
-  for (int step = 1; step <= 2; ++step) {
-    reference.ReturnGradients(step);
-    out_of_core.ReturnGradients(step);
-    ASSERT_TRUE(reference.Step().ok());
-    if (step == 1) {
-      ASSERT_TRUE(out_of_core.Step().ok());
-    }
-  }
-  // Step 2 fails at its 17th swap-in: partition 0 is finished, 1 is not.
-  FailRead(small, 16);
-  auto failed = out_of_core.Step();
-  small.faults->ClearRules();
-  ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
+  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(reference, out_of_core, small));
   EXPECT_EQ(out_of_core.ReturnGradientsStatus(1), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(out_of_core.ReturnGradientsStatus(2), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(small.sessions->Sessions()[0].steps, 1u);
@@ -286,17 +292,7 @@ TEST(OutOfCore, AStepStoppedMidwayIsFinishedBeforeItsSessionIsKept) {
   auto engine = SmallEngine("k2");
   TestEngine& small = *engine;
   Trainer out_of_core(&small, StateAt(0));
-  for (int step = 1; step <= 2; ++step) {
-    reference.ReturnGradients(step);
-    out_of_core.ReturnGradients(step);
-    ASSERT_TRUE(reference.Step().ok());
-    if (step == 1) {
-      ASSERT_TRUE(out_of_core.Step().ok());
-    }
-  }
-  FailRead(small, 16);
-  ASSERT_EQ(out_of_core.Step().status().code(), absl::StatusCode::kDataLoss);
-  small.faults->ClearRules();
+  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(reference, out_of_core, small));
   const std::string dir = TmpDir("k3");
   EXPECT_EQ(KeepSessions(*small.sessions, dir), 1);
   EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
