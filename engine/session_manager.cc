@@ -1031,8 +1031,15 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   // one is still running when its call returns, and a checkpoint would wait
   // for all of it: the automatic one is taken at the next Step instead,
   // when the previous update is (nearly) done (this iteration's gradients
-  // then go into the checkpoint too, handed-over ones copied out first).
-  if (control.overlap) MaybeAutoCheckpoint(session);
+  // then go into the checkpoint too, handed-over ones copied out first):
+  // counted first (whether one is due goes by the steps ended).
+  if (control.overlap) {
+    {
+      absl::MutexLock lock(&session->step_mu);
+      session->AwaitNoStep();
+    }
+    MaybeAutoCheckpoint(session);
+  }
   absl::StatusOr<StepSummary> summary = DecideStep(session, h, control);
   if (summary.ok() && !control.overlap) MaybeAutoCheckpoint(session);
   return summary;

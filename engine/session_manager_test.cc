@@ -1004,6 +1004,47 @@ TEST_F(SessionManagerRaceTest, TheDelayedUpdateSwitchesOnAfterOverlappedStepsEnd
   steps_.SetSyncPointForTesting(nullptr);
 }
 
+// An automatic checkpoint due after an overlapped step is taken at the
+// next Step even when that Step comes while the step is ending (its end
+// not yet counted): it goes by the steps ended, as the switch above.
+TEST_F(SessionManagerRaceTest, AnAutomaticCheckpointDueAfterAnOverlappedStepIsNotLate) {
+  const std::string root = ::testing::TempDir() + "/auto_overlapped";
+  AutoCheckpointsIn(root, 1);
+  key_ = Open();
+  auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok());
+  id_ = p->id;
+  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  auto give = [&] {
+    ASSERT_TRUE(sessions_.Fetch(key_, {id_}, WithGrads()).ok());
+    ASSERT_TRUE(sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32).ok());
+    ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  };
+  give();
+  StepGate ending(StepPoint::kOptimized);
+  std::atomic<bool> held{false};
+  steps_.SetSyncPointForTesting([&ending, &held](StepPoint point) {
+    if (point == StepPoint::kOptimized && !held.exchange(true)) ending(point);  // the first's
+  });
+  StepControl overlap;
+  overlap.overlap = true;
+  ASSERT_TRUE(sessions_.Step(key_, AdamHyperparams{}, overlap).ok());
+  ending.AwaitReached();
+  give();
+  absl::StatusOr<StepSummary> second;
+  std::thread stepper([&] { second = sessions_.Step(key_, AdamHyperparams{}, overlap); });
+  absl::SleepFor(absl::Milliseconds(100));
+  ending.Release();
+  stepper.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE(sessions_.WaitStep(key_).ok());
+  AwaitAutoCheckpoints(stats_, 1);
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 1);  // the first step's, taken at the second
+  steps_.SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(sessions_.Close(key_).ok());
+  sessions_.SetAutoCheckpoint({});
+}
+
 TEST_F(SessionManagerRaceTest, FetchOfAPartitionInAStepSeesTheUpdatedVersion) {
   StartHeldStep();
   // Other work on the session proceeds during the step.
