@@ -893,6 +893,15 @@ class SessionManagerRaceTest : public SessionManagerTest {
       std::this_thread::yield();
     }
   }
+  // key_: a new session with one partition "w" of 4096 fp32 values (id_),
+  // released.
+  void OpenWithOnePartition() {
+    key_ = Open();
+    auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    id_ = p->id;
+    ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  }
   void FinishStep() {
     gate_.Release();
     stepper_.join();
@@ -927,11 +936,7 @@ TEST_F(SessionManagerRaceTest, CloseDuringStepReturnsAtOnceAndFreesAfterIt) {
 TEST_F(SessionManagerRaceTest, ASessionClosedMidStepLeavesNoAutomaticCheckpoint) {
   const std::string root = ::testing::TempDir() + "/closed_mid_step";
   AutoCheckpointsIn(root, 1);
-  key_ = Open();
-  auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
-  ASSERT_TRUE(p.ok());
-  id_ = p->id;
-  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  ASSERT_NO_FATAL_FAILURE(OpenWithOnePartition());
   StepPartition(sessions_, key_, id_, 4096);  // its first automatic checkpoint
   AwaitAutoCheckpoints(stats_, 1);
   ASSERT_EQ(stats_.auto_checkpoints.load(), 1);
@@ -1010,11 +1015,7 @@ TEST_F(SessionManagerRaceTest, TheDelayedUpdateSwitchesOnAfterOverlappedStepsEnd
 TEST_F(SessionManagerRaceTest, AnAutomaticCheckpointDueAfterAnOverlappedStepIsNotLate) {
   const std::string root = ::testing::TempDir() + "/auto_overlapped";
   AutoCheckpointsIn(root, 1);
-  key_ = Open();
-  auto p = sessions_.Register(key_, {"w", 4096, DType::kFp32, DType::kFp32});
-  ASSERT_TRUE(p.ok());
-  id_ = p->id;
-  ASSERT_TRUE(sessions_.Release(key_, {id_}).ok());
+  ASSERT_NO_FATAL_FAILURE(OpenWithOnePartition());
   auto give = [&] {
     ASSERT_TRUE(sessions_.Fetch(key_, {id_}, WithGrads()).ok());
     ASSERT_TRUE(sessions_.ReturnGradients(key_, id_, 4096, DType::kFp32).ok());
