@@ -299,6 +299,44 @@ TEST(OutOfCore, AStepStoppedMidwayIsFinishedBeforeItsSessionIsKept) {
   EXPECT_EQ(reference.Params(), out_of_core.Params());
 }
 
+// A stop keeping a session cancels its automatic checkpoint being written
+// (one thread, beside training) instead of waiting for it: the keep writes
+// the same state, and the previous automatic checkpoint stays.
+TEST(OutOfCore, KeepingASessionCancelsItsAutomaticCheckpointUnderWay) {
+  auto engine = SmallEngine("c1");
+  TestEngine& small = *engine;
+  SessionManager::AutoCheckpointOptions automatic;
+  automatic.dir = TmpDir("c2");
+  automatic.every_steps = 2;
+  small.sessions->SetAutoCheckpoint(automatic);
+  Trainer t(&small, StateAt(0));
+  t.ReturnGradients(1);
+  ASSERT_TRUE(t.Step().ok());  // not due
+  // Once step 2's update is done, the next read from NVMe (its automatic
+  // checkpoint's, of state the step left there) is held.
+  absl::Notification reading, go_on;
+  std::atomic<bool> armed{false};
+  small.swapper->SetIoHookForTesting([&](Swapper::BlockId, bool is_write) {
+    if (is_write || !armed.load() || reading.HasBeenNotified()) return;
+    reading.Notify();
+    go_on.WaitForNotification();
+  });
+  small.steps->SetSyncPointForTesting([&armed](StepPoint point) {
+    if (point == StepPoint::kOptimized) armed = true;
+  });
+  t.ReturnGradients(2);
+  ASSERT_TRUE(t.Step().ok());  // due: begins in the background
+  small.steps->SetSyncPointForTesting(nullptr);
+  reading.WaitForNotification();
+  std::thread keeper([&] { EXPECT_TRUE(small.sessions->QuiesceForKeeping(t.key().id).ok()); });
+  absl::SleepFor(absl::Milliseconds(50));
+  go_on.Notify();
+  keeper.join();
+  small.swapper->SetIoHookForTesting(nullptr);
+  EXPECT_EQ(small.stats.auto_checkpoints.load(), 0);  // cancelled, not committed
+  EXPECT_EQ(small.stats.auto_checkpoint_failures.load(), 0);
+}
+
 // With loss scaling, an overlapped step counts for the scale when it is
 // decided; should it stop midway, the Step that finishes it does not
 // count it again (the scale would grow a step early).

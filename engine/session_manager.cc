@@ -1717,9 +1717,14 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     s = found->second;
   }
   {
-    // A background checkpoint being written ends first.
+    // A background checkpoint being written ends first: an automatic one
+    // is cancelled (the keep writes the same state; its previous one stays),
+    // a trainer's is waited for.
     absl::MutexLock lock(&s->checkpoint_mu);
+    const bool cancel = s->checkpoint_running && s->checkpoint_automatic;
+    if (cancel) s->checkpoint_cancel = true;
     s->AwaitNoCheckpoint();
+    if (cancel) s->checkpoint_cancel = false;
   }
   // A step that stopped midway (its trainer backing off on a full pool,
   // or gone) is finished first: a checkpoint takes no half step, and the
