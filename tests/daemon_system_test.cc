@@ -3101,6 +3101,7 @@ TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
 TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
   char pool_dir[] = "/dev/shm/offloadd_failed_start_XXXXXX";
   ASSERT_NE(mkdtemp(pool_dir), nullptr);
+  RemoveOnExit remove_pool(pool_dir);  // (after the daemons below: declared first)
   const std::vector<std::string> flags = {"--server.reconnect_lease_seconds=30",
                                           absl::StrCat("--memory.pool_dir=", pool_dir)};
   auto first = DaemonProcess::Start(flags);
@@ -3140,7 +3141,6 @@ TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
   EXPECT_EQ(ParamsOf(resumed->get(), pid), before);
   ASSERT_TRUE((*resumed)->Close().ok());
   (void)(*third)->Stop();
-  std::filesystem::remove_all(pool_dir);
 }
 
 // Under systemd, keeping sessions at a stop and reading them back at the
