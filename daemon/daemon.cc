@@ -185,6 +185,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   // any call or lease can reach them.
   const std::string kept = d->PreservedDir();
   d->engine_->sessions().SetKeptDirectory(kept);  // (no trainer's checkpoint goes there)
+  // The automatic checkpoints' directory known before the kept sessions
+  // are reopened: one that restored a lost session's checkpoint there goes
+  // on removing it once two of its own are in.
+  if (options->checkpoint.dir.empty()) {
+    options->checkpoint.dir = absl::StrCat(server.data_dir, "/auto-checkpoints");
+  }
+  d->ApplyAutoCheckpoint();
   // Should the start fail after the kept sessions were reopened (a group
   // that does not exist, a port taken), they are kept again, as a stop
   // keeps them: reopening took what the pool's file held (memory.pool_dir)
@@ -500,6 +507,7 @@ absl::Status Daemon::StartAutoCheckpoints() {
     uint64_t id = 0;
     if (!absl::SimpleAtoi(name, &id) || open.contains(id)) continue;
     const std::string dir = absl::StrCat(o.dir, "/", name);
+    if (sessions.RestoresAutomaticCheckpoint(dir)) continue;  // a reopened session's source
     absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
         checkpoint::ReadManifests(dir);
     if (!manifests.ok() || manifests->empty()) {

@@ -250,6 +250,71 @@ TEST(KeptSessions, KeepTheStepTheyRestore) {
   ASSERT_TRUE(after.Close(third->key).ok());
 }
 
+// A session restoring a lost session's automatic checkpoint (what a crashed
+// offloadd left) removes it once two of its own are in; kept across a
+// restart and reopened, it still does (it forgot it: the lost directory
+// stayed for good, reported lost at every start).
+TEST(KeptSessions, AReopenedSessionStillRemovesTheLostCheckpointItRestored) {
+  const std::string tmp = getenv("TEST_TMPDIR");
+  TestEngine engine(tmp + "/nvme_lost", 64 << 20);
+  SessionManager& sessions = *engine.sessions;
+  SessionManager::AutoCheckpointOptions automatic;
+  automatic.dir = tmp + "/auto_lost";
+  automatic.every_steps = 1;
+  std::filesystem::remove_all(automatic.dir);
+  sessions.SetAutoCheckpoint(automatic);
+  FetchMode with_grads;
+  with_grads.grads = true;
+  auto step = [&](SessionManager& m, const SessionKey& key, uint64_t id) {
+    ASSERT_TRUE(m.Fetch(key, {id}, with_grads).ok());
+    ASSERT_TRUE(m.ReturnGradients(key, id, 1000, DType::kFp32).ok());
+    ASSERT_TRUE(m.Release(key, {id}).ok());
+    ASSERT_TRUE(m.Step(key, AdamHyperparams{}).ok());
+  };
+  auto await_checkpoints = [&](int64_t n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (engine.stats.auto_checkpoints.load() < n && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_EQ(engine.stats.auto_checkpoints.load(), n);
+  };
+  // A lost session's automatic checkpoint (a copy of one, under another id).
+  auto first = sessions.Open("job");
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto w = sessions.Register(first->key, {"w", 1000, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(sessions.Release(first->key, {}).ok());
+  step(sessions, first->key, w->id);
+  await_checkpoints(1);
+  const std::string lost = automatic.dir + "/4242";
+  std::filesystem::copy(sessions.AutoCheckpointDir(first->key.id), lost);
+  std::filesystem::permissions(lost, std::filesystem::perms::owner_all);
+  ASSERT_TRUE(sessions.Close(first->key).ok());
+  // Restored, kept at a stop, reopened.
+  auto second = sessions.Open("job", {}, std::nullopt, std::nullopt, RestoreFrom(lost));
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto again = sessions.Register(second->key, {"w", 1000, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(sessions.Release(second->key, {}).ok());
+  const std::string dir = tmp + "/kept_lost";
+  EXPECT_EQ(KeepSessions(sessions, dir), 1);
+  ASSERT_TRUE(sessions.Close(second->key).ok());
+  sessions.SetAutoCheckpoint({});
+  SessionManager next(Env::Default(), engine.store, engine.steps, &engine.stats);
+  next.SetAutoCheckpoint(automatic);
+  EXPECT_EQ(ReopenKeptSessions(next, dir), 1);
+  ASSERT_TRUE(next.Resume(second->key).ok());
+  const int64_t before = engine.stats.auto_checkpoints.load();
+  step(next, second->key, again->id);
+  await_checkpoints(before + 1);
+  step(next, second->key, again->id);
+  await_checkpoints(before + 2);
+  step(next, second->key, again->id);  // two of its own in: the lost one goes
+  EXPECT_FALSE(std::filesystem::exists(lost));
+  ASSERT_TRUE(next.Close(second->key).ok());
+  next.SetAutoCheckpoint({});
+}
+
 }  // namespace
 }  // namespace offload
 

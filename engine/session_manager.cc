@@ -1265,6 +1265,14 @@ void SessionManager::SetKeptDirectory(std::string dir) {
   kept_dir_ = std::move(dir);
 }
 
+bool SessionManager::RestoresAutomaticCheckpoint(const std::string& dir) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, s] : sessions_) {
+    if (s->restored_auto_dir == dir) return true;
+  }
+  return false;
+}
+
 std::string SessionManager::AutoCheckpointDir(uint64_t id) const {
   absl::MutexLock lock(&mu_);
   return auto_checkpoint_.on() ? absl::StrCat(auto_checkpoint_.dir, "/", id) : "";
@@ -1826,6 +1834,14 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
         session->restore_from.clear();
       } else {
         session->restore = *std::move(restore);
+        // A lost session's automatic checkpoint it restored goes once two
+        // of its own are in, as it would have before the restart.
+        absl::MutexLock lock(&mu_);
+        if (!auto_checkpoint_.dir.empty() &&
+            absl::StartsWith(session->restore_from, absl::StrCat(auto_checkpoint_.dir, "/")) &&
+            OpenedBy(session->restore->session_manifest()) == session->user) {
+          session->restored_auto_dir = session->restore_from;
+        }
       }
     }
     return absl::OkStatus();

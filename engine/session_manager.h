@@ -291,6 +291,9 @@ class SessionManager {
   // The directory of session `id`'s automatic checkpoints; empty while they
   // are off.
   std::string AutoCheckpointDir(uint64_t id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether an open session restored the automatic checkpoints in `dir` (a
+  // lost session's) and removes them once it has its own.
+  bool RestoresAutomaticCheckpoint(const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Switches the session's delayed parameter update (PartitionStore::
   // SetDelayedUpdate) on or off now; it also cancels a pending automatic
