@@ -127,6 +127,10 @@ struct SessionManager::Session {
     step_mu.Await(absl::Condition(
         +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->step_running; }, this));
   }
+  void AwaitNoStepLocking() ABSL_LOCKS_EXCLUDED(step_mu) {
+    absl::MutexLock lock(&step_mu);
+    AwaitNoStep();
+  }
 
   // The last background checkpoint: running, or its outcome.
   absl::Mutex checkpoint_mu;
@@ -511,10 +515,7 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
         static_cast<int64_t>(s->id), s->name, absl::FormatDuration(kFinalCheckpointWait));
     return false;
   }
-  {
-    absl::MutexLock lock(&s->step_mu);
-    s->AwaitNoStep();
-  }
+  s->AwaitNoStepLocking();
   {
     absl::MutexLock lock(&s->checkpoint_mu);
     s->AwaitNoCheckpoint();
@@ -1031,15 +1032,13 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   // one is still running when its call returns, and a checkpoint would wait
   // for all of it: the automatic one is taken at the next Step instead,
   // when the previous update is (nearly) done (this iteration's gradients
-  // then go into the checkpoint too, handed-over ones copied out first):
-  // counted first (whether one is due goes by the steps ended).
-  if (control.overlap) {
-    {
-      absl::MutexLock lock(&session->step_mu);
-      session->AwaitNoStep();
-    }
-    MaybeAutoCheckpoint(session);
-  }
+  // then go into the checkpoint too, handed-over ones copied out first).
+  // The previous overlapped step counted first: its partitions leave it
+  // (and the trainer's next gradients come) before it ends, and whether a
+  // checkpoint is due, or the delayed update's warm-up over, goes by the
+  // steps ended.
+  session->AwaitNoStepLocking();
+  if (control.overlap) MaybeAutoCheckpoint(session);
   absl::StatusOr<StepSummary> summary = DecideStep(session, h, control);
   if (summary.ok() && !control.overlap) MaybeAutoCheckpoint(session);
   return summary;
@@ -1048,13 +1047,6 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
 absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Session>& session,
                                                        const AdamHyperparams& h,
                                                        const StepControl& control) {
-  {
-    // The previous overlapped step counted first: its partitions leave it
-    // (and the trainer's next gradients come) before it ends, and the
-    // switch below goes by the steps ended.
-    absl::MutexLock lock(&session->step_mu);
-    session->AwaitNoStep();
-  }
   int64_t after = session->delayed_update_after.load();
   if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after) &&
       // Once, and not over a SetDelayedUpdate that cancelled it meanwhile.
@@ -1698,10 +1690,7 @@ std::vector<uint64_t> SessionManager::SessionIds() const {
 absl::Status SessionManager::FinishStoppedStep(Session& session) {
   Session* s = &session;
   absl::MutexLock decided(&s->decide_mu);
-  {
-    absl::MutexLock lock(&s->step_mu);
-    s->AwaitNoStep();
-  }
+  s->AwaitNoStepLocking();
   if (!s->partitions->stopped_midway()) return absl::OkStatus();
   absl::StatusOr<StepSummary> finished =
       steps_->Run(*s->partitions, s->decided_hyperparams, /*skip=*/false, s->decided_groups);

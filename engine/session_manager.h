@@ -564,7 +564,8 @@ class SessionManager {
   // How long a session a trainer resumed (ResumeSession) is left alone by
   // takeovers while its trainer attaches.
   static constexpr absl::Duration kResumeAttachWait = absl::Seconds(60);
-  // Step and Checkpoint once the session is found.
+  // Step and Checkpoint once the session is found (Step has waited for
+  // the previous overlapped step to end).
   absl::StatusOr<StepSummary> DecideStep(const std::shared_ptr<Session>& session,
                                          const AdamHyperparams& h, const StepControl& control)
       ABSL_LOCKS_EXCLUDED(mu_);
