@@ -248,6 +248,7 @@ absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
     uint64_t chunks;
     DataKind kind;
     Tier home;
+    Tier was;  // (put back there, should the change fail)
   };
   std::vector<Move> moves;
   // Twice under the set's lock: first to see how much more would rest on
@@ -272,8 +273,8 @@ absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
               k == DataKind::kOptimizerState ? 3 * p->info.numel * sizeof(float) : add);
           to_nvme += home == Tier::kNvme ? moving : -moving;
           if (apply) {
+            moves.push_back({id, ChunksOf(p->info.numel), k, home, p->home[kind]});
             p->home[kind] = home;
-            moves.push_back({id, ChunksOf(p->info.numel), k, home});
           }
         }
       }
@@ -326,7 +327,7 @@ absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
           status = std::move(moved);
           break;
         }
-        moved_blocks.push_back({block, m.home == Tier::kNvme ? Tier::kHost : Tier::kNvme});
+        moved_blocks.push_back({block, m.was});
       }
     }
     if (!status.ok()) break;
@@ -347,7 +348,7 @@ absl::Status PartitionStore::SetPlacement(const PlacementChange& change) {
     for (const Move& m : moves) {
       auto p = partitions_.find(m.id);
       if (p == partitions_.end()) continue;
-      p->second->home[static_cast<int>(m.kind)] = m.home == Tier::kNvme ? Tier::kHost : Tier::kNvme;
+      p->second->home[static_cast<int>(m.kind)] = m.was;
     }
   }
   return absl::Status(status.code(), absl::StrCat(status.message(), "; nothing moved"));
@@ -433,6 +434,10 @@ uint64_t PartitionStore::steps() const {
 
 bool PartitionStore::stopped_midway() const {
   absl::MutexLock lock(&mu_);
+  return StoppedMidwayLocked();
+}
+
+bool PartitionStore::StoppedMidwayLocked() const {
   return absl::c_any_of(partitions_, [](const auto& e) { return e.second->stopped; });
 }
 
@@ -1315,8 +1320,7 @@ absl::StatusOr<std::vector<StepItem>> PartitionStore::BeginStep(bool skipping) {
   AwaitStepBoundaryLocked();
   // After a step stopped midway, the next finishes it: its partitions
   // alone (a finished partition's next gradients wait for the step after).
-  const bool resuming =
-      absl::c_any_of(partitions_, [](const auto& e) { return e.second->stopped; });
+  const bool resuming = StoppedMidwayLocked();
   if (!skipping) {
     for (const auto& [id, p] : partitions_) {
       if (resuming && !p->stopped) continue;

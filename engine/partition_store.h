@@ -423,6 +423,7 @@ class PartitionStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits for a step boundary: no step running, no gradients being added.
   void AwaitStepBoundaryLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool StoppedMidwayLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The block kind of the working-copy buffer the trainer reads now (or,
   // with `next`, the other one).
   static int ParamsKind(const Partition& p, bool next);
