@@ -61,21 +61,37 @@ void FailRead(TestEngine& engine, int skip) {
   engine.faults->AddRule(eio);
 }
 
-// Step 1 in both; step 2 in the reference, and in `out_of_core` (on
-// `small`, a SmallEngine) stopped at its 17th swap-in: partition 0
-// finished, partition 1 midway, partition 2 not begun.
-void StopStepTwoMidway(Trainer& reference, Trainer& out_of_core, TestEngine& small) {
+// A trainer with its optimizer state on NVMe, on a SmallEngine (every step
+// reads it in), beside the same trainer all in memory: its reference.
+struct BesideReference {
+  explicit BesideReference(const std::string& name)
+      : in_memory(TmpDir(name + "_in_memory"), 64 << 20),
+        reference(&in_memory, All(100)),
+        engine(SmallEngine(name)),
+        small(*engine),
+        out_of_core(&small, StateAt(0)) {}
+  TestEngine in_memory;
+  Trainer reference;
+  std::unique_ptr<TestEngine> engine;
+  TestEngine& small;
+  Trainer out_of_core;
+};
+
+// Step 1 in both; step 2 in the reference, and in the out-of-core trainer
+// stopped at its 17th swap-in: partition 0 finished, partition 1 midway,
+// partition 2 not begun.
+void StopStepTwoMidway(BesideReference& t) {
   for (int step = 1; step <= 2; ++step) {
-    reference.ReturnGradients(step);
-    out_of_core.ReturnGradients(step);
-    ASSERT_TRUE(reference.Step().ok());
+    t.reference.ReturnGradients(step);
+    t.out_of_core.ReturnGradients(step);
+    ASSERT_TRUE(t.reference.Step().ok());
     if (step == 1) {
-      ASSERT_TRUE(out_of_core.Step().ok());
+      ASSERT_TRUE(t.out_of_core.Step().ok());
     }
   }
-  FailRead(small, 16);
-  auto failed = out_of_core.Step();
-  small.faults->ClearRules();
+  FailRead(t.small, 16);
+  auto failed = t.out_of_core.Step();
+  t.small.faults->ClearRules();
   ASSERT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
 }
 
@@ -217,37 +233,34 @@ TEST(OutOfCore, AFailedSwapInFailsTheFetchAndKeepsTheCopy) {
 }
 
 TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
-  TestEngine in_memory(TmpDir("d"), 64 << 20);
-  Trainer reference(&in_memory, All(100));
-  auto engine = SmallEngine("e");
-  TestEngine& small = *engine;
   // Only the state on NVMe: every read of the step is a state chunk's.
-  Trainer out_of_core(&small, StateAt(0));
+  BesideReference t("e");
   for (int step = 1; step <= 3; ++step) {
-    reference.ReturnGradients(step);
-    out_of_core.ReturnGradients(step);
-    ASSERT_TRUE(reference.Step().ok());
+    t.reference.ReturnGradients(step);
+    t.out_of_core.ReturnGradients(step);
+    ASSERT_TRUE(t.reference.Step().ok());
     if (step == 3) {
       // Fail the eighth swap-in of this step: the first group of chunks of
       // partition 1 (two chunks of master, m, v) is updated, then
       // the step stops with the read's error.
-      FailRead(small, 7);
-      auto failed = out_of_core.Step();
+      FailRead(t.small, 7);
+      auto failed = t.out_of_core.Step();
       EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
       EXPECT_NE(failed.status().message().find("resumes there"), std::string::npos);
-      small.faults->ClearRules();
+      t.small.faults->ClearRules();
       // New gradients cannot be mixed into the half-applied step, nor can
       // it be skipped, nor the delayed update switched under it.
-      EXPECT_EQ(out_of_core.ReturnGradientsStatus(), absl::StatusCode::kFailedPrecondition);
-      EXPECT_EQ(
-          small.sessions->Step(out_of_core.key(), AdamHyperparams{}, SkipControl()).status().code(),
-          absl::StatusCode::kFailedPrecondition);
-      EXPECT_EQ(small.sessions->SetDelayedUpdate(out_of_core.key(), true).code(),
+      EXPECT_EQ(t.out_of_core.ReturnGradientsStatus(), absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(t.small.sessions->Step(t.out_of_core.key(), AdamHyperparams{}, SkipControl())
+                    .status()
+                    .code(),
+                absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(t.small.sessions->SetDelayedUpdate(t.out_of_core.key(), true).code(),
                 absl::StatusCode::kFailedPrecondition);
     }
-    auto b = out_of_core.Step();
+    auto b = t.out_of_core.Step();
     ASSERT_TRUE(b.ok()) << b.status();
-    ASSERT_EQ(reference.Params(), out_of_core.Params()) << "step " << step;
+    ASSERT_EQ(t.reference.Params(), t.out_of_core.Params()) << "step " << step;
   }
 }
 
@@ -258,28 +271,24 @@ TEST(OutOfCore, ASwapInErrorStopsTheStepAndTheRetryResumesExactly) {
 // partition's next gradients wait for the next Step), and the session's
 // step count goes up once, when it is finished.
 TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
-  TestEngine in_memory(TmpDir("s1"), 64 << 20);
-  Trainer reference(&in_memory, All(100));
-  auto engine = SmallEngine("s2");
-  TestEngine& small = *engine;
-  Trainer out_of_core(&small, StateAt(0));
-  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(reference, out_of_core, small));
-  EXPECT_EQ(out_of_core.ReturnGradientsStatus(1), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(out_of_core.ReturnGradientsStatus(2), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(small.sessions->Sessions()[0].steps, 1u);
+  BesideReference t("s2");
+  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(t));
+  EXPECT_EQ(t.out_of_core.ReturnGradientsStatus(1), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.out_of_core.ReturnGradientsStatus(2), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.small.sessions->Sessions()[0].steps, 1u);
   // Partition 0 takes its next gradients (the buffer as it is); the Step
   // that resumes leaves them for the next, and applies what the stopped
   // step was decided with: an overflow it is told of now (the next
   // iteration's) does not make it a skip, which a half-applied step
   // cannot be.
-  EXPECT_EQ(out_of_core.ReturnGradientsStatus(0), absl::StatusCode::kOk);
+  EXPECT_EQ(t.out_of_core.ReturnGradientsStatus(0), absl::StatusCode::kOk);
   StepControl overflow;
   overflow.overflow = true;
-  auto resumed = small.sessions->Step(out_of_core.key(), Decaying(), overflow);
+  auto resumed = t.small.sessions->Step(t.out_of_core.key(), Decaying(), overflow);
   ASSERT_TRUE(resumed.ok()) << resumed.status();
-  EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
-  EXPECT_EQ(reference.Params(), out_of_core.Params());
-  EXPECT_EQ(small.sessions->Pending(out_of_core.key())->partitions, 1u);
+  EXPECT_EQ(t.small.sessions->Sessions()[0].steps, 2u);
+  EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
+  EXPECT_EQ(t.small.sessions->Pending(t.out_of_core.key())->partitions, 1u);
 }
 
 // A session whose step stopped midway (its trainer backing off on a full
@@ -287,16 +296,12 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
 // first, as it was decided, and the next offloadd's session is the
 // finished step's, as the in-memory reference.
 TEST(OutOfCore, AStepStoppedMidwayIsFinishedBeforeItsSessionIsKept) {
-  TestEngine in_memory(TmpDir("k1"), 64 << 20);
-  Trainer reference(&in_memory, All(100));
-  auto engine = SmallEngine("k2");
-  TestEngine& small = *engine;
-  Trainer out_of_core(&small, StateAt(0));
-  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(reference, out_of_core, small));
+  BesideReference t("k2");
+  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(t));
   const std::string dir = TmpDir("k3");
-  EXPECT_EQ(KeepSessions(*small.sessions, dir), 1);
-  EXPECT_EQ(small.sessions->Sessions()[0].steps, 2u);
-  EXPECT_EQ(reference.Params(), out_of_core.Params());
+  EXPECT_EQ(KeepSessions(*t.small.sessions, dir), 1);
+  EXPECT_EQ(t.small.sessions->Sessions()[0].steps, 2u);
+  EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
 }
 
 // A stop keeping a session cancels its automatic checkpoint being written
