@@ -488,8 +488,7 @@ constexpr char kLostSinceFile[] = ".lost_since";
 }  // namespace
 
 absl::Status Daemon::StartAutoCheckpoints() {
-  AutoCheckpointNodeOptions& o = options_->checkpoint;
-  if (o.dir.empty()) o.dir = absl::StrCat(options_->server.data_dir, "/auto-checkpoints");
+  const AutoCheckpointNodeOptions& o = options_->checkpoint;  // (its dir resolved by Start)
   RETURN_IF_ERROR(MakeDirs(o.dir));
   RETURN_IF_ERROR(CheckPrivateDir(o.dir));
   SessionManager& sessions = engine_->sessions();
@@ -547,7 +546,6 @@ absl::Status Daemon::StartAutoCheckpoints() {
         dir, dir);
   }
   if (lost > 0) LogInfo("%d lost session(s) can be resumed from %s", lost, o.dir);
-  ApplyAutoCheckpoint();
   return absl::OkStatus();
 }
 

@@ -57,8 +57,10 @@ class Daemon {
   void SetHooks();
   // Where Shutdown keeps sessions for the next offloadd.
   std::string PreservedDir() const;
-  // Resolves checkpoint.auto_dir, reports the automatic checkpoints of
-  // sessions a crashed predecessor lost, and switches them on.
+  // Makes checkpoint.auto_dir (resolved, and the automatic checkpoints
+  // switched on, by Start before the kept sessions are reopened) and
+  // reports the automatic checkpoints of sessions a crashed predecessor
+  // lost.
   absl::Status StartAutoCheckpoints();
   // Gives the session manager the checkpoint.auto_* settings now in effect.
   void ApplyAutoCheckpoint();
