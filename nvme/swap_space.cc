@@ -265,9 +265,13 @@ absl::Status SwapSpace::Transfer(
   return absl::OkStatus();
 }
 
-absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buffers& b) {
+absl::Status SwapSpace::CheckWrite(uint64_t bytes, const Buffers& b) const {
   if (bytes == 0) return absl::InvalidArgumentError("cannot swap out an empty extent");
-  RETURN_IF_ERROR(CheckBuffers(b, /*write=*/true));
+  return CheckBuffers(b, /*write=*/true);
+}
+
+absl::StatusOr<SwapSpace::Extent> SwapSpace::WriteNew(uint64_t bytes, const Buffers& b) {
+  RETURN_IF_ERROR(CheckWrite(bytes, b));
   ASSIGN_OR_RETURN(Extent e, Allocate(bytes));
   return FillNew(std::move(e), b);
 }
@@ -335,8 +339,7 @@ absl::Status SwapSpace::RewriteFrom(uint64_t id, uint64_t bytes, const Buffers& 
     if (it == extents_.end()) return absl::NotFoundError(absl::StrCat("no extent ", id));
     current = it->second;
   }
-  if (bytes == 0) return absl::InvalidArgumentError("cannot swap out an empty extent");
-  RETURN_IF_ERROR(CheckBuffers(b, /*write=*/true));
+  RETURN_IF_ERROR(CheckWrite(bytes, b));
   absl::StatusOr<Extent> allocated = Allocate(bytes);
   if (!allocated.ok() && RoundUp(bytes, alignment_) == RoundUp(current.bytes, alignment_)) {
     // No room for a second copy (a tier filled with state rewritten every

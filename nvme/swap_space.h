@@ -186,6 +186,8 @@ class SwapSpace {
     }
   };
   absl::Status CheckBuffers(const Buffers& b, bool write) const;
+  // What a write of `bytes` from `b` needs (some bytes; CheckBuffers).
+  absl::Status CheckWrite(uint64_t bytes, const Buffers& b) const;
   // Runs the extent's stripes through `b`: from one whole buffer in one
   // batch; staged, a window at a time: a write's `chunk` fills the window
   // before it runs; a read's window is checked by `verify(first, end)` (its
