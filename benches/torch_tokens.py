@@ -7,6 +7,7 @@ optimizer step).
 usage: torch_tokens.py --offloadd=PATH [--steps=N] [--warmup=N] [--rounds=R]
        [--dim=D] [--layers=L] [--batch=B] [--context=T] [--swap_dir=DIR]
        [--device=cpu|cuda] [--tiny] [--profile] [--trace] [--modes=LIST]
+       [--daemon_args="FLAGS"]
 --profile: only the delayed-update run with the state on the host, under
 cProfile: where the trainer's thread spends its time (top functions by own
 time), for work on the Python side.
@@ -329,6 +330,9 @@ def main():
                    help="the GPU tier as on a GPU (auto), or on the host-emulated device "
                         "(its copies without the tests' random delays: the trainer's thread's "
                         "own costs)")
+    p.add_argument("--daemon_args", default="",
+                   help="more flags for both daemons, space-separated "
+                        "(--optimizer.threads=14, say)")
     p.add_argument("--profile", action="store_true",
                    help="profile the trainer's thread in the delayed-update run")
     args = p.parse_args()
@@ -352,13 +356,14 @@ def main():
     swap = tempfile.mkdtemp(prefix="torch_tokens.", dir=args.swap_dir)
     daemons = []
     try:
-        host = start_daemon(args.offloadd, os.path.join(root, "host"), [])
+        extra = args.daemon_args.split()
+        host = start_daemon(args.offloadd, os.path.join(root, "host"), extra)
         # The pool holds the working parameters and gradients (8 bytes per
         # parameter) and a third of the optimizer state: the rest must swap.
         pool = max(4 << 20, 8 * n + state_bytes // 3)
         nvme = start_daemon(args.offloadd, os.path.join(root, "nvme"),
                             [f"--nvme.dirs={swap}",
-                             f"--memory.host_budget_bytes={pool}"])
+                             f"--memory.host_budget_bytes={pool}"] + extra)
         daemons = [host[0], nvme[0]]
         if args.profile:
             profile(args, text, host[1])

@@ -114,17 +114,25 @@ absl::Status GpuTier::HoldAll(bool grads) {
   return absl::OkStatus();
 }
 
-absl::Status GpuTier::BeginIteration() {
-  if (hold_per_iteration_) {
-    bool held;
-    {
-      absl::MutexLock lock(&mu_);
-      held = !held_all_.empty();
-    }
-    if (!held) RETURN_IF_ERROR(HoldAll(/*grads=*/false));
+absl::Status GpuTier::HoldForTheIteration() {
+  if (!hold_per_iteration_) return absl::OkStatus();
+  bool held;
+  {
+    absl::MutexLock lock(&mu_);
+    held = !held_all_.empty();
   }
+  return held ? absl::OkStatus() : HoldAll(/*grads=*/false);
+}
+
+absl::Status GpuTier::BeginIteration() {
+  RETURN_IF_ERROR(HoldForTheIteration());
   params_->BeginIteration();
   return absl::OkStatus();
+}
+
+absl::Status GpuTier::PrefetchUnits(absl::Span<const int> units) {
+  RETURN_IF_ERROR(HoldForTheIteration());
+  return params_->PrefetchUnits(units);
 }
 
 absl::Status GpuTier::EndIteration() {

@@ -102,6 +102,14 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // places in the arena are fixed until released), so that copies ask the
   // daemon nothing; then ParamCache::BeginIteration.
   absl::Status BeginIteration();
+  // Before an iteration starts (after the optimizer step and Invalidate):
+  // with hold_per_iteration, the iteration's holds taken now (BeginIteration
+  // then finds them), and the units' copies issued
+  // (ParamCache::PrefetchUnits), so that they run while the trainer
+  // prepares the iteration instead of after its first Use. EndIteration (a
+  // checkpoint, a drain of the delayed update) lets the holds go as ever;
+  // the copies done stay on the device until Invalidate.
+  absl::Status PrefetchUnits(absl::Span<const int> units);
   // The iteration's copies are done (ParamCache::Synchronize's outcome)
   // and every hold this tier has is let go, in one call: call it before
   // Session::Step (the delayed update needs every partition released).
@@ -163,6 +171,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   void ApplyPrefetch() ABSL_LOCKS_EXCLUDED(mu_);
   // Holds every known partition (with grads: their gradient buffers too).
   absl::Status HoldAll(bool grads) ABSL_LOCKS_EXCLUDED(mu_);
+  // With hold_per_iteration: every partition's parameters held for the
+  // iteration, unless they are already.
+  absl::Status HoldForTheIteration() ABSL_LOCKS_EXCLUDED(mu_);
 
   // gpu::HostSource: the partitions' parameters.
   absl::StatusOr<std::vector<gpu::HostSource::Span>> Hold(absl::Span<const uint64_t> keys) override;

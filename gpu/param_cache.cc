@@ -481,18 +481,47 @@ void ParamCache::Prefetch() {
     if (failed) break;  // its Use reports the failure
     if (missing == 0) continue;
     if (ahead + missing > options_.prefetch_bytes) break;
-    std::vector<bool> was_absent;
-    for (int i : units_[u].entries) {
-      was_absent.push_back(entries_[i].state == State::kAbsent ||
-                           entries_[i].state == State::kStale);
-    }
-    if (!Bring({u}, pos).ok()) break;  // no room ahead of later uses; Use will bring it
-    for (size_t k = 0; k < units_[u].entries.size(); ++k) {
-      if (was_absent[k]) entries_[units_[u].entries[k]].prefetched = true;
-    }
-    ++stats_.prefetched_units;
+    if (!BringAhead({u}, pos).ok()) break;  // no room ahead of later uses; Use will bring it
     ahead += missing;
   }
+}
+
+absl::Status ParamCache::BringAhead(absl::Span<const int> units, uint64_t limit) {
+  std::vector<int> copied;
+  std::vector<int> counted;
+  for (int u : units) {
+    bool any = false;
+    for (int i : units_[u].entries) {
+      if (entries_[i].state == State::kAbsent || entries_[i].state == State::kStale) {
+        copied.push_back(i);
+        any = true;
+      }
+    }
+    if (any) counted.push_back(u);
+  }
+  if (copied.empty()) return absl::OkStatus();
+  RETURN_IF_ERROR(Bring(units, limit));
+  for (int i : copied) entries_[i].prefetched = true;
+  stats_.prefetched_units += counted.size();
+  return absl::OkStatus();
+}
+
+absl::Status ParamCache::PrefetchUnits(absl::Span<const int> units) {
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(CheckUnits(units));
+  Reap(/*wait=*/false);
+  std::vector<int> bring;
+  for (int u : units) {
+    bool failed = false;
+    for (int i : units_[u].entries) {
+      failed |= entries_[i].state == State::kFailed || !entries_[i].error.ok();
+    }
+    if (!failed) bring.push_back(u);  // (its Use reports the failure)
+  }
+  if (bring.empty()) return absl::OkStatus();
+  // Evicting only what this iteration does not use again, waiting for no
+  // copy in flight (a limit past every position but kNever's).
+  return BringAhead(bring, kNever - 1);
 }
 
 absl::Status ParamCache::CheckUnits(absl::Span<const int> units) const {

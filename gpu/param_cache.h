@@ -156,6 +156,19 @@ class ParamCache {
   // as for one unit).
   absl::StatusOr<std::vector<std::vector<uint64_t>>> Use(absl::Span<const int> units,
                                                          const Stream& compute);
+  // The units' copies issued now, ahead of their next Use (one batch), as
+  // the recorded order's prefetch issues them: for a trainer that knows
+  // what its next iteration uses before it starts (every unit, where the
+  // budget holds them all), so that the copies run while it prepares the
+  // iteration (after an optimizer step and its Invalidate, say). Nothing is
+  // used: the next Use of each waits for its copies on the compute stream,
+  // not the host. Room is made as the order's prefetch makes it (only
+  // tensors not used again this iteration are evicted; copies in flight are
+  // not waited for); RESOURCE_EXHAUSTED, nothing issued, where that is not
+  // enough (its Use brings it then). A unit whose last copy failed is left
+  // to its Use, which reports the failure. (INVALID_ARGUMENT for a unit not
+  // declared or named twice.)
+  absl::Status PrefetchUnits(absl::Span<const int> units);
   // The unit's compute is issued on `compute`: its tensors may be evicted
   // once the work issued so far there completes.
   absl::Status Done(int unit, const Stream& compute);
@@ -259,6 +272,10 @@ class ParamCache {
   void Reap(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishBatch(Batch& b, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Prefetch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Brings `units` ahead of their use, evicting only tensors used after
+  // `limit`; marks what it copies prefetched. (Prefetch and PrefetchUnits.)
+  absl::Status BringAhead(absl::Span<const int> units, uint64_t limit)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AdvanceCursor(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.

@@ -400,6 +400,74 @@ TEST_F(ParamCacheTest, InvalidateCopiesTheNewValues) {
   EXPECT_EQ((*cache)->stats().copies, 3u * 4u);
 }
 
+// A trainer that knows its next iteration (every unit, after a step)
+// issues the copies before the iteration begins; its uses then copy
+// nothing and wait for those copies on the compute stream.
+TEST_F(ParamCacheTest, UnitsPrefetchedBeforeTheIterationAreCopiedOnce) {
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 3, 2, 4096);
+  const std::vector<int> all = {0, 1, 2};
+  (*cache)->BeginIteration();
+  for (int u : all) UseAndCheck(**cache, u, 2);
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+    for (int u : all) {
+      for (uint64_t k : {0, 1}) source_.Fill(100 * u + k, static_cast<uint8_t>(step + 50));
+    }
+    const ParamCacheStats before = (*cache)->stats();
+    const int calls = source_.hold_calls();
+    ASSERT_TRUE((*cache)->PrefetchUnits(all).ok());
+    ParamCacheStats s = (*cache)->stats();
+    EXPECT_EQ(s.copies, before.copies + 6) << "issued by the prefetch, before any use";
+    EXPECT_EQ(s.prefetched_units, before.prefetched_units + 3);
+    EXPECT_EQ(source_.hold_calls(), calls + 1) << "one batch";
+    ASSERT_TRUE((*cache)->PrefetchUnits(all).ok()) << "again: nothing more to copy";
+    (*cache)->BeginIteration();
+    for (int u : all) UseAndCheck(**cache, u, 2);  // the new values
+    s = (*cache)->stats();
+    EXPECT_EQ(s.copies, before.copies + 6) << "the uses copied nothing";
+    EXPECT_EQ(s.prefetch_hits, before.prefetch_hits + 6);
+  }
+  // Values that change after the prefetch (Invalidate) are copied again at
+  // the use.
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  ASSERT_TRUE((*cache)->PrefetchUnits(all).ok());
+  ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+  for (int u : all) source_.Fill(100 * u, 99);
+  const uint64_t copies = (*cache)->stats().copies;
+  (*cache)->BeginIteration();
+  for (int u : all) UseAndCheck(**cache, u, 2);
+  EXPECT_EQ((*cache)->stats().copies, copies + 6);
+  EXPECT_EQ((*cache)->PrefetchUnits({3}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*cache)->PrefetchUnits({1, 1}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*cache)->Synchronize().ok());
+  EXPECT_EQ(source_.outstanding(), 0);
+}
+
+// A prefetch makes room only from what is not used again and waits for
+// nothing: where units in use fill the budget it issues nothing.
+TEST_F(ParamCacheTest, APrefetchWithoutRoomIssuesNothing) {
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 2 * 2 * 4096, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 3, 2, 4096);
+  (*cache)->BeginIteration();
+  ASSERT_TRUE((*cache)->Use(0, host_).ok());
+  ASSERT_TRUE((*cache)->Use(1, host_).ok());
+  const uint64_t copies = (*cache)->stats().copies;
+  EXPECT_EQ((*cache)->PrefetchUnits({2}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*cache)->stats().copies, copies);
+  ASSERT_TRUE((*cache)->Done(0, host_).ok());  // 0 is free to go (not used again)
+  ASSERT_TRUE((*cache)->PrefetchUnits({2}).ok());
+  EXPECT_EQ((*cache)->stats().copies, copies + 2);
+  UseAndCheck(**cache, 2, 2);
+  ASSERT_TRUE((*cache)->Done(1, host_).ok());
+  ASSERT_TRUE((*cache)->Synchronize().ok());
+  EXPECT_EQ(source_.outstanding(), 0);
+}
+
 TEST_F(ParamCacheTest, UnregisteredHostMemoryGoesThroughStaging) {
   source_.dma_ = false;
   auto cache =

@@ -464,6 +464,10 @@ class TorchWrapTest(unittest.TestCase):
         self.assertLessEqual(g["h2d_bytes"] // 9, model_bytes)
         self.assertEqual(g["uses"], 9 * g["units"])  # each unit once an iteration
         self.assertEqual(g["use_calls"], 9)  # all of them in one call, at its start
+        # Every step's new values copied right after it (before zero_grad
+        # and the next batch), found in flight or done by the next use.
+        self.assertEqual(g["prefetched_units"], 8 * g["units"])
+        self.assertEqual(g["prefetch_hits"], g["tensor_uses"] * 8 // 9)
         self.assertGreater(g["d2h_bytes"], 0)
         self.assertGreater(g["dma_regions"], 0)
         self.assertEqual(g["h2d_staged_bytes"], 0)

@@ -336,6 +336,14 @@ void BindGpu(py::module_& m) {
           "use of every unit named, in one call (their copies issued together): each one's "
           "offsets, as use's")
       .def(
+          "prefetch_units",
+          [](GpuTier& t, const std::vector<int>& units) {
+            Check(Unlocked([&] { return t.PrefetchUnits(units); }));
+          },
+          py::arg("units"),
+          "before an iteration: its holds taken and the units' copies issued now, ahead of "
+          "their use (GpuTier::PrefetchUnits)")
+      .def(
           "done",
           [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
             Check(Unlocked([&] { return t.params().Done(unit, StreamOf(*d, stream)); }));

@@ -1598,6 +1598,9 @@ class _GpuTier:
         self.counts = {"units_used": 0, "use_calls": 0}  # (resident: calls to the tier's use)
         self._stream = None
         self._per_batch = False  # gradient buffers held a batch at a time
+        # The next iteration's holds taken and copies issued after a step
+        # (prefetch_next), its iteration not yet begun.
+        self._prefetched = False
 
     @staticmethod
     def create(engine, cfg):
@@ -1633,6 +1636,7 @@ class _GpuTier:
     def begin_iteration(self):
         start = time.perf_counter()
         self._stream = None
+        self._prefetched = False
         self.tier.begin_iteration()  # (with held iterations: every partition held, one call)
         if self.use_all:
             # Every unit at once: the compute stream waits for all the
@@ -1644,6 +1648,27 @@ class _GpuTier:
             self.gather_resident(need)
             self.e.counts["fetches"] += len(need)
         self.e.timings["fetch"] += time.perf_counter() - start
+
+    def prefetch_next(self):
+        """After a step, where every unit is used at the iteration's start
+        (use_all): the next iteration's holds taken and every stale unit's
+        copy issued now, so that the copies (the step's new values) run
+        while the trainer's thread is busy with zero_grad, its next batch
+        and the forward's start, instead of the forward's first kernel
+        waiting for all of them. Nothing is used: begin_iteration then finds
+        the copies in flight or done. A failure here is left to that
+        begin_iteration, which does the work again and says what failed
+        (the step itself went through)."""
+        if not self.use_all or self._prefetched:
+            return
+        tier = self.tier._holder[0]  # (not the guard: a restart is the forward's to handle)
+        if tier is None:
+            return
+        try:
+            tier.prefetch_units(list(range(len(self.units))))
+        except offloadd.Error:
+            return
+        self._prefetched = True
 
     def gather(self, need):
         e = self.e
@@ -1832,11 +1857,15 @@ class _GpuTier:
         if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.MAX_PENDING_BYTES:
             self.flush_gradients(end=False)
 
-    def flush_gradients(self, end=True):
+    def flush_gradients(self, end=True, keep_prefetch=False):
         """Returns the gradients in flight; with `end` (backward is over, or
         a step comes), also ends the iteration: its copies done, its holds
-        let go."""
+        let go. With `keep_prefetch` (zero_grad), an iteration only
+        prefetched (prefetch_next) and nothing in flight is left as it is:
+        ending it would wait for its copies and let its holds go."""
         e = self.e
+        if keep_prefetch and self._prefetched and not self.grads and not self.queued:
+            return
         self._issue()
         if self.grads:
             stats = None
@@ -1863,6 +1892,7 @@ class _GpuTier:
         # iteration computed with bad values; say so before its step.
         if end:
             self._stream = None
+            self._prefetched = False
             self.tier.end_iteration()
         else:
             self.tier.synchronize()
@@ -1991,7 +2021,9 @@ class Optimizer(torch.optim.Optimizer):
         if e._reduce is not None:
             e._reduce.discard()
         if e.tier is not None:
-            e.tier.flush_gradients()  # in flight to the daemon: consumed below
+            # In flight to the daemon: consumed below (a prefetch for the
+            # next iteration stays).
+            e.tier.flush_gradients(keep_prefetch=True)
         if e.returned_since_step:
             if e.session.pending_gradients()["partitions"]:
                 e.session.step(skip=True)
@@ -2065,6 +2097,7 @@ class Optimizer(torch.optim.Optimizer):
             # buffers the next backward writes, in the order they came:
             # each batch then waits only for its own partitions' updates.
             e.tier.step_running(self._overlapped)
+            e.tier.prefetch_next()
         if self._config["loss_scaling"] is not None:
             self._loss_scale = r["loss_scale"]
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
