@@ -189,6 +189,9 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
                                               stepped.partitions_updated, " of 4 partitions"));
     }
     RETURN_IF_ERROR(tier->params().Invalidate(compute));
+    // The next iteration's copies of the new values start now, while this
+    // thread comes round to its gathers.
+    if (step + 1 < c.steps) RETURN_IF_ERROR(tier->PrefetchUnits(units));
   }
   result.zero3 = zero3->stats();
   result.tier = tier->stats();
