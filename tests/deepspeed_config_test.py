@@ -75,6 +75,11 @@ class DeepSpeedConfigTest(unittest.TestCase):
         self.assertEqual(r.zero["gpu"], {"prefetch_elements": 50000000})
         self.assertNotIn("node_tunables", r.zero)
         self.assertTrue(any("this job's gpu.prefetch_elements" in n for n in r.notes))
+        # Said as applied, not as ignored.
+        self.assertTrue(any(n.startswith("zero_optimization.stage3_prefetch_bucket_size: applied:")
+                            for n in r.notes), r.notes)
+        self.assertFalse(any("stage3_prefetch_bucket_size: accepted and ignored" in n
+                             for n in r.notes), r.notes)
 
     def test_optimizer_section(self):
         r = t({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.8, 0.99],
@@ -167,6 +172,8 @@ class DeepSpeedConfigTest(unittest.TestCase):
         self.assertEqual(len(logs.output), 1, logs.output)
         self.assertIn("buffer_count", logs.output[0])
         self.assertIn("steps_per_print", logs.output[0])
+        self.assertIn("2 field(s) accepted and ignored", logs.output[0])
+        self.assertNotIn("applied", logs.output[0])
         self.assertGreater(len(debug.output), 1)
         self.assertTrue(any("accepted and ignored" in line for line in debug.output))
 

@@ -25,8 +25,6 @@ _PINNED = ("the daemon's pool is shared memory mapped by the trainers; it is loc
            "(mlock) if the daemon runs with memory.lock_pool=true")
 _NVME_PATH = ("the NVMe tier is the daemon's (its --nvme.dirs, shared by every rank on the "
               "node); a trainer does not choose it")
-_PREFETCH = ("offloadd learns the fetch order in the first iteration and prefetches along it "
-             "(the daemon's swapper.prefetch_depth and swapper.prefetch_bytes)")
 _COMM = ("offloadd.torch gathers a module's parameters together (in one all-gather with "
          "the GPU tier) and averages gradients in buckets of zero_config "
          "reduce_bucket_elements (DeepSpeed's reduce_bucket_size)")
@@ -96,10 +94,13 @@ class Translation:
     def __init__(self):
         self.adamw = {}
         self.zero = {"placement": {}}
-        self.notes = []  # "field: why it is ignored"
+        self.notes = []  # "field: accepted and ignored: why" or "field: applied: what"
 
     def note(self, field, why):
         self.notes.append(f"{field}: accepted and ignored: {why}")
+
+    def applied(self, field, what):
+        self.notes.append(f"{field}: applied: {what}")
 
 
 def _fail(field, why):
@@ -123,8 +124,8 @@ def _device(t, section, kind, d):
             continue
         if k == "ratio":
             if v != 1 and v != 1.0:
-                _fail(field, f"{v}: a share of the optimizer on the GPU needs a GPU tier, which "
-                      "offloadd does not have yet")
+                _fail(field, f"{v}: offloadd steps the whole optimizer on the CPU; a share of "
+                      "it on the GPU is not supported")
             continue
         if k in _OFFLOAD_FIELDS:
             t.note(field, _OFFLOAD_FIELDS[k])
@@ -205,8 +206,9 @@ def _zero(t, d):
             # The job's own GPU tier (zero_config gpu), in elements as
             # DeepSpeed counts them; no node-wide setting changes.
             t.zero.setdefault("gpu", {})[_GPU_TIER[k]] = int(v)
-            t.note(field, f"sets this job's gpu.{_GPU_TIER[k]} (elements; used where the "
-                   "parameters are on a GPU): " + _GPU_NOTES[k])
+            t.applied(field, f"sets this job's gpu.{_GPU_TIER[k]} (elements; used where the "
+                      "parameters are on a GPU, by this job's GPU tier alone: no node-wide "
+                      "setting changes): " + _GPU_NOTES[k])
         elif k == "reduce_bucket_size":
             t.zero["reduce_bucket_elements"] = int(v)
         elif k == "cpu_offload":
@@ -281,14 +283,20 @@ def translate(config, world_size=1):
 
 
 def from_config(config, world_size=1):
-    """(adamw_config, zero_config) for wrap(); logs one line saying how many
-    fields were accepted with a note and naming them (each note in full at
-    debug level)."""
+    """(adamw_config, zero_config) for wrap(); logs one line naming the
+    fields accepted and ignored and those applied in offloadd's own terms
+    (each note in full at debug level)."""
     t = translate(config, world_size)
     if t.notes:
-        fields = [n.split(":", 1)[0] for n in t.notes]
-        log.warning("DeepSpeed config: %d field(s) accepted with a note (%s); the notes at debug "
-                 "level of logger %r", len(fields), ", ".join(fields), log.name)
+        ignored = [n.split(":", 1)[0] for n in t.notes if ": accepted and ignored:" in n]
+        applied = [n.split(":", 1)[0] for n in t.notes if ": applied:" in n]
+        parts = []
+        if ignored:
+            parts.append(f"{len(ignored)} field(s) accepted and ignored ({', '.join(ignored)})")
+        if applied:
+            parts.append(f"{len(applied)} applied to this job alone ({', '.join(applied)})")
+        log.warning("DeepSpeed config: %s; the notes at debug level of logger %r",
+                    "; ".join(parts), log.name)
     for n in t.notes:
         log.debug("DeepSpeed config %s", n)
     return t.adamw, t.zero

@@ -1932,7 +1932,9 @@ class Optimizer(torch.optim.Optimizer):
     sends every group's current hyperparameters. Gradients accumulate in the
     daemon until step(), as .grad does in torch: with
     gradient_accumulation_steps N, backward() divides the loss by N and the
-    trainer calls step() once every N micro-batches."""
+    trainer calls step() once every N micro-batches; wrapped with a
+    deepspeed_config, as DeepSpeed's engine is called: step() after every
+    micro-batch, the update at every Nth (is_gradient_accumulation_boundary)."""
 
     def __init__(self, engine, param_groups, defaults, config):
         self._engine = engine  # add_param_group, which torch's __init__ calls, needs it
