@@ -942,11 +942,31 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertEqual(sum(p.numel() for p in model.parameters()), 8 * 16 + 16 + 16 + 1)
         # Its values, outside any forward: refused, naming it (before: an
         # empty tensor, or torch's "mat2 must be a matrix").
+        # Through .data and .detach() too (an EMA, copy.deepcopy of the
+        # model), which handed out an empty tensor.
+        import copy
         for use in (lambda: w.sum(), lambda: torch.matmul(torch.ones(2, 16), w),
-                    lambda: w * 2, lambda: torch.cat([w, w]), lambda: w.clone()):
+                    lambda: w * 2, lambda: torch.cat([w, w]), lambda: w.clone(),
+                    lambda: w.data.clone(), lambda: w.detach().sum(),
+                    lambda: torch.zeros(16, 8).add_(w.detach(), alpha=0.1),
+                    lambda: w.data.mul_(0.5), lambda: copy.deepcopy(model)):
             with self.assertRaisesRegex(offloadd.FailedPreconditionError,
                                         "parameter '0.weight' was used"):
                 use()
+        self.assertEqual(w.data.shape, torch.Size([16, 8]))
+        self.assertEqual(w.detach().shape, torch.Size([16, 8]))
+        # The GPU tier's resident units keep their memory between uses (its
+        # values stale after a step, overwritten by the next iteration's
+        # copies): refused all the same.
+        tiered, topt = self.wrap(self.mlp(), {"lr": 1e-2}, {"gpu": {"device": "emulated"}})
+        topt.backward(tiered(torch.randn(4, 8)).pow(2).mean())
+        topt.step()
+        tw = tiered[0].weight
+        for use in (lambda: tw.data.clone(), lambda: tw.detach().sum(), lambda: tw * 2):
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                        "parameter '0.weight' was used"):
+                use()
+        topt.close()
         # Training and state_dict() are unchanged.
         x = torch.randn(4, 8)
         opt.backward(model(x).pow(2).mean())

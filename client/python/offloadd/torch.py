@@ -44,8 +44,10 @@ gets an error (PeerLostError) instead of waiting for it forever.
 Limits, said plainly:
 - A parameter must be used inside the forward of a module that owns it
   (directly or through a submodule); a use of its values anywhere else is
-  refused (FailedPreconditionError naming it). Its shape, size and numel()
-  are the whole parameter's at any time.
+  refused (FailedPreconditionError naming it), through p.data and
+  p.detach() too (an EMA of the weights, copy.deepcopy(model): read them
+  with model.state_dict()). Its shape, size and numel() are the whole
+  parameter's at any time.
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
   bf16/fp16 working_dtype the values are rounded from the fp32 master.
@@ -305,6 +307,16 @@ class _OffloadedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _VALUE_HANDLES and args and type(args[0]) is cls:
+            # p.data and p.detach() of an absent parameter: the parameter
+            # itself (its values are nowhere else), whose uses are refused
+            # by name below; the empty (or, on the GPU tier, stale) storage
+            # behind it was handed out silently (an EMA, copy.deepcopy).
+            # torch's state_dict() detaches each parameter before the hook
+            # that puts the gathered weights in its place.
+            s = getattr(args[0], "_offloadd_shard", None)
+            if s is not None and not s.gathered:
+                return args[0]
         if func not in _METADATA:
             for a in _tensor_args(args, kwargs):
                 s = getattr(a, "_offloadd_shard", None) if type(a) is cls else None
@@ -343,10 +355,10 @@ _METADATA = {
     torch.Tensor.is_quantized.__get__, torch.Tensor.is_floating_point,
     torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.register_hook,
     torch.Tensor.retain_grad, torch.Tensor._is_view, torch.Tensor.__hash__,
-    # torch's state_dict() detaches every parameter before the hook that
-    # puts the gathered weights in their place.
-    torch.Tensor.detach,
 }
+# What hands out a tensor of the parameter's values: of an absent one, the
+# parameter itself (see __torch_function__).
+_VALUE_HANDLES = {torch.Tensor.data.__get__, torch.Tensor.detach}
 # The whole parameter's shape where its values are not here.
 _WHOLE = {
     torch.Tensor.shape.__get__: lambda s, *_: s.shape,
