@@ -1789,6 +1789,39 @@ class WrapInProcessTest(unittest.TestCase):
             offloadd.torch._Engine.ROOM_WAIT_SECONDS = saved
             daemon.stop()
 
+    def test_a_full_nvme_tier_is_said_at_once_and_not_blamed_on_the_pool(self):
+        # The delayed update's second working copy finds no room on an NVMe
+        # tier that holds the model without it: the daemon says so, and
+        # that is what the trainer sees at once (it was retried for
+        # ROOM_WAIT_SECONDS and reported as the host pool having no room).
+        import torch
+        import offloadd.torch
+        swap = os.path.join(self.root, "small_nvme_swap")
+        os.makedirs(swap)
+        daemon = Daemon(self.root, "small_nvme",
+                        flags=[f"--nvme.dirs={swap}", "--nvme.bytes_per_dir=6MiB"])
+        try:
+            torch.manual_seed(0)
+            model, opt = offloadd.torch.wrap(
+                torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 8)),
+                {"lr": 1e-3},
+                {"address": daemon.address, "delayed_update": 1,
+                 "placement": {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}})
+            opt.backward(model(torch.randn(4, 256)).pow(2).mean())
+            opt.step()  # (the model's 5.4 MB fit the tier's 6 MiB)
+            opt.zero_grad()
+            opt.backward(model(torch.randn(4, 256)).pow(2).mean())
+            start = time.monotonic()
+            with self.assertRaises(offloadd.ResourceExhaustedError) as caught:
+                opt.step()  # the delayed update switches on: a second working copy
+            self.assertLess(time.monotonic() - start, offloadd.torch._Engine.ROOM_WAIT_SECONDS / 2)
+            self.assertIn("cannot rest on NVMe", str(caught.exception))
+            self.assertNotIn("no room for", str(caught.exception))
+            self.assertEqual(model.offloadd.counts["room_waits"], 0)
+            opt.close()
+        finally:
+            daemon.stop()
+
     def test_evaluation_with_the_parameters_on_nvme_follows_its_own_order(self):
         # A training loop that evaluates (forward passes under no_grad, no
         # step between them) with its parameters on NVMe: the daemon learns

@@ -536,16 +536,25 @@ class _Engine:
             groups.setdefault(id(s.module_shards), s.module_shards)
         return list(groups.values())
 
+    # RESOURCE_EXHAUSTED of a bound that waiting does not lift (the daemon's
+    # own words for them): the NVMe tier's size, the session's arena, the
+    # mapping budget, the sessions a daemon or a user may have.
+    _NOT_ROOM = ("cannot rest on NVMe", "on NVMe: the tier has room", "session arena full",
+                 "memory-mapping budget", "server.max_sessions")
+
     def with_room(self, what, call):
         """call(), retried with backoff while the node's pool has no room
         (RESOURCE_EXHAUSTED: another rank's holds or a step fill it and
         give it back); after ROOM_WAIT_SECONDS, an error naming the pool
-        this job needs."""
+        this job needs. Another bound reached (_NOT_ROOM) is raised at once
+        as the daemon said it."""
         delay, deadline = 0.002, time.monotonic() + self.ROOM_WAIT_SECONDS
         while True:
             try:
                 return call()
             except offloadd.ResourceExhaustedError as e:
+                if any(m in str(e) for m in self._NOT_ROOM):
+                    raise
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
