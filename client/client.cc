@@ -884,19 +884,24 @@ constexpr uint64_t kMomentsPerCall = uint64_t{4} << 20;
 constexpr uint64_t kMomentsPerWrite = uint64_t{384} << 10;
 }  // namespace
 
-absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begin, uint64_t count) {
+absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begin, uint64_t count,
+                                                      bool with_master) {
   Moments out;
   out.exp_avg.resize(count);
   out.exp_avg_sq.resize(count);
+  if (with_master) out.master.resize(count);
+  // (With the master, three arrays in the bytes of two.)
+  const uint64_t per_call = with_master ? kMomentsPerCall * 2 / 3 : kMomentsPerCall;
   // At least one call (for no elements, the step count alone).
   uint64_t done = 0;
   do {
-    const uint64_t n = std::min(count - done, kMomentsPerCall);
+    const uint64_t n = std::min(count - done, per_call);
     v1::GetMomentsRequest req;
     *req.mutable_session() = impl_->ref;
     req.set_partition_id(id);
     req.set_begin(begin + done);
     req.set_count(n);
+    req.set_with_master(with_master);
     v1::Moments resp;
     Rpc rpc(impl_->timeout, impl_->token);
     RETURN_IF_ERROR(FromGrpc(impl_->stub->GetMoments(&rpc.context, req, &resp), "GetMoments"));
@@ -906,8 +911,16 @@ absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begi
                                               " and ", resp.exp_avg_sq().size(), " bytes for ", n,
                                               " elements"));
     }
+    if (with_master && resp.master().size() != n * sizeof(float)) {
+      return absl::InternalError(absl::StrCat("GetMoments answered ", resp.master().size(),
+                                              " bytes of master weights for ", n,
+                                              " elements (an older offloadd does not send them)"));
+    }
     std::memcpy(out.exp_avg.data() + done, resp.exp_avg().data(), n * sizeof(float));
     std::memcpy(out.exp_avg_sq.data() + done, resp.exp_avg_sq().data(), n * sizeof(float));
+    if (with_master) {
+      std::memcpy(out.master.data() + done, resp.master().data(), n * sizeof(float));
+    }
     out.step = resp.step();
     done += n;
   } while (done < count);

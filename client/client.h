@@ -439,11 +439,15 @@ class Session {
   // of its two moments; WriteMoments sets them (both spans the same size).
   // Between this session's steps. Any size: split into calls of at most
   // 4M elements (reads) or 384K (writes: the daemon receives at most 4 MiB).
+  // With `with_master`, the fp32 master weights of those elements too (the
+  // newest, also with the delayed update on).
   struct Moments {
     uint64_t step = 0;
     std::vector<float> exp_avg, exp_avg_sq;
+    std::vector<float> master;  // with_master only
   };
-  absl::StatusOr<Moments> ReadMoments(uint64_t id, uint64_t begin, uint64_t count);
+  absl::StatusOr<Moments> ReadMoments(uint64_t id, uint64_t begin, uint64_t count,
+                                      bool with_master = false);
   absl::Status WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
                             absl::Span<const float> exp_avg, absl::Span<const float> exp_avg_sq);
   // Tells the daemon what this session's GPU tier did (GetStats shows it;

@@ -1001,17 +1001,45 @@ absl::Status CheckMomentRange(uint64_t id, uint64_t numel, uint64_t begin, uint6
 }  // namespace
 
 absl::StatusOr<uint64_t> PartitionStore::ReadMoments(uint64_t id, uint64_t begin, uint64_t count,
-                                                     float* exp_avg, float* exp_avg_sq) {
+                                                     float* exp_avg, float* exp_avg_sq,
+                                                     float* master) {
   uint64_t step;
+  Partition* p;  // valid while the store lives (partitions go with it)
+  bool widen = false;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+    ASSIGN_OR_RETURN(p, FindOrNotFound(id));
     RETURN_IF_ERROR(CheckMomentRange(id, p->info.numel, begin, count));
     AwaitOutOfStep(absl::MakeConstSpan(&p, 1));
     step = p->info.step;
+    if (master != nullptr && p->master == MasterState::kInitPending) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", id,
+          ": its fp32 initial values are the trainer's until it releases the partition"));
+    }
+    // Never stepped: the master weights are the working copy, widened (as
+    // the first step makes them).
+    widen = master != nullptr && p->master == MasterState::kUnset;
   }
-  RETURN_IF_ERROR(CopyMoments(id, begin, count, exp_avg, exp_avg_sq, /*write=*/false));
+  RETURN_IF_ERROR(CopyMoments(id, begin, count, exp_avg, exp_avg_sq, widen ? nullptr : master,
+                              /*write=*/false));
+  if (widen) RETURN_IF_ERROR(WidenWorking(*p, begin, count, master));
   return step;
+}
+
+absl::Status PartitionStore::WidenWorking(const Partition& p, uint64_t begin, uint64_t count,
+                                          float* out) {
+  const uint64_t esize = DTypeSize(p.info.param_dtype);
+  for (uint64_t at = begin; at < begin + count;) {
+    const uint64_t chunk = at / state_chunk_elems_;
+    const uint64_t in_chunk = at - chunk * state_chunk_elems_;
+    const uint64_t n = std::min(begin + count - at, state_chunk_elems_ - in_chunk);
+    ASSIGN_OR_RETURN(Swapper::Pin params, PinBlock(p.info.id, chunk, ParamsKind(p, /*next=*/false),
+                                                   /*for_write=*/false));
+    WidenToFloat(params.data() + in_chunk * esize, p.info.param_dtype, out + (at - begin), n);
+    at += n;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
@@ -1033,7 +1061,8 @@ absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t b
   }
   CaptureAll(absl::MakeConstSpan(&p, 1));  // a checkpoint being written keeps what was
   absl::Status copied = CopyMoments(id, begin, count, const_cast<float*>(exp_avg),
-                                    const_cast<float*>(exp_avg_sq), /*write=*/true);
+                                    const_cast<float*>(exp_avg_sq), /*master=*/nullptr,
+                                    /*write=*/true);
   absl::MutexLock lock(&mu_);
   if (copied.ok()) p->info.step = step;
   --moments_writing_;
@@ -1042,9 +1071,11 @@ absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t b
 }
 
 absl::Status PartitionStore::CopyMoments(uint64_t id, uint64_t begin, uint64_t count,
-                                         float* exp_avg, float* exp_avg_sq, bool write) {
+                                         float* exp_avg, float* exp_avg_sq, float* master,
+                                         bool write) {
   const std::pair<float*, int> moments[] = {{exp_avg, PartitionStore::kExpAvg},
-                                            {exp_avg_sq, PartitionStore::kExpAvgSq}};
+                                            {exp_avg_sq, PartitionStore::kExpAvgSq},
+                                            {write ? nullptr : master, PartitionStore::kMaster}};
   for (uint64_t at = begin; at < begin + count;) {
     const uint64_t chunk = at / state_chunk_elems_;
     const uint64_t in_chunk = at - chunk * state_chunk_elems_;

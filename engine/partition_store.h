@@ -320,7 +320,10 @@ class PartitionStore {
 
   // Partition `id`'s Adam state as torch's AdamW keeps it: its step count
   // and, for elements [begin, begin + count), its moments (fp32, `count`
-  // floats each; either pointer may be null), copied out by ReadMoments or
+  // floats each; any pointer may be null; ReadMoments' `master`: the fp32
+  // master weights, read only: of a partition never stepped, its working
+  // copy widened; FAILED_PRECONDITION while its fp32 initial values are
+  // the trainer's), copied out by ReadMoments or
   // in by WriteMoments (which sets the step count too), wherever their
   // blocks are (swapped in as a step would). A step of the partition
   // running ends first; a checkpoint being written captures the chunks
@@ -328,7 +331,8 @@ class PartitionStore {
   // past the partition's end; WriteMoments with the delayed update on is
   // FAILED_PRECONDITION (the step in flight would overwrite them).
   absl::StatusOr<uint64_t> ReadMoments(uint64_t id, uint64_t begin, uint64_t count, float* exp_avg,
-                                       float* exp_avg_sq) ABSL_LOCKS_EXCLUDED(mu_);
+                                       float* exp_avg_sq, float* master = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status WriteMoments(uint64_t id, uint64_t step, uint64_t begin, uint64_t count,
                             const float* exp_avg, const float* exp_avg_sq) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -443,9 +447,10 @@ class PartitionStore {
   void CommitSwapsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Partition* Find(uint64_t id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ReadMoments and WriteMoments: copies [begin, begin + count) (checked by
-  // them) of the two moments out of or into their blocks, chunk by chunk.
+  // them) of the two moments (and, reading, the master) out of or into their
+  // blocks, chunk by chunk.
   absl::Status CopyMoments(uint64_t id, uint64_t begin, uint64_t count, float* exp_avg,
-                           float* exp_avg_sq, bool write) ABSL_LOCKS_EXCLUDED(mu_);
+                           float* exp_avg_sq, float* master, bool write) ABSL_LOCKS_EXCLUDED(mu_);
   // Chunks of a partition of `numel` elements.
   uint64_t ChunksOf(uint64_t numel) const;
   // Pins every chunk of `p`'s parameters (or gradients): the caller's
@@ -470,6 +475,10 @@ class PartitionStore {
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   // A load without fp32 values: the master weights from the working copy.
   absl::Status MasterFromWorking(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
+  // Elements [begin, begin + count) of the working copy, widened to fp32
+  // into `out` (the master weights of a partition never stepped).
+  absl::Status WidenWorking(const Partition& p, uint64_t begin, uint64_t count, float* out)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The fp32 values' blocks of a load (over the region registration laid
   // out), and their removal when the load fails.
   absl::Status AddInitBlocks(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);

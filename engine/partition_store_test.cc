@@ -401,10 +401,12 @@ TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
     auto step = [&](const std::vector<float>& g) { StepWithGradients(engine, key, *p, arena, g); };
     // Before any step: step 0, zeros.
     std::vector<float> m(kN, -1.f), v(kN, -1.f);
-    auto read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data());
+    std::vector<float> before(kN, -1.f);
+    auto read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data(), before.data());
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_EQ(*read, 0u);
     EXPECT_EQ(m, std::vector<float>(kN, 0.f));
+    EXPECT_EQ(before, init) << "never stepped: the master weights are the working copy";
     step(g1);
     // The reference optimizer's step 1.
     std::vector<float> master = init, rm(kN, 0.f), rv(kN, 0.f), out(kN);
@@ -414,11 +416,13 @@ TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
                  DType::kFp32,  out.data(), DType::kFp32, kN};
     task.step = 1;
     ASSERT_TRUE(optimizer.Step(absl::MakeConstSpan(&task, 1), AdamHyperparams{}).ok());
-    read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data());
+    std::vector<float> masters(kN, -1.f);
+    read = engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data(), masters.data());
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_EQ(*read, 1u);
     EXPECT_EQ(m, rm);
     EXPECT_EQ(v, rv);
+    EXPECT_EQ(masters, master) << "the fp32 master weights, read with the moments";
     // A window across a chunk boundary, then the rest: written, read back.
     std::vector<float> wm(kN), wv(kN);
     for (uint64_t j = 0; j < kN; ++j) {

@@ -1188,10 +1188,10 @@ absl::Status SessionManager::SetShare(const SessionKey& key, int64_t weight) {
 
 absl::StatusOr<uint64_t> SessionManager::ReadMoments(const SessionKey& key, uint64_t partition_id,
                                                      uint64_t begin, uint64_t count, float* exp_avg,
-                                                     float* exp_avg_sq) {
+                                                     float* exp_avg_sq, float* master) {
   const uint64_t ids[] = {partition_id};
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindOwning(key, ids));
-  return session->partitions->ReadMoments(partition_id, begin, count, exp_avg, exp_avg_sq);
+  return session->partitions->ReadMoments(partition_id, begin, count, exp_avg, exp_avg_sq, master);
 }
 
 absl::Status SessionManager::WriteMoments(const SessionKey& key, uint64_t partition_id,

@@ -306,10 +306,11 @@ class SessionManager {
   static constexpr int64_t kMaxShareWeight = 1000;
   static absl::Status CheckShareWeight(int64_t weight);
   absl::Status SetShare(const SessionKey& key, int64_t weight) ABSL_LOCKS_EXCLUDED(mu_);
-  // A partition's Adam state (PartitionStore::ReadMoments, WriteMoments).
+  // A partition's Adam state (PartitionStore::ReadMoments, WriteMoments);
+  // `master` (may be null): its fp32 master weights.
   absl::StatusOr<uint64_t> ReadMoments(const SessionKey& key, uint64_t partition_id, uint64_t begin,
-                                       uint64_t count, float* exp_avg, float* exp_avg_sq)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                       uint64_t count, float* exp_avg, float* exp_avg_sq,
+                                       float* master = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status WriteMoments(const SessionKey& key, uint64_t partition_id, uint64_t step,
                             uint64_t begin, uint64_t count, const float* exp_avg,
                             const float* exp_avg_sq) ABSL_LOCKS_EXCLUDED(mu_);

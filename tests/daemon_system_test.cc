@@ -348,6 +348,9 @@ TEST_F(DaemonTest, MomentsTravelInSeveralCallsAndComeBackAsWritten) {
   constexpr uint64_t kN = (uint64_t{4} << 20) + 3;
   auto p = s->Register("big", kN, DType::kFp32, DType::kFp32);
   ASSERT_TRUE(p.ok()) << p.status();
+  std::vector<float> initial(kN);
+  for (uint64_t j = 0; j < kN; ++j) initial[j] = static_cast<float>(j % 4099) * 0.25f;
+  std::memcpy(p->params, initial.data(), kN * sizeof(float));
   ASSERT_TRUE(s->Release(*p).ok());
   std::vector<float> m(kN), v(kN);
   for (uint64_t j = 0; j < kN; ++j) {
@@ -364,6 +367,13 @@ TEST_F(DaemonTest, MomentsTravelInSeveralCallsAndComeBackAsWritten) {
   auto tail = s->ReadMoments(p->id, kN - 2, 2);
   ASSERT_TRUE(tail.ok()) << tail.status();
   EXPECT_EQ(tail->exp_avg, std::vector<float>(m.end() - 2, m.end()));
+  EXPECT_TRUE(tail->master.empty());
+  // With the fp32 master weights (fewer elements a call): before any step,
+  // the values registered.
+  auto with_master = s->ReadMoments(p->id, 0, kN, /*with_master=*/true);
+  ASSERT_TRUE(with_master.ok()) << with_master.status();
+  EXPECT_EQ(with_master->exp_avg, m);
+  EXPECT_EQ(with_master->master, initial);
   auto past = s->ReadMoments(p->id, kN - 2, 3);
   EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument) << past.status();
   const float one = 1.0f;

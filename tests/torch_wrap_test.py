@@ -1101,6 +1101,57 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertTrue(opt.last_step["delayed_update"])
         opt.close()
 
+    def test_state_dict_can_return_the_fp32_master_weights(self):
+        # zero_config state_dict "master": model.state_dict() returns each
+        # parameter's fp32 master weights: with the delayed update, the last
+        # step's (as a drained state_dict() does, without draining); with a
+        # bf16 working copy, the values the working copy is rounded from.
+        import copy
+        import torch
+        ref, lag = self.mlp(), self.mlp()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2},
+                               {"delayed_update": True, "state_dict": "master"})
+        gen = torch.Generator().manual_seed(5)
+        snaps = [copy.deepcopy(ref.state_dict())]
+        for j in range(1, 6):
+            x = torch.randn(4, 8, generator=gen)
+            lag.load_state_dict(snaps[max(0, j - 2)])
+            lag.zero_grad()
+            lag(x).pow(2).mean().backward()
+            for p, q in zip(ref.parameters(), lag.parameters()):
+                p.grad = q.grad.clone()
+            ropt.step()
+            snaps.append(copy.deepcopy(ref.state_dict()))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        got = self.assert_weights(model, snaps[5])
+        self.assertTrue(all(v.dtype == torch.float32 for v in got.values()))
+        # Not drained: the model still reads the step before's weights.
+        self.assertFalse(model.offloadd._weights_current)
+        opt.close()
+
+        torch.manual_seed(0)
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2},
+                               {"working_dtype": "bf16", "state_dict": "master"})
+        for _ in range(3):
+            opt.backward(model(torch.randn(4, 8, generator=gen)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        master = model.state_dict()
+        model.offloadd.config["state_dict"] = "working"  # (the default, for comparison)
+        working = model.state_dict()
+        for k, v in master.items():
+            self.assertEqual(v.dtype, torch.float32, k)
+            self.assertTrue(torch.equal(v.to(torch.bfloat16).to(working[k].dtype), working[k]), k)
+        # More than the rounded copy holds.
+        self.assertTrue(any(not torch.equal(v, v.to(torch.bfloat16).float())
+                            for v in master.values()))
+        opt.close()
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "state_dict must be"):
+            self.wrap(self.mlp(), {"lr": 1e-2}, {"state_dict": "fp32"})
+
     def test_loads_with_the_delayed_update_on(self):
         # The daemon refuses to load parameters or moments while the delayed
         # update is on: model.load_state_dict and optimizer.load_state_dict

@@ -626,16 +626,21 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("enabled"))
       .def(
           "read_moments",
-          [](Session& s, uint64_t id, uint64_t begin, uint64_t count) {
-            Session::Moments m = Value(Unlocked([&] { return s.ReadMoments(id, begin, count); }));
+          [](Session& s, uint64_t id, uint64_t begin, uint64_t count, bool master) {
+            Session::Moments m =
+                Value(Unlocked([&] { return s.ReadMoments(id, begin, count, master); }));
             auto bytes = [](const std::vector<float>& v) {
               return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
             };
+            if (master) {
+              return py::make_tuple(m.step, bytes(m.exp_avg), bytes(m.exp_avg_sq), bytes(m.master));
+            }
             return py::make_tuple(m.step, bytes(m.exp_avg), bytes(m.exp_avg_sq));
           },
-          py::arg("id"), py::arg("begin"), py::arg("count"),
+          py::arg("id"), py::arg("begin"), py::arg("count"), py::arg("master") = false,
           "(step, exp_avg, exp_avg_sq): partition id's Adam step count and elements [begin, "
-          "begin + count) of its moments, as fp32 bytes")
+          "begin + count) of its moments, as fp32 bytes; with master=True, (step, exp_avg, "
+          "exp_avg_sq, master): its fp32 master weights too (the newest)")
       .def(
           "write_moments",
           [](Session& s, uint64_t id, uint64_t step, uint64_t begin, py::buffer exp_avg,

@@ -50,7 +50,8 @@ Limits, said plainly:
   parameter's at any time.
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
-  bf16/fp16 working_dtype the values are rounded from the fp32 master.
+  bf16/fp16 working_dtype the values are rounded from the fp32 master
+  (zero_config state_dict "master": the fp32 master weights themselves).
   model.load_state_dict() is one too: each rank's slice of the loaded values
   becomes its partition's master weights (fp32, exactly; the working copy
   rounded from them); the optimizer's moments and step counts stay, as
@@ -1058,6 +1059,41 @@ class _Engine:
             self.tier.invalidate()
             self._regather(pending)
 
+    def master_weights(self, s):
+        """Shard `s`'s fp32 master weights, whole, on the CPU (a collective
+        with several ranks: each daemon holds a slice). The newest: a step
+        of them still running ends first."""
+        opt = self._optimizer
+        if opt is not None:
+            opt.wait_overlapped()  # (its failure surfaces here, not later)
+        return self.read_state(s, master=True)[1][0]
+
+    def read_state(self, s, master=False):
+        """(step, [exp_avg, exp_avg_sq] or [master, exp_avg, exp_avg_sq])
+        of shard `s`, whole (gathered from every rank), fp32 on the CPU."""
+        got = self.session.read_moments(s.pid, 0, s.slice_numel, master=master) if master \
+            else self.session.read_moments(s.pid, 0, s.slice_numel)
+        step, arrays = got[0], got[1:]
+        if master:
+            arrays = (arrays[2], arrays[0], arrays[1])
+        k = len(arrays)
+        mine = torch.frombuffer(bytearray(b"".join(arrays)), dtype=torch.float32)
+        if self.world > 1:
+            comm = self._comm_device(s)
+            mine = mine.to(comm)
+            flat = torch.empty(mine.numel() * self.world, dtype=torch.float32, device=comm)
+            self._collective(f"all-gather of the optimizer state of '{s.name}'",
+                             lambda: dist.all_gather(list(flat.chunk(self.world)), mine,
+                                                     group=self.group))
+            parts = flat.view(self.world, k, s.slice_numel)
+        else:
+            parts = mine.view(1, k, s.slice_numel)
+        # On the CPU (a model offloaded for want of GPU memory has no room
+        # for more bytes a parameter there); torch's load_state_dict moves
+        # values to each parameter's device itself.
+        return step, [parts[:, i].reshape(-1)[: s.numel].view(s.shape).to("cpu", copy=True)
+                      for i in range(k)]
+
     def _resident_gathered(self):
         """Resident units: the parameters gathered now, whose views a
         pending backward may have saved (see _regather)."""
@@ -1318,8 +1354,13 @@ class _Engine:
         def full_state(module, state, prefix, local_metadata):
             # Gathers every parameter in a fixed order (a collective: every
             # rank calls state_dict()), the newest weights.
-            self.latest_weights()
             keys = self._keys(module, prefix)
+            if self.config["state_dict"] == "master":
+                for key in sorted(keys):
+                    if key in state:
+                        state[key] = self.master_weights(keys[key])
+                return state
+            self.latest_weights()
             for key in sorted(keys):
                 if key not in state:
                     continue
@@ -2209,24 +2250,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _moments_of(self, s):
         """(step, exp_avg, exp_avg_sq) of shard `s`, whole (gathered)."""
-        e = self._engine
-        step, m, v = e.session.read_moments(s.pid, 0, s.slice_numel)
-        mine = torch.frombuffer(bytearray(m + v), dtype=torch.float32)
-        if e.world > 1:
-            comm = e._comm_device(s)
-            mine = mine.to(comm)
-            flat = torch.empty(mine.numel() * e.world, dtype=torch.float32, device=comm)
-            e._collective(f"all-gather of the moments of '{s.name}'", lambda: dist.all_gather(
-                list(flat.chunk(e.world)), mine, group=e.group))
-            parts = flat.view(e.world, 2, s.slice_numel)
-        else:
-            parts = mine.view(1, 2, s.slice_numel)
-        # On the CPU (a model offloaded for want of GPU memory has no room
-        # for 8 more bytes a parameter there); torch's load_state_dict moves
-        # state to each parameter's device itself.
-        whole = [parts[:, k].reshape(-1)[: s.numel].view(s.shape).to("cpu", copy=True)
-                 for k in (0, 1)]
-        return step, whole[0], whole[1]
+        step, (exp_avg, exp_avg_sq) = self._engine.read_state(s)
+        return step, exp_avg, exp_avg_sq
 
     def load_state_dict(self, state_dict):
         """Takes a state_dict() of this optimizer or of torch.optim.AdamW
@@ -2323,7 +2348,7 @@ _ZERO_KEYS = {"address", "session_name", "placement", "gradient_clipping",
               "gradient_accumulation_steps", "loss_scaling", "static_loss_scale",
               "delayed_update", "overlap_step", "working_dtype", "node_tunables",
               "restore_from", "restore_steps", "gradient_stats", "gpu", "reduce_bucket_elements",
-              "share_weight", "resume"}
+              "share_weight", "resume", "state_dict"}
 _GPU_KEYS = {"tier", "device", "budget_bytes", "prefetch_depth", "prefetch_elements",
              "persistence_threshold", "max_live_parameters", "max_reuse_distance",
              "staging_bytes"}
@@ -2385,6 +2410,10 @@ def _zero_defaults(zero_config):
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise offloadd.InvalidArgumentError(
             f"reduce_bucket_elements must be a positive integer, got {bucket!r}")
+    weights = z.get("state_dict", "working")
+    if weights not in ("working", "master"):
+        raise offloadd.InvalidArgumentError(
+            f"state_dict must be 'working' or 'master', got {weights!r}")
     resume = z.get("resume", False)
     if resume not in (False, None, "auto"):
         raise offloadd.InvalidArgumentError(f"resume must be 'auto' or false, got {resume!r}")
@@ -2415,6 +2444,7 @@ def _zero_defaults(zero_config):
         "restore_from": os.path.abspath(z["restore_from"]) if z.get("restore_from") else "",
         "restore_steps": _restore_steps(z),
         "resume": "auto" if resume else False,
+        "state_dict": weights,
     }
 
 
@@ -2442,6 +2472,11 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   step() returns at once, as with overlap_step); state_dict()
                                   drains it first and returns the newest weights (call
                                   optimizer.drain() before evaluating for the same)
+      state_dict                  what model.state_dict() returns for each parameter: "working"
+                                  (default: the working copy, in working_dtype, gathered) or
+                                  "master" (the fp32 master weights, on the CPU: exact where a
+                                  bf16/fp16 working copy is rounded; the newest, also with the
+                                  delayed update, without draining it)
       overlap_step                step() returns at once; a fetch waits for its own partition
       working_dtype               fp32 (default), bf16 or fp16: the dtype offloadd keeps the
                                   working copy in (and gathers); the master stays fp32
