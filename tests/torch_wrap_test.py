@@ -1873,6 +1873,44 @@ class WrapInProcessTest(unittest.TestCase):
         finally:
             daemon.stop()
 
+    def test_the_pool_a_job_needs_is_what_it_homes_on_the_host(self):
+        # pool_need (the figure the room error names): per parameter, the
+        # working copy (twice with the delayed update), the gradient buffer,
+        # master and moments, an accumulator with several micro-batches,
+        # each as placed on the host; what the daemon's pool then holds.
+        import torch
+        import offloadd.torch
+        cases = [({}, 20), ({"working_dtype": "bf16"}, 18), ({"delayed_update": True}, 24),
+                 ({"gradient_accumulation_steps": 2}, 24),
+                 ({"placement": {"optimizer_state": "nvme"}}, 8),
+                 ({"placement": {"optimizer_state": 50, "params": "nvme", "grads": "nvme"}}, 6),
+                 ({"placement": {"optimizer_state": "nvme", "params": "nvme", "grads": "nvme"}},
+                  0)]
+        daemon = Daemon(self.root, "pool_need", nvme=True)
+        self.addCleanup(daemon.stop)
+        client = offloadd.Client(daemon.address)
+        for zero, per_param in cases:
+            with self.subTest(zero=zero):
+                deadline = time.monotonic() + 10  # (the last case's session torn down)
+                while client.stats()["tiers"]["host"]["used_bytes"] and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.05)
+                torch.manual_seed(0)
+                model, opt = self.wrap_at(daemon.address,
+                                          torch.nn.Linear(1024, 1024, bias=False), {"lr": 1e-3},
+                                          zero)
+                need = model.offloadd.pool_need()
+                self.assertAlmostEqual(need["per_param"], per_param)
+                self.assertEqual(need["homed_each"], per_param << 20)
+                self.assertEqual(need["ranks"], 1)
+                if zero in ({}, {"working_dtype": "bf16"}):
+                    # Homed on the host: what the pool holds after a step.
+                    opt.backward(model(torch.randn(2, 1024)).pow(2).mean())
+                    opt.step()
+                    used = client.stats()["tiers"]["host"]["used_bytes"]
+                    self.assertEqual(used, need["homed_each"])
+                opt.close()
+
     def test_evaluation_with_the_parameters_on_nvme_follows_its_own_order(self):
         # A training loop that evaluates (forward passes under no_grad, no
         # step between them) with its parameters on NVMe: the daemon learns

@@ -509,27 +509,59 @@ class _Engine:
 
     def _room_error(self, what, cause):
         """The error of a hold or step that found no room for too long,
-        with the least pool this job needs on one node: every rank holding
-        its largest module's parameters and gradients at once, or one step
-        pinning a chunk of the largest partition's state (fp32 master, two
-        moments and accumulated gradients, and the working copy)."""
+        with the least pool this job needs on one node (pool_need)."""
+        need = self.pool_need()
+        return offloadd.ResourceExhaustedError(
+            f"rank {self.rank} of {self.world}: the node's host pool "
+            f"({self.pool_bytes or 'unknown'} bytes) had no room for {what} for "
+            f"{self.ROOM_WAIT_SECONDS:g} s while the other ranks and steps held theirs: this job "
+            f"needs at least {need['least']} bytes of pool on one node ({need['homed']} homed on "
+            f"the host by its {need['ranks']} rank(s) there, {need['homed_each']} each: "
+            f"{need['per_param']:g} bytes a parameter as placed; and what passes through it: "
+            f"{need['ranks']} rank(s) holding their largest module's parameters and gradients, "
+            f"{need['largest']} bytes each, or one step's chunk of state, {need['step']} bytes), "
+            f"plus what other jobs on the node hold: raise memory.host_budget_bytes, place more "
+            f"on NVMe, lower placement.state_chunk_bytes, or run fewer ranks per node ({cause})")
+
+    def pool_need(self):
+        """The least pool this job needs on one node: what its ranks there
+        keep homed on the host, per parameter of their slices (the working
+        copy, twice with the delayed update; the fp32 gradient buffer; fp32
+        master and two moments; an fp32 accumulator where gradients are not
+        handed over), scaled by the shares placed on the host, plus the
+        larger of what passes through the pool: every rank holding its
+        largest module's parameters and gradients, or one step pinning a
+        chunk of the largest partition's state (master, moments and
+        gradients in fp32, and the working copy). Ranks on the node: torch's
+        LOCAL_WORLD_SIZE where the launcher sets it, else all of them."""
         esize = torch.empty(0, dtype=self.torch_working).element_size()
+        try:
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        except ValueError:
+            ranks = self.world
+        ranks = max(1, min(ranks, self.world))
+        share = {}
+        for kind in ("params", "grads", "optimizer_state"):
+            try:
+                share[kind] = self.host_percent(kind) / 100.0
+            except (offloadd.Error, KeyError, ValueError):
+                share[kind] = 1.0
+        working = esize * (2 if self.config["delayed_update_after_steps"] is not None else 1)
+        accumulator = 4 if (self.config["gradient_accumulation_steps"] > 1
+                            or not self._hand_over) else 0
+        per_param = (working * share["params"] + 4 * share["grads"]
+                     + (12 + accumulator) * share["optimizer_state"])
+        elements = sum(s.slice_numel for s in self.shards)
+        homed_each = int(per_param * elements)
         largest = max((self._held_bytes(m) for m in self._modules_shards()), default=0)
         try:
             chunk = int(self.client.get_tunable("placement.state_chunk_bytes")["value"]) // 4
         except (offloadd.Error, KeyError, ValueError):
             chunk = 1 << 22
         step = max((min(s.slice_numel, chunk) for s in self.shards), default=0) * (16 + esize)
-        least = max(self.world * largest, step)
-        return offloadd.ResourceExhaustedError(
-            f"rank {self.rank} of {self.world}: the node's host pool "
-            f"({self.pool_bytes or 'unknown'} bytes) had no room for {what} for "
-            f"{self.ROOM_WAIT_SECONDS:g} s while the other ranks and steps held theirs: this job "
-            f"needs at least {least} bytes of pool on one node ({self.world} ranks holding their "
-            f"largest module's parameters and gradients, {largest} bytes each; one step's chunk "
-            f"of state, {step} bytes), plus what the daemon caches: raise "
-            f"memory.host_budget_bytes, lower placement.state_chunk_bytes, or run fewer ranks "
-            f"per node ({cause})")
+        return {"least": ranks * homed_each + max(ranks * largest, step), "ranks": ranks,
+                "homed": ranks * homed_each, "homed_each": homed_each, "per_param": per_param,
+                "largest": largest, "step": step}
 
     def _modules_shards(self):
         groups = {}
@@ -765,8 +797,9 @@ class _Engine:
         raise self.restored from cause
 
     def host_percent(self, kind):
-        """The share of this session's `kind` ("params", "grads") kept on
-        the host: as placed in zero_config, else the node's default."""
+        """The share of this session's `kind` ("params", "grads",
+        "optimizer_state") kept on the host: as placed in zero_config, else
+        the node's default."""
         percent = _percent(kind, self.config["placement"].get(kind))
         if percent is None:
             percent = float(self.client.get_tunable(f"placement.{kind}_host_percent")["value"])
