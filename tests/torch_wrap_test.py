@@ -1412,10 +1412,9 @@ class WrapInProcessTest(unittest.TestCase):
             def forward(self, x):
                 return self.inner(x) @ self.w
 
-        def make():
-            torch.manual_seed(0)
-            return torch.nn.Sequential(Outer(), torch.nn.Linear(8, 1))
-        self.assert_trains_like_torch(make, {"lr": 1e-2})
+        self.assert_module_trains_like_torch(
+            self.seeded(lambda: torch.nn.Sequential(Outer(), torch.nn.Linear(8, 1))),
+            lambda g: (torch.randn(4, 8, generator=g),))
 
     def test_thousands_of_small_tensors_take_a_few_mappings(self):
         # A model of thousands of small tensors (a mixture of experts'
