@@ -49,7 +49,7 @@ void BindMemoryTunables(MemoryOptions* o, ConfigRegistry* r) {
            "the host pool: arenas, master weights, moments of all sessions. It needs what every "
            "rank homes on the host (per parameter placed there: the working copy, 2 or 4 bytes, "
            "twice with the delayed update; gradients 4; master and moments 12; an accumulator 4 "
-           "with several micro-batches a step: 18-24 bytes all on the host) and, with data on "
+           "with several micro-batches a step: 18-28 bytes all on the host) and, with data on "
            "NVMe, the larger of: every rank's largest module's parameters and gradients held at "
            "once, and one step's chunk of the largest partition's state (18-20 bytes a parameter "
            "of placement.state_chunk_bytes / 4); offloadd.torch names the figure when it is "

@@ -438,7 +438,8 @@ class Session {
   // GetMomentsRequest): its step count and elements [begin, begin + count)
   // of its two moments; WriteMoments sets them (both spans the same size).
   // Between this session's steps. Any size: split into calls of at most
-  // 4M elements (reads) or 384K (writes: the daemon receives at most 4 MiB).
+  // 4M elements (reads; 2/3 of that with the master) or 384K (writes: the
+  // daemon receives at most 4 MiB).
   // With `with_master`, the fp32 master weights of those elements too (the
   // newest, also with the delayed update on).
   struct Moments {

@@ -955,6 +955,19 @@ class WrapInProcessTest(unittest.TestCase):
                 use()
         self.assertEqual(w.data.shape, torch.Size([16, 8]))
         self.assertEqual(w.detach().shape, torch.Size([16, 8]))
+        # Pickled (torch.save of the model or of a tensor taken from it):
+        # refused by name too (not a recursion); a flag set on the alias
+        # is its own.
+        import io
+        import pickle
+        for what in (w, w.data, w.detach()):
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                        "parameter '0.weight' was used \\(pickling\\)"):
+                pickle.dumps(what)
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError, "0.weight"):
+            torch.save({"w": w.detach()}, io.BytesIO())
+        w.detach().requires_grad_(False)
+        self.assertTrue(w.requires_grad)
         # The GPU tier's resident units keep their memory between uses (its
         # values stale after a step, overwritten by the next iteration's
         # copies): refused all the same.
@@ -1868,6 +1881,36 @@ class WrapInProcessTest(unittest.TestCase):
             self.assertIn("cannot rest on NVMe", str(caught.exception))
             self.assertNotIn("no room for", str(caught.exception))
             self.assertEqual(model.offloadd.counts["room_waits"], 0)
+            opt.close()
+        finally:
+            daemon.stop()
+
+    def test_a_load_fits_the_pool_training_fits(self):
+        # model.load_state_dict() with everything on NVMe writes the loaded
+        # values in loads sized to the pool, each waiting for room: it held
+        # every partition at once (with a bf16 working copy, its working
+        # copy and fp32 values: 4.7 MB here, through a 4 MiB pool).
+        import torch
+        import offloadd.torch
+        daemon = Daemon(self.root, "load_pool", nvme=True,
+                        flags=["--memory.host_budget_bytes=4MiB"])
+        try:
+            def make():
+                torch.manual_seed(0)
+                return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+            model, opt = self.wrap_at(daemon.address, make(), {"lr": 1e-3}, {
+                "working_dtype": "bf16",
+                "placement": {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}})
+            opt.backward(model(torch.randn(2, 256)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+            want = {k: v + 1.0 for k, v in make().state_dict().items()}
+            model.load_state_dict(want)
+            got = model.state_dict()
+            for k, v in want.items():  # (the working copy: bf16-rounded)
+                torch.testing.assert_close(got[k], v, rtol=1e-2, atol=1e-2, msg=k)
+            opt.backward(model(torch.randn(2, 256)).pow(2).mean())
+            opt.step()
             opt.close()
         finally:
             daemon.stop()

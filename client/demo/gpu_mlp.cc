@@ -190,8 +190,12 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
     }
     RETURN_IF_ERROR(tier->params().Invalidate(compute));
     // The next iteration's copies of the new values start now, while this
-    // thread comes round to its gathers.
-    if (step + 1 < c.steps) RETURN_IF_ERROR(tier->PrefetchUnits(units));
+    // thread comes round to its gathers (where the budget does not hold
+    // both layers, the gathers bring them as before).
+    if (step + 1 < c.steps) {
+      absl::Status ahead = tier->PrefetchUnits(units);
+      if (!ahead.ok() && !absl::IsResourceExhausted(ahead)) return ahead;
+    }
   }
   result.zero3 = zero3->stats();
   result.tier = tier->stats();

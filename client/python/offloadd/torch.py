@@ -53,8 +53,10 @@ Limits, said plainly:
   bf16/fp16 working_dtype the values are rounded from the fp32 master
   (zero_config state_dict "master": the fp32 master weights themselves).
   model.load_state_dict() is one too: each rank's slice of the loaded values
-  becomes its partition's master weights (fp32, exactly; the working copy
-  rounded from them); the optimizer's moments and step counts stay, as
+  becomes its partition's master weights (fp32, exactly where the module's
+  parameters are fp32: torch copies the loaded values into them first; the
+  working copy rounded from them); the optimizer's moments and step counts
+  stay, as
   torch's do. optimizer.state_dict() and load_state_dict() are torch
   AdamW's format (collectives too); optimizer.checkpoint(dir) and
   zero_config restore_from are faster and keep the fp32 master weights.
@@ -309,30 +311,69 @@ class _OffloadedParameter(torch.nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _VALUE_HANDLES and args and type(args[0]) is cls:
-            # p.data and p.detach() of an absent parameter: the parameter
-            # itself (its values are nowhere else), whose uses are refused
-            # by name below; the empty (or, on the GPU tier, stale) storage
-            # behind it was handed out silently (an EMA, copy.deepcopy).
-            # torch's state_dict() detaches each parameter before the hook
-            # that puts the gathered weights in its place.
+            # p.data and p.detach() of an absent parameter: an alias that
+            # refuses its values by name (_AbsentValues); the empty (or, on
+            # the GPU tier, stale) storage behind it was handed out silently
+            # (an EMA, copy.deepcopy). torch's state_dict() detaches each
+            # parameter before the hook that puts the gathered weights in
+            # its place.
             s = getattr(args[0], "_offloadd_shard", None)
             if s is not None and not s.gathered:
-                return args[0]
-        if func not in _METADATA:
-            for a in _tensor_args(args, kwargs):
-                s = getattr(a, "_offloadd_shard", None) if type(a) is cls else None
-                if s is not None and not s.gathered:
-                    shape = _WHOLE.get(func)
-                    if shape is not None:
-                        return shape(s, *args[1:], **kwargs)
-                    raise offloadd.FailedPreconditionError(
-                        f"parameter '{s.name}' was used ({getattr(func, '__name__', func)}) "
-                        "outside the forward of a module that owns it: offloadd holds its "
-                        "values between uses and gathers them for its module's forward and "
-                        "backward only. Use it inside such a forward (a module that reads "
-                        "another's weights should own them, or call it), or read the weights "
-                        "with model.state_dict()")
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+                return _AbsentValues.of(s)
+        return _refuse_absent(cls, lambda s: not s.gathered, func, types, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        s = getattr(self, "_offloadd_shard", None)
+        if s is not None and not s.gathered:
+            raise _refusal(s, "pickling")
+        return super().__reduce_ex__(protocol)
+
+
+class _AbsentValues(torch.Tensor):
+    """What p.data and p.detach() give of a parameter whose values are not
+    here: a tensor of its whole shape whose values (and pickling) are
+    refused by name, as the parameter's are; flags set on it (requires_grad_)
+    are its own. It stays so once the parameter is gathered again: take
+    p.data inside the forward for the values."""
+
+    @staticmethod
+    def of(s):
+        t = torch.Tensor._make_subclass(_AbsentValues, torch.empty(0, dtype=s.dtype,
+                                                                    device=s.device))
+        t._offloadd_shard = s
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _refuse_absent(cls, lambda s: True, func, types, args, kwargs or {})
+
+    def __reduce_ex__(self, protocol):
+        raise _refusal(self._offloadd_shard, "pickling")
+
+
+def _refusal(s, what):
+    return offloadd.FailedPreconditionError(
+        f"parameter '{s.name}' was used ({what}) "
+        "outside the forward of a module that owns it: offloadd holds its "
+        "values between uses and gathers them for its module's forward and "
+        "backward only. Use it inside such a forward (a module that reads "
+        "another's weights should own them, or call it), or read the weights "
+        "with model.state_dict()")
+
+
+def _refuse_absent(cls, absent, func, types, args, kwargs):
+    """`func` on `args`, unless it reads the values of a `cls` argument
+    whose shard is `absent`: its whole shape where asked (_WHOLE), else the
+    refusal naming it; what needs no values (_METADATA) always runs."""
+    if func not in _METADATA:
+        for a in _tensor_args(args, kwargs):
+            s = getattr(a, "_offloadd_shard", None) if type(a) is cls else None
+            if s is not None and absent(s):
+                shape = _WHOLE.get(func)
+                if shape is not None:
+                    return shape(s, *args[1:], **kwargs)
+                raise _refusal(s, getattr(func, "__name__", func))
+    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
 
 def _tensor_args(args, kwargs):
@@ -529,11 +570,13 @@ class _Engine:
         copy, twice with the delayed update; the fp32 gradient buffer; fp32
         master and two moments; an fp32 accumulator where gradients are not
         handed over), scaled by the shares placed on the host, plus the
-        larger of what passes through the pool: every rank holding its
-        largest module's parameters and gradients, or one step pinning a
-        chunk of the largest partition's state (master, moments and
-        gradients in fp32, and the working copy). Ranks on the node: torch's
-        LOCAL_WORLD_SIZE where the launcher sets it, else all of them."""
+        larger of what passes through the pool where anything is on NVMe:
+        every rank holding its largest module's parameters and gradients,
+        or one step pinning a chunk of the largest partition's state
+        (master, moments and gradients in fp32, and the working copy). Ranks
+        on the node: torch's LOCAL_WORLD_SIZE where the launcher sets it,
+        else all of them. (model.load_state_dict() holds every parameter's
+        working copy at once besides: see README.)"""
         esize = torch.empty(0, dtype=self.torch_working).element_size()
         try:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -559,6 +602,8 @@ class _Engine:
         except (offloadd.Error, KeyError, ValueError):
             chunk = 1 << 22
         step = max((min(s.slice_numel, chunk) for s in self.shards), default=0) * (16 + esize)
+        if min(share.values()) >= 1.0:
+            largest = step = 0  # all homed on the host: holds and steps pin nothing more
         return {"least": ranks * homed_each + max(ranks * largest, step), "ranks": ranks,
                 "homed": ranks * homed_each, "homed_each": homed_each, "per_param": per_param,
                 "largest": largest, "step": step}
@@ -1436,6 +1481,23 @@ class _Engine:
                     keys[prefix + (mname + "." if mname else "") + pname] = self.by_param[id(p)]
         return keys
 
+    def _load_chunks(self, shards):
+        """`shards` in loads of at most MAX_IDS_PER_CALL partitions and
+        (past one partition) RETURN_BYTES of the pool (their working copies
+        and fp32 values held while written), as gradient returns are sized:
+        a load with parameters on NVMe fits the pool a job needs to train."""
+        chunks, chunk, held = [], [], 0
+        for s in shards:
+            b = self._held_bytes([s])
+            if chunk and (len(chunk) >= self.MAX_IDS_PER_CALL or held + b > self.RETURN_BYTES):
+                chunks.append(chunk)
+                chunk, held = [], 0
+            chunk.append(s)
+            held += b
+        if chunk:
+            chunks.append(chunk)
+        return chunks
+
     def gather_all_for_load(self):
         """Every parameter whole (a collective: every rank calls
         load_state_dict), for torch to copy the loaded values into. With
@@ -1479,9 +1541,12 @@ class _Engine:
         if delayed:
             self.session.set_delayed_update(False)
         try:
-            for chunk in [shards[i:i + self.MAX_IDS_PER_CALL]
-                          for i in range(0, len(shards), self.MAX_IDS_PER_CALL)]:
-                views = self.session.fetch([s.pid for s in chunk], load=True)
+            for chunk in self._load_chunks(shards):
+                ids = [s.pid for s in chunk]
+                views = self.with_room(
+                    f"loading the values of '{chunk[0].name}' and {len(chunk) - 1} more "
+                    f"({self._held_bytes(chunk)} bytes)",
+                    lambda: self.session.fetch(ids, load=True))
                 try:
                     for s, v in zip(chunk, views):
                         mine = self._my_slice(s, s.param.data)
@@ -1751,16 +1816,17 @@ class _GpuTier:
         while the trainer's thread is busy with zero_grad, its next batch
         and the forward's start, instead of the forward's first kernel
         waiting for all of them. Nothing is used: begin_iteration then finds
-        the copies in flight or done. A failure here is left to that
-        begin_iteration, which does the work again and says what failed
-        (the step itself went through)."""
-        if not self.use_all or self._prefetched:
-            return
-        tier = self.tier._holder[0]  # (not the guard: a restart is the forward's to handle)
-        if tier is None:
+        the copies in flight or done. An error here is left to that
+        begin_iteration (the step itself went through): a hold or a copy
+        refused now is asked for again there; a copy that fails later is
+        reported by the next use of its unit, as a prefetch's is, and
+        copied again at the one after."""
+        if not self.use_all or self._prefetched or self.tier._holder[0] is None:
             return
         try:
-            tier.prefetch_units(list(range(len(self.units))))
+            # (Not through the guard: a restart is the forward's to handle;
+            # no local holds the tier, which close() must be able to drop.)
+            self.tier._holder[0].prefetch_units(list(range(len(self.units))))
         except offloadd.Error:
             return
         self._prefetched = True
