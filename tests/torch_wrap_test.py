@@ -700,6 +700,24 @@ class TorchWrapTest(unittest.TestCase):
         # note saying why each is at debug level).
         self.assertIn("buffer_count", outputs[0])
 
+    def test_a_deepspeed_loop_with_accumulation_on_two_ranks_trains_like_torch(self):
+        # DeepSpeed's loop (the engine's backward() and step() after every
+        # micro-batch) with gradient_accumulation_steps 2 on two ranks:
+        # updates at every second micro-batch, the loss divided by 2, as
+        # torch AdamW accumulating the same micro-batches.
+        ds = {
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        }
+        sc = dict(BASE, steps=8, clip=0.5, one_group=True, accumulation=2)
+        ref = self.reference(sc)
+        mine, _, _ = self.run_ranks(dict(sc, deepspeed=ds, deepspeed_loop=True), 2)
+        self.assert_close_losses(mine, ref, 1e-4)
+        self.assertEqual(len(mine["norms"]), 8)
+        self.assertEqual(mine["counts"]["steps"], 8)  # one update per two micro-batches
+
 
 # A trainer that trains 3 steps, prints its session's id, token and
 # partition id, and dies without closing anything (SIGKILL).

@@ -94,12 +94,22 @@ def train(sc, rank, world, use_offloadd):
             loss = model(x[lo:hi].to(device), y[lo:hi].to(device))
             if sc.get("kill_at_step") == step and rank == sc.get("kill_rank", 1):
                 os.kill(os.getpid(), signal.SIGKILL)  # dies mid-step, before backward
-            if use_offloadd:
+            if use_offloadd and sc.get("deepspeed_loop"):
+                # As DeepSpeed users write it: the engine's backward and
+                # step after every micro-batch (the update at the boundary).
+                boundary = model.is_gradient_accumulation_boundary()
+                model.backward(loss)
+                model.step()
+                if boundary:
+                    norms.append(opt.last_step["grad_norm"])
+            elif use_offloadd:
                 opt.backward(loss)
             else:
                 (loss / ga).backward()
             total += loss.item() / ga
-        if use_offloadd:
+        if use_offloadd and sc.get("deepspeed_loop"):
+            pass  # (stepped at the boundary above)
+        elif use_offloadd:
             opt.step()
             norms.append(opt.last_step["grad_norm"])
         else:
