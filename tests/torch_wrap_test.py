@@ -1933,6 +1933,39 @@ class WrapInProcessTest(unittest.TestCase):
         finally:
             daemon.stop()
 
+    def test_the_gpu_tier_holds_no_more_of_a_small_pool_than_a_return_takes(self):
+        # The GPU tier (the emulated device) with everything on NVMe behind
+        # a 6 MiB pool: 12.6 MB of gradients in flight were held until
+        # backward's end (RESOURCE_EXHAUSTED); each batch now holds at most
+        # what a gradient return takes from the pool, and its holds wait
+        # for room as the path without the tier does.
+        import torch
+        daemon = Daemon(self.root, "tier_pool", nvme=True,
+                        flags=["--memory.host_budget_bytes=6MiB"])
+        try:
+            def make():
+                torch.manual_seed(0)
+                return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(12)])
+            ref = make()
+            ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            model, opt = self.wrap_at(daemon.address, make(), {"lr": 1e-3}, {
+                "gpu": {"device": "emulated"},
+                "placement": {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}})
+            gen = torch.Generator().manual_seed(2)
+            for _ in range(3):
+                x = torch.randn(4, 512, generator=gen)
+                ref(x).pow(2).mean().backward()
+                ropt.step()
+                ropt.zero_grad()
+                opt.backward(model(x).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+            self.assertGreater(model.offloadd.gpu_stats()["d2h_bytes"], 0)
+            self.assert_weights(model, ref.state_dict())
+            opt.close()
+        finally:
+            daemon.stop()
+
     def test_the_pool_a_job_needs_is_what_it_homes_on_the_host(self):
         # pool_need (the figure the room error names): per parameter, the
         # working copy (twice with the delayed update), the gradient buffer,

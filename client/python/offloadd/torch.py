@@ -728,11 +728,13 @@ class _Engine:
     def _register_slice(self, session, s):
         """Registers this rank's slice of `s`'s parameter in `session`
         (held), as a slice of the tensor named by the parameter, so that a
-        checkpoint comes back with another number of ranks."""
-        return session.register(s.name, s.slice_numel, param_dtype=self.working_dtype,
-                                grad_dtype="fp32", fp32_master=self.working_dtype != "fp32",
-                                tensor=s.name, shape=list(s.shape) or [1],
-                                offset=self.rank * s.slice_numel)
+        checkpoint comes back with another number of ranks. Waits for room
+        in the node's pool as holds do (a registration that finds none is
+        undone whole)."""
+        return self.with_room(f"registering '{s.name}'", lambda: session.register(
+            s.name, s.slice_numel, param_dtype=self.working_dtype, grad_dtype="fp32",
+            fp32_master=self.working_dtype != "fp32", tensor=s.name, shape=list(s.shape) or [1],
+            offset=self.rank * s.slice_numel))
 
     def resume_kept(self, cause):
         """offloadd stopped and came back keeping this session (its
@@ -1758,6 +1760,11 @@ class _GpuTier:
         self.counts = {"units_used": 0, "use_calls": 0}  # (resident: calls to the tier's use)
         self._stream = None
         self._per_batch = False  # gradient buffers held a batch at a time
+        # Gradient buffers held in flight before a batch is returned: where
+        # they pass through the node's pool (not all homed on the host),
+        # no more than a gradient return takes from it (_size_batches).
+        self.pending_bytes = (self.MAX_PENDING_BYTES if grads_host >= 100 else
+                              max(1, min(self.MAX_PENDING_BYTES, engine.RETURN_BYTES)))
         # The next iteration's holds taken and copies issued after a step
         # (prefetch_next), its iteration not yet begun.
         self._prefetched = False
@@ -1797,7 +1804,9 @@ class _GpuTier:
         start = time.perf_counter()
         self._stream = None
         self._prefetched = False
-        self.tier.begin_iteration()  # (with held iterations: every partition held, one call)
+        # (With held iterations: every partition held, one call.)
+        e = self.e
+        e.with_room("the iteration's parameters", lambda: self.tier.begin_iteration())
         if self.use_all:
             # Every unit at once: the compute stream waits for all the
             # copies a step made due (about a millisecond for 100 MB at
@@ -1839,7 +1848,9 @@ class _GpuTier:
         for u, ss in by_unit.items():
             rec = self.units[u]
             if rec["offsets"] is None:
-                rec["offsets"] = self.tier.use(u, self.stream(), self.device)
+                rec["offsets"] = e.with_room(
+                    f"the parameters of '{ss[0].name}' and its module's",
+                    lambda: self.tier.use(u, self.stream(), self.device))
                 self.counts["units_used"] += 1
             locals_ = []
             for s in ss:
@@ -1871,9 +1882,11 @@ class _GpuTier:
         if not units:
             return
         if len(units) == 1:
-            used = [self.tier.use(units[0], self.stream(), self.device)]
+            used = [e.with_room(f"the parameters of unit {units[0]}", lambda: self.tier.use(
+                units[0], self.stream(), self.device))]
         else:
-            used = self.tier.use_units(units, self.stream(), self.device)
+            used = e.with_room(f"the parameters of {len(units)} units", lambda: self.tier.use_units(
+                units, self.stream(), self.device))
         self.counts["use_calls"] += 1
         for unit, offsets in zip(units, used):
             rec = self.units[unit]
@@ -1971,7 +1984,7 @@ class _GpuTier:
         self.grad_bytes += g.numel() * 4
         if len(self.queued) >= self.ISSUE_BATCH or self.queued_bytes >= self.ISSUE_BYTES:
             self._issue()
-        if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.MAX_PENDING_BYTES:
+        if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.pending_bytes:
             self.flush_gradients(end=False)
         e.timings["return"] += time.perf_counter() - start
 
@@ -1979,7 +1992,9 @@ class _GpuTier:
         if self.queued:
             items, self.queued, self.queued_bytes = self.queued, [], 0
             try:
-                self.tier.add_gradients(items, self.stream(), self.device)
+                self.e.with_room(f"the gradient buffers of {len(items)} partitions",
+                                 lambda: self.tier.add_gradients(items, self.stream(),
+                                                                 self.device))
             except BaseException as exc:
                 # Some may be in flight: wait for them and let their buffers
                 # go unreturned. This backward's gradients are lost (the
@@ -2011,11 +2026,11 @@ class _GpuTier:
         # The norm where the gradient is, at the flush, all in one launch (a
         # non-finite norm: its elements are counted then, rarely).
         stats = e._hand_over and e._gradient_stats in ("trainer", "auto")
-        self.tier.add_gradient(s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(),
-                               self.device)
+        e.with_room(f"the gradient buffer of '{s.name}'", lambda: self.tier.add_gradient(
+            s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(), self.device))
         self.grads[s.pid] = (s, mine, stats)  # alive until its copy is done
         self.grad_bytes += mine.numel() * 4
-        if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.MAX_PENDING_BYTES:
+        if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.pending_bytes:
             self.flush_gradients(end=False)
 
     def flush_gradients(self, end=True, keep_prefetch=False):
