@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -626,7 +627,8 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     }
   }
   // Outside the set's lock: making room may wait for write-outs.
-  std::vector<uint64_t> added;            // blocks, to remove if a later step fails
+  std::vector<uint64_t> added;                           // blocks, to remove if a later step fails
+  std::optional<std::pair<uint64_t, uint64_t>> spanned;  // its arena span (offset, alignment)
   absl::flat_hash_set<uint64_t> adopted;  // of those, taken from the pool's file as kept
   absl::Status status = [&]() -> absl::Status {
     const uint64_t param_bytes = partition->Bytes(DataKind::kParams);
@@ -649,6 +651,7 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     const uint64_t shadow_at = fp32_init ? init_at + rounded(init_bytes) : init_at;
     const uint64_t span = shadow_at + rounded(param_bytes);
     ASSIGN_OR_RETURN(uint64_t params_off, arena_->Allocate(span, page));
+    spanned.emplace(params_off, page);
     info.params = {params_off, param_bytes};
     info.grads = {params_off + grads_at, grad_bytes};
     info.span = {params_off, span};
@@ -734,13 +737,19 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
     return absl::OkStatus();
   }();
   if (!status.ok()) {
-    // Unpinned before the blocks go; arena space already handed out stays
-    // unused (the arena only grows), its pages freed with the blocks.
+    // Unpinned before the blocks go, their pages freed with them; the arena
+    // span given back where it is still the last (else it stays unused:
+    // the arena only grows), so that a registration retried for room does
+    // not take new space each time.
     partition->param_pins.clear();
     for (uint64_t block : added) swapper_->Remove(block);
     // Accumulators a restore made (FillRestored); unknown ids are ignored.
     for (uint64_t c = 0; c < ChunksOf(spec.numel); ++c) {
       swapper_->Remove(PartitionStore::BlockOf(id, c, PartitionStore::kAccumBlock));
+    }
+    if (spanned) {
+      partition->region = MappedSpan();
+      arena_->GiveBack(spanned->first, partition->info.span.bytes, spanned->second);
     }
     absl::MutexLock lock(&mu_);
     names_.erase(spec.name);

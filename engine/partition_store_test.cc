@@ -55,6 +55,35 @@ TEST(ArenaLayout, HugePagesOnlyWhereBlocksFillThemAndLittleIsWasted) {
   EXPECT_EQ(ArenaLayoutPageBytes(700, bf16, bf16, false, kChunk, kHuge), kSmall);
 }
 
+// A registration that finds no room in the pool to hold its parameters is
+// undone whole, its arena span given back: retried while the trainer waits
+// for room, it does not take new arena each time.
+TEST(OutOfCore, ARegistrationWithoutRoomGivesItsArenaSpanBack) {
+  TestEngine engine(TmpDir("register_room"), 1 << 20);
+  auto opened = engine.sessions->Open("room", All(0));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = 96 << 10;  // 384 KiB of fp32 parameters each
+  std::vector<uint64_t> held;
+  for (int i = 0; i < 2; ++i) {
+    auto p =
+        engine.sessions->Register(key, {"p" + std::to_string(i), kN, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    held.push_back(p->id);
+  }
+  const uint64_t arena = engine.sessions->Sessions()[0].arena_bytes;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    auto third = engine.sessions->Register(key, {"p2", kN, DType::kFp32, DType::kFp32});
+    ASSERT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+    EXPECT_EQ(engine.sessions->Sessions()[0].arena_bytes, arena) << "attempt " << attempt;
+  }
+  ASSERT_TRUE(engine.sessions->Release(key, held).ok());
+  auto third = engine.sessions->Register(key, {"p2", kN, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->span.offset, arena) << "where the failed ones would have gone";
+  ASSERT_TRUE(engine.sessions->Release(key, {third->id}).ok());
+}
+
 // What the trainer holds stays in memory however hard the pool is pressed;
 // what it releases leaves the arena; holding more than the pool can ever
 // hold is RESOURCE_EXHAUSTED with the numbers, and holds nothing.

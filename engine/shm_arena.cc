@@ -61,12 +61,30 @@ absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes, uint64_t alignment) 
         "session arena full: ", bytes, " bytes requested (aligned to ", alignment, "), ",
         capacity - offset, " of ", capacity, " left (raise memory.session_arena_bytes)"));
   }
-  absl::Status grown = env_->ResizeFile(fd_.get(), offset + rounded);
-  if (!grown.ok()) {
-    return absl::Status(grown.code(), absl::StrCat("growing session arena: ", grown.message()));
+  // The file only grows (sealed against shrinking: a trainer's mapping of
+  // it must never lose its pages); space given back is reused in place.
+  if (offset + rounded > file_size_) {
+    absl::Status grown = env_->ResizeFile(fd_.get(), offset + rounded);
+    if (!grown.ok()) {
+      return absl::Status(grown.code(), absl::StrCat("growing session arena: ", grown.message()));
+    }
+    file_size_ = offset + rounded;
   }
   size_ = offset + rounded;
   return offset;
+}
+
+bool ShmArena::GiveBack(uint64_t offset, uint64_t bytes, uint64_t alignment) {
+  const uint64_t rounded = RoundUp(bytes, alignment);
+  {
+    absl::MutexLock lock(&mu_);
+    if (offset > size_ || size_ - offset != rounded) return false;
+    size_ = offset;
+  }
+  // Its pages freed (the next allocation there starts from zeros, as a
+  // fresh one does).
+  (void)Discard(offset, rounded);
+  return true;
 }
 
 }  // namespace offload

@@ -63,6 +63,11 @@ class ShmArena {
   // later shares a page of that size with them. RESOURCE_EXHAUSTED if the
   // arena's capacity would be exceeded.
   absl::StatusOr<uint64_t> Allocate(uint64_t bytes, uint64_t alignment = kAlignment);
+  // Gives back what Allocate(bytes, alignment) returned at `offset` if it
+  // is still the arena's last allocation (a registration that failed: one
+  // retried for room would otherwise take new space each time); true if
+  // it did. The caller maps none of it any more.
+  bool GiveBack(uint64_t offset, uint64_t bytes, uint64_t alignment = kAlignment);
 
   // Maps `bytes` from `offset` (an offset Allocate returned) for this
   // process, asking the kernel for `pages`; the mapping is the caller's and
@@ -103,7 +108,8 @@ class ShmArena {
   Env* const env_;
   SpanMaps spans_;  // after fd_ and env_, which it maps with
   mutable absl::Mutex mu_;
-  uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t size_ ABSL_GUARDED_BY(mu_) = 0;       // where the next allocation goes
+  uint64_t file_size_ ABSL_GUARDED_BY(mu_) = 0;  // the memfd's (never shrinks)
 };
 
 }  // namespace offload

@@ -568,16 +568,32 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
   // copies again.
   for (int unit : units) RETURN_IF_ERROR(TakeFailure(unit));
   std::vector<std::vector<State>> before;
+  // The order's place and the counts as they were: a use that fails (no
+  // room, say, asked again) leaves them so.
+  const int64_t cursor = cursor_;
+  const bool on_trace = on_trace_;
+  const size_t recorded = recording_.size();
+  const uint64_t uses = stats_.uses, off_trace = stats_.off_trace_uses;
+  auto failed = [&](absl::Status status) {
+    cursor_ = cursor;
+    on_trace_ = on_trace;
+    recording_.resize(recorded);
+    stats_.uses = uses;
+    stats_.off_trace_uses = off_trace;
+    return status;
+  };
   for (int unit : units) {
     AdvanceCursor(unit);
     ++stats_.uses;
     before.emplace_back();
     for (int i : units_[unit].entries) before.back().push_back(entries_[i].state);
   }
-  RETURN_IF_ERROR(Bring(units, kNever));
+  if (absl::Status brought = Bring(units, kNever); !brought.ok()) return failed(brought);
   // Making room may have finished earlier batches, a prefetch of these
   // units' tensors among them, and found it failed: reported now, not used.
-  for (int unit : units) RETURN_IF_ERROR(TakeFailure(unit));
+  for (int unit : units) {
+    if (absl::Status s = TakeFailure(unit); !s.ok()) return failed(s);
+  }
   // `compute` waits for every batch a tensor is still copied in, once each,
   // before any pin is taken (a failed wait leaves nothing in use; the
   // copies complete or fail on their own).
@@ -587,7 +603,7 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
       const Entry& e = entries_[i];
       if (e.state != State::kCopying) continue;
       if (std::find(waited.begin(), waited.end(), e.batch.get()) != waited.end()) continue;
-      RETURN_IF_ERROR(device_->WaitOn(compute, e.batch->done));
+      if (absl::Status s = device_->WaitOn(compute, e.batch->done); !s.ok()) return failed(s);
       waited.push_back(e.batch.get());
     }
   }

@@ -152,8 +152,8 @@ class ParamCache {
   // unit, at the iteration's start: one call instead of one per unit as its
   // modules run (a unit its forward never reaches is copied all the same).
   // RESOURCE_EXHAUSTED if they do not fit at once; on any error none of
-  // them is in use (the recorded order and the use counts have advanced,
-  // as for one unit).
+  // them is in use and the recorded order and the use counts are as they
+  // were (as for one unit): the use may be asked again.
   absl::StatusOr<std::vector<std::vector<uint64_t>>> Use(absl::Span<const int> units,
                                                          const Stream& compute);
   // The units' copies issued now, ahead of their next Use (one batch), as

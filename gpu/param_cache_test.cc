@@ -468,6 +468,35 @@ TEST_F(ParamCacheTest, APrefetchWithoutRoomIssuesNothing) {
   EXPECT_EQ(source_.outstanding(), 0);
 }
 
+// A use refused for room changes neither the order being recorded nor the
+// counts: asked again until it fits (a trainer waiting for room), the
+// next iteration's order has it once.
+TEST_F(ParamCacheTest, AUseRefusedForRoomCanBeAskedAgain) {
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 2 * 2 * 4096, .prefetch_depth = 1});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 3, 2, 4096);
+  (*cache)->BeginIteration();
+  ASSERT_TRUE((*cache)->Use(0, host_).ok());
+  ASSERT_TRUE((*cache)->Use(1, host_).ok());
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    EXPECT_EQ((*cache)->Use(2, host_).status().code(), absl::StatusCode::kResourceExhausted);
+  }
+  EXPECT_EQ((*cache)->stats().uses, 2u);
+  ASSERT_TRUE((*cache)->Done(0, host_).ok());
+  ASSERT_TRUE((*cache)->Done(1, host_).ok());
+  UseAndCheck(**cache, 2, 2);
+  EXPECT_EQ((*cache)->stats().uses, 3u);
+  // The order recorded is 0, 1, 2: the next iteration follows it, each use
+  // prefetching the next.
+  (*cache)->BeginIteration();
+  for (int u = 0; u < 3; ++u) UseAndCheck(**cache, u, 2);
+  EXPECT_EQ((*cache)->stats().off_trace_uses, 0u);
+  EXPECT_EQ((*cache)->stats().uses, 6u);
+  ASSERT_TRUE((*cache)->Synchronize().ok());
+  EXPECT_EQ(source_.outstanding(), 0);
+}
+
 TEST_F(ParamCacheTest, UnregisteredHostMemoryGoesThroughStaging) {
   source_.dma_ = false;
   auto cache =

@@ -967,7 +967,8 @@ class WrapInProcessTest(unittest.TestCase):
                     lambda: w * 2, lambda: torch.cat([w, w]), lambda: w.clone(),
                     lambda: w.data.clone(), lambda: w.detach().sum(),
                     lambda: torch.zeros(16, 8).add_(w.detach(), alpha=0.1),
-                    lambda: w.data.mul_(0.5), lambda: copy.deepcopy(model)):
+                    lambda: w.data.mul_(0.5), lambda: copy.deepcopy(model),
+                    lambda: w.data.data.clone(), lambda: w.detach().data.sum()):
             with self.assertRaisesRegex(offloadd.FailedPreconditionError,
                                         "parameter '0.weight' was used"):
                 use()
@@ -1942,27 +1943,37 @@ class WrapInProcessTest(unittest.TestCase):
         import torch
         daemon = Daemon(self.root, "tier_pool", nvme=True,
                         flags=["--memory.host_budget_bytes=6MiB"])
+        nvme = {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}
+        cases = [  # (layers' width, the GPU tier, placement, resident)
+            (512, {"device": "emulated"}, nvme, True),
+            (512, {"device": "emulated", "budget_bytes": 5 << 20}, nvme, False),
+            # (Its 3.1 MB of gradients homed on the host, each held with its
+            # parameters, which pass through the pool.)
+            (256, {"device": "emulated"}, dict(nvme, grads="host"), True)]
         try:
-            def make():
+            def make(width):
                 torch.manual_seed(0)
-                return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(12)])
-            ref = make()
-            ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-            model, opt = self.wrap_at(daemon.address, make(), {"lr": 1e-3}, {
-                "gpu": {"device": "emulated"},
-                "placement": {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}})
-            gen = torch.Generator().manual_seed(2)
-            for _ in range(3):
-                x = torch.randn(4, 512, generator=gen)
-                ref(x).pow(2).mean().backward()
-                ropt.step()
-                ropt.zero_grad()
-                opt.backward(model(x).pow(2).mean())
-                opt.step()
-                opt.zero_grad()
-            self.assertGreater(model.offloadd.gpu_stats()["d2h_bytes"], 0)
-            self.assert_weights(model, ref.state_dict())
-            opt.close()
+                return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(12)])
+            for width, gpu, placement, resident in cases:
+                with self.subTest(gpu=gpu, placement=placement):
+                    ref = make(width)
+                    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+                    model, opt = self.wrap_at(daemon.address, make(width), {"lr": 1e-3},
+                                              {"gpu": gpu, "placement": placement})
+                    gen = torch.Generator().manual_seed(2)
+                    for _ in range(3):
+                        x = torch.randn(4, width, generator=gen)
+                        ref(x).pow(2).mean().backward()
+                        ropt.step()
+                        ropt.zero_grad()
+                        opt.backward(model(x).pow(2).mean())
+                        opt.step()
+                        opt.zero_grad()
+                    g = model.offloadd.gpu_stats()
+                    self.assertGreater(g["d2h_bytes"], 0)
+                    self.assertEqual(g["resident"], resident)
+                    self.assert_weights(model, ref.state_dict())
+                    opt.close()
         finally:
             daemon.stop()
 

@@ -345,6 +345,8 @@ class _AbsentValues(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _VALUE_HANDLES and args and type(args[0]) is cls:
+            return args[0]  # (its .data and .detach(): itself, refusing as it does)
         return _refuse_absent(cls, lambda s: True, func, types, args, kwargs or {})
 
     def __reduce_ex__(self, protocol):
@@ -575,8 +577,7 @@ class _Engine:
         or one step pinning a chunk of the largest partition's state
         (master, moments and gradients in fp32, and the working copy). Ranks
         on the node: torch's LOCAL_WORLD_SIZE where the launcher sets it,
-        else all of them. (model.load_state_dict() holds every parameter's
-        working copy at once besides: see README.)"""
+        else all of them."""
         esize = torch.empty(0, dtype=self.torch_working).element_size()
         try:
             ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -615,17 +616,20 @@ class _Engine:
         return list(groups.values())
 
     # RESOURCE_EXHAUSTED of a bound that waiting does not lift (the daemon's
-    # own words for them): the NVMe tier's size, the session's arena, the
-    # mapping budget, the sessions a daemon or a user may have.
+    # and the GPU tier's own words for them): the NVMe tier's size, the
+    # session's arena, the mapping budget, the sessions a daemon or a user
+    # may have; the GPU tier's budget, the device's memory.
     _NOT_ROOM = ("cannot rest on NVMe", "on NVMe: the tier has room", "session arena full",
-                 "memory-mapping budget", "server.max_sessions")
+                 "memory-mapping budget", "server.max_sessions", "the GPU tier has no room",
+                 "cudaErrorMemoryAllocation", "emulated device:")
 
-    def with_room(self, what, call):
+    def with_room(self, what, call, relieve=None):
         """call(), retried with backoff while the node's pool has no room
         (RESOURCE_EXHAUSTED: another rank's holds or a step fill it and
         give it back); after ROOM_WAIT_SECONDS, an error naming the pool
         this job needs. Another bound reached (_NOT_ROOM) is raised at once
-        as the daemon said it."""
+        as the daemon said it. relieve(), before each retry, lets go of
+        what this rank itself holds and need not (gradients in flight)."""
         delay, deadline = 0.002, time.monotonic() + self.ROOM_WAIT_SECONDS
         while True:
             try:
@@ -636,6 +640,8 @@ class _Engine:
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
+                if relieve is not None:
+                    relieve()
                 # Jittered: ranks that collided (two steps each pinning
                 # half of what fits) do not collide again in lockstep.
                 time.sleep(delay * random.uniform(0.5, 1.5))
@@ -918,7 +924,10 @@ class _Engine:
                 if not part.restored:
                     self._write_initial(s, p, name, part, master)
             finally:
-                self.session.release([part.id])
+                # (With an fp32 master, the release makes the values written
+                # the master weights: on NVMe, that takes room too.)
+                self.with_room(f"releasing '{s.name}'",
+                               lambda: self.session.release([part.id]))
             s.pid = part.id
             self.shards.append(s)
             self.by_param[id(p)] = s
@@ -1557,7 +1566,8 @@ class _Engine:
                         else:
                             torch.frombuffer(v.params, dtype=self.torch_working).copy_(mine)
                 finally:
-                    self.session.release([s.pid for s in chunk])
+                    self.with_room("releasing the loaded values",
+                                   lambda: self.session.release(ids))
         finally:
             if delayed:
                 self.session.set_delayed_update(True)
@@ -1760,11 +1770,13 @@ class _GpuTier:
         self.counts = {"units_used": 0, "use_calls": 0}  # (resident: calls to the tier's use)
         self._stream = None
         self._per_batch = False  # gradient buffers held a batch at a time
-        # Gradient buffers held in flight before a batch is returned: where
-        # they pass through the node's pool (not all homed on the host),
-        # no more than a gradient return takes from it (_size_batches).
-        self.pending_bytes = (self.MAX_PENDING_BYTES if grads_host >= 100 else
-                              max(1, min(self.MAX_PENDING_BYTES, engine.RETURN_BYTES)))
+        # Gradient buffers held in flight before a batch is returned (each
+        # holds its partition's parameters too): where they pass through the
+        # node's pool (not all homed on the host), no more of it than a
+        # gradient return takes (_size_batches), counted in fp32 gradient
+        # bytes.
+        self.pending_bytes = (self.MAX_PENDING_BYTES if register else max(1, min(
+            self.MAX_PENDING_BYTES, engine.RETURN_BYTES * 4 // (self.esize + 4))))
         # The next iteration's holds taken and copies issued after a step
         # (prefetch_next), its iteration not yet begun.
         self._prefetched = False
@@ -1850,7 +1862,7 @@ class _GpuTier:
             if rec["offsets"] is None:
                 rec["offsets"] = e.with_room(
                     f"the parameters of '{ss[0].name}' and its module's",
-                    lambda: self.tier.use(u, self.stream(), self.device))
+                    lambda: self.tier.use(u, self.stream(), self.device), self._relieve)
                 self.counts["units_used"] += 1
             locals_ = []
             for s in ss:
@@ -2006,6 +2018,15 @@ class _GpuTier:
                     pass  # (the first error is the one to see)
                 raise exc
 
+    def _relieve(self):
+        """Before a hold asked again for room (not in resident mode): this
+        rank's gradients in flight returned (their buffers let go) and the
+        copies done reaped (their holds let go)."""
+        if self.grads:
+            self.flush_gradients(end=False)
+        else:
+            self.tier.synchronize()
+
     def _drop(self):
         """Waits for the gradients' copies in flight and lets their buffers
         go unreturned; their sources are kept until that succeeded."""
@@ -2027,7 +2048,7 @@ class _GpuTier:
         # non-finite norm: its elements are counted then, rarely).
         stats = e._hand_over and e._gradient_stats in ("trainer", "auto")
         e.with_room(f"the gradient buffer of '{s.name}'", lambda: self.tier.add_gradient(
-            s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(), self.device))
+            s.pid, mine.data_ptr(), mine.numel() * 4, self.stream(), self.device), self._relieve)
         self.grads[s.pid] = (s, mine, stats)  # alive until its copy is done
         self.grad_bytes += mine.numel() * 4
         if len(self.grads) >= self.MAX_PENDING or self.grad_bytes >= self.pending_bytes:
