@@ -1634,6 +1634,14 @@ class WrapInProcessTest(unittest.TestCase):
         b.cuda.enable_flash_sdp(flash)
 
     @staticmethod
+    def linear_stack(width, layers=12):
+        """layers Linear(width, width) in a row, seeded: partitions of
+        width * width parameters each, for the small-pool cases."""
+        import torch
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+    @staticmethod
     def seeded(build):
         import torch
 
@@ -1914,16 +1922,13 @@ class WrapInProcessTest(unittest.TestCase):
         daemon = Daemon(self.root, "load_pool", nvme=True,
                         flags=["--memory.host_budget_bytes=4MiB"])
         try:
-            def make():
-                torch.manual_seed(0)
-                return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
-            model, opt = self.wrap_at(daemon.address, make(), {"lr": 1e-3}, {
+            model, opt = self.wrap_at(daemon.address, self.linear_stack(256), {"lr": 1e-3}, {
                 "working_dtype": "bf16",
                 "placement": {"optimizer_state": "nvme", "grads": "nvme", "params": "nvme"}})
             opt.backward(model(torch.randn(2, 256)).pow(2).mean())
             opt.step()
             opt.zero_grad()
-            want = {k: v + 1.0 for k, v in make().state_dict().items()}
+            want = {k: v + 1.0 for k, v in self.linear_stack(256).state_dict().items()}
             model.load_state_dict(want)
             got = model.state_dict()
             for k, v in want.items():  # (the working copy: bf16-rounded)
@@ -1951,14 +1956,12 @@ class WrapInProcessTest(unittest.TestCase):
             # parameters, which pass through the pool.)
             (256, {"device": "emulated"}, dict(nvme, grads="host"), True)]
         try:
-            def make(width):
-                torch.manual_seed(0)
-                return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(12)])
             for width, gpu, placement, resident in cases:
                 with self.subTest(gpu=gpu, placement=placement):
-                    ref = make(width)
+                    ref = self.linear_stack(width)
                     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-                    model, opt = self.wrap_at(daemon.address, make(width), {"lr": 1e-3},
+                    model, opt = self.wrap_at(daemon.address, self.linear_stack(width),
+                                              {"lr": 1e-3},
                                               {"gpu": gpu, "placement": placement})
                     gen = torch.Generator().manual_seed(2)
                     for _ in range(3):
