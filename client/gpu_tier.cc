@@ -343,8 +343,17 @@ absl::Status GpuTier::DropGradients() {
 }
 
 absl::StatusOr<std::vector<uint64_t>> GpuTier::ReturnGradients(
-    bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats) {
+    bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats,
+    const std::function<absl::Status()>& verify) {
   std::vector<gpu::GradientDrain::Done> done = drain_->Completed(wait);
+  if (verify && !done.empty()) {
+    // What the copies copied is not to be used: each is a failed copy.
+    if (absl::Status bad = verify(); !bad.ok()) {
+      for (auto& d : done) {
+        if (d.status.ok()) d.status = bad;
+      }
+    }
+  }
   std::vector<PartitionView> good;
   std::vector<uint64_t> ids, failed;
   absl::Status first_error;

@@ -30,6 +30,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -131,8 +132,12 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // Returns their ids. A failed copy's buffer is released unreturned and
   // its error returned after the others went (nothing half-written is
   // returned).
+  // `verify`, if given, is asked once the copies are done and before any
+  // goes: an error (a collective that wrote the gradients failed) releases
+  // every one of them unreturned and is returned.
   absl::StatusOr<std::vector<uint64_t>> ReturnGradients(
-      bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats = {});
+      bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats = {},
+      const std::function<absl::Status()>& verify = nullptr);
   size_t gradients_pending() const { return drain_->pending(); }
   // Waits for the gradient copies in flight and releases their buffers
   // unreturned (an iteration given up): their sources may be freed after.

@@ -60,6 +60,14 @@ absl::Status Zero3::Gather(int unit, absl::Span<void* const> full, const gpu::St
     return absl::InvalidArgumentError(absl::StrCat("Zero3: unit ", unit, " has ", sizes.size(),
                                                    " tensors, Gather was given ", full.size()));
   }
+  // Checked before anything is issued: a collective one rank cannot issue
+  // midway leaves its peers waiting in it.
+  for (size_t i = 0; i < full.size(); ++i) {
+    if (full[i] == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("Zero3: unit ", unit, ": tensor ", i, "'s gathered buffer is null"));
+    }
+  }
   ASSIGN_OR_RETURN(std::vector<uint64_t> offsets, tier_->params().Use(unit, compute));
   char* slab = static_cast<char*>(tier_->params().slab());
   const uint64_t ranks = comm_->size();
@@ -112,10 +120,10 @@ absl::Status Zero3::ReduceScatter(uint64_t partition_id, const float* full, uint
 
 absl::Status Zero3::Flush(const gpu::Stream& compute) {
   if (pending_.empty()) return absl::OkStatus();
-  std::vector<Pending> bucket = std::move(pending_);
-  const uint64_t full_bytes = pending_bytes_;
-  pending_.clear();
-  pending_bytes_ = 0;
+  // The bucket stays queued until its collective is issued: what can fail
+  // before (room in the scratch buffer) leaves it as it was, and this rank
+  // in step with its peers.
+  const std::vector<Pending>& bucket = pending_;
   uint64_t need = 0;
   for (const Pending& p : bucket) need += AlignUp(p.slice_numel * sizeof(float));
   if (!scratch_ || scratch_.bytes() < need) {
@@ -138,20 +146,39 @@ absl::Status Zero3::Flush(const gpu::Stream& compute) {
   scratch_head_ += need;
   ++stats_.reduce_scatters;
   stats_.scattered_tensors += bucket.size();
-  stats_.scattered_bytes += full_bytes;
+  stats_.scattered_bytes += pending_bytes_;
+  std::vector<gpu::GradientDrain::Item> copies;
   for (size_t i = 0; i < bucket.size(); ++i) {
-    RETURN_IF_ERROR(tier_->AddGradient(bucket[i].id, items[i].recv,
-                                       bucket[i].slice_numel * sizeof(float), compute));
+    copies.push_back({bucket[i].id, items[i].recv, bucket[i].slice_numel * sizeof(float)});
   }
-  return absl::OkStatus();
+  pending_.clear();
+  pending_bytes_ = 0;
+  // All or none (one hold of their buffers). None: the collective still
+  // writes the scratch buffer, which must not go before it ran.
+  absl::Status added = tier_->AddGradients(copies, compute);
+  if (!added.ok()) {
+    absl::Status waited = WaitFor(compute);
+    if (!waited.ok()) LogWarning("Zero3: waiting for the reduce-scatter: %s", waited.ToString());
+  }
+  return added;
+}
+
+absl::Status Zero3::WaitFor(const gpu::Stream& compute) {
+  ASSIGN_OR_RETURN(gpu::Event ran, device_->CreateEvent());
+  RETURN_IF_ERROR(device_->Record(ran, compute));
+  return device_->Synchronize(ran);
 }
 
 absl::Status Zero3::Drain() {
   if (tier_->gradients_pending() > 0) {
-    ASSIGN_OR_RETURN(std::vector<uint64_t> ids,
-                     tier_->ReturnGradients(/*wait=*/true, options_.hand_over));
-    stats_.gradients_returned += ids.size();
-    returned_.insert(returned_.end(), ids.begin(), ids.end());
+    // The slices were written by reduce-scatters: a communicator one of
+    // them broke makes every copy of them garbage, handed to no step.
+    absl::StatusOr<std::vector<uint64_t>> ids = tier_->ReturnGradients(
+        /*wait=*/true, options_.hand_over, {}, [this] { return comm_->Check(); });
+    scratch_head_ = 0;  // (its copies are done, returned or not)
+    RETURN_IF_ERROR(ids.status());
+    stats_.gradients_returned += ids->size();
+    returned_.insert(returned_.end(), ids->begin(), ids->end());
   }
   scratch_head_ = 0;
   return absl::OkStatus();

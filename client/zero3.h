@@ -36,10 +36,18 @@
 // copies out of it completed: when it is full, ReduceScatter waits for
 // those copies (counted: scratch_waits).
 //
-// Errors: a collective that cannot be issued is returned by the call; one
-// that fails while running breaks the communicator and surfaces at the next
-// call (the daemon's partitions are untouched: nothing is returned from a
-// failed iteration unless its copies succeeded).
+// Errors: a collective that cannot be issued is returned by the call (a
+// bucket that cannot be is still queued: the call may be made again); one
+// that fails while running breaks the communicator: the gradient slices it
+// wrote are released unreturned when FinishBackward (or a full scratch
+// buffer) waits for their copies, and that call returns the error. Slices
+// returned before the collective that failed are the daemon's (a step then
+// finds some partitions' gradients and not others': drop the iteration,
+// Step with skip, or end the job).
+//
+// Padding: the gradient's tail past the tensor's numel (the last rank's
+// slice's padding) must be zeros, as the parameters' padding is: the daemon
+// counts it in the gradient's norm.
 //
 // Thread-safety: one thread (the one that issues the compute), as the
 // communicator's order requires.
@@ -131,6 +139,8 @@ class Zero3 {
   absl::Status Flush(const gpu::Stream& compute);
   // Waits for every gradient slice given to the tier, and returns them.
   absl::Status Drain();
+  // Waits on the host for the work issued so far on `compute`.
+  absl::Status WaitFor(const gpu::Stream& compute);
 
   GpuTier* const tier_;
   gpu::Device* const device_;

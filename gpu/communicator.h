@@ -64,6 +64,11 @@ class Communicator {
   virtual absl::Status AllGather(absl::Span<const GatherItem> items, const Stream& stream) = 0;
   virtual absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
                                      const Stream& stream) = 0;
+  // OK unless a collective broke the communicator (then the error that
+  // did, naming the collective): asked after a collective's results were
+  // waited for, before they are used (a failed collective leaves what it
+  // was to write undefined).
+  virtual absl::Status Check() const = 0;
 };
 
 }  // namespace offload::gpu

@@ -181,6 +181,13 @@ absl::Status EmulatedCommunicator::ReduceScatter(absl::Span<const ScatterItem> i
   return Issue(std::move(call), stream);
 }
 
+absl::Status EmulatedCommunicator::Check() const {
+  absl::MutexLock lock(&group_->mu);
+  if (group_->broken.ok()) return absl::OkStatus();
+  return absl::Status(group_->broken.code(),
+                      absl::StrCat(name(), ": broken by ", group_->broken.message()));
+}
+
 absl::Status EmulatedCommunicator::Issue(Call call, const Stream& stream) {
   {
     absl::MutexLock lock(&group_->mu);
@@ -191,12 +198,14 @@ absl::Status EmulatedCommunicator::Issue(Call call, const Stream& stream) {
   }
   items_ += call.gathers.size() + call.scatters.size();
   ++collectives_;
-  const uint64_t seq = next_++;
+  const uint64_t seq = next_;
   auto shared = std::make_shared<std::unique_ptr<Call>>(std::make_unique<Call>(std::move(call)));
   std::shared_ptr<Group> group = group_;
   const int rank = rank_;
-  return device_->Launch(
+  absl::Status launched = device_->Launch(
       stream, [group, seq, rank, shared]() { group->Arrive(seq, rank, std::move(*shared)); });
+  if (launched.ok()) ++next_;  // (a launch that failed leaves no gap in the ranks' sequence)
+  return launched;
 }
 
 }  // namespace offload::gpu

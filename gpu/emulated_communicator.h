@@ -40,6 +40,7 @@ class EmulatedCommunicator final : public Communicator {
   int size() const override;
   std::string name() const override;
   absl::Status AllGather(absl::Span<const GatherItem> items, const Stream& stream) override;
+  absl::Status Check() const override;
   absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
                              const Stream& stream) override;
 

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 
-#if NCCL_VERSION_CODE < 21000
-#error "offloadd needs NCCL 2.10 or later (ncclAvg)"
+#if NCCL_VERSION_CODE < 21400
+#error "offloadd needs NCCL 2.14 or later (ncclAvg, ncclRemoteError, ncclInProgress)"
 #endif
 
 namespace offload::gpu {
@@ -73,14 +73,39 @@ class NcclCommunicator final : public Communicator {
   std::string name() const override { return absl::StrCat("nccl rank ", rank_, " of ", size_); }
 
   absl::Status AllGather(absl::Span<const GatherItem> items, const Stream& stream) override {
+    // Every item checked before the group starts: one refused inside it
+    // would leave the others issued and the peers waiting in them.
+    for (const GatherItem& g : items) {
+      if (g.bytes != 0 && (g.send == nullptr || g.recv == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name(), ": all-gather of ", g.bytes, " bytes with a null buffer"));
+      }
+    }
     return Group("all-gather", items.size(), [&](size_t i) {
       const GatherItem& g = items[i];
       return ncclAllGather(g.send, g.recv, g.bytes, ncclUint8, comm_, Native(stream));
     });
   }
 
+  absl::Status Check() const override {
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
+      return NcclError(absl::StrCat(name(), ": ncclCommGetAsyncError"), r);
+    }
+    if (async != ncclSuccess && async != ncclInProgress) {
+      return NcclError(absl::StrCat(name(), ": the communicator is broken"), async);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
                              const Stream& stream) override {
+    for (const ScatterItem& s : items) {
+      if (s.count != 0 && (s.send == nullptr || s.recv == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name(), ": reduce-scatter of ", s.count, " floats with a null buffer"));
+      }
+    }
     const ncclRedOp_t nccl_op = op == ReduceOp::kAvg ? ncclAvg : ncclSum;
     return Group("reduce-scatter", items.size(), [&](size_t i) {
       const ScatterItem& s = items[i];

@@ -102,7 +102,7 @@ TEST_F(Zero3Test, AUnitIsGatheredPerBucketAndGradientsAveragedIntoTheDaemon) {
     tier_options.params.budget_bytes = 1 << 20;
     auto tier = GpuTier::Create(s, &dev, tier_options);
     ASSERT_TRUE(tier.ok()) << tier.status();
-    // The first two tensors' gathered output (24 + 4016 bytes) fits one
+    // The first two tensors' gathered output (24 + 4008 bytes) fits one
     // bucket of 8 KiB, the third's (12000) goes alone; gradients likewise.
     auto zero3 = Zero3::Create(tier->get(), &dev, ranks.comms[me].get(),
                                {.bucket_bytes = 8 << 10, .hand_over = false});
@@ -203,12 +203,58 @@ TEST_F(Zero3Test, BadShapesAreRefusedAndNothingIsIssued) {
   absl::Status odd = (*zero3)->ReduceScatter(1, g, 3, *compute);
   EXPECT_EQ(odd.code(), absl::StatusCode::kInvalidArgument) << odd;
   EXPECT_TRUE(absl::StrContains(odd.message(), "multiple of the 2 ranks")) << odd;
+  auto p = ranks.sessions[0]->Register("w", 4, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(ranks.sessions[0]->Release(*p).ok());
+  auto unit = (*zero3)->AddUnit({{p->id, 4 * sizeof(float)}});
+  ASSERT_TRUE(unit.ok()) << unit.status();
   void* none[1] = {nullptr};
-  EXPECT_EQ((*zero3)->Gather(0, none, *compute).code(), absl::StatusCode::kInvalidArgument);
+  absl::Status null = (*zero3)->Gather(*unit, none, *compute);
+  EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument) << null;
+  EXPECT_TRUE(absl::StrContains(null.message(), "null")) << null;
   EXPECT_EQ(ranks.comms[0]->collectives(), 0u);
   EXPECT_EQ(
       Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {.bucket_bytes = 0}).status().code(),
       absl::StatusCode::kInvalidArgument);
+}
+
+// A reduce-scatter that fails while it runs (the other rank never issues
+// it) breaks the communicator: the slices it was to write are released
+// unreturned, nothing of them reaches the daemon, and FinishBackward says
+// why (before: the copies of whatever the scratch buffer held were handed
+// over and FinishBackward returned OK).
+TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
+  Ranks ranks = MakeRanks(2);
+  std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
+  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Milliseconds(200));
+  Session* s = ranks.sessions[0].get();
+  gpu::EmulatedDevice& dev = *ranks.devices[0];
+  constexpr uint64_t kSlice = 64;
+  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(s->Release(*p).ok());
+  GpuTierOptions tier_options;
+  tier_options.params.budget_bytes = 1 << 20;
+  auto tier = GpuTier::Create(s, &dev, tier_options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto zero3 = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {.hand_over = false});
+  ASSERT_TRUE(zero3.ok()) << zero3.status();
+  auto compute = dev.CreateStream();
+  ASSERT_TRUE(compute.ok());
+  auto grads = dev.Allocate(2 * kSlice * sizeof(float));
+  ASSERT_TRUE(grads.ok());
+  float* g = static_cast<float*>(grads->get());
+  for (uint64_t i = 0; i < 2 * kSlice; ++i) g[i] = 1.0f;
+  ASSERT_TRUE((*zero3)->ReduceScatter(p->id, g, 2 * kSlice, *compute).ok());
+  auto finished = (*zero3)->FinishBackward(*compute);  // rank 1 issues nothing
+  EXPECT_EQ(finished.status().code(), absl::StatusCode::kDeadlineExceeded) << finished.status();
+  EXPECT_TRUE(absl::StrContains(finished.status().message(), "did not issue it"))
+      << finished.status();
+  auto pending = s->GetPendingGradients();
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->partitions, 0u) << "a failed collective's output reached the daemon";
+  EXPECT_EQ((*zero3)->stats().gradients_returned, 0u);
+  EXPECT_EQ((*tier)->gradients_pending(), 0u);
 }
 
 // The C++ GPU demo: two ranks train the MLP with ZeRO-3 through offloadd
