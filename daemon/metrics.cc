@@ -1,7 +1,17 @@
 #include "daemon/metrics.h"
 
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "httplib.h"
 
 namespace offload {
@@ -144,6 +154,70 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
   return out;
 }
 
+namespace {
+
+// httplib's connections go to a few workers with a short queue; past it
+// the accepting thread serves the connection itself, and so accepts no
+// more meanwhile (the kernel's backlog holds the rest): any local user can
+// open connections to the port, and an unbounded queue of idle ones took
+// offloadd's descriptors from the sessions.
+class BoundedQueue : public httplib::TaskQueue {
+ public:
+  BoundedQueue(int workers, size_t most_queued) : most_queued_(most_queued) {
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Work(); });
+  }
+  ~BoundedQueue() override {
+    shutdown();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  void enqueue(std::function<void()> fn) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!stopping_ && queue_.size() < most_queued_) {
+        queue_.push_back(std::move(fn));
+        return;
+      }
+    }
+    fn();  // (inline: the accepting thread waits for it)
+  }
+
+  void shutdown() override {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+
+ private:
+  void Work() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](BoundedQueue* q) ABSL_EXCLUSIVE_LOCKS_REQUIRED(q->mu_) {
+              return q->stopping_ || !q->queue_.empty();
+            },
+            this));
+        if (queue_.empty()) return;  // stopping, and nothing left to serve
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      fn();
+    }
+  }
+
+  const size_t most_queued_;
+  absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+constexpr int kWorkers = 2;
+constexpr size_t kMostQueued = 8;
+
+}  // namespace
+
 struct MetricsServer::Impl {
   httplib::Server server;
 };
@@ -151,6 +225,12 @@ struct MetricsServer::Impl {
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port, SnapshotFn snapshot) {
   std::unique_ptr<MetricsServer> m(new MetricsServer());
   m->impl_ = std::make_unique<Impl>();
+  httplib::Server& server = m->impl_->server;
+  server.new_task_queue = [] { return new BoundedQueue(kWorkers, kMostQueued); };
+  // One request a connection, and no connection idle for long.
+  server.set_keep_alive_max_count(1);
+  server.set_read_timeout(2, 0);
+  server.set_write_timeout(2, 0);
   m->impl_->server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {
     res.set_content(FormatPrometheus(snapshot()), "text/plain; version=0.0.4");
   });
@@ -161,7 +241,20 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port, Sn
   }
   m->port_ = bound;
   Impl* impl = m->impl_.get();
-  m->thread_ = std::thread([impl] { impl->server.listen_after_bind(); });
+  auto ended = std::make_shared<std::atomic<bool>>(false);
+  m->thread_ = std::thread([impl, ended] {
+    impl->server.listen_after_bind();
+    ended->store(true);
+  });
+  // Running before it is returned: a stop before httplib's loop began was
+  // lost, and the destructor's join waited for ever.
+  while (!impl->server.is_running() && !ended->load()) absl::SleepFor(absl::Milliseconds(1));
+  if (!impl->server.is_running()) {
+    m->thread_.join();
+    m->impl_.reset();
+    return absl::UnavailableError(
+        absl::StrCat("metrics.port: serving on 127.0.0.1:", bound, " ended as it began"));
+  }
   return m;
 }
 

@@ -1,7 +1,16 @@
 #include "daemon/metrics.h"
 
-#include <string>
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
 
@@ -81,6 +90,48 @@ TEST(Metrics, ServesOnLoopbackAndStops) {
   EXPECT_EQ(scrapes, 1);
   server->reset();
   EXPECT_FALSE(httplib::Client("127.0.0.1", port).Get("/metrics"));
+}
+
+// Connections nobody speaks on (any local user can open them) are served
+// a few at a time: offloadd's descriptors are not theirs to take (before:
+// each was accepted and queued, one descriptor each, without end).
+TEST(Metrics, IdleConnectionsDoNotTakeTheDaemonsDescriptors) {
+  auto server = MetricsServer::Start(0, [] { return Sample(); });
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto open_fds = [] {
+    int n = 0;
+    if (DIR* d = opendir("/proc/self/fd")) {
+      while (readdir(d) != nullptr) ++n;
+      closedir(d);
+    }
+    return n;
+  };
+  const int before = open_fds();
+  constexpr int kIdle = 200;
+  std::vector<int> idle;
+  for (int i = 0; i < kIdle; ++i) {
+    // (Not blocking: past what the server takes, the kernel's backlog
+    // makes a connect wait.)
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>((*server)->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const int r = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ASSERT_TRUE(r == 0 || errno == EINPROGRESS) << errno;
+    idle.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // (the server accepts what it will)
+  const int accepted = open_fds() - before - kIdle;
+  EXPECT_LE(accepted, 16) << "the server holds a descriptor for each idle connection";
+  for (int fd : idle) close(fd);
+  // Served again once they are gone.
+  httplib::Client client("127.0.0.1", (*server)->port());
+  client.set_read_timeout(10, 0);
+  auto res = client.Get("/metrics");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
 }
 
 }  // namespace
