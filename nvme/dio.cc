@@ -48,8 +48,10 @@ absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool wan
   return file;
 }
 
-absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, bool want_direct) {
-  const int flags = O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0);
+absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, bool want_direct,
+                                         bool exclusive) {
+  const int flags =
+      O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0) | (exclusive ? O_EXCL | O_NOFOLLOW : 0);
   IoFile file;
   file.path = path;
   if (want_direct) {
@@ -68,7 +70,10 @@ absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, b
     // Opened, but the filesystem reports no direct I/O support: reopen.
     file.fd.reset();
   }
-  file.fd.reset(open(path.c_str(), flags, 0600));
+  // (After a direct attempt, which may have made the file before the
+  // filesystem refused O_DIRECT: the file is this call's, opened again
+  // without O_EXCL, still never through a link.)
+  file.fd.reset(open(path.c_str(), want_direct ? flags & ~O_EXCL : flags, 0600));
   if (!file.fd.valid()) return PosixError(absl::StrCat("opening ", path), errno);
   file.alignment = 4096;
   return file;

@@ -49,7 +49,9 @@ absl::StatusOr<IoFile> OpenIoFile(const std::string& path, bool create, bool wan
 
 // OpenIoFile without the warning: whether the file is direct says it
 // (offloadctl doctor reports it as its own finding).
-absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, bool want_direct);
+// `exclusive`: the file must not exist yet, nor be a link (O_EXCL, O_NOFOLLOW).
+absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, bool want_direct,
+                                         bool exclusive = false);
 
 }  // namespace offload
 

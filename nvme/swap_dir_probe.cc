@@ -52,11 +52,13 @@ const NamedMagic* Find(int64_t magic) {
 // holds its lock (SwapSpace::Create takes LOCK_EX; a shared lock fails then).
 void LookAtSwapFile(const std::string& dir, SwapDirProbe& probe) {
   const std::string path = absl::StrCat(dir, "/", SwapSpace::kFileName);
+  // Not followed, not waited on (a FIFO or a link planted there by another
+  // user of a shared directory): only a regular file is looked at.
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW));
   struct stat st;
-  if (stat(path.c_str(), &st) != 0) return;
+  if (!fd.valid() || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return;
   probe.swap_file_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.valid() && flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+  if (flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
     probe.swap_file_locked = true;
   }
 }
@@ -113,7 +115,10 @@ SwapDirProbe ProbeSwapDir(const std::string& dir, const NvmeOptions& options) {
   static std::atomic<int> serial{0};
   const std::string path =
       absl::StrCat(dir, "/.offloadd-doctor.", getpid(), ".", serial.fetch_add(1));
-  absl::StatusOr<IoFile> file = OpenIoFileQuietly(path, /*create=*/true, options.direct_io);
+  // Made here, never an existing file or a link someone planted at this
+  // name (the pid is guessable): O_EXCL | O_NOFOLLOW.
+  absl::StatusOr<IoFile> file =
+      OpenIoFileQuietly(path, /*create=*/true, options.direct_io, /*exclusive=*/true);
   if (!file.ok()) {
     probe.usable = file.status();
     return probe;

@@ -92,6 +92,30 @@ TEST(SwapDirProbe, SeesAnExistingSwapFileAndItsLock) {
   EXPECT_TRUE(std::filesystem::exists(path)) << "the probe removed the swap file";
 }
 
+// What another user of a shared directory may plant there: a FIFO at the
+// swap file's name is not waited on (a blocking open hung the probe), and a
+// link at the scratch file's next name is not written through.
+TEST(SwapDirProbe, APlantedFifoOrLinkIsNeitherWaitedOnNorWrittenThrough) {
+  const std::string dir = Dir("planted");
+  ASSERT_EQ(mkfifo((dir + "/" + SwapSpace::kFileName).c_str(), 0600), 0);
+  const std::string victim = Dir("planted_victim") + "/precious";
+  const int v = open(victim.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(v, 0);
+  ASSERT_EQ(write(v, "keep", 4), 4);
+  close(v);
+  // The scratch files are named by pid and a counter: every next name of
+  // the first few points at the victim.
+  for (int serial = 0; serial < 64; ++serial) {
+    (void)symlink(victim.c_str(), (dir + "/.offloadd-doctor." + std::to_string(getpid()) + "." +
+                                   std::to_string(serial))
+                                      .c_str());
+  }
+  SwapDirProbe p = ProbeSwapDir(dir, NvmeOptions());  // (returns: the FIFO did not block)
+  EXPECT_EQ(p.swap_file_bytes, 0u);
+  EXPECT_FALSE(p.usable.ok()) << "the probe used a file it did not make";
+  EXPECT_EQ(std::filesystem::file_size(victim), 4u) << "written through a planted link";
+}
+
 TEST(SwapDirProbe, TmpfsIsInMemoryAndBuffered) {
   struct statfs fs;
   if (statfs("/dev/shm", &fs) != 0 || fs.f_type != 0x01021994) GTEST_SKIP() << "no tmpfs";
