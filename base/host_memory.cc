@@ -11,11 +11,13 @@
 #include <fstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/numeric/bits.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/posix_error.h"
 
 namespace offload {
@@ -254,6 +256,21 @@ std::vector<std::string> DamonMonitorsIn(const std::string& proc_dir,
     std::string comm;
     if (!std::getline(std::ifstream(entry.path() / "comm"), comm)) continue;  // gone meanwhile
     if (comm.rfind("kdamond", 0) != 0) continue;
+    // A kernel thread (PF_KTHREAD in /proc/<pid>/stat's flags, its ninth
+    // field, the seventh after the name's closing parenthesis): any user
+    // can run a process named kdamond, which changed the daemon's choice
+    // of pages for every session and doctor's verdict.
+    std::string stat;
+    if (!std::getline(std::ifstream(entry.path() / "stat"), stat)) continue;
+    const size_t name_end = stat.rfind(')');
+    if (name_end == std::string::npos) continue;
+    const std::vector<std::string> fields =
+        absl::StrSplit(stat.substr(name_end + 1), ' ', absl::SkipEmpty());
+    constexpr uint64_t kKernelThread = 0x00200000;  // PF_KTHREAD
+    uint64_t flags = 0;
+    if (fields.size() < 7 || !absl::SimpleAtoi(fields[6], &flags) || !(flags & kKernelThread)) {
+      continue;
+    }
     const auto ops = operations.find(pid);
     running.push_back(absl::StrCat(
         comm, " (pid ", pid, ops == operations.end() ? "" : absl::StrCat(", ", ops->second), ")"));

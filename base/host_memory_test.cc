@@ -200,11 +200,22 @@ TEST(HostMemory, DamonMonitorsAreTheKdamondThreads) {
   // One started through the admin interface (its operations readable), one
   // by a module (DAMON_RECLAIM: no admin entry), one whose admin entry this
   // process cannot read (here: no pid file), and a stopped admin entry.
-  WriteFile(proc + "/507/comm", "kdamond.0");
+  // Kernel threads: PF_KTHREAD (0x00200000) among the flags of their stat.
+  auto kthread = [&](const std::string& pid, const std::string& name) {
+    WriteFile(proc + "/" + pid + "/comm", name);
+    WriteFile(proc + "/" + pid + "/stat",
+              pid + " (" + name + ") S 2 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 9 0 0");
+  };
+  kthread("507", "kdamond.0");
   WriteFile(admin + "/0/pid", "507");
   WriteFile(admin + "/0/contexts/0/operations", "paddr");
-  WriteFile(proc + "/612/comm", "kdamond.1");
-  WriteFile(proc + "/88/comm", "kdamond.2");
+  kthread("612", "kdamond.1");
+  kthread("88", "kdamond.2");
+  // A user's process named kdamond (any user can run one; its name may
+  // hold spaces and parentheses): not a monitor.
+  WriteFile(proc + "/4242/comm", "kdamond.7");
+  WriteFile(proc + "/4242/stat",
+            "4242 (kdamond.7 (x) 1) S 1000 4242 4242 34816 4242 4194304 99 0 0 0 1 0 0 0 20 0");
   WriteFile(admin + "/1/contexts/0/operations", "vaddr");
   WriteFile(admin + "/2/pid", "-1");
   WriteFile(admin + "/2/contexts/0/operations", "fvaddr");

@@ -94,7 +94,12 @@ TEST(Doctor, DamonByWhatThePoolsPagesWouldBe) {
   Write(node.proc + "/1/comm", "systemd");
   EXPECT_VERDICT(CheckDamon(node, DoctorSettings()), Verdict::kOk);
 
+  // A user's process of that name is no monitor; the kernel thread is.
+  Write(node.proc + "/4242/comm", "kdamond.0");
+  Write(node.proc + "/4242/stat", "4242 (kdamond.0) S 1000 4242 4242 0 -1 4194304 0 0 0 0");
+  EXPECT_VERDICT(CheckDamon(node, DoctorSettings()), Verdict::kOk);
   Write(node.proc + "/507/comm", "kdamond.0");
+  Write(node.proc + "/507/stat", "507 (kdamond.0) S 2 0 0 0 -1 2129984 0 0 0 0");
   Write(node.sys + "/kernel/mm/damon/admin/kdamonds/0/pid", "507");
   Write(node.sys + "/kernel/mm/damon/admin/kdamonds/0/contexts/0/operations", "paddr");
   Check c = CheckDamon(node, DoctorSettings());  // auto: small pages, host only
