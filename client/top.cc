@@ -37,6 +37,11 @@ std::string Percent(double part, double whole) {
 std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double seconds,
                       int width) {
   std::vector<std::string> lines;
+  // Another offloadd since the last screen (a restart keeps sessions, whose
+  // counters start again): no rates, as on the first.
+  if (before != nullptr && (before->pid != now.pid || before->uptime_ms > now.uptime_ms)) {
+    before = nullptr;
+  }
   const std::map<std::string, int64_t> c = Counters(now);
   const std::map<std::string, int64_t> b = before != nullptr ? Counters(*before) : c;
   const bool rates = before != nullptr && seconds > 0;
@@ -61,13 +66,14 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
   lines.push_back(tiers);
   const double reads = delta("prefetch_used") + delta("swap_misses") + delta("swap_waited_reads");
   lines.push_back(absl::StrFormat(
-      "swap in %s  out %s   prefetch used %s of reads (%s wasted)   updates %.3g params/s   "
-      "calls failed %.0f/s",
+      "swap in %s  out %s   prefetch used %s of reads (%s wasted)   updates %s params/s   "
+      "calls failed %s/s",
       rates ? Rate(per_second("swap_in_bytes")) : "-",
       rates ? Rate(per_second("swap_out_bytes")) : "-",
       rates ? Percent(delta("prefetch_used"), reads) : "-",
       rates ? Percent(delta("prefetch_wasted"), delta("prefetch_issued")) : "-",
-      per_second("params_updated"), per_second("requests_failed")));
+      rates ? absl::StrFormat("%.3g", per_second("params_updated")) : "-",
+      rates ? absl::StrFormat("%.0f", per_second("requests_failed")) : "-"));
   lines.push_back("");
   lines.push_back(absl::StrFormat(
       "%-20s %-18s %6s %5s %21s %21s %21s %8s %9s %6s %8s %5s %9s %7s %11s %11s %8s", "SESSION",
@@ -84,6 +90,16 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
     };
     const auto it = earlier.find(s.id);
     const DaemonStats::Session* e = it == earlier.end() ? nullptr : it->second;
+    // A counter that went back (the session's counts began again): no rates
+    // for it this time, rather than an unsigned difference's nonsense.
+    if (e != nullptr &&
+        (s.steps < e->steps || s.step_wall_nanos < e->step_wall_nanos ||
+         s.step_wait_nanos < e->step_wait_nanos || s.step_compute_nanos < e->step_compute_nanos ||
+         s.optimizer_params < e->optimizer_params ||
+         s.optimizer_queued_nanos < e->optimizer_queued_nanos ||
+         s.nvme_read_bytes + s.nvme_write_bytes < e->nvme_read_bytes + e->nvme_write_bytes)) {
+      e = nullptr;
+    }
     std::string steps = "-", step_ms = "-", wait = "-", compute = "-", gpu_in = "-", hit = "-";
     std::string updates = "-", queued = "-", nvme = "-";
     if (rates && e != nullptr) {
@@ -92,8 +108,12 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
       steps = absl::StrFormat("%.2f", dsteps / seconds);
       updates = absl::StrFormat(
           "%.3g", static_cast<double>(s.optimizer_params - e->optimizer_params) / seconds);
-      queued = Percent(static_cast<double>(s.optimizer_queued_nanos - e->optimizer_queued_nanos),
-                       seconds * 1e9);
+      // (A wait is counted when it ends: one longer than the screen's
+      // interval is at most all of it.)
+      queued = Percent(
+          std::min(static_cast<double>(s.optimizer_queued_nanos - e->optimizer_queued_nanos),
+                   seconds * 1e9),
+          seconds * 1e9);
       nvme = Rate(static_cast<double>((s.nvme_read_bytes + s.nvme_write_bytes) -
                                       (e->nvme_read_bytes + e->nvme_write_bytes)) /
                   seconds);
@@ -102,7 +122,10 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
         wait = Percent(static_cast<double>(s.step_wait_nanos - e->step_wait_nanos), wall);
         compute = Percent(static_cast<double>(s.step_compute_nanos - e->step_compute_nanos), wall);
       }
-      if (s.gpu.has_value() && e->gpu.has_value()) {
+      if (s.gpu.has_value() && e->gpu.has_value() && s.gpu->h2d_bytes >= e->gpu->h2d_bytes &&
+          s.gpu->tensor_uses >= e->gpu->tensor_uses &&
+          s.gpu->resident_hits + s.gpu->prefetch_hits >=
+              e->gpu->resident_hits + e->gpu->prefetch_hits) {
         gpu_in = Rate(static_cast<double>(s.gpu->h2d_bytes - e->gpu->h2d_bytes) / seconds);
         hit = Percent(static_cast<double>((s.gpu->resident_hits + s.gpu->prefetch_hits) -
                                           (e->gpu->resident_hits + e->gpu->prefetch_hits)),

@@ -61,6 +61,43 @@ TEST(Top, RatesAndTheStepSplitComeFromTwoSnapshots) {
   EXPECT_TRUE(absl::StrContains(row, "0 B/1.0 GiB")) << row;  // state on NVMe
 }
 
+// Counters that start again (offloadd restarted keeping the session, a
+// session's GPU tier replaced) and waits longer than the interval: dashes
+// and at most 100%, not an unsigned difference or a negative rate.
+TEST(Top, CountersThatGoBackGiveNoRates) {
+  const DaemonStats before = Snapshot(int64_t{4} << 30, 30, 2600, 500);
+  DaemonStats restarted = Snapshot(0, 2, 100, 10);
+  restarted.pid = 43;
+  std::string screen = RenderTop(restarted, &before, 1.0);
+  EXPECT_TRUE(absl::StrContains(screen, "swap in -  out -")) << screen;
+  EXPECT_TRUE(absl::StrContains(screen, "updates - params/s")) << screen;
+  DaemonStats went_back = Snapshot(int64_t{5} << 30, 1, 50, 5);  // the same pid
+  screen = RenderTop(went_back, &before, 1.0);
+  std::string row;
+  for (absl::string_view l : absl::StrSplit(screen, '\n')) {
+    if (absl::StrContains(l, "gpt/rank0")) row = std::string(l);
+  }
+  EXPECT_FALSE(absl::StrContains(row, "18446744")) << row;  // 2^64 - something
+  EXPECT_FALSE(absl::StrContains(row, "-1")) << row;
+  DaemonStats a = Snapshot(0, 30, 2600, 500), b = a;
+  a.sessions[0].optimizer_queued_nanos = 0;
+  b.sessions[0].optimizer_queued_nanos = 3000000000;  // a 3-s wait ended in 1 s
+  screen = RenderTop(b, &a, 1.0);
+  EXPECT_TRUE(absl::StrContains(screen, " 100% ")) << screen;
+  EXPECT_FALSE(absl::StrContains(screen, "300%")) << screen;
+  DaemonStats g1 = a, g2 = a;
+  g1.sessions[0].gpu.emplace();
+  g1.sessions[0].gpu->h2d_bytes = 1 << 30;
+  g1.sessions[0].gpu->tensor_uses = 1000;
+  g2.sessions[0].gpu.emplace();  // the tier replaced: its counts from zero
+  g2.sessions[0].gpu->h2d_bytes = 1 << 20;
+  g2.sessions[0].gpu->tensor_uses = 10;
+  screen = RenderTop(g2, &g1, 1.0, 400);  // (wide enough for the GPU columns)
+  for (const char* absurd : {"TiB/s", "PiB/s", "EiB/s", "e+"}) {
+    EXPECT_FALSE(absl::StrContains(screen, absurd)) << screen;
+  }
+}
+
 TEST(Top, LinesAreCutToTheWidth) {
   const std::string screen = RenderTop(Snapshot(0, 0, 0, 0), nullptr, 0, 40);
   for (absl::string_view l : absl::StrSplit(screen, '\n')) EXPECT_LE(l.size(), 40u) << l;
