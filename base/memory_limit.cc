@@ -33,27 +33,35 @@ MemoryLimit ReadMemoryLimitFrom(const std::string& proc_self_cgroup, const std::
   MemoryLimit limit;
   limit.physical = physical;
   std::vector<std::string> candidates;
+  // The process's cgroup and every one above it (a limit on a parent, a
+  // user's slice say, bounds it as its own does), up to the root.
+  auto with_ancestors = [&](const std::string& base, std::string path, const std::string& file) {
+    for (;;) {
+      candidates.push_back(base + path + "/" + file);
+      if (path.empty()) break;
+      path.resize(path.rfind('/') == std::string::npos ? 0 : path.rfind('/'));
+    }
+  };
   for (absl::string_view line : absl::StrSplit(proc_self_cgroup, '\n', absl::SkipEmpty())) {
     // "hierarchy-id:controllers:path"
     std::vector<std::string> f = absl::StrSplit(line, absl::MaxSplits(':', 2));
     if (f.size() != 3) continue;
     const std::string& path = f[2] == "/" ? "" : f[2];
     if (f[0] == "0" && f[1].empty()) {
-      candidates.push_back(cgroup_root + path + "/memory.max");
-      candidates.push_back(cgroup_root + "/memory.max");
+      with_ancestors(cgroup_root, path, "memory.max");
     } else {
       for (absl::string_view c : absl::StrSplit(f[1], ',')) {
         if (c != "memory") continue;
-        candidates.push_back(cgroup_root + "/memory" + path + "/memory.limit_in_bytes");
-        candidates.push_back(cgroup_root + "/memory/memory.limit_in_bytes");
+        with_ancestors(cgroup_root + "/memory", path, "memory.limit_in_bytes");
       }
     }
   }
+  // The smallest of them is the one that binds.
   for (const std::string& file : candidates) {
-    if (uint64_t v = ReadLimitFile(file); v != 0) {
+    const uint64_t v = ReadLimitFile(file);
+    if (v != 0 && (limit.cgroup == 0 || v < limit.cgroup)) {
       limit.cgroup = v;
       limit.cgroup_file = file;
-      break;
     }
   }
   return limit;

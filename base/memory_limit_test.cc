@@ -36,6 +36,23 @@ TEST(MemoryLimit, CgroupV2LimitOfTheProcessPath) {
   EXPECT_EQ(m.effective(), 4 * kGiB);
 }
 
+// A limit on a cgroup above the process's (a user's slice) binds it too;
+// the smallest on the way up is the one that counts.
+TEST(MemoryLimit, CgroupV2LimitOfAParent) {
+  const std::string root = Root("v2parent");
+  Write(root + "/user.slice/user-1000.slice/memory.max", "2147483648\n");
+  Write(root + "/user.slice/user-1000.slice/session-3.scope/memory.max", "max\n");
+  Write(root + "/user.slice/memory.max", "8589934592\n");
+  MemoryLimit m =
+      ReadMemoryLimitFrom("0::/user.slice/user-1000.slice/session-3.scope\n", root, 24 * kGiB);
+  EXPECT_EQ(m.cgroup, 2 * kGiB);
+  EXPECT_EQ(m.cgroup_file, root + "/user.slice/user-1000.slice/memory.max");
+  Write(root + "/user.slice/user-1000.slice/session-3.scope/memory.max", "1073741824\n");
+  EXPECT_EQ(ReadMemoryLimitFrom("0::/user.slice/user-1000.slice/session-3.scope\n", root, 24 * kGiB)
+                .cgroup,
+            kGiB);
+}
+
 TEST(MemoryLimit, CgroupV2MaxMeansNoLimit) {
   const std::string root = Root("v2max");
   Write(root + "/memory.max", "max\n");
