@@ -18,7 +18,8 @@
 // offloadd (client/doctor.h) and exits 0, 1 or 2 by what it found.
 // ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
 // TCP, anything but reading (status, stats, config list and get) needs
-// $OFFLOADD_TOKEN (<data_dir>/tcp_token).
+// $OFFLOADD_TOKEN (<data_dir>/tcp_token); so do share, checkpoint and config
+// set over a socket shared with a group (server.socket_group).
 // Exit status: 0 success, 1 the daemon refused or could not be reached
 // (the reason is printed with its status code), 2 usage error; doctor's
 // own are in kDoctorUsage.
@@ -71,7 +72,8 @@ constexpr char kUsage[] =
     "                          check this node for offloadd (no daemon needed; doctor --help)\n"
     "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
     "Over TCP, only what reads (status, stats, config list and get) is served unless\n"
-    "$OFFLOADD_TOKEN holds <data_dir>/tcp_token.\n";
+    "$OFFLOADD_TOKEN holds <data_dir>/tcp_token; over a socket shared with a group\n"
+    "(server.socket_group), share, checkpoint and config set need it too.\n";
 
 constexpr char kDoctorUsage[] =
     "usage: offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]\n"
@@ -327,6 +329,7 @@ std::string WhatIsWrong(const std::vector<std::string>& args) {
 int Main(int argc, char** argv) {
   ClientOptions options;
   std::string format = "safetensors";
+  bool export_flags = false;  // --format or --steps given (export's alone)
   std::optional<uint64_t> steps;
   std::vector<std::string> args;
   bool help = false;
@@ -336,6 +339,7 @@ int Main(int argc, char** argv) {
       options.address = a.substr(10);
     } else if (absl::StartsWith(a, "--format=")) {
       format = a.substr(9);
+      export_flags = true;
     } else if (absl::StartsWith(a, "--steps=")) {
       uint64_t n = 0;
       if (!absl::SimpleAtoi(a.substr(8), &n)) {
@@ -344,6 +348,7 @@ int Main(int argc, char** argv) {
         return 2;
       }
       steps = n;
+      export_flags = true;
     } else if (a == "--help" || a == "-h") {
       help = true;
     } else {
@@ -363,6 +368,11 @@ int Main(int argc, char** argv) {
     return 2;
   };
   if (args.empty()) return usage();
+  if (export_flags && args[0] != "export") {
+    std::fprintf(stderr, "offloadctl: --format and --steps are export's, not %s's\n",
+                 args[0].c_str());
+    return 2;
+  }
   if (args[0] == "top") {
     double interval = 1.0;
     int64_t iterations = 0;

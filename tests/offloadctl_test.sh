@@ -32,6 +32,10 @@ set -e
 [[ $rc == 1 ]] || fail "static set exited $rc"
 grep -q FAILED_PRECONDITION <<<"$err" || fail "static set: $err"
 set +e
+err=$($ctl top --steps=3 2>&1); rc=$?
+set -e
+[[ $rc == 2 ]] && grep -q "export's" <<<"$err" || fail "top --steps=3 was taken: $rc $err"
+set +e
 err=$($ctl frobnicate 2>&1); rc=$?
 set -e
 [[ $rc == 2 ]] || fail "usage error exited $rc"
