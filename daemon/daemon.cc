@@ -279,8 +279,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   }
 
   if (options->metrics.port >= 0) {
-    ASSIGN_OR_RETURN(d->metrics_, MetricsServer::Start(static_cast<int>(options->metrics.port),
-                                                       [raw] { return raw->Snapshot(); }));
+    const bool names = options->metrics.session_names;
+    ASSIGN_OR_RETURN(d->metrics_,
+                     MetricsServer::Start(static_cast<int>(options->metrics.port), [raw, names] {
+                       DaemonSnapshot s = raw->Snapshot();
+                       if (!names) {
+                         for (auto& x : s.sessions) x.name.clear();
+                       }
+                       return s;
+                     }));
   }
   d->SetHooks();
   RETURN_IF_ERROR(registry->Freeze());

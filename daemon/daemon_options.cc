@@ -133,6 +133,11 @@ void BindTunables(DaemonOptions* o, ConfigRegistry* r) {
   r->Bind("metrics.port", &o->metrics.port,
           {"port", "Prometheus metrics on 127.0.0.1:<port>/metrics; -1 off, 0 any free port", false,
            kTcpPortRange});
+  r->Bind("metrics.session_names", &o->metrics.session_names,
+          {"bool",
+           "label the metrics' session series with the sessions' names (any local user can read "
+           "the port); off: the name label is empty, the session label holds the id",
+           false});
   BindOptimizerTunables(&o->optimizer, r);
   BindNvmeTunables(&o->nvme, r);
   BindSwapperTunables(&o->swapper, r);

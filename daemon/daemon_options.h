@@ -178,6 +178,10 @@ struct MetricsOptions {
   // Serve Prometheus text metrics at http://127.0.0.1:<port>/metrics (never
   // on other interfaces). -1 (default) off, 0 any free port (logged).
   int64_t port = -1;
+  // Label each session's series with its name (name="..."): any local user
+  // can read the port, while GetStats shows names over TCP only with the
+  // token. Off: the label is empty, the session's id is there.
+  bool session_names = false;
 };
 
 struct DaemonOptions {

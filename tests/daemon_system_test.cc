@@ -2719,12 +2719,26 @@ TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
   EXPECT_EQ(res->status, 200);
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_sessions_opened_total 1")) << res->body;
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_tier_budget_bytes{tier=\"host\"}"));
-  EXPECT_TRUE(absl::StrContains(res->body, "name=\"rank0\""));
+  // Names only where asked (any local user reads the port).
+  EXPECT_FALSE(absl::StrContains(res->body, "rank0")) << res->body;
+  EXPECT_TRUE(absl::StrContains(res->body, "name=\"\""));
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_nvme_bytes_total{session="));
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_io_queued_seconds_total{session="));
   EXPECT_TRUE(absl::StrContains(res->body, "offloadd_session_pool_room_bytes{session="));
   EXPECT_TRUE(absl::StrContains(res->body, "# TYPE offloadd_session_pool_evictions_total counter"));
   EXPECT_TRUE(absl::StrContains(res->body, "# TYPE offloadd_swap_hits_total counter"));
+  auto named = DaemonProcess::Start({"--metrics.port=0", "--metrics.session_names=true"});
+  ASSERT_TRUE(named.ok()) << named.status();
+  ASSERT_TRUE((*named)->WaitForLog(marker).ok());
+  const std::string named_log = (*named)->ReadLog();
+  const int named_port = std::atoi(named_log.c_str() + named_log.find(marker) + marker.size());
+  auto nc = Client::Connect({(*named)->address()});
+  ASSERT_TRUE(nc.ok());
+  auto named_session = (*nc)->OpenSession("rank0");
+  ASSERT_TRUE(named_session.ok());
+  auto named_res = httplib::Client("127.0.0.1", named_port).Get("/metrics");
+  ASSERT_TRUE(named_res);
+  EXPECT_TRUE(absl::StrContains(named_res->body, "name=\"rank0\"")) << named_res->body;
   // Off by default (the banner's last line is the data directory).
   auto plain = DaemonProcess::Start({});
   ASSERT_TRUE(plain.ok());
