@@ -126,15 +126,25 @@ absl::Status Zero3::Flush(const gpu::Stream& compute) {
   const std::vector<Pending>& bucket = pending_;
   uint64_t need = 0;
   for (const Pending& p : bucket) need += AlignUp(p.slice_numel * sizeof(float));
+  // A Drain that fails (a broken communicator, a failed copy) leaves no
+  // iteration to go on with: the bucket goes with it.
+  auto drained = [this]() {
+    absl::Status s = Drain();
+    if (!s.ok()) {
+      pending_.clear();
+      pending_bytes_ = 0;
+    }
+    return s;
+  };
   if (!scratch_ || scratch_.bytes() < need) {
     // A first or larger buffer: the old one's copies must be done first.
-    RETURN_IF_ERROR(Drain());
+    RETURN_IF_ERROR(drained());
     scratch_.Reset();
     const uint64_t want = options_.scratch_bytes != 0 ? options_.scratch_bytes : 2 * need;
     ASSIGN_OR_RETURN(scratch_, device_->Allocate(std::max(want, need)));
   } else if (scratch_head_ + need > scratch_.bytes()) {
     ++stats_.scratch_waits;
-    RETURN_IF_ERROR(Drain());
+    RETURN_IF_ERROR(drained());
   }
   char* at = static_cast<char*>(scratch_.get()) + scratch_head_;
   std::vector<gpu::Communicator::ScatterItem> items;
@@ -182,6 +192,14 @@ absl::Status Zero3::Drain() {
   }
   scratch_head_ = 0;
   return absl::OkStatus();
+}
+
+absl::Status Zero3::Abandon() {
+  pending_.clear();
+  pending_bytes_ = 0;
+  returned_.clear();
+  scratch_head_ = 0;
+  return tier_->gradients_pending() > 0 ? tier_->DropGradients() : absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<uint64_t>> Zero3::FinishBackward(const gpu::Stream& compute) {

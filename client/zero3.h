@@ -37,7 +37,8 @@
 // those copies (counted: scratch_waits).
 //
 // Errors: a collective that cannot be issued is returned by the call (a
-// bucket that cannot be is still queued: the call may be made again); one
+// bucket that cannot be is still queued, its gradients' `full` buffers
+// still read: make the call again, or Abandon the iteration); one
 // that fails while running breaks the communicator: the gradient slices it
 // wrote are released unreturned when FinishBackward (or a full scratch
 // buffer) waits for their copies, and that call returns the error. Slices
@@ -124,6 +125,11 @@ class Zero3 {
   // the iteration is in the daemon (returned or handed over). Returns the
   // partitions, in the order they went.
   absl::StatusOr<std::vector<uint64_t>> FinishBackward(const gpu::Stream& compute);
+
+  // Gives the iteration up after an error: the gradients still queued are
+  // forgotten (their `full` buffers the trainer's again) and those on their
+  // way to the daemon waited for and released unreturned.
+  absl::Status Abandon();
 
   Zero3Stats stats() const { return stats_; }
 

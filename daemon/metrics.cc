@@ -229,6 +229,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port, Sn
   server.new_task_queue = [] { return new BoundedQueue(kWorkers, kMostQueued); };
   // One request a connection, and no connection idle for long.
   server.set_keep_alive_max_count(1);
+  server.set_keep_alive_timeout(2);
   server.set_read_timeout(2, 0);
   server.set_write_timeout(2, 0);
   m->impl_->server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {

@@ -76,14 +76,12 @@ absl::StatusOr<uint64_t> ShmArena::Allocate(uint64_t bytes, uint64_t alignment) 
 
 bool ShmArena::GiveBack(uint64_t offset, uint64_t bytes, uint64_t alignment) {
   const uint64_t rounded = RoundUp(bytes, alignment);
-  {
-    absl::MutexLock lock(&mu_);
-    if (offset > size_ || size_ - offset != rounded) return false;
-    size_ = offset;
-  }
-  // Its pages freed (the next allocation there starts from zeros, as a
-  // fresh one does).
+  absl::MutexLock lock(&mu_);
+  if (offset > size_ || size_ - offset != rounded) return false;
+  // Its pages freed before anyone may allocate there (the next allocation
+  // starts from zeros, as a fresh one does).
   (void)Discard(offset, rounded);
+  size_ = offset;
   return true;
 }
 

@@ -53,11 +53,14 @@ const NamedMagic* Find(int64_t magic) {
 void LookAtSwapFile(const std::string& dir, SwapDirProbe& probe) {
   const std::string path = absl::StrCat(dir, "/", SwapSpace::kFileName);
   // Not followed, not waited on (a FIFO or a link planted there by another
-  // user of a shared directory): only a regular file is looked at.
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW));
+  // user of a shared directory): only a regular file is looked at; its
+  // size also where this user cannot open it (another user's offloadd's).
   struct stat st;
-  if (!fd.valid() || fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  if (lstat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
   probe.swap_file_bytes = static_cast<uint64_t>(st.st_blocks) * 512;
+  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW));
+  struct stat opened;
+  if (!fd.valid() || fstat(fd.get(), &opened) != 0 || opened.st_ino != st.st_ino) return;
   if (flock(fd.get(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
     probe.swap_file_locked = true;
   }

@@ -255,6 +255,12 @@ TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
   EXPECT_EQ(pending->partitions, 0u) << "a failed collective's output reached the daemon";
   EXPECT_EQ((*zero3)->stats().gradients_returned, 0u);
   EXPECT_EQ((*tier)->gradients_pending(), 0u);
+  // The iteration given up: nothing of it is queued for the next.
+  EXPECT_TRUE((*zero3)->Abandon().ok());
+  auto next = (*zero3)->FinishBackward(*compute);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(next->empty());
+  EXPECT_EQ(ranks.comms[0]->collectives(), 1u) << "a stale bucket was issued again";
 }
 
 // The C++ GPU demo: two ranks train the MLP with ZeRO-3 through offloadd

@@ -15,6 +15,9 @@
 #               runtimes, which the target machine has (newer ones).
 # On the target: cd DEST/run && export LD_LIBRARY_PATH=$PWD/../lib
 #   PYTHONPATH=client/python/site python3 tests/torch_wrap_test.py
+# With OLD_REV=<commit>, DEST/run/site_old/offloadd is the package with
+# that commit's offloadd.torch (the same binaries): gpu_run.sh's tokens_ab
+# stage runs both alternately (an A/B of a Python change in one call).
 set -euo pipefail
 dest=${1:?usage: tools/gpu_bundle.sh DEST [PYTHON_INCLUDE_DIR]}
 pyinc=${2:-/usr/local/include/python3.12}
@@ -47,6 +50,12 @@ for f in tests/torch_wrap_test.py tests/torch_wrap_worker.py benches/torch_token
   put "$f" "$f"
 done
 cp /usr/share/common-licenses/GPL-3 "$dest/GPL-3"  # the demo's training text
+if [[ -n ${OLD_REV:-} ]]; then
+  mkdir -p "$dest/run/site_old"
+  cp -rL "$bin/client/python/site/offloadd" "$dest/run/site_old/"
+  chmod -R u+w "$dest/run/site_old"
+  git show "$OLD_REV:client/python/offloadd/torch.py" >"$dest/run/site_old/offloadd/torch.py"
+fi
 
 # The libraries: everything ldd resolves except the C runtime, the C++
 # runtime and the loader, which the target has in newer versions, and NCCL

@@ -3,7 +3,7 @@
 # test, the system tests with that machine's PyTorch, and the benchmarks.
 # usage: tools/gpu_run.sh BUNDLE STAGE...   (from any directory)
 # Stages: env doctor cudatest nccltest gpudemo gpucopy gputier gputier_cuda gputier_dpu gputest compat
-#         alltests tokens tokens_big tokens_host tokens_profile tokens_trace large
+#         alltests tokens tokens_big tokens_host tokens_ab tokens_profile tokens_trace large
 #         step_overlap step_overlap_3t
 #         step_overlap_15 step_overlap_12 step_overlap_nvme
 #         load1 load1_nosteps load8 cpu_adam shares shares_nvme shares_neighbour
@@ -86,6 +86,19 @@ for stage in "$@"; do
       timeout 300 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda \
         --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=2 \
         --modes=torch,host,dpu,overlap ;;
+    # This tree's offloadd.torch against OLD_REV's (gpu_bundle.sh), the
+    # same binaries, alternating: 3 pairs of the 25M model, sync and delayed.
+    tokens_ab)
+      [[ -d site_old ]] || { echo "no site_old: bundle with OLD_REV=<commit>"; false; } &&
+      for r in 1 2 3; do
+        for v in new old; do
+          site=client/python/site; [[ $v == old ]] && site=site_old
+          echo "== $v $r"
+          PYTHONPATH=$site timeout 90 python3 benches/torch_tokens.py --offloadd=daemon/offloadd \
+            --device=cuda --dim=512 --layers=8 --batch=32 --context=128 --steps=20 --rounds=1 \
+            --modes=host,dpu 2>&1 | grep -E "^torch AdamW|^offloadd, state|^  the same|rror"
+        done
+      done ;;
     step_overlap) timeout 300 benches/step_overlap ;;
     step_overlap_3t) timeout 300 benches/step_overlap --t=70ms ;;
     step_overlap_15) timeout 300 benches/step_overlap --threads=15 ;;

@@ -923,11 +923,12 @@ class _Engine:
             try:
                 if not part.restored:
                     self._write_initial(s, p, name, part, master)
-            finally:
-                # (With an fp32 master, the release makes the values written
-                # the master weights: on NVMe, that takes room too.)
-                self.with_room(f"releasing '{s.name}'",
-                               lambda: self.session.release([part.id]))
+            except BaseException:
+                self._release_quietly(self.session, [part.id])  # (that error is the one to see)
+                raise
+            # (With an fp32 master, the release makes the values written the
+            # master weights: on NVMe, that takes room too.)
+            self.with_room(f"releasing '{s.name}'", lambda: self.session.release([part.id]))
             s.pid = part.id
             self.shards.append(s)
             self.by_param[id(p)] = s
@@ -1565,9 +1566,10 @@ class _Engine:
                             torch.frombuffer(v.master_init, dtype=torch.float32).copy_(mine)
                         else:
                             torch.frombuffer(v.params, dtype=self.torch_working).copy_(mine)
-                finally:
-                    self.with_room("releasing the loaded values",
-                                   lambda: self.session.release(ids))
+                except BaseException:
+                    self._release_quietly(self.session, ids)
+                    raise
+                self.with_room("releasing the loaded values", lambda: self.session.release(ids))
         finally:
             if delayed:
                 self.session.set_delayed_update(True)
@@ -2019,13 +2021,12 @@ class _GpuTier:
                 raise exc
 
     def _relieve(self):
-        """Before a hold asked again for room (not in resident mode): this
-        rank's gradients in flight returned (their buffers let go) and the
-        copies done reaped (their holds let go)."""
-        if self.grads:
-            self.flush_gradients(end=False)
-        else:
-            self.tier.synchronize()
+        """Before a hold asked again for room (not in resident mode): the
+        parameter copies done reaped, their holds let go. (Not this rank's
+        gradients in flight: returning them takes room too, and a return
+        refused lets their buffers go unreturned; pending_bytes bounds
+        them.)"""
+        self.tier.synchronize()
 
     def _drop(self):
         """Waits for the gradients' copies in flight and lets their buffers
