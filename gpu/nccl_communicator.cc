@@ -56,6 +56,7 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator(ncclComm_t comm, int ordinal, int rank, int size)
       : comm_(comm), ordinal_(ordinal), rank_(rank), size_(size) {}
   ~NcclCommunicator() override {
+    if (!broken_.ok()) return;  // aborted when found broken (ncclCommAbort freed it)
     (void)SetDevice(ordinal_);
     // A broken communicator cannot finish its work: abort it instead.
     ncclResult_t async = ncclSuccess;
@@ -87,16 +88,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  absl::Status Check() const override {
-    ncclResult_t async = ncclSuccess;
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
-      return NcclError(absl::StrCat(name(), ": ncclCommGetAsyncError"), r);
-    }
-    if (async != ncclSuccess && async != ncclInProgress) {
-      return NcclError(absl::StrCat(name(), ": the communicator is broken"), async);
-    }
-    return absl::OkStatus();
-  }
+  absl::Status Check() const override { return Broken(name()); }
 
   absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
                              const Stream& stream) override {
@@ -124,13 +116,7 @@ class NcclCommunicator final : public Communicator {
   template <typename IssueOne>
   absl::Status Group(absl::string_view what, size_t n, IssueOne issue) {
     const std::string context = absl::StrCat(name(), ": ", what, " of ", n, " items");
-    ncclResult_t async = ncclSuccess;
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
-      return NcclError(absl::StrCat(context, ": ncclCommGetAsyncError"), r);
-    }
-    if (async != ncclSuccess && async != ncclInProgress) {
-      return NcclError(absl::StrCat(context, ": the communicator is broken"), async);
-    }
+    if (absl::Status broken = Broken(context); !broken.ok()) return broken;
     if (n == 0) return absl::OkStatus();
     if (absl::Status s = SetDevice(ordinal_); !s.ok()) return s;
     if (ncclResult_t r = ncclGroupStart(); r != ncclSuccess) {
@@ -144,7 +130,26 @@ class NcclCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
+  // OK unless NCCL reports the communicator broken; then, once, it is
+  // aborted (its kernels still queued on the trainer's streams end, rather
+  // than spin until the job is killed: a wait for them, a copy after a
+  // failed collective, would never return) and the error kept for every
+  // later call. (One thread calls, as the contract says.)
+  absl::Status Broken(absl::string_view context) const {
+    if (!broken_.ok()) return broken_;
+    ncclResult_t async = ncclSuccess;
+    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
+      return NcclError(absl::StrCat(context, ": ncclCommGetAsyncError"), r);
+    }
+    if (async == ncclSuccess || async == ncclInProgress) return absl::OkStatus();
+    broken_ = NcclError(absl::StrCat(context, ": the communicator is broken (aborted)"), async);
+    (void)SetDevice(ordinal_);
+    ncclCommAbort(comm_);
+    return broken_;
+  }
+
   const ncclComm_t comm_;
+  mutable absl::Status broken_;  // set once aborted
   const int ordinal_;
   const int rank_;
   const int size_;

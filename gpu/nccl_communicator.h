@@ -16,8 +16,10 @@
 // Errors: NCCL's become a Status naming the call and NCCL's text (invalid
 // arguments INVALID_ARGUMENT, a peer or network gone UNAVAILABLE, anything
 // else INTERNAL). A communicator whose collective failed while it ran is
-// broken (ncclCommGetAsyncError): every later call returns that error; the
-// trainer's job is then over, as with NCCL in torch.
+// broken (ncclCommGetAsyncError): the first call or Check that finds it so
+// aborts it (ncclCommAbort: its kernels still queued end instead of
+// spinning, so that waits for the streams return), and every later call
+// returns that error; the trainer's job is then over, as with NCCL in torch.
 #ifndef OFFLOADD_GPU_NCCL_COMMUNICATOR_H_
 #define OFFLOADD_GPU_NCCL_COMMUNICATOR_H_
 

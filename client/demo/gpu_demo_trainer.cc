@@ -10,6 +10,9 @@
 //       one rank of W, one process each, over NCCL. Rank 0 creates the
 //       NCCL id and writes it to PATH (a filesystem every rank sees); the
 //       others wait up to a minute for it. With W = 1 no file is needed.
+//       Rank 0 removes PATH once the communicator is made (every rank has
+//       read it then): a later run finds no stale id there (after a crash,
+//       remove it by hand, or give each run its own PATH).
 //   common: [--address=ADDR] [--steps=N] [--batch=N] [--bucket_bytes=B]
 //
 // Exits 1 unless every loss agrees with in-process training to 1e-4
@@ -74,8 +77,11 @@ absl::StatusOr<std::string> ShareNcclId(const std::string& path, int rank) {
     absl::StatusOr<std::string> id = gpu::NewNcclId();
     if (!id.ok()) return id.status();
     const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-    std::ofstream(tmp, std::ios::binary) << *id;
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::ofstream out(tmp, std::ios::binary);
+    out << *id;
+    out.close();
+    if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      std::remove(tmp.c_str());
       return absl::InternalError(absl::StrCat("cannot write the NCCL id to ", path));
     }
     return id;
@@ -175,6 +181,9 @@ int Cuda(const Flags& f) {
   if (!id.ok()) return Fail(id.status());
   absl::StatusOr<std::unique_ptr<gpu::Communicator>> comm =
       gpu::OpenNcclCommunicator(f.gpu, *id, f.rank, f.world);
+  // Made (or failed) on every rank: the id is spent; a later run must not
+  // take it for its own.
+  if (f.world > 1 && f.rank == 0) std::remove(f.nccl_id_file.c_str());
   if (!comm.ok()) return Fail(comm.status());
   std::printf("training a %d-%d-1 MLP with ZeRO-3 on %s as %s through offloadd\n", f.config.inputs,
               f.config.hidden, (*device)->name().c_str(), (*comm)->name().c_str());
