@@ -23,6 +23,7 @@
 // Exit status: 0 success, 1 the daemon refused or could not be reached
 // (the reason is printed with its status code), 2 usage error; doctor's
 // own are in kDoctorUsage.
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -230,7 +231,12 @@ int Top(Client& client, double interval, int64_t iterations) {
     if (!now.ok()) return Fail(now.status());
     const auto at = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(at - taken).count();
-    const std::string screen = RenderTop(*now, before ? &*before : nullptr, seconds);
+    // A terminal's own width, read each screen (it may have been resized);
+    // lines past it would wrap and scroll the redraw away.
+    int width = 200;
+    winsize ws{};
+    if (tty && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) width = ws.ws_col;
+    const std::string screen = RenderTop(*now, before ? &*before : nullptr, seconds, width);
     // A terminal is redrawn in place; a pipe gets one screen after another.
     std::fputs(tty ? "\x1b[H\x1b[2J" : (i > 0 ? "\n" : ""), stdout);
     std::fputs(screen.c_str(), stdout);
