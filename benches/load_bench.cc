@@ -22,9 +22,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -254,9 +256,11 @@ int Main(int argc, char** argv) {
   std::vector<double> p99s[2];
   for (int r = 0; r < c.rounds; ++r) {
     for (bool ring : {true, false}) {
-      double fetch99 = 0;
+      // (A run that measured nothing, its daemon or every trainer failed,
+      // has no p99: left out of the median, not counted as 0 us.)
+      double fetch99 = std::numeric_limits<double>::quiet_NaN();
       failed += RunOnce(c, ring, floor, crowded_floor, &fetch99);
-      p99s[ring].push_back(fetch99);
+      if (!std::isnan(fetch99)) p99s[ring].push_back(fetch99);
     }
   }
   if (c.rounds > 1) {
@@ -273,6 +277,11 @@ int Main(int argc, char** argv) {
       }
       std::sort(v.begin(), v.end());
       const size_t n = v.size();
+      if (n == 0) {
+        std::printf("fetch p99 through %s: no run measured anything (FAILED)\n",
+                    ring ? "the ring" : "gRPC");
+        continue;
+      }
       const double median = n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
       std::printf(
           "fetch p99 over %zu runs through %s: %s us; median %.1f us (%s); at or under "
@@ -357,14 +366,16 @@ int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
   }
   const double floor50 = Percentile(floor, 0.5), floor99 = Percentile(floor, 0.99);
   const double fetch99 = Percentile(all[kFetch], 0.99), fetch50 = Percentile(all[kFetch], 0.5);
-  *fetch99_out = fetch99;
+  if (!all[kFetch].empty()) *fetch99_out = fetch99;
   std::printf("calls/s: %.0f; errors: %llu; trainers failed: %d\n", calls / c.seconds,
               static_cast<unsigned long long>(errors), failed);
   std::printf("Unix socket ping-pong (the floor of any request/reply): p50 %.1f us, p99 %.1f us\n",
               floor50, floor99);
   std::printf("fetch p50 = %.1fx the floor; fetch p99 %.1f us = %.2fx the 20 us target (%s)\n",
               fetch50 / std::max(floor50, 1e-3), fetch99, fetch99 / 20.0,
-              fetch99 <= 20.0 ? "met" : "NOT MET");
+              all[kFetch].empty() ? "FAILED: no fetch measured"
+              : fetch99 <= 20.0   ? "met"
+                                  : "NOT MET");
   if (!crowded_floor.empty()) {
     const double crowded99 = Percentile(crowded_floor, 0.99);
     std::printf(

@@ -431,8 +431,9 @@ def main():
             print(f"{name.strip():28} the GPU tier's calls to offloadd: {r['tier_calls']:.1f} a "
                   f"step, {r['tier_ms']:.2f} ms")
     swapped = (c1["swap_in_bytes"] - c0["swap_in_bytes"]) / (1 << 20)
-    if "offloadd, state on NVMe" in results:
-        print(f"NVMe runs: {swapped / args.rounds / 2:.0f} MiB swapped in per run of "
+    nvme_runs = args.rounds * len({"nvme", "nvme_overlap"} & modes)
+    if nvme_runs:
+        print(f"NVMe runs: {swapped / nvme_runs:.0f} MiB swapped in per run of "
               f"{args.warmup + args.steps} steps")
     # The bound of an offloadd step: the model's compute on the device, the
     # bytes each step moves over the link (working parameters there, fp32
