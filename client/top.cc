@@ -28,6 +28,14 @@ std::string Duration(int64_t ms) {
   return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
 }
 
+// The first `n` bytes of `s`, or fewer: never the part of a UTF-8
+// character (a session's name may hold any).
+std::string CutUtf8(const std::string& s, size_t n) {
+  if (s.size() <= n) return s;
+  while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xC0) == 0x80) --n;
+  return s.substr(0, n);
+}
+
 std::string Percent(double part, double whole) {
   return whole <= 0 ? std::string("-") : absl::StrFormat("%.0f%%", 100.0 * part / whole);
 }
@@ -134,7 +142,7 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
     }
     lines.push_back(absl::StrFormat(
         "%-20d %-18s %6d %5d %21s %21s %21s %8s %9s %6s %8s %5d %9s %7s %11s %11s %8s", s.id,
-        s.name.empty() ? "(hidden)" : s.name.substr(0, 18), s.partitions, s.held,
+        s.name.empty() ? "(hidden)" : CutUtf8(s.name, 18), s.partitions, s.held,
         placed(s.params_host_bytes, s.params_nvme_bytes),
         placed(s.grads_host_bytes, s.grads_nvme_bytes),
         placed(s.state_host_bytes, s.state_nvme_bytes), steps, step_ms, wait, compute,
@@ -143,7 +151,7 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
   if (now.sessions.empty()) lines.push_back("(no sessions)");
   std::string out;
   for (std::string& l : lines) {
-    if (static_cast<int>(l.size()) > width) l.resize(static_cast<size_t>(width));
+    if (static_cast<int>(l.size()) > width) l = CutUtf8(l, static_cast<size_t>(width));
     absl::StrAppend(&out, l, "\n");
   }
   return out;

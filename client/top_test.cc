@@ -98,6 +98,21 @@ TEST(Top, CountersThatGoBackGiveNoRates) {
   }
 }
 
+// A name is cut between characters, never inside one (UTF-8).
+TEST(Top, NamesAreCutBetweenCharacters) {
+  DaemonStats s = Snapshot(0, 0, 0, 0);
+  s.sessions[0].name = "abcdefghijklmnopq\xc3\xa9";  // 17 letters and an "é" (2 bytes)
+  const std::string screen = RenderTop(s, nullptr, 0);
+  std::string row;
+  for (absl::string_view l : absl::StrSplit(screen, '\n')) {
+    if (absl::StrContains(l, "abcdefghijklmnopq")) row = std::string(l);
+  }
+  ASSERT_FALSE(row.empty()) << screen;
+  // 18 bytes would end inside the "é": the cut keeps the 17 letters.
+  EXPECT_TRUE(absl::StrContains(row, "abcdefghijklmnopq ")) << row;
+  EXPECT_FALSE(absl::StrContains(row, "\xc3")) << row;
+}
+
 TEST(Top, LinesAreCutToTheWidth) {
   const std::string screen = RenderTop(Snapshot(0, 0, 0, 0), nullptr, 0, 40);
   for (absl::string_view l : absl::StrSplit(screen, '\n')) EXPECT_LE(l.size(), 40u) << l;
