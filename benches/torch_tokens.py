@@ -66,6 +66,21 @@ def pinned_bandwidth(device, nbytes=256 << 20):
     return out
 
 
+def host_stream(nbytes):
+    """Host memory bandwidth in bytes/s: a triad (c = a + 1.5 b) over three
+    fp32 arrays of `nbytes` on torch's threads, best of 5 (reads of a and b,
+    the write of c)."""
+    n = nbytes // 4
+    a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
+    torch.add(a, b, alpha=1.5, out=c)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.add(a, b, alpha=1.5, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 3 * 4 * n / best
+
+
 def tier_config(args, gpu_tier):
     """zero_config's "gpu": the tier where the model computes on a GPU, or
     (--tier=emulated) on the host-emulated device, the same code on the CPU
@@ -453,6 +468,16 @@ def main():
               "  the same, overlapped step": overlapped}
     print(f"bound: compute {1e3 * t_compute:.1f} ms, link {1e3 * link:.1f} ms, "
           f"T_opt {1e3 * t_opt:.1f} ms")
+    # T_opt is offloadd's own update time: against what its memory traffic
+    # costs at this host's bandwidth (32 bytes a parameter: fp32 master,
+    # moments and gradient read, master, moments and working copy written),
+    # so that a slow update does not pass unseen inside the bound.
+    bw = host_stream(16 << 20 if args.tiny else 256 << 20)
+    t_mem = 32 * n / bw
+    if t_opt:
+        print(f"T_opt {1e3 * t_opt:.1f} ms = {t_opt / t_mem:.2f}x the update's memory traffic "
+              f"({1e3 * t_mem:.1f} ms: 32 B a parameter at the host's triad, "
+              f"{bw / 1e9:.1f} GB/s measured here)")
     for name, bound in bounds.items():
         if name not in results:
             continue
