@@ -367,6 +367,7 @@ int RunOnce(const Config& c, bool ring, std::vector<uint32_t> floor,
   const double floor50 = Percentile(floor, 0.5), floor99 = Percentile(floor, 0.99);
   const double fetch99 = Percentile(all[kFetch], 0.99), fetch50 = Percentile(all[kFetch], 0.5);
   if (!all[kFetch].empty()) *fetch99_out = fetch99;
+  if (all[kFetch].empty()) ++failed;  // (a run that measured nothing is no result)
   std::printf("calls/s: %.0f; errors: %llu; trainers failed: %d\n", calls / c.seconds,
               static_cast<unsigned long long>(errors), failed);
   std::printf("Unix socket ping-pong (the floor of any request/reply): p50 %.1f us, p99 %.1f us\n",

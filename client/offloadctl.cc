@@ -233,7 +233,8 @@ int Top(Client& client, double interval, int64_t iterations) {
     const double seconds = std::chrono::duration<double>(at - taken).count();
     // A terminal's own width, read each screen (it may have been resized);
     // lines past it would wrap and scroll the redraw away.
-    int width = 200;
+    // (Through a pipe: whole lines, every column.)
+    int width = tty ? 200 : 1 << 16;
     winsize ws{};
     if (tty && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) width = ws.ws_col;
     const std::string screen = RenderTop(*now, before ? &*before : nullptr, seconds, width);
@@ -365,6 +366,11 @@ int Main(int argc, char** argv) {
     std::fputs(!args.empty() && args[0] == "doctor" ? kDoctorUsage : kUsage, stdout);
     return 0;
   }
+  if (export_flags && !args.empty() && args[0] != "export") {
+    std::fprintf(stderr, "offloadctl: --format and --steps are export's, not %s's\n",
+                 args[0].c_str());
+    return 2;
+  }
   // doctor takes settings as --NAME=VALUE after it.
   if (!args.empty() && args[0] == "doctor") {
     return Doctor(options, std::vector<std::string>(args.begin() + 1, args.end()));
@@ -374,11 +380,6 @@ int Main(int argc, char** argv) {
     return 2;
   };
   if (args.empty()) return usage();
-  if (export_flags && args[0] != "export") {
-    std::fprintf(stderr, "offloadctl: --format and --steps are export's, not %s's\n",
-                 args[0].c_str());
-    return 2;
-  }
   if (args[0] == "top") {
     double interval = 1.0;
     int64_t iterations = 0;

@@ -125,8 +125,11 @@ class NcclCommunicator final : public Communicator {
     ncclResult_t first = ncclSuccess;
     for (size_t i = 0; i < n && first == ncclSuccess; ++i) first = issue(i);
     const ncclResult_t end = ncclGroupEnd();
-    if (first != ncclSuccess) return NcclError(context, first);
-    if (end != ncclSuccess) return NcclError(absl::StrCat(context, ": ncclGroupEnd"), end);
+    // A group that failed part way may be issued on the peers and not here:
+    // the ranks' sequences no longer match, so nothing after it can be
+    // trusted: aborted, as a communicator found broken.
+    if (first != ncclSuccess) return Abort(NcclError(context, first));
+    if (end != ncclSuccess) return Abort(NcclError(absl::StrCat(context, ": ncclGroupEnd"), end));
     return absl::OkStatus();
   }
 
@@ -136,15 +139,26 @@ class NcclCommunicator final : public Communicator {
   // failed collective, would never return) and the error kept for every
   // later call. (One thread calls, as the contract says.)
   absl::Status Broken(absl::string_view context) const {
-    if (!broken_.ok()) return broken_;
+    if (!broken_.ok()) {
+      return absl::Status(broken_.code(), absl::StrCat(context, ": the communicator was aborted (",
+                                                       broken_.message(), ")"));
+    }
     ncclResult_t async = ncclSuccess;
     if (ncclResult_t r = ncclCommGetAsyncError(comm_, &async); r != ncclSuccess) {
       return NcclError(absl::StrCat(context, ": ncclCommGetAsyncError"), r);
     }
     if (async == ncclSuccess || async == ncclInProgress) return absl::OkStatus();
-    broken_ = NcclError(absl::StrCat(context, ": the communicator is broken (aborted)"), async);
-    (void)SetDevice(ordinal_);
-    ncclCommAbort(comm_);
+    return Abort(NcclError(absl::StrCat(context, ": the communicator is broken"), async));
+  }
+
+  // Aborts the communicator (once) for `why`, which every later call
+  // reports.
+  absl::Status Abort(absl::Status why) const {
+    if (broken_.ok()) {
+      broken_ = std::move(why);
+      (void)SetDevice(ordinal_);
+      ncclCommAbort(comm_);
+    }
     return broken_;
   }
 

@@ -16,10 +16,13 @@
 // Errors: NCCL's become a Status naming the call and NCCL's text (invalid
 // arguments INVALID_ARGUMENT, a peer or network gone UNAVAILABLE, anything
 // else INTERNAL). A communicator whose collective failed while it ran is
-// broken (ncclCommGetAsyncError): the first call or Check that finds it so
-// aborts it (ncclCommAbort: its kernels still queued end instead of
-// spinning, so that waits for the streams return), and every later call
-// returns that error; the trainer's job is then over, as with NCCL in torch.
+// broken (ncclCommGetAsyncError), or a group that failed part way (the
+// ranks' sequences no longer match), is aborted by the call or Check that
+// finds it (ncclCommAbort), and every later call returns that error; the
+// trainer's job is then over, as with NCCL in torch. (A wait already
+// blocked on a collective whose peer died is not freed by this: only a call
+// made meanwhile finds the break; a trainer that must not hang waits with a
+// timeout of its own, as torch's NCCL watchdog does.)
 #ifndef OFFLOADD_GPU_NCCL_COMMUNICATOR_H_
 #define OFFLOADD_GPU_NCCL_COMMUNICATOR_H_
 
