@@ -33,3 +33,19 @@ def start_daemon(binary, root, extra, restart=False, timeout=20.0, poll=0.05):
         proc.kill()
         proc.wait()
         raise
+
+
+def host_stream(nbytes):
+    """Host memory bandwidth in bytes/s: a triad (c = a + 1.5 b) over three
+    fp32 arrays of `nbytes` on torch's threads, best of 5 (reads of a and b,
+    the write of c)."""
+    import torch  # (here: the other users of this module need no torch)
+    n = nbytes // 4
+    a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
+    torch.add(a, b, alpha=1.5, out=c)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.add(a, b, alpha=1.5, out=c)
+        best = min(best, time.perf_counter() - start)
+    return 3 * 4 * n / best

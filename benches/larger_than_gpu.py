@@ -46,7 +46,7 @@ import gpt  # noqa: E402
 
 import offloadd  # noqa: E402
 import offloadd.torch  # noqa: E402
-from bench_daemon import start_daemon  # noqa: E402
+from bench_daemon import host_stream, start_daemon  # noqa: E402
 from torch_tokens import pinned_bandwidth, sync  # noqa: E402
 
 GIB = 1 << 30
@@ -276,6 +276,17 @@ def main():
     print(f"bound: compute {1e3 * t_compute:.0f} ms, link {1e3 * link:.0f} ms, T_opt (the "
           "daemon's update, median of the run's own steps) " +
           ", ".join(f"{m} {1e3 * r['t_opt']:.0f} ms" for m, r in results.items()))
+    # The update's own time against what its memory traffic costs at this
+    # host's bandwidth (per parameter: fp32 master, moments and gradient
+    # read; master and moments written, and the working copy): a slow
+    # update would otherwise pass unseen inside its own bound.
+    bw = host_stream(256 << 20)
+    t_mem = (28 + esize) * n / bw
+    for m, r in results.items():
+        if r["t_opt"]:
+            print(f"T_opt {m}: {r['t_opt'] / t_mem:.2f}x the update's memory traffic "
+                  f"({1e3 * t_mem:.0f} ms: {28 + esize} B a parameter at the host's triad, "
+                  f"{bw / 1e9:.1f} GB/s measured here)")
     # The update's time in the bound is the synchronous run's, where it has
     # the host to itself: an overlapped update slowed by the forward and
     # backward beside it (their copies take the memory bandwidth it needs)

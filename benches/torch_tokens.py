@@ -41,7 +41,7 @@ import gpt  # noqa: E402
 
 import offloadd  # noqa: E402
 import offloadd.torch  # noqa: E402
-from bench_daemon import start_daemon  # noqa: E402
+from bench_daemon import host_stream, start_daemon  # noqa: E402
 
 
 def sync(device):
@@ -64,21 +64,6 @@ def pinned_bandwidth(device, nbytes=256 << 20):
         sync(device)
         out.append(5 * nbytes / (time.perf_counter() - start))
     return out
-
-
-def host_stream(nbytes):
-    """Host memory bandwidth in bytes/s: a triad (c = a + 1.5 b) over three
-    fp32 arrays of `nbytes` on torch's threads, best of 5 (reads of a and b,
-    the write of c)."""
-    n = nbytes // 4
-    a, b, c = torch.ones(n), torch.ones(n), torch.empty(n)
-    torch.add(a, b, alpha=1.5, out=c)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.add(a, b, alpha=1.5, out=c)
-        best = min(best, time.perf_counter() - start)
-    return 3 * 4 * n / best
 
 
 def tier_config(args, gpu_tier):
