@@ -374,7 +374,8 @@ std::vector<Check> JudgeSwapDir(const SwapDirProbe& p, const DoctorSettings& s,
   return out;
 }
 
-std::vector<Check> CheckSwapDirs(const DoctorSettings& s, bool daemon_running) {
+std::vector<Check> CheckSwapDirs(const DoctorSettings& s,
+                                 const std::vector<std::string>& daemon_swap_dirs) {
   const std::vector<std::string> dirs = s.nvme.DirList();
   if (dirs.empty()) {
     return {Make("swap dirs", Verdict::kInfo, "nvme.dirs is empty: no NVMe tier",
@@ -382,7 +383,10 @@ std::vector<Check> CheckSwapDirs(const DoctorSettings& s, bool daemon_running) {
   }
   std::vector<Check> out;
   for (const std::string& dir : dirs) {
-    std::vector<Check> one = JudgeSwapDir(ProbeSwapDir(dir, s.nvme), s, daemon_running);
+    // (Only the running offloadd's own directories hold its swap files.)
+    const bool its_own =
+        std::find(daemon_swap_dirs.begin(), daemon_swap_dirs.end(), dir) != daemon_swap_dirs.end();
+    std::vector<Check> one = JudgeSwapDir(ProbeSwapDir(dir, s.nvme), s, its_own);
     out.insert(out.end(), one.begin(), one.end());
   }
   return out;
@@ -520,7 +524,10 @@ std::vector<Check> RunDoctor(const DoctorEnvironment& e, const DoctorSettings& s
       CheckMemoryLimit(e.roots, s),
       CheckMemlock(e.roots, e.memlock_bytes, gpu_present, s),
   };
-  for (Check& c : CheckSwapDirs(s, e.daemon_running)) out.push_back(std::move(c));
+  for (Check& c :
+       CheckSwapDirs(s, e.daemon_running ? e.daemon_swap_dirs : std::vector<std::string>())) {
+    out.push_back(std::move(c));
+  }
   const absl::StatusOr<std::string> chosen =
       e.adam_kernel ? e.adam_kernel(s.optimizer.kernel)
                     : absl::StatusOr<std::string>(absl::UnavailableError("not measured"));

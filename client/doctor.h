@@ -81,9 +81,10 @@ void BindDoctorTunables(DoctorSettings* settings, ConfigRegistry* registry);
 // What the checks cannot read from the trees.
 struct DoctorEnvironment {
   NodeRoots roots;
-  // The settings came from a running offloadd: its swap files are
-  // expected to be locked (by it).
+  // The settings came from a running offloadd: the swap files in its own
+  // swap directories (its nvme.dirs) are expected to be locked, by it.
   bool daemon_running = false;
+  std::vector<std::string> daemon_swap_dirs;
   // RLIMIT_MEMLOCK's soft limit in bytes; UINT64_MAX for unlimited.
   uint64_t memlock_bytes = UINT64_MAX;
   // The Adam kernel `optimizer.kernel` resolves to on this CPU
@@ -111,7 +112,10 @@ Check CheckMemlock(const NodeRoots& roots, uint64_t memlock_bytes, bool gpu_pres
                    const DoctorSettings& settings);
 // Tries every directory of nvme.dirs (ProbeSwapDir) and judges it; one
 // informational line where nvme.dirs is empty.
-std::vector<Check> CheckSwapDirs(const DoctorSettings& settings, bool daemon_running);
+// `daemon_swap_dirs`: a running offloadd's own swap directories (a swap
+// file held elsewhere is another process's).
+std::vector<Check> CheckSwapDirs(const DoctorSettings& settings,
+                                 const std::vector<std::string>& daemon_swap_dirs = {});
 // The judgement of one directory's probe: its directory and filesystem,
 // O_DIRECT, the I/O backend, and its space against nvme.bytes_per_dir.
 std::vector<Check> JudgeSwapDir(const SwapDirProbe& probe, const DoctorSettings& settings,

@@ -1,5 +1,7 @@
 #include "client/doctor.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -166,7 +168,7 @@ TEST(Doctor, MemlockAgainstWhatLocksOrRegisters) {
 }
 
 TEST(Doctor, NoNvmeTierIsInformational) {
-  std::vector<Check> c = CheckSwapDirs(DoctorSettings(), false);
+  std::vector<Check> c = CheckSwapDirs(DoctorSettings());
   ASSERT_EQ(c.size(), 1u);
   EXPECT_VERDICT(c[0], Verdict::kInfo);
 }
@@ -176,7 +178,7 @@ TEST(Doctor, ARealSwapDirectoryIsTriedAndJudgedByWhatItDoes) {
   DoctorSettings s = WithNvme(dir);
   s.nvme.bytes_per_dir = 16 * kMiB;
   const SwapDirProbe probe = ProbeSwapDir(dir, s.nvme);
-  std::vector<Check> c = CheckSwapDirs(s, false);
+  std::vector<Check> c = CheckSwapDirs(s);
   ASSERT_EQ(c.size(), 4u);
   EXPECT_EQ(c[0].name, "swap dir " + dir);
   EXPECT_TRUE(absl::StartsWith(c[0].measured, probe.filesystem)) << c[0].measured;
@@ -196,7 +198,7 @@ TEST(Doctor, ARealSwapDirectoryIsTriedAndJudgedByWhatItDoes) {
 
   // A budget no disk has.
   s.nvme.bytes_per_dir = int64_t{1} << 60;
-  c = CheckSwapDirs(s, false);
+  c = CheckSwapDirs(s);
   ASSERT_EQ(c.size(), 4u);
   EXPECT_VERDICT(c[3], Verdict::kFail);
   EXPECT_TRUE(absl::StrContains(c[3].fix, "set nvme.bytes_per_dir to at most ")) << c[3].fix;
@@ -205,10 +207,30 @@ TEST(Doctor, ARealSwapDirectoryIsTriedAndJudgedByWhatItDoes) {
 
 TEST(Doctor, AMissingSwapDirectoryFails) {
   const std::string dir = Dir("nothing") + "/here";
-  std::vector<Check> c = CheckSwapDirs(WithNvme(dir), false);
+  std::vector<Check> c = CheckSwapDirs(WithNvme(dir));
   ASSERT_EQ(c.size(), 1u);
   EXPECT_VERDICT(c[0], Verdict::kFail);
   EXPECT_EQ(c[0].fix, "mkdir -p " + dir + " writable by offloadd's user, or change nvme.dirs");
+}
+
+// A swap file held in a directory of the running offloadd's own is its;
+// held in another (doctor asked about other nvme.dirs) it is another
+// process's, which a second offloadd could not use.
+TEST(Doctor, OnlyTheRunningOffloaddsOwnDirectoriesHoldItsSwapFile) {
+  const std::string dir = Dir("held_swap");
+  const int fd = open((dir + "/offloadd.swap").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);  // as an offloadd holds it
+  auto verdict_of_dir = [&](const std::vector<Check>& checks) {
+    for (const Check& c : checks) {
+      if (c.name == "swap dir " + dir) return c.verdict;
+    }
+    return Verdict::kInfo;
+  };
+  EXPECT_EQ(verdict_of_dir(CheckSwapDirs(WithNvme(dir), {dir})), Verdict::kOk);
+  EXPECT_EQ(verdict_of_dir(CheckSwapDirs(WithNvme(dir), {"/srv/other-nvme"})), Verdict::kFail);
+  EXPECT_EQ(verdict_of_dir(CheckSwapDirs(WithNvme(dir))), Verdict::kFail);
+  close(fd);
 }
 
 TEST(Doctor, SwapDirectoryJudgements) {

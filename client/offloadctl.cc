@@ -285,6 +285,8 @@ int Doctor(const ClientOptions& options, const std::vector<std::string>& flags) 
         if (registry.Get(t.name).ok()) (void)registry.Set(t.name, t.value);
       }
       environment.daemon_running = true;
+      // Its own swap directories, before any --nvme.dirs given here.
+      environment.daemon_swap_dirs = settings.nvme.DirList();
       source = absl::StrCat("the running offloadd's at ", (*client)->address());
     } else {
       std::string why(live.status().message());
