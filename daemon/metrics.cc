@@ -72,19 +72,22 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
     const char* name;
     const char* help;
     uint64_t SessionSummary::*field;
+    const char* type = "gauge";
   };
   static const SessionMetric kSession[] = {
       {"offloadd_session_partitions", "partitions registered", &SessionSummary::partitions},
       {"offloadd_session_held", "partitions the trainer holds", &SessionSummary::held},
       {"offloadd_session_arena_bytes", "shared arena bytes", &SessionSummary::arena_bytes},
-      {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps},
+      // (Counters: they only grow with a session; their names kept as the
+      // dashboards know them.)
+      {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps, "counter"},
       {"offloadd_session_optimizer_params", "parameters the node's optimizer updated for it",
-       &SessionSummary::optimizer_params},
+       &SessionSummary::optimizer_params, "counter"},
       {"offloadd_session_pool_room_bytes", "the host pool's room its NVMe-homed blocks hold",
        &SessionSummary::pool_room_bytes},
   };
   for (const SessionMetric& metric : kSession) {
-    AppendPerSession(&out, metric.name, metric.help, "gauge", m.sessions,
+    AppendPerSession(&out, metric.name, metric.help, metric.type, m.sessions,
                      [&](const SessionSummary& s) { return s.*metric.field; });
   }
   AppendPerSession(&out, "offloadd_session_pool_evictions_total",

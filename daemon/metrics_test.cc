@@ -48,7 +48,7 @@ TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
   // The per-session families: HELP and TYPE, then a line a session.
   const std::string labels = "{session=\"3\",name=\"rank\\\"0\\\"\\nx\"} ";
   EXPECT_NE(text.find("# HELP offloadd_session_steps optimizer steps applied\n"
-                      "# TYPE offloadd_session_steps gauge\n"
+                      "# TYPE offloadd_session_steps counter\n"
                       "offloadd_session_steps" +
                       labels + "7\n"),
             std::string::npos)
