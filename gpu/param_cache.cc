@@ -471,19 +471,24 @@ void ParamCache::Prefetch() {
   for (uint64_t pos = static_cast<uint64_t>(cursor_ + 1);
        pos < trace_.size() && looked < options_.prefetch_depth; ++pos, ++looked) {
     const int u = trace_[pos];
+    if (HasFailureToReport(u)) break;  // its Use reports the failure
     uint64_t missing = 0;
-    bool failed = false;
     for (int i : units_[u].entries) {
       const State st = entries_[i].state;
       missing += st == State::kAbsent || st == State::kStale ? Rounded(entries_[i].bytes) : 0;
-      failed |= st == State::kFailed || !entries_[i].error.ok();
     }
-    if (failed) break;  // its Use reports the failure
     if (missing == 0) continue;
     if (ahead + missing > options_.prefetch_bytes) break;
     if (!BringAhead({u}, pos).ok()) break;  // no room ahead of later uses; Use will bring it
     ahead += missing;
   }
+}
+
+bool ParamCache::HasFailureToReport(int unit) const {
+  for (int i : units_[unit].entries) {
+    if (entries_[i].state == State::kFailed || !entries_[i].error.ok()) return true;
+  }
+  return false;
 }
 
 absl::Status ParamCache::BringAhead(absl::Span<const int> units, uint64_t limit) {
@@ -512,11 +517,7 @@ absl::Status ParamCache::PrefetchUnits(absl::Span<const int> units) {
   Reap(/*wait=*/false);
   std::vector<int> bring;
   for (int u : units) {
-    bool failed = false;
-    for (int i : units_[u].entries) {
-      failed |= entries_[i].state == State::kFailed || !entries_[i].error.ok();
-    }
-    if (!failed) bring.push_back(u);  // (its Use reports the failure)
+    if (!HasFailureToReport(u)) bring.push_back(u);  // (its Use reports the failure)
   }
   if (bring.empty()) return absl::OkStatus();
   // Evicting only what this iteration does not use again, waiting for no

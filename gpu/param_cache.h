@@ -272,6 +272,9 @@ class ParamCache {
   void Reap(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishBatch(Batch& b, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Prefetch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether one of the unit's tensors has a failed copy its next Use
+  // reports (TakeFailure): prefetches leave such a unit to it.
+  bool HasFailureToReport(int unit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Brings `units` ahead of their use, evicting only tensors used after
   // `limit`; marks what it copies prefetched. (Prefetch and PrefetchUnits.)
   absl::Status BringAhead(absl::Span<const int> units, uint64_t limit)
