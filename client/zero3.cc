@@ -180,18 +180,20 @@ absl::Status Zero3::WaitFor(const gpu::Stream& compute) {
 }
 
 absl::Status Zero3::Drain() {
+  absl::Status drained;
   if (tier_->gradients_pending() > 0) {
     // The slices were written by reduce-scatters: a communicator one of
     // them broke makes every copy of them garbage, handed to no step.
     absl::StatusOr<std::vector<uint64_t>> ids = tier_->ReturnGradients(
         /*wait=*/true, options_.hand_over, {}, [this] { return comm_->Check(); });
-    scratch_head_ = 0;  // (its copies are done, returned or not)
-    RETURN_IF_ERROR(ids.status());
-    stats_.gradients_returned += ids->size();
-    returned_.insert(returned_.end(), ids->begin(), ids->end());
+    if (ids.ok()) {
+      stats_.gradients_returned += ids->size();
+      returned_.insert(returned_.end(), ids->begin(), ids->end());
+    }
+    drained = ids.status();
   }
-  scratch_head_ = 0;
-  return absl::OkStatus();
+  scratch_head_ = 0;  // (its copies are done, returned or not)
+  return drained;
 }
 
 absl::Status Zero3::Abandon() {
