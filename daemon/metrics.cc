@@ -235,11 +235,11 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port, Sn
   server.set_keep_alive_timeout(2);
   server.set_read_timeout(2, 0);
   server.set_write_timeout(2, 0);
-  m->impl_->server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {
+  server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {
     res.set_content(FormatPrometheus(snapshot()), "text/plain; version=0.0.4");
   });
-  const int bound = port == 0 ? m->impl_->server.bind_to_any_port("127.0.0.1")
-                              : (m->impl_->server.bind_to_port("127.0.0.1", port) ? port : -1);
+  const int bound = port == 0 ? server.bind_to_any_port("127.0.0.1")
+                              : (server.bind_to_port("127.0.0.1", port) ? port : -1);
   if (bound < 0) {
     return absl::UnavailableError(absl::StrCat("metrics.port: cannot listen on 127.0.0.1:", port));
   }

@@ -400,8 +400,8 @@ _METADATA = {
     torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.register_hook,
     torch.Tensor.retain_grad, torch.Tensor._is_view, torch.Tensor.__hash__,
 }
-# What hands out a tensor of the parameter's values: of an absent one, the
-# parameter itself (see __torch_function__).
+# What hands out a tensor of the parameter's values: of an absent one, an
+# alias that refuses them (_AbsentValues, see __torch_function__).
 _VALUE_HANDLES = {torch.Tensor.data.__get__, torch.Tensor.detach}
 # The whole parameter's shape where its values are not here.
 _WHOLE = {
@@ -1161,8 +1161,7 @@ class _Engine:
     def read_state(self, s, master=False):
         """(step, [exp_avg, exp_avg_sq] or [master, exp_avg, exp_avg_sq])
         of shard `s`, whole (gathered from every rank), fp32 on the CPU."""
-        got = self.session.read_moments(s.pid, 0, s.slice_numel, master=master) if master \
-            else self.session.read_moments(s.pid, 0, s.slice_numel)
+        got = self.session.read_moments(s.pid, 0, s.slice_numel, master=master)
         step, arrays = got[0], got[1:]
         if master:
             arrays = (arrays[2], arrays[0], arrays[1])
@@ -1819,8 +1818,7 @@ class _GpuTier:
         self._stream = None
         self._prefetched = False
         # (With held iterations: every partition held, one call.)
-        e = self.e
-        e.with_room("the iteration's parameters", lambda: self.tier.begin_iteration())
+        self.e.with_room("the iteration's parameters", lambda: self.tier.begin_iteration())
         if self.use_all:
             # Every unit at once: the compute stream waits for all the
             # copies a step made due (about a millisecond for 100 MB at
