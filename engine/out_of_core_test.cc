@@ -291,6 +291,29 @@ TEST(OutOfCore, AStepThatStopsFinishesAloneAndCountsOnce) {
   EXPECT_EQ(t.small.sessions->Pending(t.out_of_core.key())->partitions, 1u);
 }
 
+// The Step that resumes a stopped step applies the hyperparameters and
+// gradient scale that step was decided with, not its own: a trainer that
+// computes its clipping coefficient again sees only the gradients still
+// pending, and a scheduler may have moved the lr meanwhile; the partitions
+// of one step must not differ.
+TEST(OutOfCore, AResumedStepAppliesTheHyperparametersItWasDecidedWith) {
+  BesideReference t("h2");
+  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(t));
+  AdamHyperparams other = Decaying();
+  other.lr *= 10;
+  other.weight_decay = 0.5;
+  other.grad_scale = 0.25;
+  auto resumed = t.small.sessions->Step(t.out_of_core.key(), other);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
+  // The next step is decided anew, with what it is given.
+  t.reference.ReturnGradients(3);
+  t.out_of_core.ReturnGradients(3);
+  ASSERT_TRUE(t.in_memory.sessions->Step(t.reference.key(), other).ok());
+  ASSERT_TRUE(t.small.sessions->Step(t.out_of_core.key(), other).ok());
+  EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
+}
+
 // A session whose step stopped midway (its trainer backing off on a full
 // pool, or gone) is kept at a stop all the same: the step is finished
 // first, as it was decided, and the next offloadd's session is the

@@ -114,8 +114,10 @@ struct SessionManager::Session {
   // What the last step was decided with (its loss scale applied): a step
   // stopped midway that must be finished without its trainer (to keep the
   // session at a stop) is finished with them.
+  // A Step that resumes one stopped midway applies them too.
   AdamHyperparams decided_hyperparams ABSL_GUARDED_BY(decide_mu);
   std::vector<ParamGroup> decided_groups ABSL_GUARDED_BY(decide_mu);
+  bool decided_valid ABSL_GUARDED_BY(decide_mu) = false;  // decided by this offloadd
 
   // The last overlapped step: running, or its outcome.
   absl::Mutex step_mu;
@@ -1069,10 +1071,16 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   // With loss scaling: an overflow anywhere (the trainer's global flag, or
   // non-finite values here) skips the step and lowers the scale; otherwise
   // the gradients are unscaled in the update's pass.
-  AdamHyperparams applied = h;
-  if (scaler != nullptr) {
-    // A step resumed is unscaled as it began (an overlapped one's start
-    // may have changed the scale since).
+  // A step resumed applies what it began with: its hyperparameters, groups
+  // and gradient scale (a clipping coefficient the trainer computes again
+  // from the gradients still pending, which the finished partitions no
+  // longer count, or an lr a scheduler moved meanwhile, would make the
+  // partitions of one step differ), and is unscaled as it began (an
+  // overlapped one's start may have changed the scale since).
+  const bool as_decided = resuming && session->decided_valid;
+  AdamHyperparams applied = as_decided ? session->decided_hyperparams : h;
+  std::vector<ParamGroup> groups = as_decided ? session->decided_groups : control.groups;
+  if (scaler != nullptr && !as_decided) {
     if (!resuming) session->scale_of_step = scaler->scale();
     applied.grad_scale = h.grad_scale / session->scale_of_step;
   }
@@ -1091,7 +1099,8 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   }
   const bool skip = control.skip || overflow;
   session->decided_hyperparams = applied;
-  session->decided_groups = control.groups;
+  session->decided_groups = groups;
+  session->decided_valid = true;
   StepSummary summary;
   if (control.overlap) {
     Session* s = session.get();
@@ -1104,7 +1113,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
       s->step_started = true;
     }
     absl::StatusOr<StepSummary> started =
-        steps_->Start(*session->partitions, session, applied, skip, control.groups,
+        steps_->Start(*session->partitions, session, applied, skip, groups,
                       [s](absl::StatusOr<StepSummary> result) {
                         if (result.ok()) s->CountStep(*result);
                         absl::MutexLock lock(&s->step_mu);
@@ -1119,7 +1128,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
     }
     summary = *started;
   } else {
-    ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, control.groups));
+    ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, groups));
     session->CountStep(summary);
   }
   summary.delayed_update = session->partitions->delayed_update();

@@ -369,7 +369,10 @@ class SessionManager {
   absl::StatusOr<PendingGradients> Pending(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // FAILED_PRECONDITION if no partition returned gradients since last step.
   // Either way the returned gradients are consumed: a skipped step (see
-  // StepSummary; `skip` asks for one) also needs new ones.
+  // StepSummary; `skip` asks for one) also needs new ones. A Step after one
+  // that stopped midway (its error said "resumes there") finishes that one
+  // as it was decided: its hyperparameters, groups, gradient scale and
+  // overflow decision, not this call's.
   absl::StatusOr<StepSummary> Step(const SessionKey& key, const AdamHyperparams& h,
                                    const StepControl& control = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
