@@ -317,6 +317,36 @@ class PythonClientTest(unittest.TestCase):
             self.return_grads(p, torch.full((n,), 0.5))  # no verdict this round: again
         self.skipTest("each step ended before the write was looked at")
 
+    def test_a_session_collected_unclosed_closes_without_the_gil(self):
+        # A Session collected without close() closes itself (a call to
+        # offloadd); with a switch interval of a second, another Python
+        # thread runs meanwhile only if that call released the GIL.
+        other = self.client.open_session("collected")
+        other.register("c", 4 << 20)
+        other_id = other.id
+        ticks = [0]
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            t = threading.Thread(target=spin)
+            t.start()
+            time.sleep(0.05)
+            before = ticks[0]
+            del other
+            during = ticks[0] - before
+            stop.set()
+            t.join()
+        finally:
+            sys.setswitchinterval(old)
+        self.assertGreater(during, 0)
+        self.assertNotIn(other_id, [s["id"] for s in self.client.stats()["sessions"]])
+
     def test_a_session_closed_by_two_threads_at_once(self):
         # Session is safe from several threads: two closing it at once both
         # return (its keepalive thread is stopped once).

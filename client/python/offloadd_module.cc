@@ -94,6 +94,24 @@ auto Unlocked(F&& f) {
   return f();
 }
 
+// The Python Session's holder: a Session collected unclosed closes itself
+// in its destructor (a call to offloadd, its threads joined), which must
+// not hold every other Python thread up meanwhile.
+struct DeleteWithoutGil {
+  void operator()(Session* s) const {
+    if (s == nullptr) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete s;
+    } else {
+      delete s;
+    }
+  }
+};
+using SessionHolder = std::unique_ptr<Session, DeleteWithoutGil>;
+
+SessionHolder Held(std::unique_ptr<Session> s) { return SessionHolder(s.release()); }
+
 // Bytes of a partition's mapping as Python holds them: a buffer that keeps
 // the mapping (PartitionView::memory), so that a memoryview of it, and a
 // tensor over that, stay mapped after the Session closes or is collected
@@ -494,7 +512,7 @@ PYBIND11_MODULE(_offloadd, m) {
           },
           "fp32 initial values (registered with fp32_master, until released)");
 
-  py::class_<Session, std::unique_ptr<Session>>(m, "Session")
+  py::class_<Session, SessionHolder>(m, "Session")
       .def_property_readonly("id", &Session::id)
       .def_property_readonly(
           "token", [](const Session& s) { return py::bytes(s.token()); },
@@ -755,7 +773,7 @@ PYBIND11_MODULE(_offloadd, m) {
             o.placement.grads_host_percent = grads_host_percent;
             o.placement.optimizer_state_host_percent = optimizer_state_host_percent;
             o.delayed_update_after_steps = delayed_update_after_steps;
-            return Value(Unlocked([&] { return c.OpenSession(name, o); }));
+            return Held(Value(Unlocked([&] { return c.OpenSession(name, o); })));
           },
           py::arg("name") = "", py::arg("params_host_percent") = py::none(),
           py::arg("grads_host_percent") = py::none(),
@@ -774,7 +792,7 @@ PYBIND11_MODULE(_offloadd, m) {
           "resume_session",
           [](Client& c, uint64_t id, const py::bytes& token) {
             const std::string t = token;
-            return Value(Unlocked([&] { return c.ResumeSession(id, t); }));
+            return Held(Value(Unlocked([&] { return c.ResumeSession(id, t); })));
           },
           py::arg("id"), py::arg("token"),
           "takes back a session whose trainer went away (within offloadd's "
