@@ -10,6 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "httplib.h"
@@ -52,6 +53,17 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
   std::string out;
   for (const CounterValue& c : m.counters) {
     const bool gauge = c.gauge;
+    if (c.unit == "us") {
+      // Times in Prometheus' base unit: step_time (us) is
+      // offloadd_step_seconds_total.
+      absl::string_view base = c.name;
+      absl::ConsumeSuffix(&base, "_time");
+      const std::string name = absl::StrCat("offloadd_", base, "_seconds", gauge ? "" : "_total");
+      absl::StrAppend(&out, "# HELP ", name, " ", c.name, "\n", "# TYPE ", name,
+                      gauge ? " gauge\n" : " counter\n", name, " ",
+                      absl::StrFormat("%.6f", static_cast<double>(c.value) / 1e6), "\n");
+      continue;
+    }
     const std::string name = absl::StrCat("offloadd_", c.name, gauge ? "" : "_total");
     absl::StrAppend(&out, "# HELP ", name, " ", c.name, " (", c.unit, ")\n", "# TYPE ", name,
                     gauge ? " gauge\n" : " counter\n", name, " ", c.value, "\n");

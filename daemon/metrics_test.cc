@@ -19,7 +19,9 @@ namespace {
 
 DaemonSnapshot Sample() {
   DaemonSnapshot m;
-  m.counters = {{"steps", 7, "steps"}, {"swap_resident_bytes", 4096, "bytes", /*gauge=*/true}};
+  m.counters = {{"steps", 7, "steps"},
+                {"swap_resident_bytes", 4096, "bytes", /*gauge=*/true},
+                {"step_time", 2500000, "us"}};
   m.tiers = {{"host", 100, 1000}, {"nvme", 0, 5000}};
   SessionSummary s;
   s.id = 3;
@@ -40,6 +42,12 @@ TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
   EXPECT_NE(
       text.find("# TYPE offloadd_swap_resident_bytes gauge\noffloadd_swap_resident_bytes 4096"),
       std::string::npos);
+  // Times in seconds, named so (the daemon counts them in microseconds).
+  EXPECT_NE(text.find("# TYPE offloadd_step_seconds_total counter\n"
+                      "offloadd_step_seconds_total 2.500000\n"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("offloadd_step_time"), std::string::npos) << text;
   EXPECT_NE(text.find("offloadd_tier_budget_bytes{tier=\"nvme\"} 5000\n"), std::string::npos);
   EXPECT_NE(text.find("offloadd_session_placed_bytes{session=\"3\",name=\"rank\\\"0\\\"\\nx\","
                       "kind=\"optimizer_state\",tier=\"nvme\"} 12\n"),
