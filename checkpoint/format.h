@@ -18,8 +18,9 @@
 // nothing has touched; leftovers of the crashed attempt go at the next
 // checkpoint of the stem (4).
 //
-// Keeping the previous generation (automatic checkpoints: the ranks of a job
-// may be a checkpoint apart when offloadd dies between their commits), 3
+// Keeping the previous generation (a job's checkpoints, automatic or its
+// own: its ranks may be a checkpoint apart when offloadd dies, or a disk
+// fills, between their commits), 3
 // links the old manifest aside before its rename and, after it, renames
 // that link over <stem>.previous; 4 keeps the data file <stem>.previous
 // names. A crash at any point leaves a valid <stem>.manifest and, after the

@@ -55,7 +55,14 @@ struct Options {
   bool delayed_update = false;
   std::optional<LossScalingOptions> loss_scaling;
   std::string restore_from;
+  std::optional<uint64_t> restore_steps;
 };
+
+RestoreFrom Restore(const Options& o) {
+  RestoreFrom r(o.restore_from);
+  r.steps = o.restore_steps;
+  return r;
+}
 
 // One rank of a job: a session holding slice `rank` of `world` of every
 // tensor of kTensors.
@@ -66,7 +73,7 @@ class Rank {
     if (o.restore_from.empty()) placement[DataKind::kOptimizerState] = o.state_host_percent;
     auto opened = engine->sessions->Open(
         "job/rank" + std::to_string(rank), placement, o.loss_scaling,
-        o.delayed_update ? std::optional<uint64_t>(1) : std::nullopt, o.restore_from);
+        o.delayed_update ? std::optional<uint64_t>(1) : std::nullopt, Restore(o));
     EXPECT_TRUE(opened.ok()) << opened.status();
     if (!opened.ok()) return;
     key_ = opened->key;
@@ -278,6 +285,50 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"two_ranks_to_one", Bf16StateOnNvme(), false, 2, 1},
                       Case{"two_ranks_to_three", Options{}, false, 2, 3}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// A job's checkpoint into one directory that only some ranks committed
+// (offloadd died, or a rank's disk filled, between their commits) leaves
+// every rank's checkpoint before it there: a restore refuses the mix and
+// names the step all hold, and restores it when asked.
+TEST(Checkpoint, ARanksUnfinishedCheckpointLeavesThePreviousOneRestorable) {
+  const std::string dir = TmpDir("ckpt-partial");
+  TestEngine first(TmpDir("nvme-partial-a"), 64 << 20, 8, kChunk);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (int r = 0; r < 2; ++r) ranks.push_back(std::make_unique<Rank>(&first, r, 2, Options{}));
+  std::vector<Snapshot> expected;
+  for (int step = 1; step <= 5; ++step) {
+    for (auto& r : ranks) r->ReturnGradients(step);
+    for (auto& r : ranks) r->Step();
+    if (step == 2) {
+      for (auto& r : ranks) ASSERT_TRUE(first.sessions->Checkpoint(r->key(), dir, false).ok());
+    }
+    if (step == 3) {  // rank 1's never commits
+      ASSERT_TRUE(first.sessions->Checkpoint(ranks[0]->key(), dir, false).ok());
+    }
+    if (step >= 3) {
+      Snapshot s;
+      for (auto& r : ranks) r->Gather(&s);
+      expected.push_back(s);
+    }
+  }
+  TestEngine second(TmpDir("nvme-partial-b"), 64 << 20, 8, kChunk);
+  auto mixed = second.sessions->Open("job/rank0", {}, std::nullopt, std::nullopt, dir);
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kFailedPrecondition) << mixed.status();
+  EXPECT_NE(mixed.status().message().find("All of them hold step 2"), absl::string_view::npos)
+      << mixed.status();
+  Options o;
+  o.restore_from = dir;
+  o.restore_steps = 2;
+  std::vector<std::unique_ptr<Rank>> restored;
+  for (int r = 0; r < 2; ++r) restored.push_back(std::make_unique<Rank>(&second, r, 2, o));
+  for (int step = 3; step <= 5; ++step) {
+    for (auto& r : restored) r->ReturnGradients(step);
+    for (auto& r : restored) r->Step();
+    Snapshot s;
+    for (auto& r : restored) r->Gather(&s);
+    EXPECT_TRUE(BitEqual(s, expected[step - 3])) << "step " << step;
+  }
+}
 
 TEST(RestoreErrors, SayWhatIsWrong) {
   TestEngine engine(TmpDir("nvme-errors"), 64 << 20, 8, kChunk);

@@ -1362,7 +1362,11 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::StartCheckpoin
   SessionCheckpointState state;
   state.name = s->name;
   state.scaler = s->scaler.get();
-  state.keep_previous = automatic;
+  // Each keeps the one it replaces: a job's ranks commit one by one, and a
+  // crash (or a full disk) between their commits must leave every rank's
+  // previous checkpoint there, the step all of them hold. (Not a stop's,
+  // whose directory is its own.)
+  state.keep_previous = whose != CheckpointFor::kKeeping;
   state.user = s->user;
   // Written while a call (or a stop) waits: as fast as the disk allows. In
   // the background, beside training: one write at a time.

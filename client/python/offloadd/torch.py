@@ -2321,8 +2321,10 @@ class Optimizer(torch.optim.Optimizer):
     def checkpoint(self, directory, background=False):
         """Writes this job's optimizer state (fp32 master weights, moments,
         step counts, loss scale) and working weights into `directory`, every
-        rank at the same step: call it on every rank after step(). Atomic: a
-        crash while writing leaves the previous checkpoint there valid.
+        rank at the same step: call it on every rank after step(). Each
+        rank's is atomic and keeps the one it replaces: a crash before every
+        rank committed leaves a directory that a restore refuses, naming the
+        step all ranks hold (give it as zero_config's restore_steps).
         Training waits only for the step boundary; with `background`, it
         returns then (wait_checkpoint() gives the outcome). Resume with
         wrap(..., zero_config={"restore_from": directory}), with any number
