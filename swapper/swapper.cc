@@ -1579,7 +1579,9 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       const bool still_evictable = PinsOf(*b) == 0 && (b->waiters == 0 || b->given) &&
                                    b->nvme_current && b->home == Tier::kNvme;
       b->given = false;
-      if (still_evictable || b->removed) {
+      // (Removed meanwhile: its memory goes now unless pinned or waited
+      // for, else at the last release, EraseIfDoneLocked.)
+      if (still_evictable || (b->removed && !Held(*b))) {
         DropHostLocked(b);
         b->state = BlockState::kOnNvme;
       } else {

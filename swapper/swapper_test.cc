@@ -2010,6 +2010,36 @@ TEST_F(SwapperTest, ABlockMovedHomeGivesItsNvmeCopyBackOnceNothingReadsIt) {
   EXPECT_EQ(space_->Stats().extents, extents - 1);
 }
 
+// A block pinned during its write-out and removed meanwhile keeps its
+// memory until the pin is let go: the write's completion must not free it
+// under the pin (its lease would be the next swap-in's).
+TEST_F(SwapperTest, ABlockRemovedWhilePinnedDuringItsWriteOutKeepsItsMemory) {
+  Make(2 * kMiB);
+  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(swapper_->Add(id, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  Write(2, 22);
+  swapper_->WaitIdle();
+  absl::Notification reached, release;
+  HoldIo(1, /*write=*/true, &reached, &release);
+  std::thread writer([&] { Write(3, 33); });  // evicts 1: its write-out stops in the hook
+  reached.WaitForNotification();
+  auto pin = swapper_->Acquire(1, /*for_write=*/false);  // (no ASSERT: the hook must be released)
+  EXPECT_TRUE(pin.ok()) << pin.status();
+  swapper_->Remove(1);
+  release.Notify();
+  writer.join();
+  swapper_->WaitIdle();
+  swapper_->SetIoHookForTesting(nullptr);
+  ASSERT_TRUE(pin.ok());
+  EXPECT_TRUE(Holds(*pin, 11));
+  ExpectHolds(2, 22);  // read in again (3 evicted): a freed lease would be taken
+  EXPECT_TRUE(Holds(*pin, 11)) << "block 1's memory was reused under its pin";
+  *pin = Swapper::Pin();
+  EXPECT_EQ(swapper_->State(1).status().code(), absl::StatusCode::kNotFound);
+  ExpectHolds(2, 22);
+  ExpectHolds(3, 33);
+}
+
 // Moved home while its write-out is in flight: the copy that write makes
 // is given back when it completes (the tier's room went at the move).
 TEST_F(SwapperTest, ABlockMovedHomeDuringItsWriteOutKeepsNoCopy) {
