@@ -277,7 +277,9 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const Reque
     for (;;) {
       int rc = entered(io_uring_submit(&r.ring));
       if (rc >= 0) {
-        queued = 0;
+        // The kernel may take fewer than offered (its requests' allocation
+        // failing after the first): the rest stay queued for the next submit.
+        queued = io_uring_sq_ready(&r.ring);
         return true;
       }
       if (rc == -EINTR) continue;
@@ -328,7 +330,7 @@ absl::Status UringBackend::Run(absl::Span<const IoRequest> requests, const Reque
       // Submit and wait for a completion in one system call.
       rc = entered(io_uring_submit_and_wait(&r.ring, 1));
       if (rc >= 0) {
-        queued = 0;
+        queued = io_uring_sq_ready(&r.ring);  // (as in submit)
         rc = io_uring_peek_cqe(&r.ring, &cqe);
       } else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
         outcome.Fail(PosixError("io_uring_submit_and_wait", -rc));
