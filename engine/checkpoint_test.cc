@@ -370,6 +370,44 @@ TEST(RestoreErrors, SayWhatIsWrong) {
   EXPECT_EQ(ok->step, 1u);
 }
 
+// A partition registered without a tensor or shape (its own tensor)
+// restores only at the size it was checkpointed with: neither filled with
+// zeros past it nor cut.
+TEST(RestoreErrors, APartitionWithoutAShapeRestoresOnlyAtItsSize) {
+  TestEngine engine(TmpDir("nvme-noshape"), 64 << 20, 8, kChunk);
+  const std::string dir = TmpDir("ckpt-noshape");
+  {
+    auto opened = engine.sessions->Open("solo");
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    auto p = engine.sessions->Register(opened->key,
+                                       PartitionSpec{"w", 1000, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(engine.sessions->Release(opened->key, {p->id}).ok());
+    ASSERT_TRUE(engine.sessions->Checkpoint(opened->key, dir, false).ok());
+    ASSERT_TRUE(engine.sessions->Close(opened->key).ok());
+  }
+  auto opened = engine.sessions->Open("solo", {}, std::nullopt, std::nullopt, dir);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  for (uint64_t numel : {1200, 800}) {
+    auto other = engine.sessions->Register(opened->key,
+                                           PartitionSpec{"w", numel, DType::kFp32, DType::kFp32});
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition) << other.status();
+    EXPECT_NE(other.status().message().find("holds 1000 elements of it, not"),
+              absl::string_view::npos)
+        << other.status();
+  }
+  // A slice of it wholly past what was checkpointed (a rank's missing).
+  PartitionSpec past{"w1", 500, DType::kFp32, DType::kFp32};
+  past.tensor = "w";
+  past.tensor_offset = 1000;
+  EXPECT_EQ(engine.sessions->Register(opened->key, past).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto right =
+      engine.sessions->Register(opened->key, PartitionSpec{"w", 1000, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(right.ok()) << right.status();
+  EXPECT_TRUE(right->restored);
+}
+
 // Records every chunk a checkpoint captures.
 class RecordingSink : public ChunkSink {
  public:
