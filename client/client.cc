@@ -848,8 +848,9 @@ absl::StatusOr<PendingGradients> Session::GetPendingGradients() {
     RETURN_IF_ERROR(FromGrpc(impl_->stub->GetPendingGradients(&rpc.context, req, &resp),
                              "GetPendingGradients"));
   }
-  return PendingGradients{resp.sq_norm(),       resp.nonfinite(),  resp.partitions(),
-                          resp.micro_batches(), resp.loss_scale(), resp.delayed_update()};
+  return PendingGradients{
+      resp.sq_norm(),    resp.nonfinite(),      resp.partitions(),         resp.micro_batches(),
+      resp.loss_scale(), resp.delayed_update(), resp.auto_checkpoint_due()};
 }
 
 absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOptions& options) {
@@ -858,6 +859,7 @@ absl::StatusOr<StepResult> Session::Step(const AdamHyperparams& h, const StepOpt
   req.set_skip(options.skip);
   req.set_overflow(options.overflow);
   req.set_overlap(options.overlap);
+  if (options.auto_checkpoint.has_value()) req.set_auto_checkpoint(*options.auto_checkpoint);
   ToProto(h, req.mutable_hyperparams());
   for (const StepOptions::Group& g : options.groups) {
     v1::ParamGroup* out = req.add_groups();

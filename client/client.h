@@ -187,6 +187,11 @@ struct PendingGradients {
   // The session's delayed update is on now: the parameters fetched may be
   // a step older than its last step's; SetDelayedUpdate(false) drains it.
   bool delayed_update = false;
+  // The session's automatic checkpoint is due (offloadd's clock or step
+  // count): a job of several ranks agrees on it (any rank's: all) and
+  // passes it to every rank's Step (StepOptions::auto_checkpoint), so that
+  // their checkpoints are of the same step.
+  bool auto_checkpoint_due = false;
 };
 
 // How Step commits after the trainer's global decisions.
@@ -203,6 +208,9 @@ struct StepOptions {
     AdamHyperparams hyperparams;
   };
   std::vector<Group> groups;
+  // The automatic checkpoint at this step: unset, as offloadd decides for
+  // this session alone; true/false, as the job decided (every rank alike).
+  std::optional<bool> auto_checkpoint;
 };
 
 // How Fetch holds partitions.

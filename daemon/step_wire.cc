@@ -14,6 +14,7 @@ absl::StatusOr<StepCall> FromProto(const v1::StepRequest& req) {
   call.control.skip = req.skip();
   call.control.overflow = req.overflow();
   call.control.overlap = req.overlap();
+  if (req.has_auto_checkpoint()) call.control.auto_checkpoint = req.auto_checkpoint();
   for (const v1::ParamGroup& g : req.groups()) {
     if (g.hyperparams().has_grad_scale()) {
       return absl::InvalidArgumentError(
@@ -47,6 +48,7 @@ void ToProto(const PendingGradients& p, v1::GetPendingGradientsResponse* out) {
   out->set_micro_batches(p.micro_batches);
   out->set_loss_scale(p.loss_scale);
   out->set_delayed_update(p.delayed_update);
+  out->set_auto_checkpoint_due(p.auto_checkpoint_due);
 }
 
 }  // namespace offload

@@ -1024,6 +1024,18 @@ absl::StatusOr<PendingGradients> SessionManager::Pending(const SessionKey& key) 
     out.loss_scale = session->scaler->scale();
     out.stats.sq_norm /= out.loss_scale * out.loss_scale;
   }
+  AutoCheckpointOptions options;
+  {
+    absl::MutexLock lock(&mu_);
+    options = auto_checkpoint_;
+  }
+  if (options.on()) {
+    // Due at the step about to be taken.
+    const uint64_t next = session->partitions->steps() + 1;
+    absl::MutexLock lock(&session->checkpoint_mu);
+    out.auto_checkpoint_due =
+        AutoCheckpointDue(options, *session, next, std::chrono::steady_clock::now());
+  }
   return out;
 }
 
@@ -1040,9 +1052,9 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
   // checkpoint is due, or the delayed update's warm-up over, goes by the
   // steps ended.
   session->AwaitNoStepLocking();
-  if (control.overlap) MaybeAutoCheckpoint(session);
+  if (control.overlap) MaybeAutoCheckpoint(session, control.auto_checkpoint);
   absl::StatusOr<StepSummary> summary = DecideStep(session, h, control);
-  if (summary.ok() && !control.overlap) MaybeAutoCheckpoint(session);
+  if (summary.ok() && !control.overlap) MaybeAutoCheckpoint(session, control.auto_checkpoint);
   return summary;
 }
 
@@ -1279,7 +1291,20 @@ std::string SessionManager::AutoCheckpointDir(uint64_t id) const {
   return auto_checkpoint_.on() ? absl::StrCat(auto_checkpoint_.dir, "/", id) : "";
 }
 
-void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) {
+bool SessionManager::AutoCheckpointDue(const AutoCheckpointOptions& options, const Session& s,
+                                       uint64_t steps, SteadyTime now)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {  // (s.checkpoint_mu held by the caller)
+  // Aligned to multiples of every_steps, so that one skipped (the last
+  // still being written) does not shift the ones after it.
+  const bool by_steps =
+      options.every_steps > 0 && steps / options.every_steps > s.auto_step / options.every_steps;
+  const bool by_time = options.interval > absl::ZeroDuration() &&
+                       now - s.auto_time >= absl::ToChronoNanoseconds(options.interval);
+  return by_steps || by_time;
+}
+
+void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session,
+                                         std::optional<bool> decided) {
   Session* s = session.get();
   AutoCheckpointOptions options;
   {
@@ -1303,18 +1328,22 @@ void SessionManager::MaybeAutoCheckpoint(const std::shared_ptr<Session>& session
     }
     if (!restored.empty()) RemoveDirectoryOfFiles(restored);
   }
+  if (decided.has_value() && !*decided) return;  // the job's ranks agreed: not at this step
   const uint64_t steps = s->partitions->steps();
   const SteadyTime now = std::chrono::steady_clock::now();
   {
     absl::MutexLock lock(&s->checkpoint_mu);
-    if (s->checkpoint_running) return;  // the trainer's, or the last one still
-    // Aligned to multiples of every_steps, so that one skipped (the last
-    // still being written) does not shift the ones after it.
-    const bool by_steps =
-        options.every_steps > 0 && steps / options.every_steps > s->auto_step / options.every_steps;
-    const bool by_time = options.interval > absl::ZeroDuration() &&
-                         now - s->auto_time >= absl::ToChronoNanoseconds(options.interval);
-    if (!by_steps && !by_time) return;
+    if (decided.has_value()) {
+      // The job's ranks agreed on this step: each takes it, after one of
+      // its own still being written, so that all of theirs are of one step
+      // (each rank's clock alone put them steps apart, and a crash then
+      // left no step every rank held).
+      s->checkpoint_mu.Await(absl::Condition(
+          +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->checkpoint_running; }, s));
+    } else {
+      if (s->checkpoint_running) return;  // the trainer's, or the last one still
+      if (!AutoCheckpointDue(options, *s, steps, now)) return;
+    }
     s->auto_step = steps;
     s->auto_time = now;
   }

@@ -183,6 +183,10 @@ struct StepControl {
   bool overlap = false;
   // Partitions whose hyperparameters differ from the step's.
   std::vector<ParamGroup> groups;
+  // The automatic checkpoint at this step: unset, as the session's own
+  // clock or step count says; set, as the job decided (every rank alike):
+  // true now (waiting for one still being written), false not.
+  std::optional<bool> auto_checkpoint;
 };
 
 class SessionManager {
@@ -589,8 +593,15 @@ class SessionManager {
   // would replace what a lost session resumes from, or a kept session's
   // state.
   absl::Status CheckOutsideManaged(const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
-  // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint).
-  void MaybeAutoCheckpoint(const std::shared_ptr<Session>& session) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint),
+  // or, `decided` (the job's ranks agreed: StepControl::auto_checkpoint),
+  // if true.
+  void MaybeAutoCheckpoint(const std::shared_ptr<Session>& session,
+                           std::optional<bool> decided = std::nullopt) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `s`'s automatic checkpoint is due at `steps` and `now` (the
+  // interval or the step count since its last one); `s.checkpoint_mu` held.
+  static bool AutoCheckpointDue(const AutoCheckpointOptions& options, const Session& s,
+                                uint64_t steps, SteadyTime now);
   // With `operator_call`, an empty token is accepted (see Checkpoint).
   absl::StatusOr<std::shared_ptr<Session>> Find(const SessionKey& key,
                                                 bool operator_call = false) const

@@ -359,6 +359,52 @@ TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   sessions_.SetAutoCheckpoint({});
 }
 
+// A job of several ranks decides its automatic checkpoints itself: the
+// pending gradients say whether this session's is due (by offloadd's clock
+// or step count), and a Step that says true takes it at that step whatever
+// the clock says (waiting for one still being written), false not even
+// when due (it stays due). Each rank's clock alone put a job's checkpoints
+// steps apart.
+TEST_F(SessionManagerTest, AJobDecidesItsAutomaticCheckpointsAtOneStep) {
+  const std::string root = ::testing::TempDir() + "/auto_decided";
+  std::filesystem::remove_all(root);
+  std::filesystem::create_directories(root);
+  SessionManager::AutoCheckpointOptions options;
+  options.dir = root + "/auto";
+  options.interval = absl::Hours(1);
+  sessions_.SetAutoCheckpoint(options);
+  SessionKey key = Open();
+  auto p = sessions_.Register(key, {"w", 1 << 12, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(sessions_.Release(key, {p->id}).ok());
+  StepControl now, not_now, own;
+  now.auto_checkpoint = true;
+  not_now.auto_checkpoint = false;
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 12, own));
+  EXPECT_FALSE(sessions_.Pending(key)->auto_checkpoint_due);  // an hour to go
+  // Another rank's was due: taken here too, twice in a row (the second
+  // waits for the first).
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 12, now));
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 12, now));
+  AwaitAutoCheckpoints(stats_, 2);
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 2);
+  // Due by the clock (a nanosecond), but the job said not now: none, and it
+  // stays due.
+  options.interval = absl::Nanoseconds(1);
+  sessions_.SetAutoCheckpoint(options);
+  EXPECT_TRUE(sessions_.Pending(key)->auto_checkpoint_due);
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 12, not_now));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 2);
+  EXPECT_TRUE(sessions_.Pending(key)->auto_checkpoint_due);
+  // Unsaid: as the clock says.
+  ASSERT_NO_FATAL_FAILURE(StepPartition(sessions_, key, p->id, 1 << 12, own));
+  AwaitAutoCheckpoints(stats_, 3);
+  EXPECT_EQ(stats_.auto_checkpoints.load(), 3);
+  ASSERT_TRUE(sessions_.Close(key).ok());
+  sessions_.SetAutoCheckpoint({});
+}
+
 // What a session left in its automatic checkpoints when its offloadd died
 // is found by its name: the latest, or the kept previous one at the step a
 // job's ranks share; one closed before it stepped leaves it for that, one

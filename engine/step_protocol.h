@@ -81,6 +81,8 @@ struct PendingGradients {
   uint64_t micro_batches = 0;   // the most accumulated into one partition
   double loss_scale = 1;        // the session's (SessionManager fills it in)
   bool delayed_update = false;  // the session's delayed update is on
+  // The session's automatic checkpoint is due (SessionManager fills it in).
+  bool auto_checkpoint_due = false;
 };
 
 enum class StepOutcome {

@@ -107,6 +107,47 @@ class TorchWrapTest(unittest.TestCase):
         # bit for bit (the lost steps are repeated).
         self.killed_at_random_points("killed", {})
 
+    def test_two_ranks_automatic_checkpoints_by_time_are_of_one_step(self):
+        # Automatic checkpoints by time (every second), the ranks' sessions
+        # opened 1.5 s apart: each daemon session's clock alone put the
+        # ranks' checkpoints steps apart, so that after kill -9 no step
+        # was held by both and the job started anew. The ranks agree at
+        # each step (any rank's due: all), so the resumed job goes on from
+        # a step both hold.
+        name = "by_time"
+        flags = ["--checkpoint.auto_interval_seconds=1", "--checkpoint.auto_every_steps=0",
+                 "--server.reconnect_lease_seconds=0"]
+        daemon = Daemon(self.root, name, flags=flags)
+        work = tempfile.mkdtemp(dir=self.root)
+        marker = os.path.join(work, "held")
+        sc = dict(BASE, steps=100, zero={"session_name": name}, start_delays=[0, 1.5],
+                  step_sleep=0.1, hold_at_step=30, hold_marker=marker)
+        procs = [subprocess.Popen(
+            [sys.executable, WORKER, json.dumps(sc), str(rank), "2", os.path.join(work, "init"),
+             os.path.join(work, "out.json")],
+            env=dict(os.environ, OFFLOADD_ADDRESS=daemon.address),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+        try:
+            deadline = time.monotonic() + 120
+            while not all(os.path.exists(f"{marker}.{r}") for r in range(2)):
+                self.assertTrue(all(p.poll() is None for p in procs), "a rank ended early")
+                self.assertLess(time.monotonic(), deadline, "the ranks never reached step 30")
+                time.sleep(0.05)
+            self.assertGreaterEqual(
+                offloadd.Client(daemon.address).stats()["counters"]["auto_checkpoints"], 4)
+        finally:
+            daemon.stop()  # SIGKILL, mid-job
+            for p in procs:
+                p.kill()
+                p.communicate()
+        daemon = Daemon(self.root, name, flags=flags, restart=True)
+        try:
+            resumed = dict(BASE, steps=32, zero={"session_name": name, "resume": "auto"})
+            result, outputs, _ = self.run_ranks(resumed, 2, addresses=[daemon.address] * 2)
+        finally:
+            daemon.stop()
+        self.assertGreater(result["start"], 0, "\n".join(outputs))
+
     def test_two_ranks_with_the_gpu_tier_go_on_after_offloadd_is_killed(self):
         # The same with the GPU tier (on the emulated device): the restarted
         # ranks' tiers start empty and gather what the resumed sessions hold.

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,7 @@ def train(sc, rank, world, use_offloadd):
     clip = sc.get("clip", 0.0)
     if use_offloadd:
         import offloadd.torch
+        time.sleep(sc.get("start_delays", [0] * world)[rank])  # ranks opening apart
         zero = dict(sc.get("zero", {}))
         zero.setdefault("gradient_clipping", clip)
         zero.setdefault("gradient_accumulation_steps", ga)
@@ -117,6 +119,12 @@ def train(sc, rank, world, use_offloadd):
                 model.parameters(), clip if clip else float("inf"))))
             opt.step()
         opt.zero_grad()
+        if sc.get("hold_at_step") == step:
+            # Stays here (its session open) until the test kills it.
+            with open(f"{sc['hold_marker']}.{rank}", "w"):
+                pass
+            time.sleep(3600)
+        time.sleep(sc.get("step_sleep", 0))
         if sc.get("checkpoint_at") == step:
             opt.checkpoint(sc["checkpoint_dir"])
             checkpoint_state = {k: v.flatten().tolist() for k, v in model.state_dict().items()}

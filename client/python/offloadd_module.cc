@@ -599,17 +599,20 @@ PYBIND11_MODULE(_offloadd, m) {
              d["micro_batches"] = p.micro_batches;
              d["loss_scale"] = p.loss_scale;
              d["delayed_update"] = p.delayed_update;
+             d["auto_checkpoint_due"] = p.auto_checkpoint_due;
              return d;
            })
       .def(
           "step",
           [](Session& s, double lr, double beta1, double beta2, double eps, double weight_decay,
              bool adamw, bool bias_correction, double grad_scale, bool skip, bool overflow,
-             bool overlap, const std::vector<py::dict>& groups) {
+             bool overlap, const std::vector<py::dict>& groups,
+             std::optional<bool> auto_checkpoint) {
             StepOptions o;
             o.skip = skip;
             o.overflow = overflow;
             o.overlap = overlap;
+            o.auto_checkpoint = auto_checkpoint;
             // torch-style param groups: {"ids": [...], "lr": ..., ...}; unset
             // fields take the step's.
             for (const py::dict& g : groups) {
@@ -635,7 +638,10 @@ PYBIND11_MODULE(_offloadd, m) {
           py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.0, py::arg("adamw") = true,
           py::arg("bias_correction") = true, py::arg("grad_scale") = 1.0, py::arg("skip") = false,
           py::arg("overflow") = false, py::arg("overlap") = false,
-          py::arg("groups") = std::vector<py::dict>{})
+          py::arg("groups") = std::vector<py::dict>{}, py::arg("auto_checkpoint") = py::none(),
+          "auto_checkpoint: None, offloadd takes the automatic checkpoint when this session's "
+          "is due; True/False, the job decided (its ranks agreed on pending_gradients' "
+          "auto_checkpoint_due), every rank alike")
       .def("wait_step",
            [](Session& s) { return StepDict(Value(Unlocked([&] { return s.WaitStep(); }))); })
       .def(

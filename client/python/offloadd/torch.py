@@ -2224,7 +2224,9 @@ class Optimizer(torch.optim.Optimizer):
             e.tier.flush_gradients(keep_prefetch=True)
         if e.returned_since_step:
             if e.session.pending_gradients()["partitions"]:
-                e.session.step(skip=True)
+                # (Several ranks: no automatic checkpoint at a skip; the
+                # next step's agreement decides.)
+                e.session.step(skip=True, auto_checkpoint=False if e.world > 1 else None)
             e.returned_since_step = False
 
     @torch.no_grad()
@@ -2256,10 +2258,17 @@ class Optimizer(torch.optim.Optimizer):
         pending = e.session.pending_gradients()
         sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
         partitions = float(pending["partitions"])
+        auto_checkpoint = None  # one rank: offloadd's clock decides
         if e.world > 1:
-            t = torch.tensor([sq_norm, nonfinite, partitions], dtype=torch.float64)
+            # The automatic checkpoint too: taken at this step on every rank
+            # if it is due on any (each daemon's clock alone put the ranks'
+            # checkpoints steps apart, with no step all of them held).
+            t = torch.tensor([sq_norm, nonfinite, partitions,
+                              float(pending.get("auto_checkpoint_due", False))],
+                             dtype=torch.float64)
             e._collective("all-reduce of the gradient norm", lambda: dist.all_reduce(t, group=e.group))
-            sq_norm, nonfinite, partitions = t.tolist()
+            sq_norm, nonfinite, partitions, due = t.tolist()
+            auto_checkpoint = due > 0
         if not partitions:  # no gradients anywhere: nothing to do, as in torch
             e.timings["step"] += time.perf_counter() - start
             return
@@ -2282,7 +2291,8 @@ class Optimizer(torch.optim.Optimizer):
         # A step the pool has no room for (the other ranks hold theirs)
         # stops where it was and resumes at the next call.
         r = e.with_room("the optimizer step's state chunks", lambda: e.session.step(
-            grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups, **first))
+            grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups,
+            auto_checkpoint=auto_checkpoint, **first))
         if e.tier is not None and not r["skipped"]:
             e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
