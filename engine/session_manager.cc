@@ -1061,6 +1061,11 @@ absl::StatusOr<StepSummary> SessionManager::Step(const SessionKey& key, const Ad
 absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Session>& session,
                                                        const AdamHyperparams& h,
                                                        const StepControl& control) {
+  // Held from before the delayed update's scheduled switch-on: a checkpoint
+  // (which reads the schedule and the store's delayed flag under it) sees
+  // the switch pending or done, never the schedule cleared and the flag
+  // not yet set (it recorded neither, and the restored job never switched).
+  absl::MutexLock decided(&session->decide_mu);
   int64_t after = session->delayed_update_after.load();
   if (after >= 0 && session->partitions->steps() >= static_cast<uint64_t>(after) &&
       // Once, and not over a SetDelayedUpdate that cancelled it meanwhile.
@@ -1072,7 +1077,6 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
       return on;
     }
   }
-  absl::MutexLock decided(&session->decide_mu);
   LossScaler* scaler = session->scaler.get();
   // Whether this Step finishes one that stopped midway, which the scaler
   // counted already (it was overlapped); decided before it runs (a step
