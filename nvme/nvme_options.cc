@@ -45,7 +45,7 @@ void BindNvmeTunables(NvmeOptions* o, ConfigRegistry* r) {
   r->Bind("nvme.stripe_bytes", &o->stripe_bytes,
           {"bytes", "striping unit across swap directories", false, kStripeBytesRange});
   r->Bind("nvme.checksum", &o->checksum,
-          {"bool", "XXH3 checksum per extent, verified on swap-in", true});
+          {"bool", "XXH3 checksum per stripe, verified on swap-in", true});
   r->Bind("nvme.direct_io", &o->direct_io,
           {"bool", "O_DIRECT where the filesystem supports it", false});
   r->Bind("nvme.backend", &o->io.backend,

@@ -60,7 +60,7 @@ struct NvmeOptions {
   // over more devices.
   int64_t stripe_bytes = int64_t{1} << 20;
 
-  // Record an XXH3-64 checksum per extent at swap-out and verify it at
+  // Record an XXH3-64 checksum per stripe at swap-out and verify it at
   // swap-in. Costs hashing time (benches/RESULTS.md).
   bool checksum = true;
 

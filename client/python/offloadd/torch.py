@@ -1670,7 +1670,7 @@ class _TierGuard:
 class _GpuTier:
     """The GPU tier of one wrapped model (client/gpu_tier.h through the
     binding): each module's parameters (a unit) are copied to the GPU on a
-    copy stream ahead of use along the order learned in the first
+    copy stream ahead of use along the order recorded in the previous
     iteration, from the daemon's arena registered for DMA, into one slab of
     GPU memory (gpu.budget_bytes) where they stay while the budget allows;
     gradients go back into the arena on a stream of their own while the
