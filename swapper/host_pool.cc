@@ -208,12 +208,19 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
     const uint64_t huge = SharedHugePageBytes();
     uint64_t align = std::max(PageSize(), io_alignment_.load(std::memory_order_relaxed));
     if (huge > align && bytes >= huge) align = huge;
-    absl::StatusOr<PoolFile::Extent> extent = file_->Take(bytes, align);
-    if (extent.ok()) {
-      const bool locked = LockLease(extent->data, extent->length, charge);
-      return PoolMemory(*extent, bytes, this, charge, locked, pages);
+    // Charged as the file holds it: the extent is whole aligned units (up
+    // to a huge page more than the bytes), all of them the file's pages.
+    const uint64_t whole = RoundUp(bytes, align);
+    if (whole == charge || Take(whole - charge, what).ok()) {
+      absl::StatusOr<PoolFile::Extent> extent = file_->Take(bytes, align);
+      if (extent.ok()) {
+        const bool locked = LockLease(extent->data, extent->length, whole);
+        return PoolMemory(*extent, bytes, this, whole, locked, pages);
+      }
+      used_.fetch_sub(whole - charge, std::memory_order_relaxed);
     }
-    // No room left in its file: private memory, as without one.
+    // No room left in its file (or in the pool for its alignment): private
+    // memory, as without one.
   }
   if (bytes > 0 && bytes <= kSlabLeaseMaxBytes && !lock_memory_ && file_ == nullptr &&
       io_alignment_.load(std::memory_order_relaxed) <= PageSize()) {

@@ -184,6 +184,38 @@ TEST(PoolFile, AHostPoolLeasesItsExtents) {
   EXPECT_FALSE(pool.file()->OffsetOf(outside->data(), outside->size()).has_value());
 }
 
+// A lease in the file is charged as the file holds it: whole units of the
+// alignment its I/O (or the file's huge pages) asks for, not the bytes
+// rounded to a page.
+TEST(PoolFile, AHostPoolChargesItsExtentsWhole) {
+  MemoryDir dir;
+  SKIP_WITHOUT_MEMORY_DIR(dir);
+  auto file = PoolFile::Create(dir.path(), 16 * kMiB);
+  ASSERT_TRUE(file.ok()) << file.status();
+  HostPool pool(Env::Default(), 32 * kMiB, false);
+  pool.UseFile(*std::move(file));
+  pool.SetIoAlignment(64 * 1024);
+  auto lease = pool.Allocate(PageSize() + 1, "odd");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_TRUE(pool.file()->OffsetOf(lease->data(), lease->size()).has_value());
+  EXPECT_EQ(pool.used(), pool.file()->taken_bytes());
+  EXPECT_EQ(pool.used(), 64u * 1024);
+  lease->Reset();
+  EXPECT_EQ(pool.used(), 0u);
+  // A pool without room for the alignment's rest: private memory, charged
+  // as such.
+  MemoryDir dir2;
+  HostPool tight(Env::Default(), 2 * PageSize(), false);
+  auto file2 = PoolFile::Create(dir2.path(), 16 * kMiB);
+  ASSERT_TRUE(file2.ok()) << file2.status();
+  tight.UseFile(*std::move(file2));
+  tight.SetIoAlignment(64 * 1024);
+  auto private_lease = tight.Allocate(PageSize() + 1, "odd");
+  ASSERT_TRUE(private_lease.ok()) << private_lease.status();
+  EXPECT_FALSE(tight.file()->OffsetOf(private_lease->data(), private_lease->size()).has_value());
+  EXPECT_EQ(tight.used(), 2 * PageSize());
+}
+
 // The next process's pool takes a kept file over: kept ranges are claimed
 // where they are (with their bytes), the rest of the file is free and
 // punched; a claim given back before the release is a kept range again; at
