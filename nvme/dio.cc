@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/host_memory.h"
 #include "base/log.h"
 #include "base/posix_error.h"
 
@@ -62,10 +63,18 @@ absl::StatusOr<IoFile> OpenIoFileQuietly(const std::string& path, bool create, b
   }
   if (file.fd.valid()) {
     DirectIoAlignment a = QueryDirectIoAlignment(file.fd.get());
-    if (a.supported()) {
+    const uint64_t alignment = std::max({a.memory, a.offset, 512u});
+    if (a.supported() && alignment <= PageSize()) {
       file.direct = true;
-      file.alignment = std::max({a.memory, a.offset, 512u});
+      file.alignment = alignment;
       return file;
+    }
+    if (a.supported()) {
+      // Transfers are whole alignment units, and the buffers they land in
+      // (the pool's leases, the arenas' spans) whole pages only: a larger
+      // unit would read past them.
+      LogWarning("%s: direct I/O needs %d-byte units, more than a page; using buffered I/O", path,
+                 static_cast<int64_t>(alignment));
     }
     // Opened, but the filesystem reports no direct I/O support: reopen.
     file.fd.reset();
