@@ -1136,7 +1136,9 @@ absl::Status PartitionStore::CommitMasterInit(const Partition& p) {
   for (uint64_t c = 0; c < ChunksOf(p.info.numel); ++c) {
     ASSIGN_OR_RETURN(Swapper::Pin init, PinBlock(id, c, PartitionStore::kInitBlock, false));
     ASSIGN_OR_RETURN(Swapper::Pin master, PinBlock(id, c, PartitionStore::kMaster, true));
-    ASSIGN_OR_RETURN(Swapper::Pin params, PinBlock(id, c, PartitionStore::kParamsBlock, true));
+    // The buffer the trainer reads (after the delayed update, either; held:
+    // no commit swaps them meanwhile).
+    ASSIGN_OR_RETURN(Swapper::Pin params, PinBlock(id, c, ParamsKind(p, /*next=*/false), true));
     const size_t n = master.size() / sizeof(float);
     std::memcpy(master.data(), init.data(), n * sizeof(float));
     NarrowFromFloat(reinterpret_cast<const float*>(master.data()), p.info.param_dtype,

@@ -613,6 +613,45 @@ TEST(OutOfCore, ALoadMakesItsValuesTheMasterWeightsAndKeepsTheMoments) {
   EXPECT_EQ(engine.sessions->Sessions()[0].held, 0u);
 }
 
+// A load after the delayed update went off with its working copy in the
+// second buffer (an odd number of its commits) goes into the buffer the
+// trainer reads, and the partition is released (it was refused NOT_FOUND,
+// held for good).
+TEST(OutOfCore, ALoadAfterTheDelayedUpdateWentOffGoesWhereTheTrainerReads) {
+  TestEngine engine(TmpDir("load_dpu"), 64 << 20);
+  auto opened = engine.sessions->Open("load_dpu", StateAt(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = 2 * kChunkElems + 5;
+  auto fd = engine.sessions->DupArenaFd(key);
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  PartitionSpec spec{"w", kN, DType::kBf16, DType::kFp32};
+  spec.fp32_master = true;
+  auto p = engine.sessions->Register(key, spec);
+  ASSERT_TRUE(p.ok()) << p.status();
+  std::vector<float> init(kN, 0.5f), g(kN, 0.01f), loaded(kN);
+  for (uint64_t j = 0; j < kN; ++j) loaded[j] = 1.0f + 1e-3f * static_cast<float>(j % 89);
+  std::memcpy(arena.data() + p->master_init.offset, init.data(), kN * 4);
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  ASSERT_TRUE(engine.sessions->SetDelayedUpdate(key, true).ok());
+  StepWithGradients(engine, key, *p, arena, g);
+  ASSERT_TRUE(engine.sessions->SetDelayedUpdate(key, false).ok());  // its commit: the second buffer
+  FetchMode load;
+  load.load = true;
+  auto held = engine.sessions->Fetch(key, {p->id}, load);
+  ASSERT_TRUE(held.ok()) << held.status();
+  std::memcpy(arena.data() + (*held)[0].master_init.offset, loaded.data(), kN * 4);
+  absl::Status released = engine.sessions->Release(key, {p->id});
+  ASSERT_TRUE(released.ok()) << released;
+  EXPECT_EQ(engine.sessions->Sessions()[0].held, 0u);
+  auto read = engine.sessions->Fetch(key, {p->id});
+  ASSERT_TRUE(read.ok()) << read.status();
+  std::vector<std::byte> want(kN * 2);
+  NarrowFromFloat(loaded.data(), DType::kBf16, want.data(), kN);
+  EXPECT_EQ(std::memcmp(arena.data() + (*read)[0].params.offset, want.data(), want.size()), 0);
+  ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
