@@ -327,6 +327,22 @@ TEST(OutOfCore, AStepStoppedMidwayIsFinishedBeforeItsSessionIsKept) {
   EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
 }
 
+// The same with the delayed update on and a partition the step finished
+// held by the trainer (its next forward): the holds go first, as when the
+// trainer goes away, so that the step's resumption can make its newer
+// buffer current; the session is kept.
+TEST(OutOfCore, AStepStoppedMidwayWithTheDelayedUpdateIsFinishedOverTheTrainersHolds) {
+  BesideReference t("kd");
+  ASSERT_TRUE(t.in_memory.sessions->SetDelayedUpdate(t.reference.key(), true).ok());
+  ASSERT_TRUE(t.small.sessions->SetDelayedUpdate(t.out_of_core.key(), true).ok());
+  ASSERT_NO_FATAL_FAILURE(StopStepTwoMidway(t));
+  ASSERT_TRUE(t.small.sessions->Fetch(t.out_of_core.key(), {t.out_of_core.parts()[0].id}).ok());
+  const std::string dir = TmpDir("kd2");
+  EXPECT_EQ(KeepSessions(*t.small.sessions, dir), 1);
+  EXPECT_EQ(t.small.sessions->Sessions()[0].steps, 2u);
+  EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
+}
+
 // A stop keeping a session cancels its automatic checkpoint being written
 // (one thread, beside training) instead of waiting for it: the keep writes
 // the same state, and the previous automatic checkpoint stays.

@@ -1769,6 +1769,11 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     s->AwaitNoCheckpoint();
     if (cancel) s->checkpoint_cancel = false;
   }
+  // What the trainer held goes, as when it goes away (it fetches again once
+  // it resumed); a partition held for writing would stop the checkpoint,
+  // and one held would stop the finishing below from making a newer
+  // buffer of the delayed update current.
+  s->partitions->DropHolds();
   // A step that stopped midway (its trainer backing off on a full pool,
   // or gone) is finished first: a checkpoint takes no half step, and the
   // session would not be kept.
@@ -1789,8 +1794,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     kept.user = s->user;
   }
   std::sort(kept.partition_ids.begin(), kept.partition_ids.end());
-  // What the trainer held goes, as when it goes away (it fetches again once
-  // it resumed); a partition held for writing would stop the checkpoint.
+  // (Again: a call of the trainer's may have fetched meanwhile.)
   s->partitions->DropHolds();
   return kept;
 }
