@@ -54,6 +54,18 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
         absl::UnavailableError("offloadd is shutting down; retry against its successor");
     return answer;
   }
+  // The flags each op knows: another (a newer client's) is refused, not
+  // dropped (ring_service.h).
+  const uint32_t known = r.op == ring::kFetch             ? ring::kGrads | ring::kWritable
+                         : r.op == ring::kReturnGradients ? ring::kThenRelease | ring::kHandOver
+                                                          : 0;
+  if ((r.op == ring::kFetch || r.op == ring::kRelease || r.op == ring::kReturnGradients) &&
+      (r.flags & ~known) != 0) {
+    answer.status = absl::InvalidArgumentError(
+        absl::StrCat("request ring: op ", r.op, " takes no flags ", r.flags & ~known));
+    stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+    return answer;
+  }
   std::vector<uint64_t> ids;
   ids.reserve(r.items.size());
   for (const ring::Item& item : r.items) ids.push_back(item.id);
