@@ -41,6 +41,7 @@ std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handle
   l->state.store(ring::kIdle, std::memory_order_release);
   // The thread keeps the server (its mapping, its handler) alive until it ends.
   server->thread_ = std::thread([self = server->shared_from_this()] { self->Serve(); });
+  server->serving_id_.store(server->thread_.get_id());
   return server;
 }
 
@@ -53,11 +54,23 @@ void RingServer::Stop(ring::ClosedReason why) {
   layout()->closed_reason = why;
   layout()->state.store(ring::kClosed, std::memory_order_seq_cst);
   ring::FutexWake(&layout()->state);
-  if (thread_.get_id() == std::this_thread::get_id()) {
-    thread_.detach();  // inside a call this thread runs: it ends after it
-  } else if (thread_.joinable()) {
-    thread_.join();
+  JoinOrDetach();
+}
+
+void RingServer::JoinOrDetach() {
+  if (std::this_thread::get_id() == serving_id_.load()) {
+    // Inside a call this thread runs: it ends after it. (One joining it
+    // meanwhile holds join_mu_, and sees it end.)
+    if (join_mu_.TryLock()) {
+      if (thread_.joinable()) thread_.detach();
+      join_mu_.Unlock();
+    }
+    return;
   }
+  // Stop and EndDrain may both get here (a session closed during a
+  // keeping stop's drain): one joins.
+  absl::MutexLock lock(&join_mu_);
+  if (thread_.joinable()) thread_.join();
 }
 
 void RingServer::Drain(absl::Duration patience) {
@@ -66,9 +79,7 @@ void RingServer::Drain(absl::Duration patience) {
 }
 
 void RingServer::BeginDrain(absl::Time deadline) {
-  if (stopping_.load() || !thread_.joinable() || thread_.get_id() == std::this_thread::get_id()) {
-    return;
-  }
+  if (stopping_.load() || serving_id_.load() == std::this_thread::get_id()) return;
   drain_deadline_ns_.store(SteadyNowNs() +
                            std::max<int64_t>(0, absl::ToInt64Nanoseconds(deadline - absl::Now())));
   layout()->closed_reason = ring::kDaemonStopping;
@@ -77,9 +88,7 @@ void RingServer::BeginDrain(absl::Time deadline) {
 }
 
 void RingServer::EndDrain() {
-  if (draining_.load() && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
-    thread_.join();
-  }
+  if (draining_.load() && serving_id_.load() != std::this_thread::get_id()) JoinOrDetach();
   Stop(ring::kDaemonStopping);
 }
 

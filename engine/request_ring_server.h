@@ -160,7 +160,12 @@ class RingServer : public std::enable_shared_from_this<RingServer> {
   std::atomic<bool> reset_pending_{false};
   uint64_t resets_asked_ ABSL_GUARDED_BY(reset_mu_) = 0;
   uint64_t resets_done_ ABSL_GUARDED_BY(reset_mu_) = 0;
-  std::thread thread_;
+  // Joins the serving thread, or (called on it) detaches it; once, whoever
+  // asks first.
+  void JoinOrDetach();
+  absl::Mutex join_mu_;
+  std::thread thread_;  // joined or detached under join_mu_ (Start sets it)
+  std::atomic<std::thread::id> serving_id_{};
 };
 
 }  // namespace offload
