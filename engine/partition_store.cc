@@ -74,6 +74,10 @@ struct PartitionStore::Partition {
   // A load without that region: the release makes the working copy the
   // master weights.
   bool master_from_working = false;
+  // A load under way (until its release), and the master weights' state
+  // before it: a trainer that goes away first (DropHolds) leaves them so.
+  bool loading = false;
+  MasterState before_load = MasterState::kUnset;
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   MasterState master = MasterState::kUnset;
@@ -909,6 +913,10 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
     // hold (and refuses), or this sees it (and captures before returning).
     recapture = mode.writable && capture_ != nullptr;
     for (Partition* p : with_init) {
+      if (!p->loading) {
+        p->loading = true;
+        p->before_load = p->master;
+      }
       // Its release makes the fp32 values written there the master weights.
       p->master = MasterState::kInitPending;
       p->info.master_init = {p->info.span.offset + p->init_at, p->init_bytes};
@@ -916,7 +924,13 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
     for (size_t i = 0; i < wanted.size(); ++i) {
       Partition* p = wanted[i];
       if (mode.writable) p->writable_hold = true;
-      if (mode.load && p->init_bytes == 0) p->master_from_working = true;
+      if (mode.load && p->init_bytes == 0) {
+        p->master_from_working = true;
+        if (!p->loading) {
+          p->loading = true;
+          p->before_load = p->master;
+        }
+      }
       if (fetched_.insert(p->info.id).second) fetch_order_.push_back(p->info.id);
       for (auto [have, got] : {std::pair{&p->param_pins, &taken[i].params},
                                std::pair{&p->grad_pins, &taken[i].grads}}) {
@@ -971,7 +985,10 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
       p->info.master_init = {};
     }
     for (Partition* p : reloads) p->master_from_working = false;
-    for (Partition* p : which) p->TakeHolds(&released);
+    for (Partition* p : which) {
+      p->TakeHolds(&released);
+      p->loading = false;
+    }
   }
   // The fp32 initial values are in the master weights now: their pages go.
   for (Partition* p : commits) {
@@ -990,6 +1007,18 @@ absl::Status PartitionStore::MasterFromWorking(const Partition& p) {
     ASSIGN_OR_RETURN(Swapper::Pin master, PinBlock(id, c, PartitionStore::kMaster, true));
     WidenToFloat(params.data(), p.info.param_dtype, reinterpret_cast<float*>(master.data()),
                  master.size() / sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PartitionStore::WorkingFromMaster(const Partition& p) {
+  const uint64_t id = p.info.id;
+  for (uint64_t c = 0; c < ChunksOf(p.info.numel); ++c) {
+    ASSIGN_OR_RETURN(Swapper::Pin master, PinBlock(id, c, PartitionStore::kMaster, false));
+    ASSIGN_OR_RETURN(Swapper::Pin params,
+                     PinBlock(id, c, ParamsKind(p, /*next=*/false), /*for_write=*/true));
+    NarrowFromFloat(reinterpret_cast<const float*>(master.data()), p.info.param_dtype,
+                    params.data(), master.size() / sizeof(float));
   }
   return absl::OkStatus();
 }
@@ -1676,11 +1705,39 @@ absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionStore::MapExtra(uint64_
 
 void PartitionStore::DropHolds() {
   std::vector<Swapper::Pin> released;
+  std::vector<Partition*> unloaded, rewritten;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, p] : partitions_) p->TakeHolds(&released);
+    for (const auto& [id, p] : partitions_) {
+      if (p->loading) {
+        // A load its trainer never released commits nothing: neither its
+        // fp32 values nor (later, at an ordinary release) its working copy,
+        // which the master weights write again where they exist.
+        p->loading = false;
+        if (p->master_from_working && p->master == MasterState::kInitialized) {
+          rewritten.push_back(p.get());
+        }
+        p->master_from_working = false;
+        if (p->master == MasterState::kInitPending && p->before_load != MasterState::kInitPending) {
+          p->master = p->before_load;
+          p->info.master_init = {};
+          unloaded.push_back(p.get());
+        }
+      }
+      p->TakeHolds(&released);
+    }
   }
-}  // `released` unpins here, outside the lock
+  released.clear();  // (the rewrite pins for writing)
+  for (Partition* p : unloaded) RemoveInitBlocks(*p);
+  for (Partition* p : rewritten) {
+    if (absl::Status s = WorkingFromMaster(*p); !s.ok()) {
+      LogWarning(
+          "partition %d ('%s'): its working copy, half loaded by a trainer that went away, "
+          "could not be written again from the master weights: %s",
+          static_cast<int64_t>(p->info.id), p->info.name, s.ToString());
+    }
+  }
+}
 
 absl::Status PartitionStore::RestoreSetState(uint64_t steps, bool delayed) {
   absl::MutexLock placing(&placement_mu_);

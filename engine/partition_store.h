@@ -192,8 +192,9 @@ class PartitionStore {
   absl::StatusOr<PartitionInfo> Register(uint64_t id, const PartitionSpec& spec,
                                          const RestoredState* restored = nullptr)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Lets every hold go without committing anything (fp32 initial values
-  // stay pending): the trainer that held them died mid-write.
+  // Lets every hold go without committing anything (a registration's fp32
+  // initial values stay pending; a load is undone: the master weights stay
+  // as they were): the trainer that held them died mid-write.
   void DropHolds() ABSL_LOCKS_EXCLUDED(mu_);
   // A session restoring a checkpoint, before its first registration: the
   // steps it applied and its delayed update.
@@ -475,6 +476,8 @@ class PartitionStore {
   absl::Status CommitMasterInit(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   // A load without fp32 values: the master weights from the working copy.
   absl::Status MasterFromWorking(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
+  // The other way (a load undone): the working copy from the master weights.
+  absl::Status WorkingFromMaster(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   // Elements [begin, begin + count) of the working copy, widened to fp32
   // into `out` (the master weights of a partition never stepped).
   absl::Status WidenWorking(const Partition& p, uint64_t begin, uint64_t count, float* out)

@@ -652,6 +652,55 @@ TEST(OutOfCore, ALoadAfterTheDelayedUpdateWentOffGoesWhereTheTrainerReads) {
   ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
 }
 
+// A load whose trainer goes away before releasing it commits nothing: its
+// fp32 values are dropped, and a later ordinary release (the trainer back)
+// does not make the half-written working copy the master weights.
+TEST(OutOfCore, ALoadItsTrainerAbandonsCommitsNothing) {
+  TestEngine engine(TmpDir("load_gone"), 64 << 20);
+  auto opened = engine.sessions->Open("load_gone", StateAt(100));
+  ASSERT_TRUE(opened.ok());
+  const SessionKey key = opened->key;
+  constexpr uint64_t kN = kChunkElems + 5;
+  auto fd = engine.sessions->DupArenaFd(key);
+  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  FetchMode load;
+  load.load = true;
+  for (DType working : {DType::kBf16, DType::kFp32}) {
+    SCOPED_TRACE(DTypeName(working));
+    PartitionSpec spec{absl::StrCat("w", DTypeName(working)), kN, working, DType::kFp32};
+    spec.fp32_master = working != DType::kFp32;
+    auto p = engine.sessions->Register(key, spec);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::vector<float> init(kN, 0.5f), g(kN, 0.01f);
+    if (spec.fp32_master) std::memcpy(arena.data() + p->master_init.offset, init.data(), kN * 4);
+    if (!spec.fp32_master) std::memcpy(arena.data() + p->params.offset, init.data(), kN * 4);
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    StepWithGradients(engine, key, *p, arena, g);
+    std::vector<float> m(kN), v(kN), before(kN), after(kN);
+    ASSERT_TRUE(
+        engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data(), before.data()).ok());
+    auto held = engine.sessions->Fetch(key, {p->id}, load);
+    ASSERT_TRUE(held.ok()) << held.status();
+    const PartitionInfo& at = (*held)[0];
+    std::memset(arena.data() + (spec.fp32_master ? at.master_init.offset : at.params.offset), 0x7f,
+                kN * 2);  // half written
+    ASSERT_TRUE(engine.sessions->Detach(key.id));
+    // Back: an ordinary fetch and release.
+    ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+    ASSERT_TRUE(
+        engine.sessions->ReadMoments(key, p->id, 0, kN, m.data(), v.data(), after.data()).ok());
+    EXPECT_EQ(std::memcmp(before.data(), after.data(), kN * 4), 0);
+    // The working copy is the master weights' again.
+    auto read = engine.sessions->Fetch(key, {p->id});
+    ASSERT_TRUE(read.ok()) << read.status();
+    std::vector<std::byte> want(kN * DTypeSize(working));
+    NarrowFromFloat(before.data(), working, want.data(), kN);
+    EXPECT_EQ(std::memcmp(arena.data() + (*read)[0].params.offset, want.data(), want.size()), 0);
+    ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
+  }
+}
+
 TEST(OutOfCore, PlacementOnNvmeNeedsAnNvmeTier) {
   HostPool pool(Env::Default(), 1 << 20, false);
   auto swapper = *Swapper::Create(SwapperOptions{}, &pool, nullptr);
