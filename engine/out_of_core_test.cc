@@ -314,6 +314,35 @@ TEST(OutOfCore, AResumedStepAppliesTheHyperparametersItWasDecidedWith) {
   EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
 }
 
+// A partition a stopped step updated in part is not fetched (its
+// parameters are of two steps) until a Step finishes it; the ones it
+// finished or never began are.
+TEST(OutOfCore, AStepStoppedMidwayLendsNoHalfUpdatedParameters) {
+  BesideReference t("f2");
+  for (int step = 1; step <= 2; ++step) {
+    t.reference.ReturnGradients(step);
+    t.out_of_core.ReturnGradients(step);
+    ASSERT_TRUE(t.reference.Step().ok());
+    if (step == 2) FailRead(t.small, 7);  // the first group of the first partition's chunks applied
+    auto stepped = t.out_of_core.Step();
+    t.small.faults->ClearRules();
+    ASSERT_EQ(stepped.ok(), step == 1) << stepped.status();
+  }
+  const auto& parts = t.out_of_core.parts();
+  auto half = t.small.sessions->Fetch(t.out_of_core.key(), {parts[0].id});
+  EXPECT_EQ(half.status().code(), absl::StatusCode::kFailedPrecondition) << half.status();
+  EXPECT_NE(half.status().message().find("updated in part"), std::string::npos) << half.status();
+  for (size_t i : {size_t{1}, size_t{2}}) {  // not begun: whole
+    ASSERT_TRUE(t.small.sessions->Fetch(t.out_of_core.key(), {parts[i].id}).ok()) << i;
+    ASSERT_TRUE(t.small.sessions->Release(t.out_of_core.key(), {parts[i].id}).ok());
+  }
+  EXPECT_EQ(t.small.sessions->Sessions()[0].held, 0u);
+  ASSERT_TRUE(t.small.sessions->Step(t.out_of_core.key(), Decaying()).ok());
+  EXPECT_TRUE(t.small.sessions->Fetch(t.out_of_core.key(), {parts[0].id}).ok());
+  ASSERT_TRUE(t.small.sessions->Release(t.out_of_core.key(), {parts[0].id}).ok());
+  EXPECT_EQ(t.reference.Params(), t.out_of_core.Params());
+}
+
 // A session whose step stopped midway (its trainer backing off on a full
 // pool, or gone) is kept at a stop all the same: the step is finished
 // first, as it was decided, and the next offloadd's session is the

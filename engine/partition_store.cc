@@ -101,6 +101,9 @@ struct PartitionStore::Partition {
   // would be added to this step's), no skip, no switch of the delayed
   // update, no checkpoint.
   bool stopped = false;
+  // That step was a delayed update's: it writes the buffer the trainer
+  // does not read.
+  bool stopped_delayed = false;
   // The trainer's holds: every chunk pinned, or none.
   std::vector<Swapper::Pin> param_pins, grad_pins;
   // Held for writing (a writable fetch, or since registration): the trainer
@@ -908,6 +911,17 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
     // Checked again: a return with hand_over may have finished while the
     // pins were taken (`taken` lets them go, after the lock).
     if (mode.grads) RETURN_IF_ERROR(RefuseHandedOverLocked(wanted));
+    // Nor parameters a step that stopped midway updated in part (the
+    // chunks before resume_chunk): they are of two steps until Step
+    // finishes it.
+    for (const Partition* p : wanted) {
+      if (p->stopped && !p->stopped_delayed && p->resume_chunk > 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "partition ", p->info.id, " ('", p->info.name,
+            "') is in a step that stopped midway, its parameters updated in part: Step again to "
+            "finish it before fetching them"));
+      }
+    }
     out.reserve(wanted.size());
     // Marked under the lock a checkpoint begins under: either it sees the
     // hold (and refuses), or this sees it (and captures before returning).
@@ -1671,6 +1685,7 @@ void PartitionStore::EndStep(absl::Span<const StepItem> items,
         p->step = StepState::kOut;
         p->resume_chunk = outcomes[i].next_chunk;
         p->stopped = true;
+        p->stopped_delayed = items[i].delayed;
         stopped = true;
         continue;
       }

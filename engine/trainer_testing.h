@@ -224,12 +224,14 @@ class Trainer {
   using StatsFn = std::function<GradStats(size_t, absl::Span<const float>)>;
   void GiveStats(StatsFn stats) { give_ = std::move(stats); }
 
-  // Returns the first partition's gradients again; the status code.
   // The code of returning gradients for partition `which` (fetched with
-  // them, released after).
+  // them, released after), or of its fetch if that is refused (a partition
+  // a stopped step updated in part).
   absl::StatusCode ReturnGradientsStatus(size_t which = 0) {
     const PartitionInfo& p = parts_[which];
-    EXPECT_TRUE(engine_->sessions->Fetch(key_, {p.id}, WithGrads()).ok());
+    if (auto held = engine_->sessions->Fetch(key_, {p.id}, WithGrads()); !held.ok()) {
+      return held.status().code();
+    }
     const absl::StatusCode code =
         engine_->sessions->ReturnGradients(key_, p.id, p.numel, DType::kFp32).code();
     EXPECT_TRUE(engine_->sessions->Release(key_, {p.id}).ok());
