@@ -32,6 +32,11 @@ constexpr size_t kMaxPending = 256;
 // server.socket_group that opens connections and sends nothing holds at
 // most these, not every slot (every other user's attach then refused).
 constexpr size_t kMaxPendingPerUser = 64;
+// Connections attached to one session at once (each a descriptor of
+// offloadd's for as long as it stays open): a trainer attaches once, again
+// after a restart; one that attached, kept the connection and asked again
+// took a descriptor each time, until offloadd had none left.
+constexpr size_t kMaxAttachedPerSession = 16;
 // Reading a request that poll said is there never waits long.
 constexpr int kReceiveTimeoutMs = 100;
 
@@ -316,6 +321,15 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
           "): close sessions that are done, or ask the operator to raise it",
           closed ? absl::StrCat("; session ", attach->session_id, " is closed") : "")));
     }
+  }
+  const size_t attachments =
+      std::count_if(attached_.begin(), attached_.end(),
+                    [&](const Attached& a) { return a.session_id == attach->session_id; });
+  if (attachments >= kMaxAttachedPerSession) {
+    return reply_error(absl::ResourceExhaustedError(
+        absl::StrCat("session ", attach->session_id, " has ", attachments,
+                     " connections attached already (at most ", kMaxAttachedPerSession,
+                     "): a trainer attaches once; close the connections of earlier attaches")));
   }
   absl::StatusOr<UniqueFd> fd =
       sessions_->DupArenaFd(SessionKey{attach->session_id, attach->token});

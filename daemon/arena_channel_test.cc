@@ -61,6 +61,28 @@ class ArenaChannelTest : public ::testing::Test {
   std::unique_ptr<ArenaChannel> channel_;
 };
 
+// One session's attached connections are bounded (each is a descriptor of
+// offloadd's while it stays open): past them an attach is refused with the
+// reason, and one connection closed makes room again.
+TEST_F(ArenaChannelTest, ASessionsAttachedConnectionsAreBounded) {
+  const SessionKey key = OpenWith("many", 1);
+  std::vector<Attachment> kept;
+  for (;;) {
+    absl::StatusOr<Attachment> a = Attach(key);
+    if (!a.ok()) {
+      EXPECT_EQ(a.status().code(), absl::StatusCode::kResourceExhausted) << a.status();
+      EXPECT_NE(a.status().message().find("connections attached already"), std::string::npos)
+          << a.status();
+      break;
+    }
+    kept.push_back(*std::move(a));
+    ASSERT_LE(kept.size(), 64u) << "attaches were never refused";
+  }
+  EXPECT_EQ(kept.size(), 16u);
+  // Another session attaches all the same.
+  EXPECT_TRUE(Attach(OpenWith("other", 1)).ok());
+}
+
 // A trainer of a large session goes away: the session is closed on the
 // channel's closing thread, and an attach that comes meanwhile is answered
 // at once, not after the teardown.
