@@ -37,6 +37,8 @@ constexpr size_t kMaxPendingPerUser = 64;
 // after a restart; one that attached, kept the connection and asked again
 // took a descriptor each time, until offloadd had none left.
 constexpr size_t kMaxAttachedPerSession = 16;
+// And one user's other than offloadd's own (and root's), over its sessions.
+constexpr size_t kMaxAttachedPerUser = 256;
 // Reading a request that poll said is there never waits long.
 constexpr int kReceiveTimeoutMs = 100;
 
@@ -325,6 +327,15 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
   const size_t attachments =
       std::count_if(attached_.begin(), attached_.end(),
                     [&](const Attached& a) { return a.session_id == attach->session_id; });
+  if (uid != geteuid() && uid != 0) {
+    const size_t mine = std::count_if(attached_.begin(), attached_.end(),
+                                      [&](const Attached& a) { return a.uid == uid; });
+    if (mine >= kMaxAttachedPerUser) {
+      return reply_error(absl::ResourceExhaustedError(
+          absl::StrCat("uid ", uid, " has ", mine, " connections attached already (at most ",
+                       kMaxAttachedPerUser, " a user): close those of sessions that are done")));
+    }
+  }
   if (attachments >= kMaxAttachedPerSession) {
     return reply_error(absl::ResourceExhaustedError(
         absl::StrCat("session ", attach->session_id, " has ", attachments,
