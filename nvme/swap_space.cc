@@ -125,24 +125,48 @@ absl::StatusOr<SwapSpace::Extent> SwapSpace::Allocate(uint64_t bytes) {
     const size_t j = (e.first + k) % n;
     if (share[j] == 0) continue;
     File& f = *files_[j];
+    // One hole for the file's share where there is one; else pieces of
+    // whole stripes from the first holes (a stripe never spans two), the
+    // share's tail in the last: a tier whose free bytes are scattered
+    // still holds what was admitted to it.
     auto hole = f.holes.begin();
     while (hole != f.holes.end() && hole->second < share[j]) ++hole;
-    if (hole == f.holes.end()) {
+    if (hole != f.holes.end()) {
+      TakeSegment(f, static_cast<int>(j), hole, share[j], &e);
+      continue;
+    }
+    uint64_t need = share[j];
+    for (auto h = f.holes.begin(); h != f.holes.end() && need > 0;) {
+      const uint64_t take = h->second >= need ? need : h->second / stripe * stripe;
+      auto next = std::next(h);
+      if (take > 0) {
+        const uint64_t at = h->first;
+        TakeSegment(f, static_cast<int>(j), h, take, &e);
+        next = f.holes.upper_bound(at);  // (the hole's rest, if any, stays before the next)
+        need -= take;
+      }
+      h = next;
+    }
+    if (need > 0) {
       for (const Segment& seg : e.segments) ReturnSegment(seg);  // what it took so far
       std::vector<std::string> free;
       for (const auto& g : files_) free.push_back(absl::StrCat(g->io.path, ": ", g->free));
       return absl::ResourceExhaustedError(
           absl::StrCat("NVMe tier full: an extent of ", bytes, " bytes needs ", share[j],
-                       " contiguous bytes in ", f.io.path,
-                       "; free bytes per file: ", absl::StrJoin(free, ", ")));
+                       " bytes in ", f.io.path, " (in whole stripes of ", stripe,
+                       "); free bytes per file: ", absl::StrJoin(free, ", ")));
     }
-    const uint64_t offset = hole->first, length = hole->second;
-    f.holes.erase(hole);
-    if (length > share[j]) f.holes[offset + share[j]] = length - share[j];
-    f.free -= share[j];
-    e.segments.push_back({static_cast<int>(j), offset, share[j]});
   }
   return e;
+}
+
+void SwapSpace::TakeSegment(File& f, int file, std::map<uint64_t, uint64_t>::iterator hole,
+                            uint64_t length, Extent* e) {
+  const uint64_t offset = hole->first, size = hole->second;
+  f.holes.erase(hole);
+  if (size > length) f.holes[offset + length] = size - length;
+  f.free -= length;
+  e->segments.push_back({file, offset, length});
 }
 
 void SwapSpace::ReturnSegment(const Segment& seg) {
@@ -172,15 +196,21 @@ std::vector<IoRequest> SwapSpace::Plan(const Extent& e, IoOp op, std::byte* buff
   const uint64_t total = RoundUp(e.bytes, alignment_);
   const uint64_t stripe = static_cast<uint64_t>(options_.stripe_bytes);
   const size_t n = files_.size();
-  // Each file's segment, and how far into it the next stripe goes.
-  std::vector<const Segment*> seg(n, nullptr);
-  for (const Segment& s : e.segments) seg[static_cast<size_t>(s.file)] = &s;
+  // Each file's segments in order (one, or pieces of whole stripes), the
+  // one the next stripe goes to, and how far into it.
+  std::vector<std::vector<const Segment*>> segs(n);
+  for (const Segment& s : e.segments) segs[static_cast<size_t>(s.file)].push_back(&s);
+  std::vector<size_t> at(n, 0);
   std::vector<uint64_t> used(n, 0);
   std::vector<IoRequest> out;
   for (uint64_t off = 0, s = 0; off < total; off += stripe, ++s) {
     const size_t j = (e.first + s) % n;
     const uint64_t len = std::min(stripe, total - off);
-    out.push_back({op, files_[j]->backend_id, seg[j]->offset + used[j],
+    if (used[j] + len > segs[j][at[j]]->length) {  // this piece is full: the next
+      ++at[j];
+      used[j] = 0;
+    }
+    out.push_back({op, files_[j]->backend_id, segs[j][at[j]]->offset + used[j],
                    buffer == nullptr ? nullptr : buffer + off, len});
     used[j] += len;
   }

@@ -140,8 +140,10 @@ class SwapSpace {
   };
   struct Extent {
     uint64_t bytes = 0;
-    std::vector<Segment> segments;  // one per file, in stripe order from `first`
-    size_t first = 0;               // file of stripe 0
+    // Per file in stripe order from `first`: one, or (the file's free space
+    // scattered) several pieces of whole stripes, in the order they fill.
+    std::vector<Segment> segments;
+    size_t first = 0;  // file of stripe 0
     bool has_checksum = false;
     std::vector<uint64_t> checksums;  // XXH3-64 of each stripe (Plan's requests)
     bool torn = false;                // a rewrite in place failed: not readable
@@ -161,6 +163,10 @@ class SwapSpace {
   void Release(const Extent& e) ABSL_LOCKS_EXCLUDED(mu_);
   // Puts a segment back into its file's holes, coalescing neighbours.
   void ReturnSegment(const Segment& seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `length` bytes from the start of `hole` (of file `file`, `f`) as
+  // the next segment of `e`; the hole's rest stays a hole.
+  void TakeSegment(File& f, int file, std::map<uint64_t, uint64_t>::iterator hole, uint64_t length,
+                   Extent* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One request per stripe, in order: stripe r holds the extent's bytes
   // from r * stripe_bytes(), at buffer + r * stripe_bytes().
   std::vector<IoRequest> Plan(const Extent& e, IoOp op, std::byte* buffer) const;

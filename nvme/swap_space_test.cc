@@ -109,6 +109,41 @@ TEST_F(SwapSpaceTest, FullTierIsResourceExhaustedAndKeepsEarlierData) {
   ExpectReadBack(*s, *id, a, 5 * kMiB);
 }
 
+// A tier whose free space is scattered in holes smaller than an extent
+// (others freed between the ones still there) still holds it: in pieces of
+// whole stripes, read back as written, their space given back whole.
+TEST_F(SwapSpaceTest, AnExtentGoesInPiecesWhereTheFreeSpaceIsScattered) {
+  auto s = Make({MakeDir("scattered")}, 34 * kMiB);
+  ASSERT_TRUE(s);
+  std::vector<uint64_t> ids;
+  for (uint64_t bytes : {16 * kMiB, kMiB, 16 * kMiB, kMiB}) {
+    auto data = Random(bytes, static_cast<uint32_t>(bytes));
+    auto id = s->Write(data.data(), bytes);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  ASSERT_TRUE(s->Free(ids[1]).ok());
+  ASSERT_TRUE(s->Free(ids[3]).ok());
+  EXPECT_EQ(s->Stats().free, 2 * kMiB);    // two holes of one stripe each
+  const uint64_t bytes = 2 * kMiB - 4096;  // the tail in the second piece
+  auto e = Random(bytes, 77);
+  auto id = s->Write(e.data(), bytes);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ExpectReadBack(*s, *id, e, bytes);
+  EXPECT_EQ(s->Stats().free, 4096u);
+  auto more = Random(8192, 78);
+  EXPECT_EQ(s->Write(more.data(), 8192).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(s->Free(*id).ok());
+  EXPECT_EQ(s->Stats().free, 2 * kMiB);
+  // The holes coalesce with the rest as it goes: all of it, one hole.
+  ASSERT_TRUE(s->Free(ids[0]).ok());
+  ASSERT_TRUE(s->Free(ids[2]).ok());
+  auto whole = Random(34 * kMiB, 79);
+  auto big = s->Write(whole.data(), 34 * kMiB);
+  ASSERT_TRUE(big.ok()) << big.status();
+  ExpectReadBack(*s, *big, whole, 34 * kMiB);
+}
+
 // A tier filled by what was admitted to it (state rewritten every step)
 // has no room for a second copy: the rewrite goes over the first one. One
 // that fails there leaves the extent unreadable, never half old and half
