@@ -110,8 +110,8 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   }
 
   // Device memory: full parameters and gradients, the dataset twice over
-  // (so that every batch is one contiguous window), the loss and every
-  // rank's.
+  // (so that every batch is one contiguous window), the loss with the
+  // automatic checkpoint's due flag beside it, and every rank's pair.
   Layout layout;
   uint64_t params_at[4], grads_at[4];
   for (int t = 0; t < 4; ++t) params_at[t] = layout.Take(full[t]);
@@ -119,8 +119,8 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   const uint64_t grads_bytes = layout.bytes() - grads_at[0];
   const uint64_t x_at = layout.Take(2ull * c.samples * c.inputs);
   const uint64_t y_at = layout.Take(2ull * c.samples);
-  const uint64_t loss_at = layout.Take(1);
-  const uint64_t losses_at = layout.Take(ranks);
+  const uint64_t loss_at = layout.Take(2);
+  const uint64_t losses_at = layout.Take(2 * ranks);
   ASSIGN_OR_RETURN(gpu::DeviceMemory memory, r.device->Allocate(layout.bytes()));
   float *params[4], *grads[4];
   for (int t = 0; t < 4; ++t) {
@@ -142,7 +142,8 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
   x2.insert(x2.end(), data.x.begin(), data.x.end());
   y2.insert(y2.end(), data.y.begin(), data.y.end());
   const std::vector<char> zeros(grads_bytes, 0);  // the gradients' padding stays zero
-  std::vector<float> rank_losses(ranks);
+  std::vector<float> rank_losses(2 * ranks);      // each rank's loss and due flag
+  float due = 0;
   absl::Cleanup finish = [&] {
     if (r.device->Record(done, compute).ok()) r.device->Synchronize(done).IgnoreError();
   };
@@ -174,16 +175,28 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
       return absl::InternalError(
           absl::StrCat("rank ", me, " step ", step, ": ", returned.size(), " of 4 gradients went"));
     }
-    RETURN_IF_ERROR(r.comm->AllGather({{loss, losses, sizeof(float)}}, compute));
-    RETURN_IF_ERROR(r.device->CopyAsync(rank_losses.data(), losses, ranks * sizeof(float),
+    // The losses gathered, and with them whether any rank's automatic
+    // checkpoint is due: then every rank takes one at this step (each
+    // daemon's clock alone puts the ranks' steps apart).
+    ASSIGN_OR_RETURN(PendingGradients pending, r.session->GetPendingGradients());
+    due = pending.auto_checkpoint_due ? 1.0f : 0.0f;
+    RETURN_IF_ERROR(
+        r.device->CopyAsync(loss + 1, &due, sizeof(float), gpu::Direction::kHostToDevice, compute));
+    RETURN_IF_ERROR(r.comm->AllGather({{loss, losses, 2 * sizeof(float)}}, compute));
+    RETURN_IF_ERROR(r.device->CopyAsync(rank_losses.data(), losses, 2 * ranks * sizeof(float),
                                         gpu::Direction::kDeviceToHost, compute));
     RETURN_IF_ERROR(r.device->Record(done, compute));
     RETURN_IF_ERROR(r.device->Synchronize(done));
     double sum = 0;
-    for (float l : rank_losses) sum += l;
+    StepOptions options;
+    if (ranks > 1) options.auto_checkpoint = false;
+    for (int k = 0; k < ranks; ++k) {
+      sum += rank_losses[2 * k];
+      if (ranks > 1 && rank_losses[2 * k + 1] != 0) options.auto_checkpoint = true;
+    }
     result.losses.push_back(sum / ranks);
     RETURN_IF_ERROR(tier->EndIteration());
-    ASSIGN_OR_RETURN(StepResult stepped, r.session->Step(c.adam));
+    ASSIGN_OR_RETURN(StepResult stepped, r.session->Step(c.adam, options));
     if (stepped.partitions_updated != 4) {
       return absl::InternalError(absl::StrCat("rank ", me, " step ", step, " updated ",
                                               stepped.partitions_updated, " of 4 partitions"));
