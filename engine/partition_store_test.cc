@@ -685,7 +685,9 @@ TEST(OutOfCore, ALoadItsTrainerAbandonsCommitsNothing) {
     std::memset(arena.data() + (spec.fp32_master ? at.master_init.offset : at.params.offset), 0x7f,
                 kN * 2);  // half written
     ASSERT_TRUE(engine.sessions->Detach(key.id));
-    // Back: an ordinary fetch and release.
+    // Back (resumed: once the request ring's reset, which drops the dead
+    // trainer's holds again, is done): an ordinary fetch and release.
+    ASSERT_TRUE(engine.sessions->Resume(key).ok());
     ASSERT_TRUE(engine.sessions->Fetch(key, {p->id}).ok());
     ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
     ASSERT_TRUE(
