@@ -136,15 +136,21 @@ absl::Status GpuTier::PrefetchUnits(absl::Span<const int> units) {
 }
 
 absl::Status GpuTier::EndIteration() {
-  absl::Status copies = params_->Synchronize();
-  std::vector<uint64_t> ids;
   {
+    // Refused before the copies' outcome is taken: a copy that failed
+    // after its use is reported once (Synchronize), to the call that ends
+    // the iteration, not lost to one refused.
     absl::MutexLock lock(&mu_);
     if (!grads_held_.empty()) {
       return absl::FailedPreconditionError(
           absl::StrFormat("%d gradients are still on their way to the daemon: return them first",
                           grads_held_.size()));
     }
+  }
+  absl::Status copies = params_->Synchronize();
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
     for (const auto& [id, view] : held_all_) {
       if (!holds_.contains(id)) ids.push_back(id);
     }

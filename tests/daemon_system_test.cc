@@ -667,6 +667,45 @@ TEST_F(DaemonTest, ASessionIsNotClosedUnderItsGpuTier) {
   EXPECT_TRUE(s->Close().ok());
 }
 
+// A parameter copy that fails after its use was issued makes the
+// iteration's end ABORTED (its compute read undefined bytes), also when a
+// first EndIteration was refused for gradients still on their way: the
+// failure is reported to the call that ends the iteration, not lost.
+TEST_F(DaemonTest, ACopyFailedAfterItsUseAbortsTheIterationsEnd) {
+  gpu::EmulatedDevice device;  // outlives the session
+  auto opened = client_->OpenSession("aborted");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Session* s = opened->get();
+  auto p = s->Register("w", 4096, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(s->Release(*p).ok());
+  GpuTierOptions options;
+  options.params.budget_bytes = 1 << 20;
+  options.params.prefetch_depth = 0;
+  auto tier = GpuTier::Create(s, &device, options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto unit = (*tier)->params().AddUnit({{p->id, 4096 * sizeof(float)}});
+  ASSERT_TRUE(unit.ok()) << unit.status();
+  auto grads = device.Allocate(4096 * sizeof(float));
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  std::memset(grads->get(), 0, 4096 * sizeof(float));
+  gpu::Stream compute = device.BorrowStream(nullptr);
+  device.SetCopyFault([](void*, const void*, uint64_t, gpu::Direction direction) {
+    return direction == gpu::Direction::kHostToDevice ? absl::DataLossError("injected")
+                                                      : absl::OkStatus();
+  });
+  ASSERT_TRUE((*tier)->BeginIteration().ok());
+  ASSERT_TRUE((*tier)->params().Use(*unit, compute).ok());  // its copy fails afterwards
+  ASSERT_TRUE((*tier)->params().Done(*unit, compute).ok());
+  ASSERT_TRUE((*tier)->AddGradient(p->id, grads->get(), 4096 * sizeof(float), compute).ok());
+  EXPECT_EQ((*tier)->EndIteration().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*tier)->DropGradients().ok());
+  const absl::Status ended = (*tier)->EndIteration();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kAborted) << ended;
+  device.SetCopyFault(nullptr);
+  tier->reset();
+}
+
 // A region the device refuses to register is asked once: later fetches
 // naming it go to the staging path without another driver call, and
 // failed_regions counts regions, not fetches.
