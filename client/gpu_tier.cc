@@ -234,6 +234,13 @@ void GpuTier::MaybeReport() {
   if (changed) ApplyPrefetch();
 }
 
+namespace {
+
+// The bytes of a held partition's working copy.
+uint64_t ParamBytes(const PartitionView& v) { return v.numel * DTypeSize(v.param_dtype); }
+
+}  // namespace
+
 absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<const uint64_t> keys) {
   {
     absl::MutexLock lock(&mu_);
@@ -242,7 +249,7 @@ absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<cons
       for (uint64_t k : keys) {
         auto it = held_all_.find(k);
         if (it == held_all_.end()) break;
-        spans.push_back({it->second.params, it->second.dma});
+        spans.push_back({it->second.params, it->second.dma, ParamBytes(it->second)});
       }
       if (spans.size() == keys.size()) return spans;  // held for the iteration
     }
@@ -250,7 +257,7 @@ absl::StatusOr<std::vector<gpu::HostSource::Span>> GpuTier::Hold(absl::Span<cons
   ASSIGN_OR_RETURN(std::vector<PartitionView> views, FetchAndHold(keys, {}));
   std::vector<gpu::HostSource::Span> spans;
   spans.reserve(views.size());
-  for (const PartitionView& v : views) spans.push_back({v.params, v.dma});
+  for (const PartitionView& v : views) spans.push_back({v.params, v.dma, ParamBytes(v)});
   return spans;
 }
 

@@ -83,8 +83,9 @@ absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uin
     return why;
   };
   for (const auto& [key, bytes] : tensors) {
-    if (bytes == 0) {
-      return refuse(absl::InvalidArgumentError(absl::StrFormat("tensor %d has no bytes", key)));
+    if (bytes == 0 || bytes > (uint64_t{1} << 48)) {  // (Rounded must not wrap)
+      return refuse(absl::InvalidArgumentError(
+          absl::StrFormat("tensor %d declared with %d bytes", key, bytes)));
     }
     auto it = by_key_.find(key);
     if (it != by_key_.end()) {
@@ -383,6 +384,16 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     undo();
     return spans.ok() ? absl::InternalError("host source answered the wrong number of tensors")
                       : spans.status();
+  }
+  for (size_t k = 0; k < missing.size(); ++k) {
+    const Entry& e = entries_[missing[k]];
+    if ((*spans)[k].bytes < e.bytes) {
+      undo();
+      (void)source_->Release(batch->keys);
+      return absl::InvalidArgumentError(
+          absl::StrFormat("tensor %d was declared with %d bytes; its host memory holds %d", e.key,
+                          e.bytes, (*spans)[k].bytes));
+    }
   }
   absl::StatusOr<Event> done = TakeEvent();
   if (!done.ok()) {

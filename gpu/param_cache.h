@@ -68,6 +68,9 @@ class HostSource {
     // Registered for DMA (or pinned): copied from directly. Otherwise the
     // cache copies through its pinned staging buffer.
     bool dma = false;
+    // What the host holds there: a tensor declared larger is refused, not
+    // copied past it.
+    uint64_t bytes = 0;
   };
   virtual ~HostSource() = default;
   // Holds the keys' bytes in place until Release; where they are, in order.

@@ -36,7 +36,7 @@ class FakeSource : public HostSource {
     for (uint64_t k : keys) {
       holds_.push_back(k);
       ++held_[k];
-      out.push_back({data_[k].data(), dma_});
+      out.push_back({data_[k].data(), dma_, data_[k].size()});
     }
     return out;
   }
@@ -612,6 +612,26 @@ TEST_F(ParamCacheTest, UnitsUsedTogetherAreRefusedAsOne) {
   UseAndCheck(**cache, 2, 1);
   ASSERT_TRUE((*cache)->Synchronize().ok());
   EXPECT_EQ(source_.outstanding(), 0);
+}
+
+// A tensor declared larger than what its host memory holds is refused at
+// its use (INVALID_ARGUMENT, nothing copied past the host's bytes, its
+// hold given back), and one whose size would wrap the cache's rounding at
+// its declaration.
+TEST_F(ParamCacheTest, ATensorLargerThanItsHostMemoryIsRefused) {
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok());
+  source_.Add(7, 4096, 1);
+  auto unit = (*cache)->AddUnit({{7, 8192}});
+  ASSERT_TRUE(unit.ok()) << unit.status();
+  (*cache)->BeginIteration();
+  auto used = (*cache)->Use(*unit, host_);
+  EXPECT_EQ(used.status().code(), absl::StatusCode::kInvalidArgument) << used.status();
+  EXPECT_EQ(source_.outstanding(), 0);
+  EXPECT_EQ((*cache)->stats().h2d_bytes, 0u);
+  EXPECT_EQ((*cache)->AddUnit({{8, ~uint64_t{0} - 100}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(ParamCacheTest, RefusesWhatCannotFit) {
