@@ -905,6 +905,7 @@ absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begi
     req.set_count(n);
     req.set_with_master(with_master);
     v1::Moments resp;
+    RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
     Rpc rpc(impl_->timeout, impl_->token);
     RETURN_IF_ERROR(FromGrpc(impl_->stub->GetMoments(&rpc.context, req, &resp), "GetMoments"));
     if (resp.exp_avg().size() != n * sizeof(float) ||
@@ -949,6 +950,7 @@ absl::Status Session::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
     m->set_exp_avg(exp_avg.data() + done, n * sizeof(float));
     m->set_exp_avg_sq(exp_avg_sq.data() + done, n * sizeof(float));
     v1::SetMomentsResponse resp;
+    RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
     Rpc rpc(impl_->timeout, impl_->token);
     RETURN_IF_ERROR(FromGrpc(impl_->stub->SetMoments(&rpc.context, req, &resp), "SetMoments"));
     done += n;
@@ -961,6 +963,7 @@ absl::Status Session::SetDelayedUpdate(bool enabled) {
   *req.mutable_session() = impl_->ref;
   req.set_enabled(enabled);
   v1::SetDelayedUpdateResponse resp;
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->stub->SetDelayedUpdate(&rpc.context, req, &resp), "SetDelayedUpdate"));
@@ -1000,6 +1003,7 @@ absl::StatusOr<GpuTierNodeSettings> Session::ReportGpuTier(const GpuTierCounters
   out->set_prefetch_depth(c.prefetch_depth);
   out->set_prefetch_bytes(c.prefetch_bytes);
   v1::ReportGpuTierResponse resp;
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
   // Short: the trainer's thread waits for it, and a report is never worth
   // more than a moment of training.
   Rpc rpc(std::min(impl_->timeout, absl::Seconds(1)), impl_->token);
@@ -1016,6 +1020,7 @@ absl::StatusOr<StepResult> Session::WaitStep() {
   }
   v1::WaitStepRequest req;
   *req.mutable_session() = impl_->ref;
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->WaitStep(&rpc.context, req, &resp), "WaitStep"));
   return FromProto(resp);
@@ -1036,6 +1041,7 @@ absl::Status Session::SetPlacement(const Placement& placement) {
   *req.mutable_session() = impl_->ref;
   RETURN_IF_ERROR(ToProto(placement, req.mutable_placement()));
   v1::SetPlacementResponse resp;
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
   Rpc rpc(impl_->timeout, impl_->token);
   return FromGrpc(impl_->stub->SetPlacement(&rpc.context, req, &resp), "SetPlacement");
 }
@@ -1063,6 +1069,7 @@ absl::StatusOr<CheckpointResult> Session::Checkpoint(const std::string& director
   req.set_directory(directory);
   req.set_background(background);
   v1::CheckpointResponse resp;
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->Checkpoint(&rpc.context, req, &resp), "Checkpoint"));
   return FromProto(resp);
@@ -1072,6 +1079,7 @@ absl::StatusOr<CheckpointResult> Session::WaitCheckpoint() {
   v1::WaitCheckpointRequest req;
   *req.mutable_session() = impl_->ref;
   v1::CheckpointResponse resp;
+  RETURN_IF_ERROR(impl_->OrphanedBeforeGrpc());  // (see Orphaned)
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(
       FromGrpc(impl_->stub->WaitCheckpoint(&rpc.context, req, &resp), "WaitCheckpoint"));

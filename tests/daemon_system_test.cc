@@ -3335,6 +3335,17 @@ TEST(DaemonRestart, KeepsSessionsForTheirTrainersWithAReconnectLease) {
   }
   EXPECT_EQ(stale_call.code(), absl::StatusCode::kFailedPrecondition) << stale_call;
   EXPECT_TRUE(absl::StrContains(stale_call.message(), "ResumeSession")) << stale_call;
+  // So are its calls that only gRPC carries: not served to the kept
+  // session through the stale object (a wrong answer, or a change to it).
+  for (const absl::Status& grpc_only :
+       {stale->WaitCheckpoint().status(), stale->SetDelayedUpdate(true),
+        stale->ReadMoments(p.id, 0, 1).status()}) {
+    EXPECT_EQ(grpc_only.code(), absl::StatusCode::kFailedPrecondition) << grpc_only;
+    EXPECT_TRUE(absl::StrContains(grpc_only.message(), "ResumeSession")) << grpc_only;
+  }
+  auto pending = (*resumed)->GetPendingGradients();
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_FALSE(pending->delayed_update);
   // The stale Session object goes with a restarted offloadd at its address:
   // it must not close the session its trainer just resumed.
   stale.reset();
