@@ -87,8 +87,20 @@ Client::Answer Client::Post(Op op, uint32_t flags, uint32_t count, const void* d
   ring_->flags = flags;
   ring_->count = count;
   std::memcpy(ring_->items, data, bytes);
-  // 2. Post.
-  ring_->state.store(kPosted, std::memory_order_seq_cst);
+  // 2. Post: from the claim only. The daemon may have closed the mailbox
+  // since (the session closed: it writes kClosed over any state), and a
+  // post over that would wait out the whole deadline, then leave the
+  // mailbox posted for every later call.
+  uint32_t claimed = kClaimed;
+  if (!ring_->state.compare_exchange_strong(claimed, kPosted, std::memory_order_seq_cst)) {
+    absl::Status s = gone(claimed);
+    return {s.ok() ? absl::AbortedError(
+                         absl::StrCat("the request ring's mailbox changed under its claim (state ",
+                                      claimed, "); the call did not happen"))
+                   : s,
+            {},
+            {}};
+  }
   FutexWake(&ring_->state);
   // 4. Wait: spin first (the daemon usually answers within microseconds),
   // then sleep.
