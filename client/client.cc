@@ -1110,6 +1110,15 @@ absl::Status Session::Close(bool finished) {
   Rpc rpc(absl::Seconds(10), impl_->token);
   absl::Status closed =
       FromGrpc(impl_->stub->CloseSession(&rpc.context, req, &resp), "CloseSession");
+  if (absl::IsUnavailable(closed) || absl::IsDeadlineExceeded(closed) ||
+      absl::IsResourceExhausted(closed)) {
+    // Not closed (offloadd stopping, or too busy to answer): a retry asks
+    // again. Dropping the connection now would tell offloadd the trainer
+    // went away, and a finished job's session would be kept as unfinished.
+    absl::MutexLock lock(&impl_->mu);
+    impl_->closed = false;
+    return closed;
+  }
   impl_->connection.reset();
   // The partitions went with the session: their mappings go now, each
   // registration for DMA before its mapping, even while this object lives
