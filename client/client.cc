@@ -1,6 +1,7 @@
 #include "client/client.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "absl/algorithm/container.h"
@@ -30,6 +32,42 @@
 
 namespace offload {
 namespace {
+
+// The arena connections of this process's sessions: offloadd's sign that
+// the trainer lives. A child forked from it (a data loader's worker)
+// closes its copies at once (pthread_atfork), so that the connection
+// closes when the trainer dies, not when the last child does. A slot is -1
+// when free; lock-free, as the child's handler may take no lock.
+constexpr int kForkSlots = 4096;
+std::atomic<int> g_connections[kForkSlots];
+std::once_flag g_connections_once;
+
+void CloseConnectionsInChild() {
+  for (std::atomic<int>& slot : g_connections) {
+    const int fd = slot.exchange(-1, std::memory_order_relaxed);  // (none for a grandchild)
+    if (fd >= 0) close(fd);
+  }
+}
+
+// Its slot, or -1 where all are taken (that connection then stays open in
+// children, as before).
+int RegisterConnection(int fd) {
+  std::call_once(g_connections_once, [] {
+    for (std::atomic<int>& slot : g_connections) slot.store(-1);
+    pthread_atfork(nullptr, nullptr, &CloseConnectionsInChild);
+  });
+  for (int i = 0; i < kForkSlots; ++i) {
+    int free = -1;
+    if (g_connections[i].compare_exchange_strong(free, fd)) return i;
+  }
+  return -1;
+}
+
+// Before the connection closes (its number may be another file's then).
+void UnregisterConnection(int* slot) {
+  if (*slot >= 0) g_connections[*slot].store(-1);
+  *slot = -1;
+}
 
 absl::Status FromGrpc(const grpc::Status& s, absl::string_view call) {
   if (s.ok()) return absl::OkStatus();
@@ -183,7 +221,11 @@ struct Session::Impl {
   absl::Mutex keepalive_mu;
   bool keepalive_stop ABSL_GUARDED_BY(keepalive_mu) = false;
   grpc::ClientContext* keepalive_call ABSL_GUARDED_BY(keepalive_mu) = nullptr;
-  ~Impl() { StopKeepalive(); }
+  ~Impl() {
+    StopKeepalive();
+    UnregisterConnection(&connection_slot);
+  }
+  int connection_slot = -1;  // RegisterConnection's
   void StartKeepalive(absl::Duration period) {
     keepalive = std::make_unique<std::thread>([this, period] {
       keepalive_mu.Lock();
@@ -545,6 +587,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
   // Held open for the session's life: if this process dies, the daemon
   // sees the connection close and frees the session.
   s.connection = std::move(attached.connection);
+  s.connection_slot = RegisterConnection(s.connection.get());
   s.arena = std::move(attached.arena);
   s.spans = std::make_unique<SpanMaps>(
       [fd = s.arena.get()](uint64_t offset, uint64_t bytes, Pages pages) {
@@ -1119,6 +1162,7 @@ absl::Status Session::Close(bool finished) {
     impl_->closed = false;
     return closed;
   }
+  UnregisterConnection(&impl_->connection_slot);
   impl_->connection.reset();
   // The partitions went with the session: their mappings go now, each
   // registration for DMA before its mapping, even while this object lives

@@ -359,6 +359,55 @@ class PythonClientTest(unittest.TestCase):
                 t.join(timeout=20)
             self.assertFalse(any(t.is_alive() for t in threads), "a close never returned")
 
+    def test_a_trainer_that_dies_is_seen_gone_while_its_forked_child_lives(self):
+        # The arena connection is offloadd's sign that the trainer lives: a
+        # child forked from it (a data loader's worker) does not keep it
+        # open, so that a trainer killed while its child runs on has its
+        # holds released at once (the session detached), not when the
+        # child ends.
+        import os
+        import signal
+        import subprocess
+        script = (
+            "import os, signal, sys, time\n"
+            "import offloadd\n"
+            "s = offloadd.Client().open_session('forked-then-killed')\n"
+            "p = s.register('w', 1024)\n"  # held from registration on
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    time.sleep(60)\n"
+            "    os._exit(0)\n"
+            "print(s.id, child, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+        trainer = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        child = None
+        try:
+            session_id, child = (int(x) for x in trainer.stdout.readline().split())
+
+            def held():
+                for s in self.client.stats()["sessions"]:
+                    if s["id"] == session_id:
+                        return s["held"]
+                return 0
+            self.assertEqual(held(), 1)
+            trainer.stdin.write("\n")
+            trainer.stdin.flush()
+            trainer.wait(timeout=20)
+            deadline = time.monotonic() + 10
+            while held() != 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.assertEqual(held(), 0, "the forked child kept the dead trainer's session attached")
+            os.kill(child, 0)  # (the child still lives)
+        finally:
+            trainer.kill()
+            if child is not None:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def test_a_forked_child_leaves_its_parents_session_alone(self):
         # A data loader's worker forked with the session in memory drops its
         # copy when it ends: the parent's session stays open and works.
