@@ -306,21 +306,13 @@ absl::StatusOr<RestoredState> CheckpointRestore::StateFor(const PartitionSpec& s
         absl::StrCat(what, ": its tensor is registered with another shape than the checkpoint's"));
   }
   // Without a shape on either side the tensor is what the checkpoint's
-  // slices cover, and elements past them cannot be told from padding: a
-  // partition that is its own tensor must be of the checkpointed size (not
-  // cut, nor filled with zeros), and a slice must begin inside it (one
-  // wholly past it is a rank whose checkpoint is missing).
-  if (t->shape.empty() && spec.shape.empty()) {
-    if (spec.tensor.empty() && spec.numel != t->numel) {
-      return absl::FailedPreconditionError(absl::StrCat(what, ": the checkpoint holds ", t->numel,
-                                                        " elements of it, not ", spec.numel));
-    }
-    if (!spec.tensor.empty() && begin >= t->numel) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, ": the checkpoint holds elements [0, ", t->numel,
-          ") of it: a session that held the rest was not checkpointed into it (register the "
-          "tensor with its shape to tell its padding from missing elements)"));
-    }
+  // slices cover: a partition that is its own tensor must be of the
+  // checkpointed size (not cut, nor filled with zeros). (A slice's elements
+  // past them cannot be told from padding, which more ranks have more of:
+  // zeros; a tensor registered with its shape has its gaps refused.)
+  if (t->shape.empty() && spec.shape.empty() && spec.tensor.empty() && spec.numel != t->numel) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": the checkpoint holds ", t->numel,
+                                                      " elements of it, not ", spec.numel));
   }
   // Agreed by every slice it takes elements from (a slice wholly of
   // padding takes them from the tensor's first).

@@ -396,12 +396,13 @@ TEST(RestoreErrors, APartitionWithoutAShapeRestoresOnlyAtItsSize) {
               absl::string_view::npos)
         << other.status();
   }
-  // A slice of it wholly past what was checkpointed (a rank's missing).
+  // A slice of it past what was checkpointed: padding, as more ranks have
+  // (without a shape it cannot be told from a rank's missing elements).
   PartitionSpec past{"w1", 500, DType::kFp32, DType::kFp32};
   past.tensor = "w";
   past.tensor_offset = 1000;
-  EXPECT_EQ(engine.sessions->Register(opened->key, past).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  auto padding = engine.sessions->Register(opened->key, past);
+  EXPECT_TRUE(padding.ok()) << padding.status();
   auto right =
       engine.sessions->Register(opened->key, PartitionSpec{"w", 1000, DType::kFp32, DType::kFp32});
   ASSERT_TRUE(right.ok()) << right.status();
