@@ -1229,6 +1229,10 @@ absl::Status SessionManager::WriteMoments(const SessionKey& key, uint64_t partit
 
 absl::Status SessionManager::SetDelayedUpdate(const SessionKey& key, bool on) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  // Under decide_mu, as DecideStep's scheduled switch: a checkpoint reads
+  // the schedule and the store's flag under it, and sees both as they were
+  // or both as they are (not the schedule cancelled and the switch to come).
+  absl::MutexLock decided(&session->decide_mu);
   session->delayed_update_after = -1;
   return session->partitions->SetDelayedUpdate(on);
 }
