@@ -341,6 +341,7 @@ struct Session::Impl {
   // Partition names (the ring's answers carry none).
   absl::flat_hash_map<uint64_t, std::string> names ABSL_GUARDED_BY(mu);
   bool closed ABSL_GUARDED_BY(mu) = false;
+  bool closing ABSL_GUARDED_BY(mu) = false;  // a Close's call under way
   // Each partition's span (params, grads, the second working-copy buffer),
   // mapped the first time the daemon names it: address space only for what
   // the session holds, small spans as views of their arena window's
@@ -1140,11 +1141,14 @@ absl::Status Session::Close(bool finished) {
         "session ", impl_->ref.session_id(), " has ", tiers,
         " GpuTier(s) attached: destroy them first (their copies read and write its memory)"));
   }
-  impl_->StopKeepalive();
   {
+    // One close at a time: another waits for its outcome (closed, or not:
+    // then it asks again itself).
     absl::MutexLock lock(&impl_->mu);
+    impl_->mu.Await(absl::Condition(
+        +[](Impl* i) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !i->closing; }, impl_.get()));
     if (impl_->closed) return absl::OkStatus();
-    impl_->closed = true;
+    impl_->closing = true;
   }
   v1::CloseSessionRequest req;
   *req.mutable_session() = impl_->ref;
@@ -1156,11 +1160,18 @@ absl::Status Session::Close(bool finished) {
   if (absl::IsUnavailable(closed) || absl::IsDeadlineExceeded(closed) ||
       absl::IsResourceExhausted(closed)) {
     // Not closed (offloadd stopping, or too busy to answer): a retry asks
-    // again. Dropping the connection now would tell offloadd the trainer
-    // went away, and a finished job's session would be kept as unfinished.
+    // again, and the keepalive goes on meanwhile. Dropping the connection
+    // now would tell offloadd the trainer went away, and a finished job's
+    // session would be kept as unfinished.
     absl::MutexLock lock(&impl_->mu);
-    impl_->closed = false;
+    impl_->closing = false;
     return closed;
+  }
+  impl_->StopKeepalive();
+  {
+    absl::MutexLock lock(&impl_->mu);
+    impl_->closed = true;
+    impl_->closing = false;
   }
   UnregisterConnection(&impl_->connection_slot);
   impl_->connection.reset();
