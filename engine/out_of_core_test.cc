@@ -443,6 +443,30 @@ TEST(OutOfCore, AnOverlappedStepThatStopsCountsOnceForTheLossScale) {
   EXPECT_EQ(next->loss_scale, 8192.0);
 }
 
+// An overlapped step that stopped midway (its call returned before): the
+// next forward's fetch of a partition it updated in part is refused with
+// the reason the step stopped, the trainer's first word of it.
+TEST(OutOfCore, AFetchRefusedAfterAnOverlappedStepStoppedSaysWhy) {
+  auto engine = SmallEngine("s4");
+  TestEngine& small = *engine;
+  Trainer t(&small, StateAt(0));
+  t.ReturnGradients(1);
+  ASSERT_TRUE(t.Step().ok());
+  t.ReturnGradients(2);
+  FailRead(small, 7);  // the first group of the first partition's chunks applied
+  StepControl overlap;
+  overlap.overlap = true;
+  ASSERT_TRUE(small.sessions->Step(t.key(), Decaying(), overlap).ok());
+  EXPECT_EQ(small.sessions->WaitStep(t.key()).status().code(), absl::StatusCode::kDataLoss);
+  small.faults->ClearRules();
+  const absl::Status refused = small.sessions->Fetch(t.key(), {t.parts()[0].id}).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("The overlapped step stopped on: DATA_LOSS"), std::string::npos)
+      << refused;
+  ASSERT_TRUE(t.Step().ok());  // finishes it
+  EXPECT_TRUE(small.sessions->Fetch(t.key(), {t.parts()[0].id}).ok());
+}
+
 // Moving a session's data between the tiers while it trains, both ways,
 // returns at once and loses nothing: every partition's bytes are the same
 // before and after, and training stays bit-for-bit that of data kept in

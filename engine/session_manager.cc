@@ -955,8 +955,22 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
   // A gradient buffer handed over and not read by a step yet comes back
   // (its gradients copied into the accumulator) before it is held again.
   if (mode.grads) RETURN_IF_ERROR(steps_->Reclaim(*session->partitions, ids));
-  ASSIGN_OR_RETURN(std::vector<PartitionInfo> out, session->partitions->Fetch(ids, mode));
-  stats_->fetches.fetch_add(static_cast<int64_t>(out.size()), std::memory_order_relaxed);
+  absl::StatusOr<std::vector<PartitionInfo>> out = session->partitions->Fetch(ids, mode);
+  if (absl::IsFailedPrecondition(out.status()) &&
+      absl::StrContains(out.status().message(), "stopped midway")) {
+    // Why it stopped, where an overlapped step (whose call returned before)
+    // has it: the trainer learns it here, in its next forward, first.
+    absl::MutexLock lock(&session->step_mu);
+    if (!session->step_running && !session->step_result.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          out.status().message(),
+          ". The overlapped step stopped on: ", session->step_result.status().ToString(),
+          " (with overlap_step its state chunks need room in the pool beside the next "
+          "iteration's parameters)"));
+    }
+  }
+  if (!out.ok()) return out.status();
+  stats_->fetches.fetch_add(static_cast<int64_t>(out->size()), std::memory_order_relaxed);
   return out;
 }
 
