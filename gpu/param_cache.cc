@@ -417,7 +417,15 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     e.used_in_flight = false;
     batch->entries.push_back(missing[k]);
   }
-  RETURN_IF_ERROR(device_->Record(batch->done, copy_stream_));
+  if (absl::Status recorded = device_->Record(batch->done, copy_stream_); !recorded.ok()) {
+    // Its copies are issued but nothing would say when they end: waited
+    // for as far as the device lets us, then given up (their holds let go,
+    // the next use copies again) rather than left in flight for good.
+    (void)device_->Record(fence_, copy_stream_);
+    (void)device_->Synchronize(fence_);
+    FinishBatch(*batch, recorded);
+    return recorded;
+  }
   in_flight_.push_back(std::move(batch));
   return absl::OkStatus();
 }
@@ -553,7 +561,9 @@ absl::Status ParamCache::CheckUnits(absl::Span<const int> units) const {
 absl::Status ParamCache::TakeFailure(int unit) {
   for (int i : units_[unit].entries) {
     Entry& e = entries_[i];
-    if (e.state == State::kFailed || (e.state == State::kStale && !e.error.ok())) {
+    // (As HasFailureToReport asks: an entry whose failed in-place copy was
+    // evicted since keeps its error, to be reported here once.)
+    if (e.state == State::kFailed || !e.error.ok()) {
       absl::Status error = std::exchange(e.error, absl::OkStatus());
       for (int j : units_[unit].entries) {
         if (entries_[j].state == State::kFailed) entries_[j].state = State::kAbsent;
