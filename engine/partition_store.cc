@@ -1,9 +1,11 @@
 #include "engine/partition_store.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -1114,6 +1116,20 @@ absl::Status PartitionStore::WidenWorking(const Partition& p, uint64_t begin, ui
 absl::Status PartitionStore::WriteMoments(uint64_t id, uint64_t step, uint64_t begin,
                                           uint64_t count, const float* exp_avg,
                                           const float* exp_avg_sq) {
+  // Values a step can take: the next step is step + 1 (its bias
+  // corrections divide by 1 - beta^(step + 1)), and Adam takes the root of
+  // the second moment. Checked before anything is written.
+  if (step == std::numeric_limits<uint64_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition ", id, ": step ", step, " has no next step"));
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    if (!std::isfinite(exp_avg[i]) || !std::isfinite(exp_avg_sq[i]) || exp_avg_sq[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "partition ", id, ": element ", begin + i, "'s moments (", exp_avg[i], ", ",
+          exp_avg_sq[i], ") are not a finite first moment and a finite, non-negative second"));
+    }
+  }
   Partition* p;  // valid while the store lives (partitions go with it)
   {
     absl::MutexLock lock(&mu_);

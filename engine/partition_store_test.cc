@@ -486,6 +486,27 @@ TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
     EXPECT_EQ(
         engine.sessions->ReadMoments(key, p->id + 999, 0, 1, m.data(), v.data()).status().code(),
         absl::StatusCode::kNotFound);
+    // Moments no step can take (a NaN, a negative second moment, a step
+    // with no next): refused, nothing written.
+    std::vector<float> before_m(kN), before_v(kN);
+    ASSERT_TRUE(
+        engine.sessions->ReadMoments(key, p->id, 0, kN, before_m.data(), before_v.data()).ok());
+    std::vector<float> nan_m(wm), negative_v(wv);
+    nan_m[3] = NAN;
+    negative_v[3] = -1.0f;
+    EXPECT_EQ(engine.sessions->WriteMoments(key, p->id, 1, 0, kN, nan_m.data(), wv.data()).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        engine.sessions->WriteMoments(key, p->id, 1, 0, kN, wm.data(), negative_v.data()).code(),
+        absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(
+        engine.sessions->WriteMoments(key, p->id, ~uint64_t{0}, 0, 1, wm.data(), wv.data()).code(),
+        absl::StatusCode::kInvalidArgument);
+    std::vector<float> after_m(kN), after_v(kN);
+    ASSERT_TRUE(
+        engine.sessions->ReadMoments(key, p->id, 0, kN, after_m.data(), after_v.data()).ok());
+    EXPECT_EQ(before_m, after_m);
+    EXPECT_EQ(before_v, after_v);
     ASSERT_TRUE(engine.sessions->SetDelayedUpdate(key, true).ok());
     EXPECT_EQ(engine.sessions->WriteMoments(key, p->id, 1, 0, 1, wm.data(), wv.data()).code(),
               absl::StatusCode::kFailedPrecondition);
