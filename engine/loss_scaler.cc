@@ -17,8 +17,12 @@ absl::Status ValidateLossScaling(const LossScalingOptions& o) {
   if (!(o.initial_scale > 0 && o.initial_scale <= std::numeric_limits<float>::max())) {
     return bad("initial_scale", o.initial_scale, "positive and at most fp32's largest");
   }
-  if (!std::isfinite(o.min_scale) || o.min_scale <= 0 || o.min_scale > o.initial_scale) {
-    return bad("min_scale", o.min_scale, "positive and at most initial_scale");
+  // (Each step's gradients are multiplied by 1 / scale in fp32: it must fit.)
+  if (!std::isfinite(o.min_scale) || o.min_scale < 1.0 / std::numeric_limits<float>::max() ||
+      o.min_scale > o.initial_scale) {
+    return bad("min_scale", o.min_scale,
+               "at least 1 / fp32's largest (its reciprocal scales the gradients) and at most "
+               "initial_scale");
   }
   if (o.growth_interval < 1) return bad("growth_interval", o.growth_interval, "at least 1");
   if (!std::isfinite(o.growth_factor) || o.growth_factor < 1) {

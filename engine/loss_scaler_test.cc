@@ -59,6 +59,15 @@ TEST(LossScaler, RefusesOptionsItCannotUse) {
   o.min_scale = 1e9;  // above the initial scale
   EXPECT_EQ(ValidateLossScaling(o).code(), absl::StatusCode::kInvalidArgument);
   o = {};
+  // So small that its reciprocal, the gradients' scale, passes fp32: every
+  // step would be refused for a grad_scale the trainer never sent.
+  o.initial_scale = 1e-39;
+  o.min_scale = 1e-39;
+  EXPECT_EQ(ValidateLossScaling(o).code(), absl::StatusCode::kInvalidArgument);
+  o = {};
+  o.min_scale = 1e-300;
+  EXPECT_EQ(ValidateLossScaling(o).code(), absl::StatusCode::kInvalidArgument);
+  o = {};
   o.growth_interval = 0;
   EXPECT_NE(ValidateLossScaling(o).message().find("growth_interval"), absl::string_view::npos);
 }
