@@ -999,9 +999,16 @@ absl::Status SessionManager::ReturnGradients(const SessionKey& key,
     return absl::InvalidArgumentError(absl::StrCat(
         "a gradient return may name at most ", kMaxFetchIds, " partitions, got ", items.size()));
   }
-  // The trainer's statistics are checked for all before any is returned:
-  // a refusal returns nothing.
+  // The dtypes and the trainer's statistics are checked for all before any
+  // is returned: a refusal returns nothing.
   for (const GradientReturn& item : items) {
+    if (!item.grad_dtype.ok()) {
+      if (items.size() == 1) return item.grad_dtype.status();
+      return absl::Status(
+          item.grad_dtype.status().code(),
+          absl::StrCat("partition ", item.partition_id, ": ", item.grad_dtype.status().message(),
+                       "; none of the ", items.size(), " partitions' gradients were returned"));
+    }
     if (!item.stats.has_value()) continue;
     if (absl::Status s = CheckGivenGradStats(item.partition_id, item.numel, hand_over, *item.stats);
         !s.ok()) {

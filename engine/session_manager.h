@@ -114,7 +114,7 @@ struct GradientReturn {
   uint64_t partition_id = 0;
   uint64_t numel = 0;
   // An error: the wire item is malformed (no dtype it names, unknown
-  // flags), refused when its turn comes.
+  // flags): the whole return is refused, nothing of it returned.
   absl::StatusOr<DType> grad_dtype;
   // The trainer's statistics of the buffer (StepRunner::Accumulate's
   // `given`).

@@ -314,6 +314,34 @@ TEST_F(SessionManagerTest, FirstStepTakesMasterFromWorkingCopy) {
 // An automatic checkpoint runs after the step it is due at, takes nothing
 // from the trainer (its own checkpoint waits for it instead of being
 // refused; WaitCheckpoint reports the trainer's), and goes with the session.
+// A batched gradient return with a malformed item (a dtype no wire value
+// names) is refused whole: the items before it are not returned (a client
+// that retries the batch would add them twice).
+TEST_F(SessionManagerTest, AMalformedItemRefusesTheWholeGradientReturn) {
+  SessionKey key = Open();
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 2; ++i) {
+    auto p = sessions_.Register(key, {absl::StrCat("w", i), 64, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(p.ok()) << p.status();
+    ids.push_back(p->id);
+  }
+  ASSERT_TRUE(sessions_.Release(key, ids).ok());
+  ASSERT_TRUE(sessions_.Fetch(key, ids, WithGrads()).ok());
+  std::vector<GradientReturn> items(2);
+  for (int i = 0; i < 2; ++i) {
+    items[i].partition_id = ids[i];
+    items[i].numel = 64;
+    items[i].grad_dtype = DType::kFp32;
+  }
+  items[1].grad_dtype =
+      absl::InvalidArgumentError("grad_dtype 9 is not fp32 (1), bf16 (2) or fp16 (3)");
+  const absl::Status refused = sessions_.ReturnGradients(key, items, /*release=*/true);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_EQ(sessions_.Pending(key)->partitions, 0u);
+  ASSERT_TRUE(sessions_.Release(key, ids).ok());  // (still held: nothing released either)
+  ASSERT_TRUE(sessions_.Close(key).ok());
+}
+
 TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   const std::string root = ::testing::TempDir() + "/auto_checkpoints";
   AutoCheckpointsIn(root, 2);
