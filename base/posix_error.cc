@@ -44,6 +44,7 @@ absl::StatusCode ErrnoToStatusCode(int err) {
     case EBADF:
     case ENOTDIR:
     case EISDIR:
+    case ELOOP:  // a path through a symlink loop, or one O_NOFOLLOW refused
       return absl::StatusCode::kInvalidArgument;
     case ENOSYS:
     case EOPNOTSUPP:

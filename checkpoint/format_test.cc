@@ -379,6 +379,17 @@ TEST(CheckpointFormatTest, HostileManifestsAndDirectoriesAreRefused) {
   EXPECT_EQ(Directory::Prepare(dir).status().code(), absl::StatusCode::kPermissionDenied);
 }
 
+// A checkpoint directory named through a symlink loop is the caller's
+// error (INVALID_ARGUMENT), not offloadd's (INTERNAL).
+TEST(CheckpointFormatTest, ADirectoryThroughASymlinkLoopIsAnInvalidArgument) {
+  const std::string base = TempDir();
+  const std::string a = base + "/a", b = base + "/b";
+  ASSERT_EQ(symlink(b.c_str(), a.c_str()), 0);
+  ASSERT_EQ(symlink(a.c_str(), b.c_str()), 0);
+  EXPECT_EQ(Directory::Open(a + "/ckpt").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Directory::Prepare(a + "/ckpt").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // A checkpoint is written into, and read from, the directory that passed
 // the check: its path made a link to one anyone may write, after it was
 // opened, changes nothing.
