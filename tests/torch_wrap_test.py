@@ -972,6 +972,31 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(model, ref.state_dict())
         mine.close()
 
+    def test_the_models_zero_grad_drops_the_gradients_since_the_step(self):
+        # A GAN's loop zeroes a net with model.zero_grad() between a backward
+        # through it (the other net's loss) and its own: as in torch, only
+        # the gradients after it are stepped.
+        import torch
+        adamw = {"lr": 1e-2}
+        ref = self.mlp()
+        opt = torch.optim.AdamW(ref.parameters(), **adamw)
+        model, mine = self.wrap(self.mlp(), adamw)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+            ref(x).pow(2).mean().backward()
+            ref.zero_grad()
+            ref(y).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            model.zero_grad()
+            model(y).pow(2).mean().backward()
+            mine.step()
+            mine.zero_grad()
+        self.assert_weights(model, ref.state_dict())
+        mine.close()
+
     def test_a_linear_whose_input_needs_no_gradient(self):
         # The first Linear of an MLP saves no weight for backward.
         for bias in (True, False):

@@ -2704,6 +2704,15 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         raise
     engine.commit()
     model.offloadd = engine
+
+    # torch's Module.zero_grad clears p.grad, which offloadd leaves None (the
+    # gradients are the daemon's): the model's, as the optimizer's, drops
+    # those returned since the last step (a GAN's loop zeroes one net
+    # between another's backward through it and its own step).
+    def zero_grad(set_to_none=True, _module_zero_grad=model.zero_grad):
+        _module_zero_grad(set_to_none)
+        optimizer.zero_grad(set_to_none)
+    model.zero_grad = zero_grad
     if config["deepspeed_loop"]:
         for name in ("backward", "step", "is_gradient_accumulation_boundary"):
             if not hasattr(model, name):
