@@ -997,6 +997,63 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(model, ref.state_dict())
         mine.close()
 
+    def test_a_backward_that_raises_is_dropped_by_zero_grad(self):
+        # torch runs no end-of-backward callback when a backward raises: what
+        # that pass gathered, held and returned (a batch of gradients went
+        # before the failure) is let go by zero_grad(), and the next
+        # iterations train as if it never ran (with the delayed update too,
+        # whose step a hold left over refused).
+        import torch
+
+        class RaiseOnce(torch.autograd.Function):
+            armed = False
+
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                if RaiseOnce.armed:
+                    RaiseOnce.armed = False
+                    raise RuntimeError("injected: backward ran out of memory")
+                return g
+
+        class Raising(torch.nn.Module):
+            def forward(self, x):
+                return RaiseOnce.apply(x)
+
+        def make():
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(8, 8), Raising()]
+            for _ in range(40):  # 80 partitions: a batch returned before the raise
+                layers += [torch.nn.Linear(8, 8), torch.nn.Tanh()]
+            return torch.nn.Sequential(*layers)
+        adamw = {"lr": 1e-3}
+        for zero in ({}, {"delayed_update": True}):
+            with self.subTest(**zero):
+                ref = make()
+                opt = torch.optim.AdamW(ref.parameters(), **adamw)
+                model, mine = self.wrap(make(), adamw, zero)
+                gen = torch.Generator().manual_seed(7)
+                for step in range(4):
+                    x = torch.randn(4, 8, generator=gen)
+                    if step == 1:  # a failed iteration, then zero_grad
+                        RaiseOnce.armed = True
+                        with self.assertRaises(RuntimeError):
+                            model(x).pow(2).mean().backward()
+                        mine.zero_grad()
+                        x = torch.randn(4, 8, generator=gen)
+                    ref(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    model(x).pow(2).mean().backward()
+                    mine.step()
+                    mine.zero_grad()
+                if not zero:  # (the delayed update trains one step stale: no torch twin)
+                    self.assert_weights(model, ref.state_dict())
+                mine.close()
+
     def test_a_linear_whose_input_needs_no_gradient(self):
         # The first Linear of an MLP saves no weight for backward.
         for bias in (True, False):

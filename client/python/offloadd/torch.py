@@ -2215,6 +2215,13 @@ class Optimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 p.grad = None
         e = self._engine
+        # A backward that raised never reached its end (torch runs no queued
+        # callback then): what its pass gathered and held goes now, and the
+        # next backward queues its own end again.
+        if e._sweep_queued:
+            e._sweep_queued = False
+            e.free_all()
+            e.end_pass()
         e._returns, e._return_bytes = [], 0
         if e._reduce is not None:
             e._reduce.discard()
