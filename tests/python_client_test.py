@@ -193,12 +193,11 @@ class PythonClientTest(unittest.TestCase):
             offloadd.open_device("emulated", max_copy_delay_us=-1)
         self.assertEqual(offloadd.open_device("emulated", max_copy_delay_us=0).name, "emulated")
 
-    def test_blocking_calls_release_the_gil(self):
-        # A step over 8M parameters takes milliseconds. With a switch
-        # interval of a second, another Python thread runs during it only
-        # if the binding released the GIL.
-        p = self.register("g", torch.ones(8 << 20))
-        self.return_grads(p, torch.full((8 << 20,), 0.1))
+    @staticmethod
+    def other_thread_ticks_during(call):
+        """How often another Python thread counted while `call()` ran, with
+        a switch interval of a second: more than none only if `call`
+        released the GIL."""
         ticks = [0]
         stop = threading.Event()
 
@@ -213,13 +212,20 @@ class PythonClientTest(unittest.TestCase):
             t.start()
             time.sleep(0.05)  # the spinner holds the GIL at times; let it start
             before = ticks[0]
-            self.session.step()
+            call()
             during = ticks[0] - before
             stop.set()
             t.join()
         finally:
             sys.setswitchinterval(old)
-        self.assertGreater(during, 0)
+        return during
+
+    def test_blocking_calls_release_the_gil(self):
+        # A step over 8M parameters takes milliseconds; another Python
+        # thread runs during it.
+        p = self.register("g", torch.ones(8 << 20))
+        self.return_grads(p, torch.full((8 << 20,), 0.1))
+        self.assertGreater(self.other_thread_ticks_during(self.session.step), 0)
 
     def test_a_tier_call_waiting_for_another_threads_use_releases_the_gil(self):
         # tier.stats() waits for the parameter cache's lock, which a use()
@@ -319,32 +325,11 @@ class PythonClientTest(unittest.TestCase):
 
     def test_a_session_collected_unclosed_closes_without_the_gil(self):
         # A Session collected without close() closes itself (a call to
-        # offloadd); with a switch interval of a second, another Python
-        # thread runs meanwhile only if that call released the GIL.
-        other = self.client.open_session("collected")
-        other.register("c", 4 << 20)
-        other_id = other.id
-        ticks = [0]
-        stop = threading.Event()
-
-        def spin():
-            while not stop.is_set():
-                ticks[0] += 1
-
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(1.0)
-        try:
-            t = threading.Thread(target=spin)
-            t.start()
-            time.sleep(0.05)
-            before = ticks[0]
-            del other
-            during = ticks[0] - before
-            stop.set()
-            t.join()
-        finally:
-            sys.setswitchinterval(old)
-        self.assertGreater(during, 0)
+        # offloadd); another Python thread runs meanwhile.
+        holder = [self.client.open_session("collected")]
+        holder[0].register("c", 4 << 20)
+        other_id = holder[0].id
+        self.assertGreater(self.other_thread_ticks_during(holder.clear), 0)
         self.assertNotIn(other_id, [s["id"] for s in self.client.stats()["sessions"]])
 
     def test_a_session_closed_by_two_threads_at_once(self):
