@@ -465,7 +465,6 @@ class _Engine:
         # overlap the next forward (a fetch of everything would wait for
         # the whole step).
         self._held_views = None  # partition id -> view, while a pass holds them all
-        self._load_mismatched = set()  # keys a load_state_dict gave another shape
         self.returned_since_step = False  # gradients went to the daemon since the last step
         self.restored = None  # the last SessionRestored raised (for backward's)
 
@@ -1469,23 +1468,16 @@ class _Engine:
         # written back to the daemon afterwards as its master weights.
         def gather_for_load(state_dict, prefix, *_):
             self._load_prefix = prefix
-            # Entries of another shape torch does not copy (it raises after
-            # the load): not written back either.
-            self._load_mismatched = {
-                key for key, s in self._keys(model, prefix).items()
-                if key in state_dict and hasattr(state_dict[key], "shape")
-                and tuple(state_dict[key].shape) != tuple(s.shape)}
             self.gather_all_for_load()
 
         def write_loaded(module, incompatible_keys):
             # Only the parameters torch loaded are written back (strict=False
             # may load some; a module's own _load_from_state_dict may rename
-            # keys: what it did not find is missing, what has another shape
-            # it leaves): the others keep their masters exactly (written
-            # back, a 16-bit working copy would round them).
-            skipped = set(incompatible_keys.missing_keys) | self._load_mismatched
+            # keys: what it did not find is missing): the others keep their
+            # masters exactly.
+            missing = set(incompatible_keys.missing_keys)
             self.write_loaded({s.pid for key, s in self._keys(model, self._load_prefix).items()
-                               if key not in skipped})
+                               if key not in missing})
 
         self._handles.append(model._register_load_state_dict_pre_hook(gather_for_load))
         self._handles.append(model.register_load_state_dict_post_hook(write_loaded))
