@@ -79,23 +79,9 @@ void PoolCharge::Reset() {
   bytes_ = 0;
 }
 
-uint64_t HostPool::FileAlignment(uint64_t bytes) const {
-  // Huge-page aligned where the file gets huge pages (shmem_enabled advise
-  // or more) and the lease fills one.
-  const uint64_t huge = SharedHugePageBytes();
-  uint64_t align = std::max(PageSize(), io_alignment_.load(std::memory_order_relaxed));
-  if (huge > align && bytes >= huge) align = huge;
-  return align;
-}
-
-uint64_t HostPool::LeaseCharge(uint64_t bytes) const {
-  if (file_ == nullptr || bytes == 0) return Charge(bytes);
-  return std::max(Charge(bytes), RoundUp(bytes, FileAlignment(bytes)));
-}
-
 bool HostPool::Fits(uint64_t bytes) const {
   // (Spares give way: used() leaves them out.)
-  const uint64_t need = LeaseCharge(bytes);
+  const uint64_t need = Charge(bytes);
   const uint64_t lim = limit();
   const uint64_t u = used();
   return need <= lim && u <= lim - need;
@@ -217,10 +203,14 @@ absl::StatusOr<PoolMemory> HostPool::Allocate(uint64_t bytes, absl::string_view 
   }
   if (absl::Status taken = Take(charge, what); !taken.ok()) return taken;
   if (file_ != nullptr && bytes > 0) {
-    const uint64_t align = FileAlignment(bytes);
+    // Huge-page aligned where the file gets huge pages (shmem_enabled
+    // advise or more) and the lease fills one.
+    const uint64_t huge = SharedHugePageBytes();
+    uint64_t align = std::max(PageSize(), io_alignment_.load(std::memory_order_relaxed));
+    if (huge > align && bytes >= huge) align = huge;
     // Charged as the file holds it: the extent is whole aligned units (up
     // to a huge page more than the bytes), all of them the file's pages.
-    const uint64_t whole = LeaseCharge(bytes);
+    const uint64_t whole = RoundUp(bytes, align);
     if (whole == charge || Take(whole - charge, what).ok()) {
       absl::StatusOr<PoolFile::Extent> extent = file_->Take(bytes, align);
       if (extent.ok()) {

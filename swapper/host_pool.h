@@ -174,12 +174,7 @@ class HostPool {
   // What a lease of `bytes` is charged: whole pages.
   static uint64_t Charge(uint64_t bytes) { return RoundUpToPage(bytes); }
 
-  // What Allocate charges a lease of `bytes` where it can: Charge(bytes),
-  // or, in the pool's file, whole units of the file's alignment for it (a
-  // huge page where the file gets them, or the I/O alignment).
-  uint64_t LeaseCharge(uint64_t bytes) const;
-
-  // Whether LeaseCharge(bytes) more fit under the limit now.
+  // Whether Charge(bytes) more fit under the limit now.
   bool Fits(uint64_t bytes) const;
 
   // What the caller does with a lease's first contents.
@@ -235,8 +230,6 @@ class HostPool {
  private:
   friend class PoolMemory;
   friend class PoolCharge;
-  // The alignment a lease of `bytes` takes in the pool's file.
-  uint64_t FileAlignment(uint64_t bytes) const;
   // Adds `charge` to used_ unless that would exceed the limit (after
   // giving spares back).
   absl::Status Take(uint64_t charge, absl::string_view what);

@@ -1367,7 +1367,7 @@ absl::Status Swapper::RoomError(uint64_t bytes) const {
 
 absl::Status Swapper::MakeRoomLocked(uint64_t bytes, bool restricted, uint64_t farther_than,
                                      uint64_t for_trace) {
-  const uint64_t charge = pool_->LeaseCharge(bytes);  // (room for a lease in the pool's file)
+  const uint64_t charge = HostPool::Charge(bytes);
   const uint64_t failed_writes = failed_writes_;
   absl::flat_hash_set<BlockId> tried;
   while (!pool_->Fits(bytes)) {
