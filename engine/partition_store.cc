@@ -80,10 +80,6 @@ struct PartitionStore::Partition {
   // before it: a trainer that goes away first (DropHolds) leaves them so.
   bool loading = false;
   MasterState before_load = MasterState::kUnset;
-  // Such a load wrote over the working copy: it is written again from the
-  // master weights at the next fetch (on the fetching call's thread, not
-  // the one that saw the trainer die), unless a step writes it first.
-  bool rewrite_working = false;
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   MasterState master = MasterState::kUnset;
@@ -830,19 +826,6 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
           "session ", session_id_,
           ": loading parameters needs the delayed update off (SetDelayedUpdate(false) first)"));
     }
-  }
-  // A working copy an abandoned load wrote over: made the master weights'
-  // again before it is handed out.
-  for (Partition* p : wanted) {
-    bool rewrite;
-    {
-      absl::MutexLock lock(&mu_);
-      rewrite = p->rewrite_working;
-    }
-    if (!rewrite) continue;
-    RETURN_IF_ERROR(WorkingFromMaster(*p));
-    absl::MutexLock lock(&mu_);
-    p->rewrite_working = false;
   }
   // A load: the fp32 values' regions of the partitions that have one,
   // taken before any hold (a failure then holds nothing and leaves nothing).
@@ -1685,7 +1668,6 @@ void PartitionStore::LeaveStepLocked(Partition* p, const StepItem& item, bool ap
   if (!applied) return;
   // Its master copy was initialised (if it had to be) and updated.
   p->master = MasterState::kInitialized;
-  p->rewrite_working = false;  // (the update wrote it)
   ++p->info.step;
   if (item.delayed) p->swap_pending = true;
 }
@@ -1754,7 +1736,7 @@ absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionStore::MapExtra(uint64_
 
 void PartitionStore::DropHolds() {
   std::vector<Swapper::Pin> released;
-  std::vector<Partition*> unloaded;
+  std::vector<Partition*> unloaded, rewritten;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, p] : partitions_) {
@@ -1763,8 +1745,10 @@ void PartitionStore::DropHolds() {
         // fp32 values nor (later, at an ordinary release) its working copy,
         // which the master weights write again where they exist.
         p->loading = false;
-        if (p->master_from_working && p->master == MasterState::kInitialized) {
-          p->rewrite_working = true;
+        // (In a step, which writes it from the master weights itself.)
+        if (p->master_from_working && p->master == MasterState::kInitialized &&
+            p->step == StepState::kOut) {
+          rewritten.push_back(p.get());
         }
         p->master_from_working = false;
         if (p->master == MasterState::kInitPending && p->before_load != MasterState::kInitPending) {
@@ -1776,8 +1760,20 @@ void PartitionStore::DropHolds() {
       p->TakeHolds(&released);
     }
   }
+  released.clear();  // (the rewrite pins for writing)
   for (Partition* p : unloaded) RemoveInitBlocks(*p);
-}  // `released` unpins here, outside the lock
+  // Now, before any checkpoint (a keep, a final one) could save the
+  // half-written copy; swap-ins where the master weights rest on NVMe, on
+  // the caller's thread (the arena channel's: rare, a load cut short).
+  for (Partition* p : rewritten) {
+    if (absl::Status s = WorkingFromMaster(*p); !s.ok()) {
+      LogWarning(
+          "partition %d ('%s'): its working copy, half loaded by a trainer that went away, "
+          "could not be written again from the master weights: %s",
+          static_cast<int64_t>(p->info.id), p->info.name, s.ToString());
+    }
+  }
+}
 
 absl::Status PartitionStore::RestoreSetState(uint64_t steps, bool delayed) {
   absl::MutexLock placing(&placement_mu_);

@@ -194,9 +194,9 @@ class PartitionStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Lets every hold go without committing anything (a registration's fp32
   // initial values stay pending; a load is undone: the master weights stay
-  // as they were, and a working copy it wrote over is written from them at
-  // the next fetch): the trainer that held them died mid-write. No I/O (the
-  // arena channel's thread calls it).
+  // as they were, and a working copy it wrote over is written again from
+  // them, reading them in from NVMe where they rest): the trainer that held
+  // them died mid-write.
   void DropHolds() ABSL_LOCKS_EXCLUDED(mu_);
   // A session restoring a checkpoint, before its first registration: the
   // steps it applied and its delayed update.
