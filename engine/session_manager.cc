@@ -123,6 +123,9 @@ struct SessionManager::Session {
   absl::Mutex step_mu;
   bool step_started ABSL_GUARDED_BY(step_mu) = false;
   bool step_running ABSL_GUARDED_BY(step_mu) = false;
+  // The last step decided was overlapped (step_result is its outcome), not
+  // a synchronous one since, whose caller had its outcome.
+  bool last_step_overlapped ABSL_GUARDED_BY(step_mu) = false;
   absl::StatusOr<StepSummary> step_result ABSL_GUARDED_BY(step_mu);
   // Until no overlapped step of it runs.
   void AwaitNoStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(step_mu) {
@@ -961,12 +964,14 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
     // Why it stopped, where an overlapped step (whose call returned before)
     // has it: the trainer learns it here, in its next forward, first.
     absl::MutexLock lock(&session->step_mu);
-    if (!session->step_running && !session->step_result.ok()) {
+    if (session->last_step_overlapped && !session->step_running && !session->step_result.ok()) {
+      const absl::Status& why = session->step_result.status();
       return absl::FailedPreconditionError(absl::StrCat(
-          out.status().message(),
-          ". The overlapped step stopped on: ", session->step_result.status().ToString(),
-          " (with overlap_step its state chunks need room in the pool beside the next "
-          "iteration's parameters)"));
+          out.status().message(), ". The overlapped step stopped on: ", why.ToString(),
+          absl::IsResourceExhausted(why)
+              ? " (with overlap_step its state chunks need room in the pool beside the next "
+                "iteration's parameters)"
+              : ""));
     }
   }
   if (!out.ok()) return out.status();
@@ -1148,6 +1153,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
       s->AwaitNoStep();
       s->step_running = true;
       s->step_started = true;
+      s->last_step_overlapped = true;
     }
     absl::StatusOr<StepSummary> started =
         steps_->Start(*session->partitions, session, applied, skip, groups,
@@ -1165,6 +1171,10 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
     }
     summary = *started;
   } else {
+    {
+      absl::MutexLock lock(&session->step_mu);
+      session->last_step_overlapped = false;
+    }
     ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, groups));
     session->CountStep(summary);
   }
