@@ -311,9 +311,6 @@ TEST_F(SessionManagerTest, FirstStepTakesMasterFromWorkingCopy) {
   munmap(base, 16 << 20);
 }
 
-// An automatic checkpoint runs after the step it is due at, takes nothing
-// from the trainer (its own checkpoint waits for it instead of being
-// refused; WaitCheckpoint reports the trainer's), and goes with the session.
 // A batched gradient return with a malformed item (a dtype no wire value
 // names) is refused whole: the items before it are not returned (a client
 // that retries the batch would add them twice).
@@ -342,6 +339,9 @@ TEST_F(SessionManagerTest, AMalformedItemRefusesTheWholeGradientReturn) {
   ASSERT_TRUE(sessions_.Close(key).ok());
 }
 
+// An automatic checkpoint runs after the step it is due at, takes nothing
+// from the trainer (its own checkpoint waits for it instead of being
+// refused; WaitCheckpoint reports the trainer's), and goes with the session.
 TEST_F(SessionManagerTest, AutomaticCheckpointsStayOutOfTheTrainersWay) {
   const std::string root = ::testing::TempDir() + "/auto_checkpoints";
   AutoCheckpointsIn(root, 2);
