@@ -1429,6 +1429,14 @@ class WrapInProcessTest(unittest.TestCase):
         bad["state"][last]["exp_avg_sq"] = torch.zeros(3, 3)
         with self.assertRaisesRegex(offloadd.InvalidArgumentError, "exp_avg_sq"):
             opt.load_state_dict(bad)
+        # Nor is a state no step can take (a NaN in the last parameter's
+        # second moment) written in part.
+        nan = copy.deepcopy(before)
+        for st in nan["state"].values():
+            st["exp_avg"].zero_()
+        nan["state"][last]["exp_avg_sq"].view(-1)[0] = float("nan")
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "a step can take"):
+            opt.load_state_dict(nan)
         after = opt.state_dict()
         for i, st in before["state"].items():
             for k in ("exp_avg", "exp_avg_sq"):

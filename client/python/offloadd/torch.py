@@ -2437,6 +2437,17 @@ class Optimizer(torch.optim.Optimizer):
                         raise offloadd.InvalidArgumentError(
                             f"optimizer state_dict: {key} of '{s.name}' has shape "
                             f"{tuple(st[key].shape)}, the parameter {tuple(s.shape)}")
+                # (As the daemon checks each rank's slice: checked whole
+                # here, so that no rank writes before another refuses.)
+                if st is not None and not (
+                        bool(torch.isfinite(st["exp_avg"]).all())
+                        and bool(torch.isfinite(st["exp_avg_sq"]).all())
+                        and bool((st["exp_avg_sq"] >= 0).all())
+                        and 0 <= float(st["step"]) < 2 ** 63):
+                    raise offloadd.InvalidArgumentError(
+                        f"optimizer state_dict: the state of '{s.name}' is not one a step can "
+                        "take (a non-finite moment, a negative second moment, or a step count "
+                        "out of range)")
         self._settle()
         delayed = e.delayed_update_on()
         if delayed:
