@@ -316,8 +316,7 @@ TEST(OutOfCore, Fp32InitialValuesBecomeTheMasterWeights) {
   auto p = engine.sessions->Register(key, spec);
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_EQ(p->master_init.bytes, kN * 4);
-  auto fd = engine.sessions->DupArenaFd(key);
-  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  HostMemory arena = MapArena(engine, key);
   std::vector<float> init(kN), grads(kN);
   for (uint64_t j = 0; j < kN; ++j) {
     init[j] = 1.0f + 1e-4f * static_cast<float>(j % 97);  // not representable in bf16
@@ -415,8 +414,7 @@ TEST(OutOfCore, MomentsAreReadAndWrittenWhereverTheyRest) {
     ASSERT_TRUE(opened.ok()) << opened.status();
     const SessionKey key = opened->key;
     constexpr uint64_t kN = 2 * kChunkElems + 5;
-    auto fd = engine.sessions->DupArenaFd(key);
-    HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+    HostMemory arena = MapArena(engine, key);
     auto p = engine.sessions->Register(key, PartitionSpec{"w", kN, DType::kFp32, DType::kFp32});
     ASSERT_TRUE(p.ok()) << p.status();
     std::vector<float> init(kN), g1(kN), g2(kN);
@@ -522,8 +520,7 @@ TEST(OutOfCore, ACheckpointWaitsForAMomentsWriteUnderWay) {
   ASSERT_TRUE(opened.ok()) << opened.status();
   const SessionKey key = opened->key;
   constexpr uint64_t kN = kChunkElems;
-  auto fd = engine.sessions->DupArenaFd(key);
-  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  HostMemory arena = MapArena(engine, key);
   auto p = engine.sessions->Register(key, PartitionSpec{"w", kN, DType::kFp32, DType::kFp32});
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_TRUE(engine.sessions->Release(key, {p->id}).ok());
@@ -569,8 +566,7 @@ TEST(OutOfCore, ALoadMakesItsValuesTheMasterWeightsAndKeepsTheMoments) {
   ASSERT_TRUE(opened.ok());
   const SessionKey key = opened->key;
   constexpr uint64_t kN = 2 * kChunkElems + 5;
-  auto fd = engine.sessions->DupArenaFd(key);
-  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  HostMemory arena = MapArena(engine, key);
   FetchMode load;
   load.load = true;
   for (DType working : {DType::kBf16, DType::kFp32}) {
@@ -644,8 +640,7 @@ TEST(OutOfCore, ALoadAfterTheDelayedUpdateWentOffGoesWhereTheTrainerReads) {
   ASSERT_TRUE(opened.ok());
   const SessionKey key = opened->key;
   constexpr uint64_t kN = 2 * kChunkElems + 5;
-  auto fd = engine.sessions->DupArenaFd(key);
-  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  HostMemory arena = MapArena(engine, key);
   PartitionSpec spec{"w", kN, DType::kBf16, DType::kFp32};
   spec.fp32_master = true;
   auto p = engine.sessions->Register(key, spec);
@@ -682,8 +677,7 @@ TEST(OutOfCore, ALoadItsTrainerAbandonsCommitsNothing) {
   ASSERT_TRUE(opened.ok());
   const SessionKey key = opened->key;
   constexpr uint64_t kN = kChunkElems + 5;
-  auto fd = engine.sessions->DupArenaFd(key);
-  HostMemory arena = *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+  HostMemory arena = MapArena(engine, key);
   FetchMode load;
   load.load = true;
   for (DType working : {DType::kBf16, DType::kFp32}) {

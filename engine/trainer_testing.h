@@ -69,6 +69,13 @@ inline FetchMode WithGrads() {
   return mode;
 }
 
+// Session `key`'s arena as its trainer maps it (the 64 MiB the tests use).
+inline HostMemory MapArena(TestEngine& engine, const SessionKey& key) {
+  auto fd = engine.sessions->DupArenaFd(key);
+  EXPECT_TRUE(fd.ok()) << fd.status();
+  return *HostMemory::MapShared(fd->get(), 0, 64 << 20);
+}
+
 // Holds the next overlapped step the first time it reaches `point` (by
 // default after its first group of chunks): the step's thread waits there
 // until Open() (or the gate's end). Counts every point the step passes.
@@ -345,11 +352,7 @@ inline void LossScalingSkipsOverflowsAndUnscales(const PlacementChange& placemen
   auto rp = engine.sessions->Register(ref, {"w", 3000, DType::kFp16, DType::kFp16});
   ASSERT_TRUE(rp.ok());
   ASSERT_TRUE(engine.sessions->Release(ref, {rp->id}).ok());
-  auto map = [&](const SessionKey& k) {
-    auto fd = engine.sessions->DupArenaFd(k);
-    return *HostMemory::MapShared(fd->get(), 0, 64 << 20);
-  };
-  HostMemory arena = map(key), ref_arena = map(ref);
+  HostMemory arena = MapArena(engine, key), ref_arena = MapArena(engine, ref);
   auto put_to = [&](const SessionKey& k, const PartitionInfo& part, HostMemory& mem, float g) {
     ASSERT_TRUE(engine.sessions->Fetch(k, {part.id}, WithGrads()).ok());
     auto* grads = reinterpret_cast<uint16_t*>(mem.data() + part.grads.offset);
