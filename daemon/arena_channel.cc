@@ -299,14 +299,21 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
       ParseAttachRequest(request->payload, SessionManager::kTokenBytes);
   if (!attach.ok()) return reply_error(attach.status());
   const uid_t uid = p.cred.uid;
-  if (max_sessions_per_user_ > 0 && uid != geteuid() && uid != 0) {
-    // Another user's (a member of the socket's group): its sessions hold
-    // memory, a ring thread and descriptors of the node's. Counted by
-    // session: several processes attached to one count once.
-    absl::flat_hash_set<uint64_t> held;
-    for (const Attached& a : attached_) {
-      if (a.uid == uid && a.session_id != attach->session_id) held.insert(a.session_id);
+  // Another user's (a member of the socket's group) is bounded by sessions
+  // (they hold memory, a ring thread and descriptors of the node's; several
+  // processes attached to one count once) and by connections; any trainer's
+  // by its session's connections (each a descriptor of offloadd's).
+  const bool other_user = uid != geteuid() && uid != 0;
+  size_t attachments = 0, mine = 0;
+  absl::flat_hash_set<uint64_t> held;  // the user's other sessions
+  for (const Attached& a : attached_) {
+    if (a.session_id == attach->session_id) ++attachments;
+    if (other_user && a.uid == uid) {
+      ++mine;
+      if (a.session_id != attach->session_id) held.insert(a.session_id);
     }
+  }
+  if (other_user && max_sessions_per_user_ > 0) {
     if (static_cast<int64_t>(held.size()) >= max_sessions_per_user_) {
       // The session it asked for is closed if it is new (unattached, it
       // would only wait for its attach lease); one resumed or kept across
@@ -324,17 +331,10 @@ std::optional<ArenaChannel::Attached> ArenaChannel::Answer(Pending p) {
           closed ? absl::StrCat("; session ", attach->session_id, " is closed") : "")));
     }
   }
-  const size_t attachments =
-      std::count_if(attached_.begin(), attached_.end(),
-                    [&](const Attached& a) { return a.session_id == attach->session_id; });
-  if (uid != geteuid() && uid != 0) {
-    const size_t mine = std::count_if(attached_.begin(), attached_.end(),
-                                      [&](const Attached& a) { return a.uid == uid; });
-    if (mine >= kMaxAttachedPerUser) {
-      return reply_error(absl::ResourceExhaustedError(
-          absl::StrCat("uid ", uid, " has ", mine, " connections attached already (at most ",
-                       kMaxAttachedPerUser, " a user): close those of sessions that are done")));
-    }
+  if (other_user && mine >= kMaxAttachedPerUser) {
+    return reply_error(absl::ResourceExhaustedError(
+        absl::StrCat("uid ", uid, " has ", mine, " connections attached already (at most ",
+                     kMaxAttachedPerUser, " a user): close those of sessions that are done")));
   }
   if (attachments >= kMaxAttachedPerSession) {
     return reply_error(absl::ResourceExhaustedError(
