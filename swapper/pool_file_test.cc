@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -147,16 +148,25 @@ TEST(PoolFile, LinkedItKeepsWhatIsRetainedAndDropsTheRestAtTheEnd) {
   EXPECT_EQ(back.back(), 0x11);
 }
 
+// A host pool of `limit` bytes whose memory is a 16 MiB pool file in `dir`.
+std::unique_ptr<HostPool> PoolInFile(const MemoryDir& dir, uint64_t limit) {
+  auto file = PoolFile::Create(dir.path(), 16 * kMiB);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return nullptr;
+  auto pool = std::make_unique<HostPool>(Env::Default(), limit, false);
+  pool->UseFile(*std::move(file));
+  return pool;
+}
+
 // A pool with a file: every lease (small ones too) is an extent of it,
 // charged as before; once linked, a retained lease that ends keeps its
 // charge (its memory stays), others give theirs back.
 TEST(PoolFile, AHostPoolLeasesItsExtents) {
   MemoryDir dir;
   SKIP_WITHOUT_MEMORY_DIR(dir);
-  auto file = PoolFile::Create(dir.path(), 16 * kMiB);
-  ASSERT_TRUE(file.ok()) << file.status();
-  HostPool pool(Env::Default(), 32 * kMiB, false);
-  pool.UseFile(*std::move(file));
+  std::unique_ptr<HostPool> owned = PoolInFile(dir, 32 * kMiB);
+  ASSERT_NE(owned, nullptr);
+  HostPool& pool = *owned;
   pool.SetSpareBytes(8 * kMiB);  // no spares with a file
   auto small = pool.Allocate(100, "small");
   auto large = pool.Allocate(4 * kMiB, "large", Pages::kHuge, HostPool::Contents::kOverwritten);
@@ -190,10 +200,9 @@ TEST(PoolFile, AHostPoolLeasesItsExtents) {
 TEST(PoolFile, AHostPoolChargesItsExtentsWhole) {
   MemoryDir dir;
   SKIP_WITHOUT_MEMORY_DIR(dir);
-  auto file = PoolFile::Create(dir.path(), 16 * kMiB);
-  ASSERT_TRUE(file.ok()) << file.status();
-  HostPool pool(Env::Default(), 32 * kMiB, false);
-  pool.UseFile(*std::move(file));
+  std::unique_ptr<HostPool> owned = PoolInFile(dir, 32 * kMiB);
+  ASSERT_NE(owned, nullptr);
+  HostPool& pool = *owned;
   pool.SetIoAlignment(64 * 1024);
   auto lease = pool.Allocate(PageSize() + 1, "odd");
   ASSERT_TRUE(lease.ok()) << lease.status();
@@ -205,10 +214,9 @@ TEST(PoolFile, AHostPoolChargesItsExtentsWhole) {
   // A pool without room for the alignment's rest: private memory, charged
   // as such.
   MemoryDir dir2;
-  HostPool tight(Env::Default(), 2 * PageSize(), false);
-  auto file2 = PoolFile::Create(dir2.path(), 16 * kMiB);
-  ASSERT_TRUE(file2.ok()) << file2.status();
-  tight.UseFile(*std::move(file2));
+  std::unique_ptr<HostPool> tight_owned = PoolInFile(dir2, 2 * PageSize());
+  ASSERT_NE(tight_owned, nullptr);
+  HostPool& tight = *tight_owned;
   tight.SetIoAlignment(64 * 1024);
   auto private_lease = tight.Allocate(PageSize() + 1, "odd");
   ASSERT_TRUE(private_lease.ok()) << private_lease.status();
