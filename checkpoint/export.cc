@@ -15,6 +15,10 @@ namespace offload::checkpoint {
 absl::Status ReadWeights(const TensorIndex& index, const std::string& tensor, uint64_t begin,
                          uint64_t elems, float* dst) {
   ASSIGN_OR_RETURN(const TensorIndex::Tensor* t, index.Find(tensor));
+  if (begin > t->numel || elems > t->numel - begin) {
+    return absl::OutOfRangeError(absl::StrCat("elements [", begin, ", +", elems, ") of tensor '",
+                                              tensor, "' are past its ", t->numel));
+  }
   const uint64_t end = begin + elems;
   ASSIGN_OR_RETURN(auto slices, index.Covering(tensor, *t, begin, end));
   std::vector<std::byte> working;
@@ -45,9 +49,8 @@ absl::StatusOr<ExportSummary> ExportSafetensors(const TensorIndex& index, const 
     e.shape = t.shape.empty() ? std::vector<uint64_t>{t.numel} : t.shape;
     // Every element must be there before anything is written.
     RETURN_IF_ERROR(index.Covering(name, t, 0, t.numel).status());
-    const uint64_t numel = t.numel;
-    e.fill = [&index, name = name, numel](float* dst) {
-      return ReadWeights(index, name, 0, numel, dst);
+    e.fill = [&index, name = name](uint64_t begin, uint64_t n, float* dst) {
+      return ReadWeights(index, name, begin, n, dst);
     };
     entries.push_back(std::move(e));
     ++summary.tensors;

@@ -26,7 +26,8 @@ struct ExportSummary {
 // wholly covered by the checkpoint's slices.
 absl::StatusOr<ExportSummary> ExportSafetensors(const TensorIndex& index, const std::string& path);
 
-// Elements [begin, begin + elems) of `tensor`'s consolidated fp32 weights.
+// Elements [begin, begin + elems) of `tensor`'s consolidated fp32 weights;
+// OUT_OF_RANGE past the tensor's end.
 absl::Status ReadWeights(const TensorIndex& index, const std::string& tensor, uint64_t begin,
                          uint64_t elems, float* dst);
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -47,10 +48,11 @@ Directory Opened(const std::string& dir) {
 
 // Writes one session's checkpoint: slice [offset, offset + values.size())
 // of tensor "w" (shape 3x5), master = values, in records of `chunk`
-// elements.
+// elements; `edit` changes its manifest before it is committed.
 absl::Status WriteSession(const Directory& dir, const std::string& name, uint64_t offset,
                           const std::vector<float>& values, uint64_t chunk, uint64_t steps = 7,
-                          bool keep_previous = false) {
+                          bool keep_previous = false,
+                          const std::function<void(Manifest*)>& edit = nullptr) {
   auto writer = DataFileWriter::Create(dir, StemFor(name));
   if (!writer.ok()) return writer.status();
   Manifest m;
@@ -85,13 +87,15 @@ absl::Status WriteSession(const Directory& dir, const std::string& name, uint64_
     at += n * 4;
   }
   m.set_data_bytes(at);
+  if (edit) edit(&m);
   if (absl::Status s = writer->Sync(); !s.ok()) return s;
   return CommitManifest(dir, StemFor(name), m, keep_previous);
 }
 absl::Status WriteSession(const std::string& dir, const std::string& name, uint64_t offset,
                           const std::vector<float>& values, uint64_t chunk, uint64_t steps = 7,
-                          bool keep_previous = false) {
-  return WriteSession(Opened(dir), name, offset, values, chunk, steps, keep_previous);
+                          bool keep_previous = false,
+                          const std::function<void(Manifest*)>& edit = nullptr) {
+  return WriteSession(Opened(dir), name, offset, values, chunk, steps, keep_previous, edit);
 }
 
 TEST(StemTest, KeepsSafeBytesOnly) {
@@ -514,13 +518,112 @@ TEST(CheckpointFormatTest, ReserveAllocatesTheFileOrSaysWhyNot) {
 TEST(SafetensorsTest, EscapesNamesAndRefusesDuplicates) {
   EXPECT_EQ(JsonString("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
   const std::string dir = TempDir();
-  auto fill = [](float* d) {
+  auto fill = [](uint64_t, uint64_t, float* d) {
     d[0] = 1;
     return absl::OkStatus();
   };
   EXPECT_EQ(
       WriteSafetensors(dir + "/d.safetensors", {{"x", {1}, fill}, {"x", {1}, fill}}, {}).code(),
       absl::StatusCode::kInvalidArgument);
+  // Sizes past what a file can hold are refused before anything is written.
+  const uint64_t big = uint64_t{1} << 40;
+  EXPECT_EQ(WriteSafetensors(dir + "/e.safetensors", {{"x", {big, big}, fill}}, {}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir),
+                          std::filesystem::directory_iterator()),
+            0);
+}
+
+// A tensor is written in chunks (memory bounded by the chunk, not the
+// tensor: a tensor larger than the machine's memory exports), into a file
+// of the export's own: one already beside the output (a stale temporary, or
+// a link planted there) is neither followed nor truncated.
+TEST(SafetensorsTest, WritesInChunksThroughAFileOfItsOwn) {
+  const std::string dir = TempDir();
+  const std::string out = dir + "/big.safetensors";
+  const std::string planted = dir + "/planted";
+  { std::ofstream(planted) << "keep"; }
+  for (const char* suffix : {".tmp", ".tmp.0"}) {
+    ASSERT_EQ(symlink(planted.c_str(), (out + suffix).c_str()), 0);
+  }
+  const uint64_t numel = 2 * kSafetensorsChunk + 5;
+  std::vector<std::pair<uint64_t, uint64_t>> asked;
+  auto fill = [&](uint64_t begin, uint64_t n, float* d) {
+    asked.emplace_back(begin, n);
+    for (uint64_t i = 0; i < n; ++i) d[i] = static_cast<float>((begin + i) % 1000);
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(WriteSafetensors(out, {{"x", {numel}, fill}}, {}).ok());
+  const std::vector<std::pair<uint64_t, uint64_t>> chunks = {
+      {0, kSafetensorsChunk}, {kSafetensorsChunk, kSafetensorsChunk}, {2 * kSafetensorsChunk, 5}};
+  EXPECT_EQ(asked, chunks);
+  std::ifstream f(out, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  f.seekg(static_cast<std::streamoff>(8 + n + 4 * (numel - 3)));
+  float last[3];
+  f.read(reinterpret_cast<char*>(last), sizeof(last));
+  ASSERT_TRUE(f.good());
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(last[i], static_cast<float>((numel - 3 + i) % 1000));
+  std::string kept;
+  std::ifstream(planted) >> kept;
+  EXPECT_EQ(kept, "keep");
+  // A chunk's failure leaves nothing of the file, and no temporary.
+  auto failing = [](uint64_t begin, uint64_t, float*) {
+    return begin == 0 ? absl::OkStatus() : absl::DataLossError("chunk 2");
+  };
+  EXPECT_EQ(WriteSafetensors(dir + "/f.safetensors", {{"x", {numel}, failing}}, {}).code(),
+            absl::StatusCode::kDataLoss);
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().filename().string().find("f.safetensors"), std::string::npos)
+        << entry.path();
+  }
+}
+
+// What the daemon never writes is refused as not its checkpoint, even with
+// every record's checksum right: two records of one kind holding the same
+// elements (counted twice, the rest would read as zeros), a parameter
+// dtype offloadd does not have (read as nothing).
+TEST(CheckpointFormatTest, RecordsTwiceAndUnknownDTypesAreDataLoss) {
+  const std::vector<float> values(8, 1.25f);
+  {
+    const std::string dir = TempDir();
+    ASSERT_TRUE(WriteSession(dir, "r", 0, values, 4, 7, false, [](Manifest* m) {
+                  m->mutable_partitions(0)->mutable_records(1)->set_begin(0);
+                }).ok());
+    auto index = TensorIndex::Load(dir);
+    EXPECT_EQ(index.status().code(), absl::StatusCode::kDataLoss) << index.status();
+    EXPECT_TRUE(absl::StrContains(index.status().message(), "two records of MASTER"))
+        << index.status();
+  }
+  {
+    const std::string dir = TempDir();
+    ASSERT_TRUE(WriteSession(dir, "r", 0, values, 4, 7, false, [](Manifest* m) {
+                  m->mutable_partitions(0)->set_param_dtype(0);
+                }).ok());
+    EXPECT_EQ(TensorIndex::Load(dir).status().code(), absl::StatusCode::kDataLoss);
+  }
+  // A tensor far larger than its records (2^40 elements, one record of 8)
+  // fails its export at the first chunk it lacks, not by running out of
+  // memory; and weights asked for past the tensor's end are OUT_OF_RANGE.
+  {
+    const std::string dir = TempDir();
+    ASSERT_TRUE(WriteSession(dir, "r", 0, values, 8, 7, false, [](Manifest* m) {
+                  m->mutable_partitions(0)->clear_shape();
+                  m->mutable_partitions(0)->set_numel(uint64_t{1} << 40);
+                }).ok());
+    auto index = TensorIndex::Load(dir);
+    ASSERT_TRUE(index.ok()) << index.status();
+    const std::string out = dir + "/x.safetensors";
+    EXPECT_EQ(ExportSafetensors(**index, out).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(access(out.c_str(), F_OK), 0);
+    std::vector<float> got(8);
+    EXPECT_TRUE(ReadWeights(**index, "w", 0, 8, got.data()).ok());
+    EXPECT_EQ(got[7], 1.25f);
+    EXPECT_EQ(ReadWeights(**index, "w", (uint64_t{1} << 40) - 1, 2, got.data()).code(),
+              absl::StatusCode::kOutOfRange);
+  }
 }
 
 }  // namespace

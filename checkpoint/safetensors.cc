@@ -3,13 +3,17 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <set>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "base/directory.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
@@ -18,10 +22,28 @@
 namespace offload::checkpoint {
 namespace {
 
-uint64_t Numel(const std::vector<uint64_t>& shape) {
+// The product of `shape`, or nullopt past 2^61 (bytes past 2^63).
+std::optional<uint64_t> Numel(const std::vector<uint64_t>& shape) {
+  constexpr uint64_t kMax = uint64_t{1} << 61;
   uint64_t n = 1;
-  for (uint64_t d : shape) n *= d;
+  for (uint64_t d : shape) {
+    if (d != 0 && n > kMax / d) return std::nullopt;
+    n *= d;
+  }
   return n;
+}
+
+// Creates a file of its own beside `path` (O_EXCL: never one that was there,
+// nor where a link points), with the mode a plain create would give.
+absl::StatusOr<std::pair<UniqueFd, std::string>> CreateTemporary(const std::string& path) {
+  for (int attempt = 0;; ++attempt) {
+    std::string tmp = absl::StrCat(path, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()));
+    UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
+    if (fd.get() >= 0) return std::make_pair(std::move(fd), std::move(tmp));
+    if (errno != EEXIST || attempt == 100) {
+      return PosixError(absl::StrCat("creating a temporary file beside ", path), errno);
+    }
+  }
 }
 
 absl::Status WriteAll(int fd, const void* data, size_t bytes, const std::string& path) {
@@ -72,7 +94,14 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
       return absl::InvalidArgumentError(
           absl::StrCat("safetensors: tensor name '", t.name, "' is empty, reserved or repeated"));
     }
-    const uint64_t bytes = Numel(t.shape) * sizeof(float);
+    const std::optional<uint64_t> numel = Numel(t.shape);
+    constexpr uint64_t kMaxBytes = uint64_t{1} << 63;
+    if (!numel.has_value() || *numel * sizeof(float) > kMaxBytes - offset) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors: tensor '", t.name, "' ends past 2^63 bytes (shape [",
+                       absl::StrJoin(t.shape, ","), "] after ", offset, " bytes)"));
+    }
+    const uint64_t bytes = *numel * sizeof(float);
     fields.push_back(absl::StrCat(JsonString(t.name), ":{\"dtype\":\"F32\",\"shape\":[",
                                   absl::StrJoin(t.shape, ","), "],\"data_offsets\":[", offset, ",",
                                   offset + bytes, "]}"));
@@ -82,17 +111,21 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   header.append((8 - header.size() % 8) % 8, ' ');
   const uint64_t header_len = header.size();  // little-endian on every target we build
 
-  const std::string tmp = path + ".tmp";
-  UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return PosixError(absl::StrCat("creating ", tmp), errno);
+  ASSIGN_OR_RETURN(auto created, CreateTemporary(path));
+  const UniqueFd fd = std::move(created.first);
+  const std::string tmp = std::move(created.second);
   absl::Status status = [&]() -> absl::Status {
     RETURN_IF_ERROR(WriteAll(fd.get(), &header_len, 8, tmp));
     RETURN_IF_ERROR(WriteAll(fd.get(), header.data(), header.size(), tmp));
     std::vector<float> values;
     for (const SafetensorsEntry& t : tensors) {
-      values.assign(Numel(t.shape), 0.0f);
-      RETURN_IF_ERROR(t.fill(values.data()));
-      RETURN_IF_ERROR(WriteAll(fd.get(), values.data(), values.size() * sizeof(float), tmp));
+      const uint64_t numel = *Numel(t.shape);
+      for (uint64_t begin = 0; begin < numel; begin += kSafetensorsChunk) {
+        const uint64_t n = std::min(kSafetensorsChunk, numel - begin);
+        values.assign(n, 0.0f);
+        RETURN_IF_ERROR(t.fill(begin, n, values.data()));
+        RETURN_IF_ERROR(WriteAll(fd.get(), values.data(), n * sizeof(float), tmp));
+      }
     }
     if (fsync(fd.get()) != 0) return PosixError(absl::StrCat("fsync of ", tmp), errno);
     if (rename(tmp.c_str(), path.c_str()) != 0) {

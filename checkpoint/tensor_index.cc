@@ -5,12 +5,14 @@
 #include <cstring>
 #include <iterator>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/host_memory.h"  // RoundUp
 #include "base/status_macros.h"
+#include "cpu_adam/dtype.h"
 
 namespace offload::checkpoint {
 
@@ -39,11 +41,30 @@ absl::Status Validate(const PartitionRecord& p, const std::string& path) {
     if (d == 0 || d > kMaxNumel / n) return bad("has a shape of 0 or over 2^40 elements");
     n *= d;
   }
+  const uint32_t dtype = p.param_dtype();
+  if (dtype != static_cast<uint32_t>(DType::kFp32) &&
+      dtype != static_cast<uint32_t>(DType::kBf16) &&
+      dtype != static_cast<uint32_t>(DType::kFp16)) {
+    return bad(absl::StrCat("has parameter dtype ", dtype));
+  }
+  // [begin, end) of each kind's records: none may hold an element twice
+  // (Read counts the elements it copies).
+  std::vector<std::tuple<int, uint64_t, uint64_t>> ranges;
   for (const Record& r : p.records()) {
     RETURN_IF_ERROR(CheckRecord(r, path));
     if (r.elems() > p.numel() || r.begin() > p.numel() - r.elems()) {
       return bad(absl::StrCat("has a record of elements [", r.begin(), ", +", r.elems(),
                               ") outside its ", p.numel()));
+    }
+    ranges.emplace_back(r.kind(), r.begin(), r.begin() + r.elems());
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    const auto& [kind, begin, end] = ranges[i];
+    const auto& [last_kind, last_begin, last_end] = ranges[i - 1];
+    if (kind == last_kind && begin < last_end) {
+      return bad(absl::StrCat("has two records of ", RecordKindName(static_cast<RecordKind>(kind)),
+                              " holding element ", begin));
     }
   }
   return absl::OkStatus();
