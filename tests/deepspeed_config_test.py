@@ -129,6 +129,48 @@ class DeepSpeedConfigTest(unittest.TestCase):
                             "gradient_accumulation_steps": 4}, world_size=2)
                          .zero["gradient_accumulation_steps"], 4)
 
+    def test_values_read_as_deepspeed_reads_them(self):
+        # torch_adam builds torch's AdamW in DeepSpeed: its weight decay 0.01.
+        r = t({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}})
+        self.assertEqual((r.adamw["adamw"], r.adamw["weight_decay"]), (True, 0.01))
+        r = t({"optimizer": {"type": "Adam", "params": {"torch_adam": True,
+                                                        "adam_w_mode": False}}})
+        self.assertEqual((r.adamw["adamw"], r.adamw["weight_decay"]), (False, 0.0))
+        self.assertEqual(t({"optimizer": {"type": "AdamW"}}).adamw["weight_decay"], 0.0)
+        self.assertTrue(t({"optimizer": {"type": "AdamW"}}).has_optimizer)
+        self.assertFalse(t({}).has_optimizer)
+        # 0 means no prefetch and as few live parameters as can be.
+        r = t({"zero_optimization": {"stage3_prefetch_bucket_size": 0,
+                                     "stage3_max_live_parameters": 0}})
+        self.assertEqual(r.zero["gpu"], {"prefetch_depth": 0, "max_live_parameters": 1})
+        self.assert_rejected({"zero_optimization": {"stage3_max_live_parameters": -1}},
+                             "zero_optimization.stage3_max_live_parameters")
+        self.assert_rejected({"zero_optimization": {"stage3_prefetch_bucket_size": "5e8"}},
+                             "zero_optimization.stage3_prefetch_bucket_size")
+        # The batch sizes used are said so, not "ignored".
+        r = t({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+        self.assertTrue(any(n.startswith("train_batch_size: applied: sets "
+                                         "gradient_accumulation_steps 8") for n in r.notes),
+                        r.notes)
+        self.assertFalse(any("ignored" in n for n in r.notes), r.notes)
+        self.assertTrue(any(n.startswith("train_batch_size: accepted and ignored")
+                            for n in t({"train_batch_size": 64}).notes))
+        # A batch that the accumulation and ranks do not divide, and counts
+        # that are not positive whole numbers, name their own field.
+        self.assert_rejected({"train_batch_size": 10, "gradient_accumulation_steps": 4},
+                             "train_batch_size")
+        self.assertEqual(t({"train_batch_size": 16, "gradient_accumulation_steps": 4},
+                           world_size=2).zero["gradient_accumulation_steps"], 4)
+        self.assert_rejected({"train_batch_size": 0, "train_micro_batch_size_per_gpu": 4},
+                             "train_batch_size")
+        self.assert_rejected({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps")
+        self.assertEqual(t({"gradient_accumulation_steps": 2.0})
+                         .zero["gradient_accumulation_steps"], 2)
+        # help(offloadd.deepspeed) lists the fields.
+        for field in ("stage3_max_live_parameters", "buffer_count", "steps_per_print",
+                      "Refused by name"):
+            self.assertIn(field, deepspeed.__doc__)
+
     def test_unsupported_fields_are_named(self):
         with self.assertRaises(offloadd.InvalidArgumentError) as e:
             deepspeed.translate({"zero_optimization": {"stage": 2}})

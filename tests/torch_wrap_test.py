@@ -535,6 +535,15 @@ class TorchWrapTest(unittest.TestCase):
                     self.assertGreater(g["prefetch_hits"], 0)
                 else:
                     self.assertEqual(g["prefetched_units"], 0)
+        # A cap on live parameters: DeepSpeed's default (1e9 elements, past
+        # this model) keeps the model resident; one below the largest module
+        # (DeepSpeed's 0, "as few as can be") is raised to it, not refused.
+        for live, resident in ((10**9, True), (1, False)):
+            mine, _, _ = self.run_ranks(dict(sc, zero={"gpu": {
+                "device": "emulated", "max_live_parameters": live}}), 1)
+            with self.subTest(max_live_parameters=live):
+                self.assertEqual(mine["losses"], plain["losses"])
+                self.assertEqual(mine["gpu"]["resident"], resident)
         # The delayed update, its step overlapping the next iteration: the
         # working copy moves between two buffers and the tier copies the one
         # the daemon names (registered once named), bit for bit as without it.
@@ -1490,6 +1499,54 @@ class WrapInProcessTest(unittest.TestCase):
                 self.assertTrue(model.is_gradient_accumulation_boundary())
             model.step()
         self.assertEqual(model.offloadd.counts["steps"], 4)
+        self.assert_weights(model, ref.state_dict())
+        opt.close()
+
+    def test_a_deepspeed_config_without_an_optimizer_takes_adamw_config(self):
+        # DeepSpeed's users pass their optimizer to deepspeed.initialize
+        # where the config has no optimizer section: adamw_config is that
+        # optimizer (torch AdamW's defaults applied silently before); with
+        # neither the config's nor one, wrap() refuses; with both, too. The
+        # engine's backward(loss, retain_graph=, scale_wrt_gas=) returns the
+        # loss; a model's own step() is kept with a warning (model.step()
+        # would not update).
+        import offloadd
+        import offloadd.torch
+        import torch
+        ds = {"gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+        old = os.environ.get("OFFLOADD_ADDRESS")
+        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
+        try:
+            with self.assertRaisesRegex(offloadd.InvalidArgumentError, "no optimizer section"):
+                offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
+            with_opt = dict(ds, optimizer={"type": "AdamW", "params": {"lr": 1e-2}})
+            with self.assertRaisesRegex(offloadd.InvalidArgumentError, "has an optimizer section"):
+                offloadd.torch.wrap(self.mlp(), {"lr": 1e-2}, deepspeed_config=with_opt)
+            model, opt = offloadd.torch.wrap(self.mlp(), {"lr": 1e-2, "weight_decay": 0.1},
+                                             deepspeed_config=ds)
+            stepping = self.mlp()
+            stepping.step = lambda: None
+            with self.assertWarnsRegex(UserWarning, "own step"):
+                _, sopt = offloadd.torch.wrap(stepping, {"lr": 1e-2}, deepspeed_config=ds)
+            sopt.close()
+        finally:
+            if old is None:
+                del os.environ["OFFLOADD_ADDRESS"]
+            else:
+                os.environ["OFFLOADD_ADDRESS"] = old
+        ref = self.mlp()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(3)
+        for i in range(4):
+            x = torch.randn(4, 8, generator=gen)
+            (ref(x).pow(2).mean() / 2).backward()
+            if i % 2 == 1:
+                ropt.step()
+                ropt.zero_grad()
+            loss = model(x).pow(2).mean()
+            self.assertIs(model.backward(loss, retain_graph=False, scale_wrt_gas=True), loss)
+            model.step()
         self.assert_weights(model, ref.state_dict())
         opt.close()
 

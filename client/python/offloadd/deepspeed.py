@@ -28,9 +28,8 @@ _NVME_PATH = ("the NVMe tier is the daemon's (its --nvme.dirs, shared by every r
 _COMM = ("offloadd.torch gathers a module's parameters together (in one all-gather with "
          "the GPU tier) and averages gradients in buckets of zero_config "
          "reduce_bucket_elements (DeepSpeed's reduce_bucket_size)")
+_BATCHES = "the trainer's loop chooses its batches"
 _IGNORED_TOP = {
-    "train_batch_size": "the trainer's loop chooses its batches",
-    "train_micro_batch_size_per_gpu": "the trainer's loop chooses its batches",
     "steps_per_print": "progress is the trainer's to print (offloadctl stats shows the daemon's)",
     "wall_clock_breakdown": "Optimizer.engine.timings holds fetch, return and step times",
     "tensorboard": "monitoring is the trainer's; the daemon exports Prometheus metrics",
@@ -93,6 +92,7 @@ _OFFLOAD_FIELDS = {
 class Translation:
     def __init__(self):
         self.adamw = {}
+        self.has_optimizer = False  # the config has an optimizer section
         self.zero = {"placement": {}}
         self.notes = []  # "field: accepted and ignored: why" or "field: applied: what"
 
@@ -143,8 +143,11 @@ def _optimizer(t, d):
     params = dict(d.get("params") or {})
     adamw = kind == "adamw" or params.pop("adam_w_mode", True)
     params.pop("adam_w_mode", None)
+    t.has_optimizer = True
     t.adamw["adamw"] = bool(adamw)
-    t.adamw["weight_decay"] = 0.0  # DeepSpeed's default (torch's AdamW has 0.01)
+    # DeepSpeed's default, its CPU Adam's: 0. With torch_adam it builds
+    # torch.optim.AdamW (default 0.01) or torch.optim.Adam (0) instead.
+    t.adamw["weight_decay"] = 0.01 if params.get("torch_adam") and adamw else 0.0
     for k, v in params.items():
         field = f"optimizer.params.{k}"
         if k in ("lr", "eps", "weight_decay"):
@@ -152,7 +155,8 @@ def _optimizer(t, d):
         elif k == "betas":
             t.adamw["betas"] = tuple(float(b) for b in v)
         elif k == "torch_adam":
-            t.note(field, "offloadd's Adam is bit-identical to torch's")
+            t.note(field, "offloadd's Adam is bit-identical to torch's (its default "
+                   "weight_decay, torch's, applies)")
         elif k == "amsgrad":
             if v:
                 _fail(field, "AMSGrad is not supported")
@@ -205,9 +209,22 @@ def _zero(t, d):
         elif k in _GPU_TIER:
             # The job's own GPU tier (zero_config gpu), in elements as
             # DeepSpeed counts them; no node-wide setting changes.
-            t.zero.setdefault("gpu", {})[_GPU_TIER[k]] = int(v)
-            t.applied(field, f"sets this job's gpu.{_GPU_TIER[k]} (elements; used where the "
-                      "parameters are on a GPU, by this job's GPU tier alone: no node-wide "
+            n = _count(field, v)
+            gpu = t.zero.setdefault("gpu", {})
+            if k == "stage3_prefetch_bucket_size" and n == 0:
+                # DeepSpeed: no prefetch (the tier's 0 elements is its default).
+                gpu["prefetch_depth"] = 0
+                t.applied(field, "0: sets this job's gpu.prefetch_depth 0 (nothing copied "
+                          "to the GPU ahead of its use)")
+                continue
+            if k == "stage3_max_live_parameters" and n == 0:
+                # DeepSpeed: as few as it can (the tier's 0 is the budget):
+                # one module's, the least the tier can hold (it raises a
+                # smaller cap to the largest module's).
+                n = 1
+            gpu[_GPU_TIER[k]] = n
+            t.applied(field, f"sets this job's gpu.{_GPU_TIER[k]} {n} (elements; used where "
+                      "the parameters are on a GPU, by this job's GPU tier alone: no node-wide "
                       "setting changes): " + _GPU_NOTES[k])
         elif k == "reduce_bucket_size":
             t.zero["reduce_bucket_elements"] = int(v)
@@ -218,6 +235,20 @@ def _zero(t, d):
             t.note(field, _IGNORED_ZERO[k])
         else:
             _fail(field, "not a field offloadd knows")
+
+
+def _count(field, v):
+    """A count of elements (DeepSpeed writes 1e9 or 5e8 too): a whole,
+    non-negative number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
+        _fail(field, f"{v!r} is not a whole number of elements")
+    return int(v)
+
+
+def _positive_int(field, v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1 or v != int(v):
+        _fail(field, f"{v!r} is not a positive whole number")
+    return int(v)
 
 
 def _refuse_auto(d, prefix):
@@ -258,34 +289,63 @@ def translate(config, world_size=1):
         elif k == "gradient_clipping":
             t.zero["gradient_clipping"] = float(v)
         elif k == "gradient_accumulation_steps":
-            t.zero["gradient_accumulation_steps"] = int(v)
+            t.zero["gradient_accumulation_steps"] = _positive_int(k, v)
+        elif k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            _positive_int(k, v)  # (used below, with the accumulation)
         elif k == "scheduler":
-            _fail("scheduler", "use a torch.optim.lr_scheduler on the optimizer wrap() returns "
-                  "(it works as with torch's optimizers)")
+            _fail("scheduler", "use a torch.optim.lr_scheduler on the optimizer wrap() returns, "
+                  "and call its step() only after a step() that updated: where "
+                  "model.is_gradient_accumulation_boundary() was true before it (DeepSpeed "
+                  "steps its scheduler at the accumulation boundary)")
         elif k in _IGNORED_TOP:
             t.note(k, _IGNORED_TOP[k])
         else:
             _fail(k, "not a field offloadd knows")
-    batch = [config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                      "gradient_accumulation_steps")]
-    if all(v is not None for v in batch) and batch[0] != batch[1] * batch[2] * world_size:
-        _fail("train_batch_size", f"{batch[0]} is not train_micro_batch_size_per_gpu x "
-              f"gradient_accumulation_steps x ranks = {batch[1]} x {batch[2]} x {world_size}")
-    if "gradient_accumulation_steps" not in config and "train_batch_size" in config \
-            and "train_micro_batch_size_per_gpu" in config:
-        # DeepSpeed derives it: batch = micro batch x accumulation x ranks.
-        per_step = int(config["train_micro_batch_size_per_gpu"]) * world_size
-        if config["train_batch_size"] % per_step:
-            _fail("train_batch_size", f"{config['train_batch_size']} is not a multiple of "
-                  f"train_micro_batch_size_per_gpu x ranks = {per_step}")
-        t.zero["gradient_accumulation_steps"] = config["train_batch_size"] // per_step
+    _batches(t, config, world_size)
     return t
+
+
+def _batches(t, config, world_size):
+    """DeepSpeed's batch = micro batch x accumulation x ranks: checked where
+    all three are given, the accumulation derived from the other two, a
+    train_batch_size that cannot be split so refused (as DeepSpeed's
+    assertion does)."""
+    batch, micro, gas = (int(config[k]) if config.get(k) is not None else None
+                         for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                   "gradient_accumulation_steps"))
+    if batch is not None and micro is not None and gas is not None:
+        if batch != micro * gas * world_size:
+            _fail("train_batch_size", f"{batch} is not train_micro_batch_size_per_gpu x "
+                  f"gradient_accumulation_steps x ranks = {micro} x {gas} x {world_size}")
+        for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            t.applied(k, f"checked: {micro} x {gas} x {world_size} ranks = {batch}")
+    elif batch is not None and micro is not None:
+        per_step = micro * world_size
+        if batch % per_step:
+            _fail("train_batch_size", f"{batch} is not a multiple of "
+                  f"train_micro_batch_size_per_gpu x ranks = {per_step}")
+        t.zero["gradient_accumulation_steps"] = batch // per_step
+        for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            t.applied(k, f"sets gradient_accumulation_steps {batch // per_step} "
+                      f"({batch} / ({micro} x {world_size} ranks))")
+    elif batch is not None and gas is not None:
+        if batch % (gas * world_size):
+            _fail("train_batch_size", f"{batch} is not a multiple of "
+                  f"gradient_accumulation_steps x ranks = {gas * world_size}")
+        t.note("train_batch_size", f"checked against gradient_accumulation_steps x ranks; "
+               f"{_BATCHES}")
+    else:
+        for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+            if config.get(k) is not None:
+                t.note(k, _BATCHES)
 
 
 def from_config(config, world_size=1):
     """(adamw_config, zero_config) for wrap(); logs one line naming the
     fields accepted and ignored and those applied in offloadd's own terms
-    (each note in full at debug level)."""
+    (each note in full at debug level). adamw_config is empty where the
+    config has no optimizer section (DeepSpeed's client optimizer: wrap()
+    takes it as adamw_config)."""
     t = translate(config, world_size)
     if t.notes:
         ignored = [n.split(":", 1)[0] for n in t.notes if ": accepted and ignored:" in n]
@@ -300,3 +360,49 @@ def from_config(config, world_size=1):
     for n in t.notes:
         log.debug("DeepSpeed config %s", n)
     return t.adamw, t.zero
+
+
+def _fields():
+    """The fields, for help(offloadd.deepspeed)."""
+    lines = ["", "Fields mapped to offloadd's settings:",
+             "  zero_optimization.stage              3 (the only stage offloadd runs)",
+             "  zero_optimization.offload_param/offload_optimizer.device",
+             "                                       cpu or none: placement host; nvme: nvme",
+             "                                       (ratio: 1 only)",
+             "  zero_optimization.cpu_offload        true: optimizer state on the host",
+             "  zero_optimization.reduce_bucket_size zero_config reduce_bucket_elements"]
+    for k, v in _GPU_TIER.items():
+        lines.append(f"  zero_optimization.{k}".ljust(39) + f" gpu.{v}: {_GPU_NOTES[k]}")
+    lines += [
+        "    (stage3_prefetch_bucket_size 0: no prefetch; stage3_max_live_parameters 0: as few",
+        "    as the tier can hold, one module's)",
+        "  optimizer                            type Adam or AdamW; params lr, betas, eps,",
+        "                                       weight_decay (default 0; 0.01 with torch_adam",
+        "                                       in AdamW mode), adam_w_mode, torch_adam,",
+        "                                       amsgrad false, bias_correction true. Without",
+        "                                       it, wrap() takes adamw_config (the optimizer",
+        "                                       DeepSpeed's client would pass)",
+        "  fp16                                 working dtype fp16; loss_scale (static) or",
+        "                                       initial_scale_power, loss_scale_window,",
+        "                                       hysteresis, min_loss_scale (dynamic)",
+        "  bf16.enabled                         working dtype bf16",
+        "  gradient_clipping                    global max norm, at the accumulation boundary",
+        "  gradient_accumulation_steps          micro-batches per update (backward() divides",
+        "                                       the loss by it); derived from",
+        "                                       train_batch_size / (train_micro_batch_size_per_gpu",
+        "                                       x ranks), checked where all three are given",
+        "",
+        "Fields accepted and ignored (one WARNING line names them; each reason at DEBUG):"]
+    reasons = {}  # one line a reason, naming its fields
+    for prefix, table in (("", _IGNORED_TOP), ("zero_optimization.", _IGNORED_ZERO),
+                          ("zero_optimization.offload_*.", _OFFLOAD_FIELDS)):
+        for k, why in table.items():
+            reasons.setdefault(why, []).append(prefix + k)
+    for why, fields in reasons.items():
+        lines.append(f"  {', '.join(fields)}: {why}")
+    lines += ["", "Refused by name (InvalidArgumentError): scheduler (a torch lr_scheduler",
+              "instead), any value \"auto\", and every field not listed here."]
+    return "\n".join(lines) + "\n"
+
+
+__doc__ += _fields()

@@ -1718,10 +1718,14 @@ class _GpuTier:
         # iteration instead of two per copy.
         hold_all = register and not engine.config["overlap_step"]
         per = lambda k: int(cfg[k]) * self.esize if cfg.get(k) else 0  # elements -> bytes
+        # A cap on what is live holds at least the largest module (the one
+        # in use must be), as DeepSpeed's fetches what a module needs
+        # whatever stage3_max_live_parameters says.
+        max_live = per("max_live_parameters") and max(per("max_live_parameters"), largest)
         kwargs = dict(budget_bytes=int(budget), prefetch_depth=int(cfg.get("prefetch_depth", 2)),
                       prefetch_bytes=per("prefetch_elements") or (256 << 20),
                       persistence_threshold_bytes=per("persistence_threshold"),
-                      max_live_bytes=per("max_live_parameters"),
+                      max_live_bytes=max_live,
                       max_reuse_distance_bytes=per("max_reuse_distance"),
                       staging_bytes=int(cfg.get("staging_bytes", 16 << 20)),
                       register_arena=register, hold_per_iteration=hold_all)
@@ -1756,8 +1760,10 @@ class _GpuTier:
         # its backward, and freed after each.
         # (Parameters of another dtype than the working copy's would each be
         # converted into memory outside the budget, held as long.)
-        self.resident = (engine.world == 1 and budget >= total and not cfg.get(
-            "max_live_parameters") and all(s.dtype == engine.torch_working for s in shards))
+        # (A cap on what is live that holds the whole model, as DeepSpeed's
+        # default 1e9 does for most, keeps it resident.)
+        self.resident = (engine.world == 1 and budget >= total and (not max_live or max_live >= total)
+                         and all(s.dtype == engine.torch_working for s in shards))
         # Resident, and the iteration's holds taken at once (a fetch never
         # waits for a running step): every unit is used at the iteration's
         # start in one call, their copies issued together, so that no
@@ -2168,10 +2174,15 @@ class Optimizer(torch.optim.Optimizer):
         """The factor backward() multiplies the loss by (fp16; 1 otherwise)."""
         return self._loss_scale
 
-    def backward(self, loss):
-        scale = self._loss_scale / self._config["gradient_accumulation_steps"]
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """loss.backward() scaled as DeepSpeed's engine does: by the fp16
+        loss scale and (scale_wrt_gas) 1 / gradient_accumulation_steps.
+        Returns the loss."""
+        scale = self._loss_scale
+        if scale_wrt_gas:
+            scale /= self._config["gradient_accumulation_steps"]
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except RuntimeError as e:
             # Autograd turns an exception of a hook into RuntimeError: the
             # restart found during backward is SessionRestored again.
@@ -2179,6 +2190,7 @@ class Optimizer(torch.optim.Optimizer):
             if restored is not None and "SessionRestored" in str(e):
                 raise restored from e
             raise
+        return loss
 
     def add_param_group(self, param_group):
         params = param_group["params"]
@@ -2653,8 +2665,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   "emulated" to run it on the CPU), budget_bytes (GPU memory for
                                   parameters; default the model's, at most 40% of what is free),
                                   prefetch_depth (modules ahead, 2), prefetch_elements,
-                                  persistence_threshold, max_live_parameters, max_reuse_distance
-                                  (elements, as DeepSpeed's stage3_* settings), staging_bytes
+                                  persistence_threshold, max_live_parameters (at least the
+                                  largest module's), max_reuse_distance (elements, as
+                                  DeepSpeed's stage3_* settings), staging_bytes
       reduce_bucket_elements      with several ranks, gradients are averaged across ranks in one
                                   collective per bucket of this many elements (full gradients,
                                   as DeepSpeed's reduce_bucket_size; default 16M: a buffer of
@@ -2683,20 +2696,32 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   (SessionRestored). A rank that dies leaves its checkpoints too
                                   (its sessions go unfinished); optimizer.close() or a normal
                                   exit removes them, one during an exception leaves them
-    deepspeed_config: a DeepSpeed config (dict or JSON path) instead of the
-      two dicts; see offloadd.deepspeed. The loop then runs as DeepSpeed's:
+    deepspeed_config: a DeepSpeed config (dict or JSON path) instead of
+      zero_config, and of adamw_config where it has an optimizer section (a
+      config without one takes adamw_config, as deepspeed.initialize takes a
+      client optimizer); see offloadd.deepspeed. The loop then runs as DeepSpeed's:
       step() after every micro-batch updates at every
       gradient_accumulation_steps-th (zero_grad() in between keeps what
       accumulated), and the model takes backward(loss), step() and
       is_gradient_accumulation_boundary() as DeepSpeed's engine does.
     """
     if deepspeed_config is not None:
-        if adamw_config is not None or zero_config is not None:
+        if zero_config is not None:
             raise offloadd.InvalidArgumentError(
-                "pass either deepspeed_config or adamw_config/zero_config, not both")
+                "pass either deepspeed_config or zero_config, not both")
         from offloadd import deepspeed
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        adamw_config, zero_config = deepspeed.from_config(deepspeed_config, world)
+        ds_adamw, zero_config = deepspeed.from_config(deepspeed_config, world)
+        # As deepspeed.initialize: the config's optimizer, or the client's.
+        if ds_adamw and adamw_config is not None:
+            raise offloadd.InvalidArgumentError(
+                "the DeepSpeed config has an optimizer section: pass adamw_config only for a "
+                "config without one (as DeepSpeed takes a client optimizer)")
+        if not ds_adamw and adamw_config is None:
+            raise offloadd.InvalidArgumentError(
+                "the DeepSpeed config has no optimizer section: give it one, or pass "
+                "adamw_config (the optimizer deepspeed.initialize would be given)")
+        adamw_config = ds_adamw or adamw_config
     config = _zero_defaults(zero_config)
     # A DeepSpeed loop calls step() after every micro-batch; the engine steps
     # at the accumulation boundary only (and the model takes backward(),
@@ -2735,4 +2760,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         for name in ("backward", "step", "is_gradient_accumulation_boundary"):
             if not hasattr(model, name):
                 setattr(model, name, getattr(optimizer, name))
+            else:
+                # (model.step() would be the model's own: no update.)
+                warnings.warn(f"offloadd.torch.wrap: the model has its own {name}(), kept: "
+                              f"call optimizer.{name}() for DeepSpeed's engine method",
+                              stacklevel=2)
     return model, optimizer
