@@ -580,6 +580,8 @@ void Daemon::Shutdown() {
   // are kept, 120 seconds (a checkpoint a call writes would stop the
   // session's from being taken).
   const bool keep = options_->server.reconnect_lease_seconds > 0;
+  // (No lease runs out while the sessions wait to be kept.)
+  if (keep) engine_->sessions().PauseLeases();
   const absl::Duration drain = keep ? absl::Seconds(120) : absl::Seconds(30);
   if (!calls_.CloseAndDrain(drain)) {
     LogWarning("calls still running after %s; going on without them", absl::FormatDuration(drain));

@@ -56,6 +56,7 @@ absl::Status KeepOne(SessionManager& sessions, const SessionManager::KeptSession
   record.set_keep_for_resume(kept.keep_for_resume);
   if (kept.restore_steps.has_value()) record.set_restore_steps(*kept.restore_steps);
   if (kept.user.has_value()) record.set_user(*kept.user);
+  if (kept.share_weight > 0) record.set_share_weight(static_cast<uint32_t>(kept.share_weight));
   for (uint64_t partition : kept.partition_ids) record.add_partition_ids(partition);
   return WriteFileAtomically(sub, kPreservedFile, record.SerializeAsString());
 }
@@ -124,6 +125,10 @@ absl::StatusOr<uint64_t> ReopenOne(SessionManager& sessions, const std::string& 
                                    std::nullopt};
   if (record.has_restore_steps()) kept.restore_steps = record.restore_steps();
   if (record.has_user()) kept.user = record.user();
+  if (record.has_share_weight()) {
+    RETURN_IF_ERROR(SessionManager::CheckShareWeight(record.share_weight()));
+    kept.share_weight = record.share_weight();
+  }
   RETURN_IF_ERROR(sessions.Reopen(kept, sub));
   return kept.key.id;
 }

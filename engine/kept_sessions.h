@@ -56,10 +56,12 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
 // many it reopened. With `memory` (the pool's file, memory.pool_dir): where
 // the sessions kept in memory are all in one file, the pool takes it over
 // (PoolFile::TakeOver) and their blocks take their bytes where they are,
-// checked against their checksums; what no reopened session claimed goes
-// (a session kept there that cannot be reopened is lost: logged, its
-// directory removed). Kept memory in another file is read (copied) and
-// punched out. Names of kept memory no directory in `dir` holds any more
+// checked against their checksums; what no reopened session claimed goes,
+// except the ranges of a session kept there that cannot be reopened: they
+// stay, with its directory (logged; a later start, or restore_from of the
+// directory, takes them; outside the pool's budget meanwhile), and its
+// automatic checkpoints stay too. Kept memory in another file is read
+// (copied) and punched out. Names of kept memory no directory in `dir` holds any more
 // are removed.
 // `before_each` as for KeepSessions, before each session is reopened.
 int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFile* memory = nullptr,

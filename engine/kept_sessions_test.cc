@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -420,6 +421,103 @@ TEST(KeptSessions, InThePoolsFileAreNamedNotWrittenAndTakenBack) {
   EXPECT_GE(again.referenced, state_bytes);
   ASSERT_TRUE(next.sessions->Close(key).ok());
   RemoveDirectoryOfFiles(pool_dir);
+}
+
+}  // namespace
+}  // namespace offload
+
+namespace offload {
+namespace {
+
+// A kept session the next offloadd cannot reopen (here its record names a
+// partition its checkpoint lacks) is lost as a crash would lose it: its
+// automatic checkpoints stay for its job to resume from, whether or not it
+// was kept for a resume, and no final checkpoint of the part reopened
+// replaces them. A session's share weight is kept with it.
+TEST(KeptSessions, OneThatCannotBeReopenedLeavesItsAutomaticCheckpoints) {
+  const std::string tmp = getenv("TEST_TMPDIR");
+  TestEngine engine(tmp + "/nvme_unreopened", 64 << 20);
+  SessionManager& sessions = *engine.sessions;
+  SessionManager::AutoCheckpointOptions automatic;
+  automatic.dir = tmp + "/auto_unreopened";
+  automatic.every_steps = 1;
+  std::filesystem::remove_all(automatic.dir);
+  sessions.SetAutoCheckpoint(automatic);
+  FetchMode with_grads;
+  with_grads.grads = true;
+  int64_t checkpoints = 0;
+  for (bool keep_for_resume : {false, true}) {
+    SCOPED_TRACE(keep_for_resume);
+    RestoreFrom from;
+    from.keep_for_resume = keep_for_resume;
+    auto opened = sessions.Open("job", {}, std::nullopt, std::nullopt, from);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const SessionKey key = opened->key;
+    ASSERT_TRUE(sessions.SetShare(key, 3).ok());
+    auto w = sessions.Register(key, {"w", 1000, DType::kFp32, DType::kFp32});
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_TRUE(sessions.Release(key, {}).ok());
+    ASSERT_TRUE(sessions.Fetch(key, {w->id}, with_grads).ok());
+    ASSERT_TRUE(sessions.ReturnGradients(key, w->id, 1000, DType::kFp32).ok());
+    ASSERT_TRUE(sessions.Release(key, {w->id}).ok());
+    ASSERT_TRUE(sessions.Step(key, AdamHyperparams{}).ok());
+    ++checkpoints;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (engine.stats.auto_checkpoints.load() < checkpoints && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    ASSERT_EQ(engine.stats.auto_checkpoints.load(), checkpoints);
+    const std::string dir = absl::StrCat(tmp, "/kept_unreopened_", keep_for_resume);
+    EXPECT_EQ(KeepSessions(sessions, dir), 1);
+    // The stopping offloadd is gone (its automatic checkpoints as it left
+    // them): a Close here would remove them, so they are put back.
+    const std::string autodir = sessions.AutoCheckpointDir(key.id);
+    const std::string aside = tmp + "/auto_aside";
+    std::filesystem::remove_all(aside);
+    std::filesystem::copy(autodir, aside);
+    ASSERT_TRUE(sessions.Close(key).ok());
+    std::filesystem::remove_all(autodir);
+    std::filesystem::rename(aside, autodir);
+
+    // Its share weight comes back with it.
+    const std::string spoilt = dir + "_spoilt";
+    std::filesystem::remove_all(spoilt);
+    std::filesystem::copy(dir, spoilt, std::filesystem::copy_options::recursive);
+    SessionManager next(Env::Default(), engine.store, engine.steps, &engine.stats);
+    ASSERT_EQ(ReopenKeptSessions(next, dir), 1);
+    auto listed = next.Sessions();
+    ASSERT_EQ(listed.size(), 1u);
+    EXPECT_EQ(listed[0].share_weight, 3);
+    std::filesystem::copy(autodir, aside);
+    ASSERT_TRUE(next.Close(key).ok());
+    std::filesystem::remove_all(autodir);
+    std::filesystem::rename(aside, autodir);
+    // Its record spoilt.
+    const std::string sub_spoilt = absl::StrCat(spoilt, "/", key.id);
+    checkpoint::v1::PreservedSession record;
+    {
+      std::ifstream in(sub_spoilt + "/session.binpb", std::ios::binary);
+      ASSERT_TRUE(record.ParseFromIstream(&in));
+    }
+    record.add_partition_ids(w->id + 1000);
+    {
+      std::ofstream out(sub_spoilt + "/session.binpb", std::ios::binary | std::ios::trunc);
+      ASSERT_TRUE(record.SerializeToOstream(&out));
+    }
+
+    SessionManager third(Env::Default(), engine.store, engine.steps, &engine.stats);
+    third.SetAutoCheckpoint(automatic);
+    EXPECT_EQ(ReopenKeptSessions(third, spoilt), 0);
+    EXPECT_TRUE(third.Sessions().empty());
+    auto manifests = checkpoint::ReadManifests(autodir);
+    ASSERT_TRUE(manifests.ok()) << manifests.status();
+    ASSERT_EQ(manifests->size(), 1u);
+    EXPECT_EQ((*manifests)[0].second.steps(), 1u);
+    EXPECT_EQ((*manifests)[0].second.partitions_size(), 1);
+    third.SetAutoCheckpoint({});
+    std::filesystem::remove_all(autodir);
+  }
+  sessions.SetAutoCheckpoint({});
 }
 
 }  // namespace

@@ -91,7 +91,12 @@ struct SessionManager::Session {
   // Resume answered, not attached yet (a takeover leaves it alone for a
   // while: TakeOverDetached).
   std::optional<SteadyTime> resuming_since;
-  bool reopened = false;             // kept across a restart of offloadd (Reopen)
+  bool reopened = false;  // kept across a restart of offloadd (Reopen)
+  // Its reopening failed midway: closed as unfinished, nothing of it
+  // written (no final checkpoint of the part registered), and its automatic
+  // checkpoints left whether or not it was kept for a resume: they are
+  // what its job falls back on.
+  bool reopen_failed = false;
   SteadyTime last_call = opened;     // the last call that found it, or ended
   std::optional<GpuTierReport> gpu;  // its GPU tier's last report
   // Mappings reserved for its partitions (ReserveMappings), in the
@@ -750,8 +755,8 @@ bool SessionManager::CloseById(uint64_t id, bool only_unattached,
     // Closed, not lost: its automatic checkpoints go once it is gone (its
     // checkpoint thread ended); unless it is kept for a resume and did not
     // finish, when they stay as a crash of offloadd would leave them.
-    const bool keep = doomed->keep_for_resume && !finished;
-    if (keep && auto_checkpoint_.on()) {
+    const bool keep = (doomed->keep_for_resume || doomed->reopen_failed) && !finished;
+    if (keep && auto_checkpoint_.on() && !doomed->reopen_failed) {
       final = true;
       ++finalizing_[NameOfUser(doomed->name, doomed->user)];
     }
@@ -1641,14 +1646,21 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
   const auto attach = absl::ToChronoNanoseconds(attach_lease);
   const auto idle = absl::ToChronoNanoseconds(idle_lease);
   const auto reconnect = absl::ToChronoNanoseconds(reconnect_lease);
+  // Whether a detached or never attached session's lease ran out, as of
+  // `now` (checked again when it is closed: a Resume in between starts its
+  // lease again).
+  // (Called under mu_.)
+  auto unclaimed = [&](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return s.detached_since.has_value() ? now - *s.detached_since > reconnect
+                                        : !s.attached && now - s.opened > attach;
+  };
   std::vector<Expired> expired;
   {
     absl::MutexLock lock(&mu_);
+    if (leases_paused_) return {};
     for (const auto& [id, s] : sessions_) {
       if (s->detached_since.has_value()) {
-        if (now - *s->detached_since > reconnect) {
-          expired.push_back({id, s->name, Expired::kNotResumed});
-        }
+        if (unclaimed(*s)) expired.push_back({id, s->name, Expired::kNotResumed});
       } else if (!s->attached && now - s->opened > attach) {
         expired.push_back({id, s->name, Expired::kNeverAttached});
       } else if (idle_lease > absl::ZeroDuration() && now - s->last_call > idle &&
@@ -1668,10 +1680,15 @@ std::vector<SessionManager::Expired> SessionManager::CloseExpired(SteadyTime now
             ? CloseById(e.id, /*only_unattached=*/false, /*only_idle_since=*/now - idle, counter,
                         later, /*finished=*/false)
             : CloseById(e.id, /*only_unattached=*/true, std::nullopt, counter, later,
-                        /*finished=*/false);
+                        /*finished=*/false, unclaimed);
     if (closed_it) closed.push_back(std::move(e));
   }
   return closed;
+}
+
+void SessionManager::PauseLeases() {
+  absl::MutexLock lock(&mu_);
+  leases_paused_ = true;
 }
 
 void SessionManager::SetMaxSessions(int64_t max) {
@@ -1814,8 +1831,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   // session would not be kept.
   RETURN_IF_ERROR(FinishStoppedStep(*s));
   // Its partitions' ids, in the manifest's order (by id), taken before the
-  // checkpoint: a lease running out meanwhile closes the session, and the
-  // keeper's count check notices.
+  // checkpoint (no lease runs out meanwhile: the stop paused them).
   KeptSession kept{SessionKey{s->id, s->token}, s->name,      "",          {},
                    s->keep_for_resume,          std::nullopt, std::nullopt};
   {
@@ -1828,6 +1844,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
     kept.restore_steps = s->restore_steps;
     kept.user = s->user;
   }
+  kept.share_weight = s->partitions->share_weight();
   std::sort(kept.partition_ids.begin(), kept.partition_ids.end());
   // (Again: a call of the trainer's may have fetched meanwhile.)
   s->partitions->DropHolds();
@@ -1924,11 +1941,17 @@ absl::Status SessionManager::Reopen(const KeptSession& kept, const std::string& 
     // Unfinished: its automatic checkpoints stay (they are what a resume
     // falls back to where the kept copy is bad). No reference held (its
     // teardown waits for the last one).
+    {
+      absl::MutexLock lock(&mu_);
+      session->reopen_failed = true;
+    }
     session.reset();
     CloseById(key.id, /*only_unattached=*/false, std::nullopt, nullptr, nullptr,
               /*finished=*/false);
     return status;
   }
+  // As it was between jobs: its weight in the node's optimizer, I/O, pool.
+  if (kept.share_weight > 0) session->partitions->SetShareWeight(kept.share_weight);
   // As a trainer that went away: nothing held, waiting for ResumeSession
   // (StartReconnectLeases starts the lease).
   session->partitions->DropHolds();

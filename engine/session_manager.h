@@ -449,6 +449,11 @@ class SessionManager {
     Why why;
   };
   using SteadyTime = std::chrono::steady_clock::time_point;
+  // From now on CloseExpired closes nothing: offloadd is stopping to keep
+  // its sessions, and its trainers' calls, refused meanwhile, no longer
+  // renew their leases (one closed as idle while sessions ahead of it are
+  // written would be lost instead of kept).
+  void PauseLeases() ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<Expired> CloseExpired(SteadyTime now, absl::Duration attach_lease,
                                     absl::Duration idle_lease,
                                     absl::Duration reconnect_lease = absl::ZeroDuration(),
@@ -477,6 +482,7 @@ class SessionManager {
     bool keep_for_resume = false;           // RestoreFrom::keep_for_resume
     std::optional<uint64_t> restore_steps;  // RestoreFrom::steps, with restore_from
     std::optional<uid_t> user;              // Open's `user`: still counted once reopened
+    int64_t share_weight = 0;               // its weight (SetShare); 0: the default
   };
   // Closes every session's request ring between calls (one posted is served
   // and answered first; RingServer::Drain), so that what a trainer saw
@@ -636,6 +642,7 @@ class SessionManager {
   mutable absl::Mutex mu_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_);
   uint64_t next_partition_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool leases_paused_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // Ids of sessions an earlier offloadd kept and this one reopened (their
   // incarnation is not this daemon's): once closed, they are said to be

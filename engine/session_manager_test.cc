@@ -273,6 +273,28 @@ TEST_F(SessionManagerTest, AbandonFreesASessionNobodyElseHolds) {
   EXPECT_TRUE(sessions_.Register(other, {"w", 10, DType::kFp32, DType::kFp32}).ok());
 }
 
+// Leases run out (a session no trainer attached to, one idle) until
+// offloadd, stopping to keep its sessions, pauses them: then none is
+// closed, however long the keeping takes.
+TEST_F(SessionManagerTest, PausedLeasesCloseNothing) {
+  const SessionKey a = Open();
+  const auto later = std::chrono::steady_clock::now() + std::chrono::hours(1);
+  auto expire = [&] {
+    return sessions_.CloseExpired(later, absl::Seconds(1), absl::Seconds(1), absl::Seconds(1));
+  };
+  sessions_.PauseLeases();
+  EXPECT_TRUE(expire().empty());
+  EXPECT_TRUE(sessions_.Fetch(a, {}).ok());
+  SessionManager other(Env::Default(), &store_, &steps_, &stats_);
+  auto c = other.Open("c");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto closed =
+      other.CloseExpired(later, absl::Seconds(1), absl::Seconds(1), absl::Seconds(1));
+  ASSERT_EQ(closed.size(), 1u);
+  EXPECT_EQ(closed[0].id, c->key.id);
+  EXPECT_EQ(closed[0].why, SessionManager::Expired::kNeverAttached);
+}
+
 TEST_F(SessionManagerTest, BudgetIsEnforcedAndNothingLeaks) {
   SessionKey a = Open();
   pool_.SetLimit(1 << 20);

@@ -165,6 +165,7 @@ absl::Status PoolFile::TakeOver(const std::string& path,
   by_length_.clear();
   unclaimed_.clear();
   claimed_.clear();
+  reopening_ = true;
   // What no kept range holds (an earlier offloadd's unkept leases, if it
   // died before punching them) goes.
   uint64_t at = 0;
@@ -203,7 +204,8 @@ absl::StatusOr<PoolFile::Extent> PoolFile::Claim(uint64_t offset, uint64_t bytes
   unclaimed_.erase(it);
   if (offset > begin) unclaimed_[begin] = offset - begin;
   if (end > offset + length) unclaimed_[offset + length] = end - offset - length;
-  claimed_.insert(offset);
+  // (A claim after the reopening is its session's for good.)
+  if (reopening_) claimed_.insert(offset);
   taken_ += length;
   claimed_bytes_ += length;
   return Extent{data_ + offset, offset, length};
@@ -217,6 +219,7 @@ void PoolFile::ReleaseUnclaimed(const std::vector<std::pair<uint64_t, uint64_t>>
   {
     absl::MutexLock lock(&mu_);
     claimed_.clear();  // the reopened sessions' blocks are theirs for good
+    reopening_ = false;
     std::map<uint64_t, uint64_t> stay;
     for (const auto& [offset, length] : unclaimed_) {
       uint64_t at = offset;

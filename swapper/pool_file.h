@@ -147,6 +147,8 @@ class PoolFile {
   bool linked_ ABSL_GUARDED_BY(mu_) = false;                    // a kept session names it
   std::string own_name_ ABSL_GUARDED_BY(mu_);                   // a taken-over file's (kOwnName)
   absl::flat_hash_set<uint64_t> claimed_ ABSL_GUARDED_BY(mu_);  // offsets, until released
+  // Between TakeOver and ReleaseUnclaimed: a claim given back is kept again.
+  bool reopening_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t claimed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<uint64_t, uint64_t> retained_ ABSL_GUARDED_BY(mu_);  // offset -> length
 };

@@ -234,7 +234,7 @@ TEST(PoolFile, TakesAKeptFileOverAndHandsOutItsRangesOnce) {
   MemoryDir dir;
   SKIP_WITHOUT_MEMORY_DIR(dir);
   const std::string name = dir.path() + "/kept-1.memory";
-  uint64_t a_at = 0, b_at = 0, c_at = 0;
+  uint64_t a_at = 0, b_at = 0, c_at = 0, d_at = 0;
   {
     auto file = PoolFile::Create(dir.path(), 64 * kMiB);
     ASSERT_TRUE(file.ok()) << file.status();
@@ -242,20 +242,21 @@ TEST(PoolFile, TakesAKeptFileOverAndHandsOutItsRangesOnce) {
     auto junk = (*file)->Take(kMiB, PageSize());
     auto b = (*file)->Take(kMiB, PageSize());
     auto c = (*file)->Take(kMiB, PageSize());
-    ASSERT_TRUE(a.ok() && junk.ok() && b.ok() && c.ok());
+    auto d = (*file)->Take(kMiB, PageSize());
+    ASSERT_TRUE(a.ok() && junk.ok() && b.ok() && c.ok() && d.ok());
     std::memset(a->data, 0xa, kMiB);
     std::memset(junk->data, 0xf, kMiB);
     std::memset(b->data, 0xb, kMiB);
     std::memset(c->data, 0xc, kMiB);
-    a_at = a->offset, b_at = b->offset, c_at = c->offset;
+    a_at = a->offset, b_at = b->offset, c_at = c->offset, d_at = d->offset;
     ASSERT_TRUE((*file)->Link(name).ok());
-    for (const auto* e : {&*a, &*b, &*c}) (*file)->Retain(e->offset, kMiB);
+    for (const auto* e : {&*a, &*b, &*c, &*d}) (*file)->Retain(e->offset, kMiB);
     // Dies without giving anything back (the junk is not punched by it).
   }
   auto file = PoolFile::Create(dir.path(), 64 * kMiB);
   ASSERT_TRUE(file.ok()) << file.status();
   PoolFile& f = **file;
-  ASSERT_TRUE(f.TakeOver(name, {{a_at, kMiB}, {b_at, kMiB}, {c_at, kMiB}}).ok());
+  ASSERT_TRUE(f.TakeOver(name, {{a_at, kMiB}, {b_at, kMiB}, {c_at, kMiB}, {d_at, kMiB}}).ok());
   EXPECT_TRUE(f.IsFile(name));
   auto a = f.Claim(a_at, kMiB);
   ASSERT_TRUE(a.ok()) << a.status();
@@ -273,8 +274,17 @@ TEST(PoolFile, TakesAKeptFileOverAndHandsOutItsRangesOnce) {
   ASSERT_TRUE(fresh.ok());
   EXPECT_EQ(fresh->offset, a_at + kMiB);
   EXPECT_EQ(static_cast<int>(fresh->data[9]), 0);
-  // c is neither claimed nor kept: released.
-  f.ReleaseUnclaimed({});
+  // d is neither claimed nor kept: released. c is kept for a later start
+  // (its session could not be reopened); claimed after the reopening (a
+  // session opened to restore its directory), it is that session's for
+  // good: given back, it is punched out and free, not kept again (its
+  // pages outside the pool's budget for as long as the file lives).
+  f.ReleaseUnclaimed({{c_at, kMiB}});
+  EXPECT_TRUE(absl::IsFailedPrecondition(f.Claim(d_at, kMiB).status()));
+  auto c = f.Claim(c_at, kMiB);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(static_cast<int>(c->data[3]), 0xc);
+  EXPECT_FALSE(f.Give(*c));
   EXPECT_TRUE(absl::IsFailedPrecondition(f.Claim(c_at, kMiB).status()));
   EXPECT_TRUE(absl::IsFailedPrecondition(f.TakeOver(name, {})));  // extents taken
   // Its kept name gone, it can still be named for the next restart.
