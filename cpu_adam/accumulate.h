@@ -25,7 +25,8 @@
 
 namespace offload {
 
-// acc[i] = (first ? 0 : acc[i]) + grads[i] for i < n, then the statistics of
+// acc[i] = first ? grads[i] : acc[i] + grads[i] for i < n (a copy: -0.0
+// stays), then the statistics of
 // acc[0..n) (GradStats, adam.h). With `acc` null (`first` is then ignored):
 // the statistics of the gradients alone, as a first micro-batch's, nothing
 // stored (a handed-over buffer measured). The scalar reference: the vector

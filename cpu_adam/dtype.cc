@@ -25,8 +25,8 @@ float Fp16ToFloat(uint16_t h) {
   uint32_t sign = uint32_t{h & 0x8000u} << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) {  // Inf or NaN
-    return BitsToFloat(sign | 0x7f800000u | (mant << 13));
+  if (exp == 0x1f) {  // Inf or NaN (quieted, as x86's vcvtph2ps does)
+    return BitsToFloat(sign | 0x7f800000u | (mant != 0 ? 0x400000u : 0u) | (mant << 13));
   }
   if (exp == 0) {
     if (mant == 0) return BitsToFloat(sign);

@@ -30,8 +30,10 @@ struct OptimizerOptions {
 
   // Scan the gradients for NaN/Inf before updating anything; a step that
   // finds some changes no state and reports itself skipped (loss-scale
-  // overflow). Costs one extra read of the gradients (2 or 4 bytes per
-  // parameter; see benches/RESULTS.md).
+  // overflow). In the daemon it costs nothing (the count comes with the
+  // gradients' accumulation or hand-over); Optimizer::Step alone reads the
+  // gradients once more for it (2 or 4 bytes per parameter; see
+  // benches/RESULTS.md).
   bool check_finite = true;
 };
 

@@ -36,7 +36,12 @@ bool OptimizerShares::Next(uint64_t session, Clock::time_point now,
   // divide unequally, and no hand-over between runs to pay for).
   bool uniform = true;
   for (const auto& [id, s] : sessions_) {
-    if (Present(s, now) && s.weight != me.weight) uniform = false;
+    if (!Present(s, now) || s.weight == me.weight) continue;
+    uniform = false;
+    // One of another weight between its steps: gone when its moment ends
+    // (then this one may run beside the runs of its own weight; nothing
+    // else would wake it before the running one ends).
+    if (!s.in_step && s.waiting == 0) *recheck = std::min(*recheck, s.ended + kAnticipation);
   }
   if (uniform) return true;
   if (running_ > 0) return false;

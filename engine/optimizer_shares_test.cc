@@ -120,6 +120,27 @@ TEST(OptimizerShares, OneWeightRunsTogether) {
   EXPECT_EQ(shares.UsageOf(2).elems, 100u);
 }
 
+// A session of another weight that just ended its step is present for a
+// moment (kAnticipation); when the moment is over, a session of the running
+// one's weight runs beside it at once, not when that (long) run ends.
+TEST(OptimizerShares, OneOfAnotherWeightThatEndedStopsCountingAfterItsMoment) {
+  OptimizerShares shares;
+  shares.Take(3, 2, 100);  // ends its run and its step
+  shares.Idle(3);
+  OptimizerShares::Turn a = shares.Take(1, 1, 100);  // a long run
+  std::atomic<bool> ran{false};
+  std::thread b([&] {
+    shares.Take(2, 1, 100);
+    ran = true;
+    shares.Idle(2);
+  });
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!ran.load() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_TRUE(ran.load()) << "waited for the other run to end";
+  { OptimizerShares::Turn ended = std::move(a); }
+  b.join();
+}
+
 TEST(OptimizerShares, AloneNothingWaits) {
   OptimizerShares shares;
   for (int i = 0; i < 100; ++i) shares.Take(7, 1, 10);
