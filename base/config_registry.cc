@@ -1,8 +1,10 @@
 #include "base/config_registry.h"
 
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -43,6 +45,17 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
     multiplier = 1024.0 * 1024 * 1024 * 1024;
   } else {
     return absl::InvalidArgumentError(absl::StrCat("unknown size suffix in '", text, "'"));
+  }
+  if (!number.empty() && number.find('.') == absl::string_view::npos) {
+    // Whole numbers exactly (a double holds 2^53 at most).
+    uint64_t whole = 0, product = 0;
+    if (!absl::SimpleAtoi(number, &whole) ||
+        __builtin_mul_overflow(whole, static_cast<uint64_t>(multiplier), &product) ||
+        product > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("byte size '", text, "' is not a whole number of bytes in range"));
+    }
+    return static_cast<int64_t>(product);
   }
   double value;
   if (number.empty() || !absl::SimpleAtod(number, &value)) {
@@ -103,7 +116,12 @@ void ConfigRegistry::BindTyped(std::string name, T* field, TunableSpec spec, con
 void ConfigRegistry::Bind(std::string name, int64_t* field, TunableSpec spec) {
   const bool bytes = spec.unit == "bytes";
   auto parse = [name, bytes, spec](absl::string_view text, int64_t* v) -> absl::Status {
-    if (bytes) {
+    if (bytes && spec.range.min < 0 && absl::StartsWith(absl::StripAsciiWhitespace(text), "-")) {
+      // A setting whose negative values mean something (-1: none set).
+      if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text), v)) {
+        return BadValue(name, text, "a byte size such as 4096, 512MiB or 8GiB, or -1");
+      }
+    } else if (bytes) {
       auto parsed = ParseByteSize(text);
       if (!parsed.ok()) return BadValue(name, text, "a byte size such as 4096, 512MiB or 8GiB");
       *v = *parsed;

@@ -56,9 +56,31 @@ TEST(ByteSize, ParsesAndFormats) {
   EXPECT_FALSE(ParseByteSize("").ok());
   EXPECT_FALSE(ParseByteSize("1.3B").ok());
   EXPECT_FALSE(ParseByteSize("-5").ok());
+  // Whole numbers exactly, past a double's 2^53; overflow refused.
+  EXPECT_EQ(*ParseByteSize("9007199254740993"), int64_t{9007199254740993});
+  EXPECT_EQ(*ParseByteSize("8388607TiB"), int64_t{8388607} << 40);
+  EXPECT_FALSE(ParseByteSize("8388608TiB").ok());
+  EXPECT_FALSE(ParseByteSize("99999999999999999999").ok());
   EXPECT_EQ(FormatByteSize(int64_t{8} << 30), "8GiB");
   EXPECT_EQ(FormatByteSize(4097), "4097");
   EXPECT_EQ(FormatByteSize(0), "0");
+}
+
+// A byte-size setting whose range holds -1 (its "none set", the default
+// gpu.prefetch_bytes has) takes it back; the others refuse a sign.
+TEST(ByteSize, ASettingWhoseRangeIsNegativeTakesItsNegativeValues) {
+  int64_t ahead = -1, pool = 4096;
+  ConfigRegistry r;
+  r.Bind("gpu.ahead", &ahead, {"bytes", "ahead", false, IntRange{-1, int64_t{1} << 44}});
+  r.Bind("pool", &pool, {"bytes", "pool", false, IntRange{0, int64_t{1} << 44}});
+  ASSERT_TRUE(r.Set("gpu.ahead", "64MiB").ok());
+  EXPECT_EQ(ahead, int64_t{64} << 20);
+  ASSERT_TRUE(r.Set("gpu.ahead", " -1 ").ok());
+  EXPECT_EQ(ahead, -1);
+  EXPECT_EQ(r.Set("gpu.ahead", "-2").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.Set("gpu.ahead", "-1MiB").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.Set("pool", "-1").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool, 4096);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "daemon/config_file.h"
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -16,18 +17,24 @@ namespace {
 using Settings = std::vector<std::pair<std::string, std::string>>;
 
 absl::Status Collect(const YAML::Node& node, const std::string& prefix, absl::string_view source,
-                     Settings* out) {
+                     Settings* out, std::set<std::string>* seen) {
   if (node.IsMap()) {
     for (const auto& kv : node) {
       std::string key = kv.first.as<std::string>();
       std::string name = prefix.empty() ? key : absl::StrCat(prefix, ".", key);
-      RETURN_IF_ERROR(Collect(kv.second, name, source, out));
+      RETURN_IF_ERROR(Collect(kv.second, name, source, out, seen));
     }
     return absl::OkStatus();
   }
   if (!node.IsScalar()) {
     return absl::InvalidArgumentError(
         absl::StrCat(source, ": '", prefix, "' must be a scalar value or a map of settings"));
+  }
+  // (yaml-cpp takes a key given twice, and `a: {b: 1}` and `a.b: 2` name
+  // one setting: the last would win unsaid.)
+  if (!seen->insert(prefix).second) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": '", prefix, "' is set twice; keep one"));
   }
   out->emplace_back(prefix, node.Scalar());
   return absl::OkStatus();
@@ -60,7 +67,8 @@ absl::StatusOr<Settings> ReadYamlSettings(absl::string_view yaml_text, absl::str
         absl::StrCat(source, ": the top level must be a map of settings"));
   }
   try {
-    RETURN_IF_ERROR(Collect(root, "", source, &out));
+    std::set<std::string> seen;
+    RETURN_IF_ERROR(Collect(root, "", source, &out, &seen));
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
   }

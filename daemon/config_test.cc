@@ -167,6 +167,18 @@ TEST_F(ConfigTest, YamlErrorsNameTheFileAndKey) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ApplyYamlFile(registry_, "/nonexistent/offloadd.yaml").code(),
             absl::StatusCode::kNotFound);
+  // A setting given twice (a key repeated, or nested and dotted) is named,
+  // not the last one silently taken; nothing is applied.
+  for (const char* twice : {"optimizer: {threads: 2}\noptimizer: {threads: 3}\n",
+                            "optimizer: {threads: 2}\noptimizer.threads: 3\n"}) {
+    absl::Status s = ApplyYaml(registry_, twice, "e.yaml");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << twice;
+    EXPECT_NE(s.message().find("'optimizer.threads' is set twice"), std::string::npos) << s;
+  }
+  EXPECT_NE(options_.optimizer.threads, 3);
+  // gpu.prefetch_bytes' default, -1 (each trainer's own), is taken back.
+  ASSERT_TRUE(ApplyYaml(registry_, "gpu: {prefetch_bytes: 64MiB}\n", "f.yaml").ok());
+  ASSERT_TRUE(ApplyYaml(registry_, "gpu: {prefetch_bytes: -1}\n", "f.yaml").ok());
 }
 
 TEST_F(ConfigTest, YamlFileRoundTrip) {
