@@ -323,16 +323,15 @@ std::vector<Check> JudgeSwapDir(const SwapDirProbe& p, const DoctorSettings& s,
         "allow io_uring: as root, sysctl kernel.io_uring_disabled=0; in a container, a seccomp "
         "profile that permits io_uring_setup, io_uring_enter and io_uring_register";
     if (p.io.ok()) {
-      out.push_back(
-          Make(name, p.backend == "posix" ? Verdict::kInfo : Verdict::kOk,
-               p.backend == "posix" ? absl::StrCat(did, " (nvme.io.backend is posix)") : did,
-               p.backend == "posix" ? "set nvme.io.backend=auto for io_uring" : ""));
+      out.push_back(Make(name, p.backend == "posix" ? Verdict::kInfo : Verdict::kOk,
+                         p.backend == "posix" ? absl::StrCat(did, " (nvme.backend is posix)") : did,
+                         p.backend == "posix" ? "set nvme.backend=auto for io_uring" : ""));
     } else if (p.io.code() == absl::StatusCode::kFailedPrecondition && p.backend == "io_uring") {
       const bool asked = s.nvme.io.backend == "io_uring";
       out.push_back(
           Make(name, asked ? Verdict::kFail : Verdict::kSlow,
                absl::StrCat("unavailable (", p.io.message(), "): ",
-                            asked ? "nvme.io.backend is io_uring, so offloadd fails to start"
+                            asked ? "nvme.backend is io_uring, so offloadd fails to start"
                                   : "offloadd falls back to the pread/pwrite thread pool"),
                uring_fix));
     } else {

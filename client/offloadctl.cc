@@ -190,12 +190,7 @@ std::string Absolute(const std::string& path) {
   return absl::StrCat(cwd, "/", path);
 }
 
-int Checkpoint(Client& client, const std::string& id_text, const std::string& dir) {
-  uint64_t id;
-  if (!absl::SimpleAtoi(id_text, &id)) {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("session id '", id_text, "' is not a number (see offloadctl stats)")));
-  }
+int Checkpoint(Client& client, uint64_t id, const std::string& dir) {
   absl::StatusOr<CheckpointResult> r = client.CheckpointSession(id, Absolute(dir));
   if (!r.ok()) return Fail(r.status());
   std::printf(
@@ -414,6 +409,19 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n\n", WhatIsWrong(args).c_str());
     return usage();
   }
+  // Numbers checked before any connection: a usage error whether or not
+  // offloadd runs.
+  uint64_t session_id = 0;
+  uint32_t weight = 0;
+  if ((args[0] == "checkpoint" || args[0] == "share") && !absl::SimpleAtoi(args[1], &session_id)) {
+    std::fprintf(stderr, "offloadctl %s: session id '%s' is not a number (ids: offloadctl stats)\n",
+                 args[0].c_str(), args[1].c_str());
+    return 2;
+  }
+  if (args[0] == "share" && !absl::SimpleAtoi(args[2], &weight)) {
+    std::fprintf(stderr, "offloadctl share: weight '%s' is not a number\n", args[2].c_str());
+    return 2;
+  }
   if (args[0] == "export") {
     if (format != "safetensors") {
       std::fprintf(stderr, "offloadctl: export writes --format=safetensors only, not '%s'\n",
@@ -428,17 +436,11 @@ int Main(int argc, char** argv) {
   Client& c = **client;
   if (args[0] == "status") return Status(c);
   if (args[0] == "stats") return Stats(c);
-  if (args[0] == "checkpoint") return Checkpoint(c, args[1], args[2]);
+  if (args[0] == "checkpoint") return Checkpoint(c, session_id, args[2]);
   if (args[0] == "share") {
-    uint64_t id;
-    uint32_t weight;
-    if (!absl::SimpleAtoi(args[1], &id) || !absl::SimpleAtoi(args[2], &weight)) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrCat("share takes a session id and a weight, both numbers, not '", args[1], "' '",
-                       args[2], "' (ids: offloadctl stats)")));
-    }
-    if (absl::Status s = c.SetShare(id, weight); !s.ok()) return Fail(s);
-    std::printf("session %llu: share weight %u\n", static_cast<unsigned long long>(id), weight);
+    if (absl::Status s = c.SetShare(session_id, weight); !s.ok()) return Fail(s);
+    std::printf("session %llu: share weight %u\n", static_cast<unsigned long long>(session_id),
+                weight);
     return 0;
   }
   if (args[1] == "list") {

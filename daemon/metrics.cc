@@ -90,10 +90,10 @@ std::string FormatPrometheus(const DaemonSnapshot& m) {
       {"offloadd_session_partitions", "partitions registered", &SessionSummary::partitions},
       {"offloadd_session_held", "partitions the trainer holds", &SessionSummary::held},
       {"offloadd_session_arena_bytes", "shared arena bytes", &SessionSummary::arena_bytes},
-      // (Counters: they only grow with a session; their names kept as the
-      // dashboards know them.)
-      {"offloadd_session_steps", "optimizer steps applied", &SessionSummary::steps, "counter"},
-      {"offloadd_session_optimizer_params", "parameters the node's optimizer updated for it",
+      // (Counters: they only grow with a session.)
+      {"offloadd_session_steps_total", "optimizer steps applied", &SessionSummary::steps,
+       "counter"},
+      {"offloadd_session_optimizer_params_total", "parameters the node's optimizer updated for it",
        &SessionSummary::optimizer_params, "counter"},
       {"offloadd_session_pool_room_bytes", "the host pool's room its NVMe-homed blocks hold",
        &SessionSummary::pool_room_bytes},

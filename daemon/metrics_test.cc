@@ -55,9 +55,9 @@ TEST(Metrics, PrometheusTextTypesCountersAndEscapesLabels) {
       << text;
   // The per-session families: HELP and TYPE, then a line a session.
   const std::string labels = "{session=\"3\",name=\"rank\\\"0\\\"\\nx\"} ";
-  EXPECT_NE(text.find("# HELP offloadd_session_steps optimizer steps applied\n"
-                      "# TYPE offloadd_session_steps counter\n"
-                      "offloadd_session_steps" +
+  EXPECT_NE(text.find("# HELP offloadd_session_steps_total optimizer steps applied\n"
+                      "# TYPE offloadd_session_steps_total counter\n"
+                      "offloadd_session_steps_total" +
                       labels + "7\n"),
             std::string::npos)
       << text;

@@ -84,8 +84,15 @@ out=$($ctl share "$id" 3) || fail "share: $out"
 [[ $out == "session $id: share weight 3" ]] || fail "share: $out"
 set +e
 err=$($ctl share "$id" 0 2>&1); rc=$?
-set -e
 [[ $rc == 1 ]] && grep -q INVALID_ARGUMENT <<<"$err" || fail "share 0 exited $rc: $err"
+# Ids and weights that are not numbers: usage errors (2), daemon or not.
+for bad in "share abc 3" "share $id x" "checkpoint x /tmp/d"; do
+  err=$($ctl $bad 2>&1); rc=$?
+  [[ $rc == 2 ]] && grep -q "is not a number" <<<"$err" || fail "$bad exited $rc: $err"
+  err=$($ctl --address=unix:///nonexistent/offloadd.sock $bad 2>&1); rc=$?
+  [[ $rc == 2 ]] || fail "$bad without a daemon exited $rc: $err"
+done
+set -e
 $ctl stats | grep -Eq "^$id +offload_demo .* 3 +[0-9]+ +[0-9.]+ +[0-9.]+ [KMGT]?i?B/[0-9.]+ [KMGT]?i?B +[0-9.]+ +[0-9.]+ [KMGT]?i?B +[0-9]+$" ||
   fail "stats lacks the share, NVMe traffic and pool room: $($ctl stats)"
 
