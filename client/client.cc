@@ -933,9 +933,8 @@ constexpr uint64_t kMomentsPerWrite = uint64_t{384} << 10;
 absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begin, uint64_t count,
                                                       bool with_master) {
   Moments out;
-  out.exp_avg.resize(count);
-  out.exp_avg_sq.resize(count);
-  if (with_master) out.master.resize(count);
+  // Grown as the answers come (the daemon checks `count` against the
+  // partition first: an absurd one allocates nothing).
   // (With the master, three arrays in the bytes of two.)
   const uint64_t per_call = with_master ? kMomentsPerCall * 2 / 3 : kMomentsPerCall;
   // At least one call (for no elements, the step count alone).
@@ -963,11 +962,14 @@ absl::StatusOr<Session::Moments> Session::ReadMoments(uint64_t id, uint64_t begi
                                               " bytes of master weights for ", n,
                                               " elements (an older offloadd does not send them)"));
     }
-    std::memcpy(out.exp_avg.data() + done, resp.exp_avg().data(), n * sizeof(float));
-    std::memcpy(out.exp_avg_sq.data() + done, resp.exp_avg_sq().data(), n * sizeof(float));
-    if (with_master) {
-      std::memcpy(out.master.data() + done, resp.master().data(), n * sizeof(float));
-    }
+    auto append = [n](std::vector<float>& to, const std::string& bytes) {
+      const size_t at = to.size();
+      to.resize(at + n);
+      std::memcpy(to.data() + at, bytes.data(), n * sizeof(float));
+    };
+    append(out.exp_avg, resp.exp_avg());
+    append(out.exp_avg_sq, resp.exp_avg_sq());
+    if (with_master) append(out.master, resp.master());
     out.step = resp.step();
     done += n;
   } while (done < count);

@@ -50,6 +50,11 @@ absl::StatusOr<std::unique_ptr<GpuTier>> GpuTier::Create(Session* session, gpu::
 }
 
 GpuTier::~GpuTier() {
+  if (getpid() != owner_) {
+    (void)params_.release();
+    (void)drain_.release();
+    return;
+  }
   params_.reset();
   drain_.reset();  // waits for its copies
   std::vector<uint64_t> ids;

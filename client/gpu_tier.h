@@ -28,6 +28,9 @@
 #ifndef OFFLOADD_CLIENT_GPU_TIER_H_
 #define OFFLOADD_CLIENT_GPU_TIER_H_
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -93,7 +96,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
                                                          const GpuTierOptions& options,
                                                          gpu::DeviceMemory slab = {});
   // Waits for copies in flight; gradient buffers still held are released
-  // unreturned.
+  // unreturned. In a process forked from the one that made it (a data
+  // loader's worker), it is its parent's: left alone, not even destroyed
+  // (its copies' threads are not in the child; its holds are the parent's).
   ~GpuTier() override;
 
   gpu::ParamCache& params() { return *params_; }
@@ -164,7 +169,8 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
         report_interval_(options.report_interval),
         own_depth_(options.params.prefetch_depth),
         own_bytes_(options.params.prefetch_bytes),
-        attached_(session->TierCount()) {
+        attached_(session->TierCount()),
+        owner_(getpid()) {
     attached_->fetch_add(1);
   }
   // Reports to the daemon if report_interval passed, and applies what it
@@ -198,6 +204,7 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // The session's count of tiers attached (Session::Close refuses while it
   // is above 0); held here, as the Session may go first.
   const std::shared_ptr<std::atomic<int>> attached_;
+  const pid_t owner_;  // the process that made it
   GpuTierNodeSettings node_ ABSL_GUARDED_BY(mu_);
   absl::Time last_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t reports_ ABSL_GUARDED_BY(mu_) = 0;

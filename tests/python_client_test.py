@@ -192,6 +192,26 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(offloadd.InvalidArgumentError):
             offloadd.open_device("emulated", max_copy_delay_us=-1)
         self.assertEqual(offloadd.open_device("emulated", max_copy_delay_us=0).name, "emulated")
+        # Arguments offloadd refuses are its errors, not the binding's
+        # (IndexError, ValueError) or a crash (a device of None).
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            offloadd.open_device("cuda:99999999999")
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.session.write_moments(p.id, 1, 0, torch.zeros(4, dtype=torch.float64).numpy(),
+                                       torch.zeros(4, dtype=torch.float64).numpy())
+        # A count past the partition: the daemon's refusal, before memory
+        # for it is asked for (2^40 floats: 4 TiB each).
+        with self.assertRaises(offloadd.InvalidArgumentError):
+            self.session.read_moments(p.id, 0, 1 << 40)
+        dev = offloadd.open_device("emulated", memory_bytes=1 << 20, max_copy_delay_us=0)
+        tier = offloadd.GpuTier(self.session, dev, budget_bytes=1 << 20, register_arena=False)
+        unit = tier.add_unit([(p.id, 40)])
+        for call in (lambda: tier.use(unit, 0, None), lambda: tier.done(unit, 0, None),
+                     lambda: tier.use_units([unit], 0, None), lambda: tier.invalidate(0, None),
+                     lambda: tier.add_gradient(p.id, 0, 40, 0, None)):
+            with self.assertRaises(TypeError):
+                call()
+        del tier
 
     @staticmethod
     def other_thread_ticks_during(call):
@@ -339,6 +359,51 @@ class PythonClientTest(unittest.TestCase):
         open_ids = [s["id"] for s in self.client.stats()["sessions"]]
         for i in ids:
             self.assertNotIn(i, open_ids)
+
+    def test_a_tier_collected_lets_its_copies_end_without_the_gil(self):
+        # A GpuTier's destructor waits for its copies in flight (here up to
+        # 300 ms each on the emulated device) and lets its holds go: another
+        # Python thread runs meanwhile.
+        n = 1 << 20
+        p = self.register("collected-tier", torch.ones(n))
+        dev = offloadd.open_device("emulated", memory_bytes=16 << 20, max_copy_delay_us=300000)
+        # (Each copy's delay is random: up to five tiers are tried.)
+        during, tries = 0, 0
+        while during == 0 and tries < 5:
+            tries += 1
+            holder = [offloadd.GpuTier(self.session, dev, budget_bytes=16 << 20,
+                                       register_arena=False, prefetch_depth=0)]
+            unit = holder[0].add_unit([(p.id, 4 * n)])
+            holder[0].begin_iteration()
+            holder[0].use(unit, 0, dev)  # its copy in flight
+            during = self.other_thread_ticks_during(holder.clear)
+        self.assertGreater(during, 0)
+
+    def test_a_forked_child_leaves_its_parents_tier_alone(self):
+        # A data loader's worker forked with a GpuTier in memory drops its
+        # copy when it ends: the parent's holds stay, its iteration ends.
+        import os
+        p = self.register("forked-tier", torch.ones(1024))
+        dev = offloadd.open_device("emulated", memory_bytes=1 << 20, max_copy_delay_us=0)
+        tier = offloadd.GpuTier(self.session, dev, budget_bytes=1 << 20, register_arena=False,
+                                hold_per_iteration=True)
+        unit = tier.add_unit([(p.id, 4096)])
+        tier.begin_iteration()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                del tier
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertTrue(os.WIFEXITED(status), f"the child died: status {status}")
+        self.assertEqual(os.WEXITSTATUS(status), 0)
+        tier.use(unit, 0, dev)
+        tier.done(unit, 0, dev)
+        tier.end_iteration()  # its holds were still its own
+        del tier
 
     def test_a_session_closed_by_two_threads_at_once(self):
         # Session is safe from several threads: two closing it at once both

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "client/client.h"
 #include "client/gpu_tier.h"
 #include "gpu/cuda_device.h"
@@ -97,8 +98,9 @@ auto Unlocked(F&& f) {
 // The Python Session's holder: a Session collected unclosed closes itself
 // in its destructor (a call to offloadd, its threads joined), which must
 // not hold every other Python thread up meanwhile.
+template <typename T>
 struct DeleteWithoutGil {
-  void operator()(Session* s) const {
+  void operator()(T* s) const {
     if (s == nullptr) return;
     if (PyGILState_Check()) {
       py::gil_scoped_release release;
@@ -108,7 +110,10 @@ struct DeleteWithoutGil {
     }
   }
 };
-using SessionHolder = std::unique_ptr<Session, DeleteWithoutGil>;
+using SessionHolder = std::unique_ptr<Session, DeleteWithoutGil<Session>>;
+// A GpuTier's destructor waits for its copies and lets its holds go (a call
+// to offloadd): the same.
+using TierHolder = std::unique_ptr<GpuTier, DeleteWithoutGil<GpuTier>>;
 
 SessionHolder Held(std::unique_ptr<Session> s) { return SessionHolder(s.release()); }
 
@@ -269,7 +274,9 @@ void BindGpu(py::module_& m) {
             Raise(absl::InvalidArgumentError(
                 "device must be 'cuda', 'cuda:N' or 'emulated', got '" + spec + "'"));
           }
-          if (!rest.empty()) ordinal = std::stoi(rest.substr(1));
+          if (!rest.empty() && !absl::SimpleAtoi(rest.substr(1), &ordinal)) {
+            Raise(absl::InvalidArgumentError("device ordinal out of range in '" + spec + "'"));
+          }
         } else {
           Raise(absl::InvalidArgumentError("device must be 'cuda', 'cuda:N' or 'emulated', got '" +
                                            spec + "'"));
@@ -284,7 +291,7 @@ void BindGpu(py::module_& m) {
       "so that streams complete out of order, 0 for none (profiling the trainer's thread)");
   m.def("built_with_cuda", &gpu::BuiltWithCuda);
 
-  py::class_<GpuTier, std::unique_ptr<GpuTier>>(m, "GpuTier")
+  py::class_<GpuTier, TierHolder>(m, "GpuTier")
       .def(py::init([](Session& session, std::shared_ptr<gpu::Device> device, uint64_t budget_bytes,
                        int prefetch_depth, uint64_t prefetch_bytes,
                        uint64_t persistence_threshold_bytes, uint64_t max_live_bytes,
@@ -309,8 +316,10 @@ void BindGpu(py::module_& m) {
                borrowed = gpu::DeviceMemory(device.get(), reinterpret_cast<void*>(slab), slab_bytes,
                                             /*owned=*/false);
              }
-             return Value(Unlocked(
-                 [&] { return GpuTier::Create(&session, device.get(), o, std::move(borrowed)); }));
+             return TierHolder(Value(Unlocked([&] {
+                                 return GpuTier::Create(&session, device.get(), o,
+                                                        std::move(borrowed));
+                               })).release());
            }),
            py::arg("session"), py::arg("device"), py::arg("budget_bytes") = 1ull << 30,
            py::arg("prefetch_depth") = 2, py::arg("prefetch_bytes") = 256ull << 20,
@@ -342,7 +351,7 @@ void BindGpu(py::module_& m) {
           [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
             return Value(Unlocked([&] { return t.params().Use(unit, StreamOf(*d, stream)); }));
           },
-          py::arg("unit"), py::arg("stream"), py::arg("device"),
+          py::arg("unit"), py::arg("stream"), py::arg("device").none(false),
           "the unit's tensors' byte offsets in the slab; `stream` waits for their copies")
       .def(
           "use_units",
@@ -350,7 +359,7 @@ void BindGpu(py::module_& m) {
              std::shared_ptr<gpu::Device> d) {
             return Value(Unlocked([&] { return t.params().Use(units, StreamOf(*d, stream)); }));
           },
-          py::arg("units"), py::arg("stream"), py::arg("device"),
+          py::arg("units"), py::arg("stream"), py::arg("device").none(false),
           "use of every unit named, in one call (their copies issued together): each one's "
           "offsets, as use's")
       .def(
@@ -366,20 +375,20 @@ void BindGpu(py::module_& m) {
           [](GpuTier& t, int unit, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
             Check(Unlocked([&] { return t.params().Done(unit, StreamOf(*d, stream)); }));
           },
-          py::arg("unit"), py::arg("stream"), py::arg("device"))
+          py::arg("unit"), py::arg("stream"), py::arg("device").none(false))
       .def(
           "done_units",
           [](GpuTier& t, const std::vector<int>& units, uintptr_t stream,
              std::shared_ptr<gpu::Device> d) {
             Check(Unlocked([&] { return t.params().Done(units, StreamOf(*d, stream)); }));
           },
-          py::arg("units"), py::arg("stream"), py::arg("device"))
+          py::arg("units"), py::arg("stream"), py::arg("device").none(false))
       .def(
           "invalidate",
           [](GpuTier& t, uintptr_t stream, std::shared_ptr<gpu::Device> d) {
             Check(Unlocked([&] { return t.params().Invalidate(StreamOf(*d, stream)); }));
           },
-          py::arg("stream"), py::arg("device"))
+          py::arg("stream"), py::arg("device").none(false))
       .def("synchronize",
            [](GpuTier& t) { Check(Unlocked([&] { return t.params().Synchronize(); })); })
       .def(
@@ -404,7 +413,7 @@ void BindGpu(py::module_& m) {
             }));
           },
           py::arg("partition_id"), py::arg("address"), py::arg("bytes"), py::arg("stream"),
-          py::arg("device"))
+          py::arg("device").none(false))
       .def(
           "add_gradients",
           [](GpuTier& t, const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& items,
@@ -416,7 +425,7 @@ void BindGpu(py::module_& m) {
             }
             Check(Unlocked([&] { return t.AddGradients(batch, StreamOf(*d, stream)); }));
           },
-          py::arg("items"), py::arg("stream"), py::arg("device"),
+          py::arg("items"), py::arg("stream"), py::arg("device").none(false),
           "add_gradient for several (partition_id, address, bytes), in order, at once")
       .def(
           "drop_gradients", [](GpuTier& t) { Check(Unlocked([&] { return t.DropGradients(); })); },
@@ -676,8 +685,8 @@ PYBIND11_MODULE(_offloadd, m) {
               if (info.itemsize != sizeof(float) ||
                   info.format != py::format_descriptor<float>::format() || info.ndim != 1 ||
                   info.strides[0] != static_cast<py::ssize_t>(sizeof(float))) {
-                throw py::value_error(std::string(name) +
-                                      " must be a contiguous 1-D buffer of float32");
+                Raise(absl::InvalidArgumentError(std::string(name) +
+                                                 " must be a contiguous 1-D buffer of float32"));
               }
               return absl::Span<const float>(static_cast<const float*>(info.ptr),
                                              static_cast<size_t>(info.shape[0]));
