@@ -1,6 +1,7 @@
 #include "daemon/daemon.h"
 
 #include <fcntl.h>
+#include <limits.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -77,14 +78,32 @@ int64_t MappingBudget(int64_t setting) {
 // memory.pool_dir belongs to the offloadd of one data directory (its first
 // start there writes which): another one's start would take the kept
 // memory there for litter, its sessions being kept in another directory.
+// The directory is checked first (this user's, writable by no one else),
+// and the marker read as a regular file of at most a path's length: no
+// FIFO, device or link another user planted stops or floods the start.
 absl::Status ClaimPoolDir(const std::string& pool_dir, const std::string& data_dir) {
+  RETURN_IF_ERROR(CheckPrivateDir(pool_dir));
   const std::string marker = absl::StrCat(pool_dir, "/data_dir");
   std::string owner;
-  if (std::ifstream in(marker); in.good()) {
-    owner.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  } else {
+  UniqueFd in(open(marker.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  if (in.valid()) {
+    struct stat st;
+    if (fstat(in.get(), &st) != 0) return PosixError(absl::StrCat("stat of ", marker), errno);
+    if (!S_ISREG(st.st_mode) || st.st_size > PATH_MAX) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(marker, " is not the file offloadd writes there: remove it"));
+    }
+    owner.resize(static_cast<size_t>(st.st_size));
+    size_t missing = 0;
+    if (int err = PreadAll(in.get(), owner.data(), owner.size(), 0, &missing); err > 0) {
+      return PosixError(absl::StrCat("reading ", marker), err);
+    }
+    owner.resize(owner.size() - missing);  // (shorter than it said: what was there)
+  } else if (errno == ENOENT) {
     RETURN_IF_ERROR(WriteFileAtomically(pool_dir, "data_dir", data_dir));
     owner = data_dir;
+  } else {
+    return PosixError(absl::StrCat("opening ", marker), errno);
   }
   if (owner != data_dir) {
     return absl::FailedPreconditionError(
@@ -127,6 +146,13 @@ Daemon::Daemon(DaemonOptions* options, ConfigRegistry* registry)
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                                                       ConfigRegistry* registry) {
   std::unique_ptr<Daemon> d(new Daemon(options, registry));
+  const ServerOptions& server = options->server;
+  // The data directory first: a second offloadd there touches nothing (not
+  // the pool's directory, the NVMe swap files, nor a socket it would judge
+  // stale) and names the first's pid.
+  RETURN_IF_ERROR(MakeDirs(server.data_dir));
+  RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
+  ASSIGN_OR_RETURN(d->data_dir_lock_, LockDataDir(server.data_dir));
   ASSIGN_OR_RETURN(d->host_home_pages_,
                    ResolveHostHomePages(options->memory.host_home_pages, DamonMonitors()));
   RETURN_IF_ERROR(CheckHostBudget(options->memory.host_budget_bytes, ReadMemoryLimit()));
@@ -173,13 +199,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   sessions.SetMaxSessions(options->server.max_sessions);
   sessions.SetMaxSessionsPerUser(options->server.max_sessions_per_user);
   sessions.SetCaptureThreads(static_cast<int>(options->checkpoint.write_threads));
-  const ServerOptions& server = options->server;
-  RETURN_IF_ERROR(MakeDirs(server.data_dir));
-  RETURN_IF_ERROR(CheckPrivateDir(server.data_dir));
   d->socket_path_ = server.socket.empty() ? SocketPathIn(server.data_dir) : server.socket;
-  // The data directory first: a second offloadd there touches nothing, not
-  // even a socket it would judge stale.
-  ASSIGN_OR_RETURN(d->data_dir_lock_, LockDataDir(server.data_dir));
   RETURN_IF_ERROR(ClaimSocketPath(d->socket_path_));
   // Sessions the previous offloadd kept when it stopped (Shutdown), before
   // any call or lease can reach them.
@@ -611,7 +631,11 @@ void Daemon::Shutdown() {
 }
 
 Daemon::~Daemon() {
-  if (server_ != nullptr) Shutdown();
+  if (server_ != nullptr) {
+    Shutdown();
+  } else if (!tcp_token_path_.empty()) {
+    unlink(tcp_token_path_.c_str());  // a start that failed after writing it
+  }
 }
 
 }  // namespace offload

@@ -60,6 +60,14 @@ absl::Status MakeDirs(const std::string& dir) {
 
 absl::Status CheckPrivateDir(const std::string& dir) {
   struct stat st;
+  // A link another user made (in a sticky /tmp, say) could be pointed
+  // elsewhere later: every path below goes through it.
+  if (lstat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("lstat ", dir), errno);
+  if (S_ISLNK(st.st_mode) && st.st_uid != geteuid() && st.st_uid != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " is a symbolic link uid ", st.st_uid, " made, not this user (uid ",
+                     geteuid(), "): it could point elsewhere later; use a directory of your own"));
+  }
   if (stat(dir.c_str(), &st) != 0) return PosixError(absl::StrCat("stat ", dir), errno);
   if (st.st_uid != geteuid() && st.st_uid != 0) {
     return absl::FailedPreconditionError(absl::StrCat(dir, " belongs to uid ", st.st_uid,

@@ -36,7 +36,8 @@ absl::Status MakeDirs(const std::string& dir);
 
 // FAILED_PRECONDITION unless `dir` is owned by this process's user (or root)
 // and writable by nobody else: another user who can write it could delete
-// or replace the sockets in it.
+// or replace the sockets in it. `dir` may be a symbolic link only of this
+// user's (or root's): another's could be pointed elsewhere later.
 absl::Status CheckPrivateDir(const std::string& dir);
 
 }  // namespace offload

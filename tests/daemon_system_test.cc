@@ -1917,15 +1917,26 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketRefusesToStart) {
 TEST_F(DaemonTest, ASecondDaemonOnTheSameDataDirRefusesToStart) {
   const std::string token = daemon_->data_dir() + "/tcp_token";
   const bool had_token = std::filesystem::exists(token);
-  auto result =
-      ::offload::testing::RunCommand({"daemon/offloadd", "--server.data_dir=" + daemon_->data_dir(),
-                                      "--server.socket=" + daemon_->data_dir() + "/second.sock"});
+  // Its own NVMe and pool directories: it touches neither (no swap file
+  // reserved there, no pool claimed) before it finds the data directory
+  // taken.
+  char nvme[] = "/var/tmp/offloadd_second_nvme.XXXXXX";
+  char pool[] = "/dev/shm/offloadd_second_pool.XXXXXX";
+  ASSERT_NE(mkdtemp(nvme), nullptr);
+  ASSERT_NE(mkdtemp(pool), nullptr);
+  RemoveOnExit remove_nvme(nvme), remove_pool(pool);
+  auto result = ::offload::testing::RunCommand(
+      {"daemon/offloadd", "--server.data_dir=" + daemon_->data_dir(),
+       "--server.socket=" + daemon_->data_dir() + "/second.sock",
+       std::string("--nvme.dirs=") + nvme, std::string("--memory.pool_dir=") + pool});
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->exit_code, 1);
   EXPECT_TRUE(absl::StrContains(
       result->output, "is in use by another offloadd (pid " + std::to_string(daemon_->pid())))
       << result->output;
   EXPECT_EQ(std::filesystem::exists(token), had_token);
+  EXPECT_TRUE(std::filesystem::is_empty(nvme));
+  EXPECT_TRUE(std::filesystem::is_empty(pool));
   EXPECT_TRUE(client_->GetStats().ok());
 }
 
@@ -1965,6 +1976,74 @@ TEST(DaemonStartup, ALogLineToAPipeNobodyReadsEndsNothing) {
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// memory.pool_dir is checked before anything in it is read: one others may
+// write is refused, and a marker that is not a file (a FIFO another user
+// planted before the directory was first made: the start hung on it; a
+// link to /dev/zero: it read until memory ran out) is named, not read. A
+// data directory that is another user's symbolic link is refused; a start
+// that fails after writing its TCP token (its port taken) removes it.
+TEST(DaemonStartup, ChecksWhatOthersCouldHavePlantedBeforeReadingIt) {
+  char dir[] = "/tmp/offloadd_planted.XXXXXX";
+  char pool[] = "/dev/shm/offloadd_planted_pool.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  ASSERT_NE(mkdtemp(pool), nullptr);
+  RemoveOnExit remove(dir), remove_pool(pool);
+  const std::string data_dir = std::string("--server.data_dir=") + dir + "/data";
+  auto start = [&](const std::vector<std::string>& flags) {
+    std::vector<std::string> argv = {"/usr/bin/timeout", "-s",    "KILL", "20",
+                                     "daemon/offloadd",  data_dir};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto r = ::offload::testing::RunCommand(argv);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : ::offload::testing::CommandResult{};
+  };
+  const std::string pool_flag = std::string("--memory.pool_dir=") + pool;
+  ASSERT_EQ(chmod(pool, 0777), 0);
+  auto open = start({pool_flag});
+  EXPECT_EQ(open.exit_code, 1) << open.output;
+  EXPECT_TRUE(absl::StrContains(open.output, "writable by other users")) << open.output;
+  ASSERT_EQ(chmod(pool, 0700), 0);
+  for (const char* planted : {"fifo", "/dev/zero"}) {
+    SCOPED_TRACE(planted);
+    const std::string marker = std::string(pool) + "/data_dir";
+    unlink(marker.c_str());
+    if (std::string(planted) == "fifo") {
+      ASSERT_EQ(mkfifo(marker.c_str(), 0600), 0);
+    } else {
+      ASSERT_EQ(symlink(planted, marker.c_str()), 0);
+    }
+    auto r = start({pool_flag});
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_TRUE(absl::StrContains(r.output, "data_dir")) << r.output;
+  }
+  // Another user's link as the data directory.
+  const std::string own = std::string(dir) + "/own";
+  ASSERT_EQ(mkdir(own.c_str(), 0700), 0);
+  const std::string link = std::string(dir) + "/link";
+  ASSERT_EQ(symlink(own.c_str(), link.c_str()), 0);
+  ASSERT_EQ(lchown(link.c_str(), 65534, 65534), 0);
+  auto linked = ::offload::testing::RunCommand(
+      {"/usr/bin/timeout", "-s", "KILL", "20", "daemon/offloadd", "--server.data_dir=" + link});
+  ASSERT_TRUE(linked.ok());
+  EXPECT_EQ(linked->exit_code, 1) << linked->output;
+  EXPECT_TRUE(absl::StrContains(linked->output, "is a symbolic link uid 65534 made"))
+      << linked->output;
+  // The TCP port taken: the start fails after writing its token.
+  const int taken = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(taken, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(taken, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  auto port = start({absl::StrCat("--server.tcp_port=", ntohs(addr.sin_port))});
+  close(taken);
+  EXPECT_EQ(port.exit_code, 1) << port.output;
+  EXPECT_FALSE(std::filesystem::exists(std::string(dir) + "/data/tcp_token"));
 }
 
 // Issue 11's known breaks: a socket path naming a regular file deleted it;
