@@ -109,6 +109,12 @@ absl::Status Zero3::ReduceScatter(uint64_t partition_id, const float* full, uint
                      ranks, " ranks"));
   }
   const uint64_t bytes = numel * sizeof(float);
+  // Called again after its bucket could not be issued (this gradient is
+  // queued, last): the bucket is issued, the gradient not queued twice.
+  if (pending_bytes_ >= options_.bucket_bytes && !pending_.empty() &&
+      pending_.back().id == partition_id && pending_.back().full == full) {
+    return Flush(compute);
+  }
   if (!pending_.empty() && pending_bytes_ + bytes > options_.bucket_bytes) {
     RETURN_IF_ERROR(Flush(compute));
   }

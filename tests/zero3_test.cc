@@ -263,6 +263,48 @@ TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
   EXPECT_EQ(ranks.comms[0]->collectives(), 1u) << "a stale bucket was issued again";
 }
 
+// A ReduceScatter whose bucket cannot be issued (no device memory for its
+// scratch buffer) leaves the gradient queued; the call made again, as the
+// header says, issues the bucket once (it was queued twice and issued
+// twice: the second collective this rank's alone, the daemon refusing the
+// gradient as already on its way).
+TEST_F(Zero3Test, AReduceScatterCalledAgainAfterItsBucketFailedIssuesItOnce) {
+  Ranks ranks = MakeRanks(1);
+  Session* s = ranks.sessions[0].get();
+  gpu::EmulatedDevice& dev = *ranks.devices[0];
+  constexpr uint64_t kSlice = 64;
+  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(s->Release(*p).ok());
+  GpuTierOptions tier_options;
+  tier_options.params.budget_bytes = 1 << 20;
+  auto tier = GpuTier::Create(s, &dev, tier_options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto zero3 = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(),
+                             {.bucket_bytes = 64, .hand_over = false});
+  ASSERT_TRUE(zero3.ok()) << zero3.status();
+  auto compute = dev.CreateStream();
+  ASSERT_TRUE(compute.ok());
+  auto grads = dev.Allocate(kSlice * sizeof(float));
+  ASSERT_TRUE(grads.ok());
+  float* g = static_cast<float*>(grads->get());
+  for (uint64_t i = 0; i < kSlice; ++i) g[i] = 0.5f;
+  auto free_bytes = dev.FreeBytes();
+  ASSERT_TRUE(free_bytes.ok());
+  auto hog = dev.Allocate(*free_bytes);  // no room left for the scratch buffer
+  ASSERT_TRUE(hog.ok()) << hog.status();
+  absl::Status first = (*zero3)->ReduceScatter(p->id, g, kSlice, *compute);
+  EXPECT_EQ(first.code(), absl::StatusCode::kResourceExhausted) << first;
+  EXPECT_EQ(ranks.comms[0]->collectives(), 0u);
+  hog->Reset();
+  ASSERT_TRUE((*zero3)->ReduceScatter(p->id, g, kSlice, *compute).ok());
+  auto returned = (*zero3)->FinishBackward(*compute);
+  ASSERT_TRUE(returned.ok()) << returned.status();
+  EXPECT_EQ(*returned, std::vector<uint64_t>{p->id});
+  EXPECT_EQ(ranks.comms[0]->collectives(), 1u);
+  EXPECT_EQ((*zero3)->stats().reduce_scatters, 1u);
+}
+
 // The C++ GPU demo: two ranks train the MLP with ZeRO-3 through offloadd
 // and lose as a single process training on the host does.
 TEST_F(Zero3Test, TheGpuDemoTrainsLikeTheHostInProcess) {

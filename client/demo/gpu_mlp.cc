@@ -187,6 +187,7 @@ absl::StatusOr<GpuTrainResult> TrainZero3(const MlpConfig& c, const GpuRank& r) 
                                         gpu::Direction::kDeviceToHost, compute));
     RETURN_IF_ERROR(r.device->Record(done, compute));
     RETURN_IF_ERROR(r.device->Synchronize(done));
+    RETURN_IF_ERROR(r.comm->Check());  // (a broken all-gather wrote nothing to use)
     double sum = 0;
     StepOptions options;
     if (ranks > 1) options.auto_checkpoint = false;
