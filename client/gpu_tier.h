@@ -144,6 +144,8 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
       bool wait, bool hand_over, const absl::flat_hash_map<uint64_t, GradientStats>& stats = {},
       const std::function<absl::Status()>& verify = nullptr);
   size_t gradients_pending() const { return drain_->pending(); }
+  // Of them, those whose copies have not completed (never blocks).
+  size_t gradients_in_flight() { return drain_->InFlight(); }
   // Waits for the gradient copies in flight and releases their buffers
   // unreturned (an iteration given up): their sources may be freed after.
   absl::Status DropGradients();

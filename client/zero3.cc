@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 
@@ -179,19 +180,54 @@ absl::Status Zero3::Flush(const gpu::Stream& compute) {
   return added;
 }
 
+absl::Status Zero3::Await(absl::string_view what, const std::function<bool()>& done) {
+  const absl::Time deadline = absl::Now() + options_.collective_timeout;
+  absl::Duration nap = absl::Microseconds(10);
+  absl::Status broken;
+  while (!done()) {
+    // Once broken (by NCCL's error or the timeout) the communicator is
+    // aborted: its kernels end, and so does this wait.
+    if (broken.ok()) broken = comm_->Check();
+    if (broken.ok() && absl::Now() > deadline) {
+      broken = absl::DeadlineExceededError(absl::StrCat(
+          comm_->name(), ": ", what, " did not complete within ",
+          absl::FormatDuration(options_.collective_timeout),
+          " (Zero3Options::collective_timeout): a rank died or hangs, or the ranks' calls "
+          "differ; the communicator is aborted"));
+      comm_->Abort(broken);
+    }
+    absl::SleepFor(nap);
+    nap = std::min(2 * nap, absl::Milliseconds(1));
+  }
+  return broken;
+}
+
 absl::Status Zero3::WaitFor(const gpu::Stream& compute) {
   ASSIGN_OR_RETURN(gpu::Event ran, device_->CreateEvent());
   RETURN_IF_ERROR(device_->Record(ran, compute));
-  return device_->Synchronize(ran);
+  absl::Status queried;
+  RETURN_IF_ERROR(Await("the reduce-scatter", [&] {
+    absl::StatusOr<bool> q = device_->Query(ran);
+    if (!q.ok()) queried = q.status();
+    return !q.ok() || *q;
+  }));
+  return queried;
 }
 
 absl::Status Zero3::Drain() {
   absl::Status drained;
   if (tier_->gradients_pending() > 0) {
+    // Waited for here, not in the tier: a reduce-scatter a peer never
+    // joins would hold the copies behind it for good.
+    const absl::Status waited = Await("the gradients' reduce-scatters and copies",
+                                      [this] { return tier_->gradients_in_flight() == 0; });
     // The slices were written by reduce-scatters: a communicator one of
     // them broke makes every copy of them garbage, handed to no step.
-    absl::StatusOr<std::vector<uint64_t>> ids = tier_->ReturnGradients(
-        /*wait=*/true, options_.hand_over, {}, [this] { return comm_->Check(); });
+    absl::StatusOr<std::vector<uint64_t>> ids =
+        tier_->ReturnGradients(/*wait=*/true, options_.hand_over, {}, [&]() -> absl::Status {
+          RETURN_IF_ERROR(waited);
+          return comm_->Check();
+        });
     if (ids.ok()) {
       stats_.gradients_returned += ids->size();
       returned_.insert(returned_.end(), ids->begin(), ids->end());

@@ -36,7 +36,10 @@
 // copies out of it completed: when it is full, ReduceScatter waits for
 // those copies (counted: scratch_waits).
 //
-// Errors: a collective that cannot be issued is returned by the call (a
+// Errors: a wait for a collective that does not complete within
+// Zero3Options::collective_timeout aborts the communicator
+// (DEADLINE_EXCEEDED), as below. A collective that cannot be issued is
+// returned by the call (a
 // bucket that cannot be is still queued, its gradients' `full` buffers
 // still read: make the call again, or Abandon the iteration); one
 // that fails while running breaks the communicator: the gradient slices it
@@ -56,11 +59,14 @@
 #define OFFLOADD_CLIENT_ZERO3_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "client/gpu_tier.h"
 #include "gpu/communicator.h"
@@ -79,6 +85,13 @@ struct Zero3Options {
   // Gradients are handed over to the daemon's step (see
   // Session::HandOverGradients) rather than returned.
   bool hand_over = true;
+  // The longest a wait for a collective's work (the gradient copies behind
+  // a reduce-scatter) goes on: past it the communicator is aborted (a peer
+  // that died or hangs, or ranks whose calls differ, would hold it for
+  // good: NCCL finds neither) and the call returns DEADLINE_EXCEEDED.
+  // Waits poll the communicator meanwhile: an error NCCL found ends them
+  // at once. (torch's NCCL timeout is 10 minutes too.)
+  absl::Duration collective_timeout = absl::Minutes(10);
 };
 
 struct Zero3Stats {
@@ -147,6 +160,10 @@ class Zero3 {
   absl::Status Drain();
   // Waits on the host for the work issued so far on `compute`.
   absl::Status WaitFor(const gpu::Stream& compute);
+  // Polls `done` until it is true, asking the communicator meanwhile;
+  // past collective_timeout aborts it. Returns why it broke, if it did
+  // (`what`: the work waited for, in the timeout's message).
+  absl::Status Await(absl::string_view what, const std::function<bool()>& done);
 
   GpuTier* const tier_;
   gpu::Device* const device_;

@@ -17,8 +17,9 @@
 //     later call returns that error, naming the collective. What it was to
 //     write is then undefined; what it reads is untouched. (NCCL reports
 //     what it detects, ncclCommGetAsyncError; a peer that dies without a
-//     network error may leave the collective waiting: the trainer's own
-//     timeout, as torch's NCCL watchdog, is what ends the job then.)
+//     network error may leave the collective waiting for good: whoever
+//     waits for it gives up after a timeout of its own and Aborts, as
+//     torch's NCCL watchdog does; client/zero3.h does for its waits.)
 //
 // Thread-safety: one thread issues a communicator's collectives (their
 // order is the contract between ranks).
@@ -69,6 +70,12 @@ class Communicator {
   // waited for, before they are used (a failed collective leaves what it
   // was to write undefined).
   virtual absl::Status Check() const = 0;
+  // Breaks the communicator for `why` (a wait for one of its collectives
+  // gave up): its collectives in flight end (what they were to write
+  // undefined: a wait for them then returns), and Check and every later
+  // call return `why`. Nothing if it is broken already. From the thread
+  // that issues.
+  virtual void Abort(absl::Status why) = 0;
 };
 
 }  // namespace offload::gpu

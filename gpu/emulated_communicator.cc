@@ -188,6 +188,12 @@ absl::Status EmulatedCommunicator::Check() const {
                       absl::StrCat(name(), ": broken by ", group_->broken.message()));
 }
 
+void EmulatedCommunicator::Abort(absl::Status why) {
+  absl::MutexLock lock(&group_->mu);
+  // (A collective waiting for the others sees it and ends.)
+  if (group_->broken.ok()) group_->broken = std::move(why);
+}
+
 absl::Status EmulatedCommunicator::Issue(Call call, const Stream& stream) {
   {
     absl::MutexLock lock(&group_->mu);

@@ -41,6 +41,7 @@ class EmulatedCommunicator final : public Communicator {
   std::string name() const override;
   absl::Status AllGather(absl::Span<const GatherItem> items, const Stream& stream) override;
   absl::Status Check() const override;
+  void Abort(absl::Status why) override;
   absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
                              const Stream& stream) override;
 

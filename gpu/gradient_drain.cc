@@ -185,6 +185,12 @@ std::vector<GradientDrain::Done> GradientDrain::Completed(bool wait) {
   return std::exchange(ready_, {});
 }
 
+size_t GradientDrain::InFlight() {
+  absl::MutexLock lock(&mu_);
+  Collect(/*wait=*/false, &ready_);
+  return in_flight_.size();
+}
+
 size_t GradientDrain::pending() const {
   absl::MutexLock lock(&mu_);
   return in_flight_.size() + ready_.size();

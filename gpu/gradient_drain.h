@@ -83,6 +83,9 @@ class GradientDrain {
   std::vector<Done> Completed(bool wait);
   // Copies added and not yet reported.
   size_t pending() const;
+  // Copies added and not complete yet (those complete wait to be
+  // reported); never blocks.
+  size_t InFlight();
   GradientDrainStats stats() const;
 
  private:

@@ -89,6 +89,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   absl::Status Check() const override { return Broken(name()); }
+  void Abort(absl::Status why) override { (void)AbortOnce(std::move(why)); }
 
   absl::Status ReduceScatter(absl::Span<const ScatterItem> items, ReduceOp op,
                              const Stream& stream) override {
@@ -128,8 +129,10 @@ class NcclCommunicator final : public Communicator {
     // A group that failed part way may be issued on the peers and not here:
     // the ranks' sequences no longer match, so nothing after it can be
     // trusted: aborted, as a communicator found broken.
-    if (first != ncclSuccess) return Abort(NcclError(context, first));
-    if (end != ncclSuccess) return Abort(NcclError(absl::StrCat(context, ": ncclGroupEnd"), end));
+    if (first != ncclSuccess) return AbortOnce(NcclError(context, first));
+    if (end != ncclSuccess) {
+      return AbortOnce(NcclError(absl::StrCat(context, ": ncclGroupEnd"), end));
+    }
     return absl::OkStatus();
   }
 
@@ -148,12 +151,12 @@ class NcclCommunicator final : public Communicator {
       return NcclError(absl::StrCat(context, ": ncclCommGetAsyncError"), r);
     }
     if (async == ncclSuccess || async == ncclInProgress) return absl::OkStatus();
-    return Abort(NcclError(absl::StrCat(context, ": the communicator is broken"), async));
+    return AbortOnce(NcclError(absl::StrCat(context, ": the communicator is broken"), async));
   }
 
   // Aborts the communicator (once) for `why`, which every later call
   // reports.
-  absl::Status Abort(absl::Status why) const {
+  absl::Status AbortOnce(absl::Status why) const {
     if (broken_.ok()) {
       broken_ = std::move(why);
       (void)SetDevice(ordinal_);

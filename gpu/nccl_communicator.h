@@ -19,10 +19,12 @@
 // broken (ncclCommGetAsyncError), or a group that failed part way (the
 // ranks' sequences no longer match), is aborted by the call or Check that
 // finds it (ncclCommAbort), and every later call returns that error; the
-// trainer's job is then over, as with NCCL in torch. (A wait already
-// blocked on a collective whose peer died is not freed by this: only a call
-// made meanwhile finds the break; a trainer that must not hang waits with a
-// timeout of its own, as torch's NCCL watchdog does.)
+// trainer's job is then over, as with NCCL in torch. A collective whose
+// peer died without a network error NCCL sees waits for good: a wait for it
+// polls (Check) and, past a timeout of its own, Aborts the communicator,
+// which ends its kernels (client/zero3.h does so for its waits,
+// Zero3Options::collective_timeout; a trainer's own waits on the stream
+// should do the same, as torch's NCCL watchdog does).
 #ifndef OFFLOADD_GPU_NCCL_COMMUNICATOR_H_
 #define OFFLOADD_GPU_NCCL_COMMUNICATOR_H_
 

@@ -263,6 +263,48 @@ TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
   EXPECT_EQ(ranks.comms[0]->collectives(), 1u) << "a stale bucket was issued again";
 }
 
+// A peer that never joins a reduce-scatter (died, hangs) holds it for good
+// on NCCL, which sees no error: Zero3's wait for it gives up after
+// collective_timeout and aborts the communicator, which ends the
+// collective; nothing of it reaches the daemon. (The emulated group's own
+// timeout is set far longer here, as NCCL has none.)
+TEST_F(Zero3Test, AWaitForACollectiveAPeerNeverJoinsGivesUpAndAborts) {
+  Ranks ranks = MakeRanks(2);
+  std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
+  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Minutes(10));
+  Session* s = ranks.sessions[0].get();
+  gpu::EmulatedDevice& dev = *ranks.devices[0];
+  constexpr uint64_t kSlice = 64;
+  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(s->Release(*p).ok());
+  GpuTierOptions tier_options;
+  tier_options.params.budget_bytes = 1 << 20;
+  auto tier = GpuTier::Create(s, &dev, tier_options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto zero3 = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(),
+                             {.hand_over = false, .collective_timeout = absl::Milliseconds(300)});
+  ASSERT_TRUE(zero3.ok()) << zero3.status();
+  auto compute = dev.CreateStream();
+  ASSERT_TRUE(compute.ok());
+  auto grads = dev.Allocate(2 * kSlice * sizeof(float));
+  ASSERT_TRUE(grads.ok());
+  float* g = static_cast<float*>(grads->get());
+  for (uint64_t i = 0; i < 2 * kSlice; ++i) g[i] = 1.0f;
+  ASSERT_TRUE((*zero3)->ReduceScatter(p->id, g, 2 * kSlice, *compute).ok());
+  const absl::Time began = absl::Now();
+  auto finished = (*zero3)->FinishBackward(*compute);  // rank 1 issues nothing
+  EXPECT_LT(absl::Now() - began, absl::Seconds(30));
+  EXPECT_EQ(finished.status().code(), absl::StatusCode::kDeadlineExceeded) << finished.status();
+  EXPECT_TRUE(absl::StrContains(finished.status().message(), "collective_timeout"))
+      << finished.status();
+  EXPECT_EQ(ranks.comms[0]->Check().code(), absl::StatusCode::kDeadlineExceeded);
+  auto pending = s->GetPendingGradients();
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->partitions, 0u) << "a collective that never ran reached the daemon";
+  EXPECT_EQ((*tier)->gradients_pending(), 0u);
+}
+
 // A ReduceScatter whose bucket cannot be issued (no device memory for its
 // scratch buffer) leaves the gradient queued; the call made again, as the
 // header says, issues the bucket once (it was queued twice and issued
