@@ -208,9 +208,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   // The automatic checkpoints' directory known before the kept sessions
   // are reopened: one that restored a lost session's checkpoint there goes
   // on removing it once two of its own are in.
-  if (options->checkpoint.dir.empty()) {
-    options->checkpoint.dir = absl::StrCat(server.data_dir, "/auto-checkpoints");
-  }
+  // (Resolved here, not in the setting: a reload of a config file that
+  // leaves it empty would see it changed.)
+  d->auto_checkpoint_dir_ = options->checkpoint.dir.empty()
+                                ? absl::StrCat(server.data_dir, "/auto-checkpoints")
+                                : options->checkpoint.dir;
   d->ApplyAutoCheckpoint();
   // Should the start fail after the kept sessions were reopened (a group
   // that does not exist, a port taken), they are kept again, as a stop
@@ -515,24 +517,25 @@ constexpr char kLostSinceFile[] = ".lost_since";
 }  // namespace
 
 absl::Status Daemon::StartAutoCheckpoints() {
-  const AutoCheckpointNodeOptions& o = options_->checkpoint;  // (its dir resolved by Start)
-  RETURN_IF_ERROR(MakeDirs(o.dir));
-  RETURN_IF_ERROR(CheckPrivateDir(o.dir));
+  const AutoCheckpointNodeOptions& o = options_->checkpoint;
+  const std::string& root = auto_checkpoint_dir_;
+  RETURN_IF_ERROR(MakeDirs(root));
+  RETURN_IF_ERROR(CheckPrivateDir(root));
   SessionManager& sessions = engine_->sessions();
   // What a crashed predecessor left: every directory no open session (one
   // kept across a restart) owns.
   absl::flat_hash_set<uint64_t> open;
   for (const SessionSummary& s : sessions.Sessions()) open.insert(s.id);
   int lost = 0;
-  for (const std::string& name : ListDirectory(o.dir)) {
+  for (const std::string& name : ListDirectory(root)) {
     if (absl::StrContains(name, SessionManager::kClosingSuffix)) {
       // A closed session's, renamed aside but not yet removed at the crash.
-      RemoveDirectoryOfFiles(absl::StrCat(o.dir, "/", name));
+      RemoveDirectoryOfFiles(absl::StrCat(root, "/", name));
       continue;
     }
     uint64_t id = 0;
     if (!absl::SimpleAtoi(name, &id) || open.contains(id)) continue;
-    const std::string dir = absl::StrCat(o.dir, "/", name);
+    const std::string dir = absl::StrCat(root, "/", name);
     if (sessions.RestoresAutomaticCheckpoint(dir)) continue;  // a reopened session's source
     absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
         checkpoint::ReadManifests(dir);
@@ -572,14 +575,14 @@ absl::Status Daemon::StartAutoCheckpoints() {
                          absl::UTCTimeZone()),
         dir, dir);
   }
-  if (lost > 0) LogInfo("%d lost session(s) can be resumed from %s", lost, o.dir);
+  if (lost > 0) LogInfo("%d lost session(s) can be resumed from %s", lost, root);
   return absl::OkStatus();
 }
 
 void Daemon::ApplyAutoCheckpoint() {
   const AutoCheckpointNodeOptions& o = options_->checkpoint;
   SessionManager::AutoCheckpointOptions a;
-  a.dir = o.dir;  // also while off: closing sessions remove theirs
+  a.dir = auto_checkpoint_dir_;  // also while off: closing sessions remove theirs
   a.every_steps = static_cast<uint64_t>(o.every_steps);
   a.interval = absl::Seconds(o.interval_seconds);
   engine_->sessions().SetAutoCheckpoint(a);

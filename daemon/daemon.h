@@ -87,6 +87,8 @@ class Daemon {
   std::unique_ptr<RingService> ring_service_;
   std::unique_ptr<Engine> engine_;
   std::string socket_path_;
+  // checkpoint.auto_dir, or its default in the data directory.
+  std::string auto_checkpoint_dir_;
   int tcp_port_ = -1;
   std::unique_ptr<ArenaChannel> arena_channel_;
   std::unique_ptr<AccessGuard> guard_;

@@ -2117,7 +2117,7 @@ TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
   ASSERT_TRUE(c.ok()) << c.status();
   std::ofstream(config, std::ios::trunc)
       << "optimizer:\n  threads: 2\nmemory:\n  lock_pool: true\ncheckpoint:\n"
-         "  auto_every_steps: 5\n  auto_interval_seconds: 10min\n";
+         "  auto_every_steps: 5\n  auto_interval_seconds: 10min\n  auto_dir: \"\"\n";
   ASSERT_EQ(kill((*d)->pid(), SIGHUP), 0);
   EXPECT_EQ(next(), "RELOADING=1");
   EXPECT_EQ(next(), "READY=1");
@@ -2130,6 +2130,8 @@ TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
   ASSERT_TRUE(
       (*d)->WaitForLog("refused (the value in force stays): checkpoint.auto_interval_").ok())
       << (*d)->ReadLog();
+  // Its default, unchanged, is not said to need a restart.
+  EXPECT_FALSE(absl::StrContains((*d)->ReadLog(), "checkpoint.auto_dir")) << (*d)->ReadLog();
   // A file that no longer parses changes nothing.
   std::ofstream(config, std::ios::trunc) << "optimizer: [\n";
   ASSERT_EQ(kill((*d)->pid(), SIGHUP), 0);
