@@ -90,6 +90,8 @@ def _local_cuda_impl(repository_ctx):
     lib_dir = None
     if not repository_ctx.path(path + "/include/cuda_runtime_api.h").exists:
         reason = "no include/cuda_runtime_api.h"
+    elif not repository_ctx.path(path + "/bin/nvcc").exists:
+        reason = "no bin/nvcc (the GPU demo's kernels need it)"
     else:
         lib_dir = _lib_dir(repository_ctx, path)
         if lib_dir == None:

@@ -309,9 +309,13 @@ class Harness {
   uint64_t partition_ = 0;
   uint64_t calls_ = 0;
   // Where every Checkpoint writes, whatever directory the input named.
+  // (Under $TMPDIR where set: tools/fuzz.sh points it at a directory it
+  // removes, as libFuzzer may end the process without running atexit.)
   std::string checkpoint_dir_ = [] {
-    char t[] = "/tmp/offloadd-fuzz-checkpoints.XXXXXX";
-    return std::string(mkdtemp(t) ? t : "/tmp");
+    const char* tmp = std::getenv("TMPDIR");
+    std::string t = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
+                    "/offloadd-fuzz-checkpoints.XXXXXX";
+    return std::string(mkdtemp(t.data()) ? t : "/tmp");
   }();
 };
 

@@ -7,7 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 fmt=$(command -v clang-format-14 || command -v clang-format || true)
 [[ -n $fmt ]] || { echo "format: no clang-format (tools/setup.sh installs clang-format-14)" >&2; exit 1; }
-mapfile -t files < <(git ls-files '*.cc' '*.h' '*.cu')
+# (A failing git, or none, is a failure, not "0 files as .clang-format says".)
+listed=$(git ls-files '*.cc' '*.h' '*.cu') || { echo "format: git ls-files failed" >&2; exit 1; }
+mapfile -t files <<<"$listed"
+[[ -n $listed ]] || { echo "format: git lists no C++ source here" >&2; exit 1; }
 if [[ ${1:-} == --check ]]; then
   bad=()
   for f in "${files[@]}"; do

@@ -23,12 +23,13 @@ CC=clang-14 CXX=clang++-14 bazel --output_base="$out_base" --max_idle_secs=60 bu
 bin="$(CC=clang-14 bazel --output_base="$out_base" --max_idle_secs=60 info --repo_env=CC=clang-14 bazel-bin 2>/dev/null)"
 scratch=$(mktemp -d /tmp/offloadd-fuzz.XXXXXX)
 trap 'rm -rf "$scratch"' EXIT
-cp fuzz/corpus/request/* "$scratch/"
+mkdir "$scratch/corpus" "$scratch/tmp"
+cp fuzz/corpus/request/* "$scratch/corpus/"
 # A crash or hang leaves its input here (not in the repository).
 artifacts=/tmp/offloadd-fuzz-artifacts
 mkdir -p "$artifacts"
-LSAN_OPTIONS="suppressions=$(pwd)/fuzz/lsan.supp" \
+TMPDIR="$scratch/tmp" LSAN_OPTIONS="suppressions=$(pwd)/fuzz/lsan.supp" \
   "$bin/fuzz/request_fuzzer_libfuzzer" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=4096 \
   -artifact_prefix="$artifacts/" \
-  -print_final_stats=1 "$scratch" 2>&1 | grep -vE '^#[0-9]+\s+(NEW|REDUCE|pulse)' || exit 1
+  -print_final_stats=1 "$scratch/corpus" 2>&1 | grep -vE '^#[0-9]+\s+(NEW|REDUCE|pulse)' || exit 1
 echo "fuzz: request_fuzzer ran ${seconds}s without a crash"

@@ -23,7 +23,7 @@ dest=${1:?usage: tools/gpu_bundle.sh DEST [PYTHON_INCLUDE_DIR]}
 pyinc=${2:-/usr/local/include/python3.12}
 [[ -f $pyinc/Python.h ]] || { echo "no Python.h in $pyinc" >&2; exit 2; }
 cd "$(dirname "$0")/.."
-base=/root/.cache/offloadd-py$(basename "$pyinc" | tr -cd 0-9)
+base=${XDG_CACHE_HOME:-$HOME/.cache}/offloadd-py$(basename "$pyinc" | tr -cd 0-9)
 targets=(//daemon:offloadd //client:offloadctl //client/python:package //tests:wait_for_daemon
          //benches:step_overlap //benches:load //benches:out_of_core_step //benches:cpu_adam
          //benches:nvme //benches:trace_replay //benches:gpu_copy //benches:shares //gpu:cuda_device_test

@@ -8,7 +8,9 @@ packages=(
   libgrpc++-dev libprotobuf-dev libabsl-dev libtbb-dev liburing-dev
   libyaml-cpp-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-torch python3-tqdm python3-matplotlib fio libcpp-httplib-dev
-  clang-14 libfuzzer-14-dev  # tools/fuzz.sh: the libFuzzer targets in fuzz/
+  clang-14 libfuzzer-14-dev libclang-rt-14-dev  # tools/fuzz.sh: the libFuzzer targets in fuzz/ (the sanitizer runtimes are a Recommends of clang's)
+  git  # tools/format.sh lists the tracked files
+  systemd procps  # tests/package_test.sh: systemd-analyze, the targets the unit names, /bin/kill
   clang-format-14  # tools/format.sh: the house style
   lintian dpkg-dev  # tools/package.sh and its test: the .deb, checked
   tmux  # offloadctl top, tested in a terminal as a person sees it

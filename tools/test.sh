@@ -22,7 +22,9 @@ fi
 trap '[[ -z $shmem_was ]] || echo "$shmem_was" >"$shmem"' EXIT
 
 log=$(mktemp)
-bazel test //... --test_summary=short 2>&1 | tee "$log"
+# (--keep_going: a target that fails to build does not stop the others'
+# tests, and is counted failed.)
+bazel test //... --keep_going --test_summary=short 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 
 passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
