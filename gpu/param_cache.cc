@@ -243,8 +243,9 @@ void ParamCache::Evict(int index) {
 absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint64_t limit,
                                            const std::vector<int>& keep) {
   const uint64_t rounded = Rounded(bytes);
+  bool capped = true;  // max_live_bytes holds (until nothing else can give way)
   for (;;) {
-    const bool over_live = !persistent && live_bytes_ + rounded > options_.max_live_bytes;
+    const bool over_live = capped && !persistent && live_bytes_ + rounded > options_.max_live_bytes;
     if (!over_live) {
       if (std::optional<uint64_t> offset = TakeRange(rounded)) {
         if (!persistent) live_bytes_ += rounded;
@@ -282,6 +283,13 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       std::shared_ptr<Batch> b = in_flight_.front();
       in_flight_.pop_front();
       FinishBatch(*b, device_->Synchronize(b->done));
+      continue;
+    }
+    if (victim < 0 && over_live) {
+      // Every non-persistent tensor resident is in use or in flight: the
+      // cap gives way (the one in use must be there).
+      capped = false;
+      ++stats_.over_live_cap;
       continue;
     }
     if (victim < 0) {

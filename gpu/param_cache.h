@@ -31,7 +31,11 @@
 // not valid; the host copy is intact). Nothing is lost in either case.
 //
 // Budget: the slab is all the device memory the cache uses; max_live_bytes
-// bounds the non-persistent bytes resident in it. A unit larger than what
+// bounds the non-persistent bytes resident in it, where it can: a use it
+// would refuse because every such tensor resident is in use or in flight
+// (a parent module's own parameters while a child's are gathered) goes
+// past it (counted: over_live_cap), as DeepSpeed fetches what a module
+// needs whatever stage3_max_live_parameters says. A unit larger than what
 // can be made free (everything not in use) is RESOURCE_EXHAUSTED.
 //
 // Thread-safety: all methods are safe from any thread (one lock); a unit's
@@ -121,6 +125,7 @@ struct ParamCacheStats {
   uint64_t invalidations = 0;
   uint64_t copy_failures = 0;
   uint64_t off_trace_uses = 0;  // uses the recorded order did not predict
+  uint64_t over_live_cap = 0;   // tensors placed past max_live_bytes (see Budget)
   uint64_t resident_bytes = 0;
   uint64_t peak_resident_bytes = 0;
   uint64_t budget_bytes = 0;

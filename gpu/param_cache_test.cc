@@ -539,6 +539,28 @@ TEST_F(ParamCacheTest, PersistentTensorsStayAndLiveBytesAreCapped) {
   EXPECT_LE(s.peak_resident_bytes, 4 * 512 + (16 << 10));
 }
 
+// A cap on live bytes smaller than what is in use at once (a parent's own
+// tensors while a child's are gathered) gives way rather than refuse the
+// use; once they are released it holds again (evictions, not growth).
+TEST_F(ParamCacheTest, TheLiveCapGivesWayToWhatIsInUseAtOnce) {
+  auto cache = ParamCache::Create(
+      &device_, &source_,
+      {.budget_bytes = 64 << 10, .prefetch_depth = 0, .max_live_bytes = 16 << 10});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 3, 1, 16 << 10);
+  (*cache)->BeginIteration();
+  auto parent = (*cache)->Use(0, host_);
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  auto child = (*cache)->Use(1, host_);  // the parent still in use
+  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_TRUE((*cache)->Done(1, host_).ok());
+  ASSERT_TRUE((*cache)->Done(0, host_).ok());
+  EXPECT_EQ((*cache)->stats().over_live_cap, 1u);
+  UseAndCheck(**cache, 2, 1);  // nothing in use: the cap holds again
+  EXPECT_EQ((*cache)->stats().over_live_cap, 1u);
+  EXPECT_GE((*cache)->stats().evictions, 1u);
+}
+
 // Units used in one call (a trainer whose budget holds them all, at its
 // iteration's start): their copies are one batch (one hold of the host's
 // bytes), a tensor two of them share is copied once, and each unit sees its

@@ -234,15 +234,15 @@ py::dict TierStatsDict(const GpuTierStats& s) {
       "h2d_bytes"_a = p.h2d_bytes, "h2d_staged_bytes"_a = p.staged_bytes,
       "evictions"_a = p.evictions, "invalidations"_a = p.invalidations,
       "h2d_failures"_a = p.copy_failures, "off_trace_uses"_a = p.off_trace_uses,
-      "resident_bytes"_a = p.resident_bytes, "peak_resident_bytes"_a = p.peak_resident_bytes,
-      "budget_bytes"_a = p.budget_bytes, "d2h_copies"_a = s.gradients.copies,
-      "d2h_bytes"_a = s.gradients.d2h_bytes, "d2h_staged_bytes"_a = s.gradients.staged_bytes,
-      "d2h_host_waits"_a = s.gradients.host_waits, "d2h_failures"_a = s.gradients.copy_failures,
-      "gradients_returned"_a = s.gradients_returned, "dma_regions"_a = s.dma.regions,
-      "dma_bytes"_a = s.dma.bytes, "dma_failed_regions"_a = s.dma.failed_regions,
-      "dma_register_us"_a = s.dma.register_us, "daemon_calls"_a = s.daemon_calls,
-      "daemon_us"_a = s.daemon_us, "reports"_a = s.reports, "prefetch_depth"_a = s.prefetch_depth,
-      "prefetch_bytes"_a = s.prefetch_bytes);
+      "over_live_cap"_a = p.over_live_cap, "resident_bytes"_a = p.resident_bytes,
+      "peak_resident_bytes"_a = p.peak_resident_bytes, "budget_bytes"_a = p.budget_bytes,
+      "d2h_copies"_a = s.gradients.copies, "d2h_bytes"_a = s.gradients.d2h_bytes,
+      "d2h_staged_bytes"_a = s.gradients.staged_bytes, "d2h_host_waits"_a = s.gradients.host_waits,
+      "d2h_failures"_a = s.gradients.copy_failures, "gradients_returned"_a = s.gradients_returned,
+      "dma_regions"_a = s.dma.regions, "dma_bytes"_a = s.dma.bytes,
+      "dma_failed_regions"_a = s.dma.failed_regions, "dma_register_us"_a = s.dma.register_us,
+      "daemon_calls"_a = s.daemon_calls, "daemon_us"_a = s.daemon_us, "reports"_a = s.reports,
+      "prefetch_depth"_a = s.prefetch_depth, "prefetch_bytes"_a = s.prefetch_bytes);
 }
 
 void BindGpu(py::module_& m) {

@@ -405,4 +405,4 @@ def _fields():
     return "\n".join(lines) + "\n"
 
 
-__doc__ += _fields()
+__doc__ = (__doc__ or "") + _fields()  # (None under python -OO)
