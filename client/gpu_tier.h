@@ -146,6 +146,12 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   size_t gradients_pending() const { return drain_->pending(); }
   // Of them, those whose copies have not completed (never blocks).
   size_t gradients_in_flight() { return drain_->InFlight(); }
+  // How the host waits for the tier's copies (both ways; see
+  // gpu::HostWait); null: the device's Synchronize.
+  void SetHostWait(const gpu::HostWait& wait) {
+    drain_->SetHostWait(wait);
+    params_->SetHostWait(wait);
+  }
   // Waits for the gradient copies in flight and releases their buffers
   // unreturned (an iteration given up): their sources may be freed after.
   absl::Status DropGradients();

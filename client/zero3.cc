@@ -31,7 +31,20 @@ absl::StatusOr<std::unique_ptr<Zero3>> Zero3::Create(GpuTier* tier, gpu::Device*
   if (options.bucket_bytes == 0) {
     return absl::InvalidArgumentError("Zero3: bucket_bytes must be positive");
   }
-  return std::unique_ptr<Zero3>(new Zero3(tier, device, comm, options));
+  std::unique_ptr<Zero3> zero3(new Zero3(tier, device, comm, options));
+  // The tier's host waits, too, may sit behind a collective (its copies
+  // behind the reduce-scatter that wrote them, or the all-gather that read
+  // a unit's slices): they poll the communicator and time out as Zero3's.
+  tier->SetHostWait([z = zero3.get()](const gpu::Event& event) {
+    absl::Status queried;
+    absl::Status broken = z->Await("a copy behind a collective", [&] {
+      absl::StatusOr<bool> done = z->device_->Query(event);
+      if (!done.ok()) queried = done.status();
+      return !done.ok() || *done;
+    });
+    return broken.ok() ? queried : broken;
+  });
+  return zero3;
 }
 
 Zero3::~Zero3() {
@@ -41,6 +54,7 @@ Zero3::~Zero3() {
       LogWarning("Zero3: dropping the unfinished iteration's gradients: %s", s.ToString());
     }
   }
+  tier_->SetHostWait(nullptr);
 }
 
 absl::StatusOr<int> Zero3::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> slices) {
@@ -211,7 +225,7 @@ absl::Status Zero3::WaitFor(const gpu::Stream& compute) {
     if (!q.ok()) queried = q.status();
     return !q.ok() || *q;
   }));
-  return queried;
+  return queried;  // (the same as the tier's host wait, on `compute`)
 }
 
 absl::Status Zero3::Drain() {

@@ -154,6 +154,7 @@ class Zero3 {
   };
   Zero3(GpuTier* tier, gpu::Device* device, gpu::Communicator* comm, const Zero3Options& options)
       : tier_(tier), device_(device), comm_(comm), options_(options) {}
+
   // Reduce-scatters the queued gradients and gives their slices to the tier.
   absl::Status Flush(const gpu::Stream& compute);
   // Waits for every gradient slice given to the tier, and returns them.

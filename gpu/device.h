@@ -29,6 +29,7 @@
 #define OFFLOADD_GPU_DEVICE_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -141,6 +142,12 @@ class Device {
   // Gives back what a Handle owned. Must not fail; logs if the device does.
   virtual void Destroy(Kind kind, void* handle, uint64_t bytes) = 0;
 };
+
+// How a component waits on the host for an event its copies need (behind
+// them, on another stream, may be a collective a peer never joins): the
+// device's Synchronize by default; client/zero3 gives one that polls its
+// communicator and gives up after a timeout (aborting it).
+using HostWait = std::function<absl::Status(const Event&)>;
 
 template <Kind K>
 void Handle<K>::Reset() {

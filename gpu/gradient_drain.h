@@ -87,6 +87,9 @@ class GradientDrain {
   // reported); never blocks.
   size_t InFlight();
   GradientDrainStats stats() const;
+  // How the host waits for copies (see HostWait); null: the device's
+  // Synchronize.
+  void SetHostWait(HostWait wait);
 
  private:
   struct Copy {
@@ -126,6 +129,7 @@ class GradientDrain {
   PinnedMemory staging_;
 
   mutable absl::Mutex mu_;
+  HostWait host_wait_ ABSL_GUARDED_BY(mu_);
   std::deque<std::unique_ptr<Copy>> in_flight_ ABSL_GUARDED_BY(mu_);
   std::vector<Copy*> open_ ABSL_GUARDED_BY(mu_);  // in in_flight_, not yet sealed
   std::vector<Done> ready_ ABSL_GUARDED_BY(mu_);  // collected, not yet reported

@@ -282,7 +282,7 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       // A use waits for copies in flight (prefetches) to free their room.
       std::shared_ptr<Batch> b = in_flight_.front();
       in_flight_.pop_front();
-      FinishBatch(*b, device_->Synchronize(b->done));
+      FinishBatch(*b, host_wait_ ? host_wait_(b->done) : device_->Synchronize(b->done));
       continue;
     }
     if (victim < 0 && over_live) {
@@ -322,7 +322,7 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
       const uint64_t chunk = std::min(capacity, e.bytes - done);
       if (staging_head_ + chunk > capacity) {
         RETURN_IF_ERROR(device_->Record(fence_, copy_stream_));
-        absl::Status s = device_->Synchronize(fence_);
+        absl::Status s = host_wait_ ? host_wait_(fence_) : device_->Synchronize(fence_);
         staging_head_ = 0;
         if (!s.ok()) {
           // A copy before the fence failed: which one is not known, so
@@ -480,7 +480,7 @@ void ParamCache::Reap(bool wait) {
     std::shared_ptr<Batch> b = in_flight_.front();
     absl::Status status;
     if (wait) {
-      status = device_->Synchronize(b->done);
+      status = host_wait_ ? host_wait_(b->done) : device_->Synchronize(b->done);
     } else {
       absl::StatusOr<bool> done = device_->Query(b->done);
       if (done.ok() && !*done) break;
@@ -727,6 +727,11 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   for (Unit& u : units_) u.released_recorded = false;
   ++stats_.invalidations;
   return absl::OkStatus();
+}
+
+void ParamCache::SetHostWait(HostWait wait) {
+  absl::MutexLock lock(&mu_);
+  host_wait_ = std::move(wait);
 }
 
 absl::Status ParamCache::Synchronize() {

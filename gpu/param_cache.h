@@ -192,6 +192,9 @@ class ParamCache {
   absl::Status Synchronize();
 
   void SetPrefetch(int depth, uint64_t bytes);
+  // How the host waits for copies in flight (see HostWait); null: the
+  // device's Synchronize.
+  void SetHostWait(HostWait wait);
   // Every key declared, once each.
   std::vector<uint64_t> Keys() const;
   ParamCacheStats stats() const;
@@ -299,6 +302,7 @@ class ParamCache {
   PinnedMemory staging_;
 
   mutable absl::Mutex mu_;
+  HostWait host_wait_ ABSL_GUARDED_BY(mu_);
   ParamCacheOptions options_ ABSL_GUARDED_BY(mu_);
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int> by_key_ ABSL_GUARDED_BY(mu_);

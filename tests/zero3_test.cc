@@ -305,6 +305,47 @@ TEST_F(Zero3Test, AWaitForACollectiveAPeerNeverJoinsGivesUpAndAborts) {
   EXPECT_EQ((*tier)->gradients_pending(), 0u);
 }
 
+// The same through staged copies (the session's memory not registered for
+// DMA: state on NVMe): the tier's own host waits for a staging buffer
+// smaller than a slice sit behind the reduce-scatter too, and time out as
+// Zero3's do.
+TEST_F(Zero3Test, StagedCopiesBehindACollectiveAPeerNeverJoinsTimeOutToo) {
+  Ranks ranks = MakeRanks(2);
+  std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
+  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Minutes(10));
+  Session* s = ranks.sessions[0].get();
+  gpu::EmulatedDevice& dev = *ranks.devices[0];
+  constexpr uint64_t kSlice = 1 << 19;  // 2 MiB, twice the staging buffer (its least: 1 MiB)
+  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(s->Release(*p).ok());
+  GpuTierOptions tier_options;
+  tier_options.params.budget_bytes = 1 << 20;
+  tier_options.register_arena = false;
+  tier_options.gradient_staging_bytes = 1 << 20;
+  auto tier = GpuTier::Create(s, &dev, tier_options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  auto zero3 = Zero3::Create(
+      tier->get(), &dev, ranks.comms[0].get(),
+      {.bucket_bytes = 1024, .hand_over = false, .collective_timeout = absl::Milliseconds(300)});
+  ASSERT_TRUE(zero3.ok()) << zero3.status();
+  auto compute = dev.CreateStream();
+  ASSERT_TRUE(compute.ok());
+  auto grads = dev.Allocate(2 * kSlice * sizeof(float));
+  ASSERT_TRUE(grads.ok());
+  float* g = static_cast<float*>(grads->get());
+  for (uint64_t i = 0; i < 2 * kSlice; ++i) g[i] = 1.0f;
+  const absl::Time began = absl::Now();
+  absl::Status scattered = (*zero3)->ReduceScatter(p->id, g, 2 * kSlice, *compute);
+  absl::Status finished = scattered.ok() ? (*zero3)->FinishBackward(*compute).status() : scattered;
+  EXPECT_LT(absl::Now() - began, absl::Seconds(30));
+  EXPECT_EQ(finished.code(), absl::StatusCode::kDeadlineExceeded) << finished;
+  EXPECT_TRUE(absl::StrContains(finished.message(), "collective_timeout")) << finished;
+  auto pending = s->GetPendingGradients();
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->partitions, 0u);
+}
+
 // A ReduceScatter whose bucket cannot be issued (no device memory for its
 // scratch buffer) leaves the gradient queued; the call made again, as the
 // header says, issues the bucket once (it was queued twice and issued
