@@ -51,6 +51,9 @@ RingServer::~RingServer() {
 
 void RingServer::Stop(ring::ClosedReason why) {
   if (stopping_.exchange(true)) return;
+  // A WaitForReset waits on reset_mu_'s condition: taken, it looks again
+  // (stopping_ changed outside it: it slept its whole timeout).
+  { absl::MutexLock wake(&reset_mu_); }
   layout()->closed_reason = why;
   layout()->state.store(ring::kClosed, std::memory_order_seq_cst);
   ring::FutexWake(&layout()->state);

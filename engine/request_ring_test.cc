@@ -209,6 +209,36 @@ TEST(RequestRing, AResetCallIsAbortedUnansweredAndTheRingServesOn) {
   EXPECT_EQ(second.status.message(), "second");
 }
 
+// A resuming trainer waiting for the reset while the session is closed
+// (its ring stopped) is told at once, not at the end of its wait.
+TEST(RequestRing, AStopWakesAWaitForTheReset) {
+  absl::Notification entered, release;
+  LoneRing r([&](const RingRequest&) {
+    entered.Notify();
+    release.WaitForNotification();
+    return RingAnswer{absl::OkStatus(), {}, {}};
+  });
+  ring::Client::Answer first;
+  std::thread caller([&] {
+    first = r.client->Call(ring::kFetch, 0, {{1, 0, 0, 0}}, absl::Seconds(30));
+  });
+  entered.WaitForNotification();
+  r.server->Reset([] {});
+  absl::Notification woke;
+  std::thread waiter([&] {
+    r.server->WaitForReset(absl::Seconds(20));
+    woke.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  std::thread stopper([&] { r.server->Stop(); });  // (joins the call's thread: after it)
+  EXPECT_TRUE(woke.WaitForNotificationWithTimeout(absl::Seconds(5)))
+      << "the wait slept on while the ring stopped";
+  release.Notify();
+  caller.join();
+  stopper.join();
+  waiter.join();
+}
+
 // Drain (offloadd keeping its sessions as it stops): a call being served
 // when it begins is answered, not cut off; the next call finds the ring
 // closed; Stop afterwards changes nothing.

@@ -226,6 +226,10 @@ SessionManager::~SessionManager() {
   for (const auto& s : sessions) {
     if (s->ring != nullptr) s->ring->Stop(ring::kDaemonStopping);
   }
+  // An overlapped step or a measurement still queued or running holds a
+  // call's reference to its session, whose end locks this manager: they
+  // end first (the runner outlives the manager).
+  steps_->Quiesce();
 }
 
 absl::StatusOr<OpenedSession> SessionManager::Open(
@@ -1625,6 +1629,13 @@ absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   std::string kept_dir;
   {
     absl::MutexLock lock(&mu_);
+    // Closed meanwhile (its lease ran out, a new session of its name took
+    // it over, a Close): no resume of it can attach.
+    auto found = sessions_.find(key.id);
+    if (found == sessions_.end() || found->second != session) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", key.id, " was closed while it was being resumed; open a new one"));
+    }
     // The lease starts again: the trainer attaches next (no takeover
     // meanwhile).
     if (session->detached_since.has_value()) {

@@ -969,6 +969,45 @@ class StepGate {
   absl::Notification reached_, release_;
 };
 
+// An overlapped step holds a call's reference to its session, whose end
+// locks the session manager: the manager, going (the daemon stopping while
+// training), waits for the step runner to let every such step go
+// (StepRunner::Quiesce); before, the runner's worker ran the step to its
+// end after the manager was freed.
+TEST(SessionManagerEnd, WaitsForTheOverlappedStepsItStarted) {
+  const std::string tmp = getenv("TEST_TMPDIR");
+  TestEngine engine(tmp + "/nvme_quiesce", 64 << 20);
+  SessionManager& sessions = *engine.sessions;
+  auto opened = sessions.Open("t");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const SessionKey key = opened->key;
+  auto p = sessions.Register(key, {"w", 4096, DType::kFp32, DType::kFp32});
+  ASSERT_TRUE(p.ok()) << p.status();
+  FetchMode with_grads;
+  with_grads.grads = true;
+  ASSERT_TRUE(sessions.Fetch(key, {p->id}, with_grads).ok());
+  ASSERT_TRUE(sessions.ReturnGradients(key, p->id, 4096, DType::kFp32).ok());
+  ASSERT_TRUE(sessions.Release(key, {p->id}).ok());
+  StepGate gate(StepPoint::kOptimized);
+  engine.steps->SetSyncPointForTesting([&gate](StepPoint point) { gate(point); });
+  StepControl overlapped;
+  overlapped.overlap = true;
+  ASSERT_TRUE(sessions.Step(key, AdamHyperparams{}, overlapped).ok());
+  gate.AwaitReached();
+  std::atomic<bool> quiet{false};
+  std::thread waiter([&] {
+    engine.steps->Quiesce();
+    quiet = true;
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  EXPECT_FALSE(quiet.load()) << "quiet while a step ran";
+  gate.Release();
+  waiter.join();
+  EXPECT_TRUE(quiet.load());
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(sessions.WaitStep(key).ok());
+}
+
 class SessionManagerRaceTest : public SessionManagerTest {
  protected:
   // Registers "w" with gradients returned and starts a step that stops at

@@ -101,11 +101,13 @@ void StepRunner::Measurer() {
     if (measures_.empty()) return;
     Measure m = std::move(measures_.front());
     measures_.pop_front();
+    ++running_;
     mu_.Unlock();
     Sync(StepPoint::kMeasuring);
     AccumulateChunks(*m.set, m.item).IgnoreError();  // recorded in the set (GradState::kLost)
     m = Measure{};                                   // the session may go now, outside the lock
     mu_.Lock();
+    --running_;
   }
 }
 
@@ -159,6 +161,15 @@ StepRunner::~StepRunner() {
   measurer_.join();  // and the measurements
 }
 
+void StepRunner::Quiesce() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](StepRunner* r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return r->jobs_.empty() && r->measures_.empty() && r->running_ == 0;
+      },
+      this));
+}
+
 void StepRunner::Worker() {
   absl::MutexLock lock(&mu_);
   for (;;) {
@@ -169,11 +180,13 @@ void StepRunner::Worker() {
     if (jobs_.empty()) return;
     Job job = std::move(jobs_.front());
     jobs_.pop_front();
+    ++running_;
     mu_.Unlock();
     absl::StatusOr<StepSummary> result = Execute(*job.set, job.h, std::move(job.prepared));
     job.done(std::move(result));
     job = Job{};  // the session may go now, outside the lock
     mu_.Lock();
+    --running_;
   }
 }
 

@@ -123,6 +123,12 @@ class StepRunner {
   // Runs the overlapped steps already started to their end.
   ~StepRunner();
 
+  // Returns once no overlapped step or measurement is queued or running:
+  // what they keep alive (a session and its manager's call reference) is
+  // let go. The owner of those (SessionManager) calls it before it goes,
+  // once nothing starts more.
+  void Quiesce() ABSL_LOCKS_EXCLUDED(mu_);
+
   // How sessions stepping at once share the optimizer (by their stores'
   // share_weight), and what each used.
   OptimizerShares& shares() { return shares_; }
@@ -225,6 +231,7 @@ class StepRunner {
   std::function<void(StepPoint)> sync_point_ ABSL_GUARDED_BY(mu_);
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::deque<Measure> measures_ ABSL_GUARDED_BY(mu_);
+  int running_ ABSL_GUARDED_BY(mu_) = 0;  // jobs and measures taken, not yet let go
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;
   std::thread measurer_;  // handed-over gradients, measured in order
