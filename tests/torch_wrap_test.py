@@ -1213,6 +1213,53 @@ class WrapInProcessTest(unittest.TestCase):
             mine.load_state_dict(bad)
         mine.close()
 
+    def test_a_failing_sys_exit_counts_as_unfinished(self):
+        # SystemExit never reaches sys.excepthook: a script that ends with
+        # sys.exit(1) after an error closed its sessions as finished, and
+        # with resume "auto" its automatic checkpoints went. sys.exit with a
+        # failure code counts as unfinished now; 0 and None do not.
+        import subprocess
+        for code, seen in (("1", "True"), ("'bad input'", "True"), ("0", "False"),
+                           ("", "False")):
+            script = ("import atexit, sys\n"
+                      "import offloadd.torch as t\n"
+                      "t._UncaughtWatch.install()\n"
+                      "atexit.register(lambda: print('seen', t._UncaughtWatch.seen))\n"
+                      f"sys.exit({code})\n")
+            out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                 env=dict(os.environ))
+            self.assertIn(f"seen {seen}", out.stdout, (code, out.stdout, out.stderr))
+
+    def test_an_optimizer_state_dict_keeps_its_groups_keys_and_takes_empty_state(self):
+        # torch's load_state_dict takes each saved group whole: an lr
+        # scheduler's initial_lr (which a scheduler made with last_epoch
+        # needs) and a user's own keys come back; a parameter whose state is
+        # {} (torch leaves one where opt.state[p] was only read) starts
+        # afresh (a KeyError before).
+        import torch
+        ref = self.mlp()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=10)
+        x = torch.randn(4, 8)
+        for _ in range(2):
+            ref(x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        sd = ref_opt.state_dict()
+        sd["param_groups"][0]["my_scale"] = 7
+        sd["state"][1] = {}
+        model, mine = self.wrap(self.mlp())
+        model.load_state_dict(ref.state_dict())
+        mine.load_state_dict(sd)
+        self.assertEqual(mine.param_groups[0]["initial_lr"], 1e-2)
+        self.assertEqual(mine.param_groups[0]["my_scale"], 7)
+        self.assertTrue(mine.param_groups[0]["adamw"])
+        torch.optim.lr_scheduler.CosineAnnealingLR(mine, T_max=10, last_epoch=1)
+        state = mine.state_dict()["state"]
+        self.assertNotIn(1, state)  # afresh
+        self.assertEqual(float(state[0]["step"]), 2.0)
+        mine.close()
+
     def test_a_jobs_share_weight_reaches_the_daemon(self):
         import offloadd
         model, opt = self.wrap(self.mlp(), zero={"share_weight": 5})

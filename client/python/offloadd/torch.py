@@ -1608,8 +1608,11 @@ class _Engine:
 
 
 class _UncaughtWatch:
-    """Whether an exception ended the program (sys.excepthook ran), for
-    exit-time closes: a job that died of one did not finish."""
+    """Whether an exception ended the program (sys.excepthook ran) or it
+    called sys.exit with a failure (a code other than 0 or None: SystemExit
+    never reaches the excepthook), for exit-time closes: such a job did not
+    finish. (A SystemExit raised by hand is not seen; os._exit closes
+    nothing.)"""
     seen = False
     _installed = False
 
@@ -1624,6 +1627,14 @@ class _UncaughtWatch:
             cls.seen = True
             previous(kind, value, tb)
         sys.excepthook = hook
+        previous_exit = sys.exit
+
+        def exit_(status=None):
+            if status is not None and status != 0:
+                cls.seen = True
+            previous_exit(status)
+        exit_.__doc__ = previous_exit.__doc__
+        sys.exit = exit_
 
 
 class _TierGuard:
@@ -2427,7 +2438,10 @@ class Optimizer(torch.optim.Optimizer):
         weight decay). Every rank calls it. The weights are the model's
         (model.load_state_dict)."""
         e = self._engine
-        groups, saved = state_dict["param_groups"], state_dict["state"]
+        groups = state_dict["param_groups"]
+        # (A parameter whose state is {}, as reading torch's opt.state[p]
+        # leaves it, has none: it starts afresh.)
+        saved = {k: v for k, v in state_dict["state"].items() if v}
         if len(groups) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
             raise offloadd.InvalidArgumentError(
@@ -2471,11 +2485,12 @@ class Optimizer(torch.optim.Optimizer):
         finally:
             if delayed:
                 e.session.set_delayed_update(True)
-        # The saved hyperparameters (torch's own keys such as amsgrad, which
-        # this optimizer's groups lack, stay out).
+        # The saved group as torch takes it: every key but the parameters
+        # (an lr scheduler's initial_lr, a user's own, torch's flags), this
+        # optimizer's adamw kept where the saved one (torch's) has none.
         for g, mine in zip(groups, self.param_groups):
             for k, v in g.items():
-                if k != "params" and k in mine:
+                if k != "params":
                     mine[k] = v
 
     def _write_moments(self, s, st):
