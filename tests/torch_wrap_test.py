@@ -1213,6 +1213,52 @@ class WrapInProcessTest(unittest.TestCase):
             mine.load_state_dict(bad)
         mine.close()
 
+    def test_a_checkpointed_modules_recompute_keeps_its_own_copy_of_the_parameters(self):
+        # torch.utils.checkpoint (use_reentrant=False) runs the block again
+        # in backward and saves its parameters' values for the block's
+        # backward, which comes after the GPU tier's unit is done: with the
+        # tier not resident, those are a copy of their own (on a GPU a
+        # prefetch issued after Done could overwrite the slab while the
+        # backward reads it). Trains as torch does.
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(32, 32)
+                self.b = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                self.c = torch.nn.Linear(32, 1)
+
+            def forward(self, x):
+                return self.c(checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=False))
+
+        def make():
+            torch.manual_seed(0)
+            return Net()
+        ref = make()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        model, opt = self.wrap(make(), {"lr": 1e-2},
+                               {"gpu": {"device": "emulated", "budget_bytes": 6000}})
+        tier = model.offloadd.tier
+        self.assertFalse(tier.resident)
+        in_slab = []
+        model.b[0].register_forward_pre_hook(lambda m, args: in_slab.append(
+            (torch.is_grad_enabled(), tier._in_slab(m.weight.data_ptr()))))
+        gen = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            x = torch.randn(4, 32, generator=gen)
+            ref(x).pow(2).mean().backward()
+            ropt.step()
+            ropt.zero_grad()
+            opt.backward(model(x).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        self.assertEqual(len(in_slab), 6)  # the forward and the recompute, three times
+        self.assertEqual(in_slab[1::2], [(True, False)] * 3, in_slab)
+        self.assert_weights(model, ref.state_dict())
+        opt.close()
+
     def test_a_failing_sys_exit_counts_as_unfinished(self):
         # SystemExit never reaches sys.excepthook: a script that ends with
         # sys.exit(1) after an error closed its sessions as finished, and

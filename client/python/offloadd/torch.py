@@ -1871,6 +1871,12 @@ class _GpuTier:
 
     def gather(self, need):
         e = self.e
+        # A module run again in backward (activation checkpointing's
+        # recompute: outside the model's forward, with grad) saves the
+        # values for its own backward, which runs after the unit's Done: a
+        # copy of their own, not slab memory a copy issued after Done (a
+        # prefetch, the next unit) may take while that backward reads it.
+        recompute = e._forward_depth == 0 and torch.is_grad_enabled()
         by_unit = {}
         for s in need:
             by_unit.setdefault(s.unit, []).append(s)
@@ -1892,6 +1898,8 @@ class _GpuTier:
             else:
                 fulls = [full.to(s.dtype) for s, full in zip(ss, e.all_gather(ss, locals_))]
             for s, full in zip(ss, fulls):
+                if recompute and self._in_slab(full.data_ptr()):
+                    full = full.clone()
                 s.param.data = full[: s.numel].view(s.shape)
                 s.gathered = True
                 rec["gathered"] += 1
