@@ -98,6 +98,19 @@ class TorchWrapTest(unittest.TestCase):
                 return json.load(f), outputs, codes
         return None, outputs, codes
 
+    def test_ranks_whose_backwards_differ_are_refused_not_mixed(self):
+        # A module used on one rank and another of the same shape on the
+        # other: their gradients met in one averaging collective, silently
+        # mixed. Every rank checks in that collective that all added the same
+        # parameters, and all raise alike.
+        sc = dict(BASE, steps=2, model="rank_branch", one_group=True)
+        _, outputs, codes = self.run_ranks(sc, 2, expect_ok=False)
+        self.assertEqual(len(codes), 2)
+        for code, out in zip(codes, outputs):
+            self.assertNotEqual(code, 0, out)
+            self.assertIn("FailedPreconditionError", out)
+            self.assertIn("must run the same modules", out)
+
     def test_two_ranks_go_on_after_offloadd_is_killed_at_random_points(self):
         # kill -9 of offloadd at random moments under a 2-rank job; this test
         # is the supervisor that starts offloadd again, and, as torchrun

@@ -41,6 +41,27 @@ class TorchEncoderLM(torch.nn.Module):
                                                  y.reshape(-1))
 
 
+class RankBranchLM(torch.nn.Module):
+    """A model whose forward runs a different module on each rank (same
+    shapes): what DistributedDataParallel refuses (scenario model
+    "rank_branch")."""
+
+    def __init__(self, vocab, dim, rank):
+        super().__init__()
+        self.rank = rank
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.a = torch.nn.Linear(dim, dim)
+        self.b = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = torch.tanh(self.a(h) if self.rank == 0 else self.b(h))
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 y.reshape(-1))
+
+
 def train(sc, rank, world, use_offloadd):
     torch.manual_seed(sc.get("seed", 0))
     device = torch.device(sc.get("device", "cpu"))
@@ -49,6 +70,8 @@ def train(sc, rank, world, use_offloadd):
     text = gpt.Text(sc.get("text", "/usr/share/common-licenses/GPL-3"))
     if sc.get("model") == "torch_encoder":
         model = TorchEncoderLM(text.vocab, sc["context"], sc["dim"], sc["layers"]).to(device)
+    elif sc.get("model") == "rank_branch":
+        model = RankBranchLM(text.vocab, sc["dim"], rank).to(device)
     else:
         model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"],
                         heads=2).to(device)

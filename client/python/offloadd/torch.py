@@ -75,6 +75,7 @@ import os
 import sys
 import time
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -224,7 +225,19 @@ class _ReduceBucket:
     gloo, which has none, an all-reduce) leaves each rank its averaged
     slices side by side. Every rank adds the same gradients in the same
     order (backward's), so every rank reaches each collective. A gradient
-    is copied in when it comes: none is kept alive for the bucket."""
+    is copied in when it comes: none is kept alive for the bucket.
+
+    That every rank did is checked in the same collective: SIGNATURE columns
+    past the gradients hold, in every row, the bytes of a checksum of the
+    bucket's parameters and their squares; summed over the ranks, (sum)^2
+    equals world x (sum of squares) for every byte only where every rank's
+    was the same (a model whose modules differ by rank, as DDP refuses, would
+    otherwise average one parameter's gradient into another's of the same
+    size, silently). Every rank sees the same sums, so all raise alike. The
+    sums are looked at once a backward (verify(), at its end, where the host
+    waits for the device anyway), not at each collective."""
+
+    SIGNATURE = 8  # four bytes of the checksum, and their squares
 
     def __init__(self, engine, elements):
         self.e = engine
@@ -232,6 +245,7 @@ class _ReduceBucket:
         self.buf = None  # world x columns (or one larger parameter's slice), zeros past `used`
         self.entries = {}  # id(shard) -> (shard, its first column), in the order added
         self.used = 0
+        self.checks = []  # (what, names, the signature's sums), for verify()
 
     def add(self, s, grad):
         """Takes `s`'s full gradient; returns [(shard, its averaged slice)]
@@ -247,7 +261,7 @@ class _ReduceBucket:
             # reduce_bucket_size of 5e8 must not allocate 2 GB for a small one.
             model = sum(x.slice_numel for x in self.e.shards if x.in_optimizer)
             self.columns = max(1, min(self.columns, model))
-        need = max(self.columns, s.slice_numel)
+        need = max(self.columns, s.slice_numel) + self.SIGNATURE
         if self.buf is None or self.buf.device != comm or self.buf.shape[1] < need:
             self.buf = torch.zeros(self.e.world, need, dtype=torch.float32, device=comm)
         flat = grad.detach().reshape(-1)
@@ -269,13 +283,21 @@ class _ReduceBucket:
         e = self.e
         entries, used = list(self.entries.values()), self.used
         self.entries, self.used = {}, 0
-        src = self.buf[:, :used]
+        checked = e.world <= 256  # (the sums exact in fp32: 256 x 256^2 = 2^24)
+        cols = used + (self.SIGNATURE if checked else 0)
+        if checked:
+            # (By name: partition ids are each rank's own session's.)
+            crc = zlib.crc32("\0".join(f"{s.name}:{s.slice_numel}" for s, _ in entries).encode())
+            digits = [float((crc >> (8 * i)) & 0xff) + 1 for i in range(4)]
+            self.buf[:, used:cols] = torch.tensor(digits + [d * d for d in digits],
+                                                  dtype=torch.float32)
+        src = self.buf[:, :cols]
         what = f"reduce-scatter of '{entries[0][0].name}'" + (
             f" and {len(entries) - 1} more gradient(s)" if len(entries) > 1 else "")
         try:
             if e.backend == "nccl":
                 src = src.contiguous()
-                mine = torch.empty(used, dtype=torch.float32, device=src.device)
+                mine = torch.empty(cols, dtype=torch.float32, device=src.device)
                 if hasattr(dist, "reduce_scatter_tensor"):
                     e._collective(what, lambda: dist.reduce_scatter_tensor(
                         mine, src.view(-1), group=e.group))
@@ -283,19 +305,40 @@ class _ReduceBucket:
                     e._collective(what, lambda: dist.reduce_scatter(
                         mine, list(src.unbind(0)), group=e.group))
             else:
-                src = src.contiguous() if used < self.buf.shape[1] else src.clone()
+                src = src.contiguous() if cols < self.buf.shape[1] else src.clone()
                 e._collective(what, lambda: dist.all_reduce(src, group=e.group))
                 mine = src[e.rank]
         finally:
-            self.buf[:, :used].zero_()
+            self.buf[:, :cols].zero_()
         e.counts["reduce_collectives"] += 1
-        mine.div_(e.world)
+        if checked:
+            self.checks.append((what, [s.name for s, _ in entries[:4]] + (
+                ["..."] if len(entries) > 4 else []), mine[used:cols].clone()))
+        mine = mine[:used].div_(e.world)
         return [(s, mine[at:at + s.slice_numel]) for s, at in entries]
+
+    def verify(self):
+        """Raises if a collective since the last verify() found that the
+        ranks added different parameters (see the class)."""
+        checks, self.checks = self.checks, []
+        if not checks:
+            return
+        sums = torch.stack([c[2] for c in checks]).double().tolist()  # (one wait for the device)
+        world = self.e.world
+        for (what, names, _), row in zip(checks, sums):
+            if any(row[i] * row[i] != world * row[4 + i] for i in range(4)):
+                raise offloadd.FailedPreconditionError(
+                    f"the ranks' {what} differ: this rank's holds {', '.join(names)}, another's "
+                    "other parameters. Every rank must run the same modules with gradients in "
+                    "the same order in each backward (as DistributedDataParallel requires): a "
+                    "module used on some ranks only, or control flow that differs by rank, mixes "
+                    "one parameter's gradient into another's")
 
     def discard(self):
         if self.entries:
             self.buf[:, :self.used].zero_()
         self.entries, self.used = {}, 0
+        self.checks = []
 
 
 class _OffloadedParameter(torch.nn.Parameter):
@@ -1282,8 +1325,10 @@ class _Engine:
             start = time.perf_counter()
             self.tier.flush_gradients()
             self.timings["return"] += time.perf_counter() - start
-            return
-        self._flush_returns()
+        else:
+            self._flush_returns()
+        if self._reduce is not None:
+            self._reduce.verify()  # (before any step can take them)
 
     def _flush_returns(self):
         if not self._returns:
