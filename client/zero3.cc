@@ -54,6 +54,10 @@ Zero3::~Zero3() {
       LogWarning("Zero3: dropping the unfinished iteration's gradients: %s", s.ToString());
     }
   }
+  // Copies in flight (a prefetch behind an all-gather a peer never joins)
+  // waited for while the wait still times out, not in the tier's
+  // destructor, which would wait for good.
+  (void)tier_->params().Synchronize();
   tier_->SetHostWait(nullptr);
 }
 

@@ -1330,29 +1330,35 @@ absl::StatusOr<std::optional<AccumulateItem>> PartitionStore::BeginReclaim(uint6
 void PartitionStore::EndAccumulate(const AccumulateItem& item, const absl::Status& outcome,
                                    const GradStats& stats, uint64_t chunks_done) {
   std::vector<Swapper::Pin> handed_back;
+  // (The buffer's bytes dropped while the partition is still accumulating:
+  // once it is not, a step may consume it and the trainer hand over new
+  // gradients in the buffer, which a Discard after would lose.)
+  auto end = [&] {
+    absl::MutexLock lock(&mu_);
+    Find(item.id)->accumulating = false;
+    step_ended_.SignalAll();
+  };
   if (item.reclaim) {
-    {
-      absl::MutexLock lock(&mu_);
-      Partition* p = Find(item.id);
-      p->accumulating = false;
-      // On success the accumulator holds what the buffer held (the same
-      // statistics); on failure the buffer still does.
-      if (outcome.ok()) p->gradients = GradState::kAccumulated;
-      step_ended_.SignalAll();
+    if (outcome.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        // The accumulator holds what the buffer held (the same statistics).
+        Find(item.id)->gradients = GradState::kAccumulated;
+      }
+      for (uint64_t c = 0; c < item.chunks; ++c) {
+        swapper_->Discard(PartitionStore::BlockOf(item.id, c, PartitionStore::kGradsBlock))
+            .IgnoreError();
+      }
     }
-    if (!outcome.ok()) return;
-    for (uint64_t c = 0; c < item.chunks; ++c) {
-      swapper_->Discard(PartitionStore::BlockOf(item.id, c, PartitionStore::kGradsBlock))
-          .IgnoreError();
-    }
+    end();  // (on failure the buffer still holds them)
     return;
   }
   {
     absl::MutexLock lock(&mu_);
     Partition* p = Find(item.id);
-    p->accumulating = false;
-    step_ended_.SignalAll();
     if (!outcome.ok()) {
+      p->accumulating = false;
+      step_ended_.SignalAll();
       // A first micro-batch that failed left the accumulator to be
       // overwritten again; an addition that failed midway left some chunks
       // added and some not. A measurement in the background was answered
@@ -1370,14 +1376,16 @@ void PartitionStore::EndAccumulate(const AccumulateItem& item, const absl::Statu
     handed_back = std::move(p->grad_pins);
     p->grad_pins.clear();
   }
-  handed_back.clear();         // unpinned outside the lock
-  if (item.hand_over) return;  // the step reads them there
-  // The trainer's gradients are in the accumulator now: the buffer's bytes
-  // are dead (no write-back if it rests on NVMe).
-  for (uint64_t c = 0; c < item.chunks; ++c) {
-    swapper_->Discard(PartitionStore::BlockOf(item.id, c, PartitionStore::kGradsBlock))
-        .IgnoreError();
+  handed_back.clear();    // unpinned outside the lock
+  if (!item.hand_over) {  // (handed over: the step reads them there)
+    // The trainer's gradients are in the accumulator now: the buffer's
+    // bytes are dead (no write-back if it rests on NVMe).
+    for (uint64_t c = 0; c < item.chunks; ++c) {
+      swapper_->Discard(PartitionStore::BlockOf(item.id, c, PartitionStore::kGradsBlock))
+          .IgnoreError();
+    }
   }
+  end();
 }
 
 PendingGradients PartitionStore::Pending() const {

@@ -285,9 +285,10 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       FinishBatch(*b, host_wait_ ? host_wait_(b->done) : device_->Synchronize(b->done));
       continue;
     }
-    if (victim < 0 && over_live) {
+    if (victim < 0 && over_live && limit == kNever) {
       // Every non-persistent tensor resident is in use or in flight: the
-      // cap gives way (the one in use must be there).
+      // cap gives way for a use (the one in use must be there), never for a
+      // prefetch (which stops there).
       capped = false;
       ++stats_.over_live_cap;
       continue;
@@ -416,7 +417,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     if (!s.ok()) {
       // Copies already issued may still read: wait for them, then undo.
       (void)device_->Record(fence_, copy_stream_);
-      (void)device_->Synchronize(fence_);
+      (void)(host_wait_ ? host_wait_(fence_) : device_->Synchronize(fence_));
       undo();
       (void)source_->Release(batch->keys);
       return s;
@@ -430,7 +431,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     // for as far as the device lets us, then given up (their holds let go,
     // the next use copies again) rather than left in flight for good.
     (void)device_->Record(fence_, copy_stream_);
-    (void)device_->Synchronize(fence_);
+    (void)(host_wait_ ? host_wait_(fence_) : device_->Synchronize(fence_));
     FinishBatch(*batch, recorded);
     return recorded;
   }

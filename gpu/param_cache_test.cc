@@ -561,6 +561,22 @@ TEST_F(ParamCacheTest, TheLiveCapGivesWayToWhatIsInUseAtOnce) {
   EXPECT_GE((*cache)->stats().evictions, 1u);
 }
 
+// ... for a use only: a prefetch stops at the cap (it gave way for
+// prefetches too, each one unit past it, the cap plus the depth resident).
+TEST_F(ParamCacheTest, APrefetchStopsAtTheLiveCap) {
+  auto cache = ParamCache::Create(
+      &device_, &source_,
+      {.budget_bytes = 64 << 10, .prefetch_depth = 2, .max_live_bytes = 16 << 10});
+  ASSERT_TRUE(cache.ok());
+  Declare(**cache, 4, 1, 16 << 10);
+  for (int it = 0; it < 3; ++it) {  // the first records the order, the others prefetch along it
+    (*cache)->BeginIteration();
+    for (int u = 0; u < 4; ++u) UseAndCheck(**cache, u, 1);
+  }
+  EXPECT_EQ((*cache)->stats().over_live_cap, 0u);
+  EXPECT_LE((*cache)->stats().peak_resident_bytes, uint64_t{16} << 10);
+}
+
 // Units used in one call (a trainer whose budget holds them all, at its
 // iteration's start): their copies are one batch (one hold of the host's
 // bytes), a tensor two of them share is copied once, and each unit sees its
