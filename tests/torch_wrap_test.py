@@ -1272,6 +1272,21 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(model, ref.state_dict())
         opt.close()
 
+    def test_a_model_whose_optimizer_closed_says_so(self):
+        # After optimizer.close() the parameters' values are gone with the
+        # session: a forward, state_dict(), load_state_dict() and another
+        # wrap() say so (they failed against a closed session, or said the
+        # model is wrapped already).
+        import torch
+        import offloadd
+        model, opt = self.wrap(self.mlp())
+        saved = model.state_dict()
+        opt.close()
+        for call in (lambda: model(torch.randn(2, 8)), model.state_dict,
+                     lambda: model.load_state_dict(saved), lambda: self.wrap(model)):
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError, "was closed"):
+                call()
+
     def test_a_failing_sys_exit_counts_as_unfinished(self):
         # SystemExit never reaches sys.excepthook: a script that ends with
         # sys.exit(1) after an error closed its sessions as finished, and

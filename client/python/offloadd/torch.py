@@ -551,6 +551,7 @@ class _Engine:
         self._originals = {}  # id(param) -> its data, until wrap() succeeds
         self._model = model
         self._forward_depth = 0
+        self.closed = False  # optimizer.close(): the values went with the session
         try:
             self._register(model)
             if self.resumed_step:
@@ -1462,6 +1463,7 @@ class _Engine:
         forward = model.forward
 
         def forward_with_saved_params(*args, **kwargs):
+            engine.check_open()
             if engine._forward_depth == 0:
                 # What a pass that raised left behind.
                 engine._sweep_queued = False
@@ -1488,6 +1490,7 @@ class _Engine:
         def full_state(module, state, prefix, local_metadata):
             # Gathers every parameter in a fixed order (a collective: every
             # rank calls state_dict()), the newest weights.
+            self.check_open()
             keys = self._keys(module, prefix)
             if self.config["state_dict"] == "master":
                 for key in sorted(keys):
@@ -1512,6 +1515,7 @@ class _Engine:
         # parameters, whole ones: every parameter is gathered first, and
         # written back to the daemon afterwards as its master weights.
         def gather_for_load(state_dict, prefix, *_):
+            self.check_open()
             self._load_prefix = prefix
             self.gather_all_for_load()
 
@@ -1624,7 +1628,12 @@ class _Engine:
                 self._regather(getattr(self, "_gathered_before_load", []))
             self._gathered_before_load = []
 
+    def check_open(self):
+        if self.closed:
+            raise offloadd.FailedPreconditionError(_CLOSED)
+
     def _before_forward(self, own):
+        self.check_open()
         for s in own:
             s.refs += 1
         self.gather(own)
@@ -1638,6 +1647,7 @@ class _Engine:
     def close(self, finished=True):
         """Closes the session. finished=False (a failure unwinding): with
         resume "auto", its automatic checkpoints stay for the restart."""
+        self.closed = True
         self.free_all()
         self._returns = []
         self._held_views = None
@@ -1650,6 +1660,11 @@ class _Engine:
         """The GPU tier's counters (bytes each way, prefetch hits, waits,
         DMA registration), or None where it does not run."""
         return self.tier.stats() if self.tier is not None else None
+
+
+_CLOSED = ("this model's optimizer was closed: its parameters' values went with its offloadd "
+           "session (save model.state_dict() before optimizer.close(), and load it into a fresh "
+           "model to go on)")
 
 
 class _UncaughtWatch:
@@ -2804,6 +2819,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                                                 0.01 if adamw else 0.0),
                 "adamw": adamw}
     if hasattr(model, "offloadd"):
+        if model.offloadd.closed:
+            raise offloadd.FailedPreconditionError(_CLOSED)
         raise offloadd.InvalidArgumentError("the model is wrapped already")
     # As torch.optim takes them: tensors, or dicts of param groups.
     groups = list(a["params"]) if "params" in a else list(model.parameters())
