@@ -80,6 +80,9 @@ struct PartitionStore::Partition {
   // before it: a trainer that goes away first (DropHolds) leaves them so.
   bool loading = false;
   MasterState before_load = MasterState::kUnset;
+  // Releases committing its initial values or a load (outside the lock):
+  // DropHolds waits for them (the trainer released: the load is whole).
+  int committing = 0;
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   MasterState master = MasterState::kUnset;
@@ -988,14 +991,35 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
     for (Partition* p : which) {
       if (p->master == MasterState::kInitPending) commits.push_back(p);
       if (p->master_from_working) reloads.push_back(p);
+      if (p->master == MasterState::kInitPending || p->master_from_working) ++p->committing;
     }
   }
+  auto committed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (Partition* p : which) {
+      if (std::find(commits.begin(), commits.end(), p) != commits.end() ||
+          std::find(reloads.begin(), reloads.end(), p) != reloads.end()) {
+        --p->committing;
+      }
+    }
+    step_ended_.SignalAll();
+  };
   // Outside the lock (swap-ins); the partitions stay held meanwhile.
-  for (Partition* p : commits) RETURN_IF_ERROR(CommitMasterInit(*p));
-  for (Partition* p : reloads) RETURN_IF_ERROR(MasterFromWorking(*p));
+  absl::Status commit;
+  for (Partition* p : commits) {
+    if (commit.ok()) commit = CommitMasterInit(*p);
+  }
+  for (Partition* p : reloads) {
+    if (commit.ok()) commit = MasterFromWorking(*p);
+  }
+  if (!commit.ok()) {
+    absl::MutexLock lock(&mu_);
+    committed();
+    return commit;
+  }
   std::vector<Swapper::Pin> released;
   {
     absl::MutexLock lock(&mu_);
+    committed();
     for (Partition* p : commits) {
       p->master = MasterState::kInitialized;
       p->info.master_init = {};
@@ -1747,6 +1771,16 @@ void PartitionStore::DropHolds() {
   std::vector<Partition*> unloaded, rewritten;
   {
     absl::MutexLock lock(&mu_);
+    // A Release committing a load its trainer finished (it went away
+    // meanwhile) ends first: undone midway, the master weights and working
+    // copy were half the load's and half the old values.
+    auto committing = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const auto& [id, p] : partitions_) {
+        if (p->committing > 0) return true;
+      }
+      return false;
+    };
+    while (committing()) step_ended_.Wait(&mu_);
     for (const auto& [id, p] : partitions_) {
       if (p->loading) {
         // A load its trainer never released commits nothing: neither its
