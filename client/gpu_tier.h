@@ -147,10 +147,20 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // Of them, those whose copies have not completed (never blocks).
   size_t gradients_in_flight() { return drain_->InFlight(); }
   // How the host waits for the tier's copies (both ways; see
-  // gpu::HostWait); null: the device's Synchronize.
-  void SetHostWait(const gpu::HostWait& wait) {
+  // gpu::HostWait), set by `owner` (a Zero3); ClearHostWait by the same
+  // owner puts the device's Synchronize back (another's stays).
+  void SetHostWait(const gpu::HostWait& wait, const void* owner) {
+    absl::MutexLock lock(&host_wait_mu_);
+    host_wait_owner_ = owner;
     drain_->SetHostWait(wait);
     params_->SetHostWait(wait);
+  }
+  void ClearHostWait(const void* owner) {
+    absl::MutexLock lock(&host_wait_mu_);
+    if (host_wait_owner_ != owner) return;
+    host_wait_owner_ = nullptr;
+    drain_->SetHostWait(nullptr);
+    params_->SetHostWait(nullptr);
   }
   // Waits for the gradient copies in flight and releases their buffers
   // unreturned (an iteration given up): their sources may be freed after.
@@ -213,6 +223,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // is above 0); held here, as the Session may go first.
   const std::shared_ptr<std::atomic<int>> attached_;
   const pid_t owner_;  // the process that made it
+  // (Not mu_: the cache and drain take it under their own locks.)
+  absl::Mutex host_wait_mu_;
+  const void* host_wait_owner_ ABSL_GUARDED_BY(host_wait_mu_) = nullptr;
   GpuTierNodeSettings node_ ABSL_GUARDED_BY(mu_);
   absl::Time last_report_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t reports_ ABSL_GUARDED_BY(mu_) = 0;

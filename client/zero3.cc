@@ -35,15 +35,17 @@ absl::StatusOr<std::unique_ptr<Zero3>> Zero3::Create(GpuTier* tier, gpu::Device*
   // The tier's host waits, too, may sit behind a collective (its copies
   // behind the reduce-scatter that wrote them, or the all-gather that read
   // a unit's slices): they poll the communicator and time out as Zero3's.
-  tier->SetHostWait([z = zero3.get()](const gpu::Event& event) {
-    absl::Status queried;
-    absl::Status broken = z->Await("a copy behind a collective", [&] {
-      absl::StatusOr<bool> done = z->device_->Query(event);
-      if (!done.ok()) queried = done.status();
-      return !done.ok() || *done;
-    });
-    return broken.ok() ? queried : broken;
-  });
+  tier->SetHostWait(
+      [z = zero3.get()](const gpu::Event& event) {
+        absl::Status queried;
+        absl::Status broken = z->Await("a copy behind a collective", [&] {
+          absl::StatusOr<bool> done = z->device_->Query(event);
+          if (!done.ok()) queried = done.status();
+          return !done.ok() || *done;
+        });
+        return broken.ok() ? queried : broken;
+      },
+      zero3.get());
   return zero3;
 }
 
@@ -56,9 +58,10 @@ Zero3::~Zero3() {
   }
   // Copies in flight (a prefetch behind an all-gather a peer never joins)
   // waited for while the wait still times out, not in the tier's
-  // destructor, which would wait for good.
-  (void)tier_->params().Synchronize();
-  tier_->SetHostWait(nullptr);
+  // destructor, which would wait for good (a copy that failed after its
+  // use stays for the tier's EndIteration to report).
+  tier_->params().AwaitCopies();
+  tier_->ClearHostWait(this);
 }
 
 absl::StatusOr<int> Zero3::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> slices) {

@@ -112,6 +112,10 @@ class Zero3 {
                                                        gpu::Communicator* comm,
                                                        const Zero3Options& options = {});
   // Waits for the tier's copies out of the scratch buffer.
+  // Drops an unfinished iteration's gradients (their copies out of the
+  // scratch buffer waited for), waits for the tier's copies in flight (at
+  // most collective_timeout each: it may abort the communicator) and gives
+  // the tier its own host waits back.
   ~Zero3();
 
   // The slice numel of a tensor of `numel` elements.

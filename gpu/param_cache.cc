@@ -741,6 +741,11 @@ absl::Status ParamCache::Synchronize() {
   return std::exchange(failed_after_use_, absl::OkStatus());
 }
 
+void ParamCache::AwaitCopies() {
+  absl::MutexLock lock(&mu_);
+  Reap(/*wait=*/true);
+}
+
 void ParamCache::SetPrefetch(int depth, uint64_t bytes) {
   absl::MutexLock lock(&mu_);
   options_.prefetch_depth = depth;

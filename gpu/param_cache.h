@@ -190,6 +190,9 @@ class ParamCache {
   // Waits for every copy in flight; ABORTED if one failed after its use
   // was issued (reported once).
   absl::Status Synchronize();
+  // Waits for every copy in flight, the report of one that failed after
+  // its use kept for Synchronize.
+  void AwaitCopies();
 
   void SetPrefetch(int depth, uint64_t bytes);
   // How the host waits for copies in flight (see HostWait); null: the

@@ -293,6 +293,7 @@ TEST_F(ParamCacheTest, AFailureAfterItsUseWasIssuedAbortsTheIteration) {
   (*cache)->BeginIteration();
   ASSERT_TRUE((*cache)->Use(0, *stream).ok());
   ASSERT_TRUE((*cache)->Done(0, *stream).ok());
+  (*cache)->AwaitCopies();  // (waits, the report kept for Synchronize)
   absl::Status s = (*cache)->Synchronize();
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "run it again")) << s;

@@ -1293,13 +1293,18 @@ class WrapInProcessTest(unittest.TestCase):
         # with resume "auto" its automatic checkpoints went. sys.exit with a
         # failure code counts as unfinished now; 0 and None do not.
         import subprocess
-        for code, seen in (("1", "True"), ("'bad input'", "True"), ("0", "False"),
-                           ("", "False")):
+        # A worker thread's sys.exit ends only that thread: not counted.
+        thread = ("import threading\n"
+                  "w = threading.Thread(target=lambda: sys.exit(1))\n"
+                  "w.start()\nw.join()\n")
+        for code, seen in (("sys.exit(1)", "True"), ("sys.exit('bad input')", "True"),
+                           ("sys.exit(0)", "False"), ("sys.exit()", "False"),
+                           (thread, "False")):
             script = ("import atexit, sys\n"
                       "import offloadd.torch as t\n"
                       "t._UncaughtWatch.install()\n"
                       "atexit.register(lambda: print('seen', t._UncaughtWatch.seen))\n"
-                      f"sys.exit({code})\n")
+                      f"{code}\n")
             out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                                  env=dict(os.environ))
             self.assertIn(f"seen {seen}", out.stdout, (code, out.stdout, out.stderr))

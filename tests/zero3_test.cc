@@ -312,7 +312,7 @@ TEST_F(Zero3Test, AWaitForACollectiveAPeerNeverJoinsGivesUpAndAborts) {
 TEST_F(Zero3Test, StagedCopiesBehindACollectiveAPeerNeverJoinsTimeOutToo) {
   Ranks ranks = MakeRanks(2);
   std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
-  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Minutes(10));
+  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Seconds(20));
   Session* s = ranks.sessions[0].get();
   gpu::EmulatedDevice& dev = *ranks.devices[0];
   constexpr uint64_t kSlice = 1 << 19;  // 2 MiB, twice the staging buffer (its least: 1 MiB)
@@ -325,10 +325,15 @@ TEST_F(Zero3Test, StagedCopiesBehindACollectiveAPeerNeverJoinsTimeOutToo) {
   tier_options.gradient_staging_bytes = 1 << 20;
   auto tier = GpuTier::Create(s, &dev, tier_options);
   ASSERT_TRUE(tier.ok()) << tier.status();
+  // (A Zero3 made before on the same tier and gone after the next one was
+  // made leaves that one's host waits in place: it gives back only its own.)
+  auto earlier = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {});
+  ASSERT_TRUE(earlier.ok()) << earlier.status();
   auto zero3 = Zero3::Create(
       tier->get(), &dev, ranks.comms[0].get(),
       {.bucket_bytes = 1024, .hand_over = false, .collective_timeout = absl::Milliseconds(300)});
   ASSERT_TRUE(zero3.ok()) << zero3.status();
+  earlier->reset();
   auto compute = dev.CreateStream();
   ASSERT_TRUE(compute.ok());
   auto grads = dev.Allocate(2 * kSlice * sizeof(float));

@@ -73,6 +73,7 @@ import math
 import random
 import os
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -289,8 +290,10 @@ class _ReduceBucket:
             # (By name: partition ids are each rank's own session's.)
             crc = zlib.crc32("\0".join(f"{s.name}:{s.slice_numel}" for s, _ in entries).encode())
             digits = [float((crc >> (8 * i)) & 0xff) + 1 for i in range(4)]
-            self.buf[:, used:cols] = torch.tensor(digits + [d * d for d in digits],
-                                                  dtype=torch.float32)
+            # (fill_ with numbers: no host tensor copied in, which on a GPU
+            # would make the host wait for it at every collective.)
+            for i, v in enumerate(digits + [d * d for d in digits]):
+                self.buf[:, used + i].fill_(v)
         src = self.buf[:, :cols]
         what = f"reduce-scatter of '{entries[0][0].name}'" + (
             f" and {len(entries) - 1} more gradient(s)" if len(entries) > 1 else "")
@@ -1672,7 +1675,8 @@ class _UncaughtWatch:
     called sys.exit with a failure (a code other than 0 or None: SystemExit
     never reaches the excepthook), for exit-time closes: such a job did not
     finish. (A SystemExit raised by hand is not seen; os._exit closes
-    nothing.)"""
+    nothing; a sys.exit caught, after which training goes on, is forgotten
+    at the next step.)"""
     seen = False
     _installed = False
 
@@ -1690,7 +1694,11 @@ class _UncaughtWatch:
         previous_exit = sys.exit
 
         def exit_(status=None):
-            if status is not None and status != 0:
+            # (The main thread's: a worker thread's SystemExit ends only
+            # that thread. One caught, training going on, is forgotten at
+            # the next step: Optimizer.step.)
+            if status is not None and status != 0 and (
+                    threading.current_thread() is threading.main_thread()):
                 cls.seen = True
             previous_exit(status)
         exit_.__doc__ = previous_exit.__doc__
@@ -2329,6 +2337,7 @@ class Optimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        _UncaughtWatch.seen = False  # (a sys.exit caught: training went on)
         loss = None
         if closure is not None:
             with torch.enable_grad():
