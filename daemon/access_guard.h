@@ -48,6 +48,8 @@ class AccessGuard {
   // unbounded call for want of knowing who made it. (A number reused by
   // another connection meanwhile reads that one's user.)
   absl::StatusOr<std::optional<uid_t>> OtherUser(const grpc::ServerContext& context) const;
+  // Whether the Unix socket is a group's too (others may call on it).
+  bool group_shared() const { return group_shared_; }
 
  private:
   bool HasToken(const grpc::ServerContext& context) const;

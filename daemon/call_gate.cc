@@ -14,6 +14,23 @@ void CallGate::Exit() {
   --in_flight_;
 }
 
+bool UserCallLimit::Enter(uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  int& n = in_flight_[uid];
+  if (n >= max_) {
+    if (n == 0) in_flight_.erase(uid);
+    return false;
+  }
+  ++n;
+  return true;
+}
+
+void UserCallLimit::Exit(uid_t uid) {
+  absl::MutexLock lock(&mu_);
+  auto it = in_flight_.find(uid);
+  if (it != in_flight_.end() && --it->second <= 0) in_flight_.erase(it);
+}
+
 bool CallGate::CloseAndDrain(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   closed_ = true;

@@ -6,7 +6,10 @@
 #ifndef OFFLOADD_DAEMON_CALL_GATE_H_
 #define OFFLOADD_DAEMON_CALL_GATE_H_
 
+#include <sys/types.h>
+
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -26,6 +29,24 @@ class CallGate {
   absl::Mutex mu_;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Calls in flight per Unix user other than offloadd's own (members of
+// server.socket_group), each at most `max_per_user` at once: one user's
+// blocking calls (waits for a step, a checkpoint, a final checkpoint) must
+// not take every one of gRPC's threads from the others. Thread-safe.
+class UserCallLimit {
+ public:
+  explicit UserCallLimit(int max_per_user) : max_(max_per_user) {}
+  // True if `uid` may start one more call (then Exit(uid) after it).
+  bool Enter(uid_t uid) ABSL_LOCKS_EXCLUDED(mu_);
+  void Exit(uid_t uid) ABSL_LOCKS_EXCLUDED(mu_);
+  int max_per_user() const { return max_; }
+
+ private:
+  const int max_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<uid_t, int> in_flight_ ABSL_GUARDED_BY(mu_);
 };
 
 // RAII: enters on construction (check entered()), exits on destruction.

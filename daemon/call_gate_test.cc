@@ -37,5 +37,22 @@ TEST(CallGate, DrainTimesOutOnAStuckCall) {
   EXPECT_TRUE(gate.CloseAndDrain(absl::ZeroDuration()));
 }
 
+// A socket group's member holds at most its share of calls in flight; the
+// others' (and its own, as its calls end) are untouched.
+TEST(UserCallLimit, EachUserHoldsAtMostItsShare) {
+  UserCallLimit limit(2);
+  EXPECT_TRUE(limit.Enter(1000));
+  EXPECT_TRUE(limit.Enter(1000));
+  EXPECT_FALSE(limit.Enter(1000));
+  EXPECT_TRUE(limit.Enter(1001));  // another user
+  limit.Exit(1000);
+  EXPECT_TRUE(limit.Enter(1000));
+  EXPECT_FALSE(limit.Enter(1000));
+  limit.Exit(1000);
+  limit.Exit(1000);
+  limit.Exit(1001);
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(limit.Enter(1000));
+}
+
 }  // namespace
 }  // namespace offload

@@ -271,6 +271,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
   d->partition_service_ = std::make_unique<PartitionServiceImpl>(
       &d->engine_->sessions(), &d->engine_->stats(), &d->calls_, d->guard_.get(),
       d->arena_channel_->path(), absl::Seconds(server.idle_lease_seconds));
+  d->partition_service_->LimitCallsPerUser(std::max(2, static_cast<int>(server.max_threads) / 4));
   d->config_service_ = std::make_unique<ConfigServiceImpl>(registry, d->guard_.get());
   ServerIdentity identity;
   identity.started = absl::Now();

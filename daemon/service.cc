@@ -115,7 +115,24 @@ grpc::Status PartitionServiceImpl::Serve(const grpc::ServerContext& context, Bod
   CallScope scope(gate_);
   absl::Status status =
       !scope.entered() ? ShuttingDown() : guard_->CheckMayChange(context, "using sessions");
+  // Another user's (a socket group's member): at most its share of calls in
+  // flight at once.
+  std::optional<uid_t> counted;
+  if (status.ok() && per_user_ != nullptr && guard_->group_shared()) {
+    absl::StatusOr<std::optional<uid_t>> user = guard_->OtherUser(context);
+    if (!user.ok()) {
+      status = user.status();
+    } else if (user->has_value() && !per_user_->Enter(**user)) {
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("user ", **user, " has ", per_user_->max_per_user(),
+                       " calls in flight at offloadd, the most one user of its socket group may "
+                       "(server.max_threads / 4): retry when one ends"));
+    } else {
+      counted = *user;
+    }
+  }
   if (status.ok()) status = body();
+  if (counted.has_value()) per_user_->Exit(*counted);
   if (!status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
   return ToGrpcStatus(status);
 }

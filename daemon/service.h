@@ -7,6 +7,7 @@
 #ifndef OFFLOADD_DAEMON_SERVICE_H_
 #define OFFLOADD_DAEMON_SERVICE_H_
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,12 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   // `reserved_descriptors` would be left. Set before the server starts.
   void SetReservedDescriptors(int64_t reserved_descriptors) {
     reserved_descriptors_ = reserved_descriptors;
+  }
+  // With server.socket_group: each other user's calls in flight at once,
+  // at most `max_per_user` (RESOURCE_EXHAUSTED past it). Set before the
+  // server starts.
+  void LimitCallsPerUser(int max_per_user) {
+    per_user_ = std::make_unique<UserCallLimit>(max_per_user);
   }
 
   grpc::Status OpenSession(grpc::ServerContext*, const v1::OpenSessionRequest*,
@@ -101,6 +108,7 @@ class PartitionServiceImpl final : public v1::PartitionService::Service {
   CallGate* const gate_;
   const AccessGuard* const guard_;
   int64_t reserved_descriptors_ = 0;
+  std::unique_ptr<UserCallLimit> per_user_;  // with a socket group
   // RESOURCE_EXHAUSTED where one more session would pass a limit above.
   absl::Status CheckRoomForSession() const;
   // A call naming `session` by id without its token acts as the operator:
