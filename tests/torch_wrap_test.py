@@ -1272,6 +1272,23 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(model, ref.state_dict())
         opt.close()
 
+    def test_a_load_that_would_replace_the_parameters_is_refused(self):
+        # torch 2.1's load_state_dict(assign=True) puts the loaded tensors in
+        # place of the module's parameters (training then updated nothing);
+        # refused, the weights untouched. (torch 1.13 has no assign=: the
+        # flag torch would set is set in the state_dict's metadata here.)
+        import torch
+        import offloadd
+        model, opt = self.wrap(self.mlp())
+        before = model.state_dict()
+        sd = {k: v + 1 for k, v in before.items()}
+        sd = type(before)(sd)
+        sd._metadata = {"": {"assign_to_params_buffers": True}}
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "assign=True"):
+            model.load_state_dict(sd)
+        self.assert_weights(model, before, rtol=0, atol=0)
+        opt.close()
+
     def test_a_model_whose_optimizer_closed_says_so(self):
         # After optimizer.close() the parameters' values are gone with the
         # session: a forward, state_dict(), load_state_dict() and another

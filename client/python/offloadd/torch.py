@@ -1517,8 +1517,19 @@ class _Engine:
         # model.load_state_dict(): torch copies the loaded tensors into the
         # parameters, whole ones: every parameter is gathered first, and
         # written back to the daemon afterwards as its master weights.
-        def gather_for_load(state_dict, prefix, *_):
+        def gather_for_load(state_dict, prefix, local_metadata, *_):
             self.check_open()
+            # assign=True (torch 2.1+), or torch's swapping of parameters on
+            # conversion: the module would hold the loaded tensors in place
+            # of its parameters, which offloadd does not hold (training then
+            # updates nothing, silently).
+            swap = getattr(getattr(torch, "__future__", None),
+                           "get_swap_module_params_on_conversion", lambda: False)()
+            if (local_metadata or {}).get("assign_to_params_buffers") or swap:
+                raise offloadd.InvalidArgumentError(
+                    "load_state_dict(assign=True) (or torch's parameter swapping) would replace "
+                    "the model's parameters with tensors offloadd does not hold: load without "
+                    "it (the values are copied into offloadd's master weights)")
             self._load_prefix = prefix
             self.gather_all_for_load()
 
