@@ -81,8 +81,11 @@ struct PartitionStore::Partition {
   bool loading = false;
   MasterState before_load = MasterState::kUnset;
   // Releases committing its initial values or a load (outside the lock):
-  // DropHolds waits for them (the trainer released: the load is whole).
+  // DropHolds leaves the partition to them (the trainer released: the load
+  // is whole), marking it dropped: a Release that then fails undoes the
+  // load as DropHolds would have.
   int committing = 0;
+  bool dropped = false;
   std::byte* grads = nullptr;
   Tier home[kDataKinds] = {Tier::kHost, Tier::kHost, Tier::kHost};
   MasterState master = MasterState::kUnset;
@@ -972,7 +975,7 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
 }
 
 absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
-  std::vector<Partition*> which, commits, reloads;
+  std::vector<Partition*> which, commits, reloads, marked;
   {
     absl::MutexLock lock(&mu_);
     if (ids.empty()) {
@@ -991,17 +994,14 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
     for (Partition* p : which) {
       if (p->master == MasterState::kInitPending) commits.push_back(p);
       if (p->master_from_working) reloads.push_back(p);
-      if (p->master == MasterState::kInitPending || p->master_from_working) ++p->committing;
+      if (p->master == MasterState::kInitPending || p->master_from_working) {
+        ++p->committing;
+        marked.push_back(p);
+      }
     }
   }
   auto committed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (Partition* p : which) {
-      if (std::find(commits.begin(), commits.end(), p) != commits.end() ||
-          std::find(reloads.begin(), reloads.end(), p) != reloads.end()) {
-        --p->committing;
-      }
-    }
-    step_ended_.SignalAll();
+    for (Partition* p : marked) --p->committing;
   };
   // Outside the lock (swap-ins); the partitions stay held meanwhile.
   absl::Status commit;
@@ -1012,14 +1012,31 @@ absl::Status PartitionStore::Release(absl::Span<const uint64_t> ids) {
     if (commit.ok()) commit = MasterFromWorking(*p);
   }
   if (!commit.ok()) {
-    absl::MutexLock lock(&mu_);
-    committed();
+    // Its trainer gone meanwhile (DropHolds left these to this commit): the
+    // load is undone and the holds go, as DropHolds does.
+    std::vector<Swapper::Pin> released;
+    std::vector<Partition*> unloaded, rewritten;
+    {
+      absl::MutexLock lock(&mu_);
+      committed();
+      for (Partition* p : marked) {
+        if (!p->dropped || p->committing > 0) continue;
+        p->dropped = false;
+        UndoLoadLocked(*p, &unloaded, &rewritten);
+        p->TakeHolds(&released);
+      }
+    }
+    released.clear();
+    FinishUndo(unloaded, rewritten);
     return commit;
   }
   std::vector<Swapper::Pin> released;
   {
     absl::MutexLock lock(&mu_);
     committed();
+    for (Partition* p : marked) {
+      if (p->committing == 0) p->dropped = false;
+    }
     for (Partition* p : commits) {
       p->master = MasterState::kInitialized;
       p->info.master_init = {};
@@ -1766,43 +1783,50 @@ absl::StatusOr<std::pair<uint64_t, HostMemory>> PartitionStore::MapExtra(uint64_
   return std::make_pair(offset, std::move(memory));
 }
 
+void PartitionStore::UndoLoadLocked(Partition& p, std::vector<Partition*>* unloaded,
+                                    std::vector<Partition*>* rewritten) {
+  if (!p.loading) return;
+  // A load its trainer never released commits nothing: neither its fp32
+  // values nor (later, at an ordinary release) its working copy, which the
+  // master weights write again where they exist.
+  p.loading = false;
+  // (In a step, which writes it from the master weights itself.)
+  if (p.master_from_working && p.master == MasterState::kInitialized && p.step == StepState::kOut) {
+    rewritten->push_back(&p);
+  }
+  p.master_from_working = false;
+  if (p.master == MasterState::kInitPending && p.before_load != MasterState::kInitPending) {
+    p.master = p.before_load;
+    p.info.master_init = {};
+    unloaded->push_back(&p);
+  }
+}
+
 void PartitionStore::DropHolds() {
   std::vector<Swapper::Pin> released;
   std::vector<Partition*> unloaded, rewritten;
   {
     absl::MutexLock lock(&mu_);
-    // A Release committing a load its trainer finished (it went away
-    // meanwhile) ends first: undone midway, the master weights and working
-    // copy were half the load's and half the old values.
-    auto committing = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      for (const auto& [id, p] : partitions_) {
-        if (p->committing > 0) return true;
-      }
-      return false;
-    };
-    while (committing()) step_ended_.Wait(&mu_);
     for (const auto& [id, p] : partitions_) {
-      if (p->loading) {
-        // A load its trainer never released commits nothing: neither its
-        // fp32 values nor (later, at an ordinary release) its working copy,
-        // which the master weights write again where they exist.
-        p->loading = false;
-        // (In a step, which writes it from the master weights itself.)
-        if (p->master_from_working && p->master == MasterState::kInitialized &&
-            p->step == StepState::kOut) {
-          rewritten.push_back(p.get());
-        }
-        p->master_from_working = false;
-        if (p->master == MasterState::kInitPending && p->before_load != MasterState::kInitPending) {
-          p->master = p->before_load;
-          p->info.master_init = {};
-          unloaded.push_back(p.get());
-        }
+      if (p->committing > 0) {
+        // Its Release commits a load its trainer finished (undone midway,
+        // master and working copy were half the load's and half the old
+        // values); that Release lets the holds go, or undoes the load if
+        // it fails. (Not waited for: this may be the arena channel's
+        // thread, and the commit may read from NVMe.)
+        p->dropped = true;
+        continue;
       }
+      UndoLoadLocked(*p, &unloaded, &rewritten);
       p->TakeHolds(&released);
     }
   }
   released.clear();  // (the rewrite pins for writing)
+  FinishUndo(unloaded, rewritten);
+}
+
+void PartitionStore::FinishUndo(const std::vector<Partition*>& unloaded,
+                                const std::vector<Partition*>& rewritten) {
   for (Partition* p : unloaded) RemoveInitBlocks(*p);
   // Now, before any checkpoint (a keep, a final one) could save the
   // half-written copy; swap-ins where the master weights rest on NVMe, on

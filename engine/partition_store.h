@@ -480,6 +480,13 @@ class PartitionStore {
   absl::Status MasterFromWorking(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
   // The other way (a load undone): the working copy from the master weights.
   absl::Status WorkingFromMaster(const Partition& p) ABSL_LOCKS_EXCLUDED(mu_);
+  // A load its trainer never released (`loading`), undone: what must then
+  // go or be written again is added to the lists, for FinishUndo (outside
+  // the lock, after the holds' pins went).
+  void UndoLoadLocked(Partition& p, std::vector<Partition*>* unloaded,
+                      std::vector<Partition*>* rewritten) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishUndo(const std::vector<Partition*>& unloaded, const std::vector<Partition*>& rewritten)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Elements [begin, begin + count) of the working copy, widened to fp32
   // into `out` (the master weights of a partition never stepped).
   absl::Status WidenWorking(const Partition& p, uint64_t begin, uint64_t count, float* out)

@@ -1272,6 +1272,19 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(model, ref.state_dict())
         opt.close()
 
+    def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
+        # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the
+        # job goes on and its next step forgets it (its end is then a
+        # finished job's).
+        import torch
+        import offloadd.torch
+        model, opt = self.wrap(self.mlp())
+        offloadd.torch._UncaughtWatch.seen = True
+        opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        self.assertFalse(offloadd.torch._UncaughtWatch.seen)
+        opt.close()
+
     def test_a_load_that_would_replace_the_parameters_is_refused(self):
         # torch 2.1's load_state_dict(assign=True) puts the loaded tensors in
         # place of the module's parameters (training then updated nothing);

@@ -668,7 +668,7 @@ class _Engine:
     # may have; the GPU tier's budget, the device's memory.
     _NOT_ROOM = ("cannot rest on NVMe", "on NVMe: the tier has room", "session arena full",
                  "memory-mapping budget", "server.max_sessions", "the GPU tier has no room",
-                 "cudaErrorMemoryAllocation", "emulated device:")
+                 "cudaErrorMemoryAllocation", "emulated device:", "calls in flight at offloadd")
 
     def with_room(self, what, call, relieve=None):
         """call(), retried with backoff while the node's pool has no room
