@@ -977,14 +977,20 @@ class WrapInProcessTest(unittest.TestCase):
             opt.zero_grad()
         return ref
 
-    def assert_trains_like_torch(self, make, adamw, zero=None, steps=5, scale=1.0):
+    def assert_trains_like_torch(self, make, adamw, zero=None, steps=5, scale=1.0, width=8,
+                                 wrapped=None):
+        """`make()` trained `steps` steps by torch AdamW and through wrap(),
+        on batches of 4 x `width`: the same weights. `wrapped(model)`, if
+        given, sees the wrapped model before it trains."""
         import torch
         ref = make()
         opt = torch.optim.AdamW(ref.parameters(), **adamw)
         model, mine = self.wrap(make(), adamw, zero)
+        if wrapped is not None:
+            wrapped(model)
         gen = torch.Generator().manual_seed(3)
         for _ in range(steps):
-            x = torch.randn(4, 8, generator=gen)
+            x = torch.randn(4, width, generator=gen)
             ref(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -1249,28 +1255,18 @@ class WrapInProcessTest(unittest.TestCase):
         def make():
             torch.manual_seed(0)
             return Net()
-        ref = make()
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        model, opt = self.wrap(make(), {"lr": 1e-2},
-                               {"gpu": {"device": "emulated", "budget_bytes": 6000}})
-        tier = model.offloadd.tier
-        self.assertFalse(tier.resident)
         in_slab = []
-        model.b[0].register_forward_pre_hook(lambda m, args: in_slab.append(
-            (torch.is_grad_enabled(), tier._in_slab(m.weight.data_ptr()))))
-        gen = torch.Generator().manual_seed(4)
-        for _ in range(3):
-            x = torch.randn(4, 32, generator=gen)
-            ref(x).pow(2).mean().backward()
-            ropt.step()
-            ropt.zero_grad()
-            opt.backward(model(x).pow(2).mean())
-            opt.step()
-            opt.zero_grad()
+
+        def watch(model):
+            tier = model.offloadd.tier
+            self.assertFalse(tier.resident)
+            model.b[0].register_forward_pre_hook(lambda m, args: in_slab.append(
+                (torch.is_grad_enabled(), tier._in_slab(m.weight.data_ptr()))))
+        self.assert_trains_like_torch(make, {"lr": 1e-2},
+                                      {"gpu": {"device": "emulated", "budget_bytes": 6000}},
+                                      steps=3, width=32, wrapped=watch)
         self.assertEqual(len(in_slab), 6)  # the forward and the recompute, three times
         self.assertEqual(in_slab[1::2], [(True, False)] * 3, in_slab)
-        self.assert_weights(model, ref.state_dict())
-        opt.close()
 
     def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
         # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -61,6 +62,45 @@ class Zero3Test : public ::testing::Test {
     r.comms = gpu::EmulatedCommunicator::CreateGroup(raw);
     return r;
   }
+  // Rank 0 of two whose group gives up after `group_timeout` (rank 1 issues
+  // nothing): a partition "w" of `slice` fp32 values, a tier over its
+  // session (a 1 MiB budget and `tier_options`), a compute stream, and a
+  // full gradient of both ranks' slices on the device, all ones.
+  struct LoneRank {
+    Ranks ranks;
+    Session* session = nullptr;
+    gpu::EmulatedDevice* dev = nullptr;
+    uint64_t id = 0;
+    std::unique_ptr<GpuTier> tier;
+    std::optional<gpu::Stream> compute;
+    gpu::DeviceMemory grads;
+    float* grad = nullptr;
+  };
+  void MakeLoneRank(absl::Duration group_timeout, uint64_t slice, GpuTierOptions tier_options,
+                    LoneRank* r) {
+    r->ranks = MakeRanks(2);
+    std::vector<gpu::EmulatedDevice*> raw = {r->ranks.devices[0].get(), r->ranks.devices[1].get()};
+    r->ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, group_timeout);
+    r->session = r->ranks.sessions[0].get();
+    r->dev = r->ranks.devices[0].get();
+    auto p = r->session->Register("w", slice, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(r->session->Release(*p).ok());
+    r->id = p->id;
+    tier_options.params.budget_bytes = 1 << 20;
+    auto tier = GpuTier::Create(r->session, r->dev, tier_options);
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    r->tier = std::move(*tier);
+    auto compute = r->dev->CreateStream();
+    ASSERT_TRUE(compute.ok());
+    r->compute = std::move(*compute);
+    auto grads = r->dev->Allocate(2 * slice * sizeof(float));
+    ASSERT_TRUE(grads.ok());
+    r->grads = std::move(*grads);
+    r->grad = static_cast<float*>(r->grads.get());
+    for (uint64_t i = 0; i < 2 * slice; ++i) r->grad[i] = 1.0f;
+  }
+
   static void Each(int n, const std::function<void(int)>& fn) {
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) threads.emplace_back(fn, r);
@@ -224,28 +264,15 @@ TEST_F(Zero3Test, BadShapesAreRefusedAndNothingIsIssued) {
 // why (before: the copies of whatever the scratch buffer held were handed
 // over and FinishBackward returned OK).
 TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
-  Ranks ranks = MakeRanks(2);
-  std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
-  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Milliseconds(200));
-  Session* s = ranks.sessions[0].get();
-  gpu::EmulatedDevice& dev = *ranks.devices[0];
   constexpr uint64_t kSlice = 64;
-  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_TRUE(s->Release(*p).ok());
-  GpuTierOptions tier_options;
-  tier_options.params.budget_bytes = 1 << 20;
-  auto tier = GpuTier::Create(s, &dev, tier_options);
-  ASSERT_TRUE(tier.ok()) << tier.status();
-  auto zero3 = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {.hand_over = false});
+  LoneRank r;
+  ASSERT_NO_FATAL_FAILURE(MakeLoneRank(absl::Milliseconds(200), kSlice, {}, &r));
+  Session* s = r.session;
+  auto* tier = &r.tier;
+  auto& compute = r.compute;
+  auto zero3 = Zero3::Create(r.tier.get(), r.dev, r.ranks.comms[0].get(), {.hand_over = false});
   ASSERT_TRUE(zero3.ok()) << zero3.status();
-  auto compute = dev.CreateStream();
-  ASSERT_TRUE(compute.ok());
-  auto grads = dev.Allocate(2 * kSlice * sizeof(float));
-  ASSERT_TRUE(grads.ok());
-  float* g = static_cast<float*>(grads->get());
-  for (uint64_t i = 0; i < 2 * kSlice; ++i) g[i] = 1.0f;
-  ASSERT_TRUE((*zero3)->ReduceScatter(p->id, g, 2 * kSlice, *compute).ok());
+  ASSERT_TRUE((*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *compute).ok());
   auto finished = (*zero3)->FinishBackward(*compute);  // rank 1 issues nothing
   EXPECT_EQ(finished.status().code(), absl::StatusCode::kDeadlineExceeded) << finished.status();
   EXPECT_TRUE(absl::StrContains(finished.status().message(), "did not issue it"))
@@ -260,7 +287,7 @@ TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
   auto next = (*zero3)->FinishBackward(*compute);
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_TRUE(next->empty());
-  EXPECT_EQ(ranks.comms[0]->collectives(), 1u) << "a stale bucket was issued again";
+  EXPECT_EQ(r.ranks.comms[0]->collectives(), 1u) << "a stale bucket was issued again";
 }
 
 // A peer that never joins a reduce-scatter (died, hangs) holds it for good
@@ -269,36 +296,23 @@ TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
 // collective; nothing of it reaches the daemon. (The emulated group's own
 // timeout is set far longer here, as NCCL has none.)
 TEST_F(Zero3Test, AWaitForACollectiveAPeerNeverJoinsGivesUpAndAborts) {
-  Ranks ranks = MakeRanks(2);
-  std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
-  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Minutes(10));
-  Session* s = ranks.sessions[0].get();
-  gpu::EmulatedDevice& dev = *ranks.devices[0];
   constexpr uint64_t kSlice = 64;
-  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_TRUE(s->Release(*p).ok());
-  GpuTierOptions tier_options;
-  tier_options.params.budget_bytes = 1 << 20;
-  auto tier = GpuTier::Create(s, &dev, tier_options);
-  ASSERT_TRUE(tier.ok()) << tier.status();
-  auto zero3 = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(),
+  LoneRank r;
+  ASSERT_NO_FATAL_FAILURE(MakeLoneRank(absl::Minutes(10), kSlice, {}, &r));
+  Session* s = r.session;
+  auto* tier = &r.tier;
+  auto& compute = r.compute;
+  auto zero3 = Zero3::Create(r.tier.get(), r.dev, r.ranks.comms[0].get(),
                              {.hand_over = false, .collective_timeout = absl::Milliseconds(300)});
   ASSERT_TRUE(zero3.ok()) << zero3.status();
-  auto compute = dev.CreateStream();
-  ASSERT_TRUE(compute.ok());
-  auto grads = dev.Allocate(2 * kSlice * sizeof(float));
-  ASSERT_TRUE(grads.ok());
-  float* g = static_cast<float*>(grads->get());
-  for (uint64_t i = 0; i < 2 * kSlice; ++i) g[i] = 1.0f;
-  ASSERT_TRUE((*zero3)->ReduceScatter(p->id, g, 2 * kSlice, *compute).ok());
+  ASSERT_TRUE((*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *compute).ok());
   const absl::Time began = absl::Now();
   auto finished = (*zero3)->FinishBackward(*compute);  // rank 1 issues nothing
   EXPECT_LT(absl::Now() - began, absl::Seconds(30));
   EXPECT_EQ(finished.status().code(), absl::StatusCode::kDeadlineExceeded) << finished.status();
   EXPECT_TRUE(absl::StrContains(finished.status().message(), "collective_timeout"))
       << finished.status();
-  EXPECT_EQ(ranks.comms[0]->Check().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(r.ranks.comms[0]->Check().code(), absl::StatusCode::kDeadlineExceeded);
   auto pending = s->GetPendingGradients();
   ASSERT_TRUE(pending.ok()) << pending.status();
   EXPECT_EQ(pending->partitions, 0u) << "a collective that never ran reached the daemon";
@@ -310,38 +324,25 @@ TEST_F(Zero3Test, AWaitForACollectiveAPeerNeverJoinsGivesUpAndAborts) {
 // smaller than a slice sit behind the reduce-scatter too, and time out as
 // Zero3's do.
 TEST_F(Zero3Test, StagedCopiesBehindACollectiveAPeerNeverJoinsTimeOutToo) {
-  Ranks ranks = MakeRanks(2);
-  std::vector<gpu::EmulatedDevice*> raw = {ranks.devices[0].get(), ranks.devices[1].get()};
-  ranks.comms = gpu::EmulatedCommunicator::CreateGroup(raw, absl::Seconds(20));
-  Session* s = ranks.sessions[0].get();
-  gpu::EmulatedDevice& dev = *ranks.devices[0];
   constexpr uint64_t kSlice = 1 << 19;  // 2 MiB, twice the staging buffer (its least: 1 MiB)
-  auto p = s->Register("w", kSlice, DType::kFp32, DType::kFp32);
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_TRUE(s->Release(*p).ok());
   GpuTierOptions tier_options;
-  tier_options.params.budget_bytes = 1 << 20;
   tier_options.register_arena = false;
   tier_options.gradient_staging_bytes = 1 << 20;
-  auto tier = GpuTier::Create(s, &dev, tier_options);
-  ASSERT_TRUE(tier.ok()) << tier.status();
+  LoneRank r;
+  ASSERT_NO_FATAL_FAILURE(MakeLoneRank(absl::Seconds(20), kSlice, tier_options, &r));
+  Session* s = r.session;
+  auto& compute = r.compute;
   // (A Zero3 made before on the same tier and gone after the next one was
   // made leaves that one's host waits in place: it gives back only its own.)
-  auto earlier = Zero3::Create(tier->get(), &dev, ranks.comms[0].get(), {});
+  auto earlier = Zero3::Create(r.tier.get(), r.dev, r.ranks.comms[0].get(), {});
   ASSERT_TRUE(earlier.ok()) << earlier.status();
   auto zero3 = Zero3::Create(
-      tier->get(), &dev, ranks.comms[0].get(),
+      r.tier.get(), r.dev, r.ranks.comms[0].get(),
       {.bucket_bytes = 1024, .hand_over = false, .collective_timeout = absl::Milliseconds(300)});
   ASSERT_TRUE(zero3.ok()) << zero3.status();
   earlier->reset();
-  auto compute = dev.CreateStream();
-  ASSERT_TRUE(compute.ok());
-  auto grads = dev.Allocate(2 * kSlice * sizeof(float));
-  ASSERT_TRUE(grads.ok());
-  float* g = static_cast<float*>(grads->get());
-  for (uint64_t i = 0; i < 2 * kSlice; ++i) g[i] = 1.0f;
   const absl::Time began = absl::Now();
-  absl::Status scattered = (*zero3)->ReduceScatter(p->id, g, 2 * kSlice, *compute);
+  absl::Status scattered = (*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *compute);
   absl::Status finished = scattered.ok() ? (*zero3)->FinishBackward(*compute).status() : scattered;
   EXPECT_LT(absl::Now() - began, absl::Seconds(30));
   EXPECT_EQ(finished.code(), absl::StatusCode::kDeadlineExceeded) << finished;
