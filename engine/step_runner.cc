@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "cpu_adam/dtype.h"
 
@@ -118,8 +119,20 @@ absl::Status StepRunner::AccumulateChunks(PartitionStore& set, const AccumulateI
   uint64_t done = 0;
   // Chunk by chunk: the accumulator may rest on NVMe, and a partition may be
   // larger than the pool can hold twice.
+  // A measurement in the background that finds the pool full (its buffer
+  // written out meanwhile, the trainer's next holds filling the pool) waits
+  // a while for room rather than lose the gradients: the trainer's holds
+  // go as its calls end.
+  const absl::Time room_deadline = absl::Now() + kBackgroundRoomWait;
+  absl::Duration nap = absl::Milliseconds(1);
   for (; done < item.chunks; ++done) {
     absl::StatusOr<AccumulatePins> pins = set.PinAccumulate(item, done);
+    while (!pins.ok() && item.background && absl::IsResourceExhausted(pins.status()) &&
+           absl::Now() < room_deadline) {
+      absl::SleepFor(nap);
+      nap = std::min(2 * nap, absl::Milliseconds(50));
+      pins = set.PinAccumulate(item, done);
+    }
     if (!pins.ok()) {
       status = absl::Status(
           pins.status().code(),

@@ -54,6 +54,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "cpu_adam/adam.h"
 #include "cpu_adam/optimizer.h"
 #include "engine/optimizer_shares.h"
@@ -223,6 +224,8 @@ class StepRunner {
     AccumulateItem item;
   };
   void Measurer() ABSL_LOCKS_EXCLUDED(mu_);
+  // How long a background measurement waits for room in the pool.
+  static constexpr absl::Duration kBackgroundRoomWait = absl::Seconds(5);
 
   Optimizer* const optimizer_;
   const HostPool* const pool_;
