@@ -54,14 +54,24 @@ absl::StatusOr<std::unique_ptr<ArenaChannel>> ArenaChannel::Start(
     absl::Duration idle_lease, absl::Duration reconnect_lease, std::optional<gid_t> group,
     int64_t max_sessions_per_user) {
   ASSIGN_OR_RETURN(UniqueFd listener, ListenUnixOwnerOnly(path));
-  if (group.has_value()) RETURN_IF_ERROR(ShareWithGroup(path, *group));
+  // (A start that fails here leaves no socket file behind.)
+  auto failed = [&path](absl::Status why) {
+    unlink(path.c_str());
+    return why;
+  };
+  if (group.has_value()) {
+    if (absl::Status shared = ShareWithGroup(path, *group); !shared.ok()) return failed(shared);
+  }
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
-  if (!stop.valid()) return PosixError("eventfd", errno);
+  if (!stop.valid()) return failed(PosixError("eventfd", errno));
   auto channel = std::unique_ptr<ArenaChannel>(
       new ArenaChannel(path, std::move(listener), std::move(stop), sessions, attach_lease,
                        idle_lease, reconnect_lease, max_sessions_per_user));
   channel->group_ = group;
-  channel->thread_ = std::thread([c = channel.get()] { c->Serve(); });
+  // (No thread to be had is an error, not an abort; the channel's
+  // destructor removes the socket file.)
+  ASSIGN_OR_RETURN(channel->thread_,
+                   Env::Default()->StartThread([c = channel.get()] { c->Serve(); }));
   return channel;
 }
 

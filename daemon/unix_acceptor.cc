@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/descriptors.h"
+#include "base/env.h"
 #include "base/posix_error.h"
 #include "base/status_macros.h"
 #include "ipc/unix_socket.h"
@@ -32,10 +33,23 @@ absl::StatusOr<std::unique_ptr<UnixAcceptor>> UnixAcceptor::Start(
     }
   }
   UniqueFd stop(eventfd(0, EFD_CLOEXEC));
-  if (!stop.valid()) return PosixError("eventfd", errno);
+  if (!stop.valid()) {
+    const int err = errno;
+    unlink(options.path.c_str());
+    return PosixError("eventfd", err);
+  }
+  const std::string path = options.path;
   auto acceptor = std::unique_ptr<UnixAcceptor>(new UnixAcceptor(
       std::move(options), std::move(listener), std::move(stop), std::move(deliver)));
-  acceptor->thread_ = std::thread([a = acceptor.get()] { a->Serve(); });
+  // (No thread to be had is an error, not an abort.)
+  absl::StatusOr<std::thread> thread =
+      Env::Default()->StartThread([a = acceptor.get()] { a->Serve(); });
+  if (!thread.ok()) {
+    acceptor.reset();
+    unlink(path.c_str());
+    return thread.status();
+  }
+  acceptor->thread_ = std::move(*thread);
   return acceptor;
 }
 
