@@ -24,6 +24,26 @@
 namespace offload {
 namespace {
 
+// One step of `m`'s session `key` whose partition `id` holds 1000 fp32
+// values: its gradients fetched, returned and released, then stepped.
+void StepOnce(SessionManager& m, const SessionKey& key, uint64_t id) {
+  FetchMode with_grads;
+  with_grads.grads = true;
+  ASSERT_TRUE(m.Fetch(key, {id}, with_grads).ok());
+  ASSERT_TRUE(m.ReturnGradients(key, id, 1000, DType::kFp32).ok());
+  ASSERT_TRUE(m.Release(key, {id}).ok());
+  ASSERT_TRUE(m.Step(key, AdamHyperparams{}).ok());
+}
+
+// Until `engine` has taken `n` automatic checkpoints (20 s at most).
+void AwaitAutoCheckpoints(TestEngine& engine, int64_t n) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (engine.stats.auto_checkpoints.load() < n && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(engine.stats.auto_checkpoints.load(), n);
+}
+
 // KeepSessions keeps every session a checkpoint can hold and logs the rest; a
 // manager of the next offloadd reopens what was kept (the same session id,
 // token, partition id and bytes, detached until its trainer resumes it) and
@@ -264,29 +284,14 @@ TEST(KeptSessions, AReopenedSessionStillRemovesTheLostCheckpointItRestored) {
   automatic.every_steps = 1;
   std::filesystem::remove_all(automatic.dir);
   sessions.SetAutoCheckpoint(automatic);
-  FetchMode with_grads;
-  with_grads.grads = true;
-  auto step = [&](SessionManager& m, const SessionKey& key, uint64_t id) {
-    ASSERT_TRUE(m.Fetch(key, {id}, with_grads).ok());
-    ASSERT_TRUE(m.ReturnGradients(key, id, 1000, DType::kFp32).ok());
-    ASSERT_TRUE(m.Release(key, {id}).ok());
-    ASSERT_TRUE(m.Step(key, AdamHyperparams{}).ok());
-  };
-  auto await_checkpoints = [&](int64_t n) {
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (engine.stats.auto_checkpoints.load() < n && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    ASSERT_EQ(engine.stats.auto_checkpoints.load(), n);
-  };
   // A lost session's automatic checkpoint (a copy of one, under another id).
   auto first = sessions.Open("job");
   ASSERT_TRUE(first.ok()) << first.status();
   auto w = sessions.Register(first->key, {"w", 1000, DType::kFp32, DType::kFp32});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(sessions.Release(first->key, {}).ok());
-  step(sessions, first->key, w->id);
-  await_checkpoints(1);
+  StepOnce(sessions, first->key, w->id);
+  AwaitAutoCheckpoints(engine, 1);
   const std::string lost = automatic.dir + "/4242";
   std::filesystem::copy(sessions.AutoCheckpointDir(first->key.id), lost);
   std::filesystem::permissions(lost, std::filesystem::perms::owner_all);
@@ -306,11 +311,11 @@ TEST(KeptSessions, AReopenedSessionStillRemovesTheLostCheckpointItRestored) {
   EXPECT_EQ(ReopenKeptSessions(next, dir), 1);
   ASSERT_TRUE(next.Resume(second->key).ok());
   const int64_t before = engine.stats.auto_checkpoints.load();
-  step(next, second->key, again->id);
-  await_checkpoints(before + 1);
-  step(next, second->key, again->id);
-  await_checkpoints(before + 2);
-  step(next, second->key, again->id);  // two of its own in: the lost one goes
+  StepOnce(next, second->key, again->id);
+  AwaitAutoCheckpoints(engine, before + 1);
+  StepOnce(next, second->key, again->id);
+  AwaitAutoCheckpoints(engine, before + 2);
+  StepOnce(next, second->key, again->id);  // two of its own in: the lost one goes
   EXPECT_FALSE(std::filesystem::exists(lost));
   ASSERT_TRUE(next.Close(second->key).ok());
   next.SetAutoCheckpoint({});
@@ -443,8 +448,6 @@ TEST(KeptSessions, OneThatCannotBeReopenedLeavesItsAutomaticCheckpoints) {
   automatic.every_steps = 1;
   std::filesystem::remove_all(automatic.dir);
   sessions.SetAutoCheckpoint(automatic);
-  FetchMode with_grads;
-  with_grads.grads = true;
   int64_t checkpoints = 0;
   for (bool keep_for_resume : {false, true}) {
     SCOPED_TRACE(keep_for_resume);
@@ -457,16 +460,8 @@ TEST(KeptSessions, OneThatCannotBeReopenedLeavesItsAutomaticCheckpoints) {
     auto w = sessions.Register(key, {"w", 1000, DType::kFp32, DType::kFp32});
     ASSERT_TRUE(w.ok()) << w.status();
     ASSERT_TRUE(sessions.Release(key, {}).ok());
-    ASSERT_TRUE(sessions.Fetch(key, {w->id}, with_grads).ok());
-    ASSERT_TRUE(sessions.ReturnGradients(key, w->id, 1000, DType::kFp32).ok());
-    ASSERT_TRUE(sessions.Release(key, {w->id}).ok());
-    ASSERT_TRUE(sessions.Step(key, AdamHyperparams{}).ok());
-    ++checkpoints;
-    const absl::Time deadline = absl::Now() + absl::Seconds(20);
-    while (engine.stats.auto_checkpoints.load() < checkpoints && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(2));
-    }
-    ASSERT_EQ(engine.stats.auto_checkpoints.load(), checkpoints);
+    ASSERT_NO_FATAL_FAILURE(StepOnce(sessions, key, w->id));
+    ASSERT_NO_FATAL_FAILURE(AwaitAutoCheckpoints(engine, ++checkpoints));
     const std::string dir = absl::StrCat(tmp, "/kept_unreopened_", keep_for_resume);
     EXPECT_EQ(KeepSessions(sessions, dir), 1);
     // The stopping offloadd is gone (its automatic checkpoints as it left

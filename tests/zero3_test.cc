@@ -267,24 +267,21 @@ TEST_F(Zero3Test, AReduceScatterThatFailsHandsNothingToTheDaemon) {
   constexpr uint64_t kSlice = 64;
   LoneRank r;
   ASSERT_NO_FATAL_FAILURE(MakeLoneRank(absl::Milliseconds(200), kSlice, {}, &r));
-  Session* s = r.session;
-  auto* tier = &r.tier;
-  auto& compute = r.compute;
   auto zero3 = Zero3::Create(r.tier.get(), r.dev, r.ranks.comms[0].get(), {.hand_over = false});
   ASSERT_TRUE(zero3.ok()) << zero3.status();
-  ASSERT_TRUE((*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *compute).ok());
-  auto finished = (*zero3)->FinishBackward(*compute);  // rank 1 issues nothing
+  ASSERT_TRUE((*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *r.compute).ok());
+  auto finished = (*zero3)->FinishBackward(*r.compute);  // rank 1 issues nothing
   EXPECT_EQ(finished.status().code(), absl::StatusCode::kDeadlineExceeded) << finished.status();
   EXPECT_TRUE(absl::StrContains(finished.status().message(), "did not issue it"))
       << finished.status();
-  auto pending = s->GetPendingGradients();
+  auto pending = r.session->GetPendingGradients();
   ASSERT_TRUE(pending.ok()) << pending.status();
   EXPECT_EQ(pending->partitions, 0u) << "a failed collective's output reached the daemon";
   EXPECT_EQ((*zero3)->stats().gradients_returned, 0u);
-  EXPECT_EQ((*tier)->gradients_pending(), 0u);
+  EXPECT_EQ(r.tier->gradients_pending(), 0u);
   // The iteration given up: nothing of it is queued for the next.
   EXPECT_TRUE((*zero3)->Abandon().ok());
-  auto next = (*zero3)->FinishBackward(*compute);
+  auto next = (*zero3)->FinishBackward(*r.compute);
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_TRUE(next->empty());
   EXPECT_EQ(r.ranks.comms[0]->collectives(), 1u) << "a stale bucket was issued again";
@@ -299,24 +296,21 @@ TEST_F(Zero3Test, AWaitForACollectiveAPeerNeverJoinsGivesUpAndAborts) {
   constexpr uint64_t kSlice = 64;
   LoneRank r;
   ASSERT_NO_FATAL_FAILURE(MakeLoneRank(absl::Minutes(10), kSlice, {}, &r));
-  Session* s = r.session;
-  auto* tier = &r.tier;
-  auto& compute = r.compute;
   auto zero3 = Zero3::Create(r.tier.get(), r.dev, r.ranks.comms[0].get(),
                              {.hand_over = false, .collective_timeout = absl::Milliseconds(300)});
   ASSERT_TRUE(zero3.ok()) << zero3.status();
-  ASSERT_TRUE((*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *compute).ok());
+  ASSERT_TRUE((*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *r.compute).ok());
   const absl::Time began = absl::Now();
-  auto finished = (*zero3)->FinishBackward(*compute);  // rank 1 issues nothing
+  auto finished = (*zero3)->FinishBackward(*r.compute);  // rank 1 issues nothing
   EXPECT_LT(absl::Now() - began, absl::Seconds(30));
   EXPECT_EQ(finished.status().code(), absl::StatusCode::kDeadlineExceeded) << finished.status();
   EXPECT_TRUE(absl::StrContains(finished.status().message(), "collective_timeout"))
       << finished.status();
   EXPECT_EQ(r.ranks.comms[0]->Check().code(), absl::StatusCode::kDeadlineExceeded);
-  auto pending = s->GetPendingGradients();
+  auto pending = r.session->GetPendingGradients();
   ASSERT_TRUE(pending.ok()) << pending.status();
   EXPECT_EQ(pending->partitions, 0u) << "a collective that never ran reached the daemon";
-  EXPECT_EQ((*tier)->gradients_pending(), 0u);
+  EXPECT_EQ(r.tier->gradients_pending(), 0u);
 }
 
 // The same through staged copies (the session's memory not registered for
@@ -330,8 +324,6 @@ TEST_F(Zero3Test, StagedCopiesBehindACollectiveAPeerNeverJoinsTimeOutToo) {
   tier_options.gradient_staging_bytes = 1 << 20;
   LoneRank r;
   ASSERT_NO_FATAL_FAILURE(MakeLoneRank(absl::Seconds(20), kSlice, tier_options, &r));
-  Session* s = r.session;
-  auto& compute = r.compute;
   // (A Zero3 made before on the same tier and gone after the next one was
   // made leaves that one's host waits in place: it gives back only its own.)
   auto earlier = Zero3::Create(r.tier.get(), r.dev, r.ranks.comms[0].get(), {});
@@ -342,12 +334,13 @@ TEST_F(Zero3Test, StagedCopiesBehindACollectiveAPeerNeverJoinsTimeOutToo) {
   ASSERT_TRUE(zero3.ok()) << zero3.status();
   earlier->reset();
   const absl::Time began = absl::Now();
-  absl::Status scattered = (*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *compute);
-  absl::Status finished = scattered.ok() ? (*zero3)->FinishBackward(*compute).status() : scattered;
+  absl::Status scattered = (*zero3)->ReduceScatter(r.id, r.grad, 2 * kSlice, *r.compute);
+  absl::Status finished =
+      scattered.ok() ? (*zero3)->FinishBackward(*r.compute).status() : scattered;
   EXPECT_LT(absl::Now() - began, absl::Seconds(30));
   EXPECT_EQ(finished.code(), absl::StatusCode::kDeadlineExceeded) << finished;
   EXPECT_TRUE(absl::StrContains(finished.message(), "collective_timeout")) << finished;
-  auto pending = s->GetPendingGradients();
+  auto pending = r.session->GetPendingGradients();
   ASSERT_TRUE(pending.ok()) << pending.status();
   EXPECT_EQ(pending->partitions, 0u);
 }
