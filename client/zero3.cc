@@ -37,13 +37,7 @@ absl::StatusOr<std::unique_ptr<Zero3>> Zero3::Create(GpuTier* tier, gpu::Device*
   // a unit's slices): they poll the communicator and time out as Zero3's.
   tier->SetHostWait(
       [z = zero3.get()](const gpu::Event& event) {
-        absl::Status queried;
-        absl::Status broken = z->Await("a copy behind a collective", [&] {
-          absl::StatusOr<bool> done = z->device_->Query(event);
-          if (!done.ok()) queried = done.status();
-          return !done.ok() || *done;
-        });
-        return broken.ok() ? queried : broken;
+        return z->AwaitEvent("a copy behind a collective", event);
       },
       zero3.get());
   return zero3;
@@ -226,13 +220,17 @@ absl::Status Zero3::Await(absl::string_view what, const std::function<bool()>& d
 absl::Status Zero3::WaitFor(const gpu::Stream& compute) {
   ASSIGN_OR_RETURN(gpu::Event ran, device_->CreateEvent());
   RETURN_IF_ERROR(device_->Record(ran, compute));
+  return AwaitEvent("the reduce-scatter", ran);
+}
+
+absl::Status Zero3::AwaitEvent(absl::string_view what, const gpu::Event& event) {
   absl::Status queried;
-  RETURN_IF_ERROR(Await("the reduce-scatter", [&] {
-    absl::StatusOr<bool> q = device_->Query(ran);
-    if (!q.ok()) queried = q.status();
-    return !q.ok() || *q;
+  RETURN_IF_ERROR(Await(what, [&] {
+    absl::StatusOr<bool> done = device_->Query(event);
+    if (!done.ok()) queried = done.status();
+    return !done.ok() || *done;
   }));
-  return queried;  // (the same as the tier's host wait, on `compute`)
+  return queried;
 }
 
 absl::Status Zero3::Drain() {

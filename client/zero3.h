@@ -169,6 +169,9 @@ class Zero3 {
   // past collective_timeout aborts it. Returns why it broke, if it did
   // (`what`: the work waited for, in the timeout's message).
   absl::Status Await(absl::string_view what, const std::function<bool()>& done);
+  // Await until `event` completed: why the communicator broke, else the
+  // device's error asking about the event, if any.
+  absl::Status AwaitEvent(absl::string_view what, const gpu::Event& event);
 
   GpuTier* const tier_;
   gpu::Device* const device_;

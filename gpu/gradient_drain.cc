@@ -87,7 +87,7 @@ absl::Status GradientDrain::Issue(Copy& c, const void* src) {
     RETURN_IF_ERROR(device_->CopyAsync(staging_.get(), static_cast<const char*>(src) + done, chunk,
                                        Direction::kDeviceToHost, stream_));
     RETURN_IF_ERROR(device_->Record(chunk_done, stream_));
-    RETURN_IF_ERROR(host_wait_ ? host_wait_(chunk_done) : device_->Synchronize(chunk_done));
+    RETURN_IF_ERROR(WaitOnHost(chunk_done));
     std::memcpy(static_cast<char*>(c.host.data) + done, staging_.get(), chunk);
     done += chunk;
   }
@@ -164,7 +164,7 @@ void GradientDrain::Collect(bool wait, std::vector<Done>* out) {
       status = **c.outcome;  // its Add's event answered for an earlier copy
     } else if (c.failed.ok()) {
       if (wait) {
-        status = host_wait_ ? host_wait_(*c.finished) : device_->Synchronize(*c.finished);
+        status = WaitOnHost(*c.finished);
       } else {
         absl::StatusOr<bool> done = device_->Query(*c.finished);
         if (done.ok() && !*done) break;
@@ -183,6 +183,10 @@ std::vector<GradientDrain::Done> GradientDrain::Completed(bool wait) {
   if (wait && !in_flight_.empty()) ++stats_.host_waits;
   Collect(wait, &ready_);
   return std::exchange(ready_, {});
+}
+
+absl::Status GradientDrain::WaitOnHost(const Event& event) {
+  return host_wait_ ? host_wait_(event) : device_->Synchronize(event);
 }
 
 void GradientDrain::SetHostWait(HostWait wait) {

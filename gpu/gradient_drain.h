@@ -130,6 +130,8 @@ class GradientDrain {
 
   mutable absl::Mutex mu_;
   HostWait host_wait_ ABSL_GUARDED_BY(mu_);
+  // The host's wait for `event`: host_wait_, else the device's Synchronize.
+  absl::Status WaitOnHost(const Event& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::deque<std::unique_ptr<Copy>> in_flight_ ABSL_GUARDED_BY(mu_);
   std::vector<Copy*> open_ ABSL_GUARDED_BY(mu_);  // in in_flight_, not yet sealed
   std::vector<Done> ready_ ABSL_GUARDED_BY(mu_);  // collected, not yet reported

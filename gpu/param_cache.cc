@@ -282,7 +282,7 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       // A use waits for copies in flight (prefetches) to free their room.
       std::shared_ptr<Batch> b = in_flight_.front();
       in_flight_.pop_front();
-      FinishBatch(*b, host_wait_ ? host_wait_(b->done) : device_->Synchronize(b->done));
+      FinishBatch(*b, WaitOnHost(b->done));
       continue;
     }
     if (victim < 0 && over_live && limit == kNever) {
@@ -323,7 +323,7 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
       const uint64_t chunk = std::min(capacity, e.bytes - done);
       if (staging_head_ + chunk > capacity) {
         RETURN_IF_ERROR(device_->Record(fence_, copy_stream_));
-        absl::Status s = host_wait_ ? host_wait_(fence_) : device_->Synchronize(fence_);
+        absl::Status s = WaitOnHost(fence_);
         staging_head_ = 0;
         if (!s.ok()) {
           // A copy before the fence failed: which one is not known, so
@@ -417,7 +417,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     if (!s.ok()) {
       // Copies already issued may still read: wait for them, then undo.
       (void)device_->Record(fence_, copy_stream_);
-      (void)(host_wait_ ? host_wait_(fence_) : device_->Synchronize(fence_));
+      (void)WaitOnHost(fence_);
       undo();
       (void)source_->Release(batch->keys);
       return s;
@@ -431,7 +431,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     // for as far as the device lets us, then given up (their holds let go,
     // the next use copies again) rather than left in flight for good.
     (void)device_->Record(fence_, copy_stream_);
-    (void)(host_wait_ ? host_wait_(fence_) : device_->Synchronize(fence_));
+    (void)WaitOnHost(fence_);
     FinishBatch(*batch, recorded);
     return recorded;
   }
@@ -481,7 +481,7 @@ void ParamCache::Reap(bool wait) {
     std::shared_ptr<Batch> b = in_flight_.front();
     absl::Status status;
     if (wait) {
-      status = host_wait_ ? host_wait_(b->done) : device_->Synchronize(b->done);
+      status = WaitOnHost(b->done);
     } else {
       absl::StatusOr<bool> done = device_->Query(b->done);
       if (done.ok() && !*done) break;
@@ -728,6 +728,10 @@ absl::Status ParamCache::Invalidate(const Stream& compute) {
   for (Unit& u : units_) u.released_recorded = false;
   ++stats_.invalidations;
   return absl::OkStatus();
+}
+
+absl::Status ParamCache::WaitOnHost(const Event& event) {
+  return host_wait_ ? host_wait_(event) : device_->Synchronize(event);
 }
 
 void ParamCache::SetHostWait(HostWait wait) {

@@ -306,6 +306,8 @@ class ParamCache {
 
   mutable absl::Mutex mu_;
   HostWait host_wait_ ABSL_GUARDED_BY(mu_);
+  // The host's wait for `event`: host_wait_, else the device's Synchronize.
+  absl::Status WaitOnHost(const Event& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ParamCacheOptions options_ ABSL_GUARDED_BY(mu_);
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int> by_key_ ABSL_GUARDED_BY(mu_);
