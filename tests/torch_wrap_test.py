@@ -1549,6 +1549,26 @@ class WrapInProcessTest(unittest.TestCase):
         for k in ("2.weight", "2.bias"):
             torch.testing.assert_close(finals[1][k], finals[0][k], rtol=0, atol=0, msg=k)
 
+    def test_a_load_torch_refuses_in_part_leaves_the_refused_master_exact(self):
+        # A size mismatch: torch loads the other keys and raises after; the
+        # refused parameter keeps its fp32 master exactly (written back from
+        # its bf16 working copy, it was rounded), the others are loaded.
+        import torch
+        model, opt = self.wrap(self.mlp(), {"lr": 1e-2},
+                               {"working_dtype": "bf16", "state_dict": "master"})
+        before = model.state_dict()
+        self.assertFalse(torch.equal(before["2.weight"],
+                                     before["2.weight"].bfloat16().float()))  # (not bf16-exact)
+        loaded = {k: v + 1 for k, v in before.items()}
+        loaded["2.weight"] = torch.zeros(3, 16)
+        with self.assertRaisesRegex(RuntimeError, "size mismatch for 2.weight"):
+            model.load_state_dict(loaded)
+        after = model.state_dict()
+        torch.testing.assert_close(after["2.weight"], before["2.weight"], rtol=0, atol=0)
+        for k in ("0.weight", "0.bias", "2.bias"):
+            torch.testing.assert_close(after[k], loaded[k], rtol=0, atol=0, msg=k)
+        opt.close()
+
     def test_what_a_module_loads_under_a_legacy_name_is_written_back(self):
         # A module's own _load_from_state_dict may rename legacy keys (as
         # torch's modules do across versions): what torch loaded, under

@@ -1530,17 +1530,15 @@ class _Engine:
                     "load_state_dict(assign=True) (or torch's parameter swapping) would replace "
                     "the model's parameters with tensors offloadd does not hold: load without "
                     "it (the values are copied into offloadd's master weights)")
-            self._load_prefix = prefix
             self.gather_all_for_load()
 
         def write_loaded(module, incompatible_keys):
-            # Only the parameters torch loaded are written back (strict=False
-            # may load some; a module's own _load_from_state_dict may rename
-            # keys: what it did not find is missing): the others keep their
-            # masters exactly.
-            missing = set(incompatible_keys.missing_keys)
-            self.write_loaded({s.pid for key, s in self._keys(model, self._load_prefix).items()
-                               if key not in missing})
+            # Only the parameters torch copied values into are written back:
+            # the others (missing from a strict=False load, renamed by a
+            # module's own _load_from_state_dict, or refused: a size mismatch,
+            # which torch raises after loading the rest) keep their masters
+            # exactly, not rounded through the working copy.
+            self.write_loaded()
 
         self._handles.append(model._register_load_state_dict_pre_hook(gather_for_load))
         self._handles.append(model.register_load_state_dict_post_hook(write_loaded))
@@ -1584,6 +1582,9 @@ class _Engine:
         with self._tier_bypassed():
             for s in self.shards:
                 self.gather([s])
+        # Each parameter's version counter: torch's copy of a loaded value
+        # into it moves it (see write_loaded).
+        self._load_versions = {s.pid: s.param._version for s in self.shards}
         self._loading = True
 
     @contextlib.contextmanager
@@ -1602,15 +1603,16 @@ class _Engine:
                 tier = _GpuTier.create(self, self.config["gpu"])
             self.tier = tier
 
-    def write_loaded(self, loaded=None):
-        """The loaded parameters (partition ids; None: all) back to the
+    def write_loaded(self):
+        """The parameters load_state_dict copied values into back to the
         daemon: each rank's slice becomes its partition's master weights
         (and working copy); moments and step counts stay, as torch's
         optimizer state does."""
         if not getattr(self, "_loading", False):
             return
         self._loading = False
-        shards = [s for s in self.shards if loaded is None or s.pid in loaded]
+        versions, self._load_versions = self._load_versions, {}
+        shards = [s for s in self.shards if s.param._version != versions[s.pid]]
         delayed = self.delayed_update_on()
         if delayed:
             self.session.set_delayed_update(False)
