@@ -958,12 +958,13 @@ class WrapInProcessTest(unittest.TestCase):
                                    torch.nn.Linear(16, 1, bias=bias))
 
     def assert_weights(self, model, want, rtol=1e-5, atol=1e-6):
-        """`model`'s state_dict() (the gathered weights) against `want`;
-        returns it."""
+        """`model`'s state_dict() (the gathered weights, on the CPU wherever
+        the model is) against `want`; returns it."""
         import torch
         got = model.state_dict()
         for k, v in want.items():
-            torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=k)
+            self.assertEqual(got[k].device.type, "cpu", k)
+            torch.testing.assert_close(got[k], v.cpu(), rtol=rtol, atol=atol, msg=k)
         return got
 
     def trained_by_torch(self, data, adamw):

@@ -51,7 +51,10 @@ Limits, said plainly:
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
   bf16/fp16 working_dtype the values are rounded from the fp32 master
-  (zero_config state_dict "master": the fp32 master weights themselves).
+  (zero_config state_dict "master": the fp32 master weights themselves),
+  on the CPU also for a model on a GPU (whose memory need not hold the
+  model twice; as FSDP's offload_to_cpu), the parameters' buffers where
+  they are.
   model.load_state_dict() is one too: each rank's slice of the loaded values
   becomes its partition's master weights (fp32, exactly where the module's
   parameters are fp32: torch copies the loaded values into them first; the
@@ -1492,7 +1495,11 @@ class _Engine:
 
         def full_state(module, state, prefix, local_metadata):
             # Gathers every parameter in a fixed order (a collective: every
-            # rank calls state_dict()), the newest weights.
+            # rank calls state_dict()), the newest weights, each copied to
+            # the CPU as it is gathered: a model offloaded for want of GPU
+            # memory has no room for a second whole copy of itself there
+            # (torch's load_state_dict moves values to each parameter's
+            # device itself).
             self.check_open()
             keys = self._keys(module, prefix)
             if self.config["state_dict"] == "master":
@@ -1507,7 +1514,7 @@ class _Engine:
                 s = keys[key]
                 was = s.gathered
                 self.gather([s])
-                state[key] = s.param.data.detach().clone()
+                state[key] = s.param.data.detach().to("cpu", copy=True)
                 if not was:
                     self._free(s)
             return state
@@ -2753,9 +2760,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                                   step() returns at once, as with overlap_step); state_dict()
                                   drains it first and returns the newest weights (call
                                   optimizer.drain() before evaluating for the same)
-      state_dict                  what model.state_dict() returns for each parameter: "working"
-                                  (default: the working copy, in working_dtype, gathered) or
-                                  "master" (the fp32 master weights, on the CPU: exact where a
+      state_dict                  what model.state_dict() returns for each parameter, on the
+                                  CPU: "working" (default: the working copy, in working_dtype,
+                                  gathered) or "master" (the fp32 master weights: exact where a
                                   bf16/fp16 working copy is rounded; the newest, also with the
                                   delayed update, without draining it)
       overlap_step                step() returns at once; a fetch waits for its own partition
