@@ -590,6 +590,65 @@ TEST(OutOfCore, HandedOverGradientsAreMeasuredAfterTheCallReturns) {
   EXPECT_TRUE(t.Params() == ref.Params());
 }
 
+// A measurement in the background that finds the pool full (the handed-over
+// buffer written out meanwhile, the pool pinned by others' holds) waits for
+// room rather than lose the gradients: once the holds go, it measures, and
+// the step is the one without a hand-over.
+TEST(OutOfCore, AMeasurementThatFindsThePoolFullWaitsForRoom) {
+  TestEngine engine(TmpDir("measureroom"), 4 << 20);
+  PlacementChange grads_on_nvme = All(100);
+  grads_on_nvme[DataKind::kGrads] = 0;
+  Trainer t(&engine, grads_on_nvme), ref(&engine, All(100));
+  absl::Notification measuring, go;
+  engine.steps->SetSyncPointForTesting([&](StepPoint point) {
+    if (point != StepPoint::kMeasuring || measuring.HasBeenNotified()) return;
+    measuring.Notify();
+    go.WaitForNotification();
+  });
+  t.HandOver(true);
+  t.ReturnGradients(1);
+  ref.ReturnGradients(1);
+  measuring.WaitForNotification();
+  // The pool filled with blocks of no session's, held: the handed-over
+  // buffers (homed on NVMe, released) are written out to make room. They
+  // go 300 ms after the measurement begins.
+  constexpr uint64_t kFillerTrace = 1ull << 60;
+  std::vector<Swapper::Pin> filler;
+  uint64_t next_id = ~uint64_t{0};
+  for (uint64_t bytes : {64 << 10, 4 << 10}) {  // (then the last pages)
+    for (;;) {
+      const uint64_t id = next_id--;
+      const absl::Status added = engine.swapper->Add(id, bytes, Tier::kHost, kFillerTrace);
+      if (!added.ok()) {
+        ASSERT_TRUE(absl::IsResourceExhausted(added)) << added;
+        break;
+      }
+      absl::StatusOr<Swapper::Pin> pin = engine.swapper->Acquire(id, /*for_write=*/true);
+      if (!pin.ok()) {
+        ASSERT_TRUE(absl::IsResourceExhausted(pin.status())) << pin.status();
+        engine.swapper->Remove(id);
+        break;
+      }
+      filler.push_back(*std::move(pin));
+      ASSERT_LT(filler.size(), 2000u);
+    }
+  }
+  std::thread releaser([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    filler.clear();
+    for (uint64_t id = ~uint64_t{0}; id > next_id; --id) engine.swapper->Remove(id);
+  });
+  go.Notify();
+  absl::StatusOr<PendingGradients> pending = t.Pending();  // waits for the measurement
+  releaser.join();
+  engine.steps->SetSyncPointForTesting(nullptr);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->partitions, kSizes.size());
+  ASSERT_TRUE(t.Step().ok());
+  ASSERT_TRUE(ref.Step().ok());
+  EXPECT_TRUE(t.Params() == ref.Params());
+}
+
 // The trainer's own statistics of handed-over buffers (computed where it
 // made the gradients: on a GPU, before the copy to the host) are taken as
 // measured: nothing measures the buffers, Pending adds up the given values,
