@@ -1336,6 +1336,99 @@ class WrapInProcessTest(unittest.TestCase):
                                  env=dict(os.environ))
             self.assertIn(f"seen {seen}", out.stdout, (code, out.stdout, out.stderr))
 
+    def test_a_script_that_exits_without_close_closes_its_session(self):
+        # A script that ends (normally, or by an exception) without
+        # optimizer.close() closes its session as it exits: left open,
+        # offloadd kept it, with its memory, for the reconnect lease (2
+        # minutes by default), which only a trainer that stays up uses.
+        import subprocess
+        import offloadd
+        script = ("import sys, torch\n"
+                  "import offloadd.torch\n"
+                  "model, opt = offloadd.torch.wrap(torch.nn.Linear(4, 4), {'lr': 1e-2},\n"
+                  f"    {{'address': {self.daemon.address!r}, 'session_name': sys.argv[1]}})\n"
+                  "model(torch.randn(2, 4)).sum().backward()\n"
+                  "opt.step()\n"
+                  "if sys.argv[2] == 'raise':\n"
+                  "    raise ValueError('the script failed')\n")
+        client = offloadd.Client(self.daemon.address)
+        for how in ("return", "raise"):
+            name = f"exits_{how}"
+            out = subprocess.run([sys.executable, "-c", script, name, how], capture_output=True,
+                                 text=True, env=dict(os.environ))
+            self.assertEqual(out.returncode, 0 if how == "return" else 1, out.stderr)
+            left = [x["name"] for x in client.stats()["sessions"] if name in x["name"]]
+            self.assertEqual(left, [], how)
+
+    def test_a_script_whose_offloadd_went_away_exits_without_waiting_for_it(self):
+        # The close at exit goes to the session, not its guard, which waits
+        # up to 5 minutes for a restarted offloadd (a test process waited
+        # so at its end, its daemons stopped).
+        import subprocess
+        daemon = Daemon(self.root, "gone_at_exit")
+        try:
+            script = ("import os, signal, sys, torch\n"
+                      "import offloadd.torch\n"
+                      "model, opt = offloadd.torch.wrap(torch.nn.Linear(4, 4), {'lr': 1e-2},\n"
+                      f"    {{'address': {daemon.address!r}}})\n"
+                      "model(torch.randn(2, 4)).sum().backward()\n"
+                      "opt.step()\n"
+                      f"os.kill({daemon.proc.pid}, signal.SIGKILL)\n")
+            out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                 env=dict(os.environ), timeout=120)
+            self.assertEqual(out.returncode, 0, out.stderr)
+        finally:
+            daemon.stop()
+
+    def test_a_param_group_asking_for_an_adam_variant_offloadd_does_not_compute_is_refused(self):
+        # amsgrad and maximize in a param group trained as plain AdamW,
+        # silently; other keys (a group's name) torch keeps and ignores.
+        import torch
+        import offloadd
+        for key in ("amsgrad", "maximize"):
+            mlp = self.mlp()
+            with self.assertRaisesRegex(offloadd.InvalidArgumentError, f"{key}=True"):
+                self.wrap(mlp, {"lr": 1e-2, "params": [{"params": mlp.parameters(), key: True}]})
+            self.assertFalse(hasattr(mlp, "offloadd"))
+        mlp = self.mlp()
+        model, opt = self.wrap(mlp, {"lr": 1e-2, "params": [
+            {"params": mlp[0].parameters(), "name": "first", "amsgrad": False},
+            {"params": mlp[2].parameters(), "name": "last"}]})
+        opt.param_groups[1]["maximize"] = True  # (changed between steps)
+        opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "maximize=True"):
+            opt.step()
+        opt.param_groups[1]["maximize"] = False
+        opt.step()
+        self.assertEqual(opt.last_step["skipped"], False)
+        opt.close()
+
+    def test_weight_norm_and_spectral_norm_train_like_torch(self):
+        # Their pre-hooks, registered before wrap, compute the weight from
+        # the module's parameters: offloadd's gather runs first (it ran
+        # after, and they read parameters not gathered yet).
+        import torch
+        for norm in (torch.nn.utils.weight_norm, torch.nn.utils.spectral_norm):
+            def make():
+                torch.manual_seed(0)
+                return torch.nn.Sequential(norm(torch.nn.Linear(8, 4)), torch.nn.Tanh(),
+                                           torch.nn.Linear(4, 1))
+            ref = make()
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            model, opt = self.wrap(make(), {"lr": 1e-2})
+            for i in range(3):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+                ref_opt.zero_grad(set_to_none=True)
+                ref(x).pow(2).mean().backward()
+                ref_opt.step()
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+            params = {k: v for k, v in ref.state_dict().items()
+                      if k in dict(ref.named_parameters())}
+            self.assert_weights(model, params)
+            opt.close()
+
     def test_an_optimizer_state_dict_keeps_its_groups_keys_and_takes_empty_state(self):
         # torch's load_state_dict takes each saved group whole: an lr
         # scheduler's initial_lr (which a scheduler made with last_epoch
@@ -1673,6 +1766,34 @@ class WrapInProcessTest(unittest.TestCase):
             model.step()
         self.assertEqual(model.offloadd.counts["steps"], 4)
         self.assert_weights(model, ref.state_dict())
+        opt.close()
+
+    def test_an_lr_scheduler_counts_the_engines_step(self):
+        # A scheduler made after wrap wraps optimizer.step to count its
+        # calls; model.step() (DeepSpeed's engine method) was bound to the
+        # step before and bypassed it: torch warned that the scheduler
+        # stepped before the optimizer.
+        import warnings
+        import offloadd.torch
+        import torch
+        ds = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}}
+        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
+        try:
+            model, opt = offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
+        finally:
+            del os.environ["OFFLOADD_ADDRESS"]
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model.backward(model(torch.randn(4, 8)).pow(2).mean())
+                model.step()
+                sched.step()
+        self.assertEqual([str(w.message) for w in caught if "lr_scheduler" in str(w.message)], [])
+        self.assertEqual(opt._step_count, 2)
+        self.assertAlmostEqual(opt.param_groups[0]["lr"], 1e-2 / 4)
         opt.close()
 
     def test_a_deepspeed_config_without_an_optimizer_takes_adamw_config(self):

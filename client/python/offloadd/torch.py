@@ -42,8 +42,11 @@ process. Give init_process_group a timeout so that a rank whose peer died
 gets an error (PeerLostError) instead of waiting for it forever.
 
 Limits, said plainly:
-- A parameter must be used inside the forward of a module that owns it
-  (directly or through a submodule); a use of its values anywhere else is
+- A parameter must be used inside the forward of the module it belongs to
+  (its own parameter, not a submodule's: a parent's forward that reads a
+  child's weight without calling the child is refused; nn.MultiheadAttention
+  and torch's transformer layers are gathered whole, everything below them
+  with them); a use of its values anywhere else is
   refused (FailedPreconditionError naming it), through p.data and
   p.detach() too (an EMA of the weights, copy.deepcopy(model): read them
   with model.state_dict()). Its shape, size and numel() are the whole
@@ -71,6 +74,7 @@ import atexit
 import bisect
 import contextlib
 import ctypes
+import functools
 import glob
 import math
 import random
@@ -79,6 +83,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
 
 import torch
@@ -531,14 +536,16 @@ class _Engine:
         self.resumed_from = config["restore_from"]
         if config["resume"] == "auto" and not config["restore_from"]:
             self.session = _GuardedSession(self, self._resume())
-            # A script that ends without optimizer.close() has finished its
-            # job unless an exception ended it: its checkpoints go then
-            # (they would resume a finished job), and stay otherwise.
-            _UncaughtWatch.install()
-            atexit.register(self._close_at_exit)
         else:
             self.session = _GuardedSession(self, self._open_session(
                 config["restore_from"], restore_steps=config["restore_steps"]))
+        # A script that ends without optimizer.close() has finished its job
+        # unless an exception ended it: its session closes as it exits (left
+        # open, offloadd kept it, its memory held, for the reconnect lease),
+        # and with resume "auto" its checkpoints go then (they would resume
+        # a finished job), and stay otherwise.
+        _UncaughtWatch.install()
+        _OPEN_AT_EXIT.add(self)
         self.params_host = params_host
         # The node's host pool, which every rank's holds share: batches of
         # gradient returns stay well inside it (see _size_batches).
@@ -719,10 +726,19 @@ class _Engine:
             keep_for_resume=config["resume"] == "auto")
 
     def _close_at_exit(self):
+        if self.closed:
+            return
+        # The session itself, not its guard: a program on its way out does
+        # not wait for a successor of an offloadd that went away (the guard
+        # waits up to RESTART_WAIT_SECONDS).
+        session = self.session
+        self.session = getattr(session, "raw", session)
         try:
             self.close(finished=not _UncaughtWatch.seen)
         except (offloadd.Error, SessionRestored):
             pass  # offloadd went away: what it kept stays
+        finally:
+            self.session = session
 
     def _resume(self):
         """zero_config resume "auto": this rank's session from what its
@@ -1018,7 +1034,9 @@ class _Engine:
                 raise
             raise PeerLostError(
                 f"rank {self.rank} of {self.world}: the {what} with the other ranks failed; "
-                f"a peer trainer died or stopped answering: {e}") from e
+                "a peer trainer died or stopped answering, or the ranks ran different "
+                "collectives (every rank must run each forward of the wrapped model, "
+                f"evaluations too, and call state_dict() and load_state_dict()): {e}") from e
 
     @staticmethod
     def _base(t):
@@ -1436,8 +1454,13 @@ class _Engine:
 
     def _install_hooks(self, model):
         for module, own in self._units:
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, inputs, own=own: self._before_forward(own)))
+            handle = module.register_forward_pre_hook(
+                lambda m, inputs, own=own: self._before_forward(own))
+            # First of the module's pre-hooks: those registered before wrap
+            # read the parameters too (weight_norm and spectral_norm compute
+            # the weight from them there).
+            module._forward_pre_hooks.move_to_end(handle.id, last=False)
+            self._handles.append(handle)
             self._handles.append(module.register_forward_hook(
                 lambda m, inputs, out, own=own: self._after_forward(own)))
 
@@ -1685,9 +1708,33 @@ class _Engine:
         return self.tier.stats() if self.tier is not None else None
 
 
+def _check_group(group, what):
+    """Refuses a param group asking for Adam variants offloadd's step does
+    not compute (other keys, a group's name say, torch keeps and ignores)."""
+    for k in ("amsgrad", "maximize"):
+        if group.get(k):
+            raise offloadd.InvalidArgumentError(
+                f"{what}: {k}=True is not supported by offloadd's Adam")
+
+
+def _call_method(obj, name, *args, **kwargs):
+    return getattr(obj, name)(*args, **kwargs)
+
+
 _CLOSED = ("this model's optimizer was closed: its parameters' values went with its offloadd "
            "session (save model.state_dict() before optimizer.close(), and load it into a fresh "
            "model to go on)")
+
+
+# The engines whose sessions close as the program exits, if open then (one
+# collected before closes its session in the binding's destructor).
+_OPEN_AT_EXIT = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines():
+    for engine in list(_OPEN_AT_EXIT):
+        engine._close_at_exit()
 
 
 class _UncaughtWatch:
@@ -2239,7 +2286,10 @@ class Optimizer(torch.optim.Optimizer):
 
     Param groups and lr schedulers work as with torch.optim.AdamW: step()
     sends every group's current hyperparameters. Gradients accumulate in the
-    daemon until step(), as .grad does in torch: with
+    daemon until step(), which consumes them (as DeepSpeed's engine does;
+    torch's .grad stays until zero_grad: a second step() without a backward
+    between updates nothing here, and a loop without zero_grad() steps with
+    each iteration's gradients, not their sum since the start): with
     gradient_accumulation_steps N, backward() divides the loss by N and the
     trainer calls step() once every N micro-batches; wrapped with a
     deepspeed_config, as DeepSpeed's engine is called: step() after every
@@ -2300,6 +2350,7 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def add_param_group(self, param_group):
+        _check_group(param_group, "a param group")
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
@@ -2450,6 +2501,7 @@ class Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _hyper(g):
+        _check_group(g, "a param group")  # (its keys may change between steps)
         beta1, beta2 = g["betas"]
         return {"lr": float(g["lr"]), "beta1": float(beta1), "beta2": float(beta2),
                 "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
@@ -2546,10 +2598,7 @@ class Optimizer(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in groups]} parameters, this optimizer's "
                 f"{[len(g['params']) for g in self.param_groups]}")
         for g in groups:
-            for k in ("amsgrad", "maximize"):
-                if g.get(k):
-                    raise offloadd.InvalidArgumentError(
-                        f"optimizer state_dict: {k}=True is not supported by offloadd's Adam")
+            _check_group(g, "optimizer state_dict")
         # Every shape checked before anything is written: a mismatch leaves
         # the state as it was.
         for g, mine in zip(groups, self.param_groups):
@@ -2873,7 +2922,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
     if config["deepspeed_loop"]:
         for name in ("backward", "step", "is_gradient_accumulation_boundary"):
             if not hasattr(model, name):
-                setattr(model, name, getattr(optimizer, name))
+                # Looked up at each call: an lr scheduler wraps
+                # optimizer.step after wrap() to count the calls.
+                setattr(model, name, functools.partial(_call_method, optimizer, name))
             else:
                 # (model.step() would be the model's own: no update.)
                 warnings.warn(f"offloadd.torch.wrap: the model has its own {name}(), kept: "
