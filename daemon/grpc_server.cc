@@ -96,6 +96,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> GrpcServer::Build(bool tcp) {
   quota.SetMaxThreads(tcp ? std::max(2, options_.max_threads / 8) : options_.max_threads);
   builder.SetResourceQuota(quota);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options_.max_streams_per_connection);
+  // A port another process listens on is taken (gRPC sets SO_REUSEPORT by
+  // default: a second offloadd given the same port shared it, the kernel
+  // dealing each connection to either).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddChannelArgument(
       GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
       static_cast<int>(absl::ToInt64Milliseconds(options_.handshake_timeout)));

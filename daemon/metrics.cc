@@ -1,5 +1,7 @@
 #include "daemon/metrics.h"
 
+#include <sys/socket.h>
+
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -247,6 +249,12 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(int port, Sn
   server.set_keep_alive_timeout(2);
   server.set_read_timeout(2, 0);
   server.set_write_timeout(2, 0);
+  // SO_REUSEADDR only: httplib's default, SO_REUSEPORT, let a second offloadd
+  // listen on the same port, sharing the scrapes between the two.
+  server.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   server.Get("/metrics", [snapshot](const httplib::Request&, httplib::Response& res) {
     res.set_content(FormatPrometheus(snapshot()), "text/plain; version=0.0.4");
   });

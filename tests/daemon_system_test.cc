@@ -2048,6 +2048,43 @@ TEST(DaemonStartup, ChecksWhatOthersCouldHavePlantedBeforeReadingIt) {
   EXPECT_FALSE(std::filesystem::exists(std::string(dir) + "/data/tcp_token"));
 }
 
+// A TCP or metrics port another process listens on with SO_REUSEPORT (as
+// gRPC's and httplib's listeners did by default: a second offloadd given
+// the first's ports started, and the kernel shared each port's
+// connections between the two) is taken: the start fails, naming it.
+TEST(DaemonStartup, APortListenedOnWithReusePortIsTaken) {
+  char dir[] = "/tmp/offloadd_reuseport.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove(dir);
+  auto listening = [](int* port) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(fd, 0);
+    const int yes = 1;
+    EXPECT_EQ(setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &yes, sizeof(yes)), 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(listen(fd, 1), 0);
+    socklen_t len = sizeof(addr);
+    EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    *port = ntohs(addr.sin_port);
+    return fd;
+  };
+  for (const char* flag : {"--server.tcp_port=", "--metrics.port="}) {
+    SCOPED_TRACE(flag);
+    int port = 0;
+    const int taken = listening(&port);
+    auto r = ::offload::testing::RunCommand(
+        {"/usr/bin/timeout", "-s", "KILL", "20", "daemon/offloadd",
+         std::string("--server.data_dir=") + dir + "/data", absl::StrCat(flag, port)});
+    close(taken);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 1) << r->output;
+    EXPECT_TRUE(absl::StrContains(r->output, absl::StrCat("127.0.0.1:", port))) << r->output;
+  }
+}
+
 // Issue 11's known breaks: a socket path naming a regular file deleted it;
 // a data directory others can write was accepted.
 TEST(DaemonStartup, RefusesToReplaceAFileOrUseAnOpenDirectory) {
