@@ -1,5 +1,6 @@
 #include "base/config_registry.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -146,7 +147,12 @@ void ConfigRegistry::Bind(std::string name, bool* field, TunableSpec spec) {
 }
 
 void ConfigRegistry::Bind(std::string name, std::string* field, TunableSpec spec) {
-  auto parse = [](absl::string_view text, std::string* v) -> absl::Status {
+  auto parse = [name, choices = spec.choices](absl::string_view text,
+                                              std::string* v) -> absl::Status {
+    if (!choices.empty() && std::find(choices.begin(), choices.end(), text) == choices.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tunable ", name, " is one of ", absl::StrJoin(choices, ", "), "; got '", text, "'"));
+    }
     *v = std::string(text);
     return absl::OkStatus();
   };

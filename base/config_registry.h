@@ -68,6 +68,8 @@ struct TunableSpec {
   bool dynamic = false;
   // Bounds of an "int" tunable.
   IntRange range{};
+  // The values a "string" tunable takes (empty: any).
+  std::vector<std::string> choices{};
 };
 
 class ConfigRegistry {

@@ -48,6 +48,18 @@ TEST(ConfigRegistry, DynamicNeedsAHookAndHooksRunOnlyOnceFrozen) {
   EXPECT_EQ(r.Set("a.flag", "true").status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(ConfigRegistry, AStringOfChoicesTakesOnlyThem) {
+  std::string kernel = "auto";
+  ConfigRegistry r;
+  r.Bind("a.kernel", &kernel, {"isa", "kernel", false, {}, {"auto", "avx2"}});
+  ASSERT_TRUE(r.Set("a.kernel", "avx2").ok());
+  absl::StatusOr<TunableInfo> bad = r.Set("a.kernel", "avx9");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "tunable a.kernel is one of auto, avx2; got 'avx9'");
+  EXPECT_EQ(kernel, "avx2");
+  EXPECT_EQ(r.Normalize("a.kernel", "avx9").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ByteSize, ParsesAndFormats) {
   EXPECT_EQ(*ParseByteSize("4096"), 4096);
   EXPECT_EQ(*ParseByteSize("64K"), 65536);

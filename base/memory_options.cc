@@ -79,7 +79,9 @@ void BindMemoryTunables(MemoryOptions* o, ConfigRegistry* r) {
           {"pages",
            "pages of the host pool's memory for blocks homed on the host (optimizer state, "
            "accumulators): auto (small where DAMON monitors this node, else huge), huge, small",
-           false});
+           false,
+           {},
+           {"auto", "huge", "small"}});
 }
 
 }  // namespace offload

@@ -49,7 +49,11 @@ void BindNvmeTunables(NvmeOptions* o, ConfigRegistry* r) {
   r->Bind("nvme.direct_io", &o->direct_io,
           {"bool", "O_DIRECT where the filesystem supports it", false});
   r->Bind("nvme.backend", &o->io.backend,
-          {"name", "auto (io_uring, else posix), io_uring or posix", false});
+          {"name",
+           "auto (io_uring, else posix), io_uring or posix",
+           false,
+           {},
+           {"auto", "io_uring", "posix"}});
   r->Bind("nvme.queue_depth", &o->io.queue_depth,
           {"requests", "I/O requests in flight per ring", true, kQueueDepthRange});
   r->Bind("nvme.request_bytes", &o->io.request_bytes,

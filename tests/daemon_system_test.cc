@@ -3605,7 +3605,7 @@ TEST_F(DaemonTest, WaitForLogGivesUpAtItsDeadline) {
 
 // memory.host_home_pages: the start-up lines say which pages the state homed
 // on the host lives on and why; a value that is none of auto, huge, small
-// stops the start, naming the setting.
+// is a bad flag (exit 2), naming the setting.
 TEST(DaemonStartup, HostHomePagesAreSaidAtStartAndABadValueIsRefused) {
   auto d = DaemonProcess::Start({"--memory.host_home_pages=small"});
   ASSERT_TRUE(d.ok()) << d.status();
@@ -3616,7 +3616,7 @@ TEST(DaemonStartup, HostHomePagesAreSaidAtStartAndABadValueIsRefused) {
   ASSERT_TRUE((*d)->Stop().ok());
   auto bad = DaemonProcess::Start({"--memory.host_home_pages=medium"});
   ASSERT_FALSE(bad.ok());
-  EXPECT_TRUE(absl::StrContains(bad.status().message(), "exited with 1")) << bad.status();
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "exited with 2")) << bad.status();
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "memory.host_home_pages")) << bad.status();
 }
 
@@ -3635,6 +3635,14 @@ TEST(DaemonStartup, BadConfigIsRefusedWithTheReason) {
   ASSERT_TRUE(flag.ok());
   EXPECT_EQ(flag->exit_code, 2);
   EXPECT_TRUE(absl::StrContains(flag->output, "no.such")) << flag->output;
+  // A setting of a few values given another: a bad flag too (these exited
+  // 1, "cannot start", once the start got to them).
+  for (const char* bad : {"--optimizer.kernel=avx9", "--nvme.backend=spdk"}) {
+    auto r = ::offload::testing::RunCommand({"daemon/offloadd", bad});
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->exit_code, 2) << bad << ": " << r->output;
+    EXPECT_TRUE(absl::StrContains(r->output, "is one of")) << r->output;
+  }
 }
 
 }  // namespace
