@@ -1403,6 +1403,76 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertEqual(opt.last_step["skipped"], False)
         opt.close()
 
+    def test_a_forward_that_changes_its_parameters_in_place_keeps_the_change(self):
+        # nn.Embedding(max_norm=...) renormalises the rows it looks up, in
+        # place, in its forward; a module may clamp its weight there too.
+        # The change was made to the gathered copy and lost with it,
+        # silently: kept now, training as torch (with and without the
+        # emulated GPU tier).
+        import torch
+
+        class Clamped(torch.nn.Linear):
+            def forward(self, x):
+                with torch.no_grad():
+                    self.weight.clamp_(-0.2, 0.2)
+                return super().forward(x)
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), Clamped(4, 1))
+
+        for zero in (None, {"gpu": {"device": "emulated"}}):
+            ref = make()
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
+            model, opt = self.wrap(make(), {"lr": 1e-1}, zero)
+            for i in range(4):
+                idx = torch.randint(0, 10, (3, 2), generator=torch.Generator().manual_seed(i))
+                ref_opt.zero_grad(set_to_none=True)
+                ref(idx).pow(2).mean().backward()
+                ref_opt.step()
+                opt.zero_grad()
+                model(idx).pow(2).mean().backward()
+                opt.step()
+            got = self.assert_weights(model, ref.state_dict())
+            self.assertLessEqual(float(got["1.weight"].abs().max()), 0.2 + 1e-1 * 4)
+            opt.close()
+
+    def test_a_change_in_place_keeps_the_other_elements_fp32_masters(self):
+        # With a bf16 working copy, only the elements the forward changed
+        # take the new (bf16) values as masters: the rows it never looked up
+        # keep their fp32 initial values exactly (no gradient, no decay).
+        import torch
+        torch.manual_seed(0)
+        emb = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=0.5))
+        initial = emb[0].weight.detach().clone()
+        model, opt = self.wrap(emb, {"lr": 1e-2, "weight_decay": 0.0},
+                               {"working_dtype": "bf16", "state_dict": "master"})
+        model(torch.tensor([1, 2])).pow(2).mean().backward()
+        opt.step()
+        got = model.state_dict()["0.weight"]
+        for row in (0, 3, 9):
+            self.assertTrue(torch.equal(got[row], initial[row]), row)
+        self.assertFalse(torch.equal(initial[5], initial[5].bfloat16().float()))  # (not bf16-exact)
+        for row in (1, 2):  # renormalised, then stepped
+            self.assertLessEqual(float(got[row].norm()), 0.5 + 2e-2)
+        opt.close()
+
+    def test_a_change_in_place_with_the_delayed_update_is_refused(self):
+        # The forward reads the weights one step behind: the changed ones,
+        # written back, would undo the last step's update of them.
+        import torch
+        import offloadd
+        torch.manual_seed(0)
+        model, opt = self.wrap(torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=0.5)),
+                               {"lr": 1e-2}, {"delayed_update": True})
+        idx = torch.tensor([1, 2])
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError, "'0.weight'.*max_norm"):
+            for _ in range(3):
+                model(idx).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        opt.close()
+
     def test_weight_norm_and_spectral_norm_train_like_torch(self):
         # Their pre-hooks, registered before wrap, compute the weight from
         # the module's parameters: offloadd's gather runs first (it ran

@@ -66,6 +66,11 @@ Limits, said plainly:
   torch's do. optimizer.state_dict() and load_state_dict() are torch
   AdamW's format (collectives too); optimizer.checkpoint(dir) and
   zero_config restore_from are faster and keep the fp32 master weights.
+- A forward that changes its module's parameters in place (under no_grad:
+  nn.Embedding's max_norm, a constraint the module applies) has the elements
+  it changed kept as their master weights, each rank its own slice's, once
+  the module's forward returns; with the delayed update that is refused
+  (FailedPreconditionError: the forward read the step before's weights).
 - Non-finite gradients skip the step on every rank (torch would write NaN);
   optimizer.last_step says so.
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
@@ -193,7 +198,7 @@ class _Shard:
     """One parameter: its full shape here, its slice in the daemon."""
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
-                 "_gathered", "accumulate_node", "module_shards", "refs", "in_optimizer",
+                 "_gathered", "accumulate_node", "module_shards", "refs", "version", "in_optimizer",
                  "unit", "guarded")
 
     def __init__(self, name, param, world):
@@ -210,6 +215,7 @@ class _Shard:
         self.accumulate_node = None
         self.module_shards = [self]  # gathered together in backward
         self.refs = 0  # forward calls running that use it (a module inside another's)
+        self.version = 0  # its version counter as the outermost such call began
         self.in_optimizer = False  # in a param group: its gradients go to the daemon
         self.unit = None  # its unit in the GPU tier (_GpuTier), if one runs
 
@@ -1683,12 +1689,72 @@ class _Engine:
         for s in own:
             s.refs += 1
         self.gather(own)
+        for s in own:
+            if s.refs == 1:
+                s.version = s.param._version
 
     def _after_forward(self, own):
+        # A forward that changed its parameters in place (under no_grad:
+        # nn.Embedding's max_norm renormalises the rows it looks up; a
+        # constraint the module applies) changed the gathered copy, which
+        # goes when the module is done: the changes are kept, as torch
+        # keeps them.
+        changed = [s for s in own
+                   if s.refs == 1 and s.gathered and s.param._version != s.version]
+        if changed:
+            self._keep_changes(changed)
         for s in own:
             s.refs = max(0, s.refs - 1)
             if s.refs == 0:
                 self._free(s)
+
+    def _keep_changes(self, shards):
+        """`shards`, changed in place by their module's forward: the
+        elements of this rank's slice of each that changed become its master
+        weights (and working copy), as a load's values do; the others keep
+        their fp32 masters exactly."""
+        if self.delayed_update_on():
+            # The forward read the step before's weights: the changed ones,
+            # written back, would undo the last step's update of them.
+            raise offloadd.FailedPreconditionError(
+                f"parameter '{shards[0].name}' was changed in place by its module's forward "
+                "(nn.Embedding's max_norm renormalises rows so): with the delayed update the "
+                "forward reads weights one step behind, and the change cannot be kept; train "
+                "this model without delayed_update")
+        for s in shards:
+            s.version = s.param._version  # (kept once, also if a later forward changes it again)
+        for chunk in self._load_chunks(shards):
+            # The masters of 16-bit working copies, read before the fetch
+            # below makes them the trainer's.
+            masters = {}
+            for s in chunk:
+                if self.working_dtype != "fp32":
+                    got = self.session.read_moments(s.pid, 0, s.slice_numel, master=True)
+                    masters[s.pid] = torch.frombuffer(bytearray(got[3]), dtype=torch.float32)
+            ids = [s.pid for s in chunk]
+            views = self.with_room(
+                f"keeping what the forward of '{chunk[0].name}' changed in place "
+                f"({self._held_bytes(chunk)} bytes)",
+                lambda: self.session.fetch(ids, load=True))
+            try:
+                for s, v in zip(chunk, views):
+                    mine = self._my_slice(s, s.param.data.detach())
+                    working = torch.frombuffer(v.params, dtype=self.torch_working)
+                    if v.master_init is None:
+                        working.copy_(mine)  # (fp32: the master weights themselves)
+                        continue
+                    mine = mine.to(device="cpu", dtype=torch.float32)
+                    changed = mine != working.to(torch.float32)
+                    torch.frombuffer(v.master_init, dtype=torch.float32).copy_(
+                        torch.where(changed, mine, masters[s.pid]))
+            except BaseException:
+                self._release_quietly(self.session, ids)
+                raise
+            # (The release ends every hold of them: the pass's too, taken
+            # again.)
+            self.with_room("releasing the changed values", lambda: self.session.release(ids))
+            if self._held_views is not None:
+                self._held_views.update((v.id, v) for v in self.session.fetch(ids))
 
     def close(self, finished=True):
         """Closes the session. finished=False (a failure unwinding): with
