@@ -1473,6 +1473,46 @@ class WrapInProcessTest(unittest.TestCase):
                 opt.zero_grad()
         opt.close()
 
+    def test_zero_grad_keeping_zero_gradients_steps_like_torch(self):
+        # zero_grad(set_to_none=False) (torch's default before 2.0) leaves a
+        # zero gradient on each parameter that had one, and torch's step
+        # updates it (moments, weight decay) where no backward reached it
+        # since: a branch used in the first iteration only, a layer frozen
+        # after training. offloadd stepped only what a backward reached.
+        # The optimizer's and the model's zero_grad, torch's default, both
+        # values; with and without the emulated GPU tier.
+        import torch
+
+        class Branches(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b, self.c = (torch.nn.Linear(4, 1) for _ in range(3))
+
+            def forward(self, x, i):
+                return self.a(x) + (self.b(x) if i == 0 else 0) + self.c(x)
+
+        def make():
+            torch.manual_seed(0)
+            return Branches()
+
+        for set_to_none, zero in ((None, None), (False, None), (True, None),
+                                  (None, {"gpu": {"device": "emulated"}})):
+            ref = make()
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            model, opt = self.wrap(make(), {"lr": 1e-2}, zero)
+            for i in range(4):
+                x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+                if i == 2:  # c frozen after two steps
+                    ref.c.requires_grad_(False)
+                    model.c.requires_grad_(False)
+                for m, o in ((ref, ref_opt), (model, opt)):
+                    z = o.zero_grad if i % 2 else m.zero_grad
+                    z() if set_to_none is None else z(set_to_none=set_to_none)
+                    m(x, i).pow(2).mean().backward()
+                    o.step()
+            self.assert_weights(model, ref.state_dict(), rtol=0, atol=0)
+            opt.close()
+
     def test_weight_norm_and_spectral_norm_train_like_torch(self):
         # Their pre-hooks, registered before wrap, compute the weight from
         # the module's parameters: offloadd's gather runs first (it ran

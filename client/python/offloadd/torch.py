@@ -81,6 +81,7 @@ import contextlib
 import ctypes
 import functools
 import glob
+import inspect
 import math
 import random
 import os
@@ -199,7 +200,7 @@ class _Shard:
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
                  "_gathered", "accumulate_node", "module_shards", "refs", "version", "in_optimizer",
-                 "unit", "guarded")
+                 "unit", "guarded", "has_grad", "grad_since_step")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -218,6 +219,11 @@ class _Shard:
         self.version = 0  # its version counter as the outermost such call began
         self.in_optimizer = False  # in a param group: its gradients go to the daemon
         self.unit = None  # its unit in the GPU tier (_GpuTier), if one runs
+        # torch's p.grad would be a tensor (a backward reached it, and no
+        # zero_grad(set_to_none=True) since): a step updates it, with a zero
+        # gradient if none came since the last step.
+        self.has_grad = False
+        self.grad_since_step = False  # a backward reached it since the last step
 
     @property
     def gathered(self):
@@ -1276,6 +1282,8 @@ class _Engine:
 
     def _make_grad_hook(self, s):
         def hook(grad):
+            if s.in_optimizer:
+                s.has_grad = s.grad_since_step = True
             tier = self.tier
             if tier is not None and tier.resident:
                 if s.in_optimizer:
@@ -1791,6 +1799,10 @@ _CLOSED = ("this model's optimizer was closed: its parameters' values went with 
            "session (save model.state_dict() before optimizer.close(), and load it into a fresh "
            "model to go on)")
 
+
+# torch's Optimizer.zero_grad default (False before torch 2.0, True since).
+_TORCH_SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
+    "set_to_none"].default
 
 # The engines whose sessions close as the program exits, if open then (one
 # collected before closes its session in the binding's destructor).
@@ -2440,17 +2452,26 @@ class Optimizer(torch.optim.Optimizer):
         return (self._config.get("deepspeed_loop")
                 and self._micro_steps % self._config["gradient_accumulation_steps"] != 0)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none=None):
         """Drops the gradients of this step so far, as torch's does: those
         the daemon accumulated are consumed by a skipped step (which changes
-        nothing else). In a DeepSpeed loop, before the accumulation boundary,
-        nothing (as DeepSpeed's engine)."""
+        nothing else). set_to_none (torch's default where None: False before
+        torch 2.0) as torch's: False leaves each parameter that had a
+        gradient with a zero one, which the next step updates (moments and
+        weight decay) if no backward reaches it. In a DeepSpeed loop, before
+        the accumulation boundary, nothing (as DeepSpeed's engine)."""
         if self._inside_accumulation():
             return
+        if set_to_none is None:
+            set_to_none = _TORCH_SET_TO_NONE
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
         e = self._engine
+        for s in e.shards:
+            s.grad_since_step = False
+            if set_to_none:
+                s.has_grad = False
         # A backward that raised never reached its end (torch runs no queued
         # callback then): what its pass gathered and held goes now, and the
         # next backward queues its own end again.
@@ -2499,6 +2520,18 @@ class Optimizer(torch.optim.Optimizer):
         e = self._engine
         start = time.perf_counter()
         self._settle()  # (the previous step's failure, a swap-in error, surfaces here)
+        # A parameter whose gradient torch would hold zeroed (zero_grad with
+        # set_to_none=False) and no backward reached since: torch's step
+        # updates it with a zero gradient; each rank returns its slice's
+        # (zeros averaged are zeros: no collective).
+        zeros = [s for s in e.shards if s.in_optimizer and s.has_grad and not s.grad_since_step]
+        if zeros:
+            for i in range(0, len(zeros), e.RETURN_BATCH):
+                e._return_batch([(s, torch.zeros(s.slice_numel), None)
+                                 for s in zeros[i:i + e.RETURN_BATCH]])
+            e.returned_since_step = True
+        for s in e.shards:
+            s.grad_since_step = False
         pending = e.session.pending_gradients()
         sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
         partitions = float(pending["partitions"])
@@ -2981,7 +3014,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
     # gradients are the daemon's): the model's, as the optimizer's, drops
     # those returned since the last step (a GAN's loop zeroes one net
     # between another's backward through it and its own step).
-    def zero_grad(set_to_none=True, _module_zero_grad=model.zero_grad):
+    def zero_grad(set_to_none=None, _module_zero_grad=model.zero_grad):
+        if set_to_none is None:
+            set_to_none = _TORCH_SET_TO_NONE
         _module_zero_grad(set_to_none)
         optimizer.zero_grad(set_to_none)
     model.zero_grad = zero_grad
