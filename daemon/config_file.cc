@@ -87,15 +87,32 @@ absl::Status ApplyYaml(ConfigRegistry& registry, absl::string_view yaml_text,
   return absl::OkStatus();
 }
 
-absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path) {
+absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path,
+                           std::vector<std::string>* names) {
   ASSIGN_OR_RETURN(std::string text, ReadFile(path));
-  return ApplyYaml(registry, text, path);
+  RETURN_IF_ERROR(ApplyYaml(registry, text, path));
+  if (names != nullptr) {
+    ASSIGN_OR_RETURN(Settings settings, ReadYamlSettings(text, path));
+    names->clear();
+    for (const auto& [name, value] : settings) names->push_back(name);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std::string& path,
-                                            const std::vector<std::string>& from_command_line) {
+                                            const std::vector<std::string>& from_command_line,
+                                            std::vector<std::string>* from_file) {
   ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   ASSIGN_OR_RETURN(Settings settings, ReadYamlSettings(text, path));
+  // What the file set before and names no more: its default again.
+  std::vector<std::string> now_named;
+  for (const auto& [name, value] : settings) now_named.push_back(name);
+  for (const std::string& name : *from_file) {
+    if (absl::c_linear_search(now_named, name)) continue;
+    absl::StatusOr<TunableInfo> known = registry.Get(name);
+    if (known.ok()) settings.emplace_back(name, known->default_value);
+  }
+  *from_file = std::move(now_named);
   // Every name known before anything changes.
   for (const auto& [name, value] : settings) {
     auto known = registry.Get(name);
@@ -106,14 +123,14 @@ absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std:
   }
   ConfigReload out;
   for (const auto& [name, value] : settings) {
-    if (absl::c_linear_search(from_command_line, name)) {
-      out.kept.push_back(name);
-      continue;
-    }
     const TunableInfo now = *registry.Get(name);
     absl::StatusOr<std::string> wanted = registry.Normalize(name, value);
     if (!wanted.ok()) {
       out.refused.push_back(absl::StrCat(name, ": ", wanted.status().message()));
+      continue;
+    }
+    if (absl::c_linear_search(from_command_line, name)) {
+      out.kept.push_back(name);
       continue;
     }
     if (*wanted == now.value) continue;

@@ -20,8 +20,10 @@ namespace offload {
 // unknown setting.
 absl::Status ApplyYaml(ConfigRegistry& registry, absl::string_view yaml_text,
                        absl::string_view source);
-// NOT_FOUND if `path` cannot be read.
-absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path);
+// NOT_FOUND if `path` cannot be read. `names`, if given, gets the settings
+// the file set (ReloadYamlFile's `from_file`).
+absl::Status ApplyYamlFile(ConfigRegistry& registry, const std::string& path,
+                           std::vector<std::string>* names = nullptr);
 
 // The settings a YAML document names, as (dotted name, value), in its order.
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ReadYamlSettings(
@@ -37,11 +39,16 @@ struct ConfigReload {
 // Re-reads `path` and applies what changed from the values in force:
 // dynamic settings at once (their hooks run, as offloadctl config set),
 // static ones listed as needing a restart; settings in `from_command_line`
-// are left as the command line set them; a setting no longer in the file
-// keeps its value until a restart. Fails (changing nothing) if the file
-// cannot be read or parsed, or names an unknown setting.
+// are left as the command line set them (the file's value checked all the
+// same: a bad one is refused, as the next start would refuse it); a
+// setting the file set before (`from_file`: the names it set at the start
+// or the last reload; updated) and no longer names goes back to its
+// default, as a restart would have it (settings the file never named keep
+// what offloadctl config set gave them). Fails (changing nothing) if the
+// file cannot be read or parsed, or names an unknown setting.
 absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std::string& path,
-                                            const std::vector<std::string>& from_command_line);
+                                            const std::vector<std::string>& from_command_line,
+                                            std::vector<std::string>* from_file);
 
 }  // namespace offload
 

@@ -93,13 +93,15 @@ void RaiseDescriptorLimit() {
 // SIGHUP: the config file again, what can change live applied (and said),
 // what cannot said to need a restart.
 void Reload(ConfigRegistry& registry, const std::string& config_file,
-            const std::vector<std::string>& from_command_line) {
+            const std::vector<std::string>& from_command_line,
+            std::vector<std::string>* from_file) {
   if (config_file.empty()) {
     LogWarning(
         "SIGHUP: no --config file to re-read; settings change live with offloadctl config set");
     return;
   }
-  absl::StatusOr<ConfigReload> r = ReloadYamlFile(registry, config_file, from_command_line);
+  absl::StatusOr<ConfigReload> r =
+      ReloadYamlFile(registry, config_file, from_command_line, from_file);
   if (!r.ok()) {
     LogError("SIGHUP: %s; nothing changed", r.status().ToString());
     return;
@@ -109,7 +111,8 @@ void Reload(ConfigRegistry& registry, const std::string& config_file,
           r->applied.empty() ? "" : absl::StrCat(" (", absl::StrJoin(r->applied, ", "), ")"),
           r->kept.empty()
               ? ""
-              : absl::StrCat("; the command line's kept for ", absl::StrJoin(r->kept, ", ")));
+              : absl::StrCat("; the file's value not applied where the command line sets it (",
+                             absl::StrJoin(r->kept, ", "), ")"));
   if (!r->need_restart.empty()) {
     LogWarning("SIGHUP: %s cannot change while offloadd runs: it takes effect at the next start",
                absl::StrJoin(r->need_restart, ", "));
@@ -125,6 +128,7 @@ int Main(int argc, char** argv) {
   BindTunables(&options, &registry);
 
   std::string config_file;
+  std::vector<std::string> from_file;  // the settings the config file set (a reload updates it)
   std::vector<std::pair<std::string, std::string>> flags;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -149,7 +153,7 @@ int Main(int argc, char** argv) {
     }
   }
   if (!config_file.empty()) {
-    if (absl::Status s = ApplyYamlFile(registry, config_file); !s.ok()) {
+    if (absl::Status s = ApplyYamlFile(registry, config_file, &from_file); !s.ok()) {
       std::fprintf(stderr, "offloadd: %s\n", s.ToString().c_str());
       return 2;
     }
@@ -193,7 +197,7 @@ int Main(int argc, char** argv) {
     sigwait(&signals, &signal_number);
     if (signal_number != SIGHUP) break;
     NotifySystemd("RELOADING=1").IgnoreError();
-    Reload(registry, config_file, from_command_line);
+    Reload(registry, config_file, from_command_line, &from_file);
     NotifySystemd("READY=1").IgnoreError();
   }
   NotifySystemd("STOPPING=1").IgnoreError();

@@ -2176,13 +2176,26 @@ TEST(DaemonStartup, TellsSystemdItIsReadyAndRereadsItsConfigOnSighup) {
   ASSERT_EQ(kill((*d)->pid(), SIGHUP), 0);
   ASSERT_TRUE((*d)->WaitForLog("nothing changed").ok()) << (*d)->ReadLog();
   EXPECT_EQ((*c)->GetTunable("optimizer.threads")->value, "2");
+  // A setting the file no longer names goes back to its default, as a
+  // restart would have it (it kept the file's old value); a bad value of
+  // one the command line sets is refused all the same, as the next start
+  // would refuse it (it was not looked at).
+  std::ofstream(config, std::ios::trunc) << "checkpoint:\n  auto_every_steps: lots\n";
+  ASSERT_EQ(kill((*d)->pid(), SIGHUP), 0);
+  ASSERT_TRUE(
+      (*d)->WaitForLog("refused (the value in force stays): checkpoint.auto_every_steps").ok())
+      << (*d)->ReadLog();
+  auto threads = (*c)->GetTunable("optimizer.threads");
+  ASSERT_TRUE(threads.ok());
+  EXPECT_EQ(threads->value, threads->default_value);
+  EXPECT_EQ((*c)->GetTunable("checkpoint.auto_every_steps")->value, "3");
   EXPECT_TRUE((*c)->GetStats().ok());
   auto stopped = (*d)->Stop();
   ASSERT_TRUE(stopped.ok());
   EXPECT_EQ(*stopped, 0);
-  // (RELOADING and READY of the second SIGHUP come first.)
+  // (RELOADING and READY of the second and third SIGHUP come first.)
   std::string last;
-  for (int i = 0; i < 3; ++i) last = next();
+  for (int i = 0; i < 5; ++i) last = next();
   EXPECT_EQ(last, "STOPPING=1");
 }
 
