@@ -104,6 +104,14 @@ absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std:
                                             std::vector<std::string>* from_file) {
   ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   ASSIGN_OR_RETURN(Settings settings, ReadYamlSettings(text, path));
+  // Every name known before anything changes.
+  for (const auto& [name, value] : settings) {
+    auto known = registry.Get(name);
+    if (!known.ok()) {
+      return absl::Status(known.status().code(),
+                          absl::StrCat(path, ": ", known.status().message()));
+    }
+  }
   // What the file set before and names no more: its default again.
   std::vector<std::string> now_named;
   for (const auto& [name, value] : settings) now_named.push_back(name);
@@ -113,14 +121,6 @@ absl::StatusOr<ConfigReload> ReloadYamlFile(ConfigRegistry& registry, const std:
     if (known.ok()) settings.emplace_back(name, known->default_value);
   }
   *from_file = std::move(now_named);
-  // Every name known before anything changes.
-  for (const auto& [name, value] : settings) {
-    auto known = registry.Get(name);
-    if (!known.ok()) {
-      return absl::Status(known.status().code(),
-                          absl::StrCat(path, ": ", known.status().message()));
-    }
-  }
   ConfigReload out;
   for (const auto& [name, value] : settings) {
     const TunableInfo now = *registry.Get(name);

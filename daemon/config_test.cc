@@ -188,5 +188,26 @@ TEST_F(ConfigTest, YamlFileRoundTrip) {
   EXPECT_EQ(options_.optimizer.tile_elems, 4096);
 }
 
+// A reload takes a setting the file no longer names back to its default; a
+// reload refused (an unknown name) changes nothing, not even what the file
+// is known to have set, so the next one still resets it.
+TEST_F(ConfigTest, AReloadResetsWhatTheFileNoLongerSets) {
+  const std::string path = std::string(getenv("TEST_TMPDIR")) + "/reload.yaml";
+  const std::string fallback = registry_.Get("optimizer.tile_elems")->default_value;
+  std::ofstream(path) << "optimizer:\n  tile_elems: 4096\n";
+  std::vector<std::string> from_file;
+  ASSERT_TRUE(ApplyYamlFile(registry_, path, &from_file).ok());
+  EXPECT_EQ(from_file, std::vector<std::string>{"optimizer.tile_elems"});
+  std::ofstream(path, std::ios::trunc) << "optimizer:\n  tile_elemz: 1\n";
+  EXPECT_EQ(ReloadYamlFile(registry_, path, {}, &from_file).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(options_.optimizer.tile_elems, 4096);
+  std::ofstream(path, std::ios::trunc) << "# nothing set\n";
+  auto r = ReloadYamlFile(registry_, path, {}, &from_file);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(registry_.Get("optimizer.tile_elems")->value, fallback);
+  EXPECT_TRUE(from_file.empty());
+}
+
 }  // namespace
 }  // namespace offload
