@@ -1407,9 +1407,10 @@ class WrapInProcessTest(unittest.TestCase):
         # nn.Embedding(max_norm=...) renormalises the rows it looks up, in
         # place, in its forward; a module may clamp its weight there too.
         # The change was made to the gathered copy and lost with it,
-        # silently: kept now, training as torch (with and without the
-        # emulated GPU tier).
+        # silently: kept now, training as torch; with the GPU tier (here
+        # emulated) refused, naming the parameter.
         import torch
+        import offloadd
 
         class Clamped(torch.nn.Linear):
             def forward(self, x):
@@ -1421,21 +1422,24 @@ class WrapInProcessTest(unittest.TestCase):
             torch.manual_seed(0)
             return torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), Clamped(4, 1))
 
-        for zero in (None, {"gpu": {"device": "emulated"}}):
-            ref = make()
-            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
-            model, opt = self.wrap(make(), {"lr": 1e-1}, zero)
-            for i in range(4):
-                idx = torch.randint(0, 10, (3, 2), generator=torch.Generator().manual_seed(i))
-                ref_opt.zero_grad(set_to_none=True)
-                ref(idx).pow(2).mean().backward()
-                ref_opt.step()
-                opt.zero_grad()
-                model(idx).pow(2).mean().backward()
-                opt.step()
-            got = self.assert_weights(model, ref.state_dict())
-            self.assertLessEqual(float(got["1.weight"].abs().max()), 0.2 + 1e-1 * 4)
-            opt.close()
+        ref = make()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-1)
+        model, opt = self.wrap(make(), {"lr": 1e-1})
+        for i in range(4):
+            idx = torch.randint(0, 10, (3, 2), generator=torch.Generator().manual_seed(i))
+            ref_opt.zero_grad(set_to_none=True)
+            ref(idx).pow(2).mean().backward()
+            ref_opt.step()
+            opt.zero_grad()
+            model(idx).pow(2).mean().backward()
+            opt.step()
+        got = self.assert_weights(model, ref.state_dict())
+        self.assertLessEqual(float(got["1.weight"].abs().max()), 0.2 + 1e-1 * 4)
+        opt.close()
+        model, opt = self.wrap(make(), {"lr": 1e-1}, {"gpu": {"device": "emulated"}})
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError, "'0.weight'.*GPU tier"):
+            model(torch.tensor([[1, 2]]))
+        opt.close()
 
     def test_a_change_in_place_keeps_the_other_elements_fp32_masters(self):
         # With a bf16 working copy, only the elements the forward changed
@@ -1455,6 +1459,24 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertFalse(torch.equal(initial[5], initial[5].bfloat16().float()))  # (not bf16-exact)
         for row in (1, 2):  # renormalised, then stepped
             self.assertLessEqual(float(got[row].norm()), 0.5 + 2e-2)
+        opt.close()
+        # A bf16 model with the fp32 working copy: the gathered values are
+        # the masters rounded to bf16; only the changed ones are written
+        # (every master was rounded at each forward that changed any row).
+        emb = torch.nn.Embedding(4, 4, max_norm=1.0)
+        with torch.no_grad():
+            emb.weight[1] = 10.0  # renormalised at every forward
+            emb.weight[2] = 0.1   # never
+        model, opt = self.wrap(torch.nn.Sequential(emb.bfloat16()),
+                               {"lr": 1e-3, "weight_decay": 0.0}, {"state_dict": "master"})
+        for _ in range(2):
+            model(torch.tensor([1, 2])).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            model(torch.tensor([1, 2]))  # (an evaluation: row 1 renormalised again)
+        master = model.state_dict()["0.weight"]
+        self.assertFalse(torch.equal(master[2], master[2].bfloat16().float()), master[2])
         opt.close()
 
     def test_a_change_in_place_with_the_delayed_update_is_refused(self):
@@ -1793,6 +1815,26 @@ class WrapInProcessTest(unittest.TestCase):
         got = model.state_dict()
         torch.testing.assert_close(got["0.weight"], want["0.old_weight"], rtol=0, atol=0)
         torch.testing.assert_close(got["0.bias"], want["0.bias"], rtol=0, atol=0)
+        opt.close()
+
+    def test_what_a_module_loads_through_data_is_written_back(self):
+        # A module's own _load_from_state_dict that writes through .data
+        # moves no version counter of the parameter: what it loaded goes
+        # back to the daemon all the same.
+        import torch
+
+        class ThroughData(torch.nn.Linear):
+            def _load_from_state_dict(self, state_dict, prefix, *args):
+                self.weight.data.copy_(state_dict[prefix + "weight"])
+                self.bias.data.copy_(state_dict[prefix + "bias"])
+
+        torch.manual_seed(0)
+        model, opt = self.wrap(torch.nn.Sequential(ThroughData(8, 4)), {"lr": 1e-2})
+        want = {"0.weight": torch.randn(4, 8), "0.bias": torch.randn(4)}
+        model.load_state_dict(dict(want))
+        got = model.state_dict()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
         opt.close()
 
     def test_an_optimizer_state_dict_that_does_not_fit_changes_nothing(self):

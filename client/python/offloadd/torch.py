@@ -69,8 +69,9 @@ Limits, said plainly:
 - A forward that changes its module's parameters in place (under no_grad:
   nn.Embedding's max_norm, a constraint the module applies) has the elements
   it changed kept as their master weights, each rank its own slice's, once
-  the module's forward returns; with the delayed update that is refused
-  (FailedPreconditionError: the forward read the step before's weights).
+  the module's forward returns; with the delayed update (the forward read
+  the step before's weights) or the GPU tier (its copies on the GPU would
+  have to follow) that is refused with FailedPreconditionError.
 - Non-finite gradients skip the step on every rank (torch would write NaN);
   optimizer.last_step says so.
 - With loss scaling, call optimizer.backward(loss), not loss.backward().
@@ -1574,15 +1575,26 @@ class _Engine:
                     "load_state_dict(assign=True) (or torch's parameter swapping) would replace "
                     "the model's parameters with tensors offloadd does not hold: load without "
                     "it (the values are copied into offloadd's master weights)")
+            keys = self._keys(model, prefix)
+            # Those torch refuses (a size mismatch: it raises after loading
+            # the rest; a 1-element value for a 0-d parameter it takes).
+            self._load_refused = {
+                keys[k].pid for k, v in state_dict.items()
+                if k in keys and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(
+                    keys[k].shape) and not (len(keys[k].shape) == 0 and v.dim() == 1)}
+            self._load_prefix = prefix
             self.gather_all_for_load()
 
         def write_loaded(module, incompatible_keys):
-            # Only the parameters torch copied values into are written back:
-            # the others (missing from a strict=False load, renamed by a
-            # module's own _load_from_state_dict, or refused: a size mismatch,
-            # which torch raises after loading the rest) keep their masters
-            # exactly, not rounded through the working copy.
-            self.write_loaded()
+            # Only the parameters torch copied values into are written back
+            # (their version counters moved; or found and not refused, for a
+            # module's own _load_from_state_dict that writes through .data,
+            # which moves none): the others (missing from a strict=False
+            # load, refused) keep their masters exactly, not rounded through
+            # the working copy.
+            missing = set(incompatible_keys.missing_keys)
+            self.write_loaded({s.pid for key, s in self._keys(model, self._load_prefix).items()
+                               if key not in missing and s.pid not in self._load_refused})
 
         self._handles.append(model._register_load_state_dict_pre_hook(gather_for_load))
         self._handles.append(model.register_load_state_dict_post_hook(write_loaded))
@@ -1647,16 +1659,18 @@ class _Engine:
                 tier = _GpuTier.create(self, self.config["gpu"])
             self.tier = tier
 
-    def write_loaded(self):
-        """The parameters load_state_dict copied values into back to the
-        daemon: each rank's slice becomes its partition's master weights
-        (and working copy); moments and step counts stay, as torch's
-        optimizer state does."""
+    def write_loaded(self, found=()):
+        """The parameters load_state_dict copied values into (their version
+        counters moved, or partition ids in `found`) back to the daemon:
+        each rank's slice becomes its partition's master weights (and
+        working copy); moments and step counts stay, as torch's optimizer
+        state does."""
         if not getattr(self, "_loading", False):
             return
         self._loading = False
         versions, self._load_versions = self._load_versions, {}
-        shards = [s for s in self.shards if s.param._version != versions[s.pid]]
+        shards = [s for s in self.shards
+                  if s.pid in found or s.param._version != versions[s.pid]]
         delayed = self.delayed_update_on()
         if delayed:
             self.session.set_delayed_update(False)
@@ -1720,25 +1734,34 @@ class _Engine:
         """`shards`, changed in place by their module's forward: the
         elements of this rank's slice of each that changed become its master
         weights (and working copy), as a load's values do; the others keep
-        their fp32 masters exactly."""
+        their fp32 masters exactly. Nothing is written where nothing changed
+        (embedding_renorm_ moves the version counter at every call)."""
+        def refuse(why):
+            return offloadd.FailedPreconditionError(
+                f"parameter '{shards[0].name}' was changed in place by its module's forward "
+                f"(nn.Embedding's max_norm renormalises rows so): {why}")
         if self.delayed_update_on():
             # The forward read the step before's weights: the changed ones,
             # written back, would undo the last step's update of them.
-            raise offloadd.FailedPreconditionError(
-                f"parameter '{shards[0].name}' was changed in place by its module's forward "
-                "(nn.Embedding's max_norm renormalises rows so): with the delayed update the "
-                "forward reads weights one step behind, and the change cannot be kept; train "
-                "this model without delayed_update")
+            raise refuse("with the delayed update the forward reads weights one step behind, "
+                         "and the change cannot be kept; train this model without "
+                         "delayed_update")
+        if self.tier is not None:
+            # Its copies on the GPU (and its holds) would have to follow.
+            raise refuse("offloadd's GPU tier does not keep such changes; train this model "
+                         "with zero_config {'gpu': {'tier': False}}")
+        writes = {}
         for s in shards:
             s.version = s.param._version  # (kept once, also if a later forward changes it again)
-        for chunk in self._load_chunks(shards):
-            # The masters of 16-bit working copies, read before the fetch
-            # below makes them the trainer's.
-            masters = {}
-            for s in chunk:
-                if self.working_dtype != "fp32":
-                    got = self.session.read_moments(s.pid, 0, s.slice_numel, master=True)
-                    masters[s.pid] = torch.frombuffer(bytearray(got[3]), dtype=torch.float32)
+            got = self.session.read_moments(s.pid, 0, s.slice_numel, master=True)
+            master = torch.frombuffer(bytearray(got[3]), dtype=torch.float32)
+            mine = self._my_slice(s, s.param.data)
+            # What the forward read: the master, rounded to the working
+            # copy, then to the parameter's dtype.
+            before = master.to(self.torch_working).to(s.dtype).to(torch.float32)
+            if bool((mine != before).any()):
+                writes[s.pid] = (mine, master)
+        for chunk in self._load_chunks([s for s in shards if s.pid in writes]):
             ids = [s.pid for s in chunk]
             views = self.with_room(
                 f"keeping what the forward of '{chunk[0].name}' changed in place "
@@ -1746,15 +1769,14 @@ class _Engine:
                 lambda: self.session.fetch(ids, load=True))
             try:
                 for s, v in zip(chunk, views):
-                    mine = self._my_slice(s, s.param.data.detach())
+                    mine, master = writes[s.pid]
                     working = torch.frombuffer(v.params, dtype=self.torch_working)
-                    if v.master_init is None:
-                        working.copy_(mine)  # (fp32: the master weights themselves)
-                        continue
-                    mine = mine.to(device="cpu", dtype=torch.float32)
-                    changed = mine != working.to(torch.float32)
-                    torch.frombuffer(v.master_init, dtype=torch.float32).copy_(
-                        torch.where(changed, mine, masters[s.pid]))
+                    changed = mine != working.to(s.dtype).to(torch.float32)
+                    values = torch.where(changed, mine, master)
+                    if v.master_init is not None:  # (a 16-bit working copy: rounded from it)
+                        torch.frombuffer(v.master_init, dtype=torch.float32).copy_(values)
+                    else:  # (fp32: the master weights themselves)
+                        working.copy_(values)
             except BaseException:
                 self._release_quietly(self.session, ids)
                 raise
@@ -1812,7 +1834,10 @@ _OPEN_AT_EXIT = weakref.WeakSet()
 @atexit.register
 def _close_open_engines():
     for engine in list(_OPEN_AT_EXIT):
-        engine._close_at_exit()
+        try:
+            engine._close_at_exit()
+        except Exception:  # (one failing, a GPU error say: the others still close)
+            pass
 
 
 class _UncaughtWatch:
@@ -2366,8 +2391,9 @@ class Optimizer(torch.optim.Optimizer):
     sends every group's current hyperparameters. Gradients accumulate in the
     daemon until step(), which consumes them (as DeepSpeed's engine does;
     torch's .grad stays until zero_grad: a second step() without a backward
-    between updates nothing here, and a loop without zero_grad() steps with
-    each iteration's gradients, not their sum since the start): with
+    between steps each parameter that had a gradient with a zero one here,
+    not the same one again, and a loop without zero_grad() steps with each
+    iteration's gradients, not their sum since the start): with
     gradient_accumulation_steps N, backward() divides the loss by N and the
     trainer calls step() once every N micro-batches; wrapped with a
     deepspeed_config, as DeepSpeed's engine is called: step() after every
@@ -2524,14 +2550,15 @@ class Optimizer(torch.optim.Optimizer):
         # set_to_none=False) and no backward reached since: torch's step
         # updates it with a zero gradient; each rank returns its slice's
         # (zeros averaged are zeros: no collective).
+        # (Marked returned: a step that stops midway and is called again
+        # returns none twice.)
         zeros = [s for s in e.shards if s.in_optimizer and s.has_grad and not s.grad_since_step]
-        if zeros:
-            for i in range(0, len(zeros), e.RETURN_BATCH):
-                e._return_batch([(s, torch.zeros(s.slice_numel), None)
-                                 for s in zeros[i:i + e.RETURN_BATCH]])
+        for i in range(0, len(zeros), e.RETURN_BATCH):
+            batch = zeros[i:i + e.RETURN_BATCH]
+            e._return_batch([(s, torch.zeros(s.slice_numel), None) for s in batch])
             e.returned_since_step = True
-        for s in e.shards:
-            s.grad_since_step = False
+            for s in batch:
+                s.grad_since_step = True
         pending = e.session.pending_gradients()
         sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
         partitions = float(pending["partitions"])
@@ -2547,6 +2574,7 @@ class Optimizer(torch.optim.Optimizer):
             sq_norm, nonfinite, partitions, due = t.tolist()
             auto_checkpoint = due > 0
         if not partitions:  # no gradients anywhere: nothing to do, as in torch
+            self._stepped()
             e.timings["step"] += time.perf_counter() - start
             return
         if self._static_scale:
@@ -2570,6 +2598,7 @@ class Optimizer(torch.optim.Optimizer):
         r = e.with_room("the optimizer step's state chunks", lambda: e.session.step(
             grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups,
             auto_checkpoint=auto_checkpoint, **first))
+        self._stepped()
         if e.tier is not None and not r["skipped"]:
             e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
         e.returned_since_step = False
@@ -2590,6 +2619,11 @@ class Optimizer(torch.optim.Optimizer):
         e.counts["steps"] += 1
         e.counts["skipped"] += bool(r["skipped"])
         e.timings["step"] += time.perf_counter() - start
+
+    def _stepped(self):
+        """A step took what came since the last: the next starts afresh."""
+        for s in self._engine.shards:
+            s.grad_since_step = False
 
     def drain(self):
         """With the delayed update: makes the newest weights the ones the
