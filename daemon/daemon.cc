@@ -352,8 +352,23 @@ void Daemon::SetHooks() {
   });
   registry_->SetHook<int64_t>("memory.host_budget_bytes", [raw](const int64_t& v) {
     RETURN_IF_ERROR(CheckHostBudget(v, ReadMemoryLimit()));
+    // State homed on the host never leaves the pool: a budget below it
+    // would fail every session's next step, not free anything.
+    const uint64_t homed = raw->engine_->swapper().Stats().host_home_bytes;
+    if (static_cast<uint64_t>(v) < homed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "memory.host_budget_bytes ", v, " is below the ", homed,
+          " bytes of state the sessions placed on the host, which never leave the pool: set at "
+          "least that, or place state on NVMe first (the budget in force stays)"));
+    }
     raw->engine_->pool().SetLimit(static_cast<uint64_t>(v));
     raw->engine_->swapper().Trim();  // gives cached state back if the pool is now over
+    if (const uint64_t used = raw->engine_->pool().used(); used > static_cast<uint64_t>(v)) {
+      LogWarning(
+          "memory.host_budget_bytes is now %d, below the %d bytes the pool holds (held by "
+          "trainers or being written out): new holds wait until it is under",
+          v, static_cast<int64_t>(used));
+    }
     return absl::OkStatus();
   });
   registry_->SetHook<int64_t>("memory.session_arena_bytes", [raw](const int64_t& v) {

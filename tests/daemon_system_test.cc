@@ -1600,6 +1600,20 @@ TEST_F(DaemonTest, SocketsAndDataDirAreOwnerOnly) {
   EXPECT_EQ(st.st_mode & 0777, 0700u);
 }
 
+// A budget below the state homed on the host (which never leaves the pool)
+// is refused, naming it; it was taken, and every session's next step failed
+// for want of room.
+TEST_F(DaemonTest, ABudgetBelowTheStateHomedOnTheHostIsRefused) {
+  auto s = Open("homed");
+  ASSERT_TRUE(s);
+  ASSERT_TRUE(s->Register("w", 1 << 20, DType::kFp32, DType::kFp32).ok());
+  const std::string before = client_->GetTunable("memory.host_budget_bytes")->value;
+  auto low = client_->SetTunable("memory.host_budget_bytes", "4MiB");
+  EXPECT_EQ(low.status().code(), absl::StatusCode::kFailedPrecondition) << low.status();
+  EXPECT_TRUE(absl::StrContains(low.status().message(), "placed on the host")) << low.status();
+  EXPECT_EQ(client_->GetTunable("memory.host_budget_bytes")->value, before);
+}
+
 TEST_F(DaemonTest, TunablesChangeLiveOrSayWhyNot) {
   auto set = client_->SetTunable("optimizer.threads", "1");
   ASSERT_TRUE(set.ok()) << set.status();
