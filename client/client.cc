@@ -27,11 +27,39 @@
 #include "ipc/arena_protocol.h"
 #include "ipc/paths.h"
 #include "ipc/request_ring.h"
+#include "ipc/unix_socket.h"
 #include "proto/convert.h"
 #include "proto/offload.grpc.pb.h"
 
 namespace offload {
 namespace {
+
+// Why nothing answered at `address` within `waited`, as far as a plain
+// connection to a Unix socket tells: "is it running?" misleads where it is
+// (a stopped or refusing offloadd, a socket this user may not use).
+absl::Status NoAnswer(const std::string& address, absl::Duration waited) {
+  if (!absl::StartsWith(address, "unix:")) {
+    return absl::UnavailableError(absl::StrCat("no offloadd answers at ", address,
+                                               " (is it running? start it with `offloadd`)"));
+  }
+  const std::string path = address.substr(5);
+  absl::StatusOr<UniqueFd> probe = ConnectUnix(path);
+  if (probe.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "offloadd's socket ", path, " takes connections but nothing answered within ",
+        absl::FormatDuration(waited),
+        ": offloadd serves only its owner and its server.socket_group's members (its log names "
+        "a uid it refused), or it is stopped or too busy to answer"));
+  }
+  if (absl::IsPermissionDenied(probe.status())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "offloadd's socket ", path, " is not this user's to connect to (", probe.status().message(),
+        "): offloadd serves its owner and the members of its server.socket_group"));
+  }
+  return absl::UnavailableError(absl::StrCat("no offloadd listens on ", path, " (",
+                                             probe.status().message(),
+                                             "): start it with `offloadd`"));
+}
 
 // The arena connections of this process's sessions: offloadd's sign that
 // the trainer lives. A child forked from it (a data loader's worker)
@@ -513,8 +541,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   impl->channel =
       grpc::CreateCustomChannel(impl->address, grpc::InsecureChannelCredentials(), args);
   if (!impl->channel->WaitForConnected(DeadlineAfter(options.connect_timeout))) {
-    return absl::UnavailableError(absl::StrCat("no offloadd answers at ", impl->address,
-                                               " (is it running? start it with `offloadd`)"));
+    return NoAnswer(impl->address, options.connect_timeout);
   }
   impl->partitions = v1::PartitionService::NewStub(impl->channel);
   impl->config = v1::ConfigService::NewStub(impl->channel);

@@ -2062,6 +2062,46 @@ TEST(DaemonStartup, ChecksWhatOthersCouldHavePlantedBeforeReadingIt) {
   EXPECT_FALSE(std::filesystem::exists(std::string(dir) + "/data/tcp_token"));
 }
 
+// A client that finds no answer says why, as far as a plain connection
+// tells: a socket file nobody listens on (an offloadd gone) and one that
+// takes connections but never answers (a stopped offloadd, or one refusing
+// this user) are told apart; both said "is it running? start it", which
+// misleads for the second (a second offloadd there would be refused).
+TEST(ClientConnect, SaysWhyNothingAnswers) {
+  char dir[] = "/tmp/offloadd_noanswer.XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  RemoveOnExit remove(dir);
+  auto bound = [&](const std::string& name, bool listening) {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(fd, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string path = std::string(dir) + "/" + name;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path.c_str());
+    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    if (listening) {
+      EXPECT_EQ(listen(fd, 8), 0);
+    }
+    return std::make_pair(fd, path);
+  };
+  auto [stale, stale_path] = bound("gone.sock", false);
+  close(stale);  // (the file stays)
+  ClientOptions options;
+  options.connect_timeout = absl::Milliseconds(300);
+  options.address = "unix:" + stale_path;
+  auto gone = Client::Connect(options);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(gone.status().message(), "no offloadd listens on"))
+      << gone.status();
+  auto [silent, silent_path] = bound("silent.sock", true);
+  options.address = "unix:" + silent_path;
+  auto mute = Client::Connect(options);
+  close(silent);
+  EXPECT_EQ(mute.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(mute.status().message(), "takes connections but nothing answered"))
+      << mute.status();
+}
+
 // A TCP or metrics port another process listens on with SO_REUSEPORT (as
 // gRPC's and httplib's listeners did by default: a second offloadd given
 // the first's ports started, and the kernel shared each port's
