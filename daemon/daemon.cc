@@ -9,6 +9,7 @@
 #include <array>
 #include <cerrno>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/cleanup/cleanup.h"
@@ -17,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -38,6 +40,22 @@
 
 namespace offload {
 namespace {
+
+// The directory above `path` that members of group `gid` may not search
+// (neither theirs with g+x nor anyone's with o+x), with its mode; empty if
+// they reach `path`'s directory. (A member who is also the directory's
+// owner is not told apart.)
+std::string DirectoryBlockingGroup(const std::string& path, gid_t gid) {
+  for (std::filesystem::path dir = std::filesystem::path(path).parent_path(); !dir.empty();
+       dir = dir.parent_path()) {
+    struct stat st;
+    if (stat(dir.c_str(), &st) != 0) return "";
+    const bool searchable = (st.st_mode & S_IXOTH) || (st.st_gid == gid && (st.st_mode & S_IXGRP));
+    if (!searchable) return absl::StrFormat("%s (mode %04o)", dir.string(), st.st_mode & 07777);
+    if (dir == dir.root_path()) break;
+  }
+  return "";
+}
 
 // Before each kept session is written or read back: systemd (Type=notify)
 // is told to wait a while longer for the start or the stop, and what is
@@ -253,6 +271,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
           absl::StrCat("server.socket_group: ", gid.status().message()));
     }
     group = *gid;
+    if (const std::string blocked = DirectoryBlockingGroup(d->socket_path_, *gid);
+        !blocked.empty()) {
+      LogWarning(
+          "server.socket_group %s: its members cannot reach the socket %s: the directory %s is "
+          "not theirs to search; give the socket a directory they may search (server.socket, "
+          "as the packaged service's /run/offloadd)",
+          server.socket_group, d->socket_path_, blocked);
+    }
   }
   ASSIGN_OR_RETURN(
       d->arena_channel_,

@@ -2062,6 +2062,22 @@ TEST(DaemonStartup, ChecksWhatOthersCouldHavePlantedBeforeReadingIt) {
   EXPECT_FALSE(std::filesystem::exists(std::string(dir) + "/data/tcp_token"));
 }
 
+// server.socket_group with the socket where the group cannot reach it (the
+// default: in the data directory, 0700): the start says so (it said the
+// group was served, and its members were refused); with the socket in a
+// directory they may search, nothing is said.
+TEST(DaemonStartup, ASocketGroupThatCannotReachTheSocketIsWarnedOf) {
+  auto d = DaemonProcess::Start({"--server.socket_group=users"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE((*d)->WaitForLog("its members cannot reach the socket").ok()) << (*d)->ReadLog();
+  ASSERT_TRUE((*d)->Stop().ok());
+  std::string dir;
+  std::unique_ptr<RemoveOnExit> remove_dir;
+  auto shared = StartGroupShared({}, &dir, &remove_dir);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_FALSE(absl::StrContains((*shared)->ReadLog(), "cannot reach")) << (*shared)->ReadLog();
+}
+
 // A client that finds no answer says why, as far as a plain connection
 // tells: a socket file nobody listens on (an offloadd gone) and one that
 // takes connections but never answers (a stopped offloadd, or one refusing
