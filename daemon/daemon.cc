@@ -579,6 +579,15 @@ absl::Status Daemon::StartAutoCheckpoints() {
     if (!absl::SimpleAtoi(name, &id) || open.contains(id)) continue;
     const std::string dir = absl::StrCat(root, "/", name);
     if (sessions.RestoresAutomaticCheckpoint(dir)) continue;  // a reopened session's source
+    if (const std::string kept = absl::StrCat(PreservedDir(), "/", name); IsDirectory(kept)) {
+      // Kept by a stop and not reopened (said above): not lost, and its
+      // kept state is newer than this checkpoint.
+      LogWarning(
+          "session %d was kept across the restart in %s but not reopened (see above); its "
+          "automatic checkpoint, older, is in %s",
+          static_cast<int64_t>(id), kept, dir);
+      continue;
+    }
     absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
         checkpoint::ReadManifests(dir);
     if (!manifests.ok() || manifests->empty()) {

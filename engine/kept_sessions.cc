@@ -232,9 +232,17 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
       continue;
     }
     if (taken_over && kept != in_memory.end()) not_reopened.push_back(sub);
+    if (absl::IsNotFound(id.status()) && absl::StrContains(id.status().message(), "kept memory")) {
+      // (memory.pool_dir emptied, as by a reboot: nothing can read it.)
+      LogWarning(
+          "a session kept across the restart in %s cannot be reopened: %s; its state went with "
+          "that memory: remove %s (its automatic checkpoint, if any, is said below)",
+          sub, id.status().ToString(), sub);
+      continue;
+    }
     LogWarning(
-        "a session kept across the restart in %s was not reopened (left there: "
-        "OpenSession's restore_from takes it): %s",
+        "a session kept across the restart in %s was not reopened (left there for a later start "
+        "that can reopen it; OpenSession's restore_from takes it too): %s",
         sub, id.status().ToString());
   }
   if (taken_over) {

@@ -3409,6 +3409,46 @@ TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
   (void)(*third)->Stop();
 }
 
+// A session a stop kept whose kept memory is gone at the next start (the
+// pool's directory on tmpfs emptied, as by a reboot) is said to be beyond
+// reopening, not "left for restore_from" (which fails the same way); and it
+// is not called lost with the previous offloadd (a clean stop kept it)
+// where its automatic checkpoint is found.
+TEST(DaemonRestart, AKeptSessionWhoseMemoryWentIsSaidSo) {
+  char pool_dir[] = "/dev/shm/offloadd_memory_gone_XXXXXX";
+  ASSERT_NE(mkdtemp(pool_dir), nullptr);
+  RemoveOnExit remove_pool(pool_dir);
+  const std::vector<std::string> flags = {
+      "--server.reconnect_lease_seconds=30", absl::StrCat("--memory.pool_dir=", pool_dir),
+      "--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"};
+  auto first = DaemonProcess::Start(flags);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  {
+    auto client = Client::Connect({(*first)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    TrainedBeforeRestart trained = TrainBeforeRestart(client->get());
+    auto stopped = (*first)->Stop();
+    ASSERT_TRUE(stopped.ok()) << stopped.status();
+    trained.session.reset();
+    // (Its automatic checkpoint, taken at a step, stays beside what the
+    // stop kept.)
+    ASSERT_TRUE(std::filesystem::exists(absl::StrCat(data_dir, "/auto-checkpoints/", trained.id)));
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(pool_dir)) {
+    if (absl::StartsWith(entry.path().filename().string(), "kept-")) {
+      std::filesystem::remove(entry.path());
+    }
+  }
+  auto second = DaemonProcess::StartIn(data_dir, flags);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::string log = (*second)->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, "cannot be reopened")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "its state went with that memory")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "was lost with the previous offloadd")) << log;
+  (void)(*second)->Stop();
+}
+
 // Under systemd, keeping sessions at a stop and reading them back at the
 // next start may take minutes (the disk's speed): before each session
 // offloadd tells systemd to wait longer, and what it does, so that the
