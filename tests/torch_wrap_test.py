@@ -1440,6 +1440,16 @@ class WrapInProcessTest(unittest.TestCase):
         with self.assertRaisesRegex(offloadd.FailedPreconditionError, "'0.weight'.*GPU tier"):
             model(torch.tensor([[1, 2]]))
         opt.close()
+        # (One that changes nothing, its rows within max_norm, trains there.)
+        torch.manual_seed(0)
+        model, opt = self.wrap(torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=100.0)),
+                               {"lr": 1e-1}, {"gpu": {"device": "emulated"}})
+        for _ in range(2):
+            model(torch.tensor([[1, 2]])).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        self.assertEqual(model.offloadd.counts["steps"], 2)
+        opt.close()
 
     def test_a_change_in_place_keeps_the_other_elements_fp32_masters(self):
         # With a bf16 working copy, only the elements the forward changed
@@ -1481,18 +1491,29 @@ class WrapInProcessTest(unittest.TestCase):
 
     def test_a_change_in_place_with_the_delayed_update_is_refused(self):
         # The forward reads the weights one step behind: the changed ones,
-        # written back, would undo the last step's update of them.
+        # written back, would undo the last step's update of them. (A
+        # forward that changes nothing, an embedding whose rows are all
+        # within max_norm, trains on.)
         import torch
         import offloadd
+
+        class Shrinking(torch.nn.Linear):
+            def forward(self, x):
+                with torch.no_grad():
+                    self.weight.mul_(0.5)
+                return super().forward(x)
+
         torch.manual_seed(0)
-        model, opt = self.wrap(torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=0.5)),
+        model, opt = self.wrap(torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=100.0),
+                                                   Shrinking(4, 1)),
                                {"lr": 1e-2}, {"delayed_update": True})
         idx = torch.tensor([1, 2])
-        with self.assertRaisesRegex(offloadd.FailedPreconditionError, "'0.weight'.*max_norm"):
-            for _ in range(3):
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError, "'1.weight'.*delayed"):
+            for _ in range(4):
                 model(idx).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
+        self.assertGreaterEqual(model.offloadd.counts["steps"], 1)  # (refused once it is on)
         opt.close()
 
     def test_zero_grad_keeping_zero_gradients_steps_like_torch(self):

@@ -201,7 +201,8 @@ class _Shard:
 
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
                  "_gathered", "accumulate_node", "module_shards", "refs", "version", "in_optimizer",
-                 "unit", "guarded", "has_grad", "grad_since_step")
+                 "unit", "guarded", "has_grad", "grad_since_step", "changes_in_place",
+                 "snapshot")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -225,6 +226,10 @@ class _Shard:
         # gradient if none came since the last step.
         self.has_grad = False
         self.grad_since_step = False  # a backward reached it since the last step
+        # Its module's forward changed it in place before: each forward
+        # keeps a copy of what it gathered (`snapshot`) to compare with.
+        self.changes_in_place = False
+        self.snapshot = None
 
     @property
     def gathered(self):
@@ -862,6 +867,8 @@ class _Engine:
         self._held_views = None
         self._returns, self._return_bytes = [], 0
         self.returned_since_step = False
+        for s in self.shards:
+            s.grad_since_step = False  # (zero slices returned went with it: again at the step)
         self.free_all()
         self.session = _GuardedSession(self, session)
         self._weights_current = False  # (a restored session may hold a newer copy)
@@ -1714,6 +1721,8 @@ class _Engine:
         for s in own:
             if s.refs == 1:
                 s.version = s.param._version
+                if s.changes_in_place:
+                    s.snapshot = s.param.data.detach().clone()
 
     def _after_forward(self, own):
         # A forward that changed its parameters in place (under no_grad:
@@ -1721,25 +1730,45 @@ class _Engine:
         # constraint the module applies) changed the gathered copy, which
         # goes when the module is done: the changes are kept, as torch
         # keeps them.
-        changed = [s for s in own
-                   if s.refs == 1 and s.gathered and s.param._version != s.version]
-        if changed:
-            self._keep_changes(changed)
-        for s in own:
-            s.refs = max(0, s.refs - 1)
-            if s.refs == 0:
-                self._free(s)
+        try:
+            changed = [s for s in own
+                       if s.refs == 1 and s.gathered and s.param._version != s.version]
+            if changed:
+                self._keep_changes(changed)
+        finally:
+            for s in own:
+                s.refs = max(0, s.refs - 1)
+                if s.refs == 0:
+                    s.snapshot = None
+                    self._free(s)
 
     def _keep_changes(self, shards):
         """`shards`, changed in place by their module's forward: the
         elements of this rank's slice of each that changed become its master
         weights (and working copy), as a load's values do; the others keep
         their fp32 masters exactly. Nothing is written where nothing changed
-        (embedding_renorm_ moves the version counter at every call)."""
+        (embedding_renorm_ moves the version counter at every call); what
+        the forward read is its snapshot from the second time on, the first
+        time the master read back (and rounded as the gather rounds it)."""
+        writes, masters = {}, {}
+        for s in shards:
+            s.version = s.param._version  # (kept once, also if a later forward changes it again)
+            mine = self._my_slice(s, s.param.data)
+            if s.snapshot is not None:
+                before = self._my_slice(s, s.snapshot)
+            else:
+                masters[s.pid] = self._read_master(s)
+                before = masters[s.pid].to(self.torch_working).to(s.dtype).to(torch.float32)
+            s.changes_in_place = True
+            if bool((mine != before).any()):
+                writes[s.pid] = mine
+        if not writes:
+            return
         def refuse(why):
             return offloadd.FailedPreconditionError(
-                f"parameter '{shards[0].name}' was changed in place by its module's forward "
-                f"(nn.Embedding's max_norm renormalises rows so): {why}")
+                f"parameter '{next(s for s in shards if s.pid in writes).name}' was changed in "
+                f"place by its module's forward (nn.Embedding's max_norm renormalises rows so): "
+                f"{why}")
         if self.delayed_update_on():
             # The forward read the step before's weights: the changed ones,
             # written back, would undo the last step's update of them.
@@ -1750,18 +1779,13 @@ class _Engine:
             # Its copies on the GPU (and its holds) would have to follow.
             raise refuse("offloadd's GPU tier does not keep such changes; train this model "
                          "with zero_config {'gpu': {'tier': False}}")
-        writes = {}
-        for s in shards:
-            s.version = s.param._version  # (kept once, also if a later forward changes it again)
-            got = self.session.read_moments(s.pid, 0, s.slice_numel, master=True)
-            master = torch.frombuffer(bytearray(got[3]), dtype=torch.float32)
-            mine = self._my_slice(s, s.param.data)
-            # What the forward read: the master, rounded to the working
-            # copy, then to the parameter's dtype.
-            before = master.to(self.torch_working).to(s.dtype).to(torch.float32)
-            if bool((mine != before).any()):
-                writes[s.pid] = (mine, master)
         for chunk in self._load_chunks([s for s in shards if s.pid in writes]):
+            # 16-bit working copies: the masters of their unchanged elements,
+            # read before the fetch below makes them the trainer's.
+            if self.working_dtype != "fp32":
+                for s in chunk:
+                    if s.pid not in masters:
+                        masters[s.pid] = self._read_master(s)
             ids = [s.pid for s in chunk]
             views = self.with_room(
                 f"keeping what the forward of '{chunk[0].name}' changed in place "
@@ -1769,14 +1793,14 @@ class _Engine:
                 lambda: self.session.fetch(ids, load=True))
             try:
                 for s, v in zip(chunk, views):
-                    mine, master = writes[s.pid]
+                    mine = writes[s.pid]
                     working = torch.frombuffer(v.params, dtype=self.torch_working)
                     changed = mine != working.to(s.dtype).to(torch.float32)
-                    values = torch.where(changed, mine, master)
                     if v.master_init is not None:  # (a 16-bit working copy: rounded from it)
-                        torch.frombuffer(v.master_init, dtype=torch.float32).copy_(values)
+                        torch.frombuffer(v.master_init, dtype=torch.float32).copy_(
+                            torch.where(changed, mine, masters[s.pid]))
                     else:  # (fp32: the master weights themselves)
-                        working.copy_(values)
+                        working.copy_(torch.where(changed, mine, working))
             except BaseException:
                 self._release_quietly(self.session, ids)
                 raise
@@ -1785,6 +1809,14 @@ class _Engine:
             self.with_room("releasing the changed values", lambda: self.session.release(ids))
             if self._held_views is not None:
                 self._held_views.update((v.id, v) for v in self.session.fetch(ids))
+
+    def _read_master(self, s):
+        """This rank's slice of `s`'s fp32 master weights (the daemon reads
+        its moments with them: room in the pool where they rest on NVMe)."""
+        got = self.with_room(f"reading the master weights of '{s.name}'",
+                             lambda: self.session.read_moments(s.pid, 0, s.slice_numel,
+                                                               master=True))
+        return torch.frombuffer(bytearray(got[3]), dtype=torch.float32)
 
     def close(self, finished=True):
         """Closes the session. finished=False (a failure unwinding): with
