@@ -2,6 +2,8 @@
 
 #include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,13 +23,14 @@
 #include "absl/time/clock.h"
 #include "base/host_memory.h"
 #include "base/log.h"
+#include "base/posix_error.h"
 #include "base/span_maps.h"
 #include "base/status_macros.h"
+#include "base/unique_fd.h"
 #include "grpcpp/grpcpp.h"
 #include "ipc/arena_protocol.h"
 #include "ipc/paths.h"
 #include "ipc/request_ring.h"
-#include "ipc/unix_socket.h"
 #include "proto/convert.h"
 #include "proto/offload.grpc.pb.h"
 
@@ -43,22 +46,35 @@ absl::Status NoAnswer(const std::string& address, absl::Duration waited) {
                                                " (is it running? start it with `offloadd`)"));
   }
   const std::string path = address.substr(5);
-  absl::StatusOr<UniqueFd> probe = ConnectUnix(path);
-  if (probe.ok()) {
+  // Not blocking: a full listen queue (offloadd stopped, with clients
+  // still knocking) answers EAGAIN at once, where connect() would wait.
+  UniqueFd probe(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  int err = EINVAL;
+  if (probe.valid() && path.size() < sizeof(addr.sun_path)) {
+    std::memcpy(addr.sun_path, path.data(), path.size());
+    err = connect(probe.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 ? 0
+                                                                                            : errno;
+  }
+  const auto why = [&] {
+    return std::string(PosixError(absl::StrCat("connect ", path), err).message());
+  };
+  if (err == 0 || err == EAGAIN) {
     return absl::UnavailableError(absl::StrCat(
-        "offloadd's socket ", path, " takes connections but nothing answered within ",
-        absl::FormatDuration(waited),
+        "offloadd's socket ", path,
+        err == 0 ? " takes connections" : " has its queue of connections full",
+        " but nothing answered within ", absl::FormatDuration(waited),
         ": offloadd serves only its owner and its server.socket_group's members (its log names "
         "a uid it refused), or it is stopped or too busy to answer"));
   }
-  if (absl::IsPermissionDenied(probe.status())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "offloadd's socket ", path, " is not this user's to connect to (", probe.status().message(),
-        "): offloadd serves its owner and the members of its server.socket_group"));
+  if (err == EACCES || err == EPERM) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("offloadd's socket ", path, " is not this user's to connect to (", why(),
+                     "): offloadd serves its owner and the members of its server.socket_group"));
   }
-  return absl::UnavailableError(absl::StrCat("no offloadd listens on ", path, " (",
-                                             probe.status().message(),
-                                             "): start it with `offloadd`"));
+  return absl::UnavailableError(
+      absl::StrCat("no offloadd listens on ", path, " (", why(), "): start it with `offloadd`"));
 }
 
 // The arena connections of this process's sessions: offloadd's sign that

@@ -380,12 +380,13 @@ void Daemon::SetHooks() {
     RETURN_IF_ERROR(CheckHostBudget(v, ReadMemoryLimit()));
     // State homed on the host never leaves the pool: a budget below it
     // would fail every session's next step, not free anything.
-    const uint64_t homed = raw->engine_->swapper().Stats().host_home_bytes;
+    const uint64_t homed = raw->engine_->swapper().Stats().host_home_charged_bytes;
     if (static_cast<uint64_t>(v) < homed) {
       return absl::FailedPreconditionError(absl::StrCat(
           "memory.host_budget_bytes ", v, " is below the ", homed,
-          " bytes of state the sessions placed on the host, which never leave the pool: set at "
-          "least that, or place state on NVMe first (the budget in force stays)"));
+          " bytes the pool holds for state the sessions placed on the host, which never leaves "
+          "it: set more than that (their holds and swaps need room besides), or place state on "
+          "NVMe first (the budget in force stays)"));
     }
     raw->engine_->pool().SetLimit(static_cast<uint64_t>(v));
     raw->engine_->swapper().Trim();  // gives cached state back if the pool is now over
@@ -584,8 +585,9 @@ absl::Status Daemon::StartAutoCheckpoints() {
       // kept state is newer than this checkpoint.
       LogWarning(
           "session %d was kept across the restart in %s but not reopened (see above); its "
-          "automatic checkpoint, older, is in %s",
-          static_cast<int64_t>(id), kept, dir);
+          "automatic checkpoint, of an earlier step, is in %s (OpenSession with restore_from %s "
+          "resumes from it where the kept one cannot be reopened)",
+          static_cast<int64_t>(id), kept, dir, dir);
       continue;
     }
     absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =

@@ -1070,6 +1070,9 @@ SwapperStats Swapper::Stats() const {
     if (PinsOf(*b) > 0) s.pinned_bytes += b->bytes;
     if (b->prefetched) ++s.prefetch_pending;
     (b->home == Tier::kHost ? s.host_home_bytes : s.nvme_home_bytes) += b->bytes;
+    if (b->home == Tier::kHost && b->state != BlockState::kOnNvme) {
+      s.host_home_charged_bytes += ChargedOf(*b);
+    }
   }
   s.io_queue = frees_.size() + io_queue_.size() + io_running_;
   return s;

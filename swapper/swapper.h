@@ -159,6 +159,9 @@ struct SwapperStats {
   uint64_t resident_bytes = 0;  // blocks with host memory (any state but kOnNvme)
   uint64_t pinned_bytes = 0;
   uint64_t host_home_bytes = 0;  // blocks homed on the host
+  // What the pool charges for them (pages rounded up: an arena block's
+  // whole huge pages), where resident.
+  uint64_t host_home_charged_bytes = 0;
   uint64_t nvme_home_bytes = 0;  // blocks homed on NVMe
   uint64_t acquires = 0;
   uint64_t unlocked_pins = 0;     // of them, taken without the lock (a session all on the host)

@@ -1916,6 +1916,7 @@ TEST_F(SwapperTest, HomingMoreOnNvmeThanTheTierHoldsIsRefusedAtOnce) {
   ASSERT_TRUE(swapper_->Add(100, kMiB, Tier::kHost, 0).ok());
   EXPECT_EQ(swapper_->SetHome(100, Tier::kNvme).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(swapper_->Stats().host_home_bytes, kMiB);
+  EXPECT_GE(swapper_->Stats().host_home_charged_bytes, kMiB);  // (its pages, rounded up)
   // Room comes back with a removal, and with a block moved home.
   swapper_->Remove(1);
   ASSERT_TRUE(swapper_->Add(id, block, Tier::kNvme, 0).ok());

@@ -2116,6 +2116,26 @@ TEST(ClientConnect, SaysWhyNothingAnswers) {
   EXPECT_EQ(mute.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(mute.status().message(), "takes connections but nothing answered"))
       << mute.status();
+  // Its queue full (a stopped offloadd, clients still knocking): said at
+  // once, where a blocking probe waited for good.
+  auto [full, full_path] = bound("full.sock", true);
+  std::vector<int> knocking;
+  for (int i = 0; i < 4096; ++i) {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", full_path.c_str());
+    const bool in = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    knocking.push_back(fd);
+    if (!in) break;
+  }
+  options.address = "unix:" + full_path;
+  auto queued = Client::Connect(options);
+  for (int fd : knocking) close(fd);
+  close(full);
+  EXPECT_EQ(queued.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(queued.status().message(), "queue of connections full"))
+      << queued.status();
 }
 
 // A TCP or metrics port another process listens on with SO_REUSEPORT (as
