@@ -645,10 +645,10 @@ std::string Daemon::PreservedDir() const {
   return absl::StrCat(options_->server.data_dir, "/preserved");
 }
 
-void Daemon::Shutdown() {
+int Daemon::Shutdown() {
   {
     absl::MutexLock lock(&shutdown_mu_);
-    if (shut_down_) return;
+    if (shut_down_) return 0;
     shut_down_ = true;
   }
   // Partition calls in flight (a Step may take a while) get 30 seconds to
@@ -664,6 +664,7 @@ void Daemon::Shutdown() {
   }
   // Trainers may come back (a positive reconnect lease): each session is
   // kept, at a step boundary, for the next offloadd to reopen.
+  int lost = 0;
   if (keep) {
     KeptBytes bytes;
     const absl::Time began = absl::Now();
@@ -678,12 +679,14 @@ void Daemon::Shutdown() {
           options_->memory.pool_dir.empty() ? "(none: memory.pool_dir unset)"
                                             : options_->memory.pool_dir);
     }
+    lost = bytes.lost;
   }
   metrics_.reset();
   server_->Shutdown();
   arena_channel_.reset();
   unlink(socket_path_.c_str());
   if (!tcp_token_path_.empty()) unlink(tcp_token_path_.c_str());
+  return lost;
 }
 
 Daemon::~Daemon() {

@@ -41,7 +41,9 @@ class Daemon {
                                                        ConfigRegistry* registry);
   ~Daemon();
 
-  void Shutdown();
+  // Stops serving; with a reconnect lease, keeps the sessions for the next
+  // offloadd. Returns how many open sessions could not be kept (logged).
+  int Shutdown();
 
   const std::string& socket_path() const { return socket_path_; }
   // -1 when TCP is off.

@@ -202,8 +202,16 @@ int Main(int argc, char** argv) {
   }
   NotifySystemd("STOPPING=1").IgnoreError();
   LogInfo("received %s, shutting down", signal_number == SIGINT ? "SIGINT" : "SIGTERM");
-  (*daemon)->Shutdown();
+  const int lost = (*daemon)->Shutdown();
   daemon->reset();
+  if (lost > 0) {
+    // (A service manager sees the stop fail: state went.)
+    LogError(
+        "stopped; %d session(s) could not be kept across the restart (said above): "
+        "what they held is lost but for their automatic checkpoints",
+        lost);
+    return 1;
+  }
   LogInfo("stopped cleanly");
   return 0;
 }

@@ -147,6 +147,7 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
   if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
     LogWarning("cannot keep the sessions: %s",
                PosixError(absl::StrCat("creating ", dir), errno).ToString());
+    bytes->lost += static_cast<int>(ids.size());
     return 0;
   }
   int kept = 0;
@@ -175,6 +176,7 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
       continue;
     }
     if (!link.empty()) unlink(link.c_str());
+    if (session.ok()) ++bytes->lost;  // (else closed meanwhile: nothing to keep)
     LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(id),
                session.ok() ? session->name : "", status.ToString());
     // Reopened from there and not resumed since: that copy stays.

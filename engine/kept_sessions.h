@@ -42,6 +42,7 @@ namespace offload {
 struct KeptBytes {
   uint64_t referenced = 0;  // named in the pool's file
   uint64_t written = 0;     // written into <dir>
+  int lost = 0;             // sessions open that could not be kept (logged)
 };
 // `before_each`, if set, hears of each session before it is kept (the
 // daemon tells systemd to wait longer).

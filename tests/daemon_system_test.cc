@@ -3429,6 +3429,25 @@ TEST(DaemonRestart, AFailedStartKeepsTheSessionsItReopened) {
   (void)(*third)->Stop();
 }
 
+// A stop that cannot keep a session (here: <data_dir>/preserved is a file)
+// says so and exits 1, so that a service manager sees the stop fail (it
+// said "stopped cleanly" and exited 0 with the session's state gone).
+TEST(DaemonRestart, AStopThatLosesASessionExitsWithAFailure) {
+  auto d = DaemonProcess::Start({"--server.reconnect_lease_seconds=30"});
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto client = Client::Connect({(*d)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  TrainedBeforeRestart trained = TrainBeforeRestart(client->get());
+  std::ofstream(absl::StrCat((*d)->data_dir(), "/preserved")) << "in the way\n";
+  auto stopped = (*d)->Stop();
+  trained.session.reset();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_EQ(*stopped, 1);
+  const std::string log = (*d)->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, "1 session(s) could not be kept")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "stopped cleanly")) << log;
+}
+
 // A session a stop kept whose kept memory is gone at the next start (the
 // pool's directory on tmpfs emptied, as by a reboot) is said to be beyond
 // reopening, not "left for restore_from" (which fails the same way); and it
