@@ -1126,6 +1126,13 @@ class WrapInProcessTest(unittest.TestCase):
                 use()
         self.assertEqual(w.data.shape, torch.Size([16, 8]))
         self.assertEqual(w.detach().shape, torch.Size([16, 8]))
+        # torch.autograd.grad of the parameters (a gradient norm logged by
+        # hand): said to be offloadd's in backward (it said the parameter
+        # was "used (grad) outside the forward").
+        loss = model(torch.randn(2, 8)).pow(2).mean()
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                    "torch.autograd.grad of parameter '0.weight'.*backward"):
+            torch.autograd.grad(loss, list(model.parameters()))
         # Pickled (torch.save of the model or of a tensor taken from it):
         # refused by name too (not a recursion); a flag set on the alias
         # is its own.

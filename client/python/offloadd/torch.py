@@ -446,6 +446,13 @@ def _refuse_absent(cls, absent, func, types, args, kwargs):
                 shape = _WHOLE.get(func)
                 if shape is not None:
                     return shape(s, *args[1:], **kwargs)
+                if func is torch.autograd.grad:
+                    raise offloadd.FailedPreconditionError(
+                        f"torch.autograd.grad of parameter '{s.name}' of a wrapped model: offloadd "
+                        "takes the model's gradients itself, in backward (they go to the daemon, "
+                        "not to .grad or to a caller); use loss.backward() (or "
+                        "optimizer.backward(loss)); the gradient norm of each step is in "
+                        "optimizer.last_step['grad_norm']")
                 raise _refusal(s, getattr(func, "__name__", func))
     return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
