@@ -138,8 +138,9 @@ def one_round(args, root, pool_dir=""):
     kept_line = next(l for l in lines if "kept 1 session(s)" in l)
     term_line = next(l for l in lines if "received SIGTERM" in l)
     keep = log_time(kept_line) - log_time(term_line)
-    written, in_memory = (int(x) for x in
-                          re.search(r"(\d+) bytes written, (\d+) left", kept_line).groups())
+    written = int(re.search(r"(\d+) bytes written", kept_line).group(1))
+    left = re.search(r", (\d+) left in the pool's file", kept_line)  # (with memory.pool_dir)
+    in_memory = int(left.group(1)) if left else 0
     kept_bytes = written + in_memory
 
     os.rename(os.path.join(root, "log"), os.path.join(root, "log.first"))

@@ -671,13 +671,13 @@ int Daemon::Shutdown() {
     const int n = KeepSessions(engine_->sessions(), PreservedDir(), engine_->pool().file(), &bytes,
                                TellSystemdToWait("keeping"));
     if (n > 0) {
-      LogInfo(
-          "kept %d session(s) in %s for the next offloadd in %s: %d bytes written, %d left in "
-          "the pool's file in %s",
-          n, PreservedDir(), absl::FormatDuration(absl::Now() - began),
-          static_cast<int64_t>(bytes.written), static_cast<int64_t>(bytes.referenced),
-          options_->memory.pool_dir.empty() ? "(none: memory.pool_dir unset)"
-                                            : options_->memory.pool_dir);
+      LogInfo("kept %d session(s) in %s for the next offloadd in %s: %d bytes written%s", n,
+              PreservedDir(), absl::FormatDuration(absl::Now() - began),
+              static_cast<int64_t>(bytes.written),
+              options_->memory.pool_dir.empty()
+                  ? " (memory.pool_dir unset: every byte written)"
+                  : absl::StrCat(", ", bytes.referenced, " left in the pool's file in ",
+                                 options_->memory.pool_dir));
     }
     lost = bytes.lost;
   }

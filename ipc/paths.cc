@@ -76,7 +76,8 @@ absl::Status CheckPrivateDir(const std::string& dir) {
   }
   if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "%s is writable by other users (mode %04o): they could replace its sockets; "
+        "%s is writable by other users (mode %04o): they could replace what offloadd keeps "
+        "there (its sockets, its files); "
         "chmod go-w it or choose another directory",
         dir, st.st_mode & 07777));
   }
