@@ -720,6 +720,7 @@ absl::StatusOr<DaemonStats> Client::GetStats() {
     out.sessions.back().io_queued_nanos = s.io_queued_nanos();
     out.sessions.back().pool_room_bytes = s.pool_room_bytes();
     out.sessions.back().pool_evictions = s.pool_evictions();
+    out.sessions.back().detached_seconds = s.has_detached_seconds() ? s.detached_seconds() : -1;
     if (s.has_gpu()) {
       const v1::GpuTierCounters& g = s.gpu();
       out.sessions.back().gpu = GpuTierCounters{

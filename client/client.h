@@ -341,6 +341,9 @@ struct DaemonStats {
     int64_t io_queued_nanos = 0;
     // The host pool's room its NVMe-homed blocks hold, its blocks evicted.
     uint64_t pool_room_bytes = 0, pool_evictions = 0;
+    // Seconds since its trainer went away without closing it (kept for a
+    // trainer to resume); -1 while one is attached or none attached yet.
+    int64_t detached_seconds = -1;
   };
   std::string version;
   uint32_t pid = 0;

@@ -135,14 +135,19 @@ int Stats(Client& client) {
   auto placed = [](uint64_t host, uint64_t nvme) {
     return HumanBytes(host) + "/" + HumanBytes(nvme);
   };
-  std::printf("\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s %21s %9s %10s %9s\n",
-              "SESSION", "NAME", "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME",
-              "GRADS HOST/NVME", "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S",
-              "NVME READ/WRITTEN", "IO WAIT S", "POOL ROOM", "EVICTED");
+  std::printf(
+      "\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s %21s %9s %10s %9s %-12s\n",
+      "SESSION", "NAME", "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
+      "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S", "NVME READ/WRITTEN", "IO WAIT S",
+      "POOL ROOM", "EVICTED", "TRAINER");
   for (const auto& x : s->sessions) {
+    // A trainer gone without closing (its session kept for a resume until
+    // the reconnect lease runs out) is not one at work.
+    const std::string trainer =
+        x.detached_seconds < 0 ? "here" : absl::StrCat("gone ", x.detached_seconds, "s");
     std::printf(
         "%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f %21s %9.3f %10s "
-        "%9llu\n",
+        "%9llu %-12s\n",
         static_cast<unsigned long long>(x.id), x.name.c_str(),
         static_cast<unsigned long long>(x.partitions), static_cast<unsigned long long>(x.held),
         HumanBytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps),
@@ -153,7 +158,7 @@ int Stats(Client& client) {
         static_cast<double>(x.optimizer_queued_nanos) / 1e9,
         placed(x.nvme_read_bytes, x.nvme_write_bytes).c_str(),
         static_cast<double>(x.io_queued_nanos) / 1e9, HumanBytes(x.pool_room_bytes).c_str(),
-        static_cast<unsigned long long>(x.pool_evictions));
+        static_cast<unsigned long long>(x.pool_evictions), trainer.c_str());
   }
   // The sessions whose trainers run a GPU tier, as they last reported.
   bool header = false;

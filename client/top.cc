@@ -110,7 +110,11 @@ std::string RenderTop(const DaemonStats& now, const DaemonStats* before, double 
     }
     std::string steps = "-", step_ms = "-", wait = "-", compute = "-", gpu_in = "-", hit = "-";
     std::string updates = "-", queued = "-", nvme = "-";
-    if (rates && e != nullptr) {
+    if (s.detached_seconds >= 0) {
+      // Its trainer went away without closing it: kept for a resume, not at
+      // work (its steps column says since when).
+      steps = absl::StrCat("gone ", s.detached_seconds, "s");
+    } else if (rates && e != nullptr) {
       const double dsteps = static_cast<double>(s.steps - e->steps);
       const double wall = static_cast<double>(s.step_wall_nanos - e->step_wall_nanos);
       steps = absl::StrFormat("%.2f", dsteps / seconds);

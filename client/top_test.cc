@@ -61,6 +61,16 @@ TEST(Top, RatesAndTheStepSplitComeFromTwoSnapshots) {
   EXPECT_TRUE(absl::StrContains(row, "0 B/1.0 GiB")) << row;  // state on NVMe
 }
 
+// A session whose trainer went away (kept for a resume) says since when,
+// in place of its step rate.
+TEST(Top, ASessionWhoseTrainerWentAwaySaysSo) {
+  const DaemonStats before = Snapshot(0, 10, 1000, 100);
+  DaemonStats now = Snapshot(0, 10, 1000, 100);
+  now.sessions[0].detached_seconds = 42;
+  const std::string screen = RenderTop(now, &before, 2.0);
+  EXPECT_TRUE(absl::StrContains(screen, "gone 42s")) << screen;
+}
+
 // Counters that start again (offloadd restarted keeping the session, a
 // session's GPU tier replaced) and waits longer than the interval: dashes
 // and at most 100%, not an unsigned difference or a negative rate.

@@ -611,6 +611,7 @@ grpc::Status StatsServiceImpl::GetStats(grpc::ServerContext* context, const v1::
     out->set_io_queued_nanos(s.io_queued_nanos);
     out->set_pool_room_bytes(s.pool_room_bytes);
     out->set_pool_evictions(s.pool_evictions);
+    if (s.detached_seconds >= 0) out->set_detached_seconds(s.detached_seconds);
     if (s.gpu.has_value()) {
       const GpuTierReport& g = *s.gpu;
       v1::GpuTierCounters* c = out->mutable_gpu();

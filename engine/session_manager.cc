@@ -1727,11 +1727,17 @@ absl::Status SessionManager::CheckRoomForUserLocked(std::optional<uid_t> user) c
 std::vector<SessionSummary> SessionManager::Sessions() const {
   std::vector<std::shared_ptr<Session>> sessions;
   std::vector<std::optional<GpuTierReport>> gpu;
+  std::vector<int64_t> detached;
   {
     absl::MutexLock lock(&mu_);
+    const auto now = std::chrono::steady_clock::now();
     for (const auto& [id, s] : sessions_) {
       sessions.push_back(s);
       gpu.push_back(s->gpu);
+      detached.push_back(
+          s->detached_since.has_value()
+              ? std::chrono::duration_cast<std::chrono::seconds>(now - *s->detached_since).count()
+              : -1);
     }
   }
   std::vector<SessionSummary> out;
@@ -1740,6 +1746,7 @@ std::vector<SessionSummary> SessionManager::Sessions() const {
     const PartitionStore& p = *s->partitions;
     SessionSummary summary;
     summary.gpu = gpu[i];
+    summary.detached_seconds = detached[i];
     summary.id = s->id;
     summary.name = s->name;
     summary.partitions = p.partitions();

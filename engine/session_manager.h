@@ -169,6 +169,10 @@ struct SessionSummary {
   // evicted so far: the pool's share it gets.
   uint64_t pool_room_bytes = 0;
   uint64_t pool_evictions = 0;
+  // Seconds since its trainer went away without closing it (kept for the
+  // reconnect lease, or across a restart, for a trainer to resume); -1
+  // while a trainer is attached (or none attached yet).
+  int64_t detached_seconds = -1;
 };
 
 // How the trainer commits a step after its global decisions.

@@ -1227,8 +1227,16 @@ void DaemonTest::KillATrainer(bool lease) {
       daemon_->WaitForLog(absl::StrCat("(pid ", *pid, ") went away without closing it"));
   ASSERT_TRUE(noticed.ok()) << noticed;
   if (lease) {
-    // Kept for its trainer, holding its memory, until the lease is over.
+    // Kept for its trainer, holding its memory, until the lease is over;
+    // its stats say its trainer went away (the survivor's is here).
     EXPECT_EQ(Stats().sessions.size(), 2u);
+    for (const auto& s : Stats().sessions) {
+      if (s.name == "offload_demo") {
+        EXPECT_GE(s.detached_seconds, 0);
+      } else {
+        EXPECT_EQ(s.detached_seconds, -1) << s.name;
+      }
+    }
     EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
     EXPECT_EQ(Counter("sessions_abandoned"), 0);
     ASSERT_TRUE(daemon_->WaitForLog("none resumed it within 2s").ok()) << daemon_->ReadLog();

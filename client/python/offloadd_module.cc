@@ -196,7 +196,9 @@ py::dict StatsDict(const DaemonStats& s) {
         "optimizer_queued_nanos"_a = x.optimizer_queued_nanos,
         "nvme_read_bytes"_a = x.nvme_read_bytes, "nvme_write_bytes"_a = x.nvme_write_bytes,
         "io_queued_nanos"_a = x.io_queued_nanos, "pool_room_bytes"_a = x.pool_room_bytes,
-        "pool_evictions"_a = x.pool_evictions));
+        "pool_evictions"_a = x.pool_evictions,
+        "detached_seconds"_a =
+            x.detached_seconds < 0 ? py::object(py::none()) : py::int_(x.detached_seconds)));
   }
   return py::dict("version"_a = s.version, "pid"_a = s.pid, "uptime_ms"_a = s.uptime_ms,
                   "optimizer"_a = s.optimizer, "counters"_a = counters, "tiers"_a = tiers,
