@@ -2000,6 +2000,28 @@ TEST(DaemonStartup, ALogLineToAPipeNobodyReadsEndsNothing) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
+// A socket listening on a port of 127.0.0.1 the kernel chose (`*port`), with
+// SO_REUSEPORT where asked; -1 if any step failed.
+int ListenOnLoopback(int* port, bool reuse_port) {
+  UniqueFd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  const int yes = 1;
+  if (!fd.valid() ||
+      (reuse_port && setsockopt(fd.get(), SOL_SOCKET, SO_REUSEPORT, &yes, sizeof(yes)) != 0)) {
+    return -1;
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(fd.get(), 1) != 0 ||
+      getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd.release();
+}
+
 // memory.pool_dir is checked before anything in it is read: one others may
 // write is refused, and a marker that is not a file (a FIFO another user
 // planted before the directory was first made: the start hung on it; a
@@ -2055,16 +2077,10 @@ TEST(DaemonStartup, ChecksWhatOthersCouldHavePlantedBeforeReadingIt) {
         << linked->output;
   }
   // The TCP port taken: the start fails after writing its token.
-  const int taken = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int taken_port = 0;
+  const int taken = ListenOnLoopback(&taken_port, /*reuse_port=*/false);
   ASSERT_GE(taken, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(taken, 1), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  auto port = start({absl::StrCat("--server.tcp_port=", ntohs(addr.sin_port))});
+  auto port = start({absl::StrCat("--server.tcp_port=", taken_port)});
   close(taken);
   EXPECT_EQ(port.exit_code, 1) << port.output;
   EXPECT_FALSE(std::filesystem::exists(std::string(dir) + "/data/tcp_token"));
@@ -2154,25 +2170,11 @@ TEST(DaemonStartup, APortListenedOnWithReusePortIsTaken) {
   char dir[] = "/tmp/offloadd_reuseport.XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);
   RemoveOnExit remove(dir);
-  auto listening = [](int* port) {
-    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    EXPECT_GE(fd, 0);
-    const int yes = 1;
-    EXPECT_EQ(setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &yes, sizeof(yes)), 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    EXPECT_EQ(listen(fd, 1), 0);
-    socklen_t len = sizeof(addr);
-    EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-    *port = ntohs(addr.sin_port);
-    return fd;
-  };
   for (const char* flag : {"--server.tcp_port=", "--metrics.port="}) {
     SCOPED_TRACE(flag);
     int port = 0;
-    const int taken = listening(&port);
+    const int taken = ListenOnLoopback(&port, /*reuse_port=*/true);
+    ASSERT_GE(taken, 0);
     auto r = ::offload::testing::RunCommand(
         {"/usr/bin/timeout", "-s", "KILL", "20", "daemon/offloadd",
          std::string("--server.data_dir=") + dir + "/data", absl::StrCat(flag, port)});

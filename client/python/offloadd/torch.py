@@ -1689,23 +1689,15 @@ class _Engine:
         if delayed:
             self.session.set_delayed_update(False)
         try:
+            def write(s, v):
+                mine = self._my_slice(s, s.param.data)
+                if v.master_init is not None:  # fp32 kept exactly, the copy rounded
+                    torch.frombuffer(v.master_init, dtype=torch.float32).copy_(mine)
+                else:
+                    torch.frombuffer(v.params, dtype=self.torch_working).copy_(mine)
             for chunk in self._load_chunks(shards):
-                ids = [s.pid for s in chunk]
-                views = self.with_room(
-                    f"loading the values of '{chunk[0].name}' and {len(chunk) - 1} more "
-                    f"({self._held_bytes(chunk)} bytes)",
-                    lambda: self.session.fetch(ids, load=True))
-                try:
-                    for s, v in zip(chunk, views):
-                        mine = self._my_slice(s, s.param.data)
-                        if v.master_init is not None:  # fp32 kept exactly, the copy rounded
-                            torch.frombuffer(v.master_init, dtype=torch.float32).copy_(mine)
-                        else:
-                            torch.frombuffer(v.params, dtype=self.torch_working).copy_(mine)
-                except BaseException:
-                    self._release_quietly(self.session, ids)
-                    raise
-                self.with_room("releasing the loaded values", lambda: self.session.release(ids))
+                self._load_values(chunk, f"loading the values of '{chunk[0].name}' and "
+                                  f"{len(chunk) - 1} more", write)
         finally:
             if delayed:
                 self.session.set_delayed_update(True)
@@ -1793,29 +1785,37 @@ class _Engine:
                 for s in chunk:
                     if s.pid not in masters:
                         masters[s.pid] = self._read_master(s)
-            ids = [s.pid for s in chunk]
-            views = self.with_room(
-                f"keeping what the forward of '{chunk[0].name}' changed in place "
-                f"({self._held_bytes(chunk)} bytes)",
-                lambda: self.session.fetch(ids, load=True))
-            try:
-                for s, v in zip(chunk, views):
-                    mine = writes[s.pid]
-                    working = torch.frombuffer(v.params, dtype=self.torch_working)
-                    changed = mine != working.to(s.dtype).to(torch.float32)
-                    if v.master_init is not None:  # (a 16-bit working copy: rounded from it)
-                        torch.frombuffer(v.master_init, dtype=torch.float32).copy_(
-                            torch.where(changed, mine, masters[s.pid]))
-                    else:  # (fp32: the master weights themselves)
-                        working.copy_(torch.where(changed, mine, working))
-            except BaseException:
-                self._release_quietly(self.session, ids)
-                raise
+            def write(s, v):
+                mine = writes[s.pid]
+                working = torch.frombuffer(v.params, dtype=self.torch_working)
+                changed = mine != working.to(s.dtype).to(torch.float32)
+                if v.master_init is not None:  # (a 16-bit working copy: rounded from it)
+                    torch.frombuffer(v.master_init, dtype=torch.float32).copy_(
+                        torch.where(changed, mine, masters[s.pid]))
+                else:  # (fp32: the master weights themselves)
+                    working.copy_(torch.where(changed, mine, working))
+            self._load_values(chunk, f"keeping what the forward of '{chunk[0].name}' changed "
+                              "in place", write)
             # (The release ends every hold of them: the pass's too, taken
             # again.)
-            self.with_room("releasing the changed values", lambda: self.session.release(ids))
             if self._held_views is not None:
+                ids = [s.pid for s in chunk]
                 self._held_views.update((v.id, v) for v in self.session.fetch(ids))
+
+    def _load_values(self, chunk, what, write):
+        """Fetches the partitions of `chunk` for a load, `write(shard, view)`
+        for each, and releases them: what was written becomes their master
+        weights (the release commits it; on an error, nothing is)."""
+        ids = [s.pid for s in chunk]
+        views = self.with_room(f"{what} ({self._held_bytes(chunk)} bytes)",
+                               lambda: self.session.fetch(ids, load=True))
+        try:
+            for s, v in zip(chunk, views):
+                write(s, v)
+        except BaseException:
+            self._release_quietly(self.session, ids)
+            raise
+        self.with_room(f"releasing the values ({what})", lambda: self.session.release(ids))
 
     def _read_master(self, s):
         """This rank's slice of `s`'s fp32 master weights (the daemon reads
