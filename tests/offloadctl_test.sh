@@ -93,8 +93,8 @@ for bad in "share abc 3" "share $id x" "checkpoint x /tmp/d"; do
   [[ $rc == 2 ]] || fail "$bad without a daemon exited $rc: $err"
 done
 set -e
-$ctl stats | grep -Eq "^$id +offload_demo .* 3 +[0-9]+ +[0-9.]+ +[0-9.]+ [KMGT]?i?B/[0-9.]+ [KMGT]?i?B +[0-9.]+ +[0-9.]+ [KMGT]?i?B +[0-9]+$" ||
-  fail "stats lacks the share, NVMe traffic and pool room: $($ctl stats)"
+$ctl stats | grep -Eq "^$id +offload_demo .* 3 +[0-9]+ +[0-9.]+ +[0-9.]+ [KMGT]?i?B/[0-9.]+ [KMGT]?i?B +[0-9.]+ +[0-9.]+ [KMGT]?i?B +[0-9]+ +here *$" ||
+  fail "stats lacks the share, NVMe traffic, pool room or trainer: $($ctl stats)"
 
 tmux -S "$tmux_sock" kill-server 2>/dev/null || true
 kill "$demo_pid" 2>/dev/null; wait "$demo_pid" 2>/dev/null || true
