@@ -111,6 +111,19 @@ class TorchWrapTest(unittest.TestCase):
             self.assertIn("FailedPreconditionError", out)
             self.assertIn("must run the same modules", out)
 
+    def test_a_state_dict_on_one_rank_only_is_refused_not_mixed(self):
+        # model.state_dict() on rank 0 only (a save guarded by `if rank ==
+        # 0`) while the other rank goes on to its forward: their gathers met
+        # in collectives of one size, and rank 0's state dict and rank 1's
+        # forward had other parameters' values, silently. Every gather
+        # carries a signature of what it gathers: both ranks raise at once.
+        sc = dict(BASE, steps=2, model="uniform", layers=12, state_dict_on_rank0_at=1)
+        _, outputs, codes = self.run_ranks(sc, 2, expect_ok=False, timeout=120)
+        for code, out in zip(codes, outputs):
+            self.assertNotEqual(code, 0, out)
+            self.assertIn("FailedPreconditionError", out)
+            self.assertIn("gathered different parameters", out)
+
     def test_two_ranks_go_on_after_offloadd_is_killed_at_random_points(self):
         # kill -9 of offloadd at random moments under a 2-rank job; this test
         # is the supervisor that starts offloadd again, and, as torchrun
@@ -1562,6 +1575,63 @@ class WrapInProcessTest(unittest.TestCase):
                     o.step()
             self.assert_weights(model, ref.state_dict(), rtol=0, atol=0)
             opt.close()
+
+    def test_scalar_parameters_and_parameter_containers_train_like_torch(self):
+        # A 0-d parameter whose backward does not read it (CLIP's
+        # logit_scale used as x + scale) failed in backward ("expand ...
+        # number of sizes"); a module's forward reading its ParameterList
+        # or ParameterDict (containers with no forward of their own) was
+        # refused as a use outside the forward: their parameters are the
+        # module's unit now.
+        import torch
+
+        class Mix(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ws = torch.nn.ParameterList(
+                    [torch.nn.Parameter(torch.randn(4)) for _ in range(3)])
+                self.d = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.randn(4))})
+                self.scale = torch.nn.Parameter(torch.tensor(2.0))
+                self.lin = torch.nn.Linear(4, 1)
+
+            def forward(self, x):
+                return self.lin(sum(w * x for w in self.ws) + self.d["a"]) + self.scale
+
+        def make():
+            torch.manual_seed(0)
+            return Mix()
+
+        ref = make()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        model, opt = self.wrap(make(), {"lr": 1e-2})
+        for i in range(3):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+            for m, o in ((ref, ref_opt), (model, opt)):
+                o.zero_grad(set_to_none=True)
+                m(x).pow(2).mean().backward()
+                o.step()
+        self.assert_weights(model, ref.state_dict(), rtol=0, atol=0)
+        opt.close()
+
+    def test_what_offloadd_cannot_hold_is_refused_in_words(self):
+        # Each said what it is and what to do (before: a reshape error in
+        # backward, "float64 is not floating-point", "a tensor that is not a
+        # parameter of the wrapped model", a use "outside the forward").
+        import torch
+        import offloadd
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "'0' makes sparse gradients"):
+            self.wrap(torch.nn.Sequential(torch.nn.Embedding(4, 2, sparse=True)))
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "fp32, bf16 and fp16"):
+            self.wrap(torch.nn.Linear(4, 2).double())
+        model, opt = self.wrap(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+        for move in (lambda: model.to("cpu"), model.float, model.half, model.share_memory):
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                        "'0.weight' of a wrapped model was moved or cast"):
+                move()
+        model.append(torch.nn.Linear(2, 1))
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "afterwards is not offloadd's"):
+            opt.add_param_group({"params": model[1].parameters()})
+        opt.close()
 
     def test_weight_norm_and_spectral_norm_train_like_torch(self):
         # Their pre-hooks, registered before wrap, compute the weight from

@@ -41,6 +41,25 @@ class TorchEncoderLM(torch.nn.Module):
                                                  y.reshape(-1))
 
 
+class UniformLM(torch.nn.Module):
+    """Every parameter vocab x vocab (scenario model "uniform"): ranks that
+    gather different parameters at once do so in collectives of one size,
+    which nothing but offloadd's own check tells apart."""
+
+    def __init__(self, vocab, layers):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, vocab)
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Linear(vocab, vocab, bias=False) for _ in range(layers)])
+        self.head = torch.nn.Linear(vocab, vocab, bias=False)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
 class RankBranchLM(torch.nn.Module):
     """A model whose forward runs a different module on each rank (same
     shapes): what DistributedDataParallel refuses (scenario model
@@ -72,6 +91,8 @@ def train(sc, rank, world, use_offloadd):
         model = TorchEncoderLM(text.vocab, sc["context"], sc["dim"], sc["layers"]).to(device)
     elif sc.get("model") == "rank_branch":
         model = RankBranchLM(text.vocab, sc["dim"], rank).to(device)
+    elif sc.get("model") == "uniform":
+        model = UniformLM(text.vocab, sc["layers"]).to(device)
     else:
         model = gpt.GPT(text.vocab, sc["context"], dim=sc["dim"], layers=sc["layers"],
                         heads=2).to(device)
@@ -114,6 +135,8 @@ def train(sc, rank, world, use_offloadd):
     checkpoint_state = None
     for step in range(start, sc["steps"]):
         total = 0.0
+        if sc.get("state_dict_on_rank0_at") == step and rank == 0:
+            model.state_dict()  # (as a save on rank 0 only; a collective)
         for micro in range(ga):
             x, y = text.batch(batch, sc["context"], gen)
             loss = model(x[lo:hi].to(device), y[lo:hi].to(device))

@@ -42,15 +42,27 @@ process. Give init_process_group a timeout so that a rank whose peer died
 gets an error (PeerLostError) instead of waiting for it forever.
 
 Limits, said plainly:
-- A parameter must be used inside the forward of the module it belongs to
-  (its own parameter, not a submodule's: a parent's forward that reads a
-  child's weight without calling the child is refused; nn.MultiheadAttention
-  and torch's transformer layers are gathered whole, everything below them
-  with them); a use of its values anywhere else is
-  refused (FailedPreconditionError naming it), through p.data and
-  p.detach() too (an EMA of the weights, copy.deepcopy(model): read them
-  with model.state_dict()). Its shape, size and numel() are the whole
-  parameter's at any time.
+- A parameter must be used inside the forward of the module it belongs to,
+  called as module(x) (its own parameter, or one of its ParameterList or
+  ParameterDict, not a submodule's: a parent's forward that reads a child's
+  weight without calling the child is refused; nn.MultiheadAttention and
+  torch's transformer layers are gathered whole, everything below them
+  with them); a use of its values anywhere else is refused
+  (FailedPreconditionError naming it), through p.data and p.detach() too
+  (an EMA of the weights, copy.deepcopy(model): read them with
+  model.state_dict()), and so are model.to(), .cpu(), .float() ... after
+  wrap(). Its shape, size and numel() are the whole parameter's at any
+  time.
+- p.grad stays None: the gradients go to the daemon in backward (clip with
+  zero_config gradient_clipping, scale the loss with optimizer.backward;
+  optimizer.last_step has the step's gradient norm).
+- Every rank runs each forward of the wrapped model (evaluations too) and
+  calls state_dict() and load_state_dict() at the same point: each
+  parameter is gathered from all ranks; a rank that gathers other
+  parameters in the same collective is told so on every rank
+  (FailedPreconditionError; on a GPU at the end of the backward or
+  state_dict()); collectives of different sizes fail in torch.distributed
+  (gloo may end the process; otherwise the process group's timeout).
 - model.state_dict() is a collective (every rank calls it), on the wrapped
   model itself (not a submodule); it returns the working copy, so with a
   bf16/fp16 working_dtype the values are rounded from the fp32 master
@@ -430,9 +442,10 @@ def _refusal(s, what):
         f"parameter '{s.name}' was used ({what}) "
         "outside the forward of a module that owns it: offloadd holds its "
         "values between uses and gathers them for its module's forward and "
-        "backward only. Use it inside such a forward (a module that reads "
-        "another's weights should own them, or call it), or read the weights "
-        "with model.state_dict()")
+        "backward only. Use it inside such a forward, the module called as "
+        "module(x) (module.forward(x) runs none of offloadd's hooks; a module "
+        "that reads another's weights should own them, or call it), or read "
+        "the weights with model.state_dict()")
 
 
 def _refuse_absent(cls, absent, func, types, args, kwargs):
@@ -446,6 +459,13 @@ def _refuse_absent(cls, absent, func, types, args, kwargs):
                 shape = _WHOLE.get(func)
                 if shape is not None:
                     return shape(s, *args[1:], **kwargs)
+                if func in _MOVES:
+                    raise offloadd.FailedPreconditionError(
+                        f"parameter '{s.name}' of a wrapped model was moved or cast "
+                        f"({getattr(func, '__name__', func)}: model.to(), .cpu(), .float(), "
+                        ".half() ...): offloadd holds the parameters, gathered where the model "
+                        "computes and in its working dtype; move or cast the model before "
+                        "wrap()")
                 if func is torch.autograd.grad:
                     raise offloadd.FailedPreconditionError(
                         f"torch.autograd.grad of parameter '{s.name}' of a wrapped model: offloadd "
@@ -479,6 +499,10 @@ _METADATA = {
     torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.register_hook,
     torch.Tensor.retain_grad, torch.Tensor._is_view, torch.Tensor.__hash__,
 }
+# What moves or casts a tensor (Module.to, .cpu(), .float(), ... after wrap).
+_MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.float,
+          torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.double,
+          torch.Tensor.share_memory_}
 # What hands out a tensor of the parameter's values: of an absent one, an
 # alias that refuses them (_AbsentValues, see __torch_function__).
 _VALUE_HANDLES = {torch.Tensor.data.__get__, torch.Tensor.detach}
@@ -524,6 +548,11 @@ class _Engine:
         # for many parameters).
         self._reduce = (_ReduceBucket(self, config["reduce_bucket_elements"])
                         if self.world > 1 else None)
+        # Each all-gather carries a signature of what this rank gathers
+        # (_signature); on a GPU the comparison's outcome waits here, read
+        # at backward's end (verify_gathers), not at each gather.
+        self._signatures = {}
+        self._gather_checks = []
         # With one micro-batch per step, gradient buffers are handed over:
         # the daemon measures them and its step reads them in place (no fp32
         # accumulator written and read). A second return of a partition
@@ -1004,12 +1033,20 @@ class _Engine:
             torch.frombuffer(part.master_init, dtype=torch.float32).copy_(mine)
 
     def _register(self, model):
+        for mname, m in model.named_modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+                # (torch's AdamW refuses the sparse gradients it makes too.)
+                raise offloadd.InvalidArgumentError(
+                    f"{repr(mname) if mname else 'the model'} makes sparse gradients "
+                    "(sparse=True), which offloadd's Adam, as "
+                    "torch's AdamW, does not take: make it with sparse=False")
         for name, p in model.named_parameters():
             if id(p) in self.by_param:
                 continue
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise offloadd.InvalidArgumentError(
-                    f"parameter '{name}' is {p.dtype}; offloadd holds floating-point parameters")
+                    f"parameter '{name}' is {p.dtype}; offloadd holds fp32, bf16 and fp16 "
+                    "parameters (convert the model before wrap())")
             s = _Shard(name, p, self.world)
             master = self.working_dtype != "fp32"
             part = self._register_slice(self.session, s)
@@ -1132,8 +1169,10 @@ class _Engine:
         if self.backend != "nccl" and wire == torch.bfloat16:
             wire = torch.float16
         comm = self._comm_device(ss[0])
-        src = (torch.cat([loc.view(wire) for loc in locals_]) if len(locals_) > 1
-               else locals_[0].view(wire)).to(comm)
+        sig = self._signature(ss, wire, comm)
+        body = (torch.cat([loc.view(wire) for loc in locals_]) if len(locals_) > 1
+                else locals_[0].view(wire)).to(comm)
+        src = torch.cat([body, sig])
         flat = torch.empty(src.numel() * self.world, dtype=wire, device=comm)
         what = f"all-gather of '{ss[0].name}'" + (
             f" and {len(ss) - 1} more parameter(s) of its module" if len(ss) > 1 else "")
@@ -1141,11 +1180,58 @@ class _Engine:
                                                        group=self.group))
         self.counts["gather_collectives"] += 1
         parts = flat.view(self.world, src.numel())
+        self._check_gathered(parts[:, -sig.numel():], sig, what)
         out, at = [], 0
         for s in ss:
             out.append(parts[:, at:at + s.slice_numel].reshape(-1).view(self.torch_working))
             at += s.slice_numel
         return out
+
+    # Bytes of a gather's signature (a CRC-32 of its parameters' names, a
+    # byte an element: exact in fp16, bf16 and fp32).
+    SIGNATURE = 4
+
+    def _signature(self, ss, dtype, device):
+        """What this rank gathers in one collective, as SIGNATURE elements
+        of `dtype` on `device` (made once for each such set)."""
+        key = (tuple(s.pid for s in ss), dtype, device)
+        sig = self._signatures.get(key)
+        if sig is None:
+            crc = zlib.crc32("\0".join(s.name for s in ss).encode())
+            sig = torch.tensor([(crc >> (8 * i)) & 0xFF for i in range(self.SIGNATURE)],
+                               dtype=dtype).to(device)
+            self._signatures[key] = sig
+        return sig
+
+    def _check_gathered(self, gathered, mine, what):
+        """`gathered`: every rank's signature as one collective carried it
+        (world x SIGNATURE). Ranks that gathered different parameters (a
+        forward, or state_dict(), on some ranks only: an evaluation or a
+        save on rank 0) had each parameter's values mixed with another's:
+        every rank sees it and raises. On the CPU at once; on a GPU at the
+        next verify_gathers (backward's end, state_dict's), not waiting for
+        the device here."""
+        bad = (gathered != mine).any()
+        if gathered.device.type == "cpu":
+            if bool(bad):
+                raise self._gathers_differ(what)
+            return
+        self._gather_checks.append((bad, what))
+        if len(self._gather_checks) >= 256:  # (an evaluation's loop ends no backward)
+            self.verify_gathers()
+
+    def verify_gathers(self):
+        checks, self._gather_checks = self._gather_checks, []
+        if checks and bool(torch.stack([bad for bad, _ in checks]).any()):
+            raise self._gathers_differ(next(what for bad, what in checks if bool(bad)))
+
+    def _gathers_differ(self, what):
+        return offloadd.FailedPreconditionError(
+            f"rank {self.rank} of {self.world}: the ranks gathered different parameters in one "
+            f"collective (this rank: the {what}), and each parameter's values were mixed with "
+            "another's. Every rank must run each forward of the wrapped model, evaluations too, "
+            "and call state_dict() and load_state_dict() at the same point: a forward or a "
+            "state_dict() on one rank only (an evaluation or a save on rank 0) is not possible")
 
     def begin_pass(self):
         """Holds every partition for a forward or backward pass (see
@@ -1264,12 +1350,16 @@ class _Engine:
         mine = torch.frombuffer(bytearray(b"".join(arrays)), dtype=torch.float32)
         if self.world > 1:
             comm = self._comm_device(s)
-            mine = mine.to(comm)
+            sig = self._signature([s], torch.float32, comm)
+            mine = torch.cat([mine.to(comm), sig])
             flat = torch.empty(mine.numel() * self.world, dtype=torch.float32, device=comm)
-            self._collective(f"all-gather of the optimizer state of '{s.name}'",
-                             lambda: dist.all_gather(list(flat.chunk(self.world)), mine,
-                                                     group=self.group))
-            parts = flat.view(self.world, k, s.slice_numel)
+            what = f"all-gather of the optimizer state of '{s.name}'"
+            self._collective(what, lambda: dist.all_gather(list(flat.chunk(self.world)), mine,
+                                                           group=self.group))
+            rows = flat.view(self.world, -1)
+            self._check_gathered(rows[:, -sig.numel():], sig, what)
+            self.verify_gathers()
+            parts = rows[:, :-sig.numel()].reshape(self.world, k, s.slice_numel)
         else:
             parts = mine.view(1, k, s.slice_numel)
         # On the CPU (a model offloaded for want of GPU memory has no room
@@ -1311,7 +1401,8 @@ class _Engine:
                 # needs no gradient saves no weight), so p is empty; the
                 # accumulation lays .grad out like p: give p its shape, with
                 # no memory, until the hook after it empties p again.
-                s.param.data = torch.empty(1, dtype=s.dtype, device=s.device).expand(s.shape)
+                s.param.data = torch.empty([1] * len(s.shape), dtype=s.dtype,
+                                           device=s.device).expand(s.shape)
             return grad
         return hook
 
@@ -1383,6 +1474,7 @@ class _Engine:
             self._flush_returns()
         if self._reduce is not None:
             self._reduce.verify()  # (before any step can take them)
+        self.verify_gathers()
 
     def _flush_returns(self):
         if not self._returns:
@@ -1457,11 +1549,17 @@ class _Engine:
     _SUBTREE_UNITS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                       torch.nn.TransformerDecoderLayer)
 
+    # Containers of parameters with no forward of their own: what they hold
+    # is their parent's to read (a module's forward iterating its
+    # ParameterList), in its unit.
+    _CONTAINERS = (torch.nn.ParameterList, torch.nn.ParameterDict)
+
     def _group_units(self, model):
-        """The units, as (module, its shards): a module's own parameters,
-        or a _SUBTREE_UNITS module's and all below it. Gathered together
-        before the module runs and freed after; in backward, a saved
-        parameter brings its unit back (module_shards)."""
+        """The units, as (module, its shards): a module's own parameters
+        (with those of its _CONTAINERS), or a _SUBTREE_UNITS module's and
+        all below it. Gathered together before the module runs and freed
+        after; in backward, a saved parameter brings its unit back
+        (module_shards)."""
         units, inside = [], set()
         for module in model.modules():  # parents before children
             if id(module) in inside:
@@ -1469,8 +1567,16 @@ class _Engine:
             subtree = isinstance(module, self._SUBTREE_UNITS)
             if subtree:
                 inside.update(id(m) for m in module.modules())
+            holders = [module]
+            for m in holders:  # (grows: containers in containers)
+                for c in m.children():
+                    if isinstance(c, self._CONTAINERS) and id(c) not in inside:
+                        inside.add(id(c))
+                        holders.append(c)
+            params = (module.parameters(recurse=True) if subtree else
+                      (p for m in holders for p in m.parameters(recurse=False)))
             own, seen = [], set()
-            for p in module.parameters(recurse=subtree):
+            for p in params:
                 if id(p) in self.by_param and id(p) not in seen:
                     seen.add(id(p))
                     own.append(self.by_param[id(p)])
@@ -1569,6 +1675,7 @@ class _Engine:
                 state[key] = s.param.data.detach().to("cpu", copy=True)
                 if not was:
                     self._free(s)
+            self.verify_gathers()
             return state
 
         self._handles.append(model._register_state_dict_hook(full_state))
@@ -1652,6 +1759,7 @@ class _Engine:
         with self._tier_bypassed():
             for s in self.shards:
                 self.gather([s])
+        self.verify_gathers()
         # Each parameter's version counter: torch's copy of a loaded value
         # into it moves it (see write_loaded).
         self._load_versions = {s.pid: s.param._version for s in self.shards}
@@ -2499,7 +2607,10 @@ class Optimizer(torch.optim.Optimizer):
         for p in params:
             if id(p) not in self._engine.by_param:
                 raise offloadd.InvalidArgumentError(
-                    "a param group names a tensor that is not a parameter of the wrapped model")
+                    "a param group names a tensor that is not a parameter offloadd holds: one "
+                    "of the wrapped model as it was at wrap() (a module added to the model "
+                    "afterwards is not offloadd's: train it with a torch optimizer of its own, "
+                    "or wrap the model once it is whole)")
         super().add_param_group(dict(param_group, params=params))
         for p in params:
             self._engine.by_param[id(p)].in_optimizer = True
