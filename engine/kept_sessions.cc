@@ -176,7 +176,9 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
       continue;
     }
     if (!link.empty()) unlink(link.c_str());
-    if (session.ok()) ++bytes->lost;  // (else closed meanwhile: nothing to keep)
+    // (Closed meanwhile, NOT_FOUND: nothing to keep. Anything else, a step
+    // that stopped midway and cannot be finished among it, loses it.)
+    if (session.ok() || !absl::IsNotFound(session.status())) ++bytes->lost;
     LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(id),
                session.ok() ? session->name : "", status.ToString());
     // Reopened from there and not resumed since: that copy stays.

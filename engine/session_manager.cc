@@ -1826,7 +1826,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
   {
     absl::MutexLock lock(&mu_);
     auto found = sessions_.find(id);
-    if (found == sessions_.end()) return absl::FailedPreconditionError("it was closed meanwhile");
+    if (found == sessions_.end()) return absl::NotFoundError("it was closed meanwhile");
     s = found->second;
   }
   {
@@ -1854,7 +1854,7 @@ absl::StatusOr<SessionManager::KeptSession> SessionManager::QuiesceForKeeping(ui
                    s->keep_for_resume,          std::nullopt, std::nullopt};
   {
     absl::MutexLock lock(&mu_);
-    if (!sessions_.contains(s->id)) return absl::FailedPreconditionError("it was closed meanwhile");
+    if (!sessions_.contains(s->id)) return absl::NotFoundError("it was closed meanwhile");
     for (const auto& [partition, owner] : partition_owner_) {
       if (owner == s->id) kept.partition_ids.push_back(partition);
     }

@@ -496,7 +496,8 @@ class SessionManager {
   // Session `id` ready to be checkpointed for keeping: a background
   // checkpoint being written ends first, what its trainer held is dropped
   // (a partition held for writing would stop the checkpoint; the trainer
-  // fetches again once it resumed). FAILED_PRECONDITION if it closed.
+  // fetches again once it resumed). NOT_FOUND if it closed (nothing to
+  // keep); a stopped step that cannot be finished, that error.
   absl::StatusOr<KeptSession> QuiesceForKeeping(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   // The reopened session `id` no longer has its kept copy (its kept memory
   // was taken: engine/kept_sessions.h): nothing is left there to fall back on.

@@ -99,10 +99,12 @@ class TorchWrapTest(unittest.TestCase):
         return None, outputs, codes
 
     def test_ranks_whose_backwards_differ_are_refused_not_mixed(self):
-        # A module used on one rank and another of the same shape on the
-        # other: their gradients met in one averaging collective, silently
-        # mixed. Every rank checks in that collective that all added the same
-        # parameters, and all raise alike.
+        # A module's output used on one rank and another's of the same shape
+        # on the other (both run: the ranks gather alike): their gradients
+        # met in one averaging collective, silently mixed. Every rank checks
+        # in that collective that all added the same parameters, and all
+        # raise alike. (Modules run on one rank only differ at their
+        # gathers already: test_a_state_dict_on_one_rank_only_...)
         sc = dict(BASE, steps=2, model="rank_branch", one_group=True)
         _, outputs, codes = self.run_ranks(sc, 2, expect_ok=False)
         self.assertEqual(len(codes), 2)

@@ -61,9 +61,10 @@ class UniformLM(torch.nn.Module):
 
 
 class RankBranchLM(torch.nn.Module):
-    """A model whose forward runs a different module on each rank (same
-    shapes): what DistributedDataParallel refuses (scenario model
-    "rank_branch")."""
+    """A model whose loss takes a different module's output on each rank
+    (same shapes; both run in every forward, so the ranks gather alike and
+    their backwards differ): what DistributedDataParallel refuses (scenario
+    model "rank_branch")."""
 
     def __init__(self, vocab, dim, rank):
         super().__init__()
@@ -74,8 +75,11 @@ class RankBranchLM(torch.nn.Module):
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, x, y):
-        h = self.emb(x)
-        h = torch.tanh(self.a(h) if self.rank == 0 else self.b(h))
+        # (Detached: a's and b's backwards need no weights, so nothing is
+        # gathered again in backward, where the ranks would differ first.)
+        h = self.emb(x).detach()
+        ha, hb = self.a(h), self.b(h)
+        h = torch.tanh(ha if self.rank == 0 else hb)
         logits = self.head(h)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                  y.reshape(-1))
