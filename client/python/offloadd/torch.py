@@ -552,7 +552,7 @@ class _Engine:
         # (_signature); on a GPU the comparison's outcome waits here, read
         # at backward's end (verify_gathers), not at each gather.
         self._signatures = {}
-        self._gather_checks = []
+        self._gather_bad, self._gather_first, self._gather_count = None, None, 0
         # With one micro-batch per step, gradient buffers are handed over:
         # the daemon measures them and its step reads them in place (no fp32
         # accumulator written and read). A second return of a partition
@@ -1214,21 +1214,27 @@ class _Engine:
         bad = (gathered != mine).any()
         if gathered.device.type == "cpu":
             if bool(bad):
-                raise self._gathers_differ(what)
+                raise self._gathers_differ(f"the {what}")
             return
-        self._gather_checks.append((bad, what))
-        if len(self._gather_checks) >= 256:  # (an evaluation's loop ends no backward)
-            self.verify_gathers()
+        # One flag on the device for every gather since the last check (no
+        # wait for the device, no list growing through an evaluation loop).
+        if self._gather_bad is None:
+            self._gather_bad, self._gather_first = bad, what
+        else:
+            self._gather_bad = self._gather_bad | bad
+        self._gather_count += 1
 
     def verify_gathers(self):
-        checks, self._gather_checks = self._gather_checks, []
-        if checks and bool(torch.stack([bad for bad, _ in checks]).any()):
-            raise self._gathers_differ(next(what for bad, what in checks if bool(bad)))
+        bad, first, n = self._gather_bad, self._gather_first, self._gather_count
+        self._gather_bad, self._gather_first, self._gather_count = None, None, 0
+        if bad is not None and bool(bad):
+            raise self._gathers_differ(
+                f"one of the {n} all-gathers since the last check, the first the {first}")
 
-    def _gathers_differ(self, what):
+    def _gathers_differ(self, where):
         return offloadd.FailedPreconditionError(
             f"rank {self.rank} of {self.world}: the ranks gathered different parameters in one "
-            f"collective (this rank: the {what}), and each parameter's values were mixed with "
+            f"collective (this rank: {where}), and each parameter's values were mixed with "
             "another's. Every rank must run each forward of the wrapped model, evaluations too, "
             "and call state_dict() and load_state_dict() at the same point: a forward or a "
             "state_dict() on one rank only (an evaluation or a save on rank 0) is not possible")
