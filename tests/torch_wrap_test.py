@@ -2048,6 +2048,55 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertAlmostEqual(opt.param_groups[0]["lr"], 1e-2 / 4)
         opt.close()
 
+    def test_a_deepspeed_loop_saves_and_loads_checkpoints_as_deepspeed_does(self):
+        # DeepSpeed's users checkpoint through the engine: save_checkpoint
+        # (dir, client_state=...) and load_checkpoint(dir) -> (path,
+        # client_state), the tag in dir/latest. They raised AttributeError
+        # on the model wrap() returns. Loaded in the same process, training
+        # goes on as from the save, bit for bit.
+        import warnings
+        import offloadd.torch
+        import torch
+        ds = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}}
+        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
+        try:
+            model, opt = offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
+        finally:
+            del os.environ["OFFLOADD_ADDRESS"]
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+        def train(n, seed):
+            gen = torch.Generator().manual_seed(seed)
+            for _ in range(n):
+                model.backward(model(torch.randn(4, 8, generator=gen)).pow(2).mean())
+                model.step()
+                sched.step()
+
+        ckpts = os.path.join(self.root, "ds_checkpoints")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual(model.load_checkpoint(ckpts), (None, None))  # nothing saved yet
+        self.assertTrue(any("nothing loaded" in str(w.message) for w in caught))
+        train(3, 1)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        self.assertTrue(model.save_checkpoint(ckpts, client_state={"sched": sched.state_dict()}))
+        with open(os.path.join(ckpts, "latest")) as f:
+            self.assertEqual(f.read(), "global_step3")
+        train(2, 2)
+        after = {k: v.clone() for k, v in model.state_dict().items()}
+        path, client_state = model.load_checkpoint(ckpts)
+        self.assertEqual(path, os.path.join(ckpts, "global_step3"))
+        self.assert_weights(model, saved, rtol=0, atol=0)
+        sched.load_state_dict(client_state["sched"])
+        train(2, 2)
+        self.assert_weights(model, after, rtol=0, atol=0)
+        self.assertTrue(model.save_checkpoint(ckpts))  # counts on from the loaded step
+        with open(os.path.join(ckpts, "latest")) as f:
+            self.assertEqual(f.read(), "global_step5")
+        opt.close()
+
     def test_a_deepspeed_config_without_an_optimizer_takes_adamw_config(self):
         # DeepSpeed's users pass their optimizer to deepspeed.initialize
         # where the config has no optimizer section: adamw_config is that

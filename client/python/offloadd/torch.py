@@ -971,6 +971,48 @@ class _Engine:
         self.restored = SessionRestored(step, f"its automatic checkpoint in {directory}")
         raise self.restored from cause
 
+    def restore_checkpoint(self, directory):
+        """This rank's session replaced by one restored from `directory`
+        (Optimizer.checkpoint's: every rank's, any number of ranks), every
+        parameter's partition registered again with its state; the old
+        session closed once the new one holds everything (a failure before
+        leaves the old one as it was). Returns the step restored. Every rank
+        calls it."""
+        self.check_open()
+        opt = self._optimizer
+        if opt is not None:
+            opt.wait_overlapped()
+        self.free_all()
+        self.flush_gradients()
+        session = self._open_session(os.path.abspath(directory))
+        pids, steps = {}, set()
+        try:
+            for s in self.shards:
+                part = self._register_slice(session, s)
+                session.release([part.id])
+                if not part.restored:
+                    raise offloadd.DataLossError(
+                        f"the checkpoint in {directory} holds no state of '{s.name}'")
+                pids[id(s)] = part.id
+                steps.add(part.step)
+        except BaseException:
+            try:
+                session.close(finished=False)
+            except offloadd.Error:
+                pass
+            raise
+        old = self.session
+        for s in self.shards:
+            s.pid = pids[id(s)]
+            s.has_grad = s.grad_since_step = False
+        self._reset_after_restart(session)
+        self._resumed_from = directory
+        try:
+            getattr(old, "raw", old).close(finished=True)
+        except offloadd.Error:
+            pass  # (gone with its offloadd: nothing of it is used any more)
+        return max(steps) if steps else 0
+
     def host_percent(self, kind):
         """The share of this session's `kind` ("params", "grads",
         "optimizer_state") kept on the host: as placed in zero_config, else
@@ -2816,6 +2858,77 @@ class Optimizer(torch.optim.Optimizer):
             e._collective("barrier after the checkpoint", lambda: dist.barrier(group=e.group))
         return result
 
+    # DeepSpeed's engine's checkpoints (save_checkpoint, load_checkpoint), as
+    # its users call them on the model wrap() returns with a deepspeed_config.
+    _CLIENT_STATE = "client_state.pt"
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's engine method: this job's checkpoint (checkpoint())
+        in save_dir/tag (tag: "global_step<N>", N the updates so far), with
+        `client_state` (rank 0's, torch.save'd beside it) and, with
+        save_latest, the tag in save_dir/latest. Every rank calls it."""
+        e = self._engine
+        if exclude_frozen_parameters:
+            raise offloadd.InvalidArgumentError(
+                "save_checkpoint(exclude_frozen_parameters=True): offloadd's checkpoints hold "
+                "every parameter")
+        steps = e.counts["steps"] + getattr(self, "_steps_before", 0)
+        tag = str(tag) if tag is not None else f"global_step{steps}"
+        path = os.path.join(save_dir, tag)
+        self.checkpoint(path)
+        if e.rank == 0:
+            # The param groups' hyperparameters too (an lr scheduler's current
+            # lr), as DeepSpeed's optimizer state holds them.
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+            torch.save({"client_state": client_state or {}, "global_steps": steps,
+                        "param_groups": groups}, os.path.join(path, self._CLIENT_STATE))
+            if save_latest:
+                with open(os.path.join(save_dir, "latest"), "w") as f:
+                    f.write(tag)
+        if e.world > 1:
+            e._collective("barrier after save_checkpoint",
+                          lambda: dist.barrier(group=e.group))
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's engine method: the checkpoint save_checkpoint wrote
+        in load_dir/tag (tag: load_dir/latest's) restored, the weights, the
+        optimizer state and the step counts; returns (its path, the
+        client_state saved with it), or (None, None) where load_dir has no
+        latest tag, as DeepSpeed's. Every rank calls it. The lr scheduler is
+        the user's (DeepSpeed keeps one in its engine): save its state_dict
+        in client_state."""
+        if load_module_only or not load_optimizer_states or custom_load_fn is not None:
+            raise offloadd.InvalidArgumentError(
+                "load_checkpoint: offloadd's checkpoints restore the weights with the optimizer "
+                "state (load_module_only, load_optimizer_states=False and custom_load_fn are "
+                "not taken): for the weights alone, load a model.state_dict()")
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                warnings.warn(f"load_checkpoint: no {latest}: nothing loaded", stacklevel=2)
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag))
+        if not os.path.isdir(path):
+            raise offloadd.NotFoundError(f"load_checkpoint: no checkpoint in {path}")
+        self._engine.restore_checkpoint(path)
+        self._micro_steps = 0
+        extra = os.path.join(path, self._CLIENT_STATE)
+        saved = torch.load(extra) if os.path.isfile(extra) else {}
+        # (The updates counted on from the checkpoint's, as DeepSpeed's
+        # global_steps.)
+        self._steps_before = saved.get("global_steps", 0) - self._engine.counts["steps"]
+        groups = saved.get("param_groups")
+        if groups is not None and len(groups) == len(self.param_groups):
+            for mine, theirs in zip(self.param_groups, groups):
+                mine.update(theirs)
+        return path, saved.get("client_state", {})
+
     def wait_checkpoint(self):
         """The outcome of this rank's background checkpoint, once written."""
         return self._engine.session.wait_checkpoint()
@@ -3152,8 +3265,11 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       client optimizer); see offloadd.deepspeed. The loop then runs as DeepSpeed's:
       step() after every micro-batch updates at every
       gradient_accumulation_steps-th (zero_grad() in between keeps what
-      accumulated), and the model takes backward(loss), step() and
-      is_gradient_accumulation_boundary() as DeepSpeed's engine does.
+      accumulated), and the model takes backward(loss), step(),
+      is_gradient_accumulation_boundary(), save_checkpoint(dir, tag,
+      client_state) and load_checkpoint(dir, tag) -> (path, client_state) as
+      DeepSpeed's engine does (offloadd's own checkpoints; the lr scheduler
+      is the user's: save its state_dict in client_state).
     """
     if deepspeed_config is not None:
         if zero_config is not None:
@@ -3211,7 +3327,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         optimizer.zero_grad(set_to_none)
     model.zero_grad = zero_grad
     if config["deepspeed_loop"]:
-        for name in ("backward", "step", "is_gradient_accumulation_boundary"):
+        for name in ("backward", "step", "is_gradient_accumulation_boundary", "save_checkpoint",
+                     "load_checkpoint"):
             if not hasattr(model, name):
                 # Looked up at each call: an lr scheduler wraps
                 # optimizer.step after wrap() to count the calls.
