@@ -2095,6 +2095,19 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertTrue(model.save_checkpoint(ckpts))  # counts on from the loaded step
         with open(os.path.join(ckpts, "latest")) as f:
             self.assertEqual(f.read(), "global_step5")
+        # A client_state that cannot be saved raises (on every rank), and
+        # leaves latest as it was; a file beside it that does not load
+        # raises before anything is restored.
+        with self.assertRaises(Exception):
+            model.save_checkpoint(ckpts, client_state={"f": lambda: 0})
+        with open(os.path.join(ckpts, "latest")) as f:
+            self.assertEqual(f.read(), "global_step5")
+        with open(os.path.join(ckpts, "global_step3.client_state.pt"), "wb") as f:
+            f.write(b"not a pickle")
+        now = {k: v.clone() for k, v in model.state_dict().items()}
+        with self.assertRaises(Exception):
+            model.load_checkpoint(ckpts, tag="global_step3")
+        self.assert_weights(model, now, rtol=0, atol=0)
         opt.close()
 
     def test_a_deepspeed_config_without_an_optimizer_takes_adamw_config(self):

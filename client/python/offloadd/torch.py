@@ -975,18 +975,22 @@ class _Engine:
         """This rank's session replaced by one restored from `directory`
         (Optimizer.checkpoint's: every rank's, any number of ranks), every
         parameter's partition registered again with its state; the old
-        session closed once the new one holds everything (a failure before
-        leaves the old one as it was). Returns the step restored. Every rank
-        calls it."""
+        session closed once the new one holds everything. All or nothing on
+        every rank: where any rank's restore fails, each closes its new
+        session and goes on with the old (the ranks agree first). The pool
+        holds both sessions' state meanwhile (wrap's restore_from needs only
+        one). Returns the step restored. Every rank calls it."""
         self.check_open()
+        directory = os.path.abspath(directory)
         opt = self._optimizer
         if opt is not None:
             opt.wait_overlapped()
         self.free_all()
         self.flush_gradients()
-        session = self._open_session(os.path.abspath(directory))
+        session, failure = None, None
         pids, steps = {}, set()
         try:
+            session = self._open_session(directory)
             for s in self.shards:
                 part = self._register_slice(session, s)
                 session.release([part.id])
@@ -995,23 +999,42 @@ class _Engine:
                         f"the checkpoint in {directory} holds no state of '{s.name}'")
                 pids[id(s)] = part.id
                 steps.add(part.step)
-        except BaseException:
+        except Exception as e:  # (agreed on below; a KeyboardInterrupt ends the job)
+            failure = e
+        if self.world > 1:
+            ok = torch.tensor([0.0 if failure else 1.0])
+            self._collective("agreement on the restored checkpoint",
+                             lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group))
+            if failure is None and ok.item() < 1:
+                failure = offloadd.FailedPreconditionError(
+                    f"another rank could not restore {directory}: every rank goes on with the "
+                    "session it had")
+        old, old_pids = self.session, {id(s): s.pid for s in self.shards}
+        if failure is None:
             try:
-                session.close(finished=False)
-            except offloadd.Error:
-                pass
-            raise
-        old = self.session
-        for s in self.shards:
-            s.pid = pids[id(s)]
-            s.has_grad = s.grad_since_step = False
-        self._reset_after_restart(session)
-        self._resumed_from = directory
+                for s in self.shards:
+                    s.pid = pids[id(s)]
+                    s.has_grad = s.grad_since_step = False
+                self._reset_after_restart(session)
+            except Exception as e:
+                failure = e
+                for s in self.shards:
+                    s.pid = old_pids[id(s)]
+                self.session = old
+        if failure is not None:
+            if session is not None:
+                try:
+                    session.close(finished=False)
+                except offloadd.Error:
+                    pass
+            raise failure
+        self._resumed_from = self.resumed_from = directory
+        self.resumed_step = max(steps) if steps else 0
         try:
             getattr(old, "raw", old).close(finished=True)
         except offloadd.Error:
             pass  # (gone with its offloadd: nothing of it is used any more)
-        return max(steps) if steps else 0
+        return self.resumed_step
 
     def host_percent(self, kind):
         """The share of this session's `kind` ("params", "grads",
@@ -1999,6 +2022,22 @@ class _Engine:
         return self.tier.stats() if self.tier is not None else None
 
 
+def _replace_file(path, write):
+    """`path` written whole by `write(file)` (a temporary beside it, then
+    renamed over it: a crash leaves the old file or the new)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def _check_group(group, what):
     """Refuses a param group asking for Adam variants offloadd's step does
     not compute (other keys, a group's name say, torch keeps and ignores)."""
@@ -2860,14 +2899,20 @@ class Optimizer(torch.optim.Optimizer):
 
     # DeepSpeed's engine's checkpoints (save_checkpoint, load_checkpoint), as
     # its users call them on the model wrap() returns with a deepspeed_config.
-    _CLIENT_STATE = "client_state.pt"
+    # Beside offloadd's checkpoint in save_dir/tag (the daemon's directory,
+    # which another user's offloadd owns under the packaged service), rank
+    # 0's save_dir/tag.client_state.pt: the client_state, the update count,
+    # the param groups' hyperparameters.
+    _CLIENT_STATE = ".client_state.pt"
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
         """DeepSpeed's engine method: this job's checkpoint (checkpoint())
         in save_dir/tag (tag: "global_step<N>", N the updates so far), with
         `client_state` (rank 0's, torch.save'd beside it) and, with
-        save_latest, the tag in save_dir/latest. Every rank calls it."""
+        save_latest, the tag in save_dir/latest (each file replaced whole).
+        Every rank calls it; a rank 0 that cannot write its files raises on
+        every rank."""
         e = self._engine
         if exclude_frozen_parameters:
             raise offloadd.InvalidArgumentError(
@@ -2875,20 +2920,31 @@ class Optimizer(torch.optim.Optimizer):
                 "every parameter")
         steps = e.counts["steps"] + getattr(self, "_steps_before", 0)
         tag = str(tag) if tag is not None else f"global_step{steps}"
-        path = os.path.join(save_dir, tag)
-        self.checkpoint(path)
+        self.checkpoint(os.path.join(save_dir, tag))
+        failure = None
         if e.rank == 0:
-            # The param groups' hyperparameters too (an lr scheduler's current
-            # lr), as DeepSpeed's optimizer state holds them.
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            torch.save({"client_state": client_state or {}, "global_steps": steps,
-                        "param_groups": groups}, os.path.join(path, self._CLIENT_STATE))
-            if save_latest:
-                with open(os.path.join(save_dir, "latest"), "w") as f:
-                    f.write(tag)
+            try:
+                # The param groups' hyperparameters too (an lr scheduler's
+                # current lr), as DeepSpeed's optimizer state holds them.
+                groups = [{k: v for k, v in g.items() if k != "params"}
+                          for g in self.param_groups]
+                _replace_file(os.path.join(save_dir, tag + self._CLIENT_STATE), lambda f: torch.save(
+                    {"client_state": client_state or {}, "global_steps": steps,
+                     "param_groups": groups}, f))
+                if save_latest:
+                    _replace_file(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
+            except Exception as exc:  # (told to every rank below)
+                failure = exc
         if e.world > 1:
-            e._collective("barrier after save_checkpoint",
-                          lambda: dist.barrier(group=e.group))
+            ok = torch.tensor([0.0 if failure else 1.0])
+            e._collective("agreement after save_checkpoint",
+                          lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=e.group))
+            if failure is None and ok.item() < 1:
+                failure = offloadd.UnavailableError(
+                    f"save_checkpoint: rank 0 could not write {tag}{self._CLIENT_STATE} or latest "
+                    f"in {save_dir} (its error says why)")
+        if failure is not None:
+            raise failure
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -2896,11 +2952,13 @@ class Optimizer(torch.optim.Optimizer):
                         load_module_only=False, custom_load_fn=None):
         """DeepSpeed's engine method: the checkpoint save_checkpoint wrote
         in load_dir/tag (tag: load_dir/latest's) restored, the weights, the
-        optimizer state and the step counts; returns (its path, the
-        client_state saved with it), or (None, None) where load_dir has no
-        latest tag, as DeepSpeed's. Every rank calls it. The lr scheduler is
-        the user's (DeepSpeed keeps one in its engine): save its state_dict
-        in client_state."""
+        optimizer state, the step counts and the param groups'
+        hyperparameters; returns (its path, the client_state saved with it),
+        or (None, None) where load_dir has no latest tag, as DeepSpeed's.
+        Every rank calls it. The lr scheduler is the user's (DeepSpeed keeps
+        one in its engine): save its state_dict in client_state. The pool
+        holds the model's state twice while it loads; where it cannot, wrap()
+        with zero_config restore_from=load_dir/tag instead."""
         if load_module_only or not load_optimizer_states or custom_load_fn is not None:
             raise offloadd.InvalidArgumentError(
                 "load_checkpoint: offloadd's checkpoints restore the weights with the optimizer "
@@ -2916,17 +2974,24 @@ class Optimizer(torch.optim.Optimizer):
         path = os.path.join(load_dir, str(tag))
         if not os.path.isdir(path):
             raise offloadd.NotFoundError(f"load_checkpoint: no checkpoint in {path}")
-        self._engine.restore_checkpoint(path)
+        # Read before anything changes (a file that does not load leaves the
+        # job as it was).
+        extra = os.path.join(load_dir, str(tag) + self._CLIENT_STATE)
+        saved = torch.load(extra, map_location="cpu") if os.path.isfile(extra) else {}
+        step = self._engine.restore_checkpoint(path)
         self._micro_steps = 0
-        extra = os.path.join(path, self._CLIENT_STATE)
-        saved = torch.load(extra) if os.path.isfile(extra) else {}
-        # (The updates counted on from the checkpoint's, as DeepSpeed's
-        # global_steps.)
-        self._steps_before = saved.get("global_steps", 0) - self._engine.counts["steps"]
+        # The updates counted on from the checkpoint's (DeepSpeed's
+        # global_steps; without the file, the restored step).
+        self._steps_before = saved.get("global_steps", step) - self._engine.counts["steps"]
         groups = saved.get("param_groups")
-        if groups is not None and len(groups) == len(self.param_groups):
-            for mine, theirs in zip(self.param_groups, groups):
-                mine.update(theirs)
+        if groups is not None:
+            if len(groups) == len(self.param_groups):
+                for mine, theirs in zip(self.param_groups, groups):
+                    mine.update(theirs)
+            else:
+                warnings.warn(f"load_checkpoint: {len(groups)} param groups saved, "
+                              f"{len(self.param_groups)} here: their hyperparameters not loaded",
+                              stacklevel=2)
         return path, saved.get("client_state", {})
 
     def wait_checkpoint(self):
