@@ -966,6 +966,20 @@ class WrapInProcessTest(unittest.TestCase):
         zero = dict(zero or {}, address=address)
         return offloadd.torch.wrap(model, adamw or {"lr": 1e-2}, zero)
 
+    def wrap_deepspeed(self, model, ds):
+        """wrap(model, deepspeed_config=ds), offloadd's address as a
+        DeepSpeed job gives it (the environment)."""
+        import offloadd.torch
+        old = os.environ.get("OFFLOADD_ADDRESS")
+        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
+        try:
+            return offloadd.torch.wrap(model, deepspeed_config=ds)
+        finally:
+            if old is None:
+                del os.environ["OFFLOADD_ADDRESS"]
+            else:
+                os.environ["OFFLOADD_ADDRESS"] = old
+
     def mlp(self, bias=True):
         import torch
         torch.manual_seed(0)
@@ -1979,22 +1993,13 @@ class WrapInProcessTest(unittest.TestCase):
         # as some loops have, keeps what accumulated). A step at the boundary
         # that fails (the previous step's error surfaces there) is still the
         # boundary when the loop calls it again.
-        import offloadd.torch
         import torch
         ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
         ref = self.mlp()
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-        old = os.environ.get("OFFLOADD_ADDRESS")
-        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
-        try:
-            model, opt = offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
-        finally:
-            if old is None:
-                del os.environ["OFFLOADD_ADDRESS"]
-            else:
-                os.environ["OFFLOADD_ADDRESS"] = old
+        model, opt = self.wrap_deepspeed(self.mlp(), ds)
         gen = torch.Generator().manual_seed(7)
         for i in range(8):
             x = torch.randn(4, 8, generator=gen)
@@ -2026,16 +2031,11 @@ class WrapInProcessTest(unittest.TestCase):
         # step before and bypassed it: torch warned that the scheduler
         # stepped before the optimizer.
         import warnings
-        import offloadd.torch
         import torch
         ds = {"train_micro_batch_size_per_gpu": 4,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3}}
-        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
-        try:
-            model, opt = offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
-        finally:
-            del os.environ["OFFLOADD_ADDRESS"]
+        model, opt = self.wrap_deepspeed(self.mlp(), ds)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -2055,16 +2055,11 @@ class WrapInProcessTest(unittest.TestCase):
         # on the model wrap() returns. Loaded in the same process, training
         # goes on as from the save, bit for bit.
         import warnings
-        import offloadd.torch
         import torch
         ds = {"train_micro_batch_size_per_gpu": 4,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
               "zero_optimization": {"stage": 3}}
-        os.environ["OFFLOADD_ADDRESS"] = self.daemon.address
-        try:
-            model, opt = offloadd.torch.wrap(self.mlp(), deepspeed_config=ds)
-        finally:
-            del os.environ["OFFLOADD_ADDRESS"]
+        model, opt = self.wrap_deepspeed(self.mlp(), ds)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
 
         def train(n, seed):

@@ -971,6 +971,16 @@ class _Engine:
         self.restored = SessionRestored(step, f"its automatic checkpoint in {directory}")
         raise self.restored from cause
 
+    def all_ranks_ok(self, ok, what):
+        """Whether `ok` holds on every rank (a collective: every rank asks;
+        one rank: `ok`)."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0])
+        self._collective(what, lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN,
+                                                       group=self.group))
+        return flag.item() == 1.0
+
     def restore_checkpoint(self, directory):
         """This rank's session replaced by one restored from `directory`
         (Optimizer.checkpoint's: every rank's, any number of ranks), every
@@ -1001,14 +1011,10 @@ class _Engine:
                 steps.add(part.step)
         except Exception as e:  # (agreed on below; a KeyboardInterrupt ends the job)
             failure = e
-        if self.world > 1:
-            ok = torch.tensor([0.0 if failure else 1.0])
-            self._collective("agreement on the restored checkpoint",
-                             lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group))
-            if failure is None and ok.item() < 1:
-                failure = offloadd.FailedPreconditionError(
-                    f"another rank could not restore {directory}: every rank goes on with the "
-                    "session it had")
+        if not self.all_ranks_ok(failure is None, "agreement on the restored checkpoint"):
+            failure = failure or offloadd.FailedPreconditionError(
+                f"another rank could not restore {directory}: every rank goes on with the "
+                "session it had")
         old, old_pids = self.session, {id(s): s.pid for s in self.shards}
         if failure is None:
             try:
@@ -2935,14 +2941,10 @@ class Optimizer(torch.optim.Optimizer):
                     _replace_file(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
             except Exception as exc:  # (told to every rank below)
                 failure = exc
-        if e.world > 1:
-            ok = torch.tensor([0.0 if failure else 1.0])
-            e._collective("agreement after save_checkpoint",
-                          lambda: dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=e.group))
-            if failure is None and ok.item() < 1:
-                failure = offloadd.UnavailableError(
-                    f"save_checkpoint: rank 0 could not write {tag}{self._CLIENT_STATE} or latest "
-                    f"in {save_dir} (its error says why)")
+        if not e.all_ranks_ok(failure is None, "agreement after save_checkpoint"):
+            failure = failure or offloadd.UnavailableError(
+                f"save_checkpoint: rank 0 could not write {tag}{self._CLIENT_STATE} or latest in "
+                f"{save_dir} (its error says why)")
         if failure is not None:
             raise failure
         return True
