@@ -2090,13 +2090,22 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertTrue(model.save_checkpoint(ckpts))  # counts on from the loaded step
         with open(os.path.join(ckpts, "latest")) as f:
             self.assertEqual(f.read(), "global_step5")
+        # A save into a tag cut short after the ranks' checkpoints (here:
+        # this rank's committed, its client_state file not yet replaced)
+        # loads the step the file names, which every rank keeps.
+        fixed = {k: v.clone() for k, v in model.state_dict().items()}
+        model.save_checkpoint(ckpts, tag="fixed")
+        train(1, 3)
+        opt.checkpoint(os.path.join(ckpts, "fixed"))  # (the file still names the step before)
+        model.load_checkpoint(ckpts, tag="fixed")
+        self.assert_weights(model, fixed, rtol=0, atol=0)
         # A client_state that cannot be saved raises (on every rank), and
         # leaves latest as it was; a file beside it that does not load
         # raises before anything is restored.
         with self.assertRaises(Exception):
             model.save_checkpoint(ckpts, client_state={"f": lambda: 0})
         with open(os.path.join(ckpts, "latest")) as f:
-            self.assertEqual(f.read(), "global_step5")
+            self.assertEqual(f.read(), "fixed")
         with open(os.path.join(ckpts, "global_step3.client_state.pt"), "wb") as f:
             f.write(b"not a pickle")
         now = {k: v.clone() for k, v in model.state_dict().items()}

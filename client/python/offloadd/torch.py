@@ -981,7 +981,7 @@ class _Engine:
                                                        group=self.group))
         return flag.item() == 1.0
 
-    def restore_checkpoint(self, directory):
+    def restore_checkpoint(self, directory, restore_steps=None):
         """This rank's session replaced by one restored from `directory`
         (Optimizer.checkpoint's: every rank's, any number of ranks), every
         parameter's partition registered again with its state; the old
@@ -1000,7 +1000,7 @@ class _Engine:
         session, failure = None, None
         pids, steps = {}, set()
         try:
-            session = self._open_session(directory)
+            session = self._open_session(directory, restore_steps=restore_steps)
             for s in self.shards:
                 part = self._register_slice(session, s)
                 session.release([part.id])
@@ -2926,7 +2926,7 @@ class Optimizer(torch.optim.Optimizer):
                 "every parameter")
         steps = e.counts["steps"] + getattr(self, "_steps_before", 0)
         tag = str(tag) if tag is not None else f"global_step{steps}"
-        self.checkpoint(os.path.join(save_dir, tag))
+        written = self.checkpoint(os.path.join(save_dir, tag))
         failure = None
         if e.rank == 0:
             try:
@@ -2934,9 +2934,12 @@ class Optimizer(torch.optim.Optimizer):
                 # current lr), as DeepSpeed's optimizer state holds them.
                 groups = [{k: v for k, v in g.items() if k != "params"}
                           for g in self.param_groups]
+                # The step every rank committed (restore_steps at the load:
+                # a save into this tag that a crash cut short, some ranks'
+                # newer, leaves this file and every rank's previous one).
                 _replace_file(os.path.join(save_dir, tag + self._CLIENT_STATE), lambda f: torch.save(
                     {"client_state": client_state or {}, "global_steps": steps,
-                     "param_groups": groups}, f))
+                     "param_groups": groups, "restore_steps": written["steps"]}, f))
                 if save_latest:
                     _replace_file(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
             except Exception as exc:  # (told to every rank below)
@@ -2980,7 +2983,7 @@ class Optimizer(torch.optim.Optimizer):
         # job as it was).
         extra = os.path.join(load_dir, str(tag) + self._CLIENT_STATE)
         saved = torch.load(extra, map_location="cpu") if os.path.isfile(extra) else {}
-        step = self._engine.restore_checkpoint(path)
+        step = self._engine.restore_checkpoint(path, saved.get("restore_steps"))
         self._micro_steps = 0
         # The updates counted on from the checkpoint's (DeepSpeed's
         # global_steps; without the file, the restored step).
