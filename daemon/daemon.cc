@@ -337,6 +337,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions* options,
                        }
                        return s;
                      }));
+    // (Its port is known only now: metrics.port 0 has the kernel choose.)
+    d->stats_service_->AddListening(
+        absl::StrCat("http://127.0.0.1:", d->metrics_->port(), "/metrics"));
   }
   d->SetHooks();
   RETURN_IF_ERROR(registry->Freeze());

@@ -2983,6 +2983,13 @@ TEST(DaemonStartup, ServesPrometheusMetricsOnLoopbackWhenAsked) {
   ASSERT_GT(port, 0) << log;
   auto c = Client::Connect({(*d)->address()});
   ASSERT_TRUE(c.ok());
+  // offloadctl status lists it, the port the kernel chose (only the log
+  // said it).
+  auto stats = (*c)->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_TRUE(
+      absl::c_linear_search(stats->listening, absl::StrCat("http://127.0.0.1:", port, "/metrics")))
+      << absl::StrJoin(stats->listening, ", ");
   auto session = (*c)->OpenSession("rank0");
   ASSERT_TRUE(session.ok());
   httplib::Client http("127.0.0.1", port);
