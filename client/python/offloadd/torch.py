@@ -326,8 +326,8 @@ class _ReduceBucket:
         cols = used + (self.SIGNATURE if checked else 0)
         if checked:
             # (By name: partition ids are each rank's own session's.)
-            crc = zlib.crc32("\0".join(f"{s.name}:{s.slice_numel}" for s, _ in entries).encode())
-            digits = [float((crc >> (8 * i)) & 0xff) + 1 for i in range(4)]
+            digits = [float(b) + 1 for b in _crc_bytes(
+                f"{s.name}:{s.slice_numel}" for s, _ in entries)]
             # (fill_ with numbers: no host tensor copied in, which on a GPU
             # would make the host wait for it at every collective.)
             for i, v in enumerate(digits + [d * d for d in digits]):
@@ -953,23 +953,35 @@ class _Engine:
         if not directory or not os.path.isdir(directory):
             raise cause
         session = self._open_session(directory)
-        steps = set()
+        try:
+            pids, steps = self._register_restored(
+                session, f"the automatic checkpoint in {directory}")
+        except offloadd.DataLossError as e:
+            session.close()
+            raise offloadd.DataLossError(f"{e}; this job cannot go on from it") from cause
         for s in self.shards:
-            part = self._register_slice(session, s)
-            session.release([part.id])
-            if not part.restored:
-                session.close()
-                raise offloadd.DataLossError(
-                    f"the automatic checkpoint in {directory} holds no state of '{s.name}'; "
-                    "this job cannot go on from it") from cause
-            s.pid = part.id
-            steps.add(part.step)
+            s.pid = pids[id(s)]
         self._reset_after_restart(session)
         self._resumed_from = directory
         # Partitions no step updated (frozen) count fewer.
         step = max(steps) if steps else 0
         self.restored = SessionRestored(step, f"its automatic checkpoint in {directory}")
         raise self.restored from cause
+
+    def _register_restored(self, session, what):
+        """Every parameter's partition registered in `session`, opened from
+        a checkpoint (`what`), and released: ({id(shard): partition id},
+        the steps restored). DATA_LOSS naming the first parameter the
+        checkpoint holds no state of (the caller closes `session`)."""
+        pids, steps = {}, set()
+        for s in self.shards:
+            part = self._register_slice(session, s)
+            session.release([part.id])
+            if not part.restored:
+                raise offloadd.DataLossError(f"{what} holds no state of '{s.name}'")
+            pids[id(s)] = part.id
+            steps.add(part.step)
+        return pids, steps
 
     def all_ranks_ok(self, ok, what):
         """Whether `ok` holds on every rank (a collective: every rank asks;
@@ -1001,14 +1013,7 @@ class _Engine:
         pids, steps = {}, set()
         try:
             session = self._open_session(directory, restore_steps=restore_steps)
-            for s in self.shards:
-                part = self._register_slice(session, s)
-                session.release([part.id])
-                if not part.restored:
-                    raise offloadd.DataLossError(
-                        f"the checkpoint in {directory} holds no state of '{s.name}'")
-                pids[id(s)] = part.id
-                steps.add(part.step)
+            pids, steps = self._register_restored(session, f"the checkpoint in {directory}")
         except Exception as e:  # (agreed on below; a KeyboardInterrupt ends the job)
             failure = e
         if not self.all_ranks_ok(failure is None, "agreement on the restored checkpoint"):
@@ -1258,25 +1263,22 @@ class _Engine:
             at += s.slice_numel
         return out
 
-    # Bytes of a gather's signature (a CRC-32 of its parameters' names, a
-    # byte an element: exact in fp16, bf16 and fp32).
-    SIGNATURE = 4
-
     def _signature(self, ss, dtype, device):
-        """What this rank gathers in one collective, as SIGNATURE elements
-        of `dtype` on `device` (made once for each such set)."""
-        key = (tuple(s.pid for s in ss), dtype, device)
+        """What this rank gathers in one collective, as the 4 bytes of a
+        CRC-32 of its parameters' names (_crc_bytes: an element each, exact
+        in fp16, bf16 and fp32), of `dtype` on `device` (made once for each
+        such set)."""
+        # (By the shards, which stay: partition ids change with a restore.)
+        key = (tuple(id(s) for s in ss), dtype, device)
         sig = self._signatures.get(key)
         if sig is None:
-            crc = zlib.crc32("\0".join(s.name for s in ss).encode())
-            sig = torch.tensor([(crc >> (8 * i)) & 0xFF for i in range(self.SIGNATURE)],
-                               dtype=dtype).to(device)
+            sig = torch.tensor(_crc_bytes(s.name for s in ss), dtype=dtype).to(device)
             self._signatures[key] = sig
         return sig
 
     def _check_gathered(self, gathered, mine, what):
         """`gathered`: every rank's signature as one collective carried it
-        (world x SIGNATURE). Ranks that gathered different parameters (a
+        (world x 4). Ranks that gathered different parameters (a
         forward, or state_dict(), on some ranks only: an evaluation or a
         save on rank 0) had each parameter's values mixed with another's:
         every rank sees it and raises. On the CPU at once; on a GPU at the
@@ -2026,6 +2028,13 @@ class _Engine:
         """The GPU tier's counters (bytes each way, prefetch hits, waits,
         DMA registration), or None where it does not run."""
         return self.tier.stats() if self.tier is not None else None
+
+
+def _crc_bytes(names):
+    """The 4 bytes (ints 0-255) of a CRC-32 of `names` joined: what a
+    collective carries to tell whether every rank added the same tensors."""
+    crc = zlib.crc32("\0".join(names).encode())
+    return [(crc >> (8 * i)) & 0xFF for i in range(4)]
 
 
 def _replace_file(path, write):
