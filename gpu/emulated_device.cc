@@ -202,9 +202,14 @@ absl::Status EmulatedDevice::WaitOn(const Stream& stream, const Event& event) {
   Op op;
   op.type = Op::kWait;
   op.event = EventOf(event);
+  std::function<absl::Status(void*, void*)> fault;
   {
     absl::MutexLock lock(&mu_);
     op.generation = op.event->recorded;
+    fault = wait_fault_;
+  }
+  if (fault) {
+    if (absl::Status s = fault(stream.get(), event.get()); !s.ok()) return s;
   }
   return Enqueue(StateOf(stream), std::move(op));
 }
@@ -307,6 +312,11 @@ void EmulatedDevice::Worker(StreamState* s) {
     }
     RunOp(s, op);
   }
+}
+
+void EmulatedDevice::SetWaitFault(std::function<absl::Status(void*, void*)> fault) {
+  absl::MutexLock lock(&mu_);
+  wait_fault_ = std::move(fault);
 }
 
 void EmulatedDevice::SetCopyFault(CopyFault fault) {

@@ -10,8 +10,8 @@
 //     of a CPU "kernel" would;
 //   - a copy whose device side is not inside device memory is refused
 //     (INVALID_ARGUMENT), where CUDA would fault;
-//   - injectable copy and registration failures, and host functions run on
-//     a stream (Launch), for ordering tests.
+//   - injectable copy, registration and stream-wait failures, and host
+//     functions run on a stream (Launch), for ordering tests.
 // Thread-safety: as device.h.
 #ifndef OFFLOADD_GPU_EMULATED_DEVICE_H_
 #define OFFLOADD_GPU_EMULATED_DEVICE_H_
@@ -72,6 +72,9 @@ class EmulatedDevice final : public Device {
   void SetCopyFault(CopyFault fault);
   // Decides each RegisterHost: non-OK is returned instead.
   void SetRegisterFault(std::function<absl::Status(void* data, uint64_t bytes)> fault);
+  // Decides each WaitOn (the stream's handle, the event's): non-OK is
+  // returned and the stream does not wait.
+  void SetWaitFault(std::function<absl::Status(void* stream, void* event)> fault);
   // Runs `fn` on `stream` in order with its copies (a "kernel").
   absl::Status Launch(const Stream& stream, std::function<void()> fn);
 
@@ -121,6 +124,7 @@ class EmulatedDevice final : public Device {
   // The streams CreateStream made and not yet destroyed.
   absl::flat_hash_set<const StreamState*> streams_ ABSL_GUARDED_BY(mu_);
   std::function<absl::Status(void*, uint64_t)> register_fault_ ABSL_GUARDED_BY(mu_);
+  std::function<absl::Status(void*, void*)> wait_fault_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace offload::gpu

@@ -5,6 +5,7 @@
 #include <optional>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 
@@ -228,16 +229,23 @@ bool ParamCache::GiveUpCopy(Entry& e) {
   return false;
 }
 
-void ParamCache::Evict(int index) {
+absl::Status ParamCache::Evict(int index) {
   Entry& e = entries_[index];
-  // The next copy into this memory waits for the compute that read it.
   if (e.released_recorded) {
     for (int u : e.units) {
-      if (units_[u].released_recorded) (void)device_->WaitOn(copy_stream_, units_[u].released);
+      if (!units_[u].released_recorded) continue;
+      if (device_->WaitOn(copy_stream_, units_[u].released).ok()) continue;
+      if (absl::Status s = WaitOnHost(units_[u].released); !s.ok()) {
+        return absl::Status(
+            s.code(), absl::StrCat("the GPU tier cannot reuse the memory of a tensor its compute "
+                                   "read: the wait for that compute failed: ",
+                                   s.message()));
+      }
     }
   }
   Forget(e);
   ++stats_.evictions;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint64_t limit,
@@ -305,7 +313,7 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
           "%d resident, %d of them in use or being copied",
           bytes, budget_, options_.max_live_bytes, stats_.resident_bytes, pinned));
     }
-    Evict(victim);
+    RETURN_IF_ERROR(Evict(victim));
   }
 }
 

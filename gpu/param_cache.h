@@ -269,7 +269,11 @@ class ParamCache {
   absl::Status TakeFailure(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint64_t> Place(uint64_t bytes, bool persistent, uint64_t limit,
                                  const std::vector<int>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Evict(int entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives the entry's memory to the next copy into it, which waits for the
+  // compute that read it (the copy stream waits on the device; where it
+  // cannot, this thread waits). An error: the memory is not safe to reuse,
+  // and the entry stays.
+  absl::Status Evict(int entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the entry's device memory back; it becomes kAbsent.
   void Forget(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A copy into `e` that will not complete (undone, failed, given up): a

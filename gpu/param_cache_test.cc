@@ -334,6 +334,64 @@ TEST_F(ParamCacheTest, ACopyNeverOverwritesWhatComputeStillReads) {
   EXPECT_EQ((*cache)->stats().evictions, 1u);
 }
 
+// Where the copy stream cannot be made to wait for that compute (its wait
+// fails), the host waits for it instead; where that fails too, the memory
+// is not given to another tensor and the use that wanted it fails.
+TEST_F(ParamCacheTest, AnEvictionWhoseStreamWaitFailsWaitsOnTheHost) {
+  auto compute = device_.CreateStream();
+  auto end = device_.CreateEvent();
+  ASSERT_TRUE(compute.ok() && end.ok());
+  void* const compute_handle = compute->get();
+  for (const bool host_wait_fails : {false, true}) {
+    SCOPED_TRACE(host_wait_fails ? "the host's wait fails too" : "the stream's wait fails");
+    auto cache =
+        ParamCache::Create(&device_, &source_, {.budget_bytes = 64 << 10, .prefetch_depth = 0});
+    ASSERT_TRUE(cache.ok());
+    Declare(**cache, 2, 1, 64 << 10);
+    // Only the copy stream's waits fail (the compute stream's wait for its
+    // copy is the one a Use needs).
+    device_.SetWaitFault([compute_handle](void* stream, void*) {
+      return stream == compute_handle ? absl::OkStatus()
+                                      : absl::UnavailableError("injected stream-wait failure");
+    });
+    std::atomic<int> good{0};
+    (*cache)->BeginIteration();
+    auto first = (*cache)->Use(0, *compute);
+    ASSERT_TRUE(first.ok()) << first.status();
+    const char* at = static_cast<char*>((*cache)->slab()) + (*first)[0];
+    const std::vector<uint8_t>* want = &source_.data(0);
+    ASSERT_TRUE(device_
+                    .Launch(*compute,
+                            [&, at, want] {
+                              absl::SleepFor(absl::Milliseconds(20));
+                              good += std::memcmp(at, want->data(), want->size()) == 0;
+                            })
+                    .ok());
+    ASSERT_TRUE((*cache)->Done(0, *compute).ok());
+    (*cache)->AwaitCopies();  // (the host's wait that fails is the eviction's)
+    if (host_wait_fails) {
+      (*cache)->SetHostWait(
+          [](const Event&) { return absl::InternalError("injected host-wait failure"); });
+    }
+    auto second = (*cache)->Use(1, *compute);
+    if (host_wait_fails) {
+      EXPECT_EQ(second.status().code(), absl::StatusCode::kInternal) << second.status();
+      EXPECT_TRUE(absl::StrContains(second.status().message(), "cannot reuse")) << second.status();
+      EXPECT_EQ((*cache)->stats().evictions, 0u);
+    } else {
+      ASSERT_TRUE(second.ok()) << second.status();
+      ASSERT_TRUE((*cache)->Done(1, *compute).ok());
+      EXPECT_EQ((*cache)->stats().evictions, 1u);
+    }
+    ASSERT_TRUE(device_.Record(*end, *compute).ok());
+    ASSERT_TRUE(device_.Synchronize(*end).ok());
+    EXPECT_EQ(good.load(), 1) << "the compute read a tensor overwritten under it";
+    device_.SetWaitFault(nullptr);
+    (*cache)->SetHostWait(nullptr);
+    EXPECT_TRUE((*cache)->Synchronize().ok());
+  }
+}
+
 // A unit refused declares none of its tensors: they may be declared again
 // otherwise, and the cache names only tensors of units it has.
 TEST_F(ParamCacheTest, ARefusedUnitDeclaresNothing) {
