@@ -1242,6 +1242,14 @@ absl::Status Client::SetShare(uint64_t session_id, uint32_t weight) {
   return FromGrpc(impl_->partitions->SetShare(&rpc.context, req, &resp), "SetShare");
 }
 
+absl::Status Client::CloseUnattachedSession(uint64_t session_id) {
+  v1::CloseSessionRequest req;
+  req.mutable_session()->set_session_id(session_id);  // no token: as the operator
+  v1::CloseSessionResponse resp;
+  Rpc rpc(impl_->options.call_timeout, impl_->options.token);
+  return FromGrpc(impl_->partitions->CloseSession(&rpc.context, req, &resp), "CloseSession");
+}
+
 absl::StatusOr<CheckpointResult> Client::CheckpointSession(uint64_t session_id,
                                                            const std::string& directory) {
   v1::CheckpointRequest req;

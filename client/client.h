@@ -549,6 +549,11 @@ class Client {
   // share): with several sessions stepping at once, each gets updates in
   // proportion. As the operator (no session token).
   absl::Status SetShare(uint64_t session_id, uint32_t weight);
+  // Ends session `session_id` now, as the operator (offloadctl close): one
+  // no trainer is attached to (its trainer went away and the reconnect
+  // lease keeps it), whose memory and NVMe space would otherwise stay until
+  // the lease runs out. One with its trainer attached: FAILED_PRECONDITION.
+  absl::Status CloseUnattachedSession(uint64_t session_id);
 
   absl::StatusOr<std::vector<Tunable>> ListTunables();
   absl::StatusOr<Tunable> GetTunable(const std::string& name);

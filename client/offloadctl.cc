@@ -8,6 +8,7 @@
 //   offloadctl [--address=ADDR] top [--interval=SECONDS] [--iterations=N]
 //   offloadctl [--address=ADDR] checkpoint SESSION_ID DIR
 //   offloadctl [--address=ADDR] share SESSION_ID WEIGHT
+//   offloadctl [--address=ADDR] close SESSION_ID
 //   offloadctl export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT
 //   offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]
 //
@@ -18,8 +19,8 @@
 // offloadd (client/doctor.h) and exits 0, 1 or 2 by what it found.
 // ADDR defaults to $OFFLOADD_ADDRESS, else the daemon's default socket. Over
 // TCP, anything but reading (status, stats, config list and get) needs
-// $OFFLOADD_TOKEN (<data_dir>/tcp_token); so do share, checkpoint and config
-// set over a socket shared with a group (server.socket_group).
+// $OFFLOADD_TOKEN (<data_dir>/tcp_token); so do share, close, checkpoint and
+// config set over a socket shared with a group (server.socket_group).
 // Exit status: 0 success, 1 the daemon refused or could not be reached
 // (the reason is printed with its status code), 2 usage error; doctor's
 // own are in kDoctorUsage.
@@ -65,6 +66,10 @@ constexpr char kUsage[] =
     "  share ID WEIGHT         session ID's weight in the node's optimizer, NVMe I/O and pool\n"
     "                          (1-1000): sessions stepping at once get updates, and the disk\n"
     "                          when they wait for it, in proportion\n"
+    "  close ID                end session ID now, one whose trainer went away (kept for the\n"
+    "                          reconnect lease): its memory and NVMe space go now, its\n"
+    "                          automatic checkpoints stay; one with a trainer attached is\n"
+    "                          refused\n"
     "  export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT\n"
     "                          consolidated fp32 weights of a checkpoint (offline); --steps:\n"
     "                          of the checkpoints taken after N steps (where the ranks' latest\n"
@@ -74,7 +79,7 @@ constexpr char kUsage[] =
     "ADDR: unix:PATH or 127.0.0.1:PORT (default $OFFLOADD_ADDRESS, else the default socket).\n"
     "Over TCP, only what reads (status, stats, config list and get) is served unless\n"
     "$OFFLOADD_TOKEN holds <data_dir>/tcp_token; over a socket shared with a group\n"
-    "(server.socket_group), share, checkpoint and config set need it too.\n";
+    "(server.socket_group), share, close, checkpoint and config set need it too.\n";
 
 constexpr char kDoctorUsage[] =
     "usage: offloadctl [--address=ADDR] doctor [--offline] [--NAME=VALUE ...]\n"
@@ -324,7 +329,8 @@ std::string WhatIsWrong(const std::vector<std::string>& args) {
       {"config", "config list | config get NAME | config set NAME VALUE"},
       {"checkpoint", "checkpoint ID DIR"},
       {"export", "export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT"},
-      {"share", "share ID WEIGHT"}};
+      {"share", "share ID WEIGHT"},
+      {"close", "close ID"}};
   for (const auto& [name, form] : kForms) {
     if (args[0] == name) return absl::StrCat("offloadctl: ", name, " is used as: ", form);
   }
@@ -409,7 +415,7 @@ int Main(int argc, char** argv) {
       (args[0] == "config" && args.size() == 3 && args[1] == "get") ||
       (args[0] == "config" && args.size() == 4 && args[1] == "set") ||
       (args[0] == "checkpoint" && args.size() == 3) || (args[0] == "export" && args.size() == 3) ||
-      (args[0] == "share" && args.size() == 3);
+      (args[0] == "share" && args.size() == 3) || (args[0] == "close" && args.size() == 2);
   if (!known) {
     std::fprintf(stderr, "%s\n\n", WhatIsWrong(args).c_str());
     return usage();
@@ -418,7 +424,8 @@ int Main(int argc, char** argv) {
   // offloadd runs.
   uint64_t session_id = 0;
   uint32_t weight = 0;
-  if ((args[0] == "checkpoint" || args[0] == "share") && !absl::SimpleAtoi(args[1], &session_id)) {
+  if ((args[0] == "checkpoint" || args[0] == "share" || args[0] == "close") &&
+      !absl::SimpleAtoi(args[1], &session_id)) {
     std::fprintf(stderr, "offloadctl %s: session id '%s' is not a number (ids: offloadctl stats)\n",
                  args[0].c_str(), args[1].c_str());
     return 2;
@@ -446,6 +453,11 @@ int Main(int argc, char** argv) {
     if (absl::Status s = c.SetShare(session_id, weight); !s.ok()) return Fail(s);
     std::printf("session %llu: share weight %u\n", static_cast<unsigned long long>(session_id),
                 weight);
+    return 0;
+  }
+  if (args[0] == "close") {
+    if (absl::Status s = c.CloseUnattachedSession(session_id); !s.ok()) return Fail(s);
+    std::printf("session %llu closed\n", static_cast<unsigned long long>(session_id));
     return 0;
   }
   if (args[1] == "list") {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/descriptors.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
 #include "daemon/step_wire.h"
@@ -230,7 +231,19 @@ grpc::Status PartitionServiceImpl::ResumeSession(grpc::ServerContext* context,
 grpc::Status PartitionServiceImpl::CloseSession(grpc::ServerContext* context,
                                                 const v1::CloseSessionRequest* req,
                                                 v1::CloseSessionResponse*) {
-  return Serve(*context, [&] {
+  return Serve(*context, [&]() -> absl::Status {
+    if (req->session().token().empty()) {
+      // The operator's close by id: only a session no trainer is attached to.
+      RETURN_IF_ERROR(guard_->CheckOperator(*context, "closing a session by id"));
+      const uint64_t id = req->session().session_id();
+      ASSIGN_OR_RETURN(SessionManager::ClosedByOperator closed, sessions_->CloseUnattached(id));
+      LogInfo("session %d ('%s') closed by the operator (%s)", static_cast<int64_t>(id),
+              closed.name,
+              closed.detached_seconds < 0
+                  ? std::string("no trainer had attached to it")
+                  : absl::StrCat("its trainer went away ", closed.detached_seconds, " s before"));
+      return absl::OkStatus();
+    }
     return sessions_->Close(KeyOf(req->session()), !req->has_finished() || req->finished());
   });
 }

@@ -711,6 +711,42 @@ absl::Status SessionManager::Close(const SessionKey& key, bool finished) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<SessionManager::ClosedByOperator> SessionManager::CloseUnattached(uint64_t id) {
+  RETURN_IF_ERROR(Find(SessionKey{id, ""}, /*operator_call=*/true).status());  // (see Close)
+  ClosedByOperator closed;
+  absl::Status refused;
+  auto unattached = [&](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    closed.name = s.name;
+    if (s.resuming_since.has_value()) {
+      refused = absl::FailedPreconditionError(absl::StrFormat(
+          "session %d ('%s') is being resumed by a restarted trainer; not closed", id, s.name));
+      return false;
+    }
+    if (s.detached_since.has_value()) {
+      closed.detached_seconds = std::chrono::duration_cast<std::chrono::seconds>(
+                                    std::chrono::steady_clock::now() - *s.detached_since)
+                                    .count();
+    }
+    return true;
+  };
+  if (CloseById(id, /*only_unattached=*/true, std::nullopt, nullptr, nullptr,
+                /*finished=*/false, unattached)) {
+    return closed;
+  }
+  if (!refused.ok()) return refused;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = sessions_.find(id);
+    if (found != sessions_.end() && found->second->attached) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "session %d ('%s') has its trainer attached; not closed: a session closes with its "
+          "trainer (stop the trainer; with a reconnect lease, close it by id once it is gone)",
+          id, found->second->name));
+    }
+  }
+  return absl::FailedPreconditionError(absl::StrCat("session ", id, " is closed"));
+}
+
 void SessionManager::SetRingSpin(absl::Duration spin) {
   absl::MutexLock lock(&mu_);
   ring_spin_ = spin;

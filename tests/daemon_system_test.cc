@@ -145,6 +145,9 @@ class DaemonTest : public ::testing::Test {
   // A demo trainer killed while it steps; `lease`: the daemon's reconnect
   // lease is on.
   void KillATrainer(bool lease);
+  // Starts the demo trainer (its session "offload_demo") and waits until it
+  // steps; `pid`: its process.
+  void StartSteppingTrainer(pid_t* pid);
 
   std::unique_ptr<Session> Open(const std::string& name) {
     auto s = client_->OpenSession(name);
@@ -1184,12 +1187,7 @@ TEST_F(DaemonTest, AKilledTrainersSessionIsClosedAndItsMemoryFreed) {
   }
 }
 
-void DaemonTest::KillATrainer(bool lease) {
-  auto survivor = Open("survivor");
-  ASSERT_TRUE(survivor);
-  ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
-  const uint64_t survivor_bytes = Stats().tiers[0].used_bytes;
-
+void DaemonTest::StartSteppingTrainer(pid_t* started) {
   auto pid = ::offload::testing::SpawnProcess(
       {"client/demo/offload_demo", "--address=" + daemon_->address(), "--mode=daemon",
        "--steps=1000000"},
@@ -1217,14 +1215,25 @@ void DaemonTest::KillATrainer(bool lease) {
     FAIL() << "the trainer never stepped: " << stepped << "; its output:\n" << output.str();
   }
   ASSERT_TRUE(stepping()) << "the trainer never stepped";
+  *started = *pid;
+}
+
+void DaemonTest::KillATrainer(bool lease) {
+  auto survivor = Open("survivor");
+  ASSERT_TRUE(survivor);
+  ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
+  const uint64_t survivor_bytes = Stats().tiers[0].used_bytes;
+
+  pid_t trainer = -1;
+  ASSERT_NO_FATAL_FAILURE(StartSteppingTrainer(&trainer));
   EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
 
-  ASSERT_EQ(kill(*pid, SIGKILL), 0);
-  ASSERT_EQ(waitpid(*pid, nullptr, 0), *pid);
+  ASSERT_EQ(kill(trainer, SIGKILL), 0);
+  ASSERT_EQ(waitpid(trainer, nullptr, 0), trainer);
   // The daemon notices the dropped connection and frees the session: its
   // arena channel sees the hangup, closes the session, then logs this line.
   absl::Status noticed =
-      daemon_->WaitForLog(absl::StrCat("(pid ", *pid, ") went away without closing it"));
+      daemon_->WaitForLog(absl::StrCat("(pid ", trainer, ") went away without closing it"));
   ASSERT_TRUE(noticed.ok()) << noticed;
   if (lease) {
     // Kept for its trainer, holding its memory, until the lease is over;
@@ -1253,6 +1262,54 @@ void DaemonTest::KillATrainer(bool lease) {
   auto again = Open("again");
   ASSERT_TRUE(again);
   EXPECT_TRUE(again->Register("w", 10, DType::kFp32, DType::kFp32).ok());
+}
+
+// The operator ends a session its trainer left (kept for the reconnect
+// lease) at once, with its memory; one whose trainer is attached is
+// refused. (Another user on a shared socket may not: SocketGroup's test.)
+TEST_F(DaemonTest, TheOperatorClosesASessionItsTrainerLeft) {
+  daemon_.reset();
+  StartDaemon({"--server.reconnect_lease_seconds=600"});
+  auto survivor = Open("survivor");
+  ASSERT_TRUE(survivor);
+  ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
+  const uint64_t survivor_bytes = Stats().tiers[0].used_bytes;
+  pid_t trainer = -1;
+  ASSERT_NO_FATAL_FAILURE(StartSteppingTrainer(&trainer));
+  uint64_t id = 0;
+  for (const auto& s : Stats().sessions) {
+    if (s.name == "offload_demo") id = s.id;
+  }
+  ASSERT_NE(id, 0u);
+  const absl::Status attached = client_->CloseUnattachedSession(id);
+  EXPECT_EQ(attached.code(), absl::StatusCode::kFailedPrecondition) << attached;
+  EXPECT_TRUE(absl::StrContains(attached.message(), "has its trainer attached")) << attached;
+  EXPECT_EQ(Stats().sessions.size(), 2u);
+
+  ASSERT_EQ(kill(trainer, SIGKILL), 0);
+  ASSERT_EQ(waitpid(trainer, nullptr, 0), trainer);
+  ASSERT_TRUE(
+      daemon_->WaitForLog(absl::StrCat("(pid ", trainer, ") went away without closing it")).ok());
+  EXPECT_EQ(Stats().sessions.size(), 2u);  // kept for the lease, with its memory
+  EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
+
+  const absl::Status closed = client_->CloseUnattachedSession(id);
+  ASSERT_TRUE(closed.ok()) << closed;
+  EXPECT_TRUE(
+      daemon_
+          ->WaitForLog(absl::StrCat(
+              "session ", id, " ('offload_demo') closed by the operator (its trainer went away"))
+          .ok())
+      << daemon_->ReadLog();
+  ASSERT_EQ(Stats().sessions.size(), 1u);
+  EXPECT_EQ(Stats().sessions[0].name, "survivor");
+  EXPECT_EQ(Stats().tiers[0].used_bytes, survivor_bytes);
+  const absl::Status again = client_->CloseUnattachedSession(id);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  EXPECT_TRUE(absl::StrContains(again.message(), "is closed")) << again;
+  EXPECT_EQ(client_->CloseUnattachedSession(id + 1000).code(), absl::StatusCode::kNotFound);
+  // The survivor is served as before.
+  EXPECT_TRUE(survivor->Register("w2", 10, DType::kFp32, DType::kFp32).ok());
 }
 
 // A session opened over raw gRPC that no trainer attaches to is closed
@@ -2589,6 +2646,12 @@ TEST(DaemonStartup, ASocketGroupLetsItsMembersIn) {
                                         /*with_stderr=*/true);
     EXPECT_EQ(ran.status, 1) << ran.output;
     EXPECT_TRUE(absl::StrContains(ran.output, "PERMISSION_DENIED")) << ran.output;
+    const RanAsNobody closed = RunAsNobody(
+        dir, "client/offloadctl",
+        {"--address=unix:" + socket_path, "close", std::to_string(opened.session().session_id())},
+        /*with_stderr=*/true);
+    EXPECT_EQ(closed.status, 1) << closed.output;
+    EXPECT_TRUE(absl::StrContains(closed.output, "PERMISSION_DENIED")) << closed.output;
   }
   // The operator's actions need the token the daemon wrote for its own user.
   std::ifstream token_file((*d)->data_dir() + "/tcp_token");
