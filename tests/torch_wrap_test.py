@@ -1640,14 +1640,59 @@ class WrapInProcessTest(unittest.TestCase):
         with self.assertRaisesRegex(offloadd.InvalidArgumentError, "fp32, bf16 and fp16"):
             self.wrap(torch.nn.Linear(4, 2).double())
         model, opt = self.wrap(torch.nn.Sequential(torch.nn.Linear(4, 2)))
-        for move in (lambda: model.to("cpu"), model.float, model.half, model.share_memory):
-            with self.assertRaisesRegex(offloadd.FailedPreconditionError,
-                                        "'0.weight' of a wrapped model was moved or cast"):
-                move()
         model.append(torch.nn.Linear(2, 1))
         with self.assertRaisesRegex(offloadd.InvalidArgumentError, "afterwards is not offloadd's"):
             opt.add_param_group({"params": model[1].parameters()})
         opt.close()
+
+    def test_a_move_or_cast_after_wrap_is_refused_unless_it_changes_nothing(self):
+        # model.to(its own device) after wrap (as a Trainer or accelerate
+        # does) is served as torch serves it: nothing changes. One that
+        # would move or cast a parameter is refused before anything changes
+        # (the BatchNorm's buffers stay fp32), and so it is on the GPU
+        # tier, where a parameter between forward and backward has its
+        # values here (its data was replaced silently, the model then
+        # training on a copy offloadd never saw).
+        import torch
+        import offloadd
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+                                       torch.nn.Linear(3, 1))
+
+        for zero in (None, {"gpu": {"device": "emulated"}}):
+            with self.subTest(zero=zero):
+                ref = make()
+                ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+                model, opt = self.wrap(make(), {"lr": 1e-2}, zero)
+                for same in (lambda m: m.to("cpu"), lambda m: m.to(torch.float32),
+                             lambda m: m.float(), lambda m: m.cpu()):
+                    self.assertIs(same(model), model)
+                for move in (lambda m: m.half(), lambda m: m.double(),
+                             lambda m: m.to(torch.bfloat16), lambda m: m.share_memory(),
+                             lambda m: m[2].to(dtype=torch.float64)):
+                    with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                                "'[02].weight' of a wrapped model was moved"):
+                        move(model)
+                    self.assertEqual(model[1].running_mean.dtype, torch.float32)
+                    self.assertFalse(model[1].running_mean.is_shared())
+                for i in range(3):
+                    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+                    for m, o in ((ref, ref_opt), (model, opt)):
+                        o.zero_grad(set_to_none=True)
+                        loss = m(x).pow(2).mean()
+                        if m is model:
+                            # Between forward and backward (gathered on the
+                            # tier): refused all the same.
+                            with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                                        "was moved or cast"):
+                                m.double()
+                            self.assertIs(m.to("cpu"), m)
+                        loss.backward()
+                        o.step()
+                self.assert_weights(model, ref.state_dict(), rtol=0, atol=0)
+                opt.close()
 
     def test_weight_norm_and_spectral_norm_train_like_torch(self):
         # Their pre-hooks, registered before wrap, compute the weight from

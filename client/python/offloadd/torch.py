@@ -50,9 +50,10 @@ Limits, said plainly:
   with them); a use of its values anywhere else is refused
   (FailedPreconditionError naming it), through p.data and p.detach() too
   (an EMA of the weights, copy.deepcopy(model): read them with
-  model.state_dict()), and so are model.to(), .cpu(), .float() ... after
-  wrap(). Its shape, size and numel() are the whole parameter's at any
-  time.
+  model.state_dict()), and so are model.to(), .cpu(), .half() ... after
+  wrap() where they would move or cast a parameter (one that changes
+  nothing, model.to(the device it is on), is served). Its shape, size and
+  numel() are the whole parameter's at any time.
 - p.grad stays None: the gradients go to the daemon in backward (clip with
   zero_config gradient_clipping, scale the loss with optimizer.backward;
   optimizer.last_step has the step's gradient norm).
@@ -448,6 +449,32 @@ def _refusal(s, what):
         "the weights with model.state_dict()")
 
 
+def _moved(s, what):
+    return offloadd.FailedPreconditionError(
+        f"parameter '{s.name}' of a wrapped model was moved or cast ({what}: model.to(), "
+        ".cpu(), .float(), .half() ...): offloadd holds the parameters, gathered where the "
+        "model computes and in its working dtype; move or cast the model before wrap() "
+        "(a move that changes nothing is served)")
+
+
+# Module._apply is how model.to(), .cuda(), .half(), .type(), .share_memory()
+# ... change every tensor of a module: on a wrapped model's modules it goes
+# through their engine's guard_move (a parameter with its values here, as
+# the GPU tier's resident ones are, had its data replaced silently).
+_WRAPPED_MODULES = weakref.WeakKeyDictionary()
+_torch_module_apply = torch.nn.Module._apply
+
+
+def _module_apply(module, fn, *args, **kwargs):
+    engine = _WRAPPED_MODULES.get(module)
+    if engine is not None and not engine.closed:
+        fn = engine.guard_move(module, fn)
+    return _torch_module_apply(module, fn, *args, **kwargs)
+
+
+torch.nn.Module._apply = _module_apply
+
+
 def _refuse_absent(cls, absent, func, types, args, kwargs):
     """`func` on `args`, unless it reads the values of a `cls` argument
     whose shard is `absent`: its whole shape where asked (_WHOLE), else the
@@ -460,12 +487,7 @@ def _refuse_absent(cls, absent, func, types, args, kwargs):
                 if shape is not None:
                     return shape(s, *args[1:], **kwargs)
                 if func in _MOVES:
-                    raise offloadd.FailedPreconditionError(
-                        f"parameter '{s.name}' of a wrapped model was moved or cast "
-                        f"({getattr(func, '__name__', func)}: model.to(), .cpu(), .float(), "
-                        ".half() ...): offloadd holds the parameters, gathered where the model "
-                        "computes and in its working dtype; move or cast the model before "
-                        "wrap()")
+                    raise _moved(s, getattr(func, "__name__", func))
                 if func is torch.autograd.grad:
                     raise offloadd.FailedPreconditionError(
                         f"torch.autograd.grad of parameter '{s.name}' of a wrapped model: offloadd "
@@ -498,6 +520,7 @@ _METADATA = {
     torch.Tensor.is_quantized.__get__, torch.Tensor.is_floating_point,
     torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.register_hook,
     torch.Tensor.retain_grad, torch.Tensor._is_view, torch.Tensor.__hash__,
+    torch._has_compatible_shallow_copy_type,  # (Module._apply's, of a move that changes nothing)
 }
 # What moves or casts a tensor (Module.to, .cpu(), .float(), ... after wrap).
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.float,
@@ -1065,6 +1088,44 @@ class _Engine:
                 s.param._offloadd_shard = s
                 s.guarded = True
                 s.gathered = s.gathered
+        for m in self._model.modules():
+            _WRAPPED_MODULES[m] = self
+
+    def guard_move(self, module, fn):
+        """What Module._apply applies to each of `module`'s tensors: `fn`,
+        unless it would move or cast a wrapped parameter, which is refused
+        before anything changes (the dtype and device `fn` gives each of
+        theirs, tried on an empty tensor), or as `fn` meets it (what the
+        empty tensor does not tell: a new memory format). A move that
+        changes nothing leaves the parameters as they are, as torch does."""
+        shards = {}
+        for p in module.parameters():
+            s = self.by_param.get(id(p))
+            if s is not None:
+                shards.setdefault(id(p), s)
+        tried = set()
+        for s in shards.values():
+            if (s.dtype, s.device) in tried:
+                continue
+            tried.add((s.dtype, s.device))
+            probe = torch.empty(1, dtype=s.dtype, device=s.device)
+            out = fn(probe)
+            if (isinstance(out, torch.Tensor) and
+                    (out.dtype != s.dtype or out.device != s.device or
+                     (out.device.type == "cpu" and out.is_shared()))):
+                raise _moved(s, "Module._apply")
+
+        def keep(t):
+            s = shards.get(id(t))
+            if s is None:
+                return fn(t)
+            if not s.gathered:
+                return t  # (its dtype and device stay: tried above)
+            out = fn(t)
+            if out is not t:
+                raise _moved(s, "Module._apply")
+            return t
+        return keep
 
     def abort(self):
         """wrap() failed: the model is as it was, the session closed."""
