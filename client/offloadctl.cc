@@ -27,6 +27,7 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -129,31 +130,47 @@ int Status(Client& client) {
   return 0;
 }
 
+// The columns `text` takes: its characters (UTF-8 continuation bytes take
+// none; printf's field widths count bytes).
+int Width(const std::string& text) {
+  int n = 0;
+  for (unsigned char c : text) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+// `text` padded with spaces to `width` columns.
+std::string Padded(const std::string& text, int width) {
+  return text + std::string(std::max(0, width - Width(text)), ' ');
+}
+
 int Stats(Client& client) {
   absl::StatusOr<DaemonStats> s = client.GetStats();
   if (!s.ok()) return Fail(s.status());
+  int name_width = 24;  // (columns as wide as their longest entry)
+  for (const auto& c : s->counters) name_width = std::max(name_width, Width(c.name));
   for (const auto& c : s->counters) {
-    std::printf("%-24s %14lld %s\n", c.name.c_str(), static_cast<long long>(c.value),
+    std::printf("%-*s %14lld %s\n", name_width, c.name.c_str(), static_cast<long long>(c.value),
                 c.unit.c_str());
   }
   // Bytes placed per kind, host/NVMe.
   auto placed = [](uint64_t host, uint64_t nvme) {
     return HumanBytes(host) + "/" + HumanBytes(nvme);
   };
-  std::printf(
-      "\n%-20s %-16s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s %21s %9s %10s %9s %-12s\n",
-      "SESSION", "NAME", "PARTS", "HELD", "ARENA", "STEPS", "PARAMS HOST/NVME", "GRADS HOST/NVME",
-      "STATE HOST/NVME", "SHARE", "UPDATED", "QUEUED S", "NVME READ/WRITTEN", "IO WAIT S",
-      "POOL ROOM", "EVICTED", "TRAINER");
+  int session_width = 16;
+  for (const auto& x : s->sessions) session_width = std::max(session_width, Width(x.name));
+  std::printf("\n%-20s %-*s %6s %5s %10s %6s %21s %21s %21s %5s %12s %9s %21s %9s %10s %9s %-12s\n",
+              "SESSION", session_width, "NAME", "PARTS", "HELD", "ARENA", "STEPS",
+              "PARAMS HOST/NVME", "GRADS HOST/NVME", "STATE HOST/NVME", "SHARE", "UPDATED",
+              "QUEUED S", "NVME READ/WRITTEN", "IO WAIT S", "POOL ROOM", "EVICTED", "TRAINER");
   for (const auto& x : s->sessions) {
     // A trainer gone without closing (its session kept for a resume until
     // the reconnect lease runs out) is not one at work.
     const std::string trainer =
         x.detached_seconds < 0 ? "here" : absl::StrCat("gone ", x.detached_seconds, "s");
     std::printf(
-        "%-20llu %-16s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f %21s %9.3f %10s "
+        "%-20llu %s %6llu %5llu %10s %6llu %21s %21s %21s %5lld %12llu %9.3f %21s %9.3f %10s "
         "%9llu %-12s\n",
-        static_cast<unsigned long long>(x.id), x.name.c_str(),
+        static_cast<unsigned long long>(x.id), Padded(x.name, session_width).c_str(),
         static_cast<unsigned long long>(x.partitions), static_cast<unsigned long long>(x.held),
         HumanBytes(x.arena_bytes).c_str(), static_cast<unsigned long long>(x.steps),
         placed(x.params_host_bytes, x.params_nvme_bytes).c_str(),
@@ -463,11 +480,19 @@ int Main(int argc, char** argv) {
   if (args[1] == "list") {
     absl::StatusOr<std::vector<Tunable>> list = c.ListTunables();
     if (!list.ok()) return Fail(list.status());
-    std::printf("%-28s %-16s %-16s %-9s %s\n", "NAME", "VALUE", "DEFAULT", "UNIT", "DYNAMIC");
+    auto shown = [](const std::string& v) { return v.empty() ? std::string("\"\"") : v; };
+    int w[4] = {28, 16, 16, 9};  // (columns as wide as their longest entry)
     for (const Tunable& t : *list) {
-      std::printf("%-28s %-16s %-16s %-9s %s\n", t.name.c_str(),
-                  t.value.empty() ? "\"\"" : t.value.c_str(),
-                  t.default_value.empty() ? "\"\"" : t.default_value.c_str(), t.unit.c_str(),
+      w[0] = std::max(w[0], Width(t.name));
+      w[1] = std::max(w[1], Width(shown(t.value)));
+      w[2] = std::max(w[2], Width(shown(t.default_value)));
+      w[3] = std::max(w[3], Width(t.unit));
+    }
+    std::printf("%-*s %-*s %-*s %-*s %s\n", w[0], "NAME", w[1], "VALUE", w[2], "DEFAULT", w[3],
+                "UNIT", "DYNAMIC");
+    for (const Tunable& t : *list) {
+      std::printf("%-*s %-*s %-*s %-*s %s\n", w[0], t.name.c_str(), w[1], shown(t.value).c_str(),
+                  w[2], shown(t.default_value).c_str(), w[3], t.unit.c_str(),
                   t.dynamic ? "yes" : "no");
     }
     return 0;
