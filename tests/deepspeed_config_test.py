@@ -194,6 +194,124 @@ class DeepSpeedConfigTest(unittest.TestCase):
                              "optimizer.params.lr")
         self.assert_rejected({"fp16": {"enabled": "auto"}}, "fp16.enabled")
 
+    def test_every_field_refused_is_named_at_once(self):
+        # Hugging Face's stock ZeRO-3 config: its "auto" values all in one
+        # error (they were named one a run: 17 runs), with the other fields
+        # offloadd cannot take.
+        hf = {"fp16": {"enabled": "auto", "loss_scale": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto",
+                                                        "eps": "auto", "weight_decay": "auto"}},
+              "zero_optimization": {"stage": 3, "overlap_comm": True,
+                                    "stage3_prefetch_bucket_size": "auto",
+                                    "reduce_bucket_size": "auto"},
+              "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+              "train_micro_batch_size_per_gpu": "auto", "bogus": 1}
+        with self.assertRaises(offloadd.InvalidArgumentError) as e:
+            deepspeed.translate(hf)
+        message = str(e.exception)
+        for field in ("fp16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+                      "optimizer.params.weight_decay", "zero_optimization.reduce_bucket_size",
+                      "zero_optimization.stage3_prefetch_bucket_size", "train_batch_size",
+                      "gradient_accumulation_steps", "bogus"):
+            self.assertIn(f"'{field}'", message)
+        self.assertIn("11 fields offloadd cannot take", message)
+        self.assertEqual(message.count("'optimizer.params.lr'"), 1, message)  # once each
+
+    def test_values_of_the_wrong_type_are_named(self):
+        for extra, field in (
+                ({"zero_optimization": {"offload_optimizer": "cpu"}},
+                 "zero_optimization.offload_optimizer"),
+                ({"fp16": True}, "fp16"),
+                ({"fp16": None}, "fp16"),
+                ({"optimizer": "AdamW"}, "optimizer"),
+                ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}},
+                 "optimizer.params.betas"),
+                ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99, 0.9]}}},
+                 "optimizer.params.betas"),
+                ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}},
+                 "optimizer.params.betas"),
+                ({"optimizer": {"type": "AdamW", "params": {"weight_decay": True}}},
+                 "optimizer.params.weight_decay"),
+                ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}},
+                 "optimizer.params.lr"),
+                ({"gradient_clipping": {"max": 1}}, "gradient_clipping"),
+                ({"gradient_clipping": None}, "gradient_clipping"),
+                ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window"),
+                ({"fp16": {"enabled": True, "initial_scale_power": "16"}},
+                 "fp16.initial_scale_power"),
+                ({"fp16": {"enabled": "maybe"}}, "fp16.enabled"),
+                ({"zero_optimization": {"reduce_bucket_size": 0}},
+                 "zero_optimization.reduce_bucket_size")):
+            with self.subTest(extra=extra):
+                self.assert_rejected(extra, field)
+        with self.assertRaises(offloadd.InvalidArgumentError) as e:
+            deepspeed.translate({"zero_optimization": {"stage": "3"}})
+        self.assertIn("'3' is text: give the number 3", str(e.exception))
+
+    def test_booleans_as_deepspeed_reads_them(self):
+        # "false" as text is false (it turned fp16 on), as DeepSpeed's config
+        # model reads it.
+        for off in (False, "false", "False", 0, "no", "off"):
+            self.assertNotIn("working_dtype", t({"fp16": {"enabled": off}}).zero, off)
+            self.assertNotIn("working_dtype", t({"bf16": {"enabled": off}}).zero, off)
+        for on in (True, "true", 1, "yes"):
+            self.assertEqual(t({"bf16": {"enabled": on}}).zero["working_dtype"], "bf16", on)
+        self.assertEqual(t({"zero_optimization": {"cpu_offload": "false"}}).zero["placement"], {})
+
+    def test_fields_at_their_default_are_taken_and_others_named(self):
+        # What Megatron's and others' configs carry at DeepSpeed's defaults
+        # (each refused before, one a run).
+        r = t({"prescale_gradients": False, "gradient_predivide_factor": 1.0,
+               "sparse_gradients": False, "memory_breakdown": False,
+               "activation_checkpointing": {"partition_activations": False,
+                                            "contiguous_memory_optimization": False},
+               "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": None,
+               "curriculum_learning": {"enabled": False},
+               "bfloat16": {"enabled": True, "immediate_grad_update": False},
+               "zero_optimization": {"zero_quantized_weights": False,
+                                     "zero_quantized_gradients": False,
+                                     "zero_hpz_partition_size": 1}})
+        self.assertEqual(r.zero["working_dtype"], "bf16")  # (bfloat16: bf16's other name)
+        for field in ("prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+                      "activation_checkpointing", "data_types.grad_accum_dtype",
+                      "communication_data_type", "curriculum_learning",
+                      "bfloat16.immediate_grad_update", "zero_optimization.zero_hpz_partition_size",
+                      "zero_optimization.zero_quantized_weights"):
+            self.assertTrue(any(n.startswith(f"{field}: accepted and ignored") for n in r.notes),
+                            field)
+        for extra, field in (({"prescale_gradients": True}, "prescale_gradients"),
+                             ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+                             ({"curriculum_learning": {"enabled": True}},
+                              "curriculum_learning.enabled"),
+                             ({"communication_data_type": "fp16"}, "communication_data_type"),
+                             ({"data_types": {"grad_accum_dtype": "bf16"}},
+                              "data_types.grad_accum_dtype"),
+                             ({"zero_optimization": {"zero_quantized_weights": True}},
+                              "zero_optimization.zero_quantized_weights"),
+                             ({"zero_optimization": {"zero_hpz_partition_size": 8}},
+                              "zero_optimization.zero_hpz_partition_size")):
+            with self.subTest(field=field):
+                self.assert_rejected(extra, field)
+
+    def test_batch_sizes_and_nvme_path_are_kept_for_the_engine(self):
+        r = t({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+        self.assertEqual(r.batch_sizes, (64, 4))
+        r = t({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+              world_size=2)
+        self.assertEqual(r.batch_sizes, (16, 4))
+        r = t({"zero_optimization": {"offload_optimizer": {"device": "nvme",
+                                                           "nvme_path": "/local_nvme"}}})
+        self.assertEqual(r.nvme_path, "/local_nvme")
+
+    def test_a_config_honoured_whole_logs_at_info(self):
+        # Nothing ignored: no WARNING (it printed one a rank for a config
+        # taken whole).
+        cfg = {"zero_optimization": {"stage": 3}, "train_batch_size": 8,
+               "train_micro_batch_size_per_gpu": 4}
+        with self.assertLogs("offloadd.deepspeed", level="INFO") as logs:
+            deepspeed.from_config(cfg, world_size=2)
+        self.assertEqual([r.levelname for r in logs.records], ["INFO"])
+
     def test_json_file_and_logged_notes(self):
         cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
                                                                          "buffer_count": 4}},

@@ -4,11 +4,16 @@
 
 translate() maps each field of a DeepSpeed config (ZeRO stage 3, offload,
 optimizer, fp16/bf16, clipping, accumulation) to wrap()'s adamw_config and
-zero_config. A field offloadd does not support is an InvalidArgumentError
-naming it. A field that has no meaning under offloadd's design (buffer
-counts and sizes: one pool per node is sized by the daemon) is accepted
-with a note saying why; from_config() logs one WARNING line naming those
-fields, and each note at DEBUG, on the "offloadd.deepspeed" logger.
+zero_config. The fields offloadd does not support are named in one
+InvalidArgumentError. A field that has no meaning under offloadd's design
+(buffer counts and sizes: one pool per node is sized by the daemon) is
+accepted with a note saying why; from_config() logs one line naming those
+fields (WARNING; INFO where the config was taken whole), and each note at
+DEBUG, on the "offloadd.deepspeed" logger.
+
+With fp16 or bf16 enabled, wrap() converts the model to that dtype first,
+as DeepSpeed's engine does (module.half(), module.bfloat16()): it computes
+in it, and its fp32 master weights start from the converted values.
 """
 import json
 import logging
@@ -42,6 +47,7 @@ _IGNORED_TOP = {
     "aio": ("offloadd's NVMe I/O is io_uring in the daemon (nvme.queue_depth, nvme.rings, "
             "nvme.request_bytes); libaio settings do not apply"),
     "dump_state": "not part of offloadd",
+    "memory_breakdown": "the daemon's memory is in offloadctl stats and its metrics",
 }
 _IGNORED_ZERO = {
     "overlap_comm": _COMM,
@@ -89,12 +95,50 @@ _OFFLOAD_FIELDS = {
 }
 
 
+# Fields offloadd takes at the value that means "off" (or DeepSpeed's
+# default) and refuses at any other, with why.
+_OFF_TOP = {
+    "prescale_gradients": (False, "offloadd averages gradients across ranks after reducing "
+                                  "them (DeepSpeed's default)"),
+    "gradient_predivide_factor": (1.0, "offloadd averages gradients across ranks after "
+                                       "reducing them"),
+    "sparse_gradients": (False, "offloadd's gradients are dense"),
+}
+_OFF_ZERO = {
+    "zero_quantized_weights": (False, "offloadd gathers parameters in their working dtype"),
+    "zero_quantized_nontrainable_weights": (False, "offloadd gathers parameters in their "
+                                                   "working dtype"),
+    "zero_quantized_gradients": (False, "offloadd reduces gradients in fp32"),
+    "zero_hpz_partition_size": (1, "offloadd gathers each parameter across all ranks"),
+    "mics_shard_size": (-1, "offloadd gathers each parameter across all ranks"),
+}
+# Sections that are the user's business, whatever they say.
+_SECTIONS_NOTED = {
+    "activation_checkpointing": ("DeepSpeed's checkpointing API; torch.utils.checkpoint works "
+                                 "under offloadd.torch (a module's recompute gathers its "
+                                 "parameters again)"),
+}
+# Sections offloadd takes only when disabled.
+_SECTIONS_OFF = {
+    "curriculum_learning": "curriculum learning is DeepSpeed's data pipeline",
+    "data_efficiency": "DeepSpeed's data pipeline",
+    "autotuning": "DeepSpeed's autotuner",
+    "eigenvalue": "DeepSpeed's eigenvalue computation",
+    "progressive_layer_drop": "DeepSpeed's progressive layer drop",
+    "quantize_training": "DeepSpeed's quantisation",
+    "nebula": "DeepSpeed's Nebula checkpoints (offloadd writes its own)",
+}
+
+
 class Translation:
     def __init__(self):
         self.adamw = {}
         self.has_optimizer = False  # the config has an optimizer section
         self.zero = {"placement": {}}
         self.notes = []  # "field: accepted and ignored: why" or "field: applied: what"
+        self.errors = []  # "'field': why", every field offloadd cannot take
+        self.nvme_path = None  # what the config named (not used: the NVMe tier is the daemon's)
+        self.batch_sizes = (None, None)  # train_batch_size, train_micro_batch_size_per_gpu
 
     def note(self, field, why):
         self.notes.append(f"{field}: accepted and ignored: {why}")
@@ -102,69 +146,170 @@ class Translation:
     def applied(self, field, what):
         self.notes.append(f"{field}: applied: {what}")
 
+    def fail(self, field, why):
+        self.errors.append(f"'{field}': {why}")
 
-def _fail(field, why):
-    raise offloadd.InvalidArgumentError(f"DeepSpeed config field '{field}': {why}")
+
+def _section(t, field, v):
+    """A section's dict, or None (refused) for anything else."""
+    if isinstance(v, dict):
+        return v
+    t.fail(field, f"{v!r}: a section, given as an object ({{...}}); leave it out for "
+           "DeepSpeed's defaults")
+    return None
+
+
+def _as_bool(v):
+    """True or False as DeepSpeed's config model reads them (JSON booleans,
+    0 and 1, "true"/"false" ... as text); None for anything else."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+        return v.lower() in ("true", "yes", "on", "1")
+    return None
+
+
+def _bool(t, field, v):
+    """_as_bool, refused (None) where it is neither."""
+    b = _as_bool(v)
+    if b is None:
+        t.fail(field, f"{v!r} is not true or false")
+    return b
+
+
+def _number(t, field, v, minimum=None, above=None):
+    """A number (not a boolean, not text); None (refused) otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        t.fail(field, f"{v!r} is not a number")
+        return None
+    if (minimum is not None and v < minimum) or (above is not None and v <= above):
+        bound = f"at least {minimum}" if minimum is not None else f"above {above}"
+        t.fail(field, f"{v!r}: must be {bound}")
+        return None
+    return float(v)
+
+
+def _whole(t, field, v, minimum):
+    """A whole number (DeepSpeed writes 1e9 or 5e8 too) of at least
+    `minimum`; None (refused) otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (
+            float("inf"), float("-inf")) or v != int(v) or v < minimum:
+        what = "non-negative" if minimum == 0 else f"at least {minimum}"
+        t.fail(field, f"{v!r} is not a whole number {what}")
+        return None
+    return int(v)
+
+
+def _off(t, field, v, off, why):
+    """A field taken at its "off" value `off` only."""
+    if isinstance(off, bool):
+        b = _bool(t, field, v)
+        if b is None:
+            return
+        same = b == off
+    else:
+        same = not isinstance(v, bool) and isinstance(v, (int, float)) and v == off
+    if same:
+        t.note(field, f"{v!r}: {why}")
+    else:
+        t.fail(field, f"{v!r}: offloadd takes only {off!r} here: {why}")
+
+
+def _enabled_only_off(t, field, v, why):
+    """A section offloadd takes only with enabled false."""
+    d = _section(t, field, v)
+    if d is None:
+        return
+    enabled = _bool(t, f"{field}.enabled", d.get("enabled", False))
+    if enabled:
+        t.fail(f"{field}.enabled", f"true: not supported by offloadd ({why})")
+    elif enabled is not None:
+        t.note(field, f"disabled: {why}")
 
 
 def _device(t, section, kind, d):
     device = d.get("device", "none")
-    if device in ("cpu", "none"):
+    if device in ("cpu", "none", None):
         t.zero["placement"][kind] = "host"
-        if device == "none":
-            t.note(f"{section}.device", "'none' (no offload): offloadd holds this data in its "
-                   "host tier")
+        if device != "cpu":
+            t.note(f"{section}.device", f"{device!r} (no offload): offloadd holds this data in "
+                   "its host tier")
     elif device == "nvme":
         t.zero["placement"][kind] = "nvme"
     else:
-        _fail(f"{section}.device", f"'{device}' is not cpu, nvme or none")
+        t.fail(f"{section}.device", f"{device!r} is not cpu, nvme or none")
     for k, v in d.items():
         field = f"{section}.{k}"
         if k == "device":
             continue
         if k == "ratio":
-            if v != 1 and v != 1.0:
-                _fail(field, f"{v}: offloadd steps the whole optimizer on the CPU; a share of "
-                      "it on the GPU is not supported")
+            ratio = _number(t, field, v)
+            if ratio is not None and ratio != 1:
+                t.fail(field, f"{v}: offloadd steps the whole optimizer on the CPU; a share of "
+                       "it on the GPU is not supported")
             continue
+        if k == "nvme_path" and device == "nvme":
+            t.nvme_path = v
         if k in _OFFLOAD_FIELDS:
             t.note(field, _OFFLOAD_FIELDS[k])
         else:
-            _fail(field, "not a field offloadd knows")
+            t.fail(field, "not a field offloadd knows")
 
 
 def _optimizer(t, d):
     kind = str(d.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
-        _fail("optimizer.type", f"'{d.get('type')}': offloadd runs Adam and AdamW")
+        t.fail("optimizer.type", f"{d.get('type')!r}: offloadd runs Adam and AdamW")
     for k in d:
         if k not in ("type", "params"):
-            _fail(f"optimizer.{k}", "not a field offloadd knows")
-    params = dict(d.get("params") or {})
-    adamw = kind == "adamw" or params.pop("adam_w_mode", True)
-    params.pop("adam_w_mode", None)
+            t.fail(f"optimizer.{k}", "not a field offloadd knows")
+    params = d.get("params")
+    params = {} if params is None else _section(t, "optimizer.params", params)
+    if params is None:
+        return
+    adamw = kind == "adamw"
+    if "adam_w_mode" in params:
+        adam_w_mode = _bool(t, "optimizer.params.adam_w_mode", params["adam_w_mode"])
+        adamw = adamw or bool(adam_w_mode)
+    elif kind == "adam":
+        adamw = True  # DeepSpeed's Adam decouples weight decay unless adam_w_mode is false
+    torch_adam = _bool(t, "optimizer.params.torch_adam", params.get("torch_adam", False))
     t.has_optimizer = True
     t.adamw["adamw"] = bool(adamw)
     # DeepSpeed's default, its CPU Adam's: 0. With torch_adam it builds
     # torch.optim.AdamW (default 0.01) or torch.optim.Adam (0) instead.
-    t.adamw["weight_decay"] = 0.01 if params.get("torch_adam") and adamw else 0.0
+    t.adamw["weight_decay"] = 0.01 if torch_adam and adamw else 0.0
     for k, v in params.items():
         field = f"optimizer.params.{k}"
         if k in ("lr", "eps", "weight_decay"):
-            t.adamw[k] = float(v)
+            n = _number(t, field, v, minimum=0.0)
+            if n is not None:
+                t.adamw[k] = n
         elif k == "betas":
-            t.adamw["betas"] = tuple(float(b) for b in v)
+            if not isinstance(v, (list, tuple)) or len(v) != 2:
+                t.fail(field, f"{v!r}: two numbers, [beta1, beta2]")
+                continue
+            betas = [_number(t, f"{field}[{i}]", b, minimum=0.0) for i, b in enumerate(v)]
+            if None not in betas:
+                if any(b >= 1 for b in betas):
+                    t.fail(field, f"{v!r}: each below 1")
+                else:
+                    t.adamw["betas"] = tuple(betas)
         elif k == "torch_adam":
             t.note(field, "offloadd's Adam is bit-identical to torch's (its default "
                    "weight_decay, torch's, applies)")
+        elif k == "adam_w_mode":
+            pass  # (above)
         elif k == "amsgrad":
-            if v:
-                _fail(field, "AMSGrad is not supported")
+            if _bool(t, field, v):
+                t.fail(field, "AMSGrad is not supported")
         elif k == "bias_correction":
-            if not v:
-                _fail(field, "Adam without bias correction is not supported by offloadd.torch")
+            if _bool(t, field, v) is False:
+                t.fail(field, "Adam without bias correction is not supported by offloadd.torch")
         else:
-            _fail(field, "not a field offloadd knows")
+            t.fail(field, "not a field offloadd knows")
 
 
 def _fp16(t, d):
@@ -172,44 +317,68 @@ def _fp16(t, d):
         if k not in ("enabled", "auto_cast", "loss_scale", "initial_scale_power",
                      "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                      "min_loss_scale", "fp16_master_weights_and_grads"):
-            _fail(f"fp16.{k}", "not a field offloadd knows")
-    if not d.get("enabled", False):
+            t.fail(f"fp16.{k}", "not a field offloadd knows")
+    if not _bool(t, "fp16.enabled", d.get("enabled", False)):
         return
     t.zero["working_dtype"] = "fp16"
-    if d.get("consecutive_hysteresis"):
-        _fail("fp16.consecutive_hysteresis", "not supported (hysteresis counts all overflows)")
-    if d.get("fp16_master_weights_and_grads"):
-        _fail("fp16.fp16_master_weights_and_grads", "offloadd's master weights are fp32")
-    if d.get("auto_cast"):
-        t.note("fp16.auto_cast", "the model runs in its parameters' dtype; use torch.autocast")
-    static = float(d.get("loss_scale", 0))
-    if static > 0:
+    if _bool(t, "fp16.consecutive_hysteresis", d.get("consecutive_hysteresis", False)):
+        t.fail("fp16.consecutive_hysteresis", "not supported (hysteresis counts all overflows)")
+    if _bool(t, "fp16.fp16_master_weights_and_grads",
+             d.get("fp16_master_weights_and_grads", False)):
+        t.fail("fp16.fp16_master_weights_and_grads", "offloadd's master weights are fp32")
+    if _bool(t, "fp16.auto_cast", d.get("auto_cast", False)):
+        t.note("fp16.auto_cast", "the model runs in fp16 (its parameters converted at wrap, as "
+               "DeepSpeed's engine converts them); its inputs are cast by the model, or use "
+               "torch.autocast")
+    static = _number(t, "fp16.loss_scale", d.get("loss_scale", 0), minimum=0.0)
+    if static:
         t.zero["static_loss_scale"] = static
         return
-    t.zero["loss_scaling"] = {
-        "initial_scale": 2.0 ** float(d.get("initial_scale_power", 16)),
-        "growth_interval": int(d.get("loss_scale_window", 1000)),
-        "hysteresis": int(d.get("hysteresis", 2)),
-        "min_scale": float(d.get("min_loss_scale", 1)),
-    }
+    power = _number(t, "fp16.initial_scale_power", d.get("initial_scale_power", 16),
+                    minimum=0.0)
+    window = _whole(t, "fp16.loss_scale_window", d.get("loss_scale_window", 1000), 1)
+    hysteresis = _whole(t, "fp16.hysteresis", d.get("hysteresis", 2), 1)
+    min_scale = _number(t, "fp16.min_loss_scale", d.get("min_loss_scale", 1), above=0.0)
+    if None not in (power, window, hysteresis, min_scale):
+        t.zero["loss_scaling"] = {"initial_scale": 2.0 ** power, "growth_interval": window,
+                                  "hysteresis": hysteresis, "min_scale": min_scale}
+
+
+def _bf16(t, field, d, config):
+    for f, v in d.items():
+        if f == "immediate_grad_update":
+            t.note(f"{field}.{f}", "offloadd accumulates gradients in fp32 in the daemon")
+        elif f != "enabled":
+            t.fail(f"{field}.{f}", "not a field offloadd knows")
+    if _bool(t, f"{field}.enabled", d.get("enabled", False)):
+        fp16 = config.get("fp16")
+        if isinstance(fp16, dict) and _as_bool(fp16.get("enabled", False)):
+            t.fail(f"{field}.enabled", "fp16 and bf16 are both enabled")
+        t.zero["working_dtype"] = "bf16"
 
 
 def _zero(t, d):
     stage = d.get("stage", 0)
-    if stage != 3:
-        _fail("zero_optimization.stage", f"{stage}: offloadd partitions parameters (stage 3)")
+    if isinstance(stage, str):
+        t.fail("zero_optimization.stage", f"{stage!r} is text: give the number 3")
+    elif isinstance(stage, bool) or stage != 3:
+        t.fail("zero_optimization.stage", f"{stage!r}: offloadd runs ZeRO stage 3 only (it "
+               "partitions parameters too)")
     for k, v in d.items():
         field = f"zero_optimization.{k}"
         if k == "stage":
             continue
-        if k == "offload_param":
-            _device(t, field, "params", v or {})
-        elif k == "offload_optimizer":
-            _device(t, field, "optimizer_state", v or {})
+        if k in ("offload_param", "offload_optimizer"):
+            section = {} if v is None else _section(t, field, v)
+            if section is not None:
+                _device(t, field, "params" if k == "offload_param" else "optimizer_state",
+                        section)
         elif k in _GPU_TIER:
             # The job's own GPU tier (zero_config gpu), in elements as
             # DeepSpeed counts them; no node-wide setting changes.
-            n = _count(field, v)
+            n = _whole(t, field, v, 0)
+            if n is None:
+                continue
             gpu = t.zero.setdefault("gpu", {})
             if k == "stage3_prefetch_bucket_size" and n == 0:
                 # DeepSpeed: no prefetch (the tier's 0 elements is its default).
@@ -227,81 +396,109 @@ def _zero(t, d):
                       "the parameters are on a GPU, by this job's GPU tier alone: no node-wide "
                       "setting changes): " + _GPU_NOTES[k])
         elif k == "reduce_bucket_size":
-            t.zero["reduce_bucket_elements"] = int(v)
+            n = _whole(t, field, v, 1)
+            if n is not None:
+                t.zero["reduce_bucket_elements"] = n
         elif k == "cpu_offload":
-            if v:
+            if _bool(t, field, v):
                 t.zero["placement"]["optimizer_state"] = "host"
+        elif k in _OFF_ZERO:
+            _off(t, field, v, *_OFF_ZERO[k])
         elif k in _IGNORED_ZERO:
             t.note(field, _IGNORED_ZERO[k])
         else:
-            _fail(field, "not a field offloadd knows")
+            t.fail(field, "not a field offloadd knows")
 
 
-def _count(field, v):
-    """A count of elements (DeepSpeed writes 1e9 or 5e8 too): a whole,
-    non-negative number."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
-        _fail(field, f"{v!r} is not a whole number of elements")
-    return int(v)
-
-
-def _positive_int(field, v):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1 or v != int(v):
-        _fail(field, f"{v!r} is not a positive whole number")
-    return int(v)
-
-
-def _refuse_auto(d, prefix):
+def _without_auto(t, d, prefix=""):
+    """`d` without its "auto" values, each refused by name (Hugging Face's
+    DeepSpeed integration fills them in)."""
+    kept = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            _refuse_auto(v, f"{prefix}{k}.")
-        elif v == "auto":
-            _fail(prefix + k, "'auto' is filled in by Hugging Face's DeepSpeed integration; "
-                  "give the value")
+            kept[k] = _without_auto(t, v, f"{prefix}{k}.")
+        elif isinstance(v, str) and v == "auto":
+            t.fail(prefix + k, "'auto' is filled in by Hugging Face's DeepSpeed integration; "
+                   "give the value")
+        else:
+            kept[k] = v
+    return kept
 
 
 def translate(config, world_size=1):
-    """A DeepSpeed config (dict, or path of a JSON file) as a Translation."""
+    """A DeepSpeed config (dict, or path of a JSON file) as a Translation.
+    Every field offloadd cannot take is named in one InvalidArgumentError."""
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
     if not isinstance(config, dict):
         raise offloadd.InvalidArgumentError("a DeepSpeed config is a dict or a JSON file path")
     t = Translation()
-    _refuse_auto(config, "")
+    config = _without_auto(t, config)
     if "zero_optimization" not in config:
-        _fail("zero_optimization", "missing: offloadd.torch is ZeRO stage 3")
+        t.fail("zero_optimization", "missing: offloadd.torch is ZeRO stage 3")
     for k, v in config.items():
         if k == "zero_optimization":
-            _zero(t, v)
+            d = _section(t, k, v)
+            if d is not None:
+                _zero(t, d)
         elif k == "optimizer":
-            _optimizer(t, v)
+            d = _section(t, k, v)
+            if d is not None:
+                _optimizer(t, d)
         elif k == "fp16":
-            _fp16(t, v)
-        elif k == "bf16":
-            for f in v:
-                if f != "enabled":
-                    _fail(f"bf16.{f}", "not a field offloadd knows")
-            if v.get("enabled", False):
-                if config.get("fp16", {}).get("enabled", False):
-                    _fail("bf16.enabled", "fp16 and bf16 are both enabled")
-                t.zero["working_dtype"] = "bf16"
+            d = _section(t, k, v)
+            if d is not None:
+                _fp16(t, d)
+        elif k in ("bf16", "bfloat16"):  # (DeepSpeed takes both names)
+            d = _section(t, k, v)
+            if d is not None:
+                _bf16(t, k, d, config)
         elif k == "gradient_clipping":
-            t.zero["gradient_clipping"] = float(v)
+            clip = _number(t, k, v, minimum=0.0)
+            if clip is not None:
+                t.zero["gradient_clipping"] = clip
         elif k == "gradient_accumulation_steps":
-            t.zero["gradient_accumulation_steps"] = _positive_int(k, v)
+            n = _whole(t, k, v, 1)
+            if n is not None:
+                t.zero["gradient_accumulation_steps"] = n
         elif k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
-            _positive_int(k, v)  # (used below, with the accumulation)
+            _whole(t, k, v, 1)  # (used below, with the accumulation)
         elif k == "scheduler":
-            _fail("scheduler", "use a torch.optim.lr_scheduler on the optimizer wrap() returns, "
-                  "and call its step() only after a step() that updated: where "
-                  "model.is_gradient_accumulation_boundary() was true before it (DeepSpeed "
-                  "steps its scheduler at the accumulation boundary)")
+            t.fail("scheduler", "use a torch.optim.lr_scheduler on the optimizer wrap() "
+                   "returns, and call its step() only after a step() that updated: where "
+                   "model.is_gradient_accumulation_boundary() was true before it (DeepSpeed "
+                   "steps its scheduler at the accumulation boundary)")
+        elif k == "data_types":
+            d = _section(t, k, v)
+            for f, x in (d or {}).items():
+                if f == "grad_accum_dtype" and x in (None, "fp32"):
+                    t.note(f"{k}.{f}", "offloadd accumulates gradients in fp32")
+                else:
+                    t.fail(f"{k}.{f}", f"{x!r}: offloadd accumulates gradients in fp32 only")
+        elif k == "communication_data_type":
+            if v in (None, "fp32"):
+                t.note(k, "offloadd reduces gradients across ranks in fp32")
+            else:
+                t.fail(k, f"{v!r}: offloadd reduces gradients across ranks in fp32 only")
+        elif k in _OFF_TOP:
+            _off(t, k, v, *_OFF_TOP[k])
+        elif k in _SECTIONS_NOTED:
+            t.note(k, _SECTIONS_NOTED[k])
+        elif k in _SECTIONS_OFF:
+            _enabled_only_off(t, k, v, _SECTIONS_OFF[k])
         elif k in _IGNORED_TOP:
             t.note(k, _IGNORED_TOP[k])
         else:
-            _fail(k, "not a field offloadd knows")
-    _batches(t, config, world_size)
+            t.fail(k, "not a field offloadd knows")
+    if not t.errors:
+        _batches(t, config, world_size)
+    if len(t.errors) == 1:
+        raise offloadd.InvalidArgumentError(f"DeepSpeed config field {t.errors[0]}")
+    if t.errors:
+        raise offloadd.InvalidArgumentError(
+            f"DeepSpeed config: {len(t.errors)} fields offloadd cannot take:\n  " +
+            "\n  ".join(t.errors))
     return t
 
 
@@ -315,38 +512,52 @@ def _batches(t, config, world_size):
                                    "gradient_accumulation_steps"))
     if batch is not None and micro is not None and gas is not None:
         if batch != micro * gas * world_size:
-            _fail("train_batch_size", f"{batch} is not train_micro_batch_size_per_gpu x "
-                  f"gradient_accumulation_steps x ranks = {micro} x {gas} x {world_size}")
+            t.fail("train_batch_size", f"{batch} is not train_micro_batch_size_per_gpu x "
+                   f"gradient_accumulation_steps x ranks = {micro} x {gas} x {world_size}")
+            return
         for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             t.applied(k, f"checked: {micro} x {gas} x {world_size} ranks = {batch}")
     elif batch is not None and micro is not None:
         per_step = micro * world_size
         if batch % per_step:
-            _fail("train_batch_size", f"{batch} is not a multiple of "
-                  f"train_micro_batch_size_per_gpu x ranks = {per_step}")
+            t.fail("train_batch_size", f"{batch} is not a multiple of "
+                   f"train_micro_batch_size_per_gpu x ranks = {per_step}")
+            return
         t.zero["gradient_accumulation_steps"] = batch // per_step
         for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             t.applied(k, f"sets gradient_accumulation_steps {batch // per_step} "
                       f"({batch} / ({micro} x {world_size} ranks))")
     elif batch is not None and gas is not None:
         if batch % (gas * world_size):
-            _fail("train_batch_size", f"{batch} is not a multiple of "
-                  f"gradient_accumulation_steps x ranks = {gas * world_size}")
+            t.fail("train_batch_size", f"{batch} is not a multiple of "
+                   f"gradient_accumulation_steps x ranks = {gas * world_size}")
+            return
         t.note("train_batch_size", f"checked against gradient_accumulation_steps x ranks; "
                f"{_BATCHES}")
     else:
         for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             if config.get(k) is not None:
                 t.note(k, _BATCHES)
+    # DeepSpeed's own figures, for the engine's train_batch_size() and
+    # train_micro_batch_size_per_gpu().
+    gas = t.zero.get("gradient_accumulation_steps", gas or 1)
+    if micro is None and batch is not None:
+        micro = batch // (gas * world_size)
+    if batch is None and micro is not None:
+        batch = micro * gas * world_size
+    t.batch_sizes = (batch, micro)
 
 
 def from_config(config, world_size=1):
     """(adamw_config, zero_config) for wrap(); logs one line naming the
-    fields accepted and ignored and those applied in offloadd's own terms
-    (each note in full at debug level). adamw_config is empty where the
-    config has no optimizer section (DeepSpeed's client optimizer: wrap()
-    takes it as adamw_config)."""
-    t = translate(config, world_size)
+    fields accepted and ignored (WARNING) or only those applied in
+    offloadd's own terms (INFO), each note in full at debug level.
+    adamw_config is empty where the config has no optimizer section
+    (DeepSpeed's client optimizer: wrap() takes it as adamw_config)."""
+    return from_translation(translate(config, world_size))
+
+
+def from_translation(t):
     if t.notes:
         ignored = [n.split(":", 1)[0] for n in t.notes if ": accepted and ignored:" in n]
         applied = [n.split(":", 1)[0] for n in t.notes if ": applied:" in n]
@@ -355,8 +566,9 @@ def from_config(config, world_size=1):
             parts.append(f"{len(ignored)} field(s) accepted and ignored ({', '.join(ignored)})")
         if applied:
             parts.append(f"{len(applied)} applied to this job alone ({', '.join(applied)})")
-        log.warning("DeepSpeed config: %s; the notes at debug level of logger %r",
-                    "; ".join(parts), log.name)
+        log.log(logging.WARNING if ignored else logging.INFO,
+                "DeepSpeed config: %s; the notes at debug level of logger %r", "; ".join(parts),
+                log.name)
     for n in t.notes:
         log.debug("DeepSpeed config %s", n)
     return t.adamw, t.zero
@@ -400,8 +612,19 @@ def _fields():
             reasons.setdefault(why, []).append(prefix + k)
     for why, fields in reasons.items():
         lines.append(f"  {', '.join(fields)}: {why}")
-    lines += ["", "Refused by name (InvalidArgumentError): scheduler (a torch lr_scheduler",
-              "instead), any value \"auto\", and every field not listed here."]
+    lines += ["", "Fields taken at DeepSpeed's default only (any other value refused):"]
+    for prefix, table in (("", _OFF_TOP), ("zero_optimization.", _OFF_ZERO)):
+        for k, (off, why) in table.items():
+            lines.append(f"  {prefix}{k} {json.dumps(off)}: {why}")
+    lines.append("  data_types.grad_accum_dtype fp32, communication_data_type fp32: offloadd "
+                 "reduces and accumulates in fp32")
+    lines.append(f"  {', '.join(_SECTIONS_OFF)}: with enabled false")
+    for k, why in _SECTIONS_NOTED.items():
+        lines.append(f"  {k} (any): {why}")
+    lines += ["", "Booleans are read as DeepSpeed reads them (true/false, 1/0, \"true\"/\"false\"",
+              "as text). Refused by name, all at once (InvalidArgumentError): scheduler (a",
+              "torch lr_scheduler instead), any value \"auto\", values of the wrong type, and",
+              "every field not listed here."]
     return "\n".join(lines) + "\n"
 
 
