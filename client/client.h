@@ -550,9 +550,11 @@ class Client {
   // proportion. As the operator (no session token).
   absl::Status SetShare(uint64_t session_id, uint32_t weight);
   // Ends session `session_id` now, as the operator (offloadctl close): one
-  // no trainer is attached to (its trainer went away and the reconnect
-  // lease keeps it), whose memory and NVMe space would otherwise stay until
-  // the lease runs out. One with its trainer attached: FAILED_PRECONDITION.
+  // whose trainer went away (the reconnect lease keeps it), whose memory and
+  // NVMe space would otherwise stay until the lease runs out; as the
+  // lease's end, its automatic checkpoints stay only where it was opened for
+  // a resume. One with a trainer attached, none yet, or being resumed:
+  // FAILED_PRECONDITION.
   absl::Status CloseUnattachedSession(uint64_t session_id);
 
   absl::StatusOr<std::vector<Tunable>> ListTunables();

@@ -68,9 +68,9 @@ constexpr char kUsage[] =
     "                          (1-1000): sessions stepping at once get updates, and the disk\n"
     "                          when they wait for it, in proportion\n"
     "  close ID                end session ID now, one whose trainer went away (kept for the\n"
-    "                          reconnect lease): its memory and NVMe space go now, its\n"
-    "                          automatic checkpoints stay; one with a trainer attached is\n"
-    "                          refused\n"
+    "                          reconnect lease): its memory and NVMe space go now; as at the\n"
+    "                          lease's end, its automatic checkpoints stay only if it was\n"
+    "                          opened for a resume. Refused while a trainer is attached\n"
     "  export [--format=safetensors] [--steps=N] CHECKPOINT_DIR OUTPUT\n"
     "                          consolidated fp32 weights of a checkpoint (offline); --steps:\n"
     "                          of the checkpoints taken after N steps (where the ranks' latest\n"
@@ -491,8 +491,9 @@ int Main(int argc, char** argv) {
     std::printf("%-*s %-*s %-*s %-*s %s\n", w[0], "NAME", w[1], "VALUE", w[2], "DEFAULT", w[3],
                 "UNIT", "DYNAMIC");
     for (const Tunable& t : *list) {
-      std::printf("%-*s %-*s %-*s %-*s %s\n", w[0], t.name.c_str(), w[1], shown(t.value).c_str(),
-                  w[2], shown(t.default_value).c_str(), w[3], t.unit.c_str(),
+      std::printf("%s %s %s %s %s\n", Padded(t.name, w[0]).c_str(),
+                  Padded(shown(t.value), w[1]).c_str(),
+                  Padded(shown(t.default_value), w[2]).c_str(), Padded(t.unit, w[3]).c_str(),
                   t.dynamic ? "yes" : "no");
     }
     return 0;

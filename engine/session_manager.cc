@@ -715,36 +715,48 @@ absl::StatusOr<SessionManager::ClosedByOperator> SessionManager::CloseUnattached
   RETURN_IF_ERROR(Find(SessionKey{id, ""}, /*operator_call=*/true).status());  // (see Close)
   ClosedByOperator closed;
   absl::Status refused;
-  auto unattached = [&](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const SteadyTime now = std::chrono::steady_clock::now();
+  auto left = [&](const Session& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     closed.name = s.name;
-    if (s.resuming_since.has_value()) {
+    if (!s.detached_since.has_value()) {
+      // No trainer attached yet (one may be between its open and its
+      // attach): the attach lease closes it if none comes.
       refused = absl::FailedPreconditionError(absl::StrFormat(
-          "session %d ('%s') is being resumed by a restarted trainer; not closed", id, s.name));
+          "session %d ('%s') has no trainer attached yet; not closed: one may be attaching, "
+          "and if none does it closes by itself (server.attach_lease_seconds)",
+          id, s.name));
       return false;
     }
-    if (s.detached_since.has_value()) {
-      closed.detached_seconds = std::chrono::duration_cast<std::chrono::seconds>(
-                                    std::chrono::steady_clock::now() - *s.detached_since)
-                                    .count();
+    if (s.resuming_since.has_value() &&
+        now - *s.resuming_since < absl::ToChronoNanoseconds(kResumeAttachWait)) {
+      refused = absl::FailedPreconditionError(
+          absl::StrFormat("session %d ('%s') is being resumed by a restarted trainer; not closed "
+                          "(retry in %s if it does not attach)",
+                          id, s.name, absl::FormatDuration(kResumeAttachWait)));
+      return false;
     }
+    closed.detached_seconds =
+        std::chrono::duration_cast<std::chrono::seconds>(now - *s.detached_since).count();
     return true;
   };
   if (CloseById(id, /*only_unattached=*/true, std::nullopt, nullptr, nullptr,
-                /*finished=*/false, unattached)) {
+                /*finished=*/false, left)) {
     return closed;
   }
   if (!refused.ok()) return refused;
-  {
-    absl::MutexLock lock(&mu_);
-    auto found = sessions_.find(id);
-    if (found != sessions_.end() && found->second->attached) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "session %d ('%s') has its trainer attached; not closed: a session closes with its "
-          "trainer (stop the trainer; with a reconnect lease, close it by id once it is gone)",
-          id, found->second->name));
-    }
+  absl::MutexLock lock(&mu_);
+  auto found = sessions_.find(id);
+  if (found == sessions_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("session ", id, " is closed"));
   }
-  return absl::FailedPreconditionError(absl::StrCat("session ", id, " is closed"));
+  if (found->second->attached) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "session %d ('%s') has its trainer attached; not closed: a session closes with its "
+        "trainer (stop the trainer; with a reconnect lease, close it by id once it is gone)",
+        id, found->second->name));
+  }
+  return absl::UnavailableError(absl::StrFormat(
+      "session %d ('%s') changed while it was being closed; retry", id, found->second->name));
 }
 
 void SessionManager::SetRingSpin(absl::Duration spin) {
@@ -1653,6 +1665,14 @@ bool SessionManager::Detach(uint64_t id) {
 
 absl::StatusOr<OpenedSession> SessionManager::Resume(const SessionKey& key) {
   ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(key));
+  {
+    // Being resumed from here on (an operator's close or a takeover by
+    // name leaves it to this trainer, for kResumeAttachWait at most).
+    absl::MutexLock lock(&mu_);
+    if (session->detached_since.has_value()) {
+      session->resuming_since = std::chrono::steady_clock::now();
+    }
+  }
   // The previous trainer's last call through the ring must have ended (and
   // its holds gone) before this trainer takes any.
   if (session->ring != nullptr && !session->ring->WaitForReset(absl::Seconds(5))) {

@@ -344,12 +344,13 @@ class SessionManager {
   // out after a failure): a session opened with RestoreFrom::keep_for_resume
   // leaves its automatic checkpoints for a restart.
   absl::Status Close(const SessionKey& key, bool finished = true) ABSL_LOCKS_EXCLUDED(mu_);
-  // The operator's close, by id (no token): a session no trainer is
-  // attached to (its trainer went away and the reconnect lease keeps it,
-  // or none attached yet) ends now, as if its lease had run out (its
-  // automatic checkpoints stay where a lease's end leaves them). A session
-  // with a trainer attached, or being resumed: FAILED_PRECONDITION naming
-  // it. Returns its name and how long it was detached (-1: never attached).
+  // The operator's close, by id (no token): a session whose trainer went
+  // away (the reconnect lease keeps it, or offloadd kept it across a
+  // restart) ends now, as if its lease had run out: its automatic
+  // checkpoints stay only where it was kept for a resume (keep_for_resume).
+  // A session with a trainer attached, none attached yet, or being resumed
+  // (for kResumeAttachWait): FAILED_PRECONDITION naming it. Returns its
+  // name and how long it was detached.
   struct ClosedByOperator {
     std::string name;
     int64_t detached_seconds = -1;

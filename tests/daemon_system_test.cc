@@ -1285,6 +1285,24 @@ TEST_F(DaemonTest, TheOperatorClosesASessionItsTrainerLeft) {
   EXPECT_EQ(attached.code(), absl::StatusCode::kFailedPrecondition) << attached;
   EXPECT_TRUE(absl::StrContains(attached.message(), "has its trainer attached")) << attached;
   EXPECT_EQ(Stats().sessions.size(), 2u);
+  // Nor one no trainer attached to yet (one may be on its way).
+  {
+    auto stub = v1::PartitionService::NewStub(
+        grpc::CreateChannel(daemon_->address(), grpc::InsecureChannelCredentials()));
+    v1::OpenSessionRequest open;
+    open.set_name("raw");
+    v1::OpenSessionResponse opened;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->OpenSession(&ctx, open, &opened).ok());
+    const absl::Status unattached = client_->CloseUnattachedSession(opened.session().session_id());
+    EXPECT_EQ(unattached.code(), absl::StatusCode::kFailedPrecondition) << unattached;
+    EXPECT_TRUE(absl::StrContains(unattached.message(), "no trainer attached yet")) << unattached;
+    grpc::ClientContext close_ctx;
+    v1::CloseSessionRequest close;
+    *close.mutable_session() = opened.session();
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE(stub->CloseSession(&close_ctx, close, &closed).ok());
+  }
 
   ASSERT_EQ(kill(trainer, SIGKILL), 0);
   ASSERT_EQ(waitpid(trainer, nullptr, 0), trainer);
