@@ -1658,7 +1658,10 @@ class WrapInProcessTest(unittest.TestCase):
 
         def make():
             torch.manual_seed(0)
-            return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+            # (A module with buffers and no parameter first: a refusal
+            # comes before its buffers change.)
+            return torch.nn.Sequential(torch.nn.BatchNorm1d(4, affine=False),
+                                       torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
                                        torch.nn.Linear(3, 1))
 
         for zero in (None, {"gpu": {"device": "emulated"}}):
@@ -1671,12 +1674,15 @@ class WrapInProcessTest(unittest.TestCase):
                     self.assertIs(same(model), model)
                 for move in (lambda m: m.half(), lambda m: m.double(),
                              lambda m: m.to(torch.bfloat16), lambda m: m.share_memory(),
-                             lambda m: m[2].to(dtype=torch.float64)):
+                             lambda m: m.to(memory_format=torch.channels_last),
+                             lambda m: m.to_empty(device="cpu"),
+                             lambda m: m[3].to(dtype=torch.float64)):
                     with self.assertRaisesRegex(offloadd.FailedPreconditionError,
-                                                "'[02].weight' of a wrapped model was moved"):
+                                                "'[13].weight' of a wrapped model was moved"):
                         move(model)
-                    self.assertEqual(model[1].running_mean.dtype, torch.float32)
-                    self.assertFalse(model[1].running_mean.is_shared())
+                    for bn in (model[0], model[2]):
+                        self.assertEqual(bn.running_mean.dtype, torch.float32)
+                        self.assertFalse(bn.running_mean.is_shared())
                 for i in range(3):
                     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
                     for m, o in ((ref, ref_opt), (model, opt)):
@@ -1693,6 +1699,25 @@ class WrapInProcessTest(unittest.TestCase):
                         o.step()
                 self.assert_weights(model, ref.state_dict(), rtol=0, atol=0)
                 opt.close()
+                with self.assertRaisesRegex(offloadd.FailedPreconditionError, "was closed"):
+                    model.to("cpu")
+
+    def test_a_wrapped_model_dropped_closes_its_session(self):
+        # Nothing offloadd keeps (its table of wrapped modules included)
+        # holds a model alive: dropped, its session closes.
+        import gc
+        import torch
+        import offloadd
+        client = offloadd.Client(self.daemon.address)
+        model, opt = self.wrap(torch.nn.Sequential(torch.nn.Linear(4, 2)), None,
+                               {"session_name": "dropped"})
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        names = lambda: [x["name"] for x in client.stats()["sessions"] if "dropped" in x["name"]]
+        self.assertEqual(len(names()), 1)
+        del model, opt
+        gc.collect()
+        self.assertEqual(names(), [])
 
     def test_weight_norm_and_spectral_norm_train_like_torch(self):
         # Their pre-hooks, registered before wrap, compute the weight from

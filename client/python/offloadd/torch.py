@@ -215,7 +215,7 @@ class _Shard:
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
                  "_gathered", "accumulate_node", "module_shards", "refs", "version", "in_optimizer",
                  "unit", "guarded", "has_grad", "grad_since_step", "changes_in_place",
-                 "snapshot")
+                 "snapshot", "__weakref__")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -461,13 +461,17 @@ def _moved(s, what):
 # ... change every tensor of a module: on a wrapped model's modules it goes
 # through their engine's guard_move (a parameter with its values here, as
 # the GPU tier's resident ones are, had its data replaced silently).
+# Module -> weakref to its engine (neither kept alive by this table).
 _WRAPPED_MODULES = weakref.WeakKeyDictionary()
 _torch_module_apply = torch.nn.Module._apply
 
 
 def _module_apply(module, fn, *args, **kwargs):
-    engine = _WRAPPED_MODULES.get(module)
-    if engine is not None and not engine.closed:
+    ref = _WRAPPED_MODULES.get(module)
+    engine = ref() if ref is not None else None
+    if engine is not None:
+        if engine.closed:
+            raise offloadd.FailedPreconditionError(_CLOSED)
         fn = engine.guard_move(module, fn)
     return _torch_module_apply(module, fn, *args, **kwargs)
 
@@ -1088,16 +1092,27 @@ class _Engine:
                 s.param._offloadd_shard = s
                 s.guarded = True
                 s.gathered = s.gathered
+        me = weakref.ref(self)
         for m in self._model.modules():
-            _WRAPPED_MODULES[m] = self
+            _WRAPPED_MODULES[m] = me
 
     def guard_move(self, module, fn):
         """What Module._apply applies to each of `module`'s tensors: `fn`,
-        unless it would move or cast a wrapped parameter, which is refused
-        before anything changes (the dtype and device `fn` gives each of
-        theirs, tried on an empty tensor), or as `fn` meets it (what the
-        empty tensor does not tell: a new memory format). A move that
-        changes nothing leaves the parameters as they are, as torch does."""
+        unless it would change a wrapped parameter (move, cast, a new memory
+        format, new storage, shared memory), which is refused before
+        anything changes: `fn` is tried first on small tensors of each
+        parameter dtype and device (1-, 4- and 5-dimensional: the memory
+        formats), and where it returns anything but the tensor it was given
+        it changes something. A move that changes nothing leaves the
+        parameters as they are, as torch does."""
+        future = getattr(torch, "__future__", None)
+        for flag in ("get_overwrite_module_params_on_conversion",
+                     "get_swap_module_params_on_conversion"):
+            if future is not None and getattr(future, flag, lambda: False)():
+                raise offloadd.FailedPreconditionError(
+                    f"torch.__future__.{flag[4:]} is set: a wrapped model's parameters would be "
+                    "replaced by model.to() and the like even where nothing changes; unset it, "
+                    "or move the model before wrap()")
         shards = {}
         for p in module.parameters():
             s = self.by_param.get(id(p))
@@ -1108,21 +1123,17 @@ class _Engine:
             if (s.dtype, s.device) in tried:
                 continue
             tried.add((s.dtype, s.device))
-            probe = torch.empty(1, dtype=s.dtype, device=s.device)
-            out = fn(probe)
-            if (isinstance(out, torch.Tensor) and
-                    (out.dtype != s.dtype or out.device != s.device or
-                     (out.device.type == "cpu" and out.is_shared()))):
-                raise _moved(s, "Module._apply")
+            for shape in ((1,), (1, 2, 1, 2), (1, 2, 1, 1, 2)):
+                probe = torch.empty(shape, dtype=s.dtype, device=s.device)
+                out = fn(probe)
+                if out is not probe or (out.device.type == "cpu" and out.is_shared()):
+                    raise _moved(s, "Module._apply")
 
         def keep(t):
             s = shards.get(id(t))
             if s is None:
                 return fn(t)
-            if not s.gathered:
-                return t  # (its dtype and device stay: tried above)
-            out = fn(t)
-            if out is not t:
+            if s.gathered and fn(t) is not t:  # (what the probes did not tell)
                 raise _moved(s, "Module._apply")
             return t
         return keep
@@ -1525,8 +1536,18 @@ class _Engine:
 
     # --- gradients ---------------------------------------------------------
 
+    # The hooks on autograd's nodes reach the engine and the shard through
+    # weak references: a node (C++) holds its hooks out of the garbage
+    # collector's sight, and a strong one made engine -> shard -> node ->
+    # hook -> engine a cycle it could never free (a model dropped without
+    # optimizer.close() kept its session until the process ended).
     def _make_grad_hook(self, s):
+        engine_ref, shard_ref = weakref.ref(self), weakref.ref(s)
+
         def hook(grad):
+            self, s = engine_ref(), shard_ref()
+            if self is None or s is None:
+                return grad
             if s.in_optimizer:
                 s.has_grad = s.grad_since_step = True
             tier = self.tier
@@ -1547,7 +1568,12 @@ class _Engine:
         return hook
 
     def _make_after_grad(self, s):
+        engine_ref, shard_ref = weakref.ref(self), weakref.ref(s)
+
         def hook(*_):
+            self, s = engine_ref(), shard_ref()
+            if self is None or s is None:
+                return
             s.param.grad = None  # returned already (or its copy queued): the daemon has it
             self._free(s)
         return hook
@@ -2728,6 +2754,8 @@ class Optimizer(torch.optim.Optimizer):
         # switches on, each fetch waits for its own partition's).
         self._overlap = config["overlap_step"] or config["delayed_update_after_steps"] is not None
         self.last_step = None
+        self._step_applied = False  # the last step() updated (DeepSpeed's was_step_applied)
+        self._deepspeed = None  # wrap(deepspeed_config=...)'s _DeepSpeedSettings
         # DeepSpeed's loop (wrap with a deepspeed_config): step() after every
         # micro-batch, the update at every N-th (N = gradient_accumulation_steps).
         self._micro_steps = 0
@@ -2744,6 +2772,12 @@ class Optimizer(torch.optim.Optimizer):
     def loss_scale(self):
         """The factor backward() multiplies the loss by (fp16; 1 otherwise)."""
         return self._loss_scale
+
+    @property
+    def global_steps(self):
+        """Updates so far, skipped ones too (DeepSpeed's global_steps), counted
+        on from a load_checkpoint's."""
+        return self._engine.counts["steps"] + getattr(self, "_steps_before", 0)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """loss.backward() scaled as DeepSpeed's engine does: by the fp16
@@ -2835,6 +2869,7 @@ class Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         _UncaughtWatch.seen = False  # (a sys.exit caught: training went on)
+        self._step_applied = False  # (DeepSpeed's was_step_applied)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2865,7 +2900,13 @@ class Optimizer(torch.optim.Optimizer):
         # (zeros averaged are zeros: no collective).
         # (Marked returned: a step that stops midway and is called again
         # returns none twice.)
-        zeros = [s for s in e.shards if s.in_optimizer and s.has_grad and not s.grad_since_step]
+        # In a DeepSpeed loop every trainable parameter is stepped at every
+        # update, as DeepSpeed's steps its whole flat partition: one no
+        # backward reached, with a zero gradient (its moments decay, and
+        # its weight decay applies).
+        ds = self._config.get("deepspeed_loop")
+        zeros = [s for s in e.shards if s.in_optimizer and not s.grad_since_step and
+                 (s.has_grad or (ds and s.param.requires_grad))]
         for i in range(0, len(zeros), e.RETURN_BATCH):
             batch = zeros[i:i + e.RETURN_BATCH]
             e._return_batch([(s, torch.zeros(s.slice_numel), None) for s in batch])
@@ -2929,6 +2970,7 @@ class Optimizer(torch.optim.Optimizer):
             self._loss_scale = r["loss_scale"]
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
                               clip_coef=coef)
+        self._step_applied = not r["skipped"]
         e.counts["steps"] += 1
         e.counts["skipped"] += bool(r["skipped"])
         e.timings["step"] += time.perf_counter() - start
@@ -2994,7 +3036,7 @@ class Optimizer(torch.optim.Optimizer):
             raise offloadd.InvalidArgumentError(
                 "save_checkpoint(exclude_frozen_parameters=True): offloadd's checkpoints hold "
                 "every parameter")
-        steps = e.counts["steps"] + getattr(self, "_steps_before", 0)
+        steps = self.global_steps
         tag = str(tag) if tag is not None else f"global_step{steps}"
         written = self.checkpoint(os.path.join(save_dir, tag))
         failure = None
@@ -3007,9 +3049,13 @@ class Optimizer(torch.optim.Optimizer):
                 # The step every rank committed (restore_steps at the load:
                 # a save into this tag that a crash cut short, some ranks'
                 # newer, leaves this file and every rank's previous one).
-                _replace_file(os.path.join(save_dir, tag + self._CLIENT_STATE), lambda f: torch.save(
-                    {"client_state": client_state or {}, "global_steps": steps,
-                     "param_groups": groups, "restore_steps": written["steps"]}, f))
+                saved = {"client_state": client_state or {}, "global_steps": steps,
+                         "param_groups": groups, "restore_steps": written["steps"]}
+                scheduler = getattr(self, "_lr_scheduler", None)
+                if scheduler is not None:  # (offloadd.deepspeed.initialize's, as DeepSpeed's)
+                    saved["lr_scheduler"] = scheduler.state_dict()
+                _replace_file(os.path.join(save_dir, tag + self._CLIENT_STATE),
+                              lambda f: torch.save(saved, f))
                 if save_latest:
                     _replace_file(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
             except Exception as exc:  # (told to every rank below)
@@ -3058,6 +3104,10 @@ class Optimizer(torch.optim.Optimizer):
         # The updates counted on from the checkpoint's (DeepSpeed's
         # global_steps; without the file, the restored step).
         self._steps_before = saved.get("global_steps", step) - self._engine.counts["steps"]
+        scheduler = getattr(self, "_lr_scheduler", None)
+        if (scheduler is not None and load_lr_scheduler_states and
+                saved.get("lr_scheduler") is not None):
+            scheduler.load_state_dict(saved["lr_scheduler"])
         groups = saved.get("param_groups")
         if groups is not None:
             if len(groups) == len(self.param_groups):
@@ -3210,6 +3260,186 @@ class Optimizer(torch.optim.Optimizer):
 
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
+
+
+class _DeepSpeedSettings:
+    """What DeepSpeed's engine answers about its job and its last step,
+    for a model wrapped with a deepspeed_config (its methods are the
+    model's too) and DeepSpeedEngine."""
+
+    # The methods wrap() gives the model besides the optimizer's.
+    ASKED = ("get_lr", "get_mom", "get_global_grad_norm", "was_step_applied",
+             "train_batch_size", "train_micro_batch_size_per_gpu",
+             "gradient_accumulation_steps", "gradient_clipping", "zero_optimization_stage",
+             "fp16_enabled", "bfloat16_enabled", "save_16bit_model", "save_fp16_model")
+
+    def __init__(self, batch_sizes, config, engine):
+        self._batch, self._micro = batch_sizes
+        self._config = config
+        self._engine = engine
+
+    @property
+    def _optimizer(self):
+        return self._engine._optimizer
+
+    def get_lr(self):
+        return [g["lr"] for g in self._optimizer.param_groups]
+
+    def get_mom(self):
+        return [g["betas"] for g in self._optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        """The gradient norm of the last update (before clipping; inf where
+        it overflowed), None before any."""
+        last = self._optimizer.last_step
+        return None if last is None else last["grad_norm"]
+
+    def was_step_applied(self):
+        """Whether the last step() updated the weights (not a micro-batch
+        inside the accumulation, nor a step skipped for an fp16 overflow)."""
+        return self._optimizer._step_applied
+
+    def gradient_accumulation_steps(self):
+        return self._config["gradient_accumulation_steps"]
+
+    def train_micro_batch_size_per_gpu(self):
+        return self._micro
+
+    def train_batch_size(self):
+        return self._batch
+
+    def gradient_clipping(self):
+        return self._config["gradient_clipping"]
+
+    def zero_optimization_stage(self):
+        return 3
+
+    def fp16_enabled(self):
+        return self._config["working_dtype"] == "fp16"
+
+    def bfloat16_enabled(self):
+        return self._config["working_dtype"] == "bf16"
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin",
+                         exclude_frozen_parameters=False):
+        """The model's weights (model.state_dict(), gathered whole, in its
+        working dtype) saved by rank 0 as save_dir/save_filename; every rank
+        calls it. Returns True."""
+        e = self._engine
+        state = e._model.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in e._model.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        failure = None
+        if e.rank == 0:
+            try:
+                os.makedirs(save_dir, exist_ok=True)
+                _replace_file(os.path.join(save_dir, save_filename),
+                              lambda f: torch.save(state, f))
+            except Exception as exc:  # (told to every rank below)
+                failure = exc
+        if not e.all_ranks_ok(failure is None, "agreement after save_16bit_model"):
+            failure = failure or offloadd.UnavailableError(
+                f"save_16bit_model: rank 0 could not write {save_filename} in {save_dir} (its "
+                "error says why)")
+        if failure is not None:
+            raise failure
+        return True
+
+    save_fp16_model = save_16bit_model  # (DeepSpeed's older name)
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """DeepSpeed's engine over a wrapped model: what
+    offloadd.deepspeed.initialize returns, as deepspeed.initialize returns
+    its DeepSpeedEngine. engine(x) runs the model (engine.module);
+    backward(loss) scales the loss (fp16, accumulation); step() after every
+    micro-batch updates at the accumulation boundary and then steps the lr
+    scheduler where the update was applied (not for an fp16 overflow), as
+    DeepSpeed's engine does; save_checkpoint/load_checkpoint hold the lr
+    scheduler's state too; the counters (global_steps, global_samples,
+    micro_steps, skipped_steps) and settings (train_batch_size(), get_lr(),
+    ...) are DeepSpeed's."""
+
+    def __init__(self, model, optimizer, lr_scheduler=None):
+        super().__init__()
+        self.module = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        optimizer._lr_scheduler = lr_scheduler
+        self.micro_steps = 0
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _DeepSpeedSettings.ASKED:
+                return getattr(self.optimizer._deepspeed, name)
+            raise
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        return self.optimizer.backward(loss, retain_graph=retain_graph,
+                                       scale_wrt_gas=scale_wrt_gas)
+
+    def step(self, lr_kwargs=None):
+        self.micro_steps += 1
+        self.optimizer.step()
+        if self.optimizer._step_applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def is_gradient_accumulation_boundary(self):
+        return self.optimizer.is_gradient_accumulation_boundary()
+
+    def zero_grad(self, set_to_none=None):
+        self.optimizer.zero_grad(set_to_none)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        return self.optimizer.save_checkpoint(save_dir, tag, client_state, save_latest,
+                                              exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False, custom_load_fn=None):
+        return self.optimizer.load_checkpoint(
+            load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+            load_module_only, custom_load_fn)
+
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False):
+        return self.module.state_dict(destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+
+    @property
+    def global_steps(self):
+        return self.optimizer.global_steps
+
+    @property
+    def global_samples(self):
+        batch = self.optimizer._deepspeed.train_batch_size()
+        return self.optimizer.global_steps * (batch or 0)
+
+    @property
+    def skipped_steps(self):
+        return self.optimizer.engine.counts["skipped"]
+
+    @property
+    def global_rank(self):
+        return self.optimizer.engine.rank
+
+    @property
+    def world_size(self):
+        return self.optimizer.engine.world
+
+    @property
+    def local_rank(self):
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def device(self):
+        return self.optimizer.engine.shards[0].device if self.optimizer.engine.shards else None
 
 
 def _restore_steps(z):
@@ -3417,7 +3647,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
                 "pass either deepspeed_config or zero_config, not both")
         from offloadd import deepspeed
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-        ds_adamw, zero_config = deepspeed.from_config(deepspeed_config, world)
+        translation = deepspeed.translate(deepspeed_config, world)
+        ds_adamw, zero_config = deepspeed.from_translation(translation)
         # As deepspeed.initialize: the config's optimizer, or the client's.
         if ds_adamw and adamw_config is not None:
             raise offloadd.InvalidArgumentError(
@@ -3447,11 +3678,32 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         raise offloadd.InvalidArgumentError("the model is wrapped already")
     # As torch.optim takes them: tensors, or dicts of param groups.
     groups = list(a["params"]) if "params" in a else list(model.parameters())
-    engine = _Engine(model, config, process_group)
+    # DeepSpeed's engine converts the model to fp16 or bf16 (module.half(),
+    # .bfloat16()): it computes in that dtype, and its fp32 master weights
+    # start from the converted values. (Undone if wrap fails.)
+    unconvert = None
+    if deepspeed_config is not None and config["working_dtype"] != "fp32":
+        unconvert = _convert_model(model, _DTYPES[config["working_dtype"]])
+    try:
+        engine = _Engine(model, config, process_group)
+    except offloadd.FailedPreconditionError as e:
+        if unconvert is not None:
+            unconvert()
+        if deepspeed_config is not None and translation.nvme_path and "NVMe" in str(e):
+            raise type(e)(f"{e} (the DeepSpeed config's nvme_path "
+                          f"{translation.nvme_path!r} is not used: the NVMe tier is the "
+                          "daemon's, its nvme.dirs)") from e
+        raise
+    except BaseException:
+        if unconvert is not None:
+            unconvert()
+        raise
     try:
         optimizer = Optimizer(engine, groups, defaults, config)
     except BaseException:
         engine.abort()  # the model is as it was
+        if unconvert is not None:
+            unconvert()
         raise
     engine.commit()
     model.offloadd = engine
@@ -3467,15 +3719,33 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         optimizer.zero_grad(set_to_none)
     model.zero_grad = zero_grad
     if config["deepspeed_loop"]:
+        optimizer._deepspeed = _DeepSpeedSettings(translation.batch_sizes, config, engine)
         for name in ("backward", "step", "is_gradient_accumulation_boundary", "save_checkpoint",
-                     "load_checkpoint"):
+                     "load_checkpoint") + _DeepSpeedSettings.ASKED:
             if not hasattr(model, name):
                 # Looked up at each call: an lr scheduler wraps
                 # optimizer.step after wrap() to count the calls.
-                setattr(model, name, functools.partial(_call_method, optimizer, name))
-            else:
+                target = optimizer if name in Optimizer.__dict__ else optimizer._deepspeed
+                setattr(model, name, functools.partial(_call_method, target, name))
+            elif name not in _DeepSpeedSettings.ASKED:
                 # (model.step() would be the model's own: no update.)
                 warnings.warn(f"offloadd.torch.wrap: the model has its own {name}(), kept: "
                               f"call optimizer.{name}() for DeepSpeed's engine method",
                               stacklevel=2)
     return model, optimizer
+
+
+def _convert_model(model, dtype):
+    """`model`'s floating-point parameters and buffers in `dtype` (as
+    module.half() does); returns what undoes it."""
+    params = [(p, p.data) for p in model.parameters()]
+    buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items()
+               if b is not None]
+    model.to(dtype)
+
+    def undo():
+        for p, data in params:
+            p.data = data
+        for m, k, b in buffers:
+            m._buffers[k] = b
+    return undo
