@@ -153,7 +153,7 @@ class DeepSpeedConfigTest(unittest.TestCase):
                                          "gradient_accumulation_steps 8") for n in r.notes),
                         r.notes)
         self.assertFalse(any("ignored" in n for n in r.notes), r.notes)
-        self.assertTrue(any(n.startswith("train_batch_size: accepted and ignored")
+        self.assertTrue(any(n.startswith("train_batch_size: applied: the engine's")
                             for n in t({"train_batch_size": 64}).notes))
         # A batch that the accumulation and ranks do not divide, and counts
         # that are not positive whole numbers, name their own field.

@@ -3,6 +3,7 @@
 Run by tests/torch_wrap_test.sh, which builds nothing and starts nothing:
 this file starts its own daemons (daemon/offloadd) and trainer processes
 (tests/torch_wrap_worker.py), one to four gloo ranks."""
+import contextlib
 import json
 import math
 import os
@@ -2183,6 +2184,193 @@ class WrapInProcessTest(unittest.TestCase):
             model.load_checkpoint(ckpts, tag="global_step3")
         self.assert_weights(model, now, rtol=0, atol=0)
         opt.close()
+
+    @contextlib.contextmanager
+    def offloadd_address(self, address=None):
+        """$OFFLOADD_ADDRESS, as a DeepSpeed job finds offloadd."""
+        old = os.environ.get("OFFLOADD_ADDRESS")
+        os.environ["OFFLOADD_ADDRESS"] = address or self.daemon.address
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ["OFFLOADD_ADDRESS"]
+            else:
+                os.environ["OFFLOADD_ADDRESS"] = old
+
+    def test_a_deepspeed_config_with_fp16_or_bf16_converts_the_model(self):
+        # DeepSpeed's engine converts the model (module.half(),
+        # .bfloat16()): it computes in that dtype. It stayed fp32, so an
+        # fp16 job never saw an overflow and its loss scale grew without
+        # bound. A wrap that fails leaves the model as it was.
+        import torch
+        import offloadd
+        import offloadd.torch
+
+        class Scale(torch.nn.Module):  # (fp16 matmuls are not on torch 1.13's CPU)
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.weight = torch.nn.Parameter(torch.randn(8))
+
+            def forward(self, x):
+                return x * self.weight
+
+        for kind, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            ds = {"train_micro_batch_size_per_gpu": 4, kind: {"enabled": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3}}
+            if kind == "fp16":
+                ds[kind].update(initial_scale_power=4, hysteresis=1)
+            model = self.mlp() if kind == "bf16" else Scale()
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            with self.offloadd_address("unix:" + os.path.join(self.root, "nobody.sock")):
+                with self.assertRaises(offloadd.Error):
+                    offloadd.torch.wrap(model, deepspeed_config=ds)
+            for k, v in model.state_dict().items():
+                self.assertEqual(v.dtype, torch.float32, k)
+                self.assertTrue(torch.equal(v, before[k]), k)
+            model, opt = self.wrap_deepspeed(model, ds)
+            self.assertEqual({p.dtype for p in model.parameters()}, {dtype})
+            self.assertEqual(model(torch.randn(4, 8, dtype=dtype)).dtype, dtype)
+            self.assertEqual(model.fp16_enabled(), kind == "fp16")
+            self.assertEqual(model.bfloat16_enabled(), kind == "bf16")
+            if kind == "fp16":
+                # The scaled loss overflows fp16: the step is skipped, the scale
+                # halves (fp32, as before, it did not).
+                model.backward(model(torch.full((4, 8), 60000.0, dtype=dtype)).sum())
+                model.step()
+                self.assertFalse(model.was_step_applied())
+                self.assertEqual(model.get_global_grad_norm(), float("inf"))
+                self.assertEqual(opt.loss_scale, 8.0)
+                model.backward(model(torch.randn(4, 8, dtype=dtype)).pow(2).mean())
+                model.step()
+                self.assertTrue(model.was_step_applied())
+            opt.close()
+
+    def test_a_deepspeed_loop_steps_every_trainable_parameter_at_each_update(self):
+        # DeepSpeed steps its whole flat partition at each update: a
+        # parameter no backward reached is updated with a zero gradient (its
+        # weight decay applies); torch's AdamW, and offloadd without a
+        # DeepSpeed config, leave it. A frozen one stays.
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.body = torch.nn.Linear(8, 4)
+                self.unused = torch.nn.Linear(4, 4)
+                self.frozen = torch.nn.Linear(4, 1)
+                self.frozen.requires_grad_(False)
+
+            def forward(self, x):
+                return self.frozen(self.body(x))
+
+        ds = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 3}}
+        ref = Net()
+        trainable = [p for p in ref.parameters() if p.requires_grad]
+        ropt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
+        model, opt = self.wrap_deepspeed(Net(), ds)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=gen)
+            ref(x).pow(2).mean().backward()
+            for p in trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            ropt.step()
+            ropt.zero_grad(set_to_none=True)
+            model.backward(model(x).pow(2).mean())
+            model.step()
+        self.assertFalse(torch.equal(ref.unused.weight, Net().unused.weight))  # (decayed)
+        self.assert_weights(model, ref.state_dict())
+        opt.close()
+
+    def test_deepspeed_initialize_runs_a_deepspeed_script(self):
+        # offloadd.deepspeed.initialize as deepspeed.initialize: the engine
+        # runs the model, backward() and step() per micro-batch update at the
+        # boundary and step the config's scheduler after each update
+        # applied; its counters and settings are DeepSpeed's (they were
+        # AttributeErrors); its checkpoints hold the scheduler's state;
+        # save_16bit_model saves the gathered weights.
+        import torch
+        from offloadd import deepspeed
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                  "scheduler": {"type": "WarmupDecayLR", "params": {
+                      "total_num_steps": 6, "warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                      "warmup_num_steps": 3, "warmup_type": "linear"}},
+                  "zero_optimization": {"stage": 3}}
+
+        def lr_at(i):  # DeepSpeed's WarmupDecayLR after i + 1 scheduler steps
+            if i < 0:
+                return 1e-3
+            gamma = i / 3 if i < 3 else max(0.0, (6 - i) / 3)
+            return 1e-3 + (1e-2 - 1e-3) * gamma
+
+        gen = torch.Generator().manual_seed(5)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=gen),
+                                              torch.randn(32, 1, generator=gen))
+        with self.offloadd_address():
+            engine, optimizer, loader, scheduler = deepspeed.initialize(
+                model=self.mlp(), model_parameters=None, training_data=data, config=config)
+        self.assertIs(engine.optimizer, optimizer)
+        self.assertIs(engine.lr_scheduler, scheduler)
+        self.assertEqual((engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                          engine.gradient_accumulation_steps(), engine.zero_optimization_stage()),
+                         (8, 4, 2, 3))
+        self.assertEqual(engine.get_lr(), [1e-3])
+        batches = list(loader)
+        self.assertEqual([len(x) for x, _ in batches], [4] * 8)
+        ref = self.mlp()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=lr_at(-1), weight_decay=0.01)
+        updates = 0
+        for i, (x, y) in enumerate(batches):
+            (torch.nn.functional.mse_loss(ref(x), y) / 2).backward()
+            if i % 2 == 1:
+                ropt.step()
+                ropt.zero_grad()
+                ropt.param_groups[0]["lr"] = lr_at(updates)
+                updates += 1
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+            self.assertEqual(engine.was_step_applied(), i % 2 == 1)
+        self.assertEqual((engine.global_steps, engine.micro_steps, engine.global_samples),
+                         (4, 8, 32))
+        self.assertEqual(engine.get_lr(), [lr_at(3)])
+        self.assert_weights(engine.module, ref.state_dict())
+        ckpts = os.path.join(self.root, "initialize_checkpoints")
+        engine.save_checkpoint(ckpts)
+        saved_lr = engine.get_lr()
+        for x, y in batches[:2]:
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        self.assertNotEqual(engine.get_lr(), saved_lr)
+        engine.load_checkpoint(ckpts)
+        self.assertEqual(scheduler.last_batch_iteration, 3)
+        self.assertEqual(engine.global_steps, 4)
+        weights = os.path.join(self.root, "initialize_weights")
+        self.assertTrue(engine.save_16bit_model(weights))
+        saved = torch.load(os.path.join(weights, "pytorch_model.bin"))
+        self.assert_weights(engine.module, saved, rtol=0, atol=0)
+        optimizer.close()
+        # A client optimizer (torch's Adam: L2 decay) where the config has
+        # no optimizer section; another kind is refused by name.
+        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+        model = self.mlp()
+        with self.offloadd_address():
+            with self.assertRaisesRegex(offloadd.InvalidArgumentError, "a client SGD"):
+                deepspeed.initialize(model=model, optimizer=torch.optim.SGD(
+                    model.parameters(), lr=0.1), config=config)
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, config=config,
+                optimizer=lambda params: torch.optim.Adam(params, lr=3e-3, weight_decay=0.1))
+        self.assertEqual((optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["adamw"],
+                          optimizer.param_groups[0]["weight_decay"]), (3e-3, False, 0.1))
+        optimizer.close()
 
     def test_a_deepspeed_config_without_an_optimizer_takes_adamw_config(self):
         # DeepSpeed's users pass their optimizer to deepspeed.initialize

@@ -16,6 +16,7 @@ as DeepSpeed's engine does (module.half(), module.bfloat16()): it computes
 in it, and its fp32 master weights start from the converted values.
 """
 import json
+import math
 import logging
 import os
 
@@ -139,6 +140,7 @@ class Translation:
         self.errors = []  # "'field': why", every field offloadd cannot take
         self.nvme_path = None  # what the config named (not used: the NVMe tier is the daemon's)
         self.batch_sizes = (None, None)  # train_batch_size, train_micro_batch_size_per_gpu
+        self.scheduler = None  # (type, params) of the scheduler section, for initialize()
 
     def note(self, field, why):
         self.notes.append(f"{field}: accepted and ignored: {why}")
@@ -410,6 +412,221 @@ def _zero(t, d):
             t.fail(field, "not a field offloadd knows")
 
 
+_SCHEDULER_PARAMS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                 "last_batch_iteration"),
+    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                      "warmup_type", "last_batch_iteration"),
+}
+
+
+def _scheduler(t, d):
+    kind = d.get("type")
+    for k in d:
+        if k not in ("type", "params"):
+            t.fail(f"scheduler.{k}", "not a field offloadd knows")
+    if kind not in _SCHEDULER_PARAMS:
+        t.fail("scheduler.type", f"{kind!r}: offloadd builds WarmupLR and WarmupDecayLR; pass "
+               "any other as initialize()'s lr_scheduler (a torch.optim.lr_scheduler)")
+        return
+    params = d.get("params")
+    params = {} if params is None else _section(t, "scheduler.params", params)
+    if params is None:
+        return
+    for k, v in params.items():
+        field = f"scheduler.params.{k}"
+        if k not in _SCHEDULER_PARAMS[kind]:
+            t.fail(field, f"not a parameter of {kind}")
+        elif k == "warmup_type":
+            if v not in ("log", "linear"):
+                t.fail(field, f"{v!r} is not log or linear")
+        elif k in ("warmup_num_steps", "total_num_steps"):
+            _whole(t, field, v, 0)
+        elif k == "last_batch_iteration":
+            _whole(t, field, v, -1)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                _number(t, f"{field}[{i}]", x, minimum=0.0)
+        else:
+            _number(t, field, v, minimum=0.0)
+    if kind == "WarmupDecayLR" and "total_num_steps" not in params:
+        t.fail("scheduler.params.total_num_steps", "WarmupDecayLR needs it")
+    t.scheduler = (kind, dict(params))
+
+
+class WarmupLR:
+    """DeepSpeed's WarmupLR: each param group's lr from warmup_min_lr to
+    warmup_max_lr over warmup_num_steps updates (log or linear), then
+    warmup_max_lr; set to warmup_min_lr when made. step() after each update
+    (the engine's step() calls it where an update was applied)."""
+
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+                 warmup_type="log", last_batch_iteration=-1):
+        self.optimizer = optimizer
+        self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
+        self.warmup_num_steps = max(2, int(warmup_num_steps))
+        if warmup_type not in ("log", "linear"):
+            raise offloadd.InvalidArgumentError(f"warmup_type {warmup_type!r} is not log or linear")
+        self.warmup_type = warmup_type
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = None
+        if last_batch_iteration == -1:
+            self._set(self.get_lr())
+
+    def _per_group(self, value, name):
+        groups = len(self.optimizer.param_groups)
+        if isinstance(value, (list, tuple)):
+            if len(value) != groups:
+                raise offloadd.InvalidArgumentError(
+                    f"{name}: {len(value)} values for {groups} param groups")
+            return [float(v) for v in value]
+        return [float(value)] * groups
+
+    def _gamma(self):
+        i = self.last_batch_iteration
+        if i < self.warmup_num_steps:
+            if self.warmup_type == "log":
+                return math.log(i + 1) / math.log(self.warmup_num_steps)
+            return i / self.warmup_num_steps
+        return 1.0
+
+    def get_lr(self):
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma()
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+    def get_last_lr(self):
+        return self._last_lr
+
+    def _set(self, lrs):
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def step(self, last_batch_iteration=None):
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._set(self.get_lr())
+
+    def state_dict(self):
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state):
+        self.last_batch_iteration = state["last_batch_iteration"]
+
+
+class WarmupDecayLR(WarmupLR):
+    """DeepSpeed's WarmupDecayLR: WarmupLR's warmup, then a linear decay to
+    0 at total_num_steps."""
+
+    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
+                 warmup_num_steps=1000, warmup_type="log", last_batch_iteration=-1):
+        self.total_num_steps = int(total_num_steps)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _gamma(self):
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return super()._gamma()
+        return max(0.0, (self.total_num_steps - self.last_batch_iteration) /
+                   max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+_SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR}
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, config_params=None):
+    """deepspeed.initialize for offloadd: returns (engine, optimizer,
+    training_dataloader, lr_scheduler) as DeepSpeed's does, the engine an
+    offloadd.torch.DeepSpeedEngine over the wrapped model.
+
+    config (or config_params, or args.deepspeed_config): the DeepSpeed
+    config. optimizer: none (the config's optimizer section), or a client
+    torch.optim.Adam/AdamW (or a callable making one from the parameters),
+    whose param groups and hyperparameters offloadd takes over.
+    model_parameters: the parameters or param groups to train (default the
+    model's). training_data: a Dataset, loaded by micro-batches
+    (train_micro_batch_size_per_gpu; shuffled, a DistributedSampler with
+    several ranks). lr_scheduler: the config's scheduler section (WarmupLR,
+    WarmupDecayLR), else a scheduler or a callable making one from the
+    optimizer; the engine steps it after each update applied. mpu (model
+    parallelism) is not supported."""
+    import torch
+    import torch.distributed as dist
+    from offloadd import torch as offloadd_torch
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise offloadd.InvalidArgumentError(
+            "initialize: no DeepSpeed config (config=, config_params= or args.deepspeed_config)")
+    if model is None:
+        raise offloadd.InvalidArgumentError("initialize: no model")
+    if mpu is not None:
+        raise offloadd.InvalidArgumentError(
+            "initialize: mpu (model parallelism) is not supported by offloadd")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    t = translate(config, world, scheduler=True)
+    if isinstance(config, dict):
+        config = {k: v for k, v in config.items() if k != "scheduler"}  # (built here)
+    adamw = None
+    params = list(model_parameters) if model_parameters is not None else None
+    if optimizer is not None:
+        if t.has_optimizer:
+            raise offloadd.InvalidArgumentError(
+                "initialize: a client optimizer and the config's optimizer section: give one")
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(params if params is not None else model.parameters())
+        adamw = _client_optimizer(optimizer, torch)
+    elif params is not None:
+        adamw = {"params": params}
+    model, opt = offloadd_torch.wrap(model, adamw, deepspeed_config=config)
+    scheduler = lr_scheduler
+    if t.scheduler is not None:
+        kind, sparams = t.scheduler
+        scheduler = _SCHEDULERS[kind](opt, **sparams)
+    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        scheduler = lr_scheduler(opt)
+    engine = offloadd_torch.DeepSpeedEngine(model, opt, scheduler)
+    loader = None
+    if training_data is not None:
+        micro = t.batch_sizes[1]
+        if micro is None:
+            raise offloadd.InvalidArgumentError(
+                "initialize: training_data needs train_micro_batch_size_per_gpu (or "
+                "train_batch_size) in the config")
+        sampler = (torch.utils.data.DistributedSampler(training_data, world, dist.get_rank())
+                   if world > 1 else torch.utils.data.RandomSampler(training_data))
+        loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
+                                             collate_fn=collate_fn)
+    return engine, opt, loader, scheduler
+
+
+def _client_optimizer(optimizer, torch):
+    """wrap()'s adamw_config from a client torch.optim.Adam or AdamW: its
+    param groups with their hyperparameters."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        raise offloadd.InvalidArgumentError(
+            f"initialize: a client {kind.__name__}: offloadd runs Adam and AdamW in its daemon "
+            "(pass a torch.optim.Adam or AdamW, or the config's optimizer section)")
+    groups = []
+    for g in optimizer.param_groups:
+        groups.append({k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps",
+                                                           "weight_decay", "amsgrad",
+                                                           "maximize")})
+    return {"params": groups, "adamw": kind is torch.optim.AdamW}
+
+
 def _without_auto(t, d, prefix=""):
     """`d` without its "auto" values, each refused by name (Hugging Face's
     DeepSpeed integration fills them in)."""
@@ -425,9 +642,10 @@ def _without_auto(t, d, prefix=""):
     return kept
 
 
-def translate(config, world_size=1):
+def translate(config, world_size=1, scheduler=False):
     """A DeepSpeed config (dict, or path of a JSON file) as a Translation.
-    Every field offloadd cannot take is named in one InvalidArgumentError."""
+    Every field offloadd cannot take is named in one InvalidArgumentError.
+    `scheduler`: its scheduler section is taken (initialize() builds it)."""
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
             config = json.load(f)
@@ -464,8 +682,14 @@ def translate(config, world_size=1):
                 t.zero["gradient_accumulation_steps"] = n
         elif k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             _whole(t, k, v, 1)  # (used below, with the accumulation)
+        elif k == "scheduler" and scheduler:
+            d = _section(t, k, v)
+            if d is not None:
+                _scheduler(t, d)
         elif k == "scheduler":
-            t.fail("scheduler", "use a torch.optim.lr_scheduler on the optimizer wrap() "
+            t.fail("scheduler", "offloadd.deepspeed.initialize() builds it (WarmupLR, "
+                   "WarmupDecayLR); with wrap(), use a torch.optim.lr_scheduler on the optimizer "
+                   "wrap() returns, "
                    "returns, and call its step() only after a step() that updated: where "
                    "model.is_gradient_accumulation_boundary() was true before it (DeepSpeed "
                    "steps its scheduler at the accumulation boundary)")
@@ -537,7 +761,8 @@ def _batches(t, config, world_size):
     else:
         for k in ("train_batch_size", "train_micro_batch_size_per_gpu"):
             if config.get(k) is not None:
-                t.note(k, _BATCHES)
+                t.applied(k, f"the engine's {k}() (and initialize()'s data loader's micro-batch); "
+                          f"{_BATCHES}")
     # DeepSpeed's own figures, for the engine's train_batch_size() and
     # train_micro_batch_size_per_gpu().
     gas = t.zero.get("gradient_accumulation_steps", gas or 1)

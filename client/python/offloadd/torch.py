@@ -3639,7 +3639,14 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       is_gradient_accumulation_boundary(), save_checkpoint(dir, tag,
       client_state) and load_checkpoint(dir, tag) -> (path, client_state) as
       DeepSpeed's engine does (offloadd's own checkpoints; the lr scheduler
-      is the user's: save its state_dict in client_state).
+      is the user's: save its state_dict in client_state), and answers
+      get_lr(), was_step_applied(), train_batch_size(), save_16bit_model()
+      ... as the engine's. With fp16 or bf16 enabled the model is converted
+      to it first (module.half(), .bfloat16(), as DeepSpeed's engine does),
+      and each update steps every trainable parameter (one no backward
+      reached with a zero gradient: DeepSpeed steps its whole partition).
+      offloadd.deepspeed.initialize() returns a DeepSpeedEngine over it, as
+      deepspeed.initialize does.
     """
     if deepspeed_config is not None:
         if zero_config is not None:
@@ -3649,11 +3656,16 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         translation = deepspeed.translate(deepspeed_config, world)
         ds_adamw, zero_config = deepspeed.from_translation(translation)
-        # As deepspeed.initialize: the config's optimizer, or the client's.
+        # As deepspeed.initialize: the config's optimizer, or the client's;
+        # the parameters (groups) to train may come with the config's
+        # (initialize's model_parameters).
         if ds_adamw and adamw_config is not None:
-            raise offloadd.InvalidArgumentError(
-                "the DeepSpeed config has an optimizer section: pass adamw_config only for a "
-                "config without one (as DeepSpeed takes a client optimizer)")
+            if set(adamw_config) - {"params"}:
+                raise offloadd.InvalidArgumentError(
+                    "the DeepSpeed config has an optimizer section: pass adamw_config (beyond "
+                    "its params) only for a config without one (as DeepSpeed takes a client "
+                    "optimizer)")
+            ds_adamw = dict(ds_adamw, **adamw_config)
         if not ds_adamw and adamw_config is None:
             raise offloadd.InvalidArgumentError(
                 "the DeepSpeed config has no optimizer section: give it one, or pass "
