@@ -215,6 +215,11 @@ class DeepSpeedConfigTest(unittest.TestCase):
                       "gradient_accumulation_steps", "bogus"):
             self.assertIn(f"'{field}'", message)
         self.assertIn("11 fields offloadd cannot take", message)
+        # An "auto" stage or optimizer type is named once, for being "auto".
+        with self.assertRaises(offloadd.InvalidArgumentError) as e:
+            deepspeed.translate({"zero_optimization": {"stage": "auto"},
+                                 "optimizer": {"type": "auto"}})
+        self.assertIn("2 fields", str(e.exception))
         self.assertEqual(message.count("'optimizer.params.lr'"), 1, message)  # once each
 
     def test_values_of_the_wrong_type_are_named(self):
@@ -294,6 +299,8 @@ class DeepSpeedConfigTest(unittest.TestCase):
                 self.assert_rejected(extra, field)
 
     def test_batch_sizes_and_nvme_path_are_kept_for_the_engine(self):
+        self.assertTrue(t({"dataloader_drop_last": True}).drop_last)
+        self.assertFalse(t({}).drop_last)
         r = t({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, world_size=2)
         self.assertEqual(r.batch_sizes, (64, 4))
         r = t({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},

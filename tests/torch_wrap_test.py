@@ -2212,6 +2212,9 @@ class WrapInProcessTest(unittest.TestCase):
                 super().__init__()
                 torch.manual_seed(0)
                 self.weight = torch.nn.Parameter(torch.randn(8))
+                # What module.half() leaves: complex and integer tensors.
+                self.register_buffer("rotary", torch.polar(torch.ones(4), torch.arange(4.0)))
+                self.register_buffer("count", torch.arange(3))
 
             def forward(self, x):
                 return x * self.weight
@@ -2228,10 +2231,23 @@ class WrapInProcessTest(unittest.TestCase):
                 with self.assertRaises(offloadd.Error):
                     offloadd.torch.wrap(model, deepspeed_config=ds)
             for k, v in model.state_dict().items():
-                self.assertEqual(v.dtype, torch.float32, k)
+                self.assertEqual(v.dtype, before[k].dtype, k)
                 self.assertTrue(torch.equal(v, before[k]), k)
+            # A wrap refused after the model was converted (a param group
+            # offloadd does not run) leaves it as it was too.
+            with self.offloadd_address():
+                with self.assertRaisesRegex(offloadd.InvalidArgumentError, "amsgrad"):
+                    offloadd.torch.wrap(model, {"params": [{"params": list(model.parameters()),
+                                                            "amsgrad": True}]},
+                                        deepspeed_config=ds)
+            for k, v in model.state_dict().items():
+                self.assertTrue(torch.equal(v, before[k]) and v.dtype == before[k].dtype, k)
             model, opt = self.wrap_deepspeed(model, ds)
             self.assertEqual({p.dtype for p in model.parameters()}, {dtype})
+            if kind == "fp16":
+                self.assertEqual((model.rotary.dtype, model.count.dtype),
+                                 (torch.complex64, torch.int64))
+                self.assertTrue(torch.equal(model.rotary, before["rotary"]))
             self.assertEqual(model(torch.randn(4, 8, dtype=dtype)).dtype, dtype)
             self.assertEqual(model.fp16_enabled(), kind == "fp16")
             self.assertEqual(model.bfloat16_enabled(), kind == "bf16")
@@ -2351,6 +2367,7 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertNotEqual(engine.get_lr(), saved_lr)
         engine.load_checkpoint(ckpts)
         self.assertEqual(scheduler.last_batch_iteration, 3)
+        self.assertEqual(engine.get_lr(), saved_lr)  # (the next update's)
         self.assertEqual(engine.global_steps, 4)
         weights = os.path.join(self.root, "initialize_weights")
         self.assertTrue(engine.save_16bit_model(weights))
@@ -2358,19 +2375,46 @@ class WrapInProcessTest(unittest.TestCase):
         self.assert_weights(engine.module, saved, rtol=0, atol=0)
         optimizer.close()
         # A client optimizer (torch's Adam: L2 decay) where the config has
-        # no optimizer section; another kind is refused by name.
+        # no optimizer section, and a scheduler made from offloadd's
+        # optimizer by a callable; refused by name, before the model is
+        # wrapped: another kind of optimizer, none at all, and a scheduler
+        # made on the client's optimizer (it would change only that one's lr).
+        import offloadd
+        client = offloadd.Client(self.daemon.address)
         config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
         model = self.mlp()
+        theirs = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for kwargs, what in (
+                ({"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}, "a client SGD"),
+                ({"model_parameters": model.parameters()}, "no optimizer"),
+                ({"optimizer": theirs,
+                  "lr_scheduler": torch.optim.lr_scheduler.StepLR(theirs, 1)},
+                 "made on another optimizer")):
+            with self.subTest(what=what), self.offloadd_address():
+                with self.assertRaisesRegex(offloadd.InvalidArgumentError, what):
+                    deepspeed.initialize(model=model, config=config, **kwargs)
+        self.assertFalse(hasattr(model, "offloadd"))
         with self.offloadd_address():
-            with self.assertRaisesRegex(offloadd.InvalidArgumentError, "a client SGD"):
-                deepspeed.initialize(model=model, optimizer=torch.optim.SGD(
-                    model.parameters(), lr=0.1), config=config)
-            engine, optimizer, _, _ = deepspeed.initialize(
+            engine, optimizer, _, scheduler = deepspeed.initialize(
                 model=model, config=config,
-                optimizer=lambda params: torch.optim.Adam(params, lr=3e-3, weight_decay=0.1))
+                optimizer=lambda params: torch.optim.Adam(params, lr=3e-3, weight_decay=0.1),
+                lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
         self.assertEqual((optimizer.param_groups[0]["lr"], optimizer.param_groups[0]["adamw"],
                           optimizer.param_groups[0]["weight_decay"]), (3e-3, False, 0.1))
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+        self.assertEqual(engine.get_lr(), [1.5e-3])
         optimizer.close()
+        # A failure once the model is wrapped (the scheduler's callable)
+        # closes the session it opened.
+        sessions = len(client.stats()["sessions"])
+        with self.offloadd_address():
+            with self.assertRaisesRegex(ValueError, "no scheduler"):
+                deepspeed.initialize(model=self.mlp(), config=config,
+                                     optimizer=lambda params: torch.optim.AdamW(params),
+                                     lr_scheduler=lambda opt: (_ for _ in ()).throw(
+                                         ValueError("no scheduler")))
+        self.assertEqual(len(client.stats()["sessions"]), sessions)
 
     def test_a_deepspeed_config_without_an_optimizer_takes_adamw_config(self):
         # DeepSpeed's users pass their optimizer to deepspeed.initialize

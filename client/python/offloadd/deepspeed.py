@@ -141,6 +141,8 @@ class Translation:
         self.nvme_path = None  # what the config named (not used: the NVMe tier is the daemon's)
         self.batch_sizes = (None, None)  # train_batch_size, train_micro_batch_size_per_gpu
         self.scheduler = None  # (type, params) of the scheduler section, for initialize()
+        self.drop_last = False  # dataloader_drop_last, for initialize()'s data loader
+        self.autos = set()  # the fields given as "auto" (refused once, by that)
 
     def note(self, field, why):
         self.notes.append(f"{field}: accepted and ignored: {why}")
@@ -261,7 +263,7 @@ def _device(t, section, kind, d):
 
 
 def _optimizer(t, d):
-    kind = str(d.get("type", "")).lower()
+    kind = str(d.get("type", "adamw" if "optimizer.type" in t.autos else "")).lower()
     if kind not in ("adam", "adamw"):
         t.fail("optimizer.type", f"{d.get('type')!r}: offloadd runs Adam and AdamW")
     for k in d:
@@ -360,7 +362,7 @@ def _bf16(t, field, d, config):
 
 
 def _zero(t, d):
-    stage = d.get("stage", 0)
+    stage = d.get("stage", 3 if "zero_optimization.stage" in t.autos else 0)
     if isinstance(stage, str):
         t.fail("zero_optimization.stage", f"{stage!r} is text: give the number 3")
     elif isinstance(stage, bool) or stage != 3:
@@ -456,13 +458,16 @@ def _scheduler(t, d):
 
 class WarmupLR:
     """DeepSpeed's WarmupLR: each param group's lr from warmup_min_lr to
-    warmup_max_lr over warmup_num_steps updates (log or linear), then
-    warmup_max_lr; set to warmup_min_lr when made. step() after each update
+    warmup_max_lr (default: the optimizer's lr) over warmup_num_steps
+    updates (log or linear), then warmup_max_lr; set to warmup_min_lr when
+    made. step() after each update
     (the engine's step() calls it where an update was applied)."""
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
                  warmup_type="log", last_batch_iteration=-1):
         self.optimizer = optimizer
+        if warmup_max_lr is None:  # (DeepSpeed's since 0.17.2: the optimizer's lr)
+            warmup_max_lr = optimizer.param_groups[0]["lr"]
         self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
         self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, int(warmup_num_steps))
@@ -520,7 +525,7 @@ class WarmupLR:
 
 class WarmupDecayLR(WarmupLR):
     """DeepSpeed's WarmupDecayLR: WarmupLR's warmup, then a linear decay to
-    0 at total_num_steps."""
+    warmup_min_lr at total_num_steps."""
 
     def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
                  warmup_num_steps=1000, warmup_type="log", last_batch_iteration=-1):
@@ -571,6 +576,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mpu is not None:
         raise offloadd.InvalidArgumentError(
             "initialize: mpu (model parallelism) is not supported by offloadd")
+    if (not dist.is_initialized() and dist_init_required is not False and
+            int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        # As deepspeed.initialize: the launcher's ranks join one group.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
@@ -578,6 +587,24 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     t = translate(config, world, scheduler=True)
     if isinstance(config, dict):
         config = {k: v for k, v in config.items() if k != "scheduler"}  # (built here)
+    # Everything that can be refused is, before the model is wrapped (a
+    # wrapped model cannot be handed back as it was).
+    if not t.has_optimizer and optimizer is None:
+        raise offloadd.InvalidArgumentError(
+            "initialize: no optimizer: give the config an optimizer section, or pass "
+            "optimizer= (a torch.optim.Adam or AdamW, or a callable making one)")
+    if t.scheduler is not None and lr_scheduler is not None:
+        raise offloadd.InvalidArgumentError(
+            "initialize: the config's scheduler section and lr_scheduler=: give one")
+    if lr_scheduler is not None and (not callable(lr_scheduler) or
+                                     hasattr(lr_scheduler, "step")):
+        # (Made on another optimizer: offloadd's does not exist yet, and a
+        # scheduler bound to the client's would change only that one.)
+        raise offloadd.InvalidArgumentError(
+            "initialize: lr_scheduler is a scheduler made on another optimizer; pass a callable "
+            "that makes it from the optimizer it is given (lambda opt: "
+            "torch.optim.lr_scheduler.LambdaLR(opt, ...)), or make it on the optimizer "
+            "initialize() returns")
     adamw = None
     params = list(model_parameters) if model_parameters is not None else None
     if optimizer is not None:
@@ -589,14 +616,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         adamw = _client_optimizer(optimizer, torch)
     elif params is not None:
         adamw = {"params": params}
-    model, opt = offloadd_torch.wrap(model, adamw, deepspeed_config=config)
-    scheduler = lr_scheduler
+    groups = len(adamw["params"]) if adamw and params and isinstance(
+        adamw["params"][0], dict) else 1
     if t.scheduler is not None:
         kind, sparams = t.scheduler
-        scheduler = _SCHEDULERS[kind](opt, **sparams)
-    elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        scheduler = lr_scheduler(opt)
-    engine = offloadd_torch.DeepSpeedEngine(model, opt, scheduler)
+        for name in ("warmup_min_lr", "warmup_max_lr"):
+            v = sparams.get(name)
+            if isinstance(v, list) and len(v) != groups:
+                raise offloadd.InvalidArgumentError(
+                    f"DeepSpeed config field 'scheduler.params.{name}': {len(v)} values for "
+                    f"{groups} param groups")
     loader = None
     if training_data is not None:
         micro = t.batch_sizes[1]
@@ -604,10 +633,25 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             raise offloadd.InvalidArgumentError(
                 "initialize: training_data needs train_micro_batch_size_per_gpu (or "
                 "train_batch_size) in the config")
+        # DeepSpeed's: a DistributedSampler where the ranks are a group, else
+        # shuffled.
         sampler = (torch.utils.data.DistributedSampler(training_data, world, dist.get_rank())
-                   if world > 1 else torch.utils.data.RandomSampler(training_data))
-        loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
-                                             collate_fn=collate_fn)
+                   if dist.is_initialized() else torch.utils.data.RandomSampler(training_data))
+        loader = torch.utils.data.DataLoader(
+            training_data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+            pin_memory=torch.cuda.is_available(), drop_last=t.drop_last)
+    model, opt = offloadd_torch.wrap(model, adamw, deepspeed_config=config)
+    try:
+        scheduler = None
+        if t.scheduler is not None:
+            kind, sparams = t.scheduler
+            scheduler = _SCHEDULERS[kind](opt, **sparams)
+        elif lr_scheduler is not None:
+            scheduler = lr_scheduler(opt)
+        engine = offloadd_torch.DeepSpeedEngine(model, opt, scheduler)
+    except BaseException:
+        opt.close()  # (its session, unfinished: an exception is on its way)
+        raise
     return engine, opt, loader, scheduler
 
 
@@ -637,6 +681,7 @@ def _without_auto(t, d, prefix=""):
         elif isinstance(v, str) and v == "auto":
             t.fail(prefix + k, "'auto' is filled in by Hugging Face's DeepSpeed integration; "
                    "give the value")
+            t.autos.add(prefix + k)
         else:
             kept[k] = v
     return kept
@@ -689,8 +734,7 @@ def translate(config, world_size=1, scheduler=False):
         elif k == "scheduler":
             t.fail("scheduler", "offloadd.deepspeed.initialize() builds it (WarmupLR, "
                    "WarmupDecayLR); with wrap(), use a torch.optim.lr_scheduler on the optimizer "
-                   "wrap() returns, "
-                   "returns, and call its step() only after a step() that updated: where "
+                   "wrap() returns, and call its step() only after a step() that updated: where "
                    "model.is_gradient_accumulation_boundary() was true before it (DeepSpeed "
                    "steps its scheduler at the accumulation boundary)")
         elif k == "data_types":
@@ -705,6 +749,12 @@ def translate(config, world_size=1, scheduler=False):
                 t.note(k, "offloadd reduces gradients across ranks in fp32")
             else:
                 t.fail(k, f"{v!r}: offloadd reduces gradients across ranks in fp32 only")
+        elif k == "dataloader_drop_last":
+            drop = _bool(t, k, v)
+            if drop is not None:
+                t.drop_last = drop
+                t.applied(k, "initialize()'s data loader drops a last, short micro-batch" if drop
+                          else "initialize()'s data loader keeps a last, short micro-batch")
         elif k in _OFF_TOP:
             _off(t, k, v, *_OFF_TOP[k])
         elif k in _SECTIONS_NOTED:

@@ -3050,6 +3050,7 @@ class Optimizer(torch.optim.Optimizer):
                 # a save into this tag that a crash cut short, some ranks'
                 # newer, leaves this file and every rank's previous one).
                 saved = {"client_state": client_state or {}, "global_steps": steps,
+                         "skipped_steps": e.counts["skipped"] + getattr(self, "_skipped_before", 0),
                          "param_groups": groups, "restore_steps": written["steps"]}
                 scheduler = getattr(self, "_lr_scheduler", None)
                 if scheduler is not None:  # (offloadd.deepspeed.initialize's, as DeepSpeed's)
@@ -3076,8 +3077,9 @@ class Optimizer(torch.optim.Optimizer):
         optimizer state, the step counts and the param groups'
         hyperparameters; returns (its path, the client_state saved with it),
         or (None, None) where load_dir has no latest tag, as DeepSpeed's.
-        Every rank calls it. The lr scheduler is the user's (DeepSpeed keeps
-        one in its engine): save its state_dict in client_state. The pool
+        Every rank calls it. The lr scheduler of offloadd.deepspeed's engine
+        is restored with it (load_lr_scheduler_states); one of the user's
+        own: save its state_dict in client_state. The pool
         holds the model's state twice while it loads; where it cannot, wrap()
         with zero_config restore_from=load_dir/tag instead."""
         if load_module_only or not load_optimizer_states or custom_load_fn is not None:
@@ -3104,6 +3106,7 @@ class Optimizer(torch.optim.Optimizer):
         # The updates counted on from the checkpoint's (DeepSpeed's
         # global_steps; without the file, the restored step).
         self._steps_before = saved.get("global_steps", step) - self._engine.counts["steps"]
+        self._skipped_before = saved.get("skipped_steps", 0) - self._engine.counts["skipped"]
         scheduler = getattr(self, "_lr_scheduler", None)
         if (scheduler is not None and load_lr_scheduler_states and
                 saved.get("lr_scheduler") is not None):
@@ -3324,7 +3327,8 @@ class _DeepSpeedSettings:
                          exclude_frozen_parameters=False):
         """The model's weights (model.state_dict(), gathered whole, in its
         working dtype) saved by rank 0 as save_dir/save_filename; every rank
-        calls it. Returns True."""
+        calls it. Returns True. (DeepSpeed's ZeRO-3 saves only with
+        stage3_gather_16bit_weights_on_model_save; offloadd always can.)"""
         e = self._engine
         state = e._model.state_dict()
         if exclude_frozen_parameters:
@@ -3362,6 +3366,10 @@ class DeepSpeedEngine(torch.nn.Module):
     ...) are DeepSpeed's."""
 
     def __init__(self, model, optimizer, lr_scheduler=None):
+        if getattr(optimizer, "_deepspeed", None) is None:
+            raise offloadd.InvalidArgumentError(
+                "DeepSpeedEngine runs over a model wrapped with a deepspeed_config "
+                "(offloadd.deepspeed.initialize makes both)")
         super().__init__()
         self.module = model
         self.optimizer = optimizer
@@ -3416,6 +3424,11 @@ class DeepSpeedEngine(torch.nn.Module):
     def global_steps(self):
         return self.optimizer.global_steps
 
+    @global_steps.setter
+    def global_steps(self, steps):  # (DeepSpeed's is an attribute a script may set)
+        o = self.optimizer
+        o._steps_before = int(steps) - o.engine.counts["steps"]
+
     @property
     def global_samples(self):
         batch = self.optimizer._deepspeed.train_batch_size()
@@ -3423,7 +3436,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     @property
     def skipped_steps(self):
-        return self.optimizer.engine.counts["skipped"]
+        o = self.optimizer
+        return o.engine.counts["skipped"] + getattr(o, "_skipped_before", 0)
 
     @property
     def global_rank(self):
@@ -3638,8 +3652,9 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
       accumulated), and the model takes backward(loss), step(),
       is_gradient_accumulation_boundary(), save_checkpoint(dir, tag,
       client_state) and load_checkpoint(dir, tag) -> (path, client_state) as
-      DeepSpeed's engine does (offloadd's own checkpoints; the lr scheduler
-      is the user's: save its state_dict in client_state), and answers
+      DeepSpeed's engine does (offloadd's own checkpoints; an lr scheduler
+      made on the optimizer is the user's: save its state_dict in
+      client_state; initialize()'s engine keeps its own), and answers
       get_lr(), was_step_applied(), train_batch_size(), save_16bit_model()
       ... as the engine's. With fp16 or bf16 enabled the model is converted
       to it first (module.half(), .bfloat16(), as DeepSpeed's engine does),
@@ -3748,16 +3763,23 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
 
 
 def _convert_model(model, dtype):
-    """`model`'s floating-point parameters and buffers in `dtype` (as
-    module.half() does); returns what undoes it."""
+    """`model`'s floating-point parameters and buffers in `dtype`, as
+    module.half() and .bfloat16() convert them (complex ones, and integer
+    ones, stay); returns what undoes it (it keeps the values as they were
+    meanwhile: until wrap() returns, the model's memory 1.5 times over from
+    fp32 to 16 bits). A conversion that fails part-way is undone."""
     params = [(p, p.data) for p in model.parameters()]
     buffers = [(m, k, b) for m in model.modules() for k, b in m._buffers.items()
                if b is not None]
-    model.to(dtype)
 
     def undo():
         for p, data in params:
             p.data = data
         for m, k, b in buffers:
             m._buffers[k] = b
+    try:
+        model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    except BaseException:
+        undo()
+        raise
     return undo
