@@ -2255,7 +2255,9 @@ class WrapInProcessTest(unittest.TestCase):
                 # The scaled loss overflows fp16: the step is skipped, the scale
                 # halves (fp32, as before, it did not).
                 model.backward(model(torch.full((4, 8), 60000.0, dtype=dtype)).sum())
-                model.step()
+                with self.assertLogs("offloadd.torch", level="INFO") as logs:
+                    model.step()  # (said, as DeepSpeed's engine says it)
+                self.assertIn("OVERFLOW! step 1 skipped: loss scale 16 -> 8", logs.output[0])
                 self.assertFalse(model.was_step_applied())
                 self.assertEqual(model.get_global_grad_norm(), float("inf"))
                 self.assertEqual(opt.loss_scale, 8.0)

@@ -96,6 +96,7 @@ import ctypes
 import functools
 import glob
 import inspect
+import logging
 import math
 import random
 import os
@@ -111,6 +112,8 @@ import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
 import offloadd
+
+_log = logging.getLogger("offloadd.torch")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TIERS = {"host": 100, "cpu": 100, "nvme": 0}
@@ -1248,7 +1251,8 @@ class _Engine:
                 f"rank {self.rank} of {self.world}: the {what} with the other ranks failed; "
                 "a peer trainer died or stopped answering, or the ranks ran different "
                 "collectives (every rank must run each forward of the wrapped model, "
-                f"evaluations too, and call state_dict() and load_state_dict()): {e}") from e
+                "evaluations too, and call state_dict(), load_state_dict(), "
+                f"save_checkpoint(), load_checkpoint() and save_16bit_model()): {e}") from e
 
     @staticmethod
     def _base(t):
@@ -2967,6 +2971,14 @@ class Optimizer(torch.optim.Optimizer):
             e.tier.step_running(self._overlapped)
             e.tier.prefetch_next()
         if self._config["loss_scaling"] is not None:
+            if overflow and e.rank == 0:
+                # As DeepSpeed's engine logs it; at the least scale it cannot go lower.
+                min_scale = (self._config["loss_scaling"] or {}).get("min_scale", 1.0)
+                _log.log(logging.WARNING if r["loss_scale"] <= min_scale else logging.INFO,
+                         "OVERFLOW! step %d skipped: loss scale %g -> %g%s",
+                         self.global_steps + 1, self._loss_scale, r["loss_scale"],
+                         " (its minimum, min_scale: the gradients overflow at any scale)"
+                         if r["loss_scale"] <= min_scale else "")
             self._loss_scale = r["loss_scale"]
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
                               clip_coef=coef)
@@ -3086,7 +3098,8 @@ class Optimizer(torch.optim.Optimizer):
             raise offloadd.InvalidArgumentError(
                 "load_checkpoint: offloadd's checkpoints restore the weights with the optimizer "
                 "state (load_module_only, load_optimizer_states=False and custom_load_fn are "
-                "not taken): for the weights alone, load a model.state_dict()")
+                "not taken): for the weights alone, load a model.state_dict() (one "
+                "save_16bit_model() saved, or `offloadctl export` of the checkpoint)")
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
