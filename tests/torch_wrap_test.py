@@ -2266,6 +2266,17 @@ class WrapInProcessTest(unittest.TestCase):
                 self.assertTrue(model.was_step_applied())
             opt.close()
 
+    def test_a_deepspeed_nvme_path_is_said_to_be_unused_where_the_daemon_has_no_nvme(self):
+        import offloadd
+        ds = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {
+                  "device": "nvme", "nvme_path": "/local_nvme"}}}
+        with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                    "nvme_path '/local_nvme' is not used: the NVMe tier is the "
+                                    "daemon's"):
+            self.wrap_deepspeed(self.mlp(), ds)
+
     def test_a_deepspeed_loop_steps_every_trainable_parameter_at_each_update(self):
         # DeepSpeed steps its whole flat partition at each update: a
         # parameter no backward reached is updated with a zero gradient (its
