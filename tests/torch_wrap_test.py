@@ -2266,6 +2266,164 @@ class WrapInProcessTest(unittest.TestCase):
                 self.assertTrue(model.was_step_applied())
             opt.close()
 
+    def test_deepspeed_initialize_steps_the_client_optimizers_groups(self):
+        # The client optimizer's param groups are the ones offloadd steps,
+        # as DeepSpeed's ZeRO-3 steps its basic optimizer's: a scheduler made
+        # on it (before initialize, as accelerate's, or after, an epoch's)
+        # sets the lr offloadd uses (its lr stayed where it was copied);
+        # torch does not warn of a scheduler stepped before the optimizer.
+        # The config's WarmupLR without warmup_max_lr goes to each group's.
+        import warnings
+        import torch
+        from offloadd import deepspeed
+        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+        model = self.mlp()
+        theirs = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = torch.optim.lr_scheduler.StepLR(theirs, 1, gamma=0.5)
+        with self.offloadd_address():
+            engine, optimizer, _, scheduler = deepspeed.initialize(
+                model=model, optimizer=theirs, lr_scheduler=before, config=config)
+        self.assertIs(scheduler, before)
+        epoch = torch.optim.lr_scheduler.StepLR(theirs, 1, gamma=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+                engine.step()
+            epoch.step()
+        self.assertEqual([str(w.message) for w in caught if "lr_scheduler" in str(w.message)], [])
+        self.assertAlmostEqual(engine.get_lr()[0], 1e-2 * 0.25 * 0.1)
+        self.assertEqual(theirs.param_groups[0]["lr"], engine.get_lr()[0])
+        optimizer.close()
+        config = dict(config, scheduler={"type": "WarmupLR", "params": {
+            "warmup_num_steps": 4, "warmup_type": "linear"}})
+        model = self.mlp()
+        groups = [{"params": model[0].parameters(), "lr": 4e-3},
+                  {"params": model[2].parameters(), "lr": 1e-3}]
+        with self.offloadd_address():
+            engine, optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=torch.optim.AdamW(groups), config=config)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
+        self.assertEqual([round(lr, 12) for lr in engine.get_lr()], [1e-3, 2.5e-4])  # (1 of 4)
+        optimizer.close()
+
+    def test_deepspeed_initialize_extras(self):
+        # What DeepSpeed scripts call besides (AttributeErrors before):
+        # add_config_arguments, zero.Init, set_gradient_accumulation_boundary,
+        # fp16.auto_cast's input cast, the engine's backward returning the
+        # loss over the accumulation steps; and the process group: joined
+        # under a launcher (WORLD_SIZE), refused with dist_init_required=False
+        # where several ranks have not joined one (it trained them apart).
+        import argparse
+        import socket
+        import torch
+        import torch.distributed as dist
+        import offloadd
+        from offloadd import deepspeed
+        args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(
+            ["--deepspeed", "--deepspeed_config", "ds.json"])
+        self.assertEqual((args.deepspeed, args.deepspeed_config), (True, "ds.json"))
+        with deepspeed.zero.Init():
+            model = self.mlp()
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3}}
+        env = dict(os.environ)
+        try:
+            os.environ["WORLD_SIZE"] = "2"
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError, "not initialized"):
+                deepspeed.initialize(model=model, config=config, dist_init_required=False)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            os.environ.update(WORLD_SIZE="1", RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+            with self.offloadd_address():
+                engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config)
+            self.assertTrue(dist.is_initialized())
+            loss = torch.tensor(3.0, requires_grad=True)
+            self.assertEqual(float(engine.backward(loss * engine(torch.randn(4, 8)).sum() * 0
+                                                   + loss)), 1.5)
+            engine.set_gradient_accumulation_boundary(True)  # (not the 2nd micro-batch: now)
+            engine.step()
+            self.assertTrue(engine.was_step_applied())
+            engine.set_gradient_accumulation_boundary(False)
+            engine.backward(engine(torch.randn(4, 8)).sum())
+            engine.step()
+            self.assertFalse(engine.was_step_applied())
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError, "no_sync"):
+                with engine.no_sync():
+                    pass
+            engine.destroy()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(env)
+
+        class Scale(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.ones(8))
+
+            def forward(self, x):
+                self.seen = x.dtype
+                return x * self.weight
+
+        config = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True,
+                                                                "auto_cast": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": 3}}
+        with self.offloadd_address():
+            engine, optimizer, _, _ = deepspeed.initialize(model=Scale(), config=config)
+        engine(torch.randn(4, 8))
+        self.assertEqual(engine.module.seen, torch.float16)
+        optimizer.close()
+
+    def test_deepspeed_checkpoints_hold_the_modules_buffers(self):
+        # BatchNorm's running statistics are not parameters: offloadd's own
+        # checkpoints do not hold them; save_checkpoint keeps rank 0's (as
+        # DeepSpeed's module state does) and load_checkpoint restores them.
+        import torch
+        ds = {"train_micro_batch_size_per_gpu": 4,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}}
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+
+        model, opt = self.wrap_deepspeed(make(), ds)
+
+        def train(n):
+            for _ in range(n):
+                model.backward(model(torch.randn(4, 8)).pow(2).mean())
+                model.step()
+
+        train(2)
+        ckpts = os.path.join(self.root, "buffer_checkpoints")
+        model.save_checkpoint(ckpts)
+        saved = {k: v.clone() for k, v in model[1].named_buffers()}
+        train(2)
+        self.assertFalse(torch.equal(model[1].running_mean, saved["running_mean"]))
+        model.load_checkpoint(ckpts)
+        for k, v in model[1].named_buffers():
+            self.assertTrue(torch.equal(v, saved[k]), k)
+        opt.close()
+        # Into a model with another buffer: refused unless not strict.
+        bigger = make()
+        bigger.append(torch.nn.BatchNorm1d(4, affine=False))  # (buffers only)
+        model, opt = self.wrap_deepspeed(bigger, ds)
+        import offloadd
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, r"buffer '2\.\w+' is not in "
+                                    "the checkpoint"):
+            model.load_checkpoint(ckpts)
+        model.load_checkpoint(ckpts, load_module_strict=False)
+        self.assertTrue(torch.equal(model[1].running_mean, saved["running_mean"]))
+        opt.close()
+
     def test_a_deepspeed_nvme_path_is_said_to_be_unused_where_the_daemon_has_no_nvme(self):
         import offloadd
         ds = {"train_micro_batch_size_per_gpu": 4,
@@ -2391,18 +2549,20 @@ class WrapInProcessTest(unittest.TestCase):
         # no optimizer section, and a scheduler made from offloadd's
         # optimizer by a callable; refused by name, before the model is
         # wrapped: another kind of optimizer, none at all, and a scheduler
-        # made on the client's optimizer (it would change only that one's lr).
+        # made on another optimizer than the client's.
         import offloadd
         client = offloadd.Client(self.daemon.address)
         config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
         model = self.mlp()
         theirs = torch.optim.Adam(model.parameters(), lr=3e-3)
+        other = torch.optim.Adam(model.parameters(), lr=3e-3)
         for kwargs, what in (
                 ({"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}, "a client SGD"),
                 ({"model_parameters": model.parameters()}, "no optimizer"),
                 ({"optimizer": theirs,
-                  "lr_scheduler": torch.optim.lr_scheduler.StepLR(theirs, 1)},
-                 "made on another optimizer")):
+                  "lr_scheduler": torch.optim.lr_scheduler.StepLR(other, 1)},
+                 "made on another optimizer"),
+                ({"optimizer": theirs, "lr_scheduler": "WarmupLR"}, "lr_scheduler is a str")):
             with self.subTest(what=what), self.offloadd_address():
                 with self.assertRaisesRegex(offloadd.InvalidArgumentError, what):
                     deepspeed.initialize(model=model, config=config, **kwargs)

@@ -142,6 +142,7 @@ class Translation:
         self.batch_sizes = (None, None)  # train_batch_size, train_micro_batch_size_per_gpu
         self.scheduler = None  # (type, params) of the scheduler section, for initialize()
         self.drop_last = False  # dataloader_drop_last, for initialize()'s data loader
+        self.auto_cast = False  # fp16.auto_cast: the engine casts its inputs to fp16
         self.autos = set()  # the fields given as "auto" (refused once, by that)
 
     def note(self, field, why):
@@ -331,9 +332,10 @@ def _fp16(t, d):
              d.get("fp16_master_weights_and_grads", False)):
         t.fail("fp16.fp16_master_weights_and_grads", "offloadd's master weights are fp32")
     if _bool(t, "fp16.auto_cast", d.get("auto_cast", False)):
-        t.note("fp16.auto_cast", "the model runs in fp16 (its parameters converted at wrap, as "
-               "DeepSpeed's engine converts them); its inputs are cast by the model, or use "
-               "torch.autocast")
+        t.auto_cast = True
+        t.applied("fp16.auto_cast", "initialize()'s engine casts floating-point inputs to fp16 "
+                  "in its forward, as DeepSpeed's (with wrap(), the model's inputs are the "
+                  "caller's to cast)")
     static = _number(t, "fp16.loss_scale", d.get("loss_scale", 0), minimum=0.0)
     if static:
         t.zero["static_loss_scale"] = static
@@ -466,8 +468,8 @@ class WarmupLR:
     def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
                  warmup_type="log", last_batch_iteration=-1):
         self.optimizer = optimizer
-        if warmup_max_lr is None:  # (DeepSpeed's since 0.17.2: the optimizer's lr)
-            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        if warmup_max_lr is None:  # (DeepSpeed's since 0.17.2: each group's lr)
+            warmup_max_lr = [g["lr"] for g in optimizer.param_groups]
         self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
         self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, int(warmup_num_steps))
@@ -543,6 +545,59 @@ class WarmupDecayLR(WarmupLR):
 _SCHEDULERS = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR}
 
 
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
+                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
+                     config=None, rank=-1, world_size=-1):
+    """deepspeed.init_distributed: joins torch.distributed's default group
+    where it is not joined yet (gloo on the CPU, nccl with CUDA), from the
+    launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+    one process of its own where there is none."""
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    os.environ.setdefault("RANK", str(max(rank, 0)))
+    os.environ.setdefault("WORLD_SIZE", str(max(world_size, 1)))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(backend, init_method=init_method, **kwargs)
+
+
+def add_config_arguments(parser):
+    """deepspeed.add_config_arguments: --deepspeed and --deepspeed_config
+    (the config's path, for initialize(args=...)) on an argparse parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (offloadd)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable DeepSpeed (offloadd)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed json configuration file")
+    return parser
+
+
+class _Zero:
+    """deepspeed.zero: Init() is a context a model is built in; offloadd
+    partitions the model at initialize() (the model is built whole, on the
+    CPU or its device, first)."""
+
+    class Init:
+        def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                     remote_device=None, pin_memory=False, config_dict_or_path=None,
+                     config=None, enabled=True, dtype=None, mpu=None, **_):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+
+zero = _Zero()
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, config_params=None):
@@ -551,35 +606,47 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     offloadd.torch.DeepSpeedEngine over the wrapped model.
 
     config (or config_params, or args.deepspeed_config): the DeepSpeed
-    config. optimizer: none (the config's optimizer section), or a client
-    torch.optim.Adam/AdamW (or a callable making one from the parameters),
-    whose param groups and hyperparameters offloadd takes over.
-    model_parameters: the parameters or param groups to train (default the
-    model's). training_data: a Dataset, loaded by micro-batches
-    (train_micro_batch_size_per_gpu; shuffled, a DistributedSampler with
-    several ranks). lr_scheduler: the config's scheduler section (WarmupLR,
-    WarmupDecayLR), else a scheduler or a callable making one from the
-    optimizer; the engine steps it after each update applied. mpu (model
-    parallelism) is not supported."""
+    config. optimizer: a client torch.optim.Adam/AdamW (or a callable making
+    one from the parameters): offloadd steps its param groups, which become
+    offloadd's optimizer's (a scheduler made on it, before or after, sets
+    the lr offloadd uses, as in DeepSpeed); else the config's optimizer
+    section. model_parameters: the parameters or param groups to train
+    (default the model's). training_data: a Dataset, loaded by micro-batches
+    (train_micro_batch_size_per_gpu; a DistributedSampler, shuffled).
+    lr_scheduler: a scheduler made on the client optimizer, or a callable
+    making one from the optimizer (it wins over the config's scheduler
+    section, as in DeepSpeed); else the config's WarmupLR or WarmupDecayLR;
+    the engine steps it after each update applied. torch.distributed is
+    joined as DeepSpeed joins it (init_distributed; not with
+    dist_init_required=False, where several ranks must have joined it).
+    mpu (model parallelism) is not supported."""
     import torch
     import torch.distributed as dist
     from offloadd import torch as offloadd_torch
     if config is None:
         config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        if config is not None:
+            raise offloadd.InvalidArgumentError(
+                "initialize: a config and args.deepspeed_config: give one")
+        config = args.deepspeed_config
     if config is None:
         raise offloadd.InvalidArgumentError(
             "initialize: no DeepSpeed config (config=, config_params= or args.deepspeed_config)")
-    if model is None:
-        raise offloadd.InvalidArgumentError("initialize: no model")
+    if not isinstance(model, torch.nn.Module):
+        raise offloadd.InvalidArgumentError(
+            f"initialize: model is a {type(model).__name__}, not a torch.nn.Module")
     if mpu is not None:
         raise offloadd.InvalidArgumentError(
             "initialize: mpu (model parallelism) is not supported by offloadd")
-    if (not dist.is_initialized() and dist_init_required is not False and
-            int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        # As deepspeed.initialize: the launcher's ranks join one group.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    launched = "WORLD_SIZE" in os.environ
+    if dist_init_required is False:
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise offloadd.FailedPreconditionError(
+                "initialize: torch.distributed is not initialized and dist_init_required=False: "
+                "initialize it first, or let initialize() do it")
+    elif not dist.is_initialized() and (launched or dist_init_required):
+        init_distributed(dist_init_required=dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
@@ -593,31 +660,39 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise offloadd.InvalidArgumentError(
             "initialize: no optimizer: give the config an optimizer section, or pass "
             "optimizer= (a torch.optim.Adam or AdamW, or a callable making one)")
-    if t.scheduler is not None and lr_scheduler is not None:
-        raise offloadd.InvalidArgumentError(
-            "initialize: the config's scheduler section and lr_scheduler=: give one")
-    if lr_scheduler is not None and (not callable(lr_scheduler) or
-                                     hasattr(lr_scheduler, "step")):
-        # (Made on another optimizer: offloadd's does not exist yet, and a
-        # scheduler bound to the client's would change only that one.)
-        raise offloadd.InvalidArgumentError(
-            "initialize: lr_scheduler is a scheduler made on another optimizer; pass a callable "
-            "that makes it from the optimizer it is given (lambda opt: "
-            "torch.optim.lr_scheduler.LambdaLR(opt, ...)), or make it on the optimizer "
-            "initialize() returns")
-    adamw = None
     params = list(model_parameters) if model_parameters is not None else None
+    client = None
+    adamw = None
     if optimizer is not None:
         if t.has_optimizer:
-            raise offloadd.InvalidArgumentError(
-                "initialize: a client optimizer and the config's optimizer section: give one")
+            log.info("initialize: the client optimizer is used, not the config's optimizer "
+                     "section (as DeepSpeed does)")
+            config = {k: v for k, v in config.items() if k != "optimizer"}
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(params if params is not None else model.parameters())
-        adamw = _client_optimizer(optimizer, torch)
+        client = optimizer
+        adamw = _client_optimizer(client, torch)
     elif params is not None:
         adamw = {"params": params}
-    groups = len(adamw["params"]) if adamw and params and isinstance(
-        adamw["params"][0], dict) else 1
+    if lr_scheduler is not None:
+        made_on = getattr(lr_scheduler, "optimizer", None)
+        if hasattr(lr_scheduler, "step"):
+            if made_on is None or made_on is not client:
+                raise offloadd.InvalidArgumentError(
+                    "initialize: lr_scheduler was made on another optimizer than the one "
+                    "passed as optimizer=; make it on that one, or pass a callable that makes "
+                    "it from the optimizer it is given")
+        elif not callable(lr_scheduler):
+            raise offloadd.InvalidArgumentError(
+                f"initialize: lr_scheduler is a {type(lr_scheduler).__name__}: give a scheduler "
+                "made on the client optimizer, or a callable making one from an optimizer")
+        if t.scheduler is not None:
+            log.info("initialize: lr_scheduler is used, not the config's scheduler section (as "
+                     "DeepSpeed does)")
+            t.scheduler = None
+    groups = 1
+    if adamw and adamw.get("params") and isinstance(adamw["params"][0], dict):
+        groups = len(adamw["params"])
     if t.scheduler is not None:
         kind, sparams = t.scheduler
         for name in ("warmup_min_lr", "warmup_max_lr"):
@@ -628,31 +703,48 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     f"{groups} param groups")
     loader = None
     if training_data is not None:
-        micro = t.batch_sizes[1]
-        if micro is None:
+        if t.batch_sizes[1] is None:
             raise offloadd.InvalidArgumentError(
                 "initialize: training_data needs train_micro_batch_size_per_gpu (or "
                 "train_batch_size) in the config")
-        # DeepSpeed's: a DistributedSampler where the ranks are a group, else
-        # shuffled.
-        sampler = (torch.utils.data.DistributedSampler(training_data, world, dist.get_rank())
-                   if dist.is_initialized() else torch.utils.data.RandomSampler(training_data))
-        loader = torch.utils.data.DataLoader(
-            training_data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
-            pin_memory=torch.cuda.is_available(), drop_last=t.drop_last)
+        loader = data_loader(training_data, t.batch_sizes[1], collate_fn, t.drop_last)
     model, opt = offloadd_torch.wrap(model, adamw, deepspeed_config=config)
     try:
-        scheduler = None
+        if client is not None:
+            # The client's param groups are the ones offloadd steps (a
+            # scheduler made on the client sets their lr), as DeepSpeed's
+            # ZeRO-3 steps its basic optimizer's.
+            client.param_groups = opt.param_groups
+        scheduler = lr_scheduler
         if t.scheduler is not None:
             kind, sparams = t.scheduler
             scheduler = _SCHEDULERS[kind](opt, **sparams)
-        elif lr_scheduler is not None:
+        elif lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
             scheduler = lr_scheduler(opt)
-        engine = offloadd_torch.DeepSpeedEngine(model, opt, scheduler)
+        engine = offloadd_torch.DeepSpeedEngine(model, opt, scheduler, client=client,
+                                                config=config, auto_cast=t.auto_cast)
     except BaseException:
         opt.close()  # (its session, unfinished: an exception is on its way)
         raise
     return engine, opt, loader, scheduler
+
+
+def data_loader(dataset, batch_size, collate_fn=None, drop_last=False, data_sampler=None,
+                pin_memory=None):
+    """DeepSpeed's data loader: micro-batches of `dataset`, each rank its
+    share (a DistributedSampler, shuffled, where torch.distributed is
+    joined; else shuffled)."""
+    import torch
+    import torch.distributed as dist
+    if data_sampler is None:
+        data_sampler = (torch.utils.data.DistributedSampler(dataset, dist.get_world_size(),
+                                                            dist.get_rank())
+                        if dist.is_initialized() else torch.utils.data.RandomSampler(dataset))
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=data_sampler,
+                                       collate_fn=collate_fn, pin_memory=pin_memory,
+                                       drop_last=drop_last)
 
 
 def _client_optimizer(optimizer, torch):

@@ -2759,6 +2759,7 @@ class Optimizer(torch.optim.Optimizer):
         self._overlap = config["overlap_step"] or config["delayed_update_after_steps"] is not None
         self.last_step = None
         self._step_applied = False  # the last step() updated (DeepSpeed's was_step_applied)
+        self._forced_boundary = None  # DeepSpeedEngine.set_gradient_accumulation_boundary
         self._deepspeed = None  # wrap(deepspeed_config=...)'s _DeepSpeedSettings
         # DeepSpeed's loop (wrap with a deepspeed_config): step() after every
         # micro-batch, the update at every N-th (N = gradient_accumulation_steps).
@@ -2816,18 +2817,28 @@ class Optimizer(torch.optim.Optimizer):
         for p in params:
             self._engine.by_param[id(p)].in_optimizer = True
 
+    @property
+    def cur_scale(self):
+        """The loss scale (DeepSpeed's optimizer's name for it)."""
+        return self._loss_scale
+
     def is_gradient_accumulation_boundary(self):
         """Whether the micro-batch being computed is the last before an
         update (DeepSpeed's engine method): with a deepspeed_config, step()
-        updates only then."""
+        updates only then (or as set_gradient_accumulation_boundary says)."""
+        if self._forced_boundary is not None:
+            return bool(self._forced_boundary)
         n = self._config["gradient_accumulation_steps"]
         return (self._micro_steps + 1) % n == 0
 
     def _inside_accumulation(self):
         """In a DeepSpeed loop, between the micro-batches of one update: the
         gradients returned so far are kept for it."""
-        return (self._config.get("deepspeed_loop")
-                and self._micro_steps % self._config["gradient_accumulation_steps"] != 0)
+        if not self._config.get("deepspeed_loop"):
+            return False
+        if self._forced_boundary is not None:
+            return not self._forced_boundary
+        return self._micro_steps % self._config["gradient_accumulation_steps"] != 0
 
     def zero_grad(self, set_to_none=None):
         """Drops the gradients of this step so far, as torch's does: those
@@ -2881,7 +2892,9 @@ class Optimizer(torch.optim.Optimizer):
         if self._config.get("deepspeed_loop"):
             micro = self._micro_steps
             self._micro_steps += 1
-            if self._inside_accumulation():
+            if self._forced_boundary is not None and not self._forced_boundary:
+                return loss  # (set_gradient_accumulation_boundary(False))
+            if self._forced_boundary is None and self._inside_accumulation():
                 return loss  # DeepSpeed's engine: the update waits for the boundary
             try:
                 self._update()
@@ -3062,6 +3075,10 @@ class Optimizer(torch.optim.Optimizer):
                 # a save into this tag that a crash cut short, some ranks'
                 # newer, leaves this file and every rank's previous one).
                 saved = {"client_state": client_state or {}, "global_steps": steps,
+                         # The module's buffers (BatchNorm's statistics), rank 0's, as
+                         # DeepSpeed's module state holds them.
+                         "buffers": {k: b.detach().to("cpu", copy=True)
+                                     for k, b in _persistent_buffers(e._model).items()},
                          "skipped_steps": e.counts["skipped"] + getattr(self, "_skipped_before", 0),
                          "param_groups": groups, "restore_steps": written["steps"]}
                 scheduler = getattr(self, "_lr_scheduler", None)
@@ -3088,7 +3105,10 @@ class Optimizer(torch.optim.Optimizer):
         in load_dir/tag (tag: load_dir/latest's) restored, the weights, the
         optimizer state, the step counts and the param groups'
         hyperparameters; returns (its path, the client_state saved with it),
-        or (None, None) where load_dir has no latest tag, as DeepSpeed's.
+        or (None, None) where load_dir has no latest tag, as DeepSpeed's. The
+        module's buffers (rank 0's at the save: BatchNorm's statistics) are
+        restored too; load_module_strict=False loads those both the model and
+        the checkpoint have.
         Every rank calls it. The lr scheduler of offloadd.deepspeed's engine
         is restored with it (load_lr_scheduler_states); one of the user's
         own: save its state_dict in client_state. The pool
@@ -3114,7 +3134,23 @@ class Optimizer(torch.optim.Optimizer):
         # job as it was).
         extra = os.path.join(load_dir, str(tag) + self._CLIENT_STATE)
         saved = torch.load(extra, map_location="cpu") if os.path.isfile(extra) else {}
+        buffers = _persistent_buffers(self._engine._model)
+        theirs = saved.get("buffers", {})
+        for k in sorted(set(buffers) ^ set(theirs)) if "buffers" in saved else []:
+            if load_module_strict:
+                raise offloadd.InvalidArgumentError(
+                    f"load_checkpoint: buffer '{k}' is "
+                    f"{'not in the checkpoint' if k in buffers else 'not in the model'} "
+                    "(load_module_strict=False loads the buffers both have)")
+        for k in set(buffers) & set(theirs):
+            if buffers[k].shape != theirs[k].shape:
+                raise offloadd.InvalidArgumentError(
+                    f"load_checkpoint: buffer '{k}' is {tuple(theirs[k].shape)} in the "
+                    f"checkpoint, {tuple(buffers[k].shape)} in the model")
         step = self._engine.restore_checkpoint(path, saved.get("restore_steps"))
+        with torch.no_grad():
+            for k in set(buffers) & set(theirs):
+                buffers[k].copy_(theirs[k])
         self._micro_steps = 0
         # The updates counted on from the checkpoint's (DeepSpeed's
         # global_steps; without the file, the restored step).
@@ -3278,6 +3314,16 @@ class Optimizer(torch.optim.Optimizer):
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 
 
+def _persistent_buffers(model):
+    """`model`'s buffers that its state_dict() holds, by their names there."""
+    out = {}
+    for name, m in model.named_modules():
+        for k, b in m._buffers.items():
+            if b is not None and k not in m._non_persistent_buffers_set:
+                out[f"{name}.{k}" if name else k] = b
+    return out
+
+
 class _DeepSpeedSettings:
     """What DeepSpeed's engine answers about its job and its last step,
     for a model wrapped with a deepspeed_config (its methods are the
@@ -3366,6 +3412,18 @@ class _DeepSpeedSettings:
     save_fp16_model = save_16bit_model  # (DeepSpeed's older name)
 
 
+def _to_half(x):
+    """`x` with its floating-point tensors in fp16 (through tuples, lists
+    and dicts), as DeepSpeed's engine casts its inputs with auto_cast."""
+    if isinstance(x, torch.Tensor):
+        return x.half() if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_half(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_half(v) for k, v in x.items()}
+    return x
+
+
 class DeepSpeedEngine(torch.nn.Module):
     """DeepSpeed's engine over a wrapped model: what
     offloadd.deepspeed.initialize returns, as deepspeed.initialize returns
@@ -3378,7 +3436,8 @@ class DeepSpeedEngine(torch.nn.Module):
     micro_steps, skipped_steps) and settings (train_batch_size(), get_lr(),
     ...) are DeepSpeed's."""
 
-    def __init__(self, model, optimizer, lr_scheduler=None):
+    def __init__(self, model, optimizer, lr_scheduler=None, client=None, config=None,
+                 auto_cast=False):
         if getattr(optimizer, "_deepspeed", None) is None:
             raise offloadd.InvalidArgumentError(
                 "DeepSpeedEngine runs over a model wrapped with a deepspeed_config "
@@ -3387,8 +3446,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self.module = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.config = config
         optimizer._lr_scheduler = lr_scheduler
         self.micro_steps = 0
+        self._client = client  # the client optimizer whose param groups offloadd steps
+        self._auto_cast = auto_cast  # fp16.auto_cast: floating-point inputs cast to fp16
 
     def __getattr__(self, name):
         try:
@@ -3399,20 +3461,66 @@ class DeepSpeedEngine(torch.nn.Module):
             raise
 
     def forward(self, *args, **kwargs):
+        if self._auto_cast:
+            args, kwargs = _to_half((args, kwargs))
         return self.module(*args, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        return self.optimizer.backward(loss, retain_graph=retain_graph,
-                                       scale_wrt_gas=scale_wrt_gas)
+        """The loss's backward, scaled as DeepSpeed's engine scales it;
+        returns the loss divided by the accumulation steps (scale_wrt_gas),
+        as DeepSpeed's does."""
+        self.optimizer.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        gas = self.optimizer._config["gradient_accumulation_steps"]
+        return loss / gas if scale_wrt_gas and gas > 1 else loss
 
     def step(self, lr_kwargs=None):
         self.micro_steps += 1
         self.optimizer.step()
-        if self.optimizer._step_applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
+        if self.optimizer._step_applied:
+            if self._client is not None:
+                # A torch scheduler made on the client optimizer counts
+                # its steps (it warns of a scheduler stepped before any).
+                self._client._step_count = getattr(self._client, "_step_count", 0) + 1
+                self._client._opt_called = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def is_gradient_accumulation_boundary(self):
         return self.optimizer.is_gradient_accumulation_boundary()
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """Whether the next step() updates, instead of counting micro-batches
+        (DeepSpeed's; None counts again)."""
+        self.optimizer._forced_boundary = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        raise offloadd.FailedPreconditionError(
+            "no_sync: ZeRO stage 3 partitions gradients as they come (DeepSpeed refuses it too); "
+            "accumulate with gradient_accumulation_steps instead")
+        yield  # (a generator)
+
+    def destroy(self):
+        """Closes the job's session (DeepSpeed's engine.destroy())."""
+        self.optimizer.close()
+
+    def dynamic_loss_scale(self):
+        return self.optimizer._config["loss_scaling"] is not None
+
+    def get_data_parallel_world_size(self):
+        return self.world_size
+
+    @property
+    def dp_world_size(self):
+        return self.world_size
+
+    def deepspeed_io(self, dataset, batch_size=None, route=None, pin_memory=True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers=None):
+        """A data loader of `dataset` by micro-batches, as initialize()'s."""
+        from offloadd import deepspeed
+        return deepspeed.data_loader(
+            dataset, batch_size or self.train_micro_batch_size_per_gpu(), collate_fn,
+            data_sampler=data_sampler, pin_memory=pin_memory)
 
     def zero_grad(self, set_to_none=None):
         self.optimizer.zero_grad(set_to_none)
