@@ -476,7 +476,24 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
     absl::string_view stem = name;
     if (!absl::ConsumeSuffix(&stem, ".manifest")) continue;
     std::string path = dir.PathOf(name);
-    ASSIGN_OR_RETURN(Manifest m, ReadManifest(dir, name));
+    absl::StatusOr<Manifest> latest = ReadManifest(dir, name);
+    if (!latest.ok()) {
+      // Unreadable (a disk's corruption): the stem's kept previous one may
+      // be the step asked for, or say which step can be.
+      const std::string previous_name = absl::StrCat(stem, ".previous");
+      absl::StatusOr<Manifest> p = ReadManifest(dir, previous_name);
+      if (!p.ok()) return latest.status();
+      if (steps.has_value() && p->steps() == *steps) {
+        out.emplace_back(dir.PathOf(previous_name), *std::move(p));
+        continue;
+      }
+      return absl::Status(
+          latest.status().code(),
+          absl::StrCat(latest.status().message(), "; the checkpoint kept before it (",
+                       previous_name, ", of step ", p->steps(), ") is intact: restore_steps ",
+                       p->steps(), " restores it"));
+    }
+    Manifest m = *std::move(latest);
     if (steps.has_value() && m.steps() != *steps) {
       // The kept previous checkpoint of the stem, if it is that step's.
       const std::string previous_name = absl::StrCat(stem, ".previous");

@@ -277,6 +277,38 @@ TEST(CheckpointFormatTest, ThePreviousCheckpointStaysWhereAsked) {
   EXPECT_EQ(TensorIndex::Load(dir, 3).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A latest manifest the disk corrupted: the previous checkpoint is what a
+// restore of its step reads, and a restore of the latest says which step
+// is intact.
+TEST(CheckpointFormatTest, AnUnreadableLatestCheckpointLeavesThePreviousOneRestorable) {
+  const std::string dir = TempDir();
+  for (uint64_t step = 1; step <= 2; ++step) {
+    ASSERT_TRUE(WriteSession(dir, "job/rank0", 0, std::vector<float>(15, 1.0f * step), 15, step,
+                             /*keep_previous=*/true)
+                    .ok());
+  }
+  const std::string manifest = dir + "/" + StemFor("job/rank0") + ".manifest";
+  {
+    std::fstream f(manifest, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(20);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(20);
+    c = static_cast<char>(c ^ 0xFF);
+    f.write(&c, 1);
+  }
+  EXPECT_EQ(CheckpointSteps(dir, StemFor("job/rank0")), (std::vector<uint64_t>{1}));
+  const absl::Status latest = ReadManifests(dir).status();
+  EXPECT_EQ(latest.code(), absl::StatusCode::kDataLoss) << latest;
+  EXPECT_TRUE(absl::StrContains(latest.message(), "of step 1) is intact: restore_steps 1"))
+      << latest;
+  auto previous = TensorIndex::Load(dir, 1);
+  ASSERT_TRUE(previous.ok()) << previous.status();
+  std::vector<float> got(15);
+  ASSERT_TRUE(ReadWeights(**previous, "w", 0, 15, got.data()).ok());
+  EXPECT_EQ(got[0], 1.0f);
+}
+
 TEST(CheckpointFormatTest, WritersOfOneStemNeverLoseTheNewerCheckpoint) {
   const std::string dir = TempDir();
   // A checkpoint of "job/rank0" from before stems were hashed, then one

@@ -595,9 +595,34 @@ absl::Status Daemon::StartAutoCheckpoints() {
     }
     absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
         checkpoint::ReadManifests(dir);
-    if (!manifests.ok() || manifests->empty()) {
-      LogWarning("%s holds no readable automatic checkpoint (%s); remove it", dir,
-                 manifests.ok() ? "empty" : manifests.status().ToString());
+    if (manifests.ok() && manifests->empty()) continue;
+    if (!manifests.ok() && ListDirectory(dir).empty()) {
+      RemoveDirectoryOfFiles(dir);  // (one a session made and never checkpointed into)
+      continue;
+    }
+    if (!manifests.ok()) {
+      // Its latest checkpoint unreadable: a previous one may be intact.
+      std::string previous;
+      for (const std::string& file : ListDirectory(dir)) {
+        if (!absl::EndsWith(file, ".previous")) continue;
+        absl::StatusOr<checkpoint::Manifest> p =
+            checkpoint::ReadManifest(absl::StrCat(dir, "/", file));
+        if (p.ok()) {
+          previous = absl::StrFormat("%s, of step %d of session '%s'", file, p->steps(),
+                                     p->session_name());
+          break;
+        }
+      }
+      if (previous.empty()) {
+        LogWarning("%s holds no readable automatic checkpoint (%s); nothing can resume from it",
+                   dir, manifests.status().ToString());
+      } else {
+        LogWarning(
+            "%s: its latest automatic checkpoint is unreadable (%s); its previous one is "
+            "intact (%s): a job resuming by itself goes on from it, and restore_from this "
+            "directory with restore_steps of that step restores it; keep the directory",
+            dir, manifests.status().ToString(), previous);
+      }
       continue;
     }
     const checkpoint::Manifest& m = manifests->front().second;

@@ -446,6 +446,11 @@ absl::StatusOr<SessionManager::LostCheckpoints> SessionManager::FindLost(
     if (!absl::SimpleAtoi(entry, &id) || taken.contains(dir)) continue;
     absl::StatusOr<checkpoint::Manifest> m =
         checkpoint::ReadManifest(absl::StrCat(dir, "/", stem, ".manifest"));
+    if (!m.ok()) {
+      // Its latest unreadable: its previous one, if intact, is what the
+      // job can go on from (the steps below leave the unreadable one out).
+      m = checkpoint::ReadManifest(absl::StrCat(dir, "/", stem, ".previous"));
+    }
     if (!m.ok() || m->session_name() != name) continue;
     // Another user's job of the same name neither restores nor removes it.
     if (OpenedBy(*m) != user) continue;

@@ -3377,6 +3377,59 @@ TrainedBeforeRestart TrainBeforeRestart(Client* c) {
 // session's checkpoint; a session restoring it goes on bit for bit as one
 // that never died; a session that closed left none behind, and the lost
 // one's goes when the session that restored it closes.
+// A lost session's latest automatic checkpoint that the disk corrupted:
+// the next start names the one kept before it (said "remove it", with an
+// intact checkpoint in the directory); a lost directory with nothing in it
+// (a session made it and died before checkpointing) goes.
+TEST(DaemonRestart, ACorruptedAutomaticCheckpointIsNamedWithTheOneBeforeIt) {
+  const std::vector<std::string> flags = {"--checkpoint.auto_every_steps=2",
+                                          "--checkpoint.auto_interval_seconds=0"};
+  auto first = DaemonProcess::Start(flags);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string data_dir = (*first)->data_dir();
+  const std::string auto_dir = data_dir + "/auto-checkpoints";
+  std::string lost_dir;
+  {
+    auto client = Client::Connect({(*first)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    auto [lost, p] = OpenTrainer(client->get(), "lost");
+    lost_dir = absl::StrCat(auto_dir, "/", lost->id());
+    for (int step = 1; step <= 4; step += 2) {
+      TrainSteps(lost.get(), p.id, step, step + 1);
+      // (Polled: nothing announces a background checkpoint's commit.)
+      const absl::Time deadline = absl::Now() + testing::kWaitLimit;
+      while (checkpoint::CheckpointSteps(lost_dir, checkpoint::StemFor("lost")).size() <
+                 static_cast<size_t>(step / 2 + 1) &&
+             absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    }
+    ASSERT_EQ(checkpoint::CheckpointSteps(lost_dir, checkpoint::StemFor("lost")),
+              (std::vector<uint64_t>{4, 2}));
+    (*first)->Kill();
+  }
+  const std::string manifest = lost_dir + "/" + checkpoint::StemFor("lost") + ".manifest";
+  {
+    std::fstream f(manifest, std::ios::in | std::ios::out | std::ios::binary);
+    char c = 0;
+    f.seekg(20);
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0xFF);
+    f.seekp(20);
+    f.write(&c, 1);
+  }
+  const std::string empty = auto_dir + "/12345";
+  std::filesystem::create_directories(empty);
+  auto second = DaemonProcess::StartIn(data_dir, flags);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::string log = (*second)->ReadLog();
+  EXPECT_TRUE(absl::StrContains(log, "its latest automatic checkpoint is unreadable")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "of step 2 of session 'lost'")) << log;
+  EXPECT_FALSE(absl::StrContains(log, "remove it")) << log;
+  EXPECT_TRUE(std::filesystem::exists(lost_dir));
+  EXPECT_FALSE(std::filesystem::exists(empty));
+}
+
 TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
   const std::vector<std::string> flags = {"--checkpoint.auto_every_steps=2",
                                           "--checkpoint.auto_interval_seconds=0"};

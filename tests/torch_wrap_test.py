@@ -2939,7 +2939,15 @@ class WrapInProcessTest(unittest.TestCase):
             with self.subTest(zero=zero):
                 self._goes_on_after_a_kill(name, zero)
 
-    def _goes_on_after_a_kill(self, name, zero):
+    def test_a_job_goes_on_from_the_checkpoint_before_one_the_disk_corrupted(self):
+        # The latest automatic checkpoint unreadable after the crash (a byte
+        # of its manifest, or of its data, flipped): the job goes on from the
+        # one kept before it (it died: "this job cannot go on from it").
+        for part in ("manifest", "data"):
+            with self.subTest(part=part):
+                self._goes_on_after_a_kill(f"corrupted_{part}", None, corrupt=part)
+
+    def _goes_on_after_a_kill(self, name, zero, corrupt=None):
         import torch
         import offloadd.torch
         flags = ["--checkpoint.auto_every_steps=1", "--checkpoint.auto_interval_seconds=0"]
@@ -2969,6 +2977,8 @@ class WrapInProcessTest(unittest.TestCase):
                             time.sleep(0.01)
                     if step == 4 and not restored:
                         daemon.stop()  # SIGKILL
+                        if corrupt:
+                            self._flip_a_byte_of_the_latest_checkpoint(daemon.dir, corrupt)
                         daemon = Daemon(self.root, name, flags=flags, restart=True)
                 except offloadd.torch.SessionRestored as r:
                     restored.append(r.step)
@@ -2976,13 +2986,29 @@ class WrapInProcessTest(unittest.TestCase):
                     self.assertEqual(opt.loss_scale,
                                      model.offloadd.session.pending_gradients()["loss_scale"])
             # Step 3's, or step 4's where its checkpoint (written behind
-            # the step) committed before the kill came.
-            self.assertIn(restored, ([3], [4]))
+            # the step) committed before the kill came; with it corrupted,
+            # the one before.
+            self.assertIn(restored, ([2], [3]) if corrupt else ([3], [4]))
             self.assert_weights(model, ref.state_dict())
             self.assertEqual(model.offloadd.gpu_stats() is not None, "gpu" in (zero or {}))
             opt.close()
         finally:
             daemon.stop()
+
+    @staticmethod
+    def _flip_a_byte_of_the_latest_checkpoint(data_dir, part):
+        import glob
+        manifest, = glob.glob(os.path.join(data_dir, "auto-checkpoints", "*", "*.manifest"))
+        if part == "manifest":
+            path = manifest
+        else:  # its data file: the newest one
+            path = max((p for p in glob.glob(os.path.join(os.path.dirname(manifest), "*"))
+                        if ".data" in os.path.basename(p)), key=os.path.getmtime)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
 
     def test_a_wrap_that_fails_after_resuming_leaves_the_resume_point(self):
         # resume "auto" after offloadd died: a wrap() that fails after its

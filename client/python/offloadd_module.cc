@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
+#include "checkpoint/format.h"
 #include "client/client.h"
 #include "client/gpu_tier.h"
 #include "gpu/cuda_device.h"
@@ -292,6 +293,14 @@ void BindGpu(py::module_& m) {
       "tests without a GPU; its copies wait a random time below max_copy_delay_us (default 200) "
       "so that streams complete out of order, 0 for none (profiling the trainer's thread)");
   m.def("built_with_cuda", &gpu::BuiltWithCuda);
+  m.def(
+      "checkpoint_steps",
+      [](const std::string& directory, const std::string& session_name) {
+        return checkpoint::CheckpointSteps(directory, checkpoint::StemFor(session_name));
+      },
+      py::arg("directory"), py::arg("session_name"),
+      "the steps of the session's checkpoints in `directory` that read back (its latest first, "
+      "then the one kept before it): what restore_steps can name");
 
   py::class_<GpuTier, TierHolder>(m, "GpuTier")
       .def(py::init([](Session& session, std::shared_ptr<gpu::Device> device, uint64_t budget_bytes,

@@ -38,5 +38,6 @@ from ._offloadd import (  # noqa: F401
     Session,
     UnavailableError,
     built_with_cuda,
+    checkpoint_steps,
     open_device,
 )

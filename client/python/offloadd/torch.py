@@ -982,13 +982,24 @@ class _Engine:
                 f"process: {how}") from cause
         if not directory or not os.path.isdir(directory):
             raise cause
-        session = self._open_session(directory)
         try:
-            pids, steps = self._register_restored(
-                session, f"the automatic checkpoint in {directory}")
+            session, pids, steps = self._restore_from_dir(directory, None)
         except offloadd.DataLossError as e:
-            session.close()
-            raise offloadd.DataLossError(f"{e}; this job cannot go on from it") from cause
+            # Its latest checkpoint unreadable (a disk's corruption): the one
+            # kept before it, if intact, is where to go on from.
+            name = f"{self.config['session_name']}/rank{self.rank}"
+            for step in offloadd.checkpoint_steps(directory, name):
+                try:
+                    session, pids, steps = self._restore_from_dir(directory, step)
+                except offloadd.DataLossError:
+                    continue
+                _log.warning("the latest automatic checkpoint in %s is unreadable (%s): going "
+                             "on from the one of step %d", directory, e, step)
+                break
+            else:
+                raise offloadd.DataLossError(
+                    f"{e}; this job cannot go on from it (no older checkpoint in {directory} "
+                    "reads back either)") from cause
         for s in self.shards:
             s.pid = pids[id(s)]
         self._reset_after_restart(session)
@@ -997,6 +1008,19 @@ class _Engine:
         step = max(steps) if steps else 0
         self.restored = SessionRestored(step, f"its automatic checkpoint in {directory}")
         raise self.restored from cause
+
+    def _restore_from_dir(self, directory, steps):
+        """A session restoring `directory`'s checkpoint (of `steps`, or its
+        latest) with every parameter registered: (session, pids, steps);
+        a DataLossError closes what it opened."""
+        session = self._open_session(directory, restore_steps=steps)
+        try:
+            pids, restored = self._register_restored(
+                session, f"the automatic checkpoint in {directory}")
+        except BaseException:
+            session.close()
+            raise
+        return session, pids, restored
 
     def _register_restored(self, session, what):
         """Every parameter's partition registered in `session`, opened from
