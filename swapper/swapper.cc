@@ -1601,8 +1601,12 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       b->state = BlockState::kResident;
       b->given = false;
       RelistLocked(*b);
-      LogWarning("swapper: writing block %d out failed, it stays in host memory: %s",
-                 static_cast<int64_t>(id), status.ToString());
+      // (Retried as room is wanted: a full disk fails every block, often.)
+      static LogLimiter write_failures(absl::Seconds(10));
+      if (const int64_t held = write_failures.Admit(absl::Now()); held >= 0) {
+        LogWarning("swapper: writing block %d out failed, it stays in host memory: %s%s",
+                   static_cast<int64_t>(id), status.ToString(), LogLimiter::Held(held));
+      }
     }
   } else {
     --reads_in_flight_;
@@ -1626,6 +1630,12 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       b->read_error = absl::Status(status.code(),
                                    absl::StrCat("swapping in block ", id, ": ", status.message()));
       ++b->failed_reads;
+      // The operator's sign of a failing disk (the trainer gets the error).
+      static LogLimiter read_failures(absl::Seconds(10));
+      if (const int64_t held = read_failures.Admit(absl::Now()); held >= 0) {
+        LogWarning("swapper: swapping block %d in failed, its fetch or step fails: %s%s",
+                   static_cast<int64_t>(id), status.ToString(), LogLimiter::Held(held));
+      }
     }
   }
   --io_running_;

@@ -1,6 +1,7 @@
 #include "swapper/swapper.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -675,7 +676,21 @@ TEST_F(SwapperTest, AFailedSwapInIsDataLossAndTheCopyStaysIntact) {
   Write(1, 11);
   Write(2, 22);  // evicts 1
   FailNext(IoOp::kRead, EIO);
+  // Said in the log too (the operator's sign of a failing disk: only the
+  // trainer heard of it).
+  char log_path[] = "/tmp/swapper_log.XXXXXX";
+  const int log_fd = mkstemp(log_path);
+  ASSERT_GE(log_fd, 0);
+  const int saved_stderr = dup(2);
+  dup2(log_fd, 2);
   auto failed = swapper_->Acquire(1, false);
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  std::string log(4096, '\0');
+  log.resize(std::max<ssize_t>(0, pread(log_fd, log.data(), log.size(), 0)));
+  close(log_fd);
+  unlink(log_path);
+  EXPECT_TRUE(absl::StrContains(log, "swapping block 1 in failed")) << log;
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss) << failed.status();
   EXPECT_NE(failed.status().message().find("swapping in block 1"), std::string::npos);
   EXPECT_EQ(StateOf(1), BlockState::kOnNvme);

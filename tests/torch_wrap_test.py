@@ -2424,6 +2424,33 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertTrue(torch.equal(model[1].running_mean, saved["running_mean"]))
         opt.close()
 
+    def test_a_full_nvme_disk_is_said_at_once_not_blamed_on_the_pool(self):
+        # The pool makes room by writing blocks out; a disk that refuses
+        # (ENOSPC, EIO) is not waited on for 20 s and then called a pool too
+        # small. A pool too small during registration names the whole
+        # model's need (it named what was registered so far, less than the
+        # pool itself).
+        import offloadd
+        model, opt = self.wrap(self.mlp())
+        e = model.offloadd
+        waits = e.counts["room_waits"]
+
+        def full():
+            raise offloadd.ResourceExhaustedError(
+                "RESOURCE_EXHAUSTED: no room for block 3 (write of 1048576 bytes at offset 0 to "
+                "/nvme/offloadd.swap: No space left on device (ENOSPC))")
+        with self.assertRaisesRegex(offloadd.ResourceExhaustedError,
+                                    "writing to its NVMe tier failed .*ENOSPC"):
+            e.with_room("a test", full)
+        self.assertEqual(e.counts["room_waits"], waits)
+        whole = e.pool_need()["homed_each"]
+        e.shards, shards = e.shards[:1], e.shards
+        try:
+            self.assertEqual(e.pool_need()["homed_each"], whole)
+        finally:
+            e.shards = shards
+        opt.close()
+
     def test_a_deepspeed_nvme_path_is_said_to_be_unused_where_the_daemon_has_no_nvme(self):
         import offloadd
         ds = {"train_micro_batch_size_per_gpu": 4,

@@ -736,14 +736,15 @@ class _Engine:
                             or not self._hand_over) else 0
         per_param = (working * share["params"] + 4 * share["grads"]
                      + (12 + accumulator) * share["optimizer_state"])
-        elements = sum(s.slice_numel for s in self.shards)
+        slices = getattr(self, "_planned_slices", None) or [s.slice_numel for s in self.shards]
+        elements = sum(slices)
         homed_each = int(per_param * elements)
         largest = max((self._held_bytes(m) for m in self._modules_shards()), default=0)
         try:
             chunk = int(self.client.get_tunable("placement.state_chunk_bytes")["value"]) // 4
         except (offloadd.Error, KeyError, ValueError):
             chunk = 1 << 22
-        step = max((min(s.slice_numel, chunk) for s in self.shards), default=0) * (16 + esize)
+        step = max((min(n, chunk) for n in slices), default=0) * (16 + esize)
         if min(share.values()) >= 1.0:
             largest = step = 0  # all homed on the host: holds and steps pin nothing more
         return {"least": ranks * homed_each + max(ranks * largest, step), "ranks": ranks,
@@ -760,6 +761,8 @@ class _Engine:
     # and the GPU tier's own words for them): the NVMe tier's size, the
     # session's arena, the mapping budget, the sessions a daemon or a user
     # may have; the GPU tier's budget, the device's memory.
+    # A write-out to the NVMe tier that failed, in the daemon's words.
+    _DISK_FAILED = ("No space left on device", "(ENOSPC)", "Input/output error", "(EIO)")
     _NOT_ROOM = ("cannot rest on NVMe", "on NVMe: the tier has room", "session arena full",
                  "memory-mapping budget", "server.max_sessions", "the GPU tier has no room",
                  "cudaErrorMemoryAllocation", "emulated device:", "calls in flight at offloadd")
@@ -778,6 +781,13 @@ class _Engine:
             except offloadd.ResourceExhaustedError as e:
                 if any(m in str(e) for m in self._NOT_ROOM):
                     raise
+                if any(m in str(e) for m in self._DISK_FAILED):
+                    # The pool makes room by writing blocks out to the NVMe
+                    # tier, and the disk refuses: waiting does not help.
+                    raise offloadd.ResourceExhaustedError(
+                        f"offloadd cannot make room in its pool for {what}: writing to its NVMe "
+                        "tier failed (free space on that filesystem, or mend the disk; the "
+                        f"blocks stay in host memory meanwhile): {e}") from e
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
@@ -1215,6 +1225,10 @@ class _Engine:
                     f"{repr(mname) if mname else 'the model'} makes sparse gradients "
                     "(sparse=True), which offloadd's Adam, as "
                     "torch's AdamW, does not take: make it with sparse=False")
+        # The whole model's slices, for pool_need while some are not
+        # registered yet (a pool too small fails during registration).
+        self._planned_slices = [max(1, -(-p.numel() // self.world))
+                                for p in {id(p): p for p in model.parameters()}.values()]
         for name, p in model.named_parameters():
             if id(p) in self.by_param:
                 continue
