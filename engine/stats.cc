@@ -69,6 +69,7 @@ void AppendSwapperCounters(const SwapperStats& s, std::vector<CounterValue>* out
   add("swap_out_time", s.write_nanos / 1000, "us");
   add("swap_io_errors", s.io_errors, "errors");
   level("swap_io_queue", s.io_queue, "tasks");
+  level("swap_io_oldest_running", s.io_oldest_running_seconds, "seconds");
   add("swap_order_relearned", s.relearned, "times");
   add("swap_order_passes", s.order_passes, "passes");
   add("swap_repages", s.repages, "blocks");

@@ -270,7 +270,8 @@ Swapper::Swapper(const SwapperOptions& options, HostPool* pool, SwapSpace* space
                                space->stripe_bytes()),
       host_home_pages_(options.host_home_pages),
       prefetch_depth_(options.prefetch_depth),
-      prefetch_bytes_(options.prefetch_bytes) {}
+      prefetch_bytes_(options.prefetch_bytes),
+      stalled_io_(std::max<int64_t>(1, options.stalled_io_seconds)) {}
 
 Swapper::~Swapper() {
   // No spares wait for reads any more: the blocks' leases, released with
@@ -1075,7 +1076,29 @@ SwapperStats Swapper::Stats() const {
     }
   }
   s.io_queue = frees_.size() + io_queue_.size() + io_running_;
+  if (!io_started_.empty()) {
+    s.io_oldest_running_seconds =
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
+                                  std::chrono::steady_clock::now() - *io_started_.begin())
+                                  .count());
+  }
   return s;
+}
+
+void Swapper::WarnOfStalledIoLocked() {
+  if (io_started_.empty()) return;
+  const auto running = std::chrono::steady_clock::now() - *io_started_.begin();
+  if (running < stalled_io_) return;
+  static LogLimiter stalled(absl::Minutes(1));
+  if (const int64_t held = stalled.Admit(absl::Now()); held >= 0) {
+    LogWarning(
+        "swapper: an NVMe transfer has been running for %s (%d running, %d queued): the disk "
+        "is stalled (a frozen filesystem, a failing device?); the fetches and steps that need "
+        "its blocks wait for it%s",
+        absl::FormatDuration(absl::Trunc(absl::FromChrono(running), absl::Seconds(1))),
+        static_cast<int64_t>(io_running_), static_cast<int64_t>(io_queue_.size()),
+        LogLimiter::Held(held));
+  }
 }
 
 void Swapper::WaitIdle() {
@@ -1687,9 +1710,11 @@ void Swapper::IoThread() {
       if (frees_.empty() && io_queue_.empty() && !stopping_) ++stats_.idle_wakeups;
     }
     ++io_running_;
+    const auto started = io_started_.insert(std::chrono::steady_clock::now());
     mu_.Unlock();
     task(staging);  // decrements io_running_ under the lock
     mu_.Lock();
+    io_started_.erase(started);
     if (trace.has_value()) {
       io_queue_.Done(*trace, std::chrono::steady_clock::now());
       if (!io_queue_.empty()) io_work_.SignalAll();  // a transfer waiting for it may go
@@ -1701,8 +1726,14 @@ void Swapper::MoverThread() {
   absl::MutexLock lock(&mu_);
   for (;;) {
     while (moves_.empty() && prefetches_.empty() && !stopping_) {
-      move_work_.Wait(&mu_);
-      if (moves_.empty() && prefetches_.empty() && !stopping_) ++stats_.idle_wakeups;
+      // (Awake now and then to say a stalled transfer: the I/O threads
+      // are the ones waiting on it.)
+      const bool timed_out = move_work_.WaitWithTimeout(
+          &mu_, std::min(absl::Seconds(5), absl::FromChrono(stalled_io_) / 2));
+      WarnOfStalledIoLocked();
+      if (!timed_out && moves_.empty() && prefetches_.empty() && !stopping_) {
+        ++stats_.idle_wakeups;
+      }
     }
     if (stopping_) return;
     Move move{0, MoveKind::kPrefetch};
@@ -1730,7 +1761,10 @@ void Swapper::MoverThread() {
         CountVictimLocked(kind);
         EvictLocked(victim);
       }
-      while (writes_in_flight_ > 0) changed_.Wait(&mu_);
+      while (writes_in_flight_ > 0) {
+        changed_.WaitWithTimeout(&mu_, absl::FromChrono(stalled_io_) / 2);
+        WarnOfStalledIoLocked();
+      }
       mover_busy_ = false;
       changed_.SignalAll();
       continue;
@@ -1743,7 +1777,8 @@ void Swapper::MoverThread() {
     mover_busy_ = true;
     // Its pages still being freed (evicted a moment ago): once they are.
     while (b != nullptr && b->dropping) {
-      changed_.Wait(&mu_);
+      changed_.WaitWithTimeout(&mu_, absl::FromChrono(stalled_io_) / 2);
+      WarnOfStalledIoLocked();
       b = FindLocked(move.id);
     }
     if (b == nullptr || b->state != BlockState::kOnNvme) {

@@ -110,6 +110,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -177,6 +178,7 @@ struct SwapperStats {
   uint64_t read_nanos = 0, write_nanos = 0;  // summed over I/O threads
   uint64_t io_errors = 0;
   uint64_t io_queue = 0;                            // I/O tasks queued or running
+  uint64_t io_oldest_running_seconds = 0;           // how long the oldest running one has run
   uint64_t relearned = 0;                           // trace orders re-learned
   uint64_t order_passes = 0;                        // passes without a step (AccessTrace)
   uint64_t discards = 0;                            // blocks whose bytes were dropped as dead
@@ -636,6 +638,11 @@ class Swapper {
   std::function<std::chrono::steady_clock::time_point()> clock_for_testing_ ABSL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point SharesNowLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t io_running_ ABSL_GUARDED_BY(mu_) = 0;
+  // When each running I/O task began (the oldest first).
+  std::multiset<std::chrono::steady_clock::time_point> io_started_ ABSL_GUARDED_BY(mu_);
+  const std::chrono::seconds stalled_io_;  // SwapperOptions::stalled_io_seconds
+  // Says a transfer running longer than stalled_io_ (the mover's check).
+  void WarnOfStalledIoLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);
   SwapperStats stats_ ABSL_GUARDED_BY(mu_);

@@ -30,6 +30,12 @@ struct SwapperOptions {
   // a step took 3.8-4.4x as long on them: benches/RESULTS.md, step_overlap). Not
   // a tunable: the daemon sets it from memory.host_home_pages.
   Pages host_home_pages = Pages::kHuge;
+
+  // A transfer running this long is said in the log (at most once a
+  // minute): a stalled disk (a frozen filesystem, a failing device) leaves
+  // the fetches and steps that need its blocks waiting, and nothing else
+  // would say why. Not a tunable (tests shorten it).
+  int64_t stalled_io_seconds = 30;
 };
 
 inline constexpr IntRange kPrefetchDepthRange{0, 4096};

@@ -87,6 +87,7 @@ class SwapperTest : public ::testing::Test {
     o.prefetch_depth = prefetch_depth;
     o.io_threads = io_threads;
     o.host_home_pages = host_home_pages;
+    o.stalled_io_seconds = stalled_io_seconds_;
     auto s = Swapper::Create(o, pool_.get(), space_.get());
     ASSERT_TRUE(s.ok()) << s.status();
     swapper_ = std::move(*s);
@@ -177,6 +178,7 @@ class SwapperTest : public ::testing::Test {
     }
   }
 
+  int64_t stalled_io_seconds_ = 30;  // Make's
   std::string dir_;
   FaultInjectingBackend* faults_ = nullptr;
   std::unique_ptr<IoBackend> backend_;
@@ -240,6 +242,47 @@ TEST_F(SwapperTest, ATierFullOfStateRewrittenEveryStepKeepsTraining) {
 // (tens of thousands a second): it must not wake the idle I/O threads and
 // the mover, which find nothing to do and cost a context switch each on the
 // cores the callers need.
+// A transfer that does not complete (a frozen filesystem) is said in the
+// log and in the stats: fetches and steps waited with nothing saying why.
+TEST_F(SwapperTest, AStalledTransferIsSaid) {
+  stalled_io_seconds_ = 1;
+  Make(kMiB);
+  ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kNvme, 7).ok());
+  ASSERT_TRUE(swapper_->Add(2, kMiB, Tier::kNvme, 7).ok());
+  Write(1, 11);
+  absl::Notification reached, release;
+  HoldIo(1, /*write=*/true, &reached, &release);
+  char log_path[] = "/tmp/swapper_log.XXXXXX";
+  const int log_fd = mkstemp(log_path);
+  ASSERT_GE(log_fd, 0);
+  const int saved_stderr = dup(2);
+  dup2(log_fd, 2);
+  std::thread writer([&] { Write(2, 22); });  // evicts 1: its write-out stalls
+  reached.WaitForNotification();
+  // Polled: the log line and the gauge are what is observed, and nothing
+  // announces them.
+  std::string log;
+  uint64_t oldest = 0;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20); absl::Now() < deadline;) {
+    log.assign(4096, '\0');
+    log.resize(std::max<ssize_t>(0, pread(log_fd, log.data(), log.size(), 0)));
+    oldest = swapper_->Stats().io_oldest_running_seconds;
+    if (absl::StrContains(log, "has been running for") && oldest >= 1) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  release.Notify();
+  writer.join();
+  dup2(saved_stderr, 2);
+  close(saved_stderr);
+  close(log_fd);
+  unlink(log_path);
+  swapper_->SetIoHookForTesting(nullptr);
+  EXPECT_TRUE(absl::StrContains(log, "an NVMe transfer has been running for")) << log;
+  EXPECT_GE(oldest, 1u);
+  EXPECT_EQ(swapper_->Stats().io_oldest_running_seconds, 0u);
+  ExpectHolds(2, 22);
+}
+
 TEST_F(SwapperTest, PinningResidentBlocksWakesNoIdleWorker) {
   Make(4 * kMiB, /*prefetch_depth=*/0, /*io_threads=*/4);
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 7).ok());
