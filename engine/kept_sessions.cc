@@ -236,6 +236,9 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
       continue;
     }
     if (taken_over && kept != in_memory.end()) not_reopened.push_back(sub);
+    if (uint64_t named = 0; absl::SimpleAtoi(name, &named)) {
+      sessions.NotReopened(named, id.status());
+    }
     if (absl::IsNotFound(id.status()) && absl::StrContains(id.status().message(), "kept memory")) {
       // (memory.pool_dir emptied, as by a reboot: nothing can read it.)
       LogWarning(

@@ -504,6 +504,14 @@ TEST(KeptSessions, OneThatCannotBeReopenedLeavesItsAutomaticCheckpoints) {
     third.SetAutoCheckpoint(automatic);
     EXPECT_EQ(ReopenKeptSessions(third, spoilt), 0);
     EXPECT_TRUE(third.Sessions().empty());
+    // Its trainer is answered as after a crash (its id is not this
+    // offloadd's, with why and its automatic checkpoint), so that it goes
+    // on from that (it was told the session had been closed).
+    const absl::Status answer = third.Close(key);
+    EXPECT_EQ(answer.code(), absl::StatusCode::kNotFound) << answer;
+    EXPECT_TRUE(absl::StrContains(answer.message(), "not one of its ids")) << answer;
+    EXPECT_TRUE(absl::StrContains(answer.message(), "could not reopen it")) << answer;
+    EXPECT_TRUE(absl::StrContains(answer.message(), "automatic checkpoint of step 1")) << answer;
     auto manifests = checkpoint::ReadManifests(autodir);
     ASSERT_TRUE(manifests.ok()) << manifests.status();
     ASSERT_EQ(manifests->size(), 1u);

@@ -597,11 +597,23 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
   return true;
 }
 
+void SessionManager::NotReopened(uint64_t id, const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  if (sessions_.contains(id)) return;
+  kept_ids_.erase(id);
+  not_reopened_[id] = why.ToString();
+}
+
 absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
   std::string dir;
+  std::string not_reopened;
   {
     absl::MutexLock lock(&mu_);
     if (!auto_checkpoint_.dir.empty()) dir = absl::StrCat(auto_checkpoint_.dir, "/", id);
+    if (auto it = not_reopened_.find(id); it != not_reopened_.end()) {
+      not_reopened = absl::StrCat(": offloadd kept it across its restart but could not reopen it (",
+                                  it->second, ")");
+    }
   }
   // Its automatic checkpoint, if the offloadd it died with left one (read
   // outside the lock: a file).
@@ -615,11 +627,12 @@ absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
                            " to go on from there");
     }
   }
-  return absl::NotFoundError(absl::StrCat(
-      "no session ", id,
-      " in this offloadd: it is not one of its ids (offloadd was restarted since the session "
-      "was opened, or the id is wrong)",
-      where.empty() ? "; open a new session" : where));
+  return absl::NotFoundError(
+      absl::StrCat("no session ", id, " in this offloadd: it is not one of its ids ",
+                   not_reopened.empty()
+                       ? "(offloadd was restarted since the session was opened, or the id is wrong)"
+                       : absl::StrCat("(", not_reopened.substr(2), ")"),
+                   where.empty() ? "; open a new session" : where));
 }
 
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(

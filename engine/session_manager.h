@@ -524,6 +524,10 @@ class SessionManager {
   absl::Status Reopen(const KeptSession& kept, const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
   // The reconnect lease of the reopened sessions `ids` starts now.
   void StartReconnectLeases(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // Session `id`, kept by the offloadd before, could not be reopened
+  // (`why`): its trainer's calls are answered as after a crash (NOT_FOUND,
+  // with why and its automatic checkpoint), so that it goes on from that.
+  void NotReopened(uint64_t id, const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Session;
@@ -665,6 +669,8 @@ class SessionManager {
   // incarnation is not this daemon's): once closed, they are said to be
   // closed, not unknown.
   absl::flat_hash_set<uint64_t> kept_ids_ ABSL_GUARDED_BY(mu_);
+  // Kept sessions that could not be reopened, and why (NotReopened).
+  absl::flat_hash_map<uint64_t, std::string> not_reopened_ ABSL_GUARDED_BY(mu_);
   // partition id -> owning session id, for telling "not yours" from "no such".
   absl::flat_hash_map<uint64_t, uint64_t> partition_owner_ ABSL_GUARDED_BY(mu_);
   absl::Duration ring_spin_ ABSL_GUARDED_BY(mu_) = absl::ZeroDuration();
