@@ -6,12 +6,14 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -28,6 +30,9 @@ namespace offload {
 namespace {
 
 constexpr char kPreservedFile[] = "session.binpb";
+// Beside the kept sessions: "<id> <why>" a line, each session the stop
+// could not keep (KeepSessions), for the next offloadd to say why.
+constexpr char kNotKeptFile[] = "not-kept";
 
 // The name a kept session's state has in the pool's file's directory.
 std::string MemoryLinkFor(const std::string& memory_dir, uint64_t id) {
@@ -181,6 +186,14 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
     if (session.ok() || !absl::IsNotFound(session.status())) ++bytes->lost;
     LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(id),
                session.ok() ? session->name : "", status.ToString());
+    if (session.ok()) {
+      // For the next offloadd to tell its trainer why (best effort: a full
+      // disk may refuse this line too).
+      const std::string line = absl::StrCat(id, " ", status.ToString(), "\n");
+      UniqueFd f(open(absl::StrCat(dir, "/", kNotKeptFile).c_str(),
+                      O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
+      if (f.valid()) (void)!write(f.get(), line.data(), line.size());
+    }
     // Reopened from there and not resumed since: that copy stays.
     if (!sessions.ReopenedFrom(id, sub)) RemoveDirectoryOfFiles(sub);
   }
@@ -222,7 +235,22 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
   }
   std::vector<uint64_t> reopened;
   std::vector<std::string> not_reopened;  // kept in the taken-over file
+  // The sessions the stop could not keep, and why.
+  absl::flat_hash_set<std::string> not_kept;
+  if (std::ifstream lost(absl::StrCat(dir, "/", kNotKeptFile)); lost) {
+    uint64_t id = 0;
+    std::string why;
+    while (lost >> id && std::getline(lost, why)) {
+      sessions.NotReopened(id, absl::StrCat("the offloadd before could not keep it across its "
+                                            "stop:",
+                                            why));
+      not_kept.insert(absl::StrCat(id));
+    }
+    unlink(absl::StrCat(dir, "/", kNotKeptFile).c_str());
+  }
   for (const std::string& name : ListDirectory(dir)) {
+    // (What a failed keep left is not a kept session.)
+    if (name == kNotKeptFile || not_kept.contains(name)) continue;
     const std::string sub = absl::StrCat(dir, "/", name);
     if (before_each) {
       uint64_t named = 0;
@@ -237,7 +265,9 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
     }
     if (taken_over && kept != in_memory.end()) not_reopened.push_back(sub);
     if (uint64_t named = 0; absl::SimpleAtoi(name, &named)) {
-      sessions.NotReopened(named, id.status());
+      sessions.NotReopened(named, absl::StrCat("offloadd kept it across its restart but could "
+                                               "not reopen it: ",
+                                               id.status().ToString()));
     }
     if (absl::IsNotFound(id.status()) && absl::StrContains(id.status().message(), "kept memory")) {
       // (memory.pool_dir emptied, as by a reboot: nothing can read it.)

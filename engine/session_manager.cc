@@ -597,11 +597,11 @@ bool SessionManager::FinalCheckpoint(const std::shared_ptr<Session>& session, bo
   return true;
 }
 
-void SessionManager::NotReopened(uint64_t id, const absl::Status& why) {
+void SessionManager::NotReopened(uint64_t id, std::string why) {
   absl::MutexLock lock(&mu_);
   if (sessions_.contains(id)) return;
   kept_ids_.erase(id);
-  not_reopened_[id] = why.ToString();
+  not_reopened_[id] = std::move(why);
 }
 
 absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
@@ -610,10 +610,7 @@ absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
   {
     absl::MutexLock lock(&mu_);
     if (!auto_checkpoint_.dir.empty()) dir = absl::StrCat(auto_checkpoint_.dir, "/", id);
-    if (auto it = not_reopened_.find(id); it != not_reopened_.end()) {
-      not_reopened = absl::StrCat(": offloadd kept it across its restart but could not reopen it (",
-                                  it->second, ")");
-    }
+    if (auto it = not_reopened_.find(id); it != not_reopened_.end()) not_reopened = it->second;
   }
   // Its automatic checkpoint, if the offloadd it died with left one (read
   // outside the lock: a file).
@@ -631,7 +628,7 @@ absl::Status SessionManager::FromBeforeARestart(uint64_t id) const {
       absl::StrCat("no session ", id, " in this offloadd: it is not one of its ids ",
                    not_reopened.empty()
                        ? "(offloadd was restarted since the session was opened, or the id is wrong)"
-                       : absl::StrCat("(", not_reopened.substr(2), ")"),
+                       : absl::StrCat("(", not_reopened, ")"),
                    where.empty() ? "; open a new session" : where));
 }
 

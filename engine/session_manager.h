@@ -524,10 +524,11 @@ class SessionManager {
   absl::Status Reopen(const KeptSession& kept, const std::string& dir) ABSL_LOCKS_EXCLUDED(mu_);
   // The reconnect lease of the reopened sessions `ids` starts now.
   void StartReconnectLeases(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
-  // Session `id`, kept by the offloadd before, could not be reopened
-  // (`why`): its trainer's calls are answered as after a crash (NOT_FOUND,
-  // with why and its automatic checkpoint), so that it goes on from that.
-  void NotReopened(uint64_t id, const absl::Status& why) ABSL_LOCKS_EXCLUDED(mu_);
+  // Session `id` of the offloadd before was not kept across its stop, or
+  // could not be reopened (`why`, a phrase: "offloadd kept it ... but"):
+  // its trainer's calls are answered as after a crash (NOT_FOUND, with why
+  // and its automatic checkpoint), so that it goes on from that.
+  void NotReopened(uint64_t id, std::string why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Session;

@@ -3599,6 +3599,38 @@ TEST(DaemonRestart, AStopThatLosesASessionExitsWithAFailure) {
   EXPECT_FALSE(absl::StrContains(log, "stopped cleanly")) << log;
 }
 
+// A session the stop could not keep (here its directory is taken by a
+// file) is said to its trainer by the next offloadd: NOT_FOUND with why
+// (it was told its id was wrong, or from before a restart).
+TEST(DaemonRestart, ASessionAStopCouldNotKeepIsSaidToItsTrainer) {
+  const std::vector<std::string> flags = {"--server.reconnect_lease_seconds=30"};
+  auto d = DaemonProcess::Start(flags);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::string data_dir = (*d)->data_dir();
+  uint64_t id = 0;
+  {
+    auto client = Client::Connect({(*d)->address()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    TrainedBeforeRestart trained = TrainBeforeRestart(client->get());
+    id = trained.id;
+    std::filesystem::create_directories(data_dir + "/preserved");
+    std::ofstream(absl::StrCat(data_dir, "/preserved/", id)) << "in the way\n";
+    auto stopped = (*d)->Stop();
+    trained.session.reset();
+    ASSERT_TRUE(stopped.ok()) << stopped.status();
+    EXPECT_EQ(*stopped, 1);
+  }
+  auto next = DaemonProcess::StartIn(data_dir, flags);
+  ASSERT_TRUE(next.ok()) << next.status();
+  auto client = Client::Connect({(*next)->address()});
+  ASSERT_TRUE(client.ok()) << client.status();
+  const absl::Status answer = (*client)->CloseUnattachedSession(id);
+  EXPECT_EQ(answer.code(), absl::StatusCode::kNotFound) << answer;
+  EXPECT_TRUE(
+      absl::StrContains(answer.message(), "the offloadd before could not keep it across its stop"))
+      << answer;
+}
+
 // A session a stop kept whose kept memory is gone at the next start (the
 // pool's directory on tmpfs emptied, as by a reboot) is said to be beyond
 // reopening, not "left for restore_from" (which fails the same way); and it
