@@ -595,11 +595,24 @@ absl::Status Daemon::StartAutoCheckpoints() {
     }
     absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
         checkpoint::ReadManifests(dir);
-    if (manifests.ok() && manifests->empty()) continue;
     if (!manifests.ok() && ListDirectory(dir).empty()) {
       RemoveDirectoryOfFiles(dir);  // (one a session made and never checkpointed into)
       continue;
     }
+    // Aged from when a start first found it lost (its marker's time), not
+    // from its checkpoint's: a node that was off for long keeps what its
+    // jobs would resume from.
+    const std::string marker = absl::StrCat(dir, "/", kLostSinceFile);
+    struct stat since;
+    if (stat(marker.c_str(), &since) != 0) {
+      UniqueFd made(::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
+      since.st_mtime = time(nullptr);
+    }
+    const absl::Time found = absl::FromTimeT(since.st_mtime);
+    const bool expired =
+        o.lost_keep_hours > 0 && absl::Now() - found > absl::Hours(o.lost_keep_hours);
+    const std::string found_on =
+        absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", found, absl::UTCTimeZone());
     if (!manifests.ok()) {
       // Its latest checkpoint unreadable: a previous one may be intact.
       std::string previous;
@@ -613,9 +626,17 @@ absl::Status Daemon::StartAutoCheckpoints() {
           break;
         }
       }
-      if (previous.empty()) {
-        LogWarning("%s holds no readable automatic checkpoint (%s); nothing can resume from it",
-                   dir, manifests.status().ToString());
+      if (expired) {
+        RemoveDirectoryOfFiles(dir);
+        LogInfo(
+            "removed %s, an automatic checkpoint whose latest did not read back, found lost on "
+            "%s: none resumed it within checkpoint.lost_keep_hours (%d)",
+            dir, found_on, static_cast<int>(o.lost_keep_hours));
+      } else if (previous.empty()) {
+        LogWarning(
+            "%s holds no readable automatic checkpoint (%s): nothing can resume from it; remove "
+            "it (it goes by itself after checkpoint.lost_keep_hours)",
+            dir, manifests.status().ToString());
       } else {
         LogWarning(
             "%s: its latest automatic checkpoint is unreadable (%s); its previous one is "
@@ -626,23 +647,12 @@ absl::Status Daemon::StartAutoCheckpoints() {
       continue;
     }
     const checkpoint::Manifest& m = manifests->front().second;
-    // Aged from when a start first found it lost (its marker's time), not
-    // from its checkpoint's: a node that was off for long keeps what its
-    // jobs would resume from.
-    const std::string marker = absl::StrCat(dir, "/", kLostSinceFile);
-    struct stat since;
-    if (stat(marker.c_str(), &since) != 0) {
-      UniqueFd made(::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600));
-      since.st_mtime = time(nullptr);
-    }
-    const absl::Time found = absl::FromTimeT(since.st_mtime);
-    if (o.lost_keep_hours > 0 && absl::Now() - found > absl::Hours(o.lost_keep_hours)) {
+    if (expired) {
       RemoveDirectoryOfFiles(dir);
       LogInfo(
           "removed %s, the automatic checkpoint of step %d of session '%s', found lost on %s: "
           "none resumed it within checkpoint.lost_keep_hours (%d)",
-          dir, static_cast<int64_t>(m.steps()), m.session_name(),
-          absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", found, absl::UTCTimeZone()),
+          dir, static_cast<int64_t>(m.steps()), m.session_name(), found_on,
           static_cast<int>(o.lost_keep_hours));
       continue;
     }

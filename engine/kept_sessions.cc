@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <fstream>
@@ -186,16 +187,19 @@ int KeepSessions(SessionManager& sessions, const std::string& dir, PoolFile* mem
     if (session.ok() || !absl::IsNotFound(session.status())) ++bytes->lost;
     LogWarning("session %d ('%s') is not kept across the restart: %s", static_cast<int64_t>(id),
                session.ok() ? session->name : "", status.ToString());
+    // Reopened from there and not resumed since: that copy stays.
+    if (sessions.ReopenedFrom(id, sub)) continue;
+    RemoveDirectoryOfFiles(sub);
     if (session.ok()) {
       // For the next offloadd to tell its trainer why (best effort: a full
-      // disk may refuse this line too).
-      const std::string line = absl::StrCat(id, " ", status.ToString(), "\n");
+      // disk may refuse this line too). One line: "<id> <why>".
+      std::string why = status.ToString();
+      std::replace(why.begin(), why.end(), '\n', ' ');
+      const std::string line = absl::StrCat(id, " ", why, "\n");
       UniqueFd f(open(absl::StrCat(dir, "/", kNotKeptFile).c_str(),
                       O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600));
       if (f.valid()) (void)!write(f.get(), line.data(), line.size());
     }
-    // Reopened from there and not resumed since: that copy stays.
-    if (!sessions.ReopenedFrom(id, sub)) RemoveDirectoryOfFiles(sub);
   }
   return kept;
 }
@@ -238,11 +242,15 @@ int ReopenKeptSessions(SessionManager& sessions, const std::string& dir, PoolFil
   // The sessions the stop could not keep, and why.
   absl::flat_hash_set<std::string> not_kept;
   if (std::ifstream lost(absl::StrCat(dir, "/", kNotKeptFile)); lost) {
-    uint64_t id = 0;
-    std::string why;
-    while (lost >> id && std::getline(lost, why)) {
+    for (std::string line; std::getline(lost, line);) {
+      uint64_t id = 0;
+      const size_t space = line.find(' ');
+      if (space == std::string::npos || !absl::SimpleAtoi(line.substr(0, space), &id)) continue;
+      const std::string why = line.substr(space + 1);
+      LogWarning("session %d was not kept across the restart by the offloadd before: %s",
+                 static_cast<int64_t>(id), why);
       sessions.NotReopened(id, absl::StrCat("the offloadd before could not keep it across its "
-                                            "stop:",
+                                            "stop: ",
                                             why));
       not_kept.insert(absl::StrCat(id));
     }

@@ -290,8 +290,15 @@ absl::StatusOr<OpenedSession> SessionManager::OpenAs(
   PlacementChange placed = placement;
   std::optional<LossScalingOptions> scaling = loss_scaling;
   if (!restore_from.empty()) {
-    ASSIGN_OR_RETURN(restore,
-                     CheckpointRestore::Open(restore_from, std::string(name), restore_spec.steps));
+    std::optional<uint64_t> steps = restore_spec.steps;
+    if (restore_spec.lost && !steps.has_value()) {
+      // The newest of its checkpoints that reads back (a latest one the
+      // disk corrupted leaves the one kept before it).
+      const std::vector<uint64_t> readable =
+          checkpoint::CheckpointSteps(restore_from, checkpoint::StemFor(name));
+      if (!readable.empty()) steps = readable.front();
+    }
+    ASSIGN_OR_RETURN(restore, CheckpointRestore::Open(restore_from, std::string(name), steps));
     if (!restore_spec.lost) {
       restorable_steps = checkpoint::CheckpointSteps(restore_from, checkpoint::StemFor(name));
     }

@@ -931,7 +931,11 @@ void Swapper::ReleasedLocked(Block* b) {
 }
 
 void Swapper::WaitForChangeLocked() {
-  changed_.Wait(&mu_);
+  // (Timed: one waiting on a stalled transfer says so.)
+  if (changed_.WaitWithTimeout(&mu_, absl::FromChrono(stalled_io_) / 2)) {
+    WarnOfStalledIoLocked();
+    return;
+  }
   ++stats_.waiter_wakeups;
 }
 
@@ -1089,10 +1093,9 @@ void Swapper::WarnOfStalledIoLocked() {
   if (io_started_.empty()) return;
   const auto running = std::chrono::steady_clock::now() - *io_started_.begin();
   if (running < stalled_io_) return;
-  static LogLimiter stalled(absl::Minutes(1));
-  if (const int64_t held = stalled.Admit(absl::Now()); held >= 0) {
+  if (const int64_t held = stalled_.Admit(absl::Now()); held >= 0) {
     LogWarning(
-        "swapper: an NVMe transfer has been running for %s (%d running, %d queued): the disk "
+        "swapper: an NVMe task has been running for %s (%d running, %d queued): the disk "
         "is stalled (a frozen filesystem, a failing device?); the fetches and steps that need "
         "its blocks wait for it%s",
         absl::FormatDuration(absl::Trunc(absl::FromChrono(running), absl::Seconds(1))),
@@ -1625,8 +1628,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
       b->given = false;
       RelistLocked(*b);
       // (Retried as room is wanted: a full disk fails every block, often.)
-      static LogLimiter write_failures(absl::Seconds(10));
-      if (const int64_t held = write_failures.Admit(absl::Now()); held >= 0) {
+      if (const int64_t held = write_failures_.Admit(absl::Now()); held >= 0) {
         LogWarning("swapper: writing block %d out failed, it stays in host memory: %s%s",
                    static_cast<int64_t>(id), status.ToString(), LogLimiter::Held(held));
       }
@@ -1654,8 +1656,7 @@ void Swapper::RunIo(BlockId id, bool is_write, HostMemory& staging) {
                                    absl::StrCat("swapping in block ", id, ": ", status.message()));
       ++b->failed_reads;
       // The operator's sign of a failing disk (the trainer gets the error).
-      static LogLimiter read_failures(absl::Seconds(10));
-      if (const int64_t held = read_failures.Admit(absl::Now()); held >= 0) {
+      if (const int64_t held = read_failures_.Admit(absl::Now()); held >= 0) {
         LogWarning("swapper: swapping block %d in failed, its fetch or step fails: %s%s",
                    static_cast<int64_t>(id), status.ToString(), LogLimiter::Held(held));
       }

@@ -125,6 +125,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "base/host_memory.h"
+#include "base/log.h"
 #include "nvme/swap_space.h"
 #include "swapper/access_trace.h"
 #include "swapper/fair_queue.h"
@@ -641,8 +642,13 @@ class Swapper {
   // When each running I/O task began (the oldest first).
   std::multiset<std::chrono::steady_clock::time_point> io_started_ ABSL_GUARDED_BY(mu_);
   const std::chrono::seconds stalled_io_;  // SwapperOptions::stalled_io_seconds
-  // Says a transfer running longer than stalled_io_ (the mover's check).
+  // Says a transfer running longer than stalled_io_ (checked by whoever
+  // waits: the mover, a fetch waiting for a block).
   void WarnOfStalledIoLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The log lines a failing or stalled disk repeats, each at most so often.
+  LogLimiter write_failures_{absl::Seconds(10)};
+  LogLimiter read_failures_{absl::Seconds(10)};
+  LogLimiter stalled_{absl::Minutes(1)};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void(BlockId, bool)> io_hook_ ABSL_GUARDED_BY(mu_);
   SwapperStats stats_ ABSL_GUARDED_BY(mu_);

@@ -238,10 +238,6 @@ TEST_F(SwapperTest, ATierFullOfStateRewrittenEveryStepKeepsTraining) {
   EXPECT_GT(space_->Stats().in_place_rewrites, 0u);
 }
 
-// Pinning and unpinning a resident block is the hot path of every fetch
-// (tens of thousands a second): it must not wake the idle I/O threads and
-// the mover, which find nothing to do and cost a context switch each on the
-// cores the callers need.
 // A transfer that does not complete (a frozen filesystem) is said in the
 // log and in the stats: fetches and steps waited with nothing saying why.
 TEST_F(SwapperTest, AStalledTransferIsSaid) {
@@ -277,12 +273,16 @@ TEST_F(SwapperTest, AStalledTransferIsSaid) {
   close(log_fd);
   unlink(log_path);
   swapper_->SetIoHookForTesting(nullptr);
-  EXPECT_TRUE(absl::StrContains(log, "an NVMe transfer has been running for")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "an NVMe task has been running for")) << log;
   EXPECT_GE(oldest, 1u);
   EXPECT_EQ(swapper_->Stats().io_oldest_running_seconds, 0u);
   ExpectHolds(2, 22);
 }
 
+// Pinning and unpinning a resident block is the hot path of every fetch
+// (tens of thousands a second): it must not wake the idle I/O threads and
+// the mover, which find nothing to do and cost a context switch each on the
+// cores the callers need.
 TEST_F(SwapperTest, PinningResidentBlocksWakesNoIdleWorker) {
   Make(4 * kMiB, /*prefetch_depth=*/0, /*io_threads=*/4);
   ASSERT_TRUE(swapper_->Add(1, kMiB, Tier::kHost, 7).ok());

@@ -3372,11 +3372,6 @@ TrainedBeforeRestart TrainBeforeRestart(Client* c) {
   return t;
 }
 
-// Automatic checkpoints: a kill -9 of offloadd loses the steps since each
-// session's last one, not the job. The next offloadd names each lost
-// session's checkpoint; a session restoring it goes on bit for bit as one
-// that never died; a session that closed left none behind, and the lost
-// one's goes when the session that restored it closes.
 // A lost session's latest automatic checkpoint that the disk corrupted:
 // the next start names the one kept before it (said "remove it", with an
 // intact checkpoint in the directory); a lost directory with nothing in it
@@ -3430,6 +3425,11 @@ TEST(DaemonRestart, ACorruptedAutomaticCheckpointIsNamedWithTheOneBeforeIt) {
   EXPECT_FALSE(std::filesystem::exists(empty));
 }
 
+// Automatic checkpoints: a kill -9 of offloadd loses the steps since each
+// session's last one, not the job. The next offloadd names each lost
+// session's checkpoint; a session restoring it goes on bit for bit as one
+// that never died; a session that closed left none behind, and the lost
+// one's goes when the session that restored it closes.
 TEST(DaemonRestart, AKilledOffloaddLeavesEachSessionItsAutomaticCheckpoint) {
   const std::vector<std::string> flags = {"--checkpoint.auto_every_steps=2",
                                           "--checkpoint.auto_interval_seconds=0"};

@@ -761,8 +761,10 @@ class _Engine:
     # and the GPU tier's own words for them): the NVMe tier's size, the
     # session's arena, the mapping budget, the sessions a daemon or a user
     # may have; the GPU tier's budget, the device's memory.
-    # A write-out to the NVMe tier that failed, in the daemon's words.
-    _DISK_FAILED = ("No space left on device", "(ENOSPC)", "Input/output error", "(EIO)")
+    # Room the pool could not make because the NVMe tier took no block, in
+    # the daemon's words: a write-out that failed (swapper.cc, MakeRoomLocked),
+    # no extent left (nvme/swap_space.cc).
+    _DISK_FAILED = ("in the host pool: writing block", "NVMe tier full")
     _NOT_ROOM = ("cannot rest on NVMe", "on NVMe: the tier has room", "session arena full",
                  "memory-mapping budget", "server.max_sessions", "the GPU tier has no room",
                  "cudaErrorMemoryAllocation", "emulated device:", "calls in flight at offloadd")
@@ -783,11 +785,12 @@ class _Engine:
                     raise
                 if any(m in str(e) for m in self._DISK_FAILED):
                     # The pool makes room by writing blocks out to the NVMe
-                    # tier, and the disk refuses: waiting does not help.
+                    # tier, and the tier refuses: waiting does not help.
                     raise offloadd.ResourceExhaustedError(
-                        f"offloadd cannot make room in its pool for {what}: writing to its NVMe "
-                        "tier failed (free space on that filesystem, or mend the disk; the "
-                        f"blocks stay in host memory meanwhile): {e}") from e
+                        f"offloadd cannot make room in its pool for {what}: its NVMe tier "
+                        "takes no more (full, or its disk refuses writes: free space there, "
+                        "raise nvme.bytes_per_dir, or mend the disk; the blocks stay in host "
+                        f"memory meanwhile): {e}") from e
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
@@ -995,21 +998,28 @@ class _Engine:
         try:
             session, pids, steps = self._restore_from_dir(directory, None)
         except offloadd.DataLossError as e:
-            # Its latest checkpoint unreadable (a disk's corruption): the one
-            # kept before it, if intact, is where to go on from.
+            # Its latest checkpoint does not read back (a disk's corruption;
+            # not a parameter the checkpoint lacks): the one kept before it,
+            # if intact, is where to go on from. (The steps that read back:
+            # the latest's first where its manifest did, and failed after.)
             name = f"{self.config['session_name']}/rank{self.rank}"
-            for step in offloadd.checkpoint_steps(directory, name):
+            readable = offloadd.checkpoint_steps(directory, name)
+            older = (readable if ".manifest:" in str(e) else readable[1:])
+            if "holds no state of" in str(e):
+                older = []
+            for step in older:
                 try:
                     session, pids, steps = self._restore_from_dir(directory, step)
                 except offloadd.DataLossError:
                     continue
-                _log.warning("the latest automatic checkpoint in %s is unreadable (%s): going "
-                             "on from the one of step %d", directory, e, step)
+                _log.warning("the latest automatic checkpoint in %s does not read back (%s): "
+                             "going on from the one of step %d", directory, e, step)
                 break
             else:
                 raise offloadd.DataLossError(
-                    f"{e}; this job cannot go on from it (no older checkpoint in {directory} "
-                    "reads back either)") from cause
+                    f"{e}; this job cannot go on from it" +
+                    (f" (nor from the one kept before it in {directory})" if older else "")
+                ) from cause
         for s in self.shards:
             s.pid = pids[id(s)]
         self._reset_after_restart(session)
