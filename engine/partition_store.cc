@@ -436,6 +436,16 @@ bool PartitionStore::Contains(uint64_t id) const {
   return Find(id) != nullptr;
 }
 
+std::vector<PartitionStore::TensorSlice> PartitionStore::TensorSlices() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<TensorSlice> out;
+  out.reserve(partitions_.size());
+  for (const auto& [id, p] : partitions_) {
+    out.push_back({p->tensor, p->tensor_offset, p->info.numel});
+  }
+  return out;
+}
+
 size_t PartitionStore::held() const {
   absl::MutexLock lock(&mu_);
   size_t n = 0;

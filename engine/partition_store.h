@@ -361,6 +361,14 @@ class PartitionStore {
   uint64_t bytes(DataKind kind, Tier home) const ABSL_LOCKS_EXCLUDED(mu_);
   // Partitions the trainer holds now.
   size_t held() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Each partition's tensor and elements of it ([offset, offset + numel)),
+  // as its checkpoint records them.
+  struct TensorSlice {
+    std::string tensor;
+    uint64_t offset = 0;
+    uint64_t numel = 0;
+  };
+  std::vector<TensorSlice> TensorSlices() const ABSL_LOCKS_EXCLUDED(mu_);
   // Steps applied so far (a step that stopped midway counts once the Step
   // that resumes it ends).
   uint64_t steps() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -1366,7 +1366,45 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
   // Refused before anything is created; checked again on the directory
   // opened (StartCheckpoint), which its path may no longer name.
   RETURN_IF_ERROR(CheckOutsideManaged(dir));
+  RETURN_IF_ERROR(CheckNoOtherJobsCheckpoint(*session, dir));
   return StartCheckpoint(session, dir, background, CheckpointFor::kTrainer);
+}
+
+absl::Status SessionManager::CheckNoOtherJobsCheckpoint(const Session& session,
+                                                        const std::string& dir) const {
+  if (!IsDirectory(dir)) return absl::OkStatus();
+  absl::StatusOr<std::vector<std::pair<std::string, checkpoint::Manifest>>> manifests =
+      checkpoint::ReadManifests(dir);
+  if (!manifests.ok()) return absl::OkStatus();  // (none, or unreadable: a restore says so)
+  // A job's sessions ("job/rank0", "job/rank1") share a directory: their
+  // slices are disjoint, and are not compared (each rank would read every
+  // other's manifest).
+  auto job_of = [](absl::string_view name) { return name.substr(0, name.rfind('/')); };
+  const std::string stem = checkpoint::StemFor(session.name);
+  absl::flat_hash_map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> mine;
+  for (const PartitionStore::TensorSlice& t : session.partitions->TensorSlices()) {
+    mine[t.tensor].push_back({t.offset, t.offset + t.numel});
+  }
+  for (const auto& [path, m] : *manifests) {
+    if (absl::StrContains(path, absl::StrCat("/", stem, ".")) ||
+        job_of(m.session_name()) == job_of(session.name)) {
+      continue;
+    }
+    for (const checkpoint::v1::Partition& p : m.partitions()) {
+      auto it = mine.find(p.tensor());
+      if (it == mine.end()) continue;
+      for (const auto& [begin, end] : it->second) {
+        if (p.offset() < end && begin < p.offset() + p.numel()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "checkpoint directory ", dir, " holds session '", m.session_name(),
+              "''s checkpoint, with elements of tensor '", p.tensor(),
+              "' that this session holds too: a directory holds one job's checkpoint (a "
+              "restore would find the tensor twice); choose another directory"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SessionManager::CheckOutsideManaged(const std::string& dir) const {

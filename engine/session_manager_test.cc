@@ -882,6 +882,32 @@ TEST_F(SessionManagerTest, ABackgroundCheckpointWithoutAThreadLeavesNoneRunning)
   ASSERT_TRUE(sessions_.Close(key).ok());
 }
 
+// A checkpoint into a directory where another job's checkpoint holds
+// elements of the same tensors is refused (both were written, and neither
+// restored: "holds elements of tensor 'w' twice"); its own again, and a
+// rank of the same job beside it, are not.
+TEST_F(SessionManagerTest, ACheckpointBesideAnotherJobsOfTheSameTensorsIsRefused) {
+  const std::string dir = ::testing::TempDir() + "/shared_checkpoint_dir";
+  auto checkpointed = [&](const std::string& name) -> absl::Status {
+    auto opened = sessions_.Open(name);
+    if (!opened.ok()) return opened.status();
+    const SessionKey key = opened->key;
+    auto p = sessions_.Register(key, {"w", 1 << 10, DType::kFp32, DType::kFp32});
+    if (!p.ok()) return p.status();
+    if (absl::Status s = sessions_.Release(key, {p->id}); !s.ok()) return s;
+    absl::Status done = sessions_.Checkpoint(key, dir, /*background=*/false).status();
+    if (absl::Status s = sessions_.Close(key); !s.ok()) return s;
+    return done;
+  };
+  ASSERT_TRUE(checkpointed("job/rank0").ok());
+  ASSERT_TRUE(checkpointed("job/rank0").ok());  // its own, replaced
+  const absl::Status other = checkpointed("other/rank0");
+  EXPECT_EQ(other.code(), absl::StatusCode::kFailedPrecondition) << other;
+  EXPECT_TRUE(absl::StrContains(other.message(), "holds session 'job/rank0''s checkpoint"))
+      << other;
+  EXPECT_TRUE(checkpointed("job/rank1").ok());  // (a rank of the same job: not compared)
+}
+
 // With fp16 loss scaling, a non-finite gradient skips the step and lowers
 // the scale even with optimizer.check_finite off (which decides only for
 // sessions without a scaler): applied, it made the master weights NaN and
