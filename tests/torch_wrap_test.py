@@ -1646,6 +1646,62 @@ class WrapInProcessTest(unittest.TestCase):
             opt.add_param_group({"params": model[1].parameters()})
         opt.close()
 
+    def test_a_backward_that_raised_leaves_the_next_iteration_as_torch_does(self):
+        # An exception inside backward (a custom Function; anomaly
+        # detection's NaN check), caught by the loop, which goes on without
+        # zero_grad(): torch keeps the partial gradients in .grad and the
+        # next step adds them. With the GPU tier's resident units every
+        # later backward failed ("its gradients were just handed over").
+        import torch
+
+        class Boom(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                raise ValueError("raised in backward")
+
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.a, self.b, self.out = (torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
+                                            torch.nn.Linear(8, 2))
+                self.fail = False
+
+            def forward(self, x):
+                x = torch.tanh(self.a(x))
+                if self.fail:
+                    x = Boom.apply(x)
+                return self.out(torch.tanh(self.b(x)))
+
+        gen = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 2, generator=gen))
+                for _ in range(5)]
+
+        def run(model, opt, backward):
+            for i, (x, y) in enumerate(data):
+                inner = getattr(model, "module", model)
+                inner.fail = i == 1
+                try:
+                    backward((model(x) - y).pow(2).mean())
+                    opt.step()
+                    opt.zero_grad()
+                except ValueError:
+                    pass  # (the loop goes on, without zero_grad)
+
+        ref = M()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        run(ref, ropt, lambda loss: loss.backward())
+        for zero in (None, {"gpu": {"device": "emulated"}}):
+            with self.subTest(zero=zero):
+                model, opt = self.wrap(M(), {"lr": 1e-2}, zero)
+                run(model, opt, opt.backward)
+                self.assert_weights(model, ref.state_dict())
+                opt.close()
+
     def test_a_move_or_cast_after_wrap_is_refused_unless_it_changes_nothing(self):
         # model.to(its own device) after wrap (as a Trainer or accelerate
         # does) is served as torch serves it: nothing changes. One that

@@ -1847,8 +1847,16 @@ class _Engine:
         def forward_with_saved_params(*args, **kwargs):
             engine.check_open()
             if engine._forward_depth == 0:
-                # What a pass that raised left behind.
-                engine._sweep_queued = False
+                # What a pass that raised left behind. A backward that raised
+                # never reached its end (torch runs no queued callback then):
+                # its end now, the gradients it returned kept for the step,
+                # as torch keeps them in .grad (the GPU tier's were left
+                # queued, and every later backward failed on them).
+                if engine._sweep_queued:
+                    engine._sweep_queued = False
+                    engine.free_all()
+                    engine.flush_gradients()
+                    engine.end_pass()
                 for s in engine.shards:
                     s.refs = 0
             if engine._forward_depth == 0 and engine.tier is not None:
