@@ -302,16 +302,25 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       continue;
     }
     if (victim < 0) {
-      uint64_t pinned = 0;
-      for (const Entry& e : entries_) {
-        if (e.state != State::kAbsent && e.state != State::kFailed && (e.pins > 0 || e.batch)) {
+      uint64_t pinned = 0, largest_free = 0, free_bytes = 0;
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        const Entry& e = entries_[i];
+        const bool wanted = std::find(keep.begin(), keep.end(), static_cast<int>(i)) != keep.end();
+        if (e.state != State::kAbsent && e.state != State::kFailed &&
+            (e.pins > 0 || e.batch || wanted)) {
           pinned += Rounded(e.bytes);
         }
       }
+      for (const auto& [offset, length] : free_) {
+        largest_free = std::max(largest_free, length);
+        free_bytes += length;
+      }
       return absl::ResourceExhaustedError(absl::StrFormat(
           "the GPU tier has no room for %d bytes: budget %d bytes (%d non-persistent at most), "
-          "%d resident, %d of them in use or being copied",
-          bytes, budget_, options_.max_live_bytes, stats_.resident_bytes, pinned));
+          "%d resident, %d of them in use, being copied or wanted by this use; %d free, %d of "
+          "them in one piece (the budget holds too few modules at once: raise gpu.budget_bytes)",
+          bytes, budget_, options_.max_live_bytes, stats_.resident_bytes, pinned, free_bytes,
+          largest_free));
     }
     RETURN_IF_ERROR(Evict(victim));
   }
@@ -375,24 +384,50 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
   auto undo = [&] {
     for (int i : placed) GiveUpCopy(entries_[i]);
   };
-  for (int i : missing) {
-    if (entries_[i].state == State::kStale) {
-      // Copied into its place, so that views of it stay valid. The copy
-      // comes after the compute issued before Invalidate (its fence), and
-      // nothing reads a stale place without a Use, which waits for it.
+  for (bool moved = false;;) {
+    // The largest first: the units' small tensors placed first would split
+    // the room a large one needs.
+    std::stable_sort(missing.begin(), missing.end(),
+                     [this](int a, int b) { return entries_[a].bytes > entries_[b].bytes; });
+    absl::Status status;
+    for (int i : missing) {
+      if (entries_[i].state == State::kStale) {
+        // Copied into its place, so that views of it stay valid. The copy
+        // comes after the compute issued before Invalidate (its fence), and
+        // nothing reads a stale place without a Use, which waits for it.
+        entries_[i].state = State::kCopying;
+        entries_[i].in_place = true;
+        placed.push_back(i);
+        continue;
+      }
+      absl::StatusOr<uint64_t> offset =
+          Place(entries_[i].bytes, entries_[i].persistent, limit, keep);
+      if (!offset.ok()) {
+        status = offset.status();
+        break;
+      }
+      entries_[i].offset = *offset;
       entries_[i].state = State::kCopying;
-      entries_[i].in_place = true;
       placed.push_back(i);
-      continue;
     }
-    absl::StatusOr<uint64_t> offset = Place(entries_[i].bytes, entries_[i].persistent, limit, keep);
-    if (!offset.ok()) {
-      undo();
-      return offset.status();
+    if (status.ok()) break;
+    undo();
+    placed.clear();
+    // No room in one piece for a use (everything else given way): the
+    // units' own tensors resident and not in use split it; they are copied
+    // again with the rest, into what is then free in one piece. (Once; a
+    // prefetch waits for room instead.)
+    if (moved || limit != kNever || !absl::IsResourceExhausted(status)) return status;
+    moved = true;
+    bool any = false;
+    for (int i : keep) {
+      Entry& e = entries_[i];
+      if (e.state != State::kReady || e.pins > 0 || e.persistent) continue;
+      RETURN_IF_ERROR(Evict(i));
+      missing.push_back(i);
+      any = true;
     }
-    entries_[i].offset = *offset;
-    entries_[i].state = State::kCopying;
-    placed.push_back(i);
+    if (!any) return status;
   }
   auto batch = std::make_shared<Batch>();
   for (int i : missing) batch->keys.push_back(entries_[i].key);
