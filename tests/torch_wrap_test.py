@@ -1306,6 +1306,30 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertEqual(len(in_slab), 6)  # the forward and the recompute, three times
         self.assertEqual(in_slab[1::2], [(True, False)] * 3, in_slab)
 
+    def test_reentrant_activation_checkpointing_trains_like_torch(self):
+        # torch.utils.checkpoint's default in torch 1.13 (README said it
+        # failed at its first backward): on the host and on the GPU tier.
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(32, 32)
+                self.b = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                self.c = torch.nn.Linear(32, 1)
+
+            def forward(self, x):
+                return self.c(checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=True))
+
+        def make():
+            torch.manual_seed(0)
+            return Net()
+        for zero in (None, {"gpu": {"device": "emulated"}},
+                     {"gpu": {"device": "emulated", "budget_bytes": 6000}}):
+            with self.subTest(zero=zero):
+                self.assert_trains_like_torch(make, {"lr": 1e-2}, zero, steps=3, width=32)
+
     def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
         # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the
         # job goes on and its next step forgets it (its end is then a
@@ -1695,6 +1719,17 @@ class WrapInProcessTest(unittest.TestCase):
         ref = M()
         ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         run(ref, ropt, lambda loss: loss.backward())
+        # offloadd's own errors out of backward keep their type (autograd
+        # made them RuntimeError, with a stack in the message).
+        import offloadd
+        model, opt = self.wrap(M(), {"lr": 1e-2})
+
+        def refused(*_):
+            raise offloadd.ResourceExhaustedError("no room here")
+        model.offloadd._return_gradient = refused
+        with self.assertRaisesRegex(offloadd.ResourceExhaustedError, "^no room here$"):
+            opt.backward(model(data[0][0]).sum())
+        opt.close()
         for zero in (None, {"gpu": {"device": "emulated"}}):
             with self.subTest(zero=zero):
                 model, opt = self.wrap(M(), {"lr": 1e-2}, zero)

@@ -2851,10 +2851,19 @@ class Optimizer(torch.optim.Optimizer):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         except RuntimeError as e:
             # Autograd turns an exception of a hook into RuntimeError: the
-            # restart found during backward is SessionRestored again.
+            # restart found during backward is SessionRestored again, and
+            # offloadd's errors their own types (the GPU tier's no room, a
+            # peer lost), without the stack autograd appends.
             restored = self._engine.restored
             if restored is not None and "SessionRestored" in str(e):
                 raise restored from e
+            text = str(e)
+            for cls in (PeerLostError, offloadd.ResourceExhaustedError,
+                        offloadd.FailedPreconditionError, offloadd.InvalidArgumentError,
+                        offloadd.DataLossError, offloadd.NotFoundError,
+                        offloadd.UnavailableError, offloadd.PermissionDeniedError):
+                if text.startswith(cls.__name__ + ": "):
+                    raise cls(text[len(cls.__name__) + 2:].split("\n\nAt:\n")[0]) from e
             raise
         return loss
 
