@@ -1306,6 +1306,21 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertEqual(len(in_slab), 6)  # the forward and the recompute, three times
         self.assertEqual(in_slab[1::2], [(True, False)] * 3, in_slab)
 
+    def test_a_gpu_device_that_cannot_be_is_refused(self):
+        # gpu.device "tpu", or "cuda:0" for a model on the CPU, ran without
+        # a tier, silently; a model on the meta device failed in torch's
+        # words.
+        import torch
+        import offloadd
+        for gpu, what in (({"device": "tpu"}, "must be 'cuda', 'cuda:N' or 'emulated'"),
+                          ({"device": "cuda:0"}, "needs the model's parameters on one CUDA")):
+            with self.subTest(gpu=gpu):
+                with self.assertRaisesRegex(offloadd.InvalidArgumentError, what):
+                    self.wrap(self.mlp(), None, {"gpu": gpu})
+        meta = torch.nn.Linear(4, 2, device="meta")
+        with self.assertRaisesRegex(offloadd.InvalidArgumentError, "on the meta device"):
+            self.wrap(meta)
+
     def test_reentrant_activation_checkpointing_trains_like_torch(self):
         # torch.utils.checkpoint's default in torch 1.13 (README said it
         # failed at its first backward): on the host and on the GPU tier.

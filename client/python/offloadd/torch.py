@@ -99,6 +99,7 @@ import inspect
 import logging
 import math
 import random
+import re
 import os
 import sys
 import threading
@@ -1242,6 +1243,10 @@ class _Engine:
         for name, p in model.named_parameters():
             if id(p) in self.by_param:
                 continue
+            if p.device.type == "meta":
+                raise offloadd.InvalidArgumentError(
+                    f"parameter '{name}' is on the meta device (it has no values): materialize "
+                    "the model (load its weights, or to_empty() and initialize) before wrap()")
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise offloadd.InvalidArgumentError(
                     f"parameter '{name}' is {p.dtype}; offloadd holds fp32, bf16 and fp16 "
@@ -2442,14 +2447,23 @@ class _GpuTier:
             if mode is False:
                 return None
             return _GpuTier(engine, cfg, "emulated", torch.device("cpu"))
-        if mode is False or len(devices) != 1:
+        if mode is False:
+            return None
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            if mode is True or spec is not None:
+                # (Asked for by name: the tier runs where the parameters are.)
+                raise offloadd.InvalidArgumentError(
+                    f"gpu.{'device ' + repr(spec) if spec is not None else 'tier true'} needs "
+                    "the model's parameters on one CUDA device, not "
+                    f"{', '.join(sorted(str(d) for d in devices))}: move the model there before "
+                    "wrap()")
             return None
         dev = next(iter(devices))
-        if dev.type != "cuda":
-            if mode is True:
-                raise offloadd.InvalidArgumentError(
-                    f"gpu.tier true needs the model's parameters on one CUDA device, not {dev}")
-            return None
+        if spec not in (None, "cuda") and torch.device(spec) != torch.device(
+                "cuda", dev.index if dev.index is not None else torch.cuda.current_device()):
+            raise offloadd.InvalidArgumentError(
+                f"gpu.device {spec!r}, but the model's parameters are on {dev}: the tier runs "
+                "where the parameters are")
         if engine.world > 1 and engine.backend != "nccl":
             return None  # gathers on the host (gloo): nothing for a GPU tier to do
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -3705,6 +3719,11 @@ def _zero_defaults(zero_config):
     if gpu.get("tier", "auto") not in ("auto", True, False):
         raise offloadd.InvalidArgumentError(
             f"gpu.tier must be auto, true or false, got {gpu['tier']!r}")
+    device = gpu.get("device")
+    if device is not None and not (device in ("emulated", "cuda") or (
+            isinstance(device, str) and re.fullmatch(r"cuda:\d+", device))):
+        raise offloadd.InvalidArgumentError(
+            f"gpu.device must be 'cuda', 'cuda:N' or 'emulated', got {device!r}")
     for k in _GPU_KEYS - {"tier", "device"}:
         v = gpu.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
