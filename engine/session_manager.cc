@@ -1366,7 +1366,10 @@ absl::StatusOr<SessionManager::CheckpointOutcome> SessionManager::Checkpoint(con
   // Refused before anything is created; checked again on the directory
   // opened (StartCheckpoint), which its path may no longer name.
   RETURN_IF_ERROR(CheckOutsideManaged(dir));
-  RETURN_IF_ERROR(CheckNoOtherJobsCheckpoint(*session, dir));
+  // The operator's (offloadctl checkpoint ID DIR: a directory chosen by
+  // hand); a trainer's ranks, which share theirs, would each read every
+  // other's manifest.
+  if (key.token.empty()) RETURN_IF_ERROR(CheckNoOtherJobsCheckpoint(*session, dir));
   return StartCheckpoint(session, dir, background, CheckpointFor::kTrainer);
 }
 
@@ -1380,15 +1383,13 @@ absl::Status SessionManager::CheckNoOtherJobsCheckpoint(const Session& session,
   // slices are disjoint, and are not compared (each rank would read every
   // other's manifest).
   auto job_of = [](absl::string_view name) { return name.substr(0, name.rfind('/')); };
-  const std::string stem = checkpoint::StemFor(session.name);
   absl::flat_hash_map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> mine;
   for (const PartitionStore::TensorSlice& t : session.partitions->TensorSlices()) {
     mine[t.tensor].push_back({t.offset, t.offset + t.numel});
   }
   for (const auto& [path, m] : *manifests) {
-    if (absl::StrContains(path, absl::StrCat("/", stem, ".")) ||
-        job_of(m.session_name()) == job_of(session.name)) {
-      continue;
+    if (m.session_name() == session.name || job_of(m.session_name()) == job_of(session.name)) {
+      continue;  // (its own, replaced; or its job's)
     }
     for (const checkpoint::v1::Partition& p : m.partitions()) {
       auto it = mine.find(p.tensor());

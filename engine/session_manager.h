@@ -621,9 +621,9 @@ class SessionManager {
   // would replace what a lost session resumes from, or a kept session's
   // state.
   absl::Status CheckOutsideManaged(const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
-  // A trainer's or the operator's checkpoint into `dir` where another job's
-  // checkpoint holds elements of the same tensors: FAILED_PRECONDITION (a
-  // restore of the directory would refuse it).
+  // The operator's checkpoint into `dir` where another job's checkpoint
+  // holds elements of the same tensors: FAILED_PRECONDITION (a restore of
+  // the directory would refuse it).
   absl::Status CheckNoOtherJobsCheckpoint(const Session& session, const std::string& dir) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // After a step: an automatic checkpoint if one is due (SetAutoCheckpoint),

@@ -882,10 +882,10 @@ TEST_F(SessionManagerTest, ABackgroundCheckpointWithoutAThreadLeavesNoneRunning)
   ASSERT_TRUE(sessions_.Close(key).ok());
 }
 
-// A checkpoint into a directory where another job's checkpoint holds
-// elements of the same tensors is refused (both were written, and neither
-// restored: "holds elements of tensor 'w' twice"); its own again, and a
-// rank of the same job beside it, are not.
+// The operator's checkpoint into a directory where another job's
+// checkpoint holds elements of the same tensors is refused (both were
+// written, and neither restored: "holds elements of tensor 'w' twice"); its
+// own again, and a rank of the same job beside it, are not.
 TEST_F(SessionManagerTest, ACheckpointBesideAnotherJobsOfTheSameTensorsIsRefused) {
   const std::string dir = ::testing::TempDir() + "/shared_checkpoint_dir";
   auto checkpointed = [&](const std::string& name) -> absl::Status {
@@ -895,7 +895,9 @@ TEST_F(SessionManagerTest, ACheckpointBesideAnotherJobsOfTheSameTensorsIsRefused
     auto p = sessions_.Register(key, {"w", 1 << 10, DType::kFp32, DType::kFp32});
     if (!p.ok()) return p.status();
     if (absl::Status s = sessions_.Release(key, {p->id}); !s.ok()) return s;
-    absl::Status done = sessions_.Checkpoint(key, dir, /*background=*/false).status();
+    // (As the operator: offloadctl checkpoint ID DIR.)
+    absl::Status done =
+        sessions_.Checkpoint(SessionKey{key.id, ""}, dir, /*background=*/false).status();
     if (absl::Status s = sessions_.Close(key); !s.ok()) return s;
     return done;
   };

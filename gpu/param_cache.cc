@@ -422,10 +422,18 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     bool any = false;
     for (int i : keep) {
       Entry& e = entries_[i];
-      if (e.state != State::kReady || e.pins > 0 || e.persistent) continue;
-      RETURN_IF_ERROR(Evict(i));
-      missing.push_back(i);
-      any = true;
+      if (e.pins > 0 || e.persistent) continue;
+      if (e.state == State::kReady) {
+        RETURN_IF_ERROR(Evict(i));
+        missing.push_back(i);
+        any = true;
+      } else if (e.state == State::kStale) {
+        // (A step's new values, to be copied into its place: placed afresh
+        // instead. Only resident units keep views of their places, and
+        // they never run out of room.)
+        RETURN_IF_ERROR(Evict(i));
+        any = true;
+      }
     }
     if (!any) return status;
   }

@@ -397,32 +397,43 @@ TEST_F(ParamCacheTest, AnEvictionWhoseStreamWaitFailsWaitsOnTheHost) {
 // another unit): that tensor moves, copied again with the rest (the use
 // was refused, with room enough in all). The largest tensor is placed first.
 TEST_F(ParamCacheTest, AUsesOwnResidentTensorMovesWhereItSplitsTheRoom) {
-  auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 3072, .prefetch_depth = 0});
-  ASSERT_TRUE(cache.ok()) << cache.status();
-  // Units: A {a 1024}, T {s 512}, B {b 1536}, U {s 512, big 2048}.
-  const std::vector<std::vector<std::pair<uint64_t, uint64_t>>> units = {
-      {{1, 1024}}, {{2, 512}}, {{3, 1536}}, {{2, 512}, {4, 2048}}};
-  for (const auto& unit : units) {
-    for (const auto& [key, bytes] : unit) source_.Add(key, bytes, static_cast<uint8_t>(key));
-    ASSERT_TRUE((*cache)->AddUnit(unit).ok());
-  }
-  (*cache)->BeginIteration();
-  for (int u : {0, 1, 2}) {  // the slab: [a][s][b], full
-    auto offsets = (*cache)->Use(u, host_);
+  // Once as they are, once after a step made them stale (each copied into
+  // its place, unless it must move).
+  for (const bool stale : {false, true}) {
+    SCOPED_TRACE(stale ? "stale" : "ready");
+    auto cache =
+        ParamCache::Create(&device_, &source_, {.budget_bytes = 3072, .prefetch_depth = 0});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    // Units: A {a 1024}, T {s 512}, B {b 1536}, U {s 512, big 2048}.
+    const std::vector<std::vector<std::pair<uint64_t, uint64_t>>> units = {
+        {{1, 1024}}, {{2, 512}}, {{3, 1536}}, {{2, 512}, {4, 2048}}};
+    for (const auto& unit : units) {
+      for (const auto& [key, bytes] : unit) source_.Add(key, bytes, static_cast<uint8_t>(key));
+      ASSERT_TRUE((*cache)->AddUnit(unit).ok());
+    }
+    (*cache)->BeginIteration();
+    for (int u : {0, 1, 2}) {  // the slab: [a][s][b], full
+      auto offsets = (*cache)->Use(u, host_);
+      ASSERT_TRUE(offsets.ok()) << offsets.status();
+      ASSERT_TRUE((*cache)->Done(u, host_).ok());
+    }
+    if (stale) {
+      for (uint64_t key : {1, 2, 3, 4}) source_.Fill(key, 99);
+      ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+      (*cache)->BeginIteration();
+    }
+    auto offsets = (*cache)->Use(3, host_);
     ASSERT_TRUE(offsets.ok()) << offsets.status();
-    ASSERT_TRUE((*cache)->Done(u, host_).ok());
+    for (size_t k = 0; k < units[3].size(); ++k) {
+      const auto& want = source_.data(units[3][k].first);
+      EXPECT_EQ(std::memcmp(static_cast<char*>((*cache)->slab()) + (*offsets)[k], want.data(),
+                            want.size()),
+                0)
+          << "tensor " << units[3][k].first;
+    }
+    ASSERT_TRUE((*cache)->Done(3, host_).ok());
+    EXPECT_TRUE((*cache)->Synchronize().ok());
   }
-  auto offsets = (*cache)->Use(3, host_);
-  ASSERT_TRUE(offsets.ok()) << offsets.status();
-  for (size_t k = 0; k < units[3].size(); ++k) {
-    const auto& want = source_.data(units[3][k].first);
-    EXPECT_EQ(
-        std::memcmp(static_cast<char*>((*cache)->slab()) + (*offsets)[k], want.data(), want.size()),
-        0)
-        << "tensor " << units[3][k].first;
-  }
-  ASSERT_TRUE((*cache)->Done(3, host_).ok());
-  EXPECT_TRUE((*cache)->Synchronize().ok());
 }
 
 // A unit refused declares none of its tensors: they may be declared again

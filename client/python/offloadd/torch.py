@@ -2467,7 +2467,8 @@ class _GpuTier:
         if engine.world > 1 and engine.backend != "nccl":
             return None  # gathers on the host (gloo): nothing for a GPU tier to do
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        return _GpuTier(engine, cfg, spec or f"cuda:{idx}", torch.device("cuda", idx))
+        # (By its index, the parameters' device: "cuda" alone opens device 0.)
+        return _GpuTier(engine, cfg, f"cuda:{idx}", torch.device("cuda", idx))
 
     def stream(self):
         """The compute stream (torch's current one when the iteration began)."""
