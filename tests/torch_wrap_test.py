@@ -1321,6 +1321,31 @@ class WrapInProcessTest(unittest.TestCase):
         with self.assertRaisesRegex(offloadd.InvalidArgumentError, "on the meta device"):
             self.wrap(meta)
 
+    def test_a_gpu_budget_below_what_nesting_holds_at_once_is_refused(self):
+        # A module's own parameters stay in use while its children run:
+        # the budget must hold the deepest chain at once. Above the largest
+        # module's and below that, wrap() took it and every forward failed.
+        import torch
+        import offloadd
+
+        class Outer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.weight = torch.nn.Parameter(torch.randn(16, 32) / 8)  # 2048 bytes
+                self.inner = torch.nn.Linear(16, 16)  # 1088 bytes (1280 placed)
+
+            def forward(self, x):
+                return self.inner(x @ self.weight.t())
+
+        with self.assertRaisesRegex(offloadd.ResourceExhaustedError,
+                                    "module 'inner' runs while the modules around it hold "
+                                    "their own parameters on the GPU: 3328 bytes at once"):
+            self.wrap(Outer(), None, {"gpu": {"device": "emulated", "budget_bytes": 2600}})
+        self.assert_trains_like_torch(Outer, {"lr": 1e-2},
+                                      {"gpu": {"device": "emulated", "budget_bytes": 3328}},
+                                      steps=3, width=32)
+
     def test_reentrant_activation_checkpointing_trains_like_torch(self):
         # torch.utils.checkpoint's default in torch 1.13 (README said it
         # failed at its first backward): on the host and on the GPU tier.

@@ -2349,16 +2349,23 @@ class _GpuTier:
             return -(-s.slice_numel * self.esize // 256) * 256
         total = sum(placed(s) for s in shards)
         largest = max((sum(placed(s) for s in u) for u in declared), default=0)
+        # What is in use at once: a module's parameters while its children
+        # run, down the deepest chain of modules with parameters of their own.
+        nested, where = self._nested_need(engine, placed)
         budget = cfg.get("budget_bytes")
         if budget is None:
             budget = total
             if self.cuda:
                 free, _ = torch.cuda.mem_get_info(torch_device)
-                budget = min(total, max(int(free * 0.4), 2 * largest))
+                budget = min(total, max(int(free * 0.4), 2 * largest, nested))
         if budget < largest:
             raise offloadd.ResourceExhaustedError(
                 f"gpu.budget_bytes {budget}: the largest module's parameters need {largest} "
                 "bytes on the GPU at once")
+        if budget < nested:
+            raise offloadd.ResourceExhaustedError(
+                f"gpu.budget_bytes {budget}: module '{where}' runs while the modules around it "
+                f"hold their own parameters on the GPU: {nested} bytes at once")
         grads_host = engine.host_percent("grads")
         # DMA straight from the arena only where the daemon never removes
         # its pages (params and grads wholly on the host); else staged.
@@ -2437,6 +2444,25 @@ class _GpuTier:
         # The next iteration's holds taken and copies issued after a step
         # (prefetch_next), its iteration not yet begun.
         self._prefetched = False
+
+    @staticmethod
+    def _nested_need(engine, placed):
+        """The most bytes of parameters in use at once by nesting: a unit's
+        own and those of every module around it that owns a unit (its
+        forward still runs), and the module where that is reached."""
+        own = {id(m): sum(placed(s) for s in shards) for m, shards in engine._units}
+        names = {id(m): n for n, m in engine._model.named_modules()}
+        best, where = 0, ""
+
+        def walk(module, above):
+            nonlocal best, where
+            here = above + own.get(id(module), 0)
+            if here > best:
+                best, where = here, names.get(id(module), "")
+            for child in module.children():
+                walk(child, here)
+        walk(engine._model, 0)
+        return best, where or "the model"
 
     @staticmethod
     def create(engine, cfg):
