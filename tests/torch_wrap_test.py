@@ -2513,6 +2513,32 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertEqual(engine.module.seen, torch.float16)
         optimizer.close()
 
+    def test_deepspeed_gathered_parameters_reads_and_writes_a_wrapped_models_weights(self):
+        # deepspeed.zero.GatheredParameters (a missing function before): the
+        # whole values inside; what modifier_rank changed written back (as
+        # Hugging Face's weight initialisation under ZeRO-3 does), trained on
+        # from there; without a modifier rank, changes dropped.
+        import torch
+        import offloadd
+        from offloadd import deepspeed
+        model, opt = self.wrap(self.mlp())
+        before = model[0].weight.shape
+        with deepspeed.zero.GatheredParameters(model[0].weight):
+            self.assertEqual(model[0].weight.shape, before)
+            with torch.no_grad():
+                model[0].weight.add_(1.0)  # dropped: no modifier rank
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        with deepspeed.zero.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+            with torch.no_grad():
+                model[2].weight.fill_(0.5)
+        want["2.weight"].fill_(0.5)
+        self.assert_weights(model, want, rtol=0, atol=0)
+        with self.assertRaises(offloadd.FailedPreconditionError):
+            model[0].weight.sum()  # (its values gone again)
+        opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        opt.close()
+
     def test_deepspeed_checkpoints_hold_the_modules_buffers(self):
         # BatchNorm's running statistics are not parameters: offloadd's own
         # checkpoints do not hold them; save_checkpoint keeps rank 0's (as

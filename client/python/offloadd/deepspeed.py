@@ -580,7 +580,15 @@ def add_config_arguments(parser):
 class _Zero:
     """deepspeed.zero: Init() is a context a model is built in; offloadd
     partitions the model at initialize() (the model is built whole, on the
-    CPU or its device, first)."""
+    CPU or its device, first). GatheredParameters(params, modifier_rank)
+    gives the parameters of a wrapped model their whole values in its
+    context, and writes back what modifier_rank changed
+    (offloadd.torch.GatheredParameters)."""
+
+    @staticmethod
+    def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):
+        from offloadd import torch as offloadd_torch
+        return offloadd_torch.GatheredParameters(params, modifier_rank, fwd_module, enabled)
 
     class Init:
         def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,

@@ -3420,6 +3420,49 @@ class Optimizer(torch.optim.Optimizer):
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "adamw", "params"}
 
 
+class GatheredParameters:
+    """DeepSpeed's zero.GatheredParameters for a wrapped model: inside the
+    context the parameters have their whole values (every rank enters it:
+    a collective), as they do inside their module's forward; on leaving,
+    with modifier_rank, what that rank changed becomes every rank's (their
+    master weights and working copy), as a load_state_dict does; without
+    one, changes are dropped. Every parameter of the wrapped model is
+    gathered (as for a load), not only those named; tensors offloadd does
+    not hold are left as they are."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self._params = [p for p in (params or []) if p is not None]
+        self._modifier = modifier_rank
+        self._enabled = enabled
+        self._engines = []
+
+    def __enter__(self):
+        if not self._enabled:
+            return self
+        wanted = {id(p) for p in self._params}
+        self._engines = [e for e in list(_OPEN_AT_EXIT)
+                         if not e.closed and any(i in e.by_param for i in wanted)]
+        for e in self._engines:
+            e.gather_all_for_load()
+        return self
+
+    def __exit__(self, *exc):
+        for e in self._engines:
+            if exc[0] is not None or self._modifier is None:
+                # Nothing written: what the context changed is dropped.
+                e._load_versions = {s.pid: s.param._version for s in e.shards}
+            elif e.world > 1:
+                for p in self._params:
+                    if id(p) in e.by_param:
+                        e._collective("broadcast of a gathered parameter", lambda p=p: dist.broadcast(
+                            p.data, src=self._modifier, group=e.group))
+            e.write_loaded()
+        self._engines = []
+        return False
+
+
 def _persistent_buffers(model):
     """`model`'s buffers that its state_dict() holds, by their names there."""
     out = {}
