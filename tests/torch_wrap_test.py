@@ -1278,21 +1278,7 @@ class WrapInProcessTest(unittest.TestCase):
         # prefetch issued after Done could overwrite the slab while the
         # backward reads it). Trains as torch does.
         import torch
-        from torch.utils.checkpoint import checkpoint
-
-        class Net(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.a = torch.nn.Linear(32, 32)
-                self.b = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
-                self.c = torch.nn.Linear(32, 1)
-
-            def forward(self, x):
-                return self.c(checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=False))
-
-        def make():
-            torch.manual_seed(0)
-            return Net()
+        make = self._checkpointed_net(reentrant=False)
         in_slab = []
 
         def watch(model):
@@ -1349,26 +1335,31 @@ class WrapInProcessTest(unittest.TestCase):
     def test_reentrant_activation_checkpointing_trains_like_torch(self):
         # torch.utils.checkpoint's default in torch 1.13 (README said it
         # failed at its first backward): on the host and on the GPU tier.
+        Net = self._checkpointed_net(reentrant=True)
+        for zero in (None, {"gpu": {"device": "emulated"}},
+                     {"gpu": {"device": "emulated", "budget_bytes": 6000}}):
+            with self.subTest(zero=zero):
+                self.assert_trains_like_torch(Net, {"lr": 1e-2}, zero, steps=3, width=32)
+
+    @staticmethod
+    def _checkpointed_net(reentrant):
+        """A model whose middle block runs under torch.utils.checkpoint
+        (made with the same weights each time)."""
         import torch
         from torch.utils.checkpoint import checkpoint
 
         class Net(torch.nn.Module):
             def __init__(self):
                 super().__init__()
+                torch.manual_seed(0)
                 self.a = torch.nn.Linear(32, 32)
                 self.b = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
                 self.c = torch.nn.Linear(32, 1)
 
             def forward(self, x):
-                return self.c(checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=True))
-
-        def make():
-            torch.manual_seed(0)
-            return Net()
-        for zero in (None, {"gpu": {"device": "emulated"}},
-                     {"gpu": {"device": "emulated", "budget_bytes": 6000}}):
-            with self.subTest(zero=zero):
-                self.assert_trains_like_torch(make, {"lr": 1e-2}, zero, steps=3, width=32)
+                return self.c(checkpoint(self.b, torch.tanh(self.a(x)),
+                                         use_reentrant=reentrant))
+        return Net
 
     def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
         # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the
@@ -2537,6 +2528,46 @@ class WrapInProcessTest(unittest.TestCase):
             model[0].weight.sum()  # (its values gone again)
         opt.backward(model(torch.randn(4, 8)).pow(2).mean())
         opt.step()
+        opt.close()
+
+    def test_a_checkpoint_restores_the_modules_buffers(self):
+        # optimizer.checkpoint keeps the module's buffers (BatchNorm's
+        # statistics) beside it, restore_from loads them (they came back
+        # fresh); a restore of the checkpoint kept before, whose buffers are
+        # gone, says so and keeps the model's own.
+        import warnings
+        import torch
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+        model, opt = self.wrap(make())
+
+        def train(n):
+            for _ in range(n):
+                opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+                opt.step()
+                opt.zero_grad()
+        directory = os.path.join(self.root, "buffers_checkpoint")
+        train(2)
+        opt.checkpoint(directory)
+        train(2)
+        opt.checkpoint(directory)
+        saved = {k: v.clone() for k, v in model[1].named_buffers()}
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+        again, opt = self.wrap(make(), None, {"restore_from": directory})
+        for k, v in again[1].named_buffers():
+            self.assertTrue(torch.equal(v, saved[k]), k)
+        self.assert_weights(again, weights, rtol=0, atol=0)
+        opt.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            older, opt = self.wrap(make(), None, {"restore_from": directory,
+                                                  "restore_steps": 2})
+        self.assertTrue(any("buffers" in str(w.message) and "of step 4" in str(w.message)
+                            for w in caught), [str(w.message) for w in caught])
+        self.assertTrue(torch.equal(older[1].running_mean, make()[1].running_mean))
         opt.close()
 
     def test_deepspeed_checkpoints_hold_the_modules_buffers(self):

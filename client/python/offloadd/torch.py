@@ -1254,6 +1254,8 @@ class _Engine:
             s = _Shard(name, p, self.world)
             master = self.working_dtype != "fp32"
             part = self._register_slice(self.session, s)
+            if part.restored:
+                self._restored_step = max(getattr(self, "_restored_step", 0), part.step)
             try:
                 if not part.restored:
                     self._write_initial(s, p, name, part, master)
@@ -3141,6 +3143,15 @@ class Optimizer(torch.optim.Optimizer):
         e.free_all()
         e.flush_gradients()
         result = e.session.checkpoint(os.path.abspath(directory), background)
+        if e.rank == 0:
+            # The module's buffers (BatchNorm's statistics: not parameters,
+            # not the daemon's), rank 0's, beside it (the daemon's directory
+            # may be another user's): restore_from loads them with it.
+            buffers = {k: b.detach().to("cpu", copy=True)
+                       for k, b in _persistent_buffers(e._model).items()}
+            if buffers:
+                _replace_file(_buffers_file(directory), lambda f: torch.save(
+                    {"steps": int(result["steps"]), "buffers": buffers}, f))
         if e.world > 1 and not background:
             # The job's checkpoint is whole once every rank's is.
             e._collective("barrier after the checkpoint", lambda: dist.barrier(group=e.group))
@@ -3461,6 +3472,31 @@ class GatheredParameters:
             e.write_loaded()
         self._engines = []
         return False
+
+
+def _buffers_file(directory):
+    """Where optimizer.checkpoint(directory) keeps the module's buffers."""
+    return os.path.abspath(directory).rstrip("/") + ".buffers.pt"
+
+
+def _restore_buffers(model, directory, step):
+    """The module's buffers optimizer.checkpoint(directory) kept beside it,
+    into `model`, where they are of the step restored (a restore_steps of
+    the checkpoint kept before has none: said)."""
+    path = _buffers_file(directory)
+    if not os.path.isfile(path):
+        return
+    saved = torch.load(path, map_location="cpu")
+    if saved.get("steps") != step:
+        warnings.warn(f"restore_from {directory}: its module buffers ({path}) are of step "
+                      f"{saved.get('steps')}, the weights restored of step {step}: the "
+                      "model's own buffers kept", stacklevel=3)
+        return
+    mine = _persistent_buffers(model)
+    with torch.no_grad():
+        for k, v in saved["buffers"].items():
+            if k in mine and mine[k].shape == v.shape:
+                mine[k].copy_(v)
 
 
 def _persistent_buffers(model):
@@ -4009,6 +4045,8 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         raise
     engine.commit()
     model.offloadd = engine
+    if config["restore_from"]:
+        _restore_buffers(model, config["restore_from"], getattr(engine, "_restored_step", None))
 
     # torch's Module.zero_grad clears p.grad, which offloadd leaves None (the
     # gradients are the daemon's): the model's, as the optimizer's, drops
