@@ -2520,10 +2520,17 @@ class WrapInProcessTest(unittest.TestCase):
                 model[0].weight.add_(1.0)  # dropped: no modifier rank
         want = {k: v.clone() for k, v in model.state_dict().items()}
         with deepspeed.zero.GatheredParameters(list(model[2].parameters()), modifier_rank=0):
+            model[2].weight.data.fill_(0.5)  # (Hugging Face's initialisation: through .data)
             with torch.no_grad():
-                model[2].weight.fill_(0.5)
+                model[2].bias.zero_()
         want["2.weight"].fill_(0.5)
+        want["2.bias"].zero_()
         self.assert_weights(model, want, rtol=0, atol=0)
+        # Not nested, nor inside a forward.
+        with deepspeed.zero.GatheredParameters(model[0].weight):
+            with self.assertRaisesRegex(offloadd.FailedPreconditionError, "between iterations"):
+                with deepspeed.zero.GatheredParameters(model[0].weight):
+                    pass
         with self.assertRaises(offloadd.FailedPreconditionError):
             model[0].weight.sum()  # (its values gone again)
         opt.backward(model(torch.randn(4, 8)).pow(2).mean())
@@ -2549,24 +2556,32 @@ class WrapInProcessTest(unittest.TestCase):
                 opt.step()
                 opt.zero_grad()
         directory = os.path.join(self.root, "buffers_checkpoint")
-        train(2)
-        opt.checkpoint(directory)
-        train(2)
-        opt.checkpoint(directory)
-        saved = {k: v.clone() for k, v in model[1].named_buffers()}
+        saved = {}
+        for steps in (2, 4, 6):
+            train(2)
+            opt.checkpoint(directory)
+            saved[steps] = {k: v.clone() for k, v in model[1].named_buffers()}
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         opt.close()
         again, opt = self.wrap(make(), None, {"restore_from": directory})
         for k, v in again[1].named_buffers():
-            self.assertTrue(torch.equal(v, saved[k]), k)
+            self.assertTrue(torch.equal(v, saved[6][k]), k)
         self.assert_weights(again, weights, rtol=0, atol=0)
         opt.close()
+        # The checkpoint kept before the latest: its buffers too (those of
+        # older steps go, as the daemon's checkpoints do).
+        older, opt = self.wrap(make(), None, {"restore_from": directory, "restore_steps": 4})
+        for k, v in older[1].named_buffers():
+            self.assertTrue(torch.equal(v, saved[4][k]), k)
+        opt.close()
+        self.assertFalse(os.path.exists(directory + ".buffers.2.pt"))
+        os.unlink(directory + ".buffers.4.pt")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             older, opt = self.wrap(make(), None, {"restore_from": directory,
-                                                  "restore_steps": 2})
-        self.assertTrue(any("buffers" in str(w.message) and "of step 4" in str(w.message)
-                            for w in caught), [str(w.message) for w in caught])
+                                                  "restore_steps": 4})
+        self.assertTrue(any("buffers of step 4 do not load" in str(w.message) for w in caught),
+                        [str(w.message) for w in caught])
         self.assertTrue(torch.equal(older[1].running_mean, make()[1].running_mean))
         opt.close()
 

@@ -2858,6 +2858,7 @@ class Optimizer(torch.optim.Optimizer):
         self._overlap = config["overlap_step"] or config["delayed_update_after_steps"] is not None
         self.last_step = None
         self._step_applied = False  # the last step() updated (DeepSpeed's was_step_applied)
+        self._buffers_kept = {}  # checkpoint directory -> the step of its buffers file kept before
         self._forced_boundary = None  # DeepSpeedEngine.set_gradient_accumulation_boundary
         self._deepspeed = None  # wrap(deepspeed_config=...)'s _DeepSpeedSettings
         # DeepSpeed's loop (wrap with a deepspeed_config): step() after every
@@ -3143,18 +3144,36 @@ class Optimizer(torch.optim.Optimizer):
         e.free_all()
         e.flush_gradients()
         result = e.session.checkpoint(os.path.abspath(directory), background)
+        failure = None
         if e.rank == 0:
             # The module's buffers (BatchNorm's statistics: not parameters,
             # not the daemon's), rank 0's, beside it (the daemon's directory
-            # may be another user's): restore_from loads them with it.
+            # may be another user's), a file a step, the one before kept as
+            # the daemon keeps its checkpoint: restore_from loads them.
             buffers = {k: b.detach().to("cpu", copy=True)
                        for k, b in _persistent_buffers(e._model).items()}
             if buffers:
-                _replace_file(_buffers_file(directory), lambda f: torch.save(
-                    {"steps": int(result["steps"]), "buffers": buffers}, f))
+                try:
+                    steps = int(result["steps"])
+                    _replace_file(_buffers_file(directory, steps),
+                                  lambda f: torch.save({"steps": steps, "buffers": buffers}, f))
+                    for old in glob.glob(glob.escape(_buffers_file(directory, "")) + "*.pt"):
+                        kept = old[len(_buffers_file(directory, "")):-len(".pt")]
+                        if kept.isdigit() and int(kept) < steps and int(kept) not in (
+                                self._buffers_kept.get(directory, ())):
+                            os.unlink(old)
+                    self._buffers_kept[directory] = (steps,)
+                except Exception as exc:  # (told to every rank below)
+                    failure = exc
         if e.world > 1 and not background:
-            # The job's checkpoint is whole once every rank's is.
-            e._collective("barrier after the checkpoint", lambda: dist.barrier(group=e.group))
+            # The job's checkpoint is whole once every rank's is (and rank
+            # 0's buffers written).
+            if not e.all_ranks_ok(failure is None, "agreement after the checkpoint"):
+                failure = failure or offloadd.UnavailableError(
+                    f"checkpoint: rank 0 could not write the module's buffers beside {directory} "
+                    "(its error says why)")
+        if failure is not None:
+            raise failure
         return result
 
     # DeepSpeed's engine's checkpoints (save_checkpoint, load_checkpoint), as
@@ -3435,11 +3454,15 @@ class GatheredParameters:
     """DeepSpeed's zero.GatheredParameters for a wrapped model: inside the
     context the parameters have their whole values (every rank enters it:
     a collective), as they do inside their module's forward; on leaving,
-    with modifier_rank, what that rank changed becomes every rank's (their
-    master weights and working copy), as a load_state_dict does; without
-    one, changes are dropped. Every parameter of the wrapped model is
-    gathered (as for a load), not only those named; tensors offloadd does
-    not hold are left as they are."""
+    with modifier_rank (a rank of the model's process group), the named
+    parameters as that rank has them become every rank's (their master
+    weights and working copy), as a load_state_dict writes them, whether
+    changed in place or through .data; without one (or on an exception),
+    changes are dropped. Every parameter of the wrapped model is gathered
+    (as for a load, outside the GPU tier's slab), not only those named, and
+    the delayed update is drained first (as state_dict() drains it); not
+    inside a forward, nor nested. Tensors offloadd does not hold are left
+    as they are."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
@@ -3452,47 +3475,70 @@ class GatheredParameters:
     def __enter__(self):
         if not self._enabled:
             return self
-        wanted = {id(p) for p in self._params}
-        self._engines = [e for e in list(_OPEN_AT_EXIT)
-                         if not e.closed and any(i in e.by_param for i in wanted)]
+        # Each engine once, in the order of the parameters named (the same
+        # on every rank: their gathers are collectives).
+        for p in self._params:
+            for e in list(_OPEN_AT_EXIT):
+                if not e.closed and id(p) in e.by_param and e not in self._engines:
+                    self._engines.append(e)
+        for e in self._engines:
+            if e._forward_depth > 0 or getattr(e, "_loading", False):
+                self._engines = []
+                raise offloadd.FailedPreconditionError(
+                    "GatheredParameters inside a forward of the wrapped model, or inside "
+                    "another GatheredParameters or load: use it between iterations")
         for e in self._engines:
             e.gather_all_for_load()
         return self
 
     def __exit__(self, *exc):
-        for e in self._engines:
+        engines, self._engines = self._engines, []
+        for e in engines:
+            if e.closed:
+                continue
+            named = {e.by_param[id(p)].pid for p in self._params if id(p) in e.by_param}
             if exc[0] is not None or self._modifier is None:
                 # Nothing written: what the context changed is dropped.
                 e._load_versions = {s.pid: s.param._version for s in e.shards}
+                named = set()
             elif e.world > 1:
+                src = self._modifier
+                if e.group is not None and e.group is not dist.group.WORLD:
+                    src = dist.distributed_c10d._get_global_rank(e.group, src)
                 for p in self._params:
                     if id(p) in e.by_param:
-                        e._collective("broadcast of a gathered parameter", lambda p=p: dist.broadcast(
-                            p.data, src=self._modifier, group=e.group))
-            e.write_loaded()
-        self._engines = []
+                        e._collective("broadcast of a gathered parameter",
+                                      lambda p=p: dist.broadcast(p.data, src=src, group=e.group))
+            e.write_loaded(found=named)
         return False
 
 
-def _buffers_file(directory):
-    """Where optimizer.checkpoint(directory) keeps the module's buffers."""
-    return os.path.abspath(directory).rstrip("/") + ".buffers.pt"
+def _buffers_file(directory, steps):
+    """Where optimizer.checkpoint(directory) keeps the module's buffers of
+    `steps` ("" for the files' common prefix)."""
+    return f"{os.path.abspath(directory)}.buffers.{steps}" + (".pt" if steps != "" else "")
 
 
 def _restore_buffers(model, directory, step):
-    """The module's buffers optimizer.checkpoint(directory) kept beside it,
-    into `model`, where they are of the step restored (a restore_steps of
-    the checkpoint kept before has none: said)."""
-    path = _buffers_file(directory)
-    if not os.path.isfile(path):
-        return
-    saved = torch.load(path, map_location="cpu")
-    if saved.get("steps") != step:
-        warnings.warn(f"restore_from {directory}: its module buffers ({path}) are of step "
-                      f"{saved.get('steps')}, the weights restored of step {step}: the "
-                      "model's own buffers kept", stacklevel=3)
+    """The module's buffers optimizer.checkpoint(directory) kept beside it
+    of the step restored, into `model`; a checkpoint of another step (the
+    one kept before the latest) without them, a file that does not load, or
+    buffers the model has not: said, the model's own kept."""
+    if not glob.glob(glob.escape(_buffers_file(directory, "")) + "*.pt"):
+        return  # (a model without buffers, or a checkpoint from before)
+    path = _buffers_file(directory, step)
+    try:
+        saved = torch.load(path, map_location="cpu")
+    except Exception as exc:
+        warnings.warn(f"restore_from {directory}: the module's buffers of step {step} do not "
+                      f"load ({exc}): the model's own kept", stacklevel=3)
         return
     mine = _persistent_buffers(model)
+    skipped = [k for k, v in saved["buffers"].items()
+               if k not in mine or mine[k].shape != v.shape]
+    if skipped:
+        warnings.warn(f"restore_from {directory}: buffers {skipped} saved are not the model's "
+                      "(or of another shape): not loaded", stacklevel=3)
     with torch.no_grad():
         for k, v in saved["buffers"].items():
             if k in mine and mine[k].shape == v.shape:
@@ -4046,7 +4092,14 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
     engine.commit()
     model.offloadd = engine
     if config["restore_from"]:
-        _restore_buffers(model, config["restore_from"], getattr(engine, "_restored_step", None))
+        # The session's step the checkpoint holds (restore_steps', or its
+        # latest): what each buffers file is named by.
+        steps = config["restore_steps"]
+        if steps is None:
+            held = offloadd.checkpoint_steps(config["restore_from"],
+                                             f"{config['session_name']}/rank{engine.rank}")
+            steps = held[0] if held else getattr(engine, "_restored_step", None)
+        _restore_buffers(model, config["restore_from"], steps)
 
     # torch's Module.zero_grad clears p.grad, which offloadd leaves None (the
     # gradients are the daemon's): the model's, as the optimizer's, drops
