@@ -2646,7 +2646,7 @@ class WrapInProcessTest(unittest.TestCase):
                 "write of 1048576 bytes at offset 0 to /nvme/offloadd.swap: No space left on "
                 "device (ENOSPC)")
         with self.assertRaisesRegex(offloadd.ResourceExhaustedError,
-                                    "its NVMe tier takes no more .*ENOSPC"):
+                                    "its NVMe tier refuses writes .*ENOSPC"):
             e.with_room("a test", full)
         self.assertEqual(e.counts["room_waits"], waits)
         e.ROOM_WAIT_SECONDS = 0.05

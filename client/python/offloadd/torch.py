@@ -571,6 +571,7 @@ class _Engine:
                        "gather_collectives": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
+        self._hook_error = None  # the last offloadd error a hook raised (_remembering)
         # (shard, this rank's averaged gradient slice, its statistics or None)
         # not yet returned
         self._returns = []
@@ -762,10 +763,11 @@ class _Engine:
     # and the GPU tier's own words for them): the NVMe tier's size, the
     # session's arena, the mapping budget, the sessions a daemon or a user
     # may have; the GPU tier's budget, the device's memory.
-    # Room the pool could not make because the NVMe tier took no block, in
-    # the daemon's words: a write-out that failed (swapper.cc, MakeRoomLocked),
-    # no extent left (nvme/swap_space.cc).
-    _DISK_FAILED = ("in the host pool: writing block", "NVMe tier full")
+    # Room the pool could not make because writing a block out to the NVMe
+    # tier failed, in the daemon's words (swapper.cc, MakeRoomLocked). (Not
+    # "NVMe tier full": a rewrite takes a new extent before it frees the old
+    # one, and other sessions free theirs: waiting lifts it.)
+    _DISK_FAILED = ("in the host pool: writing block",)
     _NOT_ROOM = ("cannot rest on NVMe", "on NVMe: the tier has room", "session arena full",
                  "memory-mapping budget", "server.max_sessions", "the GPU tier has no room",
                  "cudaErrorMemoryAllocation", "emulated device:", "calls in flight at offloadd")
@@ -789,9 +791,8 @@ class _Engine:
                     # tier, and the tier refuses: waiting does not help.
                     raise offloadd.ResourceExhaustedError(
                         f"offloadd cannot make room in its pool for {what}: its NVMe tier "
-                        "takes no more (full, or its disk refuses writes: free space there, "
-                        "raise nvme.bytes_per_dir, or mend the disk; the blocks stay in host "
-                        f"memory meanwhile): {e}") from e
+                        "refuses writes (free space on its filesystem, or mend the disk; the "
+                        f"blocks stay in host memory meanwhile): {e}") from e
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
@@ -1607,24 +1608,39 @@ class _Engine:
             self, s = engine_ref(), shard_ref()
             if self is None or s is None:
                 return grad
-            if s.in_optimizer:
-                s.has_grad = s.grad_since_step = True
-            tier = self.tier
-            if tier is not None and tier.resident:
-                if s.in_optimizer:
-                    tier.queue_gradient(s, grad)
-                return grad
-            if s.in_optimizer:
-                self._return_gradient(s, grad)
-            if not s.gathered:
-                # Backward did not need p's values (a Linear whose input
-                # needs no gradient saves no weight), so p is empty; the
-                # accumulation lays .grad out like p: give p its shape, with
-                # no memory, until the hook after it empties p again.
-                s.param.data = torch.empty([1] * len(s.shape), dtype=s.dtype,
-                                           device=s.device).expand(s.shape)
-            return grad
+            with self._remembering():
+                return self._grad_hook(s, grad)
         return hook
+
+    @contextlib.contextmanager
+    def _remembering(self):
+        """An offloadd error raised in one of autograd's hooks, kept: autograd
+        hands it on as a RuntimeError, and optimizer.backward raises it again
+        as it was."""
+        try:
+            yield
+        except (offloadd.Error, SessionRestored) as exc:
+            self._hook_error = exc
+            raise
+
+    def _grad_hook(self, s, grad):
+        if s.in_optimizer:
+            s.has_grad = s.grad_since_step = True
+        tier = self.tier
+        if tier is not None and tier.resident:
+            if s.in_optimizer:
+                tier.queue_gradient(s, grad)
+            return grad
+        if s.in_optimizer:
+            self._return_gradient(s, grad)
+        if not s.gathered:
+            # Backward did not need p's values (a Linear whose input needs no
+            # gradient saves no weight), so p is empty; the accumulation lays
+            # .grad out like p: give p its shape, with no memory, until the
+            # hook after it empties p again.
+            s.param.data = torch.empty([1] * len(s.shape), dtype=s.dtype,
+                                       device=s.device).expand(s.shape)
+        return grad
 
     def _make_after_grad(self, s):
         engine_ref, shard_ref = weakref.ref(self), weakref.ref(s)
@@ -1634,7 +1650,8 @@ class _Engine:
             if self is None or s is None:
                 return
             s.param.grad = None  # returned already (or its copy queued): the daemon has it
-            self._free(s)
+            with self._remembering():
+                self._free(s)
         return hook
 
     def _return_gradient(self, s, grad):
@@ -1761,9 +1778,10 @@ class _Engine:
 
         def sweep():
             self._sweep_queued = False
-            self.free_all()
-            self.flush_gradients()
-            self.end_pass()
+            with self._remembering():
+                self.free_all()
+                self.flush_gradients()
+                self.end_pass()
         torch.autograd.Variable._execution_engine.queue_callback(sweep)
 
     # --- hooks ---------------------------------------------------------------
@@ -1844,9 +1862,10 @@ class _Engine:
                 return packed
             _, s, size, stride, offset = packed
             if not s.gathered:
-                engine.begin_pass()
-                engine._queue_sweep()
-                engine.gather(s.module_shards)  # one fetch for the module's parameters
+                with engine._remembering():
+                    engine.begin_pass()
+                    engine._queue_sweep()
+                    engine.gather(s.module_shards)  # one fetch for the module's parameters
             return s.param.data.as_strided(size, stride, s.param.data.storage_offset() + offset)
 
         forward = model.forward
@@ -2901,13 +2920,9 @@ class Optimizer(torch.optim.Optimizer):
             restored = self._engine.restored
             if restored is not None and "SessionRestored" in str(e):
                 raise restored from e
-            text = str(e)
-            for cls in (PeerLostError, offloadd.ResourceExhaustedError,
-                        offloadd.FailedPreconditionError, offloadd.InvalidArgumentError,
-                        offloadd.DataLossError, offloadd.NotFoundError,
-                        offloadd.UnavailableError, offloadd.PermissionDeniedError):
-                if text.startswith(cls.__name__ + ": "):
-                    raise cls(text[len(cls.__name__) + 2:].split("\n\nAt:\n")[0]) from e
+            kept, self._engine._hook_error = self._engine._hook_error, None
+            if kept is not None and str(kept) in str(e):
+                raise kept from e  # (the hook's own, as it was raised)
             raise
         return loss
 
