@@ -92,7 +92,6 @@ Limits, said plainly:
 import atexit
 import bisect
 import contextlib
-import ctypes
 import functools
 import glob
 import inspect
@@ -2407,18 +2406,15 @@ class _GpuTier:
                       max_reuse_distance_bytes=per("max_reuse_distance"),
                       staging_bytes=int(cfg.get("staging_bytes", 16 << 20)),
                       register_arena=register, hold_per_iteration=hold_all)
-        if self.cuda:
-            # The slab is torch's allocation, so that torch accounts it.
-            self.slab = torch.empty(int(budget), dtype=torch.uint8, device=torch_device)
-            self.tier = _TierGuard(engine, offloadd.GpuTier(
-                engine.session.raw, self.device, slab=self.slab.data_ptr(),
-                slab_bytes=int(budget), **kwargs))
-        else:
-            self.tier = _TierGuard(engine, offloadd.GpuTier(engine.session.raw, self.device,
-                                                            **kwargs))
-            n = self.tier.slab_bytes
-            self.slab = torch.frombuffer((ctypes.c_uint8 * n).from_address(
-                self.tier.slab_address), dtype=torch.uint8)
+        # The slab is torch's allocation, so that torch accounts it (on the
+        # emulated device too, whose copies take any address: a slab of the
+        # device's own, seen through a Python buffer, made every view of it
+        # hold a Python object, which a graph freed at the process's exit
+        # could not release: the exit hung).
+        self.slab = torch.empty(int(budget), dtype=torch.uint8, device=torch_device)
+        self.tier = _TierGuard(engine, offloadd.GpuTier(
+            engine.session.raw, self.device, slab=self.slab.data_ptr(),
+            slab_bytes=int(budget), **kwargs))
         self.slab_base = self.slab.data_ptr()
         self.unit_shards = []  # unit index -> its shards, in the order the tier places them
         for unit in declared:
