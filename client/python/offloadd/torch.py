@@ -1068,6 +1068,22 @@ class _Engine:
                                                        group=self.group))
         return flag.item() == 1.0
 
+    def on_rank0(self, write, what, agree=True):
+        """`write()` on rank 0 (a file the job needs beside its checkpoint),
+        its failure raised on every rank (with `agree`: a collective after
+        it, every rank calls this), `what` naming it for the other ranks."""
+        failure = None
+        if self.rank == 0:
+            try:
+                write()
+            except Exception as exc:  # (told to every rank below)
+                failure = exc
+        if agree and not self.all_ranks_ok(failure is None, f"agreement after {what}"):
+            failure = failure or offloadd.UnavailableError(
+                f"rank 0 could not write {what} (its error says why)")
+        if failure is not None:
+            raise failure
+
     def restore_checkpoint(self, directory, restore_steps=None):
         """This rank's session replaced by one restored from `directory`
         (Optimizer.checkpoint's: every rank's, any number of ranks), every
@@ -3155,36 +3171,28 @@ class Optimizer(torch.optim.Optimizer):
         e.free_all()
         e.flush_gradients()
         result = e.session.checkpoint(os.path.abspath(directory), background)
-        failure = None
-        if e.rank == 0:
-            # The module's buffers (BatchNorm's statistics: not parameters,
-            # not the daemon's), rank 0's, beside it (the daemon's directory
-            # may be another user's), a file a step, the one before kept as
-            # the daemon keeps its checkpoint: restore_from loads them.
-            buffers = {k: b.detach().to("cpu", copy=True)
-                       for k, b in _persistent_buffers(e._model).items()}
-            if buffers:
-                try:
-                    steps = int(result["steps"])
-                    _replace_file(_buffers_file(directory, steps),
-                                  lambda f: torch.save({"steps": steps, "buffers": buffers}, f))
-                    for old in glob.glob(glob.escape(_buffers_file(directory, "")) + "*.pt"):
-                        kept = old[len(_buffers_file(directory, "")):-len(".pt")]
-                        if kept.isdigit() and int(kept) < steps and int(kept) not in (
-                                self._buffers_kept.get(directory, ())):
-                            os.unlink(old)
-                    self._buffers_kept[directory] = (steps,)
-                except Exception as exc:  # (told to every rank below)
-                    failure = exc
-        if e.world > 1 and not background:
-            # The job's checkpoint is whole once every rank's is (and rank
-            # 0's buffers written).
-            if not e.all_ranks_ok(failure is None, "agreement after the checkpoint"):
-                failure = failure or offloadd.UnavailableError(
-                    f"checkpoint: rank 0 could not write the module's buffers beside {directory} "
-                    "(its error says why)")
-        if failure is not None:
-            raise failure
+        # The module's buffers (BatchNorm's statistics: not parameters, not
+        # the daemon's), rank 0's, beside it (the daemon's directory may be
+        # another user's), a file a step, the one before kept as the daemon
+        # keeps its checkpoint: restore_from loads them. The job's
+        # checkpoint is whole once every rank's is, and they are written.
+        buffers = {k: b.detach().to("cpu", copy=True)
+                   for k, b in _persistent_buffers(e._model).items()} if e.rank == 0 else {}
+
+        def write():
+            if not buffers:
+                return
+            steps = int(result["steps"])
+            _replace_file(_buffers_file(directory, steps),
+                          lambda f: torch.save({"steps": steps, "buffers": buffers}, f))
+            for old in glob.glob(glob.escape(_buffers_file(directory, "")) + "*.pt"):
+                kept = old[len(_buffers_file(directory, "")):-len(".pt")]
+                if kept.isdigit() and int(kept) < steps and int(kept) not in (
+                        self._buffers_kept.get(directory, ())):
+                    os.unlink(old)
+            self._buffers_kept[directory] = (steps,)
+        e.on_rank0(write, f"the module's buffers beside {directory}",
+                   agree=e.world > 1 and not background)
         return result
 
     # DeepSpeed's engine's checkpoints (save_checkpoint, load_checkpoint), as
@@ -3211,38 +3219,29 @@ class Optimizer(torch.optim.Optimizer):
         steps = self.global_steps
         tag = str(tag) if tag is not None else f"global_step{steps}"
         written = self.checkpoint(os.path.join(save_dir, tag))
-        failure = None
-        if e.rank == 0:
-            try:
-                # The param groups' hyperparameters too (an lr scheduler's
-                # current lr), as DeepSpeed's optimizer state holds them.
-                groups = [{k: v for k, v in g.items() if k != "params"}
-                          for g in self.param_groups]
-                # The step every rank committed (restore_steps at the load:
-                # a save into this tag that a crash cut short, some ranks'
-                # newer, leaves this file and every rank's previous one).
-                saved = {"client_state": client_state or {}, "global_steps": steps,
-                         # The module's buffers (BatchNorm's statistics), rank 0's, as
-                         # DeepSpeed's module state holds them.
-                         "buffers": {k: b.detach().to("cpu", copy=True)
-                                     for k, b in _persistent_buffers(e._model).items()},
-                         "skipped_steps": e.counts["skipped"] + getattr(self, "_skipped_before", 0),
-                         "param_groups": groups, "restore_steps": written["steps"]}
-                scheduler = getattr(self, "_lr_scheduler", None)
-                if scheduler is not None:  # (offloadd.deepspeed.initialize's, as DeepSpeed's)
-                    saved["lr_scheduler"] = scheduler.state_dict()
-                _replace_file(os.path.join(save_dir, tag + self._CLIENT_STATE),
-                              lambda f: torch.save(saved, f))
-                if save_latest:
-                    _replace_file(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
-            except Exception as exc:  # (told to every rank below)
-                failure = exc
-        if not e.all_ranks_ok(failure is None, "agreement after save_checkpoint"):
-            failure = failure or offloadd.UnavailableError(
-                f"save_checkpoint: rank 0 could not write {tag}{self._CLIENT_STATE} or latest in "
-                f"{save_dir} (its error says why)")
-        if failure is not None:
-            raise failure
+
+        def write():
+            # The param groups' hyperparameters too (an lr scheduler's
+            # current lr), as DeepSpeed's optimizer state holds them.
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+            # The step every rank committed (restore_steps at the load: a
+            # save into this tag that a crash cut short, some ranks' newer,
+            # leaves this file and every rank's previous one).
+            saved = {"client_state": client_state or {}, "global_steps": steps,
+                     # The module's buffers (BatchNorm's statistics), rank 0's,
+                     # as DeepSpeed's module state holds them.
+                     "buffers": {k: b.detach().to("cpu", copy=True)
+                                 for k, b in _persistent_buffers(e._model).items()},
+                     "skipped_steps": e.counts["skipped"] + getattr(self, "_skipped_before", 0),
+                     "param_groups": groups, "restore_steps": written["steps"]}
+            scheduler = getattr(self, "_lr_scheduler", None)
+            if scheduler is not None:  # (offloadd.deepspeed.initialize's, as DeepSpeed's)
+                saved["lr_scheduler"] = scheduler.state_dict()
+            _replace_file(os.path.join(save_dir, tag + self._CLIENT_STATE),
+                          lambda f: torch.save(saved, f))
+            if save_latest:
+                _replace_file(os.path.join(save_dir, "latest"), lambda f: f.write(tag.encode()))
+        e.on_rank0(write, f"{tag}{self._CLIENT_STATE} or latest in {save_dir} (save_checkpoint)")
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -3635,20 +3634,10 @@ class _DeepSpeedSettings:
         if exclude_frozen_parameters:
             frozen = {n for n, p in e._model.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
-        failure = None
-        if e.rank == 0:
-            try:
-                os.makedirs(save_dir, exist_ok=True)
-                _replace_file(os.path.join(save_dir, save_filename),
-                              lambda f: torch.save(state, f))
-            except Exception as exc:  # (told to every rank below)
-                failure = exc
-        if not e.all_ranks_ok(failure is None, "agreement after save_16bit_model"):
-            failure = failure or offloadd.UnavailableError(
-                f"save_16bit_model: rank 0 could not write {save_filename} in {save_dir} (its "
-                "error says why)")
-        if failure is not None:
-            raise failure
+        def write():
+            os.makedirs(save_dir, exist_ok=True)
+            _replace_file(os.path.join(save_dir, save_filename), lambda f: torch.save(state, f))
+        e.on_rank0(write, f"{save_filename} in {save_dir} (save_16bit_model)")
         return True
 
     save_fp16_model = save_16bit_model  # (DeepSpeed's older name)
