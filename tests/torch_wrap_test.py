@@ -3293,6 +3293,26 @@ class WrapInProcessTest(unittest.TestCase):
         finally:
             daemon.stop()
 
+    def test_a_crash_before_the_first_automatic_checkpoint_says_so(self):
+        # kill -9 of offloadd before its first automatic checkpoint (the
+        # default interval is 600 s): the loop's next call said "open a new
+        # session", of no use to a torch user.
+        import torch
+        import offloadd
+        name = "crash_before_checkpoint"
+        daemon = Daemon(self.root, name)
+        try:
+            model, opt = self.wrap_at(daemon.address, self.mlp(), {"lr": 1e-2})
+            opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+            opt.step()
+            daemon.stop()  # SIGKILL
+            daemon = Daemon(self.root, name, restart=True)
+            with self.assertRaisesRegex(offloadd.NotFoundError,
+                                        "before this job's first automatic checkpoint"):
+                opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        finally:
+            daemon.stop()
+
     def test_a_wrap_that_fails_after_resuming_leaves_the_resume_point(self):
         # resume "auto" after offloadd died: a wrap() that fails after its
         # session restored the job's last automatic checkpoint (and dropped

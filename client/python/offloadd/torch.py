@@ -994,8 +994,11 @@ class _Engine:
             raise offloadd.NotFoundError(
                 f"{cause}; with {self.world} ranks, offloadd.torch does not go on in this "
                 f"process: {how}") from cause
-        if not directory or not os.path.isdir(directory):
-            raise cause
+        if not directory or not glob.glob(os.path.join(glob.escape(directory), "*.manifest")):
+            raise offloadd.NotFoundError(
+                f"{cause}; offloadd went away before this job's first automatic checkpoint was "
+                "taken (offloadd's checkpoint.auto_interval_seconds and auto_every_steps say how "
+                "often): there is nothing to go on from; start the job again") from cause
         try:
             session, pids, steps = self._restore_from_dir(directory, None)
         except offloadd.DataLossError as e:
