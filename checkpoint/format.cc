@@ -475,40 +475,31 @@ absl::StatusOr<std::vector<std::pair<std::string, Manifest>>> ReadManifests(
   for (const std::string& name : dir.List()) {
     absl::string_view stem = name;
     if (!absl::ConsumeSuffix(&stem, ".manifest")) continue;
-    std::string path = dir.PathOf(name);
     absl::StatusOr<Manifest> latest = ReadManifest(dir, name);
+    if (latest.ok() && (!steps.has_value() || latest->steps() == *steps)) {
+      out.emplace_back(dir.PathOf(name), *std::move(latest));
+      continue;
+    }
+    // Of another step than asked, or unreadable (a disk's corruption): the
+    // stem's kept previous checkpoint, if it is the step asked for.
+    const std::string previous_name = absl::StrCat(stem, ".previous");
+    absl::StatusOr<Manifest> p = ReadManifest(dir, previous_name);
+    if (p.ok() && steps.has_value() && p->steps() == *steps) {
+      out.emplace_back(dir.PathOf(previous_name), *std::move(p));
+      continue;
+    }
     if (!latest.ok()) {
-      // Unreadable (a disk's corruption): the stem's kept previous one may
-      // be the step asked for, or say which step can be.
-      const std::string previous_name = absl::StrCat(stem, ".previous");
-      absl::StatusOr<Manifest> p = ReadManifest(dir, previous_name);
       if (!p.ok()) return latest.status();
-      if (steps.has_value() && p->steps() == *steps) {
-        out.emplace_back(dir.PathOf(previous_name), *std::move(p));
-        continue;
-      }
       return absl::Status(
           latest.status().code(),
           absl::StrCat(latest.status().message(), "; the checkpoint kept before it (",
                        previous_name, ", of step ", p->steps(), ") is intact: restore_steps ",
                        p->steps(), " restores it"));
     }
-    Manifest m = *std::move(latest);
-    if (steps.has_value() && m.steps() != *steps) {
-      // The kept previous checkpoint of the stem, if it is that step's.
-      const std::string previous_name = absl::StrCat(stem, ".previous");
-      std::string previous = dir.PathOf(previous_name);
-      absl::StatusOr<Manifest> p = ReadManifest(dir, previous_name);
-      if (!p.ok() || p->steps() != *steps) {
-        return absl::NotFoundError(
-            absl::StrCat("no checkpoint of step ", *steps, " of '", m.session_name(), "' in ",
-                         dir.path(), " (it has step ", m.steps(),
-                         p.ok() ? absl::StrCat(" and step ", p->steps()) : std::string(), ")"));
-      }
-      path = std::move(previous);
-      m = *std::move(p);
-    }
-    out.emplace_back(std::move(path), std::move(m));
+    return absl::NotFoundError(
+        absl::StrCat("no checkpoint of step ", *steps, " of '", latest->session_name(), "' in ",
+                     dir.path(), " (it has step ", latest->steps(),
+                     p.ok() ? absl::StrCat(" and step ", p->steps()) : std::string(), ")"));
   }
   if (out.empty()) {
     return absl::NotFoundError(absl::StrCat("no checkpoint (*.manifest) in ", dir.path()));
