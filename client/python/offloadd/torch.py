@@ -981,7 +981,7 @@ class _Engine:
         # Its own last automatic checkpoint, or, if it crashed before one
         # committed, the one it went on from.
         directory = old.auto_checkpoint_dir
-        if not glob.glob(os.path.join(glob.escape(directory or "."), "*.manifest")):
+        if not _holds_checkpoint(directory):
             directory = getattr(self, "_resumed_from", None) or directory
         if self.world > 1:
             # Several ranks find the daemon gone at different calls, so an
@@ -994,7 +994,7 @@ class _Engine:
             raise offloadd.NotFoundError(
                 f"{cause}; with {self.world} ranks, offloadd.torch does not go on in this "
                 f"process: {how}") from cause
-        if not directory or not glob.glob(os.path.join(glob.escape(directory), "*.manifest")):
+        if not _holds_checkpoint(directory):
             raise offloadd.NotFoundError(
                 f"{cause}; offloadd went away before this job's first automatic checkpoint was "
                 "taken (offloadd's checkpoint.auto_interval_seconds and auto_every_steps say how "
@@ -1006,11 +1006,14 @@ class _Engine:
             # not a parameter the checkpoint lacks): the one kept before it,
             # if intact, is where to go on from. (The steps that read back:
             # the latest's first where its manifest did, and failed after.)
-            name = f"{self.config['session_name']}/rank{self.rank}"
-            readable = offloadd.checkpoint_steps(directory, name)
-            older = (readable if ".manifest:" in str(e) else readable[1:])
+            readable = offloadd.checkpoint_steps(
+                directory, f"{self.config['session_name']}/rank{self.rank}")
             if "holds no state of" in str(e):
-                older = []
+                older = []  # (a parameter the checkpoint lacks: no corruption)
+            elif ".manifest:" in str(e):
+                older = readable  # (its manifest: only those that read back are listed)
+            else:
+                older = readable[1:]  # (its data: the latest's step is listed first)
             for step in older:
                 try:
                     session, pids, steps = self._restore_from_dir(directory, step)
@@ -3524,6 +3527,12 @@ class GatheredParameters:
                                       lambda p=p: dist.broadcast(p.data, src=src, group=e.group))
             e.write_loaded(found=named)
         return False
+
+
+def _holds_checkpoint(directory):
+    """Whether `directory` (None: none) holds a checkpoint's manifest."""
+    return bool(directory) and bool(
+        glob.glob(os.path.join(glob.escape(directory), "*.manifest")))
 
 
 def _buffers_file(directory, steps):
