@@ -101,6 +101,19 @@ class ParamCacheTest : public ::testing::Test {
     ASSERT_TRUE(cache.Done(unit, host_).ok());
   }
 
+  // A "kernel" on `compute` that reads the tensor at `offset` of the slab
+  // 20 ms later, and counts in `good` whether it still held `key`'s values
+  // (a copy that did not wait for it overwrote them).
+  absl::Status LaunchSlowReader(ParamCache& cache, const Stream& compute, uint64_t offset,
+                                uint64_t key, std::atomic<int>* good) {
+    const char* at = static_cast<char*>(cache.slab()) + offset;
+    const std::vector<uint8_t>* want = &source_.data(key);
+    return device_.Launch(compute, [at, want, good] {
+      absl::SleepFor(absl::Milliseconds(20));
+      *good += std::memcmp(at, want->data(), want->size()) == 0;
+    });
+  }
+
   EmulatedDevice device_{{.memory_bytes = 64 << 20,
                           .max_copy_delay = absl::Microseconds(300),
                           .copy_chunk_bytes = 4096}};
@@ -317,15 +330,7 @@ TEST_F(ParamCacheTest, ACopyNeverOverwritesWhatComputeStillReads) {
   for (int u = 0; u < 2; ++u) {
     auto offsets = (*cache)->Use(u, *compute);
     ASSERT_TRUE(offsets.ok()) << offsets.status();
-    const char* at = static_cast<char*>((*cache)->slab()) + (*offsets)[0];
-    const std::vector<uint8_t>* want = &source_.data(100 * u);
-    ASSERT_TRUE(device_
-                    .Launch(*compute,
-                            [&, at, want] {
-                              absl::SleepFor(absl::Milliseconds(20));
-                              good += std::memcmp(at, want->data(), want->size()) == 0;
-                            })
-                    .ok());
+    ASSERT_TRUE(LaunchSlowReader(**cache, *compute, (*offsets)[0], 100 * u, &good).ok());
     ASSERT_TRUE((*cache)->Done(u, *compute).ok());
   }
   ASSERT_TRUE(device_.Record(*end, *compute).ok());
@@ -358,15 +363,7 @@ TEST_F(ParamCacheTest, AnEvictionWhoseStreamWaitFailsWaitsOnTheHost) {
     (*cache)->BeginIteration();
     auto first = (*cache)->Use(0, *compute);
     ASSERT_TRUE(first.ok()) << first.status();
-    const char* at = static_cast<char*>((*cache)->slab()) + (*first)[0];
-    const std::vector<uint8_t>* want = &source_.data(0);
-    ASSERT_TRUE(device_
-                    .Launch(*compute,
-                            [&, at, want] {
-                              absl::SleepFor(absl::Milliseconds(20));
-                              good += std::memcmp(at, want->data(), want->size()) == 0;
-                            })
-                    .ok());
+    ASSERT_TRUE(LaunchSlowReader(**cache, *compute, (*first)[0], 0, &good).ok());
     ASSERT_TRUE((*cache)->Done(0, *compute).ok());
     (*cache)->AwaitCopies();  // (the host's wait that fails is the eviction's)
     if (host_wait_fails) {

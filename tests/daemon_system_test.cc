@@ -148,6 +148,18 @@ class DaemonTest : public ::testing::Test {
   // Starts the demo trainer (its session "offload_demo") and waits until it
   // steps; `pid`: its process.
   void StartSteppingTrainer(pid_t* pid);
+  // SIGKILLs the demo trainer `pid` and waits until offloadd saw it go.
+  void KillSteppingTrainer(pid_t pid);
+  // A session "survivor" holding one partition beside the trainer's;
+  // `bytes`: the host tier's use with it alone.
+  std::unique_ptr<Session> OpenSurvivor(uint64_t* bytes) {
+    auto survivor = Open("survivor");
+    if (survivor == nullptr || !survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok()) {
+      return nullptr;
+    }
+    *bytes = Stats().tiers[0].used_bytes;
+    return survivor;
+  }
 
   std::unique_ptr<Session> Open(const std::string& name) {
     auto s = client_->OpenSession(name);
@@ -1218,23 +1230,26 @@ void DaemonTest::StartSteppingTrainer(pid_t* started) {
   *started = *pid;
 }
 
+void DaemonTest::KillSteppingTrainer(pid_t pid) {
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  ASSERT_EQ(waitpid(pid, nullptr, 0), pid);
+  // The daemon notices the dropped connection: its arena channel sees the
+  // hangup, closes or detaches the session, then logs this line.
+  absl::Status noticed =
+      daemon_->WaitForLog(absl::StrCat("(pid ", pid, ") went away without closing it"));
+  ASSERT_TRUE(noticed.ok()) << noticed;
+}
+
 void DaemonTest::KillATrainer(bool lease) {
-  auto survivor = Open("survivor");
+  uint64_t survivor_bytes = 0;
+  auto survivor = OpenSurvivor(&survivor_bytes);
   ASSERT_TRUE(survivor);
-  ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
-  const uint64_t survivor_bytes = Stats().tiers[0].used_bytes;
 
   pid_t trainer = -1;
   ASSERT_NO_FATAL_FAILURE(StartSteppingTrainer(&trainer));
   EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
 
-  ASSERT_EQ(kill(trainer, SIGKILL), 0);
-  ASSERT_EQ(waitpid(trainer, nullptr, 0), trainer);
-  // The daemon notices the dropped connection and frees the session: its
-  // arena channel sees the hangup, closes the session, then logs this line.
-  absl::Status noticed =
-      daemon_->WaitForLog(absl::StrCat("(pid ", trainer, ") went away without closing it"));
-  ASSERT_TRUE(noticed.ok()) << noticed;
+  ASSERT_NO_FATAL_FAILURE(KillSteppingTrainer(trainer));
   if (lease) {
     // Kept for its trainer, holding its memory, until the lease is over;
     // its stats say its trainer went away (the survivor's is here).
@@ -1270,10 +1285,9 @@ void DaemonTest::KillATrainer(bool lease) {
 TEST_F(DaemonTest, TheOperatorClosesASessionItsTrainerLeft) {
   daemon_.reset();
   StartDaemon({"--server.reconnect_lease_seconds=600"});
-  auto survivor = Open("survivor");
+  uint64_t survivor_bytes = 0;
+  auto survivor = OpenSurvivor(&survivor_bytes);
   ASSERT_TRUE(survivor);
-  ASSERT_TRUE(survivor->Register("w", 1000, DType::kFp32, DType::kFp32).ok());
-  const uint64_t survivor_bytes = Stats().tiers[0].used_bytes;
   pid_t trainer = -1;
   ASSERT_NO_FATAL_FAILURE(StartSteppingTrainer(&trainer));
   uint64_t id = 0;
@@ -1304,10 +1318,7 @@ TEST_F(DaemonTest, TheOperatorClosesASessionItsTrainerLeft) {
     ASSERT_TRUE(stub->CloseSession(&close_ctx, close, &closed).ok());
   }
 
-  ASSERT_EQ(kill(trainer, SIGKILL), 0);
-  ASSERT_EQ(waitpid(trainer, nullptr, 0), trainer);
-  ASSERT_TRUE(
-      daemon_->WaitForLog(absl::StrCat("(pid ", trainer, ") went away without closing it")).ok());
+  ASSERT_NO_FATAL_FAILURE(KillSteppingTrainer(trainer));
   EXPECT_EQ(Stats().sessions.size(), 2u);  // kept for the lease, with its memory
   EXPECT_GT(Stats().tiers[0].used_bytes, survivor_bytes);
 
