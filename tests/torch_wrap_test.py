@@ -981,6 +981,14 @@ class WrapInProcessTest(unittest.TestCase):
             else:
                 os.environ["OFFLOADD_ADDRESS"] = old
 
+    @staticmethod
+    def ds_config(**fields):
+        """A DeepSpeed config: micro-batches of 4, AdamW at lr 1e-2, ZeRO
+        stage 3, with `fields` added or replacing those."""
+        return dict({"train_micro_batch_size_per_gpu": 4,
+                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                     "zero_optimization": {"stage": 3}}, **fields)
+
     def mlp(self, bias=True):
         import torch
         torch.manual_seed(0)
@@ -2225,9 +2233,7 @@ class WrapInProcessTest(unittest.TestCase):
         # stepped before the optimizer.
         import warnings
         import torch
-        ds = {"train_micro_batch_size_per_gpu": 4,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3}}
+        ds = self.ds_config()
         model, opt = self.wrap_deepspeed(self.mlp(), ds)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         with warnings.catch_warnings(record=True) as caught:
@@ -2249,9 +2255,7 @@ class WrapInProcessTest(unittest.TestCase):
         # goes on as from the save, bit for bit.
         import warnings
         import torch
-        ds = {"train_micro_batch_size_per_gpu": 4,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3}}
+        ds = self.ds_config()
         model, opt = self.wrap_deepspeed(self.mlp(), ds)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
 
@@ -2342,9 +2346,7 @@ class WrapInProcessTest(unittest.TestCase):
                 return x * self.weight
 
         for kind, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            ds = {"train_micro_batch_size_per_gpu": 4, kind: {"enabled": True},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                  "zero_optimization": {"stage": 3}}
+            ds = self.ds_config(**{kind: {"enabled": True}})
             if kind == "fp16":
                 ds[kind].update(initial_scale_power=4, hysteresis=1)
             model = self.mlp() if kind == "bf16" else Scale()
@@ -2449,9 +2451,7 @@ class WrapInProcessTest(unittest.TestCase):
         self.assertEqual((args.deepspeed, args.deepspeed_config), (True, "ds.json"))
         with deepspeed.zero.Init():
             model = self.mlp()
-        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                  "zero_optimization": {"stage": 3}}
+        config = self.ds_config(gradient_accumulation_steps=2)
         env = dict(os.environ)
         try:
             os.environ["WORLD_SIZE"] = "2"
@@ -2494,10 +2494,7 @@ class WrapInProcessTest(unittest.TestCase):
                 self.seen = x.dtype
                 return x * self.weight
 
-        config = {"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True,
-                                                                "auto_cast": True},
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                  "zero_optimization": {"stage": 3}}
+        config = self.ds_config(fp16={"enabled": True, "auto_cast": True})
         with self.offloadd_address():
             engine, optimizer, _, _ = deepspeed.initialize(model=Scale(), config=config)
         engine(torch.randn(4, 8))
@@ -2590,9 +2587,7 @@ class WrapInProcessTest(unittest.TestCase):
         # checkpoints do not hold them; save_checkpoint keeps rank 0's (as
         # DeepSpeed's module state does) and load_checkpoint restores them.
         import torch
-        ds = {"train_micro_batch_size_per_gpu": 4,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3}}
+        ds = self.ds_config()
 
         def make():
             torch.manual_seed(0)
@@ -2668,10 +2663,8 @@ class WrapInProcessTest(unittest.TestCase):
 
     def test_a_deepspeed_nvme_path_is_said_to_be_unused_where_the_daemon_has_no_nvme(self):
         import offloadd
-        ds = {"train_micro_batch_size_per_gpu": 4,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "offload_optimizer": {
-                  "device": "nvme", "nvme_path": "/local_nvme"}}}
+        ds = self.ds_config(zero_optimization={"stage": 3, "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/local_nvme"}})
         with self.assertRaisesRegex(offloadd.FailedPreconditionError,
                                     "nvme_path '/local_nvme' is not used: the NVMe tier is the "
                                     "daemon's"):
