@@ -1340,6 +1340,36 @@ class WrapInProcessTest(unittest.TestCase):
                                       {"gpu": {"device": "emulated", "budget_bytes": 3328}},
                                       steps=3, width=32)
 
+    def test_a_module_run_twice_lets_its_parameters_go_after_each_backward(self):
+        # A module run twice in a forward: its gradient is accumulated only
+        # after the backward of its first run, and its parameters, gathered
+        # for the backward of its second, stayed in use until then, beside
+        # the next module's: past what nesting holds, with a budget twice
+        # the largest module's the tier found no room in backward (9 of 40
+        # random models failed so). They go after each backward of the
+        # module now, as DeepSpeed's ZeRO-3 lets them go, and are gathered
+        # again for the next.
+        import torch
+
+        class Reused(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.up = torch.nn.ModuleList(torch.nn.Linear(32, 24) for _ in range(2))
+                self.down = torch.nn.ModuleList(torch.nn.Linear(24, 32) for _ in range(2))
+
+            def forward(self, x):
+                for k in (1, 0, 1):
+                    x = x + self.down[k](torch.tanh(self.up[k](x)))
+                return x
+
+        def watch(model):
+            self.assertFalse(model.offloadd.tier.resident)
+        # (Each Linear 3072 + 128 or 96 bytes: 3328 placed.)
+        self.assert_trains_like_torch(Reused, {"lr": 1e-2},
+                                      {"gpu": {"device": "emulated", "budget_bytes": 2 * 3328}},
+                                      steps=3, width=32, wrapped=watch)
+
     def test_reentrant_activation_checkpointing_trains_like_torch(self):
         # torch.utils.checkpoint's default in torch 1.13 (README said it
         # failed at its first backward): on the host and on the GPU tier.

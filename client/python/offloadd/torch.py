@@ -1854,7 +1854,7 @@ class _Engine:
     def _install_hooks(self, model):
         for module, own in self._units:
             handle = module.register_forward_pre_hook(
-                lambda m, inputs, own=own: self._before_forward(own))
+                lambda m, inputs, own=own: self._before_forward(own, inputs))
             # First of the module's pre-hooks: those registered before wrap
             # read the parameters too (weight_norm and spectral_norm compute
             # the weight from them there).
@@ -2093,7 +2093,7 @@ class _Engine:
         if self.closed:
             raise offloadd.FailedPreconditionError(_CLOSED)
 
-    def _before_forward(self, own):
+    def _before_forward(self, own, inputs=()):
         self.check_open()
         for s in own:
             s.refs += 1
@@ -2103,6 +2103,48 @@ class _Engine:
                 s.version = s.param._version
                 if s.changes_in_place:
                     s.snapshot = s.param.data.detach().clone()
+        return self._watch_backward(own, inputs)
+
+    def _watch_backward(self, own, inputs):
+        """The GPU tier, units gathered per module (not resident): the
+        module's tensor inputs that need a gradient, passed on through one
+        node (_AfterModuleBackward) whose backward runs once all of their
+        gradients are in, that is, once the module's own backward is over;
+        its parameters are let go then (_after_module_backward), as
+        DeepSpeed's ZeRO-3 releases a module's after its backward. Else a
+        unit gathered in backward stayed in use until its gradient was
+        accumulated, which for a module run more than once, or a weight
+        tied to one run first, is backward's end: units held at once past
+        what nesting holds (what wrap() checks the budget against), and a
+        use found no room mid-training. A module whose inputs need no
+        gradient (the first one's: token ids), or come as keyword
+        arguments, keeps its parameters until then, as before. Returns the
+        inputs to pass on, or None to leave them (each distinct tensor
+        passed through once: `q is k` still holds for attention)."""
+        if (self.tier is None or self.tier.resident or not torch.is_grad_enabled()
+                or self._forward_depth == 0):
+            return None
+        need = {}
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in need:
+                need[id(t)] = t
+        if not need:
+            return None
+        seen = _AfterModuleBackward.apply(
+            functools.partial(_after_module_backward, weakref.ref(self), own), *need.values())
+        passed = dict(zip(need, seen))
+        return tuple(passed.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in inputs)
+
+    def after_module_backward(self, own):
+        """A module's backward is over (see _watch_backward): its
+        parameters gathered for it go. A node that reads one of them later
+        (a parameter used outside the path from the module's inputs to its
+        output) gathers it again as any saved parameter is."""
+        if self.tier is None or self.tier.resident or self.closed:
+            return
+        for s in own:
+            if s.gathered and s.refs == 0:
+                self._free(s)
 
     def _after_forward(self, own):
         # A forward that changed its parameters in place (under no_grad:
@@ -2858,6 +2900,32 @@ class _GpuTier:
 
 class _SavedParam:
     """Marks a saved tensor that is a gathered parameter (see pack)."""
+
+
+class _AfterModuleBackward(torch.autograd.Function):
+    """Passes a module's inputs on unchanged (aliases, as detach() makes
+    them: an in-place change in the module is checked as torch checks one
+    of the inputs themselves); its backward calls `after` once the
+    gradients of all of them are in (_Engine._watch_backward)."""
+
+    @staticmethod
+    def forward(ctx, after, *inputs):
+        ctx.after = after
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.after()
+        return (None,) + grads
+
+
+def _after_module_backward(engine_ref, own):
+    # (Through a weak reference: the graph, kept by whoever keeps an output,
+    # must not keep the engine and its session.)
+    engine = engine_ref()
+    if engine is not None:
+        with engine._remembering():
+            engine.after_module_backward(own)
 
 
 class Optimizer(torch.optim.Optimizer):
