@@ -68,19 +68,23 @@ ParamCache::~ParamCache() {
   Reap(/*wait=*/true);
 }
 
-absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors) {
+absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors,
+                                        bool holder) {
   absl::MutexLock lock(&mu_);
   if (tensors.empty()) return absl::InvalidArgumentError("a unit needs at least one tensor");
   Unit unit;
+  unit.holder = holder;
   const int index = static_cast<int>(units_.size());
   // A unit refused declares nothing: the tensors it added go again (a
   // later unit may declare them otherwise, and Keys() names none of them).
   const size_t entries_before = entries_.size();
   const uint64_t persistent_before = persistent_bytes_;
+  const uint64_t declared_before = declared_bytes_;
   auto refuse = [&](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (size_t i = entries_before; i < entries_.size(); ++i) by_key_.erase(entries_[i].key);
     entries_.resize(entries_before);
     persistent_bytes_ = persistent_before;
+    declared_bytes_ = declared_before;
     return why;
   };
   for (const auto& [key, bytes] : tensors) {
@@ -109,6 +113,7 @@ absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uin
                      bytes <= options_.persistence_threshold_bytes &&
                      persistent_bytes_ + Rounded(bytes) <= budget_ / 2;
       if (e.persistent) persistent_bytes_ += Rounded(bytes);
+      declared_bytes_ += Rounded(bytes);
       by_key_[key] = unit.entries.back();
       entries_.push_back(std::move(e));
     }
@@ -174,13 +179,27 @@ uint64_t ParamCache::NextUse(const Entry& e) const {
   return next;
 }
 
-std::optional<uint64_t> ParamCache::TakeRange(uint64_t bytes) {
+std::optional<uint64_t> ParamCache::TakeRange(uint64_t bytes, bool top) {
+  auto fits = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < bytes) continue;
-    const uint64_t offset = it->first;
+    fits = it;
+    if (!top) break;
+  }
+  if (fits != free_.end()) {
+    auto it = fits;
     const uint64_t rest = it->second - bytes;
-    free_.erase(it);
-    if (rest) free_[offset + bytes] = rest;
+    uint64_t offset = it->first;
+    if (top) {
+      offset += rest;
+      if (rest)
+        it->second = rest;
+      else
+        free_.erase(it);
+    } else {
+      free_.erase(it);
+      if (rest) free_[offset + bytes] = rest;
+    }
     stats_.resident_bytes += bytes;
     stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes);
     return offset;
@@ -248,14 +267,81 @@ absl::Status ParamCache::Evict(int index) {
   return absl::OkStatus();
 }
 
+bool ParamCache::Holds(int entry) const {
+  for (int u : entries_[entry].units) {
+    if (units_[u].holder) return true;
+  }
+  return false;
+}
+
+bool ParamCache::TakeAt(uint64_t offset, uint64_t bytes) {
+  auto it = free_.upper_bound(offset);
+  if (it == free_.begin()) return false;
+  --it;
+  const uint64_t start = it->first, length = it->second;
+  if (start + length < offset + bytes) return false;
+  free_.erase(it);
+  if (offset > start) free_[start] = offset - start;
+  if (start + length > offset + bytes) free_[offset + bytes] = start + length - offset - bytes;
+  stats_.resident_bytes += bytes;
+  stats_.peak_resident_bytes = std::max(stats_.peak_resident_bytes, stats_.resident_bytes);
+  return true;
+}
+
+absl::StatusOr<std::optional<uint64_t>> ParamCache::PlaceOnTop(uint64_t rounded, uint64_t limit,
+                                                               const std::vector<int>& keep) {
+  // What stays where it is: in use, in flight, persistent, wanted by this
+  // use, or (a prefetch) used before `limit`; the rest may be given back.
+  std::vector<bool> wanted(entries_.size());
+  for (int i : keep) wanted[i] = true;
+  std::vector<std::pair<uint64_t, uint64_t>> stays;  // [start, end)
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (e.state == State::kAbsent || e.state == State::kFailed) continue;
+    const bool movable = (e.state == State::kReady || e.state == State::kStale) && e.pins == 0 &&
+                         !e.persistent && !wanted[i] && (limit == kNever || NextUse(e) > limit);
+    if (!movable) stays.emplace_back(e.offset, e.offset + Rounded(e.bytes));
+  }
+  std::sort(stays.begin(), stays.end());
+  // The highest stretch between them that fits.
+  std::optional<uint64_t> at;
+  uint64_t end = budget_;
+  for (auto it = stays.rbegin(); it != stays.rend() && !at; ++it) {
+    if (end >= it->second && end - it->second >= rounded) at = end - rounded;
+    end = std::min(end, it->first);
+  }
+  if (!at && end >= rounded) at = end - rounded;
+  if (!at) return std::nullopt;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (e.state != State::kReady && e.state != State::kStale) continue;
+    if (e.offset < *at + rounded && *at < e.offset + Rounded(e.bytes)) {
+      RETURN_IF_ERROR(Evict(static_cast<int>(i)));
+    }
+  }
+  // (Free now, in one piece: what was there has been given back.)
+  if (!TakeAt(*at, rounded)) return std::nullopt;
+  return at;
+}
+
 absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint64_t limit,
-                                           const std::vector<int>& keep) {
+                                           const std::vector<int>& keep, bool top) {
   const uint64_t rounded = Rounded(bytes);
+  // (Where max_live_bytes is below the budget and reached, the tensors
+  // beyond it are given back first, as below.)
+  if (top && (persistent || options_.max_live_bytes >= budget_ ||
+              live_bytes_ + rounded <= options_.max_live_bytes)) {
+    ASSIGN_OR_RETURN(std::optional<uint64_t> at, PlaceOnTop(rounded, limit, keep));
+    if (at) {
+      if (!persistent) live_bytes_ += rounded;
+      return *at;
+    }
+  }
   bool capped = true;  // max_live_bytes holds (until nothing else can give way)
   for (;;) {
     const bool over_live = capped && !persistent && live_bytes_ + rounded > options_.max_live_bytes;
     if (!over_live) {
-      if (std::optional<uint64_t> offset = TakeRange(rounded)) {
+      if (std::optional<uint64_t> offset = TakeRange(rounded, top)) {
         if (!persistent) live_bytes_ += rounded;
         return *offset;
       }
@@ -366,9 +452,53 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
   return absl::OkStatus();
 }
 
+bool ParamCache::OnTop(int entry, const std::vector<bool>& wanted) const {
+  const Entry& e = entries_[entry];
+  const uint64_t end = e.offset + Rounded(e.bytes);
+  auto last = free_.empty() ? free_.end() : std::prev(free_.end());
+  if (last != free_.end() && last->first + last->second > end) return false;
+  for (size_t j = 0; j < entries_.size(); ++j) {
+    const Entry& o = entries_[j];
+    if (o.offset < end || o.state == State::kAbsent || o.state == State::kFailed) continue;
+    if (o.pins == 0 && !o.persistent && !o.batch && !wanted[j]) return false;
+  }
+  return true;
+}
+
 absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
   std::vector<int> missing, keep;
   std::vector<bool> kept(entries_.size());
+  for (int unit : units) {
+    for (int i : units_[unit].entries) kept[i] = true;
+  }
+  if (budget_ < declared_bytes_) {
+    // A holder's tensors (a module whose children run while it is in use)
+    // found below memory that is free or may be given back are placed
+    // again, on top, at its use or prefetch. The units in use then stack
+    // from the slab's top down, the room below them in one piece, and a
+    // child's tensors, which need room in one piece each, find it (a
+    // parent's tensors left where an earlier use put them split it: a
+    // budget of what nesting holds at once failed mid-training). Not where
+    // the budget holds every tensor: nothing is given back there, and each
+    // keeps its place. (One prefetched below where it belongs, its copy in
+    // flight: a use waits for the copies, then places it again.)
+    for (int i = 0; i < static_cast<int>(entries_.size()) && limit == kNever; ++i) {
+      const Entry& e = entries_[i];
+      if (!kept[i] || e.pins > 0 || e.persistent || e.state != State::kCopying) continue;
+      if (Holds(i) && !OnTop(i, kept)) {
+        Reap(/*wait=*/true);
+        break;
+      }
+    }
+    for (int i = 0; i < static_cast<int>(entries_.size()); ++i) {
+      Entry& e = entries_[i];
+      if (!kept[i] || e.pins > 0 || e.persistent || !Holds(i)) continue;
+      if (e.state != State::kReady && e.state != State::kStale) continue;
+      if (OnTop(i, kept)) continue;
+      RETURN_IF_ERROR(Evict(i));
+    }
+  }
+  std::fill(kept.begin(), kept.end(), false);
   for (int unit : units) {
     for (int i : units_[unit].entries) {
       if (kept[i]) continue;  // (a tensor in two of the units, a tied weight: once)
@@ -401,7 +531,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
         continue;
       }
       absl::StatusOr<uint64_t> offset =
-          Place(entries_[i].bytes, entries_[i].persistent, limit, keep);
+          Place(entries_[i].bytes, entries_[i].persistent, limit, keep, Holds(i));
       if (!offset.ok()) {
         status = offset.status();
         break;
@@ -670,6 +800,11 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
     before.emplace_back();
     for (int i : units_[unit].entries) before.back().push_back(entries_[i].state);
   }
+  // What is in use now stays in use while these are: a holder (whether
+  // this use finds room or not).
+  for (Unit& u : units_) {
+    if (u.in_use > 0) u.holder = true;
+  }
   if (absl::Status brought = Bring(units, kNever); !brought.ok()) return failed(brought);
   // Making room may have finished earlier batches, a prefetch of these
   // units' tensors among them, and found it failed: reported now, not used.
@@ -712,6 +847,7 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
       offsets[n].push_back(e.offset);
     }
   }
+  for (int unit : units) ++units_[unit].in_use;
   Prefetch();
   return offsets;
 }
@@ -742,6 +878,7 @@ absl::Status ParamCache::Done(absl::Span<const int> units, const Stream& compute
   for (int unit : units) {
     Unit& u = units_[unit];
     u.released_recorded = true;
+    --u.in_use;
     for (int i : u.entries) {
       --entries_[i].pins;
       entries_[i].released_recorded = true;

@@ -7,7 +7,10 @@
 // compute and Done(unit) after it, on the trainer's compute stream. The
 // cache:
 //   1. keeps one slab of device memory (the budget) and places each tensor
-//      in it while resident;
+//      in it while resident: a holder's (a unit in use while others are
+//      used: a parent module's parameters while its children run) from the
+//      slab's top down, stacked, the others from its bottom, so that what
+//      nesting holds at once fits in a budget of that size;
 //   2. copies a unit's tensors from the host (HostSource: the partitions'
 //      bytes in the daemon's arena, held only while a copy reads them) on
 //      its own copy stream, straight from DMA-registered memory, or through
@@ -144,7 +147,12 @@ class ParamCache {
 
   // Declares a unit of tensors (key, device bytes); returns its index. A
   // key may be in several units (a tied weight); its bytes must agree.
-  absl::StatusOr<int> AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors);
+  // `holder`: the unit stays in use while others are used (a parent
+  // module's parameters while its children run), so its tensors are placed
+  // from the slab's top (see Bring); a unit in use when another's Use comes
+  // is found to be one anyway, from then on.
+  absl::StatusOr<int> AddUnit(absl::Span<const std::pair<uint64_t, uint64_t>> tensors,
+                              bool holder = false);
 
   // An iteration starts: the order recorded since the last call drives
   // prefetch and eviction from now on.
@@ -239,6 +247,10 @@ class ParamCache {
     uint64_t bytes = 0;
     Event released;  // recorded on the compute stream by Done
     bool released_recorded = false;
+    int in_use = 0;  // Uses not yet Done
+    // Was in use while another unit's Use came (a parent module's
+    // parameters while its children run): placed from the slab's top.
+    bool holder = false;
   };
   // One issue of copies: one hold, one event.
   struct Batch {
@@ -268,7 +280,23 @@ class ParamCache {
   // and the unit's tensors are copied again at the next use.
   absl::Status TakeFailure(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint64_t> Place(uint64_t bytes, bool persistent, uint64_t limit,
-                                 const std::vector<int>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                                 const std::vector<int>& keep, bool top)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For a holder's tensor: the highest place of `rounded` bytes where
+  // nothing stays (in use, in flight, persistent, in `keep`, or for a
+  // prefetch used before `limit`), what is there given back; none if no
+  // such place.
+  absl::StatusOr<std::optional<uint64_t>> PlaceOnTop(uint64_t rounded, uint64_t limit,
+                                                     const std::vector<int>& keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes [offset, offset + bytes) where it is free in one piece (false:
+  // it is not, and nothing is taken).
+  bool TakeAt(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether one of the entry's units is a holder (Unit::holder).
+  bool Holds(int entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether all above the (placed) entry is in use, in flight, persistent
+  // or `wanted` (by entry): nothing there free or to be given back.
+  bool OnTop(int entry, const std::vector<bool>& wanted) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the entry's memory to the next copy into it, which waits for the
   // compute that read it (the copy stream waits on the device; where it
   // cannot, this thread waits). An error: the memory is not safe to reuse,
@@ -284,7 +312,9 @@ class ParamCache {
   // (creating one per batch would cost a driver call on every copy).
   absl::StatusOr<Event> TakeEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeRange(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::optional<uint64_t> TakeRange(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A free range of `bytes`: the lowest that fits, or with `top` the
+  // highest, its top end.
+  std::optional<uint64_t> TakeRange(uint64_t bytes, bool top) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CopyIn(Entry& e, const HostSource::Span& span) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the batches whose copies are done (all of them with `wait`).
   void Reap(bool wait) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -321,7 +351,8 @@ class ParamCache {
   std::vector<Event> spare_events_ ABSL_GUARDED_BY(mu_);
   uint64_t staging_head_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t persistent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // resident, non-persistent
+  uint64_t declared_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // every entry, placed
+  uint64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;      // resident, non-persistent
   // The order of the previous iteration's uses, each unit's positions in
   // it, the running sum of bytes along it, and where this iteration is.
   std::vector<int> trace_ ABSL_GUARDED_BY(mu_);

@@ -435,6 +435,54 @@ TEST_F(ParamCacheTest, AUsesOwnResidentTensorMovesWhereItSplitsTheRoom) {
 
 // A unit refused declares none of its tensors: they may be declared again
 // otherwise, and the cache names only tensors of units it has.
+// A parent's tensors in use while its children's are used: placed where
+// first-fit found room (above a leaf used before), they split what is left,
+// and a child's tensor, which needs its room in one piece, found none with a
+// budget of exactly what nesting holds at once. A holder's tensors stack
+// from the slab's top instead: declared so, from the first use; learnt from
+// the uses (a unit in use when another's use comes), from then on.
+TEST_F(ParamCacheTest, ParentsStackFromTheTopSoChildrenFindRoomInOnePiece) {
+  constexpr uint64_t kKiB = 1024;
+  for (bool declared : {true, false}) {
+    SCOPED_TRACE(declared ? "holder declared" : "holder learnt");
+    const uint64_t k = declared ? 0 : 10;  // (keys of their own)
+    auto cache =
+        ParamCache::Create(&device_, &source_, {.budget_bytes = 12 * kKiB, .prefetch_depth = 0});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    source_.Add(k + 1, 4 * kKiB, 1);  // unit 0: a leaf run before the parent
+    source_.Add(k + 2, 4 * kKiB, 2);  // unit 1: the parent
+    source_.Add(k + 3, 8 * kKiB, 3);  // unit 2: its child
+    ASSERT_TRUE((*cache)->AddUnit({{k + 1, 4 * kKiB}}).ok());
+    ASSERT_TRUE((*cache)->AddUnit({{k + 2, 4 * kKiB}}, declared).ok());
+    ASSERT_TRUE((*cache)->AddUnit({{k + 3, 8 * kKiB}}).ok());
+    for (int it = 0; it < 3; ++it) {
+      SCOPED_TRACE(it);
+      (*cache)->BeginIteration();
+      UseAndCheck(**cache, 0, 0);
+      auto parent = (*cache)->Use(1, host_);
+      ASSERT_TRUE(parent.ok()) << parent.status();
+      if (it > 0 || declared) {
+        EXPECT_EQ((*parent)[0], 8 * kKiB);  // on top
+      }
+      auto child = (*cache)->Use(2, host_);
+      if (it == 0 && !declared) {
+        // First-fit put the parent at 4 KiB: 8 KiB free in two pieces.
+        EXPECT_EQ((*parent)[0], 4 * kKiB);
+        EXPECT_EQ(child.status().code(), absl::StatusCode::kResourceExhausted) << child.status();
+      } else {
+        ASSERT_TRUE(child.ok()) << child.status();
+        ASSERT_EQ(std::memcmp(static_cast<char*>((*cache)->slab()) + (*child)[0],
+                              source_.data(k + 3).data(), 8 * kKiB),
+                  0);
+        ASSERT_TRUE((*cache)->Done(2, host_).ok());
+      }
+      ASSERT_TRUE((*cache)->Done(1, host_).ok());
+      ASSERT_TRUE((*cache)->Invalidate(host_).ok());
+    }
+    EXPECT_LE((*cache)->stats().peak_resident_bytes, 12 * kKiB);
+  }
+}
+
 TEST_F(ParamCacheTest, ARefusedUnitDeclaresNothing) {
   auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
   ASSERT_TRUE(cache.ok()) << cache.status();

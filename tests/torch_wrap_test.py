@@ -1370,6 +1370,43 @@ class WrapInProcessTest(unittest.TestCase):
                                       {"gpu": {"device": "emulated", "budget_bytes": 2 * 3328}},
                                       steps=3, width=32, wrapped=watch)
 
+    def test_a_budget_of_what_nesting_holds_trains(self):
+        # The least budget wrap() takes, what the deepest nesting of modules
+        # holds at once: the parent's weight went where first-fit found room,
+        # above a smaller module run before it, and split the room left for
+        # its child's weight (1024 bytes free in two pieces, 768 and 512);
+        # the first forward failed. Parents' parameters stack from the top
+        # of the tier's memory (wrap() declares which units are parents).
+        import torch
+
+        class Parent(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)  # 1024 bytes
+                self.child = torch.nn.Linear(16, 16)  # 1024 + 64 bytes (1280 placed)
+
+            def forward(self, x):
+                return self.child(torch.tanh(x @ self.weight))
+
+        class Root(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.weight = torch.nn.Parameter(torch.randn(16, 16) / 4)
+                self.small = torch.nn.Linear(16, 8)  # 512 + 32 bytes (768 placed)
+                self.parent = Parent()
+
+            def forward(self, x):
+                h = torch.tanh(x @ self.weight)
+                h = h + self.small(h).sum(-1, keepdim=True)
+                return self.parent(h)
+
+        def watch(model):
+            self.assertFalse(model.offloadd.tier.resident)
+        self.assert_trains_like_torch(Root, {"lr": 1e-2},
+                                      {"gpu": {"device": "emulated", "budget_bytes": 3328}},
+                                      steps=3, width=16, wrapped=watch)
+
     def test_reentrant_activation_checkpointing_trains_like_torch(self):
         # torch.utils.checkpoint's default in torch 1.13 (README said it
         # failed at its first backward): on the host and on the GPU tier.

@@ -348,10 +348,12 @@ void BindGpu(py::module_& m) {
       .def_property_readonly("slab_bytes", [](GpuTier& t) { return t.params().slab_bytes(); })
       .def(
           "add_unit",
-          [](GpuTier& t, const std::vector<std::pair<uint64_t, uint64_t>>& tensors) {
-            return Value(Unlocked([&] { return t.params().AddUnit(tensors); }));
+          [](GpuTier& t, const std::vector<std::pair<uint64_t, uint64_t>>& tensors, bool holder) {
+            return Value(Unlocked([&] { return t.params().AddUnit(tensors, holder); }));
           },
-          py::arg("tensors"), "a unit of (partition id, device bytes); returns its index")
+          py::arg("tensors"), py::arg("holder") = false,
+          "a unit of (partition id, device bytes); returns its index. holder: it stays in use "
+          "while other units are used (a parent module's parameters while its children run)")
       .def("begin_iteration",
            [](GpuTier& t) { Check(Unlocked([&] { return t.BeginIteration(); })); })
       .def(

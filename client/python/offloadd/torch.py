@@ -2429,6 +2429,14 @@ class _GpuTier:
         for own in groups.values():
             unit = [s for s in own if s.module_shards is own]
             declared.append(unit)
+        # A unit whose module has modules with units of their own below it
+        # stays in use while they run: the tier stacks such units from its
+        # slab's top, the room below them in one piece.
+        owner = {id(own): m for m, own in engine._units}
+        with_unit = {id(m) for m, _ in engine._units}
+        holders = [key in owner and any(id(m) in with_unit for m in owner[key].modules()
+                                        if m is not owner[key])
+                   for key in groups]
         def placed(s):  # its bytes in the slab, as the cache aligns them
             return -(-s.slice_numel * self.esize // 256) * 256
         total = sum(placed(s) for s in shards)
@@ -2481,8 +2489,9 @@ class _GpuTier:
             slab_bytes=int(budget), **kwargs))
         self.slab_base = self.slab.data_ptr()
         self.unit_shards = []  # unit index -> its shards, in the order the tier places them
-        for unit in declared:
-            u = self.tier.add_unit([(s.pid, s.slice_numel * self.esize) for s in unit])
+        for unit, holder in zip(declared, holders):
+            u = self.tier.add_unit([(s.pid, s.slice_numel * self.esize) for s in unit],
+                                   holder=holder)
             self.units.append({"offsets": None, "gathered": 0, "views": None})
             self.unit_shards.append(unit)
             for i, s in enumerate(unit):
