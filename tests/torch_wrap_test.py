@@ -1363,12 +1363,10 @@ class WrapInProcessTest(unittest.TestCase):
                     x = x + self.down[k](torch.tanh(self.up[k](x)))
                 return x
 
-        def watch(model):
-            self.assertFalse(model.offloadd.tier.resident)
         # (Each Linear 3072 + 128 or 96 bytes: 3328 placed.)
-        self.assert_trains_like_torch(Reused, {"lr": 1e-2},
-                                      {"gpu": {"device": "emulated", "budget_bytes": 2 * 3328}},
-                                      steps=3, width=32, wrapped=watch)
+        self.assert_module_trains_like_torch(
+            Reused, lambda gen: (torch.randn(4, 32, generator=gen),),
+            zero=self.tier_budget(2 * 3328), wrapped=self.assert_not_resident)
 
     def test_a_budget_of_what_nesting_holds_trains(self):
         # The least budget wrap() takes, what the deepest nesting of modules
@@ -1401,11 +1399,20 @@ class WrapInProcessTest(unittest.TestCase):
                 h = h + self.small(h).sum(-1, keepdim=True)
                 return self.parent(h)
 
-        def watch(model):
-            self.assertFalse(model.offloadd.tier.resident)
-        self.assert_trains_like_torch(Root, {"lr": 1e-2},
-                                      {"gpu": {"device": "emulated", "budget_bytes": 3328}},
-                                      steps=3, width=16, wrapped=watch)
+        self.assert_module_trains_like_torch(
+            Root, lambda gen: (torch.randn(4, 16, generator=gen),),
+            zero=self.tier_budget(3328), wrapped=self.assert_not_resident)
+
+    def tier_budget(self, budget):
+        """zero_config for the GPU tier with `budget` bytes: on the emulated
+        device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""
+        gpu = {"budget_bytes": budget}
+        if self.device_type() != "cuda":
+            gpu["device"] = "emulated"
+        return {"gpu": gpu}
+
+    def assert_not_resident(self, model):
+        self.assertFalse(model.offloadd.tier.resident)
 
     def test_reentrant_activation_checkpointing_trains_like_torch(self):
         # torch.utils.checkpoint's default in torch 1.13 (README said it
@@ -3064,11 +3071,14 @@ class WrapInProcessTest(unittest.TestCase):
 
     # --- torch's own modules, trained through wrap against torch AdamW ---
 
-    def assert_module_trains_like_torch(self, make, inputs, loss=None, steps=4, adamw=None):
+    def assert_module_trains_like_torch(self, make, inputs, loss=None, steps=4, adamw=None,
+                                        zero=None, wrapped=None):
         """`make()` builds the model (seeded), `inputs(gen)` a tuple of its
         forward's arguments, `loss(out)` a scalar (default: mean of squares
-        of the first output); every parameter and buffer after `steps`
-        steps must match torch.optim.AdamW's within 1e-5 relative. The
+        of the first output), `zero` wrap()'s zero_config, `wrapped(model)`
+        a look at the wrapped model before it trains; every parameter and
+        buffer after `steps` steps must match torch.optim.AdamW's within
+        1e-5 relative. The
         models compute on OFFLOADD_TEST_DEVICE (default cpu; cuda on a GPU
         machine, where the wrapped model runs through the GPU tier).
 
@@ -3109,9 +3119,11 @@ class WrapInProcessTest(unittest.TestCase):
         trained = [p for p in on_host.parameters() if p.requires_grad]
         masters = [p.detach().to("cpu", copy=True).requires_grad_() for p in trained]
         host_opt = torch.optim.AdamW(masters, **adamw)
-        model, mine = self.wrap(make().to(device), adamw)
+        model, mine = self.wrap(make().to(device), adamw, zero)
         if device.type == "cuda":
             self.assertIsNotNone(model.offloadd.gpu_stats(), "the GPU tier did not start")
+        if wrapped is not None:
+            wrapped(model)
         gen = torch.Generator().manual_seed(3)
         peak = {}  # parameter name -> the largest |gradient| of each element in the reference
         for _ in range(steps):
