@@ -1403,6 +1403,78 @@ class WrapInProcessTest(unittest.TestCase):
             Root, lambda gen: (torch.randn(4, 16, generator=gen),),
             zero=self.tier_budget(3328), wrapped=self.assert_not_resident)
 
+    def test_a_module_changing_its_input_in_place_trains_like_torch_under_a_small_budget(self):
+        # A module whose forward changes its input in place, the caller
+        # reading that input afterwards (a residual): torch's autograd
+        # follows the change. The release of a module's parameters after its
+        # backward must leave the inputs as they are: passed through a node
+        # of offloadd's (as DeepSpeed's ZeRO-3 passes them), the caller's
+        # gradient missed the change (weights 0.27 off, silently).
+        import torch
+
+        class AddsInPlace(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.bias = torch.nn.Parameter(torch.randn(32) / 4)
+                self.lin = torch.nn.Linear(32, 32)
+
+            def forward(self, x):
+                return self.lin(torch.relu_(x.add_(self.bias)))
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.inp = torch.nn.Linear(16, 32)
+                self.block = AddsInPlace()
+                self.out = torch.nn.Linear(32, 4)
+
+            def forward(self, x):
+                h = self.inp(x)
+                h = h + self.block(h)  # h, changed in place by the block
+                return self.out(h)
+
+        self.assert_module_trains_like_torch(
+            Net, lambda gen: (torch.randn(4, 16, generator=gen),),
+            zero=self.tier_budget(4608), wrapped=self.assert_not_resident)
+
+    def test_a_forward_that_raised_leaves_no_parameters_in_use(self):
+        # A module's forward raised inside a parent with its own weight, the
+        # loop caught it and went on: the parameters of both stayed in use on
+        # the GPU tier until the next backward ended, and the next forward,
+        # at the least budget, found no room.
+        import torch
+
+        class Boom(Exception):
+            pass
+
+        class Parent(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.randn(32, 32) / 8)  # 4096 bytes
+                self.child = torch.nn.Linear(32, 32)  # 4352 placed
+
+            def forward(self, x):
+                return self.child(torch.tanh(x @ self.weight))
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(16, 32), Parent(), Parent(),
+                                       torch.nn.Linear(32, 4))
+
+        def fails_first(model):
+            self.assert_not_resident(model)
+
+            def boom(*_):
+                raise Boom()
+            handle = model[2].child.register_forward_pre_hook(boom)
+            with self.assertRaises(Boom):
+                model(torch.randn(4, 16, device=self.device_type()))
+            handle.remove()
+        self.assert_module_trains_like_torch(
+            make, lambda gen: (torch.randn(4, 16, generator=gen),),
+            zero=self.tier_budget(4096 + 4352), wrapped=fails_first)
+
     def tier_budget(self, budget):
         """zero_config for the GPU tier with `budget` bytes: on the emulated
         device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""

@@ -649,6 +649,9 @@ class _Engine:
         self._originals = {}  # id(param) -> its data, until wrap() succeeds
         self._model = model
         self._forward_depth = 0
+        # id(module) -> per call of its forward under way, the nodes that
+        # made its inputs, or None (_watch_backward).
+        self._watching = {}
         self.closed = False  # optimizer.close(): the values went with the session
         try:
             self._register(model)
@@ -1854,14 +1857,14 @@ class _Engine:
     def _install_hooks(self, model):
         for module, own in self._units:
             handle = module.register_forward_pre_hook(
-                lambda m, inputs, own=own: self._before_forward(own, inputs))
+                lambda m, inputs, own=own: self._before_forward(own, inputs, m))
             # First of the module's pre-hooks: those registered before wrap
             # read the parameters too (weight_norm and spectral_norm compute
             # the weight from them there).
             module._forward_pre_hooks.move_to_end(handle.id, last=False)
             self._handles.append(handle)
             self._handles.append(module.register_forward_hook(
-                lambda m, inputs, out, own=own: self._after_forward(own)))
+                lambda m, inputs, out, own=own: self._after_forward(own, m, out)))
 
         engine = self
 
@@ -1891,21 +1894,37 @@ class _Engine:
 
         forward = model.forward
 
+        def after_a_pass_that_raised(module, inputs):
+            # The model's first pre-hook (before its own parameters' gather),
+            # at a forward's start: what a pass that raised left behind. A
+            # backward that raised never reached its end (torch runs no
+            # queued callback then): its end now, the gradients it returned
+            # kept for the step, as torch keeps them in .grad (the GPU tier's
+            # were left queued, and every later backward failed on them). A
+            # forward that raised left the parameters of the modules it was
+            # in gathered (on the GPU tier, their units in use: room the next
+            # forward needs): they go.
+            if engine._forward_depth != 0 or engine.closed:
+                return
+            if engine._sweep_queued:
+                engine._sweep_queued = False
+                engine.free_all()
+                engine.flush_gradients()
+                engine.end_pass()
+            for s in engine.shards:
+                if s.refs:
+                    s.refs = 0
+                    s.snapshot = None
+                    if s.gathered:
+                        engine._free(s)
+            engine._watching.clear()
+
+        handle = model.register_forward_pre_hook(after_a_pass_that_raised)
+        model._forward_pre_hooks.move_to_end(handle.id, last=False)
+        self._handles.append(handle)
+
         def forward_with_saved_params(*args, **kwargs):
             engine.check_open()
-            if engine._forward_depth == 0:
-                # What a pass that raised left behind. A backward that raised
-                # never reached its end (torch runs no queued callback then):
-                # its end now, the gradients it returned kept for the step,
-                # as torch keeps them in .grad (the GPU tier's were left
-                # queued, and every later backward failed on them).
-                if engine._sweep_queued:
-                    engine._sweep_queued = False
-                    engine.free_all()
-                    engine.flush_gradients()
-                    engine.end_pass()
-                for s in engine.shards:
-                    s.refs = 0
             if engine._forward_depth == 0 and engine.tier is not None:
                 engine.tier.begin_iteration()
             engine._forward_depth += 1
@@ -2093,7 +2112,7 @@ class _Engine:
         if self.closed:
             raise offloadd.FailedPreconditionError(_CLOSED)
 
-    def _before_forward(self, own, inputs=()):
+    def _before_forward(self, own, inputs=(), module=None):
         self.check_open()
         for s in own:
             s.refs += 1
@@ -2103,37 +2122,68 @@ class _Engine:
                 s.version = s.param._version
                 if s.changes_in_place:
                     s.snapshot = s.param.data.detach().clone()
-        return self._watch_backward(own, inputs)
+        self._watching.setdefault(id(module), []).append(self._inputs_made_by(inputs))
 
-    def _watch_backward(self, own, inputs):
+    def _inputs_made_by(self, inputs):
         """The GPU tier, units gathered per module (not resident): the
-        module's tensor inputs that need a gradient, passed on through one
-        node (_AfterModuleBackward) whose backward runs once all of their
-        gradients are in, that is, once the module's own backward is over;
-        its parameters are let go then (_after_module_backward), as
-        DeepSpeed's ZeRO-3 releases a module's after its backward. Else a
-        unit gathered in backward stayed in use until its gradient was
-        accumulated, which for a module run more than once, or a weight
-        tied to one run first, is backward's end: units held at once past
-        what nesting holds (what wrap() checks the budget against), and a
-        use found no room mid-training. A module whose inputs need no
-        gradient (the first one's: token ids), or come as keyword
-        arguments, keeps its parameters until then, as before. Returns the
-        inputs to pass on, or None to leave them (each distinct tensor
-        passed through once: `q is k` still holds for attention)."""
+        autograd nodes that made the module's tensor inputs needing a
+        gradient (in its positional arguments, or one level inside a
+        tuple, list or dict there), for _watch_backward; None where there
+        is nothing to watch."""
         if (self.tier is None or self.tier.resident or not torch.is_grad_enabled()
                 or self._forward_depth == 0):
             return None
-        need = {}
-        for t in inputs:
-            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in need:
-                need[id(t)] = t
-        if not need:
-            return None
-        seen = _AfterModuleBackward.apply(
-            functools.partial(_after_module_backward, weakref.ref(self), own), *need.values())
-        passed = dict(zip(need, seen))
-        return tuple(passed.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in inputs)
+        # (Not a leaf's: a parameter passed in, a user's input.)
+        made = {t.grad_fn for t in _tensors_in(inputs) if t.requires_grad and t.grad_fn is not None}
+        return made or None
+
+    # The most autograd nodes a module's forward is walked through.
+    MAX_WATCHED_NODES = 4096
+
+    def _watch_backward(self, own, made, outputs):
+        """After a module's forward: its parameters go once its own backward
+        is over, as DeepSpeed's ZeRO-3 releases a module's after its
+        backward. Its nodes that read its inputs (`made`: the nodes that made
+        them) are found by walking back from its outputs, and a hook after
+        each counts them done (_BackwardWatch); the last lets the unit go.
+        Else a unit gathered in backward stayed in use until its gradient
+        was accumulated, which for a module run more than once, or a weight
+        tied to one run first, is backward's end: units held at once past
+        what nesting holds (what wrap() checks the budget against), and a
+        use found no room mid-training. Nothing of the module's inputs or
+        outputs changes (a node of ours around its inputs, as DeepSpeed
+        puts there, made a module's in-place change of its input invisible
+        to the caller's autograd: wrong gradients). A module whose inputs
+        need no gradient (the first one's: token ids), are leaves (a
+        parameter passed in) or come as keyword arguments, or whose forward
+        made more than MAX_WATCHED_NODES nodes, keeps its parameters until
+        its gradient is in, as before. (A parameter read off the path from
+        the inputs to the outputs is gathered again by the node that reads
+        it, as any saved parameter.)"""
+        found, seen = [], set()
+        stack = [t.grad_fn for t in _tensors_in((outputs,)) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node in seen or node in made:
+                continue
+            seen.add(node)
+            if len(seen) > self.MAX_WATCHED_NODES:
+                return
+            reads = False
+            for after, _ in node.next_functions:
+                if after is None:
+                    continue
+                if after in made:
+                    reads = True
+                elif after not in seen:
+                    stack.append(after)
+            if reads:
+                found.append(node)
+        if not found:
+            return
+        watch = _BackwardWatch(weakref.ref(self), own, len(found))
+        for node in found:
+            node.register_hook(watch.arrived)
 
     def after_module_backward(self, own):
         """A module's backward is over (see _watch_backward): its
@@ -2146,17 +2196,21 @@ class _Engine:
             if s.gathered and s.refs == 0:
                 self._free(s)
 
-    def _after_forward(self, own):
+    def _after_forward(self, own, module=None, outputs=None):
         # A forward that changed its parameters in place (under no_grad:
         # nn.Embedding's max_norm renormalises the rows it looks up; a
         # constraint the module applies) changed the gathered copy, which
         # goes when the module is done: the changes are kept, as torch
         # keeps them.
+        calls = self._watching.get(id(module))
+        made = calls.pop() if calls else None
         try:
             changed = [s for s in own
                        if s.refs == 1 and s.gathered and s.param._version != s.version]
             if changed:
                 self._keep_changes(changed)
+            if made is not None:
+                self._watch_backward(own, made, outputs)
         finally:
             for s in own:
                 s.refs = max(0, s.refs - 1)
@@ -2724,13 +2778,15 @@ class _GpuTier:
     def freeing(self, s):
         """`s` (still gathered) is being freed: its unit is done once all
         of it is (the event Done records covers the compute issued so far)."""
+        rec = self.units[s.unit]
+        if rec["gathered"] == 1 and rec["offsets"] is not None:
+            # (Raises with nothing changed: the unit still in use here as in
+            # the tier, `s` still gathered.)
+            self.tier.done(s.unit, self.stream(), self.device)
+            rec["offsets"] = None
+        rec["gathered"] -= 1
         if self.at.pop(s.param.data.data_ptr(), None) is not None:
             self._starts = None
-        rec = self.units[s.unit]
-        rec["gathered"] -= 1
-        if rec["gathered"] == 0 and rec["offsets"] is not None:
-            rec["offsets"] = None
-            self.tier.done(s.unit, self.stream(), self.device)
 
     def shard_at(self, t):
         """The parameter gathered into the slab that `t` lies in, or None."""
@@ -2911,30 +2967,39 @@ class _SavedParam:
     """Marks a saved tensor that is a gathered parameter (see pack)."""
 
 
-class _AfterModuleBackward(torch.autograd.Function):
-    """Passes a module's inputs on unchanged (aliases, as detach() makes
-    them: an in-place change in the module is checked as torch checks one
-    of the inputs themselves); its backward calls `after` once the
-    gradients of all of them are in (_Engine._watch_backward)."""
-
-    @staticmethod
-    def forward(ctx, after, *inputs):
-        ctx.after = after
-        return tuple(t.detach() for t in inputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.after()
-        return (None,) + grads
+def _tensors_in(args):
+    """The tensors among `args`, and one level inside its tuples, lists and
+    dicts."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+        elif isinstance(a, dict):
+            yield from (t for t in a.values() if isinstance(t, torch.Tensor))
 
 
-def _after_module_backward(engine_ref, own):
-    # (Through a weak reference: the graph, kept by whoever keeps an output,
-    # must not keep the engine and its session.)
-    engine = engine_ref()
-    if engine is not None:
-        with engine._remembering():
-            engine.after_module_backward(own)
+class _BackwardWatch:
+    """One forward of a module whose unit goes after its backward
+    (_Engine._watch_backward): a hook after each of its nodes that read its
+    inputs calls arrived() once a backward; the last lets the unit go. (Through a weak reference to
+    the engine: the graph, kept by whoever keeps an output, must not keep
+    the engine and its session.)"""
+
+    __slots__ = ("engine_ref", "own", "inputs", "left")
+
+    def __init__(self, engine_ref, own, inputs):
+        self.engine_ref, self.own, self.inputs, self.left = engine_ref, own, inputs, inputs
+
+    def arrived(self, grad_inputs, grad_outputs):
+        self.left -= 1
+        if self.left == 0:
+            self.left = self.inputs  # (again in a second backward of a graph kept)
+            engine = self.engine_ref()
+            if engine is not None:
+                with engine._remembering():
+                    engine.after_module_backward(self.own)
+        return None
 
 
 class Optimizer(torch.optim.Optimizer):
