@@ -125,6 +125,7 @@ absl::StatusOr<int> ParamCache::AddUnit(absl::Span<const std::pair<uint64_t, uin
         tensors.size(), unit.bytes, budget_)));
   }
   for (int e : unit.entries) entries_[e].units.push_back(index);
+  max_unit_bytes_ = std::max(max_unit_bytes_, unit.bytes);
   units_.push_back(std::move(unit));
   positions_.resize(units_.size());
   return index;
@@ -274,6 +275,15 @@ bool ParamCache::Holds(int entry) const {
   return false;
 }
 
+uint64_t ParamCache::RoomBelow(int entry) const {
+  uint64_t room = 0;
+  for (int u : entries_[entry].units) {
+    if (units_[u].holder)
+      room = std::max(room, units_[u].below ? units_[u].below : max_unit_bytes_);
+  }
+  return room;
+}
+
 bool ParamCache::TakeAt(uint64_t offset, uint64_t bytes) {
   auto it = free_.upper_bound(offset);
   if (it == free_.begin()) return false;
@@ -288,21 +298,40 @@ bool ParamCache::TakeAt(uint64_t offset, uint64_t bytes) {
   return true;
 }
 
-absl::StatusOr<std::optional<uint64_t>> ParamCache::PlaceOnTop(uint64_t rounded, uint64_t limit,
-                                                               const std::vector<int>& keep) {
-  // What stays where it is: in use, in flight, persistent, wanted by this
-  // use, or (a prefetch) used before `limit`; the rest may be given back.
-  std::vector<bool> wanted(entries_.size());
-  for (int i : keep) wanted[i] = true;
+std::vector<std::pair<uint64_t, uint64_t>> ParamCache::Stays(
+    uint64_t limit, const std::vector<bool>& wanted) const {
   std::vector<std::pair<uint64_t, uint64_t>> stays;  // [start, end)
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     if (e.state == State::kAbsent || e.state == State::kFailed) continue;
+    // (A use may give back persistent tensors too: they are copied again.)
     const bool movable = (e.state == State::kReady || e.state == State::kStale) && e.pins == 0 &&
-                         !e.persistent && !wanted[i] && (limit == kNever || NextUse(e) > limit);
+                         !wanted[i] && (limit == kNever || (!e.persistent && NextUse(e) > limit));
     if (!movable) stays.emplace_back(e.offset, e.offset + Rounded(e.bytes));
   }
   std::sort(stays.begin(), stays.end());
+  return stays;
+}
+
+uint64_t ParamCache::LargestRoom(uint64_t limit, const std::vector<bool>& wanted,
+                                 std::pair<uint64_t, uint64_t> also) const {
+  std::vector<std::pair<uint64_t, uint64_t>> stays = Stays(limit, wanted);
+  if (also.second > also.first) {
+    stays.insert(std::upper_bound(stays.begin(), stays.end(), also), also);
+  }
+  uint64_t largest = 0, start = 0;
+  for (const auto& [from, to] : stays) {
+    if (from > start) largest = std::max(largest, from - start);
+    start = std::max(start, to);
+  }
+  return std::max(largest, budget_ > start ? budget_ - start : 0);
+}
+
+absl::StatusOr<std::optional<uint64_t>> ParamCache::PlaceOnTop(uint64_t rounded, uint64_t limit,
+                                                               const std::vector<int>& keep) {
+  std::vector<bool> wanted(entries_.size());
+  for (int i : keep) wanted[i] = true;
+  const std::vector<std::pair<uint64_t, uint64_t>> stays = Stays(limit, wanted);
   // The highest stretch between them that fits.
   std::optional<uint64_t> at;
   uint64_t end = budget_;
@@ -325,12 +354,30 @@ absl::StatusOr<std::optional<uint64_t>> ParamCache::PlaceOnTop(uint64_t rounded,
 }
 
 absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint64_t limit,
-                                           const std::vector<int>& keep, bool top) {
+                                           const std::vector<int>& keep, uint64_t room_below) {
+  const bool top = room_below > 0;
   const uint64_t rounded = Rounded(bytes);
-  // (Where max_live_bytes is below the budget and reached, the tensors
-  // beyond it are given back first, as below.)
-  if (top && (persistent || options_.max_live_bytes >= budget_ ||
-              live_bytes_ + rounded <= options_.max_live_bytes)) {
+  // A holder's tensor where the budget does not hold every tensor: the
+  // highest free range that fits, if the largest room left besides what
+  // stays (in use, in flight, persistent, wanted by this use) still holds
+  // the largest unit; else on top of what stays, what is there given back
+  // (PlaceOnTop). (Where max_live_bytes is below the budget and reached,
+  // the tensors beyond it are given back first, as below.)
+  if (top && budget_ < declared_bytes_ &&
+      (persistent || options_.max_live_bytes >= budget_ ||
+       live_bytes_ + rounded <= options_.max_live_bytes)) {
+    if (std::optional<uint64_t> at = TakeRange(rounded, /*top=*/true)) {
+      std::vector<bool> wanted(entries_.size());
+      for (int i : keep) wanted[i] = true;
+      if (LargestRoom(limit, wanted, {*at, *at + rounded}) >= room_below) {
+        if (!persistent) live_bytes_ += rounded;
+        return *at;
+      }
+      FreeRange(*at, rounded);
+    }
+    // (For a use, copies in flight do not stay: waited for, they may be
+    // given back too.)
+    if (limit == kNever) Reap(/*wait=*/true);
     ASSIGN_OR_RETURN(std::optional<uint64_t> at, PlaceOnTop(rounded, limit, keep));
     if (at) {
       if (!persistent) live_bytes_ += rounded;
@@ -460,7 +507,7 @@ bool ParamCache::OnTop(int entry, const std::vector<bool>& wanted) const {
   for (size_t j = 0; j < entries_.size(); ++j) {
     const Entry& o = entries_[j];
     if (o.offset < end || o.state == State::kAbsent || o.state == State::kFailed) continue;
-    if (o.pins == 0 && !o.persistent && !o.batch && !wanted[j]) return false;
+    if (o.pins == 0 && !o.batch && !wanted[j]) return false;
   }
   return true;
 }
@@ -471,20 +518,27 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
   for (int unit : units) {
     for (int i : units_[unit].entries) kept[i] = true;
   }
-  if (budget_ < declared_bytes_) {
-    // A holder's tensors (a module whose children run while it is in use)
-    // found below memory that is free or may be given back are placed
-    // again, on top, at its use or prefetch. The units in use then stack
-    // from the slab's top down, the room below them in one piece, and a
-    // child's tensors, which need room in one piece each, find it (a
-    // parent's tensors left where an earlier use put them split it: a
-    // budget of what nesting holds at once failed mid-training). Not where
-    // the budget holds every tensor: nothing is given back there, and each
-    // keeps its place. (One prefetched below where it belongs, its copy in
-    // flight: a use waits for the copies, then places it again.)
-    for (int i = 0; i < static_cast<int>(entries_.size()) && limit == kNever; ++i) {
+  uint64_t room_below = 0;
+  for (int unit : units) {
+    for (int i : units_[unit].entries) room_below = std::max(room_below, RoomBelow(i));
+  }
+  if (room_below > 0 && limit == kNever && budget_ < declared_bytes_ &&
+      LargestRoom(limit, kept) < room_below) {
+    // A use of a holder (a module whose children run while it is in use)
+    // where what stays, the holder with it, leaves no room in one piece
+    // for what its children held at once in the previous iteration (the
+    // largest unit before that is known): its tensors found below memory
+    // that is free or may be given back are placed again, on top. The units in use then
+    // stack from the slab's top down, the room below them in one piece,
+    // and a child's tensors, which need room in one piece each, find it
+    // (a parent's tensors left where an earlier use put them split it: a
+    // budget of what nesting holds at once failed mid-training). Where
+    // there is room, and where the budget holds every tensor, each keeps
+    // its place. (One prefetched below where it belongs, its copy in
+    // flight: the use waits for the copies, then places it again.)
+    for (int i = 0; i < static_cast<int>(entries_.size()); ++i) {
       const Entry& e = entries_[i];
-      if (!kept[i] || e.pins > 0 || e.persistent || e.state != State::kCopying) continue;
+      if (!kept[i] || e.pins > 0 || e.state != State::kCopying) continue;
       if (Holds(i) && !OnTop(i, kept)) {
         Reap(/*wait=*/true);
         break;
@@ -492,7 +546,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     }
     for (int i = 0; i < static_cast<int>(entries_.size()); ++i) {
       Entry& e = entries_[i];
-      if (!kept[i] || e.pins > 0 || e.persistent || !Holds(i)) continue;
+      if (!kept[i] || e.pins > 0 || !Holds(i)) continue;
       if (e.state != State::kReady && e.state != State::kStale) continue;
       if (OnTop(i, kept)) continue;
       RETURN_IF_ERROR(Evict(i));
@@ -531,7 +585,7 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
         continue;
       }
       absl::StatusOr<uint64_t> offset =
-          Place(entries_[i].bytes, entries_[i].persistent, limit, keep, Holds(i));
+          Place(entries_[i].bytes, entries_[i].persistent, limit, keep, RoomBelow(i));
       if (!offset.ok()) {
         status = offset.status();
         break;
@@ -543,29 +597,40 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
     if (status.ok()) break;
     undo();
     placed.clear();
-    // No room in one piece for a use (everything else given way): the
-    // units' own tensors resident and not in use split it; they are copied
-    // again with the rest, into what is then free in one piece. (Once; a
-    // prefetch waits for room instead.)
+    // No room in one piece for a use (what the policy gave way): what
+    // splits it may be the units' own tensors resident and not in use,
+    // where the tensors placed before the failure went (the room they took
+    // free before what was given back for the next one), persistent ones,
+    // or copies that were in flight. Everything that is not in use goes
+    // (the copies waited for first), and the units' tensors are placed
+    // again, the largest first, into what is then free around what is in
+    // use. (Once; a prefetch waits for room instead.)
     if (moved || limit != kNever || !absl::IsResourceExhausted(status)) return status;
     moved = true;
-    bool any = false;
+    Reap(/*wait=*/true);
+    for (int i = 0; i < static_cast<int>(entries_.size()); ++i) {
+      const Entry& e = entries_[i];
+      if (kept[i] || e.pins > 0) continue;
+      if (e.state == State::kReady || e.state == State::kStale) {
+        RETURN_IF_ERROR(Evict(i));
+      }
+    }
     for (int i : keep) {
       Entry& e = entries_[i];
-      if (e.pins > 0 || e.persistent) continue;
+      if (e.pins > 0) continue;
+      // (A prefetch of it, waited for, failed: the use reports that,
+      // TakeFailure, not a want of room.)
+      if (e.state == State::kFailed) return absl::OkStatus();
       if (e.state == State::kReady) {
         RETURN_IF_ERROR(Evict(i));
         missing.push_back(i);
-        any = true;
       } else if (e.state == State::kStale) {
         // (A step's new values, to be copied into its place: placed afresh
         // instead. Only resident units keep views of their places, and
         // they never run out of room.)
         RETURN_IF_ERROR(Evict(i));
-        any = true;
       }
     }
-    if (!any) return status;
   }
   auto batch = std::make_shared<Batch>();
   for (int i : missing) batch->keys.push_back(entries_[i].key);
@@ -843,11 +908,19 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
         if (was == State::kCopying) ++stats_.in_flight_at_use;
         e.used_in_flight = true;
       }
-      ++e.pins;
+      if (e.pins++ == 0) pinned_bytes_ += Rounded(e.bytes);
       offsets[n].push_back(e.offset);
     }
   }
-  for (int unit : units) ++units_[unit].in_use;
+  // What the units in use held besides themselves at once, learnt: the room
+  // a holder needs below it (RoomBelow).
+  for (Unit& u : units_) {
+    if (u.in_use > 0) u.below = std::max(u.below, pinned_bytes_ - u.pinned_at_use);
+  }
+  for (int unit : units) {
+    ++units_[unit].in_use;
+    units_[unit].pinned_at_use = pinned_bytes_;
+  }
   Prefetch();
   return offsets;
 }
@@ -860,10 +933,10 @@ absl::Status ParamCache::Done(absl::Span<const int> units, const Stream& compute
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckUnits(units));
   for (int unit : units) {
-    for (int i : units_[unit].entries) {
-      if (entries_[i].pins == 0) {
-        return absl::FailedPreconditionError(absl::StrFormat("Done(%d) without a Use of it", unit));
-      }
+    // (By the unit's count: a tensor it shares with a unit in use, a tied
+    // weight, is pinned without it.)
+    if (units_[unit].in_use == 0) {
+      return absl::FailedPreconditionError(absl::StrFormat("Done(%d) without a Use of it", unit));
     }
   }
   // Every event recorded before any pin goes: a device error leaves all of
@@ -880,7 +953,7 @@ absl::Status ParamCache::Done(absl::Span<const int> units, const Stream& compute
     u.released_recorded = true;
     --u.in_use;
     for (int i : u.entries) {
-      --entries_[i].pins;
+      if (--entries_[i].pins == 0) pinned_bytes_ -= Rounded(entries_[i].bytes);
       entries_[i].released_recorded = true;
     }
   }

@@ -7,10 +7,14 @@
 // compute and Done(unit) after it, on the trainer's compute stream. The
 // cache:
 //   1. keeps one slab of device memory (the budget) and places each tensor
-//      in it while resident: a holder's (a unit in use while others are
-//      used: a parent module's parameters while its children run) from the
-//      slab's top down, stacked, the others from its bottom, so that what
-//      nesting holds at once fits in a budget of that size;
+//      in it while resident, from the bottom; a holder's (a unit in use
+//      while others are used: a parent module's parameters while its
+//      children run) from the top, and where the room left beside it would
+//      not hold, in one piece, what its children held at once (learnt), on
+//      top of what is in use, placed again there at its use if it lies
+//      elsewhere: what nesting holds at once fits in a budget of that size.
+//      A use refused for room in pieces gives back all that is not in use
+//      and places its tensors again;
 //   2. copies a unit's tensors from the host (HostSource: the partitions'
 //      bytes in the daemon's arena, held only while a copy reads them) on
 //      its own copy stream, straight from DMA-registered memory, or through
@@ -25,7 +29,8 @@
 //   5. evicts by next use (Belady): the resident tensor whose next use in
 //      the recorded order is farthest, those not reused within
 //      max_reuse_distance_bytes first, persistent ones (small tensors, at
-//      most persistence_threshold_bytes each) last;
+//      most persistence_threshold_bytes each) last (a holder placed on top
+//      of what is in use takes what lies there, whatever its next use);
 //   6. after an optimizer step (Invalidate), treats every copy as stale.
 // A copy that fails marks its tensors failed: the next Use of a unit
 // holding one returns the error (naming the tensor) and forgets it, so the
@@ -251,6 +256,10 @@ class ParamCache {
     // Was in use while another unit's Use came (a parent module's
     // parameters while its children run): placed from the slab's top.
     bool holder = false;
+    // The most bytes other units held in use at once while this one was
+    // (learnt), and the bytes in use when its last Use came.
+    uint64_t below = 0;
+    uint64_t pinned_at_use = 0;
   };
   // One issue of copies: one hold, one event.
   struct Batch {
@@ -279,12 +288,24 @@ class ParamCache {
   // A copy failure of one of the unit's tensors, reported once: the error,
   // and the unit's tensors are copied again at the next use.
   absl::Status TakeFailure(int unit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places a tensor, evicting as the policy allows (see Bring); a
+  // holder's (`room_below` > 0: RoomBelow) from the top.
   absl::StatusOr<uint64_t> Place(uint64_t bytes, bool persistent, uint64_t limit,
-                                 const std::vector<int>& keep, bool top)
+                                 const std::vector<int>& keep, uint64_t room_below)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where placed tensors stay, sorted: those in use, in flight, `wanted`
+  // (by entry), or for a prefetch (`limit` not kNever) persistent or used
+  // before `limit`; the others may be given back.
+  std::vector<std::pair<uint64_t, uint64_t>> Stays(uint64_t limit,
+                                                   const std::vector<bool>& wanted) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The largest room in one piece besides what stays (Stays) and `also`
+  // ([start, end): a place about to be taken).
+  uint64_t LargestRoom(uint64_t limit, const std::vector<bool>& wanted,
+                       std::pair<uint64_t, uint64_t> also = {0, 0}) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // For a holder's tensor: the highest place of `rounded` bytes where
-  // nothing stays (in use, in flight, persistent, in `keep`, or for a
-  // prefetch used before `limit`), what is there given back; none if no
+  // nothing stays (Stays of `keep`), what is there given back; none if no
   // such place.
   absl::StatusOr<std::optional<uint64_t>> PlaceOnTop(uint64_t rounded, uint64_t limit,
                                                      const std::vector<int>& keep)
@@ -294,8 +315,12 @@ class ParamCache {
   bool TakeAt(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether one of the entry's units is a holder (Unit::holder).
   bool Holds(int entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether all above the (placed) entry is in use, in flight, persistent
-  // or `wanted` (by entry): nothing there free or to be given back.
+  // The room in one piece a holder's tensor needs beside it: what its
+  // units' children held at once (Unit::below), the largest unit where
+  // that is not known yet; 0 for a tensor of no holder.
+  uint64_t RoomBelow(int entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether all above the (placed) entry is in use, in flight or `wanted`
+  // (by entry): nothing there free or to be given back.
   bool OnTop(int entry, const std::vector<bool>& wanted) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the entry's memory to the next copy into it, which waits for the
   // compute that read it (the copy stream waits on the device; where it
@@ -352,6 +377,8 @@ class ParamCache {
   uint64_t staging_head_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t persistent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t declared_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // every entry, placed
+  uint64_t max_unit_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the largest unit, placed
+  uint64_t pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;    // of tensors in use, placed
   uint64_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;      // resident, non-persistent
   // The order of the previous iteration's uses, each unit's positions in
   // it, the running sum of bytes along it, and where this iteration is.

@@ -433,8 +433,6 @@ TEST_F(ParamCacheTest, AUsesOwnResidentTensorMovesWhereItSplitsTheRoom) {
   }
 }
 
-// A unit refused declares none of its tensors: they may be declared again
-// otherwise, and the cache names only tensors of units it has.
 // A parent's tensors in use while its children's are used: placed where
 // first-fit found room (above a leaf used before), they split what is left,
 // and a child's tensor, which needs its room in one piece, found none with a
@@ -483,6 +481,72 @@ TEST_F(ParamCacheTest, ParentsStackFromTheTopSoChildrenFindRoomInOnePiece) {
   }
 }
 
+// A unit's first tensor placed where the room was free (above a module
+// used before, still cached), the next one found the rest of the room in
+// two pieces once that module was given back: the use was refused with
+// the budget holding the unit exactly. Refused once, everything not in use
+// goes and the unit is placed again, the largest tensor first.
+TEST_F(ParamCacheTest, AUseRefusedForRoomInPiecesPlacesItsTensorsAgain) {
+  constexpr uint64_t kKiB = 1024;
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 8 * kKiB, .prefetch_depth = 0});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  source_.Add(0, 2 * kKiB, 1);  // unit 0: a small module used first
+  source_.Add(1, 256, 2);
+  source_.Add(100, 4 * kKiB, 3);  // unit 1: two tensors, the whole budget
+  source_.Add(101, 4 * kKiB, 4);
+  ASSERT_TRUE((*cache)->AddUnit({{0, 2 * kKiB}, {1, 256}}).ok());
+  ASSERT_TRUE((*cache)->AddUnit({{100, 4 * kKiB}, {101, 4 * kKiB}}).ok());
+  for (int it = 0; it < 3; ++it) {
+    (*cache)->BeginIteration();
+    UseAndCheck(**cache, 0, 2);
+    UseAndCheck(**cache, 1, 2);
+  }
+  EXPECT_LE((*cache)->stats().peak_resident_bytes, 8 * kKiB);
+}
+
+// Where there is room, a holder keeps its place: one not on top of what is
+// in use (two siblings under one parent, say, each in use in turn) is not
+// placed again, so nothing is copied again while the values hold.
+TEST_F(ParamCacheTest, AHolderWithRoomAroundItKeepsItsPlace) {
+  constexpr uint64_t kKiB = 4096;
+  auto cache =
+      ParamCache::Create(&device_, &source_, {.budget_bytes = 8 * kKiB, .prefetch_depth = 2});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  // Units 0-4: a parent, two siblings each with a child (holders declared);
+  // 5-8: never used, so that the budget does not hold every unit.
+  for (uint64_t u = 0; u < 9; ++u) {
+    source_.Add(100 * u, kKiB, static_cast<uint8_t>(u));
+    const bool holder = u == 0 || u == 1 || u == 3;
+    ASSERT_TRUE((*cache)->AddUnit({{100 * u, kKiB}}, holder).ok());
+  }
+  auto use = [&](int unit) {
+    auto offsets = (*cache)->Use(unit, host_);
+    ASSERT_TRUE(offsets.ok()) << offsets.status();
+    ASSERT_EQ(std::memcmp(static_cast<char*>((*cache)->slab()) + (*offsets)[0],
+                          source_.data(100 * unit).data(), kKiB),
+              0);
+  };
+  uint64_t copies_after_first = 0;
+  for (int it = 0; it < 4; ++it) {
+    (*cache)->BeginIteration();
+    use(0);
+    for (int sibling : {1, 3}) {
+      use(sibling);
+      use(sibling + 1);
+      ASSERT_TRUE((*cache)->Done(sibling + 1, host_).ok());
+      ASSERT_TRUE((*cache)->Done(sibling, host_).ok());
+    }
+    ASSERT_TRUE((*cache)->Done(0, host_).ok());
+    ASSERT_TRUE((*cache)->Synchronize().ok());
+    if (it == 0) copies_after_first = (*cache)->stats().copies;
+  }
+  EXPECT_EQ(copies_after_first, 5u);
+  EXPECT_EQ((*cache)->stats().copies, 5u);  // none again: each kept its place
+}
+
+// A unit refused declares none of its tensors: they may be declared again
+// otherwise, and the cache names only tensors of units it has.
 TEST_F(ParamCacheTest, ARefusedUnitDeclaresNothing) {
   auto cache = ParamCache::Create(&device_, &source_, {.budget_bytes = 1 << 20});
   ASSERT_TRUE(cache.ok()) << cache.status();

@@ -1475,6 +1475,33 @@ class WrapInProcessTest(unittest.TestCase):
             make, lambda gen: (torch.randn(4, 16, generator=gen),),
             zero=self.tier_budget(4096 + 4352), wrapped=fails_first)
 
+    def test_persistent_parameters_at_the_least_budget(self):
+        # persistence_threshold keeps small tensors on the GPU (a parent's
+        # bias-like parameter here): one left where an earlier use put it
+        # split the room the parent's child needed, at the least budget
+        # wrap() takes: a use may give persistent tensors back.
+        import torch
+
+        class AddsBias(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.bias = torch.nn.Parameter(torch.randn(32) / 4)  # persistent: 32 elements
+                self.lin = torch.nn.Linear(32, 32)
+
+            def forward(self, x):
+                return self.lin(x + self.bias)
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(16, 32), AddsBias(), AddsBias(),
+                                       torch.nn.Linear(32, 4))
+
+        zero = self.tier_budget(256 + 4352)
+        zero["gpu"]["persistence_threshold"] = 40
+        self.assert_module_trains_like_torch(
+            make, lambda gen: (torch.randn(4, 16, generator=gen),), zero=zero,
+            wrapped=self.assert_not_resident)
+
     def tier_budget(self, budget):
         """zero_config for the GPU tier with `budget` bytes: on the emulated
         device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""
