@@ -359,10 +359,11 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
   const uint64_t rounded = Rounded(bytes);
   // A holder's tensor where the budget does not hold every tensor: the
   // highest free range that fits, if the largest room left besides what
-  // stays (in use, in flight, persistent, wanted by this use) still holds
-  // the largest unit; else on top of what stays, what is there given back
-  // (PlaceOnTop). (Where max_live_bytes is below the budget and reached,
-  // the tensors beyond it are given back first, as below.)
+  // stays (Stays) still holds `room_below` (RoomBelow); else on top of what
+  // stays, what is there given back (PlaceOnTop; for a use, after the
+  // copies in flight are waited for). (Where max_live_bytes is below the
+  // budget and reached, the tensors beyond it are given back first, as
+  // below.)
   if (top && budget_ < declared_bytes_ &&
       (persistent || options_.max_live_bytes >= budget_ ||
        live_bytes_ + rounded <= options_.max_live_bytes)) {
@@ -526,9 +527,9 @@ absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {
       LargestRoom(limit, kept) < room_below) {
     // A use of a holder (a module whose children run while it is in use)
     // where what stays, the holder with it, leaves no room in one piece
-    // for what its children held at once in the previous iteration (the
-    // largest unit before that is known): its tensors found below memory
-    // that is free or may be given back are placed again, on top. The units in use then
+    // for the most its children held (or asked for) at once in its earlier
+    // uses (the largest unit before any is known): its tensors found below
+    // memory that is free or may be given back are placed again, on top. The units in use then
     // stack from the slab's top down, the room below them in one piece,
     // and a child's tensors, which need room in one piece each, find it
     // (a parent's tensors left where an earlier use put them split it: a
@@ -870,7 +871,20 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
   for (Unit& u : units_) {
     if (u.in_use > 0) u.holder = true;
   }
-  if (absl::Status brought = Bring(units, kNever); !brought.ok()) return failed(brought);
+  if (absl::Status brought = Bring(units, kNever); !brought.ok()) {
+    if (absl::IsResourceExhausted(brought)) {
+      // Refused for room: the holders in use learn what their children
+      // wanted at once, so that their next use leaves room for it.
+      uint64_t wanted = 0;
+      for (int unit : units) wanted += units_[unit].bytes;
+      for (Unit& u : units_) {
+        if (u.in_use > 0 && pinned_bytes_ + wanted > u.pinned_at_use) {
+          u.below = std::max(u.below, pinned_bytes_ + wanted - u.pinned_at_use);
+        }
+      }
+    }
+    return failed(brought);
+  }
   // Making room may have finished earlier batches, a prefetch of these
   // units' tensors among them, and found it failed: reported now, not used.
   for (int unit : units) {
@@ -915,7 +929,9 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> ParamCache::Use(absl::Span<co
   // What the units in use held besides themselves at once, learnt: the room
   // a holder needs below it (RoomBelow).
   for (Unit& u : units_) {
-    if (u.in_use > 0) u.below = std::max(u.below, pinned_bytes_ - u.pinned_at_use);
+    if (u.in_use > 0 && pinned_bytes_ > u.pinned_at_use) {
+      u.below = std::max(u.below, pinned_bytes_ - u.pinned_at_use);
+    }
   }
   for (int unit : units) {
     ++units_[unit].in_use;
@@ -957,6 +973,9 @@ absl::Status ParamCache::Done(absl::Span<const int> units, const Stream& compute
       entries_[i].released_recorded = true;
     }
   }
+  // (A unit let go before one used after it: what the others hold counts
+  // from here.)
+  for (Unit& u : units_) u.pinned_at_use = std::min(u.pinned_at_use, pinned_bytes_);
   return absl::OkStatus();
 }
 

@@ -256,8 +256,10 @@ class ParamCache {
     // Was in use while another unit's Use came (a parent module's
     // parameters while its children run): placed from the slab's top.
     bool holder = false;
-    // The most bytes other units held in use at once while this one was
-    // (learnt), and the bytes in use when its last Use came.
+    // The most bytes other units held in use at once while this one was,
+    // or asked for in a use refused for room (learnt, over every use), and
+    // the bytes in use from which that counts (at its last Use, lowered
+    // where a unit used before it is done first).
     uint64_t below = 0;
     uint64_t pinned_at_use = 0;
   };
@@ -315,7 +317,7 @@ class ParamCache {
   bool TakeAt(uint64_t offset, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether one of the entry's units is a holder (Unit::holder).
   bool Holds(int entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The room in one piece a holder's tensor needs beside it: what its
+  // The room in one piece a holder's tensor needs beside it: the most its
   // units' children held at once (Unit::below), the largest unit where
   // that is not known yet; 0 for a tensor of no holder.
   uint64_t RoomBelow(int entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

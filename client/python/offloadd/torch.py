@@ -650,8 +650,14 @@ class _Engine:
         self._model = model
         self._forward_depth = 0
         # id(module) -> per call of its forward under way, the nodes that
-        # made its inputs, or None (_watch_backward).
+        # made its inputs (or None) and the walks' count when it began
+        # (_watch_backward); the nodes the walks of the forward under way
+        # went through, each with the count at its last walk; the watches
+        # alive.
         self._watching = {}
+        self._walked = {}
+        self._walks = 0
+        self._watches = weakref.WeakSet()
         self.closed = False  # optimizer.close(): the values went with the session
         try:
             self._register(model)
@@ -1509,9 +1515,9 @@ class _Engine:
         if self.tier is not None and self.tier.resident:
             return  # stays gathered until the tier lets its unit go (free_all)
         if s.gathered:
-            self._storage_to_shard.pop(self._base(s.param.data), None)
             if self.tier is not None:
-                self.tier.freeing(s)
+                self.tier.freeing(s)  # (raises with nothing changed)
+            self._storage_to_shard.pop(self._base(s.param.data), None)
         s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
         s.gathered = False
 
@@ -1802,6 +1808,11 @@ class _Engine:
 
         def sweep():
             self._sweep_queued = False
+            # A watch some of whose nodes did not run in this backward (an
+            # output the loss does not reach, autograd.grad of a part)
+            # starts the next backward of its graph afresh.
+            for watch in list(self._watches):
+                watch.left = watch.inputs
             with self._remembering():
                 self.free_all()
                 self.flush_gradients()
@@ -1913,11 +1924,10 @@ class _Engine:
                 engine.end_pass()
             for s in engine.shards:
                 if s.refs:
-                    s.refs = 0
-                    s.snapshot = None
                     if s.gathered:
                         engine._free(s)
-            engine._watching.clear()
+                    s.refs = 0
+                    s.snapshot = None
 
         handle = model.register_forward_pre_hook(after_a_pass_that_raised)
         model._forward_pre_hooks.move_to_end(handle.id, last=False)
@@ -1938,6 +1948,11 @@ class _Engine:
                     return forward(*args, **kwargs)
             finally:
                 engine._forward_depth -= 1
+                if engine._forward_depth == 0:
+                    # (What the walks held, and a raised forward's watches
+                    # to be, go with the forward: they hold its nodes.)
+                    engine._watching.clear()
+                    engine._walked.clear()
                 if began:
                     engine.end_pass()
 
@@ -2122,7 +2137,7 @@ class _Engine:
                 s.version = s.param._version
                 if s.changes_in_place:
                     s.snapshot = s.param.data.detach().clone()
-        self._watching.setdefault(id(module), []).append(self._inputs_made_by(inputs))
+        self._watching.setdefault(id(module), []).append((self._inputs_made_by(inputs), self._walks))
 
     def _inputs_made_by(self, inputs):
         """The GPU tier, units gathered per module (not resident): the
@@ -2140,7 +2155,7 @@ class _Engine:
     # The most autograd nodes a module's forward is walked through.
     MAX_WATCHED_NODES = 4096
 
-    def _watch_backward(self, own, made, outputs):
+    def _watch_backward(self, own, made, began, outputs):
         """After a module's forward: its parameters go once its own backward
         is over, as DeepSpeed's ZeRO-3 releases a module's after its
         backward. Its nodes that read its inputs (`made`: the nodes that made
@@ -2155,33 +2170,47 @@ class _Engine:
         puts there, made a module's in-place change of its input invisible
         to the caller's autograd: wrong gradients). A module whose inputs
         need no gradient (the first one's: token ids), are leaves (a
-        parameter passed in) or come as keyword arguments, or whose forward
-        made more than MAX_WATCHED_NODES nodes, keeps its parameters until
-        its gradient is in, as before. (A parameter read off the path from
-        the inputs to the outputs is gathered again by the node that reads
-        it, as any saved parameter.)"""
-        found, seen = [], set()
+        parameter passed in) or come as keyword arguments, whose walk goes
+        through more than MAX_WATCHED_NODES nodes, or some of whose nodes
+        do not run in a backward (an output the loss does not reach), keeps
+        its parameters until its gradient is in, as before. (A parameter
+        read off the path from the inputs to the outputs is gathered again
+        by the node that reads it, as any saved parameter.)"""
+        found, seen, walked = [], set(), self._walked
+
+        def before(node):
+            # Walked by a module whose forward was over before this one's
+            # began: the graph before this module, reached through a tensor
+            # it read otherwise (a captured one), not walked again. (Its
+            # children's nodes, walked since it began, are its own.)
+            walk = walked.get(node)
+            return walk is not None and walk <= began
+
         stack = [t.grad_fn for t in _tensors_in((outputs,)) if t.grad_fn is not None]
         while stack:
             node = stack.pop()
-            if node in seen or node in made:
+            if node in seen or node in made or before(node):
                 continue
             seen.add(node)
             if len(seen) > self.MAX_WATCHED_NODES:
-                return
+                break
             reads = False
             for after, _ in node.next_functions:
                 if after is None:
                     continue
                 if after in made:
                     reads = True
-                elif after not in seen:
+                elif after not in seen and not before(after):
                     stack.append(after)
             if reads:
                 found.append(node)
-        if not found:
+        self._walks += 1
+        for node in seen:
+            walked[node] = self._walks
+        if not found or len(seen) > self.MAX_WATCHED_NODES:
             return
         watch = _BackwardWatch(weakref.ref(self), own, len(found))
+        self._watches.add(watch)
         for node in found:
             node.register_hook(watch.arrived)
 
@@ -2203,14 +2232,14 @@ class _Engine:
         # goes when the module is done: the changes are kept, as torch
         # keeps them.
         calls = self._watching.get(id(module))
-        made = calls.pop() if calls else None
+        made, began = calls.pop() if calls else (None, 0)
         try:
             changed = [s for s in own
                        if s.refs == 1 and s.gathered and s.param._version != s.version]
             if changed:
                 self._keep_changes(changed)
             if made is not None:
-                self._watch_backward(own, made, outputs)
+                self._watch_backward(own, made, began, outputs)
         finally:
             for s in own:
                 s.refs = max(0, s.refs - 1)
@@ -2986,7 +3015,7 @@ class _BackwardWatch:
     the engine: the graph, kept by whoever keeps an output, must not keep
     the engine and its session.)"""
 
-    __slots__ = ("engine_ref", "own", "inputs", "left")
+    __slots__ = ("engine_ref", "own", "inputs", "left", "__weakref__")
 
     def __init__(self, engine_ref, own, inputs):
         self.engine_ref, self.own, self.inputs, self.left = engine_ref, own, inputs, inputs
