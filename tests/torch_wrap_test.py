@@ -1555,6 +1555,33 @@ class WrapInProcessTest(unittest.TestCase):
                     make, lambda gen, d=d: (torch.randn(3, d, generator=gen),),
                     zero=self.tier_budget(need(make())), wrapped=self.assert_not_resident)
 
+    def test_reentrant_checkpointing_of_a_block_that_saves_its_weight(self):
+        # torch.utils.checkpoint's default in torch 1.13 (use_reentrant)
+        # runs the block again in backward, outside the model's forward:
+        # LayerNorm's node saves its weight itself (a leaf is saved as it
+        # is), whose values offloadd emptied when the block's forward
+        # returned; the node's backward found "weight of shape [0]", on the
+        # host and on the GPU tier alike.
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.inp = torch.nn.Linear(16, 32)
+                self.block = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32),
+                                                 torch.nn.Tanh(), torch.nn.LayerNorm(32))
+                self.out = torch.nn.Linear(32, 4)
+
+            def forward(self, x):
+                return self.out(checkpoint(self.block, self.inp(x)))
+
+        for zero in (None, self.tier_budget(4352)):
+            with self.subTest(zero=zero):
+                self.assert_module_trains_like_torch(
+                    Net, lambda gen: (torch.randn(4, 16, generator=gen),), zero=zero)
+
     def tier_budget(self, budget):
         """zero_config for the GPU tier with `budget` bytes: on the emulated
         device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""

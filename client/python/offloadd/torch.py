@@ -218,7 +218,7 @@ class _Shard:
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
                  "_gathered", "accumulate_node", "module_shards", "refs", "version", "in_optimizer",
                  "unit", "guarded", "has_grad", "grad_since_step", "changes_in_place",
-                 "snapshot", "__weakref__")
+                 "snapshot", "off_slab", "__weakref__")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -246,6 +246,9 @@ class _Shard:
         # keeps a copy of what it gathered (`snapshot`) to compare with.
         self.changes_in_place = False
         self.snapshot = None
+        # Gathered by a forward run again in backward and kept (see
+        # _after_forward): its GPU tier unit let go already.
+        self.off_slab = False
 
     @property
     def gathered(self):
@@ -1515,9 +1518,10 @@ class _Engine:
         if self.tier is not None and self.tier.resident:
             return  # stays gathered until the tier lets its unit go (free_all)
         if s.gathered:
-            if self.tier is not None:
+            if self.tier is not None and not s.off_slab:
                 self.tier.freeing(s)  # (raises with nothing changed)
             self._storage_to_shard.pop(self._base(s.param.data), None)
+        s.off_slab = False
         s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
         s.gathered = False
 
@@ -1798,6 +1802,18 @@ class _Engine:
         self.counts["returns"] += len(batch)
         if stats is not None:
             self.counts["stats_sent"] += len(batch)
+
+    def _swept_at_backward_end(self):
+        """Whether the end of the backward under way frees what is gathered
+        (a sweep queued); False outside a backward."""
+        if self._sweep_queued:
+            return True
+        try:
+            self._queue_sweep()
+        except RuntimeError:  # (no backward under way: no callback to queue)
+            self._sweep_queued = False
+            return False
+        return True
 
     def _queue_sweep(self):
         # Frees what backward gathered but did not free (frozen parameters,
@@ -2241,11 +2257,27 @@ class _Engine:
             if made is not None:
                 self._watch_backward(own, made, began, outputs)
         finally:
+            # A forward run again in backward (activation checkpointing's
+            # recompute: outside the model's forward, with grad): autograd
+            # may have saved a parameter itself (LayerNorm's, BatchNorm's
+            # weight: a leaf is saved as it is, not as its values), and the
+            # parameter's values emptied now were what that node's backward
+            # found ("weight of shape [0]"). They stay, out of the GPU tier's
+            # slab (a copy of their own, gather), until the gradient is in
+            # (the accumulate node's hook) or backward ends (the sweep).
+            recompute = self._forward_depth == 0 and torch.is_grad_enabled()
             for s in own:
                 s.refs = max(0, s.refs - 1)
                 if s.refs == 0:
                     s.snapshot = None
-                    self._free(s)
+                    if (recompute and s.gathered
+                            and not (self.tier is not None and self.tier.resident)
+                            and self._swept_at_backward_end()):
+                        if self.tier is not None and not s.off_slab:
+                            self.tier.freeing(s)
+                            s.off_slab = True
+                    else:
+                        self._free(s)
 
     def _keep_changes(self, shards):
         """`shards`, changed in place by their module's forward: the
