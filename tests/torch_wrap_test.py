@@ -1582,6 +1582,37 @@ class WrapInProcessTest(unittest.TestCase):
                 self.assert_module_trains_like_torch(
                     Net, lambda gen: (torch.randn(4, 16, generator=gen),), zero=zero)
 
+    def test_a_module_returning_a_view_of_its_parameter_under_a_small_budget(self):
+        # A positional embedding's forward returning `self.weight[:T]`, added
+        # after other modules ran: on the GPU tier the view was of slab
+        # memory a later module's copy had taken (weights 0.3 off, silently).
+        # Such an output is a copy of its own.
+        import torch
+
+        class Positions(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.randn(16, 8))
+
+            def forward(self, t):
+                return self.weight[:t]
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.pos = Positions()
+                self.a = torch.nn.Linear(8, 8)
+                self.b = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                p = self.pos(x.shape[1])
+                return self.b(torch.tanh(self.a(x))) + p
+
+        self.assert_module_trains_like_torch(
+            Net, lambda gen: (torch.randn(2, 5, 8, generator=gen),), zero=self.tier_budget(1024),
+            wrapped=self.assert_not_resident)
+
     def tier_budget(self, budget):
         """zero_config for the GPU tier with `budget` bytes: on the emulated
         device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""

@@ -2249,13 +2249,16 @@ class _Engine:
         # keeps them.
         calls = self._watching.get(id(module))
         made, began = calls.pop() if calls else (None, 0)
+        replaced = None
         try:
             changed = [s for s in own
                        if s.refs == 1 and s.gathered and s.param._version != s.version]
             if changed:
                 self._keep_changes(changed)
+            replaced = self._off_the_slab(outputs)
             if made is not None:
-                self._watch_backward(own, made, began, outputs)
+                self._watch_backward(own, made, began,
+                                     outputs if replaced is None else replaced)
         finally:
             # A forward run again in backward (activation checkpointing's
             # recompute: outside the model's forward, with grad): autograd
@@ -2278,6 +2281,42 @@ class _Engine:
                             s.off_slab = True
                     else:
                         self._free(s)
+        return replaced
+
+    def _off_the_slab(self, outputs):
+        """The GPU tier, not resident: a module's output that is (a view of)
+        gathered parameters in the slab (a positional embedding's forward
+        returning `self.weight[:T]`), read after the module is done, would
+        see whatever a later copy puts there: each such output (itself, or
+        one level inside a tuple, list or dict) is a copy of its own. The
+        outputs to return instead, or None where none is in the slab."""
+        tier = self.tier
+        if tier is None or tier.resident or not tier.at:
+            return None
+
+        def off(t):
+            if isinstance(t, torch.Tensor) and t.numel() and tier._in_slab(t.data_ptr()):
+                return t.clone()
+            return t
+        if isinstance(outputs, torch.Tensor):
+            moved = off(outputs)
+            return None if moved is outputs else moved
+        if isinstance(outputs, (tuple, list)):
+            moved = [off(t) for t in outputs]
+            if all(a is b for a, b in zip(moved, outputs)):
+                return None
+            if isinstance(outputs, list):
+                return moved
+            return type(outputs)(*moved) if hasattr(outputs, "_fields") else type(outputs)(moved)
+        if isinstance(outputs, dict):
+            changed = False
+            for k, t in list(outputs.items()):
+                moved = off(t)
+                if moved is not t:
+                    outputs[k] = moved
+                    changed = True
+            return outputs if changed else None
+        return None
 
     def _keep_changes(self, shards):
         """`shards`, changed in place by their module's forward: the
