@@ -361,11 +361,11 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
   // highest free range that fits, if the largest room left besides what
   // stays (Stays) still holds `room_below` (RoomBelow); else on top of what
   // stays, what is there given back (PlaceOnTop; for a use, after the
-  // copies in flight are waited for). (Where max_live_bytes is below the
-  // budget and reached, the tensors beyond it are given back first, as
-  // below.)
+  // copies in flight are waited for, and past max_live_bytes if it must).
+  // (For a prefetch where max_live_bytes is below the budget and reached,
+  // the tensors beyond it are given back first, as below.)
   if (top && budget_ < declared_bytes_ &&
-      (persistent || options_.max_live_bytes >= budget_ ||
+      (persistent || options_.max_live_bytes >= budget_ || limit == kNever ||
        live_bytes_ + rounded <= options_.max_live_bytes)) {
     if (std::optional<uint64_t> at = TakeRange(rounded, /*top=*/true)) {
       std::vector<bool> wanted(entries_.size());
@@ -381,7 +381,12 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
     if (limit == kNever) Reap(/*wait=*/true);
     ASSIGN_OR_RETURN(std::optional<uint64_t> at, PlaceOnTop(rounded, limit, keep));
     if (at) {
-      if (!persistent) live_bytes_ += rounded;
+      if (!persistent) {
+        // (A use's holder on top past max_live_bytes: the cap gives way, as
+        // below for what is in use; later placements give back first.)
+        if (live_bytes_ + rounded > options_.max_live_bytes) ++stats_.over_live_cap;
+        live_bytes_ += rounded;
+      }
       return *at;
     }
   }

@@ -1613,6 +1613,44 @@ class WrapInProcessTest(unittest.TestCase):
             Net, lambda gen: (torch.randn(2, 5, 8, generator=gen),), zero=self.tier_budget(1024),
             wrapped=self.assert_not_resident)
 
+    def test_a_cap_on_live_parameters_at_the_least_budget(self):
+        # max_live_parameters below the budget kept a parent (the model's own
+        # embedding matrix, then a block's gain) from going on top of what was
+        # in use: it went where the cap let it, and its child's weight found
+        # the room in pieces at the second forward. For a use the cap gives
+        # way, as it does for what is in use at once.
+        import torch
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gain = torch.nn.Parameter(torch.ones(32) + torch.randn(32) / 10)
+                self.ln = torch.nn.LayerNorm(32)
+                self.fc1 = torch.nn.Linear(32, 64)  # 8192 + 256 bytes placed
+                self.fc2 = torch.nn.Linear(64, 32)
+
+            def forward(self, x):
+                return x + self.fc2(torch.relu(self.fc1(self.ln(x)))) * self.gain
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.wte = torch.nn.Parameter(torch.randn(40, 32) / 10)  # 5120 bytes
+                self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+            def forward(self, ids):
+                h = torch.nn.functional.embedding(ids, self.wte)
+                for block in self.blocks:
+                    h = block(h)
+                return h @ self.wte.t()
+
+        zero = self.tier_budget(5120 + 256 + 8448)  # what nesting holds at once
+        zero["gpu"]["max_live_parameters"] = 3000  # 12000 bytes
+        self.assert_module_trains_like_torch(
+            Net, lambda gen: (torch.randint(0, 40, (4, 8), generator=gen),), zero=zero,
+            wrapped=self.assert_not_resident)
+
     def tier_budget(self, budget):
         """zero_config for the GPU tier with `budget` bytes: on the emulated
         device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""
