@@ -371,7 +371,10 @@ absl::StatusOr<uint64_t> ParamCache::Place(uint64_t bytes, bool persistent, uint
       std::vector<bool> wanted(entries_.size());
       for (int i : keep) wanted[i] = true;
       if (LargestRoom(limit, wanted, {*at, *at + rounded}) >= room_below) {
-        if (!persistent) live_bytes_ += rounded;
+        if (!persistent) {
+          if (live_bytes_ + rounded > options_.max_live_bytes) ++stats_.over_live_cap;
+          live_bytes_ += rounded;
+        }
         return *at;
       }
       FreeRange(*at, rounded);

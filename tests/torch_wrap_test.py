@@ -1651,6 +1651,60 @@ class WrapInProcessTest(unittest.TestCase):
             Net, lambda gen: (torch.randint(0, 40, (4, 8), generator=gen),), zero=zero,
             wrapped=self.assert_not_resident)
 
+    def test_frozen_parameters_of_a_recomputed_block_go_after_its_backward(self):
+        # A block run again in backward (reentrant checkpointing) keeps its
+        # parameters past its forward; frozen ones (a LoRA-style base) get
+        # no gradient to free them at, and stayed until backward ended: the
+        # whole frozen model gathered at once. They go after the block's
+        # backward.
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln = torch.nn.LayerNorm(32)
+                self.base = torch.nn.Linear(32, 32)
+                self.adapter = torch.nn.Linear(32, 32)
+                for p in list(self.ln.parameters()) + list(self.base.parameters()):
+                    p.requires_grad_(False)
+
+            def forward(self, x):
+                return x + self.adapter(torch.tanh(self.base(self.ln(x))))
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.inp = torch.nn.Linear(16, 32)
+                self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+                self.out = torch.nn.Linear(32, 4)
+                self.probe = None
+
+            def forward(self, x):
+                h = self.inp(x)
+                if self.probe is not None:
+                    h.register_hook(self.probe)  # after the first block's backward
+                for block in self.blocks:
+                    h = checkpoint(block, h)
+                return self.out(h)
+
+        for zero in (None, self.tier_budget(2 * 4352)):
+            with self.subTest(zero=zero):
+                left = []
+
+                def probe_later_blocks(model):
+                    later = {id(p) for b in model.blocks[1:] for p in b.parameters()
+                             if not p.requires_grad}
+                    engine = model.offloadd
+                    model.probe = lambda grad: left.append(sorted(
+                        s.name for s in engine.shards if s.gathered and id(s.param) in later))
+                self.assert_module_trains_like_torch(
+                    Net, lambda gen: (torch.randn(4, 16, generator=gen),), zero=zero,
+                    wrapped=probe_later_blocks)
+                self.assertEqual(len(left), 4)
+                self.assertEqual(left, [[]] * 4)
+
     def tier_budget(self, budget):
         """zero_config for the GPU tier with `budget` bytes: on the emulated
         device, or (OFFLOADD_TEST_DEVICE=cuda) on the GPU."""

@@ -2161,8 +2161,21 @@ class _Engine:
         gradient (in its positional arguments, or one level inside a
         tuple, list or dict there), for _watch_backward; None where there
         is nothing to watch."""
-        if (self.tier is None or self.tier.resident or not torch.is_grad_enabled()
-                or self._forward_depth == 0):
+        if not torch.is_grad_enabled() or (self.tier is not None and self.tier.resident):
+            return None
+        if self._forward_depth == 0:
+            # A forward run again in backward (activation checkpointing's
+            # recompute), on the GPU tier or not: its parameters are kept
+            # past its forward (_after_forward) and go after its backward.
+            # Its first module's inputs are leaves (the checkpoint's
+            # detached inputs): their accumulate nodes made them.
+            made = set()
+            for t in _tensors_in(inputs):
+                if t.requires_grad:
+                    made.add(t.grad_fn if t.grad_fn is not None
+                             else t.expand_as(t).grad_fn.next_functions[0][0])
+            return made or None
+        if self.tier is None:
             return None
         # (Not a leaf's: a parameter passed in, a user's input.)
         made = {t.grad_fn for t in _tensors_in(inputs) if t.requires_grad and t.grad_fn is not None}
@@ -2221,8 +2234,11 @@ class _Engine:
             if reads:
                 found.append(node)
         self._walks += 1
-        for node in seen:
-            walked[node] = self._walks
+        if self._forward_depth != 0:
+            # (Not in a recompute in backward: the walks' record lasts until
+            # the model's forward ends, and would keep its graph.)
+            for node in seen:
+                walked[node] = self._walks
         if not found or len(seen) > self.MAX_WATCHED_NODES:
             return
         watch = _BackwardWatch(weakref.ref(self), own, len(found))
@@ -2235,10 +2251,11 @@ class _Engine:
         parameters gathered for it go. A node that reads one of them later
         (a parameter used outside the path from the module's inputs to its
         output) gathers it again as any saved parameter is."""
-        if self.tier is None or self.tier.resident or self.closed:
+        if self.closed or (self.tier is not None and self.tier.resident):
             return
         for s in own:
-            if s.gathered and s.refs == 0:
+            # (Without the GPU tier, only what a recompute kept: off_slab.)
+            if s.gathered and s.refs == 0 and (self.tier is not None or s.off_slab):
                 self._free(s)
 
     def _after_forward(self, own, module=None, outputs=None):
@@ -2276,12 +2293,27 @@ class _Engine:
                     if (recompute and s.gathered
                             and not (self.tier is not None and self.tier.resident)
                             and self._swept_at_backward_end()):
-                        if self.tier is not None and not s.off_slab:
-                            self.tier.freeing(s)
-                            s.off_slab = True
+                        self._keep_off_the_slab(s)
                     else:
                         self._free(s)
         return replaced
+
+    def _keep_off_the_slab(self, s):
+        """`s`, gathered by a forward run again in backward, stays past it
+        (off_slab), its GPU tier unit let go: its values a copy of their own
+        (the recompute's gather made one; a gather before it, by a backward's
+        unpack, left a view of the slab, copied now, before the unit goes)."""
+        if s.off_slab:
+            return
+        tier = self.tier
+        if tier is not None:
+            values = s.param.data
+            copy = values.clone() if tier._in_slab(values.data_ptr()) else None
+            tier.freeing(s)
+            if copy is not None:
+                s.param.data = copy
+                self._storage_to_shard[self._base(copy)] = s
+        s.off_slab = True
 
     def _off_the_slab(self, outputs):
         """The GPU tier, not resident: a module's output that is (a view of)
@@ -2307,7 +2339,12 @@ class _Engine:
                 return None
             if isinstance(outputs, list):
                 return moved
-            return type(outputs)(*moved) if hasattr(outputs, "_fields") else type(outputs)(moved)
+            if hasattr(outputs, "_fields"):
+                return type(outputs)(*moved)
+            try:
+                return type(outputs)(moved)
+            except TypeError:  # (a tuple type built otherwise)
+                return tuple(moved)
         if isinstance(outputs, dict):
             changed = False
             for k, t in list(outputs.items()):
