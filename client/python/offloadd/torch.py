@@ -2156,11 +2156,12 @@ class _Engine:
         self._watching.setdefault(id(module), []).append((self._inputs_made_by(inputs), self._walks))
 
     def _inputs_made_by(self, inputs):
-        """The GPU tier, units gathered per module (not resident): the
-        autograd nodes that made the module's tensor inputs needing a
-        gradient (in its positional arguments, or one level inside a
-        tuple, list or dict there), for _watch_backward; None where there
-        is nothing to watch."""
+        """The autograd nodes that made a module's tensor inputs needing a
+        gradient (in its positional arguments, or one level inside a tuple,
+        list or dict there), for _watch_backward: on the GPU tier, units
+        gathered per module (not resident), and for a forward run again in
+        backward, with the tier or not; None where there is nothing to
+        watch."""
         if not torch.is_grad_enabled() or (self.tier is not None and self.tier.resident):
             return None
         if self._forward_depth == 0:
@@ -2171,9 +2172,12 @@ class _Engine:
             # detached inputs): their accumulate nodes made them.
             made = set()
             for t in _tensors_in(inputs):
-                if t.requires_grad:
-                    made.add(t.grad_fn if t.grad_fn is not None
-                             else t.expand_as(t).grad_fn.next_functions[0][0])
+                if not t.requires_grad:
+                    continue
+                if t.grad_fn is not None:
+                    made.add(t.grad_fn)
+                elif id(t) not in self.by_param:  # (not a parameter of ours passed in)
+                    made.add(t.expand_as(t).grad_fn.next_functions[0][0])
             return made or None
         if self.tier is None:
             return None
