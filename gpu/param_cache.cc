@@ -509,16 +509,14 @@ absl::Status ParamCache::CopyIn(Entry& e, const HostSource::Span& span) {
 }
 
 bool ParamCache::OnTop(int entry, const std::vector<bool>& wanted) const {
-  const Entry& e = entries_[entry];
-  const uint64_t end = e.offset + Rounded(e.bytes);
-  auto last = free_.empty() ? free_.end() : std::prev(free_.end());
-  if (last != free_.end() && last->first + last->second > end) return false;
-  for (size_t j = 0; j < entries_.size(); ++j) {
-    const Entry& o = entries_[j];
-    if (o.offset < end || o.state == State::kAbsent || o.state == State::kFailed) continue;
-    if (o.pins == 0 && !o.batch && !wanted[j]) return false;
+  // What stays (Stays, for a use) covers the slab from the entry's end up.
+  uint64_t covered = entries_[entry].offset + Rounded(entries_[entry].bytes);
+  for (const auto& [from, to] : Stays(kNever, wanted)) {
+    if (to <= covered) continue;
+    if (from > covered) return false;
+    covered = to;
   }
-  return true;
+  return covered >= budget_;
 }
 
 absl::Status ParamCache::Bring(absl::Span<const int> units, uint64_t limit) {

@@ -321,8 +321,8 @@ class ParamCache {
   // units' children held at once (Unit::below), the largest unit where
   // that is not known yet; 0 for a tensor of no holder.
   uint64_t RoomBelow(int entry) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether all above the (placed) entry is in use, in flight or `wanted`
-  // (by entry): nothing there free or to be given back.
+  // Whether all above the (placed) entry stays for a use (Stays with
+  // `wanted`): nothing there free or to be given back.
   bool OnTop(int entry, const std::vector<bool>& wanted) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the entry's memory to the next copy into it, which waits for the
   // compute that read it (the copy stream waits on the device; where it
