@@ -2881,14 +2881,38 @@ class WrapInProcessTest(unittest.TestCase):
         # deepspeed.zero.GatheredParameters (a missing function before): the
         # whole values inside; what modifier_rank changed written back (as
         # Hugging Face's weight initialisation under ZeRO-3 does), trained on
-        # from there; without a modifier rank, changes dropped.
+        # from there; without a modifier rank, changes dropped. On the host,
+        # and on the GPU tier (resident, and the least budget).
+        for zero in (None, {"gpu": {"device": "emulated"}},
+                     {"gpu": {"device": "emulated", "budget_bytes": 768}}):
+            with self.subTest(zero=zero):
+                self._gathered_parameters(zero)
+
+    def _gathered_parameters(self, zero):
         import torch
         import offloadd
         from offloadd import deepspeed
-        model, opt = self.wrap(self.mlp())
+        model, opt = self.wrap(self.mlp(), zero=zero)
+        if zero and "budget_bytes" in zero["gpu"]:
+            self.assert_not_resident(model)
+        ref = self.mlp()
+        torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        x0, x = torch.randn(4, 8), torch.randn(4, 8)
+        opt.backward(model(x0).pow(2).mean())  # (the tier's units used)
+        opt.step()
+        ref(x0).pow(2).mean().backward()
+        torch_opt.step()
         before = model[0].weight.shape
+        fetches = model.offloadd.counts["fetches"]
         with deepspeed.zero.GatheredParameters(model[0].weight):
             self.assertEqual(model[0].weight.shape, before)
+            # Only the one named is gathered, as under DeepSpeed (Hugging
+            # Face initialises module by module: every parameter each time
+            # was the whole model in the trainer's memory, and its time
+            # squared).
+            self.assertEqual(model.offloadd.counts["fetches"] - fetches, 1)
+            with self.assertRaises(offloadd.FailedPreconditionError):
+                model[2].weight.sum()
             with torch.no_grad():
                 model[0].weight.add_(1.0)  # dropped: no modifier rank
         want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -2904,10 +2928,21 @@ class WrapInProcessTest(unittest.TestCase):
             with self.assertRaisesRegex(offloadd.FailedPreconditionError, "between iterations"):
                 with deepspeed.zero.GatheredParameters(model[0].weight):
                     pass
-        with self.assertRaises(offloadd.FailedPreconditionError):
-            model[0].weight.sum()  # (its values gone again)
-        opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        if zero is None:  # (resident units keep what state_dict() gathered)
+            with self.assertRaises(offloadd.FailedPreconditionError):
+                model[0].weight.sum()  # (its values gone again)
+        # Trained on from the values written (the moments kept), as torch
+        # trains from them.
+        with torch.no_grad():
+            for k, p in ref.named_parameters():
+                p.copy_(want[k])
+        opt.zero_grad()
+        opt.backward(model(x).pow(2).mean())
         opt.step()
+        torch_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        torch_opt.step()
+        self.assert_weights(model, ref.state_dict())
         opt.close()
 
     def test_a_checkpoint_restores_the_modules_buffers(self):

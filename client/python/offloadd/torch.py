@@ -2027,7 +2027,7 @@ class _Engine:
                 if k in keys and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(
                     keys[k].shape) and not (len(keys[k].shape) == 0 and v.dim() == 1)}
             self._load_prefix = prefix
-            self.gather_all_for_load()
+            self.gather_for_load()
 
         def write_loaded(module, incompatible_keys):
             # Only the parameters torch copied values into are written back
@@ -2070,22 +2070,24 @@ class _Engine:
             chunks.append(chunk)
         return chunks
 
-    def gather_all_for_load(self):
-        """Every parameter whole (a collective: every rank calls
-        load_state_dict), for torch to copy the loaded values into. With
-        the GPU tier, outside its budget's slab (which need not hold the
-        whole model): gathered as without the tier."""
+    def gather_for_load(self, shards=None):
+        """`shards` (None: every parameter) whole, for torch (or a
+        GatheredParameters) to copy values into; a collective: every rank
+        calls it with the same shards. With the GPU tier, outside its
+        budget's slab (which need not hold the whole model): gathered as
+        without the tier. Only these are written back (write_loaded)."""
+        shards = self.shards if shards is None else shards
         self.latest_weights()
         self.flush_gradients()
         self._gathered_before_load = self._resident_gathered()
         self.free_all()
         with self._tier_bypassed():
-            for s in self.shards:
+            for s in shards:
                 self.gather([s])
         self.verify_gathers()
         # Each parameter's version counter: torch's copy of a loaded value
         # into it moves it (see write_loaded).
-        self._load_versions = {s.pid: s.param._version for s in self.shards}
+        self._load_versions = {s.pid: s.param._version for s in shards}
         self._loading = True
 
     @contextlib.contextmanager
@@ -2114,8 +2116,8 @@ class _Engine:
             return
         self._loading = False
         versions, self._load_versions = self._load_versions, {}
-        shards = [s for s in self.shards
-                  if s.pid in found or s.param._version != versions[s.pid]]
+        shards = [s for s in self.shards if s.pid in versions and (
+            s.pid in found or s.param._version != versions[s.pid])]
         delayed = self.delayed_update_on()
         if delayed:
             self.session.set_delayed_update(False)
@@ -3757,11 +3759,11 @@ class GatheredParameters:
     parameters as that rank has them become every rank's (their master
     weights and working copy), as a load_state_dict writes them, whether
     changed in place or through .data; without one (or on an exception),
-    changes are dropped. Every parameter of the wrapped model is gathered
-    (as for a load, outside the GPU tier's slab), not only those named, and
-    the delayed update is drained first (as state_dict() drains it); not
-    inside a forward, nor nested. Tensors offloadd does not hold are left
-    as they are."""
+    changes are dropped. Only the parameters named are gathered (as for a
+    load, outside the GPU tier's slab: the others have no values inside,
+    as under DeepSpeed), and the delayed update is drained first (as
+    state_dict() drains it); not inside a forward, nor nested. Tensors
+    offloadd does not hold are left as they are."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
         if isinstance(params, torch.Tensor):
@@ -3787,7 +3789,14 @@ class GatheredParameters:
                     "GatheredParameters inside a forward of the wrapped model, or inside "
                     "another GatheredParameters or load: use it between iterations")
         for e in self._engines:
-            e.gather_all_for_load()
+            # Each engine's named ones, in the order named (a collective).
+            named, seen = [], set()
+            for p in self._params:
+                s = e.by_param.get(id(p))
+                if s is not None and s.pid not in seen:
+                    seen.add(s.pid)
+                    named.append(s)
+            e.gather_for_load(named)
         return self
 
     def __exit__(self, *exc):
@@ -3798,7 +3807,8 @@ class GatheredParameters:
             named = {e.by_param[id(p)].pid for p in self._params if id(p) in e.by_param}
             if exc[0] is not None or self._modifier is None:
                 # Nothing written: what the context changed is dropped.
-                e._load_versions = {s.pid: s.param._version for s in e.shards}
+                e._load_versions = {s.pid: s.param._version for s in e.shards
+                                    if s.pid in e._load_versions}
                 named = set()
             elif e.world > 1:
                 src = self._modifier
