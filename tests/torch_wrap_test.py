@@ -380,6 +380,19 @@ class TorchWrapTest(unittest.TestCase):
                     self.assertEqual(len(mine["state"][k]), len(v), k)
                     self.assertLess(worst, 1e-3, k)
 
+    def test_two_ranks_initialise_weights_inside_gathered_parameters(self):
+        # deepspeed.zero.GatheredParameters(modifier_rank=0) module by
+        # module, as Hugging Face initialises weights under ZeRO-3: rank 0's
+        # values become every rank's (the other rank's writes are dropped)
+        # and training goes on from them as torch's does; on the host and on
+        # the GPU tier.
+        sc = dict(BASE, steps=10, gathered_init=True)
+        ref = self.reference(sc)
+        for zero in ({}, {"gpu": {"device": "emulated"}}):
+            with self.subTest(zero=zero):
+                mine, _, _ = self.run_ranks(dict(sc, zero=zero), 2)
+                self.assert_close_losses(mine, ref, 1e-4)
+
     def test_accumulation_and_clipping_match_torch(self):
         # With the overlapped step: each fetch waits for its own partition's
         # update (and a pass no longer holds every partition at once).

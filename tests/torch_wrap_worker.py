@@ -4,6 +4,7 @@ writes the loss of every step as JSON.
 
 usage: torch_wrap_worker.py SCENARIO_JSON RANK WORLD INIT_FILE OUT_JSON
 The daemon's address comes from $OFFLOADD_ADDRESS."""
+import contextlib
 import datetime
 import json
 import os
@@ -120,6 +121,25 @@ def train(sc, rank, world, use_offloadd):
             model, opt = offloadd.torch.wrap(model, dict(adamw, params=groups), zero)
     else:
         opt = torch.optim.AdamW(groups, **adamw)
+    if sc.get("gathered_init"):
+        # Hugging Face's initialisation under ZeRO-3: module by module, what
+        # rank 0 writes inside GatheredParameters(modifier_rank=0) becomes
+        # every rank's (the others write something else, dropped).
+        blocks = [model.blocks[0].qkv, model.blocks[0].fc]
+        for i, m in enumerate(blocks):
+            params = list(m.parameters())
+            if use_offloadd:
+                import offloadd.deepspeed
+                ctx = offloadd.deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+            else:
+                ctx = contextlib.nullcontext()
+            with ctx, torch.no_grad():
+                g = torch.Generator().manual_seed(10 + i)
+                for q in params:
+                    if rank == 0:
+                        q.copy_(torch.randn(q.shape, generator=g) * 0.05)
+                    else:
+                        q.fill_(1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     gen = torch.Generator().manual_seed(1)
     losses, norms = [], []
