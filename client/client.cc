@@ -806,8 +806,9 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
                                                           const FetchOptions& options) {
   RETURN_IF_ERROR(impl_->Orphaned());
   if (impl_->UseRing(ids.size()) && !ids.empty() && !options.load) {
-    const uint32_t flags =
-        (options.grads ? ring::kGrads : 0u) | (options.writable ? ring::kWritable : 0u);
+    const uint32_t flags = (options.grads ? ring::kGrads : 0u) |
+                           (options.writable ? ring::kWritable : 0u) |
+                           (options.if_ready ? ring::kIfReady : 0u);
     ring::Client::Answer answer =
         impl_->RingCall(ring::kFetch, flags, RingItems(ids), impl_->timeout);
     RETURN_IF_ERROR(answer.status);
@@ -826,6 +827,7 @@ absl::StatusOr<std::vector<PartitionView>> Session::Fetch(absl::Span<const uint6
   req.set_grads(options.grads);
   req.set_writable(options.writable);
   req.set_load(options.load);
+  req.set_if_ready(options.if_ready);
   v1::FetchParamsResponse resp;
   Rpc rpc(impl_->timeout, impl_->token);
   RETURN_IF_ERROR(FromGrpc(impl_->stub->FetchParams(&rpc.context, req, &resp), "FetchParams"));

@@ -224,6 +224,10 @@ struct FetchOptions {
   // PartitionView::master_init where it is set (a 16-bit working copy is
   // then rounded from them), else into params. Moments and steps stay.
   bool load = false;
+  // With grads: where a gradient buffer asked for is still the step's (the
+  // delayed update's, an overlapped step's), ABORTED at once, holding
+  // nothing, instead of waiting until the step has read it.
+  bool if_ready = false;
 };
 
 // A partition as the trainer sees it: pointers into the mapped arena, whose

@@ -92,7 +92,7 @@ std::vector<uint64_t> GpuTier::Unhold(absl::Span<const uint64_t> ids) {
   return free;
 }
 
-absl::Status GpuTier::HoldAll(bool grads) {
+absl::Status GpuTier::HoldAll(bool grads, bool if_ready) {
   std::vector<uint64_t> ids = params_->Keys();
   std::vector<PartitionView> views;
   for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
@@ -100,7 +100,7 @@ absl::Status GpuTier::HoldAll(bool grads) {
     {
       DaemonCall call(this);
       part = session_->Fetch(absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall),
-                             {.grads = grads});
+                             {.grads = grads, .if_ready = if_ready});
     }
     if (!part.ok()) {
       // Nothing held for the iteration unless all of it is.
@@ -161,6 +161,7 @@ absl::Status GpuTier::EndIteration() {
     }
     held_all_.clear();
     grads_held_all_ = false;
+    grads_tried_all_ = false;
   }
   absl::Status released = ReleaseIds(ids);
   MaybeReport();
@@ -293,7 +294,7 @@ absl::Status GpuTier::Release(absl::Span<const uint64_t> keys) { return ReleaseI
 
 absl::StatusOr<std::vector<gpu::GradientSink::Span>> GpuTier::HoldBuffers(
     absl::Span<const uint64_t> keys) {
-  bool need_all;
+  bool need_all, try_all;
   {
     absl::MutexLock lock(&mu_);
     absl::flat_hash_set<uint64_t> named;
@@ -303,14 +304,31 @@ absl::StatusOr<std::vector<gpu::GradientSink::Span>> GpuTier::HoldBuffers(
             "partition %d's gradient is already on its way to the host: return it first", key));
       }
     }
-    need_all =
-        hold_per_iteration_ && !gradients_per_batch_ && !grads_held_all_ && !held_all_.empty();
+    const bool first = hold_per_iteration_ && !grads_held_all_ && !held_all_.empty();
+    need_all = first && !gradients_per_batch_;
+    // (One call, so that a refusal holds nothing.)
+    try_all = first && gradients_per_batch_ && !grads_tried_all_ && !if_ready_unknown_ &&
+              held_all_.size() <= kMaxIdsPerCall;
+    if (try_all) grads_tried_all_ = true;
   }
   // The iteration's first gradients: every gradient buffer at once (one
-  // call). Not while a step runs that may still read them (the delayed
-  // update's): then each batch's own, which the step, going in the order
-  // gradients were returned, gives back first.
+  // call). While a step runs that may still read them (the delayed
+  // update's), only if it has read them all by now (asked without
+  // waiting: on a node with cores to spare it usually has, before the
+  // forward is over); else each batch's own, which the step, going in the
+  // order gradients were returned, gives back first.
   if (need_all) RETURN_IF_ERROR(HoldAll(/*grads=*/true));
+  if (try_all) {
+    absl::Status all = HoldAll(/*grads=*/true, /*if_ready=*/true);
+    if (absl::IsInvalidArgument(all)) {
+      // An offloadd from before if_ready refuses the flag: per batch, as
+      // it always was, and not asked again.
+      absl::MutexLock lock(&mu_);
+      if_ready_unknown_ = true;
+    } else if (!all.ok() && !absl::IsAborted(all)) {
+      return all;
+    }
+  }
   std::vector<uint64_t> missing;
   {
     absl::MutexLock lock(&mu_);

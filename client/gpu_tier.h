@@ -170,7 +170,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // held each batch's own as gradients come (true: while the step before
   // may still read them, the delayed update's, so that a batch waits only
   // for its own partitions' updates) or all at the first (one call; the
-  // default).
+  // default). Per batch, the first batch still holds all of them in one
+  // call where the step has read them all by then (asked if ready: the
+  // daemon says at once when it has not, and the batches hold their own).
   void SetGradientsPerBatch(bool per_batch) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The trainer's own prefetch (ParamCache::SetPrefetch); the node's
@@ -198,8 +200,9 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   std::pair<int, uint64_t> PrefetchInEffect() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the cache the prefetch in effect.
   void ApplyPrefetch() ABSL_LOCKS_EXCLUDED(mu_);
-  // Holds every known partition (with grads: their gradient buffers too).
-  absl::Status HoldAll(bool grads) ABSL_LOCKS_EXCLUDED(mu_);
+  // Holds every known partition (with grads: their gradient buffers too;
+  // with if_ready, ABORTED holding nothing where a step still reads one).
+  absl::Status HoldAll(bool grads, bool if_ready = false) ABSL_LOCKS_EXCLUDED(mu_);
   // With hold_per_iteration: every partition's parameters held for the
   // iteration, unless they are already.
   absl::Status HoldForTheIteration() ABSL_LOCKS_EXCLUDED(mu_);
@@ -237,6 +240,10 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   absl::flat_hash_map<uint64_t, PartitionView> held_all_ ABSL_GUARDED_BY(mu_);
   bool grads_held_all_ ABSL_GUARDED_BY(mu_) = false;
   bool gradients_per_batch_ ABSL_GUARDED_BY(mu_) = false;
+  // Per batch: the iteration's one try at every buffer at once was made;
+  // never again where the daemon does not know the if_ready fetch.
+  bool grads_tried_all_ ABSL_GUARDED_BY(mu_) = false;
+  bool if_ready_unknown_ ABSL_GUARDED_BY(mu_) = false;
   // Gradient buffers held, by partition.
   absl::flat_hash_map<uint64_t, PartitionView> grads_held_ ABSL_GUARDED_BY(mu_);
   // The daemon's holds are not counted (one Release lets every hold of a

@@ -56,7 +56,7 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
   }
   // The flags each op knows: another (a newer client's) is refused, not
   // dropped (ring_service.h).
-  const uint32_t known = r.op == ring::kFetch             ? ring::kGrads | ring::kWritable
+  const uint32_t known = r.op == ring::kFetch ? ring::kGrads | ring::kWritable | ring::kIfReady
                          : r.op == ring::kReturnGradients ? ring::kThenRelease | ring::kHandOver
                                                           : 0;
   if ((r.op == ring::kFetch || r.op == ring::kRelease || r.op == ring::kReturnGradients) &&
@@ -79,6 +79,7 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
       FetchMode mode;
       mode.grads = (r.flags & ring::kGrads) != 0;
       mode.writable = (r.flags & ring::kWritable) != 0;
+      mode.if_ready = (r.flags & ring::kIfReady) != 0;
       absl::StatusOr<std::vector<PartitionInfo>> held = sessions_->Fetch(key, ids, mode);
       answer.status = held.status();
       if (held.ok()) {

@@ -239,7 +239,7 @@ TEST_F(RingServiceTest, AHostileMailboxGetsAnErrorAndServingGoesOn) {
   auto f = client_->Call(ring::kFetch, 0, Items({ids_[0]}), absl::Seconds(10));
   EXPECT_TRUE(f.status.ok()) << f.status;
   // Flags an op does not know (a newer client's) are refused, not dropped.
-  for (auto [op, flags] : {std::pair{ring::kFetch, 0x10u}, std::pair{ring::kRelease, 1u},
+  for (auto [op, flags] : {std::pair{ring::kFetch, 0x20u}, std::pair{ring::kRelease, 1u},
                            std::pair{ring::kReturnGradients, ring::kGrads}}) {
     auto refused = client_->Call(op, flags, Items({ids_[0]}), absl::Seconds(10));
     EXPECT_EQ(refused.status.code(), absl::StatusCode::kInvalidArgument) << op;

@@ -284,6 +284,7 @@ grpc::Status PartitionServiceImpl::FetchParams(grpc::ServerContext* context,
     mode.grads = req->grads();
     mode.writable = req->writable();
     mode.load = req->load();
+    mode.if_ready = req->if_ready();
     ASSIGN_OR_RETURN(std::vector<PartitionInfo> infos,
                      sessions_->Fetch(KeyOf(req->session()), ids, mode));
     for (const PartitionInfo& p : infos) ToProto(p, resp->add_locations());

@@ -827,6 +827,13 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
         }
         return false;
       };
+      if (busy() && mode.if_ready) {
+        stats_->grad_holds_not_ready.fetch_add(1, std::memory_order_relaxed);
+        return absl::AbortedError(absl::StrCat(
+            "session ", session_id_,
+            ": a gradient buffer asked for is still being read by the step (asked if ready: "
+            "nothing held)"));
+      }
       if (busy()) {
         stats_->waits_for_step.fetch_add(1, std::memory_order_relaxed);
         do {

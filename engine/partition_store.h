@@ -109,6 +109,9 @@ struct FetchMode {
   // counts stay, as torch's optimizer state does. FAILED_PRECONDITION with
   // the delayed update on.
   bool load = false;
+  // With grads: ABORTED at once, holding nothing, where a gradient buffer
+  // is still the step's (handed over and not yet read), instead of waiting.
+  bool if_ready = false;
 };
 
 struct PartitionSpec {

@@ -24,6 +24,7 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"step_state_wait_time", v(step_state_wait_nanos) / 1000, "us"},
       {"step_compute_time", v(step_compute_nanos) / 1000, "us"},
       {"waits_for_step", v(waits_for_step), "calls"},
+      {"grad_holds_not_ready", v(grad_holds_not_ready), "calls"},
       {"requests_failed", v(requests_failed), "requests"},
       {"gpu_h2d_bytes", v(gpu_h2d_bytes), "bytes"},
       {"gpu_h2d_staged_bytes", v(gpu_h2d_staged_bytes), "bytes"},

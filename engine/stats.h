@@ -42,6 +42,8 @@ struct Stats {
   // Fetches and gradient returns that found their partition in a running
   // step and waited for it to end.
   std::atomic<int64_t> waits_for_step{0};
+  // Fetches of gradient buffers asked only if ready, refused (FetchMode::if_ready).
+  std::atomic<int64_t> grad_holds_not_ready{0};
   std::atomic<int64_t> requests_failed{0};
   std::atomic<int64_t> checkpoints{0};  // written and committed (automatic ones too)
   // Automatic checkpoints (SessionManager::SetAutoCheckpoint) committed, and

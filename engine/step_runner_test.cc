@@ -821,6 +821,16 @@ TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
   ASSERT_TRUE(engine.sessions->Fetch(t.key(), {p0.id}).ok());  // parameters: at once
   EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
   ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
+  // Asked only if ready (a GPU tier holding every buffer at once when the
+  // step has read them all): refused at once, holding none of those asked.
+  FetchMode if_ready = WithGrads();
+  if_ready.if_ready = true;
+  const uint64_t other = t.parts().back().id;
+  auto refused = engine.sessions->Fetch(t.key(), {other, p0.id}, if_ready);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_EQ(engine.stats.waits_for_step.load(), waits);
+  EXPECT_EQ(engine.stats.grad_holds_not_ready.load(), 1);
+  EXPECT_EQ(engine.sessions->Sessions()[0].held, 0u);
   absl::StatusOr<std::vector<PartitionInfo>> waited;
   std::thread fetcher([&] { waited = engine.sessions->Fetch(t.key(), {p0.id}, WithGrads()); });
   ASSERT_TRUE(AwaitAWaitForStep(engine, waits));
@@ -829,6 +839,11 @@ TEST(OutOfCore, WithDelayedUpdateAFetchOfAHandedOverBufferWaitsForItsUpdate) {
   ASSERT_TRUE(waited.ok()) << waited.status();
   ASSERT_TRUE(engine.sessions->Release(t.key(), {p0.id}).ok());
   ASSERT_TRUE(engine.sessions->WaitStep(t.key()).ok());
+  // Once the step has read them: held as without if_ready.
+  auto ready = engine.sessions->Fetch(t.key(), {other, p0.id}, if_ready);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_EQ(engine.stats.grad_holds_not_ready.load(), 1);
+  ASSERT_TRUE(engine.sessions->Release(t.key(), {other, p0.id}).ok());
   ASSERT_TRUE(ref.Step().ok());
   // One more step makes step 1's version current on both.
   t.ReturnGradients(2);

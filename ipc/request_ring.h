@@ -82,6 +82,7 @@ inline constexpr uint32_t kGrads = 1;        // fetch: hold the gradient buffers
 inline constexpr uint32_t kWritable = 2;     // fetch: the trainer changes the parameters
 inline constexpr uint32_t kThenRelease = 4;  // return: then release the partitions
 inline constexpr uint32_t kHandOver = 8;  // return: the step reads the buffers (proto's hand_over)
+inline constexpr uint32_t kIfReady = 16;  // fetch with kGrads: proto's if_ready (ABORTED, no wait)
 
 // Item flags.
 inline constexpr uint32_t kItemStats = 1;  // return: sq_norm and nonfinite are set (proto's stats)

@@ -812,6 +812,7 @@ TEST_F(DaemonTest, WithTheDelayedUpdateAGradientBatchWaitsOnlyForItsOwnPartition
   ASSERT_TRUE(s->WaitStep().ok());
   int early = 0;  // rounds whose first batch was held in under half the step
   std::string rounds;
+  const int64_t refused = Counter("grad_holds_not_ready");
   for (int round = 0; round < 5; ++round) {
     ASSERT_TRUE((*tier)->BeginIteration().ok());
     backward();
@@ -839,6 +840,78 @@ TEST_F(DaemonTest, WithTheDelayedUpdateAGradientBatchWaitsOnlyForItsOwnPartition
     (*tier)->SetGradientsPerBatch(false);
   }
   EXPECT_GE(early, 1) << "the first batch's hold / the step, by round:" << rounds;
+  // (Its first batch asked for every buffer at once if ready, and was
+  // refused while the step ran.)
+  EXPECT_GE(Counter("grad_holds_not_ready") - refused, 1);
+}
+
+// Held a batch at a time (a step may still be running), the iteration's
+// first batch still holds every gradient buffer in one call when the step
+// has read them all by then (a fetch asked if ready: the daemon refuses at
+// once otherwise, and each batch holds its own, asking no more this
+// iteration). On a node with cores to spare the delayed update's step is
+// over before the next backward's first gradient: one call, not one a
+// batch (13 on the H200's 25M model).
+TEST_F(DaemonTest, WithTheDelayedUpdateTheFirstBatchHoldsEveryBufferOnceTheStepHasReadThem) {
+  gpu::EmulatedDevice device({.memory_bytes = 64 << 20});  // outlives the session
+  std::unique_ptr<Session> s = Open("dpu_ready");
+  ASSERT_NE(s, nullptr);
+  ASSERT_TRUE(s->SetDelayedUpdate(true).ok());
+  constexpr int kParts = 6;
+  constexpr uint64_t kNumel = 4096;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < kParts; ++i) {
+    auto p = s->Register(absl::StrCat("w", i), kNumel, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(s->Release(*p).ok());
+    ids.push_back(p->id);
+  }
+  GpuTierOptions options;
+  options.params.budget_bytes = kParts * kNumel * sizeof(float);
+  options.hold_per_iteration = true;
+  auto tier = GpuTier::Create(s.get(), &device, options);
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  for (uint64_t id : ids) {
+    ASSERT_TRUE((*tier)->params().AddUnit({{id, kNumel * sizeof(float)}}).ok());
+  }
+  auto grads = device.Allocate(kNumel * sizeof(float));
+  ASSERT_TRUE(grads.ok()) << grads.status();
+  std::memset(grads->get(), 0, kNumel * sizeof(float));
+  gpu::Stream host = device.BorrowStream(nullptr);
+  StepOptions overlap;
+  overlap.overlap = true;
+  // An iteration whose gradients come a partition a batch; the daemon calls
+  // each batch made.
+  auto backward = [&](std::vector<uint64_t>* calls) {
+    for (uint64_t id : ids) {
+      const uint64_t before = (*tier)->stats().daemon_calls;
+      ASSERT_TRUE((*tier)->AddGradient(id, grads->get(), kNumel * sizeof(float), host).ok());
+      calls->push_back((*tier)->stats().daemon_calls - before);
+    }
+    absl::flat_hash_map<uint64_t, GradientStats> stats;
+    for (uint64_t id : ids) stats[id] = {};
+    auto returned = (*tier)->ReturnGradients(/*wait=*/true, /*hand_over=*/true, stats);
+    ASSERT_TRUE(returned.ok()) << returned.status();
+    ASSERT_EQ(returned->size(), ids.size());
+    ASSERT_TRUE((*tier)->EndIteration().ok());
+  };
+  std::vector<uint64_t> calls;
+  ASSERT_TRUE((*tier)->BeginIteration().ok());
+  backward(&calls);
+  ASSERT_TRUE(s->Step(AdamHyperparams{}, overlap).ok());
+  // The step over before the next backward: its first batch holds all.
+  ASSERT_TRUE(s->WaitStep().ok());
+  (*tier)->SetGradientsPerBatch(true);
+  const int64_t refused = Counter("grad_holds_not_ready");
+  ASSERT_TRUE((*tier)->BeginIteration().ok());
+  calls.clear();
+  backward(&calls);
+  EXPECT_EQ(calls, std::vector<uint64_t>({1, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(Counter("grad_holds_not_ready"), refused);
+  // Stepped and trained on as held a batch at a time: the step reads them.
+  ASSERT_TRUE(s->Step(AdamHyperparams{}, overlap).ok());
+  ASSERT_TRUE(s->WaitStep().ok());
+  EXPECT_EQ(Counter("steps"), 2);
 }
 
 // A trainer's GPU tier reports what it did (the session's stats and the
