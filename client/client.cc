@@ -239,6 +239,7 @@ struct Session::Impl {
   HostMemory ring_memory;
   std::unique_ptr<ring::Client> ring;
   bool ring_step_calls = false;
+  bool ring_fetch_if_ready = false;  // its fetch takes kIfReady
   // The offloadd this session's shared memory came from went away (the
   // arena channel hung up) or closed the ring as it stopped. Its calls then
   // get a definite answer instead of UNAVAILABLE for ever (Orphaned): a
@@ -653,6 +654,7 @@ absl::StatusOr<std::unique_ptr<Session>> Client::Attach(const v1::OpenSessionRes
         s.ring = std::make_unique<ring::Client>(layout, s.connection.get(),
                                                 impl_->options.request_ring_spin);
         s.ring_step_calls = (layout->features & ring::kStepCalls) != 0;
+        s.ring_fetch_if_ready = (layout->features & ring::kFetchIfReady) != 0;
       }
     }
   }
@@ -777,6 +779,12 @@ const std::string& Session::token() const { return impl_->ref.token(); }
 const std::string& Session::auto_checkpoint_dir() const { return impl_->auto_checkpoint_dir; }
 const std::string& Session::restored_from() const { return impl_->restored_from; }
 const std::vector<uint64_t>& Session::restorable_steps() const { return impl_->restorable_steps; }
+
+bool Session::FetchesIfReady(size_t partitions) const {
+  return impl_->UseRing(partitions) && impl_->ring_fetch_if_ready;
+}
+
+bool IsNotReady(const absl::Status& s) { return ring::IsNotReady(s); }
 
 absl::StatusOr<PartitionView> Session::Register(const std::string& name, uint64_t numel,
                                                 DType param_dtype, DType grad_dtype,

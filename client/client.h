@@ -225,8 +225,10 @@ struct FetchOptions {
   // then rounded from them), else into params. Moments and steps stay.
   bool load = false;
   // With grads: where a gradient buffer asked for is still the step's (the
-  // delayed update's, an overlapped step's), ABORTED at once, holding
-  // nothing, instead of waiting until the step has read it.
+  // delayed update's, an overlapped step's, or being measured), ABORTED at
+  // once (IsNotReady), holding nothing, instead of waiting until the step
+  // has read it. Answered so where Session::FetchesIfReady says; an
+  // offloadd from before it waits as without it.
   bool if_ready = false;
 };
 
@@ -361,6 +363,11 @@ struct DaemonStats {
 
 class Client;
 
+// Whether `s` is a Fetch with FetchOptions::if_ready refused because a
+// gradient buffer is still the step's (nothing was held), not another
+// ABORTED (a request ring reset, whose call may or may not have happened).
+bool IsNotReady(const absl::Status& s);
+
 class Session {
  public:
   // Close()s if still open, ignoring errors; not if the offloadd it attached
@@ -383,6 +390,10 @@ class Session {
   // checkpoints there: the latest first, then the kept previous one.
   const std::string& restored_from() const;
   const std::vector<uint64_t>& restorable_steps() const;
+  // Whether a Fetch of that many partitions with FetchOptions::if_ready is
+  // answered at once (through the request ring, by an offloadd that knows
+  // it).
+  bool FetchesIfReady(size_t partitions) const;
 
   // Registers a partition, zeros, and holds it (writable) for the initial
   // values to be written.

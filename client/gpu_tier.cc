@@ -92,7 +92,7 @@ std::vector<uint64_t> GpuTier::Unhold(absl::Span<const uint64_t> ids) {
   return free;
 }
 
-absl::Status GpuTier::HoldAll(bool grads, bool if_ready) {
+absl::Status GpuTier::HoldAll(bool grads) {
   std::vector<uint64_t> ids = params_->Keys();
   std::vector<PartitionView> views;
   for (size_t i = 0; i < ids.size(); i += kMaxIdsPerCall) {
@@ -100,7 +100,7 @@ absl::Status GpuTier::HoldAll(bool grads, bool if_ready) {
     {
       DaemonCall call(this);
       part = session_->Fetch(absl::Span<const uint64_t>(ids).subspan(i, kMaxIdsPerCall),
-                             {.grads = grads, .if_ready = if_ready});
+                             {.grads = grads});
     }
     if (!part.ok()) {
       // Nothing held for the iteration unless all of it is.
@@ -117,6 +117,23 @@ absl::Status GpuTier::HoldAll(bool grads, bool if_ready) {
   for (PartitionView& v : views) held_all_[v.id] = std::move(v);
   if (grads) grads_held_all_ = true;
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> GpuTier::HoldAllGradsIfReady() {
+  std::vector<uint64_t> ids = params_->Keys();
+  // (One call: a refusal holds nothing.)
+  if (ids.size() > kMaxIdsPerCall || !session_->FetchesIfReady(ids.size())) return false;
+  absl::StatusOr<std::vector<PartitionView>> views;
+  {
+    DaemonCall call(this);
+    views = session_->Fetch(ids, {.grads = true, .if_ready = true});
+  }
+  if (IsNotReady(views.status()) || absl::IsResourceExhausted(views.status())) return false;
+  RETURN_IF_ERROR(views.status());
+  absl::MutexLock lock(&mu_);
+  for (PartitionView& v : *views) held_all_[v.id] = std::move(v);
+  grads_held_all_ = true;
+  return true;
 }
 
 absl::Status GpuTier::HoldForTheIteration() {
@@ -306,9 +323,7 @@ absl::StatusOr<std::vector<gpu::GradientSink::Span>> GpuTier::HoldBuffers(
     }
     const bool first = hold_per_iteration_ && !grads_held_all_ && !held_all_.empty();
     need_all = first && !gradients_per_batch_;
-    // (One call, so that a refusal holds nothing.)
-    try_all = first && gradients_per_batch_ && !grads_tried_all_ && !if_ready_unknown_ &&
-              held_all_.size() <= kMaxIdsPerCall;
+    try_all = first && gradients_per_batch_ && !grads_tried_all_;
     if (try_all) grads_tried_all_ = true;
   }
   // The iteration's first gradients: every gradient buffer at once (one
@@ -318,17 +333,7 @@ absl::StatusOr<std::vector<gpu::GradientSink::Span>> GpuTier::HoldBuffers(
   // forward is over); else each batch's own, which the step, going in the
   // order gradients were returned, gives back first.
   if (need_all) RETURN_IF_ERROR(HoldAll(/*grads=*/true));
-  if (try_all) {
-    absl::Status all = HoldAll(/*grads=*/true, /*if_ready=*/true);
-    if (absl::IsInvalidArgument(all)) {
-      // An offloadd from before if_ready refuses the flag: per batch, as
-      // it always was, and not asked again.
-      absl::MutexLock lock(&mu_);
-      if_ready_unknown_ = true;
-    } else if (!all.ok() && !absl::IsAborted(all)) {
-      return all;
-    }
-  }
+  if (try_all) RETURN_IF_ERROR(HoldAllGradsIfReady().status());
   std::vector<uint64_t> missing;
   {
     absl::MutexLock lock(&mu_);

@@ -200,9 +200,13 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   std::pair<int, uint64_t> PrefetchInEffect() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the cache the prefetch in effect.
   void ApplyPrefetch() ABSL_LOCKS_EXCLUDED(mu_);
-  // Holds every known partition (with grads: their gradient buffers too;
-  // with if_ready, ABORTED holding nothing where a step still reads one).
-  absl::Status HoldAll(bool grads, bool if_ready = false) ABSL_LOCKS_EXCLUDED(mu_);
+  // Holds every known partition (with grads: their gradient buffers too).
+  absl::Status HoldAll(bool grads) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every known partition's gradient buffer held in one call, if the step
+  // has read them all (FetchOptions::if_ready): false where it has not, the
+  // pool has no room for them all at once, or the daemon cannot be asked
+  // so (then nothing is held).
+  absl::StatusOr<bool> HoldAllGradsIfReady() ABSL_LOCKS_EXCLUDED(mu_);
   // With hold_per_iteration: every partition's parameters held for the
   // iteration, unless they are already.
   absl::Status HoldForTheIteration() ABSL_LOCKS_EXCLUDED(mu_);
@@ -240,10 +244,8 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   absl::flat_hash_map<uint64_t, PartitionView> held_all_ ABSL_GUARDED_BY(mu_);
   bool grads_held_all_ ABSL_GUARDED_BY(mu_) = false;
   bool gradients_per_batch_ ABSL_GUARDED_BY(mu_) = false;
-  // Per batch: the iteration's one try at every buffer at once was made;
-  // never again where the daemon does not know the if_ready fetch.
+  // Per batch: the iteration's one try at every buffer at once was made.
   bool grads_tried_all_ ABSL_GUARDED_BY(mu_) = false;
-  bool if_ready_unknown_ ABSL_GUARDED_BY(mu_) = false;
   // Gradient buffers held, by partition.
   absl::flat_hash_map<uint64_t, PartitionView> grads_held_ ABSL_GUARDED_BY(mu_);
   // The daemon's holds are not counted (one Release lets every hold of a

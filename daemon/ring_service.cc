@@ -148,7 +148,10 @@ RingAnswer RingService::Serve(const SessionKey& key, const RingRequest& r) {
       break;  // (tens of bytes; RingServer refuses one past the mailbox)
     }
   }
-  if (!answer.status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+  // (A fetch asked if ready and refused did what was asked.)
+  if (!answer.status.ok() && !ring::IsNotReady(answer.status)) {
+    stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+  }
   return answer;
 }
 

@@ -12,6 +12,7 @@
 #include "base/utf8.h"
 #include "daemon/step_wire.h"
 #include "engine/version.h"
+#include "ipc/request_ring.h"
 #include "proto/convert.h"
 
 namespace offload {
@@ -134,7 +135,10 @@ grpc::Status PartitionServiceImpl::Serve(const grpc::ServerContext& context, Bod
   }
   if (status.ok()) status = body();
   if (counted.has_value()) per_user_->Exit(*counted);
-  if (!status.ok()) stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+  // (A fetch asked if ready and refused did what was asked.)
+  if (!status.ok() && !ring::IsNotReady(status)) {
+    stats_->requests_failed.fetch_add(1, std::memory_order_relaxed);
+  }
   return ToGrpcStatus(status);
 }
 

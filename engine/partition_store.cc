@@ -19,6 +19,7 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "base/utf8.h"
+#include "ipc/request_ring.h"
 
 namespace offload {
 namespace {
@@ -801,6 +802,35 @@ absl::StatusOr<PartitionInfo> PartitionStore::Register(uint64_t id, const Partit
   return out;
 }
 
+bool PartitionStore::GradsBusyLocked(absl::Span<Partition* const> wanted) const {
+  for (const Partition* p : wanted) {
+    if (p->gradients == GradState::kHandedOver && (p->accumulating || p->step != StepState::kOut)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status PartitionStore::NotReadyLocked() const {
+  stats_->grad_holds_not_ready.fetch_add(1, std::memory_order_relaxed);
+  return absl::AbortedError(absl::StrCat("session ", session_id_, ": a gradient buffer asked for ",
+                                         ring::kNotReadyWords, ": nothing held)"));
+}
+
+absl::Status PartitionStore::RefuseGradsNotReady(absl::Span<const uint64_t> ids) {
+  absl::MutexLock lock(&mu_);
+  std::vector<Partition*> wanted;
+  if (ids.empty()) {
+    for (const auto& [id, p] : partitions_) wanted.push_back(p.get());
+  } else {
+    for (uint64_t id : ids) {
+      auto it = partitions_.find(id);
+      if (it != partitions_.end()) wanted.push_back(it->second.get());  // (Fetch says which not)
+    }
+  }
+  return GradsBusyLocked(wanted) ? NotReadyLocked() : absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<const uint64_t> ids,
                                                                  FetchMode mode) {
   std::vector<Partition*> wanted;
@@ -818,22 +848,9 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
       // A gradient buffer handed over is the daemon's until the step has
       // read it: the trainer gets it back once it is measured and its
       // partition's update is done.
-      auto busy = [&wanted]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        for (const Partition* p : wanted) {
-          if (p->gradients == GradState::kHandedOver &&
-              (p->accumulating || p->step != StepState::kOut)) {
-            return true;
-          }
-        }
-        return false;
-      };
-      if (busy() && mode.if_ready) {
-        stats_->grad_holds_not_ready.fetch_add(1, std::memory_order_relaxed);
-        return absl::AbortedError(absl::StrCat(
-            "session ", session_id_,
-            ": a gradient buffer asked for is still being read by the step (asked if ready: "
-            "nothing held)"));
-      }
+      auto busy = [this, &wanted]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return GradsBusyLocked(wanted); };
+      if (mode.if_ready && busy()) return NotReadyLocked();
       if (busy()) {
         stats_->waits_for_step.fetch_add(1, std::memory_order_relaxed);
         do {

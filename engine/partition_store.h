@@ -109,8 +109,9 @@ struct FetchMode {
   // counts stay, as torch's optimizer state does. FAILED_PRECONDITION with
   // the delayed update on.
   bool load = false;
-  // With grads: ABORTED at once, holding nothing, where a gradient buffer
-  // is still the step's (handed over and not yet read), instead of waiting.
+  // With grads: ABORTED at once (ring::kNotReadyWords), holding and taking
+  // back nothing, where a gradient buffer is still the step's (handed over
+  // and not yet read: measured, or in a step), instead of waiting.
   bool if_ready = false;
 };
 
@@ -232,6 +233,11 @@ class PartitionStore {
   // residency contract above); holding one already held is no change. An
   // empty `ids` means every partition, in registration order. Waits for the
   // requested partitions to leave a running step.
+  // With grads and if_ready: ABORTED (in ring::kNotReadyWords) where one of
+  // `ids` (empty: every partition) has its gradient buffer still the
+  // step's, before anything is taken back or held (SessionManager::Fetch
+  // asks it first).
+  absl::Status RefuseGradsNotReady(absl::Span<const uint64_t> ids) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<PartitionInfo>> Fetch(absl::Span<const uint64_t> ids,
                                                    FetchMode mode = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Lets the partitions' holds go (parameters and gradient buffers). An
@@ -449,6 +455,12 @@ class PartitionStore {
   static int GradsKind(const StepItem& item);
   // FAILED_PRECONDITION if one of `wanted` has its gradient buffer handed
   // over (a fetch with grads that raced with a return).
+  // A gradient buffer of `wanted` handed over and not yet read by its step
+  // (being measured, or in a step).
+  bool GradsBusyLocked(absl::Span<Partition* const> wanted) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The if_ready fetch's refusal (counted).
+  absl::Status NotReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A partition's step is over: its gradients are consumed, and, if the

@@ -35,7 +35,7 @@ std::shared_ptr<RingServer> RingServer::Start(HostMemory mapping, Handler handle
   ring::Layout* l = server->layout();
   l->magic = ring::kMagic;
   l->version = ring::kVersion;
-  l->features = ring::kStepCalls;
+  l->features = ring::kStepCalls | ring::kFetchIfReady;
   l->closed_reason = ring::kSessionClosed;
   l->client_sleeping.store(0);
   l->state.store(ring::kIdle, std::memory_order_release);

@@ -1036,6 +1036,8 @@ absl::StatusOr<std::vector<PartitionInfo>> SessionManager::Fetch(const SessionKe
   }
   // A gradient buffer handed over and not read by a step yet comes back
   // (its gradients copied into the accumulator) before it is held again.
+  // (Asked if ready: refused before that, which may wait for a measurement.)
+  if (mode.grads && mode.if_ready) RETURN_IF_ERROR(session->partitions->RefuseGradsNotReady(ids));
   if (mode.grads) RETURN_IF_ERROR(steps_->Reclaim(*session->partitions, ids));
   absl::StatusOr<std::vector<PartitionInfo>> out = session->partitions->Fetch(ids, mode);
   if (absl::IsFailedPrecondition(out.status()) &&

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -52,7 +53,8 @@ inline constexpr uint32_t kMagic = 0x524c464f;  // "OFLR"
 inline constexpr uint32_t kVersion = 4;
 // What a daemon's mailbox serves beyond fetch, release and return (its
 // `features`; zero from daemons before them, whose clients use gRPC).
-inline constexpr uint32_t kStepCalls = 1;  // kPendingGradients, kWaitStep and kStep
+inline constexpr uint32_t kStepCalls = 1;     // kPendingGradients, kWaitStep and kStep
+inline constexpr uint32_t kFetchIfReady = 2;  // kFetch takes kIfReady
 // How long a caller spins for the answer by default before it sleeps on
 // the futex: longer than the daemon takes to answer a resident fetch even
 // when woken from sleep (p99 15-22 us measured), so an idle node answers
@@ -83,6 +85,12 @@ inline constexpr uint32_t kWritable = 2;     // fetch: the trainer changes the p
 inline constexpr uint32_t kThenRelease = 4;  // return: then release the partitions
 inline constexpr uint32_t kHandOver = 8;  // return: the step reads the buffers (proto's hand_over)
 inline constexpr uint32_t kIfReady = 16;  // fetch with kGrads: proto's if_ready (ABORTED, no wait)
+// The words of that refusal (ABORTED, also through gRPC), which tell it from
+// the mailbox's own ABORTED (a reset: the call may or may not have happened).
+inline constexpr char kNotReadyWords[] = "is still being read by the step (asked if ready";
+inline bool IsNotReady(const absl::Status& s) {
+  return absl::IsAborted(s) && absl::StrContains(s.message(), kNotReadyWords);
+}
 
 // Item flags.
 inline constexpr uint32_t kItemStats = 1;  // return: sq_norm and nonfinite are set (proto's stats)

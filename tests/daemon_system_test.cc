@@ -914,6 +914,61 @@ TEST_F(DaemonTest, WithTheDelayedUpdateTheFirstBatchHoldsEveryBufferOnceTheStepH
   EXPECT_EQ(Counter("steps"), 2);
 }
 
+// A fetch of gradient buffers asked if ready, while the step reads them
+// (handed over, an overlapped step of 24M parameters just started), is
+// refused at once with the words IsNotReady knows, holding nothing and
+// not counted as a failed request; through the request ring and through
+// gRPC. (The step may win the race in a round: five rounds, one refusal
+// each way needed.)
+TEST_F(DaemonTest, AFetchAskedIfReadyIsRefusedAtOnceWhileTheStepReadsTheBuffers) {
+  ClientOptions no_ring{daemon_->address()};
+  no_ring.request_ring = false;
+  auto grpc_client = Client::Connect(no_ring);
+  ASSERT_TRUE(grpc_client.ok()) << grpc_client.status();
+  int round = 0;
+  for (Client* c : {client_.get(), grpc_client->get()}) {
+    const std::string via = round++ == 0 ? "ring" : "grpc";
+    auto opened = c->OpenSession("if-ready-" + via);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    Session* s = opened->get();
+    EXPECT_EQ(s->FetchesIfReady(1), via == "ring");
+    auto p = s->Register("w", 24 << 20, DType::kFp32, DType::kFp32);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(s->Release(*p).ok());
+    StepOptions overlap;
+    overlap.overlap = true;
+    FetchOptions if_ready;
+    if_ready.grads = if_ready.if_ready = true;
+    int refused = 0;
+    for (int i = 0; i < 5 && refused == 0; ++i) {
+      HoldGrads(s, *p);
+      ASSERT_TRUE(s->HandOverGradients({*p}, {{1.0, 0}}, /*release=*/true).ok());
+      ASSERT_TRUE(s->Step(AdamHyperparams{}, overlap).ok());
+      const int64_t failed = Counter("requests_failed");
+      auto got = s->Fetch(p->id, if_ready);
+      if (got.ok()) {
+        ASSERT_TRUE(s->Release(*got).ok());  // (the step was over: held as without it)
+      } else {
+        EXPECT_TRUE(IsNotReady(got.status())) << via << ": " << got.status();
+        EXPECT_EQ(Counter("requests_failed"), failed) << via;
+        DaemonStats stats = Stats();
+        for (const auto& session : stats.sessions) {
+          if (session.name == "if-ready-" + via) {
+            EXPECT_EQ(session.held, 0u) << via;
+          }
+        }
+        ++refused;
+      }
+      ASSERT_TRUE(s->WaitStep().ok());
+    }
+    EXPECT_EQ(refused, 1) << via << ": the step was over before every fetch";
+    // Once the step has read it: held.
+    auto held = s->Fetch(p->id, if_ready);
+    ASSERT_TRUE(held.ok()) << via << ": " << held.status();
+    ASSERT_TRUE(s->Release(*held).ok());
+  }
+}
+
 // A trainer's GPU tier reports what it did (the session's stats and the
 // node's gpu_* counters show it) and takes the node's prefetch settings
 // from the answer: offloadctl set gpu.prefetch_depth reaches it at its next
