@@ -1758,6 +1758,71 @@ class WrapInProcessTest(unittest.TestCase):
                                          use_reentrant=reentrant))
         return Net
 
+    def test_a_ctrl_c_just_after_a_call_to_offloadd_loses_nothing(self):
+        # A SIGINT arriving just after one of offloadd's calls returned (the
+        # likeliest moment: the calls release the GIL) raised its
+        # KeyboardInterrupt before the call's outcome was recorded: a unit
+        # in use on the GPU tier that no forward knew of (no room ever
+        # after, or "changed while in use"), gradients returned that
+        # zero_grad did not drop (folded into the next step), a step applied
+        # whose copies on the GPU stayed stale and which global_steps did not
+        # count. Held back until the outcome is recorded now. The loop
+        # catches it, zero_grad()s and goes on, as a notebook's user does:
+        # the weights are torch's without the interrupted iteration (with
+        # it, where the step was applied).
+        import signal
+        import torch
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(*[m for _ in range(4) for m in
+                                         (torch.nn.Linear(16, 16), torch.nn.Tanh())],
+                                       torch.nn.Linear(16, 4))
+        gen = torch.Generator().manual_seed(3)
+        data = [torch.randn(4, 16, generator=gen) for _ in range(6)]
+        small = {"gpu": {"device": "emulated", "budget_bytes": 2400}}
+        resident = {"gpu": {"device": "emulated"}}
+        for zero, where, call, applied in ((None, "session", "return_gradients", False),
+                                           (small, "tier", "use", False),
+                                           (resident, "tier", "use_units", False),
+                                           (resident, "session", "step", True),
+                                           (small, "session", "step", True)):
+            with self.subTest(zero=zero, call=call):
+                model, opt = self.wrap(make(), {"lr": 1e-2}, zero)
+                e = model.offloadd
+                owner = e.session if where == "session" else e.tier.tier
+                real, armed = getattr(owner, call), [False]
+
+                def then_ctrl_c(*args, real=real, armed=armed, **kwargs):
+                    out = real(*args, **kwargs)
+                    if armed[0]:
+                        armed[0] = False
+                        os.kill(os.getpid(), signal.SIGINT)  # (handled at the next bytecode)
+                    return out
+                setattr(owner, call, then_ctrl_c)
+                interrupted = []
+                for i, x in enumerate(data):
+                    armed[0] = i == 2
+                    try:
+                        opt.backward(model(x).pow(2).mean())
+                        opt.step()
+                    except BaseException as exc:  # (through autograd: a RuntimeError of it)
+                        if "KeyboardInterrupt" not in repr(exc) + repr(exc.__cause__):
+                            raise
+                        interrupted.append(i)
+                    opt.zero_grad()
+                self.assertEqual(interrupted, [2])
+                ref = make()
+                torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+                for i, x in enumerate(data):
+                    if i != 2 or applied:
+                        ref(x).pow(2).mean().backward()
+                        torch_opt.step()
+                        torch_opt.zero_grad()
+                self.assert_weights(model, ref.state_dict())
+                self.assertEqual(opt.global_steps, len(data) if applied else len(data) - 1)
+                opt.close()
+
     def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
         # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the
         # job goes on and its next step forgets it (its end is then a

@@ -100,6 +100,7 @@ import math
 import random
 import re
 import os
+import signal
 import sys
 import threading
 import time
@@ -149,6 +150,67 @@ class SessionRestored(Exception):
         super().__init__(f"offloadd restarted; this job goes on from step {step} ({source})")
         self.step = step
         self.source = source
+
+
+class _Uninterrupted:
+    """A Ctrl-C (SIGINT) held back on the main thread while a call to
+    offloadd and the record of what it did run, then handled (by default:
+    KeyboardInterrupt) when the outermost such block ends: raised between
+    the call's return and its record, it lost what the call did (a unit
+    in use on the GPU tier that no forward knew of, which then never had
+    room again; gradients returned and not dropped by zero_grad; a step
+    applied whose copies on the GPU stayed stale). A wait for room inside
+    (with_room, where the call failed and did nothing) handles it at once.
+    Nested blocks count; other threads (autograd's) get no SIGINT."""
+
+    _depth = 0
+    _previous = None  # the handler held back while _depth > 0
+    _pending = None   # (signum, frame) of a SIGINT held back
+
+    def __enter__(self):
+        cls = _Uninterrupted
+        self.active = threading.current_thread() is threading.main_thread()
+        if not self.active:
+            return self
+        if cls._depth == 0:
+            try:
+                cls._previous = signal.signal(signal.SIGINT, cls._hold)
+            except (ValueError, TypeError):  # (not the main interpreter, or no handler of Python's)
+                self.active = False
+                return self
+        cls._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        if not self.active:
+            return False
+        cls = _Uninterrupted
+        cls._depth -= 1
+        if cls._depth == 0:
+            signal.signal(signal.SIGINT, cls._previous)
+            cls._deliver(cls._previous)
+        return False
+
+    @staticmethod
+    def _hold(signum, frame):
+        _Uninterrupted._pending = (signum, frame)
+
+    @classmethod
+    def handle_now(cls):
+        """Inside a block, where nothing is left half done: a SIGINT held
+        back is handled now (its KeyboardInterrupt raised here)."""
+        if cls._depth > 0:
+            cls._deliver(cls._previous)
+
+    @classmethod
+    def _deliver(cls, handler):
+        pending, cls._pending = cls._pending, None
+        if pending is None:
+            return
+        if callable(handler):
+            handler(*pending)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)  # (restored: what it would have done)
 
 
 class _GuardedSession:
@@ -807,6 +869,7 @@ class _Engine:
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
+                _Uninterrupted.handle_now()  # (the call did nothing: a Ctrl-C held back goes now)
                 if relieve is not None:
                     relieve()
                 # Jittered: ranks that collided (two steps each pinning
@@ -1770,35 +1833,40 @@ class _Engine:
             stats = [(float(norm) ** 2, int(bad)) for _, _, (norm, bad) in batch]
         shards = [s for s, _, _ in batch]
         session = self.session
-        if len(batch) > 1 and self._held_views is None:
+        # (The buffers held are returned or let go, and a return is known to
+        # zero_grad, whatever a Ctrl-C does meanwhile.)
+        with _Uninterrupted():
+            if len(batch) > 1 and self._held_views is None:
+                try:
+                    views = session.fetch(ids, grads=True)
+                except offloadd.ResourceExhaustedError:
+                    half = len(batch) // 2
+                    self.RETURN_BATCH = max(1, min(self.RETURN_BATCH, half))
+                    self.RETURN_BYTES = max(1, min(self.RETURN_BYTES,
+                                                   self._held_bytes(shards) // 2))
+                    self.counts["split_returns"] += 1
+                    self._return_batch(batch[:half])
+                    self._return_batch(batch[half:])
+                    return
+            else:
+                views = self.with_room(
+                    f"the gradient buffer of '{batch[0][0].name}' ({self._held_bytes(shards)} "
+                    "bytes)", lambda: session.fetch(ids, grads=True))
             try:
-                views = session.fetch(ids, grads=True)
-            except offloadd.ResourceExhaustedError:
-                half = len(batch) // 2
-                self.RETURN_BATCH = max(1, min(self.RETURN_BATCH, half))
-                self.RETURN_BYTES = max(1, min(self.RETURN_BYTES, self._held_bytes(shards) // 2))
-                self.counts["split_returns"] += 1
-                self._return_batch(batch[:half])
-                self._return_batch(batch[half:])
-                return
-        else:
-            views = self.with_room(
-                f"the gradient buffer of '{batch[0][0].name}' ({self._held_bytes(shards)} bytes)",
-                lambda: session.fetch(ids, grads=True))
-        try:
-            for (s, mine, _), v in zip(batch, views):
-                dst = torch.frombuffer(v.grads, dtype=torch.float32)
-                n = min(mine.numel(), s.slice_numel)
-                dst[:n].copy_(mine[:n])
-                dst[n:].zero_()
-            # A pass holding everything lets go at its end.
-            session.return_gradients(views, release=self._held_views is None,
-                                     hand_over=self._hand_over, stats=stats)
-        except BaseException as exc:
-            if self._held_views is None and not isinstance(exc, SessionRestored):
-                self._release_quietly(session, ids)
-            raise
-        self.returned_since_step = True
+                for (s, mine, _), v in zip(batch, views):
+                    dst = torch.frombuffer(v.grads, dtype=torch.float32)
+                    n = min(mine.numel(), s.slice_numel)
+                    dst[:n].copy_(mine[:n])
+                    dst[n:].zero_()
+                # (Before: a return that stopped midway returned some.)
+                self.returned_since_step = True
+                # A pass holding everything lets go at its end.
+                session.return_gradients(views, release=self._held_views is None,
+                                         hand_over=self._hand_over, stats=stats)
+            except BaseException as exc:
+                if self._held_views is None and not isinstance(exc, SessionRestored):
+                    self._release_quietly(session, ids)
+                raise
         self.counts["returns"] += len(batch)
         if stats is not None:
             self.counts["stats_sent"] += len(batch)
@@ -2845,9 +2913,11 @@ class _GpuTier:
         for u, ss in by_unit.items():
             rec = self.units[u]
             if rec["offsets"] is None:
-                rec["offsets"] = e.with_room(
-                    f"the parameters of '{ss[0].name}' and its module's",
-                    lambda: self.tier.use(u, self.stream(), self.device), self._relieve)
+                def use(rec=rec, u=u):
+                    with _Uninterrupted():  # (in use on both sides, or on neither)
+                        rec["offsets"] = self.tier.use(u, self.stream(), self.device)
+                e.with_room(f"the parameters of '{ss[0].name}' and its module's", use,
+                            self._relieve)
                 self.counts["units_used"] += 1
             locals_ = []
             for s in ss:
@@ -2880,12 +2950,19 @@ class _GpuTier:
         units = list(dict.fromkeys(s.unit for s in need if not s.gathered))
         if not units:
             return
-        if len(units) == 1:
-            used = [e.with_room(f"the parameters of unit {units[0]}", lambda: self.tier.use(
-                units[0], self.stream(), self.device))]
-        else:
-            used = e.with_room(f"the parameters of {len(units)} units", lambda: self.tier.use_units(
-                units, self.stream(), self.device))
+        with _Uninterrupted():  # (in use on both sides, or on neither)
+            if len(units) == 1:
+                used = [e.with_room(f"the parameters of unit {units[0]}", lambda: self.tier.use(
+                    units[0], self.stream(), self.device))]
+            else:
+                used = e.with_room(f"the parameters of {len(units)} units",
+                                   lambda: self.tier.use_units(units, self.stream(), self.device))
+            self._point_at(units, used)
+
+    def _point_at(self, units, used):
+        """Resident mode: `units` used, placed at `used` (their tensors'
+        offsets in the slab): their parameters point there."""
+        e = self.e
         self.counts["use_calls"] += 1
         for unit, offsets in zip(units, used):
             rec = self.units[unit]
@@ -2909,11 +2986,12 @@ class _GpuTier:
         units = [u for u, rec in enumerate(self.units) if rec["offsets"] is not None]
         if not units:
             return
-        self.tier.done_units(units, self.stream(), self.device)
-        for u in units:
-            self.units[u]["offsets"] = None
-            for s in self.unit_shards[u]:
-                s.gathered = False
+        with _Uninterrupted():  # (done on both sides, or on neither)
+            self.tier.done_units(units, self.stream(), self.device)
+            for u in units:
+                self.units[u]["offsets"] = None
+                for s in self.unit_shards[u]:
+                    s.gathered = False
 
     def _in_slab(self, ptr):
         return self.slab_base <= ptr < self.slab_base + self.slab.numel()
@@ -2925,8 +3003,9 @@ class _GpuTier:
         if rec["gathered"] == 1 and rec["offsets"] is not None:
             # (Raises with nothing changed: the unit still in use here as in
             # the tier, `s` still gathered.)
-            self.tier.done(s.unit, self.stream(), self.device)
-            rec["offsets"] = None
+            with _Uninterrupted():
+                self.tier.done(s.unit, self.stream(), self.device)
+                rec["offsets"] = None
         rec["gathered"] -= 1
         if self.at.pop(s.param.data.data_ptr(), None) is not None:
             self._starts = None
@@ -3065,11 +3144,11 @@ class _GpuTier:
                 for (s, mine, _), sq in zip(entries, squares):
                     bad = 0 if math.isfinite(sq) else int(torch.isfinite(mine).logical_not_().sum())
                     stats[s.pid] = (sq, bad)
+            e.returned_since_step = True  # (before: a Ctrl-C after it, zero_grad drops them)
             try:
                 returned = self.tier.return_gradients(True, e._hand_over, stats)
             finally:
                 self.grads, self.grad_bytes = {}, 0
-            e.returned_since_step = True
             e.counts["returns"] += len(returned)
             if stats is not None:
                 e.counts["stats_sent"] += len(returned)
@@ -3391,19 +3470,25 @@ class Optimizer(torch.optim.Optimizer):
             ids = [e.by_param[id(p)].pid for p in g["params"]]
             if ids:
                 groups.append(dict(h, ids=ids))
-        # A step the pool has no room for (the other ranks hold theirs)
-        # stops where it was and resumes at the next call.
-        r = e.with_room("the optimizer step's state chunks", lambda: e.session.step(
-            grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups,
-            auto_checkpoint=auto_checkpoint, **first))
-        self._stepped()
-        if e.tier is not None and not r["skipped"]:
-            e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
-        e.returned_since_step = False
-        # With the delayed update the model reads the step before's weights
-        # until the next step, or a drain (latest_weights).
-        e._weights_current = not r["delayed_update"]
-        self._overlapped = bool(r["running"])
+        # (A step applied is recorded here whatever a Ctrl-C does meanwhile:
+        # its copies on the GPU invalidated, its count taken.)
+        with _Uninterrupted():
+            # A step the pool has no room for (the other ranks hold theirs)
+            # stops where it was and resumes at the next call.
+            r = e.with_room("the optimizer step's state chunks", lambda: e.session.step(
+                grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups,
+                auto_checkpoint=auto_checkpoint, **first))
+            self._stepped()
+            if e.tier is not None and not r["skipped"]:
+                e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
+            e.returned_since_step = False
+            # With the delayed update the model reads the step before's weights
+            # until the next step, or a drain (latest_weights).
+            e._weights_current = not r["delayed_update"]
+            self._overlapped = bool(r["running"])
+            self._step_applied = not r["skipped"]
+            e.counts["steps"] += 1
+            e.counts["skipped"] += bool(r["skipped"])
         if e.tier is not None:
             # A step still running (the delayed update's) reads the gradient
             # buffers the next backward writes, in the order they came:
@@ -3416,15 +3501,12 @@ class Optimizer(torch.optim.Optimizer):
                 min_scale = (self._config["loss_scaling"] or {}).get("min_scale", 1.0)
                 _log.log(logging.WARNING if r["loss_scale"] <= min_scale else logging.INFO,
                          "OVERFLOW! step %d skipped: loss scale %g -> %g%s",
-                         self.global_steps + 1, self._loss_scale, r["loss_scale"],
+                         self.global_steps, self._loss_scale, r["loss_scale"],
                          " (its minimum, min_scale: the gradients overflow at any scale)"
                          if r["loss_scale"] <= min_scale else "")
             self._loss_scale = r["loss_scale"]
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
                               clip_coef=coef)
-        self._step_applied = not r["skipped"]
-        e.counts["steps"] += 1
-        e.counts["skipped"] += bool(r["skipped"])
         e.timings["step"] += time.perf_counter() - start
 
     def _stepped(self):
