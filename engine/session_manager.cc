@@ -1251,6 +1251,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
       return started.status();
     }
     summary = *started;
+    CountDecidedSkip(control.skip, overflow);
   } else {
     {
       absl::MutexLock lock(&session->step_mu);
@@ -1258,6 +1259,7 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
     }
     ASSIGN_OR_RETURN(summary, steps_->Run(*session->partitions, applied, skip, groups));
     session->CountStep(summary);
+    CountDecidedSkip(control.skip, overflow);
   }
   summary.delayed_update = session->partitions->delayed_update();
   if (scaler == nullptr) return summary;
@@ -1267,6 +1269,14 @@ absl::StatusOr<StepSummary> SessionManager::DecideStep(const std::shared_ptr<Ses
   }
   summary.loss_scale = scaler->scale();
   return summary;
+}
+
+void SessionManager::CountDecidedSkip(bool skip, bool overflow) {
+  if (overflow) {
+    stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);  // (non-finite somewhere)
+  } else if (skip) {
+    stats_->steps_dropped.fetch_add(1, std::memory_order_relaxed);
+  }
 }
 
 absl::Status SessionManager::SetPlacement(const SessionKey& key, const PlacementChange& change) {

@@ -531,6 +531,9 @@ class SessionManager {
   void NotReopened(uint64_t id, std::string why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // A skip decided before the step ran, counted: an overflow (here or on
+  // another rank: steps_skipped) or the trainer's (steps_dropped).
+  void CountDecidedSkip(bool skip, bool overflow);
   struct Session;
 
   // Open with the id and token of a session kept across a restart

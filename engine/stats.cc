@@ -19,6 +19,7 @@ std::vector<CounterValue> Stats::Snapshot() const {
       {"gradient_stats_given", v(gradient_stats_given), "partitions"},
       {"steps", v(steps), "steps"},
       {"steps_skipped_nonfinite", v(steps_skipped), "steps"},
+      {"steps_dropped", v(steps_dropped), "steps"},
       {"params_updated", v(params_updated), "params"},
       {"step_time", v(step_nanos) / 1000, "us"},
       {"step_state_wait_time", v(step_state_wait_nanos) / 1000, "us"},

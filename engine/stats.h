@@ -32,7 +32,11 @@ struct Stats {
   // Of those, handed over with the trainer's own statistics (not measured).
   std::atomic<int64_t> gradient_stats_given{0};
   std::atomic<int64_t> steps{0};
+  // Skipped for non-finite gradients (here, or an overflow on another rank).
   std::atomic<int64_t> steps_skipped{0};
+  // Skipped because the trainer dropped what it had returned (a Step with
+  // skip: zero_grad after a return, an iteration given up).
+  std::atomic<int64_t> steps_dropped{0};
   std::atomic<int64_t> params_updated{0};
   std::atomic<int64_t> step_nanos{0};
   // Of that: waiting for optimizer state to be pinned (swap-ins), and in the

@@ -273,7 +273,9 @@ absl::StatusOr<StepRunner::Prepared> StepRunner::Prepare(PartitionStore& set,
     Sync(StepPoint::kOptimized);
     for (ItemOutcome& o : p.outcomes) o.outcome = StepOutcome::kSkipped;
     set.EndStep(p.items, p.outcomes);
-    stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);
+    // (Its own finding; a skip decided by the caller, an overflow or the
+    // trainer's, the caller counts.)
+    if (!skip) stats_->steps_skipped.fetch_add(1, std::memory_order_relaxed);
     p.done = true;
     p.summary.skipped = true;
     p.summary.nonfinite = nonfinite;

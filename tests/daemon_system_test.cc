@@ -301,6 +301,20 @@ TEST_F(DaemonTest, NonFiniteGradientsSkipTheStepAndChangeNothing) {
   EXPECT_FALSE(ok->skipped);
   EXPECT_EQ(s->Fetch(w->id)->step, 1u);
   EXPECT_EQ(Counter("steps_skipped_nonfinite"), 1);
+  // Finite gradients dropped by the trainer (skip: zero_grad after a
+  // return) are not counted as non-finite; another rank's overflow is.
+  for (bool overflow : {false, true}) {
+    HoldGrads(s.get(), *w);
+    for (uint16_t& x : w->grads_as<uint16_t>()) x = FloatToBf16(0.1f);
+    ASSERT_TRUE(s->ReturnGradients(*w).ok());
+    StepOptions o;
+    (overflow ? o.overflow : o.skip) = true;
+    auto skip = s->Step(AdamHyperparams{}, o);
+    ASSERT_TRUE(skip.ok()) << skip.status();
+    EXPECT_TRUE(skip->skipped);
+  }
+  EXPECT_EQ(Counter("steps_skipped_nonfinite"), 2);
+  EXPECT_EQ(Counter("steps_dropped"), 1);
 }
 
 // Several partitions' gradients in one ReturnGradients, with the holds let
