@@ -1164,13 +1164,14 @@ class WrapInProcessTest(unittest.TestCase):
         # Its values, outside any forward: refused, naming it (before: an
         # empty tensor, or torch's "mat2 must be a matrix").
         # Through .data and .detach() too (an EMA, copy.deepcopy of the
-        # model), which handed out an empty tensor.
+        # parameter), which handed out an empty tensor. (The whole model's
+        # copy is refused as such: test_a_wrapped_model_is_not_copied_whole...)
         import copy
         for use in (lambda: w.sum(), lambda: torch.matmul(torch.ones(2, 16), w),
                     lambda: w * 2, lambda: torch.cat([w, w]), lambda: w.clone(),
                     lambda: w.data.clone(), lambda: w.detach().sum(),
                     lambda: torch.zeros(16, 8).add_(w.detach(), alpha=0.1),
-                    lambda: w.data.mul_(0.5), lambda: copy.deepcopy(model),
+                    lambda: w.data.mul_(0.5), lambda: copy.deepcopy(w),
                     lambda: w.data.data.clone(), lambda: w.detach().data.sum()):
             with self.assertRaisesRegex(offloadd.FailedPreconditionError,
                                         "parameter '0.weight' was used"):
@@ -1822,6 +1823,34 @@ class WrapInProcessTest(unittest.TestCase):
                 self.assert_weights(model, ref.state_dict())
                 self.assertEqual(opt.global_steps, len(data) if applied else len(data) - 1)
                 opt.close()
+
+    def test_a_wrapped_model_is_not_copied_whole_nor_wrapped_twice_in_part(self):
+        # torch.save(model) and copy.deepcopy(model) failed on a local hook
+        # function ("Can't pickle local object") or a parameter's values
+        # ("used (clone) outside the forward"); a submodule, or a module
+        # shared with a wrapped model, wrapped again failed at its first use
+        # in the same words: each refused saying why, the model unchanged.
+        import copy
+        import io
+        import torch
+        import offloadd
+        model, opt = self.wrap(self.mlp())
+        before = model.state_dict()
+        for what, call in (("pickled", lambda: torch.save(model, io.BytesIO())),
+                           ("deep-copied", lambda: copy.deepcopy(model))):
+            with self.subTest(what=what):
+                with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                            "cannot be pickled or deep-copied whole"):
+                    call()
+        shared = torch.nn.Sequential(model[0], torch.nn.Linear(16, 2))
+        for part in (model[2], shared):
+            with self.assertRaisesRegex(offloadd.InvalidArgumentError,
+                                        "belongs to a model wrapped already"):
+                self.wrap(part)
+        self.assert_weights(model, before, rtol=0, atol=0)
+        opt.backward(model(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        opt.close()
 
     def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
         # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the
@@ -3001,6 +3030,14 @@ class WrapInProcessTest(unittest.TestCase):
         want["2.weight"].fill_(0.5)
         want["2.bias"].zero_()
         self.assert_weights(model, want, rtol=0, atol=0)
+        # Values of another shape (larger: its first rows were kept
+        # silently; smaller: a bare torch error) are refused by name,
+        # nothing written.
+        for rows in (20, 4):
+            with self.assertRaisesRegex(offloadd.InvalidArgumentError, r"'0\.weight' \(%d, 8\)" % rows):
+                with deepspeed.zero.GatheredParameters(model[0].weight, modifier_rank=0):
+                    model[0].weight.data = torch.ones(rows, 8)
+            self.assert_weights(model, want, rtol=0, atol=0)
         # Not nested, nor inside a forward.
         with deepspeed.zero.GatheredParameters(model[0].weight):
             with self.assertRaisesRegex(offloadd.FailedPreconditionError, "between iterations"):

@@ -615,6 +615,13 @@ _WHOLE = {
 class _Engine:
     """The hooks and the daemon session behind one wrapped model."""
 
+    def __reduce_ex__(self, protocol):
+        raise offloadd.FailedPreconditionError(
+            "a model wrapped by offloadd cannot be pickled or deep-copied whole (torch.save("
+            "model), copy.deepcopy(model)): its parameters' values live in offloadd. Save "
+            "model.state_dict() (the full weights) or optimizer.checkpoint(dir), and build a "
+            "copy from a state_dict")
+
     def __init__(self, model, config, process_group):
         self.config = config
         self.group = process_group
@@ -3883,10 +3890,21 @@ class GatheredParameters:
 
     def __exit__(self, *exc):
         engines, self._engines = self._engines, []
+        refused = []
         for e in engines:
             if e.closed:
                 continue
             named = {e.by_param[id(p)].pid for p in self._params if id(p) in e.by_param}
+            # Values of another shape given (p.data = a larger tensor: the
+            # first rows kept silently, a smaller one a bare torch error):
+            # refused on every rank, nothing written.
+            resized = [f"'{e.by_param[id(p)].name}' {tuple(p.data.shape)} (its shape "
+                       f"{tuple(e.by_param[id(p)].shape)})" for p in self._params
+                       if id(p) in e.by_param and p.data.shape != e.by_param[id(p)].shape]
+            if (exc[0] is None and self._modifier is not None and
+                    not e.all_ranks_ok(not resized, "agreement on a GatheredParameters' shapes")):
+                refused += resized or ["another rank's"]
+                exc = (offloadd.InvalidArgumentError,)
             if exc[0] is not None or self._modifier is None:
                 # Nothing written: what the context changed is dropped.
                 e._load_versions = {s.pid: s.param._version for s in e.shards
@@ -3901,6 +3919,11 @@ class GatheredParameters:
                         e._collective("broadcast of a gathered parameter",
                                       lambda p=p: dist.broadcast(p.data, src=src, group=e.group))
             e.write_loaded(found=named)
+        if refused:
+            raise offloadd.InvalidArgumentError(
+                "GatheredParameters: values of another shape given to " + ", ".join(refused) +
+                ": offloadd holds each parameter at its shape (nothing was written; to resize "
+                "one, replace its module before wrap())")
         return False
 
 
@@ -4447,6 +4470,12 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
         if model.offloadd.closed:
             raise offloadd.FailedPreconditionError(_CLOSED)
         raise offloadd.InvalidArgumentError("the model is wrapped already")
+    for name, q in model.named_parameters():
+        if getattr(q, "_offloadd_shard", None) is not None:
+            raise offloadd.InvalidArgumentError(
+                f"parameter '{name}' belongs to a model wrapped already (a module shared with "
+                "it, or one of its submodules): one wrap() holds a parameter; wrap the model "
+                "that holds them all")
     # As torch.optim takes them: tensors, or dicts of param groups.
     groups = list(a["params"]) if "params" in a else list(model.parameters())
     # DeepSpeed's engine converts the model to fp16 or bf16 (module.half(),
@@ -4477,7 +4506,13 @@ def wrap(model, adamw_config=None, zero_config=None, *, deepspeed_config=None,
             unconvert()
         raise
     engine.commit()
-    model.offloadd = engine
+    # First in the model's attributes: pickling or deep-copying the model
+    # (torch.save(model), copy.deepcopy) meets it before any hook or
+    # parameter, and refuses in words (_Engine.__reduce_ex__).
+    attrs = list(model.__dict__.items())
+    model.__dict__.clear()
+    model.__dict__["offloadd"] = engine
+    model.__dict__.update(attrs)
     if config["restore_from"]:
         # The session's step the checkpoint holds (restore_steps', or its
         # latest): what each buffers file is named by.
