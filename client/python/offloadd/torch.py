@@ -280,7 +280,7 @@ class _Shard:
     __slots__ = ("name", "param", "shape", "numel", "slice_numel", "dtype", "device", "pid",
                  "_gathered", "accumulate_node", "module_shards", "refs", "version", "in_optimizer",
                  "unit", "guarded", "has_grad", "grad_since_step", "changes_in_place",
-                 "snapshot", "off_slab", "__weakref__")
+                 "snapshot", "off_slab", "accumulated_in", "__weakref__")
 
     def __init__(self, name, param, world):
         self.name = name
@@ -311,6 +311,9 @@ class _Shard:
         # Gathered by a forward run again in backward and kept (see
         # _after_forward): its GPU tier unit let go already.
         self.off_slab = False
+        # The backward (_Engine._backwards) whose gradient of it was
+        # accumulated (and it freed): that backward reads it no more.
+        self.accumulated_in = -1
 
     @property
     def gathered(self):
@@ -642,6 +645,7 @@ class _Engine:
                        "gather_collectives": 0}
         self._storage_to_shard = {}  # gathered storage's base address -> shard
         self._sweep_queued = False
+        self._backwards = 0  # backwards ended (their sweeps), as an id of the one under way
         self._hook_error = None  # the last offloadd error a hook raised (_remembering)
         # (shard, this rank's averaged gradient slice, its statistics or None)
         # not yet returned
@@ -1754,6 +1758,7 @@ class _Engine:
             if self is None or s is None:
                 return
             s.param.grad = None  # returned already (or its copy queued): the daemon has it
+            s.accumulated_in = self._backwards
             with self._remembering():
                 self._free(s)
         return hook
@@ -1899,6 +1904,7 @@ class _Engine:
 
         def sweep():
             self._sweep_queued = False
+            self._backwards += 1
             # A watch some of whose nodes did not run in this backward (an
             # output the loss does not reach, autograd.grad of a part)
             # starts the next backward of its graph afresh.
@@ -1991,7 +1997,17 @@ class _Engine:
                 with engine._remembering():
                     engine.begin_pass()
                     engine._queue_sweep()
-                    engine.gather(s.module_shards)  # one fetch for the module's parameters
+                    # One fetch for the module's parameters, but not those
+                    # whose gradients this backward accumulated already:
+                    # nothing in it reads them again (a node that saved one
+                    # gives it a gradient, before its accumulation), and
+                    # gathered again their unit stayed in use to backward's
+                    # end, beside the next modules' (an nn.Transformer's
+                    # decoder layer: its cross-attention's gradient to the
+                    # encoder's output comes before its self-attention's).
+                    current = engine._backwards
+                    engine.gather([x for x in s.module_shards
+                                   if x is s or x.accumulated_in != current])
             return s.param.data.as_strided(size, stride, s.param.data.storage_offset() + offset)
 
         forward = model.forward
