@@ -393,6 +393,18 @@ class TorchWrapTest(unittest.TestCase):
                 mine, _, _ = self.run_ranks(dict(sc, zero=zero), 2)
                 self.assert_close_losses(mine, ref, 1e-4)
 
+    def test_two_ranks_clip_as_a_torch_loop_does(self):
+        # torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) between
+        # backward and step on each rank (it clipped nothing before): the
+        # norm every rank gets is the global one, torch's, and so are the
+        # losses.
+        sc = dict(BASE, clip=0.5)
+        ref = self.reference(sc)
+        mine, _, _ = self.run_ranks(dict(sc, torch_clip=True), 2)
+        self.assert_close_losses(mine, ref, 1e-4)
+        for a, b in zip(mine["norms"], ref["norms"]):
+            self.assertAlmostEqual(a, b, delta=1e-3 * b)
+
     def test_accumulation_and_clipping_match_torch(self):
         # With the overlapped step: each fetch waits for its own partition's
         # update (and a pass no longer holds every partition at once).
@@ -1876,6 +1888,64 @@ class WrapInProcessTest(unittest.TestCase):
         opt.backward(model(torch.randn(4, 8)).pow(2).mean())
         opt.step()
         opt.close()
+
+    def test_torch_clip_grad_norm_clips_a_wrapped_models_gradients(self):
+        # A torch loop's clip_grad_norm_(model.parameters(), max_norm)
+        # between backward and step clipped nothing and returned 0 (the
+        # gradients are offloadd's, not in .grad): the loop trained
+        # unclipped, silently (3.8e-2 from torch in a probe). Now the norm is
+        # offloadd's, returned, and the step clips to it; a parameter outside
+        # the wrapped model clipped with the same norm; called twice, as
+        # torch's. On the host and the GPU tier (resident, least budget).
+        import torch
+        import offloadd
+
+        def make():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 1))
+        gen = torch.Generator().manual_seed(5)
+        data = [torch.randn(4, 8, generator=gen) for _ in range(5)]
+        for zero in (None, {"gpu": {"device": "emulated"}},
+                     {"gpu": {"device": "emulated", "budget_bytes": 768}}):
+            with self.subTest(zero=zero):
+                model, opt = self.wrap(make(), {"lr": 1e-2}, zero)
+                ref = make()
+                ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+                extra, ref_extra = (torch.nn.Parameter(torch.full((1,), 0.5)) for _ in range(2))
+                extra_opt, ref_extra_opt = (torch.optim.AdamW([q], lr=1e-2)
+                                            for q in (extra, ref_extra))
+                for i, x in enumerate(data):
+                    got, want = [], []
+                    for m, o, q, norms in ((model, opt, extra, got),
+                                           (ref, ref_opt, ref_extra, want)):
+                        (m(x) * q).pow(2).mean().mul(50).backward()
+                        params = list(m.parameters()) + [q]
+                        if i == 3:  # (twice: the second sees what the first clipped)
+                            norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.5)))
+                        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.1)))
+                    for o in (opt, ref_opt, extra_opt, ref_extra_opt):
+                        o.step()
+                        o.zero_grad()
+                    self.assertGreater(want[0], 0.5)  # (clipping at work)
+                    for a, b in zip(got, want):
+                        self.assertAlmostEqual(a, b, delta=1e-5 * b)
+                self.assert_weights(model, ref.state_dict())
+                torch.testing.assert_close(extra.detach(), ref_extra.detach(), rtol=1e-5, atol=1e-6)
+                # Refused in words: another norm, a part of the gradients,
+                # clipping by value.
+                model(data[0]).pow(2).mean().backward()
+                for call, words in (
+                        (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0,
+                                                                norm_type=float("inf")),
+                         "2-norm only"),
+                        (lambda: torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0),
+                         "some of a wrapped model's parameters"),
+                        (lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
+                         "clips by norm only")):
+                    with self.assertRaisesRegex(offloadd.InvalidArgumentError, words):
+                        call()
+                opt.close()
 
     def test_a_sys_exit_caught_is_forgotten_at_the_next_step(self):
         # argparse's sys.exit(2) caught, an IPython cell's sys.exit(1): the

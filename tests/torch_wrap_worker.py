@@ -113,7 +113,8 @@ def train(sc, rank, world, use_offloadd):
         import offloadd.torch
         time.sleep(sc.get("start_delays", [0] * world)[rank])  # ranks opening apart
         zero = dict(sc.get("zero", {}))
-        zero.setdefault("gradient_clipping", clip)
+        # (With torch_clip, the loop clips as a torch loop does.)
+        zero.setdefault("gradient_clipping", 0.0 if sc.get("torch_clip") else clip)
         zero.setdefault("gradient_accumulation_steps", ga)
         if "deepspeed" in sc:
             model, opt = offloadd.torch.wrap(model, deepspeed_config=sc["deepspeed"])
@@ -181,6 +182,10 @@ def train(sc, rank, world, use_offloadd):
             total += loss.item() / ga
         if use_offloadd and sc.get("deepspeed_loop"):
             pass  # (stepped at the boundary above)
+        elif use_offloadd and sc.get("torch_clip"):
+            norms.append(float(torch.nn.utils.clip_grad_norm_(
+                model.parameters(), clip if clip else float("inf"))))
+            opt.step()
         elif use_offloadd:
             opt.step()
             norms.append(opt.last_step["grad_norm"])

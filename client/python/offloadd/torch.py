@@ -2601,6 +2601,122 @@ _TORCH_SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).paramete
 
 # The engines whose sessions close as the program exits, if open then (one
 # collected before closes its session in the binding's destructor).
+def _clip_norm_of(e, shards, what):
+    """The squared 2-norm of the gradients returned to `e`'s daemon since
+    the last step, and their non-finite elements (every rank's: a
+    collective), unscaled as the step unscales them, for a clip of
+    `shards`' gradients: they must be every gradient the step applies."""
+    opt = e._optimizer
+    if opt is None:
+        raise offloadd.FailedPreconditionError(f"{what}: the wrapped model has no optimizer")
+    given = {id(s) for s in shards}
+    left = [s.name for s in e.shards if s.in_optimizer and s.grad_since_step and
+            id(s) not in given]
+    if left:
+        raise offloadd.InvalidArgumentError(
+            f"{what} of some of a wrapped model's parameters (not {left[:3]}"
+            f"{' and more' if len(left) > 3 else ''}): offloadd measures the norm of every "
+            "gradient its step applies; pass them all (model.parameters()), or set zero_config's "
+            "gradient_clipping")
+    e.flush_gradients()  # (backward's end did; a forward's returns in flight too)
+    pending = e.session.pending_gradients()
+    sq, bad = float(pending["sq_norm"]), float(pending["nonfinite"])
+    if e.world > 1:
+        t = torch.tensor([sq, bad], dtype=torch.float64)
+        e._collective(f"all-reduce of the gradient norm for {what}",
+                      lambda: dist.all_reduce(t, group=e.group))
+        sq, bad = t.tolist()
+    if opt._static_scale:
+        sq /= opt._static_scale * opt._static_scale
+    return sq, bad
+
+
+_torch_clip_grad_norm = torch.nn.utils.clip_grad_norm_
+_torch_clip_grad_value = torch.nn.utils.clip_grad_value_
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, **kwargs):
+    """torch.nn.utils.clip_grad_norm_ (which importing offloadd.torch
+    replaces with this), for the parameters of wrapped models too: their
+    gradients are in offloadd, not in .grad (torch's clipped nothing and
+    returned 0): the norm is measured there (every rank calls it, as with
+    torch's) and returned, and the next step scales the gradients by
+    torch's factor, min(1, max_norm / (norm + 1e-6)) (a second call's on
+    top of the first's, as torch's sees clipped gradients; zero_grad
+    forgets them). Others' .grad are scaled here, the norm taken over all.
+    Only the 2-norm; the parameters given must hold every gradient the step
+    applies. A non-finite norm skips the step (as an overflow) where torch
+    would write NaN into the weights."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    mine, rest = {}, []
+    engines = [e for e in list(_OPEN_AT_EXIT) if not e.closed]
+    for p in parameters:
+        e = next((e for e in engines if id(p) in e.by_param), None) \
+            if getattr(p, "_offloadd_shard", None) is not None else None
+        if e is None:
+            rest.append(p)
+        else:
+            mine.setdefault(e, []).append(e.by_param[id(p)])
+    if not mine:
+        return _torch_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite,
+                                     **kwargs)
+    what = "clip_grad_norm_"
+    if float(norm_type) != 2.0:
+        raise offloadd.InvalidArgumentError(
+            f"{what} of a wrapped model's parameters with norm_type {norm_type}: offloadd "
+            "measures the 2-norm only")
+    # offloadd's gradients as returned (a clip before this one is the next
+    # step's, to come), others' as they are now.
+    sq, bad = 0.0, 0.0
+    for e, shards in mine.items():
+        e_sq, e_bad = _clip_norm_of(e, shards, what)
+        sq, bad = sq + e_sq, bad + e_bad
+    before = min((e._optimizer._clip_coef for e in mine if e._optimizer._clip_coef is not None),
+                 default=1.0)
+    sq *= before * before
+    grads = [p.grad.detach() for p in rest if p.grad is not None]
+    if grads:
+        sq += float(torch.stack([torch.norm(g, 2.0).to(torch.float64) for g in grads])
+                    .pow(2).sum())
+    seen = math.sqrt(sq) if bad == 0 and math.isfinite(sq) else math.nan
+    if error_if_nonfinite and not math.isfinite(seen):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    # This one's factor on top of those before (torch's second call sees
+    # clipped gradients).
+    coef = min(1.0, float(max_norm) / (seen + 1e-6)) if math.isfinite(seen) else 1.0
+    for e in mine:
+        e._optimizer._clip_coef = before * coef
+    for g in grads:
+        g.mul_(coef)
+    device = parameters[0].device if parameters else torch.device("cpu")
+    return torch.tensor(seen, dtype=torch.float32, device=device)
+
+
+def clip_grad_value_(parameters, clip_value, **kwargs):
+    """torch.nn.utils.clip_grad_value_ (replaced by this on importing
+    offloadd.torch): refused for a wrapped model's parameters, whose
+    gradients are in offloadd (torch's clipped nothing, silently); others'
+    as torch's."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    for p in parameters:
+        if getattr(p, "_offloadd_shard", None) is not None:
+            raise offloadd.InvalidArgumentError(
+                "clip_grad_value_ of a wrapped model's parameters: their gradients are in "
+                "offloadd, which clips by norm only (torch.nn.utils.clip_grad_norm_, or "
+                "zero_config's gradient_clipping)")
+    return _torch_clip_grad_value(parameters, clip_value, **kwargs)
+
+
+torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+torch.nn.utils.clip_grad_value_ = torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_
+
 _OPEN_AT_EXIT = weakref.WeakSet()
 
 
@@ -3271,6 +3387,10 @@ class Optimizer(torch.optim.Optimizer):
         except ValueError as e:  # torch's checks: empty, duplicate, not a leaf
             raise offloadd.InvalidArgumentError(f"param groups: {e}") from e
         self._static_scale = config["static_loss_scale"]
+        # What torch.nn.utils.clip_grad_norm_, called since the last step,
+        # scaled the gradients by (each call's factor, multiplied): the next
+        # step's, in place of gradient_clipping's.
+        self._clip_coef = None
         self._overlapped = False  # an overlapped step may still run
         # The outcome of the last overlapped step that ended (its times),
         # as step() found it; last_step is the one it started.
@@ -3381,6 +3501,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         if set_to_none is None:
             set_to_none = _TORCH_SET_TO_NONE
+        self._clip_coef = None
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -3482,7 +3603,10 @@ class Optimizer(torch.optim.Optimizer):
         overflow = nonfinite > 0 or not math.isfinite(sq_norm)
         coef = 1.0
         clip = self._config["gradient_clipping"]
-        if clip and not overflow:
+        if self._clip_coef is not None:
+            if not overflow:
+                coef = self._clip_coef  # (the norm it was measured with may hold others')
+        elif clip and not overflow:
             coef = min(1.0, clip / (math.sqrt(sq_norm) + 1e-6))
         if self._static_scale:
             coef /= self._static_scale
@@ -3502,6 +3626,7 @@ class Optimizer(torch.optim.Optimizer):
                 grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups,
                 auto_checkpoint=auto_checkpoint, **first))
             self._stepped()
+            self._clip_coef = None
             if e.tier is not None and not r["skipped"]:
                 e.tier.invalidate()  # the parameters changed: copies on the GPU are stale
             e.returned_since_step = False
