@@ -1549,7 +1549,10 @@ class _Engine:
             f"collective (this rank: {where}), and each parameter's values were mixed with "
             "another's. Every rank must run each forward of the wrapped model, evaluations too, "
             "and call state_dict() and load_state_dict() at the same point: a forward or a "
-            "state_dict() on one rank only (an evaluation or a save on rank 0) is not possible")
+            "state_dict() on one rank only (an evaluation or a save on rank 0) is not possible, "
+            "and every rank must run the same modules in the same order (routing that depends "
+            "on each rank's data, a mixture of experts skipping an expert no token of this "
+            "rank's chose, must call every expert, on an empty batch if need be)")
 
     def begin_pass(self):
         """Holds every partition for a forward or backward pass (see
@@ -2274,9 +2277,9 @@ class _Engine:
             return made or None
         if self.tier is None:
             return None
-        # (Not a leaf's: a parameter passed in, a user's input.)
-        made = {t.grad_fn for t in _tensors_in(inputs) if t.requires_grad and t.grad_fn is not None}
-        return made or None
+        # (Not a leaf's: a parameter passed in, a user's input. None at all,
+        # inputs that need no gradient (token ids): its own nodes' ends.)
+        return {t.grad_fn for t in _tensors_in(inputs) if t.requires_grad and t.grad_fn is not None}
 
     # The most autograd nodes a module's forward is walked through.
     MAX_WATCHED_NODES = 4096
@@ -2294,12 +2297,14 @@ class _Engine:
         use found no room mid-training. Nothing of the module's inputs or
         outputs changes (a node of ours around its inputs, as DeepSpeed
         puts there, made a module's in-place change of its input invisible
-        to the caller's autograd: wrong gradients). A module whose inputs
-        need no gradient (the first one's: token ids), are leaves (a
-        parameter passed in) or come as keyword arguments, whose walk goes
-        through more than MAX_WATCHED_NODES nodes, or some of whose nodes
-        do not run in a backward (an output the loss does not reach), keeps
-        its parameters until its gradient is in, as before. (A parameter
+        to the caller's autograd: wrong gradients). For a module none of
+        whose inputs needs a gradient (token ids, a parameter passed in;
+        keyword arguments, which torch 1.13's hooks do not show), its nodes
+        whose only next ones are its parameters' accumulators count instead.
+        A module whose walk goes through more than MAX_WATCHED_NODES nodes,
+        or some of whose nodes do not run in a backward (an output the loss
+        does not reach), keeps its parameters until its gradient is in, as
+        before. (A parameter
         read off the path from the inputs to the outputs is gathered again
         by the node that reads it, as any saved parameter.)"""
         found, seen, walked = [], set(), self._walked
@@ -2312,23 +2317,33 @@ class _Engine:
             walk = walked.get(node)
             return walk is not None and walk <= began
 
+        # No inputs that need a gradient (token ids into an embedding, the
+        # same module called again by a decoder): its nodes whose only next
+        # ones are its parameters' accumulators (or none) are its backward's
+        # last. (Else such a module kept its unit from its first node in
+        # backward to its gradient's accumulation, the whole stretch between
+        # its two calls' backwards, beside every unit used meanwhile.)
+        ends = not made
         stack = [t.grad_fn for t in _tensors_in((outputs,)) if t.grad_fn is not None]
         while stack:
             node = stack.pop()
-            if node in seen or node in made or before(node):
+            if node in seen or node in made or before(node) or _accumulates(node):
                 continue
             seen.add(node)
             if len(seen) > self.MAX_WATCHED_NODES:
                 break
-            reads = False
+            reads, last = False, True
             for after, _ in node.next_functions:
                 if after is None:
                     continue
-                if after in made:
+                if after in made:  # (a recompute's leaf input: its accumulator)
                     reads = True
+                elif _accumulates(after):
+                    continue
                 elif after not in seen and not before(after):
                     stack.append(after)
-            if reads:
+                last = False
+            if reads or (ends and last):
                 found.append(node)
         self._walks += 1
         if self._forward_depth != 0:
@@ -2854,14 +2869,17 @@ class _GpuTier:
             if self.cuda:
                 free, _ = torch.cuda.mem_get_info(torch_device)
                 budget = min(total, max(int(free * 0.4), 2 * largest, nested))
-        if budget < largest:
-            raise offloadd.ResourceExhaustedError(
-                f"gpu.budget_bytes {budget}: the largest module's parameters need {largest} "
-                "bytes on the GPU at once")
-        if budget < nested:
+        # (The least budget named at once, whichever bound sets it: a first
+        # refusal naming the largest module sent a user to a second.)
+        if budget < max(largest, nested):
+            if largest >= nested:
+                raise offloadd.ResourceExhaustedError(
+                    f"gpu.budget_bytes {budget}: the largest module's parameters need {largest} "
+                    f"bytes on the GPU at once (the least budget this model takes)")
             raise offloadd.ResourceExhaustedError(
                 f"gpu.budget_bytes {budget}: module '{where}' runs while the modules around it "
-                f"hold their own parameters on the GPU: {nested} bytes at once")
+                f"hold their own parameters on the GPU: {nested} bytes at once (the least budget "
+                f"this model takes; its largest module alone needs {largest})")
         grads_host = engine.host_percent("grads")
         # DMA straight from the arena only where the daemon never removes
         # its pages (params and grads wholly on the host); else staged.
@@ -3338,6 +3356,12 @@ def _tensors_in(args):
             yield from (t for t in a if isinstance(t, torch.Tensor))
         elif isinstance(a, dict):
             yield from (t for t in a.values() if isinstance(t, torch.Tensor))
+
+
+def _accumulates(node):
+    """Whether autograd node `node` accumulates a leaf's gradient (a
+    parameter's .grad): it has a .variable, and no next nodes."""
+    return hasattr(node, "variable")
 
 
 class _BackwardWatch:
