@@ -173,9 +173,14 @@ class _Uninterrupted:
         if not self.active:
             return self
         if cls._depth == 0:
+            # (A handler not set from Python, which could not be put back:
+            # left alone.)
+            if signal.getsignal(signal.SIGINT) is None:
+                self.active = False
+                return self
             try:
                 cls._previous = signal.signal(signal.SIGINT, cls._hold)
-            except (ValueError, TypeError):  # (not the main interpreter, or no handler of Python's)
+            except ValueError:  # (not the main interpreter)
                 self.active = False
                 return self
         cls._depth += 1
