@@ -99,7 +99,13 @@ class GpuTier final : private gpu::HostSource, private gpu::GradientSink {
   // unreturned. In a process forked from the one that made it (a data
   // loader's worker), it is its parent's: left alone, not even destroyed
   // (its copies' threads are not in the child; its holds are the parent's).
+  // Better not deleted there at all (see forked_copy).
   ~GpuTier() override;
+  // Whether this is a copy in a process forked from the one that made it:
+  // deleting it there destroys its locks, which a thread of the parent may
+  // have held when it forked (absl's deadlock graph's: the child then
+  // waits for ever); leave it (the Python binding does).
+  bool forked_copy() const { return getpid() != owner_; }
 
   gpu::ParamCache& params() { return *params_; }
 

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -103,6 +104,11 @@ template <typename T>
 struct DeleteWithoutGil {
   void operator()(T* s) const {
     if (s == nullptr) return;
+    if constexpr (std::is_same_v<T, GpuTier>) {
+      // (A data loader's worker's copy: left, not destroyed; see
+      // GpuTier::forked_copy. A child hung in its locks' destructors.)
+      if (s->forked_copy()) return;
+    }
     if (PyGILState_Check()) {
       py::gil_scoped_release release;
       delete s;
