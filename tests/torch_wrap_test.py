@@ -1853,11 +1853,16 @@ class WrapInProcessTest(unittest.TestCase):
                                          (torch.nn.Linear(16, 16), torch.nn.Tanh())],
                                        torch.nn.Linear(16, 4))
         gen = torch.Generator().manual_seed(3)
-        data = [torch.randn(4, 16, generator=gen) for _ in range(6)]
+        data = [torch.randn(4, 16, generator=gen) for _ in range(8)]
         small = {"gpu": {"device": "emulated", "budget_bytes": 2400}}
+        least = {"gpu": {"device": "emulated", "budget_bytes": 1280}}  # (wrap()'s least)
         resident = {"gpu": {"device": "emulated"}}
         for zero, where, call, applied in ((None, "session", "return_gradients", False),
                                            (small, "tier", "use", False),
+                                           (least, "tier", "use", False),
+                                           (least, "tier", "done", False),
+                                           ({"gpu": {"device": "emulated", "budget_bytes": 2560}},
+                                            "tier", "done", False),
                                            (resident, "tier", "use_units", False),
                                            (resident, "session", "step", True),
                                            (small, "session", "step", True)):
@@ -1867,9 +1872,10 @@ class WrapInProcessTest(unittest.TestCase):
                 owner = e.session if where == "session" else e.tier.tier
                 real, armed = getattr(owner, call), [False]
 
-                def then_ctrl_c(*args, real=real, armed=armed, **kwargs):
+                def then_ctrl_c(*args, real=real, armed=armed, call=call, **kwargs):
                     out = real(*args, **kwargs)
-                    if armed[0]:
+                    # (A unit's: the third, a Linear between others.)
+                    if armed[0] and (call not in ("use", "done") or args[0] == 2):
                         armed[0] = False
                         os.kill(os.getpid(), signal.SIGINT)  # (handled at the next bytecode)
                     return out
@@ -1968,6 +1974,21 @@ class WrapInProcessTest(unittest.TestCase):
                         self.assertAlmostEqual(a, b, delta=1e-5 * b)
                 self.assert_weights(model, ref.state_dict())
                 torch.testing.assert_close(extra.detach(), ref_extra.detach(), rtol=1e-5, atol=1e-6)
+                # Called before the last micro-batch's backward: refused in
+                # words at the step (the later gradients would have been
+                # scaled by a norm that did not hold them), nothing stepped.
+                before = model.state_dict()
+                model(data[0]).pow(2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                model(data[1]).pow(2).mean().backward()
+                with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                            "before this step's last backward"):
+                    opt.step()
+                with self.assertRaisesRegex(offloadd.FailedPreconditionError,
+                                            "again after another backward"):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                opt.zero_grad()
+                self.assert_weights(model, before, rtol=0, atol=0)
                 # Refused in words: another norm, a part of the gradients,
                 # clipping by value.
                 model(data[0]).pow(2).mean().backward()

@@ -173,9 +173,9 @@ class _Uninterrupted:
         if not self.active:
             return self
         if cls._depth == 0:
-            # (A handler not set from Python, which could not be put back:
-            # left alone.)
-            if signal.getsignal(signal.SIGINT) is None:
+            # (A handler not set from Python, which could not be put back,
+            # or none at all: left alone.)
+            if signal.getsignal(signal.SIGINT) in (None, signal.SIG_IGN):
                 self.active = False
                 return self
             try:
@@ -203,8 +203,9 @@ class _Uninterrupted:
     @classmethod
     def handle_now(cls):
         """Inside a block, where nothing is left half done: a SIGINT held
-        back is handled now (its KeyboardInterrupt raised here)."""
-        if cls._depth > 0:
+        back is handled now (its KeyboardInterrupt raised here; on the main
+        thread, whose it is)."""
+        if cls._depth > 0 and threading.current_thread() is threading.main_thread():
             cls._deliver(cls._previous)
 
     @classmethod
@@ -252,6 +253,7 @@ class _GuardedSession:
                 except offloadd.UnavailableError:
                     if time.monotonic() >= deadline:
                         raise
+                    _Uninterrupted.handle_now()  # (nothing done: a Ctrl-C held back goes now)
                     time.sleep(0.05)  # offloadd is gone or stopping: wait for its successor
                 except offloadd.NotFoundError as e:
                     if "not one of its ids" not in str(e):
@@ -861,7 +863,7 @@ class _Engine:
                  "memory-mapping budget", "server.max_sessions", "the GPU tier has no room",
                  "cudaErrorMemoryAllocation", "emulated device:", "calls in flight at offloadd")
 
-    def with_room(self, what, call, relieve=None):
+    def with_room(self, what, call, relieve=None, half_done=False):
         """call(), retried with backoff while the node's pool has no room
         (RESOURCE_EXHAUSTED: another rank's holds or a step fill it and
         give it back); after ROOM_WAIT_SECONDS, an error naming the pool
@@ -885,7 +887,8 @@ class _Engine:
                 if time.monotonic() >= deadline:
                     raise self._room_error(what, e) from e
                 self.counts["room_waits"] += 1
-                _Uninterrupted.handle_now()  # (the call did nothing: a Ctrl-C held back goes now)
+                if not half_done:  # (the call did nothing: a Ctrl-C held back goes now)
+                    _Uninterrupted.handle_now()
                 if relieve is not None:
                     relieve()
                 # Jittered: ranks that collided (two steps each pinning
@@ -1046,6 +1049,7 @@ class _Engine:
         opt = self._optimizer
         if opt is not None:
             opt._overlapped = False
+            opt._clip_coef = None  # (the lost iteration's clip)
             # A DeepSpeed loop's accumulation window begins again: the
             # micro-batches returned before went with the daemon.
             opt._micro_steps = 0
@@ -1599,13 +1603,14 @@ class _Engine:
     def _free(self, s):
         if self.tier is not None and self.tier.resident:
             return  # stays gathered until the tier lets its unit go (free_all)
-        if s.gathered:
-            if self.tier is not None and not s.off_slab:
-                self.tier.freeing(s)  # (raises with nothing changed)
-            self._storage_to_shard.pop(self._base(s.param.data), None)
-        s.off_slab = False
-        s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
-        s.gathered = False
+        with _Uninterrupted():  # (freed on both sides, or on neither)
+            if s.gathered:
+                if self.tier is not None and not s.off_slab:
+                    self.tier.freeing(s)  # (raises with nothing changed)
+                self._storage_to_shard.pop(self._base(s.param.data), None)
+            s.off_slab = False
+            s.param.data = torch.empty(0, dtype=s.dtype, device=s.device)
+            s.gathered = False
 
     def _shard_of(self, t):
         """The gathered parameter `t` is (a view of), or None."""
@@ -1618,9 +1623,12 @@ class _Engine:
         if self.tier is not None and self.tier.resident:
             self.tier.release_all()
             return
-        for s in self.shards:
-            if s.gathered:
-                self._free(s)
+        with _Uninterrupted():
+            for s in self.shards:
+                if s.gathered:
+                    self._free(s)
+            if self.tier is not None:
+                self.tier.release_unmarked()
 
     def delayed_update_on(self):
         """Whether the session's delayed update is on now, as the daemon
@@ -2619,8 +2627,6 @@ _CLOSED = ("this model's optimizer was closed: its parameters' values went with 
 _TORCH_SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
     "set_to_none"].default
 
-# The engines whose sessions close as the program exits, if open then (one
-# collected before closes its session in the binding's destructor).
 def _clip_norm_of(e, shards, what):
     """The squared 2-norm of the gradients returned to `e`'s daemon since
     the last step, and their non-finite elements (every rank's: a
@@ -2648,6 +2654,12 @@ def _clip_norm_of(e, shards, what):
         sq, bad = t.tolist()
     if opt._static_scale:
         sq /= opt._static_scale * opt._static_scale
+    if opt._clip_coef is not None and pending["micro_batches"] != opt._clip_micro_batches:
+        raise offloadd.FailedPreconditionError(
+            f"{what} again after another backward: offloadd clips the gradients the step "
+            "applies, all of them, by the norm measured at the last call; call it once after "
+            "the last micro-batch's backward, before step()")
+    opt._clip_micro_batches = pending["micro_batches"]
     return sq, bad
 
 
@@ -2663,7 +2675,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     torch's) and returned, and the next step scales the gradients by
     torch's factor, min(1, max_norm / (norm + 1e-6)) (a second call's on
     top of the first's, as torch's sees clipped gradients; zero_grad
-    forgets them). Others' .grad are scaled here, the norm taken over all.
+    forgets them). Called after the step's last backward (a backward after
+    it is refused at step(): its gradients were not in the norm). Others'
+    .grad are scaled here, the norm taken over all. A loop that bound
+    torch's function to a name before importing offloadd.torch calls
+    torch's (which clips nothing here).
     Only the 2-norm; the parameters given must hold every gradient the step
     applies. A non-finite norm skips the step (as an overflow) where torch
     would write NaN into the weights."""
@@ -2737,6 +2753,8 @@ def clip_grad_value_(parameters, clip_value, **kwargs):
 torch.nn.utils.clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 torch.nn.utils.clip_grad_value_ = torch.nn.utils.clip_grad.clip_grad_value_ = clip_grad_value_
 
+# The engines whose sessions close as the program exits, if open then (one
+# collected before closes its session in the binding's destructor).
 _OPEN_AT_EXIT = weakref.WeakSet()
 
 
@@ -3073,35 +3091,41 @@ class _GpuTier:
         for s in need:
             by_unit.setdefault(s.unit, []).append(s)
         for u, ss in by_unit.items():
-            rec = self.units[u]
-            if rec["offsets"] is None:
-                def use(rec=rec, u=u):
-                    with _Uninterrupted():  # (in use on both sides, or on neither)
-                        rec["offsets"] = self.tier.use(u, self.stream(), self.device)
-                e.with_room(f"the parameters of '{ss[0].name}' and its module's", use,
-                            self._relieve)
-                self.counts["units_used"] += 1
-            locals_ = []
-            for s in ss:
-                off = rec["offsets"][self.index[id(s)]]
-                locals_.append(self.slab[off:off + s.slice_numel * self.esize]
-                               .view(e.torch_working))
-            if e.world == 1:
-                fulls = [loc if loc.dtype == s.dtype else loc.to(s.dtype)
-                         for s, loc in zip(ss, locals_)]
+            with _Uninterrupted():  # (in use and its parameters marked, or neither)
+                self._gather_unit(u, ss, recompute)
+
+    def _gather_unit(self, u, ss, recompute):
+        """Unit `u` used (its copies issued) and its shards `ss` pointed at
+        its tensors (all-gathered across ranks)."""
+        e = self.e
+        rec = self.units[u]
+        if rec["offsets"] is None:
+            def use(rec=rec, u=u):
+                rec["offsets"] = self.tier.use(u, self.stream(), self.device)
+            e.with_room(f"the parameters of '{ss[0].name}' and its module's", use,
+                        self._relieve)
+            self.counts["units_used"] += 1
+        locals_ = []
+        for s in ss:
+            off = rec["offsets"][self.index[id(s)]]
+            locals_.append(self.slab[off:off + s.slice_numel * self.esize]
+                           .view(e.torch_working))
+        if e.world == 1:
+            fulls = [loc if loc.dtype == s.dtype else loc.to(s.dtype)
+                     for s, loc in zip(ss, locals_)]
+        else:
+            fulls = [full.to(s.dtype) for s, full in zip(ss, e.all_gather(ss, locals_))]
+        for s, full in zip(ss, fulls):
+            if recompute and self._in_slab(full.data_ptr()):
+                full = full.clone()
+            s.param.data = full[: s.numel].view(s.shape)
+            s.gathered = True
+            rec["gathered"] += 1
+            if self._in_slab(full.data_ptr()):
+                self.at[s.param.data.data_ptr()] = s
+                self._starts = None
             else:
-                fulls = [full.to(s.dtype) for s, full in zip(ss, e.all_gather(ss, locals_))]
-            for s, full in zip(ss, fulls):
-                if recompute and self._in_slab(full.data_ptr()):
-                    full = full.clone()
-                s.param.data = full[: s.numel].view(s.shape)
-                s.gathered = True
-                rec["gathered"] += 1
-                if self._in_slab(full.data_ptr()):
-                    self.at[s.param.data.data_ptr()] = s
-                    self._starts = None
-                else:
-                    e._storage_to_shard[e._base(s.param.data)] = s
+                e._storage_to_shard[e._base(s.param.data)] = s
 
     def gather_resident(self, need):
         """Resident mode: the units of `need` used (values copied where a
@@ -3155,6 +3179,17 @@ class _GpuTier:
                 for s in self.unit_shards[u]:
                     s.gathered = False
 
+    def release_unmarked(self):
+        """Units in use none of whose parameters is marked gathered (an
+        exception between a use and its marking: an all-gather that
+        failed) let go: nothing else would, and their room stayed taken."""
+        if self.resident:
+            return
+        for u, rec in enumerate(self.units):
+            if rec["offsets"] is not None and rec["gathered"] == 0:
+                self.tier.done(u, self.stream(), self.device)
+                rec["offsets"] = None
+
     def _in_slab(self, ptr):
         return self.slab_base <= ptr < self.slab_base + self.slab.numel()
 
@@ -3164,10 +3199,9 @@ class _GpuTier:
         rec = self.units[s.unit]
         if rec["gathered"] == 1 and rec["offsets"] is not None:
             # (Raises with nothing changed: the unit still in use here as in
-            # the tier, `s` still gathered.)
-            with _Uninterrupted():
-                self.tier.done(s.unit, self.stream(), self.device)
-                rec["offsets"] = None
+            # the tier, `s` still gathered. A Ctrl-C waits for _free's end.)
+            self.tier.done(s.unit, self.stream(), self.device)
+            rec["offsets"] = None
         rec["gathered"] -= 1
         if self.at.pop(s.param.data.data_ptr(), None) is not None:
             self._starts = None
@@ -3365,7 +3399,8 @@ def _tensors_in(args):
 
 def _accumulates(node):
     """Whether autograd node `node` accumulates a leaf's gradient (a
-    parameter's .grad): it has a .variable, and no next nodes."""
+    parameter's .grad): torch's AccumulateGrad, the only node with a
+    .variable."""
     return hasattr(node, "variable")
 
 
@@ -3418,8 +3453,10 @@ class Optimizer(torch.optim.Optimizer):
         self._static_scale = config["static_loss_scale"]
         # What torch.nn.utils.clip_grad_norm_, called since the last step,
         # scaled the gradients by (each call's factor, multiplied): the next
-        # step's, in place of gradient_clipping's.
+        # step's, before gradient_clipping's; and the micro-batches pending
+        # when it measured them (a backward after it is refused at step()).
         self._clip_coef = None
+        self._clip_micro_batches = 0
         self._overlapped = False  # an overlapped step may still run
         # The outcome of the last overlapped step that ended (its times),
         # as step() found it; last_step is the one it started.
@@ -3632,9 +3669,16 @@ class Optimizer(torch.optim.Optimizer):
         overflow = nonfinite > 0 or not math.isfinite(sq_norm)
         coef = 1.0
         clip = self._config["gradient_clipping"]
-        if self._clip_coef is not None:
-            if not overflow:
-                coef = self._clip_coef  # (the norm it was measured with may hold others')
+        if self._clip_coef is not None and not overflow:
+            if pending["micro_batches"] != self._clip_micro_batches:
+                raise offloadd.FailedPreconditionError(
+                    "clip_grad_norm_ was called before this step's last backward: offloadd "
+                    "clips the gradients the step applies, all of them, by the norm measured "
+                    "then; call it after the last micro-batch's backward, before step() "
+                    "(nothing was stepped: zero_grad() drops this step's gradients)")
+            coef = self._clip_coef  # (the norm it was measured with may hold others')
+            if clip:  # gradient_clipping after it, as a second clip would
+                coef *= min(1.0, clip / (math.sqrt(sq_norm) * coef + 1e-6))
         elif clip and not overflow:
             coef = min(1.0, clip / (math.sqrt(sq_norm) + 1e-6))
         if self._static_scale:
@@ -3651,9 +3695,11 @@ class Optimizer(torch.optim.Optimizer):
         with _Uninterrupted():
             # A step the pool has no room for (the other ranks hold theirs)
             # stops where it was and resumes at the next call.
+            # (half_done: a step stopped for room is partly applied, and
+            # resumes at the next call: a Ctrl-C waits for its end.)
             r = e.with_room("the optimizer step's state chunks", lambda: e.session.step(
                 grad_scale=coef, overflow=overflow, overlap=self._overlap, groups=groups,
-                auto_checkpoint=auto_checkpoint, **first))
+                auto_checkpoint=auto_checkpoint, **first), half_done=True)
             self._stepped()
             self._clip_coef = None
             if e.tier is not None and not r["skipped"]:
@@ -4071,10 +4117,13 @@ class GatheredParameters:
             resized = [f"'{e.by_param[id(p)].name}' {tuple(p.data.shape)} (its shape "
                        f"{tuple(e.by_param[id(p)].shape)})" for p in self._params
                        if id(p) in e.by_param and p.data.shape != e.by_param[id(p)].shape]
-            if (exc[0] is None and self._modifier is not None and
-                    not e.all_ranks_ok(not resized, "agreement on a GatheredParameters' shapes")):
-                refused += resized or ["another rank's"]
-                exc = (offloadd.InvalidArgumentError,)
+            # (Every rank asks, one whose body raised too: all drop the
+            # changes together.)
+            if self._modifier is not None and not e.all_ranks_ok(
+                    exc[0] is None and not resized, "agreement on a GatheredParameters' values"):
+                if exc[0] is None:
+                    refused += resized or ["a parameter on another rank (or its block raised there)"]
+                    exc = (offloadd.InvalidArgumentError,)
             if exc[0] is not None or self._modifier is None:
                 # Nothing written: what the context changed is dropped.
                 e._load_versions = {s.pid: s.param._version for s in e.shards
