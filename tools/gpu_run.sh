@@ -79,7 +79,9 @@ for stage in "$@"; do
         WrapInProcessTest.test_reentrant_checkpointing_of_a_block_that_saves_its_weight \
         WrapInProcessTest.test_a_module_returning_a_view_of_its_parameter_under_a_small_budget \
         WrapInProcessTest.test_a_cap_on_live_parameters_at_the_least_budget \
-        WrapInProcessTest.test_frozen_parameters_of_a_recomputed_block_go_after_its_backward ;;
+        WrapInProcessTest.test_frozen_parameters_of_a_recomputed_block_go_after_its_backward \
+        WrapInProcessTest.test_an_encoder_decoder_transformer_trains_at_the_least_budget \
+        WrapInProcessTest.test_an_embedding_called_twice_trains_at_every_budget_wrap_takes ;;
     alltests) timeout 500 python3 tests/torch_wrap_test.py ;;
     tokens) timeout 300 python3 benches/torch_tokens.py --offloadd=daemon/offloadd --device=cuda ;;
     tokens_profile)
