@@ -817,17 +817,23 @@ absl::Status PartitionStore::NotReadyLocked() const {
                                          ring::kNotReadyWords, ": nothing held)"));
 }
 
-absl::Status PartitionStore::RefuseGradsNotReady(absl::Span<const uint64_t> ids) {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<std::vector<PartitionStore::Partition*>> PartitionStore::WantedLocked(
+    absl::Span<const uint64_t> ids) const {
   std::vector<Partition*> wanted;
   if (ids.empty()) {
     for (const auto& [id, p] : partitions_) wanted.push_back(p.get());
   } else {
     for (uint64_t id : ids) {
-      auto it = partitions_.find(id);
-      if (it != partitions_.end()) wanted.push_back(it->second.get());  // (Fetch says which not)
+      ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
+      wanted.push_back(p);
     }
   }
+  return wanted;
+}
+
+absl::Status PartitionStore::RefuseGradsNotReady(absl::Span<const uint64_t> ids) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(std::vector<Partition*> wanted, WantedLocked(ids));
   return GradsBusyLocked(wanted) ? NotReadyLocked() : absl::OkStatus();
 }
 
@@ -836,26 +842,17 @@ absl::StatusOr<std::vector<PartitionInfo>> PartitionStore::Fetch(absl::Span<cons
   std::vector<Partition*> wanted;
   {
     absl::MutexLock lock(&mu_);
-    if (ids.empty()) {
-      for (const auto& [id, p] : partitions_) wanted.push_back(p.get());
-    } else {
-      for (uint64_t id : ids) {
-        ASSIGN_OR_RETURN(Partition * p, FindOrNotFound(id));
-        wanted.push_back(p);
-      }
-    }
+    ASSIGN_OR_RETURN(wanted, WantedLocked(ids));
     if (mode.grads) {
       // A gradient buffer handed over is the daemon's until the step has
       // read it: the trainer gets it back once it is measured and its
       // partition's update is done.
-      auto busy = [this, &wanted]()
-                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return GradsBusyLocked(wanted); };
-      if (mode.if_ready && busy()) return NotReadyLocked();
-      if (busy()) {
+      if (mode.if_ready && GradsBusyLocked(wanted)) return NotReadyLocked();
+      if (GradsBusyLocked(wanted)) {
         stats_->waits_for_step.fetch_add(1, std::memory_order_relaxed);
         do {
           step_ended_.Wait(&mu_);
-        } while (busy());
+        } while (GradsBusyLocked(wanted));
       }
       // (StepRunner::Reclaim takes buffers back before a fetch; this is a
       // return with hand_over that raced with it.)

@@ -453,14 +453,18 @@ class PartitionStore {
   static int ParamsKind(const Partition& p, bool next);
   // The block kind a step item's gradients are read from.
   static int GradsKind(const StepItem& item);
-  // FAILED_PRECONDITION if one of `wanted` has its gradient buffer handed
-  // over (a fetch with grads that raced with a return).
+  // The partitions `ids` names (empty: every one, in registration order);
+  // NOT_FOUND naming one that is not the session's.
+  absl::StatusOr<std::vector<Partition*>> WantedLocked(absl::Span<const uint64_t> ids) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A gradient buffer of `wanted` handed over and not yet read by its step
   // (being measured, or in a step).
   bool GradsBusyLocked(absl::Span<Partition* const> wanted) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The if_ready fetch's refusal (counted).
   absl::Status NotReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION if one of `wanted` has its gradient buffer handed
+  // over (a fetch with grads that raced with a return).
   absl::Status RefuseHandedOverLocked(absl::Span<Partition* const> wanted) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A partition's step is over: its gradients are consumed, and, if the

@@ -175,6 +175,17 @@ class DaemonTest : public ::testing::Test {
 
   int64_t Counter(const std::string& name) { return CounterOf(*client_, name); }
 
+  // A second client of the daemon whose calls all go through gRPC (no
+  // request ring), for tests of both ways; null (a failure recorded) if it
+  // does not connect.
+  std::unique_ptr<Client> GrpcOnlyClient() {
+    ClientOptions no_ring{daemon_->address()};
+    no_ring.request_ring = false;
+    auto c = Client::Connect(no_ring);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<Client> client_;
 };
@@ -421,13 +432,10 @@ TEST_F(DaemonTest, MomentsTravelInSeveralCallsAndComeBackAsWritten) {
 // the trainer's statistics (HandOverGradients; made up here, to show that
 // they are what GetPendingGradients adds up), the same.
 TEST_F(DaemonTest, HandedOverGradientsTrainLikeReturnedOnesOverRingAndGrpc) {
-  ClientOptions no_ring{daemon_->address()};
-  no_ring.request_ring = false;
-  auto grpc_client = Client::Connect(no_ring);
-  ASSERT_TRUE(grpc_client.ok()) << grpc_client.status();
-  int round = 0;
-  for (Client* c : {client_.get(), grpc_client->get()}) {
-    const std::string via = round++ == 0 ? "ring" : "grpc";
+  std::unique_ptr<Client> grpc_client = GrpcOnlyClient();
+  ASSERT_NE(grpc_client, nullptr);
+  for (const auto& [c, via] : {std::pair<Client*, std::string>{client_.get(), "ring"},
+                               std::pair<Client*, std::string>{grpc_client.get(), "grpc"}}) {
     auto handed = c->OpenSession("handed-" + via), kept = c->OpenSession("kept-" + via),
          given = c->OpenSession("given-" + via);
     ASSERT_TRUE(handed.ok() && kept.ok() && given.ok());
@@ -935,13 +943,10 @@ TEST_F(DaemonTest, WithTheDelayedUpdateTheFirstBatchHoldsEveryBufferOnceTheStepH
 // gRPC. (The step may win the race in a round: five rounds, one refusal
 // each way needed.)
 TEST_F(DaemonTest, AFetchAskedIfReadyIsRefusedAtOnceWhileTheStepReadsTheBuffers) {
-  ClientOptions no_ring{daemon_->address()};
-  no_ring.request_ring = false;
-  auto grpc_client = Client::Connect(no_ring);
-  ASSERT_TRUE(grpc_client.ok()) << grpc_client.status();
-  int round = 0;
-  for (Client* c : {client_.get(), grpc_client->get()}) {
-    const std::string via = round++ == 0 ? "ring" : "grpc";
+  std::unique_ptr<Client> grpc_client = GrpcOnlyClient();
+  ASSERT_NE(grpc_client, nullptr);
+  for (const auto& [c, via] : {std::pair<Client*, std::string>{client_.get(), "ring"},
+                               std::pair<Client*, std::string>{grpc_client.get(), "grpc"}}) {
     auto opened = c->OpenSession("if-ready-" + via);
     ASSERT_TRUE(opened.ok()) << opened.status();
     Session* s = opened->get();
