@@ -2645,15 +2645,7 @@ def _clip_norm_of(e, shards, what):
             "gradient its step applies; pass them all (model.parameters()), or set zero_config's "
             "gradient_clipping")
     e.flush_gradients()  # (backward's end did; a forward's returns in flight too)
-    pending = e.session.pending_gradients()
-    sq, bad = float(pending["sq_norm"]), float(pending["nonfinite"])
-    if e.world > 1:
-        t = torch.tensor([sq, bad], dtype=torch.float64)
-        e._collective(f"all-reduce of the gradient norm for {what}",
-                      lambda: dist.all_reduce(t, group=e.group))
-        sq, bad = t.tolist()
-    if opt._static_scale:
-        sq /= opt._static_scale * opt._static_scale
+    sq, bad, _, _, pending = opt._pending_everywhere(f"all-reduce of the gradient norm for {what}")
     if opt._clip_coef is not None and pending["micro_batches"] != opt._clip_micro_batches:
         raise offloadd.FailedPreconditionError(
             f"{what} again after another backward: offloadd clips the gradients the step "
@@ -3646,26 +3638,13 @@ class Optimizer(torch.optim.Optimizer):
             e.returned_since_step = True
             for s in batch:
                 s.grad_since_step = True
-        pending = e.session.pending_gradients()
-        sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
-        partitions = float(pending["partitions"])
-        auto_checkpoint = None  # one rank: offloadd's clock decides
-        if e.world > 1:
-            # The automatic checkpoint too: taken at this step on every rank
-            # if it is due on any (each daemon's clock alone put the ranks'
-            # checkpoints steps apart, with no step all of them held).
-            t = torch.tensor([sq_norm, nonfinite, partitions,
-                              float(pending.get("auto_checkpoint_due", False))],
-                             dtype=torch.float64)
-            e._collective("all-reduce of the gradient norm", lambda: dist.all_reduce(t, group=e.group))
-            sq_norm, nonfinite, partitions, due = t.tolist()
-            auto_checkpoint = due > 0
+        sq_norm, nonfinite, partitions, due, pending = self._pending_everywhere(
+            "all-reduce of the gradient norm")
+        auto_checkpoint = due if e.world > 1 else None  # (one rank: offloadd's clock decides)
         if not partitions:  # no gradients anywhere: nothing to do, as in torch
             self._stepped()
             e.timings["step"] += time.perf_counter() - start
             return
-        if self._static_scale:
-            sq_norm /= self._static_scale * self._static_scale
         overflow = nonfinite > 0 or not math.isfinite(sq_norm)
         coef = 1.0
         clip = self._config["gradient_clipping"]
@@ -3731,6 +3710,28 @@ class Optimizer(torch.optim.Optimizer):
         self.last_step = dict(r, grad_norm=math.sqrt(sq_norm) if not overflow else math.inf,
                               clip_coef=coef)
         e.timings["step"] += time.perf_counter() - start
+
+    def _pending_everywhere(self, what):
+        """The gradients returned since the last step as the step takes
+        them: every rank's (a collective with several ranks: each asks),
+        unscaled by a static loss scale. (squared norm, non-finite elements,
+        partitions with gradients, an automatic checkpoint due on some
+        rank, this daemon's own answer)."""
+        e = self._engine
+        pending = e.session.pending_gradients()
+        sq_norm, nonfinite = pending["sq_norm"], float(pending["nonfinite"])
+        partitions = float(pending["partitions"])
+        due = float(pending.get("auto_checkpoint_due", False))
+        if e.world > 1:
+            # The automatic checkpoint too: taken at this step on every rank
+            # if it is due on any (each daemon's clock alone put the ranks'
+            # checkpoints steps apart, with no step all of them held).
+            t = torch.tensor([sq_norm, nonfinite, partitions, due], dtype=torch.float64)
+            e._collective(what, lambda: dist.all_reduce(t, group=e.group))
+            sq_norm, nonfinite, partitions, due = t.tolist()
+        if self._static_scale:
+            sq_norm /= self._static_scale * self._static_scale
+        return sq_norm, nonfinite, partitions, due > 0, pending
 
     def _stepped(self):
         """A step took what came since the last: the next starts afresh."""
