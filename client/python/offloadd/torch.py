@@ -1603,7 +1603,10 @@ class _Engine:
     def _free(self, s):
         if self.tier is not None and self.tier.resident:
             return  # stays gathered until the tier lets its unit go (free_all)
-        with _Uninterrupted():  # (freed on both sides, or on neither)
+        # (On the GPU tier, freed on both sides or on neither, whatever a
+        # Ctrl-C does; without it, nothing to hold a Ctrl-C for: a free a
+        # parameter, twice an iteration, on the host's hot path.)
+        with _Uninterrupted() if self.tier is not None else contextlib.nullcontext():
             if s.gathered:
                 if self.tier is not None and not s.off_slab:
                     self.tier.freeing(s)  # (raises with nothing changed)
@@ -2317,9 +2320,9 @@ class _Engine:
         A module whose walk goes through more than MAX_WATCHED_NODES nodes,
         or some of whose nodes do not run in a backward (an output the loss
         does not reach), keeps its parameters until its gradient is in, as
-        before. (A parameter
-        read off the path from the inputs to the outputs is gathered again
-        by the node that reads it, as any saved parameter.)"""
+        before. (A parameter read off the path from the inputs to the
+        outputs is gathered again by the node that reads it, as any saved
+        parameter.)"""
         found, seen, walked = [], set(), self._walked
 
         def before(node):
@@ -2627,6 +2630,24 @@ _CLOSED = ("this model's optimizer was closed: its parameters' values went with 
 _TORCH_SET_TO_NONE = inspect.signature(torch.optim.Optimizer.zero_grad).parameters[
     "set_to_none"].default
 
+def _by_engine(params):
+    """`params` by the open wrapped models that hold them: {engine: its
+    shards of them, each once, in the order given} (engines in the order
+    first named), and the tensors none holds, in order."""
+    engines = [e for e in list(_OPEN_AT_EXIT) if not e.closed]
+    held, rest, seen = {}, [], set()
+    for p in params:
+        e = next((e for e in engines if id(p) in e.by_param), None)
+        if e is None:
+            rest.append(p)
+            continue
+        s = e.by_param[id(p)]
+        if id(s) not in seen:
+            seen.add(id(s))
+            held.setdefault(e, []).append(s)
+    return held, rest
+
+
 def _clip_norm_of(e, shards, what):
     """The squared 2-norm of the gradients returned to `e`'s daemon since
     the last step, and their non-finite elements (every rank's: a
@@ -2678,15 +2699,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    mine, rest = {}, []
-    engines = [e for e in list(_OPEN_AT_EXIT) if not e.closed]
-    for p in parameters:
-        e = next((e for e in engines if id(p) in e.by_param), None) \
-            if getattr(p, "_offloadd_shard", None) is not None else None
-        if e is None:
-            rest.append(p)
-        else:
-            mine.setdefault(e, []).append(e.by_param[id(p)])
+    mine, rest = _by_engine(parameters)
     if not mine:
         return _torch_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite,
                                      **kwargs)
@@ -4083,11 +4096,10 @@ class GatheredParameters:
         if not self._enabled:
             return self
         # Each engine once, in the order of the parameters named (the same
-        # on every rank: their gathers are collectives).
-        for p in self._params:
-            for e in list(_OPEN_AT_EXIT):
-                if not e.closed and id(p) in e.by_param and e not in self._engines:
-                    self._engines.append(e)
+        # on every rank: their gathers are collectives), its named ones in
+        # that order.
+        named, _ = _by_engine(self._params)
+        self._engines = list(named)
         for e in self._engines:
             if e._forward_depth > 0 or getattr(e, "_loading", False):
                 self._engines = []
@@ -4095,14 +4107,7 @@ class GatheredParameters:
                     "GatheredParameters inside a forward of the wrapped model, or inside "
                     "another GatheredParameters or load: use it between iterations")
         for e in self._engines:
-            # Each engine's named ones, in the order named (a collective).
-            named, seen = [], set()
-            for p in self._params:
-                s = e.by_param.get(id(p))
-                if s is not None and s.pid not in seen:
-                    seen.add(s.pid)
-                    named.append(s)
-            e.gather_for_load(named)
+            e.gather_for_load(named[e])
         return self
 
     def __exit__(self, *exc):
